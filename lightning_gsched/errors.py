@@ -1,0 +1,39 @@
+"""Error types shared by every layer.
+
+Every user-facing failure is a subclass of :class:`GschedError` so that callers can catch the
+library's errors as one family, and each message names the problem *and* the fix. This module
+is pure Python: the torch-free ``schedule`` layer imports it.
+"""
+
+from __future__ import annotations
+
+
+class GschedError(Exception):
+    """Base class of every error raised on purpose by lightning_gsched."""
+
+
+class ScheduleConfigError(GschedError, ValueError):
+    """Workers, stages, microbatches, R, costs or an order name do not fit together."""
+
+
+class UnknownScheduleError(ScheduleConfigError, KeyError):
+    """A schedule name that is not in the library."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class PlacementError(GschedError, ValueError):
+    """A placement w(s, b, d) returned workers out of range or split F and B of one job."""
+
+
+class CapTooSmallError(GschedError, RuntimeError):
+    """An activation cap so small that no worker can make progress (would loop forever)."""
+
+
+class ProgramError(GschedError, RuntimeError):
+    """Lowered programs are inconsistent: unmatched send/recv or a possible deadlock."""
+
+
+class PartitionError(GschedError, RuntimeError):
+    """The model cannot be traced or cut as asked."""
