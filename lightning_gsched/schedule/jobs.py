@@ -1,0 +1,105 @@
+"""Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase).
+
+A job is one unit of work: forward (F) or backward (B) of one stage on one microbatch. The
+dependencies are not hard-coded as a chain; they are derived from a :class:`StageGraph`, so a
+DAG of stages (several encoder legs feeding a decoder) fits the same scheduler later. The
+weight-gradient phase W (zero-bubble schedules) is reserved in :class:`Phase` but not produced.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Iterable, Iterator, NamedTuple, Sequence
+
+from lightning_gsched.errors import ScheduleConfigError
+
+
+class Phase(str, Enum):
+    """Phase of a job. ``str`` mix-in keeps text forms and JSON output short ("F", "B")."""
+
+    F = "F"
+    B = "B"
+    W = "W"  # weight-gradient half of B; reserved for a zero-bubble issue, never scheduled yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Job(NamedTuple):
+    """(stage, micro, phase). A NamedTuple: hashable, ordered and cheap for 10^5 jobs."""
+
+    stage: int
+    micro: int
+    phase: Phase
+
+    def __str__(self) -> str:
+        return f"{self.phase.value} s{self.stage} b{self.micro}"
+
+
+class StageGraph:
+    """Which stages feed which. Default: the chain 0 -> 1 -> ... -> S-1.
+
+    ``edges`` are (producer, consumer) pairs; stages must be numbered in a topological order
+    (producer < consumer), which is how the partitioner numbers them. Sinks (stages without
+    consumers) are where the loss is computed, so their backward starts from their own forward.
+    """
+
+    def __init__(self, num_stages: int, edges: Iterable[tuple[int, int]] | None = None) -> None:
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ScheduleConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
+        self.num_stages = num_stages
+        chain = edges is None
+        if edges is None:
+            edges = [(s, s + 1) for s in range(num_stages - 1)]
+        self._inputs: list[list[int]] = [[] for _ in range(num_stages)]
+        self._outputs: list[list[int]] = [[] for _ in range(num_stages)]
+        for u, v in edges:
+            if not (0 <= u < v < num_stages):
+                raise ScheduleConfigError(
+                    f"stage edge ({u}, {v}) is invalid: edges must satisfy 0 <= producer < "
+                    f"consumer < {num_stages} (number stages in topological order)"
+                )
+            self._inputs[v].append(u)
+            self._outputs[u].append(v)
+        self.is_chain = chain or all(
+            self._outputs[s] == [s + 1] for s in range(num_stages - 1)
+        ) and sum(map(len, self._outputs)) == num_stages - 1
+
+    def inputs(self, stage: int) -> Sequence[int]:
+        """Stages whose outputs ``stage`` consumes."""
+        return self._inputs[stage]
+
+    def outputs(self, stage: int) -> Sequence[int]:
+        """Stages that consume the output of ``stage``."""
+        return self._outputs[stage]
+
+    def pred(self, job: Job) -> list[Job]:
+        """Jobs that must finish before ``job`` may start (the seed's pred)."""
+        s, b, d = job
+        if d is Phase.F:
+            return [Job(p, b, Phase.F) for p in self._inputs[s]]
+        if d is Phase.B:
+            consumers = self._outputs[s]
+            if not consumers:
+                return [Job(s, b, Phase.F)]
+            return [Job(c, b, Phase.B) for c in consumers]
+        raise ScheduleConfigError(f"phase {d} is not scheduled yet")
+
+    def succ(self, job: Job) -> list[Job]:
+        """Inverse of :meth:`pred`; the seed's succ."""
+        s, b, d = job
+        if d is Phase.F:
+            if not self._outputs[s]:
+                return [Job(s, b, Phase.B)]
+            return [Job(c, b, Phase.F) for c in self._outputs[s]]
+        if d is Phase.B:
+            return [Job(p, b, Phase.B) for p in self._inputs[s]]
+        raise ScheduleConfigError(f"phase {d} is not scheduled yet")
+
+
+def all_jobs(num_stages: int, num_micro: int) -> Iterator[Job]:
+    """Every F and B job, stage-major."""
+    for s in range(num_stages):
+        for b in range(num_micro):
+            yield Job(s, b, Phase.F)
+            yield Job(s, b, Phase.B)

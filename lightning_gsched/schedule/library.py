@@ -1,0 +1,123 @@
+"""Named schedules: what ``gsched plan NAME`` and ``GeneralParallel(NAME)`` accept.
+
+Each entry is a placement factory, a default order, a default activation cap and defaults for
+S (stages), B (microbatches) and R (workers per looped group) as functions of W (workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from lightning_gsched.errors import ScheduleConfigError, UnknownScheduleError
+from lightning_gsched.schedule.orders import CapSpec, one_f_one_b_caps
+from lightning_gsched.schedule.placements import DDP, FSDP, FSLPP, LPP, FSLPPSeed, GPipe
+
+
+def _even_r(workers: int) -> int:
+    """Default R for the looped family: groups of two when W is even, else one group."""
+    return 2 if workers % 2 == 0 else workers
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    trade_off: str
+    make_placement: Callable[[int, int, int], object]  # (W, S, R) -> placement with .check
+    order: str
+    cap: Callable[[int], CapSpec]  # W -> default cap
+    stages: Callable[[int, int], int]  # (W, R) -> default S
+    micro: Callable[[int, int], int]  # (W, R) -> default B
+    default_R: Callable[[int], int] | None = None  # None: R is not a parameter of this schedule
+    defaults_doc: str = ""
+
+
+LIBRARY: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in [
+        ScheduleSpec(
+            "ddp", "no transfers except one all-reduce, but every worker holds all weights and "
+            "all activations of its microbatches",
+            lambda W, S, R: DDP(W), "bfs", lambda W: None,
+            stages=lambda W, R: 1, micro=lambda W, R: W, defaults_doc="S=1, B=W",
+        ),
+        ScheduleSpec(
+            "fsdp", "DDP's latency with one stage per worker at rest; pays a weight fetch for "
+            "every non-owned stage in forward and again in backward",
+            lambda W, S, R: FSDP(W), "bfs", lambda W: None,
+            stages=lambda W, R: W, micro=lambda W, R: W, defaults_doc="S=W, B=W",
+        ),
+        ScheduleSpec(
+            "gpipe", "weights never move, only activations between neighbours; bubble "
+            "(W-1)/(B+W-1) and each worker stashes all B microbatches",
+            lambda W, S, R: GPipe(W, S), "bfs", lambda W: None,
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W, defaults_doc="S=W, B=2W",
+        ),
+        ScheduleSpec(
+            "1f1b", "GPipe's placement and latency, but backward-first with a cap: worker r "
+            "stashes at most W-r microbatches instead of B",
+            lambda W, S, R: GPipe(W, S), "1f1b", one_f_one_b_caps,
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W, defaults_doc="S=W, B=2W, cap=W-r",
+        ),
+        ScheduleSpec(
+            "lpp", "looped pipeline: G=W/R replicas of an R-deep loop; smaller bubble than GPipe, "
+            "weights replicated G times (all-reduce among replicas)",
+            lambda W, S, R: LPP(W, R), "bfs", lambda W: None,
+            stages=lambda W, R: 2 * R, micro=lambda W, R: 2 * W, default_R=_even_r,
+            defaults_doc="R=2 (W even) else W, S=2R, B=2W",
+        ),
+        ScheduleSpec(
+            "interleaved", "one loop over all W workers with S=2W stages in Megatron's interleaved "
+            "1F1B order: GPipe's bubble divided by S/W, twice the activation messages",
+            lambda W, S, R: LPP(W, W), "interleaved", lambda W: "auto",
+            stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, default_R=lambda W: W,
+            defaults_doc="R=W, S=2W, B=2W, order=interleaved, cap=auto",
+        ),
+        ScheduleSpec(
+            "fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per worker): "
+            "weights fetched within groups instead of replicated",
+            lambda W, S, R: FSLPP(W, R), "bfs", lambda W: None,
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
+            defaults_doc="R=2 (W even) else W, S=W, B=2W",
+        ),
+        ScheduleSpec(
+            "fslpp-seed", "the seed's literal owner map h(s,s): same traffic pattern as fslpp but "
+            "ownership concentrated on a few workers",
+            lambda W, S, R: FSLPPSeed(W, R), "bfs", lambda W: None,
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
+            defaults_doc="R=2 (W even) else W, S=W, B=2W",
+        ),
+    ]
+}
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    try:
+        return LIBRARY[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(str(name), LIBRARY, n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownScheduleError(
+            f"unknown schedule {name!r}{hint} Known schedules: {', '.join(LIBRARY)}; or pass "
+            "placement= and priority= callables for a custom schedule"
+        ) from None
+
+
+def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
+    if spec.default_R is None:
+        if R not in (None, 1) and spec.name not in ("ddp",):
+            raise ScheduleConfigError(
+                f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
+                "interleaved, fslpp, fslpp-seed); drop R"
+            )
+        return None
+    if R is None:
+        return spec.default_R(workers)
+    if spec.name == "interleaved" and R != workers:
+        raise ScheduleConfigError(
+            f"interleaved is lpp with a single group (R=W={workers}); got R={R}. Use schedule "
+            "'lpp' for several groups"
+        )
+    return R

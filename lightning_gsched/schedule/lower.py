@@ -1,0 +1,209 @@
+"""Lower a timeline to one program per rank.
+
+Each worker's compute jobs keep their simulated order. Between two computes ("gaps") the lowering
+inserts communication and weight residency:
+
+- outputs: ``SEND_ACT`` right after a forward whose consumer runs elsewhere, ``SEND_GRAD`` right
+  after a backward whose producer runs elsewhere;
+- inputs: ``RECV_ACT``/``RECV_GRAD`` posted one compute early (before the previous compute), so
+  the transfer overlaps that compute (the seed's prefetch thread);
+- weights: a worker that does not own stage s fetches it once per *run* of consecutive jobs of s
+  (``FETCH_W`` one compute early, ``FREE_W`` right after the run). A run that contains backwards
+  ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of holding
+  gradients of weights it no longer has;
+- owners: ``SEND_W`` and ``RECV_G`` go into the owner's program at the point matching the
+  simulated time the peer needs them; replicas (several owners) get ``ALLREDUCE_G`` right after
+  their last backward of the stage, so reduction overlaps the rest of the backward pass.
+
+Finally every channel is made FIFO-consistent: receives are posted in the order the peer sends,
+moving a post earlier when needed (never later), so that backends without message tags (NCCL)
+can run the same programs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.program import (
+    CHANNEL_OF,
+    RECV_FOR_SEND,
+    RECV_OPS,
+    SEND_OPS,
+    Action,
+    Op,
+    Programs,
+)
+from lightning_gsched.schedule.simulate import Timeline
+
+# Order of actions inside one gap: hand data to peers first, release memory, serve owners'
+# duties, then post the prefetches for the next computes.
+_CATEGORY = {
+    Op.SEND_ACT: 0, Op.SEND_GRAD: 0, Op.REDUCE_G: 1, Op.FREE_W: 2, Op.SEND_W: 3, Op.RECV_G: 4,
+    Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
+}
+
+_Key = tuple  # (gap, category, time, serial); compute g is keyed (g, 99), after gap g's actions
+_COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B}
+
+
+class _Builder:
+    """Collects actions per (rank, gap) with sort keys, then flattens them into programs."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.slots = timeline.by_worker
+        self.starts = [[slot.start for slot in slots] for slots in self.slots]
+        self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in self.slots]
+        self.serial = 0
+
+    def put(self, rank: int, gap: int, time: float, action: Action) -> None:
+        self.serial += 1
+        self.entries[rank].append(((gap, _CATEGORY[action[0]], time, self.serial), action))
+
+    def gap_at(self, rank: int, time: float) -> int:
+        """Gap before the first compute on ``rank`` that starts at or after ``time``."""
+        return bisect.bisect_left(self.starts[rank], time)
+
+    def make_fifo(self) -> None:
+        """Post receives in each channel's send order by moving posts earlier where needed.
+
+        The k-th send of a message identity on a channel matches the k-th receive of that
+        identity (weights of one stage may be fetched several times). Walking the sends from last
+        to first, each matched receive takes the smaller of its own key and the key of the
+        receive after it, so posts only ever move earlier.
+        """
+        sends: dict[tuple, list[tuple]] = defaultdict(list)
+        recvs: dict[tuple, dict[tuple, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+        for rank, entries in enumerate(self.entries):
+            for index, (key, action) in enumerate(entries):
+                if action.op in SEND_OPS:
+                    ident = (action.stage, action.micro, RECV_FOR_SEND[action.op])
+                    sends[(CHANNEL_OF[action.op], rank, action.peer)].append((key, ident))
+                elif action.op in RECV_OPS:
+                    ident = (action.stage, action.micro, action.op)
+                    recvs[(CHANNEL_OF[action.op], action.peer, rank)][ident].append((key, index))
+        for (channel, src, dst), sent in sends.items():
+            sent.sort()
+            waiting = recvs[(channel, src, dst)]
+            for queue in waiting.values():
+                queue.sort(reverse=True)  # pop() yields the earliest post first
+            matched = [waiting[ident].pop()[1] if waiting[ident] else None for _, ident in sent]
+            running: _Key | None = None
+            for position in reversed(range(len(matched))):
+                index = matched[position]
+                if index is None:
+                    continue  # left unmatched on purpose: the dry run reports it
+                key, recv = self.entries[dst][index]
+                key = key[:4] if running is None or key[:4] <= running else running
+                running = key
+                self.entries[dst][index] = ((*key, position), recv)
+
+    def programs(self) -> list[list[Action]]:
+        """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
+        out = []
+        for rank, entries in enumerate(self.entries):
+            keyed = [((i, 99), Action(_COMPUTE_OP[s.job.phase], s.job.stage, s.job.micro))
+                     for i, s in enumerate(self.slots[rank])]
+            keyed.extend(entries)
+            keyed.sort(key=lambda item: item[0])
+            out.append([action for _, action in keyed])
+        return out
+
+
+def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline) -> Programs:
+    """Turn a simulated timeline into per-rank programs (see the module docstring)."""
+    build = _Builder(timeline)
+    index: dict[Job, int] = {}
+    for slots in timeline.by_worker:
+        for i, slot in enumerate(slots):
+            index[slot.job] = i
+
+    _lower_data_flow(graph, table, timeline, build, index)
+    reduce_gaps = _lower_weights(table, timeline, build)
+    _lower_allreduce(table, timeline, build, reduce_gaps)
+    build.make_fifo()
+    edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
+    return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges)
+
+
+def _lower_data_flow(
+    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder, index: dict[Job, int]
+) -> None:
+    """Activation sends/receives after forwards, input-gradient sends/receives after backwards."""
+    compute = table.compute
+    done: set[tuple] = set()
+    put = build.put
+    sources = {
+        (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s))
+        for s in range(graph.num_stages) for d in (Phase.F, Phase.B)
+    }
+    for worker, slots in enumerate(timeline.by_worker):
+        for i, slot in enumerate(slots):
+            s, b, phase = slot.job
+            for other in sources[(s, phase)]:
+                src = compute[other][b]
+                if src == worker:
+                    continue
+                if not graph.is_chain:  # in a DAG one output may feed two stages on one worker
+                    if (other, b, phase, worker) in done:
+                        continue
+                    done.add((other, b, phase, worker))
+                produced = index[Job(other, b, phase)]
+                sent_at = timeline.by_worker[src][produced].end
+                if phase is Phase.F:
+                    put(src, produced + 1, sent_at, Action(Op.SEND_ACT, other, b, worker))
+                    put(worker, max(i - 1, 0), slot.start, Action(Op.RECV_ACT, other, b, src))
+                else:
+                    put(src, produced + 1, sent_at, Action(Op.SEND_GRAD, other, b, worker))
+                    put(worker, max(i - 1, 0), slot.start, Action(Op.RECV_GRAD, other, b, src))
+
+
+def _lower_weights(table: PlacementTable, timeline: Timeline, build: _Builder) -> dict:
+    """Fetch/free per run of consecutive jobs of a non-owned stage; reduce grads after the run.
+
+    Returns, per (owner, stage), the latest gap where the owner posts a gradient receive.
+    """
+    reduce_gaps: dict[tuple[int, int], int] = {}
+    for worker, slots in enumerate(timeline.by_worker):
+        i = 0
+        while i < len(slots):
+            stage = slots[i].job.stage
+            j = i
+            while j + 1 < len(slots) and slots[j + 1].job.stage == stage:
+                j += 1
+            if not table.is_owner(worker, stage):
+                owner = table.fetch_source[(stage, worker)]
+                prefetch_time = slots[i - 1].start if i > 0 else 0.0
+                build.put(worker, max(i - 1, 0), prefetch_time, Action(Op.FETCH_W, stage, None, owner))
+                build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
+                          Action(Op.SEND_W, stage, None, worker))
+                if any(slots[k].job.phase is Phase.B for k in range(i, j + 1)):
+                    end = slots[j].end
+                    build.put(worker, j + 1, end, Action(Op.REDUCE_G, stage, None, owner))
+                    gap = build.gap_at(owner, end)
+                    build.put(owner, gap, end, Action(Op.RECV_G, stage, None, worker))
+                    key = (owner, stage)
+                    reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
+                build.put(worker, j + 1, slots[j].end, Action(Op.FREE_W, stage))
+            i = j + 1
+    return reduce_gaps
+
+
+def _lower_allreduce(
+    table: PlacementTable, timeline: Timeline, build: _Builder, reduce_gaps: dict
+) -> None:
+    """Replica owners all-reduce a stage right after their last backward of it."""
+    last_backward: dict[tuple[int, int], tuple[int, float]] = {}
+    for worker, slots in enumerate(timeline.by_worker):
+        for i, slot in enumerate(slots):
+            if slot.job.phase is Phase.B:
+                last_backward[(worker, slot.job.stage)] = (i + 1, slot.end)
+    for stage, owners in enumerate(table.owners):
+        if len(owners) < 2:
+            continue
+        for owner in owners:
+            gap, time = last_backward.get((owner, stage), (0, 0.0))
+            gap = max(gap, reduce_gaps.get((owner, stage), 0))
+            build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, owners))

@@ -1,0 +1,141 @@
+"""Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps.
+
+The order only breaks ties between jobs a worker could start at the same time. A priority alone
+cannot bound memory under a greedy scheduler (a worker with ready forwards keeps taking them), so
+a schedule may also carry a cap: the most activations (forwards whose backward has not run yet)
+a worker may hold. 1F1B is "backward first" plus a cap.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule.jobs import Phase
+
+PriorityFn = Callable[[int, int, Phase], Any]
+CapSpec = Union[None, int, str, Sequence[Union[int, None]], Callable[[int], Union[int, None]]]
+
+
+def bfs(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+    """Breadth-first (GPipe, looped BFS): all forwards before backwards, stage-major.
+
+    A looped worker finishes stage s for every microbatch before moving to its next stage, which
+    also lets fetched weights stay resident over a whole run of microbatches.
+    """
+    if phase is Phase.F:
+        return (0, stage, micro)
+    return (1, -stage, micro)
+
+
+def one_f_one_b(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+    """Depth-first / 1F1B: backward first, then the oldest microbatch, deepest stage first."""
+    if phase is Phase.B:
+        return (0, micro, -stage)
+    return (1, micro, -stage)
+
+
+def interleaved_sequence(workers: int, stages: int, micro: int, R: int) -> dict[tuple, int]:
+    """Position of every job in Megatron's interleaved 1F1B sequence, per worker.
+
+    Looped placement (W = G*R, worker ``g*R + p`` runs stages ``c*R + p`` of the microbatches
+    ``b`` with ``b mod G == g``). Each worker runs its chunks depth-first over groups of R
+    microbatches, after a warm-up of ``2*(R-p-1) + (v-1)*R`` forwards (v = S/R chunks), then
+    alternates one forward and one backward. Used as a priority, the greedy simulator follows this
+    sequence whenever the next job is ready and fills the gap with a later one otherwise.
+    """
+    groups, chunks = workers // R, stages // R
+    position: dict[tuple, int] = {}
+    for worker in range(workers):
+        g, p = divmod(worker, R)
+        mine = [b for b in range(micro) if b % groups == g]
+        order: list[tuple[int, int]] = []  # (chunk, micro) in forward order
+        for first in range(0, len(mine), R):
+            block = mine[first:first + R]
+            order.extend((c, b) for c in range(chunks) for b in block)
+        forwards = [(c * R + p, b, Phase.F) for c, b in order]
+        backward_order: list[tuple[int, int]] = []
+        for first in range(0, len(mine), R):
+            block = mine[first:first + R]
+            backward_order.extend((c, b) for c in reversed(range(chunks)) for b in block)
+        backwards = [(c * R + p, b, Phase.B) for c, b in backward_order]
+        warmup = min(2 * (R - p - 1) + (chunks - 1) * R, len(forwards))
+        sequence = forwards[:warmup]
+        for k in range(len(forwards) - warmup):
+            sequence += [forwards[warmup + k], backwards[k]]
+        sequence += backwards[len(forwards) - warmup:]
+        for index, job in enumerate(sequence):
+            position[job] = index
+    return position
+
+
+def interleaved_order(workers: int, stages: int, micro: int, R: int) -> PriorityFn:
+    """Priority = position in :func:`interleaved_sequence` (depth-first, warm-up aware)."""
+    if R is None or workers % R or stages % R:
+        raise ScheduleConfigError(
+            "order 'interleaved' needs a looped placement with W and S multiples of R "
+            f"(got W={workers}, S={stages}, R={R}); use order '1f1b' for other placements"
+        )
+    position = interleaved_sequence(workers, stages, micro, R)
+
+    def interleaved(stage: int, micro_: int, phase: Phase) -> int:
+        return position[(stage, micro_, phase)]
+
+    return interleaved
+
+
+ORDERS: dict[str, PriorityFn] = {"bfs": bfs, "1f1b": one_f_one_b, "dfs": one_f_one_b}
+ORDER_NAMES = sorted([*ORDERS, "interleaved"])
+
+
+def resolve_order(
+    order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1, R: int | None = None
+) -> PriorityFn:
+    """A priority function from a name (``bfs``, ``1f1b``/``dfs``, ``interleaved``) or callable."""
+    if callable(order):
+        return order
+    if order == "interleaved":
+        return interleaved_order(workers, stages, micro, R if R is not None else workers)
+    try:
+        return ORDERS[order]
+    except KeyError:
+        raise ScheduleConfigError(
+            f"unknown order {order!r}; use one of {ORDER_NAMES} or pass a callable n(s, b, d)"
+        ) from None
+
+
+def one_f_one_b_caps(workers: int) -> list[int]:
+    """The classic 1F1B bound: worker r of a W-deep pipeline holds at most W - r activations."""
+    return [workers - r for r in range(workers)]
+
+
+def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
+    """Turn a cap spec into one entry per worker (``None`` = unbounded).
+
+    Accepts None, an int (same cap everywhere), a sequence of length W, or a callable
+    ``cap(worker)``. ``"auto"`` is resolved by the planner (it needs simulations), not here.
+    """
+    if cap is None:
+        return [None] * workers
+    if isinstance(cap, str):
+        raise ScheduleConfigError(f"cap {cap!r} must be resolved by the planner before simulation")
+    if isinstance(cap, bool):
+        raise ScheduleConfigError(f"cap must be an int, a list of ints or a callable, not {cap!r}")
+    if isinstance(cap, int):
+        caps: list[int | None] = [cap] * workers
+    elif callable(cap):
+        caps = [cap(w) for w in range(workers)]
+    else:
+        caps = list(cap)
+        if len(caps) != workers:
+            raise ScheduleConfigError(
+                f"cap list has {len(caps)} entries but there are W={workers} workers; give one "
+                "cap per worker, a single int, or None"
+            )
+    for w, c in enumerate(caps):
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ScheduleConfigError(
+                f"cap for worker {w} is {c!r}; a cap must be a positive int (a worker must hold at "
+                "least one activation to make progress) or None for no cap"
+            )
+    return caps

@@ -1,0 +1,235 @@
+"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``.
+
+A placement says, for every job, which worker computes it and which worker holds the source of
+truth of the stage's weights for that job. Everything else (activation transfers, weight
+fetches, gradient reductions, replica all-reduces) follows from it during lowering.
+
+The named placements generalise the seed's equalities: where the seed needs ``W = B`` we accept
+``B`` a multiple of ``W``; where it needs ``W = S`` we accept ``S`` a multiple of ``W``. Any pair
+of callables is also a placement; :func:`tabulate` validates it once and caches the answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from lightning_gsched.errors import PlacementError, ScheduleConfigError
+from lightning_gsched.schedule.jobs import Phase
+
+PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
+
+
+class Placement(Protocol):
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ScheduleConfigError(message)
+
+
+def _check_groups(name: str, workers: int, stages: int, micro: int, R: int) -> int:
+    """Validate W = G*R, S % R == 0, B % G == 0 for the looped family; return G."""
+    _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
+    _require(
+        workers % R == 0,
+        f"{name}: R={R} does not divide the number of workers W={workers}; "
+        f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}",
+    )
+    groups = workers // R
+    _require(
+        stages % R == 0,
+        f"{name}: stages S={stages} must be a multiple of R={R} so that each worker of a group "
+        f"holds S/R stages; use S={R * max(1, -(-stages // R))}",
+    )
+    _require(
+        micro % groups == 0,
+        f"{name}: microbatches B={micro} must be a multiple of the number of groups G=W/R={groups}; "
+        f"use B={groups * max(1, -(-micro // groups))}",
+    )
+    return groups
+
+
+@dataclass(frozen=True)
+class DDP:
+    """w = (b mod W, b mod W): each worker runs whole microbatches with its own weight replica."""
+
+    workers: int
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        worker = micro % self.workers
+        return worker, worker
+
+    def check(self, stages: int, micro: int) -> None:
+        _require(
+            micro % self.workers == 0,
+            f"ddp: microbatches B={micro} must be a multiple of workers W={self.workers}; "
+            f"use B={self.workers * max(1, -(-micro // self.workers))}",
+        )
+
+
+@dataclass(frozen=True)
+class FSDP:
+    """w = (s mod W, b mod W): DDP's compute, but stage s's weights live only on worker s mod W."""
+
+    workers: int
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        return stage % self.workers, micro % self.workers
+
+    def check(self, stages: int, micro: int) -> None:
+        DDP(self.workers).check(stages, micro)
+        _require(
+            stages % self.workers == 0,
+            f"fsdp: stages S={stages} must be a multiple of workers W={self.workers} so every "
+            f"worker owns S/W stages; use S={self.workers * max(1, -(-stages // self.workers))}",
+        )
+
+
+@dataclass(frozen=True)
+class GPipe:
+    """w = (k, k) with k = s // (S/W): contiguous blocks of stages per worker, no looping."""
+
+    workers: int
+    stages: int
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        worker = stage // (self.stages // self.workers)
+        return worker, worker
+
+    def check(self, stages: int, micro: int) -> None:
+        _require(
+            stages >= self.workers and stages % self.workers == 0,
+            f"gpipe: stages S={stages} must be a positive multiple of workers W={self.workers} "
+            f"(S < W leaves workers idle); use S={self.workers}",
+        )
+
+
+@dataclass(frozen=True)
+class LPP:
+    """The seed's looped pipeline: w = (h(s,b), h(s,b)), h(s,b) = (R*b mod W) + (s mod R).
+
+    W = G*R workers form G groups of R; group b mod G runs microbatch b, and worker r of a group
+    runs every stage s with s mod R == r. R=1 is DDP, R=W (with S=W) is GPipe.
+    """
+
+    workers: int
+    R: int
+
+    def h(self, stage: int, micro: int) -> int:
+        return (self.R * micro) % self.workers + stage % self.R
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        worker = self.h(stage, micro)
+        return worker, worker
+
+    def check(self, stages: int, micro: int) -> None:
+        _check_groups("lpp", self.workers, stages, micro, self.R)
+
+
+@dataclass(frozen=True)
+class FSLPP:
+    """Fully sharded looped pipeline: LPP's compute, one owner per stage, balanced.
+
+    The owner of stage s is chosen among the workers that compute s (position s mod R in each
+    group), cycling over groups as s advances by R: owner(s) = R*((s // R) mod G) + (s mod R).
+    Every worker then owns at most ceil(S/W) stages, unlike the seed's literal h(s, s).
+    """
+
+    workers: int
+    R: int
+
+    def owner(self, stage: int) -> int:
+        groups = self.workers // self.R
+        return self.R * ((stage // self.R) % groups) + stage % self.R
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        return self.owner(stage), LPP(self.workers, self.R).h(stage, micro)
+
+    def check(self, stages: int, micro: int) -> None:
+        _check_groups("fslpp", self.workers, stages, micro, self.R)
+
+
+@dataclass(frozen=True)
+class FSLPPSeed:
+    """The seed's literal FSLPP: w = (h(s, s), h(s, b)). Concentrates ownership (see docs)."""
+
+    workers: int
+    R: int
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        lpp = LPP(self.workers, self.R)
+        return lpp.h(stage, stage), lpp.h(stage, micro)
+
+    def check(self, stages: int, micro: int) -> None:
+        _check_groups("fslpp-seed", self.workers, stages, micro, self.R)
+
+
+class PlacementTable:
+    """A validated placement evaluated once for every (s, b): O(1) look-ups for the simulator.
+
+    Validation (clear :class:`PlacementError` messages naming the job):
+    - both workers are integers in [0, W);
+    - F and B of one (s, b) run on the same compute worker (the stashed activation lives there);
+    - all jobs of stage s on one compute worker use the same weights worker, so a worker fetches
+      stage s from exactly one owner and returns its gradient to that owner.
+    """
+
+    def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
+        self.workers, self.stages, self.micro = workers, stages, micro
+        self.compute: list[list[int]] = [[0] * micro for _ in range(stages)]
+        self.weights: list[list[tuple[int, int]]] = [[(0, 0)] * micro for _ in range(stages)]
+        source: dict[tuple[int, int], tuple[int, int, Phase]] = {}
+        for s in range(stages):
+            for b in range(micro):
+                (wf, cf) = self._call(placement, s, b, Phase.F)
+                (wb, cb) = self._call(placement, s, b, Phase.B)
+                if cf != cb:
+                    raise PlacementError(
+                        f"placement puts F s{s} b{b} on worker {cf} but B s{s} b{b} on worker {cb}; "
+                        "the backward needs the activations stashed by its forward, so both "
+                        "phases of one (stage, microbatch) must use the same compute worker"
+                    )
+                self.compute[s][b] = cf
+                self.weights[s][b] = (wf, wb)
+                for w, d in ((wf, Phase.F), (wb, Phase.B)):
+                    if w == cf:
+                        continue
+                    first = source.setdefault((s, cf), (w, b, d))
+                    if first[0] != w:
+                        raise PlacementError(
+                            f"worker {cf} computes stage {s} with weights from worker {first[0]} "
+                            f"({first[2].value} b{first[1]}) and from worker {w} ({d.value} b{b}); "
+                            "a compute worker must fetch a stage from a single owner"
+                        )
+        self.owners: list[tuple[int, ...]] = [
+            tuple(sorted({w for pair in self.weights[s] for w in pair})) for s in range(stages)
+        ]
+        self.fetch_source: dict[tuple[int, int], int] = {k: v[0] for k, v in source.items()}
+
+    def _call(self, placement: PlacementFn, s: int, b: int, d: Phase) -> tuple[int, int]:
+        try:
+            result = placement(s, b, d)
+            weights, compute = result
+        except (TypeError, ValueError) as exc:
+            raise PlacementError(
+                f"placement(s={s}, b={b}, d={d.value}) must return a pair "
+                f"(weights_worker, compute_worker) of ints; it failed with: {exc}"
+            ) from exc
+        for label, w in (("weights", weights), ("compute", compute)):
+            if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.workers:
+                raise PlacementError(
+                    f"placement(s={s}, b={b}, d={d.value}) returned {label} worker {w!r}; "
+                    f"workers must be ints in [0, {self.workers}) for W={self.workers}"
+                )
+        return weights, compute
+
+    def weights_worker(self, stage: int, micro: int, phase: Phase) -> int:
+        return self.weights[stage][micro][0 if phase is Phase.F else 1]
+
+    def is_owner(self, worker: int, stage: int) -> bool:
+        return worker in self.owners[stage]
+
+    def owned_stages(self, worker: int) -> list[int]:
+        return [s for s in range(self.stages) if worker in self.owners[s]]

@@ -1,0 +1,98 @@
+"""Pipeline diagrams in the seed's style: rows = workers, columns = time, one cell per job.
+
+``ascii_timeline`` prints in a terminal (label ``F3`` / ``B3`` = phase + stage, the microbatch as
+a digit or letter underneath so the cell "colour" survives plain text). ``save_png`` draws the
+same picture with matplotlib, colouring cells by microbatch. matplotlib is imported lazily so the
+planner itself stays dependency-free.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+from lightning_gsched.schedule.simulate import Timeline
+
+_MICRO_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _time_unit(timeline: Timeline) -> float:
+    """Largest unit that divides every duration (so cells align), at least 1/8 of the shortest."""
+    durations = {round(s.end - s.start, 6) for s in timeline.slots}
+    shortest = min(durations)
+    scaled = [round(d * 1000) for d in durations]
+    unit = reduce(math.gcd, scaled) / 1000
+    return max(unit, shortest / 8)
+
+
+def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int = 240) -> str:
+    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time."""
+    if not timeline.slots:
+        return "(empty timeline)"
+    unit = _time_unit(timeline)
+    columns = int(round(timeline.latency / unit))
+    cell = width_per_unit
+    if columns * cell > max_width:
+        cell = max(1, max_width // columns)
+    label_width = len(f"w{timeline.workers - 1}") + 1
+    lines = []
+    for worker, slots in enumerate(timeline.by_worker):
+        top = [" "] * (columns * cell)
+        bottom = [" "] * (columns * cell)
+        for slot in slots:
+            a = int(round(slot.start / unit)) * cell
+            z = int(round(slot.end / unit)) * cell
+            text = f"{slot.job.phase.value}{slot.job.stage}"
+            micro = _MICRO_CHARS[slot.job.micro % len(_MICRO_CHARS)]
+            for i in range(a, z):
+                top[i] = "."
+                bottom[i] = micro
+            for i, ch in enumerate(text[: max(1, z - a - 1)]):
+                top[a + i] = ch
+            top[a] = text[0]
+            top[z - 1] = "|" if z - a > 1 else top[z - 1]
+        lines.append(f"{'w' + str(worker):<{label_width}}{''.join(top)}")
+        lines.append(f"{'':<{label_width}}{''.join(bottom)}")
+    legend = (
+        f"time unit = {unit:g} per {cell} char(s); top row: F/B + stage, bottom row: microbatch "
+        f"(0-9, a-z, ...); latency {timeline.latency:g}"
+    )
+    return "\n".join(lines + [legend])
+
+
+def save_png(timeline: Timeline, path: str, title: str = "") -> str:
+    """Draw the timeline with matplotlib (Agg backend) and write it to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workers = timeline.workers
+    cmap = plt.get_cmap("tab20" if timeline.micro > 10 else "tab10")
+    width = min(24.0, max(6.0, timeline.latency * 0.35))
+    height = max(1.6, 0.45 * workers + 1.0)
+    fig, ax = plt.subplots(figsize=(width, height))
+    show_text = len(timeline.slots) <= 600
+    for slot in timeline.slots:
+        colour = cmap(slot.job.micro % cmap.N)
+        hatch = "//" if slot.job.phase.value == "B" else None
+        ax.broken_barh(
+            [(slot.start, slot.end - slot.start)], (slot.worker - 0.4, 0.8),
+            facecolors=colour, edgecolors="black", linewidth=0.4, hatch=hatch,
+        )
+        if show_text:
+            ax.text(
+                (slot.start + slot.end) / 2, slot.worker, f"{slot.job.phase.value}{slot.job.stage}",
+                ha="center", va="center", fontsize=7,
+            )
+    ax.set_ylim(workers - 0.5, -0.5)
+    ax.set_xlim(0, timeline.latency)
+    ax.set_yticks(range(workers))
+    ax.set_yticklabels([f"worker {w}" for w in range(workers)])
+    ax.set_xlabel("time (cost units); colour = microbatch, hatched = backward")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
