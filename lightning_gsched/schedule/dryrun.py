@@ -168,26 +168,23 @@ def dry_run(programs: Programs) -> None:
             raise fail(rank, f"has no weights of stage {s}: it neither owns nor fetched them")
         needed = [state.resident[s]] if state.resident[s] is not None else []
         if op is Op.F:
-            for p in inputs[s]:
-                if (p, b) not in state.forward_done:
-                    msg = state.posted.get((Op.RECV_ACT, p, b))
-                    if msg is None:
-                        raise fail(rank, f"needs the output of F s{p} b{b} but neither computed nor received it")
-                    needed.append(msg)
+            if (s, b) in state.forward_done:
+                raise fail(rank, f"runs F s{s} b{b} twice")
+            deps = [(p, Op.RECV_ACT, f"the output of F s{p} b{b}")
+                    for p in inputs[s] if (p, b) not in state.forward_done]
         else:
             if (s, b) not in state.stash:
                 raise fail(rank, f"runs a backward without the stashed forward F s{s} b{b}")
-            for c in outputs[s]:
-                if (c, b) not in state.backward_done:
-                    msg = state.posted.get((Op.RECV_GRAD, c, b))
-                    if msg is None:
-                        raise fail(rank, f"needs the gradient from B s{c} b{b} but neither computed nor received it")
-                    needed.append(msg)
+            deps = [(c, Op.RECV_GRAD, f"the gradient from B s{c} b{b}")
+                    for c in outputs[s] if (c, b) not in state.backward_done]
+        for other, recv_op, what in deps:
+            msg = state.posted.get((recv_op, other, b))
+            if msg is None:
+                raise fail(rank, f"needs {what} but neither computed nor received it")
+            needed.append(msg)
         if not wait_for(rank, needed):
             return False
         if op is Op.F:
-            if (s, b) in state.forward_done:
-                raise fail(rank, f"runs F s{s} b{b} twice")
             state.forward_done.add((s, b))
             state.stash.add((s, b))
         else:
