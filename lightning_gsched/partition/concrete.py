@@ -1,0 +1,150 @@
+"""Static-shape tracing: the fallback for forwards that compute with sizes in Python.
+
+Plain torch.fx cannot trace ``torch.ones(t, t)`` where ``t`` came from ``x.shape``,
+``range(x.size(1))``, ``len(x)`` or ``if x.dim() == 3`` — a very common reason real models fail
+(``lightning.pytorch.demos.Transformer`` is one). In *static-shape* mode the tracer runs every
+recorded operation on the example input as well, and proxies answer metadata questions
+(``shape``, ``size()``, ``dim()``, ``dtype``, ``device``, ``len()``, unpacking) with the
+example's concrete values. Sizes are then baked into the graph, so the partition only accepts
+inputs with the example's shapes (stage 0 checks this and says so). Data-dependent branches
+(``if x.sum() > 0``) still fail: values are never specialised, only metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch.fx.proxy import Attribute
+
+try:  # private: lifts fx's patches of nn.Module.__call__/__getattr__ while we run real code
+    from torch.fx._symbolic_trace import _maybe_revert_all_patches as _untraced
+except ImportError:  # pragma: no cover - older/newer torch: static shapes may be unavailable
+    _untraced = contextlib.nullcontext  # type: ignore[assignment]
+
+_MISSING = object()
+META_ATTRIBUTES = frozenset(
+    {
+        "shape",
+        "ndim",
+        "dtype",
+        "device",
+        "is_cuda",
+        "layout",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "is_nested",
+    }
+)
+META_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "element_size",
+        "get_device",
+        "is_floating_point",
+        "is_complex",
+    }
+)
+
+
+class _ConcreteMixin:
+    """Metadata from the example value; everything else stays symbolic."""
+
+    def _concrete(self) -> Any:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        if name in META_ATTRIBUTES or name in META_METHODS:
+            value = self._concrete()
+            if isinstance(value, torch.Tensor):
+                return getattr(value, name)
+        return ConcreteAttribute(self, name)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        value = self._concrete()
+        if value is _MISSING:
+            return fx.Proxy.__len__(self)  # type: ignore[arg-type]  # raises fx's error
+        return len(value)
+
+    def __iter__(self) -> Iterator[Any]:
+        value = self._concrete()
+        if isinstance(value, (torch.Tensor, tuple, list)):
+            return iter([self[i] for i in range(len(value))])  # type: ignore[index]
+        return fx.Proxy.__iter__(self)  # type: ignore[arg-type]
+
+
+class ConcreteProxy(_ConcreteMixin, fx.Proxy):
+    def _concrete(self) -> Any:
+        return self.tracer.concrete.value_of(self.node)  # type: ignore[attr-defined]
+
+
+class ConcreteAttribute(_ConcreteMixin, Attribute):
+    def _concrete(self) -> Any:
+        owner = self.root._concrete() if isinstance(self.root, _ConcreteMixin) else _MISSING
+        if owner is _MISSING:
+            return _MISSING
+        try:
+            return getattr(owner, self.attr)
+        except Exception:  # noqa: BLE001
+            return _MISSING
+
+
+class ConcreteValues:
+    """Example values of the nodes being traced, computed eagerly as nodes are recorded."""
+
+    def __init__(self, example_tensors: list[torch.Tensor], resolve: Any) -> None:
+        self.inputs = [t.detach().clone() for t in example_tensors]  # in-place ops stay local
+        self.resolve = resolve  # get_attr target -> object
+        self.values: dict[fx.Node, Any] = {}
+        self.placeholders = 0
+
+    def value_of(self, node: fx.Node) -> Any:
+        if node not in self.values and node.op == "get_attr":
+            try:
+                self.values[node] = self.resolve(node.target)
+            except AttributeError:
+                self.values[node] = _MISSING
+        return self.values.get(node, _MISSING)
+
+    def record(self, node: fx.Node) -> None:
+        """Compute ``node``'s example value from its inputs' (``_MISSING`` if impossible)."""
+        if node.op == "placeholder":
+            self.values[node] = self.inputs[self.placeholders]
+            self.placeholders += 1
+            return
+        if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
+            return
+        if node.op == "get_attr":
+            self.value_of(node)
+            return
+        missing = []
+
+        def load(n: fx.Node) -> Any:
+            value = self.value_of(n)
+            if value is _MISSING:
+                missing.append(n)
+            return value
+
+        args = fx.node.map_arg(node.args, load)
+        kwargs = fx.node.map_arg(node.kwargs, load)
+        if missing:
+            self.values[node] = _MISSING
+            return
+        try:
+            with torch.no_grad(), _untraced():
+                if node.op == "call_function":
+                    value = node.target(*args, **kwargs)  # type: ignore[operator]
+                elif node.op == "call_method":
+                    value = getattr(args[0], node.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
+                else:
+                    value = self.resolve(node.target)(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - metadata for this value is simply unavailable
+            value = _MISSING
+        self.values[node] = value

@@ -1,0 +1,116 @@
+"""Human-readable summary of a partition (printed by ``gsched`` and on request).
+
+Kept apart from :mod:`.api` so the table layout can change without touching the logic; it only
+reads public attributes of :class:`~.api.Partition`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from lightning_gsched.partition.api import Partition
+
+
+def _size(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{num_bytes} B"
+
+
+def _cost(value: float, unit: str) -> str:
+    if unit == "ns":
+        return f"{value / 1e6:.3f} ms"
+    return f"{value:,.0f}"
+
+
+def _wrap(items: Sequence[str], separator: str, width: int = 100) -> list[str]:
+    """Indented lines of ``items`` joined by ``separator``, never breaking inside an item."""
+    lines: list[str] = []
+    current = ""
+    for k, item in enumerate(items):
+        piece = item + (separator.rstrip() if k < len(items) - 1 else "")
+        if current and len(current) + 1 + len(piece) > width:
+            lines.append(current)
+            current = ""
+        current = f"{current} {piece}" if current else f"  {piece}"
+    if current:
+        lines.append(current)
+    return lines
+
+
+def _folded(names: Sequence[str], groups: Sequence[tuple[str, int] | None]) -> list[str]:
+    """Unit names with consecutive units of one top-level module invocation folded together."""
+    items: list[str] = []
+    k = 0
+    while k < len(names):
+        end = k + 1
+        while groups[k] is not None and end < len(names) and groups[end] == groups[k]:
+            end += 1
+        group = groups[k]
+        items.append(names[k] if end - k == 1 or group is None else f"{group[0]} ({end - k} units)")
+        k = end
+    return items
+
+
+def format_report(
+    part: Partition,
+    unit_descriptions: Sequence[str],
+    groups: Sequence[tuple[str, int] | None] | None = None,
+) -> str:
+    """The report text; ``groups`` (top-level module per unit) folds node lists, ``None`` not."""
+    total = sum(part.stage_costs) or 1
+    method = (
+        f"balance={part.balance!r}"
+        if part.split_method == "balanced"
+        else "explicit unit counts" if part.split_method == "sizes" else "explicit split points"
+    )
+    lines = [
+        f"Partition of {type(part.module).__name__} into {part.num_stages} stage(s): "
+        f"{len(part.unit_names)} units, {method}, cost unit: {part.cost_unit}",
+        f"{'stage':>5}  {'units':>5}  {'first .. last unit':<36} {'params':>12} "
+        f"{'est. cost':>12} {'share':>6}  hands over",
+    ]
+    for index, names in enumerate(part.stage_units):
+        span = f"{names[0]} .. {names[-1]}" if names else "(empty)"
+        if index < part.num_stages - 1:
+            handed = (
+                f"{len(part.boundary_names[index])} value(s), "
+                f"{_size(part.boundary_bytes[index])}"
+            )
+        else:
+            handed = "module output"
+        lines.append(
+            f"{index:>5}  {len(names):>5}  {span[:36]:<36} {part.stage_param_counts[index]:>12,} "
+            f"{_cost(part.stage_costs[index], part.cost_unit):>12} "
+            f"{100 * part.stage_costs[index] / total:>5.1f}%  {handed}"
+        )
+    if part.shared_parameters:
+        lines.append("Shared parameters (read by several stages; gradients are summed):")
+        lines += [f"  {name}: stages {stages}" for name, stages in part.shared_parameters.items()]
+    if part.unused_parameters:
+        lines.append(f"Parameters no stage reads: {', '.join(part.unused_parameters)}")
+    if part.auto_leaf_modules:
+        lines.append("Modules kept whole because torch.fx could not trace into them:")
+        lines += [f"  {name}: {why}" for name, why in part.auto_leaf_modules.items()]
+    if part.static_shapes is not None:
+        lines.append(
+            "Traced with static shapes (forward computes with sizes in Python): inputs must "
+            f"have shapes {list(part.static_shapes)}"
+        )
+    if part.mode_dependent:
+        lines.append(f"Traced code depends on train()/eval(): {part.mode_dependent}")
+    start = 0
+    for index, names in enumerate(part.stage_units):
+        lines.append(f"Stage {index} units:")
+        if groups is None:
+            lines += _wrap(unit_descriptions[start : start + len(names)], "; ")
+        else:
+            lines += _wrap(_folded(names, groups[start : start + len(names)]), ", ")
+        if index < part.num_stages - 1:
+            lines.append(f"  -> hands over: {', '.join(part.boundary_names[index]) or '(nothing)'}")
+        start += len(names)
+    return "\n".join(lines)

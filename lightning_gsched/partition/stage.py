@@ -1,0 +1,233 @@
+"""One pipeline stage: a slice of the traced graph plus the original modules it runs.
+
+Stage-boundary contract (what the runtime relies on):
+
+* stage 0 is called like the original module: ``stages[0](*args, **kwargs)``;
+* stage ``k > 0`` is called with ONE positional argument, the tuple stage ``k - 1`` returned:
+  ``stages[k](carried)``;
+* every stage but the last returns a ``tuple`` of the values live at its end boundary (tensors,
+  ints, shapes, ``None``... anything the graph computed), in the order of
+  ``stage.output_names``; values only passed through are returned as the very same objects;
+* the last stage returns exactly what ``module.forward`` returns (any pytree).
+
+Parameter names: the stage owns a shallow tree of fresh container modules that mirrors the
+original hierarchy down to the modules and tensors it actually uses, which are the ORIGINAL
+objects (no copies). So ``stage.named_parameters()`` / ``named_buffers()`` / ``state_dict()``
+use the original fully qualified names (e.g. ``blocks.0.attn.qkv.weight``) and ``is`` the
+original parameters; buffers keep their persistence.
+"""
+
+from __future__ import annotations
+
+import linecache
+from typing import Any, Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from lightning_gsched.partition.errors import ModeMismatchError, PartitionError, StageInputError
+from lightning_gsched.partition.layout import InputLayout, OutputLayout
+from lightning_gsched.partition.tracer import TracedModel
+from lightning_gsched.partition.units import UnitTable
+
+
+class StageModule(nn.Module):
+    """Runs units ``[start, stop)`` of the traced graph; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        graph: fx.Graph,
+        owner: str,
+        inputs: InputLayout | None,
+        outputs: OutputLayout | None,
+        mode_watch: list[tuple[nn.Module, bool]] | None,
+        mode_reason: str | None,
+    ) -> None:
+        super().__init__()
+        self.stage_index = index
+        self.num_stages = num_stages
+        self.input_names: tuple[str, ...] = tuple(
+            n.name for n in graph.nodes if n.op == "placeholder"
+        )
+        out = next(n for n in graph.nodes if n.op == "output")
+        self.output_names: tuple[str, ...] = tuple(
+            str(a) for a in (out.args[0] if isinstance(out.args[0], (tuple, list)) else ())
+        )
+        self._gsched_owner = owner
+        self._gsched_graph = graph
+        self._gsched_inputs = inputs
+        self._gsched_outputs = outputs
+        self._gsched_mode_watch = mode_watch
+        self._gsched_mode_reason = mode_reason
+        self._gsched_fn = self._compile()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self._gsched_inputs is not None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self._gsched_outputs is not None
+
+    def _compile(self) -> Any:
+        code = self._gsched_graph.python_code(root_module="self")
+        filename = f"<gsched stage {self.stage_index} of {self._gsched_owner}>"
+        linecache.cache[filename] = (len(code.src), None, code.src.splitlines(True), filename)
+        namespace = dict(code.globals)
+        exec(compile(code.src, filename, "exec"), namespace)  # noqa: S102 - fx-generated code
+        return namespace["forward"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_gsched_fn", None)  # exec'd code is not picklable; rebuilt from the graph
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._gsched_fn = self._compile()
+
+    def _check_mode(self) -> None:
+        watch = self._gsched_mode_watch
+        if watch and any(m.training != training for m, training in watch):
+            traced = "train" if watch[0][1] else "eval"
+            raise ModeMismatchError(
+                f"{self._gsched_owner} was partitioned in {traced} mode and its traced code "
+                f"depends on the mode ({self._gsched_mode_reason}), but a module changed mode "
+                "since. Partition again after train()/eval(), or make the mode-dependent code a "
+                "leaf module (nn.Dropout instead of F.dropout(training=self.training)) so it "
+                "reads the mode at run time."
+            )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_mode()
+        if self._gsched_inputs is not None:
+            flat: Sequence[Any] = self._gsched_inputs.flatten(args, kwargs)
+        else:
+            if kwargs or len(args) != 1 or not isinstance(args[0], (tuple, list)):
+                raise StageInputError(
+                    f"Stage {self.stage_index} of {self._gsched_owner} takes one positional "
+                    "argument: the tuple returned by the previous stage."
+                )
+            flat = args[0]
+            if len(flat) != len(self.input_names):
+                raise StageInputError(
+                    f"Stage {self.stage_index} of {self._gsched_owner} expects "
+                    f"{len(self.input_names)} values {self.input_names}, got {len(flat)}."
+                )
+        out = self._gsched_fn(self, *flat)
+        return self._gsched_outputs.rebuild(out) if self._gsched_outputs is not None else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"stage {self.stage_index} of {self.num_stages}, inputs={list(self.input_names)}, "
+            f"outputs={list(self.output_names) if not self.is_last_stage else 'module output'}"
+        )
+
+
+def _install(stage: nn.Module, traced: TracedModel, target: str) -> None:
+    """Make ``target`` reachable on ``stage`` under its original path, sharing the original object."""
+    if target in traced.constants:
+        object.__setattr__(stage, target, traced.constants[target])
+        return
+    atoms = target.split(".")
+    holder, original = stage, traced.module
+    for atom in atoms[:-1]:
+        child = getattr(original, atom)
+        existing = holder._modules.get(atom)
+        if existing is child:
+            return  # an ancestor is installed as the original module: target already reachable
+        if existing is None:
+            existing = nn.Module()
+            existing.training = child.training  # shells report the original's mode
+            holder.add_module(atom, existing)
+        holder, original = existing, child
+    name, obj = atoms[-1], getattr(original, atoms[-1])
+    if isinstance(obj, nn.Module):
+        holder.add_module(name, obj)
+    elif name in original._parameters:
+        holder.register_parameter(name, obj)
+    elif name in original._buffers:
+        holder.register_buffer(
+            name, obj, persistent=name not in original._non_persistent_buffers_set
+        )
+    else:  # a plain tensor attribute stays a plain attribute (not in state_dict, like the original)
+        object.__setattr__(holder, name, obj)
+
+
+def _original_order(module: nn.Module) -> dict[str, tuple[int, int, str]]:
+    """Sort key of every module/parameter/buffer path in the original's traversal order.
+
+    Installing a stage's targets in this order makes ``stage.named_parameters()`` list them in
+    the same relative order as ``module.named_parameters()`` (and ancestors before descendants).
+    """
+    order: dict[str, tuple[int, int, str]] = {}
+    for index, (path, sub) in enumerate(module.named_modules(remove_duplicate=False)):
+        order.setdefault(path, (index, -1, path))
+        for k, name in enumerate([*sub._parameters, *sub._buffers]):
+            full = f"{path}.{name}" if path else name
+            order.setdefault(full, (index, k, full))
+    return order
+
+
+def _slice_graph(table: UnitTable, start: int, stop: int, last: bool) -> fx.Graph:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = table.placeholders if start == 0 else table.live_at(start)
+    for value in inputs:
+        env[value] = graph.placeholder(value.name)
+
+    def load(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node.op != "get_attr":
+                raise AssertionError(f"value {node.name} is not live in this stage")
+            env[node] = graph.get_attr(node.target)  # re-created per stage: never carried
+        return env[node]
+
+    for unit in table.units[start:stop]:
+        env[unit.node] = graph.node_copy(unit.node, load)
+    if last:
+        graph.output(fx.node.map_arg(table.output.args[0], load))
+    else:
+        graph.output(tuple(load(v) for v in table.live_at(stop)))
+    graph.lint()
+    return graph
+
+
+def build_stages(table: UnitTable, cuts: Sequence[int]) -> list[StageModule]:
+    """One :class:`StageModule` per segment between ``cuts``."""
+    traced = table.traced
+    bounds = [0, *cuts, len(table)]
+    num_stages = len(bounds) - 1
+    owner = type(traced.module).__name__
+    watch = None
+    if traced.mode_dependent is not None:
+        watch = [(m, m.training) for m in traced.traced_into.values()]
+    order = _original_order(traced.module)
+    stages = []
+    for index in range(num_stages):
+        last = index == num_stages - 1
+        graph = _slice_graph(table, bounds[index], bounds[index + 1], last)
+        stage = StageModule(
+            index=index,
+            num_stages=num_stages,
+            graph=graph,
+            owner=owner,
+            inputs=traced.inputs if index == 0 else None,
+            outputs=traced.outputs if last else None,
+            mode_watch=watch,
+            mode_reason=traced.mode_dependent,
+        )
+        stage.training = traced.module.training  # not .train(): that would recurse into originals
+        targets = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
+        for target in sorted(targets, key=lambda t: order.get(t, (len(order), 0, t))):
+            try:
+                _install(stage, traced, target)
+            except KeyError as exc:  # add_module: name clashes with a StageModule attribute
+                raise PartitionError(
+                    f"Cannot rebuild {target!r} inside stage {index}: {exc}. Rename that "
+                    "attribute of the model."
+                ) from None
+        stages.append(stage)
+    return stages

@@ -1,0 +1,321 @@
+"""Trace ``module.forward`` into one flat torch.fx graph whose targets are the original FQNs.
+
+Why a custom tracer instead of ``torch.fx.symbolic_trace``:
+
+* the forward is called exactly like the user calls it (any pytree of args/kwargs, defaults
+  left alone so ``if mask is None`` still works), by tracing a tiny generated root whose
+  placeholders are the *tensor leaves* of the example call (:mod:`.layout`);
+* every node records the stack of module invocations it came from (``meta["gsched_scope"]``),
+  which the splitter uses to prefer cuts between blocks over cuts inside one;
+* leaf modules are the user's classes/names plus torch's built-in layers (but not the layer
+  stacks in :data:`TRACED_TORCH_CONTAINERS`), and a submodule whose forward cannot be traced
+  (data-dependent control flow) is made a leaf automatically (``auto_leaf``): a leaf runs
+  whole, with real tensors, so this is always correct;
+* if the root forward itself cannot be traced symbolically, it is traced again with the
+  example's static shapes (:mod:`.concrete`), which handles ``torch.ones(t, t)`` & co.;
+* what still fails becomes a :class:`TraceFailedError` naming the module, the file and line,
+  and the fix (:mod:`.trace_errors`); side effects of tracing on the module are undone
+  (:mod:`.preserve`); a second trace in the other train/eval mode detects code that depends on
+  ``self.training``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
+from lightning_gsched.partition.errors import TraceFailedError
+from lightning_gsched.partition.layout import InputLayout, OutputLayout
+from lightning_gsched.partition.names import resolve_leaf_modules
+from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
+from lightning_gsched.partition.trace_errors import (
+    attach_failure_site,
+    failure_message,
+    failure_site,
+    first_line,
+)
+
+ROOT = "_gsched_user"  # attribute under which the trace root holds the user's module
+CONSTANT_PREFIX = "_gsched_constant_"
+SCOPE = "gsched_scope"  # node.meta key: tuple of (module fqn, invocation id), outermost first
+
+# torch.nn modules are leaves (fx's default) except these stacks of layers, which the tracer
+# enters so stages can be cut between their layers; if one cannot be traced (the
+# Transformer* ones need static shapes) auto_leaf keeps it whole instead.
+TRACED_TORCH_CONTAINERS: frozenset[type] = frozenset(
+    {nn.Sequential, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder}
+)
+
+
+def _strip(qualname: str) -> str:
+    return qualname[len(ROOT) + 1 :] if qualname.startswith(ROOT + ".") else qualname
+
+
+class GschedTracer(fx.Tracer):
+    """fx tracer with user leaves, per-node module scopes and failure attribution."""
+
+    def __init__(
+        self,
+        leaf_classes: tuple[type, ...],
+        leaf_names: frozenset[str],
+        concrete: ConcreteValues | None = None,
+    ) -> None:
+        super().__init__(autowrap_modules=(math,))
+        self.concrete = concrete  # set: static-shape mode (see .concrete)
+        # Buffers become get_attr nodes (not constants frozen at trace time), so stages follow
+        # later .to(device) / load_state_dict on the modules that own them.
+        self.proxy_buffer_attributes = True
+        self.leaf_classes = leaf_classes
+        self.leaf_names = leaf_names
+        self.gsched_scope: list[tuple[str, int]] = []
+        self.gsched_invocations = 0
+        self.traced_into: dict[str, nn.Module] = {}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name == ROOT:
+            return False
+        name = _strip(module_qualified_name)
+        if name in self.leaf_names or isinstance(m, self.leaf_classes):
+            return True
+        if type(m) in TRACED_TORCH_CONTAINERS:
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        qualname = self.path_of_module(m)
+        is_root = qualname == ROOT
+        leaf = self.is_leaf_module(m, qualname)
+        name = "" if is_root else _strip(qualname)
+        if not is_root:
+            self.gsched_invocations += 1
+            self.gsched_scope.append((name, self.gsched_invocations))
+        if not leaf:
+            self.traced_into.setdefault(name, m)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as exc:
+            if not leaf:
+                attach_failure_site(exc, name, type(m))
+            raise
+        finally:
+            if not is_root:
+                self.gsched_scope.pop()
+
+    def create_node(  # type: ignore[override]
+        self, kind, target, args, kwargs, name=None, type_expr=None
+    ) -> fx.Node:
+        if kind in ("call_module", "get_attr") and isinstance(target, str):
+            if target.startswith(ROOT + "."):
+                target = _strip(target)
+                name = name or target.replace(".", "_")
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta[SCOPE] = tuple(self.gsched_scope)
+        if self.concrete is not None:
+            self.concrete.record(node)
+        return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ConcreteProxy(node, self) if self.concrete is not None else super().proxy(node)
+
+
+class _TraceRootBase(nn.Module):
+    """Holds the user's module; a generated ``forward`` takes the flat tensor leaves."""
+
+    def __init__(self, module: nn.Module, layout: InputLayout) -> None:
+        super().__init__()
+        setattr(self, ROOT, module)
+        self._gsched_layout = layout
+        self._gsched_outputs: OutputLayout | None = None
+
+    def _gsched_call(self, tensors: tuple) -> tuple:
+        args, kwargs = self._gsched_layout.unflatten(tensors)
+        out = getattr(self, ROOT)(*args, **kwargs)
+        self._gsched_outputs, proxies = OutputLayout.split(out)
+        return tuple(proxies)
+
+
+def _make_root(module: nn.Module, layout: InputLayout) -> _TraceRootBase:
+    params = ", ".join(layout.placeholder_names)
+    packed = f"({params},)" if layout.placeholder_names else "()"
+    source = f"def forward(self, {params}):\n    return self._gsched_call({packed})\n"
+    filename = f"<gsched trace root of {type(module).__name__}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - generated signature only
+    cls = type("GschedTraceRoot", (_TraceRootBase,), {"forward": namespace["forward"]})
+    return cls(module, layout)
+
+
+@dataclass
+class TracedModel:
+    """The traced graph plus everything needed to run and slice it."""
+
+    module: nn.Module
+    graph: fx.Graph
+    inputs: InputLayout
+    outputs: OutputLayout
+    constants: dict[str, Any]  # get_attr targets that fx invented for tensors made while tracing
+    auto_leaves: dict[str, str] = field(default_factory=dict)  # fqn -> why it became a leaf
+    traced_into: dict[str, nn.Module] = field(default_factory=dict)
+    mode_dependent: str | None = None  # why the graph differs between train() and eval()
+    static_shapes: bool = False  # sizes were specialised to the example (see .concrete)
+
+    def resolve(self, target: str) -> Any:
+        """The object a ``call_module``/``get_attr`` target names (original FQN or constant)."""
+        if target in self.constants:
+            return self.constants[target]
+        obj: Any = self.module
+        for atom in target.split(".") if target else ():
+            obj = getattr(obj, atom)
+        return obj
+
+
+def _trace_once(
+    module: nn.Module,
+    layout: InputLayout,
+    classes: tuple[type, ...],
+    names: frozenset[str],
+    example: list[torch.Tensor] | None,
+) -> tuple[fx.Graph, GschedTracer, _TraceRootBase]:
+    """One trace; ``example`` (the tensor leaves of the example call) selects static shapes."""
+    root = _make_root(module, layout)
+
+    def resolve(target: str) -> Any:
+        try:
+            return _walk(module, target)
+        except AttributeError:
+            return _walk(root, target)
+
+    concrete = ConcreteValues(example, resolve) if example is not None else None
+    tracer = GschedTracer(classes, names, concrete)
+    with preserved_attributes(module), preserved_tensors_and_rng(module):
+        graph = tracer.trace(root)
+    return graph, tracer, root
+
+
+def _walk(obj: Any, target: str) -> Any:
+    for atom in target.split(".") if target else ():
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _collect_constants(graph: fx.Graph, root: nn.Module) -> dict[str, Any]:
+    """Rename fx's ``_tensor_constant*`` targets (tensors built while tracing) and keep them."""
+    constants: dict[str, Any] = {}
+    user = getattr(root, ROOT)
+    for node in graph.nodes:
+        if node.op == "get_attr" and not _resolves(user, node.target):
+            name = f"{CONSTANT_PREFIX}{len(constants)}"
+            constants[name] = getattr(root, node.target)
+            node.target = name
+    return constants
+
+
+def _resolves(module: nn.Module, target: str) -> bool:
+    obj: Any = module
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
+
+
+def _mode_difference(first: fx.Graph, second: fx.Graph) -> str | None:
+    a = first.python_code("self").src.splitlines()
+    b = second.python_code("self").src.splitlines()
+    if a == b:
+        return None
+    for line_a, line_b in zip(a, b):
+        if line_a != line_b:
+            return f"train/eval traces differ at: {line_a.strip()!r} vs {line_b.strip()!r}"
+    return "train/eval traces differ in length"
+
+
+def _flip_mode_difference(
+    module: nn.Module,
+    layout: InputLayout,
+    classes: tuple,
+    names: frozenset,
+    example: list[torch.Tensor] | None,
+    graph: fx.Graph,
+) -> str | None:
+    """Trace again with ``training`` flipped; a different graph means forward reads the mode."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.train(not module.training)
+        other, _, other_root = _trace_once(module, layout, classes, names, example)
+        _collect_constants(other, other_root)  # same constant names as the first trace
+    except Exception as exc:  # noqa: BLE001 - the other mode cannot even be traced
+        return f"forward cannot be traced in the other mode ({type(exc).__name__}: {exc})"
+    finally:
+        for m, training in modes:
+            m.training = training
+    return _mode_difference(graph, other)
+
+
+def trace_model(
+    module: nn.Module,
+    example_args: Sequence[Any],
+    example_kwargs: dict[str, Any] | None,
+    leaf_modules: Sequence[type | str] = (),
+    auto_leaf: bool = True,
+    static_shapes: bool | None = None,
+) -> TracedModel:
+    """Trace ``module.forward`` for calls shaped like the example; see the module docstring.
+
+    ``static_shapes``: ``False`` never specialises sizes, ``True`` always does, ``None`` (default)
+    falls back to static shapes only when the symbolic trace of the root forward fails.
+    """
+    signature = inspect.signature(module.forward)
+    args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    layout = InputLayout.from_example(type(module).__name__, signature, args, kwargs)
+    classes, names = resolve_leaf_modules(module, leaf_modules)
+    static = static_shapes is True
+    auto: dict[str, str] = {}
+    symbolic_failure: BaseException | None = None
+    while True:
+        example = layout.flatten(args, kwargs) if static else None
+        try:
+            graph, tracer, root = _trace_once(
+                module, layout, classes, names | frozenset(auto), example
+            )
+            break
+        except Exception as exc:  # noqa: BLE001 - any failure while tracing is a trace failure
+            path, cls = failure_site(exc)
+            if auto_leaf and path and path not in auto:
+                auto[path] = f"{cls.__name__ if cls else '?'}: {first_line(exc)}"
+                continue
+            if static_shapes is None and not static:
+                static, auto, symbolic_failure = True, {}, exc  # retry with concrete sizes
+                continue
+            raise TraceFailedError(
+                failure_message(
+                    module, path or "", cls or type(module), exc, symbolic_failure, static
+                )
+            ) from exc
+    if static:
+        layout = layout.with_static_shapes(example or [])
+    constants = _collect_constants(graph, root)
+    assert root._gsched_outputs is not None
+    traced = TracedModel(
+        module=module,
+        graph=graph,
+        inputs=layout,
+        outputs=root._gsched_outputs,
+        constants=constants,
+        auto_leaves=auto,
+        traced_into=dict(tracer.traced_into),
+        static_shapes=static,
+    )
+    traced.mode_dependent = _flip_mode_difference(
+        module, layout, classes, names | frozenset(auto), example, graph
+    )
+    return traced

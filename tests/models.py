@@ -1,0 +1,471 @@
+"""Small deterministic models shared by the partition and runtime tests.
+
+Every ``make_*`` constructor seeds its own RNG fork, so two calls build bit-identical models
+without touching the global random state; every ``*_inputs`` helper does the same for data.
+Sizes are tiny (hidden 16-32) so whole test files run in seconds on two CPU cores.
+
+Each model exercises something a pipeline partitioner must get right:
+
+* :class:`MLP` — plain chain, no nn.Sequential.
+* :class:`ResidualCNN` — residual blocks (skip inside a block), BatchNorm buffers, in-place ReLU.
+* :class:`TinyGPT` — tied embedding/output weights, causal mask buffer sliced once and carried
+  through every block, ints from ``idx.size()`` used later.
+* :class:`KwargsDictModel` — keyword-only args, optional mask, dict-of-list output with plain
+  values.
+* :class:`LongSkipModel` — skip connection from the first block to the last.
+* :class:`UnevenModel` — very uneven layer sizes (heavy ``Expand`` blocks between light layers).
+* :class:`DataDependentModel`, :class:`RoutedModel` — untraceable control flow (root / submodule).
+* :class:`GPTLightning` — a LightningModule wrapping TinyGPT.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, TypeVar
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+T = TypeVar("T")
+
+
+def seeded(seed: int, build: Callable[[], T]) -> T:
+    """Run ``build`` with a fixed seed without disturbing the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 32, 8)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def make_mlp(seed: int = 0) -> MLP:
+    return seeded(seed, MLP)
+
+
+def mlp_inputs(batch: int = 4, seed: int = 1) -> tuple[torch.Tensor]:
+    return (seeded(seed, lambda: torch.randn(batch, 16)),)
+
+
+# --------------------------------------------------------------------------- CNN
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResidualCNN(nn.Module):
+    def __init__(self, channels: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(
+            ResidualBlock(channels, channels),
+            ResidualBlock(channels, 2 * channels, stride=2),
+            ResidualBlock(2 * channels, 2 * channels),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def make_cnn(seed: int = 0) -> ResidualCNN:
+    return seeded(seed, ResidualCNN)
+
+
+def cnn_inputs(batch: int = 2, seed: int = 1) -> tuple[torch.Tensor]:
+    return (seeded(seed, lambda: torch.randn(batch, 3, 8, 8)),)
+
+
+# --------------------------------------------------------------------------- GPT
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        return self.proj(y)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT with the token embedding reused as the output projection (tied weights).
+
+    ``tie="functional"`` reads ``self.wte.weight`` in forward; ``tie="module"`` shares the
+    Parameter with a ``head`` Linear, so the weight also has the alias name ``head.weight``.
+    """
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 3,
+        block_size: int = 16,
+        dropout: float = 0.0,
+        tie: str = "functional",
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block_size, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.tie = tie
+        if tie == "module":
+            self.head = nn.Linear(dim, vocab, bias=False)
+            self.head.weight = self.wte.weight
+        mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.size()
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        mask = self.causal_mask[:t, :t]
+        for block in self.blocks:
+            x = block(x, mask)
+        x = self.ln_f(x)
+        if self.tie == "module":
+            return self.head(x)
+        return F.linear(x, self.wte.weight)
+
+
+def make_gpt(seed: int = 0, **kwargs: Any) -> TinyGPT:
+    return seeded(seed, lambda: TinyGPT(**kwargs))
+
+
+def gpt_inputs(batch: int = 2, length: int = 8, vocab: int = 64, seed: int = 1) -> tuple[torch.Tensor]:
+    return (seeded(seed, lambda: torch.randint(0, vocab, (batch, length))),)
+
+
+# --------------------------------------------------------------------------- kwargs + dict output
+
+
+class KwargsDictModel(nn.Module):
+    """Keyword-only arguments in, a dict holding a list, an int and None out."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        mask: torch.Tensor | None = None,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, Any]:
+        batch = x.shape[0]
+        h = self.inp(x) * scale
+        if mask is not None:
+            h = h.masked_fill(~mask, 0.0)
+        h2 = self.mid(torch.tanh(h))
+        if extras is not None:
+            h2 = h2 + extras["bias"]
+        logits = self.out(torch.relu(h2)).reshape(batch, -1)
+        return {"logits": logits, "hidden": [h, h2], "batch": batch, "aux": None}
+
+
+def make_kwargs_model(seed: int = 0) -> KwargsDictModel:
+    return seeded(seed, KwargsDictModel)
+
+
+def kwargs_inputs(batch: int = 3, seed: int = 1) -> tuple[tuple, dict]:
+    def build() -> tuple[tuple, dict]:
+        x = torch.randn(batch, 16)
+        mask = torch.rand(batch, 16) > 0.3
+        return (x,), {"scale": 0.5, "mask": mask, "extras": {"bias": torch.randn(16)}}
+
+    return seeded(seed, build)
+
+
+# --------------------------------------------------------------------------- long skip
+
+
+class LongSkipModel(nn.Module):
+    """The first block's output skips every middle block and is added before the last one."""
+
+    def __init__(self, dim: int = 16, depth: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.blocks[0](x)
+        h = first
+        for block in self.blocks[1:-1]:
+            h = block(h)
+        return self.blocks[-1](h + first)
+
+
+def make_long_skip(seed: int = 0) -> LongSkipModel:
+    return seeded(seed, LongSkipModel)
+
+
+def long_skip_inputs(batch: int = 4, seed: int = 1) -> tuple[torch.Tensor]:
+    return (seeded(seed, lambda: torch.randn(batch, 16)),)
+
+
+# --------------------------------------------------------------------------- random skips
+
+
+class SkipNet(nn.Module):
+    """``n`` layers with arbitrary skip edges ``(src, dst)``: ``h[dst] += h[src]`` (src < dst).
+
+    Used with hypothesis to check liveness and carrying on random dataflow; also returns an
+    intermediate and a Python int so outputs are a pytree.
+    """
+
+    def __init__(self, layers: int = 4, skips: tuple[tuple[int, int], ...] = (), dim: int = 8) -> None:
+        super().__init__()
+        self.skips = tuple(skips)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        hidden = [x]
+        for i, layer in enumerate(self.layers, start=1):
+            h = torch.tanh(layer(hidden[-1]))
+            for src, dst in self.skips:
+                if dst == i:
+                    h = h + hidden[src]
+            hidden.append(h)
+        return {"out": hidden[-1], "first": hidden[1], "depth": len(hidden)}
+
+
+def make_skipnet(seed: int = 0, **kwargs: Any) -> SkipNet:
+    return seeded(seed, lambda: SkipNet(**kwargs))
+
+
+# --------------------------------------------------------------------------- uneven layers
+
+
+class Expand(nn.Module):
+    """A heavy layer: up-projection to ``hidden`` and back."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class UnevenModel(nn.Module):
+    """Layers by ``pattern``: ``s`` = Linear(dim, dim), ``H`` = Expand(dim, hidden)."""
+
+    def __init__(self, pattern: str = "sHssHs", dim: int = 16, hidden: int = 512) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.layers = nn.ModuleList(
+            Expand(dim, hidden) if kind == "H" else nn.Linear(dim, dim) for kind in pattern
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def make_uneven(seed: int = 0, **kwargs: Any) -> UnevenModel:
+    return seeded(seed, lambda: UnevenModel(**kwargs))
+
+
+def uneven_inputs(batch: int = 64, seed: int = 1) -> tuple[torch.Tensor]:
+    return (seeded(seed, lambda: torch.randn(batch, 16)),)
+
+
+# --------------------------------------------------------------------------- untraceable
+
+
+class DataDependentModel(nn.Module):
+    """Branches on tensor data in its own forward: fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if x.sum() > 0:  # data-dependent branch (the line the error must name)
+            x = -x
+        return self.b(x)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.left = nn.Linear(dim, dim)
+        self.right = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.mean() > 0:  # data-dependent branch inside a submodule
+            return self.left(x)
+        return self.right(x)
+
+
+class RoutedModel(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.pre = nn.Linear(dim, dim)
+        self.router = Router(dim)
+        self.post = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.relu(self.router(self.pre(x))))
+
+
+class ModeDependentModel(nn.Module):
+    """Reads ``self.training`` in traced code (F.dropout), so its graph depends on the mode."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(self.a(x), p=0.5, training=self.training)
+        return self.b(x)
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+class GPTLightning(pl.LightningModule):
+    """A LightningModule whose forward is what gets partitioned."""
+
+    def __init__(self, **gpt_kwargs: Any) -> None:
+        super().__init__()
+        self.model = TinyGPT(**gpt_kwargs)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def make_gpt_lightning(seed: int = 0, **kwargs: Any) -> GPTLightning:
+    return seeded(seed, lambda: GPTLightning(**kwargs))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """A scalar that depends on every floating tensor in an output pytree."""
+    from torch.utils import _pytree as pytree
+
+    terms = [
+        (t.float() * (i + 1)).square().mean()
+        for i, t in enumerate(pytree.tree_leaves(output))
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    return torch.stack(terms).sum()
+
+
+def parameter_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {
+        name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()
+    }
+
+
+def run_stagewise(stages: list[nn.Module], args: tuple, kwargs: dict) -> Any:
+    """Run stages the way a pipeline runtime does: detach at every boundary, backward per stage.
+
+    Forward: stage k receives detached copies of stage k-1's outputs (floating tensors require
+    grad). Backward: the loss of the last stage, then each earlier stage's outputs with the
+    gradients its successor accumulated on the received copies. Returns the final output.
+    """
+    from torch.utils import _pytree as pytree
+
+    def receive(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().requires_grad_(value.requires_grad)
+        return value
+
+    outputs, received = [], []
+    carried = stages[0](*args, **kwargs)
+    outputs.append(carried)
+    for stage in stages[1:]:
+        inputs = pytree.tree_map(receive, carried)
+        received.append(inputs)
+        carried = stage(inputs)
+        outputs.append(carried)
+    loss_of(carried).backward()
+    for k in range(len(stages) - 2, -1, -1):
+        pairs = [
+            (out, got.grad)
+            for out, got in zip(pytree.tree_leaves(outputs[k]), pytree.tree_leaves(received[k]))
+            if isinstance(out, torch.Tensor) and out.requires_grad and got.grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return carried

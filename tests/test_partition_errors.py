@@ -1,0 +1,170 @@
+"""Bad models and bad arguments fail with PartitionError naming the problem and the fix."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+import models
+from lightning_gsched.errors import GschedError, PartitionError
+from lightning_gsched.partition import (
+    BalanceError,
+    ModeMismatchError,
+    StageInputError,
+    TooManyStagesError,
+    TraceFailedError,
+    UnknownNameError,
+    partition,
+)
+
+
+def line_of(cls: type, text: str) -> int:
+    source, start = inspect.getsourcelines(cls)
+    return start + next(i for i, line in enumerate(source) if text in line)
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def test_data_dependent_root_forward_names_module_line_and_leaf_modules() -> None:
+    with pytest.raises(TraceFailedError) as info:
+        partition(models.DataDependentModel(), 2, (torch.randn(2, 8),))
+    message = str(info.value)
+    assert isinstance(info.value, PartitionError) and isinstance(info.value, GschedError)
+    assert "DataDependentModel.forward" in message
+    assert f"models.py:{line_of(models.DataDependentModel, 'if x.sum() > 0')}" in message
+    assert "if x.sum() > 0:" in message
+    assert "branches on a tensor's value" in message
+    assert "leaf_modules=" in message and "split_points" in message
+
+
+def test_data_dependent_submodule_without_auto_leaf_suggests_its_class() -> None:
+    with pytest.raises(TraceFailedError) as info:
+        partition(models.RoutedModel(), 2, (torch.randn(2, 8),), auto_leaf=False)
+    message = str(info.value)
+    assert "Router.forward (module 'router' of RoutedModel)" in message
+    assert f"models.py:{line_of(models.Router, 'if x.mean() > 0')}" in message
+    assert "leaf_modules=(Router,)" in message and "leaf_modules=('router',)" in message
+
+
+def test_untraceable_submodule_becomes_a_leaf_automatically() -> None:
+    module, reference = models.seeded(0, models.RoutedModel), models.seeded(0, models.RoutedModel)
+    x = torch.randn(2, 8)
+    part = partition(module, 3, (x,))
+    assert list(part.auto_leaf_modules) == ["router"]
+    assert "Router" in part.auto_leaf_modules["router"]
+    assert "router" in part.report()
+    assert part.stage_units == [["pre"], ["router", "relu"], ["post"]]
+    assert torch.equal(part(x), reference(x))
+    for leaf_modules in ((models.Router,), ("router",), ("Router",)):
+        named = partition(models.seeded(0, models.RoutedModel), 2, (x,), leaf_modules=leaf_modules)
+        assert named.auto_leaf_modules == {} and "router" in named.unit_names
+
+
+def test_lightning_demo_transformer_without_static_shapes_fails_clearly() -> None:
+    from lightning.pytorch.demos import Transformer
+
+    module = Transformer(vocab_size=40, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    x = torch.randint(0, 40, (2, 6))
+    with pytest.raises(TraceFailedError) as info:
+        partition(module, 2, (x, x), static_shapes=False)
+    message = str(info.value)
+    assert "Transformer.forward" in message
+    pattern = r"demos[/\\]transformer\.py:\d+: mask = torch\.triu\(torch\.ones\(size, size\)"
+    assert re.search(pattern, message)
+    assert "concrete Python number" in message and "static_shapes=True" in message
+    assert module.src_mask is None  # the failed trace did not leave a Proxy behind
+
+
+def test_mode_dependent_trace_refuses_to_run_in_the_other_mode() -> None:
+    module = models.seeded(0, models.ModeDependentModel)
+    x = torch.randn(4, 8)
+    part = partition(module, 2, (x,))
+    assert part.mode_dependent and "depends on train()/eval()" in part.report()
+    part(x)  # same mode as traced: fine
+    module.eval()
+    with pytest.raises(ModeMismatchError, match="partitioned in train mode"):
+        part(x)
+
+
+# ----------------------------------------------------------------------------- stage counts and names
+
+
+def test_too_many_stages_names_the_maximum() -> None:
+    args = models.mlp_inputs()
+    maximum = len(partition(models.make_mlp(), 1, args).unit_names)
+    assert len(partition(models.make_mlp(), maximum, args).stages) == maximum
+    with pytest.raises(TooManyStagesError, match=f"at most {maximum} stages"):
+        partition(models.make_mlp(), maximum + 1, args)
+    with pytest.raises(BalanceError, match="positive int"):
+        partition(models.make_mlp(), 0, args)
+
+
+def test_unknown_split_point_lists_close_matches() -> None:
+    args = models.long_skip_inputs()
+    with pytest.raises(UnknownNameError) as info:
+        partition(models.make_long_skip(), 2, args, split_points=["blokcs.2"])
+    assert "'blokcs.2' is not in the model" in str(info.value)
+    assert "'blocks.2'" in str(info.value)
+    with pytest.raises(UnknownNameError, match="'blocks.1'"):
+        partition(models.make_long_skip(), 2, args, split_points=["blocks.9"])
+
+
+def test_bad_split_points() -> None:
+    args = models.long_skip_inputs()
+    with pytest.raises(BalanceError, match="makes 2 stages, but num_stages=3"):
+        partition(models.make_long_skip(), 3, args, split_points=["blocks.2"])
+    with pytest.raises(BalanceError, match="stage 0 would be empty"):
+        partition(models.make_long_skip(), 2, args, split_points=["blocks.0"])
+    with pytest.raises(BalanceError, match="cut at the same place"):
+        partition(models.make_long_skip(), 3, args, split_points=["blocks.2", "blocks.2.0"])
+    with pytest.raises(BalanceError, match="inside leaf module 'blocks.1'"):
+        partition(models.make_cnn(), 2, models.cnn_inputs(), leaf_modules=(models.ResidualBlock,),
+                  split_points=["blocks.1.conv2"])
+    with pytest.raises(BalanceError, match="not both"):
+        partition(models.make_long_skip(), 2, args, balance=[5, 6], split_points=["blocks.2"])
+
+
+def test_unknown_leaf_module_name_and_balance_mode() -> None:
+    args = models.mlp_inputs()
+    with pytest.raises(UnknownNameError, match="'layers.1'"):
+        partition(models.make_mlp(), 2, args, leaf_modules=("layers.l",))
+    with pytest.raises(BalanceError, match="'flops' is not one of"):
+        partition(models.make_mlp(), 2, args, balance="flops")
+
+
+# ----------------------------------------------------------------------------- calling the stages
+
+
+def test_stage_zero_rejects_calls_shaped_unlike_the_example() -> None:
+    args, kwargs = models.kwargs_inputs()
+    part = partition(models.make_kwargs_model(), 2, args, kwargs)
+    with pytest.raises(StageInputError, match="traced for arguments shaped like"):
+        part(*args)  # no mask/extras: different structure
+    with pytest.raises(StageInputError, match="plain value 0.5"):
+        part(*args, **{**kwargs, "scale": 2.0})
+    with pytest.raises(StageInputError, match="takes one positional argument"):
+        part.stages[1](*part.stages[0](*args, **kwargs))
+
+
+def test_static_shape_partition_rejects_other_shapes() -> None:
+    from lightning.pytorch.demos import Transformer
+
+    module = Transformer(vocab_size=40, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    x = torch.randint(0, 40, (2, 6))
+    part = partition(module, 2, (x, x))
+    assert "static shapes" in part.report()
+    y = torch.randint(0, 40, (2, 7))
+    with pytest.raises(StageInputError, match=r"must have shape \(2, 6\), got \(2, 7\)"):
+        part(y, y)
+
+
+def test_unsupported_argument_type_is_rejected() -> None:
+    class Holder:
+        tensor = torch.randn(2, 16)
+
+    with pytest.raises(PartitionError, match="register_pytree_node"):
+        partition(models.make_mlp(), 2, (Holder(),))
