@@ -107,3 +107,21 @@ def test_fetched_stage_stays_resident_over_consecutive_uses():
     fetch, free = program.index("FETCH_W s1 <-1"), program.index("FREE_W s1")
     uses = [a for a in program[fetch:free] if a.startswith(("F s1", "B s1"))]
     assert sorted(uses) == ["B s1 b0", "B s1 b2", "F s1 b0", "F s1 b2"]
+
+
+def test_dag_of_stages_two_encoder_legs_feeding_one_head():
+    """Stages 0 and 1 are independent legs, stage 2 consumes both: pred/succ come from the graph."""
+    edges = [(0, 2), (1, 2)]
+    result = plan(placement=lambda s, b, d: (s, s), workers=3, stages=3, microbatches=4, edges=edges)
+    by_job = {(x.job.stage, x.job.micro, x.job.phase.value): x for x in result.timeline.slots}
+    for b in range(4):
+        head_forward = by_job[(2, b, "F")]
+        assert head_forward.start >= max(by_job[(0, b, "F")].end, by_job[(1, b, "F")].end)
+        assert by_job[(0, b, "B")].start >= by_job[(2, b, "B")].end
+        assert by_job[(1, b, "B")].start >= by_job[(2, b, "B")].end
+    head = [str(a) for a in result.programs.ranks[2]]
+    assert "RECV_ACT s0 b0 <-0" in head and "RECV_ACT s1 b0 <-1" in head
+    assert "SEND_GRAD s2 b0 ->0" in head and "SEND_GRAD s2 b0 ->1" in head
+    assert result.metrics.per_worker[2].activation_recvs == 2 * 4
+    # the legs run in parallel: latency is one leg + head, not two legs + head
+    assert result.metrics.latency < 4 * 3 + 4 * 3 + 3 * 3
