@@ -92,9 +92,10 @@ def test_custom_schedule_needs_sizes():
         plan(placement=lambda s, b, d: (0, 0), workers=1)
 
 
-def test_r_on_a_schedule_without_groups():
-    with pytest.raises(ScheduleConfigError, match="gpipe has no R parameter"):
-        plan("gpipe", workers=4, R=2)
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "gpipe", "1f1b"])
+def test_r_on_a_schedule_without_groups(name):
+    with pytest.raises(ScheduleConfigError, match=f"{name} has no R parameter"):
+        plan(name, workers=4, R=2)
 
 
 def test_incomparable_priorities():

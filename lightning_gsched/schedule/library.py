@@ -107,7 +107,7 @@ def get_schedule(name: str) -> ScheduleSpec:
 
 def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
     if spec.default_R is None:
-        if R not in (None, 1) and spec.name not in ("ddp",):
+        if R not in (None, 1):
             raise ScheduleConfigError(
                 f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
                 "interleaved, fslpp, fslpp-seed); drop R"

@@ -136,8 +136,11 @@ def plan(
                       backward_cost, edges, verify)
 
 
-def _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, forward_cost, backward_cost,
-           edges, verify) -> Plan:
+def _build(
+    name: str, W: int, S: int, B: int, R: int | None, order_spec: str | PriorityFn,
+    cap_spec: CapSpec, placement_fn: PlacementFn, forward_cost: float | Sequence[float],
+    backward_cost: float | Sequence[float], edges: Sequence[tuple[int, int]] | None, verify: bool,
+) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
     graph = StageGraph(S, edges)
