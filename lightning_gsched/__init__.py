@@ -16,6 +16,7 @@ __all__ = ["GschedError", "__version__"]
 
 _LAZY = {
     "partition": "lightning_gsched.partition",
+    "runtime": "lightning_gsched.runtime",
 }
 
 

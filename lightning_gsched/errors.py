@@ -37,3 +37,15 @@ class ProgramError(GschedError, RuntimeError):
 
 class PartitionError(GschedError, RuntimeError):
     """The model cannot be traced or cut as asked."""
+
+
+class RuntimeConfigError(GschedError, ValueError):
+    """Stages, programs, process groups or step inputs do not fit together (before anything runs)."""
+
+
+class RuntimeFault(GschedError, RuntimeError):
+    """A rank failed while executing its program, or timed out / lost a peer while waiting.
+
+    The message names the rank, the action (text form and index) it failed at or waited at, and,
+    when known, the root cause reported by the rank that failed first.
+    """

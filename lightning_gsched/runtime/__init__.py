@@ -1,0 +1,36 @@
+"""Execute planned programs over torch.distributed: one rank, one program, one step at a time.
+
+    from lightning_gsched.partition import partition
+    from lightning_gsched.schedule import plan
+    from lightning_gsched.runtime import ProgramExecutor
+
+    part = partition(model, S, example_args=(x,))
+    programs = plan("fslpp", workers=W, stages=S, microbatches=B).programs
+    executor = ProgramExecutor(part.stages, programs)          # collective: builds process groups
+    result = executor.step({b: ((x_b,), {}) for b in executor.first_stage_micros},
+                           loss_fn=lambda out, b: F.cross_entropy(out, y[b]))
+    optimizer.step()   # owners' param.grad == gradient of the mean loss over the global batch
+
+Modules, one job each: :mod:`.wire` (pytree <-> one message), :mod:`.channels` (process groups,
+fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport` (sends, posted
+receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
+forward/backward, stash), :mod:`.layout` (which parameters go where), :mod:`.executor` (the
+program walker), :mod:`.counters`. See ``docs/runtime.md``.
+"""
+
+from __future__ import annotations
+
+from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
+from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.counters import RuntimeCounters
+from lightning_gsched.runtime.executor import ProgramExecutor
+from lightning_gsched.runtime.layout import StepResult
+
+__all__ = [
+    "Channels",
+    "ProgramExecutor",
+    "RuntimeConfigError",
+    "RuntimeCounters",
+    "RuntimeFault",
+    "StepResult",
+]

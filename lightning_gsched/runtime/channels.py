@@ -1,0 +1,178 @@
+"""The process groups one executor talks over, and the job-wide fault notice.
+
+Why one group per channel kind: programs are FIFO per (src, dst) *per channel* (``p2p`` for
+activations and input-gradients, ``weights``, ``grads``), and backends without message tags
+(NCCL) only order messages within one communicator. A ``p2p`` message is a fixed-size header
+followed by a payload whose size the header announces; headers and payloads travel on two
+groups so that several posted header receives from one peer can never swallow a payload.
+Each kind has one group per direction (messages from the lower to the higher rank, and back):
+NCCL runs the point-to-point operations of one communicator in issue order, so a receive posted
+early from a peer must not be able to hold back a later send *to* that peer.
+Replica all-reduces get one subgroup per distinct member set, and tied (shared) parameters one
+world group for their end-of-step all-reduce.
+
+``dist.new_group`` is collective over the whole job, so every rank must build its ``Channels``
+in the same order with the same programs; the groups are derived from the programs alone.
+
+On a failure the executor calls :meth:`Channels.abort`: it writes the first failure into the
+job's store (peers quote it as the root cause) and destroys every group of this object, which
+closes its connections, so peers blocked on this rank fail at once instead of at their timeout.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.schedule.program import Op, Programs
+
+KINDS = ("p2p_head", "p2p_body", "weights", "grads")
+_SERIAL = itertools.count()  # same sequence on every rank: Channels are built collectively
+
+
+def default_store() -> Any | None:
+    """The default process group's store, used for the fault notice (None if unavailable)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - the notice is an optional courtesy
+        return None
+
+
+def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
+    """Distinct ``ALLREDUCE_G`` member sets (and replicated owners), sorted: the creation order."""
+    groups = {tuple(owners) for owners in programs.owners if len(owners) > 1}
+    for program in programs.ranks:
+        groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
+    return sorted(groups)
+
+
+class Channels:
+    """Process groups per channel kind, replica subgroups, and the fault notice.
+
+    Args:
+        programs: the programs the executor will run (they decide the replica subgroups).
+        timeout: seconds; also the process groups' own timeout, which bounds collectives.
+        store: a ``torch.distributed.Store`` shared by the job for the fault notice; default:
+            the default process group's store.
+    """
+
+    def __init__(
+        self, programs: Programs, *, timeout: float = 300.0, store: Any | None = None
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeConfigError(
+                "torch.distributed is not initialized; call dist.init_process_group(...) on every "
+                "rank before building the runtime."
+            )
+        world = dist.get_world_size()
+        if world != programs.world_size:
+            raise RuntimeConfigError(
+                f"the programs are for {programs.world_size} workers but the job has {world} "
+                f"ranks; plan with workers={world}."
+            )
+        self.rank = dist.get_rank()
+        self.world_size = world
+        self.timeout = float(timeout)
+        self.serial = next(_SERIAL)
+        self.store = store if store is not None else default_store()
+        span = timedelta(seconds=self.timeout)
+        everyone = list(range(world))
+        self.groups: dict[tuple[str, bool], Any] = {
+            (kind, up): dist.new_group(everyone, timeout=span)
+            for kind in KINDS
+            for up in (True, False)
+        }
+        self.shared = dist.new_group(everyone, timeout=span)
+        self.replicas: dict[tuple[int, ...], Any] = {
+            members: dist.new_group(list(members), timeout=span)
+            for members in replica_groups(programs)
+        }
+        self.closed = False
+
+    # ------------------------------------------------------------------ messages
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeConfigError(
+                "these channels are closed (after a failure or close()); build a new executor "
+                "(and new channels) on every rank to continue."
+            )
+
+    def group(self, kind: str, src: int, dst: int) -> Any:
+        """The group carrying ``kind`` messages from ``src`` to ``dst``."""
+        self._check_open()
+        return self.groups[(kind, src < dst)]
+
+    def isend(self, tensor: Any, peer: int, kind: str) -> Any:
+        return dist.isend(tensor, peer, group=self.group(kind, self.rank, peer))
+
+    def irecv(self, tensor: Any, peer: int, kind: str) -> Any:
+        return dist.irecv(tensor, peer, group=self.group(kind, peer, self.rank))
+
+    def _collective_group(self, members: tuple[int, ...] | None) -> Any:
+        self._check_open()
+        return self.shared if members is None else self.replicas[tuple(members)]
+
+    def all_reduce(self, tensor: Any, members: tuple[int, ...] | None) -> Any:
+        """Start an async SUM all-reduce over ``members`` (None: every rank)."""
+        group = self._collective_group(members)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def broadcast(self, tensor: Any, src: int, members: tuple[int, ...] | None) -> None:
+        dist.broadcast(tensor, src, group=self._collective_group(members))
+
+    # ------------------------------------------------------------------ faults
+
+    @property
+    def _fault_key(self) -> str:
+        return f"lightning_gsched/fault/{self.serial}"
+
+    def report_fault(self, message: str) -> None:
+        """Record the first failure of this job's channels (later reports keep the first)."""
+        if self.store is None:
+            return
+        try:
+            self.store.compare_set(self._fault_key, "", message)
+        except Exception:  # noqa: BLE001 - never mask the real failure
+            pass
+
+    def first_fault(self) -> str | None:
+        """The failure another rank recorded, if any (never blocks)."""
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self._fault_key]):
+                return self.store.get(self._fault_key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return None
+        return None
+
+    def abort(self) -> None:
+        """Destroy every group of this object: peers blocked on this rank error out promptly.
+
+        The caller must have dropped its pending work handles first (they keep the groups'
+        connections alive).
+        """
+        self.close()
+
+    def close(self) -> None:
+        """Release the process groups (local; call on every rank when done with the executor)."""
+        if self.closed:
+            return
+        self.closed = True
+        groups = [*self.groups.values(), self.shared, *self.replicas.values()]
+        self.groups, self.replicas, self.shared = {}, {}, None
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        del groups
+        gc.collect()

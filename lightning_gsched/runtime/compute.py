@@ -1,0 +1,101 @@
+"""Forward and backward of one stage on one microbatch, and the stash between them.
+
+Why cut every boundary: each ``B s b`` of a program is a separate action (possibly hours of
+other actions apart, with the stage's weights freed and refetched in between), so a stage's
+backward must cover that stage only. Stage inputs are therefore always fresh leaves (received,
+or detached from the local producer), and the backward of stage ``s`` is
+``autograd.backward(outputs of F s b, gradients of those outputs)``, after which the inputs'
+``.grad`` are the gradients to hand to stage ``s - 1``.
+
+The last stage's backward starts from ``loss_fn(output, b) / B``: with the global batch split
+into B microbatches, the summed gradients equal one step on the mean loss of the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.runtime import wire
+
+LossFn = Callable[[Any, int], torch.Tensor]
+
+
+@dataclass
+class Stashed:
+    """What ``B s b`` needs from ``F s b``: the graph's roots and the input leaves."""
+
+    inputs: list[torch.Tensor]  # stage inputs (fresh leaves); their .grad is the input-gradient
+    outputs: list[torch.Tensor] = field(default_factory=list)  # non-last stage: output tensors
+    loss: torch.Tensor | None = None  # last stage: loss / B
+
+
+class StageCompute:
+    """Runs stages and keeps the stash; knows nothing about ranks or messages."""
+
+    def __init__(self, stages: Sequence[nn.Module], num_micro: int) -> None:
+        self.stages = list(stages)
+        self.last = len(self.stages) - 1
+        self.num_micro = num_micro
+        self.stash: dict[tuple[int, int], Stashed] = {}
+
+    def forward(
+        self,
+        s: int,
+        b: int,
+        args: tuple,
+        kwargs: dict,
+        in_leaves: list[torch.Tensor],
+        loss_fn: LossFn,
+    ) -> tuple[wire.Split | None, torch.Tensor | None]:
+        """Run ``F s b``; returns (output split for the next stage, unscaled loss on the last)."""
+        with torch.enable_grad():
+            output = self.stages[s](*args, **kwargs)
+            if s == self.last:
+                loss = loss_fn(output, b)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise RuntimeConfigError(
+                        f"loss_fn(output, {b}) must return a scalar tensor, got {_describe(loss)}; "
+                        "reduce the loss (e.g. .mean()) inside loss_fn."
+                    )
+                self.stash[(s, b)] = Stashed(in_leaves, loss=loss.reshape(()) / self.num_micro)
+                return None, loss.detach()
+        parts = wire.split(output, what=f"output of stage {s}")
+        self.stash[(s, b)] = Stashed(in_leaves, outputs=parts.tensors)
+        return parts, None
+
+    def backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:
+        """Run ``B s b``; returns the gradients of the stage's input tensors (None where none)."""
+        stashed = self.stash.pop((s, b))
+        if stashed.loss is not None:
+            if stashed.loss.requires_grad:
+                stashed.loss.backward()
+        else:
+            grads = list(out_grads or [])
+            if len(grads) != len(stashed.outputs):
+                raise RuntimeConfigError(
+                    f"B s{s} b{b} got {len(grads)} output gradients for {len(stashed.outputs)} "
+                    "output tensors; every rank must run the same model and partition."
+                )
+            pairs = [
+                (out, grad)
+                for out, grad in zip(stashed.outputs, grads)
+                if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return [t.grad if t.requires_grad else None for t in stashed.inputs]
+
+    @property
+    def stashed(self) -> int:
+        return len(self.stash)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

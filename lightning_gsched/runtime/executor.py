@@ -1,0 +1,162 @@
+"""Execute one rank's program for one optimizer step.
+
+``ProgramExecutor(stages, programs)`` is built once on every rank (collectively: it creates the
+process groups); ``step(inputs, loss_fn)`` walks this rank's program in order:
+
+* ``F``/``B`` run the stage (see :mod:`.compute`); a forward's input comes from the posted
+  ``RECV_ACT`` or from the local producer, a backward's output gradients from ``RECV_GRAD`` or
+  from the local consumer's backward; the stage's fetched weights are waited for first.
+* ``SEND_*``/``REDUCE_G`` start a send and move on; ``RECV_*``/``FETCH_W`` post a receive that
+  the first consumer waits for (:mod:`.transport`).
+* ``FETCH_W``/``FREE_W`` make a non-owned stage resident / release it (:mod:`.flat`).
+* ``RECV_G`` gradients are summed into the owner's before its ``ALLREDUCE_G`` or at the end;
+  ``ALLREDUCE_G`` starts an async SUM over the replica owners and is waited for at the end.
+
+At the end of the step every owner's ``param.grad`` is the gradient of the mean loss over all B
+microbatches (the global batch), replicas included, and tied parameters' gradients are summed
+over all ranks. Any failure raises :class:`RuntimeFault` naming rank, action and cause, after
+aborting this executor's channels so that no peer hangs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
+from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.compute import LossFn, StageCompute
+from lightning_gsched.runtime.counters import RuntimeCounters
+from lightning_gsched.runtime.faults import Waiter
+from lightning_gsched.runtime.layout import StepResult, build_flat_stages, check_programs
+from lightning_gsched.runtime.step import StepRun
+from lightning_gsched.runtime.transport import Transport, label
+from lightning_gsched.schedule.program import Action, Op, Programs
+
+
+class ProgramExecutor:
+    """Runs this rank's program of ``programs`` over ``stages`` (see the module docstring).
+
+    Args:
+        stages: the model's stages, e.g. ``partition(model, S, ...).stages``; every rank passes
+            its own replica, built identically (same split, same parameter order).
+        programs: ``plan(...).programs``, the same on every rank.
+        channels: process groups to use; default: new ones (collective, same order everywhere).
+        timeout: seconds any single wait may take before the step fails with a RuntimeFault.
+        sync_weights: broadcast replicated stages from their first owner and tied parameters
+            from rank 0 at construction, so replicas start equal even if models were not.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        programs: Programs,
+        *,
+        channels: Channels | None = None,
+        timeout: float = 300.0,
+        sync_weights: bool = True,
+    ) -> None:
+        check_programs(stages, programs)
+        self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
+        self.rank = self.channels.rank
+        self.programs = programs
+        self.program: list[Action] = programs.ranks[self.rank]
+        self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
+        self.owned = set(programs.owned_stages(self.rank))
+        self.flats, self.shared, self.device = build_flat_stages(stages, self.owned)
+        self.compute = StageCompute(stages, self.num_micro)
+        self._position = "the start of its program"
+        self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
+        self.transport = Transport(self.channels, self.waiter, self.device)
+        ran = [(a.stage, a.micro) for a in self.program if a.op is Op.F]
+        self.first_stage_micros = sorted(b for s, b in ran if s == 0)
+        self.last_stage_micros = sorted(b for s, b in ran if s == self.num_stages - 1)
+        self.local_forward = set(ran)
+        self.local_backward = {(a.stage, a.micro) for a in self.program if a.op is Op.B}
+        self.last_counters: RuntimeCounters | None = None
+        if sync_weights:
+            self._sync_weights()
+
+    # ------------------------------------------------------------------ public
+
+    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn) -> StepResult:
+        """Run this rank's program once: forward, backward and gradient reduction of one step.
+
+        Args:
+            inputs: ``{b: (args, kwargs)}``, the call of stage 0 (the model's ``forward``) on
+                microbatch ``b``, for at least ``self.first_stage_micros`` (others are ignored).
+            loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``
+                with the model's output on microbatch ``b`` (targets are the caller's business).
+        Returns:
+            :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
+        """
+        state = StepRun(self, inputs, loss_fn)
+        try:
+            self._guarded(self._check_inputs, inputs)
+            for index, action in enumerate(self.program):
+                self._position = label(action, index)
+                self._guarded(state.run, action, index)
+            self._position = "the end of its program"
+            self._guarded(state.finish)
+        except RuntimeFault as fault:
+            state.drop()
+            self._abort(getattr(fault, "headline", str(fault)))
+            raise
+        self.last_counters = state.counters
+        return StepResult(state.losses, state.counters)
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        """Run ``fn``; any failure becomes a RuntimeFault naming this rank and its position."""
+        try:
+            fn(*args)
+        except RuntimeFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported with rank and action
+            raise RuntimeFault(
+                f"rank {self.rank} failed at {self._position}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        """Release the process groups (the executor cannot step afterwards)."""
+        self.channels.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_inputs(self, inputs: Mapping[int, Any]) -> None:
+        missing = [b for b in self.first_stage_micros if b not in inputs]
+        if missing:
+            raise RuntimeConfigError(
+                f"rank {self.rank} runs stage 0 on microbatches {self.first_stage_micros} but "
+                f"step() got no inputs for {missing}; pass {{b: (args, kwargs)}} for (at least) "
+                "executor.first_stage_micros."
+            )
+        for b in self.first_stage_micros:
+            call = inputs[b]
+            if not (
+                isinstance(call, tuple)
+                and len(call) == 2
+                and isinstance(call[0], (tuple, list))
+                and isinstance(call[1], Mapping)
+            ):
+                raise RuntimeConfigError(
+                    f"inputs[{b}] must be (args, kwargs), e.g. ((x,), {{}}); "
+                    f"got {type(call).__name__}."
+                )
+
+    def _sync_weights(self) -> None:
+        for s, owners in enumerate(self.programs.owners):
+            if len(owners) > 1 and self.rank in owners and self.flats[s].numel:
+                self.channels.broadcast(self.flats[s].flat, owners[0], tuple(owners))
+        if self.shared.params and self.channels.world_size > 1:
+            with torch.no_grad():
+                for p in self.shared.params:
+                    self.channels.broadcast(p.data, 0, None)
+
+    def _abort(self, message: str) -> None:
+        """Tell the job what failed first, then drop every handle and destroy the groups."""
+        self.channels.report_fault(message)
+        self.transport.drop_all()
+        self.compute.stash.clear()
+        self.channels.abort()

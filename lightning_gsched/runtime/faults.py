@@ -1,0 +1,88 @@
+"""Bounded waits and the errors a rank raises when it fails or a peer does.
+
+Why: a distributed step must never hang. Every blocking wait of the runtime goes through
+:meth:`Waiter.wait`, which waits at most ``timeout`` seconds and turns a timeout or a lost
+connection into a :class:`RuntimeFault` naming this rank, the action it was executing and the
+message it was waiting for, plus the first failure any rank reported (the root cause).
+
+Gloo's point-to-point work objects cannot be polled (``is_completed()`` stays False until
+``wait()``), so a wait is one ``work.wait(timeout=...)`` call. A rank that fails destroys its
+process groups (:meth:`Channels.abort`), which makes its peers' waits fail at once with a lost
+connection; a rank that hangs is caught by its peers' timeouts.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from lightning_gsched.errors import RuntimeFault
+from lightning_gsched.runtime.channels import Channels
+
+_GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
+
+
+def short_reason(exc: BaseException) -> str:
+    """One line of a backend error, without gloo's source-location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = _GLOO_PREFIX.sub("", text)
+    text = text.split(" This is typically")[0].rstrip(".")  # gloo's generic advice
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Waiter:
+    """Waits on communication handles with a deadline; builds the fault messages.
+
+    ``where`` returns the current position, e.g. ``"'F s1 b0' (action 3)"``.
+    """
+
+    def __init__(
+        self, rank: int, channels: Channels, timeout: float, where: Callable[[], str]
+    ) -> None:
+        self.rank = rank
+        self.channels = channels
+        self.timeout = float(timeout)
+        self.where = where
+
+    def wait(self, work: Any, what: str) -> None:
+        """Block until ``work`` completes, at most ``timeout`` s; ``what`` names the message."""
+        start = time.monotonic()
+        try:
+            done = work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - every backend failure becomes a RuntimeFault
+            raise self.fault(what, exc, time.monotonic() - start) from exc
+        if done is False:
+            raise self.fault(what, None, time.monotonic() - start)
+
+    def fault(self, what: str, exc: BaseException | None, elapsed: float) -> RuntimeFault:
+        text = "" if exc is None else str(exc).lower()
+        timed_out = exc is None or "timed out" in text or "timeout" in text
+        where = f"at {self.where()} waiting for {what}"
+        if timed_out:
+            message = (
+                f"rank {self.rank} timed out {where}: nothing arrived within {self.timeout:g} s"
+            )
+        else:
+            message = (
+                f"rank {self.rank} stopped {where}: lost the connection to a peer after "
+                f"{elapsed:.1f} s ({short_reason(exc)})"
+            )
+        fault = RuntimeFault(message + self.root_cause())
+        fault.headline = message  # what peers quote as the root cause
+        return fault
+
+    def root_cause(self) -> str:
+        first = self.channels.first_fault()
+        if first and not first.startswith(f"rank {self.rank} "):
+            return f". First failure reported in the job: {first}"
+        if first:
+            return ""
+        return (
+            ". No rank reported a failure: a peer is stuck, died, or runs different programs "
+            "(every rank must plan the same schedule, stages and microbatches); raise timeout= "
+            "if a peer is only slower"
+        )

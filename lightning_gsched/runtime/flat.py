@@ -1,0 +1,192 @@
+"""One contiguous buffer per stage for its weights, one for its gradients.
+
+Why: a weight fetch or a gradient reduction of a stage is then exactly one message of a size both
+ends know (no header), and freeing a fetched stage is one storage release. Parameters become
+views into the buffer (``param.data``), gradients views into the gradient buffer (``param.grad``;
+autograd accumulates into them in place).
+
+Freeing works like FSDP's reshard: the stage's storage is resized to 0 bytes (memory really
+released) and every parameter's ``.data`` becomes an empty tensor, so nothing outside a
+fetch..free window can read stale weights. The *same* storage object is resized again and
+refilled by the next fetch: tensors autograd saved during a forward under an earlier fetch
+(views of the weights) then see the refetched values, so a backward after a refetch is correct.
+
+Tied parameters (the same ``Parameter`` in several stages) are not part of any stage buffer:
+they stay replicated on every rank and their gradients are summed over all ranks at the end of
+the step (a :class:`FlatGrads` of its own).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lightning_gsched.errors import RuntimeConfigError
+
+
+def _layout(params: Sequence[nn.Parameter]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    return offsets, total
+
+
+class FlatStage:
+    """The weights and gradients of one stage on one rank (owned, or fetched on demand)."""
+
+    def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool) -> None:
+        self.index = index
+        self.params = list(params)
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise RuntimeConfigError(
+                f"stage {index} mixes parameter dtypes/devices "
+                f"{sorted(map(str, dtypes | devices))}; "
+                "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
+                "move it to one device before building the runtime."
+            )
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.shapes = [p.shape for p in self.params]
+        self.sizes = [p.numel() for p in self.params]  # params of a non-owned stage go empty
+        self.offsets, self.numel = _layout(self.params)
+        self.grads = FlatGrads(self.params, self.dtype, self.device)
+        self.owned = owned
+        self.flat: torch.Tensor | None = None  # weights; storage kept across fetches
+        self.resident = False
+        self.materialized = False
+        if owned:
+            self._adopt()
+        else:
+            self._release_params()
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def _adopt(self) -> None:
+        """Owner: copy the current weights into the flat buffer and point the params at it."""
+        self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                self.flat[off : off + p.numel()].copy_(p.data.reshape(-1))
+        self._point_params()
+        self.resident = True
+
+    def _point_params(self) -> None:
+        assert self.flat is not None
+        for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+            p.data = self.flat[off : off + size].view(shape)
+        self.materialized = True
+
+    def _release_params(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+        self.materialized = False
+
+    def ensure_owned_views(self) -> None:
+        """Owner: re-point params that something outside replaced (keeps their values)."""
+        assert self.flat is not None
+        start, end = self.flat.data_ptr(), self.flat.data_ptr() + self.nbytes
+        for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+            if size and not (start <= p.data_ptr() < end):
+                with torch.no_grad():
+                    self.flat[off : off + size].copy_(p.data.reshape(-1))
+                p.data = self.flat[off : off + size].view(shape)
+
+    def fetch_buffer(self) -> torch.Tensor:
+        """Non-owner: (re)allocate the stage's storage; the returned tensor receives the weights."""
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        else:
+            self.flat.untyped_storage().resize_(self.nbytes)
+        self.resident = True
+        return self.flat
+
+    def materialize(self) -> None:
+        """Non-owner, after the fetch completed: parameters become views of the fetched buffer."""
+        if not self.materialized:
+            self._point_params()
+
+    def free(self) -> None:
+        """Non-owner: release the fetched weights for real (storage to 0 bytes)."""
+        self._release_params()
+        if self.flat is not None:
+            self.flat.untyped_storage().resize_(0)
+        self.resident = False
+
+    def resident_bytes(self) -> int:
+        return self.flat.untyped_storage().nbytes() if self.flat is not None else 0
+
+    # ------------------------------------------------------------------ gradients
+
+    def zero_grads(self) -> None:
+        self.grads.zero()
+
+    def take_grads(self) -> torch.Tensor:
+        """Non-owner: hand over the accumulated flat gradient and stop holding it."""
+        return self.grads.take()
+
+
+class FlatGrads:
+    """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views).
+
+    Used per stage, and once for the tied parameters, whose gradient is summed over all ranks.
+    """
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.offsets, self.numel = _layout(self.params)
+        self.shapes = [p.shape for p in self.params]  # taken while the weights are present
+        self.sizes = [p.numel() for p in self.params]
+        self.dtype, self.device = dtype, device
+        self.flat: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.flat is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def zero(self) -> None:
+        """Start accumulating in a zeroed flat buffer (allocated on first use)."""
+        if self.flat is None:
+            self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        else:
+            self.flat.zero_()
+        for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+            p.grad = self.flat[off : off + size].view(shape)
+
+    def sync(self) -> torch.Tensor:
+        """The flat gradient, folding in any ``.grad`` autograd did not accumulate in place."""
+        if self.flat is None:
+            self.zero()
+        assert self.flat is not None
+        with torch.no_grad():
+            for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+                view = self.flat[off : off + size]
+                if p.grad is None:
+                    p.grad = view.view(shape)
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad.reshape(-1))
+                    p.grad = view.view(shape)
+        return self.flat
+
+    def take(self) -> torch.Tensor:
+        """Hand over the flat gradient and stop holding it (``param.grad`` becomes None)."""
+        flat = self.sync()
+        for p in self.params:
+            p.grad = None
+        self.flat = None
+        return flat

@@ -1,0 +1,270 @@
+"""The state of one step on one rank: what each action of the program does.
+
+Why a separate object: everything in it lives exactly one step (posted receives, values produced
+for a send or a local consumer, pending gradient receives and all-reduces, counters) and is
+dropped at once on a failure, before the executor destroys its process groups (pending handles
+keep connections open). The executor (:mod:`.executor`) owns what outlives a step: stages, flat
+buffers, channels. One method per op, named after it (``F`` -> ``_f``, ``FETCH_W`` ->
+``_fetch_w``); the semantics are those the dry run proves (see ``docs/runtime.md``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.runtime import wire
+from lightning_gsched.runtime.compute import LossFn
+from lightning_gsched.runtime.counters import RuntimeCounters
+from lightning_gsched.runtime.transport import label
+from lightning_gsched.schedule.program import Action, Op
+
+if TYPE_CHECKING:
+    from lightning_gsched.runtime.executor import ProgramExecutor
+
+
+class StepRun:
+    """State of one step: posted receives, produced values, pending reductions, counters."""
+
+    def __init__(
+        self, ex: ProgramExecutor, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn
+    ) -> None:
+        self.ex = ex
+        self.inputs = inputs
+        self.loss_fn = loss_fn
+        self.transport = ex.transport
+        self.counters = RuntimeCounters(owned_stages=len(ex.owned))
+        ex.transport.counters = self.counters
+        self.losses: dict[int, torch.Tensor] = {}
+        self.received: dict[tuple[Op, int, int], Any] = {}  # posted RECV_ACT / RECV_GRAD
+        self.produced_acts: dict[tuple[int, int], wire.Split] = {}
+        self.produced_grads: dict[tuple[int, int], list] = {}
+        self.fetches: dict[int, tuple[Any, str]] = {}  # stage -> (work, label) until waited
+        self.grad_recvs: dict[int, list[tuple[Any, torch.Tensor, str]]] = {}
+        self.allreduces: list[tuple[Any, str]] = []
+        self.reduced: set[int] = set()  # stages whose ALLREDUCE_G has started
+        self.resident = len(ex.owned)
+        self.counters.peak_resident_stages = self.resident
+        for s in ex.owned:
+            ex.flats[s].ensure_owned_views()
+            ex.flats[s].zero_grads()
+        ex.shared.zero()
+        self._note_bytes()
+
+    def drop(self) -> None:
+        """Forget every pending handle and value (after a failure, before the groups go)."""
+        self.received.clear()
+        self.fetches.clear()
+        self.grad_recvs.clear()
+        self.allreduces.clear()
+        self.produced_acts.clear()
+        self.produced_grads.clear()
+
+    def run(self, action: Action, index: int) -> None:
+        getattr(self, f"_{action.op.value.lower()}")(action, index)
+
+    # ------------------------------------------------------------------ compute
+
+    def _f(self, a: Action, index: int) -> None:
+        s, b = a.stage, a.micro
+        self._weights_ready(s)
+        if s == 0:
+            args, kwargs = self.inputs[b]
+            leaves: list[torch.Tensor] = []
+        else:
+            message = self.received.pop((Op.RECV_ACT, s - 1, b), None)
+            if message is not None:
+                value, leaves = self.transport.wait_pytree(message)
+            else:
+                parts = self.produced_acts.pop((s - 1, b))
+                leaves = wire.detached_leaves(parts.tensors)
+                value = wire.join(parts.structure, leaves)
+            args, kwargs = (value,), {}
+        parts, loss = self.ex.compute.forward(s, b, tuple(args), dict(kwargs), leaves, self.loss_fn)
+        if loss is not None:
+            self.losses[b] = loss
+        else:
+            self.produced_acts[(s, b)] = parts
+        self.counters.peak_activations = max(
+            self.counters.peak_activations, self.ex.compute.stashed
+        )
+
+    def _b(self, a: Action, index: int) -> None:
+        s, b = a.stage, a.micro
+        if s in self.reduced:
+            raise RuntimeConfigError(
+                f"B s{s} b{b} after ALLREDUCE_G of stage {s} started; the all-reduce must come "
+                "after the stage's last backward on this rank."
+            )
+        self._weights_ready(s)
+        flat = self.ex.flats[s]
+        if not flat.grads.active:
+            flat.zero_grads()  # first backward of a fetched stage in this run
+        grads = None
+        if s < self.ex.num_stages - 1:
+            message = self.received.pop((Op.RECV_GRAD, s + 1, b), None)
+            if message is not None:
+                grads, _ = self.transport.wait_pytree(message)
+            else:
+                grads = self.produced_grads.pop((s + 1, b))
+        input_grads = self.ex.compute.backward(s, b, grads)
+        if s > 0:
+            self.produced_grads[(s, b)] = input_grads
+
+    def _weights_ready(self, s: int) -> None:
+        flat = self.ex.flats[s]
+        if s in self.fetches:
+            work, what = self.fetches.pop(s)
+            self.transport.wait(work, what)
+        if not flat.resident:
+            raise RuntimeConfigError(
+                f"stage {s}'s weights are not resident on rank {self.ex.rank} (neither owned nor "
+                "fetched); the programs do not match this rank. Plan once and pass the same "
+                "programs on every rank."
+            )
+        flat.materialize()
+
+    # ------------------------------------------------------------------ activations and grads
+
+    def _send_act(self, a: Action, index: int) -> None:
+        key = (a.stage, a.micro)
+        parts = self.produced_acts[key]
+        if (a.stage + 1, a.micro) not in self.ex.local_forward:
+            del self.produced_acts[key]
+        self.transport.send_pytree(parts, a.peer, label(a, index))
+        self.counters.activation_sends += 1
+
+    def _recv_act(self, a: Action, index: int) -> None:
+        self.received[(Op.RECV_ACT, a.stage, a.micro)] = self.transport.post_pytree(
+            a.peer, label(a, index)
+        )
+        self.counters.activation_recvs += 1
+
+    def _send_grad(self, a: Action, index: int) -> None:
+        key = (a.stage, a.micro)
+        grads = self.produced_grads[key]
+        if (a.stage - 1, a.micro) not in self.ex.local_backward:
+            del self.produced_grads[key]
+        parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
+        self.transport.send_pytree(parts, a.peer, label(a, index))
+        self.counters.input_grad_sends += 1
+
+    def _recv_grad(self, a: Action, index: int) -> None:
+        self.received[(Op.RECV_GRAD, a.stage, a.micro)] = self.transport.post_pytree(
+            a.peer, label(a, index)
+        )
+        self.counters.input_grad_recvs += 1
+
+    # ------------------------------------------------------------------ weights
+
+    def _fetch_w(self, a: Action, index: int) -> None:
+        flat = self.ex.flats[a.stage]
+        if flat.resident:
+            raise RuntimeConfigError(f"FETCH_W of stage {a.stage}, which is already resident here")
+        work = self.transport.post_flat(flat.fetch_buffer(), a.peer, "weights")
+        self.fetches[a.stage] = (work, label(a, index))
+        self.counters.weight_fetches += 1
+        self.resident += 1
+        self.counters.peak_resident_stages = max(self.counters.peak_resident_stages, self.resident)
+        self._note_bytes()
+
+    def _send_w(self, a: Action, index: int) -> None:
+        flat = self.ex.flats[a.stage]
+        if not flat.owned:
+            raise RuntimeConfigError(
+                f"SEND_W of stage {a.stage}, which rank {self.ex.rank} does not own"
+            )
+        self.transport.send_flat(flat.flat, a.peer, "weights", label(a, index))
+        self.counters.weight_serves += 1
+
+    def _free_w(self, a: Action, index: int) -> None:
+        flat = self.ex.flats[a.stage]
+        if a.stage in self.fetches:  # fetched but never used: the receive must land first
+            work, what = self.fetches.pop(a.stage)
+            self.transport.wait(work, what)
+        if flat.grads.active:
+            raise RuntimeConfigError(
+                f"FREE_W of stage {a.stage} while its gradients were not sent to the owner "
+                "(REDUCE_G must come first); the programs are not from this planner."
+            )
+        flat.free()
+        self.resident -= 1
+
+    # ------------------------------------------------------------------ gradients
+
+    def _reduce_g(self, a: Action, index: int) -> None:
+        flat = self.ex.flats[a.stage]
+        grad = flat.take_grads()
+        self.transport.send_flat(grad, a.peer, "grads", label(a, index))
+        self.counters.grad_sends += 1
+
+    def _recv_g(self, a: Action, index: int) -> None:
+        if a.stage in self.reduced:
+            raise RuntimeConfigError(
+                f"RECV_G of stage {a.stage} after its ALLREDUCE_G started; gradients must be "
+                "received before the replicas reduce them."
+            )
+        flat = self.ex.flats[a.stage]
+        buffer = torch.empty(flat.grads.numel, dtype=flat.dtype, device=flat.device)
+        work = self.transport.post_flat(buffer, a.peer, "grads")
+        self.grad_recvs.setdefault(a.stage, []).append((work, buffer, label(a, index)))
+        self.counters.grad_recvs += 1
+
+    def _add_received_grads(self, s: int) -> None:
+        pending = self.grad_recvs.pop(s, [])
+        if not pending:
+            return
+        total = self.ex.flats[s].grads.sync()
+        for work, buffer, what in pending:
+            self.transport.wait(work, what)
+            total.add_(buffer)
+
+    def _allreduce_g(self, a: Action, index: int) -> None:
+        s = a.stage
+        self._add_received_grads(s)
+        grad = self.ex.flats[s].grads.sync()
+        if grad.numel():
+            work = self.ex.channels.all_reduce(grad, a.group)
+            self.allreduces.append(
+                (work, f"the all-reduce of {label(a, index)} among ranks {list(a.group)}")
+            )
+        self.reduced.add(s)
+        self.counters.allreduces += 1
+        self.counters.allreduce_bytes += grad.numel() * grad.element_size()
+
+    # ------------------------------------------------------------------ end of step
+
+    def finish(self) -> None:
+        leftovers = [*self.received, *self.fetches]
+        self.transport.flush_headers()
+        for s in sorted(self.grad_recvs):
+            self._add_received_grads(s)
+        for work, what in self.allreduces:
+            self.transport.wait(work, what)
+        self._reduce_shared()
+        self.transport.drain_sends()
+        if leftovers or self.ex.compute.stash:
+            raise RuntimeConfigError(
+                f"rank {self.ex.rank} ends its program with unconsumed receives {leftovers} or "
+                f"stashed activations {sorted(self.ex.compute.stash)}; the programs are "
+                "inconsistent."
+            )
+        self._note_bytes()
+
+    def _reduce_shared(self) -> None:
+        shared = self.ex.shared
+        if not shared.params or self.ex.channels.world_size == 1:
+            return
+        grad = shared.sync()
+        work = self.ex.channels.all_reduce(grad, None)
+        self.transport.wait(work, "the all-reduce of tied-parameter gradients over all ranks")
+        self.counters.shared_allreduces += 1
+        self.counters.shared_allreduce_bytes += grad.numel() * grad.element_size()
+
+    def _note_bytes(self) -> None:
+        resident = sum(f.resident_bytes() for f in self.ex.flats)
+        self.counters.peak_resident_param_bytes = max(
+            self.counters.peak_resident_param_bytes, resident
+        )

@@ -1,0 +1,208 @@
+"""Run check functions on W CPU processes that share one gloo job, started once per module.
+
+Why: starting processes and a process group costs seconds on a 2-core machine, while one check
+(a step of a tiny model) costs milliseconds. A :class:`DistWorld` spawns W workers once; each
+:meth:`DistWorld.run` sends one check to every rank, the ranks run it collectively, and the parent
+gets every rank's return value, or an ``AssertionError`` carrying every failing rank's traceback.
+
+A check is a module-level function ``fn(ctx, *args, **kwargs)`` (pickled by reference, so it
+must live in an importable module such as the test file itself); ``ctx`` is a
+:class:`WorkerContext`.
+Exceptions raised by a check are returned as :class:`RankError` values when ``expect_errors=True``
+(fault tests), so a test can assert on each rank's message.
+
+    world = DistWorld(4)        # or the ``worlds`` fixture below: one world alive at a time
+    results = world.run(my_check, "gpipe")
+    world.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT = 120.0
+
+
+@dataclass
+class WorkerContext:
+    """What a check gets: its rank, the world size and the job's store."""
+
+    rank: int
+    world_size: int
+    store: Any
+
+
+@dataclass
+class RankError:
+    """An exception a check raised on one rank (type name, message, traceback text)."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    seconds: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        store=store,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    ctx = WorkerContext(rank, world_size, store)
+    results.put(("ready", rank, None))
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        job_id, fn, args, kwargs = job
+        start = time.monotonic()
+        try:
+            value = fn(ctx, *args, **kwargs)
+            results.put((job_id, rank, value))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+            results.put(
+                (
+                    job_id,
+                    rank,
+                    RankError(
+                        rank,
+                        type(exc).__name__,
+                        str(exc),
+                        traceback.format_exc(),
+                        time.monotonic() - start,
+                    ),
+                )
+            )
+    try:
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)  # skip interpreter teardown (gloo threads); the parent already has results
+
+
+class DistWorld:
+    """W spawned worker processes in one gloo job (see the module docstring)."""
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        context = mp.get_context("spawn")
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self._procs = [
+            context.Process(
+                target=_worker,
+                args=(r, world_size, port, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._next_id = 0
+        self._dead: str | None = None
+        self._collect("ready", timeout=max(timeout, 120.0))
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        expect_errors: bool = False,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; the per-rank results, rank order."""
+        if self._dead:
+            raise RuntimeError(f"this DistWorld is unusable: {self._dead}")
+        job_id = self._next_id
+        self._next_id += 1
+        for tasks in self._tasks:
+            tasks.put((job_id, fn, args, kwargs))
+        values = self._collect(job_id, timeout or self.timeout)
+        errors = [v for v in values if isinstance(v, RankError)]
+        if errors and not expect_errors:
+            detail = "\n".join(
+                f"--- rank {e.rank}: {e.type_name}: {e.message}\n{e.traceback}" for e in errors
+            )
+            raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n{detail}")
+        return values
+
+    def _collect(self, job_id: Any, timeout: float) -> list[Any]:
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) < self.world_size:
+            left = deadline - time.monotonic()
+            try:
+                got_id, rank, value = self._results.get(timeout=min(max(left, 0.01), 1.0))
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(self._procs) if not p.is_alive() and r not in values
+                ]
+                if left > 0 and not dead:
+                    continue
+                missing = sorted(set(range(self.world_size)) - set(values))
+                why = (
+                    f"ranks {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})"
+                    if dead
+                    else f"no answer within {timeout:g} s"
+                )
+                self._dead = f"ranks {missing} did not answer job {job_id}: {why}"
+                self.close(kill=True)
+                raise AssertionError(self._dead) from None
+            if got_id == job_id:
+                values[rank] = value
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill and not self._dead:
+            for tasks in self._tasks:
+                tasks.put(None)
+        for proc in self._procs:
+            proc.join(timeout=0 if kill else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+class Worlds:
+    """At most one :class:`DistWorld` alive at a time (2 cores): ``get(W)`` replaces the old one."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.timeout = timeout
+        self._world: DistWorld | None = None
+
+    def get(self, world_size: int) -> DistWorld:
+        if self._world is None or self._world.world_size != world_size or self._world._dead:
+            self.close()
+            self._world = DistWorld(world_size, self.timeout)
+        return self._world
+
+    def close(self) -> None:
+        if self._world is not None:
+            self._world.close()
+            self._world = None
