@@ -136,10 +136,12 @@ class StepRun:
         self.transport.send_pytree(parts, a.peer, label(a, index))
         self.counters.activation_sends += 1
 
+    def _post_pytree(self, a: Action, index: int) -> None:
+        """Post the receive of an activation or input-gradient, keyed by (op, stage, micro)."""
+        self.received[(a.op, a.stage, a.micro)] = self.transport.post_pytree(a.peer, label(a, index))
+
     def _recv_act(self, a: Action, index: int) -> None:
-        self.received[(Op.RECV_ACT, a.stage, a.micro)] = self.transport.post_pytree(
-            a.peer, label(a, index)
-        )
+        self._post_pytree(a, index)
         self.counters.activation_recvs += 1
 
     def _send_grad(self, a: Action, index: int) -> None:
@@ -152,9 +154,7 @@ class StepRun:
         self.counters.input_grad_sends += 1
 
     def _recv_grad(self, a: Action, index: int) -> None:
-        self.received[(Op.RECV_GRAD, a.stage, a.micro)] = self.transport.post_pytree(
-            a.peer, label(a, index)
-        )
+        self._post_pytree(a, index)
         self.counters.input_grad_recvs += 1
 
     # ------------------------------------------------------------------ weights
