@@ -49,3 +49,15 @@ class RuntimeFault(GschedError, RuntimeError):
     The message names the rank, the action (text form and index) it failed at or waited at, and,
     when known, the root cause reported by the rank that failed first.
     """
+
+
+class StrategyConfigError(GschedError, ValueError):
+    """GeneralParallel's arguments do not fit the Trainer, the model or the data."""
+
+
+class TrainingStepError(StrategyConfigError):
+    """A step method does not follow the contract: call ``self(...)`` exactly once, return a loss."""
+
+
+class BatchSplitError(StrategyConfigError):
+    """A batch cannot be split into the schedule's microbatches."""

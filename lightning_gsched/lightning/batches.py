@@ -1,0 +1,146 @@
+"""Global batches: gather the per-device batches, cut microbatches, hand rows back.
+
+Why: GeneralParallel keeps DDP's batch semantics (the DataLoader batch is per device, the global
+batch is their concatenation in rank order), but a schedule may run microbatch ``b`` on any rank,
+so every rank needs the rows of the microbatches its program touches. Gathering the global batch
+(usually token ids and labels, small next to activations) is the simple, schedule-independent
+way to get them; row ownership is kept so predictions can go back to the rank that loaded them.
+
+Tensors with a leading dimension are batch data; plain values and 0-d tensors are taken from the
+local batch and must be the same on every rank (e.g. a flag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from lightning_gsched.errors import BatchSplitError
+
+
+@dataclass
+class GlobalBatch:
+    """The concatenated batch and how many rows each rank contributed."""
+
+    value: Any
+    rows_per_rank: list[int]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.rows_per_rank)
+
+    def offset(self, rank: int) -> int:
+        return sum(self.rows_per_rank[:rank])
+
+
+def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
+    leaves, spec = pytree.tree_flatten(batch)
+    data = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not data:
+        raise BatchSplitError(
+            "the batch holds no tensor with a batch dimension, so it cannot be split into "
+            "microbatches; return tensors (dim 0 = samples) from your DataLoader / collate_fn"
+        )
+    sizes = {leaves[i].shape[0] for i in data}
+    if len(sizes) > 1:
+        shapes = [tuple(leaves[i].shape) for i in data]
+        raise BatchSplitError(
+            f"the batch's tensors disagree on the batch dimension (shapes {shapes}); every tensor "
+            "in a batch must have the number of samples as its first dimension"
+        )
+    return leaves, spec, data
+
+
+def gather_batch(batch: Any, world_size: int) -> GlobalBatch:
+    """Concatenate every rank's batch along dim 0 (collective; rows may differ per rank)."""
+    leaves, spec, data = _batch_leaves(batch)
+    local_rows = leaves[data[0]].shape[0]
+    if world_size == 1:
+        return GlobalBatch(batch, [local_rows])
+    device = leaves[data[0]].device
+    counts = torch.zeros(world_size, dtype=torch.int64, device=device)
+    mine = torch.tensor([local_rows], dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(counts, mine)
+    rows = [int(c) for c in counts.tolist()]
+    most = max(rows)
+    out = list(leaves)
+    for i in data:
+        leaf = leaves[i].contiguous()
+        if leaf.shape[0] < most:
+            pad = leaf.new_zeros((most - leaf.shape[0], *leaf.shape[1:]))
+            leaf = torch.cat([leaf, pad])
+        pieces = [torch.empty_like(leaf) for _ in range(world_size)]
+        dist.all_gather(pieces, leaf)
+        out[i] = torch.cat([piece[:n] for piece, n in zip(pieces, rows)])
+    return GlobalBatch(pytree.tree_unflatten(out, spec), rows)
+
+
+def split_batch(batch: Any, parts: int, *, exact: bool, what: str = "global batch") -> list[Any]:
+    """Cut ``batch`` into ``parts`` microbatches along dim 0.
+
+    ``exact``: the rows must divide evenly (training: each microbatch's loss carries weight 1/B,
+    which equals the single-device mean only for equal sizes); otherwise sizes differ by at most
+    one row, and may be 0 when there are fewer rows than microbatches.
+    """
+    leaves, spec, data = _batch_leaves(batch)
+    rows = leaves[data[0]].shape[0]
+    if exact and rows % parts:
+        raise BatchSplitError(
+            f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
+            f"Make batch_size x devices a multiple of microbatches={parts} (e.g. batch_size "
+            f"{parts * max(1, -(-rows // parts))} in total), pass microbatches= dividing {rows}, or "
+            "use drop_last=True so the last batch is not short"
+        )
+    chunks = {i: torch.tensor_split(leaves[i], parts) for i in data}
+    micros = []
+    for b in range(parts):
+        micro = list(leaves)
+        for i in data:
+            micro[i] = chunks[i][b]
+        micros.append(pytree.tree_unflatten(micro, spec))
+    return micros
+
+
+def micro_rows(rows: int, parts: int) -> list[int]:
+    """Row counts of ``split_batch``'s microbatches (torch.tensor_split's rule)."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if b < extra else 0) for b in range(parts)]
+
+
+def concat_outputs(outputs: list[Any], what: str) -> Any:
+    """Concatenate per-microbatch outputs (same pytree structure) along dim 0."""
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise BatchSplitError(
+            f"{what} returned differently structured values for different microbatches; "
+            "return the same structure for every batch"
+        )
+    joined = []
+    for column in zip(*(leaves for leaves, _ in flat)):
+        if isinstance(column[0], torch.Tensor) and column[0].dim() > 0:
+            joined.append(torch.cat(list(column)))
+        elif all(isinstance(v, list) for v in column):
+            joined.append([x for v in column for x in v])
+        else:
+            raise BatchSplitError(
+                f"{what} returned a {type(column[0]).__name__} that has no batch dimension, so "
+                "the per-microbatch results cannot be joined; return tensors whose first "
+                "dimension is the samples"
+            )
+    return pytree.tree_unflatten(joined, spec)
+
+
+def take_rows(value: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of every batch-dimension tensor in ``value``."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf[start:stop]
+        return leaf
+
+    return pytree.tree_map(cut, value)

@@ -1,0 +1,136 @@
+"""Sharded checkpoints: a torch.distributed.checkpoint directory, each rank writes what it owns.
+
+Why: for a model too large to gather on one rank, ``state_dict_type="sharded"`` lets every rank
+write the stages it is the first owner of (rank 0 adds buffers, tied and extra parameters and the
+non-tensor trainer state), in parallel, without a full copy anywhere. Keys are the module's own
+parameter names (``model.<name>``) and ``optim.<i>.<name>.<state key>``, never stage numbers, so
+the directory resumes under any schedule and worker count: loading reads every tensor on every
+rank (each rank still holds the full model before its stages are released) and returns an
+ordinary full checkpoint dict, which Lightning restores as usual; the strategy then drops what a
+rank does not own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.optim import Optimizer
+
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning.checkpoint import parameter_names
+from lightning_gsched.lightning.grads import GradStash
+from lightning_gsched.runtime import ProgramExecutor
+
+META = "gsched_meta.pt"
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    return os.path.isdir(str(path)) and os.path.isfile(os.path.join(str(path), META))
+
+
+def _primary_names(module: nn.Module, grads: GradStash | None) -> set[str]:
+    names = parameter_names(module)
+    if grads is None:
+        return set()
+    return {n for p in grads.primary for n in names.get(id(p), [])}
+
+
+def local_model_state(module: Any, executor: ProgramExecutor, grads: GradStash | None) -> dict:
+    """The state-dict entries this rank writes (its first-owner stages; rank 0 the rest)."""
+    names = parameter_names(module)
+    stage_names = {n for f in executor.flats for p in f.params for n in names.get(id(p), [])}
+    mine = _primary_names(module, grads)
+    out = {}
+    for key, value in module.state_dict().items():
+        if key in mine or (executor.rank == 0 and key not in stage_names):
+            out[key] = value.detach().clone()
+    return out
+
+
+def local_optimizer_state(module: Any, optimizer: Optimizer, grads: GradStash) -> dict:
+    """Optimizer state of this rank's first-owner parameters, keyed by parameter name."""
+    names = parameter_names(module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index_names = [names[id(p)][0] if id(p) in names else f"param{i}"
+                   for i, p in enumerate(params)]
+    primary = {id(p) for p in grads.primary}
+    state = optimizer.state_dict()
+    local = {
+        index_names[i]: entry for i, entry in state["state"].items() if id(params[i]) in primary
+    }
+    return {"state": local, "param_groups": state["param_groups"], "index_names": index_names}
+
+
+def save(checkpoint: dict[str, Any], path: Any, rank: int) -> None:
+    """Write ``path/`` (collective): DCP shards plus rank 0's non-tensor metadata."""
+    path = str(path)
+    if os.path.isfile(path):
+        raise StrategyConfigError(
+            f"{path} is a file; a sharded checkpoint is a directory. Remove it or use "
+            "state_dict_type='full'"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    others: dict[tuple, Any] = {}
+    for key, value in checkpoint.get("state_dict", {}).items():
+        tensors[f"model.{key}"] = value
+    optim_meta = []
+    for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
+        for name, entry in opt_state.get("state", {}).items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{i}.{name}.{key}"] = value.detach().clone()
+                else:
+                    others[(i, name, key)] = value
+        optim_meta.append({"param_groups": opt_state.get("param_groups"),
+                           "index_names": opt_state.get("index_names")})
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    if world > 1:
+        dist.gather_object(others, gathered, dst=0)
+    else:
+        gathered = [others]
+    os.makedirs(path, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=path)
+    if rank == 0:
+        merged: dict[tuple, Any] = {}
+        for part in gathered or []:
+            merged.update(part)
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        torch.save({"rest": rest, "optimizers": optim_meta, "non_tensor": merged},
+                   os.path.join(path, META))
+    if world > 1:
+        dist.barrier()
+
+
+def load(path: Any, module: Any = None, optimizers: Any = None) -> dict[str, Any]:
+    """Read a sharded directory into an ordinary full checkpoint dict (collective)."""
+    path = str(path)
+    meta = torch.load(os.path.join(path, META), weights_only=False, map_location="cpu")
+    layout = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    targets = {
+        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for key, m in layout.items() if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(targets, checkpoint_id=path)
+    state_dict = {k[len("model."):]: v for k, v in targets.items() if k.startswith("model.")}
+    optimizer_states = []
+    for i, om in enumerate(meta["optimizers"]):
+        index_of = {name: index for index, name in enumerate(om["index_names"] or [])}
+        state: dict[int, dict] = {}
+        prefix = f"optim.{i}."
+        for key, value in targets.items():
+            if key.startswith(prefix):
+                name, field = key[len(prefix):].rsplit(".", 1)
+                state.setdefault(index_of[name], {})[field] = value
+        for (j, name, field), value in meta["non_tensor"].items():
+            if j == i:
+                state.setdefault(index_of[name], {})[field] = value
+        optimizer_states.append({"state": dict(sorted(state.items())),
+                                 "param_groups": om["param_groups"]})
+    return {**meta["rest"], "state_dict": state_dict, "optimizer_states": optimizer_states}

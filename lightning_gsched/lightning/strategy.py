@@ -1,0 +1,297 @@
+"""``GeneralParallel``: every library schedule (or your own) as a Lightning strategy.
+
+Why a DDPStrategy subclass: launching (script re-run or spawn/fork), process-group setup,
+cluster environments (torchrun, SLURM), ``is_distributed`` and the distributed sampler are
+exactly DDP's; what differs is that the model is not wrapped. Instead each step runs the planned
+programs (:mod:`.engine`): ``training_step`` runs the whole schedule and keeps the gradients
+aside, ``backward`` hands them to the parameters (Lightning zeroes gradients between the two),
+clipping by norm is global over all stages, evaluation runs forward-only programs, and
+checkpoints are gathered from the stages' owners (:mod:`.checkpoint`, :mod:`.sharded`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning import checkpoint, sharded
+from lightning_gsched.lightning.config import ScheduleConfig
+from lightning_gsched.lightning.engine import PartitionOptions, PipelineEngine
+from lightning_gsched.schedule.library import LIBRARY
+
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+class GeneralParallel(DDPStrategy):
+    """Train any Lightning project with a schedule from one generic scheduler.
+
+    Args:
+        schedule: a library name (ddp, fsdp, gpipe, 1f1b, lpp, interleaved, fslpp, fslpp-seed),
+            or a label for a custom ``placement``.
+        R: workers per loop for the looped schedules (lpp, interleaved, fslpp, fslpp-seed).
+        microbatches: B, the number of pieces the global batch is cut into per step; default
+            the schedule's (2W for pipelines, W for ddp/fsdp).
+        stages: S, the number of stages the model's forward is cut into; default the schedule's.
+        order: priority order name (bfs, 1f1b, interleaved) or a callable ``n(s, b, d)``.
+        cap: activations stashed per worker: None = the schedule's default, an int, a list per
+            worker, ``"auto"`` (smallest cap that keeps the latency) or ``"none"`` (uncapped).
+        balance: how to cut stages: ``"params"``, ``"time"`` (profiled on rank 0) or a list of
+            unit counts per stage.
+        leaf_modules: module class names or FQNs the tracer keeps whole.
+        split_points: S-1 module FQNs to cut before, instead of balancing.
+        static_shapes: passed to the partitioner (see docs/partition.md).
+        state_dict_type: ``"full"`` (one ``.ckpt`` written by rank 0, loads anywhere) or
+            ``"sharded"`` (a torch.distributed.checkpoint directory, each rank writes its part).
+        placement, priority: a custom schedule as two callables ``w(s, b, d)``, ``n(s, b, d)``.
+        step_timeout: seconds any one wait inside a step may take before every rank fails.
+        gather_on_teardown: give every rank the full trained weights when the run ends, so the
+            module is usable afterwards as after DDP (costs one broadcast of the model).
+        forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
+        Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
+    """
+
+    strategy_name = "gsched"
+
+    def __init__(
+        self,
+        schedule: Optional[str] = "fslpp",
+        R: Optional[int] = None,
+        microbatches: Optional[int] = None,
+        stages: Optional[int] = None,
+        order: Optional[Union[str, Callable]] = None,
+        cap: Optional[Union[int, list[int], str]] = None,
+        balance: Union[str, list[int]] = "params",
+        leaf_modules: Sequence[Union[str, type]] = (),
+        split_points: Optional[list[str]] = None,
+        static_shapes: Optional[bool] = None,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        placement: Optional[Callable] = None,
+        priority: Optional[Callable] = None,
+        step_timeout: float = 300.0,
+        gather_on_teardown: bool = True,
+        forward_cost: Union[float, list[float]] = 1.0,
+        backward_cost: Union[float, list[float]] = 2.0,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timeout, start_method=start_method,
+        )
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise StrategyConfigError(
+                f"state_dict_type={state_dict_type!r}; use 'full' (one .ckpt) or 'sharded' "
+                "(a torch.distributed.checkpoint directory)"
+            )
+        self.schedule_config = ScheduleConfig(
+            schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order,
+            cap=cap, placement=placement, priority=priority, forward_cost=forward_cost,
+            backward_cost=backward_cost,
+        )
+        self.schedule_config.check_name()
+        self.partition_options = PartitionOptions(balance, tuple(leaf_modules), split_points,
+                                                  static_shapes)
+        self.state_dict_type = state_dict_type
+        self.step_timeout = float(step_timeout)
+        self.gather_on_teardown = gather_on_teardown
+        self._engine: PipelineEngine | None = None
+        self._failed = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning enables ``sync_dist`` and the distributed sampler only when this is True."""
+        return True
+
+    @property
+    def engine(self) -> PipelineEngine | None:
+        """The running pipeline (None before setup and after teardown)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise StrategyConfigError(
+                f"{type(module).__name__} sets automatic_optimization = False. GeneralParallel "
+                "runs forward and backward inside the schedule, so the loop must own the "
+                "backward: use automatic optimization (return the loss from training_step)"
+            )
+        self._check_precision()
+        self._failed = False
+        train_plan = self.schedule_config.training_plan(self.world_size)  # bad config fails here
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._engine = PipelineEngine(
+            module, self.schedule_config, self.partition_options, train_plan,
+            world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
+            optimizers=lambda: [_unwrap(o) for o in self.optimizers],
+        )
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
+
+    def _check_precision(self) -> None:
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise StrategyConfigError(
+                "precision='16-mixed' uses a gradient scaler, which GeneralParallel does not "
+                "support (gradients are produced inside the schedule); use 'bf16-mixed' or '32'"
+            )
+
+    # ------------------------------------------------------------------ steps
+
+    def _require_engine(self) -> PipelineEngine:
+        if self._engine is None:
+            raise StrategyConfigError("GeneralParallel was used before Trainer setup")
+        return self._engine
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._require_engine()
+        with self.precision_plugin.train_step_context():
+            return engine.training_step(args[0], tuple(args[1:]), kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._require_engine()
+        with self.precision_plugin.val_step_context():
+            return engine.eval_step("validation_step", args[0], tuple(args[1:]), kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._require_engine()
+        with self.precision_plugin.test_step_context():
+            return engine.eval_step("test_step", args[0], tuple(args[1:]), kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._require_engine()
+        with self.precision_plugin.predict_step_context():
+            return engine.eval_step("predict_step", args[0], tuple(args[1:]), kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """Hand the schedule's gradients to the parameters (the autograd work already ran)."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._require_engine().hand_over_grads(1.0 / module.trainer.accumulate_grad_batches)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        engine = self._require_engine()
+        params = list(self.precision_plugin.main_params(optimizer))
+        if engine.grads is None:
+            torch.nn.utils.clip_grad_norm_(params, clip_val)
+            return
+        engine.grads.clip_by_norm(params, float(clip_val))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _built(self) -> bool:
+        return self._engine is not None and self._engine.built
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._built():
+            return super().lightning_module_state_dict()
+        engine = self._require_engine()
+        assert engine.executor is not None
+        if self.state_dict_type == "sharded":
+            return sharded.local_model_state(self.lightning_module, engine.executor, engine.grads)
+        return checkpoint.full_state_dict(self.lightning_module, engine.executor)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = _unwrap(optimizer)
+        if not self._built():
+            return optimizer.state_dict()
+        engine = self._require_engine()
+        assert engine.grads is not None
+        if self.state_dict_type == "sharded":
+            return sharded.local_optimizer_state(self.lightning_module, optimizer, engine.grads)
+        return checkpoint.full_optimizer_state(optimizer, engine.grads)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Optional[Any] = None) -> None:
+        if self.state_dict_type == "sharded" and self._built():
+            sharded.save(checkpoint, filepath, self.global_rank)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        if sharded.is_sharded_checkpoint(checkpoint_path):
+            return sharded.load(checkpoint_path, self.lightning_module,
+                                [_unwrap(o) for o in self.optimizers])
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        state = checkpoint["state_dict"]
+        if self._built():  # only the parameters this rank holds
+            held = {name for name, p in module.named_parameters(remove_duplicate=False)
+                    if p.numel() == 0}
+            state = {k: v for k, v in state.items() if k not in held}
+            strict = False
+        module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizer_states = checkpoint["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, optimizer_states):
+            _unwrap(optimizer).load_state_dict(state)
+        _optimizers_to_device(self.optimizers, self.root_device)
+        if self._built():
+            engine = self._require_engine()
+            assert engine.grads is not None
+            checkpoint.prune_optimizer_state([_unwrap(o) for o in self.optimizers],
+                                             engine.grads.owned_parameters())
+
+    # ------------------------------------------------------------------ end
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        if self._engine is not None:
+            self._engine.failed = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close(gather=self.gather_on_teardown and not self._failed)
+            self._engine = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, spec in LIBRARY.items():
+            strategy_registry.register(
+                f"gsched_{name}", cls,
+                description=f"GeneralParallel('{name}'): {spec.trade_off}",
+                schedule=name,
+            )
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

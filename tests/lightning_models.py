@@ -1,0 +1,122 @@
+"""LightningModules, data and Trainer plumbing shared by the GeneralParallel tests.
+
+Why a module of its own: the tests run Trainers both in the pytest process (the single-device
+reference) and inside :mod:`dist_harness` workers (GeneralParallel), and both sides must build
+the same module, the same global batches and the same Trainer options.
+
+Sampling is fixed on purpose: Lightning's DistributedSampler deals rows round-robin, so rank r's
+batch i here is rows ``[i*G + r*G/W, i*G + (r+1)*G/W)`` of the dataset and the concatenation
+over ranks is exactly the single-device batch i of size G.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from models import TinyGPT, seeded
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+VOCAB = 64
+LENGTH = 9  # tokens per row: 8 inputs + 1 shifted target
+
+
+class LitGPT(pl.LightningModule):
+    """A small GPT with tied weights, an optimizer choice, an LR schedule and logging."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.05, layers: int = 3,
+                 tie: str = "functional", log_extra: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = TinyGPT(vocab=VOCAB, dim=32, heads=4, layers=layers, block_size=16, tie=tie)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        if self.hparams.log_extra:
+            self.log("tokens", float(batch[0].numel()), reduce_fx="sum")
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self(tokens[:, :-1])[:, -1]
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "adam":
+            # eps 1e-5, not 1e-8: the attention key bias has an exactly-zero gradient in exact
+            # arithmetic; its ~1e-9 float noise depends on summation order (microbatches), and
+            # Adam's normalisation would turn that noise into full-size steps.
+            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr / 10, eps=1e-5)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def make_lit_gpt(**kwargs: Any) -> LitGPT:
+    return seeded(0, lambda: LitGPT(**kwargs))
+
+
+def tokens(rows: int, seed: int = 3) -> torch.Tensor:
+    return seeded(seed, lambda: torch.randint(0, VOCAB, (rows, LENGTH)))
+
+
+def rank_loader(data: torch.Tensor, global_batch: int, world: int, rank: int) -> DataLoader:
+    """This rank's share of every global batch (see the module docstring)."""
+    per_rank = global_batch // world
+    batches = len(data) // global_batch
+    index = [i * global_batch + rank * per_rank + j
+             for i in range(batches) for j in range(per_rank)]
+    return DataLoader(Subset(TensorDataset(data), index), batch_size=per_rank, shuffle=False)
+
+
+def trainer(world: int, strategy: Any, tmp: str | None = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer; inside a dist_harness worker the process group already exists."""
+    options: dict[str, Any] = dict(
+        accelerator="cpu", devices=world, strategy=strategy, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, log_every_n_steps=1,
+    )
+    if tmp is not None:
+        options["logger"] = pl.loggers.CSVLogger(tmp, name="log", version=0)
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def as_worker(rank: int) -> None:
+    """Make Lightning treat this dist_harness worker as an externally launched rank."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def csv_metric(tmp: str, name: str) -> list[tuple[int, float]]:
+    """(step, value) rows of one column of a CSVLogger's metrics.csv."""
+    import csv
+
+    path = os.path.join(tmp, "log", "version_0", "metrics.csv")
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    return [(int(r["step"]), float(r[name])) for r in rows if r.get(name) not in (None, "")]
