@@ -118,3 +118,29 @@ def restore_full_weights(executor: ProgramExecutor) -> None:
             dist.broadcast(buffer, src)
         for p, offset, size, shape in zip(flat.params, flat.offsets, flat.sizes, flat.shapes):
             p.data = buffer[offset: offset + size].view(shape)
+
+
+def restore_full_optimizer_state(optimizers: list[Optimizer], grads: GradStash) -> None:
+    """Give every rank every parameter's optimizer state again (collective; end of a run).
+
+    Together with :func:`restore_full_weights` this makes a finished run look like DDP's, so
+    ``trainer.save_checkpoint`` after ``fit`` and a later ``fit`` both see complete state.
+    """
+    primary = {id(p) for p in grads.primary}
+    for optimizer in optimizers:
+        state = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        mine = {
+            index: {key: _cpu(value) for key, value in entry.items()}
+            for index, entry in state["state"].items()
+            if id(params[index]) in primary
+        }
+        gathered: list[Any] = [None] * grads.world_size
+        if grads.world_size > 1:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        merged: dict[int, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        optimizer.load_state_dict({"state": merged, "param_groups": state["param_groups"]})

@@ -27,7 +27,11 @@ from lightning_gsched.lightning.batches import (
     split_batch,
     take_rows,
 )
-from lightning_gsched.lightning.checkpoint import prune_optimizer_state, restore_full_weights
+from lightning_gsched.lightning.checkpoint import (
+    prune_optimizer_state,
+    restore_full_optimizer_state,
+    restore_full_weights,
+)
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.grads import GradStash
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
@@ -238,8 +242,10 @@ class PipelineEngine:
         if self.executor is None:
             return
         if gather and not self.failed and not self.executor.channels.closed:
+            assert self.grads is not None
             with torch.no_grad():
                 restore_full_weights(self.executor)
+            restore_full_optimizer_state(self.optimizers(), self.grads)
         if not self.executor.channels.closed:
             self.executor.close()
         self.executor = None

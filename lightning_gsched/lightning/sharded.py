@@ -13,7 +13,7 @@ rank does not own.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,36 +34,39 @@ def is_sharded_checkpoint(path: Any) -> bool:
     return os.path.isdir(str(path)) and os.path.isfile(os.path.join(str(path), META))
 
 
-def _primary_names(module: nn.Module, grads: GradStash | None) -> set[str]:
-    names = parameter_names(module)
-    if grads is None:
-        return set()
-    return {n for p in grads.primary for n in names.get(id(p), [])}
+def writer_of_names(module: nn.Module, grads: GradStash | None, executor: ProgramExecutor | None,
+                    rank: int, world: int) -> Callable[[str], bool]:
+    """Which state-dict keys this rank writes.
 
-
-def local_model_state(module: Any, executor: ProgramExecutor, grads: GradStash | None) -> dict:
-    """The state-dict entries this rank writes (its first-owner stages; rank 0 the rest)."""
+    While stages are distributed: a stage parameter is written by its first owner, everything
+    else (buffers, tied and extra parameters) by rank 0. After a run (every rank holds the full
+    model again) the keys are dealt round-robin, so the write is still spread over the ranks.
+    """
+    if grads is None or executor is None:
+        keys = list(module.state_dict().keys())
+        mine_keys = {k for i, k in enumerate(keys) if i % world == rank}
+        return mine_keys.__contains__
     names = parameter_names(module)
     stage_names = {n for f in executor.flats for p in f.params for n in names.get(id(p), [])}
-    mine = _primary_names(module, grads)
-    out = {}
-    for key, value in module.state_dict().items():
-        if key in mine or (executor.rank == 0 and key not in stage_names):
-            out[key] = value.detach().clone()
-    return out
+    primary = {n for p in grads.primary for n in names.get(id(p), [])}
+    return lambda key: key in primary or (rank == 0 and key not in stage_names)
 
 
-def local_optimizer_state(module: Any, optimizer: Optimizer, grads: GradStash) -> dict:
-    """Optimizer state of this rank's first-owner parameters, keyed by parameter name."""
+def local_model_state(module: nn.Module, is_mine: Callable[[str], bool]) -> dict:
+    """The state-dict entries this rank writes (copies: stage views share one buffer)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if is_mine(k)}
+
+
+def local_optimizer_state(module: nn.Module, optimizer: Optimizer,
+                          is_mine: Callable[[str], bool]) -> dict:
+    """Optimizer state of the parameters whose (first) name this rank writes, keyed by name."""
     names = parameter_names(module)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index_names = [names[id(p)][0] if id(p) in names else f"param{i}"
                    for i, p in enumerate(params)]
-    primary = {id(p) for p in grads.primary}
     state = optimizer.state_dict()
-    local = {
-        index_names[i]: entry for i, entry in state["state"].items() if id(params[i]) in primary
-    }
+    local = {index_names[i]: entry for i, entry in state["state"].items()
+             if is_mine(index_names[i])}
     return {"state": local, "param_groups": state["param_groups"], "index_names": index_names}
 
 

@@ -215,28 +215,36 @@ class GeneralParallel(DDPStrategy):
     def _built(self) -> bool:
         return self._engine is not None and self._engine.built
 
+    def _sharded_writer(self) -> Callable[[str], bool]:
+        engine = self._engine
+        built = engine is not None and engine.built
+        return sharded.writer_of_names(
+            self.lightning_module, engine.grads if built else None,
+            engine.executor if built else None, self.global_rank, self.world_size)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            return sharded.local_model_state(self.lightning_module, self._sharded_writer())
         if not self._built():
             return super().lightning_module_state_dict()
         engine = self._require_engine()
         assert engine.executor is not None
-        if self.state_dict_type == "sharded":
-            return sharded.local_model_state(self.lightning_module, engine.executor, engine.grads)
         return checkpoint.full_state_dict(self.lightning_module, engine.executor)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
+        if self.state_dict_type == "sharded":
+            return sharded.local_optimizer_state(self.lightning_module, optimizer,
+                                                 self._sharded_writer())
         if not self._built():
             return optimizer.state_dict()
         engine = self._require_engine()
         assert engine.grads is not None
-        if self.state_dict_type == "sharded":
-            return sharded.local_optimizer_state(self.lightning_module, optimizer, engine.grads)
         return checkpoint.full_optimizer_state(optimizer, engine.grads)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
-        if self.state_dict_type == "sharded" and self._built():
+        if self.state_dict_type == "sharded":
             sharded.save(checkpoint, filepath, self.global_rank)
             return
         super().save_checkpoint(checkpoint, filepath, storage_options)
