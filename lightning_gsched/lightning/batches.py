@@ -91,9 +91,9 @@ def split_batch(batch: Any, parts: int, *, exact: bool, what: str = "global batc
     if exact and rows % parts:
         raise BatchSplitError(
             f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
-            f"Make batch_size x devices a multiple of microbatches={parts} (e.g. batch_size "
-            f"{parts * max(1, -(-rows // parts))} in total), pass microbatches= dividing {rows}, or "
-            "use drop_last=True so the last batch is not short"
+            f"Make batch_size x devices a multiple of microbatches={parts} (e.g. a global batch "
+            f"of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing {rows}, or use "
+            "drop_last=True so the last batch is not short"
         )
     chunks = {i: torch.tensor_split(leaves[i], parts) for i in data}
     micros = []

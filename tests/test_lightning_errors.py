@@ -1,0 +1,120 @@
+"""Bad input to GeneralParallel fails on every rank with a clear GschedError, never a hang.
+
+Each case runs a real ``Trainer.fit`` on 2 gloo processes (``expect_errors=True``) and checks
+that *every* rank raised, with a message that names the problem and the fix, well within the
+harness timeout. The last case is a fault inside a user's step on one rank only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import RankError, WorkerContext, Worlds
+from lightning_models import LitGPT, as_worker, rank_loader, tokens, trainer
+from models import seeded
+
+from lightning_gsched.errors import UnknownScheduleError
+
+pytestmark = pytest.mark.distributed
+
+
+class ManualOptimization(LitGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class NeverCallsSelf(LitGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (t,) = batch
+        logits = self.model(t[:, :-1])  # bypasses self(...)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), t[:, 1:].reshape(-1))
+
+
+class CallsSelfTwice(LitGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (t,) = batch
+        a, b = self(t[:, :4]), self(t[:, 4:-1])
+        return a.mean() + b.mean()
+
+
+class Untraceable(LitGPT):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out = self.model(idx)
+        if out.sum() > 0:  # data-dependent control flow: fx cannot trace it
+            out = -out
+        return out
+
+
+class FailsOnRankOne(LitGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 1 and self.global_rank == 1:
+            raise ValueError("boom in the user's loss code")
+        return loss
+
+
+def fit_on_worker(ctx: WorkerContext, cls_name: str, options: dict, global_batch: int) -> None:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    model = seeded(0, globals()[cls_name])
+    data = tokens(global_batch * 3)
+    fit = trainer(ctx.world_size, GeneralParallel(**options), max_steps=3)
+    fit.fit(model, rank_loader(data, global_batch, ctx.world_size, ctx.rank))
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = Worlds(timeout=120)
+    yield w.get(2)
+    w.close()
+
+
+CASES = [
+    ("ManualOptimization", {"schedule": "gpipe"}, 8, "StrategyConfigError",
+     ["automatic_optimization", "return the loss"]),
+    ("NeverCallsSelf", {"schedule": "fslpp"}, 8, "TrainingStepError",
+     ["never calls self(...)", "forward()"]),
+    ("CallsSelfTwice", {"schedule": "1f1b"}, 8, "TrainingStepError", ["more than once"]),
+    ("LitGPT", {"schedule": "gpipe", "microbatches": 4}, 6, "BatchSplitError",
+     ["6 rows", "microbatches=4", "drop_last"]),
+    ("LitGPT", {"schedule": "fslpp", "R": 3}, 8, "ScheduleConfigError",
+     ["R=3", "2 devices"]),
+    ("Untraceable", {"schedule": "gpipe"}, 8, "TraceFailedError",
+     ["could not split Untraceable.forward", "test_lightning_errors.py"]),
+]
+
+
+@pytest.mark.parametrize("cls_name, options, global_batch, error, phrases", CASES,
+                         ids=[c[0] + "-" + c[3] for c in CASES])
+def test_bad_input_fails_on_every_rank(world, cls_name: str, options: dict, global_batch: int,
+                                       error: str, phrases: list[str]) -> None:
+    results = world.run(fit_on_worker, cls_name, options, global_batch, expect_errors=True)
+    for result in results:
+        assert isinstance(result, RankError), result
+        assert result.type_name == error, (result.type_name, result.message)
+        for phrase in phrases:
+            assert phrase in result.message, (phrase, result.message)
+        assert result.seconds < 60
+
+
+def test_fault_on_one_rank_stops_every_rank_with_its_position(world) -> None:
+    results = world.run(fit_on_worker, "FailsOnRankOne", {"schedule": "gpipe"}, 8,
+                        expect_errors=True)
+    assert all(isinstance(r, RankError) for r in results), results
+    failing, other = results[1], results[0]
+    assert "rank 1 failed at 'F s1 b" in failing.message and "boom" in failing.message
+    assert other.type_name == "RuntimeFault"
+    assert "rank 0" in other.message and "rank 1 failed at 'F s1 b" in other.message
+    assert max(r.seconds for r in results) < 60
+
+
+def test_unknown_schedule_name_is_rejected_at_construction() -> None:
+    from lightning_gsched import GeneralParallel
+
+    with pytest.raises(UnknownScheduleError, match="did you mean 'fslpp'"):
+        GeneralParallel("fslp")
