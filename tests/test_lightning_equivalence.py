@@ -35,28 +35,33 @@ STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def fit_on_worker(ctx: WorkerContext, strategy: Any, optimizer: str, tmp: str) -> dict:
+DEFAULT_FIT = (("max_steps", STEPS), ("gradient_clip_val", CLIP))
+
+
+def _fit(world: int, rank: int, strategy: Any, optimizer: str, tmp: str, options: tuple) -> dict:
+    model = make_lit_gpt(optimizer=optimizer)
+    data = tokens(GLOBAL_BATCH * 2 * STEPS)
+    fit = trainer(world, strategy, tmp, **dict(options))
+    fit.fit(model, rank_loader(data, GLOBAL_BATCH, world, rank))
+    return state_of(model)
+
+
+def fit_on_worker(ctx: WorkerContext, strategy: Any, optimizer: str, tmp: str,
+                  options: tuple = DEFAULT_FIT) -> dict:
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
     if isinstance(strategy, dict):
         strategy = GeneralParallel(**strategy)
-    model = make_lit_gpt(optimizer=optimizer)
-    data = tokens(GLOBAL_BATCH * STEPS)
-    fit = trainer(ctx.world_size, strategy, tmp, max_steps=STEPS, gradient_clip_val=CLIP)
-    fit.fit(model, rank_loader(data, GLOBAL_BATCH, ctx.world_size, ctx.rank))
-    return state_of(model)
+    return _fit(ctx.world_size, ctx.rank, strategy, optimizer, tmp, options)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(optimizer: str) -> tuple[dict, list]:
-    """Single-process Trainer on the same global batches (computed once per optimizer)."""
-    model = make_lit_gpt(optimizer=optimizer)
-    data = tokens(GLOBAL_BATCH * STEPS)
+def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]:
+    """Single-process Trainer on the same global batches (computed once per configuration)."""
     tmp = tempfile.mkdtemp()
-    fit = trainer(1, "auto", tmp, max_steps=STEPS, gradient_clip_val=CLIP)
-    fit.fit(model, rank_loader(data, GLOBAL_BATCH, 1, 0))
-    return state_of(model), csv_metric(tmp, "train_loss")
+    state = _fit(1, 0, "auto", optimizer, tmp, options)
+    return state, csv_metric(tmp, "train_loss")
 
 
 def assert_same_state(got: dict, want: dict, label: str) -> None:
@@ -100,3 +105,43 @@ def test_ddp_schedule_matches_lightning_ddp(worlds, world_size: int, tmp_path) -
         assert_same_state(ours[rank], theirs[rank], f"rank {rank}")
     # (the CSV logs differ on purpose: DDPStrategy logs rank 0's own loss unless sync_dist=True,
     # GeneralParallel the loss of the global batch, as one device would)
+
+
+LOOP_FEATURES = [
+    ("fslpp", (("max_steps", STEPS), ("accumulate_grad_batches", 2),
+               ("gradient_clip_val", CLIP))),
+    ("1f1b", (("max_steps", STEPS), ("gradient_clip_val", 0.01),
+              ("gradient_clip_algorithm", "value"))),
+    ("fsdp", (("max_steps", STEPS), ("gradient_clip_val", 0.05))),  # clipping actually bites
+]
+
+
+@pytest.mark.parametrize("schedule, options", LOOP_FEATURES,
+                         ids=["accumulate", "clip_value", "clip_norm_tight"])
+def test_loop_features_match_single_device(worlds, schedule: str, options: tuple,
+                                           tmp_path) -> None:
+    want, want_log = reference("sgd", options)
+    states = worlds.get(2).run(fit_on_worker, {"schedule": schedule}, "sgd", str(tmp_path),
+                               options)
+    for rank, state in enumerate(states):
+        assert_same_state(state, want, f"{schedule} {options} rank {rank}")
+    got_log = csv_metric(str(tmp_path), "train_loss")
+    assert [v for _, v in got_log] == pytest.approx([v for _, v in want_log], rel=1e-5)
+    if dict(options).get("gradient_clip_algorithm", "norm") == "norm":
+        unclipped, _ = reference("sgd", (("max_steps", STEPS),))
+        assert any(not torch.allclose(unclipped[n], want[n]) for n in want)  # clipping bit
+
+
+def test_bf16_mixed_on_cpu_tracks_single_device(worlds, tmp_path) -> None:
+    """bf16 autocast: results equal one device's up to bf16 rounding of reordered sums."""
+    options = (("max_steps", STEPS), ("gradient_clip_val", CLIP), ("precision", "bf16-mixed"))
+    want, want_log = reference("sgd", options)
+    fp32, _ = reference("sgd")
+    states = worlds.get(2).run(fit_on_worker, {"schedule": "gpipe"}, "sgd", str(tmp_path),
+                               options)
+    for name in want:
+        torch.testing.assert_close(states[0][name], want[name], rtol=2e-2, atol=2e-3)
+    moved = max(float((want[n] - fp32[n]).abs().max()) for n in want)
+    assert moved > 0  # the reference really ran in bf16 (else the test would prove nothing)
+    got_log = csv_metric(str(tmp_path), "train_loss")
+    assert [v for _, v in got_log] == pytest.approx([v for _, v in want_log], rel=1e-2)
