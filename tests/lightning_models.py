@@ -48,13 +48,13 @@ class LitGPT(pl.LightningModule):
             self.log("tokens", float(batch[0].numel()), reduce_fx="sum")
         return loss
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.log("test_loss", self._loss(batch))
 
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         (tokens,) = batch
         return self(tokens[:, :-1])[:, -1]
 
