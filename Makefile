@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/plan_demo.py
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
