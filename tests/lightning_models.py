@@ -120,3 +120,16 @@ def csv_metric(tmp: str, name: str) -> list[tuple[int, float]]:
     with open(path) as handle:
         rows = list(csv.DictReader(handle))
     return [(int(r["step"]), float(r[name])) for r in rows if r.get(name) not in (None, "")]
+
+
+class RankSlices(pl.LightningDataModule):
+    """``rank_loader`` as a DataModule: picks its rank's share once the Trainer knows the rank
+    (for launchers that start the ranks themselves, e.g. spawn)."""
+
+    def __init__(self, data: torch.Tensor, global_batch: int) -> None:
+        super().__init__()
+        self.data, self.global_batch = data, global_batch
+
+    def train_dataloader(self) -> DataLoader:
+        return rank_loader(self.data, self.global_batch, self.trainer.world_size,
+                           self.trainer.global_rank)

@@ -1,0 +1,88 @@
+"""How users start GeneralParallel: registered names, YAML configs, spawn, and the script launcher.
+
+* every library schedule is a registered strategy name that resolves to GeneralParallel;
+* every ``configs/*.yaml`` parses through LightningCLI into the intended strategy (no training);
+* ``start_method="spawn"`` (Lightning's multiprocessing launcher, as in notebooks) trains to the
+  single-device weights and brings them back to the launching process;
+* ``examples/drop_in.py`` (the script launcher re-running the script per rank) trains the same
+  model to the same validation loss under ``ddp`` and ``gsched_fslpp``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning_models import RankSlices, make_lit_gpt, rank_loader, state_of, tokens, trainer
+
+from lightning_gsched import GeneralParallel
+from lightning_gsched.schedule.library import LIBRARY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", list(LIBRARY))
+def test_registered_names_resolve(name: str) -> None:
+    run = pl.Trainer(accelerator="cpu", devices=2, strategy=f"gsched_{name}", logger=False)
+    assert isinstance(run.strategy, GeneralParallel)
+    assert run.strategy.schedule_config.schedule == name
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
+                         ids=lambda p: os.path.basename(p))
+def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    monkeypatch.chdir(ROOT)
+    try:
+        from gpt import GPT, CharDataModule
+
+        cli = LightningCLI(GPT, CharDataModule, run=False, args=["--config", path],
+                           save_config_callback=None)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    name = os.path.basename(path)[: -len(".yaml")]
+    if name == "ddp_lightning":
+        assert type(cli.trainer.strategy).__name__ == "DDPStrategy"
+        return
+    assert isinstance(cli.trainer.strategy, GeneralParallel)
+    assert cli.trainer.strategy.schedule_config.schedule == name
+    plan = cli.trainer.strategy.schedule_config.training_plan(4)  # the plan it would run
+    assert plan.workers == 4
+
+
+@pytest.mark.distributed
+def test_spawn_launcher_trains_like_one_device() -> None:
+    data = tokens(8 * 3)
+    single = make_lit_gpt()
+    trainer(1, "auto", max_steps=3).fit(single, rank_loader(data, 8, 1, 0))
+    model = make_lit_gpt()
+    run = trainer(2, GeneralParallel("fslpp", start_method="spawn"), max_steps=3)
+    run.fit(model, datamodule=RankSlices(data, 8))
+    want = state_of(single)
+    for name, value in state_of(model).items():  # weights came back to this process
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_drop_in_example_same_result_under_ddp_and_fslpp() -> None:
+    def val_loss(strategy: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "examples/drop_in.py", "--strategy", strategy, "--devices", "2",
+             "--max-epochs", "1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        found = re.findall(r"val[_ ]loss[^0-9]*([0-9.]+)", out.stdout)
+        assert found, out.stdout[-2000:]
+        return float(found[-1])
+
+    assert val_loss("gsched_fslpp") == pytest.approx(val_loss("ddp"), abs=2e-4)  # printed to 4 places
