@@ -145,3 +145,21 @@ def test_bf16_mixed_on_cpu_tracks_single_device(worlds, tmp_path) -> None:
     assert moved > 0  # the reference really ran in bf16 (else the test would prove nothing)
     got_log = csv_metric(str(tmp_path), "train_loss")
     assert [v for _, v in got_log] == pytest.approx([v for _, v in want_log], rel=1e-2)
+
+
+def custom_placement(stage: int, micro: int, phase: Any) -> tuple[int, int]:
+    """Weights of stage s live on s % 2; microbatch b runs stage s on (s // 2 + b) % 2."""
+    return stage % 2, (stage // 2 + micro) % 2
+
+
+def custom_priority(stage: int, micro: int, phase: Any) -> tuple[int, int]:
+    return (micro, stage)
+
+
+def test_custom_schedule_from_two_callables(worlds, tmp_path) -> None:
+    want, _ = reference("sgd")
+    options = {"schedule": "mine", "placement": custom_placement, "priority": custom_priority,
+               "stages": 4, "microbatches": 4}
+    states = worlds.get(2).run(fit_on_worker, options, "sgd", str(tmp_path))
+    for rank, state in enumerate(states):
+        assert_same_state(state, want, f"custom rank {rank}")
