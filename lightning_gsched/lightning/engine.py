@@ -108,8 +108,26 @@ class PipelineEngine:
 
             rank_zero_info(
                 "GeneralParallel plan (unit costs: forward 1, backward 2 per stage):\n"
-                + describe(self.train_plan) + "\n" + self.partition.report()
+                + describe(self.train_plan) + "\n" + self.memory_summary() + "\n"
+                + self.partition.report()
             )
+
+    def memory_summary(self) -> str:
+        """Parameter memory per worker implied by the plan and the partition's stage sizes."""
+        assert self.executor is not None
+        sizes = [flat.nbytes for flat in self.executor.flats]
+        shared = self.executor.shared.nbytes
+        owners = self.train_plan.table.owners
+        lines = [f"parameter memory per worker (tied parameters, {_mib(shared)}, on every "
+                 "worker in addition):"]
+        for m in self.train_plan.metrics.per_worker:
+            owned = [s for s, o in enumerate(owners) if m.worker in o]
+            held = sum(sizes[s] for s in owned)
+            others = sorted((sizes[s] for s in range(len(sizes)) if s not in owned), reverse=True)
+            extra = sum(others[: max(0, m.peak_resident_stages - len(owned))])
+            lines.append(f"  worker {m.worker}: owns {_mib(held)} (stages {owned}), peak "
+                         f"resident <= {_mib(held + extra)}; optimizer state for the owned part")
+        return "\n".join(lines)
 
     def _partition(self, args: tuple, kwargs: dict) -> Any:
         S = self.train_plan.stages
@@ -250,6 +268,16 @@ class PipelineEngine:
             self.executor.close()
         self.executor = None
         self.grads = None
+
+
+def _mib(nbytes: int) -> str:
+    """Human-readable bytes (B, KiB, MiB, GiB)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} GiB"
 
 
 def _normal(value: Any) -> Any:
