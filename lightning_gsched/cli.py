@@ -2,6 +2,7 @@
 
     gsched plan fslpp --workers 4 --stages 4 --microbatches 8 --R 2 --png fslpp.png
     gsched plan 1f1b -w 4 -b 8 --json
+    gsched plan fsdp -w 4 --forward-only --programs      # validation/test/predict programs
     gsched compare --workers 4 --stages 4 --microbatches 8
 """
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--png", metavar="FILE", default=None, help="also draw the timeline to FILE")
     p.add_argument("--programs", action="store_true", help="also print every rank's program")
+    p.add_argument("--forward-only", action="store_true",
+                   help="plan forward jobs only (validate/test/predict); same owners as training, "
+                        "the cap is ignored")
     c = sub.add_parser("compare", help="the seed's Table 1 with numbers, every library schedule side by side")
     _common(c)
     c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
@@ -79,7 +83,8 @@ def describe(result: Plan) -> str:
     head = (
         f"schedule {result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
         + (f" R={result.R}" if result.R is not None else "")
-        + f" order={result.order} cap={_cap_text(result.caps)}\n"
+        + f" order={result.order} cap={_cap_text(result.caps)}"
+        + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
         f"stage owners {[list(o) for o in result.table.owners]}"
     )
@@ -155,10 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             result = plan(args.schedule, workers=args.workers, stages=args.stages,
                           microbatches=args.microbatches, R=args.R, order=args.order, cap=args.cap,
-                          forward_cost=args.forward_cost, backward_cost=args.backward_cost)
+                          forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+                          forward_only=args.forward_only)
             if args.png:
                 save_png(result.timeline, args.png,
-                         f"{result.schedule}: W={result.workers} S={result.stages} B={result.micro}")
+                         f"{result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
+                         + (" (forward only)" if result.forward_only else ""))
             if args.json:
                 print(json.dumps(result.to_json()))
             else:

@@ -11,6 +11,11 @@
                            loss_fn=lambda out, b: F.cross_entropy(out, y[b]))
     optimizer.step()   # owners' param.grad == gradient of the mean loss over the global batch
 
+    evaluation = plan("fslpp", workers=W, stages=S, microbatches=B2, forward_only=True).programs
+    first, last = stage_micros(evaluation, rank)                # inputs needed / outputs returned
+    outputs = executor.forward(evaluation, {b: ((x_b,), {}) for b in first},
+                               output_fn=lambda out, b: out.argmax(-1))   # {b: value} for `last`
+
 Modules, one job each: :mod:`.wire` (pytree <-> one message), :mod:`.channels` (process groups,
 fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport` (sends, posted
 receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
@@ -24,7 +29,7 @@ from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
-from lightning_gsched.runtime.layout import StepResult
+from lightning_gsched.runtime.layout import StepResult, stage_micros
 
 __all__ = [
     "Channels",
@@ -33,4 +38,5 @@ __all__ = [
     "RuntimeCounters",
     "RuntimeFault",
     "StepResult",
+    "stage_micros",
 ]

@@ -9,6 +9,8 @@ or detached from the local producer), and the backward of stage ``s`` is
 
 The last stage's backward starts from ``loss_fn(output, b) / B``: with the global batch split
 into B microbatches, the summed gradients equal one step on the mean loss of the global batch.
+
+Forward-only runs (validation, test, predict) use :meth:`StageCompute.infer`: no graph, no stash.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class StageCompute:
         parts = wire.split(output, what=f"output of stage {s}")
         self.stash[(s, b)] = Stashed(in_leaves, outputs=parts.tensors)
         return parts, None
+
+    def infer(self, s: int, args: tuple, kwargs: dict) -> Any:
+        """Forward of stage ``s`` without autograd and without stashing (forward-only runs)."""
+        with torch.no_grad():
+            return self.stages[s](*args, **kwargs)
 
     def backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:
         """Run ``B s b``; returns the gradients of the stage's input tensors (None where none)."""

@@ -16,11 +16,16 @@ At the end of the step every owner's ``param.grad`` is the gradient of the mean 
 microbatches (the global batch), replicas included, and tied parameters' gradients are summed
 over all ranks. Any failure raises :class:`RuntimeFault` naming rank, action and cause, after
 aborting this executor's channels so that no peer hangs.
+
+``forward(programs, inputs, output_fn)`` runs this rank's program of *forward-only* programs
+(``plan(..., forward_only=True)``: same schedule, W, S and R, any number of microbatches) on the
+same stages, flat buffers and channels, without autograd and without touching any gradient, so
+validation can interleave with training, even in the middle of an accumulation window.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,10 +35,16 @@ from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
-from lightning_gsched.runtime.layout import StepResult, build_flat_stages, check_programs
+from lightning_gsched.runtime.layout import (
+    ProgramView,
+    StepResult,
+    build_flat_stages,
+    check_forward_programs,
+    check_programs,
+)
 from lightning_gsched.runtime.step import StepRun
 from lightning_gsched.runtime.transport import Transport, label
-from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.program import Action, Programs
 
 
 class ProgramExecutor:
@@ -62,7 +73,8 @@ class ProgramExecutor:
         self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
         self.rank = self.channels.rank
         self.programs = programs
-        self.program: list[Action] = programs.ranks[self.rank]
+        self.view = ProgramView.of(programs, self.rank)
+        self.program: list[Action] = self.view.program
         self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
         self.owned = set(programs.owned_stages(self.rank))
         self.flats, self.shared, self.device = build_flat_stages(stages, self.owned)
@@ -70,12 +82,10 @@ class ProgramExecutor:
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device)
-        ran = [(a.stage, a.micro) for a in self.program if a.op is Op.F]
-        self.first_stage_micros = sorted(b for s, b in ran if s == 0)
-        self.last_stage_micros = sorted(b for s, b in ran if s == self.num_stages - 1)
-        self.local_forward = set(ran)
-        self.local_backward = {(a.stage, a.micro) for a in self.program if a.op is Op.B}
+        self.first_stage_micros = self.view.first_stage_micros
+        self.last_stage_micros = self.view.last_stage_micros
         self.last_counters: RuntimeCounters | None = None
+        self.last_forward_counters: RuntimeCounters | None = None
         if sync_weights:
             self._sync_weights()
 
@@ -92,10 +102,50 @@ class ProgramExecutor:
         Returns:
             :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
         """
-        state = StepRun(self, inputs, loss_fn)
+        state = StepRun(self, self.view, inputs, loss_fn)
+        self._execute(state, "step()")
+        self.last_counters = state.counters
+        return StepResult(state.losses, state.counters)
+
+    def forward(
+        self,
+        programs: Programs,
+        inputs: Mapping[int, tuple[tuple, dict]],
+        output_fn: Callable[[Any, int], Any],
+    ) -> dict[int, Any]:
+        """Run this rank's program of forward-only ``programs`` (validation, test, predict).
+
+        Args:
+            programs: ``plan(schedule, workers=W, stages=S, R=R, microbatches=B',
+                forward_only=True).programs`` with the schedule, W, S and R of this executor's
+                programs (``B'`` may differ). The same on every rank; every rank must call.
+            inputs: ``{b: (args, kwargs)}`` for at least the microbatches whose first stage runs
+                here in *these* programs (``stage_micros(programs, rank)[0]``). Microbatches may
+                have different sizes, including 0 rows.
+            output_fn: ``output_fn(output, b) -> anything``, called on the rank that runs the last
+                stage of microbatch ``b`` with the model's output.
+        Returns:
+            ``{b: output_fn(output, b)}`` for the microbatches whose last stage ran here.
+
+        Runs under ``torch.no_grad()`` (and outside inference mode, also when called inside
+        ``torch.inference_mode()``, so fetched weights never become inference tensors). Owned
+        gradients (``param.grad``, flat gradient buffers, tied parameters) are left untouched;
+        non-owned stages are released afterwards as after :meth:`step`. Counters of the run are
+        in ``self.last_forward_counters`` (equal to the forward-only plan's metrics).
+        """
+        check_forward_programs(self.programs, programs)
+        view = ProgramView.of(programs, self.rank)
+        with torch.inference_mode(False), torch.no_grad():
+            state = StepRun(self, view, inputs, output_fn, forward_only=True)
+            self._execute(state, "forward()")
+        self.last_forward_counters = state.counters
+        return state.losses
+
+    def _execute(self, state: StepRun, caller: str) -> None:
+        """Walk ``state.view.program``; on any failure abort the channels and raise a fault."""
         try:
-            self._guarded(self._check_inputs, inputs)
-            for index, action in enumerate(self.program):
+            self._guarded(self._check_inputs, state.inputs, state.view.first_stage_micros, caller)
+            for index, action in enumerate(state.view.program):
                 self._position = label(action, index)
                 self._guarded(state.run, action, index)
             self._position = "the end of its program"
@@ -104,8 +154,8 @@ class ProgramExecutor:
             state.drop()
             self._abort(getattr(fault, "headline", str(fault)))
             raise
-        self.last_counters = state.counters
-        return StepResult(state.losses, state.counters)
+        finally:
+            self._position = "the start of its program"
 
     def _guarded(self, fn: Any, *args: Any) -> None:
         """Run ``fn``; any failure becomes a RuntimeFault naming this rank and its position."""
@@ -124,15 +174,24 @@ class ProgramExecutor:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_inputs(self, inputs: Mapping[int, Any]) -> None:
-        missing = [b for b in self.first_stage_micros if b not in inputs]
+    def _check_inputs(self, inputs: Mapping[int, Any], first: list[int], caller: str) -> None:
+        where = (
+            "executor.first_stage_micros"
+            if caller == "step()"
+            else "stage_micros(programs, rank)[0] of the programs passed to forward()"
+        )
+        if not isinstance(inputs, Mapping):
+            raise RuntimeConfigError(
+                f"{caller} takes inputs as {{b: (args, kwargs)}}, got {type(inputs).__name__}."
+            )
+        missing = [b for b in first if b not in inputs]
         if missing:
             raise RuntimeConfigError(
-                f"rank {self.rank} runs stage 0 on microbatches {self.first_stage_micros} but "
-                f"step() got no inputs for {missing}; pass {{b: (args, kwargs)}} for (at least) "
-                "executor.first_stage_micros."
+                f"rank {self.rank} runs stage 0 on microbatches {first} but "
+                f"{caller} got no inputs for {missing}; pass {{b: (args, kwargs)}} for (at least) "
+                f"{where}."
             )
-        for b in self.first_stage_micros:
+        for b in first:
             call = inputs[b]
             if not (
                 isinstance(call, tuple)

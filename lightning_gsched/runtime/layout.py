@@ -3,6 +3,9 @@
 Why here: the executor needs one decision made the same way on every rank: the parameters of
 stage ``s`` (in ``stage.parameters()`` order) form its flat buffer, except parameters that several
 stages read (tied weights), which stay replicated and get one flat gradient of their own.
+Also here: what one rank's program of a :class:`Programs` implies for a run
+(:class:`ProgramView`, :func:`stage_micros`), and the checks that let forward-only programs run on
+an executor built for training programs (:func:`check_forward_programs`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatGrads, FlatStage
-from lightning_gsched.schedule.program import Programs
+from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 
 @dataclass
@@ -29,6 +32,80 @@ class StepResult:
 
     losses: dict[int, torch.Tensor]
     counters: RuntimeCounters
+
+
+def stage_micros(programs: Programs, rank: int) -> tuple[list[int], list[int]]:
+    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there).
+
+    The first list says which ``inputs`` a rank must pass to ``step()``/``forward()``; the second
+    for which microbatches ``loss_fn``/``output_fn`` is called on that rank.
+    """
+    last = programs.num_stages - 1
+    ran = [(a.stage, a.micro) for a in programs.ranks[rank] if a.op is Op.F]
+    return sorted(b for s, b in ran if s == 0), sorted(b for s, b in ran if s == last)
+
+
+@dataclass(frozen=True)
+class ProgramView:
+    """One rank's program of a :class:`Programs` and what a run of it needs to know."""
+
+    programs: Programs
+    program: list[Action]
+    first_stage_micros: list[int]
+    last_stage_micros: list[int]
+    local_forward: frozenset[tuple[int, int]]  # (stage, micro) forwards run on this rank
+    local_backward: frozenset[tuple[int, int]]
+
+    @classmethod
+    def of(cls, programs: Programs, rank: int) -> "ProgramView":
+        program = programs.ranks[rank]
+        first, last = stage_micros(programs, rank)
+        return cls(
+            programs,
+            program,
+            first,
+            last,
+            frozenset((a.stage, a.micro) for a in program if a.op is Op.F),
+            frozenset((a.stage, a.micro) for a in program if a.op is Op.B),
+        )
+
+
+def check_forward_programs(train: Programs, programs: Programs) -> None:
+    """``programs`` can run as forward-only programs on an executor built for ``train``."""
+    fix = (
+        "plan them with plan(<same schedule>, workers=W, stages=S, R=R, forward_only=True), "
+        "i.e. the schedule, W, S and R of the executor's programs (the number of microbatches "
+        "may differ)"
+    )
+    if not isinstance(programs, Programs):
+        raise RuntimeConfigError(
+            f"forward() needs the Programs of a forward-only plan (plan(...).programs), got "
+            f"{type(programs).__name__}; {fix}."
+        )
+    for rank, program in enumerate(programs.ranks):
+        bad = next((a for a in program if a.op in BACKWARD_OPS), None)
+        if bad is not None:
+            raise RuntimeConfigError(
+                f"forward() runs forward-only programs, but rank {rank}'s program contains "
+                f"'{bad}' (backward, input-gradient or gradient-reduction actions); {fix}."
+            )
+    mismatches = []
+    if programs.world_size != train.world_size:
+        mismatches.append(f"{programs.world_size} workers instead of {train.world_size}")
+    if programs.num_stages != train.num_stages:
+        mismatches.append(f"{programs.num_stages} stages instead of {train.num_stages}")
+    elif [tuple(o) for o in programs.owners] != [tuple(o) for o in train.owners]:
+        mismatches.append(
+            f"stage owners {[list(o) for o in programs.owners]} instead of "
+            f"{[list(o) for o in train.owners]}"
+        )
+    if sorted(programs.edges) != sorted(train.edges):
+        mismatches.append(f"stage edges {programs.edges} instead of {train.edges}")
+    if mismatches:
+        raise RuntimeConfigError(
+            "the forward-only programs do not fit this executor's programs: "
+            + "; ".join(mismatches) + f"; {fix}."
+        )
 
 
 def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:

@@ -6,6 +6,11 @@ dropped at once on a failure, before the executor destroys its process groups (p
 keep connections open). The executor (:mod:`.executor`) owns what outlives a step: stages, flat
 buffers, channels. One method per op, named after it (``F`` -> ``_f``, ``FETCH_W`` ->
 ``_fetch_w``); the semantics are those the dry run proves (see ``docs/runtime.md``).
+
+The same object runs a forward-only program (``forward_only=True``, from
+``ProgramExecutor.forward``): forwards without autograd or stash, the last stage's output handed
+to ``output_fn`` (any value), and nothing that touches gradients (no zeroing at the start, no
+tied-parameter all-reduce at the end).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.compute import LossFn
 from lightning_gsched.runtime.counters import RuntimeCounters
+from lightning_gsched.runtime.layout import ProgramView
 from lightning_gsched.runtime.transport import label
 from lightning_gsched.schedule.program import Action, Op
 
@@ -29,15 +35,22 @@ class StepRun:
     """State of one step: posted receives, produced values, pending reductions, counters."""
 
     def __init__(
-        self, ex: ProgramExecutor, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn
+        self,
+        ex: ProgramExecutor,
+        view: ProgramView,
+        inputs: Mapping[int, tuple[tuple, dict]],
+        loss_fn: LossFn,
+        forward_only: bool = False,
     ) -> None:
         self.ex = ex
+        self.view = view
         self.inputs = inputs
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn  # forward-only: output_fn(output, b) -> anything
+        self.forward_only = forward_only
         self.transport = ex.transport
         self.counters = RuntimeCounters(owned_stages=len(ex.owned))
         ex.transport.counters = self.counters
-        self.losses: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, Any] = {}  # forward-only: output_fn's values
         self.received: dict[tuple[Op, int, int], Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
         self.produced_grads: dict[tuple[int, int], list] = {}
@@ -49,8 +62,10 @@ class StepRun:
         self.counters.peak_resident_stages = self.resident
         for s in ex.owned:
             ex.flats[s].ensure_owned_views()
-            ex.flats[s].zero_grads()
-        ex.shared.zero()
+            if not forward_only:  # a forward-only run leaves gradients as they are
+                ex.flats[s].zero_grads()
+        if not forward_only:
+            ex.shared.zero()
         self._note_bytes()
 
     def drop(self) -> None:
@@ -82,6 +97,9 @@ class StepRun:
                 leaves = wire.detached_leaves(parts.tensors)
                 value = wire.join(parts.structure, leaves)
             args, kwargs = (value,), {}
+        if self.forward_only:
+            self._infer(s, b, tuple(args), dict(kwargs))
+            return
         parts, loss = self.ex.compute.forward(s, b, tuple(args), dict(kwargs), leaves, self.loss_fn)
         if loss is not None:
             self.losses[b] = loss
@@ -90,6 +108,13 @@ class StepRun:
         self.counters.peak_activations = max(
             self.counters.peak_activations, self.ex.compute.stashed
         )
+
+    def _infer(self, s: int, b: int, args: tuple, kwargs: dict) -> None:
+        output = self.ex.compute.infer(s, args, kwargs)
+        if s == self.ex.num_stages - 1:
+            self.losses[b] = self.loss_fn(output, b)
+        else:
+            self.produced_acts[(s, b)] = wire.split(output, what=f"output of stage {s}")
 
     def _b(self, a: Action, index: int) -> None:
         s, b = a.stage, a.micro
@@ -131,7 +156,7 @@ class StepRun:
     def _send_act(self, a: Action, index: int) -> None:
         key = (a.stage, a.micro)
         parts = self.produced_acts[key]
-        if (a.stage + 1, a.micro) not in self.ex.local_forward:
+        if (a.stage + 1, a.micro) not in self.view.local_forward:
             del self.produced_acts[key]
         self.transport.send_pytree(parts, a.peer, label(a, index))
         self.counters.activation_sends += 1
@@ -147,7 +172,7 @@ class StepRun:
     def _send_grad(self, a: Action, index: int) -> None:
         key = (a.stage, a.micro)
         grads = self.produced_grads[key]
-        if (a.stage - 1, a.micro) not in self.ex.local_backward:
+        if (a.stage - 1, a.micro) not in self.view.local_backward:
             del self.produced_grads[key]
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
         self.transport.send_pytree(parts, a.peer, label(a, index))
@@ -243,7 +268,8 @@ class StepRun:
             self._add_received_grads(s)
         for work, what in self.allreduces:
             self.transport.wait(work, what)
-        self._reduce_shared()
+        if not self.forward_only:
+            self._reduce_shared()
         self.transport.drain_sends()
         if leftovers or self.ex.compute.stash:
             raise RuntimeConfigError(

@@ -10,6 +10,10 @@ or received), a backward has its stashed forward and its output gradients, a com
 stage's weights (owned, or fetched and not freed), collectives come in the same order on every
 member of a group, and at the end nothing is stashed, fetched or unreceived. Any violation raises
 :class:`ProgramError` naming the rank and the action in text form.
+
+Forward-only programs (``programs.forward_only``) may contain no backward-related action, stash
+nothing (a forward's output is consumed by the next stage, not kept for a backward) and must
+run every forward exactly once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ from __future__ import annotations
 from collections import Counter, defaultdict, deque
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule.program import CHANNEL_OF, RECV_FOR_SEND, RECV_OPS, SEND_OPS, Op, Programs
+from lightning_gsched.schedule.program import (
+    BACKWARD_OPS,
+    CHANNEL_OF,
+    RECV_FOR_SEND,
+    RECV_OPS,
+    SEND_OPS,
+    Op,
+    Programs,
+)
 
 
 def check_matching(programs: Programs) -> None:
@@ -86,6 +98,8 @@ class _Rank:
 
 def dry_run(programs: Programs) -> None:
     """Execute all programs symbolically; raise :class:`ProgramError` on any problem."""
+    if programs.forward_only:
+        check_forward_only(programs)
     check_matching(programs)
     check_collective_order(programs)
     inputs: dict[int, list[int]] = defaultdict(list)
@@ -186,7 +200,8 @@ def dry_run(programs: Programs) -> None:
             return False
         if op is Op.F:
             state.forward_done.add((s, b))
-            state.stash.add((s, b))
+            if not programs.forward_only:
+                state.stash.add((s, b))
         else:
             state.stash.discard((s, b))
             state.backward_done.add((s, b))
@@ -218,10 +233,21 @@ def _check_end(rank: int, state: _Rank, fail) -> None:
     # check_matching guaranteed their sends exist and the stuck-rank check that senders finish.
 
 
+def check_forward_only(programs: Programs) -> None:
+    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
+    for rank, program in enumerate(programs.ranks):
+        for index, action in enumerate(program):
+            if action.op in BACKWARD_OPS:
+                raise ProgramError(
+                    f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
+                    "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W"
+                )
+
+
 def _check_coverage(programs: Programs, ranks: list[_Rank]) -> None:
     count: dict[tuple[int, int], int] = defaultdict(int)
     for state in ranks:
-        for key in state.backward_done:
+        for key in state.forward_done if programs.forward_only else state.backward_done:
             count[key] += 1
     for s in range(programs.num_stages):
         for b in range(programs.num_micro):

@@ -4,6 +4,9 @@ A job is one unit of work: forward (F) or backward (B) of one stage on one micro
 dependencies are not hard-coded as a chain; they are derived from a :class:`StageGraph`, so a
 DAG of stages (several encoder legs feeding a decoder) fits the same scheduler later. The
 weight-gradient phase W (zero-bubble schedules) is reserved in :class:`Phase` but not produced.
+
+A forward-only graph (``StageGraph(S, forward_only=True)``, for validation/test/predict) has only
+F jobs: a sink's forward has no successor and B jobs do not exist.
 """
 
 from __future__ import annotations
@@ -42,12 +45,20 @@ class StageGraph:
     ``edges`` are (producer, consumer) pairs; stages must be numbered in a topological order
     (producer < consumer), which is how the partitioner numbers them. Sinks (stages without
     consumers) are where the loss is computed, so their backward starts from their own forward.
+    With ``forward_only=True`` there are no backward jobs: a sink's forward ends the microbatch.
     """
 
-    def __init__(self, num_stages: int, edges: Iterable[tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        num_stages: int,
+        edges: Iterable[tuple[int, int]] | None = None,
+        forward_only: bool = False,
+    ) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ScheduleConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
         self.num_stages = num_stages
+        self.forward_only = bool(forward_only)
+        self.phases: tuple[Phase, ...] = (Phase.F,) if self.forward_only else (Phase.F, Phase.B)
         chain = edges is None
         if edges is None:
             edges = [(s, s + 1) for s in range(num_stages - 1)]
@@ -78,28 +89,38 @@ class StageGraph:
         s, b, d = job
         if d is Phase.F:
             return [Job(p, b, Phase.F) for p in self._inputs[s]]
-        if d is Phase.B:
+        if d is Phase.B and not self.forward_only:
             consumers = self._outputs[s]
             if not consumers:
                 return [Job(s, b, Phase.F)]
             return [Job(c, b, Phase.B) for c in consumers]
-        raise ScheduleConfigError(f"phase {d} is not scheduled yet")
+        raise ScheduleConfigError(self._no_phase(d))
 
     def succ(self, job: Job) -> list[Job]:
         """Inverse of :meth:`pred`; the seed's succ."""
         s, b, d = job
         if d is Phase.F:
             if not self._outputs[s]:
-                return [Job(s, b, Phase.B)]
+                return [] if self.forward_only else [Job(s, b, Phase.B)]
             return [Job(c, b, Phase.F) for c in self._outputs[s]]
-        if d is Phase.B:
+        if d is Phase.B and not self.forward_only:
             return [Job(p, b, Phase.B) for p in self._inputs[s]]
-        raise ScheduleConfigError(f"phase {d} is not scheduled yet")
+        raise ScheduleConfigError(self._no_phase(d))
+
+    def _no_phase(self, d: Phase) -> str:
+        if self.forward_only:
+            return f"a forward-only graph has no {d.value} jobs"
+        return f"phase {d} is not scheduled yet"
+
+    def all_jobs(self, num_micro: int) -> Iterator[Job]:
+        """Every job of this graph on ``num_micro`` microbatches (only F when forward-only)."""
+        return all_jobs(self.num_stages, num_micro, self.forward_only)
 
 
-def all_jobs(num_stages: int, num_micro: int) -> Iterator[Job]:
-    """Every F and B job, stage-major."""
+def all_jobs(num_stages: int, num_micro: int, forward_only: bool = False) -> Iterator[Job]:
+    """Every F and B job (only F jobs when ``forward_only``), stage-major."""
     for s in range(num_stages):
         for b in range(num_micro):
             yield Job(s, b, Phase.F)
-            yield Job(s, b, Phase.B)
+            if not forward_only:
+                yield Job(s, b, Phase.B)

@@ -15,6 +15,10 @@ inserts communication and weight residency:
   simulated time the peer needs them; replicas (several owners) get ``ALLREDUCE_G`` right after
   their last backward of the stage, so reduction overlaps the rest of the backward pass.
 
+A forward-only timeline (``graph.forward_only``) lowers to forwards, activation messages and
+weight fetches only: no run has a backward, so there is no ``REDUCE_G``/``RECV_G``, and replicas
+have nothing to all-reduce.
+
 Finally every channel is made FIFO-consistent: receives are posted in the order the peer sends,
 moving a post earlier when needed (never later), so that backends without message tags (NCCL)
 can run the same programs.
@@ -122,10 +126,12 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline) -> Progr
 
     _lower_data_flow(graph, table, timeline, build, index)
     reduce_gaps = _lower_weights(table, timeline, build)
-    _lower_allreduce(table, timeline, build, reduce_gaps)
+    if not graph.forward_only:
+        _lower_allreduce(table, timeline, build, reduce_gaps)
     build.make_fifo()
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
-    return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges)
+    return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges,
+                    forward_only=graph.forward_only)
 
 
 def _lower_data_flow(
@@ -137,7 +143,7 @@ def _lower_data_flow(
     put = build.put
     sources = {
         (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s))
-        for s in range(graph.num_stages) for d in (Phase.F, Phase.B)
+        for s in range(graph.num_stages) for d in graph.phases
     }
     for worker, slots in enumerate(timeline.by_worker):
         for i, slot in enumerate(slots):

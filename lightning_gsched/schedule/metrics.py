@@ -51,7 +51,7 @@ def program_counts(programs: Programs, rank: int) -> dict[str, int]:
     resident = peak_resident = owned
     for action in programs.ranks[rank]:
         counts[action.op] += 1
-        if action.op is Op.F:
+        if action.op is Op.F and not programs.forward_only:  # forward-only: nothing stashed
             stash += 1
             peak_stash = max(peak_stash, stash)
         elif action.op is Op.B:

@@ -57,10 +57,12 @@ class Plan:
     timeline: Timeline
     programs: Programs
     metrics: PlanMetrics
+    forward_only: bool = False
 
     def to_json(self) -> dict:
         return {
             "schedule": self.schedule,
+            "forward_only": self.forward_only,
             "workers": self.workers,
             "stages": self.stages,
             "microbatches": self.micro,
@@ -102,12 +104,18 @@ def plan(
     priority: PriorityFn | None = None,
     edges: Sequence[tuple[int, int]] | None = None,
     verify: bool = True,
+    forward_only: bool = False,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
     ``schedule`` names a library entry; or pass ``placement`` (and optionally ``priority``) for a
     custom schedule, with ``schedule=None`` or a label of your choice. ``cap="auto"`` picks the
     smallest uniform activation cap that keeps the uncapped latency.
+
+    ``forward_only=True`` plans validation/test/predict: F jobs only, with the same placement
+    (hence the same stage owners) as the training plan of the same schedule, W, S and R, so one
+    executor runs both. Programs then hold F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W only;
+    the activation cap is ignored (nothing is stashed for a backward).
     """
     W = _check_positive_int("workers", workers)
     if placement is None:
@@ -120,7 +128,7 @@ def plan(
         placement_fn = spec.make_placement(W, S, R or 1)
         placement_fn.check(S, B)  # type: ignore[attr-defined]
         order_spec = order if order is not None else (priority or spec.order)
-        cap_spec = spec.cap(W) if cap == DEFAULT else cap
+        cap_spec = None if forward_only else spec.cap(W) if cap == DEFAULT else cap
         name = spec.name
     else:
         if stages is None or microbatches is None:
@@ -129,24 +137,25 @@ def plan(
         B = _check_positive_int("microbatches", microbatches)
         placement_fn = placement
         order_spec = order if order is not None else (priority or "bfs")
-        cap_spec = None if cap == DEFAULT else cap
+        cap_spec = None if cap == DEFAULT or forward_only else cap
         name = schedule or "custom"
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, forward_cost,
-                      backward_cost, edges, verify)
+                      backward_cost, edges, verify, bool(forward_only))
 
 
 def _build(
     name: str, W: int, S: int, B: int, R: int | None, order_spec: str | PriorityFn,
     cap_spec: CapSpec, placement_fn: PlacementFn, forward_cost: float | Sequence[float],
     backward_cost: float | Sequence[float], edges: Sequence[tuple[int, int]] | None, verify: bool,
+    forward_only: bool = False,
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
-    graph = StageGraph(S, edges)
+    graph = StageGraph(S, edges, forward_only=forward_only)
     costs = Costs.build(S, forward_cost, backward_cost)
-    table = PlacementTable(placement_fn, W, S, B)
-    ranks = priority_ranks(priority_fn, S, B)
+    table = PlacementTable(placement_fn, W, S, B)  # both phases: owners as in training
+    ranks = priority_ranks(priority_fn, S, B, forward_only)
     if cap_spec == "auto":
         caps = auto_cap(graph, table, ranks, costs)
     elif isinstance(cap_spec, str):
@@ -164,7 +173,8 @@ def _build(
     if verify:
         dry_run(programs)
     metrics = measure(programs, timeline)
-    return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics)
+    return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
+                forward_only)
 
 
 def _jobs_per_worker(table: PlacementTable) -> list[int]:

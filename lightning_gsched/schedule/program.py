@@ -53,6 +53,9 @@ class Op(str, Enum):
 COMPUTE_OPS = frozenset({Op.F, Op.B})
 SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_W, Op.REDUCE_G})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD, Op.FETCH_W, Op.RECV_G})
+# What a forward-only program (plan(..., forward_only=True)) may contain.
+FORWARD_ONLY_OPS = frozenset({Op.F, Op.SEND_ACT, Op.RECV_ACT, Op.FETCH_W, Op.SEND_W, Op.FREE_W})
+BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, input-gradients, gradient reductions
 _MICRO_OPS = frozenset({Op.F, Op.B, Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD})
 _OUT_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_W, Op.REDUCE_G})
 
@@ -129,7 +132,8 @@ class Programs:
     """Programs of all ranks plus the facts the runtime needs to execute them.
 
     ``owners[s]`` are the ranks that hold the source of truth of stage s (more than one means
-    replicas, kept equal by ``ALLREDUCE_G``); ``edges`` is the stage graph.
+    replicas, kept equal by ``ALLREDUCE_G``); ``edges`` is the stage graph. ``forward_only``
+    programs (validation, test, predict) contain only :data:`FORWARD_ONLY_OPS`.
     """
 
     ranks: list[list[Action]]
@@ -137,6 +141,7 @@ class Programs:
     num_micro: int
     owners: list[tuple[int, ...]]
     edges: list[tuple[int, int]]
+    forward_only: bool = False
 
     @property
     def world_size(self) -> int:

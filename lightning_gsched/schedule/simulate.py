@@ -10,6 +10,9 @@ a fraction of a second.
 Activation caps: a forward may not start on a worker that already holds ``cap`` activations
 (forwards whose backward has not finished). If no worker can start anything while jobs remain,
 the cap is too small and :class:`CapTooSmallError` says which worker is stuck and why.
+
+A forward-only graph (:class:`StageGraph` with ``forward_only=True``) simulates F jobs only; the
+planner passes no caps then (nothing is stashed for a backward).
 """
 
 from __future__ import annotations
@@ -89,10 +92,12 @@ class Timeline:
         return max((s.end for s in self.slots), default=0.0)
 
 
-def priority_ranks(priority: PriorityFn, stages: int, micro: int) -> dict[Job, int]:
+def priority_ranks(
+    priority: PriorityFn, stages: int, micro: int, forward_only: bool = False
+) -> dict[Job, int]:
     """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys)."""
     keyed = []
-    for job in all_jobs(stages, micro):
+    for job in all_jobs(stages, micro, forward_only):
         keyed.append((priority(*job), job))
     try:
         keyed.sort()
@@ -175,16 +180,16 @@ def simulate(
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase).
     successors = {
         (s, d): [(j.stage, j.phase) for j in graph.succ(Job(s, 0, d))]
-        for s in range(S) for d in (Phase.F, Phase.B)
+        for s in range(S) for d in graph.phases
     }
-    n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in (Phase.F, Phase.B)}
-    for job in all_jobs(S, B):
+    n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
+    for job in graph.all_jobs(B):
         missing[job] = n_pred[(job.stage, job.phase)]
         if missing[job] == 0:
             make_ready(job, 0.0)
 
     slots: list[Slot] = []
-    total = 2 * S * B
+    total = len(graph.phases) * S * B
     while events:
         start, _, w, version = heapq.heappop(events)
         state = workers[w]
