@@ -118,3 +118,21 @@ def test_unknown_schedule_name_is_rejected_at_construction() -> None:
 
     with pytest.raises(UnknownScheduleError, match="did you mean 'fslpp'"):
         GeneralParallel("fslp")
+
+
+def save_after_ungathered_run(ctx: WorkerContext, path: str) -> None:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    model = seeded(0, LitGPT)
+    fit = trainer(ctx.world_size, GeneralParallel("fsdp", gather_on_teardown=False), max_steps=1)
+    fit.fit(model, rank_loader(tokens(8), 8, ctx.world_size, ctx.rank))
+    fit.save_checkpoint(path)
+
+
+def test_checkpoint_after_an_ungathered_run_is_refused(world, tmp_path) -> None:
+    results = world.run(save_after_ungathered_run, str(tmp_path / "x.ckpt"), expect_errors=True)
+    for result in results:
+        assert isinstance(result, RankError) and result.type_name == "StrategyConfigError"
+        assert "gather_on_teardown" in result.message
+    assert not (tmp_path / "x.ckpt").exists()

@@ -114,6 +114,7 @@ class GeneralParallel(DDPStrategy):
         self.gather_on_teardown = gather_on_teardown
         self._engine: PipelineEngine | None = None
         self._failed = False
+        self._released = False  # a run ended without giving every rank the full weights back
 
     # ------------------------------------------------------------------ properties
 
@@ -141,6 +142,12 @@ class GeneralParallel(DDPStrategy):
                 "backward: use automatic optimization (return the loss from training_step)"
             )
         self._check_precision()
+        if self._released:
+            raise StrategyConfigError(
+                "the previous run ended without gathering the weights (gather_on_teardown=False "
+                "or a failure), so the module is incomplete on this rank; build a new model (or "
+                "load a checkpoint) before the next fit/validate/predict"
+            )
         self._failed = False
         train_plan = self.schedule_config.training_plan(self.world_size)  # bad config fails here
         self.precision_plugin.convert_module(self.model)
@@ -222,7 +229,16 @@ class GeneralParallel(DDPStrategy):
             self.lightning_module, engine.grads if built else None,
             engine.executor if built else None, self.global_rank, self.world_size)
 
+    def _check_not_released(self) -> None:
+        if self._released and not self._built():
+            raise StrategyConfigError(
+                "the last run ended without gathering the weights (gather_on_teardown=False, or "
+                "a rank failed), so this rank holds only its own stages and a checkpoint would "
+                "be incomplete. Save during fit (ModelCheckpoint) or keep gather_on_teardown=True"
+            )
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._check_not_released()
         if self.state_dict_type == "sharded":
             return sharded.local_model_state(self.lightning_module, self._sharded_writer())
         if not self._built():
@@ -287,7 +303,9 @@ class GeneralParallel(DDPStrategy):
 
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.close(gather=self.gather_on_teardown and not self._failed)
+            gather = self.gather_on_teardown and not self._failed
+            self._released = self._engine.built and not gather
+            self._engine.close(gather=gather)
             self._engine = None
         super().teardown()
 
