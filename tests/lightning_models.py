@@ -112,6 +112,15 @@ def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def assert_same_state(got: dict, want: dict, label: str, rtol: float = 1e-5,
+                      atol: float = 1e-6) -> None:
+    """Same keys, and every tensor close to the reference's (message names the key)."""
+    assert got.keys() == want.keys(), label
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{label}: {name}: {m}")
+
+
 def csv_metric(tmp: str, name: str) -> list[tuple[int, float]]:
     """(step, value) rows of one column of a CSVLogger's metrics.csv."""
     import csv

@@ -20,6 +20,7 @@ from dist_harness import WorkerContext, Worlds
 from lightning_models import (
     LitGPT,
     as_worker,
+    assert_same_state,
     csv_metric,
     make_lit_gpt,
     rank_loader,
@@ -31,7 +32,7 @@ from lightning_models import (
 pytestmark = pytest.mark.distributed
 
 GLOBAL_BATCH, FIRST, TOTAL = 8, 2, 4
-RTOL, ATOL = 1e-5, 1e-6
+RTOL, ATOL = 1e-5, 1e-6  # Adam state comparison below
 
 
 def _fit(world: int, rank: int, strategy: Any, tmp: str, steps: int, ckpt: str | None) -> Any:
@@ -90,13 +91,6 @@ def reference() -> tuple[dict, dict, list]:
     first = state_of(model)
     _, model = _fit(1, 0, "auto", os.path.join(tmp, "b"), TOTAL, path)
     return first, state_of(model), csv_metric(os.path.join(tmp, "b"), "train_loss")
-
-
-def assert_same_state(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), label
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{label}: {name}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 import torch
 from dist_harness import WorkerContext, Worlds
 from lightning_models import (
+    assert_same_state,
     as_worker,
     csv_metric,
     make_lit_gpt,
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.distributed
 
 SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed"]
 STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
-RTOL, ATOL = 1e-5, 1e-6
 
 
 DEFAULT_FIT = (("max_steps", STEPS), ("gradient_clip_val", CLIP))
@@ -62,13 +62,6 @@ def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]
     tmp = tempfile.mkdtemp()
     state = _fit(1, 0, "auto", optimizer, tmp, options)
     return state, csv_metric(tmp, "train_loss")
-
-
-def assert_same_state(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), label
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{label}: {name}: {m}")
 
 
 @pytest.fixture(scope="module")
