@@ -124,8 +124,6 @@ def concat_outputs(outputs: list[Any], what: str) -> Any:
     for column in zip(*(leaves for leaves, _ in flat)):
         if isinstance(column[0], torch.Tensor) and column[0].dim() > 0:
             joined.append(torch.cat(list(column)))
-        elif all(isinstance(v, list) for v in column):
-            joined.append([x for v in column for x in v])
         else:
             raise BatchSplitError(
                 f"{what} returned a {type(column[0]).__name__} that has no batch dimension, so "

@@ -64,27 +64,36 @@ def _cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def full_optimizer_state(optimizer: Optimizer, grads: GradStash) -> dict[str, Any]:
-    """The optimizer's state dict with every parameter's state, on rank 0 (collective)."""
-    state = optimizer.state_dict()
-    world = grads.world_size
-    if world == 1:
-        return state
+def _primary_entries(optimizer: Optimizer, state: dict[str, Any],
+                     grads: GradStash) -> dict[int, dict]:
+    """The entries of ``state`` (optimizer.state_dict()) for parameters this rank is first
+    owner of, on the CPU so they can be pickled to other ranks."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     primary = {id(p) for p in grads.primary}
-    mine = {
+    return {
         index: {key: _cpu(value) for key, value in entry.items()}
         for index, entry in state["state"].items()
         if id(params[index]) in primary
     }
-    gathered: list[Any] | None = [None] * world if grads.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+
+
+def _merged(parts: list[Any], param_groups: Any) -> dict[str, Any]:
+    merged: dict[int, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return {"state": dict(sorted(merged.items())), "param_groups": param_groups}
+
+
+def full_optimizer_state(optimizer: Optimizer, grads: GradStash) -> dict[str, Any]:
+    """The optimizer's state dict with every parameter's state, on rank 0 (collective)."""
+    state = optimizer.state_dict()
+    if grads.world_size == 1:
+        return state
+    gathered: list[Any] | None = [None] * grads.world_size if grads.rank == 0 else None
+    dist.gather_object(_primary_entries(optimizer, state, grads), gathered, dst=0)
     if grads.rank != 0:
         return {}
-    merged: dict[int, Any] = {}
-    for part in gathered or []:
-        merged.update(part)
-    return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+    return _merged(gathered or [], state["param_groups"])
 
 
 def prune_optimizer_state(optimizers: list[Optimizer], keep: list[nn.Parameter]) -> int:
@@ -126,21 +135,11 @@ def restore_full_optimizer_state(optimizers: list[Optimizer], grads: GradStash) 
     Together with :func:`restore_full_weights` this makes a finished run look like DDP's, so
     ``trainer.save_checkpoint`` after ``fit`` and a later ``fit`` both see complete state.
     """
-    primary = {id(p) for p in grads.primary}
     for optimizer in optimizers:
         state = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        mine = {
-            index: {key: _cpu(value) for key, value in entry.items()}
-            for index, entry in state["state"].items()
-            if id(params[index]) in primary
-        }
-        gathered: list[Any] = [None] * grads.world_size
+        mine = _primary_entries(optimizer, state, grads)
+        gathered: list[Any] = [mine]
         if grads.world_size > 1:
+            gathered = [None] * grads.world_size
             dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        merged: dict[int, Any] = {}
-        for part in gathered:
-            merged.update(part)
-        optimizer.load_state_dict({"state": merged, "param_groups": state["param_groups"]})
+        optimizer.load_state_dict(_merged(gathered, state["param_groups"]))

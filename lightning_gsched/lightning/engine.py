@@ -38,8 +38,7 @@ from lightning_gsched.lightning.intercept import StepCaller, step_loss
 from lightning_gsched.lightning.logsync import exchange, reduce_records, replay
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.runtime import ProgramExecutor
-from lightning_gsched.runtime import stage_micros
+from lightning_gsched.runtime import ProgramExecutor, stage_micros
 from lightning_gsched.schedule.plan import Plan
 
 

@@ -31,12 +31,10 @@ from torch import nn
 from lightning_gsched.runtime import ProgramExecutor
 
 
-def _flatten(params: list[nn.Parameter]) -> torch.Tensor | None:
-    grads = [p.grad for p in params]
-    if not params:
-        return None
+def _flatten(params: list[nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients in one flat tensor (zeros where a gradient is None)."""
     return torch.cat([
-        (g if g is not None else torch.zeros_like(p)).reshape(-1) for p, g in zip(params, grads)
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
     ])
 
 
@@ -47,12 +45,14 @@ class GradStash:
         self.executor = executor
         self.world_size = executor.channels.world_size
         self.rank = executor.rank
-        owned = [s for s in sorted(executor.owned)]
-        self.stage_params = {s: [p for p in executor.flats[s].grads.params] for s in owned}
+        self.stage_params = {s: list(executor.flats[s].grads.params)
+                             for s in sorted(executor.owned)}
         self.shared = list(executor.shared.params)
         known = {id(p) for f in executor.flats for p in f.params} | {id(p) for p in self.shared}
         self.extra = [p for p in module.parameters() if p.requires_grad and id(p) not in known]
         self.primary = self._primary_params()
+        self._owned = ([p for ps in self.stage_params.values() for p in ps] + self.shared
+                       + self.extra)
         self.held: list[tuple[list[nn.Parameter], torch.Tensor]] = []
         self._saved: dict[int, torch.Tensor | None] = {}
 
@@ -66,7 +66,7 @@ class GradStash:
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank updates (optimizer state is kept for these only)."""
-        return [p for ps in self.stage_params.values() for p in ps] + self.shared + self.extra
+        return self._owned
 
     # ------------------------------------------------------------------ around the schedule
 
@@ -87,7 +87,6 @@ class GradStash:
                               self.executor.shared.take()))
         if self.extra:
             flat = _flatten(self.extra)
-            assert flat is not None
             if self.world_size > 1:
                 dist.all_reduce(flat)
             self.held.append((self.extra, flat))
