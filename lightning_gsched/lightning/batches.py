@@ -24,10 +24,17 @@ from lightning_gsched.errors import BatchSplitError
 
 @dataclass
 class GlobalBatch:
-    """The concatenated batch and how many rows each rank contributed."""
+    """The global batch: every rank's rows concatenated, or only this rank's when that suffices.
+
+    ``value`` is the whole concatenated batch, or None when :func:`gather_batch` found that every
+    rank's program touches only microbatches made of its own rows (e.g. ``ddp``); then ``local``
+    holds this rank's rows and :meth:`micros` cuts the microbatches it can from them.
+    """
 
     value: Any
     rows_per_rank: list[int]
+    local: Any = None
+    rank: int = 0
 
     @property
     def rows(self) -> int:
@@ -35,6 +42,20 @@ class GlobalBatch:
 
     def offset(self, rank: int) -> int:
         return sum(self.rows_per_rank[:rank])
+
+    def micros(self, parts: int, *, exact: bool, what: str = "global batch") -> list[Any]:
+        """The ``parts`` microbatches (``split_batch``'s rule); None for those not held here."""
+        if self.value is not None:
+            return split_batch(self.value, parts, exact=exact, what=what)
+        check_split(self.rows, parts, exact, what)
+        first, held = self.offset(self.rank), self.rows_per_rank[self.rank]
+        out: list[Any] = []
+        start = 0
+        for size in micro_rows(self.rows, parts):
+            low, high = start - first, start + size - first
+            out.append(take_rows(self.local, low, high) if 0 <= low and high <= held else None)
+            start += size
+        return out
 
 
 def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
@@ -55,17 +76,52 @@ def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
     return leaves, spec, data
 
 
-def gather_batch(batch: Any, world_size: int) -> GlobalBatch:
-    """Concatenate every rank's batch along dim 0 (collective; rows may differ per rank)."""
-    leaves, spec, data = _batch_leaves(batch)
+def owns_its_micros(rows: list[int], parts: int, needed: list[list[int]]) -> bool:
+    """Whether every rank r needs only microbatches cut entirely from r's own rows.
+
+    ``needed[r]``: the microbatches whose inputs or targets rank r uses. Every rank evaluates this
+    on the same numbers, so all of them take the same (collective or not) path.
+    """
+    bounds, start = [], 0
+    for size in micro_rows(sum(rows), parts):
+        bounds.append((start, start + size))
+        start += size
+    first = 0
+    for r, held in enumerate(rows):
+        for b in needed[r]:
+            low, high = bounds[b]
+            if high > low and not (first <= low and high <= first + held):
+                return False
+        first += held
+    return True
+
+
+def row_counts(batch: Any, world_size: int) -> list[int]:
+    """Every rank's number of rows (a small collective; rows may differ per rank)."""
+    leaves, _, data = _batch_leaves(batch)
     local_rows = leaves[data[0]].shape[0]
     if world_size == 1:
-        return GlobalBatch(batch, [local_rows])
+        return [local_rows]
     device = leaves[data[0]].device
     counts = torch.zeros(world_size, dtype=torch.int64, device=device)
     mine = torch.tensor([local_rows], dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(counts, mine)
-    rows = [int(c) for c in counts.tolist()]
+    return [int(c) for c in counts.tolist()]
+
+
+def gather_batch(batch: Any, rows: list[int], rank: int = 0, parts: int | None = None,
+                 needed: list[list[int]] | None = None) -> GlobalBatch:
+    """Concatenate every rank's batch along dim 0 (collective unless skipped, see below).
+
+    ``rows``: :func:`row_counts`. With ``parts`` and ``needed`` (see :func:`owns_its_micros`),
+    nothing is gathered when no rank needs another rank's rows.
+    """
+    world_size = len(rows)
+    if world_size == 1:
+        return GlobalBatch(batch, rows)
+    if parts is not None and needed is not None and owns_its_micros(rows, parts, needed):
+        return GlobalBatch(None, rows, local=batch, rank=rank)
+    leaves, spec, data = _batch_leaves(batch)
     most = max(rows)
     out = list(leaves)
     for i in data:
@@ -87,14 +143,7 @@ def split_batch(batch: Any, parts: int, *, exact: bool, what: str = "global batc
     one row, and may be 0 when there are fewer rows than microbatches.
     """
     leaves, spec, data = _batch_leaves(batch)
-    rows = leaves[data[0]].shape[0]
-    if exact and rows % parts:
-        raise BatchSplitError(
-            f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
-            f"Make batch_size x devices a multiple of microbatches={parts} (e.g. a global batch "
-            f"of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing {rows}, or use "
-            "drop_last=True so the last batch is not short"
-        )
+    check_split(leaves[data[0]].shape[0], parts, exact, what)
     chunks = {i: torch.tensor_split(leaves[i], parts) for i in data}
     micros = []
     for b in range(parts):
@@ -103,6 +152,17 @@ def split_batch(batch: Any, parts: int, *, exact: bool, what: str = "global batc
             micro[i] = chunks[i][b]
         micros.append(pytree.tree_unflatten(micro, spec))
     return micros
+
+
+def check_split(rows: int, parts: int, exact: bool, what: str) -> None:
+    """With ``exact``, refuse row counts that do not split into equal microbatches."""
+    if exact and rows % parts:
+        raise BatchSplitError(
+            f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
+            f"Make batch_size x devices a multiple of microbatches={parts} (e.g. a global batch "
+            f"of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing {rows}, or use "
+            "drop_last=True so the last batch is not short"
+        )
 
 
 def micro_rows(rows: int, parts: int) -> list[int]:

@@ -24,7 +24,7 @@ from lightning_gsched.lightning.batches import (
     concat_outputs,
     gather_batch,
     micro_rows,
-    split_batch,
+    row_counts,
     take_rows,
 )
 from lightning_gsched.lightning.checkpoint import (
@@ -35,7 +35,12 @@ from lightning_gsched.lightning.checkpoint import (
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.grads import GradStash
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
-from lightning_gsched.lightning.logsync import exchange, reduce_records, replay
+from lightning_gsched.lightning.logsync import (
+    LossLogExchange,
+    exchange,
+    reduce_records,
+    replay,
+)
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import ProgramExecutor, stage_micros
@@ -74,6 +79,8 @@ class PipelineEngine:
         self.grads: GradStash | None = None
         self.partition: Any = None
         self.failed = False
+        self.losses_and_logs: LossLogExchange | None = None
+        self._needed: dict[int, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ building
 
@@ -176,14 +183,36 @@ class PipelineEngine:
             raise type(exc)(message) from exc
         raise RuntimeFault(message) from exc
 
+    def _needed_micros(self, plan: Plan) -> list[list[int]] | None:
+        """Per rank, the microbatches whose rows it uses (None before the first build).
+
+        Before the engine is built every rank probes microbatch 0, so the whole batch is needed.
+        """
+        if not self.built:
+            return None
+        key = id(plan.programs)
+        if key not in self._needed:
+            needed = []
+            for r in range(self.world_size):
+                first, last = stage_micros(plan.programs, r)
+                needed.append(sorted(set(first) | set(last)))
+            self._needed[key] = needed
+        return self._needed[key]
+
+    def _global_batch(self, batch: Any, rows: list[int], plan: Plan) -> Any:
+        return gather_batch(batch, rows, self.rank, plan.micro, self._needed_micros(plan))
+
     def training_step(self, batch: Any, rest: tuple, kwargs: dict) -> torch.Tensor:
-        batch = gather_batch(batch, self.world_size)
         B = self.train_plan.micro
-        micros = split_batch(batch.value, B, exact=True)
+        batch = self._global_batch(batch, row_counts(batch, self.world_size), self.train_plan)
+        micros = batch.micros(B, exact=True)
         caller = StepCaller(self.module, "training_step", rest, kwargs)
         if not self.built:
             self.build(caller, micros[0])
         assert self.executor is not None and self.grads is not None
+        if self.losses_and_logs is None:
+            self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B,
+                                                   self.executor.device)
         inputs = self._capture_all(caller, micros, self.executor.first_stage_micros)
 
         def loss_fn(output: Any, b: int) -> torch.Tensor:
@@ -197,14 +226,12 @@ class PipelineEngine:
             raise
         self.grads.after_step()
         losses = {b: float(v) for b, v in result.losses.items()}
-        gathered = exchange((losses, caller.logs), self.world_size)
-        all_losses = {b: v for part, _ in gathered for b, v in part.items()}
+        all_losses, records = self.losses_and_logs(losses, caller.logs)
         if len(all_losses) != B:
             raise StrategyConfigError(
                 f"expected one loss per microbatch ({B}), got {sorted(all_losses)}; every rank "
                 "must run the same plan"
             )
-        records = [r for _, logs in gathered for r in logs]
         weights = micro_rows(batch.rows, B)
         device = self.executor.device
         replay(self.module, reduce_records(records, weights), device,
@@ -213,10 +240,11 @@ class PipelineEngine:
 
     def eval_step(self, hook: str, batch: Any, rest: tuple, kwargs: dict) -> Any:
         """validation/test/predict: a forward-only plan; predictions go back to their rank."""
-        batch = gather_batch(batch, self.world_size)
-        plan = self.config.eval_plan(self.world_size, batch.rows)
+        rows = row_counts(batch, self.world_size)
+        plan = self.config.eval_plan(self.world_size, sum(rows))
         B = plan.micro
-        micros = split_batch(batch.value, B, exact=False, what="evaluation batch")
+        batch = self._global_batch(batch, rows, plan)
+        micros = batch.micros(B, exact=False, what="evaluation batch")
         weights = micro_rows(batch.rows, B)
         caller = StepCaller(self.module, hook, rest, kwargs)
         if not self.built:

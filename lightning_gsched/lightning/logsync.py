@@ -3,8 +3,9 @@
 Why: each microbatch's step finishes on the rank that computes the last stage, so a value logged
 there exists on one rank only. Lightning expects every rank to make the same ``self.log`` calls
 (``sync_dist`` is a collective per call, and ``ModelCheckpoint(monitor=...)``/``EarlyStopping``
-read the value on every rank). One object all-gather per step brings every microbatch's records
-and loss to every rank; each name is then reduced over the global batch the way a single device
+read the value on every rank). One exchange per step (:class:`LossLogExchange`: a single
+all-reduce while the logged names stay the same) brings every microbatch's records and loss to
+every rank; each name is then reduced over the global batch the way a single device
 would have seen it, and logged with the user's options on every rank.
 
 Reduction over microbatches: ``reduce_fx`` "mean" (the default) takes the row-weighted mean (the
@@ -33,6 +34,65 @@ def exchange(payload: Any, world_size: int) -> list[Any]:
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, payload)
     return gathered
+
+
+class LossLogExchange:
+    """Per training step: every microbatch's loss and every rank's log records, on every rank.
+
+    Why not just :func:`exchange`: a pickled object all-gather costs two collectives plus
+    pickling every step, a visible share of a small model's step. The records' *layout* (which
+    names are logged on which microbatch, with which options) almost never changes between
+    steps, so after one object exchange it is cached, and a step is a single float64 all-reduce
+    of ``[losses | loss counts | record values | layout changed?]`` in which each rank fills its
+    own slots. A rank whose layout differs from the cache raises the flag, and that step falls
+    back to the object exchange (which also refreshes the cache), so no layout change is missed.
+    """
+
+    def __init__(self, world_size: int, rank: int, micro: int, device: torch.device) -> None:
+        self.world_size, self.rank, self.micro, self.device = world_size, rank, micro, device
+        self.layout: list[list[tuple[int, str, dict]]] | None = None
+        self.object_exchanges = 0  # steps that fell back to the pickled all-gather
+
+    def __call__(self, losses: dict[int, float],
+                 records: list[LogRecord]) -> tuple[dict[int, float], list[LogRecord]]:
+        """(loss per microbatch over all ranks, all ranks' records in rank order)."""
+        if self.world_size == 1:
+            return dict(losses), list(records)
+        B = self.micro
+        mine = [(r.micro, r.name, r.options) for r in records]
+        sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
+        start = 2 * B + sum(sizes[: self.rank])
+        packed = torch.zeros(2 * B + sum(sizes) + 1, dtype=torch.float64)
+        for b, value in losses.items():
+            packed[b] = value
+            packed[B + b] = 1.0
+        changed = self.layout is None or mine != self.layout[self.rank]
+        if changed:
+            packed[-1] = 1.0
+        else:
+            packed[start : start + len(records)] = torch.tensor([r.value for r in records],
+                                                                dtype=torch.float64)
+        reduced = packed.to(self.device)
+        dist.all_reduce(reduced)
+        reduced = reduced.cpu()
+        if reduced[-1].item() > 0:
+            gathered = exchange((dict(losses), list(records)), self.world_size)
+            self.object_exchanges += 1
+            self.layout = [[(r.micro, r.name, r.options) for r in logs] for _, logs in gathered]
+            all_losses = {b: v for part, _ in gathered for b, v in part.items()}
+            return all_losses, [r for _, logs in gathered for r in logs]
+        values = reduced.tolist()
+        counts = values[B : 2 * B]
+        all_losses = {b: values[b] for b in range(B) if counts[b] > 0}
+        if any(c > 1 for c in counts):
+            all_losses = {}  # a microbatch's loss came from two ranks: reported by the caller
+        out, position = [], 2 * B
+        assert self.layout is not None
+        for part in self.layout:
+            for micro, name, options in part:
+                out.append(LogRecord(micro, name, values[position], options))
+                position += 1
+        return all_losses, out
 
 
 def _fx_kind(name: str, fx: Any) -> str:

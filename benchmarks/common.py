@@ -1,0 +1,195 @@
+"""What every benchmark shares: results, medians, the benchmark model, and a torchrun-like launcher.
+
+Why a launcher of our own: each measured configuration runs in fresh interpreters (no state or
+warm caches carried over from the previous configuration), W processes started like torchrun
+(``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` in the environment). Lightning sees
+``LOCAL_RANK`` and uses the processes as they are; plain torch baselines call
+``init_process_group("gloo")`` from the same variables. Every process runs with one intra-op
+thread (``OMP_NUM_THREADS=1``): on the 2-core machine two ranks then use one core each, and both
+sides of every ratio run with the same setting.
+
+A job is ``module:function`` plus JSON keyword arguments; each rank calls it and rank 0's return
+value (JSON) comes back to the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+THREADS_PER_RANK = 1
+
+
+@dataclass
+class Result:
+    """One row of the table: our median step time, the anchor's, and ours / anchor."""
+
+    name: str
+    ours_s: float | None
+    anchor_s: float | None
+    goal: str = ""
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours_s is None or self.anchor_s is None or self.anchor_s == 0:
+            return None
+        return self.ours_s / self.anchor_s
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ratio"] = self.ratio
+        return out
+
+
+def median(values: list[float]) -> float:
+    if not values:
+        raise ValueError("no samples to take a median of")
+    return float(statistics.median(values))
+
+
+def spread(values: list[float]) -> float:
+    """Interquartile range over the median: how noisy a set of step times was."""
+    if len(values) < 4:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return float((q[2] - q[0]) / statistics.median(values))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LaunchError(RuntimeError):
+    """A benchmark job failed on some rank; carries every failing rank's output."""
+
+
+def launch(target: str, world_size: int, timeout: float = 600.0, **kwargs: Any) -> Any:
+    """Run ``target`` (``"module:function"``) on ``world_size`` fresh processes; rank 0's result.
+
+    The function is called as ``fn(rank, world_size, **kwargs)``; kwargs must be JSON values.
+    """
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="gsched_bench_") as tmp:
+        out = Path(tmp) / "result.json"
+        spec = json.dumps({"target": target, "kwargs": kwargs, "out": str(out)})
+        procs = []
+        logs = []
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0",
+                WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                OMP_NUM_THREADS=str(THREADS_PER_RANK), MKL_NUM_THREADS=str(THREADS_PER_RANK),
+                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+                PYTHONWARNINGS="ignore",
+            )
+            log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.worker", spec], cwd=ROOT, env=env,
+                stdout=log, stderr=subprocess.STDOUT,
+            ))
+        deadline = time.monotonic() + timeout
+        failed = []
+        for rank, proc in enumerate(procs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                code = "timeout"
+            if code != 0:
+                failed.append(rank)
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            texts = []
+            for rank in failed:
+                logs[rank].seek(0)
+                texts.append(f"--- rank {rank} ---\n" + logs[rank].read()[-4000:])
+            raise LaunchError(f"{target} failed on ranks {failed}:\n" + "\n".join(texts))
+        for log in logs:
+            log.close()
+        return json.loads(out.read_text())
+
+
+def run_in_worker(spec_text: str) -> None:
+    """Entry point of one benchmark process (see :mod:`benchmarks.worker`)."""
+    import importlib
+
+    spec = json.loads(spec_text)
+    module_name, func_name = spec["target"].split(":")
+    fn = getattr(importlib.import_module(module_name), func_name)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import torch
+
+    torch.set_num_threads(THREADS_PER_RANK)
+    result = fn(rank, world, **spec["kwargs"])
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(result))
+
+
+def machine_description() -> str:
+    """CPU model, core count, memory and library versions, for the results page."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f", {int(line.split()[1]) / 2**20:.0f} GiB RAM"
+                break
+    except OSError:
+        pass
+    import lightning
+
+    return (f"{cpu}, {os.cpu_count()} cores{mem}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, lightning {lightning.__version__}; "
+            f"{THREADS_PER_RANK} thread per rank, gloo on CPU")
+
+
+def alternate(sides: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Call each side's measurement function in turn, ``rounds`` times; per-side step times.
+
+    Why alternate: on a small shared machine the speed drifts over minutes (thermal, other
+    processes); running A B A B ... puts both sides under the same drift, and the median over all
+    their steps is then a fair comparison. Each function returns a list of step times.
+    """
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            times[name].extend(fn())
+    return times
+
+
+def steady(times: list[float], warmup: int) -> list[float]:
+    """Drop the first ``warmup`` steps (tracing, allocator growth, first-touch pages)."""
+    if len(times) <= warmup:
+        raise ValueError(f"only {len(times)} steps timed, fewer than the {warmup} warm-up steps")
+    return times[warmup:]

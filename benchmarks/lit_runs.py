@@ -1,0 +1,79 @@
+"""Timed Lightning fits, run inside a launched rank (see common.launch).
+
+Both sides of a Lightning ratio go through :func:`fit_timed` with only the strategy changed, so
+model, data, global batch, dtype, threads and Trainer options are identical by construction.
+A step is timed from ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward,
+gradient reduction, optimizer step and logging, everything the strategy is responsible for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from benchmarks.model import BenchLit, GPTShape, rank_loader
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every training batch on this rank."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def make_strategy(spec: dict[str, Any], world: int) -> Any:
+    """``{"kind": "lightning_ddp"}``, ``{"kind": "single"}`` or ``{"kind": "gsched", ...kwargs}``."""
+    kind = spec["kind"]
+    if kind == "lightning_ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy()
+    if kind == "single":
+        return "auto"
+    if kind == "gsched":
+        from lightning_gsched import GeneralParallel
+
+        kwargs = {k: v for k, v in spec.items() if k != "kind"}
+        return GeneralParallel(**kwargs)
+    raise ValueError(f"unknown strategy kind {kind!r}")
+
+
+def fit_timed(rank: int, world: int, strategy: dict[str, Any], steps: int, per_rank: int,
+              shape: dict[str, int] | None = None, profile: str | None = None) -> dict[str, Any]:
+    """Fit ``steps`` steps; every step's wall time and the last loss (rank 0's).
+
+    ``profile``: a path; rank 0 runs the fit under cProfile and writes the stats there (this
+    slows the run, so profiled runs are never the timed ones).
+    """
+    gshape = GPTShape(**(shape or {}))
+    model = BenchLit(gshape.as_dict())
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, num_nodes=1, strategy=make_strategy(strategy, world),
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer], use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+    loader = rank_loader(gshape, per_rank, steps, rank, world)
+    if profile and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.runcall(trainer.fit, model, train_dataloaders=loader)
+        profiler.dump_stats(profile)
+    else:
+        trainer.fit(model, train_dataloaders=loader)
+    loss = trainer.callback_metrics.get("train_loss")
+    return {"times": timer.times, "loss": None if loss is None else float(loss),
+            "threads": torch.get_num_threads()}
