@@ -49,23 +49,46 @@ def make_strategy(spec: dict[str, Any], world: int) -> Any:
     raise ValueError(f"unknown strategy kind {kind!r}")
 
 
-def fit_timed(rank: int, world: int, strategy: dict[str, Any], steps: int, per_rank: int,
-              shape: dict[str, int] | None = None, profile: str | None = None) -> dict[str, Any]:
-    """Fit ``steps`` steps; every step's wall time and the last loss (rank 0's).
+class ScheduleTimer(pl.Callback):
+    """Wall time of GeneralParallel's ``executor.step`` (the planned schedule alone) per batch.
 
-    ``profile``: a path; rank 0 runs the fit under cProfile and writes the stats there (this
-    slows the run, so profiled runs are never the timed ones).
+    The planner predicts the duration of the programs, not of the optimizer step or Lightning's
+    loop around them, so the fidelity benchmark compares its prediction with this time.
     """
-    gshape = GPTShape(**(shape or {}))
-    model = BenchLit(gshape.as_dict())
-    timer = StepTimer()
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._wrapped = False
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if self._wrapped or engine is None or not engine.built:
+            return
+        executor = engine.executor
+        inner = executor.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.times.append(time.perf_counter() - start)
+
+        executor.step = timed_step
+        self._wrapped = True
+
+
+def run_fit(strategy: Any, rank: int, world: int, steps: int, per_rank: int, shape: GPTShape,
+            callbacks: list[Any], profile: str | None = None) -> pl.Trainer:
+    """One fit of BenchLit on fixed data; ``profile``: see :func:`fit_timed`."""
+    model = BenchLit(shape.as_dict())
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, num_nodes=1, strategy=make_strategy(strategy, world),
+        accelerator="cpu", devices=world, num_nodes=1, strategy=strategy,
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[timer], use_distributed_sampler=False,
+        enable_model_summary=False, callbacks=callbacks, use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )
-    loader = rank_loader(gshape, per_rank, steps, rank, world)
+    loader = rank_loader(shape, per_rank, steps, rank, world)
     if profile and rank == 0:
         import cProfile
 
@@ -74,6 +97,20 @@ def fit_timed(rank: int, world: int, strategy: dict[str, Any], steps: int, per_r
         profiler.dump_stats(profile)
     else:
         trainer.fit(model, train_dataloaders=loader)
+    return trainer
+
+
+def fit_timed(rank: int, world: int, strategy: dict[str, Any], steps: int, per_rank: int,
+              shape: dict[str, int] | None = None, profile: str | None = None) -> dict[str, Any]:
+    """Fit ``steps`` steps; every step's wall time and the last loss (rank 0's).
+
+    ``profile``: a path; rank 0 runs the fit under cProfile and writes the stats there (this
+    slows the run, so profiled runs are never the timed ones).
+    """
+    gshape = GPTShape(**(shape or {}))
+    timer = StepTimer()
+    trainer = run_fit(make_strategy(strategy, world), rank, world, steps, per_rank, gshape,
+                      [timer], profile)
     loss = trainer.callback_metrics.get("train_loss")
     return {"times": timer.times, "loss": None if loss is None else float(loss),
             "threads": torch.get_num_threads()}

@@ -31,9 +31,12 @@ from lightning_gsched.partition.errors import (
     TraceFailedError,
     UnknownNameError,
 )
+from lightning_gsched.partition.profile import StageTimes, profile_stages
 from lightning_gsched.partition.stage import StageModule
 
 __all__ = [
+    "StageTimes",
+    "profile_stages",
     "BalanceError",
     "ModeMismatchError",
     "Partition",

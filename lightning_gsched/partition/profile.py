@@ -1,0 +1,111 @@
+"""Measured forward and backward time of each stage, in seconds, for the planner's costs.
+
+Why: the planner's timeline is only as good as its per-stage costs. The defaults (forward 1,
+backward 2 per stage) give the right *shape* of a schedule, but predicting a step time in
+seconds, or planning around a heavy last stage (a vocabulary projection plus the loss), needs
+the stages' real durations on the real microbatch. ``profile_stages`` runs the stages one after
+another on one microbatch, exactly as a pipeline would (each stage fed the previous stage's
+output), and times each stage's forward and its backward separately; pass the result to
+``plan(forward_cost=..., backward_cost=...)`` or ``GeneralParallel(forward_cost=...,
+backward_cost=...)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_gsched.errors import PartitionError
+
+
+@dataclass
+class StageTimes:
+    """Median seconds per stage; ``forward[-1]`` includes the loss when one was given."""
+
+    forward: list[float]
+    backward: list[float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.forward) + sum(self.backward)
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fresh(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A stage's inputs as new leaves that require grad (floating tensors only)."""
+    leaves: list[torch.Tensor] = []
+
+    def make(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            leaf = x.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf
+        return x
+
+    return pytree.tree_map(make, value), leaves
+
+
+def profile_stages(stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict | None = None,
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 5,
+                   warmup: int = 2) -> StageTimes:
+    """Time each stage's forward and backward on one microbatch (``args``/``kwargs``).
+
+    ``stages``: a :class:`~lightning_gsched.partition.Partition`'s ``stages``. ``loss_fn`` maps
+    the last stage's output to the scalar the backward starts from (the step's loss; without
+    it the output's sum is used). The backward of a stage is timed from the gradient of its
+    outputs (random, the shape a pipeline would receive) to the gradients of its inputs and
+    parameters. Medians over ``repeats`` runs after ``warmup`` runs.
+    """
+    if not stages:
+        raise PartitionError("profile_stages needs at least one stage")
+    kwargs = kwargs or {}
+    forward: list[list[float]] = [[] for _ in stages]
+    backward: list[list[float]] = [[] for _ in stages]
+    device = next((t.device for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)), None)
+    with torch.enable_grad():
+        for attempt in range(warmup + repeats):
+            value: Any = None
+            for s, stage in enumerate(stages):
+                if s == 0:
+                    call_args, call_kwargs = args, kwargs
+                else:
+                    fresh, _ = _fresh(value)
+                    call_args, call_kwargs = (fresh,), {}
+                _sync(device)
+                start = time.perf_counter()
+                out = stage(*call_args, **call_kwargs)
+                if s == len(stages) - 1:
+                    out = loss_fn(out) if loss_fn is not None else sum(
+                        t.float().sum() for t in pytree.tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.is_floating_point())
+                _sync(device)
+                elapsed_f = time.perf_counter() - start
+                tensors = [t for t in pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t)
+                         for t in tensors]
+                _sync(device)
+                start = time.perf_counter()
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+                _sync(device)
+                elapsed_b = time.perf_counter() - start
+                if attempt >= warmup:
+                    forward[s].append(elapsed_f)
+                    backward[s].append(elapsed_b)
+                value = pytree.tree_map(
+                    lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+            for stage in stages:
+                stage.zero_grad(set_to_none=True)
+    return StageTimes([statistics.median(v) for v in forward],
+                      [statistics.median(v) for v in backward])

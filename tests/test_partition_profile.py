@@ -1,0 +1,38 @@
+"""profile_stages: per-stage forward/backward seconds measured the way a pipeline runs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import gpt_inputs, make_gpt
+
+from lightning_gsched.partition import PartitionError, partition, profile_stages
+
+
+def test_profiles_every_stage_in_pipeline_order_and_leaves_no_gradients():
+    model = make_gpt()
+    (idx,) = gpt_inputs(batch=4)
+    part = partition(model, 3, (idx,))
+    outputs = []
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        outputs.append(logits.detach())
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx.reshape(-1))
+
+    times = profile_stages(part.stages, (idx,), loss_fn=loss_fn, repeats=3, warmup=1)
+    assert len(times.forward) == len(times.backward) == 3
+    assert all(t > 0 for t in times.forward + times.backward)
+    assert times.total == pytest.approx(sum(times.forward) + sum(times.backward))
+    # the last stage was fed the real chain: its output is the model's output on idx
+    assert len(outputs) == 4
+    with torch.no_grad():
+        want = model(idx)
+    torch.testing.assert_close(outputs[-1], want)
+    # profiling must not leave gradients behind for the training that follows
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_no_stages_is_an_error():
+    with pytest.raises(PartitionError, match="at least one stage"):
+        profile_stages([], ())
