@@ -47,6 +47,8 @@ def check_matching(programs: Programs) -> None:
     for channel in sorted(set(sent) | set(posted), key=str):
         kind, src, dst = channel
         sends, recvs = sent.get(channel, []), posted.get(channel, [])
+        if len(sends) == len(recvs) and all(s[0] == r[0] for s, r in zip(sends, recvs)):
+            continue  # the common case: same messages in the same order (nothing to report)
         unmatched = Counter(i for i, _ in sends)
         unmatched.subtract(i for i, _ in recvs)
         for ident, extra in unmatched.items():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from operator import itemgetter
 
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
@@ -107,11 +108,13 @@ class _Builder:
     def programs(self) -> list[list[Action]]:
         """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
         out = []
+        new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
         for rank, entries in enumerate(self.entries):
-            keyed = [((i, 99), Action(_COMPUTE_OP[s.job.phase], s.job.stage, s.job.micro))
+            keyed = [((i, 99), new_tuple(Action, (compute_op[s.job.phase], s.job.stage,
+                                                   s.job.micro, None, None)))
                      for i, s in enumerate(self.slots[rank])]
             keyed.extend(entries)
-            keyed.sort(key=lambda item: item[0])
+            keyed.sort(key=first)
             out.append([action for _, action in keyed])
         return out
 
@@ -140,12 +143,20 @@ def _lower_data_flow(
     """Activation sends/receives after forwards, input-gradient sends/receives after backwards."""
     compute = table.compute
     done: set[tuple] = set()
-    put = build.put
+    entries = build.entries
+    by_worker = timeline.by_worker
+    new_tuple = tuple.__new__  # Job(...)/Action(...) without the NamedTuple __new__ frame
+    serial = build.serial  # build.put inlined (two puts per message): same keys, same serials
+    kinds = {
+        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv])
+        for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
+                                  (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
+    }
     sources = {
         (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s))
         for s in range(graph.num_stages) for d in graph.phases
     }
-    for worker, slots in enumerate(timeline.by_worker):
+    for worker, slots in enumerate(by_worker):
         for i, slot in enumerate(slots):
             s, b, phase = slot.job
             for other in sources[(s, phase)]:
@@ -156,14 +167,16 @@ def _lower_data_flow(
                     if (other, b, phase, worker) in done:
                         continue
                     done.add((other, b, phase, worker))
-                produced = index[Job(other, b, phase)]
-                sent_at = timeline.by_worker[src][produced].end
-                if phase is Phase.F:
-                    put(src, produced + 1, sent_at, Action(Op.SEND_ACT, other, b, worker))
-                    put(worker, max(i - 1, 0), slot.start, Action(Op.RECV_ACT, other, b, src))
-                else:
-                    put(src, produced + 1, sent_at, Action(Op.SEND_GRAD, other, b, worker))
-                    put(worker, max(i - 1, 0), slot.start, Action(Op.RECV_GRAD, other, b, src))
+                produced = index[new_tuple(Job, (other, b, phase))]
+                sent_at = by_worker[src][produced].end
+                send, send_cat, recv, recv_cat = kinds[phase]
+                serial += 1
+                entries[src].append(((produced + 1, send_cat, sent_at, serial),
+                                     new_tuple(Action, (send, other, b, worker, None))))
+                serial += 1
+                entries[worker].append(((max(i - 1, 0), recv_cat, slot.start, serial),
+                                        new_tuple(Action, (recv, other, b, src, None))))
+    build.serial = serial
 
 
 def _lower_weights(table: PlacementTable, timeline: Timeline, build: _Builder) -> dict:

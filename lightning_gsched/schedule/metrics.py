@@ -49,17 +49,23 @@ def program_counts(programs: Programs, rank: int) -> dict[str, int]:
     stash = peak_stash = 0
     owned = len(programs.owned_stages(rank))
     resident = peak_resident = owned
+    stashes = not programs.forward_only  # forward-only: nothing stashed
+    F, B, FETCH_W, FREE_W = Op.F, Op.B, Op.FETCH_W, Op.FREE_W
     for action in programs.ranks[rank]:
-        counts[action.op] += 1
-        if action.op is Op.F and not programs.forward_only:  # forward-only: nothing stashed
-            stash += 1
-            peak_stash = max(peak_stash, stash)
-        elif action.op is Op.B:
+        op = action.op
+        counts[op] += 1
+        if op is F:
+            if stashes:
+                stash += 1
+                if stash > peak_stash:
+                    peak_stash = stash
+        elif op is B:
             stash -= 1
-        elif action.op is Op.FETCH_W:
+        elif op is FETCH_W:
             resident += 1
-            peak_resident = max(peak_resident, resident)
-        elif action.op is Op.FREE_W:
+            if resident > peak_resident:
+                peak_resident = resident
+        elif op is FREE_W:
             resident -= 1
     return {
         "activation_recvs": counts[Op.RECV_ACT],

@@ -156,19 +156,21 @@ def _build(
     costs = Costs.build(S, forward_cost, backward_cost)
     table = PlacementTable(placement_fn, W, S, B)  # both phases: owners as in training
     ranks = priority_ranks(priority_fn, S, B, forward_only)
+    timeline: Timeline | None = None
     if cap_spec == "auto":
-        caps = auto_cap(graph, table, ranks, costs)
+        caps, timeline = auto_cap_timeline(graph, table, ranks, costs)
     elif isinstance(cap_spec, str):
         raise ScheduleConfigError(f"cap {cap_spec!r} is not understood; use an int, a list, None or 'auto'")
     else:
         caps = normalise_caps(cap_spec, W)
-    try:
-        timeline = simulate(graph, table, ranks, costs, caps)
-    except CapTooSmallError as exc:
-        smallest = smallest_feasible_cap(graph, table, ranks, costs)
-        raise CapTooSmallError(
-            f"{exc} (the smallest uniform cap that completes this schedule is {smallest})"
-        ) from None
+    if timeline is None:
+        try:
+            timeline = simulate(graph, table, ranks, costs, caps)
+        except CapTooSmallError as exc:
+            smallest = smallest_feasible_cap(graph, table, ranks, costs)
+            raise CapTooSmallError(
+                f"{exc} (the smallest uniform cap that completes this schedule is {smallest})"
+            ) from None
     programs = lower(graph, table, timeline)
     if verify:
         dry_run(programs)
@@ -211,13 +213,34 @@ def smallest_feasible_cap(graph: StageGraph, table: PlacementTable, ranks, costs
 
 def auto_cap(graph: StageGraph, table: PlacementTable, ranks, costs: Costs) -> list[int | None]:
     """Smallest uniform cap whose latency equals the uncapped latency (bisection)."""
+    return auto_cap_timeline(graph, table, ranks, costs)[0]
+
+
+def auto_cap_timeline(
+    graph: StageGraph, table: PlacementTable, ranks, costs: Costs
+) -> tuple[list[int | None], Timeline]:
+    """:func:`auto_cap` and the timeline simulated with that cap.
+
+    The bisection already simulated the chosen cap (the last cap that kept the latency), so the
+    planner takes that timeline instead of simulating it once more.
+    """
     W = table.workers
     target = simulate(graph, table, ranks, costs, [None] * W).latency
+    kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline
 
     def keeps_latency(c: int) -> bool:
         try:
-            return simulate(graph, table, ranks, costs, [c] * W).latency <= target + 1e-9
+            timeline = simulate(graph, table, ranks, costs, [c] * W)
         except CapTooSmallError:
             return False
+        if timeline.latency <= target + 1e-9:
+            kept.clear()
+            kept[c] = timeline
+            return True
+        return False
 
-    return [_bisect(1, max(1, max(_jobs_per_worker(table))), keeps_latency)] * W
+    cap = _bisect(1, max(1, max(_jobs_per_worker(table))), keeps_latency)
+    timeline = kept.get(cap)
+    if timeline is None:  # the upper end, never tried: simulate it
+        timeline = simulate(graph, table, ranks, costs, [cap] * W)
+    return [cap] * W, timeline

@@ -126,27 +126,35 @@ class _Worker:
         return self.cap is None or self.stash < self.cap
 
     def best(self) -> tuple[float, int, int] | None:
-        """(start, rank, phase index) of this worker's next job under the greedy rule."""
-        for k in (0, 1):
-            pend, ready = self.pending[k], self.ready[k]
-            while pend and pend[0][0] <= self.free_at:
-                _, rank, job = heapq.heappop(pend)
-                heapq.heappush(ready, (rank, job))
-        allowed = (0, 1) if self.forward_allowed() else (1,)
+        """(start, rank, phase index) of this worker's next job under the greedy rule.
+
+        Startable now (ready at ``free_at``) beats startable later; among those, the smaller
+        rank wins, a forward on a tie; a forward only while the cap allows it. (Called twice per
+        job: written out for the two phases rather than looped over.)
+        """
+        free_at = self.free_at
+        pend_f, pend_b = self.pending
+        ready_f, ready_b = self.ready
+        while pend_f and pend_f[0][0] <= free_at:
+            _, rank, job = heapq.heappop(pend_f)
+            heapq.heappush(ready_f, (rank, job))
+        while pend_b and pend_b[0][0] <= free_at:
+            _, rank, job = heapq.heappop(pend_b)
+            heapq.heappush(ready_b, (rank, job))
+        forward = self.cap is None or self.stash < self.cap
+        if ready_b:
+            if forward and ready_f and not ready_b[0][0] < ready_f[0][0]:
+                return (free_at, ready_f[0][0], 0)
+            return (free_at, ready_b[0][0], 1)
+        if forward and ready_f:
+            return (free_at, ready_f[0][0], 0)
         best: tuple[float, int, int] | None = None
-        for k in allowed:
-            if self.ready[k]:
-                cand = (self.free_at, self.ready[k][0][0], k)
-                if best is None or cand < best:
-                    best = cand
-        if best is not None:
-            return best
-        for k in allowed:
-            if self.pending[k]:
-                ready_time, rank, _ = self.pending[k][0]
-                cand = (ready_time, rank, k)
-                if best is None or cand < best:
-                    best = cand
+        if forward and pend_f:
+            best = (pend_f[0][0], pend_f[0][1], 0)
+        if pend_b:
+            cand = (pend_b[0][0], pend_b[0][1], 1)
+            if best is None or cand < best:
+                best = cand
         return best
 
 
@@ -157,62 +165,95 @@ def simulate(
     costs: Costs,
     caps: Sequence[int | None],
 ) -> Timeline:
-    """Run the greedy schedule to completion and return the timeline."""
+    """Run the greedy schedule to completion and return the timeline.
+
+    Hot loop (``auto_cap`` runs it ~10 times per plan), written for speed with the same results:
+    an event carries the phase its worker's best candidate had when it was pushed, so a valid
+    event (its worker unchanged since) needs no second ``best()``; workers touched while one job
+    completes are refreshed once afterwards rather than after every change (the heap's order
+    depends only on the keys, so fewer stale events change nothing); dependency counts live in
+    flat lists indexed by ``(stage * B + micro) * 2 + phase``.
+    """
     W, S, B = table.workers, table.stages, table.micro
     workers = [_Worker(caps[w]) for w in range(W)]
-    missing: dict[Job, int] = {}
-    ready_time: dict[Job, float] = {}
-    events: list[tuple[float, int, int, int]] = []  # (start, rank, worker, version)
+    compute = table.compute
+    forward_cost, backward_cost = costs.forward, costs.backward
+    F = Phase.F
+    heappush, heappop = heapq.heappush, heapq.heappop
+    new_tuple = tuple.__new__  # Slot(...) and Job(...) without the NamedTuple __new__ frame
+    events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
 
     def refresh(w: int) -> None:
         state = workers[w]
         state.version += 1
         best = state.best()
         if best is not None:
-            heapq.heappush(events, (best[0], best[1], w, state.version))
+            heappush(events, (best[0], best[1], w, state.version, best[2]))
 
-    def make_ready(job: Job, at: float) -> None:
-        w = table.compute[job.stage][job.micro]
-        k = 0 if job.phase is Phase.F else 1
-        heapq.heappush(workers[w].pending[k], (at, ranks[job], job))
-        refresh(w)
-
-    # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase).
+    # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
+    # successors with the index offset (stage * B * 2 + phase) of their flat slot.
     successors = {
-        (s, d): [(j.stage, j.phase) for j in graph.succ(Job(s, 0, d))]
+        (s, d): [(j.stage, j.phase, j.stage * B * 2 + (0 if j.phase is F else 1))
+                 for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     }
     n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
-    for job in graph.all_jobs(B):
-        missing[job] = n_pred[(job.stage, job.phase)]
-        if missing[job] == 0:
-            make_ready(job, 0.0)
+    missing: list[int] = []
+    for s in range(S):
+        missing.extend([n_pred[(s, F)], n_pred.get((s, Phase.B), 0)] * B)
+    ready_time = [0.0] * (2 * S * B)
+    touched: list[int] = []
+    for (s, d), count in n_pred.items():
+        if count == 0:  # sources: ready at time 0
+            k = 0 if d is F else 1
+            for b in range(B):
+                job = Job(s, b, d)
+                w = compute[s][b]
+                heappush(workers[w].pending[k], (0.0, ranks[job], job))
+                touched.append(w)
+    for w in dict.fromkeys(touched):
+        refresh(w)
 
     slots: list[Slot] = []
+    append = slots.append
     total = len(graph.phases) * S * B
     while events:
-        start, _, w, version = heapq.heappop(events)
+        start, rank, w, version, k = heappop(events)
         state = workers[w]
         if version != state.version:
             continue
-        best = state.best()
-        assert best is not None and best[0] == start
-        k = best[2]
-        if state.ready[k] and state.ready[k][0][0] == best[1]:
-            _, job = heapq.heappop(state.ready[k])
+        # the worker is unchanged since this event was pushed: best() would return
+        # (start, rank, k) again, so take that job directly
+        ready = state.ready[k]
+        if ready and ready[0][0] == rank:
+            job = heappop(ready)[1]
         else:
-            _, _, job = heapq.heappop(state.pending[k])
-        end = start + costs.of(job)
-        slots.append(Slot(job, w, start, end))
+            job = heappop(state.pending[k])[2]
+        stage, micro, phase = job
+        if phase is F:
+            end = start + forward_cost[stage]
+            state.stash += 1
+        else:
+            end = start + backward_cost[stage]
+            state.stash -= 1
+        append(new_tuple(Slot, (job, w, start, end)))
         state.free_at = end
-        state.stash += 1 if job.phase is Phase.F else -1
-        for stage, phase in successors[(job.stage, job.phase)]:
-            nxt = Job(stage, job.micro, phase)
-            missing[nxt] -= 1
-            ready_time[nxt] = max(ready_time.get(nxt, 0.0), end)
-            if missing[nxt] == 0:
-                make_ready(nxt, ready_time[nxt])
-        refresh(w)
+        touched = [w]
+        for nstage, nphase, offset in successors[(stage, phase)]:
+            i = offset + micro * 2
+            left = missing[i] - 1
+            missing[i] = left
+            at = ready_time[i]
+            if end > at:
+                at = ready_time[i] = end
+            if left == 0:
+                nxt = new_tuple(Job, (nstage, micro, nphase))
+                nw = compute[nstage][micro]
+                heappush(workers[nw].pending[0 if nphase is F else 1], (at, ranks[nxt], nxt))
+                if nw != w:
+                    touched.append(nw)
+        for nw in touched:
+            refresh(nw)
 
     if len(slots) != total:
         raise _stuck_error(workers, slots, total, caps)

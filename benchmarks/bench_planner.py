@@ -1,0 +1,321 @@
+"""planner_speed: how long ``plan()`` takes at W=64, S=64, B=256, and how that grows.
+
+The issue's goal: "simulate and lower W=64, S=64, B=256 (goal < 1 s) and a scaling table of planner
+time as W, S, B grow". What is timed is the full ``plan()`` call exactly as a user (the CLI, the
+Lightning strategy) makes it: argument checks, placement table, priorities, activation cap
+(``cap='auto'`` bisects over whole simulations), simulation, lowering, the verifying dry run and
+the metrics. Verification and metrics are therefore *included*; the per-phase split in
+``extra["phases"]`` shows what the bare "simulate and lower" of the issue costs on its own.
+
+Phases are timed inside the real call: the names ``plan._build`` looks up (``PlacementTable``,
+``priority_ranks``, ``auto_cap_timeline``, ``simulate``, ``lower``, ``dry_run``, ``measure``) are
+wrapped for the duration of the measurement, so the split can never drift from what ``plan()``
+does. A phase called from inside another (the cap bisection runs ``simulate`` about ten times)
+counts towards the outer one; "other" is the rest of the call (argument resolution,
+``resolve_order``, ...).
+
+Every schedule of the library (quick mode: fslpp, gpipe, 1f1b, interleaved, one per code path) is
+planned at the headline size with its default R (what a user gets without choosing one); the row
+reports the slowest one, and every schedule's time is in ``extra["per_schedule"]``. Times are medians over a few repeats. Wall time is what the goal is
+about; CPU time of this process (``time.process_time``) is recorded beside it because the machine
+is shared: when other processes compete for the cores, wall time grows and CPU time much less.
+
+Run ``python -m benchmarks.bench_planner [--quick] [--plot PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from benchmarks.common import Result, median
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule.library import LIBRARY
+from lightning_gsched.schedule.plan import plan
+
+# the module, not the function the package re-exports under the same name
+_PLAN_MODULE = importlib.import_module("lightning_gsched.schedule.plan")
+
+HEADLINE = {"W": 64, "S": 64, "B": 256}
+GOAL_S = 1.0
+# label -> name looked up by plan._build at call time
+PHASES = {
+    "placement_table": "PlacementTable",
+    "priorities": "priority_ranks",
+    "auto_cap": "auto_cap_timeline",  # the bisection, including the chosen cap's simulation
+    "simulate": "simulate",
+    "lower": "lower",
+    "dry_run": "dry_run",
+    "measure": "measure",
+}
+SCALING_SCHEDULES = ("fslpp", "gpipe", "1f1b", "interleaved")
+# quick mode plans only these at the headline size: every distinct code path (looped + fetches,
+# plain pipeline, capped pipeline, cap='auto'); full mode plans the whole library
+QUICK_HEADLINE = SCALING_SCHEDULES
+
+
+def jobs_of(S: int, B: int) -> int:
+    """Jobs the simulator places: one forward and one backward per (stage, microbatch)."""
+    return 2 * S * B
+
+
+@contextmanager
+def phase_timers() -> Iterator[tuple[dict[str, float], dict[str, int]]]:
+    """Wrap the phases ``plan._build`` calls.
+
+    Yields ({phase: seconds}, {phase: calls}), filled in as they run; calls count nested ones too
+    (``calls["simulate"]`` is the number of simulations, those of the cap bisection included).
+    """
+    times: dict[str, float] = {label: 0.0 for label in PHASES}
+    calls: dict[str, int] = {label: 0 for label in PHASES}
+    depth = [0]
+    originals = {name: getattr(_PLAN_MODULE, name) for name in PHASES.values()}
+
+    def wrap(label: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            calls[label] += 1
+            if depth[0]:  # nested (simulate inside auto_cap): counted by the outer phase
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[label] += time.perf_counter() - start
+                depth[0] -= 1
+
+        return timed
+
+    try:
+        for label, name in PHASES.items():
+            setattr(_PLAN_MODULE, name, wrap(label, originals[name]))
+        yield times, calls
+    finally:
+        for name, fn in originals.items():
+            setattr(_PLAN_MODULE, name, fn)
+
+
+def time_plan(schedule: str, W: int, S: int, B: int, repeats: int,
+              R: int | None = None) -> dict[str, Any]:
+    """Median wall and CPU seconds of ``plan(schedule, ...)``, and the median of each phase.
+
+    ``{"valid": False, "error": ...}`` when the library rejects the size for this schedule.
+    """
+    walls: list[float] = []
+    cpus: list[float] = []
+    phases: list[dict[str, float]] = []
+    simulations = 0
+    for _ in range(repeats):
+        gc.collect()  # start every repeat from the same heap, not the previous plan's garbage
+        with phase_timers() as (times, calls):
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            try:
+                result = plan(schedule, workers=W, stages=S, microbatches=B, R=R)
+            except ScheduleConfigError as exc:
+                return {"schedule": schedule, "W": W, "S": S, "B": B, "valid": False,
+                        "error": str(exc)}
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        walls.append(wall)
+        cpus.append(cpu)
+        times = dict(times)
+        times["other"] = max(0.0, wall - sum(times.values()))
+        phases.append(times)
+        simulations = calls["simulate"]
+        del result  # free its 10^5 objects outside the timed region
+    phase_medians = {label: median([p[label] for p in phases]) for label in phases[0]}
+    return {
+        "schedule": schedule, "W": W, "S": S, "B": B, "valid": True, "jobs": jobs_of(S, B),
+        "seconds": median(walls), "cpu_seconds": median(cpus), "repeats": repeats,
+        "min_seconds": min(walls), "samples": [round(w, 4) for w in walls],
+        "phases": {k: round(v, 4) for k, v in phase_medians.items()},
+        "simulations": simulations,
+    }
+
+
+def _warm_up() -> None:
+    """Import everything and run each code path once at a tiny size."""
+    for name in LIBRARY:
+        try:
+            plan(name, workers=4, stages=4, microbatches=8)
+        except ScheduleConfigError:
+            pass
+
+
+def _repeats(jobs: int, quick: bool) -> int:
+    """Fewer repeats for big sizes: about a second of planning per point in full mode."""
+    if quick:
+        return 1 if jobs >= 8192 else 3
+    if jobs >= 65536:
+        return 1
+    if jobs >= 16384:
+        return 2
+    if jobs >= 4096:
+        return 3
+    return 5
+
+
+def scaling_points(quick: bool) -> list[tuple[str, str, int, int, int]]:
+    """(series, schedule, W, S, B): W grows with S=W, B=4W; then B grows at W=S=16.
+
+    The W=64 point of the first series is the headline size (measured there, not again).
+    """
+    points = []
+    for W in ((8, 16, 32, 64) if quick else (8, 16, 32, 64, 128)):
+        for name in SCALING_SCHEDULES:
+            if W == 128 and name not in ("fslpp", "1f1b"):
+                continue  # ~4x the headline's jobs: two schedules (interleaved's cap='auto' alone
+                # would take ~10 simulations) keep the full run within its time
+            points.append(("W", name, W, W, 4 * W))
+    for B in ((16, 64, 256) if quick else (16, 64, 256, 1024)):
+        for name in ("fslpp", "1f1b"):
+            points.append(("B", name, 16, 16, B))
+    return points
+
+
+def run(quick: bool) -> list[Result]:
+    _warm_up()
+    W, S, B = HEADLINE["W"], HEADLINE["S"], HEADLINE["B"]
+    headline_repeats = 1 if quick else 3
+    per_schedule: dict[str, dict[str, Any]] = {}
+    for name in (QUICK_HEADLINE if quick else LIBRARY):
+        per_schedule[name] = time_plan(name, W, S, B, headline_repeats)
+    valid = {n: r for n, r in per_schedule.items() if r["valid"]}
+    slowest = max(valid, key=lambda n: valid[n]["seconds"])
+    worst = valid[slowest]
+
+    rows: list[dict[str, Any]] = []
+    for series, name, w, s, b in scaling_points(quick):
+        if (w, s, b) == (W, S, B):
+            timed = per_schedule[name]
+        else:
+            timed = time_plan(name, w, s, b, _repeats(jobs_of(s, b), quick))
+        if not timed["valid"]:
+            continue
+        rows.append({"series": series, "schedule": name, "W": w, "S": s, "B": b,
+                     "seconds": round(timed["seconds"], 4),
+                     "cpu_seconds": round(timed["cpu_seconds"], 4), "jobs": timed["jobs"],
+                     "repeats": timed["repeats"]})
+
+    # the issue's "simulate and lower", for schedules planned with one simulation (with
+    # cap='auto' the simulations are inside the auto_cap phase)
+    bare = {n: round(r["phases"]["simulate"] + r["phases"]["lower"], 4)
+            for n, r in valid.items() if r["simulations"] == 1}
+    single = [r["seconds"] for n, r in valid.items() if r["simulations"] == 1]
+    met = worst["seconds"] < GOAL_S
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    cap_part = (f" (cap='auto' phase {worst['phases']['auto_cap']:.2f} s wall: "
+                f"{worst['simulations']} simulations)" if worst["phases"]["auto_cap"] else "")
+    notes = (
+        f"full plan() at W={W}, S={S}, B={B} ({jobs_of(S, B)} jobs), default R, dry run and "
+        f"metrics included; slowest of {len(valid)} library schedules: {slowest} "
+        f"{worst['seconds']:.2f} s wall / {worst['cpu_seconds']:.2f} s CPU{cap_part}"
+        + (f"; one-simulation schedules {min(single):.2f}-{max(single):.2f} s" if single else "")
+        + (f"; fslpp {per_schedule['fslpp']['seconds']:.2f} s, its simulate+lower "
+           f"{bare['fslpp']:.2f} s" if "fslpp" in bare else "")
+        + f"; median of {headline_repeats}"
+        + (f"; load average {load:.1f} on {os.cpu_count()} cores" if load is not None else "")
+        + f"; goal {'met' if met else 'missed'}"
+    )
+    extra = {
+        "schedule": slowest,
+        "cpu_s": round(worst["cpu_seconds"], 4),
+        "includes": "argument checks, placement table, priorities, cap (auto: bisection over "
+                    "whole simulations), simulate, lower, dry_run (verification), measure "
+                    "(metrics)",
+        "phases": worst["phases"],
+        "simulations": worst["simulations"],
+        "per_schedule": per_schedule,
+        "simulate_plus_lower_s": bare,
+        "load_average": load,
+        "scaling": rows,
+    }
+    return [Result("planner_speed", round(worst["seconds"], 4), GOAL_S, goal="< 1 s",
+                   notes=notes, extra=extra)]
+
+
+def scaling_markdown(rows: list[dict[str, Any]]) -> str:
+    """The scaling table as markdown: one line per (series, W, S, B), one column per schedule."""
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    sizes = list(dict.fromkeys((r.get("series", ""), r["W"], r["S"], r["B"]) for r in rows))
+    cell = {(r.get("series", ""), r["W"], r["S"], r["B"], r["schedule"]): r for r in rows}
+    head = "| grows | W | S | B | jobs | " + " | ".join(f"{n} (s)" for n in schedules) + " |"
+    lines = [head, "|" + "---|" * (5 + len(schedules))]
+    for series, W, S, B in sizes:
+        values = []
+        for name in schedules:
+            r = cell.get((series, W, S, B, name))
+            values.append(f"{r['seconds']:.3f}" if r else "-")
+        label = {"W": "W (S=W, B=4W)", "B": "B (W=S=16)"}.get(series, series)
+        lines.append(f"| {label} | {W} | {S} | {B} | {jobs_of(S, B)} | " + " | ".join(values)
+                     + " |")
+    return "\n".join(lines)
+
+
+def plot_scaling(rows: list[dict[str, Any]], path: str) -> None:
+    """Planner time against jobs (2*S*B), log-log, one line per schedule and series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["schedule"], r.get("series", "")), []).append(r)
+    colours = {}
+    for (name, series), points in groups.items():
+        points.sort(key=lambda r: r["jobs"])
+        colour = colours.setdefault(name, f"C{len(colours)}")
+        label = name + {"W": " (W grows, S=W, B=4W)", "B": " (B grows, W=S=16)"}.get(series, "")
+        ax.plot([r["jobs"] for r in points], [r["seconds"] for r in points], color=colour,
+                marker="o" if series != "B" else "s", linestyle="-" if series != "B" else "--",
+                label=label)
+    ax.axhline(GOAL_S, color="grey", linewidth=0.8, linestyle=":")
+    ax.axvline(jobs_of(HEADLINE["S"], HEADLINE["B"]), color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("jobs (2 x S x B)")
+    ax.set_ylabel("plan() wall time (s)")
+    ax.set_title("Planner time (simulate, lower, verify, measure)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", linewidth=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 20 s)")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the scaling plot (PNG)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    results = run(args.quick)
+    for res in results:
+        if args.json:
+            print(json.dumps(res.as_json(), indent=1))
+        else:
+            print(f"{res.name}: ours {res.ours_s:.3f} s, anchor {res.anchor_s:.3f} s, "
+                  f"ratio {res.ratio:.2f}, goal {res.goal}")
+            print(f"  {res.notes}")
+            print(f"  phases ({res.extra['schedule']}): {res.extra['phases']}")
+            print("  per schedule (wall s / CPU s): " + ", ".join(
+                f"{n} {r['seconds']:.3f}/{r['cpu_seconds']:.3f}"
+                for n, r in res.extra["per_schedule"].items() if r["valid"]))
+        print()
+        print(scaling_markdown(res.extra["scaling"]))
+        if args.plot:
+            plot_scaling(res.extra["scaling"], args.plot)
+            print(f"\nplot written to {args.plot}")
+    print(f"\n(benchmark took {time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
