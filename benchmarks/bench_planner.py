@@ -257,7 +257,7 @@ def scaling_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_scaling(rows: list[dict[str, Any]], path: str) -> None:
+def plot_scaling(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """Planner time against jobs (2*S*B), log-log, one line per schedule and series."""
     import matplotlib
 
