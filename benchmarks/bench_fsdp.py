@@ -1,0 +1,504 @@
+"""``fsdp_vs_torch``: our ``fsdp`` schedule against torch's FSDP2 (``fully_shard``) on CPU/gloo.
+
+Both sides train the benchmark GPT (:mod:`benchmarks.model`, seed 0, untied, ~3.3M parameters)
+on 2 processes, data parallel: each rank takes its own ``PER_RANK`` rows of every global batch
+(:func:`benchmarks.model.rank_loader`), SGD with momentum 0.9 and lr 0.05, loss = the mean
+``lm_loss`` of the global batch.
+
+* Ours: :func:`benchmarks.lit_runs.fit_timed` with ``GeneralParallel("fsdp", microbatches=2)``
+  (2 = the schedule's default at W=2, set explicitly). The plan at W=2 has 2 stages, one owned
+  per rank, and one microbatch per rank (= that rank's rows). Rank 0 owns stage 0 and fetches
+  stage 1 once, keeping it from its forward through its backward; rank 1 owns stage 1 and
+  fetches stage 0 for its forward, frees it, and fetches it again for its backward
+  (``gsched plan fsdp -w 2 --programs``; docs/schedules.md). So both ranks hold both stages at
+  their peak: the full model, as DDP does; at rest each rank holds one stage. A step is
+  Lightning's whole training batch (forward, backward, transfers, optimizer step, logging):
+  ours carries Lightning's per-batch work (hooks, logging, the input all-gather, the loss
+  exchange; about 10-20 ms per step in a cProfile run), the anchors are bare loops.
+* Anchor: a plain torch loop (:func:`torch_timed`, ``mode="fsdp2"``): ``fully_shard`` on each
+  block, then on the root (the usual recipe; defaults: blocks reshard after forward, the root
+  does not), a step = forward + backward + ``optimizer.step`` + ``zero_grad``.
+  FSDP2 runs on CPU tensors over gloo in torch 2.13 (it was checked before writing this; the
+  loss agrees with ours, see ``loss_*`` in the row).
+* Second row ``fsdp_vs_torch[ddp]``: the same loop with
+  ``DistributedDataParallel`` (no sharding), the cheapest data-parallel baseline, for scale.
+
+Rows carry every steady step time (``ours_times_ms``, ``anchor_times_ms``, in launch order) so
+the noise of a shared machine can be judged.
+
+Resident parameter bytes per rank (``extra``), both sides measured, not computed from sizes:
+
+* ours, at rest: after each training batch (optimizer step done), the sum of the real storage
+  bytes of the executor's stage buffers (``executor.flats[s].resident_bytes()``), checked
+  against the unique storages of the LightningModule's parameters (they must agree);
+  peak: the runtime's own counter ``peak_resident_param_bytes`` of the last step (storage bytes
+  of owned + fetched stage buffers, sampled at the start, at every ``FETCH_W`` and at the end;
+  fetched weights are received straight into the stage buffer, so there is no other copy).
+* FSDP2, at rest: after the last timed step, the unique storages of the parameters' local
+  shards (padded ``_sharded_param_data``). Peak: one extra, untimed step during which
+  ``FSDPParamGroup.unshard`` and ``wait_for_unshard`` are wrapped to sample, after each call,
+  the storage bytes of every parameter's sharded data plus its unsharded storage
+  (``all_gather_outputs``) when allocated (memory only grows at those calls). The flat
+  all-gather buffers (FSDP2 gathers into one buffer per group and copies out into the
+  per-parameter storage) are sampled at the same points and reported separately as
+  ``*_with_allgather_buffers``. These read FSDP2 internals of torch 2.13.
+* DDP: every parameter is whole on every rank; the same unique-storage count at rest and
+  during the step.
+
+``python -m benchmarks.bench_fsdp [--quick] [--json] [--profile]``: print the rows;
+``--profile`` also runs ours and FSDP2 once under cProfile (both ranks, steady steps only) and
+prints the top functions in ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Result, alternate, launch, median, spread, steady
+
+WORLD = 2
+MICROBATCHES = 2  # the fsdp schedule's default at W=2 (one microbatch per rank), set explicitly
+PER_RANK = 16  # global batch 32 rows of 64 tokens
+WARMUP = 2
+GOAL = "report"
+MODULE = "benchmarks.bench_fsdp"  # not __name__: that is "__main__" under python -m
+# quick: one round, 3 steady steps per side (each launch costs ~3-5 s of interpreter start,
+# imports, tracing and process groups before the first step; ~17 s in all on a quiet machine)
+QUICK = {"steps": 5, "rounds": 1, "ddp": True}
+FULL = {"steps": 12, "rounds": 3, "ddp": True}
+
+
+# --------------------------------------------------------------------------- byte counting
+
+
+def _storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (empty ones count 0)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def module_param_bytes(module: Any) -> int:
+    """Unique storage bytes of a module's parameters (DTensors: their local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return _storage_bytes([p.to_local() if isinstance(p, DTensor) else p
+                           for p in module.parameters()])
+
+
+def _fsdp_groups(model: Any) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            groups.extend(m._get_fsdp_state()._fsdp_param_groups)
+    return groups
+
+
+def fsdp2_bytes(groups: list[Any]) -> dict[str, int]:
+    """Storage held now by FSDP2's parameters: sharded, unsharded, flat all-gather buffers."""
+    sharded, unsharded, buffers = [], [], []
+    for g in groups:
+        for fp in g.fsdp_params:
+            sharded.append(fp._sharded_param_data)
+            unsharded.extend(getattr(fp, "all_gather_outputs", []) or [])
+            unsharded.extend(getattr(fp, "_unsharded_inner_tensors", []) or [])
+        if g._all_gather_result is not None:
+            buffers.append(g._all_gather_result.all_gather_output)
+        state = getattr(g.comm_ctx, "all_gather_state", None)
+        if state is not None:
+            buffers.append(state.all_gather_result.all_gather_output)
+    s, u, b = _storage_bytes(sharded), _storage_bytes(unsharded), _storage_bytes(buffers)
+    return {"params": s + u, "sharded": s, "unsharded": u, "allgather_buffers": b}
+
+
+class Fsdp2Sampler:
+    """Wraps FSDPParamGroup.unshard / wait_for_unshard to sample bytes after each call."""
+
+    def __init__(self, model: Any) -> None:
+        self.groups = _fsdp_groups(model)
+        self.peak = {"params": 0, "with_buffers": 0}
+        self.samples = 0
+        self._saved: dict[str, Any] = {}
+
+    def sample(self) -> None:
+        now = fsdp2_bytes(self.groups)
+        self.samples += 1
+        self.peak["params"] = max(self.peak["params"], now["params"])
+        self.peak["with_buffers"] = max(self.peak["with_buffers"],
+                                        now["params"] + now["allgather_buffers"])
+
+    def __enter__(self) -> "Fsdp2Sampler":
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        sampler = self
+        for name in ("unshard", "wait_for_unshard"):
+            original = getattr(FSDPParamGroup, name)
+            self._saved[name] = original
+
+            def wrapped(group: Any, *args: Any, _original: Any = original, **kw: Any) -> Any:
+                out = _original(group, *args, **kw)
+                sampler.sample()
+                return out
+
+            setattr(FSDPParamGroup, name, wrapped)
+        self.sample()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.sample()
+        for name, original in self._saved.items():
+            setattr(FSDPParamGroup, name, original)
+
+
+# --------------------------------------------------------------------------- the anchors
+
+
+def torch_timed(rank: int, world: int, mode: str, steps: int, per_rank: int,
+                shape: dict[str, int] | None = None, warmup: int = WARMUP,
+                profile_dir: str | None = None) -> dict[str, Any]:
+    """One rank of a plain torch data-parallel loop (``mode`` = ``"fsdp2"`` or ``"ddp"``)."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.model import GPTShape, build_core, lm_loss, rank_loader
+
+    dist.init_process_group("gloo")
+    try:
+        # the model (and DDP's reducer, which holds the process group) must be gone before the
+        # group is destroyed: destroying gloo's group from the reducer's destructor can deadlock
+        # on the GIL with gloo's work thread (seen here: a DDP rank hung at exit)
+        result = _torch_loop(rank, world, mode, steps, per_rank, shape, warmup, profile_dir)
+        gc.collect()
+        dist.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_loop(rank: int, world: int, mode: str, steps: int, per_rank: int,
+                shape: dict[str, int] | None, warmup: int,
+                profile_dir: str | None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.model import GPTShape, build_core, lm_loss, rank_loader
+
+    gshape = GPTShape(**(shape or {}))
+    core = build_core(gshape, seed=0)
+    full_bytes = module_param_bytes(core)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in core.blocks:
+            fully_shard(block)
+        fully_shard(core)
+        model = core
+    elif mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(core)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # one extra batch for the untimed byte-sampling step after the timed ones
+    batches = list(rank_loader(gshape, per_rank, steps + 1, rank, world))
+    times: list[float] = []
+    losses: list[float] = []
+    prof = cProfile.Profile() if profile_dir else None
+    for i, (x, y) in enumerate(batches[:steps]):
+        if prof is not None and i == warmup:
+            prof.enable()
+        start = time.perf_counter()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    if prof is not None:
+        prof.disable()
+        _dump_profile(prof, profile_dir, rank, steps - warmup)
+    at_rest = module_param_bytes(model)
+    x, y = batches[steps]
+    if mode == "fsdp2":
+        with Fsdp2Sampler(model) as sampler:
+            lm_loss(model(x), y).backward()
+        peak, peak_buf, samples = sampler.peak["params"], sampler.peak["with_buffers"], \
+            sampler.samples
+    else:
+        lm_loss(model(x), y).backward()
+        peak = peak_buf = module_param_bytes(model)
+        samples = 1
+    opt.zero_grad()
+    # global-batch loss of each timed step: mean over the ranks' equal-sized slices
+    mean = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean)
+    mean /= world
+    mem = {"at_rest": at_rest, "peak": peak, "peak_with_allgather_buffers": peak_buf,
+           "samples": samples}
+    per_rank_mem: list[Any] = [None] * world
+    dist.all_gather_object(per_rank_mem, mem)
+    return {"times": times, "loss": float(mean[-1]), "losses": mean.tolist(),
+            "mem": per_rank_mem, "full_model_bytes": full_bytes,
+            "threads": torch.get_num_threads()}
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def fit_probed(rank: int, world: int, profile_dir: str | None = None, warmup: int = WARMUP,
+               **kwargs: Any) -> dict[str, Any]:
+    """:func:`benchmarks.lit_runs.fit_timed`, plus resident bytes per rank (and cProfile).
+
+    The step timer of ``fit_timed`` is swapped for a subclass that, after each batch, reads the
+    strategy's executor: the real storage of its stage buffers (at rest), the runtime's
+    ``peak_resident_param_bytes`` counter of that step, and the module's parameter storages;
+    at the end of training they are all-gathered so rank 0 returns every rank's. With
+    ``profile_dir`` cProfile runs during batches ``>= warmup`` only.
+    """
+    import torch.distributed as dist
+
+    import benchmarks.lit_runs as lit_runs
+
+    prof = cProfile.Profile() if profile_dir else None
+    probe: dict[str, Any] = {"steps": [], "per_rank": None}
+    profiled = [0]
+
+    class ProbingTimer(lit_runs.StepTimer):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            if prof is not None and batch_idx >= warmup:
+                prof.enable()
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if prof is not None and batch_idx >= warmup:
+                prof.disable()
+                profiled[0] += 1
+            engine = trainer.strategy.engine
+            ex = engine.executor
+            c = ex.last_counters
+            probe["steps"].append({
+                "at_rest": sum(f.resident_bytes() for f in ex.flats),
+                "module_params": module_param_bytes(pl_module),
+                "peak": c.peak_resident_param_bytes,
+                "peak_stages": c.peak_resident_stages,
+                "owned_stages": sorted(ex.owned),
+                "stage_bytes": [f.nbytes for f in ex.flats],
+                "weight_fetches": c.weight_fetches,
+                "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
+            })
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, probe["steps"][-1] if probe["steps"] else None)
+            probe["per_rank"] = gathered
+
+    original = lit_runs.StepTimer
+    lit_runs.StepTimer = ProbingTimer
+    try:
+        result = lit_runs.fit_timed(rank, world, **kwargs)
+    finally:
+        lit_runs.StepTimer = original
+    if prof is not None:
+        _dump_profile(prof, profile_dir, rank, profiled[0])
+    steps = probe["steps"]
+    result["mem"] = probe["per_rank"]
+    result["consistent"] = all(s["at_rest"] == s["module_params"] for s in steps)
+    return result
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def _dump_profile(prof: cProfile.Profile, profile_dir: str, rank: int, steps: int) -> None:
+    Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    prof.dump_stats(str(Path(profile_dir) / f"rank{rank}.prof"))
+    (Path(profile_dir) / f"rank{rank}.steps").write_text(str(steps))
+
+
+def profile_summary(profile_dir: str, top: int = 25) -> str:
+    """Top functions by cumulative and by own time, per rank, in ms per profiled step."""
+    out = []
+    for path in sorted(Path(profile_dir).glob("rank*.prof")):
+        steps = max(1, int(path.with_suffix(".steps").read_text()))
+        for key, what in (("cumulative", "cumulative"), ("tottime", "own time")):
+            buf = io.StringIO()
+            pstats.Stats(str(path), stream=buf).sort_stats(key).print_stats(top)
+            out.append(f"== {path.stem}: top {top} by {what}, ms per step over {steps} steps ==")
+            out.append(_per_step(buf.getvalue(), steps))
+    return "\n".join(out)
+
+
+def _per_step(text: str, steps: int) -> str:
+    lines, started = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("ncalls"):
+            started = True
+            lines.append("   calls/step  own ms/step  cum ms/step  function")
+            continue
+        parts = line.split(None, 5)
+        if not started or len(parts) < 6:
+            continue
+        ncalls, tottime, _, cumtime, _, where = parts
+        calls = int(ncalls.split("/")[0]) / steps
+        lines.append(f"{calls:12.1f} {1000 * float(tottime) / steps:12.2f} "
+                     f"{1000 * float(cumtime) / steps:12.2f}  {where}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+OURS_STRATEGY = {"kind": "gsched", "schedule": "fsdp", "microbatches": MICROBATCHES}
+
+
+def _ours(steps: int) -> dict[str, Any]:
+    return launch(f"{MODULE}:fit_probed", WORLD, strategy=OURS_STRATEGY, steps=steps,
+                  per_rank=PER_RANK)
+
+
+def _torch(mode: str, steps: int) -> dict[str, Any]:
+    return launch(f"{MODULE}:torch_timed", WORLD, mode=mode, steps=steps, per_rank=PER_RANK)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _bytes_note(mem: list[dict[str, Any]]) -> str:
+    return "; ".join(f"r{r} rest {_mib(m['at_rest'])} peak {_mib(m['peak'])}"
+                     for r, m in enumerate(mem))
+
+
+def run(quick: bool) -> list[Result]:
+    cfg = QUICK if quick else FULL
+    steps, rounds = cfg["steps"], cfg["rounds"]
+    last: dict[str, dict[str, Any]] = {}
+
+    def side(name: str, fn: Any) -> Any:
+        def measure() -> list[float]:
+            out = fn()
+            last[name] = out
+            return steady(out["times"], WARMUP)
+        return measure
+
+    wall = time.perf_counter()
+    sides = {
+        "ours": side("ours", lambda: _ours(steps)),
+        "fsdp2": side("fsdp2", lambda: _torch("fsdp2", steps)),
+    }
+    if cfg["ddp"]:
+        sides["ddp"] = side("ddp", lambda: _torch("ddp", steps))
+    times = alternate(sides, rounds)
+    wall = time.perf_counter() - wall
+    ours = last["ours"]
+    full = last["fsdp2"]["full_model_bytes"]
+    common = {
+        "steps_per_run": steps, "warmup": WARMUP, "rounds": rounds,
+        "per_rank": PER_RANK, "global_batch": PER_RANK * WORLD, "microbatches": MICROBATCHES,
+        "full_model_param_bytes": full, "wall_s": wall,
+        "ours_spread": spread(times["ours"]),
+        "ours_times_ms": [round(1000 * t, 1) for t in times["ours"]],
+        "ours_param_bytes_per_rank": ours["mem"],
+        "ours_bytes_checked_against_module": ours["consistent"],
+        "loss_ours": ours["loss"],
+    }
+    shape = ("W=2, GeneralParallel('fsdp', microbatches=2): 2 stages, each rank owns one and "
+             "fetches the other (rank 0 once for F+B, rank 1 twice: F, then again for B), so "
+             f"its peak is the full model; global batch {PER_RANK * WORLD}x64 tokens, "
+             f"{PER_RANK} rows per rank; median of {len(times['ours'])} steady steps per side "
+             f"({rounds} alternated round(s) of {steps} steps, first {WARMUP} dropped)")
+    rows = []
+    for key, name, label in (("fsdp2", "fsdp_vs_torch", "FSDP2 fully_shard (blocks + root)"),
+                             ("ddp", "fsdp_vs_torch[ddp]", "DistributedDataParallel")):
+        if key not in last:
+            continue
+        anchor = last[key]
+        loss_a = anchor["loss"]
+        diff = None if ours["loss"] is None else abs(ours["loss"] - loss_a)
+        notes = (f"{shape}; anchor = {label}, plain torch loop on gloo/CPU (ours includes "
+                 f"Lightning's per-batch work); param bytes per rank "
+                 f"(full model {_mib(full)}): ours {_bytes_note(ours['mem'])}; "
+                 f"{key} {_bytes_note(anchor['mem'])}; loss after {steps} steps ours "
+                 f"{ours['loss']:.4f} vs {key} {loss_a:.4f}")
+        rows.append(Result(
+            name=name,
+            ours_s=median(times["ours"]),
+            anchor_s=median(times[key]),
+            goal=GOAL,
+            notes=notes,
+            extra={
+                **common,
+                "anchor": key,
+                "anchor_spread": spread(times[key]),
+                "anchor_times_ms": [round(1000 * t, 1) for t in times[key]],
+                "anchor_param_bytes_per_rank": anchor["mem"],
+                "loss_anchor": loss_a, "loss_abs_diff": diff,
+                "anchor_losses": anchor["losses"],
+                "steps_measured": {"ours": len(times["ours"]), key: len(times[key])},
+            },
+        ))
+    return rows
+
+
+def profile(quick: bool) -> str:
+    """Run ours and FSDP2 once under cProfile; the summaries (for development)."""
+    steps = (QUICK if quick else FULL)["steps"]
+    with tempfile.TemporaryDirectory(prefix="gsched_prof_") as tmp:
+        ours_dir, anchor_dir = str(Path(tmp) / "ours"), str(Path(tmp) / "fsdp2")
+        launch(f"{MODULE}:fit_probed", WORLD, profile_dir=ours_dir, strategy=OURS_STRATEGY,
+               steps=steps, per_rank=PER_RANK)
+        launch(f"{MODULE}:torch_timed", WORLD, mode="fsdp2", steps=steps, per_rank=PER_RANK,
+               profile_dir=anchor_dir)
+        return ("######## ours (GeneralParallel fsdp) ########\n" + profile_summary(ours_dir)
+                + "\n######## torch FSDP2 ########\n" + profile_summary(anchor_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run ours and FSDP2 under cProfile and print the top functions")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    for row in run(args.quick):
+        if args.json:
+            print(json.dumps(row.as_json()))
+            continue
+        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, torch {1000 * row.anchor_s:.1f} ms, "
+              f"ratio {row.ratio:.3f} (goal {row.goal})")
+        print(f"  {row.notes}")
+        print("  " + ", ".join(f"{k}={v}" for k, v in row.extra.items()
+                               if k not in ("anchor_losses", "ours_times_ms", "anchor_times_ms")))
+        print(f"  step ms, ours: {row.extra['ours_times_ms']}")
+        print(f"  step ms, {row.extra['anchor']}: {row.extra['anchor_times_ms']}")
+    print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if args.profile:
+        print(profile(args.quick))
+
+
+if __name__ == "__main__":
+    main()
