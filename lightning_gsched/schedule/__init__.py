@@ -20,12 +20,13 @@ from lightning_gsched.schedule.placements import (
     PlacementTable,
 )
 from lightning_gsched.schedule.plan import Plan, plan
+from lightning_gsched.schedule.predict import StepPrediction, predict_step_time
 from lightning_gsched.schedule.program import Action, Op, Programs
 from lightning_gsched.schedule.simulate import Costs, Slot, Timeline, simulate
 
 __all__ = [
     "Action", "Costs", "DDP", "FSDP", "FSLPP", "FSLPPSeed", "GPipe", "Job", "LIBRARY", "LPP",
     "Op", "Phase", "Plan", "PlacementTable", "PlanMetrics", "Programs", "ScheduleSpec", "Slot",
-    "StageGraph", "Timeline", "WorkerMetrics", "bfs", "dry_run", "get_schedule", "lower",
-    "measure", "normalise_caps", "one_f_one_b", "plan", "simulate",
+    "StageGraph", "StepPrediction", "Timeline", "WorkerMetrics", "bfs", "dry_run", "get_schedule", "lower",
+    "measure", "normalise_caps", "one_f_one_b", "plan", "predict_step_time", "simulate",
 ]

@@ -1,0 +1,123 @@
+"""Step time of a plan's programs once transfers take time: a replay, not a new schedule.
+
+Why: the simulator decides *orders* with compute costs only, and the runtime executes those
+orders as they are. On a real machine a microbatch's activation takes time to reach the next
+worker, a gradient all-reduce or a gradient hand-off to the owner runs after the last backward
+of a stage, and a weight fetch must arrive before the stage computes. ``predict_step_time``
+walks every rank's program in order, with the same dependencies as the simulator, and lets
+each of those messages take its measured time; compute and order stay the plan's. With all
+communication costs 0 it returns the plan's own latency.
+
+Model (what is and is not counted):
+
+* activation / input-gradient message between two workers: ``transfer`` seconds from the end
+  of the producing job to the earliest start of the consuming job (same worker: no delay);
+* ``FETCH_W`` of stage s: the weights are ready ``fetch[s]`` seconds after the rank reaches the
+  fetch in its program (fetches are asynchronous); the stage's next compute waits for them;
+* ``ALLREDUCE_G`` / ``REDUCE_G`` of stage s: asynchronous, started when every member of the
+  group (or the sender) has reached it, finished ``reduce[s]`` seconds later; the step ends
+  when the last one has finished;
+* not modelled: CPU time spent issuing messages (it is charged to nobody), contention of
+  several transfers for one link, and the optimizer step after the programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.program import Op
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted seconds (or cost units) of one step of a plan's programs."""
+
+    latency: float  # end of the last compute job or reduction on any worker
+    compute_only: float  # the plan's own latency (every communication cost 0)
+    worker_end: tuple[float, ...]  # per worker: its last compute job or reduction
+
+    @property
+    def communication_share(self) -> float:
+        """Fraction of the predicted step added by communication."""
+        return 1 - self.compute_only / self.latency if self.latency else 0.0
+
+
+def _per_stage(label: str, value: float | Sequence[float], stages: int) -> list[float]:
+    values = [float(value)] * stages if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(values) != stages or any(v < 0 for v in values):
+        raise ScheduleConfigError(
+            f"{label}: give one non-negative number or one per stage ({stages}), got {value!r}"
+        )
+    return values
+
+
+def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[float] = 0.0,
+                      reduce: float | Sequence[float] = 0.0,
+                      edges: Sequence[tuple[int, int]] | None = None) -> StepPrediction:
+    """Replay ``plan``'s programs with communication costs (see module docstring).
+
+    ``plan``: a :class:`~lightning_gsched.schedule.plan.Plan`; its ``costs`` give the compute
+    time of every job. ``edges``: the stage graph if it is not a chain (as given to ``plan``).
+    """
+    if transfer < 0:
+        raise ScheduleConfigError(f"transfer must be >= 0 seconds, got {transfer!r}")
+    S, W = plan.stages, plan.workers
+    fetch_s = _per_stage("fetch", fetch, S)
+    reduce_s = _per_stage("reduce", reduce, S)
+    graph = StageGraph(S, edges, forward_only=plan.forward_only)
+    programs = plan.programs.ranks
+    cost_f, cost_b = plan.costs.forward, plan.costs.backward
+    done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
+    clock = [0.0] * W
+    ends = [0.0] * W
+    position = [0] * W
+    weights_ready: list[dict[int, float]] = [{} for _ in range(W)]
+    reductions: dict[tuple[int, tuple[int, ...] | None], list[float]] = {}
+
+    def ready_at(job: Job, w: int) -> float | None:
+        at = 0.0
+        for pred in graph.pred(job):
+            if pred not in done:
+                return None
+            end, pw = done[pred]
+            at = max(at, end + (transfer if pw != w else 0.0))
+        return at
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for w in range(W):
+            program = programs[w]
+            while position[w] < len(program):
+                a = program[position[w]]
+                if a.op is Op.F or a.op is Op.B:
+                    job = Job(a.stage, a.micro, Phase.F if a.op is Op.F else Phase.B)
+                    at = ready_at(job, w)
+                    if at is None:
+                        break
+                    start = max(clock[w], at, weights_ready[w].get(a.stage, 0.0))
+                    end = start + (cost_f[a.stage] if a.op is Op.F else cost_b[a.stage])
+                    done[job] = (end, w)
+                    clock[w] = ends[w] = end
+                elif a.op is Op.FETCH_W:
+                    weights_ready[w][a.stage] = clock[w] + fetch_s[a.stage]
+                elif a.op is Op.ALLREDUCE_G:
+                    reductions.setdefault((a.stage, a.group), []).append(clock[w])
+                elif a.op is Op.REDUCE_G:
+                    ends[w] = max(ends[w], clock[w] + reduce_s[a.stage])
+                position[w] += 1
+                progressed = True
+    stuck = [w for w in range(W) if position[w] < len(programs[w])]
+    if stuck:
+        raise ScheduleConfigError(
+            f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
+            "that never runs); were they lowered from this plan?"
+        )
+    for (stage, group), reached in reductions.items():
+        finish = max(reached) + reduce_s[stage]
+        for w in group or range(W):
+            ends[w] = max(ends[w], finish)
+    return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))
