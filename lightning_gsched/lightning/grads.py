@@ -55,6 +55,10 @@ class GradStash:
                        + self.extra)
         self.held: list[tuple[list[nn.Parameter], torch.Tensor]] = []
         self._saved: dict[int, torch.Tensor | None] = {}
+        # flats handed to the parameters by the last hand_over, with the FlatGrads they came
+        # from: once Lightning's zero_grad has dropped every view of one, it is recycled
+        self._given: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
+        self._sources: dict[int, object] = {}
 
     def _primary_params(self) -> list[nn.Parameter]:
         owners = self.executor.programs.owners
@@ -79,12 +83,15 @@ class GradStash:
     def after_step(self) -> None:
         """Take the step's gradients out of the parameters; restore what was set aside."""
         self.held = []
+        self._sources = {}
         for s, params in self.stage_params.items():
             flat = self.executor.flats[s].grads.take()
             self.held.append((params, flat))
+            self._sources[id(flat)] = self.executor.flats[s].grads
         if self.shared:
-            self.held.append(([p for p in self.shared if p.requires_grad],
-                              self.executor.shared.take()))
+            flat = self.executor.shared.take()
+            self.held.append(([p for p in self.shared if p.requires_grad], flat))
+            self._sources[id(flat)] = self.executor.shared
         if self.extra:
             flat = _flatten(self.extra)
             if self.world_size > 1:
@@ -96,9 +103,19 @@ class GradStash:
 
     # ------------------------------------------------------------------ backward
 
+    def _recycle_given(self) -> None:
+        """Return last step's flats whose views no parameter holds any more (zero_grad ran)."""
+        for params, flat, source in self._given:
+            start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            if all(p.grad is None or not start <= p.grad.data_ptr() < end for p in params):
+                source.recycle(flat)  # type: ignore[attr-defined]
+        self._given = []
+
     def hand_over(self, scale: float) -> None:
         """``param.grad += scale * step gradient`` (assign when None), as ``backward`` would."""
+        self._recycle_given()
         for params, flat in self.held:
+            assigned = False
             if scale != 1.0:
                 flat.mul_(scale)
             offset = 0
@@ -108,8 +125,15 @@ class GradStash:
                 offset += size
                 if p.grad is None:
                     p.grad = view
+                    assigned = True
                 else:
                     p.grad.add_(view)
+            source = self._sources.get(id(flat))
+            if source is not None:
+                if assigned:  # parameters now hold views of it: recycle after they drop them
+                    self._given.append((params, flat, source))
+                else:  # added into existing gradients: free right away
+                    source.recycle(flat)  # type: ignore[attr-defined]
         self.held = []
 
     # ------------------------------------------------------------------ clipping

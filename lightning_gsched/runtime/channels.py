@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.schedule.program import Op, Programs
 
-KINDS = ("p2p_head", "p2p_body", "weights", "grads")
+KINDS = ("p2p_head", "p2p_body", "p2p_late", "weights", "grads")
 _SERIAL = itertools.count()  # same sequence on every rank: Channels are built collectively
 
 

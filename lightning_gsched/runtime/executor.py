@@ -42,9 +42,10 @@ from lightning_gsched.runtime.layout import (
     check_forward_programs,
     check_programs,
 )
+from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.step import StepRun
 from lightning_gsched.runtime.transport import Transport, label
-from lightning_gsched.schedule.program import Action, Programs
+from lightning_gsched.schedule.program import Action, Op, Programs
 
 
 class ProgramExecutor:
@@ -85,9 +86,39 @@ class ProgramExecutor:
         self.first_stage_micros = self.view.first_stage_micros
         self.last_stage_micros = self.view.last_stage_micros
         self.last_counters: RuntimeCounters | None = None
+        self._overlap: dict[int, tuple[Any, dict[int, GradBuckets]]] = {}
         self.last_forward_counters: RuntimeCounters | None = None
         if sync_weights:
             self._sync_weights()
+
+    def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]:
+        """{index of stage s's last B: its bucketed all-reduce} for this rank's program.
+
+        A stage qualifies when the program all-reduces it (``ALLREDUCE_G``) and receives no
+        gradient contributions for it (``RECV_G``, which must be added first). Cached per
+        programs; the buckets (and their hooks' bookkeeping) are reused every step.
+        """
+        key = id(view.programs)
+        if key not in self._overlap:
+            last_b: dict[int, int] = {}
+            groups: dict[int, tuple[int, ...] | None] = {}
+            received = set()
+            for i, a in enumerate(view.program):
+                if a.op is Op.B:
+                    last_b[a.stage] = i
+                elif a.op is Op.ALLREDUCE_G:
+                    groups[a.stage] = a.group
+                elif a.op is Op.RECV_G:
+                    received.add(a.stage)
+            plan: dict[int, GradBuckets] = {}
+            for stage, group in groups.items():
+                grads = self.flats[stage].grads
+                if stage in received or stage not in last_b or not grads.numel:
+                    continue
+                plan[last_b[stage]] = GradBuckets(
+                    grads, lambda t, g=group: self.channels.all_reduce(t, g))
+            self._overlap[key] = (view.programs, plan)
+        return self._overlap[key][1]
 
     # ------------------------------------------------------------------ public
 

@@ -150,6 +150,14 @@ class FlatGrads:
         self.sizes = [p.numel() for p in self.params]
         self.dtype, self.device = dtype, device
         self.flat: torch.Tensor | None = None
+        # a buffer handed out by take() and given back once nothing uses it (recycle()):
+        # reusing it saves allocating and first-touching a model-sized buffer every step
+        self.spare: torch.Tensor | None = None
+
+    def recycle(self, flat: torch.Tensor) -> None:
+        """Give back a buffer from :meth:`take` that nobody reads or writes any more."""
+        if flat.numel() == self.numel and flat.dtype == self.dtype and flat.device == self.device:
+            self.spare = flat
 
     @property
     def active(self) -> bool:
@@ -160,7 +168,9 @@ class FlatGrads:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def zero(self) -> None:
-        """Start accumulating in a zeroed flat buffer (allocated on first use)."""
+        """Start accumulating in a zeroed flat buffer (allocated on first use, or recycled)."""
+        if self.flat is None and self.spare is not None:
+            self.flat, self.spare = self.spare, None
         if self.flat is None:
             self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         else:

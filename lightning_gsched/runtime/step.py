@@ -24,6 +24,7 @@ from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.compute import LossFn
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.layout import ProgramView
+from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.transport import label
 from lightning_gsched.schedule.program import Action, Op
 
@@ -50,6 +51,7 @@ class StepRun:
         self.transport = ex.transport
         self.counters = RuntimeCounters(owned_stages=len(ex.owned))
         ex.transport.counters = self.counters
+        ex.transport.begin_step(view.programs)
         self.losses: dict[int, Any] = {}  # forward-only: output_fn's values
         self.received: dict[tuple[Op, int, int], Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
@@ -58,6 +60,9 @@ class StepRun:
         self.grad_recvs: dict[int, list[tuple[Any, torch.Tensor, str]]] = {}
         self.allreduces: list[tuple[Any, str]] = []
         self.reduced: set[int] = set()  # stages whose ALLREDUCE_G has started
+        # index of a stage's last B -> its bucketed all-reduce, started during that backward
+        self.overlap: dict[int, GradBuckets] = {} if forward_only else ex.overlapped_reductions(view)
+        self.armed: dict[int, GradBuckets] = {}
         self.resident = len(ex.owned)
         self.counters.peak_resident_stages = self.resident
         for s in ex.owned:
@@ -70,6 +75,9 @@ class StepRun:
 
     def drop(self) -> None:
         """Forget every pending handle and value (after a failure, before the groups go)."""
+        for buckets in self.armed.values():
+            buckets.disarm()
+        self.armed.clear()
         self.received.clear()
         self.fetches.clear()
         self.grad_recvs.clear()
@@ -134,6 +142,10 @@ class StepRun:
                 grads, _ = self.transport.wait_pytree(message)
             else:
                 grads = self.produced_grads.pop((s + 1, b))
+        buckets = self.overlap.get(index)
+        if buckets is not None:
+            buckets.arm()
+            self.armed[s] = buckets
         input_grads = self.ex.compute.backward(s, b, grads)
         if s > 0:
             self.produced_grads[(s, b)] = input_grads
@@ -248,13 +260,17 @@ class StepRun:
 
     def _allreduce_g(self, a: Action, index: int) -> None:
         s = a.stage
-        self._add_received_grads(s)
-        grad = self.ex.flats[s].grads.sync()
-        if grad.numel():
-            work = self.ex.channels.all_reduce(grad, a.group)
-            self.allreduces.append(
-                (work, f"the all-reduce of {label(a, index)} among ranks {list(a.group)}")
-            )
+        what = f"the all-reduce of {label(a, index)} among ranks {list(a.group)}"
+        buckets = self.armed.pop(s, None)
+        if buckets is not None:  # started bucket by bucket during the last backward
+            grad = self.ex.flats[s].grads.flat
+            assert grad is not None
+            self.allreduces.extend((work, what) for work in buckets.finish())
+        else:
+            self._add_received_grads(s)
+            grad = self.ex.flats[s].grads.sync()
+            if grad.numel():
+                self.allreduces.append((self.ex.channels.all_reduce(grad, a.group), what))
         self.reduced.add(s)
         self.counters.allreduces += 1
         self.counters.allreduce_bytes += grad.numel() * grad.element_size()
@@ -271,6 +287,7 @@ class StepRun:
         if not self.forward_only:
             self._reduce_shared()
         self.transport.drain_sends()
+        self.transport.end_step()
         if leftovers or self.ex.compute.stash:
             raise RuntimeConfigError(
                 f"rank {self.ex.rank} ends its program with unconsumed receives {leftovers} or "
