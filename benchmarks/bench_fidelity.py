@@ -22,10 +22,12 @@ compute-only latency is reported next to it, so the table shows what communicati
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
@@ -116,14 +118,45 @@ def measure_communication(plan_: Any, part: Any, repeats: int) -> dict[str, Any]
     return {"transfer": transfer, "fetch": fetch, "reduce": reduce}
 
 
+class InRunProfile(pl.Callback):
+    """Record every forward/backward's duration during batches [first, first + count)."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+        self.times: dict[tuple[str, int], list[float]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        engine = trainer.strategy.engine
+        if engine is None or not engine.built:
+            return
+        if batch_idx == self.first:
+            engine.executor.record_compute_times(True)
+        elif batch_idx == self.first + self.count:
+            self.times = engine.executor.compute_times()
+            engine.executor.record_compute_times(False)
+
+
+def _pooled_costs(per_rank: list[dict], stages: int) -> tuple[list[float], list[float]]:
+    """Median seconds per (phase, stage) over every rank's recorded samples."""
+    forward, backward = [], []
+    for s in range(stages):
+        for phase, out in (("F", forward), ("B", backward)):
+            samples = [t for times in per_rank for t in times.get((phase, s), [])]
+            if not samples:
+                raise RuntimeError(f"no {phase} of stage {s} was recorded on any rank")
+            out.append(statistics.median(samples))
+    return forward, backward
+
+
 def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, per_rank: int,
                  microbatches: int, shape: dict[str, int] | None = None, R: int | None = None,
-                 repeats: int = 7) -> dict[str, Any]:
+                 repeats: int = 7, profile_steps: int = 3) -> dict[str, Any]:
     from lightning_gsched import GeneralParallel
     from lightning_gsched.partition import partition
     from lightning_gsched.partition.profile import profile_stages
     from lightning_gsched.schedule.plan import plan
     from lightning_gsched.schedule.predict import predict_step_time
+    from lightning_gsched.schedule.simulate import Costs
 
     dist.init_process_group("gloo")  # Lightning reuses it
     gshape = GPTShape(**(shape or {}))
@@ -154,20 +187,30 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
     strategy = GeneralParallel(schedule, R=R, microbatches=microbatches, forward_cost=forward,
                                backward_cost=backward)
     step_timer, schedule_timer = StepTimer(), ScheduleTimer()
-    run_fit(strategy, rank, world, steps, per_rank, gshape, [step_timer, schedule_timer])
-    mine = {"schedule": schedule_timer.times, "step": step_timer.times}
+    # batches [1, warmup) warm up, [warmup, warmup + profile_steps) are the in-run profile,
+    # the rest are measured
+    profiler = InRunProfile(warmup, profile_steps)
+    run_fit(strategy, rank, world, steps, per_rank, gshape,
+            [step_timer, schedule_timer, profiler])
+    mine = {"schedule": schedule_timer.times, "step": step_timer.times, "compute": profiler.times}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     n = min(len(r["schedule"]) for r in everyone)
     measured = [max(r["schedule"][i] for r in everyone) for i in range(n)]
-    # the first timed executor.step is step 2 (the wrapper goes in once the engine is built)
-    measured = steady(measured, max(0, warmup - 1))
+    # schedule times start at batch 1 (the wrapper goes in once the engine is built)
+    first_measured = warmup + profile_steps
+    measured = steady(measured, first_measured - 1)
     full = steady([max(r["step"][i] for r in everyone) for i in range(len(everyone[0]["step"]))],
-                  warmup)
+                  first_measured)
+    in_forward, in_backward = _pooled_costs([r["compute"] for r in everyone], S)
+    in_run = predict_step_time(
+        dataclasses.replace(predicted, costs=Costs.build(S, in_forward, in_backward)), **comm)
     return {
         "schedule": schedule, "W": world, "S": S, "B": microbatches, "R": predicted.R,
         "forward_cost_s": forward, "backward_cost_s": backward,
-        "predicted_s": with_comm.latency,
+        "inrun_forward_cost_s": in_forward, "inrun_backward_cost_s": in_backward,
+        "predicted_s": in_run.latency,
+        "predicted_offline_s": with_comm.latency,
         "predicted_compute_only_s": predicted.metrics.latency,
         "communication_s": comm,
         "predicted_bubble": predicted.metrics.bubble_fraction,
@@ -181,12 +224,14 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
 
 def _row(r: dict[str, Any]) -> Result:
     error = r["measured_s"] / r["predicted_s"] - 1
+    offline_error = r["measured_s"] / r["predicted_offline_s"] - 1
     compute_error = r["measured_s"] / r["predicted_compute_only_s"] - 1
     return Result(
         name=f"fidelity[{r['schedule']}]", ours_s=r["measured_s"], anchor_s=r["predicted_s"],
         goal="|ratio-1| <= 0.10",
-        notes=(f"measured/predicted; S={r['S']} B={r['B']}; error {error:+.1%} "
-               f"(compute-only planner {compute_error:+.1%}); efficiency "
+        notes=(f"measured/predicted (stage costs profiled in-run); S={r['S']} B={r['B']}; "
+               f"error {error:+.1%}; with the offline profile_stages costs {offline_error:+.1%} "
+               f"(compute only {compute_error:+.1%}); efficiency "
                f"{r['efficiency']:.2f} (Lightning step {r['lightning_step_s'] * 1e3:.0f} ms, "
                f"{r['lightning_efficiency']:.2f})"),
         extra=r,
@@ -194,7 +239,7 @@ def _row(r: dict[str, Any]) -> Result:
 
 
 def run(quick: bool, schedules: list[str] | None = None) -> list[Result]:
-    steps, warmup = (8, 3) if quick else (16, 4)
+    steps, warmup = (10, 2) if quick else (18, 3)
     results = []
     for schedule in schedules or SCHEDULES:
         r = launch("benchmarks.bench_fidelity:fidelity_run", 2, schedule=schedule, steps=steps,
@@ -206,7 +251,7 @@ def run(quick: bool, schedules: list[str] | None = None) -> list[Result]:
 def microbatch_sweep(quick: bool, schedules: tuple[str, ...] = ("gpipe", "fslpp"),
                      global_batch: int = 32) -> list[dict[str, Any]]:
     """Measured and predicted step time as microbatches grow, at a fixed global batch."""
-    steps, warmup = (6, 2) if quick else (12, 3)
+    steps, warmup = (9, 2) if quick else (14, 3)
     counts = (2, 8) if quick else (2, 4, 8, 16)
     rows = []
     for schedule in schedules:

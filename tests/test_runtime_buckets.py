@@ -54,6 +54,7 @@ def overlap_check(ctx: WorkerContext, schedule: str, cap: int, steps: int) -> di
     owned = [q for s in sorted(ex.owned) for q in ex.flats[s].params] + list(ex.shared.params)
     for step in range(steps):
         opt.zero_grad()
+        ex.record_compute_times(step == steps - 1)  # the in-run profile of the last step
         result = ex.step({b: ((x,), {}) for b, (x, _) in batch.items()}, loss_fn)
         ref_opt.zero_grad()
         for b, (x, y) in batch.items():
@@ -63,9 +64,18 @@ def overlap_check(ctx: WorkerContext, schedule: str, cap: int, steps: int) -> di
                 bad.append(f"step {step} {names[id(q)]}")
         opt.step()
         ref_opt.step()
+    from lightning_gsched.schedule import Op
+
+    wanted: dict = {}
+    for a in ex.program:
+        if a.op in (Op.F, Op.B):
+            key = (a.op.value, a.stage)
+            wanted[key] = wanted.get(key, 0) + 1
+    recorded = {k: len(v) for k, v in ex.compute_times().items()}
+    positive = all(t > 0 for v in ex.compute_times().values() for t in v)
     early = sum(g.started_during_backward for _, plan_ in ex._overlap.values() for g in plan_.values())
     planned = {k: getattr(p.metrics.per_worker[ctx.rank], k) for k in result.counters.PLANNED}
-    out = {"bad": bad, "early": early, "counters_match": result.counters.planned() == planned,
+    out = {"bad": bad, "early": early, "profile_ok": recorded == wanted and positive, "counters_match": result.counters.planned() == planned,
            "hooks_left": sum(len(q._post_accumulate_grad_hooks or {}) for q in model.parameters())}
     ex.close()
     return out
@@ -85,5 +95,6 @@ def test_bucketed_all_reduce_equals_single_process(worlds, schedule, W):
         assert not r["bad"], f"rank {rank}: {r['bad']}"
         assert r["counters_match"]
         assert r["hooks_left"] == 0
+        assert r["profile_ok"]  # one duration per F/B of the profiled step, keyed by stage
     # with 2 KiB buckets some reductions start before the backward has finished
     assert all(r["early"] > 0 for r in results)

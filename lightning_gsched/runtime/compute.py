@@ -15,6 +15,8 @@ Forward-only runs (validation, test, predict) use :meth:`StageCompute.infer`: no
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -44,6 +46,9 @@ class StageCompute:
         self.last = len(self.stages) - 1
         self.num_micro = num_micro
         self.stash: dict[tuple[int, int], Stashed] = {}
+        # when a dict: seconds of every forward / backward, keyed ("F" | "B", stage); the
+        # in-run profile that predict_step_time can replay (ProgramExecutor.compute_times)
+        self.times: dict[tuple[str, int], list[float]] | None = None
 
     def forward(
         self,
@@ -55,6 +60,16 @@ class StageCompute:
         loss_fn: LossFn,
     ) -> tuple[wire.Split | None, torch.Tensor | None]:
         """Run ``F s b``; returns (output split for the next stage, unscaled loss on the last)."""
+        if self.times is None:
+            return self._forward(s, b, args, kwargs, in_leaves, loss_fn)
+        start = time.perf_counter()
+        try:
+            return self._forward(s, b, args, kwargs, in_leaves, loss_fn)
+        finally:
+            self.times.setdefault(("F", s), []).append(time.perf_counter() - start)
+
+    def _forward(self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
+                 loss_fn: LossFn) -> tuple[wire.Split | None, torch.Tensor | None]:
         with torch.enable_grad():
             output = self.stages[s](*args, **kwargs)
             if s == self.last:
@@ -77,6 +92,15 @@ class StageCompute:
 
     def backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:
         """Run ``B s b``; returns the gradients of the stage's input tensors (None where none)."""
+        if self.times is None:
+            return self._backward(s, b, out_grads)
+        start = time.perf_counter()
+        try:
+            return self._backward(s, b, out_grads)
+        finally:
+            self.times.setdefault(("B", s), []).append(time.perf_counter() - start)
+
+    def _backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:
         stashed = self.stash.pop((s, b))
         if stashed.loss is not None:
             if stashed.loss.requires_grad:

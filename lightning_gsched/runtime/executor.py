@@ -120,6 +120,14 @@ class ProgramExecutor:
             self._overlap[key] = (view.programs, plan)
         return self._overlap[key][1]
 
+    def record_compute_times(self, enabled: bool = True) -> None:
+        """Start (or stop) timing every forward and backward this rank runs (see compute_times)."""
+        self.compute.times = {} if enabled else None
+
+    def compute_times(self) -> dict[tuple[str, int], list[float]]:
+        """Seconds of each recorded ``F``/``B`` by ("F" | "B", stage), waits excluded."""
+        return dict(self.compute.times or {})
+
     # ------------------------------------------------------------------ public
 
     def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn) -> StepResult:
