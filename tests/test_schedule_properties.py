@@ -97,3 +97,19 @@ def test_every_plan_is_a_valid_schedule(config):
         assert m.peak_resident_stages >= m.owned_stages
     total = sum(busy.values())
     assert abs(metrics.bubble_fraction - (1 - total / (W * metrics.latency))) < 1e-9
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 5, 8, 9, 16])
+@pytest.mark.parametrize("guess", [0, 1, 4, 8, 9, 16, 40])
+def test_cap_search_from_a_guess_finds_the_bisection_answer(threshold, guess):
+    from lightning_gsched.schedule.plan import _bisect, _search_from
+
+    calls = []
+
+    def ok(c: int) -> bool:
+        calls.append(c)
+        return c >= threshold
+
+    assert _search_from(1, 16, ok, guess) == _bisect(1, 16, lambda c: c >= threshold) == threshold
+    if guess == threshold and 1 < guess < 16:
+        assert calls == [guess, guess - 1]  # a right guess costs two simulations

@@ -198,6 +198,24 @@ def _bisect(low: int, high: int, ok) -> int:
     return low
 
 
+def _search_from(low: int, high: int, ok, guess: int) -> int:
+    """:func:`_bisect`'s answer, trying ``guess`` and ``guess - 1`` first.
+
+    The smallest cap that keeps a schedule's latency is often exactly W (1F1B-like orders
+    stash at most W microbatch-stages per worker), so two simulations usually settle it where a
+    bisection over [1, jobs per worker] takes log2(B*S/W) of them; with a monotone ``ok`` the
+    answer is the same either way.
+    """
+    guess = min(max(guess, low), high)
+    if guess == high:
+        return _bisect(low, high, ok)
+    if ok(guess):
+        if guess == low or not ok(guess - 1):
+            return guess
+        return _bisect(low, guess - 1, ok)
+    return _bisect(guess + 1, high, ok)
+
+
 def smallest_feasible_cap(graph: StageGraph, table: PlacementTable, ranks, costs: Costs) -> int:
     """Smallest uniform cap with which the greedy schedule completes (bisection)."""
 
@@ -239,7 +257,7 @@ def auto_cap_timeline(
             return True
         return False
 
-    cap = _bisect(1, max(1, max(_jobs_per_worker(table))), keeps_latency)
+    cap = _search_from(1, max(1, max(_jobs_per_worker(table))), keeps_latency, guess=W)
     timeline = kept.get(cap)
     if timeline is None:  # the upper end, never tried: simulate it
         timeline = simulate(graph, table, ranks, costs, [cap] * W)
