@@ -228,7 +228,7 @@ def _row(r: dict[str, Any]) -> Result:
     compute_error = r["measured_s"] / r["predicted_compute_only_s"] - 1
     return Result(
         name=f"fidelity[{r['schedule']}]", ours_s=r["measured_s"], anchor_s=r["predicted_s"],
-        goal="|ratio-1| <= 0.10",
+        goal="within ±10%",
         notes=(f"measured/predicted (stage costs profiled in-run); S={r['S']} B={r['B']}; "
                f"error {error:+.1%}; with the offline profile_stages costs {offline_error:+.1%} "
                f"(compute only {compute_error:+.1%}); efficiency "
