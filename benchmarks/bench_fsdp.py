@@ -5,11 +5,13 @@ on 2 processes, data parallel: each rank takes its own ``PER_RANK`` rows of ever
 (:func:`benchmarks.model.rank_loader`), SGD with momentum 0.9 and lr 0.05, loss = the mean
 ``lm_loss`` of the global batch.
 
-* Ours: :func:`benchmarks.lit_runs.fit_timed` with ``GeneralParallel("fsdp", microbatches=2)``
-  (2 = the schedule's default at W=2, set explicitly). The plan at W=2 has 2 stages, one owned
-  per rank, and one microbatch per rank (= that rank's rows). Rank 0 owns stage 0 and fetches
-  stage 1 once, keeping it from its forward through its backward; rank 1 owns stage 1 and
-  fetches stage 0 for its forward, frees it, and fetches it again for its backward
+* Ours: :func:`fit_probed` (the fit of :func:`benchmarks.lit_runs.fit_timed`, through
+  :func:`benchmarks.lit_runs.run_fit`, plus the byte probes below) with
+  ``GeneralParallel("fsdp", microbatches=2)`` (2 = the schedule's default at W=2, set
+  explicitly). The plan at W=2 has 2 stages, one owned per rank, and one microbatch per rank
+  (= that rank's rows). Rank 0 owns stage 0 and fetches stage 1 once, keeping it from its
+  forward through its backward; rank 1 owns stage 1 and fetches stage 0 for its forward, frees
+  it, and fetches it again for its backward
   (``gsched plan fsdp -w 2 --programs``; docs/schedules.md). So both ranks hold both stages at
   their peak: the full model, as DDP does; at rest each rank holds one stage. A step is
   Lightning's whole training batch (forward, backward, transfers, optimizer step, logging):
@@ -52,19 +54,16 @@ prints the top functions in ms per step.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
-import io
-import json
-import pstats
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Result, alternate, launch, median, spread, steady
+from benchmarks.common import (Result, alternate, bench_main, dump_profile, launch, median,
+                               profile_summary, spread, steady)
 
 WORLD = 2
 MICROBATCHES = 2  # the fsdp schedule's default at W=2 (one microbatch per rank), set explicitly
@@ -236,7 +235,7 @@ def _torch_loop(rank: int, world: int, mode: str, steps: int, per_rank: int,
         losses.append(float(loss.detach()))
     if prof is not None:
         prof.disable()
-        _dump_profile(prof, profile_dir, rank, steps - warmup)
+        dump_profile(prof, profile_dir, rank, steps - warmup)
     at_rest = module_param_bytes(model)
     x, y = batches[steps]
     if mode == "fsdp2":
@@ -265,41 +264,26 @@ def _torch_loop(rank: int, world: int, mode: str, steps: int, per_rank: int,
 # --------------------------------------------------------------------------- ours
 
 
-def fit_probed(rank: int, world: int, profile_dir: str | None = None, warmup: int = WARMUP,
-               **kwargs: Any) -> dict[str, Any]:
-    """:func:`benchmarks.lit_runs.fit_timed`, plus resident bytes per rank (and cProfile).
+def resident_bytes_probe() -> Any:
+    """A Lightning callback: after each training batch, what the strategy's executor holds here.
 
-    The step timer of ``fit_timed`` is swapped for a subclass that, after each batch, reads the
-    strategy's executor: the real storage of its stage buffers (at rest), the runtime's
-    ``peak_resident_param_bytes`` counter of that step, and the module's parameter storages;
-    at the end of training they are all-gathered so rank 0 returns every rank's. With
-    ``profile_dir`` cProfile runs during batches ``>= warmup`` only.
+    It reads the real storage of the executor's stage buffers (at rest), the runtime's
+    ``peak_resident_param_bytes`` counter of that step and the module's parameter storages into
+    its ``steps``; at the end of training the last step's entry is all-gathered into its
+    ``per_rank``. (A factory, so that importing this module does not import Lightning.)
     """
-    import torch.distributed as dist
+    import lightning.pytorch as pl
 
-    import benchmarks.lit_runs as lit_runs
-
-    prof = cProfile.Profile() if profile_dir else None
-    probe: dict[str, Any] = {"steps": [], "per_rank": None}
-    profiled = [0]
-
-    class ProbingTimer(lit_runs.StepTimer):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                                 batch_idx: int) -> None:
-            if prof is not None and batch_idx >= warmup:
-                prof.enable()
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    class ResidentBytesProbe(pl.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Any]] = []
+            self.per_rank: list[Any] | None = None
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if prof is not None and batch_idx >= warmup:
-                prof.disable()
-                profiled[0] += 1
-            engine = trainer.strategy.engine
-            ex = engine.executor
+            ex = trainer.strategy.engine.executor
             c = ex.last_counters
-            probe["steps"].append({
+            self.steps.append({
                 "at_rest": sum(f.resident_bytes() for f in ex.flats),
                 "module_params": module_param_bytes(pl_module),
                 "peak": c.peak_resident_param_bytes,
@@ -311,61 +295,43 @@ def fit_probed(rank: int, world: int, profile_dir: str | None = None, warmup: in
             })
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            import torch.distributed as dist
+
             gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, probe["steps"][-1] if probe["steps"] else None)
-            probe["per_rank"] = gathered
+            dist.all_gather_object(gathered, self.steps[-1] if self.steps else None)
+            self.per_rank = gathered
 
-    original = lit_runs.StepTimer
-    lit_runs.StepTimer = ProbingTimer
-    try:
-        result = lit_runs.fit_timed(rank, world, **kwargs)
-    finally:
-        lit_runs.StepTimer = original
-    if prof is not None:
-        _dump_profile(prof, profile_dir, rank, profiled[0])
-    steps = probe["steps"]
-    result["mem"] = probe["per_rank"]
-    result["consistent"] = all(s["at_rest"] == s["module_params"] for s in steps)
-    return result
+    return ResidentBytesProbe()
 
 
-# --------------------------------------------------------------------------- profiling
+def fit_probed(rank: int, world: int, strategy: dict[str, Any], steps: int, per_rank: int,
+               shape: dict[str, int] | None = None, profile_dir: str | None = None,
+               warmup: int = WARMUP) -> dict[str, Any]:
+    """``fit_timed``'s fit, plus resident bytes per rank (and cProfile).
 
+    :func:`benchmarks.lit_runs.run_fit` with two callbacks: a
+    :class:`~benchmarks.lit_runs.StepTimer` (every step's wall time; with ``profile_dir``, cProfile
+    during batches ``>= warmup`` only) and, after it, :func:`resident_bytes_probe` (so the probe
+    runs outside the timed window). Returns ``fit_timed``'s keys (``times``, ``loss``: the last
+    logged ``train_loss``, ``threads``) plus ``mem`` (every rank's probe of the last step,
+    all-gathered) and ``consistent`` (after every step on this rank, the stage buffers' bytes
+    matched the module's parameter storages).
+    """
+    import torch
 
-def _dump_profile(prof: cProfile.Profile, profile_dir: str, rank: int, steps: int) -> None:
-    Path(profile_dir).mkdir(parents=True, exist_ok=True)
-    prof.dump_stats(str(Path(profile_dir) / f"rank{rank}.prof"))
-    (Path(profile_dir) / f"rank{rank}.steps").write_text(str(steps))
+    from benchmarks.lit_runs import StepTimer, make_strategy, run_fit
+    from benchmarks.model import GPTShape
 
-
-def profile_summary(profile_dir: str, top: int = 25) -> str:
-    """Top functions by cumulative and by own time, per rank, in ms per profiled step."""
-    out = []
-    for path in sorted(Path(profile_dir).glob("rank*.prof")):
-        steps = max(1, int(path.with_suffix(".steps").read_text()))
-        for key, what in (("cumulative", "cumulative"), ("tottime", "own time")):
-            buf = io.StringIO()
-            pstats.Stats(str(path), stream=buf).sort_stats(key).print_stats(top)
-            out.append(f"== {path.stem}: top {top} by {what}, ms per step over {steps} steps ==")
-            out.append(_per_step(buf.getvalue(), steps))
-    return "\n".join(out)
-
-
-def _per_step(text: str, steps: int) -> str:
-    lines, started = [], False
-    for line in text.splitlines():
-        if line.strip().startswith("ncalls"):
-            started = True
-            lines.append("   calls/step  own ms/step  cum ms/step  function")
-            continue
-        parts = line.split(None, 5)
-        if not started or len(parts) < 6:
-            continue
-        ncalls, tottime, _, cumtime, _, where = parts
-        calls = int(ncalls.split("/")[0]) / steps
-        lines.append(f"{calls:12.1f} {1000 * float(tottime) / steps:12.2f} "
-                     f"{1000 * float(cumtime) / steps:12.2f}  {where}")
-    return "\n".join(lines)
+    timer = StepTimer(profiler=cProfile.Profile() if profile_dir else None, profile_from=warmup)
+    probe = resident_bytes_probe()
+    trainer = run_fit(make_strategy(strategy, world), rank, world, steps, per_rank,
+                      GPTShape(**(shape or {})), [timer, probe])
+    if profile_dir:
+        dump_profile(timer.profiler, profile_dir, rank, timer.profiled_steps)
+    loss = trainer.callback_metrics.get("train_loss")
+    return {"times": timer.times, "loss": None if loss is None else float(loss),
+            "threads": torch.get_num_threads(), "mem": probe.per_rank,
+            "consistent": all(s["at_rest"] == s["module_params"] for s in probe.steps)}
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -476,28 +442,18 @@ def profile(quick: bool) -> str:
                 + "\n######## torch FSDP2 ########\n" + profile_summary(anchor_dir))
 
 
+def _step_lines(row: Result) -> list[str]:
+    return [f"step ms, ours: {row.extra['ours_times_ms']}",
+            f"step ms, {row.extra['anchor']}: {row.extra['anchor_times_ms']}"]
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="also run ours and FSDP2 under cProfile and print the top functions")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    for row in run(args.quick):
-        if args.json:
-            print(json.dumps(row.as_json()))
-            continue
-        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, torch {1000 * row.anchor_s:.1f} ms, "
-              f"ratio {row.ratio:.3f} (goal {row.goal})")
-        print(f"  {row.notes}")
-        print("  " + ", ".join(f"{k}={v}" for k, v in row.extra.items()
-                               if k not in ("anchor_losses", "ours_times_ms", "anchor_times_ms")))
-        print(f"  step ms, ours: {row.extra['ours_times_ms']}")
-        print(f"  step ms, {row.extra['anchor']}: {row.extra['anchor_times_ms']}")
-    print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    if args.profile:
-        print(profile(args.quick))
+    # the total goes to stderr, so that --json prints nothing but the rows on stdout
+    bench_main(argv, __doc__.splitlines()[0], run, profile,
+               "also run ours and FSDP2 under cProfile and print the top functions",
+               total_file=sys.stderr,
+               skip_keys=("anchor_losses", "ours_times_ms", "anchor_times_ms"),
+               more_lines=_step_lines)
 
 
 if __name__ == "__main__":

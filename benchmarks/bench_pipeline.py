@@ -4,8 +4,9 @@ Both sides train the benchmark GPT (:mod:`benchmarks.model`, seed 0) on the same
 with 2 processes (2 stages, one per rank), 8 microbatches, SGD with momentum 0.9 and lr 0.05, and
 the mean of the microbatches' ``lm_loss`` as the loss.
 
-* Ours: :func:`benchmarks.lit_runs.fit_timed` (through :func:`fit_timed_ours`, which only adds
-  CPU times and optional profiling) with ``GeneralParallel("gpipe" | "1f1b", microbatches=8)``;
+* Ours: :func:`fit_timed_ours` (the fit of :func:`benchmarks.lit_runs.fit_timed`, through
+  :func:`benchmarks.lit_runs.run_fit`, plus CPU times and optional profiling) with
+  ``GeneralParallel("gpipe" | "1f1b", microbatches=8)``;
   a step is Lightning's whole training batch (forward, backward, transfers, optimizer step,
   logging), see :mod:`benchmarks.lit_runs`.
 * Anchor: a plain torch loop (:func:`torch_pipeline_timed`) with ``PipelineStage`` and
@@ -37,18 +38,15 @@ prints the top functions in ms per step.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import functools
-import io
-import json
-import pstats
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Result, alternate, launch, median, spread, steady
+from benchmarks.common import (Result, alternate, bench_main, dump_profile, launch, median,
+                               profile_summary, spread, steady)
 
 MODULE = "benchmarks.bench_pipeline"  # not __name__: that is "__main__" under python -m
 WORLD = 2
@@ -173,7 +171,7 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
             if rank == world - 1:
                 losses.append(float(torch.stack(step_losses).mean()))
         if prof is not None:
-            _dump_profile(prof, profile_dir, rank, steps - warmup)
+            dump_profile(prof, profile_dir, rank, steps - warmup)
         # the loss lives on the last stage; rank 0 returns it
         box = [losses]
         dist.broadcast_object_list(box, src=world - 1)
@@ -183,90 +181,34 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
         dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------- profiling
+# --------------------------------------------------------------------------- ours
 
 
-def _dump_profile(prof: cProfile.Profile, profile_dir: str, rank: int, steps: int) -> None:
-    Path(profile_dir).mkdir(parents=True, exist_ok=True)
-    prof.dump_stats(str(Path(profile_dir) / f"rank{rank}.prof"))
-    (Path(profile_dir) / f"rank{rank}.steps").write_text(str(steps))
+def fit_timed_ours(rank: int, world: int, strategy: dict[str, Any], steps: int, per_rank: int,
+                   shape: dict[str, int] | None = None, profile_dir: str | None = None,
+                   warmup: int = WARMUP) -> dict[str, Any]:
+    """:func:`benchmarks.lit_runs.fit_timed`'s fit, plus each step's CPU time, optionally profiled.
 
-
-def fit_timed_ours(rank: int, world: int, profile_dir: str | None = None, warmup: int = WARMUP,
-                   **kwargs: Any) -> dict[str, Any]:
-    """:func:`benchmarks.lit_runs.fit_timed`, plus each step's CPU time, optionally profiled.
-
-    ``fit_timed``'s step timer is swapped (in this process only) for a subclass that also reads
-    the process CPU time (all threads, gloo's included) around the same window, and with
-    ``profile_dir`` switches cProfile on for the steps after ``warmup`` only (no setup or
-    teardown in the profile). The wall times are ``fit_timed``'s own.
+    :func:`benchmarks.lit_runs.run_fit` with one :class:`~benchmarks.lit_runs.StepTimer` that
+    also reads the process CPU time (all threads, gloo's included) around the same window as the
+    wall time, and with ``profile_dir`` switches cProfile on for the steps after ``warmup`` only
+    (no setup or teardown in the profile). Returns ``fit_timed``'s keys (``times``, ``loss``: the
+    last logged ``train_loss``, ``threads``) plus ``cpu_times``.
     """
-    import benchmarks.lit_runs as lit_runs
+    import torch
 
-    prof = cProfile.Profile() if profile_dir else None
-    cpu_times: list[float] = []
+    from benchmarks.lit_runs import StepTimer, make_strategy, run_fit
+    from benchmarks.model import GPTShape
 
-    class CpuStepTimer(lit_runs.StepTimer):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                                 batch_idx: int) -> None:
-            if prof is not None and batch_idx >= warmup:
-                prof.enable()
-            self._cpu = time.process_time()
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            cpu_times.append(time.process_time() - self._cpu)
-            if prof is not None and batch_idx >= warmup:
-                prof.disable()
-
-    original = lit_runs.StepTimer
-    lit_runs.StepTimer = CpuStepTimer
-    try:
-        result = lit_runs.fit_timed(rank, world, **kwargs)
-    finally:
-        lit_runs.StepTimer = original
-    if prof is not None:
-        _dump_profile(prof, profile_dir, rank, max(0, len(cpu_times) - warmup))
-    result["cpu_times"] = cpu_times
-    return result
-
-
-def profile_summary(profile_dir: str, top: int = 25) -> str:
-    """Top functions by cumulative and by own time, per rank, in ms per profiled step."""
-    out = []
-    for path in sorted(Path(profile_dir).glob("rank*.prof")):
-        steps = max(1, int(path.with_suffix(".steps").read_text()))
-        for key, label in (("cumulative", "cumulative"), ("tottime", "own time")):
-            buf = io.StringIO()
-            stats = pstats.Stats(str(path), stream=buf)
-            stats.sort_stats(key).print_stats(top)
-            text = buf.getvalue()
-            out.append(f"== {path.stem}: top {top} by {label}, averaged over {steps} steps ==")
-            out.append(_per_step(text, steps))
-    return "\n".join(out)
-
-
-def _per_step(text: str, steps: int) -> str:
-    """Rewrite pstats' tottime/cumtime columns as ms per step."""
-    lines = []
-    started = False
-    for line in text.splitlines():
-        if line.strip().startswith("ncalls"):
-            started = True
-            lines.append("   calls/step  own ms/step  cum ms/step  function")
-            continue
-        if not started or not line.strip():
-            continue
-        parts = line.split(None, 5)
-        if len(parts) < 6:
-            continue
-        ncalls, tottime, _, cumtime, _, where = parts
-        calls = int(ncalls.split("/")[0]) / steps
-        lines.append(f"{calls:12.1f} {1000 * float(tottime) / steps:12.2f} "
-                     f"{1000 * float(cumtime) / steps:12.2f}  {where}")
-    return "\n".join(lines)
+    timer = StepTimer(cpu=True, profiler=cProfile.Profile() if profile_dir else None,
+                      profile_from=warmup)
+    trainer = run_fit(make_strategy(strategy, world), rank, world, steps, per_rank,
+                      GPTShape(**(shape or {})), [timer])
+    if profile_dir:
+        dump_profile(timer.profiler, profile_dir, rank, timer.profiled_steps)
+    loss = trainer.callback_metrics.get("train_loss")
+    return {"times": timer.times, "loss": None if loss is None else float(loss),
+            "threads": torch.get_num_threads(), "cpu_times": timer.cpu_times}
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -369,36 +311,9 @@ def profile(quick: bool) -> str:
     return "\n".join(texts)
 
 
-def _short(value: Any) -> Any:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, dict):
-        return {k: _short(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_short(v) for v in value]
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="also run each side under cProfile and print the top functions")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    rows = run(args.quick)
-    for row in rows:
-        if args.json:
-            print(json.dumps(row.as_json()))
-            continue
-        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, torch {1000 * row.anchor_s:.1f} ms, "
-              f"ratio {row.ratio:.3f} (goal {row.goal})")
-        print(f"  {row.notes}")
-        print("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.extra.items()))
-    print(f"total {time.perf_counter() - start:.1f} s")
-    if args.profile:
-        print(profile(args.quick))
+    bench_main(argv, __doc__.splitlines()[0], run, profile,
+               "also run each side under cProfile and print the top functions", short=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """What every benchmark shares: results, medians, the benchmark model, and a torchrun-like launcher.
 
+Also what the ``bench_*`` modules' command lines share: cProfile summaries in ms per step,
+row printing, and the ``[--quick] [--json] [--profile]`` command line (:func:`bench_main`).
+
 Why a launcher of our own: each measured configuration runs in fresh interpreters (no state or
 warm caches carried over from the previous configuration), W processes started like torchrun
 (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` in the environment). Lightning sees
@@ -14,8 +17,11 @@ value (JSON) comes back to the parent.
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
+import pstats
 import socket
 import statistics
 import subprocess
@@ -193,3 +199,103 @@ def steady(times: list[float], warmup: int) -> list[float]:
     if len(times) <= warmup:
         raise ValueError(f"only {len(times)} steps timed, fewer than the {warmup} warm-up steps")
     return times[warmup:]
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def dump_profile(prof: Any, profile_dir: str, rank: int, steps: int) -> None:
+    """Write one rank's ``cProfile`` stats (``rank{rank}.prof``) and how many steps they cover."""
+    Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    prof.dump_stats(str(Path(profile_dir) / f"rank{rank}.prof"))
+    (Path(profile_dir) / f"rank{rank}.steps").write_text(str(steps))
+
+
+def profile_summary(profile_dir: str, top: int = 25) -> str:
+    """Top functions by cumulative and by own time, per rank, in ms per profiled step.
+
+    Reads what :func:`dump_profile` wrote in ``profile_dir`` (every rank's).
+    """
+    out = []
+    for path in sorted(Path(profile_dir).glob("rank*.prof")):
+        steps = max(1, int(path.with_suffix(".steps").read_text()))
+        for key, what in (("cumulative", "cumulative"), ("tottime", "own time")):
+            buf = io.StringIO()
+            pstats.Stats(str(path), stream=buf).sort_stats(key).print_stats(top)
+            out.append(f"== {path.stem}: top {top} by {what}, ms per step over {steps} steps ==")
+            out.append(_per_step(buf.getvalue(), steps))
+    return "\n".join(out)
+
+
+def _per_step(text: str, steps: int) -> str:
+    """Rewrite pstats' tottime/cumtime columns as ms per step."""
+    lines, started = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("ncalls"):
+            started = True
+            lines.append("   calls/step  own ms/step  cum ms/step  function")
+            continue
+        parts = line.split(None, 5)
+        if not started or len(parts) < 6:
+            continue
+        ncalls, tottime, _, cumtime, _, where = parts
+        calls = int(ncalls.split("/")[0]) / steps
+        lines.append(f"{calls:12.1f} {1000 * float(tottime) / steps:12.2f} "
+                     f"{1000 * float(cumtime) / steps:12.2f}  {where}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- printing rows
+
+
+def _short(value: Any) -> Any:
+    """Floats (also inside dicts and lists) as strings of 4 significant digits."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return {k: _short(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_short(v) for v in value]
+    return value
+
+
+def print_rows(rows: list[Result], as_json: bool, skip_keys: tuple[str, ...] = (),
+               short: bool = False, more_lines: Any = None) -> None:
+    """Print a benchmark's rows on stdout, as a ``python -m benchmarks.bench_*`` run shows them.
+
+    ``as_json``: one JSON object per row (:meth:`Result.as_json`). Otherwise per row: a line with
+    both median step times, the ratio and the goal, the notes, then the ``extra`` entries as
+    ``key=value`` on one line, leaving out ``skip_keys`` (``short``: floats to 4 significant
+    digits), then the lines ``more_lines(row)`` returns, if given, each on its own.
+    """
+    for row in rows:
+        if as_json:
+            print(json.dumps(row.as_json()))
+            continue
+        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, torch {1000 * row.anchor_s:.1f} ms, "
+              f"ratio {row.ratio:.3f} (goal {row.goal})")
+        print(f"  {row.notes}")
+        print("  " + ", ".join(f"{k}={_short(v) if short else v}"
+                               for k, v in row.extra.items() if k not in skip_keys))
+        for line in (more_lines(row) if more_lines is not None else []):
+            print(f"  {line}")
+
+
+def bench_main(argv: list[str] | None, description: str, run: Any, profile: Any,
+               profile_help: str, total_file: Any = None, **row_options: Any) -> None:
+    """The command line of a benchmark module: ``[--quick] [--json] [--profile]``.
+
+    Prints the rows of ``run(quick)`` (:func:`print_rows` with ``row_options``), then
+    ``total <s> s`` (to ``total_file``, stdout when ``None``), then with ``--profile`` the text
+    ``profile(quick)`` returns.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", action="store_true", help=profile_help)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    print_rows(run(args.quick), args.json, **row_options)
+    print(f"total {time.perf_counter() - start:.1f} s", file=total_file)
+    if args.profile:
+        print(profile(args.quick))

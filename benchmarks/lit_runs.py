@@ -4,6 +4,9 @@ Both sides of a Lightning ratio go through :func:`fit_timed` with only the strat
 model, data, global batch, dtype, threads and Trainer options are identical by construction.
 A step is timed from ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward,
 gradient reduction, optimizer step and logging, everything the strategy is responsible for.
+Benchmarks that need more than the step times (CPU times, a profile, probes of the strategy)
+build their callbacks themselves and call :func:`run_fit` with :func:`make_strategy`, the same
+fit that :func:`fit_timed` runs.
 """
 
 from __future__ import annotations
@@ -18,18 +21,42 @@ from benchmarks.model import BenchLit, GPTShape, rank_loader
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch on this rank."""
+    """Wall time of every training batch on this rank (``times``, seconds).
 
-    def __init__(self) -> None:
+    Optional, both off by default: ``cpu=True`` also records each batch's process CPU time (all
+    threads, gloo's included) over the same window in ``cpu_times`` (``None`` otherwise);
+    ``profiler`` (a ``cProfile.Profile``) is enabled around every batch with
+    ``batch_idx >= profile_from`` only, switched on before the clocks start and off after they
+    stop; ``profiled_steps`` counts those batches.
+    """
+
+    def __init__(self, cpu: bool = False, profiler: Any = None, profile_from: int = 0) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] | None = [] if cpu else None
+        self.profiler = profiler
+        self.profile_from = profile_from
+        self.profiled_steps = 0
         self._start = 0.0
+        self._cpu = 0.0
+
+    def _profiled(self, batch_idx: int) -> bool:
+        return self.profiler is not None and batch_idx >= self.profile_from
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._profiled(batch_idx):
+            self.profiler.enable()
+        if self.cpu_times is not None:
+            self._cpu = time.process_time()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self._start)
+        if self.cpu_times is not None:
+            self.cpu_times.append(time.process_time() - self._cpu)
+        if self._profiled(batch_idx):
+            self.profiler.disable()
+            self.profiled_steps += 1
 
 
 def make_strategy(spec: dict[str, Any], world: int) -> Any:
