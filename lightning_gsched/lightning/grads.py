@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gsched.runtime import ProgramExecutor
+from lightning_gsched.runtime.flat import FlatGrads
 
 
 def _flatten(params: list[nn.Parameter]) -> torch.Tensor:
@@ -53,12 +54,12 @@ class GradStash:
         self.primary = self._primary_params()
         self._owned = ([p for ps in self.stage_params.values() for p in ps] + self.shared
                        + self.extra)
-        self.held: list[tuple[list[nn.Parameter], torch.Tensor]] = []
+        # (parameters, their flat gradient, the FlatGrads it came from: None for extras)
+        self.held: list[tuple[list[nn.Parameter], torch.Tensor, FlatGrads | None]] = []
         self._saved: dict[int, torch.Tensor | None] = {}
         # flats handed to the parameters by the last hand_over, with the FlatGrads they came
         # from: once Lightning's zero_grad has dropped every view of one, it is recycled
-        self._given: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
-        self._sources: dict[int, object] = {}
+        self._given: list[tuple[list[nn.Parameter], torch.Tensor, FlatGrads]] = []
 
     def _primary_params(self) -> list[nn.Parameter]:
         owners = self.executor.programs.owners
@@ -83,20 +84,17 @@ class GradStash:
     def after_step(self) -> None:
         """Take the step's gradients out of the parameters; restore what was set aside."""
         self.held = []
-        self._sources = {}
         for s, params in self.stage_params.items():
-            flat = self.executor.flats[s].grads.take()
-            self.held.append((params, flat))
-            self._sources[id(flat)] = self.executor.flats[s].grads
+            source = self.executor.flats[s].grads
+            self.held.append((params, source.take(), source))
         if self.shared:
-            flat = self.executor.shared.take()
-            self.held.append(([p for p in self.shared if p.requires_grad], flat))
-            self._sources[id(flat)] = self.executor.shared
+            source = self.executor.shared
+            self.held.append(([p for p in self.shared if p.requires_grad], source.take(), source))
         if self.extra:
             flat = _flatten(self.extra)
             if self.world_size > 1:
                 dist.all_reduce(flat)
-            self.held.append((self.extra, flat))
+            self.held.append((self.extra, flat, None))
         for p in self.owned_parameters():
             p.grad = self._saved.get(id(p))
         self._saved = {}
@@ -108,13 +106,13 @@ class GradStash:
         for params, flat, source in self._given:
             start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
             if all(p.grad is None or not start <= p.grad.data_ptr() < end for p in params):
-                source.recycle(flat)  # type: ignore[attr-defined]
+                source.recycle(flat)
         self._given = []
 
     def hand_over(self, scale: float) -> None:
         """``param.grad += scale * step gradient`` (assign when None), as ``backward`` would."""
         self._recycle_given()
-        for params, flat in self.held:
+        for params, flat, source in self.held:
             assigned = False
             if scale != 1.0:
                 flat.mul_(scale)
@@ -128,12 +126,11 @@ class GradStash:
                     assigned = True
                 else:
                     p.grad.add_(view)
-            source = self._sources.get(id(flat))
             if source is not None:
                 if assigned:  # parameters now hold views of it: recycle after they drop them
                     self._given.append((params, flat, source))
                 else:  # added into existing gradients: free right away
-                    source.recycle(flat)  # type: ignore[attr-defined]
+                    source.recycle(flat)
         self.held = []
 
     # ------------------------------------------------------------------ clipping

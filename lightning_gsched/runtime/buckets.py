@@ -78,26 +78,13 @@ class GradBuckets:
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def done(param: torch.Tensor) -> None:
-            self._fold(i)
+            self.grads.fold(i)  # the final gradient must be in the flat piece we send
             k = self.bucket_of[i]
             self.pending[k] -= 1
             while self.next < len(self.buckets) and self.pending[self.next] == 0:
                 self._start(self.next)
                 self.started_during_backward += 1
         return done
-
-    def _fold(self, i: int) -> None:
-        """Make sure parameter i's gradient is in the flat buffer (autograd may replace it)."""
-        grads = self.grads
-        assert grads.flat is not None
-        p, off, size = grads.params[i], grads.offsets[i], grads.sizes[i]
-        view = grads.flat[off: off + size]
-        if p.grad is None:
-            return
-        if p.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(p.grad.reshape(-1))
-            p.grad = view.view(grads.shapes[i])
 
     def _start(self, k: int) -> None:
         start, end, _ = self.buckets[k]
@@ -114,8 +101,7 @@ class GradBuckets:
     def finish(self) -> list[Any]:
         """At ALLREDUCE_G: stop hooking, start what has not started; every handle, in order."""
         self.disarm()
-        for i in range(len(self.grads.params)):
-            self._fold(i)
+        self.grads.sync()  # parameters this backward did not reach, as the unbucketed path does
         while self.next < len(self.buckets):
             self._start(self.next)
         works, self.works = self.works, []

@@ -182,16 +182,26 @@ class FlatGrads:
         """The flat gradient, folding in any ``.grad`` autograd did not accumulate in place."""
         if self.flat is None:
             self.zero()
+        for i in range(len(self.params)):
+            self.fold(i)
         assert self.flat is not None
-        with torch.no_grad():
-            for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
-                view = self.flat[off : off + size]
-                if p.grad is None:
-                    p.grad = view.view(shape)
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad.reshape(-1))
-                    p.grad = view.view(shape)
         return self.flat
+
+    def fold(self, i: int) -> None:
+        """Make parameter i's ``.grad`` a view of the flat buffer again, keeping its value.
+
+        Autograd may replace a ``.grad`` instead of accumulating into it; the value is then
+        copied into the buffer. Needs an active buffer (:meth:`zero` ran this step).
+        """
+        assert self.flat is not None
+        p, off, size = self.params[i], self.offsets[i], self.sizes[i]
+        view = self.flat[off : off + size]
+        if p.grad is None:
+            p.grad = view.view(self.shapes[i])
+        elif p.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(p.grad.reshape(-1))
+            p.grad = view.view(self.shapes[i])
 
     def take(self) -> torch.Tensor:
         """Hand over the flat gradient and stop holding it (``param.grad`` becomes None)."""
