@@ -11,7 +11,7 @@ must live in an importable module such as the test file itself); ``ctx`` is a
 Exceptions raised by a check are returned as :class:`RankError` values when ``expect_errors=True``
 (fault tests), so a test can assert on each rank's message.
 
-    world = DistWorld(4)        # or the ``worlds`` fixture below: one world alive at a time
+    world = DistWorld(4)        # or the ``worlds`` fixture (conftest.py): one world at a time
     results = world.run(my_check, "gpipe")
     world.close()
 """

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 from lightning_models import (
     LitGPT,
     as_worker,
@@ -33,6 +33,8 @@ pytestmark = pytest.mark.distributed
 
 GLOBAL_BATCH, FIRST, TOTAL = 8, 2, 4
 RTOL, ATOL = 1e-5, 1e-6  # Adam state comparison below
+
+WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
 
 
 def _fit(world: int, rank: int, strategy: Any, tmp: str, steps: int, ckpt: str | None) -> Any:
@@ -91,13 +93,6 @@ def reference() -> tuple[dict, dict, list]:
     first = state_of(model)
     _, model = _fit(1, 0, "auto", os.path.join(tmp, "b"), TOTAL, path)
     return first, state_of(model), csv_metric(os.path.join(tmp, "b"), "train_loss")
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds(timeout=300)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 from lightning_models import (
     assert_same_state,
     as_worker,
@@ -33,6 +33,8 @@ pytestmark = pytest.mark.distributed
 
 SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed"]
 STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
+
+WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
 
 
 DEFAULT_FIT = (("max_steps", STEPS), ("gradient_clip_val", CLIP))
@@ -62,13 +64,6 @@ def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]
     tmp = tempfile.mkdtemp()
     state = _fit(1, 0, "auto", optimizer, tmp, options)
     return state, csv_metric(tmp, "train_loss")
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds(timeout=300)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

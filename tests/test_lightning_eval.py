@@ -15,13 +15,15 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 from lightning_models import as_worker, make_lit_gpt, rank_loader, state_of, tokens, trainer
 
 pytestmark = pytest.mark.distributed
 
 SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed"]
 GLOBAL_BATCH = 8
+
+WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
 
 
 def eval_data(world: int) -> torch.Tensor:
@@ -60,13 +62,6 @@ def reference(world: int) -> dict:
     with torch.no_grad():
         rows = model(data[:, :-1])[:, -1]
     return {"val": val, "test": test, "rows": rows, "state": state_of(model)}
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds(timeout=300)
-    yield w
-    w.close()
 
 
 def _rank_rows(reference_rows: torch.Tensor, world: int, rank: int) -> list[torch.Tensor]:

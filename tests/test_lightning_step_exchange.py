@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 
 from lightning_gsched.lightning.batches import (
     GlobalBatch,
@@ -89,13 +89,6 @@ def exchange_check(ctx: WorkerContext, steps: list[dict]) -> list[dict]:
                     "cached": fast.layout is not None,
                     "object_exchanges": fast.object_exchanges})
     return out
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds()
-    yield w
-    w.close()
 
 
 def test_gather_is_skipped_only_when_every_rank_owns_its_micros(worlds):

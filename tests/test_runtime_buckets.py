@@ -8,7 +8,7 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor, buckets
@@ -79,13 +79,6 @@ def overlap_check(ctx: WorkerContext, schedule: str, cap: int, steps: int) -> di
            "hooks_left": sum(len(q._post_accumulate_grad_hooks or {}) for q in model.parameters())}
     ex.close()
     return out
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds()
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("schedule,W", [("ddp", 2), ("lpp", 4)])

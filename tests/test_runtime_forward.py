@@ -26,7 +26,7 @@ from typing import Any
 import models
 import pytest
 import torch
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
@@ -338,13 +338,6 @@ def fault_check(ctx: WorkerContext, failing_rank: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- parent side
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds()
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("W", [2, 4])

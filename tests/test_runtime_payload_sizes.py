@@ -15,7 +15,7 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
@@ -62,13 +62,6 @@ def changing_shapes_check(ctx: WorkerContext, schedule: str, rows_per_step: list
         late.append(ex.transport.late_payloads)
     ex.close()
     return {"bad": bad, "late": late}
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds()
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])

@@ -22,7 +22,7 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
@@ -184,13 +184,6 @@ def step_check(
 
 
 # --------------------------------------------------------------------------- parent side
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds()
-    yield w
-    w.close()
 
 
 def _cases() -> list:
