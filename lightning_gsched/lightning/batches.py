@@ -49,13 +49,9 @@ class GlobalBatch:
             return split_batch(self.value, parts, exact=exact, what=what)
         check_split(self.rows, parts, exact, what)
         first, held = self.offset(self.rank), self.rows_per_rank[self.rank]
-        out: list[Any] = []
-        start = 0
-        for size in micro_rows(self.rows, parts):
-            low, high = start - first, start + size - first
-            out.append(take_rows(self.local, low, high) if 0 <= low and high <= held else None)
-            start += size
-        return out
+        return [take_rows(self.local, start - first, end - first)
+                if first <= start and end <= first + held else None
+                for start, end in micro_bounds(self.rows, parts)]
 
 
 def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
@@ -82,10 +78,7 @@ def owns_its_micros(rows: list[int], parts: int, needed: list[list[int]]) -> boo
     ``needed[r]``: the microbatches whose inputs or targets rank r uses. Every rank evaluates this
     on the same numbers, so all of them take the same (collective or not) path.
     """
-    bounds, start = [], 0
-    for size in micro_rows(sum(rows), parts):
-        bounds.append((start, start + size))
-        start += size
+    bounds = micro_bounds(sum(rows), parts)
     first = 0
     for r, held in enumerate(rows):
         for b in needed[r]:
@@ -169,6 +162,15 @@ def micro_rows(rows: int, parts: int) -> list[int]:
     """Row counts of ``split_batch``'s microbatches (torch.tensor_split's rule)."""
     base, extra = divmod(rows, parts)
     return [base + (1 if b < extra else 0) for b in range(parts)]
+
+
+def micro_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) rows of each of ``split_batch``'s microbatches in the global batch."""
+    bounds, start = [], 0
+    for size in micro_rows(rows, parts):
+        bounds.append((start, start + size))
+        start += size
+    return bounds
 
 
 def concat_outputs(outputs: list[Any], what: str) -> Any:
