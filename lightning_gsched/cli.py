@@ -11,42 +11,74 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from lightning_gsched.errors import GschedError
-from lightning_gsched.schedule import LIBRARY, Plan, plan
+from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.orders import ORDER_NAMES
+from lightning_gsched.schedule.plan import CAP_WORDS
 from lightning_gsched.schedule.render import ascii_timeline, save_png
 
 
-def _costs(text: str) -> float | list[float]:
+def _option(check: Callable[[Any], Any], parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type=``: parse the text, then apply the library's own check of the value.
+
+    Why: ``gsched compare -w 0`` must fail like any argparse error (usage, one line naming the
+    option, exit status 2) with the same rule ``plan()`` and ``GeneralParallel`` apply. Text
+    that does not parse goes to the check as it is, which refuses it with its usual message.
+    """
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text
+        try:
+            return check(value)
+        except GschedError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _numbers(text: str) -> float | list[float]:
     """'2' -> 2.0; '1,1,2,2' -> per-stage list."""
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"costs must be a number or comma-separated numbers, got {text!r}")
+    values = [float(v) for v in text.split(",")]
     return values[0] if len(values) == 1 else values
 
 
-def _cap(text: str) -> int | str | None | list[int]:
+def _parse_cap(text: str) -> int | str | None | list[int]:
+    """'none' -> None (uncapped); 'auto'/'default' stay words; '2' -> 2; '4,3,2,1' -> per worker."""
     if text in ("none", "None"):
         return None
     if text in ("auto", "default"):
         return text
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cap must be an int, a comma list of ints, 'auto' or 'none', got {text!r}")
+    values = [int(v) for v in text.split(",")]
     return values[0] if len(values) == 1 else values
 
 
+def _checked_cap(cap: Any) -> Any:
+    validate.cap_form(cap, CAP_WORDS)
+    return cap
+
+
+def _count(name: str, example: str) -> Callable[[str], Any]:
+    return _option(partial(validate.positive_int, name, example=example), int)
+
+
+def _cost(name: str) -> Callable[[str], Any]:
+    return _option(partial(validate.costs, name), _numbers)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-w", "--workers", type=int, required=True, help="W: number of workers (ranks)")
-    parser.add_argument("-s", "--stages", type=int, default=None, help="S: pipeline stages (default: per schedule)")
-    parser.add_argument("-b", "--microbatches", type=int, default=None, help="B: microbatches per step (default: per schedule)")
-    parser.add_argument("--R", type=int, default=None, help="workers per looped group (lpp, fslpp, ...)")
-    parser.add_argument("--forward-cost", type=_costs, default=1.0, help="F duration: one number or one per stage")
-    parser.add_argument("--backward-cost", type=_costs, default=2.0, help="B duration: one number or one per stage")
+    parser.add_argument("-w", "--workers", type=_count("workers", "4"), required=True, help="W: number of workers (ranks)")
+    parser.add_argument("-s", "--stages", type=_count("stages", "4"), default=None, help="S: pipeline stages (default: per schedule)")
+    parser.add_argument("-b", "--microbatches", type=_count("microbatches", "8"), default=None, help="B: microbatches per step (default: per schedule)")
+    parser.add_argument("--R", type=_count("R", "2"), default=None, help="workers per looped group (lpp, fslpp, ...)")
+    parser.add_argument("--forward-cost", type=_cost("forward_cost"), default=1.0, help="F duration: one number or one per stage")
+    parser.add_argument("--backward-cost", type=_cost("backward_cost"), default=2.0, help="B duration: one number or one per stage")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", help=f"one of: {', '.join(LIBRARY)}")
     _common(p)
     p.add_argument("--order", choices=ORDER_NAMES, default=None, help="tie-break order n(s,b,d)")
-    p.add_argument("--cap", type=_cap, default="default", help="activation cap: int, list, 'auto' or 'none'")
+    p.add_argument("--cap", type=_option(_checked_cap, _parse_cap), default="default", help="activation cap: int, list, 'auto' or 'none'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--png", metavar="FILE", default=None, help="also draw the timeline to FILE")
+    p.add_argument("--png", metavar="FILE", default=None,
+                   help="also draw the timeline to FILE (missing parent folders are created)")
     p.add_argument("--programs", action="store_true", help="also print every rank's program")
     p.add_argument("--forward-only", action="store_true",
                    help="plan forward jobs only (validate/test/predict); same owners as training, "
@@ -154,6 +187,28 @@ def _compare_text(rows: list[dict], workers: int) -> str:
     return text
 
 
+def _write_png(result: Plan, path: str) -> bool:
+    """Draw the plan to ``path``, creating missing parent folders as ``mkdir -p`` would.
+
+    A path that still cannot be written (a file where a folder should be, no permission) or a
+    missing matplotlib is one line on stderr, not a traceback; returns False then.
+    """
+    title = (f"{result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
+             + (" (forward only)" if result.forward_only else ""))
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_png(result.timeline, path, title)
+    except ImportError as exc:
+        print(f"gsched: error: --png needs matplotlib ({exc}); pip install matplotlib",
+              file=sys.stderr)
+        return False
+    except OSError as exc:
+        print(f"gsched: error: --png {path}: cannot write it ({exc.strerror or exc}); give a "
+              "path in a writable folder", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -162,10 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           microbatches=args.microbatches, R=args.R, order=args.order, cap=args.cap,
                           forward_cost=args.forward_cost, backward_cost=args.backward_cost,
                           forward_only=args.forward_only)
-            if args.png:
-                save_png(result.timeline, args.png,
-                         f"{result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
-                         + (" (forward only)" if result.forward_only else ""))
+            if args.png and not _write_png(result, args.png):
+                return 2
             if args.json:
                 print(json.dumps(result.to_json()))
             else:

@@ -27,6 +27,15 @@ class PlacementError(GschedError, ValueError):
     """A placement w(s, b, d) returned workers out of range or split F and B of one job."""
 
 
+class UserCallableError(GschedError, RuntimeError):
+    """A callable the user gave the planner (placement, priority/order, cap) raised.
+
+    Apart from PlacementError and ScheduleConfigError because the arguments may all be valid and
+    the bug is inside the user's function: the message names the callable, the arguments it was
+    called with and the original exception, which is also chained as ``__cause__``.
+    """
+
+
 class CapTooSmallError(GschedError, RuntimeError):
     """An activation cap so small that no worker can make progress (would loop forever)."""
 

@@ -1,7 +1,8 @@
 """What GeneralParallel was asked for, turned into plans for training and for evaluation.
 
-Why a module of its own: the training plan is built at ``Trainer.fit`` setup (pure Python, so a
-bad schedule, R or microbatch count fails on every rank before any process talks to another),
+Why a module of its own: the arguments are checked at construction (:meth:`ScheduleConfig.check`),
+the training plan is built at ``Trainer.fit`` setup (pure Python, so what needs the device count,
+such as R dividing it, fails on every rank before any process talks to another),
 and forward-only plans are built on demand for each evaluation batch size. Both must describe the
 same stage ownership, so they come from one place.
 """
@@ -13,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.schedule import plan as make_plan
-from lightning_gsched.schedule.library import LIBRARY, get_schedule, resolve_R
-from lightning_gsched.schedule.plan import Plan
+from lightning_gsched.schedule.library import get_schedule, resolve_R
+from lightning_gsched.schedule.plan import DEFAULT, Plan, check_arguments
 
 UNCAPPED = "none"
 
@@ -35,20 +36,20 @@ class ScheduleConfig:
     backward_cost: float | Sequence[float] = 2.0
     _eval_plans: dict[int, Plan] = field(default_factory=dict, repr=False)
 
-    def check_name(self) -> None:
-        """Fail at construction for an unknown library name (close matches in the message)."""
-        if self.placement is None:
-            if self.schedule is None:
-                raise StrategyConfigError(
-                    "GeneralParallel needs a schedule name (one of "
-                    f"{', '.join(LIBRARY)}) or placement= (and priority=) callables"
-                )
-            get_schedule(self.schedule)
-        elif self.stages is None or self.microbatches is None:
-            raise StrategyConfigError(
-                "a custom placement= needs explicit stages= and microbatches= "
-                "(the library defaults are per schedule)"
-            )
+    def check(self) -> None:
+        """Fail at construction for anything wrong whatever the number of devices.
+
+        The same checks as ``plan()`` (one implementation: ``schedule.plan.check_arguments``,
+        raising ScheduleConfigError): an unknown schedule name (close matches in the message), ``microbatches=0``, ``R="2"``,
+        R on a schedule without groups, an unknown order or cap word, a cost that is not a
+        finite number > 0 (or the wrong number of them when ``stages`` is given), a placement
+        that is not callable. What needs the device count (R dividing it, S and B multiples, a
+        cap list's length, per-stage costs against the schedule's default S) fails at setup,
+        on every rank, before any process talks to another.
+        """
+        check_arguments(self.schedule, self.stages, self.microbatches, self.R, self.order,
+                        self._plan_cap(), self.forward_cost, self.backward_cost,
+                        self.placement, self.priority)
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults."""
@@ -65,10 +66,16 @@ class ScheduleConfig:
         B = self.microbatches if self.microbatches is not None else spec.micro(workers, R or 1)
         return S, B, R
 
+    def _plan_cap(self) -> Any:
+        """``plan()``'s form of the cap: None here means the schedule's default, "none" none."""
+        if self.cap is None:
+            return DEFAULT
+        return None if isinstance(self.cap, str) and self.cap == UNCAPPED else self.cap
+
     def _plan_kwargs(self) -> dict[str, Any]:
-        cap: Any = "default" if self.cap is None else (None if self.cap == UNCAPPED else self.cap)
         return dict(
-            order=self.order, cap=cap, placement=self.placement, priority=self.priority,
+            order=self.order, cap=self._plan_cap(), placement=self.placement,
+            priority=self.priority,
             forward_cost=self.forward_cost, backward_cost=self.backward_cost,
         )
 

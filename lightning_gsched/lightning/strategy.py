@@ -27,9 +27,12 @@ from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning import checkpoint, sharded
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.engine import PartitionOptions, PipelineEngine
+from lightning_gsched.partition.arguments import check_options as check_partition_options
+from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.library import LIBRARY
 
 STATE_DICT_TYPES = ("full", "sharded")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class GeneralParallel(DDPStrategy):
@@ -58,6 +61,10 @@ class GeneralParallel(DDPStrategy):
             module is usable afterwards as after DDP (costs one broadcast of the model).
         forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
+
+    Every argument is checked here, before any process starts, and a wrong one raises a
+    ``GschedError`` subclass naming it; what needs the device count (R dividing it, S and B
+    multiples a placement requires, a cap list's length) fails at setup on every rank.
     """
 
     strategy_name = "gsched"
@@ -90,25 +97,25 @@ class GeneralParallel(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        # every argument is checked here, before Lightning starts any process (see docs/usage.md)
+        schedule_config = ScheduleConfig(
+            schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order,
+            cap=cap, placement=placement, priority=priority, forward_cost=forward_cost,
+            backward_cost=backward_cost,
+        )
+        schedule_config.check()
+        partition_options = PartitionOptions(
+            *check_partition_options(balance, leaf_modules, split_points, static_shapes, stages))
+        _check_strategy_arguments(state_dict_type, step_timeout, gather_on_teardown,
+                                  process_group_backend, timeout, start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
             timeout=timeout, start_method=start_method,
         )
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise StrategyConfigError(
-                f"state_dict_type={state_dict_type!r}; use 'full' (one .ckpt) or 'sharded' "
-                "(a torch.distributed.checkpoint directory)"
-            )
-        self.schedule_config = ScheduleConfig(
-            schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order,
-            cap=cap, placement=placement, priority=priority, forward_cost=forward_cost,
-            backward_cost=backward_cost,
-        )
-        self.schedule_config.check_name()
-        self.partition_options = PartitionOptions(balance, tuple(leaf_modules), split_points,
-                                                  static_shapes)
+        self.schedule_config = schedule_config
+        self.partition_options = partition_options
         self.state_dict_type = state_dict_type
         self.step_timeout = float(step_timeout)
         self.gather_on_teardown = gather_on_teardown
@@ -317,6 +324,33 @@ class GeneralParallel(DDPStrategy):
                 description=f"GeneralParallel('{name}'): {spec.trade_off}",
                 schedule=name,
             )
+
+
+def _check_strategy_arguments(state_dict_type: Any, step_timeout: Any, gather_on_teardown: Any,
+                              process_group_backend: Any, timeout: Any, start_method: Any) -> None:
+    """The arguments that are the strategy's own (the schedule's and the partitioner's are
+    checked by :meth:`ScheduleConfig.check` and ``check_partition_options``).
+
+    Lightning's plugin arguments (accelerator, cluster_environment, ...) go to DDPStrategy as
+    they are; a wrong one fails there as it would with DDP.
+    """
+    if not (isinstance(state_dict_type, str) and state_dict_type in STATE_DICT_TYPES):
+        raise StrategyConfigError(
+            f"state_dict_type={state_dict_type!r} is not valid: use 'full' (one .ckpt) or "
+            "'sharded' (a torch.distributed.checkpoint directory); e.g. state_dict_type='full'"
+        )
+    validate.positive_number("step_timeout", step_timeout, "300", StrategyConfigError,
+                             "seconds any one wait may take: a finite number > 0")
+    validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
+    if process_group_backend is not None and not isinstance(process_group_backend, str):
+        raise validate.invalid("process_group_backend", process_group_backend,
+                               "must be None (Lightning picks) or a torch.distributed backend "
+                               "name", "'gloo'", StrategyConfigError)
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise validate.invalid("timeout", timeout, "must be a datetime.timedelta (the process "
+                               "group timeout; step_timeout bounds each wait in a step)",
+                               "timedelta(minutes=30)", StrategyConfigError)
+    validate.one_of("start_method", start_method, START_METHODS, StrategyConfigError)
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from lightning_gsched.partition.api import Partition, partition
 from lightning_gsched.partition.errors import (
     BalanceError,
+    ExampleInputError,
     ModeMismatchError,
     PartitionError,
     StageInputError,
@@ -38,6 +39,7 @@ __all__ = [
     "StageTimes",
     "profile_stages",
     "BalanceError",
+    "ExampleInputError",
     "ModeMismatchError",
     "Partition",
     "PartitionError",

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 from torch import nn
 
+from lightning_gsched.partition import arguments
 from lightning_gsched.partition.costs import TimeProfiler, parameter_costs
 from lightning_gsched.partition.cuts import (
     CutPlan,
     balanced_cuts,
-    check_num_stages,
+    check_stage_count,
     cuts_from_sizes,
     cuts_from_split_points,
 )
-from lightning_gsched.partition.errors import BalanceError
+from lightning_gsched.partition.errors import BalanceError, PartitionError
 from lightning_gsched.partition.execute import run_example
 from lightning_gsched.partition.report import format_report
 from lightning_gsched.partition.stage import StageModule, build_stages
@@ -30,8 +30,9 @@ from lightning_gsched.partition.units import (
     canonical_buffer_names,
     canonical_parameter_names,
 )
+from lightning_gsched.schedule import validate
 
-BALANCE_MODES = ("params", "time")
+BALANCE_MODES = arguments.BALANCE_MODES
 DEFAULT_TOLERANCE = 0.1
 
 
@@ -167,16 +168,9 @@ def _costs(
     """(unit costs, their unit, bytes of every value) — runs the example once."""
     profiler = TimeProfiler(len(table)) if balance == "time" and unit_costs is None else None
     value_bytes = run_example(table, args, kwargs, hook=profiler)
-    if unit_costs is not None:
-        costs = list(unit_costs)
-        if len(costs) != len(table) or any(
-            isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0 for c in costs
-        ):
-            raise BalanceError(
-                f"unit_costs must be {len(table)} non-negative numbers (one per unit, as in "
-                f"part.unit_costs), got {len(costs)} values."
-            )
-        return costs, "ns" if balance == "time" else "given", value_bytes
+    given = arguments.check_unit_costs(unit_costs, len(table))
+    if given is not None:
+        return given, "ns" if balance == "time" else "given", value_bytes
     if profiler is not None:
         return list(profiler.costs), "ns", value_bytes
     return list(parameter_costs(table.units)), "params", value_bytes
@@ -215,27 +209,29 @@ def partition(
             cannot be traced that way, again with the example's sizes baked in (then calls must
             use the same input shapes); ``True``/``False`` force or forbid that.
     """
-    kwargs = dict(example_kwargs or {})
-    # a lone tensor is a common slip for (x,); tuple(x) would silently iterate its rows
-    args = (example_args,) if isinstance(example_args, torch.Tensor) else tuple(example_args)
-    if isinstance(balance, str) and balance not in BALANCE_MODES:
-        raise BalanceError(
-            f"balance={balance!r} is not one of {BALANCE_MODES} or a list of unit counts per stage."
+    if not isinstance(module, nn.Module):
+        raise PartitionError(
+            f"module={type(module).__name__} is not valid: partition() splits an nn.Module (a "
+            "LightningModule too); e.g. partition(model, 2, (x,))"
         )
+    num_stages = arguments.check_num_stages(num_stages)
+    args, kwargs = arguments.check_example(example_args, example_kwargs)
+    balance, leaf_modules, split_points, static_shapes = arguments.check_options(
+        balance, leaf_modules, split_points, static_shapes, num_stages)
+    arguments.check_unit_costs(unit_costs)
+    balance_tolerance = validate.non_negative_number(
+        "balance_tolerance", balance_tolerance, str(DEFAULT_TOLERANCE), BalanceError)
+    auto_leaf = validate.flag("auto_leaf", auto_leaf, PartitionError)
     traced = trace_model(
         module, args, kwargs, leaf_modules, auto_leaf=auto_leaf, static_shapes=static_shapes
     )
     table = UnitTable(traced)
-    check_num_stages(num_stages, table, module)
+    check_stage_count(num_stages, table, module)
     costs, cost_unit, value_bytes = _costs(table, balance, unit_costs, args, kwargs)
-    if isinstance(split_points, str):
-        split_points = [split_points]
     if split_points is not None:
-        if not isinstance(balance, str):
-            raise BalanceError("Give either split_points or a list in balance, not both.")
-        plan = cuts_from_split_points(list(split_points), num_stages, table, module)
+        plan = cuts_from_split_points(split_points, table, module)
     elif not isinstance(balance, str):
-        plan = cuts_from_sizes(list(balance), num_stages, len(table))
+        plan = cuts_from_sizes(balance, len(table))
     else:
         plan = balanced_cuts(costs, num_stages, table, value_bytes, balance_tolerance)
     stages = build_stages(table, plan.cuts)

@@ -48,9 +48,8 @@ class CutPlan:
     best_bottleneck: Number | None = None  # balanced only: the optimum before tolerance
 
 
-def check_num_stages(num_stages: int, table: UnitTable, module: nn.Module) -> None:
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
-        raise BalanceError(f"num_stages must be a positive int, got {num_stages!r}.")
+def check_stage_count(num_stages: int, table: UnitTable, module: nn.Module) -> None:
+    """At most one stage per traced unit (``num_stages`` is a positive int: :mod:`.arguments`)."""
     maximum = max(len(table), 1)
     if num_stages > maximum:
         raise TooManyStagesError(
@@ -61,14 +60,8 @@ def check_num_stages(num_stages: int, table: UnitTable, module: nn.Module) -> No
         )
 
 
-def cuts_from_sizes(sizes: Sequence[int], num_stages: int, num_units: int) -> CutPlan:
-    if len(sizes) != num_stages:
-        raise BalanceError(
-            f"balance={list(sizes)} has {len(sizes)} entries but num_stages={num_stages}; give "
-            "one unit count per stage."
-        )
-    if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
-        raise BalanceError(f"balance={list(sizes)}: every stage needs a positive int unit count.")
+def cuts_from_sizes(sizes: Sequence[int], num_units: int) -> CutPlan:
+    """Cuts after the given unit counts (one positive int per stage: :mod:`.arguments`)."""
     if sum(sizes) != num_units:
         raise BalanceError(
             f"balance={list(sizes)} sums to {sum(sizes)} but the model has {num_units} units; "
@@ -101,13 +94,9 @@ def _module_position(name: str, table: UnitTable, module: nn.Module) -> int | No
 
 
 def cuts_from_split_points(
-    split_points: Sequence[str], num_stages: int, table: UnitTable, module: nn.Module
+    split_points: Sequence[str], table: UnitTable, module: nn.Module
 ) -> CutPlan:
-    if len(split_points) != num_stages - 1:
-        raise BalanceError(
-            f"split_points has {len(split_points)} names, which makes {len(split_points) + 1} "
-            f"stages, but num_stages={num_stages}; give num_stages - 1 names."
-        )
+    """Cuts before the named modules/units (``num_stages - 1`` names: :mod:`.arguments`)."""
     unit_names = {u.name: u.index for u in table.units}
     positions: dict[int, str] = {}
     for name in split_points:
@@ -142,8 +131,6 @@ def balanced_cuts(
     value_bytes: dict[fx.Node, int],
     tolerance: float,
 ) -> CutPlan:
-    if tolerance < 0:
-        raise BalanceError(f"balance_tolerance must be >= 0, got {tolerance!r}.")
     n = len(costs)
     if num_stages == 1 or n <= 1:
         return CutPlan(cuts=(), how="balanced", best_bottleneck=sum(costs))

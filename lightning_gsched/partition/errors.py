@@ -17,6 +17,7 @@ __all__ = [
     "BalanceError",
     "StageInputError",
     "ModeMismatchError",
+    "ExampleInputError",
 ]
 
 
@@ -45,3 +46,15 @@ class StageInputError(PartitionError, TypeError):
 
 class ModeMismatchError(PartitionError):
     """The traced graph depends on ``module.training`` and the module changed mode since."""
+
+
+class ExampleInputError(PartitionError):
+    """The example input is not one valid call of ``forward``: a unit failed when run on it."""
+
+
+class UnbalancedPartitionWarning(UserWarning):
+    """An automatic split left a stage without parameters or with far more than its share.
+
+    Warned at partition time with the module that caused it (usually one torch.fx could not
+    trace into and kept whole), the ``file:line`` that stopped the tracer and the fix.
+    """

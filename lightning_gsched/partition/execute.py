@@ -5,6 +5,10 @@ balance needs each unit's real inputs to profile it. Both come from one pass ove
 the example arguments. The pass runs under ``no_grad`` and inside
 :func:`~.preserve.preserved_tensors_and_rng`, so BatchNorm statistics and the random streams are
 exactly as before partitioning; values are freed after their last use.
+
+This pass is also the first time the example meets the model's weights, so an example that is
+not one valid call of ``forward`` (wrong feature size, wrong dtype) fails here: the failure is
+re-raised as :class:`~.errors.ExampleInputError` naming the unit and module it happened in.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from lightning_gsched.errors import GschedError
+from lightning_gsched.partition.errors import ExampleInputError
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.tracer import TracedModel
 from lightning_gsched.partition.units import Unit, UnitTable
@@ -70,10 +76,49 @@ def run_example(
             args = fx.node.map_arg(node.args, load)
             kwargs = fx.node.map_arg(node.kwargs, load)
             call = unit_callable(node, traced)
-            if hook is not None:
-                hook(unit, call, args, kwargs)  # type: ignore[arg-type]
-            env[node] = call(*args, **kwargs)  # type: ignore[operator]
+            try:
+                if hook is not None:
+                    hook(unit, call, args, kwargs)  # type: ignore[arg-type]
+                env[node] = call(*args, **kwargs)  # type: ignore[operator]
+            except GschedError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure of the model on the example
+                raise example_error(unit, table, args, kwargs, exc) from exc
             sizes[node] = value_bytes(env[node])
             for dead in dying.get(unit.index, ()):
                 env.pop(dead, None)
     return sizes
+
+
+def example_error(unit: Unit, table: UnitTable, args: Any, kwargs: Any,
+                  exc: BaseException) -> ExampleInputError:
+    """Where the example failed (unit, module), torch's message, and what to pass instead."""
+    traced = table.traced
+    owner = type(traced.module).__name__
+    node = unit.node
+    if node.op == "call_module":
+        where = f"module {node.target!r} ({type(traced.resolve(node.target)).__name__})"
+    elif unit.module_path:
+        where = f"module {unit.module_path!r}"
+    else:
+        where = f"{owner}.forward itself"
+    return ExampleInputError(
+        f"the example input does not fit {owner}: unit {unit.index} of {len(table)}, "
+        f"{unit.describe()} in {where}, failed with {type(exc).__name__}: {exc} "
+        f"(its inputs: {describe_values((args, kwargs))}). The example runs through the whole "
+        "forward before it is cut, so no stage is at fault yet. example_args must be one call "
+        f"of forward, e.g. partition(model, num_stages, (x,)) where model(x) works, with the "
+        "batch dimension first and the dtype the model expects (token ids are integers)."
+    )
+
+
+def describe_values(value: Any, limit: int = 4) -> str:
+    """``Tensor(4, 3) float32, 2`` for the leaves of ``value`` (the first ``limit`` of them)."""
+    leaves = pytree.tree_leaves(value)
+    shown = [
+        f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
+        if isinstance(leaf, torch.Tensor) else repr(leaf)[:40]
+        for leaf in leaves[:limit]
+    ]
+    more = f", ... ({len(leaves) - limit} more)" if len(leaves) > limit else ""
+    return (", ".join(shown) or "none") + more

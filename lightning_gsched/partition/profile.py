@@ -20,7 +20,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from lightning_gsched.errors import PartitionError
+from lightning_gsched.errors import GschedError, PartitionError
+from lightning_gsched.partition.errors import ExampleInputError
+from lightning_gsched.partition.execute import describe_values
+from lightning_gsched.partition.stage import StageModule
 
 
 @dataclass
@@ -83,9 +86,9 @@ def profile_stages(stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict 
                     call_args, call_kwargs = (fresh,), {}
                 _sync(device)
                 start = time.perf_counter()
-                out = stage(*call_args, **call_kwargs)
+                out = _run_stage(stage, s, len(stages), call_args, call_kwargs)
                 if s == len(stages) - 1:
-                    out = loss_fn(out) if loss_fn is not None else sum(
+                    out = _run_loss(loss_fn, out) if loss_fn is not None else sum(
                         t.float().sum() for t in pytree.tree_leaves(out)
                         if isinstance(t, torch.Tensor) and t.is_floating_point())
                 _sync(device)
@@ -109,3 +112,34 @@ def profile_stages(stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict 
                 stage.zero_grad(set_to_none=True)
     return StageTimes([statistics.median(v) for v in forward],
                       [statistics.median(v) for v in backward])
+
+
+def _run_stage(stage: torch.nn.Module, index: int, count: int, args: tuple, kwargs: dict) -> Any:
+    """``stage(*args, **kwargs)``; a failure names the stage and its unit (not torch internals)."""
+    try:
+        return stage(*args, **kwargs)
+    except GschedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the model on the given input
+        unit = stage.failing_unit(exc) if isinstance(stage, StageModule) else None
+        at = f" at {unit}" if unit else ""
+        raise ExampleInputError(
+            f"profile_stages: stage {index} of {count} failed{at} with {type(exc).__name__}: "
+            f"{exc} (stage inputs: {describe_values((args, kwargs))}). args/kwargs must be one "
+            "microbatch as one call of the model's forward, shaped like the partition's example, "
+            "e.g. profile_stages(part.stages, (x,))"
+        ) from exc
+
+
+def _run_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any) -> torch.Tensor:
+    """The user's ``loss_fn(output)``; a failure says it was the loss, not a stage."""
+    try:
+        return loss_fn(output)
+    except GschedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure inside the user's loss_fn
+        raise PartitionError(
+            f"profile_stages: loss_fn raised {type(exc).__name__}: {exc} when called with the "
+            f"last stage's output ({describe_values(output)}); loss_fn maps that output to the "
+            "scalar loss, e.g. loss_fn=lambda out: F.cross_entropy(out, y)"
+        ) from exc

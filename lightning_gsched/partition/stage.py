@@ -71,9 +71,31 @@ class StageModule(nn.Module):
     def is_last_stage(self) -> bool:
         return self._gsched_outputs is not None
 
+    @property
+    def code_filename(self) -> str:
+        """The name the generated forward is compiled under (shown in tracebacks)."""
+        return f"<gsched stage {self.stage_index} of {self._gsched_owner}>"
+
+    def failing_unit(self, exc: BaseException) -> str | None:
+        """The statement of this stage's code that raised ``exc`` (``"linear_1 = ..."``), if any.
+
+        Why: an exception inside a stage otherwise points at torch internals; the generated line
+        names the unit (the graph node, as in ``part.report()``) that failed.
+        """
+        filename, line = self.code_filename, None
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == filename:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        if line is None:
+            return None
+        statement = linecache.getline(filename, line).split(";")[0].strip()
+        return statement or None
+
     def _compile(self) -> Any:
         code = self._gsched_graph.python_code(root_module="self")
-        filename = f"<gsched stage {self.stage_index} of {self._gsched_owner}>"
+        filename = self.code_filename
         linecache.cache[filename] = (len(code.src), None, code.src.splitlines(True), filename)
         namespace = dict(code.globals)
         exec(compile(code.src, filename, "exec"), namespace)  # noqa: S102 - fx-generated code

@@ -105,13 +105,21 @@ def get_schedule(name: str) -> ScheduleSpec:
         ) from None
 
 
+def check_R(spec: ScheduleSpec, R: int | None) -> None:
+    """What can be said about R without the number of workers: only looped schedules take one.
+
+    ``R`` itself has already been checked to be None or a positive int.
+    """
+    if spec.default_R is None and R not in (None, 1):
+        raise ScheduleConfigError(
+            f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
+            "interleaved, fslpp, fslpp-seed); drop R"
+        )
+
+
 def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
+    check_R(spec, R)
     if spec.default_R is None:
-        if R not in (None, 1):
-            raise ScheduleConfigError(
-                f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
-                "interleaved, fslpp, fslpp-seed); drop R"
-            )
         return None
     if R is None:
         return spec.default_R(workers)

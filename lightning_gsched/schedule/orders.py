@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence, Union
 
 from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PriorityFn = Callable[[int, int, Phase], Any]
@@ -88,20 +89,29 @@ ORDERS: dict[str, PriorityFn] = {"bfs": bfs, "1f1b": one_f_one_b, "dfs": one_f_o
 ORDER_NAMES = sorted([*ORDERS, "interleaved"])
 
 
+def check_order(order: object) -> None:
+    """An order argument is None (the schedule's), a known name or a callable ``n(s, b, d)``.
+
+    Needs no sizes, so ``plan()`` and ``GeneralParallel`` call it where the argument enters.
+    """
+    if order is None or callable(order) or (isinstance(order, str) and order in ORDER_NAMES):
+        return
+    raise ScheduleConfigError(
+        f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or a "
+        "callable n(s, b, d), e.g. order='1f1b'"
+    )
+
+
 def resolve_order(
     order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1, R: int | None = None
 ) -> PriorityFn:
     """A priority function from a name (``bfs``, ``1f1b``/``dfs``, ``interleaved``) or callable."""
+    check_order(order)
     if callable(order):
         return order
     if order == "interleaved":
         return interleaved_order(workers, stages, micro, R if R is not None else workers)
-    try:
-        return ORDERS[order]
-    except KeyError:
-        raise ScheduleConfigError(
-            f"unknown order {order!r}; use one of {ORDER_NAMES} or pass a callable n(s, b, d)"
-        ) from None
+    return ORDERS[order]
 
 
 def one_f_one_b_caps(workers: int) -> list[int]:
@@ -119,23 +129,24 @@ def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
         return [None] * workers
     if isinstance(cap, str):
         raise ScheduleConfigError(f"cap {cap!r} must be resolved by the planner before simulation")
-    if isinstance(cap, bool):
-        raise ScheduleConfigError(f"cap must be an int, a list of ints or a callable, not {cap!r}")
-    if isinstance(cap, int):
-        caps: list[int | None] = [cap] * workers
-    elif callable(cap):
-        caps = [cap(w) for w in range(workers)]
+    if callable(cap):
+        caps = [_call_cap(cap, w) for w in range(workers)]
+    elif isinstance(cap, int):
+        caps = [cap] * workers
     else:
+        validate.cap_form(cap, ())
         caps = list(cap)
         if len(caps) != workers:
             raise ScheduleConfigError(
                 f"cap list has {len(caps)} entries but there are W={workers} workers; give one "
                 "cap per worker, a single int, or None"
             )
-    for w, c in enumerate(caps):
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ScheduleConfigError(
-                f"cap for worker {w} is {c!r}; a cap must be a positive int (a worker must hold at "
-                "least one activation to make progress) or None for no cap"
-            )
-    return caps
+    return [validate.cap_entry(w, c) for w, c in enumerate(caps)]
+
+
+def _call_cap(cap: Callable[[int], int | None], worker: int) -> int | None:
+    """A user's ``cap(worker)``; a failure inside it names the callable and the worker."""
+    try:
+        return cap(worker)
+    except Exception as exc:  # noqa: BLE001 - any failure inside the user's cap(w)
+        raise validate.user_callable_error("cap", cap, (worker,), "w", exc) from exc

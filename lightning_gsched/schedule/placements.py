@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from lightning_gsched.errors import PlacementError, ScheduleConfigError
+from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
@@ -211,6 +212,10 @@ class PlacementTable:
     def _call(self, placement: PlacementFn, s: int, b: int, d: Phase) -> tuple[int, int]:
         try:
             result = placement(s, b, d)
+        except Exception as exc:  # noqa: BLE001 - any failure inside the user's w(s, b, d)
+            raise validate.user_callable_error(
+                "placement", placement, (s, b, d), "s, b, d", exc) from exc
+        try:
             weights, compute = result
         except (TypeError, ValueError) as exc:
             raise PlacementError(

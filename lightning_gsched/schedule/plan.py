@@ -12,12 +12,19 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
+from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
-from lightning_gsched.schedule.library import get_schedule, resolve_R
+from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_R
 from lightning_gsched.schedule.lower import lower
 from lightning_gsched.schedule.metrics import PlanMetrics, measure
-from lightning_gsched.schedule.orders import CapSpec, PriorityFn, normalise_caps, resolve_order
+from lightning_gsched.schedule.orders import (
+    CapSpec,
+    PriorityFn,
+    check_order,
+    normalise_caps,
+    resolve_order,
+)
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
 from lightning_gsched.schedule.program import Programs
 from lightning_gsched.schedule.simulate import Costs, Timeline, priority_ranks, simulate
@@ -84,10 +91,63 @@ class Plan:
         }
 
 
-def _check_positive_int(label: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ScheduleConfigError(f"{label} must be a positive integer, got {value!r}")
-    return value
+CAP_WORDS = ("auto", DEFAULT, "none")  # "none" = uncapped, as None
+
+
+def check_arguments(
+    schedule: object,
+    stages: object = None,
+    microbatches: object = None,
+    R: object = None,
+    order: object = None,
+    cap: object = DEFAULT,
+    forward_cost: object = 1.0,
+    backward_cost: object = 2.0,
+    placement: object = None,
+    priority: object = None,
+) -> None:
+    """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
+
+    ``plan()`` calls it first and ``GeneralParallel`` calls it at construction (before the
+    Trainer, hence W, exists), so both refuse ``microbatches=0``, ``R="2"``, an unknown order or
+    cap word, ``forward_cost=inf`` or a non-callable placement with the same message. What needs
+    W (R dividing W, S and B multiples required by a placement, a cap list's length) is checked
+    when the plan is built.
+    """
+    validate.optional_callable("placement", placement, "w(s, b, d) -> (weights_worker, "
+                               "compute_worker)")
+    validate.optional_callable("priority", priority, "n(s, b, d) -> sortable key")
+    S = validate.optional_positive_int("stages", stages)
+    validate.optional_positive_int("microbatches", microbatches, "8")
+    R = validate.optional_positive_int("R", R, "2")
+    if placement is None:
+        if not isinstance(schedule, str):
+            raise ScheduleConfigError(
+                f"schedule={schedule!r} is not valid: give a library name (one of "
+                f"{', '.join(LIBRARY)}) or placement= (and priority=) callables for a custom "
+                "schedule; e.g. schedule='fslpp'"
+            )
+        check_R(get_schedule(schedule), R)
+    else:
+        if schedule is not None and not isinstance(schedule, str):
+            raise ScheduleConfigError(
+                f"schedule={schedule!r} is not valid: with a custom placement it is only a label "
+                "(a str) or None; e.g. schedule='mine'"
+            )
+        if stages is None or microbatches is None:
+            raise ScheduleConfigError(
+                "a custom placement needs explicit stages= and microbatches= (the library's "
+                "defaults are per schedule); e.g. stages=4, microbatches=8"
+            )
+    check_order(order)
+    if order is not None and priority is not None:
+        raise ScheduleConfigError(
+            f"order={order!r} and priority={priority!r} both set the priority n(s, b, d); give "
+            "only one of them"
+        )
+    validate.cap_form(cap, CAP_WORDS)
+    validate.costs("forward_cost", forward_cost, S)
+    validate.costs("backward_cost", backward_cost, S)
 
 
 def plan(
@@ -117,24 +177,28 @@ def plan(
     executor runs both. Programs then hold F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W only;
     the activation cap is ignored (nothing is stashed for a backward).
     """
-    W = _check_positive_int("workers", workers)
+    W = validate.positive_int("workers", workers)
+    check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
+                    placement, priority)
+    edges = validate.stage_edges(edges)
+    verify = validate.flag("verify", verify)
+    forward_only = validate.flag("forward_only", forward_only)
+    stages, microbatches, R = (None if v is None else int(v) for v in (stages, microbatches, R))
+    if isinstance(cap, str) and cap == "none":
+        cap = None
     if placement is None:
         spec = get_schedule(schedule)  # type: ignore[arg-type]
         R = resolve_R(spec, W, R)
-        S = _check_positive_int("stages", stages if stages is not None else spec.stages(W, R or 1))
-        B = _check_positive_int(
-            "microbatches", microbatches if microbatches is not None else spec.micro(W, R or 1)
-        )
+        S = stages if stages is not None else spec.stages(W, R or 1)
+        B = microbatches if microbatches is not None else spec.micro(W, R or 1)
         placement_fn = spec.make_placement(W, S, R or 1)
         placement_fn.check(S, B)  # type: ignore[attr-defined]
         order_spec = order if order is not None else (priority or spec.order)
         cap_spec = None if forward_only else spec.cap(W) if cap == DEFAULT else cap
         name = spec.name
     else:
-        if stages is None or microbatches is None:
-            raise ScheduleConfigError("a custom placement needs explicit stages= and microbatches=")
-        S = _check_positive_int("stages", stages)
-        B = _check_positive_int("microbatches", microbatches)
+        assert stages is not None and microbatches is not None  # check_arguments: both given
+        S, B = stages, microbatches
         placement_fn = placement
         order_spec = order if order is not None else (priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap

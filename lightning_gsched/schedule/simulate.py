@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
+from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs
 from lightning_gsched.schedule.orders import PriorityFn
 from lightning_gsched.schedule.placements import PlacementTable
@@ -44,19 +45,8 @@ class Costs:
 
     @staticmethod
     def _per_stage(label: str, value: float | Sequence[float], stages: int) -> tuple[float, ...]:
-        values = [value] * stages if isinstance(value, (int, float)) else list(value)
-        if len(values) != stages:
-            raise ScheduleConfigError(
-                f"{label} costs: got {len(values)} values for S={stages} stages; give one number "
-                "for every stage or a single number for all"
-            )
-        for s, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ScheduleConfigError(
-                    f"{label} cost of stage {s} is {v!r}; costs are durations and must be positive "
-                    f"numbers (e.g. --{label}-cost 1)"
-                )
-        return tuple(float(v) for v in values)
+        checked = validate.costs(f"{label}_cost", value, stages)
+        return checked if isinstance(checked, tuple) else (checked,) * stages
 
     def of(self, job: Job) -> float:
         return self.forward[job.stage] if job.phase is Phase.F else self.backward[job.stage]
@@ -97,8 +87,13 @@ def priority_ranks(
 ) -> dict[Job, int]:
     """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys)."""
     keyed = []
-    for job in all_jobs(stages, micro, forward_only):
-        keyed.append((priority(*job), job))
+    job: Job | None = None
+    try:  # one try around the loop: no per-job cost on the planner's hot path
+        for job in all_jobs(stages, micro, forward_only):
+            keyed.append((priority(*job), job))
+    except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
+        raise validate.user_callable_error(
+            "priority", priority, job or (), "s, b, d", exc) from exc
     try:
         keyed.sort()
     except TypeError as exc:

@@ -1,0 +1,216 @@
+"""Checks of user-given arguments, shared by ``plan()``, the ``gsched`` CLI, ``partition()`` and
+``GeneralParallel``.
+
+Why one module: the same kind of argument (a count such as ``microbatches``, a duration such as
+``forward_cost`` or ``step_timeout``, a flag, a callable) enters through several doors and must be
+refused at each door, before any simulation runs or any process starts, with the same wording:
+the argument's name, the bad value, and a valid value. Each check takes the error class to raise
+(default :class:`ScheduleConfigError`) so that every layer raises its own ``GschedError``
+subclass with one implementation of the rule. Pure Python: the schedule layer never imports torch.
+
+Also here: :func:`user_callable_error`, which turns an exception raised *inside* a callable the
+user gave the planner (placement ``w``, priority ``n``, a cap function) into a
+:class:`UserCallableError` naming that callable and the arguments it was called with.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Iterable, Sequence
+
+from lightning_gsched.errors import GschedError, ScheduleConfigError, UserCallableError
+
+ErrorType = type[GschedError]
+
+# costs are durations: zero is refused (see positive_number and docs/usage.md "Errors")
+COST_RULE = "costs are durations and must be finite numbers > 0"
+
+
+def invalid(name: str, value: Any, rule: str, example: str,
+            error: ErrorType = ScheduleConfigError) -> GschedError:
+    """The one message format: ``name=value is not valid: rule; e.g. name=example``."""
+    return error(f"{name}={value!r} is not valid: {rule}; e.g. {name}={example}")
+
+
+def is_int(value: Any) -> bool:
+    """True for ints (and numpy integers), False for bools, floats and strings."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """True for ints and floats (and numpy scalars), False for bools and strings."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any, example: str = "4",
+                 error: ErrorType = ScheduleConfigError) -> int:
+    """``value`` as an int >= 1; 2.5, "2", True and 0 are refused."""
+    if not is_int(value) or value < 1:
+        raise invalid(name, value, "must be a positive integer", example, error)
+    return int(value)
+
+
+def optional_positive_int(name: str, value: Any, example: str = "4",
+                          error: ErrorType = ScheduleConfigError) -> int | None:
+    """None (the default applies) or :func:`positive_int`."""
+    return None if value is None else positive_int(name, value, example, error)
+
+
+def positive_number(name: str, value: Any, example: str = "1.0",
+                    error: ErrorType = ScheduleConfigError,
+                    rule: str = "must be a finite number > 0") -> float:
+    """``value`` as a finite float > 0: durations (costs, timeouts).
+
+    Zero is refused: a zero-duration job makes the timeline's latency and bubble meaningless
+    (all-zero costs plan a step of length 0) and is almost always a missing measurement; give a
+    small positive number for a negligible stage. ``inf`` and ``nan`` are refused too.
+    """
+    if not is_real(value) or not math.isfinite(value) or not value > 0:
+        raise invalid(name, value, rule, example, error)
+    return float(value)
+
+
+def non_negative_number(name: str, value: Any, example: str = "0.1",
+                        error: ErrorType = ScheduleConfigError) -> float:
+    """``value`` as a finite float >= 0 (tolerances, per-unit costs that may be 0)."""
+    if not is_real(value) or not math.isfinite(value) or value < 0:
+        raise invalid(name, value, "must be a finite number >= 0", example, error)
+    return float(value)
+
+
+def costs(name: str, value: Any, stages: int | None = None,
+          error: ErrorType = ScheduleConfigError) -> tuple[float, ...] | float:
+    """A cost argument: one duration for every stage, or one per stage (``len == stages`` when
+    ``stages`` is known). Returns the float, or the tuple of floats."""
+    if is_real(value):
+        return positive_number(name, value, "1.0", error, COST_RULE)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise invalid(name, value, f"give one number or one number per stage ({COST_RULE})",
+                      "1.0", error)
+    values = list(value)
+    if not values or (stages is not None and len(values) != stages):
+        expected = f"S={stages} values" if stages is not None else "at least one value"
+        raise error(
+            f"{name} has {len(values)} values but needs {expected}: give one number for every "
+            f"stage or a single number for all, e.g. {name}=1.0"
+        )
+    return tuple(positive_number(f"{name}[{s}]", v, "1.0", error, COST_RULE)
+                 for s, v in enumerate(values))
+
+
+def flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool:
+    """A bool argument; 0/1 or "yes" are refused (a string is always truthy)."""
+    if not isinstance(value, bool):
+        raise invalid(name, value, "must be True or False", "True", error)
+    return value
+
+
+def optional_flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool | None:
+    """None (decide automatically) or a bool."""
+    if value is not None and not isinstance(value, bool):
+        raise invalid(name, value, "must be None, True or False", "None", error)
+    return value
+
+
+def one_of(name: str, value: Any, choices: Sequence[Any],
+           error: ErrorType = ScheduleConfigError) -> Any:
+    """``value`` if it is one of ``choices`` (compared with ==, strings only for strings)."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        listed = ", ".join(repr(c) for c in choices)
+        raise invalid(name, value, f"must be one of {listed}", repr(choices[0]), error)
+    return value
+
+
+def optional_callable(name: str, value: Any, signature: str,
+                      error: ErrorType = ScheduleConfigError) -> None:
+    """None or a callable (``signature`` shows how it is called, e.g. ``w(s, b, d)``)."""
+    if value is not None and not callable(value):
+        raise invalid(name, value, f"must be a callable {signature} or None",
+                      "lambda s, b, d: ...", error)
+
+
+def stage_edges(edges: Any) -> list[tuple[int, int]] | None:
+    """None (a chain) or pairs ``(producer, consumer)`` of stage indices.
+
+    The range ``0 <= producer < consumer < S`` needs S and is checked by :class:`StageGraph`.
+    """
+    if edges is None:
+        return None
+    if isinstance(edges, (str, bytes)) or not isinstance(edges, Iterable):
+        raise invalid("edges", edges, "must be a list of (producer, consumer) stage pairs",
+                      "[(0, 1), (1, 2)]")
+    pairs = list(edges)
+    for pair in pairs:
+        if (not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2
+                or not all(is_int(s) for s in pair)):
+            raise ScheduleConfigError(
+                f"edges entry {pair!r} is not valid: each edge is a pair (producer, consumer) "
+                "of stage indices; e.g. edges=[(0, 1), (1, 2)]"
+            )
+    return [(int(u), int(v)) for u, v in pairs]
+
+
+def cap_entry(worker: int, value: Any) -> int | None:
+    """One worker's activation cap: a positive int, or None for no cap."""
+    if value is not None and (not is_int(value) or value < 1):
+        raise ScheduleConfigError(
+            f"cap for worker {worker} is {value!r}; a cap must be a positive int (a worker must "
+            "hold at least one activation to make progress) or None for no cap; e.g. "
+            "cap=[4, 3, 2, 1]"
+        )
+    return None if value is None else int(value)
+
+
+def cap_form(cap: Any, words: Sequence[str], error: ErrorType = ScheduleConfigError) -> None:
+    """The shape of a cap argument, before the number of workers is known.
+
+    ``words`` are the strings the caller understands (``plan``: "auto", "default", "none").
+    A list's length must equal the number of workers; that is checked once W is known
+    (:func:`~.orders.normalise_caps`).
+    """
+    rule = "use an int >= 1 or a list of them (one per worker)"
+    if words:
+        rule += f", or one of {', '.join(map(repr, words))}"
+    if cap is None or callable(cap):
+        return
+    if isinstance(cap, str):
+        if cap not in words:
+            raise invalid("cap", cap, rule, "'auto'", error)
+        return
+    if is_int(cap):
+        if cap < 1:
+            raise invalid("cap", cap, "a cap must be >= 1 (a worker must hold at least one "
+                          "activation to make progress); " + rule, "'auto'", error)
+        return
+    if isinstance(cap, bool) or not isinstance(cap, Iterable):
+        raise invalid("cap", cap, rule, "'auto'", error)
+    entries = list(cap)
+    if not entries:
+        raise invalid("cap", cap, rule, "'auto'", error)
+    for worker, value in enumerate(entries):
+        cap_entry(worker, value)
+
+
+def user_callable_error(role: str, fn: Callable[..., Any], args: Sequence[Any], names: str,
+                        exc: BaseException) -> GschedError:
+    """The error for a user callable ``fn`` that raised ``exc`` when called with ``args``.
+
+    ``role`` is the argument it was given as (``"placement"``), ``names`` its parameters
+    (``"s, b, d"``). A ``GschedError`` the callable raised on purpose is kept as it is. Raise
+    the result ``from exc`` so the original traceback stays attached.
+    """
+    if isinstance(exc, GschedError):
+        return exc
+    shown = ", ".join(f"{n}={_arg_text(a)}" for n, a in zip(names.split(", "), args, strict=False))
+    label = getattr(fn, "__name__", type(fn).__name__)
+    return UserCallableError(
+        f"the {role} callable {label}({shown}) raised {type(exc).__name__}: {exc}. The planner "
+        f"calls {role}({names}) for every ({names}) of the schedule; fix the callable so it "
+        "handles these arguments"
+    )
+
+
+def _arg_text(value: Any) -> str:
+    """Phases print as F/B (their value), everything else as repr."""
+    return str(getattr(value, "value", None) or repr(value))
