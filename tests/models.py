@@ -21,6 +21,7 @@ Each model exercises something a pipeline partitioner must get right:
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from typing import Any, Callable, TypeVar
 
 import lightning.pytorch as pl
@@ -44,7 +45,7 @@ def seeded(seed: int, build: Callable[[], T]) -> T:
 class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 32, 8)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -116,10 +117,21 @@ def cnn_inputs(batch: int = 2, seed: int = 1) -> tuple[torch.Tensor]:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal attention whose every parameter has a gradient that is not identically zero.
+
+    Why no bias in ``qkv``: a key bias adds ``q . b_k`` to every score of a query row, which the
+    softmax cancels, so its true gradient is exactly zero and the float value the backward
+    produces is pure summation-order noise (about 1e-9, different on every CPU's kernels and for
+    every microbatch split). Adam divides by that noise's own magnitude and turns it into steps
+    of up to ``lr * noise / eps``, so equivalence with one device would hold on one CPU and not
+    on another. Without such a parameter, every gradient's reordering error is relative to its
+    value (float32 roundoff), which no optimizer amplifies.
+    """
+
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -463,7 +475,9 @@ def run_stagewise(stages: list[nn.Module], args: tuple, kwargs: dict) -> Any:
     for k in range(len(stages) - 2, -1, -1):
         pairs = [
             (out, got.grad)
-            for out, got in zip(pytree.tree_leaves(outputs[k]), pytree.tree_leaves(received[k]))
+            for out, got in zip(
+                pytree.tree_leaves(outputs[k]), pytree.tree_leaves(received[k]), strict=True
+            )
             if isinstance(out, torch.Tensor) and out.requires_grad and got.grad is not None
         ]
         if pairs:

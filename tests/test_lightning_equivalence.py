@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+
 from dist_harness import WorkerContext
 from lightning_models import (
-    assert_same_state,
     as_worker,
+    assert_same_state,
     csv_metric,
     make_lit_gpt,
     rank_loader,
@@ -78,7 +79,7 @@ def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, 
             assert_same_state(state, want, f"{schedule} W={world_size} {optimizer} rank {rank}")
         got_log = csv_metric(tmp, "train_loss")
         assert [s for s, _ in got_log] == [s for s, _ in want_log]
-        for (_, got), (_, expected) in zip(got_log, want_log):
+        for (_, got), (_, expected) in zip(got_log, want_log, strict=True):
             assert got == pytest.approx(expected, rel=1e-5)
 
 
@@ -93,6 +94,49 @@ def test_ddp_schedule_matches_lightning_ddp(worlds, world_size: int, tmp_path) -
         assert_same_state(ours[rank], theirs[rank], f"rank {rank}")
     # (the CSV logs differ on purpose: DDPStrategy logs rank 0's own loss unless sync_dist=True,
     # GeneralParallel the loss of the global batch, as one device would)
+
+
+def test_adam_premise_reordering_noise_is_bounded() -> None:
+    """The premise behind comparing Adam runs with atol 1e-6 on any CPU, measured here.
+
+    A schedule sums each step's gradient over microbatches and ranks in another order than one
+    device. This measures those reordering differences on this CPU (whole global batch against
+    2, 4 and 8 microbatches, forward and reversed order, for each of the first 4 global
+    batches) and requires the first-order bound on how far Adam's steps can carry them (4 steps,
+    LR decaying by 0.7 per step) to stay under a quarter of the atol that
+    test_lightning_checkpoint and this module compare Adam weights with.
+    """
+    import torch.nn.functional as F
+    from lightning_models import ADAM_EPS
+
+    model = make_lit_gpt(optimizer="adam")
+    lr = model.configure_optimizers()["optimizer"].defaults["lr"]
+    data = tokens(GLOBAL_BATCH * 4)
+
+    def gradient(batch: torch.Tensor, pieces: int, reverse: bool) -> list[torch.Tensor]:
+        model.zero_grad()
+        chunks = list(batch.chunk(pieces))
+        for chunk in reversed(chunks) if reverse else chunks:
+            logits = model(chunk[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), chunk[:, 1:].reshape(-1))
+            (loss / pieces).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    # Per element: sqrt(v) >= |g_t| / sqrt(t) at step t (bias-corrected v holds g_t^2 with
+    # weight at least 1/t), so a reordering difference delta_i of element i moves its step by at
+    # most 2 * lr * delta_i / (|g_i| / 2 + eps) within the first 4 steps.
+    worst, delta = 0.0, 0.0
+    for batch in data.split(GLOBAL_BATCH):
+        whole = gradient(batch, 1, False)
+        for pieces, reverse in ((2, False), (4, False), (8, False), (4, True)):
+            split = gradient(batch, pieces, reverse)
+            for a, b in zip(whole, split):
+                delta = max(delta, float((a - b).abs().max()))
+                worst = max(worst, float(((a - b).abs() / (a.abs() / 2 + ADAM_EPS)).max()))
+    lr_sum = sum(0.7**step for step in range(4))
+    bound = 2 * lr * lr_sum * worst
+    print(f"delta {delta:.3g}, bound on the weight difference after 4 steps {bound:.3g}")
+    assert 0 < delta and bound < 1e-6 / 4, (delta, bound)
 
 
 LOOP_FEATURES = [
@@ -127,10 +171,23 @@ def test_bf16_mixed_on_cpu_tracks_single_device(worlds, tmp_path) -> None:
     fp32, _ = reference("sgd")
     states = worlds.get(2).run(fit_on_worker, {"schedule": "gpipe"}, "sgd", str(tmp_path),
                                options)
-    for name in want:
-        torch.testing.assert_close(states[0][name], want[name], rtol=2e-2, atol=2e-3)
-    moved = max(float((want[n] - fp32[n]).abs().max()) for n in want)
-    assert moved > 0  # the reference really ran in bf16 (else the test would prove nothing)
+    # The tolerance is measured, not chosen: a distributed bf16 run differs from the
+    # single-device bf16 run because microbatches and reductions re-round a subset of the same
+    # bf16 roundings in another order, so their distance is of the order of the total bf16
+    # rounding of the single run, i.e. its distance to the float32 run on the same batches.
+    # Measured on Xeon: 0.54 of it over all weights, 0.25-0.77 per tensor (small tensors
+    # fluctuate more, hence the factor 2 there).
+    def distance(a: dict, b: dict, names: list[str]) -> float:
+        return float(torch.cat([(a[n] - b[n]).double().flatten() for n in names]).norm())
+
+    names = list(want)
+    bf16_rounding = distance(want, fp32, names)
+    assert bf16_rounding > 1e-5  # the reference really ran in bf16 (float32 reordering: ~1e-7)
+    assert distance(states[0], want, names) <= bf16_rounding
+    for name in names:
+        assert distance(states[0], want, [name]) <= 2 * distance(want, fp32, [name]), name
+    # The logged loss is float32 cross-entropy of bf16 logits: one bf16 ulp of a logit is 2^-8
+    # relative, which moves the loss by at most about that much; rel 1e-2 is 2.5 ulps.
     got_log = csv_metric(str(tmp_path), "train_loss")
     assert [v for _, v in got_log] == pytest.approx([v for _, v in want_log], rel=1e-2)
 
