@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# what ruff checks (configured in pyproject.toml); mypy's files are in pyproject.toml too
+LINT_PATHS := lightning_gsched tests examples benchmarks
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +21,17 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+# ruff (pyflakes, import order, bugbear) and strict mypy on the pure-Python schedule layer
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m mypy
+
+# lint first (seconds), then the suite; make stops at the first command that fails
+test: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -62,8 +62,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (Result, alternate, bench_main, dump_profile, launch, median,
-                               profile_summary, spread, steady)
+from benchmarks.common import (
+    Result,
+    alternate,
+    bench_main,
+    dump_profile,
+    launch,
+    median,
+    profile_summary,
+    spread,
+    steady,
+)
 
 WORLD = 2
 MICROBATCHES = 2  # the fsdp schedule's default at W=2 (one microbatch per rank), set explicitly
@@ -175,10 +184,7 @@ def torch_timed(rank: int, world: int, mode: str, steps: int, per_rank: int,
                 shape: dict[str, int] | None = None, warmup: int = WARMUP,
                 profile_dir: str | None = None) -> dict[str, Any]:
     """One rank of a plain torch data-parallel loop (``mode`` = ``"fsdp2"`` or ``"ddp"``)."""
-    import torch
     import torch.distributed as dist
-
-    from benchmarks.model import GPTShape, build_core, lm_loss, rank_loader
 
     dist.init_process_group("gloo")
     try:

@@ -43,10 +43,19 @@ import functools
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from benchmarks.common import (Result, alternate, bench_main, dump_profile, launch, median,
-                               profile_summary, spread, steady)
+from benchmarks.common import (
+    Result,
+    alternate,
+    bench_main,
+    dump_profile,
+    launch,
+    median,
+    profile_summary,
+    spread,
+    steady,
+)
 
 MODULE = "benchmarks.bench_pipeline"  # not __name__: that is "__main__" under python -m
 WORLD = 2
@@ -232,6 +241,22 @@ def _fmt(loss: float | None) -> str:
     return "n/a" if loss is None else f"{loss:.4f}"
 
 
+def _side(
+    fn: Any, schedule: str, steps: int, losses: list[float | None], cpu: list[float]
+) -> Callable[[], list[float]]:
+    """One side's measurement for :func:`alternate`: the steady step times of a fresh run; the
+    final loss and CPU times go to ``losses`` / ``cpu``. Everything it uses is bound here, not
+    read from the caller's loop variables when it runs."""
+
+    def measure() -> list[float]:
+        out = fn(schedule, steps, PER_RANK)
+        losses.append(out["loss"])
+        cpu.extend(steady(out["cpu_times"], WARMUP))
+        return steady(out["times"], WARMUP)
+
+    return measure
+
+
 def run(quick: bool) -> list[Result]:
     from benchmarks.model import GPTShape
 
@@ -245,16 +270,14 @@ def run(quick: bool) -> list[Result]:
         losses: dict[str, list[float | None]] = {"ours": [], "anchor": []}
         cpu: dict[str, list[float]] = {"ours": [], "anchor": []}
 
-        def side(name: str, fn: Any) -> Any:
-            def measure() -> list[float]:
-                out = fn(schedule, steps, PER_RANK)
-                losses[name].append(out["loss"])
-                cpu[name].extend(steady(out["cpu_times"], WARMUP))
-                return steady(out["times"], WARMUP)
-            return measure
-
         wall = time.perf_counter()
-        times = alternate({"ours": side("ours", _ours), "anchor": side("anchor", _anchor)}, rounds)
+        times = alternate(
+            {
+                name: _side(fn, schedule, steps, losses[name], cpu[name])
+                for name, fn in (("ours", _ours), ("anchor", _anchor))
+            },
+            rounds,
+        )
         wall = time.perf_counter() - wall
         loss_ours, loss_anchor = losses["ours"][-1], losses["anchor"][-1]
         diff = None if loss_ours is None or loss_anchor is None else abs(loss_ours - loss_anchor)

@@ -25,7 +25,7 @@ def fidelity_plot(rows: list[dict[str, Any]], path: Path) -> None:
            label="measured: executor.step (the programs)", color="#1f5f99")
     ax.bar([x + width for x in xs], [r["lightning_step_s"] * 1e3 for r in rows], width,
            label="measured: whole Lightning step", color="#bbbbbb")
-    for x, r in zip(xs, rows):
+    for x, r in enumerate(rows):
         error = r["measured_s"] / r["predicted_s"] - 1
         ax.annotate(f"{error:+.0%}", (x, r["measured_s"] * 1e3), ha="center", va="bottom",
                     fontsize=8)

@@ -28,7 +28,13 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
-    from benchmarks import bench_fidelity, bench_fsdp, bench_lightning, bench_pipeline, bench_planner
+    from benchmarks import (
+        bench_fidelity,
+        bench_fsdp,
+        bench_lightning,
+        bench_pipeline,
+        bench_planner,
+    )
 
     return {
         "ddp_vs_lightning": lambda q: [bench_lightning.ddp_vs_lightning(q)],
@@ -56,10 +62,11 @@ def table(results: list[Result], markdown: bool = False) -> str:
         return "\n".join(lines)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
               for i, h in enumerate(header[:-1])]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header[:-1], widths)) + "  notes"]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header[:-1], widths, strict=True)) + "  notes"]
     lines.append("  ".join("-" * w for w in widths) + "  -----")
     for row in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True))
+                     + "  " + row[-1])
     return "\n".join(lines)
 
 

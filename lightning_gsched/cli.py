@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from lightning_gsched.errors import GschedError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
+from lightning_gsched.schedule.describe import describe, text_table
 from lightning_gsched.schedule.orders import ORDER_NAMES
 from lightning_gsched.schedule.plan import CAP_WORDS
 from lightning_gsched.schedule.render import ascii_timeline, save_png
@@ -102,45 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
-    lines += [fmt.format(*[str(c) for c in r]) for r in rows]
-    return "\n".join(lines)
-
-
-def describe(result: Plan) -> str:
-    """Text summary of a plan: configuration, latency, bubble, and one row per worker."""
-    m = result.metrics
-    head = (
-        f"schedule {result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
-        + (f" R={result.R}" if result.R is not None else "")
-        + f" order={result.order} cap={_cap_text(result.caps)}"
-        + (" forward-only" if result.forward_only else "") + "\n"
-        f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
-        f"stage owners {[list(o) for o in result.table.owners]}"
-    )
-    header = ["worker", "busy", "act in/out", "grad in/out", "w fetch/serve", "g reduce out/in",
-              "allreduce", "peak act", "owned", "peak resident"]
-    rows = [
-        [w.worker, f"{w.busy:g}", f"{w.activation_recvs}/{w.activation_sends}",
-         f"{w.input_grad_recvs}/{w.input_grad_sends}", f"{w.weight_fetches}/{w.weight_serves}",
-         f"{w.grad_sends}/{w.grad_recvs}", w.allreduces, w.peak_activations, w.owned_stages,
-         w.peak_resident_stages]
-        for w in m.per_worker
-    ]
-    return head + "\n" + _table(rows, header)
-
-
-def _cap_text(caps: list) -> str:
-    if all(c is None for c in caps):
-        return "none"
-    if len(set(caps)) == 1:
-        return str(caps[0])
-    return ",".join(str(c) for c in caps)
-
-
 def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | None,
                  forward_cost, backward_cost) -> list[dict]:
     rows = []
@@ -181,7 +143,7 @@ def _compare_text(rows: list[dict], workers: int) -> str:
                       r["grad_sends_per_worker"], r["activation_storage_per_worker"],
                       r["weight_storage_per_worker"], r["owned_stages_max"]])
     text = (f"W={workers}; per-worker columns are the maximum over workers; storage counts "
-            "microbatch-stages (activations) and stages (weights)\n" + _table(table, header))
+            "microbatch-stages (activations) and stages (weights)\n" + text_table(table, header))
     if errors:
         text += "\nnot valid for these sizes:\n" + "\n".join(errors)
     return text

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
+
 from dist_harness import DEFAULT_TIMEOUT, Worlds
 
 

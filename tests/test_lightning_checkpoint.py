@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dist_harness import WorkerContext
 from lightning_models import (
     LitGPT,

@@ -107,6 +107,7 @@ def test_adam_premise_reordering_noise_is_bounded() -> None:
     test_lightning_checkpoint and this module compare Adam weights with.
     """
     import torch.nn.functional as F
+
     from lightning_models import ADAM_EPS
 
     model = make_lit_gpt(optimizer="adam")
@@ -130,7 +131,7 @@ def test_adam_premise_reordering_noise_is_bounded() -> None:
         whole = gradient(batch, 1, False)
         for pieces, reverse in ((2, False), (4, False), (8, False), (4, True)):
             split = gradient(batch, pieces, reverse)
-            for a, b in zip(whole, split):
+            for a, b in zip(whole, split, strict=True):  # one gradient per parameter
                 delta = max(delta, float((a - b).abs().max()))
                 worst = max(worst, float(((a - b).abs() / (a.abs() / 2 + ADAM_EPS)).max()))
     lr_sum = sum(0.7**step for step in range(4))

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+
 from dist_harness import RankError, WorkerContext, Worlds
+from lightning_gsched.errors import UnknownScheduleError
 from lightning_models import LitGPT, as_worker, rank_loader, tokens, trainer
 from models import seeded
-
-from lightning_gsched.errors import UnknownScheduleError
 
 pytestmark = pytest.mark.distributed
 

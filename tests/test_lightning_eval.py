@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+
 from dist_harness import WorkerContext
 from lightning_models import as_worker, make_lit_gpt, rank_loader, state_of, tokens, trainer
 
@@ -82,14 +83,14 @@ def test_eval_matches_single_device(worlds, world_size: int, schedule: str) -> N
     for rank, got in enumerate(results):
         for kind in ("val", "test"):
             assert len(got[kind]) == len(want[kind]) == 2  # two dataloaders
-            for mine, single in zip(got[kind], want[kind]):
+            for mine, single in zip(got[kind], want[kind], strict=True):
                 assert mine.keys() == single.keys()
                 for key in single:
                     assert mine[key] == pytest.approx(single[key], rel=1e-5), (kind, key)
         expected = _rank_rows(want["rows"], world_size, rank)
         batches = [b for loader in got["predict"] for b in loader]
         assert len(batches) == len(expected)
-        for batch, rows in zip(batches, expected):
+        for batch, rows in zip(batches, expected, strict=True):
             torch.testing.assert_close(batch, rows, rtol=1e-5, atol=1e-6)
         for name, value in want["state"].items():  # evaluation leaves the weights alone
             torch.testing.assert_close(got["state"][name], value)

@@ -19,10 +19,10 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_models import RankSlices, make_lit_gpt, rank_loader, state_of, tokens, trainer
 
 from lightning_gsched import GeneralParallel
 from lightning_gsched.schedule.library import LIBRARY
+from lightning_models import RankSlices, make_lit_gpt, rank_loader, state_of, tokens, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import WorkerContext
 
+from dist_harness import WorkerContext
 from lightning_gsched.lightning.batches import (
     GlobalBatch,
     gather_batch,

@@ -22,7 +22,7 @@ def brute_bottleneck(costs: list[int], num_segments: int) -> int:
     best = math.inf
     for cuts in itertools.combinations(range(1, n), num_segments - 1):
         bounds = [0, *cuts, n]
-        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
     return int(best)
 
 
@@ -53,11 +53,11 @@ def test_dp_matches_brute_force(problem: tuple[list[int], int, list[tuple[int, i
     cuts = tuple(cheapest_split(costs, num_segments, bound, penalties))
     bounds = [0, *cuts, len(costs)]
     assert list(cuts) == sorted(set(cuts)) and len(cuts) == num_segments - 1
-    assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) <= bound + 1e-9
+    assert max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)) <= bound + 1e-9
     feasible = [
         split_score(costs, c, penalties)
         for c in itertools.combinations(range(1, len(costs)), num_segments - 1)
-        if max(sum(costs[a:b]) for a, b in zip([0, *c], [*c, len(costs)])) <= bound + 1e-9
+        if max(sum(costs[a:b]) for a, b in itertools.pairwise([0, *c, len(costs)])) <= bound + 1e-9
     ]
     got = split_score(costs, cuts, penalties)
     want = min(feasible)

@@ -8,10 +8,9 @@ reference's.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import copy
 import io
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -42,7 +41,7 @@ def assert_tree_equal(actual: Any, expected: Any) -> None:
     actual_leaves, actual_spec = pytree.tree_flatten(actual)
     expected_leaves, expected_spec = pytree.tree_flatten(expected)
     assert actual_spec == expected_spec
-    for a, e in zip(actual_leaves, expected_leaves):
+    for a, e in zip(actual_leaves, expected_leaves, strict=True):
         if isinstance(e, torch.Tensor):
             assert isinstance(a, torch.Tensor) and torch.equal(a, e)
         else:
@@ -80,7 +79,9 @@ def test_every_stage_count_matches_unsplit_forward_and_gradients(name: str) -> N
         models.loss_of(out).backward()
         models.loss_of(expected).backward()
         assert_grads_match(module, reference)
-        for (n1, b1), (n2, b2) in zip(module.named_buffers(), reference.named_buffers()):
+        for (n1, b1), (n2, b2) in zip(
+            module.named_buffers(), reference.named_buffers(), strict=True
+        ):
             assert n1 == n2 and torch.equal(b1, b2)  # e.g. BatchNorm running stats
 
 
@@ -182,7 +183,9 @@ def test_optimizer_step_on_stages_equals_unsplit_step() -> None:
             opt.zero_grad()
             models.loss_of(model_out).backward()
             opt.step()
-    for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+    for (name, p), (_, q) in zip(
+        module.named_parameters(), reference.named_parameters(), strict=True
+    ):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -224,7 +227,9 @@ def test_partitioning_leaves_module_state_untouched() -> None:
     rng = torch.get_rng_state()
     partition(module, 3, (x,), balance="time")
     assert torch.equal(torch.get_rng_state(), rng)
-    for (name, a), (_, b) in zip(module.state_dict().items(), reference.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        module.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     assert all(p.grad is None for p in module.parameters())
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import gpt_inputs, make_gpt
 
 from lightning_gsched.partition import PartitionError, partition, profile_stages
+from models import gpt_inputs, make_gpt
 
 
 def test_profiles_every_stage_in_pipeline_order_and_leaves_no_gradients():

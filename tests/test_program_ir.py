@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule import Action, Op, Programs, dry_run, plan
+from lightning_gsched.schedule import Action, Op, dry_run, plan
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "1f1b", "interleaved", "fslpp"])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import models
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import WorkerContext
 
+import models
+from dist_harness import WorkerContext
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor, buckets
 from lightning_gsched.runtime.buckets import bucket_ranges
@@ -57,7 +57,7 @@ def overlap_check(ctx: WorkerContext, schedule: str, cap: int, steps: int) -> di
         ex.record_compute_times(step == steps - 1)  # the in-run profile of the last step
         result = ex.step({b: ((x,), {}) for b, (x, _) in batch.items()}, loss_fn)
         ref_opt.zero_grad()
-        for b, (x, y) in batch.items():
+        for x, y in batch.values():
             (F.cross_entropy(reference(x).reshape(-1, VOCAB), y.reshape(-1)) / p.micro).backward()
         for q in owned:
             if not torch.allclose(q.grad, ref[names[id(q)]].grad, rtol=1e-5, atol=1e-6):

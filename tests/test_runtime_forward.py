@@ -23,11 +23,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-import models
 import pytest
 import torch
-from dist_harness import WorkerContext
 
+import models
+from dist_harness import WorkerContext
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import Channels, ProgramExecutor, stage_micros

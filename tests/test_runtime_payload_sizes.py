@@ -9,14 +9,14 @@ same rank, so a payload landing in the wrong buffer or on the wrong channel woul
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-import models
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import WorkerContext
 
+import models
+from dist_harness import WorkerContext
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
 from lightning_gsched.schedule import plan
@@ -29,6 +29,17 @@ def batch_of(rows: int, micro: int, seed: int) -> dict[int, tuple[torch.Tensor, 
     gen = torch.Generator().manual_seed(seed)
     return {b: (torch.randint(0, VOCAB, (rows, 8), generator=gen),
                 torch.randint(0, VOCAB, (rows, 8), generator=gen)) for b in range(micro)}
+
+
+def loss_against(
+    batch: dict[int, tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[Any, int], torch.Tensor]:
+    """The step's ``loss_fn`` for one batch (bound here, not to the caller's loop variable)."""
+
+    def loss_fn(output: Any, b: int) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, VOCAB), batch[b][1].reshape(-1))
+
+    return loss_fn
 
 
 def changing_shapes_check(ctx: WorkerContext, schedule: str, rows_per_step: list[int]) -> dict[str, Any]:
@@ -44,11 +55,7 @@ def changing_shapes_check(ctx: WorkerContext, schedule: str, rows_per_step: list
     bad, late = [], []
     for step, rows in enumerate(rows_per_step):
         batch = batch_of(rows, p.micro, seed=step + 1)
-
-        def loss_fn(output: Any, b: int) -> torch.Tensor:
-            return F.cross_entropy(output.reshape(-1, VOCAB), batch[b][1].reshape(-1))
-
-        result = ex.step({b: ((x,), {}) for b, (x, _) in batch.items()}, loss_fn)
+        result = ex.step({b: ((x,), {}) for b, (x, _) in batch.items()}, loss_against(batch))
         reference.zero_grad()
         for b, (x, y) in batch.items():
             loss = F.cross_entropy(reference(x).reshape(-1, VOCAB), y.reshape(-1))

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import models
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import WorkerContext
 
+import models
+from dist_harness import WorkerContext
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
 from lightning_gsched.schedule import Op, plan
@@ -223,7 +223,7 @@ def test_step_matches_single_process(worlds, W, schedule, model_name, stages):
         assert r["counters"] == r["planned"], f"rank {rank}"
 
     # memory: non-owned weights released, resident bytes as the program implies
-    for rank, r in enumerate(results):
+    for r in results:
         assert all(ok for _, ok in r["released"]), [n for n, ok in r["released"] if not ok]
         assert r["resident_bytes_now"] == r["owned_bytes"]
         assert r["peak_bytes"] == r["expected_peak_bytes"]

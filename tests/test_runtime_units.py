@@ -85,7 +85,7 @@ def test_owned_stage_params_are_views_of_one_buffer():
     flat = FlatStage(0, list(model.parameters()), owned=True)
     assert flat.flat is not None and flat.flat.numel() == sum(p.numel() for p in before)
     base = flat.flat.untyped_storage().data_ptr()
-    for p, old in zip(model.parameters(), before):
+    for p, old in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, old)
         assert p.untyped_storage().data_ptr() == base
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_free_releases_memory_and_refetch_serves_a_pending_backward():
     flat.materialize()
     flat.zero_grads()
     loss.backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     grad = flat.take_grads()
     assert grad.numel() == flat.grads.numel and all(p.grad is None for p in model.parameters())

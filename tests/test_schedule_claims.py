@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gsched.schedule import LPP, DDP, GPipe, Phase, PlacementTable, plan
+from lightning_gsched.schedule import DDP, LPP, GPipe, Phase, PlacementTable, plan
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 8])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_schedule_properties import configs
 
 from lightning_gsched.cli import main
 from lightning_gsched.errors import ProgramError, RuntimeConfigError
@@ -15,6 +15,7 @@ from lightning_gsched.runtime import stage_micros
 from lightning_gsched.runtime.layout import check_forward_programs
 from lightning_gsched.schedule import LIBRARY, Op, Phase, Programs, StageGraph, dry_run, plan
 from lightning_gsched.schedule.program import BACKWARD_OPS, FORWARD_ONLY_OPS
+from test_schedule_properties import configs
 
 ZERO_IN_FORWARD = ["input_grad_recvs", "input_grad_sends", "grad_sends", "grad_recvs",
                    "allreduces", "peak_activations"]
@@ -40,7 +41,7 @@ def check_forward_only_plan(result, train_owners) -> None:
             assert by_job[pred].end <= slot.start + 1e-9
     for worker_slots in result.timeline.by_worker:
         ordered = sorted(worker_slots, key=lambda x: x.start)
-        assert all(a.end <= z.start + 1e-9 for a, z in zip(ordered, ordered[1:]))
+        assert all(a.end <= z.start + 1e-9 for a, z in pairwise(ordered))
     # programs: only forward-only ops, the timeline's compute order, dry run passes
     for w, program in enumerate(result.programs.ranks):
         assert {a.op for a in program} <= FORWARD_ONLY_OPS, program

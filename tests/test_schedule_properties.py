@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import pairwise
 
 import pytest
-
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -64,7 +64,7 @@ def test_every_plan_is_a_valid_schedule(config):
     # no two jobs overlap on a worker
     for worker_slots in result.timeline.by_worker:
         ordered = sorted(worker_slots, key=lambda x: x.start)
-        for a, z in zip(ordered, ordered[1:]):
+        for a, z in pairwise(ordered):
             assert a.end <= z.start + 1e-9
 
     # programs pass the dry run and carry the timeline's compute order

@@ -124,7 +124,7 @@ def gather_batch(batch: Any, rows: list[int], rank: int = 0, parts: int | None =
             leaf = torch.cat([leaf, pad])
         pieces = [torch.empty_like(leaf) for _ in range(world_size)]
         dist.all_gather(pieces, leaf)
-        out[i] = torch.cat([piece[:n] for piece, n in zip(pieces, rows)])
+        out[i] = torch.cat([piece[:n] for piece, n in zip(pieces, rows, strict=True)])
     return GlobalBatch(pytree.tree_unflatten(out, spec), rows)
 
 
@@ -183,7 +183,7 @@ def concat_outputs(outputs: list[Any], what: str) -> Any:
             "return the same structure for every batch"
         )
     joined = []
-    for column in zip(*(leaves for leaves, _ in flat)):
+    for column in zip(*(leaves for leaves, _ in flat), strict=True):
         if isinstance(column[0], torch.Tensor) and column[0].dim() > 0:
             joined.append(torch.cat(list(column)))
         else:

@@ -53,7 +53,9 @@ def full_state_dict(module: nn.Module, executor: ProgramExecutor) -> dict[str, A
         if rank != 0:
             continue
         assert buffer is not None
-        for p, offset, size, shape in zip(flat.params, flat.offsets, flat.sizes, flat.shapes):
+        for p, offset, size, shape in zip(
+            flat.params, flat.offsets, flat.sizes, flat.shapes, strict=True
+        ):
             value = buffer[offset: offset + size].view(shape).detach().clone()
             for name in names.get(id(p), []):
                 state[name] = value
@@ -125,7 +127,9 @@ def restore_full_weights(executor: ProgramExecutor) -> None:
             buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
         if executor.channels.world_size > 1:
             dist.broadcast(buffer, src)
-        for p, offset, size, shape in zip(flat.params, flat.offsets, flat.sizes, flat.shapes):
+        for p, offset, size, shape in zip(
+            flat.params, flat.offsets, flat.sizes, flat.shapes, strict=True
+        ):
             p.data = buffer[offset: offset + size].view(shape)
 
 

@@ -44,6 +44,7 @@ from lightning_gsched.lightning.logsync import (
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import ProgramExecutor, stage_micros
+from lightning_gsched.schedule.describe import describe
 from lightning_gsched.schedule.plan import Plan
 
 
@@ -110,8 +111,6 @@ class PipelineEngine:
             self.grads = GradStash(self.executor, self.module)
             prune_optimizer_state(self.optimizers(), self.grads.owned_parameters())
         if self.rank == 0:
-            from lightning_gsched.cli import describe
-
             rank_zero_info(
                 "GeneralParallel plan (unit costs: forward 1, backward 2 per stage):\n"
                 + describe(self.train_plan) + "\n" + self.memory_summary() + "\n"

@@ -24,7 +24,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import checkpoint, sharded
+from lightning_gsched.lightning import checkpoint as full_checkpoint  # hooks' args: checkpoint
+from lightning_gsched.lightning import sharded
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.engine import PartitionOptions, PipelineEngine
 from lightning_gsched.partition.arguments import check_options as check_partition_options
@@ -252,7 +253,7 @@ class GeneralParallel(DDPStrategy):
             return super().lightning_module_state_dict()
         engine = self._require_engine()
         assert engine.executor is not None
-        return checkpoint.full_state_dict(self.lightning_module, engine.executor)
+        return full_checkpoint.full_state_dict(self.lightning_module, engine.executor)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
@@ -263,7 +264,7 @@ class GeneralParallel(DDPStrategy):
             return optimizer.state_dict()
         engine = self._require_engine()
         assert engine.grads is not None
-        return checkpoint.full_optimizer_state(optimizer, engine.grads)
+        return full_checkpoint.full_optimizer_state(optimizer, engine.grads)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
@@ -291,14 +292,15 @@ class GeneralParallel(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizer_states = checkpoint["optimizer_states"]
-        for optimizer, state in zip(self.optimizers, optimizer_states):
+        # strict=False as in Lightning's Strategy.load_optimizer_state_dict (a drop-in for DDP)
+        for optimizer, state in zip(self.optimizers, optimizer_states, strict=False):
             _unwrap(optimizer).load_state_dict(state)
         _optimizers_to_device(self.optimizers, self.root_device)
         if self._built():
             engine = self._require_engine()
             assert engine.grads is not None
-            checkpoint.prune_optimizer_state([_unwrap(o) for o in self.optimizers],
-                                             engine.grads.owned_parameters())
+            full_checkpoint.prune_optimizer_state([_unwrap(o) for o in self.optimizers],
+                                                  engine.grads.owned_parameters())
 
     # ------------------------------------------------------------------ end
 

@@ -7,6 +7,7 @@ rank 0's ``part.unit_costs`` must be passed to the other ranks' calls as ``unit_
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any, Sequence
 
 from torch import nn
@@ -81,10 +82,10 @@ class Partition:
         self.best_bottleneck = plan.best_bottleneck
         bounds = [0, *plan.cuts, len(table)]
         self.unit_names = [u.name for u in table.units]
-        self.stage_units = [self.unit_names[a:b] for a, b in zip(bounds, bounds[1:])]
+        self.stage_units = [self.unit_names[a:b] for a, b in pairwise(bounds)]
         self.unit_costs = list(unit_costs)
         self.cost_unit = cost_unit
-        self.stage_costs = [sum(self.unit_costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        self.stage_costs = [sum(self.unit_costs[a:b]) for a, b in pairwise(bounds)]
         self.auto_leaf_modules = dict(table.traced.auto_leaves)
         self.mode_dependent = table.traced.mode_dependent
         self.static_shapes = table.traced.inputs.static_shapes  # None unless sizes are baked in

@@ -60,7 +60,7 @@ def run_example(
     """Execute every unit on the example; returns the byte size of every value node."""
     traced = table.traced
     env: dict[fx.Node, Any] = dict(
-        zip(table.placeholders, traced.inputs.flatten(example_args, example_kwargs))
+        zip(table.placeholders, traced.inputs.flatten(example_args, example_kwargs), strict=True)
     )
     sizes = {node: value_bytes(value) for node, value in env.items()}
 

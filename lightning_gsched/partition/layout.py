@@ -199,7 +199,9 @@ class InputLayout(_PicklesSpecAsTemplate):
                 )
         tensors = [leaves[i] for i in self.tensor_leaves]
         if self.static_shapes is not None:
-            for name, tensor, shape in zip(self.placeholder_names, tensors, self.static_shapes):
+            for name, tensor, shape in zip(
+                self.placeholder_names, tensors, self.static_shapes, strict=True
+            ):
                 if tuple(tensor.shape) != shape:
                     raise StageInputError(
                         f"{self.owner} was traced with static shapes (its forward computes with "
@@ -218,7 +220,7 @@ class InputLayout(_PicklesSpecAsTemplate):
     def unflatten(self, tensors: Sequence[Any]) -> tuple[tuple, dict]:
         """Rebuild ``(args, kwargs)`` from values for the tensor leaves (proxies while tracing)."""
         leaves: list[Any] = [None] * (len(self.tensor_leaves) + len(self.constants))
-        for slot, value in zip(self.tensor_leaves, tensors):
+        for slot, value in zip(self.tensor_leaves, tensors, strict=True):
             leaves[slot] = value
         for slot, value in self.constants.items():
             leaves[slot] = value
@@ -250,7 +252,7 @@ class OutputLayout(_PicklesSpecAsTemplate):
 
     def rebuild(self, values: Sequence[Any]) -> Any:
         leaves: list[Any] = [None] * (len(self.graph_leaves) + len(self.constants))
-        for slot, value in zip(self.graph_leaves, values):
+        for slot, value in zip(self.graph_leaves, values, strict=True):
             leaves[slot] = value
         for slot, value in self.constants.items():
             leaves[slot] = value

@@ -126,7 +126,7 @@ def cheapest_split(
             if k < num_segments:
                 ideal = k * total / num_segments
                 cut = penalties[j] + (abs(prefix[j] - ideal),)
-                current[j] = tuple(a + b for a, b in zip(best, cut))
+                current[j] = tuple(a + b for a, b in zip(best, cut, strict=True))
             else:
                 current[j] = best
             came_from[j] = start

@@ -1,15 +1,50 @@
 """Human-readable summary of a partition (printed by ``gsched`` and on request).
 
-Kept apart from :mod:`.api` so the table layout can change without touching the logic; it only
-reads public attributes of :class:`~.api.Partition`.
+Kept apart from :mod:`.api` so the table layout can change without touching the logic. It only
+reads public attributes of :class:`~.api.Partition`, spelled out as :class:`ReportedPartition`
+so that this module does not import :mod:`.api` (which imports it: imports go one way).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Mapping, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from lightning_gsched.partition.api import Partition
+
+class ReportedPartition(Protocol):
+    """What the report reads of a :class:`~.api.Partition` (see its docstring for meanings)."""
+
+    @property
+    def module(self) -> object: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def balance(self) -> object: ...
+    @property
+    def split_method(self) -> str: ...
+    @property
+    def cost_unit(self) -> str: ...
+    @property
+    def unit_names(self) -> Sequence[str]: ...
+    @property
+    def stage_units(self) -> Sequence[Sequence[str]]: ...
+    @property
+    def stage_costs(self) -> Sequence[float]: ...
+    @property
+    def stage_param_counts(self) -> Sequence[int]: ...
+    @property
+    def boundary_names(self) -> Sequence[Sequence[str]]: ...
+    @property
+    def boundary_bytes(self) -> Sequence[int]: ...
+    @property
+    def shared_parameters(self) -> Mapping[str, Sequence[int]]: ...
+    @property
+    def unused_parameters(self) -> Sequence[str]: ...
+    @property
+    def auto_leaf_modules(self) -> Mapping[str, str]: ...
+    @property
+    def static_shapes(self) -> Sequence[Sequence[int]] | None: ...
+    @property
+    def mode_dependent(self) -> str | None: ...
 
 
 def _size(num_bytes: int) -> str:
@@ -57,7 +92,7 @@ def _folded(names: Sequence[str], groups: Sequence[tuple[str, int] | None]) -> l
 
 
 def format_report(
-    part: Partition,
+    part: ReportedPartition,
     unit_descriptions: Sequence[str],
     groups: Sequence[tuple[str, int] | None] | None = None,
 ) -> str:

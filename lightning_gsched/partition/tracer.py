@@ -233,7 +233,7 @@ def _mode_difference(first: fx.Graph, second: fx.Graph) -> str | None:
     b = second.python_code("self").src.splitlines()
     if a == b:
         return None
-    for line_a, line_b in zip(a, b):
+    for line_a, line_b in zip(a, b, strict=False):  # the first difference, if within both
         if line_a != line_b:
             return f"train/eval traces differ at: {line_a.strip()!r} vs {line_b.strip()!r}"
     return "train/eval traces differ in length"

@@ -129,7 +129,7 @@ class UnitTable:
         """Shared module invocations across the cut (0 = between top-level blocks)."""
         left, right = self.units[cut - 1].scope, self.units[cut].scope
         depth = 0
-        for a, b in zip(left, right):
+        for a, b in zip(left, right, strict=False):  # scopes of different depths: common prefix
             if a != b:
                 break
             depth += 1

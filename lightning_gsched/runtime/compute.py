@@ -16,7 +16,6 @@ Forward-only runs (validation, test, predict) use :meth:`StageCompute.infer`: no
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -114,7 +113,7 @@ class StageCompute:
                 )
             pairs = [
                 (out, grad)
-                for out, grad in zip(stashed.outputs, grads)
+                for out, grad in zip(stashed.outputs, grads, strict=True)
                 if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
             ]
             if pairs:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
+from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
@@ -42,7 +43,6 @@ from lightning_gsched.runtime.layout import (
     check_forward_programs,
     check_programs,
 )
-from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.step import StepRun
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.schedule.program import Action, Op, Programs

@@ -74,14 +74,16 @@ class FlatStage:
         """Owner: copy the current weights into the flat buffer and point the params at it."""
         self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
+            for p, off in zip(self.params, self.offsets, strict=True):
                 self.flat[off : off + p.numel()].copy_(p.data.reshape(-1))
         self._point_params()
         self.resident = True
 
     def _point_params(self) -> None:
         assert self.flat is not None
-        for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+        for p, off, size, shape in zip(
+            self.params, self.offsets, self.sizes, self.shapes, strict=True
+        ):
             p.data = self.flat[off : off + size].view(shape)
         self.materialized = True
 
@@ -95,7 +97,9 @@ class FlatStage:
         """Owner: re-point params that something outside replaced (keeps their values)."""
         assert self.flat is not None
         start, end = self.flat.data_ptr(), self.flat.data_ptr() + self.nbytes
-        for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+        for p, off, size, shape in zip(
+            self.params, self.offsets, self.sizes, self.shapes, strict=True
+        ):
             if size and not (start <= p.data_ptr() < end):
                 with torch.no_grad():
                     self.flat[off : off + size].copy_(p.data.reshape(-1))
@@ -175,7 +179,9 @@ class FlatGrads:
             self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         else:
             self.flat.zero_()
-        for p, off, size, shape in zip(self.params, self.offsets, self.sizes, self.shapes):
+        for p, off, size, shape in zip(
+            self.params, self.offsets, self.sizes, self.shapes, strict=True
+        ):
             p.grad = self.flat[off : off + size].view(shape)
 
     def sync(self) -> torch.Tensor:

@@ -4,7 +4,8 @@ Why a separate object: everything in it lives exactly one step (posted receives,
 for a send or a local consumer, pending gradient receives and all-reduces, counters) and is
 dropped at once on a failure, before the executor destroys its process groups (pending handles
 keep connections open). The executor (:mod:`.executor`) owns what outlives a step: stages, flat
-buffers, channels. One method per op, named after it (``F`` -> ``_f``, ``FETCH_W`` ->
+buffers, channels; :class:`ExecutorState` lists what a step reads of it, so this module does not
+import the executor (which imports this one). One method per op, named after it (``F`` -> ``_f``, ``FETCH_W`` ->
 ``_fetch_w``); the semantics are those the dry run proves (see ``docs/runtime.md``).
 
 The same object runs a forward-only program (``forward_only=True``, from
@@ -15,21 +16,43 @@ tied-parameter all-reduce at the end).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Collection, Mapping, Protocol, Sequence
 
 import torch
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
-from lightning_gsched.runtime.compute import LossFn
-from lightning_gsched.runtime.counters import RuntimeCounters
-from lightning_gsched.runtime.layout import ProgramView
 from lightning_gsched.runtime.buckets import GradBuckets
-from lightning_gsched.runtime.transport import label
+from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.compute import LossFn, StageCompute
+from lightning_gsched.runtime.counters import RuntimeCounters
+from lightning_gsched.runtime.flat import FlatGrads, FlatStage
+from lightning_gsched.runtime.layout import ProgramView
+from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.schedule.program import Action, Op
 
-if TYPE_CHECKING:
-    from lightning_gsched.runtime.executor import ProgramExecutor
+
+class ExecutorState(Protocol):
+    """What one step reads of the :class:`~.executor.ProgramExecutor` that runs it: the parts
+    that outlive a step."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def owned(self) -> Collection[int]: ...
+    @property
+    def flats(self) -> Sequence[FlatStage]: ...
+    @property
+    def shared(self) -> FlatGrads: ...  # the tied parameters' gradients
+    @property
+    def compute(self) -> StageCompute: ...
+    @property
+    def channels(self) -> Channels: ...
+    @property
+    def transport(self) -> Transport: ...
+    def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]: ...
 
 
 class StepRun:
@@ -37,7 +60,7 @@ class StepRun:
 
     def __init__(
         self,
-        ex: ProgramExecutor,
+        ex: ExecutorState,
         view: ProgramView,
         inputs: Mapping[int, tuple[tuple, dict]],
         loss_fn: LossFn,

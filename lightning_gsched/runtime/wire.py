@@ -117,7 +117,7 @@ def encode(parts: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     start = _pad(len(meta))
     payload = torch.empty(start + offset, dtype=torch.uint8, device=device)
     payload[: len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-    for data, (_, _, _, off, nbytes) in zip(flat, specs):
+    for data, (_, _, _, off, nbytes) in zip(flat, specs, strict=True):
         if nbytes:
             payload[start + off : start + off + nbytes].copy_(data.reshape(-1).view(torch.uint8))
     header = torch.tensor([len(meta), payload.numel()], dtype=torch.int64, device=device)

@@ -19,6 +19,7 @@ run every forward exactly once.
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
+from typing import Callable
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.program import (
@@ -27,17 +28,27 @@ from lightning_gsched.schedule.program import (
     RECV_FOR_SEND,
     RECV_OPS,
     SEND_OPS,
+    Action,
     Op,
     Programs,
 )
 
+# A malformed action may lack its peer or microbatch: the types admit None so the dry run can
+# report such programs instead of assuming them away.
+_Channel = tuple[str, "int | None", "int | None"]  # (kind, src rank, dst rank)
+_Message = tuple[_Channel, int]  # the k-th message (counted from 1) on a channel
+_Ident = tuple[Op, int, "int | None"]  # (receive op, stage, micro): what a message carries
+_Job = tuple[int, "int | None"]  # (stage, micro)
+_CollectiveKey = tuple[tuple[int, ...], int]  # (group, stage) of an ALLREDUCE_G
+
 
 def check_matching(programs: Programs) -> None:
     """Every send has a receive on its channel, in the same order, and vice versa."""
-    sent: dict[tuple, list] = defaultdict(list)
-    posted: dict[tuple, list] = defaultdict(list)
+    sent: dict[_Channel, list[tuple[_Ident, Action]]] = defaultdict(list)
+    posted: dict[_Channel, list[tuple[_Ident, Action]]] = defaultdict(list)
     for rank, program in enumerate(programs.ranks):
         for action in program:
+            ident: _Ident
             if action.op in SEND_OPS:
                 ident = (RECV_FOR_SEND[action.op], action.stage, action.micro)
                 sent[(CHANNEL_OF[action.op], rank, action.peer)].append((ident, action))
@@ -47,7 +58,7 @@ def check_matching(programs: Programs) -> None:
     for channel in sorted(set(sent) | set(posted), key=str):
         kind, src, dst = channel
         sends, recvs = sent.get(channel, []), posted.get(channel, [])
-        if len(sends) == len(recvs) and all(s[0] == r[0] for s, r in zip(sends, recvs)):
+        if len(sends) == len(recvs) and all(s[0] == r[0] for s, r in zip(sends, recvs, strict=True)):
             continue  # the common case: same messages in the same order (nothing to report)
         unmatched = Counter(i for i, _ in sends)
         unmatched.subtract(i for i, _ in recvs)
@@ -72,9 +83,10 @@ def check_collective_order(programs: Programs) -> None:
     for rank, program in enumerate(programs.ranks):
         for action in program:
             if action.op is Op.ALLREDUCE_G:
-                if rank not in (action.group or ()):
+                group = action.group
+                if group is None or rank not in group:
                     raise ProgramError(f"rank {rank} runs '{action}' but is not in its group")
-                orders[action.group].setdefault(rank, []).append(action.stage)
+                orders[group].setdefault(rank, []).append(action.stage)
     for group, by_rank in orders.items():
         reference = by_rank.get(group[0])
         for rank in group:
@@ -90,12 +102,13 @@ class _Rank:
 
     def __init__(self, owned: set[int]) -> None:
         self.pc = 0
-        self.posted: dict[tuple, tuple[tuple, int]] = {}  # (op, stage, micro) -> (channel, k)
-        self.pending_grads: dict[int, list[tuple[tuple, int]]] = defaultdict(list)
-        self.resident: dict[int, tuple[tuple, int] | None] = {s: None for s in owned}
-        self.stash: set[tuple[int, int]] = set()
-        self.forward_done: set[tuple[int, int]] = set()
-        self.backward_done: set[tuple[int, int]] = set()
+        self.posted: dict[_Ident, _Message] = {}  # (op, stage, micro) -> (channel, k)
+        self.pending_grads: dict[int, list[_Message]] = defaultdict(list)
+        # stage -> None if owned, else the FETCH_W message its weights arrive with
+        self.resident: dict[int, _Message | None] = {s: None for s in owned}
+        self.stash: set[_Job] = set()
+        self.forward_done: set[_Job] = set()
+        self.backward_done: set[_Job] = set()
 
 
 def dry_run(programs: Programs) -> None:
@@ -111,10 +124,10 @@ def dry_run(programs: Programs) -> None:
         outputs[u].append(v)
     W = programs.world_size
     ranks = [_Rank(set(programs.owned_stages(r))) for r in range(W)]
-    sent_count: dict[tuple, int] = defaultdict(int)
-    posted_count: dict[tuple, int] = defaultdict(int)
-    arrived: dict[tuple, set[int]] = defaultdict(set)
-    waiters: dict[tuple, set[int]] = defaultdict(set)
+    sent_count: dict[_Channel, int] = defaultdict(int)
+    posted_count: dict[_Channel, int] = defaultdict(int)
+    arrived: dict[_CollectiveKey, set[int]] = defaultdict(set)
+    waiters: dict[_Channel | _CollectiveKey, set[int]] = defaultdict(set)
     runnable = deque(range(W))
     queued = set(range(W))
 
@@ -123,10 +136,10 @@ def dry_run(programs: Programs) -> None:
         where = f"'{program[ranks[rank].pc]}'" if ranks[rank].pc < len(program) else "the end"
         return ProgramError(f"rank {rank} at action {ranks[rank].pc} ({where}): {message}")
 
-    def ready(msg: tuple[tuple, int]) -> bool:
+    def ready(msg: _Message) -> bool:
         return sent_count[msg[0]] >= msg[1]
 
-    def wait_for(rank: int, msgs: list[tuple[tuple, int]]) -> bool:
+    def wait_for(rank: int, msgs: list[_Message]) -> bool:
         for msg in msgs:
             if not ready(msg):
                 waiters[msg[0]].add(rank)
@@ -137,6 +150,7 @@ def dry_run(programs: Programs) -> None:
         """Try to run the current action; return False if it must wait."""
         state, action = ranks[rank], programs.ranks[rank][ranks[rank].pc]
         op, s, b = action.op, action.stage, action.micro
+        channel: _Channel
         if op in SEND_OPS:
             channel = (CHANNEL_OF[op], rank, action.peer)
             sent_count[channel] += 1
@@ -150,7 +164,7 @@ def dry_run(programs: Programs) -> None:
         if op in RECV_OPS:
             channel = (CHANNEL_OF[op], action.peer, rank)
             posted_count[channel] += 1
-            msg = (channel, posted_count[channel])
+            msg: _Message = (channel, posted_count[channel])
             if op is Op.FETCH_W:
                 if s in state.resident:
                     raise fail(rank, f"fetches stage {s} whose weights are already resident")
@@ -168,6 +182,7 @@ def dry_run(programs: Programs) -> None:
         if op is Op.ALLREDUCE_G:
             if not wait_for(rank, state.pending_grads.get(s, [])):
                 return False
+            assert action.group is not None  # check_collective_order rejected a missing group
             key = (action.group, s)
             arrived[key].add(rank)
             if len(arrived[key]) < len(action.group):
@@ -182,7 +197,8 @@ def dry_run(programs: Programs) -> None:
         # compute
         if s not in state.resident:
             raise fail(rank, f"has no weights of stage {s}: it neither owns nor fetched them")
-        needed = [state.resident[s]] if state.resident[s] is not None else []
+        weights = state.resident[s]
+        needed = [weights] if weights is not None else []
         if op is Op.F:
             if (s, b) in state.forward_done:
                 raise fail(rank, f"runs F s{s} b{b} twice")
@@ -194,10 +210,10 @@ def dry_run(programs: Programs) -> None:
             deps = [(c, Op.RECV_GRAD, f"the gradient from B s{c} b{b}")
                     for c in outputs[s] if (c, b) not in state.backward_done]
         for other, recv_op, what in deps:
-            msg = state.posted.get((recv_op, other, b))
-            if msg is None:
+            message = state.posted.get((recv_op, other, b))
+            if message is None:
                 raise fail(rank, f"needs {what} but neither computed nor received it")
-            needed.append(msg)
+            needed.append(message)
         if not wait_for(rank, needed):
             return False
         if op is Op.F:
@@ -225,7 +241,7 @@ def dry_run(programs: Programs) -> None:
     _check_coverage(programs, ranks)
 
 
-def _check_end(rank: int, state: _Rank, fail) -> None:
+def _check_end(rank: int, state: _Rank, fail: Callable[[int, str], ProgramError]) -> None:
     if state.stash:
         raise fail(rank, f"ends with stashed activations {sorted(state.stash)} that no backward consumed")
     fetched = [s for s, msg in state.resident.items() if msg is not None]
@@ -247,7 +263,7 @@ def check_forward_only(programs: Programs) -> None:
 
 
 def _check_coverage(programs: Programs, ranks: list[_Rank]) -> None:
-    count: dict[tuple[int, int], int] = defaultdict(int)
+    count: dict[_Job, int] = defaultdict(int)
     for state in ranks:
         for key in state.forward_done if programs.forward_only else state.backward_done:
             count[key] += 1

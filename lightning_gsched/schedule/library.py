@@ -11,7 +11,15 @@ from typing import Callable
 
 from lightning_gsched.errors import ScheduleConfigError, UnknownScheduleError
 from lightning_gsched.schedule.orders import CapSpec, one_f_one_b_caps
-from lightning_gsched.schedule.placements import DDP, FSDP, FSLPP, LPP, FSLPPSeed, GPipe
+from lightning_gsched.schedule.placements import (
+    DDP,
+    FSDP,
+    FSLPP,
+    LPP,
+    CheckedPlacement,
+    FSLPPSeed,
+    GPipe,
+)
 
 
 def _even_r(workers: int) -> int:
@@ -23,7 +31,7 @@ def _even_r(workers: int) -> int:
 class ScheduleSpec:
     name: str
     trade_off: str
-    make_placement: Callable[[int, int, int], object]  # (W, S, R) -> placement with .check
+    make_placement: Callable[[int, int, int], CheckedPlacement]  # (W, S, R) -> placement
     order: str
     cap: Callable[[int], CapSpec]  # W -> default cap
     stages: Callable[[int, int], int]  # (W, R) -> default S

@@ -50,7 +50,10 @@ _CATEGORY = {
     Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
 }
 
-_Key = tuple  # (gap, category, time, serial); compute g is keyed (g, 99), after gap g's actions
+# (gap, category, time, serial), then (..., position) once make_fifo placed a receive; compute g
+# is keyed (g, 99), after gap g's actions
+_Key = tuple[float, ...]
+_Ident = tuple[int, "int | None", Op]  # (stage, micro, receive op): what a message carries
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B}
 
 
@@ -79,10 +82,14 @@ class _Builder:
         to first, each matched receive takes the smaller of its own key and the key of the
         receive after it, so posts only ever move earlier.
         """
-        sends: dict[tuple, list[tuple]] = defaultdict(list)
-        recvs: dict[tuple, dict[tuple, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+        # (kind, src, dst) -> the sends on that channel; (kind, src, dst) -> identity -> posts
+        sends: dict[tuple[str, int, int | None], list[tuple[_Key, _Ident]]] = defaultdict(list)
+        recvs: dict[tuple[str, int | None, int], dict[_Ident, list[tuple[_Key, int]]]] = (
+            defaultdict(lambda: defaultdict(list))
+        )
         for rank, entries in enumerate(self.entries):
             for index, (key, action) in enumerate(entries):
+                ident: _Ident
                 if action.op in SEND_OPS:
                     ident = (action.stage, action.micro, RECV_FOR_SEND[action.op])
                     sends[(CHANNEL_OF[action.op], rank, action.peer)].append((key, ident))
@@ -90,6 +97,7 @@ class _Builder:
                     ident = (action.stage, action.micro, action.op)
                     recvs[(CHANNEL_OF[action.op], action.peer, rank)][ident].append((key, index))
         for (channel, src, dst), sent in sends.items():
+            assert dst is not None  # lowering names the peer of every message it emits
             sent.sort()
             waiting = recvs[(channel, src, dst)]
             for queue in waiting.values():
@@ -97,22 +105,24 @@ class _Builder:
             matched = [waiting[ident].pop()[1] if waiting[ident] else None for _, ident in sent]
             running: _Key | None = None
             for position in reversed(range(len(matched))):
-                index = matched[position]
-                if index is None:
+                recv_index = matched[position]
+                if recv_index is None:
                     continue  # left unmatched on purpose: the dry run reports it
-                key, recv = self.entries[dst][index]
+                key, recv = self.entries[dst][recv_index]
                 key = key[:4] if running is None or key[:4] <= running else running
                 running = key
-                self.entries[dst][index] = ((*key, position), recv)
+                self.entries[dst][recv_index] = ((*key, position), recv)
 
     def programs(self) -> list[list[Action]]:
         """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
         out = []
         new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
         for rank, entries in enumerate(self.entries):
-            keyed = [((i, 99), new_tuple(Action, (compute_op[s.job.phase], s.job.stage,
-                                                   s.job.micro, None, None)))
-                     for i, s in enumerate(self.slots[rank])]
+            keyed: list[tuple[_Key, Action]] = [
+                ((i, 99), new_tuple(Action, (compute_op[s.job.phase], s.job.stage, s.job.micro,
+                                             None, None)))
+                for i, s in enumerate(self.slots[rank])
+            ]
             keyed.extend(entries)
             keyed.sort(key=first)
             out.append([action for _, action in keyed])
@@ -142,7 +152,7 @@ def _lower_data_flow(
 ) -> None:
     """Activation sends/receives after forwards, input-gradient sends/receives after backwards."""
     compute = table.compute
-    done: set[tuple] = set()
+    done: set[tuple[int, int, Phase, int]] = set()  # (producer stage, micro, phase, consumer)
     entries = build.entries
     by_worker = timeline.by_worker
     new_tuple = tuple.__new__  # Job(...)/Action(...) without the NamedTuple __new__ frame
@@ -179,7 +189,9 @@ def _lower_data_flow(
     build.serial = serial
 
 
-def _lower_weights(table: PlacementTable, timeline: Timeline, build: _Builder) -> dict:
+def _lower_weights(
+    table: PlacementTable, timeline: Timeline, build: _Builder
+) -> dict[tuple[int, int], int]:
     """Fetch/free per run of consecutive jobs of a non-owned stage; reduce grads after the run.
 
     Returns, per (owner, stage), the latest gap where the owner posts a gradient receive.
@@ -211,7 +223,10 @@ def _lower_weights(table: PlacementTable, timeline: Timeline, build: _Builder) -
 
 
 def _lower_allreduce(
-    table: PlacementTable, timeline: Timeline, build: _Builder, reduce_gaps: dict
+    table: PlacementTable,
+    timeline: Timeline,
+    build: _Builder,
+    reduce_gaps: dict[tuple[int, int], int],
 ) -> None:
     """Replica owners all-reduce a stage right after their last backward of it."""
     last_backward: dict[tuple[int, int], tuple[int, float]] = {}

@@ -29,7 +29,7 @@ class WorkerMetrics:
     owned_stages: int
     peak_resident_stages: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
 
 
@@ -40,7 +40,8 @@ class PlanMetrics:
     per_worker: list[WorkerMetrics]
 
     def max_of(self, field: str) -> float:
-        return max(getattr(m, field) for m in self.per_worker)
+        values: list[float] = [getattr(m, field) for m in self.per_worker]  # int or float fields
+        return max(values)
 
 
 def program_counts(programs: Programs, rank: int) -> dict[str, int]:

@@ -36,7 +36,9 @@ def one_f_one_b(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     return (1, micro, -stage)
 
 
-def interleaved_sequence(workers: int, stages: int, micro: int, R: int) -> dict[tuple, int]:
+def interleaved_sequence(
+    workers: int, stages: int, micro: int, R: int
+) -> dict[tuple[int, int, Phase], int]:
     """Position of every job in Megatron's interleaved 1F1B sequence, per worker.
 
     Looped placement (W = G*R, worker ``g*R + p`` runs stages ``c*R + p`` of the microbatches
@@ -46,7 +48,7 @@ def interleaved_sequence(workers: int, stages: int, micro: int, R: int) -> dict[
     sequence whenever the next job is ready and fills the gap with a later one otherwise.
     """
     groups, chunks = workers // R, stages // R
-    position: dict[tuple, int] = {}
+    position: dict[tuple[int, int, Phase], int] = {}
     for worker in range(workers):
         g, p = divmod(worker, R)
         mine = [b for b in range(micro) if b % groups == g]

@@ -25,6 +25,12 @@ class Placement(Protocol):
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
 
 
+class CheckedPlacement(Placement, Protocol):
+    """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
+
+    def check(self, stages: int, micro: int) -> None: ...
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ScheduleConfigError(message)

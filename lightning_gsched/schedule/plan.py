@@ -9,12 +9,12 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.dryrun import dry_run
-from lightning_gsched.schedule.jobs import StageGraph
+from lightning_gsched.schedule.jobs import Job, StageGraph
 from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_R
 from lightning_gsched.schedule.lower import lower
 from lightning_gsched.schedule.metrics import PlanMetrics, measure
@@ -66,7 +66,7 @@ class Plan:
     metrics: PlanMetrics
     forward_only: bool = False
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "schedule": self.schedule,
             "forward_only": self.forward_only,
@@ -191,8 +191,9 @@ def plan(
         R = resolve_R(spec, W, R)
         S = stages if stages is not None else spec.stages(W, R or 1)
         B = microbatches if microbatches is not None else spec.micro(W, R or 1)
-        placement_fn = spec.make_placement(W, S, R or 1)
-        placement_fn.check(S, B)  # type: ignore[attr-defined]
+        library_placement = spec.make_placement(W, S, R or 1)
+        library_placement.check(S, B)
+        placement_fn: PlacementFn = library_placement
         order_spec = order if order is not None else (priority or spec.order)
         cap_spec = None if forward_only else spec.cap(W) if cap == DEFAULT else cap
         name = spec.name
@@ -251,7 +252,7 @@ def _jobs_per_worker(table: PlacementTable) -> list[int]:
     return counts
 
 
-def _bisect(low: int, high: int, ok) -> int:
+def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
     """Smallest c in [low, high] with ok(c), assuming ok is monotone and ok(high)."""
     while low < high:
         mid = (low + high) // 2
@@ -262,7 +263,7 @@ def _bisect(low: int, high: int, ok) -> int:
     return low
 
 
-def _search_from(low: int, high: int, ok, guess: int) -> int:
+def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
     """:func:`_bisect`'s answer, trying ``guess`` and ``guess - 1`` first.
 
     The smallest cap that keeps a schedule's latency is often exactly W (1F1B-like orders
@@ -280,7 +281,9 @@ def _search_from(low: int, high: int, ok, guess: int) -> int:
     return _bisect(guess + 1, high, ok)
 
 
-def smallest_feasible_cap(graph: StageGraph, table: PlacementTable, ranks, costs: Costs) -> int:
+def smallest_feasible_cap(
+    graph: StageGraph, table: PlacementTable, ranks: dict[Job, int], costs: Costs
+) -> int:
     """Smallest uniform cap with which the greedy schedule completes (bisection)."""
 
     def completes(c: int) -> bool:
@@ -293,13 +296,15 @@ def smallest_feasible_cap(graph: StageGraph, table: PlacementTable, ranks, costs
     return _bisect(1, max(1, max(_jobs_per_worker(table))), completes)
 
 
-def auto_cap(graph: StageGraph, table: PlacementTable, ranks, costs: Costs) -> list[int | None]:
+def auto_cap(
+    graph: StageGraph, table: PlacementTable, ranks: dict[Job, int], costs: Costs
+) -> list[int | None]:
     """Smallest uniform cap whose latency equals the uncapped latency (bisection)."""
     return auto_cap_timeline(graph, table, ranks, costs)[0]
 
 
 def auto_cap_timeline(
-    graph: StageGraph, table: PlacementTable, ranks, costs: Costs
+    graph: StageGraph, table: PlacementTable, ranks: dict[Job, int], costs: Costs
 ) -> tuple[list[int | None], Timeline]:
     """:func:`auto_cap` and the timeline simulated with that cap.
 

@@ -113,8 +113,8 @@ class _Worker:
         self.stash = 0
         self.cap = cap
         # index 0: forward, 1: backward. pending: (ready_time, rank, job); ready: (rank, job)
-        self.pending: tuple[list, list] = ([], [])
-        self.ready: tuple[list, list] = ([], [])
+        self.pending: tuple[list[tuple[float, int, Job]], list[tuple[float, int, Job]]] = ([], [])
+        self.ready: tuple[list[tuple[int, Job]], list[tuple[int, Job]]] = ([], [])
         self.version = 0
 
     def forward_allowed(self) -> bool:

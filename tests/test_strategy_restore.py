@@ -1,0 +1,38 @@
+"""GeneralParallel's checkpoint-restore hooks, called directly in one process (no Trainer).
+
+Lightning names the hooks' argument ``checkpoint``; strategy.py once imported its gathering
+module under that very name, so inside ``load_optimizer_state_dict`` the module was shadowed by
+the checkpoint dict and the branch for an already-built pipeline raised ``AttributeError``.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from lightning_gsched.lightning.strategy import GeneralParallel
+
+
+def test_optimizer_state_loaded_into_a_built_pipeline_keeps_only_owned_parameters() -> None:
+    owned, elsewhere = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    trained = torch.optim.Adam([owned, elsewhere])
+    (owned.sum() + elsewhere.sum()).backward()
+    trained.step()
+    saved = copy.deepcopy(trained.state_dict())
+
+    fresh = torch.optim.Adam([owned, elsewhere])
+    engine = SimpleNamespace(grads=SimpleNamespace(owned_parameters=lambda: [owned]))
+    # the attributes the hook reads of the strategy, with the pipeline already built
+    strategy = SimpleNamespace(
+        optimizers=[fresh],
+        root_device=torch.device("cpu"),
+        _built=lambda: True,
+        _require_engine=lambda: engine,
+    )
+    GeneralParallel.load_optimizer_state_dict(strategy, {"optimizer_states": [saved]})
+
+    assert set(fresh.state) == {owned}  # this rank's parameters only, restored
+    torch.testing.assert_close(fresh.state[owned]["exp_avg"], trained.state[owned]["exp_avg"])
