@@ -33,5 +33,25 @@ test: lint
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --quick
 
+# Third-party models (transformers 5.x, litgpt) split by partition() with default options:
+# tests/test_zoo.py, skipped by `make test` when they are missing. Every package is installed
+# with --no-deps so pip never touches torch; their pure-Python requirements are listed by hand
+# (huggingface-hub 1.x satisfies what both packages import, though their pins disagree).
+ZOO_STAMP := $(VENV)/.zoo-installed
+ZOO_PACKAGES := "transformers==5.*" litgpt "huggingface-hub>=1.31,<2" tokenizers safetensors \
+	regex httpx httpcore anyio h11 certifi idna sniffio click psutil jsonargparse \
+	docstring-parser typeshed-client pyyaml tqdm packaging numpy filelock fsspec typing-extensions
+
+.PHONY: test-zoo
+
+$(ZOO_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps $(ZOO_PACKAGES)
+	$(PY) -c "import torch, transformers, litgpt.model; print('torch', torch.__version__, \
+		'transformers', transformers.__version__)"
+	touch $(ZOO_STAMP)
+
+test-zoo: $(ZOO_STAMP)
+	$(PY) -m pytest -q -rs tests/test_zoo.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

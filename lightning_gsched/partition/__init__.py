@@ -13,7 +13,9 @@ takes the single tuple returned by stage ``k - 1``; the last stage returns exact
 their original fully qualified names. See :mod:`.stage` and ``docs/partition.md``.
 
 Modules, one job each: :mod:`.layout` (call signature <-> flat graph inputs/outputs),
-:mod:`.tracer` (fx tracing, leaves, trace errors), :mod:`.preserve` (undo side effects),
+:mod:`.tracer` (fx tracing, leaves, trace errors), :mod:`.attempts` (symbolic, then static
+shapes: the order of tracing modes), :mod:`.balance_check` (warn about a degenerate split),
+:mod:`.hints` (what to say about a leaf in the way), :mod:`.preserve` (undo side effects),
 :mod:`.units` (cuttable units, liveness), :mod:`.execute` (example run), :mod:`.costs`
 (params / time), :mod:`.linear` (DP), :mod:`.cuts` (choosing cuts), :mod:`.stage`
 (StageModule), :mod:`.api` (``partition``, ``Partition``), :mod:`.report`.
@@ -30,6 +32,7 @@ from lightning_gsched.partition.errors import (
     StageInputError,
     TooManyStagesError,
     TraceFailedError,
+    UnbalancedPartitionWarning,
     UnknownNameError,
 )
 from lightning_gsched.partition.profile import StageTimes, profile_stages
@@ -47,6 +50,7 @@ __all__ = [
     "StageModule",
     "TooManyStagesError",
     "TraceFailedError",
+    "UnbalancedPartitionWarning",
     "UnknownNameError",
     "partition",
 ]

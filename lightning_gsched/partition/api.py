@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from lightning_gsched.partition import arguments
+from lightning_gsched.partition.balance_check import warn_if_unbalanced
 from lightning_gsched.partition.costs import TimeProfiler, parameter_costs
 from lightning_gsched.partition.cuts import (
     CutPlan,
@@ -58,6 +59,7 @@ class Partition:
         boundary_names / boundary_bytes: values handed from stage k to k+1 and their size on
             the example input.
         auto_leaf_modules: ``{fqn: reason}`` for submodules the tracer could not enter.
+        trace_attempts: how each tracing mode tried ended, in order (see docs/partition.md).
         static_shapes: ``None``, or the input shapes every call must have (static-shape trace).
         mode_dependent: ``None``, or why the traced code differs between train() and eval().
     """
@@ -87,6 +89,7 @@ class Partition:
         self.cost_unit = cost_unit
         self.stage_costs = [sum(self.unit_costs[a:b]) for a, b in pairwise(bounds)]
         self.auto_leaf_modules = dict(table.traced.auto_leaves)
+        self.trace_attempts = list(table.traced.attempts)  # how each tracing mode ended
         self.mode_dependent = table.traced.mode_dependent
         self.static_shapes = table.traced.inputs.static_shapes  # None unless sizes are baked in
         self.boundary_names = [list(s.output_names) for s in stages[:-1]]
@@ -206,9 +209,11 @@ def partition(
         balance_tolerance: accept stages up to this fraction costlier than the optimum to cut
             between blocks and where less data crosses.
         auto_leaf: make submodules whose forward cannot be traced leaves instead of failing.
-        static_shapes: ``None`` (default) traces symbolically and, only if the root forward
-            cannot be traced that way, again with the example's sizes baked in (then calls must
-            use the same input shapes); ``True``/``False`` force or forbid that.
+        static_shapes: ``None`` (default) traces symbolically and, if that fails or keeps a
+            submodule whole that holds more than 1.5x an even share of the parameters, again
+            with the example's sizes baked in (then calls must use the same input shapes);
+            ``True``/``False`` force or forbid that. A split left degenerate by such a
+            submodule warns (``UnbalancedPartitionWarning``).
     """
     if not isinstance(module, nn.Module):
         raise PartitionError(
@@ -224,7 +229,8 @@ def partition(
         "balance_tolerance", balance_tolerance, str(DEFAULT_TOLERANCE), BalanceError)
     auto_leaf = validate.flag("auto_leaf", auto_leaf, PartitionError)
     traced = trace_model(
-        module, args, kwargs, leaf_modules, auto_leaf=auto_leaf, static_shapes=static_shapes
+        module, args, kwargs, leaf_modules, auto_leaf=auto_leaf, static_shapes=static_shapes,
+        num_stages=num_stages,
     )
     table = UnitTable(traced)
     check_stage_count(num_stages, table, module)
@@ -236,4 +242,6 @@ def partition(
     else:
         plan = balanced_cuts(costs, num_stages, table, value_bytes, balance_tolerance)
     stages = build_stages(table, plan.cuts)
-    return Partition(module, table, plan, stages, costs, cost_unit, value_bytes, balance)
+    part = Partition(module, table, plan, stages, costs, cost_unit, value_bytes, balance)
+    warn_if_unbalanced(table, part.split_method, part.stage_param_counts)
+    return part

@@ -20,9 +20,27 @@ import torch.fx as fx
 from torch.fx.proxy import Attribute
 
 try:  # private: lifts fx's patches of nn.Module.__call__/__getattr__ while we run real code
-    from torch.fx._symbolic_trace import _maybe_revert_all_patches as _untraced
+    from torch.fx._symbolic_trace import _maybe_revert_all_patches as _revert_patches
 except ImportError:  # pragma: no cover - older/newer torch: static shapes may be unavailable
-    _untraced = contextlib.nullcontext  # type: ignore[assignment]
+    _revert_patches = contextlib.nullcontext  # type: ignore[assignment]
+
+_untraced_depth = 0
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Run real code without fx's patches; re-entrant (fx's own helper re-patches on an inner
+    exit, which would leave the rest of the outer block traced)."""
+    global _untraced_depth
+    if _untraced_depth:
+        yield
+        return
+    _untraced_depth += 1
+    try:
+        with _revert_patches():
+            yield
+    finally:
+        _untraced_depth -= 1
 
 _MISSING = object()
 META_ATTRIBUTES = frozenset(
@@ -107,8 +125,11 @@ class ConcreteValues:
 
     def value_of(self, node: fx.Node) -> Any:
         if node not in self.values and node.op == "get_attr":
+            # Unpatched: under fx's Module.__getattr__ reading a parameter or buffer records
+            # another get_attr node, whose value is resolved here again, forever.
             try:
-                self.values[node] = self.resolve(node.target)
+                with _untraced():
+                    self.values[node] = self.resolve(node.target)
             except AttributeError:
                 self.values[node] = _MISSING
         return self.values.get(node, _MISSING)

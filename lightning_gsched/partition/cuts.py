@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_gsched.partition.errors import BalanceError, TooManyStagesError
+from lightning_gsched.partition.hints import finer_trace_hint, leaf_origin
 from lightning_gsched.partition.linear import bottleneck, cheapest_split
 from lightning_gsched.partition.names import unknown_name_error
 from lightning_gsched.partition.units import UnitTable
@@ -52,11 +53,12 @@ def check_stage_count(num_stages: int, table: UnitTable, module: nn.Module) -> N
     """At most one stage per traced unit (``num_stages`` is a positive int: :mod:`.arguments`)."""
     maximum = max(len(table), 1)
     if num_stages > maximum:
+        finer = finer_trace_hint(table.traced)
         raise TooManyStagesError(
             f"num_stages={num_stages} but {type(module).__name__} traces to only {len(table)} "
             f"units ({max(len(table) - 1, 0)} cut points), so at most {maximum} stages are "
-            f"possible. Use num_stages <= {maximum}, or trace finer: remove modules from "
-            "leaf_modules so the tracer goes inside them."
+            f"possible. Use num_stages <= {maximum}"
+            + (f", or trace finer: {finer}." if finer else ".")
         )
 
 
@@ -87,8 +89,8 @@ def _module_position(name: str, table: UnitTable, module: nn.Module) -> int | No
     enclosing = [t for t in leaves if canonical.startswith(t + ".")]
     if enclosing:
         raise BalanceError(
-            f"split point {name!r} is inside leaf module {enclosing[0]!r}, which runs whole; cut "
-            f"before {enclosing[0]!r} instead, or drop it from leaf_modules."
+            f"split point {name!r} is inside leaf module {enclosing[0]!r}, which runs whole: "
+            f"{leaf_origin(table.traced, enclosing[0])}. Or cut before {enclosing[0]!r} instead."
         )
     raise BalanceError(f"split point {name!r} names a module that forward never calls.")
 

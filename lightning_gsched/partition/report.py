@@ -42,6 +42,8 @@ class ReportedPartition(Protocol):
     @property
     def auto_leaf_modules(self) -> Mapping[str, str]: ...
     @property
+    def trace_attempts(self) -> Sequence[str]: ...
+    @property
     def static_shapes(self) -> Sequence[Sequence[int]] | None: ...
     @property
     def mode_dependent(self) -> str | None: ...
@@ -131,6 +133,9 @@ def format_report(
     if part.auto_leaf_modules:
         lines.append("Modules kept whole because torch.fx could not trace into them:")
         lines += [f"  {name}: {why}" for name, why in part.auto_leaf_modules.items()]
+    if len(part.trace_attempts) > 1 or part.auto_leaf_modules:
+        lines.append("Tracing modes tried, in order (see docs/partition.md):")
+        lines += [f"  {attempt}" for attempt in part.trace_attempts]
     if part.static_shapes is not None:
         lines.append(
             "Traced with static shapes (forward computes with sizes in Python): inputs must "

@@ -7,7 +7,9 @@ and this package, i.e. in the user's code.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import traceback
 
 import torch
@@ -45,6 +47,47 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
             continue
         return frame
     return None
+
+
+def _frame_in_torch_module(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame in the source file of the failing module when torch defines it
+    (``nn.TransformerEncoder``'s fast-path checks): the user's frame would only be the call."""
+    _, cls = failure_site(exc)
+    try:
+        source = inspect.getsourcefile(cls) if cls is not None else None
+    except TypeError:
+        source = None
+    if source is None or not os.path.abspath(source).startswith(_TORCH_DIR):
+        return None
+    source = os.path.abspath(source)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if os.path.abspath(frame.filename) == source:
+            return frame
+    return None
+
+
+def site_of(exc: BaseException) -> str:
+    """``file:line`` of the user code that stopped a trace, shortened for one-line summaries.
+
+    Files of installed packages are named from their package root
+    (``transformers/models/gpt2/modeling_gpt2.py:830``), the user's files from the working
+    directory; ``"?"`` when no frame outside torch and this package is on the traceback.
+    """
+    frame = _frame_in_torch_module(exc) or user_frame(exc)
+    if frame is None:
+        return "?"
+    path = os.path.abspath(frame.filename)
+    roots = [os.getcwd(), *(p for p in sys.path if p and "-packages" in p)]
+    for root in sorted((os.path.abspath(r) for r in roots), key=len, reverse=True):
+        if path.startswith(root + os.sep):
+            path = os.path.relpath(path, root)
+            break
+    return f"{path}:{frame.lineno}"
+
+
+def failure_summary(exc: BaseException) -> str:
+    """``ExcType: first line (at file:line)``: why one trace attempt stopped, on one line."""
+    return f"{type(exc).__name__}: {first_line(exc)} (at {site_of(exc)})"
 
 
 def explain(exc: BaseException) -> tuple[str, str]:
@@ -100,8 +143,9 @@ def failure_message(
         )
     fixes.append("choose the cuts around a big leaf with split_points=[...]")
     tried = (
-        f"\n(Also traced with the example's static shapes, which failed as shown; the symbolic "
-        f"trace failed with {type(symbolic_failure).__name__}: {first_line(symbolic_failure)})"
+        f"\n(Tried in order: symbolic trace, which stopped with "
+        f"{failure_summary(symbolic_failure)}; then the example's static shapes, which stopped "
+        "as shown above.)"
         if symbolic_failure is not None
         else ""
     )

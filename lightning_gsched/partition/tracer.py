@@ -11,8 +11,11 @@ Why a custom tracer instead of ``torch.fx.symbolic_trace``:
   stacks in :data:`TRACED_TORCH_CONTAINERS`), and a submodule whose forward cannot be traced
   (data-dependent control flow) is made a leaf automatically (``auto_leaf``): a leaf runs
   whole, with real tensors, so this is always correct;
-* if the root forward itself cannot be traced symbolically, it is traced again with the
-  example's static shapes (:mod:`.concrete`), which handles ``torch.ones(t, t)`` & co.;
+* a module built inside forward (``nn.Identity()`` in litgpt) has no name a stage could call,
+  so its forward is traced inline;
+* if the root forward cannot be traced symbolically, or an automatic leaf would hold too much
+  of the model to balance the stages, it is traced again with the example's static shapes
+  (:mod:`.concrete`), which handles ``torch.ones(t, t)`` & co. (the order: :mod:`.attempts`);
 * what still fails becomes a :class:`TraceFailedError` naming the module, the file and line,
   and the fix (:mod:`.trace_errors`); side effects of tracing on the module are undone
   (:mod:`.preserve`); a second trace in the other train/eval mode detects code that depends on
@@ -31,6 +34,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from lightning_gsched.partition.attempts import (
+    Attempt,
+    choose,
+    leaf_limit,
+    needs_static,
+    run_attempt,
+)
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
 from lightning_gsched.partition.errors import TraceFailedError
 from lightning_gsched.partition.layout import InputLayout, OutputLayout
@@ -40,7 +50,6 @@ from lightning_gsched.partition.trace_errors import (
     attach_failure_site,
     failure_message,
     failure_site,
-    first_line,
 )
 
 ROOT = "_gsched_user"  # attribute under which the trace root holds the user's module
@@ -90,7 +99,13 @@ class GschedTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        qualname = self.path_of_module(m)
+        try:
+            qualname = self.path_of_module(m)
+        except NameError:
+            # Built inside forward (litgpt: ``clamp_head = nn.Identity()``): it has no name a
+            # stage could call it by, and it is rebuilt on every call anyway, so record what
+            # its forward does, in the enclosing module's scope.
+            return forward(*args, **kwargs)
         is_root = qualname == ROOT
         leaf = self.is_leaf_module(m, qualname)
         name = "" if is_root else _strip(qualname)
@@ -167,6 +182,10 @@ class TracedModel:
     traced_into: dict[str, nn.Module] = field(default_factory=dict)
     mode_dependent: str | None = None  # why the graph differs between train() and eval()
     static_shapes: bool = False  # sizes were specialised to the example (see .concrete)
+    attempts: tuple[str, ...] = ()  # how each tracing mode tried ended (see .attempts)
+    static_tried: bool = False  # the static-shape mode was among the attempts
+    leaf_modules: tuple[Any, ...] = ()  # the leaf_modules argument, for messages
+    static_shapes_option: bool | None = None  # the static_shapes argument, for messages
 
     def resolve(self, target: str) -> Any:
         """The object a ``call_module``/``get_attr`` target names (original FQN or constant)."""
@@ -268,41 +287,48 @@ def trace_model(
     leaf_modules: Sequence[type | str] = (),
     auto_leaf: bool = True,
     static_shapes: bool | None = None,
+    num_stages: int | None = None,
 ) -> TracedModel:
     """Trace ``module.forward`` for calls shaped like the example; see the module docstring.
 
     ``static_shapes``: ``False`` never specialises sizes, ``True`` always does, ``None`` (default)
-    falls back to static shapes only when the symbolic trace of the root forward fails.
+    tries the symbolic trace first and static shapes when it fails or keeps a submodule whole
+    that holds too much of the model for ``num_stages`` stages (order: :mod:`.attempts`).
     """
     signature = inspect.signature(module.forward)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     layout = InputLayout.from_example(type(module).__name__, signature, args, kwargs)
     classes, names = resolve_leaf_modules(module, leaf_modules)
-    static = static_shapes is True
-    auto: dict[str, str] = {}
-    symbolic_failure: BaseException | None = None
-    while True:
-        example = layout.flatten(args, kwargs) if static else None
-        try:
-            graph, tracer, root = _trace_once(
-                module, layout, classes, names | frozenset(auto), example
+    example = layout.flatten(args, kwargs)
+
+    def attempt(static: bool) -> Attempt:
+        def trace(auto: frozenset[str]) -> tuple[fx.Graph, GschedTracer, _TraceRootBase]:
+            return _trace_once(module, layout, classes, names | auto, example if static else None)
+
+        return run_attempt(trace, module, static, auto_leaf)
+
+    attempts: list[Attempt] = []
+    if static_shapes is not True:
+        attempts.append(attempt(static=False))
+    if static_shapes is True or (
+        static_shapes is None and needs_static(attempts[0], leaf_limit(num_stages))
+    ):
+        attempts.append(attempt(static=True))
+    chosen = choose(attempts)
+    static_tried = any(a.static for a in attempts)
+    if chosen is None:
+        last = attempts[-1].failure
+        assert last is not None
+        path, cls = failure_site(last)
+        symbolic_failure = attempts[0].failure if len(attempts) > 1 else None
+        raise TraceFailedError(
+            failure_message(
+                module, path or "", cls or type(module), last, symbolic_failure, static_tried
             )
-            break
-        except Exception as exc:  # noqa: BLE001 - any failure while tracing is a trace failure
-            path, cls = failure_site(exc)
-            if auto_leaf and path and path not in auto:
-                auto[path] = f"{cls.__name__ if cls else '?'}: {first_line(exc)}"
-                continue
-            if static_shapes is None and not static:
-                static, auto, symbolic_failure = True, {}, exc  # retry with concrete sizes
-                continue
-            raise TraceFailedError(
-                failure_message(
-                    module, path or "", cls or type(module), exc, symbolic_failure, static
-                )
-            ) from exc
-    if static:
-        layout = layout.with_static_shapes(example or [])
+        ) from last
+    graph, tracer, root = chosen.result
+    if chosen.static:
+        layout = layout.with_static_shapes(example)
     constants = _collect_constants(graph, root)
     assert root._gsched_outputs is not None
     traced = TracedModel(
@@ -311,11 +337,21 @@ def trace_model(
         inputs=layout,
         outputs=root._gsched_outputs,
         constants=constants,
-        auto_leaves=auto,
+        auto_leaves=dict(chosen.auto_leaves),
         traced_into=dict(tracer.traced_into),
-        static_shapes=static,
+        static_shapes=chosen.static,
+        attempts=tuple(a.describe() for a in attempts),
+        static_tried=static_tried,
+        leaf_modules=tuple(leaf_modules),
+        static_shapes_option=static_shapes,
     )
     traced.mode_dependent = _flip_mode_difference(
-        module, layout, classes, names | frozenset(auto), example, graph
+        module,
+        layout,
+        classes,
+        names | frozenset(chosen.auto_leaves),
+        example if chosen.static else None,
+        graph,
     )
     return traced
+

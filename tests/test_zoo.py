@@ -1,0 +1,134 @@
+"""Third-party models split evenly with DEFAULT options and compute what the whole model does.
+
+Opt-in: the default suite skips this module unless transformers / litgpt are installed;
+``make test-zoo`` installs them (without touching torch) and runs it. Models are built from
+small configs (no weights are downloaded). Each one is partitioned into 2 and 4 stages with
+``partition(model, S, (input_ids,))`` and checked by :func:`split_checks.assert_split_matches`:
+every stage holds parameters, none more than 1.5x an even share, no warning, outputs equal
+bit for bit (same random numbers: the models run in train mode with dropout) and gradients
+equal bit for bit (why no tolerance is needed: ``split_checks``).
+The results are tabulated in docs/partition.md ("Third-party models").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from split_checks import assert_split_matches
+
+VOCAB, BATCH, SEQ = 128, 2, 16
+SPECIAL_TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def pixels() -> torch.Tensor:
+    return torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def hf(model_class: str, config_class: str, **config: Any) -> Callable[[], nn.Module]:
+    """Builder of ``transformers.<model_class>(transformers.<config_class>(**config))``."""
+
+    def make() -> nn.Module:
+        transformers = pytest.importorskip("transformers")
+        built = getattr(transformers, config_class)(**config)
+        return getattr(transformers, model_class)(built)
+
+    return make
+
+
+def litgpt_gpt() -> nn.Module:
+    model = pytest.importorskip("litgpt.model")
+    config = pytest.importorskip("litgpt.config")
+    return model.GPT(
+        config.Config(
+            n_layer=4, n_embd=64, n_head=4, block_size=32, vocab_size=VOCAB,
+            padded_vocab_size=VOCAB,
+        )
+    )
+
+
+# 4 layers, width 64, 4 heads everywhere (2 key/value heads where the model has them)
+DECODER = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, max_position_embeddings=64, **SPECIAL_TOKENS,
+)
+GQA = dict(DECODER, num_key_value_heads=2)
+ENCODER = dict(DECODER, **{"pad_token_id": 1})
+
+# name -> (builder, example args of forward)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
+    "transformers.GPT2LMHeadModel": (
+        hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=64,
+           n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0),
+        lambda: (input_ids(),),
+    ),
+    "transformers.LlamaForCausalLM": (hf("LlamaForCausalLM", "LlamaConfig", **GQA),
+                                      lambda: (input_ids(),)),
+    "litgpt.GPT": (litgpt_gpt, lambda: (input_ids(),)),
+    "transformers.MistralForCausalLM": (hf("MistralForCausalLM", "MistralConfig", **GQA),
+                                        lambda: (input_ids(),)),
+    "transformers.Qwen2ForCausalLM": (hf("Qwen2ForCausalLM", "Qwen2Config", **GQA),
+                                      lambda: (input_ids(),)),
+    "transformers.Qwen3ForCausalLM": (hf("Qwen3ForCausalLM", "Qwen3Config", head_dim=16, **GQA),
+                                      lambda: (input_ids(),)),
+    "transformers.GemmaForCausalLM": (hf("GemmaForCausalLM", "GemmaConfig", head_dim=16, **GQA),
+                                      lambda: (input_ids(),)),
+    "transformers.MixtralForCausalLM": (
+        hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+           **GQA),
+        lambda: (input_ids(),),
+    ),
+    "transformers.PhiForCausalLM": (hf("PhiForCausalLM", "PhiConfig", **DECODER),
+                                    lambda: (input_ids(),)),
+    "transformers.GPTNeoXForCausalLM": (hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **DECODER),
+                                        lambda: (input_ids(),)),
+    "transformers.OPTForCausalLM": (
+        hf("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
+           num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64,
+           word_embed_proj_dim=64, **SPECIAL_TOKENS),
+        lambda: (input_ids(),),
+    ),
+    "transformers.BertForMaskedLM": (
+        hf("BertForMaskedLM", "BertConfig", **ENCODER), lambda: (input_ids(),)
+    ),
+    "transformers.RobertaForMaskedLM": (
+        hf("RobertaForMaskedLM", "RobertaConfig", **ENCODER), lambda: (input_ids(),)
+    ),
+    "transformers.DistilBertForMaskedLM": (
+        hf("DistilBertForMaskedLM", "DistilBertConfig", vocab_size=VOCAB, dim=64, n_layers=4,
+           n_heads=4, hidden_dim=128, max_position_embeddings=64, pad_token_id=0),
+        lambda: (input_ids(),),
+    ),
+    "transformers.T5ForConditionalGeneration": (  # forward(input_ids, attention_mask, decoder_..)
+        hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=64, d_kv=16,
+           d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+           pad_token_id=0, eos_token_id=1),
+        lambda: (input_ids(), None, input_ids()),
+    ),
+    "transformers.ViTForImageClassification": (
+        hf("ViTForImageClassification", "ViTConfig", image_size=32, patch_size=8,
+           hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+           num_labels=10),
+        lambda: (pixels(),),
+    ),
+}
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_splits_evenly_and_matches(name: str, num_stages: int) -> None:
+    make, example = MODELS[name]
+    make()  # skips here, before partitioning, when the package is missing
+    part = assert_split_matches(make, example(), num_stages)
+    total = sum(p.numel() for p in part.module.parameters())
+    shares = " / ".join(f"{100 * c / total:.0f}%" for c in part.stage_param_counts)
+    how = "static shapes" if part.static_shapes is not None else "symbolic"
+    leaves = f", {len(part.auto_leaf_modules)} automatic leaves" if part.auto_leaf_modules else ""
+    print(f"{name} S={num_stages}: {shares} ({how}{leaves})")
