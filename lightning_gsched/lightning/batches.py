@@ -152,9 +152,9 @@ def check_split(rows: int, parts: int, exact: bool, what: str) -> None:
     if exact and rows % parts:
         raise BatchSplitError(
             f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
-            f"Make batch_size x devices a multiple of microbatches={parts} (e.g. a global batch "
-            f"of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing {rows}, or use "
-            "drop_last=True so the last batch is not short"
+            f"Make batch_size x devices x num_nodes a multiple of microbatches={parts} (e.g. a "
+            f"global batch of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing "
+            f"{rows}, or use drop_last=True so the last batch is not short"
         )
 
 
