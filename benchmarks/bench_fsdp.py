@@ -31,7 +31,7 @@ the noise of a shared machine can be judged.
 Resident parameter bytes per rank (``extra``), both sides measured, not computed from sizes:
 
 * ours, at rest: after each training batch (optimizer step done), the sum of the real storage
-  bytes of the executor's stage buffers (``executor.flats[s].resident_bytes()``), checked
+  bytes of the executor's stage buffers (``ModelRuntime.memory().resident_bytes``), checked
   against the unique storages of the LightningModule's parameters (they must agree);
   peak: the runtime's own counter ``peak_resident_param_bytes`` of the last step (storage bytes
   of owned + fetched stage buffers, sampled at the start, at every ``FETCH_W`` and at the end;
@@ -287,15 +287,16 @@ def resident_bytes_probe() -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
-            ex = trainer.strategy.engine.executor
-            c = ex.last_counters
+            runtime = trainer.strategy.engine.runtime
+            memory = runtime.memory()
+            c = runtime.executor.last_counters
             self.steps.append({
-                "at_rest": sum(f.resident_bytes() for f in ex.flats),
+                "at_rest": memory.resident_bytes,
                 "module_params": module_param_bytes(pl_module),
                 "peak": c.peak_resident_param_bytes,
                 "peak_stages": c.peak_resident_stages,
-                "owned_stages": sorted(ex.owned),
-                "stage_bytes": [f.nbytes for f in ex.flats],
+                "owned_stages": memory.owned_stages,
+                "stage_bytes": memory.stage_bytes,
                 "weight_fetches": c.weight_fetches,
                 "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
             })

@@ -216,6 +216,7 @@ RULES = [
             f"{PACKAGE}.partition",
             f"{PACKAGE}.runtime",
             f"{PACKAGE}.lightning",
+            f"{PACKAGE}.fabric",
             f"{PACKAGE}.cli",
         ),
         why="schedule/ and errors.py sit below every other layer",
@@ -223,8 +224,21 @@ RULES = [
     Rule(
         name="runtime-below-lightning-and-partition",
         applies_to=(f"{PACKAGE}.runtime",),
-        forbidden=(*LIGHTNING_PIP, f"{PACKAGE}.lightning", f"{PACKAGE}.partition"),
+        forbidden=(*LIGHTNING_PIP, f"{PACKAGE}.lightning", f"{PACKAGE}.fabric",
+                   f"{PACKAGE}.partition"),
         why="runtime/ executes programs on any stages; Lightning and fx partitioning sit above it",
+    ),
+    Rule(
+        name="front-ends-use-the-runtime-facade",
+        # the Trainer and Fabric strategies see ModelRuntime & co. from runtime/__init__.py only
+        applies_to=(f"{PACKAGE}.lightning", f"{PACKAGE}.fabric"),
+        forbidden=tuple(
+            f"{PACKAGE}.runtime.{path.stem}"
+            for path in sorted((PACKAGE_DIR / "runtime").glob("*.py"))
+            if path.stem != "__init__"
+        ),
+        why="front ends reach the runtime through its package interface (ModelRuntime), never "
+        "its internals, so the executor can change behind the facade",
     ),
     Rule(
         name="nothing-imports-the-cli",
@@ -443,6 +457,11 @@ def test_rules_report_file_line_and_target():
             f"{PACKAGE}.lightning.engine",
         ),
         f"{PACKAGE}.cli": _scan("from lightning_gsched.cli import main\n", f"{PACKAGE}.cli"),
+        f"{PACKAGE}.fabric.strategy": _scan(
+            "from lightning_gsched.runtime import ModelRuntime\n"
+            "from lightning_gsched.runtime.flat import FlatStage\n",
+            f"{PACKAGE}.fabric.strategy",
+        ),
     }
     rules = {rule.name: rule for rule in RULES}
     found = {name: rule.violations(imports) for name, rule in rules.items()}
@@ -456,6 +475,10 @@ def test_rules_report_file_line_and_target():
         "runtime-below-lightning-and-partition": [
             f"{PACKAGE}/runtime/step.py:1 imports {PACKAGE}.lightning "
             f"({why['runtime-below-lightning-and-partition']})"
+        ],
+        "front-ends-use-the-runtime-facade": [
+            f"{PACKAGE}/fabric/strategy.py:2 imports {PACKAGE}.runtime.flat "
+            f"({why['front-ends-use-the-runtime-facade']})"
         ],
         "nothing-imports-the-cli": [
             f"{PACKAGE}/lightning/engine.py:2 imports {PACKAGE}.cli "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_gsched.lightning.strategy import GeneralParallel
+from lightning_gsched.runtime.fullstate import prune_optimizer_state
 
 
 def test_optimizer_state_loaded_into_a_built_pipeline_keeps_only_owned_parameters() -> None:
@@ -24,13 +25,14 @@ def test_optimizer_state_loaded_into_a_built_pipeline_keeps_only_owned_parameter
     saved = copy.deepcopy(trained.state_dict())
 
     fresh = torch.optim.Adam([owned, elsewhere])
-    engine = SimpleNamespace(grads=SimpleNamespace(owned_parameters=lambda: [owned]))
+    # the runtime facade of a built pipeline in which this rank owns `owned` only
+    runtime = SimpleNamespace(
+        prune_optimizer_state=lambda optimizers: prune_optimizer_state(optimizers, [owned]))
     # the attributes the hook reads of the strategy, with the pipeline already built
     strategy = SimpleNamespace(
         optimizers=[fresh],
         root_device=torch.device("cpu"),
-        _built=lambda: True,
-        _require_engine=lambda: engine,
+        _runtime=lambda: runtime,
     )
     GeneralParallel.load_optimizer_state_dict(strategy, {"optimizer_states": [saved]})
 

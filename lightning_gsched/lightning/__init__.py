@@ -1,12 +1,13 @@
 """The Lightning strategy: ``Trainer(strategy=GeneralParallel("fslpp", R=2))``.
 
 Importing this package registers ``gsched_<schedule>`` names with Lightning's StrategyRegistry
-(``Trainer(strategy="gsched_1f1b")``). Modules, one job each: :mod:`.config` (arguments ->
-plans), :mod:`.batches` (global batch, microbatches), :mod:`.intercept` (running the user's step
-around ``self(...)``), :mod:`.logsync` (logged values), :mod:`.grads` (gradients between the
-schedule and the optimizer loop, clipping), :mod:`.engine` (one run's pipeline),
-:mod:`.checkpoint` / :mod:`.sharded` (checkpoints), :mod:`.strategy` (the Lightning class).
-See ``docs/usage.md``.
+(``Trainer(strategy="gsched_1f1b")``). Modules, one job each: :mod:`.options` (the arguments
+both front ends take), :mod:`.config` (arguments -> plans), :mod:`.batches` (global batch,
+microbatches), :mod:`.intercept` (running the user's step around the model's call),
+:mod:`.logsync` (losses and logged values), :mod:`.engine` (one run's pipeline, shared with the
+Fabric strategy in ``lightning_gsched.fabric``), :mod:`.sharded` (sharded checkpoints),
+:mod:`.strategy` (the Trainer class). Gradients, clipping and full checkpoints go through the
+runtime's facade, ``lightning_gsched.runtime.ModelRuntime``. See ``docs/usage.md``.
 """
 
 from __future__ import annotations

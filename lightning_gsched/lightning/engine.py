@@ -1,12 +1,15 @@
-"""One Trainer run's pipeline: partition, plans, executor, and the per-batch step logic.
+"""One run's pipeline: partition, plans, runtime, and the per-batch step logic.
 
-Why separate from the strategy class: the strategy speaks Lightning (hooks, plugins, registry),
-the engine speaks schedules (global batch -> microbatches -> program -> gradients and logged
-values). The engine is built lazily at the first batch of the run, because tracing the model
-needs one real call of ``forward`` and Lightning hands the strategy no data before that. Every
-rank sees the same global batch, so everything decided at that point (the probe of the user's
-step, the partition, the programs) is identical on every rank, and a contract error is raised by
-every rank at once instead of leaving some ranks waiting.
+Why separate from the strategies: they speak Lightning (the Trainer's hooks and plugins, Fabric's
+setup, save and load), the engine speaks schedules (global batch -> microbatches -> program ->
+gradients, losses and logged values). The Trainer strategy (:mod:`.strategy`) and the Fabric
+strategy (:mod:`lightning_gsched.fabric`) are thin adapters over this one class, which reaches the
+runtime only through its facade :class:`~lightning_gsched.runtime.ModelRuntime`; it imports
+nothing of Lightning itself. It is built lazily at the first batch of the run, because tracing the
+model needs one real call of ``forward`` and the front ends get no data before that. Every rank
+sees the same global batch, so everything decided at that point (the probe of the user's step,
+the partition, the programs) is identical on every rank, and a contract error is raised by every
+rank at once instead of leaving some ranks waiting.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.lightning.batches import (
@@ -27,33 +29,20 @@ from lightning_gsched.lightning.batches import (
     row_counts,
     take_rows,
 )
-from lightning_gsched.lightning.checkpoint import (
-    prune_optimizer_state,
-    restore_full_optimizer_state,
-    restore_full_weights,
-)
 from lightning_gsched.lightning.config import ScheduleConfig
-from lightning_gsched.lightning.grads import GradStash
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
-from lightning_gsched.lightning.logsync import (
-    LossLogExchange,
-    exchange,
-    reduce_records,
-    replay,
-)
+from lightning_gsched.lightning.logsync import LossLogExchange, exchange, reduce_records
+from lightning_gsched.lightning.options import PartitionOptions
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.runtime import ProgramExecutor, stage_micros
-from lightning_gsched.schedule.describe import describe
+from lightning_gsched.runtime import (
+    ModelRuntime,
+    ParameterMemory,
+    ProgramExecutor,
+    stage_micros,
+)
+from lightning_gsched.schedule.describe import plan_command, startup_summary
 from lightning_gsched.schedule.plan import Plan
-
-
-@dataclass
-class PartitionOptions:
-    balance: Any = "params"
-    leaf_modules: tuple = ()
-    split_points: Any = None
-    static_shapes: bool | None = None
 
 
 def _sync_module_states(module: torch.nn.Module) -> None:
@@ -63,12 +52,31 @@ def _sync_module_states(module: torch.nn.Module) -> None:
             dist.broadcast(tensor.data, 0)
 
 
-class PipelineEngine:
-    """Runs the strategy's steps through one :class:`ProgramExecutor` (see module doc)."""
+@dataclass
+class StepOutcome:
+    """What a step gives back to its front end.
 
-    def __init__(self, module: LightningModule, config: ScheduleConfig, options: PartitionOptions,
+    ``value``: the training loss (the mean over the global batch's microbatches, the same on
+    every rank), or for a forward-only step the outputs of this rank's rows (None when not
+    kept). ``logged``: ``(name, value, options)`` reduced over the global batch, for the front end
+    to log on every rank; ``rows``: the rows this rank loaded (the logged values' batch size).
+    """
+
+    value: Any
+    logged: list[tuple[str, float, dict]]
+    rows: int
+
+
+class PipelineEngine:
+    """Runs a front end's steps through one :class:`ModelRuntime` (see module doc).
+
+    ``optimizers()`` gives the optimizers whose state is pruned to the owned parameters when the
+    runtime is built and restored in full by :meth:`close`; ``info(text)`` prints the plan.
+    """
+
+    def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                  train_plan: Plan, *, world_size: int, rank: int, timeout: float,
-                 optimizers: Callable[[], list]) -> None:
+                 optimizers: Callable[[], list], info: Callable[[str], None]) -> None:
         self.module = module
         self.config = config
         self.options = options
@@ -76,8 +84,8 @@ class PipelineEngine:
         self.world_size, self.rank = world_size, rank
         self.timeout = timeout
         self.optimizers = optimizers
-        self.executor: ProgramExecutor | None = None
-        self.grads: GradStash | None = None
+        self.info = info
+        self.runtime: ModelRuntime | None = None
         self.partition: Any = None
         self.failed = False
         self.losses_and_logs: LossLogExchange | None = None
@@ -87,52 +95,46 @@ class PipelineEngine:
 
     @property
     def built(self) -> bool:
-        return self.executor is not None
+        return self.runtime is not None
 
-    def _probe(self, caller: StepCaller, micro_batch: Any) -> tuple[tuple, dict]:
+    @property
+    def executor(self) -> ProgramExecutor | None:
+        """The executor under the runtime, for tools that time or count it (benchmarks, tests)."""
+        return self.runtime.executor if self.runtime is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stages live (and losses and outputs are returned)."""
+        return self._runtime().device
+
+    def _runtime(self) -> ModelRuntime:
+        assert self.runtime is not None, "the pipeline is built at the first batch"
+        return self.runtime
+
+    def _probe(self, caller: StepCaller, micro_batch: Any, training: bool) -> tuple[tuple, dict]:
         """Run the user's step once on the full local model to check the step contract."""
         with preserved_tensors_and_rng(self.module), torch.no_grad():
             call = caller.probe(micro_batch)
-        if caller.hook == "training_step":
-            step_loss(call.result, caller.hook)
+        if training:
+            step_loss(call.result, caller.name)
         return call.args, call.kwargs
 
-    def build(self, caller: StepCaller, micro_batch: Any) -> None:
-        """Partition the model, build the executor, release non-owned stages (collective)."""
+    def build(self, caller: StepCaller, micro_batch: Any, training: bool) -> None:
+        """Partition the model, build the runtime, release non-owned stages (collective)."""
         with torch.inference_mode(False):
-            args, kwargs = self._probe(caller, micro_batch)
+            args, kwargs = self._probe(caller, micro_batch, training)
             args = tuple(_normal(a) for a in args)
             kwargs = {k: _normal(v) for k, v in kwargs.items()}
             if self.world_size > 1:
                 _sync_module_states(self.module)
             self.partition = self._partition(args, kwargs)
-            self.executor = ProgramExecutor(self.partition.stages, self.train_plan.programs,
-                                            timeout=self.timeout, sync_weights=False)
-            self.grads = GradStash(self.executor, self.module)
-            prune_optimizer_state(self.optimizers(), self.grads.owned_parameters())
+            self.runtime = ModelRuntime(self.module, self.partition.stages,
+                                        self.train_plan.programs, timeout=self.timeout,
+                                        sync_weights=False)
+            self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
-            rank_zero_info(
-                "GeneralParallel plan (unit costs: forward 1, backward 2 per stage):\n"
-                + describe(self.train_plan) + "\n" + self.memory_summary() + "\n"
-                + self.partition.report()
-            )
-
-    def memory_summary(self) -> str:
-        """Parameter memory per worker implied by the plan and the partition's stage sizes."""
-        assert self.executor is not None
-        sizes = [flat.nbytes for flat in self.executor.flats]
-        shared = self.executor.shared.nbytes
-        owners = self.train_plan.table.owners
-        lines = [f"parameter memory per worker (tied parameters, {_mib(shared)}, on every "
-                 "worker in addition):"]
-        for m in self.train_plan.metrics.per_worker:
-            owned = [s for s, o in enumerate(owners) if m.worker in o]
-            held = sum(sizes[s] for s in owned)
-            others = sorted((sizes[s] for s in range(len(sizes)) if s not in owned), reverse=True)
-            extra = sum(others[: max(0, m.peak_resident_stages - len(owned))])
-            lines.append(f"  worker {m.worker}: owns {_mib(held)} (stages {owned}), peak "
-                         f"resident <= {_mib(held + extra)}; optimizer state for the owned part")
-        return "\n".join(lines)
+            self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),
+                                   custom=self.config.placement is not None))
 
     def _partition(self, args: tuple, kwargs: dict) -> Any:
         S = self.train_plan.stages
@@ -169,15 +171,13 @@ class PipelineEngine:
             try:
                 inputs[b] = caller.capture(micros[b])
             except Exception as exc:
-                self._abort(f"rank {self.rank} failed in {caller.hook} on microbatch {b} "
+                self._abort(f"rank {self.rank} failed in {caller.name} on microbatch {b} "
                             f"before stage 0: {type(exc).__name__}: {exc}", exc)
         return inputs
 
     def _abort(self, message: str, exc: BaseException) -> None:
         self.failed = True
-        assert self.executor is not None
-        self.executor.channels.report_fault(message)
-        self.executor.channels.abort()
+        self._runtime().abort(message)
         if isinstance(exc, GschedError) and not isinstance(exc, RuntimeFault):
             raise type(exc)(message) from exc
         raise RuntimeFault(message) from exc
@@ -201,29 +201,27 @@ class PipelineEngine:
     def _global_batch(self, batch: Any, rows: list[int], plan: Plan) -> Any:
         return gather_batch(batch, rows, self.rank, plan.micro, self._needed_micros(plan))
 
-    def training_step(self, batch: Any, rest: tuple, kwargs: dict) -> torch.Tensor:
+    def training_step(self, batch: Any, caller: StepCaller) -> StepOutcome:
+        """One schedule step on this rank's share of the global batch: forward, backward and
+        the gradients held for :meth:`hand_over_grads`; the loss of the global batch."""
         B = self.train_plan.micro
         batch = self._global_batch(batch, row_counts(batch, self.world_size), self.train_plan)
         micros = batch.micros(B, exact=True)
-        caller = StepCaller(self.module, "training_step", rest, kwargs)
         if not self.built:
-            self.build(caller, micros[0])
-        assert self.executor is not None and self.grads is not None
+            self.build(caller, micros[0], training=True)
+        runtime = self._runtime()
         if self.losses_and_logs is None:
-            self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B,
-                                                   self.executor.device)
-        inputs = self._capture_all(caller, micros, self.executor.first_stage_micros)
+            self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device)
+        inputs = self._capture_all(caller, micros, runtime.first_stage_micros)
 
         def loss_fn(output: Any, b: int) -> torch.Tensor:
-            return step_loss(caller.finish(micros[b], output, b), "training_step")
+            return step_loss(caller.finish(micros[b], output, b), caller.name)
 
-        self.grads.before_step()
         try:
-            result = self.executor.step(inputs, loss_fn)
+            result = runtime.step(inputs, loss_fn)
         except RuntimeFault:
             self.failed = True
             raise
-        self.grads.after_step()
         losses = {b: float(v) for b, v in result.losses.items()}
         all_losses, records = self.losses_and_logs(losses, caller.logs)
         if len(all_losses) != B:
@@ -232,78 +230,87 @@ class PipelineEngine:
                 "must run the same plan"
             )
         weights = micro_rows(batch.rows, B)
-        device = self.executor.device
-        replay(self.module, reduce_records(records, weights), device,
-               batch.rows_per_rank[self.rank])
-        return torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=device)
+        loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
+        return StepOutcome(loss, reduce_records(records, weights), batch.rows_per_rank[self.rank])
 
-    def eval_step(self, hook: str, batch: Any, rest: tuple, kwargs: dict) -> Any:
-        """validation/test/predict: a forward-only plan; predictions go back to their rank."""
+    def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool) -> StepOutcome:
+        """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
+        gets the outputs of the rows it loaded (predictions go back to their rank)."""
         rows = row_counts(batch, self.world_size)
         plan = self.config.eval_plan(self.world_size, sum(rows))
         B = plan.micro
         batch = self._global_batch(batch, rows, plan)
         micros = batch.micros(B, exact=False, what="evaluation batch")
         weights = micro_rows(batch.rows, B)
-        caller = StepCaller(self.module, hook, rest, kwargs)
         if not self.built:
             first = next(b for b in range(B) if weights[b] > 0)
-            self.build(caller, micros[first])
-        assert self.executor is not None
+            self.build(caller, micros[first], training=False)
+        runtime = self._runtime()
         first_micros, _ = stage_micros(plan.programs, self.rank)
         inputs = self._capture_all(caller, micros, first_micros)
         try:
-            outputs = self.executor.forward(
+            outputs = runtime.forward(
                 plan.programs, inputs, lambda out, b: caller.finish(micros[b], out, b)
             )
         except RuntimeFault:
             self.failed = True
             raise
-        predicting = hook == "predict_step"
-        shipped = {b: _to_cpu(v) for b, v in outputs.items()} if predicting else {}
+        shipped = {b: _to_cpu(v) for b, v in outputs.items()} if keep_outputs else {}
         gathered = exchange((shipped, caller.logs), self.world_size)
         records = [r for _, logs in gathered for r in logs]
-        replay(self.module, reduce_records(records, weights), self.executor.device,
-               batch.rows_per_rank[self.rank])
-        if not predicting:
-            return None
+        logged = reduce_records(records, weights)
+        mine = batch.rows_per_rank[self.rank]
+        if not keep_outputs:
+            return StepOutcome(None, logged, mine)
         by_micro = {b: v for part, _ in gathered for b, v in part.items()}
-        joined = concat_outputs([by_micro[b] for b in range(B)], hook)
+        joined = concat_outputs([by_micro[b] for b in range(B)], caller.name)
         start = batch.offset(self.rank)
-        local = take_rows(joined, start, start + batch.rows_per_rank[self.rank])
-        return _to_device(local, self.executor.device)
+        local = take_rows(joined, start, start + mine)
+        return StepOutcome(_to_device(local, runtime.device), logged, mine)
 
-    # ------------------------------------------------------------------ backward
+    # ------------------------------------------------------------------ gradients
 
     def hand_over_grads(self, scale: float) -> None:
-        if self.grads is not None:
-            self.grads.hand_over(scale)
+        """The last training step's gradients into ``param.grad`` (see ModelRuntime.hand_over)."""
+        if self.runtime is not None:
+            self.runtime.hand_over(scale)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip by the norm of the whole model (each parameter once over all ranks); before the
+        first step every rank holds the full model, so torch's own clipping is exact."""
+        if self.runtime is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                                  error_if_nonfinite=error_if_nonfinite)
+        return self.runtime.clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ end
 
     def close(self, gather: bool) -> None:
         """Give every rank the full model again (unless a rank failed) and drop the groups."""
-        if self.executor is None:
+        runtime = self.runtime
+        if runtime is None:
             return
-        if gather and not self.failed and not self.executor.channels.closed:
-            assert self.grads is not None
-            with torch.no_grad():
-                restore_full_weights(self.executor)
-            restore_full_optimizer_state(self.optimizers(), self.grads)
-        if not self.executor.channels.closed:
-            self.executor.close()
-        self.executor = None
-        self.grads = None
+        if gather and not self.failed and not runtime.closed:
+            runtime.restore_full_model(self.optimizers())
+        runtime.close()
+        self.runtime = None
 
 
-def _mib(nbytes: int) -> str:
-    """Human-readable bytes (B, KiB, MiB, GiB)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{value:.2f} GiB"
+def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bool) -> str:
+    """What rank 0 prints when the pipeline is built: one screen at W=8 and beyond.
+
+    The plan's per-worker numbers as ranges over the workers (:func:`startup_summary`), the
+    command that prints the full per-worker table (not for a ``custom`` placement, which the
+    CLI cannot express), and the partition's stage table without the per-stage unit lists
+    (2-3 lines per stage), which ``partition.report()`` gives in full.
+    """
+    command = None if custom else plan_command(plan)
+    return "\n".join([
+        startup_summary(plan, memory.stage_bytes, memory.tied_bytes, command),
+        partition.report(units=False),
+        "(the units of each stage: strategy.engine.partition.report() during the run)",
+    ])
 
 
 def _normal(value: Any) -> Any:

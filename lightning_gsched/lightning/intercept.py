@@ -1,16 +1,25 @@
-"""Run the user's step method on one microbatch, with ``self(...)`` intercepted.
+"""Run the user's step on one microbatch, with the model's call intercepted.
 
-Why: the user's ``training_step`` (and validation/test/predict steps) stay unchanged. The
-strategy calls the step twice per microbatch, on different ranks:
+Why: the user's step stays unchanged: a LightningModule's ``training_step`` (and validation,
+test, predict steps) calling ``self(...)``, or a Fabric loss function calling ``model(...)``.
+The engine runs the step twice per microbatch, on different ranks:
 
-* capture (on the rank that computes stage 0): ``self(...)`` records its arguments and stops the
-  step right there, so the pipeline gets the model's input without running any of the model;
-* finish (on the rank that computes the last stage, inside the executor): ``self(...)`` returns
-  the pipeline's output instead of running the model, and the rest of the step computes the loss.
+* capture (on the rank that computes stage 0): the model's call records its arguments and stops
+  the step right there, so the pipeline gets the model's input without running any of the model;
+* finish (on the rank that computes the last stage, inside the executor): the model's call
+  returns the pipeline's output instead of running the model, and the rest of the step computes
+  the loss.
 
-``self.log`` calls made while finishing are recorded (with the microbatch) instead of going to
-Lightning: the strategy reduces them over microbatches and ranks and logs each value once, the
-same on every rank. During capture they are dropped (the finishing run logs them).
+For the Trainer, ``self.log`` calls made while finishing are recorded (with the microbatch)
+instead of going to Lightning: the strategy reduces them over microbatches and ranks and logs
+each value once, the same on every rank. During capture they are dropped (the finishing run logs
+them).
+
+Stopping the step uses an exception, :class:`_Captured`. It derives from ``BaseException`` (as
+``KeyboardInterrupt`` and ``GeneratorExit`` do), so a user's ``try: ... except Exception:``
+around the model's call lets it through. A bare ``except:`` still catches it; the capture then
+notices that the call happened but the step went on, and raises a ``TrainingStepError`` saying
+so, instead of guessing.
 """
 
 from __future__ import annotations
@@ -20,13 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from lightning.pytorch import LightningModule
+from torch import nn
 
 from lightning_gsched.errors import TrainingStepError
 
 
-class _Captured(Exception):
-    """Raised by the intercepted ``forward`` to leave the user's step after ``self(...)``."""
+class _Captured(BaseException):
+    """Raised by the intercepted ``forward`` to leave the user's step after the model's call
+    (a BaseException so that ``except Exception:`` in user code lets it through)."""
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__("captured")
@@ -54,45 +64,66 @@ class ProbeResult:
 
 @dataclass
 class StepCaller:
-    """Calls ``module.<hook>(microbatch, *rest)`` in capture or finish mode (see module doc)."""
+    """Calls the user's step on a microbatch in probe, capture or finish mode (see module doc).
 
-    module: LightningModule
-    hook: str  # "training_step", "validation_step", ...
-    rest: tuple = ()
-    kwargs: dict = field(default_factory=dict)
+    ``module``: the model whose ``forward`` the step calls. ``run(micro_batch)``: runs the
+    user's step. ``name`` (e.g. ``"LitGPT.training_step"``) and ``who`` (``"self"`` in a
+    LightningModule's step, ``"model"`` in a Fabric loss function) make the messages.
+    ``record_logs``: intercept ``module.log`` (Trainer only).
+    """
+
+    module: nn.Module
+    run: Callable[[Any], Any]
+    name: str
+    who: str = "self"
+    record_logs: bool = True
     logs: list[LogRecord] = field(default_factory=list)
+
+    @classmethod
+    def for_hook(cls, module: nn.Module, hook: str, rest: tuple = (),
+                 kwargs: dict | None = None) -> "StepCaller":
+        """A LightningModule's ``<hook>(microbatch, *rest, **kwargs)``, e.g. training_step."""
+        kwargs = dict(kwargs or {})
+
+        def run(micro_batch: Any) -> Any:
+            return getattr(module, hook)(micro_batch, *rest, **kwargs)
+
+        return cls(module, run, f"{type(module).__name__}.{hook}")
 
     @contextmanager
     def _patched(self, forward: Callable, log: Callable) -> Iterator[None]:
         module = self.module
-        had_forward, had_log = "forward" in vars(module), "log" in vars(module)
-        old_forward, old_log = vars(module).get("forward"), vars(module).get("log")
-        module.forward = forward  # type: ignore[method-assign]
-        module.log = log  # type: ignore[method-assign]
+        patches = {"forward": forward, **({"log": log} if self.record_logs else {})}
+        saved = {name: (name in vars(module), vars(module).get(name)) for name in patches}
+        for name, value in patches.items():
+            setattr(module, name, value)
         try:
             yield
         finally:
-            for name, had, old in (("forward", had_forward, old_forward), ("log", had_log, old_log)):
+            for name, (had, old) in saved.items():
                 if had:
                     setattr(module, name, old)
                 else:
                     delattr(module, name)
 
     def capture(self, micro_batch: Any) -> tuple[tuple, dict]:
-        """The ``(args, kwargs)`` the step passes to ``self(...)`` for this microbatch."""
+        """The ``(args, kwargs)`` the step passes to the model for this microbatch."""
+        called = False
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            nonlocal called
+            called = True
             raise _Captured(args, kwargs)
 
         with self._patched(forward, _drop_log):
             try:
-                getattr(self.module, self.hook)(micro_batch, *self.rest, **self.kwargs)
+                self.run(micro_batch)
             except _Captured as call:
                 return call.args, call.kwargs
-        raise TrainingStepError(self._never())
+        raise TrainingStepError(self._swallowed() if called else self._never())
 
     def probe(self, micro_batch: Any) -> "ProbeResult":
-        """Run the whole step with the real forward, checking it calls ``self(...)`` once.
+        """Run the whole step with the real forward, checking it calls the model once.
 
         Used once per run on every rank (same data everywhere, so every rank reaches the same
         verdict); logging is dropped. The caller preserves RNG and buffers around it.
@@ -107,27 +138,35 @@ class StepCaller:
             return real(*args, **kwargs)
 
         with self._patched(forward, _drop_log):
-            result = getattr(self.module, self.hook)(micro_batch, *self.rest, **self.kwargs)
+            result = self.run(micro_batch)
         if not calls:
             raise TrainingStepError(self._never())
         return ProbeResult(calls[0][0], calls[0][1], result)
 
     def _never(self) -> str:
         return (
-            f"{type(self.module).__name__}.{self.hook} never calls self(...). GeneralParallel "
+            f"{self.name} never calls {self.who}(...). GeneralParallel "
             "pipelines the module's forward(), so the step must call it exactly once, e.g. "
-            "`out = self(x)` (not `self.model(x)`: move that call into forward())"
+            f"`out = {self.who}(x)` (not `{self.who}.model(x)`: move that call into forward())"
         )
 
     def _twice(self) -> str:
         return (
-            f"{type(self.module).__name__}.{self.hook} calls self(...) more than once; "
-            "GeneralParallel pipelines one forward per step. Call self(...) once (e.g. on "
+            f"{self.name} calls {self.who}(...) more than once; "
+            f"GeneralParallel pipelines one forward per step. Call {self.who}(...) once (e.g. on "
             "concatenated inputs) and split its output"
         )
 
+    def _swallowed(self) -> str:
+        return (
+            f"{self.name} calls {self.who}(...) inside a try block whose bare `except:` (or "
+            "`except BaseException:`) caught GeneralParallel's capture of the call's inputs, "
+            "so the step went on without the model's output. Catch `Exception` there (the "
+            "capture is not one), or move the try block away from the call"
+        )
+
     def finish(self, micro_batch: Any, output: Any, micro: int) -> Any:
-        """Run the step with ``self(...)`` returning ``output``; returns the step's result."""
+        """Run the step with the model's call returning ``output``; returns the step's result."""
         calls = 0
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -146,7 +185,7 @@ class StepCaller:
             self.logs.append(LogRecord(micro, name, _to_float(name, value), options))
 
         with self._patched(forward, log):
-            return getattr(self.module, self.hook)(micro_batch, *self.rest, **self.kwargs)
+            return self.run(micro_batch)
 
 
 def _drop_log(*args: Any, **kwargs: Any) -> None:

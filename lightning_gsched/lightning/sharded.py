@@ -23,9 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning.checkpoint import parameter_names
-from lightning_gsched.lightning.grads import GradStash
-from lightning_gsched.runtime import ProgramExecutor
+from lightning_gsched.runtime import ModelRuntime, parameter_names
 
 META = "gsched_meta.pt"
 
@@ -34,21 +32,21 @@ def is_sharded_checkpoint(path: Any) -> bool:
     return os.path.isdir(str(path)) and os.path.isfile(os.path.join(str(path), META))
 
 
-def writer_of_names(module: nn.Module, grads: GradStash | None, executor: ProgramExecutor | None,
-                    rank: int, world: int) -> Callable[[str], bool]:
+def writer_of_names(module: nn.Module, runtime: ModelRuntime | None, rank: int,
+                    world: int) -> Callable[[str], bool]:
     """Which state-dict keys this rank writes.
 
     While stages are distributed: a stage parameter is written by its first owner, everything
     else (buffers, tied and extra parameters) by rank 0. After a run (every rank holds the full
     model again) the keys are dealt round-robin, so the write is still spread over the ranks.
     """
-    if grads is None or executor is None:
+    if runtime is None:
         keys = list(module.state_dict().keys())
         mine_keys = {k for i, k in enumerate(keys) if i % world == rank}
         return mine_keys.__contains__
     names = parameter_names(module)
-    stage_names = {n for f in executor.flats for p in f.params for n in names.get(id(p), [])}
-    primary = {n for p in grads.primary for n in names.get(id(p), [])}
+    stage_names = {n for p in runtime.stage_parameters() for n in names.get(id(p), [])}
+    primary = {n for p in runtime.primary_parameters() for n in names.get(id(p), [])}
     return lambda key: key in primary or (rank == 0 and key not in stage_names)
 
 

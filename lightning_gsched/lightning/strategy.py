@@ -6,7 +6,8 @@ exactly DDP's; what differs is that the model is not wrapped. Instead each step 
 programs (:mod:`.engine`): ``training_step`` runs the whole schedule and keeps the gradients
 aside, ``backward`` hands them to the parameters (Lightning zeroes gradients between the two),
 clipping by norm is global over all stages, evaluation runs forward-only programs, and
-checkpoints are gathered from the stages' owners (:mod:`.checkpoint`, :mod:`.sharded`).
+checkpoints are gathered from the stages' owners (the runtime's facade, :mod:`.sharded`). The
+engine and the runtime facade are shared with the Fabric strategy (``lightning_gsched.fabric``).
 """
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import checkpoint as full_checkpoint  # hooks' args: checkpoint
 from lightning_gsched.lightning import sharded
-from lightning_gsched.lightning.config import ScheduleConfig
-from lightning_gsched.lightning.engine import PartitionOptions, PipelineEngine
-from lightning_gsched.partition.arguments import check_options as check_partition_options
+from lightning_gsched.lightning.engine import PipelineEngine
+from lightning_gsched.lightning.intercept import StepCaller
+from lightning_gsched.lightning.logsync import replay
+from lightning_gsched.lightning.options import (
+    check_launch_arguments,
+    library_names,
+    pipeline_options,
+)
+from lightning_gsched.runtime import ModelRuntime
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.library import LIBRARY
 
 STATE_DICT_TYPES = ("full", "sharded")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class GeneralParallel(DDPStrategy):
@@ -99,16 +104,12 @@ class GeneralParallel(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
-        schedule_config = ScheduleConfig(
-            schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order,
-            cap=cap, placement=placement, priority=priority, forward_cost=forward_cost,
-            backward_cost=backward_cost,
-        )
-        schedule_config.check()
-        partition_options = PartitionOptions(
-            *check_partition_options(balance, leaf_modules, split_points, static_shapes, stages))
-        _check_strategy_arguments(state_dict_type, step_timeout, gather_on_teardown,
-                                  process_group_backend, timeout, start_method)
+        schedule_config, partition_options = pipeline_options(
+            schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
+            static_shapes, placement, priority, forward_cost, backward_cost)
+        _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
+        step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
+                                              start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -118,7 +119,7 @@ class GeneralParallel(DDPStrategy):
         self.schedule_config = schedule_config
         self.partition_options = partition_options
         self.state_dict_type = state_dict_type
-        self.step_timeout = float(step_timeout)
+        self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
         self._engine: PipelineEngine | None = None
         self._failed = False
@@ -169,7 +170,7 @@ class GeneralParallel(DDPStrategy):
         self._engine = PipelineEngine(
             module, self.schedule_config, self.partition_options, train_plan,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
-            optimizers=lambda: [_unwrap(o) for o in self.optimizers],
+            optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
         )
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
@@ -188,25 +189,42 @@ class GeneralParallel(DDPStrategy):
             raise StrategyConfigError("GeneralParallel was used before Trainer setup")
         return self._engine
 
+    def _caller(self, hook: str, args: tuple, kwargs: dict) -> StepCaller:
+        """The user's ``<hook>(batch, *rest, **kwargs)`` with ``self(...)`` intercepted."""
+        module = self.lightning_module
+        assert module is not None
+        return StepCaller.for_hook(module, hook, tuple(args[1:]), kwargs)
+
+    def _logged(self, outcome: Any) -> Any:
+        """Log what the step logged (reduced over the global batch) on every rank; its value."""
+        replay(self.lightning_module, outcome.logged, self._require_engine().device,
+               outcome.rows)
+        return outcome.value
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._require_engine()
         with self.precision_plugin.train_step_context():
-            return engine.training_step(args[0], tuple(args[1:]), kwargs)
+            caller = self._caller("training_step", args, kwargs)
+            return self._logged(engine.training_step(args[0], caller))
+
+    def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
+        engine = self._require_engine()
+        with context:
+            caller = self._caller(hook, args, kwargs)
+            outcome = engine.eval_step(args[0], caller, keep_outputs=hook == "predict_step")
+            return self._logged(outcome)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._require_engine()
-        with self.precision_plugin.val_step_context():
-            return engine.eval_step("validation_step", args[0], tuple(args[1:]), kwargs)
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(),
+                               args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._require_engine()
-        with self.precision_plugin.test_step_context():
-            return engine.eval_step("test_step", args[0], tuple(args[1:]), kwargs)
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(),
+                               args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._require_engine()
-        with self.precision_plugin.predict_step_context():
-            return engine.eval_step("predict_step", args[0], tuple(args[1:]), kwargs)
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(),
+                               args, kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any,
                  **kwargs: Any) -> torch.Tensor:
@@ -218,24 +236,21 @@ class GeneralParallel(DDPStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        engine = self._require_engine()
         params = list(self.precision_plugin.main_params(optimizer))
-        if engine.grads is None:
-            torch.nn.utils.clip_grad_norm_(params, clip_val)
-            return
-        engine.grads.clip_by_norm(params, float(clip_val))
+        self._require_engine().clip_grad_norm(params, float(clip_val))
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _runtime(self) -> ModelRuntime | None:
+        """The running pipeline's runtime facade (None before the first batch / after a run)."""
+        return self._engine.runtime if self._engine is not None else None
+
     def _built(self) -> bool:
-        return self._engine is not None and self._engine.built
+        return self._runtime() is not None
 
     def _sharded_writer(self) -> Callable[[str], bool]:
-        engine = self._engine
-        built = engine is not None and engine.built
-        return sharded.writer_of_names(
-            self.lightning_module, engine.grads if built else None,
-            engine.executor if built else None, self.global_rank, self.world_size)
+        return sharded.writer_of_names(self.lightning_module, self._runtime(), self.global_rank,
+                                       self.world_size)
 
     def _check_not_released(self) -> None:
         if self._released and not self._built():
@@ -249,22 +264,20 @@ class GeneralParallel(DDPStrategy):
         self._check_not_released()
         if self.state_dict_type == "sharded":
             return sharded.local_model_state(self.lightning_module, self._sharded_writer())
-        if not self._built():
+        runtime = self._runtime()
+        if runtime is None:
             return super().lightning_module_state_dict()
-        engine = self._require_engine()
-        assert engine.executor is not None
-        return full_checkpoint.full_state_dict(self.lightning_module, engine.executor)
+        return runtime.full_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
         if self.state_dict_type == "sharded":
             return sharded.local_optimizer_state(self.lightning_module, optimizer,
                                                  self._sharded_writer())
-        if not self._built():
+        runtime = self._runtime()
+        if runtime is None:
             return optimizer.state_dict()
-        engine = self._require_engine()
-        assert engine.grads is not None
-        return full_checkpoint.full_optimizer_state(optimizer, engine.grads)
+        return runtime.full_optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
@@ -282,13 +295,11 @@ class GeneralParallel(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
-        state = checkpoint["state_dict"]
-        if self._built():  # only the parameters this rank holds
-            held = {name for name, p in module.named_parameters(remove_duplicate=False)
-                    if p.numel() == 0}
-            state = {k: v for k, v in state.items() if k not in held}
-            strict = False
-        module.load_state_dict(state, strict=strict)
+        runtime = self._runtime()
+        if runtime is not None:  # only the parameters this rank holds
+            runtime.load_state_dict(checkpoint["state_dict"])
+            return
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizer_states = checkpoint["optimizer_states"]
@@ -296,11 +307,9 @@ class GeneralParallel(DDPStrategy):
         for optimizer, state in zip(self.optimizers, optimizer_states, strict=False):
             _unwrap(optimizer).load_state_dict(state)
         _optimizers_to_device(self.optimizers, self.root_device)
-        if self._built():
-            engine = self._require_engine()
-            assert engine.grads is not None
-            full_checkpoint.prune_optimizer_state([_unwrap(o) for o in self.optimizers],
-                                                  engine.grads.owned_parameters())
+        runtime = self._runtime()
+        if runtime is not None:
+            runtime.prune_optimizer_state([_unwrap(o) for o in self.optimizers])
 
     # ------------------------------------------------------------------ end
 
@@ -320,39 +329,18 @@ class GeneralParallel(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, spec in LIBRARY.items():
-            strategy_registry.register(
-                f"gsched_{name}", cls,
-                description=f"GeneralParallel('{name}'): {spec.trade_off}",
-                schedule=name,
-            )
+        for name, description, schedule in library_names("GeneralParallel"):
+            strategy_registry.register(name, cls, description=description, schedule=schedule)
 
 
-def _check_strategy_arguments(state_dict_type: Any, step_timeout: Any, gather_on_teardown: Any,
-                              process_group_backend: Any, timeout: Any, start_method: Any) -> None:
-    """The arguments that are the strategy's own (the schedule's and the partitioner's are
-    checked by :meth:`ScheduleConfig.check` and ``check_partition_options``).
-
-    Lightning's plugin arguments (accelerator, cluster_environment, ...) go to DDPStrategy as
-    they are; a wrong one fails there as it would with DDP.
-    """
+def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any) -> None:
+    """The Trainer strategy's own arguments (the shared ones: :mod:`.options`)."""
     if not (isinstance(state_dict_type, str) and state_dict_type in STATE_DICT_TYPES):
         raise StrategyConfigError(
             f"state_dict_type={state_dict_type!r} is not valid: use 'full' (one .ckpt) or "
             "'sharded' (a torch.distributed.checkpoint directory); e.g. state_dict_type='full'"
         )
-    validate.positive_number("step_timeout", step_timeout, "300", StrategyConfigError,
-                             "seconds any one wait may take: a finite number > 0")
     validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
-    if process_group_backend is not None and not isinstance(process_group_backend, str):
-        raise validate.invalid("process_group_backend", process_group_backend,
-                               "must be None (Lightning picks) or a torch.distributed backend "
-                               "name", "'gloo'", StrategyConfigError)
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise validate.invalid("timeout", timeout, "must be a datetime.timedelta (the process "
-                               "group timeout; step_timeout bounds each wait in a step)",
-                               "timedelta(minutes=30)", StrategyConfigError)
-    validate.one_of("start_method", start_method, START_METHODS, StrategyConfigError)
 
 
 def _unwrap(optimizer: Any) -> Any:

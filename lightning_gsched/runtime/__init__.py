@@ -16,11 +16,18 @@
     outputs = executor.forward(evaluation, {b: ((x_b,), {}) for b in first},
                                output_fn=lambda out, b: out.argmax(-1))   # {b: value} for `last`
 
+Training front ends (the Lightning Trainer strategy, the Fabric strategy) use the facade
+:class:`ModelRuntime` (:mod:`.model_runtime`): a step with its gradients held until the loop's
+backward, the hand-over, clipping by the global norm, owned parameters, full-state gather and
+restore, parameter memory, aborting on a failure.
+
 Modules, one job each: :mod:`.wire` (pytree <-> one message), :mod:`.channels` (process groups,
 fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport` (sends, posted
 receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
 forward/backward, stash), :mod:`.layout` (which parameters go where), :mod:`.executor` (the
-program walker), :mod:`.counters`. See ``docs/runtime.md``.
+program walker), :mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
+updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
+:mod:`.fullstate` (full model and optimizer state). See ``docs/runtime.md``.
 """
 
 from __future__ import annotations
@@ -29,14 +36,19 @@ from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
+from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros
+from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
 
 __all__ = [
     "Channels",
+    "ModelRuntime",
+    "ParameterMemory",
     "ProgramExecutor",
     "RuntimeConfigError",
     "RuntimeCounters",
     "RuntimeFault",
     "StepResult",
+    "parameter_names",
     "stage_micros",
 ]

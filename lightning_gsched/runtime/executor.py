@@ -191,7 +191,7 @@ class ProgramExecutor:
             self._guarded(state.finish)
         except RuntimeFault as fault:
             state.drop()
-            self._abort(getattr(fault, "headline", str(fault)))
+            self.abort(getattr(fault, "headline", str(fault)))
             raise
         finally:
             self._position = "the start of its program"
@@ -252,8 +252,11 @@ class ProgramExecutor:
                 for p in self.shared.params:
                     self.channels.broadcast(p.data, 0, None)
 
-    def _abort(self, message: str) -> None:
-        """Tell the job what failed first, then drop every handle and destroy the groups."""
+    def abort(self, message: str) -> None:
+        """Tell the job what failed first, then drop every handle and destroy the groups.
+
+        Called on a failed step, and by a front end whose own code failed between steps, so
+        that peers waiting on this rank fail at once, quoting ``message``."""
         self.channels.report_fault(message)
         self.transport.drop_all()
         self.compute.stash.clear()

@@ -18,7 +18,7 @@ the step (a :class:`FlatGrads` of its own).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -26,22 +26,44 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError
 
 
-def _layout(params: Sequence[nn.Parameter]) -> tuple[list[int], int]:
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
-    return offsets, total
+class FlatLayout:
+    """Where each of some parameters lives in one flat buffer of their concatenated elements.
+
+    Why a class of its own: weights, gradients, checkpoints and the gradient hand-over all cut a
+    flat buffer into per-parameter views; :meth:`views` is the one loop that does it. Shapes and
+    sizes are taken at construction, while the weights are present (a released stage's
+    parameters are empty afterwards).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+        self.shapes = [p.shape for p in self.params]
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets: list[int] = []
+        self.numel = 0
+        for size in self.sizes:
+            self.offsets.append(self.numel)
+            self.numel += size
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s piece of ``flat``, shaped like the parameter."""
+        start = self.offsets[i]
+        return flat[start : start + self.sizes[i]].view(self.shapes[i])
+
+    def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its view of ``flat``) for every parameter, in buffer order."""
+        for i, p in enumerate(self.params):
+            yield p, self.view(flat, i)
 
 
-class FlatStage:
+class FlatStage(FlatLayout):
     """The weights and gradients of one stage on one rank (owned, or fetched on demand)."""
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool) -> None:
         self.index = index
-        self.params = list(params)
-        dtypes = {p.dtype for p in self.params}
-        devices = {p.device for p in self.params}
+        params = list(params)
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
             raise RuntimeConfigError(
                 f"stage {index} mixes parameter dtypes/devices "
@@ -49,11 +71,9 @@ class FlatStage:
                 "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
                 "move it to one device before building the runtime."
             )
+        super().__init__(params)  # sizes kept: the params of a non-owned stage go empty
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else torch.device("cpu")
-        self.shapes = [p.shape for p in self.params]
-        self.sizes = [p.numel() for p in self.params]  # params of a non-owned stage go empty
-        self.offsets, self.numel = _layout(self.params)
         self.grads = FlatGrads(self.params, self.dtype, self.device)
         self.owned = owned
         self.flat: torch.Tensor | None = None  # weights; storage kept across fetches
@@ -74,17 +94,15 @@ class FlatStage:
         """Owner: copy the current weights into the flat buffer and point the params at it."""
         self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets, strict=True):
-                self.flat[off : off + p.numel()].copy_(p.data.reshape(-1))
+            for p, view in self.views(self.flat):
+                view.copy_(p.data.reshape(view.shape))
         self._point_params()
         self.resident = True
 
     def _point_params(self) -> None:
         assert self.flat is not None
-        for p, off, size, shape in zip(
-            self.params, self.offsets, self.sizes, self.shapes, strict=True
-        ):
-            p.data = self.flat[off : off + size].view(shape)
+        for p, view in self.views(self.flat):
+            p.data = view
         self.materialized = True
 
     def _release_params(self) -> None:
@@ -97,13 +115,11 @@ class FlatStage:
         """Owner: re-point params that something outside replaced (keeps their values)."""
         assert self.flat is not None
         start, end = self.flat.data_ptr(), self.flat.data_ptr() + self.nbytes
-        for p, off, size, shape in zip(
-            self.params, self.offsets, self.sizes, self.shapes, strict=True
-        ):
-            if size and not (start <= p.data_ptr() < end):
+        for p, view in self.views(self.flat):
+            if view.numel() and not (start <= p.data_ptr() < end):
                 with torch.no_grad():
-                    self.flat[off : off + size].copy_(p.data.reshape(-1))
-                p.data = self.flat[off : off + size].view(shape)
+                    view.copy_(p.data.reshape(view.shape))
+                p.data = view
 
     def fetch_buffer(self) -> torch.Tensor:
         """Non-owner: (re)allocate the stage's storage; the returned tensor receives the weights."""
@@ -139,7 +155,7 @@ class FlatStage:
         return self.grads.take()
 
 
-class FlatGrads:
+class FlatGrads(FlatLayout):
     """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views).
 
     Used per stage, and once for the tied parameters, whose gradient is summed over all ranks.
@@ -148,10 +164,7 @@ class FlatGrads:
     def __init__(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.offsets, self.numel = _layout(self.params)
-        self.shapes = [p.shape for p in self.params]  # taken while the weights are present
-        self.sizes = [p.numel() for p in self.params]
+        super().__init__([p for p in params if p.requires_grad])
         self.dtype, self.device = dtype, device
         self.flat: torch.Tensor | None = None
         # a buffer handed out by take() and given back once nothing uses it (recycle()):
@@ -179,10 +192,8 @@ class FlatGrads:
             self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         else:
             self.flat.zero_()
-        for p, off, size, shape in zip(
-            self.params, self.offsets, self.sizes, self.shapes, strict=True
-        ):
-            p.grad = self.flat[off : off + size].view(shape)
+        for p, view in self.views(self.flat):
+            p.grad = view
 
     def sync(self) -> torch.Tensor:
         """The flat gradient, folding in any ``.grad`` autograd did not accumulate in place."""
@@ -200,14 +211,13 @@ class FlatGrads:
         copied into the buffer. Needs an active buffer (:meth:`zero` ran this step).
         """
         assert self.flat is not None
-        p, off, size = self.params[i], self.offsets[i], self.sizes[i]
-        view = self.flat[off : off + size]
+        p, view = self.params[i], self.view(self.flat, i)
         if p.grad is None:
-            p.grad = view.view(self.shapes[i])
+            p.grad = view
         elif p.grad.data_ptr() != view.data_ptr():
             with torch.no_grad():
-                view.copy_(p.grad.reshape(-1))
-            p.grad = view.view(self.shapes[i])
+                view.copy_(p.grad.reshape(view.shape))
+            p.grad = view
 
     def take(self) -> torch.Tensor:
         """Hand over the flat gradient and stop holding it (``param.grad`` becomes None)."""

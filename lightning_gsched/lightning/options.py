@@ -1,0 +1,78 @@
+"""The arguments both front ends take, checked once, before any process starts.
+
+Why a module of its own: ``GeneralParallel`` (Trainer) and ``GeneralParallelFabric`` accept the
+same schedule, partition, timeout and launch arguments and register the same strategy names;
+one place checks them (each wrong one raises a ``GschedError`` naming it, the value and a valid
+one) and lists the names, so the two front ends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning.config import ScheduleConfig
+from lightning_gsched.partition.arguments import check_options as check_partition_options
+from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.library import LIBRARY
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+@dataclass
+class PartitionOptions:
+    """How the model's forward is cut into stages (``partition()``'s options)."""
+
+    balance: Any = "params"
+    leaf_modules: tuple = ()
+    split_points: Any = None
+    static_shapes: bool | None = None
+
+
+def pipeline_options(
+    schedule: str | None, R: int | None, microbatches: int | None, stages: int | None,
+    order: str | Callable | None, cap: Any, balance: Any, leaf_modules: Sequence[str | type],
+    split_points: list[str] | None, static_shapes: bool | None, placement: Callable | None,
+    priority: Callable | None, forward_cost: Any, backward_cost: Any,
+) -> tuple[ScheduleConfig, PartitionOptions]:
+    """The schedule and partition arguments, checked (the same checks as ``plan()`` and
+    ``partition()``; what needs the device count fails at setup, on every rank)."""
+    config = ScheduleConfig(
+        schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order, cap=cap,
+        placement=placement, priority=priority, forward_cost=forward_cost,
+        backward_cost=backward_cost,
+    )
+    config.check()
+    options = PartitionOptions(
+        *check_partition_options(balance, leaf_modules, split_points, static_shapes, stages))
+    return config, options
+
+
+def check_launch_arguments(step_timeout: Any, process_group_backend: Any, timeout: Any,
+                           start_method: Any) -> float:
+    """The step timeout and the DDP-style launch arguments; returns the timeout as a float.
+
+    Lightning's plugin arguments (accelerator, cluster_environment, ...) go to the DDP strategy
+    the front end derives from, as they are; a wrong one fails there as it would with DDP.
+    """
+    validate.positive_number("step_timeout", step_timeout, "300", StrategyConfigError,
+                             "seconds any one wait may take: a finite number > 0")
+    if process_group_backend is not None and not isinstance(process_group_backend, str):
+        raise validate.invalid("process_group_backend", process_group_backend,
+                               "must be None (Lightning picks) or a torch.distributed backend "
+                               "name", "'gloo'", StrategyConfigError)
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise validate.invalid("timeout", timeout, "must be a datetime.timedelta (the process "
+                               "group timeout; step_timeout bounds each wait in a step)",
+                               "timedelta(minutes=30)", StrategyConfigError)
+    validate.one_of("start_method", start_method, START_METHODS, StrategyConfigError)
+    return float(step_timeout)
+
+
+def library_names(front_end: str) -> list[tuple[str, str, str]]:
+    """``(registered name, description, schedule)`` for every library schedule, e.g.
+    ``("gsched_1f1b", "GeneralParallel('1f1b'): ...", "1f1b")``."""
+    return [(f"gsched_{name}", f"{front_end}('{name}'): {spec.trade_off}", name)
+            for name, spec in LIBRARY.items()]

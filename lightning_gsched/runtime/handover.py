@@ -1,0 +1,155 @@
+"""A step's gradients, from the schedule to an optimizer loop; clipping by the global norm.
+
+Why: an optimizer loop expects ``loss.backward()`` semantics: gradients *added* to what
+``param.grad`` holds (an accumulation window), at the moment the loop calls backward. The
+schedule computes them earlier (Lightning's Trainer runs ``training_step``, then ``zero_grad``,
+then ``backward``), so :class:`GradStash` takes them out of the parameters right after the
+schedule ran, restores whatever the parameters held before, and adds them back in
+:meth:`GradStash.hand_over`, scaled (e.g. by ``1/accumulate_grad_batches``). A front end whose
+loop needs them at once (Fabric) hands over right after the step.
+
+Which parameters get which gradients: see :mod:`.ownership`. Clipping by norm counts every
+parameter once (its primary rank), then one all-reduce of the sum gives every rank the norm of
+the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gsched.runtime.flat import FlatGrads, FlatLayout, FlatStage
+from lightning_gsched.runtime.ownership import Ownership
+
+
+class GradSource(Protocol):
+    """What the stash reads of the executor: where each step's gradients accumulate."""
+
+    @property
+    def flats(self) -> Sequence[FlatStage]: ...
+    @property
+    def shared(self) -> FlatGrads: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+def _flatten(params: list[nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients in one flat tensor (zeros where a gradient is None)."""
+    return torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
+    ])
+
+
+class GradStash:
+    """Holds one step's gradients from the schedule until :meth:`hand_over`."""
+
+    def __init__(self, source: GradSource, ownership: Ownership, rank: int,
+                 world_size: int) -> None:
+        self.source = source
+        self.ownership = ownership
+        self.rank, self.world_size = rank, world_size
+        self.extra_layout = FlatLayout(ownership.extra)
+        # (where each parameter's gradient is in the flat, the flat, the FlatGrads it came
+        # from: None for extras)
+        self.held: list[tuple[FlatLayout, torch.Tensor, FlatGrads | None]] = []
+        self._saved: dict[int, torch.Tensor | None] = {}
+        # flats handed to the parameters by the last hand_over, with the FlatGrads they came
+        # from: once the loop's zero_grad has dropped every view of one, it is recycled
+        self._given: list[tuple[torch.Tensor, FlatGrads]] = []
+
+    # ------------------------------------------------------------------ around the schedule
+
+    def before_step(self) -> None:
+        """Set aside gradients an accumulation window holds; extras start from None."""
+        self._saved = {id(p): p.grad for p in self.ownership.owned}
+        for p in self.ownership.extra:
+            p.grad = None
+
+    def after_step(self) -> None:
+        """Take the step's gradients out of the parameters; restore what was set aside."""
+        self.held = []
+        for s in self.ownership.stages:
+            grads = self.source.flats[s].grads
+            self.held.append((grads, grads.take(), grads))
+        if self.ownership.tied:
+            grads = self.source.shared
+            self.held.append((grads, grads.take(), grads))
+        if self.ownership.extra:
+            flat = _flatten(self.ownership.extra)
+            if self.world_size > 1:
+                dist.all_reduce(flat)
+            self.held.append((self.extra_layout, flat, None))
+        for p in self.ownership.owned:
+            p.grad = self._saved.get(id(p))
+        self._saved = {}
+
+    # ------------------------------------------------------------------ hand-over
+
+    def _recycle_given(self) -> None:
+        """Return last step's flats whose views no parameter holds any more (zero_grad ran)."""
+        for flat, source in self._given:
+            start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            if all(p.grad is None or not start <= p.grad.data_ptr() < end for p in source.params):
+                source.recycle(flat)
+        self._given = []
+
+    def hand_over(self, scale: float) -> None:
+        """``param.grad += scale * step gradient`` (assign when None), as ``backward`` would."""
+        self._recycle_given()
+        for layout, flat, source in self.held:
+            assigned = False
+            if scale != 1.0:
+                flat.mul_(scale)
+            for p, view in layout.views(flat):
+                if p.grad is None:
+                    p.grad = view
+                    assigned = True
+                else:
+                    p.grad.add_(view)
+            if source is not None:
+                if assigned:  # parameters now hold views of it: recycle after they drop them
+                    self._given.append((flat, source))
+                else:  # added into existing gradients: free right away
+                    source.recycle(flat)
+        self.held = []
+
+    # ------------------------------------------------------------------ clipping
+
+    def global_norm(self, params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+        """Norm of all gradients of the model, each parameter counted once over all ranks."""
+        wanted = {id(p) for p in params}
+        mine = [p.grad for p in self.ownership.primary if id(p) in wanted and p.grad is not None]
+        device = self.source.device
+        if math.isinf(norm_type):
+            local = max((g.detach().abs().max().float() for g in mine),
+                        default=torch.zeros((), device=device))
+            local = torch.as_tensor(local, device=device).reshape(1).clone()
+            if self.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            return local[0]
+        local = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in mine:
+            local += g.detach().double().abs().pow(norm_type).sum()
+        if self.world_size > 1:
+            dist.all_reduce(local)
+        return local[0].pow(1.0 / norm_type).float()
+
+    def clip_by_norm(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                     error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole (distributed) model; the total norm."""
+        total = self.global_norm(params, norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(  # the same on every rank: the norm was all-reduced
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        return total

@@ -1,0 +1,183 @@
+"""``ModelRuntime``: the one object a training front end talks to.
+
+Why: the Lightning Trainer strategy and the Fabric strategy both need the same things of a
+running schedule: run a step and keep its gradients until the loop's backward, hand them over,
+clip by the norm of the whole model, know which parameters this rank updates, gather or restore
+the full model and optimizer state, report parameter memory, and stop every rank on a failure.
+Before this class they read :class:`ProgramExecutor` internals (its flat buffers, tied-parameter
+gradients, channels, owner lists) to do so. Now the front ends see only this facade, and the
+executor, the stage buffers and the process groups can change behind it.
+
+    runtime = ModelRuntime(module, partition.stages, plan.programs)    # collective
+    result = runtime.step(inputs, loss_fn)      # gradients are held, not yet in param.grad
+    runtime.hand_over(1.0)                      # param.grad += step gradient
+    runtime.clip_grad_norm(params, 1.0)         # norm over every rank, each parameter once
+    optimizer.step()
+    state = runtime.full_state_dict()           # rank 0: the whole module's state dict
+    runtime.restore_full_model([optimizer])     # every rank: full weights again; closes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_gsched.runtime import fullstate
+from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.compute import LossFn
+from lightning_gsched.runtime.executor import ProgramExecutor
+from lightning_gsched.runtime.handover import GradStash
+from lightning_gsched.runtime.layout import StepResult
+from lightning_gsched.runtime.ownership import Ownership
+from lightning_gsched.schedule.program import Programs
+
+
+@dataclass(frozen=True)
+class ParameterMemory:
+    """Parameter bytes by category on one rank (gradients and optimizer state follow the
+    parameters this rank owns)."""
+
+    stage_bytes: list[int]  # every stage's weights (the same numbers on every rank)
+    tied_bytes: int  # tied parameters, replicated on every rank on top of the stages
+    owned_stages: list[int]  # stages resident here at all times
+    resident_bytes: int  # real storage of the stage buffers now (owned + currently fetched)
+
+
+class ModelRuntime:
+    """This rank's share of ``module`` trained by ``programs`` (see the module docstring).
+
+    Args:
+        module: the whole model (every rank passes its own identical replica): parameters that
+            no stage reads but the step does (a loss module) are found here.
+        stages: its stages, e.g. ``partition(module, S, ...).stages``.
+        programs: ``plan(...).programs``, the same on every rank.
+        timeout, sync_weights, channels: as :class:`ProgramExecutor`'s.
+
+    ``executor`` is the :class:`ProgramExecutor` underneath, for tools that time or count what
+    it does (benchmarks, tests); front ends use the methods below.
+    """
+
+    def __init__(self, module: nn.Module, stages: Sequence[nn.Module], programs: Programs, *,
+                 timeout: float = 300.0, sync_weights: bool = True,
+                 channels: Channels | None = None) -> None:
+        self.module = module
+        self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
+                                        sync_weights=sync_weights)
+        self.rank = self.executor.rank
+        self.world_size = programs.world_size
+        self.device = self.executor.device
+        self.ownership = Ownership.of(self.executor, module)
+        self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
+
+    @property
+    def first_stage_micros(self) -> list[int]:
+        """Microbatches whose inputs :meth:`step` needs on this rank."""
+        return self.executor.first_stage_micros
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`, :meth:`abort` or a failed step: it cannot run again."""
+        return self.executor.channels.closed
+
+    # ------------------------------------------------------------------ running
+
+    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn) -> StepResult:
+        """One step of the schedule (:meth:`ProgramExecutor.step`); its gradients are then held
+        here until :meth:`hand_over`, and ``param.grad`` is what it was before the step."""
+        self._grads.before_step()
+        result = self.executor.step(inputs, loss_fn)
+        self._grads.after_step()
+        return result
+
+    def forward(self, programs: Programs, inputs: Mapping[int, tuple[tuple, dict]],
+                output_fn: Callable[[Any, int], Any]) -> dict[int, Any]:
+        """A forward-only run (:meth:`ProgramExecutor.forward`); gradients are untouched."""
+        return self.executor.forward(programs, inputs, output_fn)
+
+    # ------------------------------------------------------------------ parameters
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """Every parameter this rank updates (optimizer state is kept for these only)."""
+        return self.ownership.owned
+
+    def primary_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank counts (norms) and writes (checkpoints): each parameter is
+        primary on exactly one rank."""
+        return self.ownership.primary
+
+    def stage_parameters(self) -> list[nn.Parameter]:
+        """Parameters that live in a stage buffer (owned here or not): all but tied and extra."""
+        return self.ownership.in_stages
+
+    # ------------------------------------------------------------------ gradients
+
+    def hand_over(self, scale: float = 1.0) -> None:
+        """``param.grad += scale * gradient of the last step`` (assigned where None), as
+        ``loss.backward()`` would; a second call without a step hands over nothing."""
+        self._grads.hand_over(scale)
+
+    def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float,
+                       norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model (collective): the norm counts
+        each parameter once over all ranks; returns that total norm."""
+        return self._grads.clip_by_norm(list(params), float(max_norm), float(norm_type),
+                                        error_if_nonfinite)
+
+    # ------------------------------------------------------------------ full state
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's full state dict on rank 0, ``{}`` elsewhere (collective)."""
+        return fullstate.full_state_dict(self.module, self.executor)
+
+    def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with every parameter's state on rank 0, ``{}`` elsewhere
+        (collective)."""
+        return fullstate.full_optimizer_state(optimizer, self.ownership.primary, self.rank,
+                                              self.world_size)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a full state dict into what this rank holds (other stages' entries skipped)."""
+        fullstate.load_held_state(self.module, state)
+
+    def prune_optimizer_state(self, optimizers: Sequence[Optimizer]) -> int:
+        """Drop optimizer state of parameters this rank does not own (after loading full state);
+        the number of entries dropped."""
+        return fullstate.prune_optimizer_state(optimizers, self.ownership.owned)
+
+    def restore_full_model(self, optimizers: Sequence[Optimizer]) -> None:
+        """Give every rank the full weights and the optimizers' full state again, then close
+        (collective): afterwards the module is an ordinary model, as after DDP."""
+        with torch.no_grad():
+            fullstate.restore_full_weights(self.executor, self.world_size)
+        fullstate.restore_full_optimizer_state(optimizers, self.ownership.primary,
+                                               self.world_size)
+        self.close()
+
+    # ------------------------------------------------------------------ memory
+
+    def memory(self) -> ParameterMemory:
+        """Parameter bytes by category on this rank."""
+        flats = self.executor.flats
+        return ParameterMemory(
+            stage_bytes=[flat.nbytes for flat in flats],
+            tied_bytes=self.executor.shared.nbytes,
+            owned_stages=sorted(self.executor.owned),
+            resident_bytes=sum(flat.resident_bytes() for flat in flats),
+        )
+
+    # ------------------------------------------------------------------ failures and end
+
+    def abort(self, message: str) -> None:
+        """A failure outside a step (e.g. in the user's code before stage 0): tell the job
+        (peers quote ``message`` as the first failure) and drop the process groups, so every
+        peer waiting on this rank fails at once instead of at its timeout."""
+        self.executor.abort(message)
+
+    def close(self) -> None:
+        """Release the process groups (local)."""
+        if not self.closed:
+            self.executor.close()

@@ -1,0 +1,67 @@
+"""Which of a module's parameters this rank holds, updates, and counts once over all ranks.
+
+Why a module of its own: the same split is needed by the gradient hand-over (:mod:`.handover`),
+clipping by the global norm, gathering a full checkpoint from the owners (:mod:`.fullstate`),
+pruning optimizer state and writing sharded checkpoints. Three kinds of parameters behave
+differently under a schedule:
+
+* stage parameters: in one stage's flat buffer; held and updated by the stage's owners (all
+  replicas); counted once, on the stage's first owner;
+* tied parameters (several stages read them): replicated on every rank, their gradients summed
+  over all ranks by the runtime; counted once, on rank 0;
+* extra parameters: trainable parameters of the module that no stage reads but the step does (a
+  loss module, a head applied after the model's call); they get gradients on the ranks that
+  finish microbatches, so the hand-over sums them over all ranks like tied ones; counted on
+  rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from torch import nn
+
+from lightning_gsched.runtime.flat import FlatGrads, FlatStage
+from lightning_gsched.schedule.program import Programs
+
+
+class StageHolder(Protocol):
+    """What the split reads of the executor (stated as a Protocol: the executor does not know
+    about ownership, and this module need not import it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def programs(self) -> Programs: ...
+    @property
+    def flats(self) -> Sequence[FlatStage]: ...
+    @property
+    def shared(self) -> FlatGrads: ...
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """The parameter split of one rank (see the module docstring)."""
+
+    stages: dict[int, list[nn.Parameter]]  # owned stage -> its parameters that take gradients
+    tied: list[nn.Parameter]  # tied parameters that take gradients (every rank)
+    extra: list[nn.Parameter]  # the module's trainable parameters no stage reads
+    in_stages: list[nn.Parameter]  # every stage buffer's parameters, owned here or not
+    primary: list[nn.Parameter]  # counted (norm) and written (checkpoints) by this rank
+    owned: list[nn.Parameter]  # updated by this rank: optimizer state is kept for these only
+
+    @classmethod
+    def of(cls, holder: StageHolder, module: nn.Module) -> "Ownership":
+        rank, owners = holder.rank, holder.programs.owners
+        stages = {s: list(holder.flats[s].grads.params)
+                  for s in sorted(holder.programs.owned_stages(rank))}
+        tied = list(holder.shared.params)
+        in_stages = [p for flat in holder.flats for p in flat.params]
+        known = {id(p) for p in in_stages} | {id(p) for p in tied}
+        extra = [p for p in module.parameters() if p.requires_grad and id(p) not in known]
+        primary = [p for s, params in stages.items() if owners[s][0] == rank for p in params]
+        if rank == 0:
+            primary += [p for p in tied if p.requires_grad] + extra
+        owned = [p for params in stages.values() for p in params] + tied + extra
+        return cls(stages, tied, extra, in_stages, primary, owned)
