@@ -148,13 +148,14 @@ class Partition:
     def __len__(self) -> int:
         return self.num_stages
 
-    def report(self, verbose: bool = False) -> str:
+    def report(self, verbose: bool = False, units: bool = True) -> str:
         """A table of the stages (units, parameters, estimated cost, hand-over) and their nodes.
 
         Nodes are listed per stage with runs of units inside one top-level module folded into
-        ``blocks.0 (38 units)``; ``verbose=True`` lists every unit as ``name = target(...)``.
+        ``blocks.0 (38 units)``; ``verbose=True`` lists every unit as ``name = target(...)``;
+        ``units=False`` leaves the lists out (the table and notes only).
         """
-        return format_report(self, self._describe, None if verbose else self._groups)
+        return format_report(self, self._describe, None if verbose else self._groups, units)
 
     def __str__(self) -> str:
         return self.report()

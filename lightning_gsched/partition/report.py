@@ -97,8 +97,13 @@ def format_report(
     part: ReportedPartition,
     unit_descriptions: Sequence[str],
     groups: Sequence[tuple[str, int] | None] | None = None,
+    units: bool = True,
 ) -> str:
-    """The report text; ``groups`` (top-level module per unit) folds node lists, ``None`` not."""
+    """The report text; ``groups`` (top-level module per unit) folds node lists, ``None`` not.
+
+    ``units=False`` leaves out the per-stage unit lists (2-3 lines per stage), keeping the stage
+    table and the notes: GeneralParallel's startup print must stay on one screen for any S.
+    """
     total = sum(part.stage_costs) or 1
     method = (
         f"balance={part.balance!r}"
@@ -143,6 +148,8 @@ def format_report(
         )
     if part.mode_dependent:
         lines.append(f"Traced code depends on train()/eval(): {part.mode_dependent}")
+    if not units:
+        return "\n".join(lines)
     start = 0
     for index, names in enumerate(part.stage_units):
         lines.append(f"Stage {index} units:")

@@ -1,4 +1,6 @@
-"""Text summaries of a plan: the configuration line and one row per worker.
+"""Text summaries of a plan: :func:`describe` (one row per worker, what ``gsched plan`` prints)
+and :func:`startup_summary` (every per-worker number folded into its range over the workers,
+what GeneralParallel prints when it starts).
 
 Lives in the schedule layer (not in the CLI) because both the ``gsched`` CLI and the Lightning
 strategy print it: the strategy logs the plan it is about to run, and it must not depend on the
@@ -7,8 +9,10 @@ CLI to do so (``tests/test_layering.py`` checks that nothing imports ``lightning
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
+from lightning_gsched.schedule.library import LIBRARY
+from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
 
 
@@ -51,3 +55,156 @@ def describe(result: Plan) -> str:
         for w in m.per_worker
     ]
     return head + "\n" + text_table(rows, header)
+
+
+# ---------------------------------------------------------------------------- startup summary
+#
+# describe() has one row per worker: right for `gsched plan`, but at W=8 and beyond it scrolls
+# the start of a run off the screen once the partition table follows it. The startup summary
+# has a fixed number of lines for any W (each per-worker number as its range over the workers,
+# with the worker that needs the most where that matters) and names the command that prints
+# the full table.
+
+SUMMARY_WIDTH = 112  # no line of the startup summary is longer (the partition table's width)
+
+
+def byte_text(nbytes: float) -> str:
+    """Human-readable bytes: ``512 B``, ``49.2 KiB``, ``3.1 MiB``, ``1.25 GiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
+
+
+def span(values: Sequence[float], text: Callable[[float], str] = "{:g}".format) -> str:
+    """``"3"`` when every value is 3, else ``"min-max"``, each written by ``text``."""
+    low, high = min(values), max(values)
+    return text(low) if low == high else f"{text(low)}-{text(high)}"
+
+
+def _numbers(values: Sequence[float]) -> str:
+    """One number when all are equal, else the comma list (the CLI's form of costs and caps)."""
+    return f"{values[0]:g}" if len(set(values)) == 1 else ",".join(f"{v:g}" for v in values)
+
+
+def worker_parameter_bytes(result: Plan, stage_bytes: Sequence[int]) -> list[tuple[int, int]]:
+    """Per worker: (bytes of the stages it owns, a bound on its peak resident stage bytes).
+
+    The bound adds to the owned stages the largest other stages, as many as the plan's peak
+    count of resident stages on that worker (which ones are resident together depends on the
+    timeline; the largest ones bound any choice).
+    """
+    owners = result.table.owners
+    out = []
+    for m in result.metrics.per_worker:
+        owned = [s for s, o in enumerate(owners) if m.worker in o]
+        others = sorted((b for s, b in enumerate(stage_bytes) if s not in owned), reverse=True)
+        held = sum(stage_bytes[s] for s in owned)
+        out.append((held, held + sum(others[: max(0, m.peak_resident_stages - len(owned))])))
+    return out
+
+
+def plan_command(result: Plan) -> str:
+    """The ``gsched plan`` command that prints this plan in full (per-worker table, timeline).
+
+    For library schedules only (a custom placement can carry any label: the caller knows).
+    W, S and B are always given, since they say what the plan is for; order, cap and costs only
+    where they differ from the schedule's defaults (a default cap of ``"auto"`` counts as
+    different: resolving it needs simulations).
+    """
+    spec = LIBRARY[result.schedule]
+    words = [f"gsched plan {result.schedule} -w {result.workers} -s {result.stages} "
+             f"-b {result.micro}"]
+    if result.R is not None:
+        words.append(f"--R {result.R}")
+    if result.order != spec.order:
+        words.append(f"--order {result.order}")
+    default_cap = spec.cap(result.workers)
+    if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
+        words.append(f"--cap {cap_text(result.caps)}")
+    for flag, costs, default in (("--forward-cost", result.costs.forward, 1.0),
+                                 ("--backward-cost", result.costs.backward, 2.0)):
+        if any(c != default for c in costs):
+            words.append(f"{flag} {_numbers(costs)}")
+    return " ".join(words)
+
+
+def _owners_text(owners: Sequence[Sequence[int]], width: int) -> str:
+    """``[[0], [1], ...]`` cut to ``width`` characters with a count of what was left out."""
+    items = [str(list(o)) for o in owners]
+    text = f"[{', '.join(items)}]"
+    if len(text) <= width:
+        return text
+    shown: list[str] = []
+    for item in items:
+        if len(", ".join([*shown, item])) + 24 > width:
+            break
+        shown.append(item)
+    return f"[{', '.join(shown)}, ...] ({len(items) - len(shown)} more stages)"
+
+
+def _most(values: Sequence[float], workers: Sequence[int], text: str) -> str:
+    """``text`` (the range of ``values``) and, when they differ, the worker with the largest."""
+    if min(values) == max(values):
+        return text
+    return f"{text} (most: worker {workers[max(range(len(values)), key=values.__getitem__)]})"
+
+
+def _byte_span(values: Sequence[float]) -> str:
+    """The range of byte counts, the unit written once when both ends share it."""
+    low, high = byte_text(min(values)), byte_text(max(values))
+    if low == high:
+        return low
+    low_number, low_unit = low.split()
+    return f"{low_number}-{high}" if high.endswith(f" {low_unit}") else f"{low} to {high}"
+
+
+def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
+                    command: str | None) -> str:
+    """The plan as GeneralParallel prints it before the first step: 10 lines for any W.
+
+    ``stage_bytes``: every stage's parameter bytes (tied parameters excluded, ``tied_bytes``:
+    on every worker in addition). ``command``: how to print the full per-worker table (e.g.
+    :func:`plan_command`), or None when no command can (a custom placement).
+    """
+    m = result.metrics
+    workers = [w.worker for w in m.per_worker]
+
+    def ranged(field: str) -> str:
+        return span([getattr(w, field) for w in m.per_worker])
+
+    def most(field: str) -> str:
+        values = [getattr(w, field) for w in m.per_worker]
+        return _most(values, workers, span(values))
+
+    fwd, bwd = result.costs.forward, result.costs.backward
+    costs = (f"costs per stage: forward {_numbers(fwd)}, backward {_numbers(bwd)}"
+             if len(set(fwd)) == 1 and len(set(bwd)) == 1 else "the given per-stage costs")
+    memory = worker_parameter_bytes(result, stage_bytes)
+    peak = [float(p) for _, p in memory]
+    lines = [
+        f"GeneralParallel plan: {result.schedule} W={result.workers} S={result.stages} "
+        f"B={result.micro}" + (f" R={result.R}" if result.R is not None else "")
+        + f" order={result.order} cap={cap_text(result.caps)}",
+        f"  latency {m.latency:g}, bubble {m.bubble_fraction:.1%} ({costs}); busy per worker "
+        f"{ranged('busy')}",
+        f"  stage owners: {_owners_text(result.table.owners, SUMMARY_WIDTH - 16)}",
+        f"  per worker, range over the {result.workers} workers:",
+        f"    messages: activations in {ranged('activation_recvs')} / out "
+        f"{ranged('activation_sends')}, input grads in {ranged('input_grad_recvs')} / out "
+        f"{ranged('input_grad_sends')}",
+        f"    weight fetches {ranged('weight_fetches')} / serves {ranged('weight_serves')}, "
+        f"gradient reductions out {ranged('grad_sends')} / in {ranged('grad_recvs')}, "
+        f"all-reduces {ranged('allreduces')}",
+        f"    peak stashed activations (microbatch-stages) {most('peak_activations')}; stages "
+        f"owned {ranged('owned_stages')}, peak resident {most('peak_resident_stages')}",
+        f"    parameters owned {_byte_span([float(o) for o, _ in memory])}, peak resident <= "
+        + _most(peak, workers, _byte_span(peak)),
+        f"    + tied parameters ({byte_text(tied_bytes)}) on every worker; optimizer state only "
+        "for the owned part",
+    ]
+    if command is not None:
+        lines.append(f"  per-worker table and timeline: {command}")
+    return "\n".join(lines)
