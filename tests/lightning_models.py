@@ -87,13 +87,17 @@ def tokens(rows: int, seed: int = 3) -> torch.Tensor:
     return seeded(seed, lambda: torch.randint(0, VOCAB, (rows, LENGTH)))
 
 
-def rank_loader(data: torch.Tensor, global_batch: int, world: int, rank: int) -> DataLoader:
-    """This rank's share of every global batch (see the module docstring)."""
+def rank_loader(data: torch.Tensor | tuple[torch.Tensor, ...], global_batch: int, world: int,
+                rank: int) -> DataLoader:
+    """This rank's share of every global batch (see the module docstring). ``data`` is one
+    tensor, or a tuple of tensors with the same rows (e.g. inputs and targets)."""
+    tensors = data if isinstance(data, tuple) else (data,)
     per_rank = global_batch // world
-    batches = len(data) // global_batch
+    batches = len(tensors[0]) // global_batch
     index = [i * global_batch + rank * per_rank + j
              for i in range(batches) for j in range(per_rank)]
-    return DataLoader(Subset(TensorDataset(data), index), batch_size=per_rank, shuffle=False)
+    return DataLoader(Subset(TensorDataset(*tensors), index), batch_size=per_rank,
+                      shuffle=False)
 
 
 def trainer(world: int, strategy: Any, tmp: str | None = None, **kwargs: Any) -> pl.Trainer:
