@@ -12,12 +12,13 @@ from typing import Any
 from lightning_gsched.errors import GschedError
 
 __version__ = "0.1.0"
-__all__ = ["GeneralParallel", "GschedError", "__version__"]
+__all__ = ["GeneralParallel", "GeneralParallelFabric", "GschedError", "__version__"]
 
 _LAZY = {
     "partition": "lightning_gsched.partition",
     "runtime": "lightning_gsched.runtime",
     "lightning": "lightning_gsched.lightning",
+    "fabric": "lightning_gsched.fabric",
 }
 
 
@@ -28,18 +29,22 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(_LAZY[name])
     if name == "GeneralParallel":
         return importlib.import_module("lightning_gsched.lightning").GeneralParallel
+    if name == "GeneralParallelFabric":
+        return importlib.import_module("lightning_gsched.fabric").GeneralParallelFabric
     raise AttributeError(f"module 'lightning_gsched' has no attribute {name!r}")
 
 
 def _register_if_lightning_loaded() -> None:
-    """``Trainer(strategy="gsched_fslpp")`` needs the names registered; when Lightning is already
-    imported (torch is then loaded anyway) importing lightning_gsched is enough."""
+    """``Trainer(strategy="gsched_fslpp")`` and ``Fabric(strategy="gsched_fslpp")`` need the
+    names registered; when Lightning is already imported (torch is then loaded anyway)
+    importing lightning_gsched is enough."""
+    import importlib
     import sys
 
     if "lightning.pytorch" in sys.modules:
-        import importlib
-
         importlib.import_module("lightning_gsched.lightning")
+    if "lightning.fabric" in sys.modules:
+        importlib.import_module("lightning_gsched.fabric")
 
 
 _register_if_lightning_loaded()

@@ -14,6 +14,7 @@ rank at once instead of leaving some ranks waiting.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,12 +72,14 @@ class PipelineEngine:
     """Runs a front end's steps through one :class:`ModelRuntime` (see module doc).
 
     ``optimizers()`` gives the optimizers whose state is pruned to the owned parameters when the
-    runtime is built and restored in full by :meth:`close`; ``info(text)`` prints the plan.
+    runtime is built and restored in full by :meth:`close`; ``info(text)`` prints the plan;
+    ``forward_context`` (optional) is entered around every stage forward (Fabric's precision).
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                  train_plan: Plan, *, world_size: int, rank: int, timeout: float,
-                 optimizers: Callable[[], list], info: Callable[[str], None]) -> None:
+                 optimizers: Callable[[], list], info: Callable[[str], None],
+                 forward_context: Callable[[], AbstractContextManager] | None = None) -> None:
         self.module = module
         self.config = config
         self.options = options
@@ -85,6 +88,7 @@ class PipelineEngine:
         self.timeout = timeout
         self.optimizers = optimizers
         self.info = info
+        self.forward_context = forward_context
         self.runtime: ModelRuntime | None = None
         self.partition: Any = None
         self.failed = False
@@ -130,7 +134,8 @@ class PipelineEngine:
             self.partition = self._partition(args, kwargs)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
-                                        sync_weights=False)
+                                        sync_weights=False,
+                                        forward_context=self.forward_context)
             self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),

@@ -11,11 +11,16 @@ The last stage's backward starts from ``loss_fn(output, b) / B``: with the globa
 into B microbatches, the summed gradients equal one step on the mean loss of the global batch.
 
 Forward-only runs (validation, test, predict) use :meth:`StageCompute.infer`: no graph, no stash.
+
+``forward_context`` (optional) is entered around every stage's forward call, and only there: a
+front end's precision (autocast, a default dtype) then applies to the model's computation as it
+does for ``model(x)`` on one device, not to the loss code after the model or to the backward.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -26,6 +31,7 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 
 LossFn = Callable[[Any, int], torch.Tensor]
+ForwardContext = Callable[[], AbstractContextManager]
 
 
 @dataclass
@@ -40,8 +46,10 @@ class Stashed:
 class StageCompute:
     """Runs stages and keeps the stash; knows nothing about ranks or messages."""
 
-    def __init__(self, stages: Sequence[nn.Module], num_micro: int) -> None:
+    def __init__(self, stages: Sequence[nn.Module], num_micro: int,
+                 forward_context: ForwardContext | None = None) -> None:
         self.stages = list(stages)
+        self.forward_context: ForwardContext = forward_context or nullcontext
         self.last = len(self.stages) - 1
         self.num_micro = num_micro
         self.stash: dict[tuple[int, int], Stashed] = {}
@@ -70,7 +78,8 @@ class StageCompute:
     def _forward(self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
                  loss_fn: LossFn) -> tuple[wire.Split | None, torch.Tensor | None]:
         with torch.enable_grad():
-            output = self.stages[s](*args, **kwargs)
+            with self.forward_context():
+                output = self.stages[s](*args, **kwargs)
             if s == self.last:
                 loss = loss_fn(output, b)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -86,7 +95,7 @@ class StageCompute:
 
     def infer(self, s: int, args: tuple, kwargs: dict) -> Any:
         """Forward of stage ``s`` without autograd and without stashing (forward-only runs)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.forward_context():
             return self.stages[s](*args, **kwargs)
 
     def backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:

@@ -33,7 +33,7 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
-from lightning_gsched.runtime.compute import LossFn, StageCompute
+from lightning_gsched.runtime.compute import ForwardContext, LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
 from lightning_gsched.runtime.layout import (
@@ -59,6 +59,8 @@ class ProgramExecutor:
         timeout: seconds any single wait may take before the step fails with a RuntimeFault.
         sync_weights: broadcast replicated stages from their first owner and tied parameters
             from rank 0 at construction, so replicas start equal even if models were not.
+        forward_context: entered around every stage forward (e.g. a front end's autocast);
+            the loss function and the backward run outside it.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class ProgramExecutor:
         channels: Channels | None = None,
         timeout: float = 300.0,
         sync_weights: bool = True,
+        forward_context: ForwardContext | None = None,
     ) -> None:
         check_programs(stages, programs)
         self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
@@ -79,7 +82,7 @@ class ProgramExecutor:
         self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
         self.owned = set(programs.owned_stages(self.rank))
         self.flats, self.shared, self.device = build_flat_stages(stages, self.owned)
-        self.compute = StageCompute(stages, self.num_micro)
+        self.compute = StageCompute(stages, self.num_micro, forward_context)
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device)

@@ -1,0 +1,294 @@
+"""``GeneralParallelFabric``: every library schedule (or your own) as a Lightning Fabric strategy.
+
+Why a class of its own: Fabric accepts ``lightning.fabric.strategies.Strategy`` instances only,
+and a Trainer strategy is not one. Why a DDPStrategy subclass: launching (script re-run,
+spawn/fork), process groups, cluster environments, ``all_reduce``/``barrier``/``broadcast`` and
+the distributed sampler are exactly Fabric's DDP. What differs is that the model is not wrapped,
+and that a user's loop cannot call ``loss.backward()`` on a pipelined model: a schedule
+interleaves the forwards and backwards of microbatches over the ranks. So one call,
+:meth:`GeneralParallelFabric.step`, does forward, backward and the gradient hand-over of one
+optimizer step, and the rest of a plain Fabric loop stays as it is.
+
+This class is a thin adapter: the pipeline (probe, partition, plans, the step, the hand-over,
+clipping, evaluation) is the Trainer strategy's :class:`~lightning_gsched.lightning.engine.
+PipelineEngine`, and gradients and checkpoints go through the same runtime facade
+(:class:`~lightning_gsched.runtime.ModelRuntime`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
+
+import lightning.fabric.wrappers as fabric_wrappers
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.wrappers import _unwrap_objects
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning.engine import PipelineEngine
+from lightning_gsched.lightning.intercept import StepCaller
+from lightning_gsched.lightning.options import (
+    check_launch_arguments,
+    library_names,
+    pipeline_options,
+)
+from lightning_gsched.runtime import ModelRuntime
+
+
+class GeneralParallelFabric(DDPStrategy):
+    """Run a Fabric training loop with a schedule from one generic scheduler.
+
+    ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
+    name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
+    to ``backward_cost``) and ``step_timeout`` mean what they mean for ``GeneralParallel`` (see
+    docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
+    any process starts; what needs the device count fails in ``fabric.setup``, on every rank.
+
+    In the loop, :meth:`step` replaces ``loss = loss_fn(model, batch); fabric.backward(loss)``;
+    ``fabric.clip_gradients``, ``optimizer.step()``, ``fabric.save`` and ``fabric.load`` work as
+    usual (checkpoints hold the full model and optimizer state, written by rank 0).
+    :meth:`evaluate` runs a forward-only schedule, and :meth:`finish` gives every rank the full
+    model back. One model per strategy.
+    """
+
+    def __init__(
+        self,
+        schedule: Optional[str] = "fslpp",
+        R: Optional[int] = None,
+        microbatches: Optional[int] = None,
+        stages: Optional[int] = None,
+        order: Optional[Union[str, Callable]] = None,
+        cap: Optional[Union[int, list[int], str]] = None,
+        balance: Union[str, list[int]] = "params",
+        leaf_modules: Sequence[Union[str, type]] = (),
+        split_points: Optional[list[str]] = None,
+        static_shapes: Optional[bool] = None,
+        placement: Optional[Callable] = None,
+        priority: Optional[Callable] = None,
+        step_timeout: float = 300.0,
+        forward_cost: Union[float, list[float]] = 1.0,
+        backward_cost: Union[float, list[float]] = 2.0,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        schedule_config, partition_options = pipeline_options(
+            schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
+            static_shapes, placement, priority, forward_cost, backward_cost)
+        step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
+                                              start_method)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision=precision, process_group_backend=process_group_backend, timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = None  # gradients are reduced inside the schedule
+        self.schedule_config = schedule_config
+        self.partition_options = partition_options
+        self.step_timeout = step_timeout
+        self._engine: PipelineEngine | None = None
+        self._optimizers: list[Optimizer] = []
+
+    @property
+    def engine(self) -> PipelineEngine | None:
+        """The pipeline of the model set up (None before ``fabric.setup``)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ setup
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Keep the model unwrapped; plan the schedule for this world size (fails here, on
+        every rank, if it does not fit). The pipeline is built at the first :meth:`step`."""
+        if self._engine is not None and self._engine.module is not module:
+            raise StrategyConfigError(
+                "GeneralParallelFabric pipelines one model; a second fabric.setup(model) with "
+                "another model is not supported (use one strategy, i.e. one Fabric, per model)"
+            )
+        self._check_precision()
+        if self._engine is None:
+            self._engine = PipelineEngine(
+                module, self.schedule_config, self.partition_options,
+                self.schedule_config.training_plan(self.world_size),
+                world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
+                optimizers=lambda: list(self._optimizers), info=rank_zero_info,
+                forward_context=self.precision.forward_context,
+            )
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Remember it: its state is kept for the parameters this rank owns only."""
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+        return optimizer
+
+    def _check_precision(self) -> None:
+        if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
+            raise StrategyConfigError(
+                "precision='16-mixed' uses a gradient scaler, which GeneralParallelFabric does "
+                "not support (gradients are produced inside the schedule); use 'bf16-mixed', "
+                "'bf16-true' or '32-true'"
+            )
+
+    def _engine_of(self, model: Any) -> PipelineEngine:
+        engine = self._engine
+        if engine is None:
+            raise StrategyConfigError(
+                "GeneralParallelFabric was used before fabric.setup(model, optimizer)")
+        if _unwrap_objects(model) is not engine.module:
+            raise StrategyConfigError(
+                "the model passed is not the one set up with fabric.setup(model, ...); pass "
+                "that model (or what fabric.setup returned)")
+        return engine
+
+    def _runtime_of(self, module: Any) -> ModelRuntime | None:
+        """The runtime when ``module`` is the pipelined model and the pipeline is built."""
+        engine = self._engine
+        if engine is None or engine.runtime is None or module is not engine.module:
+            return None
+        return engine.runtime
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, model: Any, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
+             ) -> torch.Tensor:
+        """Forward, backward and gradient hand-over of one optimizer step (collective).
+
+        Args:
+            model: the model from ``fabric.setup``.
+            batch: this rank's share of the global batch (tensors, or tuples/dicts of tensors,
+                with the samples as first dimension); the global batch is the concatenation
+                over ranks, cut into the schedule's microbatches.
+            loss_fn: ``loss_fn(model, microbatch) -> loss``: calls ``model(...)`` exactly once
+                and returns the loss of the microbatch (a mean over its rows, as usual). The
+                code before ``model(...)`` runs on two ranks; it must be deterministic.
+        Returns:
+            The loss of the global batch (the mean over microbatches, as one device computes it
+            on the whole global batch), detached, the same on every rank.
+
+        Afterwards ``param.grad`` of every parameter this rank owns holds what it held before
+        plus the gradient of that loss, as after ``fabric.backward(loss)``; parameters of stages
+        other ranks own have no gradient (their optimizer state stays with their owner).
+        """
+        engine = self._engine_of(model)
+        caller = self._caller(engine, model, loss_fn)
+        with _inside_fabric_backward():  # precision: around each stage forward (setup_module)
+            outcome = engine.training_step(batch, caller)
+        engine.hand_over_grads(1.0)
+        return outcome.value
+
+    def evaluate(self, model: Any, batch: Any, fn: Callable[[Any, Any], Any]) -> Any:
+        """A forward-only run of the schedule (validation, test, prediction; collective).
+
+        ``fn(model, microbatch)`` calls ``model(...)`` once and returns per-row values:
+        tensors (or a structure of tensors) whose first dimension is the microbatch's rows,
+        e.g. predictions or ``F.cross_entropy(..., reduction="none")``. Returns them for the
+        rows of this rank's ``batch``, in order. Batches may have any size. Call
+        ``model.eval()``/``model.train()`` around it as you would without a pipeline.
+        """
+        engine = self._engine_of(model)
+        return engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True).value
+
+    @staticmethod
+    def _caller(engine: PipelineEngine, model: Any, fn: Callable[[Any, Any], Any]) -> StepCaller:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        return StepCaller(engine.module, lambda micro: fn(model, micro), name, who="model",
+                          record_logs=False)
+
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any,
+                 **kwargs: Any) -> None:
+        raise StrategyConfigError(
+            "GeneralParallelFabric runs the backward inside fabric.strategy.step(model, batch, "
+            "loss_fn) (a schedule interleaves the forwards and backwards of microbatches over "
+            "the ranks); call that instead of model(...) + fabric.backward(loss)"
+        )
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer,
+                            max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip by the norm of the whole model, each parameter counted once over all ranks."""
+        if self._engine is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type,
+                                               error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        return self._engine.clip_grad_norm(params, float(max_norm), float(norm_type),
+                                           error_if_nonfinite)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full state dict, gathered to rank 0 from the stages' owners (collective)."""
+        runtime = self._runtime_of(module)
+        return runtime.full_state_dict() if runtime is not None else module.state_dict()
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Every parameter's optimizer state, gathered to rank 0 (collective)."""
+        runtime = self._engine.runtime if self._engine is not None else None
+        if runtime is None:
+            return optimizer.state_dict()
+        return runtime.full_optimizer_state(optimizer)
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any],
+                               strict: bool = True) -> None:
+        runtime = self._runtime_of(module)
+        if runtime is None:
+            module.load_state_dict(state_dict, strict=strict)
+        else:  # only the stages this rank holds
+            runtime.load_state_dict(state_dict)
+
+    def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Fabric's loading (every rank reads the full checkpoint), then each rank drops the
+        optimizer state of parameters it does not own."""
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        engine = self._engine
+        if engine is not None and engine.runtime is not None:
+            engine.runtime.prune_optimizer_state(self._optimizers)
+        return remainder
+
+    # ------------------------------------------------------------------ end
+
+    def finish(self) -> None:
+        """End the pipeline (collective): every rank gets the full weights and optimizer state
+        back (unless a rank failed) and the pipeline's process groups are released.
+
+        Afterwards the model is an ordinary full model on every rank; a later :meth:`step`
+        builds a new pipeline.
+        """
+        if self._engine is not None:
+            self._engine.close(gather=True)
+
+    def teardown(self) -> None:
+        self.finish()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, description, schedule in library_names("GeneralParallelFabric"):
+            strategy_registry.register(name, cls, description=description, schedule=schedule)
+
+
+@contextmanager
+def _inside_fabric_backward() -> Iterator[None]:
+    """What ``fabric.backward`` declares around its backward: the model's outputs carry hooks
+    that refuse a backward outside it, and :meth:`GeneralParallelFabric.step` is that backward."""
+    before = fabric_wrappers._in_fabric_backward
+    fabric_wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        fabric_wrappers._in_fabric_backward = before

@@ -1,0 +1,271 @@
+"""GeneralParallelFabric trains exactly like a single-device Fabric loop: every library schedule.
+
+One world of W=2 gloo processes serves the whole module (one spawn, many checks). Each check is a
+plain Fabric loop inside the workers (``Fabric(devices=2, strategy=GeneralParallelFabric(...))``,
+``fabric.setup``, ``strategy.step``, ``fabric.clip_gradients`` by norm, SGD with momentum), and
+is compared with the same loop on one device (``fabric.backward``) in this pytest process, on the
+same global batches:
+
+* weights after 3 steps equal (rtol 1e-5, atol 1e-6: SGD is linear in the gradient, so float32
+  summation-order noise of ~1e-7 stays far below), and every step's returned loss equals the
+  single-device loss (rel 1e-5);
+* ``strategy.evaluate`` returns this rank's rows of the single-device outputs;
+* ``fabric.save`` in the middle of a run (after step 2) writes the full model and optimizer
+  state; ``fabric.load`` of it into a fresh run under another schedule, into a running pipeline,
+  or into a single-device Fabric, then step 3, ends where the uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_harness import WorkerContext
+from lightning_gsched.errors import ScheduleConfigError, StrategyConfigError
+from lightning_gsched.schedule.library import LIBRARY
+from lightning_models import as_worker, assert_same_state, state_of, tokens
+from models import make_gpt
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+SCHEDULES = list(LIBRARY)
+STEPS, GLOBAL_BATCH, CLIP, LR = 3, 8, 0.5, 0.05
+SAVED_AT = 2  # every distributed run saves a checkpoint after this many steps
+LOADS = [  # (checkpoint of this schedule's run, loaded into a fresh run under this schedule)
+    ("1f1b", "fslpp"), ("fsdp", "interleaved"), ("fslpp-seed", "ddp"), ("lpp", "gpipe"),
+]
+WORLD_TIMEOUT = 300.0  # seconds per check (conftest.worlds)
+
+
+def compute_loss(model: Any, batch: torch.Tensor) -> torch.Tensor:
+    """The user's loss function: calls the model once, returns the mean loss of its rows."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
+def last_logits(model: Any, batch: torch.Tensor) -> torch.Tensor:
+    """Per-row values for ``evaluate``: the last position's logits."""
+    return model(batch[:, :-1])[:, -1]
+
+
+def global_batches() -> list[torch.Tensor]:
+    data = tokens(GLOBAL_BATCH * STEPS)
+    return list(data.split(GLOBAL_BATCH))
+
+
+def share(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank r's rows of a global batch (the global batch is the concatenation over ranks)."""
+    rows = len(batch) // world
+    return batch[rank * rows:(rank + 1) * rows]
+
+
+def setup(fabric: Any) -> tuple[Any, Any]:
+    model = make_gpt(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    return fabric.setup(model, optimizer)
+
+
+def train(fabric: Any, model: Any, optimizer: Any, batches: list[torch.Tensor], pipelined: bool,
+          save_at: int | None = None, path: str | None = None) -> list[float]:
+    """The loop a Fabric user writes; ``pipelined`` swaps backward for ``strategy.step``."""
+    losses = []
+    for i, batch in enumerate(batches):
+        optimizer.zero_grad()
+        if pipelined:
+            loss = fabric.strategy.step(model, batch, compute_loss)
+        else:
+            loss = compute_loss(model, batch)
+            fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if save_at is not None and i + 1 == save_at:
+            fabric.save(path, {"model": model, "optimizer": optimizer, "step": i + 1})
+    return losses
+
+
+# ---------------------------------------------------------------------------- one device
+
+
+def single_device(precision: str = "32-true") -> Any:
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator="cpu", devices=1, precision=precision)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(precision: str = "32-true") -> dict[str, Any]:
+    """The single-device run: losses of every step, weights after each, last-position logits."""
+    fabric = single_device(precision)
+    model, optimizer = setup(fabric)
+    weights, losses = [], []
+    for batch in global_batches():
+        losses += train(fabric, model, optimizer, [batch], pipelined=False)
+        weights.append(state_of(model))
+    with torch.no_grad():
+        logits = last_logits(model, global_batches()[0])
+    return {"losses": losses, "weights": weights, "logits": logits}
+
+
+# ---------------------------------------------------------------------------- in the workers
+
+
+def pipelined_fabric(ctx: WorkerContext, schedule: str, precision: str = "32-true") -> Any:
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    as_worker(ctx.rank)
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, precision=precision,
+                    strategy=GeneralParallelFabric(schedule))
+    fabric.launch()
+    return fabric
+
+
+def run_schedule(ctx: WorkerContext, schedule: str, path: str, precision: str = "32-true"
+                 ) -> dict[str, Any]:
+    """3 steps, a checkpoint after step 2, evaluation, then the full model back (finish)."""
+    fabric = pipelined_fabric(ctx, schedule, precision)
+    model, optimizer = setup(fabric)
+    batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
+    losses = train(fabric, model, optimizer, batches, pipelined=True, save_at=SAVED_AT,
+                   path=path)
+    logits = fabric.strategy.evaluate(model, batches[0], last_logits)
+    memory = fabric.strategy.engine.runtime.memory()
+    held = {name: p.numel() > 0 for name, p in model.named_parameters()}
+    fabric.strategy.finish()
+    return {"losses": losses, "weights": state_of(model), "logits": logits, "held": held,
+            "owned_stages": memory.owned_stages, "stages": len(memory.stage_bytes)}
+
+
+def resume_schedule(ctx: WorkerContext, schedule: str, path: str, while_running: bool
+                    ) -> dict[str, Any]:
+    """Load a checkpoint saved after step 2 (into a fresh pipeline, or into one that already
+    ran a step of its own), then run step 3."""
+    fabric = pipelined_fabric(ctx, schedule)
+    model, optimizer = setup(fabric)
+    batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
+    if while_running:
+        train(fabric, model, optimizer, batches[:1], pipelined=True)
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
+    fabric.strategy.finish()
+    return {"losses": losses, "weights": state_of(model), "step": remainder["step"]}
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def runs(worlds, tmp_path_factory) -> dict[str, Any]:
+    """Every schedule's run on the one world, with the checkpoint path it wrote."""
+    world = worlds.get(WORLD)
+    folder = tmp_path_factory.mktemp("fabric")
+    out = {}
+    for schedule in SCHEDULES:
+        path = str(folder / f"{schedule}.ckpt")
+        out[schedule] = (world.run(run_schedule, schedule, path), path)
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_matches_single_device(runs, schedule: str) -> None:
+    want = reference()
+    results, _ = runs[schedule]
+    if schedule != "ddp":  # really pipelined: each rank held only its own stages while training
+        for got in results:
+            assert len(got["owned_stages"]) < got["stages"] and not all(got["held"].values())
+    for rank, got in enumerate(results):
+        label = f"{schedule} rank {rank}"
+        assert_same_state(got["weights"], want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
+        torch.testing.assert_close(got["logits"], share(want["logits"], rank, WORLD),
+                                   rtol=1e-5, atol=1e-5, msg=lambda m, label=label: f"{label}: {m}")
+
+
+def test_the_comparison_is_not_vacuous() -> None:
+    """3 steps move the weights far beyond the tolerance, and losses differ per step."""
+    want, initial = reference(), state_of(make_gpt(0))
+    moved = max(float((want["weights"][-1][k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3
+    assert len(set(want["losses"])) == STEPS
+
+
+@pytest.mark.parametrize("saved, loaded", LOADS, ids=[f"{a}-to-{b}" for a, b in LOADS])
+def test_checkpoint_resumes_under_another_schedule(worlds, runs, saved: str, loaded: str) -> None:
+    want = reference()
+    _, path = runs[saved]
+    while_running = (saved, loaded) == LOADS[-1]  # one case loads into a running pipeline
+    results = worlds.get(WORLD).run(resume_schedule, loaded, path, while_running)
+    for rank, got in enumerate(results):
+        label = f"{saved} -> {loaded} rank {rank}"
+        assert got["step"] == SAVED_AT
+        assert_same_state(got["weights"], want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(want["losses"][SAVED_AT:], rel=1e-5), label
+
+
+def test_bf16_mixed_tracks_single_device(worlds, tmp_path) -> None:
+    """bf16 autocast around each stage's forward, as around ``model(x)`` on one device: the
+    result equals one device's up to bf16 rounding of reordered sums (the tolerance is
+    measured as in test_lightning_equivalence: the single bf16 run's distance to float32)."""
+    want, fp32 = reference("bf16-mixed"), reference()
+    results = worlds.get(WORLD).run(run_schedule, "1f1b", str(tmp_path / "bf16.ckpt"),
+                                    "bf16-mixed")
+
+    def distance(a: dict, b: dict) -> float:
+        return float(torch.cat([(a[n] - b[n]).double().flatten() for n in a]).norm())
+
+    bf16_rounding = distance(want["weights"][-1], fp32["weights"][-1])
+    assert bf16_rounding > 1e-5  # the reference really ran in bf16
+    for got in results:
+        assert distance(got["weights"], want["weights"][-1]) <= bf16_rounding
+        # float32 cross-entropy of bf16 logits: 2^-8 relative per logit; rel 1e-2 is 2.5 ulps
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-2)
+
+
+def test_checkpoint_loads_into_a_single_device_fabric(runs) -> None:
+    want = reference()
+    _, path = runs["fslpp"]
+    fabric = single_device()
+    model, optimizer = setup(fabric)
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    assert remainder == {"step": SAVED_AT}
+    assert_same_state(state_of(model), want["weights"][SAVED_AT - 1], "loaded")
+    losses = train(fabric, model, optimizer, global_batches()[SAVED_AT:], pipelined=False)
+    assert_same_state(state_of(model), want["weights"][-1], "continued")
+    assert losses == pytest.approx(want["losses"][SAVED_AT:], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- without processes
+
+
+def test_library_names_are_registered_with_fabric() -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    for schedule in SCHEDULES:
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=f"gsched_{schedule}")
+        assert isinstance(fabric.strategy, GeneralParallelFabric)
+        assert fabric.strategy.schedule_config.schedule == schedule
+
+
+def test_bad_arguments_fail_at_construction() -> None:
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    with pytest.raises(ScheduleConfigError, match="microbatches=0"):
+        GeneralParallelFabric("gpipe", microbatches=0)
+    with pytest.raises(StrategyConfigError, match="step_timeout=-1"):
+        GeneralParallelFabric(step_timeout=-1)
+
+
+def test_fabric_backward_names_the_step_to_call_instead() -> None:
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    with pytest.raises(StrategyConfigError, match=r"fabric\.strategy\.step\(model, batch"):
+        GeneralParallelFabric().backward(torch.ones((), requires_grad=True), None)
