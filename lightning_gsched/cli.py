@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -199,6 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GschedError as exc:
         print(f"gsched: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader left early (`gsched plan ... | head`): as other Unix tools, stop quietly.
+        # stdout is pointed at devnull so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 

@@ -57,3 +57,18 @@ def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "lightning_gsched.cli", "plan", "gpipe", "-w", "2", "-b", "2"],
                          capture_output=True, text=True, check=True).stdout
     assert "latency 9" in out  # (B + S - 1)(f + b) = 3 * 3
+
+
+def test_reader_leaving_early_is_not_an_error():
+    """``gsched plan ... | head -1``: the closed pipe ends the command quietly, exit 0."""
+    command = [sys.executable, "-m", "lightning_gsched.cli", "plan", "fslpp", "-w", "8", "-b", "64",
+               "--programs"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        proc.stdout.close()  # as head does after its first line
+        stderr = proc.stderr.read()
+        code = proc.wait(timeout=60)
+    assert first.startswith(b"schedule fslpp")
+    assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr, stderr.decode()
+    assert code == 0
