@@ -8,6 +8,7 @@ Each model exercises something a pipeline partitioner must get right:
 
 * :class:`MLP` — plain chain, no nn.Sequential.
 * :class:`ResidualCNN` — residual blocks (skip inside a block), BatchNorm buffers, in-place ReLU.
+* :class:`BatchNormCNN` — BatchNorm2d/1d (one with ``momentum=None``) and a tracking InstanceNorm.
 * :class:`TinyGPT` — tied embedding/output weights, causal mask buffer sliced once and carried
   through every block, ints from ``idx.size()`` used later.
 * :class:`KwargsDictModel` — keyword-only args, optional mask, dict-of-list output with plain
@@ -15,7 +16,8 @@ Each model exercises something a pipeline partitioner must get right:
 * :class:`LongSkipModel` — skip connection from the first block to the last.
 * :class:`UnevenModel` — very uneven layer sizes (heavy ``Expand`` blocks between light layers).
 * :class:`DataDependentModel`, :class:`RoutedModel` — untraceable control flow (root / submodule).
-* :class:`GPTLightning` — a LightningModule wrapping TinyGPT.
+* :class:`GPTLightning` — a LightningModule wrapping TinyGPT; :class:`BatchNormLightning` —
+  one wrapping BatchNormCNN.
 """
 
 from __future__ import annotations
@@ -110,6 +112,50 @@ def make_cnn(seed: int = 0) -> ResidualCNN:
 
 
 def cnn_inputs(batch: int = 2, seed: int = 1) -> tuple[torch.Tensor]:
+    return (seeded(seed, lambda: torch.randn(batch, 3, 8, 8)),)
+
+
+# --------------------------------------------------------------------------- running statistics
+
+
+class BatchNormCNN(nn.Module):
+    """Every kind of running statistics the runtime keeps in step with one device.
+
+    BatchNorm2d with the default momentum and with momentum 0.3, an InstanceNorm2d that tracks
+    running statistics (no ``num_batches_tracked`` update, its own update rule), and a
+    BatchNorm1d with ``momentum=None`` (a cumulative average over ``num_batches_tracked``), spread
+    over the depth so that every stage of a 2- to 4-stage split holds some.
+    """
+
+    def __init__(self, channels: int = 4, hidden: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        c = channels
+
+        def block(cin: int, cout: int, norm: nn.Module, stride: int = 1) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+                                 norm, nn.ReLU())
+
+        self.blocks = nn.Sequential(
+            block(3, c, nn.BatchNorm2d(c)),
+            block(c, c, nn.BatchNorm2d(c, momentum=0.3)),
+            block(c, 2 * c, nn.InstanceNorm2d(2 * c, affine=True, track_running_stats=True), 2),
+            block(2 * c, 2 * c, nn.BatchNorm2d(2 * c)),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Linear(2 * c, hidden)
+        self.norm = nn.BatchNorm1d(hidden, momentum=None)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(self.pool(self.blocks(x)), 1)
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def make_bn_cnn(seed: int = 0, **kwargs: Any) -> BatchNormCNN:
+    return seeded(seed, lambda: BatchNormCNN(**kwargs))
+
+
+def bn_cnn_inputs(batch: int = 4, seed: int = 1) -> tuple[torch.Tensor]:
     return (seeded(seed, lambda: torch.randn(batch, 3, 8, 8)),)
 
 
@@ -426,6 +472,29 @@ class GPTLightning(pl.LightningModule):
 
 def make_gpt_lightning(seed: int = 0, **kwargs: Any) -> GPTLightning:
     return seeded(seed, lambda: GPTLightning(**kwargs))
+
+
+class BatchNormLightning(pl.LightningModule):
+    """A LightningModule around :class:`BatchNormCNN` (batches are ``(images, labels)``)."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = BatchNormCNN()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def make_bn_lightning(seed: int = 0, **kwargs: Any) -> BatchNormLightning:
+    return seeded(seed, lambda: BatchNormLightning(**kwargs))
 
 
 # --------------------------------------------------------------------------- helpers

@@ -162,6 +162,14 @@ class GeneralParallel(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            raise StrategyConfigError(
+                "Trainer(sync_batchnorm=True) is not supported by GeneralParallel: SyncBatchNorm "
+                "runs a collective inside every training forward, and a schedule runs each "
+                "stage's forwards on different ranks at different times. Leave it off: every "
+                "rank then ends each step with the BatchNorm running statistics one device would "
+                "have (docs/runtime.md, 'BatchNorm and other running statistics')"
+            )
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -24,8 +24,9 @@ restore, parameter memory, aborting on a failure.
 Modules, one job each: :mod:`.wire` (pytree <-> one message), :mod:`.channels` (process groups,
 fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport` (sends, posted
 receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
-forward/backward, stash), :mod:`.layout` (which parameters go where), :mod:`.executor` (the
-program walker), :mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
+forward/backward, stash), :mod:`.running_stats` (BatchNorm statistics equal to one device's on
+every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the program walker),
+:mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
 updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
 :mod:`.fullstate` (full model and optimizer state). See ``docs/runtime.md``.
 """

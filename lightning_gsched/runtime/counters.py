@@ -4,7 +4,7 @@ The first twelve fields have the names and meaning of the planner's per-worker m
 (:class:`lightning_gsched.schedule.metrics.WorkerMetrics`, read off the same programs by
 ``program_counts``), so a test can compare them field by field: equality shows the runtime
 executed exactly the planned communication and held exactly the planned memory. The other fields
-are facts the planner does not model (bytes, tied-parameter reductions).
+are facts the planner does not model (bytes, tied-parameter and running-statistics reductions).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class RuntimeCounters:
     allreduce_bytes: int = 0
     shared_allreduces: int = 0  # end-of-step all-reduce of tied-parameter gradients
     shared_allreduce_bytes: int = 0
+    stats_allreduces: int = 0  # end-of-step all-reduce of running statistics (BatchNorm)
+    stats_allreduce_bytes: int = 0
     peak_resident_param_bytes: int = 0  # stage buffers (owned + fetched), tied params excluded
 
     PLANNED: ClassVar[tuple[str, ...]] = (

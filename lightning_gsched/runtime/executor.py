@@ -13,9 +13,10 @@ process groups); ``step(inputs, loss_fn)`` walks this rank's program in order:
   ``ALLREDUCE_G`` starts an async SUM over the replica owners and is waited for at the end.
 
 At the end of the step every owner's ``param.grad`` is the gradient of the mean loss over all B
-microbatches (the global batch), replicas included, and tied parameters' gradients are summed
-over all ranks. Any failure raises :class:`RuntimeFault` naming rank, action and cause, after
-aborting this executor's channels so that no peer hangs.
+microbatches (the global batch), replicas included, tied parameters' gradients are summed
+over all ranks, and every rank's BatchNorm running statistics are one device's after running
+the B microbatches in order (:mod:`.running_stats`). Any failure raises :class:`RuntimeFault`
+naming rank, action and cause, after aborting this executor's channels so that no peer hangs.
 
 ``forward(programs, inputs, output_fn)`` runs this rank's program of *forward-only* programs
 (``plan(..., forward_only=True)``: same schedule, W, S and R, any number of microbatches) on the
@@ -25,6 +26,7 @@ validation can interleave with training, even in the middle of an accumulation w
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -43,6 +45,7 @@ from lightning_gsched.runtime.layout import (
     check_forward_programs,
     check_programs,
 )
+from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step import StepRun
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.schedule.program import Action, Op, Programs
@@ -57,8 +60,9 @@ class ProgramExecutor:
         programs: ``plan(...).programs``, the same on every rank.
         channels: process groups to use; default: new ones (collective, same order everywhere).
         timeout: seconds any single wait may take before the step fails with a RuntimeFault.
-        sync_weights: broadcast replicated stages from their first owner and tied parameters
-            from rank 0 at construction, so replicas start equal even if models were not.
+        sync_weights: broadcast replicated stages from their first owner, tied parameters and
+            running statistics (BatchNorm) from rank 0 at construction, so replicas start equal
+            even if models were not.
         forward_context: entered around every stage forward (e.g. a front end's autocast);
             the loss function and the backward run outside it.
     """
@@ -74,6 +78,7 @@ class ProgramExecutor:
         forward_context: ForwardContext | None = None,
     ) -> None:
         check_programs(stages, programs)
+        self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
         self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
         self.rank = self.channels.rank
         self.programs = programs
@@ -172,12 +177,13 @@ class ProgramExecutor:
         Runs under ``torch.no_grad()`` (and outside inference mode, also when called inside
         ``torch.inference_mode()``, so fetched weights never become inference tensors). Owned
         gradients (``param.grad``, flat gradient buffers, tied parameters) are left untouched;
-        non-owned stages are released afterwards as after :meth:`step`. Counters of the run are
-        in ``self.last_forward_counters`` (equal to the forward-only plan's metrics).
+        non-owned stages are released afterwards as after :meth:`step`; running statistics
+        (BatchNorm) are left as they were, even for modules in training mode. Counters of the
+        run are in ``self.last_forward_counters`` (equal to the forward-only plan's metrics).
         """
         check_forward_programs(self.programs, programs)
         view = ProgramView.of(programs, self.rank)
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), self.running_stats.unchanged():
             state = StepRun(self, view, inputs, output_fn, forward_only=True)
             self._execute(state, "forward()")
         self.last_forward_counters = state.counters
@@ -254,6 +260,8 @@ class ProgramExecutor:
             with torch.no_grad():
                 for p in self.shared.params:
                     self.channels.broadcast(p.data, 0, None)
+        if self.channels.world_size > 1:
+            self.running_stats.broadcast(partial(self.channels.broadcast, src=0, members=None))
 
     def abort(self, message: str) -> None:
         """Tell the job what failed first, then drop every handle and destroy the groups.

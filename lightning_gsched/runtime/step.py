@@ -11,11 +11,13 @@ import the executor (which imports this one). One method per op, named after it 
 The same object runs a forward-only program (``forward_only=True``, from
 ``ProgramExecutor.forward``): forwards without autograd or stash, the last stage's output handed
 to ``output_fn`` (any value), and nothing that touches gradients (no zeroing at the start, no
-tied-parameter all-reduce at the end).
+tied-parameter all-reduce at the end, no running statistics captured or exchanged).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from functools import partial
 from typing import Any, Collection, Mapping, Protocol, Sequence
 
 import torch
@@ -28,6 +30,7 @@ from lightning_gsched.runtime.compute import LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatGrads, FlatStage
 from lightning_gsched.runtime.layout import ProgramView
+from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.schedule.program import Action, Op
 
@@ -52,6 +55,8 @@ class ExecutorState(Protocol):
     def channels(self) -> Channels: ...
     @property
     def transport(self) -> Transport: ...
+    @property
+    def running_stats(self) -> RunningStats: ...
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]: ...
 
 
@@ -86,6 +91,8 @@ class StepRun:
         # index of a stage's last B -> its bucketed all-reduce, started during that backward
         self.overlap: dict[int, GradBuckets] = {} if forward_only else ex.overlapped_reductions(view)
         self.armed: dict[int, GradBuckets] = {}
+        # BatchNorm statistics of this step's forwards, folded on every rank at the end
+        self.stats = None if forward_only else ex.running_stats.begin_step(view.programs.num_micro)
         self.resident = len(ex.owned)
         self.counters.peak_resident_stages = self.resident
         for s in ex.owned:
@@ -107,6 +114,8 @@ class StepRun:
         self.allreduces.clear()
         self.produced_acts.clear()
         self.produced_grads.clear()
+        if self.stats is not None:
+            self.stats.abandon()
 
     def run(self, action: Action, index: int) -> None:
         getattr(self, f"_{action.op.value.lower()}")(action, index)
@@ -131,7 +140,9 @@ class StepRun:
         if self.forward_only:
             self._infer(s, b, tuple(args), dict(kwargs))
             return
-        parts, loss = self.ex.compute.forward(s, b, tuple(args), dict(kwargs), leaves, self.loss_fn)
+        with self.stats.capture(s, b) if self.stats is not None else nullcontext():
+            parts, loss = self.ex.compute.forward(s, b, tuple(args), dict(kwargs), leaves,
+                                                  self.loss_fn)
         if loss is not None:
             self.losses[b] = loss
         else:
@@ -309,6 +320,8 @@ class StepRun:
             self.transport.wait(work, what)
         if not self.forward_only:
             self._reduce_shared()
+        if self.stats is not None:
+            self._sync_running_stats()
         self.transport.drain_sends()
         self.transport.end_step()
         if leftovers or self.ex.compute.stash:
@@ -328,6 +341,18 @@ class StepRun:
         self.transport.wait(work, "the all-reduce of tied-parameter gradients over all ranks")
         self.counters.shared_allreduces += 1
         self.counters.shared_allreduce_bytes += grad.numel() * grad.element_size()
+
+    def _sync_running_stats(self) -> None:
+        """Every rank: the step's batch statistics from all ranks, folded in microbatch order."""
+        assert self.stats is not None
+        channels = self.ex.channels
+        all_reduce = None
+        if channels.world_size > 1:
+            table = self.stats.table
+            self.counters.stats_allreduces += 1
+            self.counters.stats_allreduce_bytes += table.numel() * table.element_size()
+            all_reduce = partial(channels.all_reduce, members=None)
+        self.stats.finish(all_reduce, self.transport.wait)
 
     def _note_bytes(self) -> None:
         resident = sum(f.resident_bytes() for f in self.ex.flats)

@@ -1,0 +1,338 @@
+"""Running statistics (BatchNorm, InstanceNorm): after a step, one device's values on every rank.
+
+Why: a stage's modules exist on every rank (only parameters are fetched and released; buffers
+stay), but each rank runs the forward of a stage on just the microbatches its program gives it,
+so left alone every copy of a BatchNorm would track different microbatches and no rank would
+hold what one device holds. The semantics kept here, the strongest that is exact for every
+placement: after each training step, every rank holds for every stage the running statistics
+that ONE device would hold after running that stage's forward on microbatches ``0 .. B-1`` in
+order (training mode), starting from the buffers at the step's start. Forward outputs still
+normalise with each microbatch's own batch statistics (as DDP without SyncBatchNorm, and as one
+device with gradient accumulation).
+
+How (checked against torch's ``_BatchNorm.forward``, ``_InstanceNorm`` and ATen's CPU kernel):
+a training-mode update is ``running = f * batch_stat + (1 - f) * running`` for the mean and for
+the *unbiased* variance, where ``f`` is the module's ``momentum``; for a BatchNorm with
+``momentum=None`` it is ``1 / num_batches_tracked`` (a cumulative average), after
+``num_batches_tracked += 1`` (BatchNorm only, once per call); an InstanceNorm with
+``momentum=None`` uses ``f = 0``. So during a step each ``F s b`` runs the stage's such modules
+with ``momentum = 1.0``: right after each call the buffers hold exactly that call's batch
+statistics, which a forward hook copies into the step's table at (microbatch b, stage s). At the
+end of the step one SUM all-reduce over all ranks (every rank calls it; each slot was written by
+the one rank that ran ``F s b``, the others add zeros) gives every rank the whole table, and every
+rank folds it into the buffers it held at the step's start, microbatch by microbatch and stage by
+stage, with each module's real factor, and adds the number of calls to ``num_batches_tracked``.
+
+Exactness: the fold uses the same float32 formula as the CPU kernel; the one difference is that
+the kernel keeps the batch variance in double until it is mixed in, while here it is rounded once
+to float32 (the buffer's dtype) when captured: about 1e-7 relative per statistic.
+
+Cost: nothing when no module keeps running statistics in training mode; otherwise one
+all-reduce of ``B * (2 * channels + 1 per module)`` numbers per step and an O(B) fold.
+
+Limits: a module with running statistics called more than once in one forward of one stage is
+refused (the table has one slot per call site, and a rank that did not run the stage cannot know
+how many calls another made); ``nn.SyncBatchNorm`` is refused at construction (see
+:func:`check_no_sync_batchnorm`). Other buffers a forward mutates are not synchronised.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from lightning_gsched.errors import RuntimeConfigError
+
+AllReduce = Callable[[torch.Tensor], Any]  # starts a SUM all-reduce over every rank, returns work
+Wait = Callable[[Any, str], None]
+
+
+def has_running_stats(module: nn.Module) -> bool:
+    """A norm layer that updates running statistics when it runs in training mode."""
+    return (
+        isinstance(module, (_BatchNorm, _InstanceNorm))
+        and module.track_running_stats
+        and module.running_mean is not None
+        and module.running_var is not None
+    )
+
+
+def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
+    """Refuse ``nn.SyncBatchNorm``: its training forward is a collective over the ranks.
+
+    Why refuse rather than convert: SyncBatchNorm all-reduces batch statistics inside every
+    training forward, so all ranks must run that layer at the same moment on concurrent
+    batches. A schedule runs each stage's forwards on different ranks at different times (many
+    ranks run none of a given stage), so its collectives would pair unrelated forwards or wait
+    forever; and normalising over "the batches that happen to run together" has no meaning for
+    a pipeline. Silently turning it back into BatchNorm would change what the forward computes
+    (the user asked for global-batch statistics), so the user decides.
+    """
+    for s, stage in enumerate(stages):
+        for name, module in stage.named_modules():
+            if isinstance(module, nn.SyncBatchNorm):
+                raise RuntimeConfigError(
+                    f"stage {s} contains nn.SyncBatchNorm ({name or type(module).__name__}), "
+                    "whose training forward is a collective that every rank must run at once; a "
+                    "schedule runs each stage's forwards on different ranks at different times. "
+                    "Use nn.BatchNorm1d/2d/3d instead (do not convert the model with "
+                    "nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends each step "
+                    "with the running statistics one device would have (docs/runtime.md, "
+                    "'BatchNorm and other running statistics')."
+                )
+
+
+def _factor(module: nn.Module, calls_so_far: int) -> float:
+    """The update factor of this module's next call (torch's rule; see the module docstring).
+
+    ``calls_so_far`` is ``num_batches_tracked`` after this call's increment (BatchNorm only).
+    """
+    momentum = module.momentum
+    if isinstance(module, _BatchNorm):
+        if module.num_batches_tracked is not None and momentum is None:
+            return 1.0 / float(calls_so_far)
+        return 0.0 if momentum is None else float(momentum)
+    return 0.0 if momentum is None else float(momentum)
+
+
+def _counter(module: nn.Module) -> torch.Tensor | None:
+    """A BatchNorm's ``num_batches_tracked`` (InstanceNorm's is never updated)."""
+    counter = getattr(module, "num_batches_tracked", None)
+    return counter if isinstance(module, _BatchNorm) else None
+
+
+@dataclass(frozen=True)
+class _Site:
+    """One module as called by one stage: where its batch statistics go in a table row."""
+
+    stage: int
+    module: int  # index into StatsLayout.modules
+    offset: int  # first element of [mean | var] in a row, after the call counts
+    size: int  # channels
+    round: int  # how many earlier stages call the same module (fold order within a microbatch)
+
+
+class StatsLayout:
+    """Where every training module's statistics sit: the table rows and the running vector.
+
+    A table row (one per microbatch) is ``[calls of each site | mean, var of each site]``; the
+    running vector ``R`` is ``[running_mean, running_var]`` of each distinct module. Sites of the
+    same round touch distinct modules, so one microbatch's fold is one vector update per round
+    (one round unless a module is called from several stages).
+    """
+
+    def __init__(self, per_stage: Sequence[Sequence[nn.Module]]) -> None:
+        self.modules: list[nn.Module] = []
+        index: dict[int, int] = {}
+        self.sites: list[_Site] = []
+        offset = 0
+        seen: dict[int, int] = {}
+        for s, modules in enumerate(per_stage):
+            for m in modules:
+                if id(m) not in index:
+                    index[id(m)] = len(self.modules)
+                    self.modules.append(m)
+                j = index[id(m)]
+                size = m.running_mean.numel()
+                self.sites.append(_Site(s, j, offset, size, seen.get(j, 0)))
+                seen[j] = seen.get(j, 0) + 1
+                offset += 2 * size
+        self.by_stage: dict[int, list[tuple[int, _Site]]] = {}
+        for k, site in enumerate(self.sites):
+            self.by_stage.setdefault(site.stage, []).append((k, site))
+        self.width = len(self.sites) + offset  # one table row
+        starts, position = [], 0
+        for m in self.modules:
+            starts.append(position)
+            position += 2 * m.running_mean.numel()
+        self.starts = starts
+        first = self.modules[0].running_mean
+        self.dtype = first.dtype
+        for m in self.modules:
+            self.dtype = torch.promote_types(self.dtype, m.running_mean.dtype)
+        self.device = first.device
+        self.rounds = self._rounds()
+
+    def _rounds(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per round: (its sites, positions in R, positions in a row, site of each element)."""
+        rounds = []
+        for r in range(max(site.round for site in self.sites) + 1):
+            sites = [k for k, site in enumerate(self.sites) if site.round == r]
+            in_r, in_row, owner = [], [], []
+            for column, k in enumerate(sites):
+                site = self.sites[k]
+                in_r.append(torch.arange(self.starts[site.module],
+                                         self.starts[site.module] + 2 * site.size))
+                start = len(self.sites) + site.offset
+                in_row.append(torch.arange(start, start + 2 * site.size))
+                owner.append(torch.full((2 * site.size,), column, dtype=torch.long))
+            rounds.append((torch.tensor(sites, device=self.device),
+                           *(torch.cat(t).to(self.device) for t in (in_r, in_row, owner))))
+        return rounds
+
+    def running(self) -> torch.Tensor:
+        """R: the modules' current ``[running_mean, running_var]``, concatenated."""
+        return torch.cat([t.detach().reshape(-1).to(self.dtype) for m in self.modules
+                          for t in (m.running_mean, m.running_var)])
+
+    def calls(self) -> torch.Tensor:
+        """Each module's ``num_batches_tracked`` (0 where it has none), as one int64 tensor."""
+        zero = torch.zeros((), dtype=torch.long, device=self.device)
+        counters = [_counter(m) for m in self.modules]
+        return torch.stack([zero if c is None else c.detach().reshape(()).to(zero)
+                            for c in counters])
+
+    def write(self, values: torch.Tensor, calls: Sequence[int] | None = None) -> None:
+        """Copy R back into the modules' buffers (in place: the tensors keep their identity),
+        and ``calls`` into BatchNorms' ``num_batches_tracked``."""
+        with torch.no_grad():
+            for j, (m, start) in enumerate(zip(self.modules, self.starts, strict=True)):
+                size = m.running_mean.numel()
+                m.running_mean.copy_(values[start:start + size].view_as(m.running_mean))
+                m.running_var.copy_(values[start + size:start + 2 * size].view_as(m.running_var))
+                counter = _counter(m)
+                if calls is not None and counter is not None:
+                    counter.fill_(calls[j])
+
+
+class StatsStep:
+    """One training step's table: filled by the forwards, exchanged and folded at the end."""
+
+    def __init__(self, layout: StatsLayout, num_micro: int) -> None:
+        self.layout = layout
+        self.num_micro = num_micro
+        self.table = torch.zeros(num_micro, layout.width, dtype=layout.dtype, device=layout.device)
+        self.start = layout.running()
+        self.start_calls = layout.calls()  # a tensor: read (one device sync) when folding
+        self.calls: set[tuple[int, int]] = set()  # (site, microbatch) already recorded
+        self.folded = False
+
+    @contextmanager
+    def capture(self, s: int, b: int) -> Iterator[None]:
+        """Run ``F s b`` inside: its modules' batch statistics land in row b (see the module
+        docstring); momentum and hooks are put back even when the forward fails."""
+        sites = self.layout.by_stage.get(s, [])
+        if not sites:
+            yield
+            return
+        modules = [self.layout.modules[site.module] for _, site in sites]
+        momenta = [m.momentum for m in modules]
+        handles = []
+        try:
+            for (k, site), m in zip(sites, modules, strict=True):
+                m.momentum = 1.0
+                handles.append(m.register_forward_hook(self._recorder(k, site, b)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for m, momentum in zip(modules, momenta, strict=True):
+                m.momentum = momentum
+
+    def _recorder(self, k: int, site: _Site, b: int) -> Callable[..., None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if (k, b) in self.calls:
+                raise RuntimeConfigError(
+                    f"{type(module).__name__} in stage {site.stage} ran twice in one forward; "
+                    "the runtime keeps running statistics exact for modules called at most once "
+                    "per stage forward. Use one norm module per call site."
+                )
+            self.calls.add((k, b))
+            row = self.table[b]
+            start = len(self.layout.sites) + site.offset
+            with torch.no_grad():
+                row[k] = 1
+                row[start:start + site.size].copy_(module.running_mean.reshape(-1))
+                row[start + site.size:start + 2 * site.size].copy_(module.running_var.reshape(-1))
+
+        return record
+
+    def finish(self, all_reduce: AllReduce | None, wait: Wait) -> None:
+        """Exchange the table (``all_reduce`` None: a single rank) and fold it on this rank."""
+        if all_reduce is not None:
+            wait(all_reduce(self.table), "the all-reduce of running statistics over all ranks")
+        self._fold()
+        self.folded = True
+
+    def _fold(self) -> None:
+        layout = self.layout
+        calls = self.table[:, : len(layout.sites)].tolist()  # one device sync
+        tracked = self.start_calls.tolist()
+        factors = []
+        for b in range(self.num_micro):
+            row = []
+            for k, site in enumerate(layout.sites):  # stage order within a microbatch
+                if not calls[b][k]:
+                    row.append(0.0)  # not called in this forward: no update
+                    continue
+                tracked[site.module] += 1
+                row.append(_factor(layout.modules[site.module], tracked[site.module]))
+            factors.append(row)
+        f_table = torch.tensor(factors, dtype=layout.dtype).to(layout.device)
+        running = self.start.clone()
+        for b in range(self.num_micro):
+            for sites, in_r, in_row, owner in layout.rounds:
+                f = f_table[b, sites][owner]
+                stat = self.table[b, in_row]
+                running[in_r] = f * stat + (1 - f) * running[in_r]
+        layout.write(running, tracked)
+
+    def abandon(self) -> None:
+        """A failed step: put back the buffers of the step's start (the captures changed them)."""
+        if not self.folded:
+            self.layout.write(self.start, self.start_calls.tolist())
+
+
+class RunningStats:
+    """The modules with running statistics in each stage, found once per executor.
+
+    ``begin_step(B)`` gives a :class:`StatsStep`, or None when no such module is in training
+    mode (then a step costs nothing extra); :meth:`unchanged` keeps forward-only runs from
+    touching the buffers; :meth:`broadcast` makes every rank start from rank 0's.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        check_no_sync_batchnorm(stages)
+        self.per_stage = [[m for m in stage.modules() if has_running_stats(m)] for stage in stages]
+        self.modules = list({id(m): m for ms in self.per_stage for m in ms}.values())
+        self._layouts: dict[tuple[bool, ...], StatsLayout] = {}
+
+    def begin_step(self, num_micro: int) -> StatsStep | None:
+        if not self.modules:
+            return None
+        key = tuple(m.training for m in self.modules)
+        if not any(key):
+            return None
+        if key not in self._layouts:
+            self._layouts[key] = StatsLayout(
+                [[m for m in ms if m.training] for ms in self.per_stage])
+        return StatsStep(self._layouts[key], num_micro)
+
+    @contextmanager
+    def unchanged(self) -> Iterator[None]:
+        """Buffers as they were before (a forward-only run of modules left in training mode)."""
+        training = [m for m in self.modules if m.training]
+        saved = [(t, t.detach().clone()) for m in training for t in m.buffers(recurse=False)]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, value in saved:
+                    tensor.copy_(value)
+
+    def broadcast(self, broadcast: Callable[[torch.Tensor], None]) -> None:
+        """Rank 0's running statistics on every rank (``broadcast(tensor)`` from rank 0, in
+        place; collective): two messages, statistics and ``num_batches_tracked``."""
+        if not self.modules:
+            return
+        layout = StatsLayout(self.per_stage)
+        values, calls = layout.running(), layout.calls()
+        broadcast(values)
+        broadcast(calls)
+        layout.write(values, calls.tolist())
