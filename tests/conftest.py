@@ -20,3 +20,18 @@ def worlds(request: pytest.FixtureRequest) -> Iterator[Worlds]:
     w = Worlds(timeout=getattr(request.module, "WORLD_TIMEOUT", DEFAULT_TIMEOUT))
     yield w
     w.close()
+
+
+@pytest.fixture(autouse=True)
+def _restore_lightning_rank() -> Iterator[None]:
+    """Put Lightning's process-wide ``rank_zero_only.rank`` back after every test.
+
+    Constructing a Trainer for another global rank (the fake-SLURM test builds one for rank 3)
+    sets that attribute for the whole pytest process; a later single-process reference Trainer
+    would then skip everything rank-zero-only, e.g. its CSVLogger would write no metrics.csv.
+    """
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", 0)
+    yield
+    rank_zero_only.rank = rank
