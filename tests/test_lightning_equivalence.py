@@ -71,7 +71,11 @@ def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, tmp_path) -> None:
     world = worlds.get(world_size)
-    for optimizer in ("sgd", "adam"):
+    # Adam at W=2 only: which rank holds which parameter's optimizer state follows from stage
+    # ownership, which W=2 already exercises for every schedule; W=4 adds loops, replicas and
+    # longer pipelines, which SGD checks as well (and test_lightning_checkpoint resumes Adam
+    # on 4 workers). This keeps the suite inside its time budget.
+    for optimizer in ("sgd", "adam") if world_size == 2 else ("sgd",):
         want, want_log = reference(optimizer)
         tmp = str(tmp_path / optimizer)
         states = world.run(fit_on_worker, {"schedule": schedule}, optimizer, tmp)
