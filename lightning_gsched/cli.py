@@ -80,7 +80,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-b", "--microbatches", type=_count("microbatches", "8"), default=None, help="B: microbatches per step (default: per schedule)")
     parser.add_argument("--R", type=_count("R", "2"), default=None, help="workers per looped group (lpp, fslpp, ...)")
     parser.add_argument("--forward-cost", type=_cost("forward_cost"), default=1.0, help="F duration: one number or one per stage")
-    parser.add_argument("--backward-cost", type=_cost("backward_cost"), default=2.0, help="B duration: one number or one per stage")
+    parser.add_argument("--backward-cost", type=_cost("backward_cost"), default=2.0, help="B duration: one number or one per stage (the input-gradient part when W is split off)")
+    parser.add_argument("--weight-cost", type=_cost("weight_cost"), default=None, help="W duration (schedules with a split backward: zb-h1, zb-h2, zbv); default: half of --backward-cost, the other half going to B")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,14 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | None,
-                 forward_cost, backward_cost) -> list[dict]:
+                 forward_cost, backward_cost, weight_cost=None) -> list[dict]:
     rows = []
     for name in LIBRARY:
         try:
             uses_R = LIBRARY[name].default_R is not None
+            split = LIBRARY[name].split_backward
             result = plan(name, workers=workers, stages=stages, microbatches=micro,
                           R=R if uses_R and name != "interleaved" else None,
-                          forward_cost=forward_cost, backward_cost=backward_cost)
+                          forward_cost=forward_cost, backward_cost=backward_cost,
+                          weight_cost=weight_cost if split else None)
         except GschedError as exc:
             rows.append({"schedule": name, "error": str(exc)})
             continue
@@ -179,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = plan(args.schedule, workers=args.workers, stages=args.stages,
                           microbatches=args.microbatches, R=args.R, order=args.order, cap=args.cap,
                           forward_cost=args.forward_cost, backward_cost=args.backward_cost,
-                          forward_only=args.forward_only)
+                          weight_cost=args.weight_cost, forward_only=args.forward_only)
             if args.png and not _write_png(result, args.png):
                 return 2
             if args.json:
@@ -195,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"wrote {args.png}")
         else:
             rows = compare_rows(args.workers, args.stages, args.microbatches, args.R,
-                                args.forward_cost, args.backward_cost)
+                                args.forward_cost, args.backward_cost, args.weight_cost)
             print(json.dumps(rows) if args.json else _compare_text(rows, args.workers))
     except GschedError as exc:
         print(f"gsched: error: {exc}", file=sys.stderr)

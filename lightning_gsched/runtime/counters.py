@@ -1,41 +1,32 @@
 """What one rank actually did in one step, counted as it happened.
 
-The first twelve fields have the names and meaning of the planner's per-worker metrics
-(:class:`lightning_gsched.schedule.metrics.WorkerMetrics`, read off the same programs by
-``program_counts``), so a test can compare them field by field: equality shows the runtime
-executed exactly the planned communication and held exactly the planned memory. The other fields
-are facts the planner does not model (bytes, tied-parameter and running-statistics reductions).
+:class:`RuntimeCounters` is the planner's :class:`~lightning_gsched.schedule.counts.ActionCounts`
+(the same fields, read off the same programs by ``schedule.metrics.program_counts``) plus facts
+the planner does not model (bytes, tied-parameter and running-statistics reductions), so a test
+compares ``counters.planned()`` with the plan's per-worker metrics: equality shows the runtime
+executed exactly the planned communication and held exactly the planned memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
+
+from lightning_gsched.schedule.counts import PLANNED, ActionCounts
 
 
 @dataclass
-class RuntimeCounters:
+class RuntimeCounters(ActionCounts):
     """Counters of one step on one rank.
 
-    Message counts are incremented when the send is issued or the receive is posted.
-    ``peak_activations`` is the most stashed (forward done, backward pending) microbatch-stages;
-    ``peak_resident_stages`` counts owned stages plus fetched ones, raised when a fetch is posted
-    and lowered when it is freed (exactly as the planner counts). Bytes are those of
-    point-to-point messages (headers included); all-reduces are counted separately.
+    Message counts move when the send is issued or the receive is posted (``count(op)``, from
+    the op table). ``peak_activations`` is the most stashed (forward done, last backward phase
+    pending) microbatch-stages; ``peak_resident_stages`` counts owned stages plus fetched ones,
+    raised when a fetch is posted and lowered when it is freed (exactly as the planner counts).
+    Bytes are those of point-to-point messages (headers included); all-reduces are counted
+    separately.
     """
 
-    activation_recvs: int = 0
-    activation_sends: int = 0
-    input_grad_recvs: int = 0
-    input_grad_sends: int = 0
-    weight_fetches: int = 0
-    weight_serves: int = 0
-    grad_sends: int = 0
-    grad_recvs: int = 0
-    allreduces: int = 0
-    peak_activations: int = 0
-    owned_stages: int = 0
-    peak_resident_stages: int = 0
     # not planned, measured
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -46,24 +37,4 @@ class RuntimeCounters:
     stats_allreduce_bytes: int = 0
     peak_resident_param_bytes: int = 0  # stage buffers (owned + fetched), tied params excluded
 
-    PLANNED: ClassVar[tuple[str, ...]] = (
-        "activation_recvs",
-        "activation_sends",
-        "input_grad_recvs",
-        "input_grad_sends",
-        "weight_fetches",
-        "weight_serves",
-        "grad_sends",
-        "grad_recvs",
-        "allreduces",
-        "peak_activations",
-        "owned_stages",
-        "peak_resident_stages",
-    )
-
-    def planned(self) -> dict[str, int]:
-        """The fields the planner predicts, by the planner's names."""
-        return {name: getattr(self, name) for name in self.PLANNED}
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    PLANNED: ClassVar[tuple[str, ...]] = PLANNED

@@ -124,10 +124,14 @@ def plan_command(result: Plan) -> str:
     default_cap = spec.cap(result.workers)
     if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
         words.append(f"--cap {cap_text(result.caps)}")
-    for flag, costs, default in (("--forward-cost", result.costs.forward, 1.0),
-                                 ("--backward-cost", result.costs.backward, 2.0)):
-        if any(c != default for c in costs):
-            words.append(f"{flag} {_numbers(costs)}")
+    fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
+    if any(c != 1.0 for c in fwd):
+        words.append(f"--forward-cost {_numbers(fwd)}")
+    if not wgt:
+        if any(c != 2.0 for c in bwd):
+            words.append(f"--backward-cost {_numbers(bwd)}")
+    elif any(c != 1.0 for c in (*bwd, *wgt)):  # split: B and W each 1.0 is the halved default
+        words.append(f"--backward-cost {_numbers(bwd)} --weight-cost {_numbers(wgt)}")
     return " ".join(words)
 
 
@@ -179,9 +183,11 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
         values = [getattr(w, field) for w in m.per_worker]
         return _most(values, workers, span(values))
 
-    fwd, bwd = result.costs.forward, result.costs.backward
+    fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
     costs = (f"costs per stage: forward {_numbers(fwd)}, backward {_numbers(bwd)}"
-             if len(set(fwd)) == 1 and len(set(bwd)) == 1 else "the given per-stage costs")
+             + (f", weight {_numbers(wgt)}" if wgt else "")
+             if len({*fwd}) == 1 and len({*bwd}) == 1 and len({*wgt}) <= 1
+             else "the given per-stage costs")
     memory = worker_parameter_bytes(result, stage_bytes)
     peak = [float(p) for _, p in memory]
     lines = [

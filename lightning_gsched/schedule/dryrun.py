@@ -11,6 +11,9 @@ stage's weights (owned, or fetched and not freed), collectives come in the same 
 member of a group, and at the end nothing is stashed, fetched or unreceived. Any violation raises
 :class:`ProgramError` naming the rank and the action in text form.
 
+Split-backward programs (``programs.split_backward``, zero-bubble schedules) run ``W s b`` after
+``B s b`` on the same rank; the stash lives until ``W``, and ``REDUCE_G`` needs a ``W`` of the stage.
+
 Forward-only programs (``programs.forward_only``) may contain no backward-related action, stash
 nothing (a forward's output is consumed by the next stage, not kept for a backward) and must
 run every forward exactly once.
@@ -18,7 +21,7 @@ run every forward exactly once.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from typing import Callable
 
 from lightning_gsched.errors import ProgramError
@@ -32,6 +35,7 @@ from lightning_gsched.schedule.program import (
     Op,
     Programs,
 )
+from lightning_gsched.schedule.walk import Walker
 
 # A malformed action may lack its peer or microbatch: the types admit None so the dry run can
 # report such programs instead of assuming them away.
@@ -98,10 +102,10 @@ def check_collective_order(programs: Programs) -> None:
 
 
 class _Rank:
-    __slots__ = ("pc", "posted", "pending_grads", "resident", "stash", "forward_done", "backward_done")
+    __slots__ = ("posted", "pending_grads", "resident", "stash", "forward_done", "backward_done",
+                 "weight_done")
 
     def __init__(self, owned: set[int]) -> None:
-        self.pc = 0
         self.posted: dict[_Ident, _Message] = {}  # (op, stage, micro) -> (channel, k)
         self.pending_grads: dict[int, list[_Message]] = defaultdict(list)
         # stage -> None if owned, else the FETCH_W message its weights arrive with
@@ -109,6 +113,129 @@ class _Rank:
         self.stash: set[_Job] = set()
         self.forward_done: set[_Job] = set()
         self.backward_done: set[_Job] = set()
+        self.weight_done: set[_Job] = set()  # W of a split backward
+
+
+class _DryRun:
+    """Walk handler: the runtime's semantics, symbolically (see the module docstring)."""
+
+    def __init__(self, programs: Programs, walker: Walker) -> None:
+        self.programs = programs
+        self.walker = walker
+        self.split = programs.split_backward
+        self.inputs: dict[int, list[int]] = defaultdict(list)
+        self.outputs: dict[int, list[int]] = defaultdict(list)
+        for u, v in programs.edges:
+            self.inputs[v].append(u)
+            self.outputs[u].append(v)
+        self.ranks = [_Rank(set(programs.owned_stages(r))) for r in range(programs.world_size)]
+        self.sent_count: dict[_Channel, int] = defaultdict(int)
+        self.posted_count: dict[_Channel, int] = defaultdict(int)
+        self.arrived: dict[_CollectiveKey, set[int]] = defaultdict(set)
+
+    def fail(self, rank: int, message: str) -> ProgramError:
+        pc = self.walker.pc[rank]
+        action = self.walker.current(rank)
+        where = f"'{action}'" if action is not None else "the end"
+        return ProgramError(f"rank {rank} at action {pc} ({where}): {message}")
+
+    def _waiting(self, msgs: list[_Message]) -> _Channel | None:
+        """The channel of the first message not sent yet (what to wait on), or None."""
+        for channel, k in msgs:
+            if self.sent_count[channel] < k:
+                return channel
+        return None
+
+    def send(self, rank: int, action: Action) -> None:
+        channel = (CHANNEL_OF[action.op], rank, action.peer)
+        self.sent_count[channel] += 1
+        self.walker.wake(channel)
+        if action.op is Op.REDUCE_G and not any(
+                k[0] == action.stage for k in self._weight_grads_done(self.ranks[rank])):
+            raise self.fail(rank, f"sends the gradient of stage {action.stage} but ran no "
+                            f"{self.programs.weight_grad_op} of it")
+
+    def _weight_grads_done(self, state: _Rank) -> set[_Job]:
+        return state.weight_done if self.split else state.backward_done
+
+    def recv(self, rank: int, action: Action) -> None:
+        state, op, s = self.ranks[rank], action.op, action.stage
+        channel = (CHANNEL_OF[op], action.peer, rank)
+        self.posted_count[channel] += 1
+        msg: _Message = (channel, self.posted_count[channel])
+        if op is Op.FETCH_W:
+            if s in state.resident:
+                raise self.fail(rank, f"fetches stage {s} whose weights are already resident")
+            state.resident[s] = msg
+        elif op is Op.RECV_G:
+            state.pending_grads[s].append(msg)
+        else:
+            state.posted[(op, s, action.micro)] = msg
+
+    def free(self, rank: int, action: Action) -> None:
+        state, s = self.ranks[rank], action.stage
+        if state.resident.get(s, "missing") in (None, "missing"):
+            raise self.fail(rank, f"frees stage {s} which was not fetched")
+        del state.resident[s]
+
+    def collective(self, rank: int, action: Action) -> _Channel | _CollectiveKey | None:
+        state, s = self.ranks[rank], action.stage
+        waiting = self._waiting(state.pending_grads.get(s, []))
+        if waiting is not None:
+            return waiting
+        assert action.group is not None  # check_collective_order rejected a missing group
+        key = (action.group, s)
+        self.arrived[key].add(rank)
+        if len(self.arrived[key]) < len(action.group):
+            return key
+        self.walker.wake(key)
+        state.pending_grads.pop(s, None)
+        return None
+
+    def compute(self, rank: int, action: Action) -> _Channel | None:
+        state, op, s, b = self.ranks[rank], action.op, action.stage, action.micro
+        if s not in state.resident:
+            raise self.fail(rank, f"has no weights of stage {s}: it neither owns nor fetched them")
+        weights = state.resident[s]
+        needed = [weights] if weights is not None else []
+        deps: list[tuple[int, Op, str]] = []
+        if op is Op.F:
+            if (s, b) in state.forward_done:
+                raise self.fail(rank, f"runs F s{s} b{b} twice")
+            deps = [(p, Op.RECV_ACT, f"the output of F s{p} b{b}")
+                    for p in self.inputs[s] if (p, b) not in state.forward_done]
+        elif op is Op.B:
+            if (s, b) not in state.stash:
+                raise self.fail(rank, f"runs a backward without the stashed forward F s{s} b{b}")
+            if (s, b) in state.backward_done:
+                raise self.fail(rank, f"runs B s{s} b{b} twice")
+            deps = [(c, Op.RECV_GRAD, f"the gradient from B s{c} b{b}")
+                    for c in self.outputs[s] if (c, b) not in state.backward_done]
+        else:  # W: the weight-gradient half of a split backward, after its B on this rank
+            if not self.split:
+                raise self.fail(rank, "runs W, but these programs do not split the backward")
+            if (s, b) not in state.backward_done or (s, b) not in state.stash:
+                raise self.fail(rank, f"runs W s{s} b{b} before B s{s} b{b} on this rank")
+        for other, recv_op, what in deps:
+            message = state.posted.get((recv_op, other, b))
+            if message is None:
+                raise self.fail(rank, f"needs {what} but neither computed nor received it")
+            needed.append(message)
+        waiting = self._waiting(needed)
+        if waiting is not None:
+            return waiting
+        if op is Op.F:
+            state.forward_done.add((s, b))
+            if not self.programs.forward_only:
+                state.stash.add((s, b))
+        elif op is Op.B:
+            state.backward_done.add((s, b))
+            if not self.split:
+                state.stash.discard((s, b))
+        else:
+            state.weight_done.add((s, b))
+            state.stash.discard((s, b))
+        return None
 
 
 def dry_run(programs: Programs) -> None:
@@ -117,128 +244,14 @@ def dry_run(programs: Programs) -> None:
         check_forward_only(programs)
     check_matching(programs)
     check_collective_order(programs)
-    inputs: dict[int, list[int]] = defaultdict(list)
-    outputs: dict[int, list[int]] = defaultdict(list)
-    for u, v in programs.edges:
-        inputs[v].append(u)
-        outputs[u].append(v)
-    W = programs.world_size
-    ranks = [_Rank(set(programs.owned_stages(r))) for r in range(W)]
-    sent_count: dict[_Channel, int] = defaultdict(int)
-    posted_count: dict[_Channel, int] = defaultdict(int)
-    arrived: dict[_CollectiveKey, set[int]] = defaultdict(set)
-    waiters: dict[_Channel | _CollectiveKey, set[int]] = defaultdict(set)
-    runnable = deque(range(W))
-    queued = set(range(W))
-
-    def fail(rank: int, message: str) -> ProgramError:
-        program = programs.ranks[rank]
-        where = f"'{program[ranks[rank].pc]}'" if ranks[rank].pc < len(program) else "the end"
-        return ProgramError(f"rank {rank} at action {ranks[rank].pc} ({where}): {message}")
-
-    def ready(msg: _Message) -> bool:
-        return sent_count[msg[0]] >= msg[1]
-
-    def wait_for(rank: int, msgs: list[_Message]) -> bool:
-        for msg in msgs:
-            if not ready(msg):
-                waiters[msg[0]].add(rank)
-                return False
-        return True
-
-    def step(rank: int) -> bool:
-        """Try to run the current action; return False if it must wait."""
-        state, action = ranks[rank], programs.ranks[rank][ranks[rank].pc]
-        op, s, b = action.op, action.stage, action.micro
-        channel: _Channel
-        if op in SEND_OPS:
-            channel = (CHANNEL_OF[op], rank, action.peer)
-            sent_count[channel] += 1
-            for other in waiters.pop(channel, ()):
-                if other not in queued:
-                    queued.add(other)
-                    runnable.append(other)
-            if op is Op.REDUCE_G and not any(k[0] == s for k in state.backward_done):
-                raise fail(rank, f"sends the gradient of stage {s} but ran no backward of it")
-            return True
-        if op in RECV_OPS:
-            channel = (CHANNEL_OF[op], action.peer, rank)
-            posted_count[channel] += 1
-            msg: _Message = (channel, posted_count[channel])
-            if op is Op.FETCH_W:
-                if s in state.resident:
-                    raise fail(rank, f"fetches stage {s} whose weights are already resident")
-                state.resident[s] = msg
-            elif op is Op.RECV_G:
-                state.pending_grads[s].append(msg)
-            else:
-                state.posted[(op, s, b)] = msg
-            return True
-        if op is Op.FREE_W:
-            if state.resident.get(s, "missing") in (None, "missing"):
-                raise fail(rank, f"frees stage {s} which was not fetched")
-            del state.resident[s]
-            return True
-        if op is Op.ALLREDUCE_G:
-            if not wait_for(rank, state.pending_grads.get(s, [])):
-                return False
-            assert action.group is not None  # check_collective_order rejected a missing group
-            key = (action.group, s)
-            arrived[key].add(rank)
-            if len(arrived[key]) < len(action.group):
-                waiters[key].add(rank)
-                return False
-            for other in waiters.pop(key, ()):
-                if other not in queued:
-                    queued.add(other)
-                    runnable.append(other)
-            state.pending_grads.pop(s, None)
-            return True
-        # compute
-        if s not in state.resident:
-            raise fail(rank, f"has no weights of stage {s}: it neither owns nor fetched them")
-        weights = state.resident[s]
-        needed = [weights] if weights is not None else []
-        if op is Op.F:
-            if (s, b) in state.forward_done:
-                raise fail(rank, f"runs F s{s} b{b} twice")
-            deps = [(p, Op.RECV_ACT, f"the output of F s{p} b{b}")
-                    for p in inputs[s] if (p, b) not in state.forward_done]
-        else:
-            if (s, b) not in state.stash:
-                raise fail(rank, f"runs a backward without the stashed forward F s{s} b{b}")
-            deps = [(c, Op.RECV_GRAD, f"the gradient from B s{c} b{b}")
-                    for c in outputs[s] if (c, b) not in state.backward_done]
-        for other, recv_op, what in deps:
-            message = state.posted.get((recv_op, other, b))
-            if message is None:
-                raise fail(rank, f"needs {what} but neither computed nor received it")
-            needed.append(message)
-        if not wait_for(rank, needed):
-            return False
-        if op is Op.F:
-            state.forward_done.add((s, b))
-            if not programs.forward_only:
-                state.stash.add((s, b))
-        else:
-            state.stash.discard((s, b))
-            state.backward_done.add((s, b))
-        return True
-
-    while runnable:
-        rank = runnable.popleft()
-        queued.discard(rank)
-        program = programs.ranks[rank]
-        while ranks[rank].pc < len(program) and step(rank):
-            ranks[rank].pc += 1
-        if ranks[rank].pc == len(program):
-            _check_end(rank, ranks[rank], fail)
-
-    stuck = [r for r in range(W) if ranks[r].pc < len(programs.ranks[r])]
+    walker = Walker(programs)
+    handler = _DryRun(programs, walker)
+    stuck = walker.run(handler, on_end=lambda rank: _check_end(
+        rank, handler.ranks[rank], handler.fail))
     if stuck:
-        detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][ranks[r].pc]}'" for r in stuck)
+        detail = "; ".join(f"rank {r} waits at '{walker.current(r)}'" for r in stuck)
         raise ProgramError(f"programs deadlock: {detail}")
-    _check_coverage(programs, ranks)
+    _check_coverage(programs, handler.ranks)
 
 
 def _check_end(rank: int, state: _Rank, fail: Callable[[int, str], ProgramError]) -> None:
@@ -263,11 +276,16 @@ def check_forward_only(programs: Programs) -> None:
 
 
 def _check_coverage(programs: Programs, ranks: list[_Rank]) -> None:
-    count: dict[_Job, int] = defaultdict(int)
-    for state in ranks:
-        for key in state.forward_done if programs.forward_only else state.backward_done:
-            count[key] += 1
-    for s in range(programs.num_stages):
-        for b in range(programs.num_micro):
-            if count[(s, b)] != 1:
-                raise ProgramError(f"job (s{s}, b{b}) runs {count[(s, b)]} times across ranks; expected once")
+    """Every (stage, microbatch) runs each of its phases exactly once across all ranks."""
+    phases = ["F"] if programs.forward_only else ["B", "W"] if programs.split_backward else ["B"]
+    for phase in phases:
+        count: dict[_Job, int] = defaultdict(int)
+        for state in ranks:
+            done = {"F": state.forward_done, "B": state.backward_done, "W": state.weight_done}
+            for key in done[phase]:
+                count[key] += 1
+        for s in range(programs.num_stages):
+            for b in range(programs.num_micro):
+                if count[(s, b)] != 1:
+                    raise ProgramError(f"job {phase} s{s} b{b} runs {count[(s, b)]} times across "
+                                       "ranks; expected once")

@@ -1,9 +1,13 @@
 """Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase).
 
-A job is one unit of work: forward (F) or backward (B) of one stage on one microbatch. The
-dependencies are not hard-coded as a chain; they are derived from a :class:`StageGraph`, so a
-DAG of stages (several encoder legs feeding a decoder) fits the same scheduler later. The
-weight-gradient phase W (zero-bubble schedules) is reserved in :class:`Phase` but not produced.
+A job is one unit of work: forward (F) or backward (B) of one stage on one microbatch, and with
+a split backward (zero-bubble schedules) also W, the weight-gradient half of B. The dependencies
+are not hard-coded as a chain; they are derived from a :class:`StageGraph`, so a DAG of stages
+(several encoder legs feeding a decoder) fits the same scheduler later.
+
+Split backward (``StageGraph(S, split_backward=True)``): B computes only the gradient of the
+stage's input, which is all the previous stage waits for; ``W s b`` follows ``B s b`` and has no
+successor, so the scheduler may put it anywhere later on the same worker (into a bubble).
 
 A forward-only graph (``StageGraph(S, forward_only=True)``, for validation/test/predict) has only
 F jobs: a sink's forward has no successor and B jobs do not exist.
@@ -22,7 +26,7 @@ class Phase(str, Enum):
 
     F = "F"
     B = "B"
-    W = "W"  # weight-gradient half of B; reserved for a zero-bubble issue, never scheduled yet
+    W = "W"  # weight-gradient half of a split backward (zero-bubble schedules)
 
     def __str__(self) -> str:
         return self.value
@@ -46,6 +50,7 @@ class StageGraph:
     (producer < consumer), which is how the partitioner numbers them. Sinks (stages without
     consumers) are where the loss is computed, so their backward starts from their own forward.
     With ``forward_only=True`` there are no backward jobs: a sink's forward ends the microbatch.
+    With ``split_backward=True`` every B is followed by a W of the same (stage, microbatch).
     """
 
     def __init__(
@@ -53,12 +58,14 @@ class StageGraph:
         num_stages: int,
         edges: Iterable[tuple[int, int]] | None = None,
         forward_only: bool = False,
+        split_backward: bool = False,
     ) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ScheduleConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
         self.num_stages = num_stages
         self.forward_only = bool(forward_only)
-        self.phases: tuple[Phase, ...] = (Phase.F,) if self.forward_only else (Phase.F, Phase.B)
+        self.split_backward = bool(split_backward) and not self.forward_only
+        self.phases: tuple[Phase, ...] = phases_of(self.forward_only, self.split_backward)
         chain = edges is None
         if edges is None:
             edges = [(s, s + 1) for s in range(num_stages - 1)]
@@ -94,6 +101,8 @@ class StageGraph:
             if not consumers:
                 return [Job(s, b, Phase.F)]
             return [Job(c, b, Phase.B) for c in consumers]
+        if d is Phase.W and self.split_backward:
+            return [Job(s, b, Phase.B)]
         raise ScheduleConfigError(self._no_phase(d))
 
     def succ(self, job: Job) -> list[Job]:
@@ -104,23 +113,34 @@ class StageGraph:
                 return [] if self.forward_only else [Job(s, b, Phase.B)]
             return [Job(c, b, Phase.F) for c in self._outputs[s]]
         if d is Phase.B and not self.forward_only:
-            return [Job(p, b, Phase.B) for p in self._inputs[s]]
+            inputs = [Job(p, b, Phase.B) for p in self._inputs[s]]
+            return [*inputs, Job(s, b, Phase.W)] if self.split_backward else inputs
+        if d is Phase.W and self.split_backward:
+            return []
         raise ScheduleConfigError(self._no_phase(d))
 
     def _no_phase(self, d: Phase) -> str:
         if self.forward_only:
             return f"a forward-only graph has no {d.value} jobs"
-        return f"phase {d} is not scheduled yet"
+        return f"phase {d} exists only in a graph with split_backward=True"
 
     def all_jobs(self, num_micro: int) -> Iterator[Job]:
         """Every job of this graph on ``num_micro`` microbatches (only F when forward-only)."""
-        return all_jobs(self.num_stages, num_micro, self.forward_only)
+        return all_jobs(self.num_stages, num_micro, self.forward_only, self.split_backward)
 
 
-def all_jobs(num_stages: int, num_micro: int, forward_only: bool = False) -> Iterator[Job]:
-    """Every F and B job (only F jobs when ``forward_only``), stage-major."""
+def phases_of(forward_only: bool = False, split_backward: bool = False) -> tuple[Phase, ...]:
+    """The phases of every (stage, microbatch): F; F, B; or F, B, W."""
+    if forward_only:
+        return (Phase.F,)
+    return (Phase.F, Phase.B, Phase.W) if split_backward else (Phase.F, Phase.B)
+
+
+def all_jobs(num_stages: int, num_micro: int, forward_only: bool = False,
+             split_backward: bool = False) -> Iterator[Job]:
+    """Every job (F; F and B; or F, B and W per :func:`phases_of`), stage-major."""
+    phases = phases_of(forward_only, split_backward)
     for s in range(num_stages):
         for b in range(num_micro):
-            yield Job(s, b, Phase.F)
-            if not forward_only:
-                yield Job(s, b, Phase.B)
+            for d in phases:
+                yield Job(s, b, d)

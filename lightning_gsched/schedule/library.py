@@ -19,6 +19,7 @@ from lightning_gsched.schedule.placements import (
     CheckedPlacement,
     FSLPPSeed,
     GPipe,
+    VShape,
 )
 
 
@@ -38,6 +39,7 @@ class ScheduleSpec:
     micro: Callable[[int, int], int]  # (W, R) -> default B
     default_R: Callable[[int], int] | None = None  # None: R is not a parameter of this schedule
     defaults_doc: str = ""
+    split_backward: bool = False  # B then W (zero-bubble schedules)
 
 
 LIBRARY: dict[str, ScheduleSpec] = {
@@ -94,6 +96,27 @@ LIBRARY: dict[str, ScheduleSpec] = {
             lambda W, S, R: FSLPPSeed(W, R), "bfs", lambda W: None,
             stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
             defaults_doc="R=2 (W even) else W, S=W, B=2W",
+        ),
+        ScheduleSpec(
+            "zb-h1", "1F1B's placement with the backward split into B and W, W filling the "
+            "bubbles: about a third of 1F1B's bubble at the same peak stash (W microbatches)",
+            lambda W, S, R: GPipe(W, S), "zb", lambda W: W,
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W, split_backward=True,
+            defaults_doc="S=W, B=2W, order=zb, cap=W",
+        ),
+        ScheduleSpec(
+            "zb-h2", "zb-h1 with 2W-1 microbatches in flight: extra warm-up forwards remove the "
+            "bubble, for about twice zb-h1's activation memory",
+            lambda W, S, R: GPipe(W, S), "zb", lambda W: 2 * W - 1,
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W, split_backward=True,
+            defaults_doc="S=W, B=2W, order=zb, cap=2W-1",
+        ),
+        ScheduleSpec(
+            "zbv", "two stages per worker in a V (worker r holds stages r and 2W-1-r) with a "
+            "split backward: near-zero bubble at 1F1B's activation memory, weights never move",
+            lambda W, S, R: VShape(W, S), "zb", lambda W: 2 * W,
+            stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
+            defaults_doc="S=2W, B=2W, order=zb, cap=2W stage-chunks",
         ),
     ]
 }

@@ -4,12 +4,12 @@ Each worker's compute jobs keep their simulated order. Between two computes ("ga
 inserts communication and weight residency:
 
 - outputs: ``SEND_ACT`` right after a forward whose consumer runs elsewhere, ``SEND_GRAD`` right
-  after a backward whose producer runs elsewhere;
+  after a backward whose producer runs elsewhere (a W, split off a backward, sends nothing);
 - inputs: ``RECV_ACT``/``RECV_GRAD`` posted one compute early (before the previous compute), so
   the transfer overlaps that compute (the seed's prefetch thread);
 - weights: a worker that does not own stage s fetches it once per *run* of consecutive jobs of s
-  (``FETCH_W`` one compute early, ``FREE_W`` right after the run). A run that contains backwards
-  ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of holding
+  (``FETCH_W`` one compute early, ``FREE_W`` right after the run). A run that accumulates weight
+  gradients (backwards; W jobs when the backward is split) ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of holding
   gradients of weights it no longer has;
 - owners: ``SEND_W`` and ``RECV_G`` go into the owner's program at the point matching the
   simulated time the peer needs them; replicas (several owners) get ``ALLREDUCE_G`` right after
@@ -54,7 +54,7 @@ _CATEGORY = {
 # is keyed (g, 99), after gap g's actions
 _Key = tuple[float, ...]
 _Ident = tuple[int, "int | None", Op]  # (stage, micro, receive op): what a message carries
-_COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B}
+_COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
 
 
 class _Builder:
@@ -137,14 +137,15 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline) -> Progr
         for i, slot in enumerate(slots):
             index[slot.job] = i
 
+    grad_phase = Phase.W if graph.split_backward else Phase.B  # accumulates weight gradients
     _lower_data_flow(graph, table, timeline, build, index)
-    reduce_gaps = _lower_weights(table, timeline, build)
+    reduce_gaps = _lower_weights(table, timeline, build, grad_phase)
     if not graph.forward_only:
-        _lower_allreduce(table, timeline, build, reduce_gaps)
+        _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
     build.make_fifo()
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
     return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges,
-                    forward_only=graph.forward_only)
+                    forward_only=graph.forward_only, split_backward=graph.split_backward)
 
 
 def _lower_data_flow(
@@ -162,8 +163,8 @@ def _lower_data_flow(
         for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
                                   (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
     }
-    sources = {
-        (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s))
+    sources = {  # W consumes nothing from another stage: it follows its own B
+        (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s) if d is Phase.B else [])
         for s in range(graph.num_stages) for d in graph.phases
     }
     for worker, slots in enumerate(by_worker):
@@ -190,11 +191,13 @@ def _lower_data_flow(
 
 
 def _lower_weights(
-    table: PlacementTable, timeline: Timeline, build: _Builder
+    table: PlacementTable, timeline: Timeline, build: _Builder, grad_phase: Phase
 ) -> dict[tuple[int, int], int]:
     """Fetch/free per run of consecutive jobs of a non-owned stage; reduce grads after the run.
 
-    Returns, per (owner, stage), the latest gap where the owner posts a gradient receive.
+    Only a run that accumulates weight gradients (``grad_phase``: B, or W when the backward is
+    split) hands them to the owner. Returns, per (owner, stage), the latest gap where the owner
+    posts a gradient receive.
     """
     reduce_gaps: dict[tuple[int, int], int] = {}
     for worker, slots in enumerate(timeline.by_worker):
@@ -210,7 +213,7 @@ def _lower_weights(
                 build.put(worker, max(i - 1, 0), prefetch_time, Action(Op.FETCH_W, stage, None, owner))
                 build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
                           Action(Op.SEND_W, stage, None, worker))
-                if any(slots[k].job.phase is Phase.B for k in range(i, j + 1)):
+                if any(slots[k].job.phase is grad_phase for k in range(i, j + 1)):
                     end = slots[j].end
                     build.put(worker, j + 1, end, Action(Op.REDUCE_G, stage, None, owner))
                     gap = build.gap_at(owner, end)
@@ -227,12 +230,13 @@ def _lower_allreduce(
     timeline: Timeline,
     build: _Builder,
     reduce_gaps: dict[tuple[int, int], int],
+    grad_phase: Phase,
 ) -> None:
-    """Replica owners all-reduce a stage right after their last backward of it."""
+    """Replica owners all-reduce a stage right after their last weight-gradient job of it."""
     last_backward: dict[tuple[int, int], tuple[int, float]] = {}
     for worker, slots in enumerate(timeline.by_worker):
         for i, slot in enumerate(slots):
-            if slot.job.phase is Phase.B:
+            if slot.job.phase is grad_phase:
                 last_backward[(worker, slot.job.stage)] = (i + 1, slot.end)
     for stage, owners in enumerate(table.owners):
         if len(owners) < 2:

@@ -36,6 +36,21 @@ def one_f_one_b(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     return (1, micro, -stage)
 
 
+def zero_bubble(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+    """Zero bubble: 1F1B's order with every W last, so W runs only where nothing else can.
+
+    B first (it is on the critical path: the previous stage waits for its input gradient), then
+    F, oldest microbatch and deepest stage first; W (weight gradients, needed by nobody before
+    the optimizer step) only when neither is startable, or when the activation cap stops the
+    next F: a W frees a stash, so it is also what lets the pipeline go on under a cap.
+    """
+    if phase is Phase.B:
+        return (0, micro, -stage)
+    if phase is Phase.F:
+        return (1, micro, -stage)
+    return (2, micro, -stage)
+
+
 def interleaved_sequence(
     workers: int, stages: int, micro: int, R: int
 ) -> dict[tuple[int, int, Phase], int]:
@@ -87,7 +102,8 @@ def interleaved_order(workers: int, stages: int, micro: int, R: int) -> Priority
     return interleaved
 
 
-ORDERS: dict[str, PriorityFn] = {"bfs": bfs, "1f1b": one_f_one_b, "dfs": one_f_one_b}
+ORDERS: dict[str, PriorityFn] = {"bfs": bfs, "1f1b": one_f_one_b, "dfs": one_f_one_b,
+                                  "zb": zero_bubble}
 ORDER_NAMES = sorted([*ORDERS, "interleaved"])
 
 

@@ -114,6 +114,36 @@ class GPipe:
 
 
 @dataclass(frozen=True)
+class VShape:
+    """w = (v(s), v(s)): stages in a V over the workers, v(s) = s for s < W, 2W-1-s after.
+
+    Worker r holds stages r and 2W-1-r (with S = 2W; S = 2kW repeats the V k times), so the
+    first and the last stage live on worker 0: a microbatch goes down the workers and comes
+    back up, and the loss is computed where the pipeline started (ZB-V, DualPipeV). Weights
+    never move.
+    """
+
+    workers: int
+    stages: int
+
+    def worker_of(self, stage: int) -> int:
+        position = stage % (2 * self.workers)
+        return position if position < self.workers else 2 * self.workers - 1 - position
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        worker = self.worker_of(stage)
+        return worker, worker
+
+    def check(self, stages: int, micro: int) -> None:
+        _require(
+            stages % (2 * self.workers) == 0,
+            f"zbv: stages S={stages} must be a positive multiple of 2W={2 * self.workers} (each "
+            f"worker holds one stage on the way down and one on the way up); use "
+            f"S={2 * self.workers * max(1, -(-stages // (2 * self.workers)))}",
+        )
+
+
+@dataclass(frozen=True)
 class LPP:
     """The seed's looped pipeline: w = (h(s,b), h(s,b)), h(s,b) = (R*b mod W) + (s mod R).
 

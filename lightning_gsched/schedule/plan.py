@@ -76,8 +76,10 @@ class Plan:
             "R": self.R,
             "order": self.order,
             "caps": self.caps,
+            "split_backward": self.programs.split_backward,
             "forward_costs": list(self.costs.forward),
             "backward_costs": list(self.costs.backward),
+            "weight_costs": list(self.costs.weight),
             "latency": self.metrics.latency,
             "bubble_fraction": self.metrics.bubble_fraction,
             "owners": [list(o) for o in self.table.owners],
@@ -165,6 +167,8 @@ def plan(
     edges: Sequence[tuple[int, int]] | None = None,
     verify: bool = True,
     forward_only: bool = False,
+    weight_cost: float | Sequence[float] | None = None,
+    split_backward: bool | None = None,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -176,6 +180,12 @@ def plan(
     (hence the same stage owners) as the training plan of the same schedule, W, S and R, so one
     executor runs both. Programs then hold F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W only;
     the activation cap is ignored (nothing is stashed for a backward).
+
+    ``split_backward``: run every backward as B (input gradient) then W (weight gradient), as the
+    zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``) do by default; None means the
+    schedule's choice (False for a custom placement). ``weight_cost`` is W's duration; then
+    ``backward_cost`` is B's (the input-gradient part). Without ``weight_cost`` a split
+    backward's cost is halved between B and W.
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
@@ -197,6 +207,8 @@ def plan(
         order_spec = order if order is not None else (priority or spec.order)
         cap_spec = None if forward_only else spec.cap(W) if cap == DEFAULT else cap
         name = spec.name
+        split = spec.split_backward if split_backward is None else split_backward
+        uses_default_cap = cap == DEFAULT
     else:
         assert stages is not None and microbatches is not None  # check_arguments: both given
         S, B = stages, microbatches
@@ -204,23 +216,26 @@ def plan(
         order_spec = order if order is not None else (priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap
         name = schedule or "custom"
+        split = bool(split_backward)
+        uses_default_cap = False
+    split = validate.flag("split_backward", split) and not forward_only
+    costs = Costs.build(S, forward_cost, backward_cost, weight_cost, split)
     with _gc_paused():
-        return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, forward_cost,
-                      backward_cost, edges, verify, bool(forward_only))
+        return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
+                      bool(forward_only), split, uses_default_cap)
 
 
 def _build(
     name: str, W: int, S: int, B: int, R: int | None, order_spec: str | PriorityFn,
-    cap_spec: CapSpec, placement_fn: PlacementFn, forward_cost: float | Sequence[float],
-    backward_cost: float | Sequence[float], edges: Sequence[tuple[int, int]] | None, verify: bool,
-    forward_only: bool = False,
+    cap_spec: CapSpec, placement_fn: PlacementFn, costs: Costs,
+    edges: Sequence[tuple[int, int]] | None, verify: bool, forward_only: bool = False,
+    split_backward: bool = False, default_cap: bool = False,
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
-    graph = StageGraph(S, edges, forward_only=forward_only)
-    costs = Costs.build(S, forward_cost, backward_cost)
+    graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split_backward)
     table = PlacementTable(placement_fn, W, S, B)  # both phases: owners as in training
-    ranks = priority_ranks(priority_fn, S, B, forward_only)
+    ranks = priority_ranks(priority_fn, S, B, forward_only, split_backward)
     timeline: Timeline | None = None
     if cap_spec == "auto":
         caps, timeline = auto_cap_timeline(graph, table, ranks, costs)
@@ -233,9 +248,15 @@ def _build(
             timeline = simulate(graph, table, ranks, costs, caps)
         except CapTooSmallError as exc:
             smallest = smallest_feasible_cap(graph, table, ranks, costs)
-            raise CapTooSmallError(
-                f"{exc} (the smallest uniform cap that completes this schedule is {smallest})"
-            ) from None
+            if not default_cap:
+                raise CapTooSmallError(
+                    f"{exc} (the smallest uniform cap that completes this schedule is {smallest})"
+                ) from None
+            # A schedule's default cap is a memory target, not a promise the user made: where
+            # the greedy order cannot complete under it (uneven costs, S > W), the smallest
+            # uniform cap that completes is the closest schedule that runs.
+            caps = [smallest] * W
+            timeline = simulate(graph, table, ranks, costs, caps)
     programs = lower(graph, table, timeline)
     if verify:
         dry_run(programs)

@@ -4,7 +4,8 @@ Why: the simulator decides *orders* with compute costs only, and the runtime exe
 orders as they are. On a real machine a microbatch's activation takes time to reach the next
 worker, a gradient all-reduce or a gradient hand-off to the owner runs after the last backward
 of a stage, and a weight fetch must arrive before the stage computes. ``predict_step_time``
-walks every rank's program in order, with the same dependencies as the simulator, and lets
+walks every rank's program in order (a handler of the program walker, :mod:`.walk`), with the
+same dependencies as the simulator, and lets
 each of those messages take its measured time; compute and order stay the plan's. With all
 communication costs 0 it returns the plan's own latency.
 
@@ -28,7 +29,8 @@ from typing import Any, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
-from lightning_gsched.schedule.program import Op
+from lightning_gsched.schedule.program import Action, Op
+from lightning_gsched.schedule.walk import Walker
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,54 @@ def _per_stage(label: str, value: float | Sequence[float], stages: int) -> list[
     return values
 
 
+class _Replay:
+    """Walk handler: each compute starts when its worker, its inputs and its weights are ready."""
+
+    def __init__(self, plan: Any, graph: StageGraph, walker: Walker, transfer: float,
+                 fetch: list[float], reduce: list[float]) -> None:
+        W = plan.workers
+        self.graph, self.walker, self.transfer = graph, walker, transfer
+        self.fetch, self.reduce = fetch, reduce
+        self.costs = plan.costs
+        self.done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
+        self.clock = [0.0] * W
+        self.ends = [0.0] * W
+        self.weights_ready: list[dict[int, float]] = [{} for _ in range(W)]
+        self.reductions: dict[tuple[int, tuple[int, ...] | None], list[float]] = {}
+
+    def compute(self, w: int, a: Action) -> Job | None:
+        job = Job(a.stage, a.micro, _PHASE[a.op])  # type: ignore[arg-type]  # compute: micro set
+        at = 0.0
+        for pred in self.graph.pred(job):
+            if pred not in self.done:
+                return pred  # wait until that job has run
+            end, pw = self.done[pred]
+            at = max(at, end + (self.transfer if pw != w else 0.0))
+        start = max(self.clock[w], at, self.weights_ready[w].get(a.stage, 0.0))
+        end = start + self.costs.of(job)
+        self.done[job] = (end, w)
+        self.clock[w] = self.ends[w] = end
+        self.walker.wake(job)
+        return None
+
+    def recv(self, w: int, a: Action) -> None:
+        if a.op is Op.FETCH_W:
+            self.weights_ready[w][a.stage] = self.clock[w] + self.fetch[a.stage]
+
+    def send(self, w: int, a: Action) -> None:
+        if a.op is Op.REDUCE_G:
+            self.ends[w] = max(self.ends[w], self.clock[w] + self.reduce[a.stage])
+
+    def free(self, w: int, a: Action) -> None:
+        return None
+
+    def collective(self, w: int, a: Action) -> None:
+        self.reductions.setdefault((a.stage, a.group), []).append(self.clock[w])
+
+
+_PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
+
+
 def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[float] = 0.0,
                       reduce: float | Sequence[float] = 0.0,
                       edges: Sequence[tuple[int, int]] | None = None) -> StepPrediction:
@@ -67,56 +117,18 @@ def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[
     S, W = plan.stages, plan.workers
     fetch_s = _per_stage("fetch", fetch, S)
     reduce_s = _per_stage("reduce", reduce, S)
-    graph = StageGraph(S, edges, forward_only=plan.forward_only)
-    programs = plan.programs.ranks
-    cost_f, cost_b = plan.costs.forward, plan.costs.backward
-    done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
-    clock = [0.0] * W
-    ends = [0.0] * W
-    position = [0] * W
-    weights_ready: list[dict[int, float]] = [{} for _ in range(W)]
-    reductions: dict[tuple[int, tuple[int, ...] | None], list[float]] = {}
-
-    def ready_at(job: Job, w: int) -> float | None:
-        at = 0.0
-        for pred in graph.pred(job):
-            if pred not in done:
-                return None
-            end, pw = done[pred]
-            at = max(at, end + (transfer if pw != w else 0.0))
-        return at
-
-    progressed = True
-    while progressed:
-        progressed = False
-        for w in range(W):
-            program = programs[w]
-            while position[w] < len(program):
-                a = program[position[w]]
-                if a.op is Op.F or a.op is Op.B:
-                    job = Job(a.stage, a.micro, Phase.F if a.op is Op.F else Phase.B)
-                    at = ready_at(job, w)
-                    if at is None:
-                        break
-                    start = max(clock[w], at, weights_ready[w].get(a.stage, 0.0))
-                    end = start + (cost_f[a.stage] if a.op is Op.F else cost_b[a.stage])
-                    done[job] = (end, w)
-                    clock[w] = ends[w] = end
-                elif a.op is Op.FETCH_W:
-                    weights_ready[w][a.stage] = clock[w] + fetch_s[a.stage]
-                elif a.op is Op.ALLREDUCE_G:
-                    reductions.setdefault((a.stage, a.group), []).append(clock[w])
-                elif a.op is Op.REDUCE_G:
-                    ends[w] = max(ends[w], clock[w] + reduce_s[a.stage])
-                position[w] += 1
-                progressed = True
-    stuck = [w for w in range(W) if position[w] < len(programs[w])]
+    graph = StageGraph(S, edges, forward_only=plan.forward_only,
+                       split_backward=plan.programs.split_backward)
+    walker = Walker(plan.programs)
+    replay = _Replay(plan, graph, walker, transfer, fetch_s, reduce_s)
+    stuck = walker.run(replay)
     if stuck:
         raise ScheduleConfigError(
             f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
             "that never runs); were they lowered from this plan?"
         )
-    for (stage, group), reached in reductions.items():
+    ends = replay.ends
+    for (stage, group), reached in replay.reductions.items():
         finish = max(reached) + reduce_s[stage]
         for w in group or range(W):
             ends[w] = max(ends[w], finish)

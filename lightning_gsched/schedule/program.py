@@ -1,27 +1,34 @@
-"""The program IR: one ordered list of actions per rank.
+"""The program IR: one ordered list of actions per rank, and one table of what each action means.
 
 The planner costs and draws these programs and the runtime executes them, so they are the single
 source of truth for what happens on a rank. Every action has a compact text form that round-trips
 through :meth:`Action.parse`, for error messages, test diffs and bug reports:
 
-====================  =========================================================================
-``F s3 b1``           forward of stage 3 on microbatch 1 (stashes its activations)
-``B s3 b1``           backward of stage 3 on microbatch 1 (frees the stash, accumulates grads)
+======================  =======================================================================
+``F s3 b1``             forward of stage 3 on microbatch 1 (stashes its activations)
+``B s3 b1``             backward of stage 3 on microbatch 1: the gradient of the stage's input;
+                        also of its weights unless the programs split the backward (then ``W``)
+``W s3 b1``             weight-gradient half of a split backward (zero-bubble schedules):
+                        accumulates stage 3's weight gradients for microbatch 1, frees the stash
 ``SEND_ACT s3 b1 ->2``  send the output of ``F s3 b1`` to rank 2
 ``RECV_ACT s3 b1 <-1``  post the receive of the output of ``F s3 b1`` from rank 1
 ``SEND_GRAD s4 b1 ->3`` send the input-gradient produced by ``B s4 b1`` to rank 3
 ``RECV_GRAD s4 b1 <-2`` post the receive of the input-gradient produced by ``B s4 b1``
-``FETCH_W s5 <-1``    post the receive of stage 5's weights from owner 1 (they become resident)
-``SEND_W s5 ->3``     owner side of a fetch: send stage 5's weights to rank 3
-``FREE_W s5``         release the fetched weights of stage 5
-``REDUCE_G s5 ->1``   send this rank's accumulated gradient of stage 5 to its owner 1
-``RECV_G s5 <-3``     owner side: post the receive of rank 3's gradient of stage 5 (summed in)
+``FETCH_W s5 <-1``      post the receive of stage 5's weights from owner 1 (they become resident)
+``SEND_W s5 ->3``       owner side of a fetch: send stage 5's weights to rank 3
+``FREE_W s5``           release the fetched weights of stage 5
+``REDUCE_G s5 ->1``     send this rank's accumulated gradient of stage 5 to its owner 1
+``RECV_G s5 <-3``       owner side: post the receive of rank 3's gradient of stage 5 (summed in)
 ``ALLREDUCE_G s5 [0,2]``  all-reduce stage 5's gradient among its replica owners 0 and 2
-====================  =========================================================================
+======================  =======================================================================
 
 Receives are *posts*: the runtime starts them where they appear (that is the prefetch) and waits
 for them at the first action that consumes them. Sends never block. That is also the model the
 dry run (:mod:`lightning_gsched.schedule.dryrun`) proves deadlock-free.
+
+What each op means is written once, in :data:`OPS` (one :class:`OpSpec` per op): its kind, its
+channel and matching op, the counter it moves, whether forward-only programs may hold it. The
+dry run, the time replay, the metrics and the runtime read the table instead of repeating it.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 
 class Op(str, Enum):
     F = "F"
     B = "B"
+    W = "W"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -50,26 +58,79 @@ class Op(str, Enum):
         return self.value
 
 
-COMPUTE_OPS = frozenset({Op.F, Op.B})
-SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_W, Op.REDUCE_G})
-RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD, Op.FETCH_W, Op.RECV_G})
-# What a forward-only program (plan(..., forward_only=True)) may contain.
-FORWARD_ONLY_OPS = frozenset({Op.F, Op.SEND_ACT, Op.RECV_ACT, Op.FETCH_W, Op.SEND_W, Op.FREE_W})
-BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, input-gradients, gradient reductions
-_MICRO_OPS = frozenset({Op.F, Op.B, Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD})
-_OUT_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_W, Op.REDUCE_G})
+OpKind = Literal["compute", "send", "recv", "free", "collective"]
 
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What one op means, for every reader of programs.
+
+    ``kind``: compute (F/B/W), send (never blocks), recv (a post; consumed later), free (release
+    fetched weights), collective (all-reduce among a group). ``channel``: the FIFO message
+    channel a send/recv uses; ``matches``: the op at the other end of that message. ``counter``:
+    the :class:`~lightning_gsched.schedule.counts.ActionCounts` field one such action adds 1 to
+    (None: counted otherwise or not at all). ``forward_only``: allowed in forward-only programs
+    (validation, test, predict). ``per_micro``: the action names a microbatch. ``outgoing``: its
+    peer is written ``->peer`` (it sends) rather than ``<-peer``.
+    """
+
+    op: Op
+    kind: OpKind
+    meaning: str
+    channel: str | None = None
+    matches: Op | None = None
+    counter: str | None = None
+    forward_only: bool = False
+    per_micro: bool = False
+    outgoing: bool = False
+
+
+OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
+    OpSpec(Op.F, "compute", "forward of a stage on a microbatch; stashes what its backward needs",
+           forward_only=True, per_micro=True),
+    OpSpec(Op.B, "compute", "input-gradient of a stage (and its weight-gradient unless the "
+           "programs split the backward); frees the stash unless split", per_micro=True),
+    OpSpec(Op.W, "compute", "weight-gradient of a stage after its split B; frees the stash",
+           per_micro=True),
+    OpSpec(Op.SEND_ACT, "send", "send a forward's output to the rank of the next stage",
+           channel="p2p", matches=Op.RECV_ACT, counter="activation_sends", forward_only=True,
+           per_micro=True, outgoing=True),
+    OpSpec(Op.RECV_ACT, "recv", "post the receive of a forward's output",
+           channel="p2p", matches=Op.SEND_ACT, counter="activation_recvs", forward_only=True,
+           per_micro=True),
+    OpSpec(Op.SEND_GRAD, "send", "send a backward's input-gradient to the producer's rank",
+           channel="p2p", matches=Op.RECV_GRAD, counter="input_grad_sends", per_micro=True,
+           outgoing=True),
+    OpSpec(Op.RECV_GRAD, "recv", "post the receive of an input-gradient",
+           channel="p2p", matches=Op.SEND_GRAD, counter="input_grad_recvs", per_micro=True),
+    OpSpec(Op.FETCH_W, "recv", "post the receive of a stage's weights; they become resident",
+           channel="weights", matches=Op.SEND_W, counter="weight_fetches", forward_only=True),
+    OpSpec(Op.SEND_W, "send", "owner: send a stage's weights to a rank that fetches them",
+           channel="weights", matches=Op.FETCH_W, counter="weight_serves", forward_only=True,
+           outgoing=True),
+    OpSpec(Op.FREE_W, "free", "release a fetched stage's weights", forward_only=True),
+    OpSpec(Op.REDUCE_G, "send", "send a fetched stage's accumulated gradient to its owner",
+           channel="grads", matches=Op.RECV_G, counter="grad_sends", outgoing=True),
+    OpSpec(Op.RECV_G, "recv", "owner: post the receive of a rank's gradient (summed in)",
+           channel="grads", matches=Op.REDUCE_G, counter="grad_recvs"),
+    OpSpec(Op.ALLREDUCE_G, "collective", "all-reduce a stage's gradient among its replica owners",
+           counter="allreduces"),
+)}
+
+COMPUTE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "compute")
+SEND_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "send")
+RECV_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "recv")
+# What a forward-only program (plan(..., forward_only=True)) may contain.
+FORWARD_ONLY_OPS = frozenset(op for op, spec in OPS.items() if spec.forward_only)
+BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, W, input-gradients, gradient reductions
 # Message channels. Each channel is FIFO per (src, dst): the k-th send on a channel matches the
 # k-th receive posted on it. Separate channels let weights and gradients flow independently of
 # activations (the runtime maps each to its own tag / process group).
-CHANNEL_OF = {
-    Op.SEND_ACT: "p2p", Op.RECV_ACT: "p2p", Op.SEND_GRAD: "p2p", Op.RECV_GRAD: "p2p",
-    Op.SEND_W: "weights", Op.FETCH_W: "weights",
-    Op.REDUCE_G: "grads", Op.RECV_G: "grads",
-}
+CHANNEL_OF = {op: spec.channel for op, spec in OPS.items() if spec.channel is not None}
 # Which receive matches which send.
-RECV_FOR_SEND = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD, Op.SEND_W: Op.FETCH_W,
-                 Op.REDUCE_G: Op.RECV_G}
+RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items()
+                 if spec.kind == "send" and spec.matches is not None}
+_OUT_OPS = frozenset(op for op, spec in OPS.items() if spec.outgoing)
 
 
 class Action(NamedTuple):
@@ -134,6 +195,9 @@ class Programs:
     ``owners[s]`` are the ranks that hold the source of truth of stage s (more than one means
     replicas, kept equal by ``ALLREDUCE_G``); ``edges`` is the stage graph. ``forward_only``
     programs (validation, test, predict) contain only :data:`FORWARD_ONLY_OPS`.
+    ``split_backward`` programs (zero-bubble schedules) run every backward as ``B`` (input
+    gradient) then ``W`` (weight gradient) of the same (stage, microbatch) on the same rank; the
+    stash lives until ``W``.
     """
 
     ranks: list[list[Action]]
@@ -142,10 +206,26 @@ class Programs:
     owners: list[tuple[int, ...]]
     edges: list[tuple[int, int]]
     forward_only: bool = False
+    split_backward: bool = False
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def releases_stash(self) -> Op | None:
+        """The compute op after which a (stage, microbatch)'s stash is gone: W when the backward
+        is split, else B; None for forward-only programs (they stash nothing)."""
+        if self.forward_only:
+            return None
+        return Op.W if self.split_backward else Op.B
+
+    @property
+    def weight_grad_op(self) -> Op | None:
+        """The compute op that accumulates weight gradients (W when split, else B)."""
+        if self.forward_only:
+            return None
+        return Op.W if self.split_backward else Op.B
 
     def owned_stages(self, rank: int) -> list[int]:
         return [s for s, owners in enumerate(self.owners) if rank in owners]

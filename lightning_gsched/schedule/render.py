@@ -75,7 +75,7 @@ def save_png(timeline: Timeline, path: str, title: str = "") -> str:
     show_text = len(timeline.slots) <= 600
     for slot in timeline.slots:
         colour = cmap(slot.job.micro % cmap.N)
-        hatch = "//" if slot.job.phase.value == "B" else None
+        hatch = {"B": "//", "W": ".."}.get(slot.job.phase.value)
         ax.broken_barh(
             [(slot.start, slot.end - slot.start)], (slot.worker - 0.4, 0.8),
             facecolors=colour, edgecolors="black", linewidth=0.4, hatch=hatch,
@@ -89,7 +89,7 @@ def save_png(timeline: Timeline, path: str, title: str = "") -> str:
     ax.set_xlim(0, timeline.latency)
     ax.set_yticks(range(workers))
     ax.set_yticklabels([f"worker {w}" for w in range(workers)])
-    ax.set_xlabel("time (cost units); colour = microbatch, hatched = backward")
+    ax.set_xlabel("time (cost units); colour = microbatch, hatched = backward, dotted = W")
     if title:
         ax.set_title(title)
     fig.tight_layout()

@@ -30,18 +30,38 @@ from lightning_gsched.schedule.placements import PlacementTable
 
 @dataclass(frozen=True)
 class Costs:
-    """Duration of each (stage, phase). Defaults follow the usual backward = 2 x forward."""
+    """Duration of each (stage, phase). Defaults follow the usual backward = 2 x forward.
+
+    ``weight`` is the W phase's duration when the backward is split (zero-bubble schedules);
+    then ``backward`` is the input-gradient part only. :meth:`build` with ``weight=None`` and
+    ``split=True`` halves the given backward between B and W: for the matmuls that dominate a
+    layer, the input gradient and the weight gradient each cost about one forward.
+    """
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
+    weight: tuple[float, ...] = ()
 
     @classmethod
     def build(
-        cls, stages: int, forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0
+        cls, stages: int, forward: float | Sequence[float] = 1.0,
+        backward: float | Sequence[float] = 2.0, weight: float | Sequence[float] | None = None,
+        split: bool = False,
     ) -> "Costs":
         fwd = cls._per_stage("forward", forward, stages)
         bwd = cls._per_stage("backward", backward, stages)
-        return cls(fwd, bwd)
+        if not split:
+            if weight is not None:
+                raise ScheduleConfigError(
+                    "weight_cost is the duration of the W phase, which only schedules with a "
+                    "split backward have (zb-h1, zb-h2, zbv, or split_backward=True); drop "
+                    "weight_cost or choose such a schedule"
+                )
+            return cls(fwd, bwd)
+        if weight is None:
+            halves = tuple(b / 2 for b in bwd)
+            return cls(fwd, halves, halves)
+        return cls(fwd, bwd, cls._per_stage("weight", weight, stages))
 
     @staticmethod
     def _per_stage(label: str, value: float | Sequence[float], stages: int) -> tuple[float, ...]:
@@ -49,7 +69,17 @@ class Costs:
         return checked if isinstance(checked, tuple) else (checked,) * stages
 
     def of(self, job: Job) -> float:
-        return self.forward[job.stage] if job.phase is Phase.F else self.backward[job.stage]
+        phase = job.phase
+        if phase is Phase.F:
+            return self.forward[job.stage]
+        return self.backward[job.stage] if phase is Phase.B else self.weight[job.stage]
+
+    def by_phase(self) -> dict[Phase, tuple[float, ...]]:
+        """Durations per phase (W only when split)."""
+        table = {Phase.F: self.forward, Phase.B: self.backward}
+        if self.weight:
+            table[Phase.W] = self.weight
+        return table
 
 
 class Slot(NamedTuple):
@@ -83,13 +113,14 @@ class Timeline:
 
 
 def priority_ranks(
-    priority: PriorityFn, stages: int, micro: int, forward_only: bool = False
+    priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
+    split_backward: bool = False,
 ) -> dict[Job, int]:
     """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys)."""
     keyed = []
     job: Job | None = None
     try:  # one try around the loop: no per-job cost on the planner's hot path
-        for job in all_jobs(stages, micro, forward_only):
+        for job in all_jobs(stages, micro, forward_only, split_backward):
             keyed.append((priority(*job), job))
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
         raise validate.user_callable_error(
@@ -104,17 +135,18 @@ def priority_ranks(
 
 
 class _Worker:
-    """Ready queues of one worker: jobs not yet startable by time, and jobs startable now."""
+    """Ready queues of one worker per phase: jobs not yet startable by time, and startable now."""
 
-    __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version")
+    __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases")
 
-    def __init__(self, cap: int | None) -> None:
+    def __init__(self, cap: int | None, phases: int) -> None:
         self.free_at = 0.0
         self.stash = 0
         self.cap = cap
-        # index 0: forward, 1: backward. pending: (ready_time, rank, job); ready: (rank, job)
-        self.pending: tuple[list[tuple[float, int, Job]], list[tuple[float, int, Job]]] = ([], [])
-        self.ready: tuple[list[tuple[int, Job]], list[tuple[int, Job]]] = ([], [])
+        self.phases = range(phases)
+        # index = phase (0 F, 1 B, 2 W). pending: (ready_time, rank, job); ready: (rank, job)
+        self.pending: list[list[tuple[float, int, Job]]] = [[] for _ in self.phases]
+        self.ready: list[list[tuple[int, Job]]] = [[] for _ in self.phases]
         self.version = 0
 
     def forward_allowed(self) -> bool:
@@ -124,33 +156,32 @@ class _Worker:
         """(start, rank, phase index) of this worker's next job under the greedy rule.
 
         Startable now (ready at ``free_at``) beats startable later; among those, the smaller
-        rank wins, a forward on a tie; a forward only while the cap allows it. (Called twice per
-        job: written out for the two phases rather than looped over.)
+        rank wins (ranks are unique); a forward only while the cap allows it.
         """
         free_at = self.free_at
-        pend_f, pend_b = self.pending
-        ready_f, ready_b = self.ready
-        while pend_f and pend_f[0][0] <= free_at:
-            _, rank, job = heapq.heappop(pend_f)
-            heapq.heappush(ready_f, (rank, job))
-        while pend_b and pend_b[0][0] <= free_at:
-            _, rank, job = heapq.heappop(pend_b)
-            heapq.heappush(ready_b, (rank, job))
+        pending, ready = self.pending, self.ready
         forward = self.cap is None or self.stash < self.cap
-        if ready_b:
-            if forward and ready_f and not ready_b[0][0] < ready_f[0][0]:
-                return (free_at, ready_f[0][0], 0)
-            return (free_at, ready_b[0][0], 1)
-        if forward and ready_f:
-            return (free_at, ready_f[0][0], 0)
-        best: tuple[float, int, int] | None = None
-        if forward and pend_f:
-            best = (pend_f[0][0], pend_f[0][1], 0)
-        if pend_b:
-            cand = (pend_b[0][0], pend_b[0][1], 1)
-            if best is None or cand < best:
-                best = cand
-        return best
+        now: tuple[float, int, int] | None = None
+        for k in self.phases:
+            pend, queue = pending[k], ready[k]
+            while pend and pend[0][0] <= free_at:
+                _, rank, job = heapq.heappop(pend)
+                heapq.heappush(queue, (rank, job))
+            if queue and (k or forward) and (now is None or queue[0][0] < now[1]):
+                now = (free_at, queue[0][0], k)
+        if now is not None:
+            return now
+        later: tuple[float, int, int] | None = None
+        for k in self.phases:
+            pend = pending[k]
+            if pend and (k or forward):
+                cand = (pend[0][0], pend[0][1], k)
+                if later is None or cand < later:
+                    later = cand
+        return later
+
+
+_PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 
 
 def simulate(
@@ -167,13 +198,17 @@ def simulate(
     event (its worker unchanged since) needs no second ``best()``; workers touched while one job
     completes are refreshed once afterwards rather than after every change (the heap's order
     depends only on the keys, so fewer stale events change nothing); dependency counts live in
-    flat lists indexed by ``(stage * B + micro) * 2 + phase``.
+    flat lists indexed by ``(stage * B + micro) * P + phase`` (P phases per job: 1, 2 or 3).
+
+    The stash of a (stage, microbatch) counts against the cap from its F until its last
+    backward phase: B, or W when the graph splits the backward.
     """
     W, S, B = table.workers, table.stages, table.micro
-    workers = [_Worker(caps[w]) for w in range(W)]
+    P = len(graph.phases)
+    workers = [_Worker(caps[w], P) for w in range(W)]
     compute = table.compute
-    forward_cost, backward_cost = costs.forward, costs.backward
-    F = Phase.F
+    duration = [costs.by_phase()[d] for d in graph.phases]
+    release = _PHASE_INDEX[Phase.W if graph.split_backward else Phase.B]
     heappush, heappop = heapq.heappush, heapq.heappop
     new_tuple = tuple.__new__  # Slot(...) and Job(...) without the NamedTuple __new__ frame
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
@@ -186,21 +221,21 @@ def simulate(
             heappush(events, (best[0], best[1], w, state.version, best[2]))
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
-    # successors with the index offset (stage * B * 2 + phase) of their flat slot.
+    # successors with the index offset (stage * B * P + phase) of their flat slot.
     successors = {
-        (s, d): [(j.stage, j.phase, j.stage * B * 2 + (0 if j.phase is F else 1))
+        (s, d): [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
                  for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     }
     n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     missing: list[int] = []
     for s in range(S):
-        missing.extend([n_pred[(s, F)], n_pred.get((s, Phase.B), 0)] * B)
-    ready_time = [0.0] * (2 * S * B)
+        missing.extend([n_pred[(s, d)] for d in graph.phases] * B)
+    ready_time = [0.0] * (P * S * B)
     touched: list[int] = []
     for (s, d), count in n_pred.items():
         if count == 0:  # sources: ready at time 0
-            k = 0 if d is F else 1
+            k = _PHASE_INDEX[d]
             for b in range(B):
                 job = Job(s, b, d)
                 w = compute[s][b]
@@ -211,7 +246,7 @@ def simulate(
 
     slots: list[Slot] = []
     append = slots.append
-    total = len(graph.phases) * S * B
+    total = P * S * B
     while events:
         start, rank, w, version, k = heappop(events)
         state = workers[w]
@@ -224,18 +259,17 @@ def simulate(
             job = heappop(ready)[1]
         else:
             job = heappop(state.pending[k])[2]
-        stage, micro, phase = job
-        if phase is F:
-            end = start + forward_cost[stage]
+        stage, micro, _ = job
+        end = start + duration[k][stage]
+        if k == 0:
             state.stash += 1
-        else:
-            end = start + backward_cost[stage]
+        elif k == release:
             state.stash -= 1
         append(new_tuple(Slot, (job, w, start, end)))
         state.free_at = end
         touched = [w]
-        for nstage, nphase, offset in successors[(stage, phase)]:
-            i = offset + micro * 2
+        for nstage, nphase, nk, offset in successors[(stage, job.phase)]:
+            i = offset + micro * P
             left = missing[i] - 1
             missing[i] = left
             at = ready_time[i]
@@ -244,7 +278,7 @@ def simulate(
             if left == 0:
                 nxt = new_tuple(Job, (nstage, micro, nphase))
                 nw = compute[nstage][micro]
-                heappush(workers[nw].pending[0 if nphase is F else 1], (at, ranks[nxt], nxt))
+                heappush(workers[nw].pending[nk], (at, ranks[nxt], nxt))
                 if nw != w:
                     touched.append(nw)
         for nw in touched:

@@ -1,0 +1,59 @@
+"""What a rank's program does, counted: the one record the planner predicts and the runtime meets.
+
+The planner reads these numbers off the programs (:mod:`.metrics`) and the runtime counts them as
+it executes the same programs (``runtime.counters.RuntimeCounters`` extends this class with what
+the planner does not model, such as bytes). One type for both, so a test compares them field by
+field and a new op's counter is added in one place: the ``counter`` of its
+:class:`~lightning_gsched.schedule.program.OpSpec`, plus a field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from lightning_gsched.schedule.program import OPS, Op
+
+
+@dataclass
+class ActionCounts:
+    """Messages of one step on one rank, its peak stash and its peak weight residency.
+
+    Message counts move when a send is issued or a receive posted (each op's ``counter``).
+    ``peak_activations``: the most (stage, microbatch) stashes held at once, from F to the op
+    that releases them (B, or W when the backward is split). ``peak_resident_stages``: owned
+    stages plus fetched ones, raised at ``FETCH_W`` and lowered at ``FREE_W``.
+    """
+
+    activation_recvs: int = 0
+    activation_sends: int = 0
+    input_grad_recvs: int = 0
+    input_grad_sends: int = 0
+    weight_fetches: int = 0
+    weight_serves: int = 0
+    grad_sends: int = 0
+    grad_recvs: int = 0
+    allreduces: int = 0
+    peak_activations: int = 0
+    owned_stages: int = 0
+    peak_resident_stages: int = 0
+
+    def count(self, op: Op) -> None:
+        """Add one action of ``op`` to the counter the op table names for it (if any)."""
+        name = OPS[op].counter
+        if name is not None:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def planned(self) -> dict[str, int]:
+        """The fields the planner predicts, by name (what a test compares)."""
+        return {name: getattr(self, name) for name in PLANNED}
+
+    def as_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+PLANNED: tuple[str, ...] = tuple(f.name for f in fields(ActionCounts))
+
+# every counter an op names exists here (checked at import: a typo in the table fails at once)
+_missing = {spec.counter for spec in OPS.values() if spec.counter} - set(PLANNED)
+if _missing:  # pragma: no cover - a programming error in the op table
+    raise ImportError(f"op table names counters that ActionCounts lacks: {sorted(_missing)}")

@@ -1,0 +1,92 @@
+"""One walker over every rank's program; the dry run, the time replay and the metrics are handlers.
+
+Why one: each of them executes the same programs under the same rules (a rank runs its actions
+in order; an action may have to wait for something another rank does), and only what an action
+*does* differs. The walker owns the order of execution and the waiting; a handler says, per op
+kind of the table (:data:`~lightning_gsched.schedule.program.OPS`), what an action does and, if
+it cannot run yet, which key it waits on. Whoever makes a key true calls :meth:`Walker.wake`.
+
+A handler is an object with one method per op kind: ``compute``, ``send``, ``recv``, ``free``
+and ``collective``, each ``(rank, action) -> key or None`` (None: done, move on). The results do
+not depend on the interleaving the walker chooses, only on the programs and the handler, since a
+rank never runs past an action that waits.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Callable, Hashable, Protocol
+
+from lightning_gsched.schedule.program import OPS, Action, Op, Programs
+
+Step = Callable[[int, Action], "Hashable | None"]
+
+
+class Handler(Protocol):
+    """What a program walk does for each kind of action (see the module docstring)."""
+
+    def compute(self, rank: int, action: Action) -> Hashable | None: ...
+    def send(self, rank: int, action: Action) -> Hashable | None: ...
+    def recv(self, rank: int, action: Action) -> Hashable | None: ...
+    def free(self, rank: int, action: Action) -> Hashable | None: ...
+    def collective(self, rank: int, action: Action) -> Hashable | None: ...
+
+
+def dispatch_table(handler: Handler) -> dict[Op, Step]:
+    """``op -> handler method`` resolved once per walk (the walk's hot loop is a dict look-up)."""
+    return {op: getattr(handler, spec.kind) for op, spec in OPS.items()}
+
+
+class Walker:
+    """Runs every rank's program with a handler; ranks wait on keys until woken."""
+
+    def __init__(self, programs: Programs) -> None:
+        self.programs = programs
+        self.pc = [0] * programs.world_size
+        self._waiters: dict[Hashable, list[int]] = defaultdict(list)
+        self._runnable: deque[int] = deque(range(programs.world_size))
+        self._queued = set(range(programs.world_size))
+
+    def wake(self, key: Hashable) -> None:
+        """``key`` became true: ranks waiting on it may go on."""
+        for rank in self._waiters.pop(key, ()):
+            if rank not in self._queued:
+                self._queued.add(rank)
+                self._runnable.append(rank)
+
+    def current(self, rank: int) -> Action | None:
+        """The action ``rank`` is at (None once its program is done)."""
+        program = self.programs.ranks[rank]
+        return program[self.pc[rank]] if self.pc[rank] < len(program) else None
+
+    def run(self, handler: Handler, on_end: Callable[[int], None] | None = None) -> list[int]:
+        """Walk until no rank can move; return the ranks whose programs did not finish.
+
+        ``on_end(rank)`` runs once when a rank's program completes.
+        """
+        table = dispatch_table(handler)
+        ranks, pc, runnable = self.programs.ranks, self.pc, self._runnable
+        while runnable:
+            rank = runnable.popleft()
+            self._queued.discard(rank)
+            program = ranks[rank]
+            end = len(program)
+            while pc[rank] < end:
+                action = program[pc[rank]]
+                key = table[action.op](rank, action)
+                if key is not None:
+                    self._waiters[key].append(rank)
+                    break
+                pc[rank] += 1
+            if pc[rank] == end and on_end is not None:
+                on_end(rank)
+        return [r for r in range(len(ranks)) if pc[r] < len(ranks[r])]
+
+
+def walk_rank(programs: Programs, rank: int, handler: Handler) -> None:
+    """Walk one rank's program alone, for handlers that never wait (e.g. counting)."""
+    table = dispatch_table(handler)
+    for action in programs.ranks[rank]:
+        key = table[action.op](rank, action)
+        if key is not None:
+            raise RuntimeError(f"walk_rank: the handler waits at '{action}'; use Walker.run")
