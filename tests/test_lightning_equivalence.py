@@ -32,7 +32,9 @@ from lightning_models import (
 
 pytestmark = pytest.mark.distributed
 
-SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed"]
+SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed",
+             "zb-h1", "zb-h2", "zbv"]
+SPLIT_BACKWARD = {"zb-h1", "zb-h2", "zbv"}
 STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
 
 WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
@@ -74,8 +76,10 @@ def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, 
     # Adam at W=2 only: which rank holds which parameter's optimizer state follows from stage
     # ownership, which W=2 already exercises for every schedule; W=4 adds loops, replicas and
     # longer pipelines, which SGD checks as well (and test_lightning_checkpoint resumes Adam
-    # on 4 workers). This keeps the suite inside its time budget.
-    for optimizer in ("sgd", "adam") if world_size == 2 else ("sgd",):
+    # on 4 workers). This keeps the suite inside its time budget. The zero-bubble schedules
+    # run Adam at W=4 too: their B/W split changes when each weight gradient is accumulated.
+    adam = world_size == 2 or schedule in SPLIT_BACKWARD
+    for optimizer in ("sgd", "adam") if adam else ("sgd",):
         want, want_log = reference(optimizer)
         tmp = str(tmp_path / optimizer)
         states = world.run(fit_on_worker, {"schedule": schedule}, optimizer, tmp)
@@ -150,11 +154,13 @@ LOOP_FEATURES = [
     ("1f1b", (("max_steps", STEPS), ("gradient_clip_val", 0.01),
               ("gradient_clip_algorithm", "value"))),
     ("fsdp", (("max_steps", STEPS), ("gradient_clip_val", 0.05))),  # clipping actually bites
+    ("zbv", (("max_steps", STEPS), ("accumulate_grad_batches", 2),
+             ("gradient_clip_val", CLIP))),
 ]
 
 
 @pytest.mark.parametrize("schedule, options", LOOP_FEATURES,
-                         ids=["accumulate", "clip_value", "clip_norm_tight"])
+                         ids=["accumulate", "clip_value", "clip_norm_tight", "accumulate_zbv"])
 def test_loop_features_match_single_device(worlds, schedule: str, options: tuple,
                                            tmp_path) -> None:
     want, want_log = reference("sgd", options)

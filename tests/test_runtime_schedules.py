@@ -30,9 +30,10 @@ from lightning_gsched.schedule import Op, plan
 
 pytestmark = pytest.mark.distributed
 
-SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed"]
+SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed",
+             "zb-h1", "zb-h2", "zbv"]
 MODELS = ["gpt", "cnn"]
-EXTRA_SCHEDULES = ["1f1b", "fsdp", "fslpp"]
+EXTRA_SCHEDULES = ["1f1b", "fsdp", "fslpp", "zb-h1"]
 EXTRA_MODELS = ["long_skip", "kwargs"]
 VOCAB = 64
 RTOL, ATOL = 1e-5, 1e-6

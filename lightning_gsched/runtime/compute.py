@@ -12,6 +12,11 @@ into B microbatches, the summed gradients equal one step on the mean loss of the
 
 Forward-only runs (validation, test, predict) use :meth:`StageCompute.infer`: no graph, no stash.
 
+Split backward (zero-bubble programs): ``backward(..., split=True)`` computes only the input
+gradients and keeps what the weight gradients need (:mod:`.split_backward`); :meth:`weight`
+(the program's ``W s b``) accumulates them later. The (stage, microbatch) counts as stashed until
+then, as the planner counts it.
+
 ``forward_context`` (optional) is entered around every stage's forward call, and only there: a
 front end's precision (autocast, a default dtype) then applies to the model's computation as it
 does for ``model(x)`` on one device, not to the loss code after the model or to the backward.
@@ -53,6 +58,10 @@ class StageCompute:
         self.last = len(self.stages) - 1
         self.num_micro = num_micro
         self.stash: dict[tuple[int, int], Stashed] = {}
+        # split backward: (stage, micro) -> the weight-gradient work its B left for its W
+        self.pending_weights: dict[tuple[int, int], Any] = {}  # split_backward.PendingWeightGrad
+        self.params = [[p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
+                       for stage in self.stages]
         # when a dict: seconds of every forward / backward, keyed ("F" | "B", stage); the
         # in-run profile that predict_step_time can replay (ProgramExecutor.compute_times)
         self.times: dict[tuple[str, int], list[float]] | None = None
@@ -98,18 +107,42 @@ class StageCompute:
         with torch.no_grad(), self.forward_context():
             return self.stages[s](*args, **kwargs)
 
-    def backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:
-        """Run ``B s b``; returns the gradients of the stage's input tensors (None where none)."""
+    def backward(self, s: int, b: int, out_grads: Sequence[Any] | None,
+                 split: bool = False) -> list[Any]:
+        """Run ``B s b``; returns the gradients of the stage's input tensors (None where none).
+
+        ``split``: input gradients only; the weight gradients wait for :meth:`weight`.
+        """
         if self.times is None:
-            return self._backward(s, b, out_grads)
+            return self._backward(s, b, out_grads, split)
         start = time.perf_counter()
         try:
-            return self._backward(s, b, out_grads)
+            return self._backward(s, b, out_grads, split)
         finally:
             self.times.setdefault(("B", s), []).append(time.perf_counter() - start)
 
-    def _backward(self, s: int, b: int, out_grads: Sequence[Any] | None) -> list[Any]:
+    def weight(self, s: int, b: int) -> None:
+        """Run ``W s b``: accumulate the weight gradients that ``B s b`` (split) left."""
+        pending = self.pending_weights.pop((s, b), None)
+        if pending is None:
+            raise RuntimeConfigError(
+                f"W s{s} b{b} without a split B s{s} b{b} before it on this rank; the programs "
+                "are not from this planner."
+            )
+        if self.times is None:
+            pending.run()
+            return
+        start = time.perf_counter()
+        try:
+            pending.run()
+        finally:
+            self.times.setdefault(("W", s), []).append(time.perf_counter() - start)
+
+    def _backward(self, s: int, b: int, out_grads: Sequence[Any] | None,
+                  split: bool) -> list[Any]:
         stashed = self.stash.pop((s, b))
+        if split:
+            return self._backward_input(s, b, stashed, out_grads)
         if stashed.loss is not None:
             if stashed.loss.requires_grad:
                 stashed.loss.backward()
@@ -129,9 +162,33 @@ class StageCompute:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return [t.grad if t.requires_grad else None for t in stashed.inputs]
 
+    def _backward_input(self, s: int, b: int, stashed: Stashed,
+                        out_grads: Sequence[Any] | None) -> list[Any]:
+        if stashed.loss is not None:
+            roots, root_grads = [stashed.loss], None
+        else:
+            grads = list(out_grads or [])
+            if len(grads) != len(stashed.outputs):
+                raise RuntimeConfigError(
+                    f"B s{s} b{b} got {len(grads)} output gradients for {len(stashed.outputs)} "
+                    "output tensors; every rank must run the same model and partition."
+                )
+            pairs = [
+                (out, grad)
+                for out, grad in zip(stashed.outputs, grads, strict=True)
+                if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
+            ]
+            roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        from lightning_gsched.runtime.split_backward import backward_input
+
+        input_grads, pending = backward_input(roots, root_grads, stashed.inputs, self.params[s])
+        self.pending_weights[(s, b)] = pending
+        return list(input_grads)
+
     @property
     def stashed(self) -> int:
-        return len(self.stash)
+        """(stage, microbatch) pairs whose activations are held: until B, or W when split."""
+        return len(self.stash) + len(self.pending_weights)
 
 
 def _describe(value: Any) -> str:

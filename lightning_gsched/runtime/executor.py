@@ -100,7 +100,9 @@ class ProgramExecutor:
             self._sync_weights()
 
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]:
-        """{index of stage s's last B: its bucketed all-reduce} for this rank's program.
+        """{index of stage s's last weight-gradient job: its bucketed all-reduce} for this rank.
+
+        The weight-gradient job is B, or W when the programs split the backward.
 
         A stage qualifies when the program all-reduces it (``ALLREDUCE_G``) and receives no
         gradient contributions for it (``RECV_G``, which must be added first). Cached per
@@ -111,8 +113,9 @@ class ProgramExecutor:
             last_b: dict[int, int] = {}
             groups: dict[int, tuple[int, ...] | None] = {}
             received = set()
+            grad_op = view.programs.weight_grad_op
             for i, a in enumerate(view.program):
-                if a.op is Op.B:
+                if a.op is grad_op:
                     last_b[a.stage] = i
                 elif a.op is Op.ALLREDUCE_G:
                     groups[a.stage] = a.group
@@ -133,7 +136,7 @@ class ProgramExecutor:
         self.compute.times = {} if enabled else None
 
     def compute_times(self) -> dict[tuple[str, int], list[float]]:
-        """Seconds of each recorded ``F``/``B`` by ("F" | "B", stage), waits excluded."""
+        """Seconds of each recorded ``F``/``B``/``W`` by ("F" | "B" | "W", stage), waits excluded."""
         return dict(self.compute.times or {})
 
     # ------------------------------------------------------------------ public
@@ -271,4 +274,5 @@ class ProgramExecutor:
         self.channels.report_fault(message)
         self.transport.drop_all()
         self.compute.stash.clear()
+        self.compute.pending_weights.clear()
         self.channels.abort()

@@ -76,6 +76,7 @@ class StepRun:
         self.inputs = inputs
         self.loss_fn = loss_fn  # forward-only: output_fn(output, b) -> anything
         self.forward_only = forward_only
+        self.split = view.programs.split_backward  # B then W (zero-bubble programs)
         self.transport = ex.transport
         self.counters = RuntimeCounters(owned_stages=len(ex.owned))
         ex.transport.counters = self.counters
@@ -119,6 +120,7 @@ class StepRun:
 
     def run(self, action: Action, index: int) -> None:
         getattr(self, f"_{action.op.value.lower()}")(action, index)
+        self.counters.count(action.op)
 
     # ------------------------------------------------------------------ compute
 
@@ -166,9 +168,8 @@ class StepRun:
                 "after the stage's last backward on this rank."
             )
         self._weights_ready(s)
-        flat = self.ex.flats[s]
-        if not flat.grads.active:
-            flat.zero_grads()  # first backward of a fetched stage in this run
+        if not self.split:
+            self._prepare_weight_grads(s, index)
         grads = None
         if s < self.ex.num_stages - 1:
             message = self.received.pop((Op.RECV_GRAD, s + 1, b), None)
@@ -176,13 +177,31 @@ class StepRun:
                 grads, _ = self.transport.wait_pytree(message)
             else:
                 grads = self.produced_grads.pop((s + 1, b))
-        buckets = self.overlap.get(index)
-        if buckets is not None:
-            buckets.arm()
-            self.armed[s] = buckets
-        input_grads = self.ex.compute.backward(s, b, grads)
+        input_grads = self.ex.compute.backward(s, b, grads, split=self.split)
         if s > 0:
             self.produced_grads[(s, b)] = input_grads
+
+    def _w(self, a: Action, index: int) -> None:
+        """Weight gradients of a split backward: what ``B s b`` left, accumulated now."""
+        s, b = a.stage, a.micro
+        if s in self.reduced:
+            raise RuntimeConfigError(
+                f"W s{s} b{b} after ALLREDUCE_G of stage {s} started; the all-reduce must come "
+                "after the stage's last W on this rank."
+            )
+        self._weights_ready(s)
+        self._prepare_weight_grads(s, index)
+        self.ex.compute.weight(s, b)
+
+    def _prepare_weight_grads(self, s: int, index: int) -> None:
+        """Before an action accumulates stage s's weight gradients (B, or W when split)."""
+        flat = self.ex.flats[s]
+        if not flat.grads.active:
+            flat.zero_grads()  # first weight-gradient job of a fetched stage in this run
+        buckets = self.overlap.get(index)
+        if buckets is not None:  # the stage's last one: start its all-reduce bucket by bucket
+            buckets.arm()
+            self.armed[s] = buckets
 
     def _weights_ready(self, s: int) -> None:
         flat = self.ex.flats[s]
@@ -205,7 +224,6 @@ class StepRun:
         if (a.stage + 1, a.micro) not in self.view.local_forward:
             del self.produced_acts[key]
         self.transport.send_pytree(parts, a.peer, label(a, index))
-        self.counters.activation_sends += 1
 
     def _post_pytree(self, a: Action, index: int) -> None:
         """Post the receive of an activation or input-gradient, keyed by (op, stage, micro)."""
@@ -213,7 +231,6 @@ class StepRun:
 
     def _recv_act(self, a: Action, index: int) -> None:
         self._post_pytree(a, index)
-        self.counters.activation_recvs += 1
 
     def _send_grad(self, a: Action, index: int) -> None:
         key = (a.stage, a.micro)
@@ -222,11 +239,9 @@ class StepRun:
             del self.produced_grads[key]
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
         self.transport.send_pytree(parts, a.peer, label(a, index))
-        self.counters.input_grad_sends += 1
 
     def _recv_grad(self, a: Action, index: int) -> None:
         self._post_pytree(a, index)
-        self.counters.input_grad_recvs += 1
 
     # ------------------------------------------------------------------ weights
 
@@ -236,7 +251,6 @@ class StepRun:
             raise RuntimeConfigError(f"FETCH_W of stage {a.stage}, which is already resident here")
         work = self.transport.post_flat(flat.fetch_buffer(), a.peer, "weights")
         self.fetches[a.stage] = (work, label(a, index))
-        self.counters.weight_fetches += 1
         self.resident += 1
         self.counters.peak_resident_stages = max(self.counters.peak_resident_stages, self.resident)
         self._note_bytes()
@@ -248,7 +262,6 @@ class StepRun:
                 f"SEND_W of stage {a.stage}, which rank {self.ex.rank} does not own"
             )
         self.transport.send_flat(flat.flat, a.peer, "weights", label(a, index))
-        self.counters.weight_serves += 1
 
     def _free_w(self, a: Action, index: int) -> None:
         flat = self.ex.flats[a.stage]
@@ -269,7 +282,6 @@ class StepRun:
         flat = self.ex.flats[a.stage]
         grad = flat.take_grads()
         self.transport.send_flat(grad, a.peer, "grads", label(a, index))
-        self.counters.grad_sends += 1
 
     def _recv_g(self, a: Action, index: int) -> None:
         if a.stage in self.reduced:
@@ -281,7 +293,6 @@ class StepRun:
         buffer = torch.empty(flat.grads.numel, dtype=flat.dtype, device=flat.device)
         work = self.transport.post_flat(buffer, a.peer, "grads")
         self.grad_recvs.setdefault(a.stage, []).append((work, buffer, label(a, index)))
-        self.counters.grad_recvs += 1
 
     def _add_received_grads(self, s: int) -> None:
         pending = self.grad_recvs.pop(s, [])
@@ -306,7 +317,6 @@ class StepRun:
             if grad.numel():
                 self.allreduces.append((self.ex.channels.all_reduce(grad, a.group), what))
         self.reduced.add(s)
-        self.counters.allreduces += 1
         self.counters.allreduce_bytes += grad.numel() * grad.element_size()
 
     # ------------------------------------------------------------------ end of step
@@ -324,11 +334,11 @@ class StepRun:
             self._sync_running_stats()
         self.transport.drain_sends()
         self.transport.end_step()
-        if leftovers or self.ex.compute.stash:
+        held = sorted([*self.ex.compute.stash, *self.ex.compute.pending_weights])
+        if leftovers or held:
             raise RuntimeConfigError(
                 f"rank {self.ex.rank} ends its program with unconsumed receives {leftovers} or "
-                f"stashed activations {sorted(self.ex.compute.stash)}; the programs are "
-                "inconsistent."
+                f"stashed activations {held}; the programs are inconsistent."
             )
         self._note_bytes()
 
