@@ -285,14 +285,16 @@ def test_training_steps_follow_single_process(worlds, schedule):
 FAULT_TIMEOUT = 20.0
 
 
-def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float) -> dict[str, Any]:
-    """gpipe over all ranks; ``failing_rank`` raises in its first forward ("raise") or never
+def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float,
+                schedule: str = "gpipe") -> dict[str, Any]:
+    """``schedule`` over all ranks; ``failing_rank`` raises in its first forward ("raise"), in
+    its first weight-gradient accumulation ("raise_w": a W of a zero-bubble schedule), or never
     steps ("hang"). Returns, per rank, how the step ended and how long it took."""
     import time
 
     from lightning_gsched.errors import RuntimeFault
 
-    p = plan("gpipe", workers=ctx.world_size)
+    p = plan(schedule, workers=ctx.world_size)
     batch = global_batch("gpt", p.micro)
     part = partition(build("gpt"), p.stages, example_args=batch[0][0])
     ex = ProgramExecutor(part.stages, p.programs, timeout=timeout)
@@ -302,6 +304,12 @@ def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float
             raise ValueError("injected failure")
 
         part.stages[failing_rank].register_forward_pre_hook(explode)  # gpipe: rank r runs stage r
+    if ctx.rank == failing_rank and mode == "raise_w":
+
+        def explode_w(param):
+            raise ValueError("injected failure in a weight gradient")
+
+        next(part.stages[failing_rank].parameters()).register_post_accumulate_grad_hook(explode_w)
     start = time.monotonic()
     outcome: dict[str, Any] = {"rank": ctx.rank}
     if ctx.rank == failing_rank and mode == "hang":
@@ -344,6 +352,20 @@ def test_failing_forward_fails_every_rank_promptly(worlds):
             assert "First failure reported in the job: rank 1 failed at 'F s1 b0'" in r["error"], r[
                 "error"
             ]
+
+
+def test_failing_weight_gradient_names_the_w_action(worlds):
+    """zb-h1: rank 1's first W fails (after its B sent the input gradient on): rank 1 names
+    the W action, rank 0 ends with a RuntimeFault quoting it, both promptly."""
+    results = worlds.get(2).run(fault_check, 1, "raise_w", FAULT_TIMEOUT, "zb-h1")
+    failing = results[1]
+    assert failing["type"] == "RuntimeFault"
+    assert failing["error"].startswith("rank 1 failed at 'W s1 b0' (action "), failing["error"]
+    assert "injected failure in a weight gradient" in failing["error"]
+    other = results[0]
+    assert other["error"] is not None and other["error"].startswith("rank 0 "), other
+    assert "First failure reported in the job: rank 1 failed at 'W s1 b0'" in other["error"]
+    assert all(r["seconds"] < FAULT_TIMEOUT / 2 for r in results), results
 
 
 def test_stuck_rank_times_out_every_peer(worlds):
