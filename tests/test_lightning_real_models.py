@@ -27,9 +27,8 @@ sanity check (eval mode, then train), the ``fslpp`` runs at the first training b
 mode, then validation at the end of the epoch). Checked: final weights on every rank (rtol 1e-5,
 atol 1e-6), the per-step training loss and the validation loss equal one device's.
 
-A model whose traced code reads ``self.training`` (as transformers' attention does) cannot switch
-mode within one run yet: a strict xfail states the wanted behaviour, and a test checks the
-workaround docs/usage.md gives (fit without validation, validate in a run of its own).
+A model whose traced code reads ``self.training`` (as transformers' attention does) gets one graph
+per mode in each stage: fit with validation, switching modes within the run, equals one device.
 """
 
 from __future__ import annotations
@@ -190,38 +189,10 @@ def test_real_model_trains_like_one_device(worlds, model_name: str, schedule: st
     _check_against_one_device(worlds, model_name, schedule, sanity_steps)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not supported yet: the pipeline's stages are traced in the mode the model is in at the "
-    "first batch, and a partition whose traced code reads self.training refuses to run in the "
-    "other mode (ModeMismatchError on the first-stage rank, RuntimeFault naming it on the "
-    "others), so validation after training (or training after the sanity check) fails. Fix: "
-    "stages that hold one graph per mode (the tracer already traces both)"))
 def test_mode_dependent_model_trains_and_validates(worlds) -> None:
+    """Traced code that reads ``self.training``: fit with validation (the stages switch
+    between their train-mode and eval-mode graphs) equals one device."""
     _check_against_one_device(worlds, "mode_dependent", "fslpp", 0)
-
-
-def validate_separately_on_worker(ctx: WorkerContext, model_name: str) -> dict:
-    """Fit without validation, then validate in a run of its own (docs/usage.md's workaround
-    for models whose traced code reads ``self.training``)."""
-    from lightning_gsched import GeneralParallel
-
-    as_worker(ctx.rank)
-    world, rank = ctx.world_size, ctx.rank
-    model = MODELS[model_name]()
-    fit = trainer(world, GeneralParallel("fslpp"), max_steps=STEPS, limit_val_batches=0)
-    fit.fit(model, rank_loader(next_token_data(GLOBAL_BATCH * STEPS, seed=3), GLOBAL_BATCH,
-                               world, rank))
-    val = rank_loader(next_token_data(GLOBAL_BATCH, seed=5), GLOBAL_BATCH, world, rank)
-    (metrics,) = trainer(world, GeneralParallel("fslpp")).validate(model, val, verbose=False)
-    return {"state": state_of(model), "val_loss": metrics["val_loss"]}
-
-
-def test_mode_dependent_model_validates_in_a_separate_run(worlds) -> None:
-    want = reference("mode_dependent")
-    for rank, got in enumerate(worlds.get(2).run(validate_separately_on_worker,
-                                                 "mode_dependent")):
-        assert_same_state(got["state"], want["state"], f"rank {rank}")
-        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), f"rank {rank}"
 
 
 def _check_against_one_device(worlds: Any, model_name: str, schedule: str,

@@ -79,15 +79,75 @@ def test_lightning_demo_transformer_without_static_shapes_fails_clearly() -> Non
     assert module.src_mask is None  # the failed trace did not leave a Proxy behind
 
 
-def test_mode_dependent_trace_refuses_to_run_in_the_other_mode() -> None:
+def test_mode_dependent_trace_runs_the_graph_of_the_current_mode() -> None:
+    """A forward that reads ``self.training`` gets one graph per mode, cut at the same place."""
     module = models.seeded(0, models.ModeDependentModel)
     x = torch.randn(4, 8)
     part = partition(module, 2, (x,))
     assert part.mode_dependent and "depends on train()/eval()" in part.report()
-    part(x)  # same mode as traced: fine
-    module.eval()
-    with pytest.raises(ModeMismatchError, match="partitioned in train mode"):
+    assert all(stage.has_graph_per_mode for stage in part.stages) and part.graph_per_mode
+    assert "a train-mode and an eval-mode graph" in part.report()
+    for training in (True, False, True):
+        module.train(training)
+        torch.manual_seed(1)
+        want = module(x)
+        torch.manual_seed(1)
+        assert torch.equal(part(x), want), training
+
+
+class _Outer(torch.nn.Module):
+    """Two traced modules that read the mode: they can be put in different modes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = models.ModeDependentModel(), models.ModeDependentModel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_traced_modules_in_different_modes_are_refused() -> None:
+    module = _Outer()
+    x = torch.randn(4, 8)
+    part = partition(module, 2, (x,))
+    module.first.eval()  # the second stays in train mode: neither graph is the model's code
+    with pytest.raises(ModeMismatchError, match="different modes"):
         part(x)
+
+
+class _TrainOnlyBranch(torch.nn.Module):
+    """A module called only in train mode: a cut before it has no counterpart in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.b = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if self.training:
+            x = self.extra(x)
+        return self.b(x)
+
+
+def test_mode_dependent_trace_that_cannot_be_cut_alike_refuses_the_other_mode() -> None:
+    module = _TrainOnlyBranch()
+    x = torch.randn(4, 8)
+    part = partition(module, 2, (x,), split_points=["extra"])  # no "extra" unit in eval mode
+    assert not any(stage.has_graph_per_mode for stage in part.stages)
+    assert "traced mode only" in part.report()
+    part(x)  # the traced mode runs
+    module.eval()
+    with pytest.raises(ModeMismatchError, match="could not be cut at the same stage boundaries"):
+        part(x)
+    # cut before b, the same module gets a graph per mode; stage 0 holds "extra", which only
+    # train mode reads
+    module.train()
+    part = partition(module, 2, (x,), split_points=["b"])
+    assert all(stage.has_graph_per_mode for stage in part.stages)
+    assert "extra.weight" in dict(part.stages[0].named_parameters())
+    for training in (False, True):
+        module.train(training)
+        assert torch.equal(part(x), module(x)), training
 
 
 # ----------------------------------------------------------------------------- stage counts and names

@@ -132,3 +132,95 @@ def test_model_splits_evenly_and_matches(name: str, num_stages: int) -> None:
     how = "static shapes" if part.static_shapes is not None else "symbolic"
     leaves = f", {len(part.auto_leaf_modules)} automatic leaves" if part.auto_leaf_modules else ""
     print(f"{name} S={num_stages}: {shares} ({how}{leaves})")
+
+
+# --------------------------------------------------------------------------- under a Trainer
+
+import lightning.pytorch as pl  # noqa: E402 - the Trainer part of this opt-in module
+import torch.nn.functional as F  # noqa: E402
+
+from dist_harness import WorkerContext  # noqa: E402
+from lightning_models import as_worker, assert_same_state, rank_loader, state_of  # noqa: E402
+from lightning_models import trainer as make_trainer  # noqa: E402
+from models import seeded  # noqa: E402
+from test_lightning_real_models import StepLosses, next_token_data  # noqa: E402
+
+FIT_STEPS, FIT_BATCH = 3, 8
+WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
+
+# Dropout off (a schedule draws masks per microbatch, on other ranks: no two runs would agree);
+# the models still read ``self.training`` in traced code (transformers' attention passes
+# ``dropout=0.0 if not self.training else ...``), so the stages switch graphs with the mode.
+FIT_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "transformers.GPT2LMHeadModel": hf(
+        "GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=4,
+        n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0),
+    "transformers.LlamaForCausalLM": hf("LlamaForCausalLM", "LlamaConfig", **GQA),
+    "litgpt.GPT": litgpt_gpt,
+}
+
+
+class LitZoo(pl.LightningModule):
+    """A third-party language model as a plain LightningModule: ``self(tokens)`` once a step."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.model = FIT_MODELS[name]()
+        self.returns_output_object = name.startswith("transformers.")  # .logits; litgpt: tensor
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(tokens)
+        return out.logits if self.returns_output_object else out
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        inputs, target = batch
+        logits = self(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _zoo_fit(world: int, rank: int, strategy: Any, name: str) -> dict:
+    model = seeded(0, lambda: LitZoo(name))
+    losses = StepLosses()
+    fit = make_trainer(world, strategy, max_steps=FIT_STEPS, num_sanity_val_steps=1,
+                       callbacks=[losses])
+    train = rank_loader(next_token_data(FIT_BATCH * FIT_STEPS, seed=3), FIT_BATCH, world, rank)
+    val = rank_loader(next_token_data(FIT_BATCH, seed=5), FIT_BATCH, world, rank)
+    fit.fit(model, train, val)
+    return {"state": state_of(model), "losses": losses.losses,
+            "val_loss": float(fit.callback_metrics["val_loss"]),
+            "built_in_sanity_check": losses.built_in_sanity_check}
+
+
+def zoo_fit_on_worker(ctx: WorkerContext, name: str) -> dict:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    return _zoo_fit(ctx.world_size, ctx.rank, GeneralParallel("1f1b"), name)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(FIT_MODELS))
+def test_model_fits_and_validates_like_one_device(worlds, name: str) -> None:
+    """``Trainer.fit`` with a sanity check (the pipeline is built in eval mode), 3 training
+    steps and validation, on 2 processes under 1f1b, against one device: final weights on every
+    rank, every step's loss and the validation loss."""
+    FIT_MODELS[name]()  # skips here when the package is missing
+    want = _zoo_fit(1, 0, "auto", name)
+    for rank, got in enumerate(worlds.get(2).run(zoo_fit_on_worker, name)):
+        label = f"{name} rank {rank}"
+        assert got["built_in_sanity_check"] is True, label
+        assert_same_state(got["state"], want["state"], label)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), label
+    initial = state_of(seeded(0, lambda: LitZoo(name)))
+    assert any(not torch.equal(initial[k], want["state"][k]) for k in initial)  # it trained

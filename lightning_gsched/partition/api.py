@@ -62,6 +62,8 @@ class Partition:
         trace_attempts: how each tracing mode tried ended, in order (see docs/partition.md).
         static_shapes: ``None``, or the input shapes every call must have (static-shape trace).
         mode_dependent: ``None``, or why the traced code differs between train() and eval().
+        graph_per_mode: with ``mode_dependent``, whether every stage holds a graph per mode
+            (else the stages run in the traced mode only; see docs/partition.md).
     """
 
     def __init__(
@@ -91,6 +93,9 @@ class Partition:
         self.auto_leaf_modules = dict(table.traced.auto_leaves)
         self.trace_attempts = list(table.traced.attempts)  # how each tracing mode ended
         self.mode_dependent = table.traced.mode_dependent
+        # mode-dependent code: True when every stage holds a train and an eval graph
+        self.graph_per_mode = bool(self.mode_dependent) and all(
+            s.has_graph_per_mode for s in stages)
         self.static_shapes = table.traced.inputs.static_shapes  # None unless sizes are baked in
         self.boundary_names = [list(s.output_names) for s in stages[:-1]]
         self.boundary_bytes = [

@@ -47,6 +47,8 @@ class ReportedPartition(Protocol):
     def static_shapes(self) -> Sequence[Sequence[int]] | None: ...
     @property
     def mode_dependent(self) -> str | None: ...
+    @property
+    def graph_per_mode(self) -> bool: ...
 
 
 def _size(num_bytes: int) -> str:
@@ -148,6 +150,10 @@ def format_report(
         )
     if part.mode_dependent:
         lines.append(f"Traced code depends on train()/eval(): {part.mode_dependent}")
+        lines.append("  every stage holds a train-mode and an eval-mode graph, cut alike"
+                     if part.graph_per_mode else
+                     "  the other mode cannot be cut alike: the stages run in the traced mode "
+                     "only (ModeMismatchError otherwise)")
     if not units:
         return "\n".join(lines)
     start = 0

@@ -54,6 +54,7 @@ from lightning_gsched.partition.trace_errors import (
 
 ROOT = "_gsched_user"  # attribute under which the trace root holds the user's module
 CONSTANT_PREFIX = "_gsched_constant_"
+OTHER_MODE_CONSTANT_PREFIX = "_gsched_constant_other_mode_"
 SCOPE = "gsched_scope"  # node.meta key: tuple of (module fqn, invocation id), outermost first
 
 # torch.nn modules are leaves (fx's default) except these stacks of layers, which the tracer
@@ -181,6 +182,10 @@ class TracedModel:
     auto_leaves: dict[str, str] = field(default_factory=dict)  # fqn -> why it became a leaf
     traced_into: dict[str, nn.Module] = field(default_factory=dict)
     mode_dependent: str | None = None  # why the graph differs between train() and eval()
+    # the module's mode when traced; with mode_dependent, the graph of the other mode (None
+    # when that mode could not be traced), its constants being in ``constants`` too
+    traced_training: bool = True
+    other_mode_graph: fx.Graph | None = None
     static_shapes: bool = False  # sizes were specialised to the example (see .concrete)
     attempts: tuple[str, ...] = ()  # how each tracing mode tried ended (see .attempts)
     static_tried: bool = False  # the static-shape mode was among the attempts
@@ -226,13 +231,14 @@ def _walk(obj: Any, target: str) -> Any:
     return obj
 
 
-def _collect_constants(graph: fx.Graph, root: nn.Module) -> dict[str, Any]:
+def _collect_constants(graph: fx.Graph, root: nn.Module, prefix: str = CONSTANT_PREFIX
+                       ) -> dict[str, Any]:
     """Rename fx's ``_tensor_constant*`` targets (tensors built while tracing) and keep them."""
     constants: dict[str, Any] = {}
     user = getattr(root, ROOT)
     for node in graph.nodes:
         if node.op == "get_attr" and not _resolves(user, node.target):
-            name = f"{CONSTANT_PREFIX}{len(constants)}"
+            name = f"{prefix}{len(constants)}"
             constants[name] = getattr(root, node.target)
             node.target = name
     return constants
@@ -265,19 +271,33 @@ def _flip_mode_difference(
     names: frozenset,
     example: list[torch.Tensor] | None,
     graph: fx.Graph,
-) -> str | None:
-    """Trace again with ``training`` flipped; a different graph means forward reads the mode."""
+) -> tuple[str | None, fx.Graph | None, dict[str, Any]]:
+    """Trace again with ``training`` flipped; a different graph means forward reads the mode.
+
+    Returns (why the graphs differ or None, the other mode's graph when they differ, its
+    constants under names of their own so both graphs' constants can live side by side).
+    """
     modes = [(m, m.training) for m in module.modules()]
     try:
         module.train(not module.training)
         other, _, other_root = _trace_once(module, layout, classes, names, example)
-        _collect_constants(other, other_root)  # same constant names as the first trace
+        constants = _collect_constants(other, other_root)  # the first trace's names: comparable
     except Exception as exc:  # noqa: BLE001 - the other mode cannot even be traced
-        return f"forward cannot be traced in the other mode ({type(exc).__name__}: {exc})"
+        reason = f"forward cannot be traced in the other mode ({type(exc).__name__}: {exc})"
+        return reason, None, {}
     finally:
         for m, training in modes:
             m.training = training
-    return _mode_difference(graph, other)
+    reason = _mode_difference(graph, other)
+    if reason is None:
+        return None, None, {}
+    renamed = {}  # both graphs' constants live in one table: the other mode's get own names
+    for node in other.nodes:
+        if node.op == "get_attr" and node.target in constants:
+            new_name = OTHER_MODE_CONSTANT_PREFIX + node.target[len(CONSTANT_PREFIX):]
+            renamed[new_name] = constants[node.target]
+            node.target = new_name
+    return reason, other, renamed
 
 
 def trace_model(
@@ -345,7 +365,8 @@ def trace_model(
         leaf_modules=tuple(leaf_modules),
         static_shapes_option=static_shapes,
     )
-    traced.mode_dependent = _flip_mode_difference(
+    traced.traced_training = module.training
+    traced.mode_dependent, traced.other_mode_graph, other_constants = _flip_mode_difference(
         module,
         layout,
         classes,
@@ -353,5 +374,6 @@ def trace_model(
         example if chosen.static else None,
         graph,
     )
+    traced.constants.update(other_constants)
     return traced
 
