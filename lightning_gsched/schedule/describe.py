@@ -121,7 +121,7 @@ def plan_command(result: Plan) -> str:
         words.append(f"--R {result.R}")
     if result.order != spec.order:
         words.append(f"--order {result.order}")
-    default_cap = spec.cap(result.workers)
+    default_cap = spec.cap(result.workers, result.stages)
     if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
         words.append(f"--cap {cap_text(result.caps)}")
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight

@@ -23,6 +23,12 @@ from lightning_gsched.schedule.placements import (
 )
 
 
+def _per_worker(workers: int, stages: int) -> int:
+    """Stages per worker of a contiguous placement (k = S/W): a microbatch in flight stashes k
+    (stage, microbatch) pairs on a worker, so memory caps scale by k."""
+    return max(1, stages // workers)
+
+
 def _even_r(workers: int) -> int:
     """Default R for the looped family: groups of two when W is even, else one group."""
     return 2 if workers % 2 == 0 else workers
@@ -34,7 +40,7 @@ class ScheduleSpec:
     trade_off: str
     make_placement: Callable[[int, int, int], CheckedPlacement]  # (W, S, R) -> placement
     order: str
-    cap: Callable[[int], CapSpec]  # W -> default cap
+    cap: Callable[[int, int], CapSpec]  # (W, S) -> default cap
     stages: Callable[[int, int], int]  # (W, R) -> default S
     micro: Callable[[int, int], int]  # (W, R) -> default B
     default_R: Callable[[int], int] | None = None  # None: R is not a parameter of this schedule
@@ -48,75 +54,76 @@ LIBRARY: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "ddp", "no transfers except one all-reduce, but every worker holds all weights and "
             "all activations of its microbatches",
-            lambda W, S, R: DDP(W), "bfs", lambda W: None,
+            lambda W, S, R: DDP(W), "bfs", lambda W, S: None,
             stages=lambda W, R: 1, micro=lambda W, R: W, defaults_doc="S=1, B=W",
         ),
         ScheduleSpec(
             "fsdp", "DDP's latency with one stage per worker at rest; pays a weight fetch for "
             "every non-owned stage in forward and again in backward",
-            lambda W, S, R: FSDP(W), "bfs", lambda W: None,
+            lambda W, S, R: FSDP(W), "bfs", lambda W, S: None,
             stages=lambda W, R: W, micro=lambda W, R: W, defaults_doc="S=W, B=W",
         ),
         ScheduleSpec(
             "gpipe", "weights never move, only activations between neighbours; bubble "
             "(W-1)/(B+W-1) and each worker stashes all B microbatches",
-            lambda W, S, R: GPipe(W, S), "bfs", lambda W: None,
+            lambda W, S, R: GPipe(W, S), "gpipe", lambda W, S: None,
             stages=lambda W, R: W, micro=lambda W, R: 2 * W, defaults_doc="S=W, B=2W",
         ),
         ScheduleSpec(
             "1f1b", "GPipe's placement and latency, but backward-first with a cap: worker r "
             "stashes at most W-r microbatches instead of B",
             lambda W, S, R: GPipe(W, S), "1f1b", one_f_one_b_caps,
-            stages=lambda W, R: W, micro=lambda W, R: 2 * W, defaults_doc="S=W, B=2W, cap=W-r",
+            stages=lambda W, R: W, micro=lambda W, R: 2 * W,
+            defaults_doc="S=W, B=2W, cap=(S/W)(W-r)",
         ),
         ScheduleSpec(
             "lpp", "looped pipeline: G=W/R replicas of an R-deep loop; smaller bubble than GPipe, "
             "weights replicated G times (all-reduce among replicas)",
-            lambda W, S, R: LPP(W, R), "bfs", lambda W: None,
+            lambda W, S, R: LPP(W, R), "bfs", lambda W, S: None,
             stages=lambda W, R: 2 * R, micro=lambda W, R: 2 * W, default_R=_even_r,
             defaults_doc="R=2 (W even) else W, S=2R, B=2W",
         ),
         ScheduleSpec(
             "interleaved", "one loop over all W workers with S=2W stages in Megatron's interleaved "
             "1F1B order: GPipe's bubble divided by S/W, twice the activation messages",
-            lambda W, S, R: LPP(W, W), "interleaved", lambda W: "auto",
+            lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: "auto",
             stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, default_R=lambda W: W,
             defaults_doc="R=W, S=2W, B=2W, order=interleaved, cap=auto",
         ),
         ScheduleSpec(
             "fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per worker): "
             "weights fetched within groups instead of replicated",
-            lambda W, S, R: FSLPP(W, R), "bfs", lambda W: None,
+            lambda W, S, R: FSLPP(W, R), "bfs", lambda W, S: None,
             stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
             defaults_doc="R=2 (W even) else W, S=W, B=2W",
         ),
         ScheduleSpec(
             "fslpp-seed", "the seed's literal owner map h(s,s): same traffic pattern as fslpp but "
             "ownership concentrated on a few workers",
-            lambda W, S, R: FSLPPSeed(W, R), "bfs", lambda W: None,
+            lambda W, S, R: FSLPPSeed(W, R), "bfs", lambda W, S: None,
             stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
             defaults_doc="R=2 (W even) else W, S=W, B=2W",
         ),
         ScheduleSpec(
             "zb-h1", "1F1B's placement with the backward split into B and W, W filling the "
             "bubbles: about a third of 1F1B's bubble at the same peak stash (W microbatches)",
-            lambda W, S, R: GPipe(W, S), "zb", lambda W: W,
+            lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * W,
             stages=lambda W, R: W, micro=lambda W, R: 2 * W, split_backward=True,
-            defaults_doc="S=W, B=2W, order=zb, cap=W",
+            defaults_doc="S=W, B=2W, order=zb, cap=(S/W)W",
         ),
         ScheduleSpec(
             "zb-h2", "zb-h1 with 2W-1 microbatches in flight: extra warm-up forwards remove the "
             "bubble, for about twice zb-h1's activation memory",
-            lambda W, S, R: GPipe(W, S), "zb", lambda W: 2 * W - 1,
+            lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * (2 * W - 1),
             stages=lambda W, R: W, micro=lambda W, R: 2 * W, split_backward=True,
-            defaults_doc="S=W, B=2W, order=zb, cap=2W-1",
+            defaults_doc="S=W, B=2W, order=zb, cap=(S/W)(2W-1)",
         ),
         ScheduleSpec(
             "zbv", "two stages per worker in a V (worker r holds stages r and 2W-1-r) with a "
             "split backward: near-zero bubble at 1F1B's activation memory, weights never move",
-            lambda W, S, R: VShape(W, S), "zb", lambda W: 2 * W,
+            lambda W, S, R: VShape(W, S), "zb", lambda W, S: S,
             stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
-            defaults_doc="S=2W, B=2W, order=zb, cap=2W stage-chunks",
+            defaults_doc="S=2W, B=2W, order=zb, cap=S stage-chunks (2W per V)",
         ),
     ]
 }

@@ -205,7 +205,7 @@ def plan(
         library_placement.check(S, B)
         placement_fn: PlacementFn = library_placement
         order_spec = order if order is not None else (priority or spec.order)
-        cap_spec = None if forward_only else spec.cap(W) if cap == DEFAULT else cap
+        cap_spec = None if forward_only else spec.cap(W, S) if cap == DEFAULT else cap
         name = spec.name
         split = spec.split_backward if split_backward is None else split_backward
         uses_default_cap = cap == DEFAULT

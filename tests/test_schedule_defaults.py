@@ -1,0 +1,53 @@
+"""Every library schedule plans every valid (W, S, B) by default, near the best order it could use.
+
+Issue 12 part 2: a schedule's defaults (order, cap) must not fall apart away from its canonical
+shape, e.g. with more stages than workers. For each library schedule and each (W, S, B) its
+placement accepts in the grid below, the default plan must complete and its latency must be
+within 5% of the best order the library offers for that placement, each order planned at the
+schedule's default cap (the cap is the schedule's memory promise, so orders are compared under
+it; where an order cannot complete under that cap it is left out).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gsched.errors import CapTooSmallError, GschedError, ScheduleConfigError
+from lightning_gsched.schedule import plan
+from lightning_gsched.schedule.library import LIBRARY, get_schedule
+from lightning_gsched.schedule.orders import ORDER_NAMES
+
+ORDERS = [o for o in ORDER_NAMES if o != "dfs"]  # dfs is 1f1b's alias
+
+
+def _shapes(name: str, W: int) -> list[tuple[int, int, int | None]]:
+    spec = get_schedule(name)
+    R = spec.default_R(W) if spec.default_R is not None else None
+    base = spec.stages(W, R or 1)
+    stage_counts = {base, 2 * base} | ({4 * base} if W <= 4 else set())
+    return [(S, B, R) for S in sorted(stage_counts) for B in sorted({W, 2 * W, 4 * W})]
+
+
+CASES = [pytest.param(name, W, S, B, R, id=f"{name}-W{W}-S{S}-B{B}")
+         for name in LIBRARY for W in (1, 2, 3, 4, 8) for S, B, R in _shapes(name, W)]
+
+
+@pytest.mark.parametrize("name,W,S,B,R", CASES)
+def test_default_is_within_5_percent_of_the_best_order(name: str, W: int, S: int, B: int,
+                                                       R: int | None) -> None:
+    try:
+        default = plan(name, W, S, B, R=R)
+    except ScheduleConfigError as exc:
+        if "must be" in str(exc):  # the placement does not accept this shape (e.g. B % W)
+            pytest.skip(str(exc))
+        raise
+    spec = get_schedule(name)
+    cap = spec.cap(W, S)
+    best = default.metrics.latency
+    for order in ORDERS:
+        try:
+            candidate = plan(name, W, S, B, R=R, order=order, cap=cap)
+        except (CapTooSmallError, GschedError):
+            continue  # this order cannot run under the cap, or does not fit the placement
+        best = min(best, candidate.metrics.latency)
+    assert default.metrics.latency <= 1.05 * best, (default.order, default.caps, best)
