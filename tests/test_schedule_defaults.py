@@ -51,3 +51,36 @@ def test_default_is_within_5_percent_of_the_best_order(name: str, W: int, S: int
             continue  # this order cannot run under the cap, or does not fit the placement
         best = min(best, candidate.metrics.latency)
     assert default.metrics.latency <= 1.05 * best, (default.order, default.caps, best)
+
+
+# ----------------------------------------------------------------------------- one vocabulary
+
+
+CAP_CASES = [("1f1b", "default"), ("1f1b", None), ("1f1b", "none"), ("interleaved", "auto"),
+             ("zb-h1", 3), ("gpipe", [2, 2, 1, 1])]
+
+
+@pytest.mark.parametrize("schedule,cap", CAP_CASES, ids=[f"{s}-{c}" for s, c in CAP_CASES])
+def test_plan_cli_and_strategy_resolve_alike(schedule: str, cap: object, capsys) -> None:
+    """The same arguments given to plan(), to `gsched plan` and to GeneralParallel's schedule
+    configuration resolve to the same S, B, R and caps (one resolution, one cap vocabulary)."""
+    import json
+
+    from lightning_gsched.cli import main
+    from lightning_gsched.lightning.options import pipeline_options
+
+    W = 4
+    direct = plan(schedule, W, cap=cap)  # type: ignore[arg-type]
+    text = "none" if cap is None else ",".join(map(str, cap)) if isinstance(cap, list) else str(cap)
+    assert main(["plan", schedule, "-w", str(W), "--cap", text, "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    config, _ = pipeline_options(schedule, None, None, None, None, cap, "params", (), None, None,
+                                 None, None, 1.0, 2.0)
+    strategy = config.training_plan(W)
+    S, B, R = config.resolved(W)
+    for got in ((cli["stages"], cli["microbatches"], cli["R"], cli["caps"]),
+                (strategy.stages, strategy.micro, strategy.R, strategy.caps),
+                (S, B, R, strategy.caps)):
+        assert got == (direct.stages, direct.micro, direct.R, direct.caps)
+    if cap in (None, "none"):
+        assert direct.caps == [None] * W

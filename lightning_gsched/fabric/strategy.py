@@ -66,7 +66,7 @@ class GeneralParallelFabric(DDPStrategy):
         microbatches: Optional[int] = None,
         stages: Optional[int] = None,
         order: Optional[Union[str, Callable]] = None,
-        cap: Optional[Union[int, list[int], str]] = None,
+        cap: Optional[Union[int, list[int], str]] = "default",
         balance: Union[str, list[int]] = "params",
         leaf_modules: Sequence[Union[str, type]] = (),
         split_points: Optional[list[str]] = None,
@@ -76,6 +76,8 @@ class GeneralParallelFabric(DDPStrategy):
         step_timeout: float = 300.0,
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
+        weight_cost: Optional[Union[float, list[float]]] = None,
+        split_backward: Optional[bool] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -87,7 +89,8 @@ class GeneralParallelFabric(DDPStrategy):
     ) -> None:
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
-            static_shapes, placement, priority, forward_cost, backward_cost)
+            static_shapes, placement, priority, forward_cost, backward_cost,
+            weight_cost, split_backward)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         super().__init__(

@@ -14,10 +14,8 @@ from typing import Any, Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.schedule import plan as make_plan
-from lightning_gsched.schedule.library import get_schedule, resolve_R
+from lightning_gsched.schedule.library import resolve_shape
 from lightning_gsched.schedule.plan import DEFAULT, Plan, check_arguments
-
-UNCAPPED = "none"
 
 
 @dataclass
@@ -29,11 +27,13 @@ class ScheduleConfig:
     microbatches: int | None = None
     stages: int | None = None
     order: str | Callable | None = None
-    cap: int | Sequence[int] | str | None = None
+    cap: int | Sequence[int] | str | None = DEFAULT  # plan()'s vocabulary, see docs/usage.md
     placement: Callable | None = None
     priority: Callable | None = None
     forward_cost: float | Sequence[float] = 1.0
     backward_cost: float | Sequence[float] = 2.0
+    weight_cost: float | Sequence[float] | None = None
+    split_backward: bool | None = None
     _eval_plans: dict[int, Plan] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
@@ -48,35 +48,23 @@ class ScheduleConfig:
         on every rank, before any process talks to another.
         """
         check_arguments(self.schedule, self.stages, self.microbatches, self.R, self.order,
-                        self._plan_cap(), self.forward_cost, self.backward_cost,
-                        self.placement, self.priority)
+                        self.cap, self.forward_cost, self.backward_cost,
+                        self.placement, self.priority, self.weight_cost, self.split_backward)
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
-        """(S, B, R) for ``workers`` ranks, filling the library's defaults."""
+        """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
+        resolution, :func:`~lightning_gsched.schedule.library.resolve_shape`)."""
         if self.placement is not None:
             return int(self.stages), int(self.microbatches), self.R  # type: ignore[arg-type]
-        spec = get_schedule(self.schedule)  # type: ignore[arg-type]
-        R = resolve_R(spec, workers, self.R)
-        if R is not None and workers % R:
-            raise ScheduleConfigError(
-                f"R={R} does not divide the {workers} devices (num_nodes x devices); choose R "
-                f"among {[r for r in range(1, workers + 1) if workers % r == 0]}"
-            )
-        S = self.stages if self.stages is not None else spec.stages(workers, R or 1)
-        B = self.microbatches if self.microbatches is not None else spec.micro(workers, R or 1)
-        return S, B, R
-
-    def _plan_cap(self) -> Any:
-        """``plan()``'s form of the cap: None here means the schedule's default, "none" none."""
-        if self.cap is None:
-            return DEFAULT
-        return None if isinstance(self.cap, str) and self.cap == UNCAPPED else self.cap
+        return resolve_shape(self.schedule, workers, self.stages,  # type: ignore[arg-type]
+                             self.microbatches, self.R)
 
     def _plan_kwargs(self) -> dict[str, Any]:
         return dict(
-            order=self.order, cap=self._plan_cap(), placement=self.placement,
+            order=self.order, cap=self.cap, placement=self.placement,
             priority=self.priority,
             forward_cost=self.forward_cost, backward_cost=self.backward_cost,
+            weight_cost=self.weight_cost, split_backward=self.split_backward,
         )
 
     def training_plan(self, workers: int) -> Plan:

@@ -52,8 +52,9 @@ class GeneralParallel(DDPStrategy):
             the schedule's (2W for pipelines, W for ddp/fsdp).
         stages: S, the number of stages the model's forward is cut into; default the schedule's.
         order: priority order name (bfs, 1f1b, interleaved) or a callable ``n(s, b, d)``.
-        cap: activations stashed per worker: None = the schedule's default, an int, a list per
-            worker, ``"auto"`` (smallest cap that keeps the latency) or ``"none"`` (uncapped).
+        cap: (stage, microbatch) stashes per worker, as in ``plan()`` and ``gsched plan --cap``:
+            ``"default"`` (the schedule's), an int, a list per worker, ``"auto"`` (smallest cap
+            that keeps the latency), ``None`` or ``"none"`` (uncapped).
         balance: how to cut stages: ``"params"``, ``"time"`` (profiled on rank 0) or a list of
             unit counts per stage.
         leaf_modules: module class names or FQNs the tracer keeps whole.
@@ -66,6 +67,10 @@ class GeneralParallel(DDPStrategy):
         gather_on_teardown: give every rank the full trained weights when the run ends, so the
             module is usable afterwards as after DDP (costs one broadcast of the model).
         forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
+        weight_cost: the W phase's per-stage cost (zero-bubble schedules; ``backward_cost`` is
+            then B's); default: half of ``backward_cost``, the other half going to B.
+        split_backward: run backwards as B then W (None: the schedule's choice, True for
+            zb-h1, zb-h2, zbv).
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
 
     Every argument is checked here, before any process starts, and a wrong one raises a
@@ -82,7 +87,7 @@ class GeneralParallel(DDPStrategy):
         microbatches: Optional[int] = None,
         stages: Optional[int] = None,
         order: Optional[Union[str, Callable]] = None,
-        cap: Optional[Union[int, list[int], str]] = None,
+        cap: Optional[Union[int, list[int], str]] = "default",
         balance: Union[str, list[int]] = "params",
         leaf_modules: Sequence[Union[str, type]] = (),
         split_points: Optional[list[str]] = None,
@@ -94,6 +99,8 @@ class GeneralParallel(DDPStrategy):
         gather_on_teardown: bool = True,
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
+        weight_cost: Optional[Union[float, list[float]]] = None,
+        split_backward: Optional[bool] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -106,7 +113,8 @@ class GeneralParallel(DDPStrategy):
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
-            static_shapes, placement, priority, forward_cost, backward_cost)
+            static_shapes, placement, priority, forward_cost, backward_cost,
+            weight_cost, split_backward)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)

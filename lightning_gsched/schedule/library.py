@@ -167,3 +167,23 @@ def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
             "'lpp' for several groups"
         )
     return R
+
+
+def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches: int | None,
+                  R: int | None) -> tuple[int, int, int | None]:
+    """(S, B, R) for a library schedule on ``workers`` ranks, filling its defaults.
+
+    The one resolution every front end uses (``plan()``, ``GeneralParallel`` and
+    ``GeneralParallelFabric``, the CLI through ``plan()``), so they agree on the defaults.
+    """
+    spec = get_schedule(schedule)
+    R = resolve_R(spec, workers, R)
+    if R is not None and workers % R:
+        raise ScheduleConfigError(
+            f"R={R} does not divide the {workers} devices (num_nodes x devices), W={workers}; "
+            "choose R among "
+            f"{[r for r in range(1, workers + 1) if workers % r == 0]}"
+        )
+    S = stages if stages is not None else spec.stages(workers, R or 1)
+    B = microbatches if microbatches is not None else spec.micro(workers, R or 1)
+    return S, B, R

@@ -15,7 +15,7 @@ from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import Job, StageGraph
-from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_R
+from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_shape
 from lightning_gsched.schedule.lower import lower
 from lightning_gsched.schedule.metrics import PlanMetrics, measure
 from lightning_gsched.schedule.orders import (
@@ -107,6 +107,8 @@ def check_arguments(
     backward_cost: object = 2.0,
     placement: object = None,
     priority: object = None,
+    weight_cost: object = None,
+    split_backward: object = None,
 ) -> None:
     """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
 
@@ -150,6 +152,10 @@ def check_arguments(
     validate.cap_form(cap, CAP_WORDS)
     validate.costs("forward_cost", forward_cost, S)
     validate.costs("backward_cost", backward_cost, S)
+    if weight_cost is not None:
+        validate.costs("weight_cost", weight_cost, S)
+    if split_backward is not None:
+        validate.flag("split_backward", split_backward)
 
 
 def plan(
@@ -189,7 +195,7 @@ def plan(
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
-                    placement, priority)
+                    placement, priority, weight_cost, split_backward)
     edges = validate.stage_edges(edges)
     verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
@@ -198,9 +204,7 @@ def plan(
         cap = None
     if placement is None:
         spec = get_schedule(schedule)  # type: ignore[arg-type]
-        R = resolve_R(spec, W, R)
-        S = stages if stages is not None else spec.stages(W, R or 1)
-        B = microbatches if microbatches is not None else spec.micro(W, R or 1)
+        S, B, R = resolve_shape(spec.name, W, stages, microbatches, R)
         library_placement = spec.make_placement(W, S, R or 1)
         library_placement.check(S, B)
         placement_fn: PlacementFn = library_placement
@@ -219,7 +223,9 @@ def plan(
         split = bool(split_backward)
         uses_default_cap = False
     split = validate.flag("split_backward", split) and not forward_only
-    costs = Costs.build(S, forward_cost, backward_cost, weight_cost, split)
+    # forward-only plans of a split schedule share its arguments; they run no W to cost
+    costs = Costs.build(S, forward_cost, backward_cost,
+                        None if forward_only else weight_cost, split)
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
                       bool(forward_only), split, uses_default_cap)
