@@ -1,203 +1,357 @@
 """A stage's backward in two halves: B (input gradients) now, W (weight gradients) later.
 
-Why: zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``) run ``B s b`` as soon as the next
-stage's gradient arrives, because the previous stage waits for its result, and ``W s b`` later,
-where the worker would otherwise idle. Autograd has no "weights later" mode, so this module cuts
-one backward in two over the same graph, without recomputing the forward:
+Why: zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``; Qi et al., "Zero Bubble Pipeline
+Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, because the previous
+stage waits for its result, and ``W s b`` later, where the worker would otherwise idle. Autograd
+has no "weights later" mode, so this module cuts one backward in two over the same graph, without
+recomputing the forward. The approach is the one of ``torch.distributed.pipelining._backward``
+(reverse edges, input closure, intermediates); the differences are listed at the end.
 
-* **B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``.
-  Autograd then executes only the nodes on a path to an input (call them the input closure I)
-  and, inside them, only the outputs leading to an input: the weight-gradient matrix products
-  are skipped. A pre-hook on every *boundary* node (a node of I from which the autograd graph
-  reaches a parameter outside I) records the gradient arriving at it.
-* **W** (:meth:`PendingWeightGrad.run`) starts autograd again from those boundary nodes with
-  the recorded gradients (``GradientEdge`` roots) plus the roots that are not in I (outputs
-  computed from parameters alone, or every root when no input needs a gradient, e.g. token
-  ids), restricted to the parameters (``inputs=params``). Parameters therefore accumulate
-  through their usual AccumulateGrad nodes: ``.grad`` views of a flat buffer receive the sum
-  in place and post-accumulate hooks fire (the bucketed all-reduce relies on both).
+Terms, on the autograd graph below the roots (the stage's outputs, or its loss):
 
-W runs one ``torch.autograd.backward`` per starting point u, restricted to P(u), the parameters
-reachable from u *outside* I. Below a node outside I everything is outside I (a node that
-reaches an input makes its parents reach it too), so the engine only re-runs u for its
-parameter outputs and then the parameter-only part of the graph: the input-gradient chain is
-not recomputed. Calls are linear in their gradients, so the sum over starting points is the
-ordinary backward's weight gradient.
+* I, the *input closure*: the nodes from which the AccumulateGrad node of an input needing a
+  gradient is reachable (the inputs' own nodes included). Every parent of a node of I is in I.
+* O, the *weight side*: the nodes outside I from which a parameter's AccumulateGrad node is
+  reachable (a weight's transpose, a ``p.exp()``, the AccumulateGrad nodes). Nothing below a
+  node of O is in I (it would then reach an input itself).
+* *intermediates*: the nodes of I with a child in O (e.g. a Linear's ``AddmmBackward``, whose
+  children are the layer input (I) and the weight's ``TBackward`` and the bias (O)).
 
-Double counting, and why there is none: each call adds only what flows from its own starting
-point into parameters outside I. A parameter also reachable from u *through* I (used again
-below another boundary node) would receive that other node's share twice, so during u's call a
-pre-hook on u's children inside I replaces what arrives with zeros; that share is added by the
-other node's own call. Roots outside I were not executed in B, so their contributions (the
-given output gradients, and what boundary nodes above them send) are new.
+**B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``.
+Autograd executes exactly the nodes of I, and of each only the outputs towards I, so no
+weight-gradient product is computed and no ``.grad`` is touched. A pre-hook on every intermediate
+records the gradient arriving at it, which is its full gradient: all its parents are in I.
 
-Cost: B costs an input-only backward; W costs the weight-gradient outputs of the boundary nodes
-plus parameter-only subgraphs, about what the ordinary backward spends on weights.
+**W** (:meth:`PendingWeightGrad.run`) has two phases:
 
-Exactness: every weight gradient is a sum of the same products as in one ordinary backward.
-Where a parameter (or a node above it outside I) gets contributions from several starting
-points, W adds them in another order than the ordinary backward would, so those gradients agree
-to float rounding; with one contribution per parameter they are identical.
+1. Each intermediate runs again, alone, from its recorded gradient: an ``autograd.grad`` call
+   whose targets are the intermediate's O children, so autograd computes only its outputs
+   towards O. A post-hook reads those outputs and hands nothing on (it returns no gradients).
+2. One ``torch.autograd.backward`` from the O children, with the read outputs summed per edge,
+   plus the roots that are not in I (outputs computed from parameters alone, or every root when
+   no input needs a gradient, e.g. a first stage fed token ids), restricted to the parameters
+   (``inputs=params``). Parameters accumulate through their usual AccumulateGrad nodes, once
+   each: ``.grad`` views of a flat buffer receive the sum in place and post-accumulate hooks
+   fire once per parameter (the bucketed all-reduce of ``runtime/buckets.py`` relies on both).
+
+Nothing counts twice: B executed only nodes of I, phase 1 only each intermediate's outputs
+towards O (edges B skipped), phase 2 only nodes of O. A root outside I was not executed in B
+and nothing below it is in I, so its gradient reaches O only through phase 2's starting edge.
+
+Why one engine call per intermediate in phase 1, not one call from all of them: autograd runs
+every node on a path from a starting point to a target, and from an upper intermediate the
+input-side nodes below it lead to the lower intermediates' weights. One call would therefore run
+the whole input side again (B twice over: a GELU backward, every Linear's input product). With
+only its own O children as targets, an intermediate's input-side children are not on a path.
+
+Cost model. B: an input-only backward, i.e. the ordinary backward minus its weight products.
+W: every intermediate once more for its weight outputs only (the products the ordinary
+backward would have done there), then the weight-only subgraph once (views, AccumulateGrad).
+Overheads: a Python walk of the graph per B; one autograd engine call per intermediate in W
+(a fixed cost, about 0.1-0.2 ms on a CPU, plus a walk of the nodes below the intermediate); and
+memory: from B to W the graph's saved tensors and the recorded gradients of the intermediates
+stay alive, which :meth:`PendingWeightGrad.run` drops. One case re-runs more: when an
+intermediate's O child is also reachable through its I children (a Linear applied twice: its
+bias and weight are below both uses), autograd also computes that intermediate's input-side
+output (discarded) and runs the I nodes below it with no gradient, which built-in nodes skip.
+
+Exactness. B executes the same nodes of I in the same order (the engine orders ready nodes by
+creation, and O nodes never make a node of I ready) on the same buffers as one ordinary backward,
+so input gradients and recorded gradients are bit-identical, and each intermediate's weight
+outputs are the same kernels on the same values. Phase 2 sums the terms reaching one O edge in
+the ordinary order (root gradients first, then intermediates in B's order), and the engine runs
+the O nodes once, as usual. Only an O node that receives three or more terms, from intermediates
+and from other O nodes, may have them added in another order: float rounding (a few ulps), not
+a different value. ``tests/test_runtime_split_backward.py`` asserts bit equality elsewhere.
+
+Differences from ``torch.distributed.pipelining``: roots outside I feed W (else parameters
+reached only through them get no gradient; with no input needing a gradient all of them);
+an intermediate reachable from another is not counted twice; W does not re-run the input-side
+nodes between intermediates; parameters accumulate through AccumulateGrad (in place, hooks
+fire) instead of ``grad`` + manual add; the graph is released after W.
+
+Only the given parameters receive gradients: a leaf that is neither an input nor in ``params``
+but reachable from the roots gets none, where an ordinary backward would accumulate into it.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from lightning_gsched.errors import RuntimeConfigError
 
-
-def _node_of(tensor: torch.Tensor) -> Node | None:
-    """The autograd node gradients of ``tensor`` flow into (AccumulateGrad for a leaf)."""
-    if not tensor.requires_grad:
-        return None
-    if tensor.grad_fn is not None:
-        return tensor.grad_fn
-    return torch.autograd.graph.get_gradient_edge(tensor).node
+EdgeKey = tuple[Node, int]  # (node, index of its gradient input), as in ``next_functions``
 
 
-def _children(roots: Sequence[Node]) -> dict[Node, list[Node]]:
-    """Every node reachable from ``roots`` with its next functions (the backward edges)."""
-    edges: dict[Node, list[Node]] = {}
-    queue = deque(roots)
-    while queue:
-        node = queue.popleft()
-        if node in edges:
-            continue
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        edges[node] = nexts
-        queue.extend(n for n in nexts if n not in edges)
-    return edges
+class _Intermediate:
+    """A node of I with children in O, the gradient B recorded at it, and its O edges."""
 
+    __slots__ = ("node", "grads", "weight_edges")
 
-def _reaching(edges: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
-    """Nodes from which some node of ``targets`` is reachable (targets included)."""
-    parents: dict[Node, list[Node]] = {node: [] for node in edges}
-    for node, nexts in edges.items():
-        for n in nexts:
-            parents.setdefault(n, []).append(node)
-    found = {t for t in targets if t in parents}
-    queue = deque(found)
-    while queue:
-        node = queue.popleft()
-        for parent in parents.get(node, ()):
-            if parent not in found:
-                found.add(parent)
-                queue.append(parent)
-    return found
-
-
-class _Start:
-    """One W call: where it starts, with which gradients, and which parameters it feeds."""
-
-    __slots__ = ("edges", "grads", "params", "inside")
-
-    def __init__(self, edges: list[GradientEdge], grads: list[Any], params: list[torch.Tensor],
-                 inside: list[Node]) -> None:
-        self.edges, self.grads, self.params, self.inside = edges, grads, params, inside
+    def __init__(self, node: Node, grads: tuple[torch.Tensor | None, ...],
+                 weight_edges: list[tuple[int, EdgeKey]]) -> None:
+        self.node = node
+        self.grads = grads
+        self.weight_edges = weight_edges  # (output index of node, the edge it feeds)
 
 
 class PendingWeightGrad:
-    """What ``W s b`` needs from ``B s b``: starting points with their gradients."""
+    """What ``W s b`` needs from ``B s b``; :meth:`run` accumulates it, once.
 
-    def __init__(self, starts: list[_Start]) -> None:
-        self._starts = starts
-        self._done = False
+    Holds the intermediates with their recorded gradients, the roots outside I with theirs, and
+    the parameters to accumulate into. These references keep the forward's saved tensors alive
+    until :meth:`run`, which drops them first.
+    """
+
+    def __init__(self, intermediates: list[_Intermediate],
+                 root_edges: list[tuple[EdgeKey, torch.Tensor]],
+                 params: list[torch.Tensor]) -> None:
+        self._work: tuple[list[_Intermediate], list[tuple[EdgeKey, torch.Tensor]],
+                          list[torch.Tensor]] | None = (intermediates, root_edges, params)
+
+    @property
+    def done(self) -> bool:
+        """True once :meth:`run` started: the weight gradients are (being) accumulated."""
+        return self._work is None
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``param.grad`` and release the graph."""
-        if self._done:
+        if self._work is None:
             raise RuntimeConfigError(
-                "the weight gradients of this backward were already accumulated; run each W "
-                "once (the programs list one W per (stage, microbatch))"
+                "the weight gradients of this backward were already accumulated; run each "
+                "PendingWeightGrad once (the programs list one W per (stage, microbatch))."
             )
-        self._done = True
-        starts, self._starts = self._starts, []  # drop the graph with this object's last use
-        for start in starts:
-            handles = [node.register_prehook(_zeros) for node in start.inside]
-            try:
-                torch.autograd.backward(start.edges, grad_tensors=start.grads,
-                                        inputs=start.params, retain_graph=True)
-            finally:
-                for handle in handles:
-                    handle.remove()
+        # take the references out of the object first: after run, nothing here keeps the
+        # graph (and the forward's saved tensors) alive, even if a step below raises
+        (intermediates, root_edges, params), self._work = self._work, None
+        arriving: dict[EdgeKey, list[torch.Tensor]] = {}
+        for key, grad in root_edges:  # the engine adds the roots' gradients first
+            arriving.setdefault(key, []).append(grad)
+        queue = deque(intermediates)  # in B's execution order (see Exactness)
+        intermediates.clear()
+        while queue:  # each recorded gradient is dropped once used
+            item = queue.popleft()
+            outputs = _weight_outputs(item)
+            for index, key in item.weight_edges:
+                if outputs[index] is not None:
+                    arriving.setdefault(key, []).append(outputs[index])
+        if not arriving:  # nothing reached a parameter (all None, or no parameter needs one)
+            return
+        edges = [GradientEdge(node, nr) for node, nr in arriving]
+        sums = [functools.reduce(operator.add, grads) for grads in arriving.values()]
+        arriving.clear()
+        torch.autograd.backward(edges, grad_tensors=sums, inputs=params)
 
 
-def _zeros(grads: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Pre-hook: a share that another starting point's call adds (see the module docstring)."""
-    return tuple(None if g is None else torch.zeros_like(g) for g in grads)
+def _weight_outputs(item: _Intermediate) -> tuple[torch.Tensor | None, ...]:
+    """Phase 1: run one intermediate from its recorded gradient for its outputs towards O.
 
-
-def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[Any] | None,
-                   inputs: Sequence[Any], params: Sequence[torch.Tensor]
-                   ) -> tuple[list[Any], PendingWeightGrad]:
-    """B: gradients of ``inputs`` (None where an input needs none), and W's pending work.
-
-    ``roots``: the stage's output tensors (``root_grads`` their incoming gradients) or, on the
-    last stage, ``[loss]`` with ``root_grads=None`` (a gradient of ones). Parameters' ``.grad``
-    are not touched here; :meth:`PendingWeightGrad.run` adds the weight gradients.
+    The autograd.grad targets are the node's O children: the engine then computes only the
+    outputs leading to them (and, if an I child also leads to one, that output too). The
+    post-hook keeps the outputs and hands nothing on, so no other node adds to anything. The
+    pre-hook puts back exactly what B recorded, in case tensor hooks on this node's outputs
+    (``register_hook``) would change the fed gradient a second time.
     """
-    given = list(root_grads) if root_grads is not None else [torch.ones_like(r) for r in roots]
-    pairs = [(r, g) for r, g in zip(roots, given, strict=True)  # None: no incoming gradient
-             if isinstance(r, torch.Tensor) and r.requires_grad and g is not None]
-    params = [p for p in params if p.requires_grad]
-    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    root_nodes = [_node_of(r) for r, _ in pairs]
-    edges = _children([n for n in root_nodes if n is not None])
-    input_nodes = {n for n in map(_node_of, wanted) if n is not None}
-    param_of = {n: p for p in params if (n := _node_of(p)) is not None}
-    closure = _reaching(edges, input_nodes)  # what B executes
-    to_params = _reaching(edges, set(param_of))
-    # boundary: executed in B, with a next function that leads to a parameter outside B
-    boundary = [node for node in closure if node not in input_nodes and any(
-        n in to_params and n not in closure for n in edges.get(node, ()))]
-    recorded: dict[Node, tuple[Any, ...]] = {}
+    node, recorded = item.node, item.grads
+    outputs: list[tuple[torch.Tensor | None, ...]] = []
 
-    def record(node: Node):  # noqa: ANN202 - an autograd pre-hook factory
-        def hook(grad_outputs: tuple[Any, ...]) -> None:
-            recorded[node] = tuple(grad_outputs)
-        return hook
+    def replay(_arriving: tuple[Any, ...]) -> tuple[torch.Tensor | None, ...]:
+        return recorded
 
-    handles = [node.register_prehook(record(node)) for node in boundary]
+    def keep(grad_inputs: tuple[Any, ...], _grad_outputs: tuple[Any, ...]) -> tuple[None, ...]:
+        outputs.append(tuple(grad_inputs))
+        return tuple(None for _ in grad_inputs)
+
+    given = [(GradientEdge(node, i), g) for i, g in enumerate(recorded) if g is not None]
+    targets = [GradientEdge(n, nr) for n, nr in dict.fromkeys(key for _, key in item.weight_edges)]
+    handles = [node.register_prehook(replay), node.register_hook(keep)]
     try:
-        grads: Sequence[Any] = ()
-        if wanted and pairs:
-            grads = torch.autograd.grad([r for r, _ in pairs], wanted,
-                                        grad_outputs=[g for _, g in pairs],
-                                        retain_graph=True, allow_unused=True)
+        torch.autograd.grad([edge for edge, _ in given], targets,
+                            grad_outputs=[g for _, g in given],
+                            retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    by_input = dict(zip(map(id, wanted), grads, strict=False))
-    input_grads = [by_input.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs]
+    return outputs[0] if outputs else (None,) * len(node.next_functions)
 
-    def params_below(nodes: list[Node]) -> list[torch.Tensor]:
-        """Parameters reachable from ``nodes`` (all outside B), in the stage's order."""
-        seen = set(nodes)
-        queue = deque(nodes)
-        while queue:
-            for n in edges.get(queue.popleft(), ()):
-                if n not in seen and n in to_params:
-                    seen.add(n)
-                    queue.append(n)
-        return [param_of[n] for n in param_of if n in seen]
 
-    starts: list[_Start] = []
-    for node in boundary:
-        grad_outputs = recorded.get(node, ())
-        live = [(GradientEdge(node, i), g) for i, g in enumerate(grad_outputs) if g is not None]
-        outside = [n for n in edges[node] if n in to_params and n not in closure]
-        below = params_below(outside)
-        if live and below:
-            inside = [n for n in edges[node] if n in closure]
-            starts.append(_Start([e for e, _ in live], [g for _, g in live], below, inside))
-    for (root, grad), node in zip(pairs, root_nodes, strict=True):
-        if node is not None and node not in closure and node in to_params:
-            below = params_below([node])
-            edge = torch.autograd.graph.get_gradient_edge(root)
-            starts.append(_Start([edge], [grad], below, []))
-    return input_grads, PendingWeightGrad(starts)
+def backward_input(
+    roots: Sequence[torch.Tensor],
+    root_grads: Sequence[torch.Tensor | None] | None,
+    inputs: Sequence[Any],
+    params: Iterable[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
+    """B: the gradients of ``inputs`` (None where none), and the work W has left.
+
+    ``roots``: the stage's output tensors with ``root_grads`` their incoming gradients (a None
+    entry: no gradient for that output, it is skipped), or, on the last stage, ``[loss]`` with
+    ``root_grads=None`` (a gradient of ones). ``inputs``: the stage's inputs, leaves; those that
+    do not require grad (or are not tensors) get None. ``params``: the stage's parameters; only
+    those that require grad receive gradients, and only in :meth:`PendingWeightGrad.run`: B
+    leaves every ``.grad`` (inputs' and parameters') untouched.
+    """
+    params = list(dict.fromkeys(p for p in params if p.requires_grad))
+    wanted = _input_leaves(inputs)
+    _check_params(params, wanted)
+    pairs = _roots_with_grads(roots, root_grads, needs_weights=bool(params))
+    root_edges = [(_edge_key(r), g) for r, g in pairs]
+    children = _walk([key[0] for key, _ in root_edges])
+    parents = _parents(children)
+    input_nodes = {_edge_key(t)[0] for t in wanted}
+    closure = _ancestors(parents, input_nodes)  # I
+    param_nodes = {_edge_key(p)[0]: p for p in params}
+    weight_side = _ancestors(parents, set(param_nodes), blocked=closure)  # O
+    intermediates = {
+        node: [(i, (child, nr)) for i, (child, nr) in enumerate(node.next_functions)
+               if child in weight_side]
+        for node in closure if any(child in weight_side for child, _ in children[node])
+    }
+
+    recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}  # in B's execution order
+
+    def recorder(node: Node) -> Callable[[tuple[Any, ...]], None]:
+        def hook(grads: tuple[Any, ...]) -> None:
+            recorded[node] = tuple(grads)
+        return hook
+
+    input_grads: dict[int, torch.Tensor | None] = {}
+    if closure:  # some root depends on an input that needs a gradient
+        handles = [node.register_prehook(recorder(node)) for node in intermediates]
+        try:
+            grads = torch.autograd.grad([r for r, _ in pairs], wanted,
+                                        grad_outputs=[g for _, g in pairs],
+                                        retain_graph=bool(intermediates), allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        input_grads = {id(t): g for t, g in zip(wanted, grads, strict=True)}
+    pending = PendingWeightGrad(
+        [_Intermediate(node, arrived, intermediates[node]) for node, arrived in recorded.items()
+         if any(g is not None for g in arrived)],  # all None: nothing reached it, nothing to add
+        # roots outside I: never executed in B and nothing below them is in I (see docstring)
+        [(key, g) for key, g in root_edges if key[0] in weight_side],
+        [p for node, p in param_nodes.items() if node in weight_side],
+    )
+    return [input_grads.get(id(t)) for t in inputs], pending
+
+
+def _roots_with_grads(roots: Sequence[torch.Tensor],
+                      root_grads: Sequence[torch.Tensor | None] | None,
+                      needs_weights: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(root, its gradient) for every root B and W start from; checks what was given."""
+    roots = list(roots)
+    for i, r in enumerate(roots):
+        if not isinstance(r, torch.Tensor):
+            raise RuntimeConfigError(
+                f"root {i} is a {type(r).__name__}, not a tensor; pass the stage's output "
+                "tensors (flattened) or [loss]."
+            )
+    if root_grads is None:
+        for i, r in enumerate(roots):
+            if r.numel() != 1:
+                raise RuntimeConfigError(
+                    f"root_grads=None means a gradient of ones, which only a scalar root (a loss) "
+                    f"has, but root {i} has shape {tuple(r.shape)}; pass the gradients of the "
+                    "outputs, or reduce the loss to a scalar."
+                )
+        grads: list[torch.Tensor | None] = [torch.ones_like(r) for r in roots]
+    else:
+        grads = list(root_grads)
+        if len(grads) != len(roots):
+            raise RuntimeConfigError(
+                f"{len(grads)} root gradients for {len(roots)} roots; give one per root (None "
+                "for an output that received no gradient)."
+            )
+    pairs = []
+    for i, (r, g) in enumerate(zip(roots, grads, strict=True)):
+        if g is None:
+            continue
+        if not r.requires_grad:
+            if needs_weights:
+                raise RuntimeConfigError(
+                    f"root {i} (shape {tuple(r.shape)}) was given a gradient but does not "
+                    "require grad, so no parameter can get a gradient through it (computed under "
+                    "torch.no_grad() or detached?); pass only roots that require grad, or None as "
+                    "the gradient of an output that needs none."
+                )
+            continue
+        pairs.append((r, g))
+    return pairs
+
+
+def _input_leaves(inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The inputs that need a gradient; each must be a leaf (the stage boundary)."""
+    wanted = []
+    for i, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if t.grad_fn is not None:
+                raise RuntimeConfigError(
+                    f"input {i} is not a leaf (its grad_fn is {type(t.grad_fn).__name__}), so B "
+                    "would run into the graph that produced it; give the stage fresh leaves, "
+                    "e.g. x.detach().requires_grad_()."
+                )
+            wanted.append(t)
+    return wanted
+
+
+def _check_params(params: list[torch.Tensor], wanted: list[torch.Tensor]) -> None:
+    inputs = {id(t) for t in wanted}
+    for p in params:
+        if p.grad_fn is not None:
+            raise RuntimeConfigError(
+                f"a parameter of shape {tuple(p.shape)} is not a leaf (its grad_fn is "
+                f"{type(p.grad_fn).__name__}); pass the stage's nn.Parameters."
+            )
+        if id(p) in inputs:
+            raise RuntimeConfigError(
+                f"a parameter of shape {tuple(p.shape)} is also a stage input; B returns an "
+                "input's gradient and W accumulates a parameter's, so pass it as one of the two."
+            )
+
+
+def _edge_key(t: torch.Tensor) -> EdgeKey:
+    """Where the gradient of ``t`` enters the graph: (grad_fn, output_nr) or (AccumulateGrad, 0)."""
+    edge = get_gradient_edge(t)
+    return edge.node, edge.output_nr
+
+
+def _walk(roots: list[Node]) -> dict[Node, list[EdgeKey]]:
+    """Every node below ``roots`` with its backward edges (``next_functions`` without Nones)."""
+    children: dict[Node, list[EdgeKey]] = {}
+    queue = deque(dict.fromkeys(roots))
+    seen = set(queue)
+    while queue:
+        node = queue.popleft()
+        children[node] = [(n, nr) for n, nr in node.next_functions if n is not None]
+        for n, _ in children[node]:
+            if n not in seen:
+                seen.add(n)
+                queue.append(n)
+    return children
+
+
+def _parents(children: dict[Node, list[EdgeKey]]) -> dict[Node, list[Node]]:
+    parents: dict[Node, list[Node]] = {node: [] for node in children}
+    for node, edges in children.items():
+        for child, _ in edges:
+            parents[child].append(node)
+    return parents
+
+
+def _ancestors(parents: dict[Node, list[Node]], targets: set[Node],
+               blocked: set[Node] | frozenset[Node] = frozenset()) -> set[Node]:
+    """Nodes of the graph from which a target is reachable without passing ``blocked``."""
+    found = {t for t in targets if t in parents and t not in blocked}
+    queue = deque(found)
+    while queue:
+        for parent in parents[queue.popleft()]:
+            if parent not in found and parent not in blocked:
+                found.add(parent)
+                queue.append(parent)
+    return found
