@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
+from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
 
 LossFn = Callable[[Any, int], torch.Tensor]
 ForwardContext = Callable[[], AbstractContextManager]
@@ -59,7 +60,7 @@ class StageCompute:
         self.num_micro = num_micro
         self.stash: dict[tuple[int, int], Stashed] = {}
         # split backward: (stage, micro) -> the weight-gradient work its B left for its W
-        self.pending_weights: dict[tuple[int, int], Any] = {}  # split_backward.PendingWeightGrad
+        self.pending_weights: dict[tuple[int, int], PendingWeightGrad] = {}
         self.params = [[p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
                        for stage in self.stages]
         # when a dict: seconds of every forward / backward, keyed ("F" | "B", stage); the
@@ -76,13 +77,7 @@ class StageCompute:
         loss_fn: LossFn,
     ) -> tuple[wire.Split | None, torch.Tensor | None]:
         """Run ``F s b``; returns (output split for the next stage, unscaled loss on the last)."""
-        if self.times is None:
-            return self._forward(s, b, args, kwargs, in_leaves, loss_fn)
-        start = time.perf_counter()
-        try:
-            return self._forward(s, b, args, kwargs, in_leaves, loss_fn)
-        finally:
-            self.times.setdefault(("F", s), []).append(time.perf_counter() - start)
+        return self._timed("F", s, self._forward, s, b, args, kwargs, in_leaves, loss_fn)
 
     def _forward(self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
                  loss_fn: LossFn) -> tuple[wire.Split | None, torch.Tensor | None]:
@@ -113,13 +108,7 @@ class StageCompute:
 
         ``split``: input gradients only; the weight gradients wait for :meth:`weight`.
         """
-        if self.times is None:
-            return self._backward(s, b, out_grads, split)
-        start = time.perf_counter()
-        try:
-            return self._backward(s, b, out_grads, split)
-        finally:
-            self.times.setdefault(("B", s), []).append(time.perf_counter() - start)
+        return self._timed("B", s, self._backward, s, b, out_grads, split)
 
     def weight(self, s: int, b: int) -> None:
         """Run ``W s b``: accumulate the weight gradients that ``B s b`` (split) left."""
@@ -129,14 +118,17 @@ class StageCompute:
                 f"W s{s} b{b} without a split B s{s} b{b} before it on this rank; the programs "
                 "are not from this planner."
             )
+        self._timed("W", s, pending.run)
+
+    def _timed(self, phase: str, s: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its seconds recorded under (phase, stage) while timing is on."""
         if self.times is None:
-            pending.run()
-            return
+            return fn(*args)
         start = time.perf_counter()
         try:
-            pending.run()
+            return fn(*args)
         finally:
-            self.times.setdefault(("W", s), []).append(time.perf_counter() - start)
+            self.times.setdefault((phase, s), []).append(time.perf_counter() - start)
 
     def _backward(self, s: int, b: int, out_grads: Sequence[Any] | None,
                   split: bool) -> list[Any]:
@@ -147,19 +139,9 @@ class StageCompute:
             if stashed.loss.requires_grad:
                 stashed.loss.backward()
         else:
-            grads = list(out_grads or [])
-            if len(grads) != len(stashed.outputs):
-                raise RuntimeConfigError(
-                    f"B s{s} b{b} got {len(grads)} output gradients for {len(stashed.outputs)} "
-                    "output tensors; every rank must run the same model and partition."
-                )
-            pairs = [
-                (out, grad)
-                for out, grad in zip(stashed.outputs, grads, strict=True)
-                if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
-            ]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            roots, grads = _output_pairs(s, b, stashed, out_grads)
+            if roots:
+                torch.autograd.backward(roots, grads)
         return [t.grad if t.requires_grad else None for t in stashed.inputs]
 
     def _backward_input(self, s: int, b: int, stashed: Stashed,
@@ -167,20 +149,7 @@ class StageCompute:
         if stashed.loss is not None:
             roots, root_grads = [stashed.loss], None
         else:
-            grads = list(out_grads or [])
-            if len(grads) != len(stashed.outputs):
-                raise RuntimeConfigError(
-                    f"B s{s} b{b} got {len(grads)} output gradients for {len(stashed.outputs)} "
-                    "output tensors; every rank must run the same model and partition."
-                )
-            pairs = [
-                (out, grad)
-                for out, grad in zip(stashed.outputs, grads, strict=True)
-                if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
-            ]
-            roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
-        from lightning_gsched.runtime.split_backward import backward_input
-
+            roots, root_grads = _output_pairs(s, b, stashed, out_grads)
         input_grads, pending = backward_input(roots, root_grads, stashed.inputs, self.params[s])
         self.pending_weights[(s, b)] = pending
         return list(input_grads)
@@ -189,6 +158,24 @@ class StageCompute:
     def stashed(self) -> int:
         """(stage, microbatch) pairs whose activations are held: until B, or W when split."""
         return len(self.stash) + len(self.pending_weights)
+
+
+def _output_pairs(s: int, b: int, stashed: Stashed, out_grads: Sequence[Any] | None
+                  ) -> tuple[list[torch.Tensor], list[Any]]:
+    """The stage outputs a backward starts from, with their incoming gradients (outputs without
+    a gradient, or that need none, left out)."""
+    grads = list(out_grads or [])
+    if len(grads) != len(stashed.outputs):
+        raise RuntimeConfigError(
+            f"B s{s} b{b} got {len(grads)} output gradients for {len(stashed.outputs)} "
+            "output tensors; every rank must run the same model and partition."
+        )
+    pairs = [
+        (out, grad)
+        for out, grad in zip(stashed.outputs, grads, strict=True)
+        if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
+    ]
+    return [o for o, _ in pairs], [g for _, g in pairs]
 
 
 def _describe(value: Any) -> str:

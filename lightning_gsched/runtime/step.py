@@ -162,11 +162,7 @@ class StepRun:
 
     def _b(self, a: Action, index: int) -> None:
         s, b = a.stage, a.micro
-        if s in self.reduced:
-            raise RuntimeConfigError(
-                f"B s{s} b{b} after ALLREDUCE_G of stage {s} started; the all-reduce must come "
-                "after the stage's last backward on this rank."
-            )
+        self._before_reduction(a, "backward")
         self._weights_ready(s)
         if not self.split:
             self._prepare_weight_grads(s, index)
@@ -184,14 +180,18 @@ class StepRun:
     def _w(self, a: Action, index: int) -> None:
         """Weight gradients of a split backward: what ``B s b`` left, accumulated now."""
         s, b = a.stage, a.micro
-        if s in self.reduced:
-            raise RuntimeConfigError(
-                f"W s{s} b{b} after ALLREDUCE_G of stage {s} started; the all-reduce must come "
-                "after the stage's last W on this rank."
-            )
+        self._before_reduction(a, "W")
         self._weights_ready(s)
         self._prepare_weight_grads(s, index)
         self.ex.compute.weight(s, b)
+
+    def _before_reduction(self, a: Action, what: str) -> None:
+        """A compute that may touch stage gradients must come before the stage's all-reduce."""
+        if a.stage in self.reduced:
+            raise RuntimeConfigError(
+                f"{a} after ALLREDUCE_G of stage {a.stage} started; the all-reduce must come "
+                f"after the stage's last {what} on this rank."
+            )
 
     def _prepare_weight_grads(self, s: int, index: int) -> None:
         """Before an action accumulates stage s's weight gradients (B, or W when split)."""
