@@ -86,7 +86,25 @@ def make_lightning_transformer() -> pl.LightningModule:
     return seeded(0, lambda: without_dropout(_demo_transformer_class()(vocab_size=VOCAB)))
 
 
-class LitEncoder(pl.LightningModule):
+class NextTokenSteps(pl.LightningModule):
+    """Training and validation steps of a next-token model: ``self(tokens)`` once a step."""
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        inputs, target = batch
+        logits = self(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class LitEncoder(NextTokenSteps):
     """Embedding, a 4-layer ``nn.TransformerEncoder`` and a head, as a LightningModule."""
 
     def __init__(self, dim: int = 32) -> None:
@@ -98,20 +116,6 @@ class LitEncoder(pl.LightningModule):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(tokens)))
-
-    def _loss(self, batch: Any) -> torch.Tensor:
-        inputs, target = batch
-        logits = self(inputs)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
 class LitModeDependent(LitEncoder):
@@ -152,8 +156,10 @@ class StepLosses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(world: int, rank: int, strategy: Any, model_name: str, sanity_steps: int) -> dict:
-    model = MODELS[model_name]()
+def fit_and_record(world: int, rank: int, strategy: Any, make: Callable[[], pl.LightningModule],
+                   sanity_steps: int) -> dict:
+    """``STEPS`` training steps with validation; what a comparison with one device reads."""
+    model = make()
     losses = StepLosses()
     fit = trainer(world, strategy, max_steps=STEPS, num_sanity_val_steps=sanity_steps,
                   callbacks=[losses])
@@ -169,12 +175,13 @@ def fit_on_worker(ctx: WorkerContext, schedule: str, model_name: str, sanity_ste
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
-    return _fit(ctx.world_size, ctx.rank, GeneralParallel(schedule), model_name, sanity_steps)
+    return fit_and_record(ctx.world_size, ctx.rank, GeneralParallel(schedule), MODELS[model_name],
+                          sanity_steps)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(model_name: str) -> dict:
-    return _fit(1, 0, "auto", model_name, sanity_steps=0)
+    return fit_and_record(1, 0, "auto", MODELS[model_name], sanity_steps=0)
 
 
 # (schedule, sanity check steps): 1f1b builds the pipeline in eval mode (sanity check) and then

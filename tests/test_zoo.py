@@ -136,16 +136,11 @@ def test_model_splits_evenly_and_matches(name: str, num_stages: int) -> None:
 
 # --------------------------------------------------------------------------- under a Trainer
 
-import lightning.pytorch as pl  # noqa: E402 - the Trainer part of this opt-in module
-import torch.nn.functional as F  # noqa: E402
-
-from dist_harness import WorkerContext  # noqa: E402
-from lightning_models import as_worker, assert_same_state, rank_loader, state_of  # noqa: E402
-from lightning_models import trainer as make_trainer  # noqa: E402
+from dist_harness import WorkerContext  # noqa: E402 - the Trainer part of this opt-in module
+from lightning_models import as_worker, assert_same_state, state_of  # noqa: E402
 from models import seeded  # noqa: E402
-from test_lightning_real_models import StepLosses, next_token_data  # noqa: E402
+from test_lightning_real_models import NextTokenSteps, fit_and_record  # noqa: E402
 
-FIT_STEPS, FIT_BATCH = 3, 8
 WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
 
 # Dropout off (a schedule draws masks per microbatch, on other ranks: no two runs would agree);
@@ -161,7 +156,7 @@ FIT_MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-class LitZoo(pl.LightningModule):
+class LitZoo(NextTokenSteps):
     """A third-party language model as a plain LightningModule: ``self(tokens)`` once a step."""
 
     def __init__(self, name: str) -> None:
@@ -173,32 +168,10 @@ class LitZoo(pl.LightningModule):
         out = self.model(tokens)
         return out.logits if self.returns_output_object else out
 
-    def _loss(self, batch: Any) -> torch.Tensor:
-        inputs, target = batch
-        logits = self(inputs)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
 
 def _zoo_fit(world: int, rank: int, strategy: Any, name: str) -> dict:
-    model = seeded(0, lambda: LitZoo(name))
-    losses = StepLosses()
-    fit = make_trainer(world, strategy, max_steps=FIT_STEPS, num_sanity_val_steps=1,
-                       callbacks=[losses])
-    train = rank_loader(next_token_data(FIT_BATCH * FIT_STEPS, seed=3), FIT_BATCH, world, rank)
-    val = rank_loader(next_token_data(FIT_BATCH, seed=5), FIT_BATCH, world, rank)
-    fit.fit(model, train, val)
-    return {"state": state_of(model), "losses": losses.losses,
-            "val_loss": float(fit.callback_metrics["val_loss"]),
-            "built_in_sanity_check": losses.built_in_sanity_check}
+    # a sanity check first: the pipeline is built in eval mode, then trains
+    return fit_and_record(world, rank, strategy, lambda: seeded(0, lambda: LitZoo(name)), 1)
 
 
 def zoo_fit_on_worker(ctx: WorkerContext, name: str) -> dict:
