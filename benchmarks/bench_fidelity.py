@@ -3,7 +3,8 @@
 For each library schedule, on W ranks at once (so profiling sees the same contention as the run):
 
 1. partition the benchmark model into the schedule's stages and time every stage's forward and
-   backward on one real microbatch (:func:`lightning_gsched.partition.profile_stages`);
+   backward on one real microbatch (:func:`lightning_gsched.partition.profile_stages`; for the
+   zero-bubble schedules B and W separately, as the runtime splits them);
 2. plan the schedule with those costs (rank 0's numbers, broadcast, so every rank plans the same
    programs) and read its latency: the predicted step time;
 3. train with ``GeneralParallel`` given the same costs (so it executes exactly the predicted
@@ -35,7 +36,8 @@ from benchmarks.common import Result, launch, median, steady
 from benchmarks.lit_runs import ScheduleTimer, StepTimer, run_fit
 from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
-SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed"]
+SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed",
+             "zb-h1", "zb-h2", "zbv"]
 
 
 def _full_batch_compute(shape: GPTShape, x: torch.Tensor, y: torch.Tensor, repeats: int) -> float:
@@ -136,16 +138,18 @@ class InRunProfile(pl.Callback):
             engine.executor.record_compute_times(False)
 
 
-def _pooled_costs(per_rank: list[dict], stages: int) -> tuple[list[float], list[float]]:
-    """Median seconds per (phase, stage) over every rank's recorded samples."""
-    forward, backward = [], []
-    for s in range(stages):
-        for phase, out in (("F", forward), ("B", backward)):
+def _pooled_costs(per_rank: list[dict], stages: int, phases: str = "FB") -> list[list[float]]:
+    """Median seconds per (phase, stage) over every rank's recorded samples, one list per phase."""
+    pooled: list[list[float]] = []
+    for phase in phases:
+        out = []
+        for s in range(stages):
             samples = [t for times in per_rank for t in times.get((phase, s), [])]
             if not samples:
                 raise RuntimeError(f"no {phase} of stage {s} was recorded on any rank")
             out.append(statistics.median(samples))
-    return forward, backward
+        pooled.append(out)
+    return pooled
 
 
 def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, per_rank: int,
@@ -162,6 +166,7 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
     gshape = GPTShape(**(shape or {}))
     shape_plan = plan(schedule, workers=world, microbatches=microbatches, R=R)
     S = shape_plan.stages
+    split = shape_plan.programs.split_backward  # zero-bubble: B and W are timed apart
     data = token_data(gshape, per_rank * world)
     x, y = data.tensors
     rows = per_rank * world // microbatches
@@ -169,23 +174,21 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
     part = partition(core, S, (x[:rows],))
     dist.barrier()  # both ranks profile at the same time, as they will compute during the run
     times = profile_stages(part.stages, (x[:rows],), loss_fn=lambda out: lm_loss(out, y[:rows]),
-                           repeats=repeats)
+                           repeats=repeats, split_backward=split)
     dist.barrier()
     # the single-process reference runs alone (the other rank waits): what one process costs
     single = _full_batch_compute(gshape, x, y, max(2, repeats // 2)) if rank == 0 else 0.0
     dist.barrier()
-    box = [(times.forward, times.backward, single)]
+    box = [(times.plan_costs(), single)]
     dist.broadcast_object_list(box, 0)
-    forward, backward, single = box[0]
-    predicted = plan(schedule, workers=world, microbatches=microbatches, R=R,
-                     forward_cost=forward, backward_cost=backward)
+    costs, single = box[0]
+    predicted = plan(schedule, workers=world, microbatches=microbatches, R=R, **costs)
     comm = measure_communication(predicted, part, repeats=10)
     comm_box = [comm]
     dist.broadcast_object_list(comm_box, 0)
     comm = comm_box[0]
     with_comm = predict_step_time(predicted, **comm)
-    strategy = GeneralParallel(schedule, R=R, microbatches=microbatches, forward_cost=forward,
-                               backward_cost=backward)
+    strategy = GeneralParallel(schedule, R=R, microbatches=microbatches, **costs)
     step_timer, schedule_timer = StepTimer(), ScheduleTimer()
     # batches [1, warmup) warm up, [warmup, warmup + profile_steps) are the in-run profile,
     # the rest are measured
@@ -202,13 +205,17 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
     measured = steady(measured, first_measured - 1)
     full = steady([max(r["step"][i] for r in everyone) for i in range(len(everyone[0]["step"]))],
                   first_measured)
-    in_forward, in_backward = _pooled_costs([r["compute"] for r in everyone], S)
-    in_run = predict_step_time(
-        dataclasses.replace(predicted, costs=Costs.build(S, in_forward, in_backward)), **comm)
+    in_run_costs = _pooled_costs([r["compute"] for r in everyone], S, "FBW" if split else "FB")
+    in_weight = in_run_costs[2] if split else None
+    in_run = predict_step_time(dataclasses.replace(
+        predicted, costs=Costs.build(S, in_run_costs[0], in_run_costs[1], in_weight, split)),
+        **comm)
     return {
         "schedule": schedule, "W": world, "S": S, "B": microbatches, "R": predicted.R,
-        "forward_cost_s": forward, "backward_cost_s": backward,
-        "inrun_forward_cost_s": in_forward, "inrun_backward_cost_s": in_backward,
+        "forward_cost_s": costs["forward_cost"], "backward_cost_s": costs["backward_cost"],
+        "weight_cost_s": costs.get("weight_cost"),
+        "inrun_forward_cost_s": in_run_costs[0], "inrun_backward_cost_s": in_run_costs[1],
+        "inrun_weight_cost_s": in_weight,
         "predicted_s": in_run.latency,
         "predicted_offline_s": with_comm.latency,
         "predicted_compute_only_s": predicted.metrics.latency,

@@ -36,3 +36,30 @@ def test_profiles_every_stage_in_pipeline_order_and_leaves_no_gradients():
 def test_no_stages_is_an_error():
     with pytest.raises(PartitionError, match="at least one stage"):
         profile_stages([], ())
+
+
+def test_split_backward_times_b_and_w_as_the_runtime_runs_them():
+    from lightning_gsched.schedule import plan
+
+    model = make_gpt()
+    (idx,) = gpt_inputs(batch=4)
+    part = partition(model, 3, (idx,))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx.reshape(-1))
+
+    times = profile_stages(part.stages, (idx,), loss_fn=loss_fn, repeats=2, warmup=1,
+                           split_backward=True)
+    assert len(times.forward) == len(times.backward) == len(times.weight) == 3
+    # every stage has weights, so every W does work; stages 1 and 2 have input gradients
+    assert all(t > 0 for t in times.weight + times.backward[1:])
+    assert times.total == pytest.approx(sum(times.forward) + sum(times.backward)
+                                        + sum(times.weight))
+    assert all(p.grad is None for p in model.parameters())
+    costs = times.plan_costs()
+    assert costs["weight_cost"] == times.weight
+    zb = plan("zb-h1", workers=3, microbatches=6, **costs)
+    assert zb.costs.weight == tuple(times.weight)
+    # without the split there is no W duration to hand to plan()
+    whole = profile_stages(part.stages, (idx,), loss_fn=loss_fn, repeats=1, warmup=0)
+    assert whole.weight == [] and "weight_cost" not in whole.plan_costs()
