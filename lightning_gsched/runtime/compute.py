@@ -25,15 +25,16 @@ does for ``model(x)`` on one device, not to the loss code after the model or to 
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
+from lightning_gsched.runtime.footprint import SavedTensorBytes
 from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
 
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -66,6 +67,9 @@ class StageCompute:
         # when a dict: seconds of every forward / backward, keyed ("F" | "B", stage); the
         # in-run profile that predict_step_time can replay (ProgramExecutor.compute_times)
         self.times: dict[tuple[str, int], list[float]] | None = None
+        # when a dict: bytes autograd saved in each stashed F (stage, micro), dropped with the
+        # stash; the runtime's side of the planner's activation bytes (runtime/footprint.py)
+        self.saved_bytes: dict[tuple[int, int], int] | None = None
 
     def forward(
         self,
@@ -81,7 +85,7 @@ class StageCompute:
 
     def _forward(self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
                  loss_fn: LossFn) -> tuple[wire.Split | None, torch.Tensor | None]:
-        with torch.enable_grad():
+        with torch.enable_grad(), self._saved(s, b):
             with self.forward_context():
                 output = self.stages[s](*args, **kwargs)
             if s == self.last:
@@ -96,6 +100,26 @@ class StageCompute:
         parts = wire.split(output, what=f"output of stage {s}")
         self.stash[(s, b)] = Stashed(in_leaves, outputs=parts.tensors)
         return parts, None
+
+    @contextmanager
+    def _saved(self, s: int, b: int) -> Iterator[None]:
+        """Count what autograd saves in ``F s b`` (weights and buffers excluded), when asked."""
+        if self.saved_bytes is None:
+            yield
+            return
+        stage = self.stages[s]
+        weights = [t.untyped_storage().data_ptr()
+                   for t in (*stage.parameters(), *stage.buffers()) if t.numel()]
+        with SavedTensorBytes(exclude=weights) as counter:
+            yield
+        self.saved_bytes[(s, b)] = counter.nbytes
+
+    def live_activation_bytes(self) -> int:
+        """Bytes saved by the forwards whose stash is still held (see :attr:`saved_bytes`)."""
+        if self.saved_bytes is None:
+            return 0
+        held = set(self.stash) | set(self.pending_weights)
+        return sum(n for key, n in self.saved_bytes.items() if key in held)
 
     def infer(self, s: int, args: tuple, kwargs: dict) -> Any:
         """Forward of stage ``s`` without autograd and without stashing (forward-only runs)."""

@@ -38,6 +38,7 @@ from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import ForwardContext, LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
+from lightning_gsched.runtime.footprint import MeasuredBytes
 from lightning_gsched.runtime.layout import (
     ProgramView,
     StepResult,
@@ -96,6 +97,7 @@ class ProgramExecutor:
         self.last_counters: RuntimeCounters | None = None
         self._overlap: dict[int, tuple[Any, dict[int, GradBuckets]]] = {}
         self.last_forward_counters: RuntimeCounters | None = None
+        self.memory: MeasuredBytes | None = None  # see record_memory
         if sync_weights:
             self._sync_weights()
 
@@ -138,6 +140,17 @@ class ProgramExecutor:
     def compute_times(self) -> dict[tuple[str, int], list[float]]:
         """Seconds of each recorded ``F``/``B``/``W`` by ("F" | "B" | "W", stage), waits excluded."""
         return dict(self.compute.times or {})
+
+    def record_memory(self, enabled: bool = True) -> None:
+        """Start (afresh) or stop accounting for the bytes this rank holds, after every action
+        of every step, by the planner's categories (:mod:`.footprint`; see measured_memory)."""
+        self.memory = MeasuredBytes() if enabled else None
+        self.compute.saved_bytes = {} if enabled else None
+
+    def measured_memory(self) -> MeasuredBytes | None:
+        """The peaks since :meth:`record_memory` (None when not recording). The optimizer's
+        state is not the executor's: ``ModelRuntime.measured_memory`` adds it."""
+        return self.memory
 
     # ------------------------------------------------------------------ public
 

@@ -30,6 +30,7 @@ from lightning_gsched.runtime import fullstate
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
+from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_state_bytes
 from lightning_gsched.runtime.handover import GradStash
 from lightning_gsched.runtime.layout import StepResult
 from lightning_gsched.runtime.ownership import Ownership
@@ -170,6 +171,22 @@ class ModelRuntime:
             owned_stages=sorted(self.executor.owned),
             resident_bytes=sum(flat.resident_bytes() for flat in flats),
         )
+
+    def record_memory(self, enabled: bool = True) -> None:
+        """Start (afresh) or stop accounting for the bytes this rank holds during steps."""
+        self.executor.record_memory(enabled)
+
+    def measured_memory(self, optimizers: Sequence[Optimizer] = ()) -> MeasuredBytes | None:
+        """Peak bytes by category since :meth:`record_memory`, the optimizers' state for the
+        parameters this rank updates included (it exists after their first step)."""
+        measured = self.executor.measured_memory()
+        if measured is None:
+            return None
+        # constant over a step (it changes in optimizer.step, outside the programs)
+        state = sum(optimizer_state_bytes(opt, self.ownership.owned) for opt in optimizers)
+        shifted = [{**d, "optimizer": state, "total": d.get("total", 0) + state}
+                   for d in (measured.at_peak, measured.peaks)]
+        return MeasuredBytes(*shifted)
 
     # ------------------------------------------------------------------ failures and end
 

@@ -29,6 +29,7 @@ from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatGrads, FlatStage
+from lightning_gsched.runtime.footprint import MeasuredBytes
 from lightning_gsched.runtime.layout import ProgramView
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.transport import Transport, label
@@ -57,6 +58,8 @@ class ExecutorState(Protocol):
     def transport(self) -> Transport: ...
     @property
     def running_stats(self) -> RunningStats: ...
+    @property
+    def memory(self) -> MeasuredBytes | None: ...  # sampled after every action when set
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]: ...
 
 
@@ -103,6 +106,8 @@ class StepRun:
         if not forward_only:
             ex.shared.zero()
         self._note_bytes()
+        if ex.memory is not None:
+            ex.memory.sample(self.live_bytes())
 
     def drop(self) -> None:
         """Forget every pending handle and value (after a failure, before the groups go)."""
@@ -121,6 +126,22 @@ class StepRun:
     def run(self, action: Action, index: int) -> None:
         getattr(self, f"_{action.op.value.lower()}")(action, index)
         self.counters.count(action.op)
+        if self.ex.memory is not None:
+            self.ex.memory.sample(self.live_bytes())
+
+    def live_bytes(self) -> dict[str, int]:
+        """What this rank holds now, by the planner's categories (runtime/footprint.py)."""
+        flats, shared = self.ex.flats, self.ex.shared
+        weights = sum(f.resident_bytes() for f in flats) + sum(
+            p.untyped_storage().nbytes() for p in dict.fromkeys(shared.params))
+        gradients = sum(f.grads.nbytes for f in flats if f.grads.active)
+        gradients += shared.nbytes if shared.active else 0
+        payloads = [m.payload for m in self.received.values() if m.payload is not None]
+        buffers = [buf for pending in self.grad_recvs.values() for _, buf, _ in pending]
+        communication = sum(t.numel() * t.element_size() for t in (*payloads, *buffers))
+        return {"weights": weights, "gradients": gradients, "optimizer": 0,
+                "activations": self.ex.compute.live_activation_bytes(),
+                "communication": communication}
 
     # ------------------------------------------------------------------ compute
 

@@ -1,0 +1,105 @@
+"""Measured bytes of each stage, for the planner's memory prediction (``schedule/memory.py``).
+
+Why measure rather than compute from shapes: what a forward stashes for its backward depends on
+every operator's choice of saved tensors (an attention kernel keeps its log-sum-exp, a GELU its
+input, a view nothing), which no shape rule predicts. So the stages run once on one real
+microbatch, chained as the pipeline chains them, and autograd's saved tensors are counted as
+they are saved (:class:`lightning_gsched.runtime.footprint.SavedTensorBytes`, the same counter
+the runtime uses while it trains, so prediction and measurement count the same tensors).
+
+Stage inputs are built exactly as the runtime builds them (``runtime/wire.py``): detached leaves
+of the producer's output when both stages run on one rank, views of one received payload buffer
+when the input travels; a stage that saves such a view keeps the whole buffer alive, so both
+cases are measured (``activations`` and ``received_activations``) and the planner picks the one
+each forward meets.
+
+Parameters follow the runtime's layout: a parameter read by one stage belongs to that stage's
+buffer, one read by several (tied weights) is replicated on every rank outside the stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_gsched.errors import PartitionError
+from lightning_gsched.partition.profile import _run_loss, _run_stage
+from lightning_gsched.runtime import wire
+from lightning_gsched.runtime.footprint import SavedTensorBytes
+from lightning_gsched.schedule.memory import ModelSizes, StageSizes
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tensors)
+               if isinstance(t, torch.Tensor))
+
+
+def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict | None = None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                        optimizer_factor: float = 0.0) -> ModelSizes:
+    """Each stage's parameter, gradient, optimizer, stashed-activation and message bytes.
+
+    ``args``/``kwargs``: one microbatch, as one call of the model's forward. ``loss_fn``: maps
+    the last stage's output to the loss (what the last stage's forward also stashes); without it
+    the output's sum. ``optimizer_factor``: optimizer-state bytes per trainable parameter byte
+    (``runtime.footprint.optimizer_factor(optimizer)``: 2 for Adam, 1 for SGD with momentum).
+    Runs every stage's forward once under autograd and discards the graphs: nothing is left
+    behind (no ``.grad``, no state).
+    """
+    if not stages:
+        raise PartitionError("measure_stage_bytes needs at least one stage")
+    per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
+    readers: dict[int, int] = {}
+    for params in per_stage:
+        for p in params:
+            readers[id(p)] = readers.get(id(p), 0) + 1
+    tied = list(dict.fromkeys(p for params in per_stage for p in params if readers[id(p)] > 1))
+    sizes: list[StageSizes] = []
+    parts: wire.Split | None = None
+    last = len(stages) - 1
+    with torch.enable_grad():
+        for s, stage in enumerate(stages):
+            if parts is None:
+                stash, out = _stashed_bytes(stage, s, last, args, kwargs or {}, loss_fn)
+                received = stash
+            else:  # as the runtime feeds it: from this rank's producer, or from a message
+                local = wire.join(parts.structure, wire.detached_leaves(parts.tensors))
+                stash, out = _stashed_bytes(stage, s, last, (local,), {}, loss_fn)
+                header, payload = wire.encode(parts, _device(parts))
+                message, _ = wire.decode(int(header[0]), payload)
+                received, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
+            own = [p for p in per_stage[s] if readers[id(p)] == 1]
+            trainable = _bytes([p for p in own if p.requires_grad])
+            parts = None if s == last else wire.split(out, what=f"output of stage {s}")
+            sizes.append(StageSizes(
+                params=_bytes(own), grads=trainable,
+                optimizer=int(trainable * optimizer_factor), activations=stash,
+                message=0 if parts is None else _message_bytes(parts),
+                received_activations=received))
+    tied_trainable = _bytes([p for p in tied if p.requires_grad])
+    return ModelSizes(tuple(sizes), tied_params=_bytes(tied), tied_grads=tied_trainable,
+                      tied_optimizer=int(tied_trainable * optimizer_factor))
+
+
+def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwargs: dict,
+                   loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, Any]:
+    """(bytes autograd saves in this stage's forward, weights excluded; its output)."""
+    weights = [t.untyped_storage().data_ptr()
+               for t in (*stage.parameters(), *stage.buffers()) if t.numel()]
+    with SavedTensorBytes(exclude=weights) as saved:
+        out = _run_stage(stage, s, last + 1, args, kwargs)
+        if s == last and loss_fn is not None:
+            _run_loss(loss_fn, out)
+    return saved.nbytes, out
+
+
+def _message_bytes(parts: wire.Split) -> int:
+    """Bytes of the buffer a receiver posts for this output (metadata and padding included)."""
+    _, payload = wire.encode(parts, _device(parts))
+    return payload.numel()
+
+
+def _device(parts: wire.Split) -> torch.device:
+    return parts.tensors[0].device if parts.tensors else torch.device("cpu")

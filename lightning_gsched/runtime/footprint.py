@@ -1,0 +1,126 @@
+"""Bytes a rank really holds while it runs a step, in the planner's categories.
+
+Why: the planner predicts per-rank bytes from the programs (``schedule/memory.py``); a prediction
+users can trust is one that is checked against what the runtime holds. This module does the
+runtime's side of that comparison, by accounting for the live tensors the runtime itself holds,
+sampled after every action as the planner samples its walk:
+
+* weights: the real storage of every stage buffer (owned, and fetched ones until ``FREE_W``
+  releases the storage), plus the tied parameters;
+* gradients: every active gradient buffer (owned stages, fetched stages until ``REDUCE_G``
+  hands theirs over, the tied parameters');
+* activations: for each stashed (stage, microbatch), the bytes of the distinct storages autograd
+  saved during its forward (:class:`SavedTensorBytes`), weights excluded, until its backward (or
+  its ``W``) drops them;
+* communication: posted receive buffers not yet consumed (activation and input-gradient
+  payloads, peers' stage gradients).
+
+The optimizer's state is not the executor's: :func:`optimizer_state_bytes` reads it from the real
+optimizer. On CUDA, ``torch.cuda.max_memory_allocated`` is the independent check of the total.
+
+:class:`SavedTensorBytes` is also what ``partition.measure_stage_bytes`` uses to size a stage's
+stash before any step runs, so the prediction and the accounting count the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the storage a tensor views: two views of one storage count once."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class SavedTensorBytes:
+    """Within the ``with`` block, the distinct storages autograd saves for the backward.
+
+    ``exclude``: storages not to count (the stage's weight buffers: they are weights, not
+    activations). A tensor saved twice, or two views of one storage, count once.
+    """
+
+    def __init__(self, exclude: Iterable[int] = ()) -> None:
+        self.exclude = set(exclude)
+        self.storages: dict[int, int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            ptr, nbytes = storage_key(t)
+            if ptr and ptr not in self.exclude:
+                self.storages[ptr] = nbytes
+        return t
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@dataclass
+class MeasuredBytes:
+    """Peak bytes per category on one rank over the steps it was recording (see the module doc).
+
+    ``at_peak``: the categories at the moment of the highest total; ``peaks``: each category's own
+    highest value. Same names as ``schedule.memory.Bytes``.
+    """
+
+    at_peak: dict[str, int] = field(default_factory=dict)
+    peaks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return self.at_peak.get("total", 0)
+
+    def sample(self, now: dict[str, int]) -> None:
+        now = {**now, "total": sum(now.values())}
+        if now["total"] > self.peak:
+            self.at_peak = now
+        for name, value in now.items():
+            self.peaks[name] = max(self.peaks.get(name, 0), value)
+
+
+_STATE_PER_PARAM = {  # optimizer state tensors the size of the parameter, by optimizer type
+    "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "Adadelta": 2,
+}
+
+
+def optimizer_factor(optimizer: Any) -> float | None:
+    """State bytes per parameter byte the optimizer will keep, from its type and settings.
+
+    Used before the first step (when the state does not exist yet); None when not known (then
+    the bytes are measured after the first step). SGD keeps a momentum buffer only with
+    momentum; RMSprop a square average, plus a momentum buffer and a mean when asked.
+    """
+    name = type(optimizer).__name__
+    groups = getattr(optimizer, "param_groups", [{}])
+    if name in _STATE_PER_PARAM:
+        return float(_STATE_PER_PARAM[name])
+    if name == "SGD":
+        return 1.0 if any(g.get("momentum", 0) for g in groups) else 0.0
+    if name == "RMSprop":
+        extra = any(g.get("momentum", 0) for g in groups) + any(g.get("centered") for g in groups)
+        return 1.0 + extra
+    return None
+
+
+def optimizer_state_bytes(optimizer: Any, params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the optimizer's state tensors for ``params`` (distinct storages)."""
+    seen: dict[int, int] = {}
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                ptr, nbytes = storage_key(value)
+                seen[ptr] = nbytes
+    return sum(seen.values())

@@ -1,0 +1,233 @@
+"""Bytes per rank, predicted from the programs: weights, gradients, optimizer state, stashed
+activations and communication buffers, at every action and at the peak.
+
+Why here, in pure Python: the question users bring to a pipeline or sharded schedule is "does it
+fit, and where does the memory go". The programs already say, action by action, which stages'
+weights are resident on a rank, which (stage, microbatch) activations are stashed and which
+receives are posted; multiplying those by per-stage sizes answers it without running anything.
+The sizes (:class:`StageSizes`) are plain numbers measured by the torch layers
+(:func:`lightning_gsched.partition.measure_stage_bytes`), and the runtime accounts for the same
+categories while it executes the same programs (``runtime/footprint.py``), so predicted and
+measured can be compared rank by rank, as the action counters are.
+
+What each category holds on a rank, as the runtime allocates it:
+
+* **weights**: the stages it owns, always; a fetched stage from its ``FETCH_W`` (the receive is
+  posted into the stage buffer) to its ``FREE_W``; tied parameters, replicated on every rank.
+* **gradients**: the owned stages' gradient buffers for the whole step (zeroed at its start and
+  handed to the optimizer at its end); a fetched stage's from its first weight-gradient job
+  (``B``, or ``W`` when the backward is split) to its ``REDUCE_G``; tied parameters' gradients.
+* **optimizer**: the state the optimizer keeps for the parameters this rank updates (owned
+  stages and tied parameters); constant over the step.
+* **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b`` (until
+  ``W s b`` when the backward is split); with activation checkpointing the sizes say how much
+  less a stage keeps.
+* **communication**: receive buffers posted and not yet consumed: an activation from its
+  ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
+  peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
+  end). Sends are not counted: a sent tensor is one the stash or a gradient buffer already holds.
+
+The peak is taken after every action (and at the start); :class:`RankMemory` reports the total's
+peak with its split by category at that moment, and each category's own peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule.program import Action, Op, Programs
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "communication")
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """Bytes of one stage, as the torch layers measure them.
+
+    ``params``: its weights. ``grads``: its gradient buffer (the trainable weights). ``optimizer``:
+    the optimizer state its owner keeps. ``activations``: what one microbatch's forward stashes
+    for the backward when its input comes from a stage on the same rank (or is the model's
+    input); ``received_activations``: the same when its input arrived as a message (a tensor
+    the stage saves can be a view of the received buffer, which then stays alive whole).
+    ``message``: the stage's output for one microbatch as it travels (the activation message to
+    the next stage's rank; the input-gradient coming back is counted at the same size).
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    message: int
+    received_activations: int = -1  # -1: the same as ``activations``
+
+    @property
+    def stash_from_message(self) -> int:
+        return self.activations if self.received_activations < 0 else self.received_activations
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Every stage's sizes plus the tied parameters (replicated on every rank, outside stages)."""
+
+    stages: tuple[StageSizes, ...]
+    tied_params: int = 0
+    tied_grads: int = 0
+    tied_optimizer: int = 0
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes by category at one moment."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    communication: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total": self.total}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank: the total's peak (``at_peak``, by category) and each category's own peak."""
+
+    rank: int
+    at_peak: Bytes
+    category_peaks: Bytes
+
+    @property
+    def peak(self) -> int:
+        return self.at_peak.total
+
+
+class _RankWalk:
+    """The live bytes of one rank while its program runs, action by action."""
+
+    def __init__(self, programs: Programs, sizes: ModelSizes, rank: int) -> None:
+        self.programs, self.sizes, self.rank = programs, sizes, rank
+        owned = programs.owned_stages(rank)
+        self.owned = set(owned)
+        stages = sizes.stages
+        training = not programs.forward_only
+        self.weights = sum(stages[s].params for s in owned) + sizes.tied_params
+        self.gradients = (sum(stages[s].grads for s in owned) + sizes.tied_grads) if training else 0
+        self.optimizer = (sum(stages[s].optimizer for s in owned) + sizes.tied_optimizer
+                          if training else 0)
+        self.activations = 0
+        self.communication = 0
+        self.fetched_grads: set[int] = set()
+        self.posted: dict[tuple[Op, int, int | None], int] = {}
+        self.stashed: dict[tuple[int, int | None], int] = {}  # (stage, micro) -> bytes held
+
+    def now(self) -> Bytes:
+        return Bytes(self.weights, self.gradients, self.optimizer, self.activations,
+                     self.communication)
+
+    def apply(self, a: Action) -> None:
+        stages = self.sizes.stages
+        op, s = a.op, a.stage
+        if op is Op.F:
+            received = self._consume((Op.RECV_ACT, s - 1, a.micro))
+            if not self.programs.forward_only:
+                held = stages[s].stash_from_message if received else stages[s].activations
+                self.stashed[(s, a.micro)] = held
+                self.activations += held
+        elif op is Op.B:
+            self._consume((Op.RECV_GRAD, s + 1, a.micro))
+            if not self.programs.split_backward:
+                self._weight_grads(s)
+                self.activations -= self.stashed.pop((s, a.micro), 0)
+        elif op is Op.W:
+            self._weight_grads(s)
+            self.activations -= self.stashed.pop((s, a.micro), 0)
+        elif op is Op.RECV_ACT:
+            self._post((op, s, a.micro), stages[s].message)
+        elif op is Op.RECV_GRAD:  # the gradient of stage s's input = stage s-1's output
+            self._post((op, s, a.micro), stages[s - 1].message)
+        elif op is Op.FETCH_W:
+            self.weights += stages[s].params
+        elif op is Op.FREE_W:
+            self.weights -= stages[s].params
+        elif op is Op.REDUCE_G:
+            if s in self.fetched_grads:
+                self.fetched_grads.discard(s)
+                self.gradients -= stages[s].grads
+        elif op is Op.RECV_G:
+            key: tuple[Op, int, int | None] = (op, s, a.peer)
+            self.posted[key] = self.posted.get(key, 0) + stages[s].grads
+            self.communication += stages[s].grads
+        elif op is Op.ALLREDUCE_G:
+            for done in [k for k in self.posted if k[0] is Op.RECV_G and k[1] == s]:
+                self._consume(done)
+
+    def _weight_grads(self, s: int) -> None:
+        if s not in self.owned and s not in self.fetched_grads:
+            self.fetched_grads.add(s)
+            self.gradients += self.sizes.stages[s].grads
+
+    def _post(self, key: tuple[Op, int, int | None], nbytes: int) -> None:
+        self.posted[key] = nbytes
+        self.communication += nbytes
+
+    def _consume(self, key: tuple[Op, int, int | None]) -> bool:
+        """Drop a posted receive's buffer; whether one was posted."""
+        if key not in self.posted:
+            return False
+        self.communication -= self.posted.pop(key)
+        return True
+
+
+def rank_memory(programs: Programs, sizes: ModelSizes, rank: int) -> RankMemory:
+    """Walk one rank's program; the peak of the total and of each category."""
+    walk = _RankWalk(programs, sizes, rank)
+    best = walk.now()
+    highs = best.as_dict()
+    for action in programs.ranks[rank]:
+        walk.apply(action)
+        current = walk.now()
+        if current.total > best.total:
+            best = current
+        for name, value in current.as_dict().items():
+            highs[name] = max(highs[name], value)
+    highs.pop("total")
+    return RankMemory(rank, best, Bytes(**highs))
+
+
+def predict_memory(programs: Programs, sizes: ModelSizes) -> list[RankMemory]:
+    """Every rank's predicted bytes for one step of ``programs`` (see the module docstring)."""
+    if len(sizes.stages) != programs.num_stages:
+        raise ScheduleConfigError(
+            f"the sizes describe {len(sizes.stages)} stages but the programs have "
+            f"{programs.num_stages}; measure the sizes on the partition the plan was made for "
+            "(the same number of stages)"
+        )
+    for s, stage in enumerate(sizes.stages):
+        for f in fields(stage):
+            value = getattr(stage, f.name)
+            if f.name == "received_activations" and value == -1:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ScheduleConfigError(
+                    f"stage {s}'s {f.name} bytes must be a non-negative int, got {value!r}")
+    return [rank_memory(programs, sizes, r) for r in range(programs.world_size)]
+
+
+def uniform_sizes(stages: int, params: int, activations: int, message: int,
+                  optimizer_factor: float = 0.0) -> ModelSizes:
+    """Equal stages (for planning before anything is measured, and for tests): gradients the
+    size of the weights, optimizer state ``optimizer_factor`` times the weights."""
+    stage = StageSizes(params, params, int(params * optimizer_factor), activations, message)
+    return ModelSizes(tuple(stage for _ in range(stages)))
+
+
+def peaks(memories: Sequence[RankMemory]) -> list[int]:
+    """The predicted peak total of every rank."""
+    return [m.peak for m in memories]
