@@ -175,8 +175,10 @@ def _startup_text(schedule: str, **options: Any) -> str:
     """What rank 0 would print for this plan of a 16-layer GPT on 8 workers (no processes:
     the engine's own formatting function, with the stage sizes the runtime would report)."""
     from lightning_gsched.lightning.engine import startup_text
+    from lightning_gsched.lightning.memory_report import MemoryReport
     from lightning_gsched.runtime import ParameterMemory
     from lightning_gsched.schedule.plan import plan
+    from models import gpt_inputs
 
     result = plan(schedule, workers=8, **options)
     part = _gpt_partition(result.stages)
@@ -188,7 +190,11 @@ def _startup_text(schedule: str, **options: Any) -> str:
     stage_bytes = [sum(nbytes(n) for n in names if n not in part.shared_parameters)
                    for names in part.stage_parameter_names]
     tied = sum(nbytes(n) for n in part.shared_parameters)
-    return startup_text(result, part, ParameterMemory(stage_bytes, tied, [], 0), custom=False)
+    report = MemoryReport()  # the engine's: stages sized on one microbatch, bytes predicted
+    report.predict(part.stages, gpt_inputs(), {}, result, [])
+    assert report.predicted is not None, report.unavailable
+    return startup_text(result, part, ParameterMemory(stage_bytes, tied, [], 0), custom=False,
+                        memory_lines=report.startup_lines())
 
 
 W8_PLANS = [("fslpp", {"R": 2, "microbatches": 16}), ("ddp", {}), ("fsdp", {}), ("gpipe", {}),
@@ -205,7 +211,8 @@ def test_startup_print_fits_one_screen_at_w8(schedule: str, options: dict, capsy
     # what a user needs is there: configuration, latency/bubble, per-worker ranges, memory
     assert lines[0].startswith(f"GeneralParallel plan: {schedule} W=8 ")
     for needed in ("latency ", "bubble ", "stage owners: ", "peak stashed activations",
-                   "parameters owned ", "peak resident <= ", "Partition of TinyGPT"):
+                   "parameters owned ", "peak resident <= ", "Partition of TinyGPT",
+                   "predicted peak bytes per rank", "activations "):
         assert needed in text, (needed, text)
     # and the command it names prints the full per-worker table (one row per worker)
     (command,) = [line.split(": ", 1)[1] for line in lines if "per-worker table" in line]
@@ -226,4 +233,5 @@ def test_startup_print_for_fslpp_w8_r2_b16_reads_well() -> None:
     assert "range over the 8 workers" in text
     assert "gsched plan fslpp -w 8 -s 8 -b 16 --R 2" in text
     assert "Stage 0 units:" not in text  # the unit lists are partition.report()'s
-    assert len(text.splitlines()) <= 25, text
+    # the plan's 10 lines, 3 of predicted bytes, the stage table: well inside one screen
+    assert len(text.splitlines()) <= 28, text

@@ -33,6 +33,7 @@ from lightning_gsched.lightning.batches import (
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
 from lightning_gsched.lightning.logsync import LossLogExchange, exchange, reduce_records
+from lightning_gsched.lightning.memory_report import MemoryReport
 from lightning_gsched.lightning.options import PartitionOptions
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
@@ -93,6 +94,7 @@ class PipelineEngine:
         self.partition: Any = None
         self.failed = False
         self.losses_and_logs: LossLogExchange | None = None
+        self.memory = MemoryReport()  # predicted bytes per rank; measured after one step
         self._needed: dict[int, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ building
@@ -132,6 +134,9 @@ class PipelineEngine:
             if self.world_size > 1:
                 _sync_module_states(self.module)
             self.partition = self._partition(args, kwargs)
+            # sized before the runtime releases the stages this rank does not own
+            self.memory.predict(self.partition.stages, args, kwargs, self.train_plan,
+                                self.optimizers())
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,
@@ -139,7 +144,8 @@ class PipelineEngine:
             self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),
-                                   custom=self.config.placement is not None))
+                                   custom=self.config.placement is not None,
+                                   memory_lines=self.memory.startup_lines()))
 
     def _partition(self, args: tuple, kwargs: dict) -> Any:
         S = self.train_plan.stages
@@ -222,11 +228,13 @@ class PipelineEngine:
         def loss_fn(output: Any, b: int) -> torch.Tensor:
             return step_loss(caller.finish(micros[b], output, b), caller.name)
 
+        self.memory.before_step(runtime)
         try:
             result = runtime.step(inputs, loss_fn)
         except RuntimeFault:
             self.failed = True
             raise
+        self.memory.after_step(runtime, self.optimizers(), self.world_size, self.rank, self.info)
         losses = {b: float(v) for b, v in result.losses.items()}
         all_losses, records = self.losses_and_logs(losses, caller.logs)
         if len(all_losses) != B:
@@ -302,7 +310,8 @@ class PipelineEngine:
         self.runtime = None
 
 
-def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bool) -> str:
+def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bool,
+                 memory_lines: str | None = None) -> str:
     """What rank 0 prints when the pipeline is built: one screen at W=8 and beyond.
 
     The plan's per-worker numbers as ranges over the workers (:func:`startup_summary`), the
@@ -313,6 +322,7 @@ def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bo
     command = None if custom else plan_command(plan)
     return "\n".join([
         startup_summary(plan, memory.stage_bytes, memory.tied_bytes, command),
+        *([memory_lines] if memory_lines else []),
         partition.report(units=False),
         "(the units of each stage: strategy.engine.partition.report() during the run)",
     ])

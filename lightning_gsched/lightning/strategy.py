@@ -30,6 +30,7 @@ from lightning_gsched.lightning import sharded
 from lightning_gsched.lightning.engine import PipelineEngine
 from lightning_gsched.lightning.intercept import StepCaller
 from lightning_gsched.lightning.logsync import replay
+from lightning_gsched.lightning.memory_report import MemoryReport
 from lightning_gsched.lightning.options import (
     check_launch_arguments,
     library_names,
@@ -132,6 +133,8 @@ class GeneralParallel(DDPStrategy):
         self._engine: PipelineEngine | None = None
         self._failed = False
         self._released = False  # a run ended without giving every rank the full weights back
+        # the last run's predicted and measured bytes per rank (kept after teardown)
+        self.memory_report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -340,6 +343,7 @@ class GeneralParallel(DDPStrategy):
             gather = self.gather_on_teardown and not self._failed
             self._released = self._engine.built and not gather
             self._engine.close(gather=gather)
+            self.memory_report = self._engine.memory
             self._engine = None
         super().teardown()
 

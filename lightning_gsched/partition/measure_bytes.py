@@ -19,12 +19,14 @@ buffer, one read by several (tied weights) is replicated on every rank outside t
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import PartitionError
+from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.profile import _run_loss, _run_stage
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes
@@ -45,8 +47,9 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
     the last stage's output to the loss (what the last stage's forward also stashes); without it
     the output's sum. ``optimizer_factor``: optimizer-state bytes per trainable parameter byte
     (``runtime.footprint.optimizer_factor(optimizer)``: 2 for Adam, 1 for SGD with momentum).
-    Runs every stage's forward once under autograd and discards the graphs: nothing is left
-    behind (no ``.grad``, no state).
+    Runs every stage's forward under autograd and discards the graphs: nothing is left behind
+    (no ``.grad``; buffers such as BatchNorm statistics and the RNG streams are restored, so a
+    run measured first draws the same dropout masks as one that was not).
     """
     if not stages:
         raise PartitionError("measure_stage_bytes needs at least one stage")
@@ -59,7 +62,9 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
     sizes: list[StageSizes] = []
     parts: wire.Split | None = None
     last = len(stages) - 1
-    with torch.enable_grad():
+    with torch.enable_grad(), ExitStack() as preserved:
+        for stage in stages:
+            preserved.enter_context(preserved_tensors_and_rng(stage))
         for s, stage in enumerate(stages):
             if parts is None:
                 stash, out = _stashed_bytes(stage, s, last, args, kwargs or {}, loss_fn)

@@ -37,12 +37,14 @@ from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
+from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
 
 __all__ = [
     "Channels",
+    "MeasuredBytes",
     "ModelRuntime",
     "ParameterMemory",
     "ProgramExecutor",
@@ -50,6 +52,7 @@ __all__ = [
     "RuntimeCounters",
     "RuntimeFault",
     "StepResult",
+    "optimizer_factor",
     "parameter_names",
     "stage_micros",
 ]

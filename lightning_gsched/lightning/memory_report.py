@@ -1,0 +1,77 @@
+"""What a front end tells about memory: predicted bytes per rank at startup, then predicted
+beside measured once a step with optimizer state has run.
+
+Why in the front end's engine: only there are the model's first microbatch (to size the stages),
+the user's optimizers (their state is a third of Adam's footprint) and the point where a step
+with that state starts (the second training step: the state appears at the first
+``optimizer.step``). The numbers come from the planner (``schedule/memory.py``) and from the
+runtime's accounting (``ModelRuntime.record_memory``); this module only runs them at the right
+moments and gathers the ranks' figures (one collective, once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from lightning_gsched.lightning.logsync import exchange
+from lightning_gsched.partition.measure_bytes import measure_stage_bytes
+from lightning_gsched.runtime import ModelRuntime, optimizer_factor
+from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
+from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
+from lightning_gsched.schedule.plan import Plan
+
+MEASURED_STEP = 1  # the second training step (0-based): the optimizer state exists by then
+
+
+class MemoryReport:
+    """Predicted bytes per rank (at build) and the measured comparison (after one step)."""
+
+    def __init__(self) -> None:
+        self.sizes: ModelSizes | None = None
+        self.predicted: list[RankMemory] | None = None
+        self.measured: list[dict[str, int]] | None = None  # every rank's, after MEASURED_STEP
+        self.device_peaks: list[int | None] = []
+        self.unavailable: str | None = None
+        self.steps = 0
+
+    def predict(self, stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict, plan: Plan,
+                optimizers: Sequence[Any]) -> None:
+        """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
+        the user's step computes it) and predict every rank's bytes for the training plan."""
+        factors = [optimizer_factor(opt) for opt in optimizers]
+        factor = max((f for f in factors if f is not None), default=0.0)
+        try:
+            self.sizes = measure_stage_bytes(stages, args, kwargs, optimizer_factor=factor)
+            self.predicted = predict_memory(plan.programs, self.sizes)
+        except Exception as exc:  # noqa: BLE001 - a report must never stop the training
+            self.unavailable = f"{type(exc).__name__}: {exc}"
+
+    def startup_lines(self) -> str:
+        if self.predicted is None:
+            return f"    memory prediction unavailable ({self.unavailable})"
+        return predicted_text(self.predicted)
+
+    def before_step(self, runtime: ModelRuntime) -> None:
+        if self.steps == MEASURED_STEP and self.predicted is not None:
+            runtime.record_memory(True)
+            if runtime.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(runtime.device)
+
+    def after_step(self, runtime: ModelRuntime, optimizers: Sequence[Any], world_size: int,
+                   rank: int, info: Callable[[str], None]) -> None:
+        """After the measured step: gather every rank's peaks (collective) and print them."""
+        step, self.steps = self.steps, self.steps + 1
+        if step != MEASURED_STEP or self.predicted is None:
+            return
+        measured = runtime.measured_memory(optimizers)
+        runtime.record_memory(False)
+        device_peak = (torch.cuda.max_memory_allocated(runtime.device)
+                       if runtime.device.type == "cuda" else None)
+        mine = (measured.peaks if measured is not None else {}, device_peak)
+        gathered = exchange(mine, world_size)
+        self.measured = [peaks for peaks, _ in gathered]
+        self.device_peaks = [peak for _, peak in gathered]
+        if rank == 0:
+            info(comparison_text(self.predicted, self.measured, step + 1, self.device_peaks))
