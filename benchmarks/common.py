@@ -46,6 +46,7 @@ class Result:
     goal: str = ""
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    unit: str = "seconds"  # what ours_s / anchor_s hold: "seconds", or "bytes" (memory rows)
 
     @property
     def ratio(self) -> float | None:

@@ -32,6 +32,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_fidelity,
         bench_fsdp,
         bench_lightning,
+        bench_memory,
         bench_pipeline,
         bench_planner,
     )
@@ -42,19 +43,22 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "fsdp_vs_torch": bench_fsdp.run,
         "single_process_overhead": lambda q: [bench_lightning.single_process_overhead(q)],
         "fidelity": bench_fidelity.run,
+        "memory": bench_memory.run,
         "planner_speed": bench_planner.run,
     }
 
 
-def _fmt_time(seconds: float | None) -> str:
+def _fmt_time(seconds: float | None, unit: str = "seconds") -> str:
     if seconds is None:
         return "-"
+    if unit == "bytes":
+        return f"{seconds / 2**20:.2f} MiB"
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
 def table(results: list[Result], markdown: bool = False) -> str:
     header = ["name", "ours", "anchor", "ratio", "goal", "notes"]
-    rows = [[r.name, _fmt_time(r.ours_s), _fmt_time(r.anchor_s),
+    rows = [[r.name, _fmt_time(r.ours_s, r.unit), _fmt_time(r.anchor_s, r.unit),
              "-" if r.ratio is None else f"{r.ratio:.3f}", r.goal, r.notes] for r in results]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
