@@ -16,9 +16,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_gsched.errors import GschedError
+from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.describe import describe, text_table
+from lightning_gsched.schedule.library import resolve_shape
 from lightning_gsched.schedule.orders import ORDER_NAMES
 from lightning_gsched.schedule.plan import CAP_WORDS
 from lightning_gsched.schedule.render import ascii_timeline, save_png
@@ -61,6 +62,38 @@ def _parse_cap(text: str) -> int | str | None | list[int]:
     return values[0] if len(values) == 1 else values
 
 
+def _stage_list(text: str) -> list[int]:
+    """'0,2' or '0-3,6' -> stage indices (the form the startup summary prints)."""
+    stages: list[int] = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            first, last = int(low), int(high) if high else int(low)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            stages.extend(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--checkpoint-stages {text!r} is not valid: give stage indices >= 0, comma-separated, "
+            "with ranges as a-b; e.g. --checkpoint-stages 0,2 or 0-3,6") from None
+    return stages
+
+
+def _checkpoint_activations(args: argparse.Namespace) -> bool | list[bool]:
+    """``--checkpoint-activations`` or ``--checkpoint-stages`` as plan()'s argument."""
+    if args.checkpoint_stages is None:
+        return bool(args.checkpoint_activations)
+    stages, _, _ = resolve_shape(args.schedule, args.workers, args.stages, args.microbatches,
+                                 args.R)
+    beyond = [s for s in args.checkpoint_stages if s >= stages]
+    if beyond:
+        raise ScheduleConfigError(
+            f"--checkpoint-stages names stages {beyond}, but the plan has S={stages} stages "
+            f"(0-{stages - 1}); e.g. --checkpoint-stages 0")
+    chosen = set(args.checkpoint_stages)
+    return [s in chosen for s in range(stages)]
+
+
 def _checked_cap(cap: Any) -> Any:
     validate.cap_form(cap, CAP_WORDS)
     return cap
@@ -96,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", default=None,
                    help="also draw the timeline to FILE (missing parent folders are created)")
     p.add_argument("--programs", action="store_true", help="also print every rank's program")
+    ckpt = p.add_mutually_exclusive_group()
+    ckpt.add_argument("--checkpoint-activations", action="store_true",
+                      help="activation checkpointing on every stage: F keeps only the stage's "
+                           "inputs, B recomputes the forward (its cost grows by F's)")
+    ckpt.add_argument("--checkpoint-stages", metavar="STAGES", type=_stage_list, default=None,
+                      help="activation checkpointing on these stages only, e.g. 0,2 or 0-3,6")
     p.add_argument("--forward-only", action="store_true",
                    help="plan forward jobs only (validate/test/predict); same owners as training, "
                         "the cap is ignored")
@@ -182,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = plan(args.schedule, workers=args.workers, stages=args.stages,
                           microbatches=args.microbatches, R=args.R, order=args.order, cap=args.cap,
                           forward_cost=args.forward_cost, backward_cost=args.backward_cost,
-                          weight_cost=args.weight_cost, forward_only=args.forward_only)
+                          weight_cost=args.weight_cost, forward_only=args.forward_only,
+                          checkpoint_activations=_checkpoint_activations(args))
             if args.png and not _write_png(result, args.png):
                 return 2
             if args.json:

@@ -14,6 +14,7 @@ Each model exercises something a pipeline partitioner must get right:
 * :class:`KwargsDictModel` — keyword-only args, optional mask, dict-of-list output with plain
   values.
 * :class:`LongSkipModel` — skip connection from the first block to the last.
+* :class:`DropoutMLP` — dropout in every layer (random masks in every stage).
 * :class:`UnevenModel` — very uneven layer sizes (heavy ``Expand`` blocks between light layers).
 * :class:`DataDependentModel`, :class:`RoutedModel` — untraceable control flow (root / submodule).
 * :class:`GPTLightning` — a LightningModule wrapping TinyGPT; :class:`BatchNormLightning` —
@@ -324,6 +325,31 @@ def make_long_skip(seed: int = 0) -> LongSkipModel:
 
 def long_skip_inputs(batch: int = 4, seed: int = 1) -> tuple[torch.Tensor]:
     return (seeded(seed, lambda: torch.randn(batch, 16)),)
+
+
+# --------------------------------------------------------------------------- dropout everywhere
+
+
+class DropoutMLP(nn.Module):
+    """Dropout after every hidden layer (and on the input), so every stage of a 2- to 4-stage
+    split draws random masks, the last stage included: what activation checkpointing's replay
+    must redraw identically."""
+
+    def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 32, 32, 8), p: float = 0.3) -> None:
+        super().__init__()
+        self.drop_in = nn.Dropout(p)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
+        self.drops = nn.ModuleList(nn.Dropout(p) for _ in sizes[2:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop_in(x)
+        for layer, drop in zip(self.layers, self.drops, strict=False):
+            x = drop(F.gelu(layer(x)))
+        return self.layers[-1](x)
+
+
+def make_dropout_mlp(seed: int = 0, **kwargs: Any) -> DropoutMLP:
+    return seeded(seed, lambda: DropoutMLP(**kwargs))
 
 
 # --------------------------------------------------------------------------- random skips

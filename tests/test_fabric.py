@@ -115,32 +115,36 @@ def reference(precision: str = "32-true") -> dict[str, Any]:
 # ---------------------------------------------------------------------------- in the workers
 
 
-def pipelined_fabric(ctx: WorkerContext, schedule: str, precision: str = "32-true") -> Any:
+def pipelined_fabric(ctx: WorkerContext, schedule: str, precision: str = "32-true",
+                     options: dict | None = None) -> Any:
     from lightning.fabric import Fabric
 
     from lightning_gsched.fabric import GeneralParallelFabric
 
     as_worker(ctx.rank)
     fabric = Fabric(accelerator="cpu", devices=ctx.world_size, precision=precision,
-                    strategy=GeneralParallelFabric(schedule))
+                    strategy=GeneralParallelFabric(schedule, **(options or {})))
     fabric.launch()
     return fabric
 
 
-def run_schedule(ctx: WorkerContext, schedule: str, path: str, precision: str = "32-true"
-                 ) -> dict[str, Any]:
+def run_schedule(ctx: WorkerContext, schedule: str, path: str, precision: str = "32-true",
+                 options: dict | None = None) -> dict[str, Any]:
     """3 steps, a checkpoint after step 2, evaluation, then the full model back (finish)."""
-    fabric = pipelined_fabric(ctx, schedule, precision)
+    fabric = pipelined_fabric(ctx, schedule, precision, options)
+    checkpointed = fabric.strategy.schedule_config.training_plan(ctx.world_size).checkpointed
     model, optimizer = setup(fabric)
     batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
     losses = train(fabric, model, optimizer, batches, pipelined=True, save_at=SAVED_AT,
                    path=path)
     logits = fabric.strategy.evaluate(model, batches[0], last_logits)
     memory = fabric.strategy.engine.runtime.memory()
+    running = list(fabric.strategy.engine.executor.compute.checkpointed)
     held = {name: p.numel() > 0 for name, p in model.named_parameters()}
     fabric.strategy.finish()
     return {"losses": losses, "weights": state_of(model), "logits": logits, "held": held,
-            "owned_stages": memory.owned_stages, "stages": len(memory.stage_bytes)}
+            "owned_stages": memory.owned_stages, "stages": len(memory.stage_bytes),
+            "checkpointed": (list(checkpointed), running)}
 
 
 def resume_schedule(ctx: WorkerContext, schedule: str, path: str, while_running: bool
@@ -186,6 +190,22 @@ def test_schedule_matches_single_device(runs, schedule: str) -> None:
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
         torch.testing.assert_close(got["logits"], share(want["logits"], rank, WORLD),
                                    rtol=1e-5, atol=1e-5, msg=lambda m, label=label: f"{label}: {m}")
+
+
+def test_activation_checkpointing_per_stage_matches_single_device(worlds, tmp_path) -> None:
+    """interleaved (two stages per rank, local hand-offs) with stages 0 and 2 checkpointed:
+    the flags reach the runtime, and weights, losses and evaluation are one device's."""
+    want = reference()
+    options = {"checkpoint_activations": [True, False, True, False]}
+    results = worlds.get(WORLD).run(run_schedule, "interleaved", str(tmp_path / "c.ckpt"),
+                                    "32-true", options)
+    for rank, got in enumerate(results):
+        label = f"checkpointed interleaved rank {rank}"
+        assert got["checkpointed"] == ([True, False, True, False],) * 2, label
+        assert_same_state(got["weights"], want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
+        torch.testing.assert_close(got["logits"], share(want["logits"], rank, WORLD),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_the_comparison_is_not_vacuous() -> None:
@@ -262,6 +282,11 @@ def test_bad_arguments_fail_at_construction() -> None:
         GeneralParallelFabric("gpipe", microbatches=0)
     with pytest.raises(StrategyConfigError, match="step_timeout=-1"):
         GeneralParallelFabric(step_timeout=-1)
+    with pytest.raises(ScheduleConfigError, match=r"checkpoint_activations\[0\]=1"):
+        GeneralParallelFabric("1f1b", checkpoint_activations=[1, 0])
+    late = GeneralParallelFabric("1f1b", checkpoint_activations=[True] * 3)  # S needs W
+    with pytest.raises(ScheduleConfigError, match="checkpoint_activations has 3 values but needs"):
+        late.schedule_config.training_plan(2)  # what setup_module plans, on every rank
 
 
 def test_fabric_backward_names_the_step_to_call_instead() -> None:

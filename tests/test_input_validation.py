@@ -66,6 +66,12 @@ PLAN_CASES = [
     (dict(edges=5), "edges=5"),
     (dict(verify="yes"), "verify='yes'"),
     (dict(forward_only=1), "forward_only=1"),
+    (dict(checkpoint_activations=1), "checkpoint_activations=1"),
+    (dict(checkpoint_activations="yes"), "checkpoint_activations='yes'"),
+    (dict(checkpoint_activations=[True, 0, True, True]), "checkpoint_activations[1]=0"),
+    (dict(checkpoint_activations=[]), "checkpoint_activations has 0 values"),
+    (dict(checkpoint_activations=[True, False]),
+     "checkpoint_activations has 2 values but needs S=4"),
 ]
 
 
@@ -167,6 +173,11 @@ STRATEGY_CASES = [
     (dict(start_method="thread"), StrategyConfigError, "start_method='thread'"),
     (dict(timeout=30), StrategyConfigError, "timeout=30"),
     (dict(process_group_backend=1), StrategyConfigError, "process_group_backend=1"),
+    (dict(checkpoint_activations="all"), ScheduleConfigError, "checkpoint_activations='all'"),
+    (dict(checkpoint_activations=[True, None]), ScheduleConfigError,
+     "checkpoint_activations[1]=None"),
+    (dict(stages=3, checkpoint_activations=[True, False]), ScheduleConfigError,
+     "checkpoint_activations has 2 values but needs S=3"),
 ]
 
 
@@ -186,6 +197,7 @@ def test_general_parallel_refuses_bad_arguments_at_construction(kwargs: dict, er
     dict(), dict(cap="auto"), dict(cap="none"), dict(cap=3), dict(cap=[2, 2]),
     dict(schedule="ddp", R=1), dict(stages=2, balance=[3, 4]), dict(balance="time"),
     dict(split_points="blocks.1", stages=2), dict(forward_cost=[1.0, 2.0, 3.0]),
+    dict(checkpoint_activations=True), dict(checkpoint_activations=[False, True, True]),
     dict(schedule="mine", placement=lambda s, b, d: (0, 0), priority=lambda s, b, d: 0,
          stages=2, microbatches=2),
 ])
@@ -211,6 +223,9 @@ def test_what_needs_the_device_count_fails_at_setup_with_a_clear_error() -> None
         GeneralParallel("1f1b", cap=[2, 2, 2]).schedule_config.training_plan(2)
     with pytest.raises(ScheduleConfigError, match=r"forward_cost has 3 values but needs S=2"):
         GeneralParallel("gpipe", forward_cost=[1, 1, 1]).schedule_config.training_plan(2)
+    with pytest.raises(ScheduleConfigError,
+                       match=r"checkpoint_activations has 3 values but needs S=2"):
+        GeneralParallel("1f1b", checkpoint_activations=[True] * 3).schedule_config.training_plan(2)
     failing = GeneralParallel(placement=_boom, stages=2, microbatches=2)
     with pytest.raises(UserCallableError, match=r"placement callable _boom\(s=0, b=1, d=F\)"):
         failing.schedule_config.training_plan(2)

@@ -6,7 +6,9 @@ single-process Trainer run in this pytest process on the same global batches:
 
 * the final weights (gathered to every rank at teardown) match (rtol 1e-5);
 * the ``train_loss`` rows of rank 0's CSV log equal the single-device values per step;
-* ``GeneralParallel("ddp")`` matches Lightning's own ``DDPStrategy`` (final weights).
+* ``GeneralParallel("ddp")`` matches Lightning's own ``DDPStrategy`` (final weights);
+* ``checkpoint_activations=True`` (every stage recomputes its forward in its backward) changes
+  neither.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import tempfile
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -219,3 +222,38 @@ def test_custom_schedule_from_two_callables(worlds, tmp_path) -> None:
     states = worlds.get(2).run(fit_on_worker, options, "sgd", str(tmp_path))
     for rank, state in enumerate(states):
         assert_same_state(state, want, f"custom rank {rank}")
+
+
+class _CheckpointedStages(pl.Callback):
+    """Which stages the running executor checkpoints (read during the fit: the engine and its
+    runtime are gone after teardown)."""
+
+    def __init__(self) -> None:
+        self.flags: list[bool] | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.flags = list(trainer.strategy.engine.executor.compute.checkpointed)
+
+
+def checkpointed_fit_on_worker(ctx: WorkerContext, options: dict, tmp: str) -> tuple:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    seen = _CheckpointedStages()
+    state = _fit(ctx.world_size, ctx.rank, GeneralParallel(**options), "sgd", tmp,
+                 DEFAULT_FIT + (("callbacks", [seen]),))
+    return state, seen.flags
+
+
+def test_activation_checkpointing_matches_single_device(worlds, tmp_path) -> None:
+    """GeneralParallel(checkpoint_activations=True): every stage's forward is recomputed in its
+    backward (zbv: split backward, two stages per rank, the loss on rank 0), and the fit still
+    ends at the single-device weights and losses."""
+    want, want_log = reference("sgd")
+    options = {"schedule": "zbv", "checkpoint_activations": True}
+    results = worlds.get(2).run(checkpointed_fit_on_worker, options, str(tmp_path))
+    for rank, (state, flags) in enumerate(results):
+        assert flags == [True] * 4, flags  # the runtime was handed the plan's flags
+        assert_same_state(state, want, f"checkpointed zbv rank {rank}")
+    got_log = csv_metric(str(tmp_path), "train_loss")
+    assert [v for _, v in got_log] == pytest.approx([v for _, v in want_log], rel=1e-5)

@@ -58,6 +58,31 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
     assert plan.workers == 4
 
 
+@pytest.mark.parametrize("value, flags", [("true", (True,) * 4),
+                                          ("[true, false, true, false]", (True, False) * 2)])
+def test_yaml_init_args_take_checkpoint_activations(value: str, flags: tuple, tmp_path,
+                                                    monkeypatch) -> None:
+    """``checkpoint_activations`` from a LightningCLI YAML: one bool, or a list per stage."""
+    from lightning.pytorch.cli import LightningCLI
+
+    with open(os.path.join(ROOT, "configs", "1f1b.yaml")) as handle:
+        text = handle.read()
+    old = "init_args: {schedule: 1f1b, stages: 4, microbatches: 8}"
+    assert old in text
+    path = tmp_path / "checkpointed.yaml"
+    path.write_text(text.replace(old, old[:-1] + f", checkpoint_activations: {value}}}"))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    monkeypatch.chdir(ROOT)
+    try:
+        from gpt import GPT, CharDataModule
+
+        cli = LightningCLI(GPT, CharDataModule, run=False, args=["--config", str(path)],
+                           save_config_callback=None)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    assert cli.trainer.strategy.schedule_config.training_plan(4).checkpointed == flags
+
+
 @pytest.mark.distributed
 def test_spawn_launcher_trains_like_one_device() -> None:
     data = tokens(8 * 3)

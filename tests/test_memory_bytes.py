@@ -71,8 +71,10 @@ def test_sizes_must_match_the_plan() -> None:
 # --------------------------------------------------------------------------- distributed
 
 
-def measured_vs_predicted(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
-    p = plan(schedule, workers=ctx.world_size, stages=2 if schedule == "ddp" else None)
+def measured_vs_predicted(ctx: WorkerContext, schedule: str,
+                          checkpoint: bool = False) -> dict[str, Any]:
+    p = plan(schedule, workers=ctx.world_size, stages=2 if schedule == "ddp" else None,
+             checkpoint_activations=checkpoint)
     batch = global_batch("gpt", p.micro)
     loss_fn = make_loss("gpt", batch)
     model = build("gpt")
@@ -80,8 +82,9 @@ def measured_vs_predicted(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     part = partition(model, p.stages, example_args=args, example_kwargs=kwargs)
     sizes = measure_stage_bytes(part.stages, args, kwargs, loss_fn=lambda out: loss_fn(out, 0),
                                 optimizer_factor=1.0)  # SGD with momentum: one buffer
-    predicted = predict_memory(p.programs, sizes)[ctx.rank]
-    runtime = ModelRuntime(model, part.stages, p.programs, timeout=60)
+    predicted = predict_memory(p.programs, sizes, p.checkpointed)[ctx.rank]
+    runtime = ModelRuntime(model, part.stages, p.programs, timeout=60,
+                           checkpointed=p.checkpointed)
     optimizer = torch.optim.SGD(runtime.owned_parameters(), lr=0.01, momentum=0.9)
     for _ in range(2):
         runtime.record_memory(True)  # the second step is measured: the state exists
@@ -96,15 +99,17 @@ def measured_vs_predicted(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
 
 
 def _cases() -> list:
-    cases = [pytest.param(2, s, id=f"W2-{s}") for s in SCHEDULES]
-    cases += [pytest.param(4, s, id=f"W4-{s}") for s in ("fsdp", "1f1b", "fslpp", "zbv")]
+    cases = [pytest.param(2, s, False, id=f"W2-{s}") for s in SCHEDULES]
+    # checkpointed: inputs only from F to B; under a split backward the recomputed graph to W
+    cases += [pytest.param(2, s, True, id=f"W2-{s}-ckpt") for s in ("gpipe", "1f1b", "zbv")]
+    cases += [pytest.param(4, s, False, id=f"W4-{s}") for s in ("fsdp", "1f1b", "fslpp", "zbv")]
     return cases
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("W, schedule", _cases())
-def test_measured_bytes_match_the_plan(worlds, W: int, schedule: str) -> None:
-    results = worlds.get(W).run(measured_vs_predicted, schedule)
+@pytest.mark.parametrize("W, schedule, checkpoint", _cases())
+def test_measured_bytes_match_the_plan(worlds, W: int, schedule: str, checkpoint: bool) -> None:
+    results = worlds.get(W).run(measured_vs_predicted, schedule, checkpoint)
     for rank, r in enumerate(results):
         pred, meas = r["predicted"], r["measured"]
         for category in ("weights", "gradients", "optimizer"):

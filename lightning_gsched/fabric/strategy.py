@@ -48,7 +48,7 @@ class GeneralParallelFabric(DDPStrategy):
 
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
-    to ``backward_cost``) and ``step_timeout`` mean what they mean for ``GeneralParallel`` (see
+    to ``checkpoint_activations``) and ``step_timeout`` mean what they mean for ``GeneralParallel`` (see
     docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
     any process starts; what needs the device count fails in ``fabric.setup``, on every rank.
 
@@ -78,6 +78,7 @@ class GeneralParallelFabric(DDPStrategy):
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
         split_backward: Optional[bool] = None,
+        checkpoint_activations: Union[bool, list[bool]] = False,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -90,7 +91,7 @@ class GeneralParallelFabric(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward)
+            weight_cost, split_backward, checkpoint_activations)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         super().__init__(

@@ -34,6 +34,7 @@ class ScheduleConfig:
     backward_cost: float | Sequence[float] = 2.0
     weight_cost: float | Sequence[float] | None = None
     split_backward: bool | None = None
+    checkpoint_activations: bool | Sequence[bool] = False  # True, or one bool per stage
     _eval_plans: dict[int, Plan] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
@@ -43,13 +44,16 @@ class ScheduleConfig:
         raising ScheduleConfigError): an unknown schedule name (close matches in the message), ``microbatches=0``, ``R="2"``,
         R on a schedule without groups, an unknown order or cap word, a cost that is not a
         finite number > 0 (or the wrong number of them when ``stages`` is given), a placement
-        that is not callable. What needs the device count (R dividing it, S and B multiples, a
-        cap list's length, per-stage costs against the schedule's default S) fails at setup,
-        on every rank, before any process talks to another.
+        that is not callable, ``checkpoint_activations`` that is neither a bool nor a list of
+        bools (or of the wrong length when ``stages`` is given). What needs the device count
+        (R dividing it, S and B multiples, a cap list's length, per-stage costs or
+        checkpointing flags against the schedule's default S) fails at setup, on every rank,
+        before any process talks to another.
         """
         check_arguments(self.schedule, self.stages, self.microbatches, self.R, self.order,
                         self.cap, self.forward_cost, self.backward_cost,
-                        self.placement, self.priority, self.weight_cost, self.split_backward)
+                        self.placement, self.priority, self.weight_cost, self.split_backward,
+                        self.checkpoint_activations)
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
@@ -65,6 +69,7 @@ class ScheduleConfig:
             priority=self.priority,
             forward_cost=self.forward_cost, backward_cost=self.backward_cost,
             weight_cost=self.weight_cost, split_backward=self.split_backward,
+            checkpoint_activations=self.checkpoint_activations,
         )
 
     def training_plan(self, workers: int) -> Plan:

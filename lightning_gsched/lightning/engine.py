@@ -140,7 +140,8 @@ class PipelineEngine:
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,
-                                        forward_context=self.forward_context)
+                                        forward_context=self.forward_context,
+                                        checkpointed=self.train_plan.checkpointed)
             self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),

@@ -44,7 +44,7 @@ class MemoryReport:
         factor = max((f for f in factors if f is not None), default=0.0)
         try:
             self.sizes = measure_stage_bytes(stages, args, kwargs, optimizer_factor=factor)
-            self.predicted = predict_memory(plan.programs, self.sizes)
+            self.predicted = predict_memory(plan.programs, self.sizes, plan.checkpointed)
         except Exception as exc:  # noqa: BLE001 - a report must never stop the training
             self.unavailable = f"{type(exc).__name__}: {exc}"
 

@@ -72,6 +72,11 @@ class GeneralParallel(DDPStrategy):
             then B's); default: half of ``backward_cost``, the other half going to B.
         split_backward: run backwards as B then W (None: the schedule's choice, True for
             zb-h1, zb-h2, zbv).
+        checkpoint_activations: activation checkpointing, True for every stage or one bool per
+            stage: a checkpointed stage's forward keeps only its inputs (and the random
+            generators' state) and its backward runs the forward again first, trading one more
+            forward per backward (charged to the planner's backward cost) for the stashed
+            activations.
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
 
     Every argument is checked here, before any process starts, and a wrong one raises a
@@ -102,6 +107,7 @@ class GeneralParallel(DDPStrategy):
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
         split_backward: Optional[bool] = None,
+        checkpoint_activations: Union[bool, list[bool]] = False,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -115,7 +121,7 @@ class GeneralParallel(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward)
+            weight_cost, split_backward, checkpoint_activations)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)

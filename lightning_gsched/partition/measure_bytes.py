@@ -67,37 +67,46 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
             preserved.enter_context(preserved_tensors_and_rng(stage))
         for s, stage in enumerate(stages):
             if parts is None:
-                stash, out = _stashed_bytes(stage, s, last, args, kwargs or {}, loss_fn)
+                stash, loss_part, out = _stashed_bytes(stage, s, last, args, kwargs or {},
+                                                       loss_fn)
                 received = stash
             else:  # as the runtime feeds it: from this rank's producer, or from a message
                 local = wire.join(parts.structure, wire.detached_leaves(parts.tensors))
-                stash, out = _stashed_bytes(stage, s, last, (local,), {}, loss_fn)
+                stash, loss_part, out = _stashed_bytes(stage, s, last, (local,), {}, loss_fn)
                 header, payload = wire.encode(parts, _device(parts))
                 message, _ = wire.decode(int(header[0]), payload)
-                received, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
+                received, _, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
             own = [p for p in per_stage[s] if readers[id(p)] == 1]
             trainable = _bytes([p for p in own if p.requires_grad])
             parts = None if s == last else wire.split(out, what=f"output of stage {s}")
+            # a checkpointed stage keeps its inputs (the model's input, or the message) and, on
+            # the last stage, the loss's own graph
+            inputs = (_bytes((args, kwargs)) if s == 0 else sizes[s - 1].message) + loss_part
             sizes.append(StageSizes(
                 params=_bytes(own), grads=trainable,
                 optimizer=int(trainable * optimizer_factor), activations=stash,
                 message=0 if parts is None else _message_bytes(parts),
-                received_activations=received))
+                received_activations=received, inputs=inputs))
     tied_trainable = _bytes([p for p in tied if p.requires_grad])
     return ModelSizes(tuple(sizes), tied_params=_bytes(tied), tied_grads=tied_trainable,
                       tied_optimizer=int(tied_trainable * optimizer_factor))
 
 
 def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwargs: dict,
-                   loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, Any]:
-    """(bytes autograd saves in this stage's forward, weights excluded; its output)."""
+                   loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int, Any]:
+    """(bytes autograd saves in this stage's forward and loss, weights excluded; of those,
+    the loss's own; the stage's output)."""
     weights = [t.untyped_storage().data_ptr()
                for t in (*stage.parameters(), *stage.buffers()) if t.numel()]
     with SavedTensorBytes(exclude=weights) as saved:
         out = _run_stage(stage, s, last + 1, args, kwargs)
+        loss_part = 0
         if s == last and loss_fn is not None:
-            _run_loss(loss_fn, out)
-    return saved.nbytes, out
+            with SavedTensorBytes(exclude=weights) as in_loss:  # the innermost hooks apply
+                _run_loss(loss_fn, out)
+            loss_part = in_loss.nbytes
+            saved.storages.update(in_loss.storages)
+    return saved.nbytes, loss_part, out
 
 
 def _message_bytes(parts: wire.Split) -> int:

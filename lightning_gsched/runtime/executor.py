@@ -35,7 +35,12 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
-from lightning_gsched.runtime.compute import ForwardContext, LossFn, StageCompute
+from lightning_gsched.runtime.compute import (
+    ForwardContext,
+    LossFn,
+    StageCompute,
+    check_checkpointed,
+)
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
 from lightning_gsched.runtime.footprint import MeasuredBytes
@@ -66,6 +71,9 @@ class ProgramExecutor:
             even if models were not.
         forward_context: entered around every stage forward (e.g. a front end's autocast);
             the loss function and the backward run outside it.
+        checkpointed: one bool per stage, ``plan(..., checkpoint_activations=...).checkpointed``:
+            activation checkpointing (a stage's ``F`` keeps only its inputs, its ``B`` recomputes
+            the forward; :mod:`.recompute`). None: no stage.
     """
 
     def __init__(
@@ -77,8 +85,10 @@ class ProgramExecutor:
         timeout: float = 300.0,
         sync_weights: bool = True,
         forward_context: ForwardContext | None = None,
+        checkpointed: Sequence[bool] | None = None,
     ) -> None:
         check_programs(stages, programs)
+        checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
         self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
         self.rank = self.channels.rank
@@ -88,7 +98,7 @@ class ProgramExecutor:
         self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
         self.owned = set(programs.owned_stages(self.rank))
         self.flats, self.shared, self.device = build_flat_stages(stages, self.owned)
-        self.compute = StageCompute(stages, self.num_micro, forward_context)
+        self.compute = StageCompute(stages, self.num_micro, forward_context, checkpointed)
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device)

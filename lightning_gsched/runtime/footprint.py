@@ -48,11 +48,15 @@ class SavedTensorBytes:
         self.storages: dict[int, int] = {}
         self._hooks: Any = None
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def count(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage (once, and not if excluded): what the hook does per tensor."""
         if t.device.type != "meta":
             ptr, nbytes = storage_key(t)
             if ptr and ptr not in self.exclude:
                 self.storages[ptr] = nbytes
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.count(t)
         return t
 
     def __enter__(self) -> "SavedTensorBytes":

@@ -56,7 +56,8 @@ class ModelRuntime:
             no stage reads but the step does (a loss module) are found here.
         stages: its stages, e.g. ``partition(module, S, ...).stages``.
         programs: ``plan(...).programs``, the same on every rank.
-        timeout, sync_weights, channels, forward_context: as :class:`ProgramExecutor`'s.
+        timeout, sync_weights, channels, forward_context, checkpointed: as
+            :class:`ProgramExecutor`'s.
 
     ``executor`` is the :class:`ProgramExecutor` underneath, for tools that time or count what
     it does (benchmarks, tests); front ends use the methods below.
@@ -65,11 +66,13 @@ class ModelRuntime:
     def __init__(self, module: nn.Module, stages: Sequence[nn.Module], programs: Programs, *,
                  timeout: float = 300.0, sync_weights: bool = True,
                  channels: Channels | None = None,
-                 forward_context: ForwardContext | None = None) -> None:
+                 forward_context: ForwardContext | None = None,
+                 checkpointed: Sequence[bool] | None = None) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights,
-                                        forward_context=forward_context)
+                                        forward_context=forward_context,
+                                        checkpointed=checkpointed)
         self.rank = self.executor.rank
         self.world_size = programs.world_size
         self.device = self.executor.device

@@ -34,13 +34,40 @@ def cap_text(caps: Sequence[int | None]) -> str:
     return ",".join(str(c) for c in caps)
 
 
+def checkpoint_text(checkpointed: Sequence[bool]) -> str:
+    """The checkpointed stages, folded: ``""`` (none), ``"all"``, or indices with ranges
+    (``"0-2,5"``), the form ``gsched plan --checkpoint-stages`` takes."""
+    stages = [s for s, on in enumerate(checkpointed) if on]
+    if not stages:
+        return ""
+    if len(stages) == len(checkpointed):
+        return "all"
+    runs: list[list[int]] = []
+    for s in stages:
+        if runs and runs[-1][-1] == s - 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _configuration(result: Plan) -> str:
+    """``W=4 S=4 B=8 R=2 order=... cap=...`` (and the checkpointed stages): what both the
+    ``gsched plan`` table and the startup summary print after the schedule's name."""
+    checkpointed = checkpoint_text(result.checkpointed)
+    return (
+        f"W={result.workers} S={result.stages} B={result.micro}"
+        + (f" R={result.R}" if result.R is not None else "")
+        + f" order={result.order} cap={cap_text(result.caps)}"
+        + (f" checkpointed={checkpointed}" if checkpointed else "")
+    )
+
+
 def describe(result: Plan) -> str:
     """Text summary of a plan: configuration, latency, bubble, and one row per worker."""
     m = result.metrics
     head = (
-        f"schedule {result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
-        + (f" R={result.R}" if result.R is not None else "")
-        + f" order={result.order} cap={cap_text(result.caps)}"
+        f"schedule {result.schedule}: {_configuration(result)}"
         + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
         f"stage owners {[list(o) for o in result.table.owners]}"
@@ -125,6 +152,15 @@ def plan_command(result: Plan) -> str:
     if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
         words.append(f"--cap {cap_text(result.caps)}")
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
+    checkpointed = checkpoint_text(result.checkpointed)
+    if checkpointed == "all":
+        words.append("--checkpoint-activations")
+    elif checkpointed:
+        words.append(f"--checkpoint-stages {checkpointed}")
+    # the plan's backward costs include the recompute of checkpointed stages; the CLI adds it
+    # (rounded: b + f - f may differ from b in its last bit)
+    bwd = tuple(round(b - f, 12) if on else b for b, f, on in zip(bwd, fwd, result.checkpointed,
+                                                                  strict=True))
     if any(c != 1.0 for c in fwd):
         words.append(f"--forward-cost {_numbers(fwd)}")
     if not wgt:
@@ -167,7 +203,8 @@ def _byte_span(values: Sequence[float]) -> str:
 
 def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
                     command: str | None) -> str:
-    """The plan as GeneralParallel prints it before the first step: 10 lines for any W.
+    """The plan as GeneralParallel prints it before the first step: 10 lines for any W (one
+    more naming the checkpointed stages when activation checkpointing is on).
 
     ``stage_bytes``: every stage's parameter bytes (tied parameters excluded, ``tied_bytes``:
     on every worker in addition). ``command``: how to print the full per-worker table (e.g.
@@ -191,9 +228,7 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
     memory = worker_parameter_bytes(result, stage_bytes)
     peak = [float(p) for _, p in memory]
     lines = [
-        f"GeneralParallel plan: {result.schedule} W={result.workers} S={result.stages} "
-        f"B={result.micro}" + (f" R={result.R}" if result.R is not None else "")
-        + f" order={result.order} cap={cap_text(result.caps)}",
+        f"GeneralParallel plan: {result.schedule} {_configuration(result)}",
         f"  latency {m.latency:g}, bubble {m.bubble_fraction:.1%} ({costs}); busy per worker "
         f"{ranged('busy')}",
         f"  stage owners: {_owners_text(result.table.owners, SUMMARY_WIDTH - 16)}",
@@ -211,6 +246,11 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
         f"    + tied parameters ({byte_text(tied_bytes)}) on every worker; optimizer state only "
         "for the owned part",
     ]
+    checkpointed = checkpoint_text(result.checkpointed)
+    if checkpointed:
+        which = "every stage" if checkpointed == "all" else f"stages {checkpointed}"
+        lines.append(f"  activation checkpointing on {which}: F keeps only the stage's inputs, B "
+                     "recomputes the forward (in the backward costs above)")
     if command is not None:
         lines.append(f"  per-worker table and timeline: {command}")
     return "\n".join(lines)

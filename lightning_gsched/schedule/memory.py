@@ -20,8 +20,8 @@ What each category holds on a rank, as the runtime allocates it:
 * **optimizer**: the state the optimizer keeps for the parameters this rank updates (owned
   stages and tied parameters); constant over the step.
 * **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b`` (until
-  ``W s b`` when the backward is split); with activation checkpointing the sizes say how much
-  less a stage keeps.
+  ``W s b`` when the backward is split). A checkpointed stage keeps only its inputs from ``F``
+  to ``B``; with a split backward its recomputed graph then lives from ``B`` to ``W``.
 * **communication**: receive buffers posted and not yet consumed: an activation from its
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
   peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
@@ -61,6 +61,7 @@ class StageSizes:
     activations: int
     message: int
     received_activations: int = -1  # -1: the same as ``activations``
+    inputs: int = 0  # what a checkpointed stage keeps from F to B: its inputs
 
     @property
     def stash_from_message(self) -> int:
@@ -111,8 +112,10 @@ class RankMemory:
 class _RankWalk:
     """The live bytes of one rank while its program runs, action by action."""
 
-    def __init__(self, programs: Programs, sizes: ModelSizes, rank: int) -> None:
+    def __init__(self, programs: Programs, sizes: ModelSizes, rank: int,
+                 checkpointed: Sequence[bool]) -> None:
         self.programs, self.sizes, self.rank = programs, sizes, rank
+        self.checkpointed = checkpointed
         owned = programs.owned_stages(rank)
         self.owned = set(owned)
         stages = sizes.stages
@@ -126,6 +129,7 @@ class _RankWalk:
         self.fetched_grads: set[int] = set()
         self.posted: dict[tuple[Op, int, int | None], int] = {}
         self.stashed: dict[tuple[int, int | None], int] = {}  # (stage, micro) -> bytes held
+        self.fed_by_message: set[tuple[int, int | None]] = set()
 
     def now(self) -> Bytes:
         return Bytes(self.weights, self.gradients, self.optimizer, self.activations,
@@ -137,14 +141,17 @@ class _RankWalk:
         if op is Op.F:
             received = self._consume((Op.RECV_ACT, s - 1, a.micro))
             if not self.programs.forward_only:
-                held = stages[s].stash_from_message if received else stages[s].activations
-                self.stashed[(s, a.micro)] = held
-                self.activations += held
+                if received:
+                    self.fed_by_message.add((s, a.micro))
+                self._hold(s, a.micro, stages[s].inputs if self.checkpointed[s]
+                           else self._graph(s, a.micro))
         elif op is Op.B:
             self._consume((Op.RECV_GRAD, s + 1, a.micro))
             if not self.programs.split_backward:
                 self._weight_grads(s)
                 self.activations -= self.stashed.pop((s, a.micro), 0)
+            elif self.checkpointed[s]:  # the recomputed graph lives until W
+                self._hold(s, a.micro, self._graph(s, a.micro))
         elif op is Op.W:
             self._weight_grads(s)
             self.activations -= self.stashed.pop((s, a.micro), 0)
@@ -168,6 +175,15 @@ class _RankWalk:
             for done in [k for k in self.posted if k[0] is Op.RECV_G and k[1] == s]:
                 self._consume(done)
 
+    def _graph(self, s: int, micro: int | None) -> int:
+        """Bytes of the graph of ``F s micro`` (fed by a message, or locally)."""
+        stage = self.sizes.stages[s]
+        return stage.stash_from_message if (s, micro) in self.fed_by_message else stage.activations
+
+    def _hold(self, s: int, micro: int | None, nbytes: int) -> None:
+        self.activations += nbytes - self.stashed.get((s, micro), 0)
+        self.stashed[(s, micro)] = nbytes
+
     def _weight_grads(self, s: int) -> None:
         if s not in self.owned and s not in self.fetched_grads:
             self.fetched_grads.add(s)
@@ -185,9 +201,11 @@ class _RankWalk:
         return True
 
 
-def rank_memory(programs: Programs, sizes: ModelSizes, rank: int) -> RankMemory:
+def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
+                checkpointed: Sequence[bool] = ()) -> RankMemory:
     """Walk one rank's program; the peak of the total and of each category."""
-    walk = _RankWalk(programs, sizes, rank)
+    walk = _RankWalk(programs, sizes, rank,
+                     list(checkpointed) or [False] * programs.num_stages)
     best = walk.now()
     highs = best.as_dict()
     for action in programs.ranks[rank]:
@@ -201,8 +219,11 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int) -> RankMemory:
     return RankMemory(rank, best, Bytes(**highs))
 
 
-def predict_memory(programs: Programs, sizes: ModelSizes) -> list[RankMemory]:
-    """Every rank's predicted bytes for one step of ``programs`` (see the module docstring)."""
+def predict_memory(programs: Programs, sizes: ModelSizes,
+                   checkpointed: Sequence[bool] = ()) -> list[RankMemory]:
+    """Every rank's predicted bytes for one step of ``programs`` (see the module docstring).
+
+    ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none."""
     if len(sizes.stages) != programs.num_stages:
         raise ScheduleConfigError(
             f"the sizes describe {len(sizes.stages)} stages but the programs have "
@@ -217,14 +238,19 @@ def predict_memory(programs: Programs, sizes: ModelSizes) -> list[RankMemory]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ScheduleConfigError(
                     f"stage {s}'s {f.name} bytes must be a non-negative int, got {value!r}")
-    return [rank_memory(programs, sizes, r) for r in range(programs.world_size)]
+    if checkpointed and len(checkpointed) != programs.num_stages:
+        raise ScheduleConfigError(
+            f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
+            "the plan's own plan(...).checkpointed")
+    return [rank_memory(programs, sizes, r, checkpointed) for r in range(programs.world_size)]
 
 
 def uniform_sizes(stages: int, params: int, activations: int, message: int,
                   optimizer_factor: float = 0.0) -> ModelSizes:
     """Equal stages (for planning before anything is measured, and for tests): gradients the
     size of the weights, optimizer state ``optimizer_factor`` times the weights."""
-    stage = StageSizes(params, params, int(params * optimizer_factor), activations, message)
+    stage = StageSizes(params, params, int(params * optimizer_factor), activations, message,
+                       inputs=message)
     return ModelSizes(tuple(stage for _ in range(stages)))
 
 

@@ -65,6 +65,13 @@ class Plan:
     programs: Programs
     metrics: PlanMetrics
     forward_only: bool = False
+    # per stage: activation checkpointing (F keeps only the stage's inputs, B recomputes the
+    # forward; ``costs.backward`` already includes that recompute). All False when forward-only.
+    checkpointed: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.checkpointed:
+            self.checkpointed = (False,) * self.stages
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +84,7 @@ class Plan:
             "order": self.order,
             "caps": self.caps,
             "split_backward": self.programs.split_backward,
+            "checkpointed": list(self.checkpointed),
             "forward_costs": list(self.costs.forward),
             "backward_costs": list(self.costs.backward),
             "weight_costs": list(self.costs.weight),
@@ -109,14 +117,15 @@ def check_arguments(
     priority: object = None,
     weight_cost: object = None,
     split_backward: object = None,
+    checkpoint_activations: object = False,
 ) -> None:
     """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
 
     ``plan()`` calls it first and ``GeneralParallel`` calls it at construction (before the
     Trainer, hence W, exists), so both refuse ``microbatches=0``, ``R="2"``, an unknown order or
     cap word, ``forward_cost=inf`` or a non-callable placement with the same message. What needs
-    W (R dividing W, S and B multiples required by a placement, a cap list's length) is checked
-    when the plan is built.
+    W (R dividing W, S and B multiples required by a placement, a cap list's length, a
+    per-stage list's length against the schedule's default S) is checked when the plan is built.
     """
     validate.optional_callable("placement", placement, "w(s, b, d) -> (weights_worker, "
                                "compute_worker)")
@@ -156,6 +165,7 @@ def check_arguments(
         validate.costs("weight_cost", weight_cost, S)
     if split_backward is not None:
         validate.flag("split_backward", split_backward)
+    validate.stage_flags("checkpoint_activations", checkpoint_activations, S)
 
 
 def plan(
@@ -175,6 +185,7 @@ def plan(
     forward_only: bool = False,
     weight_cost: float | Sequence[float] | None = None,
     split_backward: bool | None = None,
+    checkpoint_activations: bool | Sequence[bool] = False,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -192,10 +203,16 @@ def plan(
     schedule's choice (False for a custom placement). ``weight_cost`` is W's duration; then
     ``backward_cost`` is B's (the input-gradient part). Without ``weight_cost`` a split
     backward's cost is halved between B and W.
+
+    ``checkpoint_activations``: True (every stage), or one bool per stage. A checkpointed
+    stage's ``F`` keeps only the stage's inputs and its ``B`` recomputes the forward first, so
+    its backward cost (B's, the input-gradient part when the backward is split) grows by its
+    forward cost; ``Plan.checkpointed`` records the flags (all False for a forward-only plan,
+    which has no backward).
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
-                    placement, priority, weight_cost, split_backward)
+                    placement, priority, weight_cost, split_backward, checkpoint_activations)
     edges = validate.stage_edges(edges)
     verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
@@ -226,9 +243,13 @@ def plan(
     # forward-only plans of a split schedule share its arguments; they run no W to cost
     costs = Costs.build(S, forward_cost, backward_cost,
                         None if forward_only else weight_cost, split)
+    checkpointed = validate.per_stage_flags("checkpoint_activations", checkpoint_activations, S)
+    if forward_only:  # no backward: nothing is stashed, nothing recomputed
+        checkpointed = (False,) * S
+    costs = costs.with_recompute(checkpointed)
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
-                      bool(forward_only), split, uses_default_cap)
+                      bool(forward_only), split, uses_default_cap, checkpointed)
 
 
 def _build(
@@ -236,6 +257,7 @@ def _build(
     cap_spec: CapSpec, placement_fn: PlacementFn, costs: Costs,
     edges: Sequence[tuple[int, int]] | None, verify: bool, forward_only: bool = False,
     split_backward: bool = False, default_cap: bool = False,
+    checkpointed: tuple[bool, ...] = (),
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
@@ -268,7 +290,7 @@ def _build(
         dry_run(programs)
     metrics = measure(programs, timeline)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
-                forward_only)
+                forward_only, checkpointed)
 
 
 def _jobs_per_worker(table: PlacementTable) -> list[int]:

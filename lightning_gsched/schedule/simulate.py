@@ -63,6 +63,18 @@ class Costs:
             return cls(fwd, halves, halves)
         return cls(fwd, bwd, cls._per_stage("weight", weight, stages))
 
+    def with_recompute(self, checkpointed: Sequence[bool]) -> "Costs":
+        """These costs with each checkpointed stage's forward charged to its backward.
+
+        Activation checkpointing: ``F s b`` of such a stage keeps only its inputs and ``B s b``
+        runs the stage's forward again before its backward, so B costs B + F. When the backward
+        is split, the recompute belongs to B (the input-gradient part, which needs the graph
+        first); W reuses B's graph and costs what it did.
+        """
+        backward = tuple(b + f if ckpt else b for b, f, ckpt
+                         in zip(self.backward, self.forward, checkpointed, strict=True))
+        return Costs(self.forward, backward, self.weight)
+
     @staticmethod
     def _per_stage(label: str, value: float | Sequence[float], stages: int) -> tuple[float, ...]:
         checked = validate.costs(f"{label}_cost", value, stages)

@@ -106,6 +106,42 @@ def flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool:
     return value
 
 
+def stage_flags(name: str, value: Any, stages: int | None = None,
+                error: ErrorType = ScheduleConfigError) -> bool | tuple[bool, ...]:
+    """A per-stage switch: one bool for every stage, or one bool per stage (``len == stages``
+    when ``stages`` is known). Returns the bool, or the tuple of bools.
+
+    As with :func:`flag`, 0/1 and strings are refused: ``[1, 0]`` or ``"yes"`` is far more
+    likely a mistake than a request.
+    """
+    if isinstance(value, bool):
+        return value
+    rule = "give True or False for every stage, or a list of them, one per stage"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise invalid(name, value, rule, "True", error)
+    values = list(value)
+    for s, v in enumerate(values):
+        if not isinstance(v, bool):
+            raise error(
+                f"{name}[{s}]={v!r} is not valid: each entry must be True or False (one per "
+                f"stage); e.g. {name}=[True, False]"
+            )
+    if not values or (stages is not None and len(values) != stages):
+        expected = f"S={stages} values" if stages is not None else "at least one value"
+        raise error(
+            f"{name} has {len(values)} values but needs {expected} (one per stage): give one "
+            f"bool for every stage or a single bool for all, e.g. {name}=True"
+        )
+    return tuple(values)
+
+
+def per_stage_flags(name: str, value: Any, stages: int,
+                    error: ErrorType = ScheduleConfigError) -> tuple[bool, ...]:
+    """:func:`stage_flags` for a known number of stages, as one bool per stage."""
+    checked = stage_flags(name, value, stages, error)
+    return checked if isinstance(checked, tuple) else (checked,) * stages
+
+
 def optional_flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool | None:
     """None (decide automatically) or a bool."""
     if value is not None and not isinstance(value, bool):

@@ -1,0 +1,164 @@
+"""Activation checkpointing of a stage: what ``F s b`` keeps, and how ``B s b`` replays it.
+
+Why: a stage's stashed activations (every tensor its forward saved for the backward) are what
+limits how many microbatches a worker can hold. A checkpointed stage runs ``F s b`` without a
+graph (``torch.no_grad``) and keeps only what it needs to run the same forward again at
+``B s b``: its inputs, and the state of the random generators (so dropout draws the same
+masks). The price is one more forward per backward, which the planner charges to B.
+
+Exactness: the replay runs the same stage on the same input tensors with the generators where
+they were at F (:class:`RngState`) and inside the same ``forward_context`` (a front end's
+autocast), so it computes the forward's values bit for bit, and the backward that follows is the
+ordinary one. The ambient random stream is forked around the replay: after ``B`` the generators
+are where they would be without checkpointing, so every later draw is the same too.
+
+What cannot be kept exact, and is refused (:class:`Replay` ``.check_inputs``): a stage that
+modifies one of its input tensors in place. Without a graph, torch allows that even on a leaf
+that requires grad, and the replay would start from the modified values.
+
+Output flags: without a graph, no output requires grad, yet the next stage must know which of
+its inputs need a gradient (the flag travels with the tensor on the wire).
+:func:`flag_outputs` marks every floating-point output the stage computed as requiring grad
+when the stage has a trainable parameter or an input that requires grad, as the reentrant
+``torch.utils.checkpoint`` does for its outputs; outputs passed through unchanged keep their
+own flag. Where that marks an output the graph would not have (a float computed from a buffer
+alone), the next stage computes a gradient for it that the replay then finds unneeded and
+drops: extra work, never a different result.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Indices of the CUDA devices the tensors live on (sorted, once each)."""
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+class RngState:
+    """The CPU generator's state and the CUDA generators' of ``devices``, taken now.
+
+    As ``torch.utils.checkpoint`` preserves them: the default generators only (a
+    ``torch.Generator`` the model creates itself is its own business).
+    """
+
+    def __init__(self, devices: Sequence[int] = ()) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Inside: the generators as they were when taken; afterwards: as they were before
+        entering (the ambient stream is forked, not advanced)."""
+        devices = [d for d, _ in self.cuda]
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            for device, state in self.cuda:
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
+@dataclass
+class Replay:
+    """What ``B s b`` needs to run a checkpointed ``F s b`` again."""
+
+    args: tuple
+    kwargs: dict
+    rng: RngState
+    versions: list[tuple[torch.Tensor, int]]  # every input tensor and its version at F
+    out_leaves: list[torch.Tensor] = field(default_factory=list)  # last stage: what loss_fn saw
+
+    @classmethod
+    def take(cls, args: tuple, kwargs: dict, stage_devices: Sequence[int]) -> "Replay":
+        """Before ``F``: the inputs, their versions and the generators' state."""
+        tensors = input_tensors(args, kwargs)
+        devices = sorted({*stage_devices, *cuda_devices(tensors)})
+        return cls(args, kwargs, RngState(devices), [(t, t._version) for t in tensors])
+
+    def check_inputs(self, s: int, b: int) -> None:
+        """Refuse a replay from inputs modified in place since F took them (see module doc)."""
+        for i, (tensor, version) in enumerate(self.versions):
+            if tensor._version != version:
+                raise RuntimeConfigError(
+                    f"input tensor {i} (shape {tuple(tensor.shape)}) of stage {s} was modified "
+                    f"in place after F s{s} b{b} took it, so B s{s} b{b} cannot recompute the "
+                    "stage's forward from it (activation checkpointing). Make the stage leave "
+                    "its inputs unchanged (e.g. x = x + y instead of x += y, or a ReLU without "
+                    "inplace=True), or turn checkpoint_activations off for this stage."
+                )
+
+
+def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The distinct tensors among a stage call's arguments."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+
+
+def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                 differentiable: bool) -> list[torch.Tensor]:
+    """The outputs of a forward run without a graph, flagged for the next stage (module doc).
+
+    A computed floating-point (or complex) output becomes a detached alias requiring grad when
+    ``differentiable`` (the stage has a trainable parameter or an input requiring grad); an
+    output that already requires grad or is one of the stage's inputs stays as it is. Aliases,
+    not the tensors themselves, so that a buffer or a user tensor returned as an output is
+    never changed.
+    """
+    given = {id(t) for t in inputs}
+    flagged = []
+    for t in tensors:
+        computed = not t.requires_grad and id(t) not in given
+        if differentiable and computed and (t.is_floating_point() or t.is_complex()):
+            t = t.detach().requires_grad_()
+        flagged.append(t)
+    return flagged
+
+
+def fresh_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaves for the last stage's ``loss_fn``: same values and flags, no history, so the loss
+    builds a graph of its own that ends at them."""
+    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def loss_gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor],
+                   params: Sequence[torch.Tensor], split: bool,
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad | None]:
+    """Backpropagate the last stage's loss to the leaves ``loss_fn`` saw (its own small graph).
+
+    Ordinary backward: ``loss.backward()``, so a parameter the loss code reads (a loss module
+    outside the stages, or one of the stage's own) accumulates as it would without
+    checkpointing, and the leaves' ``.grad`` are read. Split backward: the loss graph's own B
+    (:func:`backward_input` with the leaves as inputs), whose weight part, for the stage's
+    ``params`` the loss code reads, joins the stage's W (:class:`ChainedWeightGrad`), as those
+    parameters' gradients do without checkpointing. A parameter reached both through the loss
+    code and through the stage then accumulates its two terms one after the other instead of
+    their sum: float rounding, not another value.
+    """
+    if not split:
+        if loss.requires_grad:
+            loss.backward()
+        return [t.grad if t.requires_grad else None for t in leaves], None
+    grads, pending = backward_input([loss], None, leaves, params)
+    return grads, pending
+
+
+class ChainedWeightGrad:
+    """The W of a checkpointed last stage under a split backward: what the loss graph's B left,
+    then what the recomputed stage's B left (see :func:`loss_gradients`)."""
+
+    def __init__(self, first: PendingWeightGrad, then: PendingWeightGrad) -> None:
+        self.parts = [first, then]
+
+    def run(self) -> None:
+        parts, self.parts = self.parts, []
+        for part in parts:
+            part.run()
