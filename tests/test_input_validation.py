@@ -66,6 +66,8 @@ PLAN_CASES = [
     (dict(edges=5), "edges=5"),
     (dict(verify="yes"), "verify='yes'"),
     (dict(forward_only=1), "forward_only=1"),
+    (dict(fetch_window=0), "fetch_window=0"),
+    (dict(fetch_window=1.5), "fetch_window=1.5"),
 ]
 
 
@@ -167,6 +169,7 @@ STRATEGY_CASES = [
     (dict(start_method="thread"), StrategyConfigError, "start_method='thread'"),
     (dict(timeout=30), StrategyConfigError, "timeout=30"),
     (dict(process_group_backend=1), StrategyConfigError, "process_group_backend=1"),
+    (dict(fetch_window=0), ScheduleConfigError, "fetch_window=0"),
 ]
 
 
@@ -186,6 +189,7 @@ def test_general_parallel_refuses_bad_arguments_at_construction(kwargs: dict, er
     dict(), dict(cap="auto"), dict(cap="none"), dict(cap=3), dict(cap=[2, 2]),
     dict(schedule="ddp", R=1), dict(stages=2, balance=[3, 4]), dict(balance="time"),
     dict(split_points="blocks.1", stages=2), dict(forward_cost=[1.0, 2.0, 3.0]),
+    dict(schedule="fsdp", fetch_window=1),
     dict(schedule="mine", placement=lambda s, b, d: (0, 0), priority=lambda s, b, d: 0,
          stages=2, microbatches=2),
 ])
@@ -227,6 +231,9 @@ CLI_CASES = [
     (["plan", "gpipe", "-w", "2", "--forward-cost", "inf"], "--forward-cost", "forward_cost=inf"),
     (["plan", "gpipe", "-w", "2", "--backward-cost", "1,x"], "--backward-cost", "'1,x'"),
     (["plan", "gpipe", "-w", "2", "--cap", "0"], "--cap", "cap=0"),
+    (["plan", "fsdp", "-w", "2", "--fetch-window", "0"], "--fetch-window", "fetch_window=0"),
+    (["plan", "fsdp", "-w", "2", "--stage-bytes", "1,x"], "--stage-bytes", "'1,x'"),
+    (["plan", "fsdp", "-w", "2", "--stage-bytes", "1,-2"], "--stage-bytes", "[1, -2]"),
     (["compare", "-w", "2", "--forward-cost", "0"], "--forward-cost", "forward_cost=0"),
 ]
 

@@ -34,6 +34,7 @@ class ScheduleConfig:
     backward_cost: float | Sequence[float] = 2.0
     weight_cost: float | Sequence[float] | None = None
     split_backward: bool | None = None
+    fetch_window: int | None = None
     _eval_plans: dict[int, Plan] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
@@ -49,7 +50,8 @@ class ScheduleConfig:
         """
         check_arguments(self.schedule, self.stages, self.microbatches, self.R, self.order,
                         self.cap, self.forward_cost, self.backward_cost,
-                        self.placement, self.priority, self.weight_cost, self.split_backward)
+                        self.placement, self.priority, self.weight_cost, self.split_backward,
+                        self.fetch_window)
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
@@ -65,6 +67,7 @@ class ScheduleConfig:
             priority=self.priority,
             forward_cost=self.forward_cost, backward_cost=self.backward_cost,
             weight_cost=self.weight_cost, split_backward=self.split_backward,
+            fetch_window=self.fetch_window,
         )
 
     def training_plan(self, workers: int) -> Plan:

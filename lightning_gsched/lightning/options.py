@@ -36,7 +36,7 @@ def pipeline_options(
     order: str | Callable | None, cap: Any, balance: Any, leaf_modules: Sequence[str | type],
     split_points: list[str] | None, static_shapes: bool | None, placement: Callable | None,
     priority: Callable | None, forward_cost: Any, backward_cost: Any,
-    weight_cost: Any = None, split_backward: Any = None,
+    weight_cost: Any = None, split_backward: Any = None, fetch_window: Any = None,
 ) -> tuple[ScheduleConfig, PartitionOptions]:
     """The schedule and partition arguments, checked (the same checks as ``plan()`` and
     ``partition()``; what needs the device count fails at setup, on every rank)."""
@@ -44,6 +44,7 @@ def pipeline_options(
         schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order, cap=cap,
         placement=placement, priority=priority, forward_cost=forward_cost,
         backward_cost=backward_cost, weight_cost=weight_cost, split_backward=split_backward,
+        fetch_window=fetch_window,
     )
     config.check()
     options = PartitionOptions(

@@ -71,6 +71,9 @@ class GeneralParallel(DDPStrategy):
             then B's); default: half of ``backward_cost``, the other half going to B.
         split_backward: run backwards as B then W (None: the schedule's choice, True for
             zb-h1, zb-h2, zbv).
+        fetch_window: the most fetched (non-owned) stages a worker holds at once (fsdp,
+            fslpp): None (each fetch one compute early: at most 2) or 1 (a fetch waits for
+            the previous fetched stage's release; less memory, the transfer is not hidden).
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
 
     Every argument is checked here, before any process starts, and a wrong one raises a
@@ -101,6 +104,7 @@ class GeneralParallel(DDPStrategy):
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
         split_backward: Optional[bool] = None,
+        fetch_window: Optional[int] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -114,7 +118,7 @@ class GeneralParallel(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward)
+            weight_cost, split_backward, fetch_window)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)

@@ -65,6 +65,7 @@ class Plan:
     programs: Programs
     metrics: PlanMetrics
     forward_only: bool = False
+    fetch_window: int | None = None  # most fetched stages resident at once (None: no limit)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +78,7 @@ class Plan:
             "order": self.order,
             "caps": self.caps,
             "split_backward": self.programs.split_backward,
+            "fetch_window": self.fetch_window,
             "forward_costs": list(self.costs.forward),
             "backward_costs": list(self.costs.backward),
             "weight_costs": list(self.costs.weight),
@@ -109,6 +111,7 @@ def check_arguments(
     priority: object = None,
     weight_cost: object = None,
     split_backward: object = None,
+    fetch_window: object = None,
 ) -> None:
     """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
 
@@ -156,6 +159,7 @@ def check_arguments(
         validate.costs("weight_cost", weight_cost, S)
     if split_backward is not None:
         validate.flag("split_backward", split_backward)
+    validate.optional_positive_int("fetch_window", fetch_window, "1")
 
 
 def plan(
@@ -175,6 +179,7 @@ def plan(
     forward_only: bool = False,
     weight_cost: float | Sequence[float] | None = None,
     split_backward: bool | None = None,
+    fetch_window: int | None = None,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -192,10 +197,16 @@ def plan(
     schedule's choice (False for a custom placement). ``weight_cost`` is W's duration; then
     ``backward_cost`` is B's (the input-gradient part). Without ``weight_cost`` a split
     backward's cost is halved between B and W.
+
+    ``fetch_window``: the most fetched (non-owned) stages a worker holds at once. None: each
+    fetch is posted one compute before its stage's first job, which holds at most two (the
+    stage computing and the next one). 1: a fetch that would overlap another fetched stage's
+    compute waits for that stage's ``FREE_W`` (less memory, the transfer no longer hidden).
+    Programs of schedules that never run two fetched stages back to back do not change.
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
-                    placement, priority, weight_cost, split_backward)
+                    placement, priority, weight_cost, split_backward, fetch_window)
     edges = validate.stage_edges(edges)
     verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
@@ -228,7 +239,8 @@ def plan(
                         None if forward_only else weight_cost, split)
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
-                      bool(forward_only), split, uses_default_cap)
+                      bool(forward_only), split, uses_default_cap,
+                      None if fetch_window is None else int(fetch_window))
 
 
 def _build(
@@ -236,6 +248,7 @@ def _build(
     cap_spec: CapSpec, placement_fn: PlacementFn, costs: Costs,
     edges: Sequence[tuple[int, int]] | None, verify: bool, forward_only: bool = False,
     split_backward: bool = False, default_cap: bool = False,
+    fetch_window: int | None = None,
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
@@ -263,12 +276,12 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = simulate(graph, table, ranks, costs, caps)
-    programs = lower(graph, table, timeline)
+    programs = lower(graph, table, timeline, fetch_window)
     if verify:
         dry_run(programs)
     metrics = measure(programs, timeline)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
-                forward_only)
+                forward_only, fetch_window)
 
 
 def _jobs_per_worker(table: PlacementTable) -> list[int]:
