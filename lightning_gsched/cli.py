@@ -3,6 +3,7 @@
     gsched plan fslpp --workers 4 --stages 4 --microbatches 8 --R 2 --png fslpp.png
     gsched plan 1f1b -w 4 -b 8 --json
     gsched plan fsdp -w 4 --forward-only --programs      # validation/test/predict programs
+    gsched plan fsdp -w 2 -s 4 --stage-bytes 3486720,3159040,3159040,3423232   # + bytes held
     gsched compare --workers 4 --stages 4 --microbatches 8
 """
 
@@ -20,6 +21,7 @@ from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.describe import describe, text_table
 from lightning_gsched.schedule.library import resolve_shape
+from lightning_gsched.schedule.metrics import resident_bytes
 from lightning_gsched.schedule.orders import ORDER_NAMES
 from lightning_gsched.schedule.plan import CAP_WORDS
 from lightning_gsched.schedule.render import ascii_timeline, save_png
@@ -94,6 +96,18 @@ def _checkpoint_activations(args: argparse.Namespace) -> bool | list[bool]:
     return [s in chosen for s in range(stages)]
 
 
+def _parse_bytes(text: str) -> list[int]:
+    """'3486720,3159040' -> per-stage byte counts."""
+    return [int(v) for v in text.split(",")]
+
+
+def _checked_bytes(value: Any) -> list[int]:
+    if not isinstance(value, list) or any(v < 0 for v in value):
+        raise validate.invalid("stage_bytes", value, "must be one int >= 0 per stage",
+                               "3486720,3159040")
+    return value
+
+
 def _checked_cap(cap: Any) -> Any:
     validate.cap_form(cap, CAP_WORDS)
     return cap
@@ -135,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "inputs, B recomputes the forward (its cost grows by F's)")
     ckpt.add_argument("--checkpoint-stages", metavar="STAGES", type=_stage_list, default=None,
                       help="activation checkpointing on these stages only, e.g. 0,2 or 0-3,6")
+    p.add_argument("--fetch-window", type=_count("fetch_window", "1"), default=None,
+                   help="most fetched stages a worker holds at once (default: no limit; the "
+                        "one-compute-early prefetch holds at most 2)")
+    p.add_argument("--stage-bytes", type=_option(_checked_bytes, _parse_bytes), default=None,
+                   help="every stage's parameter bytes, comma-separated: adds each worker's "
+                        "owned bytes and the peak of owned + fetched bytes its program implies")
     p.add_argument("--forward-only", action="store_true",
                    help="plan forward jobs only (validate/test/predict); same owners as training, "
                         "the cap is ignored")
@@ -222,13 +242,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                           microbatches=args.microbatches, R=args.R, order=args.order, cap=args.cap,
                           forward_cost=args.forward_cost, backward_cost=args.backward_cost,
                           weight_cost=args.weight_cost, forward_only=args.forward_only,
-                          checkpoint_activations=_checkpoint_activations(args))
+                          checkpoint_activations=_checkpoint_activations(args),
+                          fetch_window=args.fetch_window)
+            held = (None if args.stage_bytes is None
+                    else resident_bytes(result.programs, args.stage_bytes))
             if args.png and not _write_png(result, args.png):
                 return 2
             if args.json:
-                print(json.dumps(result.to_json()))
+                out = result.to_json()
+                if held is not None:
+                    for row, h in zip(out["per_worker"], held, strict=True):
+                        row.update(owned_bytes=h.owned, peak_resident_bytes=h.peak)
+                print(json.dumps(out))
             else:
-                print(describe(result))
+                print(describe(result, args.stage_bytes))
                 print()
                 print(ascii_timeline(result.timeline))
                 if args.programs:

@@ -72,6 +72,8 @@ PLAN_CASES = [
     (dict(checkpoint_activations=[]), "checkpoint_activations has 0 values"),
     (dict(checkpoint_activations=[True, False]),
      "checkpoint_activations has 2 values but needs S=4"),
+    (dict(fetch_window=0), "fetch_window=0"),
+    (dict(fetch_window=1.5), "fetch_window=1.5"),
 ]
 
 
@@ -178,6 +180,7 @@ STRATEGY_CASES = [
      "checkpoint_activations[1]=None"),
     (dict(stages=3, checkpoint_activations=[True, False]), ScheduleConfigError,
      "checkpoint_activations has 2 values but needs S=3"),
+    (dict(fetch_window=0), ScheduleConfigError, "fetch_window=0"),
 ]
 
 
@@ -198,6 +201,7 @@ def test_general_parallel_refuses_bad_arguments_at_construction(kwargs: dict, er
     dict(schedule="ddp", R=1), dict(stages=2, balance=[3, 4]), dict(balance="time"),
     dict(split_points="blocks.1", stages=2), dict(forward_cost=[1.0, 2.0, 3.0]),
     dict(checkpoint_activations=True), dict(checkpoint_activations=[False, True, True]),
+    dict(schedule="fsdp", fetch_window=1),
     dict(schedule="mine", placement=lambda s, b, d: (0, 0), priority=lambda s, b, d: 0,
          stages=2, microbatches=2),
 ])
@@ -242,6 +246,9 @@ CLI_CASES = [
     (["plan", "gpipe", "-w", "2", "--forward-cost", "inf"], "--forward-cost", "forward_cost=inf"),
     (["plan", "gpipe", "-w", "2", "--backward-cost", "1,x"], "--backward-cost", "'1,x'"),
     (["plan", "gpipe", "-w", "2", "--cap", "0"], "--cap", "cap=0"),
+    (["plan", "fsdp", "-w", "2", "--fetch-window", "0"], "--fetch-window", "fetch_window=0"),
+    (["plan", "fsdp", "-w", "2", "--stage-bytes", "1,x"], "--stage-bytes", "'1,x'"),
+    (["plan", "fsdp", "-w", "2", "--stage-bytes", "1,-2"], "--stage-bytes", "[1, -2]"),
     (["compare", "-w", "2", "--forward-cost", "0"], "--forward-cost", "forward_cost=0"),
 ]
 

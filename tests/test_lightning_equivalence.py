@@ -94,6 +94,20 @@ def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, 
             assert got == pytest.approx(expected, rel=1e-5)
 
 
+def test_fsdp_with_two_stages_per_worker_matches_single_device(worlds, tmp_path) -> None:
+    """fsdp at W=2 with S=4 (the fsdp_vs_torch configuration): each rank frees a fetched stage
+    after its forward and fetches it again for its backward; SGD, as above."""
+    want, want_log = reference("sgd")
+    tmp = str(tmp_path / "sgd")
+    states = worlds.get(2).run(fit_on_worker, {"schedule": "fsdp", "stages": 4}, "sgd", tmp)
+    for rank, state in enumerate(states):
+        assert_same_state(state, want, f"fsdp S=4 W=2 rank {rank}")
+    got_log = csv_metric(tmp, "train_loss")
+    assert [s for s, _ in got_log] == [s for s, _ in want_log]
+    for (_, got), (_, expected) in zip(got_log, want_log, strict=True):
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("world_size", [2])
 def test_ddp_schedule_matches_lightning_ddp(worlds, world_size: int, tmp_path) -> None:
     from lightning.pytorch.strategies import DDPStrategy

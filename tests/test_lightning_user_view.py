@@ -211,7 +211,7 @@ def test_startup_print_fits_one_screen_at_w8(schedule: str, options: dict, capsy
     # what a user needs is there: configuration, latency/bubble, per-worker ranges, memory
     assert lines[0].startswith(f"GeneralParallel plan: {schedule} W=8 ")
     for needed in ("latency ", "bubble ", "stage owners: ", "peak stashed activations",
-                   "parameters owned ", "peak resident <= ", "Partition of TinyGPT",
+                   "parameters owned ", "peak resident ", "Partition of TinyGPT",
                    "predicted peak bytes per rank", "activations "):
         assert needed in text, (needed, text)
     # and the command it names prints the full per-worker table (one row per worker)

@@ -33,8 +33,9 @@ def configs(draw):
     cap = draw(st.one_of(st.none(), st.integers(1, 6), st.just("auto")))
     f = draw(st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=S, max_size=S))
     b = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=S, max_size=S))
+    fetch_window = draw(st.sampled_from([None, None, 1]))
     return dict(schedule=name, workers=W, stages=S, microbatches=B, R=R, order=order, cap=cap,
-                forward_cost=f, backward_cost=b)
+                forward_cost=f, backward_cost=b, fetch_window=fetch_window)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,6 +98,8 @@ def test_every_plan_is_a_valid_schedule(config):
         if cap is not None:
             assert m.peak_activations <= cap
         assert m.peak_resident_stages >= m.owned_stages
+        # fetched stages held at once: one computing plus one prefetched, or the window
+        assert m.peak_resident_stages - m.owned_stages <= (config["fetch_window"] or 2)
     total = sum(busy.values())
     assert abs(metrics.bubble_fraction - (1 - total / (W * metrics.latency))) < 1e-9
 

@@ -79,6 +79,7 @@ class GeneralParallelFabric(DDPStrategy):
         weight_cost: Optional[Union[float, list[float]]] = None,
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
+        fetch_window: Optional[int] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -91,7 +92,7 @@ class GeneralParallelFabric(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations)
+            weight_cost, split_backward, checkpoint_activations, fetch_window)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         super().__init__(

@@ -35,6 +35,7 @@ class ScheduleConfig:
     weight_cost: float | Sequence[float] | None = None
     split_backward: bool | None = None
     checkpoint_activations: bool | Sequence[bool] = False  # True, or one bool per stage
+    fetch_window: int | None = None
     _eval_plans: dict[int, Plan] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
@@ -53,7 +54,7 @@ class ScheduleConfig:
         check_arguments(self.schedule, self.stages, self.microbatches, self.R, self.order,
                         self.cap, self.forward_cost, self.backward_cost,
                         self.placement, self.priority, self.weight_cost, self.split_backward,
-                        self.checkpoint_activations)
+                        self.checkpoint_activations, self.fetch_window)
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
@@ -70,6 +71,7 @@ class ScheduleConfig:
             forward_cost=self.forward_cost, backward_cost=self.backward_cost,
             weight_cost=self.weight_cost, split_backward=self.split_backward,
             checkpoint_activations=self.checkpoint_activations,
+            fetch_window=self.fetch_window,
         )
 
     def training_plan(self, workers: int) -> Plan:

@@ -37,6 +37,7 @@ def pipeline_options(
     split_points: list[str] | None, static_shapes: bool | None, placement: Callable | None,
     priority: Callable | None, forward_cost: Any, backward_cost: Any,
     weight_cost: Any = None, split_backward: Any = None, checkpoint_activations: Any = False,
+    fetch_window: Any = None,
 ) -> tuple[ScheduleConfig, PartitionOptions]:
     """The schedule and partition arguments, checked (the same checks as ``plan()`` and
     ``partition()``; what needs the device count fails at setup, on every rank)."""
@@ -45,6 +46,7 @@ def pipeline_options(
         placement=placement, priority=priority, forward_cost=forward_cost,
         backward_cost=backward_cost, weight_cost=weight_cost, split_backward=split_backward,
         checkpoint_activations=checkpoint_activations,
+        fetch_window=fetch_window,
     )
     config.check()
     options = PartitionOptions(

@@ -77,6 +77,9 @@ class GeneralParallel(DDPStrategy):
             generators' state) and its backward runs the forward again first, trading one more
             forward per backward (charged to the planner's backward cost) for the stashed
             activations.
+        fetch_window: the most fetched (non-owned) stages a worker holds at once (fsdp,
+            fslpp): None (each fetch one compute early: at most 2) or 1 (a fetch waits for
+            the previous fetched stage's release; less memory, the transfer is not hidden).
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
 
     Every argument is checked here, before any process starts, and a wrong one raises a
@@ -108,6 +111,7 @@ class GeneralParallel(DDPStrategy):
         weight_cost: Optional[Union[float, list[float]]] = None,
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
+        fetch_window: Optional[int] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -121,7 +125,7 @@ class GeneralParallel(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations)
+            weight_cost, split_backward, checkpoint_activations, fetch_window)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)

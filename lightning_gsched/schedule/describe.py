@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from lightning_gsched.schedule.library import LIBRARY
+from lightning_gsched.schedule.metrics import resident_bytes
 from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
 
@@ -51,23 +52,28 @@ def checkpoint_text(checkpointed: Sequence[bool]) -> str:
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
-def _configuration(result: Plan) -> str:
-    """``W=4 S=4 B=8 R=2 order=... cap=...`` (and the checkpointed stages): what both the
-    ``gsched plan`` table and the startup summary print after the schedule's name."""
+def configuration_text(result: Plan) -> str:
+    """``W=2 S=4 B=2 order=bfs cap=none`` (R, the fetch window and the checkpointed stages
+    where set): the plan's shape, written the same way by :func:`describe` and
+    :func:`startup_summary`."""
     checkpointed = checkpoint_text(result.checkpointed)
-    return (
-        f"W={result.workers} S={result.stages} B={result.micro}"
-        + (f" R={result.R}" if result.R is not None else "")
-        + f" order={result.order} cap={cap_text(result.caps)}"
-        + (f" checkpointed={checkpointed}" if checkpointed else "")
-    )
+    return (f"W={result.workers} S={result.stages} B={result.micro}"
+            + (f" R={result.R}" if result.R is not None else "")
+            + f" order={result.order} cap={cap_text(result.caps)}"
+            + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
+            + (f" checkpointed={checkpointed}" if checkpointed else ""))
 
 
-def describe(result: Plan) -> str:
-    """Text summary of a plan: configuration, latency, bubble, and one row per worker."""
+def describe(result: Plan, stage_bytes: Sequence[int] | None = None) -> str:
+    """Text summary of a plan: configuration, latency, bubble, and one row per worker.
+
+    With ``stage_bytes`` (every stage's parameter bytes) two columns more: the bytes a worker
+    owns and the peak of owned + fetched bytes its program implies (what the runtime's
+    ``peak_resident_param_bytes`` counter measures).
+    """
     m = result.metrics
     head = (
-        f"schedule {result.schedule}: {_configuration(result)}"
+        f"schedule {result.schedule}: {configuration_text(result)}"
         + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
         f"stage owners {[list(o) for o in result.table.owners]}"
@@ -81,6 +87,10 @@ def describe(result: Plan) -> str:
          w.peak_resident_stages]
         for w in m.per_worker
     ]
+    if stage_bytes is not None:
+        header += ["owned bytes", "peak bytes"]
+        for row, held in zip(rows, resident_bytes(result.programs, stage_bytes), strict=True):
+            row += [held.owned, held.peak]
     return head + "\n" + text_table(rows, header)
 
 
@@ -117,20 +127,12 @@ def _numbers(values: Sequence[float]) -> str:
 
 
 def worker_parameter_bytes(result: Plan, stage_bytes: Sequence[int]) -> list[tuple[int, int]]:
-    """Per worker: (bytes of the stages it owns, a bound on its peak resident stage bytes).
+    """Per worker: (bytes of the stages it owns, its peak of owned + fetched stage bytes).
 
-    The bound adds to the owned stages the largest other stages, as many as the plan's peak
-    count of resident stages on that worker (which ones are resident together depends on the
-    timeline; the largest ones bound any choice).
+    Both read off the programs (:func:`~lightning_gsched.schedule.metrics.resident_bytes`):
+    exactly what the runtime's ``peak_resident_param_bytes`` counter will measure.
     """
-    owners = result.table.owners
-    out = []
-    for m in result.metrics.per_worker:
-        owned = [s for s, o in enumerate(owners) if m.worker in o]
-        others = sorted((b for s, b in enumerate(stage_bytes) if s not in owned), reverse=True)
-        held = sum(stage_bytes[s] for s in owned)
-        out.append((held, held + sum(others[: max(0, m.peak_resident_stages - len(owned))])))
-    return out
+    return [(r.owned, r.peak) for r in resident_bytes(result.programs, stage_bytes)]
 
 
 def plan_command(result: Plan) -> str:
@@ -148,6 +150,8 @@ def plan_command(result: Plan) -> str:
         words.append(f"--R {result.R}")
     if result.order != spec.order:
         words.append(f"--order {result.order}")
+    if result.fetch_window is not None:
+        words.append(f"--fetch-window {result.fetch_window}")
     default_cap = spec.cap(result.workers, result.stages)
     if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
         words.append(f"--cap {cap_text(result.caps)}")
@@ -228,7 +232,7 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
     memory = worker_parameter_bytes(result, stage_bytes)
     peak = [float(p) for _, p in memory]
     lines = [
-        f"GeneralParallel plan: {result.schedule} {_configuration(result)}",
+        f"GeneralParallel plan: {result.schedule} {configuration_text(result)}",
         f"  latency {m.latency:g}, bubble {m.bubble_fraction:.1%} ({costs}); busy per worker "
         f"{ranged('busy')}",
         f"  stage owners: {_owners_text(result.table.owners, SUMMARY_WIDTH - 16)}",
@@ -241,7 +245,7 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
         f"all-reduces {ranged('allreduces')}",
         f"    peak stashed activations (microbatch-stages) {most('peak_activations')}; stages "
         f"owned {ranged('owned_stages')}, peak resident {most('peak_resident_stages')}",
-        f"    parameters owned {_byte_span([float(o) for o, _ in memory])}, peak resident <= "
+        f"    parameters owned {_byte_span([float(o) for o, _ in memory])}, peak resident "
         + _most(peak, workers, _byte_span(peak)),
         f"    + tied parameters ({byte_text(tied_bytes)}) on every worker; optimizer state only "
         "for the owned part",

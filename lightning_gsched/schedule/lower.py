@@ -9,8 +9,12 @@ inserts communication and weight residency:
   the transfer overlaps that compute (the seed's prefetch thread);
 - weights: a worker that does not own stage s fetches it once per *run* of consecutive jobs of s
   (``FETCH_W`` one compute early, ``FREE_W`` right after the run). A run that accumulates weight
-  gradients (backwards; W jobs when the backward is split) ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of holding
-  gradients of weights it no longer has;
+  gradients (backwards; W jobs when the backward is split) ends with ``REDUCE_G`` to the owner,
+  as FSDP reduces after each backward instead of holding gradients of weights it no longer has.
+  So a fetched stage is resident from one compute before its run to the end of the run: at most
+  two fetched stages at once (the one computing and the next one prefetched). ``fetch_window=1``
+  holds one: a fetch whose previous compute uses another fetched stage is posted after that
+  stage's ``FREE_W`` instead (its transfer then no longer overlaps a compute);
 - owners: ``SEND_W`` and ``RECV_G`` go into the owner's program at the point matching the
   simulated time the peer needs them; replicas (several owners) get ``ALLREDUCE_G`` right after
   their last backward of the stage, so reduction overlaps the rest of the backward pass.
@@ -129,8 +133,13 @@ class _Builder:
         return out
 
 
-def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline) -> Programs:
-    """Turn a simulated timeline into per-rank programs (see the module docstring)."""
+def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
+          fetch_window: int | None = None) -> Programs:
+    """Turn a simulated timeline into per-rank programs (see the module docstring).
+
+    ``fetch_window``: the most fetched stages a worker may hold at once (None: no limit beyond
+    the one-compute-early prefetch, which never holds more than two, so 2 or more is the same).
+    """
     build = _Builder(timeline)
     index: dict[Job, int] = {}
     for slots in timeline.by_worker:
@@ -139,7 +148,7 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline) -> Progr
 
     grad_phase = Phase.W if graph.split_backward else Phase.B  # accumulates weight gradients
     _lower_data_flow(graph, table, timeline, build, index)
-    reduce_gaps = _lower_weights(table, timeline, build, grad_phase)
+    reduce_gaps = _lower_weights(table, timeline, build, grad_phase, fetch_window)
     if not graph.forward_only:
         _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
     build.make_fifo()
@@ -191,16 +200,20 @@ def _lower_data_flow(
 
 
 def _lower_weights(
-    table: PlacementTable, timeline: Timeline, build: _Builder, grad_phase: Phase
+    table: PlacementTable, timeline: Timeline, build: _Builder, grad_phase: Phase,
+    fetch_window: int | None = None,
 ) -> dict[tuple[int, int], int]:
     """Fetch/free per run of consecutive jobs of a non-owned stage; reduce grads after the run.
 
     Only a run that accumulates weight gradients (``grad_phase``: B, or W when the backward is
-    split) hands them to the owner. Returns, per (owner, stage), the latest gap where the owner
-    posts a gradient receive.
+    split) hands them to the owner. A run's fetch is posted one compute early, but with a
+    ``fetch_window`` of k not before the ``FREE_W`` of the k-th fetched run before it (the free
+    comes first within a gap). Returns, per (owner, stage), the latest gap where the owner posts
+    a gradient receive.
     """
     reduce_gaps: dict[tuple[int, int], int] = {}
     for worker, slots in enumerate(timeline.by_worker):
+        freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
         i = 0
         while i < len(slots):
             stage = slots[i].job.stage
@@ -209,8 +222,12 @@ def _lower_weights(
                 j += 1
             if not table.is_owner(worker, stage):
                 owner = table.fetch_source[(stage, worker)]
-                prefetch_time = slots[i - 1].start if i > 0 else 0.0
-                build.put(worker, max(i - 1, 0), prefetch_time, Action(Op.FETCH_W, stage, None, owner))
+                fetch_gap = max(i - 1, 0)
+                if fetch_window is not None and len(freed_at) >= fetch_window:
+                    fetch_gap = max(fetch_gap, freed_at[-fetch_window])
+                prefetch_time = slots[fetch_gap].start if i > 0 else 0.0
+                build.put(worker, fetch_gap, prefetch_time,
+                          Action(Op.FETCH_W, stage, None, owner))
                 build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
                           Action(Op.SEND_W, stage, None, worker))
                 if any(slots[k].job.phase is grad_phase for k in range(i, j + 1)):
@@ -221,6 +238,7 @@ def _lower_weights(
                     key = (owner, stage)
                     reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
                 build.put(worker, j + 1, slots[j].end, Action(Op.FREE_W, stage))
+                freed_at.append(j + 1)
             i = j + 1
     return reduce_gaps
 

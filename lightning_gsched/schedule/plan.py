@@ -68,6 +68,7 @@ class Plan:
     # per stage: activation checkpointing (F keeps only the stage's inputs, B recomputes the
     # forward; ``costs.backward`` already includes that recompute). All False when forward-only.
     checkpointed: tuple[bool, ...] = ()
+    fetch_window: int | None = None  # most fetched stages resident at once (None: no limit)
 
     def __post_init__(self) -> None:
         if not self.checkpointed:
@@ -85,6 +86,7 @@ class Plan:
             "caps": self.caps,
             "split_backward": self.programs.split_backward,
             "checkpointed": list(self.checkpointed),
+            "fetch_window": self.fetch_window,
             "forward_costs": list(self.costs.forward),
             "backward_costs": list(self.costs.backward),
             "weight_costs": list(self.costs.weight),
@@ -118,6 +120,7 @@ def check_arguments(
     weight_cost: object = None,
     split_backward: object = None,
     checkpoint_activations: object = False,
+    fetch_window: object = None,
 ) -> None:
     """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
 
@@ -166,6 +169,7 @@ def check_arguments(
     if split_backward is not None:
         validate.flag("split_backward", split_backward)
     validate.stage_flags("checkpoint_activations", checkpoint_activations, S)
+    validate.optional_positive_int("fetch_window", fetch_window, "1")
 
 
 def plan(
@@ -186,6 +190,7 @@ def plan(
     weight_cost: float | Sequence[float] | None = None,
     split_backward: bool | None = None,
     checkpoint_activations: bool | Sequence[bool] = False,
+    fetch_window: int | None = None,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -209,10 +214,16 @@ def plan(
     its backward cost (B's, the input-gradient part when the backward is split) grows by its
     forward cost; ``Plan.checkpointed`` records the flags (all False for a forward-only plan,
     which has no backward).
+    ``fetch_window``: the most fetched (non-owned) stages a worker holds at once. None: each
+    fetch is posted one compute before its stage's first job, which holds at most two (the
+    stage computing and the next one). 1: a fetch that would overlap another fetched stage's
+    compute waits for that stage's ``FREE_W`` (less memory, the transfer no longer hidden).
+    Programs of schedules that never run two fetched stages back to back do not change.
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
-                    placement, priority, weight_cost, split_backward, checkpoint_activations)
+                    placement, priority, weight_cost, split_backward, checkpoint_activations,
+                    fetch_window)
     edges = validate.stage_edges(edges)
     verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
@@ -249,7 +260,8 @@ def plan(
     costs = costs.with_recompute(checkpointed)
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
-                      bool(forward_only), split, uses_default_cap, checkpointed)
+                      bool(forward_only), split, uses_default_cap, checkpointed,
+                      None if fetch_window is None else int(fetch_window))
 
 
 def _build(
@@ -258,6 +270,7 @@ def _build(
     edges: Sequence[tuple[int, int]] | None, verify: bool, forward_only: bool = False,
     split_backward: bool = False, default_cap: bool = False,
     checkpointed: tuple[bool, ...] = (),
+    fetch_window: int | None = None,
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
@@ -285,12 +298,12 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = simulate(graph, table, ranks, costs, caps)
-    programs = lower(graph, table, timeline)
+    programs = lower(graph, table, timeline, fetch_window)
     if verify:
         dry_run(programs)
     metrics = measure(programs, timeline)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
-                forward_only, checkpointed)
+                forward_only, checkpointed, fetch_window)
 
 
 def _jobs_per_worker(table: PlacementTable) -> list[int]:
