@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -240,3 +241,16 @@ class CharDataModule(pl.LightningDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         full = len(self.val_set) - len(self.val_set) % (self.hparams.batch_size * world)
         return self._loader(Subset(self.val_set, range(full)), shuffle=False)
+
+
+def tune_target(rows: int = 4, block_size: int = 128) -> tuple[GPT, tuple, Any]:
+    """``gsched tune examples/gpt.py:tune_target ...``: the demo's GPT and one microbatch of
+    ``rows`` sequences (random bytes: timing and sizes do not depend on the values)."""
+    model = GPT(block_size=block_size)
+    tokens = torch.randint(0, 128, (rows, block_size + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    return model, (x,), loss_fn

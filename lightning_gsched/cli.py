@@ -5,6 +5,7 @@
     gsched plan fsdp -w 4 --forward-only --programs      # validation/test/predict programs
     gsched plan fsdp -w 2 -s 4 --stage-bytes 3486720,3159040,3159040,3423232   # + bytes held
     gsched compare --workers 4 --stages 4 --microbatches 8
+    gsched tune examples/gpt.py:tune_target -w 4 --global-batch 32 --budget 12MiB
 """
 
 from __future__ import annotations
@@ -161,7 +162,73 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="the seed's Table 1 with numbers, every library schedule side by side")
     _common(c)
     c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    _tune_parser(sub)
     return parser
+
+
+def _tune_parser(sub: Any) -> None:
+    t = sub.add_parser("tune", help="profile a model and rank schedule x S x B x R x "
+                                    "checkpointing by predicted step time within a memory budget")
+    t.add_argument("target", help="FILE.py:FUNCTION or MODULE:FUNCTION returning (model, args) or "
+                                  "(model, args, loss_fn): the model and one microbatch")
+    t.add_argument("-w", "--workers", type=_count("workers", "4"), required=True)
+    t.add_argument("--global-batch", type=_count("global_batch", "32"), required=True,
+                   help="rows of one optimizer step over all workers")
+    t.add_argument("--budget", type=_option(partial(validate.byte_size, "memory_budget"), str),
+                   default=None, help="bytes per rank, e.g. 20GiB or 512MiB (default: none)")
+    t.add_argument("--optimizer-factor", type=float, default=2.0,
+                   help="optimizer state per parameter byte: 2 Adam (default), 1 SGD+momentum")
+    t.add_argument("--schedules", nargs="*", default=None, choices=sorted(LIBRARY),
+                   metavar="SCHEDULE", help="only these library schedules")
+    t.add_argument("--no-checkpointing", action="store_true",
+                   help="do not try activation checkpointing")
+    t.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
+    t.add_argument("--bandwidth", type=float, default=1e9, help="bytes per second per link")
+    t.add_argument("--top", type=_count("top", "20"), default=20, help="rows of the table")
+
+
+def _load_target(spec: str) -> tuple[Any, tuple, Any]:
+    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` -> (model, args, loss_fn or None)."""
+    import importlib
+    import importlib.util
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ScheduleConfigError(f"tune target {spec!r} is not FILE.py:FUNCTION or "
+                                  "MODULE:FUNCTION; e.g. examples/gpt.py:tune_target")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ScheduleConfigError(f"tune target {spec!r}: no file {where}")
+        sys.path.insert(0, str(path.resolve().parent))
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ScheduleConfigError(f"tune target {spec!r}: {where} has no function {name}")
+    out = fn()
+    if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[1], tuple):
+        raise ScheduleConfigError(
+            f"tune target {spec!r} must return (model, args) or (model, args, loss_fn) with "
+            f"args a tuple (one microbatch), got {type(out).__name__}")
+    return out[0], out[1], out[2] if len(out) == 3 else None
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from lightning_gsched.partition.tune_profile import tune_model
+    from lightning_gsched.schedule.tune import Network
+
+    model, example, loss_fn = _load_target(args.target)
+    result = tune_model(model, example, args.workers, args.global_batch, loss_fn=loss_fn,
+                        budget=args.budget, optimizer_factor=args.optimizer_factor,
+                        network=Network(args.latency, args.bandwidth), schedules=args.schedules,
+                        checkpoint=(False,) if args.no_checkpointing else (False, True))
+    print(result.table(args.top))
+    return 0
 
 
 def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | None,
@@ -263,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(result.programs.text())
                 if args.png:
                     print(f"wrote {args.png}")
+        elif args.command == "tune":
+            return _tune(args)
         else:
             rows = compare_rows(args.workers, args.stages, args.microbatches, args.R,
                                 args.forward_cost, args.backward_cost, args.weight_cost)

@@ -99,6 +99,28 @@ def costs(name: str, value: Any, stages: int | None = None,
                  for s, v in enumerate(values))
 
 
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> int:
+    """Bytes from an int or a string like ``"20GiB"``, ``"512 MiB"``, ``"1.5GB"`` (> 0)."""
+    if is_int(value) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        number = text.rstrip("BbIiKkMmGgTt")
+        unit = text[len(number):].upper()
+        try:
+            amount = float(number)
+        except ValueError:
+            amount = -1.0
+        if unit in _BYTE_UNITS and amount > 0:
+            return int(amount * _BYTE_UNITS[unit])
+    raise invalid(name, value, "give a positive number of bytes, or a string with a unit "
+                  "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", '"20GiB"', error)
+
+
 def flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool:
     """A bool argument; 0/1 or "yes" are refused (a string is always truthy)."""
     if not isinstance(value, bool):

@@ -1,0 +1,82 @@
+"""The tuner's measurements: a model cut into S stages, timed and sized on one microbatch.
+
+Why here: the search (``schedule/tune.py``) is pure planning and takes numbers; cutting the
+model, timing the stages and counting their bytes needs torch and the partitioner. One
+:func:`stage_profile` call per stage count gives everything a candidate with that S needs:
+forward and backward seconds (and B/W apart, as the zero-bubble runtime splits them) and the
+bytes of ``partition.measure_stage_bytes`` (what a checkpointed stage would keep included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_gsched.partition.api import partition
+from lightning_gsched.partition.measure_bytes import measure_stage_bytes
+from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.profile import profile_stages
+from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.tune import Network, StageProfile, TuneResult, tune
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    """Rows of the microbatch: the first dimension of its first tensor."""
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return 1
+
+
+def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict | None = None,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  optimizer_factor: float = 0.0, repeats: int = 3,
+                  **partition_options: Any) -> StageProfile:
+    """``model`` cut into ``stages`` stages, measured on the microbatch ``args``/``kwargs``.
+
+    ``loss_fn(output) -> scalar``: the loss of the last stage (timed and sized with it).
+    ``optimizer_factor``: optimizer-state bytes per parameter byte (2 for Adam).
+    ``partition_options``: as :func:`partition` takes them (``balance``, ``leaf_modules``...).
+    """
+    kwargs = kwargs or {}
+    part = partition(model, stages, args, kwargs, **partition_options)
+    whole = profile_stages(part.stages, args, kwargs, loss_fn=loss_fn, repeats=repeats)
+    split = profile_stages(part.stages, args, kwargs, loss_fn=loss_fn, repeats=repeats,
+                           split_backward=True)
+    sizes = measure_stage_bytes(part.stages, args, kwargs, loss_fn=loss_fn,
+                                optimizer_factor=optimizer_factor)
+    return StageProfile(
+        stages=stages, rows=_rows(args, kwargs), forward=tuple(whole.forward),
+        backward=tuple(whole.backward), sizes=sizes,
+        split=(tuple(split.backward), tuple(split.weight)))
+
+
+def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: int,
+               kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               budget: int | str | None = None, optimizer_factor: float = 2.0,
+               network: Network | None = None, schedules: Sequence[str] | None = None,
+               checkpoint: Sequence[bool] = (False, True), repeats: int = 3,
+               **partition_options: Any) -> TuneResult:
+    """Rank every library configuration for ``model`` on ``workers`` ranks (``gsched tune``).
+
+    ``args``/``kwargs``: one microbatch (its rows are the profile's; other microbatch sizes are
+    scaled from it). ``global_rows``: the rows of one optimizer step over all ranks.
+    ``budget``: bytes per rank (an int or ``"20GiB"``); None ranks without a budget.
+    ``optimizer_factor``: optimizer state per parameter byte (2: Adam, 1: SGD with momentum).
+    The model is profiled once per stage count the candidates need, with its buffers and the
+    RNG restored afterwards; ``partition_options`` go to :func:`partition`.
+    """
+    limit = None if budget is None else validate.byte_size("memory_budget", budget)
+    profiles: dict[int, StageProfile] = {}
+
+    def profile_of(stages: int) -> StageProfile:
+        if stages not in profiles:
+            with preserved_tensors_and_rng(model):
+                profiles[stages] = stage_profile(model, stages, args, kwargs, loss_fn,
+                                                 optimizer_factor, repeats, **partition_options)
+        return profiles[stages]
+
+    return tune(workers, global_rows, profile_of, budget=limit, network=network,
+                schedules=schedules, checkpoint=checkpoint)

@@ -1,0 +1,234 @@
+"""The tuner's search: which schedule, S, B, R and checkpointing is fastest within a budget.
+
+Why in the planner: every candidate is an ordinary ``plan()`` whose programs the runtime would
+execute unchanged, so its predicted step time (``predict_step_time``, with per-message costs)
+and its predicted bytes per rank (``predict_memory``) are those of the real run, not of a
+separate model of the schedule. Pure Python: what the model costs comes in as numbers,
+measured by the torch layers per stage count (:class:`StageProfile`, from
+``partition.profile_model``).
+
+Scaling: a profile is measured on microbatches of ``rows`` rows; a candidate with another
+microbatch size scales compute times, stashed activations and messages linearly with the rows
+(weights, gradients and optimizer state do not change). Linear is exact for the matmuls that
+dominate a layer and slightly pessimistic for small microbatches, whose fixed per-call costs
+shrink relative to the work.
+
+Checkpointing (``plan(checkpoint_activations=True)``, every stage) keeps only each stage's inputs
+between F and B and recomputes the forward at B: the planner charges the recompute to B, and the
+bytes model holds the inputs instead of the graph (``schedule/memory.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from lightning_gsched.errors import GschedError, ScheduleConfigError
+from lightning_gsched.schedule.describe import byte_text
+from lightning_gsched.schedule.library import LIBRARY, get_schedule
+from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
+from lightning_gsched.schedule.plan import plan
+from lightning_gsched.schedule.predict import predict_step_time
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """The model cut into ``stages`` stages, measured on one microbatch of ``rows`` rows.
+
+    ``forward``/``backward``: seconds per stage (the whole backward); ``split``: (B, W) seconds
+    per stage measured with the zero-bubble runtime's split backward, None to halve the
+    backward. ``sizes``: bytes per stage (``partition.measure_stage_bytes``).
+    """
+
+    stages: int
+    rows: int
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    sizes: ModelSizes
+    split: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class Network:
+    """Seconds a message takes: ``latency + bytes / bandwidth`` (bandwidth in bytes/second);
+    an all-reduce among replicas is counted as two messages of the gradient's size."""
+
+    latency: float = 50e-6
+    bandwidth: float = 1e9
+
+    def message(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration; ``rows``: rows of one microbatch (the global batch / ``micro``)."""
+
+    schedule: str
+    stages: int
+    micro: int
+    R: int | None
+    checkpoint: bool
+    rows: int
+
+    def text(self) -> str:
+        r = f" R={self.R}" if self.R is not None else ""
+        return (f"{self.schedule} S={self.stages} B={self.micro}{r}"
+                + (" ckpt" if self.checkpoint else ""))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A candidate's predicted step time and peak bytes (max over ranks), or why it was dropped."""
+
+    candidate: Candidate
+    step_time: float | None = None
+    peak: int | None = None
+    fits: bool = False
+    reason: str = ""
+
+
+@dataclass
+class TuneResult:
+    """Every verdict, fastest fitting first; ``best`` is the pick (None when nothing fits)."""
+
+    verdicts: list[Verdict]
+    budget: int | None
+    workers: int
+    global_rows: int
+    dropped_count: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Verdict | None:
+        fitting = [v for v in self.verdicts if v.fits]
+        return fitting[0] if fitting else None
+
+    def table(self, limit: int = 20) -> str:
+        """The ranked table `gsched tune` prints."""
+        lines = [f"gsched tune: W={self.workers}, global batch {self.global_rows} rows, budget "
+                 + (byte_text(self.budget) if self.budget is not None else "none"),
+                 f"{'rank':>4}  {'candidate':<34} {'step time':>10}  {'peak/rank':>10}  fits",
+                 f"{'-' * 4}  {'-' * 34} {'-' * 10}  {'-' * 10}  ----"]
+        costed = [v for v in self.verdicts if v.step_time is not None]
+        fitting, over = [v for v in costed if v.fits], [v for v in costed if not v.fits]
+        # the fastest that fit, then the fastest few over the budget (what it would buy)
+        shown = fitting[:limit] + over[:max(3, limit - len(fitting))]
+        for i, v in enumerate(shown, 1):
+            assert v.step_time is not None and v.peak is not None
+            lines.append(f"{i:>4}  {v.candidate.text():<34} {v.step_time * 1e3:>7.1f} ms  "
+                         f"{byte_text(v.peak):>10}  {'yes' if v.fits else 'no: ' + v.reason}")
+        if len(over) > len(shown) - len(fitting[:limit]):
+            lines.append(f"over the budget: {len(over)} candidates in all")
+        invalid = [v for v in self.verdicts if v.step_time is None]
+        if invalid:
+            lines.append(f"dropped before costing: {len(invalid)} (e.g. "
+                         f"{invalid[0].candidate.text()}: {invalid[0].reason})")
+        best = self.best
+        lines.append("pick: " + (f"{best.candidate.text()}" if best is not None else
+                                 "nothing fits"))
+        return "\n".join(lines)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None = None,
+               checkpoint: Sequence[bool] = (False, True)) -> list[Candidate]:
+    """The search space: every library schedule with its R choices (divisors of W), its default
+    S and twice that, B in {W, 2W, 4W} (dividing the global batch), checkpointing on and off."""
+    out = []
+    micro = [b for b in dict.fromkeys((workers, 2 * workers, 4 * workers))
+             if global_rows % b == 0] or [d for d in _divisors(global_rows) if d <= workers][-1:]
+    for name in schedules or list(LIBRARY):
+        spec = get_schedule(name)
+        Rs: list[int | None] = (list(_divisors(workers)) if spec.default_R is not None
+                                else [None])
+        for R in Rs:
+            default_s = spec.stages(workers, R or 1)
+            for S in dict.fromkeys((default_s, 2 * default_s)):
+                for B in micro:
+                    for ckpt in checkpoint:
+                        out.append(Candidate(name, S, B, R, ckpt, global_rows // B))
+    return out
+
+
+def _scaled(profile: StageProfile, rows: int) -> tuple[ModelSizes, float]:
+    """Sizes for microbatches of ``rows`` rows, and the factor for compute times."""
+    f = rows / profile.rows
+
+    def stage(st: StageSizes) -> StageSizes:
+        return dataclasses.replace(
+            st, activations=int(st.activations * f),
+            received_activations=int(st.stash_from_message * f), message=int(st.message * f),
+            inputs=int(st.inputs * f))
+
+    return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages))), f
+
+
+def evaluate(candidate: Candidate, profile: StageProfile, workers: int, network: Network,
+             budget: int | None) -> Verdict:
+    """Plan the candidate with the profile's costs; its step time and peak bytes."""
+    sizes, f = _scaled(profile, candidate.rows)
+    forward = [t * f for t in profile.forward]
+    backward, weight = [t * f for t in profile.backward], None
+    if get_schedule(candidate.schedule).split_backward and profile.split is not None:
+        backward = [t * f for t in profile.split[0]]
+        weight = [t * f for t in profile.split[1]]
+    try:
+        result = plan(candidate.schedule, workers=workers, stages=candidate.stages,
+                      microbatches=candidate.micro, R=candidate.R,
+                      checkpoint_activations=candidate.checkpoint, forward_cost=forward,
+                      backward_cost=backward, weight_cost=weight)
+    except GschedError as exc:
+        return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
+    stages = sizes.stages
+    transfer = network.message(max((st.message for st in stages), default=0))
+    fetch = [network.message(st.params) for st in stages]
+    reduce = [2 * network.message(st.grads) for st in stages]
+    step = predict_step_time(result, transfer=transfer, fetch=fetch, reduce=reduce).latency
+    peak = max(m.peak for m in predict_memory(result.programs, sizes, result.checkpointed))
+    fits = budget is None or peak <= budget
+    return Verdict(candidate, step, peak, fits,
+                   "" if fits else f"peak {byte_text(peak)} > budget")
+
+
+def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
+         budget: int | None = None, network: Network | None = None,
+         schedules: Sequence[str] | None = None,
+         checkpoint: Sequence[bool] = (False, True)) -> TuneResult:
+    """Rank every candidate (see :func:`candidates`) by predicted step time; those over the
+    budget are kept in the table as "no", those the planner refuses as dropped.
+
+    ``profile_of(S)``: the model measured at S stages (called once per S; raise a GschedError
+    when the model cannot be cut into S stages, and the candidates with that S are dropped).
+    Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached.
+    """
+    network = network or Network()
+    profiles: dict[int, StageProfile | str] = {}
+    verdicts = []
+    for c in candidates(workers, global_rows, schedules, checkpoint):
+        if c.stages not in profiles:
+            try:
+                profiles[c.stages] = profile_of(c.stages)
+            except GschedError as exc:
+                profiles[c.stages] = f"cannot cut {c.stages} stages: {str(exc).splitlines()[0]}"
+        profile = profiles[c.stages]
+        if isinstance(profile, str):
+            verdicts.append(Verdict(c, reason=profile))
+            continue
+        verdicts.append(evaluate(c, profile, workers, network, budget))
+    costed = sorted((v for v in verdicts if v.step_time is not None),
+                    key=lambda v: (not v.fits, v.step_time, v.peak))
+    result = TuneResult(costed + [v for v in verdicts if v.step_time is None], budget, workers,
+                        global_rows)
+    if budget is not None and result.best is None:
+        smallest = min((v.peak for v in costed if v.peak is not None), default=None)
+        raise ScheduleConfigError(
+            f"no candidate fits the memory budget of {byte_text(budget)} per rank; the smallest "
+            f"predicted peak is {byte_text(smallest) if smallest is not None else 'unknown'}"
+            + (f" ({min(costed, key=lambda v: v.peak or 0).candidate.text()})" if costed else "")
+            + ". Raise the budget, add workers, or shrink the per-rank batch."
+        )
+    return result

@@ -1,0 +1,115 @@
+"""The tuner's search (schedule/tune.py) on a synthetic model: ranking, budget, checkpointing.
+
+The model: S equal stages of a network with forward 1.0 s, backward 2.0 s (B and W 1.0 each when
+split), 100 MiB of weights and 64 MiB of stashed activations per microbatch of 8 rows in all,
+measured at 8 rows per microbatch. Everything asserted is derived here from those numbers or
+from independent plans, not read back from the tuner.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gsched.errors import GschedError, ScheduleConfigError
+from lightning_gsched.schedule import plan
+from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
+from lightning_gsched.schedule.tune import Candidate, Network, StageProfile, evaluate, tune
+
+MiB = 2**20
+W, GLOBAL_ROWS = 4, 64
+
+
+def profile(S: int) -> StageProfile:
+    if S > 16:
+        raise ScheduleConfigError(f"cannot cut {S} stages")
+    weights, acts = 100 * MiB // S, 64 * MiB // S
+    stage = StageSizes(weights, weights, 2 * weights, acts, 1 * MiB, inputs=1 * MiB)
+    return StageProfile(S, 8, (1.0 / S,) * S, (2.0 / S,) * S, ModelSizes((stage,) * S),
+                        split=((1.0 / S,) * S, (1.0 / S,) * S))
+
+
+def test_ranked_by_predicted_step_time_and_everything_fits_without_budget() -> None:
+    result = tune(W, GLOBAL_ROWS, profile)
+    times = [v.step_time for v in result.verdicts if v.step_time is not None]
+    assert times == sorted(times) and len(times) > 20
+    assert all(v.fits for v in result.verdicts if v.step_time is not None)
+    assert result.best is result.verdicts[0]
+    # every library schedule was costed
+    assert {v.candidate.schedule for v in result.verdicts if v.step_time is not None} >= {
+        "ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "zb-h1", "zbv"}
+
+
+def test_a_verdict_is_the_plan_it_names() -> None:
+    """The pick's peak equals the bytes model of an independently built plan."""
+    best = tune(W, GLOBAL_ROWS, profile).best
+    assert best is not None
+    c = best.candidate
+    p = plan(c.schedule, workers=W, stages=c.stages, microbatches=c.micro, R=c.R,
+             checkpoint_activations=c.checkpoint)
+    rows = GLOBAL_ROWS // c.micro
+    f = rows / 8
+    st = profile(c.stages).sizes.stages[0]
+    scaled = StageSizes(st.params, st.grads, st.optimizer, int(st.activations * f),
+                        int(st.message * f), inputs=int(st.inputs * f))
+    want = max(m.peak for m in predict_memory(p.programs, ModelSizes((scaled,) * c.stages),
+                                              p.checkpointed))
+    assert best.peak == want
+
+
+def test_budget_picks_the_fastest_that_fits() -> None:
+    free = tune(W, GLOBAL_ROWS, profile)
+    peaks = sorted(v.peak for v in free.verdicts if v.peak is not None)
+    budget = (peaks[0] + peaks[-1]) // 2
+    result = tune(W, GLOBAL_ROWS, profile, budget=budget)
+    best = result.best
+    assert best is not None and best.peak is not None and best.peak <= budget
+    over = [v for v in result.verdicts if v.peak is not None and v.peak > budget]
+    assert over and all(not v.fits and "budget" in v.reason for v in over)
+    fitting = [v.step_time for v in result.verdicts if v.fits]
+    assert best.step_time == min(fitting)
+    assert best.step_time >= free.verdicts[0].step_time  # type: ignore[operator]
+
+
+def test_impossible_budget_names_the_smallest_peak() -> None:
+    free = tune(W, GLOBAL_ROWS, profile)
+    smallest = min(v.peak for v in free.verdicts if v.peak is not None)
+    with pytest.raises(ScheduleConfigError, match="smallest predicted peak") as info:
+        tune(W, GLOBAL_ROWS, profile, budget=smallest - 1)
+    from lightning_gsched.schedule.describe import byte_text
+
+    assert byte_text(smallest) in str(info.value)
+
+
+def test_checkpointing_trades_time_for_activation_bytes() -> None:
+    base = Candidate("gpipe", W, 2 * W, None, False, GLOBAL_ROWS // (2 * W))
+    ckpt = Candidate("gpipe", W, 2 * W, None, True, GLOBAL_ROWS // (2 * W))
+    plain = evaluate(base, profile(W), W, Network(), None)
+    saved = evaluate(ckpt, profile(W), W, Network(), None)
+    assert saved.peak < plain.peak  # type: ignore[operator]
+    assert saved.step_time > plain.step_time  # type: ignore[operator]
+
+
+def test_stage_counts_the_model_cannot_reach_are_dropped_with_the_reason() -> None:
+    def shallow(S: int) -> StageProfile:
+        if S > 4:
+            raise ScheduleConfigError(f"the model has 4 blocks, not {S}")
+        return profile(S)
+
+    result = tune(W, GLOBAL_ROWS, shallow)
+    dropped = [v for v in result.verdicts if v.step_time is None]
+    assert dropped and all(v.candidate.stages > 4 or "invalid" in v.reason for v in dropped)
+    assert any("4 blocks" in v.reason for v in dropped)
+    assert "dropped before costing" in result.table()
+
+
+def test_table_names_the_pick() -> None:
+    result = tune(2, 16, profile, budget=400 * MiB)
+    text = result.table()
+    assert result.best is not None
+    assert f"pick: {result.best.candidate.text()}" in text
+    assert "budget 400.0 MiB" in text or "budget 400 MiB" in text
+
+
+def test_error_type_is_a_gsched_error() -> None:
+    with pytest.raises(GschedError):
+        tune(W, GLOBAL_ROWS, profile, budget=1)

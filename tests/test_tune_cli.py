@@ -1,0 +1,88 @@
+"""``gsched tune`` end to end on a small model: profile per stage count, rank, pick, errors."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+from lightning_gsched import cli
+from lightning_gsched.partition.tune_profile import tune_model
+from models import gpt_inputs, make_gpt
+
+TARGET = "tests/test_tune_cli.py:tiny_target"
+
+
+def tiny_target() -> tuple:
+    """The target `gsched tune` loads: a 4-layer GPT and one microbatch of 2 rows."""
+    model = make_gpt(layers=4)
+    (idx,) = gpt_inputs(batch=2)
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx.reshape(-1))
+
+    return model, (idx,), loss_fn
+
+
+def _peaks(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"^\s+\d+\s+(\S.*?)\s{2,}\S+ ms\s+(\S+ \S+)\s+(yes|no)", text, re.M)
+
+
+def test_tune_ranks_and_picks_within_the_budget(capsys) -> None:
+    assert cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8",
+                     "--schedules", "gpipe", "1f1b", "zbv", "fsdp"]) == 0
+    free = capsys.readouterr().out
+    assert "budget none" in free and "pick: " in free
+    rows = re.findall(r"^\s+\d+\s+(\S+ S=.*?)\s{2,}\s*([\d.]+) ms\s+([\d.]+ \S+)\s+(yes|no)",
+                      free, re.M)
+    assert rows and all(fits == "yes" for *_, fits in rows)
+    times = [float(t) for _, t, _, _ in rows]
+    assert times == sorted(times)
+    # a budget between the smallest and the largest peak: the pick is under it
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    peaks = sorted(float(p.split()[0]) * units[p.split()[1]] for _, _, p, _ in rows)
+    budget = int((peaks[0] + peaks[-1]) / 2)
+    assert cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--budget", str(budget),
+                     "--schedules", "gpipe", "1f1b", "zbv", "fsdp"]) == 0
+    ranked = capsys.readouterr().out
+    pick = ranked.split("pick: ")[1].strip()
+    chosen = [r for r in re.findall(r"^\s+\d+\s+(\S+ S=.*?)\s{2,}\s*[\d.]+ ms\s+([\d.]+ \S+)\s+"
+                                    r"(yes|no)", ranked, re.M) if r[0].strip() == pick]
+    assert chosen and chosen[0][2] == "yes"
+    value, unit = chosen[0][1].split()
+    assert float(value) * units[unit] <= budget * 1.001  # printed with one decimal
+    assert "no: peak" in ranked
+
+
+def test_impossible_budget_is_an_error_naming_the_smallest_peak(capsys) -> None:
+    assert cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--budget", "1KiB",
+                     "--schedules", "1f1b"]) == 2
+    err = capsys.readouterr().err
+    assert "no candidate fits the memory budget of 1.0 KiB" in err
+    assert "smallest predicted peak is" in err
+
+
+def test_bad_target_and_budget_are_clear_errors(capsys) -> None:
+    assert cli.main(["tune", "nofile.py:f", "-w", "2", "--global-batch", "8"]) == 2
+    assert "no file nofile.py" in capsys.readouterr().err
+    assert cli.main(["tune", "tests/test_tune_cli.py:nothing", "-w", "2",
+                     "--global-batch", "8"]) == 2
+    assert "has no function nothing" in capsys.readouterr().err
+    try:
+        cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--budget", "lots"])
+    except SystemExit as exc:  # argparse: usage, exit 2, the rule
+        assert exc.code == 2
+    assert "memory_budget='lots' is not valid" in capsys.readouterr().err
+
+
+def test_tuning_leaves_the_model_as_it_was() -> None:
+    model, args, loss_fn = tiny_target()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    result = tune_model(model, args, 2, 8, loss_fn=loss_fn, schedules=["1f1b"],
+                        checkpoint=(False,), repeats=1)
+    assert result.best is not None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
