@@ -72,8 +72,10 @@ def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]
     return state, csv_metric(tmp, "train_loss")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# schedule innermost: all W=2 cases, then all W=4 ones, so the module's worker processes are
+# started twice rather than once per case
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, tmp_path) -> None:
     world = worlds.get(world_size)
     # Adam at W=2 only: which rank holds which parameter's optimizer state follows from stage

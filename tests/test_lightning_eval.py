@@ -73,8 +73,9 @@ def _rank_rows(reference_rows: torch.Tensor, world: int, rank: int) -> list[torc
     return full + tail
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# schedule innermost: the W=2 cases, then the W=4 ones (worker processes started twice)
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_eval_matches_single_device(worlds, world_size: int, schedule: str) -> None:
     if world_size == 4 and schedule not in ("fsdp", "1f1b", "interleaved", "fslpp"):
         pytest.skip("W=4 covers one schedule per family (W=2 covers all)")
