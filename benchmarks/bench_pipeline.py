@@ -1,49 +1,67 @@
-"""``pipeline_vs_torch``: our gpipe / 1f1b against torch.distributed.pipelining on the same split.
+"""``pipeline_vs_torch``: our pipeline schedules against torch.distributed.pipelining, same split.
+
+Four rows, one code path (:data:`ROWS`, :func:`run`): each row names our schedule, torch's
+closest schedule, the number of stages S and how stages sit on ranks.
+
+| row | ours | torch | S | rank r holds |
+|---|---|---|---|---|
+| ``gpipe`` | ``GeneralParallel("gpipe")`` | ``ScheduleGPipe`` | 2 | stage r |
+| ``1f1b`` | ``GeneralParallel("1f1b")`` | ``Schedule1F1B`` | 2 | stage r |
+| ``zb-h1`` | ``GeneralParallel("zb-h1")`` | ``ScheduleInterleavedZeroBubble`` | 2 | stage r |
+| ``zbv`` | ``GeneralParallel("zbv")`` | ``ScheduleZBVZeroBubble`` | 4 | stages r and 3 - r |
 
 Both sides train the benchmark GPT (:mod:`benchmarks.model`, seed 0) on the same global batches
-with 2 processes (2 stages, one per rank), 8 microbatches, SGD with momentum 0.9 and lr 0.05, and
-the mean of the microbatches' ``lm_loss`` as the loss.
+with 2 processes, 8 microbatches, SGD with momentum 0.9 and lr 0.05, and the mean of the
+microbatches' ``lm_loss`` as the loss.
 
 * Ours: :func:`fit_timed_ours` (the fit of :func:`benchmarks.lit_runs.fit_timed`, through
   :func:`benchmarks.lit_runs.run_fit`, plus CPU times and optional profiling) with
-  ``GeneralParallel("gpipe" | "1f1b", microbatches=8)``;
+  ``GeneralParallel(<schedule>, microbatches=8)`` and the library defaults (S = W for gpipe,
+  1f1b and zb-h1, S = 2W in a V for zbv; zb-h1 and zbv split each backward into B and W);
   a step is Lightning's whole training batch (forward, backward, transfers, optimizer step,
   logging), see :mod:`benchmarks.lit_runs`.
-* Anchor: a plain torch loop (:func:`torch_pipeline_timed`) with ``PipelineStage`` and
-  ``ScheduleGPipe`` / ``Schedule1F1B`` (``n_microbatches=8``, ``loss_fn=lm_loss``, default
+* Anchor: a plain torch loop (:func:`torch_pipeline_timed`) with one ``PipelineStage`` per local
+  stage and the row's torch schedule (``n_microbatches=8``, ``loss_fn=lm_loss``, default
   ``scale_grads=True``, outputs not returned); a step is ``schedule.step`` + ``optimizer.step``
-  + ``zero_grad``.
+  + ``zero_grad``. ``ScheduleInterleavedZeroBubble`` (torch's ZB1P, i.e. ZB-H1) accepts one
+  local stage per rank: its warm-up is then W-1-r forwards, and it needs ``n_microbatches`` to
+  be a multiple of ``max(1, n_microbatches // W)`` (8 at W=2: 4 rounds of 2). Both torch
+  zero-bubble schedules split the backward into input (I) and weight (W) passes as ours do.
 
-Same split: :func:`stage_split` asks our partitioner (in the parent process) where it cuts the
-model at 2 stages, and the anchor builds its two stages as plain ``nn.Module`` halves of
-``GPTCore`` cut at that block (an error if the cut is not between two blocks). With the default
-shape the cut is after ``blocks.1`` (1,661,440 | 1,645,568 parameters, one 256 KiB activation
-per 4-row microbatch crosses it): stage 0 = ``wte, wpe, blocks[0:2]``, stage 1 =
-``blocks[2:4], ln_f, head``.
+Same split: :func:`benchmarks.pipeline_split.stage_split` asks our partitioner (in the parent
+process) where it cuts the model at S stages, and the anchor rebuilds the same S stages as plain
+``nn.Module`` slices of ``GPTCore`` at those blocks (an error if a cut falls inside a block).
+With the default shape: at S=2 the cut is after ``blocks.1`` (1,661,440 | 1,645,568
+parameters): ``wte+wpe+blocks[0:2] | blocks[2:4]+ln_f+head``; at S=4 every stage holds one
+block: ``wte+wpe+blocks[0:1] | blocks[1:2] | blocks[2:3] | blocks[3:4]+ln_f+head``
+(871,680 | 789,760 | 789,760 | 855,808). One 256 KiB activation per 4-row microbatch crosses
+each cut.
 
 Same computation: each side reports the loss of its last step (ours: the logged ``train_loss``,
 the mean over the global batch; anchor: the mean of the last stage's microbatch losses), i.e.
 the loss after ``steps - 1`` updates from the same initial weights on the same data; the two
-must agree closely (they did to all printed digits when this was written).
+must agree closely (``loss_abs_diff`` in ``extra``).
 
 Both sides time rank 0's steps; the first ``WARMUP`` steps of each run are dropped. Besides the
 wall times (the ratio), ``extra`` has each side's median process CPU time per step on rank 0:
 on a machine shared with other jobs the wall times swing by tens of percent while the CPU times
 stay put, so a wall ratio far from ``cpu_ratio`` says "noise or waiting", not "more work".
 
-``python -m benchmarks.bench_pipeline [--quick] [--profile]``: print the rows; ``--profile``
-additionally runs each side once under cProfile (rank 0 and rank 1, steady steps only) and
-prints the top functions in ms per step.
+``python -m benchmarks.bench_pipeline [--quick] [--profile] [--rows NAME ...]``: print the rows
+(all, or the named ones); ``--profile`` additionally runs each side of those rows once under
+cProfile (rank 0 and rank 1, steady steps only) and prints the top functions in ms per step.
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import functools
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from benchmarks.common import (
     Result,
@@ -56,6 +74,7 @@ from benchmarks.common import (
     spread,
     steady,
 )
+from benchmarks.pipeline_split import describe, local_stages, stage_modules, stage_split
 
 MODULE = "benchmarks.bench_pipeline"  # not __name__: that is "__main__" under python -m
 WORLD = 2
@@ -63,96 +82,74 @@ MICROBATCHES = 8
 WARMUP = 3
 PER_RANK = 16  # global batch 32 rows of 64 tokens, microbatches of 4 rows
 GOAL = "<= 0.95"
-SCHEDULES = ("gpipe", "1f1b")
 QUICK = {"steps": 8, "rounds": 1}
 FULL = {"steps": 12, "rounds": 3}
+
+
+@dataclass(frozen=True)
+class PipelineRow:
+    """One ``pipeline_vs_torch[<schedule>]`` row: our schedule, torch's, the stages and placement.
+
+    ``placement``: ``"loop"`` (stage s on rank s mod W) or ``"v"`` (rank r holds r and 2W-1-r),
+    see :func:`benchmarks.pipeline_split.local_stages`; it must be where our library puts the
+    stages, so both sides hold the same modules on the same ranks.
+    """
+
+    schedule: str
+    torch_schedule: str
+    stages: int
+    placement: str = "loop"
+
+
+ROWS = {row.schedule: row for row in (
+    PipelineRow("gpipe", "ScheduleGPipe", WORLD),
+    PipelineRow("1f1b", "Schedule1F1B", WORLD),
+    PipelineRow("zb-h1", "ScheduleInterleavedZeroBubble", WORLD),
+    PipelineRow("zbv", "ScheduleZBVZeroBubble", 2 * WORLD, "v"),
+)}
+
+
+@functools.lru_cache(maxsize=None)
+def _split(stages: int) -> dict[str, Any]:
+    from benchmarks.model import GPTShape
+
+    return stage_split(GPTShape(), stages, PER_RANK * WORLD // MICROBATCHES)
 
 
 # --------------------------------------------------------------------------- the anchor
 
 
-@functools.lru_cache(maxsize=None)
-def stage_split(shape: Any) -> dict[str, Any]:
-    """Where our partitioner cuts BenchLit at 2 stages, as a block index (checked).
-
-    Runs once in the parent process (tracing + the "params" balance are deterministic, so this
-    is the cut every rank of our runs makes); the anchor's workers get the block index.
-    """
-    import torch
-
-    from benchmarks.model import BenchLit
-    from lightning_gsched.partition import partition
-
-    model = BenchLit(shape.as_dict())
-    example = torch.zeros(2, shape.seq, dtype=torch.long)
-    part = partition(model, WORLD, (example,), {})
-    first, second = (set(names) for names in part.stage_parameter_names)
-    layers = shape.layers
-
-    def block_names(blocks: range) -> set[str]:
-        return {f"core.blocks.{i}.{name}" for i in blocks
-                for name, _ in model.core.blocks[i].named_parameters()}
-
-    for cut in range(layers + 1):
-        want0 = {"core.wte.weight", "core.wpe.weight"} | block_names(range(cut))
-        want1 = block_names(range(cut, layers)) | {"core.ln_f.weight", "core.ln_f.bias",
-                                                   "core.head.weight"}
-        if first == want0 and second == want1:
-            return {"cut": cut, "stage_params": part.stage_param_counts,
-                    "boundary": part.boundary_names[0]}
-    raise RuntimeError(
-        "our partitioner does not cut the benchmark GPT between two blocks, so the anchor "
-        f"cannot rebuild the same split; stage 0 reads {sorted(first)}, stage 1 {sorted(second)}"
-    )
-
-
-def _halves(core: Any, cut: int) -> tuple[Any, Any]:
-    """Stage 0 = embeddings + blocks[:cut]; stage 1 = blocks[cut:] + ln_f + head (same tensors)."""
-    import torch.nn as nn
-
-    class First(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte, self.wpe = core.wte, core.wpe
-            self.blocks = nn.Sequential(*list(core.blocks)[:cut])
-            self.register_buffer("positions", core.positions, persistent=False)
-
-        def forward(self, idx: Any) -> Any:
-            return self.blocks(self.wte(idx) + self.wpe(self.positions))
-
-    class Second(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.Sequential(*list(core.blocks)[cut:])
-            self.ln_f, self.head = core.ln_f, core.head
-
-        def forward(self, x: Any) -> Any:
-            return self.head(self.ln_f(self.blocks(x)))
-
-    return First(), Second()
-
-
 def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int,
-                         cut: int, microbatches: int = MICROBATCHES,
+                         cuts: list[int], microbatches: int = MICROBATCHES,
                          shape: dict[str, int] | None = None, profile_dir: str | None = None,
                          warmup: int = WARMUP) -> dict[str, Any]:
-    """One rank of the anchor: torch.distributed.pipelining, plain loop; rank 0's step times."""
+    """One rank of the anchor: torch.distributed.pipelining, plain loop; rank 0's step times.
+
+    ``schedule`` names a row of :data:`ROWS`; ``cuts`` are the block indices of
+    :func:`benchmarks.pipeline_split.stage_split`. The rank holding stage 0 passes the inputs,
+    the one holding the last stage the targets (both on rank 0 in the V), as torch requires.
+    """
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
+    row = ROWS[schedule]
     gshape = GPTShape(**(shape or {}))
     dist.init_process_group("gloo")
     try:
-        core = build_core(gshape, seed=0)
-        module = _halves(core, cut)[rank]
-        del core
-        stage = PipelineStage(module, rank, world, torch.device("cpu"))
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        sched = cls(stage, microbatches, loss_fn=lm_loss)
-        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        mine = local_stages(row.placement, rank, world, len(cuts) + 1)
+        modules = stage_modules(build_core(gshape, seed=0), cuts)
+        num_stages = len(modules)
+        local = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
+        cls = getattr(schedules, row.torch_schedule)
+        single = issubclass(cls, schedules.PipelineScheduleSingle)
+        sched = cls(local[0] if single else local, microbatches, loss_fn=lm_loss)
+        opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.05,
+                              momentum=0.9)
+        del modules
+        first, last = 0 in mine, num_stages - 1 in mine
         rows = per_rank * world
         data = token_data(gshape, rows * steps)
         xs, ys = data.tensors
@@ -162,28 +159,28 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
         prof = cProfile.Profile() if profile_dir else None
         for i in range(steps):
             x, y = xs[i * rows:(i + 1) * rows], ys[i * rows:(i + 1) * rows]
+            step_losses: list[Any] = []
             if prof is not None and i >= warmup:
                 prof.enable()
             cpu = time.process_time()
             start = time.perf_counter()
-            if rank == 0:
-                sched.step(x)
-            else:
-                step_losses: list[Any] = []
-                sched.step(target=y, losses=step_losses, return_outputs=False)
+            sched.step(*((x,) if first else ()), target=y if last else None,
+                       losses=step_losses if last else None, return_outputs=False)
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu)
             if prof is not None and i >= warmup:
                 prof.disable()
-            if rank == world - 1:
+            if last:
                 losses.append(float(torch.stack(step_losses).mean()))
         if prof is not None:
             dump_profile(prof, profile_dir, rank, steps - warmup)
-        # the loss lives on the last stage; rank 0 returns it
+        # the loss lives with the last stage; rank 0 returns it
         box = [losses]
-        dist.broadcast_object_list(box, src=world - 1)
+        holder = next(r for r in range(world)
+                      if num_stages - 1 in local_stages(row.placement, r, world, num_stages))
+        dist.broadcast_object_list(box, src=holder)
         return {"times": times, "cpu_times": cpu_times, "loss": box[0][-1], "losses": box[0],
                 "threads": torch.get_num_threads()}
     finally:
@@ -223,18 +220,16 @@ def fit_timed_ours(rank: int, world: int, strategy: dict[str, Any], steps: int, 
 # --------------------------------------------------------------------------- the benchmark
 
 
-def _ours(schedule: str, steps: int, per_rank: int) -> dict[str, Any]:
+def _ours(schedule: str, steps: int, per_rank: int, profile_dir: str | None = None) -> Any:
     return launch(f"{MODULE}:fit_timed_ours", WORLD,
                   strategy={"kind": "gsched", "schedule": schedule, "microbatches": MICROBATCHES},
-                  steps=steps, per_rank=per_rank)
+                  steps=steps, per_rank=per_rank, profile_dir=profile_dir)
 
 
-def _anchor(schedule: str, steps: int, per_rank: int) -> dict[str, Any]:
-    from benchmarks.model import GPTShape
-
+def _anchor(schedule: str, steps: int, per_rank: int, profile_dir: str | None = None) -> Any:
     return launch(f"{MODULE}:torch_pipeline_timed", WORLD, schedule=schedule, steps=steps,
-                  per_rank=per_rank, cut=stage_split(GPTShape())["cut"],
-                  microbatches=MICROBATCHES)
+                  per_rank=per_rank, cuts=_split(ROWS[schedule].stages)["cuts"],
+                  microbatches=MICROBATCHES, profile_dir=profile_dir)
 
 
 def _fmt(loss: float | None) -> str:
@@ -257,85 +252,93 @@ def _side(
     return measure
 
 
-def run(quick: bool) -> list[Result]:
+def _placement_text(row: PipelineRow) -> str:
+    if row.placement == "v":
+        return f"{row.stages} stages in a V (rank r holds stages r and {row.stages - 1}-r)"
+    return f"{row.stages} stages, one per rank" if row.stages == WORLD else f"{row.stages} stages"
+
+
+def measure_row(row: PipelineRow, steps: int, rounds: int) -> Result:
+    """One row: both sides alternated ``rounds`` times; medians, spreads, CPU, loss agreement."""
     from benchmarks.model import GPTShape
 
-    cfg = QUICK if quick else FULL
-    steps, rounds = cfg["steps"], cfg["rounds"]
     shape = GPTShape()
-    split = stage_split(shape)
-    cut = split["cut"]
-    results = []
-    for schedule in SCHEDULES:
-        losses: dict[str, list[float | None]] = {"ours": [], "anchor": []}
-        cpu: dict[str, list[float]] = {"ours": [], "anchor": []}
-
-        wall = time.perf_counter()
-        times = alternate(
-            {
-                name: _side(fn, schedule, steps, losses[name], cpu[name])
-                for name, fn in (("ours", _ours), ("anchor", _anchor))
-            },
-            rounds,
-        )
-        wall = time.perf_counter() - wall
-        loss_ours, loss_anchor = losses["ours"][-1], losses["anchor"][-1]
-        diff = None if loss_ours is None or loss_anchor is None else abs(loss_ours - loss_anchor)
-        torch_name = "ScheduleGPipe" if schedule == "gpipe" else "Schedule1F1B"
-        notes = (f"W=2, 2 stages, {MICROBATCHES} microbatches, global batch "
-                 f"{PER_RANK * WORLD}x{shape.seq} tokens, SGD momentum; same split both sides "
-                 f"(our partitioner's, rebuilt as nn.Modules for torch): wte+wpe+blocks[0:{cut}] "
-                 f"| blocks[{cut}:]+ln_f+head; anchor = torch.distributed.pipelining "
-                 f"{torch_name} in a plain loop; loss at step {steps}: ours {_fmt(loss_ours)}, "
-                 f"torch {_fmt(loss_anchor)}")
-        results.append(Result(
-            name=f"pipeline_vs_torch[{schedule}]",
-            ours_s=median(times["ours"]),
-            anchor_s=median(times["anchor"]),
-            goal=GOAL,
-            notes=notes,
-            extra={
-                "ours_spread": spread(times["ours"]),
-                "anchor_spread": spread(times["anchor"]),
-                # rank 0's process CPU time per step (all its threads): the work each side
-                # does, much less sensitive than wall time to other load on the machine
-                "ours_cpu_s": median(cpu["ours"]), "anchor_cpu_s": median(cpu["anchor"]),
-                "cpu_ratio": median(cpu["ours"]) / median(cpu["anchor"]),
-                "steps_per_run": steps, "warmup_dropped": WARMUP, "rounds": rounds,
-                "steps_measured": {k: len(v) for k, v in times.items()},
-                "loss_ours": loss_ours, "loss_anchor": loss_anchor, "loss_abs_diff": diff,
-                "loss_per_round": losses,
-                "cut_after_block": cut, "stage_params": split["stage_params"],
-                "boundary_values": split["boundary"],
-                "per_rank": PER_RANK, "global_batch": PER_RANK * WORLD,
-                "microbatches": MICROBATCHES, "wall_s": round(wall, 1),
-            },
-        ))
-    return results
+    split = _split(row.stages)
+    losses: dict[str, list[float | None]] = {"ours": [], "anchor": []}
+    cpu: dict[str, list[float]] = {"ours": [], "anchor": []}
+    wall = time.perf_counter()
+    times = alternate(
+        {name: _side(fn, row.schedule, steps, losses[name], cpu[name])
+         for name, fn in (("ours", _ours), ("anchor", _anchor))},
+        rounds,
+    )
+    wall = time.perf_counter() - wall
+    loss_ours, loss_anchor = losses["ours"][-1], losses["anchor"][-1]
+    diff = None if loss_ours is None or loss_anchor is None else abs(loss_ours - loss_anchor)
+    notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global batch "
+             f"{PER_RANK * WORLD}x{shape.seq} tokens, SGD momentum; same split both sides "
+             f"(our partitioner's, rebuilt as nn.Modules for torch): "
+             f"{describe(split['cuts'], shape.layers)}; anchor = "
+             f"torch.distributed.pipelining {row.torch_schedule} in a plain loop; loss at step "
+             f"{steps}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
+    return Result(
+        name=f"pipeline_vs_torch[{row.schedule}]",
+        ours_s=median(times["ours"]),
+        anchor_s=median(times["anchor"]),
+        goal=GOAL,
+        notes=notes,
+        extra={
+            "ours_spread": spread(times["ours"]),
+            "anchor_spread": spread(times["anchor"]),
+            # rank 0's process CPU time per step (all its threads): the work each side does,
+            # much less sensitive than wall time to other load on the machine
+            "ours_cpu_s": median(cpu["ours"]), "anchor_cpu_s": median(cpu["anchor"]),
+            "cpu_ratio": median(cpu["ours"]) / median(cpu["anchor"]),
+            "steps_per_run": steps, "warmup_dropped": WARMUP, "rounds": rounds,
+            "steps_measured": {k: len(v) for k, v in times.items()},
+            "loss_ours": loss_ours, "loss_anchor": loss_anchor, "loss_abs_diff": diff,
+            "loss_per_round": losses,
+            "stages": row.stages, "placement": row.placement, "cuts_before_block": split["cuts"],
+            "stage_params": split["stage_params"], "boundary_values": split["boundary"],
+            "per_rank": PER_RANK, "global_batch": PER_RANK * WORLD,
+            "microbatches": MICROBATCHES, "wall_s": round(wall, 1),
+        },
+    )
 
 
-def profile(quick: bool) -> str:
-    """Run each side once per schedule under cProfile; the summaries (for development)."""
-    from benchmarks.model import GPTShape
+def _chosen(names: Sequence[str] | None) -> list[PipelineRow]:
+    unknown = sorted(set(names or ()) - set(ROWS))
+    if unknown:
+        raise ValueError(f"unknown pipeline_vs_torch rows {unknown}; choose from {list(ROWS)}")
+    return [row for name, row in ROWS.items() if not names or name in names]
 
+
+def run(quick: bool, rows: Sequence[str] | None = None) -> list[Result]:
+    """The rows named in ``rows`` (all of :data:`ROWS` by default), in :data:`ROWS`' order."""
+    cfg = QUICK if quick else FULL
+    return [measure_row(row, cfg["steps"], cfg["rounds"]) for row in _chosen(rows)]
+
+
+def profile(quick: bool, rows: Sequence[str] | None = None) -> str:
+    """Run each side of each chosen row once under cProfile; the summaries (for development)."""
     steps = (QUICK if quick else FULL)["steps"]
     texts = []
-    for schedule in SCHEDULES:
+    for row in _chosen(rows):
         with tempfile.TemporaryDirectory(prefix="gsched_prof_") as tmp:
-            ours_dir, anchor_dir = str(Path(tmp) / "ours"), str(Path(tmp) / "anchor")
-            launch(f"{MODULE}:fit_timed_ours", WORLD, profile_dir=ours_dir,
-                   strategy={"kind": "gsched", "schedule": schedule,
-                             "microbatches": MICROBATCHES},
-                   steps=steps, per_rank=PER_RANK)
-            launch(f"{MODULE}:torch_pipeline_timed", WORLD, schedule=schedule, steps=steps,
-                   per_rank=PER_RANK, cut=stage_split(GPTShape())["cut"], profile_dir=anchor_dir)
-            texts.append(f"######## {schedule}: ours ########\n" + profile_summary(ours_dir))
-            texts.append(f"######## {schedule}: torch ########\n" + profile_summary(anchor_dir))
+            for side, fn in (("ours", _ours), ("torch", _anchor)):
+                folder = str(Path(tmp) / side)
+                fn(row.schedule, steps, PER_RANK, profile_dir=folder)
+                texts.append(f"######## {row.schedule}: {side} ########\n"
+                             + profile_summary(folder))
     return "\n".join(texts)
 
 
 def main(argv: list[str] | None = None) -> None:
-    bench_main(argv, __doc__.splitlines()[0], run, profile,
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=None)
+    known, rest = parser.parse_known_args(argv)
+    bench_main(rest, __doc__.splitlines()[0], functools.partial(run, rows=known.rows),
+               functools.partial(profile, rows=known.rows),
                "also run each side under cProfile and print the top functions", short=True)
 
 
