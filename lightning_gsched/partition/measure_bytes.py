@@ -30,6 +30,7 @@ from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.profile import _run_loss, _run_stage
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes
+from lightning_gsched.runtime.layout import split_parameters
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes
 
 
@@ -53,12 +54,7 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
     """
     if not stages:
         raise PartitionError("measure_stage_bytes needs at least one stage")
-    per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
-    readers: dict[int, int] = {}
-    for params in per_stage:
-        for p in params:
-            readers[id(p)] = readers.get(id(p), 0) + 1
-    tied = list(dict.fromkeys(p for params in per_stage for p in params if readers[id(p)] > 1))
+    own_params, tied = split_parameters(stages)
     sizes: list[StageSizes] = []
     parts: wire.Split | None = None
     last = len(stages) - 1
@@ -76,7 +72,7 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
                 header, payload = wire.encode(parts, _device(parts))
                 message, _ = wire.decode(int(header[0]), payload)
                 received, _, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
-            own = [p for p in per_stage[s] if readers[id(p)] == 1]
+            own = own_params[s]
             trainable = _bytes([p for p in own if p.requires_grad])
             parts = None if s == last else wire.split(out, what=f"output of stage {s}")
             # a checkpointed stage keeps its inputs (the model's input, or the message) and, on

@@ -124,6 +124,24 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
         )
 
 
+def split_parameters(
+    stages: Sequence[nn.Module],
+) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """(each stage's own parameters, the tied ones): a parameter read by one stage lives in that
+    stage's buffer; one read by several stages is tied, replicated on every rank outside them.
+
+    The one rule for both the runtime's buffers and ``partition.measure_stage_bytes``'s sizes.
+    """
+    per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
+    readers: dict[int, int] = {}
+    for params in per_stage:
+        for p in params:
+            readers[id(p)] = readers.get(id(p), 0) + 1
+    own = [[p for p in params if readers[id(p)] == 1] for params in per_stage]
+    tied = list(dict.fromkeys(p for params in per_stage for p in params if readers[id(p)] > 1))
+    return own, tied
+
+
 def build_flat_stages(
     stages: Sequence[nn.Module], owned: set[int]
 ) -> tuple[list[FlatStage], FlatGrads, torch.device]:
@@ -132,19 +150,11 @@ def build_flat_stages(
     Non-owned stages are released right away, so from here on a rank holds only its own stages
     (plus tied parameters).
     """
-    per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
-    readers: dict[int, int] = {}
-    for params in per_stage:
-        for p in params:
-            readers[id(p)] = readers.get(id(p), 0) + 1
-    shared = list(dict.fromkeys(p for params in per_stage for p in params if readers[id(p)] > 1))
-    all_params = [p for params in per_stage for p in params]
+    own, shared = split_parameters(stages)
+    all_params = [p for stage in stages for p in dict.fromkeys(stage.parameters())]
     device = all_params[0].device if all_params else torch.device("cpu")
     dtype = all_params[0].dtype if all_params else torch.float32
-    flats = [
-        FlatStage(s, [p for p in params if readers[id(p)] == 1], owned=s in owned)
-        for s, params in enumerate(per_stage)
-    ]
+    flats = [FlatStage(s, params, owned=s in owned) for s, params in enumerate(own)]
     if shared:
         dtype = shared[0].dtype
     return flats, FlatGrads(shared, dtype, device), device
