@@ -35,6 +35,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_memory,
         bench_pipeline,
         bench_planner,
+        bench_tune,
     )
 
     return {
@@ -44,6 +45,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "single_process_overhead": lambda q: [bench_lightning.single_process_overhead(q)],
         "fidelity": bench_fidelity.run,
         "memory": bench_memory.run,
+        "tune": bench_tune.run,
         "planner_speed": bench_planner.run,
     }
 
