@@ -136,15 +136,22 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None = None,
                checkpoint: Sequence[bool] = (False, True)) -> list[Candidate]:
-    """The search space: every library schedule with its R choices (divisors of W), its default
-    S and twice that, B in {W, 2W, 4W} (dividing the global batch), checkpointing on and off."""
+    """The search space: every library schedule with its R choices (the default, and the
+    divisors of W strictly between 1 and W), its default S and twice that, B in {W, 2W, 4W}
+    (dividing the global batch), checkpointing on and off."""
     out = []
     micro = [b for b in dict.fromkeys((workers, 2 * workers, 4 * workers))
              if global_rows % b == 0] or [d for d in _divisors(global_rows) if d <= workers][-1:]
     for name in schedules or list(LIBRARY):
         spec = get_schedule(name)
-        Rs: list[int | None] = (list(_divisors(workers)) if spec.default_R is not None
-                                else [None])
+        # R=1 and R=W are DDP's and GPipe's placements under another name (seed, Table 1):
+        # the looped schedules try their default R and the R strictly between
+        Rs: list[int | None] = [None]
+        if spec.default_R is not None:
+            default_R = spec.default_R(workers)
+            middle = [d for d in _divisors(workers) if 1 < d < workers]
+            # a schedule whose default is one group of all W (interleaved) has no other R
+            Rs = list(dict.fromkeys([default_R] + (middle if default_R < workers else [])))
         for R in Rs:
             default_s = spec.stages(workers, R or 1)
             for S in dict.fromkeys((default_s, 2 * default_s)):
@@ -194,6 +201,20 @@ def evaluate(candidate: Candidate, profile: StageProfile, workers: int, network:
                    "" if fits else f"peak {byte_text(peak)} > budget")
 
 
+def _distinct(ranked: list[Verdict]) -> list[Verdict]:
+    """Drop a candidate predicted exactly like a better-ranked one of the same schedule, S, R
+    and checkpointing (e.g. DDP with more, smaller microbatches): fewer microbatches first."""
+    seen: set[tuple[object, ...]] = set()
+    out = []
+    for v in ranked:
+        c = v.candidate
+        key = (c.schedule, c.stages, c.R, c.checkpoint, v.step_time, v.peak)
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out
+
+
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
          budget: int | None = None, network: Network | None = None,
          schedules: Sequence[str] | None = None,
@@ -220,7 +241,8 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
             continue
         verdicts.append(evaluate(c, profile, workers, network, budget))
     costed = sorted((v for v in verdicts if v.step_time is not None),
-                    key=lambda v: (not v.fits, v.step_time, v.peak))
+                    key=lambda v: (not v.fits, v.step_time, v.peak, v.candidate.micro))
+    costed = _distinct(costed)
     result = TuneResult(costed + [v for v in verdicts if v.step_time is None], budget, workers,
                         global_rows)
     if budget is not None and result.best is None:
