@@ -21,7 +21,7 @@ bytes model holds the inputs instead of the graph (``schedule/memory.py``).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
@@ -97,7 +97,6 @@ class TuneResult:
     budget: int | None
     workers: int
     global_rows: int
-    dropped_count: dict[str, int] = field(default_factory=dict)
 
     @property
     def best(self) -> Verdict | None:
