@@ -27,7 +27,7 @@ from lightning_models import RankSlices, make_lit_gpt, rank_loader, state_of, to
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", list(LIBRARY))
+@pytest.mark.parametrize("name", [*LIBRARY, "auto"])
 def test_registered_names_resolve(name: str) -> None:
     run = pl.Trainer(accelerator="cpu", devices=2, strategy=f"gsched_{name}", logger=False)
     assert isinstance(run.strategy, GeneralParallel)
@@ -54,8 +54,37 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
         return
     assert isinstance(cli.trainer.strategy, GeneralParallel)
     assert cli.trainer.strategy.schedule_config.schedule == name
+    if name == "auto":  # decided at the first batch: no plan before it
+        assert cli.trainer.strategy.schedule_config.setup_plan(4) is None
+        return
     plan = cli.trainer.strategy.schedule_config.training_plan(4)  # the plan it would run
     assert plan.workers == 4
+
+
+@pytest.mark.parametrize("value, nbytes", [("20GiB", 20 * 2**30), ("512 MiB", 512 * 2**20),
+                                           ("1000000", 10**6)])
+def test_yaml_auto_takes_a_memory_budget(value: str, nbytes: int, tmp_path, monkeypatch) -> None:
+    """``configs/auto.yaml`` with its commented budget line switched on parses; the budget is
+    a string with a unit, or bytes."""
+    from lightning.pytorch.cli import LightningCLI
+
+    with open(os.path.join(ROOT, "configs", "auto.yaml")) as handle:
+        text = handle.read()
+    old = "      # memory_budget: 20GiB"
+    assert old in text
+    path = tmp_path / "budget.yaml"
+    path.write_text(text.replace(old, f"      memory_budget: {value}"))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    monkeypatch.chdir(ROOT)
+    try:
+        from gpt import GPT, CharDataModule
+
+        cli = LightningCLI(GPT, CharDataModule, run=False, args=["--config", str(path)],
+                           save_config_callback=None)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    config = cli.trainer.strategy.schedule_config
+    assert config.is_auto and config.memory_budget == nbytes
 
 
 @pytest.mark.parametrize("value, flags", [("true", (True,) * 4),

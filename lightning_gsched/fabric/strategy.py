@@ -48,8 +48,8 @@ class GeneralParallelFabric(DDPStrategy):
 
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
-    to ``checkpoint_activations``) and ``step_timeout`` mean what they mean for ``GeneralParallel`` (see
-    docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
+    to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``) and ``step_timeout`` mean
+    what they mean for ``GeneralParallel`` (see docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
     any process starts; what needs the device count fails in ``fabric.setup``, on every rank.
 
     In the loop, :meth:`step` replaces ``loss = loss_fn(model, batch); fabric.backward(loss)``;
@@ -80,6 +80,7 @@ class GeneralParallelFabric(DDPStrategy):
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,
+        memory_budget: Optional[Union[int, str]] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -92,7 +93,7 @@ class GeneralParallelFabric(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window)
+            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         super().__init__(
@@ -127,7 +128,7 @@ class GeneralParallelFabric(DDPStrategy):
         if self._engine is None:
             self._engine = PipelineEngine(
                 module, self.schedule_config, self.partition_options,
-                self.schedule_config.training_plan(self.world_size),
+                self.schedule_config.setup_plan(self.world_size),
                 world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,

@@ -9,7 +9,9 @@ nothing of Lightning itself. It is built lazily at the first batch of the run, b
 model needs one real call of ``forward`` and the front ends get no data before that. Every rank
 sees the same global batch, so everything decided at that point (the probe of the user's step,
 the partition, the programs) is identical on every rank, and a contract error is raised by every
-rank at once instead of leaving some ranks waiting.
+rank at once instead of leaving some ranks waiting. ``schedule="auto"`` is decided there too,
+before the partition (:mod:`.auto`: rank 0 tunes, every rank gets its pick); until then the
+engine has no training plan, and the first batch is gathered whole to probe the model on it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
+from lightning_gsched.lightning.auto import choose_schedule, first_microbatches, step_loss_fn
 from lightning_gsched.lightning.batches import (
+    GlobalBatch,
     concat_outputs,
     gather_batch,
     micro_rows,
@@ -75,16 +79,17 @@ class PipelineEngine:
     ``optimizers()`` gives the optimizers whose state is pruned to the owned parameters when the
     runtime is built and restored in full by :meth:`close`; ``info(text)`` prints the plan;
     ``forward_context`` (optional) is entered around every stage forward (Fabric's precision).
+    ``train_plan``: ``config.setup_plan(W)``, None for a ``schedule="auto"`` not decided yet.
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
-                 train_plan: Plan, *, world_size: int, rank: int, timeout: float,
+                 train_plan: Plan | None, *, world_size: int, rank: int, timeout: float,
                  optimizers: Callable[[], list], info: Callable[[str], None],
                  forward_context: Callable[[], AbstractContextManager] | None = None) -> None:
         self.module = module
         self.config = config
         self.options = options
-        self.train_plan = train_plan
+        self.train_plan: Plan | None = train_plan
         self.world_size, self.rank = world_size, rank
         self.timeout = timeout
         self.optimizers = optimizers
@@ -125,14 +130,26 @@ class PipelineEngine:
             step_loss(call.result, caller.name)
         return call.args, call.kwargs
 
-    def build(self, caller: StepCaller, micro_batch: Any, training: bool) -> None:
-        """Partition the model, build the runtime, release non-owned stages (collective)."""
+    def build(self, caller: StepCaller, micro_batch: Any, training: bool, global_rows: int = 0,
+              micro_of: Callable[[], Any] | None = None) -> None:
+        """Partition the model, build the runtime, release non-owned stages (collective).
+
+        Without a training plan (``"auto"``), first choose one for ``global_rows`` rows; then
+        ``micro_of()`` gives the first microbatch under the pick, the one the partition and the
+        memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
-            args, kwargs = self._probe(caller, micro_batch, training)
-            args = tuple(_normal(a) for a in args)
-            kwargs = {k: _normal(v) for k, v in kwargs.items()}
+            args, kwargs = _normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
                 _sync_module_states(self.module)
+            if self.train_plan is None:
+                choose_schedule(self.module, self.config, self.options, args, kwargs,
+                                loss_fn=step_loss_fn(caller, micro_batch) if training else None,
+                                global_rows=global_rows, optimizers=self.optimizers(),
+                                world_size=self.world_size, rank=self.rank,
+                                forward_context=self.forward_context)
+                self.train_plan = self.config.training_plan(self.world_size)
+                if micro_of is not None:
+                    args, kwargs = _normal_call(caller.capture(micro_of()))
             self.partition = self._partition(args, kwargs)
             # sized before the runtime releases the stages this rank does not own
             self.memory.predict(self.partition.stages, args, kwargs, self.train_plan,
@@ -146,10 +163,24 @@ class PipelineEngine:
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),
                                    custom=self.config.placement is not None,
-                                   memory_lines=self.memory.startup_lines()))
+                                   memory_lines=self.memory.startup_lines(),
+                                   header=self.config.choice_text))
+
+    def _plan(self) -> Plan:
+        assert self.train_plan is not None, "schedule='auto' is decided at the first batch"
+        return self.train_plan
+
+    def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
+                    training: bool) -> GlobalBatch:
+        """The first batch of an undecided ``"auto"``: every rank gathers the global batch, and
+        the pick is made for its rows (the microbatches: :func:`.auto.first_microbatches`)."""
+        whole = gather_batch(batch, rows, self.rank)
+        probe, first = first_microbatches(self.config, whole, self.world_size, training)
+        self.build(caller, probe, training, global_rows=whole.rows, micro_of=first)
+        return whole
 
     def _partition(self, args: tuple, kwargs: dict) -> Any:
-        S = self.train_plan.stages
+        S = self._plan().stages
         opts = self.options
         common = dict(balance=opts.balance, leaf_modules=opts.leaf_modules,
                       split_points=opts.split_points, static_shapes=opts.static_shapes)
@@ -216,8 +247,12 @@ class PipelineEngine:
     def training_step(self, batch: Any, caller: StepCaller) -> StepOutcome:
         """One schedule step on this rank's share of the global batch: forward, backward and
         the gradients held for :meth:`hand_over_grads`; the loss of the global batch."""
-        B = self.train_plan.micro
-        batch = self._global_batch(batch, row_counts(batch, self.world_size), self.train_plan)
+        rows = row_counts(batch, self.world_size)
+        if self.train_plan is None:
+            batch = self._build_auto(batch, rows, caller, training=True)
+        else:
+            batch = self._global_batch(batch, rows, self.train_plan)
+        B = self._plan().micro
         micros = batch.micros(B, exact=True)
         if not self.built:
             self.build(caller, micros[0], training=True)
@@ -251,6 +286,8 @@ class PipelineEngine:
         """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
         gets the outputs of the rows it loaded (predictions go back to their rank)."""
         rows = row_counts(batch, self.world_size)
+        if self.train_plan is None:
+            self._build_auto(batch, rows, caller, training=False)
         plan = self.config.eval_plan(self.world_size, sum(rows))
         B = plan.micro
         batch = self._global_batch(batch, rows, plan)
@@ -312,21 +349,29 @@ class PipelineEngine:
 
 
 def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bool,
-                 memory_lines: str | None = None) -> str:
+                 memory_lines: str | None = None, header: str = "") -> str:
     """What rank 0 prints when the pipeline is built: one screen at W=8 and beyond.
 
     The plan's per-worker numbers as ranges over the workers (:func:`startup_summary`), the
     command that prints the full per-worker table (not for a ``custom`` placement, which the
     CLI cannot express), and the partition's stage table without the per-stage unit lists
-    (2-3 lines per stage), which ``partition.report()`` gives in full.
+    (2-3 lines per stage), which ``partition.report()`` gives in full. ``header``: what
+    comes first (``schedule="auto"``: how the plan was chosen).
     """
     command = None if custom else plan_command(plan)
     return "\n".join([
+        *([header] if header else []),
         startup_summary(plan, memory.stage_bytes, memory.tied_bytes, command),
         *([memory_lines] if memory_lines else []),
         partition.report(units=False),
         "(the units of each stage: strategy.engine.partition.report() during the run)",
     ])
+
+
+def _normal_call(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """A model call's ``(args, kwargs)`` with :func:`_normal` values."""
+    args, kwargs = call
+    return tuple(_normal(a) for a in args), {k: _normal(v) for k, v in kwargs.items()}
 
 
 def _normal(value: Any) -> Any:

@@ -25,6 +25,13 @@ from lightning_gsched.schedule.plan import Plan
 MEASURED_STEP = 1  # the second training step (0-based): the optimizer state exists by then
 
 
+def optimizer_bytes_factor(optimizers: Sequence[Any]) -> float:
+    """Optimizer state bytes per parameter byte the user's optimizers will keep (the largest;
+    0 when none is known, e.g. before ``configure_optimizers`` or for an unknown optimizer)."""
+    factors = [optimizer_factor(opt) for opt in optimizers]
+    return max((f for f in factors if f is not None), default=0.0)
+
+
 class MemoryReport:
     """Predicted bytes per rank (at build) and the measured comparison (after one step)."""
 
@@ -40,10 +47,9 @@ class MemoryReport:
                 optimizers: Sequence[Any]) -> None:
         """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
         the user's step computes it) and predict every rank's bytes for the training plan."""
-        factors = [optimizer_factor(opt) for opt in optimizers]
-        factor = max((f for f in factors if f is not None), default=0.0)
         try:
-            self.sizes = measure_stage_bytes(stages, args, kwargs, optimizer_factor=factor)
+            self.sizes = measure_stage_bytes(stages, args, kwargs,
+                                             optimizer_factor=optimizer_bytes_factor(optimizers))
             self.predicted = predict_memory(plan.programs, self.sizes, plan.checkpointed)
         except Exception as exc:  # noqa: BLE001 - a report must never stop the training
             self.unavailable = f"{type(exc).__name__}: {exc}"

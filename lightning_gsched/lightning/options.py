@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning.config import ScheduleConfig
+from lightning_gsched.lightning.config import AUTO, ScheduleConfig
 from lightning_gsched.partition.arguments import check_options as check_partition_options
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.library import LIBRARY
@@ -37,16 +37,17 @@ def pipeline_options(
     split_points: list[str] | None, static_shapes: bool | None, placement: Callable | None,
     priority: Callable | None, forward_cost: Any, backward_cost: Any,
     weight_cost: Any = None, split_backward: Any = None, checkpoint_activations: Any = False,
-    fetch_window: Any = None,
+    fetch_window: Any = None, memory_budget: Any = None,
 ) -> tuple[ScheduleConfig, PartitionOptions]:
     """The schedule and partition arguments, checked (the same checks as ``plan()`` and
-    ``partition()``; what needs the device count fails at setup, on every rank)."""
+    ``partition()``; what needs the device count fails at setup, on every rank).
+    ``schedule="auto"`` with ``memory_budget``: see :meth:`ScheduleConfig._check_auto`."""
     config = ScheduleConfig(
         schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order, cap=cap,
         placement=placement, priority=priority, forward_cost=forward_cost,
         backward_cost=backward_cost, weight_cost=weight_cost, split_backward=split_backward,
         checkpoint_activations=checkpoint_activations,
-        fetch_window=fetch_window,
+        fetch_window=fetch_window, memory_budget=memory_budget,
     )
     config.check()
     options = PartitionOptions(
@@ -77,6 +78,8 @@ def check_launch_arguments(step_timeout: Any, process_group_backend: Any, timeou
 
 def library_names(front_end: str) -> list[tuple[str, str, str]]:
     """``(registered name, description, schedule)`` for every library schedule, e.g.
-    ``("gsched_1f1b", "GeneralParallel('1f1b'): ...", "1f1b")``."""
+    ``("gsched_1f1b", "GeneralParallel('1f1b'): ...", "1f1b")``; and ``gsched_auto``."""
     return [(f"gsched_{name}", f"{front_end}('{name}'): {spec.trade_off}", name)
-            for name, spec in LIBRARY.items()]
+            for name, spec in LIBRARY.items()] + [
+        (f"gsched_{AUTO}", f"{front_end}('{AUTO}'): the tuner profiles the model at the first "
+         "batch and picks the fastest schedule, S, B, R and checkpointing", AUTO)]

@@ -46,8 +46,10 @@ class GeneralParallel(DDPStrategy):
     """Train any Lightning project with a schedule from one generic scheduler.
 
     Args:
-        schedule: a library name (ddp, fsdp, gpipe, 1f1b, lpp, interleaved, fslpp, fslpp-seed),
-            or a label for a custom ``placement``.
+        schedule: a library name (ddp, fsdp, gpipe, 1f1b, lpp, interleaved, fslpp, fslpp-seed,
+            zb-h1, zb-h2, zbv), ``"auto"`` (the tuner profiles the model at the first batch and
+            picks the fastest schedule, S, B, R and checkpointing; see ``memory_budget``), or a
+            label for a custom ``placement``.
         R: workers per loop for the looped schedules (lpp, interleaved, fslpp, fslpp-seed).
         microbatches: B, the number of pieces the global batch is cut into per step; default
             the schedule's (2W for pipelines, W for ddp/fsdp).
@@ -80,6 +82,12 @@ class GeneralParallel(DDPStrategy):
         fetch_window: the most fetched (non-owned) stages a worker holds at once (fsdp,
             fslpp): None (each fetch one compute early: at most 2) or 1 (a fetch waits for
             the previous fetched stage's release; less memory, the transfer is not hidden).
+        memory_budget: bytes per rank (an int, or a string such as ``"20GiB"``) the plan
+            ``"auto"`` picks must fit in its predicted peak; only with ``schedule="auto"``.
+            None: the fastest plan, whatever its bytes. With ``"auto"``, ``stages``,
+            ``microbatches``, ``R`` and ``checkpoint_activations=True`` restrict the search;
+            ``order``, ``cap``, ``placement``, ``priority``, costs and ``fetch_window`` are
+            refused (they would decide what "auto" chooses).
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
 
     Every argument is checked here, before any process starts, and a wrong one raises a
@@ -112,6 +120,7 @@ class GeneralParallel(DDPStrategy):
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,
+        memory_budget: Optional[Union[int, str]] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -125,7 +134,7 @@ class GeneralParallel(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window)
+            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
@@ -179,7 +188,7 @@ class GeneralParallel(DDPStrategy):
                 "load a checkpoint) before the next fit/validate/predict"
             )
         self._failed = False
-        train_plan = self.schedule_config.training_plan(self.world_size)  # bad config fails here
+        train_plan = self.schedule_config.setup_plan(self.world_size)  # bad config fails here
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -57,7 +57,8 @@ def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: i
                kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                budget: int | str | None = None, optimizer_factor: float = 2.0,
                network: Network | None = None, schedules: Sequence[str] | None = None,
-               checkpoint: Sequence[bool] = (False, True), repeats: int = 3,
+               checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,
+               stages: int | None = None, micro: int | None = None, R: int | None = None,
                **partition_options: Any) -> TuneResult:
     """Rank every library configuration for ``model`` on ``workers`` ranks (``gsched tune``).
 
@@ -65,18 +66,19 @@ def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: i
     scaled from it). ``global_rows``: the rows of one optimizer step over all ranks.
     ``budget``: bytes per rank (an int or ``"20GiB"``); None ranks without a budget.
     ``optimizer_factor``: optimizer state per parameter byte (2: Adam, 1: SGD with momentum).
+    ``stages``/``micro``/``R``: values the search must keep (``schedule.tune.candidates``).
     The model is profiled once per stage count the candidates need, with its buffers and the
     RNG restored afterwards; ``partition_options`` go to :func:`partition`.
     """
     limit = None if budget is None else validate.byte_size("memory_budget", budget)
     profiles: dict[int, StageProfile] = {}
 
-    def profile_of(stages: int) -> StageProfile:
-        if stages not in profiles:
+    def profile_of(count: int) -> StageProfile:
+        if count not in profiles:
             with preserved_tensors_and_rng(model):
-                profiles[stages] = stage_profile(model, stages, args, kwargs, loss_fn,
-                                                 optimizer_factor, repeats, **partition_options)
-        return profiles[stages]
+                profiles[count] = stage_profile(model, count, args, kwargs, loss_fn,
+                                                optimizer_factor, repeats, **partition_options)
+        return profiles[count]
 
     return tune(workers, global_rows, profile_of, budget=limit, network=network,
-                schedules=schedules, checkpoint=checkpoint)
+                schedules=schedules, checkpoint=checkpoint, stages=stages, micro=micro, R=R)

@@ -21,7 +21,7 @@ bytes model holds the inputs instead of the graph (``schedule/memory.py``).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
@@ -97,6 +97,7 @@ class TuneResult:
     budget: int | None
     workers: int
     global_rows: int
+    profiles: dict[int, StageProfile] = field(default_factory=dict)  # per S, as measured
 
     @property
     def best(self) -> Verdict | None:
@@ -133,35 +134,68 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def microbatch_counts(workers: int, global_rows: int, micro: int | None = None) -> list[int]:
+    """The B values the search tries: W, 2W and 4W where they divide the global batch (else
+    the largest divisor <= W); only ``micro`` when the user fixed it."""
+    if micro is not None:
+        return [micro]
+    return ([b for b in dict.fromkeys((workers, 2 * workers, 4 * workers)) if global_rows % b == 0]
+            or [d for d in _divisors(global_rows) if d <= workers][-1:])
+
+
 def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None = None,
-               checkpoint: Sequence[bool] = (False, True)) -> list[Candidate]:
+               checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
+               micro: int | None = None, R: int | None = None) -> list[Candidate]:
     """The search space: every library schedule with its R choices (the default, and the
     divisors of W strictly between 1 and W), its default S and twice that, B in {W, 2W, 4W}
-    (dividing the global batch), checkpointing on and off."""
+    (dividing the global batch), checkpointing on and off.
+
+    ``stages``, ``micro``, ``R``: fixed by the user (``GeneralParallel("auto", stages=4)``):
+    only that S, that B; with R only the schedules that take one (the looped ones), with that R.
+    """
     out = []
-    micro = [b for b in dict.fromkeys((workers, 2 * workers, 4 * workers))
-             if global_rows % b == 0] or [d for d in _divisors(global_rows) if d <= workers][-1:]
+    micros = microbatch_counts(workers, global_rows, micro)
     for name in schedules or list(LIBRARY):
         spec = get_schedule(name)
+        if R is not None and spec.default_R is None:
+            continue
         # R=1 and R=W are DDP's and GPipe's placements under another name (seed, Table 1):
         # the looped schedules try their default R and the R strictly between
         Rs: list[int | None] = [None]
-        if spec.default_R is not None:
+        if R is not None:
+            Rs = [R]
+        elif spec.default_R is not None:
             default_R = spec.default_R(workers)
             middle = [d for d in _divisors(workers) if 1 < d < workers]
             # a schedule whose default is one group of all W (interleaved) has no other R
             Rs = list(dict.fromkeys([default_R] + (middle if default_R < workers else [])))
-        for R in Rs:
-            default_s = spec.stages(workers, R or 1)
-            for S in dict.fromkeys((default_s, 2 * default_s)):
-                for B in micro:
+        for r in Rs:
+            default_s = spec.stages(workers, r or 1)
+            for S in [stages] if stages is not None else dict.fromkeys((default_s,
+                                                                        2 * default_s)):
+                for B in micros:
                     for ckpt in checkpoint:
-                        out.append(Candidate(name, S, B, R, ckpt, global_rows // B))
+                        out.append(Candidate(name, S, B, r, ckpt, global_rows // B))
     return out
 
 
-def _scaled(profile: StageProfile, rows: int) -> tuple[ModelSizes, float]:
-    """Sizes for microbatches of ``rows`` rows, and the factor for compute times."""
+def candidate_costs(candidate: Candidate, profile: StageProfile
+                    ) -> tuple[list[float], list[float], list[float] | None]:
+    """The per-stage (forward, backward, weight) seconds ``plan()`` gets for ``candidate``:
+    the profile's, scaled to the candidate's rows; B and W apart for a split-backward schedule
+    (weight None otherwise). What the front ends plan the picked candidate with, so the run's
+    programs are the ones evaluated."""
+    f = candidate.rows / profile.rows
+    forward = [t * f for t in profile.forward]
+    backward, weight = [t * f for t in profile.backward], None
+    if get_schedule(candidate.schedule).split_backward and profile.split is not None:
+        backward = [t * f for t in profile.split[0]]
+        weight = [t * f for t in profile.split[1]]
+    return forward, backward, weight
+
+
+def _scaled(profile: StageProfile, rows: int) -> ModelSizes:
+    """Sizes for microbatches of ``rows`` rows."""
     f = rows / profile.rows
 
     def stage(st: StageSizes) -> StageSizes:
@@ -170,18 +204,14 @@ def _scaled(profile: StageProfile, rows: int) -> tuple[ModelSizes, float]:
             received_activations=int(st.stash_from_message * f), message=int(st.message * f),
             inputs=int(st.inputs * f))
 
-    return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages))), f
+    return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages)))
 
 
 def evaluate(candidate: Candidate, profile: StageProfile, workers: int, network: Network,
              budget: int | None) -> Verdict:
     """Plan the candidate with the profile's costs; its step time and peak bytes."""
-    sizes, f = _scaled(profile, candidate.rows)
-    forward = [t * f for t in profile.forward]
-    backward, weight = [t * f for t in profile.backward], None
-    if get_schedule(candidate.schedule).split_backward and profile.split is not None:
-        backward = [t * f for t in profile.split[0]]
-        weight = [t * f for t in profile.split[1]]
+    sizes = _scaled(profile, candidate.rows)
+    forward, backward, weight = candidate_costs(candidate, profile)
     try:
         result = plan(candidate.schedule, workers=workers, stages=candidate.stages,
                       microbatches=candidate.micro, R=candidate.R,
@@ -217,18 +247,21 @@ def _distinct(ranked: list[Verdict]) -> list[Verdict]:
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
          budget: int | None = None, network: Network | None = None,
          schedules: Sequence[str] | None = None,
-         checkpoint: Sequence[bool] = (False, True)) -> TuneResult:
+         checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
+         micro: int | None = None, R: int | None = None) -> TuneResult:
     """Rank every candidate (see :func:`candidates`) by predicted step time; those over the
     budget are kept in the table as "no", those the planner refuses as dropped.
 
     ``profile_of(S)``: the model measured at S stages (called once per S; raise a GschedError
     when the model cannot be cut into S stages, and the candidates with that S are dropped).
+    ``stages``/``micro``/``R``: fixed values (see :func:`candidates`).
     Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached.
     """
     network = network or Network()
     profiles: dict[int, StageProfile | str] = {}
     verdicts = []
-    for c in candidates(workers, global_rows, schedules, checkpoint):
+    for c in candidates(workers, global_rows, schedules, checkpoint, stages=stages, micro=micro,
+                        R=R):
         if c.stages not in profiles:
             try:
                 profiles[c.stages] = profile_of(c.stages)
@@ -243,7 +276,8 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
                     key=lambda v: (not v.fits, v.step_time, v.peak, v.candidate.micro))
     costed = _distinct(costed)
     result = TuneResult(costed + [v for v in verdicts if v.step_time is None], budget, workers,
-                        global_rows)
+                        global_rows, profiles={S: p for S, p in profiles.items()
+                                               if isinstance(p, StageProfile)})
     if budget is not None and result.best is None:
         smallest = min((v.peak for v in costed if v.peak is not None), default=None)
         raise ScheduleConfigError(

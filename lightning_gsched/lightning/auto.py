@@ -1,0 +1,193 @@
+"""``schedule="auto"``: the tuner picks the schedule at the first batch, on rank 0, for every rank.
+
+Why at the first batch: the tuner (``partition.tune_profile.tune_model``) profiles the model cut
+into each stage count it considers, on one real microbatch, and the engine has the model's call
+on a real microbatch only when it builds the pipeline (the probe of the user's step). This module
+runs the tuner there and turns the pick into an ordinary :class:`ScheduleConfig` (schedule, S, B,
+R, checkpointing, and the measured per-stage seconds as its costs, so that the programs the run
+executes are the ones the tuner evaluated); from then on the engine continues exactly as if the
+user had written those arguments.
+
+Why rank 0 decides alone: profiled seconds differ between ranks and between runs, so ranks tuning
+on their own could pick different plans and then wait for messages that never come. Rank 0
+tunes and one broadcast hands every rank the same pick, or the same error: an impossible budget
+fails every rank with the tuner's ``ScheduleConfigError`` (it names the smallest peak any
+candidate reaches), never a hang.
+
+The loss the tuner times and sizes on the last stage: in a training step, the user's own step
+finished with the last stage's output (as the pipeline does it, its ``self.log`` calls dropped);
+when the first batch is an evaluation batch (Lightning's sanity check), the sum of the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
+from lightning_gsched.lightning.batches import GlobalBatch, micro_rows
+from lightning_gsched.lightning.config import ScheduleConfig
+from lightning_gsched.lightning.intercept import StepCaller, step_loss
+from lightning_gsched.lightning.memory_report import optimizer_bytes_factor
+from lightning_gsched.lightning.options import PartitionOptions
+from lightning_gsched.partition.tune_profile import tune_model
+from lightning_gsched.schedule.describe import byte_text
+from lightning_gsched.schedule.tune import (
+    TuneResult,
+    Verdict,
+    candidate_costs,
+    microbatch_counts,
+)
+
+TABLE_ROWS = 10  # rows of the ranked table in the startup text
+
+
+def first_microbatches(config: ScheduleConfig, whole: GlobalBatch, workers: int,
+                       training: bool) -> tuple[Any, Callable[[], Any]]:
+    """The microbatch the tuner profiles, and a function giving the first microbatch under the
+    pick (once decided: the one the partition is traced and the bytes are sized on).
+
+    The profiled one is the smallest any candidate runs (the global batch cut into the most
+    microbatches the search tries). Scaling a profile up to larger microbatches is linear, so
+    what does not grow with the rows (index and mask tensors, per-call overheads) is
+    over-counted, never under-counted: a pick's predicted bytes bound those of the executed
+    plan (the startup prediction) from above.
+    """
+    parts = max(microbatch_counts(workers, whole.rows, config.microbatches))
+    probe = whole.micros(parts, exact=training)[0]
+
+    def first() -> Any:
+        if training:
+            return whole.micros(config.training_plan(workers).micro, exact=True)[0]
+        B = config.eval_plan(workers, whole.rows).micro
+        cut = whole.micros(B, exact=False, what="evaluation batch")
+        return next(m for m, n in zip(cut, micro_rows(whole.rows, B), strict=True) if n)
+
+    return probe, first
+
+
+def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.Tensor]:
+    """The user's loss as a function of the model's output: their step on ``micro_batch`` with
+    the model's call returning that output (the pipeline's own finish), logging dropped."""
+    quiet = dataclasses.replace(caller, logs=[])
+
+    def loss(output: Any) -> torch.Tensor:
+        quiet.logs.clear()
+        return step_loss(quiet.finish(micro_batch, output, 0), caller.name)
+
+    return loss
+
+
+def choose_schedule(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
+                    args: tuple, kwargs: dict, *, loss_fn: Callable[[Any], torch.Tensor] | None,
+                    global_rows: int, optimizers: Sequence[Any], world_size: int, rank: int,
+                    forward_context: Callable[[], AbstractContextManager] | None = None) -> None:
+    """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
+    (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
+
+    ``args``/``kwargs``: the model's call on one microbatch (the probe's); ``global_rows``: the
+    rows of the global batch the plan will cut into microbatches.
+    """
+    outcome: tuple
+    if rank == 0:
+        try:
+            outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
+                                      global_rows, optimizer_bytes_factor(optimizers),
+                                      world_size, forward_context))
+        except GschedError as exc:
+            outcome = ("error", type(exc), f"schedule='auto': {exc}", exc)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+            outcome = ("error", StrategyConfigError,
+                       f"schedule='auto': rank 0 failed while profiling the model for the tuner: "
+                       f"{type(exc).__name__}: {exc}", exc)
+    else:
+        outcome = ("pending",)
+    if world_size > 1:
+        # an error's exception object stays on rank 0, as the cause of the one raised there
+        box: list[Any] = [outcome[:3] if outcome[0] == "error" else outcome]
+        dist.broadcast_object_list(box, 0)
+        outcome = outcome if rank == 0 else box[0]
+    if outcome[0] == "error":
+        error_type, message = outcome[1], outcome[2]
+        cause = outcome[3] if len(outcome) > 3 else None
+        raise error_type(message) from cause
+    config.choose(*outcome[1:])
+
+
+def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions, args: tuple,
+            kwargs: dict, loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int,
+            factor: float, workers: int,
+            forward_context: Callable[[], AbstractContextManager] | None
+            ) -> tuple[ScheduleConfig, str, TuneResult]:
+    """Rank 0's part: tune; the pick as a checked config, the text that explains it, and
+    every verdict."""
+    grads = [(p, p.grad) for p in module.parameters()]  # profiling backwards touch .grad
+    start = time.perf_counter()
+    try:
+        with forward_context() if forward_context is not None else nullcontext():
+            result = tune_model(
+                module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
+                budget=config.memory_budget, optimizer_factor=factor,
+                checkpoint=(True,) if config.checkpoint_activations else (False, True),
+                stages=config.stages or _stages_fixed_by(options), micro=config.microbatches,
+                R=config.R, balance=options.balance, leaf_modules=options.leaf_modules,
+                split_points=options.split_points, static_shapes=options.static_shapes)
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+    seconds = time.perf_counter() - start
+    best = result.best
+    if best is None:
+        dropped = "; ".join(f"{v.candidate.text()}: {v.reason}" for v in result.verdicts[:3])
+        raise ScheduleConfigError(
+            f"no candidate could be planned for W={workers} and a global batch of "
+            f"{global_rows} rows ({dropped or 'no candidates'}). Loosen stages=/microbatches=/R="
+        )
+    chosen = _as_config(best, result)
+    return chosen, _text(result, best, chosen, seconds, loss_fn is not None), result
+
+
+def _stages_fixed_by(options: PartitionOptions) -> int | None:
+    """S implied by the partition options: ``split_points`` (S - 1 names) or unit counts."""
+    if options.split_points is not None:
+        return len(options.split_points) + 1
+    if isinstance(options.balance, (list, tuple)):
+        return len(options.balance)
+    return None
+
+
+def _as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
+    """The pick as arguments: what the user would have written, plus the measured costs."""
+    c = best.candidate
+    forward, backward, weight = candidate_costs(c, result.profiles[c.stages])
+    chosen = ScheduleConfig(schedule=c.schedule, R=c.R, microbatches=c.micro, stages=c.stages,
+                            forward_cost=forward, backward_cost=backward, weight_cost=weight,
+                            checkpoint_activations=c.checkpoint)
+    chosen.check()
+    return chosen
+
+
+def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: float,
+          user_loss: bool) -> str:
+    """What rank 0 prints at startup: how it was decided, the ranked table, the pick."""
+    counts = ", ".join(str(s) for s in sorted(result.profiles))
+    profile = next(iter(result.profiles.values()))
+    R = f", R={chosen.R}" if chosen.R is not None else ""
+    ckpt = ", checkpoint_activations=True" if chosen.checkpoint_activations else ""
+    assert best.step_time is not None and best.peak is not None
+    return "\n".join([
+        f"schedule='auto': rank 0 profiled the model at S = {counts} on one microbatch "
+        f"of {profile.rows} row{'' if profile.rows == 1 else 's'} in {seconds:.1f} s (loss: "
+        f"{'your step' if user_loss else 'the sum of the output'})",
+        result.table(TABLE_ROWS),
+        f"runs as schedule={chosen.schedule!r}, stages={chosen.stages}, "
+        f"microbatches={chosen.microbatches}{R}{ckpt}, with the measured seconds per stage as "
+        f"costs: predicted step {best.step_time * 1e3:.1f} ms, peak {byte_text(best.peak)} per "
+        "rank",
+    ])

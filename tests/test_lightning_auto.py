@@ -1,0 +1,223 @@
+"""``GeneralParallel("auto", memory_budget=...)``: the strategy picks its schedule at the first batch.
+
+* without a budget it trains like one device (weights after 3 SGD steps against a single-process
+  Trainer in this test), every rank runs the same picked plan, and rank 0 prints the ranked table
+  and the pick; the first build here is Lightning's sanity check (an evaluation batch), so the
+  decision is made there and training, evaluation and the startup print read it;
+* with a budget between the smallest and the largest peak of that search (decided in a training
+  step this time), the pick's predicted peak is under it, and so is the memory report's
+  prediction for the plan the run executed;
+* an impossible budget fails the fit on every rank with the tuner's ScheduleConfigError naming
+  the smallest peak (no hang);
+* ``GeneralParallelFabric("auto", stages=2)`` trains like a single-device Fabric loop, every
+  rank on the same pick, with S fixed as asked;
+* wrong arguments fail at construction (both front ends, one place).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from dist_harness import RankError, WorkerContext
+from lightning_models import (
+    as_worker,
+    assert_same_state,
+    make_lit_gpt,
+    rank_loader,
+    state_of,
+    tokens,
+    trainer,
+)
+
+WORLD, STEPS, GLOBAL_BATCH = 2, 3, 8
+WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits, with the tuner's profiling
+
+
+def _data() -> torch.Tensor:
+    return tokens(GLOBAL_BATCH * STEPS)
+
+
+@functools.lru_cache(maxsize=1)
+def _reference() -> dict:
+    model = make_lit_gpt()
+    trainer(1, "auto", max_steps=STEPS).fit(model, rank_loader(_data(), GLOBAL_BATCH, 1, 0))
+    return state_of(model)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def fit_auto(ctx: WorkerContext, validate_first: bool, **options: Any) -> dict:
+    """One 3-step fit under GeneralParallel("auto", **options); what the test compares."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    printed = _Lines()
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(printed)
+    logger.setLevel(logging.INFO)
+    strategy = GeneralParallel("auto", **options)
+    model = make_lit_gpt()
+    loader = rank_loader(_data(), GLOBAL_BATCH, ctx.world_size, ctx.rank)
+    extra: dict[str, Any] = {}
+    if validate_first:  # the sanity check builds the engine in eval mode, before training
+        extra = dict(num_sanity_val_steps=1, limit_val_batches=1, val_check_interval=STEPS)
+    try:
+        run = trainer(ctx.world_size, strategy, max_steps=STEPS, **extra)
+        run.fit(model, loader, val_dataloaders=loader if validate_first else None)
+    finally:
+        logger.removeHandler(printed)
+    config = strategy.schedule_config
+    chosen = config.chosen
+    plan = config.training_plan(ctx.world_size)
+    result = config.tune_result
+    report = strategy.memory_report
+    return {
+        "state": state_of(model),
+        "chosen": (chosen.schedule, chosen.stages, chosen.microbatches, chosen.R,
+                   chosen.checkpoint_activations, list(chosen.forward_cost)),
+        "programs": [[str(a) for a in program] for program in plan.programs.ranks],
+        "pick_peak": result.best.peak,
+        "peaks": [v.peak for v in result.verdicts if v.peak is not None],
+        "fits": [(v.peak, v.fits) for v in result.verdicts if v.peak is not None],
+        "reported_peak": max(m.peak for m in report.predicted) if report.predicted else None,
+        "printed": "\n".join(printed.lines),
+    }
+
+
+@pytest.fixture(scope="module")
+def free(worlds) -> list[dict]:
+    """The run without a budget (decided at the sanity check's evaluation batch)."""
+    return worlds.get(WORLD).run(fit_auto, True)
+
+
+@pytest.mark.distributed
+def test_auto_trains_like_one_device_and_every_rank_runs_the_pick(free) -> None:
+    want = _reference()
+    for rank, out in enumerate(free):
+        assert_same_state(out["state"], want, f"auto rank {rank}")
+    assert free[0]["chosen"] == free[1]["chosen"]  # schedule, S, B, R, ckpt and the costs
+    assert free[0]["programs"] == free[1]["programs"]
+    schedule, S, B = free[0]["chosen"][:3]
+    assert GLOBAL_BATCH % B == 0
+    text = free[0]["printed"]
+    assert "schedule='auto': rank 0 profiled the model" in text
+    assert f"pick: {schedule} S={S} B={B}" in text
+    assert f"GeneralParallel plan: {schedule} W={WORLD} S={S} B={B}" in text  # the plan run
+    assert free[1]["printed"] == ""  # rank 0 prints, once
+
+
+@pytest.mark.distributed
+def test_budget_between_the_peaks_picks_a_plan_under_it(worlds, free) -> None:
+    peaks = sorted(free[0]["peaks"])
+    budget = (peaks[0] + peaks[-1]) // 2
+    assert peaks[0] < budget < peaks[-1]
+    out = worlds.get(WORLD).run(fit_auto, False, memory_budget=budget)
+    for rank in range(WORLD):
+        pick, reported = out[rank]["pick_peak"], out[rank]["reported_peak"]
+        assert pick <= budget
+        # the startup prediction sizes the executed plan anew, on a microbatch of the pick's
+        # rows, without the loss; the tuner scaled its profile of the smallest microbatch up
+        # (over-counting what does not grow with the rows) and counted the loss: never less
+        assert reported <= pick
+        assert all(fits == (peak <= budget) for peak, fits in out[rank]["fits"])
+        assert any(not fits for _, fits in out[rank]["fits"])
+    assert out[0]["chosen"] == out[1]["chosen"]
+    assert out[0]["programs"] == out[1]["programs"]
+    for rank in range(WORLD):  # another schedule, the same training
+        assert_same_state(out[rank]["state"], _reference(), f"budgeted auto rank {rank}")
+
+
+@pytest.mark.distributed
+def test_impossible_budget_fails_every_rank_naming_the_smallest_peak(worlds) -> None:
+    results = worlds.get(WORLD).run(fit_auto, False, memory_budget="1KiB", stages=2,
+                                    expect_errors=True)
+    for result in results:
+        assert isinstance(result, RankError), result
+        assert result.type_name == "ScheduleConfigError", result.traceback
+        assert "smallest predicted peak" in result.message
+        assert "1.0 KiB" in result.message or "1 KiB" in result.message
+
+
+def fabric_auto(ctx: WorkerContext) -> dict:
+    from test_fabric import global_batches, pipelined_fabric, setup, share, train
+
+    fabric = pipelined_fabric(ctx, "auto", options={"stages": 2})
+    model, optimizer = setup(fabric)
+    batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
+    losses = train(fabric, model, optimizer, batches, pipelined=True)
+    fabric.strategy.finish()
+    chosen = fabric.strategy.schedule_config.chosen
+    return {"losses": losses, "weights": state_of(model),
+            "chosen": (chosen.schedule, chosen.stages, chosen.microbatches, chosen.R,
+                       list(chosen.forward_cost))}
+
+
+@pytest.mark.distributed
+def test_fabric_auto_trains_like_one_device(worlds) -> None:
+    from test_fabric import reference
+
+    want = reference()
+    out = worlds.get(WORLD).run(fabric_auto)
+    assert out[0]["chosen"] == out[1]["chosen"] and out[0]["chosen"][1] == 2
+    for rank in range(WORLD):
+        assert_same_state(out[rank]["weights"], want["weights"][-1], f"fabric auto rank {rank}")
+        assert out[rank]["losses"] == pytest.approx(want["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_arguments_are_checked_at_construction(front_end: str) -> None:
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.errors import ScheduleConfigError, StrategyConfigError
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    make = GeneralParallel if front_end == "trainer" else GeneralParallelFabric
+    assert make("auto", memory_budget="20GiB").schedule_config.memory_budget == 20 * 2**30
+    assert make("auto", memory_budget=10**9).schedule_config.memory_budget == 10**9
+    with pytest.raises(ScheduleConfigError, match="memory_budget='lots'"):
+        make("auto", memory_budget="lots")
+    with pytest.raises(ScheduleConfigError, match="only used by schedule='auto'"):
+        make("1f1b", memory_budget="20GiB")
+    for conflict in ({"order": "1f1b"}, {"cap": 2}, {"placement": lambda s, b, d: (0, 0)},
+                     {"priority": lambda s, b, d: b}, {"forward_cost": 3.0},
+                     {"fetch_window": 1}):
+        (name,) = conflict
+        with pytest.raises(ScheduleConfigError, match=f"schedule='auto' chooses.*{name}="):
+            make("auto", **conflict)
+    with pytest.raises(ScheduleConfigError, match="checkpoint_activations"):
+        make("auto", checkpoint_activations=[True, False])
+    with pytest.raises(ScheduleConfigError, match="microbatches=0"):
+        make("auto", microbatches=0)
+    # fixed R is checked against W at setup; before the first batch there is no plan
+    config = make("auto", R=3, stages=6).schedule_config
+    with pytest.raises(ScheduleConfigError, match="R=3 does not divide"):
+        config.setup_plan(2)
+    assert make("auto").schedule_config.setup_plan(2) is None
+    with pytest.raises(StrategyConfigError, match="decided at the first batch"):
+        make("auto").schedule_config.training_plan(2)
+
+
+def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:
+    from lightning_gsched.schedule.library import get_schedule
+    from lightning_gsched.schedule.tune import candidates
+
+    free = candidates(4, 64)
+    assert {c.stages for c in free} > {4} and {c.micro for c in free} == {4, 8, 16}
+    fixed = candidates(4, 64, stages=4, micro=8)
+    assert fixed and {(c.stages, c.micro) for c in fixed} == {(4, 8)}
+    assert {c.schedule for c in fixed} == {c.schedule for c in free}
+    looped = candidates(4, 64, R=2)
+    assert looped and {c.R for c in looped} == {2}
+    assert all(get_schedule(c.schedule).default_R is not None for c in looped)
+    assert [c for c in candidates(4, 64, checkpoint=(True,)) if not c.checkpoint] == []
