@@ -166,6 +166,42 @@ def loss_reads_weight_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]
     return {"bad": bad, "moved": moved}
 
 
+def loss_only_parameter_check(ctx: WorkerContext, schedule: str,
+                              checkpoint: bool) -> dict[str, Any]:
+    """The loss reads a parameter no stage reads (a learnable temperature on the logits, as a
+    loss module would hold): after the hand-over its gradient is the single-process one, split
+    backward or not (W must accumulate it as ``loss.backward()`` does)."""
+    from lightning_gsched.runtime import ModelRuntime
+
+    class WithTemperature(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build("gpt")
+            self.temperature = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.model(idx)
+
+    p = plan(schedule, workers=ctx.world_size, checkpoint_activations=checkpoint)
+    batch = global_batch("gpt", p.micro)
+    base = make_loss("gpt", batch)
+
+    def loss_fn(out: torch.Tensor, b: int, module: nn.Module) -> torch.Tensor:
+        return base(out * module.temperature, b)
+
+    reference = WithTemperature()
+    for b, (args, _, _) in batch.items():
+        (loss_fn(reference(*args), b, reference) / len(batch)).backward()
+    module = WithTemperature()
+    part = partition(module, p.stages, example_args=batch[0][0])
+    runtime = ModelRuntime(module, part.stages, p.programs, channels=shared_channels(ctx.world_size),
+                           checkpointed=p.checkpointed)
+    runtime.step(calls(batch), lambda out, b: loss_fn(out, b, module))
+    runtime.hand_over()
+    got, want = module.temperature.grad, reference.temperature.grad
+    return {"got": None if got is None else float(got), "want": float(want)}
+
+
 def saved_bytes_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     """Bytes each forward saves for its backward, per stage, without and with checkpointing;
     and what the stash holds right after a checkpointed forward."""
@@ -290,6 +326,17 @@ def test_checkpointed_schedule_trains_like_one_device(worlds, schedule, checkpoi
     expected = checkpoint if isinstance(checkpoint, list) else [True] * len(
         results[0]["checkpointed"])
     assert list(results[0]["checkpointed"]) == expected
+
+
+@pytest.mark.parametrize("schedule, checkpoint", [("1f1b", False), ("zb-h1", False),
+                                                  ("zbv", True)])
+def test_a_parameter_only_the_loss_reads_gets_its_gradient(worlds, schedule, checkpoint):
+    """Split backward (zb-h1, zbv) included: W accumulates what loss.backward() would. The
+    float32 tolerance: the pipeline sums the microbatches' terms in another order."""
+    results = worlds.get(W).run(loss_only_parameter_check, schedule, checkpoint)
+    for rank, r in enumerate(results):
+        assert r["got"] is not None, f"rank {rank}: no gradient"
+        assert r["got"] == pytest.approx(r["want"], rel=1e-5, abs=1e-6), (rank, r)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

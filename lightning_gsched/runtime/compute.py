@@ -82,6 +82,9 @@ class StageCompute:
         self.last = len(self.stages) - 1
         self.num_micro = num_micro
         self.stash: dict[tuple[int, int], Stashed] = {}
+        # trainable parameters no stage reads that the last stage's loss code may (a loss
+        # module's): loss.backward() accumulates them, so a split backward's W must too
+        self.loss_params: list[torch.Tensor] = []
         # split backward: (stage, micro) -> the weight-gradient work its B left for its W
         self.pending_weights: dict[tuple[int, int], PendingWeightGrad | ChainedWeightGrad] = {}
         self.params = [[p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
@@ -235,16 +238,24 @@ class StageCompute:
         if stashed.replay is not None and stashed.loss is not None:
             # checkpointed last stage: first the loss's own graph, down to the leaves
             out_grads, loss_weights = loss_gradients(stashed.loss, stashed.replay.out_leaves,
-                                                     self.params[s], split)
+                                                     self._weight_params(s), split)
         roots, grads = self._roots(s, b, stashed, out_grads, split)
         if split:
-            input_grads, pending = backward_input(roots, grads, stashed.inputs, self.params[s])
+            input_grads, pending = backward_input(roots, grads, stashed.inputs,
+                                                  self._weight_params(s))
             self.pending_weights[(s, b)] = (
                 pending if loss_weights is None else ChainedWeightGrad(loss_weights, pending))
             return list(input_grads)
         if roots:
             torch.autograd.backward(roots, grads)
         return [t.grad if t.requires_grad else None for t in stashed.inputs]
+
+    def _weight_params(self, s: int) -> list[torch.Tensor]:
+        """The parameters a split backward of stage ``s`` accumulates: the stage's, and on the
+        last stage also :attr:`loss_params` (what ``loss.backward()`` would reach)."""
+        if s != self.last or not self.loss_params:
+            return self.params[s]
+        return list(dict.fromkeys([*self.params[s], *self.loss_params]))
 
     def _roots(self, s: int, b: int, stashed: Stashed, out_grads: Sequence[Any] | None,
                split: bool) -> tuple[list[torch.Tensor], list[Any] | None]:

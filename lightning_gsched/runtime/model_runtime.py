@@ -77,6 +77,8 @@ class ModelRuntime:
         self.world_size = programs.world_size
         self.device = self.executor.device
         self.ownership = Ownership.of(self.executor, module)
+        # a split backward accumulates what loss.backward() would: the extras the loss reads
+        self.executor.compute.loss_params = list(self.ownership.extra)
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
 
     @property
