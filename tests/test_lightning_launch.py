@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -32,6 +33,21 @@ def test_registered_names_resolve(name: str) -> None:
     run = pl.Trainer(accelerator="cpu", devices=2, strategy=f"gsched_{name}", logger=False)
     assert isinstance(run.strategy, GeneralParallel)
     assert run.strategy.schedule_config.schedule == name
+
+
+def _cli_from(path: Any, monkeypatch: Any) -> Any:
+    """The example GPT's LightningCLI built from a YAML config (not run): what the user gets."""
+    from lightning.pytorch.cli import LightningCLI
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    monkeypatch.chdir(ROOT)
+    try:
+        from gpt import GPT, CharDataModule
+
+        return LightningCLI(GPT, CharDataModule, run=False, args=["--config", str(path)],
+                            save_config_callback=None)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
@@ -66,7 +82,6 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
 def test_yaml_auto_takes_a_memory_budget(value: str, nbytes: int, tmp_path, monkeypatch) -> None:
     """``configs/auto.yaml`` with its commented budget line switched on parses; the budget is
     a string with a unit, or bytes."""
-    from lightning.pytorch.cli import LightningCLI
 
     with open(os.path.join(ROOT, "configs", "auto.yaml")) as handle:
         text = handle.read()
@@ -74,15 +89,7 @@ def test_yaml_auto_takes_a_memory_budget(value: str, nbytes: int, tmp_path, monk
     assert old in text
     path = tmp_path / "budget.yaml"
     path.write_text(text.replace(old, f"      memory_budget: {value}"))
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    monkeypatch.chdir(ROOT)
-    try:
-        from gpt import GPT, CharDataModule
-
-        cli = LightningCLI(GPT, CharDataModule, run=False, args=["--config", str(path)],
-                           save_config_callback=None)
-    finally:
-        sys.path.remove(os.path.join(ROOT, "examples"))
+    cli = _cli_from(path, monkeypatch)
     config = cli.trainer.strategy.schedule_config
     assert config.is_auto and config.memory_budget == nbytes
 
@@ -92,7 +99,6 @@ def test_yaml_auto_takes_a_memory_budget(value: str, nbytes: int, tmp_path, monk
 def test_yaml_init_args_take_checkpoint_activations(value: str, flags: tuple, tmp_path,
                                                     monkeypatch) -> None:
     """``checkpoint_activations`` from a LightningCLI YAML: one bool, or a list per stage."""
-    from lightning.pytorch.cli import LightningCLI
 
     with open(os.path.join(ROOT, "configs", "1f1b.yaml")) as handle:
         text = handle.read()
@@ -100,15 +106,7 @@ def test_yaml_init_args_take_checkpoint_activations(value: str, flags: tuple, tm
     assert old in text
     path = tmp_path / "checkpointed.yaml"
     path.write_text(text.replace(old, old[:-1] + f", checkpoint_activations: {value}}}"))
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    monkeypatch.chdir(ROOT)
-    try:
-        from gpt import GPT, CharDataModule
-
-        cli = LightningCLI(GPT, CharDataModule, run=False, args=["--config", str(path)],
-                           save_config_callback=None)
-    finally:
-        sys.path.remove(os.path.join(ROOT, "examples"))
+    cli = _cli_from(path, monkeypatch)
     assert cli.trainer.strategy.schedule_config.training_plan(4).checkpointed == flags
 
 
