@@ -182,6 +182,12 @@ def _tune_parser(sub: Any) -> None:
                    metavar="SCHEDULE", help="only these library schedules")
     t.add_argument("--no-checkpointing", action="store_true",
                    help="do not try activation checkpointing")
+    t.add_argument("-s", "--stages", type=_count("stages", "4"), default=None,
+                   help="only this S (as GeneralParallel('auto', stages=...))")
+    t.add_argument("-b", "--microbatches", type=_count("microbatches", "8"), default=None,
+                   help="only this B")
+    t.add_argument("--R", type=_count("R", "2"), default=None,
+                   help="only the looped schedules, with this R")
     t.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
     t.add_argument("--bandwidth", type=float, default=1e9, help="bytes per second per link")
     t.add_argument("--top", type=_count("top", "20"), default=20, help="rows of the table")
@@ -226,7 +232,8 @@ def _tune(args: argparse.Namespace) -> int:
     result = tune_model(model, example, args.workers, args.global_batch, loss_fn=loss_fn,
                         budget=args.budget, optimizer_factor=args.optimizer_factor,
                         network=Network(args.latency, args.bandwidth), schedules=args.schedules,
-                        checkpoint=(False,) if args.no_checkpointing else (False, True))
+                        checkpoint=(False,) if args.no_checkpointing else (False, True),
+                        stages=args.stages, micro=args.microbatches, R=args.R)
     print(result.table(args.top))
     return 0
 

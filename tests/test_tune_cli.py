@@ -86,3 +86,13 @@ def test_tuning_leaves_the_model_as_it_was() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_fixed_stages_microbatches_and_R_restrict_the_search(capsys) -> None:
+    assert cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "-s", "4", "-b", "4",
+                     "--R", "2", "--no-checkpointing"]) == 0
+    rows = re.findall(r"^\s+\d+\s+(\S+) S=(\d+) B=(\d+)( R=\d+)?", capsys.readouterr().out,
+                      re.M)
+    assert rows
+    assert all(S == "4" and B == "4" and R == " R=2" for _, S, B, R in rows)
+    assert {name for name, *_ in rows} <= {"lpp", "interleaved", "fslpp", "fslpp-seed"}
