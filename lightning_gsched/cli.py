@@ -22,7 +22,7 @@ from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.describe import describe, text_table
 from lightning_gsched.schedule.library import resolve_shape
-from lightning_gsched.schedule.metrics import resident_bytes
+from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import ORDER_NAMES
 from lightning_gsched.schedule.plan import CAP_WORDS
 from lightning_gsched.schedule.render import ascii_timeline, save_png

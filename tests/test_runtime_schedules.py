@@ -28,7 +28,7 @@ from dist_harness import WorkerContext
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
 from lightning_gsched.schedule import plan
-from lightning_gsched.schedule.metrics import resident_bytes
+from lightning_gsched.schedule.memory import resident_bytes
 
 pytestmark = pytest.mark.distributed
 

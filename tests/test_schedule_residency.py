@@ -17,7 +17,7 @@ from lightning_gsched.cli import main
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Op, plan
 from lightning_gsched.schedule.describe import describe, plan_command
-from lightning_gsched.schedule.metrics import resident_bytes
+from lightning_gsched.schedule.memory import resident_bytes
 
 
 def held_stages(programs, rank: int) -> list[set[int]]:

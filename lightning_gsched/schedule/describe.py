@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from lightning_gsched.schedule.library import LIBRARY
-from lightning_gsched.schedule.metrics import resident_bytes
+from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
 
@@ -129,7 +129,7 @@ def _numbers(values: Sequence[float]) -> str:
 def worker_parameter_bytes(result: Plan, stage_bytes: Sequence[int]) -> list[tuple[int, int]]:
     """Per worker: (bytes of the stages it owns, its peak of owned + fetched stage bytes).
 
-    Both read off the programs (:func:`~lightning_gsched.schedule.metrics.resident_bytes`):
+    Both read off the programs (:func:`~lightning_gsched.schedule.memory.resident_bytes`):
     exactly what the runtime's ``peak_resident_param_bytes`` counter will measure.
     """
     return [(r.owned, r.peak) for r in resident_bytes(result.programs, stage_bytes)]

@@ -245,6 +245,38 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
     return [rank_memory(programs, sizes, r, checkpointed) for r in range(programs.world_size)]
 
 
+@dataclass(frozen=True)
+class ResidentBytes:
+    """One worker's parameter bytes: the stages it owns, and the most it holds at once."""
+
+    owned: int
+    peak: int
+
+
+def resident_bytes(programs: Programs, stage_bytes: Sequence[int]) -> list[ResidentBytes]:
+    """Per rank: owned parameter bytes and the peak of owned + fetched ones, read off the programs.
+
+    ``stage_bytes``: every stage's parameter bytes (what the runtime's flat buffer of that stage
+    holds; tied parameters, replicated on every rank, are not part of any stage). This is the
+    weights category of the bytes walk with nothing else sized; the runtime's
+    ``peak_resident_param_bytes`` counter measures the same quantity on the real buffers, so for
+    the same programs the two are equal. Unlike ``peak_resident_stages`` (a count) this weighs
+    each stage by its size: which stages are resident together is decided by the programs.
+    """
+    sizes = list(stage_bytes)
+    if len(sizes) != programs.num_stages or any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes
+    ):
+        raise ScheduleConfigError(
+            f"stage_bytes must be one int >= 0 per stage ({programs.num_stages}), got "
+            f"{stage_bytes!r}"
+        )
+    weights_only = ModelSizes(tuple(StageSizes(b, 0, 0, 0, 0) for b in sizes))
+    return [ResidentBytes(owned=sum(sizes[s] for s in programs.owned_stages(rank)),
+                          peak=rank_memory(programs, weights_only, rank).category_peaks.weights)
+            for rank in range(programs.world_size)]
+
+
 def uniform_sizes(stages: int, params: int, activations: int, message: int,
                   optimizer_factor: float = 0.0) -> ModelSizes:
     """Equal stages (for planning before anything is measured, and for tests): gradients the

@@ -9,9 +9,7 @@ program walker (:mod:`.walk`) with the op table's counters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
-from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.counts import ActionCounts
 from lightning_gsched.schedule.program import Action, Op, Programs
 from lightning_gsched.schedule.simulate import Timeline
@@ -77,62 +75,6 @@ def program_counts(programs: Programs, rank: int) -> ActionCounts:
     handler = _Counter(programs, rank)
     walk_rank(programs, rank, handler)
     return handler.counts
-
-
-@dataclass(frozen=True)
-class ResidentBytes:
-    """One worker's parameter bytes: the stages it owns, and the most it holds at once."""
-
-    owned: int
-    peak: int
-
-
-class _Residency:
-    """Walk handler: bytes of owned + fetched stages, raised at ``FETCH_W``, lowered at
-    ``FREE_W``; the peak is taken where they rise, as the runtime samples its buffers."""
-
-    def __init__(self, programs: Programs, rank: int, stage_bytes: Sequence[int]) -> None:
-        self.stage_bytes = stage_bytes
-        self.owned = self.now = self.peak = sum(stage_bytes[s]
-                                                for s in programs.owned_stages(rank))
-
-    def recv(self, rank: int, action: Action) -> None:
-        if action.op is Op.FETCH_W:
-            self.now += self.stage_bytes[action.stage]
-            self.peak = max(self.peak, self.now)
-
-    def free(self, rank: int, action: Action) -> None:
-        self.now -= self.stage_bytes[action.stage]
-
-    def compute(self, rank: int, action: Action) -> None:
-        return None
-
-    send = collective = compute
-
-
-def resident_bytes(programs: Programs, stage_bytes: Sequence[int]) -> list[ResidentBytes]:
-    """Per rank: owned parameter bytes and the peak of owned + fetched ones, read off the programs.
-
-    ``stage_bytes``: every stage's parameter bytes (what the runtime's flat buffer of that stage
-    holds; tied parameters, replicated on every rank, are not part of any stage). The runtime's
-    ``peak_resident_param_bytes`` counter measures the same quantity on the real buffers, so for
-    the same programs the two are equal. Unlike ``peak_resident_stages`` (a count) this weighs
-    each stage by its size: which stages are resident together is decided by the programs.
-    """
-    sizes = list(stage_bytes)
-    if len(sizes) != programs.num_stages or any(
-        isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes
-    ):
-        raise ScheduleConfigError(
-            f"stage_bytes must be one int >= 0 per stage ({programs.num_stages}), got "
-            f"{stage_bytes!r}"
-        )
-    out = []
-    for rank in range(programs.world_size):
-        handler = _Residency(programs, rank, sizes)
-        walk_rank(programs, rank, handler)
-        out.append(ResidentBytes(owned=handler.owned, peak=handler.peak))
-    return out
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
