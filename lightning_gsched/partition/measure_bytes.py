@@ -29,7 +29,7 @@ from lightning_gsched.errors import PartitionError
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.profile import _run_loss, _run_stage
 from lightning_gsched.runtime import wire
-from lightning_gsched.runtime.footprint import SavedTensorBytes
+from lightning_gsched.runtime.footprint import SavedTensorBytes, weight_storages
 from lightning_gsched.runtime.layout import split_parameters
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes
 
@@ -56,32 +56,34 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
         raise PartitionError("measure_stage_bytes needs at least one stage")
     own_params, tied = split_parameters(stages)
     sizes: list[StageSizes] = []
-    parts: wire.Split | None = None
+    # the previous stage's output: split into tensors, and encoded as one message (once)
+    handed: tuple[wire.Split, torch.Tensor, torch.Tensor] | None = None
     last = len(stages) - 1
     with torch.enable_grad(), ExitStack() as preserved:
         for stage in stages:
             preserved.enter_context(preserved_tensors_and_rng(stage))
         for s, stage in enumerate(stages):
-            if parts is None:
+            if handed is None:
                 stash, loss_part, out = _stashed_bytes(stage, s, last, args, kwargs or {},
                                                        loss_fn)
                 received = stash
             else:  # as the runtime feeds it: from this rank's producer, or from a message
+                parts, header, payload = handed
                 local = wire.join(parts.structure, wire.detached_leaves(parts.tensors))
                 stash, loss_part, out = _stashed_bytes(stage, s, last, (local,), {}, loss_fn)
-                header, payload = wire.encode(parts, _device(parts))
                 message, _ = wire.decode(int(header[0]), payload)
                 received, _, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
             own = own_params[s]
             trainable = _bytes([p for p in own if p.requires_grad])
-            parts = None if s == last else wire.split(out, what=f"output of stage {s}")
+            handed = None if s == last else _handed(out, s)
             # a checkpointed stage keeps its inputs (the model's input, or the message) and, on
             # the last stage, the loss's own graph
             inputs = (_bytes((args, kwargs)) if s == 0 else sizes[s - 1].message) + loss_part
             sizes.append(StageSizes(
                 params=_bytes(own), grads=trainable,
                 optimizer=int(trainable * optimizer_factor), activations=stash,
-                message=0 if parts is None else _message_bytes(parts),
+                # the buffer a receiver posts for it: metadata and padding included
+                message=0 if handed is None else handed[2].numel(),
                 received_activations=received, inputs=inputs))
     tied_trainable = _bytes([p for p in tied if p.requires_grad])
     return ModelSizes(tuple(sizes), tied_params=_bytes(tied), tied_grads=tied_trainable,
@@ -92,8 +94,7 @@ def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwarg
                    loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int, Any]:
     """(bytes autograd saves in this stage's forward and loss, weights excluded; of those,
     the loss's own; the stage's output)."""
-    weights = [t.untyped_storage().data_ptr()
-               for t in (*stage.parameters(), *stage.buffers()) if t.numel()]
+    weights = weight_storages(stage)
     with SavedTensorBytes(exclude=weights) as saved:
         out = _run_stage(stage, s, last + 1, args, kwargs)
         loss_part = 0
@@ -105,11 +106,9 @@ def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwarg
     return saved.nbytes, loss_part, out
 
 
-def _message_bytes(parts: wire.Split) -> int:
-    """Bytes of the buffer a receiver posts for this output (metadata and padding included)."""
-    _, payload = wire.encode(parts, _device(parts))
-    return payload.numel()
-
-
-def _device(parts: wire.Split) -> torch.device:
-    return parts.tensors[0].device if parts.tensors else torch.device("cpu")
+def _handed(output: Any, s: int) -> tuple[wire.Split, torch.Tensor, torch.Tensor]:
+    """Stage ``s``'s output as the runtime hands it on: split, and encoded as one message."""
+    parts = wire.split(output, what=f"output of stage {s}")
+    device = parts.tensors[0].device if parts.tensors else torch.device("cpu")
+    header, payload = wire.encode(parts, device)
+    return parts, header, payload

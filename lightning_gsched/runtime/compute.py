@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
-from lightning_gsched.runtime.footprint import SavedTensorBytes
+from lightning_gsched.runtime.footprint import SavedTensorBytes, storage_key, weight_storages
 from lightning_gsched.runtime.recompute import (
     ChainedWeightGrad,
     Replay,
@@ -135,10 +135,7 @@ class StageCompute:
         if self.saved_bytes is None:
             yield
             return
-        stage = self.stages[s]
-        weights = [t.untyped_storage().data_ptr()
-                   for t in (*stage.parameters(), *stage.buffers()) if t.numel()]
-        with SavedTensorBytes(exclude=weights) as counter:
+        with SavedTensorBytes(exclude=weight_storages(self.stages[s])) as counter:
             yield
         for t in held:
             if isinstance(t, torch.Tensor):
@@ -147,7 +144,7 @@ class StageCompute:
             kept = self.saved_bytes.get((s, b), {})
             for t in released:
                 if isinstance(t, torch.Tensor):
-                    kept.pop(t.untyped_storage().data_ptr(), None)
+                    kept.pop(storage_key(t)[0], None)
             counter.storages.update(kept)
         self.saved_bytes[(s, b)] = counter.storages
 

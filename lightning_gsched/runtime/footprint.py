@@ -36,6 +36,12 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+def weight_storages(module: torch.nn.Module) -> list[int]:
+    """Addresses of a stage's parameter and buffer storages: what autograd saves of these is
+    weights (counted as such), not activations."""
+    return [storage_key(t)[0] for t in (*module.parameters(), *module.buffers()) if t.numel()]
+
+
 class SavedTensorBytes:
     """Within the ``with`` block, the distinct storages autograd saves for the backward.
 
