@@ -72,6 +72,17 @@ def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]
     return state, csv_metric(tmp, "train_loss")
 
 
+def assert_fit_matches(states: list, tmp: str, want: dict, want_log: list, label: str) -> None:
+    """Every rank's final state is one device's, and the logged losses (rank 0's CSV, the
+    global batch's) are one device's at the same steps."""
+    for rank, state in enumerate(states):
+        assert_same_state(state, want, f"{label} rank {rank}")
+    got_log = csv_metric(tmp, "train_loss")
+    assert [s for s, _ in got_log] == [s for s, _ in want_log]
+    for (_, got), (_, expected) in zip(got_log, want_log, strict=True):
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
 # schedule innermost: all W=2 cases, then all W=4 ones, so the module's worker processes are
 # started twice rather than once per case
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -88,12 +99,7 @@ def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, 
         want, want_log = reference(optimizer)
         tmp = str(tmp_path / optimizer)
         states = world.run(fit_on_worker, {"schedule": schedule}, optimizer, tmp)
-        for rank, state in enumerate(states):
-            assert_same_state(state, want, f"{schedule} W={world_size} {optimizer} rank {rank}")
-        got_log = csv_metric(tmp, "train_loss")
-        assert [s for s, _ in got_log] == [s for s, _ in want_log]
-        for (_, got), (_, expected) in zip(got_log, want_log, strict=True):
-            assert got == pytest.approx(expected, rel=1e-5)
+        assert_fit_matches(states, tmp, want, want_log, f"{schedule} W={world_size} {optimizer}")
 
 
 def test_fsdp_with_two_stages_per_worker_matches_single_device(worlds, tmp_path) -> None:
@@ -102,12 +108,7 @@ def test_fsdp_with_two_stages_per_worker_matches_single_device(worlds, tmp_path)
     want, want_log = reference("sgd")
     tmp = str(tmp_path / "sgd")
     states = worlds.get(2).run(fit_on_worker, {"schedule": "fsdp", "stages": 4}, "sgd", tmp)
-    for rank, state in enumerate(states):
-        assert_same_state(state, want, f"fsdp S=4 W=2 rank {rank}")
-    got_log = csv_metric(tmp, "train_loss")
-    assert [s for s, _ in got_log] == [s for s, _ in want_log]
-    for (_, got), (_, expected) in zip(got_log, want_log, strict=True):
-        assert got == pytest.approx(expected, rel=1e-5)
+    assert_fit_matches(states, tmp, want, want_log, "fsdp S=4 W=2")
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -268,8 +269,7 @@ def test_activation_checkpointing_matches_single_device(worlds, tmp_path) -> Non
     want, want_log = reference("sgd")
     options = {"schedule": "zbv", "checkpoint_activations": True}
     results = worlds.get(2).run(checkpointed_fit_on_worker, options, str(tmp_path))
-    for rank, (state, flags) in enumerate(results):
+    for _, flags in results:
         assert flags == [True] * 4, flags  # the runtime was handed the plan's flags
-        assert_same_state(state, want, f"checkpointed zbv rank {rank}")
-    got_log = csv_metric(str(tmp_path), "train_loss")
-    assert [v for _, v in got_log] == pytest.approx([v for _, v in want_log], rel=1e-5)
+    assert_fit_matches([state for state, _ in results], str(tmp_path), want, want_log,
+                       "checkpointed zbv")

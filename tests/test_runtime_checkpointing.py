@@ -39,8 +39,13 @@ from lightning_gsched.schedule import Programs, plan
 from lightning_gsched.schedule.library import LIBRARY
 from test_runtime_batchnorm import compare, statistics, train_batch
 from test_runtime_batchnorm import reference as batchnorm_reference
-from test_runtime_schedules import build, calls, global_batch, make_loss
-from test_runtime_schedules import reference as schedules_reference
+from test_runtime_schedules import (
+    build,
+    calls,
+    global_batch,
+    make_loss,
+    sgd_steps_against_reference,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -116,31 +121,14 @@ def train_check(ctx: WorkerContext, schedule: str, checkpoint: Any,
     p = train_plan(schedule, ctx.world_size, checkpoint)
     batch = global_batch("gpt", p.micro)
     loss_fn = make_loss("gpt", batch)
-    ref_model, ref_grads, _ = schedules_reference("gpt", batch, loss_fn, steps=steps, lr=0.1)
-    ref_params = dict(ref_model.named_parameters())
     model = build("gpt")
     part = partition(model, p.stages, example_args=batch[0][0])
     ex = ProgramExecutor(part.stages, p.programs, channels=shared_channels(ctx.world_size),
                          checkpointed=p.checkpointed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for i in range(steps):
-        optimizer.zero_grad()
-        result = ex.step(calls(batch), loss_fn)
-        if i < steps - 1:
-            optimizer.step()
-    bad = []
-    names = {id(q): n for n, q in model.named_parameters()}
-    owned = [q for s in sorted(ex.owned) for q in ex.flats[s].params] + list(ex.shared.params)
-    for param in owned:
-        name = names[id(param)]
-        if not torch.allclose(param.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL):
-            bad.append(f"weight {name}")
-        if not torch.allclose(param.grad, ref_grads[name], rtol=RTOL, atol=ATOL):
-            bad.append(f"grad {name}")
-    return {"bad": bad, "checked": len(owned), "checkpointed": p.checkpointed,
-            "counters": result.counters.planned(),
+    out = sgd_steps_against_reference(ex, model, batch, loss_fn, "gpt", steps)
+    return {**out, "checkpointed": p.checkpointed,
             "planned": {k: getattr(p.metrics.per_worker[ctx.rank], k)
-                        for k in result.counters.PLANNED}}
+                        for k in ex.last_counters.PLANNED}}
 
 
 def loss_reads_weight_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:

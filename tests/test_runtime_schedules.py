@@ -235,9 +235,11 @@ def test_step_matches_single_process(worlds, W, schedule, model_name, stages, fe
                 assert r["peak_bytes"] < r["all_bytes"]
 
 
-def train_check(ctx: WorkerContext, schedule: str, model_name: str, steps: int) -> dict[str, Any]:
-    """Several steps with SGD in between: owners' weights and gradients follow the reference."""
-    p, batch, loss_fn, model, ex = setup(ctx, schedule, model_name, None)
+def sgd_steps_against_reference(ex: ProgramExecutor, model: torch.nn.Module, batch: Batch,
+                                loss_fn, model_name: str, steps: int) -> dict[str, Any]:
+    """``steps`` executor steps with SGD (lr 0.1) in between, against :func:`reference` taking
+    the same steps: the owned weights and gradients that differ, how many were checked, and the
+    last step's counters."""
     ref_model, ref_grads, _ = reference(model_name, batch, loss_fn, steps=steps, lr=0.1)
     ref_params = dict(ref_model.named_parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # non-owned params have no grad
@@ -255,12 +257,15 @@ def train_check(ctx: WorkerContext, schedule: str, model_name: str, steps: int) 
             bad.append(f"weight {name}")
         if not torch.allclose(param.grad, ref_grads[name], rtol=RTOL, atol=ATOL):
             bad.append(f"grad {name}")
-    out = {
-        "bad": bad,
-        "checked": len(owned),
-        "counters": result.counters.planned(),
-        "planned": {k: getattr(p.metrics.per_worker[ctx.rank], k) for k in result.counters.PLANNED},
-    }
+    return {"bad": bad, "checked": len(owned), "counters": result.counters.planned()}
+
+
+def train_check(ctx: WorkerContext, schedule: str, model_name: str, steps: int) -> dict[str, Any]:
+    """Several steps with SGD in between: owners' weights and gradients follow the reference."""
+    p, batch, loss_fn, model, ex = setup(ctx, schedule, model_name, None)
+    out = sgd_steps_against_reference(ex, model, batch, loss_fn, model_name, steps)
+    out["planned"] = {k: getattr(p.metrics.per_worker[ctx.rank], k)
+                      for k in ex.last_counters.PLANNED}
     ex.close()
     return out
 
