@@ -153,7 +153,7 @@ class PipelineEngine:
             self.partition = self._partition(args, kwargs)
             # sized before the runtime releases the stages this rank does not own
             self.memory.predict(self.partition.stages, args, kwargs, self.train_plan,
-                                self.optimizers())
+                                self.optimizers(), self.world_size, self.rank)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,

@@ -6,7 +6,8 @@ the user's optimizers (their state is a third of Adam's footprint) and the point
 with that state starts (the second training step: the state appears at the first
 ``optimizer.step``). The numbers come from the planner (``schedule/memory.py``) and from the
 runtime's accounting (``ModelRuntime.record_memory``); this module only runs them at the right
-moments and gathers the ranks' figures (one collective, once).
+moments, sizes the stages on rank 0 (one broadcast) and gathers the ranks' measured figures
+(one collective, once).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from lightning_gsched.lightning.logsync import exchange
 from lightning_gsched.partition.measure_bytes import measure_stage_bytes
@@ -44,15 +46,29 @@ class MemoryReport:
         self.steps = 0
 
     def predict(self, stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict, plan: Plan,
-                optimizers: Sequence[Any]) -> None:
+                optimizers: Sequence[Any], world_size: int = 1, rank: int = 0) -> None:
         """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
-        the user's step computes it) and predict every rank's bytes for the training plan."""
-        try:
-            self.sizes = measure_stage_bytes(stages, args, kwargs,
-                                             optimizer_factor=optimizer_bytes_factor(optimizers))
+        the user's step computes it) and predict every rank's bytes for the training plan.
+
+        Every rank holds the same model and microbatch, so rank 0 alone runs the stages'
+        forwards and broadcasts the sizes (collective): the other ranks skip that work, and all
+        of them agree on whether a prediction exists, which decides whether they take part in
+        the measured step's gather."""
+        outcome: tuple[ModelSizes | None, str | None] = (None, None)
+        if rank == 0:
+            try:
+                outcome = (measure_stage_bytes(
+                    stages, args, kwargs, optimizer_factor=optimizer_bytes_factor(optimizers)),
+                    None)
+            except Exception as exc:  # noqa: BLE001 - a report must never stop the training
+                outcome = (None, f"{type(exc).__name__}: {exc}")
+        if world_size > 1:
+            box: list[Any] = [outcome]
+            dist.broadcast_object_list(box, 0)
+            outcome = box[0]
+        self.sizes, self.unavailable = outcome
+        if self.sizes is not None:
             self.predicted = predict_memory(plan.programs, self.sizes, plan.checkpointed)
-        except Exception as exc:  # noqa: BLE001 - a report must never stop the training
-            self.unavailable = f"{type(exc).__name__}: {exc}"
 
     def startup_lines(self) -> str:
         if self.predicted is None:
