@@ -84,7 +84,7 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
                 optimizer=int(trainable * optimizer_factor), activations=stash,
                 # the buffer a receiver posts for it: metadata and padding included
                 message=0 if handed is None else handed[2].numel(),
-                received_activations=received, inputs=inputs))
+                received_activations=received, inputs=inputs, loss_graph=loss_part))
     tied_trainable = _bytes([p for p in tied if p.requires_grad])
     return ModelSizes(tuple(sizes), tied_params=_bytes(tied), tied_grads=tied_trainable,
                       tied_optimizer=int(tied_trainable * optimizer_factor))

@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
-from lightning_gsched.runtime.footprint import SavedTensorBytes, storage_key, weight_storages
+from lightning_gsched.runtime.footprint import SavedTensorBytes, weight_storages
 from lightning_gsched.runtime.recompute import (
     ChainedWeightGrad,
     Replay,
@@ -125,13 +125,12 @@ class StageCompute:
         return parts, None
 
     @contextmanager
-    def _saved(self, s: int, b: int, held: Sequence[Any] = (),
-               released: Sequence[Any] | None = None) -> Iterator[None]:
+    def _saved(self, s: int, b: int, held: Sequence[Any] = ()) -> Iterator[None]:
         """Count what autograd saves in ``F s b`` (weights and buffers excluded), plus the
         tensors in ``held`` that the stash keeps besides (a checkpointed stage's inputs), when
-        asked. A recompute at B (``released``: the inputs F kept, which the stash lets go)
-        records again: its graph, plus what F's record held besides the inputs (a last stage's
-        loss graph), is what the stash holds until W."""
+        asked. A checkpointed stage's recompute at a split B records again, replacing F's
+        record: from then to W the stash holds the recomputed graph (the loss's own graph, on a
+        last stage, was released by that B's ``autograd.grad``)."""
         if self.saved_bytes is None:
             yield
             return
@@ -140,12 +139,6 @@ class StageCompute:
         for t in held:
             if isinstance(t, torch.Tensor):
                 counter.count(t)
-        if released is not None:
-            kept = self.saved_bytes.get((s, b), {})
-            for t in released:
-                if isinstance(t, torch.Tensor):
-                    kept.pop(storage_key(t)[0], None)
-            counter.storages.update(kept)
         self.saved_bytes[(s, b)] = counter.storages
 
     def live_activation_bytes(self) -> int:
@@ -268,8 +261,7 @@ class StageCompute:
     def _recompute(self, s: int, b: int, replay: Replay) -> list[torch.Tensor]:
         """The output tensors of ``F s b`` again, with their graph (see :mod:`.recompute`)."""
         replay.check_inputs(s, b)
-        inputs = [t for t, _ in replay.versions]
-        with replay.rng.restored(), torch.enable_grad(), self._saved(s, b, released=inputs), \
+        with replay.rng.restored(), torch.enable_grad(), self._saved(s, b), \
                 self.forward_context():
             output = self.stages[s](*replay.args, **replay.kwargs)
         return wire.split(output, what=f"output of stage {s}").tensors

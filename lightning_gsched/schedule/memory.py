@@ -21,7 +21,8 @@ What each category holds on a rank, as the runtime allocates it:
   stages and tied parameters); constant over the step.
 * **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b`` (until
   ``W s b`` when the backward is split). A checkpointed stage keeps only its inputs from ``F``
-  to ``B``; with a split backward its recomputed graph then lives from ``B`` to ``W``.
+  to ``B`` (on the last stage also the loss's own graph); with a split backward its
+  recomputed graph then lives from ``B`` to ``W`` (the loss's graph is released at ``B``).
 * **communication**: receive buffers posted and not yet consumed: an activation from its
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
   peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
@@ -62,6 +63,9 @@ class StageSizes:
     message: int
     received_activations: int = -1  # -1: the same as ``activations``
     inputs: int = 0  # what a checkpointed stage keeps from F to B: its inputs
+    # of ``activations``, the last stage's loss code's own graph: a checkpointed last stage
+    # keeps it from F to B only (a split B releases it; the recomputed stage lives on to W)
+    loss_graph: int = 0
 
     @property
     def stash_from_message(self) -> int:
@@ -150,8 +154,8 @@ class _RankWalk:
             if not self.programs.split_backward:
                 self._weight_grads(s)
                 self.activations -= self.stashed.pop((s, a.micro), 0)
-            elif self.checkpointed[s]:  # the recomputed graph lives until W
-                self._hold(s, a.micro, self._graph(s, a.micro))
+            elif self.checkpointed[s]:  # the recomputed graph lives until W, the loss's not
+                self._hold(s, a.micro, self._graph(s, a.micro) - stages[s].loss_graph)
         elif op is Op.W:
             self._weight_grads(s)
             self.activations -= self.stashed.pop((s, a.micro), 0)

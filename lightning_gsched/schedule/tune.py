@@ -202,7 +202,7 @@ def _scaled(profile: StageProfile, rows: int) -> ModelSizes:
         return dataclasses.replace(
             st, activations=int(st.activations * f),
             received_activations=int(st.stash_from_message * f), message=int(st.message * f),
-            inputs=int(st.inputs * f))
+            inputs=int(st.inputs * f), loss_graph=int(st.loss_graph * f))
 
     return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages)))
 
