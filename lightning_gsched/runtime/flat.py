@@ -170,9 +170,32 @@ class FlatGrads(FlatLayout):
         # a buffer handed out by take() and given back once nothing uses it (recycle()):
         # reusing it saves allocating and first-touching a model-sized buffer every step
         self.spare: torch.Tensor | None = None
+        # the per-parameter views of the buffers this object holds (flat, spare, the last one
+        # taken), by buffer: a step folds and hands over every parameter two or three times,
+        # and cutting a view costs about as much as the check it serves (see grad_views)
+        self._views: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._taken: torch.Tensor | None = None
+
+    def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view of ``flat`` (one of this object's buffers), cut once per buffer.
+
+        Only buffers this object holds are remembered, so no buffer outlives its last user
+        because of the cache; another tensor gets fresh views.
+        """
+        for buffer, views in self._views:
+            if buffer is flat:
+                return views
+        views = [self.view(flat, i) for i in range(len(self.params))]
+        held = (self.flat, self.spare, self._taken)
+        self._views = [(b, v) for b, v in self._views if any(b is h for h in held)]
+        if any(flat is h for h in held):
+            self._views.append((flat, views))
+        return views
 
     def recycle(self, flat: torch.Tensor) -> None:
         """Give back a buffer from :meth:`take` that nobody reads or writes any more."""
+        if flat is self._taken:
+            self._taken = None
         if flat.numel() == self.numel and flat.dtype == self.dtype and flat.device == self.device:
             self.spare = flat
 
@@ -192,7 +215,7 @@ class FlatGrads(FlatLayout):
             self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         else:
             self.flat.zero_()
-        for p, view in self.views(self.flat):
+        for p, view in zip(self.params, self.grad_views(self.flat), strict=True):
             p.grad = view
 
     def sync(self) -> torch.Tensor:
@@ -211,10 +234,13 @@ class FlatGrads(FlatLayout):
         copied into the buffer. Needs an active buffer (:meth:`zero` ran this step).
         """
         assert self.flat is not None
-        p, view = self.params[i], self.view(self.flat, i)
-        if p.grad is None:
+        p, view = self.params[i], self.grad_views(self.flat)[i]
+        grad = p.grad
+        if grad is view:  # the common case: autograd accumulated in place
+            return
+        if grad is None:
             p.grad = view
-        elif p.grad.data_ptr() != view.data_ptr():
+        elif grad.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(p.grad.reshape(view.shape))
             p.grad = view
@@ -225,4 +251,5 @@ class FlatGrads(FlatLayout):
         for p in self.params:
             p.grad = None
         self.flat = None
+        self._taken = flat
         return flat

@@ -104,7 +104,9 @@ class GradStash:
             assigned = False
             if scale != 1.0:
                 flat.mul_(scale)
-            for p, view in layout.views(flat):
+            views = source.grad_views(flat) if source is not None else (
+                layout.view(flat, i) for i in range(len(layout.params)))
+            for p, view in zip(layout.params, views, strict=True):
                 if p.grad is None:
                     p.grad = view
                     assigned = True
