@@ -151,6 +151,9 @@ class PipelineEngine:
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             self.partition = self._partition(args, kwargs)
+            # tied weights are placed by the plan: plan again once the partition names them
+            if self.config.set_ties(self.partition.shared_parameters.values()):
+                self.train_plan = self.config.training_plan(self.world_size)
             # sized before the runtime releases the stages this rank does not own
             self.memory.predict(self.partition.stages, args, kwargs, self.train_plan,
                                 self.optimizers(), self.world_size, self.rank)
@@ -361,7 +364,7 @@ def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bo
     command = None if custom else plan_command(plan)
     return "\n".join([
         *([header] if header else []),
-        startup_summary(plan, memory.stage_bytes, memory.tied_bytes, command),
+        startup_summary(plan, memory.stage_bytes, memory.tie_bytes, command),
         *([memory_lines] if memory_lines else []),
         partition.report(units=False),
         "(the units of each stage: strategy.engine.partition.report() during the run)",
