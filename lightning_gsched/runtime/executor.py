@@ -90,8 +90,8 @@ class ProgramExecutor:
         checkpointed: Sequence[bool] | None = None,
     ) -> None:
         check_programs(stages, programs)
-        check_ties(stages, programs)
         checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
+        check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
         self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
         self.rank = self.channels.rank
