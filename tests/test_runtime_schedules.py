@@ -27,11 +27,11 @@ import torch.nn.functional as F
 
 import models
 from dist_harness import WorkerContext
-from tie_helpers import held_parameters, with_ties
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.memory import resident_bytes
+from tie_helpers import held_parameters, with_ties
 
 pytestmark = pytest.mark.distributed
 
@@ -149,7 +149,7 @@ def step_check(
 
     released = []
     units = [*enumerate(ex.flats), *ex.ties.items()]
-    for s, flat in units:
+    for _, flat in units:
         if flat.owned:
             continue
         for param in flat.params:

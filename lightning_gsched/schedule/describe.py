@@ -224,7 +224,7 @@ def _byte_span(values: Sequence[float]) -> str:
 
 def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
                     command: str | None) -> str:
-    """The plan as GeneralParallel prints it before the first step: 9 lines for any W (one
+    """The plan as GeneralParallel prints it before the first step: 10 lines for any W (one
     more with ties, one more naming the checkpointed stages when activation checkpointing is
     on).
 
@@ -265,15 +265,19 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
         f"    peak stashed activations (microbatch-stages) {most('peak_activations')}; stages "
         f"owned {ranged('owned_stages')}, peak resident {most('peak_resident_stages')}",
         f"    parameters owned {_byte_span([float(o) for o, _ in memory])}, peak resident "
-        + _most(peak, workers, _byte_span(peak)) + "; optimizer state only for the owned part",
+        + _most(peak, workers, _byte_span(peak)),
     ]
-    if result.ties:
+    if not result.ties:
+        lines.append("    optimizer state only for the owned part")
+    else:
         total = sum(tie_bytes.get(h, 0) for h in result.ties)
-        lines.append(
-            f"    ties {ties_text(result.ties)} ({byte_text(total)}, owned with their home "
-            f"stage): fetches {ranged('tie_fetches')} / serves {ranged('tie_serves')}, "
-            f"reductions out {ranged('tie_grad_sends')} / in {ranged('tie_grad_recvs')}, "
-            f"all-reduces {ranged('tie_allreduces')}")
+        lines += [
+            f"    optimizer state only for the owned part; ties {ties_text(result.ties)} "
+            f"({byte_text(total)}) owned with their home stage, fetched where it is not",
+            f"    tie fetches {ranged('tie_fetches')} / serves {ranged('tie_serves')}, "
+            f"gradient reductions out {ranged('tie_grad_sends')} / in "
+            f"{ranged('tie_grad_recvs')}, all-reduces {ranged('tie_allreduces')}",
+        ]
     checkpointed = checkpoint_text(result.checkpointed)
     if checkpointed:
         which = "every stage" if checkpointed == "all" else f"stages {checkpointed}"
