@@ -220,9 +220,18 @@ def test_step_matches_single_process(worlds, W, schedule, model_name, stages, fe
         for b, (got, want) in r["losses"].items():
             assert got == pytest.approx(want, rel=1e-6), b
 
-    # counters == planner metrics, field by field
+    # counters == planner metrics, field by field (the tie counters included)
     for rank, r in enumerate(results):
         assert r["counters"] == r["planned"], f"rank {rank}"
+    if model_name == "gpt" and W > 1:  # the tied embedding/head really moved as planned
+        ties = [{k: v for k, v in r["counters"].items() if k.startswith("tie_")} for r in results]
+        if schedule in ("gpipe", "fsdp") and stages is None:  # stage 3 / every rank reads it
+            assert sum(t["tie_fetches"] for t in ties) == (1 if schedule == "gpipe" else W - 1)
+            assert sum(t["tie_grad_sends"] for t in ties) == sum(t["tie_fetches"] for t in ties)
+        if schedule == "ddp":
+            assert all(t["tie_allreduces"] == 1 for t in ties), ties
+        if schedule == "zbv":
+            assert not any(v for t in ties for v in t.values()), ties
 
     # memory: non-owned weights released; measured bytes at rest and at peak = the planner's
     for r in results:
