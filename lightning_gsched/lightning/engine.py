@@ -299,6 +299,8 @@ class PipelineEngine:
         if not self.built:
             first = next(b for b in range(B) if weights[b] > 0)
             self.build(caller, micros[first], training=False)
+            # the build recorded the partition's ties: the same plan (same B), ties placed
+            plan = self.config.eval_plan(self.world_size, sum(rows))
         runtime = self._runtime()
         first_micros, _ = stage_micros(plan.programs, self.rank)
         inputs = self._capture_all(caller, micros, first_micros)
