@@ -309,7 +309,8 @@ def resident_bytes_probe() -> Any:
             runtime = engine.runtime
             memory = runtime.memory()
             c = runtime.executor.last_counters
-            planned = resident_bytes(engine.train_plan.programs, memory.stage_bytes)
+            planned = resident_bytes(engine.train_plan.programs, memory.stage_bytes,
+                                     memory.tie_bytes)
             self.steps.append({
                 "at_rest": memory.resident_bytes,
                 "module_params": module_param_bytes(pl_module),

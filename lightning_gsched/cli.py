@@ -97,6 +97,17 @@ def _checkpoint_activations(args: argparse.Namespace) -> bool | list[bool]:
     return [s in chosen for s in range(stages)]
 
 
+def _tie_group(text: str) -> list[int]:
+    """'0,3' -> the stages that read one tied weight (plan() checks them against S)."""
+    try:
+        stages = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tie {text!r} is not valid: give the stages that read one tied weight, "
+            "comma-separated; e.g. --tie 0,3") from None
+    return stages
+
+
 def _parse_bytes(text: str) -> list[int]:
     """'3486720,3159040' -> per-stage byte counts."""
     return [int(v) for v in text.split(",")]
@@ -153,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch-window", type=_count("fetch_window", "1"), default=None,
                    help="most fetched stages a worker holds at once (default: no limit; the "
                         "one-compute-early prefetch holds at most 2)")
+    p.add_argument("--tie", metavar="STAGES", type=_tie_group, action="append", default=None,
+                   help="stages that read one tied weight (e.g. 0,3: a tied embedding and "
+                   "head); repeatable. The tie is owned with its lowest stage and fetched by "
+                   "the workers computing the others")
     p.add_argument("--stage-bytes", type=_option(_checked_bytes, _parse_bytes), default=None,
                    help="every stage's parameter bytes, comma-separated: adds each worker's "
                         "owned bytes and the peak of owned + fetched bytes its program implies")
@@ -317,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           forward_cost=args.forward_cost, backward_cost=args.backward_cost,
                           weight_cost=args.weight_cost, forward_only=args.forward_only,
                           checkpoint_activations=_checkpoint_activations(args),
-                          fetch_window=args.fetch_window)
+                          fetch_window=args.fetch_window, ties=args.tie)
             held = (None if args.stage_bytes is None
                     else resident_bytes(result.programs, args.stage_bytes))
             if args.png and not _write_png(result, args.png):

@@ -82,10 +82,14 @@ def measured_vs_predicted(ctx: WorkerContext, schedule: str,
     part = partition(model, p.stages, example_args=args, example_kwargs=kwargs)
     sizes = measure_stage_bytes(part.stages, args, kwargs, loss_fn=lambda out: loss_fn(out, 0),
                                 optimizer_factor=1.0)  # SGD with momentum: one buffer
+    p = plan(schedule, workers=ctx.world_size, stages=p.stages, checkpoint_activations=checkpoint,
+             ties=sizes.tie_map)  # the GPT's tied embedding and head: one tie, placed
     predicted = predict_memory(p.programs, sizes, p.checkpointed)[ctx.rank]
     runtime = ModelRuntime(model, part.stages, p.programs, timeout=60,
                            checkpointed=p.checkpointed)
-    optimizer = torch.optim.SGD(runtime.owned_parameters(), lr=0.01, momentum=0.9)
+    # over every parameter, as a Trainer's: a rank may own nothing (fslpp-seed at W=4 puts
+    # every stage, and so the tie, on ranks 0 and 3); it keeps state only for what has a grad
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for _ in range(2):
         runtime.record_memory(True)  # the second step is measured: the state exists
         runtime.step(calls(batch), loss_fn)

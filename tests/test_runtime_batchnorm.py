@@ -43,7 +43,7 @@ import models
 from dist_harness import WorkerContext
 from lightning_gsched.errors import GschedError, RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
-from lightning_gsched.runtime import Channels, ProgramExecutor, stage_micros
+from lightning_gsched.runtime import Channels, ProgramExecutor, stage_micros, tie_map
 from lightning_gsched.runtime.fullstate import full_state_dict
 from lightning_gsched.schedule import Op, Programs, plan
 from lightning_gsched.schedule.library import LIBRARY
@@ -264,10 +264,12 @@ class Twice(nn.Module):
 def shared_check(ctx: WorkerContext, schedule: str) -> list[str]:
     """A module called from two stages folds once per stage, in stage order (one device:
     stage 0's call, then stage 1's, microbatch by microbatch)."""
-    p = plan(schedule, workers=ctx.world_size, stages=2)
+    model, ref = models.seeded(0, SharedNorm), models.seeded(0, SharedNorm)
+    # the norm's affine weights are read by both stages: a tie the plan places
+    p = plan(schedule, workers=ctx.world_size, stages=2,
+             ties=tie_map([model.first, model.second]))
     batch = models.seeded(3, lambda: {b: (torch.randn(4, 5), torch.randint(0, 3, (4,)))
                                       for b in range(p.micro)})
-    model, ref = models.seeded(0, SharedNorm), models.seeded(0, SharedNorm)
     ex = ProgramExecutor([model.first, model.second], p.programs, timeout=60,
                          channels=shared_channels(ctx.world_size))
     bad: list[str] = []
@@ -286,7 +288,7 @@ def broadcast_check(ctx: WorkerContext) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         model.norm.running_mean.fill_(ctx.rank)
         model.norm.num_batches_tracked.fill_(7 * ctx.rank)
-    p = plan("gpipe", workers=ctx.world_size, stages=2)
+    p = plan("gpipe", workers=ctx.world_size, stages=2, ties=tie_map([model.first, model.second]))
     ProgramExecutor([model.first, model.second], p.programs, timeout=60,
                     channels=shared_channels(ctx.world_size))
     return statistics(model)

@@ -14,6 +14,7 @@ from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor, buckets
 from lightning_gsched.runtime.buckets import bucket_ranges
 from lightning_gsched.schedule import plan
+from tie_helpers import held_parameters, with_ties
 
 pytestmark = pytest.mark.distributed
 VOCAB = 64
@@ -41,6 +42,7 @@ def overlap_check(ctx: WorkerContext, schedule: str, cap: int, steps: int) -> di
     batch = {b: (torch.randint(0, VOCAB, (2, 8), generator=gen),
                  torch.randint(0, VOCAB, (2, 8), generator=gen)) for b in range(p.micro)}
     part = partition(model, p.stages, example_args=(batch[0][0],))
+    p = with_ties(p, part)
     ex = ProgramExecutor(part.stages, p.programs, timeout=60)
 
     def loss_fn(output: Any, b: int) -> torch.Tensor:
@@ -51,7 +53,7 @@ def overlap_check(ctx: WorkerContext, schedule: str, cap: int, steps: int) -> di
     bad = []
     names = {id(q): n for n, q in model.named_parameters()}
     ref = dict(reference.named_parameters())
-    owned = [q for s in sorted(ex.owned) for q in ex.flats[s].params] + list(ex.shared.params)
+    owned = held_parameters(ex)
     for step in range(steps):
         opt.zero_grad()
         ex.record_compute_times(step == steps - 1)  # the in-run profile of the last step

@@ -46,6 +46,7 @@ from test_runtime_schedules import (
     make_loss,
     sgd_steps_against_reference,
 )
+from tie_helpers import held_parameters, with_ties
 
 pytestmark = pytest.mark.distributed
 
@@ -79,7 +80,7 @@ def train_plan(schedule: str, world: int, checkpoint: Any = False) -> Any:
 
 def owned_grads(ex: ProgramExecutor, model: nn.Module) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
-    owned = [p for s in sorted(ex.owned) for p in ex.flats[s].params] + list(ex.shared.params)
+    owned = held_parameters(ex)
     return {names[id(p)]: p.grad.clone() for p in owned if p.grad is not None}
 
 
@@ -123,6 +124,7 @@ def train_check(ctx: WorkerContext, schedule: str, checkpoint: Any,
     loss_fn = make_loss("gpt", batch)
     model = build("gpt")
     part = partition(model, p.stages, example_args=batch[0][0])
+    p = with_ties(p, part)
     ex = ProgramExecutor(part.stages, p.programs, channels=shared_channels(ctx.world_size),
                          checkpointed=p.checkpointed)
     out = sgd_steps_against_reference(ex, model, batch, loss_fn, "gpt", steps)
@@ -140,6 +142,7 @@ def loss_reads_weight_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]
         batch = global_batch("gpt", p.micro)
         model = build("gpt")
         part = partition(model, p.stages, example_args=batch[0][0])
+        p = with_ties(p, part)
         ex = ProgramExecutor(part.stages, p.programs, channels=shared_channels(ctx.world_size),
                              checkpointed=p.checkpointed)
         loss_fn = make_loss("gpt", batch)
@@ -182,6 +185,7 @@ def loss_only_parameter_check(ctx: WorkerContext, schedule: str,
         (loss_fn(reference(*args), b, reference) / len(batch)).backward()
     module = WithTemperature()
     part = partition(module, p.stages, example_args=batch[0][0])
+    p = with_ties(p, part)
     runtime = ModelRuntime(module, part.stages, p.programs, channels=shared_channels(ctx.world_size),
                            checkpointed=p.checkpointed)
     runtime.step(calls(batch), lambda out, b: loss_fn(out, b, module))
@@ -198,6 +202,7 @@ def saved_bytes_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
         p = plan(schedule, workers=ctx.world_size, checkpoint_activations=checkpoint)
         batch = global_batch("gpt", p.micro)
         part = partition(build("gpt"), p.stages, example_args=batch[0][0])
+        p = with_ties(p, part)
         ex = ProgramExecutor(part.stages, p.programs, channels=shared_channels(ctx.world_size),
                              checkpointed=p.checkpointed)
         compute, forward = ex.compute, ex.compute.forward

@@ -32,6 +32,7 @@ from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import Channels, ProgramExecutor, stage_micros
 from lightning_gsched.schedule import Programs, plan
+from tie_helpers import held_parameters, with_ties
 
 pytestmark = pytest.mark.distributed
 
@@ -155,11 +156,11 @@ class Run:
         self.batch = train_batch(self.train.micro)
         self.loss_fn = loss_fn_of(self.batch)
         part = partition(self.model, self.train.stages, example_args=(self.batch[0][0],))
+        self.train, self.eval = with_ties(self.train, part), with_ties(self.eval, part)
         self.ex = ProgramExecutor(part.stages, self.train.programs, timeout=60,
                                   channels=shared_channels(ctx.world_size))
         self.names = {id(p): n for n, p in self.model.named_parameters()}
-        self.owned = [q for s in sorted(self.ex.owned) for q in self.ex.flats[s].params]
-        self.owned += list(self.ex.shared.params)
+        self.owned = held_parameters(self.ex)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.bad: list[str] = []
         self.checks = 0
@@ -224,21 +225,23 @@ class Run:
         self.checks += 1
 
     def released(self, tag: str) -> None:
-        for s, flat in enumerate(self.ex.flats):
-            if s in self.ex.owned:
+        units = [*enumerate(self.ex.flats), *(("tie", u) for u in self.ex.ties.values())]
+        for _, flat in units:
+            if flat.owned:
                 continue
             storage = 0 if flat.flat is None else flat.flat.untyped_storage().nbytes()
             for p in flat.params:
                 if p.data.numel() or p.grad is not None or storage:
                     self.bad.append(f"{tag}: non-owned {self.names[id(p)]} not released")
-        resident = sum(f.resident_bytes() for f in self.ex.flats)
-        if resident != sum(self.ex.flats[s].nbytes for s in self.ex.owned):
+        resident = sum(f.resident_bytes() for _, f in units)
+        if resident != sum(f.nbytes for _, f in units if f.owned):
             self.bad.append(f"{tag}: {resident} resident bytes, more than the owned stages")
-        for s in self.ex.owned:
-            flat = self.ex.flats[s]
+        for s, flat in units:
+            if not flat.owned:
+                continue
             tensors = [flat.flat, *(p.data for p in flat.params)]
             if any(t.is_inference() for t in tensors):
-                self.bad.append(f"{tag}: weights of owned stage {s} became inference tensors")
+                self.bad.append(f"{tag}: weights of owned {s} became inference tensors")
         self.checks += 1
 
     def weights_match(self, tag: str) -> None:
@@ -284,15 +287,18 @@ def interleave_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
 def config_error_check(ctx: WorkerContext) -> list[str]:
     """forward() rejects programs it cannot run before any message moves (on every rank)."""
     W = ctx.world_size
-    train = plan("fslpp", workers=W)
-    part = partition(build(), train.stages, example_args=(torch.randint(0, VOCAB, (2, 8)),))
+    S = plan("fslpp", workers=W).stages
+    part = partition(build(), S, example_args=(torch.randint(0, VOCAB, (2, 8)),))
+    ties = part.shared_parameters.values()
+    train = plan("fslpp", workers=W, ties=ties)
     ex = ProgramExecutor(part.stages, train.programs, timeout=30)
     cases = {
         "training programs": (train.programs, "forward_only=True"),
         "other stage count": (plan("fslpp", workers=W, stages=2 * W, forward_only=True).programs,
                               f"{2 * W} stages instead of {W}"),
-        "other owners": (plan("lpp", workers=W, stages=W, forward_only=True).programs,
-                         "stage owners"),
+        "other owners": (plan("lpp", workers=W, stages=W, forward_only=True,
+                              ties=ties).programs, "stage owners"),
+        "no ties": (plan("fslpp", workers=W, forward_only=True).programs, "ties {} instead of"),
     }
     messages = []
     for what, (programs, expected) in cases.items():
@@ -303,7 +309,7 @@ def config_error_check(ctx: WorkerContext) -> list[str]:
             if expected not in str(exc):
                 messages.append(f"{what}: unclear message {exc}")
     # the executor still works afterwards: nothing was sent
-    ok = plan("fslpp", workers=W, forward_only=True)
+    ok = plan("fslpp", workers=W, forward_only=True, ties=ties)
     first, _ = stage_micros(ok.programs, ctx.rank)
     xs = eval_batch(ok.micro, 3)
     ex.forward(ok.programs, {b: ((xs[b],), {}) for b in first}, output_fn)
@@ -316,8 +322,9 @@ def fault_check(ctx: WorkerContext, failing_rank: int) -> dict[str, Any]:
     import time
 
     train = plan("gpipe", workers=ctx.world_size)
-    evaluation = plan("gpipe", workers=ctx.world_size, forward_only=True)
     part = partition(build(), train.stages, example_args=(torch.randint(0, VOCAB, (2, 8)),))
+    train = with_ties(train, part)
+    evaluation = plan("gpipe", workers=ctx.world_size, forward_only=True, ties=train.ties)
     ex = ProgramExecutor(part.stages, train.programs, timeout=20)
     if ctx.rank == failing_rank:
 

@@ -20,6 +20,7 @@ from dist_harness import WorkerContext
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
 from lightning_gsched.schedule import plan
+from tie_helpers import held_parameters, with_ties
 
 pytestmark = pytest.mark.distributed
 VOCAB = 64
@@ -48,10 +49,11 @@ def changing_shapes_check(ctx: WorkerContext, schedule: str, rows_per_step: list
     reference = models.make_gpt(seed=0, vocab=VOCAB)
     example = batch_of(rows_per_step[0], p.micro, 0)[0][0]
     part = partition(model, p.stages, example_args=(example,))
+    p = with_ties(p, part)
     ex = ProgramExecutor(part.stages, p.programs, timeout=60)
     names = {id(param): name for name, param in model.named_parameters()}
     ref_params = dict(reference.named_parameters())
-    owned = [q for s in sorted(ex.owned) for q in ex.flats[s].params] + list(ex.shared.params)
+    owned = held_parameters(ex)
     bad, late = [], []
     for step, rows in enumerate(rows_per_step):
         batch = batch_of(rows, p.micro, seed=step + 1)

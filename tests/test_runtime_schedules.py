@@ -4,11 +4,13 @@ For each (W, schedule, model) one step runs on all ranks and each rank checks, a
 single-process reference it computes itself on the same seeded global batch:
 
 * every parameter's gradient on its owner(s) equals the single-process gradient of the mean
-  loss over the B microbatches (replicas and tied weights included);
+  loss over the B microbatches (replicas and tied weights included: the GPT's embedding and
+  head are one tie, planned from the partition's ``shared_parameters``);
 * the runtime's counters equal the planner's per-worker metrics, field by field;
-* weights of non-owned stages are really released after the step (empty ``.data``, 0-byte
-  storage, no ``.grad``), and the peak of resident stage bytes the runtime measured on its
-  buffers' storage equals the planner's figure read off the programs (``resident_bytes``).
+* weights of non-owned stages and ties are really released after the step (empty ``.data``,
+  0-byte storage, no ``.grad``), and the peak of resident stage and tie bytes the runtime
+  measured on its buffers' storage equals the planner's figure read off the programs
+  (``resident_bytes``).
 
 BatchNorm (residual CNN) stays in train mode: batch statistics are per microbatch in the
 pipeline, so the reference also runs the microbatches one at a time (same statistics, same
@@ -29,6 +31,7 @@ from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ProgramExecutor
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.memory import resident_bytes
+from tie_helpers import held_parameters, with_ties
 
 pytestmark = pytest.mark.distributed
 
@@ -114,6 +117,7 @@ def setup(ctx: WorkerContext, schedule: str, model_name: str, stages: int | None
     model = build(model_name)
     args, kwargs, _ = batch[0]
     part = partition(model, p.stages, example_args=args, example_kwargs=kwargs)
+    p = with_ties(p, part)
     ex = ProgramExecutor(part.stages, p.programs, timeout=60)
     return p, batch, make_loss(model_name, batch), model, ex
 
@@ -132,10 +136,7 @@ def step_check(
     result = ex.step(calls(batch), loss_fn)
 
     compared, mismatches, max_err = [], [], 0.0
-    owned_params = [q for s in sorted(ex.owned) for q in ex.flats[s].params] + list(
-        ex.shared.params
-    )
-    for param in owned_params:
+    for param in held_parameters(ex):
         name = name_of[id(param)]
         compared.append(name)
         if param.grad is None:
@@ -147,8 +148,9 @@ def step_check(
             mismatches.append(f"{name}: max abs err {err:.3g}")
 
     released = []
-    for s, flat in enumerate(ex.flats):
-        if s in ex.owned:
+    units = [*enumerate(ex.flats), *ex.ties.items()]
+    for _, flat in units:
+        if flat.owned:
             continue
         for param in flat.params:
             ok = param.data.numel() == 0 and param.grad is None
@@ -164,12 +166,13 @@ def step_check(
         "counters": result.counters.planned(),
         "planned": {k: getattr(p.metrics.per_worker[ctx.rank], k) for k in result.counters.PLANNED},
         "released": released,
-        "resident_bytes_now": sum(f.resident_bytes() for f in ex.flats),
-        "owned_bytes": sum(ex.flats[s].nbytes for s in ex.owned),
-        "all_bytes": sum(f.nbytes for f in ex.flats),
+        "resident_bytes_now": sum(f.resident_bytes() for _, f in units),
+        "owned_bytes": sum(f.nbytes for _, f in units if f.owned),
+        "all_bytes": sum(f.nbytes for _, f in units),
         "peak_bytes": result.counters.peak_resident_param_bytes,
-        # the planner's figures for this rank, from the programs and the stage buffers' sizes
-        "planned_bytes": resident_bytes(p.programs, [f.nbytes for f in ex.flats])[ctx.rank],
+        # the planner's figures for this rank, from the programs and the buffers' sizes
+        "planned_bytes": resident_bytes(p.programs, [f.nbytes for f in ex.flats],
+                                        {h: t.nbytes for h, t in ex.ties.items()})[ctx.rank],
         "losses": {b: (v.item(), ref_losses[b]) for b, v in result.losses.items()},
         "micro": p.micro,
     }
@@ -217,9 +220,18 @@ def test_step_matches_single_process(worlds, W, schedule, model_name, stages, fe
         for b, (got, want) in r["losses"].items():
             assert got == pytest.approx(want, rel=1e-6), b
 
-    # counters == planner metrics, field by field
+    # counters == planner metrics, field by field (the tie counters included)
     for rank, r in enumerate(results):
         assert r["counters"] == r["planned"], f"rank {rank}"
+    if model_name == "gpt" and W > 1:  # the tied embedding/head really moved as planned
+        ties = [{k: v for k, v in r["counters"].items() if k.startswith("tie_")} for r in results]
+        if schedule in ("gpipe", "fsdp") and stages is None:  # stage 3 / every rank reads it
+            assert sum(t["tie_fetches"] for t in ties) == (1 if schedule == "gpipe" else W - 1)
+            assert sum(t["tie_grad_sends"] for t in ties) == sum(t["tie_fetches"] for t in ties)
+        if schedule == "ddp":
+            assert all(t["tie_allreduces"] == 1 for t in ties), ties
+        if schedule == "zbv":
+            assert not any(v for t in ties for v in t.values()), ties
 
     # memory: non-owned weights released; measured bytes at rest and at peak = the planner's
     for r in results:
@@ -249,7 +261,7 @@ def sgd_steps_against_reference(ex: ProgramExecutor, model: torch.nn.Module, bat
         if i < steps - 1:
             optimizer.step()
     bad = []
-    owned = [q for s in sorted(ex.owned) for q in ex.flats[s].params] + list(ex.shared.params)
+    owned = held_parameters(ex)
     names = {id(param): name for name, param in model.named_parameters()}
     for param in owned:
         name = names[id(param)]
@@ -300,7 +312,7 @@ def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float
     p = plan(schedule, workers=ctx.world_size)
     batch = global_batch("gpt", p.micro)
     part = partition(build("gpt"), p.stages, example_args=batch[0][0])
-    ex = ProgramExecutor(part.stages, p.programs, timeout=timeout)
+    ex = ProgramExecutor(part.stages, with_ties(p, part).programs, timeout=timeout)
     if ctx.rank == failing_rank and mode == "raise":
 
         def explode(module, args):

@@ -13,7 +13,7 @@ from lightning_gsched.errors import GschedError, RuntimeConfigError, RuntimeFaul
 from lightning_gsched.runtime import RuntimeCounters, wire
 from lightning_gsched.runtime.compute import StageCompute
 from lightning_gsched.runtime.flat import FlatGrads, FlatStage
-from lightning_gsched.runtime.layout import build_flat_stages, check_programs
+from lightning_gsched.runtime.layout import build_flat_stages, check_programs, check_ties, tie_map
 from lightning_gsched.schedule import WorkerMetrics, plan
 
 # --------------------------------------------------------------------------- wire
@@ -129,12 +129,29 @@ def test_flat_grads_fold_in_a_replaced_grad():
 
 
 def test_tied_parameters_leave_the_stage_buffers():
+    """Tied parameters form one unit per home stage (the lowest reader), held by its owners
+    only: released (empty) on a rank that does not own the home stage."""
     shared = nn.Linear(3, 3)
     stages = [nn.Sequential(shared, nn.Linear(3, 3)), nn.Sequential(nn.Linear(3, 3), shared)]
-    flats, tied, _ = build_flat_stages(stages, owned={0, 1})
-    assert tied.params == [shared.weight, shared.bias]
+    flats, ties, _ = build_flat_stages(stages, owned={0, 1}, owned_ties={0})
+    assert list(ties) == [0] and ties[0].params == [shared.weight, shared.bias]
+    assert ties[0].owned and ties[0].resident and shared.weight.numel() == 9
     assert all(shared.weight is not p for f in flats for p in f.params)
     assert [len(f.params) for f in flats] == [2, 2]
+    assert tie_map(stages) == {0: (0, 1)}
+    _, ties, _ = build_flat_stages(stages, owned={1}, owned_ties=set())
+    assert not ties[0].resident and shared.weight.numel() == 0
+
+
+def test_ties_group_by_home_stage():
+    """Two tied weights with the same lowest reader are one tie (readers united); another home
+    is another tie; the programs must plan exactly these ties."""
+    a, b, c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    stages = [nn.Sequential(a, b), nn.Sequential(a, c), nn.Sequential(b), nn.Sequential(c)]
+    assert tie_map(stages) == {0: (0, 1, 2), 1: (1, 3)}
+    check_ties(stages, plan("gpipe", workers=2, stages=4, ties=[(0, 1), (0, 2), (1, 3)]).programs)
+    with pytest.raises(RuntimeConfigError, match=r"plan with ties=\{0: \(0, 1, 2\), 1: \(1, 3\)\}"):
+        check_ties(stages, plan("gpipe", workers=2, stages=4).programs)
 
 
 def test_mixed_dtypes_in_a_stage_are_rejected():

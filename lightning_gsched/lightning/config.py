@@ -10,6 +10,11 @@ same stage ownership, so they come from one place.
 model and a real microbatch). Until then there is no plan; afterwards the config holds the pick
 as an ordinary config (:meth:`ScheduleConfig.choose`) and every plan, training or evaluation, of
 this and every later run with the same strategy is the pick's: one decision, read everywhere.
+
+Tied weights are part of every plan (``plan(..., ties=...)``): the engine learns them from the
+partition at the first batch and records them here (:meth:`ScheduleConfig.set_ties`), so every
+plan from then on, training or evaluation, places them; the setup plan, made before the
+partition exists, differs from that one only in its tie actions.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class ScheduleConfig:
     _chosen: ScheduleConfig | None = field(default=None, repr=False)
     choice_text: str = field(default="", repr=False)  # "auto": the ranked table and the pick
     tune_result: TuneResult | None = field(default=None, repr=False)  # "auto": every verdict
+    # {home stage: reader stages}: the partition's tied weights (set_ties), in every plan
+    ties: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def is_auto(self) -> bool:
@@ -143,6 +150,19 @@ class ScheduleConfig:
         assert self.is_auto and not chosen.is_auto
         self._chosen, self.choice_text, self.tune_result = chosen, text, result
 
+    def set_ties(self, ties: Any) -> bool:
+        """Record the partition's tied weights (``{home: readers}`` or stage groups, e.g.
+        ``partition.shared_parameters.values()``); every later plan places them. True when
+        they changed (plans made before, such as the setup plan, must be made again)."""
+        tie_map = validate.ties(ties)
+        if tie_map == self.ties:
+            return False
+        for config in (self, self._chosen):
+            if config is not None:
+                config.ties = tie_map
+                config._eval_plans.clear()
+        return True
+
     def _effective(self) -> ScheduleConfig:
         if not self.is_auto:
             return self
@@ -179,7 +199,7 @@ class ScheduleConfig:
             forward_cost=self.forward_cost, backward_cost=self.backward_cost,
             weight_cost=self.weight_cost, split_backward=self.split_backward,
             checkpoint_activations=self.checkpoint_activations,
-            fetch_window=self.fetch_window,
+            fetch_window=self.fetch_window, ties=self.ties,
         )
 
     def training_plan(self, workers: int) -> Plan:

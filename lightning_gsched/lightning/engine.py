@@ -151,6 +151,9 @@ class PipelineEngine:
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             self.partition = self._partition(args, kwargs)
+            # tied weights are placed by the plan: plan again once the partition names them
+            if self.config.set_ties(self.partition.shared_parameters.values()):
+                self.train_plan = self.config.training_plan(self.world_size)
             # sized before the runtime releases the stages this rank does not own
             self.memory.predict(self.partition.stages, args, kwargs, self.train_plan,
                                 self.optimizers(), self.world_size, self.rank)
@@ -296,6 +299,8 @@ class PipelineEngine:
         if not self.built:
             first = next(b for b in range(B) if weights[b] > 0)
             self.build(caller, micros[first], training=False)
+            # the build recorded the partition's ties: the same plan (same B), ties placed
+            plan = self.config.eval_plan(self.world_size, sum(rows))
         runtime = self._runtime()
         first_micros, _ = stage_micros(plan.programs, self.rank)
         inputs = self._capture_all(caller, micros, first_micros)
@@ -361,7 +366,7 @@ def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bo
     command = None if custom else plan_command(plan)
     return "\n".join([
         *([header] if header else []),
-        startup_summary(plan, memory.stage_bytes, memory.tied_bytes, command),
+        startup_summary(plan, memory.stage_bytes, memory.tie_bytes, command),
         *([memory_lines] if memory_lines else []),
         partition.report(units=False),
         "(the units of each stage: strategy.engine.partition.report() during the run)",

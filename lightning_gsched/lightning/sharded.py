@@ -1,8 +1,8 @@
 """Sharded checkpoints: a torch.distributed.checkpoint directory, each rank writes what it owns.
 
 Why: for a model too large to gather on one rank, ``state_dict_type="sharded"`` lets every rank
-write the stages it is the first owner of (rank 0 adds buffers, tied and extra parameters and the
-non-tensor trainer state), in parallel, without a full copy anywhere. Keys are the module's own
+write the stages and ties it is the first owner of (rank 0 adds buffers, extra parameters and
+the non-tensor trainer state), in parallel, without a full copy anywhere. Keys are the module's own
 parameter names (``model.<name>``) and ``optim.<i>.<name>.<state key>``, never stage numbers, so
 the directory resumes under any schedule and worker count: loading reads every tensor on every
 rank (each rank still holds the full model before its stages are released) and returns an
@@ -36,8 +36,8 @@ def writer_of_names(module: nn.Module, runtime: ModelRuntime | None, rank: int,
                     world: int) -> Callable[[str], bool]:
     """Which state-dict keys this rank writes.
 
-    While stages are distributed: a stage parameter is written by its first owner, everything
-    else (buffers, tied and extra parameters) by rank 0. After a run (every rank holds the full
+    While stages are distributed: a stage or tie parameter is written by its first owner,
+    everything else (buffers, extra parameters) by rank 0. After a run (every rank holds the full
     model again) the keys are dealt round-robin, so the write is still spread over the ranks.
     """
     if runtime is None:

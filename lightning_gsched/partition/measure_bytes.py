@@ -14,7 +14,9 @@ cases are measured (``activations`` and ``received_activations``) and the planne
 each forward meets.
 
 Parameters follow the runtime's layout: a parameter read by one stage belongs to that stage's
-buffer, one read by several (tied weights) is replicated on every rank outside the stages.
+buffer; those read by several (tied weights) form one tie per home stage (the lowest reading
+stage), sized apart (:class:`~lightning_gsched.schedule.memory.TieSizes`, with its readers,
+which are the ``ties`` the plan needs for these sizes: ``ModelSizes.tie_map``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from lightning_gsched.partition.profile import _run_loss, _run_stage
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, weight_storages
 from lightning_gsched.runtime.layout import split_parameters
-from lightning_gsched.schedule.memory import ModelSizes, StageSizes
+from lightning_gsched.schedule.memory import ModelSizes, StageSizes, TieSizes
 
 
 def _bytes(tensors: Any) -> int:
@@ -54,7 +56,7 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
     """
     if not stages:
         raise PartitionError("measure_stage_bytes needs at least one stage")
-    own_params, tied = split_parameters(stages)
+    own_params, ties = split_parameters(stages)
     sizes: list[StageSizes] = []
     # the previous stage's output: split into tensors, and encoded as one message (once)
     handed: tuple[wire.Split, torch.Tensor, torch.Tensor] | None = None
@@ -85,9 +87,12 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
                 # the buffer a receiver posts for it: metadata and padding included
                 message=0 if handed is None else handed[2].numel(),
                 received_activations=received, inputs=inputs, loss_graph=loss_part))
-    tied_trainable = _bytes([p for p in tied if p.requires_grad])
-    return ModelSizes(tuple(sizes), tied_params=_bytes(tied), tied_grads=tied_trainable,
-                      tied_optimizer=int(tied_trainable * optimizer_factor))
+    tie_sizes = {}
+    for tie in ties:
+        trainable = _bytes([p for p in tie.params if p.requires_grad])
+        tie_sizes[tie.home] = TieSizes(tie.readers, _bytes(tie.params), trainable,
+                                       int(trainable * optimizer_factor))
+    return ModelSizes(tuple(sizes), tie_sizes)
 
 
 def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwargs: dict,

@@ -5,7 +5,8 @@
     from lightning_gsched.runtime import ProgramExecutor
 
     part = partition(model, S, example_args=(x,))
-    programs = plan("fslpp", workers=W, stages=S, microbatches=B).programs
+    programs = plan("fslpp", workers=W, stages=S, microbatches=B,
+                    ties=part.shared_parameters.values()).programs   # tied weights placed too
     executor = ProgramExecutor(part.stages, programs)          # collective: builds process groups
     result = executor.step({b: ((x_b,), {}) for b in executor.first_stage_micros},
                            loss_fn=lambda out, b: F.cross_entropy(out, y[b]))
@@ -26,7 +27,7 @@ fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport`
 receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
 forward/backward, stash), :mod:`.running_stats` (BatchNorm statistics equal to one device's on
 every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the program walker),
-:mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
+:mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
 updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
 :mod:`.fullstate` (full model and optimizer state). See ``docs/runtime.md``.
 """
@@ -39,7 +40,7 @@ from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
-from lightning_gsched.runtime.layout import StepResult, stage_micros
+from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
 
 __all__ = [
@@ -55,4 +56,5 @@ __all__ = [
     "optimizer_factor",
     "parameter_names",
     "stage_micros",
+    "tie_map",
 ]

@@ -8,8 +8,8 @@ groups so that several posted header receives from one peer can never swallow a 
 Each kind has one group per direction (messages from the lower to the higher rank, and back):
 NCCL runs the point-to-point operations of one communicator in issue order, so a receive posted
 early from a peer must not be able to hold back a later send *to* that peer.
-Replica all-reduces get one subgroup per distinct member set, and tied (shared) parameters one
-world group for their end-of-step all-reduce.
+Replica all-reduces (of stages and of ties) get one subgroup per distinct member set, and
+running statistics one world group for their end-of-step all-reduce.
 
 ``dist.new_group`` is collective over the whole job, so every rank must build its ``Channels``
 in the same order with the same programs; the groups are derived from the programs alone.
@@ -46,10 +46,12 @@ def default_store() -> Any | None:
 
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
-    """Distinct ``ALLREDUCE_G`` member sets (and replicated owners), sorted: the creation order."""
+    """Distinct ``ALLREDUCE_G``/``ALLREDUCE_T`` member sets (and replicated owners), sorted:
+    the creation order."""
     groups = {tuple(owners) for owners in programs.owners if len(owners) > 1}
     for program in programs.ranks:
-        groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
+        groups.update(a.group for a in program
+                      if a.op in (Op.ALLREDUCE_G, Op.ALLREDUCE_T) and a.group)
     return sorted(groups)
 
 

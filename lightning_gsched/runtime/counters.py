@@ -2,7 +2,7 @@
 
 :class:`RuntimeCounters` is the planner's :class:`~lightning_gsched.schedule.counts.ActionCounts`
 (the same fields, read off the same programs by ``schedule.metrics.program_counts``) plus facts
-the planner does not model (bytes, tied-parameter and running-statistics reductions), so a test
+the planner does not model (bytes, running-statistics reductions), so a test
 compares ``counters.planned()`` with the plan's per-worker metrics: equality shows the runtime
 executed exactly the planned communication and held exactly the planned memory.
 """
@@ -30,11 +30,9 @@ class RuntimeCounters(ActionCounts):
     # not planned, measured
     bytes_sent: int = 0
     bytes_received: int = 0
-    allreduce_bytes: int = 0
-    shared_allreduces: int = 0  # end-of-step all-reduce of tied-parameter gradients
-    shared_allreduce_bytes: int = 0
+    allreduce_bytes: int = 0  # stage and tie all-reduces (ALLREDUCE_G, ALLREDUCE_T)
     stats_allreduces: int = 0  # end-of-step all-reduce of running statistics (BatchNorm)
     stats_allreduce_bytes: int = 0
-    peak_resident_param_bytes: int = 0  # stage buffers (owned + fetched), tied params excluded
+    peak_resident_param_bytes: int = 0  # stage and tie buffers (owned + fetched)
 
     PLANNED: ClassVar[tuple[str, ...]] = PLANNED

@@ -8,13 +8,14 @@ process groups); ``step(inputs, loss_fn)`` walks this rank's program in order:
   from the local consumer's backward; the stage's fetched weights are waited for first.
 * ``SEND_*``/``REDUCE_G`` start a send and move on; ``RECV_*``/``FETCH_W`` post a receive that
   the first consumer waits for (:mod:`.transport`).
-* ``FETCH_W``/``FREE_W`` make a non-owned stage resident / release it (:mod:`.flat`).
+* ``FETCH_W``/``FREE_W`` make a non-owned stage resident / release it (:mod:`.flat`);
+  ``FETCH_T``/``FREE_T`` the same for a tie (tied weights, one unit per home stage).
 * ``RECV_G`` gradients are summed into the owner's before its ``ALLREDUCE_G`` or at the end;
-  ``ALLREDUCE_G`` starts an async SUM over the replica owners and is waited for at the end.
+  ``ALLREDUCE_G`` starts an async SUM over the replica owners and is waited for at the end;
+  ``RECV_T``/``ALLREDUCE_T`` do the same for a tie's owners.
 
 At the end of the step every owner's ``param.grad`` is the gradient of the mean loss over all B
-microbatches (the global batch), replicas included, tied parameters' gradients are summed
-over all ranks, and every rank's BatchNorm running statistics are one device's after running
+microbatches (the global batch), replicas and tie owners included, and every rank's BatchNorm running statistics are one device's after running
 the B microbatches in order (:mod:`.running_stats`). Any failure raises :class:`RuntimeFault`
 naming rank, action and cause, after aborting this executor's channels so that no peer hangs.
 
@@ -50,6 +51,7 @@ from lightning_gsched.runtime.layout import (
     build_flat_stages,
     check_forward_programs,
     check_programs,
+    check_ties,
 )
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step import StepRun
@@ -66,9 +68,9 @@ class ProgramExecutor:
         programs: ``plan(...).programs``, the same on every rank.
         channels: process groups to use; default: new ones (collective, same order everywhere).
         timeout: seconds any single wait may take before the step fails with a RuntimeFault.
-        sync_weights: broadcast replicated stages from their first owner, tied parameters and
-            running statistics (BatchNorm) from rank 0 at construction, so replicas start equal
-            even if models were not.
+        sync_weights: broadcast replicated stages and ties from their first owner and running
+            statistics (BatchNorm) from rank 0 at construction, so replicas start equal even if
+            models were not.
         forward_context: entered around every stage forward (e.g. a front end's autocast);
             the loss function and the backward run outside it.
         checkpointed: one bool per stage, ``plan(..., checkpoint_activations=...).checkpointed``:
@@ -89,6 +91,7 @@ class ProgramExecutor:
     ) -> None:
         check_programs(stages, programs)
         checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
+        check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
         self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
         self.rank = self.channels.rank
@@ -97,7 +100,9 @@ class ProgramExecutor:
         self.program: list[Action] = self.view.program
         self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
         self.owned = set(programs.owned_stages(self.rank))
-        self.flats, self.shared, self.device = build_flat_stages(stages, self.owned)
+        self.owned_ties = set(programs.owned_ties(self.rank))
+        self.flats, self.ties, self.device = build_flat_stages(stages, self.owned,
+                                                               self.owned_ties)
         self.compute = StageCompute(stages, self.num_micro, forward_context, checkpointed)
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
@@ -279,13 +284,11 @@ class ProgramExecutor:
                 )
 
     def _sync_weights(self) -> None:
-        for s, owners in enumerate(self.programs.owners):
-            if len(owners) > 1 and self.rank in owners and self.flats[s].numel:
-                self.channels.broadcast(self.flats[s].flat, owners[0], tuple(owners))
-        if self.shared.params and self.channels.world_size > 1:
-            with torch.no_grad():
-                for p in self.shared.params:
-                    self.channels.broadcast(p.data, 0, None)
+        units = [*enumerate(self.flats), *self.ties.items()]  # a tie: its home stage's owners
+        for s, flat in units:
+            owners = self.programs.owners[s]
+            if len(owners) > 1 and self.rank in owners and flat.numel:
+                self.channels.broadcast(flat.flat, owners[0], tuple(owners))
         if self.channels.world_size > 1:
             self.running_stats.broadcast(partial(self.channels.broadcast, src=0, members=None))
 

@@ -12,8 +12,9 @@ refilled by the next fetch: tensors autograd saved during a forward under an ear
 (views of the weights) then see the refetched values, so a backward after a refetch is correct.
 
 Tied parameters (the same ``Parameter`` in several stages) are not part of any stage buffer:
-they stay replicated on every rank and their gradients are summed over all ranks at the end of
-the step (a :class:`FlatGrads` of its own).
+those with the same home stage (the lowest that reads them) form a *tie*, one more
+:class:`FlatStage` (``kind="tie"``) placed by the plan: owned with its home stage, fetched by
+``FETCH_T`` and released by ``FREE_T`` like a stage by ``FETCH_W``/``FREE_W``.
 """
 
 from __future__ import annotations
@@ -57,16 +58,19 @@ class FlatLayout:
 
 
 class FlatStage(FlatLayout):
-    """The weights and gradients of one stage on one rank (owned, or fetched on demand)."""
+    """The weights and gradients of one stage (or one tie: ``kind="tie"``, ``index`` its home
+    stage) on one rank (owned, or fetched on demand)."""
 
-    def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool) -> None:
+    def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool,
+                 kind: str = "stage") -> None:
         self.index = index
+        self.kind = kind
         params = list(params)
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
             raise RuntimeConfigError(
-                f"stage {index} mixes parameter dtypes/devices "
+                f"{kind} {index} mixes parameter dtypes/devices "
                 f"{sorted(map(str, dtypes | devices))}; "
                 "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
                 "move it to one device before building the runtime."
@@ -158,7 +162,7 @@ class FlatStage(FlatLayout):
 class FlatGrads(FlatLayout):
     """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views).
 
-    Used per stage, and once for the tied parameters, whose gradient is summed over all ranks.
+    Used per stage and per tie.
     """
 
     def __init__(

@@ -6,14 +6,14 @@ runtime's side of that comparison, by accounting for the live tensors the runtim
 sampled after every action as the planner samples its walk:
 
 * weights: the real storage of every stage buffer (owned, and fetched ones until ``FREE_W``
-  releases the storage), plus the tied parameters;
-* gradients: every active gradient buffer (owned stages, fetched stages until ``REDUCE_G``
-  hands theirs over, the tied parameters');
+  releases the storage), and of every tie unit (owned, or fetched until ``FREE_T``);
+* gradients: every active gradient buffer (owned stages and ties, fetched stages until
+  ``REDUCE_G`` hands theirs over, fetched ties until ``REDUCE_T``);
 * activations: for each stashed (stage, microbatch), the bytes of the distinct storages autograd
   saved during its forward (:class:`SavedTensorBytes`), weights excluded, until its backward (or
   its ``W``) drops them;
 * communication: posted receive buffers not yet consumed (activation and input-gradient
-  payloads, peers' stage gradients).
+  payloads, peers' stage and tie gradients).
 
 The optimizer's state is not the executor's: :func:`optimizer_state_bytes` reads it from the real
 optimizer. On CUDA, ``torch.cuda.max_memory_allocated`` is the independent check of the total.

@@ -12,7 +12,7 @@ does not own is pruned once the new schedule's ownership is known.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,16 @@ class StageBuffers(Protocol):
     def programs(self) -> Programs: ...
     @property
     def flats(self) -> Sequence[FlatStage]: ...
+    @property
+    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+
+
+def _units(stages: StageBuffers) -> list[tuple[tuple[int, ...], FlatStage]]:
+    """Every stage buffer and tie unit with its owners (a tie's are its home stage's), in the
+    same order on every rank."""
+    owners = stages.programs.owners
+    return ([(owners[s], flat) for s, flat in enumerate(stages.flats)]
+            + [(owners[h], unit) for h, unit in sorted(stages.ties.items())])
 
 
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
@@ -45,13 +55,12 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
 def full_state_dict(module: nn.Module, stages: StageBuffers) -> dict[str, Any]:
     """The module's full state dict on rank 0 (collective; other ranks get ``{}``)."""
     rank = stages.rank
-    owners = stages.programs.owners
     names = parameter_names(module)
     state = module.state_dict() if rank == 0 else {}
-    for s, flat in enumerate(stages.flats):
+    for owners, flat in _units(stages):
         if not flat.numel:
             continue
-        src = owners[s][0]
+        src = owners[0]
         buffer: torch.Tensor | None = None
         if rank == src:
             assert flat.flat is not None
@@ -78,11 +87,10 @@ def restore_full_weights(stages: StageBuffers, world_size: int) -> None:
     their values. Afterwards the module is an ordinary full model on every rank (the stage
     buffers no longer back it: the runtime must not step again).
     """
-    owners = stages.programs.owners
-    for s, flat in enumerate(stages.flats):
+    for owners, flat in _units(stages):
         if not flat.numel:
             continue
-        src = owners[s][0]
+        src = owners[0]
         if flat.owned:
             buffer = flat.flat.detach().clone()  # type: ignore[union-attr]
         else:

@@ -16,7 +16,7 @@ the whole model.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ class GradSource(Protocol):
     @property
     def flats(self) -> Sequence[FlatStage]: ...
     @property
-    def shared(self) -> FlatGrads: ...
+    def ties(self) -> Mapping[int, FlatStage]: ...
     @property
     def device(self) -> torch.device: ...
 
@@ -75,8 +75,8 @@ class GradStash:
         for s in self.ownership.stages:
             grads = self.source.flats[s].grads
             self.held.append((grads, grads.take(), grads))
-        if self.ownership.tied:
-            grads = self.source.shared
+        for h in self.ownership.ties:
+            grads = self.source.ties[h].grads
             self.held.append((grads, grads.take(), grads))
         if self.ownership.extra:
             flat = _flatten(self.ownership.extra)

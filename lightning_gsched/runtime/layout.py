@@ -2,7 +2,8 @@
 
 Why here: the executor needs one decision made the same way on every rank: the parameters of
 stage ``s`` (in ``stage.parameters()`` order) form its flat buffer, except parameters that several
-stages read (tied weights), which stay replicated and get one flat gradient of their own.
+stages read (tied weights): those form one flat unit per *home* stage (the lowest stage reading
+them), a tie, placed by the plan (``Programs.ties``, owned with the home stage).
 Also here: what one rank's program of a :class:`Programs` implies for a run
 (:class:`ProgramView`, :func:`stage_micros`), and the checks that let forward-only programs run on
 an executor built for training programs (:func:`check_forward_programs`).
@@ -11,14 +12,14 @@ an executor built for training programs (:func:`check_forward_programs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime.counters import RuntimeCounters
-from lightning_gsched.runtime.flat import FlatGrads, FlatStage
+from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 
@@ -73,9 +74,9 @@ class ProgramView:
 def check_forward_programs(train: Programs, programs: Programs) -> None:
     """``programs`` can run as forward-only programs on an executor built for ``train``."""
     fix = (
-        "plan them with plan(<same schedule>, workers=W, stages=S, R=R, forward_only=True), "
-        "i.e. the schedule, W, S and R of the executor's programs (the number of microbatches "
-        "may differ)"
+        "plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
+        "forward_only=True), i.e. the schedule, W, S, R and ties of the executor's programs "
+        "(the number of microbatches may differ)"
     )
     if not isinstance(programs, Programs):
         raise RuntimeConfigError(
@@ -101,6 +102,8 @@ def check_forward_programs(train: Programs, programs: Programs) -> None:
         )
     if sorted(programs.edges) != sorted(train.edges):
         mismatches.append(f"stage edges {programs.edges} instead of {train.edges}")
+    if dict(programs.ties) != dict(train.ties):
+        mismatches.append(f"ties {dict(programs.ties)} instead of {dict(train.ties)}")
     if mismatches:
         raise RuntimeConfigError(
             "the forward-only programs do not fit this executor's programs: "
@@ -124,37 +127,73 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
         )
 
 
+@dataclass(frozen=True)
+class TieGroup:
+    """The tied parameters whose home (lowest reading stage) is ``home``; ``readers``: every
+    stage that reads one of them (home included, sorted)."""
+
+    home: int
+    readers: tuple[int, ...]
+    params: list[nn.Parameter]
+
+
 def split_parameters(
     stages: Sequence[nn.Module],
-) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
-    """(each stage's own parameters, the tied ones): a parameter read by one stage lives in that
-    stage's buffer; one read by several stages is tied, replicated on every rank outside them.
+) -> tuple[list[list[nn.Parameter]], list[TieGroup]]:
+    """(each stage's own parameters, the ties): a parameter read by one stage lives in that
+    stage's buffer; the parameters read by several stages form one tie per home stage.
 
     The one rule for both the runtime's buffers and ``partition.measure_stage_bytes``'s sizes.
     """
     per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
-    readers: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for s, params in enumerate(per_stage):
+        for p in params:
+            readers.setdefault(id(p), []).append(s)
+    own = [[p for p in params if len(readers[id(p)]) == 1] for params in per_stage]
+    groups: dict[int, tuple[set[int], list[nn.Parameter]]] = {}
     for params in per_stage:
         for p in params:
-            readers[id(p)] = readers.get(id(p), 0) + 1
-    own = [[p for p in params if readers[id(p)] == 1] for params in per_stage]
-    tied = list(dict.fromkeys(p for params in per_stage for p in params if readers[id(p)] > 1))
-    return own, tied
+            stages_of = readers[id(p)]
+            if len(stages_of) > 1:
+                reading, members = groups.setdefault(min(stages_of), (set(), []))
+                reading.update(stages_of)
+                if all(q is not p for q in members):
+                    members.append(p)
+    ties = [TieGroup(home, tuple(sorted(reading)), members)
+            for home, (reading, members) in sorted(groups.items())]
+    return own, ties
+
+
+def tie_map(stages: Sequence[nn.Module]) -> dict[int, tuple[int, ...]]:
+    """``{home: readers}`` of the stages' tied parameters: what ``plan(..., ties=)`` needs."""
+    return {g.home: g.readers for g in split_parameters(stages)[1]}
+
+
+def check_ties(stages: Sequence[nn.Module], programs: Programs) -> None:
+    """The programs place exactly the ties the stages have (else tied weights have no owner)."""
+    found = tie_map(stages)
+    if found != dict(programs.ties):
+        raise RuntimeConfigError(
+            f"the stages share parameters (tied weights) as {found} (home stage: reader "
+            f"stages), but the programs were planned with ties {dict(programs.ties)}; plan with "
+            f"ties={found} (e.g. plan(..., ties=partition(...).shared_parameters.values())) so "
+            "that the plan places them."
+        )
 
 
 def build_flat_stages(
-    stages: Sequence[nn.Module], owned: set[int]
-) -> tuple[list[FlatStage], FlatGrads, torch.device]:
-    """One :class:`FlatStage` per stage, the tied parameters' :class:`FlatGrads`, the device.
+    stages: Sequence[nn.Module], owned: Collection[int], owned_ties: Collection[int] = (),
+) -> tuple[list[FlatStage], dict[int, FlatStage], torch.device]:
+    """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), the device.
 
-    Non-owned stages are released right away, so from here on a rank holds only its own stages
-    (plus tied parameters).
+    Non-owned stages and ties are released right away, so from here on a rank holds only its
+    own stages and ties.
     """
-    own, shared = split_parameters(stages)
+    own, ties = split_parameters(stages)
     all_params = [p for stage in stages for p in dict.fromkeys(stage.parameters())]
     device = all_params[0].device if all_params else torch.device("cpu")
-    dtype = all_params[0].dtype if all_params else torch.float32
     flats = [FlatStage(s, params, owned=s in owned) for s, params in enumerate(own)]
-    if shared:
-        dtype = shared[0].dtype
-    return flats, FlatGrads(shared, dtype, device), device
+    units = {g.home: FlatStage(g.home, g.params, owned=g.home in owned_ties, kind="tie")
+             for g in ties}
+    return flats, units, device

@@ -4,8 +4,8 @@ Why: the Lightning Trainer strategy and the Fabric strategy both need the same t
 running schedule: run a step and keep its gradients until the loop's backward, hand them over,
 clip by the norm of the whole model, know which parameters this rank updates, gather or restore
 the full model and optimizer state, report parameter memory, and stop every rank on a failure.
-Before this class they read :class:`ProgramExecutor` internals (its flat buffers, tied-parameter
-gradients, channels, owner lists) to do so. Now the front ends see only this facade, and the
+Before this class they read :class:`ProgramExecutor` internals (its flat buffers, tie units,
+channels, owner lists) to do so. Now the front ends see only this facade, and the
 executor, the stage buffers and the process groups can change behind it.
 
     runtime = ModelRuntime(module, partition.stages, plan.programs)    # collective
@@ -43,9 +43,9 @@ class ParameterMemory:
     parameters this rank owns)."""
 
     stage_bytes: list[int]  # every stage's weights (the same numbers on every rank)
-    tied_bytes: int  # tied parameters, replicated on every rank on top of the stages
-    owned_stages: list[int]  # stages resident here at all times
-    resident_bytes: int  # real storage of the stage buffers now (owned + currently fetched)
+    tie_bytes: dict[int, int]  # every tie's weights, by home stage (the same on every rank)
+    owned_stages: list[int]  # stages resident here at all times (and their ties)
+    resident_bytes: int  # real storage of the stage and tie buffers now (owned + fetched)
 
 
 class ModelRuntime:
@@ -118,7 +118,7 @@ class ModelRuntime:
         return self.ownership.primary
 
     def stage_parameters(self) -> list[nn.Parameter]:
-        """Parameters that live in a stage buffer (owned here or not): all but tied and extra."""
+        """Parameters that live in a stage or tie buffer (owned here or not): all but extra."""
         return self.ownership.in_stages
 
     # ------------------------------------------------------------------ gradients
@@ -169,12 +169,12 @@ class ModelRuntime:
 
     def memory(self) -> ParameterMemory:
         """Parameter bytes by category on this rank."""
-        flats = self.executor.flats
+        flats, ties = self.executor.flats, self.executor.ties
         return ParameterMemory(
             stage_bytes=[flat.nbytes for flat in flats],
-            tied_bytes=self.executor.shared.nbytes,
+            tie_bytes={h: unit.nbytes for h, unit in sorted(ties.items())},
             owned_stages=sorted(self.executor.owned),
-            resident_bytes=sum(flat.resident_bytes() for flat in flats),
+            resident_bytes=sum(unit.resident_bytes() for unit in [*flats, *ties.values()]),
         )
 
     def record_memory(self, enabled: bool = True) -> None:

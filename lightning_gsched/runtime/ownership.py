@@ -7,22 +7,22 @@ differently under a schedule:
 
 * stage parameters: in one stage's flat buffer; held and updated by the stage's owners (all
   replicas); counted once, on the stage's first owner;
-* tied parameters (several stages read them): replicated on every rank, their gradients summed
-  over all ranks by the runtime; counted once, on rank 0;
+* tied parameters (several stages read them): in one tie unit per home stage (the lowest stage
+  reading them), held and updated by that stage's owners, fetched for the step by other ranks
+  that compute a reader stage; counted once, on the home stage's first owner;
 * extra parameters: trainable parameters of the module that no stage reads but the step does (a
   loss module, a head applied after the model's call); they get gradients on the ranks that
-  finish microbatches, so the hand-over sums them over all ranks like tied ones; counted on
-  rank 0.
+  finish microbatches, so the hand-over sums them over all ranks; counted on rank 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from torch import nn
 
-from lightning_gsched.runtime.flat import FlatGrads, FlatStage
+from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.schedule.program import Programs
 
 
@@ -37,7 +37,7 @@ class StageHolder(Protocol):
     @property
     def flats(self) -> Sequence[FlatStage]: ...
     @property
-    def shared(self) -> FlatGrads: ...
+    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ class Ownership:
     """The parameter split of one rank (see the module docstring)."""
 
     stages: dict[int, list[nn.Parameter]]  # owned stage -> its parameters that take gradients
-    tied: list[nn.Parameter]  # tied parameters that take gradients (every rank)
+    ties: dict[int, list[nn.Parameter]]  # owned tie (home stage) -> its params taking gradients
     extra: list[nn.Parameter]  # the module's trainable parameters no stage reads
-    in_stages: list[nn.Parameter]  # every stage buffer's parameters, owned here or not
+    in_stages: list[nn.Parameter]  # every stage and tie buffer's parameters, owned here or not
     primary: list[nn.Parameter]  # counted (norm) and written (checkpoints) by this rank
     owned: list[nn.Parameter]  # updated by this rank: optimizer state is kept for these only
 
@@ -56,12 +56,13 @@ class Ownership:
         rank, owners = holder.rank, holder.programs.owners
         stages = {s: list(holder.flats[s].grads.params)
                   for s in sorted(holder.programs.owned_stages(rank))}
-        tied = list(holder.shared.params)
-        in_stages = [p for flat in holder.flats for p in flat.params]
-        known = {id(p) for p in in_stages} | {id(p) for p in tied}
+        ties = {h: list(holder.ties[h].grads.params) for h in holder.programs.owned_ties(rank)}
+        in_stages = [p for flat in [*holder.flats, *holder.ties.values()] for p in flat.params]
+        known = {id(p) for p in in_stages}
         extra = [p for p in module.parameters() if p.requires_grad and id(p) not in known]
-        primary = [p for s, params in stages.items() if owners[s][0] == rank for p in params]
+        units = [*stages.items(), *ties.items()]  # a tie's owners are its home stage's
+        primary = [p for s, params in units if owners[s][0] == rank for p in params]
         if rank == 0:
-            primary += [p for p in tied if p.requires_grad] + extra
-        owned = [p for params in stages.values() for p in params] + tied + extra
-        return cls(stages, tied, extra, in_stages, primary, owned)
+            primary += extra
+        owned = [p for _, params in units for p in params] + extra
+        return cls(stages, ties, extra, in_stages, primary, owned)

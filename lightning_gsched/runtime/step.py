@@ -11,7 +11,9 @@ import the executor (which imports this one). One method per op, named after it 
 The same object runs a forward-only program (``forward_only=True``, from
 ``ProgramExecutor.forward``): forwards without autograd or stash, the last stage's output handed
 to ``output_fn`` (any value), and nothing that touches gradients (no zeroing at the start, no
-tied-parameter all-reduce at the end, no running statistics captured or exchanged).
+running statistics captured or exchanged).
+
+The tie actions (``FETCH_T`` ... ``ALLREDUCE_T``) are in :mod:`.step_ties`, mixed in.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
-from lightning_gsched.runtime.flat import FlatGrads, FlatStage
+from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.footprint import MeasuredBytes
 from lightning_gsched.runtime.layout import ProgramView
 from lightning_gsched.runtime.running_stats import RunningStats
+from lightning_gsched.runtime.step_ties import TieSteps
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.schedule.program import Action, Op
 
@@ -49,7 +52,9 @@ class ExecutorState(Protocol):
     @property
     def flats(self) -> Sequence[FlatStage]: ...
     @property
-    def shared(self) -> FlatGrads: ...  # the tied parameters' gradients
+    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+    @property
+    def owned_ties(self) -> Collection[int]: ...
     @property
     def compute(self) -> StageCompute: ...
     @property
@@ -63,7 +68,7 @@ class ExecutorState(Protocol):
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]: ...
 
 
-class StepRun:
+class StepRun(TieSteps):
     """State of one step: posted receives, produced values, pending reductions, counters."""
 
     def __init__(
@@ -103,8 +108,10 @@ class StepRun:
             ex.flats[s].ensure_owned_views()
             if not forward_only:  # a forward-only run leaves gradients as they are
                 ex.flats[s].zero_grads()
-        if not forward_only:
-            ex.shared.zero()
+        programs = view.programs
+        self._begin_ties(ex.ties, set(ex.owned_ties),
+                         {s: programs.ties_read_by(s) for s in range(programs.num_stages)},
+                         forward_only)
         self._note_bytes()
         if ex.memory is not None:
             ex.memory.sample(self.live_bytes())
@@ -118,6 +125,7 @@ class StepRun:
         self.fetches.clear()
         self.grad_recvs.clear()
         self.allreduces.clear()
+        self._drop_ties()
         self.produced_acts.clear()
         self.produced_grads.clear()
         if self.stats is not None:
@@ -131,13 +139,13 @@ class StepRun:
 
     def live_bytes(self) -> dict[str, int]:
         """What this rank holds now, by the planner's categories (runtime/footprint.py)."""
-        flats, shared = self.ex.flats, self.ex.shared
-        weights = sum(f.resident_bytes() for f in flats) + sum(
-            p.untyped_storage().nbytes() for p in dict.fromkeys(shared.params))
-        gradients = sum(f.grads.nbytes for f in flats if f.grads.active)
-        gradients += shared.nbytes if shared.active else 0
+        flats = self.ex.flats
+        tie_weights, tie_grads = self._tie_bytes()
+        weights = sum(f.resident_bytes() for f in flats) + tie_weights
+        gradients = sum(f.grads.nbytes for f in flats if f.grads.active) + tie_grads
         payloads = [m.payload for m in self.received.values() if m.payload is not None]
-        buffers = [buf for pending in self.grad_recvs.values() for _, buf, _ in pending]
+        buffers = [buf for pending in (*self.grad_recvs.values(), *self.tie_grad_recvs.values())
+                   for _, buf, _ in pending]
         communication = sum(t.numel() * t.element_size() for t in (*payloads, *buffers))
         return {"weights": weights, "gradients": gradients, "optimizer": 0,
                 "activations": self.ex.compute.live_activation_bytes(),
@@ -216,6 +224,7 @@ class StepRun:
 
     def _prepare_weight_grads(self, s: int, index: int) -> None:
         """Before an action accumulates stage s's weight gradients (B, or W when split)."""
+        self._tie_weight_grads(s)
         flat = self.ex.flats[s]
         if not flat.grads.active:
             flat.zero_grads()  # first weight-gradient job of a fetched stage in this run
@@ -225,6 +234,7 @@ class StepRun:
             self.armed[s] = buckets
 
     def _weights_ready(self, s: int) -> None:
+        self._ties_ready(s)
         flat = self.ex.flats[s]
         if s in self.fetches:
             work, what = self.fetches.pop(s)
@@ -343,14 +353,13 @@ class StepRun:
     # ------------------------------------------------------------------ end of step
 
     def finish(self) -> None:
-        leftovers = [*self.received, *self.fetches]
+        leftovers = [*self.received, *self.fetches, *(f"tie {h}" for h in self.tie_fetches)]
         self.transport.flush_headers()
         for s in sorted(self.grad_recvs):
             self._add_received_grads(s)
+        self._finish_ties()
         for work, what in self.allreduces:
             self.transport.wait(work, what)
-        if not self.forward_only:
-            self._reduce_shared()
         if self.stats is not None:
             self._sync_running_stats()
         self.transport.drain_sends()
@@ -362,16 +371,6 @@ class StepRun:
                 f"stashed activations {held}; the programs are inconsistent."
             )
         self._note_bytes()
-
-    def _reduce_shared(self) -> None:
-        shared = self.ex.shared
-        if not shared.params or self.ex.channels.world_size == 1:
-            return
-        grad = shared.sync()
-        work = self.ex.channels.all_reduce(grad, None)
-        self.transport.wait(work, "the all-reduce of tied-parameter gradients over all ranks")
-        self.counters.shared_allreduces += 1
-        self.counters.shared_allreduce_bytes += grad.numel() * grad.element_size()
 
     def _sync_running_stats(self) -> None:
         """Every rank: the step's batch statistics from all ranks, folded in microbatch order."""
@@ -386,7 +385,7 @@ class StepRun:
         self.stats.finish(all_reduce, self.transport.wait)
 
     def _note_bytes(self) -> None:
-        resident = sum(f.resident_bytes() for f in self.ex.flats)
+        resident = sum(f.resident_bytes() for f in self.ex.flats) + self._tie_bytes()[0]
         self.counters.peak_resident_param_bytes = max(
             self.counters.peak_resident_param_bytes, resident
         )

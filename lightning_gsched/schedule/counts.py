@@ -21,7 +21,8 @@ class ActionCounts:
     Message counts move when a send is issued or a receive posted (each op's ``counter``).
     ``peak_activations``: the most (stage, microbatch) stashes held at once, from F to the op
     that releases them (B, or W when the backward is split). ``peak_resident_stages``: owned
-    stages plus fetched ones, raised at ``FETCH_W`` and lowered at ``FREE_W``.
+    stages plus fetched ones, raised at ``FETCH_W`` and lowered at ``FREE_W`` (ties are not
+    stages: their traffic is in the ``tie_*`` counters, their bytes in the bytes walk).
     """
 
     activation_recvs: int = 0
@@ -33,6 +34,11 @@ class ActionCounts:
     grad_sends: int = 0
     grad_recvs: int = 0
     allreduces: int = 0
+    tie_fetches: int = 0
+    tie_serves: int = 0
+    tie_grad_sends: int = 0
+    tie_grad_recvs: int = 0
+    tie_allreduces: int = 0
     peak_activations: int = 0
     owned_stages: int = 0
     peak_resident_stages: int = 0

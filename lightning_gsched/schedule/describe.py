@@ -9,7 +9,7 @@ CLI to do so (``tests/test_layering.py`` checks that nothing imports ``lightning
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.memory import resident_bytes
@@ -52,6 +52,11 @@ def checkpoint_text(checkpointed: Sequence[bool]) -> str:
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
+def ties_text(ties: Mapping[int, Sequence[int]]) -> str:
+    """Ties as ``gsched plan --tie`` takes them: ``0,3;1,2`` (each tie's reader stages)."""
+    return ";".join(",".join(str(s) for s in readers) for readers in ties.values())
+
+
 def configuration_text(result: Plan) -> str:
     """``W=2 S=4 B=2 order=bfs cap=none`` (R, the fetch window and the checkpointed stages
     where set): the plan's shape, written the same way by :func:`describe` and
@@ -61,15 +66,19 @@ def configuration_text(result: Plan) -> str:
             + (f" R={result.R}" if result.R is not None else "")
             + f" order={result.order} cap={cap_text(result.caps)}"
             + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
+            + (f" ties={ties_text(result.ties)}" if result.ties else "")
             + (f" checkpointed={checkpointed}" if checkpointed else ""))
 
 
-def describe(result: Plan, stage_bytes: Sequence[int] | None = None) -> str:
+def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
+             tie_bytes: Mapping[int, int] | None = None) -> str:
     """Text summary of a plan: configuration, latency, bubble, and one row per worker.
 
-    With ``stage_bytes`` (every stage's parameter bytes) two columns more: the bytes a worker
-    owns and the peak of owned + fetched bytes its program implies (what the runtime's
-    ``peak_resident_param_bytes`` counter measures).
+    With ``stage_bytes`` (every stage's parameter bytes; ``tie_bytes``: ``{home: bytes}`` of
+    the ties) two columns more: the bytes a worker owns and the peak of owned + fetched bytes
+    its program implies (what the runtime's ``peak_resident_param_bytes`` counter measures).
+    A plan with ties has three tie columns: fetches / serves, gradient reductions out / in,
+    all-reduces (``FETCH_T``/``SEND_T``, ``REDUCE_T``/``RECV_T``, ``ALLREDUCE_T``).
     """
     m = result.metrics
     head = (
@@ -87,9 +96,15 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None) -> str:
          w.peak_resident_stages]
         for w in m.per_worker
     ]
+    if result.ties:
+        header += ["tie fetch/serve", "tie reduce out/in", "tie allreduce"]
+        for row, w in zip(rows, m.per_worker, strict=True):
+            row += [f"{w.tie_fetches}/{w.tie_serves}", f"{w.tie_grad_sends}/{w.tie_grad_recvs}",
+                    w.tie_allreduces]
     if stage_bytes is not None:
         header += ["owned bytes", "peak bytes"]
-        for row, held in zip(rows, resident_bytes(result.programs, stage_bytes), strict=True):
+        for row, held in zip(rows, resident_bytes(result.programs, stage_bytes, tie_bytes),
+                             strict=True):
             row += [held.owned, held.peak]
     return head + "\n" + text_table(rows, header)
 
@@ -126,13 +141,14 @@ def _numbers(values: Sequence[float]) -> str:
     return f"{values[0]:g}" if len(set(values)) == 1 else ",".join(f"{v:g}" for v in values)
 
 
-def worker_parameter_bytes(result: Plan, stage_bytes: Sequence[int]) -> list[tuple[int, int]]:
-    """Per worker: (bytes of the stages it owns, its peak of owned + fetched stage bytes).
+def worker_parameter_bytes(result: Plan, stage_bytes: Sequence[int],
+                           tie_bytes: Mapping[int, int] | None = None) -> list[tuple[int, int]]:
+    """Per worker: (bytes of the stages and ties it owns, its peak of owned + fetched bytes).
 
     Both read off the programs (:func:`~lightning_gsched.schedule.memory.resident_bytes`):
     exactly what the runtime's ``peak_resident_param_bytes`` counter will measure.
     """
-    return [(r.owned, r.peak) for r in resident_bytes(result.programs, stage_bytes)]
+    return [(r.owned, r.peak) for r in resident_bytes(result.programs, stage_bytes, tie_bytes)]
 
 
 def plan_command(result: Plan) -> str:
@@ -152,6 +168,7 @@ def plan_command(result: Plan) -> str:
         words.append(f"--order {result.order}")
     if result.fetch_window is not None:
         words.append(f"--fetch-window {result.fetch_window}")
+    words += [f"--tie {','.join(str(s) for s in readers)}" for readers in result.ties.values()]
     default_cap = spec.cap(result.workers, result.stages)
     if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
         words.append(f"--cap {cap_text(result.caps)}")
@@ -205,14 +222,16 @@ def _byte_span(values: Sequence[float]) -> str:
     return f"{low_number}-{high}" if high.endswith(f" {low_unit}") else f"{low} to {high}"
 
 
-def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
+def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
                     command: str | None) -> str:
     """The plan as GeneralParallel prints it before the first step: 10 lines for any W (one
-    more naming the checkpointed stages when activation checkpointing is on).
+    more with ties, one more naming the checkpointed stages when activation checkpointing is
+    on).
 
-    ``stage_bytes``: every stage's parameter bytes (tied parameters excluded, ``tied_bytes``:
-    on every worker in addition). ``command``: how to print the full per-worker table (e.g.
-    :func:`plan_command`), or None when no command can (a custom placement).
+    ``stage_bytes``: every stage's parameter bytes (tied parameters excluded); ``tie_bytes``:
+    ``{home stage: bytes}`` of every tie (owned with its home stage, fetched by the workers
+    that compute a reader without owning it). ``command``: how to print the full per-worker
+    table (e.g. :func:`plan_command`), or None when no command can (a custom placement).
     """
     m = result.metrics
     workers = [w.worker for w in m.per_worker]
@@ -229,7 +248,7 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
              + (f", weight {_numbers(wgt)}" if wgt else "")
              if len({*fwd}) == 1 and len({*bwd}) == 1 and len({*wgt}) <= 1
              else "the given per-stage costs")
-    memory = worker_parameter_bytes(result, stage_bytes)
+    memory = worker_parameter_bytes(result, stage_bytes, tie_bytes)
     peak = [float(p) for _, p in memory]
     lines = [
         f"GeneralParallel plan: {result.schedule} {configuration_text(result)}",
@@ -247,9 +266,18 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tied_bytes: int,
         f"owned {ranged('owned_stages')}, peak resident {most('peak_resident_stages')}",
         f"    parameters owned {_byte_span([float(o) for o, _ in memory])}, peak resident "
         + _most(peak, workers, _byte_span(peak)),
-        f"    + tied parameters ({byte_text(tied_bytes)}) on every worker; optimizer state only "
-        "for the owned part",
     ]
+    if not result.ties:
+        lines.append("    optimizer state only for the owned part")
+    else:
+        total = sum(tie_bytes.get(h, 0) for h in result.ties)
+        lines += [
+            f"    optimizer state only for the owned part; ties {ties_text(result.ties)} "
+            f"({byte_text(total)}) owned with their home stage, fetched where it is not",
+            f"    tie fetches {ranged('tie_fetches')} / serves {ranged('tie_serves')}, "
+            f"gradient reductions out {ranged('tie_grad_sends')} / in "
+            f"{ranged('tie_grad_recvs')}, all-reduces {ranged('tie_allreduces')}",
+        ]
     checkpointed = checkpoint_text(result.checkpointed)
     if checkpointed:
         which = "every stage" if checkpointed == "all" else f"stages {checkpointed}"

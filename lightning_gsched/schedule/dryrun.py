@@ -11,6 +11,11 @@ stage's weights (owned, or fetched and not freed), collectives come in the same 
 member of a group, and at the end nothing is stashed, fetched or unreceived. Any violation raises
 :class:`ProgramError` naming the rank and the action in text form.
 
+Ties (``programs.ties``): a compute of a stage that reads a tie needs the tie resident (owned, or
+fetched by ``FETCH_T`` and not freed); a fetched tie's gradient, once a weight-gradient job of a
+reader stage ran, must leave by ``REDUCE_T`` before its ``FREE_T``; ``ALLREDUCE_T`` waits like
+``ALLREDUCE_G`` (its ``RECV_T`` messages, every owner) and is ordered with it per group.
+
 Split-backward programs (``programs.split_backward``, zero-bubble schedules) run ``W s b`` after
 ``B s b`` on the same rank; the stash lives until ``W``, and ``REDUCE_G`` needs a ``W`` of the stage.
 
@@ -28,6 +33,7 @@ from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
     CHANNEL_OF,
+    COLLECTIVE_OPS,
     RECV_FOR_SEND,
     RECV_OPS,
     SEND_OPS,
@@ -43,7 +49,7 @@ _Channel = tuple[str, "int | None", "int | None"]  # (kind, src rank, dst rank)
 _Message = tuple[_Channel, int]  # the k-th message (counted from 1) on a channel
 _Ident = tuple[Op, int, "int | None"]  # (receive op, stage, micro): what a message carries
 _Job = tuple[int, "int | None"]  # (stage, micro)
-_CollectiveKey = tuple[tuple[int, ...], int]  # (group, stage) of an ALLREDUCE_G
+_CollectiveKey = tuple[tuple[int, ...], Op, int]  # (group, op, stage) of an all-reduce
 
 
 def check_matching(programs: Programs) -> None:
@@ -82,15 +88,15 @@ def check_matching(programs: Programs) -> None:
 
 
 def check_collective_order(programs: Programs) -> None:
-    """Members of one group must issue their all-reduces in the same order."""
-    orders: dict[tuple[int, ...], dict[int, list[int]]] = defaultdict(dict)
+    """Members of one group must issue their all-reduces (stages' and ties') in the same order."""
+    orders: dict[tuple[int, ...], dict[int, list[str]]] = defaultdict(dict)
     for rank, program in enumerate(programs.ranks):
         for action in program:
-            if action.op is Op.ALLREDUCE_G:
+            if action.op in COLLECTIVE_OPS:
                 group = action.group
                 if group is None or rank not in group:
                     raise ProgramError(f"rank {rank} runs '{action}' but is not in its group")
-                orders[group].setdefault(rank, []).append(action.stage)
+                orders[group].setdefault(rank, []).append(f"{action.op} s{action.stage}")
     for group, by_rank in orders.items():
         reference = by_rank.get(group[0])
         for rank in group:
@@ -103,9 +109,9 @@ def check_collective_order(programs: Programs) -> None:
 
 class _Rank:
     __slots__ = ("posted", "pending_grads", "resident", "stash", "forward_done", "backward_done",
-                 "weight_done")
+                 "weight_done", "ties", "pending_tie_grads", "tie_unreduced")
 
-    def __init__(self, owned: set[int]) -> None:
+    def __init__(self, owned: set[int], owned_ties: set[int]) -> None:
         self.posted: dict[_Ident, _Message] = {}  # (op, stage, micro) -> (channel, k)
         self.pending_grads: dict[int, list[_Message]] = defaultdict(list)
         # stage -> None if owned, else the FETCH_W message its weights arrive with
@@ -114,6 +120,10 @@ class _Rank:
         self.forward_done: set[_Job] = set()
         self.backward_done: set[_Job] = set()
         self.weight_done: set[_Job] = set()  # W of a split backward
+        # tie home -> None if owned, else the FETCH_T message its weights arrive with
+        self.ties: dict[int, _Message | None] = {h: None for h in owned_ties}
+        self.pending_tie_grads: dict[int, list[_Message]] = defaultdict(list)
+        self.tie_unreduced: set[int] = set()  # fetched ties holding gradients not yet sent
 
 
 class _DryRun:
@@ -128,7 +138,9 @@ class _DryRun:
         for u, v in programs.edges:
             self.inputs[v].append(u)
             self.outputs[u].append(v)
-        self.ranks = [_Rank(set(programs.owned_stages(r))) for r in range(programs.world_size)]
+        self.ranks = [_Rank(set(programs.owned_stages(r)), set(programs.owned_ties(r)))
+                      for r in range(programs.world_size)]
+        self.ties_of = {s: programs.ties_read_by(s) for s in range(programs.num_stages)}
         self.sent_count: dict[_Channel, int] = defaultdict(int)
         self.posted_count: dict[_Channel, int] = defaultdict(int)
         self.arrived: dict[_CollectiveKey, set[int]] = defaultdict(set)
@@ -154,6 +166,13 @@ class _DryRun:
                 k[0] == action.stage for k in self._weight_grads_done(self.ranks[rank])):
             raise self.fail(rank, f"sends the gradient of stage {action.stage} but ran no "
                             f"{self.programs.weight_grad_op} of it")
+        if action.op is Op.REDUCE_T:
+            state = self.ranks[rank]
+            if action.stage not in state.tie_unreduced:
+                raise self.fail(rank, f"sends the gradient of tie {action.stage} but holds none "
+                                f"(no {self.programs.weight_grad_op} of a stage reading it ran "
+                                "since it was fetched, or it was sent already)")
+            state.tie_unreduced.discard(action.stage)
 
     def _weight_grads_done(self, state: _Rank) -> set[_Job]:
         return state.weight_done if self.split else state.backward_done
@@ -169,27 +188,42 @@ class _DryRun:
             state.resident[s] = msg
         elif op is Op.RECV_G:
             state.pending_grads[s].append(msg)
+        elif op is Op.FETCH_T:
+            if s in state.ties:
+                raise self.fail(rank, f"fetches tie {s} whose weights are already resident")
+            state.ties[s] = msg
+        elif op is Op.RECV_T:
+            state.pending_tie_grads[s].append(msg)
         else:
             state.posted[(op, s, action.micro)] = msg
 
     def free(self, rank: int, action: Action) -> None:
         state, s = self.ranks[rank], action.stage
+        if action.op is Op.FREE_T:
+            if state.ties.get(s, "missing") in (None, "missing"):
+                raise self.fail(rank, f"frees tie {s} which was not fetched")
+            if s in state.tie_unreduced:
+                raise self.fail(rank, f"frees tie {s} while its gradient was not sent to the "
+                                "owner (REDUCE_T must come first)")
+            del state.ties[s]
+            return
         if state.resident.get(s, "missing") in (None, "missing"):
             raise self.fail(rank, f"frees stage {s} which was not fetched")
         del state.resident[s]
 
     def collective(self, rank: int, action: Action) -> _Channel | _CollectiveKey | None:
         state, s = self.ranks[rank], action.stage
-        waiting = self._waiting(state.pending_grads.get(s, []))
+        pending = state.pending_tie_grads if action.op is Op.ALLREDUCE_T else state.pending_grads
+        waiting = self._waiting(pending.get(s, []))
         if waiting is not None:
             return waiting
         assert action.group is not None  # check_collective_order rejected a missing group
-        key = (action.group, s)
+        key = (action.group, action.op, s)
         self.arrived[key].add(rank)
         if len(self.arrived[key]) < len(action.group):
             return key
         self.walker.wake(key)
-        state.pending_grads.pop(s, None)
+        pending.pop(s, None)
         return None
 
     def compute(self, rank: int, action: Action) -> _Channel | None:
@@ -198,6 +232,13 @@ class _DryRun:
             raise self.fail(rank, f"has no weights of stage {s}: it neither owns nor fetched them")
         weights = state.resident[s]
         needed = [weights] if weights is not None else []
+        for h in self.ties_of[s]:
+            if h not in state.ties:
+                raise self.fail(rank, f"has no weights of tie {h} (read by stage {s}): it neither "
+                                "owns nor fetched them")
+            tie = state.ties[h]
+            if tie is not None:
+                needed.append(tie)
         deps: list[tuple[int, Op, str]] = []
         if op is Op.F:
             if (s, b) in state.forward_done:
@@ -235,6 +276,8 @@ class _DryRun:
         else:
             state.weight_done.add((s, b))
             state.stash.discard((s, b))
+        if op is self.programs.weight_grad_op:
+            state.tie_unreduced.update(h for h in self.ties_of[s] if state.ties[h] is not None)
         return None
 
 
@@ -260,6 +303,9 @@ def _check_end(rank: int, state: _Rank, fail: Callable[[int, str], ProgramError]
     fetched = [s for s, msg in state.resident.items() if msg is not None]
     if fetched:
         raise fail(rank, f"ends with fetched weights of stages {fetched} never freed")
+    ties = [h for h, msg in state.ties.items() if msg is not None]
+    if ties:
+        raise fail(rank, f"ends with fetched ties {ties} never freed")
     # Gradients still pending at the end are awaited by the owner before the optimizer step;
     # check_matching guaranteed their sends exist and the stuck-rank check that senders finish.
 
@@ -271,7 +317,7 @@ def check_forward_only(programs: Programs) -> None:
             if action.op in BACKWARD_OPS:
                 raise ProgramError(
                     f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
-                    "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W"
+                    "only F, SEND_ACT/RECV_ACT, FETCH_W/SEND_W/FREE_W and FETCH_T/SEND_T/FREE_T"
                 )
 
 

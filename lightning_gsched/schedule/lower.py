@@ -19,6 +19,8 @@ inserts communication and weight residency:
   simulated time the peer needs them; replicas (several owners) get ``ALLREDUCE_G`` right after
   their last backward of the stage, so reduction overlaps the rest of the backward pass.
 
+Tied weights (``ties``) get their own fetch, hold and reduction rule: :mod:`.lower_ties`.
+
 A forward-only timeline (``graph.forward_only``) lowers to forwards, activation messages and
 weight fetches only: no run has a backward, so there is no ``REDUCE_G``/``RECV_G``, and replicas
 have nothing to all-reduce.
@@ -33,8 +35,10 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from operator import itemgetter
+from typing import Mapping
 
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
     CHANNEL_OF,
@@ -52,6 +56,8 @@ from lightning_gsched.schedule.simulate import Timeline
 _CATEGORY = {
     Op.SEND_ACT: 0, Op.SEND_GRAD: 0, Op.REDUCE_G: 1, Op.FREE_W: 2, Op.SEND_W: 3, Op.RECV_G: 4,
     Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
+    # ties (lower_ties.py): the same places as their stage-weight counterparts
+    Op.REDUCE_T: 1, Op.FREE_T: 2, Op.SEND_T: 3, Op.RECV_T: 4, Op.ALLREDUCE_T: 5, Op.FETCH_T: 6,
 }
 
 # (gap, category, time, serial), then (..., position) once make_fifo placed a receive; compute g
@@ -134,11 +140,14 @@ class _Builder:
 
 
 def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
-          fetch_window: int | None = None) -> Programs:
+          fetch_window: int | None = None,
+          ties: Mapping[int, tuple[int, ...]] | None = None) -> Programs:
     """Turn a simulated timeline into per-rank programs (see the module docstring).
 
     ``fetch_window``: the most fetched stages a worker may hold at once (None: no limit beyond
     the one-compute-early prefetch, which never holds more than two, so 2 or more is the same).
+    ``ties``: tied weights, ``{home stage: reader stages}`` (validated), lowered by
+    :func:`~lightning_gsched.schedule.lower_ties.lower_ties`.
     """
     build = _Builder(timeline)
     index: dict[Job, int] = {}
@@ -151,10 +160,13 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     reduce_gaps = _lower_weights(table, timeline, build, grad_phase, fetch_window)
     if not graph.forward_only:
         _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
+    if ties:
+        lower_ties(ties, table, timeline, build, grad_phase, graph.forward_only)
     build.make_fifo()
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
     return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges,
-                    forward_only=graph.forward_only, split_backward=graph.split_backward)
+                    forward_only=graph.forward_only, split_backward=graph.split_backward,
+                    ties=dict(ties or {}))
 
 
 def _lower_data_flow(

@@ -13,12 +13,14 @@ measured can be compared rank by rank, as the action counters are.
 What each category holds on a rank, as the runtime allocates it:
 
 * **weights**: the stages it owns, always; a fetched stage from its ``FETCH_W`` (the receive is
-  posted into the stage buffer) to its ``FREE_W``; tied parameters, replicated on every rank.
-* **gradients**: the owned stages' gradient buffers for the whole step (zeroed at its start and
-  handed to the optimizer at its end); a fetched stage's from its first weight-gradient job
-  (``B``, or ``W`` when the backward is split) to its ``REDUCE_G``; tied parameters' gradients.
+  posted into the stage buffer) to its ``FREE_W``; the ties it owns (those of its owned home
+  stages), always; a fetched tie from its ``FETCH_T`` to its ``FREE_T``.
+* **gradients**: the owned stages' and owned ties' gradient buffers for the whole step (zeroed
+  at its start and handed to the optimizer at its end); a fetched stage's from its first
+  weight-gradient job (``B``, or ``W`` when the backward is split) to its ``REDUCE_G``; a
+  fetched tie's from the first weight-gradient job of a stage reading it to its ``REDUCE_T``.
 * **optimizer**: the state the optimizer keeps for the parameters this rank updates (owned
-  stages and tied parameters); constant over the step.
+  stages and owned ties); constant over the step.
 * **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b`` (until
   ``W s b`` when the backward is split). A checkpointed stage keeps only its inputs from ``F``
   to ``B`` (on the last stage also the loss's own graph); with a split backward its
@@ -26,7 +28,7 @@ What each category holds on a rank, as the runtime allocates it:
 * **communication**: receive buffers posted and not yet consumed: an activation from its
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
   peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
-  end). Sends are not counted: a sent tensor is one the stash or a gradient buffer already holds.
+  end), a peer's tie gradient from ``RECV_T`` to the ``ALLREDUCE_T`` (or the step's end). Sends are not counted: a sent tensor is one the stash or a gradient buffer already holds.
 
 The peak is taken after every action (and at the start); :class:`RankMemory` reports the total's
 peak with its split by category at that moment, and each category's own peak.
@@ -34,8 +36,8 @@ peak with its split by category at that moment, and each category's own peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.program import Action, Op, Programs
@@ -73,13 +75,29 @@ class StageSizes:
 
 
 @dataclass(frozen=True)
+class TieSizes:
+    """Bytes of one tie (the tied parameters whose home stage is ``home``; see
+    ``schedule/program.py``): weights, gradient buffer, the optimizer state of its owners.
+    ``readers``: every stage that reads it (home included), as the plan's ``ties`` says."""
+
+    readers: tuple[int, ...]
+    params: int
+    grads: int
+    optimizer: int
+
+
+@dataclass(frozen=True)
 class ModelSizes:
-    """Every stage's sizes plus the tied parameters (replicated on every rank, outside stages)."""
+    """Every stage's sizes plus every tie's (``{home stage: TieSizes}``; outside the stages)."""
 
     stages: tuple[StageSizes, ...]
-    tied_params: int = 0
-    tied_grads: int = 0
-    tied_optimizer: int = 0
+    ties: Mapping[int, TieSizes] = field(default_factory=dict)
+
+    @property
+    def tie_map(self) -> dict[int, tuple[int, ...]]:
+        """``{home: readers}``: what ``plan(..., ties=...)`` takes for the programs these
+        sizes are for."""
+        return {h: tuple(t.readers) for h, t in sorted(self.ties.items())}
 
 
 @dataclass(frozen=True)
@@ -124,13 +142,18 @@ class _RankWalk:
         self.owned = set(owned)
         stages = sizes.stages
         training = not programs.forward_only
-        self.weights = sum(stages[s].params for s in owned) + sizes.tied_params
-        self.gradients = (sum(stages[s].grads for s in owned) + sizes.tied_grads) if training else 0
-        self.optimizer = (sum(stages[s].optimizer for s in owned) + sizes.tied_optimizer
+        ties = [sizes.ties[h] for h in programs.owned_ties(rank)]
+        self.owned_ties = set(programs.owned_ties(rank))
+        self.ties_of = {s: programs.ties_read_by(s) for s in range(programs.num_stages)}
+        self.weights = sum(stages[s].params for s in owned) + sum(t.params for t in ties)
+        self.gradients = (sum(stages[s].grads for s in owned) + sum(t.grads for t in ties)
                           if training else 0)
+        self.optimizer = (sum(stages[s].optimizer for s in owned)
+                          + sum(t.optimizer for t in ties) if training else 0)
         self.activations = 0
         self.communication = 0
         self.fetched_grads: set[int] = set()
+        self.fetched_tie_grads: set[int] = set()
         self.posted: dict[tuple[Op, int, int | None], int] = {}
         self.stashed: dict[tuple[int, int | None], int] = {}  # (stage, micro) -> bytes held
         self.fed_by_message: set[tuple[int, int | None]] = set()
@@ -178,6 +201,27 @@ class _RankWalk:
         elif op is Op.ALLREDUCE_G:
             for done in [k for k in self.posted if k[0] is Op.RECV_G and k[1] == s]:
                 self._consume(done)
+        else:
+            self._tie(a)
+
+    def _tie(self, a: Action) -> None:
+        """The tie ops: a fetched tie's weights and gradient, an owner's received gradients."""
+        op, h = a.op, a.stage
+        if op is Op.FETCH_T:
+            self.weights += self.sizes.ties[h].params
+        elif op is Op.FREE_T:
+            self.weights -= self.sizes.ties[h].params
+        elif op is Op.REDUCE_T:
+            if h in self.fetched_tie_grads:
+                self.fetched_tie_grads.discard(h)
+                self.gradients -= self.sizes.ties[h].grads
+        elif op is Op.RECV_T:
+            key: tuple[Op, int, int | None] = (op, h, a.peer)
+            self.posted[key] = self.posted.get(key, 0) + self.sizes.ties[h].grads
+            self.communication += self.sizes.ties[h].grads
+        elif op is Op.ALLREDUCE_T:
+            for done in [k for k in self.posted if k[0] is Op.RECV_T and k[1] == h]:
+                self._consume(done)
 
     def _graph(self, s: int, micro: int | None) -> int:
         """Bytes of the graph of ``F s micro`` (fed by a message, or locally)."""
@@ -192,6 +236,10 @@ class _RankWalk:
         if s not in self.owned and s not in self.fetched_grads:
             self.fetched_grads.add(s)
             self.gradients += self.sizes.stages[s].grads
+        for h in self.ties_of[s]:  # a fetched tie's gradient buffer starts at its first use
+            if h not in self.owned_ties and h not in self.fetched_tie_grads:
+                self.fetched_tie_grads.add(h)
+                self.gradients += self.sizes.ties[h].grads
 
     def _post(self, key: tuple[Op, int, int | None], nbytes: int) -> None:
         self.posted[key] = nbytes
@@ -242,11 +290,29 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ScheduleConfigError(
                     f"stage {s}'s {f.name} bytes must be a non-negative int, got {value!r}")
+    check_tie_sizes(programs, sizes)
     if checkpointed and len(checkpointed) != programs.num_stages:
         raise ScheduleConfigError(
             f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
             "the plan's own plan(...).checkpointed")
     return [rank_memory(programs, sizes, r, checkpointed) for r in range(programs.world_size)]
+
+
+def check_tie_sizes(programs: Programs, sizes: ModelSizes) -> None:
+    """The sizes describe exactly the programs' ties (same homes, same readers)."""
+    if sizes.tie_map != dict(programs.ties):
+        raise ScheduleConfigError(
+            f"the sizes describe ties {sizes.tie_map} (home stage: reader stages) but the "
+            f"programs were planned with ties {dict(programs.ties)}; plan with "
+            "ties=sizes.tie_map (the partition's shared_parameters) so that tied weights are "
+            "placed by the plan"
+        )
+    for h, tie in sizes.ties.items():
+        for name in ("params", "grads", "optimizer"):
+            value = getattr(tie, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ScheduleConfigError(
+                    f"tie {h}'s {name} bytes must be a non-negative int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -257,11 +323,14 @@ class ResidentBytes:
     peak: int
 
 
-def resident_bytes(programs: Programs, stage_bytes: Sequence[int]) -> list[ResidentBytes]:
+def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
+                   tie_bytes: Mapping[int, int] | None = None) -> list[ResidentBytes]:
     """Per rank: owned parameter bytes and the peak of owned + fetched ones, read off the programs.
 
     ``stage_bytes``: every stage's parameter bytes (what the runtime's flat buffer of that stage
-    holds; tied parameters, replicated on every rank, are not part of any stage). This is the
+    holds; tied parameters are not part of any stage). ``tie_bytes``: ``{home: bytes}`` of
+    every tie of the programs (None: ties count 0 bytes), owned with their home stage and
+    fetched from ``FETCH_T`` to ``FREE_T``. This is the
     weights category of the bytes walk with nothing else sized; the runtime's
     ``peak_resident_param_bytes`` counter measures the same quantity on the real buffers, so for
     the same programs the two are equal. Unlike ``peak_resident_stages`` (a count) this weighs
@@ -275,19 +344,27 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int]) -> list[Resid
             f"stage_bytes must be one int >= 0 per stage ({programs.num_stages}), got "
             f"{stage_bytes!r}"
         )
-    weights_only = ModelSizes(tuple(StageSizes(b, 0, 0, 0, 0) for b in sizes))
-    return [ResidentBytes(owned=sum(sizes[s] for s in programs.owned_stages(rank)),
+    ties = {h: int((tie_bytes or {}).get(h, 0)) for h in programs.ties}
+    weights_only = ModelSizes(tuple(StageSizes(b, 0, 0, 0, 0) for b in sizes),
+                              {h: TieSizes(r, ties[h], 0, 0) for h, r in programs.ties.items()})
+    return [ResidentBytes(owned=sum(sizes[s] for s in programs.owned_stages(rank))
+                          + sum(ties[h] for h in programs.owned_ties(rank)),
                           peak=rank_memory(programs, weights_only, rank).category_peaks.weights)
             for rank in range(programs.world_size)]
 
 
 def uniform_sizes(stages: int, params: int, activations: int, message: int,
-                  optimizer_factor: float = 0.0) -> ModelSizes:
+                  optimizer_factor: float = 0.0,
+                  ties: Mapping[int, tuple[int, ...]] | None = None,
+                  tie_params: int = 0) -> ModelSizes:
     """Equal stages (for planning before anything is measured, and for tests): gradients the
-    size of the weights, optimizer state ``optimizer_factor`` times the weights."""
+    size of the weights, optimizer state ``optimizer_factor`` times the weights; every tie of
+    ``ties`` (``{home: readers}``, as ``plan().ties``) ``tie_params`` bytes, sized alike."""
     stage = StageSizes(params, params, int(params * optimizer_factor), activations, message,
                        inputs=message)
-    return ModelSizes(tuple(stage for _ in range(stages)))
+    tie = {h: TieSizes(tuple(r), tie_params, tie_params, int(tie_params * optimizer_factor))
+           for h, r in (ties or {}).items()}
+    return ModelSizes(tuple(stage for _ in range(stages)), tie)
 
 
 def peaks(memories: Sequence[RankMemory]) -> list[int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -74,6 +74,11 @@ class Plan:
         if not self.checkpointed:
             self.checkpointed = (False,) * self.stages
 
+    @property
+    def ties(self) -> dict[int, tuple[int, ...]]:
+        """Tied weights: ``{home stage: every stage reading the tie}`` (the programs' own)."""
+        return self.programs.ties
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schedule": self.schedule,
@@ -87,6 +92,7 @@ class Plan:
             "split_backward": self.programs.split_backward,
             "checkpointed": list(self.checkpointed),
             "fetch_window": self.fetch_window,
+            "ties": {str(h): list(r) for h, r in self.ties.items()},
             "forward_costs": list(self.costs.forward),
             "backward_costs": list(self.costs.backward),
             "weight_costs": list(self.costs.weight),
@@ -121,6 +127,7 @@ def check_arguments(
     split_backward: object = None,
     checkpoint_activations: object = False,
     fetch_window: object = None,
+    ties: object = None,
 ) -> None:
     """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
 
@@ -170,6 +177,7 @@ def check_arguments(
         validate.flag("split_backward", split_backward)
     validate.stage_flags("checkpoint_activations", checkpoint_activations, S)
     validate.optional_positive_int("fetch_window", fetch_window, "1")
+    validate.ties(ties, S)
 
 
 def plan(
@@ -191,6 +199,7 @@ def plan(
     split_backward: bool | None = None,
     checkpoint_activations: bool | Sequence[bool] = False,
     fetch_window: int | None = None,
+    ties: Mapping[int, Iterable[int]] | Iterable[Iterable[int]] | None = None,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -219,11 +228,17 @@ def plan(
     stage computing and the next one). 1: a fetch that would overlap another fetched stage's
     compute waits for that stage's ``FREE_W`` (less memory, the transfer no longer hidden).
     Programs of schedules that never run two fetched stages back to back do not change.
+    ``ties``: weights several stages read (a tied embedding and output head), as
+    ``{home stage: reader stages}`` or a sequence of stage groups (e.g.
+    ``partition(...).shared_parameters.values()``); each is owned with its home stage (the
+    lowest that reads it), fetched and held for the step by a rank that computes a reader
+    without owning it, and its gradient reduced to the owners (``FETCH_T``/``REDUCE_T``/
+    ``ALLREDUCE_T``; see :mod:`.lower_ties`).
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
                     placement, priority, weight_cost, split_backward, checkpoint_activations,
-                    fetch_window)
+                    fetch_window, ties)
     edges = validate.stage_edges(edges)
     verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
@@ -258,10 +273,11 @@ def plan(
     if forward_only:  # no backward: nothing is stashed, nothing recomputed
         checkpointed = (False,) * S
     costs = costs.with_recompute(checkpointed)
+    tie_map = validate.ties(ties, S)
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
                       bool(forward_only), split, uses_default_cap, checkpointed,
-                      None if fetch_window is None else int(fetch_window))
+                      None if fetch_window is None else int(fetch_window), tie_map)
 
 
 def _build(
@@ -271,6 +287,7 @@ def _build(
     split_backward: bool = False, default_cap: bool = False,
     checkpointed: tuple[bool, ...] = (),
     fetch_window: int | None = None,
+    ties: dict[int, tuple[int, ...]] | None = None,
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
@@ -298,7 +315,7 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = simulate(graph, table, ranks, costs, caps)
-    programs = lower(graph, table, timeline, fetch_window)
+    programs = lower(graph, table, timeline, fetch_window, ties)
     if verify:
         dry_run(programs)
     metrics = measure(programs, timeline)

@@ -20,7 +20,18 @@ through :meth:`Action.parse`, for error messages, test diffs and bug reports:
 ``REDUCE_G s5 ->1``     send this rank's accumulated gradient of stage 5 to its owner 1
 ``RECV_G s5 <-3``       owner side: post the receive of rank 3's gradient of stage 5 (summed in)
 ``ALLREDUCE_G s5 [0,2]``  all-reduce stage 5's gradient among its replica owners 0 and 2
+``FETCH_T s0 <-0``      post the receive of tie 0 (the tied weights whose home stage is 0)
+``SEND_T s0 ->3``       owner side of a tie fetch: send tie 0's weights to rank 3
+``FREE_T s0``           release the fetched weights of tie 0 (after the last job that reads it)
+``REDUCE_T s0 ->0``     send this rank's accumulated gradient of tie 0 to its owner 0
+``RECV_T s0 <-3``       owner side: post the receive of rank 3's gradient of tie 0 (summed in)
+``ALLREDUCE_T s0 [0,1]``  all-reduce tie 0's gradient among its owners 0 and 1
 ======================  =======================================================================
+
+A *tie* is a set of parameters several stages read (a tied embedding and output head). It is
+one weight unit named by its **home** stage, the lowest stage that reads it (the ``stage`` field
+of the ``*_T`` actions), owned with that stage (``owners[home]``) and fetched once per step by a
+rank that computes a reader stage without owning it (:attr:`Programs.ties`).
 
 Receives are *posts*: the runtime starts them where they appear (that is the prefetch) and waits
 for them at the first action that consumes them. Sends never block. That is also the model the
@@ -34,7 +45,7 @@ dry run, the time replay, the metrics and the runtime read the table instead of 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple
 
@@ -53,6 +64,12 @@ class Op(str, Enum):
     REDUCE_G = "REDUCE_G"
     RECV_G = "RECV_G"
     ALLREDUCE_G = "ALLREDUCE_G"
+    FETCH_T = "FETCH_T"
+    SEND_T = "SEND_T"
+    FREE_T = "FREE_T"
+    REDUCE_T = "REDUCE_T"
+    RECV_T = "RECV_T"
+    ALLREDUCE_T = "ALLREDUCE_T"
 
     def __str__(self) -> str:
         return self.value
@@ -115,7 +132,24 @@ OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
            channel="grads", matches=Op.REDUCE_G, counter="grad_recvs"),
     OpSpec(Op.ALLREDUCE_G, "collective", "all-reduce a stage's gradient among its replica owners",
            counter="allreduces"),
+    # ties: the same kinds and channels as the stage-weight ops (FIFO per channel holds them all)
+    OpSpec(Op.FETCH_T, "recv", "post the receive of a tie's weights; held until its FREE_T",
+           channel="weights", matches=Op.SEND_T, counter="tie_fetches", forward_only=True),
+    OpSpec(Op.SEND_T, "send", "owner: send a tie's weights to a rank that fetches them",
+           channel="weights", matches=Op.FETCH_T, counter="tie_serves", forward_only=True,
+           outgoing=True),
+    OpSpec(Op.FREE_T, "free", "release a fetched tie's weights", forward_only=True),
+    OpSpec(Op.REDUCE_T, "send", "send a fetched tie's accumulated gradient to its owner",
+           channel="grads", matches=Op.RECV_T, counter="tie_grad_sends", outgoing=True),
+    OpSpec(Op.RECV_T, "recv", "owner: post the receive of a rank's tie gradient (summed in)",
+           channel="grads", matches=Op.REDUCE_T, counter="tie_grad_recvs"),
+    OpSpec(Op.ALLREDUCE_T, "collective", "all-reduce a tie's gradient among its owners",
+           counter="tie_allreduces"),
 )}
+
+# ops that act on a tie (their ``stage`` is the tie's home stage), and on stage weights
+TIE_OPS = frozenset({Op.FETCH_T, Op.SEND_T, Op.FREE_T, Op.REDUCE_T, Op.RECV_T, Op.ALLREDUCE_T})
+COLLECTIVE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "collective")
 
 COMPUTE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "compute")
 SEND_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "send")
@@ -197,7 +231,8 @@ class Programs:
     programs (validation, test, predict) contain only :data:`FORWARD_ONLY_OPS`.
     ``split_backward`` programs (zero-bubble schedules) run every backward as ``B`` (input
     gradient) then ``W`` (weight gradient) of the same (stage, microbatch) on the same rank; the
-    stash lives until ``W``.
+    stash lives until ``W``. ``ties``: tie home stage -> its reader stages (home included);
+    a tie is owned by ``owners[home]``.
     """
 
     ranks: list[list[Action]]
@@ -207,6 +242,8 @@ class Programs:
     edges: list[tuple[int, int]]
     forward_only: bool = False
     split_backward: bool = False
+    # tie home stage -> every stage that reads it (home included, sorted); see the module doc
+    ties: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -229,6 +266,14 @@ class Programs:
 
     def owned_stages(self, rank: int) -> list[int]:
         return [s for s, owners in enumerate(self.owners) if rank in owners]
+
+    def owned_ties(self, rank: int) -> list[int]:
+        """Home stages of the ties ``rank`` owns (a tie is owned with its home stage)."""
+        return [h for h in sorted(self.ties) if rank in self.owners[h]]
+
+    def ties_read_by(self, stage: int) -> list[int]:
+        """Home stages of the ties ``stage`` reads (its jobs need them resident)."""
+        return [h for h in sorted(self.ties) if stage in self.ties[h]]
 
     def text(self, rank: int | None = None) -> str:
         """Human-readable programs, one action per line (all ranks when ``rank`` is None)."""

@@ -216,14 +216,17 @@ def evaluate(candidate: Candidate, profile: StageProfile, workers: int, network:
         result = plan(candidate.schedule, workers=workers, stages=candidate.stages,
                       microbatches=candidate.micro, R=candidate.R,
                       checkpoint_activations=candidate.checkpoint, forward_cost=forward,
-                      backward_cost=backward, weight_cost=weight)
+                      backward_cost=backward, weight_cost=weight, ties=sizes.tie_map)
     except GschedError as exc:
         return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
     stages = sizes.stages
     transfer = network.message(max((st.message for st in stages), default=0))
     fetch = [network.message(st.params) for st in stages]
     reduce = [2 * network.message(st.grads) for st in stages]
-    step = predict_step_time(result, transfer=transfer, fetch=fetch, reduce=reduce).latency
+    tie_fetch = {h: network.message(t.params) for h, t in sizes.ties.items()}
+    tie_reduce = {h: 2 * network.message(t.grads) for h, t in sizes.ties.items()}
+    step = predict_step_time(result, transfer=transfer, fetch=fetch, reduce=reduce,
+                             tie_fetch=tie_fetch, tie_reduce=tie_reduce).latency
     peak = max(m.peak for m in predict_memory(result.programs, sizes, result.checkpointed))
     fits = budget is None or peak <= budget
     return Verdict(candidate, step, peak, fits,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError, UserCallableError
 
@@ -207,6 +207,52 @@ def stage_edges(edges: Any) -> list[tuple[int, int]] | None:
                 "of stage indices; e.g. edges=[(0, 1), (1, 2)]"
             )
     return [(int(u), int(v)) for u, v in pairs]
+
+
+def ties(value: Any, stages: int | None = None,
+         error: ErrorType = ScheduleConfigError) -> dict[int, tuple[int, ...]]:
+    """Tied weights as ``{home stage: every stage that reads the tie, home included}``.
+
+    Accepts a mapping ``{home: reader stages}`` or a sequence of stage groups (e.g. the values of
+    ``partition(...).shared_parameters``). Each group's home is its lowest stage; groups with
+    the same home are one tie (their readers united), as the runtime holds every tied parameter
+    of one home stage in one unit. ``None`` or empty: no ties. With ``stages`` known, every
+    index must lie in ``[0, stages)``.
+    """
+    if value is None:
+        return {}
+    example = "[(0, 3)] (stage 0 and stage 3 read one tied weight)"
+    groups: list[tuple[Any, ...]] = []
+    if isinstance(value, Mapping):
+        for home, readers in value.items():
+            if isinstance(readers, (str, bytes)) or not isinstance(readers, Iterable):
+                raise invalid("ties", value, "a mapping must give each home stage an iterable "
+                              "of reader stages", "{0: (3,)}", error)
+            groups.append((home, *readers))
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise invalid("ties", value, "give a mapping {home stage: reader stages} or a sequence "
+                      "of stage groups", example, error)
+    else:
+        for group in value:
+            if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
+                raise invalid("ties", value, "every group must be a sequence of stage indices",
+                              example, error)
+            groups.append(tuple(group))
+    out: dict[int, set[int]] = {}
+    for group in groups:
+        for s in group:
+            if not is_int(s) or s < 0 or (stages is not None and s >= stages):
+                where = f"in [0, {stages})" if stages is not None else ">= 0"
+                raise error(
+                    f"ties={value!r} is not valid: stage {s!r} of group {list(group)} is not a "
+                    f"stage index {where}; e.g. ties={example}"
+                )
+        members = {int(s) for s in group}
+        if len(members) < 2:
+            raise invalid("ties", value, f"group {list(group)} names fewer than two stages (a "
+                          "tie is a weight read by several stages)", example, error)
+        out.setdefault(min(members), set()).update(members)
+    return {home: tuple(sorted(readers)) for home, readers in sorted(out.items())}
 
 
 def cap_entry(worker: int, value: Any) -> int | None:
