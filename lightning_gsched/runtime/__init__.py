@@ -21,9 +21,9 @@ Training front ends (the Lightning Trainer strategy, the Fabric strategy) use th
 backward, the hand-over, clipping by the global norm, owned parameters, full-state gather and
 restore, parameter memory, aborting on a failure.
 
-Modules, one job each: :mod:`.wire` (pytree <-> one message), :mod:`.channels` (process groups,
+Modules, one job each: :mod:`.wire` (pytree <-> structure, tensors and spec), :mod:`.channels` (process groups,
 fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport` (sends, posted
-receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
+receives; bare tensors once a step signature's shapes are known), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
 forward/backward, stash), :mod:`.running_stats` (BatchNorm statistics equal to one device's on
 every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the program walker),
 :mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
@@ -41,6 +41,7 @@ from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
+from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
     "Channels",
@@ -52,6 +53,7 @@ __all__ = [
     "RuntimeCounters",
     "RuntimeFault",
     "StepResult",
+    "TRANSPORTS",
     "optimizer_factor",
     "parameter_names",
     "stage_micros",
