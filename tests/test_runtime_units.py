@@ -193,6 +193,13 @@ def test_executor_needs_an_initialized_process_group():
         ProgramExecutor([nn.Linear(1, 1)], plan("ddp", workers=1).programs)
 
 
+def test_executor_refuses_an_unknown_transport():
+    from lightning_gsched.runtime import ProgramExecutor
+
+    with pytest.raises(RuntimeConfigError, match="transport='fast' is not one of"):
+        ProgramExecutor([nn.Linear(1, 1)], plan("ddp", workers=1).programs, transport="fast")
+
+
 def test_loss_must_be_a_scalar():
     compute = StageCompute([nn.Linear(2, 3)], num_micro=1)
     with pytest.raises(RuntimeConfigError, match="scalar tensor"):
