@@ -7,13 +7,13 @@
     part = partition(model, S, example_args=(x,))
     programs = plan("fslpp", workers=W, stages=S, microbatches=B).programs
     executor = ProgramExecutor(part.stages, programs)          # collective: builds process groups
-    result = executor.step({b: ((x_b,), {}) for b in executor.first_stage_micros},
-                           loss_fn=lambda out, b: F.cross_entropy(out, y[b]))
+    result = executor.step({b: ((x[b],), {}) for b in range(B)},   # every microbatch: they
+                           loss_fn=lambda out, b: F.cross_entropy(out, y[b]))  # give the shapes
     optimizer.step()   # owners' param.grad == gradient of the mean loss over the global batch
 
     evaluation = plan("fslpp", workers=W, stages=S, microbatches=B2, forward_only=True).programs
-    first, last = stage_micros(evaluation, rank)                # inputs needed / outputs returned
-    outputs = executor.forward(evaluation, {b: ((x_b,), {}) for b in first},
+    first, last = stage_micros(evaluation, rank)                # inputs run / outputs returned
+    outputs = executor.forward(evaluation, {b: ((x2[b],), {}) for b in range(B2)},
                                output_fn=lambda out, b: out.argmax(-1))   # {b: value} for `last`
 
 Training front ends (the Lightning Trainer strategy, the Fabric strategy) use the facade
