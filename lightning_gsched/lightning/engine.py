@@ -269,7 +269,9 @@ class PipelineEngine:
 
         self.memory.before_step(runtime)
         try:
-            result = runtime.step(inputs, loss_fn, signature=(tuple(rows), tuple(layouts)))
+            # what every rank knows of this step's shapes: the hook, every rank's rows and layout
+            signature = (caller.name, tuple(rows), tuple(layouts))
+            result = runtime.step(inputs, loss_fn, signature=signature)
         except RuntimeFault:
             self.failed = True
             raise
@@ -305,7 +307,7 @@ class PipelineEngine:
         try:
             outputs = runtime.forward(
                 plan.programs, inputs, lambda out, b: caller.finish(micros[b], out, b),
-                signature=(tuple(rows), tuple(layouts)),
+                signature=(caller.name, tuple(rows), tuple(layouts)),
             )
         except RuntimeFault:
             self.failed = True
