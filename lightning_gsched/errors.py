@@ -60,6 +60,16 @@ class RuntimeFault(GschedError, RuntimeError):
     """
 
 
+class MessageShapeError(RuntimeFault):
+    """A stage's output (or input-gradient) changed shape or structure within a step signature
+    whose messages the transport already knows, so the receiver (which posted its receive for
+    the old shape, without a header) cannot be told.
+
+    Raised on the sending rank; every other rank ends with a RuntimeFault quoting it. The fix
+    for data-dependent shapes is ``transport="described"`` (every message carries its spec).
+    """
+
+
 class StrategyConfigError(GschedError, ValueError):
     """GeneralParallel's arguments do not fit the Trainer, the model or the data."""
 

@@ -171,6 +171,7 @@ STRATEGY_CASES = [
     (dict(step_timeout=math.inf), StrategyConfigError, "step_timeout=inf"),
     (dict(step_timeout="60"), StrategyConfigError, "step_timeout='60'"),
     (dict(state_dict_type="zip"), StrategyConfigError, "state_dict_type='zip'"),
+    (dict(transport="fast"), StrategyConfigError, "transport='fast'"),
     (dict(gather_on_teardown=1), StrategyConfigError, "gather_on_teardown=1"),
     (dict(start_method="thread"), StrategyConfigError, "start_method='thread'"),
     (dict(timeout=30), StrategyConfigError, "timeout=30"),

@@ -7,6 +7,7 @@ harness timeout. The last case is a fault inside a user's step on one rank only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -136,3 +137,52 @@ def test_checkpoint_after_an_ungathered_run_is_refused(world, tmp_path) -> None:
         assert isinstance(result, RankError) and result.type_name == "StrategyConfigError"
         assert "gather_on_teardown" in result.message
     assert not (tmp_path / "x.ckpt").exists()
+
+
+class KeepsEvenRows(LitGPT):
+    """The model keeps the rows whose first token is even: stage 0's output rows depend on the
+    data, not only on the batch's shape."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx[idx[:, 0] % 2 == 0])
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        (t,) = batch
+        kept = t[t[:, 0] % 2 == 0]
+        logits = self(t[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), kept[:, 1:].reshape(-1))
+
+
+def even_rows_batches(global_batch: int, steps: int) -> torch.Tensor:
+    """Token rows whose first token's parity makes microbatch 0 keep 2, then 1, then 2 rows."""
+    data = tokens(global_batch * steps)
+    data[:, 0] = data[:, 0] // 2 * 2  # even: kept
+    data[global_batch, 0] += 1  # step 1, microbatch 0, first row: odd, dropped
+    return data
+
+
+def fit_even_rows(ctx: WorkerContext, transport: str) -> float:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    model = seeded(0, KeepsEvenRows)
+    strategy = GeneralParallel("gpipe", microbatches=4, transport=transport)
+    fit = trainer(ctx.world_size, strategy, max_steps=3)
+    fit.fit(model, rank_loader(even_rows_batches(8, 3), 8, ctx.world_size, ctx.rank))
+    return float(fit.callback_metrics["train_loss"])
+
+
+def test_data_dependent_shapes_need_the_described_transport(world) -> None:
+    """Under the default transport the second step (same batch shape, fewer rows kept) stops
+    every rank: rank 0 with MessageShapeError naming the option, rank 1 quoting it; with
+    transport="described" the same run trains."""
+    results = world.run(fit_even_rows, "auto", expect_errors=True)
+    assert all(isinstance(r, RankError) for r in results), results
+    sender, receiver = results
+    assert sender.type_name == "MessageShapeError", (sender.type_name, sender.message)
+    assert "rank 0 failed at 'SEND_ACT s0 b0 ->1'" in sender.message
+    assert 'transport="described"' in sender.message
+    assert receiver.type_name == "RuntimeFault"
+    assert "MessageShapeError" in receiver.message
+    losses = world.run(fit_even_rows, "described")
+    assert losses[0] == losses[1] and math.isfinite(losses[0])

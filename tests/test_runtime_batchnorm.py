@@ -43,7 +43,7 @@ import models
 from dist_harness import WorkerContext
 from lightning_gsched.errors import GschedError, RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
-from lightning_gsched.runtime import Channels, ProgramExecutor, stage_micros, tie_map
+from lightning_gsched.runtime import Channels, ProgramExecutor, tie_map
 from lightning_gsched.runtime.fullstate import full_state_dict
 from lightning_gsched.schedule import Op, Programs, plan
 from lightning_gsched.schedule.library import LIBRARY
@@ -194,15 +194,14 @@ def schedule_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
 
     # evaluation: running statistics normalise, outputs are one device's
     model.eval()
-    first, _ = stage_micros(evaluation.programs, ctx.rank)
     xs = eval_inputs(eval_micro)
-    outputs = ex.forward(evaluation.programs, {b: ((xs[b],), {}) for b in first},
+    outputs = ex.forward(evaluation.programs, {b: ((x,), {}) for b, x in xs.items()},
                          lambda out, b: out)
     compare(bad, "eval outputs", {str(b): v for b, v in outputs.items()},
             {str(b): ref["outputs"][b] for b in outputs}, OUT_RTOL, OUT_ATOL)
     compare(bad, "statistics after eval", statistics(model), trained, 0.0, 0.0)
     model.train()  # a forward-only run in training mode: batch statistics, buffers untouched
-    ex.forward(evaluation.programs, {b: ((xs[b],), {}) for b in first}, lambda out, b: None)
+    ex.forward(evaluation.programs, {b: ((x,), {}) for b, x in xs.items()}, lambda out, b: None)
     compare(bad, "statistics after a train-mode forward()", statistics(model), trained, 0.0, 0.0)
     return {"bad": bad, "stats": trained, "holders": holders, "run_here": sorted(run_here),
             "counters": counters, "micro": train.micro, "width": sum(

@@ -184,9 +184,13 @@ class Run:
         if inference:
             with torch.inference_mode():
                 xs = {b: x.clone() for b, x in xs.items()}  # inference tensors, as Lightning's
-                got = self.ex.forward(self.eval.programs, {b: ((xs[b],), {}) for b in first}, output_fn)
-        else:
-            got = self.ex.forward(self.eval.programs, {b: ((xs[b],), {}) for b in first}, output_fn)
+                # only the microbatches run here, and a signature every rank agrees on (the
+                # shapes follow from the microbatch count alone)
+                got = self.ex.forward(self.eval.programs, {b: ((xs[b],), {}) for b in first},
+                                      output_fn, signature=("eval", self.eval.micro))
+        else:  # every microbatch's inputs: the default signature is their shapes
+            got = self.ex.forward(self.eval.programs, {b: ((x,), {}) for b, x in xs.items()},
+                                  output_fn)
         want = self.ref["outputs"][seed]
         if sorted(got) != last:
             self.bad.append(f"{tag}: outputs for {sorted(got)}, expected {last}")
@@ -312,7 +316,7 @@ def config_error_check(ctx: WorkerContext) -> list[str]:
     ok = plan("fslpp", workers=W, forward_only=True, ties=ties)
     first, _ = stage_micros(ok.programs, ctx.rank)
     xs = eval_batch(ok.micro, 3)
-    ex.forward(ok.programs, {b: ((xs[b],), {}) for b in first}, output_fn)
+    ex.forward(ok.programs, {b: ((xs[b],), {}) for b in first}, output_fn, signature="ok")
     ex.close()
     return messages
 
@@ -333,10 +337,9 @@ def fault_check(ctx: WorkerContext, failing_rank: int) -> dict[str, Any]:
 
         part.stages[failing_rank].register_forward_pre_hook(explode)  # gpipe: rank r runs stage r
     xs = eval_batch(evaluation.micro, 5)
-    first, _ = stage_micros(evaluation.programs, ctx.rank)
     start = time.monotonic()
     try:
-        ex.forward(evaluation.programs, {b: ((xs[b],), {}) for b in first}, output_fn)
+        ex.forward(evaluation.programs, {b: ((x,), {}) for b, x in xs.items()}, output_fn)
         error = None
     except RuntimeFault as fault:
         error = str(fault)

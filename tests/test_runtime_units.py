@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import namedtuple
 from dataclasses import fields
 
 import pytest
@@ -20,11 +21,18 @@ from lightning_gsched.schedule import WorkerMetrics, plan
 
 
 def roundtrip(value):
+    """What a receiver rebuilds: the spec through the described path's bytes, then one fresh
+    buffer per tensor filled with what the sender puts on the wire."""
+    cpu = torch.device("cpu")
     parts = wire.split(value)
-    header, payload = wire.encode(parts, torch.device("cpu"))
-    meta_len, payload_len = header.tolist()
-    assert payload_len == payload.numel()
-    return wire.decode(meta_len, payload.clone())  # clone: the receiver has its own buffer
+    spec = wire.decode_spec(wire.encode_spec(wire.spec_of(parts)))
+    assert spec == wire.spec_of(parts)
+    buffers = wire.empty_like_spec(spec, cpu)
+    for buf, t in zip(buffers, parts.tensors, strict=True):
+        sent = wire.wire_tensor(t, cpu)
+        assert sent.is_contiguous() and not sent.requires_grad
+        buf.copy_(sent)
+    return wire.received(spec, buffers)
 
 
 def test_pytree_roundtrip_keeps_structure_values_dtypes_and_grad_flags():
@@ -64,6 +72,29 @@ def test_split_order_pairs_outputs_with_received_grads():
     leaves = wire.detached_leaves(parts.tensors)
     rebuilt = wire.join(parts.structure, leaves)
     assert rebuilt["b"] is leaves[0] and rebuilt["a"][0] is leaves[1]
+
+
+def test_specs_tell_shape_dtype_flag_and_value_changes_apart():
+    x = torch.randn(2, 3)
+    base = wire.spec_of(wire.split((x, 1)))
+    assert wire.spec_of(wire.split((torch.zeros(2, 3), 1))) == base  # values do not matter
+    assert base.nbytes == 2 * 3 * 4
+    for changed in [(torch.randn(3, 3), 1), (x.double(), 1), (x.requires_grad_(), 1),
+                    (torch.randn(2, 3), 2), (torch.randn(2, 3), True), [torch.randn(2, 3), 1],
+                    (torch.randn(2, 3), 1, None)]:
+        assert wire.spec_of(wire.split(changed)) != base, changed
+
+
+Pair = namedtuple("Pair", "left right")  # module level: picklable
+
+
+def test_exotic_structures_are_pickled_with_tensors_by_reference():
+    t = torch.randn(2)
+    parts = wire.split(Pair(t, {"k": (t, 3)}))
+    assert parts.structure[0] == "pickle" and parts.tensors == [t]
+    got, _ = roundtrip(Pair(t, {"k": (t, 3)}))
+    assert isinstance(got, Pair) and got.right["k"][0] is got.left and got.right["k"][1] == 3
+    assert torch.equal(got.left, t)
 
 
 def test_unpicklable_stage_output_is_a_clear_error():
@@ -177,6 +208,13 @@ def test_executor_needs_an_initialized_process_group():
 
     with pytest.raises(RuntimeConfigError, match="init_process_group"):
         ProgramExecutor([nn.Linear(1, 1)], plan("ddp", workers=1).programs)
+
+
+def test_executor_refuses_an_unknown_transport():
+    from lightning_gsched.runtime import ProgramExecutor
+
+    with pytest.raises(RuntimeConfigError, match="transport='fast' is not one of"):
+        ProgramExecutor([nn.Linear(1, 1)], plan("ddp", workers=1).programs, transport="fast")
 
 
 def test_loss_must_be_a_scalar():

@@ -37,6 +37,7 @@ from lightning_gsched.lightning.engine import PipelineEngine
 from lightning_gsched.lightning.intercept import StepCaller
 from lightning_gsched.lightning.options import (
     check_launch_arguments,
+    check_transport,
     library_names,
     pipeline_options,
 )
@@ -48,7 +49,8 @@ class GeneralParallelFabric(DDPStrategy):
 
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
-    to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``) and ``step_timeout`` mean
+    to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout`` and
+    ``transport`` mean
     what they mean for ``GeneralParallel`` (see docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
     any process starts; what needs the device count fails in ``fabric.setup``, on every rank.
 
@@ -81,6 +83,7 @@ class GeneralParallelFabric(DDPStrategy):
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,
         memory_budget: Optional[Union[int, str]] = None,
+        transport: Literal["auto", "described"] = "auto",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -96,6 +99,7 @@ class GeneralParallelFabric(DDPStrategy):
             weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
+        self.transport = check_transport(transport)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -130,6 +134,7 @@ class GeneralParallelFabric(DDPStrategy):
                 module, self.schedule_config, self.partition_options,
                 self.schedule_config.setup_plan(self.world_size),
                 world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
+                transport=self.transport,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
             )

@@ -12,6 +12,7 @@ local batch and must be the same on every rank (e.g. a flag).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,15 +92,37 @@ def owns_its_micros(rows: list[int], parts: int, needed: list[list[int]]) -> boo
 
 def row_counts(batch: Any, world_size: int) -> list[int]:
     """Every rank's number of rows (a small collective; rows may differ per rank)."""
+    return rows_and_layouts(batch, world_size)[0]
+
+
+def layout_digest(batch: Any) -> int:
+    """A 64-bit digest of a batch's layout: its pytree structure, each tensor's shape and dtype,
+    each plain value. Equal layouts give equal digests on every rank (no per-process hashing)."""
+    leaves, spec = pytree.tree_flatten(batch)
+    items = [str(spec)] + [(tuple(leaf.shape), str(leaf.dtype)) if isinstance(leaf, torch.Tensor)
+                           else repr(leaf) for leaf in leaves]
+    digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def rows_and_layouts(batch: Any, world_size: int) -> tuple[list[int], list[int]]:
+    """Every rank's number of rows and :func:`layout_digest`, in one small collective.
+
+    Why the digests ride along: together they are a step signature every rank holds (the
+    runtime sends activations as bare tensors for a signature it has seen, see
+    ``runtime/transport.py``), at no extra collective, since the rows are gathered anyway.
+    """
     leaves, _, data = _batch_leaves(batch)
     local_rows = leaves[data[0]].shape[0]
+    digest = layout_digest(batch)
     if world_size == 1:
-        return [local_rows]
+        return [local_rows], [digest]
     device = leaves[data[0]].device
-    counts = torch.zeros(world_size, dtype=torch.int64, device=device)
-    mine = torch.tensor([local_rows], dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(counts, mine)
-    return [int(c) for c in counts.tolist()]
+    gathered = torch.zeros(2 * world_size, dtype=torch.int64, device=device)
+    mine = torch.tensor([local_rows, digest], dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, mine)
+    values = gathered.tolist()  # the rows cut the microbatches on the host: one sync
+    return [int(v) for v in values[0::2]], [int(v) for v in values[1::2]]
 
 
 def gather_batch(batch: Any, rows: list[int], rank: int = 0, parts: int | None = None,

@@ -31,7 +31,7 @@ from lightning_gsched.lightning.batches import (
     concat_outputs,
     gather_batch,
     micro_rows,
-    row_counts,
+    rows_and_layouts,
     take_rows,
 )
 from lightning_gsched.lightning.config import ScheduleConfig
@@ -85,13 +85,15 @@ class PipelineEngine:
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                  train_plan: Plan | None, *, world_size: int, rank: int, timeout: float,
                  optimizers: Callable[[], list], info: Callable[[str], None],
-                 forward_context: Callable[[], AbstractContextManager] | None = None) -> None:
+                 forward_context: Callable[[], AbstractContextManager] | None = None,
+                 transport: str = "auto") -> None:
         self.module = module
         self.config = config
         self.options = options
         self.train_plan: Plan | None = train_plan
         self.world_size, self.rank = world_size, rank
         self.timeout = timeout
+        self.transport = transport
         self.optimizers = optimizers
         self.info = info
         self.forward_context = forward_context
@@ -161,7 +163,8 @@ class PipelineEngine:
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,
                                         forward_context=self.forward_context,
-                                        checkpointed=self.train_plan.checkpointed)
+                                        checkpointed=self.train_plan.checkpointed,
+                                        transport=self.transport)
             self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),
@@ -250,7 +253,7 @@ class PipelineEngine:
     def training_step(self, batch: Any, caller: StepCaller) -> StepOutcome:
         """One schedule step on this rank's share of the global batch: forward, backward and
         the gradients held for :meth:`hand_over_grads`; the loss of the global batch."""
-        rows = row_counts(batch, self.world_size)
+        rows, layouts = rows_and_layouts(batch, self.world_size)
         if self.train_plan is None:
             batch = self._build_auto(batch, rows, caller, training=True)
         else:
@@ -269,7 +272,9 @@ class PipelineEngine:
 
         self.memory.before_step(runtime)
         try:
-            result = runtime.step(inputs, loss_fn)
+            # what every rank knows of this step's shapes: the hook, every rank's rows and layout
+            signature = (caller.name, tuple(rows), tuple(layouts))
+            result = runtime.step(inputs, loss_fn, signature=signature)
         except RuntimeFault:
             self.failed = True
             raise
@@ -288,7 +293,7 @@ class PipelineEngine:
     def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool) -> StepOutcome:
         """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
         gets the outputs of the rows it loaded (predictions go back to their rank)."""
-        rows = row_counts(batch, self.world_size)
+        rows, layouts = rows_and_layouts(batch, self.world_size)
         if self.train_plan is None:
             self._build_auto(batch, rows, caller, training=False)
         plan = self.config.eval_plan(self.world_size, sum(rows))
@@ -306,7 +311,8 @@ class PipelineEngine:
         inputs = self._capture_all(caller, micros, first_micros)
         try:
             outputs = runtime.forward(
-                plan.programs, inputs, lambda out, b: caller.finish(micros[b], out, b)
+                plan.programs, inputs, lambda out, b: caller.finish(micros[b], out, b),
+                signature=(caller.name, tuple(rows), tuple(layouts)),
             )
         except RuntimeFault:
             self.failed = True

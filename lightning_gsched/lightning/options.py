@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning.config import AUTO, ScheduleConfig
 from lightning_gsched.partition.arguments import check_options as check_partition_options
+from lightning_gsched.runtime import TRANSPORTS
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.library import LIBRARY
 
@@ -74,6 +75,11 @@ def check_launch_arguments(step_timeout: Any, process_group_backend: Any, timeou
                                "timedelta(minutes=30)", StrategyConfigError)
     validate.one_of("start_method", start_method, START_METHODS, StrategyConfigError)
     return float(step_timeout)
+
+
+def check_transport(transport: Any) -> str:
+    """``transport``: how activations travel between stages (see docs/runtime.md, Transport)."""
+    return str(validate.one_of("transport", transport, TRANSPORTS, StrategyConfigError))
 
 
 def library_names(front_end: str) -> list[tuple[str, str, str]]:

@@ -33,6 +33,7 @@ from lightning_gsched.lightning.logsync import replay
 from lightning_gsched.lightning.memory_report import MemoryReport
 from lightning_gsched.lightning.options import (
     check_launch_arguments,
+    check_transport,
     library_names,
     pipeline_options,
 )
@@ -88,6 +89,10 @@ class GeneralParallel(DDPStrategy):
             ``microbatches``, ``R`` and ``checkpoint_activations=True`` restrict the search;
             ``order``, ``cap``, ``placement``, ``priority``, costs and ``fetch_window`` are
             refused (they would decide what "auto" chooses).
+        transport: how activations and input-gradients travel between ranks: ``"auto"``
+            (their shapes are exchanged at the first step of each batch shape, then bare
+            tensors) or ``"described"`` (every message carries its shapes; for a model whose
+            stage outputs change shape with the data, not only with the batch's shape).
         Remaining arguments are DDPStrategy's (process_group_backend, timeout, start_method...).
 
     Every argument is checked here, before any process starts, and a wrong one raises a
@@ -121,6 +126,7 @@ class GeneralParallel(DDPStrategy):
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,
         memory_budget: Optional[Union[int, str]] = None,
+        transport: Literal["auto", "described"] = "auto",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -138,6 +144,7 @@ class GeneralParallel(DDPStrategy):
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
+        self.transport = check_transport(transport)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -208,6 +215,7 @@ class GeneralParallel(DDPStrategy):
         self._engine = PipelineEngine(
             module, self.schedule_config, self.partition_options, train_plan,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
+            transport=self.transport,
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
         )
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore

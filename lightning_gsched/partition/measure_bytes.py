@@ -8,10 +8,10 @@ they are saved (:class:`lightning_gsched.runtime.footprint.SavedTensorBytes`, th
 the runtime uses while it trains, so prediction and measurement count the same tensors).
 
 Stage inputs are built exactly as the runtime builds them (``runtime/wire.py``): detached leaves
-of the producer's output when both stages run on one rank, views of one received payload buffer
-when the input travels; a stage that saves such a view keeps the whole buffer alive, so both
-cases are measured (``activations`` and ``received_activations``) and the planner picks the one
-each forward meets.
+of the producer's output when both stages run on one rank, fresh receive buffers (one per
+tensor) when the input travels; a stage that saves a view of a local input keeps the producer's
+storage alive, one that saves a received input keeps its own copy, so both cases are measured
+(``activations`` and ``received_activations``) and the planner picks the one each forward meets.
 
 Parameters follow the runtime's layout: a parameter read by one stage belongs to that stage's
 buffer; those read by several (tied weights) form one tie per home stage (the lowest reading
@@ -58,8 +58,8 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
         raise PartitionError("measure_stage_bytes needs at least one stage")
     own_params, ties = split_parameters(stages)
     sizes: list[StageSizes] = []
-    # the previous stage's output: split into tensors, and encoded as one message (once)
-    handed: tuple[wire.Split, torch.Tensor, torch.Tensor] | None = None
+    # the previous stage's output: split into tensors, and its message's bytes
+    handed: tuple[wire.Split, int] | None = None
     last = len(stages) - 1
     with torch.enable_grad(), ExitStack() as preserved:
         for stage in stages:
@@ -70,10 +70,11 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
                                                        loss_fn)
                 received = stash
             else:  # as the runtime feeds it: from this rank's producer, or from a message
-                parts, header, payload = handed
+                parts, _ = handed
                 local = wire.join(parts.structure, wire.detached_leaves(parts.tensors))
                 stash, loss_part, out = _stashed_bytes(stage, s, last, (local,), {}, loss_fn)
-                message, _ = wire.decode(int(header[0]), payload)
+                device = parts.tensors[0].device if parts.tensors else torch.device("cpu")
+                message, _ = wire.received_copy(parts, device)
                 received, _, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
             own = own_params[s]
             trainable = _bytes([p for p in own if p.requires_grad])
@@ -84,8 +85,8 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
             sizes.append(StageSizes(
                 params=_bytes(own), grads=trainable,
                 optimizer=int(trainable * optimizer_factor), activations=stash,
-                # the buffer a receiver posts for it: metadata and padding included
-                message=0 if handed is None else handed[2].numel(),
+                # the buffers a receiver posts for it: its tensors' bytes
+                message=0 if handed is None else handed[1],
                 received_activations=received, inputs=inputs, loss_graph=loss_part))
     tie_sizes = {}
     for tie in ties:
@@ -111,9 +112,7 @@ def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwarg
     return saved.nbytes, loss_part, out
 
 
-def _handed(output: Any, s: int) -> tuple[wire.Split, torch.Tensor, torch.Tensor]:
-    """Stage ``s``'s output as the runtime hands it on: split, and encoded as one message."""
+def _handed(output: Any, s: int) -> tuple[wire.Split, int]:
+    """Stage ``s``'s output as the runtime hands it on: split, and its message's bytes."""
     parts = wire.split(output, what=f"output of stage {s}")
-    device = parts.tensors[0].device if parts.tensors else torch.device("cpu")
-    header, payload = wire.encode(parts, device)
-    return parts, header, payload
+    return parts, wire.spec_of(parts).nbytes

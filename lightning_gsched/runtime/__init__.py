@@ -8,13 +8,13 @@
     programs = plan("fslpp", workers=W, stages=S, microbatches=B,
                     ties=part.shared_parameters.values()).programs   # tied weights placed too
     executor = ProgramExecutor(part.stages, programs)          # collective: builds process groups
-    result = executor.step({b: ((x_b,), {}) for b in executor.first_stage_micros},
-                           loss_fn=lambda out, b: F.cross_entropy(out, y[b]))
+    result = executor.step({b: ((x[b],), {}) for b in range(B)},   # every microbatch: they
+                           loss_fn=lambda out, b: F.cross_entropy(out, y[b]))  # give the shapes
     optimizer.step()   # owners' param.grad == gradient of the mean loss over the global batch
 
     evaluation = plan("fslpp", workers=W, stages=S, microbatches=B2, forward_only=True).programs
-    first, last = stage_micros(evaluation, rank)                # inputs needed / outputs returned
-    outputs = executor.forward(evaluation, {b: ((x_b,), {}) for b in first},
+    first, last = stage_micros(evaluation, rank)                # inputs run / outputs returned
+    outputs = executor.forward(evaluation, {b: ((x2[b],), {}) for b in range(B2)},
                                output_fn=lambda out, b: out.argmax(-1))   # {b: value} for `last`
 
 Training front ends (the Lightning Trainer strategy, the Fabric strategy) use the facade
@@ -22,9 +22,9 @@ Training front ends (the Lightning Trainer strategy, the Fabric strategy) use th
 backward, the hand-over, clipping by the global norm, owned parameters, full-state gather and
 restore, parameter memory, aborting on a failure.
 
-Modules, one job each: :mod:`.wire` (pytree <-> one message), :mod:`.channels` (process groups,
+Modules, one job each: :mod:`.wire` (pytree <-> structure, tensors and spec), :mod:`.channels` (process groups,
 fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport` (sends, posted
-receives), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
+receives; bare tensors once a step signature's shapes are known), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
 forward/backward, stash), :mod:`.running_stats` (BatchNorm statistics equal to one device's on
 every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the program walker),
 :mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
@@ -42,6 +42,7 @@ from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
+from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
     "Channels",
@@ -53,6 +54,7 @@ __all__ = [
     "RuntimeCounters",
     "RuntimeFault",
     "StepResult",
+    "TRANSPORTS",
     "optimizer_factor",
     "parameter_names",
     "stage_micros",

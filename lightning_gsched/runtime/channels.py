@@ -2,10 +2,9 @@
 
 Why one group per channel kind: programs are FIFO per (src, dst) *per channel* (``p2p`` for
 activations and input-gradients, ``weights``, ``grads``), and backends without message tags
-(NCCL) only order messages within one communicator. A ``p2p`` message is a fixed-size header
-followed by a payload whose size the header announces; headers and payloads travel on two
-groups so that several posted header receives from one peer can never swallow a payload.
-Each kind has one group per direction (messages from the lower to the higher rank, and back):
+(NCCL) only order messages within one communicator. A ``p2p`` message is one message per
+tensor (preceded by its spec on the described path, see :mod:`.transport`), all on one group:
+receives from a peer are posted in the order the peer sends. Each kind has one group per direction (messages from the lower to the higher rank, and back):
 NCCL runs the point-to-point operations of one communicator in issue order, so a receive posted
 early from a peer must not be able to hold back a later send *to* that peer.
 Replica all-reduces (of stages and of ties) get one subgroup per distinct member set, and
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.schedule.program import Op, Programs
 
-KINDS = ("p2p_head", "p2p_body", "p2p_late", "weights", "grads")
+KINDS = ("p2p", "weights", "grads")
 _SERIAL = itertools.count()  # same sequence on every rank: Channels are built collectively
 
 

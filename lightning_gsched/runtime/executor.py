@@ -28,12 +28,13 @@ validation can interleave with training, even in the middle of an accumulation w
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
+from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import (
@@ -55,7 +56,7 @@ from lightning_gsched.runtime.layout import (
 )
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step import StepRun
-from lightning_gsched.runtime.transport import Transport, label
+from lightning_gsched.runtime.transport import TRANSPORTS, Transport, label
 from lightning_gsched.schedule.program import Action, Op, Programs
 
 
@@ -76,6 +77,10 @@ class ProgramExecutor:
         checkpointed: one bool per stage, ``plan(..., checkpoint_activations=...).checkpointed``:
             activation checkpointing (a stage's ``F`` keeps only its inputs, its ``B`` recomputes
             the forward; :mod:`.recompute`). None: no stage.
+        transport: how activations and input-gradients travel (:mod:`.transport`): ``"auto"``
+            sends bare tensors once the step signature is known (its first step, and the first
+            step of every new signature, describes each message); ``"described"`` describes
+            every message of every step (for stage outputs whose shapes depend on the data).
     """
 
     def __init__(
@@ -88,8 +93,14 @@ class ProgramExecutor:
         sync_weights: bool = True,
         forward_context: ForwardContext | None = None,
         checkpointed: Sequence[bool] | None = None,
+        transport: str = "auto",
     ) -> None:
         check_programs(stages, programs)
+        if transport not in TRANSPORTS:
+            raise RuntimeConfigError(
+                f"transport={transport!r} is not one of {list(TRANSPORTS)}; use 'auto' (bare "
+                "tensors once shapes are known) or 'described' (shapes sent with every message)."
+            )
         checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
         check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
@@ -106,7 +117,8 @@ class ProgramExecutor:
         self.compute = StageCompute(stages, self.num_micro, forward_context, checkpointed)
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
-        self.transport = Transport(self.channels, self.waiter, self.device)
+        self.transport = Transport(self.channels, self.waiter, self.device, transport)
+        self._messages: dict[int, tuple[Programs, bool]] = {}  # see _has_pytree_messages
         self.first_stage_micros = self.view.first_stage_micros
         self.last_stage_micros = self.view.last_stage_micros
         self.last_counters: RuntimeCounters | None = None
@@ -169,19 +181,26 @@ class ProgramExecutor:
 
     # ------------------------------------------------------------------ public
 
-    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn) -> StepResult:
+    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
+             signature: Hashable | None = None) -> StepResult:
         """Run this rank's program once: forward, backward and gradient reduction of one step.
 
         Args:
             inputs: ``{b: (args, kwargs)}``, the call of stage 0 (the model's ``forward``) on
-                microbatch ``b``, for at least ``self.first_stage_micros`` (others are ignored).
+                microbatch ``b``, for every microbatch: those of ``self.first_stage_micros`` run
+                here, the others only define the step signature (below). With ``signature``,
+                ``self.first_stage_micros`` suffice.
             loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``
                 with the model's output on microbatch ``b`` (targets are the caller's business).
+            signature: any hashable value, the same on every rank, that changes whenever the
+                shapes of the messages between stages may change (e.g. the batch's shape).
+                Default: the shapes, dtypes and plain values of every microbatch's inputs.
+                Steps with a signature seen before send bare tensors (:mod:`.transport`).
         Returns:
             :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
         """
         state = StepRun(self, self.view, inputs, loss_fn)
-        self._execute(state, "step()")
+        self._execute(state, "step()", signature)
         self.last_counters = state.counters
         return StepResult(state.losses, state.counters)
 
@@ -190,6 +209,8 @@ class ProgramExecutor:
         programs: Programs,
         inputs: Mapping[int, tuple[tuple, dict]],
         output_fn: Callable[[Any, int], Any],
+        *,
+        signature: Hashable | None = None,
     ) -> dict[int, Any]:
         """Run this rank's program of forward-only ``programs`` (validation, test, predict).
 
@@ -197,11 +218,13 @@ class ProgramExecutor:
             programs: ``plan(schedule, workers=W, stages=S, R=R, microbatches=B',
                 forward_only=True).programs`` with the schedule, W, S and R of this executor's
                 programs (``B'`` may differ). The same on every rank; every rank must call.
-            inputs: ``{b: (args, kwargs)}`` for at least the microbatches whose first stage runs
-                here in *these* programs (``stage_micros(programs, rank)[0]``). Microbatches may
-                have different sizes, including 0 rows.
+            inputs: ``{b: (args, kwargs)}`` for every microbatch of these programs (those whose
+                first stage runs here, ``stage_micros(programs, rank)[0]``, are run; the others
+                define the signature, as in :meth:`step`; with ``signature``, the first ones
+                suffice). Microbatches may have different sizes, including 0 rows.
             output_fn: ``output_fn(output, b) -> anything``, called on the rank that runs the last
                 stage of microbatch ``b`` with the model's output.
+            signature: as in :meth:`step`.
         Returns:
             ``{b: output_fn(output, b)}`` for the microbatches whose last stage ran here.
 
@@ -216,14 +239,15 @@ class ProgramExecutor:
         view = ProgramView.of(programs, self.rank)
         with torch.inference_mode(False), torch.no_grad(), self.running_stats.unchanged():
             state = StepRun(self, view, inputs, output_fn, forward_only=True)
-            self._execute(state, "forward()")
+            self._execute(state, "forward()", signature)
         self.last_forward_counters = state.counters
         return state.losses
 
-    def _execute(self, state: StepRun, caller: str) -> None:
+    def _execute(self, state: StepRun, caller: str, signature: Hashable | None) -> None:
         """Walk ``state.view.program``; on any failure abort the channels and raise a fault."""
         try:
             self._guarded(self._check_inputs, state.inputs, state.view.first_stage_micros, caller)
+            self._guarded(self._begin_transport, state, signature, caller)
             for index, action in enumerate(state.view.program):
                 self._position = label(action, index)
                 self._guarded(state.run, action, index)
@@ -252,6 +276,44 @@ class ProgramExecutor:
         self.channels.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _begin_transport(self, state: StepRun, signature: Hashable | None, caller: str) -> None:
+        """Start the transport's step under this step's signature (the same on every rank)."""
+        programs = state.view.programs
+        if signature is not None:
+            try:
+                hash(signature)
+            except TypeError as exc:
+                raise RuntimeConfigError(
+                    f"{caller}'s signature must be hashable (e.g. a tuple of ints), got "
+                    f"{type(signature).__name__}."
+                ) from exc
+            key: Hashable = ("given", signature)
+        elif self.transport.described or not self._has_pytree_messages(programs):
+            key = None  # nothing depends on it
+        else:
+            missing = [b for b in range(programs.num_micro) if b not in state.inputs]
+            if missing:
+                raise RuntimeConfigError(
+                    f"{caller} on rank {self.rank} got no inputs for microbatches {missing}, so "
+                    "it cannot tell the step's signature (the input shapes every rank must agree "
+                    "on to send activations without their shapes). Pass every microbatch's "
+                    f"inputs on every rank, or {caller[:-2]}(..., signature=<the same hashable "
+                    "on every rank, e.g. the batch shape>), or build the executor with "
+                    "transport='described'."
+                )
+            key = ("inputs", tuple(wire.spec_of(wire.split(state.inputs[b], "inputs"))
+                                   for b in range(programs.num_micro)))
+        self.transport.begin_step(programs, key)
+
+    def _has_pytree_messages(self, programs: Programs) -> bool:
+        """Whether any rank's program sends activations or input-gradients (cached)."""
+        key = id(programs)
+        if key not in self._messages:
+            sends = {Op.SEND_ACT, Op.SEND_GRAD}
+            found = any(a.op in sends for program in programs.ranks for a in program)
+            self._messages[key] = (programs, found)
+        return self._messages[key][1]
 
     def _check_inputs(self, inputs: Mapping[int, Any], first: list[int], caller: str) -> None:
         where = (

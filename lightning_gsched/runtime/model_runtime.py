@@ -20,7 +20,7 @@ executor, the stage buffers and the process groups can change behind it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ class ModelRuntime:
             no stage reads but the step does (a loss module) are found here.
         stages: its stages, e.g. ``partition(module, S, ...).stages``.
         programs: ``plan(...).programs``, the same on every rank.
-        timeout, sync_weights, channels, forward_context, checkpointed: as
+        timeout, sync_weights, channels, forward_context, checkpointed, transport: as
             :class:`ProgramExecutor`'s.
 
     ``executor`` is the :class:`ProgramExecutor` underneath, for tools that time or count what
@@ -67,12 +67,13 @@ class ModelRuntime:
                  timeout: float = 300.0, sync_weights: bool = True,
                  channels: Channels | None = None,
                  forward_context: ForwardContext | None = None,
-                 checkpointed: Sequence[bool] | None = None) -> None:
+                 checkpointed: Sequence[bool] | None = None,
+                 transport: str = "auto") -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights,
                                         forward_context=forward_context,
-                                        checkpointed=checkpointed)
+                                        checkpointed=checkpointed, transport=transport)
         self.rank = self.executor.rank
         self.world_size = programs.world_size
         self.device = self.executor.device
@@ -93,18 +94,20 @@ class ModelRuntime:
 
     # ------------------------------------------------------------------ running
 
-    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn) -> StepResult:
+    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
+             signature: Hashable | None = None) -> StepResult:
         """One step of the schedule (:meth:`ProgramExecutor.step`); its gradients are then held
         here until :meth:`hand_over`, and ``param.grad`` is what it was before the step."""
         self._grads.before_step()
-        result = self.executor.step(inputs, loss_fn)
+        result = self.executor.step(inputs, loss_fn, signature=signature)
         self._grads.after_step()
         return result
 
     def forward(self, programs: Programs, inputs: Mapping[int, tuple[tuple, dict]],
-                output_fn: Callable[[Any, int], Any]) -> dict[int, Any]:
+                output_fn: Callable[[Any, int], Any], *,
+                signature: Hashable | None = None) -> dict[int, Any]:
         """A forward-only run (:meth:`ProgramExecutor.forward`); gradients are untouched."""
-        return self.executor.forward(programs, inputs, output_fn)
+        return self.executor.forward(programs, inputs, output_fn, signature=signature)
 
     # ------------------------------------------------------------------ parameters
 

@@ -87,8 +87,7 @@ class StepRun(TieSteps):
         self.split = view.programs.split_backward  # B then W (zero-bubble programs)
         self.transport = ex.transport
         self.counters = RuntimeCounters(owned_stages=len(ex.owned))
-        ex.transport.counters = self.counters
-        ex.transport.begin_step(view.programs)
+        ex.transport.counters = self.counters  # the executor began the transport's step
         self.losses: dict[int, Any] = {}  # forward-only: output_fn's values
         self.received: dict[tuple[Op, int, int], Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
@@ -143,10 +142,10 @@ class StepRun(TieSteps):
         tie_weights, tie_grads = self._tie_bytes()
         weights = sum(f.resident_bytes() for f in flats) + tie_weights
         gradients = sum(f.grads.nbytes for f in flats if f.grads.active) + tie_grads
-        payloads = [m.payload for m in self.received.values() if m.payload is not None]
         buffers = [buf for pending in (*self.grad_recvs.values(), *self.tie_grad_recvs.values())
                    for _, buf, _ in pending]
-        communication = sum(t.numel() * t.element_size() for t in (*payloads, *buffers))
+        communication = sum(m.pending_bytes for m in self.received.values())
+        communication += sum(t.numel() * t.element_size() for t in buffers)
         return {"weights": weights, "gradients": gradients, "optimizer": 0,
                 "activations": self.ex.compute.live_activation_bytes(),
                 "communication": communication}
@@ -254,7 +253,8 @@ class StepRun(TieSteps):
         parts = self.produced_acts[key]
         if (a.stage + 1, a.micro) not in self.view.local_forward:
             del self.produced_acts[key]
-        self.transport.send_pytree(parts, a.peer, label(a, index))
+        self.transport.send_pytree(parts, a.peer, label(a, index),
+                                   f"output of stage {a.stage} on microbatch {a.micro}")
 
     def _post_pytree(self, a: Action, index: int) -> None:
         """Post the receive of an activation or input-gradient, keyed by (op, stage, micro)."""
@@ -269,7 +269,8 @@ class StepRun(TieSteps):
         if (a.stage - 1, a.micro) not in self.view.local_backward:
             del self.produced_grads[key]
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
-        self.transport.send_pytree(parts, a.peer, label(a, index))
+        self.transport.send_pytree(parts, a.peer, label(a, index),
+                                   f"input-gradient of stage {a.stage} on microbatch {a.micro}")
 
     def _recv_grad(self, a: Action, index: int) -> None:
         self._post_pytree(a, index)
@@ -354,7 +355,7 @@ class StepRun(TieSteps):
 
     def finish(self) -> None:
         leftovers = [*self.received, *self.fetches, *(f"tie {h}" for h in self.tie_fetches)]
-        self.transport.flush_headers()
+        self.transport.flush()
         for s in sorted(self.grad_recvs):
             self._add_received_grads(s)
         self._finish_ties()

@@ -4,173 +4,263 @@ Why this shape: sends never block (the programs were proven deadlock-free under 
 every send is an ``isend`` whose handle and buffer are kept until the end of the step. Receives
 are *posted* where the program says and waited for where they are consumed.
 
-A pytree message is a header (int64 ``[meta_len, payload_len]``) on ``p2p_head`` and one
-payload message on ``p2p_body``. The receiver cannot know a payload's size before its header
-arrives, and on gloo a payload's bytes only start to flow once its receive is posted (the
-sender waits for the receiver's "ready"), so a payload received only when the consumer waits
-puts its whole transfer on the critical path. Hence *expected sizes*: the programs send the
-same sequence of messages every step, so both ends remember the payload sizes of the last
-completed step of the same programs, per peer and position. From the second step on, the
-receiver posts the payload receive together with the header receive, into a buffer of the
-expected size, and the transfer overlaps the receiver's compute. If a payload's size changed
-(another batch shape), the sender still fills the expected-size receive (with filler bytes) and
-sends the real payload on ``p2p_late``; the header tells the receiver which case it is. Every
-message thus puts exactly one message on ``p2p_body``, and both ends agree on the expectation
-because they derive it from the same history, so both channels stay FIFO-consistent. Headers
-posted earlier from the same peer are completed first, keeping the order of the sender's.
-(Weights and gradients have sizes both ends know: one message.)
+A pytree message (an activation or an input-gradient) is sent as its tensors, one message per
+distinct non-empty tensor, as they are (no header, no pickling, no copy into a byte payload), as
+torch.distributed.pipelining does after its shape inference. The receiver must then know every
+message's *spec* (structure, per tensor shape, dtype, ``requires_grad``; :class:`wire.Spec`)
+before the message arrives, so that it can post one receive per tensor, into a buffer of the
+right shape, where the program posts the receive (on gloo a message's bytes only flow once its
+receive is posted, so a receive posted only when the consumer waits puts the whole transfer on
+the critical path; on NCCL reading a header on the device would also cost a synchronisation).
+
+How both ends know the spec without asking each other: the programs send the same sequence of
+messages every step, and the step's shapes follow from its *signature*, a value every rank
+computes alike without communicating (``ProgramExecutor.step(..., signature=...)``: by default
+the shapes and dtypes of every microbatch's inputs, which every rank is given). Both ends keep,
+per (programs, signature), the specs of every message of the last completed step, per peer,
+direction and position (:class:`SpecBook`, a few signatures, least recently used dropped alike on
+every rank because every rank sees the same sequence of steps). Then each step is either
+
+* *fast* (a known (programs, signature)): the receiver posts the tensor receives into buffers of
+  the remembered specs at the program's receive post; the sender checks that its message has the
+  remembered spec (a tuple comparison) and sends the tensors. A message that differs (a shape
+  that depends on the data, not on the signature) cannot be told to the receiver, whose buffers
+  are already posted: the sender raises :class:`MessageShapeError` and the fault machinery ends
+  every rank with an error quoting it (see ``transport="described"``);
+* or *described* (a new signature: first step, another batch shape, other programs; or every
+  step with ``transport="described"``): each message is an ``int64 [meta_len]`` header, the
+  pickled spec, then the tensors, all on the ``p2p`` channel. The receiver posts nothing ahead:
+  when a consumer waits for a message it takes the pending messages from that peer in program
+  order (header, spec, then one receive per tensor), so the channel stays in the sender's order.
+  Both ends record the specs; at the end of the step they become the signature's expectation.
+
+Both ends decide fast vs described from the same history, so every message is read the way it
+was written. Empty tensors travel as nothing; a message without tensors sends nothing on the
+fast path. Weights and gradient reductions have sizes both ends know: one message each.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from typing import Any
+from collections import OrderedDict, defaultdict, deque
+from typing import Any, Hashable
 
 import torch
 
+from lightning_gsched.errors import MessageShapeError, RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
 from lightning_gsched.schedule.program import Action
 
+TRANSPORTS = ("auto", "described")
+SIGNATURES_KEPT = 16  # (programs, signature) pairs remembered; older ones are described again
+
 
 class IncomingPytree:
-    """A posted pytree receive: the header is in flight, the payload follows it."""
+    """A posted pytree receive: its tensors' receives are posted (fast path), or it waits in
+    its peer's queue until a consumer takes it (described path)."""
 
-    def __init__(self, channels: Channels, peer: int, label: str, device: torch.device,
-                 expected: int | None) -> None:
+    def __init__(self, peer: int, label: str) -> None:
         self.peer = peer
-        self.label = label  # "'RECV_ACT s0 b1 <-0' (posted at action 2)"
-        self.header = torch.empty(wire.HEADER_LEN, dtype=torch.int64, device=device)
-        self.head_work: Any = channels.irecv(self.header, peer, "p2p_head")
-        self.expected = expected
-        self.header_done = False
-        self.body_work: Any = None
-        self.payload: torch.Tensor | None = None
-        if expected is not None:  # the payload flows while this rank computes
-            self.payload = torch.empty(expected, dtype=torch.uint8, device=device)
-            self.body_work = channels.irecv(self.payload, peer, "p2p_body")
-        self.meta_len = 0
+        self.label = label  # "'RECV_ACT s0 b1 <-0' (action 2)"
+        self.spec: wire.Spec | None = None
+        self.buffers: list[torch.Tensor] | None = None
+        self.works: list[Any] = []
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the posted, not yet consumed receive buffers."""
+        if self.buffers is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.buffers)
 
 
-class PayloadSizes:
-    """Payload sizes per (programs, peer, direction), in message order; see the module doc.
+class SpecBook:
+    """Message specs per (programs, signature), per (peer, direction), in message order.
 
-    ``begin`` starts a step of some programs; ``expected`` tells the size the message at the
-    current position had in the last *completed* step of the same programs (None in the first);
-    ``commit`` (end of a successful step) makes this step's sizes the new expectation.
+    ``begin`` starts a step; :attr:`fast` tells whether its (programs, signature) completed a
+    step before (then ``expected`` gives each message's spec); otherwise ``record`` notes the
+    specs as they go and ``commit`` (end of a successful step) makes them the expectation.
     """
 
-    def __init__(self) -> None:
-        self.last: dict[tuple[int, int, str], list[int]] = {}
-        self.keep: dict[int, Any] = {}  # programs by id, so an id is never reused meanwhile
-        self.key = 0
-        self.now: dict[tuple[int, str], list[int]] = defaultdict(list)
+    def __init__(self, capacity: int = SIGNATURES_KEPT) -> None:
+        self.capacity = capacity
+        # key -> (programs kept alive so their id is not reused, specs)
+        self.known: OrderedDict[tuple[int, Hashable], tuple[Any, dict]] = OrderedDict()
+        self.key: tuple[int, Hashable] = (0, None)
+        self.programs: Any = None
+        self.expect: dict[tuple[int, str], list[wire.Spec]] | None = None
+        self.keep = True
+        self.now: dict[tuple[int, str], list[wire.Spec]] = defaultdict(list)
         self.count: dict[tuple[int, str], int] = defaultdict(int)
 
-    def begin(self, programs: Any) -> None:
-        self.key = id(programs)
-        self.keep[self.key] = programs
+    @property
+    def fast(self) -> bool:
+        return self.expect is not None
+
+    def begin(self, programs: Any, signature: Hashable, described: bool) -> None:
+        self.key = (id(programs), signature)
+        self.programs = programs
+        self.keep = not described
+        entry = None if described else self.known.get(self.key)
+        if entry is not None:
+            self.known.move_to_end(self.key)
+        self.expect = None if entry is None else entry[1]
         self.now = defaultdict(list)
         self.count = defaultdict(int)
 
-    def expected(self, peer: int, direction: str) -> int | None:
-        """Expectation for the next message to/from ``peer``; advances the position."""
+    def expected(self, peer: int, direction: str) -> wire.Spec:
+        """Fast path: the spec of the next message to/from ``peer``; advances the position."""
+        assert self.expect is not None
         position = self.count[(peer, direction)]
         self.count[(peer, direction)] = position + 1
-        last = self.last.get((self.key, peer, direction))
-        return last[position] if last is not None and position < len(last) else None
+        specs = self.expect.get((peer, direction), [])
+        if position >= len(specs):
+            raise RuntimeConfigError(
+                f"message {position} {'to' if direction == 'out' else 'from'} rank {peer} was "
+                f"not in the last step of these programs ({len(specs)} messages); the programs "
+                "changed under the executor. Plan once and pass the same programs every step."
+            )
+        return specs[position]
 
-    def record(self, peer: int, direction: str, size: int) -> None:
-        self.now[(peer, direction)].append(size)
+    def record(self, peer: int, direction: str, spec: wire.Spec) -> None:
+        self.now[(peer, direction)].append(spec)
 
     def commit(self) -> None:
-        for (peer, direction), sizes in self.now.items():
-            self.last[(self.key, peer, direction)] = sizes
+        if self.fast or not self.keep:
+            return
+        self.known[self.key] = (self.programs, dict(self.now))
+        self.known.move_to_end(self.key)
+        while len(self.known) > self.capacity:
+            self.known.popitem(last=False)
 
     def clear(self) -> None:
-        self.last.clear()
-        self.keep.clear()
+        self.known.clear()
+        self.programs = None
+        self.expect = None
 
 
 class Transport:
-    """Sends and receives of one executor; counts messages' bytes into ``counters``."""
+    """Sends and receives of one executor; counts messages' bytes into ``counters``.
 
-    def __init__(self, channels: Channels, waiter: Waiter, device: torch.device) -> None:
+    ``transport``: ``"auto"`` (fast path for a known step signature, see the module doc) or
+    ``"described"`` (every message carries its spec, every step).
+    """
+
+    def __init__(self, channels: Channels, waiter: Waiter, device: torch.device,
+                 transport: str = "auto") -> None:
         self.channels = channels
         self.waiter = waiter
         self.device = device
+        self.rank = channels.rank
+        self.described = transport == "described"
         self.counters = RuntimeCounters()
         self.sends: deque[tuple[Any, tuple, str]] = deque()  # (work, buffers kept alive, label)
-        self._headers_pending: dict[int, deque[IncomingPytree]] = defaultdict(deque)
-        self.sizes = PayloadSizes()
-        self.late_payloads = 0  # payloads whose size differed from the expectation (counted)
+        self._pending: dict[int, deque[IncomingPytree]] = defaultdict(deque)
+        self.book = SpecBook()
+        self.described_messages = 0  # messages sent or received on the described path
 
-    def begin_step(self, programs: Any) -> None:
-        """A run of ``programs`` starts: expectations come from their last completed run."""
-        self.sizes.begin(programs)
+    def begin_step(self, programs: Any, signature: Hashable) -> None:
+        """A run of ``programs`` with ``signature`` starts (the same on every rank)."""
+        self.book.begin(programs, signature, self.described)
 
     def end_step(self) -> None:
-        """The run completed on this rank: its payload sizes become the next expectation."""
-        self.sizes.commit()
+        """The run completed on this rank: a described run's specs become the expectation."""
+        self.book.commit()
+
+    @property
+    def fast(self) -> bool:
+        """Whether this step's pytrees travel without their spec."""
+        return self.book.fast
 
     # ------------------------------------------------------------------ pytrees (p2p)
 
-    def send_pytree(self, parts: wire.Split, peer: int, label: str) -> None:
-        header, payload = wire.encode(parts, self.device)
-        expected = self.sizes.expected(peer, "out")
-        self.sizes.record(peer, "out", payload.numel())
-        self._isend(header, peer, "p2p_head", label)
-        if expected is None or expected == payload.numel():
-            self._isend(payload, peer, "p2p_body", label)
-        else:  # fill the receive posted at the expected size, then the real payload
-            filler = torch.empty(expected, dtype=torch.uint8, device=self.device)
-            self._isend(filler, peer, "p2p_body", label)
-            self._isend(payload, peer, "p2p_late", label)
-            self.late_payloads += 1
-        self.counters.bytes_sent += header.numel() * 8 + payload.numel()
+    def send_pytree(self, parts: wire.Split, peer: int, label: str, what: str = "message") -> None:
+        spec = wire.spec_of(parts)
+        if self.book.fast:
+            expected = self.book.expected(peer, "out")
+            if spec != expected:
+                raise self._changed(spec, expected, peer, label, what)
+        else:
+            self.book.record(peer, "out", spec)
+            meta = wire.encode_spec(spec)
+            header = torch.tensor([len(meta)], dtype=torch.int64, device=self.device)
+            body = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
+            self._isend(header, peer, "p2p", label)
+            self._isend(body, peer, "p2p", label)
+            self.counters.bytes_sent += 8 + len(meta)
+            self.described_messages += 1
+        for t in parts.tensors:
+            if t.numel():
+                self._isend(wire.wire_tensor(t, self.device), peer, "p2p", label)
+        self.counters.bytes_sent += spec.nbytes
 
     def post_pytree(self, peer: int, label: str) -> IncomingPytree:
-        expected = self.sizes.expected(peer, "in")
-        message = IncomingPytree(self.channels, peer, label, self.device, expected)
-        self._headers_pending[peer].append(message)
+        message = IncomingPytree(peer, label)
+        if self.book.fast:  # the tensors flow while this rank computes
+            self._post_tensors(message, self.book.expected(peer, "in"))
+        else:
+            self._pending[peer].append(message)
         return message
 
     def wait_pytree(self, message: IncomingPytree) -> tuple[Any, list[torch.Tensor]]:
         """The received pytree and its tensors (fresh leaves, requiring grad as the sender's)."""
-        queue = self._headers_pending[message.peer]
-        while not message.header_done:
-            self._take_header(queue.popleft())
-        self.waiter.wait(message.body_work, message.label)
-        assert message.payload is not None
-        self.counters.bytes_received += message.header.numel() * 8 + message.payload.numel()
-        value, tensors = wire.decode(message.meta_len, message.payload)
-        message.payload = None
-        return value, tensors
+        queue = self._pending[message.peer]
+        while message.spec is None:
+            self._take(queue.popleft())
+        for work in message.works:
+            self.waiter.wait(work, message.label)
+        assert message.buffers is not None
+        self.counters.bytes_received += message.spec.nbytes
+        value, leaves = wire.received(message.spec, message.buffers)
+        message.buffers, message.works = None, []
+        return value, leaves
 
-    def _take_header(self, message: IncomingPytree) -> None:
-        """Read a header; post the payload receive unless the expected one already holds it."""
-        self.waiter.wait(message.head_work, f"the header of {message.label}")
-        meta_len, payload_len = (int(v) for v in message.header.tolist())
-        self.sizes.record(message.peer, "in", payload_len)
-        message.meta_len = meta_len
-        message.header_done = True
-        if message.expected == payload_len:
-            return
-        kind = "p2p_body"
-        if message.expected is not None:  # the sender filled the expected receive: drain it
-            self.waiter.wait(message.body_work, f"the filler of {message.label}")
-            kind = "p2p_late"
-            self.late_payloads += 1
-        message.payload = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
-        message.body_work = self.channels.irecv(message.payload, message.peer, kind)
+    def _post_tensors(self, message: IncomingPytree, spec: wire.Spec) -> None:
+        message.spec = spec
+        message.buffers = wire.empty_like_spec(spec, self.device)
+        message.works = [self.channels.irecv(buf, message.peer, "p2p")
+                         for buf in message.buffers if buf.numel()]
 
-    def flush_headers(self) -> None:
-        """End of step: read every header still pending (no payload receive may linger)."""
-        for queue in self._headers_pending.values():
+    def _take(self, message: IncomingPytree) -> None:
+        """Described path: read a message's header and spec, post its tensors' receives."""
+        header = torch.empty(1, dtype=torch.int64, device=self.device)
+        what = f"the spec of {message.label}"
+        self.waiter.wait(self.channels.irecv(header, message.peer, "p2p"), what)
+        meta = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
+        self.waiter.wait(self.channels.irecv(meta, message.peer, "p2p"), what)
+        spec = wire.decode_spec(meta.cpu().numpy().tobytes())
+        self.book.record(message.peer, "in", spec)
+        self.counters.bytes_received += 8 + meta.numel()
+        self.described_messages += 1
+        self._post_tensors(message, spec)
+
+    def flush(self) -> None:
+        """End of step: take every described message still pending (its spec is recorded, no
+        receive lingers)."""
+        for queue in self._pending.values():
             while queue:
-                self._take_header(queue.popleft())
+                self._take(queue.popleft())
+
+    def _changed(self, spec: wire.Spec, expected: wire.Spec, peer: int, label: str,
+                 what: str) -> MessageShapeError:
+        if spec.tensors != expected.tensors:
+            change = f"its tensors were {expected.describe()} and are now {spec.describe()}"
+        else:
+            change = "its structure or plain values changed (the tensors did not)"
+        message = (
+            f"rank {self.rank} failed at {label}: MessageShapeError: the {what} sent to rank "
+            f"{peer} differs from the same message in the last step with this step signature: "
+            f"{change}. The receiver posted its receive for the old spec and cannot be told "
+            "without a header. If the shape depends on the data, use the described transport: "
+            "GeneralParallel(..., transport=\"described\") (or ProgramExecutor(..., "
+            "transport=\"described\")); if it follows the inputs' shapes, every rank must be "
+            "given every microbatch's inputs (or the same step(..., signature=...))"
+        )
+        fault = MessageShapeError(message)
+        fault.headline = message
+        return fault
 
     # ------------------------------------------------------------------ flat buffers
 
@@ -213,8 +303,8 @@ class Transport:
     def drop_all(self) -> None:
         """Forget every handle (before aborting the channels: handles keep connections alive)."""
         self.sends.clear()
-        self._headers_pending.clear()
-        self.sizes.clear()
+        self._pending.clear()
+        self.book.clear()
 
 
 def label(action: Action, index: int) -> str:

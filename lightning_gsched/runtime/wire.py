@@ -1,17 +1,25 @@
-"""Pytrees of tensors and plain values <-> one byte message.
+"""Pytrees of tensors and plain values <-> a structure and a list of tensors, and their spec.
 
-Why one message: a stage boundary carries an arbitrary pytree (tensors, ints from ``x.size()``,
-``torch.Size``, ``None``, nested tuples and dicts) whose shapes can change from step to step.
-Sending one message per tensor would cost a message and a header per leaf; here a pytree is
-one ``uint8`` payload: pickled metadata (the structure with every tensor replaced by a reference,
-plus each tensor's shape, dtype, ``requires_grad`` and offset) followed by the tensor bytes, each
-aligned to 16 bytes so that the receiver views them in place instead of copying.
+Why: a stage boundary carries an arbitrary pytree (tensors, ints from ``x.size()``,
+``torch.Size``, ``None``, nested tuples and dicts) whose shapes may change from step to step.
+The transport (:mod:`.transport`) sends the tensors as they are, one message each, and the
+*spec* of the message (structure, and per tensor shape, dtype and ``requires_grad``) only when
+the receiver cannot know it already. So a pytree is taken apart into
 
-Tensors are found by the pickler itself (``persistent_id``), so they may sit anywhere in a
-picklable structure, not only in containers torch's pytree knows. The same tensor object appearing
-twice is sent once and comes back as one object, which keeps aliasing (and therefore gradient
-accumulation on it) identical on both sides. Payloads come from ranks of the same job and are
-trusted like any pickled checkpoint.
+* a *structure*: a hashable, comparable description of the pytree with every tensor replaced by
+  its index. The common output kinds (a tensor; tuples, lists and dicts of tensors and plain
+  values, nested) are walked directly, which costs a few microseconds and lets the sender
+  compare this step's structure with the remembered one by ``==``. Anything else (a named tuple,
+  a dataclass, a model-output object) is pickled once, with tensors found by the pickler itself
+  (``persistent_id``), so tensors may sit anywhere in a picklable structure;
+* its distinct tensors, in a fixed order. The same tensor object appearing twice is listed
+  (and sent) once and comes back as one object, which keeps aliasing (and therefore gradient
+  accumulation on it) identical on both sides. The order is the same on every rank that joins
+  the structure again, which is what lets the backward pair the i-th output tensor with the i-th
+  gradient it receives.
+
+Pickled structures and specs come from ranks of the same job and are trusted like any pickled
+checkpoint.
 """
 
 from __future__ import annotations
@@ -25,8 +33,13 @@ import torch
 
 from lightning_gsched.errors import RuntimeConfigError
 
-ALIGN = 16
-HEADER_LEN = 2  # int64 [meta_len, payload_len]
+# plain values a walked structure carries as they are (compared by type and value)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size, torch.memory_format, torch.layout)
+
+
+class _Unwalkable(Exception):
+    """A value the direct walk does not handle: the whole structure is pickled instead."""
 
 
 class _TensorPickler(pickle.Pickler):
@@ -58,18 +71,52 @@ class _TensorUnpickler(pickle.Unpickler):
 
 @dataclass
 class Split:
-    """A pytree taken apart: its structure (bytes) and its distinct tensors in a fixed order.
+    """A pytree taken apart: its structure (hashable, see the module doc) and its distinct
+    tensors in a fixed order."""
 
-    The order is the same on every rank that joins the structure again, which is what lets the
-    backward pair the i-th output tensor with the i-th gradient it receives.
+    structure: Any
+    tensors: list[torch.Tensor]
+
+
+class _Walker:
+    """Direct walk of tensors / tuples / lists / dicts / plain values into a nested tuple.
+
+    Node forms: ``("t", i)`` tensor i; ``("v", type, value)`` a plain value (the type keeps
+    ``1``, ``1.0`` and ``True`` apart); ``("tuple" | "list", children)``; ``("dict", keys,
+    children)``. Only exact built-in container types are walked (a subclass may carry more).
     """
 
-    structure: bytes
-    tensors: list[torch.Tensor]
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.index: dict[int, int] = {}
+
+    def walk(self, obj: Any) -> tuple:
+        if isinstance(obj, torch.Tensor):
+            key = id(obj)
+            if key not in self.index:
+                self.index[key] = len(self.tensors)
+                self.tensors.append(obj)
+            return ("t", self.index[key])
+        kind = type(obj)
+        if kind is tuple or kind is list:
+            return (kind.__name__, tuple(self.walk(x) for x in obj))
+        if kind is dict:
+            keys = tuple(obj)
+            if not all(type(k) in (str, int) for k in keys):
+                raise _Unwalkable
+            return ("dict", keys, tuple(self.walk(obj[k]) for k in keys))
+        if kind in _PLAIN:
+            return ("v", kind, obj)
+        raise _Unwalkable
 
 
 def split(obj: Any, what: str = "value") -> Split:
     """Take ``obj`` apart into structure and tensors (no tensor data is copied)."""
+    walker = _Walker()
+    try:
+        return Split(walker.walk(obj), walker.tensors)
+    except _Unwalkable:
+        pass
     buffer = io.BytesIO()
     pickler = _TensorPickler(buffer)
     try:
@@ -79,12 +126,27 @@ def split(obj: Any, what: str = "value") -> Split:
             f"cannot send the {what}: {type(exc).__name__}: {exc}. Stage outputs must be tensors, "
             "plain Python values or containers of them (picklable); return such values instead."
         ) from exc
-    return Split(buffer.getvalue(), pickler.tensors)
+    return Split(("pickle", buffer.getvalue()), pickler.tensors)
 
 
-def join(structure: bytes, tensors: Sequence[Any]) -> Any:
+def join(structure: Any, tensors: Sequence[Any]) -> Any:
     """Rebuild a structure from :func:`split` with ``tensors`` in place of the originals."""
-    return _TensorUnpickler(io.BytesIO(structure), tensors).load()
+    if structure[0] == "pickle":
+        return _TensorUnpickler(io.BytesIO(structure[1]), tensors).load()
+    return _build(structure, tensors)
+
+
+def _build(node: tuple, tensors: Sequence[Any]) -> Any:
+    tag = node[0]
+    if tag == "t":
+        return tensors[node[1]]
+    if tag == "v":
+        return node[2]
+    if tag == "tuple":
+        return tuple(_build(child, tensors) for child in node[1])
+    if tag == "list":
+        return [_build(child, tensors) for child in node[1]]
+    return {k: _build(child, tensors) for k, child in zip(node[1], node[2], strict=True)}
 
 
 def detached_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -96,42 +158,74 @@ def detached_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
-def _pad(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+# ---------------------------------------------------------------------- specs
+
+TensorSpec = tuple[torch.Size, torch.dtype, bool]  # shape, dtype, requires_grad
 
 
-def encode(parts: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) for one message carrying ``parts``."""
-    specs = []
-    offset = 0
-    flat = []
-    for t in parts.tensors:
-        data = t.detach()
-        if not data.is_contiguous():
-            data = data.contiguous()
-        nbytes = data.numel() * data.element_size()
-        specs.append((tuple(data.shape), data.dtype, bool(t.requires_grad), offset, nbytes))
-        flat.append(data)
-        offset = _pad(offset + nbytes)
-    meta = pickle.dumps((parts.structure, specs), protocol=pickle.HIGHEST_PROTOCOL)
-    start = _pad(len(meta))
-    payload = torch.empty(start + offset, dtype=torch.uint8, device=device)
-    payload[: len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-    for data, (_, _, _, off, nbytes) in zip(flat, specs, strict=True):
-        if nbytes:
-            payload[start + off : start + off + nbytes].copy_(data.reshape(-1).view(torch.uint8))
-    header = torch.tensor([len(meta), payload.numel()], dtype=torch.int64, device=device)
-    return header, payload
+@dataclass(frozen=True)
+class Spec:
+    """What a receiver must know to receive a message without a header: the structure and, per
+    distinct tensor, its shape, dtype and ``requires_grad``. Compared by ``==``."""
+
+    structure: Any
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the message's tensors (what travels on the fast path)."""
+        return sum(shape.numel() * dtype.itemsize for shape, dtype, _ in self.tensors)
+
+    def describe(self) -> str:
+        """The tensors' shapes and dtypes, for error messages."""
+        shapes = [f"{tuple(shape)} {str(dtype).replace('torch.', '')}"
+                  for shape, dtype, _ in self.tensors]
+        return "[" + ", ".join(shapes) + "]"
 
 
-def decode(meta_len: int, payload: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
-    """The pytree of a received payload and its tensors (views into the payload, fresh leaves)."""
-    meta = payload[:meta_len].cpu().numpy().tobytes()
-    structure, specs = pickle.loads(meta)
-    start = _pad(meta_len)
-    tensors = []
-    for shape, dtype, requires_grad, off, nbytes in specs:
-        raw = payload[start + off : start + off + nbytes]
-        tensor = raw.view(dtype).view(shape).detach()
-        tensors.append(tensor.requires_grad_(requires_grad))
-    return join(structure, tensors), tensors
+def spec_of(parts: Split) -> Spec:
+    return Spec(parts.structure,
+                tuple((t.shape, t.dtype, t.requires_grad) for t in parts.tensors))
+
+
+def encode_spec(spec: Spec) -> bytes:
+    """The describe path's metadata: the pickled spec."""
+    return pickle.dumps((spec.structure, spec.tensors), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_spec(meta: bytes) -> Spec:
+    structure, tensors = pickle.loads(meta)
+    return Spec(structure, tuple(tensors))
+
+
+def wire_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor as it goes on the wire: detached, on ``device``, contiguous (copied only if
+    it is not already)."""
+    data = t.detach()
+    if data.device != device:
+        data = data.to(device)
+    return data if data.is_contiguous() else data.contiguous()
+
+
+def empty_like_spec(spec: Spec, device: torch.device) -> list[torch.Tensor]:
+    """Receive buffers for a message of ``spec`` (one per distinct tensor)."""
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, _ in spec.tensors]
+
+
+def received(spec: Spec, buffers: Sequence[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """The pytree a receiver gets from filled ``buffers``: fresh leaves requiring grad as the
+    sender's tensors did, joined into the structure."""
+    leaves = [buf.requires_grad_(flag) for buf, (_, _, flag) in zip(buffers, spec.tensors,
+                                                                     strict=True)]
+    return join(spec.structure, leaves), leaves
+
+
+def received_copy(parts: Split, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+    """What a receiver of ``parts`` gets, built locally (one fresh buffer per tensor): how
+    :func:`lightning_gsched.partition.measure_stage_bytes` sizes a received stage input."""
+    spec = spec_of(parts)
+    buffers = empty_like_spec(spec, device)
+    with torch.no_grad():
+        for buf, t in zip(buffers, parts.tensors, strict=True):
+            buf.copy_(t.detach())
+    return received(spec, buffers)
