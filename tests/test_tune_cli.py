@@ -96,3 +96,21 @@ def test_fixed_stages_microbatches_and_R_restrict_the_search(capsys) -> None:
     assert rows
     assert all(S == "4" and B == "4" and R == " R=2" for _, S, B, R in rows)
     assert {name for name, *_ in rows} <= {"lpp", "interleaved", "fslpp", "fslpp-seed"}
+
+
+def test_runtime_cost_flags_change_the_predicted_step(capsys) -> None:
+    base = ["tune", TARGET, "-w", "2", "--global-batch", "8", "--schedules", "gpipe",
+            "--no-checkpointing", "-b", "4", "-s", "2"]
+
+    def first_time(extra: list[str]) -> float:
+        assert cli.main(base + extra) == 0
+        out = capsys.readouterr().out
+        return float(re.findall(r"([\d.]+) ms", out)[0])
+
+    cheap = first_time(["--job-overhead", "0", "--message-cpu", "0", "--latency", "0"])
+    # gpipe W=2, S=2, B=4: each worker runs 8 jobs on the critical path's ends and sends 4
+    dear = first_time(["--job-overhead", "0.01", "--message-cpu", "0", "--latency", "0"])
+    assert dear >= cheap + 8 * 10 - 0.2  # ms; the table prints one decimal
+    assert first_time(["--job-overhead", "0", "--message-cpu", "0.01", "--latency", "0"]) > cheap
+    assert cli.main(base + ["--message-cpu", "-1"]) == 2
+    assert "send_cpu must be a non-negative number" in capsys.readouterr().err
