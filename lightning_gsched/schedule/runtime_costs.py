@@ -94,6 +94,6 @@ ZERO_COSTS = RuntimeCosts()
 # figures runtime/calibrate.py measured with gloo between two processes of one 2-core AMD EPYC
 # VM (see docs/memory.md, "gsched tune"); pass measured ones for another machine.
 DEFAULT_COSTS = RuntimeCosts(
-    latency=60e-6, bandwidth=1.5e9, send_cpu=40e-6, recv_cpu=40e-6,
-    allreduce_latency=150e-6, allreduce_bandwidth=1.0e9, job_cpu=300e-6, step_cpu=0.0,
+    latency=60e-6, bandwidth=2.7e9, send_cpu=30e-6, recv_cpu=40e-6,
+    allreduce_latency=250e-6, allreduce_bandwidth=1.0e9, job_cpu=200e-6, step_cpu=1.1e-3,
 )
