@@ -76,10 +76,13 @@ def test_gpipe_charges_exactly_what_the_model_says():
     # order of the programs: rank 0 "F0 b0, SEND, RECV_GRAD, F0 b1, SEND, RECV_GRAD, B0 b0,
     # B0 b1"; rank 1 "RECV_ACT x2, F1 b0, F1 b1, B1 b0, SEND_GRAD, B1 b1, SEND_GRAD".
     costs = RuntimeCosts(latency=0.25, bandwidth=1000.0, send_cpu=0.1, recv_cpu=0.05,
-                         job_cpu=0.01, step_cpu=0.5)
+                         send_cpu_per_byte=1e-4, recv_cpu_per_byte=2e-5, job_cpu=0.01,
+                         step_cpu=0.5)
     p = plan("gpipe", workers=2, microbatches=2)
     flight = 0.25 + 1000 / 1000.0  # latency + bytes / bandwidth of one 1000-byte message
-    cs, cr, j = 0.1, 0.05, 0.01
+    cs = 0.1 + 1000 * 1e-4  # the sender's CPU for 1000 bytes
+    cr = 0.05 + 1000 * 2e-5  # the receiver's
+    j = 0.01
     # rank 0 forwards; each send costs its CPU and the message leaves after it
     f0_end = j + 1
     sent_a0 = f0_end + cs
@@ -124,14 +127,17 @@ def test_zero_runtime_costs_with_sizes_give_the_plans_latency(schedule):
 
 
 @pytest.mark.parametrize("field", ["latency", "send_cpu", "recv_cpu", "job_cpu", "step_cpu",
-                                   "allreduce_latency"])
+                                   "allreduce_latency", "send_cpu_per_byte",
+                                   "recv_cpu_per_byte"])
 @pytest.mark.parametrize("schedule", ["gpipe", "fsdp", "ddp", "zbv"])
 def test_every_runtime_cost_adds_where_the_schedule_pays_it(schedule, field):
     p = plan(schedule, workers=2, microbatches=4)
     base = predict_step_time(p).latency
-    got = predict_step_time(p, costs=RuntimeCosts(**{field: 0.3})).latency
+    got = predict_step_time(p, costs=RuntimeCosts(**{field: 0.3}),
+                            sizes=_sizes(p.stages, message=1, params=1, grads=1)).latency
     pays = {"latency": schedule != "ddp", "send_cpu": schedule != "ddp",
-            "recv_cpu": schedule != "ddp", "allreduce_latency": schedule == "ddp"}  # fsdp hands gradients to owners
+            "recv_cpu": schedule != "ddp", "allreduce_latency": schedule == "ddp",
+            "send_cpu_per_byte": schedule != "ddp", "recv_cpu_per_byte": schedule != "ddp"}  # fsdp hands gradients to owners
     if pays.get(field, True):
         assert got > base + 0.29
     else:

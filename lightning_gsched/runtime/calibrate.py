@@ -10,10 +10,11 @@ What is measured (bare single-tensor messages, as the runtime sends activations)
 
 * ping-pong between rank pairs (0, 1), (2, 3), ... of float32 tensors of a few sizes: half the
   round trip is one message, fitted to ``a + bytes / bandwidth``;
-* a stream of small messages with the receives posted first: process CPU time (every thread,
-  gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait on the
-  sender and per ``irecv`` + wait on the receiver: ``send_cpu`` and ``recv_cpu``. The model's
-  ``latency`` is what the fitted ``a`` leaves after both;
+* streams of messages of two sizes with the receives posted first: process CPU time (every
+  thread, gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait on
+  the sender and per ``irecv`` + wait on the receiver, fitted to ``cpu + bytes * cpu_per_byte``
+  on each end (gloo writes and reads the bytes on the CPU). The model's ``latency`` and
+  ``bandwidth`` are what the ping-pong fit leaves after both ends' CPU;
 * all-reduces of a few sizes over the group: ``allreduce_latency`` and ``allreduce_bandwidth``
   fitted to the ring model;
 * the executor itself on a trivial one-layer stage (a data-parallel program of k forwards and
@@ -41,6 +42,7 @@ from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 
 PING_BYTES = (4, 1 << 18, 1 << 22)
 ALLREDUCE_BYTES = (4, 1 << 20)
+STREAM_BYTES = (4, 1 << 18)
 STREAM = 16  # messages per CPU sample
 
 
@@ -94,9 +96,9 @@ def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats
     return [statistics.median(s) / 2 for s in samples]
 
 
-def _stream_cpu(peer: int, sender: bool, group: Any, repeats: int) -> float:
-    """Process CPU seconds per small message on this side of a stream of ``STREAM``."""
-    bufs = [torch.zeros(1) for _ in range(STREAM)]
+def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) -> float:
+    """Process CPU seconds per message of ``nbytes`` on this side of a stream of ``STREAM``."""
+    bufs = [torch.zeros(max(1, nbytes // 4)) for _ in range(STREAM)]
     flag = torch.zeros(1)
 
     def stream() -> None:
@@ -111,8 +113,22 @@ def _stream_cpu(peer: int, sender: bool, group: Any, repeats: int) -> float:
             for w in works:
                 w.wait()
 
-    # the handshake message is counted too: STREAM + 1 messages' CPU per sample, both sides
-    return _median(stream, repeats, time.process_time) / (STREAM + 1)
+    # the handshake message's CPU is in the sample too: a small share of STREAM messages
+    return _median(stream, repeats, time.process_time) / STREAM
+
+
+def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
+             ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((send_cpu, send_cpu_per_byte), (recv_cpu, recv_cpu_per_byte)) seen from this rank:
+    ``first`` sends first, then both swap roles, so each rank measures both ends."""
+    sends, recvs = [], []
+    for nbytes in STREAM_BYTES:
+        mine = _stream_cpu(peer, first, nbytes, group, repeats)
+        theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
+        send, recv = (mine, theirs) if first else (theirs, mine)
+        sends.append((float(nbytes), send))
+        recvs.append((float(nbytes), recv))
+    return _fit(sends), _fit(recvs)
 
 
 def _allreduce(nbytes: int, group: Any, repeats: int) -> float:
@@ -167,25 +183,24 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = rank ^ 1
     paired = peer < world
-    # [ping one-way per size..., send cpu, recv cpu, paired count, all-reduce per size...]
-    values = [0.0] * (len(PING_BYTES) + 3 + len(ALLREDUCE_BYTES))
+    # [ping one-way per size..., send cpu, per byte, recv cpu, per byte, paired count,
+    #  all-reduce per size...]; the pairs' numbers are averaged over pairs, the rest over ranks
+    n_pair = len(PING_BYTES) + 4
+    values = [0.0] * (n_pair + 1 + len(ALLREDUCE_BYTES))
     if paired:
         first = rank < peer
         values[:len(PING_BYTES)] = _ping_pong(peer, first, PING_BYTES, group, 2 * repeats)
-        mine = _stream_cpu(peer, first, group, repeats)
-        theirs = _stream_cpu(peer, not first, group, repeats)  # the other direction
-        send, recv = (mine, theirs) if first else (theirs, mine)
-        values[len(PING_BYTES)] = send
-        values[len(PING_BYTES) + 1] = recv
-        values[len(PING_BYTES) + 2] = 1.0
+        send, recv = _cpu_fit(peer, first, group, repeats)
+        values[len(PING_BYTES):n_pair] = [*send, *recv]
+        values[n_pair] = 1.0
     if world > 1:
         for i, nbytes in enumerate(ALLREDUCE_BYTES):
-            values[len(PING_BYTES) + 3 + i] = _allreduce(nbytes, group, repeats)
+            values[n_pair + 1 + i] = _allreduce(nbytes, group, repeats)
         box = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(box, group=group)
         values = box.tolist()
-        pairs = values[len(PING_BYTES) + 2]
-        values = [v / (pairs if i < len(PING_BYTES) + 2 else world) for i, v in enumerate(values)]
+        pairs = values[n_pair]
+        values = [v / (pairs if i < n_pair else world) for i, v in enumerate(values)]
     job = step = 0.0
     if executor and group is None:
         job, step = _executor_costs(world, repeats)
@@ -196,15 +211,19 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
     if world == 1:
         return RuntimeCosts(job_cpu=job, step_cpu=step)
     a, per_byte = _fit([(float(b), values[i]) for i, b in enumerate(PING_BYTES)])
-    send, recv = values[len(PING_BYTES)], values[len(PING_BYTES) + 1]
+    send, send_per_byte, recv, recv_per_byte = values[len(PING_BYTES):n_pair]
+    # what a one-way message costs beyond both ends' CPU: the link (clamped: CPU measured in
+    # all threads may exceed the wall time it overlaps)
+    per_byte = per_byte - send_per_byte - recv_per_byte
     ring = 2 * (world - 1) / world
-    ar = values[len(PING_BYTES) + 3:]
+    ar = values[n_pair + 1:]
     ar_latency, ar_per_byte = _fit([(ring * b, t) for b, t in zip(ALLREDUCE_BYTES, ar,
                                                                    strict=True)])
     return RuntimeCosts(
         latency=max(a - send - recv, 0.0),
         bandwidth=1 / per_byte if per_byte > 0 else float("inf"),
         send_cpu=send, recv_cpu=recv,
+        send_cpu_per_byte=send_per_byte, recv_cpu_per_byte=recv_per_byte,
         allreduce_latency=ar_latency,
         allreduce_bandwidth=1 / ar_per_byte if ar_per_byte > 0 else float("inf"),
         job_cpu=job, step_cpu=step,

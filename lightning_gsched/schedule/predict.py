@@ -13,17 +13,18 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
 :class:`~.memory.ModelSizes`, which say how large each message is):
 
 * a compute job ``F``/``B``/``W`` starts when its worker is free, its inputs have arrived and
-  its fetched weights are resident, plus ``recv_cpu`` per message it consumes; it lasts its
-  planned cost plus ``job_cpu``;
+  its fetched weights are resident, plus the receive CPU of each message it consumes; it lasts
+  its planned cost plus ``job_cpu``;
 * a send (``SEND_ACT``, ``SEND_GRAD``, ``SEND_W``, ``REDUCE_G``) advances its worker's clock by
-  ``send_cpu``; the message leaves then, or when the receive is posted if that is later (gloo
+  ``send_time(bytes)`` (``send_cpu`` + bytes x ``send_cpu_per_byte``); the message leaves then, or when the receive is posted if that is later (gloo
   moves the bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later
   (plus the legacy fixed ``transfer`` / ``fetch[s]`` / ``reduce[s]`` seconds). Bytes: the
   stage's output for an activation, the producing stage's output for an input-gradient, the
   stage's weights for a fetch, its gradients for a hand-off;
 * a posted receive (``RECV_*``, ``FETCH_W``) is consumed by the first action that needs it: the
   compute that reads it, ``FREE_W`` for an unused fetch, ``ALLREDUCE_G`` (or the end of the
-  step) for a peer's gradient; the consumer waits for the arrival, then pays ``recv_cpu``;
+  step) for a peer's gradient; the consumer waits for the arrival, then pays
+  ``recv_time(bytes)``;
 * ``ALLREDUCE_G`` of stage s among n ranks: asynchronous, started when every member has reached
   it, finished ``allreduce_time(grads bytes, n)`` (+ ``reduce[s]``) later;
 * a worker's step ends when its last job, its reductions and its sends (the runtime drains
@@ -32,8 +33,9 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
 Not modelled: contention of several transfers for one link or of communication threads for
 the cores that compute, and the optimizer step after the programs.
 
-Adding an op (e.g. a new message kind): give its send an entry in :meth:`_Charges.flight` and
-its receive a consumer in :class:`_Replay`; the rest follows from the op table.
+Adding an op (e.g. a new message kind): give its send its bytes in :class:`_Charges` (and a
+fixed extra time if any) and its receive a consumer in :class:`_Replay`; the rest follows from
+the op table.
 """
 
 from __future__ import annotations
@@ -93,20 +95,33 @@ class _Charges:
         out = [st[s].message if st else 0 for s in range(S)]
         grad_in = [max((out[p] for p in graph.inputs(s)), default=0) for s in range(S)]
         self.costs = costs
-        self._flight: dict[Op, list[float]] = {
-            Op.SEND_ACT: [transfer + costs.message_time(out[s]) for s in range(S)],
-            Op.SEND_GRAD: [transfer + costs.message_time(grad_in[s]) for s in range(S)],
-            Op.SEND_W: [fetch[s] + costs.message_time(st[s].params if st else 0)
-                        for s in range(S)],
-            Op.REDUCE_G: [reduce[s] + costs.message_time(st[s].grads if st else 0)
-                          for s in range(S)],
+        # bytes of one message sent by op for a stage, and the fixed seconds added to its flight
+        self._bytes: dict[Op, list[int]] = {
+            Op.SEND_ACT: out,
+            Op.SEND_GRAD: grad_in,
+            Op.SEND_W: [st[s].params if st else 0 for s in range(S)],
+            Op.REDUCE_G: [st[s].grads if st else 0 for s in range(S)],
         }
-        self._grads = [st[s].grads if st else 0 for s in range(S)]
+        extra = {Op.SEND_ACT: [transfer] * S, Op.SEND_GRAD: [transfer] * S, Op.SEND_W: fetch,
+                 Op.REDUCE_G: reduce}
+        self._flight = {op: [extra[op][s] + costs.message_time(b) for s, b in enumerate(sizes_)]
+                        for op, sizes_ in self._bytes.items()}
+        self._send = {op: [costs.send_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
+        self._recv = {op: [costs.recv_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
+        self._grads = self._bytes[Op.REDUCE_G]
         self._reduce = reduce
 
     def flight(self, op: Op, stage: int) -> float:
         """Seconds a message sent by ``op`` for ``stage`` is in flight."""
         return self._flight[op][stage]
+
+    def send_cpu(self, op: Op, stage: int) -> float:
+        """The sender's CPU seconds for that message."""
+        return self._send[op][stage]
+
+    def recv_cpu(self, op: Op, stage: int) -> float:
+        """The receiver's CPU seconds for that message."""
+        return self._recv[op][stage]
 
     def allreduce(self, stage: int, members: int) -> float:
         return self._reduce[stage] + self.costs.allreduce_time(self._grads[stage], members)
@@ -152,8 +167,8 @@ class _Replay:
         for key in keys:
             if key not in self.sent:
                 return key
-        for arrival in sorted(self.arrival(k) for k in keys):
-            at = max(at, arrival) + self.cpu.recv_cpu
+        for key in sorted(keys, key=self.arrival):
+            at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0], key[1])
         return at
 
     # ------------------------------------------------------------------ walk handler
@@ -186,7 +201,7 @@ class _Replay:
     def send(self, w: int, a: Action) -> Hashable | None:
         assert a.peer is not None
         key = self._key("send", a.op, a.stage, a.micro, w, a.peer)
-        self.clock[w] += self.cpu.send_cpu
+        self.clock[w] += self.charges.send_cpu(a.op, a.stage)
         self.sent[key] = self.clock[w]
         self.sends_of[w].append(key)
         self.walker.wake(key)

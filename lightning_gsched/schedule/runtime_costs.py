@@ -26,11 +26,13 @@ class RuntimeCosts:
 
     Point-to-point message (activation, input-gradient, weight fetch, gradient hand-off):
 
-    * ``send_cpu``: the sender's CPU to issue it; the sending worker's clock advances by it at
-      the ``SEND_*`` action, and the message leaves after it;
+    * ``send_cpu + bytes * send_cpu_per_byte``: the sender's CPU to issue it (gloo writes a
+      message into the socket in the caller's thread when it can); the sending worker's clock
+      advances by it at the ``SEND_*`` action, and the message leaves after it;
     * ``latency + bytes / bandwidth``: in flight;
-    * ``recv_cpu``: the receiver's CPU (posting the receive, waiting, bookkeeping), charged
-      where the message is consumed: after it has arrived, before the consuming job starts.
+    * ``recv_cpu + bytes * recv_cpu_per_byte``: the receiver's CPU (posting the receive,
+      reading the bytes, waiting, bookkeeping), charged where the message is consumed: after it
+      has arrived, before the consuming job starts.
 
     All-reduce among ``n`` ranks of ``bytes``: ``allreduce_latency + 2 (n - 1) / n * bytes /
     allreduce_bandwidth`` (a ring moves each byte out and in ``(n - 1) / n`` times), started
@@ -45,6 +47,8 @@ class RuntimeCosts:
     bandwidth: float = math.inf
     send_cpu: float = 0.0
     recv_cpu: float = 0.0
+    send_cpu_per_byte: float = 0.0
+    recv_cpu_per_byte: float = 0.0
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = math.inf
     job_cpu: float = 0.0
@@ -62,6 +66,14 @@ class RuntimeCosts:
                 raise ScheduleConfigError(
                     f"RuntimeCosts.{name} must be > 0 bytes/s (math.inf: bytes cost nothing)"
                 )
+
+    def send_time(self, nbytes: float) -> float:
+        """The sender's CPU seconds for one message of ``nbytes``."""
+        return self.send_cpu + nbytes * self.send_cpu_per_byte
+
+    def recv_time(self, nbytes: float) -> float:
+        """The receiver's CPU seconds for one message of ``nbytes``."""
+        return self.recv_cpu + nbytes * self.recv_cpu_per_byte
 
     def message_time(self, nbytes: float) -> float:
         """Seconds one message of ``nbytes`` is in flight (sender and receiver CPU apart)."""
@@ -82,7 +94,9 @@ class RuntimeCosts:
         def rate(v: float) -> str:
             return "inf" if math.isinf(v) else f"{v / 1e9:.2f} GB/s"
         return (f"message {self.latency * 1e6:.0f} us + bytes at {rate(self.bandwidth)}, "
-                f"CPU send {self.send_cpu * 1e6:.0f} us / receive {self.recv_cpu * 1e6:.0f} us; "
+                f"CPU send {self.send_cpu * 1e6:.0f} us + {self.send_cpu_per_byte * 1e9:.2f} "
+                f"ns/B, receive {self.recv_cpu * 1e6:.0f} us + "
+                f"{self.recv_cpu_per_byte * 1e9:.2f} ns/B; "
                 f"all-reduce {self.allreduce_latency * 1e6:.0f} us + bytes at "
                 f"{rate(self.allreduce_bandwidth)}; {self.job_cpu * 1e6:.0f} us per job, "
                 f"{self.step_cpu * 1e3:.1f} ms per step")
@@ -94,6 +108,7 @@ ZERO_COSTS = RuntimeCosts()
 # figures runtime/calibrate.py measured with gloo between two processes of one 2-core AMD EPYC
 # VM (see docs/memory.md, "gsched tune"); pass measured ones for another machine.
 DEFAULT_COSTS = RuntimeCosts(
-    latency=60e-6, bandwidth=2.7e9, send_cpu=30e-6, recv_cpu=40e-6,
+    latency=60e-6, bandwidth=2.7e9, send_cpu=30e-6, recv_cpu=40e-6, send_cpu_per_byte=0.2e-9,
+    recv_cpu_per_byte=0.2e-9,
     allreduce_latency=250e-6, allreduce_bandwidth=1.0e9, job_cpu=200e-6, step_cpu=1.1e-3,
 )
