@@ -15,7 +15,7 @@ WORLD = 2
 def calibrate_on_rank(ctx: WorkerContext) -> dict:
     import time
 
-    from lightning_gsched.runtime.calibrate import calibrate
+    from lightning_gsched.runtime.calibration import calibrate
 
     start = time.perf_counter()
     costs = calibrate(repeats=3)
@@ -41,7 +41,7 @@ def test_calibration_gives_every_rank_the_same_positive_finite_costs(worlds) -> 
 def test_calibration_needs_a_process_group() -> None:
     import torch.distributed as dist
 
-    from lightning_gsched.runtime.calibrate import calibrate
+    from lightning_gsched.runtime.calibration import calibrate
 
     if dist.is_initialized():
         pytest.skip("this process has a process group")

@@ -8,7 +8,7 @@ step. :func:`~lightning_gsched.schedule.predict.predict_step_time` charges these
 where the runtime spends them; the tuner ranks candidates with the same numbers, so a plan of
 many small jobs and messages is no longer predicted as fast as its compute alone.
 
-Pure numbers (no torch): ``runtime/calibrate.py`` measures them on the job's own process group;
+Pure numbers (no torch): ``runtime/calibration.py`` measures them on the job's own process group;
 ``gsched tune`` without a process group uses :data:`DEFAULT_COSTS` or its flags.
 """
 
@@ -105,7 +105,7 @@ class RuntimeCosts:
 ZERO_COSTS = RuntimeCosts()
 
 # `gsched tune` without a process group (and GeneralParallel("auto") on one process): the
-# figures runtime/calibrate.py measured with gloo between two processes of one 2-core AMD EPYC
+# figures runtime/calibration.py measured with gloo between two processes of one 2-core AMD EPYC
 # VM (see docs/memory.md, "gsched tune"); pass measured ones for another machine.
 DEFAULT_COSTS = RuntimeCosts(
     latency=60e-6, bandwidth=2.7e9, send_cpu=30e-6, recv_cpu=40e-6, send_cpu_per_byte=0.2e-9,
