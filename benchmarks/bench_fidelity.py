@@ -14,10 +14,12 @@ For each library schedule, on W ranks at once (so profiling sees the same conten
 4. efficiency = (single-process forward+backward of the whole global batch / W) / measured.
 
 The planner's simulator orders jobs by compute costs only. The prediction compared here replays
-the planned programs with the communication this machine measures
-(:func:`lightning_gsched.schedule.predict.predict_step_time`: activation messages, weight
-fetches, gradient all-reduces and hand-offs, timed on the job's own process group); the
-compute-only latency is reported next to it, so the table shows what communication adds.
+the planned programs (:func:`lightning_gsched.schedule.predict.predict_step_time`) with the
+library's :class:`~lightning_gsched.schedule.runtime_costs.RuntimeCosts` measured on the job's
+own process group (:func:`lightning_gsched.runtime.calibrate`: per-message CPU on both ends,
+latency and bandwidth, all-reduces, the executor's work per job and per step) and the bytes of
+every message (:func:`lightning_gsched.partition.measure_stage_bytes`); the compute-only
+latency is reported next to it, so the table shows what the runtime's own work adds.
 """
 
 from __future__ import annotations
@@ -53,73 +55,6 @@ def _full_batch_compute(shape: GPTShape, x: torch.Tensor, y: torch.Tensor, repea
     return statistics.median(samples)
 
 
-def _median_time(fn: Any, repeats: int) -> float:
-    fn()  # warm-up: connection set-up, allocation
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _one_way(nbytes: int, repeats: int, with_header: bool = False) -> float:
-    """Half the round trip of one message of ``nbytes`` between ranks 0 and 1.
-
-    ``with_header``: preceded by a small header message, as the runtime sends activations.
-    """
-    rank = dist.get_rank()
-    payload = torch.empty(max(1, nbytes // 4))
-    tensors = (torch.zeros(2, dtype=torch.int64), payload) if with_header else (payload,)
-
-    def ping_pong() -> None:
-        for sender in (0, 1):
-            for tensor in tensors:
-                if rank == sender:
-                    dist.send(tensor, 1 - rank)
-                else:
-                    dist.recv(tensor, 1 - rank)
-
-    return _median_time(ping_pong, repeats) / 2
-
-
-def _all_reduce(numel: int, repeats: int) -> float:
-    buf = torch.zeros(numel)
-    return _median_time(lambda: dist.all_reduce(buf), repeats)
-
-
-def measure_communication(plan_: Any, part: Any, repeats: int) -> dict[str, Any]:
-    """Seconds per activation message, per stage all-reduce / gradient hand-off / weight fetch.
-
-    Measured on the job's own process group with the sizes this plan moves: the boundary
-    activation of one microbatch (sent as header + payload, like the runtime) and each stage's
-    parameters (float32). Every rank takes part (collectives), so call this on all ranks.
-    """
-    from lightning_gsched.schedule.program import Op
-
-    ops_of_stage: dict[int, set[Op]] = {}
-    for program in plan_.programs.ranks:
-        for a in program:
-            ops_of_stage.setdefault(a.stage, set()).add(a.op)
-    boundary = max(part.boundary_bytes, default=0)
-    transfer = _one_way(boundary, repeats, with_header=True) if boundary else 0.0
-    fetch, reduce = [], []
-    sizes = {}
-    for s, numel in enumerate(part.stage_param_counts):
-        ops = ops_of_stage.get(s, set())
-        send = None
-        if Op.FETCH_W in ops or Op.REDUCE_G in ops:
-            send = sizes.setdefault(("send", numel), _one_way(numel * 4, max(3, repeats // 2)))
-        fetch.append(send if Op.FETCH_W in ops else 0.0)
-        if Op.ALLREDUCE_G in ops:
-            reduce.append(sizes.setdefault(("ar", numel), _all_reduce(numel, max(3, repeats // 2))))
-        elif Op.REDUCE_G in ops:
-            reduce.append(send or 0.0)
-        else:
-            reduce.append(0.0)
-    return {"transfer": transfer, "fetch": fetch, "reduce": reduce}
-
-
 class InRunProfile(pl.Callback):
     """Record every forward/backward's duration during batches [first, first + count)."""
 
@@ -133,7 +68,11 @@ class InRunProfile(pl.Callback):
             return
         if batch_idx == self.first:
             engine.executor.record_compute_times(True)
-        elif batch_idx == self.first + self.count:
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        engine = trainer.strategy.engine
+        if engine is not None and engine.built and batch_idx == self.first + self.count - 1:
             self.times = engine.executor.compute_times()
             engine.executor.record_compute_times(False)
 
@@ -154,10 +93,12 @@ def _pooled_costs(per_rank: list[dict], stages: int, phases: str = "FB") -> list
 
 def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, per_rank: int,
                  microbatches: int, shape: dict[str, int] | None = None, R: int | None = None,
-                 repeats: int = 7, profile_steps: int = 3) -> dict[str, Any]:
+                 repeats: int = 7, profile_steps: int = 0) -> dict[str, Any]:
     from lightning_gsched import GeneralParallel
     from lightning_gsched.partition import partition
+    from lightning_gsched.partition.measure_bytes import measure_stage_bytes
     from lightning_gsched.partition.profile import profile_stages
+    from lightning_gsched.runtime import calibrate
     from lightning_gsched.schedule.plan import plan
     from lightning_gsched.schedule.predict import predict_step_time
     from lightning_gsched.schedule.simulate import Costs
@@ -179,20 +120,23 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
     # the single-process reference runs alone (the other rank waits): what one process costs
     single = _full_batch_compute(gshape, x, y, max(2, repeats // 2)) if rank == 0 else 0.0
     dist.barrier()
-    box = [(times.plan_costs(), single)]
+    sizes = measure_stage_bytes(part.stages, (x[:rows],),
+                                loss_fn=lambda out: lm_loss(out, y[:rows])) if rank == 0 else None
+    box = [(times.plan_costs(), single, sizes)]
     dist.broadcast_object_list(box, 0)
-    costs, single = box[0]
+    costs, single, sizes = box[0]
     predicted = plan(schedule, workers=world, microbatches=microbatches, R=R, **costs)
-    comm = measure_communication(predicted, part, repeats=10)
-    comm_box = [comm]
-    dist.broadcast_object_list(comm_box, 0)
-    comm = comm_box[0]
+    runtime_costs = calibrate()  # every rank takes part; every rank gets the same numbers
+    comm = {"costs": runtime_costs, "sizes": sizes}
     with_comm = predict_step_time(predicted, **comm)
+    no_runtime = predict_step_time(predicted, sizes=sizes)
     strategy = GeneralParallel(schedule, R=R, microbatches=microbatches, **costs)
     step_timer, schedule_timer = StepTimer(), ScheduleTimer()
     # batches [1, warmup) warm up, [warmup, warmup + profile_steps) are the in-run profile,
-    # the rest are measured
-    profiler = InRunProfile(warmup, profile_steps)
+    # the rest are measured; profile_steps=0: the measured steps are profiled themselves (on a
+    # shared machine the load drifts between windows, and the question is what the replay adds
+    # to the compute of the very steps it is compared with)
+    profiler = InRunProfile(warmup, profile_steps or steps - warmup)
     run_fit(strategy, rank, world, steps, per_rank, gshape,
             [step_timer, schedule_timer, profiler])
     mine = {"schedule": schedule_timer.times, "step": step_timer.times, "compute": profiler.times}
@@ -207,9 +151,10 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
                   first_measured)
     in_run_costs = _pooled_costs([r["compute"] for r in everyone], S, "FBW" if split else "FB")
     in_weight = in_run_costs[2] if split else None
-    in_run = predict_step_time(dataclasses.replace(
-        predicted, costs=Costs.build(S, in_run_costs[0], in_run_costs[1], in_weight, split)),
-        **comm)
+    in_run_plan = dataclasses.replace(
+        predicted, costs=Costs.build(S, in_run_costs[0], in_run_costs[1], in_weight, split))
+    in_run = predict_step_time(in_run_plan, **comm)
+    in_run_compute = predict_step_time(in_run_plan).latency  # the same without runtime costs
     return {
         "schedule": schedule, "W": world, "S": S, "B": microbatches, "R": predicted.R,
         "forward_cost_s": costs["forward_cost"], "backward_cost_s": costs["backward_cost"],
@@ -217,9 +162,12 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
         "inrun_forward_cost_s": in_run_costs[0], "inrun_backward_cost_s": in_run_costs[1],
         "inrun_weight_cost_s": in_weight,
         "predicted_s": in_run.latency,
+        "predicted_inrun_compute_only_s": in_run_compute,
         "predicted_offline_s": with_comm.latency,
         "predicted_compute_only_s": predicted.metrics.latency,
-        "communication_s": comm,
+        "runtime_costs": dataclasses.asdict(runtime_costs),
+        "runtime_costs_text": runtime_costs.text(),
+        "predicted_compute_only_replay_s": no_runtime.latency,
         "predicted_bubble": predicted.metrics.bubble_fraction,
         "measured_s": median(measured), "measured_samples": measured,
         "lightning_step_s": median(full),
@@ -233,12 +181,15 @@ def _row(r: dict[str, Any]) -> Result:
     error = r["measured_s"] / r["predicted_s"] - 1
     offline_error = r["measured_s"] / r["predicted_offline_s"] - 1
     compute_error = r["measured_s"] / r["predicted_compute_only_s"] - 1
+    inrun_compute_error = r["measured_s"] / r["predicted_inrun_compute_only_s"] - 1
     return Result(
         name=f"fidelity[{r['schedule']}]", ours_s=r["measured_s"], anchor_s=r["predicted_s"],
         goal="within ±10%",
         notes=(f"measured/predicted (stage costs profiled in-run); S={r['S']} B={r['B']}; "
-               f"error {error:+.1%}; with the offline profile_stages costs {offline_error:+.1%} "
-               f"(compute only {compute_error:+.1%}); efficiency "
+               f"error {error:+.1%} (in-run compute without runtime costs "
+               f"{inrun_compute_error:+.1%}); with the offline profile_stages costs {offline_error:+.1%} "
+               f"(compute only {compute_error:+.1%}); runtime costs "
+               f"{r['runtime_costs_text']}; efficiency "
                f"{r['efficiency']:.2f} (Lightning step {r['lightning_step_s'] * 1e3:.0f} ms, "
                f"{r['lightning_efficiency']:.2f})"),
         extra=r,

@@ -1,8 +1,9 @@
 """``tune``: does the tuner's pick run fastest, and do its "fits" hold?
 
-1. In this process, ``tune_model`` ranks every library configuration of the benchmark GPT
-   (:mod:`benchmarks.model`) on W=2 ranks with the row's global batch, SGD with momentum
-   (optimizer factor 1), no budget.
+1. ``tune_model`` ranks every library configuration (activation caps included) of the
+   benchmark GPT (:mod:`benchmarks.model`) on W=2 ranks with the row's global batch, SGD with
+   momentum (optimizer factor 1), no budget, with the runtime's costs measured on a W=2 gloo
+   job (``runtime.calibrate``, as ``GeneralParallel("auto")`` does at its first batch).
 2. ``CANDIDATES`` configurations are measured, each a fresh 2-process fit with
    ``GeneralParallel`` given exactly the candidate's schedule, S, B, R and checkpointing: the
    tuner's pick and the fastest-predicted candidate of every other schedule family, so the
@@ -45,12 +46,26 @@ def measured_fit(rank: int, world: int, config: dict[str, Any], steps: int,
     return {"times": timer.times, "peak": max(peaks) if peaks else None}
 
 
+def calibrated(rank: int, world: int) -> dict[str, float]:
+    """The runtime's costs measured on a fresh W-rank gloo job (what "auto" measures)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from lightning_gsched.runtime import calibrate
+
+    dist.init_process_group("gloo")
+    return dataclasses.asdict(calibrate())
+
+
 def _config(candidate: Any) -> dict[str, Any]:
     config: dict[str, Any] = {"schedule": candidate.schedule, "stages": candidate.stages,
                               "microbatches": candidate.micro,
                               "checkpoint_activations": candidate.checkpoint}
     if candidate.R is not None:
         config["R"] = candidate.R
+    if candidate.cap is not None:
+        config["cap"] = candidate.cap
     return config
 
 
@@ -67,12 +82,15 @@ def run(quick: bool) -> list[Result]:
 
     shape = GPTShape()
     global_rows = PER_RANK * WORLD
+    from lightning_gsched.schedule.runtime_costs import RuntimeCosts
+
+    costs = RuntimeCosts(**launch("benchmarks.bench_tune:calibrated", WORLD))
     torch.manual_seed(0)
     core = build_core(shape, seed=0)
     rows = global_rows // (2 * WORLD)  # profiled at the B=2W microbatch size
     x, y = token_data(shape, rows).tensors
     ranking = tune_model(core, (x,), WORLD, global_rows, loss_fn=lambda out: lm_loss(out, y),
-                         optimizer_factor=1.0, repeats=3 if quick else 5)
+                         optimizer_factor=1.0, repeats=3 if quick else 5, costs=costs)
     costed = [v for v in ranking.verdicts if v.step_time is not None]
     chosen, families = [], set()
     for v in costed:  # the pick first, then the best of every other family
@@ -101,7 +119,7 @@ def run(quick: bool) -> list[Result]:
              f"{order[0]['candidate']} {best * 1e3:.0f} ms; {len(measured)} candidates measured "
              f"({', '.join(m['candidate'] for m in measured)}); fits under a budget of "
              f"{budget / 2**20:.2f} MiB (midway between measured peaks): {agree}/{len(peaks)} "
-             "predictions held")
+             f"predictions held; runtime costs {costs.text()}")
     return [Result(name="tune", ours_s=pick["measured_s"], anchor_s=best, goal="<= 1.10",
                    notes=notes, extra={"measured": measured, "budget": budget,
                                        "fits_agree": agree, "table": ranking.table(30)})]

@@ -26,6 +26,7 @@ from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import ORDER_NAMES
 from lightning_gsched.schedule.plan import CAP_WORDS
 from lightning_gsched.schedule.render import ascii_timeline, save_png
+from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS
 
 
 def _option(check: Callable[[Any], Any], parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -203,8 +204,17 @@ def _tune_parser(sub: Any) -> None:
                    help="only this B")
     t.add_argument("--R", type=_count("R", "2"), default=None,
                    help="only the looped schedules, with this R")
-    t.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
-    t.add_argument("--bandwidth", type=float, default=1e9, help="bytes per second per link")
+    d = DEFAULT_COSTS
+    t.add_argument("--latency", type=float, default=None,
+                   help=f"seconds a message is in flight besides its bytes (default {d.latency:g})")
+    t.add_argument("--bandwidth", type=float, default=None,
+                   help=f"bytes per second per link (default {d.bandwidth:g})")
+    t.add_argument("--message-cpu", type=float, default=None,
+                   help=f"CPU seconds per message on each end, sender and receiver (default "
+                        f"{d.send_cpu:g} / {d.recv_cpu:g})")
+    t.add_argument("--job-overhead", type=float, default=None,
+                   help=f"the runtime's seconds per compute job beyond the profiled compute "
+                        f"(default {d.job_cpu:g})")
     t.add_argument("--top", type=_count("top", "20"), default=20, help="rows of the table")
 
 
@@ -241,12 +251,14 @@ def _load_target(spec: str) -> tuple[Any, tuple, Any]:
 
 def _tune(args: argparse.Namespace) -> int:
     from lightning_gsched.partition.tune_profile import tune_model
-    from lightning_gsched.schedule.tune import Network
 
+    costs = DEFAULT_COSTS.with_changes(
+        latency=args.latency, bandwidth=args.bandwidth, send_cpu=args.message_cpu,
+        recv_cpu=args.message_cpu, job_cpu=args.job_overhead)
     model, example, loss_fn = _load_target(args.target)
     result = tune_model(model, example, args.workers, args.global_batch, loss_fn=loss_fn,
                         budget=args.budget, optimizer_factor=args.optimizer_factor,
-                        network=Network(args.latency, args.bandwidth), schedules=args.schedules,
+                        costs=costs, schedules=args.schedules,
                         checkpoint=(False,) if args.no_checkpointing else (False, True),
                         stages=args.stages, micro=args.microbatches, R=args.R)
     print(result.table(args.top))

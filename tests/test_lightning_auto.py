@@ -221,3 +221,21 @@ def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:
     assert looped and {c.R for c in looped} == {2}
     assert all(get_schedule(c.schedule).default_R is not None for c in looped)
     assert [c for c in candidates(4, 64, checkpoint=(True,)) if not c.checkpoint] == []
+
+
+def test_a_capped_pick_runs_with_its_cap() -> None:
+    """A pick the tuner found at a smaller activation cap becomes a config whose training plan
+    has that cap on every worker (and so the programs the tuner costed)."""
+    from lightning_gsched.lightning.auto import _as_config
+    from lightning_gsched.schedule.memory import ModelSizes, StageSizes
+    from lightning_gsched.schedule.tune import StageProfile, tune
+
+    def profile(S: int) -> StageProfile:
+        stage = StageSizes(100, 100, 200, 1000, 10)
+        return StageProfile(S, 4, (1.0,) * S, (2.0,) * S, ModelSizes((stage,) * S))
+
+    result = tune(2, 16, profile, schedules=["gpipe"], checkpoint=(False,), stages=2, micro=8)
+    capped = next(v for v in result.verdicts if v.candidate.cap is not None)
+    p = _as_config(capped, result).training_plan(2)
+    assert p.caps == [capped.candidate.cap] * 2
+    assert p.metrics.max_of("peak_activations") <= capped.candidate.cap < 8

@@ -273,6 +273,32 @@ def test_tie_fetch_and_reduce_take_time_where_they_happen():
         predict_step_time(d, tie_fetch={1: 1.0})
 
 
+def test_runtime_costs_charge_tie_bytes_where_the_tie_moves():
+    """With a bandwidth and measured sizes, a tie's bytes cost time exactly where the plan moves
+    them: gpipe's rank 3 fetches and reduces a 1e6-byte tie over a 1e6 B/s link (1 s each
+    way), zbv moves nothing, and ddp's owners all-reduce it (2 (n-1)/n x bytes / bandwidth)."""
+    from lightning_gsched.schedule.runtime_costs import RuntimeCosts
+
+    link = RuntimeCosts(bandwidth=1e6, allreduce_bandwidth=1e6)
+    p = plan("gpipe", workers=4, stages=4, ties=[(0, 3)])
+    light = uniform_sizes(4, 0, 0, 0, ties=p.ties, tie_params=0)
+    heavy = uniform_sizes(4, 0, 0, 0, ties=p.ties, tie_params=10**6)
+    base = predict_step_time(p, costs=link, sizes=light)
+    tied = predict_step_time(p, costs=link, sizes=heavy)
+    assert base.latency == pytest.approx(p.metrics.latency)
+    # the tie's gradient leaves rank 3 after its last backward and takes 1 s to reach rank 0
+    assert tied.worker_end[3] == pytest.approx(p.timeline.by_worker[3][-1].end + 1.0)
+    assert tied.worker_end[1:3] == base.worker_end[1:3]
+    v = plan("zbv", workers=2, ties=[(0, 3)])
+    v_heavy = uniform_sizes(v.stages, 0, 0, 0, ties=v.ties, tie_params=10**6)
+    assert predict_step_time(v, costs=link, sizes=v_heavy).latency == pytest.approx(
+        v.metrics.latency)
+    d = plan("ddp", workers=2, stages=2, ties=[(0, 1)])
+    d_heavy = uniform_sizes(2, 0, 0, 0, ties=d.ties, tie_params=10**6)
+    assert predict_step_time(d, costs=link, sizes=d_heavy).latency == pytest.approx(
+        d.metrics.latency + 2 * (2 - 1) / 2 * 10**6 / 1e6)
+
+
 # --------------------------------------------------------------------------- text and CLI
 
 

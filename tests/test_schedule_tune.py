@@ -13,7 +13,8 @@ import pytest
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
-from lightning_gsched.schedule.tune import Candidate, Network, StageProfile, evaluate, tune
+from lightning_gsched.schedule.runtime_costs import RuntimeCosts
+from lightning_gsched.schedule.tune import Candidate, StageProfile, evaluate, tune
 
 MiB = 2**20
 W, GLOBAL_ROWS = 4, 64
@@ -45,7 +46,7 @@ def test_a_verdict_is_the_plan_it_names() -> None:
     assert best is not None
     c = best.candidate
     p = plan(c.schedule, workers=W, stages=c.stages, microbatches=c.micro, R=c.R,
-             checkpoint_activations=c.checkpoint)
+             checkpoint_activations=c.checkpoint, **({"cap": c.cap} if c.cap else {}))
     rows = GLOBAL_ROWS // c.micro
     f = rows / 8
     st = profile(c.stages).sizes.stages[0]
@@ -83,8 +84,8 @@ def test_impossible_budget_names_the_smallest_peak() -> None:
 def test_checkpointing_trades_time_for_activation_bytes() -> None:
     base = Candidate("gpipe", W, 2 * W, None, False, GLOBAL_ROWS // (2 * W))
     ckpt = Candidate("gpipe", W, 2 * W, None, True, GLOBAL_ROWS // (2 * W))
-    plain = evaluate(base, profile(W), W, Network(), None)
-    saved = evaluate(ckpt, profile(W), W, Network(), None)
+    plain = evaluate(base, profile(W), W, RuntimeCosts(), None)
+    saved = evaluate(ckpt, profile(W), W, RuntimeCosts(), None)
     assert saved.peak < plain.peak  # type: ignore[operator]
     assert saved.step_time > plain.step_time  # type: ignore[operator]
 
@@ -113,3 +114,37 @@ def test_table_names_the_pick() -> None:
 def test_error_type_is_a_gsched_error() -> None:
     with pytest.raises(GschedError):
         tune(W, GLOBAL_ROWS, profile, budget=1)
+
+
+def test_smaller_caps_are_searched_and_trade_bubble_for_activations() -> None:
+    """gpipe stashes all B microbatches; the capped candidates are plans with that uniform cap
+    (built here independently) whose peak stash is at most the cap, and no two verdicts of one
+    configuration share their programs."""
+    result = tune(W, GLOBAL_ROWS, profile, schedules=["gpipe"], checkpoint=(False,), micro=16)
+    costed = [v for v in result.verdicts if v.step_time is not None]
+    default = [v for v in costed if v.candidate.cap is None]
+    capped = [v for v in costed if v.candidate.cap is not None]
+    assert len(default) == 2 and capped  # S = W and 2W at the default cap, then smaller caps
+    for v in capped:
+        c = v.candidate
+        p = plan("gpipe", workers=W, stages=c.stages, microbatches=16, cap=c.cap)
+        uncapped = plan("gpipe", workers=W, stages=c.stages, microbatches=16)
+        assert p.metrics.max_of("peak_activations") <= c.cap
+        assert c.cap < uncapped.metrics.max_of("peak_activations") == 16 * (c.stages // W)
+        assert p.programs.ranks != uncapped.programs.ranks
+        base = next(d for d in default if d.candidate.stages == c.stages)
+        assert v.peak is not None and base.peak is not None and v.peak < base.peak
+    assert "cap=" in result.table(50)
+
+
+def test_runtime_costs_rank_many_small_jobs_below_fewer_larger_ones() -> None:
+    """With a per-job cost the same configuration at more microbatches is predicted slower by
+    at least that cost times the extra jobs on the busiest worker; without it, not."""
+    free = RuntimeCosts()
+    busy = RuntimeCosts(job_cpu=0.05)
+    few, many = (Candidate("ddp", 1, b, None, False, GLOBAL_ROWS // b) for b in (W, 4 * W))
+    t = {(c.micro, k): evaluate(c, profile(1), W, costs, None).step_time
+         for c in (few, many) for k, costs in (("free", free), ("busy", busy))}
+    assert t[(4 * W, "free")] == pytest.approx(t[(W, "free")])  # same compute, split finer
+    # ddp: every worker runs F and B of B/W microbatches: 2 jobs vs 8 jobs per worker
+    assert t[(4 * W, "busy")] - t[(W, "busy")] == pytest.approx((8 - 2) * 0.05)

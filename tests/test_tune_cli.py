@@ -96,3 +96,31 @@ def test_fixed_stages_microbatches_and_R_restrict_the_search(capsys) -> None:
     assert rows
     assert all(S == "4" and B == "4" and R == " R=2" for _, S, B, R in rows)
     assert {name for name, *_ in rows} <= {"lpp", "interleaved", "fslpp", "fslpp-seed"}
+
+
+def test_runtime_cost_flags_reach_the_tuner(capsys, monkeypatch) -> None:
+    """The flags replace DEFAULT_COSTS' fields (one --message-cpu for both ends); no flag keeps
+    the defaults; a negative value is the cost model's error, exit 2."""
+    from lightning_gsched.partition import tune_profile
+    from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
+
+    seen: list[RuntimeCosts] = []
+    real = tune_profile.tune_model
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["costs"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_profile, "tune_model", spy)
+    base = ["tune", TARGET, "-w", "2", "--global-batch", "8", "--schedules", "gpipe",
+            "--no-checkpointing", "-b", "4", "-s", "2"]
+    assert cli.main(base) == 0
+    assert cli.main(base + ["--job-overhead", "0.01", "--message-cpu", "0.002", "--latency",
+                            "0", "--bandwidth", "5e8"]) == 0
+    capsys.readouterr()
+    assert seen[0] == DEFAULT_COSTS
+    assert seen[1] == RuntimeCosts(**{**DEFAULT_COSTS.__dict__, "job_cpu": 0.01,
+                                      "send_cpu": 0.002, "recv_cpu": 0.002, "latency": 0.0,
+                                      "bandwidth": 5e8})
+    assert cli.main(base + ["--message-cpu", "-1"]) == 2
+    assert "send_cpu must be a non-negative number" in capsys.readouterr().err

@@ -37,7 +37,9 @@ from lightning_gsched.lightning.intercept import StepCaller, step_loss
 from lightning_gsched.lightning.memory_report import optimizer_bytes_factor
 from lightning_gsched.lightning.options import PartitionOptions
 from lightning_gsched.partition.tune_profile import tune_model
+from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.describe import byte_text
+from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 from lightning_gsched.schedule.tune import (
     TuneResult,
     Verdict,
@@ -95,11 +97,13 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     rows of the global batch the plan will cut into microbatches.
     """
     outcome: tuple
+    # every rank measures the runtime's costs on the job's own process group (collective)
+    costs = calibrate() if world_size > 1 else DEFAULT_COSTS
     if rank == 0:
         try:
             outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
                                       global_rows, optimizer_bytes_factor(optimizers),
-                                      world_size, forward_context))
+                                      world_size, forward_context, costs))
         except GschedError as exc:
             outcome = ("error", type(exc), f"schedule='auto': {exc}", exc)
         except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
@@ -123,8 +127,8 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
 def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions, args: tuple,
             kwargs: dict, loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int,
             factor: float, workers: int,
-            forward_context: Callable[[], AbstractContextManager] | None
-            ) -> tuple[ScheduleConfig, str, TuneResult]:
+            forward_context: Callable[[], AbstractContextManager] | None,
+            costs: RuntimeCosts = DEFAULT_COSTS) -> tuple[ScheduleConfig, str, TuneResult]:
     """Rank 0's part: tune; the pick as a checked config, the text that explains it, and
     every verdict."""
     grads = [(p, p.grad) for p in module.parameters()]  # profiling backwards touch .grad
@@ -133,7 +137,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
         with forward_context() if forward_context is not None else nullcontext():
             result = tune_model(
                 module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
-                budget=config.memory_budget, optimizer_factor=factor,
+                budget=config.memory_budget, optimizer_factor=factor, costs=costs,
                 checkpoint=(True,) if config.checkpoint_activations else (False, True),
                 stages=config.stages or _stages_fixed_by(options), micro=config.microbatches,
                 R=config.R, balance=options.balance, leaf_modules=options.leaf_modules,
@@ -150,7 +154,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
             f"{global_rows} rows ({dropped or 'no candidates'}). Loosen stages=/microbatches=/R="
         )
     chosen = _as_config(best, result)
-    return chosen, _text(result, best, chosen, seconds, loss_fn is not None), result
+    return chosen, _text(result, best, chosen, seconds, loss_fn is not None, costs), result
 
 
 def _stages_fixed_by(options: PartitionOptions) -> int | None:
@@ -168,23 +172,27 @@ def _as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
     forward, backward, weight = candidate_costs(c, result.profiles[c.stages])
     chosen = ScheduleConfig(schedule=c.schedule, R=c.R, microbatches=c.micro, stages=c.stages,
                             forward_cost=forward, backward_cost=backward, weight_cost=weight,
-                            checkpoint_activations=c.checkpoint)
+                            checkpoint_activations=c.checkpoint,
+                            **({"cap": c.cap} if c.cap is not None else {}))
     chosen.check()
     return chosen
 
 
 def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: float,
-          user_loss: bool) -> str:
+          user_loss: bool, costs: RuntimeCosts = DEFAULT_COSTS) -> str:
     """What rank 0 prints at startup: how it was decided, the ranked table, the pick."""
     counts = ", ".join(str(s) for s in sorted(result.profiles))
     profile = next(iter(result.profiles.values()))
     R = f", R={chosen.R}" if chosen.R is not None else ""
     ckpt = ", checkpoint_activations=True" if chosen.checkpoint_activations else ""
+    ckpt = (f", cap={best.candidate.cap}" if best.candidate.cap is not None else "") + ckpt
     assert best.step_time is not None and best.peak is not None
     return "\n".join([
         f"schedule='auto': rank 0 profiled the model at S = {counts} on one microbatch "
         f"of {profile.rows} row{'' if profile.rows == 1 else 's'} in {seconds:.1f} s (loss: "
         f"{'your step' if user_loss else 'the sum of the output'})",
+        f"runtime costs ({'measured on this job' if costs is not DEFAULT_COSTS else 'defaults'}"
+        f"): {costs.text()}",
         result.table(TABLE_ROWS),
         f"runs as schedule={chosen.schedule!r}, stages={chosen.stages}, "
         f"microbatches={chosen.microbatches}{R}{ckpt}, with the measured seconds per stage as "

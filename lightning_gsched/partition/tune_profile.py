@@ -19,7 +19,8 @@ from lightning_gsched.partition.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.profile import profile_stages
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.tune import Network, StageProfile, TuneResult, tune
+from lightning_gsched.schedule.runtime_costs import RuntimeCosts
+from lightning_gsched.schedule.tune import StageProfile, TuneResult, tune
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
@@ -56,7 +57,7 @@ def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict
 def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: int,
                kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                budget: int | str | None = None, optimizer_factor: float = 2.0,
-               network: Network | None = None, schedules: Sequence[str] | None = None,
+               costs: RuntimeCosts | None = None, schedules: Sequence[str] | None = None,
                checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,
                stages: int | None = None, micro: int | None = None, R: int | None = None,
                **partition_options: Any) -> TuneResult:
@@ -67,6 +68,8 @@ def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: i
     ``budget``: bytes per rank (an int or ``"20GiB"``); None ranks without a budget.
     ``optimizer_factor``: optimizer state per parameter byte (2: Adam, 1: SGD with momentum).
     ``stages``/``micro``/``R``: values the search must keep (``schedule.tune.candidates``).
+    ``costs``: the runtime's costs per message, job and step (``runtime.calibrate()`` on the
+    job's process group; default ``schedule.runtime_costs.DEFAULT_COSTS``).
     The model is profiled once per stage count the candidates need, with its buffers and the
     RNG restored afterwards; ``partition_options`` go to :func:`partition`.
     """
@@ -80,5 +83,5 @@ def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: i
                                                 optimizer_factor, repeats, **partition_options)
         return profiles[count]
 
-    return tune(workers, global_rows, profile_of, budget=limit, network=network,
+    return tune(workers, global_rows, profile_of, budget=limit, costs=costs,
                 schedules=schedules, checkpoint=checkpoint, stages=stages, micro=micro, R=R)

@@ -27,7 +27,8 @@ fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport`
 receives; bare tensors once a step signature's shapes are known), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
 forward/backward, stash), :mod:`.running_stats` (BatchNorm statistics equal to one device's on
 every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the program walker),
-:mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`; for the facade: :mod:`.ownership` (which parameters a rank
+:mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`, :mod:`.calibration` (the planner's
+RuntimeCosts measured on the job's process group); for the facade: :mod:`.ownership` (which parameters a rank
 updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
 :mod:`.fullstate` (full model and optimizer state). See ``docs/runtime.md``.
 """
@@ -35,6 +36,7 @@ updates and counts), :mod:`.handover` (gradients to the optimizer loop, global n
 from __future__ import annotations
 
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
+from lightning_gsched.runtime.calibration import calibrate
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
@@ -57,6 +59,7 @@ __all__ = [
     "TRANSPORTS",
     "optimizer_factor",
     "parameter_names",
+    "calibrate",
     "stage_micros",
     "tie_map",
 ]

@@ -1,38 +1,58 @@
-"""Step time of a plan's programs once transfers take time: a replay, not a new schedule.
+"""Step time of a plan's programs once the runtime's work takes time: a replay, not a new schedule.
 
 Why: the simulator decides *orders* with compute costs only, and the runtime executes those
-orders as they are. On a real machine a microbatch's activation takes time to reach the next
-worker, a gradient all-reduce or a gradient hand-off to the owner runs after the last backward
-of a stage, and a weight fetch must arrive before the stage computes. ``predict_step_time``
-walks every rank's program in order (a handler of the program walker, :mod:`.walk`), with the
-same dependencies as the simulator, and lets
-each of those messages take its measured time; compute and order stay the plan's. With all
-communication costs 0 it returns the plan's own latency.
+orders as they are. On a real machine every message costs its sender and its receiver CPU and
+takes time to arrive, a gradient all-reduce or hand-off to the owner runs after the last
+backward of a stage, a weight fetch must arrive before the stage computes, and the executor
+spends its own time around every job. ``predict_step_time`` walks every rank's program in order
+(a handler of the program walker, :mod:`.walk`), with the runtime's dependencies, and charges
+each of those to the worker where the runtime spends it; compute and order stay the plan's.
+With all costs 0 it returns the plan's own latency.
 
-Model (what is and is not counted):
+What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: the bytes of
+:class:`~.memory.ModelSizes`, which say how large each message is):
 
-* activation / input-gradient message between two workers: ``transfer`` seconds from the end
-  of the producing job to the earliest start of the consuming job (same worker: no delay);
-* ``FETCH_W`` of stage s: the weights are ready ``fetch[s]`` seconds after the rank reaches the
-  fetch in its program (fetches are asynchronous); the stage's next compute waits for them;
-* ``ALLREDUCE_G`` / ``REDUCE_G`` of stage s: asynchronous, started when every member of the
-  group (or the sender) has reached it, finished ``reduce[s]`` seconds later; the step ends
-  when the last one has finished;
-* ties (``plan.ties``): ``FETCH_T`` of tie h like ``FETCH_W`` (``tie_fetch[h]`` seconds; every
-  compute of a stage reading the tie waits for it), ``REDUCE_T`` / ``ALLREDUCE_T`` like the
-  stage reductions (``tie_reduce[h]`` seconds); see :class:`_TieTimes`;
-* not modelled: CPU time spent issuing messages (it is charged to nobody), contention of
-  several transfers for one link, and the optimizer step after the programs.
+* a compute job ``F``/``B``/``W`` starts when its worker is free, its inputs have arrived and
+  its fetched weights are resident, plus the receive CPU of each message it consumes; it lasts
+  its planned cost plus ``job_cpu``;
+* a send (``SEND_ACT``, ``SEND_GRAD``, ``SEND_W``, ``REDUCE_G``) advances its worker's clock by
+  ``send_time(bytes)`` (``send_cpu`` + bytes x ``send_cpu_per_byte``); the message leaves then, or when the receive is posted if that is later (gloo
+  moves the bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later
+  (plus the legacy fixed ``transfer`` / ``fetch[s]`` / ``reduce[s]`` seconds). Bytes: the
+  stage's output for an activation, the producing stage's output for an input-gradient, the
+  stage's weights for a fetch, its gradients for a hand-off;
+* a posted receive (``RECV_*``, ``FETCH_W``) is consumed by the first action that needs it: the
+  compute that reads it, ``FREE_W`` for an unused fetch, ``ALLREDUCE_G`` (or the end of the
+  step) for a peer's gradient; the consumer waits for the arrival, then pays
+  ``recv_time(bytes)``;
+* ``ALLREDUCE_G`` of stage s among n ranks: asynchronous, started when every member has reached
+  it, finished ``allreduce_time(grads bytes, n)`` (+ ``reduce[s]``) later;
+* ties (``plan.ties``, see :mod:`.lower_ties`) are charged like stage weights: ``SEND_T`` and
+  ``REDUCE_T`` carry the tie's parameter and gradient bytes (``sizes.ties``), a ``FETCH_T`` is
+  consumed by the first compute of a stage reading the tie (or its ``FREE_T``), ``RECV_T`` by
+  ``ALLREDUCE_T`` or the end of the step, and ``ALLREDUCE_T`` takes ``allreduce_time`` of the
+  tie's gradient bytes (legacy fixed ``tie_fetch`` / ``tie_reduce`` seconds added);
+* a worker's step ends when its last job, its reductions and its sends (the runtime drains
+  them) are done, plus ``step_cpu``.
+
+Not modelled: contention of several transfers for one link or of communication threads for
+the cores that compute, and the optimizer step after the programs.
+
+Adding an op (e.g. a new message kind): give its send its bytes in :class:`_Charges` (and a
+fixed extra time if any) and its receive a consumer in :class:`_Replay`; the rest follows from
+the op table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
-from lightning_gsched.schedule.program import Action, Op
+from lightning_gsched.schedule.memory import ModelSizes
+from lightning_gsched.schedule.program import OPS, Action, Op
+from lightning_gsched.schedule.runtime_costs import ZERO_COSTS, RuntimeCosts
 from lightning_gsched.schedule.walk import Walker
 
 
@@ -40,13 +60,13 @@ from lightning_gsched.schedule.walk import Walker
 class StepPrediction:
     """Predicted seconds (or cost units) of one step of a plan's programs."""
 
-    latency: float  # end of the last compute job or reduction on any worker
+    latency: float  # end of the last worker's step (jobs, reductions, sends, step_cpu)
     compute_only: float  # the plan's own latency (every communication cost 0)
-    worker_end: tuple[float, ...]  # per worker: its last compute job or reduction
+    worker_end: tuple[float, ...]  # per worker: the end of its step
 
     @property
     def communication_share(self) -> float:
-        """Fraction of the predicted step added by communication."""
+        """Fraction of the predicted step added by communication and the runtime's work."""
         return 1 - self.compute_only / self.latency if self.latency else 0.0
 
 
@@ -59,82 +79,250 @@ def _per_stage(label: str, value: float | Sequence[float], stages: int) -> list[
     return values
 
 
-class _Replay:
-    """Walk handler: each compute starts when its worker, its inputs and its weights are ready."""
+# A message's identity, the same on both ends: (send op, stage, micro, src, dst, occurrence).
+# The k-th send of a key matches the k-th receive of it (channels are FIFO per (src, dst)).
+MessageKey = tuple[Op, int, int | None, int, int, int]
+_SEND_OF_PHASE = {Phase.F: Op.SEND_ACT, Phase.B: Op.SEND_GRAD}
+_PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
+_FETCHES = frozenset((Op.FETCH_W, Op.FETCH_T))
+_FETCH_OF_FREE = {Op.FREE_W: Op.FETCH_W, Op.FREE_T: Op.FETCH_T}
+_GRAD_RECVS = {Op.RECV_G: Op.ALLREDUCE_G, Op.RECV_T: Op.ALLREDUCE_T}  # -> what consumes them
 
-    def __init__(self, plan: Any, graph: StageGraph, walker: Walker, transfer: float,
-                 fetch: list[float], reduce: list[float], ties: "_TieTimes") -> None:
+
+class _Charges:
+    """Seconds per message kind and stage, from the cost model, the bytes and legacy terms."""
+
+    def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, graph: StageGraph,
+                 transfer: float, fetch: list[float], reduce: list[float],
+                 tie_fetch: dict[int, float], tie_reduce: dict[int, float]) -> None:
+        S = graph.num_stages
+        if sizes is not None and len(sizes.stages) != S:
+            raise ScheduleConfigError(
+                f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages"
+            )
+        st = sizes.stages if sizes is not None else None
+        tie_sizes = sizes.ties if sizes is not None else {}
+        out = [st[s].message if st else 0 for s in range(S)]
+        grad_in = [max((out[p] for p in graph.inputs(s)), default=0) for s in range(S)]
+        self.costs = costs
+        # bytes of one message sent by op for a stage, and the fixed seconds added to its flight
+        self._bytes: dict[Op, list[int]] = {
+            Op.SEND_ACT: out,
+            Op.SEND_GRAD: grad_in,
+            Op.SEND_W: [st[s].params if st else 0 for s in range(S)],
+            Op.REDUCE_G: [st[s].grads if st else 0 for s in range(S)],
+            # a tie is named by its home stage
+            Op.SEND_T: [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
+            Op.REDUCE_T: [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
+        }
+        extra = {Op.SEND_ACT: [transfer] * S, Op.SEND_GRAD: [transfer] * S, Op.SEND_W: fetch,
+                 Op.REDUCE_G: reduce,
+                 Op.SEND_T: [tie_fetch.get(s, 0.0) for s in range(S)],
+                 Op.REDUCE_T: [tie_reduce.get(s, 0.0) for s in range(S)]}
+        self._flight = {op: [extra[op][s] + costs.message_time(b) for s, b in enumerate(sizes_)]
+                        for op, sizes_ in self._bytes.items()}
+        self._send = {op: [costs.send_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
+        self._recv = {op: [costs.recv_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
+        self._grads = {Op.ALLREDUCE_G: self._bytes[Op.REDUCE_G],
+                       Op.ALLREDUCE_T: self._bytes[Op.REDUCE_T]}
+        self._reduce = {Op.ALLREDUCE_G: reduce,
+                        Op.ALLREDUCE_T: [tie_reduce.get(s, 0.0) for s in range(S)]}
+
+    def flight(self, op: Op, stage: int) -> float:
+        """Seconds a message sent by ``op`` for ``stage`` is in flight."""
+        return self._flight[op][stage]
+
+    def send_cpu(self, op: Op, stage: int) -> float:
+        """The sender's CPU seconds for that message."""
+        return self._send[op][stage]
+
+    def recv_cpu(self, op: Op, stage: int) -> float:
+        """The receiver's CPU seconds for that message."""
+        return self._recv[op][stage]
+
+    def allreduce(self, op: Op, stage: int, members: int) -> float:
+        """Seconds of ``ALLREDUCE_G`` of a stage or ``ALLREDUCE_T`` of a tie among members."""
+        return self._reduce[op][stage] + self.costs.allreduce_time(self._grads[op][stage], members)
+
+
+class _Replay:
+    """Walk handler: clocks per worker, messages matched send to receive (module docstring)."""
+
+    def __init__(self, plan: Any, graph: StageGraph, walker: Walker, charges: _Charges) -> None:
         W = plan.workers
-        self.graph, self.walker, self.transfer = graph, walker, transfer
-        self.fetch, self.reduce = fetch, reduce
-        self.costs = plan.costs
+        self.graph, self.walker, self.charges = graph, walker, charges
+        self.cpu = charges.costs
+        self.job_costs = plan.costs
         self.done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
         self.clock = [0.0] * W
         self.ends = [0.0] * W
-        self.weights_ready: list[dict[int, float]] = [{} for _ in range(W)]
-        # (op, stage, group) of an all-reduce -> when each member reached it
+        self.sent: dict[MessageKey, float] = {}  # departure (after the sender's CPU)
+        self.posted: dict[MessageKey, float] = {}  # when the receiver posted it
+        self._occurrences: dict[tuple[Any, ...], int] = {}
+        # (FETCH_W, stage) / (FETCH_T, home) -> the posted fetch not yet consumed
+        self.fetching: list[dict[tuple[Op, int], MessageKey]] = [{} for _ in range(W)]
+        # (ALLREDUCE_G, stage) / (ALLREDUCE_T, home) -> gradients received for it
+        self.grads_in: list[dict[tuple[Op, int], list[MessageKey]]] = [{} for _ in range(W)]
+        self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
         self.reductions: dict[tuple[Op, int, tuple[int, ...] | None], list[float]] = {}
-        self.ties = ties
+        self.ties_read_by = [plan.programs.ties_read_by(s) for s in range(plan.stages)]
 
-    def compute(self, w: int, a: Action) -> Job | None:
+    # ------------------------------------------------------------------ messages
+
+    def _key(self, side: str, op: Op, stage: int, micro: int | None, src: int, dst: int
+             ) -> MessageKey:
+        """The next occurrence of this message on ``side`` ("send" / "recv")."""
+        base = (side, op, stage, micro, src, dst)
+        k = self._occurrences.get(base, 0)
+        self._occurrences[base] = k + 1
+        return (op, stage, micro, src, dst, k)
+
+    def arrival(self, key: MessageKey) -> float:
+        """When the bytes are at the receiver (both ends known)."""
+        start = max(self.sent[key], self.posted.get(key, 0.0))
+        return start + self.charges.flight(key[0], key[1])
+
+    def _consume(self, at: float, keys: Sequence[MessageKey]) -> float | MessageKey:
+        """``at`` after waiting for ``keys`` and paying each one's receive CPU; or the first
+        key whose send has not happened yet (wait for it)."""
+        for key in keys:
+            if key not in self.sent:
+                return key
+        for key in sorted(keys, key=self.arrival):
+            at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0], key[1])
+        return at
+
+    # ------------------------------------------------------------------ walk handler
+
+    def compute(self, w: int, a: Action) -> Hashable | None:
         job = Job(a.stage, a.micro, _PHASE[a.op])  # type: ignore[arg-type]  # compute: micro set
-        at = 0.0
+        ready = 0.0
+        messages: list[MessageKey] = []
         for pred in self.graph.pred(job):
             if pred not in self.done:
                 return pred  # wait until that job has run
             end, pw = self.done[pred]
-            at = max(at, end + (self.transfer if pw != w else 0.0))
-        start = max(self.clock[w], at, self.weights_ready[w].get(a.stage, 0.0),
-                    self.ties.ready(w, a.stage))
-        end = start + self.costs.of(job)
+            if pw == w:
+                ready = max(ready, end)
+            else:
+                messages.append((_SEND_OF_PHASE[pred.phase], pred.stage, pred.micro, pw, w, 0))
+        needed = [(Op.FETCH_W, a.stage), *((Op.FETCH_T, h) for h in self.ties_read_by[a.stage])]
+        fetching = self.fetching[w]
+        messages += [fetching[n] for n in needed if n in fetching]
+        start = self._consume(max(self.clock[w], ready), messages)
+        if not isinstance(start, float):
+            return start
+        for n in needed:
+            fetching.pop(n, None)
+        end = start + self.cpu.job_cpu + self.job_costs.of(job)
         self.done[job] = (end, w)
         self.clock[w] = self.ends[w] = end
         self.walker.wake(job)
         return None
 
-    def recv(self, w: int, a: Action) -> None:
-        if a.op is Op.FETCH_W:
-            self.weights_ready[w][a.stage] = self.clock[w] + self.fetch[a.stage]
-        elif a.op is Op.FETCH_T:
-            self.ties.fetched(w, a.stage, self.clock[w])
-
-    def send(self, w: int, a: Action) -> None:
-        if a.op is Op.REDUCE_G:
-            self.ends[w] = max(self.ends[w], self.clock[w] + self.reduce[a.stage])
-        elif a.op is Op.REDUCE_T:
-            self.ends[w] = max(self.ends[w], self.clock[w] + self.ties.reduce[a.stage])
-
-    def free(self, w: int, a: Action) -> None:
+    def send(self, w: int, a: Action) -> Hashable | None:
+        assert a.peer is not None
+        key = self._key("send", a.op, a.stage, a.micro, w, a.peer)
+        self.clock[w] += self.charges.send_cpu(a.op, a.stage)
+        self.sent[key] = self.clock[w]
+        self.sends_of[w].append(key)
+        self.walker.wake(key)
         return None
 
-    def collective(self, w: int, a: Action) -> None:
-        self.reductions.setdefault((a.op, a.stage, a.group), []).append(self.clock[w])
+    def recv(self, w: int, a: Action) -> Hashable | None:
+        assert a.peer is not None
+        send_op = OPS[a.op].matches
+        assert send_op is not None
+        key = self._key("recv", send_op, a.stage, a.micro, a.peer, w)
+        self.posted[key] = self.clock[w]
+        if a.op in _FETCHES:
+            self.fetching[w][(a.op, a.stage)] = key
+        elif a.op in _GRAD_RECVS:
+            self.grads_in[w].setdefault((_GRAD_RECVS[a.op], a.stage), []).append(key)
+        # activations and input-gradients are consumed by the compute that reads them
+        return None
 
-    def reduction_time(self, op: Op, stage: int) -> float:
-        return self.ties.reduce[stage] if op is Op.ALLREDUCE_T else self.reduce[stage]
+    def free(self, w: int, a: Action) -> Hashable | None:
+        name = (_FETCH_OF_FREE[a.op], a.stage)
+        fetch = self.fetching[w].get(name)
+        if fetch is not None:  # fetched but never used: the receive lands first
+            at = self._consume(self.clock[w], [fetch])
+            if not isinstance(at, float):
+                return at
+            del self.fetching[w][name]
+            self.clock[w] = at
+        return None
+
+    def collective(self, w: int, a: Action) -> Hashable | None:
+        name = (a.op, a.stage)
+        at = self._consume(self.clock[w], self.grads_in[w].get(name, []))
+        if not isinstance(at, float):
+            return at
+        self.grads_in[w].pop(name, None)
+        self.clock[w] = at
+        self.reductions.setdefault((a.op, a.stage, a.group), []).append(at)
+        return None
+
+    # ------------------------------------------------------------------ end of step
+
+    def worker_ends(self, workers: int) -> list[float]:
+        ends = list(self.ends)
+        for w in range(workers):
+            for key in self.sends_of[w]:  # the runtime drains its sends
+                ends[w] = max(ends[w], self.arrival(key))
+            for keys in self.grads_in[w].values():  # gradients never all-reduced: summed in
+                at = self._consume(ends[w], keys)
+                assert isinstance(at, float)  # every send has run once the walk is complete
+                ends[w] = at
+        for (op, stage, group), reached in self.reductions.items():
+            members = group or tuple(range(workers))
+            finish = max(reached) + self.charges.allreduce(op, stage, len(members))
+            for w in members:
+                ends[w] = max(ends[w], finish)
+        return [end + self.cpu.step_cpu for end in ends]
 
 
-class _TieTimes:
-    """The tie terms of the replay: when each rank's fetched ties arrive, what reductions take.
+def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[float] = 0.0,
+                      reduce: float | Sequence[float] = 0.0,
+                      edges: Sequence[tuple[int, int]] | None = None,
+                      tie_fetch: float | Mapping[int, float] = 0.0,
+                      tie_reduce: float | Mapping[int, float] = 0.0, *,
+                      costs: RuntimeCosts | None = None,
+                      sizes: ModelSizes | None = None) -> StepPrediction:
+    """Replay ``plan``'s programs with the runtime's costs (see the module docstring).
 
-    ``fetch`` / ``reduce``: seconds per tie home stage; ``read_by[s]``: the ties stage s reads.
+    ``plan``: a :class:`~lightning_gsched.schedule.plan.Plan`; its ``costs`` give the compute
+    time of every job. ``costs``: what messages, reductions, jobs and the step cost
+    (:class:`RuntimeCosts`; default: nothing). ``sizes``: bytes per stage, for messages' sizes
+    (None: every message counts 0 bytes, so only latencies and CPU are charged).
+    ``transfer`` (seconds per activation / input-gradient message), ``fetch`` and ``reduce``
+    (seconds per stage, one number or one per stage): fixed times added to the model's, as
+    earlier callers gave them. ``tie_fetch`` / ``tie_reduce``: the same for ties, one number
+    or ``{home stage: seconds}`` for every tie of ``plan.ties``. ``edges``: the stage graph if
+    it is not the programs' own.
     """
-
-    def __init__(self, plan: Any, W: int, fetch: float | Mapping[int, float],
-                 reduce: float | Mapping[int, float]) -> None:
-        ties = plan.programs.ties
-        self.read_by = {s: plan.programs.ties_read_by(s) for s in range(plan.stages)}
-        self.fetch = _per_tie("tie_fetch", fetch, ties)
-        self.reduce = _per_tie("tie_reduce", reduce, ties)
-        self.arrive: list[dict[int, float]] = [{} for _ in range(W)]
-
-    def fetched(self, w: int, home: int, at: float) -> None:
-        self.arrive[w][home] = at + self.fetch[home]
-
-    def ready(self, w: int, stage: int) -> float:
-        """When the ties ``stage`` reads are on worker ``w`` (0: owned, or none)."""
-        arrive = self.arrive[w]
-        return max((arrive.get(h, 0.0) for h in self.read_by[stage]), default=0.0)
+    if transfer < 0:
+        raise ScheduleConfigError(f"transfer must be >= 0 seconds, got {transfer!r}")
+    S, W = plan.stages, plan.workers
+    fetch_s = _per_stage("fetch", fetch, S)
+    reduce_s = _per_stage("reduce", reduce, S)
+    graph = StageGraph(S, edges if edges is not None else plan.programs.edges,
+                       forward_only=plan.forward_only,
+                       split_backward=plan.programs.split_backward)
+    ties = plan.programs.ties
+    charges = _Charges(costs or ZERO_COSTS, sizes, graph, transfer, fetch_s, reduce_s,
+                       _per_tie("tie_fetch", tie_fetch, ties),
+                       _per_tie("tie_reduce", tie_reduce, ties))
+    walker = Walker(plan.programs)
+    replay = _Replay(plan, graph, walker, charges)
+    stuck = walker.run(replay)
+    if stuck:
+        raise ScheduleConfigError(
+            f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
+            "that never runs); were they lowered from this plan?"
+        )
+    ends = replay.worker_ends(W)
+    return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))
 
 
 def _per_tie(label: str, value: float | Mapping[int, float],
@@ -147,42 +335,3 @@ def _per_tie(label: str, value: float | Mapping[int, float],
             f"({sorted(ties)}), got {value!r}"
         )
     return values
-
-
-_PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
-
-
-def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[float] = 0.0,
-                      reduce: float | Sequence[float] = 0.0,
-                      edges: Sequence[tuple[int, int]] | None = None,
-                      tie_fetch: float | Mapping[int, float] = 0.0,
-                      tie_reduce: float | Mapping[int, float] = 0.0) -> StepPrediction:
-    """Replay ``plan``'s programs with communication costs (see module docstring).
-
-    ``plan``: a :class:`~lightning_gsched.schedule.plan.Plan`; its ``costs`` give the compute
-    time of every job. ``edges``: the stage graph if it is not a chain (as given to ``plan``).
-    ``tie_fetch`` / ``tie_reduce``: seconds of a tie's fetch / gradient reduction, one number
-    or ``{home stage: seconds}`` for every tie of ``plan.ties``.
-    """
-    if transfer < 0:
-        raise ScheduleConfigError(f"transfer must be >= 0 seconds, got {transfer!r}")
-    S, W = plan.stages, plan.workers
-    fetch_s = _per_stage("fetch", fetch, S)
-    reduce_s = _per_stage("reduce", reduce, S)
-    graph = StageGraph(S, edges, forward_only=plan.forward_only,
-                       split_backward=plan.programs.split_backward)
-    walker = Walker(plan.programs)
-    replay = _Replay(plan, graph, walker, transfer, fetch_s, reduce_s,
-                     _TieTimes(plan, W, tie_fetch, tie_reduce))
-    stuck = walker.run(replay)
-    if stuck:
-        raise ScheduleConfigError(
-            f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
-            "that never runs); were they lowered from this plan?"
-        )
-    ends = replay.ends
-    for (op, stage, group), reached in replay.reductions.items():
-        finish = max(reached) + replay.reduction_time(op, stage)
-        for w in group or range(W):
-            ends[w] = max(ends[w], finish)
-    return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))

@@ -1,9 +1,16 @@
-"""The tuner's search: which schedule, S, B, R and checkpointing is fastest within a budget.
+"""The tuner's search: which schedule, S, B, R, cap and checkpointing is fastest within a budget.
 
 Why in the planner: every candidate is an ordinary ``plan()`` whose programs the runtime would
-execute unchanged, so its predicted step time (``predict_step_time``, with per-message costs)
+execute unchanged, so its predicted step time (``predict_step_time`` with the runtime's costs:
+:class:`~.runtime_costs.RuntimeCosts`, measured on the job's process group when there is one)
 and its predicted bytes per rank (``predict_memory``) are those of the real run, not of a
-separate model of the schedule. Pure Python: what the model costs comes in as numbers,
+separate model of the schedule. Charging every message and every job its runtime cost keeps
+the search from preferring many tiny jobs whose compute alone looks fast.
+
+Activation caps: a schedule's default cap, and for a schedule whose default plan stashes more
+than one (stage, microbatch) per stage chunk on a worker, smaller uniform caps (half the default
+plan's peak stash, and one per stage chunk) that trade bubble for activation memory; a cap
+whose programs equal an already tried one's is dropped. Pure Python: what the model costs comes in as numbers,
 measured by the torch layers per stage count (:class:`StageProfile`, from
 ``partition.profile_model``).
 
@@ -28,8 +35,9 @@ from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.library import LIBRARY, get_schedule
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
-from lightning_gsched.schedule.plan import plan
+from lightning_gsched.schedule.plan import DEFAULT, Plan, plan
 from lightning_gsched.schedule.predict import predict_step_time
+from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 
 
 @dataclass(frozen=True)
@@ -50,20 +58,9 @@ class StageProfile:
 
 
 @dataclass(frozen=True)
-class Network:
-    """Seconds a message takes: ``latency + bytes / bandwidth`` (bandwidth in bytes/second);
-    an all-reduce among replicas is counted as two messages of the gradient's size."""
-
-    latency: float = 50e-6
-    bandwidth: float = 1e9
-
-    def message(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-
-@dataclass(frozen=True)
 class Candidate:
-    """One configuration; ``rows``: rows of one microbatch (the global batch / ``micro``)."""
+    """One configuration; ``rows``: rows of one microbatch (the global batch / ``micro``);
+    ``cap``: a uniform activation cap per worker, None for the schedule's default."""
 
     schedule: str
     stages: int
@@ -71,10 +68,12 @@ class Candidate:
     R: int | None
     checkpoint: bool
     rows: int
+    cap: int | None = None
 
     def text(self) -> str:
         r = f" R={self.R}" if self.R is not None else ""
-        return (f"{self.schedule} S={self.stages} B={self.micro}{r}"
+        cap = f" cap={self.cap}" if self.cap is not None else ""
+        return (f"{self.schedule} S={self.stages} B={self.micro}{r}{cap}"
                 + (" ckpt" if self.checkpoint else ""))
 
 
@@ -108,15 +107,15 @@ class TuneResult:
         """The ranked table `gsched tune` prints."""
         lines = [f"gsched tune: W={self.workers}, global batch {self.global_rows} rows, budget "
                  + (byte_text(self.budget) if self.budget is not None else "none"),
-                 f"{'rank':>4}  {'candidate':<34} {'step time':>10}  {'peak/rank':>10}  fits",
-                 f"{'-' * 4}  {'-' * 34} {'-' * 10}  {'-' * 10}  ----"]
+                 f"{'rank':>4}  {'candidate':<40} {'step time':>10}  {'peak/rank':>10}  fits",
+                 f"{'-' * 4}  {'-' * 40} {'-' * 10}  {'-' * 10}  ----"]
         costed = [v for v in self.verdicts if v.step_time is not None]
         fitting, over = [v for v in costed if v.fits], [v for v in costed if not v.fits]
         # the fastest that fit, then the fastest few over the budget (what it would buy)
         shown = fitting[:limit] + over[:max(3, limit - len(fitting))]
         for i, v in enumerate(shown, 1):
             assert v.step_time is not None and v.peak is not None
-            lines.append(f"{i:>4}  {v.candidate.text():<34} {v.step_time * 1e3:>7.1f} ms  "
+            lines.append(f"{i:>4}  {v.candidate.text():<40} {v.step_time * 1e3:>7.1f} ms  "
                          f"{byte_text(v.peak):>10}  {'yes' if v.fits else 'no: ' + v.reason}")
         if len(over) > len(shown) - len(fitting[:limit]):
             lines.append(f"over the budget: {len(over)} candidates in all")
@@ -207,40 +206,72 @@ def _scaled(profile: StageProfile, rows: int) -> ModelSizes:
     return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages)))
 
 
-def evaluate(candidate: Candidate, profile: StageProfile, workers: int, network: Network,
-             budget: int | None) -> Verdict:
-    """Plan the candidate with the profile's costs; its step time and peak bytes."""
-    sizes = _scaled(profile, candidate.rows)
+def plan_candidate(candidate: Candidate, profile: StageProfile, workers: int) -> Plan:
+    """The candidate's plan with the profile's costs (raises the planner's GschedError)."""
     forward, backward, weight = candidate_costs(candidate, profile)
+    return plan(candidate.schedule, workers=workers, stages=candidate.stages,
+                microbatches=candidate.micro, R=candidate.R,
+                cap=DEFAULT if candidate.cap is None else candidate.cap,
+                checkpoint_activations=candidate.checkpoint, forward_cost=forward,
+                backward_cost=backward, weight_cost=weight, ties=profile.sizes.tie_map)
+
+
+def cap_choices(default: Plan) -> list[int]:
+    """Smaller uniform caps worth trying beside a schedule's default plan (module docstring):
+    half its peak stash and one (stage, microbatch) per stage chunk, both below the peak."""
+    peak = int(default.metrics.max_of("peak_activations"))
+    chunk = max(1, default.stages // default.workers)
+    return [c for c in dict.fromkeys(((peak + 1) // 2, chunk)) if 0 < c < peak]
+
+
+def evaluate(candidate: Candidate, profile: StageProfile, workers: int, costs: RuntimeCosts,
+             budget: int | None, planned: Plan | None = None) -> Verdict:
+    """Plan the candidate with the profile's costs; its step time and peak bytes
+    (``planned``: its plan when the caller already has it)."""
+    sizes = _scaled(profile, candidate.rows)
     try:
-        result = plan(candidate.schedule, workers=workers, stages=candidate.stages,
-                      microbatches=candidate.micro, R=candidate.R,
-                      checkpoint_activations=candidate.checkpoint, forward_cost=forward,
-                      backward_cost=backward, weight_cost=weight, ties=sizes.tie_map)
+        result = planned or plan_candidate(candidate, profile, workers)
     except GschedError as exc:
         return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
-    stages = sizes.stages
-    transfer = network.message(max((st.message for st in stages), default=0))
-    fetch = [network.message(st.params) for st in stages]
-    reduce = [2 * network.message(st.grads) for st in stages]
-    tie_fetch = {h: network.message(t.params) for h, t in sizes.ties.items()}
-    tie_reduce = {h: 2 * network.message(t.grads) for h, t in sizes.ties.items()}
-    step = predict_step_time(result, transfer=transfer, fetch=fetch, reduce=reduce,
-                             tie_fetch=tie_fetch, tie_reduce=tie_reduce).latency
+    step = predict_step_time(result, costs=costs, sizes=sizes).latency
     peak = max(m.peak for m in predict_memory(result.programs, sizes, result.checkpointed))
     fits = budget is None or peak <= budget
     return Verdict(candidate, step, peak, fits,
                    "" if fits else f"peak {byte_text(peak)} > budget")
 
 
+def _with_caps(c: Candidate, profile: StageProfile, workers: int, costs: RuntimeCosts,
+               budget: int | None) -> list[Verdict]:
+    """The candidate at its schedule's default cap, then at each smaller cap whose programs
+    differ from every one tried before (a cap the planner refuses is dropped silently: the
+    default's verdict already stands for the configuration)."""
+    try:
+        default = plan_candidate(c, profile, workers)
+    except GschedError:
+        return [evaluate(c, profile, workers, costs, budget)]
+    verdicts = [evaluate(c, profile, workers, costs, budget, default)]
+    seen = [default.programs.ranks]
+    for cap in cap_choices(default):
+        capped = dataclasses.replace(c, cap=cap)
+        try:
+            result = plan_candidate(capped, profile, workers)
+        except GschedError:
+            continue
+        if result.programs.ranks in seen:
+            continue
+        seen.append(result.programs.ranks)
+        verdicts.append(evaluate(capped, profile, workers, costs, budget, result))
+    return verdicts
+
+
 def _distinct(ranked: list[Verdict]) -> list[Verdict]:
-    """Drop a candidate predicted exactly like a better-ranked one of the same schedule, S, R
-    and checkpointing (e.g. DDP with more, smaller microbatches): fewer microbatches first."""
+    """Drop a candidate predicted exactly like a better-ranked one of the same schedule, S, R,
+    cap and checkpointing (e.g. DDP with more, smaller microbatches): fewer microbatches first."""
     seen: set[tuple[object, ...]] = set()
     out = []
     for v in ranked:
         c = v.candidate
-        key = (c.schedule, c.stages, c.R, c.checkpoint, v.step_time, v.peak)
+        key = (c.schedule, c.stages, c.R, c.cap, c.checkpoint, v.step_time, v.peak)
         if key not in seen:
             seen.add(key)
             out.append(v)
@@ -248,7 +279,7 @@ def _distinct(ranked: list[Verdict]) -> list[Verdict]:
 
 
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
-         budget: int | None = None, network: Network | None = None,
+         budget: int | None = None, costs: RuntimeCosts | None = None,
          schedules: Sequence[str] | None = None,
          checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
          micro: int | None = None, R: int | None = None) -> TuneResult:
@@ -257,10 +288,12 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
 
     ``profile_of(S)``: the model measured at S stages (called once per S; raise a GschedError
     when the model cannot be cut into S stages, and the candidates with that S are dropped).
-    ``stages``/``micro``/``R``: fixed values (see :func:`candidates`).
+    ``stages``/``micro``/``R``: fixed values (see :func:`candidates`). ``costs``: the
+    runtime's costs (default :data:`~.runtime_costs.DEFAULT_COSTS`); each candidate is also
+    tried at smaller activation caps (:func:`cap_choices`).
     Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached.
     """
-    network = network or Network()
+    costs = costs or DEFAULT_COSTS
     profiles: dict[int, StageProfile | str] = {}
     verdicts = []
     for c in candidates(workers, global_rows, schedules, checkpoint, stages=stages, micro=micro,
@@ -274,7 +307,7 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
         if isinstance(profile, str):
             verdicts.append(Verdict(c, reason=profile))
             continue
-        verdicts.append(evaluate(c, profile, workers, network, budget))
+        verdicts.extend(_with_caps(c, profile, workers, costs, budget))
     costed = sorted((v for v in verdicts if v.step_time is not None),
                     key=lambda v: (not v.fits, v.step_time, v.peak, v.candidate.micro))
     costed = _distinct(costed)

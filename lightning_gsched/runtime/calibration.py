@@ -1,0 +1,230 @@
+"""Measure the planner's :class:`RuntimeCosts` on the job's own process group, in about a second.
+
+Why here: what a message, an all-reduce or the executor's work around a job costs depends on
+the machine, the backend and the load, so the planner's predictions (``predict_step_time``, the
+tuner's ranking) use numbers measured where the job runs. Every rank takes part (collectives);
+every rank returns the same numbers (the ranks' measurements are averaged with one all-reduce),
+so ranks that plan with them plan alike.
+
+What is measured (bare single-tensor messages, as the runtime sends activations):
+
+* ping-pong between rank pairs (0, 1), (2, 3), ... of float32 tensors of a few sizes: half the
+  round trip is one message, fitted to ``a + bytes / bandwidth``;
+* streams of messages of two sizes with the receives posted first: process CPU time (every
+  thread, gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait on
+  the sender and per ``irecv`` + wait on the receiver, fitted to ``cpu + bytes * cpu_per_byte``
+  on each end (gloo writes and reads the bytes on the CPU). The model's ``latency`` and
+  ``bandwidth`` are what the ping-pong fit leaves after both ends' CPU;
+* all-reduces of a few sizes over the group: ``allreduce_latency`` and ``allreduce_bandwidth``
+  fitted to the ring model;
+* the executor itself on a trivial one-layer stage (a data-parallel program of k forwards and
+  backwards per rank, k = 1 and 8, beside the same layer's forward+backward timed alone):
+  ``job_cpu`` is the step's growth per job beyond that compute, ``step_cpu`` its fixed part
+  beyond the all-reduce. Why the executor on a trivial stage rather than a profiled step of the
+  real model: it needs no model, runs before anything is planned (the tuner needs it then), and
+  separates the runtime's own work from compute exactly; what it cannot see is work that grows
+  with a real model's size, which the stage profile measures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.schedule.runtime_costs import RuntimeCosts
+
+PING_BYTES = (4, 1 << 18, 1 << 22)
+ALLREDUCE_BYTES = (4, 1 << 20)
+STREAM_BYTES = (4, 1 << 18)
+STREAM = 16  # messages per CPU sample
+
+
+def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``seconds = a + bytes * b``; both clamped at >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    b = max(b, 0.0)
+    return max(my - b * mx, 0.0), b
+
+
+def _median(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter
+            ) -> float:
+    fn()  # warm-up: connection set-up, allocation
+    samples = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        samples.append(clock() - start)
+    return statistics.median(samples)
+
+
+def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats: int
+               ) -> list[float]:
+    """One-way seconds of one message of each size: half the median round trip.
+
+    Sizes take turns within every repeat, so a burst of load from other processes (this can be
+    a shared machine) lands on all sizes alike instead of bending the fit.
+    """
+    bufs = [torch.zeros(max(1, nbytes // 4)) for nbytes in sizes]
+    samples: list[list[float]] = [[] for _ in sizes]
+
+    def round_trip(buf: torch.Tensor) -> float:
+        start = time.perf_counter()
+        for sending in (first, not first):
+            if sending:
+                dist.isend(buf, peer, group=group).wait()
+            else:
+                dist.irecv(buf, peer, group=group).wait()
+        return time.perf_counter() - start
+
+    for _ in range(3):  # warm-up: connection set-up, allocation, a peer still starting
+        for buf in bufs:
+            round_trip(buf)
+    for _ in range(repeats):
+        for i, buf in enumerate(bufs):
+            samples[i].append(round_trip(buf))
+    return [statistics.median(s) / 2 for s in samples]
+
+
+def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) -> float:
+    """Process CPU seconds per message of ``nbytes`` on this side of a stream of ``STREAM``."""
+    bufs = [torch.zeros(max(1, nbytes // 4)) for _ in range(STREAM)]
+    flag = torch.zeros(1)
+
+    def stream() -> None:
+        if sender:
+            dist.irecv(flag, peer, group=group).wait()  # the receiver has posted everything
+            works = [dist.isend(b, peer, group=group) for b in bufs]
+            for w in works:
+                w.wait()
+        else:
+            works = [dist.irecv(b, peer, group=group) for b in bufs]
+            dist.isend(flag, peer, group=group).wait()
+            for w in works:
+                w.wait()
+
+    # the handshake message's CPU is in the sample too: a small share of STREAM messages
+    return _median(stream, repeats, time.process_time) / STREAM
+
+
+def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
+             ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((send_cpu, send_cpu_per_byte), (recv_cpu, recv_cpu_per_byte)) seen from this rank:
+    ``first`` sends first, then both swap roles, so each rank measures both ends."""
+    sends, recvs = [], []
+    for nbytes in STREAM_BYTES:
+        mine = _stream_cpu(peer, first, nbytes, group, repeats)
+        theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
+        send, recv = (mine, theirs) if first else (theirs, mine)
+        sends.append((float(nbytes), send))
+        recvs.append((float(nbytes), recv))
+    return _fit(sends), _fit(recvs)
+
+
+def _allreduce(nbytes: int, group: Any, repeats: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 4))
+    return _median(lambda: dist.all_reduce(buf, group=group), repeats)
+
+
+def _sum_loss(out: torch.Tensor, b: int) -> torch.Tensor:
+    return out.sum()
+
+
+def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
+    """(job_cpu, step_cpu) from the executor on a trivial stage; see the module docstring."""
+    from lightning_gsched.runtime.executor import ProgramExecutor
+    from lightning_gsched.schedule.plan import plan
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def alone() -> None:
+        layer(x).sum().backward()
+
+    compute = _median(alone, repeats)  # one forward + backward, outside the executor
+    steps = {}
+    for k in (1, 8):
+        programs = plan("ddp", workers=world, microbatches=world * k).programs
+        executor = ProgramExecutor([layer], programs, sync_weights=False)
+        inputs = {b: ((x,), {}) for b in executor.first_stage_micros}
+        try:
+            steps[k] = _median(partial(executor.step, inputs, _sum_loss), repeats)
+        finally:
+            executor.close()
+    per_micro = (steps[8] - steps[1]) / 7  # one F + one B in the executor
+    job = max(per_micro - compute, 0.0) / 2
+    step = max(steps[1] - per_micro, 0.0)
+    return job, step
+
+
+def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> RuntimeCosts:
+    """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective.
+
+    ``executor``: also measure ``job_cpu``/``step_cpu`` with the executor on a trivial stage
+    (builds one executor's process groups twice; default group only). Every rank returns the
+    same costs. A one-rank job has no messages: only the executor's costs are measured.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeConfigError(
+            "calibrate() needs torch.distributed initialized on every rank "
+            "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS"
+        )
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = rank ^ 1
+    paired = peer < world
+    # [ping one-way per size..., send cpu, per byte, recv cpu, per byte, paired count,
+    #  all-reduce per size...]; the pairs' numbers are averaged over pairs, the rest over ranks
+    n_pair = len(PING_BYTES) + 4
+    values = [0.0] * (n_pair + 1 + len(ALLREDUCE_BYTES))
+    if paired:
+        first = rank < peer
+        values[:len(PING_BYTES)] = _ping_pong(peer, first, PING_BYTES, group, 2 * repeats)
+        send, recv = _cpu_fit(peer, first, group, repeats)
+        values[len(PING_BYTES):n_pair] = [*send, *recv]
+        values[n_pair] = 1.0
+    if world > 1:
+        for i, nbytes in enumerate(ALLREDUCE_BYTES):
+            values[n_pair + 1 + i] = _allreduce(nbytes, group, repeats)
+        box = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(box, group=group)
+        values = box.tolist()
+        pairs = values[n_pair]
+        values = [v / (pairs if i < n_pair else world) for i, v in enumerate(values)]
+    job = step = 0.0
+    if executor and group is None:
+        job, step = _executor_costs(world, repeats)
+        box = torch.tensor([job, step], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(box)
+        job, step = (v / world for v in box.tolist())
+    if world == 1:
+        return RuntimeCosts(job_cpu=job, step_cpu=step)
+    a, per_byte = _fit([(float(b), values[i]) for i, b in enumerate(PING_BYTES)])
+    send, send_per_byte, recv, recv_per_byte = values[len(PING_BYTES):n_pair]
+    # what a one-way message costs beyond both ends' CPU: the link (clamped: CPU measured in
+    # all threads may exceed the wall time it overlaps)
+    per_byte = per_byte - send_per_byte - recv_per_byte
+    ring = 2 * (world - 1) / world
+    ar = values[n_pair + 1:]
+    ar_latency, ar_per_byte = _fit([(ring * b, t) for b, t in zip(ALLREDUCE_BYTES, ar,
+                                                                   strict=True)])
+    return RuntimeCosts(
+        latency=max(a - send - recv, 0.0),
+        bandwidth=1 / per_byte if per_byte > 0 else float("inf"),
+        send_cpu=send, recv_cpu=recv,
+        send_cpu_per_byte=send_per_byte, recv_cpu_per_byte=recv_per_byte,
+        allreduce_latency=ar_latency,
+        allreduce_bandwidth=1 / ar_per_byte if ar_per_byte > 0 else float("inf"),
+        job_cpu=job, step_cpu=step,
+    )
