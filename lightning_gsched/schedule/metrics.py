@@ -2,18 +2,19 @@
 
 Counts come from the programs, not from the placement, because the programs are what the runtime
 executes: its counters must equal these numbers exactly. They are one
-:class:`~lightning_gsched.schedule.counts.ActionCounts` per rank, filled by a handler of the
-program walker (:mod:`.walk`) with the op table's counters.
+:class:`~lightning_gsched.schedule.counts.ActionCounts` per rank, read in one pass over each
+rank's program with the op table's counters (counting never waits on another rank, so it needs
+no walker).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from lightning_gsched.schedule.counts import ActionCounts
-from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.program import OPS, Op, Programs
 from lightning_gsched.schedule.simulate import Timeline
-from lightning_gsched.schedule.walk import walk_rank
 
 
 @dataclass
@@ -35,46 +36,44 @@ class PlanMetrics:
         return max(values)
 
 
-class _Counter:
-    """Walk handler: message counters from the op table, peak stash and peak residency."""
-
-    def __init__(self, programs: Programs, rank: int) -> None:
-        owned = len(programs.owned_stages(rank))
-        self.counts = ActionCounts(owned_stages=owned, peak_resident_stages=owned)
-        self.release = programs.releases_stash  # None: forward-only, nothing stashed
-        self.stash = 0
-        self.resident = owned
-
-    def compute(self, rank: int, action: Action) -> None:
-        if self.release is None:
-            return
-        if action.op is Op.F:
-            self.stash += 1
-            self.counts.peak_activations = max(self.counts.peak_activations, self.stash)
-        elif action.op is self.release:
-            self.stash -= 1
-
-    def send(self, rank: int, action: Action) -> None:
-        self.counts.count(action.op)
-
-    def recv(self, rank: int, action: Action) -> None:
-        self.counts.count(action.op)
-        if action.op is Op.FETCH_W:
-            self.resident += 1
-            self.counts.peak_resident_stages = max(self.counts.peak_resident_stages, self.resident)
-
-    def free(self, rank: int, action: Action) -> None:
-        self.resident -= 1
-
-    def collective(self, rank: int, action: Action) -> None:
-        self.counts.count(action.op)
+# op -> the ActionCounts field one such action adds 1 to (the op table's counters)
+_COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is not None}
 
 
 def program_counts(programs: Programs, rank: int) -> ActionCounts:
-    """Message counts, peak stash and peak residency of one rank's program."""
-    handler = _Counter(programs, rank)
-    walk_rank(programs, rank, handler)
-    return handler.counts
+    """Message counts, peak stash and peak residency of one rank's program.
+
+    One pass: the message counters are a tally of ops (each op's counter in the op table), the
+    peaks a running count raised at F / FETCH_W and lowered at the stash's release / FREE_W.
+    """
+    owned = len(programs.owned_stages(rank))
+    release = programs.releases_stash  # None: forward-only, nothing stashed
+    forward = Op.F if release is not None else None
+    fetch, free = Op.FETCH_W, Op.FREE_W
+    stash = peak_stash = 0
+    resident = peak_resident = owned
+    program = programs.ranks[rank]
+    for action in program:
+        op = action[0]
+        if op is forward:
+            stash += 1
+            if stash > peak_stash:
+                peak_stash = stash
+        elif op is release:
+            stash -= 1
+        elif op is fetch:
+            resident += 1
+            if resident > peak_resident:
+                peak_resident = resident
+        elif op is free:
+            resident -= 1
+    counts = ActionCounts(owned_stages=owned, peak_resident_stages=peak_resident,
+                          peak_activations=peak_stash)
+    for op, n in Counter(action[0] for action in program).items():
+        name = _COUNTER_OF.get(op)
+        if name is not None:
+            setattr(counts, name, getattr(counts, name) + n)
+    return counts
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
@@ -82,7 +81,7 @@ def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
     per_worker = []
     total_busy = 0.0
     for rank in range(programs.world_size):
-        busy = sum(slot.end - slot.start for slot in timeline.by_worker[rank])
+        busy = sum([slot[3] - slot[2] for slot in timeline.by_worker[rank]])  # end - start
         total_busy += busy
         per_worker.append(WorkerMetrics(worker=rank, busy=busy,
                                         **program_counts(programs, rank).planned()))
