@@ -34,7 +34,7 @@ import bisect
 from collections import defaultdict
 from operator import itemgetter
 
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
     CHANNEL_OF,
@@ -62,17 +62,38 @@ _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
 
 
 class _Builder:
-    """Collects actions per (rank, gap) with sort keys, then flattens them into programs."""
+    """Collects actions per (rank, gap) with sort keys, then flattens them into programs.
+
+    Every send and receive is also filed under its channel as it is put (so that
+    :meth:`make_fifo` does not classify all actions again): ``sends[(kind, src, dst)]`` holds
+    (key, identity) of each send, ``recvs[(kind, src, dst)][identity]`` (key, index in the
+    receiver's entries) of each receive.
+    """
 
     def __init__(self, timeline: Timeline) -> None:
         self.slots = timeline.by_worker
         self.starts = [[slot.start for slot in slots] for slots in self.slots]
         self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in self.slots]
         self.serial = 0
+        self.sends: dict[tuple[str, int, int], list[tuple[_Key, _Ident]]] = defaultdict(list)
+        self.recvs: dict[tuple[str, int, int], dict[_Ident, list[tuple[_Key, int]]]] = (
+            defaultdict(dict)
+        )
 
     def put(self, rank: int, gap: int, time: float, action: Action) -> None:
         self.serial += 1
-        self.entries[rank].append(((gap, _CATEGORY[action[0]], time, self.serial), action))
+        key = (gap, _CATEGORY[action[0]], time, self.serial)
+        entries = self.entries[rank]
+        entries.append((key, action))
+        op = action.op
+        if op in SEND_OPS:
+            assert action.peer is not None  # lowering names the peer of every message it emits
+            self.sends[(CHANNEL_OF[op], rank, action.peer)].append(
+                (key, (action.stage, action.micro, RECV_FOR_SEND[op])))
+        elif op in RECV_OPS:
+            assert action.peer is not None
+            self.recvs[(CHANNEL_OF[op], action.peer, rank)].setdefault(
+                (action.stage, action.micro, op), []).append((key, len(entries) - 1))
 
     def gap_at(self, rank: int, time: float) -> int:
         """Gap before the first compute on ``rank`` that starts at or after ``time``."""
@@ -86,50 +107,46 @@ class _Builder:
         to first, each matched receive takes the smaller of its own key and the key of the
         receive after it, so posts only ever move earlier.
         """
-        # (kind, src, dst) -> the sends on that channel; (kind, src, dst) -> identity -> posts
-        sends: dict[tuple[str, int, int | None], list[tuple[_Key, _Ident]]] = defaultdict(list)
-        recvs: dict[tuple[str, int | None, int], dict[_Ident, list[tuple[_Key, int]]]] = (
-            defaultdict(lambda: defaultdict(list))
-        )
-        for rank, entries in enumerate(self.entries):
-            for index, (key, action) in enumerate(entries):
-                ident: _Ident
-                if action.op in SEND_OPS:
-                    ident = (action.stage, action.micro, RECV_FOR_SEND[action.op])
-                    sends[(CHANNEL_OF[action.op], rank, action.peer)].append((key, ident))
-                elif action.op in RECV_OPS:
-                    ident = (action.stage, action.micro, action.op)
-                    recvs[(CHANNEL_OF[action.op], action.peer, rank)][ident].append((key, index))
-        for (channel, src, dst), sent in sends.items():
-            assert dst is not None  # lowering names the peer of every message it emits
+        for (channel, src, dst), sent in self.sends.items():
             sent.sort()
-            waiting = recvs[(channel, src, dst)]
+            waiting = self.recvs.get((channel, src, dst), {})
             for queue in waiting.values():
-                queue.sort(reverse=True)  # pop() yields the earliest post first
-            matched = [waiting[ident].pop()[1] if waiting[ident] else None for _, ident in sent]
+                if len(queue) > 1:
+                    queue.sort(reverse=True)  # pop() yields the earliest post first
+            matched: list[int | None] = []
+            for _, ident in sent:
+                queue = waiting.get(ident)
+                matched.append(queue.pop()[1] if queue else None)
+            entries = self.entries[dst]
             running: _Key | None = None
             for position in reversed(range(len(matched))):
                 recv_index = matched[position]
                 if recv_index is None:
                     continue  # left unmatched on purpose: the dry run reports it
-                key, recv = self.entries[dst][recv_index]
+                key, recv = entries[recv_index]
                 key = key[:4] if running is None or key[:4] <= running else running
                 running = key
-                self.entries[dst][recv_index] = ((*key, position), recv)
+                entries[recv_index] = ((*key, position), recv)
 
     def programs(self) -> list[list[Action]]:
         """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
         out = []
         new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
         for rank, entries in enumerate(self.entries):
-            keyed: list[tuple[_Key, Action]] = [
-                ((i, 99), new_tuple(Action, (compute_op[s.job.phase], s.job.stage, s.job.micro,
-                                             None, None)))
-                for i, s in enumerate(self.slots[rank])
-            ]
-            keyed.extend(entries)
-            keyed.sort(key=first)
-            out.append([action for _, action in keyed])
+            computes = [new_tuple(Action, (compute_op[job[2]], job[0], job[1], None, None))
+                        for job, *_ in self.slots[rank]]
+            entries.sort(key=first)  # keys are unique (serial): a total order
+            program: list[Action] = []
+            append = program.append
+            done = 0  # computes emitted so far
+            for key, action in entries:
+                gap = key[0]
+                if done < gap:
+                    program.extend(computes[done:gap])
+                    done = gap
+                append(action)
+            program.extend(computes[done:])
+            out.append(program)
         return out
 
 
@@ -141,13 +158,8 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     the one-compute-early prefetch, which never holds more than two, so 2 or more is the same).
     """
     build = _Builder(timeline)
-    index: dict[Job, int] = {}
-    for slots in timeline.by_worker:
-        for i, slot in enumerate(slots):
-            index[slot.job] = i
-
     grad_phase = Phase.W if graph.split_backward else Phase.B  # accumulates weight gradients
-    _lower_data_flow(graph, table, timeline, build, index)
+    _lower_data_flow(graph, table, timeline, build)
     reduce_gaps = _lower_weights(table, timeline, build, grad_phase, fetch_window)
     if not graph.forward_only:
         _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
@@ -158,44 +170,66 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 
 
 def _lower_data_flow(
-    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder, index: dict[Job, int]
+    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder
 ) -> None:
-    """Activation sends/receives after forwards, input-gradient sends/receives after backwards."""
+    """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
+
+    The planner's largest loop (two actions per message): jobs are found by flat index
+    ``(stage * B + micro) * P + phase`` rather than by hashing, and each message is filed
+    under its channel here, as :meth:`_Builder.put` would (same keys, same serials).
+    """
     compute = table.compute
+    B, P = table.micro, len(graph.phases)
+    phase_index = {d: k for k, d in enumerate(graph.phases)}
+    by_worker = timeline.by_worker
+    position = [0] * (table.stages * B * P)  # flat job -> index in its worker's slots
+    finished = [0.0] * (table.stages * B * P)  # flat job -> end time
+    for slots in by_worker:
+        for i, (job, _, _, end) in enumerate(slots):
+            flat = (job[0] * B + job[1]) * P + phase_index[job[2]]
+            position[flat] = i
+            finished[flat] = end
     done: set[tuple[int, int, Phase, int]] = set()  # (producer stage, micro, phase, consumer)
     entries = build.entries
-    by_worker = timeline.by_worker
-    new_tuple = tuple.__new__  # Job(...)/Action(...) without the NamedTuple __new__ frame
-    serial = build.serial  # build.put inlined (two puts per message): same keys, same serials
+    new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
+    serial = build.serial
+    sends, recvs = build.sends, build.recvs
     kinds = {
-        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv])
+        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv], CHANNEL_OF[send])
         for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
                                   (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
     }
-    sources = {  # W consumes nothing from another stage: it follows its own B
-        (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s) if d is Phase.B else [])
-        for s in range(graph.num_stages) for d in graph.phases
-    }
+    # W consumes nothing from another stage: it follows its own B
+    sources = {d: [list(graph.inputs(s) if d is Phase.F else graph.outputs(s)
+                        if d is Phase.B else []) for s in range(graph.num_stages)]
+               for d in graph.phases}
+    chain = graph.is_chain
     for worker, slots in enumerate(by_worker):
-        for i, slot in enumerate(slots):
-            s, b, phase = slot.job
-            for other in sources[(s, phase)]:
+        mine = entries[worker]
+        for i, (job, _, start, _) in enumerate(slots):
+            s, b, phase = job
+            others = sources[phase][s]
+            if not others:
+                continue
+            for other in others:
                 src = compute[other][b]
                 if src == worker:
                     continue
-                if not graph.is_chain:  # in a DAG one output may feed two stages on one worker
+                if not chain:  # in a DAG one output may feed two stages on one worker
                     if (other, b, phase, worker) in done:
                         continue
                     done.add((other, b, phase, worker))
-                produced = index[new_tuple(Job, (other, b, phase))]
-                sent_at = by_worker[src][produced].end
-                send, send_cat, recv, recv_cat = kinds[phase]
+                flat = (other * B + b) * P + phase_index[phase]
+                send, send_cat, recv, recv_cat, channel = kinds[phase]
                 serial += 1
-                entries[src].append(((produced + 1, send_cat, sent_at, serial),
-                                     new_tuple(Action, (send, other, b, worker, None))))
+                key = (position[flat] + 1, send_cat, finished[flat], serial)
+                entries[src].append((key, new_tuple(Action, (send, other, b, worker, None))))
+                ident = (other, b, recv)
+                sends[(channel, src, worker)].append((key, ident))
                 serial += 1
-                entries[worker].append(((max(i - 1, 0), recv_cat, slot.start, serial),
-                                        new_tuple(Action, (recv, other, b, src, None))))
+                key = (i - 1 if i else 0, recv_cat, start, serial)
+                mine.append((key, new_tuple(Action, (recv, other, b, src, None))))
+                recvs[(channel, src, worker)].setdefault(ident, []).append((key, len(mine) - 1))
     build.serial = serial
 
 
@@ -214,13 +248,16 @@ def _lower_weights(
     reduce_gaps: dict[tuple[int, int], int] = {}
     for worker, slots in enumerate(timeline.by_worker):
         freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
+        stages = [job[0] for job, *_ in slots]
+        owned = set(table.owned_stages(worker))
+        n = len(stages)
         i = 0
-        while i < len(slots):
-            stage = slots[i].job.stage
+        while i < n:
+            stage = stages[i]
             j = i
-            while j + 1 < len(slots) and slots[j + 1].job.stage == stage:
+            while j + 1 < n and stages[j + 1] == stage:
                 j += 1
-            if not table.is_owner(worker, stage):
+            if stage not in owned:
                 owner = table.fetch_source[(stage, worker)]
                 fetch_gap = max(i - 1, 0)
                 if fetch_window is not None and len(freed_at) >= fetch_window:
@@ -251,6 +288,8 @@ def _lower_allreduce(
     grad_phase: Phase,
 ) -> None:
     """Replica owners all-reduce a stage right after their last weight-gradient job of it."""
+    if all(len(owners) < 2 for owners in table.owners):
+        return  # no replicas: nothing to all-reduce (and no need to scan every slot)
     last_backward: dict[tuple[int, int], tuple[int, float]] = {}
     for worker, slots in enumerate(timeline.by_worker):
         for i, slot in enumerate(slots):

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, phases_of
 from lightning_gsched.schedule.orders import PriorityFn
 from lightning_gsched.schedule.placements import PlacementTable
 
@@ -128,22 +128,53 @@ def priority_ranks(
     priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
     split_backward: bool = False,
 ) -> dict[Job, int]:
-    """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys)."""
-    keyed = []
+    """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys).
+
+    Rank order is that of the pairs (n(job), job): equal priorities are broken by the job
+    itself. The jobs are listed in that tie order (stage, micro, then phase by its text, B < F
+    < W) and stably sorted by priority alone; library orders return tuples of ints, which are
+    first packed into one int each (mixed radix, same order) so the sort compares ints.
+    """
+    phases = sorted(phases_of(forward_only, split_backward), key=str)
+    jobs = [Job(s, b, d) for s in range(stages) for b in range(micro) for d in phases]
     job: Job | None = None
+    keys: list[Any] = []
+    append = keys.append
     try:  # one try around the loop: no per-job cost on the planner's hot path
-        for job in all_jobs(stages, micro, forward_only, split_backward):
-            keyed.append((priority(*job), job))
+        for job in jobs:
+            append(priority(*job))
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
         raise validate.user_callable_error(
             "priority", priority, job or (), "s, b, d", exc) from exc
     try:
-        keyed.sort()
+        order = sorted(range(len(jobs)), key=_packed(keys).__getitem__)
     except TypeError as exc:
         raise ScheduleConfigError(
             f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
         ) from exc
-    return {job: rank for rank, (_, job) in enumerate(keyed)}
+    return {jobs[i]: rank for rank, i in enumerate(order)}
+
+
+def _packed(keys: list[Any]) -> list[Any]:
+    """``keys`` as ints in the same order when they are tuples of ints of one length.
+
+    Each component is shifted to start at 0 and the tuple read as a mixed-radix number (radix:
+    that component's range), which orders exactly as the tuples do. Anything else (ints,
+    floats, mixed shapes) is returned unchanged.
+    """
+    if not keys or type(keys[0]) is not tuple:
+        return keys
+    width = len(keys[0])
+    if not all(type(k) is tuple and len(k) == width for k in keys):
+        return keys
+    packed = [0] * len(keys)
+    for column in zip(*keys, strict=True):
+        if not all(type(x) is int for x in column):
+            return keys
+        low = min(column)
+        radix = max(column) - low + 1
+        packed = [p * radix + (x - low) for p, x in zip(packed, column, strict=True)]
+    return packed
 
 
 class _Worker:
