@@ -44,7 +44,7 @@ _Message = tuple[_Channel, int]  # the k-th message (counted from 1) on a channe
 _Ident = tuple[Op, int, "int | None"]  # (receive op, stage, micro): what a message carries
 _Job = tuple[int, "int | None"]  # (stage, micro)
 _CollectiveKey = tuple[tuple[int, ...], int]  # (group, stage) of an ALLREDUCE_G
-_NONE: tuple[int, ...] = ()
+_NONE: list[int] = []  # no inputs (never appended to)
 
 
 class _Scan(NamedTuple):

@@ -115,8 +115,8 @@ class _Builder:
                     queue.sort(reverse=True)  # pop() yields the earliest post first
             matched: list[int | None] = []
             for _, ident in sent:
-                queue = waiting.get(ident)
-                matched.append(queue.pop()[1] if queue else None)
+                posts = waiting.get(ident)
+                matched.append(posts.pop()[1] if posts else None)
             entries = self.entries[dst]
             running: _Key | None = None
             for position in reversed(range(len(matched))):
@@ -140,7 +140,7 @@ class _Builder:
             append = program.append
             done = 0  # computes emitted so far
             for key, action in entries:
-                gap = key[0]
+                gap = int(key[0])  # keys are typed float tuples; the gap is an int
                 if done < gap:
                     program.extend(computes[done:gap])
                     done = gap

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from operator import itemgetter
 
 from lightning_gsched.schedule.counts import ActionCounts
 from lightning_gsched.schedule.program import OPS, Op, Programs
@@ -69,7 +70,7 @@ def program_counts(programs: Programs, rank: int) -> ActionCounts:
             resident -= 1
     counts = ActionCounts(owned_stages=owned, peak_resident_stages=peak_resident,
                           peak_activations=peak_stash)
-    for op, n in Counter(action[0] for action in program).items():
+    for op, n in Counter(map(itemgetter(0), program)).items():
         name = _COUNTER_OF.get(op)
         if name is not None:
             setattr(counts, name, getattr(counts, name) + n)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, phases_of
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs, phases_of
 from lightning_gsched.schedule.orders import PriorityFn
 from lightning_gsched.schedule.placements import PlacementTable
 
@@ -127,54 +127,75 @@ class Timeline:
 def priority_ranks(
     priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
     split_backward: bool = False,
-) -> dict[Job, int]:
+) -> list[int]:
     """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys).
 
+    The result is indexed by the flat job index ``(stage * micro + b) * P + phase`` (P phases
+    per job in the order F, B, W: :func:`phases_of`), the layout :func:`simulate` works in.
     Rank order is that of the pairs (n(job), job): equal priorities are broken by the job
-    itself. The jobs are listed in that tie order (stage, micro, then phase by its text, B < F
-    < W) and stably sorted by priority alone; library orders return tuples of ints, which are
-    first packed into one int each (mixed radix, same order) so the sort compares ints.
+    itself. Library orders return tuples of ints; those are packed into one int per job that
+    orders as the pair does (:func:`_packed`), so the sort compares ints, not tuples.
     """
-    phases = sorted(phases_of(forward_only, split_backward), key=str)
-    jobs = [Job(s, b, d) for s in range(stages) for b in range(micro) for d in phases]
-    job: Job | None = None
+    phases = phases_of(forward_only, split_backward)
     keys: list[Any] = []
     append = keys.append
+    job: tuple[int, int, Phase] | None = None
     try:  # one try around the loop: no per-job cost on the planner's hot path
-        for job in jobs:
-            append(priority(*job))
+        for s in range(stages):
+            for b in range(micro):
+                for d in phases:
+                    job = (s, b, d)
+                    append(priority(s, b, d))
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
         raise validate.user_callable_error(
             "priority", priority, job or (), "s, b, d", exc) from exc
+    packed = _packed(keys, phases)
     try:
-        order = sorted(range(len(jobs)), key=_packed(keys).__getitem__)
+        if packed is not None:
+            order = sorted(range(len(keys)), key=packed.__getitem__)
+        else:
+            jobs = list(all_jobs(stages, micro, forward_only, split_backward))
+            order = sorted(range(len(keys)), key=lambda i: (keys[i], jobs[i]))
     except TypeError as exc:
         raise ScheduleConfigError(
             f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
         ) from exc
-    return {jobs[i]: rank for rank, i in enumerate(order)}
+    ranks = [0] * len(keys)
+    for rank, i in enumerate(order):
+        ranks[i] = rank
+    return ranks
 
 
-def _packed(keys: list[Any]) -> list[Any]:
-    """``keys`` as ints in the same order when they are tuples of ints of one length.
+def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
+    """One int per job ordering as (key, job) does, when every key is an int or every key a
+    tuple of ints of one length; None otherwise (then the pairs themselves are sorted).
 
-    Each component is shifted to start at 0 and the tuple read as a mixed-radix number (radix:
-    that component's range), which orders exactly as the tuples do. Anything else (ints,
-    floats, mixed shapes) is returned unchanged.
+    Each key component is shifted to start at 0 and the tuple read as a mixed-radix number
+    (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
+    the job's place in job order ((stage, micro), then the phase by its text: B < F < W), the
+    tie-break. ``keys`` are listed stage, micro, then ``phases`` (the flat job order).
     """
-    if not keys or type(keys[0]) is not tuple:
-        return keys
-    width = len(keys[0])
-    if not all(type(k) is tuple and len(k) == width for k in keys):
-        return keys
+    if not keys:
+        return None
+    columns: list[Sequence[Any]] = [keys]
+    if type(keys[0]) is tuple:
+        width = len(keys[0])
+        if not all(type(k) is tuple and len(k) == width for k in keys):
+            return None
+        columns = list(zip(*keys, strict=True))
     packed = [0] * len(keys)
-    for column in zip(*keys, strict=True):
+    for column in columns:
         if not all(type(x) is int for x in column):
-            return keys
+            return None
         low = min(column)
         radix = max(column) - low + 1
         packed = [p * radix + (x - low) for p, x in zip(packed, column, strict=True)]
-    return packed
+    text_rank = {d: r for r, d in enumerate(sorted(phases, key=str))}
+    P = len(phases)
+    groups = len(keys) // P  # (stage, micro) pairs, in job order already
+    tie = [text_rank[d] for d in phases] * groups
+    return [(p * groups + i // P) * P + t
+            for i, (p, t) in enumerate(zip(packed, tie, strict=True))]
 
 
 class _Worker:
@@ -230,7 +251,7 @@ _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 def simulate(
     graph: StageGraph,
     table: PlacementTable,
-    ranks: dict[Job, int],
+    ranks: Sequence[int],
     costs: Costs,
     caps: Sequence[int | None],
 ) -> Timeline:
@@ -282,7 +303,7 @@ def simulate(
             for b in range(B):
                 job = Job(s, b, d)
                 w = compute[s][b]
-                heappush(workers[w].pending[k], (0.0, ranks[job], job))
+                heappush(workers[w].pending[k], (0.0, ranks[(s * B + b) * P + k], job))
                 touched.append(w)
     for w in dict.fromkeys(touched):
         refresh(w)
@@ -321,7 +342,7 @@ def simulate(
             if left == 0:
                 nxt = new_tuple(Job, (nstage, micro, nphase))
                 nw = compute[nstage][micro]
-                heappush(workers[nw].pending[nk], (at, ranks[nxt], nxt))
+                heappush(workers[nw].pending[nk], (at, ranks[i], nxt))
                 if nw != w:
                     touched.append(nw)
         for nw in touched:
