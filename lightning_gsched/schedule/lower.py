@@ -58,6 +58,7 @@ _CATEGORY = {
 # is keyed (g, 99), after gap g's actions
 _Key = tuple[float, ...]
 _Ident = tuple[int, "int | None", Op]  # (stage, micro, receive op): what a message carries
+_Channel = tuple[str, int, int]  # (kind, src rank, dst rank)
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
 
 
@@ -66,7 +67,7 @@ class _Builder:
 
     Every send and receive is also filed under its channel as it is put (so that
     :meth:`make_fifo` does not classify all actions again): ``sends[(kind, src, dst)]`` holds
-    (key, identity) of each send, ``recvs[(kind, src, dst)][identity]`` (key, index in the
+    (key, identity) of each send, ``recvs[(kind, src, dst)]`` (key, identity, index in the
     receiver's entries) of each receive.
     """
 
@@ -75,10 +76,8 @@ class _Builder:
         self.starts = [[slot.start for slot in slots] for slots in self.slots]
         self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in self.slots]
         self.serial = 0
-        self.sends: dict[tuple[str, int, int], list[tuple[_Key, _Ident]]] = defaultdict(list)
-        self.recvs: dict[tuple[str, int, int], dict[_Ident, list[tuple[_Key, int]]]] = (
-            defaultdict(dict)
-        )
+        self.sends: dict[_Channel, list[tuple[_Key, _Ident]]] = defaultdict(list)
+        self.recvs: dict[_Channel, list[tuple[_Key, _Ident, int]]] = defaultdict(list)
 
     def put(self, rank: int, gap: int, time: float, action: Action) -> None:
         self.serial += 1
@@ -92,8 +91,8 @@ class _Builder:
                 (key, (action.stage, action.micro, RECV_FOR_SEND[op])))
         elif op in RECV_OPS:
             assert action.peer is not None
-            self.recvs[(CHANNEL_OF[op], action.peer, rank)].setdefault(
-                (action.stage, action.micro, op), []).append((key, len(entries) - 1))
+            self.recvs[(CHANNEL_OF[op], action.peer, rank)].append(
+                (key, (action.stage, action.micro, op), len(entries) - 1))
 
     def gap_at(self, rank: int, time: float) -> int:
         """Gap before the first compute on ``rank`` that starts at or after ``time``."""
@@ -107,16 +106,20 @@ class _Builder:
         to first, each matched receive takes the smaller of its own key and the key of the
         receive after it, so posts only ever move earlier.
         """
+        second = itemgetter(1)
         for (channel, src, dst), sent in self.sends.items():
-            sent.sort()
-            waiting = self.recvs.get((channel, src, dst), {})
-            for queue in waiting.values():
-                if len(queue) > 1:
-                    queue.sort(reverse=True)  # pop() yields the earliest post first
-            matched: list[int | None] = []
-            for _, ident in sent:
-                posts = waiting.get(ident)
-                matched.append(posts.pop()[1] if posts else None)
+            sent.sort()  # keys are unique: send order on the channel
+            posts = sorted(self.recvs.get((channel, src, dst), ()))  # post order
+            matched: list[int | None]
+            if list(map(second, sent)) == list(map(second, posts)):
+                # the usual case: posts already carry the same messages in the same order, so
+                # the k-th send matches the k-th post
+                matched = [index for _, _, index in posts]
+            else:
+                waiting: dict[_Ident, list[int]] = defaultdict(list)
+                for _, ident, index in reversed(posts):
+                    waiting[ident].append(index)  # pop() yields the earliest post first
+                matched = [waiting[ident].pop() if waiting[ident] else None for _, ident in sent]
             entries = self.entries[dst]
             running: _Key | None = None
             for position in reversed(range(len(matched))):
@@ -133,8 +136,8 @@ class _Builder:
         out = []
         new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
         for rank, entries in enumerate(self.entries):
-            computes = [new_tuple(Action, (compute_op[job[2]], job[0], job[1], None, None))
-                        for job, *_ in self.slots[rank]]
+            computes = [new_tuple(Action, (compute_op[d], s, b, None, None))
+                        for s, b, d in map(first, self.slots[rank])]
             entries.sort(key=first)  # keys are unique (serial): a total order
             program: list[Action] = []
             append = program.append
@@ -175,8 +178,10 @@ def _lower_data_flow(
     """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
 
     The planner's largest loop (two actions per message): jobs are found by flat index
-    ``(stage * B + micro) * P + phase`` rather than by hashing, and each message is filed
-    under its channel here, as :meth:`_Builder.put` would (same keys, same serials).
+    ``(stage * B + micro) * P + phase`` rather than by hashing, and each message is filed under
+    its channel here, as :meth:`_Builder.put` would (same keys, same serials): every message
+    this loop makes while visiting a consumer's slots is on a channel into that consumer, so
+    they are gathered per sender and filed once per channel.
     """
     compute = table.compute
     B, P = table.micro, len(graph.phases)
@@ -193,11 +198,13 @@ def _lower_data_flow(
     entries = build.entries
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
     serial = build.serial
-    sends, recvs = build.sends, build.recvs
+    # per phase: (send op, its category, receive op, its category, channel, phase index)
     kinds = {
-        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv], CHANNEL_OF[send])
+        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv], CHANNEL_OF[send],
+                phase_index[phase])
         for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
                                   (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
+        if phase in phase_index
     }
     # W consumes nothing from another stage: it follows its own B
     sources = {d: [list(graph.inputs(s) if d is Phase.F else graph.outputs(s)
@@ -206,11 +213,16 @@ def _lower_data_flow(
     chain = graph.is_chain
     for worker, slots in enumerate(by_worker):
         mine = entries[worker]
+        # (channel, src) -> this consumer's sends / posts on channel src -> worker
+        sent_here: dict[tuple[str, int], list[tuple[_Key, _Ident]]] = defaultdict(list)
+        posted_here: dict[tuple[str, int], list[tuple[_Key, _Ident, int]]] = defaultdict(list)
         for i, (job, _, start, _) in enumerate(slots):
             s, b, phase = job
             others = sources[phase][s]
             if not others:
                 continue
+            send, send_cat, recv, recv_cat, channel, k = kinds[phase]
+            gap = i - 1 if i else 0
             for other in others:
                 src = compute[other][b]
                 if src == worker:
@@ -219,17 +231,20 @@ def _lower_data_flow(
                     if (other, b, phase, worker) in done:
                         continue
                     done.add((other, b, phase, worker))
-                flat = (other * B + b) * P + phase_index[phase]
-                send, send_cat, recv, recv_cat, channel = kinds[phase]
+                flat = (other * B + b) * P + k
+                ident = (other, b, recv)
                 serial += 1
                 key = (position[flat] + 1, send_cat, finished[flat], serial)
                 entries[src].append((key, new_tuple(Action, (send, other, b, worker, None))))
-                ident = (other, b, recv)
-                sends[(channel, src, worker)].append((key, ident))
+                sent_here[(channel, src)].append((key, ident))
                 serial += 1
-                key = (i - 1 if i else 0, recv_cat, start, serial)
+                key = (gap, recv_cat, start, serial)
+                posted_here[(channel, src)].append((key, ident, len(mine)))
                 mine.append((key, new_tuple(Action, (recv, other, b, src, None))))
-                recvs[(channel, src, worker)].setdefault(ident, []).append((key, len(mine) - 1))
+        for (channel, src), sent in sent_here.items():
+            build.sends[(channel, src, worker)].extend(sent)
+        for (channel, src), posted in posted_here.items():
+            build.recvs[(channel, src, worker)].extend(posted)
     build.serial = serial
 
 
@@ -247,9 +262,11 @@ def _lower_weights(
     """
     reduce_gaps: dict[tuple[int, int], int] = {}
     for worker, slots in enumerate(timeline.by_worker):
-        freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
-        stages = [job[0] for job, *_ in slots]
+        stages = [job[0] for job in map(itemgetter(0), slots)]
         owned = set(table.owned_stages(worker))
+        if owned.issuperset(stages):
+            continue  # computes only stages it owns: nothing to fetch
+        freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
         n = len(stages)
         i = 0
         while i < n:
