@@ -179,13 +179,12 @@ def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
         return None
     columns: list[Sequence[Any]] = [keys]
     if type(keys[0]) is tuple:
-        width = len(keys[0])
-        if not all(type(k) is tuple and len(k) == width for k in keys):
+        if set(map(type, keys)) != {tuple} or len(set(map(len, keys))) != 1:
             return None
         columns = list(zip(*keys, strict=True))
     packed = [0] * len(keys)
     for column in columns:
-        if not all(type(x) is int for x in column):
+        if set(map(type, column)) != {int}:  # exactly int: no bool, float or subclass
             return None
         low = min(column)
         radix = max(column) - low + 1
