@@ -200,7 +200,7 @@ def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
 class _Worker:
     """Ready queues of one worker per phase: jobs not yet startable by time, and startable now."""
 
-    __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases")
+    __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases", "next_start")
 
     def __init__(self, cap: int | None, phases: int) -> None:
         self.free_at = 0.0
@@ -211,6 +211,7 @@ class _Worker:
         self.pending: list[list[tuple[float, int, Job]]] = [[] for _ in self.phases]
         self.ready: list[list[tuple[int, Job]]] = [[] for _ in self.phases]
         self.version = 0
+        self.next_start: float | None = None  # start of its valid event (None: no event)
 
     def forward_allowed(self) -> bool:
         return self.cap is None or self.stash < self.cap
@@ -256,12 +257,14 @@ def simulate(
 ) -> Timeline:
     """Run the greedy schedule to completion and return the timeline.
 
-    Hot loop (``auto_cap`` runs it ~10 times per plan), written for speed with the same results:
-    an event carries the phase its worker's best candidate had when it was pushed, so a valid
-    event (its worker unchanged since) needs no second ``best()``; workers touched while one job
-    completes are refreshed once afterwards rather than after every change (the heap's order
-    depends only on the keys, so fewer stale events change nothing); dependency counts live in
-    flat lists indexed by ``(stage * B + micro) * P + phase`` (P phases per job: 1, 2 or 3).
+    Hot loop (``auto_cap`` runs it several times per plan), written for speed with the same
+    results: an event carries the phase its worker's best candidate had when it was pushed, so a
+    valid event (its worker unchanged since) needs no second ``best()``; workers touched while
+    one job completes are refreshed once afterwards rather than after every change (the heap's
+    order depends only on the keys, so fewer stale events change nothing), and not at all when a
+    new job cannot change their event (they start something now, the job is ready later);
+    dependency counts and ranks live in flat lists indexed by ``(stage * B + micro) * P +
+    phase`` (P phases per job: 1, 2 or 3).
 
     The stash of a (stage, microbatch) counts against the cap from its F until its last
     backward phase: B, or W when the graph splits the backward.
@@ -282,6 +285,9 @@ def simulate(
         best = state.best()
         if best is not None:
             heappush(events, (best[0], best[1], w, state.version, best[2]))
+            state.next_start = best[0]
+        else:
+            state.next_start = None
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with the index offset (stage * B * P + phase) of their flat slot.
@@ -341,8 +347,12 @@ def simulate(
             if left == 0:
                 nxt = new_tuple(Job, (nstage, micro, nphase))
                 nw = compute[nstage][micro]
-                heappush(workers[nw].pending[nk], (at, ranks[i], nxt))
-                if nw != w:
+                other = workers[nw]
+                heappush(other.pending[nk], (at, ranks[i], nxt))
+                # Another worker's event stands when it starts something now (at its free_at)
+                # and the new job is only ready later: "startable now" beats it whatever its
+                # rank, so best() would return the same event (and it is taken from ``ready``).
+                if nw != w and not (other.next_start == other.free_at and at > other.free_at):
                     touched.append(nw)
         for nw in touched:
             refresh(nw)
