@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from operator import itemgetter
+from typing import Any
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
@@ -56,7 +57,7 @@ _CATEGORY = {
 
 # (gap, category, time, serial), then (..., position) once make_fifo placed a receive; compute g
 # is keyed (g, 99), after gap g's actions
-_Key = tuple[float, ...]
+_Key = tuple[Any, ...]
 _Ident = tuple[int, "int | None", Op]  # (stage, micro, receive op): what a message carries
 _Channel = tuple[str, int, int]  # (kind, src rank, dst rank)
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
@@ -110,26 +111,32 @@ class _Builder:
         for (channel, src, dst), sent in self.sends.items():
             sent.sort()  # keys are unique: send order on the channel
             posts = sorted(self.recvs.get((channel, src, dst), ()))  # post order
-            matched: list[int | None]
             if list(map(second, sent)) == list(map(second, posts)):
                 # the usual case: posts already carry the same messages in the same order, so
-                # the k-th send matches the k-th post
-                matched = [index for _, _, index in posts]
-            else:
+                # the k-th send matches the k-th post, and no post has to move (its key is
+                # already no later than the next one's; keys stay unique by their serial)
+                continue
+            matched: list[int | None]
+            if len(set(map(second, posts))) == len(posts):  # each message posted once (p2p)
+                index_of = {ident: index for _, ident, index in posts}
+                matched = [index_of.pop(ident, None) for _, ident in sent]
+            else:  # weights of one stage fetched several times: k-th send, k-th post
                 waiting: dict[_Ident, list[int]] = defaultdict(list)
                 for _, ident, index in reversed(posts):
                     waiting[ident].append(index)  # pop() yields the earliest post first
-                matched = [waiting[ident].pop() if waiting[ident] else None for _, ident in sent]
+                matched = [waiting[ident].pop() if waiting[ident] else None
+                           for _, ident in sent]
             entries = self.entries[dst]
             running: _Key | None = None
             for position in reversed(range(len(matched))):
                 recv_index = matched[position]
                 if recv_index is None:
                     continue  # left unmatched on purpose: the dry run reports it
-                key, recv = entries[recv_index]
-                key = key[:4] if running is None or key[:4] <= running else running
+                key, recv = entries[recv_index]  # its own 4-part key: matched once
+                if running is not None and key > running:
+                    key = running
                 running = key
-                entries[recv_index] = ((*key, position), recv)
+                entries[recv_index] = (key + (position,), recv)
 
     def programs(self) -> list[list[Action]]:
         """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
@@ -143,7 +150,7 @@ class _Builder:
             append = program.append
             done = 0  # computes emitted so far
             for key, action in entries:
-                gap = int(key[0])  # keys are typed float tuples; the gap is an int
+                gap = key[0]
                 if done < gap:
                     program.extend(computes[done:gap])
                     done = gap
@@ -213,15 +220,18 @@ def _lower_data_flow(
     chain = graph.is_chain
     for worker, slots in enumerate(by_worker):
         mine = entries[worker]
-        # (channel, src) -> this consumer's sends / posts on channel src -> worker
-        sent_here: dict[tuple[str, int], list[tuple[_Key, _Ident]]] = defaultdict(list)
-        posted_here: dict[tuple[str, int], list[tuple[_Key, _Ident, int]]] = defaultdict(list)
+        # channel -> src -> this consumer's sends / posts on channel src -> worker
+        sent_here: dict[str, dict[int, list[tuple[_Key, _Ident]]]] = {
+            kind[4]: defaultdict(list) for kind in kinds.values()}
+        posted_here: dict[str, dict[int, list[tuple[_Key, _Ident, int]]]] = {
+            kind[4]: defaultdict(list) for kind in kinds.values()}
         for i, (job, _, start, _) in enumerate(slots):
             s, b, phase = job
             others = sources[phase][s]
             if not others:
                 continue
             send, send_cat, recv, recv_cat, channel, k = kinds[phase]
+            sent_on, posted_on = sent_here[channel], posted_here[channel]
             gap = i - 1 if i else 0
             for other in others:
                 src = compute[other][b]
@@ -236,15 +246,17 @@ def _lower_data_flow(
                 serial += 1
                 key = (position[flat] + 1, send_cat, finished[flat], serial)
                 entries[src].append((key, new_tuple(Action, (send, other, b, worker, None))))
-                sent_here[(channel, src)].append((key, ident))
+                sent_on[src].append((key, ident))
                 serial += 1
                 key = (gap, recv_cat, start, serial)
-                posted_here[(channel, src)].append((key, ident, len(mine)))
+                posted_on[src].append((key, ident, len(mine)))
                 mine.append((key, new_tuple(Action, (recv, other, b, src, None))))
-        for (channel, src), sent in sent_here.items():
-            build.sends[(channel, src, worker)].extend(sent)
-        for (channel, src), posted in posted_here.items():
-            build.recvs[(channel, src, worker)].extend(posted)
+        for channel, by_src in sent_here.items():
+            for src, sent in by_src.items():
+                build.sends[(channel, src, worker)].extend(sent)
+        for channel, by_src_posts in posted_here.items():
+            for src, posted in by_src_posts.items():
+                build.recvs[(channel, src, worker)].extend(posted)
     build.serial = serial
 
 

@@ -139,16 +139,16 @@ def priority_ranks(
     phases = phases_of(forward_only, split_backward)
     keys: list[Any] = []
     append = keys.append
-    job: tuple[int, int, Phase] | None = None
+    s = b = 0
+    d = phases[0]
     try:  # one try around the loop: no per-job cost on the planner's hot path
         for s in range(stages):
             for b in range(micro):
                 for d in phases:
-                    job = (s, b, d)
                     append(priority(s, b, d))
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
         raise validate.user_callable_error(
-            "priority", priority, job or (), "s, b, d", exc) from exc
+            "priority", priority, (s, b, d), "s, b, d", exc) from exc
     packed = _packed(keys, phases)
     try:
         if packed is not None:
