@@ -291,11 +291,11 @@ def simulate(
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with the index offset (stage * B * P + phase) of their flat slot.
-    successors = {
-        (s, d): [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
-                 for j in graph.succ(Job(s, 0, d))]
+    successors = [  # by stage * P + phase index
+        [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
+         for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
-    }
+    ]
     n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     missing: list[int] = []
     for s in range(S):
@@ -315,6 +315,7 @@ def simulate(
 
     slots: list[Slot] = []
     append = slots.append
+    by_worker: list[list[Slot]] = [[] for _ in range(W)]  # the timeline's per-worker view
     total = P * S * B
     while events:
         start, rank, w, version, k = heappop(events)
@@ -334,10 +335,12 @@ def simulate(
             state.stash += 1
         elif k == release:
             state.stash -= 1
-        append(new_tuple(Slot, (job, w, start, end)))
+        slot = new_tuple(Slot, (job, w, start, end))
+        append(slot)
+        by_worker[w].append(slot)
         state.free_at = end
         touched = [w]
-        for nstage, nphase, nk, offset in successors[(stage, job.phase)]:
+        for nstage, nphase, nk, offset in successors[stage * P + k]:
             i = offset + micro * P
             left = missing[i] - 1
             missing[i] = left
@@ -359,7 +362,7 @@ def simulate(
 
     if len(slots) != total:
         raise _stuck_error(workers, slots, total, caps)
-    return Timeline(W, S, B, slots)
+    return Timeline(W, S, B, slots, by_worker)
 
 
 def _stuck_error(
