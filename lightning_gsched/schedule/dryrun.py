@@ -262,8 +262,11 @@ class _DryRun:
                 raise self.fail(rank, f"runs W s{s} b{b} before B s{s} b{b} on this rank")
             done, others = state.weight_done, _NONE
         sent = self.sent_count
-        # every input must be here or posted before anything is waited for
-        needed = [weights] if weights is not None else []
+        # every input must be here or posted (else fail) before the first message not sent yet
+        # (the weights', then the inputs' in order) is waited for
+        wait: _Channel | None = None
+        if weights is not None and sent[weights[0]] < weights[1]:
+            wait = weights[0]
         for other in others:
             if (other, b) not in done:
                 message = state.posted.get((recv_op, other, b))
@@ -271,10 +274,10 @@ class _DryRun:
                     what = (f"the output of F s{other} b{b}" if op is _F
                             else f"the gradient from B s{other} b{b}")
                     raise self.fail(rank, f"needs {what} but neither computed nor received it")
-                needed.append(message)
-        for channel, k in needed:
-            if sent[channel] < k:
-                return channel
+                if wait is None and sent[message[0]] < message[1]:
+                    wait = message[0]
+        if wait is not None:
+            return wait
         done.add(job)
         if op is _F:
             if not self.programs.forward_only:
