@@ -22,7 +22,7 @@ S = 2W = 128, so it plans 3 x 128 x 256 = 98,304 jobs where 1f1b plans 32,768); 
 reports the slowest one, and the per-schedule table lists them all. Jobs are S x B x phases
 (F, B; and W for the split-backward zero-bubble schedules). The scaling table grows W with S=W
 and B=4W up to W=64 in quick mode and to W=256 (524,288 jobs) in the full run, then B at W=S=16;
-it prints seconds and microseconds per job, which stay flat when growth is linear.
+it prints wall seconds and CPU microseconds per job, which stay flat when growth is linear.
 
 Times are medians over a few repeats. Wall time is what the goal is about; CPU time of this
 process (``time.process_time``) is recorded beside it because the machine is shared: when other
@@ -275,19 +275,20 @@ def per_schedule_markdown(per_schedule: dict[str, dict[str, Any]]) -> str:
 
 
 def scaling_markdown(rows: list[dict[str, Any]]) -> str:
-    """The scaling table as markdown: one line per (series, W, S, B), per schedule its seconds
-    and microseconds per job (flat when the growth is linear)."""
+    """The scaling table as markdown: one line per (series, W, S, B), per schedule its wall
+    seconds and CPU microseconds per job (flat when the growth is linear; CPU time because a
+    shared machine stretches wall time by whatever else runs)."""
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
     sizes = list(dict.fromkeys((r.get("series", ""), r["W"], r["S"], r["B"]) for r in rows))
     cell = {(r.get("series", ""), r["W"], r["S"], r["B"], r["schedule"]): r for r in rows}
     head = ("| grows | W | S | B | jobs (F+B) | "
-            + " | ".join(f"{n} (s) | {n} (us/job)" for n in schedules) + " |")
+            + " | ".join(f"{n} wall (s) | {n} CPU (us/job)" for n in schedules) + " |")
     lines = [head, "|" + "---|" * (5 + 2 * len(schedules))]
     for series, W, S, B in sizes:
         values = []
         for name in schedules:
             r = cell.get((series, W, S, B, name))
-            values.append(f"{r['seconds']:.3f} | {1e6 * r['seconds'] / r['jobs']:.1f}" if r
+            values.append(f"{r['seconds']:.3f} | {1e6 * r['cpu_seconds'] / r['jobs']:.1f}" if r
                           else "- | -")
         label = {"W": "W (S=W, B=4W)", "B": "B (W=S=16)"}.get(series, series)
         lines.append(f"| {label} | {W} | {S} | {B} | {jobs_of(S, B)} | " + " | ".join(values)
