@@ -4,13 +4,14 @@ Counts come from the programs, not from the placement, because the programs are 
 executes: its counters must equal these numbers exactly. They are one
 :class:`~lightning_gsched.schedule.counts.ActionCounts` per rank, read in one pass over each
 rank's program with the op table's counters (counting never waits on another rank, so it needs
-no walker).
+no walker): a tally of ops and running sums, all in C loops.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import itemgetter
 
 from lightning_gsched.schedule.counts import ActionCounts
@@ -44,33 +45,25 @@ _COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is n
 def program_counts(programs: Programs, rank: int) -> ActionCounts:
     """Message counts, peak stash and peak residency of one rank's program.
 
-    One pass: the message counters are a tally of ops (each op's counter in the op table), the
-    peaks a running count raised at F / FETCH_W and lowered at the stash's release / FREE_W.
+    The message counters are a tally of ops (each op's counter in the op table); each peak is
+    the largest running sum of +1/-1 steps: F and the op that releases the stash (B, or W when
+    the backward is split) for activations, FETCH_W and FREE_W for resident stages.
     """
     owned = len(programs.owned_stages(rank))
     release = programs.releases_stash  # None: forward-only, nothing stashed
-    forward = Op.F if release is not None else None
-    fetch, free = Op.FETCH_W, Op.FREE_W
-    stash = peak_stash = 0
-    resident = peak_resident = owned
-    program = programs.ranks[rank]
-    for action in program:
-        op = action[0]
-        if op is forward:
-            stash += 1
-            if stash > peak_stash:
-                peak_stash = stash
-        elif op is release:
-            stash -= 1
-        elif op is fetch:
-            resident += 1
-            if resident > peak_resident:
-                peak_resident = resident
-        elif op is free:
-            resident -= 1
-    counts = ActionCounts(owned_stages=owned, peak_resident_stages=peak_resident,
-                          peak_activations=peak_stash)
-    for op, n in Counter(map(itemgetter(0), program)).items():
+    ops = list(map(itemgetter(0), programs.ranks[rank]))
+    stash_step = dict.fromkeys(Op, 0)
+    if release is not None:
+        stash_step[Op.F], stash_step[release] = 1, -1
+    resident_step = dict.fromkeys(Op, 0)
+    resident_step[Op.FETCH_W], resident_step[Op.FREE_W] = 1, -1
+    counts = ActionCounts(
+        owned_stages=owned,
+        peak_activations=max(accumulate(map(stash_step.__getitem__, ops), initial=0)),
+        peak_resident_stages=owned + max(accumulate(map(resident_step.__getitem__, ops),
+                                                    initial=0)),
+    )
+    for op, n in Counter(ops).items():
         name = _COUNTER_OF.get(op)
         if name is not None:
             setattr(counts, name, getattr(counts, name) + n)
