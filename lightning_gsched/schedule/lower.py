@@ -55,8 +55,8 @@ _CATEGORY = {
     Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
 }
 
-# (gap, category, time, serial), then (..., position) once make_fifo placed a receive; compute g
-# is keyed (g, 99), after gap g's actions
+# (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
+# make_fifo had to reorder; gap g's actions come right before compute g
 _Key = tuple[Any, ...]
 _Ident = tuple[int, "int | None", Op]  # (stage, micro, receive op): what a message carries
 _Channel = tuple[str, int, int]  # (kind, src rank, dst rank)
