@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print("[plots] microbatch sweep ...", file=sys.stderr, flush=True)
         extras["sweep"] = bench_fidelity.microbatch_sweep(args.quick)
-        scaling = next((r.extra.get("scaling") for r in results if r.name == "planner_speed"), None)
+        planner = next((r for r in results if r.name == "planner_speed"), None)
+        if planner is not None and planner.extra.get("per_schedule"):
+            extras["markdown"]["Planner time per library schedule"] = (
+                bench_planner.per_schedule_markdown(planner.extra["per_schedule"]))
+        scaling = planner.extra.get("scaling") if planner is not None else None
         if scaling:
             extras["scaling"] = scaling
             extras["markdown"]["Planner time as W, S, B grow"] = bench_planner.scaling_markdown(scaling)

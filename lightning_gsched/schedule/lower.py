@@ -35,9 +35,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from operator import itemgetter
-from typing import Mapping
+from typing import Any, Mapping
 
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -60,25 +60,45 @@ _CATEGORY = {
     Op.REDUCE_T: 1, Op.FREE_T: 2, Op.SEND_T: 3, Op.RECV_T: 4, Op.ALLREDUCE_T: 5, Op.FETCH_T: 6,
 }
 
-# (gap, category, time, serial), then (..., position) once make_fifo placed a receive; compute g
-# is keyed (g, 99), after gap g's actions
-_Key = tuple[float, ...]
+# (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
+# make_fifo had to reorder; gap g's actions come right before compute g
+_Key = tuple[Any, ...]
 _Ident = tuple[int, "int | None", Op]  # (stage, micro, receive op): what a message carries
+_Channel = tuple[str, int, int]  # (kind, src rank, dst rank)
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
 
 
 class _Builder:
-    """Collects actions per (rank, gap) with sort keys, then flattens them into programs."""
+    """Collects actions per (rank, gap) with sort keys, then flattens them into programs.
+
+    Every send and receive is also filed under its channel as it is put (so that
+    :meth:`make_fifo` does not classify all actions again): ``sends[(kind, src, dst)]`` holds
+    (key, identity) of each send, ``recvs[(kind, src, dst)]`` (key, identity, index in the
+    receiver's entries) of each receive.
+    """
 
     def __init__(self, timeline: Timeline) -> None:
         self.slots = timeline.by_worker
         self.starts = [[slot.start for slot in slots] for slots in self.slots]
         self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in self.slots]
         self.serial = 0
+        self.sends: dict[_Channel, list[tuple[_Key, _Ident]]] = defaultdict(list)
+        self.recvs: dict[_Channel, list[tuple[_Key, _Ident, int]]] = defaultdict(list)
 
     def put(self, rank: int, gap: int, time: float, action: Action) -> None:
         self.serial += 1
-        self.entries[rank].append(((gap, _CATEGORY[action[0]], time, self.serial), action))
+        key = (gap, _CATEGORY[action[0]], time, self.serial)
+        entries = self.entries[rank]
+        entries.append((key, action))
+        op = action.op
+        if op in SEND_OPS:
+            assert action.peer is not None  # lowering names the peer of every message it emits
+            self.sends[(CHANNEL_OF[op], rank, action.peer)].append(
+                (key, (action.stage, action.micro, RECV_FOR_SEND[op])))
+        elif op in RECV_OPS:
+            assert action.peer is not None
+            self.recvs[(CHANNEL_OF[op], action.peer, rank)].append(
+                (key, (action.stage, action.micro, op), len(entries) - 1))
 
     def gap_at(self, rank: int, time: float) -> int:
         """Gap before the first compute on ``rank`` that starts at or after ``time``."""
@@ -92,50 +112,56 @@ class _Builder:
         to first, each matched receive takes the smaller of its own key and the key of the
         receive after it, so posts only ever move earlier.
         """
-        # (kind, src, dst) -> the sends on that channel; (kind, src, dst) -> identity -> posts
-        sends: dict[tuple[str, int, int | None], list[tuple[_Key, _Ident]]] = defaultdict(list)
-        recvs: dict[tuple[str, int | None, int], dict[_Ident, list[tuple[_Key, int]]]] = (
-            defaultdict(lambda: defaultdict(list))
-        )
-        for rank, entries in enumerate(self.entries):
-            for index, (key, action) in enumerate(entries):
-                ident: _Ident
-                if action.op in SEND_OPS:
-                    ident = (action.stage, action.micro, RECV_FOR_SEND[action.op])
-                    sends[(CHANNEL_OF[action.op], rank, action.peer)].append((key, ident))
-                elif action.op in RECV_OPS:
-                    ident = (action.stage, action.micro, action.op)
-                    recvs[(CHANNEL_OF[action.op], action.peer, rank)][ident].append((key, index))
-        for (channel, src, dst), sent in sends.items():
-            assert dst is not None  # lowering names the peer of every message it emits
-            sent.sort()
-            waiting = recvs[(channel, src, dst)]
-            for queue in waiting.values():
-                queue.sort(reverse=True)  # pop() yields the earliest post first
-            matched = [waiting[ident].pop()[1] if waiting[ident] else None for _, ident in sent]
+        second = itemgetter(1)
+        for (channel, src, dst), sent in self.sends.items():
+            sent.sort()  # keys are unique: send order on the channel
+            posts = sorted(self.recvs.get((channel, src, dst), ()))  # post order
+            if list(map(second, sent)) == list(map(second, posts)):
+                # the usual case: posts already carry the same messages in the same order, so
+                # the k-th send matches the k-th post, and no post has to move (its key is
+                # already no later than the next one's; keys stay unique by their serial)
+                continue
+            matched: list[int | None]
+            if len(set(map(second, posts))) == len(posts):  # each message posted once (p2p)
+                index_of = {ident: index for _, ident, index in posts}
+                matched = [index_of.pop(ident, None) for _, ident in sent]
+            else:  # weights of one stage fetched several times: k-th send, k-th post
+                waiting: dict[_Ident, list[int]] = defaultdict(list)
+                for _, ident, index in reversed(posts):
+                    waiting[ident].append(index)  # pop() yields the earliest post first
+                matched = [waiting[ident].pop() if waiting[ident] else None
+                           for _, ident in sent]
+            entries = self.entries[dst]
             running: _Key | None = None
             for position in reversed(range(len(matched))):
                 recv_index = matched[position]
                 if recv_index is None:
                     continue  # left unmatched on purpose: the dry run reports it
-                key, recv = self.entries[dst][recv_index]
-                key = key[:4] if running is None or key[:4] <= running else running
+                key, recv = entries[recv_index]  # its own 4-part key: matched once
+                if running is not None and key > running:
+                    key = running
                 running = key
-                self.entries[dst][recv_index] = ((*key, position), recv)
+                entries[recv_index] = (key + (position,), recv)
 
     def programs(self) -> list[list[Action]]:
         """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
         out = []
         new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
         for rank, entries in enumerate(self.entries):
-            keyed: list[tuple[_Key, Action]] = [
-                ((i, 99), new_tuple(Action, (compute_op[s.job.phase], s.job.stage, s.job.micro,
-                                             None, None)))
-                for i, s in enumerate(self.slots[rank])
-            ]
-            keyed.extend(entries)
-            keyed.sort(key=first)
-            out.append([action for _, action in keyed])
+            computes = [new_tuple(Action, (compute_op[d], s, b, None, None))
+                        for s, b, d in map(first, self.slots[rank])]
+            entries.sort(key=first)  # keys are unique (serial): a total order
+            program: list[Action] = []
+            append = program.append
+            done = 0  # computes emitted so far
+            for key, action in entries:
+                gap = key[0]
+                if done < gap:
+                    program.extend(computes[done:gap])
+                    done = gap
+                append(action)
+            program.extend(computes[done:])
+            out.append(program)
         return out
 
 
@@ -150,13 +176,8 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     :func:`~lightning_gsched.schedule.lower_ties.lower_ties`.
     """
     build = _Builder(timeline)
-    index: dict[Job, int] = {}
-    for slots in timeline.by_worker:
-        for i, slot in enumerate(slots):
-            index[slot.job] = i
-
     grad_phase = Phase.W if graph.split_backward else Phase.B  # accumulates weight gradients
-    _lower_data_flow(graph, table, timeline, build, index)
+    _lower_data_flow(graph, table, timeline, build)
     reduce_gaps = _lower_weights(table, timeline, build, grad_phase, fetch_window)
     if not graph.forward_only:
         _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
@@ -170,44 +191,83 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 
 
 def _lower_data_flow(
-    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder, index: dict[Job, int]
+    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder
 ) -> None:
-    """Activation sends/receives after forwards, input-gradient sends/receives after backwards."""
+    """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
+
+    The planner's largest loop (two actions per message): jobs are found by flat index
+    ``(stage * B + micro) * P + phase`` rather than by hashing, and each message is filed under
+    its channel here, as :meth:`_Builder.put` would (same keys, same serials): every message
+    this loop makes while visiting a consumer's slots is on a channel into that consumer, so
+    they are gathered per sender and filed once per channel.
+    """
     compute = table.compute
+    B, P = table.micro, len(graph.phases)
+    phase_index = {d: k for k, d in enumerate(graph.phases)}
+    by_worker = timeline.by_worker
+    position = [0] * (table.stages * B * P)  # flat job -> index in its worker's slots
+    finished = [0.0] * (table.stages * B * P)  # flat job -> end time
+    for slots in by_worker:
+        for i, (job, _, _, end) in enumerate(slots):
+            flat = (job[0] * B + job[1]) * P + phase_index[job[2]]
+            position[flat] = i
+            finished[flat] = end
     done: set[tuple[int, int, Phase, int]] = set()  # (producer stage, micro, phase, consumer)
     entries = build.entries
-    by_worker = timeline.by_worker
-    new_tuple = tuple.__new__  # Job(...)/Action(...) without the NamedTuple __new__ frame
-    serial = build.serial  # build.put inlined (two puts per message): same keys, same serials
+    new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
+    serial = build.serial
+    # per phase: (send op, its category, receive op, its category, channel, phase index)
     kinds = {
-        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv])
+        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv], CHANNEL_OF[send],
+                phase_index[phase])
         for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
                                   (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
+        if phase in phase_index
     }
-    sources = {  # W consumes nothing from another stage: it follows its own B
-        (s, d): list(graph.inputs(s) if d is Phase.F else graph.outputs(s) if d is Phase.B else [])
-        for s in range(graph.num_stages) for d in graph.phases
-    }
+    # W consumes nothing from another stage: it follows its own B
+    sources = {d: [list(graph.inputs(s) if d is Phase.F else graph.outputs(s)
+                        if d is Phase.B else []) for s in range(graph.num_stages)]
+               for d in graph.phases}
+    chain = graph.is_chain
     for worker, slots in enumerate(by_worker):
-        for i, slot in enumerate(slots):
-            s, b, phase = slot.job
-            for other in sources[(s, phase)]:
+        mine = entries[worker]
+        # channel -> src -> this consumer's sends / posts on channel src -> worker
+        sent_here: dict[str, dict[int, list[tuple[_Key, _Ident]]]] = {
+            kind[4]: defaultdict(list) for kind in kinds.values()}
+        posted_here: dict[str, dict[int, list[tuple[_Key, _Ident, int]]]] = {
+            kind[4]: defaultdict(list) for kind in kinds.values()}
+        for i, (job, _, start, _) in enumerate(slots):
+            s, b, phase = job
+            others = sources[phase][s]
+            if not others:
+                continue
+            send, send_cat, recv, recv_cat, channel, k = kinds[phase]
+            sent_on, posted_on = sent_here[channel], posted_here[channel]
+            gap = i - 1 if i else 0
+            for other in others:
                 src = compute[other][b]
                 if src == worker:
                     continue
-                if not graph.is_chain:  # in a DAG one output may feed two stages on one worker
+                if not chain:  # in a DAG one output may feed two stages on one worker
                     if (other, b, phase, worker) in done:
                         continue
                     done.add((other, b, phase, worker))
-                produced = index[new_tuple(Job, (other, b, phase))]
-                sent_at = by_worker[src][produced].end
-                send, send_cat, recv, recv_cat = kinds[phase]
+                flat = (other * B + b) * P + k
+                ident = (other, b, recv)
                 serial += 1
-                entries[src].append(((produced + 1, send_cat, sent_at, serial),
-                                     new_tuple(Action, (send, other, b, worker, None))))
+                key = (position[flat] + 1, send_cat, finished[flat], serial)
+                entries[src].append((key, new_tuple(Action, (send, other, b, worker, None))))
+                sent_on[src].append((key, ident))
                 serial += 1
-                entries[worker].append(((max(i - 1, 0), recv_cat, slot.start, serial),
-                                        new_tuple(Action, (recv, other, b, src, None))))
+                key = (gap, recv_cat, start, serial)
+                posted_on[src].append((key, ident, len(mine)))
+                mine.append((key, new_tuple(Action, (recv, other, b, src, None))))
+        for channel, by_src in sent_here.items():
+            for src, sent in by_src.items():
+                build.sends[(channel, src, worker)].extend(sent)
+        for channel, by_src_posts in posted_here.items():
+            for src, posted in by_src_posts.items():
+                build.recvs[(channel, src, worker)].extend(posted)
     build.serial = serial
 
 
@@ -225,14 +285,19 @@ def _lower_weights(
     """
     reduce_gaps: dict[tuple[int, int], int] = {}
     for worker, slots in enumerate(timeline.by_worker):
+        stages = [job[0] for job in map(itemgetter(0), slots)]
+        owned = set(table.owned_stages(worker))
+        if owned.issuperset(stages):
+            continue  # computes only stages it owns: nothing to fetch
         freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
+        n = len(stages)
         i = 0
-        while i < len(slots):
-            stage = slots[i].job.stage
+        while i < n:
+            stage = stages[i]
             j = i
-            while j + 1 < len(slots) and slots[j + 1].job.stage == stage:
+            while j + 1 < n and stages[j + 1] == stage:
                 j += 1
-            if not table.is_owner(worker, stage):
+            if stage not in owned:
                 owner = table.fetch_source[(stage, worker)]
                 fetch_gap = max(i - 1, 0)
                 if fetch_window is not None and len(freed_at) >= fetch_window:
@@ -263,6 +328,8 @@ def _lower_allreduce(
     grad_phase: Phase,
 ) -> None:
     """Replica owners all-reduce a stage right after their last weight-gradient job of it."""
+    if all(len(owners) < 2 for owners in table.owners):
+        return  # no replicas: nothing to all-reduce (and no need to scan every slot)
     last_backward: dict[tuple[int, int], tuple[int, float]] = {}
     for worker, slots in enumerate(timeline.by_worker):
         for i, slot in enumerate(slots):

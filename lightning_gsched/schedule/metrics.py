@@ -2,18 +2,21 @@
 
 Counts come from the programs, not from the placement, because the programs are what the runtime
 executes: its counters must equal these numbers exactly. They are one
-:class:`~lightning_gsched.schedule.counts.ActionCounts` per rank, filled by a handler of the
-program walker (:mod:`.walk`) with the op table's counters.
+:class:`~lightning_gsched.schedule.counts.ActionCounts` per rank, read in one pass over each
+rank's program with the op table's counters (counting never waits on another rank, so it needs
+no walker): a tally of ops and running sums, all in C loops.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import itemgetter
 
 from lightning_gsched.schedule.counts import ActionCounts
-from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.program import OPS, Op, Programs
 from lightning_gsched.schedule.simulate import Timeline
-from lightning_gsched.schedule.walk import walk_rank
 
 
 @dataclass
@@ -35,46 +38,36 @@ class PlanMetrics:
         return max(values)
 
 
-class _Counter:
-    """Walk handler: message counters from the op table, peak stash and peak residency."""
-
-    def __init__(self, programs: Programs, rank: int) -> None:
-        owned = len(programs.owned_stages(rank))
-        self.counts = ActionCounts(owned_stages=owned, peak_resident_stages=owned)
-        self.release = programs.releases_stash  # None: forward-only, nothing stashed
-        self.stash = 0
-        self.resident = owned
-
-    def compute(self, rank: int, action: Action) -> None:
-        if self.release is None:
-            return
-        if action.op is Op.F:
-            self.stash += 1
-            self.counts.peak_activations = max(self.counts.peak_activations, self.stash)
-        elif action.op is self.release:
-            self.stash -= 1
-
-    def send(self, rank: int, action: Action) -> None:
-        self.counts.count(action.op)
-
-    def recv(self, rank: int, action: Action) -> None:
-        self.counts.count(action.op)
-        if action.op is Op.FETCH_W:
-            self.resident += 1
-            self.counts.peak_resident_stages = max(self.counts.peak_resident_stages, self.resident)
-
-    def free(self, rank: int, action: Action) -> None:
-        self.resident -= 1
-
-    def collective(self, rank: int, action: Action) -> None:
-        self.counts.count(action.op)
+# op -> the ActionCounts field one such action adds 1 to (the op table's counters)
+_COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is not None}
 
 
 def program_counts(programs: Programs, rank: int) -> ActionCounts:
-    """Message counts, peak stash and peak residency of one rank's program."""
-    handler = _Counter(programs, rank)
-    walk_rank(programs, rank, handler)
-    return handler.counts
+    """Message counts, peak stash and peak residency of one rank's program.
+
+    The message counters are a tally of ops (each op's counter in the op table); each peak is
+    the largest running sum of +1/-1 steps: F and the op that releases the stash (B, or W when
+    the backward is split) for activations, FETCH_W and FREE_W for resident stages.
+    """
+    owned = len(programs.owned_stages(rank))
+    release = programs.releases_stash  # None: forward-only, nothing stashed
+    ops = list(map(itemgetter(0), programs.ranks[rank]))
+    stash_step = dict.fromkeys(Op, 0)
+    if release is not None:
+        stash_step[Op.F], stash_step[release] = 1, -1
+    resident_step = dict.fromkeys(Op, 0)
+    resident_step[Op.FETCH_W], resident_step[Op.FREE_W] = 1, -1
+    counts = ActionCounts(
+        owned_stages=owned,
+        peak_activations=max(accumulate(map(stash_step.__getitem__, ops), initial=0)),
+        peak_resident_stages=owned + max(accumulate(map(resident_step.__getitem__, ops),
+                                                    initial=0)),
+    )
+    for op, n in Counter(ops).items():
+        name = _COUNTER_OF.get(op)
+        if name is not None:
+            setattr(counts, name, getattr(counts, name) + n)
+    return counts
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
@@ -82,7 +75,7 @@ def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
     per_worker = []
     total_busy = 0.0
     for rank in range(programs.world_size):
-        busy = sum(slot.end - slot.start for slot in timeline.by_worker[rank])
+        busy = sum([slot[3] - slot[2] for slot in timeline.by_worker[rank]])  # end - start
         total_busy += busy
         per_worker.append(WorkerMetrics(worker=rank, busy=busy,
                                         **program_counts(programs, rank).planned()))

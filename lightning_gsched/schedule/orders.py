@@ -15,6 +15,9 @@ from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PriorityFn = Callable[[int, int, Phase], Any]
+# Enum members as module constants: ``Phase.F`` is a look-up through the enum's descriptor
+# (about 0.2 us on Python 3.11), and the library orders run once per job of every plan
+_F, _B = Phase.F, Phase.B
 CapSpec = Union[None, int, str, Sequence[Union[int, None]], Callable[[int], Union[int, None]]]
 
 
@@ -24,7 +27,7 @@ def bfs(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     A looped worker finishes stage s for every microbatch before moving to its next stage, which
     also lets fetched weights stay resident over a whole run of microbatches.
     """
-    if phase is Phase.F:
+    if phase is _F:
         return (0, stage, micro)
     return (1, -stage, micro)
 
@@ -38,14 +41,14 @@ def gpipe(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     units against 66 here: every worker ran its first stage for all microbatches before its
     second.)
     """
-    if phase is Phase.F:
+    if phase is _F:
         return (0, micro, stage)
     return (1, micro, -stage)
 
 
 def one_f_one_b(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     """Depth-first / 1F1B: backward first, then the oldest microbatch, deepest stage first."""
-    if phase is Phase.B:
+    if phase is _B:
         return (0, micro, -stage)
     return (1, micro, -stage)
 
@@ -58,9 +61,9 @@ def zero_bubble(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     the optimizer step) only when neither is startable, or when the activation cap stops the
     next F: a W frees a stash, so it is also what lets the pipeline go on under a cap.
     """
-    if phase is Phase.B:
+    if phase is _B:
         return (0, micro, -stage)
-    if phase is Phase.F:
+    if phase is _F:
         return (1, micro, -stage)
     return (2, micro, -stage)
 

@@ -218,10 +218,11 @@ class PlacementTable:
         self.compute: list[list[int]] = [[0] * micro for _ in range(stages)]
         self.weights: list[list[tuple[int, int]]] = [[(0, 0)] * micro for _ in range(stages)]
         source: dict[tuple[int, int], tuple[int, int, Phase]] = {}
+        F, B = Phase.F, Phase.B  # locals: an enum member look-up costs ~0.2 us on Python 3.11
         for s in range(stages):
             for b in range(micro):
-                (wf, cf) = self._call(placement, s, b, Phase.F)
-                (wb, cb) = self._call(placement, s, b, Phase.B)
+                (wf, cf) = self._call(placement, s, b, F)
+                (wb, cb) = self._call(placement, s, b, B)
                 if cf != cb:
                     raise PlacementError(
                         f"placement puts F s{s} b{b} on worker {cf} but B s{s} b{b} on worker {cb}; "
@@ -230,7 +231,7 @@ class PlacementTable:
                     )
                 self.compute[s][b] = cf
                 self.weights[s][b] = (wf, wb)
-                for w, d in ((wf, Phase.F), (wb, Phase.B)):
+                for w, d in ((wf, F), (wb, B)):
                     if w == cf:
                         continue
                     first = source.setdefault((s, cf), (w, b, d))

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.dryrun import dry_run
-from lightning_gsched.schedule.jobs import Job, StageGraph
+from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_shape
 from lightning_gsched.schedule.lower import lower
 from lightning_gsched.schedule.metrics import PlanMetrics, measure
@@ -361,7 +361,7 @@ def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> 
 
 
 def smallest_feasible_cap(
-    graph: StageGraph, table: PlacementTable, ranks: dict[Job, int], costs: Costs
+    graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
 ) -> int:
     """Smallest uniform cap with which the greedy schedule completes (bisection)."""
 
@@ -376,14 +376,14 @@ def smallest_feasible_cap(
 
 
 def auto_cap(
-    graph: StageGraph, table: PlacementTable, ranks: dict[Job, int], costs: Costs
+    graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
 ) -> list[int | None]:
     """Smallest uniform cap whose latency equals the uncapped latency (bisection)."""
     return auto_cap_timeline(graph, table, ranks, costs)[0]
 
 
 def auto_cap_timeline(
-    graph: StageGraph, table: PlacementTable, ranks: dict[Job, int], costs: Costs
+    graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
 ) -> tuple[list[int | None], Timeline]:
     """:func:`auto_cap` and the timeline simulated with that cap.
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs, phases_of
 from lightning_gsched.schedule.orders import PriorityFn
 from lightning_gsched.schedule.placements import PlacementTable
 
@@ -127,29 +127,80 @@ class Timeline:
 def priority_ranks(
     priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
     split_backward: bool = False,
-) -> dict[Job, int]:
-    """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys)."""
-    keyed = []
-    job: Job | None = None
+) -> list[int]:
+    """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys).
+
+    The result is indexed by the flat job index ``(stage * micro + b) * P + phase`` (P phases
+    per job in the order F, B, W: :func:`phases_of`), the layout :func:`simulate` works in.
+    Rank order is that of the pairs (n(job), job): equal priorities are broken by the job
+    itself. Library orders return tuples of ints; those are packed into one int per job that
+    orders as the pair does (:func:`_packed`), so the sort compares ints, not tuples.
+    """
+    phases = phases_of(forward_only, split_backward)
+    keys: list[Any] = []
+    append = keys.append
+    s = b = 0
+    d = phases[0]
     try:  # one try around the loop: no per-job cost on the planner's hot path
-        for job in all_jobs(stages, micro, forward_only, split_backward):
-            keyed.append((priority(*job), job))
+        for s in range(stages):
+            for b in range(micro):
+                for d in phases:
+                    append(priority(s, b, d))
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
         raise validate.user_callable_error(
-            "priority", priority, job or (), "s, b, d", exc) from exc
+            "priority", priority, (s, b, d), "s, b, d", exc) from exc
+    packed = _packed(keys, phases)
     try:
-        keyed.sort()
+        if packed is not None:
+            order = sorted(range(len(keys)), key=packed.__getitem__)
+        else:
+            jobs = list(all_jobs(stages, micro, forward_only, split_backward))
+            order = sorted(range(len(keys)), key=lambda i: (keys[i], jobs[i]))
     except TypeError as exc:
         raise ScheduleConfigError(
             f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
         ) from exc
-    return {job: rank for rank, (_, job) in enumerate(keyed)}
+    ranks = [0] * len(keys)
+    for rank, i in enumerate(order):
+        ranks[i] = rank
+    return ranks
+
+
+def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
+    """One int per job ordering as (key, job) does, when every key is an int or every key a
+    tuple of ints of one length; None otherwise (then the pairs themselves are sorted).
+
+    Each key component is shifted to start at 0 and the tuple read as a mixed-radix number
+    (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
+    the job's place in job order ((stage, micro), then the phase by its text: B < F < W), the
+    tie-break. ``keys`` are listed stage, micro, then ``phases`` (the flat job order).
+    """
+    if not keys:
+        return None
+    columns: list[Sequence[Any]] = [keys]
+    if type(keys[0]) is tuple:
+        if set(map(type, keys)) != {tuple} or len(set(map(len, keys))) != 1:
+            return None
+        columns = list(zip(*keys, strict=True))
+    packed = [0] * len(keys)
+    for column in columns:
+        if set(map(type, column)) != {int}:  # exactly int: no bool, float or subclass
+            return None
+        low = min(column)
+        radix = max(column) - low + 1
+        packed = [p * radix + (x - low) for p, x in zip(packed, column, strict=True)]
+    text_rank = {d: r for r, d in enumerate(sorted(phases, key=str))}
+    P = len(phases)
+    groups = len(keys) // P  # (stage, micro) pairs, in job order already
+    tie = [text_rank[d] for d in phases] * groups
+    return [(p * groups + i // P) * P + t
+            for i, (p, t) in enumerate(zip(packed, tie, strict=True))]
 
 
 class _Worker:
     """Ready queues of one worker per phase: jobs not yet startable by time, and startable now."""
 
-    __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases")
+    __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases", "next_start")
 
     def __init__(self, cap: int | None, phases: int) -> None:
         self.free_at = 0.0
@@ -160,6 +211,7 @@ class _Worker:
         self.pending: list[list[tuple[float, int, Job]]] = [[] for _ in self.phases]
         self.ready: list[list[tuple[int, Job]]] = [[] for _ in self.phases]
         self.version = 0
+        self.next_start: float | None = None  # start of its valid event (None: no event)
 
     def forward_allowed(self) -> bool:
         return self.cap is None or self.stash < self.cap
@@ -199,18 +251,20 @@ _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 def simulate(
     graph: StageGraph,
     table: PlacementTable,
-    ranks: dict[Job, int],
+    ranks: Sequence[int],
     costs: Costs,
     caps: Sequence[int | None],
 ) -> Timeline:
     """Run the greedy schedule to completion and return the timeline.
 
-    Hot loop (``auto_cap`` runs it ~10 times per plan), written for speed with the same results:
-    an event carries the phase its worker's best candidate had when it was pushed, so a valid
-    event (its worker unchanged since) needs no second ``best()``; workers touched while one job
-    completes are refreshed once afterwards rather than after every change (the heap's order
-    depends only on the keys, so fewer stale events change nothing); dependency counts live in
-    flat lists indexed by ``(stage * B + micro) * P + phase`` (P phases per job: 1, 2 or 3).
+    Hot loop (``auto_cap`` runs it several times per plan), written for speed with the same
+    results: an event carries the phase its worker's best candidate had when it was pushed, so a
+    valid event (its worker unchanged since) needs no second ``best()``; workers touched while
+    one job completes are refreshed once afterwards rather than after every change (the heap's
+    order depends only on the keys, so fewer stale events change nothing), and not at all when a
+    new job cannot change their event (they start something now, the job is ready later);
+    dependency counts and ranks live in flat lists indexed by ``(stage * B + micro) * P +
+    phase`` (P phases per job: 1, 2 or 3).
 
     The stash of a (stage, microbatch) counts against the cap from its F until its last
     backward phase: B, or W when the graph splits the backward.
@@ -231,14 +285,17 @@ def simulate(
         best = state.best()
         if best is not None:
             heappush(events, (best[0], best[1], w, state.version, best[2]))
+            state.next_start = best[0]
+        else:
+            state.next_start = None
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with the index offset (stage * B * P + phase) of their flat slot.
-    successors = {
-        (s, d): [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
-                 for j in graph.succ(Job(s, 0, d))]
+    successors = [  # by stage * P + phase index
+        [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
+         for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
-    }
+    ]
     n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     missing: list[int] = []
     for s in range(S):
@@ -251,13 +308,14 @@ def simulate(
             for b in range(B):
                 job = Job(s, b, d)
                 w = compute[s][b]
-                heappush(workers[w].pending[k], (0.0, ranks[job], job))
+                heappush(workers[w].pending[k], (0.0, ranks[(s * B + b) * P + k], job))
                 touched.append(w)
     for w in dict.fromkeys(touched):
         refresh(w)
 
     slots: list[Slot] = []
     append = slots.append
+    by_worker: list[list[Slot]] = [[] for _ in range(W)]  # the timeline's per-worker view
     total = P * S * B
     while events:
         start, rank, w, version, k = heappop(events)
@@ -277,10 +335,12 @@ def simulate(
             state.stash += 1
         elif k == release:
             state.stash -= 1
-        append(new_tuple(Slot, (job, w, start, end)))
+        slot = new_tuple(Slot, (job, w, start, end))
+        append(slot)
+        by_worker[w].append(slot)
         state.free_at = end
         touched = [w]
-        for nstage, nphase, nk, offset in successors[(stage, job.phase)]:
+        for nstage, nphase, nk, offset in successors[stage * P + k]:
             i = offset + micro * P
             left = missing[i] - 1
             missing[i] = left
@@ -290,15 +350,19 @@ def simulate(
             if left == 0:
                 nxt = new_tuple(Job, (nstage, micro, nphase))
                 nw = compute[nstage][micro]
-                heappush(workers[nw].pending[nk], (at, ranks[nxt], nxt))
-                if nw != w:
+                other = workers[nw]
+                heappush(other.pending[nk], (at, ranks[i], nxt))
+                # Another worker's event stands when it starts something now (at its free_at)
+                # and the new job is only ready later: "startable now" beats it whatever its
+                # rank, so best() would return the same event (and it is taken from ``ready``).
+                if nw != w and not (other.next_start == other.free_at and at > other.free_at):
                     touched.append(nw)
         for nw in touched:
             refresh(nw)
 
     if len(slots) != total:
         raise _stuck_error(workers, slots, total, caps)
-    return Timeline(W, S, B, slots)
+    return Timeline(W, S, B, slots, by_worker)
 
 
 def _stuck_error(

@@ -66,27 +66,21 @@ class Walker:
         """
         table = dispatch_table(handler)
         ranks, pc, runnable = self.programs.ranks, self.pc, self._runnable
+        waiters, queued = self._waiters, self._queued
         while runnable:
             rank = runnable.popleft()
-            self._queued.discard(rank)
+            queued.discard(rank)
             program = ranks[rank]
             end = len(program)
-            while pc[rank] < end:
-                action = program[pc[rank]]
-                key = table[action.op](rank, action)
+            i = pc[rank]
+            while i < end:
+                action = program[i]
+                key = table[action[0]](rank, action)
                 if key is not None:
-                    self._waiters[key].append(rank)
+                    waiters[key].append(rank)
                     break
-                pc[rank] += 1
-            if pc[rank] == end and on_end is not None:
+                i += 1
+                pc[rank] = i  # handlers read the position (errors name the action)
+            if i == end and on_end is not None:
                 on_end(rank)
         return [r for r in range(len(ranks)) if pc[r] < len(ranks[r])]
-
-
-def walk_rank(programs: Programs, rank: int, handler: Handler) -> None:
-    """Walk one rank's program alone, for handlers that never wait (e.g. counting)."""
-    table = dispatch_table(handler)
-    for action in programs.ranks[rank]:
-        key = table[action.op](rank, action)
-        if key is not None:
-            raise RuntimeError(f"walk_rank: the handler waits at '{action}'; use Walker.run")
