@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # what ruff checks (configured in pyproject.toml); mypy's files are in pyproject.toml too
 LINT_PATHS := lightning_gsched tests examples benchmarks
 
-.PHONY: setup demo lint test bench clean
+.PHONY: setup demo lint test bench bench-repeat clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --quick
+
+# the reproducibility check: the quick suite three times, each row's ratios and their largest
+# deviation from the median (docs/benchmarks.md, "How to read the spread"); ~3x `make bench`
+bench-repeat: $(STAMP)
+	$(PY) benchmarks/run.py --quick --repeat 3
 
 # Third-party models (transformers 5.x, litgpt) split by partition() with default options:
 # tests/test_zoo.py, skipped by `make test` when they are missing. Every package is installed

@@ -28,10 +28,12 @@ on 2 processes, data parallel: each rank takes its own ``PER_RANK`` rows of ever
 * Second row ``fsdp_vs_torch[ddp]``: the same loop with
   ``DistributedDataParallel`` (no sharding), the cheapest data-parallel baseline, for scale.
 
-Rows carry every steady step time (``ours_times_ms``, ``anchor_times_ms``, in launch order) so
-the noise of a shared machine can be judged, and each side's median process CPU time per step
-on rank 0 (all its threads, gloo's included) with their ratio ``cpu_ratio``: on a machine
-shared with other jobs the wall times swing by tens of percent while CPU times stay put.
+The three sides alternate in rounds (:mod:`benchmarks.rounds`): each row's ratio is the median
+of the per-round ratios, with their min and max as its spread. Rows carry every steady step
+time per round (``ours_round_ms``, ``anchor_round_ms``) so the noise of a shared machine can be
+judged, and each side's median process CPU time per step summed over both ranks (all threads,
+gloo's included) with their ratio ``cpu_ratio``: on a machine shared with other jobs the wall
+times swing by tens of percent while CPU times stay put.
 
 Resident parameter bytes per rank (``extra``), both sides measured, not computed from sizes:
 
@@ -72,15 +74,12 @@ from typing import Any
 
 from benchmarks.common import (
     Result,
-    alternate,
     bench_main,
     dump_profile,
     launch,
-    median,
     profile_summary,
-    spread,
-    steady,
 )
+from benchmarks.rounds import Side, measure, ratio_result
 
 WORLD = 2
 STAGES = 4  # one stage per block of the 4-block benchmark GPT (FSDP2 shards per block)
@@ -92,10 +91,10 @@ WARMUP = 2
 GOAL = "<= 1.00, peak <= FSDP2's"
 DDP_GOAL = "report"
 MODULE = "benchmarks.bench_fsdp"  # not __name__: that is "__main__" under python -m
-# quick: one round, 3 steady steps per side (each launch costs ~3-5 s of interpreter start,
-# imports, tracing and process groups before the first step; ~17 s in all on a quiet machine)
-QUICK = {"steps": 5, "rounds": 1, "ddp": True}
-FULL = {"steps": 12, "rounds": 3, "ddp": True}
+# steps per fit (warm-up included) and alternated rounds (benchmarks.rounds); quick is what
+# `make bench` runs
+QUICK = {"steps": 6, "rounds": 4, "ddp": True}
+FULL = {"steps": 10, "rounds": 8, "ddp": True}
 
 
 # --------------------------------------------------------------------------- byte counting
@@ -198,7 +197,9 @@ def torch_timed(rank: int, world: int, mode: str, steps: int, per_rank: int,
     """One rank of a plain torch data-parallel loop (``mode`` = ``"fsdp2"`` or ``"ddp"``)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    owned = not dist.is_initialized()  # in reused processes (benchmarks.rounds) it exists
+    if owned:
+        dist.init_process_group("gloo")
     try:
         # the model (and DDP's reducer, which holds the process group) must be gone before the
         # group is destroyed: destroying gloo's group from the reducer's destructor can deadlock
@@ -208,7 +209,8 @@ def torch_timed(rank: int, world: int, mode: str, steps: int, per_rank: int,
         dist.barrier()
         return result
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def _torch_loop(rank: int, world: int, mode: str, steps: int, per_rank: int,
@@ -303,7 +305,7 @@ def resident_bytes_probe() -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
-            from lightning_gsched.schedule.metrics import resident_bytes
+            from lightning_gsched.schedule.memory import resident_bytes
 
             engine = trainer.strategy.engine
             runtime = engine.runtime
@@ -372,13 +374,13 @@ OURS_STRATEGY = {"kind": "gsched", "schedule": "fsdp", "stages": STAGES,
                  "microbatches": MICROBATCHES}
 
 
-def _ours(steps: int) -> dict[str, Any]:
-    return launch(f"{MODULE}:fit_probed", WORLD, strategy=OURS_STRATEGY, steps=steps,
-                  per_rank=PER_RANK)
+def _ours(steps: int) -> Side:
+    return Side(f"{MODULE}:fit_probed",
+                {"strategy": OURS_STRATEGY, "steps": steps, "per_rank": PER_RANK})
 
 
-def _torch(mode: str, steps: int) -> dict[str, Any]:
-    return launch(f"{MODULE}:torch_timed", WORLD, mode=mode, steps=steps, per_rank=PER_RANK)
+def _torch(mode: str, steps: int) -> Side:
+    return Side(f"{MODULE}:torch_timed", {"mode": mode, "steps": steps, "per_rank": PER_RANK})
 
 
 def _mib(n: int) -> str:
@@ -393,34 +395,19 @@ def _bytes_note(mem: list[dict[str, Any]]) -> str:
 def run(quick: bool) -> list[Result]:
     cfg = QUICK if quick else FULL
     steps, rounds = cfg["steps"], cfg["rounds"]
-    last: dict[str, dict[str, Any]] = {}
-    cpu: dict[str, list[float]] = {}
-
-    def side(name: str, fn: Any) -> Any:
-        def measure() -> list[float]:
-            out = fn()
-            last[name] = out
-            cpu.setdefault(name, []).extend(steady(out["cpu_times"], WARMUP))
-            return steady(out["times"], WARMUP)
-        return measure
-
     wall = time.perf_counter()
-    sides = {
-        "ours": side("ours", lambda: _ours(steps)),
-        "fsdp2": side("fsdp2", lambda: _torch("fsdp2", steps)),
-    }
+    sides = {"ours": _ours(steps), "fsdp2": _torch("fsdp2", steps)}
     if cfg["ddp"]:
-        sides["ddp"] = side("ddp", lambda: _torch("ddp", steps))
-    times = alternate(sides, rounds)
+        sides["ddp"] = _torch("ddp", steps)
+    runs = measure(sides, WORLD, rounds, WARMUP)
     wall = time.perf_counter() - wall
+    last = {name: run.last() for name, run in runs.items()}
     ours = last["ours"]
     full = last["fsdp2"]["full_model_bytes"]
     common = {
-        "steps_per_run": steps, "warmup": WARMUP, "rounds": rounds,
+        "steps_per_run": steps, "warmup": WARMUP,
         "per_rank": PER_RANK, "global_batch": PER_RANK * WORLD, "microbatches": MICROBATCHES,
         "full_model_param_bytes": full, "wall_s": wall,
-        "ours_spread": spread(times["ours"]),
-        "ours_times_ms": [round(1000 * t, 1) for t in times["ours"]],
         "ours_param_bytes_per_rank": ours["mem"],
         "ours_bytes_checked_against_module": ours["consistent"],
         "ours_peak_as_planned": all(m["peak"] == m["planned_peak"] for m in ours["mem"]),
@@ -429,9 +416,7 @@ def run(quick: bool) -> list[Result]:
     shape = (f"W=2, GeneralParallel('fsdp', stages={STAGES}, microbatches={MICROBATCHES}): one "
              "stage per block, each rank owns 2 and holds one fetched stage at a time (freed "
              "after its forward, fetched again for its backward); global batch "
-             f"{PER_RANK * WORLD}x64 tokens, {PER_RANK} rows per rank; median of "
-             f"{len(times['ours'])} steady steps per side ({rounds} alternated round(s) of "
-             f"{steps} steps, first {WARMUP} dropped)")
+             f"{PER_RANK * WORLD}x64 tokens, {PER_RANK} rows per rank")
     rows = []
     for key, name, label, goal in (
         ("fsdp2", "fsdp_vs_torch", "FSDP2 fully_shard (blocks + root)", GOAL),
@@ -442,37 +427,23 @@ def run(quick: bool) -> list[Result]:
         anchor = last[key]
         loss_a = anchor["loss"]
         diff = None if ours["loss"] is None else abs(ours["loss"] - loss_a)
-        cpu_ratio = median(cpu["ours"]) / median(cpu[key])
         peak_ok = all(m["peak"] <= a["peak"] for m, a in zip(ours["mem"], anchor["mem"],
                                                              strict=True))
         notes = (f"{shape}; anchor = {label}, plain torch loop on gloo/CPU (ours includes "
-                 f"Lightning's per-batch work); CPU time per step (rank 0) ours "
-                 f"{1000 * median(cpu['ours']):.1f} ms vs {1000 * median(cpu[key]):.1f} ms, "
-                 f"ratio {cpu_ratio:.3f}; param bytes per rank "
+                 f"Lightning's per-batch work); param bytes per rank "
                  f"(full model {_mib(full)}): ours {_bytes_note(ours['mem'])} (peak as planned: "
                  f"{common['ours_peak_as_planned']}); {key} {_bytes_note(anchor['mem'])}; "
                  f"peak ours <= {key}: {peak_ok}; loss after {steps} steps ours "
                  f"{ours['loss']:.4f} vs {key} {loss_a:.4f}")
-        rows.append(Result(
-            name=name,
-            ours_s=median(times["ours"]),
-            anchor_s=median(times[key]),
-            goal=goal,
-            notes=notes,
+        rows.append(ratio_result(
+            name, runs["ours"], runs[key], goal, notes,
             extra={
                 **common,
                 "anchor": key,
-                # rank 0's process CPU time per step (all its threads): the work each side does,
-                # much less sensitive than wall time to other load on the machine
-                "ours_cpu_s": median(cpu["ours"]), "anchor_cpu_s": median(cpu[key]),
-                "cpu_ratio": cpu_ratio,
                 "peak_goal_met": peak_ok,
-                "anchor_spread": spread(times[key]),
-                "anchor_times_ms": [round(1000 * t, 1) for t in times[key]],
                 "anchor_param_bytes_per_rank": anchor["mem"],
                 "loss_anchor": loss_a, "loss_abs_diff": diff,
                 "anchor_losses": anchor["losses"],
-                "steps_measured": {"ours": len(times["ours"]), key: len(times[key])},
             },
         ))
     return rows
@@ -492,8 +463,8 @@ def profile(quick: bool) -> str:
 
 
 def _step_lines(row: Result) -> list[str]:
-    return [f"step ms, ours: {row.extra['ours_times_ms']}",
-            f"step ms, {row.extra['anchor']}: {row.extra['anchor_times_ms']}"]
+    return [f"step ms per round, ours: {row.extra['ours_round_ms']}",
+            f"step ms per round, {row.extra['anchor']}: {row.extra['anchor_round_ms']}"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -501,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_main(argv, __doc__.splitlines()[0], run, profile,
                "also run ours and FSDP2 under cProfile and print the top functions",
                total_file=sys.stderr,
-               skip_keys=("anchor_losses", "ours_times_ms", "anchor_times_ms"),
+               skip_keys=("anchor_losses", "ours_round_ms", "anchor_round_ms"),
                more_lines=_step_lines)
 
 

@@ -42,10 +42,12 @@ the mean over the global batch; anchor: the mean of the last stage's microbatch 
 the loss after ``steps - 1`` updates from the same initial weights on the same data; the two
 must agree closely (``loss_abs_diff`` in ``extra``).
 
-Both sides time rank 0's steps; the first ``WARMUP`` steps of each run are dropped. Besides the
-wall times (the ratio), ``extra`` has each side's median process CPU time per step on rank 0:
-on a machine shared with other jobs the wall times swing by tens of percent while the CPU times
-stay put, so a wall ratio far from ``cpu_ratio`` says "noise or waiting", not "more work".
+The two sides alternate in rounds (:mod:`benchmarks.rounds`): both time rank 0's steps, the
+first ``WARMUP`` steps of each fit are dropped, the ratio is the median of the per-round ratios
+and its spread their min and max. Beside the wall times, each side's process CPU time per step
+summed over both ranks: on a machine shared with other jobs the wall times swing by tens of
+percent while the CPU times stay put, so a wall ratio far from ``cpu_ratio`` says "noise or
+waiting", not "more work".
 
 ``python -m benchmarks.bench_pipeline [--quick] [--profile] [--rows NAME ...]``: print the rows
 (all, or the named ones); ``--profile`` additionally runs each side of those rows once under
@@ -61,20 +63,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from benchmarks.common import (
     Result,
-    alternate,
     bench_main,
     dump_profile,
     launch,
-    median,
     profile_summary,
-    spread,
-    steady,
 )
 from benchmarks.pipeline_split import describe, local_stages, stage_modules, stage_split
+from benchmarks.rounds import Side, measure, ratio_result
 
 MODULE = "benchmarks.bench_pipeline"  # not __name__: that is "__main__" under python -m
 WORLD = 2
@@ -82,8 +81,9 @@ MICROBATCHES = 8
 WARMUP = 3
 PER_RANK = 16  # global batch 32 rows of 64 tokens, microbatches of 4 rows
 GOAL = "<= 0.95"
-QUICK = {"steps": 8, "rounds": 1}
-FULL = {"steps": 12, "rounds": 3}
+# steps per fit (warm-up included) and alternated rounds; quick is what `make bench` runs
+QUICK = {"steps": 7, "rounds": 4}
+FULL = {"steps": 10, "rounds": 8}
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,9 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
 
     row = ROWS[schedule]
     gshape = GPTShape(**(shape or {}))
-    dist.init_process_group("gloo")
+    owned = not dist.is_initialized()  # in reused processes (benchmarks.rounds) it exists
+    if owned:
+        dist.init_process_group("gloo")
     try:
         mine = local_stages(row.placement, rank, world, len(cuts) + 1)
         modules = stage_modules(build_core(gshape, seed=0), cuts)
@@ -184,7 +186,8 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
         return {"times": times, "cpu_times": cpu_times, "loss": box[0][-1], "losses": box[0],
                 "threads": torch.get_num_threads()}
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- ours
@@ -220,36 +223,21 @@ def fit_timed_ours(rank: int, world: int, strategy: dict[str, Any], steps: int, 
 # --------------------------------------------------------------------------- the benchmark
 
 
-def _ours(schedule: str, steps: int, per_rank: int, profile_dir: str | None = None) -> Any:
-    return launch(f"{MODULE}:fit_timed_ours", WORLD,
-                  strategy={"kind": "gsched", "schedule": schedule, "microbatches": MICROBATCHES},
-                  steps=steps, per_rank=per_rank, profile_dir=profile_dir)
+def _ours_side(schedule: str, steps: int, profile_dir: str | None = None) -> Side:
+    return Side(f"{MODULE}:fit_timed_ours", {
+        "strategy": {"kind": "gsched", "schedule": schedule, "microbatches": MICROBATCHES},
+        "steps": steps, "per_rank": PER_RANK, "profile_dir": profile_dir})
 
 
-def _anchor(schedule: str, steps: int, per_rank: int, profile_dir: str | None = None) -> Any:
-    return launch(f"{MODULE}:torch_pipeline_timed", WORLD, schedule=schedule, steps=steps,
-                  per_rank=per_rank, cuts=_split(ROWS[schedule].stages)["cuts"],
-                  microbatches=MICROBATCHES, profile_dir=profile_dir)
+def _anchor_side(schedule: str, steps: int, profile_dir: str | None = None) -> Side:
+    return Side(f"{MODULE}:torch_pipeline_timed", {
+        "schedule": schedule, "steps": steps, "per_rank": PER_RANK,
+        "cuts": _split(ROWS[schedule].stages)["cuts"], "microbatches": MICROBATCHES,
+        "profile_dir": profile_dir})
 
 
 def _fmt(loss: float | None) -> str:
     return "n/a" if loss is None else f"{loss:.4f}"
-
-
-def _side(
-    fn: Any, schedule: str, steps: int, losses: list[float | None], cpu: list[float]
-) -> Callable[[], list[float]]:
-    """One side's measurement for :func:`alternate`: the steady step times of a fresh run; the
-    final loss and CPU times go to ``losses`` / ``cpu``. Everything it uses is bound here, not
-    read from the caller's loop variables when it runs."""
-
-    def measure() -> list[float]:
-        out = fn(schedule, steps, PER_RANK)
-        losses.append(out["loss"])
-        cpu.extend(steady(out["cpu_times"], WARMUP))
-        return steady(out["times"], WARMUP)
-
-    return measure
 
 
 def _placement_text(row: PipelineRow) -> str:
@@ -259,20 +247,16 @@ def _placement_text(row: PipelineRow) -> str:
 
 
 def measure_row(row: PipelineRow, steps: int, rounds: int) -> Result:
-    """One row: both sides alternated ``rounds`` times; medians, spreads, CPU, loss agreement."""
+    """One row: both sides alternated ``rounds`` times (:mod:`benchmarks.rounds`); loss check."""
     from benchmarks.model import GPTShape
 
     shape = GPTShape()
     split = _split(row.stages)
-    losses: dict[str, list[float | None]] = {"ours": [], "anchor": []}
-    cpu: dict[str, list[float]] = {"ours": [], "anchor": []}
     wall = time.perf_counter()
-    times = alternate(
-        {name: _side(fn, row.schedule, steps, losses[name], cpu[name])
-         for name, fn in (("ours", _ours), ("anchor", _anchor))},
-        rounds,
-    )
+    runs = measure({"ours": _ours_side(row.schedule, steps),
+                    "anchor": _anchor_side(row.schedule, steps)}, WORLD, rounds, WARMUP)
     wall = time.perf_counter() - wall
+    losses = {k: [out[0]["loss"] for out in runs[k].outputs] for k in runs}
     loss_ours, loss_anchor = losses["ours"][-1], losses["anchor"][-1]
     diff = None if loss_ours is None or loss_anchor is None else abs(loss_ours - loss_anchor)
     notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global batch "
@@ -281,21 +265,10 @@ def measure_row(row: PipelineRow, steps: int, rounds: int) -> Result:
              f"{describe(split['cuts'], shape.layers)}; anchor = "
              f"torch.distributed.pipelining {row.torch_schedule} in a plain loop; loss at step "
              f"{steps}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
-    return Result(
-        name=f"pipeline_vs_torch[{row.schedule}]",
-        ours_s=median(times["ours"]),
-        anchor_s=median(times["anchor"]),
-        goal=GOAL,
-        notes=notes,
+    return ratio_result(
+        f"pipeline_vs_torch[{row.schedule}]", runs["ours"], runs["anchor"], GOAL, notes,
         extra={
-            "ours_spread": spread(times["ours"]),
-            "anchor_spread": spread(times["anchor"]),
-            # rank 0's process CPU time per step (all its threads): the work each side does,
-            # much less sensitive than wall time to other load on the machine
-            "ours_cpu_s": median(cpu["ours"]), "anchor_cpu_s": median(cpu["anchor"]),
-            "cpu_ratio": median(cpu["ours"]) / median(cpu["anchor"]),
-            "steps_per_run": steps, "warmup_dropped": WARMUP, "rounds": rounds,
-            "steps_measured": {k: len(v) for k, v in times.items()},
+            "steps_per_run": steps, "warmup_dropped": WARMUP,
             "loss_ours": loss_ours, "loss_anchor": loss_anchor, "loss_abs_diff": diff,
             "loss_per_round": losses,
             "stages": row.stages, "placement": row.placement, "cuts_before_block": split["cuts"],
@@ -325,9 +298,10 @@ def profile(quick: bool, rows: Sequence[str] | None = None) -> str:
     texts = []
     for row in _chosen(rows):
         with tempfile.TemporaryDirectory(prefix="gsched_prof_") as tmp:
-            for side, fn in (("ours", _ours), ("torch", _anchor)):
+            for side, fn in (("ours", _ours_side), ("torch", _anchor_side)):
                 folder = str(Path(tmp) / side)
-                fn(row.schedule, steps, PER_RANK, profile_dir=folder)
+                one = fn(row.schedule, steps, profile_dir=folder)
+                launch(one.target, WORLD, **one.kwargs)
                 texts.append(f"######## {row.schedule}: {side} ########\n"
                              + profile_summary(folder))
     return "\n".join(texts)

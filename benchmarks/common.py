@@ -12,7 +12,8 @@ thread (``OMP_NUM_THREADS=1``): on the 2-core machine two ranks then use one cor
 sides of every ratio run with the same setting.
 
 A job is ``module:function`` plus JSON keyword arguments; each rank calls it and rank 0's return
-value (JSON) comes back to the parent.
+value (JSON) comes back to the parent
+(:func:`launch`), or every rank's (:func:`launch_ranks`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ THREADS_PER_RANK = 1
 
 @dataclass
 class Result:
-    """One row of the table: our median step time, the anchor's, and ours / anchor."""
+    """One row of the table: our median step time, the anchor's, and ours / anchor.
+
+    Rows measured in alternated rounds (:mod:`benchmarks.rounds`) also carry the ratio of every
+    round (``round_ratios``): their ``ratio`` is then the median of those, and ``spread`` their
+    minimum and maximum, printed next to the ratio. ``ours_cpu_s`` / ``anchor_cpu_s``: median
+    process CPU seconds per step summed over all ranks (``None`` where not measured), and
+    ``round_cpu_ratios`` the CPU ratio of every round, so a reader sees whether a wall-time gap
+    is work (CPU ratio moves with it) or waiting (it does not).
+    """
 
     name: str
     ours_s: float | None
@@ -47,16 +56,39 @@ class Result:
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     unit: str = "seconds"  # what ours_s / anchor_s hold: "seconds", or "bytes" (memory rows)
+    round_ratios: list[float] = field(default_factory=list)
+    ours_cpu_s: float | None = None
+    anchor_cpu_s: float | None = None
+    round_cpu_ratios: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float | None:
+        if self.round_ratios:
+            return median(self.round_ratios)
         if self.ours_s is None or self.anchor_s is None or self.anchor_s == 0:
             return None
         return self.ours_s / self.anchor_s
 
+    @property
+    def spread(self) -> tuple[float, float] | None:
+        """(min, max) of the per-round ratios; ``None`` for rows not measured in rounds."""
+        if len(self.round_ratios) < 2:
+            return None
+        return min(self.round_ratios), max(self.round_ratios)
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        if self.round_cpu_ratios:
+            return median(self.round_cpu_ratios)
+        if self.ours_cpu_s is None or not self.anchor_cpu_s:
+            return None
+        return self.ours_cpu_s / self.anchor_cpu_s
+
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["ratio"] = self.ratio
+        out["spread"] = self.spread
+        out["cpu_ratio"] = self.cpu_ratio
         return out
 
 
@@ -89,6 +121,11 @@ def launch(target: str, world_size: int, timeout: float = 600.0, **kwargs: Any) 
 
     The function is called as ``fn(rank, world_size, **kwargs)``; kwargs must be JSON values.
     """
+    return launch_ranks(target, world_size, timeout, **kwargs)[0]
+
+
+def launch_ranks(target: str, world_size: int, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+    """:func:`launch`, returning every rank's result (``None`` where one was not JSON)."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="gsched_bench_") as tmp:
         out = Path(tmp) / "result.json"
@@ -133,7 +170,8 @@ def launch(target: str, world_size: int, timeout: float = 600.0, **kwargs: Any) 
             raise LaunchError(f"{target} failed on ranks {failed}:\n" + "\n".join(texts))
         for log in logs:
             log.close()
-        return json.loads(out.read_text())
+        return [json.loads(Path(f"{out}.{rank}").read_text())
+                for rank in range(world_size)]
 
 
 def run_in_worker(spec_text: str) -> None:
@@ -148,8 +186,13 @@ def run_in_worker(spec_text: str) -> None:
 
     torch.set_num_threads(THREADS_PER_RANK)
     result = fn(rank, world, **spec["kwargs"])
-    if rank == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+    try:
+        text = json.dumps(result)
+    except (TypeError, ValueError):
+        if rank == 0:
+            raise
+        text = "null"  # only rank 0's result must be JSON (what launch returns)
+    Path(f"{spec['out']}.{rank}").write_text(text)
     _shutdown_process_group()
 
 
@@ -194,20 +237,6 @@ def machine_description() -> str:
     return (f"{cpu}, {os.cpu_count()} cores{mem}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, lightning {lightning.__version__}; "
             f"{THREADS_PER_RANK} thread per rank, gloo on CPU")
-
-
-def alternate(sides: dict[str, Any], rounds: int) -> dict[str, list[float]]:
-    """Call each side's measurement function in turn, ``rounds`` times; per-side step times.
-
-    Why alternate: on a small shared machine the speed drifts over minutes (thermal, other
-    processes); running A B A B ... puts both sides under the same drift, and the median over all
-    their steps is then a fair comparison. Each function returns a list of step times.
-    """
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(rounds):
-        for name, fn in sides.items():
-            times[name].extend(fn())
-    return times
 
 
 def steady(times: list[float], warmup: int) -> list[float]:
@@ -275,6 +304,22 @@ def _short(value: Any) -> Any:
     return value
 
 
+def ratio_text(row: Result) -> str:
+    """``1.012 [0.990-1.031]``: the ratio, and the min-max of its rounds when it has them."""
+    if row.ratio is None:
+        return "-"
+    lo_hi = row.spread
+    return f"{row.ratio:.3f}" + ("" if lo_hi is None else f" [{lo_hi[0]:.3f}-{lo_hi[1]:.3f}]")
+
+
+def cpu_text(row: Result) -> str:
+    """``312/305 ms 1.023``: CPU ms per step (all ranks) of both sides and their ratio."""
+    if row.ours_cpu_s is None or row.anchor_cpu_s is None or row.cpu_ratio is None:
+        return "-"
+    return (f"{1e3 * row.ours_cpu_s:.0f}/{1e3 * row.anchor_cpu_s:.0f} ms "
+            f"{row.cpu_ratio:.3f}")
+
+
 def print_rows(rows: list[Result], as_json: bool, skip_keys: tuple[str, ...] = (),
                short: bool = False, more_lines: Any = None) -> None:
     """Print a benchmark's rows on stdout, as a ``python -m benchmarks.bench_*`` run shows them.
@@ -288,8 +333,8 @@ def print_rows(rows: list[Result], as_json: bool, skip_keys: tuple[str, ...] = (
         if as_json:
             print(json.dumps(row.as_json()))
             continue
-        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, torch {1000 * row.anchor_s:.1f} ms, "
-              f"ratio {row.ratio:.3f} (goal {row.goal})")
+        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, anchor {1000 * row.anchor_s:.1f} ms, "
+              f"ratio {ratio_text(row)} (goal {row.goal}); CPU {cpu_text(row)}")
         print(f"  {row.notes}")
         print("  " + ", ".join(f"{k}={_short(v) if short else v}"
                                for k, v in row.extra.items() if k not in skip_keys))
@@ -301,17 +346,20 @@ def bench_main(argv: list[str] | None, description: str, run: Any, profile: Any,
                profile_help: str, total_file: Any = None, **row_options: Any) -> None:
     """The command line of a benchmark module: ``[--quick] [--json] [--profile]``.
 
+    ``profile``: ``None`` for modules without a profiled mode (no ``--profile`` option).
+
     Prints the rows of ``run(quick)`` (:func:`print_rows` with ``row_options``), then
     ``total <s> s`` (to ``total_file``, stdout when ``None``), then with ``--profile`` the text
     ``profile(quick)`` returns.
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profile", action="store_true", help=profile_help)
+    if profile is not None:
+        parser.add_argument("--profile", action="store_true", help=profile_help)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     print_rows(run(args.quick), args.json, **row_options)
     print(f"total {time.perf_counter() - start:.1f} s", file=total_file)
-    if args.profile:
+    if profile is not None and args.profile:
         print(profile(args.quick))

@@ -129,15 +129,15 @@ def run_fit(strategy: Any, rank: int, world: int, steps: int, per_rank: int, sha
 
 def fit_timed(rank: int, world: int, strategy: dict[str, Any], steps: int, per_rank: int,
               shape: dict[str, int] | None = None, profile: str | None = None) -> dict[str, Any]:
-    """Fit ``steps`` steps; every step's wall time and the last loss (rank 0's).
+    """Fit ``steps`` steps; every step's wall and process CPU time, and the last loss.
 
     ``profile``: a path; rank 0 runs the fit under cProfile and writes the stats there (this
     slows the run, so profiled runs are never the timed ones).
     """
     gshape = GPTShape(**(shape or {}))
-    timer = StepTimer()
+    timer = StepTimer(cpu=True)
     trainer = run_fit(make_strategy(strategy, world), rank, world, steps, per_rank, gshape,
                       [timer], profile)
     loss = trainer.callback_metrics.get("train_loss")
-    return {"times": timer.times, "loss": None if loss is None else float(loss),
-            "threads": torch.get_num_threads()}
+    return {"times": timer.times, "cpu_times": timer.cpu_times,
+            "loss": None if loss is None else float(loss), "threads": torch.get_num_threads()}

@@ -1,11 +1,15 @@
 """Run every benchmark and print one table: name, ours, anchor, ratio, goal, notes.
 
     python benchmarks/run.py [--quick] [--json FILE] [--only NAME ...] [--doc docs/benchmarks.md]
+                             [--repeat N] [--processes reused|fresh]
 
 Every ratio is ours / anchor, both sides measured in this invocation on this machine with the
 same model, data, global batch, dtype and threads (see benchmarks/common.py). ``--doc`` rewrites
 the generated part of the results page (between the ``<!-- results -->`` markers) and its plots,
-so the page always shows one run's numbers.
+so the page always shows one run's numbers. ``--repeat N`` runs the suite N times and prints
+each row's ratio per run with its largest deviation from their median (the reproducibility
+check); ``--json`` then writes one list per run, and ``--doc`` shows the first run's table with
+the repeat table below it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -58,10 +63,25 @@ def _fmt_time(seconds: float | None, unit: str = "seconds") -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
+def _cpu_cell(r: Result) -> str:
+    if r.ours_cpu_s is None or r.anchor_cpu_s is None or r.cpu_ratio is None:
+        return "-"
+    return f"{r.cpu_ratio:.3f} ({r.ours_cpu_s * 1e3:.0f}/{r.anchor_cpu_s * 1e3:.0f} ms)"
+
+
+def _spread_cell(r: Result) -> str:
+    lo_hi = r.spread
+    return "-" if lo_hi is None else f"{lo_hi[0]:.3f}-{lo_hi[1]:.3f}"
+
+
 def table(results: list[Result], markdown: bool = False) -> str:
-    header = ["name", "ours", "anchor", "ratio", "goal", "notes"]
+    """The results table; ``spread``: min-max of the per-round ratios, ``cpu``: the CPU ratio
+    (median over rounds) with both sides' CPU ms per step summed over all ranks."""
+    header = ["name", "ours", "anchor", "ratio", "spread", "cpu ratio (ours/anchor)", "goal",
+              "notes"]
     rows = [[r.name, _fmt_time(r.ours_s, r.unit), _fmt_time(r.anchor_s, r.unit),
-             "-" if r.ratio is None else f"{r.ratio:.3f}", r.goal, r.notes] for r in results]
+             "-" if r.ratio is None else f"{r.ratio:.3f}", _spread_cell(r), _cpu_cell(r),
+             r.goal, r.notes] for r in results]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
@@ -74,6 +94,40 @@ def table(results: list[Result], markdown: bool = False) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True))
                      + "  " + row[-1])
     return "\n".join(lines)
+
+
+def repeat_table(runs: list[list[Result]], markdown: bool = False) -> str:
+    """Each row's ratio in every repeat of the suite, their median and the largest deviation.
+
+    The deviation is max |ratio - median| / median over the repeats: "reproducible within
+    ±3%" means this column stays at or below 3%. Rows missing from a repeat (failed) show "-".
+    """
+    names = list(dict.fromkeys(r.name for run in runs for r in run))
+    header = ["name", *(f"run {i + 1}" for i in range(len(runs))), "median", "max dev",
+              "spreads"]
+    lines = []
+    for name in names:
+        ratios = [next((r.ratio for r in run if r.name == name), None) for run in runs]
+        spreads = [next((_spread_cell(r) for r in run if r.name == name), "-") for run in runs]
+        got = [x for x in ratios if x is not None]
+        mid = statistics.median(got) if got else None
+        dev = max(abs(x - mid) / mid for x in got) if got and mid else None
+        lines.append([name, *("-" if x is None else f"{x:.3f}" for x in ratios),
+                      "-" if mid is None else f"{mid:.3f}",
+                      "-" if dev is None else f"{dev:.1%}", ", ".join(spreads)])
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(out + ["| " + " | ".join(row) + " |" for row in lines])
+    widths = [max(len(h), *(len(row[i]) for row in lines)) if lines else len(h)
+              for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                     for row in [header, ["-" * w for w in widths], *lines])
+
+
+def efficiency_rows(results: list[Result]) -> list[dict[str, Any]]:
+    """The fidelity rows' ``extra`` (what the efficiency breakdown reads), in table order."""
+    return [r.extra for r in results
+            if r.name.startswith("fidelity[") and r.extra.get("measured_s") is not None]
 
 
 def run_all(quick: bool, only: list[str] | None) -> tuple[list[Result], dict[str, float]]:
@@ -96,7 +150,7 @@ def run_all(quick: bool, only: list[str] | None) -> tuple[list[Result], dict[str
 
 
 def write_doc(path: Path, results: list[Result], extras: dict[str, Any], quick: bool,
-              seconds: float) -> None:
+              seconds: float, repeat: int = 1) -> None:
     """Replace the generated block of the results page and write its plots next to it."""
     from benchmarks import plots
 
@@ -105,7 +159,8 @@ def write_doc(path: Path, results: list[Result], extras: dict[str, Any], quick: 
     figures = plots.draw_all(results, extras, img)
     stamp = datetime.date.today().isoformat()
     block = [BEGIN, "",
-             f"Generated by `python benchmarks/run.py{' --quick' if quick else ''} --doc "
+             f"Generated by `python benchmarks/run.py{' --quick' if quick else ''}"
+             f"{f' --repeat {repeat}' if repeat > 1 else ''} --doc "
              f"{path.as_posix()}` on {stamp} in {seconds / 60:.1f} min.",
              "", f"Machine: {machine_description()}. **CPU-only figures** (gloo); no GPU was "
              "used.", "", table(results, markdown=True), ""]
@@ -124,14 +179,40 @@ def write_doc(path: Path, results: list[Result], extras: dict[str, Any], quick: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="lightning_gsched benchmarks, side by side")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and sizes (< 5 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer steps and sizes (what `make bench` runs; < 10 min idle)")
     parser.add_argument("--json", type=Path, help="write the results as a JSON list here")
     parser.add_argument("--only", nargs="*", help="run only these benchmarks (by name)")
     parser.add_argument("--doc", type=Path, help="rewrite this results page's generated block")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the suite this many times; print each row's ratio per run, "
+                        "their median and max deviation from it (`make bench-repeat`: 3)")
+    parser.add_argument("--processes", choices=("reused", "fresh"),
+                        help="how alternated rounds run (benchmarks/rounds.py); default reused")
     args = parser.parse_args(argv)
+    if args.processes is not None:
+        from benchmarks import rounds
+
+        rounds.PROCESSES = args.processes
     start = time.perf_counter()
-    results, durations = run_all(args.quick, args.only)
+    runs: list[list[Result]] = []
+    durations: dict[str, float] = {}
+    for i in range(max(1, args.repeat)):
+        if args.repeat > 1:
+            print(f"[repeat {i + 1}/{args.repeat}]", file=sys.stderr, flush=True)
+        results, durations = run_all(args.quick, args.only)
+        runs.append(results)
+    results = runs[0]
     extras: dict[str, Any] = {"markdown": {}}
+    fidelity = efficiency_rows(results)
+    if fidelity:
+        from benchmarks import efficiency
+
+        extras["markdown"]["Efficiency: where the rest of the step goes"] = (
+            efficiency.markdown(fidelity))
+    if len(runs) > 1:
+        extras["markdown"][f"Repeatability: {len(runs)} runs of the suite"] = (
+            repeat_table(runs, markdown=True))
     if args.doc is not None:
         from benchmarks import bench_fidelity, bench_planner
 
@@ -147,13 +228,26 @@ def main(argv: list[str] | None = None) -> int:
             extras["markdown"]["Planner time as W, S, B grow"] = bench_planner.scaling_markdown(scaling)
     seconds = time.perf_counter() - start
     print(table(results))
+    if fidelity:
+        from benchmarks import efficiency
+
+        print("\nefficiency: where the rest of the step goes (shares of the measured "
+              "executor.step; see benchmarks/efficiency.py)")
+        print(efficiency.text(fidelity))
+    if len(runs) > 1:
+        print(f"\nrepeatability over {len(runs)} runs (max dev: largest |ratio - median| / "
+              "median)")
+        print(repeat_table(runs))
     print(f"\n{machine_description()}; total {seconds:.0f} s "
-          + ", ".join(f"{k} {v:.0f} s" for k, v in durations.items()))
+          + ", ".join(f"{k} {v:.0f} s" for k, v in durations.items())
+          + (f" (last of {len(runs)} runs)" if len(runs) > 1 else ""))
     if args.json is not None:
-        payload = [r.as_json() for r in results]
+        payload: Any = [r.as_json() for r in results]
+        if len(runs) > 1:
+            payload = [[r.as_json() for r in run] for run in runs]
         args.json.write_text(json.dumps(payload, indent=1))
     if args.doc is not None:
-        write_doc(args.doc, results, extras, args.quick, seconds)
+        write_doc(args.doc, results, extras, args.quick, seconds, len(runs))
     return 0
 
 

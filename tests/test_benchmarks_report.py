@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import Result, median, spread  # noqa: E402
-from benchmarks.run import BEGIN, END, table, write_doc  # noqa: E402
+from benchmarks.run import BEGIN, END, repeat_table, table, write_doc  # noqa: E402
 
 
 def rows() -> list[Result]:
@@ -41,7 +41,7 @@ def test_tables_show_every_row_including_failures():
     markdown = table(rows(), markdown=True)
     lines = markdown.splitlines()
     assert len(lines) == 2 + len(rows())
-    assert all(line.count("|") == 7 for line in lines)  # a "|" in notes must not add a column
+    assert all(line.count("|") == 9 for line in lines)  # a "|" in notes must not add a column
 
 
 def test_doc_block_is_replaced_in_place_and_idempotently(tmp_path):
@@ -61,3 +61,46 @@ def test_median_and_spread():
     assert median([3.0, 1.0, 2.0]) == 2.0
     assert spread([1.0, 1.0, 1.0, 1.0]) == 0.0
     assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) > 0
+
+
+def test_rows_measured_in_rounds_report_the_median_round_ratio_and_its_spread():
+    row = Result("pipeline_vs_torch[1f1b]", 0.30, 0.20, round_ratios=[1.10, 0.90, 1.00, 1.30],
+                 ours_cpu_s=0.6, anchor_cpu_s=0.5, round_cpu_ratios=[1.2, 1.1, 1.3])
+    assert abs(row.ratio - 1.05) < 1e-12  # the rounds' median, not 0.30 / 0.20
+    assert row.spread == (0.90, 1.30) and abs(row.cpu_ratio - 1.2) < 1e-12
+    assert Result("x", 0.3, 0.2).spread is None and Result("x", 0.3, 0.2).cpu_ratio is None
+    payload = json.loads(json.dumps(row.as_json()))
+    assert payload["spread"] == [0.90, 1.30] and payload["ratio"] == row.ratio
+    text = table([row])
+    assert "1.050" in text and "0.900-1.300" in text and "1.200 (600/500 ms)" in text
+
+
+def test_repeat_table_gives_each_rows_largest_deviation_from_its_median():
+    runs = [[Result("a", 1.0, 1.0), Result("b", 1.0, 2.0)],
+            [Result("a", 1.1, 1.0)],  # b failed to appear in this run
+            [Result("a", 0.96, 1.0), Result("b", 1.0, 2.0)]]
+    lines = {line.split()[0]: line.split() for line in repeat_table(runs).splitlines()[2:]}
+    assert lines["a"][1:6] == ["1.000", "1.100", "0.960", "1.000", "10.0%"]
+    assert lines["b"][1:6] == ["0.500", "-", "0.500", "0.500", "0.0%"]
+    assert repeat_table(runs, markdown=True).count("\n") == 3
+
+
+def test_efficiency_parts_add_up_to_the_measured_step_and_the_bubble_is_fill_and_drain():
+    from benchmarks.efficiency import PARTS, breakdown
+    from lightning_gsched.schedule.plan import plan
+
+    # 1F1B on 2 stages, 4 microbatches, F = 1 s and B = 2 s per stage: the compute-only step is
+    # (B + S - 1)(F + B) = 15 s; each rank works 4 x 3 = 12 s, so the bubble is (S - 1)(F + B)
+    offline = plan("1f1b", workers=2, microbatches=4, forward_cost=[1.0, 1.0],
+                   backward_cost=[2.0, 2.0])
+    r = {"schedule": "1f1b", "W": 2, "S": 2, "B": 4, "R": offline.R,
+         "forward_cost_s": [1.0, 1.0], "backward_cost_s": [2.0, 2.0], "weight_cost_s": None,
+         "predicted_compute_only_s": offline.metrics.latency,
+         "inrun_forward_cost_s": [1.0, 1.0], "inrun_backward_cost_s": [2.0, 2.0],
+         "inrun_weight_cost_s": None, "single_process_s": 20.0, "predicted_s": 16.0,
+         "measured_s": 17.5, "lightning_step_s": 18.0}
+    parts = breakdown(r)
+    assert abs(sum(parts[p] for p in PARTS) - 17.5) < 1e-9
+    assert parts["ideal"] == 10.0 and abs(parts["microbatch_compute"] - 2.0) < 1e-9
+    assert abs(parts["bubble"] - 3.0) < 1e-9 and abs(parts["communication"] - 1.0) < 1e-9
+    assert abs(parts["runtime_overhead"] - 1.5) < 1e-9 and parts["lightning_loop"] == 0.5
