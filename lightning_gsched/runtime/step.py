@@ -36,6 +36,7 @@ from lightning_gsched.runtime.layout import ProgramView
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step_ties import TieSteps
 from lightning_gsched.runtime.transport import Transport, label
+from lightning_gsched.runtime.unit_traffic import UnitTraffic
 from lightning_gsched.schedule.program import Action, Op
 
 
@@ -92,10 +93,9 @@ class StepRun(TieSteps):
         self.received: dict[tuple[Op, int, int], Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
         self.produced_grads: dict[tuple[int, int], list] = {}
-        self.fetches: dict[int, tuple[Any, str]] = {}  # stage -> (work, label) until waited
-        self.grad_recvs: dict[int, list[tuple[Any, torch.Tensor, str]]] = {}
+        # stages' fetches, gradient hand-offs and receives (ties': self.tie_io, step_ties.py)
+        self.stage_io = UnitTraffic("stage", dict(enumerate(ex.flats)), ex.transport, ex.rank)
         self.allreduces: list[tuple[Any, str]] = []
-        self.reduced: set[int] = set()  # stages whose ALLREDUCE_G has started
         # index of a stage's last B -> its bucketed all-reduce, started during that backward
         self.overlap: dict[int, GradBuckets] = {} if forward_only else ex.overlapped_reductions(view)
         self.armed: dict[int, GradBuckets] = {}
@@ -121,8 +121,7 @@ class StepRun(TieSteps):
             buckets.disarm()
         self.armed.clear()
         self.received.clear()
-        self.fetches.clear()
-        self.grad_recvs.clear()
+        self.stage_io.drop()
         self.allreduces.clear()
         self._drop_ties()
         self.produced_acts.clear()
@@ -138,12 +137,10 @@ class StepRun(TieSteps):
 
     def live_bytes(self) -> dict[str, int]:
         """What this rank holds now, by the planner's categories (runtime/footprint.py)."""
-        flats = self.ex.flats
-        tie_weights, tie_grads = self._tie_bytes()
-        weights = sum(f.resident_bytes() for f in flats) + tie_weights
-        gradients = sum(f.grads.nbytes for f in flats if f.grads.active) + tie_grads
-        buffers = [buf for pending in (*self.grad_recvs.values(), *self.tie_grad_recvs.values())
-                   for _, buf, _ in pending]
+        units = (self.stage_io, self.tie_io)
+        weights = sum(io.resident_bytes() for io in units)
+        gradients = sum(io.active_grad_bytes() for io in units)
+        buffers = [buf for io in units for buf in io.pending_buffers()]
         communication = sum(m.pending_bytes for m in self.received.values())
         communication += sum(t.numel() * t.element_size() for t in buffers)
         return {"weights": weights, "gradients": gradients, "optimizer": 0,
@@ -215,7 +212,7 @@ class StepRun(TieSteps):
 
     def _before_reduction(self, a: Action, what: str) -> None:
         """A compute that may touch stage gradients must come before the stage's all-reduce."""
-        if a.stage in self.reduced:
+        if a.stage in self.stage_io.reduced:
             raise RuntimeConfigError(
                 f"{a} after ALLREDUCE_G of stage {a.stage} started; the all-reduce must come "
                 f"after the stage's last {what} on this rank."
@@ -234,17 +231,7 @@ class StepRun(TieSteps):
 
     def _weights_ready(self, s: int) -> None:
         self._ties_ready(s)
-        flat = self.ex.flats[s]
-        if s in self.fetches:
-            work, what = self.fetches.pop(s)
-            self.transport.wait(work, what)
-        if not flat.resident:
-            raise RuntimeConfigError(
-                f"stage {s}'s weights are not resident on rank {self.ex.rank} (neither owned nor "
-                "fetched); the programs do not match this rank. Plan once and pass the same "
-                "programs on every rank."
-            )
-        flat.materialize()
+        self.stage_io.ready(s, "'s weights")
 
     # ------------------------------------------------------------------ activations and grads
 
@@ -278,87 +265,49 @@ class StepRun(TieSteps):
     # ------------------------------------------------------------------ weights
 
     def _fetch_w(self, a: Action, index: int) -> None:
-        flat = self.ex.flats[a.stage]
-        if flat.resident:
-            raise RuntimeConfigError(f"FETCH_W of stage {a.stage}, which is already resident here")
-        work = self.transport.post_flat(flat.fetch_buffer(), a.peer, "weights")
-        self.fetches[a.stage] = (work, label(a, index))
+        self.stage_io.fetch(a, index)
         self.resident += 1
         self.counters.peak_resident_stages = max(self.counters.peak_resident_stages, self.resident)
         self._note_bytes()
 
     def _send_w(self, a: Action, index: int) -> None:
-        flat = self.ex.flats[a.stage]
-        if not flat.owned:
-            raise RuntimeConfigError(
-                f"SEND_W of stage {a.stage}, which rank {self.ex.rank} does not own"
-            )
-        self.transport.send_flat(flat.flat, a.peer, "weights", label(a, index))
+        self.stage_io.serve(a, index)
 
     def _free_w(self, a: Action, index: int) -> None:
-        flat = self.ex.flats[a.stage]
-        if a.stage in self.fetches:  # fetched but never used: the receive must land first
-            work, what = self.fetches.pop(a.stage)
-            self.transport.wait(work, what)
-        if flat.grads.active:
-            raise RuntimeConfigError(
-                f"FREE_W of stage {a.stage} while its gradients were not sent to the owner "
-                "(REDUCE_G must come first); the programs are not from this planner."
-            )
-        flat.free()
+        self.stage_io.free(a, index, "REDUCE_G")
         self.resident -= 1
 
     # ------------------------------------------------------------------ gradients
 
     def _reduce_g(self, a: Action, index: int) -> None:
-        flat = self.ex.flats[a.stage]
-        grad = flat.take_grads()
-        self.transport.send_flat(grad, a.peer, "grads", label(a, index))
+        self.stage_io.hand_off(a, index)
 
     def _recv_g(self, a: Action, index: int) -> None:
-        if a.stage in self.reduced:
-            raise RuntimeConfigError(
-                f"RECV_G of stage {a.stage} after its ALLREDUCE_G started; gradients must be "
-                "received before the replicas reduce them."
-            )
-        flat = self.ex.flats[a.stage]
-        buffer = torch.empty(flat.grads.numel, dtype=flat.dtype, device=flat.device)
-        work = self.transport.post_flat(buffer, a.peer, "grads")
-        self.grad_recvs.setdefault(a.stage, []).append((work, buffer, label(a, index)))
-
-    def _add_received_grads(self, s: int) -> None:
-        pending = self.grad_recvs.pop(s, [])
-        if not pending:
-            return
-        total = self.ex.flats[s].grads.sync()
-        for work, buffer, what in pending:
-            self.transport.wait(work, what)
-            total.add_(buffer)
+        self.stage_io.post_grad(a, index)
 
     def _allreduce_g(self, a: Action, index: int) -> None:
         s = a.stage
-        what = f"the all-reduce of {label(a, index)} among ranks {list(a.group)}"
         buckets = self.armed.pop(s, None)
         if buckets is not None:  # started bucket by bucket during the last backward
             grad = self.ex.flats[s].grads.flat
             assert grad is not None
+            what = f"the all-reduce of {label(a, index)} among ranks {list(a.group or ())}"
             self.allreduces.extend((work, what) for work in buckets.finish())
+            self.stage_io.reduced.add(s)
         else:
-            self._add_received_grads(s)
-            grad = self.ex.flats[s].grads.sync()
-            if grad.numel():
-                self.allreduces.append((self.ex.channels.all_reduce(grad, a.group), what))
-        self.reduced.add(s)
+            grad, works = self.stage_io.all_reduce(
+                a, index, partial(self.ex.channels.all_reduce, members=a.group))
+            self.allreduces.extend(works)
         self.counters.allreduce_bytes += grad.numel() * grad.element_size()
 
     # ------------------------------------------------------------------ end of step
 
     def finish(self) -> None:
-        leftovers = [*self.received, *self.fetches, *(f"tie {h}" for h in self.tie_fetches)]
+        leftovers = [*self.received, *self.stage_io.fetches,
+                     *(f"tie {h}" for h in self.tie_io.fetches)]
         self.transport.flush()
-        for s in sorted(self.grad_recvs):
-            self._add_received_grads(s)
-        self._finish_ties()
+        self.stage_io.finish()
+        self.tie_io.finish()
         for work, what in self.allreduces:
             self.transport.wait(work, what)
         if self.stats is not None:
@@ -386,7 +335,7 @@ class StepRun(TieSteps):
         self.stats.finish(all_reduce, self.transport.wait)
 
     def _note_bytes(self) -> None:
-        resident = sum(f.resident_bytes() for f in self.ex.flats) + self._tie_bytes()[0]
+        resident = self.stage_io.resident_bytes() + self.tie_io.resident_bytes()
         self.counters.peak_resident_param_bytes = max(
             self.counters.peak_resident_param_bytes, resident
         )
