@@ -131,6 +131,18 @@ class RankMemory:
         return self.at_peak.total
 
 
+# A weight unit's ops, stages' and ties' alike: (unit kind, role in the walk)
+_UNIT_OPS: dict[Op, tuple[str, str]] = {
+    Op.FETCH_W: ("stage", "fetch"), Op.FREE_W: ("stage", "free"),
+    Op.REDUCE_G: ("stage", "hand_off"), Op.RECV_G: ("stage", "receive"),
+    Op.ALLREDUCE_G: ("stage", "all-reduce"),
+    Op.FETCH_T: ("tie", "fetch"), Op.FREE_T: ("tie", "free"),
+    Op.REDUCE_T: ("tie", "hand_off"), Op.RECV_T: ("tie", "receive"),
+    Op.ALLREDUCE_T: ("tie", "all-reduce"),
+}
+_RECEIVE_OF = {"stage": Op.RECV_G, "tie": Op.RECV_T}  # what a kind's all-reduce sums in
+
+
 class _RankWalk:
     """The live bytes of one rank while its program runs, action by action."""
 
@@ -152,8 +164,8 @@ class _RankWalk:
                           + sum(t.optimizer for t in ties) if training else 0)
         self.activations = 0
         self.communication = 0
-        self.fetched_grads: set[int] = set()
-        self.fetched_tie_grads: set[int] = set()
+        # ("stage", s) / ("tie", home): fetched units holding a gradient not yet handed off
+        self.fetched_grads: set[tuple[str, int]] = set()
         self.posted: dict[tuple[Op, int, int | None], int] = {}
         self.stashed: dict[tuple[int, int | None], int] = {}  # (stage, micro) -> bytes held
         self.fed_by_message: set[tuple[int, int | None]] = set()
@@ -186,42 +198,35 @@ class _RankWalk:
             self._post((op, s, a.micro), stages[s].message)
         elif op is Op.RECV_GRAD:  # the gradient of stage s's input = stage s-1's output
             self._post((op, s, a.micro), stages[s - 1].message)
-        elif op is Op.FETCH_W:
-            self.weights += stages[s].params
-        elif op is Op.FREE_W:
-            self.weights -= stages[s].params
-        elif op is Op.REDUCE_G:
-            if s in self.fetched_grads:
-                self.fetched_grads.discard(s)
-                self.gradients -= stages[s].grads
-        elif op is Op.RECV_G:
-            key: tuple[Op, int, int | None] = (op, s, a.peer)
-            self.posted[key] = self.posted.get(key, 0) + stages[s].grads
-            self.communication += stages[s].grads
-        elif op is Op.ALLREDUCE_G:
-            for done in [k for k in self.posted if k[0] is Op.RECV_G and k[1] == s]:
-                self._consume(done)
-        else:
-            self._tie(a)
+        elif op in _UNIT_OPS:
+            self._unit(a, *_UNIT_OPS[op])
+        # sends change nothing: a sent tensor is one the stash or a gradient buffer holds
 
-    def _tie(self, a: Action) -> None:
-        """The tie ops: a fetched tie's weights and gradient, an owner's received gradients."""
-        op, h = a.op, a.stage
-        if op is Op.FETCH_T:
-            self.weights += self.sizes.ties[h].params
-        elif op is Op.FREE_T:
-            self.weights -= self.sizes.ties[h].params
-        elif op is Op.REDUCE_T:
-            if h in self.fetched_tie_grads:
-                self.fetched_tie_grads.discard(h)
-                self.gradients -= self.sizes.ties[h].grads
-        elif op is Op.RECV_T:
-            key: tuple[Op, int, int | None] = (op, h, a.peer)
-            self.posted[key] = self.posted.get(key, 0) + self.sizes.ties[h].grads
-            self.communication += self.sizes.ties[h].grads
-        elif op is Op.ALLREDUCE_T:
-            for done in [k for k in self.posted if k[0] is Op.RECV_T and k[1] == h]:
+    def _unit(self, a: Action, kind: str, role: str) -> None:
+        """A weight unit's op (a stage's ``*_W``/``*_G`` or a tie's ``*_T``, see _UNIT_OPS):
+        fetched weights, a fetched unit's gradient handed off, an owner's received gradients."""
+        params, grads = self._unit_bytes(kind, a.stage)
+        if role == "fetch":
+            self.weights += params
+        elif role == "free":
+            self.weights -= params
+        elif role == "hand_off":
+            if (kind, a.stage) in self.fetched_grads:
+                self.fetched_grads.discard((kind, a.stage))
+                self.gradients -= grads
+        elif role == "receive":
+            key: tuple[Op, int, int | None] = (a.op, a.stage, a.peer)
+            self.posted[key] = self.posted.get(key, 0) + grads
+            self.communication += grads
+        else:  # all-reduce: the gradients received for it are summed in
+            received = _RECEIVE_OF[kind]
+            for done in [k for k in self.posted if k[0] is received and k[1] == a.stage]:
                 self._consume(done)
+
+    def _unit_bytes(self, kind: str, index: int) -> tuple[int, int]:
+        """(parameter, gradient) bytes of stage ``index`` or of the tie whose home it is."""
+        unit = self.sizes.stages[index] if kind == "stage" else self.sizes.ties[index]
+        return unit.params, unit.grads
 
     def _graph(self, s: int, micro: int | None) -> int:
         """Bytes of the graph of ``F s micro`` (fed by a message, or locally)."""
@@ -233,13 +238,14 @@ class _RankWalk:
         self.stashed[(s, micro)] = nbytes
 
     def _weight_grads(self, s: int) -> None:
-        if s not in self.owned and s not in self.fetched_grads:
-            self.fetched_grads.add(s)
-            self.gradients += self.sizes.stages[s].grads
-        for h in self.ties_of[s]:  # a fetched tie's gradient buffer starts at its first use
-            if h not in self.owned_ties and h not in self.fetched_tie_grads:
-                self.fetched_tie_grads.add(h)
-                self.gradients += self.sizes.ties[h].grads
+        """A weight-gradient job of stage ``s``: a fetched stage's gradient buffer, and those of
+        the fetched ties it reads, start at their first use."""
+        units = [("stage", s, s in self.owned),
+                 *(("tie", h, h in self.owned_ties) for h in self.ties_of[s])]
+        for kind, index, owned in units:
+            if not owned and (kind, index) not in self.fetched_grads:
+                self.fetched_grads.add((kind, index))
+                self.gradients += self._unit_bytes(kind, index)[1]
 
     def _post(self, key: tuple[Op, int, int | None], nbytes: int) -> None:
         self.posted[key] = nbytes
