@@ -53,6 +53,7 @@ from lightning_gsched.runtime.layout import (
     check_forward_programs,
     check_programs,
     check_ties,
+    weight_units,
 )
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step import StepRun
@@ -346,11 +347,9 @@ class ProgramExecutor:
                 )
 
     def _sync_weights(self) -> None:
-        units = [*enumerate(self.flats), *self.ties.items()]  # a tie: its home stage's owners
-        for s, flat in units:
-            owners = self.programs.owners[s]
+        for owners, flat in weight_units(self.programs, self.flats, self.ties):
             if len(owners) > 1 and self.rank in owners and flat.numel:
-                self.channels.broadcast(flat.flat, owners[0], tuple(owners))
+                self.channels.broadcast(flat.flat, owners[0], owners)
         if self.channels.world_size > 1:
             self.running_stats.broadcast(partial(self.channels.broadcast, src=0, members=None))
 

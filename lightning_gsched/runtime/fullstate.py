@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gsched.runtime.flat import FlatStage
+from lightning_gsched.runtime.layout import weight_units
 from lightning_gsched.schedule.program import Programs
 
 
@@ -36,14 +37,6 @@ class StageBuffers(Protocol):
     def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
 
 
-def _units(stages: StageBuffers) -> list[tuple[tuple[int, ...], FlatStage]]:
-    """Every stage buffer and tie unit with its owners (a tie's are its home stage's), in the
-    same order on every rank."""
-    owners = stages.programs.owners
-    return ([(owners[s], flat) for s, flat in enumerate(stages.flats)]
-            + [(owners[h], unit) for h, unit in sorted(stages.ties.items())])
-
-
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     """Every state-dict name of each parameter (tied parameters have several)."""
     names: dict[int, list[str]] = {}
@@ -57,7 +50,7 @@ def full_state_dict(module: nn.Module, stages: StageBuffers) -> dict[str, Any]:
     rank = stages.rank
     names = parameter_names(module)
     state = module.state_dict() if rank == 0 else {}
-    for owners, flat in _units(stages):
+    for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
         if not flat.numel:
             continue
         src = owners[0]
@@ -87,7 +80,7 @@ def restore_full_weights(stages: StageBuffers, world_size: int) -> None:
     their values. Afterwards the module is an ordinary full model on every rank (the stage
     buffers no longer back it: the runtime must not step again).
     """
-    for owners, flat in _units(stages):
+    for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
         if not flat.numel:
             continue
         src = owners[0]

@@ -12,7 +12,7 @@ an executor built for training programs (:func:`check_forward_programs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -180,6 +180,15 @@ def check_ties(stages: Sequence[nn.Module], programs: Programs) -> None:
             f"ties={found} (e.g. plan(..., ties=partition(...).shared_parameters.values())) so "
             "that the plan places them."
         )
+
+
+def weight_units(programs: Programs, flats: Sequence[FlatStage],
+                 ties: Mapping[int, FlatStage]) -> list[tuple[tuple[int, ...], FlatStage]]:
+    """Every stage buffer and tie unit with its owners (a tie's are its home stage's), stages
+    first, then ties by home: the same order on every rank, for collectives over all units."""
+    owners = programs.owners
+    return ([(tuple(owners[s]), flat) for s, flat in enumerate(flats)]
+            + [(tuple(owners[h]), unit) for h, unit in sorted(ties.items())])
 
 
 def build_flat_stages(
