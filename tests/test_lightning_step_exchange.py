@@ -15,7 +15,7 @@ from lightning_gsched.lightning.batches import (
     GlobalBatch,
     gather_batch,
     owns_its_micros,
-    row_counts,
+    rows_and_layouts,
     split_batch,
 )
 from lightning_gsched.lightning.intercept import LogRecord
@@ -63,7 +63,7 @@ def gather_check(ctx: WorkerContext, rows: list[int], parts: int, needed: list[l
     total = sum(rows)
     data = torch.arange(total * 2, dtype=torch.float32).reshape(total, 2)
     local = (data[start: start + rows[ctx.rank]],)
-    counts = row_counts(local, ctx.world_size)
+    counts, _ = rows_and_layouts(local, ctx.world_size)
     fast = gather_batch(local, counts, ctx.rank, parts, needed)
     full = gather_batch(local, counts, ctx.rank)
     want = full.micros(parts, exact=False)

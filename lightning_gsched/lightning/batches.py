@@ -90,11 +90,6 @@ def owns_its_micros(rows: list[int], parts: int, needed: list[list[int]]) -> boo
     return True
 
 
-def row_counts(batch: Any, world_size: int) -> list[int]:
-    """Every rank's number of rows (a small collective; rows may differ per rank)."""
-    return rows_and_layouts(batch, world_size)[0]
-
-
 def layout_digest(batch: Any) -> int:
     """A 64-bit digest of a batch's layout: its pytree structure, each tensor's shape and dtype,
     each plain value. Equal layouts give equal digests on every rank (no per-process hashing)."""
@@ -129,7 +124,7 @@ def gather_batch(batch: Any, rows: list[int], rank: int = 0, parts: int | None =
                  needed: list[list[int]] | None = None) -> GlobalBatch:
     """Concatenate every rank's batch along dim 0 (collective unless skipped, see below).
 
-    ``rows``: :func:`row_counts`. With ``parts`` and ``needed`` (see :func:`owns_its_micros`),
+    ``rows``: every rank's rows (:func:`rows_and_layouts`). With ``parts`` and ``needed`` (see :func:`owns_its_micros`),
     nothing is gathered when no rank needs another rank's rows.
     """
     world_size = len(rows)

@@ -272,9 +272,7 @@ class PipelineEngine:
 
         self.memory.before_step(runtime)
         try:
-            # what every rank knows of this step's shapes: the hook, every rank's rows and layout
-            signature = (caller.name, tuple(rows), tuple(layouts))
-            result = runtime.step(inputs, loss_fn, signature=signature)
+            result = runtime.step(inputs, loss_fn, signature=_signature(caller, rows, layouts))
         except RuntimeFault:
             self.failed = True
             raise
@@ -312,7 +310,7 @@ class PipelineEngine:
         try:
             outputs = runtime.forward(
                 plan.programs, inputs, lambda out, b: caller.finish(micros[b], out, b),
-                signature=(caller.name, tuple(rows), tuple(layouts)),
+                signature=_signature(caller, rows, layouts),
             )
         except RuntimeFault:
             self.failed = True
@@ -377,6 +375,12 @@ def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bo
         partition.report(units=False),
         "(the units of each stage: strategy.engine.partition.report() during the run)",
     ])
+
+
+def _signature(caller: StepCaller, rows: list[int], layouts: list[int]) -> tuple:
+    """What every rank knows of a step's shapes without asking (the runtime sends activations
+    as bare tensors for a signature it has seen): the hook, every rank's rows and layout."""
+    return caller.name, tuple(rows), tuple(layouts)
 
 
 def _normal_call(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
