@@ -78,7 +78,14 @@ class InRunProfile(pl.Callback):
 
 
 def _pooled_costs(per_rank: list[dict], stages: int, phases: str = "FB") -> list[list[float]]:
-    """Median seconds per (phase, stage) over every rank's recorded samples, one list per phase."""
+    """Mean seconds per (phase, stage) over every rank's recorded samples, one list per phase.
+
+    Why the mean and not the median: a step is a sum of jobs along its critical path, and the
+    expected length of a sum is the sum of the jobs' expected (mean) lengths. Job times are
+    skewed to the right (a page fault, a gloo thread taking the core, the garbage collector),
+    so medians drop exactly the time the measured steps contain: with medians the prediction
+    fell 5-16% short on every schedule in one run, with means of the same samples 1-8%.
+    """
     pooled: list[list[float]] = []
     for phase in phases:
         out = []
@@ -86,7 +93,7 @@ def _pooled_costs(per_rank: list[dict], stages: int, phases: str = "FB") -> list
             samples = [t for times in per_rank for t in times.get((phase, s), [])]
             if not samples:
                 raise RuntimeError(f"no {phase} of stage {s} was recorded on any rank")
-            out.append(statistics.median(samples))
+            out.append(statistics.fmean(samples))
         pooled.append(out)
     return pooled
 

@@ -43,7 +43,7 @@ def ddp_vs_lightning(quick: bool) -> Result:
 
 def single_process_overhead(quick: bool) -> Result:
     return _compare("single_process_overhead", {"kind": "gsched", "schedule": "ddp"},
-                    {"kind": "single"}, 1, "<= 1.05", quick, 16,
+                    {"kind": "single"}, 1, "<= 1.03", quick, 16,
                     "GeneralParallel('ddp') on 1 device (S=1, B=1) vs a plain Trainer")
 
 

@@ -37,6 +37,28 @@ ROOT = Path(__file__).resolve().parent.parent
 THREADS_PER_RANK = 1
 
 
+def core_plan(world_size: int) -> list[int | None]:
+    """The core each rank is pinned to (``None``: not pinned).
+
+    Why pin: a rank's gloo threads (the ones that move its sends and receives) are separate OS
+    threads. Unpinned, on the 2-core machine the scheduler runs rank 0's gloo thread on the core
+    where rank 1 is computing whenever it likes, so one rank's messages steal the other rank's
+    compute time at moments that differ from run to run: the main reason a round's ratio moved
+    by 10-20%. Pinned, every thread of rank r (its compute and its gloo threads, which inherit
+    the affinity) shares core r, so a message costs CPU on the rank that sends or receives it,
+    which is also what the planner's cost model charges. Both sides of every ratio run pinned
+    the same way. With fewer cores than ranks, or ``GSCHED_BENCH_PIN=0`` in the environment,
+    nothing is pinned.
+    """
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return [None] * world_size
+    if os.environ.get("GSCHED_BENCH_PIN", "1") == "0" or len(cores) < world_size:
+        return [None] * world_size
+    return [cores[rank] for rank in range(world_size)]
+
+
 @dataclass
 class Result:
     """One row of the table: our median step time, the anchor's, and ours / anchor.
@@ -132,6 +154,7 @@ def launch_ranks(target: str, world_size: int, timeout: float = 600.0, **kwargs:
         spec = json.dumps({"target": target, "kwargs": kwargs, "out": str(out)})
         procs = []
         logs = []
+        cores = core_plan(world_size)
         for rank in range(world_size):
             env = dict(os.environ)
             env.update(
@@ -141,6 +164,7 @@ def launch_ranks(target: str, world_size: int, timeout: float = 600.0, **kwargs:
                 OMP_NUM_THREADS=str(THREADS_PER_RANK), MKL_NUM_THREADS=str(THREADS_PER_RANK),
                 PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
                 PYTHONWARNINGS="ignore",
+                GSCHED_BENCH_CORE="" if cores[rank] is None else str(cores[rank]),
             )
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
             logs.append(log)
@@ -178,6 +202,9 @@ def run_in_worker(spec_text: str) -> None:
     """Entry point of one benchmark process (see :mod:`benchmarks.worker`)."""
     import importlib
 
+    core = os.environ.get("GSCHED_BENCH_CORE", "")
+    if core:  # first, in the main thread: every thread started later inherits this affinity
+        os.sched_setaffinity(0, {int(core)})
     spec = json.loads(spec_text)
     module_name, func_name = spec["target"].split(":")
     fn = getattr(importlib.import_module(module_name), func_name)
@@ -194,6 +221,12 @@ def run_in_worker(spec_text: str) -> None:
         text = "null"  # only rank 0's result must be JSON (what launch returns)
     Path(f"{spec['out']}.{rank}").write_text(text)
     _shutdown_process_group()
+
+
+def affinity(rank: int, world: int) -> list[int]:
+    """The cores this rank may run on (a launch target: ``launch_ranks("benchmarks.common:affinity", 2)``
+    shows how :func:`core_plan` placed the ranks)."""
+    return sorted(os.sched_getaffinity(0))
 
 
 def _shutdown_process_group() -> None:

@@ -24,7 +24,7 @@ logging: the whole Lightning step - measured) is given for scale; it is not part
 
 Everything is recomputed in the parent from the row's ``extra``: the programs are planned again
 from the same offline costs (planning is deterministic, and the compute-only latency of this
-plan is checked against the one the run reported), then re-costed with the in-run medians.
+plan is checked against the one the run reported), then re-costed with the in-run means.
 """
 
 from __future__ import annotations

@@ -104,3 +104,21 @@ def test_efficiency_parts_add_up_to_the_measured_step_and_the_bubble_is_fill_and
     assert parts["ideal"] == 10.0 and abs(parts["microbatch_compute"] - 2.0) < 1e-9
     assert abs(parts["bubble"] - 3.0) < 1e-9 and abs(parts["communication"] - 1.0) < 1e-9
     assert abs(parts["runtime_overhead"] - 1.5) < 1e-9 and parts["lightning_loop"] == 0.5
+
+
+def test_launch_pins_each_rank_to_its_own_core_unless_disabled(monkeypatch):
+    import os
+
+    from benchmarks.common import core_plan, launch_ranks
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        import pytest
+
+        pytest.skip("pinning needs at least two cores")
+    placed = launch_ranks("benchmarks.common:affinity", 2, timeout=120)
+    assert placed == [[cores[0]], [cores[1]]]
+    assert core_plan(len(cores) + 1) == [None] * (len(cores) + 1)  # more ranks than cores
+    monkeypatch.setenv("GSCHED_BENCH_PIN", "0")
+    assert core_plan(2) == [None, None]
+    assert launch_ranks("benchmarks.common:affinity", 2, timeout=120) == [cores, cores]

@@ -36,7 +36,12 @@ from lightning_gsched.lightning.batches import (
 )
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
-from lightning_gsched.lightning.logsync import LossLogExchange, exchange, reduce_records
+from lightning_gsched.lightning.logsync import (
+    LossLogExchange,
+    PendingExchange,
+    exchange,
+    reduce_records,
+)
 from lightning_gsched.lightning.memory_report import MemoryReport
 from lightning_gsched.lightning.options import PartitionOptions
 from lightning_gsched.partition import partition
@@ -270,15 +275,21 @@ class PipelineEngine:
         def loss_fn(output: Any, b: int) -> torch.Tensor:
             return step_loss(caller.finish(micros[b], output, b), caller.name)
 
+        exchange_logs = self.losses_and_logs
+        pending: list[PendingExchange] = []
+
+        def start_log_exchange(losses: dict[int, Any]) -> None:
+            pending.append(exchange_logs.start(losses, caller.logs))
+
         self.memory.before_step(runtime)
         try:
-            result = runtime.step(inputs, loss_fn, signature=_signature(caller, rows, layouts))
+            runtime.step(inputs, loss_fn, signature=_signature(caller, rows, layouts),
+                         on_computed=start_log_exchange)
         except RuntimeFault:
             self.failed = True
             raise
         self.memory.after_step(runtime, self.optimizers(), self.world_size, self.rank, self.info)
-        losses = {b: float(v) for b, v in result.losses.items()}
-        all_losses, records = self.losses_and_logs(losses, caller.logs)
+        all_losses, records = exchange_logs.finish(pending[0])
         if len(all_losses) != B:
             raise StrategyConfigError(
                 f"expected one loss per microbatch ({B}), got {sorted(all_losses)}; every rank "

@@ -14,6 +14,8 @@ value of a per-row average on the whole batch), "sum" the sum, "max"/"min" the e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -44,7 +46,7 @@ class LossLogExchange:
     names are logged on which microbatch, with which options) almost never changes between
     steps, so after one object exchange it is cached, and a step is a single float64 all-reduce
     of ``[losses | loss counts | record values | layout changed?]`` in which each rank fills its
-    own slots. A rank whose layout differs from the cache raises the flag, and that step falls
+    own slots, started asynchronously (:meth:`start`) and read after the step (:meth:`finish`). A rank whose layout differs from the cache raises the flag, and that step falls
     back to the object exchange (which also refreshes the cache), so no layout change is missed.
     """
 
@@ -56,32 +58,52 @@ class LossLogExchange:
     def __call__(self, losses: dict[int, float],
                  records: list[LogRecord]) -> tuple[dict[int, float], list[LogRecord]]:
         """(loss per microbatch over all ranks, all ranks' records in rank order)."""
+        return self.finish(self.start(losses, records))
+
+    def start(self, losses: Mapping[int, Any], records: list[LogRecord]) -> PendingExchange:
+        """Pack this rank's slots and start the all-reduce without waiting for it.
+
+        Why split from :meth:`finish`: the engine starts the exchange the moment the step's
+        compute is done, while the gradient all-reduce is still in flight (``on_computed`` of
+        ``ProgramExecutor.step``), so the small collective's round trip and the ranks' skew are
+        hidden behind that wait instead of following it. ``losses`` may hold 0-dim tensors.
+        """
         if self.world_size == 1:
-            return dict(losses), list(records)
+            return PendingExchange(dict(losses), list(records), None, None, False)
         B = self.micro
         mine = [(r.micro, r.name, r.options) for r in records]
         sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
         start = 2 * B + sum(sizes[: self.rank])
-        packed = torch.zeros(2 * B + sum(sizes) + 1, dtype=torch.float64)
-        for b, value in losses.items():
-            packed[b] = value
-            packed[B + b] = 1.0
+        packed = torch.zeros(2 * B + sum(sizes) + 1, dtype=torch.float64, device=self.device)
+        if losses:
+            index = torch.tensor(sorted(losses), device=self.device)
+            values = torch.stack([torch.as_tensor(losses[b]).detach().reshape(())
+                                  for b in sorted(losses)]).to(self.device, torch.float64)
+            packed[index] = values
+            packed[index + B] = 1.0
         changed = self.layout is None or mine != self.layout[self.rank]
         if changed:
             packed[-1] = 1.0
         else:
-            packed[start : start + len(records)] = torch.tensor([r.value for r in records],
-                                                                dtype=torch.float64)
-        reduced = packed.to(self.device)
-        dist.all_reduce(reduced)
-        reduced = reduced.cpu()
-        if reduced[-1].item() > 0:
-            gathered = exchange((dict(losses), list(records)), self.world_size)
+            packed[start : start + len(records)] = torch.tensor(
+                [r.value for r in records], dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(packed, async_op=True)
+        return PendingExchange(dict(losses), list(records), packed, work, changed)
+
+    def finish(self, pending: PendingExchange) -> tuple[dict[int, float], list[LogRecord]]:
+        """Wait for :meth:`start`'s all-reduce; (losses of all ranks, records of all ranks)."""
+        if pending.work is None:
+            return {b: float(v) for b, v in pending.losses.items()}, pending.records
+        pending.work.wait()
+        values = pending.packed.tolist()  # the logged values are host numbers: one sync
+        B = self.micro
+        if values[-1] > 0:
+            local = {b: float(v) for b, v in pending.losses.items()}
+            gathered = exchange((local, pending.records), self.world_size)
             self.object_exchanges += 1
             self.layout = [[(r.micro, r.name, r.options) for r in logs] for _, logs in gathered]
             all_losses = {b: v for part, _ in gathered for b, v in part.items()}
             return all_losses, [r for _, logs in gathered for r in logs]
-        values = reduced.tolist()
         counts = values[B : 2 * B]
         all_losses = {b: values[b] for b in range(B) if counts[b] > 0}
         if any(c > 1 for c in counts):
@@ -93,6 +115,17 @@ class LossLogExchange:
                 out.append(LogRecord(micro, name, values[position], options))
                 position += 1
         return all_losses, out
+
+
+@dataclass
+class PendingExchange:
+    """One step's exchange between :meth:`LossLogExchange.start` and ``finish``."""
+
+    losses: dict[int, Any]
+    records: list[LogRecord]
+    packed: torch.Tensor | None  # the all-reduced slots (None: a world of one)
+    work: Any  # the all-reduce's handle
+    layout_changed: bool
 
 
 def _fx_kind(name: str, fx: Any) -> str:

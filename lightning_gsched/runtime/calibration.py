@@ -41,7 +41,9 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 
 PING_BYTES = (4, 1 << 18, 1 << 22)
-ALLREDUCE_BYTES = (4, 1 << 20)
+# Up to 4 MiB: a gradient all-reduce is often many MiB, and the per-byte cost fitted from 1 MiB
+# alone (where the fixed cost still weighs) came out 2-5x too high on the 2-core machine.
+ALLREDUCE_BYTES = (4, 1 << 20, 1 << 22)
 STREAM_BYTES = (4, 1 << 18)
 STREAM = 16  # messages per CPU sample
 
@@ -131,9 +133,19 @@ def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
     return _fit(sends), _fit(recvs)
 
 
-def _allreduce(nbytes: int, group: Any, repeats: int) -> float:
-    buf = torch.zeros(max(1, nbytes // 4))
-    return _median(lambda: dist.all_reduce(buf, group=group), repeats)
+def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
+    """Median seconds of one all-reduce of each size, sizes taking turns within every repeat
+    (as in :func:`_ping_pong`, so a burst of load bends no size more than another)."""
+    bufs = [torch.zeros(max(1, nbytes // 4)) for nbytes in sizes]
+    samples: list[list[float]] = [[] for _ in sizes]
+    for buf in bufs:  # warm-up: gloo sets up buffers per size
+        dist.all_reduce(buf, group=group)
+    for _ in range(repeats):
+        for i, buf in enumerate(bufs):
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
 
 
 def _sum_loss(out: torch.Tensor, b: int) -> torch.Tensor:
@@ -194,8 +206,7 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
         values[len(PING_BYTES):n_pair] = [*send, *recv]
         values[n_pair] = 1.0
     if world > 1:
-        for i, nbytes in enumerate(ALLREDUCE_BYTES):
-            values[n_pair + 1 + i] = _allreduce(nbytes, group, repeats)
+        values[n_pair + 1:] = _allreduces(ALLREDUCE_BYTES, group, 2 * repeats)
         box = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(box, group=group)
         values = box.tolist()

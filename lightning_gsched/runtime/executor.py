@@ -134,8 +134,11 @@ class ProgramExecutor:
 
         The weight-gradient job is B, or W when the programs split the backward.
 
-        A stage qualifies when the program all-reduces it (``ALLREDUCE_G``) and receives no
-        gradient contributions for it (``RECV_G``, which must be added first). Cached per
+        A stage qualifies when the program all-reduces it (``ALLREDUCE_G``), receives no
+        gradient contributions for it (``RECV_G``, which must be added first) and its gradient
+        spans more than one bucket: a single bucket completes with the backward's last
+        parameter, so hooking every parameter (registered, fired and removed every step) would
+        cost per-parameter Python calls to start it no earlier than ``ALLREDUCE_G`` does. Cached per
         programs; the buckets (and their hooks' bookkeeping) are reused every step.
         """
         key = id(view.programs)
@@ -156,8 +159,9 @@ class ProgramExecutor:
                 grads = self.flats[stage].grads
                 if stage in received or stage not in last_b or not grads.numel:
                     continue
-                plan[last_b[stage]] = GradBuckets(
-                    grads, lambda t, g=group: self.channels.all_reduce(t, g))
+                buckets = GradBuckets(grads, lambda t, g=group: self.channels.all_reduce(t, g))
+                if len(buckets.buckets) > 1:  # one bucket can only start when the backward ends
+                    plan[last_b[stage]] = buckets
             self._overlap[key] = (view.programs, plan)
         return self._overlap[key][1]
 
@@ -183,7 +187,8 @@ class ProgramExecutor:
     # ------------------------------------------------------------------ public
 
     def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
-             signature: Hashable | None = None) -> StepResult:
+             signature: Hashable | None = None,
+             on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
         """Run this rank's program once: forward, backward and gradient reduction of one step.
 
         Args:
@@ -197,10 +202,14 @@ class ProgramExecutor:
                 shapes of the messages between stages may change (e.g. the batch's shape).
                 Default: the shapes, dtypes and plain values of every microbatch's inputs.
                 Steps with a signature seen before send bare tensors (:mod:`.transport`).
+            on_computed: called once with this rank's ``{b: loss}`` when its last compute job
+                is done, before the step waits for its all-reduces and sends: a caller's own
+                small collective (the Lightning engine's log exchange) started there overlaps
+                those waits instead of following them. It must not wait on this step's work.
         Returns:
             :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
         """
-        state = StepRun(self, self.view, inputs, loss_fn)
+        state = StepRun(self, self.view, inputs, loss_fn, on_computed=on_computed)
         self._execute(state, "step()", signature)
         self.last_counters = state.counters
         return StepResult(state.losses, state.counters)

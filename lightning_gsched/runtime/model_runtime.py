@@ -95,11 +95,13 @@ class ModelRuntime:
     # ------------------------------------------------------------------ running
 
     def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
-             signature: Hashable | None = None) -> StepResult:
+             signature: Hashable | None = None,
+             on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
         """One step of the schedule (:meth:`ProgramExecutor.step`); its gradients are then held
         here until :meth:`hand_over`, and ``param.grad`` is what it was before the step."""
         self._grads.before_step()
-        result = self.executor.step(inputs, loss_fn, signature=signature)
+        result = self.executor.step(inputs, loss_fn, signature=signature,
+                                    on_computed=on_computed)
         self._grads.after_step()
         return result
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, Collection, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 import torch
 
@@ -79,8 +79,10 @@ class StepRun(TieSteps):
         inputs: Mapping[int, tuple[tuple, dict]],
         loss_fn: LossFn,
         forward_only: bool = False,
+        on_computed: Callable[[dict[int, Any]], None] | None = None,
     ) -> None:
         self.ex = ex
+        self.on_computed = on_computed  # see ProgramExecutor.step
         self.view = view
         self.inputs = inputs
         self.loss_fn = loss_fn  # forward-only: output_fn(output, b) -> anything
@@ -303,6 +305,8 @@ class StepRun(TieSteps):
     # ------------------------------------------------------------------ end of step
 
     def finish(self) -> None:
+        if self.on_computed is not None:  # every compute is done; the waits below are not
+            self.on_computed(self.losses)
         leftovers = [*self.received, *self.stage_io.fetches,
                      *(f"tie {h}" for h in self.tie_io.fetches)]
         self.transport.flush()
