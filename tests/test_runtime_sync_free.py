@@ -67,9 +67,14 @@ def sync_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     counted: Counter[str] = Counter()
     first: dict[str, int] = {}
     fast = []
+    computed_ok = []
     for step in range(3):
+        seen: list[dict] = []
         with SyncCounter() as counter:
-            runtime.step(calls(batch), loss_fn)
+            result = runtime.step(calls(batch), loss_fn, on_computed=seen.append)
+        # on_computed: once per step, with every loss this rank computed
+        computed_ok.append(len(seen) == 1 and seen[0].keys() == result.losses.keys()
+                           and all(seen[0][b] is result.losses[b] for b in seen[0]))
         if step == 0:
             first = dict(counter.calls)
         else:
@@ -81,7 +86,7 @@ def sync_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     groups = sorted(ex.channels.groups)
     devices = {str(f.device) for f in ex.flats}
     runtime.close()
-    return {"syncs": dict(counted), "first": first, "fast": fast, "groups": groups, "devices": devices,
+    return {"computed_ok": computed_ok, "syncs": dict(counted), "first": first, "fast": fast, "groups": groups, "devices": devices,
             "device": str(ex.device)}
 
 
@@ -91,6 +96,7 @@ def test_steady_state_steps_never_read_the_device(worlds, schedule):
     if schedule in ("gpipe", "1f1b", "zb-h1"):  # the counter sees the first step's header reads
         assert sum(sum(r["first"].values()) for r in results) > 0, results
     for rank, r in enumerate(results):
+        assert all(r["computed_ok"]), rank
         assert r["syncs"] == {}, (rank, r["syncs"])
         assert all(r["fast"]), (rank, r["fast"])
         # one group per channel kind and direction (NCCL orders p2p within a communicator)
