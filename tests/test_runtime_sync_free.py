@@ -71,8 +71,9 @@ def sync_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     for step in range(3):
         seen: list[dict] = []
         with SyncCounter() as counter:
-            result = runtime.step(calls(batch), loss_fn, on_computed=seen.append)
-        # on_computed: once per step, with every loss this rank computed
+            result = runtime.step(calls(batch), loss_fn, 
+                                  on_computed=lambda losses, box=seen: box.append(dict(losses)))
+        # on_computed: once per step, when every loss of this rank is already computed
         computed_ok.append(len(seen) == 1 and seen[0].keys() == result.losses.keys()
                            and all(seen[0][b] is result.losses[b] for b in seen[0]))
         if step == 0:
