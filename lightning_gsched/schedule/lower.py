@@ -28,6 +28,25 @@ have nothing to all-reduce.
 Finally every channel is made FIFO-consistent: receives are posted in the order the peer sends,
 moving a post earlier when needed (never later), so that backends without message tags (NCCL)
 can run the same programs.
+
+Order inside a gap: every action has a category (:data:`_CATEGORY`: hand data to peers first,
+release memory, serve owners' duties, then post the prefetches for the next computes) and a
+rank's program is its actions sorted by (gap, category, then the order they were made in).
+Two families are kept apart because they are built differently and never share a category:
+
+- the data flow (activation and input-gradient messages, categories 0 and 7: the planner's
+  largest loop, two actions per message) is kept as actions with small int keys
+  ``gap * 9 + category`` in the order they are made, which is already their order within a
+  (gap, category): a send is made when its consumer is visited, a receive in its consumer's
+  order. Their channel (``p2p``) only carries them, so their FIFO fix is done per consumer as
+  its receives are made (:func:`_fifo_posts`);
+- everything else (weights, reductions, all-reduces, ties: categories 1-6, a few per run of a
+  stage) goes through :meth:`_Builder.put` with a full key (gap, category, time, serial):
+  several owners' serves can land in one gap, ordered by the simulated time the peer needs
+  them; :meth:`_Builder.make_fifo` fixes their channels.
+
+The computes (category 8 of their own gap) and both families are then merged by one stable
+sort of small ints per rank (:meth:`_Builder.programs`).
 """
 
 from __future__ import annotations
@@ -59,6 +78,8 @@ _CATEGORY = {
     # ties (lower_ties.py): the same places as their stage-weight counterparts
     Op.REDUCE_T: 1, Op.FREE_T: 2, Op.SEND_T: 3, Op.RECV_T: 4, Op.ALLREDUCE_T: 5, Op.FETCH_T: 6,
 }
+_SEND_KEY, _RECV_KEY, _COMPUTE_KEY = 0, 7, 8  # data-flow categories; a compute closes its gap
+_SLOTS = 9  # small key of an action: gap * _SLOTS + category
 
 # (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
 # make_fifo had to reorder; gap g's actions come right before compute g
@@ -69,18 +90,23 @@ _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
 
 
 class _Builder:
-    """Collects actions per (rank, gap) with sort keys, then flattens them into programs.
+    """Collects actions per rank, then sorts them into programs.
 
-    Every send and receive is also filed under its channel as it is put (so that
+    ``entries[rank]``: (key, action) of what :meth:`put` receives (weights, reductions,
+    all-reduces, ties). Every send and receive put is also filed under its channel (so that
     :meth:`make_fifo` does not classify all actions again): ``sends[(kind, src, dst)]`` holds
     (key, identity) of each send, ``recvs[(kind, src, dst)]`` (key, identity, index in the
-    receiver's entries) of each receive.
+    receiver's entries) of each receive. ``flow[rank]`` / ``flow_keys[rank]``: the data-flow
+    actions and their small keys (see the module docstring), filled by :func:`_lower_data_flow`.
     """
 
     def __init__(self, timeline: Timeline) -> None:
-        self.slots = timeline.by_worker
-        self.starts = [[slot.start for slot in slots] for slots in self.slots]
-        self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in self.slots]
+        self.timeline = timeline
+        start = timeline.start
+        self.starts = [list(map(start.__getitem__, jobs)) for jobs in timeline.order]
+        self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in timeline.order]
+        self.flow: list[list[Action]] = [[] for _ in timeline.order]
+        self.flow_keys: list[list[int]] = [[] for _ in timeline.order]
         self.serial = 0
         self.sends: dict[_Channel, list[tuple[_Key, _Ident]]] = defaultdict(list)
         self.recvs: dict[_Channel, list[tuple[_Key, _Ident, int]]] = defaultdict(list)
@@ -107,10 +133,11 @@ class _Builder:
     def make_fifo(self) -> None:
         """Post receives in each channel's send order by moving posts earlier where needed.
 
-        The k-th send of a message identity on a channel matches the k-th receive of that
-        identity (weights of one stage may be fetched several times). Walking the sends from last
-        to first, each matched receive takes the smaller of its own key and the key of the
-        receive after it, so posts only ever move earlier.
+        For the actions of :meth:`put` (the data flow's channel is fixed as it is made). The
+        k-th send of a message identity on a channel matches the k-th receive of that identity
+        (weights of one stage may be fetched several times). Walking the sends from last to
+        first, each matched receive takes the smaller of its own key and the key of the receive
+        after it, so posts only ever move earlier.
         """
         second = itemgetter(1)
         for (channel, src, dst), sent in self.sends.items():
@@ -122,7 +149,7 @@ class _Builder:
                 # already no later than the next one's; keys stay unique by their serial)
                 continue
             matched: list[int | None]
-            if len(set(map(second, posts))) == len(posts):  # each message posted once (p2p)
+            if len(set(map(second, posts))) == len(posts):  # each message posted once
                 index_of = {ident: index for _, ident, index in posts}
                 matched = [index_of.pop(ident, None) for _, ident in sent]
             else:  # weights of one stage fetched several times: k-th send, k-th post
@@ -143,25 +170,27 @@ class _Builder:
                 running = key
                 entries[recv_index] = (key + (position,), recv)
 
-    def programs(self) -> list[list[Action]]:
-        """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
+    def programs(self, computes: list[Action]) -> list[list[Action]]:
+        """Merge each rank's computes (``computes`` by flat job index), data flow and other
+        actions: by gap, then category, then the order within each family.
+
+        The other actions are sorted by their full keys first; from then on every action has a
+        small int key (gap * 9 + category, a compute 8 in its own gap), and one stable sort of
+        those ints keeps each family's order where keys are equal (equal keys are always of one
+        family: the families never share a category).
+        """
         out = []
-        new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
-        for rank, entries in enumerate(self.entries):
-            computes = [new_tuple(Action, (compute_op[d], s, b, None, None))
-                        for s, b, d in map(first, self.slots[rank])]
+        first = itemgetter(0)
+        for rank, jobs in enumerate(self.timeline.order):
+            entries = self.entries[rank]
             entries.sort(key=first)  # keys are unique (serial): a total order
-            program: list[Action] = []
-            append = program.append
-            done = 0  # computes emitted so far
-            for key, action in entries:
-                gap = key[0]
-                if done < gap:
-                    program.extend(computes[done:gap])
-                    done = gap
-                append(action)
-            program.extend(computes[done:])
-            out.append(program)
+            actions = self.flow[rank] + list(map(itemgetter(1), entries))
+            actions += map(computes.__getitem__, jobs)
+            keys = self.flow_keys[rank] + [gap * _SLOTS + category for gap, category, *_
+                                           in map(first, entries)]
+            keys += range(_COMPUTE_KEY, _SLOTS * len(jobs), _SLOTS)
+            out.append(list(map(actions.__getitem__, sorted(range(len(keys)),
+                                                            key=keys.__getitem__))))
         return out
 
 
@@ -184,10 +213,14 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     if ties:
         lower_ties(ties, table, timeline, build, grad_phase, graph.forward_only)
     build.make_fifo()
+    new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
+    ops = [_COMPUTE_OP[d] for d in timeline.phases]
+    computes = [new_tuple(Action, (op, s, b, None, None))  # by flat job index
+                for s in range(table.stages) for b in range(table.micro) for op in ops]
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
-    return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges,
-                    forward_only=graph.forward_only, split_backward=graph.split_backward,
-                    ties=dict(ties or {}))
+    return Programs(build.programs(computes), table.stages, table.micro, list(table.owners),
+                    edges, forward_only=graph.forward_only,
+                    split_backward=graph.split_backward, ties=dict(ties or {}))
 
 
 def _lower_data_flow(
@@ -195,80 +228,115 @@ def _lower_data_flow(
 ) -> None:
     """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
 
-    The planner's largest loop (two actions per message): jobs are found by flat index
-    ``(stage * B + micro) * P + phase`` rather than by hashing, and each message is filed under
-    its channel here, as :meth:`_Builder.put` would (same keys, same serials): every message
-    this loop makes while visiting a consumer's slots is on a channel into that consumer, so
-    they are gathered per sender and filed once per channel.
+    The planner's largest loop (two actions per message). Consumers are visited worker by
+    worker in their order; each remote input makes the producer's send (small key: the gap
+    after the producer's compute, category 0) and the consumer's receive (the gap before the
+    previous compute, category 7), both appended in the order the reference keys (serials)
+    would give them. All messages into one consumer are made while visiting it, so its
+    channels' FIFO order is settled right after (:func:`_fifo_posts`).
     """
     compute = table.compute
-    B, P = table.micro, len(graph.phases)
-    phase_index = {d: k for k, d in enumerate(graph.phases)}
-    by_worker = timeline.by_worker
-    position = [0] * (table.stages * B * P)  # flat job -> index in its worker's slots
-    finished = [0.0] * (table.stages * B * P)  # flat job -> end time
-    for slots in by_worker:
-        for i, (job, _, _, end) in enumerate(slots):
-            flat = (job[0] * B + job[1]) * P + phase_index[job[2]]
+    W, B, P = table.workers, table.micro, len(timeline.phases)
+    BP = B * P
+    phase_index = {d: k for k, d in enumerate(timeline.phases)}
+    order = timeline.order
+    position = [0] * (table.stages * BP)  # flat job -> index in its worker's order
+    for jobs in order:
+        for i, flat in enumerate(jobs):
             position[flat] = i
-            finished[flat] = end
-    done: set[tuple[int, int, Phase, int]] = set()  # (producer stage, micro, phase, consumer)
-    entries = build.entries
+    done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
-    serial = build.serial
-    # per phase: (send op, its category, receive op, its category, channel, phase index)
-    kinds = {
-        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv], CHANNEL_OF[send],
-                phase_index[phase])
-        for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
-                                  (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
-        if phase in phase_index
-    }
-    # W consumes nothing from another stage: it follows its own B
-    sources = {d: [list(graph.inputs(s) if d is Phase.F else graph.outputs(s)
-                        if d is Phase.B else []) for s in range(graph.num_stages)]
-               for d in graph.phases}
+    # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
+    kinds: list[tuple[Op, Op, list[list[int]]] | None] = [None] * P
+    for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
+                              (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD)):
+        if phase in phase_index:
+            kinds[phase_index[phase]] = (send, recv, [
+                list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
+                for s in range(graph.num_stages)])
     chain = graph.is_chain
-    for worker, slots in enumerate(by_worker):
-        mine = entries[worker]
-        # channel -> src -> this consumer's sends / posts on channel src -> worker
-        sent_here: dict[str, dict[int, list[tuple[_Key, _Ident]]]] = {
-            kind[4]: defaultdict(list) for kind in kinds.values()}
-        posted_here: dict[str, dict[int, list[tuple[_Key, _Ident, int]]]] = {
-            kind[4]: defaultdict(list) for kind in kinds.values()}
-        for i, (job, _, start, _) in enumerate(slots):
-            s, b, phase = job
-            others = sources[phase][s]
+    flow, flow_keys = build.flow, build.flow_keys
+    for worker, jobs in enumerate(order):
+        mine, my_keys = flow[worker], flow_keys[worker]
+        first_post = len(mine)
+        # per source rank: the producers' positions and the receives' indices in ``mine``, in
+        # post order (the channel source -> worker)
+        positions: list[list[int]] = [[] for _ in range(W)]
+        posts: list[list[int]] = [[] for _ in range(W)]
+        for i, flat in enumerate(jobs):
+            k = flat % P
+            kind = kinds[k]
+            if kind is None:
+                continue
+            s = flat // BP
+            others = kind[2][s]
             if not others:
                 continue
-            send, send_cat, recv, recv_cat, channel, k = kinds[phase]
-            sent_on, posted_on = sent_here[channel], posted_here[channel]
-            gap = i - 1 if i else 0
+            b = (flat - s * BP) // P
+            send, recv = kind[0], kind[1]
+            recv_key = (i - 1 if i else 0) * _SLOTS + _RECV_KEY
             for other in others:
                 src = compute[other][b]
                 if src == worker:
                     continue
                 if not chain:  # in a DAG one output may feed two stages on one worker
-                    if (other, b, phase, worker) in done:
+                    if (other, b, k, worker) in done:
                         continue
-                    done.add((other, b, phase, worker))
-                flat = (other * B + b) * P + k
-                ident = (other, b, recv)
-                serial += 1
-                key = (position[flat] + 1, send_cat, finished[flat], serial)
-                entries[src].append((key, new_tuple(Action, (send, other, b, worker, None))))
-                sent_on[src].append((key, ident))
-                serial += 1
-                key = (gap, recv_cat, start, serial)
-                posted_on[src].append((key, ident, len(mine)))
-                mine.append((key, new_tuple(Action, (recv, other, b, src, None))))
-        for channel, by_src in sent_here.items():
-            for src, sent in by_src.items():
-                build.sends[(channel, src, worker)].extend(sent)
-        for channel, by_src_posts in posted_here.items():
-            for src, posted in by_src_posts.items():
-                build.recvs[(channel, src, worker)].extend(posted)
-    build.serial = serial
+                    done.add((other, b, k, worker))
+                produced = position[(other * B + b) * P + k]
+                flow[src].append(new_tuple(Action, (send, other, b, worker, None)))
+                flow_keys[src].append(produced * _SLOTS + _SLOTS + _SEND_KEY)
+                positions[src].append(produced)
+                posts[src].append(len(mine))
+                mine.append(new_tuple(Action, (recv, other, b, src, None)))
+                my_keys.append(recv_key)
+        _fifo_posts(mine, my_keys, first_post, positions, posts)
+
+
+def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
+                positions: list[list[int]], posts: list[list[int]]) -> None:
+    """Post one consumer's receives in each channel's send order (as :meth:`make_fifo` does).
+
+    A channel source -> consumer is in order when its producers' positions (the sends' order on
+    the source: one send per producing compute) increase along its posts; the usual case. Else,
+    walking the sends from last to first, a receive posted after the earliest receive of a later
+    send moves to just before that one (the *anchor*: it takes the anchor's place and key;
+    several movers of one anchor keep their send order), so posts only move earlier.
+    ``mine[first_post:]`` holds this consumer's receives in post order; moves rewrite it.
+    """
+    movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
+    moved: set[int] = set()
+    for source_positions, source_posts in zip(positions, posts):
+        if not source_positions or source_positions == sorted(source_positions):
+            continue
+        send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)
+        running = len(send_order)  # the earliest post (index in post order) of a later send
+        for place in reversed(range(len(send_order))):
+            post = send_order[place]
+            if post > running:
+                movers.setdefault(source_posts[running], []).append((place, source_posts[post]))
+                moved.add(source_posts[post])
+            else:
+                running = post
+    if not moved:
+        return
+    actions: list[Action] = []
+    small: list[int] = []
+    for index in range(first_post, len(mine)):
+        if index in moved:
+            continue
+        key = keys[index]
+        for _, mover in sorted(movers.get(index, ())):
+            actions.append(mine[mover])
+            small.append(key)
+        actions.append(mine[index])
+        small.append(key)
+    mine[first_post:] = actions
+    keys[first_post:] = small
+
+
+def _computed_stages(table: PlacementTable, worker: int) -> set[int]:
+    return {s for s in range(table.stages) if worker in table.compute[s]}
 
 
 def _lower_weights(
@@ -284,11 +352,16 @@ def _lower_weights(
     a gradient receive.
     """
     reduce_gaps: dict[tuple[int, int], int] = {}
-    for worker, slots in enumerate(timeline.by_worker):
-        stages = [job[0] for job in map(itemgetter(0), slots)]
+    P = len(timeline.phases)
+    BP = table.micro * P
+    grad_k = timeline.phases.index(grad_phase) if grad_phase in timeline.phases else -1
+    start, end = timeline.start, timeline.end
+    computed_by = [set(row) for row in table.compute]
+    for worker, jobs in enumerate(timeline.order):
         owned = set(table.owned_stages(worker))
-        if owned.issuperset(stages):
+        if all(s in owned for s in range(table.stages) if worker in computed_by[s]):
             continue  # computes only stages it owns: nothing to fetch
+        stages = [flat // BP for flat in jobs]
         freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
         n = len(stages)
         i = 0
@@ -302,19 +375,19 @@ def _lower_weights(
                 fetch_gap = max(i - 1, 0)
                 if fetch_window is not None and len(freed_at) >= fetch_window:
                     fetch_gap = max(fetch_gap, freed_at[-fetch_window])
-                prefetch_time = slots[fetch_gap].start if i > 0 else 0.0
+                prefetch_time = start[jobs[fetch_gap]] if i > 0 else 0.0
                 build.put(worker, fetch_gap, prefetch_time,
                           Action(Op.FETCH_W, stage, None, owner))
                 build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
                           Action(Op.SEND_W, stage, None, worker))
-                if any(slots[k].job.phase is grad_phase for k in range(i, j + 1)):
-                    end = slots[j].end
-                    build.put(worker, j + 1, end, Action(Op.REDUCE_G, stage, None, owner))
-                    gap = build.gap_at(owner, end)
-                    build.put(owner, gap, end, Action(Op.RECV_G, stage, None, worker))
+                run_end = end[jobs[j]]
+                if any(jobs[k] % P == grad_k for k in range(i, j + 1)):
+                    build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
+                    gap = build.gap_at(owner, run_end)
+                    build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))
                     key = (owner, stage)
                     reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
-                build.put(worker, j + 1, slots[j].end, Action(Op.FREE_W, stage))
+                build.put(worker, j + 1, run_end, Action(Op.FREE_W, stage))
                 freed_at.append(j + 1)
             i = j + 1
     return reduce_gaps
@@ -329,12 +402,16 @@ def _lower_allreduce(
 ) -> None:
     """Replica owners all-reduce a stage right after their last weight-gradient job of it."""
     if all(len(owners) < 2 for owners in table.owners):
-        return  # no replicas: nothing to all-reduce (and no need to scan every slot)
+        return  # no replicas: nothing to all-reduce (and no need to scan every job)
+    P = len(timeline.phases)
+    BP = table.micro * P
+    grad_k = timeline.phases.index(grad_phase)
+    end = timeline.end
     last_backward: dict[tuple[int, int], tuple[int, float]] = {}
-    for worker, slots in enumerate(timeline.by_worker):
-        for i, slot in enumerate(slots):
-            if slot.job.phase is grad_phase:
-                last_backward[(worker, slot.job.stage)] = (i + 1, slot.end)
+    for worker, jobs in enumerate(timeline.order):
+        for i, flat in enumerate(jobs):
+            if flat % P == grad_k:
+                last_backward[(worker, flat // BP)] = (i + 1, end[flat])
     for stage, owners in enumerate(table.owners):
         if len(owners) < 2:
             continue

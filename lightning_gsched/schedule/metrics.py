@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import accumulate
-from operator import itemgetter
+from operator import itemgetter, sub
 
 from lightning_gsched.schedule.counts import ActionCounts
 from lightning_gsched.schedule.program import OPS, Op, Programs
@@ -74,8 +74,10 @@ def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
     latency = timeline.latency
     per_worker = []
     total_busy = 0.0
+    start, end = timeline.start, timeline.end
     for rank in range(programs.world_size):
-        busy = sum([slot[3] - slot[2] for slot in timeline.by_worker[rank]])  # end - start
+        jobs = timeline.order[rank]  # flat job indices: end - start of each, in order
+        busy = sum(map(sub, map(end.__getitem__, jobs), map(start.__getitem__, jobs)))
         total_busy += busy
         per_worker.append(WorkerMetrics(worker=rank, busy=busy,
                                         **program_counts(programs, rank).planned()))

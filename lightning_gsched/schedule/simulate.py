@@ -18,7 +18,7 @@ planner passes no caps then (nothing is stashed for a backward).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
@@ -95,7 +95,7 @@ class Costs:
 
 
 class Slot(NamedTuple):
-    """One job placed in time on its compute worker (a NamedTuple: 32k of them are built fast)."""
+    """One job placed in time on its compute worker (the public view of a :class:`Timeline`)."""
 
     job: Job
     worker: int
@@ -103,25 +103,63 @@ class Slot(NamedTuple):
     end: float
 
 
-@dataclass
 class Timeline:
-    """Result of a simulation: every job with its worker and start/end time."""
+    """Result of a simulation: every job with its worker and start/end time.
 
-    workers: int
-    stages: int
-    micro: int
-    slots: list[Slot]
-    by_worker: list[list[Slot]] = field(default_factory=list)
+    The simulator records it densely, by flat job index ``i = (stage * micro + b) * P + k``
+    (P = ``len(phases)``, k the phase's place in ``phases``): ``start[i]`` and ``end[i]``,
+    ``order[w]`` (the flat indices worker w runs, in order) and ``sequence`` (every flat index
+    in the order the simulation placed it). The planner's own readers (lowering, metrics) read
+    these lists; :attr:`slots` and :attr:`by_worker` (one :class:`Slot` per job) are built on
+    first use, so a plan that nobody draws or prints never allocates its 10^5 Slots and Jobs.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.by_worker:
-            self.by_worker = [[] for _ in range(self.workers)]
-            for slot in self.slots:
-                self.by_worker[slot.worker].append(slot)
+    def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
+                 order: list[list[int]], start: list[float], end: list[float],
+                 sequence: list[int]) -> None:
+        self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
+        self.order, self.start, self.end, self.sequence = order, start, end, sequence
+        self._slots: list[Slot] | None = None
+        self._by_worker: list[list[Slot]] | None = None
 
     @property
     def latency(self) -> float:
-        return max((s.end for s in self.slots), default=0.0)
+        return max(self.end, default=0.0)
+
+    def job(self, index: int) -> Job:
+        """The job at flat index ``index``."""
+        P = len(self.phases)
+        stage, micro = divmod(index // P, self.micro)
+        return Job(stage, micro, self.phases[index % P])
+
+    def _build_slots(self) -> None:
+        P, B, phases = len(self.phases), self.micro, self.phases
+        start, end = self.start, self.end
+        new_tuple = tuple.__new__  # NamedTuples without their __new__ frame
+        slot_of: dict[int, Slot] = {}
+        for worker, indices in enumerate(self.order):
+            for i in indices:
+                q = i // P
+                job = new_tuple(Job, (q // B, q % B, phases[i % P]))
+                slot_of[i] = new_tuple(Slot, (job, worker, start[i], end[i]))
+        self._by_worker = [[slot_of[i] for i in indices] for indices in self.order]
+        self._slots = [slot_of[i] for i in self.sequence]
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Every job's slot, in the order the simulation placed them (start times ascending)."""
+        if self._slots is None:
+            self._build_slots()
+        assert self._slots is not None
+        return self._slots
+
+    @property
+    def by_worker(self) -> list[list[Slot]]:
+        """Per worker, its slots in the order it runs them."""
+        if self._by_worker is None:
+            self._build_slots()
+        assert self._by_worker is not None
+        return self._by_worker
 
 
 def priority_ranks(
@@ -198,7 +236,12 @@ def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
 
 
 class _Worker:
-    """Ready queues of one worker per phase: jobs not yet startable by time, and startable now."""
+    """Ready queues of one worker per phase: jobs not yet startable by time, and startable now.
+
+    Queues hold ranks (unique ints, the order's dense keys), not jobs: ``pending[k]`` heaps of
+    (ready time, rank) and ``ready[k]`` heaps of ranks, so every heap comparison is of floats
+    and ints; the simulator maps a rank back to its flat job index once, when the job runs.
+    """
 
     __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases", "next_start")
 
@@ -207,9 +250,9 @@ class _Worker:
         self.stash = 0
         self.cap = cap
         self.phases = range(phases)
-        # index = phase (0 F, 1 B, 2 W). pending: (ready_time, rank, job); ready: (rank, job)
-        self.pending: list[list[tuple[float, int, Job]]] = [[] for _ in self.phases]
-        self.ready: list[list[tuple[int, Job]]] = [[] for _ in self.phases]
+        # index = phase (0 F, 1 B, 2 W)
+        self.pending: list[list[tuple[float, int]]] = [[] for _ in self.phases]
+        self.ready: list[list[int]] = [[] for _ in self.phases]
         self.version = 0
         self.next_start: float | None = None  # start of its valid event (None: no event)
 
@@ -225,16 +268,17 @@ class _Worker:
         free_at = self.free_at
         pending, ready = self.pending, self.ready
         forward = self.cap is None or self.stash < self.cap
-        now: tuple[float, int, int] | None = None
+        now_rank = -1
+        now_k = 0
+        heappop, heappush = heapq.heappop, heapq.heappush
         for k in self.phases:
             pend, queue = pending[k], ready[k]
             while pend and pend[0][0] <= free_at:
-                _, rank, job = heapq.heappop(pend)
-                heapq.heappush(queue, (rank, job))
-            if queue and (k or forward) and (now is None or queue[0][0] < now[1]):
-                now = (free_at, queue[0][0], k)
-        if now is not None:
-            return now
+                heappush(queue, heappop(pend)[1])
+            if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
+                now_rank, now_k = queue[0], k
+        if now_rank >= 0:
+            return (free_at, now_rank, now_k)
         later: tuple[float, int, int] | None = None
         for k in self.phases:
             pend = pending[k]
@@ -257,27 +301,32 @@ def simulate(
 ) -> Timeline:
     """Run the greedy schedule to completion and return the timeline.
 
-    Hot loop (``auto_cap`` runs it several times per plan), written for speed with the same
-    results: an event carries the phase its worker's best candidate had when it was pushed, so a
-    valid event (its worker unchanged since) needs no second ``best()``; workers touched while
-    one job completes are refreshed once afterwards rather than after every change (the heap's
-    order depends only on the keys, so fewer stale events change nothing), and not at all when a
-    new job cannot change their event (they start something now, the job is ready later);
-    dependency counts and ranks live in flat lists indexed by ``(stage * B + micro) * P +
-    phase`` (P phases per job: 1, 2 or 3).
+    ``ranks`` are :func:`priority_ranks`' dense keys (a permutation of the flat job indices'
+    count). Hot loop (``auto_cap`` runs it several times per plan), written for speed with the
+    same results: jobs are flat indices ``(stage * B + micro) * P + phase`` (P phases per job:
+    1, 2 or 3) and the queues hold their ranks; an event carries the phase its worker's best
+    candidate had when it was pushed, so a valid event (its worker unchanged since) needs no
+    second ``best()``; workers touched while one job completes are refreshed once afterwards
+    rather than after every change (the heap's order depends only on the keys, so fewer stale
+    events change nothing), and not at all when a new job cannot change their event (they
+    start something now, the job is ready later). The timeline is recorded densely
+    (:class:`Timeline`): no Slot or Job is built here.
 
     The stash of a (stage, microbatch) counts against the cap from its F until its last
     backward phase: B, or W when the graph splits the backward.
     """
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
+    total = P * S * B
     workers = [_Worker(caps[w], P) for w in range(W)]
     compute = table.compute
     duration = [costs.by_phase()[d] for d in graph.phases]
     release = _PHASE_INDEX[Phase.W if graph.split_backward else Phase.B]
     heappush, heappop = heapq.heappush, heapq.heappop
-    new_tuple = tuple.__new__  # Slot(...) and Job(...) without the NamedTuple __new__ frame
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
+    job_of = [0] * total  # rank -> flat job index
+    for i, rank in enumerate(ranks):
+        job_of[rank] = i
 
     def refresh(w: int) -> None:
         state = workers[w]
@@ -292,7 +341,7 @@ def simulate(
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with the index offset (stage * B * P + phase) of their flat slot.
     successors = [  # by stage * P + phase index
-        [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
+        [(j.stage, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
          for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     ]
@@ -300,23 +349,24 @@ def simulate(
     missing: list[int] = []
     for s in range(S):
         missing.extend([n_pred[(s, d)] for d in graph.phases] * B)
-    ready_time = [0.0] * (P * S * B)
+    ready_time = [0.0] * total
     touched: list[int] = []
     for (s, d), count in n_pred.items():
         if count == 0:  # sources: ready at time 0
             k = _PHASE_INDEX[d]
             for b in range(B):
-                job = Job(s, b, d)
                 w = compute[s][b]
-                heappush(workers[w].pending[k], (0.0, ranks[(s * B + b) * P + k], job))
+                heappush(workers[w].pending[k], (0.0, ranks[(s * B + b) * P + k]))
                 touched.append(w)
     for w in dict.fromkeys(touched):
         refresh(w)
 
-    slots: list[Slot] = []
-    append = slots.append
-    by_worker: list[list[Slot]] = [[] for _ in range(W)]  # the timeline's per-worker view
-    total = P * S * B
+    start_of = [0.0] * total  # by flat job index
+    end_of = [0.0] * total
+    order: list[list[int]] = [[] for _ in range(W)]  # per worker, its flat jobs in order
+    sequence: list[int] = []  # flat jobs in the order they are placed
+    place = sequence.append
+    BP = B * P
     while events:
         start, rank, w, version, k = heappop(events)
         state = workers[w]
@@ -325,33 +375,35 @@ def simulate(
         # the worker is unchanged since this event was pushed: best() would return
         # (start, rank, k) again, so take that job directly
         ready = state.ready[k]
-        if ready and ready[0][0] == rank:
-            job = heappop(ready)[1]
+        if ready and ready[0] == rank:
+            heappop(ready)
         else:
-            job = heappop(state.pending[k])[2]
-        stage, micro, _ = job
+            heappop(state.pending[k])
+        i = job_of[rank]
+        stage = i // BP
+        micro = (i - stage * BP) // P
         end = start + duration[k][stage]
         if k == 0:
             state.stash += 1
         elif k == release:
             state.stash -= 1
-        slot = new_tuple(Slot, (job, w, start, end))
-        append(slot)
-        by_worker[w].append(slot)
+        start_of[i] = start
+        end_of[i] = end
+        order[w].append(i)
+        place(i)
         state.free_at = end
         touched = [w]
-        for nstage, nphase, nk, offset in successors[stage * P + k]:
-            i = offset + micro * P
-            left = missing[i] - 1
-            missing[i] = left
-            at = ready_time[i]
+        for nstage, nk, offset in successors[stage * P + k]:
+            n = offset + micro * P
+            left = missing[n] - 1
+            missing[n] = left
+            at = ready_time[n]
             if end > at:
-                at = ready_time[i] = end
+                at = ready_time[n] = end
             if left == 0:
-                nxt = new_tuple(Job, (nstage, micro, nphase))
                 nw = compute[nstage][micro]
                 other = workers[nw]
-                heappush(other.pending[nk], (at, ranks[i], nxt))
+                heappush(other.pending[nk], (at, ranks[n]))
                 # Another worker's event stands when it starts something now (at its free_at)
                 # and the new job is only ready later: "startable now" beats it whatever its
                 # rank, so best() would return the same event (and it is taken from ``ready``).
@@ -360,26 +412,29 @@ def simulate(
         for nw in touched:
             refresh(nw)
 
-    if len(slots) != total:
-        raise _stuck_error(workers, slots, total, caps)
-    return Timeline(W, S, B, slots, by_worker)
+    if len(sequence) != total:
+        raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps)
+    return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence)
 
 
 def _stuck_error(
-    workers: list[_Worker], slots: list[Slot], total: int, caps: Sequence[int | None]
+    workers: list[_Worker], job_of: list[int], phases: tuple[Phase, ...], micro: int,
+    placed: int, total: int, caps: Sequence[int | None],
 ) -> CapTooSmallError:
     blocked = []
+    P = len(phases)
     for w, state in enumerate(workers):
-        waiting = [job for heap in (state.pending[0], state.ready[0]) for *_, job in heap]
+        waiting = [job_of[rank] for _, rank in state.pending[0]] + [
+            job_of[rank] for rank in state.ready[0]]
         if waiting and not state.forward_allowed():
-            first = min(waiting)
+            stage, b = divmod(min(waiting) // P, micro)  # F jobs: flat order is (stage, micro)
             blocked.append(
                 f"worker {w} holds {state.stash} activations (cap {state.cap}) and cannot start "
-                f"{first}"
+                f"{Job(stage, b, phases[0])}"
             )
     detail = "; ".join(blocked) if blocked else "no worker has a startable job"
     return CapTooSmallError(
-        f"the schedule cannot make progress after {len(slots)} of {total} jobs: {detail}. The "
+        f"the schedule cannot make progress after {placed} of {total} jobs: {detail}. The "
         f"activation cap {list(caps)} is too small for this placement and order; raise the cap, "
         "use cap='auto' (the smallest cap that keeps the uncapped latency) or cap=None"
     )
