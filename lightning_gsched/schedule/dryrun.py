@@ -247,7 +247,8 @@ class _DryRun:
 
     def send(self, rank: int, action: Action) -> None:
         op = action[0]
-        channel = self.base[op] + rank * self.W + action[3]
+        peer: int = action[3]  # type: ignore[assignment]  # the scan checked every peer
+        channel = self.base[op] + rank * self.W + peer
         self.sent_count[channel] += 1
         self.walker.wake(channel)
         if op is _REDUCE_G and action[1] not in self.ranks[rank].grad_stages:
@@ -263,15 +264,16 @@ class _DryRun:
 
     def recv(self, rank: int, action: Action) -> None:
         op, s = action[0], action[1]
-        channel = self.base[op] + action[3] * self.W + rank
+        peer: int = action[3]  # type: ignore[assignment]  # the scan checked every peer
+        channel = self.base[op] + peer * self.W + rank
         posted_count = self.posted_count
         k = posted_count[channel] + 1
         posted_count[channel] = k
         msg: _Message = (channel, k)
-        if op is _RECV_ACT:
-            self.ranks[rank].posted_act[s * self.M + action[2]] = msg
+        if op is _RECV_ACT:  # the scan checked their microbatches
+            self.ranks[rank].posted_act[s * self.M + action[2]] = msg  # type: ignore[operator]
         elif op is _RECV_GRAD:
-            self.ranks[rank].posted_grad[s * self.M + action[2]] = msg
+            self.ranks[rank].posted_grad[s * self.M + action[2]] = msg  # type: ignore[operator]
         elif op is _FETCH_W:
             state = self.ranks[rank]
             if s in state.resident:
@@ -356,7 +358,7 @@ class _DryRun:
         # every input must be here or posted (else fail) before any message is waited for
         consumed: list[_Message] = []  # the weights', the ties', then the inputs' in order
         if weights is not None:
-            consumed.append(weights)
+            consumed.append(weights)  # type: ignore[arg-type]  # not _ABSENT: checked above
         ties = self.ties_of[s]
         if ties:
             for h in ties:
@@ -386,7 +388,7 @@ class _DryRun:
     def _done(self, state: _Rank, action: Action) -> None:
         """A compute ran: record it, and what it stashed, released or accumulated."""
         op, s = action[0], action[1]
-        job = s * self.M + action[2]
+        job = s * self.M + action[2]  # type: ignore[operator]  # compute() checked it
         if op is _F:
             state.forward_done.add(job)
             if not self.forward_only:

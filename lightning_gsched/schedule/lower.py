@@ -306,7 +306,7 @@ def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
     """
     movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
     moved: set[int] = set()
-    for source_positions, source_posts in zip(positions, posts):
+    for source_positions, source_posts in zip(positions, posts, strict=True):
         if not source_positions or source_positions == sorted(source_positions):
             continue
         send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)

@@ -18,13 +18,14 @@ planner passes no caps then (nothing is stashed for a backward).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs, phases_of
-from lightning_gsched.schedule.orders import PriorityFn
+from lightning_gsched.schedule.orders import OrderLayout, PriorityFn, layout_of
 from lightning_gsched.schedule.placements import PlacementTable
 
 
@@ -171,10 +172,15 @@ def priority_ranks(
     The result is indexed by the flat job index ``(stage * micro + b) * P + phase`` (P phases
     per job in the order F, B, W: :func:`phases_of`), the layout :func:`simulate` works in.
     Rank order is that of the pairs (n(job), job): equal priorities are broken by the job
-    itself. Library orders return tuples of ints; those are packed into one int per job that
-    orders as the pair does (:func:`_packed`), so the sort compares ints, not tuples.
+    itself. A library order's ranking is enumerated from its written-out layout
+    (:data:`~lightning_gsched.schedule.orders.LAYOUTS`) without calling it; other orders
+    returning ints or tuples of ints are packed into one int per job that orders as the pair
+    does (:func:`_packed`), so the sort compares ints, not tuples.
     """
     phases = phases_of(forward_only, split_backward)
+    layout = layout_of(priority)
+    if layout is not None:
+        return _inverse(_layout_order(layout, stages, micro, phases))
     keys: list[Any] = []
     append = keys.append
     s = b = 0
@@ -198,10 +204,36 @@ def priority_ranks(
         raise ScheduleConfigError(
             f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
         ) from exc
-    ranks = [0] * len(keys)
-    for rank, i in enumerate(order):
-        ranks[i] = rank
-    return ranks
+    return _inverse(order)
+
+
+def _inverse(permutation: list[int]) -> list[int]:
+    """``inverse[permutation[i]] = i`` (ranks from a ranked order, or back), in one C loop."""
+    inverse = [0] * len(permutation)
+    deque(map(inverse.__setitem__, permutation, range(len(permutation))), maxlen=0)
+    return inverse
+
+
+def _layout_order(layout: OrderLayout, stages: int, micro: int,
+                  phases: tuple[Phase, ...]) -> list[int]:
+    """Flat job indices in the order a library order's layout ranks them (see orders.py)."""
+    P = len(phases)
+    index_of = {d: k for k, d in enumerate(phases)}
+    order: list[int] = []
+    for group, major, minor in layout:
+        ks = [index_of[d] for d in sorted(group, key=str) if d in index_of]
+        if not ks:
+            continue
+        loops = []
+        for name, ascending in (major, minor):
+            span = range(stages if name == "stage" else micro)
+            loops.append(span if ascending else span[::-1])
+        outer, inner = loops
+        if major[0] == "stage":  # flat = (stage * micro + b) * P + k
+            order += [(x * micro + y) * P + k for x in outer for y in inner for k in ks]
+        else:
+            order += [(y * micro + x) * P + k for x in outer for y in inner for k in ks]
+    return order
 
 
 def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
@@ -324,9 +356,7 @@ def simulate(
     release = _PHASE_INDEX[Phase.W if graph.split_backward else Phase.B]
     heappush, heappop = heapq.heappush, heapq.heappop
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
-    job_of = [0] * total  # rank -> flat job index
-    for i, rank in enumerate(ranks):
-        job_of[rank] = i
+    job_of = _inverse(list(ranks))  # rank -> flat job index
 
     def refresh(w: int) -> None:
         state = workers[w]
