@@ -291,35 +291,6 @@ class _Worker:
     def forward_allowed(self) -> bool:
         return self.cap is None or self.stash < self.cap
 
-    def best(self) -> tuple[float, int, int] | None:
-        """(start, rank, phase index) of this worker's next job under the greedy rule.
-
-        Startable now (ready at ``free_at``) beats startable later; among those, the smaller
-        rank wins (ranks are unique); a forward only while the cap allows it.
-        """
-        free_at = self.free_at
-        pending, ready = self.pending, self.ready
-        forward = self.cap is None or self.stash < self.cap
-        now_rank = -1
-        now_k = 0
-        heappop, heappush = heapq.heappop, heapq.heappush
-        for k in self.phases:
-            pend, queue = pending[k], ready[k]
-            while pend and pend[0][0] <= free_at:
-                heappush(queue, heappop(pend)[1])
-            if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
-                now_rank, now_k = queue[0], k
-        if now_rank >= 0:
-            return (free_at, now_rank, now_k)
-        later: tuple[float, int, int] | None = None
-        for k in self.phases:
-            pend = pending[k]
-            if pend and (k or forward):
-                cand = (pend[0][0], pend[0][1], k)
-                if later is None or cand < later:
-                    later = cand
-        return later
-
 
 _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 
@@ -359,12 +330,38 @@ def simulate(
     job_of = _inverse(list(ranks))  # rank -> flat job index
 
     def refresh(w: int) -> None:
+        """Push worker w's next job under the greedy rule as its (new) valid event.
+
+        Startable now (ready at ``free_at``) beats startable later; among those, the smaller
+        rank wins (ranks are unique); a forward only while the cap allows it.
+        """
         state = workers[w]
         state.version += 1
-        best = state.best()
-        if best is not None:
-            heappush(events, (best[0], best[1], w, state.version, best[2]))
-            state.next_start = best[0]
+        free_at = state.free_at
+        pending, ready = state.pending, state.ready
+        forward = state.cap is None or state.stash < state.cap
+        now_rank = -1
+        now_k = 0
+        for k in state.phases:
+            pend, queue = pending[k], ready[k]
+            while pend and pend[0][0] <= free_at:
+                heappush(queue, heappop(pend)[1])
+            if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
+                now_rank, now_k = queue[0], k
+        if now_rank >= 0:
+            heappush(events, (free_at, now_rank, w, state.version, now_k))
+            state.next_start = free_at
+            return
+        later: tuple[float, int, int] | None = None
+        for k in state.phases:
+            pend = pending[k]
+            if pend and (k or forward):
+                cand = (pend[0][0], pend[0][1], k)
+                if later is None or cand < later:
+                    later = cand
+        if later is not None:
+            heappush(events, (later[0], later[1], w, state.version, later[2]))
+            state.next_start = later[0]
         else:
             state.next_start = None
 
@@ -394,6 +391,7 @@ def simulate(
     start_of = [0.0] * total  # by flat job index
     end_of = [0.0] * total
     order: list[list[int]] = [[] for _ in range(W)]  # per worker, its flat jobs in order
+    append_to = [jobs.append for jobs in order]
     sequence: list[int] = []  # flat jobs in the order they are placed
     place = sequence.append
     BP = B * P
@@ -419,10 +417,9 @@ def simulate(
             state.stash -= 1
         start_of[i] = start
         end_of[i] = end
-        order[w].append(i)
+        append_to[w](i)
         place(i)
         state.free_at = end
-        touched = [w]
         for nstage, nk, offset in successors[stage * P + k]:
             n = offset + micro * P
             left = missing[n] - 1
@@ -437,10 +434,11 @@ def simulate(
                 # Another worker's event stands when it starts something now (at its free_at)
                 # and the new job is only ready later: "startable now" beats it whatever its
                 # rank, so best() would return the same event (and it is taken from ``ready``).
+                # (Refreshing it now rather than after the other successors gives the same
+                # valid event: a stale one left behind is skipped by its version.)
                 if nw != w and not (other.next_start == other.free_at and at > other.free_at):
-                    touched.append(nw)
-        for nw in touched:
-            refresh(nw)
+                    refresh(nw)
+        refresh(w)
 
     if len(sequence) != total:
         raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps)
