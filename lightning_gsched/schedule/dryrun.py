@@ -27,9 +27,11 @@ run every forward exactly once.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Callable, NamedTuple
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 from lightning_gsched.errors import ProgramError
+from lightning_gsched.schedule.dryrun_rank import Event, RankResult, Shared, check_rank
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
     CHANNEL_OF,
@@ -42,20 +44,11 @@ from lightning_gsched.schedule.program import (
     Op,
     Programs,
 )
-from lightning_gsched.schedule.walk import Walker
 
 # A malformed action may lack its peer or microbatch: the types admit None so the dry run can
 # report such programs instead of assuming them away.
 _Channel = tuple[str, "int | None", "int | None"]  # (kind, src rank, dst rank)
-_Message = tuple[int, int]  # (channel id, k): the k-th message (counted from 1) on a channel
 _Ident = tuple[Op, int, "int | None"]  # (receive op, stage, micro): what a message carries
-_CollectiveKey = tuple[tuple[int, ...], Op, int]  # (group, op, stage) of an all-reduce
-# Enum members as module constants: ``Op.F`` is a class attribute look-up through the enum's
-# descriptor (about 0.2 us on Python 3.11), paid several times per action in the walk
-_F, _B, _RECV_ACT, _RECV_GRAD = Op.F, Op.B, Op.RECV_ACT, Op.RECV_GRAD
-_FETCH_W, _RECV_G, _REDUCE_G, _ALLREDUCE_G = Op.FETCH_W, Op.RECV_G, Op.REDUCE_G, Op.ALLREDUCE_G
-_FETCH_T, _RECV_T, _REDUCE_T, _FREE_T = Op.FETCH_T, Op.RECV_T, Op.REDUCE_T, Op.FREE_T
-_NONE: list[int] = []  # no inputs (never appended to)
 
 
 class _Scan(NamedTuple):
@@ -165,279 +158,102 @@ def check_collective_order(programs: Programs, scanned: _Scan | None = None) -> 
                 )
 
 
-class _Rank:
-    """One rank's state in the walk. A job (stage s, microbatch b) is the int ``s * M + b``
-    (M microbatches; the scan checked every message's microbatch, computes check theirs), so
-    the sets and dicts below hash ints, not tuples."""
-
-    __slots__ = ("posted_act", "posted_grad", "pending_grads", "resident", "stash",
-                 "forward_done", "backward_done", "weight_done", "grad_stages", "ties",
-                 "pending_tie_grads", "tie_unreduced")
-
-    def __init__(self, owned: set[int], owned_ties: set[int]) -> None:
-        # producer job -> the message (channel id, k) its activation / input-gradient comes in
-        self.posted_act: dict[int, _Message] = {}
-        self.posted_grad: dict[int, _Message] = {}
-        self.pending_grads: dict[int, list[_Message]] = defaultdict(list)
-        # stage -> None if owned, else the FETCH_W message its weights arrive with
-        self.resident: dict[int, _Message | None] = {s: None for s in owned}
-        self.stash: set[int] = set()
-        self.forward_done: set[int] = set()
-        self.backward_done: set[int] = set()
-        self.weight_done: set[int] = set()  # W of a split backward
-        self.grad_stages: set[int] = set()  # stages whose weight gradients it accumulated
-        # tie home -> None if owned, else the FETCH_T message its weights arrive with
-        self.ties: dict[int, _Message | None] = {h: None for h in owned_ties}
-        self.pending_tie_grads: dict[int, list[_Message]] = defaultdict(list)
-        self.tie_unreduced: set[int] = set()  # fetched ties holding gradients not yet sent
-
-
-_ABSENT = object()  # a dict.get default that no stored value equals
-_CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_OF.values()))}
-
-
-class _DryRun:
-    """Walk handler: the runtime's semantics, symbolically (see the module docstring).
-
-    Channels are ints ``kind * W * W + src * W + dst`` (the scan checked every peer is a rank)
-    and a message is (channel, k): the k-th on its channel, which has arrived once the channel
-    counted k sends. A compute that has to wait for a message is remembered with the messages
-    it waits for (its rank's state cannot change meanwhile), so when the walker runs it again
-    only those are looked at.
-    """
-
-    def __init__(self, programs: Programs, walker: Walker) -> None:
-        self.programs = programs
-        self.walker = walker
-        self.split = programs.split_backward
-        self.forward_only = programs.forward_only
-        self.weight_grad_op = programs.weight_grad_op
-        W, self.M = programs.world_size, programs.num_micro
-        self.W = W
-        self.micros = set(range(self.M))
-        self.inputs: dict[int, list[int]] = defaultdict(list)
-        self.outputs: dict[int, list[int]] = defaultdict(list)
-        for u, v in programs.edges:
-            self.inputs[v].append(u)
-            self.outputs[u].append(v)
-        self.ranks = [_Rank(set(programs.owned_stages(r)), set(programs.owned_ties(r)))
-                      for r in range(W)]
-        self.ties_of = [programs.ties_read_by(s) for s in range(programs.num_stages)]
-        # op -> the id of its channel kind's block (channel = base + src * W + dst)
-        self.base = {op: _CHANNEL_KINDS[kind] * W * W for op, kind in CHANNEL_OF.items()}
-        self.sent_count = [0] * (len(_CHANNEL_KINDS) * W * W)
-        self.posted_count = [0] * (len(_CHANNEL_KINDS) * W * W)
-        self.arrived: dict[_CollectiveKey, set[int]] = defaultdict(set)
-        # rank -> (the compute it waits at, the messages that compute consumes), else None
-        self.waiting: list[tuple[Action, list[_Message]] | None] = [None] * W
-
-    def fail(self, rank: int, message: str) -> ProgramError:
-        pc = self.walker.pc[rank]
-        action = self.walker.current(rank)
-        where = f"'{action}'" if action is not None else "the end"
-        return ProgramError(f"rank {rank} at action {pc} ({where}): {message}")
-
-    def _waiting(self, msgs: list[_Message]) -> int | None:
-        """The channel of the first message not sent yet (what to wait on), or None."""
-        sent = self.sent_count
-        for channel, k in msgs:
-            if sent[channel] < k:
-                return channel
-        return None
-
-    def send(self, rank: int, action: Action) -> None:
-        op = action[0]
-        peer: int = action[3]  # type: ignore[assignment]  # the scan checked every peer
-        channel = self.base[op] + rank * self.W + peer
-        self.sent_count[channel] += 1
-        self.walker.wake(channel)
-        if op is _REDUCE_G and action[1] not in self.ranks[rank].grad_stages:
-            raise self.fail(rank, f"sends the gradient of stage {action.stage} but ran no "
-                            f"{self.weight_grad_op} of it")
-        if op is _REDUCE_T:
-            state = self.ranks[rank]
-            if action.stage not in state.tie_unreduced:
-                raise self.fail(rank, f"sends the gradient of tie {action.stage} but holds none "
-                                f"(no {self.weight_grad_op} of a stage reading it ran "
-                                "since it was fetched, or it was sent already)")
-            state.tie_unreduced.discard(action.stage)
-
-    def recv(self, rank: int, action: Action) -> None:
-        op, s = action[0], action[1]
-        peer: int = action[3]  # type: ignore[assignment]  # the scan checked every peer
-        channel = self.base[op] + peer * self.W + rank
-        posted_count = self.posted_count
-        k = posted_count[channel] + 1
-        posted_count[channel] = k
-        msg: _Message = (channel, k)
-        if op is _RECV_ACT:  # the scan checked their microbatches
-            self.ranks[rank].posted_act[s * self.M + action[2]] = msg  # type: ignore[operator]
-        elif op is _RECV_GRAD:
-            self.ranks[rank].posted_grad[s * self.M + action[2]] = msg  # type: ignore[operator]
-        elif op is _FETCH_W:
-            state = self.ranks[rank]
-            if s in state.resident:
-                raise self.fail(rank, f"fetches stage {s} whose weights are already resident")
-            state.resident[s] = msg
-        elif op is _RECV_G:
-            self.ranks[rank].pending_grads[s].append(msg)
-        elif op is _FETCH_T:
-            state = self.ranks[rank]
-            if s in state.ties:
-                raise self.fail(rank, f"fetches tie {s} whose weights are already resident")
-            state.ties[s] = msg
-        else:  # RECV_T
-            self.ranks[rank].pending_tie_grads[s].append(msg)
-
-    def free(self, rank: int, action: Action) -> None:
-        state, s = self.ranks[rank], action.stage
-        if action.op is _FREE_T:
-            if state.ties.get(s, "missing") in (None, "missing"):
-                raise self.fail(rank, f"frees tie {s} which was not fetched")
-            if s in state.tie_unreduced:
-                raise self.fail(rank, f"frees tie {s} while its gradient was not sent to the "
-                                "owner (REDUCE_T must come first)")
-            del state.ties[s]
-            return
-        if state.resident.get(s, "missing") in (None, "missing"):
-            raise self.fail(rank, f"frees stage {s} which was not fetched")
-        del state.resident[s]
-
-    def collective(self, rank: int, action: Action) -> int | _CollectiveKey | None:
-        state, s = self.ranks[rank], action.stage
-        pending = state.pending_tie_grads if action.op is Op.ALLREDUCE_T else state.pending_grads
-        waiting = self._waiting(pending.get(s, []))
-        if waiting is not None:
-            return waiting
-        assert action.group is not None  # check_collective_order rejected a missing group
-        key = (action.group, action.op, s)
-        self.arrived[key].add(rank)
-        if len(self.arrived[key]) < len(action.group):
-            return key
-        self.walker.wake(key)
-        pending.pop(s, None)
-        return None
-
-    def compute(self, rank: int, action: Action) -> int | None:
-        # The planner's hottest check (one call per compute of every rank): int jobs, set
-        # look-ups, no message text unless something is wrong.
-        waited = self.waiting[rank]
-        if waited is not None and waited[0] is action:  # checked already: only its messages
-            sent = self.sent_count
-            for channel, k in waited[1]:
-                if sent[channel] < k:
-                    return channel
-            self.waiting[rank] = None
-            self._done(self.ranks[rank], action)
-            return None
-        state, op, s, b = self.ranks[rank], action[0], action[1], action[2]
-        weights = state.resident.get(s, _ABSENT)
-        if weights is _ABSENT:
-            raise self.fail(rank, f"has no weights of stage {s}: it neither owns nor fetched them")
-        if b not in self.micros:
-            raise self.fail(rank, f"names microbatch {b}; these programs have microbatches 0 to "
-                            f"{self.M - 1}")
-        M = self.M
-        job = s * M + b
-        if op is _F:
-            if job in state.forward_done:
-                raise self.fail(rank, f"runs F s{s} b{b} twice")
-            done, others, posted = state.forward_done, self.inputs[s], state.posted_act
-        elif op is _B:
-            if job not in state.stash:
-                raise self.fail(rank, f"runs a backward without the stashed forward F s{s} b{b}")
-            if job in state.backward_done:
-                raise self.fail(rank, f"runs B s{s} b{b} twice")
-            done, others, posted = state.backward_done, self.outputs[s], state.posted_grad
-        else:  # W: the weight-gradient half of a split backward, after its B on this rank
-            if not self.split:
-                raise self.fail(rank, "runs W, but these programs do not split the backward")
-            if job not in state.backward_done or job not in state.stash:
-                raise self.fail(rank, f"runs W s{s} b{b} before B s{s} b{b} on this rank")
-            done, others, posted = state.weight_done, _NONE, state.posted_act
-        # every input must be here or posted (else fail) before any message is waited for
-        consumed: list[_Message] = []  # the weights', the ties', then the inputs' in order
-        if weights is not None:
-            consumed.append(weights)  # type: ignore[arg-type]  # not _ABSENT: checked above
-        ties = self.ties_of[s]
-        if ties:
-            for h in ties:
-                if h not in state.ties:
-                    raise self.fail(rank, f"has no weights of tie {h} (read by stage {s}): it "
-                                    "neither owns nor fetched them")
-                tie = state.ties[h]
-                if tie is not None:
-                    consumed.append(tie)
-        for other in others:
-            if other * M + b not in done:
-                message = posted.get(other * M + b)
-                if message is None:
-                    what = (f"the output of F s{other} b{b}" if op is _F
-                            else f"the gradient from B s{other} b{b}")
-                    raise self.fail(rank, f"needs {what} but neither computed nor received it")
-                consumed.append(message)
-        if consumed:
-            sent = self.sent_count
-            for channel, k in consumed:
-                if sent[channel] < k:
-                    self.waiting[rank] = (action, consumed)
-                    return channel
-        self._done(state, action)
-        return None
-
-    def _done(self, state: _Rank, action: Action) -> None:
-        """A compute ran: record it, and what it stashed, released or accumulated."""
-        op, s = action[0], action[1]
-        job = s * self.M + action[2]  # type: ignore[operator]  # compute() checked it
-        if op is _F:
-            state.forward_done.add(job)
-            if not self.forward_only:
-                state.stash.add(job)
-        elif op is _B:
-            state.backward_done.add(job)
-            if not self.split:
-                state.stash.discard(job)
-                state.grad_stages.add(s)
-        else:
-            state.weight_done.add(job)
-            state.stash.discard(job)
-            state.grad_stages.add(s)
-        ties = self.ties_of[s]
-        if ties and op is self.weight_grad_op:
-            state.tie_unreduced.update(h for h in ties if state.ties[h] is not None)
-
-
 def dry_run(programs: Programs) -> None:
-    """Execute all programs symbolically; raise :class:`ProgramError` on any problem."""
+    """Execute all programs symbolically; raise :class:`ProgramError` on any problem.
+
+    In order: forward-only programs hold forward-only ops; every rank's program is checked in
+    program order (:func:`~.dryrun_rank.check_rank`: weights, inputs, stash, gradients, the
+    state at the end), which also lists every channel's messages and every group's
+    all-reduces; those must match (same messages, same order) and agree; the ranks' events
+    are walked for deadlock (:func:`_walk`); every job ran once. Where a rank's check fails,
+    the static checks run on their own first, so a mismatch is named rather than its symptom
+    (a compute missing the input that was never received).
+    """
     if programs.forward_only:
         check_forward_only(programs)
-    scanned = _scan(programs)
-    check_matching(programs, scanned)
-    check_collective_order(programs, scanned)
-    walker = Walker(programs)
-    handler = _DryRun(programs, walker)
-    M = programs.num_micro
-    stuck = walker.run(handler, on_end=lambda rank: _check_end(
-        rank, handler.ranks[rank], M, handler.fail))
+    shared = Shared(programs)
+    try:
+        results = [check_rank(shared, rank) for rank in range(programs.world_size)]
+    except ProgramError:
+        scanned = _scan(programs)
+        check_matching(programs, scanned)
+        check_collective_order(programs, scanned)
+        raise
+    _check_listed_matching(programs, shared)
+    check_collective_order(programs, _Scan({}, {}, shared.orders, None, None))
+    stuck = _walk([result.events for result in results], shared.channels)
     if stuck:
-        detail = "; ".join(f"rank {r} waits at '{walker.current(r)}'" for r in stuck)
+        detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'"
+                           for r, index in stuck)
         raise ProgramError(f"programs deadlock: {detail}")
-    _check_coverage(programs, handler.ranks)
+    _check_coverage(programs, results)
 
 
-def _check_end(rank: int, state: _Rank, micro: int,
-               fail: Callable[[int, str], ProgramError]) -> None:
-    if state.stash:
-        stashed = sorted(divmod(job, micro) for job in state.stash)
-        raise fail(rank, f"ends with stashed activations {stashed} that no backward consumed")
-    fetched = [s for s, msg in state.resident.items() if msg is not None]
-    if fetched:
-        raise fail(rank, f"ends with fetched weights of stages {fetched} never freed")
-    ties = [h for h, msg in state.ties.items() if msg is not None]
-    if ties:
-        raise fail(rank, f"ends with fetched ties {ties} never freed")
-    # Gradients still pending at the end are awaited by the owner before the optimizer step;
-    # check_matching guaranteed their sends exist and the stuck-rank check that senders finish.
+def _check_listed_matching(programs: Programs, shared: Shared) -> None:
+    """:func:`check_matching` on the messages the ranks' checks listed per channel: a channel
+    matches when its sends name the receive op, stage and microbatch of its posts, in order."""
+    sent, posted = shared.sent, shared.posted
+    recv_for = RECV_FOR_SEND.__getitem__
+    stage_micro = itemgetter(1, 2)
+    for channel in set(sent) | set(posted):
+        sends, recvs = sent.get(channel, []), posted.get(channel, [])
+        if (len(sends) == len(recvs)
+                and list(map(stage_micro, sends)) == list(map(stage_micro, recvs))
+                and list(map(recv_for, map(itemgetter(0), sends)))
+                == list(map(itemgetter(0), recvs))):
+            continue
+        check_matching(programs)  # names the first mismatch, in its order of channels
+        raise AssertionError(f"channel {channel} mismatched but check_matching found nothing")
+
+
+def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
+    """Run every rank through its events; return (rank, action index) of each rank left
+    waiting (a deadlock), else [].
+
+    Sends never block; a consumer waits until each of its messages' channels counted enough
+    sends; an all-reduce, then, until every member of its group reached it. A waiting rank is
+    parked under what it waits for and run again when that happens; the result does not depend
+    on the order ranks run in, since a rank never passes an event that waits.
+    """
+    sent = [0] * channels
+    position = [0] * len(events)
+    waiters: dict[Any, list[int]] = {}
+    arrived: dict[Any, set[int]] = defaultdict(set)
+    runnable = list(range(len(events)))
+    while runnable:
+        rank = runnable.pop()
+        mine = events[rank]
+        i, end = position[rank], len(mine)
+        while i < end:
+            event = mine[i]
+            if event.__class__ is int:  # a send
+                sent[event] += 1
+                woken = waiters.pop(event, None)
+                if woken:
+                    runnable += woken
+                i += 1
+                continue
+            blocked: Any = None
+            for channel, k in event[1]:
+                if sent[channel] < k:
+                    blocked = channel
+                    break
+            if blocked is None and len(event) == 4:  # an all-reduce: every member, then on
+                members = arrived[event[2]]
+                members.add(rank)
+                if len(members) < event[3]:
+                    blocked = event[2]
+                else:
+                    woken = waiters.pop(event[2], None)
+                    if woken:
+                        runnable += woken
+            if blocked is not None:
+                waiters.setdefault(blocked, []).append(rank)
+                break
+            i += 1
+        position[rank] = i
+    return [(rank, mine[position[rank]][0]) for rank, mine in enumerate(events)
+            if position[rank] < len(mine)]
 
 
 def check_forward_only(programs: Programs) -> None:
@@ -451,7 +267,7 @@ def check_forward_only(programs: Programs) -> None:
                 )
 
 
-def _check_coverage(programs: Programs, ranks: list[_Rank]) -> None:
+def _check_coverage(programs: Programs, ranks: list[RankResult]) -> None:
     """Every (stage, microbatch) runs each of its phases exactly once across all ranks."""
     phases = ["F"] if programs.forward_only else ["B", "W"] if programs.split_backward else ["B"]
     M = programs.num_micro
