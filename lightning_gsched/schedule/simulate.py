@@ -109,17 +109,19 @@ class Timeline:
 
     The simulator records it densely, by flat job index ``i = (stage * micro + b) * P + k``
     (P = ``len(phases)``, k the phase's place in ``phases``): ``start[i]`` and ``end[i]``,
-    ``order[w]`` (the flat indices worker w runs, in order) and ``sequence`` (every flat index
-    in the order the simulation placed it). The planner's own readers (lowering, metrics) read
+    ``order[w]`` (the flat indices worker w runs, in order), ``sequence`` (every flat index
+    in the order the simulation placed it) and ``busy[w]`` (the sum of worker w's
+    ``end - start``, in its order). The planner's own readers (lowering, metrics) read
     these lists; :attr:`slots` and :attr:`by_worker` (one :class:`Slot` per job) are built on
     first use, so a plan that nobody draws or prints never allocates its 10^5 Slots and Jobs.
     """
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
                  order: list[list[int]], start: list[float], end: list[float],
-                 sequence: list[int]) -> None:
+                 sequence: list[int], busy: list[float]) -> None:
         self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
         self.order, self.start, self.end, self.sequence = order, start, end, sequence
+        self.busy = busy
         self._slots: list[Slot] | None = None
         self._by_worker: list[list[Slot]] | None = None
 
@@ -392,6 +394,7 @@ def simulate(
     end_of = [0.0] * total
     order: list[list[int]] = [[] for _ in range(W)]  # per worker, its flat jobs in order
     append_to = [jobs.append for jobs in order]
+    busy = [0.0] * W  # per worker, the sum of its jobs' end - start, in its order
     sequence: list[int] = []  # flat jobs in the order they are placed
     place = sequence.append
     BP = B * P
@@ -417,6 +420,7 @@ def simulate(
             state.stash -= 1
         start_of[i] = start
         end_of[i] = end
+        busy[w] += end - start
         append_to[w](i)
         place(i)
         state.free_at = end
@@ -442,7 +446,7 @@ def simulate(
 
     if len(sequence) != total:
         raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps)
-    return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence)
+    return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
 
 
 def _stuck_error(
