@@ -369,12 +369,15 @@ def simulate(
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with the index offset (stage * B * P + phase) of their flat slot.
+    # A successor with a single predecessor (every job of a chain) is ready when this job ends:
+    # its count and ready time need no bookkeeping.
+    n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     successors = [  # by stage * P + phase index
-        [(j.stage, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
+        [(j.stage, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase],
+          n_pred[(j.stage, j.phase)] == 1)
          for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     ]
-    n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     missing: list[int] = []
     for s in range(S):
         missing.extend([n_pred[(s, d)] for d in graph.phases] * B)
@@ -424,24 +427,31 @@ def simulate(
         append_to[w](i)
         place(i)
         state.free_at = end
-        for nstage, nk, offset in successors[stage * P + k]:
+        for nstage, nk, offset, single in successors[stage * P + k]:
             n = offset + micro * P
-            left = missing[n] - 1
-            missing[n] = left
-            at = ready_time[n]
-            if end > at:
-                at = ready_time[n] = end
-            if left == 0:
-                nw = compute[nstage][micro]
-                other = workers[nw]
+            if single:
+                at = end
+            else:
+                left = missing[n] - 1
+                missing[n] = left
+                at = ready_time[n]
+                if end > at:
+                    at = ready_time[n] = end
+                if left:
+                    continue
+            nw = compute[nstage][micro]
+            other = workers[nw]
+            if at <= other.free_at:  # startable when it frees: refresh would move it there
+                heappush(other.ready[nk], ranks[n])
+            else:
                 heappush(other.pending[nk], (at, ranks[n]))
-                # Another worker's event stands when it starts something now (at its free_at)
-                # and the new job is only ready later: "startable now" beats it whatever its
-                # rank, so best() would return the same event (and it is taken from ``ready``).
-                # (Refreshing it now rather than after the other successors gives the same
-                # valid event: a stale one left behind is skipped by its version.)
-                if nw != w and not (other.next_start == other.free_at and at > other.free_at):
-                    refresh(nw)
+            # Another worker's event stands when it starts something now (at its free_at) and
+            # the new job is only ready later: "startable now" beats it whatever its rank, so
+            # the greedy choice would be the same event (and it is taken from ``ready``).
+            # (Refreshing it now rather than after the other successors gives the same valid
+            # event: a stale one left behind is skipped by its version.)
+            if nw != w and not (other.next_start == other.free_at and at > other.free_at):
+                refresh(nw)
         refresh(w)
 
     if len(sequence) != total:
