@@ -41,8 +41,8 @@ from lightning_gsched.schedule.placements import (
     PlacementTable,
     VShape,
 )
+from lightning_gsched.schedule.priorities import priority_ranks
 from lightning_gsched.schedule.program import OPS, Action, Op, Programs
-from lightning_gsched.schedule.simulate import priority_ranks
 from planner_references import (
     reference_dry_run,
     reference_lower,

@@ -35,11 +35,10 @@ rank's program is its actions sorted by (gap, category, then the order they were
 Two families are kept apart because they are built differently and never share a category:
 
 - the data flow (activation and input-gradient messages, categories 0 and 7: the planner's
-  largest loop, two actions per message) is kept as actions with small int keys
-  ``gap * 9 + category`` in the order they are made, which is already their order within a
-  (gap, category): a send is made when its consumer is visited, a receive in its consumer's
-  order. Their channel (``p2p``) only carries them, so their FIFO fix is done per consumer as
-  its receives are made (:func:`_fifo_posts`);
+  largest loop, two actions per message, :mod:`.lower_flow`) is kept as actions with small int
+  keys ``gap * 9 + category`` in the order they are made, which is already their order within
+  a (gap, category). Their channel (``p2p``) only carries them, so their FIFO fix is done per
+  consumer as its receives are made;
 - everything else (weights, reductions, all-reduces, ties: categories 1-6, a few per run of a
   stage) goes through :meth:`_Builder.put` with a full key (gap, category, time, serial):
   several owners' serves can land in one gap, ordered by the simulated time the peer needs
@@ -57,6 +56,12 @@ from operator import itemgetter
 from typing import Any, Mapping
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.lower_flow import (
+    RECV_CATEGORY,
+    SEND_CATEGORY,
+    SLOTS,
+    lower_data_flow,
+)
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -73,13 +78,13 @@ from lightning_gsched.schedule.simulate import Timeline
 # Order of actions inside one gap: hand data to peers first, release memory, serve owners'
 # duties, then post the prefetches for the next computes.
 _CATEGORY = {
-    Op.SEND_ACT: 0, Op.SEND_GRAD: 0, Op.REDUCE_G: 1, Op.FREE_W: 2, Op.SEND_W: 3, Op.RECV_G: 4,
-    Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
+    Op.SEND_ACT: SEND_CATEGORY, Op.SEND_GRAD: SEND_CATEGORY, Op.REDUCE_G: 1, Op.FREE_W: 2,
+    Op.SEND_W: 3, Op.RECV_G: 4, Op.ALLREDUCE_G: 5, Op.FETCH_W: 6,
+    Op.RECV_ACT: RECV_CATEGORY, Op.RECV_GRAD: RECV_CATEGORY,
     # ties (lower_ties.py): the same places as their stage-weight counterparts
     Op.REDUCE_T: 1, Op.FREE_T: 2, Op.SEND_T: 3, Op.RECV_T: 4, Op.ALLREDUCE_T: 5, Op.FETCH_T: 6,
 }
-_SEND_KEY, _RECV_KEY, _COMPUTE_KEY = 0, 7, 8  # data-flow categories; a compute closes its gap
-_SLOTS = 9  # small key of an action: gap * _SLOTS + category
+_COMPUTE_KEY = 8  # a compute closes its gap: after every category of it
 
 # (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
 # make_fifo had to reorder; gap g's actions come right before compute g
@@ -97,7 +102,7 @@ class _Builder:
     :meth:`make_fifo` does not classify all actions again): ``sends[(kind, src, dst)]`` holds
     (key, identity) of each send, ``recvs[(kind, src, dst)]`` (key, identity, index in the
     receiver's entries) of each receive. ``flow[rank]`` / ``flow_keys[rank]``: the data-flow
-    actions and their small keys (see the module docstring), filled by :func:`_lower_data_flow`.
+    actions and their small keys (see the module docstring), filled by :func:`~.lower_flow.lower_data_flow`.
     """
 
     def __init__(self, timeline: Timeline) -> None:
@@ -186,9 +191,9 @@ class _Builder:
             entries.sort(key=first)  # keys are unique (serial): a total order
             actions = self.flow[rank] + list(map(itemgetter(1), entries))
             actions += map(computes.__getitem__, jobs)
-            keys = self.flow_keys[rank] + [gap * _SLOTS + category for gap, category, *_
+            keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
                                            in map(first, entries)]
-            keys += range(_COMPUTE_KEY, _SLOTS * len(jobs), _SLOTS)
+            keys += range(_COMPUTE_KEY, SLOTS * len(jobs), SLOTS)
             out.append(list(map(actions.__getitem__, sorted(range(len(keys)),
                                                             key=keys.__getitem__))))
         return out
@@ -206,7 +211,7 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     """
     build = _Builder(timeline)
     grad_phase = Phase.W if graph.split_backward else Phase.B  # accumulates weight gradients
-    _lower_data_flow(graph, table, timeline, build)
+    lower_data_flow(graph, table, timeline, build.flow, build.flow_keys)
     reduce_gaps = _lower_weights(table, timeline, build, grad_phase, fetch_window)
     if not graph.forward_only:
         _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
@@ -221,122 +226,6 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     return Programs(build.programs(computes), table.stages, table.micro, list(table.owners),
                     edges, forward_only=graph.forward_only,
                     split_backward=graph.split_backward, ties=dict(ties or {}))
-
-
-def _lower_data_flow(
-    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder
-) -> None:
-    """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
-
-    The planner's largest loop (two actions per message). Consumers are visited worker by
-    worker in their order; each remote input makes the producer's send (small key: the gap
-    after the producer's compute, category 0) and the consumer's receive (the gap before the
-    previous compute, category 7), both appended in the order the reference keys (serials)
-    would give them. All messages into one consumer are made while visiting it, so its
-    channels' FIFO order is settled right after (:func:`_fifo_posts`).
-    """
-    compute = table.compute
-    W, B, P = table.workers, table.micro, len(timeline.phases)
-    BP = B * P
-    phase_index = {d: k for k, d in enumerate(timeline.phases)}
-    order = timeline.order
-    position = [0] * (table.stages * BP)  # flat job -> index in its worker's order
-    for jobs in order:
-        for i, flat in enumerate(jobs):
-            position[flat] = i
-    done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
-    new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
-    # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
-    kinds: list[tuple[Op, Op, list[list[int]]] | None] = [None] * P
-    for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
-                              (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD)):
-        if phase in phase_index:
-            kinds[phase_index[phase]] = (send, recv, [
-                list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
-                for s in range(graph.num_stages)])
-    chain = graph.is_chain
-    flow, flow_keys = build.flow, build.flow_keys
-    for worker, jobs in enumerate(order):
-        mine, my_keys = flow[worker], flow_keys[worker]
-        first_post = len(mine)
-        # per source rank: the producers' positions and the receives' indices in ``mine``, in
-        # post order (the channel source -> worker)
-        positions: list[list[int]] = [[] for _ in range(W)]
-        posts: list[list[int]] = [[] for _ in range(W)]
-        for i, flat in enumerate(jobs):
-            k = flat % P
-            kind = kinds[k]
-            if kind is None:
-                continue
-            s = flat // BP
-            others = kind[2][s]
-            if not others:
-                continue
-            b = (flat - s * BP) // P
-            send, recv = kind[0], kind[1]
-            recv_key = (i - 1 if i else 0) * _SLOTS + _RECV_KEY
-            for other in others:
-                src = compute[other][b]
-                if src == worker:
-                    continue
-                if not chain:  # in a DAG one output may feed two stages on one worker
-                    if (other, b, k, worker) in done:
-                        continue
-                    done.add((other, b, k, worker))
-                produced = position[(other * B + b) * P + k]
-                flow[src].append(new_tuple(Action, (send, other, b, worker, None)))
-                flow_keys[src].append(produced * _SLOTS + _SLOTS + _SEND_KEY)
-                positions[src].append(produced)
-                posts[src].append(len(mine))
-                mine.append(new_tuple(Action, (recv, other, b, src, None)))
-                my_keys.append(recv_key)
-        _fifo_posts(mine, my_keys, first_post, positions, posts)
-
-
-def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
-                positions: list[list[int]], posts: list[list[int]]) -> None:
-    """Post one consumer's receives in each channel's send order (as :meth:`make_fifo` does).
-
-    A channel source -> consumer is in order when its producers' positions (the sends' order on
-    the source: one send per producing compute) increase along its posts; the usual case. Else,
-    walking the sends from last to first, a receive posted after the earliest receive of a later
-    send moves to just before that one (the *anchor*: it takes the anchor's place and key;
-    several movers of one anchor keep their send order), so posts only move earlier.
-    ``mine[first_post:]`` holds this consumer's receives in post order; moves rewrite it.
-    """
-    movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
-    moved: set[int] = set()
-    for source_positions, source_posts in zip(positions, posts, strict=True):
-        if not source_positions or source_positions == sorted(source_positions):
-            continue
-        send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)
-        running = len(send_order)  # the earliest post (index in post order) of a later send
-        for place in reversed(range(len(send_order))):
-            post = send_order[place]
-            if post > running:
-                movers.setdefault(source_posts[running], []).append((place, source_posts[post]))
-                moved.add(source_posts[post])
-            else:
-                running = post
-    if not moved:
-        return
-    actions: list[Action] = []
-    small: list[int] = []
-    for index in range(first_post, len(mine)):
-        if index in moved:
-            continue
-        key = keys[index]
-        for _, mover in sorted(movers.get(index, ())):
-            actions.append(mine[mover])
-            small.append(key)
-        actions.append(mine[index])
-        small.append(key)
-    mine[first_post:] = actions
-    keys[first_post:] = small
-
-
-def _computed_stages(table: PlacementTable, worker: int) -> set[int]:
-    return {s for s in range(table.stages) if worker in table.compute[s]}
 
 
 def _lower_weights(

@@ -71,7 +71,7 @@ def zero_bubble(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
 # A library order's ranking written out: the order that sorting (n(job), job) gives, as groups
 # of phases in key order; within a group, (stage, micro) pairs by a major and a minor loop
 # (which index, ascending?), and the phases of one pair in their text order (the job's own
-# tie-break: B < F < W). ``simulate.priority_ranks`` enumerates it instead of calling n(s, b, d)
+# tie-break: B < F < W). ``priorities.priority_ranks`` enumerates it instead of calling n(s, b, d)
 # per job and sorting; tests/test_schedule_fast_paths.py checks every one against the sort.
 Loop = tuple[str, bool]  # ("stage" or "micro", ascending)
 OrderLayout = tuple[tuple[frozenset[Phase], Loop, Loop], ...]
