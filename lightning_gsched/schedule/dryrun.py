@@ -22,6 +22,12 @@ Split-backward programs (``programs.split_backward``, zero-bubble schedules) run
 Forward-only programs (``programs.forward_only``) may contain no backward-related action, stash
 nothing (a forward's output is consumed by the next stage, not kept for a backward) and must
 run every forward exactly once.
+
+How: everything but waiting depends only on a rank's own earlier actions, so each program is
+checked once in order (:mod:`.dryrun_rank`), which also lists each channel's messages for the
+matching check and yields the rank's sends and waits; :func:`_walk` runs those alone for
+deadlock. Programs with several faults get one of them named: a static one (matching,
+collective order, a peer that is no rank) first, else the first found rank by rank.
 """
 
 from __future__ import annotations
