@@ -37,7 +37,13 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule.dryrun_rank import Event, RankResult, Shared, check_rank
+from lightning_gsched.schedule.dryrun_rank import (
+    Event,
+    RankResult,
+    Shared,
+    channel_counters,
+    check_rank,
+)
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
     CHANNEL_OF,
@@ -221,7 +227,7 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
     parked under what it waits for and run again when that happens; the result does not depend
     on the order ranks run in, since a rank never passes an event that waits.
     """
-    sent = [0] * channels
+    sent = channel_counters(channels)
     position = [0] * len(events)
     waiters: dict[Any, list[int]] = {}
     arrived: dict[Any, set[int]] = defaultdict(set)

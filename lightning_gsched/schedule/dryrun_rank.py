@@ -41,6 +41,15 @@ _FETCH_T, _SEND_T, _FREE_T, _REDUCE_T = Op.FETCH_T, Op.SEND_T, Op.FREE_T, Op.RED
 _RECV_T, _ALLREDUCE_T = Op.RECV_T, Op.ALLREDUCE_T
 
 
+_DENSE_CHANNELS = 1 << 22  # channel ids counted in a list up to here (W up to about 1,180)
+
+
+def channel_counters(channels: int) -> list[int] | defaultdict[int, int]:
+    """One count per channel id, all 0: a list while there are few ids, else a dict of the ones
+    used (W=4096 has 50 M ids, of which a plan uses a few per rank)."""
+    return [0] * channels if channels <= _DENSE_CHANNELS else defaultdict(int)
+
+
 class Shared:
     """What every rank's check shares: sizes, the stage graph, channel bases, and the lists the
     static checks read once every rank is done."""
@@ -60,7 +69,7 @@ class Shared:
                         if programs.ties_read_by(s)}
         self.base = {op: CHANNEL_KINDS[kind] * W * W for op, kind in CHANNEL_OF.items()}
         self.channels = len(CHANNEL_KINDS) * W * W
-        self.posted_count = [0] * self.channels
+        self.posted_count = channel_counters(self.channels)
         self.sent: dict[int, list[Action]] = defaultdict(list)  # channel -> its sends, in order
         self.posted: dict[int, list[Action]] = defaultdict(list)  # channel -> its posts
         # group -> rank -> the all-reduces it runs, as (op, stage)

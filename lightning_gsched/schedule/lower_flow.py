@@ -9,6 +9,8 @@ order of every channel into a consumer is settled as soon as that consumer's rec
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import Action, Op
@@ -30,7 +32,7 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
     channels' FIFO order is settled right after (:func:`_fifo_posts`).
     """
     compute = table.compute
-    W, B, P = table.workers, table.micro, len(timeline.phases)
+    B, P = table.micro, len(timeline.phases)
     BP = B * P
     phase_index = {d: k for k, d in enumerate(timeline.phases)}
     order = timeline.order
@@ -54,8 +56,8 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
         first_post = len(mine)
         # per source rank: the producers' positions and the receives' indices in ``mine``, in
         # post order (the channel source -> worker)
-        positions: list[list[int]] = [[] for _ in range(W)]
-        posts: list[list[int]] = [[] for _ in range(W)]
+        positions: defaultdict[int, list[int]] = defaultdict(list)
+        posts: defaultdict[int, list[int]] = defaultdict(list)
         for i, flat in enumerate(jobs):
             k = flat % P
             kind = kinds[k]
@@ -87,7 +89,7 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
 
 
 def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
-                positions: list[list[int]], posts: list[list[int]]) -> None:
+                positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
     """Post one consumer's receives in each channel's send order (as ``_Builder.make_fifo`` does in :mod:`.lower`).
 
     A channel source -> consumer is in order when its producers' positions (the sends' order on
@@ -99,9 +101,10 @@ def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
     """
     movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
     moved: set[int] = set()
-    for source_positions, source_posts in zip(positions, posts, strict=True):
-        if not source_positions or source_positions == sorted(source_positions):
+    for source, source_positions in positions.items():
+        if source_positions == sorted(source_positions):
             continue
+        source_posts = posts[source]
         send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)
         running = len(send_order)  # the earliest post (index in post order) of a later send
         for place in reversed(range(len(send_order))):
