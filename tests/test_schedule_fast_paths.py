@@ -338,3 +338,23 @@ def test_dry_run_accepts_and_rejects_what_the_plain_walk_does(name, kwargs):
         assert _verdict(dry_run, broken) == verdict
         verdicts[verdict] += 1
     assert verdicts["rejected"] > 0
+
+
+@pytest.mark.parametrize("bad,message", [
+    (Action(Op.SEND_ACT, 0, 0, 7), "its peer must be a rank"),
+    (Action(Op.RECV_ACT, 0, None, 1), "its microbatch one of 0 to 1"),
+    (Action(Op.F, 0, 9), "names microbatch 9"),
+    (Action(Op.FETCH_W, 1, None, None), "its peer must be a rank"),
+    (Action(Op.ALLREDUCE_G, 0, None, None, (1,)), "is not in its group"),
+])
+def test_dry_run_names_an_action_whose_ints_do_not_exist(bad, message):
+    """Jobs and channels are ints in the dry run: a peer, microbatch or group that is not one of
+    the programs' is named, not turned into another job or channel."""
+    programs = plan("gpipe", workers=2, microbatches=2).programs
+    ranks = [list(program) for program in programs.ranks]
+    ranks[0].insert(1, bad)
+    broken = dataclasses.replace(programs, ranks=ranks)
+    with pytest.raises(ProgramError, match=message):
+        dry_run(broken)
+    with pytest.raises(ProgramError):
+        reference_dry_run(broken)
