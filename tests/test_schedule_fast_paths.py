@@ -1,42 +1,57 @@
-"""The planner's fast paths against straightforward references kept here.
+"""The planner's fast paths against the plain algorithms they replaced.
 
-The planner's hot loops (priority ranks, lowering's data flow, FIFO posting and flattening, the
-op counts, the dry run's coverage) were rewritten for speed (issue 14: W=64, S=64, B=256 in
-well under a second). Each is compared here, on small sizes, with the plain algorithm it
-replaced: the programs must come out identical action for action, not merely equivalent.
+The planner's hot loops (priority ranks, the placement table, the simulation, the lowering's
+data flow and FIFO posting, the op counts, the dry run) were rewritten for speed (issue 14:
+W=64, S=64, B=256 in well under a second). Each is compared here, on small sizes, with a plain
+reference (:mod:`planner_references`, or a few lines here): timelines and programs must come
+out identical slot for slot and action for action, the dry run must accept and reject the same
+programs.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import dataclasses
+import random
+from collections import Counter
 from importlib import import_module
 
 import pytest
 
-from lightning_gsched.errors import ProgramError, ScheduleConfigError
+import planner_references
+from lightning_gsched.errors import CapTooSmallError, ProgramError, ScheduleConfigError
 from lightning_gsched.schedule import plan
-from lightning_gsched.schedule.jobs import Phase, StageGraph, all_jobs
+from lightning_gsched.schedule.dryrun import dry_run
+from lightning_gsched.schedule.jobs import StageGraph, all_jobs
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.orders import (
     bfs,
     gpipe,
     interleaved_order,
     one_f_one_b,
+    resolve_order,
     zero_bubble,
 )
-from lightning_gsched.schedule.program import (
-    CHANNEL_OF,
-    OPS,
-    RECV_FOR_SEND,
-    RECV_OPS,
-    SEND_OPS,
-    Action,
-    Op,
-    Programs,
+from lightning_gsched.schedule.placements import (
+    DDP,
+    FSDP,
+    FSLPP,
+    LPP,
+    FSLPPSeed,
+    GPipe,
+    PlacementTable,
+    VShape,
 )
-from lightning_gsched.schedule.simulate import priority_ranks
+from lightning_gsched.schedule.priorities import priority_ranks
+from lightning_gsched.schedule.program import OPS, Action, Op, Programs
+from planner_references import (
+    reference_dry_run,
+    reference_lower,
+    reference_make_fifo,
+    reference_simulate,
+)
 
 lower_module = import_module("lightning_gsched.schedule.lower")
+simulate_module = import_module("lightning_gsched.schedule.simulate")
 metrics_module = import_module("lightning_gsched.schedule.metrics")
 
 
@@ -79,86 +94,104 @@ def test_priority_ranks_still_refuse_incomparable_values():
         priority_ranks(lambda s, b, d: (s, b) if b else "x", 2, 2)
 
 
-# ---------------------------------------------------------------- lowering
+# ---------------------------------------------------------------- simulation
 
 
-def reference_lower(graph, table, timeline, fetch_window):
-    """Lowering as it was written before the fast paths: a Job-keyed index, every message put
-    through ``put``, FIFO posting by classifying every action, and one sort of all actions."""
-    build = lower_module._Builder(timeline)
-    index = {slot.job: i for slots in timeline.by_worker for i, slot in enumerate(slots)}
-    kinds = {Phase.F: (Op.SEND_ACT, Op.RECV_ACT), Phase.B: (Op.SEND_GRAD, Op.RECV_GRAD)}
-    done = set()
-    for worker, slots in enumerate(timeline.by_worker):
-        for i, slot in enumerate(slots):
-            s, b, phase = slot.job
-            sources = (graph.inputs(s) if phase is Phase.F
-                       else graph.outputs(s) if phase is Phase.B else [])
-            for other in sources:
-                src = table.compute[other][b]
-                if src == worker or (other, b, phase, worker) in done:
-                    continue
-                done.add((other, b, phase, worker))
-                produced = index[(other, b, phase)]
-                send, recv = kinds[phase]
-                build.put(src, produced + 1, timeline.by_worker[src][produced].end,
-                          Action(send, other, b, worker))
-                build.put(worker, max(i - 1, 0), slot.start, Action(recv, other, b, src))
-    grad_phase = Phase.W if graph.split_backward else Phase.B
-    reduce_gaps = lower_module._lower_weights(table, timeline, build, grad_phase, fetch_window)
-    if not graph.forward_only:
-        lower_module._lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
-    _reference_make_fifo(build.entries)
-    programs = []
-    for rank, entries in enumerate(build.entries):
-        keyed = [((i, 99), Action(Op(slot.job.phase.value), slot.job.stage, slot.job.micro))
-                 for i, slot in enumerate(timeline.by_worker[rank])]
-        programs.append([action for _, action in sorted(keyed + entries, key=lambda e: e[0])])
-    return programs
-
-
-def _reference_make_fifo(all_entries):
-    sends = defaultdict(list)
-    recvs = defaultdict(lambda: defaultdict(list))
-    for rank, entries in enumerate(all_entries):
-        for index, (key, action) in enumerate(entries):
-            if action.op in SEND_OPS:
-                ident = (action.stage, action.micro, RECV_FOR_SEND[action.op])
-                sends[(CHANNEL_OF[action.op], rank, action.peer)].append((key, ident))
-            elif action.op in RECV_OPS:
-                ident = (action.stage, action.micro, action.op)
-                recvs[(CHANNEL_OF[action.op], action.peer, rank)][ident].append((key, index))
-    for (channel, src, dst), sent in sends.items():
-        sent.sort()
-        waiting = recvs[(channel, src, dst)]
-        for queue in waiting.values():
-            queue.sort(reverse=True)
-        matched = [waiting[ident].pop()[1] if waiting[ident] else None for _, ident in sent]
-        running = None
-        for position in reversed(range(len(matched))):
-            if matched[position] is None:
-                continue
-            key, recv = all_entries[dst][matched[position]]
-            key = key[:4] if running is None or key[:4] <= running else running
-            running = key
-            all_entries[dst][matched[position]] = ((*key, position), recv)
-
-
-def _cases():
+def _timeline_cases():
     for name in LIBRARY:
         S = 8 if name in ("zbv", "interleaved", "lpp") else 4
-        for kwargs in ({}, {"forward_only": True}, {"fetch_window": 1},
+        for kwargs in ({}, {"forward_only": True}, {"cap": None}, {"cap": "auto"},
                        {"forward_cost": [1.0, 1.5, 0.5, 1.0] * (S // 4),
                         "backward_cost": [2.0, 1.0, 3.0, 2.5] * (S // 4)}):
             yield pytest.param(name, S, kwargs, id=f"{name}-{'-'.join(kwargs) or 'plain'}")
 
 
-@pytest.mark.parametrize("name,S,kwargs", list(_cases()))
+def _reference_timeline(result, graph, order=None):
+    spec = LIBRARY.get(result.schedule)
+    priority = resolve_order(order or spec.order, result.workers, result.stages, result.micro,
+                             result.R)
+    ranks = priority_ranks(priority, result.stages, result.micro, graph.forward_only,
+                           graph.split_backward)
+    return reference_simulate(graph, result.table, ranks, result.costs, result.caps)
+
+
+@pytest.mark.parametrize("name,S,kwargs", list(_timeline_cases()))
+def test_simulation_matches_the_plain_greedy_rule(name, S, kwargs):
+    result = plan(name, workers=4, stages=S, microbatches=8, verify=False, **kwargs)
+    graph = StageGraph(S, forward_only=result.forward_only,
+                       split_backward=result.programs.split_backward)
+    expected = _reference_timeline(result, graph)
+    assert result.timeline.slots == expected
+    assert result.timeline.by_worker == [[x for x in expected if x.worker == w]
+                                         for w in range(4)]
+    assert result.metrics.latency == max(x.end for x in expected)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "zbv", "fslpp", "interleaved"])
+@pytest.mark.parametrize("cap", [1, 2, 3, 5])
+def test_capped_simulation_completes_or_sticks_as_the_plain_rule_does(name, cap):
+    """Small uniform caps: the same timeline as the reference, or both stuck."""
+    S = 8 if name in ("zbv", "interleaved") else 4
+    result = plan(name, workers=4, stages=S, microbatches=8, verify=False, cap=None)
+    graph = StageGraph(S, split_backward=result.programs.split_backward)
+    spec = LIBRARY[name]
+    ranks = priority_ranks(resolve_order(spec.order, 4, S, 8, result.R), S, 8, False,
+                           graph.split_backward)
+    caps = [cap] * 4
+    try:
+        expected = reference_simulate(graph, result.table, ranks, result.costs, caps)
+    except CapTooSmallError:
+        with pytest.raises(CapTooSmallError, match="cannot make progress"):
+            simulate_module.simulate(graph, result.table, ranks, result.costs, caps)
+        return
+    assert simulate_module.simulate(graph, result.table, ranks, result.costs, caps).slots == expected
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_simulation_of_a_dag_matches_the_plain_greedy_rule(split):
+    edges = [(0, 2), (1, 2), (0, 3), (2, 3)]  # two inputs to one stage: counted readiness
+    result = plan(None, workers=3, stages=4, microbatches=6, edges=edges, split_backward=split,
+                  placement=lambda s, b, d: (s % 3, (s + b) % 3), order="1f1b", verify=False)
+    graph = StageGraph(4, edges, split_backward=split)
+    assert result.timeline.slots == _reference_timeline(result, graph, order="1f1b")
+
+
+# ---------------------------------------------------------------- placement rows
+
+
+@pytest.mark.parametrize("placement,S,B", [
+    (DDP(4), 3, 8), (FSDP(4), 8, 8), (GPipe(4, 8), 8, 6), (VShape(2, 8), 8, 4),
+    (LPP(6, 3), 6, 4), (LPP(4, 1), 4, 4), (FSLPP(6, 2), 8, 6), (FSLPP(4, 4), 8, 4),
+    (FSLPPSeed(6, 3), 9, 4),
+])
+def test_library_placement_rows_match_calling_the_placement(placement, S, B):
+    """A library placement's ``rows`` give the table that calling it per job gives."""
+    fast = PlacementTable(placement, placement.workers, S, B)
+    called = PlacementTable(lambda s, b, d: placement(s, b, d), placement.workers, S, B)
+    assert fast.compute == called.compute and fast.weights == called.weights
+    assert fast.owners == called.owners and fast.fetch_source == called.fetch_source
+
+
+# ---------------------------------------------------------------- lowering
+
+
+def _lowering_cases():
+    for name in LIBRARY:
+        S = 8 if name in ("zbv", "interleaved", "lpp") else 4
+        for kwargs in ({}, {"forward_only": True}, {"fetch_window": 1},
+                       {"ties": {0: (0, S - 1)}}, {"ties": {1: (1, 2)}, "forward_only": True},
+                       {"forward_cost": [1.0, 1.5, 0.5, 1.0] * (S // 4),
+                        "backward_cost": [2.0, 1.0, 3.0, 2.5] * (S // 4)}):
+            yield pytest.param(name, S, kwargs, id=f"{name}-{'-'.join(kwargs) or 'plain'}")
+
+
+@pytest.mark.parametrize("name,S,kwargs", list(_lowering_cases()))
 def test_lowering_matches_the_reference(name, S, kwargs):
     result = plan(name, workers=4, stages=S, microbatches=8, verify=False, **kwargs)
     graph = StageGraph(S, forward_only=result.forward_only,
                        split_backward=result.programs.split_backward)
-    expected = reference_lower(graph, result.table, result.timeline, result.fetch_window)
+    expected = reference_lower(graph, result.table, result.timeline, result.fetch_window,
+                               result.ties)
     assert result.programs.ranks == expected
 
 
@@ -168,20 +201,34 @@ def test_lowering_of_a_dag_matches_the_reference(split):
     result = plan(None, workers=3, stages=4, microbatches=6, edges=edges, split_backward=split,
                   placement=lambda s, b, d: (s % 3, (s + b) % 3), verify=False)
     graph = StageGraph(4, edges, split_backward=split)
-    assert result.programs.ranks == reference_lower(graph, result.table, result.timeline, None)
+    assert result.programs.ranks == reference_lower(graph, result.table, result.timeline)
+
+
+@pytest.mark.parametrize("W,S,B", [(2, 4, 4), (4, 8, 8), (3, 6, 6), (4, 16, 8)])
+def test_zbv_posts_moved_for_fifo_order_match_the_reference(W, S, B):
+    """zbv's channels carry activations one way and gradients the other, whose posts are not in
+    send order: the data flow's own FIFO fix must move the same posts as the reference."""
+    result = plan("zbv", workers=W, stages=S, microbatches=B, verify=False)
+    graph = StageGraph(S, split_backward=True)
+    build = planner_references._Keyed(result.timeline.by_worker)
+    planner_references._reference_data_flow(graph, result.table, result.timeline.by_worker,
+                                             build)
+    assert planner_references.reference_make_fifo(build.entries) > 0  # the slow path runs
+    assert result.programs.ranks == reference_lower(graph, result.table, result.timeline)
 
 
 def test_posts_are_moved_when_a_channel_is_out_of_order():
-    """The FIFO pass's slow path (posts not already in send order) against the reference."""
+    """The FIFO pass of the keyed actions (weights, gradients, ties: ``_Builder.put``) when
+    posts are not already in send order, against the reference."""
     timeline_owner = plan("1f1b", workers=2, stages=2, microbatches=4, verify=False)
     build = lower_module._Builder(timeline_owner.timeline)
     # two sends on one channel in one order, their posts in the other
-    build.put(0, 1, 1.0, Action(Op.SEND_ACT, 0, 0, 1))
-    build.put(0, 2, 2.0, Action(Op.SEND_ACT, 0, 1, 1))
-    build.put(1, 3, 0.5, Action(Op.RECV_ACT, 0, 1, 0))
-    build.put(1, 4, 0.7, Action(Op.RECV_ACT, 0, 0, 0))
+    build.put(0, 1, 1.0, Action(Op.SEND_W, 0, None, 1))
+    build.put(0, 2, 2.0, Action(Op.SEND_W, 1, None, 1))
+    build.put(1, 3, 0.5, Action(Op.FETCH_W, 1, None, 0))
+    build.put(1, 4, 0.7, Action(Op.FETCH_W, 0, None, 0))
     reference = [list(entries) for entries in build.entries]
-    _reference_make_fifo(reference)
+    assert reference_make_fifo(reference) == 1
     build.make_fifo()
     assert build.entries == reference
     assert build.entries[1][1][0][:4] == build.entries[1][0][0][:4]  # moved earlier
@@ -237,3 +284,77 @@ def test_dry_run_coverage_names_a_job_run_twice_or_never():
     # as many runs as jobs, but one job twice and one never
     with pytest.raises(ProgramError, match="job F s0 b0 runs 2 times"):
         dry_run(_replicated([["F s0 b0"], ["F s0 b0"]], micro=2))
+
+
+# ---------------------------------------------------------------- dry run
+
+
+def _mutations(programs, rng, count):
+    """``count`` copies of ``programs``, each with one or two actions dropped, duplicated or
+    moved: most break a rule, some stay valid (the dry run must tell which)."""
+    for _ in range(count):
+        ranks = [list(program) for program in programs.ranks]
+        for _ in range(rng.choice((1, 1, 2))):
+            program = ranks[rng.randrange(len(ranks))]
+            i = rng.randrange(len(program))
+            kind = rng.choice(("drop", "duplicate", "move", "swap"))
+            if kind == "drop":
+                program.pop(i)
+            elif kind == "duplicate":
+                program.insert(rng.randrange(len(program) + 1), program[i])
+            elif kind == "move":
+                program.insert(rng.randrange(len(program)), program.pop(i))
+            else:
+                j = min(i + 1, len(program) - 1)
+                program[i], program[j] = program[j], program[i]
+        yield dataclasses.replace(programs, ranks=ranks)
+
+
+def _verdict(check, programs):
+    try:
+        check(programs)
+    except ProgramError:
+        return "rejected"
+    return "runs"
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("gpipe", {"workers": 2, "microbatches": 3}), ("fsdp", {"workers": 3}),
+    ("1f1b", {"workers": 3, "microbatches": 6}), ("zbv", {"workers": 2, "stages": 4}),
+    ("lpp", {"workers": 4, "stages": 4, "microbatches": 8}),
+    ("fslpp", {"workers": 4, "stages": 8, "microbatches": 8, "ties": {0: (0, 7)}}),
+    ("zb-h1", {"workers": 3, "microbatches": 6, "ties": [[0, 2]]}),
+    ("fsdp", {"workers": 2, "forward_only": True, "ties": {0: (0, 1)}}),
+])
+def test_dry_run_accepts_and_rejects_what_the_plain_walk_does(name, kwargs):
+    """The dry run (each rank checked once, then a walk of sends and waits) against the plain
+    one-action-at-a-time reference: the same verdict on the plan and on 60 mutations of it."""
+    programs = plan(name, verify=False, **kwargs).programs
+    reference_dry_run(programs)
+    dry_run(programs)
+    verdicts = Counter()
+    for broken in _mutations(programs, random.Random(f"{name}{sorted(kwargs)}"), 60):
+        verdict = _verdict(reference_dry_run, broken)
+        assert _verdict(dry_run, broken) == verdict
+        verdicts[verdict] += 1
+    assert verdicts["rejected"] > 0
+
+
+@pytest.mark.parametrize("bad,message", [
+    (Action(Op.SEND_ACT, 0, 0, 7), "its peer must be a rank"),
+    (Action(Op.RECV_ACT, 0, None, 1), "its microbatch one of 0 to 1"),
+    (Action(Op.F, 0, 9), "names microbatch 9"),
+    (Action(Op.FETCH_W, 1, None, None), "its peer must be a rank"),
+    (Action(Op.ALLREDUCE_G, 0, None, None, (1,)), "is not in its group"),
+])
+def test_dry_run_names_an_action_whose_ints_do_not_exist(bad, message):
+    """Jobs and channels are ints in the dry run: a peer, microbatch or group that is not one of
+    the programs' is named, not turned into another job or channel."""
+    programs = plan("gpipe", workers=2, microbatches=2).programs
+    ranks = [list(program) for program in programs.ranks]
+    ranks[0].insert(1, bad)
+    broken = dataclasses.replace(programs, ranks=ranks)
+    with pytest.raises(ProgramError, match=message):
+        dry_run(broken)
+    with pytest.raises(ProgramError):
+        reference_dry_run(broken)

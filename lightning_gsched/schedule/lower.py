@@ -28,6 +28,24 @@ have nothing to all-reduce.
 Finally every channel is made FIFO-consistent: receives are posted in the order the peer sends,
 moving a post earlier when needed (never later), so that backends without message tags (NCCL)
 can run the same programs.
+
+Order inside a gap: every action has a category (:data:`_CATEGORY`: hand data to peers first,
+release memory, serve owners' duties, then post the prefetches for the next computes) and a
+rank's program is its actions sorted by (gap, category, then the order they were made in).
+Two families are kept apart because they are built differently and never share a category:
+
+- the data flow (activation and input-gradient messages, categories 0 and 7: the planner's
+  largest loop, two actions per message, :mod:`.lower_flow`) is kept as actions with small int
+  keys ``gap * 9 + category`` in the order they are made, which is already their order within
+  a (gap, category). Their channel (``p2p``) only carries them, so their FIFO fix is done per
+  consumer as its receives are made;
+- everything else (weights, reductions, all-reduces, ties: categories 1-6, a few per run of a
+  stage) goes through :meth:`_Builder.put` with a full key (gap, category, time, serial):
+  several owners' serves can land in one gap, ordered by the simulated time the peer needs
+  them; :meth:`_Builder.make_fifo` fixes their channels.
+
+The computes (category 8 of their own gap) and both families are then merged by one stable
+sort of small ints per rank (:meth:`_Builder.programs`).
 """
 
 from __future__ import annotations
@@ -38,6 +56,12 @@ from operator import itemgetter
 from typing import Any, Mapping
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.lower_flow import (
+    RECV_CATEGORY,
+    SEND_CATEGORY,
+    SLOTS,
+    lower_data_flow,
+)
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -54,11 +78,13 @@ from lightning_gsched.schedule.simulate import Timeline
 # Order of actions inside one gap: hand data to peers first, release memory, serve owners'
 # duties, then post the prefetches for the next computes.
 _CATEGORY = {
-    Op.SEND_ACT: 0, Op.SEND_GRAD: 0, Op.REDUCE_G: 1, Op.FREE_W: 2, Op.SEND_W: 3, Op.RECV_G: 4,
-    Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
+    Op.SEND_ACT: SEND_CATEGORY, Op.SEND_GRAD: SEND_CATEGORY, Op.REDUCE_G: 1, Op.FREE_W: 2,
+    Op.SEND_W: 3, Op.RECV_G: 4, Op.ALLREDUCE_G: 5, Op.FETCH_W: 6,
+    Op.RECV_ACT: RECV_CATEGORY, Op.RECV_GRAD: RECV_CATEGORY,
     # ties (lower_ties.py): the same places as their stage-weight counterparts
     Op.REDUCE_T: 1, Op.FREE_T: 2, Op.SEND_T: 3, Op.RECV_T: 4, Op.ALLREDUCE_T: 5, Op.FETCH_T: 6,
 }
+_COMPUTE_KEY = 8  # a compute closes its gap: after every category of it
 
 # (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
 # make_fifo had to reorder; gap g's actions come right before compute g
@@ -69,18 +95,23 @@ _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
 
 
 class _Builder:
-    """Collects actions per (rank, gap) with sort keys, then flattens them into programs.
+    """Collects actions per rank, then sorts them into programs.
 
-    Every send and receive is also filed under its channel as it is put (so that
+    ``entries[rank]``: (key, action) of what :meth:`put` receives (weights, reductions,
+    all-reduces, ties). Every send and receive put is also filed under its channel (so that
     :meth:`make_fifo` does not classify all actions again): ``sends[(kind, src, dst)]`` holds
     (key, identity) of each send, ``recvs[(kind, src, dst)]`` (key, identity, index in the
-    receiver's entries) of each receive.
+    receiver's entries) of each receive. ``flow[rank]`` / ``flow_keys[rank]``: the data-flow
+    actions and their small keys (see the module docstring), filled by :func:`~.lower_flow.lower_data_flow`.
     """
 
     def __init__(self, timeline: Timeline) -> None:
-        self.slots = timeline.by_worker
-        self.starts = [[slot.start for slot in slots] for slots in self.slots]
-        self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in self.slots]
+        self.timeline = timeline
+        start = timeline.start
+        self.starts = [list(map(start.__getitem__, jobs)) for jobs in timeline.order]
+        self.entries: list[list[tuple[_Key, Action]]] = [[] for _ in timeline.order]
+        self.flow: list[list[Action]] = [[] for _ in timeline.order]
+        self.flow_keys: list[list[int]] = [[] for _ in timeline.order]
         self.serial = 0
         self.sends: dict[_Channel, list[tuple[_Key, _Ident]]] = defaultdict(list)
         self.recvs: dict[_Channel, list[tuple[_Key, _Ident, int]]] = defaultdict(list)
@@ -107,10 +138,11 @@ class _Builder:
     def make_fifo(self) -> None:
         """Post receives in each channel's send order by moving posts earlier where needed.
 
-        The k-th send of a message identity on a channel matches the k-th receive of that
-        identity (weights of one stage may be fetched several times). Walking the sends from last
-        to first, each matched receive takes the smaller of its own key and the key of the
-        receive after it, so posts only ever move earlier.
+        For the actions of :meth:`put` (the data flow's channel is fixed as it is made). The
+        k-th send of a message identity on a channel matches the k-th receive of that identity
+        (weights of one stage may be fetched several times). Walking the sends from last to
+        first, each matched receive takes the smaller of its own key and the key of the receive
+        after it, so posts only ever move earlier.
         """
         second = itemgetter(1)
         for (channel, src, dst), sent in self.sends.items():
@@ -122,7 +154,7 @@ class _Builder:
                 # already no later than the next one's; keys stay unique by their serial)
                 continue
             matched: list[int | None]
-            if len(set(map(second, posts))) == len(posts):  # each message posted once (p2p)
+            if len(set(map(second, posts))) == len(posts):  # each message posted once
                 index_of = {ident: index for _, ident, index in posts}
                 matched = [index_of.pop(ident, None) for _, ident in sent]
             else:  # weights of one stage fetched several times: k-th send, k-th post
@@ -143,25 +175,27 @@ class _Builder:
                 running = key
                 entries[recv_index] = (key + (position,), recv)
 
-    def programs(self) -> list[list[Action]]:
-        """Flatten: gap g's actions (by category, time, serial) come right before compute g."""
+    def programs(self, computes: list[Action]) -> list[list[Action]]:
+        """Merge each rank's computes (``computes`` by flat job index), data flow and other
+        actions: by gap, then category, then the order within each family.
+
+        The other actions are sorted by their full keys first; from then on every action has a
+        small int key (gap * 9 + category, a compute 8 in its own gap), and one stable sort of
+        those ints keeps each family's order where keys are equal (equal keys are always of one
+        family: the families never share a category).
+        """
         out = []
-        new_tuple, compute_op, first = tuple.__new__, _COMPUTE_OP, itemgetter(0)
-        for rank, entries in enumerate(self.entries):
-            computes = [new_tuple(Action, (compute_op[d], s, b, None, None))
-                        for s, b, d in map(first, self.slots[rank])]
+        first = itemgetter(0)
+        for rank, jobs in enumerate(self.timeline.order):
+            entries = self.entries[rank]
             entries.sort(key=first)  # keys are unique (serial): a total order
-            program: list[Action] = []
-            append = program.append
-            done = 0  # computes emitted so far
-            for key, action in entries:
-                gap = key[0]
-                if done < gap:
-                    program.extend(computes[done:gap])
-                    done = gap
-                append(action)
-            program.extend(computes[done:])
-            out.append(program)
+            actions = self.flow[rank] + list(map(itemgetter(1), entries))
+            actions += map(computes.__getitem__, jobs)
+            keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
+                                           in map(first, entries)]
+            keys += range(_COMPUTE_KEY, SLOTS * len(jobs), SLOTS)
+            out.append(list(map(actions.__getitem__, sorted(range(len(keys)),
+                                                            key=keys.__getitem__))))
         return out
 
 
@@ -177,98 +211,21 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     """
     build = _Builder(timeline)
     grad_phase = Phase.W if graph.split_backward else Phase.B  # accumulates weight gradients
-    _lower_data_flow(graph, table, timeline, build)
+    lower_data_flow(graph, table, timeline, build.flow, build.flow_keys)
     reduce_gaps = _lower_weights(table, timeline, build, grad_phase, fetch_window)
     if not graph.forward_only:
         _lower_allreduce(table, timeline, build, reduce_gaps, grad_phase)
     if ties:
         lower_ties(ties, table, timeline, build, grad_phase, graph.forward_only)
     build.make_fifo()
-    edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
-    return Programs(build.programs(), table.stages, table.micro, list(table.owners), edges,
-                    forward_only=graph.forward_only, split_backward=graph.split_backward,
-                    ties=dict(ties or {}))
-
-
-def _lower_data_flow(
-    graph: StageGraph, table: PlacementTable, timeline: Timeline, build: _Builder
-) -> None:
-    """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
-
-    The planner's largest loop (two actions per message): jobs are found by flat index
-    ``(stage * B + micro) * P + phase`` rather than by hashing, and each message is filed under
-    its channel here, as :meth:`_Builder.put` would (same keys, same serials): every message
-    this loop makes while visiting a consumer's slots is on a channel into that consumer, so
-    they are gathered per sender and filed once per channel.
-    """
-    compute = table.compute
-    B, P = table.micro, len(graph.phases)
-    phase_index = {d: k for k, d in enumerate(graph.phases)}
-    by_worker = timeline.by_worker
-    position = [0] * (table.stages * B * P)  # flat job -> index in its worker's slots
-    finished = [0.0] * (table.stages * B * P)  # flat job -> end time
-    for slots in by_worker:
-        for i, (job, _, _, end) in enumerate(slots):
-            flat = (job[0] * B + job[1]) * P + phase_index[job[2]]
-            position[flat] = i
-            finished[flat] = end
-    done: set[tuple[int, int, Phase, int]] = set()  # (producer stage, micro, phase, consumer)
-    entries = build.entries
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
-    serial = build.serial
-    # per phase: (send op, its category, receive op, its category, channel, phase index)
-    kinds = {
-        phase: (send, _CATEGORY[send], recv, _CATEGORY[recv], CHANNEL_OF[send],
-                phase_index[phase])
-        for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
-                                  (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD))
-        if phase in phase_index
-    }
-    # W consumes nothing from another stage: it follows its own B
-    sources = {d: [list(graph.inputs(s) if d is Phase.F else graph.outputs(s)
-                        if d is Phase.B else []) for s in range(graph.num_stages)]
-               for d in graph.phases}
-    chain = graph.is_chain
-    for worker, slots in enumerate(by_worker):
-        mine = entries[worker]
-        # channel -> src -> this consumer's sends / posts on channel src -> worker
-        sent_here: dict[str, dict[int, list[tuple[_Key, _Ident]]]] = {
-            kind[4]: defaultdict(list) for kind in kinds.values()}
-        posted_here: dict[str, dict[int, list[tuple[_Key, _Ident, int]]]] = {
-            kind[4]: defaultdict(list) for kind in kinds.values()}
-        for i, (job, _, start, _) in enumerate(slots):
-            s, b, phase = job
-            others = sources[phase][s]
-            if not others:
-                continue
-            send, send_cat, recv, recv_cat, channel, k = kinds[phase]
-            sent_on, posted_on = sent_here[channel], posted_here[channel]
-            gap = i - 1 if i else 0
-            for other in others:
-                src = compute[other][b]
-                if src == worker:
-                    continue
-                if not chain:  # in a DAG one output may feed two stages on one worker
-                    if (other, b, phase, worker) in done:
-                        continue
-                    done.add((other, b, phase, worker))
-                flat = (other * B + b) * P + k
-                ident = (other, b, recv)
-                serial += 1
-                key = (position[flat] + 1, send_cat, finished[flat], serial)
-                entries[src].append((key, new_tuple(Action, (send, other, b, worker, None))))
-                sent_on[src].append((key, ident))
-                serial += 1
-                key = (gap, recv_cat, start, serial)
-                posted_on[src].append((key, ident, len(mine)))
-                mine.append((key, new_tuple(Action, (recv, other, b, src, None))))
-        for channel, by_src in sent_here.items():
-            for src, sent in by_src.items():
-                build.sends[(channel, src, worker)].extend(sent)
-        for channel, by_src_posts in posted_here.items():
-            for src, posted in by_src_posts.items():
-                build.recvs[(channel, src, worker)].extend(posted)
-    build.serial = serial
+    ops = [_COMPUTE_OP[d] for d in timeline.phases]
+    computes = [new_tuple(Action, (op, s, b, None, None))  # by flat job index
+                for s in range(table.stages) for b in range(table.micro) for op in ops]
+    edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
+    return Programs(build.programs(computes), table.stages, table.micro, list(table.owners),
+                    edges, forward_only=graph.forward_only,
+                    split_backward=graph.split_backward, ties=dict(ties or {}))
 
 
 def _lower_weights(
@@ -284,11 +241,16 @@ def _lower_weights(
     a gradient receive.
     """
     reduce_gaps: dict[tuple[int, int], int] = {}
-    for worker, slots in enumerate(timeline.by_worker):
-        stages = [job[0] for job in map(itemgetter(0), slots)]
+    P = len(timeline.phases)
+    BP = table.micro * P
+    grad_k = timeline.phases.index(grad_phase) if grad_phase in timeline.phases else -1
+    start, end = timeline.start, timeline.end
+    computed_by = [set(row) for row in table.compute]
+    for worker, jobs in enumerate(timeline.order):
         owned = set(table.owned_stages(worker))
-        if owned.issuperset(stages):
+        if all(s in owned for s in range(table.stages) if worker in computed_by[s]):
             continue  # computes only stages it owns: nothing to fetch
+        stages = [flat // BP for flat in jobs]
         freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
         n = len(stages)
         i = 0
@@ -302,19 +264,19 @@ def _lower_weights(
                 fetch_gap = max(i - 1, 0)
                 if fetch_window is not None and len(freed_at) >= fetch_window:
                     fetch_gap = max(fetch_gap, freed_at[-fetch_window])
-                prefetch_time = slots[fetch_gap].start if i > 0 else 0.0
+                prefetch_time = start[jobs[fetch_gap]] if i > 0 else 0.0
                 build.put(worker, fetch_gap, prefetch_time,
                           Action(Op.FETCH_W, stage, None, owner))
                 build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
                           Action(Op.SEND_W, stage, None, worker))
-                if any(slots[k].job.phase is grad_phase for k in range(i, j + 1)):
-                    end = slots[j].end
-                    build.put(worker, j + 1, end, Action(Op.REDUCE_G, stage, None, owner))
-                    gap = build.gap_at(owner, end)
-                    build.put(owner, gap, end, Action(Op.RECV_G, stage, None, worker))
+                run_end = end[jobs[j]]
+                if any(jobs[k] % P == grad_k for k in range(i, j + 1)):
+                    build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
+                    gap = build.gap_at(owner, run_end)
+                    build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))
                     key = (owner, stage)
                     reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
-                build.put(worker, j + 1, slots[j].end, Action(Op.FREE_W, stage))
+                build.put(worker, j + 1, run_end, Action(Op.FREE_W, stage))
                 freed_at.append(j + 1)
             i = j + 1
     return reduce_gaps
@@ -329,12 +291,16 @@ def _lower_allreduce(
 ) -> None:
     """Replica owners all-reduce a stage right after their last weight-gradient job of it."""
     if all(len(owners) < 2 for owners in table.owners):
-        return  # no replicas: nothing to all-reduce (and no need to scan every slot)
+        return  # no replicas: nothing to all-reduce (and no need to scan every job)
+    P = len(timeline.phases)
+    BP = table.micro * P
+    grad_k = timeline.phases.index(grad_phase)
+    end = timeline.end
     last_backward: dict[tuple[int, int], tuple[int, float]] = {}
-    for worker, slots in enumerate(timeline.by_worker):
-        for i, slot in enumerate(slots):
-            if slot.job.phase is grad_phase:
-                last_backward[(worker, slot.job.stage)] = (i + 1, slot.end)
+    for worker, jobs in enumerate(timeline.order):
+        for i, flat in enumerate(jobs):
+            if flat % P == grad_k:
+                last_backward[(worker, flat // BP)] = (i + 1, end[flat])
     for stage, owners in enumerate(table.owners):
         if len(owners) < 2:
             continue

@@ -47,34 +47,39 @@ def lower_ties(
     build: ActionSink, grad_phase: Phase, forward_only: bool,
 ) -> None:
     """Put every tie's actions into the builder (see the module docstring)."""
+    P = len(timeline.phases)
+    BP = table.micro * P
+    grad_k = timeline.phases.index(grad_phase) if grad_phase in timeline.phases else -1
+    start, end = timeline.start, timeline.end
     for home, readers in ties.items():
         owners = table.owners[home]
         reading = set(readers)
         recv_gaps: dict[int, int] = {}  # owner -> latest gap where it posts a RECV_T
         own_last_grad: dict[int, tuple[int, float]] = {}  # owner -> (gap after, time)
-        for worker, slots in enumerate(timeline.by_worker):
-            jobs = [i for i, slot in enumerate(slots) if slot.job.stage in reading]
+        for worker, order in enumerate(timeline.order):  # flat job indices, in order
+            jobs = [i for i, flat in enumerate(order) if flat // BP in reading]
             if not jobs:
                 continue
-            grads = [] if forward_only else [i for i in jobs if slots[i].job.phase is grad_phase]
+            grads = [] if forward_only else [i for i in jobs if order[i] % P == grad_k]
             if worker in owners:
                 if grads:
-                    own_last_grad[worker] = (grads[-1] + 1, slots[grads[-1]].end)
+                    own_last_grad[worker] = (grads[-1] + 1, end[order[grads[-1]]])
                 continue
             first, last = jobs[0], jobs[-1]
             source = table.fetch_source.get((home, worker), owners[0])
             fetch_gap = max(first - 1, 0)
-            prefetch_time = slots[fetch_gap].start if first > 0 else 0.0
+            prefetch_time = start[order[fetch_gap]] if first > 0 else 0.0
             build.put(worker, fetch_gap, prefetch_time, Action(Op.FETCH_T, home, None, source))
             build.put(source, build.gap_at(source, prefetch_time), prefetch_time,
                       Action(Op.SEND_T, home, None, worker))
             if grads:
-                end = slots[grads[-1]].end
-                build.put(worker, grads[-1] + 1, end, Action(Op.REDUCE_T, home, None, source))
-                gap = build.gap_at(source, end)
-                build.put(source, gap, end, Action(Op.RECV_T, home, None, worker))
+                grad_end = end[order[grads[-1]]]
+                build.put(worker, grads[-1] + 1, grad_end,
+                          Action(Op.REDUCE_T, home, None, source))
+                gap = build.gap_at(source, grad_end)
+                build.put(source, gap, grad_end, Action(Op.RECV_T, home, None, worker))
                 recv_gaps[source] = max(recv_gaps.get(source, 0), gap)
-            build.put(worker, last + 1, slots[last].end, Action(Op.FREE_T, home))
+            build.put(worker, last + 1, end[order[last]], Action(Op.FREE_T, home))
         if len(owners) < 2 or forward_only:
             continue
         for owner in owners:

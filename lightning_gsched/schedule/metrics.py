@@ -52,18 +52,19 @@ def program_counts(programs: Programs, rank: int) -> ActionCounts:
     owned = len(programs.owned_stages(rank))
     release = programs.releases_stash  # None: forward-only, nothing stashed
     ops = list(map(itemgetter(0), programs.ranks[rank]))
-    stash_step = dict.fromkeys(Op, 0)
-    if release is not None:
+    tally = Counter(ops)
+    peak_activations = peak_fetched = 0  # a running sum that never moves peaks at 0
+    if release is not None and tally[Op.F]:
+        stash_step = dict.fromkeys(Op, 0)
         stash_step[Op.F], stash_step[release] = 1, -1
-    resident_step = dict.fromkeys(Op, 0)
-    resident_step[Op.FETCH_W], resident_step[Op.FREE_W] = 1, -1
-    counts = ActionCounts(
-        owned_stages=owned,
-        peak_activations=max(accumulate(map(stash_step.__getitem__, ops), initial=0)),
-        peak_resident_stages=owned + max(accumulate(map(resident_step.__getitem__, ops),
-                                                    initial=0)),
-    )
-    for op, n in Counter(ops).items():
+        peak_activations = max(accumulate(map(stash_step.__getitem__, ops), initial=0))
+    if tally[Op.FETCH_W]:
+        resident_step = dict.fromkeys(Op, 0)
+        resident_step[Op.FETCH_W], resident_step[Op.FREE_W] = 1, -1
+        peak_fetched = max(accumulate(map(resident_step.__getitem__, ops), initial=0))
+    counts = ActionCounts(owned_stages=owned, peak_activations=peak_activations,
+                          peak_resident_stages=owned + peak_fetched)
+    for op, n in tally.items():
         name = _COUNTER_OF.get(op)
         if name is not None:
             setattr(counts, name, getattr(counts, name) + n)
@@ -75,7 +76,7 @@ def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
     per_worker = []
     total_busy = 0.0
     for rank in range(programs.world_size):
-        busy = sum([slot[3] - slot[2] for slot in timeline.by_worker[rank]])  # end - start
+        busy = timeline.busy[rank]
         total_busy += busy
         per_worker.append(WorkerMetrics(worker=rank, busy=busy,
                                         **program_counts(programs, rank).planned()))

@@ -17,7 +17,7 @@ from lightning_gsched.schedule.jobs import Phase
 PriorityFn = Callable[[int, int, Phase], Any]
 # Enum members as module constants: ``Phase.F`` is a look-up through the enum's descriptor
 # (about 0.2 us on Python 3.11), and the library orders run once per job of every plan
-_F, _B = Phase.F, Phase.B
+_F, _B, _W = Phase.F, Phase.B, Phase.W
 CapSpec = Union[None, int, str, Sequence[Union[int, None]], Callable[[int], Union[int, None]]]
 
 
@@ -66,6 +66,32 @@ def zero_bubble(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
     if phase is _F:
         return (1, micro, -stage)
     return (2, micro, -stage)
+
+
+# A library order's ranking written out: the order that sorting (n(job), job) gives, as groups
+# of phases in key order; within a group, (stage, micro) pairs by a major and a minor loop
+# (which index, ascending?), and the phases of one pair in their text order (the job's own
+# tie-break: B < F < W). ``priorities.priority_ranks`` enumerates it instead of calling n(s, b, d)
+# per job and sorting; tests/test_schedule_fast_paths.py checks every one against the sort.
+Loop = tuple[str, bool]  # ("stage" or "micro", ascending)
+OrderLayout = tuple[tuple[frozenset[Phase], Loop, Loop], ...]
+_STAGE_UP, _STAGE_DOWN, _MICRO_UP = ("stage", True), ("stage", False), ("micro", True)
+LAYOUTS: tuple[tuple[PriorityFn, OrderLayout], ...] = (
+    (bfs, ((frozenset({_F}), _STAGE_UP, _MICRO_UP),  # (0, stage, micro)
+           (frozenset({_B, _W}), _STAGE_DOWN, _MICRO_UP))),  # (1, -stage, micro)
+    (gpipe, ((frozenset({_F}), _MICRO_UP, _STAGE_UP),  # (0, micro, stage)
+             (frozenset({_B, _W}), _MICRO_UP, _STAGE_DOWN))),  # (1, micro, -stage)
+    (one_f_one_b, ((frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
+                   (frozenset({_F, _W}), _MICRO_UP, _STAGE_DOWN))),  # (1, micro, -stage)
+    (zero_bubble, ((frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
+                   (frozenset({_F}), _MICRO_UP, _STAGE_DOWN),  # (1, micro, -stage)
+                   (frozenset({_W}), _MICRO_UP, _STAGE_DOWN))),  # (2, micro, -stage)
+)
+
+
+def layout_of(priority: object) -> OrderLayout | None:
+    """The :data:`LAYOUTS` entry of a library order function (by identity), else None."""
+    return next((layout for fn, layout in LAYOUTS if fn is priority), None)
 
 
 def interleaved_sequence(

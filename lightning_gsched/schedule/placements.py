@@ -12,7 +12,7 @@ of callables is also a placement; :func:`tabulate` validates it once and caches 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, cast
 
 from lightning_gsched.errors import PlacementError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -25,10 +25,26 @@ class Placement(Protocol):
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
 
 
+class _RowsPlacement(Placement, Protocol):
+    def rows(self, stages: int, micro: int) -> Rows: ...
+
+
 class CheckedPlacement(Placement, Protocol):
     """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
 
     def check(self, stages: int, micro: int) -> None: ...
+
+
+# (weights worker, compute worker) of every (stage, micro), as rows by stage: the same for
+# both phases. Library placements give them at once (``rows``); PlacementTable reads them
+# instead of calling w(s, b, d) twice per (stage, microbatch).
+Rows = tuple[list[list[int]], list[list[int]]]
+
+
+def _looped_rows(workers: int, R: int, stages: int, micro: int) -> list[list[int]]:
+    """LPP's h(s, b) = (R*b mod W) + (s mod R) for every (s, b)."""
+    first = [(R * b) % workers for b in range(micro)]
+    return [[w + s % R for w in first] for s in range(stages)]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -68,6 +84,10 @@ class DDP:
         worker = micro % self.workers
         return worker, worker
 
+    def rows(self, stages: int, micro: int) -> Rows:
+        row = [b % self.workers for b in range(micro)]
+        return [row[:] for _ in range(stages)], [row[:] for _ in range(stages)]
+
     def check(self, stages: int, micro: int) -> None:
         _require(
             micro % self.workers == 0,
@@ -84,6 +104,10 @@ class FSDP:
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         return stage % self.workers, micro % self.workers
+
+    def rows(self, stages: int, micro: int) -> Rows:
+        row = [b % self.workers for b in range(micro)]
+        return [[s % self.workers] * micro for s in range(stages)], [row[:] for _ in range(stages)]
 
     def check(self, stages: int, micro: int) -> None:
         DDP(self.workers).check(stages, micro)
@@ -104,6 +128,10 @@ class GPipe:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         worker = stage // (self.stages // self.workers)
         return worker, worker
+
+    def rows(self, stages: int, micro: int) -> Rows:
+        per = self.stages // self.workers
+        return [[s // per] * micro for s in range(stages)], [[s // per] * micro for s in range(stages)]
 
     def check(self, stages: int, micro: int) -> None:
         _require(
@@ -134,6 +162,10 @@ class VShape:
         worker = self.worker_of(stage)
         return worker, worker
 
+    def rows(self, stages: int, micro: int) -> Rows:
+        return ([[self.worker_of(s)] * micro for s in range(stages)],
+                [[self.worker_of(s)] * micro for s in range(stages)])
+
     def check(self, stages: int, micro: int) -> None:
         _require(
             stages % (2 * self.workers) == 0,
@@ -161,6 +193,10 @@ class LPP:
         worker = self.h(stage, micro)
         return worker, worker
 
+    def rows(self, stages: int, micro: int) -> Rows:
+        compute = _looped_rows(self.workers, self.R, stages, micro)
+        return [row[:] for row in compute], compute
+
     def check(self, stages: int, micro: int) -> None:
         _check_groups("lpp", self.workers, stages, micro, self.R)
 
@@ -184,6 +220,10 @@ class FSLPP:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         return self.owner(stage), LPP(self.workers, self.R).h(stage, micro)
 
+    def rows(self, stages: int, micro: int) -> Rows:
+        return ([[self.owner(s)] * micro for s in range(stages)],
+                _looped_rows(self.workers, self.R, stages, micro))
+
     def check(self, stages: int, micro: int) -> None:
         _check_groups("fslpp", self.workers, stages, micro, self.R)
 
@@ -198,6 +238,11 @@ class FSLPPSeed:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         lpp = LPP(self.workers, self.R)
         return lpp.h(stage, stage), lpp.h(stage, micro)
+
+    def rows(self, stages: int, micro: int) -> Rows:
+        lpp = LPP(self.workers, self.R)
+        return ([[lpp.h(s, s)] * micro for s in range(stages)],
+                _looped_rows(self.workers, self.R, stages, micro))
 
     def check(self, stages: int, micro: int) -> None:
         _check_groups("fslpp-seed", self.workers, stages, micro, self.R)
@@ -215,8 +260,19 @@ class PlacementTable:
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
         self.workers, self.stages, self.micro = workers, stages, micro
-        self.compute: list[list[int]] = [[0] * micro for _ in range(stages)]
-        self.weights: list[list[tuple[int, int]]] = [[(0, 0)] * micro for _ in range(stages)]
+        self.compute: list[list[int]]
+        self.weights: list[list[tuple[int, int]]]
+        self.owners: list[tuple[int, ...]]
+        self.fetch_source: dict[tuple[int, int], int]
+        if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
+            weight_rows, self.compute = cast(_RowsPlacement, placement).rows(stages, micro)
+            self.weights = [[(w, w) for w in row] for row in weight_rows]
+            self.owners = [tuple(sorted(set(row))) for row in weight_rows]
+            self.fetch_source = {(s, c): w for s in range(stages)
+                                 for c, w in set(zip(self.compute[s], weight_rows[s], strict=True)) if c != w}
+            return
+        self.compute = [[0] * micro for _ in range(stages)]
+        self.weights = [[(0, 0)] * micro for _ in range(stages)]
         source: dict[tuple[int, int], tuple[int, int, Phase]] = {}
         F, B = Phase.F, Phase.B  # locals: an enum member look-up costs ~0.2 us on Python 3.11
         for s in range(stages):
@@ -241,10 +297,10 @@ class PlacementTable:
                             f"({first[2].value} b{first[1]}) and from worker {w} ({d.value} b{b}); "
                             "a compute worker must fetch a stage from a single owner"
                         )
-        self.owners: list[tuple[int, ...]] = [
+        self.owners = [
             tuple(sorted({w for pair in self.weights[s] for w in pair})) for s in range(stages)
         ]
-        self.fetch_source: dict[tuple[int, int], int] = {k: v[0] for k, v in source.items()}
+        self.fetch_source = {k: v[0] for k, v in source.items()}
 
     def _call(self, placement: PlacementFn, s: int, b: int, d: Phase) -> tuple[int, int]:
         try:
@@ -275,3 +331,8 @@ class PlacementTable:
 
     def owned_stages(self, worker: int) -> list[int]:
         return [s for s in range(self.stages) if worker in self.owners[s]]
+
+
+# placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one
+# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan)
+_LIBRARY = (DDP, FSDP, GPipe, VShape, LPP, FSLPP, FSLPPSeed)

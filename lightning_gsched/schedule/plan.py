@@ -26,8 +26,9 @@ from lightning_gsched.schedule.orders import (
     resolve_order,
 )
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
+from lightning_gsched.schedule.priorities import priority_ranks
 from lightning_gsched.schedule.program import Programs
-from lightning_gsched.schedule.simulate import Costs, Timeline, priority_ranks, simulate
+from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 
 DEFAULT = "default"
 

@@ -18,14 +18,14 @@ planner passes no caps then (nothing is stashed for a backward).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, all_jobs, phases_of
-from lightning_gsched.schedule.orders import PriorityFn
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.priorities import inverse
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Costs:
 
 
 class Slot(NamedTuple):
-    """One job placed in time on its compute worker (a NamedTuple: 32k of them are built fast)."""
+    """One job placed in time on its compute worker (the public view of a :class:`Timeline`)."""
 
     job: Job
     worker: int
@@ -103,102 +103,74 @@ class Slot(NamedTuple):
     end: float
 
 
-@dataclass
 class Timeline:
-    """Result of a simulation: every job with its worker and start/end time."""
+    """Result of a simulation: every job with its worker and start/end time.
 
-    workers: int
-    stages: int
-    micro: int
-    slots: list[Slot]
-    by_worker: list[list[Slot]] = field(default_factory=list)
+    The simulator records it densely, by flat job index ``i = (stage * micro + b) * P + k``
+    (P = ``len(phases)``, k the phase's place in ``phases``): ``start[i]`` and ``end[i]``,
+    ``order[w]`` (the flat indices worker w runs, in order), ``sequence`` (every flat index
+    in the order the simulation placed it) and ``busy[w]`` (the sum of worker w's
+    ``end - start``, in its order). The planner's own readers (lowering, metrics) read
+    these lists; :attr:`slots` and :attr:`by_worker` (one :class:`Slot` per job) are built on
+    first use, so a plan that nobody draws or prints never allocates its 10^5 Slots and Jobs.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.by_worker:
-            self.by_worker = [[] for _ in range(self.workers)]
-            for slot in self.slots:
-                self.by_worker[slot.worker].append(slot)
+    def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
+                 order: list[list[int]], start: list[float], end: list[float],
+                 sequence: list[int], busy: list[float]) -> None:
+        self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
+        self.order, self.start, self.end, self.sequence = order, start, end, sequence
+        self.busy = busy
+        self._slots: list[Slot] | None = None
+        self._by_worker: list[list[Slot]] | None = None
 
     @property
     def latency(self) -> float:
-        return max((s.end for s in self.slots), default=0.0)
+        return max(self.end, default=0.0)
 
+    def job(self, index: int) -> Job:
+        """The job at flat index ``index``."""
+        P = len(self.phases)
+        stage, micro = divmod(index // P, self.micro)
+        return Job(stage, micro, self.phases[index % P])
 
-def priority_ranks(
-    priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
-    split_backward: bool = False,
-) -> list[int]:
-    """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys).
+    def _build_slots(self) -> None:
+        P, B, phases = len(self.phases), self.micro, self.phases
+        start, end = self.start, self.end
+        new_tuple = tuple.__new__  # NamedTuples without their __new__ frame
+        slot_of: dict[int, Slot] = {}
+        for worker, indices in enumerate(self.order):
+            for i in indices:
+                q = i // P
+                job = new_tuple(Job, (q // B, q % B, phases[i % P]))
+                slot_of[i] = new_tuple(Slot, (job, worker, start[i], end[i]))
+        self._by_worker = [[slot_of[i] for i in indices] for indices in self.order]
+        self._slots = [slot_of[i] for i in self.sequence]
 
-    The result is indexed by the flat job index ``(stage * micro + b) * P + phase`` (P phases
-    per job in the order F, B, W: :func:`phases_of`), the layout :func:`simulate` works in.
-    Rank order is that of the pairs (n(job), job): equal priorities are broken by the job
-    itself. Library orders return tuples of ints; those are packed into one int per job that
-    orders as the pair does (:func:`_packed`), so the sort compares ints, not tuples.
-    """
-    phases = phases_of(forward_only, split_backward)
-    keys: list[Any] = []
-    append = keys.append
-    s = b = 0
-    d = phases[0]
-    try:  # one try around the loop: no per-job cost on the planner's hot path
-        for s in range(stages):
-            for b in range(micro):
-                for d in phases:
-                    append(priority(s, b, d))
-    except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
-        raise validate.user_callable_error(
-            "priority", priority, (s, b, d), "s, b, d", exc) from exc
-    packed = _packed(keys, phases)
-    try:
-        if packed is not None:
-            order = sorted(range(len(keys)), key=packed.__getitem__)
-        else:
-            jobs = list(all_jobs(stages, micro, forward_only, split_backward))
-            order = sorted(range(len(keys)), key=lambda i: (keys[i], jobs[i]))
-    except TypeError as exc:
-        raise ScheduleConfigError(
-            f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
-        ) from exc
-    ranks = [0] * len(keys)
-    for rank, i in enumerate(order):
-        ranks[i] = rank
-    return ranks
+    @property
+    def slots(self) -> list[Slot]:
+        """Every job's slot, in the order the simulation placed them (start times ascending)."""
+        if self._slots is None:
+            self._build_slots()
+        assert self._slots is not None
+        return self._slots
 
-
-def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
-    """One int per job ordering as (key, job) does, when every key is an int or every key a
-    tuple of ints of one length; None otherwise (then the pairs themselves are sorted).
-
-    Each key component is shifted to start at 0 and the tuple read as a mixed-radix number
-    (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
-    the job's place in job order ((stage, micro), then the phase by its text: B < F < W), the
-    tie-break. ``keys`` are listed stage, micro, then ``phases`` (the flat job order).
-    """
-    if not keys:
-        return None
-    columns: list[Sequence[Any]] = [keys]
-    if type(keys[0]) is tuple:
-        if set(map(type, keys)) != {tuple} or len(set(map(len, keys))) != 1:
-            return None
-        columns = list(zip(*keys, strict=True))
-    packed = [0] * len(keys)
-    for column in columns:
-        if set(map(type, column)) != {int}:  # exactly int: no bool, float or subclass
-            return None
-        low = min(column)
-        radix = max(column) - low + 1
-        packed = [p * radix + (x - low) for p, x in zip(packed, column, strict=True)]
-    text_rank = {d: r for r, d in enumerate(sorted(phases, key=str))}
-    P = len(phases)
-    groups = len(keys) // P  # (stage, micro) pairs, in job order already
-    tie = [text_rank[d] for d in phases] * groups
-    return [(p * groups + i // P) * P + t
-            for i, (p, t) in enumerate(zip(packed, tie, strict=True))]
+    @property
+    def by_worker(self) -> list[list[Slot]]:
+        """Per worker, its slots in the order it runs them."""
+        if self._by_worker is None:
+            self._build_slots()
+        assert self._by_worker is not None
+        return self._by_worker
 
 
 class _Worker:
-    """Ready queues of one worker per phase: jobs not yet startable by time, and startable now."""
+    """Ready queues of one worker per phase: jobs not yet startable by time, and startable now.
+
+    Queues hold ranks (unique ints, the order's dense keys), not jobs: ``pending[k]`` heaps of
+    (ready time, rank) and ``ready[k]`` heaps of ranks, so every heap comparison is of floats
+    and ints; the simulator maps a rank back to its flat job index once, when the job runs.
+    """
 
     __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases", "next_start")
 
@@ -207,42 +179,14 @@ class _Worker:
         self.stash = 0
         self.cap = cap
         self.phases = range(phases)
-        # index = phase (0 F, 1 B, 2 W). pending: (ready_time, rank, job); ready: (rank, job)
-        self.pending: list[list[tuple[float, int, Job]]] = [[] for _ in self.phases]
-        self.ready: list[list[tuple[int, Job]]] = [[] for _ in self.phases]
+        # index = phase (0 F, 1 B, 2 W)
+        self.pending: list[list[tuple[float, int]]] = [[] for _ in self.phases]
+        self.ready: list[list[int]] = [[] for _ in self.phases]
         self.version = 0
         self.next_start: float | None = None  # start of its valid event (None: no event)
 
     def forward_allowed(self) -> bool:
         return self.cap is None or self.stash < self.cap
-
-    def best(self) -> tuple[float, int, int] | None:
-        """(start, rank, phase index) of this worker's next job under the greedy rule.
-
-        Startable now (ready at ``free_at``) beats startable later; among those, the smaller
-        rank wins (ranks are unique); a forward only while the cap allows it.
-        """
-        free_at = self.free_at
-        pending, ready = self.pending, self.ready
-        forward = self.cap is None or self.stash < self.cap
-        now: tuple[float, int, int] | None = None
-        for k in self.phases:
-            pend, queue = pending[k], ready[k]
-            while pend and pend[0][0] <= free_at:
-                _, rank, job = heapq.heappop(pend)
-                heapq.heappush(queue, (rank, job))
-            if queue and (k or forward) and (now is None or queue[0][0] < now[1]):
-                now = (free_at, queue[0][0], k)
-        if now is not None:
-            return now
-        later: tuple[float, int, int] | None = None
-        for k in self.phases:
-            pend = pending[k]
-            if pend and (k or forward):
-                cand = (pend[0][0], pend[0][1], k)
-                if later is None or cand < later:
-                    later = cand
-        return later
 
 
 _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
@@ -257,66 +201,106 @@ def simulate(
 ) -> Timeline:
     """Run the greedy schedule to completion and return the timeline.
 
-    Hot loop (``auto_cap`` runs it several times per plan), written for speed with the same
-    results: an event carries the phase its worker's best candidate had when it was pushed, so a
-    valid event (its worker unchanged since) needs no second ``best()``; workers touched while
-    one job completes are refreshed once afterwards rather than after every change (the heap's
-    order depends only on the keys, so fewer stale events change nothing), and not at all when a
-    new job cannot change their event (they start something now, the job is ready later);
-    dependency counts and ranks live in flat lists indexed by ``(stage * B + micro) * P +
-    phase`` (P phases per job: 1, 2 or 3).
+    ``ranks``: :func:`~.priorities.priority_ranks`' dense keys, a permutation of the flat job
+    indices ``(stage * B + micro) * P + phase`` (P phases per job: 1, 2 or 3), the layout this
+    loop works in. Hot loop (``auto_cap`` runs it several times per plan), written for speed
+    with the same results as the plain rule (tests/planner_references.py):
+
+    - the queues hold ranks (ints), mapped back to the flat job once it runs;
+    - an event carries the phase its worker's choice had when it was pushed, so a valid event
+      (its worker unchanged since: same version) is taken without choosing again;
+    - a worker whose event cannot change is not refreshed: it starts something now (at its
+      ``free_at``) and the new job is only ready later; a stale event left by a refresh is
+      skipped by its version (the heap's order depends only on the keys);
+    - a successor with a single predecessor (every job of a chain) is ready when the job ends;
+      one ready by its worker's ``free_at`` goes straight to the ready heap, where the next
+      refresh would have moved it;
+    - the timeline is recorded densely (:class:`Timeline`): no Slot or Job is built here.
 
     The stash of a (stage, microbatch) counts against the cap from its F until its last
     backward phase: B, or W when the graph splits the backward.
     """
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
+    total = P * S * B
     workers = [_Worker(caps[w], P) for w in range(W)]
     compute = table.compute
     duration = [costs.by_phase()[d] for d in graph.phases]
     release = _PHASE_INDEX[Phase.W if graph.split_backward else Phase.B]
     heappush, heappop = heapq.heappush, heapq.heappop
-    new_tuple = tuple.__new__  # Slot(...) and Job(...) without the NamedTuple __new__ frame
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
+    job_of = inverse(list(ranks))  # rank -> flat job index
 
     def refresh(w: int) -> None:
+        """Push worker w's next job under the greedy rule as its (new) valid event.
+
+        Startable now (ready at ``free_at``) beats startable later; among those, the smaller
+        rank wins (ranks are unique); a forward only while the cap allows it.
+        """
         state = workers[w]
         state.version += 1
-        best = state.best()
-        if best is not None:
-            heappush(events, (best[0], best[1], w, state.version, best[2]))
-            state.next_start = best[0]
+        free_at = state.free_at
+        pending, ready = state.pending, state.ready
+        forward = state.cap is None or state.stash < state.cap
+        now_rank = -1
+        now_k = 0
+        for k in state.phases:
+            pend, queue = pending[k], ready[k]
+            while pend and pend[0][0] <= free_at:
+                heappush(queue, heappop(pend)[1])
+            if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
+                now_rank, now_k = queue[0], k
+        if now_rank >= 0:
+            heappush(events, (free_at, now_rank, w, state.version, now_k))
+            state.next_start = free_at
+            return
+        later: tuple[float, int, int] | None = None
+        for k in state.phases:
+            pend = pending[k]
+            if pend and (k or forward):
+                cand = (pend[0][0], pend[0][1], k)
+                if later is None or cand < later:
+                    later = cand
+        if later is not None:
+            heappush(events, (later[0], later[1], w, state.version, later[2]))
+            state.next_start = later[0]
         else:
             state.next_start = None
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with the index offset (stage * B * P + phase) of their flat slot.
+    # A successor with a single predecessor (every job of a chain) is ready when this job ends:
+    # its count and ready time need no bookkeeping.
+    n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     successors = [  # by stage * P + phase index
-        [(j.stage, j.phase, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase])
+        [(j.stage, _PHASE_INDEX[j.phase], j.stage * B * P + _PHASE_INDEX[j.phase],
+          n_pred[(j.stage, j.phase)] == 1)
          for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     ]
-    n_pred = {(s, d): len(graph.pred(Job(s, 0, d))) for s in range(S) for d in graph.phases}
     missing: list[int] = []
     for s in range(S):
         missing.extend([n_pred[(s, d)] for d in graph.phases] * B)
-    ready_time = [0.0] * (P * S * B)
+    ready_time = [0.0] * total
     touched: list[int] = []
     for (s, d), count in n_pred.items():
         if count == 0:  # sources: ready at time 0
             k = _PHASE_INDEX[d]
             for b in range(B):
-                job = Job(s, b, d)
                 w = compute[s][b]
-                heappush(workers[w].pending[k], (0.0, ranks[(s * B + b) * P + k], job))
+                heappush(workers[w].pending[k], (0.0, ranks[(s * B + b) * P + k]))
                 touched.append(w)
     for w in dict.fromkeys(touched):
         refresh(w)
 
-    slots: list[Slot] = []
-    append = slots.append
-    by_worker: list[list[Slot]] = [[] for _ in range(W)]  # the timeline's per-worker view
-    total = P * S * B
+    start_of = [0.0] * total  # by flat job index
+    end_of = [0.0] * total
+    order: list[list[int]] = [[] for _ in range(W)]  # per worker, its flat jobs in order
+    append_to = [jobs.append for jobs in order]
+    busy = [0.0] * W  # per worker, the sum of its jobs' end - start, in its order
+    sequence: list[int] = []  # flat jobs in the order they are placed
+    place = sequence.append
+    BP = B * P
     while events:
         start, rank, w, version, k = heappop(events)
         state = workers[w]
@@ -325,61 +309,74 @@ def simulate(
         # the worker is unchanged since this event was pushed: best() would return
         # (start, rank, k) again, so take that job directly
         ready = state.ready[k]
-        if ready and ready[0][0] == rank:
-            job = heappop(ready)[1]
+        if ready and ready[0] == rank:
+            heappop(ready)
         else:
-            job = heappop(state.pending[k])[2]
-        stage, micro, _ = job
+            heappop(state.pending[k])
+        i = job_of[rank]
+        stage = i // BP
+        micro = (i - stage * BP) // P
         end = start + duration[k][stage]
         if k == 0:
             state.stash += 1
         elif k == release:
             state.stash -= 1
-        slot = new_tuple(Slot, (job, w, start, end))
-        append(slot)
-        by_worker[w].append(slot)
+        start_of[i] = start
+        end_of[i] = end
+        busy[w] += end - start
+        append_to[w](i)
+        place(i)
         state.free_at = end
-        touched = [w]
-        for nstage, nphase, nk, offset in successors[stage * P + k]:
-            i = offset + micro * P
-            left = missing[i] - 1
-            missing[i] = left
-            at = ready_time[i]
-            if end > at:
-                at = ready_time[i] = end
-            if left == 0:
-                nxt = new_tuple(Job, (nstage, micro, nphase))
-                nw = compute[nstage][micro]
-                other = workers[nw]
-                heappush(other.pending[nk], (at, ranks[i], nxt))
-                # Another worker's event stands when it starts something now (at its free_at)
-                # and the new job is only ready later: "startable now" beats it whatever its
-                # rank, so best() would return the same event (and it is taken from ``ready``).
-                if nw != w and not (other.next_start == other.free_at and at > other.free_at):
-                    touched.append(nw)
-        for nw in touched:
-            refresh(nw)
+        for nstage, nk, offset, single in successors[stage * P + k]:
+            n = offset + micro * P
+            if single:
+                at = end
+            else:
+                left = missing[n] - 1
+                missing[n] = left
+                at = ready_time[n]
+                if end > at:
+                    at = ready_time[n] = end
+                if left:
+                    continue
+            nw = compute[nstage][micro]
+            other = workers[nw]
+            if at <= other.free_at:  # startable when it frees: refresh would move it there
+                heappush(other.ready[nk], ranks[n])
+            else:
+                heappush(other.pending[nk], (at, ranks[n]))
+            # Another worker's event stands when it starts something now (at its free_at) and
+            # the new job is only ready later: "startable now" beats it whatever its rank, so
+            # the greedy choice would be the same event (and it is taken from ``ready``).
+            # (Refreshing it now rather than after the other successors gives the same valid
+            # event: a stale one left behind is skipped by its version.)
+            if nw != w and not (other.next_start == other.free_at and at > other.free_at):
+                refresh(nw)
+        refresh(w)
 
-    if len(slots) != total:
-        raise _stuck_error(workers, slots, total, caps)
-    return Timeline(W, S, B, slots, by_worker)
+    if len(sequence) != total:
+        raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps)
+    return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
 
 
 def _stuck_error(
-    workers: list[_Worker], slots: list[Slot], total: int, caps: Sequence[int | None]
+    workers: list[_Worker], job_of: list[int], phases: tuple[Phase, ...], micro: int,
+    placed: int, total: int, caps: Sequence[int | None],
 ) -> CapTooSmallError:
     blocked = []
+    P = len(phases)
     for w, state in enumerate(workers):
-        waiting = [job for heap in (state.pending[0], state.ready[0]) for *_, job in heap]
+        waiting = [job_of[rank] for _, rank in state.pending[0]] + [
+            job_of[rank] for rank in state.ready[0]]
         if waiting and not state.forward_allowed():
-            first = min(waiting)
+            stage, b = divmod(min(waiting) // P, micro)  # F jobs: flat order is (stage, micro)
             blocked.append(
                 f"worker {w} holds {state.stash} activations (cap {state.cap}) and cannot start "
-                f"{first}"
+                f"{Job(stage, b, phases[0])}"
             )
     detail = "; ".join(blocked) if blocked else "no worker has a startable job"
     return CapTooSmallError(
-        f"the schedule cannot make progress after {len(slots)} of {total} jobs: {detail}. The "
+        f"the schedule cannot make progress after {placed} of {total} jobs: {detail}. The "
         f"activation cap {list(caps)} is too small for this placement and order; raise the cap, "
         "use cap='auto' (the smallest cap that keeps the uncapped latency) or cap=None"
     )

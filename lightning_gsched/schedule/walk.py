@@ -1,6 +1,7 @@
-"""One walker over every rank's program; the dry run, the time replay and the metrics are handlers.
+"""One walker over every rank's program, for replays whose actions take time: the time replay
+(:mod:`.predict`) is a handler.
 
-Why one: each of them executes the same programs under the same rules (a rank runs its actions
+Why a walker: a replay executes the programs under the runtime's rules (a rank runs its actions
 in order; an action may have to wait for something another rank does), and only what an action
 *does* differs. The walker owns the order of execution and the waiting; a handler says, per op
 kind of the table (:data:`~lightning_gsched.schedule.program.OPS`), what an action does and, if
@@ -10,6 +11,11 @@ A handler is an object with one method per op kind: ``compute``, ``send``, ``rec
 and ``collective``, each ``(rank, action) -> key or None`` (None: done, move on). The results do
 not depend on the interleaving the walker chooses, only on the programs and the handler, since a
 rank never runs past an action that waits.
+
+The dry run is not a handler any more (issue 14): what it checks of an action depends only on
+its own rank's earlier actions, so it checks each program once in order
+(:mod:`.dryrun_rank`) and walks only the sends and the waits left over (:func:`.dryrun._walk`),
+a fraction of the actions, without a call per action.
 """
 
 from __future__ import annotations

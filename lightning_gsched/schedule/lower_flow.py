@@ -1,0 +1,131 @@
+"""The lowering's data flow: activation and input-gradient messages, their posts in FIFO order.
+
+The planner's largest loop (two actions per message), kept apart from :mod:`.lower`'s other
+rules because it is built differently: its actions carry small int keys ``gap * SLOTS +
+category`` (category 0 for a send, 7 for a receive) in the order they are made, which is their
+order within a (gap, category), and its channel (``p2p``) carries nothing else, so the FIFO
+order of every channel into a consumer is settled as soon as that consumer's receives are made.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.program import Action, Op
+from lightning_gsched.schedule.simulate import Timeline
+
+SLOTS = 9  # small key of an action: gap * SLOTS + category (a compute: 8, after its gap)
+SEND_CATEGORY, RECV_CATEGORY = 0, 7  # hand data over first, post the next inputs last
+
+
+def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline,
+                    flow: list[list[Action]], flow_keys: list[list[int]]) -> None:
+    """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
+
+    The planner's largest loop (two actions per message). Consumers are visited worker by
+    worker in their order; each remote input makes the producer's send (small key: the gap
+    after the producer's compute, category 0) and the consumer's receive (the gap before the
+    previous compute, category 7), both appended in the order the reference keys (serials)
+    would give them. All messages into one consumer are made while visiting it, so its
+    channels' FIFO order is settled right after (:func:`_fifo_posts`).
+    """
+    compute = table.compute
+    B, P = table.micro, len(timeline.phases)
+    BP = B * P
+    phase_index = {d: k for k, d in enumerate(timeline.phases)}
+    order = timeline.order
+    position = [0] * (table.stages * BP)  # flat job -> index in its worker's order
+    for jobs in order:
+        for i, flat in enumerate(jobs):
+            position[flat] = i
+    done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
+    new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
+    # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
+    kinds: list[tuple[Op, Op, list[list[int]]] | None] = [None] * P
+    for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
+                              (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD)):
+        if phase in phase_index:
+            kinds[phase_index[phase]] = (send, recv, [
+                list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
+                for s in range(graph.num_stages)])
+    chain = graph.is_chain
+    for worker, jobs in enumerate(order):
+        mine, my_keys = flow[worker], flow_keys[worker]
+        first_post = len(mine)
+        # per source rank: the producers' positions and the receives' indices in ``mine``, in
+        # post order (the channel source -> worker)
+        positions: defaultdict[int, list[int]] = defaultdict(list)
+        posts: defaultdict[int, list[int]] = defaultdict(list)
+        for i, flat in enumerate(jobs):
+            k = flat % P
+            kind = kinds[k]
+            if kind is None:
+                continue
+            s = flat // BP
+            others = kind[2][s]
+            if not others:
+                continue
+            b = (flat - s * BP) // P
+            send, recv = kind[0], kind[1]
+            recv_key = (i - 1 if i else 0) * SLOTS + RECV_CATEGORY
+            for other in others:
+                src = compute[other][b]
+                if src == worker:
+                    continue
+                if not chain:  # in a DAG one output may feed two stages on one worker
+                    if (other, b, k, worker) in done:
+                        continue
+                    done.add((other, b, k, worker))
+                produced = position[(other * B + b) * P + k]
+                flow[src].append(new_tuple(Action, (send, other, b, worker, None)))
+                flow_keys[src].append(produced * SLOTS + SLOTS + SEND_CATEGORY)
+                positions[src].append(produced)
+                posts[src].append(len(mine))
+                mine.append(new_tuple(Action, (recv, other, b, src, None)))
+                my_keys.append(recv_key)
+        _fifo_posts(mine, my_keys, first_post, positions, posts)
+
+
+def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
+                positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
+    """Post one consumer's receives in each channel's send order (as ``_Builder.make_fifo`` does in :mod:`.lower`).
+
+    A channel source -> consumer is in order when its producers' positions (the sends' order on
+    the source: one send per producing compute) increase along its posts; the usual case. Else,
+    walking the sends from last to first, a receive posted after the earliest receive of a later
+    send moves to just before that one (the *anchor*: it takes the anchor's place and key;
+    several movers of one anchor keep their send order), so posts only move earlier.
+    ``mine[first_post:]`` holds this consumer's receives in post order; moves rewrite it.
+    """
+    movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
+    moved: set[int] = set()
+    for source, source_positions in positions.items():
+        if source_positions == sorted(source_positions):
+            continue
+        source_posts = posts[source]
+        send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)
+        running = len(send_order)  # the earliest post (index in post order) of a later send
+        for place in reversed(range(len(send_order))):
+            post = send_order[place]
+            if post > running:
+                movers.setdefault(source_posts[running], []).append((place, source_posts[post]))
+                moved.add(source_posts[post])
+            else:
+                running = post
+    if not moved:
+        return
+    actions: list[Action] = []
+    small: list[int] = []
+    for index in range(first_post, len(mine)):
+        if index in moved:
+            continue
+        key = keys[index]
+        for _, mover in sorted(movers.get(index, ())):
+            actions.append(mine[mover])
+            small.append(key)
+        actions.append(mine[index])
+        small.append(key)
+    mine[first_post:] = actions
+    keys[first_post:] = small
