@@ -15,8 +15,8 @@ What is measured (bare single-tensor messages, as the runtime sends activations)
   the sender and per ``irecv`` + wait on the receiver, fitted to ``cpu + bytes * cpu_per_byte``
   on each end (gloo writes and reads the bytes on the CPU). The model's ``latency`` and
   ``bandwidth`` are what the ping-pong fit leaves after both ends' CPU;
-* all-reduces of a few sizes over the group: ``allreduce_latency`` and ``allreduce_bandwidth``
-  fitted to the ring model;
+* all-reduces of a few sizes over the group: ``allreduce_latency`` (the smallest size's time)
+  and ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
 * the executor itself on a trivial one-layer stage (a data-parallel program of k forwards and
   backwards per rank, k = 1 and 8, beside the same layer's forward+backward timed alone):
   ``job_cpu`` is the step's growth per job beyond that compute, ``step_cpu`` its fixed part
@@ -133,6 +133,24 @@ def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
     return _fit(sends), _fit(recvs)
 
 
+def _fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
+    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`.
+
+    The latency is the smallest size's time itself, and the per-byte cost the least-squares
+    slope of the larger sizes' times above it, through that point. Why not one least-squares
+    line through all sizes: its intercept follows the large sizes, whose times vary by more
+    than a small all-reduce costs, and came out negative (clamped to 0) in some runs, which
+    would make small all-reduces free.
+    """
+    ring = 2 * (world - 1) / world
+    latency = times[0]
+    extra = [(ring * (nbytes - ALLREDUCE_BYTES[0]), t - latency)
+             for nbytes, t in zip(ALLREDUCE_BYTES[1:], times[1:], strict=True)]
+    sxx = sum(x * x for x, _ in extra)
+    per_byte = max(sum(x * y for x, y in extra) / sxx, 0.0) if sxx else 0.0
+    return latency, per_byte
+
+
 def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
     """Median seconds of one all-reduce of each size, sizes taking turns within every repeat
     (as in :func:`_ping_pong`, so a burst of load bends no size more than another)."""
@@ -226,10 +244,7 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
     # what a one-way message costs beyond both ends' CPU: the link (clamped: CPU measured in
     # all threads may exceed the wall time it overlaps)
     per_byte = per_byte - send_per_byte - recv_per_byte
-    ring = 2 * (world - 1) / world
-    ar = values[n_pair + 1:]
-    ar_latency, ar_per_byte = _fit([(ring * b, t) for b, t in zip(ALLREDUCE_BYTES, ar,
-                                                                   strict=True)])
+    ar_latency, ar_per_byte = _fit_allreduce(values[n_pair + 1:], world)
     return RuntimeCosts(
         latency=max(a - send - recv, 0.0),
         bandwidth=1 / per_byte if per_byte > 0 else float("inf"),
