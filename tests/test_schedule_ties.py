@@ -176,9 +176,11 @@ def test_tie_forms_agree_and_merge_by_home():
 # --------------------------------------------------------------------------- dry run
 
 
-def _without(programs: Programs, rank: int, text: str) -> Programs:
+def _without(programs: Programs, *removed: tuple[int, str]) -> Programs:
+    """``programs`` with each ``(rank, action text)`` of ``removed`` taken out."""
     ranks = [list(r) for r in programs.ranks]
-    ranks[rank].remove(Action.parse(text))
+    for rank, text in removed:
+        ranks[rank].remove(Action.parse(text))
     return Programs(ranks, programs.num_stages, programs.num_micro, programs.owners,
                     programs.edges, programs.forward_only, programs.split_backward,
                     dict(programs.ties))
@@ -188,25 +190,14 @@ def test_dry_run_refuses_broken_tie_programs():
     p = plan("gpipe", workers=4, stages=4, ties=[(0, 3)])
     dry_run(p.programs)
     with pytest.raises(ProgramError, match="never receives it|never sends it"):
-        dry_run(_without(p.programs, 0, "SEND_T s0 ->3"))
+        dry_run(_without(p.programs, (0, "SEND_T s0 ->3")))
     # no fetch: rank 3 computes stage 3 without the tie (matching fails first on the channel)
-    ranks = [list(r) for r in p.programs.ranks]
-    ranks[3].remove(Action.parse("FETCH_T s0 <-0"))
-    ranks[0].remove(Action.parse("SEND_T s0 ->3"))
-    broken = Programs(ranks, 4, p.micro, p.programs.owners, p.programs.edges, ties=p.ties)
     with pytest.raises(ProgramError, match="has no weights of tie 0"):
-        dry_run(broken)
-    ranks = [list(r) for r in p.programs.ranks]
-    ranks[3].remove(Action.parse("REDUCE_T s0 ->0"))
-    ranks[0].remove(Action.parse("RECV_T s0 <-3"))
-    broken = Programs(ranks, 4, p.micro, p.programs.owners, p.programs.edges, ties=p.ties)
+        dry_run(_without(p.programs, (3, "FETCH_T s0 <-0"), (0, "SEND_T s0 ->3")))
     with pytest.raises(ProgramError, match="frees tie 0 while its gradient was not sent"):
-        dry_run(broken)
-    ranks = [list(r) for r in p.programs.ranks]
-    ranks[3].remove(Action.parse("FREE_T s0"))
-    broken = Programs(ranks, 4, p.micro, p.programs.owners, p.programs.edges, ties=p.ties)
+        dry_run(_without(p.programs, (3, "REDUCE_T s0 ->0"), (0, "RECV_T s0 <-3")))
     with pytest.raises(ProgramError, match=r"ends with fetched ties \[0\] never freed"):
-        dry_run(broken)
+        dry_run(_without(p.programs, (3, "FREE_T s0")))
 
 
 # --------------------------------------------------------------------------- bytes

@@ -46,8 +46,9 @@ class LossLogExchange:
     names are logged on which microbatch, with which options) almost never changes between
     steps, so after one object exchange it is cached, and a step is a single float64 all-reduce
     of ``[losses | loss counts | record values | layout changed?]`` in which each rank fills its
-    own slots, started asynchronously (:meth:`start`) and read after the step (:meth:`finish`). A rank whose layout differs from the cache raises the flag, and that step falls
-    back to the object exchange (which also refreshes the cache), so no layout change is missed.
+    own slots, started asynchronously (:meth:`start`) and read after the step (:meth:`finish`).
+    A rank whose layout differs from the cache raises the flag, and that step falls back to the
+    object exchange (which also refreshes the cache), so no layout change is missed.
     """
 
     def __init__(self, world_size: int, rank: int, micro: int, device: torch.device) -> None:
@@ -69,16 +70,17 @@ class LossLogExchange:
         hidden behind that wait instead of following it. ``losses`` may hold 0-dim tensors.
         """
         if self.world_size == 1:
-            return PendingExchange(dict(losses), list(records), None, None, False)
+            return PendingExchange(dict(losses), list(records), None, None)
         B = self.micro
         mine = [(r.micro, r.name, r.options) for r in records]
         sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
         start = 2 * B + sum(sizes[: self.rank])
         packed = torch.zeros(2 * B + sum(sizes) + 1, dtype=torch.float64, device=self.device)
         if losses:
-            index = torch.tensor(sorted(losses), device=self.device)
+            micros = sorted(losses)
+            index = torch.tensor(micros, device=self.device)
             values = torch.stack([torch.as_tensor(losses[b]).detach().reshape(())
-                                  for b in sorted(losses)]).to(self.device, torch.float64)
+                                  for b in micros]).to(self.device, torch.float64)
             packed[index] = values
             packed[index + B] = 1.0
         changed = self.layout is None or mine != self.layout[self.rank]
@@ -88,7 +90,7 @@ class LossLogExchange:
             packed[start : start + len(records)] = torch.tensor(
                 [r.value for r in records], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(packed, async_op=True)
-        return PendingExchange(dict(losses), list(records), packed, work, changed)
+        return PendingExchange(dict(losses), list(records), packed, work)
 
     def finish(self, pending: PendingExchange) -> tuple[dict[int, float], list[LogRecord]]:
         """Wait for :meth:`start`'s all-reduce; (losses of all ranks, records of all ranks)."""
@@ -125,7 +127,6 @@ class PendingExchange:
     records: list[LogRecord]
     packed: torch.Tensor | None  # the all-reduced slots (None: a world of one)
     work: Any  # the all-reduce's handle
-    layout_changed: bool
 
 
 def _fx_kind(name: str, fx: Any) -> str:

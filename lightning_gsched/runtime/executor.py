@@ -138,8 +138,8 @@ class ProgramExecutor:
         gradient contributions for it (``RECV_G``, which must be added first) and its gradient
         spans more than one bucket: a single bucket completes with the backward's last
         parameter, so hooking every parameter (registered, fired and removed every step) would
-        cost per-parameter Python calls to start it no earlier than ``ALLREDUCE_G`` does. Cached per
-        programs; the buckets (and their hooks' bookkeeping) are reused every step.
+        cost per-parameter Python calls to start it no earlier than ``ALLREDUCE_G`` does.
+        Cached per programs; the buckets (and their hooks' bookkeeping) are reused every step.
         """
         key = id(view.programs)
         if key not in self._overlap:
