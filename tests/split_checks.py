@@ -55,9 +55,27 @@ def run_with_seed(fn: Callable[[], Any], seed: int) -> Any:
         return fn()
 
 
-def tensor_leaves(output: Any) -> list[torch.Tensor]:
-    """The tensors of an output pytree (transformers' output objects are pytrees too)."""
-    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+def tensor_leaves(output: Any, depth: int = 6) -> list[torch.Tensor]:
+    """Every tensor reachable from an output: its pytree leaves (transformers' output objects
+    are pytrees too) and, inside any other object (a cache), its attributes, lists and dicts."""
+    found: list[torch.Tensor] = []
+
+    def walk(obj: Any, level: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif level and isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item, level - 1)
+        elif level and isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, level - 1)
+        elif level and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for item in vars(obj).values():
+                walk(item, level - 1)
+
+    for leaf in pytree.tree_leaves(output):
+        walk(leaf, depth)
+    return found
 
 
 def assert_split_matches(

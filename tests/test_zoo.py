@@ -32,12 +32,19 @@ def pixels() -> torch.Tensor:
     return torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-def hf(model_class: str, config_class: str, **config: Any) -> Callable[[], nn.Module]:
-    """Builder of ``transformers.<model_class>(transformers.<config_class>(**config))``."""
+def hf(model_class: str, config_class: str, cache: bool = False, **config: Any
+       ) -> Callable[[], nn.Module]:
+    """Builder of ``transformers.<model_class>(transformers.<config_class>(**config))``.
+
+    With ``use_cache=False`` (``cache=False``, how one trains): with the cache on, a causal LM
+    returns a ``DynamicCache`` object, which a split refuses (:func:`test_cache_is_refused`).
+    """
 
     def make() -> nn.Module:
         transformers = pytest.importorskip("transformers")
         built = getattr(transformers, config_class)(**config)
+        if not cache:
+            built.use_cache = False
         return getattr(transformers, model_class)(built)
 
     return make
@@ -132,6 +139,30 @@ def test_model_splits_evenly_and_matches(name: str, num_stages: int) -> None:
     how = "static shapes" if part.static_shapes is not None else "symbolic"
     leaves = f", {len(part.auto_leaf_modules)} automatic leaves" if part.auto_leaf_modules else ""
     print(f"{name} S={num_stages}: {shares} ({how}{leaves})")
+
+
+CACHED = {
+    "transformers.GPT2LMHeadModel": hf(
+        "GPT2LMHeadModel", "GPT2Config", cache=True, vocab_size=VOCAB, n_positions=32,
+        n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0),
+    "transformers.LlamaForCausalLM": hf("LlamaForCausalLM", "LlamaConfig", cache=True, **GQA),
+    "transformers.T5ForConditionalGeneration": hf(
+        "T5ForConditionalGeneration", "T5Config", cache=True, vocab_size=VOCAB, d_model=64,
+        d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CACHED))
+def test_cache_is_refused(name: str) -> None:
+    """With its default ``use_cache``, the model returns a cache object holding tensors; a split
+    would return the one built while tracing on every call, so it is refused, with the fix."""
+    from lightning_gsched.partition import UntracedOutputError, partition
+
+    model = CACHED[name]()
+    args = (input_ids(), None, input_ids()) if "T5" in name else (input_ids(),)
+    with pytest.raises(UntracedOutputError, match=r"Cache\).*use_cache = False"):
+        partition(model, 2, args)
 
 
 # --------------------------------------------------------------------------- under a Trainer

@@ -49,9 +49,9 @@ class GeneralParallelFabric(DDPStrategy):
 
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
-    to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout`` and
-    ``transport`` mean
-    what they mean for ``GeneralParallel`` (see docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
+    to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout``,
+    ``transport`` and ``verify`` mean what they mean for ``GeneralParallel`` (see
+    docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
     any process starts; what needs the device count fails in ``fabric.setup``, on every rank.
 
     In the loop, :meth:`step` replaces ``loss = loss_fn(model, batch); fabric.backward(loss)``;
@@ -84,6 +84,7 @@ class GeneralParallelFabric(DDPStrategy):
         fetch_window: Optional[int] = None,
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
+        verify: Union[bool, str] = "auto",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -96,7 +97,8 @@ class GeneralParallelFabric(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget)
+            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
+            verify)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)

@@ -201,7 +201,8 @@ class PipelineEngine:
             box: list[Any] = [None]
             if self.rank == 0:
                 try:
-                    box[0] = ("ok", partition(self.module, S, args, kwargs, **common).unit_costs)
+                    measured = partition(self.module, S, args, kwargs, verify=False, **common)
+                    box[0] = ("ok", measured.unit_costs)
                 except GschedError as exc:
                     box[0] = ("error", str(exc))
             dist.broadcast_object_list(box, 0)
@@ -210,7 +211,8 @@ class PipelineEngine:
                 raise PartitionError(f"rank 0 could not partition the model: {value}")
             unit_costs = value
         try:
-            return partition(self.module, S, args, kwargs, unit_costs=unit_costs, **common)
+            return partition(self.module, S, args, kwargs, unit_costs=unit_costs,
+                             verify=opts.verify, **common)
         except GschedError as exc:
             raise type(exc)(
                 f"GeneralParallel could not split {type(self.module).__name__}.forward into "

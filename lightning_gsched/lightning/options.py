@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning.config import AUTO, ScheduleConfig
 from lightning_gsched.partition.arguments import check_options as check_partition_options
+from lightning_gsched.partition.verify import check_verify
 from lightning_gsched.runtime import TRANSPORTS
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.library import LIBRARY
@@ -30,6 +31,7 @@ class PartitionOptions:
     leaf_modules: tuple = ()
     split_points: Any = None
     static_shapes: bool | None = None
+    verify: bool | str = "auto"  # compare the split with the model at setup (partition/verify.py)
 
 
 def pipeline_options(
@@ -38,7 +40,7 @@ def pipeline_options(
     split_points: list[str] | None, static_shapes: bool | None, placement: Callable | None,
     priority: Callable | None, forward_cost: Any, backward_cost: Any,
     weight_cost: Any = None, split_backward: Any = None, checkpoint_activations: Any = False,
-    fetch_window: Any = None, memory_budget: Any = None,
+    fetch_window: Any = None, memory_budget: Any = None, verify: Any = "auto",
 ) -> tuple[ScheduleConfig, PartitionOptions]:
     """The schedule and partition arguments, checked (the same checks as ``plan()`` and
     ``partition()``; what needs the device count fails at setup, on every rank).
@@ -52,7 +54,8 @@ def pipeline_options(
     )
     config.check()
     options = PartitionOptions(
-        *check_partition_options(balance, leaf_modules, split_points, static_shapes, stages))
+        *check_partition_options(balance, leaf_modules, split_points, static_shapes, stages),
+        verify=check_verify(verify))
     return config, options
 
 

@@ -64,6 +64,9 @@ class GeneralParallel(DDPStrategy):
         leaf_modules: module class names or FQNs the tracer keeps whole.
         split_points: S-1 module FQNs to cut before, instead of balancing.
         static_shapes: passed to the partitioner (see docs/partition.md).
+        verify: compare the split with the unsplit model on the first microbatch (outputs and
+            gradients) before training: ``"auto"`` (models with real weights up to 1 GiB),
+            ``True`` or ``False``; a difference fails setup with ``SplitMismatchError``.
         state_dict_type: ``"full"`` (one ``.ckpt`` written by rank 0, loads anywhere) or
             ``"sharded"`` (a torch.distributed.checkpoint directory, each rank writes its part).
         placement, priority: a custom schedule as two callables ``w(s, b, d)``, ``n(s, b, d)``.
@@ -127,6 +130,7 @@ class GeneralParallel(DDPStrategy):
         fetch_window: Optional[int] = None,
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
+        verify: Union[bool, str] = "auto",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -140,7 +144,8 @@ class GeneralParallel(DDPStrategy):
         schedule_config, partition_options = pipeline_options(
             schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
             static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget)
+            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
+            verify)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)

@@ -29,11 +29,13 @@ from lightning_gsched.partition.errors import (
     ExampleInputError,
     ModeMismatchError,
     PartitionError,
+    SplitMismatchError,
     StageInputError,
     TooManyStagesError,
     TraceFailedError,
     UnbalancedPartitionWarning,
     UnknownNameError,
+    UntracedOutputError,
 )
 from lightning_gsched.partition.profile import StageTimes, profile_stages
 from lightning_gsched.partition.stage import StageModule
@@ -43,6 +45,8 @@ __all__ = [
     "profile_stages",
     "BalanceError",
     "ExampleInputError",
+    "SplitMismatchError",
+    "UntracedOutputError",
     "ModeMismatchError",
     "Partition",
     "PartitionError",

@@ -32,6 +32,7 @@ from lightning_gsched.partition.units import (
     canonical_buffer_names,
     canonical_parameter_names,
 )
+from lightning_gsched.partition.verify import Verdict, check_verify, verify_split
 from lightning_gsched.schedule import validate
 
 BALANCE_MODES = arguments.BALANCE_MODES
@@ -64,6 +65,7 @@ class Partition:
         mode_dependent: ``None``, or why the traced code differs between train() and eval().
         graph_per_mode: with ``mode_dependent``, whether every stage holds a graph per mode
             (else the stages run in the traced mode only; see docs/partition.md).
+        verified: what ``verify`` did (passed, or skipped and why; a mismatch raised).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class Partition:
         # top-level module invocation each unit runs in (None: code of the root forward)
         self._groups = [u.scope[0] if u.scope else None for u in table.units]
         self._index_stage_tensors()
+        self.verified: Verdict | None = None  # set by partition(): what verify did
 
     def _index_stage_tensors(self) -> None:
         param_names = canonical_parameter_names(self.module)
@@ -199,6 +202,7 @@ def partition(
     balance_tolerance: float = DEFAULT_TOLERANCE,
     auto_leaf: bool = True,
     static_shapes: bool | None = None,
+    verify: str | bool = "auto",
 ) -> Partition:
     """Split ``module`` into ``num_stages`` stages that together compute ``module(*args, **kwargs)``.
 
@@ -220,6 +224,11 @@ def partition(
             with the example's sizes baked in (then calls must use the same input shapes);
             ``True``/``False`` force or forbid that. A split left degenerate by such a
             submodule warns (``UnbalancedPartitionWarning``).
+        verify: run the split (stage by stage, through copies, as a pipeline does) and the
+            model once on the example and compare outputs and gradients; a difference raises
+            ``SplitMismatchError`` naming the first stage that differs. ``"auto"`` (default)
+            checks models with real parameters up to 1 GiB, ``True`` always, ``False`` never
+            (:mod:`.verify`; ``part.verified`` says what was done).
     """
     if not isinstance(module, nn.Module):
         raise PartitionError(
@@ -234,6 +243,7 @@ def partition(
     balance_tolerance = validate.non_negative_number(
         "balance_tolerance", balance_tolerance, str(DEFAULT_TOLERANCE), BalanceError)
     auto_leaf = validate.flag("auto_leaf", auto_leaf, PartitionError)
+    verify = check_verify(verify)
     traced = trace_model(
         module, args, kwargs, leaf_modules, auto_leaf=auto_leaf, static_shapes=static_shapes,
         num_stages=num_stages,
@@ -250,4 +260,5 @@ def partition(
     stages = build_stages(table, plan.cuts)
     part = Partition(module, table, plan, stages, costs, cost_unit, value_bytes, balance)
     warn_if_unbalanced(table, part.split_method, part.stage_param_counts)
+    part.verified = verify_split(part, args, kwargs, verify)
     return part

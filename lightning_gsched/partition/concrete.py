@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Attribute
 
+from lightning_gsched.partition.recording import RecordsMutation
+
 try:  # private: lifts fx's patches of nn.Module.__call__/__getattr__ while we run real code
     from torch.fx._symbolic_trace import _maybe_revert_all_patches as _revert_patches
 except ImportError:  # pragma: no cover - older/newer torch: static shapes may be unavailable
@@ -98,12 +100,12 @@ class _ConcreteMixin:
         return fx.Proxy.__iter__(self)  # type: ignore[arg-type]
 
 
-class ConcreteProxy(_ConcreteMixin, fx.Proxy):
+class ConcreteProxy(RecordsMutation, _ConcreteMixin, fx.Proxy):
     def _concrete(self) -> Any:
         return self.tracer.concrete.value_of(self.node)  # type: ignore[attr-defined]
 
 
-class ConcreteAttribute(_ConcreteMixin, Attribute):
+class ConcreteAttribute(RecordsMutation, _ConcreteMixin, Attribute):
     def _concrete(self) -> Any:
         owner = self.root._concrete() if isinstance(self.root, _ConcreteMixin) else _MISSING
         if owner is _MISSING:

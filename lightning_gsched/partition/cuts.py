@@ -5,10 +5,11 @@ Balanced splitting (``"params"``, ``"time"`` or given ``unit_costs``):
 1. ``best`` = the smallest achievable cost of the most expensive stage
    (:func:`.linear.bottleneck`).
 2. Every split whose most expensive stage costs at most ``best * (1 + tolerance)`` is acceptable.
-   Among those, :func:`.linear.cheapest_split` prefers, in this order: cuts at shallow module
-   nesting (between top-level blocks rather than inside one, see :meth:`.UnitTable.cut_depth`),
-   fewer bytes handed between stages on the example input, fewer values handed over, and then
-   cuts closest to the equal-cost positions (the most even stages).
+   Among those, :func:`.linear.cheapest_split` prefers, in this order: cuts that keep every
+   in-place change in the stage of the value it changes (:meth:`.UnitTable.separated_mutations`),
+   cuts at shallow module nesting (between top-level blocks rather than inside one, see
+   :meth:`.UnitTable.cut_depth`), fewer bytes handed between stages on the example input, fewer
+   values handed over, and then cuts closest to the equal-cost positions (the most even stages).
 
 Additionally, no stage may cost less than a quarter of an even share (``total / num_stages``)
 when such a split exists, so surplus stages split blocks instead of holding a lone ``getitem``.
@@ -139,7 +140,10 @@ def balanced_cuts(
     if sum(costs) == 0:
         costs = [1] * n
     sizes, counts = table.live_totals(value_bytes)
-    penalties = [(0, 0, 0)] + [(table.cut_depth(c), sizes[c], counts[c]) for c in range(1, n)]
+    separated = table.separated_mutations()
+    penalties = [(0, 0, 0, 0)] + [
+        (separated[c], table.cut_depth(c), sizes[c], counts[c]) for c in range(1, n)
+    ]
     best = bottleneck(costs, num_stages)
     share = sum(costs) / num_stages
     for floor in UNDERFULL_FLOORS:  # the first one that admits a split wins; 0 always does

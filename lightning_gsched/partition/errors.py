@@ -18,6 +18,8 @@ __all__ = [
     "StageInputError",
     "ModeMismatchError",
     "ExampleInputError",
+    "UntracedOutputError",
+    "SplitMismatchError",
 ]
 
 
@@ -50,6 +52,15 @@ class ModeMismatchError(PartitionError):
 
 class ExampleInputError(PartitionError):
     """The example input is not one valid call of ``forward``: a unit failed when run on it."""
+
+
+class UntracedOutputError(PartitionError):
+    """The forward returns an object holding tensors that a graph cannot rebuild each call
+    (transformers' ``DynamicCache``): a split would return the trace-time object."""
+
+
+class SplitMismatchError(PartitionError):
+    """``verify``: the split's outputs or gradients differ from the unsplit model's."""
 
 
 class UnbalancedPartitionWarning(UserWarning):

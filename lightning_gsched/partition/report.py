@@ -49,6 +49,8 @@ class ReportedPartition(Protocol):
     def mode_dependent(self) -> str | None: ...
     @property
     def graph_per_mode(self) -> bool: ...
+    @property
+    def verified(self) -> object | None: ...
 
 
 def _size(num_bytes: int) -> str:
@@ -154,6 +156,8 @@ def format_report(
                      if part.graph_per_mode else
                      "  the other mode cannot be cut alike: the stages run in the traced mode "
                      "only (ModeMismatchError otherwise)")
+    if part.verified is not None:
+        lines.append(f"Verified against the unsplit model: {part.verified}")
     if not units:
         return "\n".join(lines)
     start = 0

@@ -42,10 +42,15 @@ from lightning_gsched.partition.attempts import (
     run_attempt,
 )
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
-from lightning_gsched.partition.errors import TraceFailedError
+from lightning_gsched.partition.errors import TraceFailedError, UntracedOutputError
 from lightning_gsched.partition.layout import InputLayout, OutputLayout
 from lightning_gsched.partition.names import resolve_leaf_modules
+from lightning_gsched.partition.output_objects import (
+    trace_time_objects,
+    untraced_output_message,
+)
 from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
+from lightning_gsched.partition.recording import GschedProxy, recording_autograd_functions
 from lightning_gsched.partition.trace_errors import (
     attach_failure_site,
     failure_message,
@@ -139,7 +144,9 @@ class GschedTracer(fx.Tracer):
         return node
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return ConcreteProxy(node, self) if self.concrete is not None else super().proxy(node)
+        if self.concrete is not None:
+            return ConcreteProxy(node, self)
+        return GschedProxy(node, self)
 
 
 class _TraceRootBase(nn.Module):
@@ -150,11 +157,13 @@ class _TraceRootBase(nn.Module):
         setattr(self, ROOT, module)
         self._gsched_layout = layout
         self._gsched_outputs: OutputLayout | None = None
+        self._gsched_stale_outputs: list[str] = []
 
     def _gsched_call(self, tensors: tuple) -> tuple:
         args, kwargs = self._gsched_layout.unflatten(tensors)
         out = getattr(self, ROOT)(*args, **kwargs)
         self._gsched_outputs, proxies = OutputLayout.split(out)
+        self._gsched_stale_outputs = trace_time_objects(out)
         return tuple(proxies)
 
 
@@ -220,7 +229,8 @@ def _trace_once(
 
     concrete = ConcreteValues(example, resolve) if example is not None else None
     tracer = GschedTracer(classes, names, concrete)
-    with preserved_attributes(module), preserved_tensors_and_rng(module):
+    with preserved_attributes(module), preserved_tensors_and_rng(module), \
+            recording_autograd_functions():
         graph = tracer.trace(root)
     return graph, tracer, root
 
@@ -347,6 +357,9 @@ def trace_model(
             )
         ) from last
     graph, tracer, root = chosen.result
+    if root._gsched_stale_outputs:
+        raise UntracedOutputError(
+            untraced_output_message(type(module).__name__, root._gsched_stale_outputs))
     if chosen.static:
         layout = layout.with_static_shapes(example)
     constants = _collect_constants(graph, root)

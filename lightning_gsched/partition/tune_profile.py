@@ -42,7 +42,8 @@ def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict
     ``partition_options``: as :func:`partition` takes them (``balance``, ``leaf_modules``...).
     """
     kwargs = kwargs or {}
-    part = partition(model, stages, args, kwargs, **partition_options)
+    # a measurement, not the split that trains: the engine verifies the one it builds
+    part = partition(model, stages, args, kwargs, **{"verify": False, **partition_options})
     whole = profile_stages(part.stages, args, kwargs, loss_fn=loss_fn, repeats=repeats)
     split = profile_stages(part.stages, args, kwargs, loss_fn=loss_fn, repeats=repeats,
                            split_backward=True)

@@ -21,6 +21,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from lightning_gsched.partition.recording import mutated_value
 from lightning_gsched.partition.tracer import SCOPE, TracedModel
 
 UNIT_OPS = ("call_module", "call_function", "call_method")
@@ -154,6 +155,28 @@ class UnitTable:
             sizes.append(s)
             counts.append(c)
         return sizes, counts
+
+    def separated_mutations(self) -> list[int]:
+        """Per cut 0..n: in-place changes (``x[i] = v``, ``o.a = v``, ``x.add_(v)``) it would
+        put in a later stage than the value they change.
+
+        Such a cut hands the value over before the change: the receiving rank changes its own
+        copy (a view of it handed over too, or the caller's input, no longer sees the change),
+        and a received tensor that needs a gradient cannot be changed in place at all. The
+        splitter avoids these cuts whenever its balance tolerance allows.
+        """
+        diff = [0] * (len(self.units) + 2)
+        for unit in self.units:
+            value = mutated_value(unit.node)
+            if value is None or value not in self.position:
+                continue
+            diff[self.position[value] + 1] += 1
+            diff[unit.index + 1] -= 1
+        counts, running = [], 0
+        for cut in range(len(self.units) + 1):
+            running += diff[cut]
+            counts.append(running)
+        return counts
 
     def first_unit_of_module(self, fqn: str) -> int | None:
         """Index of the first unit that runs inside module ``fqn`` (or calls it as a leaf)."""
