@@ -17,6 +17,9 @@ Each model exercises something a pipeline partitioner must get right:
 * :class:`DropoutMLP` — dropout in every layer (random masks in every stage).
 * :class:`UnevenModel` — very uneven layer sizes (heavy ``Expand`` blocks between light layers).
 * :class:`DataDependentModel`, :class:`RoutedModel` — untraceable control flow (root / submodule).
+* :class:`CustomFunctionNet` — custom autograd Functions whose backward is *not* autograd of
+  their forward (straight-through rounding, gradient reversal, a scaled backward, a hand-written
+  linear over a weight), one or more in every stage.
 * :class:`GPTLightning` — a LightningModule wrapping TinyGPT; :class:`BatchNormLightning` —
   one wrapping BatchNormCNN.
 """
@@ -524,6 +527,88 @@ def make_bn_lightning(seed: int = 0, **kwargs: Any) -> BatchNormLightning:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+# --------------------------------------------------------------------------- custom Functions
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounds in forward; passes the gradient through unchanged (autograd of round: zero)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class GradientReversal(torch.autograd.Function):
+    """Identity in forward; ``-alpha`` times the gradient in backward (a plain float argument)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return -ctx.alpha * grad, None
+
+
+class ScaledBackward(torch.autograd.Function):
+    """``x * 1`` in forward, three times the gradient in backward (custom gradient clipping and
+    loss scaling are written like this)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return 3.0 * grad
+
+
+class HandLinear(torch.autograd.Function):
+    """``x @ w.t()`` with a hand-written backward whose weight gradient is halved: a Function
+    over an activation *and* a weight (split backward must run it for both halves)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        return grad @ w, 0.5 * flat_grad.t() @ flat_x
+
+
+class CustomFunctionNet(nn.Module):
+    """Four blocks, each a Linear and a custom Function, so every stage position (first, middle,
+    last, with 2-4 stages) holds one; the head's weight goes through :class:`HandLinear`."""
+
+    def __init__(self, width: int = 16, out: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Parameter(torch.randn(out, width) / math.sqrt(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = StraightThrough.apply(self.layers[0](x))
+        x = GradientReversal.apply(torch.tanh(self.layers[1](x)), 0.5)
+        x = ScaledBackward.apply(torch.tanh(self.layers[2](x)))
+        x = StraightThrough.apply(torch.tanh(self.layers[3](x)))
+        return HandLinear.apply(x, self.head)
+
+
+def make_custom_functions(seed: int = 0) -> CustomFunctionNet:
+    return seeded(seed, CustomFunctionNet)
+
+
+def custom_function_inputs(batch: int = 4, seed: int = 1) -> tuple[torch.Tensor]:
+    return seeded(seed, lambda: (torch.randn(batch, 16),))
 
 
 def loss_of(output: Any) -> torch.Tensor:

@@ -39,7 +39,7 @@ SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fsl
              "zb-h1", "zb-h2", "zbv"]
 MODELS = ["gpt", "cnn"]
 EXTRA_SCHEDULES = ["1f1b", "fsdp", "fslpp", "zb-h1"]
-EXTRA_MODELS = ["long_skip", "kwargs"]
+EXTRA_MODELS = ["long_skip", "kwargs", "custom_fn"]  # custom_fn: user backward, B/W split
 VOCAB = 64
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -56,6 +56,7 @@ def build(model_name: str) -> torch.nn.Module:
         "cnn": lambda: models.make_cnn(seed=0),
         "long_skip": lambda: models.make_long_skip(seed=0),
         "kwargs": lambda: models.make_kwargs_model(seed=0),
+        "custom_fn": lambda: models.make_custom_functions(seed=0),
     }[model_name]()
 
 
@@ -69,6 +70,8 @@ def global_batch(model_name: str, micro: int) -> Batch:
             return (torch.randn(2, 3, 8, 8),), {}, torch.randint(0, 10, (2,))
         if model_name == "long_skip":
             return (torch.randn(4, 16),), {}, torch.randn(4, 16)
+        if model_name == "custom_fn":
+            return (torch.randn(4, 16),), {}, torch.randn(4, 8)
         args, kwargs = models.kwargs_inputs(batch=3, seed=100 + b)
         return args, kwargs, None
 
@@ -80,7 +83,7 @@ def make_loss(model_name: str, batch: Batch):
         target = batch[b][2]
         if model_name in ("gpt", "cnn"):
             return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-        if model_name == "long_skip":
+        if model_name in ("long_skip", "custom_fn"):
             return F.mse_loss(output, target)
         return models.loss_of(output)  # dict with a list of tensors, an int and None
 

@@ -66,6 +66,8 @@ class Partition:
         graph_per_mode: with ``mode_dependent``, whether every stage holds a graph per mode
             (else the stages run in the traced mode only; see docs/partition.md).
         verified: what ``verify`` did (passed, or skipped and why; a mismatch raised).
+        fixed_keywords: keyword arguments every call is traced with although the example
+            omits them: ``{"use_cache": False}`` for a forward with a cache (:mod:`.cache_off`).
     """
 
     def __init__(
@@ -99,6 +101,8 @@ class Partition:
         self.graph_per_mode = bool(self.mode_dependent) and all(
             s.has_graph_per_mode for s in stages)
         self.static_shapes = table.traced.inputs.static_shapes  # None unless sizes are baked in
+        # keywords every call is traced with although it omits them (use_cache=False)
+        self.fixed_keywords = dict(table.traced.inputs.fixed_keywords)
         self.boundary_names = [list(s.output_names) for s in stages[:-1]]
         self.boundary_bytes = [
             sum(value_bytes.get(v, 0) for v in table.live_at(cut)) for cut in plan.cuts

@@ -51,7 +51,7 @@ def _cause(traced: TracedModel, unit: Unit, total: int) -> str | None:
     if unit.node.op == "call_module" and target in traced.auto_leaves:
         return (
             f"{target!r} ({share}) runs whole inside one stage because torch.fx could not trace "
-            f"into it: {traced.auto_leaves[target]}. Fix: {auto_leaf_fix(traced)}."
+            f"into it: {traced.auto_leaves[target]}. Fix: {auto_leaf_fix(traced, target)}."
         )
     # a leaf_modules entry (the user's choice) or one layer: no option of ours changes it
     return None

@@ -12,8 +12,10 @@ from __future__ import annotations
 from lightning_gsched.partition.tracer import TracedModel
 
 
-def auto_leaf_fix(traced: TracedModel) -> str:
-    """The option that lets the tracer enter an automatic leaf, given what was tried."""
+def auto_leaf_fix(traced: TracedModel, fqn: str | None = None) -> str:
+    """The option that lets the tracer enter an automatic leaf, given what was tried and, once
+    static shapes were tried too, what stopped the tracer in ``fqn`` (the real cause: a branch
+    on a value, an object a graph cannot hold, a custom Function's argument)."""
     if traced.static_shapes_option is False:
         return (
             "drop static_shapes=False: the static-shape trace (sizes fixed to the example's) "
@@ -24,10 +26,23 @@ def auto_leaf_fix(traced: TracedModel) -> str:
             "pass static_shapes=True: the static-shape trace (sizes fixed to the example's) can "
             "enter code that computes or branches on sizes"
         )
-    return (
-        "even with static shapes the code at that line depends on a tensor's values: move it "
-        "into a small submodule (only that one will run whole), or use fewer stages"
-    )
+    return f"{_static_cause(traced.auto_leaves.get(fqn or '', ''))}: " + (
+        "move that code into a small submodule (only that one will run whole), or use fewer "
+        "stages")
+
+
+def _static_cause(reason: str) -> str:
+    """What stopped the static-shape trace, in user terms, from an automatic leaf's reason."""
+    if "cannot be used as inputs to control flow" in reason:
+        return "even with static shapes the code at that line branches on a tensor's values"
+    if "custom autograd Function" in reason:
+        return ("a custom autograd Function there takes an argument a graph cannot hold (it "
+                "runs correctly inside the leaf)")
+    if "argument of type" in reason:
+        cache = " (a key/value cache: pass use_cache=False)" if "Cache" in reason else ""
+        return (f"the code at that line passes an object a graph cannot hold to a module or "
+                f"function{cache}; pass tensors or pytrees of them instead")
+    return "even with static shapes torch.fx cannot record the code at that line"
 
 
 def is_user_leaf(traced: TracedModel, fqn: str) -> bool:
@@ -48,7 +63,7 @@ def leaf_origin(traced: TracedModel, fqn: str) -> str:
     if fqn in traced.auto_leaves:
         return (
             f"torch.fx could not trace into it ({traced.auto_leaves[fqn]}); to go inside, "
-            f"{auto_leaf_fix(traced)}"
+            f"{auto_leaf_fix(traced, fqn)}"
         )
     if is_user_leaf(traced, fqn):
         return "it is in leaf_modules; drop it from leaf_modules to go inside"

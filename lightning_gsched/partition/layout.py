@@ -137,6 +137,8 @@ class InputLayout(_PicklesSpecAsTemplate):
     placeholder_names: tuple[str, ...]
     described: str = field(default="")
     static_shapes: tuple[tuple[int, ...], ...] | None = None  # set when sizes were specialised
+    # keyword arguments the trace adds to every call (``use_cache=False``: see .cache_off)
+    fixed_keywords: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_example(
@@ -226,7 +228,7 @@ class InputLayout(_PicklesSpecAsTemplate):
             leaves[slot] = value
         arguments = pytree.tree_unflatten(leaves, self.spec)
         bound = inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
-        return bound.args, bound.kwargs
+        return bound.args, {**bound.kwargs, **self.fixed_keywords}
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class ReportedPartition(Protocol):
     def graph_per_mode(self) -> bool: ...
     @property
     def verified(self) -> object | None: ...
+    @property
+    def fixed_keywords(self) -> Mapping[str, object]: ...
 
 
 def _size(num_bytes: int) -> str:
@@ -156,6 +158,11 @@ def format_report(
                      if part.graph_per_mode else
                      "  the other mode cannot be cut alike: the stages run in the traced mode "
                      "only (ModeMismatchError otherwise)")
+    if part.fixed_keywords:
+        fixed = ", ".join(f"{k}={v!r}" for k, v in part.fixed_keywords.items())
+        lines.append(f"Traced as if called with {fixed} (the call leaves it out; a pipeline "
+                     "cannot return or hand over a key/value cache, and training never reads "
+                     "it): the output holds no cache")
     if part.verified is not None:
         lines.append(f"Verified against the unsplit model: {part.verified}")
     if not units:

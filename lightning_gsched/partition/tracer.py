@@ -24,6 +24,7 @@ Why a custom tracer instead of ``torch.fx.symbolic_trace``:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import linecache
 import math
@@ -41,9 +42,10 @@ from lightning_gsched.partition.attempts import (
     needs_static,
     run_attempt,
 )
+from lightning_gsched.partition.cache_off import fixed_keywords
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
 from lightning_gsched.partition.errors import TraceFailedError, UntracedOutputError
-from lightning_gsched.partition.layout import InputLayout, OutputLayout
+from lightning_gsched.partition.layout import InputLayout, OutputLayout, bind_arguments
 from lightning_gsched.partition.names import resolve_leaf_modules
 from lightning_gsched.partition.output_objects import (
     trace_time_objects,
@@ -328,6 +330,8 @@ def trace_model(
     signature = inspect.signature(module.forward)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     layout = InputLayout.from_example(type(module).__name__, signature, args, kwargs)
+    layout = dataclasses.replace(
+        layout, fixed_keywords=fixed_keywords(signature, bind_arguments(signature, args, kwargs)))
     classes, names = resolve_leaf_modules(module, leaf_modules)
     example = layout.flatten(args, kwargs)
 

@@ -234,8 +234,8 @@ def verify_split(part: Any, args: tuple, kwargs: dict, verify: str | bool) -> Ve
     if reason is not None:
         return Verdict("skipped", reason)
     with _kept_state(module):
-        with preserved_tensors_and_rng(module):
-            want_out, want_grads = _run_unsplit(module, args, kwargs)
+        with preserved_tensors_and_rng(module):  # called as the split was traced
+            want_out, want_grads = _run_unsplit(module, args, {**kwargs, **part.fixed_keywords})
         for p in module.parameters():
             p.grad = None
         with preserved_tensors_and_rng(module):
