@@ -168,6 +168,21 @@ def test_an_output_object_holding_tensors_is_refused(holder: type, fix: str) -> 
     assert fix in message
 
 
+class ReturnsTraceTimeTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.table = torch.arange(4.0)  # a plain attribute: neither a buffer nor a parameter
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(self.a(x)), self.table
+
+
+def test_a_tensor_made_while_tracing_is_not_returned() -> None:
+    with pytest.raises(UntracedOutputError, match=r"output\[1\] \(Tensor\).*register_buffer"):
+        partition(ReturnsTraceTimeTensor(), 2, (torch.randn(2, 4),))
+
+
 class Settings:
     """A plain object without tensors: a constant in the unsplit model too."""
 

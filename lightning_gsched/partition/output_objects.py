@@ -73,6 +73,13 @@ def trace_time_objects(output: Any) -> list[str]:
 def untraced_output_message(owner: str, stale: list[str]) -> str:
     """The error for :func:`trace_time_objects`' findings: what is wrong and the fixes."""
     cache = any("Cache" in s for s in stale)
+    if all(s.endswith("(Tensor)") or s.endswith("(Parameter)") for s in stale):
+        return (
+            f"{owner}.forward returns {', '.join(stale)}: a tensor computed once while tracing "
+            "(not from the inputs, parameters or buffers), so a split would return that same "
+            "tensor on every call. Register it as a buffer (self.register_buffer) or compute "
+            "it in forward from the inputs."
+        )
     fixes = (
         "For transformers models this is the key/value cache: turn it off for training with "
         "`model.config.use_cache = False` (or pass use_cache=False in the call and in "
