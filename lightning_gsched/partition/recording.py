@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -144,15 +144,42 @@ class GschedProxy(RecordsMutation, fx.Proxy):
         return GschedAttribute(self, name)
 
 
-def mutated_value(node: fx.Node) -> fx.Node | None:
-    """The value a recorded assignment or in-place method changes (None: not a mutation)."""
-    if node.op == "call_function" and node.target in (operator.setitem, setattr):
-        target = node.args[0]
-    elif node.op == "call_method" and isinstance(node.target, str) and _in_place(node.target):
-        target = node.args[0]
-    else:
+# Python's augmented assignments, which fx records as these operators on tensors
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, setattr, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
+    operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+})
+
+
+def mutated_value(node: fx.Node, resolve: Callable[[str], Any]) -> fx.Node | None:
+    """The value an in-place unit changes (None: not one): item or attribute assignment,
+    ``x += y``, ``x.add_(y)``, ``F.relu(x, inplace=True)``, a module with ``inplace=True``
+    (``nn.ReLU(inplace=True)``, found through ``resolve(target)``)."""
+    if not node.args:
         return None
-    return target if isinstance(target, fx.Node) else None
+    if node.op == "call_function":
+        changes = node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+    elif node.op == "call_method":
+        changes = isinstance(node.target, str) and _in_place(node.target)
+    elif node.op == "call_module":
+        changes = getattr(resolve(str(node.target)), "inplace", False) is True
+    else:
+        changes = False
+    target = node.args[0]
+    return target if changes and isinstance(target, fx.Node) else None
+
+
+def writable_copy(value: Any) -> Any:
+    """A stage's own copy of a received tensor that the stage changes in place.
+
+    Why: a stage receives its inputs as fresh leaves that need a gradient (runtime/wire.py), and
+    autograd refuses to change such a leaf in place (``nn.ReLU(inplace=True)`` as a stage's
+    first unit). The copy is not a leaf, its gradient flows to the received one, and every later
+    use in the stage (and what the stage hands on) reads the copy, so they all see the change as
+    in eager mode. Only tensors are copied; other values are changed as they are.
+    """
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _in_place(method: str) -> bool:

@@ -164,7 +164,7 @@ def format_report(
                      "cannot return or hand over a key/value cache, and training never reads "
                      "it): the output holds no cache")
     if part.verified is not None:
-        lines.append(f"Verified against the unsplit model: {part.verified}")
+        lines.append(f"Verified: {part.verified}")
     if not units:
         return "\n".join(lines)
     start = 0

@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_gsched.partition.errors import ModeMismatchError, PartitionError, StageInputError
 from lightning_gsched.partition.layout import InputLayout, OutputLayout
+from lightning_gsched.partition.recording import mutated_value, writable_copy
 from lightning_gsched.partition.tracer import TracedModel
 from lightning_gsched.partition.units import UnitTable
 
@@ -91,6 +92,12 @@ class StageModule(nn.Module):
     def has_graph_per_mode(self) -> bool:
         """True when the stage runs a train-mode and an eval-mode graph of its own."""
         return len(self._gsched_graphs) == 2
+
+    @property
+    def code(self) -> str:
+        """The Python source this stage runs (fx's code of its graph in the traced mode), to
+        read what a stage does or paste it into a bug report."""
+        return str(self._gsched_graph.python_code(root_module="self").src)
 
     @property
     def code_filename(self) -> str:
@@ -240,6 +247,11 @@ def _slice_graph(table: UnitTable, start: int, stop: int, last: bool) -> fx.Grap
     inputs = table.placeholders if start == 0 else table.live_at(start)
     for value in inputs:
         env[value] = graph.placeholder(value.name)
+    if start > 0:  # received values this stage changes in place: a copy of its own
+        changed = {mutated_value(u.node, table.traced.resolve) for u in table.units[start:stop]}
+        for value in inputs:
+            if value in changed:
+                env[value] = graph.call_function(writable_copy, (env[value],))
 
     def load(node: fx.Node) -> fx.Node:
         if node not in env:

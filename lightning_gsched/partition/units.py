@@ -167,7 +167,7 @@ class UnitTable:
         """
         diff = [0] * (len(self.units) + 2)
         for unit in self.units:
-            value = mutated_value(unit.node)
+            value = mutated_value(unit.node, self.traced.resolve)
             if value is None or value not in self.position:
                 continue
             diff[self.position[value] + 1] += 1

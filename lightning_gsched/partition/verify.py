@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.partition.errors import PartitionError, SplitMismatchError
-from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
 
 AUTO_LIMIT_BYTES = 1 << 30  # verify="auto" checks models with at most 1 GiB of parameters
 VERIFY_SEED = 20_261_125  # the RNG seed both runs start from (dropout masks match)
@@ -54,7 +54,7 @@ class Verdict:
     detail: str
 
     def __str__(self) -> str:
-        return f"{self.status}: {self.detail}"
+        return f"{self.status}, {self.detail}"
 
 
 def check_verify(verify: Any) -> str | bool:
@@ -234,11 +234,13 @@ def verify_split(part: Any, args: tuple, kwargs: dict, verify: str | bool) -> Ve
     if reason is not None:
         return Verdict("skipped", reason)
     with _kept_state(module):
-        with preserved_tensors_and_rng(module):  # called as the split was traced
+        # attributes too: a forward may cache things on the module (self.src_mask = ...)
+        with preserved_attributes(module), preserved_tensors_and_rng(module):
+            # called as the split was traced
             want_out, want_grads = _run_unsplit(module, args, {**kwargs, **part.fixed_keywords})
         for p in module.parameters():
             p.grad = None
-        with preserved_tensors_and_rng(module):
+        with preserved_attributes(module), preserved_tensors_and_rng(module):
             got_out = _run_split(part.stages, args, kwargs)
         got_grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
         problems = _output_differences(got_out, want_out)
@@ -258,8 +260,7 @@ def verify_split(part: Any, args: tuple, kwargs: dict, verify: str | bool) -> Ve
             first_stage = stage if first_stage is None else min(first_stage, stage)
     if problems:
         raise SplitMismatchError(_mismatch_message(part, first_stage, problems))
-    checked = len(want_grads)
-    return Verdict("passed", f"outputs and the gradients of {checked} parameter(s) equal the "
+    return Verdict("passed", f"outputs and {len(want_grads)} parameter gradients equal the "
                              "unsplit model's on the example")
 
 
