@@ -89,7 +89,8 @@ def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.
 def choose_schedule(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                     args: tuple, kwargs: dict, *, loss_fn: Callable[[Any], torch.Tensor] | None,
                     global_rows: int, optimizers: Sequence[Any], world_size: int, rank: int,
-                    forward_context: Callable[[], AbstractContextManager] | None = None) -> None:
+                    forward_context: Callable[[], AbstractContextManager] | None = None,
+                    group: Any = None) -> None:
     """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
     (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
 
@@ -115,7 +116,7 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     if world_size > 1:
         # an error's exception object stays on rank 0, as the cause of the one raised there
         box: list[Any] = [outcome[:3] if outcome[0] == "error" else outcome]
-        dist.broadcast_object_list(box, 0)
+        dist.broadcast_object_list(box, 0, group=group)
         outcome = outcome if rank == 0 else box[0]
     if outcome[0] == "error":
         error_type, message = outcome[1], outcome[2]

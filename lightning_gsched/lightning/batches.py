@@ -100,7 +100,8 @@ def layout_digest(batch: Any) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def rows_and_layouts(batch: Any, world_size: int) -> tuple[list[int], list[int]]:
+def rows_and_layouts(batch: Any, world_size: int,
+                     group: Any = None) -> tuple[list[int], list[int]]:
     """Every rank's number of rows and :func:`layout_digest`, in one small collective.
 
     Why the digests ride along: together they are a step signature every rank holds (the
@@ -115,13 +116,13 @@ def rows_and_layouts(batch: Any, world_size: int) -> tuple[list[int], list[int]]
     device = leaves[data[0]].device
     gathered = torch.zeros(2 * world_size, dtype=torch.int64, device=device)
     mine = torch.tensor([local_rows, digest], dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, mine)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
     values = gathered.tolist()  # the rows cut the microbatches on the host: one sync
     return [int(v) for v in values[0::2]], [int(v) for v in values[1::2]]
 
 
 def gather_batch(batch: Any, rows: list[int], rank: int = 0, parts: int | None = None,
-                 needed: list[list[int]] | None = None) -> GlobalBatch:
+                 needed: list[list[int]] | None = None, group: Any = None) -> GlobalBatch:
     """Concatenate every rank's batch along dim 0 (collective unless skipped, see below).
 
     ``rows``: every rank's rows (:func:`rows_and_layouts`). With ``parts`` and ``needed`` (see :func:`owns_its_micros`),
@@ -141,7 +142,7 @@ def gather_batch(batch: Any, rows: list[int], rank: int = 0, parts: int | None =
             pad = leaf.new_zeros((most - leaf.shape[0], *leaf.shape[1:]))
             leaf = torch.cat([leaf, pad])
         pieces = [torch.empty_like(leaf) for _ in range(world_size)]
-        dist.all_gather(pieces, leaf)
+        dist.all_gather(pieces, leaf, group=group)
         out[i] = torch.cat([piece[:n] for piece, n in zip(pieces, rows, strict=True)])
     return GlobalBatch(pytree.tree_unflatten(out, spec), rows)
 

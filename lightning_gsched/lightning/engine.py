@@ -17,7 +17,7 @@ engine has no training plan, and the first batch is gathered whole to probe the 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -35,6 +35,7 @@ from lightning_gsched.lightning.batches import (
     take_rows,
 )
 from lightning_gsched.lightning.config import ScheduleConfig
+from lightning_gsched.lightning.control import ControlGroup
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
 from lightning_gsched.lightning.logsync import (
     LossLogExchange,
@@ -56,11 +57,11 @@ from lightning_gsched.schedule.describe import plan_command, startup_summary
 from lightning_gsched.schedule.plan import Plan
 
 
-def _sync_module_states(module: torch.nn.Module) -> None:
+def _sync_module_states(module: torch.nn.Module, group: Any = None) -> None:
     """Rank 0's parameters and buffers everywhere, as DDP does when it wraps a model."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, 0)
+            dist.broadcast(tensor.data, 0, group=group)
 
 
 @dataclass
@@ -70,12 +71,14 @@ class StepOutcome:
     ``value``: the training loss (the mean over the global batch's microbatches, the same on
     every rank), or for a forward-only step the outputs of this rank's rows (None when not
     kept). ``logged``: ``(name, value, options)`` reduced over the global batch, for the front end
-    to log on every rank; ``rows``: the rows this rank loaded (the logged values' batch size).
+    to log on every rank; ``rows``: the rows this rank loaded (the logged values' batch size);
+    ``notices``: every rank's pending preemption signal at the step's exchange (0: none).
     """
 
     value: Any
     logged: list[tuple[str, float, dict]]
     rows: int
+    notices: list[int] = field(default_factory=list)  # every rank's pending preemption signal
 
 
 class PipelineEngine:
@@ -85,13 +88,15 @@ class PipelineEngine:
     runtime is built and restored in full by :meth:`close`; ``info(text)`` prints the plan;
     ``forward_context`` (optional) is entered around every stage forward (Fabric's precision).
     ``train_plan``: ``config.setup_plan(W)``, None for a ``schedule="auto"`` not decided yet.
+    ``control``: the group the engine's own collectives use and the job's failure notice
+    (:mod:`.control`; the Trainer strategy's); None: the default group.
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                  train_plan: Plan | None, *, world_size: int, rank: int, timeout: float,
                  optimizers: Callable[[], list], info: Callable[[str], None],
                  forward_context: Callable[[], AbstractContextManager] | None = None,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", control: ControlGroup | None = None) -> None:
         self.module = module
         self.config = config
         self.options = options
@@ -106,10 +111,17 @@ class PipelineEngine:
         self.partition: Any = None
         self.failed = False
         self.losses_and_logs: LossLogExchange | None = None
-        self.memory = MemoryReport()  # predicted bytes per rank; measured after one step
+        self.control = control
+        self.memory = MemoryReport(control)  # predicted bytes per rank; measured after one step
         self._needed: dict[int, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ building
+
+    @property
+    def group(self) -> Any:
+        """The group of the engine's collectives (None: the default group). Read at each use,
+        never kept: an aborted group must lose its last reference to close its connections."""
+        return self.control.group if self.control is not None else None
 
     @property
     def built(self) -> bool:
@@ -147,13 +159,14 @@ class PipelineEngine:
         with torch.inference_mode(False):
             args, kwargs = _normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
-                _sync_module_states(self.module)
+                self._collective("the build's weight broadcast",
+                                 lambda: _sync_module_states(self.module, self.group))
             if self.train_plan is None:
                 choose_schedule(self.module, self.config, self.options, args, kwargs,
                                 loss_fn=step_loss_fn(caller, micro_batch) if training else None,
                                 global_rows=global_rows, optimizers=self.optimizers(),
                                 world_size=self.world_size, rank=self.rank,
-                                forward_context=self.forward_context)
+                                forward_context=self.forward_context, group=self.group)
                 self.train_plan = self.config.training_plan(self.world_size)
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
@@ -162,8 +175,10 @@ class PipelineEngine:
             if self.config.set_ties(self.partition.shared_parameters.values()):
                 self.train_plan = self.config.training_plan(self.world_size)
             # sized before the runtime releases the stages this rank does not own
-            self.memory.predict(self.partition.stages, args, kwargs, self.train_plan,
-                                self.optimizers(), self.world_size, self.rank)
+            plan = self.train_plan
+            self._collective("the build's memory prediction", lambda: self.memory.predict(
+                self.partition.stages, args, kwargs, plan, self.optimizers(), self.world_size,
+                self.rank))
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,
@@ -185,7 +200,8 @@ class PipelineEngine:
                     training: bool) -> GlobalBatch:
         """The first batch of an undecided ``"auto"``: every rank gathers the global batch, and
         the pick is made for its rows (the microbatches: :func:`.auto.first_microbatches`)."""
-        whole = gather_batch(batch, rows, self.rank)
+        whole = self._collective("the batch gather",
+                                 lambda: gather_batch(batch, rows, self.rank, group=self.group))
         probe, first = first_microbatches(self.config, whole, self.world_size, training)
         self.build(caller, probe, training, global_rows=whole.rows, micro_of=first)
         return whole
@@ -205,7 +221,8 @@ class PipelineEngine:
                     box[0] = ("ok", measured.unit_costs)
                 except GschedError as exc:
                     box[0] = ("error", str(exc))
-            dist.broadcast_object_list(box, 0)
+            self._collective("the partition's broadcast",
+                             lambda: dist.broadcast_object_list(box, 0, group=self.group))
             status, value = box[0]
             if status == "error":
                 raise PartitionError(f"rank 0 could not partition the model: {value}")
@@ -232,8 +249,7 @@ class PipelineEngine:
         return inputs
 
     def _abort(self, message: str, exc: BaseException) -> None:
-        self.failed = True
-        self._runtime().abort(message)
+        self.abort(message)
         if isinstance(exc, GschedError) and not isinstance(exc, RuntimeFault):
             raise type(exc)(message) from exc
         raise RuntimeFault(message) from exc
@@ -255,12 +271,32 @@ class PipelineEngine:
         return self._needed[key]
 
     def _global_batch(self, batch: Any, rows: list[int], plan: Plan) -> Any:
-        return gather_batch(batch, rows, self.rank, plan.micro, self._needed_micros(plan))
+        needed = self._needed_micros(plan)
+        return self._collective("the batch gather", lambda: gather_batch(
+            batch, rows, self.rank, plan.micro, needed, group=self.group))
 
-    def training_step(self, batch: Any, caller: StepCaller) -> StepOutcome:
+    def _rows(self, batch: Any) -> tuple[list[int], list[int]]:
+        return self._collective("the batch-size exchange",
+                                lambda: rows_and_layouts(batch, self.world_size, self.group))
+
+    def _collective(self, what: str, collective: Callable[[], Any]) -> Any:
+        """One of the engine's collectives; a backend failure becomes a RuntimeFault quoting
+        the job's first failure (:mod:`.control`)."""
+        if self.control is None:
+            return collective()
+        try:
+            return self.control.run(what, collective)
+        except RuntimeFault:
+            self.failed = True
+            raise
+
+    def training_step(self, batch: Any, caller: StepCaller,
+                      notice: Callable[[], int] = lambda: 0) -> StepOutcome:
         """One schedule step on this rank's share of the global batch: forward, backward and
-        the gradients held for :meth:`hand_over_grads`; the loss of the global batch."""
-        rows, layouts = rows_and_layouts(batch, self.world_size)
+        the gradients held for :meth:`hand_over_grads`; the loss of the global batch.
+        ``notice()``: this rank's pending preemption signal, read when the exchange of the
+        losses starts (every rank's comes back in ``StepOutcome.notices``)."""
+        rows, layouts = self._rows(batch)
         if self.train_plan is None:
             batch = self._build_auto(batch, rows, caller, training=True)
         else:
@@ -271,7 +307,8 @@ class PipelineEngine:
             self.build(caller, micros[0], training=True)
         runtime = self._runtime()
         if self.losses_and_logs is None:
-            self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device)
+            self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device,
+                                                   self.control)
         inputs = self._capture_all(caller, micros, runtime.first_stage_micros)
 
         def loss_fn(output: Any, b: int) -> torch.Tensor:
@@ -281,7 +318,7 @@ class PipelineEngine:
         pending: list[PendingExchange] = []
 
         def start_log_exchange(losses: dict[int, Any]) -> None:
-            pending.append(exchange_logs.start(losses, caller.logs))
+            pending.append(exchange_logs.start(losses, caller.logs, notice()))
 
         self.memory.before_step(runtime)
         try:
@@ -291,7 +328,8 @@ class PipelineEngine:
             self.failed = True
             raise
         self.memory.after_step(runtime, self.optimizers(), self.world_size, self.rank, self.info)
-        all_losses, records = exchange_logs.finish(pending[0])
+        all_losses, records = self._collective("the loss/log exchange",
+                                               lambda: exchange_logs.finish(pending[0]))
         if len(all_losses) != B:
             raise StrategyConfigError(
                 f"expected one loss per microbatch ({B}), got {sorted(all_losses)}; every rank "
@@ -299,12 +337,14 @@ class PipelineEngine:
             )
         weights = micro_rows(batch.rows, B)
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
-        return StepOutcome(loss, reduce_records(records, weights), batch.rows_per_rank[self.rank])
+        return StepOutcome(loss, reduce_records(records, weights), batch.rows_per_rank[self.rank],
+                           pending[0].notices)
 
-    def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool) -> StepOutcome:
+    def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool,
+                  notice: Callable[[], int] = lambda: 0) -> StepOutcome:
         """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
         gets the outputs of the rows it loaded (predictions go back to their rank)."""
-        rows, layouts = rows_and_layouts(batch, self.world_size)
+        rows, layouts = self._rows(batch)
         if self.train_plan is None:
             self._build_auto(batch, rows, caller, training=False)
         plan = self.config.eval_plan(self.world_size, sum(rows))
@@ -329,17 +369,19 @@ class PipelineEngine:
             self.failed = True
             raise
         shipped = {b: _to_cpu(v) for b, v in outputs.items()} if keep_outputs else {}
-        gathered = exchange((shipped, caller.logs), self.world_size)
-        records = [r for _, logs in gathered for r in logs]
+        gathered = self._collective("the evaluation gather", lambda: exchange(
+            (shipped, caller.logs, notice()), self.world_size, self.group))
+        notices = [n for _, _, n in gathered]
+        records = [r for _, logs, _ in gathered for r in logs]
         logged = reduce_records(records, weights)
         mine = batch.rows_per_rank[self.rank]
         if not keep_outputs:
-            return StepOutcome(None, logged, mine)
-        by_micro = {b: v for part, _ in gathered for b, v in part.items()}
+            return StepOutcome(None, logged, mine, notices)
+        by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
         joined = concat_outputs([by_micro[b] for b in range(B)], caller.name)
         start = batch.offset(self.rank)
         local = take_rows(joined, start, start + mine)
-        return StepOutcome(_to_device(local, runtime.device), logged, mine)
+        return StepOutcome(_to_device(local, runtime.device), logged, mine, notices)
 
     # ------------------------------------------------------------------ gradients
 
@@ -358,6 +400,16 @@ class PipelineEngine:
         return self.runtime.clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ end
+
+    def abort(self, message: str) -> None:
+        """This rank failed outside a step (or a peer did): record ``message`` as the job's
+        first failure and drop the runtime's and the control group's connections, so every
+        peer waiting on this rank stops at once with a RuntimeFault quoting it."""
+        self.failed = True
+        if self.runtime is not None and not self.runtime.closed:
+            self.runtime.abort(message)
+        if self.control is not None:
+            self.control.abort(message)
 
     def close(self, gather: bool) -> None:
         """Give every rank the full model again (unless a rank failed) and drop the groups."""

@@ -29,12 +29,12 @@ _FX_FUNCS: dict[Callable, str] = {torch.mean: "mean", torch.sum: "sum", torch.ma
                                   torch.min: "min"}
 
 
-def exchange(payload: Any, world_size: int) -> list[Any]:
-    """Every rank's ``payload``, in rank order (one collective)."""
+def exchange(payload: Any, world_size: int, group: Any = None) -> list[Any]:
+    """Every rank's ``payload``, in rank order (one collective over ``group``)."""
     if world_size == 1:
         return [payload]
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, payload)
+    dist.all_gather_object(gathered, payload, group=group)
     return gathered
 
 
@@ -51,31 +51,43 @@ class LossLogExchange:
     object exchange (which also refreshes the cache), so no layout change is missed.
     """
 
-    def __init__(self, world_size: int, rank: int, micro: int, device: torch.device) -> None:
+    def __init__(self, world_size: int, rank: int, micro: int, device: torch.device,
+                 control: Any = None) -> None:
         self.world_size, self.rank, self.micro, self.device = world_size, rank, micro, device
+        self.control = control  # collectives over control.group (None: the default group)
         self.layout: list[list[tuple[int, str, dict]]] | None = None
         self.object_exchanges = 0  # steps that fell back to the pickled all-gather
+
+    @property
+    def group(self) -> Any:
+        """Read at each use: an aborted group must not be kept alive by this object."""
+        return getattr(self.control, "group", None)
 
     def __call__(self, losses: dict[int, float],
                  records: list[LogRecord]) -> tuple[dict[int, float], list[LogRecord]]:
         """(loss per microbatch over all ranks, all ranks' records in rank order)."""
         return self.finish(self.start(losses, records))
 
-    def start(self, losses: Mapping[int, Any], records: list[LogRecord]) -> PendingExchange:
+    def start(self, losses: Mapping[int, Any], records: list[LogRecord],
+              notice: int = 0) -> PendingExchange:
         """Pack this rank's slots and start the all-reduce without waiting for it.
 
         Why split from :meth:`finish`: the engine starts the exchange the moment the step's
         compute is done, while the gradient all-reduce is still in flight (``on_computed`` of
         ``ProgramExecutor.step``), so the small collective's round trip and the ranks' skew are
         hidden behind that wait instead of following it. ``losses`` may hold 0-dim tensors.
+        ``notice``: this rank's pending preemption signal (0: none), one slot per rank, so that
+        every rank learns of a signal any rank received at the same step (:mod:`.preemption`).
         """
         if self.world_size == 1:
-            return PendingExchange(dict(losses), list(records), None, None)
+            return PendingExchange(dict(losses), list(records), None, None, [notice])
         B = self.micro
         mine = [(r.micro, r.name, r.options) for r in records]
         sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
         start = 2 * B + sum(sizes[: self.rank])
-        packed = torch.zeros(2 * B + sum(sizes) + 1, dtype=torch.float64, device=self.device)
+        W = self.world_size
+        packed = torch.zeros(2 * B + sum(sizes) + W + 1, dtype=torch.float64, device=self.device)
+        packed[-1 - W + self.rank] = float(notice)
         if losses:
             micros = sorted(losses)
             index = torch.tensor(micros, device=self.device)
@@ -89,8 +101,8 @@ class LossLogExchange:
         else:
             packed[start : start + len(records)] = torch.tensor(
                 [r.value for r in records], dtype=torch.float64, device=self.device)
-        work = dist.all_reduce(packed, async_op=True)
-        return PendingExchange(dict(losses), list(records), packed, work)
+        work = dist.all_reduce(packed, async_op=True, group=self.group)
+        return PendingExchange(dict(losses), list(records), packed, work, [])
 
     def finish(self, pending: PendingExchange) -> tuple[dict[int, float], list[LogRecord]]:
         """Wait for :meth:`start`'s all-reduce; (losses of all ranks, records of all ranks)."""
@@ -98,10 +110,11 @@ class LossLogExchange:
             return {b: float(v) for b, v in pending.losses.items()}, pending.records
         pending.work.wait()
         values = pending.packed.tolist()  # the logged values are host numbers: one sync
+        pending.notices = [int(v) for v in values[-1 - self.world_size : -1]]
         B = self.micro
         if values[-1] > 0:
             local = {b: float(v) for b, v in pending.losses.items()}
-            gathered = exchange((local, pending.records), self.world_size)
+            gathered = exchange((local, pending.records), self.world_size, self.group)
             self.object_exchanges += 1
             self.layout = [[(r.micro, r.name, r.options) for r in logs] for _, logs in gathered]
             all_losses = {b: v for part, _ in gathered for b, v in part.items()}
@@ -127,6 +140,7 @@ class PendingExchange:
     records: list[LogRecord]
     packed: torch.Tensor | None  # the all-reduced slots (None: a world of one)
     work: Any  # the all-reduce's handle
+    notices: list[int]  # every rank's pending preemption signal, once finished
 
 
 def _fx_kind(name: str, fx: Any) -> str:

@@ -37,7 +37,8 @@ def optimizer_bytes_factor(optimizers: Sequence[Any]) -> float:
 class MemoryReport:
     """Predicted bytes per rank (at build) and the measured comparison (after one step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, control: Any = None) -> None:
+        self.control = control  # its collectives' group is control.group (None: the default)
         self.sizes: ModelSizes | None = None
         self.predicted: list[RankMemory] | None = None
         self.measured: list[dict[str, int]] | None = None  # every rank's, after MEASURED_STEP
@@ -64,7 +65,7 @@ class MemoryReport:
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         if world_size > 1:
             box: list[Any] = [outcome]
-            dist.broadcast_object_list(box, 0)
+            dist.broadcast_object_list(box, 0, group=_group(self.control))
             outcome = box[0]
         self.sizes, self.unavailable = outcome
         if self.sizes is not None:
@@ -92,8 +93,13 @@ class MemoryReport:
         device_peak = (torch.cuda.max_memory_allocated(runtime.device)
                        if runtime.device.type == "cuda" else None)
         mine = (measured.peaks if measured is not None else {}, device_peak)
-        gathered = exchange(mine, world_size)
+        gathered = exchange(mine, world_size, _group(self.control))
         self.measured = [peaks for peaks, _ in gathered]
         self.device_peaks = [peak for _, peak in gathered]
         if rank == 0:
             info(comparison_text(self.predicted, self.measured, step + 1, self.device_peaks))
+
+
+def _group(control: Any) -> Any:
+    """``control.group``, read at each use (an aborted group must not be kept alive)."""
+    return getattr(control, "group", None)

@@ -18,16 +18,20 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning import sharded
+from lightning_gsched.lightning.control import ControlGroup
 from lightning_gsched.lightning.engine import PipelineEngine
+from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.intercept import StepCaller
 from lightning_gsched.lightning.logsync import replay
 from lightning_gsched.lightning.memory_report import MemoryReport
@@ -37,6 +41,7 @@ from lightning_gsched.lightning.options import (
     library_names,
     pipeline_options,
 )
+from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.runtime import ModelRuntime
 from lightning_gsched.schedule import validate
 
@@ -162,6 +167,10 @@ class GeneralParallel(DDPStrategy):
         self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
         self._engine: PipelineEngine | None = None
+        self._control: ControlGroup | None = None  # this run's own collectives (.control)
+        self._signals: PreemptionSignals | None = None  # SIGTERM/SIGUSR1 (.preemption)
+        self._notice: FailureNotice | None = None
+        self._failure: str | None = None  # "rank r failed in <hook>: ..." once reported
         self._failed = False
         self._released = False  # a run ended without giving every rank the full weights back
         # the last run's predicted and measured bytes per rank (kept after teardown)
@@ -217,13 +226,43 @@ class GeneralParallel(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_fault_handling(trainer)
         self._engine = PipelineEngine(
             module, self.schedule_config, self.partition_options, train_plan,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
+            control=self._control,
         )
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
+
+    def _install_fault_handling(self, trainer: Any) -> None:
+        """The run's control group, the preemption signals, the failure notice (see
+        docs/runtime.md, "Faults"). Runs before the Trainer registers its signal handlers."""
+        self._failure = None
+        if self.world_size > 1:
+            self._control = ControlGroup(self.global_rank, self.step_timeout)
+        self._signals = PreemptionSignals(trainer)
+        trainer._signal_connector = self._signals
+        self._notice = FailureNotice(self._report_failure)
+        trainer.callbacks.insert(0, self._notice)
+
+    def _report_failure(self, exception: BaseException) -> None:
+        """First of the ``on_exception`` calls: a preemption is a planned stop (every rank is
+        at the same boundary, the collective saves of other callbacks can run); anything else
+        is a failure that every peer must learn of now."""
+        if isinstance(exception, SIGTERMException) and self._signals and self._signals.agreed:
+            return
+        self._failure = failure_message(self.global_rank, exception)
+        # the ranks stopped at different points: no consistent state to save, and a save
+        # would also rotate out the last good checkpoint (save_top_k); the others stay intact
+        for callback in self.lightning_module.trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_on_exception:
+                callback.save_on_exception = False
+        if self._engine is not None:
+            self._engine.abort(self._failure)
+        elif self._control is not None:
+            self._control.abort(self._failure)
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
@@ -252,17 +291,30 @@ class GeneralParallel(DDPStrategy):
                outcome.rows)
         return outcome.value
 
+    def _pending_signal(self) -> int:
+        return self._signals.pending if self._signals is not None else 0
+
+    def _agree(self, outcome: Any, where: str) -> None:
+        """Every rank saw every rank's pending signal in this step's exchange: stop together."""
+        if self._signals is not None:
+            self._signals.agree(outcome.notices, where)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self._require_engine()
         with self.precision_plugin.train_step_context():
             caller = self._caller("training_step", args, kwargs)
-            return self._logged(engine.training_step(args[0], caller))
+            outcome = engine.training_step(args[0], caller, self._pending_signal)
+            trainer = self.lightning_module.trainer
+            self._agree(outcome, f"training step {trainer.global_step + 1}")
+            return self._logged(outcome)
 
     def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
         engine = self._require_engine()
         with context:
             caller = self._caller(hook, args, kwargs)
-            outcome = engine.eval_step(args[0], caller, keep_outputs=hook == "predict_step")
+            outcome = engine.eval_step(args[0], caller, keep_outputs=hook == "predict_step",
+                                       notice=self._pending_signal)
+            self._agree(outcome, f"a {hook.split('_')[0]} step")
             return self._logged(outcome)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,6 +342,34 @@ class GeneralParallel(DDPStrategy):
         params = list(self.precision_plugin.main_params(optimizer))
         self._require_engine().clip_grad_norm(params, float(clip_val))
 
+    # ------------------------------------------------------------------ collectives
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Over the run's control group once set up: bounded by step_timeout, and released at
+        once when a rank fails (Lightning's own uses the default group, see .control)."""
+        control = self._control
+        if control is None or control.closed:
+            return super().barrier(name)
+        control.run(f"barrier {name!r}" if name else "a barrier",
+                    lambda: torch.distributed.barrier(group=control.group))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        control = self._control
+        if control is None or control.closed:
+            return super().broadcast(obj, src)
+        box = [obj]
+        control.run("a broadcast", lambda: torch.distributed.broadcast_object_list(
+            box, src, group=control.group))
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        control = self._control
+        if group is not None or control is None or control.closed:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return control.run("a reduce (self.log sync_dist)",
+                           lambda: super(GeneralParallel, self).reduce(
+                               tensor, group=control.group, reduce_op=reduce_op))
+
     # ------------------------------------------------------------------ checkpoints
 
     def _runtime(self) -> ModelRuntime | None:
@@ -311,8 +391,16 @@ class GeneralParallel(DDPStrategy):
                 "be incomplete. Save during fit (ModelCheckpoint) or keep gather_on_teardown=True"
             )
 
+    def _check_not_failed(self) -> None:
+        if self._failure is not None:
+            raise StrategyConfigError(
+                f"rank {self.global_rank} cannot save a checkpoint after a failure ({self._failure})"
+                ": the ranks stopped at different points of a step, so no consistent state "
+                "exists. The last checkpoint saved before the failure is intact: resume from it"
+            )
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._check_not_released()
+        self._check_failed_or_released()
         if self.state_dict_type == "sharded":
             return sharded.local_model_state(self.lightning_module, self._sharded_writer())
         runtime = self._runtime()
@@ -320,7 +408,12 @@ class GeneralParallel(DDPStrategy):
             return super().lightning_module_state_dict()
         return runtime.full_state_dict()
 
+    def _check_failed_or_released(self) -> None:
+        self._check_not_failed()
+        self._check_not_released()
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._check_not_failed()
         optimizer = _unwrap(optimizer)
         if self.state_dict_type == "sharded":
             return sharded.local_optimizer_state(self.lightning_module, optimizer,
@@ -368,6 +461,12 @@ class GeneralParallel(DDPStrategy):
         self._failed = True
         if self._engine is not None:
             self._engine.failed = True
+        signals = self._signals
+        if isinstance(exception, SIGTERMException) and signals is not None and signals.agreed:
+            print(signals.describe(self.global_rank), flush=True)
+            signals.requeue_if_asked()
+        elif self._failure is not None and self._failure.startswith(f"rank {self.global_rank} "):
+            print(self._failure, flush=True)
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -377,6 +476,15 @@ class GeneralParallel(DDPStrategy):
             self._engine.close(gather=gather)
             self.memory_report = self._engine.memory
             self._engine = None
+        if self._control is not None:
+            self._control.close()
+            if self._failure is not None and self.global_rank == 0:
+                self._control.linger(self.world_size - 1)  # rank 0 hosts the job's store
+            self._control = None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._notice is not None and trainer is not None and self._notice in trainer.callbacks:
+            trainer.callbacks.remove(self._notice)
+        self._notice = None
         super().teardown()
 
     @classmethod

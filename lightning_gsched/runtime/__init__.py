@@ -40,6 +40,7 @@ from lightning_gsched.runtime.calibration import calibrate
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
+from lightning_gsched.runtime.faults import short_reason
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
@@ -47,6 +48,7 @@ from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
 from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
+    "short_reason",
     "Channels",
     "MeasuredBytes",
     "ModelRuntime",

@@ -1,0 +1,136 @@
+"""The strategy's own process group and the job's failure notice, outside the runtime's steps.
+
+Why: the runtime bounds every wait of a step and, on a failure, tears down its groups so peers
+stop at once (``runtime/faults.py``). But between steps the ranks also meet in the front end's
+collectives: the batch gather, the loss/log exchange, the evaluation gather, the build's
+broadcasts, Lightning's ``barrier``/``broadcast`` (``ModelCheckpoint``). On the default group those
+wait for the launcher's ``timeout`` (30 minutes by default), and a rank that fails in a hook the
+others never reach (a callback, the dataloader, ``validation_step`` on one rank) leaves them
+there. :class:`ControlGroup` gives those collectives a group of their own whose timeout is
+``step_timeout``, and :meth:`ControlGroup.abort` (called by the failing rank) writes
+``"rank r failed in <hook>: ..."`` into the job's store and destroys that group, which closes its
+connections: every peer waiting in one of these collectives fails within about a second, and
+:meth:`ControlGroup.fault` turns the backend's error into a :class:`RuntimeFault` quoting the
+first failure.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from lightning_gsched.errors import RuntimeFault
+
+T = TypeVar("T")
+_SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
+
+
+def _default_store() -> Any | None:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - the notice is an optional courtesy
+        return None
+
+
+class ControlGroup:
+    """One process group over every rank (timeout ``timeout`` s) and the failure notice."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self.timeout = float(timeout)
+        self.group: Any = dist.new_group(timeout=timedelta(seconds=self.timeout))
+        self.store = _default_store()
+        self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
+        self.closed = False
+
+    def report(self, message: str) -> None:
+        """Record the job's first failure (a later report keeps the first)."""
+        if self.store is not None:
+            try:
+                self.store.compare_set(self.key, "", message)
+            except Exception:  # noqa: BLE001 - never mask the real failure
+                pass
+
+    def first_fault(self) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self.key]):
+                return self.store.get(self.key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return None
+        return None
+
+    def run(self, what: str, collective: Callable[[], T]) -> T:
+        """``collective()``, with a backend failure turned into a RuntimeFault (see module doc)."""
+        try:
+            return collective()
+        except RuntimeFault:
+            raise
+        except RuntimeError as exc:  # gloo/nccl: lost connection, timeout, aborted group
+            raise self.fault(what, exc) from exc
+
+    def fault(self, what: str, exc: BaseException) -> RuntimeFault:
+        from lightning_gsched.runtime import short_reason
+
+        first = self.first_fault()
+        text = str(exc).lower()
+        how = (f"nothing arrived within {self.timeout:g} s (step_timeout)"
+               if "timed out" in text or "timeout" in text
+               else f"lost the connection to a peer ({short_reason(exc)})")
+        message = f"rank {self.rank} stopped in {what}: {how}"
+        if first and not first.startswith(f"rank {self.rank} "):
+            message += f". First failure reported in the job: {first}"
+        elif not first:
+            message += (". No rank reported a failure: a peer is stuck or died (see its log); "
+                        "raise step_timeout if a peer is only slower")
+        self.report(message)
+        return RuntimeFault(message)
+
+    def abort(self, message: str) -> None:
+        """This rank failed (or stopped for a peer's failure): tell the job, and close the
+        group so peers stop waiting for it. A rank whose message is not the first failure
+        acknowledges having read it (:meth:`linger`)."""
+        self.report(message)
+        first = self.first_fault()
+        if first is not None and first != message and self.store is not None:
+            try:
+                self.store.add(self.key + "/read", 1)
+            except Exception:  # noqa: BLE001
+                pass
+        self.close(collect=True)
+
+    def linger(self, peers: int) -> None:
+        """On the rank that hosts the job's store (rank 0) after it failed: wait until the
+        ``peers`` others have read the failure, at most ``timeout`` s, before the process
+        exits and takes the store with it (otherwise a peer can find the notice gone)."""
+        if self.store is None or peers <= 0:
+            return
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add(self.key + "/read", 0) >= peers:
+                    return
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.05)
+
+    def close(self, collect: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        group, self.group = self.group, None
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        del group
+        if collect:
+            gc.collect()

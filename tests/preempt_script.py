@@ -1,0 +1,147 @@
+"""A Lightning job that signals or fails itself at a chosen point: the fault tests' subject.
+
+Run as ``python preempt_script.py OUT_DIR SCHEDULE WORLD FAULT RANK STEP WHERE``; Lightning's
+script launcher re-runs it for the other ranks (as a user's ``python train.py`` with
+``devices=W``). At training step STEP (the optimizer steps done so far) rank RANK, at WHERE
+(``batch_start``, ``capture``: inside training_step before ``self(...)``, ``loss``: after it,
+``validation``: inside validation_step after ``self(...)`` (at STEP 0: in the sanity check,
+whose first batch builds the pipeline by running the whole step on every rank),
+``validation_capture``: before ``self(...)``, ``save``: in on_save_checkpoint,
+``batch_end``: in a callback's on_train_batch_end, ``data``: in the dataloader), does FAULT:
+``sigterm`` / ``sigusr1`` (to itself), ``sigterm-launcher`` (to rank 0, the launcher), ``raise``
+(a ValueError) or ``none``. Every rank writes ``OUT_DIR/rank<r>.json``: how its ``fit`` ended,
+the step it stopped at, and the first weights' checksum. A ``ModelCheckpoint(save_last=True,
+save_on_exception=True, every_n_train_steps=2)`` writes into ``OUT_DIR/ckpt``;
+``RESUME=1`` fits again from ``ckpt_path="last"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the tests' helpers; this checkout's package
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_models import LitGPT, rank_loader, tokens  # noqa: E402
+from models import seeded  # noqa: E402
+
+GLOBAL_BATCH, STEPS = 8, 6
+
+
+def config() -> dict[str, Any]:
+    out, schedule, world, fault, rank, step, where = sys.argv[1:8]
+    return dict(out=out, schedule=schedule, world=int(world), fault=fault, rank=int(rank),
+                step=int(step), where=where)
+
+
+CONFIG = config()
+
+
+def inject(where: str, trainer: pl.Trainer) -> None:
+    """Do the fault if this is the chosen rank, step and place (once per process)."""
+    c = CONFIG
+    if (c["where"] != where or trainer.global_rank != c["rank"] or trainer.global_step != c["step"]
+            or os.environ.get("RESUME") or getattr(inject, "done", False)):
+        return
+    inject.done = True  # type: ignore[attr-defined]
+    fault = c["fault"]
+    if fault == "raise":
+        raise ValueError(f"injected failure in {where} on rank {trainer.global_rank}")
+    if fault == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif fault == "sigusr1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    elif fault == "sigterm-launcher":
+        os.kill(int(os.environ.get("GSCHED_TEST_LAUNCHER", os.getpid())), signal.SIGTERM)
+
+
+class Faulty(LitGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inject("capture", self.trainer)
+        (t,) = batch
+        logits = self(t[:, :-1])
+        inject("loss", self.trainer)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                 t[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        inject("validation_capture", self.trainer)
+        (t,) = batch
+        logits = self(t[:, :-1])
+        inject("validation", self.trainer)
+        self.log("val_loss", logits.float().mean())
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        inject("save", self.trainer)
+
+
+class Injector(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        inject("batch_start", trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        inject("batch_end", trainer)
+
+
+class FaultyLoader(torch.utils.data.DataLoader):
+    def __iter__(self) -> Any:
+        for batch in super().__iter__():
+            trainer = getattr(self, "trainer", None)
+            if trainer is not None:
+                inject("data", trainer)
+            yield batch
+
+
+def main() -> None:
+    from lightning_gsched import GeneralParallel
+
+    c = CONFIG
+    os.environ.setdefault("GSCHED_TEST_LAUNCHER", str(os.getpid()))  # inherited by children
+    torch.set_num_threads(1)
+    model = seeded(0, lambda: Faulty(optimizer="adam"))
+    saver = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(c["out"], "ckpt"), save_last=True,
+                                         save_on_exception=True, every_n_train_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=c["world"],
+        strategy=GeneralParallel(c["schedule"], step_timeout=30), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1 if c["step"] == 0 and c["where"] == "validation" else 0,
+        use_distributed_sampler=False, max_steps=STEPS, val_check_interval=2,
+        limit_val_batches=1, callbacks=[Injector(), saver],
+    )
+    rank = trainer.global_rank
+    with open(os.path.join(c["out"], f"pid{rank}"), "w") as handle:
+        handle.write(str(os.getpid()))
+    data = tokens(GLOBAL_BATCH * STEPS)
+    train = rank_loader(data, GLOBAL_BATCH, c["world"], rank)
+    loader = FaultyLoader(train.dataset, batch_size=train.batch_size, shuffle=False)
+    loader.trainer = trainer  # type: ignore[attr-defined]
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        trainer.fit(model, loader, rank_loader(data, GLOBAL_BATCH, c["world"], rank),
+                    ckpt_path="last" if os.environ.get("RESUME") else None)
+        result["outcome"] = "finished"
+    except BaseException as exc:  # noqa: BLE001 - the test reads how each rank ended
+        result["outcome"] = type(exc).__name__
+        result["message"] = str(exc)
+        result["traceback"] = traceback.format_exc()
+    result["step"] = trainer.global_step
+    if result["outcome"] == "finished" and rank == 0:
+        torch.save(model.state_dict(), os.path.join(c["out"], "final.pt"))
+    with open(os.path.join(c["out"], f"rank{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (gloo threads); the result is written
+
+
+if __name__ == "__main__":
+    main()
