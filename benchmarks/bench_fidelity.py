@@ -14,12 +14,15 @@ For each library schedule, on W ranks at once (so profiling sees the same conten
 4. efficiency = (single-process forward+backward of the whole global batch / W) / measured.
 
 Which costs the headline prediction uses (``extra.profile = "separate"``): the stage costs
-recorded *in the run* but in a window of steps before the measured ones (batches ``[warmup,
-warmup + profile_steps)``; the measured steps are the rest). Profiling in the run means the
-costs see what the measured steps see (both ranks computing at once, stashed activations,
-gradient accumulation into flat buffers, the gloo threads on each rank's core); profiling in
-other steps means the compute half of the prediction is not read off the very steps it is
-compared with. Two more predictions are reported beside it: ``predicted_offline_s`` from the
+recorded *in the run* but in other steps than the measured ones: after the warm-up, steps
+alternate, profiled, measured, profiled, measured, ... (:func:`split_steps`). Profiling in the
+run means the costs see what the measured steps see (both ranks computing at once, stashed
+activations, gradient accumulation into flat buffers, the gloo threads on each rank's core);
+profiling in other steps means the compute half of the prediction is not read off the very
+steps it is compared with; alternating them (rather than a window of profiled steps first)
+means a drift of this shared machine's load lands on both halves alike: with a window of 3
+profiled steps before 7 measured ones, zb-h1's error moved from +10.9% to -8.0% between two
+runs of the same commit while the replay of the measured steps' own times stayed within 3%. Two more predictions are reported beside it: ``predicted_offline_s`` from the
 offline ``profile_stages`` of step 1 (also separate, but a stage timed alone, outside the
 runtime), and ``diagnostic_replay_of_measured_s``, the same replay with the job times recorded
 *during the measured steps* (circular for compute: it only judges waiting and communication,
@@ -46,7 +49,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import Result, launch, median, steady
+from benchmarks.common import Result, launch, median
 from benchmarks.lit_runs import ScheduleTimer, StepTimer, run_fit
 from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
@@ -67,35 +70,41 @@ def _full_batch_compute(shape: GPTShape, x: torch.Tensor, y: torch.Tensor, repea
     return statistics.median(samples)
 
 
-class InRunProfile(pl.Callback):
-    """Record every forward/backward's duration in named windows of batches.
+def split_steps(steps: int, warmup: int) -> dict[str, list[int]]:
+    """Batches after the warm-up, alternately profiled and measured (the first profiled)."""
+    after = list(range(warmup, steps))
+    if len(after) < 2:
+        raise ValueError(f"{steps} steps after {warmup} warm-up leave no profiled and measured "
+                         "step")
+    return {"profile": after[0::2], "measured": after[1::2]}
 
-    ``windows``: name -> (first batch, count); windows must not overlap. Why several: the
-    profile window (before the measured steps) gives the headline prediction's costs, the
-    measured window gives the diagnostic replay's, and both are recorded the same way so the
-    measured steps pay the same (tiny) timing overhead as the profiled ones.
+
+class InRunProfile(pl.Callback):
+    """Record every forward/backward's duration on given sets of batches, per set.
+
+    ``batches``: name -> batch indices (disjoint). Why several sets: the profiled batches give
+    the headline prediction's costs, the measured ones the diagnostic replay's, and both are
+    recorded the same way so the measured steps pay the same (tiny) timing overhead.
     """
 
-    def __init__(self, windows: dict[str, tuple[int, int]]) -> None:
-        self.windows = {name: w for name, w in windows.items() if w[1] > 0}
-        self.times: dict[str, dict[tuple[str, int], list[float]]] = {}
+    def __init__(self, batches: dict[str, list[int]]) -> None:
+        self.name_of = {b: name for name, bs in batches.items() for b in bs}
+        self.times: dict[str, dict[tuple[str, int], list[float]]] = {n: {} for n in batches}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         engine = trainer.strategy.engine
-        if engine is None or not engine.built:
-            return
-        if any(first == batch_idx for first, _ in self.windows.values()):
-            engine.executor.record_compute_times(True)  # starts afresh
+        if engine is not None and engine.built and batch_idx in self.name_of:
+            engine.executor.record_compute_times(True)  # starts afresh for this batch
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         engine = trainer.strategy.engine
-        if engine is None or not engine.built:
+        if engine is None or not engine.built or batch_idx not in self.name_of:
             return
-        for name, (first, count) in self.windows.items():
-            if batch_idx == first + count - 1:
-                self.times[name] = engine.executor.compute_times()
-                engine.executor.record_compute_times(False)
+        into = self.times[self.name_of[batch_idx]]
+        for key, samples in engine.executor.compute_times().items():
+            into.setdefault(key, []).extend(samples)
+        engine.executor.record_compute_times(False)
 
 
 def _pooled_costs(per_rank: list[dict], stages: int, phases: str = "FB") -> list[list[float]]:
@@ -121,7 +130,7 @@ def _pooled_costs(per_rank: list[dict], stages: int, phases: str = "FB") -> list
 
 def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, per_rank: int,
                  microbatches: int, shape: dict[str, int] | None = None, R: int | None = None,
-                 repeats: int = 7, profile_steps: int = 3) -> dict[str, Any]:
+                 repeats: int = 7) -> dict[str, Any]:
     from lightning_gsched import GeneralParallel
     from lightning_gsched.partition import partition
     from lightning_gsched.partition.measure_bytes import measure_stage_bytes
@@ -160,26 +169,20 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
     no_runtime = predict_step_time(predicted, sizes=sizes)
     strategy = GeneralParallel(schedule, R=R, microbatches=microbatches, **costs)
     step_timer, schedule_timer = StepTimer(), ScheduleTimer()
-    # batches [1, warmup) warm up, [warmup, warmup + profile_steps) are the separate profile
-    # (the headline prediction's costs), the rest are measured and recorded for the diagnostic
-    if profile_steps < 1 or warmup + profile_steps >= steps:
-        raise ValueError(f"profile_steps={profile_steps} leaves no separate profile window or "
-                         f"no measured steps in {steps} steps after {warmup} warm-up")
-    first_measured = warmup + profile_steps
-    profiler = InRunProfile({"profile": (warmup, profile_steps),
-                             "measured": (first_measured, steps - first_measured)})
+    # batches [1, warmup) warm up; then profiled (the headline prediction's costs) and measured
+    # (recorded too, for the diagnostic) alternate
+    split_at = split_steps(steps, warmup)
+    profiler = InRunProfile(split_at)
     run_fit(strategy, rank, world, steps, per_rank, gshape,
             [step_timer, schedule_timer, profiler])
     mine = {"schedule": schedule_timer.times, "step": step_timer.times,
             "compute": profiler.times["profile"], "compute_measured": profiler.times["measured"]}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
-    n = min(len(r["schedule"]) for r in everyone)
-    measured = [max(r["schedule"][i] for r in everyone) for i in range(n)]
-    # schedule times start at batch 1 (the wrapper goes in once the engine is built)
-    measured = steady(measured, first_measured - 1)
-    full = steady([max(r["step"][i] for r in everyone) for i in range(len(everyone[0]["step"]))],
-                  first_measured)
+    # schedule times start at batch 1 (the wrapper goes in once the engine is built), step
+    # times at batch 0
+    measured = [max(r["schedule"][b - 1] for r in everyone) for b in split_at["measured"]]
+    full = [max(r["step"][b] for r in everyone) for b in split_at["measured"]]
     in_run_costs = _pooled_costs([r["compute"] for r in everyone], S, "FBW" if split else "FB")
     in_weight = in_run_costs[2] if split else None
     in_run_plan = dataclasses.replace(
@@ -193,7 +196,7 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
         S, diag_costs[0], diag_costs[1], diag_costs[2] if split else None, split))
     diag = predict_step_time(diag_plan, **comm)
     return {
-        "profile": "separate", "profile_steps": profile_steps,
+        "profile": "separate", "profile_steps": len(split_at["profile"]),
         "measured_steps": len(measured),
         "diagnostic_replay_of_measured_s": diag.latency,
         "diagnostic_replay_of_measured_compute_only_s": predict_step_time(diag_plan).latency,
@@ -231,7 +234,7 @@ def _row(r: dict[str, Any]) -> Result:
         name=f"fidelity[{r['schedule']}]", ours_s=r["measured_s"], anchor_s=r["predicted_s"],
         goal="within ±10%",
         notes=(f"measured/predicted, profile separate: stage costs from {r['profile_steps']} "
-               f"in-run steps before the {r['measured_steps']} measured ones; S={r['S']} "
+               f"in-run steps alternating with the {r['measured_steps']} measured ones; S={r['S']} "
                f"B={r['B']}; error {error:+.1%} (without runtime costs "
                f"{inrun_compute_error:+.1%}); from the offline profile_stages costs "
                f"{offline_error:+.1%} (compute only {compute_error:+.1%}); diagnostic, not "
@@ -245,7 +248,7 @@ def _row(r: dict[str, Any]) -> Result:
 
 
 def run(quick: bool, schedules: list[str] | None = None) -> list[Result]:
-    steps, warmup = (12, 2) if quick else (20, 3)  # then 3 profiled steps, the rest measured
+    steps, warmup = (12, 2) if quick else (20, 3)  # then profiled and measured alternate
     results = []
     for schedule in schedules or SCHEDULES:
         r = launch("benchmarks.bench_fidelity:fidelity_run", 2, schedule=schedule, steps=steps,
@@ -257,7 +260,7 @@ def run(quick: bool, schedules: list[str] | None = None) -> list[Result]:
 def microbatch_sweep(quick: bool, schedules: tuple[str, ...] = ("gpipe", "fslpp"),
                      global_batch: int = 32) -> list[dict[str, Any]]:
     """Measured and predicted step time as microbatches grow, at a fixed global batch."""
-    steps, warmup = (11, 2) if quick else (16, 3)  # 3 profiled steps, the rest measured
+    steps, warmup = (12, 2) if quick else (16, 3)  # then profiled and measured alternate
     counts = (2, 8) if quick else (2, 4, 8, 16)
     rows = []
     for schedule in schedules:
