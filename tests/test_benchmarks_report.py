@@ -152,3 +152,24 @@ def test_tune_benchmark_measures_the_top_fitting_then_random_others():
     rest = chosen[3:]
     assert len(rest) == 4 and all(v.step_time is not None for v in rest)
     assert len({v.candidate.text() for v in chosen}) == 7  # no candidate twice
+
+
+def test_fidelity_replays_each_profiled_step_and_takes_the_median_one():
+    from benchmarks.bench_fidelity import median_step, replay_per_step, split_steps
+    from lightning_gsched.schedule.plan import plan
+
+    assert split_steps(8, 2) == {"profile": [2, 4, 6], "measured": [3, 5, 7]}
+    p = plan("gpipe", workers=2, microbatches=2, forward_cost=[1.0, 1.0],
+             backward_cost=[2.0, 2.0])
+
+    def step(scale):  # one step's job times on each rank: rank r runs stage r
+        return [{("F", r): [scale] * 2, ("B", r): [2 * scale] * 2} for r in range(2)]
+
+    # three profiled steps, the second hit by a burst (every job 5x): per rank, per step
+    steps = [step(1.0), step(5.0), step(1.1)]
+    per_rank = [[s[r] for s in steps] for r in range(2)]
+    replays = replay_per_step(p, per_rank, 2, False, {})
+    assert [round(r["latency"], 6) for r in replays] == [
+        round(p.metrics.latency * k, 6) for k in (1.0, 5.0, 1.1)]
+    chosen = median_step(replays)
+    assert chosen is replays[2] and chosen["costs"] == [[1.1, 1.1], [2.2, 2.2]]
