@@ -91,6 +91,10 @@ def test_message_fit_charges_one_isolated_message_its_measured_one_way_time() ->
         one_way = c.send_cpu + c.message_time(n) + c.recv_time(n)
         assert one_way == pytest.approx(100e-6 + 0.3e-9 * n)
     assert c.allreduce_bandwidth == pytest.approx(1e9)
+    # a burst of load on the 4-byte ping-pong leaves the fixed part to the 256 KiB one
+    burst = [ping[0] + 1.4e-3, *ping[1:]]
+    c2 = fit_message_costs(_figures(burst, (20e-6, 0.2e-9), (30e-6, 0.2e-9), allreduce), 2)
+    assert c2.latency == pytest.approx(50e-6, abs=15e-6)  # the slope bends a little
 
 
 def test_message_fit_refuses_a_slope_lost_in_noise_rather_than_report_infinity() -> None:
