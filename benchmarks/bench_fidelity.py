@@ -6,7 +6,8 @@ For each library schedule, on W ranks at once (so profiling sees the same conten
    backward on one real microbatch (:func:`lightning_gsched.partition.profile_stages`; for the
    zero-bubble schedules B and W separately, as the runtime splits them);
 2. plan the schedule with those costs (rank 0's numbers, broadcast, so every rank plans the same
-   programs) and read its latency: the predicted step time;
+   programs): the programs the run executes (their compute-only latency and their replay with
+   these offline costs are reported, not the headline);
 3. train with ``GeneralParallel`` given the same costs (so it executes exactly the predicted
    programs) and time ``executor.step`` (the programs: forward, backward, transfers,
    reductions) per step, the maximum over ranks; the full Lightning step (plus optimizer and
@@ -22,9 +23,11 @@ profiling in other steps means the compute half of the prediction is not read of
 steps it is compared with; alternating them (rather than a window of profiled steps first)
 means a drift of this shared machine's load lands on both halves alike: with a window of 3
 profiled steps before 7 measured ones, zb-h1's error moved from +10.9% to -8.0% between two
-runs of the same commit while the replay of the measured steps' own times stayed within 3%. Two more predictions are reported beside it: ``predicted_offline_s`` from the
-offline ``profile_stages`` of step 1 (also separate, but a stage timed alone, outside the
-runtime), and ``diagnostic_replay_of_measured_s``, the same replay with the job times recorded
+runs of the same commit while the replay of the measured steps' own times stayed within 3%.
+Each profiled step is replayed with its own job times and the median replay is the headline
+(:func:`median_step`), as the median measured step is its measure. Two more predictions are
+reported beside it: ``predicted_offline_s`` from the offline ``profile_stages`` of step 1
+(also separate, but a stage timed alone, outside the runtime), and ``diagnostic_replay_of_measured_s``, the same replay with the job times recorded
 *during the measured steps* (circular for compute: it only judges waiting and communication,
 so it is a diagnostic, never the headline).
 
