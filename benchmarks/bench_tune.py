@@ -29,7 +29,7 @@ import random
 import statistics
 from typing import Any
 
-from benchmarks.common import Result, launch
+from benchmarks.common import THREADS_PER_RANK, Result, launch
 from benchmarks.rank_stats import spearman
 from benchmarks.rounds import Side, measure
 
@@ -105,9 +105,17 @@ def run(quick: bool) -> list[Result]:
     core = build_core(shape, seed=0)
     rows = global_rows // (2 * WORLD)  # profiled at the B=2W microbatch size
     x, y = token_data(shape, rows).tensors
-    ranking = tune_model(core, (x,), WORLD, global_rows, loss_fn=lambda out: lm_loss(out, y),
-                         budget=BUDGET, optimizer_factor=1.0, repeats=3 if quick else 5,
-                         costs=costs)
+    # profile with the ranks' one intra-op thread: with the parent's default (one per core)
+    # the profile matched no run, and on the loaded machine OpenMP's threads competing for
+    # busy cores made S>=2 stage times 10x too slow in one run (predictions of 1-4 s)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS_PER_RANK)
+    try:
+        ranking = tune_model(core, (x,), WORLD, global_rows,
+                             loss_fn=lambda out: lm_loss(out, y), budget=BUDGET,
+                             optimizer_factor=1.0, repeats=3 if quick else 5, costs=costs)
+    finally:
+        torch.set_num_threads(threads)
     pick = ranking.best
     if pick is None:
         raise RuntimeError(f"nothing fits the budget of {BUDGET} bytes per rank")
