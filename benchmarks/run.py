@@ -34,6 +34,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
     from benchmarks import (
+        bench_engine,
         bench_fidelity,
         bench_fsdp,
         bench_lightning,
@@ -46,6 +47,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
     return {
         "ddp_vs_lightning": lambda q: [bench_lightning.ddp_vs_lightning(q)],
         "pipeline_vs_torch": bench_pipeline.run,
+        "pipeline_engine_vs_torch": bench_engine.run,
         "fsdp_vs_torch": bench_fsdp.run,
         "single_process_overhead": lambda q: [bench_lightning.single_process_overhead(q)],
         "fidelity": bench_fidelity.run,

@@ -70,6 +70,16 @@ class MessageShapeError(RuntimeFault):
     """
 
 
+class CalibrationError(GschedError, RuntimeError):
+    """The runtime's costs measured on the process group do not fit the cost model.
+
+    Raised by ``runtime.calibrate()`` rather than returning a cost the measurement does not
+    support (a bandwidth of infinity from a per-byte slope lost in noise, for one): the message
+    gives the measured figures and the fix (a quieter machine, more repeats, or costs passed
+    explicitly).
+    """
+
+
 class StrategyConfigError(GschedError, ValueError):
     """GeneralParallel's arguments do not fit the Trainer, the model or the data."""
 

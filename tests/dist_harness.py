@@ -195,6 +195,13 @@ class Worlds:
     def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
         self._world: DistWorld | None = None
+        self._before_close: list[Callable[[WorkerContext], Any]] = []
+
+    def before_close(self, fn: Callable[[WorkerContext], Any]) -> None:
+        """Run ``fn`` on every rank of each world before that world ends (replaced or closed):
+        for state a module caches in its workers, such as process groups, which should be
+        destroyed in order rather than dropped with the processes."""
+        self._before_close.append(fn)
 
     def get(self, world_size: int) -> DistWorld:
         if self._world is None or self._world.world_size != world_size or self._world._dead:
@@ -204,5 +211,10 @@ class Worlds:
 
     def close(self) -> None:
         if self._world is not None:
-            self._world.close()
-            self._world = None
+            try:
+                if not self._world._dead:
+                    for fn in self._before_close:
+                        self._world.run(fn)
+            finally:
+                self._world.close()
+                self._world = None

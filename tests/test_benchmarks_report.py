@@ -122,3 +122,54 @@ def test_launch_pins_each_rank_to_its_own_core_unless_disabled(monkeypatch):
     monkeypatch.setenv("GSCHED_BENCH_PIN", "0")
     assert core_plan(2) == [None, None]
     assert launch_ranks("benchmarks.common:affinity", 2, timeout=120) == [cores, cores]
+
+
+def test_spearman_ranks_ties_by_their_mean_rank_and_orders_as_expected():
+    import pytest
+
+    from benchmarks.rank_stats import ranks, spearman
+
+    assert ranks([3.0, 1.0, 2.0, 1.0]) == [4.0, 1.5, 3.0, 1.5]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one swapped pair out of four: 1 - 6 * 2 / (4 * 15) = 0.8
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="constant"):
+        spearman([1, 2, 3], [5, 5, 5])
+
+
+def test_tune_benchmark_measures_the_top_fitting_then_random_others():
+    from benchmarks.bench_tune import choose
+    from lightning_gsched.schedule.tune import Candidate, Verdict
+
+    def verdict(i: int, fits: bool, costed: bool = True) -> Verdict:
+        c = Candidate("gpipe", 2, 2 + i, None, False, 1)
+        return Verdict(c, float(i) if costed else None, 100, fits)
+
+    verdicts = [verdict(i, fits=i % 2 == 0) for i in range(20)] + [verdict(99, False, False)]
+    chosen = choose(verdicts, top=3, extra=4, seed=0)
+    assert [v.candidate.micro - 2 for v in chosen[:3]] == [0, 2, 4]  # the fitting head, in order
+    rest = chosen[3:]
+    assert len(rest) == 4 and all(v.step_time is not None for v in rest)
+    assert len({v.candidate.text() for v in chosen}) == 7  # no candidate twice
+
+
+def test_fidelity_replays_each_profiled_step_and_takes_the_median_one():
+    from benchmarks.bench_fidelity import median_step, replay_per_step, split_steps
+    from lightning_gsched.schedule.plan import plan
+
+    assert split_steps(8, 2) == {"profile": [2, 4, 6], "measured": [3, 5, 7]}
+    p = plan("gpipe", workers=2, microbatches=2, forward_cost=[1.0, 1.0],
+             backward_cost=[2.0, 2.0])
+
+    def step(scale):  # one step's job times on each rank: rank r runs stage r
+        return [{("F", r): [scale] * 2, ("B", r): [2 * scale] * 2} for r in range(2)]
+
+    # three profiled steps, the second hit by a burst (every job 5x): per rank, per step
+    steps = [step(1.0), step(5.0), step(1.1)]
+    per_rank = [[s[r] for s in steps] for r in range(2)]
+    replays = replay_per_step(p, per_rank, 2, False, {})
+    assert [round(r["latency"], 6) for r in replays] == [
+        round(p.metrics.latency * k, 6) for k in (1.0, 5.0, 1.1)]
+    chosen = median_step(replays)
+    assert chosen is replays[2] and chosen["costs"] == [[1.1, 1.1], [2.2, 2.2]]

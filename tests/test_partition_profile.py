@@ -63,3 +63,12 @@ def test_split_backward_times_b_and_w_as_the_runtime_runs_them():
     # without the split there is no W duration to hand to plan()
     whole = profile_stages(part.stages, (idx,), loss_fn=loss_fn, repeats=1, warmup=0)
     assert whole.weight == [] and "weight_cost" not in whole.plan_costs()
+
+
+def test_fixed_shares_are_the_intercept_of_two_timings_clamped() -> None:
+    from lightning_gsched.partition.tune_profile import MAX_FIXED_SHARE, fixed_shares
+
+    # t(r) = 1 + r at r = 8 (9 s) and r = 4 (5 s): 1 s of 9 does not scale
+    assert fixed_shares([9.0], [5.0], 0.5) == pytest.approx((1 / 9,))
+    # half the rows slower than all of them (noise): capped; faster than linear: 0
+    assert fixed_shares([1.0, 1.0], [1.2, 0.4], 0.5) == (MAX_FIXED_SHARE, 0.0)

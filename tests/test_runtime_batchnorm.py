@@ -136,6 +136,13 @@ def close_channels(ctx: WorkerContext) -> None:
         channels.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_channels_closed(worlds) -> None:
+    """The workers cache one Channels per world (:func:`shared_channels`): close it in every
+    world (W=2 and W=4) before that world ends, whichever test used it last."""
+    worlds.before_close(close_channels)
+
+
 def compare(bad: list[str], what: str, got: dict[str, torch.Tensor],
             want: dict[str, torch.Tensor], rtol: float = RTOL, atol: float = ATOL) -> None:
     for name, value in want.items():
@@ -415,7 +422,3 @@ def test_lightning_sync_batchnorm_is_refused(worlds) -> None:
 @pytest.mark.parametrize("schedule", W4_SCHEDULES)
 def test_statistics_match_one_device_w4(worlds, schedule: str) -> None:
     check_schedule(worlds.get(4).run(schedule_check, schedule), schedule)
-
-
-def test_close_channels(worlds) -> None:
-    worlds.get(4).run(close_channels)

@@ -322,9 +322,8 @@ def config_error_check(ctx: WorkerContext) -> list[str]:
 
 
 def fault_check(ctx: WorkerContext, failing_rank: int) -> dict[str, Any]:
-    """gpipe forward-only: ``failing_rank`` raises in its stage's forward."""
-    import time
-
+    """gpipe forward-only: ``failing_rank`` raises in its stage's forward. Every wait is bounded
+    by the executor's timeout (20 s): a peer that only stopped then would say "timed out"."""
     train = plan("gpipe", workers=ctx.world_size)
     part = partition(build(), train.stages, example_args=(torch.randint(0, VOCAB, (2, 8)),))
     train = with_ties(train, part)
@@ -337,14 +336,13 @@ def fault_check(ctx: WorkerContext, failing_rank: int) -> dict[str, Any]:
 
         part.stages[failing_rank].register_forward_pre_hook(explode)  # gpipe: rank r runs stage r
     xs = eval_batch(evaluation.micro, 5)
-    start = time.monotonic()
     try:
         ex.forward(evaluation.programs, {b: ((x,), {}) for b, x in xs.items()}, output_fn)
         error = None
     except RuntimeFault as fault:
         error = str(fault)
     ex.close()
-    return {"rank": ctx.rank, "error": error, "seconds": time.monotonic() - start}
+    return {"rank": ctx.rank, "error": error}
 
 
 # --------------------------------------------------------------------------- parent side
@@ -377,10 +375,11 @@ def test_failing_forward_fails_every_rank_promptly(worlds):
     assert results[1]["error"].startswith("rank 1 failed at 'F s1 b0' (action ")
     assert "ValueError: injected failure" in results[1]["error"]
     for r in results:
-        assert r["seconds"] < 10, r
         if r["rank"] == 0 and r["error"] is None:
             continue  # rank 0 only sends in a forward-only gpipe: it may finish its program
         assert r["error"] is not None, f"rank {r['rank']} did not fail"
         assert r["error"].startswith(f"rank {r['rank']} "), r["error"]
+        # promptly: on rank 1's closed connections, not at the end of the bounded wait
+        assert "timed out" not in r["error"], r["error"]
     for r in results[2:]:  # downstream of rank 1: they wait for it, and quote its failure
         assert "First failure reported in the job: rank 1 failed at 'F s1 b0'" in r["error"], r

@@ -307,9 +307,8 @@ def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float
                 schedule: str = "gpipe") -> dict[str, Any]:
     """``schedule`` over all ranks; ``failing_rank`` raises in its first forward ("raise"), in
     its first weight-gradient accumulation ("raise_w": a W of a zero-bubble schedule), or never
-    steps ("hang"). Returns, per rank, how the step ended and how long it took."""
-    import time
-
+    steps ("hang"). Returns, per rank, how the step ended. Every wait is bounded by ``timeout``
+    (the executor's step timeout), so a check never hangs."""
     from lightning_gsched.errors import RuntimeFault
 
     p = plan(schedule, workers=ctx.world_size)
@@ -328,13 +327,12 @@ def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float
             raise ValueError("injected failure in a weight gradient")
 
         next(part.stages[failing_rank].parameters()).register_post_accumulate_grad_hook(explode_w)
-    start = time.monotonic()
     outcome: dict[str, Any] = {"rank": ctx.rank}
     if ctx.rank == failing_rank and mode == "hang":
         ctx.store.wait(
             [f"fault_done/{ctx.world_size}/{mode}"], __import__("datetime").timedelta(seconds=120)
         )
-        outcome.update(error=None, seconds=time.monotonic() - start)
+        outcome.update(error=None)
         ex.close()
         return outcome
     try:
@@ -342,7 +340,6 @@ def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float
         outcome.update(error=None)
     except RuntimeFault as fault:
         outcome.update(error=str(fault), type=type(fault).__name__)
-    outcome["seconds"] = time.monotonic() - start
     ctx.store.add(f"fault_finished/{ctx.world_size}/{mode}", 1)
     if ctx.store.add(f"fault_finished/{ctx.world_size}/{mode}", 0) == ctx.world_size - (
         mode == "hang"
@@ -355,7 +352,8 @@ def fault_check(ctx: WorkerContext, failing_rank: int, mode: str, timeout: float
 def test_failing_forward_fails_every_rank_promptly(worlds):
     """Rank 1 raises inside its first stage forward: it reports rank, stage, microbatch and
     action; every peer ends with a RuntimeFault naming its own rank, the action it waited at and
-    rank 1's failure, long before the timeout (rank 1 closes its connections)."""
+    rank 1's failure, on rank 1's closed connections rather than at the end of the bounded
+    wait (a peer that waited it out would say "timed out")."""
     results = worlds.get(4).run(fault_check, 1, "raise", FAULT_TIMEOUT)
     failing = results[1]
     assert failing["type"] == "RuntimeFault"
@@ -363,7 +361,7 @@ def test_failing_forward_fails_every_rank_promptly(worlds):
     assert "ValueError: injected failure" in failing["error"]
     for r in results:
         assert r["error"] is not None, f"rank {r['rank']} did not fail"
-        assert r["seconds"] < FAULT_TIMEOUT / 2, r
+        assert "timed out" not in r["error"], r["error"]
         if r["rank"] != 1:
             assert r["error"].startswith(f"rank {r['rank']} "), r["error"]
             assert " at '" in r["error"] and "waiting for " in r["error"], r["error"]
@@ -374,7 +372,8 @@ def test_failing_forward_fails_every_rank_promptly(worlds):
 
 def test_failing_weight_gradient_names_the_w_action(worlds):
     """zb-h1: rank 1's first W fails (after its B sent the input gradient on): rank 1 names
-    the W action, rank 0 ends with a RuntimeFault quoting it, both promptly."""
+    the W action, rank 0 ends with a RuntimeFault quoting it, both promptly (no one waits out
+    the bounded wait)."""
     results = worlds.get(2).run(fault_check, 1, "raise_w", FAULT_TIMEOUT, "zb-h1")
     failing = results[1]
     assert failing["type"] == "RuntimeFault"
@@ -383,7 +382,7 @@ def test_failing_weight_gradient_names_the_w_action(worlds):
     other = results[0]
     assert other["error"] is not None and other["error"].startswith("rank 0 "), other
     assert "First failure reported in the job: rank 1 failed at 'W s1 b0'" in other["error"]
-    assert all(r["seconds"] < FAULT_TIMEOUT / 2 for r in results), results
+    assert all("timed out" not in r["error"] for r in results), results
 
 
 def test_stuck_rank_times_out_every_peer(worlds):
@@ -393,7 +392,9 @@ def test_stuck_rank_times_out_every_peer(worlds):
     results = worlds.get(4).run(fault_check, 3, "hang", timeout)
     errors = [r for r in results if r["rank"] != 3]
     assert all(r["error"] for r in errors), errors
-    assert all(r["seconds"] < 4 * timeout for r in errors), errors
-    assert any(r["error"].startswith(f"rank {r['rank']} timed out at '") for r in errors), errors
+    timed_out = [r for r in errors if r["error"].startswith(f"rank {r['rank']} timed out at '")]
+    assert timed_out, errors
+    for r in timed_out:  # the bound that ended the wait is the step timeout given
+        assert f"nothing arrived within {timeout:g} s" in r["error"], r["error"]
     for r in errors:
         assert r["error"].startswith(f"rank {r['rank']} "), r["error"]

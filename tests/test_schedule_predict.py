@@ -83,22 +83,23 @@ def test_gpipe_charges_exactly_what_the_model_says():
     cs = 0.1 + 1000 * 1e-4  # the sender's CPU for 1000 bytes
     cr = 0.05 + 1000 * 2e-5  # the receiver's
     j = 0.01
-    # rank 0 forwards; each send costs its CPU and the message leaves after it
+    # rank 0 forwards; each send costs its CPU and the message leaves after its fixed part (the
+    # bytes flow while the sender writes them)
     f0_end = j + 1
-    sent_a0 = f0_end + cs
-    f1_end = sent_a0 + j + 1
-    sent_a1 = f1_end + cs
+    sent_a0 = f0_end + 0.1
+    f1_end = f0_end + cs + j + 1
+    sent_a1 = f1_end + 0.1
     # rank 1: both receives posted at 0; each forward waits for its message, then pays recv CPU
     r1 = max(0.0, sent_a0 + flight) + cr + j + 1
     r1 = max(r1, sent_a1 + flight) + cr + j + 1
     r1 += j + 2  # B s1 b0
+    sent_g0 = r1 + 0.1
     r1 += cs
-    sent_g0 = r1
     r1 += j + 2  # B s1 b1
+    sent_g1 = r1 + 0.1
     r1 += cs
-    sent_g1 = r1
     # rank 0 backwards wait for the input-gradients
-    r0 = max(sent_a1, sent_g0 + flight) + cr + j + 2
+    r0 = max(f1_end + cs, sent_g0 + flight) + cr + j + 2
     r0 = max(r0, sent_g1 + flight) + cr + j + 2
     expected = max(r0, r1, sent_g1 + flight) + 0.5
     got = predict_step_time(p, costs=costs, sizes=_sizes(2, message=1000))

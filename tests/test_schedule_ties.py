@@ -129,10 +129,7 @@ def test_every_library_schedule_places_ties(schedule, W, S):
     """Ties {0: (S-1,)} and a second tie with another home: the dry run passes (plan verifies),
     the counts follow the rule, training and forward-only alike, and the stage actions are
     those of the plan without ties."""
-    try:
-        plain = plan(schedule, workers=W, stages=S)
-    except ScheduleConfigError:
-        pytest.skip("no such shape for this schedule")
+    plain = plan(schedule, workers=W, stages=S)  # every case is a valid shape: a failure fails
     last = plain.stages - 1
     if last < 1:
         pytest.skip("one stage: nothing to tie")

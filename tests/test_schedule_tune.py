@@ -148,3 +148,23 @@ def test_runtime_costs_rank_many_small_jobs_below_fewer_larger_ones() -> None:
     assert t[(4 * W, "free")] == pytest.approx(t[(W, "free")])  # same compute, split finer
     # ddp: every worker runs F and B of B/W microbatches: 2 jobs vs 8 jobs per worker
     assert t[(4 * W, "busy")] - t[(W, "busy")] == pytest.approx((8 - 2) * 0.05)
+
+
+def test_compute_keeps_its_fixed_share_when_the_microbatch_shrinks() -> None:
+    import dataclasses
+
+    from lightning_gsched.schedule.tune import candidate_costs
+
+    base = profile(2)  # 8 rows: forward 0.5 s, backward 1.0 s per stage
+    half = Candidate("gpipe", 2, 8, None, False, rows=4)  # half the profile's rows
+    # linear: every second scales with the rows
+    assert candidate_costs(half, base)[:2] == ([0.25, 0.25], [0.5, 0.5])
+    fixed = dataclasses.replace(base, fixed_share=((0.2, 0.2), (0.5, 0.0)))
+    forward, backward, weight = candidate_costs(half, fixed)
+    # forward: 0.5 * (0.2 + 0.8 / 2); backward: stage 0 half fixed, stage 1 all per row
+    assert forward == pytest.approx([0.3, 0.3]) and backward == pytest.approx([0.75, 0.5])
+    assert weight is None
+    # a split-backward schedule scales B and W with the backward's share
+    zb = Candidate("zb-h1", 2, 8, None, False, rows=4)
+    _, b, w = candidate_costs(zb, fixed)
+    assert b == pytest.approx([0.375, 0.25]) and w == pytest.approx([0.375, 0.25])

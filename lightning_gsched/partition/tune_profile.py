@@ -3,8 +3,10 @@
 Why here: the search (``schedule/tune.py``) is pure planning and takes numbers; cutting the
 model, timing the stages and counting their bytes needs torch and the partitioner. One
 :func:`stage_profile` call per stage count gives everything a candidate with that S needs:
-forward and backward seconds (and B/W apart, as the zero-bubble runtime splits them) and the
-bytes of ``partition.measure_stage_bytes`` (what a checkpointed stage would keep included).
+forward and backward seconds (and B/W apart, as the zero-bubble runtime splits them), the
+share of each that does not shrink with the microbatch's rows (timed again on half the rows)
+and the bytes of ``partition.measure_stage_bytes`` (what a checkpointed stage would keep
+included).
 """
 
 from __future__ import annotations
@@ -31,6 +33,32 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 1
 
 
+MAX_FIXED_SHARE = 0.9  # a noisy pair of timings must not make a job's cost independent of rows
+
+
+def _first_rows(args: tuple, kwargs: dict, rows: int, keep: int) -> tuple[tuple, dict]:
+    """The microbatch cut to its first ``keep`` rows (tensors whose first dimension is
+    ``rows``; everything else as it is)."""
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == rows:
+            return x[:keep]
+        return x
+
+    return pytree.tree_map(cut, (args, kwargs))
+
+
+def fixed_shares(full: Sequence[float], part: Sequence[float], share: float
+                 ) -> tuple[float, ...]:
+    """Per stage, the share of ``full`` (seconds at the profile's rows) that does not scale
+    with the rows, from ``part`` (seconds at ``share`` of the rows): the intercept of the line
+    through both points over ``full``, clamped to [0, MAX_FIXED_SHARE]."""
+    out = []
+    for t, h in zip(full, part, strict=True):
+        fixed = (h - share * t) / (1 - share) if t > 0 else 0.0
+        out.append(min(max(fixed / t if t > 0 else 0.0, 0.0), MAX_FIXED_SHARE))
+    return tuple(out)
+
+
 def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict | None = None,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   optimizer_factor: float = 0.0, repeats: int = 3,
@@ -49,10 +77,21 @@ def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict
                            split_backward=True)
     sizes = measure_stage_bytes(part.stages, args, kwargs, loss_fn=loss_fn,
                                 optimizer_factor=optimizer_factor)
+    rows = _rows(args, kwargs)
+    fixed = None
+    if rows >= 2:
+        # what does not shrink with the rows: the stages timed again (without the loss, whose
+        # targets belong to the full microbatch) on all rows and on half of them
+        keep = rows // 2
+        half_args, half_kwargs = _first_rows(args, kwargs, rows, keep)
+        full = profile_stages(part.stages, args, kwargs, repeats=repeats)
+        half = profile_stages(part.stages, half_args, half_kwargs, repeats=repeats)
+        fixed = (fixed_shares(full.forward, half.forward, keep / rows),
+                 fixed_shares(full.backward, half.backward, keep / rows))
     return StageProfile(
-        stages=stages, rows=_rows(args, kwargs), forward=tuple(whole.forward),
+        stages=stages, rows=rows, forward=tuple(whole.forward),
         backward=tuple(whole.backward), sizes=sizes,
-        split=(tuple(split.backward), tuple(split.weight)))
+        split=(tuple(split.backward), tuple(split.weight)), fixed_share=fixed)
 
 
 def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: int,

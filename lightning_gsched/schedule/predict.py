@@ -16,8 +16,10 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
   its fetched weights are resident, plus the receive CPU of each message it consumes; it lasts
   its planned cost plus ``job_cpu``;
 * a send (``SEND_ACT``, ``SEND_GRAD``, ``SEND_W``, ``REDUCE_G``) advances its worker's clock by
-  ``send_time(bytes)`` (``send_cpu`` + bytes x ``send_cpu_per_byte``); the message leaves then, or when the receive is posted if that is later (gloo
-  moves the bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later
+  ``send_time(bytes)`` (``send_cpu`` + bytes x ``send_cpu_per_byte``); the message leaves once
+  the fixed ``send_cpu`` is spent (the sender writes its bytes while they flow: its per-byte
+  CPU overlaps the flight), or when the receive is posted if that is later (gloo moves the
+  bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later
   (plus the legacy fixed ``transfer`` / ``fetch[s]`` / ``reduce[s]`` seconds). Bytes: the
   stage's output for an activation, the producing stage's output for an input-gradient, the
   stage's weights for a fetch, its gradients for a hand-off;
@@ -156,7 +158,7 @@ class _Replay:
         self.done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
         self.clock = [0.0] * W
         self.ends = [0.0] * W
-        self.sent: dict[MessageKey, float] = {}  # departure (after the sender's CPU)
+        self.sent: dict[MessageKey, float] = {}  # departure (after the sender's fixed CPU)
         self.posted: dict[MessageKey, float] = {}  # when the receiver posted it
         self._occurrences: dict[tuple[Any, ...], int] = {}
         # (FETCH_W, stage) / (FETCH_T, home) -> the posted fetch not yet consumed
@@ -223,8 +225,8 @@ class _Replay:
     def send(self, w: int, a: Action) -> Hashable | None:
         assert a.peer is not None
         key = self._key("send", a.op, a.stage, a.micro, w, a.peer)
+        self.sent[key] = self.clock[w] + self.cpu.send_cpu  # leaves; its bytes flow as written
         self.clock[w] += self.charges.send_cpu(a.op, a.stage)
-        self.sent[key] = self.clock[w]
         self.sends_of[w].append(key)
         self.walker.wake(key)
         return None

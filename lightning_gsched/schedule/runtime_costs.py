@@ -28,8 +28,11 @@ class RuntimeCosts:
 
     * ``send_cpu + bytes * send_cpu_per_byte``: the sender's CPU to issue it (gloo writes a
       message into the socket in the caller's thread when it can); the sending worker's clock
-      advances by it at the ``SEND_*`` action, and the message leaves after it;
-    * ``latency + bytes / bandwidth``: in flight;
+      advances by it at the ``SEND_*`` action, and the message leaves after the fixed
+      ``send_cpu``: the bytes flow while the sender writes them;
+    * ``latency + bytes / bandwidth``: in flight, from the sender's first byte to the last
+      byte's arrival (the sender's per-byte CPU lies inside it; the receiver's is charged after
+      it). Finite: :func:`~lightning_gsched.runtime.calibrate` fits it or refuses;
     * ``recv_cpu + bytes * recv_cpu_per_byte``: the receiver's CPU (posting the receive,
       reading the bytes, waiting, bookkeeping), charged where the message is consumed: after it
       has arrived, before the consuming job starts.

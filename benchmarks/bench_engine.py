@@ -1,0 +1,122 @@
+"""``pipeline_engine_vs_torch``: our pipeline engine in a plain loop against torch's, same split.
+
+Why beside ``pipeline_vs_torch``: that row runs ours through Lightning's Trainer (hooks,
+logging, the loss exchange) against torch's bare loop, so its gap mixes the engine with the
+Trainer around it. Here ours is the same engine in a plain loop: Lightning Fabric with
+``GeneralParallelFabric(<schedule>, microbatches=8)`` (:func:`engine_timed`), a step being
+``strategy.step(model, batch, loss_fn)`` (the pipelined forward and backward, gradients handed
+to the parameters) + ``optimizer.step`` + ``zero_grad``, exactly what the anchor's step is
+around ``schedule.step``. The anchor, the rows (gpipe, 1f1b, zb-h1, zbv), the split, the data
+and the rounds are those of :mod:`benchmarks.bench_pipeline`. Goal: engine <= 1.00.
+
+    python -m benchmarks.bench_engine [--quick] [--rows gpipe 1f1b ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Sequence
+
+from benchmarks.bench_pipeline import (
+    FULL,
+    MICROBATCHES,
+    PER_RANK,
+    QUICK,
+    ROWS,
+    WARMUP,
+    WORLD,
+    _anchor_side,
+    _chosen,
+    _fmt,
+    _placement_text,
+)
+from benchmarks.common import Result
+from benchmarks.rounds import Side, measure, ratio_result
+
+MODULE = "benchmarks.bench_engine"
+GOAL = "<= 1.00"
+
+
+def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int,
+                 microbatches: int = MICROBATCHES) -> dict[str, Any]:
+    """One rank of ours in a plain Fabric loop; rank 0's wall and CPU seconds per step."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from benchmarks.model import GPTShape, build_core, lm_loss, token_data
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    shape = GPTShape()
+    fabric = Fabric(accelerator="cpu", devices=world,
+                    strategy=GeneralParallelFabric(schedule, microbatches=microbatches))
+    fabric.launch()
+    core = build_core(shape, seed=0)
+    opt = torch.optim.SGD(core.parameters(), lr=0.05, momentum=0.9)
+    model, opt = fabric.setup(core, opt)
+    rows = per_rank * world
+    xs, ys = token_data(shape, rows * steps).tensors  # the anchor's global batches
+
+    def loss_fn(module: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return lm_loss(module(x), y)
+
+    times: list[float] = []
+    cpu_times: list[float] = []
+    losses: list[float] = []
+    for i in range(steps):
+        lo = i * rows + rank * per_rank  # this rank's rows of global batch i
+        batch = (xs[lo:lo + per_rank], ys[lo:lo + per_rank])
+        cpu = time.process_time()
+        start = time.perf_counter()
+        loss = fabric.strategy.step(model, batch, loss_fn)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu)
+        losses.append(float(loss))
+    return {"times": times, "cpu_times": cpu_times, "loss": losses[-1], "losses": losses,
+            "threads": torch.get_num_threads()}
+
+
+def _engine_side(schedule: str, steps: int) -> Side:
+    return Side(f"{MODULE}:engine_timed",
+                {"schedule": schedule, "steps": steps, "per_rank": PER_RANK})
+
+
+def run(quick: bool, rows: Sequence[str] | None = None) -> list[Result]:
+    """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table."""
+    cfg = QUICK if quick else FULL
+    results = []
+    for row in _chosen(rows):
+        wall = time.perf_counter()
+        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"]),
+                        "anchor": _anchor_side(row.schedule, cfg["steps"])},
+                       WORLD, cfg["rounds"], WARMUP)
+        wall = time.perf_counter() - wall
+        loss_ours = runs["ours"].last()["loss"]
+        loss_anchor = runs["anchor"].last()["loss"]
+        notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global "
+                 f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric in a plain "
+                 f"Fabric loop (no Trainer); anchor = torch.distributed.pipelining "
+                 f"{row.torch_schedule} in a plain loop, same split; loss at step "
+                 f"{cfg['steps']}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
+        results.append(ratio_result(
+            f"pipeline_engine_vs_torch[{row.schedule}]", runs["ours"], runs["anchor"], GOAL,
+            notes, extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor,
+                          "steps_per_run": cfg["steps"], "wall_s": round(wall, 1)}))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=None)
+    args = parser.parse_args()
+    for r in run(args.quick, args.rows):
+        print(f"{r.name:34s} ours {r.ours_s * 1e3:7.1f} ms  torch {r.anchor_s * 1e3:7.1f} ms  "
+              f"ratio {r.ratio:.3f}  cpu ratio {r.cpu_ratio}  {r.notes}")
+
+
+if __name__ == "__main__":
+    main()
