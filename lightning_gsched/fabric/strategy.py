@@ -17,7 +17,7 @@ PipelineEngine`, and gradients and checkpoints go through the same runtime facad
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
@@ -42,6 +42,7 @@ from lightning_gsched.lightning.options import (
     pipeline_options,
 )
 from lightning_gsched.runtime import ModelRuntime
+from lightning_gsched.runtime.materialize import deferred_parameters
 
 
 class GeneralParallelFabric(DDPStrategy):
@@ -122,6 +123,23 @@ class GeneralParallelFabric(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
 
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module()`` builds the model without weights (parameters on the meta
+        device, buffers real), as the Trainer strategy's ``tensor_init_context`` does; each rank
+        initialises only the stages it keeps. ``empty_init=False`` builds real weights."""
+        if empty_init is False:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(deferred_parameters())
+        stack.enter_context(self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Move what has storage; meta parameters get theirs at the first step."""
+        device = self.root_device
+        module._apply(lambda t: t if t.is_meta else t.to(device))
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Keep the model unwrapped; plan the schedule for this world size (fails here, on
         every rank, if it does not fit). The pipeline is built at the first :meth:`step`."""
@@ -139,6 +157,7 @@ class GeneralParallelFabric(DDPStrategy):
                 transport=self.transport,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
+                device=self.root_device,
             )
         return module
 

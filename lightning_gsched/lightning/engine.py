@@ -53,15 +53,33 @@ from lightning_gsched.runtime import (
     ProgramExecutor,
     stage_micros,
 )
+from lightning_gsched.runtime.materialize import (
+    initialize_parameters,
+    is_deferred,
+    owned_parameters,
+)
 from lightning_gsched.schedule.describe import plan_command, startup_summary
 from lightning_gsched.schedule.plan import Plan
 
 
 def _sync_module_states(module: torch.nn.Module, group: Any = None) -> None:
-    """Rank 0's parameters and buffers everywhere, as DDP does when it wraps a model."""
+    """Rank 0's parameters and buffers everywhere, as DDP does when it wraps a model.
+
+    A deferred model's meta parameters have no values yet: each rank initialises the ones it
+    keeps from rank 0's seed (:func:`_agreed_seed`) instead."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, 0, group=group)
+            if not tensor.is_meta:
+                dist.broadcast(tensor.data, 0, group=group)
+
+
+def _agreed_seed(world_size: int, group: Any = None) -> int:
+    """Rank 0's initial seed (``seed_everything``'s, or torch's own), the same on every rank:
+    a deferred model's weights are a function of it (runtime/materialize.py)."""
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
+    if world_size > 1:
+        dist.broadcast(seed, 0, group=group)
+    return int(seed.item())
 
 
 @dataclass
@@ -96,7 +114,8 @@ class PipelineEngine:
                  train_plan: Plan | None, *, world_size: int, rank: int, timeout: float,
                  optimizers: Callable[[], list], info: Callable[[str], None],
                  forward_context: Callable[[], AbstractContextManager] | None = None,
-                 transport: str = "auto", control: ControlGroup | None = None) -> None:
+                 transport: str = "auto", control: ControlGroup | None = None,
+                 device: torch.device | None = None) -> None:
         self.module = module
         self.config = config
         self.options = options
@@ -113,6 +132,9 @@ class PipelineEngine:
         self.losses_and_logs: LossLogExchange | None = None
         self.control = control
         self.memory = MemoryReport(control)  # predicted bytes per rank; measured after one step
+        # built without weights (runtime/materialize.py): each rank initialises what it keeps
+        self.deferred = False
+        self.device_hint = device if device is not None else torch.device("cpu")
         self._needed: dict[int, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ building
@@ -157,6 +179,7 @@ class PipelineEngine:
         ``micro_of()`` gives the first microbatch under the pick, the one the partition and the
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
+            self.deferred = is_deferred(self.module)
             args, kwargs = _normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
                 self._collective("the build's weight broadcast",
@@ -179,6 +202,12 @@ class PipelineEngine:
             self._collective("the build's memory prediction", lambda: self.memory.predict(
                 self.partition.stages, args, kwargs, plan, self.optimizers(), self.world_size,
                 self.rank))
+            if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
+                keep = owned_parameters(self.partition.stages, plan.programs, self.rank,
+                                        self.module)
+                seed = self._collective("the seed broadcast",
+                                        lambda: _agreed_seed(self.world_size, self.group))
+                initialize_parameters(self.module, keep, seed, self.device_hint)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,

@@ -12,8 +12,9 @@ engine and the runtime facade are shared with the Fabric strategy (``lightning_g
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -43,6 +44,7 @@ from lightning_gsched.lightning.options import (
 )
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.runtime import ModelRuntime
+from lightning_gsched.runtime.materialize import deferred_parameters
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -78,6 +80,9 @@ class GeneralParallel(DDPStrategy):
         step_timeout: seconds any one wait inside a step may take before every rank fails.
         gather_on_teardown: give every rank the full trained weights when the run ends, so the
             module is usable afterwards as after DDP (costs one broadcast of the model).
+            ``"auto"`` (default): yes, unless the model was built without weights
+            (``configure_model``, ``init_module``: deferred initialisation), which must never
+            become whole on a rank unasked; ``True``/``False``: always/never.
         forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
         weight_cost: the W phase's per-stage cost (zero-bubble schedules; ``backward_cost`` is
             then B's); default: half of ``backward_cost``, the other half going to B.
@@ -126,7 +131,7 @@ class GeneralParallel(DDPStrategy):
         placement: Optional[Callable] = None,
         priority: Optional[Callable] = None,
         step_timeout: float = 300.0,
-        gather_on_teardown: bool = True,
+        gather_on_teardown: Union[bool, str] = "auto",
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
@@ -232,7 +237,7 @@ class GeneralParallel(DDPStrategy):
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
-            control=self._control,
+            control=self._control, device=self.root_device,
         )
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
@@ -263,6 +268,27 @@ class GeneralParallel(DDPStrategy):
             self._engine.abort(self._failure)
         elif self._control is not None:
             self._control.abort(self._failure)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """``configure_model()`` and ``trainer.init_module()`` build the model without weights
+        (parameters on the meta device, buffers real); each rank gives storage to and
+        initialises only the stages it keeps, at the first batch (docs/memory.md, "Models
+        larger than one rank"). ``init_module(empty_init=False)`` builds real weights."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with deferred_parameters(), self.root_device, \
+                self.precision_plugin.tensor_init_context():
+            yield
+
+    def model_to_device(self) -> None:
+        """Move what has storage; a deferred model's parameters stay on meta until the first
+        batch gives this rank's their storage on the device."""
+        assert self.model is not None
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
@@ -471,7 +497,10 @@ class GeneralParallel(DDPStrategy):
 
     def teardown(self) -> None:
         if self._engine is not None:
-            gather = self.gather_on_teardown and not self._failed
+            wanted = self.gather_on_teardown
+            if wanted == "auto":  # a model built without weights never becomes whole unasked
+                wanted = not self._engine.deferred
+            gather = bool(wanted) and not self._failed
             self._released = self._engine.built and not gather
             self._engine.close(gather=gather)
             self.memory_report = self._engine.memory
@@ -500,7 +529,8 @@ def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any) -
             f"state_dict_type={state_dict_type!r} is not valid: use 'full' (one .ckpt) or "
             "'sharded' (a torch.distributed.checkpoint directory); e.g. state_dict_type='full'"
         )
-    validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
+    if gather_on_teardown != "auto":
+        validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
 
 
 def _unwrap(optimizer: Any) -> Any:

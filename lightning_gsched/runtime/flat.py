@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.runtime.storage import set_storage
 
 
 class FlatLayout:
@@ -62,12 +63,13 @@ class FlatStage(FlatLayout):
     stage) on one rank (owned, or fetched on demand)."""
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool,
-                 kind: str = "stage") -> None:
+                 kind: str = "stage", device: torch.device | None = None) -> None:
         self.index = index
         self.kind = kind
         params = list(params)
         dtypes = {p.dtype for p in params}
-        devices = {p.device for p in params}
+        # a deferred model's parameters of other ranks' stages stay on the meta device
+        devices = {p.device for p in params if not p.is_meta}
         if len(dtypes) > 1 or len(devices) > 1:
             raise RuntimeConfigError(
                 f"{kind} {index} mixes parameter dtypes/devices "
@@ -77,7 +79,7 @@ class FlatStage(FlatLayout):
             )
         super().__init__(params)  # sizes kept: the params of a non-owned stage go empty
         self.dtype = dtypes.pop() if dtypes else torch.float32
-        self.device = devices.pop() if devices else torch.device("cpu")
+        self.device = devices.pop() if devices else (device or torch.device("cpu"))
         self.grads = FlatGrads(self.params, self.dtype, self.device)
         self.owned = owned
         self.flat: torch.Tensor | None = None  # weights; storage kept across fetches
@@ -112,7 +114,7 @@ class FlatStage(FlatLayout):
     def _release_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
-            p.data = empty
+            set_storage(p, empty)  # from the meta device too (a deferred model)
         self.materialized = False
 
     def ensure_owned_views(self) -> None:

@@ -197,12 +197,17 @@ def build_flat_stages(
     """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), the device.
 
     Non-owned stages and ties are released right away, so from here on a rank holds only its
-    own stages and ties.
+    own stages and ties. The device is the one of the parameters that have storage: a deferred
+    model (runtime/materialize.py) has only this rank's on a device, the rest on ``meta``.
     """
     own, ties = split_parameters(stages)
     all_params = [p for stage in stages for p in dict.fromkeys(stage.parameters())]
-    device = all_params[0].device if all_params else torch.device("cpu")
-    flats = [FlatStage(s, params, owned=s in owned) for s, params in enumerate(own)]
-    units = {g.home: FlatStage(g.home, g.params, owned=g.home in owned_ties, kind="tie")
+    real = [t for t in [*all_params, *(b for st in stages for b in st.buffers())]
+            if not t.is_meta]
+    device = real[0].device if real else torch.device("cpu")
+    flats = [FlatStage(s, params, owned=s in owned, device=device)
+             for s, params in enumerate(own)]
+    units = {g.home: FlatStage(g.home, g.params, owned=g.home in owned_ties, kind="tie",
+                               device=device)
              for g in ties}
     return flats, units, device

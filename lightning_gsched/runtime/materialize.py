@@ -1,0 +1,154 @@
+"""Deferred initialisation: build a model without its weights, give each rank only its own.
+
+Why: a model that does not fit one device must never be whole on any rank. Built under
+:func:`deferred_parameters` (what ``GeneralParallel``'s ``tensor_init_context`` enters for
+``configure_model()`` and ``trainer.init_module()``), every parameter lives on the ``meta``
+device (shape and dtype, no storage) while buffers stay real: buffers are small, and many are
+computed when the module is built (causal masks, rotary frequencies) and could not be recomputed
+afterwards. Tracing, partitioning and planning work on the meta model; then each rank gives
+storage to the parameters of the stages it owns and initialises them
+(:func:`initialize_parameters`).
+
+**Same seed, same weights, whatever W, schedule and S.** Every module that holds parameters is
+initialised by its own ``reset_parameters()`` under an RNG seeded with :func:`module_seed`
+(the run's seed and the module's name), so the values do not depend on which rank initialises
+which module, nor in which order. A tied parameter (held by two modules, an embedding and an
+output head) keeps the values of its first holder in ``named_modules()`` order, as in eager
+construction where the head's own weight is replaced by the embedding's. :func:`initialize` does the same on one device: the reference
+a single-process run starts from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any, Collection, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.runtime.layout import split_parameters
+from lightning_gsched.runtime.storage import set_storage
+from lightning_gsched.schedule.program import Programs
+
+_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
+@contextlib.contextmanager
+def deferred_parameters() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device; buffers stay real.
+
+    A parameter is created where the module creates it (``torch.empty`` does not touch its
+    pages, so nothing is committed) and moved to ``meta`` as it is registered.
+    """
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        _REGISTER_PARAMETER(module, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = _REGISTER_PARAMETER  # type: ignore[method-assign]
+
+
+def is_deferred(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (no weights yet)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The RNG seed module ``name`` is initialised under: a function of the run's seed and the
+    name alone (crc32 of the name, so it is the same in every process)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _holders(module: nn.Module, params: Collection[int]) -> list[tuple[str, nn.Module]]:
+    """Modules (canonical names) that directly hold a parameter in ``params`` (by id) or a meta
+    buffer."""
+    holders = []
+    for name, sub in module.named_modules():
+        direct = [*sub.parameters(recurse=False)]
+        if any(id(p) in params for p in direct) or any(
+                b.is_meta for b in sub.buffers(recurse=False)):
+            holders.append((name, sub))
+    return holders
+
+
+def _reset(name: str, sub: nn.Module, owner: str) -> None:
+    reset = getattr(sub, "reset_parameters", None)
+    if not callable(reset):
+        raise StrategyConfigError(
+            f"module {name or '(root)'!r} ({type(sub).__name__}) of {owner} holds parameters of "
+            "its own but has no reset_parameters(), so a model built without weights (deferred "
+            "initialisation: configure_model, init_module) cannot initialise them. Define "
+            f"{type(sub).__name__}.reset_parameters() to fill its parameters (as torch's layers "
+            "do), or build the model with real weights outside init_module/configure_model."
+        )
+    reset()
+
+
+@torch.no_grad()
+def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], seed: int,
+                          device: torch.device) -> None:
+    """Give ``params`` storage on ``device`` and initialise them, leaving the other meta
+    parameters without storage.
+
+    Each module holding one of them runs ``reset_parameters()`` under :func:`module_seed`; its
+    other meta parameters (another rank's) get scratch storage for the call, so the RNG draws,
+    and hence the values, are the same as on one device; the scratch is dropped afterwards.
+    Meta buffers (a model built under ``torch.device("meta")``) get storage on ``device`` and
+    are reset by their module too.
+    """
+    wanted = {id(p) for p in params}
+    for p in params:
+        if p.is_meta:
+            set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+    owner = type(module).__name__
+    initialised: set[int] = set()  # a tied parameter keeps its first holder's values
+    for name, sub in _holders(module, wanted):
+        kept = [(p, p.detach().clone()) for p in sub.parameters(recurse=False)
+                if id(p) in initialised]
+        scratch = []
+        for p in sub.parameters(recurse=False):
+            if p.is_meta:
+                scratch.append(p)
+                set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+        for bname, b in list(sub.named_buffers(recurse=False)):
+            if b.is_meta:
+                sub._buffers[bname] = torch.empty_like(b, device=device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, name))
+            _reset(name, sub, owner)
+        for p in scratch:
+            set_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        for p, value in kept:
+            p.copy_(value)
+        initialised.update(id(p) for p in sub.parameters(recurse=False) if id(p) in wanted)
+
+
+def owned_parameters(stages: Sequence[nn.Module], programs: Programs, rank: int,
+                     module: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``rank`` keeps: its stages' own, its ties', and the ones no stage reads
+    (the loss may read them; every rank keeps those)."""
+    own, ties = split_parameters(stages)
+    keep = [p for s in programs.owned_stages(rank) for p in own[s]]
+    homes = set(programs.owned_ties(rank))
+    keep += [p for g in ties if g.home in homes for p in g.params]
+    in_stages = {id(p) for stage in stages for p in stage.parameters()}
+    keep += [p for p in module.parameters() if id(p) not in in_stages]
+    return list(dict.fromkeys(keep))
+
+
+def initialize(module: nn.Module, seed: int, device: Any = "cpu") -> nn.Module:
+    """The weights a deferred ``module`` gets under ``GeneralParallel``, on one device.
+
+    Gives every parameter storage and initialises every parameter-holding module as the
+    strategy does (:func:`module_seed`); use it to start a single-process reference run, or to
+    train on one device a model written for deferred initialisation. Returns ``module``.
+    """
+    initialize_parameters(module, list(module.parameters()), seed, torch.device(device))
+    return module

@@ -1,0 +1,152 @@
+"""Models larger than one rank: built without weights, each rank holds only its own stages.
+
+``trainer.init_module()`` and ``configure_model()`` under ``GeneralParallel`` build the model
+with its parameters on the meta device (buffers real); at the first batch each rank gives
+storage to, and initialises, only the parameters of the stages it keeps, each module by its
+``reset_parameters()`` under a seed made of the run's seed and the module's name
+(runtime/materialize.py). Checked here against one device in the same test:
+
+* the trained weights equal a single-process run started from ``initialize(model, seed)``
+  (the same per-module seeded initialisation), under fsdp and 1f1b at W=2: so the values do not
+  depend on W, schedule or S;
+* no rank ever gives storage to a parameter it does not keep (non-owned parameters are on the
+  meta device or empty after the run; ``gather_on_teardown="auto"`` does not gather);
+* a module holding parameters without ``reset_parameters()`` is refused with the fix.
+
+Tolerance: the distributed gradients sum microbatches and ranks in another order than one
+device (float32 summation order), the same ``assert_same_state`` bound as every equivalence
+test (lightning_models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dist_harness import RankError, WorkerContext, Worlds
+from lightning_models import (
+    LitGPT,
+    as_worker,
+    assert_same_state,
+    rank_loader,
+    tokens,
+    trainer,
+)
+from lightning_gsched.runtime.materialize import deferred_parameters, initialize
+
+pytestmark = pytest.mark.distributed
+
+SEED = 1234
+STEPS = 3
+GLOBAL_BATCH = 8
+
+
+class ConfiguredGPT(LitGPT):
+    """LitGPT built in ``configure_model`` (Lightning's large-model hook), not ``__init__``."""
+
+    def __init__(self) -> None:
+        pl_init = super(LitGPT, self).__init__  # LightningModule.__init__ only
+        pl_init()
+        self.save_hyperparameters({"optimizer": "adam", "lr": 0.05, "layers": 3,
+                                   "tie": "functional", "log_extra": False})
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from models import TinyGPT
+
+            self.model = TinyGPT(vocab=64, dim=32, heads=4, layers=3, block_size=16,
+                                 tie="functional")
+
+
+class WithoutReset(LitGPT):
+    """A module holding a parameter of its own without reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx) * self.scale
+
+
+def fit_deferred(ctx: WorkerContext, schedule: str, how: str) -> dict:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    torch.manual_seed(SEED)
+    fit = trainer(ctx.world_size, GeneralParallel(schedule), max_steps=STEPS)
+    if how == "init_module":
+        with fit.init_module():
+            model: Any = LitGPT(optimizer="adam")
+    elif how == "configure_model":
+        model = ConfiguredGPT()
+    else:
+        with fit.init_module():
+            model = WithoutReset()
+    assert all(p.is_meta for p in model.parameters())  # nothing materialised yet
+    fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * STEPS), GLOBAL_BATCH, ctx.world_size,
+                               ctx.rank))
+    kept = {n: p.detach().clone() for n, p in model.named_parameters()
+            if not p.is_meta and p.numel() > 0}
+    return {"kept": kept, "all": [n for n, _ in model.named_parameters()]}
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """One device: the same deferred build, initialised by initialize(), trained by Lightning."""
+    with deferred_parameters():
+        model = LitGPT(optimizer="adam")
+    initialize(model, SEED)
+    fit = trainer(1, "auto", max_steps=STEPS)
+    fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * STEPS), GLOBAL_BATCH, 1, 0))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = Worlds(timeout=180)
+    yield w.get(2)
+    w.close()
+
+
+@pytest.mark.parametrize("schedule,how", [("fsdp", "init_module"), ("1f1b", "configure_model")])
+def test_deferred_model_trains_like_one_device_and_no_rank_holds_it_all(
+        world, schedule: str, how: str) -> None:
+    want = reference()
+    results = world.run(fit_deferred, schedule, how)
+    seen: set[str] = set()
+    for rank, got in enumerate(results):
+        assert got["kept"], f"rank {rank} kept nothing"
+        assert set(got["kept"]) != set(got["all"]), f"rank {rank} holds the whole model"
+        assert_same_state(got["kept"], {n: want[n] for n in got["kept"]}, f"rank {rank}")
+        seen |= set(got["kept"])
+    assert seen == set(want)  # every parameter trained somewhere
+
+
+def test_a_module_without_reset_parameters_is_refused(world) -> None:
+    results = world.run(fit_deferred, "fsdp", "without_reset", expect_errors=True)
+    for result in results:
+        assert isinstance(result, RankError), result
+        assert "has no reset_parameters()" in result.message, result.message
+        assert "WithoutReset" in result.message
+
+
+def test_initialize_does_not_depend_on_which_parameters_a_rank_keeps() -> None:
+    """The values of a module's parameters are the same whether one rank initialises the whole
+    model or each rank a part (the others get scratch storage for the RNG draws)."""
+    from lightning_gsched.runtime.materialize import initialize_parameters
+
+    with deferred_parameters():
+        whole, part = LitGPT(), LitGPT()
+    initialize(whole, SEED)
+    names = [n for n, _ in part.named_parameters()]
+    kept = names[len(names) // 2:]
+    params = dict(part.named_parameters())
+    initialize_parameters(part, [params[n] for n in kept], SEED, torch.device("cpu"))
+    for name, p in part.named_parameters():
+        if name in kept:
+            assert torch.equal(p, dict(whole.named_parameters())[name]), name
+        else:
+            assert p.is_meta, name
