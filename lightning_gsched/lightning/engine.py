@@ -164,7 +164,12 @@ class PipelineEngine:
         return self.runtime
 
     def _probe(self, caller: StepCaller, micro_batch: Any, training: bool) -> tuple[tuple, dict]:
-        """Run the user's step once on the full local model to check the step contract."""
+        """Run the user's step once on the full local model to check the step contract.
+
+        A model built without weights (deferred) cannot run: only the call of the model is
+        captured; the loss is checked at the first step, when the stages compute it."""
+        if self.deferred:
+            return caller.capture(micro_batch)
         with preserved_tensors_and_rng(self.module), torch.no_grad():
             call = caller.probe(micro_batch)
         if training:

@@ -12,6 +12,7 @@ moments, sizes the stages on rank 0 (one broadcast) and gathers the ranks' measu
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_gsched.lightning.logsync import exchange
 from lightning_gsched.partition.measure_bytes import measure_stage_bytes
+from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
 from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
@@ -58,9 +60,13 @@ class MemoryReport:
         outcome: tuple[ModelSizes | None, str | None] = (None, None)
         if rank == 0:
             try:
-                outcome = (measure_stage_bytes(
-                    stages, args, kwargs, optimizer_factor=optimizer_bytes_factor(optimizers)),
-                    None)
+                # a deferred model (no weights yet) is sized on meta tensors
+                deferred = any(has_meta_parameters(stage) for stage in stages)
+                with buffers_on_meta(*stages) if deferred else contextlib.nullcontext():
+                    outcome = (measure_stage_bytes(
+                        stages, to_meta(args) if deferred else args,
+                        to_meta(kwargs) if deferred else kwargs,
+                        optimizer_factor=optimizer_bytes_factor(optimizers)), None)
             except Exception as exc:  # noqa: BLE001 - a report must never stop the training
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         if world_size > 1:

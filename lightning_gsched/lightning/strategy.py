@@ -514,6 +514,16 @@ class GeneralParallel(DDPStrategy):
         if self._notice is not None and trainer is not None and self._notice in trainer.callbacks:
             trainer.callbacks.remove(self._notice)
         self._notice = None
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # a deferred model keeps other ranks' parameters on meta, which .cpu() cannot move
+            module._apply(lambda t: t if t.is_meta else t.cpu())
+            module.cpu = lambda: module  # type: ignore[method-assign]
+            try:
+                super().teardown()
+            finally:
+                del module.cpu
+            return
         super().teardown()
 
     @classmethod

@@ -7,6 +7,7 @@ rank 0's ``part.unit_costs`` must be passed to the other ranks' calls as ``unit_
 
 from __future__ import annotations
 
+import contextlib
 from itertools import pairwise
 from typing import Any, Sequence
 
@@ -24,6 +25,7 @@ from lightning_gsched.partition.cuts import (
 )
 from lightning_gsched.partition.errors import BalanceError, PartitionError
 from lightning_gsched.partition.execute import run_example
+from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.partition.report import format_report
 from lightning_gsched.partition.stage import StageModule, build_stages
 from lightning_gsched.partition.tracer import trace_model
@@ -248,13 +250,23 @@ def partition(
         "balance_tolerance", balance_tolerance, str(DEFAULT_TOLERANCE), BalanceError)
     auto_leaf = validate.flag("auto_leaf", auto_leaf, PartitionError)
     verify = check_verify(verify)
-    traced = trace_model(
-        module, args, kwargs, leaf_modules, auto_leaf=auto_leaf, static_shapes=static_shapes,
-        num_stages=num_stages,
-    )
-    table = UnitTable(traced)
-    check_stage_count(num_stages, table, module)
-    costs, cost_unit, value_bytes = _costs(table, balance, unit_costs, args, kwargs)
+    # a model built without weights (parameters on meta) is traced and sized on meta tensors
+    deferred = has_meta_parameters(module)
+    if deferred and balance == "time" and unit_costs is None:
+        raise BalanceError(
+            f"balance='time' times every unit on the example, but {type(module).__name__} has "
+            "no weights yet (its parameters are on the meta device: deferred initialisation). "
+            "Use balance='params', or build the model with its weights."
+        )
+    run_args, run_kwargs = (to_meta(args), to_meta(kwargs)) if deferred else (args, kwargs)
+    with buffers_on_meta(module) if deferred else contextlib.nullcontext():
+        traced = trace_model(
+            module, run_args, run_kwargs, leaf_modules, auto_leaf=auto_leaf,
+            static_shapes=static_shapes, num_stages=num_stages,
+        )
+        table = UnitTable(traced)
+        check_stage_count(num_stages, table, module)
+        costs, cost_unit, value_bytes = _costs(table, balance, unit_costs, run_args, run_kwargs)
     if split_points is not None:
         plan = cuts_from_split_points(split_points, table, module)
     elif not isinstance(balance, str):

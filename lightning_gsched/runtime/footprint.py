@@ -31,8 +31,13 @@ import torch
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """(address, bytes) of the storage a tensor views: two views of one storage count once."""
+    """(address, bytes) of the storage a tensor views: two views of one storage count once.
+
+    A meta tensor (a model sized before it has weights, runtime/materialize.py) has no address;
+    its storage's identity stands in for one, and its bytes are what it would hold."""
     storage = t.untyped_storage()
+    if t.device.type == "meta":
+        return storage._cdata, storage.nbytes()
     return storage.data_ptr(), storage.nbytes()
 
 
@@ -56,14 +61,18 @@ class SavedTensorBytes:
 
     def count(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage (once, and not if excluded): what the hook does per tensor."""
-        if t.device.type != "meta":
-            ptr, nbytes = storage_key(t)
-            if ptr and ptr not in self.exclude:
-                self.storages[ptr] = nbytes
+        ptr, nbytes = storage_key(t)
+        if ptr and ptr not in self.exclude:
+            self.storages[ptr] = nbytes
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.count(t)
-        return t
+        # detached: the same storage, but not the tensor itself. An op that saves its own
+        # output (exp, tanh) would otherwise hold that output, whose grad_fn is the op: a
+        # cycle through the autograd graph that Python's collector cannot see, so a forward
+        # that is never followed by its backward (sizing a stage) kept its whole graph alive,
+        # weights included
+        return t.detach()
 
     def __enter__(self) -> "SavedTensorBytes":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

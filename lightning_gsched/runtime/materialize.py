@@ -104,10 +104,14 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
     are reset by their module too.
     """
     wanted = {id(p) for p in params}
+    owner = type(module).__name__
+    # every rank checks every module (not only those it initialises), so all fail alike
+    for name, sub in _holders(module, {id(p) for p in module.parameters()}):
+        if not callable(getattr(sub, "reset_parameters", None)):
+            _reset(name, sub, owner)  # raises, naming the module and the fix
     for p in params:
         if p.is_meta:
             set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
-    owner = type(module).__name__
     initialised: set[int] = set()  # a tied parameter keeps its first holder's values
     for name, sub in _holders(module, wanted):
         kept = [(p, p.detach().clone()) for p in sub.parameters(recurse=False)
