@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from dist_harness import RankError, WorkerContext, Worlds
+from lightning_gsched.runtime.materialize import deferred_parameters, initialize
 from lightning_models import (
     LitGPT,
     as_worker,
@@ -34,7 +35,6 @@ from lightning_models import (
     tokens,
     trainer,
 )
-from lightning_gsched.runtime.materialize import deferred_parameters, initialize
 
 pytestmark = pytest.mark.distributed
 
@@ -150,3 +150,22 @@ def test_initialize_does_not_depend_on_which_parameters_a_rank_keeps() -> None:
             assert torch.equal(p, dict(whole.named_parameters())[name]), name
         else:
             assert p.is_meta, name
+
+
+def test_loading_weights_while_deferred_is_refused() -> None:
+    """Weights loaded inside the deferred build would be dropped: refused, with the fix."""
+    from lightning_gsched.runtime.materialize import DeferredLoadError
+
+    weights = LitGPT().state_dict()
+    with pytest.raises(DeferredLoadError, match="empty_init=False"):
+        with deferred_parameters():
+            LitGPT().load_state_dict(weights)
+    with pytest.raises(DeferredLoadError, match="'weight' of Linear"):
+        with deferred_parameters():
+            layer = torch.nn.Linear(2, 2)
+            layer.weight = torch.nn.Parameter(torch.ones(2, 2))
+    with deferred_parameters():  # a tie (a meta parameter over a meta one) is construction
+        layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+        layers[1].weight = layers[0].weight
+    assert layers[1].weight is layers[0].weight and layers[0].weight.is_meta
+

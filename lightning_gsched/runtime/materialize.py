@@ -35,24 +35,50 @@ from lightning_gsched.schedule.program import Programs
 _REGISTER_PARAMETER = nn.Module.register_parameter
 
 
+class DeferredLoadError(StrategyConfigError):
+    """Weights were loaded into a model while it is being built without weights."""
+
+
+_LOAD_FIX = (
+    "GeneralParallel builds the model without weights inside configure_model() and "
+    "trainer.init_module() (deferred initialisation: each rank later initialises only its own "
+    "stages), so weights loaded there would be dropped. Load them after the model is built (a "
+    "checkpoint: trainer.fit(ckpt_path=...)), or build with real weights: "
+    "trainer.init_module(empty_init=False), or outside configure_model."
+)
+
+
 @contextlib.contextmanager
 def deferred_parameters() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device; buffers stay real.
 
     A parameter is created where the module creates it (``torch.empty`` does not touch its
-    pages, so nothing is committed) and moved to ``meta`` as it is registered.
+    pages, so nothing is committed) and moved to ``meta`` as it is registered. Loading weights
+    inside (``load_state_dict``, or a real parameter assigned over a meta one, as
+    ``from_pretrained`` does) raises :class:`DeferredLoadError` instead of dropping them.
     """
+    load_state_dict = nn.Module.load_state_dict
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
+            previous = module._parameters.get(name)
+            if previous is not None and previous.is_meta:
+                raise DeferredLoadError(
+                    f"a real tensor is assigned over the parameter {name!r} of "
+                    f"{type(module).__name__} (loading weights). {_LOAD_FIX}")
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         _REGISTER_PARAMETER(module, name, param)
 
+    def refuse_load(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        raise DeferredLoadError(f"{type(module).__name__}.load_state_dict was called. {_LOAD_FIX}")
+
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.load_state_dict = refuse_load  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         nn.Module.register_parameter = _REGISTER_PARAMETER  # type: ignore[method-assign]
+        nn.Module.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
 
 def is_deferred(module: nn.Module) -> bool:
