@@ -41,8 +41,7 @@ from lightning_gsched.lightning.options import (
     library_names,
     pipeline_options,
 )
-from lightning_gsched.runtime import ModelRuntime
-from lightning_gsched.runtime.materialize import deferred_parameters
+from lightning_gsched.runtime import ModelRuntime, deferred_parameters
 
 
 class GeneralParallelFabric(DDPStrategy):

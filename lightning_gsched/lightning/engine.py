@@ -51,12 +51,10 @@ from lightning_gsched.runtime import (
     ModelRuntime,
     ParameterMemory,
     ProgramExecutor,
-    stage_micros,
-)
-from lightning_gsched.runtime.materialize import (
     initialize_parameters,
     is_deferred,
     owned_parameters,
+    stage_micros,
 )
 from lightning_gsched.schedule.describe import plan_command, startup_summary
 from lightning_gsched.schedule.plan import Plan

@@ -43,8 +43,7 @@ from lightning_gsched.lightning.options import (
     pipeline_options,
 )
 from lightning_gsched.lightning.preemption import PreemptionSignals
-from lightning_gsched.runtime import ModelRuntime
-from lightning_gsched.runtime.materialize import deferred_parameters
+from lightning_gsched.runtime import ModelRuntime, deferred_parameters
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")

@@ -44,10 +44,24 @@ from lightning_gsched.runtime.faults import short_reason
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
+from lightning_gsched.runtime.materialize import (
+    DeferredLoadError,
+    deferred_parameters,
+    initialize,
+    initialize_parameters,
+    is_deferred,
+    owned_parameters,
+)
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
 from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
+    "DeferredLoadError",
+    "deferred_parameters",
+    "initialize",
+    "initialize_parameters",
+    "is_deferred",
+    "owned_parameters",
     "short_reason",
     "Channels",
     "MeasuredBytes",
