@@ -11,7 +11,9 @@ storage to, and initialises, only the parameters of the stages it keeps, each mo
   depend on W, schedule or S;
 * no rank ever gives storage to a parameter it does not keep (non-owned parameters are on the
   meta device or empty after the run; ``gather_on_teardown="auto"`` does not gather);
-* a module holding parameters without ``reset_parameters()`` is refused with the fix.
+* a module holding parameters without ``reset_parameters()`` is refused with the fix;
+* ``fabric.init_module()`` under ``GeneralParallelFabric`` defers the same way;
+* weights loaded inside the deferred build are refused instead of dropped.
 
 Tolerance: the distributed gradients sum microbatches and ranks in another order than one
 device (float32 summation order), the same ``assert_same_state`` bound as every equivalence
@@ -168,4 +170,48 @@ def test_loading_weights_while_deferred_is_refused() -> None:
         layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
         layers[1].weight = layers[0].weight
     assert layers[1].weight is layers[0].weight and layers[0].weight.is_meta
+
+
+def fabric_deferred(ctx: WorkerContext) -> dict[str, torch.Tensor]:
+    """A Fabric loop over a model built by ``fabric.init_module()`` under fsdp."""
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+    from models import TinyGPT
+    from test_fabric import compute_loss, global_batches, share
+
+    as_worker(ctx.rank)
+    torch.manual_seed(SEED)
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size,
+                    strategy=GeneralParallelFabric("fsdp"))
+    fabric.launch()
+    with fabric.init_module():
+        model = TinyGPT(vocab=64, dim=32, heads=4, layers=3, block_size=16)
+    assert all(p.is_meta for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    for batch in global_batches():
+        optimizer.zero_grad()
+        fabric.strategy.step(model, share(batch, ctx.rank, ctx.world_size), compute_loss)
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()
+            if not p.is_meta and p.numel() > 0}
+
+
+def test_fabric_init_module_is_deferred_too(world) -> None:
+    from models import TinyGPT
+    from test_fabric import compute_loss, global_batches
+
+    with deferred_parameters():
+        model = TinyGPT(vocab=64, dim=32, heads=4, layers=3, block_size=16)
+    initialize(model, SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for batch in global_batches():
+        optimizer.zero_grad()
+        compute_loss(model, batch).backward()
+        optimizer.step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, got in enumerate(world.run(fabric_deferred)):
+        assert got and set(got) != set(want), f"rank {rank}"
+        assert_same_state(got, {n: want[n] for n in got}, f"rank {rank}")
 
