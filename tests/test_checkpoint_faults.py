@@ -81,6 +81,7 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
         with open(os.path.join(checkpoint_id, f"__{ctx.rank}_0.distcp"), "wb") as f:
             f.write(b"half a shard")
         seen.extend(sorted(os.listdir(directory)))
+        torch.distributed.barrier()  # as dcp.save: a write failure is raised on every rank
         raise OSError("simulated: no space left on device")
 
     real_torch_save, real_dcp_save = ckpt_files.torch.save, sharded.dcp.save
@@ -168,6 +169,10 @@ def save_then_spoil_on_worker(ctx: WorkerContext, options: dict, tmp: str, path:
                         "pytorch-lightning_version": "2.6.0"}, path)
         elif spoil == "no-metadata":
             os.remove(os.path.join(path, META))
+        elif spoil == "truncate-shard":
+            shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+            with open(os.path.join(path, shard), "r+b") as f:
+                f.truncate(os.path.getsize(os.path.join(path, shard)) // 2)
     fit.strategy.barrier("spoiled")
 
 
@@ -184,6 +189,8 @@ def resume_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str) -> 
                           "Pass a checkpoint of LitGPT"]),
      ("sharded", "no-metadata", ["is a directory without gsched_meta.pt",
                                  "save never finished"]),
+     ("sharded", "truncate-shard", ["is truncated or not a checkpoint",
+                                    "reading a shard of the sharded checkpoint failed"]),
      ("full", "missing", ["does not exist"])],
 )
 def test_bad_ckpt_path_fails_on_every_rank(worlds, state_dict_type: str, spoil: str,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_gsched.errors import CheckpointError
 from lightning_gsched.lightning.sharded import META
@@ -26,6 +27,11 @@ SHOWN = 3  # how many missing parameter names a message lists
 
 
 def _short(exc: BaseException) -> str:
+    """Type and first line of the error; for torch.distributed.checkpoint's exception (which
+    gathers every rank's), the first rank's underlying error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = next(iter(sorted(exc.failures.items())))
+        return f"on rank {rank}: {_short(inner)}"
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
     return f"{type(exc).__name__}: {first[:200]}"
@@ -127,7 +133,8 @@ def load_checked(path: Any, read: Callable[[], dict], module: Optional[nn.Module
         try:
             checkpoint = read()
             problem = foreign(name, checkpoint, module)
-        except Exception as exc:  # noqa: BLE001 - any failure to read is reported as such
+        # CheckpointException (a sharded read, raised on every rank) is a BaseException
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported as such
             problem = unreadable(name, exc)
         agree(problem)
     finally:

@@ -120,7 +120,11 @@ def save(checkpoint: dict[str, Any], path: Any, rank: int) -> None:
         if rank == 0:
             ckpt_files.swap_in_directory(staging, path)
     except BaseException:
-        ckpt_files.discard(staging)
+        # dcp.save raises on every rank when any rank's write fails (it gathers the outcome);
+        # rank 0 removes the staging directory (a peer may still be leaving it); a rank 0 that
+        # was killed leaves it to the next save of this name (ckpt_files.remove_stale)
+        if rank == 0:
+            ckpt_files.discard(staging)
         raise
     if world > 1:
         dist.barrier()
