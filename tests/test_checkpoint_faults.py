@@ -211,3 +211,26 @@ def test_bad_ckpt_path_fails_on_every_rank(worlds, state_dict_type: str, spoil: 
         for phrase in phrases:
             assert phrase in result.message, (phrase, result.message)
     assert results[0].message == results[1].message  # the same report on every rank
+
+
+def resume_from_own_path_on_worker(ctx: WorkerContext, options: dict, tmp: str,
+                                   paths: list[str]) -> str:
+    """Each rank resumes from ``paths[rank]`` (a path that is not on every rank's disk)."""
+    _fit(ctx, options, tmp, ckpt=paths[ctx.rank])
+    return "resumed"
+
+
+def test_checkpoint_readable_on_one_rank_only_fails_on_every_rank(worlds, tmp_path) -> None:
+    world = worlds.get(2)
+    good = str(tmp_path / "first.ckpt")
+    options = {"schedule": "1f1b"}
+    world.run(save_then_spoil_on_worker, options, str(tmp_path / "a"), good, "none")
+    absent = str(tmp_path / "elsewhere" / "first.ckpt")  # as if rank 1's disk lacked it
+    results = world.run(resume_from_own_path_on_worker, options, str(tmp_path / "b"),
+                        [good, absent], expect_errors=True)
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankError), (rank, result)
+        assert result.type_name == "CheckpointError", (rank, result.type_name, result.message)
+        assert f"ckpt_path {absent} does not exist" in result.message, result.message
+        assert "found by rank(s) [1]" in result.message, result.message
+        assert "file system every rank shares" in result.message, result.message
