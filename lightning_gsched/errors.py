@@ -90,3 +90,13 @@ class TrainingStepError(StrategyConfigError):
 
 class BatchSplitError(StrategyConfigError):
     """A batch cannot be split into the schedule's microbatches."""
+
+
+class CheckpointError(GschedError, RuntimeError):
+    """A checkpoint given to ``ckpt_path`` cannot be resumed from.
+
+    Truncated or unreadable, not a checkpoint of this model (its parameters are missing or have
+    other shapes), or a sharded directory without its metadata (a save that never finished).
+    Raised on every rank with the same message, naming the file and what is wrong, so a job
+    never resumes on some ranks while others wait for them.
+    """

@@ -10,7 +10,8 @@ whose first batch builds the pipeline by running the whole step on every rank),
 ``batch_end``: in a callback's on_train_batch_end, ``data``: in the dataloader), does FAULT:
 ``sigterm`` / ``sigusr1`` (to itself), ``sigterm-launcher`` (to rank 0, the launcher), ``raise``
 (a ValueError) or ``none``. Every rank writes ``OUT_DIR/rank<r>.json``: how its ``fit`` ended,
-the step it stopped at, and the first weights' checksum. A ``ModelCheckpoint(save_last=True,
+the step it stopped at, and the first weights' checksum; rank 0 of a finished run saves its
+weights in ``OUT_DIR/final.pt``. A ``ModelCheckpoint(save_last=True,
 save_on_exception=True, every_n_train_steps=2)`` writes into ``OUT_DIR/ckpt``;
 ``RESUME=1`` fits again from ``ckpt_path="last"``.
 """
@@ -94,8 +95,25 @@ class Injector(pl.Callback):
 
 
 class FaultyLoader(torch.utils.data.DataLoader):
+    """The training data, resumable mid-epoch (Lightning's ``state_dict``/``load_state_dict``
+    protocol): Lightning 2.6 restarts a plain DataLoader from its first batch on a resume
+    mid-epoch, so a resumed run would see other batches than an uninterrupted one."""
+
+    skip = 0
+
+    def state_dict(self) -> dict[str, int]:
+        # one batch per optimizer step (no accumulation): the batches this epoch has consumed
+        # are global_step mod len(self), whatever Lightning's fetcher has prefetched
+        return {"position": self.trainer.global_step % len(self)}  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["position"]
+
     def __iter__(self) -> Any:
-        for batch in super().__iter__():
+        skip, self.skip = self.skip, 0
+        for index, batch in enumerate(super().__iter__()):
+            if index < skip:
+                continue
             trainer = getattr(self, "trainer", None)
             if trainer is not None:
                 inject("data", trainer)

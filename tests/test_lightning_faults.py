@@ -119,3 +119,27 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
         if r["rank"] != rank and r["outcome"] != "ValueError":
             assert r["outcome"] == "RuntimeFault", r
             assert f"rank {rank} failed" in r["message"], r["message"]
+
+
+def test_resume_after_preemption_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """SIGTERM on rank 1 in step 3 of 6 (1f1b, W=2), ``ckpt_path="last"``, train to the end:
+    the final weights are the uninterrupted job's. The job's loader is resumable (see
+    preempt_script.FaultyLoader), so the resumed steps see the batches the uninterrupted job
+    saw at those steps; the one-batch-per-step data makes a wrong batch change the weights."""
+    whole = run_job(tmp_path / "whole", "1f1b", 2, "none", 0, 0, "loss")
+    assert [r["outcome"] for r in whole] == ["finished", "finished"], whole
+    cut = tmp_path / "cut"
+    stopped = run_job(cut, "1f1b", 2, "sigterm", 1, 3, "loss")
+    assert [r["outcome"] for r in stopped] == ["SIGTERMException"] * 2, stopped
+    stop = stopped[0]["step"]
+    assert 3 <= stop < 6 and not (cut / "final.pt").exists()
+    resumed = run_job(cut, "1f1b", 2, "none", 0, 0, "loss", resume=True)
+    assert [(r["outcome"], r["step"]) for r in resumed] == [("finished", 6)] * 2, resumed
+    want = torch.load(tmp_path / "whole" / "final.pt", map_location="cpu")
+    got = torch.load(cut / "final.pt", map_location="cpu")
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0, msg=key)
+    log = (cut / "log.txt").read_text()
+    assert "Restoring states from the checkpoint path" in log, log[-3000:]
+    assert "dataloader is not resumable" not in log  # Lightning's warning for a plain loader

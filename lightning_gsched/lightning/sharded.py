@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning import ckpt_files
 from lightning_gsched.runtime import ModelRuntime, parameter_names
 
 META = "gsched_meta.pt"
@@ -92,19 +93,39 @@ def save(checkpoint: dict[str, Any], path: Any, rank: int) -> None:
                            "index_names": opt_state.get("index_names")})
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[Any] | None = [None] * world if rank == 0 else None
+    # every rank writes into one staging directory next to ``path`` (same name on every rank);
+    # rank 0 swaps it in only after every rank finished, so an interrupted save leaves the
+    # previous checkpoint whole and its staging directory is removed (ckpt_files)
+    staging = ckpt_files.staging_name(path, unique=False)
+    if rank == 0:
+        ckpt_files.remove_stale(path)
+        os.makedirs(staging)
     if world > 1:
+        dist.barrier()  # the staging directory exists (and is empty) before anyone writes
         dist.gather_object(others, gathered, dst=0)
     else:
         gathered = [others]
-    os.makedirs(path, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=path)
-    if rank == 0:
-        merged: dict[tuple, Any] = {}
-        for part in gathered or []:
-            merged.update(part)
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        torch.save({"rest": rest, "optimizers": optim_meta, "non_tensor": merged},
-                   os.path.join(path, META))
+    try:
+        dcp.save(tensors, checkpoint_id=staging)
+        if rank == 0:
+            merged: dict[tuple, Any] = {}
+            for part in gathered or []:
+                merged.update(part)
+            rest = {k: v for k, v in checkpoint.items()
+                    if k not in ("state_dict", "optimizer_states")}
+            torch.save({"rest": rest, "optimizers": optim_meta, "non_tensor": merged},
+                       os.path.join(staging, META))
+        if world > 1:
+            dist.barrier()  # every rank's shards are written
+        if rank == 0:
+            ckpt_files.swap_in_directory(staging, path)
+    except BaseException:
+        # dcp.save raises on every rank when any rank's write fails (it gathers the outcome);
+        # rank 0 removes the staging directory (a peer may still be leaving it); a rank 0 that
+        # was killed leaves it to the next save of this name (ckpt_files.remove_stale)
+        if rank == 0:
+            ckpt_files.discard(staging)
+        raise
     if world > 1:
         dist.barrier()
 

@@ -17,7 +17,10 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -29,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import sharded
+from lightning_gsched.lightning import ckpt_check, ckpt_files, sharded
 from lightning_gsched.lightning.control import ControlGroup
 from lightning_gsched.lightning.engine import PipelineEngine
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
@@ -453,13 +456,24 @@ class GeneralParallel(DDPStrategy):
         if self.state_dict_type == "sharded":
             sharded.save(checkpoint, filepath, self.global_rank)
             return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not _writes_locally(self.checkpoint_io, filepath, storage_options):
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # user's CheckpointIO
+            return
+        if self.is_global_zero:  # a temporary name next to the target, renamed over it
+            ckpt_files.atomic_save(checkpoint, filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
-        if sharded.is_sharded_checkpoint(checkpoint_path):
-            return sharded.load(checkpoint_path, self.lightning_module,
-                                [_unwrap(o) for o in self.optimizers])
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Read ``ckpt_path`` on every rank; a truncated, foreign or incomplete checkpoint
+        raises the same CheckpointError on every rank (``ckpt_check``), never a hang."""
+        def read() -> dict:
+            if sharded.is_sharded_checkpoint(checkpoint_path):
+                return sharded.load(checkpoint_path, self.lightning_module,
+                                    [_unwrap(o) for o in self.optimizers])
+            return super(GeneralParallel, self).load_checkpoint(checkpoint_path,
+                                                                weights_only=weights_only)
+
+        return ckpt_check.load_checked(checkpoint_path, read, self.lightning_module,
+                                       timeout=self.step_timeout)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
@@ -540,6 +554,13 @@ def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any) -
         )
     if gather_on_teardown != "auto":
         validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
+
+
+def _writes_locally(checkpoint_io: Any, filepath: Any, storage_options: Any) -> bool:
+    """Lightning's default CheckpointIO and a local path: the strategy writes the file itself
+    (atomically, next to the target); a user's CheckpointIO or a remote URL keeps its own."""
+    return (type(checkpoint_io) is TorchCheckpointIO and storage_options is None
+            and isinstance(get_filesystem(filepath), LocalFileSystem))
 
 
 def _unwrap(optimizer: Any) -> Any:

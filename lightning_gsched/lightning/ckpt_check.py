@@ -1,0 +1,142 @@
+"""Checking a checkpoint given to ``ckpt_path`` before Lightning restores it, on every rank.
+
+Why: every rank reads ``ckpt_path`` itself. A truncated file (a save that was killed), another
+model's checkpoint, or a sharded directory whose save never finished would otherwise end in a
+backend error deep inside ``torch.load``/``load_state_dict``, or worse, on some ranks only
+(a path that is not on a file system every rank shares) while the others go on into the first
+step's collectives and wait there. Here each rank reads and checks the checkpoint, the ranks
+exchange what they found on a group whose timeout is ``step_timeout``, and if any rank found a
+problem every rank raises the same :class:`CheckpointError`, naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_gsched.errors import CheckpointError
+from lightning_gsched.lightning.sharded import META
+
+EARLIER = "resume from an earlier checkpoint, or start without ckpt_path"
+SHOWN = 3  # how many missing parameter names a message lists
+
+
+def _short(exc: BaseException) -> str:
+    """Type and first line of the error; for torch.distributed.checkpoint's exception (which
+    gathers every rank's), the first rank's underlying error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = next(iter(sorted(exc.failures.items())))
+        return f"on rank {rank}: {_short(inner)}"
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
+def precheck(path: str) -> Optional[str]:
+    """What is wrong with ``path`` before reading it (None: go on and read it)."""
+    if not os.path.exists(path):
+        return (f"ckpt_path {path} does not exist: pass a .ckpt file or a sharded checkpoint "
+                "directory (ckpt_path='last' needs a ModelCheckpoint with save_last=True)")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, META)):
+            return (f"ckpt_path {path} is a directory without {META}: not a sharded checkpoint "
+                    "of GeneralParallel, or one whose save never finished (the metadata is "
+                    f"written last); {EARLIER}")
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            return (f"ckpt_path {path} is a sharded checkpoint without its "
+                    "torch.distributed.checkpoint index (.metadata): it is incomplete; "
+                    f"{EARLIER}")
+    return None
+
+
+def unreadable(path: str, exc: BaseException) -> str:
+    """The message for a checkpoint that could not be read."""
+    what = "a shard of the sharded checkpoint" if os.path.isdir(path) else "the file"
+    return (f"ckpt_path {path} is truncated or not a checkpoint: reading {what} failed "
+            f"({_short(exc)}). Its save was interrupted or the file was damaged; {EARLIER}")
+
+
+def foreign(path: str, checkpoint: Any, module: Optional[nn.Module]) -> Optional[str]:
+    """What makes ``checkpoint`` unusable for ``module`` (None: nothing)."""
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        return (f"ckpt_path {path} is not a Lightning checkpoint (no 'state_dict' in it); pass "
+                "a checkpoint written by Trainer.save_checkpoint or ModelCheckpoint")
+    if module is None:
+        return None
+    saved = checkpoint["state_dict"]
+    wanted = {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
+    missing = [k for k in wanted if k not in saved]
+    name = type(module).__name__
+    if missing:
+        some = ", ".join(missing[:SHOWN]) + (", ..." if len(missing) > SHOWN else "")
+        return (f"ckpt_path {path} does not hold this model's parameters: {len(missing)} of "
+                f"{len(wanted)} entries of {name}'s state_dict are missing ({some}); it was "
+                f"saved from another model. Pass a checkpoint of {name}")
+    for key, value in wanted.items():
+        got = saved[key]
+        if hasattr(got, "shape") and tuple(got.shape) != tuple(value.shape):
+            return (f"ckpt_path {path} holds {key} with shape {tuple(got.shape)}, but this "
+                    f"{name} has {tuple(value.shape)}: it was saved from a model of another "
+                    f"size. Pass a checkpoint of this model")
+    if getattr(module, "strict_loading", True):
+        extra = [k for k in saved if k not in wanted and k not in module.state_dict()]
+        if extra:
+            some = ", ".join(extra[:SHOWN]) + (", ..." if len(extra) > SHOWN else "")
+            return (f"ckpt_path {path} holds {len(extra)} entries {name} does not have "
+                    f"({some}); pass a checkpoint of this model, or set "
+                    "strict_loading = False on it to ignore them")
+    return None
+
+
+class Agreement:
+    """The ranks exchange what each found; any problem becomes every rank's CheckpointError."""
+
+    def __init__(self, timeout: float) -> None:
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.group: Any = None
+        if self.world > 1:  # gloo: the exchange is of small Python objects, on CPU
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+    def __call__(self, problem: Optional[str]) -> None:
+        problems: list[Optional[str]] = [problem]
+        if self.group is not None:
+            problems = [None] * self.world
+            dist.all_gather_object(problems, problem, group=self.group)
+        found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+        if not found:
+            return
+        first = found[0][1]
+        if len(found) < self.world:  # some ranks read it fine
+            first += (f" (found by rank(s) {[r for r, _ in found]}; the other ranks read it: is "
+                      "the path on a file system every rank shares?)")
+        raise CheckpointError(first)
+
+    def close(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            dist.destroy_process_group(group)
+
+
+def load_checked(path: Any, read: Callable[[], dict], module: Optional[nn.Module],
+                 timeout: float) -> dict:
+    """``read()`` the checkpoint at ``path`` on every rank, checked as the module doc says."""
+    name = str(path)
+    agree = Agreement(timeout)
+    try:
+        agree(precheck(name))  # before read(): a sharded read is collective
+        checkpoint: Any = None
+        try:
+            checkpoint = read()
+            problem = foreign(name, checkpoint, module)
+        # CheckpointException (a sharded read, raised on every rank) is a BaseException
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported as such
+            problem = unreadable(name, exc)
+        agree(problem)
+    finally:
+        agree.close()
+    return checkpoint

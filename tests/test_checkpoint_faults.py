@@ -1,0 +1,236 @@
+"""Checkpoints under faults: an interrupted save leaves nothing behind, a bad ckpt_path fails.
+
+An interrupted save (the writer raises midway, as a full disk or a kill between write and
+rename would leave it) must leave the previous checkpoint under that name intact, and no
+temporary file, neither next to the checkpoint nor in the system temporary folder (each worker
+points ``tempfile.tempdir`` at a folder of its own, which must stay empty). A truncated file,
+another model's checkpoint, or a sharded directory without its metadata given to
+``trainer.fit(ckpt_path=...)`` must raise the same ``CheckpointError`` on both ranks, naming
+the file and what is wrong (the harness's timeout bounds the run: a hang fails the test).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import RankError, WorkerContext
+from lightning_models import (
+    as_worker,
+    assert_same_state,
+    make_lit_gpt,
+    rank_loader,
+    tokens,
+    trainer,
+)
+
+pytestmark = pytest.mark.distributed
+
+GLOBAL_BATCH, STEPS = 8, 2
+WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
+
+
+def _private_tempdir(folder: str) -> None:
+    """Point this process's system temporary folder at ``folder`` (must stay empty)."""
+    os.makedirs(folder, exist_ok=True)
+    tempfile.tempdir = folder
+
+
+def _files_in(folder: Any) -> list[str]:
+    """What lies in a worker's temporary folder, less multiprocessing's own ``pymp-*`` folder
+    (its queues' sockets: the harness's, created there once the folder was redirected)."""
+    return sorted(name for name in os.listdir(folder) if not name.startswith("pymp-"))
+
+
+def _fit(ctx: WorkerContext, options: dict, tmp: str, ckpt: str | None = None) -> Any:
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    model = make_lit_gpt(optimizer="adam")
+    fit = trainer(ctx.world_size, GeneralParallel(step_timeout=60, **options), tmp,
+                  max_steps=STEPS)
+    fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * 4), GLOBAL_BATCH, ctx.world_size, ctx.rank),
+            ckpt_path=ckpt)
+    return fit, model
+
+
+def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str) -> dict:
+    """Save a good checkpoint, then a second save to the same path whose writer fails midway.
+
+    Returns this rank's model state (after the good save), what the checkpoint's directory held
+    while the failed write was under way, and the error it raised."""
+    from lightning_gsched.lightning import ckpt_files, sharded
+
+    _private_tempdir(os.path.join(tmp, f"systmp{ctx.rank}"))
+    fit, model = _fit(ctx, options, tmp)
+    fit.save_checkpoint(path)
+    seen: list[str] = []
+    directory = os.path.dirname(path)
+
+    def torch_save_fails(obj: Any, f: Any) -> None:  # full: rank 0 writes the file
+        f.write(b"PK\x03\x04 half a checkpoint")
+        seen.extend(sorted(os.listdir(directory)))
+        raise OSError("simulated: no space left on device")
+
+    def dcp_save_fails(state: dict, checkpoint_id: str) -> None:  # sharded: every rank writes
+        with open(os.path.join(checkpoint_id, f"__{ctx.rank}_0.distcp"), "wb") as f:
+            f.write(b"half a shard")
+        seen.extend(sorted(os.listdir(directory)))
+        torch.distributed.barrier()  # as dcp.save: a write failure is raised on every rank
+        raise OSError("simulated: no space left on device")
+
+    real_torch_save, real_dcp_save = ckpt_files.torch.save, sharded.dcp.save
+    ckpt_files.torch.save = torch_save_fails  # type: ignore[assignment]
+    sharded.dcp.save = dcp_save_fails  # type: ignore[assignment]
+    error = None
+    try:
+        checkpoint = fit._checkpoint_connector.dump_checkpoint(weights_only=False)
+        fit.strategy.save_checkpoint(checkpoint, path)  # no barrier: rank 0 alone fails (full)
+    except OSError as exc:
+        error = str(exc)
+    finally:
+        ckpt_files.torch.save, sharded.dcp.save = real_torch_save, real_dcp_save
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "seen": seen, "error": error}
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
+        worlds, state_dict_type: str, tmp_path) -> None:
+    from lightning_gsched.lightning import sharded
+
+    directory = tmp_path / "ckpt"
+    path = directory / "last.ckpt"
+    options = {"schedule": "fsdp", "state_dict_type": state_dict_type}
+    results = worlds.get(2).run(interrupted_save_on_worker, options, str(tmp_path), str(path))
+    writers = [0] if state_dict_type == "full" else [0, 1]
+    for rank in writers:  # the failed write went to a temporary name in the same directory
+        assert results[rank]["error"] == "simulated: no space left on device"
+        partial = [n for n in results[rank]["seen"] if n.startswith(".last.ckpt.")]
+        assert partial and all(n.endswith(".partial") for n in partial), results[rank]["seen"]
+    assert sorted(os.listdir(directory)) == ["last.ckpt"]  # nothing else left
+    for rank in range(2):
+        assert _files_in(tmp_path / f"systmp{rank}") == []
+    # the previous checkpoint is whole: it holds the model every rank had when it was saved
+    loaded = (sharded.load(path) if state_dict_type == "sharded"
+              else torch.load(path, weights_only=False, map_location="cpu"))
+    assert path.is_dir() == (state_dict_type == "sharded")
+    assert loaded["global_step"] == STEPS
+    for rank in range(2):
+        assert_same_state(loaded["state_dict"], results[rank]["state"], f"rank {rank}",
+                          rtol=0, atol=0)
+
+
+def test_atomic_save_in_one_process_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
+    from lightning_gsched.lightning import ckpt_files
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systmp"))
+    os.makedirs(tmp_path / "systmp")
+    target = tmp_path / "a" / "model.ckpt"
+    ckpt_files.atomic_save({"v": torch.arange(3)}, target)
+    (target.parent / ".model.ckpt.999-dead.partial").write_bytes(b"left by a killed save")
+
+    def fails_after_write(obj: Any, f: Any) -> None:
+        f.write(b"partial")
+        raise KeyboardInterrupt  # as an interrupt in the middle of the write
+
+    monkeypatch.setattr(ckpt_files.torch, "save", fails_after_write)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_files.atomic_save({"v": torch.zeros(3)}, target)
+    monkeypatch.undo()
+    assert sorted(os.listdir(target.parent)) == ["model.ckpt"]  # the stale one removed too
+    assert os.listdir(tmp_path / "systmp") == []
+    assert torch.equal(torch.load(target)["v"], torch.arange(3))
+
+
+# ------------------------------------------------------------------ bad ckpt_path
+
+def save_then_spoil_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str,
+                              spoil: str) -> None:
+    """Write a good checkpoint (W=2), then make it bad the way ``spoil`` says (rank 0)."""
+    from lightning_gsched.lightning.sharded import META
+
+    fit, _ = _fit(ctx, options, tmp)
+    fit.save_checkpoint(path)
+    fit.strategy.barrier("saved")
+    if ctx.rank == 0:
+        if spoil == "truncate":
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                f.truncate(size // 2)
+        elif spoil == "foreign":
+            torch.save({"state_dict": nn.Linear(4, 4).state_dict(), "epoch": 0,
+                        "global_step": STEPS, "optimizer_states": [], "lr_schedulers": [],
+                        "pytorch-lightning_version": "2.6.0"}, path)
+        elif spoil == "no-metadata":
+            os.remove(os.path.join(path, META))
+        elif spoil == "truncate-shard":
+            shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+            with open(os.path.join(path, shard), "r+b") as f:
+                f.truncate(os.path.getsize(os.path.join(path, shard)) // 2)
+    fit.strategy.barrier("spoiled")
+
+
+def resume_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str) -> str:
+    _fit(ctx, options, tmp, ckpt=path)
+    return "resumed"
+
+
+@pytest.mark.parametrize(
+    "state_dict_type, spoil, phrases",
+    [("full", "truncate", ["is truncated or not a checkpoint", "reading the file failed",
+                           "resume from an earlier checkpoint"]),
+     ("full", "foreign", ["does not hold this model's parameters", "missing",
+                          "Pass a checkpoint of LitGPT"]),
+     ("sharded", "no-metadata", ["is a directory without gsched_meta.pt",
+                                 "save never finished"]),
+     ("sharded", "truncate-shard", ["is truncated or not a checkpoint",
+                                    "reading a shard of the sharded checkpoint failed"]),
+     ("full", "missing", ["does not exist"])],
+)
+def test_bad_ckpt_path_fails_on_every_rank(worlds, state_dict_type: str, spoil: str,
+                                           phrases: list[str], tmp_path) -> None:
+    world = worlds.get(2)
+    path = str(tmp_path / ("first.dir" if state_dict_type == "sharded" else "first.ckpt"))
+    options = {"schedule": "1f1b", "state_dict_type": state_dict_type}
+    if spoil == "missing":
+        path = str(tmp_path / "never_saved.ckpt")
+    else:
+        world.run(save_then_spoil_on_worker, options, str(tmp_path / "a"), path, spoil)
+    results = world.run(resume_on_worker, options, str(tmp_path / "b"), path,
+                        expect_errors=True)
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankError), (rank, result)
+        assert result.type_name == "CheckpointError", (rank, result.type_name, result.message)
+        assert path in result.message, result.message
+        for phrase in phrases:
+            assert phrase in result.message, (phrase, result.message)
+    assert results[0].message == results[1].message  # the same report on every rank
+
+
+def resume_from_own_path_on_worker(ctx: WorkerContext, options: dict, tmp: str,
+                                   paths: list[str]) -> str:
+    """Each rank resumes from ``paths[rank]`` (a path that is not on every rank's disk)."""
+    _fit(ctx, options, tmp, ckpt=paths[ctx.rank])
+    return "resumed"
+
+
+def test_checkpoint_readable_on_one_rank_only_fails_on_every_rank(worlds, tmp_path) -> None:
+    world = worlds.get(2)
+    good = str(tmp_path / "first.ckpt")
+    options = {"schedule": "1f1b"}
+    world.run(save_then_spoil_on_worker, options, str(tmp_path / "a"), good, "none")
+    absent = str(tmp_path / "elsewhere" / "first.ckpt")  # as if rank 1's disk lacked it
+    results = world.run(resume_from_own_path_on_worker, options, str(tmp_path / "b"),
+                        [good, absent], expect_errors=True)
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankError), (rank, result)
+        assert result.type_name == "CheckpointError", (rank, result.type_name, result.message)
+        assert f"ckpt_path {absent} does not exist" in result.message, result.message
+        assert "found by rank(s) [1]" in result.message, result.message
+        assert "file system every rank shares" in result.message, result.message
