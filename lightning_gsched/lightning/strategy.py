@@ -12,6 +12,7 @@ engine and the runtime facade are shared with the Fabric strategy (``lightning_g
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
@@ -43,7 +44,7 @@ from lightning_gsched.lightning.options import (
     pipeline_options,
 )
 from lightning_gsched.lightning.preemption import PreemptionSignals
-from lightning_gsched.runtime import ModelRuntime, deferred_parameters
+from lightning_gsched.runtime import ModelRuntime, deferred_parameters, pretrained_weights
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -82,6 +83,13 @@ class GeneralParallel(DDPStrategy):
             ``"auto"`` (default): yes, unless the model was built without weights
             (``configure_model``, ``init_module``: deferred initialisation), which must never
             become whole on a rank unasked; ``True``/``False``: always/never.
+        init_weights: start a model built without weights (``configure_model``,
+            ``init_module``) from pretrained safetensors weights, as ``transformers`` saves them:
+            a ``model.safetensors`` file, a ``model.safetensors.index.json`` (shards), or a
+            directory holding one. Each rank reads only the tensors of the parameters it keeps
+            (docs/memory.md, "Models larger than one rank"). None: initialise them.
+        init_weights_prefix: what the model's ``state_dict`` names carry before the file's,
+            e.g. ``"model."`` for a LightningModule holding the saved network as ``self.model``.
         forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
         weight_cost: the W phase's per-stage cost (zero-bubble schedules; ``backward_cost`` is
             then B's); default: half of ``backward_cost``, the other half going to B.
@@ -131,6 +139,8 @@ class GeneralParallel(DDPStrategy):
         priority: Optional[Callable] = None,
         step_timeout: float = 300.0,
         gather_on_teardown: Union[bool, str] = "auto",
+        init_weights: Optional[Union[str, os.PathLike]] = None,
+        init_weights_prefix: str = "",
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
@@ -156,6 +166,8 @@ class GeneralParallel(DDPStrategy):
             weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
             verify)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
+        self.init_weights = (None if init_weights is None
+                             else pretrained_weights(init_weights, init_weights_prefix))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
@@ -236,7 +248,7 @@ class GeneralParallel(DDPStrategy):
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
-            control=self._control, device=self.root_device,
+            control=self._control, device=self.root_device, init_weights=self.init_weights,
         )
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
