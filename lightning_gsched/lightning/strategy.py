@@ -139,7 +139,7 @@ class GeneralParallel(DDPStrategy):
         priority: Optional[Callable] = None,
         step_timeout: float = 300.0,
         gather_on_teardown: Union[bool, str] = "auto",
-        init_weights: Optional[Union[str, os.PathLike]] = None,
+        init_weights: Optional[Union[str, os.PathLike[str]]] = None,
         init_weights_prefix: str = "",
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,

@@ -54,7 +54,7 @@ class PretrainedWeights:
     prefix: str = ""
 
 
-def pretrained_weights(path: str | os.PathLike, prefix: str = "") -> PretrainedWeights:
+def pretrained_weights(path: str | os.PathLike[str], prefix: str = "") -> PretrainedWeights:
     """Check ``path`` exists and resolve a directory to its index or single file (no read of
     the weights: this runs where the strategy's arguments are checked, before any process)."""
     if not isinstance(prefix, str):
@@ -208,7 +208,7 @@ def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str,
         buffer.copy_(value)
 
 
-def load_pretrained(module: nn.Module, weights: PretrainedWeights | str | os.PathLike,
+def load_pretrained(module: nn.Module, weights: PretrainedWeights | str | os.PathLike[str],
                     seed: int = 0, device: Any = "cpu") -> nn.Module:
     """The weights a deferred ``module`` gets under ``GeneralParallel(init_weights=...)``, on one
     device (a single-process reference, or one-device use of a model written for deferred
