@@ -36,6 +36,7 @@ from lightning_gsched.lightning.batches import (
 )
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.control import ControlGroup
+from lightning_gsched.lightning.deferred_restore import DeferredRestore
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
 from lightning_gsched.lightning.logsync import (
     LossLogExchange,
@@ -122,6 +123,9 @@ class PipelineEngine:
                  init_weights: PretrainedWeights | None = None) -> None:
         self.module = module
         self.init_weights = init_weights
+        # a checkpoint resumed into a deferred model, applied once the kept parameters have
+        # storage (deferred_restore.py; set by the strategy before the build)
+        self.restore: DeferredRestore | None = None
         self.config = config
         self.options = options
         self.train_plan: Plan | None = train_plan
@@ -224,11 +228,18 @@ class PipelineEngine:
                                         self.module)
                 seed = self._collective("the seed broadcast",
                                         lambda: _agreed_seed(self.world_size, self.group))
-                if self.init_weights is not None:  # read, not drawn (runtime/pretrained.py)
-                    keep = load_parameters(self.module, keep, self.init_weights,
+                rest = keep
+                if self.init_weights is not None and self.restore is None:
+                    # read, not drawn (runtime/pretrained.py); a resumed checkpoint overrides
+                    rest = load_parameters(self.module, keep, self.init_weights,
                                            self.device_hint)
-                if keep:
-                    initialize_parameters(self.module, keep, seed, self.device_hint)
+                if rest:
+                    initialize_parameters(self.module, rest, seed, self.device_hint)
+                if self.restore is not None:  # only what this rank keeps
+                    restore = self.restore
+                    self._collective("the checkpoint's restore", lambda: restore.apply(
+                        self.module, keep, self.optimizers()))
+                    self.restore = None
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,

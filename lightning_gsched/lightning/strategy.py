@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning import sharded
 from lightning_gsched.lightning.control import ControlGroup
+from lightning_gsched.lightning.deferred_restore import DeferredRestore
 from lightning_gsched.lightning.engine import PipelineEngine
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.intercept import StepCaller
@@ -44,7 +45,12 @@ from lightning_gsched.lightning.options import (
     pipeline_options,
 )
 from lightning_gsched.lightning.preemption import PreemptionSignals
-from lightning_gsched.runtime import ModelRuntime, deferred_parameters, pretrained_weights
+from lightning_gsched.runtime import (
+    ModelRuntime,
+    deferred_parameters,
+    is_deferred,
+    pretrained_weights,
+)
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -183,6 +189,8 @@ class GeneralParallel(DDPStrategy):
         self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
         self._engine: PipelineEngine | None = None
+        # a checkpoint resumed into a deferred model, for the engine's build (deferred_restore)
+        self._restore: DeferredRestore | None = None
         self._control: ControlGroup | None = None  # this run's own collectives (.control)
         self._signals: PreemptionSignals | None = None  # SIGTERM/SIGUSR1 (.preemption)
         self._notice: FailureNotice | None = None
@@ -250,6 +258,7 @@ class GeneralParallel(DDPStrategy):
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
             control=self._control, device=self.root_device, init_weights=self.init_weights,
         )
+        self._engine.restore = self._restore  # its optimizer state may still arrive
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
     def _install_fault_handling(self, trainer: Any) -> None:
@@ -468,7 +477,11 @@ class GeneralParallel(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        self._restore = None
         if sharded.is_sharded_checkpoint(checkpoint_path):
+            if self._deferred():  # each rank reads only its own, at the build
+                checkpoint, self._restore = sharded.load_deferred(checkpoint_path)
+                return checkpoint
             return sharded.load(checkpoint_path, self.lightning_module,
                                 [_unwrap(o) for o in self.optimizers])
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -480,10 +493,26 @@ class GeneralParallel(DDPStrategy):
         if runtime is not None:  # only the parameters this rank holds
             runtime.load_state_dict(checkpoint["state_dict"])
             return
+        if self._deferred():  # meta parameters would drop the values: applied at the build
+            if self._restore is None:
+                self._restore = DeferredRestore(state_dict=checkpoint["state_dict"])
+            return
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def _deferred(self) -> bool:
+        """The module was built without weights and the pipeline has not given them yet."""
+        module = self.lightning_module
+        return module is not None and self._runtime() is None and is_deferred(module)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizer_states = checkpoint["optimizer_states"]
+        if self._restore is not None and self._runtime() is None:
+            # a deferred model: the per-parameter state is applied at the build (a sharded
+            # directory's is read then); the param groups (learning rates) now
+            if self._restore.path is None:
+                self._restore.optimizer_states = list(optimizer_states)
+            optimizer_states = [{"state": {}, "param_groups": s["param_groups"]}
+                                for s in optimizer_states]
         # strict=False as in Lightning's Strategy.load_optimizer_state_dict (a drop-in for DDP)
         for optimizer, state in zip(self.optimizers, optimizer_states, strict=False):
             _unwrap(optimizer).load_state_dict(state)
@@ -516,6 +545,7 @@ class GeneralParallel(DDPStrategy):
             self._engine.close(gather=gather)
             self.memory_report = self._engine.memory
             self._engine = None
+        self._restore = None
         if self._control is not None:
             self._control.close()
             if self._failure is not None and self.global_rank == 0:
