@@ -297,3 +297,56 @@ def test_init_weights_with_a_model_built_with_weights_is_refused(world, tmp_path
     for result in results:
         assert isinstance(result, RankError), result
         assert "built with weights" in result.message and "init_module" in result.message
+
+
+class Tied(nn.Module):
+    """An embedding and an output head sharing one weight, as language models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(5, DIM)
+        self.head = nn.Linear(DIM, 5, bias=False)
+        self.head.weight = self.wte.weight
+
+
+@pytest.mark.parametrize("saved_as", ["wte.weight", "head.weight"])
+def test_a_tied_parameter_is_read_under_the_name_the_file_has(tmp_path: Path,
+                                                               saved_as: str) -> None:
+    """transformers saves one of a tied parameter's names; either one fills the parameter."""
+    from lightning_gsched.runtime import deferred_parameters, load_pretrained
+
+    value = torch.randn(5, DIM)
+    safetensors_torch.save_file({saved_as: value}, str(tmp_path / "model.safetensors"))
+    with deferred_parameters():
+        model = Tied()
+    load_pretrained(model, tmp_path)
+    assert model.head.weight is model.wte.weight
+    assert torch.equal(model.wte.weight, value)
+
+
+def test_a_file_of_another_dtype_is_converted_to_the_parameters(tmp_path: Path) -> None:
+    from lightning_gsched.runtime import load_pretrained
+
+    weights = saved_network()
+    safetensors_torch.save_file({k: v.to(torch.bfloat16) for k, v in weights.items()},
+                                str(tmp_path / "model.safetensors"))
+    net = load_pretrained(deferred_net(), tmp_path / "model.safetensors")
+    for name, value in net.state_dict().items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, weights[name].to(torch.bfloat16).float()), name
+
+
+@pytest.mark.distributed
+def test_a_tensor_missing_for_one_rank_fails_every_rank(world, tmp_path: Path) -> None:
+    """Every rank checks every name against the headers, so a tensor only rank 1 would read
+    fails rank 0 too (no rank waits for a peer that failed)."""
+    from dist_harness import RankError
+
+    weights = saved_network()
+    del weights["out.bias"]  # the last stage's: kept by one rank under 1f1b
+    safetensors_torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    results = world.run(fit_pretrained, "1f1b", str(tmp_path), "model.", expect_errors=True)
+    for result in results:
+        assert isinstance(result, RankError), result
+        assert "'model.out.bias' is not in" in result.message, result.message
+        assert "model.safetensors" in result.message
