@@ -350,3 +350,50 @@ def test_a_tensor_missing_for_one_rank_fails_every_rank(world, tmp_path: Path) -
         assert isinstance(result, RankError), result
         assert "'model.out.bias' is not in" in result.message, result.message
         assert "model.safetensors" in result.message
+
+
+def fabric_pretrained(ctx: WorkerContext, init_weights: str) -> dict:
+    """Fabric: ``fabric.init_module()`` then one ``strategy.step`` from the file's weights."""
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    as_worker(ctx.rank)
+    reads = Reads()
+    try:
+        fabric = Fabric(accelerator="cpu", devices=ctx.world_size,
+                        strategy=GeneralParallelFabric("fsdp", init_weights=init_weights))
+        fabric.launch()
+        with fabric.init_module():
+            net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        model, optimizer = fabric.setup(net, optimizer)
+        x, y = data()
+        rows = GLOBAL_BATCH // ctx.world_size
+        batch = torch.cat([x, y], 1)[ctx.rank * rows:(ctx.rank + 1) * rows]
+        fabric.strategy.step(model, batch, lambda m, b: F.mse_loss(m(b[:, :DIM]), b[:, DIM:]))
+        optimizer.step()
+    finally:
+        reads.restore()
+    kept = {n: p.detach().clone() for n, p in net.named_parameters()
+            if not p.is_meta and p.numel() > 0}
+    return {"kept": kept, "reads": reads.names}
+
+
+@pytest.mark.distributed
+def test_fabric_reads_only_its_parameters_and_steps_like_one_device(world, tmp_path: Path) -> None:
+    _, _, weights = save(tmp_path, "single")
+    torch.manual_seed(SEED)
+    net = Net()
+    net.load_state_dict(weights)
+    x, y = data()
+    F.mse_loss(net(x[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
+    torch.optim.SGD(net.parameters(), lr=0.05).step()
+    want = dict(net.named_parameters())
+    results = world.run(fabric_pretrained, str(tmp_path))
+    buffers = {k for k in weights if k.endswith("shift")}
+    for rank, got in enumerate(results):
+        kept = set(got["kept"])
+        assert kept and kept != set(want), f"rank {rank} keeps {sorted(kept)}"
+        assert sorted(got["reads"]) == sorted(kept | buffers), f"rank {rank}"
+        assert_same_state(got["kept"], {n: want[n].detach() for n in kept}, f"rank {rank}")
