@@ -506,7 +506,7 @@ class GeneralParallel(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizer_states = checkpoint["optimizer_states"]
-        if self._restore is not None and self._runtime() is None:
+        if self._runtime() is None and self._restore is not None:
             # a deferred model: the per-parameter state is applied at the build (a sharded
             # directory's is read then); the param groups (learning rates) now
             if self._restore.path is None:
