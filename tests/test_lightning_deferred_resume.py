@@ -12,7 +12,7 @@ test:
 * a full checkpoint resumes into a deferred model under fsdp (read whole by Lightning on every
   rank, applied to the kept parameters only);
 * the trained weights (and SGD momentum, through them) equal the reference's
-  (``assert_same_state``).
+  (``assert_same_state``), also when ``init_weights`` names other weights (the checkpoint wins).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from dist_harness import WorkerContext, Worlds
 from lightning_models import as_worker, assert_same_state, rank_loader, trainer
-from test_lightning_pretrained import DIM, LitNet
+from test_lightning_pretrained import DIM, LitNet, save
 
 pytestmark = pytest.mark.distributed
 
@@ -111,6 +111,9 @@ def test_a_deferred_model_resumes_reading_only_its_own(world, tmp_path: Path, sa
     sharded = saved.get("state_dict_type") == "sharded"
     path = str(tmp_path / ("dir" if sharded else "full.ckpt"))
     world.run(save_on_worker, saved, path)
+    if sharded:  # a resumed checkpoint wins over pretrained weights (other values)
+        pretrained, prefix, _ = save(tmp_path, "single")
+        resumed = {**resumed, "init_weights": pretrained, "init_weights_prefix": prefix}
     results = world.run(resume_deferred_on_worker, resumed, path)
     buffers = {n for n, _ in LitNet().named_buffers()}
     seen: set[str] = set()
@@ -129,3 +132,16 @@ def test_a_deferred_model_resumes_reading_only_its_own(world, tmp_path: Path, sa
             assert got["read"] == []
         seen |= kept
     assert seen == set(want)
+
+
+def test_a_checkpoint_without_a_kept_parameter_is_refused_naming_it() -> None:
+    from lightning_gsched.lightning.deferred_restore import DeferredRestore, DeferredRestoreError
+
+    model = LitNet()
+    state = {k: v for k, v in model.state_dict().items() if k != "model.out.bias"}
+    with pytest.raises(DeferredRestoreError, match="'model.out.bias' is not in the checkpoint"):
+        DeferredRestore(state_dict=state).apply(model, list(model.parameters()), [])
+    model_keys = {k for k in model.state_dict() if "shift" not in k}
+    with pytest.raises(DeferredRestoreError, match="buffer 'model.blocks.0.shift'"):
+        DeferredRestore(state_dict={k: model.state_dict()[k] for k in model_keys}).apply(
+            model, list(model.parameters()), [])
