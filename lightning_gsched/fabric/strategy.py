@@ -17,6 +17,7 @@ PipelineEngine`, and gradients and checkpoints go through the same runtime facad
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
@@ -41,7 +42,7 @@ from lightning_gsched.lightning.options import (
     library_names,
     pipeline_options,
 )
-from lightning_gsched.runtime import ModelRuntime, deferred_parameters
+from lightning_gsched.runtime import ModelRuntime, deferred_parameters, pretrained_weights
 
 
 class GeneralParallelFabric(DDPStrategy):
@@ -50,9 +51,10 @@ class GeneralParallelFabric(DDPStrategy):
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
     to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout``,
-    ``transport`` and ``verify`` mean what they mean for ``GeneralParallel`` (see
-    docs/usage.md); the rest are Fabric DDPStrategy's. Every argument is checked here, before
-    any process starts; what needs the device count fails in ``fabric.setup``, on every rank.
+    ``transport``, ``verify``, ``init_weights`` and ``init_weights_prefix`` mean what they
+    mean for ``GeneralParallel`` (see docs/usage.md); the rest are Fabric DDPStrategy's. Every
+    argument is checked here, before any process starts; what needs the device count fails in
+    ``fabric.setup``, on every rank.
 
     In the loop, :meth:`step` replaces ``loss = loss_fn(model, batch); fabric.backward(loss)``;
     ``fabric.clip_gradients``, ``optimizer.step()``, ``fabric.save`` and ``fabric.load`` work as
@@ -85,6 +87,8 @@ class GeneralParallelFabric(DDPStrategy):
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
         verify: Union[bool, str] = "auto",
+        init_weights: Optional[Union[str, os.PathLike[str]]] = None,
+        init_weights_prefix: str = "",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -102,6 +106,9 @@ class GeneralParallelFabric(DDPStrategy):
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
+        # a deferred model's kept parameters read from safetensors files (runtime/pretrained.py)
+        self.init_weights = (None if init_weights is None
+                             else pretrained_weights(init_weights, init_weights_prefix))
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -156,7 +163,7 @@ class GeneralParallelFabric(DDPStrategy):
                 transport=self.transport,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
-                device=self.root_device,
+                device=self.root_device, init_weights=self.init_weights,
             )
         return module
 

@@ -36,6 +36,7 @@ from lightning_gsched.lightning.batches import (
 )
 from lightning_gsched.lightning.config import ScheduleConfig
 from lightning_gsched.lightning.control import ControlGroup
+from lightning_gsched.lightning.deferred_restore import DeferredRestore
 from lightning_gsched.lightning.intercept import StepCaller, step_loss
 from lightning_gsched.lightning.logsync import (
     LossLogExchange,
@@ -50,9 +51,12 @@ from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import (
     ModelRuntime,
     ParameterMemory,
+    PretrainedWeights,
+    PretrainedWeightsError,
     ProgramExecutor,
     initialize_parameters,
     is_deferred,
+    load_parameters,
     owned_parameters,
     stage_micros,
 )
@@ -106,6 +110,8 @@ class PipelineEngine:
     ``train_plan``: ``config.setup_plan(W)``, None for a ``schedule="auto"`` not decided yet.
     ``control``: the group the engine's own collectives use and the job's failure notice
     (:mod:`.control`; the Trainer strategy's); None: the default group.
+    ``init_weights``: a deferred model's kept parameters are read from these safetensors files
+    (runtime/pretrained.py) instead of initialised.
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
@@ -113,8 +119,13 @@ class PipelineEngine:
                  optimizers: Callable[[], list], info: Callable[[str], None],
                  forward_context: Callable[[], AbstractContextManager] | None = None,
                  transport: str = "auto", control: ControlGroup | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 init_weights: PretrainedWeights | None = None) -> None:
         self.module = module
+        self.init_weights = init_weights
+        # a checkpoint resumed into a deferred model, applied once the kept parameters have
+        # storage (deferred_restore.py; set by the strategy before the build)
+        self.restore: DeferredRestore | None = None
         self.config = config
         self.options = options
         self.train_plan: Plan | None = train_plan
@@ -183,6 +194,13 @@ class PipelineEngine:
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
+            if self.init_weights is not None and not self.deferred:
+                raise PretrainedWeightsError(
+                    f"init_weights={str(self.init_weights.path)!r} is given but the model was "
+                    "built with weights, so every rank holds all of them already. Build it "
+                    "without weights (in configure_model(), or under trainer.init_module()) to "
+                    "have each rank read only its own, or drop init_weights and load the "
+                    "weights yourself (load_state_dict)")
             args, kwargs = _normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
                 self._collective("the build's weight broadcast",
@@ -210,7 +228,18 @@ class PipelineEngine:
                                         self.module)
                 seed = self._collective("the seed broadcast",
                                         lambda: _agreed_seed(self.world_size, self.group))
-                initialize_parameters(self.module, keep, seed, self.device_hint)
+                rest = keep
+                if self.init_weights is not None and self.restore is None:
+                    # read, not drawn (runtime/pretrained.py); a resumed checkpoint overrides
+                    rest = load_parameters(self.module, keep, self.init_weights,
+                                           self.device_hint)
+                if rest:
+                    initialize_parameters(self.module, rest, seed, self.device_hint)
+                if self.restore is not None:  # only what this rank keeps
+                    restore = self.restore
+                    self._collective("the checkpoint's restore", lambda: restore.apply(
+                        self.module, keep, self.optimizers()))
+                    self.restore = None
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,

@@ -7,7 +7,8 @@ parameter names (``model.<name>``) and ``optim.<i>.<name>.<state key>``, never s
 the directory resumes under any schedule and worker count: loading reads every tensor on every
 rank (each rank still holds the full model before its stages are released) and returns an
 ordinary full checkpoint dict, which Lightning restores as usual; the strategy then drops what a
-rank does not own.
+rank does not own. A model built without weights (deferred) instead reads, at the build, only
+the tensors of the parameters each rank keeps (:func:`load_deferred`, :mod:`.deferred_restore`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning import ckpt_files
+from lightning_gsched.lightning.deferred_restore import DeferredRestore
 from lightning_gsched.runtime import ModelRuntime, parameter_names
 
 META = "gsched_meta.pt"
@@ -156,3 +158,15 @@ def load(path: Any, module: Any = None, optimizers: Any = None) -> dict[str, Any
         optimizer_states.append({"state": dict(sorted(state.items())),
                                  "param_groups": om["param_groups"]})
     return {**meta["rest"], "state_dict": state_dict, "optimizer_states": optimizer_states}
+
+
+def load_deferred(path: Any) -> tuple[dict[str, Any], DeferredRestore]:
+    """A sharded directory for a model built without weights: the checkpoint without its
+    tensors now (optimizers get their param groups only), and the tensors at the build, where
+    each rank reads only those of the parameters it keeps (:mod:`.deferred_restore`)."""
+    path = str(path)
+    meta = torch.load(os.path.join(path, META), weights_only=False, map_location="cpu")
+    optimizer_states = [{"state": {}, "param_groups": om["param_groups"]}
+                        for om in meta["optimizers"]]
+    checkpoint = {**meta["rest"], "state_dict": {}, "optimizer_states": optimizer_states}
+    return checkpoint, DeferredRestore(path=path, non_tensor=dict(meta["non_tensor"]))

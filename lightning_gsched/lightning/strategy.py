@@ -12,6 +12,7 @@ engine and the runtime facade are shared with the Fabric strategy (``lightning_g
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
@@ -34,6 +35,7 @@ from torch.optim import Optimizer
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning import ckpt_check, ckpt_files, sharded
 from lightning_gsched.lightning.control import ControlGroup
+from lightning_gsched.lightning.deferred_restore import DeferredRestore
 from lightning_gsched.lightning.engine import PipelineEngine
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.intercept import StepCaller
@@ -46,7 +48,12 @@ from lightning_gsched.lightning.options import (
     pipeline_options,
 )
 from lightning_gsched.lightning.preemption import PreemptionSignals
-from lightning_gsched.runtime import ModelRuntime, deferred_parameters
+from lightning_gsched.runtime import (
+    ModelRuntime,
+    deferred_parameters,
+    is_deferred,
+    pretrained_weights,
+)
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -85,6 +92,13 @@ class GeneralParallel(DDPStrategy):
             ``"auto"`` (default): yes, unless the model was built without weights
             (``configure_model``, ``init_module``: deferred initialisation), which must never
             become whole on a rank unasked; ``True``/``False``: always/never.
+        init_weights: start a model built without weights (``configure_model``,
+            ``init_module``) from pretrained safetensors weights, as ``transformers`` saves them:
+            a ``model.safetensors`` file, a ``model.safetensors.index.json`` (shards), or a
+            directory holding one. Each rank reads only the tensors of the parameters it keeps
+            (docs/memory.md, "Models larger than one rank"). None: initialise them.
+        init_weights_prefix: what the model's ``state_dict`` names carry before the file's,
+            e.g. ``"model."`` for a LightningModule holding the saved network as ``self.model``.
         forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
         weight_cost: the W phase's per-stage cost (zero-bubble schedules; ``backward_cost`` is
             then B's); default: half of ``backward_cost``, the other half going to B.
@@ -134,6 +148,8 @@ class GeneralParallel(DDPStrategy):
         priority: Optional[Callable] = None,
         step_timeout: float = 300.0,
         gather_on_teardown: Union[bool, str] = "auto",
+        init_weights: Optional[Union[str, os.PathLike[str]]] = None,
+        init_weights_prefix: str = "",
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
@@ -159,6 +175,8 @@ class GeneralParallel(DDPStrategy):
             weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
             verify)
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
+        self.init_weights = (None if init_weights is None
+                             else pretrained_weights(init_weights, init_weights_prefix))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
@@ -174,6 +192,8 @@ class GeneralParallel(DDPStrategy):
         self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
         self._engine: PipelineEngine | None = None
+        # a checkpoint resumed into a deferred model, for the engine's build (deferred_restore)
+        self._restore: DeferredRestore | None = None
         self._control: ControlGroup | None = None  # this run's own collectives (.control)
         self._signals: PreemptionSignals | None = None  # SIGTERM/SIGUSR1 (.preemption)
         self._notice: FailureNotice | None = None
@@ -239,8 +259,9 @@ class GeneralParallel(DDPStrategy):
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
-            control=self._control, device=self.root_device,
+            control=self._control, device=self.root_device, init_weights=self.init_weights,
         )
+        self._engine.restore = self._restore  # its optimizer state may still arrive
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
     def _install_fault_handling(self, trainer: Any) -> None:
@@ -464,16 +485,26 @@ class GeneralParallel(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         """Read ``ckpt_path`` on every rank; a truncated, foreign or incomplete checkpoint
-        raises the same CheckpointError on every rank (``ckpt_check``), never a hang."""
+        raises the same CheckpointError on every rank (``ckpt_check``), never a hang. A model
+        built without weights gets a sharded directory's tensors at the build instead, each
+        rank only its own (``deferred_restore``)."""
+        self._restore = None
+        deferred_sharded = (sharded.is_sharded_checkpoint(checkpoint_path)
+                            and self._deferred())
+
         def read() -> dict:
             if sharded.is_sharded_checkpoint(checkpoint_path):
+                if deferred_sharded:
+                    checkpoint, self._restore = sharded.load_deferred(checkpoint_path)
+                    return checkpoint
                 return sharded.load(checkpoint_path, self.lightning_module,
                                     [_unwrap(o) for o in self.optimizers])
             return super(GeneralParallel, self).load_checkpoint(checkpoint_path,
                                                                 weights_only=weights_only)
 
-        return ckpt_check.load_checked(checkpoint_path, read, self.lightning_module,
-                                       timeout=self.step_timeout)
+        # a deferred sharded read holds no tensors yet: the build checks its entries
+        module = None if deferred_sharded else self.lightning_module
+        return ckpt_check.load_checked(checkpoint_path, read, module, timeout=self.step_timeout)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
@@ -482,10 +513,26 @@ class GeneralParallel(DDPStrategy):
         if runtime is not None:  # only the parameters this rank holds
             runtime.load_state_dict(checkpoint["state_dict"])
             return
+        if self._deferred():  # meta parameters would drop the values: applied at the build
+            if self._restore is None:
+                self._restore = DeferredRestore(state_dict=checkpoint["state_dict"])
+            return
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def _deferred(self) -> bool:
+        """The module was built without weights and the pipeline has not given them yet."""
+        module = self.lightning_module
+        return module is not None and self._runtime() is None and is_deferred(module)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizer_states = checkpoint["optimizer_states"]
+        if self._runtime() is None and self._restore is not None:
+            # a deferred model: the per-parameter state is applied at the build (a sharded
+            # directory's is read then); the param groups (learning rates) now
+            if self._restore.path is None:
+                self._restore.optimizer_states = list(optimizer_states)
+            optimizer_states = [{"state": {}, "param_groups": s["param_groups"]}
+                                for s in optimizer_states]
         # strict=False as in Lightning's Strategy.load_optimizer_state_dict (a drop-in for DDP)
         for optimizer, state in zip(self.optimizers, optimizer_states, strict=False):
             _unwrap(optimizer).load_state_dict(state)
@@ -518,6 +565,7 @@ class GeneralParallel(DDPStrategy):
             self._engine.close(gather=gather)
             self.memory_report = self._engine.memory
             self._engine = None
+        self._restore = None
         if self._control is not None:
             self._control.close()
             if self._failure is not None and self.global_rank == 0:

@@ -30,7 +30,9 @@ every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the p
 :mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`, :mod:`.calibration` (the planner's
 RuntimeCosts measured on the job's process group); for the facade: :mod:`.ownership` (which parameters a rank
 updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
-:mod:`.fullstate` (full model and optimizer state). See ``docs/runtime.md``.
+:mod:`.fullstate` (full model and optimizer state); for a model built without weights:
+:mod:`.materialize` (each rank initialises what it keeps) and :mod:`.pretrained` (or reads it
+from safetensors files, tensor by tensor). See ``docs/runtime.md``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ from lightning_gsched.runtime.materialize import (
     owned_parameters,
 )
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
+from lightning_gsched.runtime.pretrained import (
+    PretrainedWeights,
+    PretrainedWeightsError,
+    load_parameters,
+    load_pretrained,
+    pretrained_weights,
+)
 from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
@@ -62,6 +71,11 @@ __all__ = [
     "initialize_parameters",
     "is_deferred",
     "owned_parameters",
+    "PretrainedWeights",
+    "PretrainedWeightsError",
+    "load_parameters",
+    "load_pretrained",
+    "pretrained_weights",
     "short_reason",
     "Channels",
     "MeasuredBytes",

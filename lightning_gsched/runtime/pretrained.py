@@ -1,0 +1,222 @@
+"""Pretrained weights for a deferred model: each rank reads only the tensors it keeps.
+
+Why: a model that does not fit one rank (built without weights, :mod:`.materialize`) must not
+be read whole by any rank either. Weights saved as ``transformers`` saves them (safetensors:
+one ``model.safetensors`` or a ``model.safetensors.index.json`` whose ``weight_map`` names the
+shard of each tensor) can be read one tensor at a time (``safe_open(...).get_tensor(name)``),
+so each rank reads the parameters it keeps (:func:`.materialize.owned_parameters`) and nothing
+else, instead of :func:`.materialize.initialize_parameters`'s random values.
+
+Names are the model's ``state_dict`` keys. ``prefix`` is what the model's keys carry before
+the file's: a LightningModule holding the network as ``self.model`` has keys
+``model.<name>`` while the network saved alone has ``<name>``, so ``prefix="model."``. Model
+parameters whose names do not start with ``prefix`` (a head the LightningModule adds) are not
+in the file: they are initialised as without weights. A tied parameter (one tensor under two
+names) is read under the first of its names the file has (``transformers`` saves one of them).
+
+Before reading, every rank checks every parameter under ``prefix`` against the files' headers
+(name and shape: headers only, no tensor data), so a missing or mismatched tensor fails every
+rank alike, naming the tensor and the file. Persistent buffers the file has are read by every
+rank (every rank holds and runs every buffer; buffers are small); those it lacks keep their
+built values. ``safetensors`` is imported only when weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection, Iterable
+
+import torch
+from torch import nn
+
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.runtime.materialize import initialize_parameters
+from lightning_gsched.runtime.storage import set_storage
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class PretrainedWeightsError(StrategyConfigError):
+    """Pretrained weights (``init_weights``) cannot be found, read, or do not fit the model."""
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """Where a deferred model's weights come from: ``path`` (a ``.safetensors`` file, an
+    ``.index.json``, or a directory holding ``model.safetensors.index.json`` or
+    ``model.safetensors``) and the ``prefix`` the model's names carry before the file's."""
+
+    path: Path
+    prefix: str = ""
+
+
+def pretrained_weights(path: str | os.PathLike[str], prefix: str = "") -> PretrainedWeights:
+    """Check ``path`` exists and resolve a directory to its index or single file (no read of
+    the weights: this runs where the strategy's arguments are checked, before any process)."""
+    if not isinstance(prefix, str):
+        raise PretrainedWeightsError(
+            f"init_weights_prefix must be a string (the model's state_dict names before the "
+            f"file's, e.g. 'model.'), got {prefix!r}")
+    given = Path(path)
+    if given.is_dir():
+        for name in (INDEX, SINGLE):
+            if (given / name).is_file():
+                return PretrainedWeights(given / name, prefix)
+        raise PretrainedWeightsError(
+            f"init_weights={str(path)!r} is a directory without {INDEX} or {SINGLE}: give the "
+            "directory transformers' save_pretrained wrote, or the .safetensors file itself")
+    if not given.is_file():
+        raise PretrainedWeightsError(
+            f"init_weights={str(path)!r} does not exist: give a .safetensors file, a "
+            f"{INDEX}, or a directory holding one")
+    return PretrainedWeights(given, prefix)
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors
+    except ImportError as exc:  # pragma: no cover - a dependency, only missing if removed
+        raise PretrainedWeightsError(
+            "init_weights reads safetensors files, and the safetensors package is not "
+            "installed: pip install safetensors") from exc
+    return safetensors
+
+
+def _open(file: Path) -> Any:
+    """A lazy handle on one safetensors file: the header is read, tensors on request."""
+    return _safetensors().safe_open(str(file), framework="pt", device="cpu")
+
+
+def _where(weights: PretrainedWeights) -> dict[str, Path]:
+    """Tensor name -> the file holding it (an index's ``weight_map``; a single file's header)."""
+    if weights.path.name.endswith(".json"):
+        try:
+            weight_map = json.loads(weights.path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PretrainedWeightsError(
+                f"{weights.path} is not a safetensors index (a JSON object with a "
+                f"'weight_map' of tensor name -> shard file): {exc}") from exc
+        return {name: weights.path.parent / shard for name, shard in weight_map.items()}
+    with _open(weights.path) as f:
+        return {name: weights.path for name in f.keys()}
+
+
+def _names(module: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter (by id): a tied parameter has several."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _file_key(names: Iterable[str], prefix: str, where: dict[str, Path]) -> str | None:
+    """The file's name for a parameter: its first name under ``prefix`` the file has."""
+    under = [n[len(prefix):] for n in names if n.startswith(prefix)]
+    return next((k for k in under if k in where), under[0] if under else None)
+
+
+def _check(module: nn.Module, weights: PretrainedWeights,
+           where: dict[str, Path]) -> dict[int, str]:
+    """Every parameter under the prefix is in the files with its shape (headers only); returns
+    parameter id -> file key."""
+    params = {id(p): p for p in module.parameters()}
+    keys: dict[int, str] = {}
+    for pid, names in _names(module).items():
+        key = _file_key(names, weights.prefix, where)
+        if key is None:
+            continue
+        if key not in where:
+            raise PretrainedWeightsError(
+                f"the parameter {names[0]!r} is not in {weights.path} (looked for {key!r} with "
+                f"init_weights_prefix={weights.prefix!r}); the file's first names are "
+                f"{sorted(where)[:3]}. Set init_weights_prefix to the part of the model's names "
+                "the file lacks (e.g. 'model.' for a LightningModule holding the network as "
+                "self.model), or save the weights of this model")
+        keys[pid] = key
+    by_file: dict[Path, list[int]] = {}
+    for pid, key in keys.items():
+        by_file.setdefault(where[key], []).append(pid)
+    for file, pids in by_file.items():
+        with _open(file) as f:
+            for pid in pids:
+                shape = tuple(f.get_slice(keys[pid]).get_shape())
+                if shape != tuple(params[pid].shape):
+                    raise PretrainedWeightsError(
+                        f"the tensor {keys[pid]!r} in {file} has shape {list(shape)} but the "
+                        f"model's parameter {_names(module)[pid][0]!r} has "
+                        f"{list(params[pid].shape)}: the weights are of another model or "
+                        "configuration")
+    return keys
+
+
+@torch.no_grad()
+def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
+                    weights: PretrainedWeights, device: torch.device) -> list[nn.Parameter]:
+    """Give ``params`` storage on ``device`` holding the file's values, reading only their
+    tensors; load the persistent buffers the file has. Checks every parameter first (see the
+    module doc). Returns the parameters of ``params`` the file does not cover (outside the
+    prefix), for :func:`.materialize.initialize_parameters`."""
+    where = _where(weights)
+    keys = _check(module, weights, where)
+    rest = [p for p in params if id(p) not in keys]
+    wanted = [p for p in params if id(p) in keys]
+    by_file: dict[Path, list[nn.Parameter]] = {}
+    for p in wanted:
+        by_file.setdefault(where[keys[id(p)]], []).append(p)
+    buffers = _persistent_buffers(module, weights.prefix, where)
+    files = set(by_file) | {where[k] for k in buffers}
+    for file in sorted(files):
+        with _open(file) as f:
+            for p in by_file.get(file, []):
+                value = f.get_tensor(keys[id(p)]).to(device=device, dtype=p.dtype)
+                set_storage(p, value)
+            for key, (holder, bname) in buffers.items():
+                if where[key] == file:
+                    _load_buffer(holder, bname, f.get_tensor(key), key, file)
+    return rest
+
+
+def _persistent_buffers(module: nn.Module, prefix: str,
+                        where: dict[str, Path]) -> dict[str, tuple[nn.Module, str]]:
+    """File key -> (holding module, buffer name) of the persistent buffers the file has."""
+    found = {}
+    for mname, sub in module.named_modules():
+        for bname, b in sub.named_buffers(recurse=False):
+            if b is None or bname in sub._non_persistent_buffers_set:
+                continue
+            name = f"{mname}.{bname}" if mname else bname
+            if name.startswith(prefix) and name[len(prefix):] in where:
+                found[name[len(prefix):]] = (sub, bname)
+    return found
+
+
+def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str,
+                 file: Path) -> None:
+    buffer = holder._buffers[bname]
+    assert buffer is not None
+    if tuple(value.shape) != tuple(buffer.shape):
+        raise PretrainedWeightsError(
+            f"the tensor {key!r} in {file} has shape {list(value.shape)} but the model's "
+            f"buffer has {list(buffer.shape)}: the weights are of another model or configuration")
+    if buffer.is_meta:
+        holder._buffers[bname] = value.to(dtype=buffer.dtype)
+    else:
+        buffer.copy_(value)
+
+
+def load_pretrained(module: nn.Module, weights: PretrainedWeights | str | os.PathLike[str],
+                    seed: int = 0, device: Any = "cpu") -> nn.Module:
+    """The weights a deferred ``module`` gets under ``GeneralParallel(init_weights=...)``, on one
+    device (a single-process reference, or one-device use of a model written for deferred
+    initialisation): every parameter read from the file, those outside the prefix initialised
+    as :func:`.materialize.initialize` does. Returns ``module``."""
+    if not isinstance(weights, PretrainedWeights):
+        weights = pretrained_weights(weights)
+    rest = load_parameters(module, list(module.parameters()), weights, torch.device(device))
+    if rest:
+        initialize_parameters(module, rest, seed, torch.device(device))
+    return module
