@@ -16,9 +16,11 @@ retained free blocks, gloo's buffers, Lightning's objects and lazily imported mo
   of fp32 parameters, 3 steps): the row's ratio is the growth / the strategy's predicted peak
   (``strategy.memory_report.predicted[rank].peak``) of the rank with the largest ratio; goal:
   growth <= 1.25 x predicted + 64 MiB on every rank (``extra.within_goal``).
-* ``large_model[<schedule>]`` (fsdp with S=2W, fslpp; 40 x Linear(4096, 4096), 2.5 GiB of fp32
-  parameters, 2 steps): whole replicas plus Adam's two moments and the gradients would need
-  4 x 10 GiB; the row reports every rank's peak RSS (``VmHWM``, absolute) and their sum, and
+* ``large_model[<schedule>]`` (fsdp with S=2W, fslpp; 16 x Linear(4096, 4096), 1 GiB of fp32
+  parameters, 2 steps; not the issue's ~3 GiB: on the shared 24 GiB machine runs must stay
+  under ~14 GiB together, and fsdp at 1 GiB already peaks at ~13 GiB summed over the ranks,
+  docs/benchmarks.md): whole replicas plus gradients and Adam's two moments would need
+  4 x 4 GiB; the row reports every rank's peak RSS (``VmHWM``, absolute) and their sum, and
   the growth / predicted ratio as above. It runs only when ``/proc/meminfo`` shows at least
   16 GiB available (otherwise the row says so); ``run.py`` runs it in the full run only.
 
