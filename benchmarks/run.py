@@ -41,6 +41,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_memory,
         bench_pipeline,
         bench_planner,
+        bench_process_memory,
         bench_tune,
     )
 
@@ -52,6 +53,10 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "single_process_overhead": lambda q: [bench_lightning.single_process_overhead(q)],
         "fidelity": bench_fidelity.run,
         "memory": bench_memory.run,
+        # full run only (several minutes, GiB of RAM): RSS of deferred fits on W=4 processes;
+        # large_model also skips itself with less than 16 GiB available
+        "memory_process": lambda q: [] if q else bench_process_memory.run_small(q),
+        "large_model": lambda q: [] if q else bench_process_memory.run_large(q),
         "tune": bench_tune.run,
         "planner_speed": bench_planner.run,
     }

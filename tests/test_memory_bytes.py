@@ -62,6 +62,21 @@ def test_forward_only_programs_stash_nothing() -> None:
         assert mem.category_peaks.gradients == 0 and mem.category_peaks.optimizer == 0
 
 
+def test_gloo_keeps_handed_off_gradients_until_the_step_ends() -> None:
+    """``sends_held``: a fetched stage's gradient handed off by REDUCE_G stays, as communication,
+    to the end of the step (gloo's sends complete only in wait()); nothing else changes."""
+    p = plan("fsdp", workers=4, stages=8)
+    sizes = uniform_sizes(p.stages, 1000, 70, 3)
+    plain, held = predict_memory(p.programs, sizes), predict_memory(p.programs, sizes,
+                                                                    sends_held=True)
+    for rank, (a, b) in enumerate(zip(plain, held, strict=True)):
+        fetched = p.programs.num_stages - len(p.programs.owned_stages(rank))
+        assert b.category_peaks.communication >= fetched * 1000
+        for category in ("weights", "gradients", "optimizer", "activations"):
+            assert getattr(a.category_peaks, category) == getattr(b.category_peaks, category)
+        assert b.peak > a.peak
+
+
 def test_sizes_must_match_the_plan() -> None:
     p = plan("gpipe", workers=2)
     with pytest.raises(ScheduleConfigError, match="3 stages but the programs have 2"):

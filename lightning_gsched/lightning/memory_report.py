@@ -75,7 +75,11 @@ class MemoryReport:
             outcome = box[0]
         self.sizes, self.unavailable = outcome
         if self.sizes is not None:
-            self.predicted = predict_memory(plan.programs, self.sizes, plan.checkpointed)
+            # gloo's sends complete only in wait(): the transport holds sent buffers to the
+            # step's end (runtime/transport.py, _prune_sends), so handed-off gradients stay
+            sends_held = world_size > 1 and dist.get_backend(_group(self.control)) == "gloo"
+            self.predicted = predict_memory(plan.programs, self.sizes, plan.checkpointed,
+                                            sends_held)
 
     def startup_lines(self) -> str:
         if self.predicted is None:

@@ -157,8 +157,15 @@ class FlatStage(FlatLayout):
         self.grads.zero()
 
     def take_grads(self) -> torch.Tensor:
-        """Non-owner: hand over the accumulated flat gradient and stop holding it."""
-        return self.grads.take()
+        """Non-owner: hand over the accumulated flat gradient and stop holding it.
+
+        The buffer leaves with the message (the transport keeps it until the send completes)
+        and is not kept for reuse: a fetched stage holds gradient storage only from its first
+        weight-gradient job to its ``REDUCE_G``, as the memory prediction counts; kept, every
+        fetched stage's gradient buffer stayed resident between steps (a stage's worth per
+        fetched stage, found by the ``memory_process`` benchmark's RSS).
+        """
+        return self.grads.give_away()
 
 
 class FlatGrads(FlatLayout):
@@ -250,6 +257,14 @@ class FlatGrads(FlatLayout):
             with torch.no_grad():
                 view.copy_(p.grad.reshape(view.shape))
             p.grad = view
+
+    def give_away(self) -> torch.Tensor:
+        """:meth:`take`, then forget the buffer (no spare, no cached views): the caller owns
+        it for good."""
+        flat = self.take()
+        self._taken = None
+        self._views = [(b, v) for b, v in self._views if b is not flat]
+        return flat
 
     def take(self) -> torch.Tensor:
         """Hand over the flat gradient and stop holding it (``param.grad`` becomes None)."""

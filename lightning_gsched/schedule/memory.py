@@ -28,7 +28,9 @@ What each category holds on a rank, as the runtime allocates it:
 * **communication**: receive buffers posted and not yet consumed: an activation from its
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
   peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
-  end), a peer's tie gradient from ``RECV_T`` to the ``ALLREDUCE_T`` (or the step's end). Sends are not counted: a sent tensor is one the stash or a gradient buffer already holds.
+  end), a peer's tie gradient from ``RECV_T`` to the ``ALLREDUCE_T`` (or the step's end). Sends are not counted: a sent tensor is one the stash or a gradient buffer already holds;
+  except, with ``sends_held`` (gloo), a fetched unit's handed-off gradient, which the transport
+  keeps (as communication) until the step's end.
 
 The peak is taken after every action (and at the start); :class:`RankMemory` reports the total's
 peak with its split by category at that moment, and each category's own peak.
@@ -147,9 +149,10 @@ class _RankWalk:
     """The live bytes of one rank while its program runs, action by action."""
 
     def __init__(self, programs: Programs, sizes: ModelSizes, rank: int,
-                 checkpointed: Sequence[bool]) -> None:
+                 checkpointed: Sequence[bool], sends_held: bool = False) -> None:
         self.programs, self.sizes, self.rank = programs, sizes, rank
         self.checkpointed = checkpointed
+        self.sends_held = sends_held
         owned = programs.owned_stages(rank)
         self.owned = set(owned)
         stages = sizes.stages
@@ -214,6 +217,8 @@ class _RankWalk:
             if (kind, a.stage) in self.fetched_grads:
                 self.fetched_grads.discard((kind, a.stage))
                 self.gradients -= grads
+                if self.sends_held:  # the sent buffer lives on until the step's end
+                    self.communication += grads
         elif role == "receive":
             key: tuple[Op, int, int | None] = (a.op, a.stage, a.peer)
             self.posted[key] = self.posted.get(key, 0) + grads
@@ -260,10 +265,11 @@ class _RankWalk:
 
 
 def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
-                checkpointed: Sequence[bool] = ()) -> RankMemory:
-    """Walk one rank's program; the peak of the total and of each category."""
+                checkpointed: Sequence[bool] = (), sends_held: bool = False) -> RankMemory:
+    """Walk one rank's program; the peak of the total and of each category (``sends_held``:
+    see :func:`predict_memory`)."""
     walk = _RankWalk(programs, sizes, rank,
-                     list(checkpointed) or [False] * programs.num_stages)
+                     list(checkpointed) or [False] * programs.num_stages, sends_held)
     best = walk.now()
     highs = best.as_dict()
     for action in programs.ranks[rank]:
@@ -278,10 +284,15 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
 
 
 def predict_memory(programs: Programs, sizes: ModelSizes,
-                   checkpointed: Sequence[bool] = ()) -> list[RankMemory]:
+                   checkpointed: Sequence[bool] = (), sends_held: bool = False,
+                   ) -> list[RankMemory]:
     """Every rank's predicted bytes for one step of ``programs`` (see the module docstring).
 
-    ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none."""
+    ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none.
+    ``sends_held``: the transport cannot tell when a send completed (gloo's point-to-point
+    handles complete only in ``wait()``), so it keeps every sent buffer until the end of the
+    step; a fetched unit's gradient handed off by ``REDUCE_G``/``REDUCE_T`` then stays, as
+    communication, until the step ends instead of leaving with the message."""
     if len(sizes.stages) != programs.num_stages:
         raise ScheduleConfigError(
             f"the sizes describe {len(sizes.stages)} stages but the programs have "
@@ -301,7 +312,8 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
         raise ScheduleConfigError(
             f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
             "the plan's own plan(...).checkpointed")
-    return [rank_memory(programs, sizes, r, checkpointed) for r in range(programs.world_size)]
+    return [rank_memory(programs, sizes, r, checkpointed, sends_held)
+            for r in range(programs.world_size)]
 
 
 def check_tie_sizes(programs: Programs, sizes: ModelSizes) -> None:
