@@ -1,6 +1,7 @@
 """A Lightning job that signals or fails itself at a chosen point: the fault tests' subject.
 
-Run as ``python preempt_script.py OUT_DIR SCHEDULE WORLD FAULT RANK STEP WHERE``; Lightning's
+Run as ``python preempt_script.py OUT_DIR SCHEDULE WORLD FAULT RANK STEP WHERE [STATE_DICT_TYPE]``
+(``full``, the default, or ``sharded``); Lightning's
 script launcher re-runs it for the other ranks (as a user's ``python train.py`` with
 ``devices=W``). At training step STEP (the optimizer steps done so far) rank RANK, at WHERE
 (``batch_start``, ``capture``: inside training_step before ``self(...)``, ``loss``: after it,
@@ -10,7 +11,8 @@ whose first batch builds the pipeline by running the whole step on every rank),
 ``batch_end``: in a callback's on_train_batch_end, ``data``: in the dataloader), does FAULT:
 ``sigterm`` / ``sigusr1`` (to itself), ``sigterm-launcher`` (to rank 0, the launcher), ``raise``
 (a ValueError) or ``none``. Every rank writes ``OUT_DIR/rank<r>.json``: how its ``fit`` ended,
-the step it stopped at, and the first weights' checksum; rank 0 of a finished run saves its
+the step it stopped at, and whether it did the fault (``injected``: the chosen point was
+reached); rank 0 of a finished run saves its
 weights in ``OUT_DIR/final.pt``. A ``ModelCheckpoint(save_last=True,
 save_on_exception=True, every_n_train_steps=2)`` writes into ``OUT_DIR/ckpt``;
 ``RESUME=1`` fits again from ``ckpt_path="last"``.
@@ -39,8 +41,9 @@ GLOBAL_BATCH, STEPS = 8, 6
 
 def config() -> dict[str, Any]:
     out, schedule, world, fault, rank, step, where = sys.argv[1:8]
+    state_dict_type = sys.argv[8] if len(sys.argv) > 8 else "full"
     return dict(out=out, schedule=schedule, world=int(world), fault=fault, rank=int(rank),
-                step=int(step), where=where)
+                step=int(step), where=where, state_dict_type=state_dict_type)
 
 
 CONFIG = config()
@@ -131,7 +134,8 @@ def main() -> None:
                                          save_on_exception=True, every_n_train_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu", devices=c["world"],
-        strategy=GeneralParallel(c["schedule"], step_timeout=30), logger=False,
+        strategy=GeneralParallel(c["schedule"], step_timeout=30,
+                                 state_dict_type=c["state_dict_type"]), logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1 if c["step"] == 0 and c["where"] == "validation" else 0,
         use_distributed_sampler=False, max_steps=STEPS, val_check_interval=2,
         limit_val_batches=1, callbacks=[Injector(), saver],
@@ -153,6 +157,7 @@ def main() -> None:
         result["message"] = str(exc)
         result["traceback"] = traceback.format_exc()
     result["step"] = trainer.global_step
+    result["injected"] = getattr(inject, "done", False)
     if result["outcome"] == "finished" and rank == 0:
         torch.save(model.state_dict(), os.path.join(c["out"], "final.pt"))
     with open(os.path.join(c["out"], f"rank{rank}.json"), "w") as handle:

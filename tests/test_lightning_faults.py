@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ BOUND = 240.0  # start-up (~10 s per process on 2 cores) + a few step_timeouts (
 
 
 def run_job(tmp: Path, schedule: str, world: int, fault: str, rank: int, step: int,
-            where: str, resume: bool = False) -> list[dict]:
+            where: str, resume: bool = False, state_dict_type: str = "full") -> list[dict]:
     """Launch the job, wait (bounded) for every rank's result; the results in rank order."""
     tmp.mkdir(parents=True, exist_ok=True)
     for old in tmp.glob("rank*.json"):
@@ -42,7 +43,7 @@ def run_job(tmp: Path, schedule: str, world: int, fault: str, rank: int, step: i
     with open(tmp / "log.txt", "w") as log:
         launcher = subprocess.Popen(
             [sys.executable, str(SCRIPT), str(tmp), schedule, str(world), fault, str(rank),
-             str(step), where], env=env, stdout=log, stderr=subprocess.STDOUT)
+             str(step), where, state_dict_type], env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + BOUND
     files = [tmp / f"rank{r}.json" for r in range(world)]
     while not all(f.exists() for f in files) and time.monotonic() < deadline:
@@ -121,25 +122,57 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
             assert f"rank {rank} failed" in r["message"], r["message"]
 
 
-def test_resume_after_preemption_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    """SIGTERM on rank 1 in step 3 of 6 (1f1b, W=2), ``ckpt_path="last"``, train to the end:
-    the final weights are the uninterrupted job's. The job's loader is resumable (see
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted job's final weights per (schedule, world), run once for the module
+    (the checkpoint format does not change the training, so the cases share it)."""
+    runs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def weights(schedule: str, world: int) -> dict[str, torch.Tensor]:
+        if (schedule, world) not in runs:
+            out = tmp_path_factory.mktemp(f"whole-{schedule}-{world}")
+            whole = run_job(out, schedule, world, "none", 0, 0, "loss")
+            assert [r["outcome"] for r in whole] == ["finished"] * world, whole
+            runs[schedule, world] = torch.load(out / "final.pt", map_location="cpu")
+        return runs[schedule, world]
+
+    return weights
+
+
+RESUMES = [
+    # (schedule, world, state_dict_type)
+    ("1f1b", 2, "full"),
+    ("fslpp", 2, "full"),
+    ("fslpp", 2, "sharded"),
+]
+
+
+@pytest.mark.parametrize("schedule, world, state_dict_type", RESUMES,
+                         ids=["-".join(map(str, case)) for case in RESUMES])
+def test_resume_after_preemption_equals_the_uninterrupted_run(
+        tmp_path: Path, uninterrupted: Any, schedule: str, world: int,
+        state_dict_type: str) -> None:
+    """SIGTERM on the last rank in step 3 of 6, ``ckpt_path="last"``, train to the end: the
+    final weights are the uninterrupted job's. The job's loader is resumable (see
     preempt_script.FaultyLoader), so the resumed steps see the batches the uninterrupted job
     saw at those steps; the one-batch-per-step data makes a wrong batch change the weights."""
-    whole = run_job(tmp_path / "whole", "1f1b", 2, "none", 0, 0, "loss")
-    assert [r["outcome"] for r in whole] == ["finished", "finished"], whole
-    cut = tmp_path / "cut"
-    stopped = run_job(cut, "1f1b", 2, "sigterm", 1, 3, "loss")
-    assert [r["outcome"] for r in stopped] == ["SIGTERMException"] * 2, stopped
+    want = uninterrupted(schedule, world)
+    last = world - 1
+    stopped = run_job(tmp_path, schedule, world, "sigterm", last, 3, "loss",
+                      state_dict_type=state_dict_type)
+    assert [r["outcome"] for r in stopped] == ["SIGTERMException"] * world, stopped
+    assert stopped[last]["injected"], stopped
     stop = stopped[0]["step"]
-    assert 3 <= stop < 6 and not (cut / "final.pt").exists()
-    resumed = run_job(cut, "1f1b", 2, "none", 0, 0, "loss", resume=True)
-    assert [(r["outcome"], r["step"]) for r in resumed] == [("finished", 6)] * 2, resumed
-    want = torch.load(tmp_path / "whole" / "final.pt", map_location="cpu")
-    got = torch.load(cut / "final.pt", map_location="cpu")
+    assert 3 <= stop < 6 and not (tmp_path / "final.pt").exists()
+    saved = tmp_path / "ckpt" / "last.ckpt"
+    assert saved.is_dir() == (state_dict_type == "sharded"), saved
+    resumed = run_job(tmp_path, schedule, world, "none", 0, 0, "loss", resume=True,
+                      state_dict_type=state_dict_type)
+    assert [(r["outcome"], r["step"]) for r in resumed] == [("finished", 6)] * world, resumed
+    got = torch.load(tmp_path / "final.pt", map_location="cpu")
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0, msg=key)
-    log = (cut / "log.txt").read_text()
+    log = (tmp_path / "log.txt").read_text()
     assert "Restoring states from the checkpoint path" in log, log[-3000:]
     assert "dataloader is not resumable" not in log  # Lightning's warning for a plain loader

@@ -1,0 +1,120 @@
+"""SIGTERM trials: does every rank of a real job stop at the same step, whatever the moment?
+
+Each trial launches ``tests/preempt_script.py`` (Lightning's script launcher starts the other
+ranks) with one SIGTERM at a chosen rank, step and point (``sigterm-launcher``: the chosen
+rank signals rank 0, the launcher). The moments are drawn (seeded) from every rank, steps 0-4
+of 6 and the script's points; a point the job never reaches at that rank and step (e.g. the
+loss on a rank without the last stage) sends nothing, so a trial counts only when the script
+reports the signal sent (``injected``), and drawing goes on until N trials have delivered one.
+Each trial is bounded (``--timeout``): a rank without a result by then is a hang.
+
+Per configuration it prints: trials delivered (and tried), trials where every rank ended with
+the agreed stop (``SIGTERMException``, no hang), trials where every rank stopped after the same
+step, and the min/max wall time of a trial (launch to the last rank's result; start-up
+included).
+
+    python -m benchmarks.fault_trials [--trials 10] [--timeout 180] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "preempt_script.py"
+CONFIGS = [("1f1b", 2), ("fslpp", 4)]
+POINTS = ["batch_start", "capture", "loss", "batch_end", "data"]
+EVAL_POINTS = ["validation", "validation_capture", "save"]  # reached at steps 2 and 4 only
+
+
+def moments(world: int, seed: int) -> list[tuple[str, int, int, str]]:
+    """Every (fault, rank, step, point), in a seeded random order."""
+    found = [(fault, rank, step, where)
+             for fault in ("sigterm", "sigterm-launcher") for rank in range(world)
+             for step in range(5) for where in POINTS + (EVAL_POINTS if step in (2, 4) else [])]
+    random.Random(seed).shuffle(found)
+    return found
+
+
+def trial(out: Path, schedule: str, world: int, moment: tuple[str, int, int, str],
+          timeout: float) -> tuple[list[dict[str, Any]] | None, float]:
+    """One launched job; (every rank's result, or None on a hang; wall seconds)."""
+    fault, rank, step, where = moment
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("GSCHED_TEST_LAUNCHER", None)
+    env.pop("RESUME", None)
+    start = time.monotonic()
+    with open(out / "log.txt", "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(out), schedule, str(world), fault, str(rank),
+             str(step), where], env=env, stdout=log, stderr=subprocess.STDOUT)
+    files = [out / f"rank{r}.json" for r in range(world)]
+    while not all(f.exists() for f in files) and time.monotonic() - start < timeout:
+        time.sleep(0.2)
+    wall = time.monotonic() - start
+    if not all(f.exists() for f in files):
+        for pid_file in out.glob("pid*"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        launcher.kill()
+        launcher.wait()
+        return None, wall
+    launcher.wait(timeout=60)
+    time.sleep(0.3)  # the result files are written just before each process exits
+    return [json.loads(f.read_text()) for f in files], wall
+
+
+def run(schedule: str, world: int, trials: int, timeout: float, seed: int) -> dict[str, Any]:
+    delivered, tried, agreed, same_step, walls = 0, 0, 0, 0, []
+    for moment in moments(world, seed):
+        if delivered == trials:
+            break
+        tried += 1
+        with tempfile.TemporaryDirectory(prefix="fault_trial_") as tmp:
+            results, wall = trial(Path(tmp), schedule, world, moment, timeout)
+        sent = results is None or any(r.get("injected") for r in results)
+        print(f"  {schedule} W={world} {moment}: "
+              + ("hang" if results is None else
+                 " ".join(f"{r['outcome']}@{r['step']}" for r in results))
+              + f" {wall:.1f} s" + ("" if sent else " (not delivered)"), flush=True)
+        if not sent:
+            continue
+        delivered += 1
+        walls.append(wall)
+        if results is not None:
+            agreed += all(r["outcome"] == "SIGTERMException" for r in results)
+            same_step += len({r["step"] for r in results}) == 1
+    return dict(schedule=schedule, world=world, delivered=delivered, tried=tried,
+                agreed_stop=agreed, same_step=same_step,
+                wall_min=min(walls, default=0.0), wall_max=max(walls, default=0.0))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10, help="delivered trials per config")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per trial")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = [run(schedule, world, args.trials, args.timeout, args.seed)
+            for schedule, world in CONFIGS]
+    for row in rows:
+        print(f"{row['schedule']} W={row['world']}: delivered {row['delivered']} "
+              f"(of {row['tried']} tried), every rank stopped (no hang) {row['agreed_stop']}"
+              f"/{row['delivered']}, same stop step {row['same_step']}/{row['delivered']}, "
+              f"wall {row['wall_min']:.1f}-{row['wall_max']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
