@@ -10,7 +10,7 @@ Each trial is bounded (``--timeout``): a rank without a result by then is a hang
 
 Per configuration it prints: trials delivered (and tried), trials where every rank ended with
 the agreed stop (``SIGTERMException``, no hang), trials where every rank stopped after the same
-step, and the min/max wall time of a trial (launch to the last rank's result; start-up
+step, the range of stop step - signalled step, and the min/max wall time of a trial (launch to the last rank's result; start-up
 included).
 
     python -m benchmarks.fault_trials [--trials 10] [--timeout 180] [--seed 0]
@@ -77,7 +77,7 @@ def trial(out: Path, schedule: str, world: int, moment: tuple[str, int, int, str
 
 
 def run(schedule: str, world: int, trials: int, timeout: float, seed: int) -> dict[str, Any]:
-    delivered, tried, agreed, same_step, walls = 0, 0, 0, 0, []
+    delivered, tried, agreed, same_step, walls, lags = 0, 0, 0, 0, [], []
     for moment in moments(world, seed):
         if delivered == trials:
             break
@@ -96,8 +96,10 @@ def run(schedule: str, world: int, trials: int, timeout: float, seed: int) -> di
         if results is not None:
             agreed += all(r["outcome"] == "SIGTERMException" for r in results)
             same_step += len({r["step"] for r in results}) == 1
+            lags += [r["step"] - moment[2] for r in results]
     return dict(schedule=schedule, world=world, delivered=delivered, tried=tried,
                 agreed_stop=agreed, same_step=same_step,
+                lags=(min(lags, default=0), max(lags, default=0)),
                 wall_min=min(walls, default=0.0), wall_max=max(walls, default=0.0))
 
 
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['schedule']} W={row['world']}: delivered {row['delivered']} "
               f"(of {row['tried']} tried), every rank stopped (no hang) {row['agreed_stop']}"
               f"/{row['delivered']}, same stop step {row['same_step']}/{row['delivered']}, "
+              f"stop - signalled step {row['lags'][0]}..{row['lags'][1]}, "
               f"wall {row['wall_min']:.1f}-{row['wall_max']:.1f} s")
 
 
