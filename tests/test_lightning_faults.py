@@ -142,6 +142,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
 RESUMES = [
     # (schedule, world, state_dict_type)
     ("1f1b", 2, "full"),
+    ("1f1b", 2, "sharded"),
     ("fslpp", 2, "full"),
     ("fslpp", 2, "sharded"),
 ]
