@@ -25,18 +25,11 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeFault
+from lightning_gsched.runtime import FaultNotice, default_store
 
 T = TypeVar("T")
 _SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
 
-
-def _default_store() -> Any | None:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # noqa: BLE001 - the notice is an optional courtesy
-        return None
 
 
 class ControlGroup:
@@ -46,27 +39,17 @@ class ControlGroup:
         self.rank = rank
         self.timeout = float(timeout)
         self.group: Any = dist.new_group(timeout=timedelta(seconds=self.timeout))
-        self.store = _default_store()
+        self.store = default_store()
         self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
+        self.notice = FaultNotice(self.store, self.key)
         self.closed = False
 
     def report(self, message: str) -> None:
         """Record the job's first failure (a later report keeps the first)."""
-        if self.store is not None:
-            try:
-                self.store.compare_set(self.key, "", message)
-            except Exception:  # noqa: BLE001 - never mask the real failure
-                pass
+        self.notice.report(message)
 
     def first_fault(self) -> str | None:
-        if self.store is None:
-            return None
-        try:
-            if self.store.check([self.key]):
-                return self.store.get(self.key).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            return None
-        return None
+        return self.notice.first()
 
     def run(self, what: str, collective: Callable[[], T]) -> T:
         """``collective()``, with a backend failure turned into a RuntimeFault (see module doc)."""

@@ -44,6 +44,35 @@ def default_store() -> Any | None:
         return None
 
 
+class FaultNotice:
+    """The job's first failure under one key of the job's store: written once (a later report
+    keeps the first), read without blocking. Shared by the runtime's channels and the
+    strategy's control group, whose peers quote it as the root cause of their own error."""
+
+    def __init__(self, store: Any | None, key: str) -> None:
+        self.store = store
+        self.key = key
+
+    def report(self, message: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.compare_set(self.key, "", message)
+        except Exception:  # noqa: BLE001 - never mask the real failure
+            pass
+
+    def first(self) -> str | None:
+        """The failure a rank recorded, if any (never blocks)."""
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self.key]):
+                return self.store.get(self.key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return None
+        return None
+
+
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     """Distinct ``ALLREDUCE_G``/``ALLREDUCE_T`` member sets (and replicated owners), sorted:
     the creation order."""
@@ -83,6 +112,7 @@ class Channels:
         self.timeout = float(timeout)
         self.serial = next(_SERIAL)
         self.store = store if store is not None else default_store()
+        self.notice = FaultNotice(self.store, f"lightning_gsched/fault/{self.serial}")
         span = timedelta(seconds=self.timeout)
         everyone = list(range(world))
         self.groups: dict[tuple[str, bool], Any] = {
@@ -131,29 +161,13 @@ class Channels:
 
     # ------------------------------------------------------------------ faults
 
-    @property
-    def _fault_key(self) -> str:
-        return f"lightning_gsched/fault/{self.serial}"
-
     def report_fault(self, message: str) -> None:
         """Record the first failure of this job's channels (later reports keep the first)."""
-        if self.store is None:
-            return
-        try:
-            self.store.compare_set(self._fault_key, "", message)
-        except Exception:  # noqa: BLE001 - never mask the real failure
-            pass
+        self.notice.report(message)
 
     def first_fault(self) -> str | None:
         """The failure another rank recorded, if any (never blocks)."""
-        if self.store is None:
-            return None
-        try:
-            if self.store.check([self._fault_key]):
-                return self.store.get(self._fault_key).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            return None
-        return None
+        return self.notice.first()
 
     def abort(self) -> None:
         """Destroy every group of this object: peers blocked on this rank error out promptly.
