@@ -242,13 +242,14 @@ def verify_split(part: Any, args: tuple, kwargs: dict, verify: str | bool) -> Ve
             p.grad = None
         with preserved_attributes(module), preserved_tensors_and_rng(module):
             got_out = _run_split(part.stages, args, kwargs)
-        got_grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+        params = dict(module.named_parameters())
+        got_grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         problems = _output_differences(got_out, want_out)
         first_stage = part.num_stages - 1 if problems else None
         for name in sorted(set(want_grads) | set(got_grads)):
             want, got = want_grads.get(name), got_grads.get(name)
-            stage = part.stage_of_parameter.get(part.canonical_name(
-                dict(module.named_parameters())[name]), part.num_stages - 1)
+            stage = part.stage_of_parameter.get(part.canonical_name(params[name]),
+                                                part.num_stages - 1)
             if want is None or got is None:
                 missing = "the split" if got is None else "the model"
                 problems.append(f"gradient of {name!r} (stage {stage}): none from {missing}")
