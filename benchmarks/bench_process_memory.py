@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +65,19 @@ def available_bytes() -> int:
 
 
 class RssTrace(pl.Callback):
-    """A diagnostic (``trace=True``): (hook, VmRSS, VmHWM) at Lightning's hooks, in ``points``."""
+    """A diagnostic (``trace=True``): (hook, VmRSS, VmHWM, seconds since the fit started) at
+    Lightning's hooks, in ``points``."""
 
     def __init__(self) -> None:
-        self.points: list[tuple[str, int, int]] = []
+        self.points: list[tuple[str, int, int, float]] = []
+        self.started = time.perf_counter()
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.started = time.perf_counter()
 
     def _mark(self, name: str) -> None:
-        self.points.append((name, _status_bytes("VmRSS"), _status_bytes("VmHWM")))
+        self.points.append((name, _status_bytes("VmRSS"), _status_bytes("VmHWM"),
+                            time.perf_counter() - self.started))
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:

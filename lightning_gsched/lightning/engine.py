@@ -352,11 +352,14 @@ class PipelineEngine:
             raise
 
     def training_step(self, batch: Any, caller: StepCaller,
-                      notice: Callable[[], int] = lambda: 0) -> StepOutcome:
+                      notice: Callable[[], int] = lambda: 0,
+                      drop_previous_grads: bool = False) -> StepOutcome:
         """One schedule step on this rank's share of the global batch: forward, backward and
         the gradients held for :meth:`hand_over_grads`; the loss of the global batch.
         ``notice()``: this rank's pending preemption signal, read when the exchange of the
-        losses starts (every rank's comes back in ``StepOutcome.notices``)."""
+        losses starts (every rank's comes back in ``StepOutcome.notices``).
+        ``drop_previous_grads``: the loop zeroes the gradients before the hand-over
+        (``ModelRuntime.step``)."""
         rows, layouts = self._rows(batch)
         if self.train_plan is None:
             batch = self._build_auto(batch, rows, caller, training=True)
@@ -384,7 +387,8 @@ class PipelineEngine:
         self.memory.before_step(runtime)
         try:
             runtime.step(inputs, loss_fn, signature=_signature(caller, rows, layouts),
-                         on_computed=start_log_exchange)
+                         on_computed=start_log_exchange,
+                         drop_previous_grads=drop_previous_grads)
         except RuntimeFault:
             self.failed = True
             raise

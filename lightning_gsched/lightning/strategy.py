@@ -48,6 +48,7 @@ from lightning_gsched.lightning.options import (
     pipeline_options,
 )
 from lightning_gsched.lightning.preemption import PreemptionSignals
+from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
 from lightning_gsched.runtime import (
     ModelRuntime,
     deferred_parameters,
@@ -352,8 +353,10 @@ class GeneralParallel(DDPStrategy):
         engine = self._require_engine()
         with self.precision_plugin.train_step_context():
             caller = self._caller("training_step", args, kwargs)
-            outcome = engine.training_step(args[0], caller, self._pending_signal)
             trainer = self.lightning_module.trainer
+            outcome = engine.training_step(
+                args[0], caller, self._pending_signal,
+                drop_previous_grads=loop_zeroes_grads(trainer, self.lightning_module))
             self._agree(outcome, f"training step {trainer.global_step + 1}")
             return self._logged(outcome)
 

@@ -63,9 +63,22 @@ class GradStash:
 
     # ------------------------------------------------------------------ around the schedule
 
-    def before_step(self) -> None:
-        """Set aside gradients an accumulation window holds; extras start from None."""
-        self._saved = {id(p): p.grad for p in self.ownership.owned}
+    def before_step(self, drop_previous: bool = False) -> None:
+        """Set aside gradients an accumulation window holds; extras start from None.
+
+        ``drop_previous``: the caller knows its loop zeroes the gradients before it hands this
+        step's over (Lightning's ``training_step``, ``zero_grad``, ``backward`` at the start of
+        an accumulation window). Setting last step's gradients aside would then keep a second
+        owned-gradient buffer alive through the whole schedule only to be thrown away, so they
+        are dropped now and their buffers recycled for this step instead.
+        """
+        if drop_previous:
+            for p in self.ownership.owned:
+                p.grad = None
+            self._recycle_given()
+            self._saved = {}
+        else:
+            self._saved = {id(p): p.grad for p in self.ownership.owned}
         for p in self.ownership.extra:
             p.grad = None
 

@@ -32,6 +32,7 @@ from lightning_gsched.runtime.compute import ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_state_bytes
 from lightning_gsched.runtime.handover import GradStash
+from lightning_gsched.runtime.host_heap import release_free_heap
 from lightning_gsched.runtime.layout import StepResult
 from lightning_gsched.runtime.ownership import Ownership
 from lightning_gsched.schedule.program import Programs
@@ -81,6 +82,8 @@ class ModelRuntime:
         # a split backward accumulates what loss.backward() would: the extras the loss reads
         self.executor.compute.loss_params = list(self.ownership.extra)
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
+        # the parameters now live in the stage buffers: the tensors they were built in are free
+        release_free_heap(self.device)
 
     @property
     def first_stage_micros(self) -> list[int]:
@@ -96,10 +99,14 @@ class ModelRuntime:
 
     def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
              signature: Hashable | None = None,
-             on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
+             on_computed: Callable[[dict[int, Any]], None] | None = None,
+             drop_previous_grads: bool = False) -> StepResult:
         """One step of the schedule (:meth:`ProgramExecutor.step`); its gradients are then held
-        here until :meth:`hand_over`, and ``param.grad`` is what it was before the step."""
-        self._grads.before_step()
+        here until :meth:`hand_over`, and ``param.grad`` is what it was before the step, or
+        None with ``drop_previous_grads`` (the caller's loop zeroes them before the hand-over:
+        :meth:`GradStash.before_step`)."""
+        self._grads.before_step(drop_previous=drop_previous_grads)
+        release_free_heap(self.device)  # what the last step freed, before this one allocates
         result = self.executor.step(inputs, loss_fn, signature=signature,
                                     on_computed=on_computed)
         self._grads.after_step()
@@ -132,6 +139,8 @@ class ModelRuntime:
         """``param.grad += scale * gradient of the last step`` (assigned where None), as
         ``loss.backward()`` would; a second call without a step hands over nothing."""
         self._grads.hand_over(scale)
+        # the schedule's transients are free now, before the optimizer allocates its own
+        release_free_heap(self.device)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float,
                        norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
