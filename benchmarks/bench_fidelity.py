@@ -3,7 +3,7 @@
 For each library schedule, on W ranks at once (so profiling sees the same contention as the run):
 
 1. partition the benchmark model into the schedule's stages and time every stage's forward and
-   backward on one real microbatch (:func:`lightning_gsched.partition.profile_stages`; for the
+   backward on one real microbatch (:func:`lightning_gsched.measure.profile_stages`; for the
    zero-bubble schedules B and W separately, as the runtime splits them);
 2. plan the schedule with those costs (rank 0's numbers, broadcast, so every rank plans the same
    programs): the programs the run executes (their compute-only latency and their replay with
@@ -36,7 +36,7 @@ the planned programs (:func:`lightning_gsched.schedule.predict.predict_step_time
 library's :class:`~lightning_gsched.schedule.runtime_costs.RuntimeCosts` measured on the job's
 own process group (:func:`lightning_gsched.runtime.calibrate`: per-message CPU on both ends,
 latency and bandwidth, all-reduces, the executor's work per job and per step) and the bytes of
-every message (:func:`lightning_gsched.partition.measure_stage_bytes`); the compute-only
+every message (:func:`lightning_gsched.measure.measure_stage_bytes`); the compute-only
 latency is reported next to it, so the table shows what the runtime's own work adds.
 """
 
@@ -170,9 +170,9 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
                  microbatches: int, shape: dict[str, int] | None = None, R: int | None = None,
                  repeats: int = 7) -> dict[str, Any]:
     from lightning_gsched import GeneralParallel
+    from lightning_gsched.measure.measure_bytes import measure_stage_bytes
+    from lightning_gsched.measure.profile import profile_stages
     from lightning_gsched.partition import partition
-    from lightning_gsched.partition.measure_bytes import measure_stage_bytes
-    from lightning_gsched.partition.profile import profile_stages
     from lightning_gsched.runtime import calibrate
     from lightning_gsched.schedule.plan import plan
     from lightning_gsched.schedule.predict import predict_step_time

@@ -94,7 +94,7 @@ def run(quick: bool) -> list[Result]:
     import torch
 
     from benchmarks.model import GPTShape, build_core, lm_loss, token_data
-    from lightning_gsched.partition.tune_profile import tune_model
+    from lightning_gsched.measure.tune_profile import tune_model
     from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 
     rounds, steps, warmup = SIZES["quick" if quick else "full"]

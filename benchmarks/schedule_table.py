@@ -11,7 +11,7 @@ costs says how much of the unit-cost ranking survives on a real model.
 For each (W, B) and schedule: the schedule's default S and R at W; the benchmark GPT
 (:mod:`benchmarks.model`, ``--layers`` blocks so that S = 2W stages exist) cut into S stages by
 :func:`lightning_gsched.partition.partition`; every stage's forward and backward timed on one
-microbatch of ``--rows`` rows by :func:`lightning_gsched.partition.profile_stages` (B and W
+microbatch of ``--rows`` rows by :func:`lightning_gsched.measure.profile_stages` (B and W
 apart for the zero-bubble schedules, with the runtime's split backward); then ``plan()`` with
 those costs. Latency is compute only (no communication) on one process: the planner's view, not
 a measured step. "vs best" is the profiled latency over the fastest schedule's at that (W, B). Profiles are shared between schedules with the same S and split.
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from benchmarks.model import GPTShape, build_core, lm_loss, token_data
-from lightning_gsched.partition import partition, profile_stages
+from lightning_gsched.measure import profile_stages
+from lightning_gsched.partition import partition
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.library import LIBRARY
 

@@ -12,11 +12,20 @@ from typing import Any
 from lightning_gsched.errors import GschedError
 
 __version__ = "0.1.0"
-__all__ = ["GeneralParallel", "GeneralParallelFabric", "GschedError", "__version__"]
+__all__ = [
+    "GeneralParallel",
+    "GeneralParallelFabric",
+    "GschedError",
+    "__version__",
+    "measure_stage_bytes",
+    "profile_stages",
+]
 
 _LAZY = {
     "partition": "lightning_gsched.partition",
     "runtime": "lightning_gsched.runtime",
+    "measure": "lightning_gsched.measure",
+    "engine": "lightning_gsched.engine",
     "lightning": "lightning_gsched.lightning",
     "fabric": "lightning_gsched.fabric",
 }
@@ -31,6 +40,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("lightning_gsched.lightning").GeneralParallel
     if name == "GeneralParallelFabric":
         return importlib.import_module("lightning_gsched.fabric").GeneralParallelFabric
+    if name in ("profile_stages", "measure_stage_bytes"):
+        return getattr(importlib.import_module("lightning_gsched.measure"), name)
     raise AttributeError(f"module 'lightning_gsched' has no attribute {name!r}")
 
 

@@ -250,7 +250,7 @@ def _load_target(spec: str) -> tuple[Any, tuple, Any]:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from lightning_gsched.partition.tune_profile import tune_model
+    from lightning_gsched.measure.tune_profile import tune_model
 
     costs = DEFAULT_COSTS.with_changes(
         latency=args.latency, bandwidth=args.bandwidth, send_cpu=args.message_cpu,

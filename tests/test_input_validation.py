@@ -24,12 +24,12 @@ from lightning_gsched.errors import (
     UnknownScheduleError,
     UserCallableError,
 )
+from lightning_gsched.measure import profile_stages
 from lightning_gsched.partition import (
     BalanceError,
     ExampleInputError,
     UnknownNameError,
     partition,
-    profile_stages,
 )
 from lightning_gsched.schedule import Phase, plan
 

@@ -16,6 +16,10 @@ possible. An import inside a function runs later and is not an edge.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -201,6 +205,13 @@ class Rule:
         return found
 
 
+# the front ends; and the engine, the measuring and the partitioner below them, from the top down
+FRONT_ENDS = (f"{PACKAGE}.lightning", f"{PACKAGE}.fabric")
+ABOVE_MEASURE = (f"{PACKAGE}.engine", *FRONT_ENDS)
+ABOVE_PARTITION = (f"{PACKAGE}.measure", *ABOVE_MEASURE)
+# the Trainer's side of the pip package (lightning.fabric is Fabric's and shared utilities)
+TRAINER_PIP = ("lightning.pytorch", "pytorch_lightning")
+
 RULES = [
     Rule(
         name="pure-python-schedule",
@@ -215,30 +226,62 @@ RULES = [
         forbidden=(
             f"{PACKAGE}.partition",
             f"{PACKAGE}.runtime",
-            f"{PACKAGE}.lightning",
-            f"{PACKAGE}.fabric",
+            *ABOVE_PARTITION,
             f"{PACKAGE}.cli",
         ),
         why="schedule/ and errors.py sit below every other layer",
     ),
     Rule(
+        name="partition-only-splits",
+        applies_to=(f"{PACKAGE}.partition",),
+        forbidden=(*LIGHTNING_PIP, f"{PACKAGE}.runtime", *ABOVE_PARTITION),
+        why="partition/ splits a model with torch.fx and depends on nothing in runtime/; timing "
+        "and sizing stages (which needs the runtime's code) is measure/, above both",
+    ),
+    Rule(
         name="runtime-below-lightning-and-partition",
         applies_to=(f"{PACKAGE}.runtime",),
-        forbidden=(*LIGHTNING_PIP, f"{PACKAGE}.lightning", f"{PACKAGE}.fabric",
-                   f"{PACKAGE}.partition"),
+        forbidden=(*LIGHTNING_PIP, f"{PACKAGE}.partition", *ABOVE_PARTITION),
         why="runtime/ executes programs on any stages; Lightning and fx partitioning sit above it",
     ),
     Rule(
+        name="measure-below-the-engine",
+        applies_to=(f"{PACKAGE}.measure",),
+        forbidden=(*LIGHTNING_PIP, *ABOVE_MEASURE),
+        why="measure/ times and sizes stages for the planner (gsched tune, the engine's auto "
+        "schedule and memory report); it knows neither the engine nor Lightning",
+    ),
+    Rule(
+        name="engine-imports-no-lightning",
+        applies_to=(f"{PACKAGE}.engine",),
+        forbidden=(*LIGHTNING_PIP, *FRONT_ENDS),
+        why="engine/ is the pipeline both front ends share: it imports neither the lightning pip "
+        "package nor a front end, so Fabric never loads lightning.pytorch",
+    ),
+    Rule(
+        name="fabric-is-not-the-trainer",
+        applies_to=(f"{PACKAGE}.fabric",),
+        forbidden=(*TRAINER_PIP, f"{PACKAGE}.lightning"),
+        why="the Fabric front end shares the engine, not the Trainer strategy: importing it must "
+        "not load lightning.pytorch nor register Trainer strategies",
+    ),
+    Rule(
+        name="trainer-is-not-fabric",
+        applies_to=(f"{PACKAGE}.lightning",),
+        forbidden=(f"{PACKAGE}.fabric",),
+        why="the two front ends are independent adapters over engine/",
+    ),
+    Rule(
         name="front-ends-use-the-runtime-facade",
-        # the Trainer and Fabric strategies see ModelRuntime & co. from runtime/__init__.py only
-        applies_to=(f"{PACKAGE}.lightning", f"{PACKAGE}.fabric"),
+        # the engine and both strategies see ModelRuntime & co. from runtime/__init__.py only
+        applies_to=(f"{PACKAGE}.engine", *FRONT_ENDS),
         forbidden=tuple(
             f"{PACKAGE}.runtime.{path.stem}"
             for path in sorted((PACKAGE_DIR / "runtime").glob("*.py"))
             if path.stem != "__init__"
         ),
-        why="front ends reach the runtime through its package interface (ModelRuntime), never "
-        "its internals, so the executor can change behind the facade",
+        why="the engine and the front ends reach the runtime through its package interface "
+        "(ModelRuntime), never its internals, so the executor can change behind the facade",
     ),
     Rule(
         name="nothing-imports-the-cli",
@@ -336,6 +379,8 @@ def test_scanner_sees_the_package(package_imports):
     """Guard against a scanner that passes because it found nothing."""
     assert f"{PACKAGE}.schedule.plan" in package_imports
     assert f"{PACKAGE}.runtime.executor" in package_imports
+    assert f"{PACKAGE}.engine.engine" in package_imports
+    assert f"{PACKAGE}.measure.profile" in package_imports
     executor = {r.target for r in package_imports[f"{PACKAGE}.runtime.executor"]}
     assert "torch" in executor and f"{PACKAGE}.schedule.program" in executor
     assert sum(map(len, package_imports.values())) > 200
@@ -359,6 +404,54 @@ def test_no_cycles_through_type_only_imports_either(package_imports):
     runtime/executor <-> step were; each lower module now states what it reads as a Protocol)."""
     report = _cycles_text(package_imports, type_only=True)
     assert not report, report
+
+
+def _fresh_import(statement: str) -> tuple[list[str], bool]:
+    """Run ``statement`` in a fresh interpreter that imports this checkout (not an installed
+    copy): the modules then in ``sys.modules``, and whether a ``gsched_*`` name is in the
+    Trainer's StrategyRegistry (read only if Lightning's strategies module is loaded)."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    code = (
+        "import json, sys\n"
+        f"{statement}\n"
+        "registry = getattr(sys.modules.get('lightning.pytorch.strategies'), "
+        "'StrategyRegistry', {})\n"
+        "print(json.dumps([sorted(sys.modules), 'gsched_fslpp' in registry]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    modules, registered = json.loads(out.stdout.splitlines()[-1])
+    return modules, registered
+
+
+def _trainer_modules(modules: Iterable[str]) -> list[str]:
+    return [m for m in modules if _matches(m, TRAINER_PIP)]
+
+
+def test_importing_fabric_loads_no_trainer():
+    """The import-time fact behind the fabric rule: ``import lightning_gsched.fabric`` loads no
+    part of the Trainer front end and registers no Trainer strategy, and of ``lightning.pytorch``
+    it loads nothing beyond what ``import lightning.fabric`` loads by itself. (The ``lightning``
+    distribution's own ``lightning/__init__.py`` imports ``lightning.pytorch``'s Trainer, so with
+    it installed no Fabric user avoids that; without such an import there, none is loaded.)"""
+    loaded, registered = _fresh_import("import lightning_gsched.fabric")
+    assert "lightning_gsched.fabric" in loaded and "lightning_gsched.engine.engine" in loaded
+    assert [m for m in loaded if _matches(m, (f"{PACKAGE}.lightning",))] == []
+    assert not registered
+    by_fabric_itself, _ = _fresh_import("import lightning.fabric")
+    assert _trainer_modules(loaded) == _trainer_modules(by_fabric_itself)
+
+
+def test_importing_the_engine_loads_no_lightning():
+    loaded, _ = _fresh_import("import lightning_gsched.engine")
+    assert "lightning_gsched.engine.engine" in loaded
+    assert [m for m in loaded if _matches(m, LIGHTNING_PIP)] == []
 
 
 # ---------------------------------------------------------------------------- the checker
@@ -442,7 +535,8 @@ def test_relative_imports_in_a_package_init_resolve_from_the_package():
 
 def test_rules_report_file_line_and_target():
     """A torch import hidden in a function of the schedule layer is caught, with its location;
-    ``lightning_gsched.lightning`` is not mistaken for the ``lightning`` pip package."""
+    ``lightning_gsched.lightning`` is not mistaken for the ``lightning`` pip package; each layer
+    rule names what crossed it (partition -> runtime, engine -> Lightning, fabric -> Trainer)."""
     imports = {
         f"{PACKAGE}.schedule.fake": _scan(
             "import math\nfrom lightning_gsched.errors import GschedError\n\n"
@@ -452,37 +546,80 @@ def test_rules_report_file_line_and_target():
         f"{PACKAGE}.runtime.step": _scan(
             "from lightning_gsched.lightning import config\n", f"{PACKAGE}.runtime.step"
         ),
-        f"{PACKAGE}.lightning.engine": _scan(
-            "from lightning_gsched.lightning import config\nfrom ..cli import describe\n",
-            f"{PACKAGE}.lightning.engine",
+        f"{PACKAGE}.partition.profile": _scan(
+            "from lightning_gsched.runtime.split_backward import backward_input\n"
+            "from lightning_gsched.measure import profile_stages\n",
+            f"{PACKAGE}.partition.profile",
+        ),
+        f"{PACKAGE}.measure.profile": _scan(
+            # measuring runs the runtime's own code: its internals are allowed here
+            "from lightning_gsched.runtime.split_backward import backward_input\n"
+            "from lightning_gsched.engine.auto import choose_schedule\n",
+            f"{PACKAGE}.measure.profile",
+        ),
+        f"{PACKAGE}.engine.engine": _scan(
+            "from lightning_gsched.engine import config\nfrom ..cli import describe\n"
+            "import lightning.pytorch as pl\nfrom lightning_gsched.lightning import sharded\n",
+            f"{PACKAGE}.engine.engine",
         ),
         f"{PACKAGE}.cli": _scan("from lightning_gsched.cli import main\n", f"{PACKAGE}.cli"),
         f"{PACKAGE}.fabric.strategy": _scan(
             "from lightning_gsched.runtime import ModelRuntime\n"
-            "from lightning_gsched.runtime.flat import FlatStage\n",
+            "from lightning_gsched.runtime.flat import FlatStage\n"
+            "from lightning_gsched.lightning.engine import PipelineEngine\n"
+            "from lightning.pytorch.strategies import DDPStrategy\n"
+            "from lightning.fabric.strategies import DDPStrategy as FabricDDP\n",
             f"{PACKAGE}.fabric.strategy",
+        ),
+        f"{PACKAGE}.lightning.strategy": _scan(
+            "from lightning_gsched.fabric import GeneralParallelFabric\n"
+            "from lightning_gsched.engine import PipelineEngine\n",
+            f"{PACKAGE}.lightning.strategy",
         ),
     }
     rules = {rule.name: rule for rule in RULES}
     found = {name: rule.violations(imports) for name, rule in rules.items()}
     why = {name: rule.why for name, rule in rules.items()}
+
+    def report(path: str, line: int, target: str, rule: str) -> str:
+        return f"{PACKAGE}/{path}:{line} imports {target} ({why[rule]})"
+
     assert found == {
         "pure-python-schedule": [
-            f"{PACKAGE}/schedule/fake.py:5 imports torch.nn.functional "
-            f"({why['pure-python-schedule']})"
+            report("schedule/fake.py", 5, "torch.nn.functional", "pure-python-schedule")
         ],
         "schedule-is-the-bottom-layer": [],
+        "partition-only-splits": [
+            report("partition/profile.py", 1, f"{PACKAGE}.runtime.split_backward",
+                   "partition-only-splits"),
+            report("partition/profile.py", 2, f"{PACKAGE}.measure", "partition-only-splits"),
+        ],
         "runtime-below-lightning-and-partition": [
-            f"{PACKAGE}/runtime/step.py:1 imports {PACKAGE}.lightning "
-            f"({why['runtime-below-lightning-and-partition']})"
+            report("runtime/step.py", 1, f"{PACKAGE}.lightning",
+                   "runtime-below-lightning-and-partition")
+        ],
+        "measure-below-the-engine": [
+            report("measure/profile.py", 2, f"{PACKAGE}.engine.auto", "measure-below-the-engine")
+        ],
+        "engine-imports-no-lightning": [
+            report("engine/engine.py", 3, "lightning.pytorch", "engine-imports-no-lightning"),
+            report("engine/engine.py", 4, f"{PACKAGE}.lightning", "engine-imports-no-lightning"),
+        ],
+        "fabric-is-not-the-trainer": [
+            report("fabric/strategy.py", 3, f"{PACKAGE}.lightning.engine",
+                   "fabric-is-not-the-trainer"),
+            report("fabric/strategy.py", 4, "lightning.pytorch.strategies",
+                   "fabric-is-not-the-trainer"),
+        ],
+        "trainer-is-not-fabric": [
+            report("lightning/strategy.py", 1, f"{PACKAGE}.fabric", "trainer-is-not-fabric")
         ],
         "front-ends-use-the-runtime-facade": [
-            f"{PACKAGE}/fabric/strategy.py:2 imports {PACKAGE}.runtime.flat "
-            f"({why['front-ends-use-the-runtime-facade']})"
+            report("fabric/strategy.py", 2, f"{PACKAGE}.runtime.flat",
+                   "front-ends-use-the-runtime-facade")
         ],
         "nothing-imports-the-cli": [
-            f"{PACKAGE}/lightning/engine.py:2 imports {PACKAGE}.cli "
-            f"({why['nothing-imports-the-cli']})"
+            report("engine/engine.py", 2, f"{PACKAGE}.cli", "nothing-imports-the-cli")
         ],
     }
 

@@ -226,7 +226,7 @@ def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:
 def test_a_capped_pick_runs_with_its_cap() -> None:
     """A pick the tuner found at a smaller activation cap becomes a config whose training plan
     has that cap on every worker (and so the programs the tuner costed)."""
-    from lightning_gsched.lightning.auto import _as_config
+    from lightning_gsched.engine.auto import _as_config
     from lightning_gsched.schedule.memory import ModelSizes, StageSizes
     from lightning_gsched.schedule.tune import StageProfile, tune
 

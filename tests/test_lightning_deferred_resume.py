@@ -2,7 +2,7 @@
 
 Lightning restores a checkpoint before the first batch, while a deferred model's parameters are
 still on the meta device (a copy into them is a no-op), so the strategy applies the checkpoint at
-the build, to the parameters each rank keeps (lightning/deferred_restore.py). Checked at W=2,
+the build, to the parameters each rank keeps (engine/deferred_restore.py). Checked at W=2,
 against Lightning's own single-process resume (fit 2 steps, save, resume for 2 more) in the same
 test:
 
@@ -135,7 +135,7 @@ def test_a_deferred_model_resumes_reading_only_its_own(world, tmp_path: Path, sa
 
 
 def test_a_checkpoint_without_a_kept_parameter_is_refused_naming_it() -> None:
-    from lightning_gsched.lightning.deferred_restore import DeferredRestore, DeferredRestoreError
+    from lightning_gsched.engine.deferred_restore import DeferredRestore, DeferredRestoreError
 
     model = LitNet()
     state = {k: v for k, v in model.state_dict().items() if k != "model.out.bias"}

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.errors import TrainingStepError
-from lightning_gsched.lightning.intercept import StepCaller
 from lightning_models import LitGPT, tokens
 from models import seeded
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from dist_harness import WorkerContext
-from lightning_gsched.lightning.batches import (
+from lightning_gsched.engine.batches import (
     GlobalBatch,
     gather_batch,
     owns_its_micros,
     rows_and_layouts,
     split_batch,
 )
-from lightning_gsched.lightning.intercept import LogRecord
-from lightning_gsched.lightning.logsync import LossLogExchange, exchange
+from lightning_gsched.engine.intercept import LogRecord
+from lightning_gsched.engine.logsync import LossLogExchange, exchange
 
 
 def test_owns_its_micros_follows_row_ranges():

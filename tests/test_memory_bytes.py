@@ -7,7 +7,7 @@ different reader of the same programs) times the per-stage sizes, for every libr
 Distributed part: every library schedule trains two SGD-with-momentum steps on W gloo processes
 with the runtime's accounting on (``ModelRuntime.record_memory``); each rank compares its
 measured peak with the prediction made from sizes measured on one microbatch before the run
-(``partition.measure_stage_bytes``). Weights, gradients and optimizer state are allocated
+(``measure.measure_stage_bytes``). Weights, gradients and optimizer state are allocated
 buffers of known size, so they must agree exactly. Activations are what autograd saved, counted
 by the same counter on inputs built the same way (local leaves or views of a received payload)
 with the same shapes in the same process, hence the same kernels: exactly equal too.
@@ -25,8 +25,8 @@ import torch
 
 from dist_harness import WorkerContext
 from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.measure.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition import partition
-from lightning_gsched.partition.measure_bytes import measure_stage_bytes
 from lightning_gsched.runtime import ModelRuntime
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.library import LIBRARY

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_gsched.partition import PartitionError, partition, profile_stages
+from lightning_gsched.measure import profile_stages
+from lightning_gsched.partition import PartitionError, partition
 from models import gpt_inputs, make_gpt
 
 
@@ -66,7 +67,7 @@ def test_split_backward_times_b_and_w_as_the_runtime_runs_them():
 
 
 def test_fixed_shares_are_the_intercept_of_two_timings_clamped() -> None:
-    from lightning_gsched.partition.tune_profile import MAX_FIXED_SHARE, fixed_shares
+    from lightning_gsched.measure.tune_profile import MAX_FIXED_SHARE, fixed_shares
 
     # t(r) = 1 + r at r = 8 (9 s) and r = 4 (5 s): 1 s of 9 does not scale
     assert fixed_shares([9.0], [5.0], 0.5) == pytest.approx((1 / 9,))

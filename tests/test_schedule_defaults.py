@@ -62,7 +62,7 @@ def test_plan_cli_and_strategy_resolve_alike(schedule: str, cap: object, capsys)
     import json
 
     from lightning_gsched.cli import main
-    from lightning_gsched.lightning.options import pipeline_options
+    from lightning_gsched.engine.options import pipeline_options
 
     W = 4
     direct = plan(schedule, W, cap=cap)  # type: ignore[arg-type]

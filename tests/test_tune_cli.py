@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_gsched import cli
-from lightning_gsched.partition.tune_profile import tune_model
+from lightning_gsched.measure.tune_profile import tune_model
 from models import gpt_inputs, make_gpt
 
 TARGET = "tests/test_tune_cli.py:tiny_target"
@@ -101,7 +101,7 @@ def test_fixed_stages_microbatches_and_R_restrict_the_search(capsys) -> None:
 def test_runtime_cost_flags_reach_the_tuner(capsys, monkeypatch) -> None:
     """The flags replace DEFAULT_COSTS' fields (one --message-cpu for both ends); no flag keeps
     the defaults; a negative value is the cost model's error, exit 2."""
-    from lightning_gsched.partition import tune_profile
+    from lightning_gsched.measure import tune_profile
     from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 
     seen: list[RuntimeCosts] = []

@@ -3,7 +3,8 @@
 Importing this package registers ``gsched_<schedule>`` names with Fabric's strategy registry
 (``Fabric(strategy="gsched_1f1b", devices=2)``); Fabric's registry is not the Trainer's, so
 each front end registers its own class. :mod:`.strategy` holds the class, a thin adapter over
-the engine the Trainer strategy uses (``lightning_gsched.lightning.engine``). See the "Fabric"
+the engine both front ends share (``lightning_gsched.engine``); nothing here imports
+``lightning.pytorch`` or ``lightning_gsched.lightning``. See the "Fabric"
 section of ``docs/usage.md``.
 """
 

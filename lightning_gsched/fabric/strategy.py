@@ -10,8 +10,8 @@ interleaves the forwards and backwards of microbatches over the ranks. So one ca
 optimizer step, and the rest of a plain Fabric loop stays as it is.
 
 This class is a thin adapter: the pipeline (probe, partition, plans, the step, the hand-over,
-clipping, evaluation) is the Trainer strategy's :class:`~lightning_gsched.lightning.engine.
-PipelineEngine`, and gradients and checkpoints go through the same runtime facade
+clipping, evaluation) is the shared engine's :class:`~lightning_gsched.engine.engine.
+PipelineEngine` (the Trainer strategy's too), and gradients and checkpoints go through the same runtime facade
 (:class:`~lightning_gsched.runtime.ModelRuntime`).
 """
 
@@ -33,15 +33,15 @@ from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning.engine import PipelineEngine
-from lightning_gsched.lightning.intercept import StepCaller
-from lightning_gsched.lightning.options import (
+from lightning_gsched.engine.engine import PipelineEngine
+from lightning_gsched.engine.intercept import StepCaller
+from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
     library_names,
     pipeline_options,
 )
+from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.runtime import ModelRuntime, deferred_parameters, pretrained_weights
 
 

@@ -1,13 +1,13 @@
 """The Lightning strategy: ``Trainer(strategy=GeneralParallel("fslpp", R=2))``.
 
 Importing this package registers ``gsched_<schedule>`` names with Lightning's StrategyRegistry
-(``Trainer(strategy="gsched_1f1b")``). Modules, one job each: :mod:`.options` (the arguments
-both front ends take), :mod:`.config` (arguments -> plans), :mod:`.batches` (global batch,
-microbatches), :mod:`.intercept` (running the user's step around the model's call),
-:mod:`.logsync` (losses and logged values), :mod:`.auto` (``schedule="auto"`` decided at the
-first batch), :mod:`.engine` (one run's pipeline, shared with the Fabric strategy in
-``lightning_gsched.fabric``), :mod:`.sharded` (sharded checkpoints),
-:mod:`.strategy` (the Trainer class). Gradients, clipping and full checkpoints go through the
+(``Trainer(strategy="gsched_1f1b")``). The pipeline itself (arguments, plans, batches, the
+user's step, logs, ``schedule="auto"``, the step) is the engine both front ends share,
+``lightning_gsched.engine``. Modules here, the Trainer's side only: :mod:`.strategy` (the
+Trainer class), :mod:`.hook_failure` (which hook failed; the first ``on_exception`` callback),
+:mod:`.preemption` (SIGTERM/SIGUSR1 agreed at a step boundary), :mod:`.sharded` (sharded
+checkpoints), :mod:`.ckpt_files` (atomic writes), :mod:`.ckpt_check` (``ckpt_path`` checked on
+every rank). Gradients, clipping and full checkpoints go through the
 runtime's facade, ``lightning_gsched.runtime.ModelRuntime``. See ``docs/usage.md``.
 """
 

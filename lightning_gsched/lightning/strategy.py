@@ -3,7 +3,7 @@
 Why a DDPStrategy subclass: launching (script re-run or spawn/fork), process-group setup,
 cluster environments (torchrun, SLURM), ``is_distributed`` and the distributed sampler are
 exactly DDP's; what differs is that the model is not wrapped. Instead each step runs the planned
-programs (:mod:`.engine`): ``training_step`` runs the whole schedule and keeps the gradients
+programs (the engine, :mod:`lightning_gsched.engine`): ``training_step`` runs the whole schedule and keeps the gradients
 aside, ``backward`` hands them to the parameters (Lightning zeroes gradients between the two),
 clipping by norm is global over all stages, evaluation runs forward-only programs, and
 checkpoints are gathered from the stages' owners (the runtime's facade, :mod:`.sharded`). The
@@ -32,21 +32,21 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import ckpt_check, ckpt_files, sharded
-from lightning_gsched.lightning.control import ControlGroup
-from lightning_gsched.lightning.deferred_restore import DeferredRestore
-from lightning_gsched.lightning.engine import PipelineEngine
-from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
-from lightning_gsched.lightning.intercept import StepCaller
-from lightning_gsched.lightning.logsync import replay
-from lightning_gsched.lightning.memory_report import MemoryReport
-from lightning_gsched.lightning.options import (
+from lightning_gsched.engine.control import ControlGroup
+from lightning_gsched.engine.deferred_restore import DeferredRestore
+from lightning_gsched.engine.engine import PipelineEngine
+from lightning_gsched.engine.intercept import StepCaller
+from lightning_gsched.engine.logsync import replay
+from lightning_gsched.engine.memory_report import MemoryReport
+from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
     library_names,
     pipeline_options,
 )
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning import ckpt_check, ckpt_files, sharded
+from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
 from lightning_gsched.runtime import (

@@ -18,7 +18,9 @@ shapes: the order of tracing modes), :mod:`.balance_check` (warn about a degener
 :mod:`.hints` (what to say about a leaf in the way), :mod:`.preserve` (undo side effects),
 :mod:`.units` (cuttable units, liveness), :mod:`.execute` (example run), :mod:`.costs`
 (params / time), :mod:`.linear` (DP), :mod:`.cuts` (choosing cuts), :mod:`.stage`
-(StageModule), :mod:`.api` (``partition``, ``Partition``), :mod:`.report`.
+(StageModule), :mod:`.api` (``partition``, ``Partition``), :mod:`.report`. Timing and sizing
+the stages (``profile_stages``, ``measure_stage_bytes``) is ``lightning_gsched.measure``, above
+this package and the runtime; nothing here imports the runtime.
 """
 
 from __future__ import annotations
@@ -37,12 +39,9 @@ from lightning_gsched.partition.errors import (
     UnknownNameError,
     UntracedOutputError,
 )
-from lightning_gsched.partition.profile import StageTimes, profile_stages
 from lightning_gsched.partition.stage import StageModule
 
 __all__ = [
-    "StageTimes",
-    "profile_stages",
     "BalanceError",
     "ExampleInputError",
     "SplitMismatchError",

@@ -18,7 +18,7 @@ sampled after every action as the planner samples its walk:
 The optimizer's state is not the executor's: :func:`optimizer_state_bytes` reads it from the real
 optimizer. On CUDA, ``torch.cuda.max_memory_allocated`` is the independent check of the total.
 
-:class:`SavedTensorBytes` is also what ``partition.measure_stage_bytes`` uses to size a stage's
+:class:`SavedTensorBytes` is also what ``measure.measure_stage_bytes`` uses to size a stage's
 stash before any step runs, so the prediction and the accounting count the same tensors.
 """
 

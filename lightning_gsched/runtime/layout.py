@@ -143,7 +143,7 @@ def split_parameters(
     """(each stage's own parameters, the ties): a parameter read by one stage lives in that
     stage's buffer; the parameters read by several stages form one tie per home stage.
 
-    The one rule for both the runtime's buffers and ``partition.measure_stage_bytes``'s sizes.
+    The one rule for both the runtime's buffers and ``measure.measure_stage_bytes``'s sizes.
     """
     per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
     readers: dict[int, list[int]] = {}

@@ -222,7 +222,7 @@ def received(spec: Spec, buffers: Sequence[torch.Tensor]) -> tuple[Any, list[tor
 
 def received_copy(parts: Split, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
     """What a receiver of ``parts`` gets, built locally (one fresh buffer per tensor): how
-    :func:`lightning_gsched.partition.measure_stage_bytes` sizes a received stage input."""
+    :func:`lightning_gsched.measure.measure_stage_bytes` sizes a received stage input."""
     spec = spec_of(parts)
     buffers = empty_like_spec(spec, device)
     with torch.no_grad():

@@ -6,7 +6,7 @@ fit, and where does the memory go". The programs already say, action by action, 
 weights are resident on a rank, which (stage, microbatch) activations are stashed and which
 receives are posted; multiplying those by per-stage sizes answers it without running anything.
 The sizes (:class:`StageSizes`) are plain numbers measured by the torch layers
-(:func:`lightning_gsched.partition.measure_stage_bytes`), and the runtime accounts for the same
+(:func:`lightning_gsched.measure.measure_stage_bytes`), and the runtime accounts for the same
 categories while it executes the same programs (``runtime/footprint.py``), so predicted and
 measured can be compared rank by rank, as the action counters are.
 

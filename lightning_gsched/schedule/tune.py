@@ -12,7 +12,7 @@ than one (stage, microbatch) per stage chunk on a worker, smaller uniform caps (
 plan's peak stash, and one per stage chunk) that trade bubble for activation memory; a cap
 whose programs equal an already tried one's is dropped. Pure Python: what the model costs comes in as numbers,
 measured by the torch layers per stage count (:class:`StageProfile`, from
-``partition.profile_model``).
+``measure.stage_profile``).
 
 Scaling: a profile is measured on microbatches of ``rows`` rows; a candidate with another
 microbatch size scales stashed activations and messages linearly with the rows (weights,
@@ -50,7 +50,7 @@ class StageProfile:
 
     ``forward``/``backward``: seconds per stage (the whole backward); ``split``: (B, W) seconds
     per stage measured with the zero-bubble runtime's split backward, None to halve the
-    backward. ``sizes``: bytes per stage (``partition.measure_stage_bytes``).
+    backward. ``sizes``: bytes per stage (``measure.measure_stage_bytes``).
     """
 
     stages: int

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_gsched.lightning.logsync import exchange
-from lightning_gsched.partition.measure_bytes import measure_stage_bytes
+from lightning_gsched.engine.logsync import exchange
+from lightning_gsched.measure.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text

@@ -28,8 +28,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import PartitionError
+from lightning_gsched.measure.profile import _run_loss, _run_stage
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.profile import _run_loss, _run_stage
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, weight_storages
 from lightning_gsched.runtime.layout import split_parameters

@@ -2,10 +2,10 @@
 
 Why separate from the strategies: they speak Lightning (the Trainer's hooks and plugins, Fabric's
 setup, save and load), the engine speaks schedules (global batch -> microbatches -> program ->
-gradients, losses and logged values). The Trainer strategy (:mod:`.strategy`) and the Fabric
-strategy (:mod:`lightning_gsched.fabric`) are thin adapters over this one class, which reaches the
-runtime only through its facade :class:`~lightning_gsched.runtime.ModelRuntime`; it imports
-nothing of Lightning itself. It is built lazily at the first batch of the run, because tracing the
+gradients, losses and logged values). The Trainer strategy (:mod:`lightning_gsched.lightning`)
+and the Fabric strategy (:mod:`lightning_gsched.fabric`) are thin adapters over this one class,
+which reaches the runtime only through its facade :class:`~lightning_gsched.runtime.ModelRuntime`;
+it imports nothing of Lightning itself (``tests/test_layering.py`` checks this package). It is built lazily at the first batch of the run, because tracing the
 model needs one real call of ``forward`` and the front ends get no data before that. Every rank
 sees the same global batch, so everything decided at that point (the probe of the user's step,
 the partition, the programs) is identical on every rank, and a contract error is raised by every
@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
-from lightning_gsched.lightning.auto import choose_schedule, first_microbatches, step_loss_fn
-from lightning_gsched.lightning.batches import (
+from lightning_gsched.engine.auto import choose_schedule, first_microbatches, step_loss_fn
+from lightning_gsched.engine.batches import (
     GlobalBatch,
     concat_outputs,
     gather_batch,
@@ -34,18 +33,19 @@ from lightning_gsched.lightning.batches import (
     rows_and_layouts,
     take_rows,
 )
-from lightning_gsched.lightning.config import ScheduleConfig
-from lightning_gsched.lightning.control import ControlGroup
-from lightning_gsched.lightning.deferred_restore import DeferredRestore
-from lightning_gsched.lightning.intercept import StepCaller, step_loss
-from lightning_gsched.lightning.logsync import (
+from lightning_gsched.engine.config import ScheduleConfig
+from lightning_gsched.engine.control import ControlGroup
+from lightning_gsched.engine.deferred_restore import DeferredRestore
+from lightning_gsched.engine.intercept import StepCaller, step_loss
+from lightning_gsched.engine.logsync import (
     LossLogExchange,
     PendingExchange,
     exchange,
     reduce_records,
 )
-from lightning_gsched.lightning.memory_report import MemoryReport
-from lightning_gsched.lightning.options import PartitionOptions
+from lightning_gsched.engine.memory_report import MemoryReport
+from lightning_gsched.engine.options import PartitionOptions
+from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import (

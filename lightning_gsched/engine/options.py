@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from lightning_gsched.engine.config import AUTO, ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning.config import AUTO, ScheduleConfig
 from lightning_gsched.partition.arguments import check_options as check_partition_options
 from lightning_gsched.partition.verify import check_verify
 from lightning_gsched.runtime import TRANSPORTS

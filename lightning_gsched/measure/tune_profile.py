@@ -5,7 +5,7 @@ model, timing the stages and counting their bytes needs torch and the partitione
 :func:`stage_profile` call per stage count gives everything a candidate with that S needs:
 forward and backward seconds (and B/W apart, as the zero-bubble runtime splits them), the
 share of each that does not shrink with the microbatch's rows (timed again on half the rows)
-and the bytes of ``partition.measure_stage_bytes`` (what a checkpointed stage would keep
+and the bytes of ``measure.measure_stage_bytes`` (what a checkpointed stage would keep
 included).
 """
 
@@ -16,10 +16,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_gsched.measure.measure_bytes import measure_stage_bytes
+from lightning_gsched.measure.profile import profile_stages
 from lightning_gsched.partition.api import partition
-from lightning_gsched.partition.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.profile import profile_stages
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 from lightning_gsched.schedule.tune import StageProfile, TuneResult, tune

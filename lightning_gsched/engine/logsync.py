@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lightning_gsched.engine.intercept import LogRecord
 from lightning_gsched.errors import TrainingStepError
-from lightning_gsched.lightning.intercept import LogRecord
 
 _FX_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 _FX_FUNCS: dict[Callable, str] = {torch.mean: "mean", torch.sum: "sum", torch.max: "max",
@@ -77,7 +77,7 @@ class LossLogExchange:
         ``ProgramExecutor.step``), so the small collective's round trip and the ranks' skew are
         hidden behind that wait instead of following it. ``losses`` may hold 0-dim tensors.
         ``notice``: this rank's pending preemption signal (0: none), one slot per rank, so that
-        every rank learns of a signal any rank received at the same step (:mod:`.preemption`).
+        every rank learns of a signal any rank received at the same step (:mod:`lightning_gsched.lightning.preemption`).
         """
         if self.world_size == 1:
             return PendingExchange(dict(losses), list(records), None, None, [notice])

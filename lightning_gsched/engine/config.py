@@ -6,7 +6,7 @@ such as R dividing it, fails on every rank before any process talks to another),
 and forward-only plans are built on demand for each evaluation batch size. Both must describe the
 same stage ownership, so they come from one place.
 
-``schedule="auto"`` is decided later, at the first batch (``lightning.auto``: the tuner needs the
+``schedule="auto"`` is decided later, at the first batch (``engine.auto``: the tuner needs the
 model and a real microbatch). Until then there is no plan; afterwards the config holds the pick
 as an ordinary config (:meth:`ScheduleConfig.choose`) and every plan, training or evaluation, of
 this and every later run with the same strategy is the pick's: one decision, read everywhere.

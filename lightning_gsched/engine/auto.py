@@ -1,6 +1,6 @@
 """``schedule="auto"``: the tuner picks the schedule at the first batch, on rank 0, for every rank.
 
-Why at the first batch: the tuner (``partition.tune_profile.tune_model``) profiles the model cut
+Why at the first batch: the tuner (``measure.tune_profile.tune_model``) profiles the model cut
 into each stage count it considers, on one real microbatch, and the engine has the model's call
 on a real microbatch only when it builds the pipeline (the probe of the user's step). This module
 runs the tuner there and turns the pick into an ordinary :class:`ScheduleConfig` (schedule, S, B,
@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_gsched.engine.batches import GlobalBatch, micro_rows
+from lightning_gsched.engine.config import ScheduleConfig
+from lightning_gsched.engine.intercept import StepCaller, step_loss
+from lightning_gsched.engine.memory_report import optimizer_bytes_factor
+from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
-from lightning_gsched.lightning.batches import GlobalBatch, micro_rows
-from lightning_gsched.lightning.config import ScheduleConfig
-from lightning_gsched.lightning.intercept import StepCaller, step_loss
-from lightning_gsched.lightning.memory_report import optimizer_bytes_factor
-from lightning_gsched.lightning.options import PartitionOptions
-from lightning_gsched.partition.tune_profile import tune_model
+from lightning_gsched.measure.tune_profile import tune_model
 from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts

@@ -1,0 +1,21 @@
+"""The engine both front ends share: one run's pipeline, with no Lightning in it.
+
+``PipelineEngine`` (:mod:`.engine`) probes the first batch, partitions the model, builds the
+runtime's ``ModelRuntime`` and runs training and forward-only evaluation steps; the Trainer
+strategy (``lightning_gsched.lightning``) and the Fabric strategy (``lightning_gsched.fabric``)
+are thin adapters over it. Nothing here imports the ``lightning`` pip package, so importing the
+Fabric front end never loads ``lightning.pytorch`` nor registers Trainer strategies.
+
+Modules, one job each: :mod:`.options` (the arguments both front ends take), :mod:`.config`
+(arguments -> plans), :mod:`.batches` (global batch, microbatches), :mod:`.intercept` (running
+the user's step around the model's call), :mod:`.logsync` (losses and logged values),
+:mod:`.auto` (``schedule="auto"`` decided at the first batch), :mod:`.memory_report`
+(predicted and measured bytes), :mod:`.control` (the strategy's own bounded collectives),
+:mod:`.deferred_restore` (a checkpoint resumed into a deferred model), :mod:`.engine`.
+"""
+
+from __future__ import annotations
+
+from lightning_gsched.engine.engine import PipelineEngine
+
+__all__ = ["PipelineEngine"]
