@@ -9,8 +9,9 @@ test:
 * a sharded checkpoint (torch.distributed.checkpoint) saved under fsdp resumes under 1f1b into a
   deferred model, and each rank's ``dcp.load`` asks only for its kept parameters, their
   optimizer state and the buffers;
-* a full checkpoint resumes into a deferred model under fsdp (read whole by Lightning on every
-  rank, applied to the kept parameters only);
+* a full checkpoint resumes into a deferred model under fsdp, memory-mapped on every rank
+  (``torch.load(mmap=True)``: each rank reads the pages of what it applies, its kept
+  parameters and their optimizer state, not the whole file);
 * the trained weights (and SGD momentum, through them) equal the reference's
   (``assert_same_state``), also when ``init_weights`` names other weights (the checkpoint wins).
 """
@@ -64,7 +65,16 @@ def resume_deferred_on_worker(ctx: WorkerContext, options: dict, path: str) -> d
         read.extend(state_dict)
         return original(state_dict, *args, **kwargs)
 
+    loads: list[bool] = []
+    torch_load = torch.load
+
+    def mapped(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(f) == path:
+            loads.append(bool(kwargs.get("mmap")))
+        return torch_load(f, *args, **kwargs)
+
     dcp.load = counted
+    torch.load = mapped
     try:
         fit = trainer(ctx.world_size, GeneralParallel(**options), max_steps=TOTAL)
         with fit.init_module():
@@ -74,10 +84,11 @@ def resume_deferred_on_worker(ctx: WorkerContext, options: dict, path: str) -> d
                 ckpt_path=path)
     finally:
         dcp.load = original
+        torch.load = torch_load
     kept = {n: p.detach().clone() for n, p in model.named_parameters()
             if not p.is_meta and p.numel() > 0}
     return {"kept": kept, "read": read, "all": [n for n, _ in model.named_parameters()],
-            "step": fit.global_step}
+            "step": fit.global_step, "mapped": loads}
 
 
 def reference(tmp: Path) -> dict[str, torch.Tensor]:
@@ -130,6 +141,7 @@ def test_a_deferred_model_resumes_reading_only_its_own(world, tmp_path: Path, sa
             assert optim == kept, f"rank {rank} read optimizer state of {sorted(optim)}"
         else:
             assert got["read"] == []
+            assert got["mapped"] == [True], f"rank {rank} read the full checkpoint {got['mapped']}"
         seen |= kept
     assert seen == set(want)
 

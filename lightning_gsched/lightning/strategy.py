@@ -502,6 +502,9 @@ class GeneralParallel(DDPStrategy):
                     return checkpoint
                 return sharded.load(checkpoint_path, self.lightning_module,
                                     [_unwrap(o) for o in self.optimizers])
+            if self._deferred() and _writes_locally(self.checkpoint_io, checkpoint_path, None):
+                # each rank applies only what it keeps: read those pages, not the whole file
+                return ckpt_files.load_mapped(checkpoint_path, weights_only)
             return super(GeneralParallel, self).load_checkpoint(checkpoint_path,
                                                                 weights_only=weights_only)
 
