@@ -139,7 +139,7 @@ def _fit_rows(rows: list[list[object]]) -> list[list[object]]:
     folded = fold_rows(rows)
     if len(folded) <= MAX_ROWS:
         return folded
-    head, tail = folded[: MAX_ROWS - 8], folded[-8:]
+    head, tail = folded[: MAX_ROWS - 9], folded[-8:]  # with the gap row: MAX_ROWS rows
     hidden = len(folded) - len(head) - len(tail)
     gap: list[object] = [f"... {hidden} rows", *["..."] * (len(rows[0]) - 1)]
     return [*head, gap, *tail]
