@@ -19,8 +19,8 @@ from lightning_gsched.schedule.fold import (
     ranks_text,
     sequence_text,
 )
-from lightning_gsched.schedule.limits import MAX_JOBS, check_size
 from lightning_gsched.schedule.library import LIBRARY, resolve_shape
+from lightning_gsched.schedule.limits import MAX_JOBS, check_size
 from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.render import MAX_WORKERS, ascii_timeline
 
