@@ -41,6 +41,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_memory,
         bench_pipeline,
         bench_planner,
+        bench_planner_scale,
         bench_process_memory,
         bench_tune,
     )
@@ -59,6 +60,8 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "large_model": lambda q: [] if q else bench_process_memory.run_large(q),
         "tune": bench_tune.run,
         "planner_speed": bench_planner.run,
+        # gsched plan at W=1024 (each library schedule) and the W=100,000 answers
+        "planner_w1024": bench_planner_scale.run,
     }
 
 
@@ -231,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         if planner is not None and planner.extra.get("per_schedule"):
             extras["markdown"]["Planner time per library schedule"] = (
                 bench_planner.per_schedule_markdown(planner.extra["per_schedule"]))
+        large = next((r for r in results if r.name == "planner_w1024"), None)
+        if large is not None:
+            from benchmarks import bench_planner_scale
+
+            extras["markdown"]["gsched plan at W=1024 and W=100,000"] = (
+                bench_planner_scale.markdown(large.extra["w1024"] + large.extra["w100000"]))
         scaling = planner.extra.get("scaling") if planner is not None else None
         if scaling:
             extras["scaling"] = scaling

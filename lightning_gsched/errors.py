@@ -23,6 +23,11 @@ class UnknownScheduleError(ScheduleConfigError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PlanTooLargeError(ScheduleConfigError):
+    """A plan with more jobs than the planner builds (it builds and checks every rank's
+    program): the message names the size and how to shrink it."""
+
+
 class PlacementError(GschedError, ValueError):
     """A placement w(s, b, d) returned workers out of range or split F and B of one job."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import normalise_caps
@@ -33,6 +34,12 @@ def cap_text(caps: Sequence[int | None]) -> str:
     if len(set(caps)) == 1:
         return str(caps[0])
     return ",".join(str(c) for c in caps)
+
+
+def _caps_line(caps: Sequence[int | None]) -> str:
+    """:func:`cap_text`, with a long per-worker list as arithmetic runs (``1024..1``)."""
+    text = cap_text(caps)
+    return text if len(caps) <= 16 or "," not in text else sequence_text(caps)
 
 
 def checkpoint_text(checkpointed: Sequence[bool]) -> str:
@@ -64,7 +71,7 @@ def configuration_text(result: Plan) -> str:
     checkpointed = checkpoint_text(result.checkpointed)
     return (f"W={result.workers} S={result.stages} B={result.micro}"
             + (f" R={result.R}" if result.R is not None else "")
-            + f" order={result.order} cap={cap_text(result.caps)}"
+            + f" order={result.order} cap={_caps_line(result.caps)}"
             + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
             + (f" ties={ties_text(result.ties)}" if result.ties else "")
             + (f" checkpointed={checkpointed}" if checkpointed else ""))
@@ -85,11 +92,11 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         f"schedule {result.schedule}: {configuration_text(result)}"
         + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
-        f"stage owners {[list(o) for o in result.table.owners]}"
+        f"stage owners {_owners_line(result.table.owners)}"
     )
     header = ["worker", "busy", "act in/out", "grad in/out", "w fetch/serve", "g reduce out/in",
               "allreduce", "peak act", "owned", "peak resident"]
-    rows = [
+    rows: list[list[object]] = [
         [w.worker, f"{w.busy:g}", f"{w.activation_recvs}/{w.activation_sends}",
          f"{w.input_grad_recvs}/{w.input_grad_sends}", f"{w.weight_fetches}/{w.weight_serves}",
          f"{w.grad_sends}/{w.grad_recvs}", w.allreduces, w.peak_activations, w.owned_stages,
@@ -106,7 +113,36 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         for row, held in zip(rows, resident_bytes(result.programs, stage_bytes, tie_bytes),
                              strict=True):
             row += [held.owned, held.peak]
-    return head + "\n" + text_table(rows, header)
+    return head + "\n" + text_table(_fit_rows(rows), header)
+
+
+FOLD_FROM = 17  # workers: from here on, equal rows of consecutive workers are one row
+MAX_ROWS = 48  # rows printed at most; beyond, the first and last ones and a count between
+OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
+
+
+def _owners_line(owners: Sequence[Sequence[int]]) -> str:
+    """``[[0], [1], ...]`` while it is short; at large W the compact form of
+    :func:`~.fold.owners_text` (exact: runs of stages and arithmetic runs of ranks)."""
+    plain = str([list(o) for o in owners]) if len(owners) <= OWNERS_WIDTH else ""
+    if plain and len(plain) <= OWNERS_WIDTH:
+        return plain
+    return owners_text(owners, OWNERS_WIDTH)
+
+
+def _fit_rows(rows: list[list[object]]) -> list[list[object]]:
+    """The per-worker rows as printed: unchanged for small W; from :data:`FOLD_FROM` workers,
+    consecutive workers with equal rows as one row (``0-1023``), and beyond :data:`MAX_ROWS`
+    rows the first and last ones with a count of the rows between (``--json`` has them all)."""
+    if len(rows) < FOLD_FROM:
+        return rows
+    folded = fold_rows(rows)
+    if len(folded) <= MAX_ROWS:
+        return folded
+    head, tail = folded[: MAX_ROWS - 9], folded[-8:]  # with the gap row: MAX_ROWS rows
+    hidden = len(folded) - len(head) - len(tail)
+    gap: list[object] = [f"... {hidden} rows", *["..."] * (len(rows[0]) - 1)]
+    return [*head, gap, *tail]
 
 
 # ---------------------------------------------------------------------------- startup summary
@@ -193,17 +229,13 @@ def plan_command(result: Plan) -> str:
 
 
 def _owners_text(owners: Sequence[Sequence[int]], width: int) -> str:
-    """``[[0], [1], ...]`` cut to ``width`` characters with a count of what was left out."""
-    items = [str(list(o)) for o in owners]
-    text = f"[{', '.join(items)}]"
-    if len(text) <= width:
-        return text
-    shown: list[str] = []
-    for item in items:
-        if len(", ".join([*shown, item])) + 24 > width:
-            break
-        shown.append(item)
-    return f"[{', '.join(shown)}, ...] ({len(items) - len(shown)} more stages)"
+    """``[[0], [1], ...]`` when it fits ``width``, else the compact form of
+    :func:`~.fold.owners_text`, cut to ``width`` with a count of what was left out."""
+    if len(owners) <= width:
+        text = str([list(o) for o in owners])
+        if len(text) <= width:
+            return text
+    return owners_text(owners, width)
 
 
 def _most(values: Sequence[float], workers: Sequence[int], text: str) -> str:

@@ -72,6 +72,7 @@ from lightning_gsched.schedule.program import (
     Action,
     Op,
     Programs,
+    RankGroup,
 )
 from lightning_gsched.schedule.simulate import Timeline
 
@@ -245,10 +246,9 @@ def _lower_weights(
     BP = table.micro * P
     grad_k = timeline.phases.index(grad_phase) if grad_phase in timeline.phases else -1
     start, end = timeline.start, timeline.end
-    computed_by = [set(row) for row in table.compute]
     for worker, jobs in enumerate(timeline.order):
         owned = set(table.owned_stages(worker))
-        if all(s in owned for s in range(table.stages) if worker in computed_by[s]):
+        if table.computed_stages(worker) <= owned:
             continue  # computes only stages it owns: nothing to fetch
         stages = [flat // BP for flat in jobs]
         freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
@@ -304,7 +304,8 @@ def _lower_allreduce(
     for stage, owners in enumerate(table.owners):
         if len(owners) < 2:
             continue
-        for owner in owners:
+        group = RankGroup(owners)  # one object for all members: hashed once (see RankGroup)
+        for owner in group:
             gap, time = last_backward.get((owner, stage), (0, 0.0))
             gap = max(gap, reduce_gaps.get((owner, stage), 0))
-            build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, owners))
+            build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))

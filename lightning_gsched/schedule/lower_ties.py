@@ -31,7 +31,7 @@ from typing import Mapping, Protocol
 
 from lightning_gsched.schedule.jobs import Phase
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import Action, Op
+from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.simulate import Timeline
 
 
@@ -82,7 +82,8 @@ def lower_ties(
             build.put(worker, last + 1, end[order[last]], Action(Op.FREE_T, home))
         if len(owners) < 2 or forward_only:
             continue
-        for owner in owners:
+        group = RankGroup(owners)  # one object for all members: hashed once
+        for owner in group:
             gap, time = own_last_grad.get(owner, (0, 0.0))
             gap = max(gap, recv_gaps.get(owner, 0))
-            build.put(owner, gap, time, Action(Op.ALLREDUCE_T, home, None, None, owners))
+            build.put(owner, gap, time, Action(Op.ALLREDUCE_T, home, None, None, group))

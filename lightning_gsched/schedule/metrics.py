@@ -42,12 +42,26 @@ class PlanMetrics:
 _COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is not None}
 
 
-def program_counts(programs: Programs, rank: int) -> ActionCounts:
+def _steps(up: Op, down: Op) -> dict[Op, int]:
+    """+1 for ``up``, -1 for ``down``, 0 for every other op: the step of a running sum."""
+    step = dict.fromkeys(Op, 0)
+    step[up], step[down] = 1, -1
+    return step
+
+
+# built once, not per rank: at W = 10^5 building them per call cost seconds
+_STASH_STEPS = {release: _steps(Op.F, release) for release in (Op.B, Op.W)}
+_RESIDENT_STEPS = _steps(Op.FETCH_W, Op.FREE_W)
+
+
+def program_counts(programs: Programs, rank: int, into: ActionCounts | None = None
+                   ) -> ActionCounts:
     """Message counts, peak stash and peak residency of one rank's program.
 
     The message counters are a tally of ops (each op's counter in the op table); each peak is
     the largest running sum of +1/-1 steps: F and the op that releases the stash (B, or W when
-    the backward is split) for activations, FETCH_W and FREE_W for resident stages.
+    the backward is split) for activations, FETCH_W and FREE_W for resident stages. ``into``:
+    the (zeroed) counts to fill, e.g. a :class:`WorkerMetrics`.
     """
     owned = len(programs.owned_stages(rank))
     release = programs.releases_stash  # None: forward-only, nothing stashed
@@ -55,15 +69,14 @@ def program_counts(programs: Programs, rank: int) -> ActionCounts:
     tally = Counter(ops)
     peak_activations = peak_fetched = 0  # a running sum that never moves peaks at 0
     if release is not None and tally[Op.F]:
-        stash_step = dict.fromkeys(Op, 0)
-        stash_step[Op.F], stash_step[release] = 1, -1
-        peak_activations = max(accumulate(map(stash_step.__getitem__, ops), initial=0))
+        peak_activations = max(accumulate(map(_STASH_STEPS[release].__getitem__, ops),
+                                          initial=0))
     if tally[Op.FETCH_W]:
-        resident_step = dict.fromkeys(Op, 0)
-        resident_step[Op.FETCH_W], resident_step[Op.FREE_W] = 1, -1
-        peak_fetched = max(accumulate(map(resident_step.__getitem__, ops), initial=0))
-    counts = ActionCounts(owned_stages=owned, peak_activations=peak_activations,
-                          peak_resident_stages=owned + peak_fetched)
+        peak_fetched = max(accumulate(map(_RESIDENT_STEPS.__getitem__, ops), initial=0))
+    counts = ActionCounts() if into is None else into
+    counts.owned_stages = owned
+    counts.peak_activations = peak_activations
+    counts.peak_resident_stages = owned + peak_fetched
     for op, n in tally.items():
         name = _COUNTER_OF.get(op)
         if name is not None:
@@ -78,8 +91,9 @@ def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
     for rank in range(programs.world_size):
         busy = timeline.busy[rank]
         total_busy += busy
-        per_worker.append(WorkerMetrics(worker=rank, busy=busy,
-                                        **program_counts(programs, rank).planned()))
+        worker = WorkerMetrics(worker=rank, busy=busy)
+        program_counts(programs, rank, into=worker)  # filled in place
+        per_worker.append(worker)
     capacity = latency * programs.world_size
     bubble = 1.0 - total_busy / capacity if capacity > 0 else 0.0
     return PlanMetrics(latency=latency, bubble_fraction=bubble, per_worker=per_worker)

@@ -260,6 +260,8 @@ class PlacementTable:
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
         self.workers, self.stages, self.micro = workers, stages, micro
+        self._owned: dict[int, list[int]] | None = None
+        self._computed: dict[int, set[int]] | None = None
         self.compute: list[list[int]]
         self.weights: list[list[tuple[int, int]]]
         self.owners: list[tuple[int, ...]]
@@ -330,7 +332,23 @@ class PlacementTable:
         return worker in self.owners[stage]
 
     def owned_stages(self, worker: int) -> list[int]:
-        return [s for s in range(self.stages) if worker in self.owners[s]]
+        """The stages ``worker`` owns, from an index built once (a scan of every stage per
+        worker made lowering O(W x S))."""
+        if self._owned is None:
+            self._owned = {}
+            for s, owners in enumerate(self.owners):
+                for w in owners:
+                    self._owned.setdefault(w, []).append(s)
+        return list(self._owned.get(worker, ()))
+
+    def computed_stages(self, worker: int) -> set[int]:
+        """The stages ``worker`` computes for some microbatch (index built once)."""
+        if self._computed is None:
+            self._computed = {}
+            for s, row in enumerate(self.compute):
+                for w in set(row):
+                    self._computed.setdefault(w, set()).add(s)
+        return self._computed.get(worker, set())
 
 
 # placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one

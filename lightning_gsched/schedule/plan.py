@@ -16,6 +16,7 @@ from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_shape
+from lightning_gsched.schedule.limits import check_size
 from lightning_gsched.schedule.lower import lower
 from lightning_gsched.schedule.metrics import PlanMetrics, measure
 from lightning_gsched.schedule.orders import (
@@ -267,6 +268,7 @@ def plan(
         split = bool(split_backward)
         uses_default_cap = False
     split = validate.flag("split_backward", split) and not forward_only
+    check_size(name, W, S, B, 1 if forward_only else 3 if split else 2)
     # forward-only plans of a split schedule share its arguments; they run no W to cost
     costs = Costs.build(S, forward_cost, backward_cost,
                         None if forward_only else weight_cost, split)

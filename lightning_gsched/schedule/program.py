@@ -167,6 +167,33 @@ RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items()
 _OUT_OPS = frozenset(op for op, spec in OPS.items() if spec.outgoing)
 
 
+class RankGroup(tuple[int, ...]):
+    """An all-reduce group: a tuple of ranks that hashes once and tests membership in O(1).
+
+    Why: the dry run asks every member ``rank in group`` and keys its bookkeeping by the
+    group, so with a plain tuple a group of all W ranks (ddp, lpp's replicas) costs O(W) per
+    member, O(W^2) per plan: hours at W=10^5. Equal to, and hashing as, the plain tuple, so
+    a parsed program (plain tuples) compares equal to a lowered one.
+    """
+
+    _hash: int
+    _members: frozenset[int]
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+    def __contains__(self, rank: object) -> bool:
+        try:
+            members = self._members
+        except AttributeError:
+            members = self._members = frozenset(self)
+        return rank in members
+
+
 class Action(NamedTuple):
     """One step of a rank's program. ``peer`` is the other rank of a message.
 
@@ -244,6 +271,9 @@ class Programs:
     split_backward: bool = False
     # tie home stage -> every stage that reads it (home included, sorted); see the module doc
     ties: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # (the owners list it was built from, rank -> owned stages): see owned_stages
+    _owned_index: tuple[list[tuple[int, ...]], dict[int, list[int]]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -265,7 +295,20 @@ class Programs:
         return Op.W if self.split_backward else Op.B
 
     def owned_stages(self, rank: int) -> list[int]:
-        return [s for s, owners in enumerate(self.owners) if rank in owners]
+        """The stages ``rank`` owns, ascending.
+
+        Read from an index of ``owners`` built on first use: every reader asks this once per
+        rank, and scanning all stages each time made a plan of W ranks and S stages cost
+        O(W x S) (minutes at W = S = 10^4).
+        """
+        index = self._owned_index
+        if index is None or index[0] is not self.owners:
+            by_rank: dict[int, list[int]] = {}
+            for s, owners in enumerate(self.owners):
+                for r in owners:
+                    by_rank.setdefault(r, []).append(s)
+            index = self._owned_index = (self.owners, by_rank)
+        return list(index[1].get(rank, ()))
 
     def owned_ties(self, rank: int) -> list[int]:
         """Home stages of the ties ``rank`` owns (a tie is owned with its home stage)."""

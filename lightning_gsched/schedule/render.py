@@ -18,32 +18,48 @@ _MICRO_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def _time_unit(timeline: Timeline) -> float:
     """Largest unit that divides every duration (so cells align), at least 1/8 of the shortest."""
-    durations = {round(s.end - s.start, 6) for s in timeline.slots}
+    start, end = timeline.start, timeline.end
+    durations = {round(end[j] - start[j], 6) for jobs in timeline.order for j in jobs}
     shortest = min(durations)
     scaled = [round(d * 1000) for d in durations]
     unit = reduce(math.gcd, scaled) / 1000
     return max(unit, shortest / 8)
 
 
+MAX_WORKERS = 64  # workers drawn at most (the first ones); the legend counts the rest
+MAX_COLUMNS = 1000  # a diagram wider than this many characters is not drawn
+
+
 def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int = 240) -> str:
-    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time."""
-    if not timeline.slots:
+    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time.
+
+    Readable at any size: beyond :data:`MAX_WORKERS` workers only the first ones are drawn,
+    and a timeline needing more than :data:`MAX_COLUMNS` characters at one per time unit is not
+    drawn at all; a line says so (``--png`` draws any size, ``--json`` lists every slot).
+    """
+    if not timeline.order or not any(timeline.order):
         return "(empty timeline)"
     unit = _time_unit(timeline)
     columns = int(round(timeline.latency / unit))
+    if columns > MAX_COLUMNS:
+        return (f"(timeline not drawn: {columns} time units of {unit:g} over {timeline.workers} "
+                f"workers is wider than {MAX_COLUMNS} characters; --png PATH draws it, --json "
+                f"lists every slot; latency {timeline.latency:g})")
     cell = width_per_unit
     if columns * cell > max_width:
         cell = max(1, max_width // columns)
-    label_width = len(f"w{timeline.workers - 1}") + 1
+    shown = min(timeline.workers, MAX_WORKERS)
+    label_width = len(f"w{shown - 1}") + 1
     lines = []
-    for worker, slots in enumerate(timeline.by_worker):
+    for worker in range(shown):
         top = [" "] * (columns * cell)
         bottom = [" "] * (columns * cell)
-        for slot in slots:
-            a = int(round(slot.start / unit)) * cell
-            z = int(round(slot.end / unit)) * cell
-            text = f"{slot.job.phase.value}{slot.job.stage}"
-            micro = _MICRO_CHARS[slot.job.micro % len(_MICRO_CHARS)]
+        for index in timeline.order[worker]:  # not by_worker: no Slot for workers not drawn
+            job = timeline.job(index)
+            a = int(round(timeline.start[index] / unit)) * cell
+            z = int(round(timeline.end[index] / unit)) * cell
+            text = f"{job.phase.value}{job.stage}"
+            micro = _MICRO_CHARS[job.micro % len(_MICRO_CHARS)]
             for i in range(a, z):
                 top[i] = "."
                 bottom[i] = micro
@@ -53,6 +69,9 @@ def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int =
             top[z - 1] = "|" if z - a > 1 else top[z - 1]
         lines.append(f"{'w' + str(worker):<{label_width}}{''.join(top)}")
         lines.append(f"{'':<{label_width}}{''.join(bottom)}")
+    if shown < timeline.workers:
+        lines.append(f"(workers {shown}-{timeline.workers - 1} not drawn: the first {shown} of "
+                     f"{timeline.workers} only; --png PATH draws them all)")
     legend = (
         f"time unit = {unit:g} per {cell} char(s); top row: F/B + stage, bottom row: microbatch "
         f"(0-9, a-z, ...); latency {timeline.latency:g}"

@@ -1,0 +1,87 @@
+"""planner_w1024: ``gsched plan NAME -w 1024`` for every library schedule (its default S, B,
+R), and the W=100,000 answers, each timed as a user runs it.
+
+Issue 26's goals: every library schedule at W=1024 with its default B plans in < 5 s and
+< 1 GB; ``gsched plan`` at W=100,000 answers (a plan or a reason) in < 10 s. Each row is one
+``python -m lightning_gsched.cli plan ...`` process (printing included, output discarded):
+its wall seconds and its own peak resident set (``os.wait4``'s rusage, the figure
+``/usr/bin/time -f %M`` prints), stopped at a timeout, which the row then reports. The quick
+run times the W=100,000 answers and the schedules whose default shape is small (ddp, lpp);
+the full run all of them (the pipelines plan 4-12 million jobs each at W=1024: minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.common import Result
+from lightning_gsched.schedule.library import LIBRARY
+
+GOAL_S, GOAL_KB, ANSWER_S = 5.0, 1 << 20, 10.0
+QUICK_SCHEDULES = ("ddp", "lpp")
+LARGE = (("1f1b", ["-w", "100000", "-b", "1"]), ("fsdp", ["-w", "100000"]),
+         ("ddp", ["-w", "100000"]))
+
+
+def time_command(args: list[str], timeout: float) -> dict[str, Any]:
+    """Wall seconds, peak RSS (KB) and exit status of ``gsched plan ARGS`` in its own process;
+    ``timed_out`` when it ran past ``timeout`` (then stopped)."""
+    command = [sys.executable, "-m", "lightning_gsched.cli", "plan", *args]
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    timed_out = False
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.perf_counter() - start > timeout:
+            process.kill()
+            pid, status, usage = os.wait4(process.pid, 0)
+            timed_out = True
+            break
+        time.sleep(0.02)
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    error = process.stderr.read().decode().strip() if process.stderr else ""
+    return {"args": " ".join(args), "seconds": round(time.perf_counter() - start, 2),
+            "peak_kb": usage.ru_maxrss, "exit": process.returncode, "timed_out": timed_out,
+            "answer": "plan" if process.returncode == 0 else error[:160]}
+
+
+def run(quick: bool) -> list[Result]:
+    timeout = 60.0 if quick else 300.0
+    names = QUICK_SCHEDULES if quick else tuple(LIBRARY)
+    rows = [{"schedule": name, **time_command([name, "-w", "1024"], timeout)} for name in names]
+    large = [{"schedule": name, **time_command([name, *args], 2 * ANSWER_S)}
+             for name, args in LARGE]
+    met = [r["schedule"] for r in rows
+           if not r["timed_out"] and r["seconds"] < GOAL_S and r["peak_kb"] < GOAL_KB]
+    slowest = max(rows, key=lambda r: r["seconds"])
+    answered = all(not r["timed_out"] and r["seconds"] < ANSWER_S for r in large)
+    notes = (f"gsched plan NAME -w 1024 (default S, B, R) for {len(rows)} schedules: within "
+             f"< 5 s and < 1 GB: {', '.join(met) or 'none'}; slowest {slowest['schedule']} "
+             f"{slowest['seconds']} s, {slowest['peak_kb'] // 1024} MB"
+             + (" (timed out)" if slowest["timed_out"] else "")
+             + f"; W=100,000 answers < {ANSWER_S:g} s: {'all' if answered else 'not all'}")
+    return [Result("planner_w1024", slowest["seconds"], GOAL_S, goal="< 5 s, < 1 GB",
+                   notes=notes, extra={"w1024": rows, "w100000": large})]
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a table: command, seconds, peak MB, answer."""
+    lines = ["| gsched plan | seconds | peak MB | answer |", "|---|---:|---:|---|"]
+    for r in rows:
+        seconds = f"> {r['seconds']}" if r["timed_out"] else f"{r['seconds']}"
+        answer = "timed out" if r["timed_out"] else r["answer"].replace("|", "/")
+        lines.append(f"| {r['args']} | {seconds} | {r['peak_kb'] // 1024} | {answer} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    for result in run(quick):
+        print(result.notes)
+        print(markdown(result.extra["w1024"] + result.extra["w100000"]))

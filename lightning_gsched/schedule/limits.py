@@ -1,0 +1,31 @@
+"""How large a plan the planner builds, refused before any work when it is larger.
+
+``plan()`` simulates every job, builds every rank's program and checks them all, at about
+10-30 microseconds and 1-3 KB per job (F, B and W of each stage and microbatch) on one core.
+A shape far beyond that (``fsdp`` at W=100,000 is 2 x 10^10 jobs) would run for hours and
+exhaust memory instead of answering; :func:`check_size` answers at once with
+:class:`~lightning_gsched.errors.PlanTooLargeError` naming the size and the ways to shrink it.
+"""
+
+from __future__ import annotations
+
+from lightning_gsched.errors import PlanTooLargeError
+
+MAX_JOBS = 1 << 24  # 16,777,216 jobs: every library schedule's default shape at W=1024 fits
+
+
+def check_size(name: str, workers: int, stages: int, micro: int, phases: int) -> None:
+    """Refuse a plan of more than :data:`MAX_JOBS` jobs (S x B x phases)."""
+    jobs = stages * micro * phases
+    if jobs <= MAX_JOBS:
+        return
+    most = MAX_JOBS // phases
+    raise PlanTooLargeError(
+        f"{name} with W={workers}, S={stages}, B={micro} is {jobs:,} jobs ({phases} per stage "
+        f"and microbatch), more than the {MAX_JOBS:,} a plan may have (the planner builds and "
+        f"checks every rank's program, about 1-3 KB and 10-30 us per job). Give fewer stages "
+        f"or microbatches so that S x B <= {most:,} (e.g. microbatches="
+        f"{max(1, most // stages)} at S={stages}); where a schedule's placement ties S or B to "
+        "W (fsdp: both multiples of W; gpipe/1f1b/zb: S a multiple of W), use one that does "
+        "not (lpp with a small R, ddp) or fewer workers"
+    )
