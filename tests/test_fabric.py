@@ -147,19 +147,31 @@ def run_schedule(ctx: WorkerContext, schedule: str, path: str, precision: str = 
             "checkpointed": (list(checkpointed), running)}
 
 
-def resume_schedule(ctx: WorkerContext, schedule: str, path: str, while_running: bool
-                    ) -> dict[str, Any]:
-    """Load a checkpoint saved after step 2 (into a fresh pipeline, or into one that already
-    ran a step of its own), then run step 3."""
+def resume_schedule(ctx: WorkerContext, schedule: str, path: str, while_running: bool,
+                    deferred: bool = False) -> dict[str, Any]:
+    """Load a checkpoint saved after step 2 (into a fresh pipeline, into one that already
+    ran a step of its own, or into a model built without weights), then run step 3."""
     fabric = pipelined_fabric(ctx, schedule)
-    model, optimizer = setup(fabric)
+    if deferred:
+        with fabric.init_module():
+            built = make_gpt(0)
+        assert all(p.is_meta for p in built.parameters())
+        model, optimizer = fabric.setup(
+            built, torch.optim.SGD(built.parameters(), lr=LR, momentum=0.9))
+    else:
+        model, optimizer = setup(fabric)
     batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
     if while_running:
         train(fabric, model, optimizer, batches[:1], pipelined=True)
     remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
     losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
-    fabric.strategy.finish()
-    return {"losses": losses, "weights": state_of(model), "step": remainder["step"]}
+    named = dict(model.module.named_parameters())
+    held = {n for n, p in named.items() if not p.is_meta and p.numel() > 0}
+    kept = {n: named[n].detach().clone() for n in held}
+    if not deferred:
+        fabric.strategy.finish()
+    return {"losses": losses, "weights": state_of(model) if not deferred else kept,
+            "step": remainder["step"], "held": held}
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -227,6 +239,25 @@ def test_checkpoint_resumes_under_another_schedule(worlds, runs, saved: str, loa
         assert got["step"] == SAVED_AT
         assert_same_state(got["weights"], want["weights"][-1], label)
         assert got["losses"] == pytest.approx(want["losses"][SAVED_AT:], rel=1e-5), label
+
+
+def test_checkpoint_resumes_into_a_model_built_without_weights(worlds, runs) -> None:
+    """``fabric.load`` before the first step into a ``fabric.init_module()`` model: applied
+    at the build, each rank to the parameters it keeps (a copy into meta parameters would be
+    a no-op), and step 3 ends where the uninterrupted run ends."""
+    want = reference()
+    _, path = runs["1f1b"]
+    results = worlds.get(WORLD).run(resume_schedule, "fsdp", path, False, True)
+    seen: set[str] = set()
+    for rank, got in enumerate(results):
+        label = f"deferred fsdp rank {rank}"
+        assert got["step"] == SAVED_AT
+        assert got["held"] and got["held"] != set(want["weights"][-1]), label
+        assert_same_state(got["weights"], {n: want["weights"][-1][n] for n in got["held"]},
+                          label)
+        assert got["losses"] == pytest.approx(want["losses"][SAVED_AT:], rel=1e-5), label
+        seen |= got["held"]
+    assert seen == set(want["weights"][-1])
 
 
 def test_bf16_mixed_tracks_single_device(worlds, tmp_path) -> None:

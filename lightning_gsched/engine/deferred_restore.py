@@ -7,8 +7,9 @@ would be silently dropped. So the strategy keeps the checkpoint's tensors aside
 (:class:`DeferredRestore`) and the engine applies them once each rank has given storage to the
 parameters it keeps. A sharded checkpoint (a torch.distributed.checkpoint directory,
 ``lightning_gsched.lightning.sharded``) is read then, and each rank reads only the tensors of its
-kept parameters, their optimizer state, and the buffers (every rank holds and runs every buffer); a full checkpoint was
-already read whole by Lightning on every rank, and only its kept entries are applied.
+kept parameters, their optimizer state, and the buffers (every rank holds and runs every buffer); a full checkpoint is
+memory-mapped on every rank (:func:`load_mapped`), and only its kept entries are applied, so
+only their pages are read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.runtime import parameter_names
+
+
+def load_mapped(path: Any, weights_only: Any = None) -> Any:
+    """Read a full checkpoint with its tensors memory-mapped from the file, not copied.
+
+    Why: a model built without weights takes from a full checkpoint only the parameters and
+    optimizer state its rank keeps. Mapped, the file's pages are read when a tensor is used, so
+    each rank reads its own share of the file instead of all of it, and none of the rest
+    becomes resident. A file torch cannot map (the legacy, pre-zip format) is read whole.
+    """
+    try:
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(str(path), map_location="cpu", weights_only=weights_only)
 
 
 class DeferredRestoreError(StrategyConfigError):

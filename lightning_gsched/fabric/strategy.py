@@ -27,12 +27,14 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.options import (
@@ -42,7 +44,12 @@ from lightning_gsched.engine.options import (
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.runtime import ModelRuntime, deferred_parameters, pretrained_weights
+from lightning_gsched.runtime import (
+    ModelRuntime,
+    deferred_parameters,
+    is_deferred,
+    pretrained_weights,
+)
 
 
 class GeneralParallelFabric(DDPStrategy):
@@ -291,12 +298,56 @@ class GeneralParallelFabric(DDPStrategy):
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Fabric's loading (every rank reads the full checkpoint), then each rank drops the
-        optimizer state of parameters it does not own."""
+        optimizer state of parameters it does not own.
+
+        Into a model built without weights (``fabric.init_module()``) whose pipeline is not
+        built yet, a copy would be a no-op on its meta parameters: the file is memory-mapped
+        instead, and the model's and optimizers' entries are applied at the build, each rank
+        only to what it keeps (``engine/deferred_restore.py``, as the Trainer strategy does)."""
+        engine = self._engine
+        if (engine is not None and engine.runtime is None and isinstance(state, dict)
+                and is_deferred(engine.module)):
+            return self._load_deferred(engine, path, state, strict, weights_only)
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         engine = self._engine
         if engine is not None and engine.runtime is not None:
             engine.runtime.prune_optimizer_state(self._optimizers)
         return remainder
+
+    def _load_deferred(self, engine: PipelineEngine, path: _PATH, state: dict[str, Any],
+                       strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
+        """:meth:`load_checkpoint` into a deferred model: set the restore aside for the build."""
+        checkpoint = load_mapped(path, weights_only)
+        _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+        by_object = {id(_unwrap_objects(obj)): name for name, obj in state.items()}
+        model_key = by_object.get(id(engine.module))
+        if model_key is None or model_key not in checkpoint:
+            raise StrategyConfigError(
+                f"fabric.load({str(path)!r}, state) into a model built without weights needs "
+                "the model in state, under the key it was saved with (e.g. {'model': model, "
+                "'optimizer': optimizer}); its weights exist only once the checkpoint is applied")
+        optimizer_states = []
+        for optimizer in self._optimizers:
+            key = by_object.get(id(optimizer))
+            saved = checkpoint.get(key) if key is not None else None
+            if saved is None:
+                optimizer_states.append({"state": {}})
+                continue
+            # hyperparameters now (their tensors, if any, are few); per-parameter state at the
+            # build, where the parameters have storage
+            optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+            optimizer_states.append(saved)
+        engine.restore = DeferredRestore(state_dict=checkpoint[model_key],
+                                         optimizer_states=optimizer_states)
+        applied = {model_key} | {by_object[id(o)] for o in self._optimizers if id(o) in by_object}
+        for name, obj in state.items():
+            if name in applied or name not in checkpoint:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(checkpoint.pop(name))
+            else:
+                state[name] = checkpoint.pop(name)
+        return {k: v for k, v in checkpoint.items() if k not in applied}
 
     # ------------------------------------------------------------------ end
 

@@ -104,19 +104,3 @@ def discard(staging: str) -> None:
     """Remove a staging file or directory after a failed save (never raises)."""
     _remove(staging)
 
-
-def load_mapped(path: Any, weights_only: Any = None) -> Any:
-    """Read a full checkpoint with its tensors memory-mapped from the file, not copied.
-
-    Why: a model built without weights takes from a full checkpoint only the parameters and
-    optimizer state its rank keeps (``engine/deferred_restore.py``). Mapped, the file's pages
-    are read when a tensor is used, so each rank reads its own share of the file instead of
-    all of it, and none of the rest becomes resident. A file torch cannot map (the legacy,
-    pre-zip format) is read whole, as Lightning would.
-    """
-    try:
-        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=weights_only)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        return torch.load(str(path), map_location="cpu", weights_only=weights_only)

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.deferred_restore import DeferredRestore
+from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.logsync import replay
@@ -504,7 +504,7 @@ class GeneralParallel(DDPStrategy):
                                     [_unwrap(o) for o in self.optimizers])
             if self._deferred() and _writes_locally(self.checkpoint_io, checkpoint_path, None):
                 # each rank applies only what it keeps: read those pages, not the whole file
-                return ckpt_files.load_mapped(checkpoint_path, weights_only)
+                return load_mapped(checkpoint_path, weights_only)
             return super(GeneralParallel, self).load_checkpoint(checkpoint_path,
                                                                 weights_only=weights_only)
 
