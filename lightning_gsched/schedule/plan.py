@@ -27,9 +27,9 @@ from lightning_gsched.schedule.orders import (
     resolve_order,
 )
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
-from lightning_gsched.schedule.priorities import priority_ranks
 from lightning_gsched.schedule.program import Programs
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
+from lightning_gsched.schedule.symmetry import make_simulator
 
 DEFAULT = "default"
 
@@ -296,19 +296,20 @@ def _build(
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
     graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split_backward)
     table = PlacementTable(placement_fn, W, S, B)  # both phases: owners as in training
-    ranks = priority_ranks(priority_fn, S, B, forward_only, split_backward)
+    # by group symmetry where that is exact (symmetry.py), else the full simulation
+    run = make_simulator(graph, table, placement_fn, priority_fn, costs)
     timeline: Timeline | None = None
     if cap_spec == "auto":
-        caps, timeline = auto_cap_timeline(graph, table, ranks, costs)
+        caps, timeline = _auto_cap_timeline(run, table)
     elif isinstance(cap_spec, str):
         raise ScheduleConfigError(f"cap {cap_spec!r} is not understood; use an int, a list, None or 'auto'")
     else:
         caps = normalise_caps(cap_spec, W)
     if timeline is None:
         try:
-            timeline = simulate(graph, table, ranks, costs, caps)
+            timeline = run(caps)
         except CapTooSmallError as exc:
-            smallest = smallest_feasible_cap(graph, table, ranks, costs)
+            smallest = _smallest_feasible_cap(run, table)
             if not default_cap:
                 raise CapTooSmallError(
                     f"{exc} (the smallest uniform cap that completes this schedule is {smallest})"
@@ -317,7 +318,7 @@ def _build(
             # the greedy order cannot complete under it (uneven costs, S > W), the smallest
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
-            timeline = simulate(graph, table, ranks, costs, caps)
+            timeline = run(caps)
     programs = lower(graph, table, timeline, fetch_window, ties)
     if verify:
         dry_run(programs)
@@ -367,10 +368,16 @@ def smallest_feasible_cap(
     graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
 ) -> int:
     """Smallest uniform cap with which the greedy schedule completes (bisection)."""
+    return _smallest_feasible_cap(lambda caps: simulate(graph, table, ranks, costs, caps), table)
+
+
+def _smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
+                           table: PlacementTable) -> int:
+    """:func:`smallest_feasible_cap` with ``run(caps)`` simulating (by symmetry or in full)."""
 
     def completes(c: int) -> bool:
         try:
-            simulate(graph, table, ranks, costs, [c] * table.workers)
+            run([c] * table.workers)
             return True
         except CapTooSmallError:
             return False
@@ -393,13 +400,19 @@ def auto_cap_timeline(
     The bisection already simulated the chosen cap (the last cap that kept the latency), so the
     planner takes that timeline instead of simulating it once more.
     """
+    return _auto_cap_timeline(lambda caps: simulate(graph, table, ranks, costs, caps), table)
+
+
+def _auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
+                       table: PlacementTable) -> tuple[list[int | None], Timeline]:
+    """:func:`auto_cap_timeline` with ``run(caps)`` simulating (by symmetry or in full)."""
     W = table.workers
-    target = simulate(graph, table, ranks, costs, [None] * W).latency
+    target = run([None] * W).latency
     kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline
 
     def keeps_latency(c: int) -> bool:
         try:
-            timeline = simulate(graph, table, ranks, costs, [c] * W)
+            timeline = run([c] * W)
         except CapTooSmallError:
             return False
         if timeline.latency <= target + 1e-9:
@@ -411,5 +424,5 @@ def auto_cap_timeline(
     cap = _search_from(1, max(1, max(_jobs_per_worker(table))), keeps_latency, guess=W)
     timeline = kept.get(cap)
     if timeline is None:  # the upper end, never tried: simulate it
-        timeline = simulate(graph, table, ranks, costs, [cap] * W)
+        timeline = run([cap] * W)
     return [cap] * W, timeline

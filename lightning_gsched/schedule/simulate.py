@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -117,12 +117,22 @@ class Timeline:
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
                  order: list[list[int]], start: list[float], end: list[float],
-                 sequence: list[int], busy: list[float]) -> None:
+                 sequence: list[int] | Callable[[], list[int]], busy: list[float]) -> None:
         self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
-        self.order, self.start, self.end, self.sequence = order, start, end, sequence
+        self.order, self.start, self.end = order, start, end
+        # a callable: built when first read (a timeline by symmetry merges its groups' orders
+        # only for a reader of every slot, see symmetry.py)
+        self._sequence = sequence
         self.busy = busy
         self._slots: list[Slot] | None = None
         self._by_worker: list[list[Slot]] | None = None
+
+    @property
+    def sequence(self) -> list[int]:
+        """Every flat job index in the order the simulation placed it."""
+        if callable(self._sequence):
+            self._sequence = self._sequence()
+        return self._sequence
 
     @property
     def latency(self) -> float:
