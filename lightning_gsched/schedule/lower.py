@@ -185,19 +185,20 @@ class _Builder:
         those ints keeps each family's order where keys are equal (equal keys are always of one
         family: the families never share a category).
         """
-        out = []
+        return [self.program(rank, list(map(computes.__getitem__, jobs)))
+                for rank, jobs in enumerate(self.timeline.order)]
+
+    def program(self, rank: int, computes: list[Action]) -> list[Action]:
+        """One rank's program: its ``computes`` (in its order) merged with its other actions."""
         first = itemgetter(0)
-        for rank, jobs in enumerate(self.timeline.order):
-            entries = self.entries[rank]
-            entries.sort(key=first)  # keys are unique (serial): a total order
-            actions = self.flow[rank] + list(map(itemgetter(1), entries))
-            actions += map(computes.__getitem__, jobs)
-            keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
-                                           in map(first, entries)]
-            keys += range(_COMPUTE_KEY, SLOTS * len(jobs), SLOTS)
-            out.append(list(map(actions.__getitem__, sorted(range(len(keys)),
-                                                            key=keys.__getitem__))))
-        return out
+        entries = self.entries[rank]
+        entries.sort(key=first)  # keys are unique (serial): a total order
+        actions = self.flow[rank] + list(map(itemgetter(1), entries))
+        actions += computes
+        keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
+                                       in map(first, entries)]
+        keys += range(_COMPUTE_KEY, SLOTS * len(computes), SLOTS)
+        return list(map(actions.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
 
 
 def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
@@ -245,7 +246,6 @@ def _lower_weights(
     P = len(timeline.phases)
     BP = table.micro * P
     grad_k = timeline.phases.index(grad_phase) if grad_phase in timeline.phases else -1
-    start, end = timeline.start, timeline.end
     for worker, jobs in enumerate(timeline.order):
         owned = set(table.owned_stages(worker))
         if table.computed_stages(worker) <= owned:
@@ -260,26 +260,37 @@ def _lower_weights(
             while j + 1 < n and stages[j + 1] == stage:
                 j += 1
             if stage not in owned:
-                owner = table.fetch_source[(stage, worker)]
                 fetch_gap = max(i - 1, 0)
                 if fetch_window is not None and len(freed_at) >= fetch_window:
                     fetch_gap = max(fetch_gap, freed_at[-fetch_window])
-                prefetch_time = start[jobs[fetch_gap]] if i > 0 else 0.0
-                build.put(worker, fetch_gap, prefetch_time,
-                          Action(Op.FETCH_W, stage, None, owner))
-                build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
-                          Action(Op.SEND_W, stage, None, worker))
-                run_end = end[jobs[j]]
-                if any(jobs[k] % P == grad_k for k in range(i, j + 1)):
-                    build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
-                    gap = build.gap_at(owner, run_end)
-                    build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))
-                    key = (owner, stage)
-                    reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
-                build.put(worker, j + 1, run_end, Action(Op.FREE_W, stage))
+                put_run(table, timeline, build, worker, stage, i, j, fetch_gap, grad_k,
+                        reduce_gaps)
                 freed_at.append(j + 1)
             i = j + 1
     return reduce_gaps
+
+
+def put_run(table: PlacementTable, timeline: Timeline, build: _Builder, worker: int,
+            stage: int, i: int, j: int, fetch_gap: int, grad_k: int,
+            reduce_gaps: dict[tuple[int, int], int]) -> None:
+    """The actions of one fetched run: ``worker`` computes ``stage`` at positions i..j of its
+    order; fetched at ``fetch_gap`` (see :func:`_lower_weights`). One function for the full
+    lowering and the rank-local one (:mod:`.lower_rank`), so both put the same actions."""
+    jobs = timeline.order[worker]
+    P = len(timeline.phases)
+    owner = table.fetch_source[(stage, worker)]
+    prefetch_time = timeline.start[jobs[fetch_gap]] if i > 0 else 0.0
+    build.put(worker, fetch_gap, prefetch_time, Action(Op.FETCH_W, stage, None, owner))
+    build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
+              Action(Op.SEND_W, stage, None, worker))
+    run_end = timeline.end[jobs[j]]
+    if any(jobs[k] % P == grad_k for k in range(i, j + 1)):
+        build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
+        gap = build.gap_at(owner, run_end)
+        build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))
+        key = (owner, stage)
+        reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
+    build.put(worker, j + 1, run_end, Action(Op.FREE_W, stage))
 
 
 def _lower_allreduce(

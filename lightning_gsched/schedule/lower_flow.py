@@ -10,6 +10,7 @@ order of every channel into a consumer is settled as soon as that consumer's rec
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
@@ -21,7 +22,8 @@ SEND_CATEGORY, RECV_CATEGORY = 0, 7  # hand data over first, post the next input
 
 
 def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline,
-                    flow: list[list[Action]], flow_keys: list[list[int]]) -> None:
+                    flow: list[list[Action]], flow_keys: list[list[int]],
+                    workers: Sequence[int] | None = None) -> None:
     """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
 
     The planner's largest loop (two actions per message). Consumers are visited worker by
@@ -30,15 +32,20 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
     previous compute, category 7), both appended in the order the reference keys (serials)
     would give them. All messages into one consumer are made while visiting it, so its
     channels' FIFO order is settled right after (:func:`_fifo_posts`).
+
+    ``workers`` (ascending): visit only these consumers, for a rank-local lowering
+    (:mod:`.lower_rank`); they must hold every producer of their inputs (a group of a looped
+    placement does), whose flow lists then hold exactly what the full visit gives them.
     """
     compute = table.compute
     B, P = table.micro, len(timeline.phases)
     BP = B * P
     phase_index = {d: k for k, d in enumerate(timeline.phases)}
     order = timeline.order
+    visit = range(len(order)) if workers is None else workers
     position = [0] * (table.stages * BP)  # flat job -> index in its worker's order
-    for jobs in order:
-        for i, flat in enumerate(jobs):
+    for worker in visit:
+        for i, flat in enumerate(order[worker]):
             position[flat] = i
     done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
@@ -51,7 +58,8 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
                 list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
                 for s in range(graph.num_stages)])
     chain = graph.is_chain
-    for worker, jobs in enumerate(order):
+    for worker in visit:
+        jobs = order[worker]
         mine, my_keys = flow[worker], flow_keys[worker]
         first_post = len(mine)
         # per source rank: the producers' positions and the receives' indices in ``mine``, in

@@ -123,6 +123,10 @@ class Timeline:
         # a callable: built when first read (a timeline by symmetry merges its groups' orders
         # only for a reader of every slot, see symmetry.py)
         self._sequence = sequence
+        # (R, G) when built by group symmetry (symmetry.py): group g, workers g*R .. g*R+R-1,
+        # runs microbatches b = g mod G, and worker g*R + p's order is worker p's with b
+        # renamed (same stages, same times); None: no such promise
+        self.group_shape: tuple[int, int] | None = None
         self.busy = busy
         self._slots: list[Slot] | None = None
         self._by_worker: list[list[Slot]] | None = None

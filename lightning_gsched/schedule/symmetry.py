@@ -151,7 +151,9 @@ def expand(group: Timeline, groups: Groups, ranks: Callable[[], Sequence[int]]) 
              for g in range(G) for p in range(R)]
     busy = list(group.busy) * G
     sequence = _merged_sequence(group, groups, ranks)
-    return Timeline(groups.workers, S, B, group.phases, order, start, end, sequence, busy)
+    timeline = Timeline(groups.workers, S, B, group.phases, order, start, end, sequence, busy)
+    timeline.group_shape = (R, G)
+    return timeline
 
 
 def _merged_sequence(group: Timeline, groups: Groups,
