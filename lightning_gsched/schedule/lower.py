@@ -53,7 +53,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from operator import itemgetter
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.lower_flow import (
@@ -224,8 +224,15 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     ops = [_COMPUTE_OP[d] for d in timeline.phases]
     computes = [new_tuple(Action, (op, s, b, None, None))  # by flat job index
                 for s in range(table.stages) for b in range(table.micro) for op in ops]
+    return programs_of(graph, table, build.programs(computes), ties)
+
+
+def programs_of(graph: StageGraph, table: PlacementTable, ranks: Sequence[list[Action]],
+                ties: Mapping[int, tuple[int, ...]] | None) -> Programs:
+    """:class:`Programs` of ``ranks`` (a list, or lowered per rank: :mod:`.lazy_ranks`) with
+    the facts the runtime needs beside them (owners, stage graph, ties)."""
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
-    return Programs(build.programs(computes), table.stages, table.micro, list(table.owners),
+    return Programs(ranks, table.stages, table.micro, list(table.owners),
                     edges, forward_only=graph.forward_only,
                     split_backward=graph.split_backward, ties=dict(ties or {}))
 

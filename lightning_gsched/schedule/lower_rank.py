@@ -53,8 +53,9 @@ _Runs = tuple[list[tuple[int, int, int]], dict[int, list[tuple[int, int]]]]
 class _RankBuilder(_Builder):
     """The lowering's builder keeping only what one rank's program needs (module docstring)."""
 
-    def __init__(self, timeline: Timeline, rank: int) -> None:  # noqa: D107 - no super(): its
-        # starts of every worker are what a rank-local lowering must not build
+    def __init__(self, timeline: Timeline, rank: int, starts: dict[int, list[float]]) -> None:
+        # no super(): its start times of every worker are what a rank-local lowering must not
+        # build; ``starts`` (shared by the ranks lowered) holds those read so far
         W = len(timeline.order)
         self.timeline, self.rank = timeline, rank
         self.entries = [[] for _ in range(W)]
@@ -63,13 +64,16 @@ class _RankBuilder(_Builder):
         self.serial = 0
         self.sends = defaultdict(list)
         self.recvs = defaultdict(list)
-        self._starts: dict[int, list[float]] = {}
+        self._starts = starts
+        shape = timeline.group_shape
+        self._period = shape[0] if shape is not None else W  # workers with the same times
 
     def gap_at(self, rank: int, time: float) -> int:
-        starts = self._starts.get(rank)
+        key = rank % self._period  # by symmetry, worker p's times are those of its group's
+        starts = self._starts.get(key)
         if starts is None:
             start = self.timeline.start
-            starts = self._starts[rank] = [start[j] for j in self.timeline.order[rank]]
+            starts = self._starts[key] = [start[j] for j in self.timeline.order[rank]]
         return bisect.bisect_left(starts, time)
 
     def put(self, rank: int, gap: int, time: float, action: Action) -> None:
@@ -102,12 +106,13 @@ class RankLowering:
         self._runs: dict[int, _Runs] = {}  # by the worker whose order it indexes
         self._fetchers: dict[int, list[int]] | None = None
         self._groups: dict[int, RankGroup] = {}
+        self._starts: dict[int, list[float]] = {}  # start times by worker (see _RankBuilder)
         self._ops = [_COMPUTE_OP[d] for d in phases]
 
     def program(self, rank: int) -> list[Action]:
         """What :func:`.lower.lower` gives ``rank`` (module docstring)."""
         timeline, table = self.timeline, self.table
-        build = _RankBuilder(timeline, rank)
+        build = _RankBuilder(timeline, rank, self._starts)
         lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys,
                         self._flow_workers(rank))
         reduce_gaps = self._weights(build, rank)

@@ -13,8 +13,10 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
+from typing import Sequence
 
 from lightning_gsched.schedule.counts import ActionCounts
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.program import OPS, Op, Programs
 from lightning_gsched.schedule.simulate import Timeline
 
@@ -31,7 +33,7 @@ class WorkerMetrics(ActionCounts):
 class PlanMetrics:
     latency: float
     bubble_fraction: float
-    per_worker: list[WorkerMetrics]
+    per_worker: Sequence[WorkerMetrics]  # a list, or a LazyList: each rank's when first read
 
     def max_of(self, field: str) -> float:
         values: list[float] = [getattr(m, field) for m in self.per_worker]  # int or float fields
@@ -82,6 +84,29 @@ def program_counts(programs: Programs, rank: int, into: ActionCounts | None = No
         if name is not None:
             setattr(counts, name, getattr(counts, name) + n)
     return counts
+
+
+def measure_lazily(programs: Programs, timeline: Timeline) -> PlanMetrics:
+    """:func:`measure`, each worker's counts read off its program when first asked for.
+
+    Latency and bubble come from the timeline at once; a plan whose programs are lowered per
+    rank on demand (:mod:`.lazy_ranks`) then lowers nothing until a worker's row is read.
+    """
+    busy = timeline.busy
+
+    def worker(rank: int) -> WorkerMetrics:
+        counts = WorkerMetrics(worker=rank, busy=busy[rank])
+        program_counts(programs, rank, into=counts)
+        return counts
+
+    latency = timeline.latency
+    capacity = latency * programs.world_size
+    total_busy = 0.0
+    for rank in range(programs.world_size):  # the same sum, in the same order, as measure()
+        total_busy += busy[rank]
+    bubble = 1.0 - total_busy / capacity if capacity > 0 else 0.0
+    return PlanMetrics(latency=latency, bubble_fraction=bubble,
+                       per_worker=LazyList(programs.world_size, worker))
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:

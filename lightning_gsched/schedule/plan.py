@@ -15,10 +15,12 @@ from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_shape
 from lightning_gsched.schedule.limits import check_size
-from lightning_gsched.schedule.lower import lower
-from lightning_gsched.schedule.metrics import PlanMetrics, measure
+from lightning_gsched.schedule.lower import lower, programs_of
+from lightning_gsched.schedule.lower_rank import RankLowering
+from lightning_gsched.schedule.metrics import PlanMetrics, measure, measure_lazily
 from lightning_gsched.schedule.orders import (
     CapSpec,
     PriorityFn,
@@ -319,10 +321,17 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = run(caps)
-    programs = lower(graph, table, timeline, fetch_window, ties)
-    if verify:
-        dry_run(programs)
-    metrics = measure(programs, timeline)
+    if not verify and timeline.group_shape is not None:
+        # nothing reads every program here: each rank's is lowered when first read (exactly
+        # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py)
+        lowering = RankLowering(graph, table, timeline, fetch_window, ties)
+        programs = programs_of(graph, table, LazyList(W, lowering.program), ties)
+        metrics = measure_lazily(programs, timeline)
+    else:
+        programs = lower(graph, table, timeline, fetch_window, ties)
+        if verify:
+            dry_run(programs)
+        metrics = measure(programs, timeline)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
                 forward_only, checkpointed, fetch_window)
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Sequence
 
 
 class Op(str, Enum):
@@ -262,7 +262,7 @@ class Programs:
     a tie is owned by ``owners[home]``.
     """
 
-    ranks: list[list[Action]]
+    ranks: Sequence[list[Action]]  # a list, or LazyRanks: lowered per rank when first read
     num_stages: int
     num_micro: int
     owners: list[tuple[int, ...]]

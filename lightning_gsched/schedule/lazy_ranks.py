@@ -1,0 +1,69 @@
+"""Programs lowered on first access: a rank reads its own program without the others' built.
+
+Why: at W=1024 fsdp's programs hold ~10 million actions (over 1 GB); a rank executing its
+program needs only its own (~10,000), which :class:`~.lower_rank.RankLowering` makes in about
+0.1 s. :data:`LazyRanks` is the ``Programs.ranks`` sequence of such a plan: indexing lowers a
+rank once and keeps it, iterating lowers every rank in order, and it compares equal to the list
+of the same programs, so every reader of ``Programs.ranks`` works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, Sequence, TypeVar, overload
+
+from lightning_gsched.schedule.program import Action
+
+T = TypeVar("T")
+
+
+class LazyList(Sequence[T], Generic[T]):
+    """A list whose item i is ``make(i)``, made on first access and kept (module docstring).
+
+    Used for ``Programs.ranks`` (:data:`LazyRanks`) and a plan's per-worker metrics, which
+    read each rank's program.
+    """
+
+    def __init__(self, size: int, make: Callable[[int], T]) -> None:
+        self._lower = make
+        self._programs: list[T | None] = [None] * size
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        program = self._programs[index]  # IndexError as a list's
+        if program is None:
+            program = self._programs[index] = self._lower(index % len(self))
+        return program
+
+    def __setitem__(self, index: int, program: T) -> None:
+        self._programs[index] = program  # tests edit a program to see the dry run refuse it
+
+    def __iter__(self) -> Iterator[T]:
+        return (self[rank] for rank in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (LazyList, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the list it stands for
+
+    @property
+    def lowered(self) -> int:
+        """How many items were made so far."""
+        return sum(program is not None for program in self._programs)
+
+    def __repr__(self) -> str:
+        return f"LazyList({len(self)} items, {self.lowered} made)"
+
+
+LazyRanks = LazyList[list[Action]]
+
