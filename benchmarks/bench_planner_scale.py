@@ -27,10 +27,20 @@ LARGE = (("1f1b", ["-w", "100000", "-b", "1"]), ("fsdp", ["-w", "100000"]),
          ("ddp", ["-w", "100000"]))
 
 
-def time_command(args: list[str], timeout: float) -> dict[str, Any]:
-    """Wall seconds, peak RSS (KB) and exit status of ``gsched plan ARGS`` in its own process;
-    ``timed_out`` when it ran past ``timeout`` (then stopped)."""
-    command = [sys.executable, "-m", "lightning_gsched.cli", "plan", *args]
+# One rank's start-up at W=1024: an unverified plan (timeline by symmetry, nothing lowered)
+# and the program and metrics of one rank, lowered alone (schedule/lower_rank.py)
+ONE_RANK = ("ddp", "fsdp", "lpp", "fslpp", "fslpp-seed")
+ONE_RANK_CODE = ("import sys; from lightning_gsched.schedule import plan; "
+                 "p = plan(sys.argv[1], 1024, verify=False); "
+                 "assert p.programs.ranks[511] and p.metrics.per_worker[511]")
+
+
+def time_command(args: list[str], timeout: float,
+                 command: list[str] | None = None) -> dict[str, Any]:
+    """Wall seconds, peak RSS (KB) and exit status of ``gsched plan ARGS`` (or ``command``)
+    in its own process; ``timed_out`` when it ran past ``timeout`` (then stopped)."""
+    if command is None:
+        command = [sys.executable, "-m", "lightning_gsched.cli", "plan", *args]
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     timed_out = False
@@ -55,6 +65,9 @@ def run(quick: bool) -> list[Result]:
     timeout = 60.0 if quick else 300.0
     names = QUICK_SCHEDULES if quick else tuple(LIBRARY)
     rows = [{"schedule": name, **time_command([name, "-w", "1024"], timeout)} for name in names]
+    one_rank = [{"schedule": name, **time_command(
+        [name, "-w", "1024", "(one rank, unverified)"], timeout,
+        [sys.executable, "-c", ONE_RANK_CODE, name])} for name in ONE_RANK]
     large = [{"schedule": name, **time_command([name, *args], 2 * ANSWER_S)}
              for name, args in LARGE]
     met = [r["schedule"] for r in rows
@@ -65,9 +78,12 @@ def run(quick: bool) -> list[Result]:
              f"< 5 s and < 1 GB: {', '.join(met) or 'none'}; slowest {slowest['schedule']} "
              f"{slowest['seconds']} s, {slowest['peak_kb'] // 1024} MB"
              + (" (timed out)" if slowest["timed_out"] else "")
-             + f"; W=100,000 answers < {ANSWER_S:g} s: {'all' if answered else 'not all'}")
+             + f"; W=100,000 answers < {ANSWER_S:g} s: {'all' if answered else 'not all'}"
+             + "; one rank's program and metrics from an unverified plan at W=1024: "
+             + ", ".join(f"{r['schedule']} {r['seconds']} s" for r in one_rank))
     return [Result("planner_w1024", slowest["seconds"], GOAL_S, goal="< 5 s, < 1 GB",
-                   notes=notes, extra={"w1024": rows, "w100000": large})]
+                   notes=notes, extra={"w1024": rows, "w100000": large,
+                                       "w1024_one_rank": one_rank})]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -84,4 +100,5 @@ if __name__ == "__main__":
     quick = "--quick" in sys.argv
     for result in run(quick):
         print(result.notes)
-        print(markdown(result.extra["w1024"] + result.extra["w100000"]))
+        print(markdown(result.extra["w1024"] + result.extra["w100000"]
+                       + result.extra["w1024_one_rank"]))

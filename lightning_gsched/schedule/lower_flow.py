@@ -43,7 +43,8 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
     phase_index = {d: k for k, d in enumerate(timeline.phases)}
     order = timeline.order
     visit = range(len(order)) if workers is None else workers
-    position = [0] * (table.stages * BP)  # flat job -> index in its worker's order
+    # flat job -> index in its worker's order (a dict for a few workers: not one slot per job)
+    position: list[int] | dict[int, int] = [0] * (table.stages * BP) if workers is None else {}
     for worker in visit:
         for i, flat in enumerate(order[worker]):
             position[flat] = i

@@ -238,6 +238,11 @@ def plan(
     lowest that reads it), fetched and held for the step by a rank that computes a reader
     without owning it, and its gradient reduced to the owners (``FETCH_T``/``REDUCE_T``/
     ``ALLREDUCE_T``; see :mod:`.lower_ties`).
+
+    ``verify=False`` skips the dry run; then, where the timeline is by group symmetry
+    (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order), nothing reads
+    every program, so ``programs.ranks`` and ``metrics.per_worker`` are made per rank when first
+    read (:mod:`.lazy_ranks`, :mod:`.lower_rank`): the same values, one rank's at a time.
     """
     W = validate.positive_int("workers", workers)
     check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
