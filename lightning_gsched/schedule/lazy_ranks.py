@@ -24,11 +24,11 @@ class LazyList(Sequence[T], Generic[T]):
     """
 
     def __init__(self, size: int, make: Callable[[int], T]) -> None:
-        self._lower = make
-        self._programs: list[T | None] = [None] * size
+        self._make = make
+        self._items: list[T | None] = [None] * size
 
     def __len__(self) -> int:
-        return len(self._programs)
+        return len(self._items)
 
     @overload
     def __getitem__(self, index: int) -> T: ...
@@ -38,13 +38,13 @@ class LazyList(Sequence[T], Generic[T]):
     def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        program = self._programs[index]  # IndexError as a list's
+        program = self._items[index]  # IndexError as a list's
         if program is None:
-            program = self._programs[index] = self._lower(index % len(self))
+            program = self._items[index] = self._make(index % len(self))
         return program
 
     def __setitem__(self, index: int, program: T) -> None:
-        self._programs[index] = program  # tests edit a program to see the dry run refuse it
+        self._items[index] = program  # tests edit a program to see the dry run refuse it
 
     def __iter__(self) -> Iterator[T]:
         return (self[rank] for rank in range(len(self)))
@@ -59,7 +59,7 @@ class LazyList(Sequence[T], Generic[T]):
     @property
     def lowered(self) -> int:
         """How many items were made so far."""
-        return sum(program is not None for program in self._programs)
+        return sum(item is not None for item in self._items)
 
     def __repr__(self) -> str:
         return f"LazyList({len(self)} items, {self.lowered} made)"
