@@ -19,7 +19,7 @@ The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`O
   (:attr:`OpRules.units_read`): a posted ``FETCH_W``/``FETCH_T`` is consumed by the first
   compute that needs it, or by its ``FREE_W``/``FREE_T`` if none does (:data:`FETCH_OF_FREE`);
 * ``F`` stashes (unless the programs are forward-only); the weight-gradient op
-  (:func:`weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates the weight
+  (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates the weight
   gradients and releases the stash;
 * ``ALLREDUCE_G``/``ALLREDUCE_T`` sum in the gradients posted by ``RECV_G``/``RECV_T`` of its
   unit (:data:`RECEIVE_OF_COLLECTIVE`); those never all-reduced are summed in at the step's end.
@@ -35,7 +35,7 @@ from typing import Iterable, Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.jobs import Phase, StageGraph
-from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.program import Action, Op, Programs, weight_grad_op
 
 # A posted point-to-point receive as its RECV action names it: (op, stage, micro). The stage
 # is the producer's: ``RECV_ACT p b`` carries F p b's output, ``RECV_GRAD c b`` B c b's.
@@ -47,15 +47,6 @@ UnitKey = tuple[Op, int]
 FETCH_OF_FREE: dict[Op, Op] = {Op.FREE_W: Op.FETCH_W, Op.FREE_T: Op.FETCH_T}
 # The gradient receive a collective sums in.
 RECEIVE_OF_COLLECTIVE: dict[Op, Op] = {Op.ALLREDUCE_G: Op.RECV_G, Op.ALLREDUCE_T: Op.RECV_T}
-
-
-def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
-    """The compute that accumulates a stage's weight gradients and releases the stash of its
-    (stage, microbatch): W when the backward is split, else B; None when forward-only (nothing
-    is stashed, no gradient exists)."""
-    if forward_only:
-        return None
-    return Op.W if split_backward else Op.B
 
 
 def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> None:
@@ -86,7 +77,8 @@ class OpRules:
     ``grad_from[s]``: consumer stages whose input-gradients ``B s`` reads; ``ties_read[s]``:
     homes of the ties s reads; ``units_read[s]``: the fetched units a compute of s needs, as
     their fetches name them. ``stash_op``: F, or None when forward-only; ``weight_grad_op``:
-    the op that accumulates weight gradients and releases the stash (:func:`weight_grad_op`).
+    the op that accumulates weight gradients and releases the stash
+    (:func:`~.program.weight_grad_op`, also ``Programs.weight_grad_op``).
     """
 
     __slots__ = ("num_stages", "forward_only", "split_backward", "act_from", "grad_from",

@@ -50,7 +50,7 @@ def program_counts(programs: Programs, rank: int) -> ActionCounts:
     the backward is split) for activations, FETCH_W and FREE_W for resident stages.
     """
     owned = len(programs.owned_stages(rank))
-    release = programs.releases_stash  # None: forward-only, nothing stashed
+    release = programs.weight_grad_op  # None: forward-only, nothing stashed
     ops = list(map(itemgetter(0), programs.ranks[rank]))
     tally = Counter(ops)
     peak_activations = peak_fetched = 0  # a running sum that never moves peaks at 0
