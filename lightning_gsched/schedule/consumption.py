@@ -19,8 +19,8 @@ The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`O
   (:attr:`OpRules.units_read`): a posted ``FETCH_W``/``FETCH_T`` is consumed by the first
   compute that needs it, or by its ``FREE_W``/``FREE_T`` if none does (:data:`FETCH_OF_FREE`);
 * ``F`` stashes (unless the programs are forward-only); the weight-gradient op
-  (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates the weight
-  gradients and releases the stash;
+  (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates
+  the weight gradients and releases the stash;
 * ``ALLREDUCE_G``/``ALLREDUCE_T`` sum in the gradients posted by ``RECV_G``/``RECV_T`` of its
   unit (:data:`RECEIVE_OF_COLLECTIVE`); those never all-reduced are summed in at the step's end.
 

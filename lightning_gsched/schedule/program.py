@@ -40,6 +40,8 @@ dry run (:mod:`lightning_gsched.schedule.dryrun`) proves deadlock-free.
 What each op means is written once, in :data:`OPS` (one :class:`OpSpec` per op): its kind, its
 channel and matching op, the counter it moves, whether forward-only programs may hold it. The
 dry run, the time replay, the metrics and the runtime read the table instead of repeating it.
+What each action consumes and releases (which receive a compute reads, which fetch a free
+releases, which op ends the stash) is written once as well, in :mod:`.consumption`.
 """
 
 from __future__ import annotations
