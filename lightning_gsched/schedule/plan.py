@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.consumption import require_chain
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_shape
@@ -207,7 +208,9 @@ def plan(
 
     ``schedule`` names a library entry; or pass ``placement`` (and optionally ``priority``) for a
     custom schedule, with ``schedule=None`` or a label of your choice. ``cap="auto"`` picks the
-    smallest uniform activation cap that keeps the uncapped latency.
+    smallest uniform activation cap that keeps the uncapped latency. ``edges``: the stage graph,
+    which must be the chain 0 -> 1 -> ... -> S-1 (the default) while the runtime runs chains
+    only; another graph raises :class:`ScheduleConfigError`.
 
     ``forward_only=True`` plans validation/test/predict: F jobs only, with the same placement
     (hence the same stage owners) as the training plan of the same schedule, W, S and R, so one
@@ -277,6 +280,7 @@ def plan(
         checkpointed = (False,) * S
     costs = costs.with_recompute(checkpointed)
     tie_map = validate.ties(ties, S)
+    require_chain(S, edges)  # the runtime runs chains only: refuse other graphs up front
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
                       bool(forward_only), split, uses_default_cap, checkpointed,

@@ -40,9 +40,13 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
 Not modelled: contention of several transfers for one link or of communication threads for
 the cores that compute, and the optimizer step after the programs.
 
+Which action consumes which input (the jobs a compute reads, the fetched units it needs, the
+fetch a free releases, the gradients an all-reduce sums in) is the shared rules of
+:mod:`.consumption`, which the dry run, the bytes walk and the runtime read too.
+
 Adding an op (e.g. a new message kind): give its send its bytes in :class:`_Charges` (and a
-fixed extra time if any) and its receive a consumer in :class:`_Replay`; the rest follows from
-the op table.
+fixed extra time if any) and its receive a consumer in :mod:`.consumption`; the rest follows
+from the op table.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.consumption import (
+    FETCH_OF_FREE,
+    RECEIVE_OF_COLLECTIVE,
+    OpRules,
+)
+from lightning_gsched.schedule.jobs import Job, Phase
 from lightning_gsched.schedule.memory import ModelSizes
 from lightning_gsched.schedule.program import OPS, Action, Op
 from lightning_gsched.schedule.runtime_costs import ZERO_COSTS, RuntimeCosts
@@ -86,18 +95,17 @@ def _per_stage(label: str, value: float | Sequence[float], stages: int) -> list[
 MessageKey = tuple[Op, int, int | None, int, int, int]
 _SEND_OF_PHASE = {Phase.F: Op.SEND_ACT, Phase.B: Op.SEND_GRAD}
 _PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
-_FETCHES = frozenset((Op.FETCH_W, Op.FETCH_T))
-_FETCH_OF_FREE = {Op.FREE_W: Op.FETCH_W, Op.FREE_T: Op.FETCH_T}
-_GRAD_RECVS = {Op.RECV_G: Op.ALLREDUCE_G, Op.RECV_T: Op.ALLREDUCE_T}  # -> what consumes them
+_FETCHES = frozenset(FETCH_OF_FREE.values())
+_GRAD_RECVS = {recv: op for op, recv in RECEIVE_OF_COLLECTIVE.items()}  # -> what consumes them
 
 
 class _Charges:
     """Seconds per message kind and stage, from the cost model, the bytes and legacy terms."""
 
-    def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, graph: StageGraph,
+    def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, rules: OpRules,
                  transfer: float, fetch: list[float], reduce: list[float],
                  tie_fetch: dict[int, float], tie_reduce: dict[int, float]) -> None:
-        S = graph.num_stages
+        S = rules.num_stages
         if sizes is not None and len(sizes.stages) != S:
             raise ScheduleConfigError(
                 f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages"
@@ -105,7 +113,7 @@ class _Charges:
         st = sizes.stages if sizes is not None else None
         tie_sizes = sizes.ties if sizes is not None else {}
         out = [st[s].message if st else 0 for s in range(S)]
-        grad_in = [max((out[p] for p in graph.inputs(s)), default=0) for s in range(S)]
+        grad_in = [max((out[p] for p in rules.act_from[s]), default=0) for s in range(S)]
         self.costs = costs
         # bytes of one message sent by op for a stage, and the fixed seconds added to its flight
         self._bytes: dict[Op, list[int]] = {
@@ -150,9 +158,9 @@ class _Charges:
 class _Replay:
     """Walk handler: clocks per worker, messages matched send to receive (module docstring)."""
 
-    def __init__(self, plan: Any, graph: StageGraph, walker: Walker, charges: _Charges) -> None:
+    def __init__(self, plan: Any, rules: OpRules, walker: Walker, charges: _Charges) -> None:
         W = plan.workers
-        self.graph, self.walker, self.charges = graph, walker, charges
+        self.rules, self.walker, self.charges = rules, walker, charges
         self.cpu = charges.costs
         self.job_costs = plan.costs
         self.done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
@@ -167,7 +175,6 @@ class _Replay:
         self.grads_in: list[dict[tuple[Op, int], list[MessageKey]]] = [{} for _ in range(W)]
         self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
         self.reductions: dict[tuple[Op, int, tuple[int, ...] | None], list[float]] = {}
-        self.ties_read_by = [plan.programs.ties_read_by(s) for s in range(plan.stages)]
 
     # ------------------------------------------------------------------ messages
 
@@ -200,7 +207,8 @@ class _Replay:
         job = Job(a.stage, a.micro, _PHASE[a.op])  # type: ignore[arg-type]  # compute: micro set
         ready = 0.0
         messages: list[MessageKey] = []
-        for pred in self.graph.pred(job):
+        for phase, stage in self.rules.reads(a.op, a.stage):
+            pred = Job(stage, job.micro, phase)
             if pred not in self.done:
                 return pred  # wait until that job has run
             end, pw = self.done[pred]
@@ -208,7 +216,7 @@ class _Replay:
                 ready = max(ready, end)
             else:
                 messages.append((_SEND_OF_PHASE[pred.phase], pred.stage, pred.micro, pw, w, 0))
-        needed = [(Op.FETCH_W, a.stage), *((Op.FETCH_T, h) for h in self.ties_read_by[a.stage])]
+        needed = self.rules.units_read[a.stage]
         fetching = self.fetching[w]
         messages += [fetching[n] for n in needed if n in fetching]
         start = self._consume(max(self.clock[w], ready), messages)
@@ -245,7 +253,7 @@ class _Replay:
         return None
 
     def free(self, w: int, a: Action) -> Hashable | None:
-        name = (_FETCH_OF_FREE[a.op], a.stage)
+        name = (FETCH_OF_FREE[a.op], a.stage)
         fetch = self.fetching[w].get(name)
         if fetch is not None:  # fetched but never used: the receive lands first
             at = self._consume(self.clock[w], [fetch])
@@ -308,15 +316,13 @@ def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[
     S, W = plan.stages, plan.workers
     fetch_s = _per_stage("fetch", fetch, S)
     reduce_s = _per_stage("reduce", reduce, S)
-    graph = StageGraph(S, edges if edges is not None else plan.programs.edges,
-                       forward_only=plan.forward_only,
-                       split_backward=plan.programs.split_backward)
+    rules = OpRules.of(plan.programs, edges)
     ties = plan.programs.ties
-    charges = _Charges(costs or ZERO_COSTS, sizes, graph, transfer, fetch_s, reduce_s,
+    charges = _Charges(costs or ZERO_COSTS, sizes, rules, transfer, fetch_s, reduce_s,
                        _per_tie("tie_fetch", tie_fetch, ties),
                        _per_tie("tie_reduce", tie_reduce, ties))
     walker = Walker(plan.programs)
-    replay = _Replay(plan, graph, walker, charges)
+    replay = _Replay(plan, rules, walker, charges)
     stuck = walker.run(replay)
     if stuck:
         raise ScheduleConfigError(
