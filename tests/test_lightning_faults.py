@@ -94,32 +94,56 @@ def test_preemption_signal_stops_every_rank_after_the_same_step(
 
 
 FAILURES = [
-    # rank 0 after self(...): only where the whole step runs (the sanity check's first batch
-    # probes the model on every rank); in a pipelined validation step that code runs on the
-    # last stage's ranks only, so rank 0 fails before self(...) in the next case
-    ("fslpp", 4, "raise", 0, 0, "validation"),
-    ("fslpp", 4, "raise", 0, 2, "validation_capture"),
-    ("fslpp", 4, "raise", 3, 2, "validation"),
-    ("1f1b", 2, "raise", 0, 1, "batch_end"),
-    ("1f1b", 2, "raise", 1, 1, "data"),
+    # (schedule, world, fault, rank, step, where, the hook every rank's error names)
+    # A step's code after self(...) runs on the rank computing the last stage of that
+    # microbatch, the code before it on stage 0's rank; only the first batch's probe (and a
+    # sanity check's) runs the whole step on every rank. So rank 0 raises after self(...) at
+    # step/batch 0 (the probe) and before it later; the last rank after it.
+    ("fslpp", 4, "raise", 0, 0, "validation", "validation_step"),
+    ("fslpp", 4, "raise", 0, 2, "validation_capture", "Faulty.validation_step"),
+    ("fslpp", 4, "raise", 3, 2, "validation", "Faulty.validation_step after self(...)"),
+    ("1f1b", 2, "raise", 0, 1, "capture", "Faulty.training_step"),
+    # (the last rank in training_step after self(...): test_lightning_errors.py)
+    ("1f1b", 2, "raise", 0, 1, "batch_end", "Injector.on_train_batch_end"),
+    ("1f1b", 2, "raise", 1, 1, "batch_end", "Injector.on_train_batch_end"),
+    ("1f1b", 2, "raise", 0, 1, "data", "the dataloader (next batch)"),
+    ("1f1b", 2, "raise", 1, 1, "data", "the dataloader (next batch)"),
+    # trainer.test / trainer.predict (STEP is the batch index; batch 0 builds the pipeline)
+    ("1f1b", 2, "raise", 0, 0, "test:loss", "test_step"),
+    ("1f1b", 2, "raise", 0, 1, "test:capture", "Faulty.test_step"),
+    ("1f1b", 2, "raise", 1, 1, "test:loss", "Faulty.test_step after self(...)"),
+    ("1f1b", 2, "raise", 0, 1, "test:batch_end", "Injector.on_test_batch_end"),
+    ("1f1b", 2, "raise", 0, 0, "predict:loss", "predict_step"),
+    ("1f1b", 2, "raise", 0, 1, "predict:capture", "Faulty.predict_step"),
+    ("1f1b", 2, "raise", 1, 2, "predict:data", "the dataloader (next batch)"),
+    # W=3: the middle rank (neither stage 0 nor the last stage) ends too
+    ("1f1b", 3, "raise", 2, 1, "predict:loss", "Faulty.predict_step after self(...)"),
 ]
 
 
-@pytest.mark.parametrize("schedule, world, fault, rank, step, where", FAILURES,
-                         ids=["-".join(map(str, case)) for case in FAILURES])
+@pytest.mark.parametrize("schedule, world, fault, rank, step, where, hook", FAILURES,
+                         ids=["-".join(map(str, case[:6])) for case in FAILURES])
 def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
         tmp_path: Path, schedule: str, world: int, fault: str, rank: int, step: int,
-        where: str) -> None:
+        where: str, hook: str) -> None:
     results = run_job(tmp_path, schedule, world, fault, rank, step, where)
+    assert results[rank]["injected"], results[rank]
     for r in results:
         assert r["outcome"] not in ("finished", "SIGTERMException"), r
+    named = f"rank {rank} failed"
     failing = results[rank]
-    assert failing["outcome"] == "ValueError" or f"rank {rank} failed" in failing["message"], \
-        failing
+    if failing["outcome"] == "ValueError":  # the user's own exception, re-raised as it was;
+        log = (tmp_path / "log.txt").read_text()  # the rank prints what the others are told
+        assert f"{named} in {hook}" in log, log[-3000:]
+    else:
+        assert named in failing["message"] and hook in failing["message"], failing
     for r in results:
-        if r["rank"] != rank and r["outcome"] != "ValueError":
+        if r["rank"] != rank:
             assert r["outcome"] == "RuntimeFault", r
-            assert f"rank {rank} failed" in r["message"], r["message"]
+            assert named in r["message"] and hook in r["message"], r["message"]
+    ended = [r["ended"] - failing["injected_at"] for r in results]
+    print(f"{where} raised on rank {rank} of {world}: every rank ended "
+          f"{min(ended):.1f}-{max(ended):.1f} s after the raise")
 
 
 @pytest.fixture(scope="module")
