@@ -15,7 +15,9 @@ the step it stopped at, and whether it did the fault (``injected``: the chosen p
 reached); rank 0 of a finished run saves its
 weights in ``OUT_DIR/final.pt``. A ``ModelCheckpoint(save_last=True,
 save_on_exception=True, every_n_train_steps=2)`` writes into ``OUT_DIR/ckpt``;
-``RESUME=1`` fits again from ``ckpt_path="last"``.
+``RESUME=1`` fits again from ``ckpt_path="last"``, as does a restart under torchrun
+(``TORCHELASTIC_RESTART_COUNT`` > 0), which also injects nothing: FAULT ``kill9`` (SIGKILL to
+itself) then runs once, on torchrun's first attempt.
 
 WHERE ``test:<point>`` or ``predict:<point>`` runs ``trainer.test`` / ``trainer.predict`` instead
 of ``fit`` (a fresh model; the pipeline is built at the first batch, whose probe runs the whole
@@ -58,6 +60,9 @@ def config() -> dict[str, Any]:
 
 
 CONFIG = config()
+# a resumed run (by hand, or torchrun's restart of the group) injects nothing
+RESUMING = bool(os.environ.get("RESUME")) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                "0")) > 0
 
 
 def inject(where: str, trainer: pl.Trainer, index: int | None = None) -> None:
@@ -66,7 +71,7 @@ def inject(where: str, trainer: pl.Trainer, index: int | None = None) -> None:
     c = CONFIG
     at = trainer.global_step if index is None else index
     if (c["where"] != where or trainer.global_rank != c["rank"] or at != c["step"]
-            or os.environ.get("RESUME") or getattr(inject, "done", False)):
+            or RESUMING or getattr(inject, "done", False)):
         return
     inject.done = True  # type: ignore[attr-defined]
     inject.at = time.time()  # type: ignore[attr-defined]
@@ -77,6 +82,8 @@ def inject(where: str, trainer: pl.Trainer, index: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif fault == "sigusr1":
         os.kill(os.getpid(), signal.SIGUSR1)
+    elif fault == "kill9":
+        os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "sigterm-launcher":
         os.kill(int(os.environ.get("GSCHED_TEST_LAUNCHER", os.getpid())), signal.SIGTERM)
 
@@ -193,13 +200,14 @@ def main() -> None:
             trainer.predict(model, loader)
         else:
             trainer.fit(model, loader, rank_loader(data, GLOBAL_BATCH, c["world"], rank),
-                        ckpt_path="last" if os.environ.get("RESUME") else None)
+                        ckpt_path="last" if RESUMING else None)
         result["outcome"] = "finished"
     except BaseException as exc:  # noqa: BLE001 - the test reads how each rank ended
         result["outcome"] = type(exc).__name__
         result["message"] = str(exc)
         result["traceback"] = traceback.format_exc()
     result["ended"] = time.time()
+    result["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     result["step"] = trainer.global_step
     result["injected"] = getattr(inject, "done", False)
     result["injected_at"] = getattr(inject, "at", None)
@@ -208,7 +216,9 @@ def main() -> None:
     with open(os.path.join(c["out"], f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (gloo threads); the result is written
+    # skip interpreter teardown (gloo threads); the result is written. A failed rank exits 1,
+    # which is what makes torchrun restart the group
+    os._exit(0 if result["outcome"] == "finished" else 1)
 
 
 if __name__ == "__main__":

@@ -201,3 +201,53 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(
     log = (tmp_path / "log.txt").read_text()
     assert "Restoring states from the checkpoint path" in log, log[-3000:]
     assert "dataloader is not resumable" not in log  # Lightning's warning for a plain loader
+
+
+def run_torchrun(tmp: Path, schedule: str, world: int, rank: int, step: int) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node=W --max-restarts=1 preempt_script.py ...`` with
+    a kill -9 of ``rank`` at ``step`` on the first attempt; its exit code and log (bounded: a
+    torchrun still running after BOUND is a hang, its whole session is killed)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    # a store per attempt: torchrun's rendezvous store, shared with the workers by default,
+    # keeps the first attempt's keys, and the restarted ranks' process groups can read a dead
+    # rank's address from it (pytorch/pytorch#135712; docs/runtime.md, "Faults")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    for name in ("GSCHED_TEST_LAUNCHER", "RESUME"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "--max-restarts=1", str(SCRIPT), str(tmp),
+               schedule, str(world), "kill9", str(rank), str(step), "batch_start"]
+    with open(tmp / "log.txt", "w") as log:
+        torchrun = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            code = torchrun.wait(timeout=2 * BOUND)  # two attempts
+        except subprocess.TimeoutExpired:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+            pytest.fail(f"torchrun did not end within {2 * BOUND:g} s (a hang):\n"
+                        + (tmp / "log.txt").read_text()[-3000:])
+    return code, (tmp / "log.txt").read_text()
+
+
+def test_torchrun_restart_after_kill9_resumes_from_the_last_checkpoint(
+        tmp_path: Path, uninterrupted: Any) -> None:
+    """kill -9 of the last rank in step 4 of 6 (after the checkpoint of step 2): the other
+    rank ends on the lost connection (a RuntimeFault, not a hang), torchrun restarts the group
+    once, the restart resumes from ``last.ckpt`` and trains to the end: the final weights are
+    the uninterrupted job's (rel 1e-6)."""
+    want = uninterrupted("1f1b", 2)
+    code, log = run_torchrun(tmp_path, "1f1b", 2, rank=1, step=3)
+    assert code == 0, log[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["outcome"], r["step"], r["attempt"]) for r in results] == \
+        [("finished", 6, 1)] * 2, results
+    assert "Restoring states from the checkpoint path" in log, log[-3000:]
+    assert "last.ckpt" in log, log[-3000:]
+    # the first attempt: rank 0 stopped with a named fault when rank 1 was killed
+    assert "rank 0 stopped" in log and "lost the connection to a peer" in log, log[-3000:]
+    got = torch.load(tmp_path / "final.pt", map_location="cpu")
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0, msg=key)

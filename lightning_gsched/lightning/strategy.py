@@ -569,7 +569,8 @@ class GeneralParallel(DDPStrategy):
         if self._control is not None:
             self._control.close()
             if self._failure is not None and self.global_rank == 0:
-                self._control.linger(self.world_size - 1)  # rank 0 hosts the job's store
+                # rank 0 hosts the job's store; a SIGTERM (the launcher ending the group)
+                self._control.linger(self.world_size - 1, stop=lambda: self._pending_signal() > 0)
             self._control = None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self._notice is not None and trainer is not None and self._notice in trainer.callbacks:
