@@ -34,6 +34,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.fabric import checkpoints
+from lightning_gsched.lightning import ckpt_check, ckpt_files
 from lightning_gsched.lightning.engine import PipelineEngine
 from lightning_gsched.lightning.intercept import StepCaller
 from lightning_gsched.lightning.options import (
@@ -288,11 +290,39 @@ class GeneralParallelFabric(DDPStrategy):
         else:  # only the stages this rank holds
             runtime.load_state_dict(state_dict)
 
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any],
+                        storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Gathered on every rank (collective), written by rank 0 to a temporary name next to
+        ``path`` and renamed over it: readers see the old file or the whole new one
+        (:mod:`.checkpoints`)."""
+        if not checkpoints.handled_here(self.checkpoint_io, path, storage_options):
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        if self.is_global_zero:
+            ckpt_files.atomic_save(converted, path)
+
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Fabric's loading (every rank reads the full checkpoint), then each rank drops the
-        optimizer state of parameters it does not own."""
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        optimizer state of parameters it does not own. A missing, truncated or foreign file
+        raises the same CheckpointError on every rank first (:mod:`.checkpoints`)."""
+        if checkpoints.handled_here(self.checkpoint_io, path):
+            io = self.checkpoint_io
+            checkpoint = ckpt_check.load_checked(
+                path, lambda: io.load_checkpoint(path, weights_only=weights_only), None,
+                timeout=self.step_timeout, what=checkpoints.WHAT,
+                check=lambda c: checkpoints.problem_of(path, c, state, strict))
+            self.checkpoint_io = checkpoints.Preloaded(checkpoint)  # type: ignore[assignment]
+            try:
+                remainder = super().load_checkpoint(path, state, strict=strict,
+                                                    weights_only=weights_only)
+            finally:
+                self.checkpoint_io = io
+        else:
+            remainder = super().load_checkpoint(path, state, strict=strict,
+                                                weights_only=weights_only)
         engine = self._engine
         if engine is not None and engine.runtime is not None:
             engine.runtime.prune_optimizer_state(self._optimizers)
