@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
+from lightning_gsched.engine import ckpt_check, ckpt_files, sharded
 from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
@@ -45,7 +46,6 @@ from lightning_gsched.engine.options import (
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import ckpt_check, ckpt_files, sharded
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
@@ -575,7 +575,8 @@ class GeneralParallel(DDPStrategy):
         if self._control is not None:
             self._control.close()
             if self._failure is not None and self.global_rank == 0:
-                self._control.linger(self.world_size - 1)  # rank 0 hosts the job's store
+                # rank 0 hosts the job's store; a SIGTERM (the launcher ending the group)
+                self._control.linger(self.world_size - 1, stop=lambda: self._pending_signal() > 0)
             self._control = None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self._notice is not None and trainer is not None and self._notice in trainer.callbacks:
