@@ -102,7 +102,7 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
         worlds, state_dict_type: str, tmp_path) -> None:
-    from lightning_gsched.lightning import sharded
+    from lightning_gsched.engine import sharded
 
     directory = tmp_path / "ckpt"
     path = directory / "last.ckpt"
