@@ -4,6 +4,7 @@
 and whose ``metrics`` and ``timeline`` the CLI prints and draws.
 """
 
+from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.library import LIBRARY, ScheduleSpec, get_schedule
