@@ -38,7 +38,14 @@ def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while planning.
 
     A large plan allocates ~10^5 small acyclic tuples; generational collections triggered by
-    those allocations cost about 30% of the planning time and can never free anything here.
+    those allocations can never free anything here and each full one also walks every object
+    the process holds. Measured (issue 26, 2-core CPU, best of 2): fslpp W=64 0.21 s paused vs
+    0.28 s enabled, fsdp W=128 0.76 vs 1.34 s; with torch and Lightning imported, as on a
+    training rank, 0.21 vs 0.46 s and 0.85 vs 1.81 s. So it stays, although the switch is
+    process-wide (CPython has no per-thread collector): while a plan is built, other threads'
+    cyclic garbage waits (it is collected once the pause ends; nothing is lost), and a
+    collector the caller had disabled stays disabled. Two threads planning at once may
+    re-enable it while one still plans: that costs time, never correctness.
     """
     was_enabled = gc.isenabled()
     gc.disable()
