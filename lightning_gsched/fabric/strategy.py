@@ -42,6 +42,7 @@ from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
     library_names,
+    pipeline_keywords,
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
@@ -107,11 +108,7 @@ class GeneralParallelFabric(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        schedule_config, partition_options = pipeline_options(
-            schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
-            static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
-            verify)
+        schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)

@@ -43,6 +43,7 @@ from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
     library_names,
+    pipeline_keywords,
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
@@ -170,11 +171,7 @@ class GeneralParallel(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
-        schedule_config, partition_options = pipeline_options(
-            schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
-            static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
-            verify)
+        schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))

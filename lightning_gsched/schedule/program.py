@@ -232,11 +232,6 @@ class Action(NamedTuple):
     def is_compute(self) -> bool:
         return self.op in COMPUTE_OPS
 
-    def message_key(self, rank: int) -> tuple[str, int, int | None, int | None, int | None]:
-        """Identity of the message this send/recv carries, the same on both ends (no seq no.)."""
-        src, dst = (rank, self.peer) if self.op in SEND_OPS else (self.peer, rank)
-        return (CHANNEL_OF[self.op], self.stage, self.micro, src, dst)
-
     @classmethod
     def parse(cls, text: str) -> "Action":
         """Inverse of ``str(action)``."""
