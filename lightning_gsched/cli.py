@@ -20,11 +20,12 @@ from typing import Any, Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
+from lightning_gsched.schedule.arguments import CAP_WORDS, ScheduleArguments
 from lightning_gsched.schedule.describe import describe, text_table
 from lightning_gsched.schedule.library import resolve_shape
 from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import ORDER_NAMES
-from lightning_gsched.schedule.plan import CAP_WORDS
+from lightning_gsched.schedule.plan import plan_arguments
 from lightning_gsched.schedule.render import ascii_timeline, save_png
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS
 
@@ -335,16 +336,20 @@ def _write_png(result: Plan, path: str) -> bool:
     return True
 
 
+def _schedule_arguments(args: argparse.Namespace) -> ScheduleArguments:
+    """``gsched plan``'s options as the one arguments type (options named as its fields)."""
+    given = {name: getattr(args, name) for name in ScheduleArguments.names()
+             if name not in ("checkpoint_activations", "ties") and hasattr(args, name)}
+    return ScheduleArguments(**given, checkpoint_activations=_checkpoint_activations(args),
+                             ties=args.tie)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "plan":
-            result = plan(args.schedule, workers=args.workers, stages=args.stages,
-                          microbatches=args.microbatches, R=args.R, order=args.order, cap=args.cap,
-                          forward_cost=args.forward_cost, backward_cost=args.backward_cost,
-                          weight_cost=args.weight_cost, forward_only=args.forward_only,
-                          checkpoint_activations=_checkpoint_activations(args),
-                          fetch_window=args.fetch_window, ties=args.tie)
+            result = plan_arguments(_schedule_arguments(args), args.workers,
+                                    forward_only=args.forward_only)
             held = (None if args.stage_bytes is None
                     else resident_bytes(result.programs, args.stage_bytes))
             if args.png and not _write_png(result, args.png):

@@ -12,6 +12,28 @@ class GschedError(Exception):
     """Base class of every error raised on purpose by lightning_gsched."""
 
 
+_ORIGIN = "_gsched_origin"
+
+
+def mark_origin(exc: BaseException, where: str) -> None:
+    """Note on ``exc`` which user code raised it (e.g. ``"LitGPT.test_step after self(...)"``).
+
+    Why: the runtime runs the user's step code inside an action (the loss after ``self(...)``
+    on the last stage's rank) and reports ``rank r failed at '<action>'``; the action alone
+    does not tell the user which of their hooks to look at. The innermost mark is kept."""
+    if getattr(exc, _ORIGIN, None) is None:
+        try:
+            setattr(exc, _ORIGIN, where)
+        except AttributeError:  # an exception type with __slots__: reported without it
+            pass
+
+
+def origin(exc: BaseException) -> str | None:
+    """What :func:`mark_origin` noted on ``exc`` (None: nothing)."""
+    where = getattr(exc, _ORIGIN, None)
+    return where if isinstance(where, str) else None
+
+
 class ScheduleConfigError(GschedError, ValueError):
     """Workers, stages, microbatches, R, costs or an order name do not fit together."""
 

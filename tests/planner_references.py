@@ -409,3 +409,33 @@ def _step(programs, st, rank, a, inputs, outputs, sent, posted, arrived) -> bool
         st.grad_stages.add(s)
         st.unreduced.update(h for h in programs.ties_read_by(s) if st.ties.get(h) is not None)
     return True
+
+
+def plan_general_graph(edges, *, workers, stages, microbatches, placement, order="1f1b",
+                       split_backward=False, cap=None):
+    """A Plan of a stage graph other than a chain, built from the planner's own steps.
+
+    ``plan()`` refuses such graphs while the runtime executes chains only (issue 26), but the
+    simulator, the lowering, the dry run and the replays follow any graph; this is their
+    planning-only entry for tests (default costs F=1, B=2, no cap unless given, verified).
+    """
+    from lightning_gsched.schedule.dryrun import dry_run
+    from lightning_gsched.schedule.lower import lower
+    from lightning_gsched.schedule.metrics import measure
+    from lightning_gsched.schedule.orders import normalise_caps, resolve_order
+    from lightning_gsched.schedule.placements import PlacementTable
+    from lightning_gsched.schedule.plan import Plan
+    from lightning_gsched.schedule.priorities import priority_ranks
+    from lightning_gsched.schedule.simulate import Costs, simulate
+
+    graph = StageGraph(stages, edges, split_backward=split_backward)
+    table = PlacementTable(placement, workers, stages, microbatches)
+    costs = Costs.build(stages, split=split_backward)
+    ranks = priority_ranks(resolve_order(order, workers, stages, microbatches), stages,
+                           microbatches, False, split_backward)
+    caps = normalise_caps(cap, workers)
+    timeline = simulate(graph, table, ranks, costs, caps)
+    programs = lower(graph, table, timeline)
+    dry_run(programs)
+    return Plan("custom", workers, stages, microbatches, None, order, caps, costs, table,
+                timeline, programs, measure(programs, timeline), False, (False,) * stages)

@@ -15,7 +15,17 @@ the step it stopped at, and whether it did the fault (``injected``: the chosen p
 reached); rank 0 of a finished run saves its
 weights in ``OUT_DIR/final.pt``. A ``ModelCheckpoint(save_last=True,
 save_on_exception=True, every_n_train_steps=2)`` writes into ``OUT_DIR/ckpt``;
-``RESUME=1`` fits again from ``ckpt_path="last"``.
+``RESUME=1`` fits again from ``ckpt_path="last"``, as does a restart under torchrun
+(``TORCHELASTIC_RESTART_COUNT`` > 0), which also injects nothing: FAULT ``kill9`` (SIGKILL to
+itself) then runs once, on torchrun's first attempt.
+
+WHERE ``test:<point>`` or ``predict:<point>`` runs ``trainer.test`` / ``trainer.predict`` instead
+of ``fit`` (a fresh model; the pipeline is built at the first batch, whose probe runs the whole
+step on every rank), with STEP the batch index and the points ``loss`` (in test_step /
+predict_step after ``self(...)``), ``capture`` (before it), ``batch_end`` (a callback's
+on_test_batch_end / on_predict_batch_end) and ``data`` (the dataloader). The result files then
+carry ``outcome`` of that call. Each result also has ``ended`` (``time.time()`` when the rank's
+call returned) and the faulty rank's ``injected_at``: the tests report the time to end.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -36,26 +47,34 @@ import torch  # noqa: E402
 from lightning_models import LitGPT, rank_loader, tokens  # noqa: E402
 from models import seeded  # noqa: E402
 
-GLOBAL_BATCH, STEPS = 8, 6
+STEPS = 6
+GLOBAL_BATCH = 12 if int(sys.argv[3]) == 3 else 8  # rows split evenly over W and B = 2W
 
 
 def config() -> dict[str, Any]:
     out, schedule, world, fault, rank, step, where = sys.argv[1:8]
     state_dict_type = sys.argv[8] if len(sys.argv) > 8 else "full"
+    mode, point = where.split(":", 1) if ":" in where else ("fit", where)
     return dict(out=out, schedule=schedule, world=int(world), fault=fault, rank=int(rank),
-                step=int(step), where=where, state_dict_type=state_dict_type)
+                step=int(step), where=point, mode=mode, state_dict_type=state_dict_type)
 
 
 CONFIG = config()
+# a resumed run (by hand, or torchrun's restart of the group) injects nothing
+RESUMING = bool(os.environ.get("RESUME")) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                "0")) > 0
 
 
-def inject(where: str, trainer: pl.Trainer) -> None:
-    """Do the fault if this is the chosen rank, step and place (once per process)."""
+def inject(where: str, trainer: pl.Trainer, index: int | None = None) -> None:
+    """Do the fault if this is the chosen rank, step (``index``: a test/predict batch index)
+    and place (once per process)."""
     c = CONFIG
-    if (c["where"] != where or trainer.global_rank != c["rank"] or trainer.global_step != c["step"]
-            or os.environ.get("RESUME") or getattr(inject, "done", False)):
+    at = trainer.global_step if index is None else index
+    if (c["where"] != where or trainer.global_rank != c["rank"] or at != c["step"]
+            or RESUMING or getattr(inject, "done", False)):
         return
     inject.done = True  # type: ignore[attr-defined]
+    inject.at = time.time()  # type: ignore[attr-defined]
     fault = c["fault"]
     if fault == "raise":
         raise ValueError(f"injected failure in {where} on rank {trainer.global_rank}")
@@ -63,6 +82,8 @@ def inject(where: str, trainer: pl.Trainer) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif fault == "sigusr1":
         os.kill(os.getpid(), signal.SIGUSR1)
+    elif fault == "kill9":
+        os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "sigterm-launcher":
         os.kill(int(os.environ.get("GSCHED_TEST_LAUNCHER", os.getpid())), signal.SIGTERM)
 
@@ -85,6 +106,20 @@ class Faulty(LitGPT):
         inject("validation", self.trainer)
         self.log("val_loss", logits.float().mean())
 
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        inject("capture", self.trainer, batch_idx)
+        (t,) = batch
+        logits = self(t[:, :-1])
+        inject("loss", self.trainer, batch_idx)
+        self.log("test_loss", logits.float().mean())
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        inject("capture", self.trainer, batch_idx)
+        (t,) = batch
+        logits = self(t[:, :-1])
+        inject("loss", self.trainer, batch_idx)
+        return logits
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         inject("save", self.trainer)
 
@@ -95,6 +130,14 @@ class Injector(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         inject("batch_end", trainer)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        inject("batch_end", trainer, batch_idx)
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any,
+                             batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        inject("batch_end", trainer, batch_idx)
 
 
 class FaultyLoader(torch.utils.data.DataLoader):
@@ -119,7 +162,7 @@ class FaultyLoader(torch.utils.data.DataLoader):
                 continue
             trainer = getattr(self, "trainer", None)
             if trainer is not None:
-                inject("data", trainer)
+                inject("data", trainer, None if CONFIG["mode"] == "fit" else index)
             yield batch
 
 
@@ -146,24 +189,36 @@ def main() -> None:
     data = tokens(GLOBAL_BATCH * STEPS)
     train = rank_loader(data, GLOBAL_BATCH, c["world"], rank)
     loader = FaultyLoader(train.dataset, batch_size=train.batch_size, shuffle=False)
-    loader.trainer = trainer  # type: ignore[attr-defined]
+    # on the class: Lightning re-creates a predict loader (batch-index tracking) from its
+    # constructor's arguments, which would drop an instance attribute
+    FaultyLoader.trainer = trainer  # type: ignore[attr-defined]
     result: dict[str, Any] = {"rank": rank}
     try:
-        trainer.fit(model, loader, rank_loader(data, GLOBAL_BATCH, c["world"], rank),
-                    ckpt_path="last" if os.environ.get("RESUME") else None)
+        if c["mode"] == "test":
+            trainer.test(model, loader)
+        elif c["mode"] == "predict":
+            trainer.predict(model, loader)
+        else:
+            trainer.fit(model, loader, rank_loader(data, GLOBAL_BATCH, c["world"], rank),
+                        ckpt_path="last" if RESUMING else None)
         result["outcome"] = "finished"
     except BaseException as exc:  # noqa: BLE001 - the test reads how each rank ended
         result["outcome"] = type(exc).__name__
         result["message"] = str(exc)
         result["traceback"] = traceback.format_exc()
+    result["ended"] = time.time()
+    result["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     result["step"] = trainer.global_step
     result["injected"] = getattr(inject, "done", False)
-    if result["outcome"] == "finished" and rank == 0:
+    result["injected_at"] = getattr(inject, "at", None)
+    if result["outcome"] == "finished" and rank == 0 and c["mode"] == "fit":
         torch.save(model.state_dict(), os.path.join(c["out"], "final.pt"))
     with open(os.path.join(c["out"], f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (gloo threads); the result is written
+    # skip interpreter teardown (gloo threads); the result is written. A failed rank exits 1,
+    # which is what makes torchrun restart the group
+    os._exit(0 if result["outcome"] == "finished" else 1)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
 
     Returns this rank's model state (after the good save), what the checkpoint's directory held
     while the failed write was under way, and the error it raised."""
-    from lightning_gsched.lightning import ckpt_files, sharded
+    from lightning_gsched.engine import ckpt_files, sharded
 
     _private_tempdir(os.path.join(tmp, f"systmp{ctx.rank}"))
     fit, model = _fit(ctx, options, tmp)
@@ -102,7 +102,7 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
         worlds, state_dict_type: str, tmp_path) -> None:
-    from lightning_gsched.lightning import sharded
+    from lightning_gsched.engine import sharded
 
     directory = tmp_path / "ckpt"
     path = directory / "last.ckpt"
@@ -127,7 +127,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
 
 
 def test_atomic_save_in_one_process_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
-    from lightning_gsched.lightning import ckpt_files
+    from lightning_gsched.engine import ckpt_files
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systmp"))
     os.makedirs(tmp_path / "systmp")
@@ -153,7 +153,7 @@ def test_atomic_save_in_one_process_leaves_no_temporary_file(tmp_path, monkeypat
 def save_then_spoil_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str,
                               spoil: str) -> None:
     """Write a good checkpoint (W=2), then make it bad the way ``spoil`` says (rank 0)."""
-    from lightning_gsched.lightning.sharded import META
+    from lightning_gsched.engine.sharded import META
 
     fit, _ = _fit(ctx, options, tmp)
     fit.save_checkpoint(path)
@@ -234,3 +234,91 @@ def test_checkpoint_readable_on_one_rank_only_fails_on_every_rank(worlds, tmp_pa
         assert f"ckpt_path {absent} does not exist" in result.message, result.message
         assert "found by rank(s) [1]" in result.message, result.message
         assert "file system every rank shares" in result.message, result.message
+
+
+def fabric_checkpoint_faults_on_worker(ctx: WorkerContext, tmp: str) -> dict:
+    """One Fabric run (1f1b, a step): ``fabric.save`` into a folder and then over the same
+    name with the writer failing midway; ``fabric.load`` of a missing, a truncated and another
+    model's file. What each left and raised."""
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.errors import CheckpointError
+    from lightning_gsched.fabric import GeneralParallelFabric
+    from models import make_gpt
+
+    as_worker(ctx.rank)
+    _private_tempdir(os.path.join(tmp, f"tmp{ctx.rank}"))
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size,
+                    strategy=GeneralParallelFabric("1f1b", step_timeout=60))
+    fabric.launch()
+    model, optimizer = fabric.setup(make_gpt(0), torch.optim.SGD(make_gpt(0).parameters(),
+                                                                  lr=0.05))
+    batch = tokens(GLOBAL_BATCH)
+    rows = GLOBAL_BATCH // ctx.world_size
+    mine = batch[ctx.rank * rows:(ctx.rank + 1) * rows]
+
+    def loss_fn(m: Any, b: torch.Tensor) -> torch.Tensor:
+        logits = m(b[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                           b[:, 1:].reshape(-1))
+
+    fabric.strategy.step(model, mine, loss_fn)
+    optimizer.step()
+    folder = os.path.join(tmp, "ckpt")
+    path = os.path.join(folder, "run.ckpt")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    saved = sorted(os.listdir(folder))
+    # the same save again, the writer failing midway (a full disk)
+    interrupted = None
+    real_save = torch.save
+
+    def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if hasattr(f, "write"):
+            f.write(b"partial")
+        raise OSError("No space left on device (injected)")
+
+    torch.save = failing_save  # type: ignore[assignment]
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    except OSError as exc:
+        interrupted = str(exc)
+        fabric.barrier()  # the one fabric.save ends with, which the raise skipped on rank 0
+    finally:
+        torch.save = real_save  # type: ignore[assignment]
+    after = sorted(os.listdir(folder))
+    step = fabric.load(path, {"model": model, "optimizer": optimizer})["step"]
+    if ctx.rank == 0:
+        with open(path, "rb") as f:
+            head = f.read(1000)
+        with open(os.path.join(folder, "truncated.ckpt"), "wb") as f:
+            f.write(head)
+        real_save({"model": nn.Linear(3, 4).state_dict()},
+                  os.path.join(folder, "foreign.ckpt"))
+    fabric.barrier()
+    errors = {}
+    for name in ("missing.ckpt", "truncated.ckpt", "foreign.ckpt"):
+        try:
+            fabric.load(os.path.join(folder, name), {"model": model, "optimizer": optimizer})
+            errors[name] = "loaded"
+        except CheckpointError as exc:
+            errors[name] = str(exc)
+    fabric.strategy.finish()
+    return {"saved": saved, "after": after, "interrupted": interrupted, "step": step,
+            "errors": errors, "tmp": _files_in(os.path.join(tmp, f"tmp{ctx.rank}"))}
+
+
+def test_fabric_save_is_atomic_and_a_bad_fabric_load_names_the_file(worlds, tmp_path) -> None:
+    results = worlds.get(2).run(fabric_checkpoint_faults_on_worker, str(tmp_path))
+    for rank, got in enumerate(results):
+        assert got["saved"] == ["run.ckpt"], (rank, got)  # nothing but the checkpoint
+        assert got["tmp"] == [], (rank, got)  # nothing staged in the system temporary folder
+        assert got["step"] == 1, (rank, got)  # the interrupted save left the previous file
+        errors = got["errors"]
+        assert "missing.ckpt does not exist" in errors["missing.ckpt"], errors
+        assert "truncated.ckpt is truncated or not a checkpoint" in errors["truncated.ckpt"], \
+            errors
+        assert "foreign.ckpt (under 'model') does not hold this model's parameters" in \
+            errors["foreign.ckpt"], errors
+    writer = results[0]
+    assert "No space left" in (writer["interrupted"] or ""), writer
+    assert writer["after"] == ["run.ckpt"], writer  # the failed save's temporary file removed

@@ -85,8 +85,9 @@ def fit_auto(ctx: WorkerContext, validate_first: bool, **options: Any) -> dict:
     report = strategy.memory_report
     return {
         "state": state_of(model),
-        "chosen": (chosen.schedule, chosen.stages, chosen.microbatches, chosen.R,
-                   chosen.checkpoint_activations, list(chosen.forward_cost)),
+        "chosen": (chosen.schedule, chosen.arguments.stages, chosen.arguments.microbatches,
+                   chosen.arguments.R, chosen.arguments.checkpoint_activations,
+                   list(chosen.arguments.forward_cost)),
         "programs": [[str(a) for a in program] for program in plan.programs.ranks],
         "pick_peak": result.best.peak,
         "peaks": [v.peak for v in result.verdicts if v.peak is not None],
@@ -160,8 +161,8 @@ def fabric_auto(ctx: WorkerContext) -> dict:
     fabric.strategy.finish()
     chosen = fabric.strategy.schedule_config.chosen
     return {"losses": losses, "weights": state_of(model),
-            "chosen": (chosen.schedule, chosen.stages, chosen.microbatches, chosen.R,
-                       list(chosen.forward_cost))}
+            "chosen": (chosen.schedule, chosen.arguments.stages, chosen.arguments.microbatches,
+                       chosen.arguments.R, list(chosen.arguments.forward_cost))}
 
 
 @pytest.mark.distributed

@@ -147,7 +147,7 @@ def test_resume_on_more_workers(worlds, tmp_path) -> None:
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_model_checkpoint_during_fit_matches_single_device(worlds, state_dict_type: str,
                                                            tmp_path) -> None:
-    from lightning_gsched.lightning import sharded
+    from lightning_gsched.engine import sharded
 
     want = fit_with_model_checkpoint(1, 0, "auto", str(tmp_path / "single"))
     options = {"schedule": "fslpp", "state_dict_type": state_dict_type}

@@ -113,6 +113,8 @@ def test_fault_on_one_rank_stops_every_rank_with_its_position(world) -> None:
     assert all(isinstance(r, RankError) for r in results), results
     failing, other = results[1], results[0]
     assert "rank 1 failed at 'F s1 b" in failing.message and "boom" in failing.message
+    # the action and the user's hook it ran (the code after self(...) in training_step)
+    assert "in FailsOnRankOne.training_step after self(...): ValueError" in failing.message
     assert other.type_name == "RuntimeFault"
     assert "rank 0" in other.message and "rank 1 failed at 'F s1 b" in other.message
     assert other.message.startswith("rank 0 stopped at '"), other.message

@@ -94,32 +94,56 @@ def test_preemption_signal_stops_every_rank_after_the_same_step(
 
 
 FAILURES = [
-    # rank 0 after self(...): only where the whole step runs (the sanity check's first batch
-    # probes the model on every rank); in a pipelined validation step that code runs on the
-    # last stage's ranks only, so rank 0 fails before self(...) in the next case
-    ("fslpp", 4, "raise", 0, 0, "validation"),
-    ("fslpp", 4, "raise", 0, 2, "validation_capture"),
-    ("fslpp", 4, "raise", 3, 2, "validation"),
-    ("1f1b", 2, "raise", 0, 1, "batch_end"),
-    ("1f1b", 2, "raise", 1, 1, "data"),
+    # (schedule, world, fault, rank, step, where, the hook every rank's error names)
+    # A step's code after self(...) runs on the rank computing the last stage of that
+    # microbatch, the code before it on stage 0's rank; only the first batch's probe (and a
+    # sanity check's) runs the whole step on every rank. So rank 0 raises after self(...) at
+    # step/batch 0 (the probe) and before it later; the last rank after it.
+    ("fslpp", 4, "raise", 0, 0, "validation", "validation_step"),
+    ("fslpp", 4, "raise", 0, 2, "validation_capture", "Faulty.validation_step"),
+    ("fslpp", 4, "raise", 3, 2, "validation", "Faulty.validation_step after self(...)"),
+    ("1f1b", 2, "raise", 0, 1, "capture", "Faulty.training_step"),
+    # (the last rank in training_step after self(...): test_lightning_errors.py)
+    ("1f1b", 2, "raise", 0, 1, "batch_end", "Injector.on_train_batch_end"),
+    ("1f1b", 2, "raise", 1, 1, "batch_end", "Injector.on_train_batch_end"),
+    ("1f1b", 2, "raise", 0, 1, "data", "the dataloader (next batch)"),
+    ("1f1b", 2, "raise", 1, 1, "data", "the dataloader (next batch)"),
+    # trainer.test / trainer.predict (STEP is the batch index; batch 0 builds the pipeline)
+    ("1f1b", 2, "raise", 0, 0, "test:loss", "test_step"),
+    ("1f1b", 2, "raise", 0, 1, "test:capture", "Faulty.test_step"),
+    ("1f1b", 2, "raise", 1, 1, "test:loss", "Faulty.test_step after self(...)"),
+    ("1f1b", 2, "raise", 0, 1, "test:batch_end", "Injector.on_test_batch_end"),
+    ("1f1b", 2, "raise", 0, 0, "predict:loss", "predict_step"),
+    ("1f1b", 2, "raise", 0, 1, "predict:capture", "Faulty.predict_step"),
+    ("1f1b", 2, "raise", 1, 2, "predict:data", "the dataloader (next batch)"),
+    # W=3: the middle rank (neither stage 0 nor the last stage) ends too
+    ("1f1b", 3, "raise", 2, 1, "predict:loss", "Faulty.predict_step after self(...)"),
 ]
 
 
-@pytest.mark.parametrize("schedule, world, fault, rank, step, where", FAILURES,
-                         ids=["-".join(map(str, case)) for case in FAILURES])
+@pytest.mark.parametrize("schedule, world, fault, rank, step, where, hook", FAILURES,
+                         ids=["-".join(map(str, case[:6])) for case in FAILURES])
 def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
         tmp_path: Path, schedule: str, world: int, fault: str, rank: int, step: int,
-        where: str) -> None:
+        where: str, hook: str) -> None:
     results = run_job(tmp_path, schedule, world, fault, rank, step, where)
+    assert results[rank]["injected"], results[rank]
     for r in results:
         assert r["outcome"] not in ("finished", "SIGTERMException"), r
+    named = f"rank {rank} failed"
     failing = results[rank]
-    assert failing["outcome"] == "ValueError" or f"rank {rank} failed" in failing["message"], \
-        failing
+    if failing["outcome"] == "ValueError":  # the user's own exception, re-raised as it was;
+        log = (tmp_path / "log.txt").read_text()  # the rank prints what the others are told
+        assert f"{named} in {hook}" in log, log[-3000:]
+    else:
+        assert named in failing["message"] and hook in failing["message"], failing
     for r in results:
-        if r["rank"] != rank and r["outcome"] != "ValueError":
+        if r["rank"] != rank:
             assert r["outcome"] == "RuntimeFault", r
-            assert f"rank {rank} failed" in r["message"], r["message"]
+            assert named in r["message"] and hook in r["message"], r["message"]
+    ended = [r["ended"] - failing["injected_at"] for r in results]
+    print(f"{where} raised on rank {rank} of {world}: every rank ended "
+          f"{min(ended):.1f}-{max(ended):.1f} s after the raise")
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +201,53 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(
     log = (tmp_path / "log.txt").read_text()
     assert "Restoring states from the checkpoint path" in log, log[-3000:]
     assert "dataloader is not resumable" not in log  # Lightning's warning for a plain loader
+
+
+def run_torchrun(tmp: Path, schedule: str, world: int, rank: int, step: int) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node=W --max-restarts=1 preempt_script.py ...`` with
+    a kill -9 of ``rank`` at ``step`` on the first attempt; its exit code and log (bounded: a
+    torchrun still running after BOUND is a hang, its whole session is killed)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    # a store per attempt: torchrun's rendezvous store, shared with the workers by default,
+    # keeps the first attempt's keys, and the restarted ranks' process groups can read a dead
+    # rank's address from it (pytorch/pytorch#135712; docs/runtime.md, "Faults")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    for name in ("GSCHED_TEST_LAUNCHER", "RESUME"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "--max-restarts=1", str(SCRIPT), str(tmp),
+               schedule, str(world), "kill9", str(rank), str(step), "batch_start"]
+    with open(tmp / "log.txt", "w") as log:
+        torchrun = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            code = torchrun.wait(timeout=2 * BOUND)  # two attempts
+        except subprocess.TimeoutExpired:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+            pytest.fail(f"torchrun did not end within {2 * BOUND:g} s (a hang):\n"
+                        + (tmp / "log.txt").read_text()[-3000:])
+    return code, (tmp / "log.txt").read_text()
+
+
+def test_torchrun_restart_after_kill9_resumes_from_the_last_checkpoint(
+        tmp_path: Path, uninterrupted: Any) -> None:
+    """kill -9 of the last rank in step 4 of 6 (after the checkpoint of step 2): the other
+    rank ends on the lost connection (a RuntimeFault, not a hang), torchrun restarts the group
+    once, the restart resumes from ``last.ckpt`` and trains to the end: the final weights are
+    the uninterrupted job's (rel 1e-6)."""
+    want = uninterrupted("1f1b", 2)
+    code, log = run_torchrun(tmp_path, "1f1b", 2, rank=1, step=3)
+    assert code == 0, log[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["outcome"], r["step"], r["attempt"]) for r in results] == \
+        [("finished", 6, 1)] * 2, results
+    assert "Restoring states from the checkpoint path" in log, log[-3000:]
+    assert "last.ckpt" in log, log[-3000:]
+    # the first attempt: rank 0 stopped with a named fault when rank 1 was killed
+    assert "rank 0 stopped" in log and "lost the connection to a peer" in log, log[-3000:]
+    got = torch.load(tmp_path / "final.pt", map_location="cpu")
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0, msg=key)

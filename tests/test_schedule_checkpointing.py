@@ -17,8 +17,8 @@ import pytest
 from lightning_gsched.cli import main
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule import Phase, plan, predict_step_time
+from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.describe import describe, plan_command, startup_summary
-from lightning_gsched.schedule.plan import check_arguments
 
 
 def durations(result) -> dict[tuple[int, Phase], set[float]]:
@@ -93,9 +93,9 @@ def test_bad_flags_are_refused_naming_the_argument(value, message):
 def test_length_is_checked_when_the_number_of_stages_is_known():
     """Without stages= the schedule's default S decides (needs W): construction lets a list of
     any length through, plan() then checks it; with stages= it is checked at once."""
-    check_arguments("1f1b", checkpoint_activations=[True] * 3)
+    ScheduleArguments("1f1b", checkpoint_activations=[True] * 3)
     with pytest.raises(ScheduleConfigError, match="has 3 values but needs S=2"):
-        check_arguments("1f1b", stages=2, checkpoint_activations=[True] * 3)
+        ScheduleArguments("1f1b", stages=2, checkpoint_activations=[True] * 3)
     with pytest.raises(ScheduleConfigError, match="has 3 values but needs S=4"):
         plan("1f1b", workers=4, checkpoint_activations=[True] * 3)
 

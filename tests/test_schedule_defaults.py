@@ -69,8 +69,7 @@ def test_plan_cli_and_strategy_resolve_alike(schedule: str, cap: object, capsys)
     text = "none" if cap is None else ",".join(map(str, cap)) if isinstance(cap, list) else str(cap)
     assert main(["plan", schedule, "-w", str(W), "--cap", text, "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
-    config, _ = pipeline_options(schedule, None, None, None, None, cap, "params", (), None, None,
-                                 None, None, 1.0, 2.0)
+    config, _ = pipeline_options(schedule=schedule, cap=cap)
     strategy = config.training_plan(W)
     S, B, R = config.resolved(W)
     for got in ((cli["stages"], cli["microbatches"], cli["R"], cli["caps"]),

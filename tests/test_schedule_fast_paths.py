@@ -150,8 +150,9 @@ def test_capped_simulation_completes_or_sticks_as_the_plain_rule_does(name, cap)
 @pytest.mark.parametrize("split", [False, True])
 def test_simulation_of_a_dag_matches_the_plain_greedy_rule(split):
     edges = [(0, 2), (1, 2), (0, 3), (2, 3)]  # two inputs to one stage: counted readiness
-    result = plan(None, workers=3, stages=4, microbatches=6, edges=edges, split_backward=split,
-                  placement=lambda s, b, d: (s % 3, (s + b) % 3), order="1f1b", verify=False)
+    result = planner_references.plan_general_graph(
+        edges, workers=3, stages=4, microbatches=6, split_backward=split,
+        placement=lambda s, b, d: (s % 3, (s + b) % 3), order="1f1b")
     graph = StageGraph(4, edges, split_backward=split)
     assert result.timeline.slots == _reference_timeline(result, graph, order="1f1b")
 
@@ -198,8 +199,9 @@ def test_lowering_matches_the_reference(name, S, kwargs):
 @pytest.mark.parametrize("split", [False, True])
 def test_lowering_of_a_dag_matches_the_reference(split):
     edges = [(0, 2), (1, 2), (0, 3), (2, 3)]  # one output feeding two stages, two inputs
-    result = plan(None, workers=3, stages=4, microbatches=6, edges=edges, split_backward=split,
-                  placement=lambda s, b, d: (s % 3, (s + b) % 3), verify=False)
+    result = planner_references.plan_general_graph(
+        edges, workers=3, stages=4, microbatches=6, split_backward=split,
+        placement=lambda s, b, d: (s % 3, (s + b) % 3))
     graph = StageGraph(4, edges, split_backward=split)
     assert result.programs.ranks == reference_lower(graph, result.table, result.timeline)
 
@@ -244,10 +246,10 @@ def reference_counts(programs, rank):
     for action in programs.ranks[rank]:
         if OPS[action.op].counter:
             counts[OPS[action.op].counter] += 1
-        if programs.releases_stash is not None and action.op is Op.F:
+        if programs.weight_grad_op is not None and action.op is Op.F:
             stash += 1
             peak_stash = max(peak_stash, stash)
-        elif action.op is programs.releases_stash:
+        elif action.op is programs.weight_grad_op:
             stash -= 1
         elif action.op is Op.FETCH_W:
             resident += 1

@@ -29,7 +29,8 @@ def test_uneven_costs_replay_equals_latency_and_communication_only_adds(schedule
     assert predict_step_time(p).latency == pytest.approx(p.metrics.latency)
     previous = p.metrics.latency
     for t in (0.1, 0.5, 2.0):
-        got = predict_step_time(p, transfer=t, fetch=t, reduce=t).latency
+        slower = RuntimeCosts(latency=t, allreduce_latency=t)  # every message and reduction
+        got = predict_step_time(p, costs=slower).latency
         assert got >= previous - 1e-9
         previous = got
 
@@ -38,13 +39,14 @@ def test_two_stage_pipeline_by_hand():
     # W=2, S=2, B=1: F0 [0,1] on w0, F1 [1+t, 2+t] on w1, B1 [2+t, 4+t], B0 [4+2t, 6+2t] on w0
     p = plan("gpipe", workers=2, microbatches=1)
     for t in (0.0, 0.3, 1.0):
-        assert predict_step_time(p, transfer=t).latency == pytest.approx(6 + 2 * t)
+        assert predict_step_time(p, costs=RuntimeCosts(latency=t)).latency == pytest.approx(
+            6 + 2 * t)
 
 
 def test_data_parallel_ends_with_its_all_reduce():
     # ddp W=2, B=2: each worker F+B of one microbatch (1+2), then the all-reduce of stage 0
     p = plan("ddp", workers=2, microbatches=2)
-    got = predict_step_time(p, transfer=5.0, reduce=0.75)
+    got = predict_step_time(p, costs=RuntimeCosts(latency=5.0, allreduce_latency=0.75))
     assert got.latency == pytest.approx(3.75)
     assert got.compute_only == pytest.approx(3.0)
     assert got.communication_share == pytest.approx(0.75 / 3.75)
@@ -52,16 +54,18 @@ def test_data_parallel_ends_with_its_all_reduce():
 
 def test_fsdp_waits_for_its_weight_fetches():
     p = plan("fsdp", workers=2, microbatches=2)
-    slow = predict_step_time(p, fetch=10.0).latency
+    # a 10-byte stage over a 1 B/s link: every fetch takes 10 s
+    slow = predict_step_time(p, costs=RuntimeCosts(bandwidth=1.0),
+                             sizes=_sizes(2, params=10)).latency
     assert slow >= p.metrics.latency + 10.0 - 1e-9
 
 
 def test_bad_costs_are_refused():
+    with pytest.raises(ScheduleConfigError, match="latency"):
+        RuntimeCosts(latency=-1.0)
     p = plan("gpipe", workers=2, microbatches=2)
-    with pytest.raises(ScheduleConfigError, match="reduce"):
-        predict_step_time(p, reduce=[1.0])
-    with pytest.raises(ScheduleConfigError, match="transfer"):
-        predict_step_time(p, transfer=-1.0)
+    with pytest.raises(TypeError):  # the fixed seconds of old: give RuntimeCosts and sizes
+        predict_step_time(p, transfer=1.0)  # type: ignore[call-arg]
 
 
 # ---------------------------------------------------------------- the runtime cost model

@@ -239,28 +239,6 @@ def test_sizes_and_programs_must_agree_on_ties():
 # --------------------------------------------------------------------------- step time
 
 
-def test_tie_fetch_and_reduce_take_time_where_they_happen():
-    """gpipe W=S=4: rank 3's first forward waits for the tie; zbv moves no tie, so its step
-    time does not depend on the tie costs; ddp's tie all-reduce ends the step."""
-    p = plan("gpipe", workers=4, stages=4, ties=[(0, 3)])
-    assert predict_step_time(p).latency == pytest.approx(p.metrics.latency)
-    slow = predict_step_time(p, tie_fetch=100.0).latency
-    # rank 3 computes its 2B jobs of 3 units each after the tie arrives at t=100
-    assert slow >= 100.0 + 3.0 * p.micro
-    # rank 3 sends its tie gradient after its last backward: it then takes 50 more
-    reduced = predict_step_time(p, tie_reduce=50.0)
-    assert reduced.worker_end[3] == pytest.approx(p.timeline.by_worker[3][-1].end + 50.0)
-    assert reduced.worker_end[1:3] == predict_step_time(p).worker_end[1:3]
-    v = plan("zbv", workers=2, ties=[(0, 3)])
-    assert predict_step_time(v, tie_fetch=100.0, tie_reduce=100.0).latency == pytest.approx(
-        v.metrics.latency)
-    d = plan("ddp", workers=2, stages=2, ties=[(0, 1)])
-    assert predict_step_time(d, tie_reduce={0: 7.0}).latency == pytest.approx(
-        d.metrics.latency + 7.0)
-    with pytest.raises(ScheduleConfigError, match="tie_fetch"):
-        predict_step_time(d, tie_fetch={1: 1.0})
-
-
 def test_runtime_costs_charge_tie_bytes_where_the_tie_moves():
     """With a bandwidth and measured sizes, a tie's bytes cost time exactly where the plan moves
     them: gpipe's rank 3 fetches and reduces a 1e6-byte tie over a 1e6 B/s link (1 s each
@@ -277,6 +255,10 @@ def test_runtime_costs_charge_tie_bytes_where_the_tie_moves():
     # the tie's gradient leaves rank 3 after its last backward and takes 1 s to reach rank 0
     assert tied.worker_end[3] == pytest.approx(p.timeline.by_worker[3][-1].end + 1.0)
     assert tied.worker_end[1:3] == base.worker_end[1:3]
+    # a 100-byte tie over a 1 B/s link: rank 3 computes its 2B jobs of 3 units each after it
+    slow = predict_step_time(p, costs=RuntimeCosts(bandwidth=1.0),
+                             sizes=uniform_sizes(4, 0, 0, 0, ties=p.ties, tie_params=100))
+    assert slow.latency >= 100.0 + 3.0 * p.micro
     v = plan("zbv", workers=2, ties=[(0, 3)])
     v_heavy = uniform_sizes(v.stages, 0, 0, 0, ties=v.ties, tie_params=10**6)
     assert predict_step_time(v, costs=link, sizes=v_heavy).latency == pytest.approx(

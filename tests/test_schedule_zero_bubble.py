@@ -15,6 +15,7 @@ from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import Phase
 from lightning_gsched.schedule.predict import predict_step_time
 from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 
 GRID = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p, 4 * p)]
 UNIT = {"backward_cost": 1.0, "weight_cost": 1.0}
@@ -99,7 +100,8 @@ def test_replay_with_no_communication_equals_latency(schedule: str) -> None:
     result = plan(schedule, 4, backward_cost=[1, 2, 1, 3] * (2 if schedule == "zbv" else 1),
                   weight_cost=0.7)
     assert predict_step_time(result).latency == pytest.approx(result.metrics.latency)
-    assert predict_step_time(result, transfer=0.1).latency > result.metrics.latency
+    slow = RuntimeCosts(latency=0.1)
+    assert predict_step_time(result, costs=slow).latency > result.metrics.latency
 
 
 def test_forward_only_plans_of_zero_bubble_schedules_have_no_w() -> None:

@@ -31,13 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gsched.engine.batches import GlobalBatch, micro_rows
-from lightning_gsched.engine.config import ScheduleConfig
+from lightning_gsched.engine.config import AutoRequest, ScheduleConfig
 from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.memory_report import optimizer_bytes_factor
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.measure.tune_profile import tune_model
 from lightning_gsched.runtime import calibrate
+from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 from lightning_gsched.schedule.tune import (
@@ -61,7 +62,7 @@ def first_microbatches(config: ScheduleConfig, whole: GlobalBatch, workers: int,
     over-counted, never under-counted: a pick's predicted bytes bound those of the executed
     plan (the startup prediction) from above.
     """
-    parts = max(microbatch_counts(workers, whole.rows, config.microbatches))
+    parts = max(microbatch_counts(workers, whole.rows, _request(config).microbatches))
     probe = whole.micros(parts, exact=training)[0]
 
     def first() -> Any:
@@ -132,16 +133,17 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
             costs: RuntimeCosts = DEFAULT_COSTS) -> tuple[ScheduleConfig, str, TuneResult]:
     """Rank 0's part: tune; the pick as a checked config, the text that explains it, and
     every verdict."""
+    request = _request(config)
     grads = [(p, p.grad) for p in module.parameters()]  # profiling backwards touch .grad
     start = time.perf_counter()
     try:
         with forward_context() if forward_context is not None else nullcontext():
             result = tune_model(
                 module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
-                budget=config.memory_budget, optimizer_factor=factor, costs=costs,
-                checkpoint=(True,) if config.checkpoint_activations else (False, True),
-                stages=config.stages or _stages_fixed_by(options), micro=config.microbatches,
-                R=config.R, balance=options.balance, leaf_modules=options.leaf_modules,
+                budget=request.memory_budget, optimizer_factor=factor, costs=costs,
+                checkpoint=(True,) if request.checkpoint else (False, True),
+                stages=request.stages or _stages_fixed_by(options), micro=request.microbatches,
+                R=request.R, balance=options.balance, leaf_modules=options.leaf_modules,
                 split_points=options.split_points, static_shapes=options.static_shapes)
     finally:
         for p, grad in grads:
@@ -171,12 +173,15 @@ def _as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
     """The pick as arguments: what the user would have written, plus the measured costs."""
     c = best.candidate
     forward, backward, weight = candidate_costs(c, result.profiles[c.stages])
-    chosen = ScheduleConfig(schedule=c.schedule, R=c.R, microbatches=c.micro, stages=c.stages,
-                            forward_cost=forward, backward_cost=backward, weight_cost=weight,
-                            checkpoint_activations=c.checkpoint,
-                            **({"cap": c.cap} if c.cap is not None else {}))
-    chosen.check()
-    return chosen
+    return ScheduleConfig(arguments=ScheduleArguments(
+        schedule=c.schedule, R=c.R, microbatches=c.micro, stages=c.stages,
+        forward_cost=forward, backward_cost=backward, weight_cost=weight,
+        checkpoint_activations=c.checkpoint, **({"cap": c.cap} if c.cap is not None else {})))
+
+
+def _request(config: ScheduleConfig) -> AutoRequest:
+    assert config.auto is not None, "only schedule='auto' is tuned"
+    return config.auto
 
 
 def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: float,
@@ -184,8 +189,10 @@ def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: fl
     """What rank 0 prints at startup: how it was decided, the ranked table, the pick."""
     counts = ", ".join(str(s) for s in sorted(result.profiles))
     profile = next(iter(result.profiles.values()))
-    R = f", R={chosen.R}" if chosen.R is not None else ""
-    ckpt = ", checkpoint_activations=True" if chosen.checkpoint_activations else ""
+    pick = chosen.arguments
+    assert pick is not None
+    R = f", R={pick.R}" if pick.R is not None else ""
+    ckpt = ", checkpoint_activations=True" if pick.checkpoint_activations else ""
     ckpt = (f", cap={best.candidate.cap}" if best.candidate.cap is not None else "") + ckpt
     assert best.step_time is not None and best.peak is not None
     return "\n".join([
@@ -195,8 +202,8 @@ def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: fl
         f"runtime costs ({'measured on this job' if costs is not DEFAULT_COSTS else 'defaults'}"
         f"): {costs.text()}",
         result.table(TABLE_ROWS),
-        f"runs as schedule={chosen.schedule!r}, stages={chosen.stages}, "
-        f"microbatches={chosen.microbatches}{R}{ckpt}, with the measured seconds per stage as "
+        f"runs as schedule={pick.schedule!r}, stages={pick.stages}, "
+        f"microbatches={pick.microbatches}{R}{ckpt}, with the measured seconds per stage as "
         f"costs: predicted step {best.step_time * 1e3:.1f} ms, peak {byte_text(best.peak)} per "
         "rank",
     ])

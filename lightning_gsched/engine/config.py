@@ -1,6 +1,7 @@
 """What GeneralParallel was asked for, turned into plans for training and for evaluation.
 
-Why a module of its own: the arguments are checked at construction (:meth:`ScheduleConfig.check`),
+Why a module of its own: the arguments are checked at construction
+(:meth:`ScheduleConfig.from_keywords`, one :class:`ScheduleArguments`),
 the training plan is built at ``Trainer.fit`` setup (pure Python, so what needs the device count,
 such as R dividing it, fails on every rank before any process talks to another),
 and forward-only plans are built on demand for each evaluation batch size. Both must describe the
@@ -20,37 +21,42 @@ partition exists, differs from that one only in its tie actions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
-from lightning_gsched.schedule import plan as make_plan
 from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.library import resolve_shape
-from lightning_gsched.schedule.plan import DEFAULT, Plan, check_arguments
+from lightning_gsched.schedule.plan import Plan, plan_arguments
 from lightning_gsched.schedule.tune import TuneResult
 
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, S, B, R and checkpointing
+# what "auto" lets a user fix (constraints of the search); every other argument it decides
+AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations")
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What ``schedule="auto"`` was asked for: the search's constraints and the memory budget."""
+
+    stages: int | None = None
+    microbatches: int | None = None
+    R: int | None = None
+    checkpoint: bool = False  # True: only checkpointed candidates
+    memory_budget: int | None = None  # bytes per rank
 
 
 @dataclass
 class ScheduleConfig:
-    """The schedule part of GeneralParallel's arguments (see its docstring)."""
+    """The schedule part of GeneralParallel's arguments (see its docstring).
 
-    schedule: str | None = "fslpp"
-    R: int | None = None
-    microbatches: int | None = None
-    stages: int | None = None
-    order: str | Callable | None = None
-    cap: int | Sequence[int] | str | None = DEFAULT  # plan()'s vocabulary, see docs/usage.md
-    placement: Callable | None = None
-    priority: Callable | None = None
-    forward_cost: float | Sequence[float] = 1.0
-    backward_cost: float | Sequence[float] = 2.0
-    weight_cost: float | Sequence[float] | None = None
-    split_backward: bool | None = None
-    checkpoint_activations: bool | Sequence[bool] = False  # True, or one bool per stage
-    fetch_window: int | None = None
-    memory_budget: int | str | None = None  # bytes per rank for "auto" (an int after check())
+    ``arguments`` holds a fixed schedule's arguments (one validated :class:`ScheduleArguments`,
+    not a copy of its fields); ``auto`` holds what ``schedule="auto"`` was asked for. Exactly
+    one of them is set. Build it with :meth:`from_keywords`, which checks everything.
+    """
+
+    arguments: ScheduleArguments | None = None
+    auto: AutoRequest | None = None
     _eval_plans: dict[int, Plan] = field(default_factory=dict, repr=False)
     _chosen: ScheduleConfig | None = field(default=None, repr=False)
     choice_text: str = field(default="", repr=False)  # "auto": the ranked table and the pick
@@ -58,87 +64,60 @@ class ScheduleConfig:
     # {home stage: reader stages}: the partition's tied weights (set_ties), in every plan
     ties: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        assert (self.arguments is None) != (self.auto is None), "arguments or auto, not both"
+
+    @classmethod
+    def from_keywords(cls, memory_budget: Any = None, **given: Any) -> ScheduleConfig:
+        """Fail at construction for anything wrong whatever the number of devices.
+
+        ``given``: :class:`ScheduleArguments`' keywords; a fixed schedule's are checked by it
+        (the same checks, and messages, as ``plan()``). What needs the device count (R dividing
+        it, S and B multiples, a cap list's length, per-stage costs or checkpointing flags
+        against the schedule's default S) fails at setup, on every rank, before any process
+        talks to another. ``schedule="auto"`` is checked by :meth:`_auto_request`;
+        ``memory_budget`` (only allowed with it) becomes bytes here.
+        """
+        schedule = given.get("schedule", "fslpp")
+        budget = None
+        if memory_budget is not None:
+            budget = validate.byte_size("memory_budget", memory_budget)
+            if schedule != AUTO:
+                raise ScheduleConfigError(
+                    f"memory_budget={memory_budget!r} is only used by schedule='auto' (the "
+                    f"tuner picks the fastest plan under it), not by schedule={schedule!r}; "
+                    "e.g. GeneralParallel('auto', memory_budget='20GiB'), or drop memory_budget "
+                    "and check a schedule's bytes with `gsched plan ... --stage-bytes`"
+                )
+        if schedule == AUTO:
+            return cls(auto=_auto_request(given, budget))
+        return cls(arguments=ScheduleArguments(**given))
+
     @property
     def is_auto(self) -> bool:
-        return self.schedule == AUTO
+        return self.auto is not None
+
+    @property
+    def schedule(self) -> str | None:
+        """The schedule asked for: ``"auto"``, a library name or a custom label."""
+        return AUTO if self.arguments is None else self.arguments.schedule
+
+    @property
+    def memory_budget(self) -> int | None:
+        """``"auto"``'s budget in bytes per rank (None: no limit, or not ``"auto"``)."""
+        return None if self.auto is None else self.auto.memory_budget
 
     @property
     def chosen(self) -> ScheduleConfig | None:
         """What ``"auto"`` picked, as the arguments one would have written (None before)."""
         return self._chosen
 
-    def check(self) -> None:
-        """Fail at construction for anything wrong whatever the number of devices.
-
-        The same checks as ``plan()`` (one implementation: ``schedule.plan.check_arguments``,
-        raising ScheduleConfigError): an unknown schedule name (close matches in the message), ``microbatches=0``, ``R="2"``,
-        R on a schedule without groups, an unknown order or cap word, a cost that is not a
-        finite number > 0 (or the wrong number of them when ``stages`` is given), a placement
-        that is not callable, ``checkpoint_activations`` that is neither a bool nor a list of
-        bools (or of the wrong length when ``stages`` is given). What needs the device count
-        (R dividing it, S and B multiples, a cap list's length, per-stage costs or
-        checkpointing flags against the schedule's default S) fails at setup, on every rank,
-        before any process talks to another.
-
-        ``schedule="auto"`` is checked by :meth:`_check_auto`; ``memory_budget`` (only allowed
-        with it) becomes bytes here.
-        """
-        if self.memory_budget is not None:
-            given, self.memory_budget = self.memory_budget, validate.byte_size(
-                "memory_budget", self.memory_budget)
-            if not self.is_auto:
-                raise ScheduleConfigError(
-                    f"memory_budget={given!r} is only used by schedule='auto' (the "
-                    f"tuner picks the fastest plan under it), not by schedule={self.schedule!r}; "
-                    "e.g. GeneralParallel('auto', memory_budget='20GiB'), or drop memory_budget "
-                    "and check a schedule's bytes with `gsched plan ... --stage-bytes`"
-                )
-        if self.is_auto:
-            self._check_auto()
-            return
-        check_arguments(self.schedule, self.stages, self.microbatches, self.R, self.order,
-                        self.cap, self.forward_cost, self.backward_cost,
-                        self.placement, self.priority, self.weight_cost, self.split_backward,
-                        self.checkpoint_activations, self.fetch_window)
-
-    def _check_auto(self) -> None:
-        """``"auto"`` chooses schedule, order, cap and costs itself: refuse what would fix them.
-
-        ``stages``, ``microbatches`` and ``R`` are kept as constraints of the search (only
-        candidates with that S, that B; with R, the looped schedules with that R), and
-        ``checkpoint_activations=True`` keeps only checkpointed candidates.
-        """
-        given = {"placement": self.placement is not None, "priority": self.priority is not None,
-                 "order": self.order is not None, "cap": self.cap != DEFAULT,
-                 "forward_cost": self.forward_cost != 1.0,
-                 "backward_cost": self.backward_cost != 2.0,
-                 "weight_cost": self.weight_cost is not None,
-                 "split_backward": self.split_backward is not None,
-                 "fetch_window": self.fetch_window is not None}
-        conflicts = [f"{name}={getattr(self, name)!r}" for name, on in given.items() if on]
-        if conflicts:
-            raise ScheduleConfigError(
-                f"schedule='auto' chooses the schedule, its order and cap, and measures the "
-                f"stage costs itself; {', '.join(conflicts)} would decide part of that. Drop "
-                f"{'it' if len(conflicts) == 1 else 'them'}, or name a schedule (e.g. "
-                "schedule='1f1b') to set them yourself. With 'auto' you may fix stages=, "
-                "microbatches=, R= and checkpoint_activations=True"
-            )
-        validate.optional_positive_int("stages", self.stages)
-        validate.optional_positive_int("microbatches", self.microbatches, "8")
-        validate.optional_positive_int("R", self.R, "2")
-        if not isinstance(self.checkpoint_activations, bool):
-            raise ScheduleConfigError(
-                f"checkpoint_activations={self.checkpoint_activations!r} is not valid with "
-                "schedule='auto': give True (only checkpointed candidates) or False (the "
-                "tuner tries both); per-stage lists need a fixed schedule and S"
-            )
-
     def _check_workers(self, workers: int) -> None:
         """What ``"auto"`` can check before the first batch: a fixed R divides W."""
-        if self.R is not None and workers % self.R:
+        R = None if self.auto is None else self.auto.R
+        if R is not None and workers % R:
             raise ScheduleConfigError(
-                f"R={self.R} does not divide the {workers} devices (num_nodes x devices), "
+                f"R={R} does not divide the {workers} devices (num_nodes x devices), "
                 f"W={workers}; choose R among "
                 f"{[r for r in range(1, workers + 1) if workers % r == 0]}, or leave R to "
                 "schedule='auto'"
@@ -187,27 +166,22 @@ class ScheduleConfig:
         resolution, :func:`~lightning_gsched.schedule.library.resolve_shape`)."""
         if self.is_auto:
             return self._effective().resolved(workers)
-        if self.placement is not None:
-            return int(self.stages), int(self.microbatches), self.R  # type: ignore[arg-type]
-        return resolve_shape(self.schedule, workers, self.stages,  # type: ignore[arg-type]
-                             self.microbatches, self.R)
+        a = self._arguments()
+        if a.placement is not None:
+            return int(a.stages), int(a.microbatches), a.R  # type: ignore[arg-type]
+        return resolve_shape(a.schedule, workers, a.stages,  # type: ignore[arg-type]
+                             a.microbatches, a.R)
 
-    def _plan_kwargs(self) -> dict[str, Any]:
-        return dict(
-            order=self.order, cap=self.cap, placement=self.placement,
-            priority=self.priority,
-            forward_cost=self.forward_cost, backward_cost=self.backward_cost,
-            weight_cost=self.weight_cost, split_backward=self.split_backward,
-            checkpoint_activations=self.checkpoint_activations,
-            fetch_window=self.fetch_window, ties=self.ties,
-        )
+    def _arguments(self) -> ScheduleArguments:
+        assert self.arguments is not None, "an undecided 'auto' has no arguments"
+        return self.arguments
 
     def training_plan(self, workers: int) -> Plan:
         if self.is_auto:
             return self._effective().training_plan(workers)
         S, B, R = self.resolved(workers)
-        return make_plan(self.schedule, workers=workers, stages=S, microbatches=B, R=R,
-                         **self._plan_kwargs())
+        return plan_arguments(self._arguments().replace(stages=S, microbatches=B, R=R,
+                                                        ties=self.ties), workers)
 
     def eval_plan(self, workers: int, rows: int) -> Plan:
         """A forward-only plan for a global evaluation batch of ``rows`` rows.
@@ -221,15 +195,15 @@ class ScheduleConfig:
         if rows in self._eval_plans:
             return self._eval_plans[rows]
         S, B_train, R = self.resolved(workers)
-        kwargs = self._plan_kwargs()
-        kwargs["cap"] = None  # nothing is stashed without backwards
         candidates = list(range(min(B_train, max(rows, 1)), 0, -1))
         candidates += list(range(max(rows, 1) + 1, max(B_train, rows) + 1))
         last_error: GschedError | None = None
         for B in candidates:
             try:
-                result = make_plan(self.schedule, workers=workers, stages=S, microbatches=B, R=R,
-                                   forward_only=True, **kwargs)
+                # cap=None: nothing is stashed without backwards
+                arguments = self._arguments().replace(stages=S, microbatches=B, R=R, cap=None,
+                                                      ties=self.ties)
+                result = plan_arguments(arguments, workers, forward_only=True)
             except ScheduleConfigError as exc:
                 last_error = exc
                 continue
@@ -238,3 +212,37 @@ class ScheduleConfig:
         raise StrategyConfigError(
             f"no forward-only plan fits an evaluation batch of {rows} rows: {last_error}"
         )
+
+
+def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
+    """``"auto"`` chooses schedule, order, cap and costs itself: refuse what would fix them.
+
+    ``stages``, ``microbatches`` and ``R`` are kept as constraints of the search (only
+    candidates with that S, that B; with R, the looped schedules with that R), and
+    ``checkpoint_activations=True`` keeps only checkpointed candidates.
+    """
+    defaults = ScheduleArguments.defaults()
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise TypeError(f"unexpected schedule arguments {unknown}")
+    conflicts = [f"{name}={value!r}" for name, value in given.items()
+                 if name not in AUTO_CONSTRAINTS and value != defaults[name]]
+    if conflicts:
+        raise ScheduleConfigError(
+            f"schedule='auto' chooses the schedule, its order and cap, and measures the "
+            f"stage costs itself; {', '.join(conflicts)} would decide part of that. Drop "
+            f"{'it' if len(conflicts) == 1 else 'them'}, or name a schedule (e.g. "
+            "schedule='1f1b') to set them yourself. With 'auto' you may fix stages=, "
+            "microbatches=, R= and checkpoint_activations=True"
+        )
+    stages = validate.optional_positive_int("stages", given.get("stages"))
+    micro = validate.optional_positive_int("microbatches", given.get("microbatches"), "8")
+    R = validate.optional_positive_int("R", given.get("R"), "2")
+    checkpoint = given.get("checkpoint_activations", False)
+    if not isinstance(checkpoint, bool):
+        raise ScheduleConfigError(
+            f"checkpoint_activations={checkpoint!r} is not valid with "
+            "schedule='auto': give True (only checkpointed candidates) or False (the "
+            "tuner tries both); per-stage lists need a fixed schedule and S"
+        )
+    return AutoRequest(stages, micro, R, checkpoint, budget)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -90,14 +91,20 @@ class ControlGroup:
                 pass
         self.close(collect=True)
 
-    def linger(self, peers: int) -> None:
+    def linger(self, peers: int, stop: Callable[[], bool] = lambda: False) -> None:
         """On the rank that hosts the job's store (rank 0) after it failed: wait until the
         ``peers`` others have read the failure, at most ``timeout`` s, before the process
-        exits and takes the store with it (otherwise a peer can find the notice gone)."""
+        exits and takes the store with it (otherwise a peer can find the notice gone).
+
+        Not under torchrun's agent store (the agent hosts it, not this process), and not once
+        ``stop()`` (a SIGTERM: the launcher is ending the group, e.g. torchrun after a peer's
+        kill -9, whose dead peer never reads the notice)."""
         if self.store is None or peers <= 0:
             return
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stop():
             try:
                 if self.store.add(self.key + "/read", 0) >= peers:
                     return

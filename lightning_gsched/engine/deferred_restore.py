@@ -6,7 +6,7 @@ parameters on the meta device, where a copy is a no-op: the weights and the opti
 would be silently dropped. So the strategy keeps the checkpoint's tensors aside
 (:class:`DeferredRestore`) and the engine applies them once each rank has given storage to the
 parameters it keeps. A sharded checkpoint (a torch.distributed.checkpoint directory,
-``lightning_gsched.lightning.sharded``) is read then, and each rank reads only the tensors of its
+``lightning_gsched.engine.sharded``) is read then, and each rank reads only the tensors of its
 kept parameters, their optimizer state, and the buffers (every rank holds and runs every buffer); a full checkpoint is
 memory-mapped on every rank (:func:`load_mapped`), and only its kept entries are applied, so
 only their pages are read.

@@ -249,7 +249,8 @@ class PipelineEngine:
             self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),
-                                   custom=self.config.placement is not None,
+                                   custom=(self.config.arguments is not None
+                                           and self.config.arguments.placement is not None),
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text))
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lightning_gsched.errors import TrainingStepError
+from lightning_gsched.errors import TrainingStepError, mark_origin
 
 
 class _Captured(BaseException):
@@ -185,7 +185,12 @@ class StepCaller:
             self.logs.append(LogRecord(micro, name, _to_float(name, value), options))
 
         with self._patched(forward, log):
-            return self.run(micro_batch)
+            try:
+                return self.run(micro_batch)
+            except Exception as exc:
+                # the runtime reports the action it ran this in; this names the user's hook
+                mark_origin(exc, f"{self.name} after {self.who}(...)")
+                raise
 
 
 def _drop_log(*args: Any, **kwargs: Any) -> None:

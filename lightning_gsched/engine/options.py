@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Mapping, Sequence
 
 from lightning_gsched.engine.config import AUTO, ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
@@ -18,6 +18,7 @@ from lightning_gsched.partition.arguments import check_options as check_partitio
 from lightning_gsched.partition.verify import check_verify
 from lightning_gsched.runtime import TRANSPORTS
 from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.library import LIBRARY
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -34,27 +35,36 @@ class PartitionOptions:
     verify: bool | str = "auto"  # compare the split with the model at setup (partition/verify.py)
 
 
+# the partition's keywords, and the schedule config's own, besides ScheduleArguments' names
+PARTITION_KEYWORDS = ("balance", "leaf_modules", "split_points", "static_shapes", "verify")
+
+
+def pipeline_keywords(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords :func:`pipeline_options` takes, picked from a front end's ``locals()``.
+
+    The front ends' constructors spell every argument out (LightningCLI and jsonargparse build
+    the YAML schema from ``__init__``'s signature) under :class:`ScheduleArguments`' names;
+    picking them by name passes them on without writing the list a third time.
+    """
+    names = (*ScheduleArguments.names(), "memory_budget", *PARTITION_KEYWORDS)
+    return {name: values[name] for name in names if name in values}
+
+
 def pipeline_options(
-    schedule: str | None, R: int | None, microbatches: int | None, stages: int | None,
-    order: str | Callable | None, cap: Any, balance: Any, leaf_modules: Sequence[str | type],
-    split_points: list[str] | None, static_shapes: bool | None, placement: Callable | None,
-    priority: Callable | None, forward_cost: Any, backward_cost: Any,
-    weight_cost: Any = None, split_backward: Any = None, checkpoint_activations: Any = False,
-    fetch_window: Any = None, memory_budget: Any = None, verify: Any = "auto",
+    *, balance: Any = "params", leaf_modules: Sequence[str | type] = (),
+    split_points: list[str] | None = None, static_shapes: bool | None = None,
+    verify: Any = "auto", memory_budget: Any = None, **schedule_arguments: Any,
 ) -> tuple[ScheduleConfig, PartitionOptions]:
     """The schedule and partition arguments, checked (the same checks as ``plan()`` and
     ``partition()``; what needs the device count fails at setup, on every rank).
-    ``schedule="auto"`` with ``memory_budget``: see :meth:`ScheduleConfig._check_auto`."""
-    config = ScheduleConfig(
-        schedule=schedule, R=R, microbatches=microbatches, stages=stages, order=order, cap=cap,
-        placement=placement, priority=priority, forward_cost=forward_cost,
-        backward_cost=backward_cost, weight_cost=weight_cost, split_backward=split_backward,
-        checkpoint_activations=checkpoint_activations,
-        fetch_window=fetch_window, memory_budget=memory_budget,
-    )
-    config.check()
+
+    ``schedule_arguments``: :class:`ScheduleArguments`' keywords (``schedule``, ``stages``,
+    ...); ``schedule="auto"`` with ``memory_budget``: see :meth:`ScheduleConfig.from_keywords`.
+    """
+    config = ScheduleConfig.from_keywords(memory_budget=memory_budget, **schedule_arguments)
     options = PartitionOptions(
-        *check_partition_options(balance, leaf_modules, split_points, static_shapes, stages),
+        *check_partition_options(balance, leaf_modules, split_points, static_shapes,
+                                 schedule_arguments.get("stages")),
         verify=check_verify(verify))
     return config, options
 

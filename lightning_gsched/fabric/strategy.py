@@ -34,6 +34,7 @@ from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_gsched.engine import ckpt_check, ckpt_files
 from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
@@ -41,9 +42,11 @@ from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
     library_names,
+    pipeline_keywords,
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.fabric import checkpoints
 from lightning_gsched.runtime import (
     ModelRuntime,
     deferred_parameters,
@@ -105,11 +108,7 @@ class GeneralParallelFabric(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        schedule_config, partition_options = pipeline_options(
-            schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
-            static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
-            verify)
+        schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
@@ -295,10 +294,24 @@ class GeneralParallelFabric(DDPStrategy):
         else:  # only the stages this rank holds
             runtime.load_state_dict(state_dict)
 
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any],
+                        storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Gathered on every rank (collective), written by rank 0 to a temporary name next to
+        ``path`` and renamed over it: readers see the old file or the whole new one
+        (:mod:`.checkpoints`)."""
+        if not checkpoints.handled_here(self.checkpoint_io, path, storage_options):
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        if self.is_global_zero:
+            ckpt_files.atomic_save(converted, path)
+
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Fabric's loading (every rank reads the full checkpoint), then each rank drops the
-        optimizer state of parameters it does not own.
+        optimizer state of parameters it does not own. A missing, truncated or foreign file
+        raises the same CheckpointError on every rank first (:mod:`.checkpoints`).
 
         Into a model built without weights (``fabric.init_module()``) whose pipeline is not
         built yet, a copy would be a no-op on its meta parameters: the file is memory-mapped
@@ -308,7 +321,21 @@ class GeneralParallelFabric(DDPStrategy):
         if (engine is not None and engine.runtime is None and isinstance(state, dict)
                 and is_deferred(engine.module)):
             return self._load_deferred(engine, path, state, strict, weights_only)
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if checkpoints.handled_here(self.checkpoint_io, path):
+            io = self.checkpoint_io
+            checkpoint = ckpt_check.load_checked(
+                path, lambda: io.load_checkpoint(path, weights_only=weights_only), None,
+                timeout=self.step_timeout, what=checkpoints.WHAT,
+                check=lambda c: checkpoints.problem_of(path, c, state, strict))
+            self.checkpoint_io = checkpoints.Preloaded(checkpoint)  # type: ignore[assignment]
+            try:
+                remainder = super().load_checkpoint(path, state, strict=strict,
+                                                    weights_only=weights_only)
+            finally:
+                self.checkpoint_io = io
+        else:
+            remainder = super().load_checkpoint(path, state, strict=strict,
+                                                weights_only=weights_only)
         engine = self._engine
         if engine is not None and engine.runtime is not None:
             engine.runtime.prune_optimizer_state(self._optimizers)
@@ -317,7 +344,9 @@ class GeneralParallelFabric(DDPStrategy):
     def _load_deferred(self, engine: PipelineEngine, path: _PATH, state: dict[str, Any],
                        strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
         """:meth:`load_checkpoint` into a deferred model: set the restore aside for the build."""
-        checkpoint = load_mapped(path, weights_only)
+        checkpoint = ckpt_check.load_checked(
+            path, lambda: load_mapped(path, weights_only), None, timeout=self.step_timeout,
+            what=checkpoints.WHAT, check=lambda c: checkpoints.problem_of(path, c, state, strict))
         _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
         by_object = {id(_unwrap_objects(obj)): name for name, obj in state.items()}
         model_key = by_object.get(id(engine.module))

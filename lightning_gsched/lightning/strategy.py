@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
+from lightning_gsched.engine import ckpt_check, ckpt_files, sharded
 from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
@@ -42,10 +43,10 @@ from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
     library_names,
+    pipeline_keywords,
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import ckpt_check, ckpt_files, sharded
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
@@ -170,11 +171,7 @@ class GeneralParallel(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
-        schedule_config, partition_options = pipeline_options(
-            schedule, R, microbatches, stages, order, cap, balance, leaf_modules, split_points,
-            static_shapes, placement, priority, forward_cost, backward_cost,
-            weight_cost, split_backward, checkpoint_activations, fetch_window, memory_budget,
-            verify)
+        schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
         _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
@@ -575,7 +572,8 @@ class GeneralParallel(DDPStrategy):
         if self._control is not None:
             self._control.close()
             if self._failure is not None and self.global_rank == 0:
-                self._control.linger(self.world_size - 1)  # rank 0 hosts the job's store
+                # rank 0 hosts the job's store; a SIGTERM (the launcher ending the group)
+                self._control.linger(self.world_size - 1, stop=lambda: self._pending_signal() > 0)
             self._control = None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self._notice is not None and trainer is not None and self._notice in trainer.callbacks:

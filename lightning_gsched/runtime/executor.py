@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
+from lightning_gsched.errors import RuntimeConfigError, RuntimeFault, origin
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
@@ -277,8 +277,10 @@ class ProgramExecutor:
         except RuntimeFault:
             raise
         except Exception as exc:  # noqa: BLE001 - reported with rank and action
+            where = origin(exc)  # the user's hook that raised, when the caller marked it
             raise RuntimeFault(
-                f"rank {self.rank} failed at {self._position}: {type(exc).__name__}: {exc}"
+                f"rank {self.rank} failed at {self._position}"
+                + (f" in {where}" if where else "") + f": {type(exc).__name__}: {exc}"
             ) from exc
 
     def close(self) -> None:

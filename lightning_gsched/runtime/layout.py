@@ -20,6 +20,7 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatStage
+from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 
@@ -56,6 +57,8 @@ class ProgramView:
     last_stage_micros: list[int]
     local_forward: frozenset[tuple[int, int]]  # (stage, micro) forwards run on this rank
     local_backward: frozenset[tuple[int, int]]
+    # what each compute reads and what ends a stash: the rules the dry run proves them with
+    rules: OpRules
 
     @classmethod
     def of(cls, programs: Programs, rank: int) -> "ProgramView":
@@ -68,6 +71,7 @@ class ProgramView:
             last,
             frozenset((a.stage, a.micro) for a in program if a.op is Op.F),
             frozenset((a.stage, a.micro) for a in program if a.op is Op.B),
+            OpRules.of(programs),
         )
 
 

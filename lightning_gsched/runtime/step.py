@@ -6,7 +6,10 @@ dropped at once on a failure, before the executor destroys its process groups (p
 keep connections open). The executor (:mod:`.executor`) owns what outlives a step: stages, flat
 buffers, channels; :class:`ExecutorState` lists what a step reads of it, so this module does not
 import the executor (which imports this one). One method per op, named after it (``F`` -> ``_f``, ``FETCH_W`` ->
-``_fetch_w``); the semantics are those the dry run proves (see ``docs/runtime.md``).
+``_fetch_w``); the semantics are those the dry run proves (see ``docs/runtime.md``), and which
+input a compute reads is the dry run's own rule (``view.rules``, :mod:`..schedule.consumption`).
+The runtime runs chains of stages (``check_programs``), so each compute reads at most one
+producer's output or one consumer's gradient.
 
 The same object runs a forward-only program (``forward_only=True``, from
 ``ProgramExecutor.forward``): forwards without autograd or stash, the last stage's output handed
@@ -37,7 +40,8 @@ from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step_ties import TieSteps
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.runtime.unit_traffic import UnitTraffic
-from lightning_gsched.schedule.program import Action, Op
+from lightning_gsched.schedule.consumption import RecvKey
+from lightning_gsched.schedule.program import Action
 
 
 class ExecutorState(Protocol):
@@ -88,11 +92,12 @@ class StepRun(TieSteps):
         self.loss_fn = loss_fn  # forward-only: output_fn(output, b) -> anything
         self.forward_only = forward_only
         self.split = view.programs.split_backward  # B then W (zero-bubble programs)
+        self.rules = view.rules
         self.transport = ex.transport
         self.counters = RuntimeCounters(owned_stages=len(ex.owned))
         ex.transport.counters = self.counters  # the executor began the transport's step
         self.losses: dict[int, Any] = {}  # forward-only: output_fn's values
-        self.received: dict[tuple[Op, int, int], Any] = {}  # posted RECV_ACT / RECV_GRAD
+        self.received: dict[RecvKey, Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
         self.produced_grads: dict[tuple[int, int], list] = {}
         # stages' fetches, gradient hand-offs and receives (ties': self.tie_io, step_ties.py)
@@ -154,15 +159,17 @@ class StepRun(TieSteps):
     def _f(self, a: Action, index: int) -> None:
         s, b = a.stage, a.micro
         self._weights_ready(s)
-        if s == 0:
+        producers = self.rules.act_from[s]
+        if not producers:  # a first stage: the model's input
             args, kwargs = self.inputs[b]
             leaves: list[torch.Tensor] = []
         else:
-            message = self.received.pop((Op.RECV_ACT, s - 1, b), None)
+            (key,) = self.rules.messages_read(a)  # a chain: one producer
+            message = self.received.pop(key, None)
             if message is not None:
                 value, leaves = self.transport.wait_pytree(message)
             else:
-                parts = self.produced_acts.pop((s - 1, b))
+                parts = self.produced_acts.pop((producers[0], b))
                 leaves = wire.detached_leaves(parts.tensors)
                 value = wire.join(parts.structure, leaves)
             args, kwargs = (value,), {}
@@ -182,7 +189,7 @@ class StepRun(TieSteps):
 
     def _infer(self, s: int, b: int, args: tuple, kwargs: dict) -> None:
         output = self.ex.compute.infer(s, args, kwargs)
-        if s == self.ex.num_stages - 1:
+        if not self.rules.grad_from[s]:  # a sink: nothing reads its output
             self.losses[b] = self.loss_fn(output, b)
         else:
             self.produced_acts[(s, b)] = wire.split(output, what=f"output of stage {s}")
@@ -194,14 +201,16 @@ class StepRun(TieSteps):
         if not self.split:
             self._prepare_weight_grads(s, index)
         grads = None
-        if s < self.ex.num_stages - 1:
-            message = self.received.pop((Op.RECV_GRAD, s + 1, b), None)
+        consumers = self.rules.grad_from[s]
+        if consumers:  # else a sink: its backward starts from its own loss
+            (key,) = self.rules.messages_read(a)  # a chain: one consumer
+            message = self.received.pop(key, None)
             if message is not None:
                 grads, _ = self.transport.wait_pytree(message)
             else:
-                grads = self.produced_grads.pop((s + 1, b))
+                grads = self.produced_grads.pop((consumers[0], b))
         input_grads = self.ex.compute.backward(s, b, grads, split=self.split)
-        if s > 0:
+        if self.rules.act_from[s]:  # someone's output: its gradient goes back
             self.produced_grads[(s, b)] = input_grads
 
     def _w(self, a: Action, index: int) -> None:
@@ -240,7 +249,8 @@ class StepRun(TieSteps):
     def _send_act(self, a: Action, index: int) -> None:
         key = (a.stage, a.micro)
         parts = self.produced_acts[key]
-        if (a.stage + 1, a.micro) not in self.view.local_forward:
+        # kept while a forward on this rank still reads it
+        if not any((c, a.micro) in self.view.local_forward for c in self.rules.grad_from[a.stage]):
             del self.produced_acts[key]
         self.transport.send_pytree(parts, a.peer, label(a, index),
                                    f"output of stage {a.stage} on microbatch {a.micro}")
@@ -255,7 +265,7 @@ class StepRun(TieSteps):
     def _send_grad(self, a: Action, index: int) -> None:
         key = (a.stage, a.micro)
         grads = self.produced_grads[key]
-        if (a.stage - 1, a.micro) not in self.view.local_backward:
+        if not any((p, a.micro) in self.view.local_backward for p in self.rules.act_from[a.stage]):
             del self.produced_grads[key]
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
         self.transport.send_pytree(parts, a.peer, label(a, index),

@@ -1,15 +1,18 @@
 """Pure-Python scheduling layer (never imports torch).
 
 ``plan(name, workers=W, ...)`` returns a :class:`Plan` whose ``programs`` the runtime executes
-and whose ``metrics`` and ``timeline`` the CLI prints and draws.
+and whose ``metrics`` and ``timeline`` the CLI prints and draws. ``__all__`` is the public API:
+planning, predicting (time and memory) and tuning, and the types a custom schedule or a reader
+of a plan needs. The planner's internals (``lower``, ``simulate``, orders, ...) are imported
+from their modules.
 """
 
+from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.dryrun import dry_run
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.library import LIBRARY, ScheduleSpec, get_schedule
-from lightning_gsched.schedule.lower import lower
-from lightning_gsched.schedule.metrics import PlanMetrics, WorkerMetrics, measure
-from lightning_gsched.schedule.orders import bfs, normalise_caps, one_f_one_b
+from lightning_gsched.schedule.memory import predict_memory
+from lightning_gsched.schedule.metrics import PlanMetrics, WorkerMetrics
 from lightning_gsched.schedule.placements import (
     DDP,
     FSDP,
@@ -19,14 +22,17 @@ from lightning_gsched.schedule.placements import (
     GPipe,
     PlacementTable,
 )
-from lightning_gsched.schedule.plan import Plan, plan
+from lightning_gsched.schedule.plan import Plan, plan, plan_arguments
 from lightning_gsched.schedule.predict import StepPrediction, predict_step_time
 from lightning_gsched.schedule.program import Action, Op, Programs
-from lightning_gsched.schedule.simulate import Costs, Slot, Timeline, simulate
+from lightning_gsched.schedule.runtime_costs import RuntimeCosts
+from lightning_gsched.schedule.simulate import Costs, Timeline
+from lightning_gsched.schedule.tune import TuneResult, tune
 
 __all__ = [
-    "Action", "Costs", "DDP", "FSDP", "FSLPP", "FSLPPSeed", "GPipe", "Job", "LIBRARY", "LPP",
-    "Op", "Phase", "Plan", "PlacementTable", "PlanMetrics", "Programs", "ScheduleSpec", "Slot",
-    "StageGraph", "StepPrediction", "Timeline", "WorkerMetrics", "bfs", "dry_run", "get_schedule", "lower",
-    "measure", "normalise_caps", "one_f_one_b", "plan", "predict_step_time", "simulate",
+    "Action", "Costs", "DDP", "FSDP", "FSLPP", "FSLPPSeed", "GPipe", "LIBRARY", "LPP", "Op",
+    "Phase", "Plan", "PlacementTable", "PlanMetrics", "Programs", "RuntimeCosts",
+    "ScheduleArguments", "ScheduleSpec", "StageGraph", "StepPrediction", "Timeline",
+    "TuneResult", "WorkerMetrics", "dry_run", "get_schedule", "plan", "plan_arguments",
+    "predict_memory", "predict_step_time", "tune",
 ]

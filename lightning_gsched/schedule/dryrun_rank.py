@@ -26,6 +26,7 @@ from collections import defaultdict
 from typing import Any
 
 from lightning_gsched.errors import ProgramError
+from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.program import CHANNEL_OF, Action, Op, Programs
 
 _Message = tuple[int, int]  # (channel id, k): the k-th message (counted from 1) on a channel
@@ -51,8 +52,9 @@ def channel_counters(channels: int) -> list[int] | defaultdict[int, int]:
 
 
 class Shared:
-    """What every rank's check shares: sizes, the stage graph, channel bases, and the lists the
-    static checks read once every rank is done."""
+    """What every rank's check shares: sizes, the consumption rules (:class:`OpRules`: what a
+    compute reads, what ends a stash), channel bases, and the lists the static checks read once
+    every rank is done."""
 
     def __init__(self, programs: Programs) -> None:
         self.programs = programs
@@ -60,13 +62,7 @@ class Shared:
         self.M = programs.num_micro
         self.peers = set(range(W))
         self.micros = set(range(self.M))
-        self.inputs: dict[int, list[int]] = defaultdict(list)
-        self.outputs: dict[int, list[int]] = defaultdict(list)
-        for u, v in programs.edges:
-            self.inputs[v].append(u)
-            self.outputs[u].append(v)
-        self.ties_of = {s: programs.ties_read_by(s) for s in range(programs.num_stages)
-                        if programs.ties_read_by(s)}
+        self.rules = OpRules.of(programs)
         self.base = {op: CHANNEL_KINDS[kind] * W * W for op, kind in CHANNEL_OF.items()}
         self.channels = len(CHANNEL_KINDS) * W * W
         self.posted_count = channel_counters(self.channels)
@@ -93,10 +89,11 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     programs = shared.programs
     program = programs.ranks[rank]
     W, M, micros, peers = shared.W, shared.M, shared.micros, shared.peers
-    inputs, outputs, ties_of, base = shared.inputs, shared.outputs, shared.ties_of, shared.base
+    rules, base = shared.rules, shared.base
+    # producers whose outputs F reads, consumers whose input-gradients B reads, ties per stage
+    inputs, outputs, ties_of = rules.act_from, rules.grad_from, rules.ties_read
     posted_count, sent_on, posted_on = shared.posted_count, shared.sent, shared.posted
-    split, forward_only = programs.split_backward, programs.forward_only
-    weight_grad_op = programs.weight_grad_op
+    split, stash_op, weight_grad_op = programs.split_backward, rules.stash_op, rules.weight_grad_op
 
     def fail(index: int, message: str) -> ProgramError:
         where = f"'{program[index]}'" if index < len(program) else "the end"
@@ -134,7 +131,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                            f"to {M - 1}")
             job = s * M + b
             consumed: list[_Message] = [] if weights is None else [weights]  # type: ignore[list-item]
-            ties = ties_of.get(s) if ties_of else None
+            ties = ties_of[s]
             if ties:
                 for h in ties:
                     if h not in tie_state:
@@ -154,7 +151,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                                        "neither computed nor received it")
                         consumed.append(message)
                 forward_done.add(job)
-                if not forward_only:
+                if op is stash_op:
                     stash.add(job)
             elif op is B:
                 if job not in stash:
@@ -169,19 +166,17 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                                        "neither computed nor received it")
                         consumed.append(message)
                 backward_done.add(job)
-                if not split:
-                    stash.discard(job)
-                    grad_stages.add(s)
             else:  # W: the weight-gradient half of a split backward, after its B on this rank
                 if not split:
                     raise fail(index, "runs W, but these programs do not split the backward")
                 if job not in backward_done or job not in stash:
                     raise fail(index, f"runs W s{s} b{b} before B s{s} b{b} on this rank")
                 weight_done.add(job)
+            if op is weight_grad_op:  # accumulates the weight gradients, ends the stash
                 stash.discard(job)
                 grad_stages.add(s)
-            if ties and op is weight_grad_op:
-                tie_unreduced.update(h for h in ties if tie_state[h] is not None)
+                if ties:
+                    tie_unreduced.update(h for h in ties if tie_state[h] is not None)
             if consumed:
                 event((index, consumed))
             continue

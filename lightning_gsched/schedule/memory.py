@@ -32,6 +32,9 @@ What each category holds on a rank, as the runtime allocates it:
   except, with ``sends_held`` (gloo), a fetched unit's handed-off gradient, which the transport
   keeps (as communication) until the step's end.
 
+Which action consumes which receive and which op ends a stash are the shared rules of
+:mod:`.consumption` (the dry run, the time replay and the runtime read the same ones).
+
 The peak is taken after every action (and at the start); :class:`RankMemory` reports the total's
 peak with its split by category at that moment, and each category's own peak.
 """
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field, fields
 from typing import Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule.consumption import RECEIVE_OF_COLLECTIVE, OpRules
 from lightning_gsched.schedule.program import Action, Op, Programs
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "communication")
@@ -142,24 +146,25 @@ _UNIT_OPS: dict[Op, tuple[str, str]] = {
     Op.REDUCE_T: ("tie", "hand_off"), Op.RECV_T: ("tie", "receive"),
     Op.ALLREDUCE_T: ("tie", "all-reduce"),
 }
-_RECEIVE_OF = {"stage": Op.RECV_G, "tie": Op.RECV_T}  # what a kind's all-reduce sums in
 
 
 class _RankWalk:
     """The live bytes of one rank while its program runs, action by action."""
 
     def __init__(self, programs: Programs, sizes: ModelSizes, rank: int,
-                 checkpointed: Sequence[bool], sends_held: bool = False) -> None:
+                 checkpointed: Sequence[bool], sends_held: bool = False,
+                 rules: OpRules | None = None) -> None:
         self.programs, self.sizes, self.rank = programs, sizes, rank
         self.checkpointed = checkpointed
         self.sends_held = sends_held
+        self.rules = rules = rules or OpRules.of(programs)
         owned = programs.owned_stages(rank)
         self.owned = set(owned)
         stages = sizes.stages
         training = not programs.forward_only
         ties = [sizes.ties[h] for h in programs.owned_ties(rank)]
         self.owned_ties = set(programs.owned_ties(rank))
-        self.ties_of = {s: programs.ties_read_by(s) for s in range(programs.num_stages)}
+        self.ties_of = rules.ties_read
         self.weights = sum(stages[s].params for s in owned) + sum(t.params for t in ties)
         self.gradients = (sum(stages[s].grads for s in owned) + sum(t.grads for t in ties)
                           if training else 0)
@@ -178,29 +183,27 @@ class _RankWalk:
                      self.communication)
 
     def apply(self, a: Action) -> None:
-        stages = self.sizes.stages
+        stages, rules = self.sizes.stages, self.rules
         op, s = a.op, a.stage
-        if op is Op.F:
-            received = self._consume((Op.RECV_ACT, s - 1, a.micro))
-            if not self.programs.forward_only:
+        if op is Op.F or op is Op.B or op is Op.W:
+            # the posted receives it reads are consumed (a list: ``any`` would stop early)
+            received = any([self._consume(key) for key in rules.messages_read(a)])
+            if op is rules.stash_op:
                 if received:
                     self.fed_by_message.add((s, a.micro))
                 self._hold(s, a.micro, stages[s].inputs if self.checkpointed[s]
                            else self._graph(s, a.micro))
-        elif op is Op.B:
-            self._consume((Op.RECV_GRAD, s + 1, a.micro))
-            if not self.programs.split_backward:
+            elif op is rules.weight_grad_op:
                 self._weight_grads(s)
                 self.activations -= self.stashed.pop((s, a.micro), 0)
-            elif self.checkpointed[s]:  # the recomputed graph lives until W, the loss's not
+            elif op is Op.B and self.checkpointed[s]:
+                # split: the recomputed graph lives until W, the loss's not
                 self._hold(s, a.micro, self._graph(s, a.micro) - stages[s].loss_graph)
-        elif op is Op.W:
-            self._weight_grads(s)
-            self.activations -= self.stashed.pop((s, a.micro), 0)
         elif op is Op.RECV_ACT:
             self._post((op, s, a.micro), stages[s].message)
-        elif op is Op.RECV_GRAD:  # the gradient of stage s's input = stage s-1's output
-            self._post((op, s, a.micro), stages[s - 1].message)
+        elif op is Op.RECV_GRAD:  # the gradient of stage s's input: its producer's output
+            self._post((op, s, a.micro),
+                       max((stages[p].message for p in rules.act_from[s]), default=0))
         elif op in _UNIT_OPS:
             self._unit(a, *_UNIT_OPS[op])
         # sends change nothing: a sent tensor is one the stash or a gradient buffer holds
@@ -224,7 +227,7 @@ class _RankWalk:
             self.posted[key] = self.posted.get(key, 0) + grads
             self.communication += grads
         else:  # all-reduce: the gradients received for it are summed in
-            received = _RECEIVE_OF[kind]
+            received = RECEIVE_OF_COLLECTIVE[a.op]
             for done in [k for k in self.posted if k[0] is received and k[1] == a.stage]:
                 self._consume(done)
 
@@ -265,11 +268,12 @@ class _RankWalk:
 
 
 def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
-                checkpointed: Sequence[bool] = (), sends_held: bool = False) -> RankMemory:
+                checkpointed: Sequence[bool] = (), sends_held: bool = False,
+                rules: OpRules | None = None) -> RankMemory:
     """Walk one rank's program; the peak of the total and of each category (``sends_held``:
-    see :func:`predict_memory`)."""
+    see :func:`predict_memory`; ``rules``: the programs' :class:`OpRules`, if built already)."""
     walk = _RankWalk(programs, sizes, rank,
-                     list(checkpointed) or [False] * programs.num_stages, sends_held)
+                     list(checkpointed) or [False] * programs.num_stages, sends_held, rules)
     best = walk.now()
     highs = best.as_dict()
     for action in programs.ranks[rank]:
@@ -312,7 +316,8 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
         raise ScheduleConfigError(
             f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
             "the plan's own plan(...).checkpointed")
-    return [rank_memory(programs, sizes, r, checkpointed, sends_held)
+    rules = OpRules.of(programs)
+    return [rank_memory(programs, sizes, r, checkpointed, sends_held, rules)
             for r in range(programs.world_size)]
 
 
@@ -365,9 +370,11 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
     ties = {h: int((tie_bytes or {}).get(h, 0)) for h in programs.ties}
     weights_only = ModelSizes(tuple(StageSizes(b, 0, 0, 0, 0) for b in sizes),
                               {h: TieSizes(r, ties[h], 0, 0) for h, r in programs.ties.items()})
+    rules = OpRules.of(programs)
     return [ResidentBytes(owned=sum(sizes[s] for s in programs.owned_stages(rank))
                           + sum(ties[h] for h in programs.owned_ties(rank)),
-                          peak=rank_memory(programs, weights_only, rank).category_peaks.weights)
+                          peak=rank_memory(programs, weights_only, rank,
+                                           rules=rules).category_peaks.weights)
             for rank in range(programs.world_size)]
 
 

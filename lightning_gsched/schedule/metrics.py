@@ -66,7 +66,7 @@ def program_counts(programs: Programs, rank: int, into: ActionCounts | None = No
     the (zeroed) counts to fill, e.g. a :class:`WorkerMetrics`.
     """
     owned = len(programs.owned_stages(rank))
-    release = programs.releases_stash  # None: forward-only, nothing stashed
+    release = programs.weight_grad_op  # None: forward-only, nothing stashed
     ops = list(map(itemgetter(0), programs.ranks[rank]))
     tally = Counter(ops)
     peak_activations = peak_fetched = 0  # a running sum that never moves peaks at 0

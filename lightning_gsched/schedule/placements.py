@@ -328,9 +328,6 @@ class PlacementTable:
     def weights_worker(self, stage: int, micro: int, phase: Phase) -> int:
         return self.weights[stage][micro][0 if phase is Phase.F else 1]
 
-    def is_owner(self, worker: int, stage: int) -> bool:
-        return worker in self.owners[stage]
-
     def owned_stages(self, worker: int) -> list[int]:
         """The stages ``worker`` owns, from an index built once (a scan of every stage per
         worker made lowering O(W x S))."""

@@ -13,10 +13,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
+from lightning_gsched.schedule.consumption import require_chain
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
-from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule, resolve_shape
+from lightning_gsched.schedule.library import get_schedule, resolve_shape
 from lightning_gsched.schedule.limits import check_size
 from lightning_gsched.schedule.lower import lower, programs_of
 from lightning_gsched.schedule.lower_rank import RankLowering
@@ -24,7 +26,6 @@ from lightning_gsched.schedule.metrics import PlanMetrics, measure, measure_lazi
 from lightning_gsched.schedule.orders import (
     CapSpec,
     PriorityFn,
-    check_order,
     normalise_caps,
     resolve_order,
 )
@@ -33,15 +34,20 @@ from lightning_gsched.schedule.program import Programs
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.symmetry import make_simulator
 
-DEFAULT = "default"
-
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while planning.
 
     A large plan allocates ~10^5 small acyclic tuples; generational collections triggered by
-    those allocations cost about 30% of the planning time and can never free anything here.
+    those allocations can never free anything here and each full one also walks every object
+    the process holds. Measured (issue 26, 2-core CPU, best of 2): fslpp W=64 0.21 s paused vs
+    0.28 s enabled, fsdp W=128 0.76 vs 1.34 s; with torch and Lightning imported, as on a
+    training rank, 0.21 vs 0.46 s and 0.85 vs 1.81 s. So it stays, although the switch is
+    process-wide (CPython has no per-thread collector): while a plan is built, other threads'
+    cyclic garbage waits (it is collected once the pause ends; nothing is lost), and a
+    collector the caller had disabled stays disabled. Two threads planning at once may
+    re-enable it while one still plans: that costs time, never correctness.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -113,77 +119,6 @@ class Plan:
         }
 
 
-CAP_WORDS = ("auto", DEFAULT, "none")  # "none" = uncapped, as None
-
-
-def check_arguments(
-    schedule: object,
-    stages: object = None,
-    microbatches: object = None,
-    R: object = None,
-    order: object = None,
-    cap: object = DEFAULT,
-    forward_cost: object = 1.0,
-    backward_cost: object = 2.0,
-    placement: object = None,
-    priority: object = None,
-    weight_cost: object = None,
-    split_backward: object = None,
-    checkpoint_activations: object = False,
-    fetch_window: object = None,
-    ties: object = None,
-) -> None:
-    """Refuse every argument of :func:`plan` that is wrong whatever the number of workers.
-
-    ``plan()`` calls it first and ``GeneralParallel`` calls it at construction (before the
-    Trainer, hence W, exists), so both refuse ``microbatches=0``, ``R="2"``, an unknown order or
-    cap word, ``forward_cost=inf`` or a non-callable placement with the same message. What needs
-    W (R dividing W, S and B multiples required by a placement, a cap list's length, a
-    per-stage list's length against the schedule's default S) is checked when the plan is built.
-    """
-    validate.optional_callable("placement", placement, "w(s, b, d) -> (weights_worker, "
-                               "compute_worker)")
-    validate.optional_callable("priority", priority, "n(s, b, d) -> sortable key")
-    S = validate.optional_positive_int("stages", stages)
-    validate.optional_positive_int("microbatches", microbatches, "8")
-    R = validate.optional_positive_int("R", R, "2")
-    if placement is None:
-        if not isinstance(schedule, str):
-            raise ScheduleConfigError(
-                f"schedule={schedule!r} is not valid: give a library name (one of "
-                f"{', '.join(LIBRARY)}) or placement= (and priority=) callables for a custom "
-                "schedule; e.g. schedule='fslpp'"
-            )
-        check_R(get_schedule(schedule), R)
-    else:
-        if schedule is not None and not isinstance(schedule, str):
-            raise ScheduleConfigError(
-                f"schedule={schedule!r} is not valid: with a custom placement it is only a label "
-                "(a str) or None; e.g. schedule='mine'"
-            )
-        if stages is None or microbatches is None:
-            raise ScheduleConfigError(
-                "a custom placement needs explicit stages= and microbatches= (the library's "
-                "defaults are per schedule); e.g. stages=4, microbatches=8"
-            )
-    check_order(order)
-    if order is not None and priority is not None:
-        raise ScheduleConfigError(
-            f"order={order!r} and priority={priority!r} both set the priority n(s, b, d); give "
-            "only one of them"
-        )
-    validate.cap_form(cap, CAP_WORDS)
-    validate.costs("forward_cost", forward_cost, S)
-    validate.costs("backward_cost", backward_cost, S)
-    if weight_cost is not None:
-        validate.costs("weight_cost", weight_cost, S)
-    if split_backward is not None:
-        validate.flag("split_backward", split_backward)
-    validate.stage_flags("checkpoint_activations", checkpoint_activations, S)
-    validate.optional_positive_int("fetch_window", fetch_window, "1")
-    validate.ties(ties, S)
-
-
 def plan(
     schedule: str | None = "fslpp",
     workers: int = 1,
@@ -209,7 +144,9 @@ def plan(
 
     ``schedule`` names a library entry; or pass ``placement`` (and optionally ``priority``) for a
     custom schedule, with ``schedule=None`` or a label of your choice. ``cap="auto"`` picks the
-    smallest uniform activation cap that keeps the uncapped latency.
+    smallest uniform activation cap that keeps the uncapped latency. ``edges``: the stage graph,
+    which must be the chain 0 -> 1 -> ... -> S-1 (the default) while the runtime runs chains
+    only; another graph raises :class:`ScheduleConfigError`.
 
     ``forward_only=True`` plans validation/test/predict: F jobs only, with the same placement
     (hence the same stage owners) as the training plan of the same schedule, W, S and R, so one
@@ -244,14 +181,30 @@ def plan(
     every program, so ``programs.ranks`` and ``metrics.per_worker`` are made per rank when first
     read (:mod:`.lazy_ranks`, :mod:`.lower_rank`): the same values, one rank's at a time.
     """
+    validate.positive_int("workers", workers)  # first, as before the arguments
+    arguments = ScheduleArguments(
+        schedule=schedule, stages=stages, microbatches=microbatches, R=R, order=order, cap=cap,
+        forward_cost=forward_cost, backward_cost=backward_cost, placement=placement,
+        priority=priority, weight_cost=weight_cost, split_backward=split_backward,
+        checkpoint_activations=checkpoint_activations, fetch_window=fetch_window, ties=ties)
+    return plan_arguments(arguments, workers, edges=edges, verify=verify,
+                          forward_only=forward_only)
+
+
+def plan_arguments(
+    arguments: ScheduleArguments, workers: int = 1, *,
+    edges: Sequence[tuple[int, int]] | None = None, verify: bool = True,
+    forward_only: bool = False,
+) -> Plan:
+    """:func:`plan` for arguments already validated (a front end's config, the CLI's)."""
     W = validate.positive_int("workers", workers)
-    check_arguments(schedule, stages, microbatches, R, order, cap, forward_cost, backward_cost,
-                    placement, priority, weight_cost, split_backward, checkpoint_activations,
-                    fetch_window, ties)
+    a = arguments
+    schedule, stages, microbatches, R, order, cap = (a.schedule, a.stages, a.microbatches, a.R,
+                                                     a.order, a.cap)
+    placement, priority, split_backward = a.placement, a.priority, a.split_backward
     edges = validate.stage_edges(edges)
     verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
-    stages, microbatches, R = (None if v is None else int(v) for v in (stages, microbatches, R))
     if isinstance(cap, str) and cap == "none":
         cap = None
     if placement is None:
@@ -266,7 +219,7 @@ def plan(
         split = spec.split_backward if split_backward is None else split_backward
         uses_default_cap = cap == DEFAULT
     else:
-        assert stages is not None and microbatches is not None  # check_arguments: both given
+        assert stages is not None and microbatches is not None  # ScheduleArguments: both given
         S, B = stages, microbatches
         placement_fn = placement
         order_spec = order if order is not None else (priority or "bfs")
@@ -277,17 +230,19 @@ def plan(
     split = validate.flag("split_backward", split) and not forward_only
     check_size(name, W, S, B, 1 if forward_only else 3 if split else 2)
     # forward-only plans of a split schedule share its arguments; they run no W to cost
-    costs = Costs.build(S, forward_cost, backward_cost,
-                        None if forward_only else weight_cost, split)
-    checkpointed = validate.per_stage_flags("checkpoint_activations", checkpoint_activations, S)
+    costs = Costs.build(S, a.forward_cost, a.backward_cost,
+                        None if forward_only else a.weight_cost, split)
+    checkpointed = validate.per_stage_flags("checkpoint_activations", a.checkpoint_activations,
+                                            S)
     if forward_only:  # no backward: nothing is stashed, nothing recomputed
         checkpointed = (False,) * S
     costs = costs.with_recompute(checkpointed)
-    tie_map = validate.ties(ties, S)
+    tie_map = validate.ties(a.ties, S)
+    require_chain(S, edges)  # the runtime runs chains only: refuse other graphs up front
     with _gc_paused():
         return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
                       bool(forward_only), split, uses_default_cap, checkpointed,
-                      None if fetch_window is None else int(fetch_window), tie_map)
+                      a.fetch_window, tie_map)
 
 
 def _build(

@@ -19,8 +19,7 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
   ``send_time(bytes)`` (``send_cpu`` + bytes x ``send_cpu_per_byte``); the message leaves once
   the fixed ``send_cpu`` is spent (the sender writes its bytes while they flow: its per-byte
   CPU overlaps the flight), or when the receive is posted if that is later (gloo moves the
-  bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later
-  (plus the legacy fixed ``transfer`` / ``fetch[s]`` / ``reduce[s]`` seconds). Bytes: the
+  bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later. Bytes: the
   stage's output for an activation, the producing stage's output for an input-gradient, the
   stage's weights for a fetch, its gradients for a hand-off;
 * a posted receive (``RECV_*``, ``FETCH_W``) is consumed by the first action that needs it: the
@@ -28,30 +27,39 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
   step) for a peer's gradient; the consumer waits for the arrival, then pays
   ``recv_time(bytes)``;
 * ``ALLREDUCE_G`` of stage s among n ranks: asynchronous, started when every member has reached
-  it, finished ``allreduce_time(grads bytes, n)`` (+ ``reduce[s]``) later;
+  it, finished ``allreduce_time(grads bytes, n)`` later;
 * ties (``plan.ties``, see :mod:`.lower_ties`) are charged like stage weights: ``SEND_T`` and
   ``REDUCE_T`` carry the tie's parameter and gradient bytes (``sizes.ties``), a ``FETCH_T`` is
   consumed by the first compute of a stage reading the tie (or its ``FREE_T``), ``RECV_T`` by
   ``ALLREDUCE_T`` or the end of the step, and ``ALLREDUCE_T`` takes ``allreduce_time`` of the
-  tie's gradient bytes (legacy fixed ``tie_fetch`` / ``tie_reduce`` seconds added);
+  tie's gradient bytes;
 * a worker's step ends when its last job, its reductions and its sends (the runtime drains
   them) are done, plus ``step_cpu``.
 
 Not modelled: contention of several transfers for one link or of communication threads for
 the cores that compute, and the optimizer step after the programs.
 
+Which action consumes which input (the jobs a compute reads, the fetched units it needs, the
+fetch a free releases, the gradients an all-reduce sums in) is the shared rules of
+:mod:`.consumption`, which the dry run, the bytes walk and the runtime read too.
+
 Adding an op (e.g. a new message kind): give its send its bytes in :class:`_Charges` (and a
-fixed extra time if any) and its receive a consumer in :class:`_Replay`; the rest follows from
-the op table.
+fixed extra time if any) and its receive a consumer in :mod:`.consumption`; the rest follows
+from the op table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.consumption import (
+    FETCH_OF_FREE,
+    RECEIVE_OF_COLLECTIVE,
+    OpRules,
+)
+from lightning_gsched.schedule.jobs import Job, Phase
 from lightning_gsched.schedule.memory import ModelSizes
 from lightning_gsched.schedule.program import OPS, Action, Op
 from lightning_gsched.schedule.runtime_costs import ZERO_COSTS, RuntimeCosts
@@ -72,32 +80,20 @@ class StepPrediction:
         return 1 - self.compute_only / self.latency if self.latency else 0.0
 
 
-def _per_stage(label: str, value: float | Sequence[float], stages: int) -> list[float]:
-    values = [float(value)] * stages if isinstance(value, (int, float)) else [float(v) for v in value]
-    if len(values) != stages or any(v < 0 for v in values):
-        raise ScheduleConfigError(
-            f"{label}: give one non-negative number or one per stage ({stages}), got {value!r}"
-        )
-    return values
-
-
 # A message's identity, the same on both ends: (send op, stage, micro, src, dst, occurrence).
 # The k-th send of a key matches the k-th receive of it (channels are FIFO per (src, dst)).
 MessageKey = tuple[Op, int, int | None, int, int, int]
 _SEND_OF_PHASE = {Phase.F: Op.SEND_ACT, Phase.B: Op.SEND_GRAD}
 _PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
-_FETCHES = frozenset((Op.FETCH_W, Op.FETCH_T))
-_FETCH_OF_FREE = {Op.FREE_W: Op.FETCH_W, Op.FREE_T: Op.FETCH_T}
-_GRAD_RECVS = {Op.RECV_G: Op.ALLREDUCE_G, Op.RECV_T: Op.ALLREDUCE_T}  # -> what consumes them
+_FETCHES = frozenset(FETCH_OF_FREE.values())
+_GRAD_RECVS = {recv: op for op, recv in RECEIVE_OF_COLLECTIVE.items()}  # -> what consumes them
 
 
 class _Charges:
-    """Seconds per message kind and stage, from the cost model, the bytes and legacy terms."""
+    """Seconds per message kind and stage, from the cost model and the bytes."""
 
-    def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, graph: StageGraph,
-                 transfer: float, fetch: list[float], reduce: list[float],
-                 tie_fetch: dict[int, float], tie_reduce: dict[int, float]) -> None:
-        S = graph.num_stages
+    def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, rules: OpRules) -> None:
+        S = rules.num_stages
         if sizes is not None and len(sizes.stages) != S:
             raise ScheduleConfigError(
                 f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages"
@@ -105,9 +101,9 @@ class _Charges:
         st = sizes.stages if sizes is not None else None
         tie_sizes = sizes.ties if sizes is not None else {}
         out = [st[s].message if st else 0 for s in range(S)]
-        grad_in = [max((out[p] for p in graph.inputs(s)), default=0) for s in range(S)]
+        grad_in = [max((out[p] for p in rules.act_from[s]), default=0) for s in range(S)]
         self.costs = costs
-        # bytes of one message sent by op for a stage, and the fixed seconds added to its flight
+        # bytes of one message sent by op for a stage
         self._bytes: dict[Op, list[int]] = {
             Op.SEND_ACT: out,
             Op.SEND_GRAD: grad_in,
@@ -117,18 +113,12 @@ class _Charges:
             Op.SEND_T: [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
             Op.REDUCE_T: [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
         }
-        extra = {Op.SEND_ACT: [transfer] * S, Op.SEND_GRAD: [transfer] * S, Op.SEND_W: fetch,
-                 Op.REDUCE_G: reduce,
-                 Op.SEND_T: [tie_fetch.get(s, 0.0) for s in range(S)],
-                 Op.REDUCE_T: [tie_reduce.get(s, 0.0) for s in range(S)]}
-        self._flight = {op: [extra[op][s] + costs.message_time(b) for s, b in enumerate(sizes_)]
+        self._flight = {op: [costs.message_time(b) for b in sizes_]
                         for op, sizes_ in self._bytes.items()}
         self._send = {op: [costs.send_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
         self._recv = {op: [costs.recv_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
         self._grads = {Op.ALLREDUCE_G: self._bytes[Op.REDUCE_G],
                        Op.ALLREDUCE_T: self._bytes[Op.REDUCE_T]}
-        self._reduce = {Op.ALLREDUCE_G: reduce,
-                        Op.ALLREDUCE_T: [tie_reduce.get(s, 0.0) for s in range(S)]}
 
     def flight(self, op: Op, stage: int) -> float:
         """Seconds a message sent by ``op`` for ``stage`` is in flight."""
@@ -144,15 +134,15 @@ class _Charges:
 
     def allreduce(self, op: Op, stage: int, members: int) -> float:
         """Seconds of ``ALLREDUCE_G`` of a stage or ``ALLREDUCE_T`` of a tie among members."""
-        return self._reduce[op][stage] + self.costs.allreduce_time(self._grads[op][stage], members)
+        return self.costs.allreduce_time(self._grads[op][stage], members)
 
 
 class _Replay:
     """Walk handler: clocks per worker, messages matched send to receive (module docstring)."""
 
-    def __init__(self, plan: Any, graph: StageGraph, walker: Walker, charges: _Charges) -> None:
+    def __init__(self, plan: Any, rules: OpRules, walker: Walker, charges: _Charges) -> None:
         W = plan.workers
-        self.graph, self.walker, self.charges = graph, walker, charges
+        self.rules, self.walker, self.charges = rules, walker, charges
         self.cpu = charges.costs
         self.job_costs = plan.costs
         self.done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
@@ -167,7 +157,6 @@ class _Replay:
         self.grads_in: list[dict[tuple[Op, int], list[MessageKey]]] = [{} for _ in range(W)]
         self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
         self.reductions: dict[tuple[Op, int, tuple[int, ...] | None], list[float]] = {}
-        self.ties_read_by = [plan.programs.ties_read_by(s) for s in range(plan.stages)]
 
     # ------------------------------------------------------------------ messages
 
@@ -200,7 +189,8 @@ class _Replay:
         job = Job(a.stage, a.micro, _PHASE[a.op])  # type: ignore[arg-type]  # compute: micro set
         ready = 0.0
         messages: list[MessageKey] = []
-        for pred in self.graph.pred(job):
+        for phase, stage in self.rules.reads(a.op, a.stage):
+            pred = Job(stage, job.micro, phase)
             if pred not in self.done:
                 return pred  # wait until that job has run
             end, pw = self.done[pred]
@@ -208,7 +198,7 @@ class _Replay:
                 ready = max(ready, end)
             else:
                 messages.append((_SEND_OF_PHASE[pred.phase], pred.stage, pred.micro, pw, w, 0))
-        needed = [(Op.FETCH_W, a.stage), *((Op.FETCH_T, h) for h in self.ties_read_by[a.stage])]
+        needed = self.rules.units_read[a.stage]
         fetching = self.fetching[w]
         messages += [fetching[n] for n in needed if n in fetching]
         start = self._consume(max(self.clock[w], ready), messages)
@@ -245,7 +235,7 @@ class _Replay:
         return None
 
     def free(self, w: int, a: Action) -> Hashable | None:
-        name = (_FETCH_OF_FREE[a.op], a.stage)
+        name = (FETCH_OF_FREE[a.op], a.stage)
         fetch = self.fetching[w].get(name)
         if fetch is not None:  # fetched but never used: the receive lands first
             at = self._consume(self.clock[w], [fetch])
@@ -284,39 +274,22 @@ class _Replay:
         return [end + self.cpu.step_cpu for end in ends]
 
 
-def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[float] = 0.0,
-                      reduce: float | Sequence[float] = 0.0,
-                      edges: Sequence[tuple[int, int]] | None = None,
-                      tie_fetch: float | Mapping[int, float] = 0.0,
-                      tie_reduce: float | Mapping[int, float] = 0.0, *,
-                      costs: RuntimeCosts | None = None,
-                      sizes: ModelSizes | None = None) -> StepPrediction:
+def predict_step_time(plan: Any, *, costs: RuntimeCosts | None = None,
+                      sizes: ModelSizes | None = None,
+                      edges: Sequence[tuple[int, int]] | None = None) -> StepPrediction:
     """Replay ``plan``'s programs with the runtime's costs (see the module docstring).
 
     ``plan``: a :class:`~lightning_gsched.schedule.plan.Plan`; its ``costs`` give the compute
     time of every job. ``costs``: what messages, reductions, jobs and the step cost
     (:class:`RuntimeCosts`; default: nothing). ``sizes``: bytes per stage, for messages' sizes
-    (None: every message counts 0 bytes, so only latencies and CPU are charged).
-    ``transfer`` (seconds per activation / input-gradient message), ``fetch`` and ``reduce``
-    (seconds per stage, one number or one per stage): fixed times added to the model's, as
-    earlier callers gave them. ``tie_fetch`` / ``tie_reduce``: the same for ties, one number
-    or ``{home stage: seconds}`` for every tie of ``plan.ties``. ``edges``: the stage graph if
-    it is not the programs' own.
+    (None: every message counts 0 bytes, so only latencies and CPU are charged). ``edges``:
+    the stage graph if it is not the programs' own.
     """
-    if transfer < 0:
-        raise ScheduleConfigError(f"transfer must be >= 0 seconds, got {transfer!r}")
-    S, W = plan.stages, plan.workers
-    fetch_s = _per_stage("fetch", fetch, S)
-    reduce_s = _per_stage("reduce", reduce, S)
-    graph = StageGraph(S, edges if edges is not None else plan.programs.edges,
-                       forward_only=plan.forward_only,
-                       split_backward=plan.programs.split_backward)
-    ties = plan.programs.ties
-    charges = _Charges(costs or ZERO_COSTS, sizes, graph, transfer, fetch_s, reduce_s,
-                       _per_tie("tie_fetch", tie_fetch, ties),
-                       _per_tie("tie_reduce", tie_reduce, ties))
+    W = plan.workers
+    rules = OpRules.of(plan.programs, edges)
+    charges = _Charges(costs or ZERO_COSTS, sizes, rules)
     walker = Walker(plan.programs)
-    replay = _Replay(plan, graph, walker, charges)
+    replay = _Replay(plan, rules, walker, charges)
     stuck = walker.run(replay)
     if stuck:
         raise ScheduleConfigError(
@@ -325,15 +298,3 @@ def predict_step_time(plan: Any, transfer: float = 0.0, fetch: float | Sequence[
         )
     ends = replay.worker_ends(W)
     return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))
-
-
-def _per_tie(label: str, value: float | Mapping[int, float],
-             ties: Mapping[int, Sequence[int]]) -> dict[int, float]:
-    values = ({h: float(value) for h in ties} if isinstance(value, (int, float))
-              else {int(h): float(v) for h, v in value.items()})
-    if set(values) != set(ties) or any(v < 0 for v in values.values()):
-        raise ScheduleConfigError(
-            f"{label}: give one non-negative number or one per tie home stage "
-            f"({sorted(ties)}), got {value!r}"
-        )
-    return values

@@ -40,6 +40,8 @@ dry run (:mod:`lightning_gsched.schedule.dryrun`) proves deadlock-free.
 What each op means is written once, in :data:`OPS` (one :class:`OpSpec` per op): its kind, its
 channel and matching op, the counter it moves, whether forward-only programs may hold it. The
 dry run, the time replay, the metrics and the runtime read the table instead of repeating it.
+What each action consumes and releases (which receive a compute reads, which fetch a free
+releases, which op ends the stash) is written once as well, in :mod:`.consumption`.
 """
 
 from __future__ import annotations
@@ -194,6 +196,15 @@ class RankGroup(tuple[int, ...]):
         return rank in members
 
 
+def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
+    """The compute that accumulates a stage's weight gradients and releases the stash of its
+    (stage, microbatch): W when the backward is split, else B; None when forward-only (nothing
+    is stashed, no gradient exists). Read through ``schedule/consumption.py``'s rules."""
+    if forward_only:
+        return None
+    return Op.W if split_backward else Op.B
+
+
 class Action(NamedTuple):
     """One step of a rank's program. ``peer`` is the other rank of a message.
 
@@ -220,11 +231,6 @@ class Action(NamedTuple):
     @property
     def is_compute(self) -> bool:
         return self.op in COMPUTE_OPS
-
-    def message_key(self, rank: int) -> tuple[str, int, int | None, int | None, int | None]:
-        """Identity of the message this send/recv carries, the same on both ends (no seq no.)."""
-        src, dst = (rank, self.peer) if self.op in SEND_OPS else (self.peer, rank)
-        return (CHANNEL_OF[self.op], self.stage, self.micro, src, dst)
 
     @classmethod
     def parse(cls, text: str) -> "Action":
@@ -280,19 +286,11 @@ class Programs:
         return len(self.ranks)
 
     @property
-    def releases_stash(self) -> Op | None:
-        """The compute op after which a (stage, microbatch)'s stash is gone: W when the backward
-        is split, else B; None for forward-only programs (they stash nothing)."""
-        if self.forward_only:
-            return None
-        return Op.W if self.split_backward else Op.B
-
-    @property
     def weight_grad_op(self) -> Op | None:
-        """The compute op that accumulates weight gradients (W when split, else B)."""
-        if self.forward_only:
-            return None
-        return Op.W if self.split_backward else Op.B
+        """The compute op that accumulates weight gradients and after which a (stage,
+        microbatch)'s stash is gone: W when the backward is split, else B; None for forward-only
+        programs (they stash nothing). The other consumption rules: ``schedule/consumption.py``."""
+        return weight_grad_op(self.forward_only, self.split_backward)
 
     def owned_stages(self, rank: int) -> list[int]:
         """The stages ``rank`` owns, ascending.

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
+from lightning_gsched.schedule.arguments import DEFAULT
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.library import LIBRARY, get_schedule
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
-from lightning_gsched.schedule.plan import DEFAULT, Plan, plan
+from lightning_gsched.schedule.plan import Plan, plan
 from lightning_gsched.schedule.predict import predict_step_time
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 

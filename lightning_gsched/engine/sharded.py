@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_gsched.engine import ckpt_files
 from lightning_gsched.engine.deferred_restore import DeferredRestore
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning import ckpt_files
 from lightning_gsched.runtime import ModelRuntime, parameter_names
 
 META = "gsched_meta.pt"

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_gsched.engine.sharded import META
 from lightning_gsched.errors import CheckpointError
-from lightning_gsched.lightning.sharded import META
 
 EARLIER = "resume from an earlier checkpoint, or start without ckpt_path"
 SHOWN = 3  # how many missing parameter names a message lists
@@ -37,9 +37,12 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:200]}"
 
 
-def precheck(path: str) -> Optional[str]:
-    """What is wrong with ``path`` before reading it (None: go on and read it)."""
+def precheck(path: str, what: str = "ckpt_path") -> Optional[str]:
+    """What is wrong with ``path`` before reading it (None: go on and read it). ``what``: how
+    the messages name the argument (``ckpt_path``, or ``fabric.load``'s path)."""
     if not os.path.exists(path):
+        if what != "ckpt_path":
+            return f"{what} {path} does not exist: pass a file written by fabric.save"
         return (f"ckpt_path {path} does not exist: pass a .ckpt file or a sharded checkpoint "
                 "directory (ckpt_path='last' needs a ModelCheckpoint with save_last=True)")
     if os.path.isdir(path):
@@ -54,11 +57,12 @@ def precheck(path: str) -> Optional[str]:
     return None
 
 
-def unreadable(path: str, exc: BaseException) -> str:
+def unreadable(path: str, exc: BaseException, what: str = "ckpt_path") -> str:
     """The message for a checkpoint that could not be read."""
-    what = "a shard of the sharded checkpoint" if os.path.isdir(path) else "the file"
-    return (f"ckpt_path {path} is truncated or not a checkpoint: reading {what} failed "
-            f"({_short(exc)}). Its save was interrupted or the file was damaged; {EARLIER}")
+    part = "a shard of the sharded checkpoint" if os.path.isdir(path) else "the file"
+    earlier = EARLIER if what == "ckpt_path" else "load an earlier checkpoint"
+    return (f"{what} {path} is truncated or not a checkpoint: reading {part} failed "
+            f"({_short(exc)}). Its save was interrupted or the file was damaged; {earlier}")
 
 
 def foreign(path: str, checkpoint: Any, module: Optional[nn.Module]) -> Optional[str]:
@@ -68,26 +72,33 @@ def foreign(path: str, checkpoint: Any, module: Optional[nn.Module]) -> Optional
                 "a checkpoint written by Trainer.save_checkpoint or ModelCheckpoint")
     if module is None:
         return None
-    saved = checkpoint["state_dict"]
+    return mismatch(f"ckpt_path {path}", checkpoint["state_dict"], module)
+
+
+def mismatch(where: str, saved: dict, module: nn.Module) -> Optional[str]:
+    """What makes the state dict ``saved`` (found at ``where``) another model's (None: it is
+    this model's)."""
     wanted = {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
     missing = [k for k in wanted if k not in saved]
     name = type(module).__name__
     if missing:
         some = ", ".join(missing[:SHOWN]) + (", ..." if len(missing) > SHOWN else "")
-        return (f"ckpt_path {path} does not hold this model's parameters: {len(missing)} of "
+        return (f"{where} does not hold this model's parameters: {len(missing)} of "
                 f"{len(wanted)} entries of {name}'s state_dict are missing ({some}); it was "
                 f"saved from another model. Pass a checkpoint of {name}")
     for key, value in wanted.items():
         got = saved[key]
+        if value.numel() == 0 and value.dim() <= 1:
+            continue  # a running pipeline released it on this rank: its shape is not known here
         if hasattr(got, "shape") and tuple(got.shape) != tuple(value.shape):
-            return (f"ckpt_path {path} holds {key} with shape {tuple(got.shape)}, but this "
+            return (f"{where} holds {key} with shape {tuple(got.shape)}, but this "
                     f"{name} has {tuple(value.shape)}: it was saved from a model of another "
                     f"size. Pass a checkpoint of this model")
     if getattr(module, "strict_loading", True):
         extra = [k for k in saved if k not in wanted and k not in module.state_dict()]
         if extra:
             some = ", ".join(extra[:SHOWN]) + (", ..." if len(extra) > SHOWN else "")
-            return (f"ckpt_path {path} holds {len(extra)} entries {name} does not have "
+            return (f"{where} holds {len(extra)} entries {name} does not have "
                     f"({some}); pass a checkpoint of this model, or set "
                     "strict_loading = False on it to ignore them")
     return None
@@ -123,19 +134,22 @@ class Agreement:
 
 
 def load_checked(path: Any, read: Callable[[], dict], module: Optional[nn.Module],
-                 timeout: float) -> dict:
-    """``read()`` the checkpoint at ``path`` on every rank, checked as the module doc says."""
+                 timeout: float, what: str = "ckpt_path",
+                 check: Optional[Callable[[Any], Optional[str]]] = None) -> dict:
+    """``read()`` the checkpoint at ``path`` on every rank, checked as the module doc says;
+    ``check(checkpoint)`` replaces the Lightning checkpoint's check (:func:`foreign`), e.g. for
+    the free-form dict of ``fabric.save``."""
     name = str(path)
     agree = Agreement(timeout)
     try:
-        agree(precheck(name))  # before read(): a sharded read is collective
+        agree(precheck(name, what))  # before read(): a sharded read is collective
         checkpoint: Any = None
         try:
             checkpoint = read()
-            problem = foreign(name, checkpoint, module)
+            problem = check(checkpoint) if check else foreign(name, checkpoint, module)
         # CheckpointException (a sharded read, raised on every rank) is a BaseException
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported as such
-            problem = unreadable(name, exc)
+            problem = unreadable(name, exc, what)
         agree(problem)
     finally:
         agree.close()

@@ -1,0 +1,118 @@
+"""``ScheduleArguments``: what a schedule is asked for, validated once, whatever the W.
+
+Why a type of its own: ``plan()``, the CLI, ``ScheduleConfig`` and both front ends take the same
+schedule arguments; each used to list and check them again. They now build one frozen
+``ScheduleArguments``, whose ``__post_init__`` refuses everything wrong whatever the number of
+workers (``microbatches=0``, ``R="2"``, an unknown order or cap word, ``forward_cost=inf``, a
+non-callable placement), each with a ``ScheduleConfigError`` naming the argument, the value and
+a valid one. What needs W (R dividing W, S and B multiples a placement requires, a cap list's
+length, a per-stage list's length against the schedule's default S) is checked by ``plan()``.
+Torch-free, like the rest of ``schedule/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule
+from lightning_gsched.schedule.orders import CapSpec, PriorityFn, check_order
+from lightning_gsched.schedule.placements import PlacementFn
+
+DEFAULT = "default"
+CAP_WORDS = ("auto", DEFAULT, "none")  # "none" = uncapped, as None
+
+
+@dataclass(frozen=True)
+class ScheduleArguments:
+    """The schedule arguments of :func:`~lightning_gsched.schedule.plan` (see its docstring).
+
+    Values are kept as given (a front end's config round-trips them; errors found later, with
+    W, quote them as the user wrote them) except ``stages``, ``microbatches``, ``R`` and
+    ``fetch_window``, which become ints.
+    """
+
+    schedule: str | None = "fslpp"
+    stages: int | None = None
+    microbatches: int | None = None
+    R: int | None = None
+    order: str | PriorityFn | None = None
+    cap: CapSpec = DEFAULT
+    forward_cost: float | Sequence[float] = 1.0
+    backward_cost: float | Sequence[float] = 2.0
+    placement: PlacementFn | None = None
+    priority: PriorityFn | None = None
+    weight_cost: float | Sequence[float] | None = None
+    split_backward: bool | None = None
+    checkpoint_activations: bool | Sequence[bool] = False
+    fetch_window: int | None = None
+    ties: Mapping[int, Iterable[int]] | Iterable[Iterable[int]] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self)
+        for name in ("stages", "microbatches", "R", "fetch_window"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, int(value))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The argument names, in order (a front end picks its keywords by them)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """``{name: default}`` (``"auto"`` refuses any argument moved off its default)."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    def replace(self, **changes: Any) -> ScheduleArguments:
+        """A copy with ``changes``, validated again."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check(a: ScheduleArguments) -> None:
+    """Refuse every argument that is wrong whatever the number of workers."""
+    validate.optional_callable("placement", a.placement, "w(s, b, d) -> (weights_worker, "
+                               "compute_worker)")
+    validate.optional_callable("priority", a.priority, "n(s, b, d) -> sortable key")
+    S = validate.optional_positive_int("stages", a.stages)
+    validate.optional_positive_int("microbatches", a.microbatches, "8")
+    R = validate.optional_positive_int("R", a.R, "2")
+    if a.placement is None:
+        if not isinstance(a.schedule, str):
+            raise ScheduleConfigError(
+                f"schedule={a.schedule!r} is not valid: give a library name (one of "
+                f"{', '.join(LIBRARY)}) or placement= (and priority=) callables for a custom "
+                "schedule; e.g. schedule='fslpp'"
+            )
+        check_R(get_schedule(a.schedule), R)
+    else:
+        if a.schedule is not None and not isinstance(a.schedule, str):
+            raise ScheduleConfigError(
+                f"schedule={a.schedule!r} is not valid: with a custom placement it is only a "
+                "label (a str) or None; e.g. schedule='mine'"
+            )
+        if a.stages is None or a.microbatches is None:
+            raise ScheduleConfigError(
+                "a custom placement needs explicit stages= and microbatches= (the library's "
+                "defaults are per schedule); e.g. stages=4, microbatches=8"
+            )
+    check_order(a.order)
+    if a.order is not None and a.priority is not None:
+        raise ScheduleConfigError(
+            f"order={a.order!r} and priority={a.priority!r} both set the priority n(s, b, d); "
+            "give only one of them"
+        )
+    validate.cap_form(a.cap, CAP_WORDS)
+    validate.costs("forward_cost", a.forward_cost, S)
+    validate.costs("backward_cost", a.backward_cost, S)
+    if a.weight_cost is not None:
+        validate.costs("weight_cost", a.weight_cost, S)
+    if a.split_backward is not None:
+        validate.flag("split_backward", a.split_backward)
+    validate.stage_flags("checkpoint_activations", a.checkpoint_activations, S)
+    validate.optional_positive_int("fetch_window", a.fetch_window, "1")
+    validate.ties(a.ties, S)  # kept as given: plan() checks it against the resolved S

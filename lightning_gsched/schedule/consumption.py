@@ -1,0 +1,134 @@
+"""What each action consumes and releases: the rules every reader of programs shares.
+
+Why one place: four readers walk a rank's program action by action, the dry run
+(:mod:`.dryrun_rank`), the time replay (:mod:`.predict`), the bytes walk (:mod:`.memory`) and
+the runtime's step (``runtime/step.py``), and each must agree on which posted receive an action
+consumes, which fetched units a compute needs, and which op ends a stash. Written in each of
+them, the copies drifted (two followed the stage graph, two assumed a chain); here they are
+written once, from the stage graph, and read by all four.
+
+The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`OpRules`):
+
+* ``F s b`` reads the output of ``F p b`` for every producer p of s (:attr:`OpRules.act_from`;
+  none: the model's input); from another rank that is the posted ``RECV_ACT p b``;
+* ``B s b`` reads the input-gradient of ``B c b`` for every consumer c of s
+  (:attr:`OpRules.grad_from`; none: s is a sink and starts from its own loss); from another
+  rank that is the posted ``RECV_GRAD c b``. It also reads its own stash (``F s b``);
+* ``W s b`` (split backward only) reads what ``B s b`` left on the same rank, nothing posted;
+* every compute of s needs s's weights and those of each tie s reads
+  (:attr:`OpRules.units_read`): a posted ``FETCH_W``/``FETCH_T`` is consumed by the first
+  compute that needs it, or by its ``FREE_W``/``FREE_T`` if none does (:data:`FETCH_OF_FREE`);
+* ``F`` stashes (unless the programs are forward-only); the weight-gradient op
+  (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates
+  the weight gradients and releases the stash;
+* ``ALLREDUCE_G``/``ALLREDUCE_T`` sum in the gradients posted by ``RECV_G``/``RECV_T`` of its
+  unit (:data:`RECEIVE_OF_COLLECTIVE`); those never all-reduced are summed in at the step's end.
+
+What the readers do with a consumed input (check it, time it, count its bytes, run it) stays
+theirs. The runtime executes chains of stages only, so :func:`require_chain` is what ``plan()``
+calls to refuse any other graph until it does.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.program import Action, Op, Programs, weight_grad_op
+
+# A posted point-to-point receive as its RECV action names it: (op, stage, micro). The stage
+# is the producer's: ``RECV_ACT p b`` carries F p b's output, ``RECV_GRAD c b`` B c b's.
+RecvKey = tuple[Op, int, "int | None"]
+# A fetched unit as its fetch names it: (FETCH_W, stage) or (FETCH_T, tie home).
+UnitKey = tuple[Op, int]
+
+# The fetch whose buffer a free releases (a fetch no compute used is consumed there).
+FETCH_OF_FREE: dict[Op, Op] = {Op.FREE_W: Op.FETCH_W, Op.FREE_T: Op.FETCH_T}
+# The gradient receive a collective sums in.
+RECEIVE_OF_COLLECTIVE: dict[Op, Op] = {Op.ALLREDUCE_G: Op.RECV_G, Op.ALLREDUCE_T: Op.RECV_T}
+
+
+def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> None:
+    """Refuse a stage graph other than the chain 0 -> 1 -> ... -> S-1.
+
+    Why: the planner follows any graph, but the runtime executes chains only (a message names
+    its producer stage but not which of several inputs it feeds), so a plan of another graph
+    could be costed and checked and then fail at the first step. The edges' range is checked
+    first (by :class:`StageGraph`) so that an invalid edge is named as such.
+    """
+    if edges is None:
+        return
+    edges = list(edges)
+    if not StageGraph(num_stages, edges).is_chain:
+        raise ScheduleConfigError(
+            f"edges={edges} is not the chain of {num_stages} stages (stage s feeding s+1); the "
+            "runtime executes only chains, so plan() refuses other stage graphs until it runs "
+            "them. Partition the model into a chain (partition() does) and leave out edges=, "
+            f"or pass edges={[(s, s + 1) for s in range(num_stages - 1)]}"
+        )
+
+
+class OpRules:
+    """The consumption rules of a stage graph's programs, per stage (module docstring).
+
+    Read off the :class:`StageGraph` (its edges and flags) and the ties. Tables of tuples, indexed by stage, built once per programs: the readers look them up in
+    their hot loops. ``act_from[s]``: producer stages whose outputs ``F s`` reads;
+    ``grad_from[s]``: consumer stages whose input-gradients ``B s`` reads; ``ties_read[s]``:
+    homes of the ties s reads; ``units_read[s]``: the fetched units a compute of s needs, as
+    their fetches name them. ``stash_op``: F, or None when forward-only; ``weight_grad_op``:
+    the op that accumulates weight gradients and releases the stash
+    (:func:`~.program.weight_grad_op`, also ``Programs.weight_grad_op``).
+    """
+
+    __slots__ = ("num_stages", "forward_only", "split_backward", "act_from", "grad_from",
+                 "ties_read", "units_read", "stash_op", "weight_grad_op")
+
+    def __init__(self, graph: StageGraph,
+                 ties: Mapping[int, Sequence[int]] | None = None) -> None:
+        num_stages = self.num_stages = graph.num_stages
+        self.forward_only, self.split_backward = graph.forward_only, graph.split_backward
+        self.act_from: tuple[tuple[int, ...], ...] = tuple(
+            tuple(graph.inputs(s)) for s in range(num_stages))
+        self.grad_from: tuple[tuple[int, ...], ...] = tuple(
+            tuple(graph.outputs(s)) for s in range(num_stages))
+        ties = ties or {}
+        self.ties_read: tuple[tuple[int, ...], ...] = tuple(
+            tuple(h for h in sorted(ties) if s in ties[h]) for s in range(num_stages))
+        self.units_read: tuple[tuple[UnitKey, ...], ...] = tuple(
+            ((Op.FETCH_W, s), *((Op.FETCH_T, h) for h in self.ties_read[s]))
+            for s in range(num_stages))
+        self.stash_op: Op | None = None if self.forward_only else Op.F
+        self.weight_grad_op: Op | None = weight_grad_op(self.forward_only, self.split_backward)
+
+    @classmethod
+    def of(cls, programs: Programs, edges: Sequence[tuple[int, int]] | None = None) -> "OpRules":
+        """The rules of ``programs`` (``edges``: another stage graph to read them with)."""
+        graph = StageGraph(programs.num_stages, programs.edges if edges is None else edges,
+                           programs.forward_only, programs.split_backward)
+        return cls(graph, programs.ties)
+
+    def reads(self, op: Op, stage: int) -> tuple[tuple[Phase, int], ...]:
+        """The jobs (phase, stage), on the same microbatch, whose results a compute reads: the
+        graph's dependencies (:meth:`StageGraph.pred`) as the readers consume them."""
+        if op is Op.F:
+            return tuple((Phase.F, p) for p in self.act_from[stage])
+        if op is Op.B:
+            consumers = self.grad_from[stage]
+            return (tuple((Phase.B, c) for c in consumers) if consumers
+                    else ((Phase.F, stage),))  # a sink: its own forward's loss
+        return ((Phase.B, stage),)  # W: what its B left
+
+    def messages_read(self, action: Action) -> list[RecvKey]:
+        """The posted receives ``action`` consumes when their producers ran on another rank:
+        ``RECV_ACT p b`` for F, ``RECV_GRAD c b`` for B, nothing for W or any other op."""
+        op, s, b = action.op, action.stage, action.micro
+        if op is Op.F:
+            return [(Op.RECV_ACT, p, b) for p in self.act_from[s]]
+        if op is Op.B:
+            return [(Op.RECV_GRAD, c, b) for c in self.grad_from[s]]
+        return []
+
+    def releases_stash(self, op: Op) -> bool:
+        """Whether ``op`` ends the stash of its (stage, microbatch)."""
+        return op is self.weight_grad_op
