@@ -3,12 +3,12 @@
 ``worlds``: one :class:`dist_harness.Worlds` per test module (module scope), closed when the
 module's tests are done, so at most one set of worker processes is alive at a time. A module
 whose checks run whole Trainer fits sets ``WORLD_TIMEOUT`` (seconds per check) above the
-harness default.
+harness default. ``world``: that module's W=2 world, for modules that need no other size.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -20,6 +20,11 @@ def worlds(request: pytest.FixtureRequest) -> Iterator[Worlds]:
     w = Worlds(timeout=getattr(request.module, "WORLD_TIMEOUT", DEFAULT_TIMEOUT))
     yield w
     w.close()
+
+
+@pytest.fixture(scope="module")
+def world(worlds: Worlds) -> Any:
+    return worlds.get(2)
 
 
 @pytest.fixture(autouse=True)

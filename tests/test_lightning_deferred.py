@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_harness import RankError, WorkerContext, Worlds
+from dist_harness import RankError, WorkerContext
 from lightning_gsched.runtime.materialize import deferred_parameters, initialize
 from lightning_models import (
     LitGPT,
@@ -39,6 +39,7 @@ from lightning_models import (
 )
 
 pytestmark = pytest.mark.distributed
+WORLD_TIMEOUT = 180.0  # seconds per check: whole Trainer fits
 
 SEED = 1234
 STEPS = 3
@@ -105,12 +106,6 @@ def reference() -> dict[str, torch.Tensor]:
     fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * STEPS), GLOBAL_BATCH, 1, 0))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-
-@pytest.fixture(scope="module")
-def world():
-    w = Worlds(timeout=180)
-    yield w.get(2)
-    w.close()
 
 
 @pytest.mark.parametrize("schedule,how", [("fsdp", "init_module"), ("1f1b", "configure_model")])

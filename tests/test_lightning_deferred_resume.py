@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 from lightning_models import as_worker, assert_same_state, rank_loader, trainer
 from test_lightning_pretrained import DIM, LitNet, save
 
 pytestmark = pytest.mark.distributed
+WORLD_TIMEOUT = 180.0  # seconds per check: whole Trainer fits
 
 SEED = 11
 GLOBAL_BATCH, FIRST, TOTAL = 8, 2, 4
@@ -103,12 +104,6 @@ def reference(tmp: Path) -> dict[str, torch.Tensor]:
     fit.fit(resumed, rank_loader(data(), GLOBAL_BATCH, 1, 0), ckpt_path=tmp / "reference.ckpt")
     return {n: p.detach().clone() for n, p in resumed.named_parameters()}
 
-
-@pytest.fixture(scope="module")
-def world():
-    w = Worlds(timeout=180)
-    yield w.get(2)
-    w.close()
 
 
 @pytest.mark.parametrize("saved,resumed", [

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import RankError, WorkerContext, Worlds
+from dist_harness import RankError, WorkerContext
 from lightning_gsched.errors import UnknownScheduleError
 from lightning_models import LitGPT, as_worker, rank_loader, tokens, trainer
 from models import seeded
@@ -70,12 +70,6 @@ def fit_on_worker(ctx: WorkerContext, cls_name: str, options: dict, global_batch
 
 STEP_TIMEOUT = 60.0  # a bound on each wait in a step, far above a prompt failure
 
-
-@pytest.fixture(scope="module")
-def world():
-    w = Worlds(timeout=120)
-    yield w.get(2)
-    w.close()
 
 
 CASES = [

@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_harness import WorkerContext, Worlds
+from dist_harness import WorkerContext
 from lightning_models import as_worker, assert_same_state, rank_loader, trainer
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 SEED = 7
+WORLD_TIMEOUT = 180.0  # seconds per check: whole Trainer fits
 STEPS = 2
 GLOBAL_BATCH = 8
 DIM = 8
@@ -198,12 +199,6 @@ def reference(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.
     fit.fit(model, rank_loader(data(), GLOBAL_BATCH, 1, 0))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-
-@pytest.fixture(scope="module")
-def world():
-    w = Worlds(timeout=180)
-    yield w.get(2)
-    w.close()
 
 
 @pytest.mark.distributed

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_harness import RankError, WorkerContext, Worlds
+from dist_harness import RankError, WorkerContext
 from lightning_models import LitGPT, as_worker, rank_loader, tokens, trainer
 from models import StraightThrough, seeded
 
@@ -45,12 +45,6 @@ def fit_with_fx_inlining(ctx: WorkerContext, verify: Any) -> int:
     finally:
         tracer.recording_autograd_functions = recording
 
-
-@pytest.fixture(scope="module")
-def world():
-    w = Worlds(timeout=120)
-    yield w.get(2)
-    w.close()
 
 
 def test_a_wrong_split_stops_setup_on_every_rank(world) -> None:

@@ -16,7 +16,6 @@ first failure.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import time
@@ -26,7 +25,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeFault
-from lightning_gsched.runtime import FaultNotice, default_store
+from lightning_gsched.runtime import FaultNotice, default_store, destroy_groups
 
 T = TypeVar("T")
 _SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
@@ -117,10 +116,4 @@ class ControlGroup:
             return
         self.closed = True
         group, self.group = self.group, None
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        del group
-        if collect:
-            gc.collect()
+        destroy_groups([group], collect)

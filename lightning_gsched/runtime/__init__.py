@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.calibration import calibrate
-from lightning_gsched.runtime.channels import Channels, FaultNotice, default_store
+from lightning_gsched.runtime.channels import Channels, FaultNotice, default_store, destroy_groups
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.faults import short_reason
@@ -67,6 +67,7 @@ from lightning_gsched.runtime.transport import TRANSPORTS
 __all__ = [
     "FaultNotice",
     "default_store",
+    "destroy_groups",
     "DeferredLoadError",
     "deferred_parameters",
     "initialize",

@@ -73,6 +73,21 @@ class FaultNotice:
         return None
 
 
+def destroy_groups(groups: list[Any], collect: bool = False) -> None:
+    """Destroy process groups this object no longer holds (one already gone is skipped);
+    ``collect``: then run the garbage collector, which frees the backend's buffers at once
+    (it costs up to a second in a large process such as a Lightning job). Empties ``groups``,
+    so the caller's list holds no reference to them either."""
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    groups.clear()
+    if collect:
+        gc.collect()
+
+
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     """Distinct ``ALLREDUCE_G``/``ALLREDUCE_T`` member sets (and replicated owners), sorted:
     the creation order."""
@@ -190,11 +205,4 @@ class Channels:
         self.closed = True
         groups = [*self.groups.values(), self.shared, *self.replicas.values()]
         self.groups, self.replicas, self.shared = {}, {}, None
-        for group in groups:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        del groups
-        if collect:
-            gc.collect()
+        destroy_groups(groups, collect)
