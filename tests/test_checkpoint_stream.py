@@ -11,6 +11,7 @@ runtime/fullstate_stream.py). Checked at W=2 on a deferred tied GPT (fsdp, Adam)
   placeholders;
 * resuming a deferred model from the streamed file ends at the weights of the uninterrupted run;
 * rank 0 held at most one weight unit's bytes at once for the transfer, of a model of several;
+* a user's CheckpointIO is handed the real checkpoint (the streamed tensors collected);
 * a checkpoint rank 0 cannot write raises ``CheckpointWriteError`` naming the file on rank 0,
   and no rank hangs (the harness's timeout bounds the run).
 """
@@ -33,20 +34,27 @@ WORLD_TIMEOUT = 180.0  # seconds per check: whole Trainer fits (conftest.worlds)
 GLOBAL_BATCH, FIRST, TOTAL = 8, 2, 4  # one epoch is FIRST steps: resuming starts an epoch
 
 
-def saving_callback(saves: dict[int, list[tuple[str, Any, bool]]], seen: dict) -> Any:
-    """Saves ``(path, stream_checkpoint, weights_only)`` after the listed global steps."""
+def saving_callback(saves: dict[int, list[tuple]], seen: dict) -> Any:
+    """Saves ``(path, stream_checkpoint, weights_only[, custom CheckpointIO])`` after the listed
+    global steps."""
     import lightning.pytorch as pl
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class UsersIO(TorchCheckpointIO):
+        """A user's CheckpointIO: the strategy hands it the real checkpoint."""
 
     class Save(pl.Callback):
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             strategy = trainer.strategy
-            for path, stream, weights_only in saves.get(trainer.global_step, []):
-                wanted = strategy.stream_checkpoint
+            for path, stream, weights_only, *users_io in saves.get(trainer.global_step, []):
+                wanted, io = strategy.stream_checkpoint, strategy.checkpoint_io
                 strategy.stream_checkpoint = stream
+                if users_io:
+                    strategy.checkpoint_io = UsersIO()
                 try:
                     trainer.save_checkpoint(path, weights_only=weights_only)
                 finally:
-                    strategy.stream_checkpoint = wanted
+                    strategy.stream_checkpoint, strategy.checkpoint_io = wanted, io
                 if strategy.checkpoint_stream_stats is not None:
                     seen.setdefault("peaks", []).append(
                         strategy.checkpoint_stream_stats.peak_bytes)
@@ -100,10 +108,10 @@ def assert_equal_tree(got: Any, want: Any, where: str) -> None:
 
 def test_streamed_checkpoint_equals_the_gathered_one_and_resumes(world, tmp_path: Path) -> None:
     streamed, gathered = str(tmp_path / "streamed.ckpt"), str(tmp_path / "gathered.ckpt")
-    weights = str(tmp_path / "weights.ckpt")
+    weights, users = str(tmp_path / "weights.ckpt"), str(tmp_path / "users_io.ckpt")
     final_a, final_b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
     saves = {FIRST: [(streamed, "auto", False), (gathered, False, False),
-                     (weights, True, True)],
+                     (weights, True, True), (users, True, False, True)],
              TOTAL: [(final_a, True, False)]}
     results = world.run(fit_on_worker, saves)
     seen = results[0]
@@ -125,6 +133,11 @@ def test_streamed_checkpoint_equals_the_gathered_one_and_resumes(world, tmp_path
     only = torch.load(weights, weights_only=True)
     assert "optimizer_states" not in only
     assert_equal_tree(only["state_dict"], want["state_dict"], "weights_only state_dict")
+    # a user's CheckpointIO gets the streamed tensors collected into a real checkpoint
+    assert_equal_tree(torch.load(users, weights_only=True)["optimizer_states"],
+                      want["optimizer_states"], "users_io optimizer_states")
+    assert_equal_tree(torch.load(users, weights_only=True)["state_dict"], want["state_dict"],
+                      "users_io state_dict")
     # hooks see placeholders when streaming ("auto" on a deferred model), tensors when not
     assert seen["values"][:3] == ["StreamedTensor", "Tensor", "StreamedTensor"], seen["values"]
 
