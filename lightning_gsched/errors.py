@@ -127,3 +127,12 @@ class CheckpointError(GschedError, RuntimeError):
     Raised on every rank with the same message, naming the file and what is wrong, so a job
     never resumes on some ranks while others wait for them.
     """
+
+
+class CheckpointWriteError(GschedError, OSError):
+    """Rank 0 could not write a full checkpoint file (e.g. its directory is not writable).
+
+    Raised on rank 0 naming the file, after every rank's tensors were received (and dropped), so
+    no rank waits on a transfer that stopped; nothing is left under the name (the previous file,
+    if any, is untouched).
+    """

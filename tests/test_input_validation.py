@@ -173,6 +173,7 @@ STRATEGY_CASES = [
     (dict(state_dict_type="zip"), StrategyConfigError, "state_dict_type='zip'"),
     (dict(transport="fast"), StrategyConfigError, "transport='fast'"),
     (dict(gather_on_teardown=1), StrategyConfigError, "gather_on_teardown=1"),
+    (dict(stream_checkpoint="yes"), StrategyConfigError, "stream_checkpoint='yes'"),
     (dict(start_method="thread"), StrategyConfigError, "start_method='thread'"),
     (dict(timeout=30), StrategyConfigError, "timeout=30"),
     (dict(process_group_backend=1), StrategyConfigError, "process_group_backend=1"),

@@ -138,3 +138,17 @@ def test_drop_in_example_same_result_under_ddp_and_fslpp() -> None:
         return float(found[-1])
 
     assert val_loss("gsched_fslpp") == pytest.approx(val_loss("ddp"), abs=2e-4)  # printed to 4 places
+
+
+@pytest.mark.parametrize("value, want", [("true", True), ("false", False), ("auto", "auto")])
+def test_yaml_init_args_take_stream_checkpoint(value: str, want: object, tmp_path,
+                                               monkeypatch) -> None:
+    """``stream_checkpoint`` from a LightningCLI YAML: a bool or ``auto``."""
+
+    with open(os.path.join(ROOT, "configs", "1f1b.yaml")) as handle:
+        text = handle.read()
+    old = "init_args: {schedule: 1f1b, stages: 4, microbatches: 8}"
+    path = tmp_path / "streamed.yaml"
+    path.write_text(text.replace(old, old[:-1] + f", stream_checkpoint: {value}}}"))
+    cli = _cli_from(path, monkeypatch)
+    assert cli.trainer.strategy.stream_checkpoint == want

@@ -16,7 +16,7 @@ import contextlib
 import os
 import secrets
 import shutil
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 import torch
 
@@ -58,8 +58,10 @@ def _fsync_directory(directory: str) -> None:
             os.close(fd)
 
 
-def atomic_save(obj: Any, path: Any) -> None:
-    """``torch.save(obj)`` to ``path``: readers see the old file or the whole new one."""
+@contextlib.contextmanager
+def atomic_file(path: Any) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new content into: a temporary name next to it, flushed
+    to disk and renamed over ``path`` when the block ends; removed if the block raises."""
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
@@ -69,7 +71,7 @@ def atomic_save(obj: Any, path: Any) -> None:
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(staging, path)
@@ -77,6 +79,12 @@ def atomic_save(obj: Any, path: Any) -> None:
         _remove(staging)
         raise
     _fsync_directory(directory)
+
+
+def atomic_save(obj: Any, path: Any) -> None:
+    """``torch.save(obj)`` to ``path``: readers see the old file or the whole new one."""
+    with atomic_file(path) as f:
+        torch.save(obj, f)
 
 
 def swap_in_directory(staging: str, path: str) -> None:

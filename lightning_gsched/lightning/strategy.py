@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from lightning_gsched.engine import ckpt_check, ckpt_files, sharded
+from lightning_gsched.engine import ckpt_check, ckpt_files, ckpt_stream, sharded
 from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
@@ -150,6 +150,7 @@ class GeneralParallel(DDPStrategy):
         priority: Optional[Callable] = None,
         step_timeout: float = 300.0,
         gather_on_teardown: Union[bool, str] = "auto",
+        stream_checkpoint: Union[bool, str] = "auto",
         init_weights: Optional[Union[str, os.PathLike[str]]] = None,
         init_weights_prefix: str = "",
         forward_cost: Union[float, list[float]] = 1.0,
@@ -172,7 +173,7 @@ class GeneralParallel(DDPStrategy):
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
         schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
-        _check_checkpoint_arguments(state_dict_type, gather_on_teardown)
+        _check_checkpoint_arguments(state_dict_type, gather_on_teardown, stream_checkpoint)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
@@ -189,6 +190,9 @@ class GeneralParallel(DDPStrategy):
         self.state_dict_type = state_dict_type
         self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
+        self.stream_checkpoint = stream_checkpoint
+        # rank 0: what the last streamed save held and wrote (ckpt_stream.StreamStats)
+        self.checkpoint_stream_stats: ckpt_stream.StreamStats | None = None
         self._engine: PipelineEngine | None = None
         # a checkpoint resumed into a deferred model, for the engine's build (deferred_restore)
         self._restore: DeferredRestore | None = None
@@ -455,7 +459,18 @@ class GeneralParallel(DDPStrategy):
         runtime = self._runtime()
         if runtime is None:
             return super().lightning_module_state_dict()
+        if self._streams():  # placeholders: save_checkpoint receives the tensors
+            return runtime.streamed_state_dict()
         return runtime.full_state_dict()
+
+    def _streams(self) -> bool:
+        """A full checkpoint of the running pipeline goes to rank 0 streamed (see
+        ``stream_checkpoint``)."""
+        if self.state_dict_type != "full" or self._engine is None or not self._built():
+            return False
+        if self.stream_checkpoint == "auto":
+            return self._engine.deferred
+        return bool(self.stream_checkpoint)
 
     def _check_failed_or_released(self) -> None:
         self._check_not_failed()
@@ -470,6 +485,8 @@ class GeneralParallel(DDPStrategy):
         runtime = self._runtime()
         if runtime is None:
             return optimizer.state_dict()
+        if runtime.streaming:  # described with the state dict: tensors come at the save
+            return runtime.streamed_optimizer_state(optimizer)
         return runtime.full_optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
@@ -477,11 +494,33 @@ class GeneralParallel(DDPStrategy):
         if self.state_dict_type == "sharded":
             sharded.save(checkpoint, filepath, self.global_rank)
             return
+        runtime = self._runtime()
+        if runtime is not None and runtime.streaming:
+            self._save_streamed(runtime, checkpoint, filepath, storage_options)
+            return
         if not _writes_locally(self.checkpoint_io, filepath, storage_options):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # user's CheckpointIO
             return
         if self.is_global_zero:  # a temporary name next to the target, renamed over it
             ckpt_files.atomic_save(checkpoint, filepath)
+
+    def _save_streamed(self, runtime: ModelRuntime, checkpoint: dict[str, Any], filepath: Any,
+                       storage_options: Optional[Any]) -> None:
+        """Every rank sends its tensors to rank 0 in one order (collective); rank 0 writes each
+        into the file as it arrives (``ckpt_stream``), or, for a user's CheckpointIO or a remote
+        path, keeps them all and hands the real checkpoint on."""
+        if not _writes_locally(self.checkpoint_io, filepath, storage_options):
+            if self.is_global_zero:
+                ckpt_stream.fill_placeholders(checkpoint, ckpt_stream.collect(runtime.stream))
+            else:
+                runtime.stream(None)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if self.is_global_zero:
+            self.checkpoint_stream_stats = ckpt_stream.save_streamed(checkpoint, filepath,
+                                                                     runtime.stream)
+        else:
+            runtime.stream(None)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         """Read ``ckpt_path`` on every rank; a truncated, foreign or incomplete checkpoint
@@ -597,7 +636,8 @@ class GeneralParallel(DDPStrategy):
             strategy_registry.register(name, cls, description=description, schedule=schedule)
 
 
-def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any) -> None:
+def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any,
+                                stream_checkpoint: Any = "auto") -> None:
     """The Trainer strategy's own arguments (the shared ones: :mod:`.options`)."""
     if not (isinstance(state_dict_type, str) and state_dict_type in STATE_DICT_TYPES):
         raise StrategyConfigError(
@@ -606,6 +646,8 @@ def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any) -
         )
     if gather_on_teardown != "auto":
         validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
+    if stream_checkpoint != "auto":
+        validate.flag("stream_checkpoint", stream_checkpoint, StrategyConfigError)
 
 
 def _writes_locally(checkpoint_io: Any, filepath: Any, storage_options: Any) -> bool:

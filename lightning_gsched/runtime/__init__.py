@@ -30,7 +30,8 @@ every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the p
 :mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`, :mod:`.calibration` (the planner's
 RuntimeCosts measured on the job's process group); for the facade: :mod:`.ownership` (which parameters a rank
 updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
-:mod:`.fullstate` (full model and optimizer state); for a model built without weights:
+:mod:`.fullstate` (full model and optimizer state), :mod:`.fullstate_stream` (the same sent to
+rank 0 one tensor at a time, for a checkpoint written as it arrives); for a model built without weights:
 :mod:`.materialize` (each rank initialises what it keeps) and :mod:`.pretrained` (or reads it
 from safetensors files, tensor by tensor). See ``docs/runtime.md``.
 """
@@ -45,6 +46,7 @@ from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.faults import short_reason
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
+from lightning_gsched.runtime.fullstate_stream import StreamedTensor
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
 from lightning_gsched.runtime.materialize import (
     DeferredLoadError,
@@ -65,6 +67,7 @@ from lightning_gsched.runtime.pretrained import (
 from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
+    "StreamedTensor",
     "FaultNotice",
     "default_store",
     "destroy_groups",

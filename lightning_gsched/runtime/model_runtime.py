@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_gsched.runtime import fullstate
+from lightning_gsched.runtime import fullstate, fullstate_stream
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
@@ -82,6 +82,7 @@ class ModelRuntime:
         # a split backward accumulates what loss.backward() would: the extras the loss reads
         self.executor.compute.loss_params = list(self.ownership.extra)
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
+        self._stream: fullstate_stream.StreamPlan | None = None  # a described streamed save
         # the parameters now live in the stage buffers: the tensors they were built in are free
         release_free_heap(self.device)
 
@@ -160,6 +161,39 @@ class ModelRuntime:
         (collective)."""
         return fullstate.full_optimizer_state(optimizer, self.ownership.primary, self.rank,
                                               self.world_size)
+
+    def streamed_state_dict(self) -> dict[str, Any]:
+        """Like :meth:`full_state_dict` with every stage parameter a
+        :class:`~.fullstate_stream.StreamedTensor` placeholder on rank 0 (no data moves): starts
+        a new streamed save, which :meth:`streamed_optimizer_state` extends and
+        :meth:`stream` carries out (every rank calls all three in the same order)."""
+        state, self._stream = fullstate_stream.describe_state_dict(self.module, self.executor,
+                                                                   self.world_size)
+        return state
+
+    @property
+    def streaming(self) -> bool:
+        """A streamed save was described (:meth:`streamed_state_dict`) and not yet sent."""
+        return self._stream is not None
+
+    def streamed_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Like :meth:`full_optimizer_state` with tensors as placeholders on rank 0 (collective:
+        one gather of small descriptions); after :meth:`streamed_state_dict`."""
+        if self._stream is None:
+            raise RuntimeError("streamed_optimizer_state() before streamed_state_dict()")
+        return fullstate_stream.describe_optimizer_state(self._stream, optimizer,
+                                                         self.ownership.primary)
+
+    def stream(self, sink: fullstate_stream.Sink | None,
+               on_hold: Callable[[int], None] | None = None) -> bool:
+        """Send the described tensors to rank 0 one at a time (collective); rank 0 calls
+        ``sink(placeholder, tensor)`` for each. False (nothing done) when no streamed save was
+        described since the last one."""
+        plan, self._stream = self._stream, None
+        if plan is None:
+            return False
+        fullstate_stream.transfer(plan, sink, on_hold)
+        return True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full state dict into what this rank holds (other stages' entries skipped)."""
