@@ -427,7 +427,22 @@ def _mib(n: int) -> str:
 
 def _bytes_note(mem: list[dict[str, Any]]) -> str:
     return "; ".join(f"r{r} rest {_mib(m['at_rest'])} peak {_mib(m['peak'])}"
+                     + (f" ({_mib(m['peak_with_allgather_buffers'])} with all-gather buffers)"
+                        if m.get("peak_with_allgather_buffers", m["peak"]) != m["peak"] else "")
                      for r, m in enumerate(mem))
+
+
+def peak_goal_met(ours: list[dict[str, Any]], anchor: list[dict[str, Any]]) -> bool:
+    """Ours' peak parameter bytes <= the anchor's on every rank, each side counting every byte
+    it holds for parameters at that moment, its communication buffers included.
+
+    Why the anchor's all-gather buffers count: ours receives a fetched stage straight into
+    the stage's own buffer (the buffer *is* the parameters; ``peak_resident_param_bytes``
+    counts it), while FSDP2 all-gathers into a flat buffer and copies out into the unsharded
+    parameters, so at its peak it holds both. Its parameters alone (``peak``) leave out memory
+    it really holds; both figures are in the row's notes."""
+    return all(m["peak"] <= a.get("peak_with_allgather_buffers", a["peak"])
+               for m, a in zip(ours, anchor, strict=True))
 
 
 def run(quick: bool) -> list[Result]:
@@ -466,8 +481,7 @@ def run(quick: bool) -> list[Result]:
         anchor = last[key]
         loss_a = anchor["loss"]
         diff = None if ours["loss"] is None else abs(ours["loss"] - loss_a)
-        peak_ok = all(m["peak"] <= a["peak"] for m, a in zip(ours["mem"], anchor["mem"],
-                                                             strict=True))
+        peak_ok = peak_goal_met(ours["mem"], anchor["mem"])
         notes = (f"{shape}; anchor = {label}, plain torch loop on gloo/CPU (ours includes "
                  f"Lightning's per-batch work); param bytes per rank "
                  f"(full model {_mib(full)}): ours {_bytes_note(ours['mem'])} (peak as planned: "
