@@ -203,8 +203,8 @@ def test_arguments_are_checked_at_construction(front_end: str) -> None:
     # fixed R is checked against W at setup; before the first batch there is no plan
     config = make("auto", R=3, stages=6).schedule_config
     with pytest.raises(ScheduleConfigError, match="R=3 does not divide"):
-        config.setup_plan(2)
-    assert make("auto").schedule_config.setup_plan(2) is None
+        config.check(2)
+    make("auto").schedule_config.check(2)  # nothing to check yet
     with pytest.raises(StrategyConfigError, match="decided at the first batch"):
         make("auto").schedule_config.training_plan(2)
 

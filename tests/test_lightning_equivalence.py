@@ -273,3 +273,39 @@ def test_activation_checkpointing_matches_single_device(worlds, tmp_path) -> Non
         assert flags == [True] * 4, flags  # the runtime was handed the plan's flags
     assert_fit_matches([state for state, _ in results], str(tmp_path), want, want_log,
                        "checkpointed zbv")
+
+
+def fit_counting_builds(ctx: WorkerContext, strategy: dict, optimizer: str, tmp: str) -> dict:
+    """:func:`fit_on_worker`, counting the partitions and training plans this rank made."""
+    from lightning_gsched.engine import config, engine
+
+    counts = {"partitions": 0, "training_plans": 0}
+    partition, plan_arguments = engine.partition, config.plan_arguments
+
+    def counted_partition(*args: Any, **kwargs: Any) -> Any:
+        counts["partitions"] += 1
+        return partition(*args, **kwargs)
+
+    def counted_plan(arguments: Any, workers: int, **kwargs: Any) -> Any:
+        counts["training_plans"] += not kwargs.get("forward_only", False)
+        return plan_arguments(arguments, workers, **kwargs)
+
+    engine.partition, config.plan_arguments = counted_partition, counted_plan
+    try:
+        state = fit_on_worker(ctx, strategy, optimizer, tmp)
+    finally:
+        engine.partition, config.plan_arguments = partition, plan_arguments
+    return {"state": state, **counts}
+
+
+def test_balance_time_partitions_and_plans_once_per_rank(worlds, tmp_path) -> None:
+    """balance='time': rank 0 times the units and keeps its partition, the other ranks cut at
+    the same places with its costs; the tied GPT's training plan is made once, with its ties
+    (the setup only checks the arguments). Training still equals one device."""
+    want, want_log = reference("sgd")
+    tmp = str(tmp_path / "sgd")
+    out = worlds.get(2).run(fit_counting_builds, {"schedule": "1f1b", "balance": "time"},
+                            "sgd", tmp)
+    assert_fit_matches([o["state"] for o in out], tmp, want, want_log, "1f1b balance=time")
+    assert [o["partitions"] for o in out] == [1, 1]
+    assert [o["training_plans"] for o in out] == [1, 1]

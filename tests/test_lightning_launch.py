@@ -71,7 +71,8 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
     assert isinstance(cli.trainer.strategy, GeneralParallel)
     assert cli.trainer.strategy.schedule_config.schedule == name
     if name == "auto":  # decided at the first batch: no plan before it
-        assert cli.trainer.strategy.schedule_config.setup_plan(4) is None
+        cli.trainer.strategy.schedule_config.check(4)
+        assert not cli.trainer.strategy.schedule_config.decided
         return
     plan = cli.trainer.strategy.schedule_config.training_plan(4)  # the plan it would run
     assert plan.workers == 4

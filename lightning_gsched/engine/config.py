@@ -1,10 +1,11 @@
 """What GeneralParallel was asked for, turned into plans for training and for evaluation.
 
 Why a module of its own: the arguments are checked at construction
-(:meth:`ScheduleConfig.from_keywords`, one :class:`ScheduleArguments`),
-the training plan is built at ``Trainer.fit`` setup (pure Python, so what needs the device count,
-such as R dividing it, fails on every rank before any process talks to another),
-and forward-only plans are built on demand for each evaluation batch size. Both must describe the
+(:meth:`ScheduleConfig.from_keywords`, one :class:`ScheduleArguments`), what needs the device
+count (such as R dividing it) at ``Trainer.fit`` setup without building a plan
+(:meth:`ScheduleConfig.check`: pure Python, so it fails on every rank before any process talks
+to another), the training plan once at the first batch, with the partition's tied weights, and
+forward-only plans on demand for each evaluation batch size. Both must describe the
 same stage ownership, so they come from one place.
 
 ``schedule="auto"`` is decided later, at the first batch (``engine.auto``: the tuner needs the
@@ -14,8 +15,9 @@ this and every later run with the same strategy is the pick's: one decision, rea
 
 Tied weights are part of every plan (``plan(..., ties=...)``): the engine learns them from the
 partition at the first batch and records them here (:meth:`ScheduleConfig.set_ties`), so every
-plan from then on, training or evaluation, places them; the setup plan, made before the
-partition exists, differs from that one only in its tie actions.
+plan from then on, training or evaluation, places them. The training plan is made after that,
+once; only an evaluation plan made before the first build (to cut an evaluation batch) is made
+again with the ties.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyCo
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.library import resolve_shape
-from lightning_gsched.schedule.plan import Plan, plan_arguments
+from lightning_gsched.schedule.plan import Plan, check_plan_arguments, plan_arguments
 from lightning_gsched.schedule.tune import TuneResult
 
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, S, B, R and checkpointing
@@ -132,7 +134,7 @@ class ScheduleConfig:
     def set_ties(self, ties: Any) -> bool:
         """Record the partition's tied weights (``{home: readers}`` or stage groups, e.g.
         ``partition.shared_parameters.values()``); every later plan places them. True when
-        they changed (plans made before, such as the setup plan, must be made again)."""
+        they changed (evaluation plans made before must be made again)."""
         tie_map = validate.ties(ties)
         if tie_map == self.ties:
             return False
@@ -153,13 +155,24 @@ class ScheduleConfig:
             )
         return self._chosen
 
-    def setup_plan(self, workers: int) -> Plan | None:
-        """The training plan a front end builds at setup (a bad config fails there, on every
-        rank); None for an undecided ``"auto"``, whose plan comes at the first batch."""
+    def check(self, workers: int) -> None:
+        """What a front end checks at setup, on every rank, before any process talks to
+        another: everything ``plan()`` checks before it simulates, for ``workers`` ranks
+        (:func:`~lightning_gsched.schedule.plan.check_plan_arguments`; an undecided
+        ``"auto"``: a fixed R divides W). No plan is built: the training plan is made once,
+        at the first batch, with the partition's tied weights (:meth:`training_plan`)."""
         if self.is_auto and self._chosen is None:
             self._check_workers(workers)
-            return None
-        return self.training_plan(workers)
+            return
+        config = self._effective()
+        S, B, R = config.resolved(workers)
+        check_plan_arguments(config._arguments().replace(stages=S, microbatches=B, R=R,
+                                                         ties=config.ties), workers)
+
+    @property
+    def decided(self) -> bool:
+        """A schedule is known: a fixed one, or ``"auto"``'s pick."""
+        return not self.is_auto or self._chosen is not None
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own

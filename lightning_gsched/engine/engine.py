@@ -48,6 +48,7 @@ from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
     ParameterMemory,
@@ -107,7 +108,6 @@ class PipelineEngine:
     ``optimizers()`` gives the optimizers whose state is pruned to the owned parameters when the
     runtime is built and restored in full by :meth:`close`; ``info(text)`` prints the plan;
     ``forward_context`` (optional) is entered around every stage forward (Fabric's precision).
-    ``train_plan``: ``config.setup_plan(W)``, None for a ``schedule="auto"`` not decided yet.
     ``control``: the group the engine's own collectives use and the job's failure notice
     (:mod:`.control`; the Trainer strategy's); None: the default group.
     ``init_weights``: a deferred model's kept parameters are read from these safetensors files
@@ -115,7 +115,7 @@ class PipelineEngine:
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
-                 train_plan: Plan | None, *, world_size: int, rank: int, timeout: float,
+                 *, world_size: int, rank: int, timeout: float,
                  optimizers: Callable[[], list], info: Callable[[str], None],
                  forward_context: Callable[[], AbstractContextManager] | None = None,
                  transport: str = "auto", control: ControlGroup | None = None,
@@ -128,7 +128,8 @@ class PipelineEngine:
         self.restore: DeferredRestore | None = None
         self.config = config
         self.options = options
-        self.train_plan: Plan | None = train_plan
+        # made once, at the build, with the partition's tied weights (config.check at setup)
+        self.train_plan: Plan | None = None
         self.world_size, self.rank = world_size, rank
         self.timeout = timeout
         self.transport = transport
@@ -205,21 +206,20 @@ class PipelineEngine:
             if self.world_size > 1:
                 self._collective("the build's weight broadcast",
                                  lambda: _sync_module_states(self.module, self.group))
-            if self.train_plan is None:
+            if not self.config.decided:
                 choose_schedule(self.module, self.config, self.options, args, kwargs,
                                 loss_fn=step_loss_fn(caller, micro_batch) if training else None,
                                 global_rows=global_rows, optimizers=self.optimizers(),
                                 world_size=self.world_size, rank=self.rank,
                                 forward_context=self.forward_context, group=self.group)
-                self.train_plan = self.config.training_plan(self.world_size)
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             self.partition = self._partition(args, kwargs)
-            # tied weights are placed by the plan: plan again once the partition names them
-            if self.config.set_ties(self.partition.shared_parameters.values()):
-                self.train_plan = self.config.training_plan(self.world_size)
+            # tied weights are placed by the plan: the one plan is made once the partition
+            # names them
+            self.config.set_ties(self.partition.shared_parameters.values())
+            plan = self.train_plan = self.config.training_plan(self.world_size)
             # sized before the runtime releases the stages this rank does not own
-            plan = self.train_plan
             self._collective("the build's memory prediction", lambda: self.memory.predict(
                 self.partition.stages, args, kwargs, plan, self.optimizers(), self.world_size,
                 self.rank))
@@ -254,10 +254,6 @@ class PipelineEngine:
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text))
 
-    def _plan(self) -> Plan:
-        assert self.train_plan is not None, "schedule='auto' is decided at the first batch"
-        return self.train_plan
-
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
                     training: bool) -> GlobalBatch:
         """The first batch of an undecided ``"auto"``: every rank gathers the global batch, and
@@ -269,13 +265,15 @@ class PipelineEngine:
         return whole
 
     def _partition(self, args: tuple, kwargs: dict) -> Any:
-        S = self._plan().stages
+        S = self.config.resolved(self.world_size)[0]
         opts = self.options
         common = dict(balance=opts.balance, leaf_modules=opts.leaf_modules,
                       split_points=opts.split_points, static_shapes=opts.static_shapes)
         unit_costs = None
+        measured: Any = None
         if opts.balance == "time" and self.world_size > 1:
-            # rank 0 measures; everyone cuts at the same places with rank 0's costs
+            # rank 0 measures and keeps its partition; every other rank cuts at the same places
+            # with rank 0's costs (one partition per rank)
             box: list[Any] = [None]
             if self.rank == 0:
                 try:
@@ -290,6 +288,10 @@ class PipelineEngine:
                 raise PartitionError(f"rank 0 could not partition the model: {value}")
             unit_costs = value
         try:
+            if measured is not None:  # the cut the others make from its costs: only verify it
+                measured.verified = verify_split(measured, args, kwargs,
+                                                 check_verify(opts.verify))
+                return measured
             return partition(self.module, S, args, kwargs, unit_costs=unit_costs,
                              verify=opts.verify, **common)
         except GschedError as exc:
@@ -332,10 +334,13 @@ class PipelineEngine:
             self._needed[key] = needed
         return self._needed[key]
 
-    def _global_batch(self, batch: Any, rows: list[int], plan: Plan) -> Any:
-        needed = self._needed_micros(plan)
+    def _global_batch(self, batch: Any, rows: list[int], micro: int,
+                      plan: Plan | None) -> Any:
+        """Gather what this rank needs of the global batch cut into ``micro`` microbatches
+        (``plan``: whose programs say which; None before the build: all of it)."""
+        needed = None if plan is None else self._needed_micros(plan)
         return self._collective("the batch gather", lambda: gather_batch(
-            batch, rows, self.rank, plan.micro, needed, group=self.group))
+            batch, rows, self.rank, micro, needed, group=self.group))
 
     def _rows(self, batch: Any) -> tuple[list[int], list[int]]:
         return self._collective("the batch-size exchange",
@@ -362,11 +367,12 @@ class PipelineEngine:
         ``drop_previous_grads``: the loop zeroes the gradients before the hand-over
         (``ModelRuntime.step``)."""
         rows, layouts = self._rows(batch)
-        if self.train_plan is None:
+        if not self.config.decided:
             batch = self._build_auto(batch, rows, caller, training=True)
         else:
-            batch = self._global_batch(batch, rows, self.train_plan)
-        B = self._plan().micro
+            batch = self._global_batch(batch, rows, self.config.resolved(self.world_size)[1],
+                                       self.train_plan)
+        B = self.config.resolved(self.world_size)[1]
         micros = batch.micros(B, exact=True)
         if not self.built:
             self.build(caller, micros[0], training=True)
@@ -411,11 +417,11 @@ class PipelineEngine:
         """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
         gets the outputs of the rows it loaded (predictions go back to their rank)."""
         rows, layouts = self._rows(batch)
-        if self.train_plan is None:
+        if not self.config.decided:
             self._build_auto(batch, rows, caller, training=False)
         plan = self.config.eval_plan(self.world_size, sum(rows))
         B = plan.micro
-        batch = self._global_batch(batch, rows, plan)
+        batch = self._global_batch(batch, rows, B, plan)
         micros = batch.micros(B, exact=False, what="evaluation batch")
         weights = micro_rows(batch.rows, B)
         if not self.built:

@@ -153,8 +153,8 @@ class GeneralParallelFabric(DDPStrategy):
         module._apply(lambda t: t if t.is_meta else t.to(device))
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Keep the model unwrapped; plan the schedule for this world size (fails here, on
-        every rank, if it does not fit). The pipeline is built at the first :meth:`step`."""
+        """Keep the model unwrapped; check the schedule for this world size (fails here, on
+        every rank, if it does not fit; the plan is made once, at the first step). The pipeline is built at the first :meth:`step`."""
         if self._engine is not None and self._engine.module is not module:
             raise StrategyConfigError(
                 "GeneralParallelFabric pipelines one model; a second fabric.setup(model) with "
@@ -162,9 +162,9 @@ class GeneralParallelFabric(DDPStrategy):
             )
         self._check_precision()
         if self._engine is None:
+            self.schedule_config.check(self.world_size)  # a bad config fails here, every rank
             self._engine = PipelineEngine(
                 module, self.schedule_config, self.partition_options,
-                self.schedule_config.setup_plan(self.world_size),
                 world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
                 transport=self.transport,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,

@@ -238,7 +238,7 @@ class GeneralParallel(DDPStrategy):
                 "load a checkpoint) before the next fit/validate/predict"
             )
         self._failed = False
-        train_plan = self.schedule_config.setup_plan(self.world_size)  # bad config fails here
+        self.schedule_config.check(self.world_size)  # a bad config fails here, on every rank
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -257,7 +257,7 @@ class GeneralParallel(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_fault_handling(trainer)
         self._engine = PipelineEngine(
-            module, self.schedule_config, self.partition_options, train_plan,
+            module, self.schedule_config, self.partition_options,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,

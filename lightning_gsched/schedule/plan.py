@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -197,13 +197,59 @@ def plan_arguments(
     forward_only: bool = False,
 ) -> Plan:
     """:func:`plan` for arguments already validated (a front end's config, the CLI's)."""
+    verify = validate.flag("verify", verify)
+    prepared = _prepare(arguments, workers, edges, forward_only)
+    with _gc_paused():
+        return _build(*prepared, verify=verify)
+
+
+def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
+                         forward_only: bool = False) -> tuple[int, int, int | None]:
+    """Everything :func:`plan_arguments` checks before it simulates, without simulating:
+    (S, B, R) for ``workers`` ranks, or the same error ``plan`` would raise.
+
+    Why: a front end checks its configuration when the job starts (on every rank, before any
+    process talks to another) and plans once at the first batch, when the partition has named
+    the tied weights. What only the simulation can find (a cap no order completes under) is
+    raised then, by every rank alike. A user's callable (placement, order or priority, cap)
+    fails only when called, so with one the plan is built here (unverified) and dropped."""
+    prepared = _prepare(arguments, workers, None, forward_only)
+    a = arguments
+    if a.placement is not None or any(callable(f) for f in (a.order, a.priority, a.cap)):
+        with _gc_paused():
+            _build(*prepared, verify=False)
+    return prepared.S, prepared.B, prepared.R
+
+
+class _Prepared(NamedTuple):
+    """The checked, resolved inputs of one plan (``plan_arguments``' first half)."""
+
+    name: str
+    W: int
+    S: int
+    B: int
+    R: int | None
+    order_spec: str | PriorityFn
+    cap_spec: CapSpec
+    placement_fn: PlacementFn
+    costs: Costs
+    edges: Sequence[tuple[int, int]] | None
+    forward_only: bool
+    split: bool
+    uses_default_cap: bool
+    checkpointed: tuple[bool, ...]
+    fetch_window: int | None
+    ties: dict[int, tuple[int, ...]]
+
+
+def _prepare(arguments: ScheduleArguments, workers: int,
+             edges: Sequence[tuple[int, int]] | None, forward_only: bool) -> _Prepared:
     W = validate.positive_int("workers", workers)
     a = arguments
     schedule, stages, microbatches, R, order, cap = (a.schedule, a.stages, a.microbatches, a.R,
                                                      a.order, a.cap)
     placement, priority, split_backward = a.placement, a.priority, a.split_backward
     edges = validate.stage_edges(edges)
-    verify = validate.flag("verify", verify)
     forward_only = validate.flag("forward_only", forward_only)
     if isinstance(cap, str) and cap == "none":
         cap = None
@@ -239,20 +285,19 @@ def plan_arguments(
     costs = costs.with_recompute(checkpointed)
     tie_map = validate.ties(a.ties, S)
     require_chain(S, edges)  # the runtime runs chains only: refuse other graphs up front
-    with _gc_paused():
-        return _build(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, verify,
-                      bool(forward_only), split, uses_default_cap, checkpointed,
-                      a.fetch_window, tie_map)
+    return _Prepared(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges,
+                     bool(forward_only), split, uses_default_cap, checkpointed,
+                     a.fetch_window, tie_map)
 
 
 def _build(
     name: str, W: int, S: int, B: int, R: int | None, order_spec: str | PriorityFn,
     cap_spec: CapSpec, placement_fn: PlacementFn, costs: Costs,
-    edges: Sequence[tuple[int, int]] | None, verify: bool, forward_only: bool = False,
+    edges: Sequence[tuple[int, int]] | None, forward_only: bool = False,
     split_backward: bool = False, default_cap: bool = False,
     checkpointed: tuple[bool, ...] = (),
     fetch_window: int | None = None,
-    ties: dict[int, tuple[int, ...]] | None = None,
+    ties: dict[int, tuple[int, ...]] | None = None, *, verify: bool = True,
 ) -> Plan:
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
