@@ -29,6 +29,13 @@ from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.measure.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ModelRuntime
+from lightning_gsched.runtime.footprint import (
+    SavedTensorBytes,
+    held_until_w,
+    storage_key,
+    weight_storages,
+)
+from lightning_gsched.runtime.split_backward import backward_input
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.memory import predict_memory, uniform_sizes
@@ -103,6 +110,27 @@ def test_split_backward_holds_what_w_needs_from_b_to_w(schedule: str) -> None:
     assert mem.category_peaks.activations == expected_peak
     plain = predict_memory(p.programs, base)[0].category_peaks.activations
     assert expected_peak > plain  # the held gradients matter here: W waits behind other work
+
+
+def test_split_b_frees_the_loss_graph_and_holds_its_recorded_gradients() -> None:
+    """What ``held_until_w`` reads after a split B: the layer input W needs stays, the loss's
+    log-softmax (above every weight) is freed with the loss, and the gradient B recorded at the
+    Linear (its output's: 4 x 16 floats) is held; after W nothing is pending."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorBytes(exclude=weight_storages(lin)) as saved:
+        logp = torch.log_softmax(lin(x), -1)
+        loss = logp.sum()
+    top = storage_key(logp)[0]
+    _, pending = backward_input([loss], None, [x], list(lin.parameters()))
+    del loss, logp
+    alive = saved.alive_storages()
+    assert storage_key(x)[0] in alive and top not in alive and top in saved.storages
+    held = held_until_w(saved, pending.held_tensors())
+    assert sum(held.values()) - sum(alive.values()) == 4 * 16 * 4
+    pending.run()
+    assert lin.weight.grad is not None and pending.held_tensors() == []
 
 
 def test_sizes_must_match_the_plan() -> None:
