@@ -10,10 +10,23 @@ peak of their sum over the step is what the allocator held for tensors; its cate
 (parameter, optimizer state, gradient, activation, autograd detail, input, temporary) are the
 profiler's own, not ours. Reads torch internals (``prof._memory_profile()``,
 ``MemoryProfileTimeline._coalesce_timeline``) of torch 2.13.
+
+Second route, which never needs torch's data-flow analysis (that pass asserts "version
+mismatch" on some steps): :func:`events_peak`. The profiler's raw allocation events
+(``experimental_event_tree()`` nodes of type Allocation: signed ``alloc_size``, ``ptr``, start
+time) give the running sum of bytes allocated during the step; its peak is added to a census
+taken at the step's start, independently of the runtime: every distinct CPU tensor storage
+reachable from a Python object (``gc.get_objects()``, and the ``.grad`` of each), deduplicated
+by storage address. Limits: the profiler does not report the free of a block allocated before
+profiling started (torch says so: "Memory block of unknown size was allocated before the
+profiling started"), so a storage of the census freed during the step is still counted, and
+storages held only by C++ (none at a step boundary here, as far as we know) are missed: an
+upper bound, up to the storages freed during the step that existed at its start.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,17 +53,73 @@ def timeline_peak(prof: Any) -> dict[str, Any]:
     return {"total": int(totals[at]), "at_peak": at_peak}
 
 
+def census_bytes() -> int:
+    """Bytes of every distinct CPU tensor storage reachable from a Python object now (and of
+    their ``.grad``), by storage address: what is alive before a step, counted without the
+    runtime."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if t.device.type != "cpu" or t.is_sparse or t.is_quantized:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper)
+            return
+        if storage.data_ptr():
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+            grad = obj.grad if obj.is_leaf else None
+            if grad is not None:
+                add(grad)
+    return sum(seen.values())
+
+
+def events_peak(prof: Any, baseline: int) -> dict[str, Any]:
+    """``{"total": baseline + the peak of the running sum of the step's allocation events,
+    "at_peak": {"census": baseline, "allocated in the step": that peak}}`` (module docstring:
+    an upper bound)."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            fields = node.typed[1]
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size))
+        stack.extend(node.children)
+    running = high = 0
+    for _, size in sorted(events):
+        running += size
+        high = max(high, running)
+    return {"total": baseline + high,
+            "at_peak": {"census": baseline, "allocated in the step": high}}
+
+
 class ProfilerPeak(pl.Callback):
-    """Profile the allocations of one training batch (``batch``) and keep :func:`timeline_peak`."""
+    """Profile the allocations of one training batch (``batch``); keep :func:`timeline_peak`
+    (``peak``) and :func:`events_peak` (``events``), the census taken just before profiling."""
 
     def __init__(self, batch: int) -> None:
         self.batch = batch
         self.peak: dict[str, Any] | None = None
+        self.events: dict[str, Any] | None = None
         self._prof: Any = None
+        self._baseline = 0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.batch:
             from torch.profiler import ProfilerActivity, profile
+
+            gc.collect()
+            self._baseline = census_bytes()
 
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                                  record_shapes=True, with_stack=True)
@@ -61,4 +130,5 @@ class ProfilerPeak(pl.Callback):
         if batch_idx == self.batch and self._prof is not None:
             self._prof.__exit__(None, None, None)
             self.peak = timeline_peak(self._prof)
+            self.events = events_peak(self._prof, self._baseline)
             self._prof = None

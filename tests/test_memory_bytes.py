@@ -18,6 +18,7 @@ total must agree within 1% (the issue's bar is 10%).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,9 +29,17 @@ from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.measure.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ModelRuntime
+from lightning_gsched.runtime.footprint import (
+    SavedTensorBytes,
+    held_until_w,
+    storage_key,
+    weight_storages,
+)
+from lightning_gsched.runtime.split_backward import backward_input
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.memory import predict_memory, uniform_sizes
+from lightning_gsched.schedule.program import Op
 from test_runtime_schedules import build, calls, global_batch, make_loss
 
 SCHEDULES = list(LIBRARY)
@@ -77,6 +86,53 @@ def test_gloo_keeps_handed_off_gradients_until_the_step_ends() -> None:
         assert b.peak > a.peak
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "zbv"])
+def test_split_backward_holds_what_w_needs_from_b_to_w(schedule: str) -> None:
+    """A split B narrows its stash: less ``b_released``, plus ``w_grads``, until its W. Walked
+    by hand on rank 0: after every action, the stashed bytes are the sum over the (stage,
+    microbatch) pairs between F and B (activations) and between B and W (the narrowed)."""
+    p = plan(schedule, workers=2)
+    A, R, G = 700, 30, 200
+    base = uniform_sizes(p.stages, 1000, A, 3)
+    sizes = base.__class__(tuple(replace(st, b_released=R, w_grads=G) for st in base.stages))
+    expected_peak, before_b, before_w = 0, set(), set()
+    for action in p.programs.ranks[0]:
+        key = (action.stage, action.micro)
+        if action.op is Op.F:
+            before_b.add(key)
+        elif action.op is Op.B:
+            before_b.discard(key)
+            before_w.add(key)
+        elif action.op is Op.W:
+            before_w.discard(key)
+        expected_peak = max(expected_peak, len(before_b) * A + len(before_w) * (A - R + G))
+    (mem, _) = predict_memory(p.programs, sizes)
+    assert mem.category_peaks.activations == expected_peak
+    plain = predict_memory(p.programs, base)[0].category_peaks.activations
+    assert expected_peak > plain  # the held gradients matter here: W waits behind other work
+
+
+def test_split_b_frees_the_loss_graph_and_holds_its_recorded_gradients() -> None:
+    """What ``held_until_w`` reads after a split B: the layer input W needs stays, the loss's
+    log-softmax (above every weight) is freed with the loss, and the gradient B recorded at the
+    Linear (its output's: 4 x 16 floats) is held; after W nothing is pending."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorBytes(exclude=weight_storages(lin)) as saved:
+        logp = torch.log_softmax(lin(x), -1)
+        loss = logp.sum()
+    top = storage_key(logp)[0]
+    _, pending = backward_input([loss], None, [x], list(lin.parameters()))
+    del loss, logp
+    alive = saved.alive_storages()
+    assert storage_key(x)[0] in alive and top not in alive and top in saved.storages
+    held = held_until_w(saved, pending.held_tensors())
+    assert sum(held.values()) - sum(alive.values()) == 4 * 16 * 4
+    pending.run()
+    assert lin.weight.grad is not None and pending.held_tensors() == []
+
+
 def test_sizes_must_match_the_plan() -> None:
     p = plan("gpipe", workers=2)
     with pytest.raises(ScheduleConfigError, match="3 stages but the programs have 2"):
@@ -100,6 +156,11 @@ def measured_vs_predicted(ctx: WorkerContext, schedule: str,
     p = plan(schedule, workers=ctx.world_size, stages=p.stages, checkpoint_activations=checkpoint,
              ties=sizes.tie_map)  # the GPT's tied embedding and head: one tie, placed
     predicted = predict_memory(p.programs, sizes, p.checkpointed)[ctx.rank]
+    # the same without what a split B narrows to (b_released, w_grads): must differ for the
+    # zero-bubble schedules, else the byte equality below would not cover it
+    unsplit = sizes.__class__(tuple(replace(st, b_released=0, w_grads=0) for st in sizes.stages),
+                              sizes.ties)
+    without = predict_memory(p.programs, unsplit, p.checkpointed)[ctx.rank]
     runtime = ModelRuntime(model, part.stages, p.programs, timeout=60,
                            checkpointed=p.checkpointed)
     # over every parameter, as a Trainer's: a rank may own nothing (fslpp-seed at W=4 puts
@@ -114,7 +175,9 @@ def measured_vs_predicted(ctx: WorkerContext, schedule: str,
     measured = runtime.measured_memory([optimizer])
     runtime.close()
     return {"predicted": predicted.category_peaks.as_dict(), "predicted_total": predicted.peak,
-            "measured": measured.peaks, "measured_total": measured.peak}
+            "measured": measured.peaks, "measured_total": measured.peak,
+            "without_split_terms": without.category_peaks.activations,
+            "split": p.programs.split_backward}
 
 
 def _cases() -> list:
@@ -136,6 +199,8 @@ def test_measured_bytes_match_the_plan(worlds, W: int, schedule: str, checkpoint
         assert meas["activations"] == pred["activations"], (rank, r)
         assert meas["communication"] == pytest.approx(pred["communication"], rel=0.10), (rank, r)
         assert r["measured_total"] == pytest.approx(r["predicted_total"], rel=0.01), (rank, r)
+    if results[0]["split"]:  # what B holds for W is in the compared bytes
+        assert any(r["predicted"]["activations"] != r["without_split_terms"] for r in results)
 
 
 # --------------------------------------------------------------------------- under a Trainer

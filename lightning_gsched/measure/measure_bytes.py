@@ -31,8 +31,9 @@ from lightning_gsched.errors import PartitionError
 from lightning_gsched.measure.profile import _run_loss, _run_stage
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import wire
-from lightning_gsched.runtime.footprint import SavedTensorBytes, weight_storages
+from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
 from lightning_gsched.runtime.layout import split_parameters
+from lightning_gsched.runtime.split_backward import backward_input
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes, TieSizes
 
 
@@ -69,10 +70,15 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
                 stash, loss_part, out = _stashed_bytes(stage, s, last, args, kwargs or {},
                                                        loss_fn)
                 received = stash
+                released, w_grads = _split_bytes(stage, s, last, args, kwargs or {}, [],
+                                                 loss_fn)
             else:  # as the runtime feeds it: from this rank's producer, or from a message
                 parts, _ = handed
                 local = wire.join(parts.structure, wire.detached_leaves(parts.tensors))
                 stash, loss_part, out = _stashed_bytes(stage, s, last, (local,), {}, loss_fn)
+                leaves = wire.detached_leaves(parts.tensors)
+                released, w_grads = _split_bytes(
+                    stage, s, last, (wire.join(parts.structure, leaves),), {}, leaves, loss_fn)
                 device = parts.tensors[0].device if parts.tensors else torch.device("cpu")
                 message, _ = wire.received_copy(parts, device)
                 received, _, _ = _stashed_bytes(stage, s, last, (message,), {}, loss_fn)
@@ -87,7 +93,8 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
                 optimizer=int(trainable * optimizer_factor), activations=stash,
                 # the buffers a receiver posts for it: its tensors' bytes
                 message=0 if handed is None else handed[1],
-                received_activations=received, inputs=inputs, loss_graph=loss_part))
+                received_activations=received, inputs=inputs, loss_graph=loss_part,
+                b_released=released, w_grads=w_grads))
     tie_sizes = {}
     for tie in ties:
         trainable = _bytes([p for p in tie.params if p.requires_grad])
@@ -110,6 +117,36 @@ def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwarg
             loss_part = in_loss.nbytes
             saved.storages.update(in_loss.storages)
     return saved.nbytes, loss_part, out
+
+
+def _split_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwargs: dict,
+                 leaves: list[torch.Tensor], loss_fn: Callable[[Any], torch.Tensor] | None,
+                 ) -> tuple[int, int]:
+    """(``b_released``, ``w_grads``): what a split B frees of this stage's stash, and the
+    gradients it records for W; measured as the runtime meets them: a fresh forward on
+    ``leaves`` (its inputs), B (:func:`backward_input`) from the loss or from fresh output
+    gradients (as received), the roots dropped, then what is still held
+    (:func:`~lightning_gsched.runtime.footprint.held_until_w`). W is not run: no ``.grad``."""
+    weights = weight_storages(stage)
+    with SavedTensorBytes(exclude=weights) as saved:
+        out = _run_stage(stage, s, last + 1, args, kwargs)
+        if s == last and loss_fn is not None:
+            roots = [_run_loss(loss_fn, out).reshape(())]
+            grads: list[torch.Tensor] | None = None
+        else:
+            roots = [t for t in wire.split(out, what=f"output of stage {s}").tensors
+                     if t.requires_grad]
+            grads = [torch.ones_like(t) for t in roots]
+    del out
+    params = [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
+    if not roots:
+        return 0, 0
+    _, pending = backward_input(roots, grads, leaves, params)
+    del roots, grads  # as B's caller drops the stash: the graph above every weight goes
+    held = held_until_w(saved, pending.held_tensors())
+    kept = saved.alive_storages()
+    del pending
+    return saved.nbytes - sum(kept.values()), sum(held.values()) - sum(kept.values())
 
 
 def _handed(output: Any, s: int) -> tuple[wire.Split, int]:

@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
-from lightning_gsched.runtime.footprint import SavedTensorBytes, weight_storages
+from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
 from lightning_gsched.runtime.recompute import (
     ChainedWeightGrad,
     Replay,
@@ -96,6 +96,9 @@ class StageCompute:
         # (stage, micro), dropped with the stash; the runtime's side of the planner's
         # activation bytes (runtime/footprint.py)
         self.saved_bytes: dict[tuple[int, int], dict[int, int]] | None = None
+        # the counters behind saved_bytes, until the B of their (stage, micro): a split B
+        # narrows the record from them (narrow_stash)
+        self.saved_counters: dict[tuple[int, int], SavedTensorBytes] = {}
 
     def forward(
         self,
@@ -140,6 +143,18 @@ class StageCompute:
             if isinstance(t, torch.Tensor):
                 counter.count(t)
         self.saved_bytes[(s, b)] = counter.storages
+        self.saved_counters[(s, b)] = counter
+
+    def narrow_stash(self, s: int, b: int) -> None:
+        """After a split ``B s b`` (``OpRules.narrows_stash``): from now to ``W s b`` the record
+        of (s, b) is what it really holds, :func:`~.footprint.held_until_w`: the saved tensors
+        autograd still keeps (B dropped the graph's roots: the nodes above every weight, e.g.
+        the loss's, are gone) and the gradients B recorded for W."""
+        counter = self.saved_counters.pop((s, b), None)
+        if self.saved_bytes is None or counter is None:
+            return
+        self.saved_bytes[(s, b)] = held_until_w(counter,
+                                                self.pending_weights[(s, b)].held_tensors())
 
     def live_activation_bytes(self) -> int:
         """Bytes saved by the forwards whose stash is still held (see :attr:`saved_bytes`)."""
@@ -199,7 +214,10 @@ class StageCompute:
 
         ``split``: input gradients only; the weight gradients wait for :meth:`weight`.
         """
-        return self._timed("B", s, self._backward, s, b, out_grads, split)
+        grads = self._timed("B", s, self._backward, s, b, out_grads, split)
+        if not split:  # the record ends here (a split B's: at narrow_stash)
+            self.saved_counters.pop((s, b), None)
+        return grads
 
     def weight(self, s: int, b: int) -> None:
         """Run ``W s b``: accumulate the weight gradients that ``B s b`` (split) left."""

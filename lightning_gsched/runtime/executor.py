@@ -178,6 +178,7 @@ class ProgramExecutor:
         of every step, by the planner's categories (:mod:`.footprint`; see measured_memory)."""
         self.memory = MeasuredBytes() if enabled else None
         self.compute.saved_bytes = {} if enabled else None
+        self.compute.saved_counters.clear()
 
     def measured_memory(self) -> MeasuredBytes | None:
         """The peaks since :meth:`record_memory` (None when not recording). The optimizer's
@@ -373,4 +374,5 @@ class ProgramExecutor:
         self.transport.drop_all()
         self.compute.stash.clear()
         self.compute.pending_weights.clear()
+        self.compute.saved_counters.clear()
         self.channels.abort()

@@ -24,6 +24,7 @@ stash before any step runs, so the prediction and the accounting count the same 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -47,35 +48,61 @@ def weight_storages(module: torch.nn.Module) -> list[int]:
     return [storage_key(t)[0] for t in (*module.parameters(), *module.buffers()) if t.numel()]
 
 
+class _Packed:
+    """What the pack hook hands autograd for one saved tensor: the tensor (detached), in an
+    object autograd alone references, so a weak reference to it says whether the graph node
+    that saved it is still alive."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
 class SavedTensorBytes:
     """Within the ``with`` block, the distinct storages autograd saves for the backward.
 
     ``exclude``: storages not to count (the stage's weight buffers: they are weights, not
     activations). A tensor saved twice, or two views of one storage, count once.
+
+    :meth:`alive_storages` is what autograd still holds later: a storage counts while a node
+    that saved it is alive (a split backward's B drops the nodes above every weight, e.g. the
+    loss's, and W keeps the rest; :func:`held_until_w`). Storages added by :meth:`count`
+    (kept by someone else than autograd, e.g. a checkpointed stage's inputs) always count.
     """
 
     def __init__(self, exclude: Iterable[int] = ()) -> None:
         self.exclude = set(exclude)
         self.storages: dict[int, int] = {}
+        # storage address -> weak references to the packed objects of the tensors saved there
+        self._saved_by: dict[int, list[weakref.ref]] = {}
         self._hooks: Any = None
 
     def count(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage (once, and not if excluded): what the hook does per tensor."""
+        """Count ``t``'s storage (once, and not if excluded), held whatever autograd does."""
         ptr, nbytes = storage_key(t)
         if ptr and ptr not in self.exclude:
             self.storages[ptr] = nbytes
+            self._saved_by.pop(ptr, None)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.count(t)
+    def _pack(self, t: torch.Tensor) -> Any:
         # detached: the same storage, but not the tensor itself. An op that saves its own
         # output (exp, tanh) would otherwise hold that output, whose grad_fn is the op: a
         # cycle through the autograd graph that Python's collector cannot see, so a forward
         # that is never followed by its backward (sizing a stage) kept its whole graph alive,
         # weights included
-        return t.detach()
+        packed = _Packed(t.detach())
+        ptr, nbytes = storage_key(t)
+        if ptr and ptr not in self.exclude:
+            if ptr not in self.storages:
+                self.storages[ptr] = nbytes
+                self._saved_by[ptr] = []
+            if ptr in self._saved_by:  # else pinned by count()
+                self._saved_by[ptr].append(weakref.ref(packed))
+        return packed
 
     def __enter__(self) -> "SavedTensorBytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
 
@@ -85,6 +112,30 @@ class SavedTensorBytes:
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
+
+    def alive_storages(self) -> dict[int, int]:
+        """The counted storages autograd still holds now (see the class docstring)."""
+        return {ptr: nbytes for ptr, nbytes in self.storages.items()
+                if ptr not in self._saved_by or any(r() is not None for r in self._saved_by[ptr])}
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.t
+
+
+def held_until_w(saved: SavedTensorBytes, gradients: Iterable[torch.Tensor | None]
+                 ) -> dict[int, int]:
+    """What a (stage, microbatch) holds from its split B to its W, as {storage: bytes}: the
+    storages its forward saved that autograd still holds after B (``saved``, read after B's
+    roots are dropped), and the gradients B recorded for W (``PendingWeightGrad``'s
+    ``held_tensors()``). The runtime's accounting and ``measure_stage_bytes`` both call it."""
+    held = saved.alive_storages()
+    for g in gradients:
+        if g is not None:
+            ptr, nbytes = storage_key(g)
+            if ptr and ptr not in saved.exclude:
+                held.setdefault(ptr, nbytes)
+    return held
 
 
 @dataclass

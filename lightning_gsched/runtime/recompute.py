@@ -158,6 +158,10 @@ class ChainedWeightGrad:
     def __init__(self, first: PendingWeightGrad, then: PendingWeightGrad) -> None:
         self.parts = [first, then]
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The gradients both parts recorded for W (:meth:`PendingWeightGrad.held_tensors`)."""
+        return [t for part in self.parts for t in part.held_tensors()]
+
     def run(self) -> None:
         parts, self.parts = self.parts, []
         for part in parts:

@@ -120,6 +120,16 @@ class PendingWeightGrad:
         """True once :meth:`run` started: the weight gradients are (being) accumulated."""
         return self._work is None
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The gradients B recorded for W (at the intermediates, and of the roots outside I):
+        with the saved tensors of the graph below the intermediates, what this object keeps
+        alive from B to W (``runtime/footprint.py``'s ``held_until_w``); empty once run."""
+        if self._work is None:
+            return []
+        intermediates, root_edges, _ = self._work
+        return [*(g for item in intermediates for g in item.grads if g is not None),
+                *(g for _, g in root_edges)]
+
     def run(self) -> None:
         """Accumulate the weight gradients into ``param.grad`` and release the graph."""
         if self._work is None:

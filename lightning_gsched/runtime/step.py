@@ -210,6 +210,8 @@ class StepRun(TieSteps):
             else:
                 grads = self.produced_grads.pop((consumers[0], b))
         input_grads = self.ex.compute.backward(s, b, grads, split=self.split)
+        if self.rules.narrows_stash(a.op):
+            self.ex.compute.narrow_stash(s, b)
         if self.rules.act_from[s]:  # someone's output: its gradient goes back
             self.produced_grads[(s, b)] = input_grads
 

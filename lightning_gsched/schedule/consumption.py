@@ -21,6 +21,10 @@ The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`O
 * ``F`` stashes (unless the programs are forward-only); the weight-gradient op
   (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates
   the weight gradients and releases the stash;
+* when the backward is split, ``B`` narrows the stash (:meth:`OpRules.narrows_stash`): from
+  ``B`` to ``W`` the (stage, microbatch) holds what ``W`` needs, i.e. the forward's saved tensors
+  minus those of the graph above every weight (the loss's, freed with B's roots), plus the
+  gradients ``B`` recorded for ``W`` (``StageSizes.b_released``, ``StageSizes.w_grads``);
 * ``ALLREDUCE_G``/``ALLREDUCE_T`` sum in the gradients posted by ``RECV_G``/``RECV_T`` of its
   unit (:data:`RECEIVE_OF_COLLECTIVE`); those never all-reduced are summed in at the step's end.
 
@@ -128,6 +132,11 @@ class OpRules:
         if op is Op.B:
             return [(Op.RECV_GRAD, c, b) for c in self.grad_from[s]]
         return []
+
+    def narrows_stash(self, op: Op) -> bool:
+        """Whether ``op`` changes what its (stage, microbatch) stash holds without ending it:
+        a split ``B``, after which it holds what ``W`` needs (module docstring)."""
+        return op is Op.B and self.split_backward and not self.forward_only
 
     def releases_stash(self, op: Op) -> bool:
         """Whether ``op`` ends the stash of its (stage, microbatch)."""

@@ -21,10 +21,13 @@ What each category holds on a rank, as the runtime allocates it:
   fetched tie's from the first weight-gradient job of a stage reading it to its ``REDUCE_T``.
 * **optimizer**: the state the optimizer keeps for the parameters this rank updates (owned
   stages and owned ties); constant over the step.
-* **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b`` (until
-  ``W s b`` when the backward is split). A checkpointed stage keeps only its inputs from ``F``
-  to ``B`` (on the last stage also the loss's own graph); with a split backward its
-  recomputed graph then lives from ``B`` to ``W`` (the loss's graph is released at ``B``).
+* **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b``.
+  When the backward is split, ``B s b`` narrows it (``OpRules.narrows_stash``) to what
+  ``W s b`` needs, held until ``W``: the saved tensors less ``b_released`` (those of the graph
+  above every weight, e.g. the loss's, which B frees) plus ``w_grads`` (the gradients B
+  recorded for W). A checkpointed stage keeps only its inputs from ``F`` to ``B`` (on the last
+  stage also the loss's own graph); with a split backward its recomputed graph then lives
+  from ``B`` to ``W`` (the loss's graph is released at ``B``), with ``w_grads``.
 * **communication**: receive buffers posted and not yet consumed: an activation from its
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
   peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
@@ -74,6 +77,12 @@ class StageSizes:
     # of ``activations``, the last stage's loss code's own graph: a checkpointed last stage
     # keeps it from F to B only (a split B releases it; the recomputed stage lives on to W)
     loss_graph: int = 0
+    # split backward (zero-bubble): of ``activations``, what a split B frees (the saved tensors
+    # of the graph above every weight, e.g. the loss's: nothing W runs holds them)
+    b_released: int = 0
+    # split backward: the gradients B records for W (at every node whose children lead to a
+    # weight, and of the outputs computed from weights alone), held from B to W
+    w_grads: int = 0
 
     @property
     def stash_from_message(self) -> int:
@@ -196,9 +205,12 @@ class _RankWalk:
             elif op is rules.weight_grad_op:
                 self._weight_grads(s)
                 self.activations -= self.stashed.pop((s, a.micro), 0)
-            elif op is Op.B and self.checkpointed[s]:
-                # split: the recomputed graph lives until W, the loss's not
-                self._hold(s, a.micro, self._graph(s, a.micro) - stages[s].loss_graph)
+            elif rules.narrows_stash(op):  # a split B: from now to W, what W needs
+                graph = self._graph(s, a.micro)
+                # checkpointed: the recomputed graph lives until W, the loss's not
+                kept = graph - (stages[s].loss_graph if self.checkpointed[s]
+                                else stages[s].b_released)
+                self._hold(s, a.micro, kept + stages[s].w_grads)
         elif op is Op.RECV_ACT:
             self._post((op, s, a.micro), stages[s].message)
         elif op is Op.RECV_GRAD:  # the gradient of stage s's input: its producer's output
