@@ -69,10 +69,21 @@ def calibrated(rank: int, world: int) -> dict[str, float]:
     return dataclasses.asdict(calibrate())
 
 
-def _config(candidate: Any) -> dict[str, Any]:
+def _config(candidate: Any, profiles: dict[int, Any]) -> dict[str, Any]:
+    """``GeneralParallel``'s arguments for a candidate as ``"auto"`` would train its pick
+    (``engine/auto._as_config``): with the profiled stage costs, so the measured fit runs the
+    very programs the tuner predicted. Without them the planner orders with unit costs, and
+    for schedules whose order follows the costs (zbv, interleaved, zero-bubble W placement)
+    the measured programs were not the predicted ones (the runs before 2026-11-26)."""
+    from lightning_gsched.schedule.tune import candidate_costs
+
+    forward, backward, weight = candidate_costs(candidate, profiles[candidate.stages])
     config: dict[str, Any] = {"schedule": candidate.schedule, "stages": candidate.stages,
                               "microbatches": candidate.micro,
-                              "checkpoint_activations": candidate.checkpoint}
+                              "checkpoint_activations": candidate.checkpoint,
+                              "forward_cost": list(forward), "backward_cost": list(backward)}
+    if weight is not None:
+        config["weight_cost"] = list(weight)
     if candidate.R is not None:
         config["R"] = candidate.R
     if candidate.cap is not None:
@@ -123,7 +134,8 @@ def run(quick: bool) -> list[Result]:
     assert chosen[0] is pick
     names = [f"c{i}" for i in range(len(chosen))]
     sides = {n: Side("benchmarks.bench_tune:measured_fit",
-                     {"config": _config(v.candidate), "steps": steps, "per_rank": PER_RANK})
+                     {"config": _config(v.candidate, ranking.profiles), "steps": steps,
+                      "per_rank": PER_RANK})
              for n, v in zip(names, chosen, strict=True)}
     runs = measure(sides, WORLD, rounds, warmup)
     per_round = {n: [statistics.median(runs[n].wall(r)) for r in range(rounds)] for n in names}
