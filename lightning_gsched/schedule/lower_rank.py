@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from typing import Mapping
+from operator import itemgetter
+from typing import Any, Mapping
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.lower import _CATEGORY, _COMPUTE_OP, _Builder, put_run
-from lightning_gsched.schedule.lower_flow import lower_data_flow
+from lightning_gsched.schedule.lower_flow import SLOTS, lower_data_flow
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -47,6 +48,8 @@ from lightning_gsched.schedule.program import (
 )
 from lightning_gsched.schedule.simulate import Timeline
 
+# a message as its sender's builder files it: (stage, micro, the receive op that posts it)
+SentMessage = tuple[int, "int | None", Op]
 _Runs = tuple[list[tuple[int, int, int]], dict[int, list[tuple[int, int]]]]
 
 
@@ -111,6 +114,18 @@ class RankLowering:
 
     def program(self, rank: int) -> list[Action]:
         """What :func:`.lower.lower` gives ``rank`` (module docstring)."""
+        return self._lower(rank)[0]
+
+    def program_and_sends(
+            self, rank: int,
+    ) -> tuple[list[Action], dict[tuple[str, int, int], list[tuple[SentMessage, int]]]]:
+        """:meth:`program`, and every channel into ``rank`` with the messages sent on it
+        ((stage, micro, receive op) and the gap in the sender's program, in send order), for
+        :mod:`.proof`'s rank check."""
+        program, build = self._lower(rank)
+        return program, sends_into(rank, build.flow, build.flow_keys, build.sends)
+
+    def _lower(self, rank: int) -> tuple[list[Action], _RankBuilder]:
         timeline, table = self.timeline, self.table
         build = _RankBuilder(timeline, rank, self._starts)
         lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys,
@@ -127,7 +142,7 @@ class RankLowering:
         new_tuple = tuple.__new__
         computes = [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None, None))
                     for flat in timeline.order[rank]]
-        return build.program(rank, computes)
+        return build.program(rank, computes), build
 
     def _flow_workers(self, rank: int) -> list[int] | None:
         shape = self.timeline.group_shape
@@ -231,3 +246,29 @@ class RankLowering:
             gap, time = last.get(stage, (0, 0.0))
             gap = max(gap, reduce_gaps.get((rank, stage), 0))
             build.put(rank, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
+
+
+def sends_into(rank: int, flow: list[list[Action]], flow_keys: list[list[int]],
+               put_sends: Mapping[tuple[str, int, int], list[tuple[Any, SentMessage]]],
+               ) -> dict[tuple[str, int, int], list[tuple[SentMessage, int]]]:
+    """Every channel into ``rank``: its messages (stage, micro, receive op) in send order, each
+    with its gap in the sender's program (it comes right before the sender's compute of that
+    position), from a rank-local lowering's builder: the data flow's sends in their program
+    order (small keys ``gap * SLOTS + category``), then the other sends by their full keys."""
+    out: dict[tuple[str, int, int], list[tuple[SentMessage, int]]] = {}
+    first = itemgetter(0)
+    for src, actions in enumerate(flow):
+        if src == rank or not actions:
+            continue
+        keys = flow_keys[src]
+        for index in sorted(range(len(actions)), key=keys.__getitem__):  # stable
+            action = actions[index]
+            if action.peer == rank and action.op in RECV_FOR_SEND:
+                out.setdefault((CHANNEL_OF[action.op], src, rank), []).append(
+                    ((action.stage, action.micro, RECV_FOR_SEND[action.op]),
+                     keys[index] // SLOTS))
+    for channel, sent in put_sends.items():
+        if channel[2] == rank:
+            out.setdefault(channel, []).extend((ident, key[0])
+                                               for key, ident in sorted(sent, key=first))
+    return out

@@ -30,7 +30,8 @@ from lightning_gsched.schedule.orders import (
     resolve_order,
 )
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
-from lightning_gsched.schedule.program import Programs
+from lightning_gsched.schedule.program import Action, Programs
+from lightning_gsched.schedule.proof import certify, checked_lowering
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.symmetry import make_simulator
 
@@ -281,11 +282,23 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = run(caps)
-    if not verify and timeline.group_shape is not None:
+    if timeline.group_shape is not None and (
+            not verify or certify(graph, table, timeline, ties) is None):
         # nothing reads every program here: each rank's is lowered when first read (exactly
-        # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py)
+        # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py).
+        # Verified: deadlock freedom is proven once from the timeline, and each rank's program
+        # passes its own checks as it is lowered (proof.py)
         lowering = RankLowering(graph, table, timeline, fetch_window, ties)
-        programs = programs_of(graph, table, LazyList(W, lowering.program), ties)
+        make = lowering.program if not verify else checked_lowering(
+            lowering, lambda ranks: programs_of(graph, table, ranks, ties))
+
+        def every() -> list[list[Action]]:  # a reader of every rank: the full path at once
+            full = lower(graph, table, timeline, fetch_window, ties)
+            if verify:
+                dry_run(full)
+            return full.ranks  # type: ignore[return-value]  # lower() gives a list
+
+        programs = programs_of(graph, table, LazyList(W, make, every), ties)
         metrics = measure_lazily(programs, timeline)
     else:
         programs = lower(graph, table, timeline, fetch_window, ties)
