@@ -153,8 +153,8 @@ def test_certify_names_why() -> None:
     graph = StageGraph(result.stages, None)
     assert certify(graph, result.table, result.timeline, None) is None
     assert "tied" in (certify(graph, result.table, result.timeline, {0: (0, 1)}) or "")
-    result.timeline.group_shape = None
-    assert "symmetry" in (certify(graph, result.table, result.timeline, None) or "")
+    assert "owners" in (certify(graph, plan("ddp", 4, verify=False).table, result.timeline,
+                                None) or "")
 
 
 def _tampered(monkeypatch: pytest.MonkeyPatch, edit: Any) -> None:
@@ -225,3 +225,29 @@ def test_a_send_too_late_for_the_argument_is_refused(monkeypatch: pytest.MonkeyP
     result = plan("fsdp", 4)
     with pytest.raises(ProgramError, match="deadlock argument"):
         result.programs.ranks[1]
+
+
+PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize(("name", "W", "kwargs"), [
+    (name, W, kwargs) for name in PIPELINES for W in (2, 4, 6)
+    for kwargs in ({}, {"microbatches": 3 * W}, {"forward_only": True})
+] + [("1f1b", 4, {"split_backward": True}), ("gpipe", 4, {"stages": 8}),
+     ("fsdp", 4, {"order": "interleaved"})])
+def test_large_plans_without_symmetry_equal_full_path(
+        monkeypatch: pytest.MonkeyPatch, name: str, W: int, kwargs: dict[str, Any],
+        verify: bool) -> None:
+    """Plans of LAZY_FROM_JOBS jobs or more (the pipelines at large W; here the threshold is
+    0) are lowered per rank, neighbours' data flow only, and verified by the argument."""
+    monkeypatch.setattr(plan_module, "LAZY_FROM_JOBS", 0)
+    fast = plan(name, W, verify=verify, **kwargs)
+    assert isinstance(fast.programs.ranks, LazyList)
+    full = _full(monkeypatch, name, W, **kwargs)
+    for rank in reversed(range(W)):
+        assert fast.programs.ranks[rank] == full.programs.ranks[rank], rank
+        assert fast.metrics.per_worker[rank].as_dict() == full.metrics.per_worker[rank].as_dict()
+    assert fast.metrics.latency == full.metrics.latency
+    assert fast.metrics.bubble_fraction == full.metrics.bubble_fraction
+    _assert_premise(full.programs, full)

@@ -128,8 +128,9 @@ class RankLowering:
     def _lower(self, rank: int) -> tuple[list[Action], _RankBuilder]:
         timeline, table = self.timeline, self.table
         build = _RankBuilder(timeline, rank, self._starts)
-        lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys,
-                        self._flow_workers(rank))
+        visit, indexed = self._flow_workers(rank)
+        lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys, visit,
+                        indexed)
         reduce_gaps = self._weights(build, rank)
         if not self.graph.forward_only:
             self._allreduce(build, rank, reduce_gaps)
@@ -144,13 +145,38 @@ class RankLowering:
                     for flat in timeline.order[rank]]
         return build.program(rank, computes), build
 
-    def _flow_workers(self, rank: int) -> list[int] | None:
+    def _flow_workers(self, rank: int) -> tuple[list[int], list[int] | None]:
+        """The consumers whose visit makes r's data flow (r, and the workers r sends to), and
+        the workers whose positions key those messages (those and their producers): with a
+        timeline by symmetry r's group (both); else read off r's jobs and theirs."""
         shape = self.timeline.group_shape
-        if shape is None:
-            return None
-        R = shape[0]
-        first = rank - rank % R
-        return list(range(first, first + R))
+        if shape is not None:
+            R = shape[0]
+            first = rank - rank % R
+            return list(range(first, first + R)), None
+        visit = sorted({rank} | self._neighbours(rank, consumers=True))
+        indexed = set(visit)
+        for worker in visit:
+            indexed |= self._neighbours(worker, consumers=False)
+        return visit, sorted(indexed)
+
+    def _neighbours(self, worker: int, consumers: bool) -> set[int]:
+        """The workers that consume ``worker``'s activations and input gradients (or produce
+        those ``worker`` consumes): F s b feeds F of s's outputs, B s b the B of its inputs."""
+        graph, compute, timeline = self.graph, self.table.compute, self.timeline
+        P, BP = len(timeline.phases), self.table.micro * len(timeline.phases)
+        phases = timeline.phases
+        out: set[int] = set()
+        for flat in timeline.order[worker]:
+            phase = phases[flat % P]
+            if phase is Phase.W:
+                continue
+            s, b = flat // BP, flat % BP // P
+            forward = phase is Phase.F
+            others = graph.outputs(s) if forward is consumers else graph.inputs(s)
+            out.update(compute[o][b] for o in others)
+        out.discard(worker)
+        return out
 
     def _index(self, worker: int) -> _Runs:
         """(stage, i, j) of every run of ``worker``'s order, and per stage its (i, j)."""

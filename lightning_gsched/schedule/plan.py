@@ -35,6 +35,11 @@ from lightning_gsched.schedule.proof import certify, checked_lowering
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.symmetry import make_simulator
 
+# Plans with this many jobs lower each rank's program on demand (and, verified, prove deadlock
+# freedom from the timeline: proof.py) whatever their timeline; timelines by group symmetry
+# always do. Below it, lowering and dry-running every program at once costs under ~2 s.
+LAZY_FROM_JOBS = 1 << 18
+
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
@@ -282,7 +287,7 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = run(caps)
-    if timeline.group_shape is not None and (
+    if (timeline.group_shape is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
             not verify or certify(graph, table, timeline, ties) is None):
         # nothing reads every program here: each rank's is lowered when first read (exactly
         # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py).

@@ -54,8 +54,9 @@ premise on fully lowered programs):
 - gradients handed to the owner (``REDUCE_G``/``RECV_G``) are waited for by no compute, and
   there are no all-reduces: every stage has one owner and there are no ties.
 
-What :func:`certify` checks on the timeline (O(jobs), in C-level loops): it is by group symmetry
-(anything else keeps the full dry run), a chain graph, one owner per stage, no ties; every
+What :func:`certify` checks on the timeline (O(jobs), in C-level loops; the planner asks it
+for timelines by group symmetry and for plans of :data:`.plan.LAZY_FROM_JOBS` jobs or more, the
+pipelines at large W, and dry-runs anything else in full): a chain graph, one owner per stage, no ties; every
 job's duration is positive; every job starts no earlier than its predecessors end; every
 worker's starts do not decrease along its order; the workers' orders hold every job exactly
 once (each rank's computes are its order, by the lowering's construction, so every job runs
@@ -91,8 +92,6 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     """None where the lemma (module docstring) proves every program of ``lower(graph, table,
     timeline)`` deadlock-free given each rank's own check; else why not (then the caller
     dry-runs every program)."""
-    if timeline.group_shape is None:
-        return "the timeline is not by group symmetry"
     if ties:
         return "tied weights (their fetches and all-reduces are outside the argument)"
     if not graph.is_chain:
