@@ -251,3 +251,15 @@ def test_large_plans_without_symmetry_equal_full_path(
     assert fast.metrics.latency == full.metrics.latency
     assert fast.metrics.bubble_fraction == full.metrics.bubble_fraction
     _assert_premise(full.programs, full)
+
+
+def test_a_rank_running_other_computes_than_its_order_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def swap(rank: int, program: list[Action], sends: Any) -> Any:
+        i, j = (index for index, a in enumerate(program) if a.op is Op.F and a.stage < 2)
+        program[i], program[j] = program[j], program[i]
+        return program, sends
+
+    _tampered(monkeypatch, swap)
+    with pytest.raises(ProgramError, match="timeline order"):
+        plan("fsdp", 4).programs.ranks[3]

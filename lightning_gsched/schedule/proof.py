@@ -59,8 +59,8 @@ for timelines by group symmetry and for plans of :data:`.plan.LAZY_FROM_JOBS` jo
 pipelines at large W, and dry-runs anything else in full): a chain graph, one owner per stage, no ties; every
 job's duration is positive; every job starts no earlier than its predecessors end; every
 worker's starts do not decrease along its order; the workers' orders hold every job exactly
-once (each rank's computes are its order, by the lowering's construction, so every job runs
-once: the dry run's coverage check). A timeline whose renaming is broken fails one of these and
+once (each rank checks that its computes are its order, so every job runs once: the dry
+run's coverage check). A timeline whose renaming is broken fails one of these and
 is dry-run in full. A reader of every program (the CLI's table, ``--json``, the runtime's
 channel set-up) takes the full path at once (:mod:`.lazy_ranks`): every program lowered and
 dry-run.
@@ -152,6 +152,10 @@ def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Ac
                 if action.op in BACKWARD_OPS:
                     raise ProgramError(f"rank {rank} at action {index} ('{action}'): "
                                        "forward-only programs contain no backward action")
+        # its computes are its order (then every job runs once: certify's coverage check)
+        computes = [(a[1] * B + a[2]) * P + phase[a[0]] for a in program if a[0] in phase]
+        if computes != timeline.order[rank]:
+            raise ProgramError(f"rank {rank}'s computes are not its timeline order")
         shared = Shared(programs)
         events = check_rank(shared, rank).events
         sent = _check_channels_into(rank, W, shared, sends)
