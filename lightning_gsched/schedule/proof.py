@@ -153,7 +153,8 @@ def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Ac
                     raise ProgramError(f"rank {rank} at action {index} ('{action}'): "
                                        "forward-only programs contain no backward action")
         # its computes are its order (then every job runs once: certify's coverage check)
-        computes = [(a[1] * B + a[2]) * P + phase[a[0]] for a in program if a[0] in phase]
+        computes = [-1 if a[2] is None else (a[1] * B + a[2]) * P + phase[a[0]]
+                    for a in program if a[0] in phase]
         if computes != timeline.order[rank]:
             raise ProgramError(f"rank {rank}'s computes are not its timeline order")
         shared = Shared(programs)
