@@ -63,10 +63,12 @@ class LazyList(Sequence[T], Generic[T]):
     def make_all(self) -> None:
         """Make every missing item at once by ``make_all`` (module docstring); items already
         made (or set) stay as they are. Without ``make_all``, nothing."""
-        make_all, self._make_all = self._make_all, None
+        make_all = self._make_all
         if make_all is None or None not in self._items:
             return
-        for index, item in enumerate(make_all()):
+        items = make_all()  # may raise (a verified plan's dry run): then it stays to retry
+        self._make_all = None
+        for index, item in enumerate(items):
             if self._items[index] is None:
                 self._items[index] = item
 
