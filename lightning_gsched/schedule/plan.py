@@ -183,9 +183,15 @@ def plan(
     ``ALLREDUCE_T``; see :mod:`.lower_ties`).
 
     ``verify=False`` skips the dry run; then, where the timeline is by group symmetry
-    (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order), nothing reads
-    every program, so ``programs.ranks`` and ``metrics.per_worker`` are made per rank when first
-    read (:mod:`.lazy_ranks`, :mod:`.lower_rank`): the same values, one rank's at a time.
+    (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order) or the plan has
+    :data:`LAZY_FROM_JOBS` jobs or more, nothing reads every program, so ``programs.ranks`` and
+    ``metrics.per_worker`` are made per rank when first read (:mod:`.lazy_ranks`,
+    :mod:`.lower_rank`): the same values, one rank's at a time. ``verify=True`` does the same
+    where :func:`.proof.certify` accepts the timeline (no all-reduce, no ties): deadlock
+    freedom is proven once from the timeline and each rank's program passes the dry run's
+    per-rank checks, the matching of the channels into it and the proof's premise when it is
+    first read (:class:`ProgramError` there otherwise). Reading every program (iterating, or
+    more than a few ranks) lowers and dry-runs them all at once, as a plan without those does.
     """
     validate.positive_int("workers", workers)  # first, as before the arguments
     arguments = ScheduleArguments(
