@@ -299,15 +299,21 @@ def _build(
         # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py).
         # Verified: deadlock freedom is proven once from the timeline, and each rank's program
         # passes its own checks as it is lowered (proof.py)
+        # (both run after plan() returned: with the collector paused, as planning is)
         lowering = RankLowering(graph, table, timeline, fetch_window, ties)
-        make = lowering.program if not verify else checked_lowering(
+        one = lowering.program if not verify else checked_lowering(
             lowering, lambda ranks: programs_of(graph, table, ranks, ties))
 
+        def make(rank: int) -> list[Action]:
+            with _gc_paused():
+                return one(rank)
+
         def every() -> list[list[Action]]:  # a reader of every rank: the full path at once
-            full = lower(graph, table, timeline, fetch_window, ties)
-            if verify:
-                dry_run(full)
-            return full.ranks  # type: ignore[return-value]  # lower() gives a list
+            with _gc_paused():
+                full = lower(graph, table, timeline, fetch_window, ties)
+                if verify:
+                    dry_run(full)
+                return full.ranks  # type: ignore[return-value]  # lower() gives a list
 
         programs = programs_of(graph, table, LazyList(W, make, every), ties)
         metrics = measure_lazily(programs, timeline)
