@@ -5,6 +5,12 @@ program needs only its own (~10,000), which :class:`~.lower_rank.RankLowering` m
 0.1 s. :data:`LazyRanks` is the ``Programs.ranks`` sequence of such a plan: indexing lowers a
 rank once and keeps it, iterating lowers every rank in order, and it compares equal to the list
 of the same programs, so every reader of ``Programs.ranks`` works unchanged.
+
+A reader of every rank (the CLI's table, ``--json``, the runtime's channel set-up, the
+predictor's walk) would pay W rank-local lowerings, each several times the full lowering's
+share of one rank; so where the list is given ``make_all`` (every item at once: the full
+lowering, and for a verified plan the full dry run), iterating, or indexing more than
+:data:`EAGER_AFTER` distinct items one by one, makes the missing items that way instead.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from lightning_gsched.schedule.program import Action
 
 T = TypeVar("T")
 
+# distinct items made one by one before a LazyList with ``make_all`` makes the rest at once: a
+# rank reads its own program (and an engine a few more); more is a reader of every rank
+EAGER_AFTER = 8
+
 
 class LazyList(Sequence[T], Generic[T]):
     """A list whose item i is ``make(i)``, made on first access and kept (module docstring).
@@ -23,8 +33,11 @@ class LazyList(Sequence[T], Generic[T]):
     read each rank's program.
     """
 
-    def __init__(self, size: int, make: Callable[[int], T]) -> None:
+    def __init__(self, size: int, make: Callable[[int], T],
+                 make_all: Callable[[], Sequence[T]] | None = None) -> None:
         self._make = make
+        self._make_all = make_all
+        self._made = 0
         self._items: list[T | None] = [None] * size
 
     def __len__(self) -> int:
@@ -40,13 +53,30 @@ class LazyList(Sequence[T], Generic[T]):
             return [self[i] for i in range(*index.indices(len(self)))]
         program = self._items[index]  # IndexError as a list's
         if program is None:
+            if self._make_all is not None and self._made >= EAGER_AFTER:
+                self.make_all()
+                return self._items[index]  # type: ignore[return-value]  # made now
             program = self._items[index] = self._make(index % len(self))
+            self._made += 1
         return program
+
+    def make_all(self) -> None:
+        """Make every missing item at once by ``make_all`` (module docstring); items already
+        made (or set) stay as they are. Without ``make_all``, nothing."""
+        make_all = self._make_all
+        if make_all is None or None not in self._items:
+            return
+        items = make_all()  # may raise (a verified plan's dry run): then it stays to retry
+        self._make_all = None
+        for index, item in enumerate(items):
+            if self._items[index] is None:
+                self._items[index] = item
 
     def __setitem__(self, index: int, program: T) -> None:
         self._items[index] = program  # tests edit a program to see the dry run refuse it
 
     def __iter__(self) -> Iterator[T]:
+        self.make_all()
         return (self[rank] for rank in range(len(self)))
 
     def __eq__(self, other: object) -> bool:

@@ -23,7 +23,8 @@ SEND_CATEGORY, RECV_CATEGORY = 0, 7  # hand data over first, post the next input
 
 def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline,
                     flow: list[list[Action]], flow_keys: list[list[int]],
-                    workers: Sequence[int] | None = None) -> None:
+                    workers: Sequence[int] | None = None,
+                    indexed: Sequence[int] | None = None) -> None:
     """Activation sends/receives after forwards, input-gradient sends/receives after backwards.
 
     The planner's largest loop (two actions per message). Consumers are visited worker by
@@ -34,8 +35,10 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
     channels' FIFO order is settled right after (:func:`_fifo_posts`).
 
     ``workers`` (ascending): visit only these consumers, for a rank-local lowering
-    (:mod:`.lower_rank`); they must hold every producer of their inputs (a group of a looped
-    placement does), whose flow lists then hold exactly what the full visit gives them.
+    (:mod:`.lower_rank`); ``indexed`` (default ``workers``) must hold them and every producer
+    of their inputs (a group of a looped placement does), whose positions the sends are keyed
+    by. A visited consumer's flow list then holds exactly what the full visit gives it, and
+    a producer's holds, in the full visit's relative order, its sends to the visited consumers.
     """
     compute = table.compute
     B, P = table.micro, len(timeline.phases)
@@ -45,7 +48,7 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
     visit = range(len(order)) if workers is None else workers
     # flat job -> index in its worker's order (a dict for a few workers: not one slot per job)
     position: list[int] | dict[int, int] = [0] * (table.stages * BP) if workers is None else {}
-    for worker in visit:
+    for worker in (visit if indexed is None else indexed):
         for i, flat in enumerate(order[worker]):
             position[flat] = i
     done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)

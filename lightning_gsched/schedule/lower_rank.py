@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from typing import Mapping
+from operator import itemgetter
+from typing import Any, Mapping
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.lower import _CATEGORY, _COMPUTE_OP, _Builder, put_run
-from lightning_gsched.schedule.lower_flow import lower_data_flow
+from lightning_gsched.schedule.lower_flow import SLOTS, lower_data_flow
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -47,6 +48,8 @@ from lightning_gsched.schedule.program import (
 )
 from lightning_gsched.schedule.simulate import Timeline
 
+# a message as its sender's builder files it: (stage, micro, the receive op that posts it)
+SentMessage = tuple[int, "int | None", Op]
 _Runs = tuple[list[tuple[int, int, int]], dict[int, list[tuple[int, int]]]]
 
 
@@ -111,10 +114,23 @@ class RankLowering:
 
     def program(self, rank: int) -> list[Action]:
         """What :func:`.lower.lower` gives ``rank`` (module docstring)."""
+        return self._lower(rank)[0]
+
+    def program_and_sends(
+            self, rank: int,
+    ) -> tuple[list[Action], dict[tuple[str, int, int], list[tuple[SentMessage, int]]]]:
+        """:meth:`program`, and every channel into ``rank`` with the messages sent on it
+        ((stage, micro, receive op) and the gap in the sender's program, in send order), for
+        :mod:`.proof`'s rank check."""
+        program, build = self._lower(rank)
+        return program, sends_into(rank, build.flow, build.flow_keys, build.sends)
+
+    def _lower(self, rank: int) -> tuple[list[Action], _RankBuilder]:
         timeline, table = self.timeline, self.table
         build = _RankBuilder(timeline, rank, self._starts)
-        lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys,
-                        self._flow_workers(rank))
+        visit, indexed = self._flow_workers(rank)
+        lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys, visit,
+                        indexed)
         reduce_gaps = self._weights(build, rank)
         if not self.graph.forward_only:
             self._allreduce(build, rank, reduce_gaps)
@@ -127,15 +143,40 @@ class RankLowering:
         new_tuple = tuple.__new__
         computes = [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None, None))
                     for flat in timeline.order[rank]]
-        return build.program(rank, computes)
+        return build.program(rank, computes), build
 
-    def _flow_workers(self, rank: int) -> list[int] | None:
+    def _flow_workers(self, rank: int) -> tuple[list[int], list[int] | None]:
+        """The consumers whose visit makes r's data flow (r, and the workers r sends to), and
+        the workers whose positions key those messages (those and their producers): with a
+        timeline by symmetry r's group (both); else read off r's jobs and theirs."""
         shape = self.timeline.group_shape
-        if shape is None:
-            return None
-        R = shape[0]
-        first = rank - rank % R
-        return list(range(first, first + R))
+        if shape is not None:
+            R = shape[0]
+            first = rank - rank % R
+            return list(range(first, first + R)), None
+        visit = sorted({rank} | self._neighbours(rank, consumers=True))
+        indexed = set(visit)
+        for worker in visit:
+            indexed |= self._neighbours(worker, consumers=False)
+        return visit, sorted(indexed)
+
+    def _neighbours(self, worker: int, consumers: bool) -> set[int]:
+        """The workers that consume ``worker``'s activations and input gradients (or produce
+        those ``worker`` consumes): F s b feeds F of s's outputs, B s b the B of its inputs."""
+        graph, compute, timeline = self.graph, self.table.compute, self.timeline
+        P, BP = len(timeline.phases), self.table.micro * len(timeline.phases)
+        phases = timeline.phases
+        out: set[int] = set()
+        for flat in timeline.order[worker]:
+            phase = phases[flat % P]
+            if phase is Phase.W:
+                continue
+            s, b = flat // BP, flat % BP // P
+            forward = phase is Phase.F
+            others = graph.outputs(s) if forward is consumers else graph.inputs(s)
+            out.update(compute[o][b] for o in others)
+        out.discard(worker)
+        return out
 
     def _index(self, worker: int) -> _Runs:
         """(stage, i, j) of every run of ``worker``'s order, and per stage its (i, j)."""
@@ -231,3 +272,29 @@ class RankLowering:
             gap, time = last.get(stage, (0, 0.0))
             gap = max(gap, reduce_gaps.get((rank, stage), 0))
             build.put(rank, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
+
+
+def sends_into(rank: int, flow: list[list[Action]], flow_keys: list[list[int]],
+               put_sends: Mapping[tuple[str, int, int], list[tuple[Any, SentMessage]]],
+               ) -> dict[tuple[str, int, int], list[tuple[SentMessage, int]]]:
+    """Every channel into ``rank``: its messages (stage, micro, receive op) in send order, each
+    with its gap in the sender's program (it comes right before the sender's compute of that
+    position), from a rank-local lowering's builder: the data flow's sends in their program
+    order (small keys ``gap * SLOTS + category``), then the other sends by their full keys."""
+    out: dict[tuple[str, int, int], list[tuple[SentMessage, int]]] = {}
+    first = itemgetter(0)
+    for src, actions in enumerate(flow):
+        if src == rank or not actions:
+            continue
+        keys = flow_keys[src]
+        for index in sorted(range(len(actions)), key=keys.__getitem__):  # stable
+            action = actions[index]
+            if action.peer == rank and action.op in RECV_FOR_SEND:
+                out.setdefault((CHANNEL_OF[action.op], src, rank), []).append(
+                    ((action.stage, action.micro, RECV_FOR_SEND[action.op]),
+                     keys[index] // SLOTS))
+    for channel, sent in put_sends.items():
+        if channel[2] == rank:
+            out.setdefault(channel, []).extend((ident, key[0])
+                                               for key, ident in sorted(sent, key=first))
+    return out

@@ -105,8 +105,13 @@ def measure_lazily(programs: Programs, timeline: Timeline) -> PlanMetrics:
     for rank in range(programs.world_size):  # the same sum, in the same order, as measure()
         total_busy += busy[rank]
     bubble = 1.0 - total_busy / capacity if capacity > 0 else 0.0
+    def every() -> list[WorkerMetrics]:  # a reader of every row: every program at once
+        if isinstance(programs.ranks, LazyList):
+            programs.ranks.make_all()
+        return [worker(rank) for rank in range(programs.world_size)]
+
     return PlanMetrics(latency=latency, bubble_fraction=bubble,
-                       per_worker=LazyList(programs.world_size, worker))
+                       per_worker=LazyList(programs.world_size, worker, every))
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:

@@ -30,9 +30,15 @@ from lightning_gsched.schedule.orders import (
     resolve_order,
 )
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
-from lightning_gsched.schedule.program import Programs
+from lightning_gsched.schedule.program import Action, Programs
+from lightning_gsched.schedule.proof import certify, checked_lowering
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.symmetry import make_simulator
+
+# Plans with this many jobs lower each rank's program on demand (and, verified, prove deadlock
+# freedom from the timeline: proof.py) whatever their timeline; timelines by group symmetry
+# always do. Below it, lowering and dry-running every program at once costs under ~2 s.
+LAZY_FROM_JOBS = 1 << 18
 
 
 @contextmanager
@@ -177,9 +183,15 @@ def plan(
     ``ALLREDUCE_T``; see :mod:`.lower_ties`).
 
     ``verify=False`` skips the dry run; then, where the timeline is by group symmetry
-    (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order), nothing reads
-    every program, so ``programs.ranks`` and ``metrics.per_worker`` are made per rank when first
-    read (:mod:`.lazy_ranks`, :mod:`.lower_rank`): the same values, one rank's at a time.
+    (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order) or the plan has
+    :data:`LAZY_FROM_JOBS` jobs or more, nothing reads every program, so ``programs.ranks`` and
+    ``metrics.per_worker`` are made per rank when first read (:mod:`.lazy_ranks`,
+    :mod:`.lower_rank`): the same values, one rank's at a time. ``verify=True`` does the same
+    where :func:`.proof.certify` accepts the timeline (no all-reduce, no ties): deadlock
+    freedom is proven once from the timeline and each rank's program passes the dry run's
+    per-rank checks, the matching of the channels into it and the proof's premise when it is
+    first read (:class:`ProgramError` there otherwise). Reading every program (iterating, or
+    more than a few ranks) lowers and dry-runs them all at once, as a plan without those does.
     """
     validate.positive_int("workers", workers)  # first, as before the arguments
     arguments = ScheduleArguments(
@@ -326,11 +338,29 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = run(caps)
-    if not verify and timeline.group_shape is not None:
+    if (timeline.group_shape is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
+            not verify or certify(graph, table, timeline, ties) is None):
         # nothing reads every program here: each rank's is lowered when first read (exactly
-        # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py)
+        # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py).
+        # Verified: deadlock freedom is proven once from the timeline, and each rank's program
+        # passes its own checks as it is lowered (proof.py)
+        # (both run after plan() returned: with the collector paused, as planning is)
         lowering = RankLowering(graph, table, timeline, fetch_window, ties)
-        programs = programs_of(graph, table, LazyList(W, lowering.program), ties)
+        one = lowering.program if not verify else checked_lowering(
+            lowering, lambda ranks: programs_of(graph, table, ranks, ties))
+
+        def make(rank: int) -> list[Action]:
+            with _gc_paused():
+                return one(rank)
+
+        def every() -> list[list[Action]]:  # a reader of every rank: the full path at once
+            with _gc_paused():
+                full = lower(graph, table, timeline, fetch_window, ties)
+                if verify:
+                    dry_run(full)
+                return full.ranks  # type: ignore[return-value]  # lower() gives a list
+
+        programs = programs_of(graph, table, LazyList(W, make, every), ties)
         metrics = measure_lazily(programs, timeline)
     else:
         programs = lower(graph, table, timeline, fetch_window, ties)

@@ -1,0 +1,213 @@
+"""Deadlock freedom proven once from the timeline; each rank's own checks when it is lowered.
+
+Why: at W=1024 fsdp's programs hold ~10 million actions; lowering and dry-running them all
+took 70 s and 5.4 GB, while the ranks of a plan whose timeline comes by group symmetry
+(:mod:`.symmetry`) do *not* run one program up to a renaming (each owns a different stage,
+which it serves to every other rank), so no representative rank's dry run covers the others.
+What every rank does share is the rule its actions were placed by, and that rule, applied to a
+timeline that respects the stage graph, leaves nothing to wait forever. So the proof is done
+once, on the timeline, and each rank checks what only its own program decides.
+
+**The lemma** (the dry run's execution model, :mod:`.dryrun`: sends never block; a compute
+waits for the messages it consumes, the k-th message of a channel being there once the channel
+counted k sends; only computes and all-reduces wait). Let every program be free of all-reduces
+and let each compute c (simulated start t(c)) consume only messages (channel, k) whose channel
+has a k-th send, placed in its sender's program after no compute that starts at or after t(c).
+Then every rank runs to its end. Proof: else take, among the computes the ranks are stuck at,
+one c of least t(c). A message (ch, k) it consumes has its k-th send on a rank q preceded only
+by computes starting before t(c); q is finished or stuck at a compute starting no earlier than
+t(c), so q passed that send, and the first k-1 sends of ch, which precede it in q's program.
+All of c's messages are there and c is not stuck: a contradiction.
+
+**The premise is checked, rank by rank** (:func:`checked_lowering`, when a rank's program is
+first lowered): for each compute of the rank and each message (channel, k) it consumes (the
+dry run's own per-rank check, :func:`.dryrun_rank.check_rank`, names them), the k-th send into
+the rank on that channel (the rank-local lowering makes every send into the rank and knows its
+gap in the sender's program: :func:`.lower_rank.sends_into`) must come after sender computes
+that start before this one (the last of them does: a worker's starts do not decrease); the rank's posts on every channel into it must carry the messages
+sent on it, in order (so the channel has its k-th send); and no all-reduce may occur. Every
+channel has one receiver and every wait one rank, so these checks over all ranks are exactly
+the lemma's premise and the dry run's matching check: the plan is deadlock-free once every
+rank that runs has passed its own check, which it does before its program is returned (a
+failure raises :class:`ProgramError` there). The same per-rank check covers the rest of the
+dry run (weights, inputs, stash, gradients, the state at the end, forward-only ops). What the
+checks trust: that a rank-local lowering is the full lowering's, for the rank's own program
+and the sends into it (:mod:`.lower_rank`; tests compare every rank's program at small W), so
+the sends rank r checks against are those its peers' programs hold.
+
+**Why the check always passes** for :mod:`.lower`'s programs of a timeline :func:`certify`
+accepts (so it is a guard, not a search; ``tests/test_schedule_proof.py`` also checks the
+premise on fully lowered programs):
+
+- an activation (input gradient) consumed by F s b (B s b) is the producer job's output, sent
+  by ``SEND_ACT`` (``SEND_GRAD``) right after the producer's compute (the first category of the
+  next gap); the computes before it start no later than the producer, which starts before it
+  ends (durations are positive), which is no later than t(c) (the timeline respects the graph);
+- a fetched stage's weights consumed by a compute of a run fetched at the gap before a compute
+  starting at pt (0.0 for a run fetched before the first compute; pt <= the run's starts, as a
+  worker's starts do not decrease) are ``SEND_W`` put in the owner's program in the gap before
+  its first compute starting at or after pt (``gap_at``, a bisection of the owner's starts):
+  after computes starting before pt only. A rank's fetches of one owner's stages, and the
+  owner's sends of them to it, are both in the order of the runs (pt strictly increases along
+  a worker's computes, equal only for two runs fetched before the first one, ordered by
+  creation), so the FIFO fix moves no post and the run's computes consume the run's own send;
+- gradients handed to the owner (``REDUCE_G``/``RECV_G``) are waited for by no compute, and
+  there are no all-reduces: every stage has one owner and there are no ties.
+
+What :func:`certify` checks on the timeline (O(jobs), in C-level loops; the planner asks it
+for timelines by group symmetry and for plans of :data:`.plan.LAZY_FROM_JOBS` jobs or more, the
+pipelines at large W, and dry-runs anything else in full): a chain graph, one owner per stage, no ties; every
+job's duration is positive; every job starts no earlier than its predecessors end; every
+worker's starts do not decrease along its order; the workers' orders hold every job exactly
+once (each rank checks that its computes are its order, so every job runs once: the dry
+run's coverage check). A timeline whose renaming is broken fails one of these and
+is dry-run in full. A reader of every program (the CLI's table, ``--json``, the runtime's
+channel set-up) takes the full path at once (:mod:`.lazy_ranks`): every program lowered and
+dry-run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import chain, repeat
+from operator import ge, itemgetter, le, lt
+from typing import Callable, Mapping
+
+from lightning_gsched.errors import ProgramError
+from lightning_gsched.schedule.dryrun_rank import CHANNEL_KINDS, Shared, check_rank
+from lightning_gsched.schedule.jobs import StageGraph
+from lightning_gsched.schedule.lower_rank import RankLowering, SentMessage
+from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.program import (
+    BACKWARD_OPS,
+    Action,
+    Op,
+    Programs,
+)
+from lightning_gsched.schedule.simulate import Timeline
+
+
+def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
+            ties: Mapping[int, tuple[int, ...]] | None) -> str | None:
+    """None where the lemma (module docstring) proves every program of ``lower(graph, table,
+    timeline)`` deadlock-free given each rank's own check; else why not (then the caller
+    dry-runs every program)."""
+    if ties:
+        return "tied weights (their fetches and all-reduces are outside the argument)"
+    if not graph.is_chain:
+        return "the stage graph is not a chain"
+    if any(len(owners) != 1 for owners in table.owners):
+        return "a stage has several owners (all-reduces)"
+    start, end = timeline.start, timeline.end
+    J = len(start)
+    if len(end) != J or not all(map(lt, start, end)):
+        return "a job's duration is not positive"
+    P, B = len(timeline.phases), table.micro
+    if P * B * table.stages != J:
+        return "the timeline's jobs are not the plan's"
+    # flat job (s * B + b) * P + k: slices of step P are one phase, stage-major
+    f_start, f_end = start[0::P], end[0::P]
+    if not all(map(ge, f_start[B:], f_end[:-B])):  # F s b after F s-1 b
+        return "a forward starts before its input's forward ends"
+    if P >= 2:
+        b_start, b_end = start[1::P], end[1::P]
+        if not all(map(ge, b_start[-B:], f_end[-B:])):  # the last stage's B after its F
+            return "a backward starts before its forward ends"
+        if not all(map(ge, b_start[:-B], b_end[B:])):  # B s b after B s+1 b
+            return "a backward starts before its output's backward ends"
+    if P == 3 and not all(map(ge, start[2::P], b_end)):  # W s b after B s b
+        return "a weight-gradient job starts before its backward ends"
+    for jobs in timeline.order:
+        if len(jobs) < 2:
+            continue
+        starts = itemgetter(*jobs)(start)  # a tuple (two or more jobs)
+        if not all(map(le, starts, starts[1:])):
+            return "a worker's starts decrease along its order"
+    if sum(map(len, timeline.order)) != J:
+        return "the workers' orders do not hold every job once"
+    seen = bytearray(J)
+    deque(map(seen.__setitem__, chain.from_iterable(timeline.order), repeat(1)), maxlen=0)
+    if seen.count(0):
+        return "the workers' orders do not hold every job once"
+    return None
+
+
+def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Action]]],
+                     Programs]) -> Callable[[int], list[Action]]:
+    """``rank -> program``: :meth:`RankLowering.program`, checked as the module docstring says
+    before it is returned (``programs_of`` wraps a list of programs with the plan's facts)."""
+    timeline = lowering.timeline
+    W = len(timeline.order)
+    P, B = len(timeline.phases), lowering.table.micro
+    phase = {op: k for k, op in enumerate((Op.F, Op.B, Op.W)[:P])}
+    empty: list[Action] = []
+
+    def make(rank: int) -> list[Action]:
+        program, sends = lowering.program_and_sends(rank)
+        ranks = [empty] * W
+        ranks[rank] = program
+        programs = programs_of(ranks)
+        if programs.forward_only:
+            for index, action in enumerate(program):
+                if action.op in BACKWARD_OPS:
+                    raise ProgramError(f"rank {rank} at action {index} ('{action}'): "
+                                       "forward-only programs contain no backward action")
+        # its computes are its order (then every job runs once: certify's coverage check)
+        computes = [-1 if a[2] is None else (a[1] * B + a[2]) * P + phase[a[0]]
+                    for a in program if a[0] in phase]
+        if computes != timeline.order[rank]:
+            raise ProgramError(f"rank {rank}'s computes are not its timeline order")
+        shared = Shared(programs)
+        events = check_rank(shared, rank).events
+        sent = _check_channels_into(rank, W, shared, sends)
+        # the lemma's premise for this rank's waits: each consumed message's send comes after
+        # computes of its sender that start before the consumer does, and there are no
+        # all-reduces (certify: one owner per stage, no ties)
+        start, order = timeline.start, timeline.order
+        for event in events:
+            if event.__class__ is int:
+                continue
+            index, consumed = event[0], event[1]
+            action = program[index]
+            if len(event) != 2 or action[0] not in phase:
+                raise ProgramError(f"rank {rank} at action {index} ('{action}'): an all-reduce "
+                                   "is outside the argument (proof.py)")
+            t = start[(action[1] * B + action[2]) * P + phase[action[0]]]
+            for channel, k in consumed:
+                src, gap = sent[channel][k - 1]
+                jobs = order[src]
+                gap = min(gap, len(jobs))  # the sender's computes before the send: jobs[:gap]
+                if gap and not start[jobs[gap - 1]] < t:
+                    raise ProgramError(
+                        f"rank {rank} at action {index} ('{action}'): message {k} of its "
+                        f"channel from rank {src} is sent after a compute that starts no "
+                        "earlier than this one (the deadlock argument, proof.py, fails)")
+        return program
+
+    return make
+
+
+def _check_channels_into(
+    rank: int, W: int, shared: Shared,
+    sends: dict[tuple[str, int, int], list[tuple[SentMessage, int]]],
+) -> dict[int, list[tuple[int, int]]]:
+    """The rank's posts on every channel into it carry the messages sent on it, in order;
+    returns per channel id (the dry run's) each send's (sender, gap in the sender's program)."""
+    posted = {channel: [(a[0], a[1], a[2]) for a in actions]
+              for channel, actions in shared.posted.items()}
+    kind_base = {kind: index * W * W for kind, index in CHANNEL_KINDS.items()}
+    sent: dict[int, list[tuple[Op, int, int | None]]] = {}
+    where: dict[int, list[tuple[int, int]]] = {}
+    for (kind, src, dst), messages in sends.items():
+        if messages:
+            channel = kind_base[kind] + src * W + dst
+            sent[channel] = [(op, s, b) for (s, b, op), _ in messages]
+            where[channel] = [(src, gap) for _, gap in messages]
+    for channel in set(posted) | set(sent):
+        if posted.get(channel, []) != sent.get(channel, []):
+            kind = next(k for k, base in kind_base.items() if base <= channel < base + W * W)
+            src = (channel - kind_base[kind]) // W
+            raise ProgramError(
+                f"{kind} channel {src}->{rank}: rank {src} sends {sent.get(channel, [])[:4]}... "
+                f"but rank {rank} posts {posted.get(channel, [])[:4]}... (in order)")
+    return where
