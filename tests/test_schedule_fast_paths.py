@@ -166,7 +166,9 @@ def test_simulation_of_a_dag_matches_the_plain_greedy_rule(split):
     (FSLPPSeed(6, 3), 9, 4),
 ])
 def test_library_placement_rows_match_calling_the_placement(placement, S, B):
-    """A library placement's ``rows`` give the table that calling it per job gives."""
+    """A library placement's ``rows`` (its ``__call__`` evaluated once per distinct row entry,
+    from the symmetry the class states) give the table that calling it per job gives: the
+    symmetry claims (``weights_key``, ``compute_key``, rows constant in the microbatch) hold."""
     fast = PlacementTable(placement, placement.workers, S, B)
     called = PlacementTable(lambda s, b, d: placement(s, b, d), placement.workers, S, B)
     assert fast.compute == called.compute and fast.weights == called.weights

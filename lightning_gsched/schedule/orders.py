@@ -21,77 +21,87 @@ _F, _B, _W = Phase.F, Phase.B, Phase.W
 CapSpec = Union[None, int, str, Sequence[Union[int, None]], Callable[[int], Union[int, None]]]
 
 
-def bfs(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+# A library order is written once, as a layout: the ranking that sorting (n(job), job) gives,
+# as groups of phases in key order; within a group, (stage, micro) pairs by a major and a
+# minor loop (which index, ascending?), and the phases of one pair in their text order (the
+# job's own tie-break: B < F < W). The function n(s, b, d) is derived from it
+# (:func:`library_order`), and ``priorities.priority_ranks`` enumerates the layout instead of
+# calling n per job and sorting; tests/test_schedule_fast_paths.py checks the two agree.
+Loop = tuple[str, bool]  # ("stage" or "micro", ascending)
+OrderLayout = tuple[tuple[frozenset[Phase], Loop, Loop], ...]
+_STAGE_UP, _STAGE_DOWN, _MICRO_UP = ("stage", True), ("stage", False), ("micro", True)
+
+
+class LibraryOrder:
+    """``n(s, b, d)`` of a library order, derived from its :data:`OrderLayout`: the key is
+    (the phase's group, then the major and the minor index, negated where descending)."""
+
+    def __init__(self, name: str, layout: OrderLayout, doc: str) -> None:
+        self.__name__ = self.name = name
+        self.__doc__ = doc
+        self.layout = layout
+        # per phase: (group, sign and index of the major loop, of the minor loop)
+        self._keys = {phase: (group, major, minor)
+                      for group, (phases, major, minor) in enumerate(layout) for phase in phases}
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+        group, major, minor = self._keys[phase]
+        return (group, _index(major, stage, micro), _index(minor, stage, micro))
+
+    def __repr__(self) -> str:
+        return f"<library order {self.name}>"
+
+
+def _index(loop: Loop, stage: int, micro: int) -> int:
+    value = stage if loop[0] == "stage" else micro
+    return value if loop[1] else -value
+
+
+bfs = LibraryOrder("bfs", (
+    (frozenset({_F}), _STAGE_UP, _MICRO_UP),  # (0, stage, micro)
+    (frozenset({_B, _W}), _STAGE_DOWN, _MICRO_UP)),  # (1, -stage, micro)
     """Breadth-first (GPipe, looped BFS): all forwards before backwards, stage-major.
 
     A looped worker finishes stage s for every microbatch before moving to its next stage, which
     also lets fetched weights stay resident over a whole run of microbatches.
-    """
-    if phase is _F:
-        return (0, stage, micro)
-    return (1, -stage, micro)
+    """)
 
-
-def gpipe(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+gpipe = LibraryOrder("gpipe", (
+    (frozenset({_F}), _MICRO_UP, _STAGE_UP),  # (0, micro, stage)
+    (frozenset({_B, _W}), _MICRO_UP, _STAGE_DOWN)),  # (1, micro, -stage)
     """GPipe's order: all forwards before backwards, microbatch-major.
 
     A worker holding several consecutive stages (S > W) passes a microbatch through all of them
     before taking the next microbatch, so the next worker gets work as early as possible; with
-    one stage per worker it is :func:`bfs`. (``bfs`` at S = 2W made W=4, B=8 take 129 cost
+    one stage per worker it is :data:`bfs`. (``bfs`` at S = 2W made W=4, B=8 take 129 cost
     units against 66 here: every worker ran its first stage for all microbatches before its
     second.)
-    """
-    if phase is _F:
-        return (0, micro, stage)
-    return (1, micro, -stage)
+    """)
 
+one_f_one_b = LibraryOrder("one_f_one_b", (
+    (frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
+    (frozenset({_F, _W}), _MICRO_UP, _STAGE_DOWN)),  # (1, micro, -stage)
+    """Depth-first / 1F1B: backward first, then the oldest microbatch, deepest stage first.""")
 
-def one_f_one_b(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
-    """Depth-first / 1F1B: backward first, then the oldest microbatch, deepest stage first."""
-    if phase is _B:
-        return (0, micro, -stage)
-    return (1, micro, -stage)
-
-
-def zero_bubble(stage: int, micro: int, phase: Phase) -> tuple[int, int, int]:
+zero_bubble = LibraryOrder("zero_bubble", (
+    (frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
+    (frozenset({_F}), _MICRO_UP, _STAGE_DOWN),  # (1, micro, -stage)
+    (frozenset({_W}), _MICRO_UP, _STAGE_DOWN)),  # (2, micro, -stage)
     """Zero bubble: 1F1B's order with every W last, so W runs only where nothing else can.
 
     B first (it is on the critical path: the previous stage waits for its input gradient), then
     F, oldest microbatch and deepest stage first; W (weight gradients, needed by nobody before
     the optimizer step) only when neither is startable, or when the activation cap stops the
     next F: a W frees a stash, so it is also what lets the pipeline go on under a cap.
-    """
-    if phase is _B:
-        return (0, micro, -stage)
-    if phase is _F:
-        return (1, micro, -stage)
-    return (2, micro, -stage)
+    """)
 
-
-# A library order's ranking written out: the order that sorting (n(job), job) gives, as groups
-# of phases in key order; within a group, (stage, micro) pairs by a major and a minor loop
-# (which index, ascending?), and the phases of one pair in their text order (the job's own
-# tie-break: B < F < W). ``priorities.priority_ranks`` enumerates it instead of calling n(s, b, d)
-# per job and sorting; tests/test_schedule_fast_paths.py checks every one against the sort.
-Loop = tuple[str, bool]  # ("stage" or "micro", ascending)
-OrderLayout = tuple[tuple[frozenset[Phase], Loop, Loop], ...]
-_STAGE_UP, _STAGE_DOWN, _MICRO_UP = ("stage", True), ("stage", False), ("micro", True)
-LAYOUTS: tuple[tuple[PriorityFn, OrderLayout], ...] = (
-    (bfs, ((frozenset({_F}), _STAGE_UP, _MICRO_UP),  # (0, stage, micro)
-           (frozenset({_B, _W}), _STAGE_DOWN, _MICRO_UP))),  # (1, -stage, micro)
-    (gpipe, ((frozenset({_F}), _MICRO_UP, _STAGE_UP),  # (0, micro, stage)
-             (frozenset({_B, _W}), _MICRO_UP, _STAGE_DOWN))),  # (1, micro, -stage)
-    (one_f_one_b, ((frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
-                   (frozenset({_F, _W}), _MICRO_UP, _STAGE_DOWN))),  # (1, micro, -stage)
-    (zero_bubble, ((frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
-                   (frozenset({_F}), _MICRO_UP, _STAGE_DOWN),  # (1, micro, -stage)
-                   (frozenset({_W}), _MICRO_UP, _STAGE_DOWN))),  # (2, micro, -stage)
-)
+LAYOUTS: tuple[tuple[PriorityFn, OrderLayout], ...] = tuple(
+    (order, order.layout) for order in (bfs, gpipe, one_f_one_b, zero_bubble))
 
 
 def layout_of(priority: object) -> OrderLayout | None:
-    """The :data:`LAYOUTS` entry of a library order function (by identity), else None."""
-    return next((layout for fn, layout in LAYOUTS if fn is priority), None)
+    """The layout of a library order, else None (a user's order is called per job)."""
+    return priority.layout if isinstance(priority, LibraryOrder) else None
 
 
 def interleaved_sequence(

@@ -12,13 +12,14 @@ of callables is also a placement; :func:`tabulate` validates it once and caches 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, cast
+from typing import Callable, ClassVar, Hashable, Protocol, cast
 
 from lightning_gsched.errors import PlacementError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
+_F = Phase.F  # an enum member look-up costs ~0.2 us on Python 3.11; rows() reads it per call
 
 
 class Placement(Protocol):
@@ -41,10 +42,48 @@ class CheckedPlacement(Placement, Protocol):
 Rows = tuple[list[list[int]], list[list[int]]]
 
 
-def _looped_rows(workers: int, R: int, stages: int, micro: int) -> list[list[int]]:
-    """LPP's h(s, b) = (R*b mod W) + (s mod R) for every (s, b)."""
-    first = [(R * b) % workers for b in range(micro)]
-    return [[w + s % R for w in first] for s in range(stages)]
+class _LibraryPlacement:
+    """What every library placement shares: its table of rows, read from ``__call__`` itself.
+
+    A placement's formula is written once, in ``__call__`` (the paper's ``w(s, b, d)``). The
+    table ``PlacementTable`` reads (:meth:`rows`) is not a second copy of it: each class only
+    states which stages share a row (``weights_key``/``compute_key``: stages with equal keys
+    have equal rows) and which rows do not depend on the microbatch, and :meth:`rows` calls
+    ``__call__`` once per distinct row entry. At W=1024 that is about W calls for fsdp instead
+    of the S x B = 1M a per-job evaluation would take. These are claims about the formula's
+    symmetry; tests/test_schedule_fast_paths.py checks them against calling it per job.
+    """
+
+    # a row of weights (compute) workers is the same for every microbatch of a stage
+    weights_constant_in_micro: ClassVar[bool] = False
+    compute_constant_in_micro: ClassVar[bool] = False
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def weights_key(self, stage: int) -> Hashable:
+        """Stages with equal keys have equal rows of weights workers."""
+        return stage
+
+    def compute_key(self, stage: int) -> Hashable:
+        """Stages with equal keys have equal rows of compute workers."""
+        return stage
+
+    def rows(self, stages: int, micro: int) -> Rows:
+        weights: list[list[int]] = []
+        compute: list[list[int]] = []
+        seen: dict[tuple[int, Hashable], list[int]] = {}
+        for s in range(stages):
+            for which, key, constant, out in (
+                    (0, self.weights_key(s), self.weights_constant_in_micro, weights),
+                    (1, self.compute_key(s), self.compute_constant_in_micro, compute)):
+                row = seen.get((which, key))
+                if row is None:
+                    row = seen[(which, key)] = (
+                        [self(s, 0, _F)[which]] * micro if constant
+                        else [self(s, b, _F)[which] for b in range(micro)])
+                out.append(row[:])  # each stage its own list, as a per-job table would be
+        return weights, compute
 
 
 def _require(condition: bool, message: str) -> None:
@@ -75,7 +114,7 @@ def _check_groups(name: str, workers: int, stages: int, micro: int, R: int) -> i
 
 
 @dataclass(frozen=True)
-class DDP:
+class DDP(_LibraryPlacement):
     """w = (b mod W, b mod W): each worker runs whole microbatches with its own weight replica."""
 
     workers: int
@@ -84,9 +123,11 @@ class DDP:
         worker = micro % self.workers
         return worker, worker
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        row = [b % self.workers for b in range(micro)]
-        return [row[:] for _ in range(stages)], [row[:] for _ in range(stages)]
+    def weights_key(self, stage: int) -> Hashable:
+        return 0  # every stage: the same replicas
+
+    def compute_key(self, stage: int) -> Hashable:
+        return 0
 
     def check(self, stages: int, micro: int) -> None:
         _require(
@@ -97,7 +138,7 @@ class DDP:
 
 
 @dataclass(frozen=True)
-class FSDP:
+class FSDP(_LibraryPlacement):
     """w = (s mod W, b mod W): DDP's compute, but stage s's weights live only on worker s mod W."""
 
     workers: int
@@ -105,9 +146,10 @@ class FSDP:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         return stage % self.workers, micro % self.workers
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        row = [b % self.workers for b in range(micro)]
-        return [[s % self.workers] * micro for s in range(stages)], [row[:] for _ in range(stages)]
+    weights_constant_in_micro = True  # one owner per stage
+
+    def compute_key(self, stage: int) -> Hashable:
+        return 0  # DDP's compute: the same for every stage
 
     def check(self, stages: int, micro: int) -> None:
         DDP(self.workers).check(stages, micro)
@@ -119,7 +161,7 @@ class FSDP:
 
 
 @dataclass(frozen=True)
-class GPipe:
+class GPipe(_LibraryPlacement):
     """w = (k, k) with k = s // (S/W): contiguous blocks of stages per worker, no looping."""
 
     workers: int
@@ -129,9 +171,7 @@ class GPipe:
         worker = stage // (self.stages // self.workers)
         return worker, worker
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        per = self.stages // self.workers
-        return [[s // per] * micro for s in range(stages)], [[s // per] * micro for s in range(stages)]
+    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
 
     def check(self, stages: int, micro: int) -> None:
         _require(
@@ -142,7 +182,7 @@ class GPipe:
 
 
 @dataclass(frozen=True)
-class VShape:
+class VShape(_LibraryPlacement):
     """w = (v(s), v(s)): stages in a V over the workers, v(s) = s for s < W, 2W-1-s after.
 
     Worker r holds stages r and 2W-1-r (with S = 2W; S = 2kW repeats the V k times), so the
@@ -162,9 +202,7 @@ class VShape:
         worker = self.worker_of(stage)
         return worker, worker
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        return ([[self.worker_of(s)] * micro for s in range(stages)],
-                [[self.worker_of(s)] * micro for s in range(stages)])
+    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
 
     def check(self, stages: int, micro: int) -> None:
         _require(
@@ -176,7 +214,7 @@ class VShape:
 
 
 @dataclass(frozen=True)
-class LPP:
+class LPP(_LibraryPlacement):
     """The seed's looped pipeline: w = (h(s,b), h(s,b)), h(s,b) = (R*b mod W) + (s mod R).
 
     W = G*R workers form G groups of R; group b mod G runs microbatch b, and worker r of a group
@@ -193,16 +231,18 @@ class LPP:
         worker = self.h(stage, micro)
         return worker, worker
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        compute = _looped_rows(self.workers, self.R, stages, micro)
-        return [row[:] for row in compute], compute
+    def weights_key(self, stage: int) -> Hashable:
+        return stage % self.R  # h(s, b) depends on s through s mod R only
+
+    def compute_key(self, stage: int) -> Hashable:
+        return stage % self.R
 
     def check(self, stages: int, micro: int) -> None:
         _check_groups("lpp", self.workers, stages, micro, self.R)
 
 
 @dataclass(frozen=True)
-class FSLPP:
+class FSLPP(_LibraryPlacement):
     """Fully sharded looped pipeline: LPP's compute, one owner per stage, balanced.
 
     The owner of stage s is chosen among the workers that compute s (position s mod R in each
@@ -220,16 +260,17 @@ class FSLPP:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         return self.owner(stage), LPP(self.workers, self.R).h(stage, micro)
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        return ([[self.owner(s)] * micro for s in range(stages)],
-                _looped_rows(self.workers, self.R, stages, micro))
+    weights_constant_in_micro = True  # one owner per stage
+
+    def compute_key(self, stage: int) -> Hashable:
+        return stage % self.R  # LPP's compute
 
     def check(self, stages: int, micro: int) -> None:
         _check_groups("fslpp", self.workers, stages, micro, self.R)
 
 
 @dataclass(frozen=True)
-class FSLPPSeed:
+class FSLPPSeed(_LibraryPlacement):
     """The seed's literal FSLPP: w = (h(s, s), h(s, b)). Concentrates ownership (see docs)."""
 
     workers: int
@@ -239,10 +280,10 @@ class FSLPPSeed:
         lpp = LPP(self.workers, self.R)
         return lpp.h(stage, stage), lpp.h(stage, micro)
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        lpp = LPP(self.workers, self.R)
-        return ([[lpp.h(s, s)] * micro for s in range(stages)],
-                _looped_rows(self.workers, self.R, stages, micro))
+    weights_constant_in_micro = True  # h(s, s): one owner per stage
+
+    def compute_key(self, stage: int) -> Hashable:
+        return stage % self.R  # LPP's compute
 
     def check(self, stages: int, micro: int) -> None:
         _check_groups("fslpp-seed", self.workers, stages, micro, self.R)
