@@ -40,3 +40,28 @@ def _restore_lightning_rank() -> Iterator[None]:
     rank = getattr(rank_zero_only, "rank", 0)
     yield
     rank_zero_only.rank = rank
+
+
+# what lightning.fabric.utilities.seed.seed_everything leaves in the environment
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+@pytest.fixture(autouse=True)
+def _restore_seed_environment() -> Iterator[None]:
+    """Put Lightning's seed variables back after every test.
+
+    A LightningCLI run in this process (tests/test_lightning_launch.py) calls
+    ``seed_everything``, which exports ``PL_GLOBAL_SEED``. Worker processes started later
+    inherit it, and Lightning's DDP set-up (``reset_seed``) re-seeds every rank from it, so a
+    later module's deferred model was initialised from another seed than its single-process
+    reference (test_lightning_deferred failed when it ran after test_lightning_launch).
+    """
+    import os
+
+    saved = {name: os.environ.get(name) for name in _SEED_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
