@@ -1,4 +1,5 @@
-"""GeneralParallel's checkpoint-restore hooks, called directly in one process (no Trainer).
+"""GeneralParallel's checkpoint-restore hooks (lightning/checkpointing.py, to which the strategy's
+hooks delegate), called directly in one process (no Trainer).
 
 Lightning names the hooks' argument ``checkpoint``; strategy.py once imported its gathering
 module under that very name, so inside ``load_optimizer_state_dict`` the module was shadowed by
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from lightning_gsched.lightning.strategy import GeneralParallel
+from lightning_gsched.lightning.checkpointing import SaveContext, TrainerCheckpoints
 from lightning_gsched.runtime.fullstate import prune_optimizer_state
 
 
@@ -28,13 +29,11 @@ def test_optimizer_state_loaded_into_a_built_pipeline_keeps_only_owned_parameter
     # the runtime facade of a built pipeline in which this rank owns `owned` only
     runtime = SimpleNamespace(
         prune_optimizer_state=lambda optimizers: prune_optimizer_state(optimizers, [owned]))
-    # the attributes the hook reads of the strategy, with the pipeline already built
-    strategy = SimpleNamespace(
-        optimizers=[fresh],
-        root_device=torch.device("cpu"),
-        _runtime=lambda: runtime,
-    )
-    GeneralParallel.load_optimizer_state_dict(strategy, {"optimizer_states": [saved]})
+    # what the hook reads of the strategy, with the pipeline already built
+    ctx = SaveContext(module=None, engine=SimpleNamespace(runtime=runtime),  # type: ignore[arg-type]
+                      optimizers=[fresh], rank=0, world_size=1, checkpoint_io=None)
+    TrainerCheckpoints("full", "auto").load_optimizer_states(
+        ctx, {"optimizer_states": [saved]}, torch.device("cpu"))
 
     assert set(fresh.state) == {owned}  # this rank's parameters only, restored
     torch.testing.assert_close(fresh.state[owned]["exp_avg"], trained.state[owned]["exp_avg"])

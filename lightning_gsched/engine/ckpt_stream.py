@@ -32,7 +32,7 @@ import torch
 
 from lightning_gsched.engine import ckpt_files
 from lightning_gsched.errors import CheckpointWriteError
-from lightning_gsched.runtime import StreamedTensor
+from lightning_gsched.runtime import ModelRuntime, StreamedTensor
 
 Sink = Callable[[StreamedTensor, torch.Tensor], None]
 # runs the transfer: calls the sink on rank 0 for each tensor, and the second argument with the
@@ -234,6 +234,38 @@ def save_streamed(checkpoint: Any, path: Any, stream: Stream) -> StreamStats:
         raise CheckpointWriteError(f"could not write the checkpoint {str(path)!r}: "
                                    f"{type(exc).__name__}: {exc}") from exc
     return stats
+
+
+def streams(stream_checkpoint: Any, deferred: bool) -> bool:
+    """Whether a full checkpoint of a built pipeline goes to rank 0 streamed
+    (``stream_checkpoint``, checked by :func:`.options.check_stream_checkpoint`): ``"auto"``
+    streams a model built without weights, which must never be whole on one rank; a bool
+    decides. Both front ends ask here, so they cannot drift apart."""
+    if stream_checkpoint == "auto":
+        return deferred
+    return bool(stream_checkpoint)
+
+
+def save_described(runtime: ModelRuntime, checkpoint: Any, path: Any, *, rank_zero: bool,
+                   local: bool, hand_on: Callable[[Any], None]) -> StreamStats | None:
+    """Both front ends' save of a checkpoint described with placeholders
+    (``runtime.streamed_state_dict`` / ``streamed_optimizer_state``), on every rank
+    (collective): every rank sends its tensors to rank 0 in one order; rank 0 writes each into
+    ``path`` as it arrives (:func:`save_streamed`; its stats returned). ``local`` False (a
+    user's CheckpointIO or a remote path, which need the real tensors): rank 0 keeps them all,
+    fills the placeholders in, and every rank calls ``hand_on(checkpoint)`` (the front end's
+    own writer, which writes on rank 0)."""
+    if not local:
+        if rank_zero:
+            fill_placeholders(checkpoint, collect(runtime.stream))
+        else:
+            runtime.stream(None)
+        hand_on(checkpoint)
+        return None
+    if rank_zero:
+        return save_streamed(checkpoint, path, runtime.stream)
+    runtime.stream(None)
+    return None
 
 
 def collect(stream: Stream) -> dict[int, torch.Tensor]:

@@ -34,12 +34,13 @@ from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_gsched.engine import ckpt_check, ckpt_files
+from lightning_gsched.engine import ckpt_check, ckpt_files, ckpt_stream
 from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.options import (
     check_launch_arguments,
+    check_stream_checkpoint,
     check_transport,
     library_names,
     pipeline_keywords,
@@ -61,14 +62,15 @@ class GeneralParallelFabric(DDPStrategy):
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
     to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout``,
-    ``transport``, ``verify``, ``init_weights`` and ``init_weights_prefix`` mean what they
-    mean for ``GeneralParallel`` (see docs/usage.md); the rest are Fabric DDPStrategy's. Every
-    argument is checked here, before any process starts; what needs the device count fails in
-    ``fabric.setup``, on every rank.
+    ``transport``, ``verify``, ``init_weights``, ``init_weights_prefix`` and
+    ``stream_checkpoint`` mean what they mean for ``GeneralParallel`` (see docs/usage.md); the
+    rest are Fabric DDPStrategy's. Every argument is checked here, before any process starts;
+    what needs the device count fails in ``fabric.setup``, on every rank.
 
     In the loop, :meth:`step` replaces ``loss = loss_fn(model, batch); fabric.backward(loss)``;
     ``fabric.clip_gradients``, ``optimizer.step()``, ``fabric.save`` and ``fabric.load`` work as
-    usual (checkpoints hold the full model and optimizer state, written by rank 0).
+    usual (checkpoints hold the full model and optimizer state, written by rank 0; a model
+    built without weights is streamed to rank 0 one weight unit at a time, never gathered).
     :meth:`evaluate` runs a forward-only schedule, and :meth:`finish` gives every rank the full
     model back. One model per strategy.
     """
@@ -99,6 +101,7 @@ class GeneralParallelFabric(DDPStrategy):
         verify: Union[bool, str] = "auto",
         init_weights: Optional[Union[str, os.PathLike[str]]] = None,
         init_weights_prefix: str = "",
+        stream_checkpoint: Union[bool, str] = "auto",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Any = None,
@@ -112,6 +115,7 @@ class GeneralParallelFabric(DDPStrategy):
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
+        self.stream_checkpoint = check_stream_checkpoint(stream_checkpoint)
         # a deferred model's kept parameters read from safetensors files (runtime/pretrained.py)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
@@ -127,6 +131,10 @@ class GeneralParallelFabric(DDPStrategy):
         self.step_timeout = step_timeout
         self._engine: PipelineEngine | None = None
         self._optimizers: list[Optimizer] = []
+        # rank 0: what the last streamed save held and wrote (engine/ckpt_stream.StreamStats)
+        self.checkpoint_stream_stats: ckpt_stream.StreamStats | None = None
+        # during a streamed save: the model's state dict, described with placeholders
+        self._described: dict[str, Any] | None = None
 
     @property
     def engine(self) -> PipelineEngine | None:
@@ -275,15 +283,24 @@ class GeneralParallelFabric(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The full state dict, gathered to rank 0 from the stages' owners (collective)."""
+        """The full state dict, gathered to rank 0 from the stages' owners (collective); during
+        a streamed save, the one described with placeholders (:meth:`save_checkpoint` sends
+        the tensors)."""
         runtime = self._runtime_of(module)
-        return runtime.full_state_dict() if runtime is not None else module.state_dict()
+        if runtime is None:
+            return module.state_dict()
+        if self._described is not None:
+            return self._described
+        return runtime.full_state_dict()
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Every parameter's optimizer state, gathered to rank 0 (collective)."""
+        """Every parameter's optimizer state, gathered to rank 0 (collective); during a
+        streamed save, described with placeholders (one gather of small descriptions)."""
         runtime = self._engine.runtime if self._engine is not None else None
         if runtime is None:
             return optimizer.state_dict()
+        if self._described is not None:
+            return runtime.streamed_optimizer_state(optimizer)
         return runtime.full_optimizer_state(optimizer)
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any],
@@ -299,13 +316,59 @@ class GeneralParallelFabric(DDPStrategy):
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Gathered on every rank (collective), written by rank 0 to a temporary name next to
         ``path`` and renamed over it: readers see the old file or the whole new one
-        (:mod:`.checkpoints`)."""
+        (:mod:`.checkpoints`). A model built without weights (``stream_checkpoint="auto"``,
+        or ``True`` for any model) is streamed instead: see :meth:`_save_streamed`."""
+        runtime = self._streaming_runtime(state)
+        if runtime is not None:
+            self._save_streamed(runtime, path, state, storage_options, filter)
+            return
         if not checkpoints.handled_here(self.checkpoint_io, path, storage_options):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if self.is_global_zero:
             ckpt_files.atomic_save(converted, path)
+
+    def _streaming_runtime(self, state: dict[str, Any]) -> ModelRuntime | None:
+        """The runtime when this save streams: the pipeline is built, ``stream_checkpoint``
+        says so (engine/ckpt_stream.streams, as for the Trainer) and the pipelined model is
+        among ``state``'s entries (without it there is nothing to stream)."""
+        engine = self._engine
+        if engine is None or engine.runtime is None:
+            return None
+        if not ckpt_stream.streams(self.stream_checkpoint, engine.deferred):
+            return None
+        if not any(obj is engine.module for obj in state.values()):
+            return None
+        return engine.runtime
+
+    def _save_streamed(self, runtime: ModelRuntime, path: _PATH, state: dict[str, Any],
+                       storage_options: Optional[Any],
+                       filter: Optional[dict[str, Callable[[str, Any], bool]]]) -> None:
+        """The model's state dict is described first (placeholders, no data moves), so that
+        Fabric's own conversion of ``state`` (:meth:`get_module_state_dict`,
+        :meth:`get_optimizer_state`, in the user's key order) returns placeholders; then every
+        rank sends its tensors to rank 0 one weight unit (one optimizer tensor) at a time and
+        rank 0 writes each into the file as it arrives, atomically
+        (``engine/ckpt_stream.save_described``, the Trainer strategy's path too). A user's
+        CheckpointIO or a remote path gets the real checkpoint, collected on rank 0."""
+        self._described = runtime.streamed_state_dict()  # collective, every rank
+        try:
+            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        finally:
+            self._described = None
+
+        def hand_on(checkpoint: dict[str, Any]) -> None:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint=checkpoint, path=path,
+                                                   storage_options=storage_options)
+
+        local = checkpoints.handled_here(self.checkpoint_io, path, storage_options)
+        stats = ckpt_stream.save_described(runtime, converted, path,
+                                           rank_zero=self.is_global_zero, local=local,
+                                           hand_on=hand_on)
+        if stats is not None:
+            self.checkpoint_stream_stats = stats
 
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:

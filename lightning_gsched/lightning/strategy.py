@@ -6,25 +6,23 @@ exactly DDP's; what differs is that the model is not wrapped. Instead each step 
 programs (the engine, :mod:`lightning_gsched.engine`): ``training_step`` runs the whole schedule and keeps the gradients
 aside, ``backward`` hands them to the parameters (Lightning zeroes gradients between the two),
 clipping by norm is global over all stages, evaluation runs forward-only programs, and
-checkpoints are gathered from the stages' owners (the runtime's facade, :mod:`.sharded`). The
+checkpoints are gathered or streamed from the stages' owners (:mod:`.checkpointing`: the hooks
+here are one-line delegations to it). The
 engine and the runtime facade are shared with the Fabric strategy (``lightning_gsched.fabric``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,9 +30,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from lightning_gsched.engine import ckpt_check, ckpt_files, ckpt_stream, sharded
+from lightning_gsched.engine import ckpt_stream
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.logsync import replay
@@ -47,18 +44,19 @@ from lightning_gsched.engine.options import (
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.lightning.checkpointing import (
+    SaveContext,
+    TrainerCheckpoints,
+    check_arguments,
+    unwrap,
+)
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
 from lightning_gsched.runtime import (
-    ModelRuntime,
     deferred_parameters,
-    is_deferred,
     pretrained_weights,
 )
-from lightning_gsched.schedule import validate
-
-STATE_DICT_TYPES = ("full", "sharded")
 
 
 class GeneralParallel(DDPStrategy):
@@ -173,7 +171,7 @@ class GeneralParallel(DDPStrategy):
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
         schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
-        _check_checkpoint_arguments(state_dict_type, gather_on_teardown, stream_checkpoint)
+        check_arguments(state_dict_type, gather_on_teardown, stream_checkpoint)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
@@ -187,15 +185,11 @@ class GeneralParallel(DDPStrategy):
         )
         self.schedule_config = schedule_config
         self.partition_options = partition_options
-        self.state_dict_type = state_dict_type
+        # the checkpoint hooks' arguments and state (.checkpointing)
+        self._checkpoints = TrainerCheckpoints(state_dict_type, stream_checkpoint)
         self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
-        self.stream_checkpoint = stream_checkpoint
-        # rank 0: what the last streamed save held and wrote (ckpt_stream.StreamStats)
-        self.checkpoint_stream_stats: ckpt_stream.StreamStats | None = None
         self._engine: PipelineEngine | None = None
-        # a checkpoint resumed into a deferred model, for the engine's build (deferred_restore)
-        self._restore: DeferredRestore | None = None
         self._control: ControlGroup | None = None  # this run's own collectives (.control)
         self._signals: PreemptionSignals | None = None  # SIGTERM/SIGUSR1 (.preemption)
         self._notice: FailureNotice | None = None
@@ -260,10 +254,10 @@ class GeneralParallel(DDPStrategy):
             module, self.schedule_config, self.partition_options,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
-            optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
+            optimizers=lambda: [unwrap(o) for o in self.optimizers], info=rank_zero_info,
             control=self._control, device=self.root_device, init_weights=self.init_weights,
         )
-        self._engine.restore = self._restore  # its optimizer state may still arrive
+        self._engine.restore = self._checkpoints.restore  # its optimizer state may still arrive
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
     def _install_fault_handling(self, trainer: Any) -> None:
@@ -424,164 +418,60 @@ class GeneralParallel(DDPStrategy):
                                tensor, group=control.group, reduce_op=reduce_op))
 
     # ------------------------------------------------------------------ checkpoints
+    # Lightning calls these names on the strategy; the logic is .checkpointing's
 
-    def _runtime(self) -> ModelRuntime | None:
-        """The running pipeline's runtime facade (None before the first batch / after a run)."""
-        return self._engine.runtime if self._engine is not None else None
+    def _ckpt(self) -> SaveContext:
+        """What the checkpoint hooks read of this strategy now (.checkpointing)."""
+        return SaveContext(self.lightning_module, self._engine, list(self.optimizers),
+                           self.global_rank, self.world_size, self.checkpoint_io,
+                           self._failure, self._released)
 
-    def _built(self) -> bool:
-        return self._runtime() is not None
+    @property
+    def state_dict_type(self) -> str:
+        return self._checkpoints.state_dict_type
 
-    def _sharded_writer(self) -> Callable[[str], bool]:
-        return sharded.writer_of_names(self.lightning_module, self._runtime(), self.global_rank,
-                                       self.world_size)
+    @state_dict_type.setter
+    def state_dict_type(self, value: str) -> None:
+        self._checkpoints.state_dict_type = value
 
-    def _check_not_released(self) -> None:
-        if self._released and not self._built():
-            raise StrategyConfigError(
-                "the last run ended without gathering the weights (gather_on_teardown=False, or "
-                "a rank failed), so this rank holds only its own stages and a checkpoint would "
-                "be incomplete. Save during fit (ModelCheckpoint) or keep gather_on_teardown=True"
-            )
+    @property
+    def stream_checkpoint(self) -> bool | str:
+        return self._checkpoints.stream_checkpoint
 
-    def _check_not_failed(self) -> None:
-        if self._failure is not None:
-            raise StrategyConfigError(
-                f"rank {self.global_rank} cannot save a checkpoint after a failure ({self._failure})"
-                ": the ranks stopped at different points of a step, so no consistent state "
-                "exists. The last checkpoint saved before the failure is intact: resume from it"
-            )
+    @stream_checkpoint.setter
+    def stream_checkpoint(self, value: bool | str) -> None:
+        self._checkpoints.stream_checkpoint = value
+
+    @property
+    def checkpoint_stream_stats(self) -> ckpt_stream.StreamStats | None:
+        """Rank 0: what the last streamed save held and wrote (``ckpt_stream.StreamStats``)."""
+        return self._checkpoints.stream_stats
+
+    @checkpoint_stream_stats.setter
+    def checkpoint_stream_stats(self, value: ckpt_stream.StreamStats | None) -> None:
+        self._checkpoints.stream_stats = value
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._check_failed_or_released()
-        if self.state_dict_type == "sharded":
-            return sharded.local_model_state(self.lightning_module, self._sharded_writer())
-        runtime = self._runtime()
-        if runtime is None:
-            return super().lightning_module_state_dict()
-        if self._streams():  # placeholders: save_checkpoint receives the tensors
-            return runtime.streamed_state_dict()
-        return runtime.full_state_dict()
-
-    def _streams(self) -> bool:
-        """A full checkpoint of the running pipeline goes to rank 0 streamed (see
-        ``stream_checkpoint``)."""
-        if self.state_dict_type != "full" or self._engine is None or not self._built():
-            return False
-        if self.stream_checkpoint == "auto":
-            return self._engine.deferred
-        return bool(self.stream_checkpoint)
-
-    def _check_failed_or_released(self) -> None:
-        self._check_not_failed()
-        self._check_not_released()
+        return self._checkpoints.module_state(self._ckpt(), super().lightning_module_state_dict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        self._check_not_failed()
-        optimizer = _unwrap(optimizer)
-        if self.state_dict_type == "sharded":
-            return sharded.local_optimizer_state(self.lightning_module, optimizer,
-                                                 self._sharded_writer())
-        runtime = self._runtime()
-        if runtime is None:
-            return optimizer.state_dict()
-        if runtime.streaming:  # described with the state dict: tensors come at the save
-            return runtime.streamed_optimizer_state(optimizer)
-        return runtime.full_optimizer_state(optimizer)
+        return self._checkpoints.optimizer_state(self._ckpt(), optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
-        if self.state_dict_type == "sharded":
-            sharded.save(checkpoint, filepath, self.global_rank)
-            return
-        runtime = self._runtime()
-        if runtime is not None and runtime.streaming:
-            self._save_streamed(runtime, checkpoint, filepath, storage_options)
-            return
-        if not _writes_locally(self.checkpoint_io, filepath, storage_options):
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # user's CheckpointIO
-            return
-        if self.is_global_zero:  # a temporary name next to the target, renamed over it
-            ckpt_files.atomic_save(checkpoint, filepath)
-
-    def _save_streamed(self, runtime: ModelRuntime, checkpoint: dict[str, Any], filepath: Any,
-                       storage_options: Optional[Any]) -> None:
-        """Every rank sends its tensors to rank 0 in one order (collective); rank 0 writes each
-        into the file as it arrives (``ckpt_stream``), or, for a user's CheckpointIO or a remote
-        path, keeps them all and hands the real checkpoint on."""
-        if not _writes_locally(self.checkpoint_io, filepath, storage_options):
-            if self.is_global_zero:
-                ckpt_stream.fill_placeholders(checkpoint, ckpt_stream.collect(runtime.stream))
-            else:
-                runtime.stream(None)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        if self.is_global_zero:
-            self.checkpoint_stream_stats = ckpt_stream.save_streamed(checkpoint, filepath,
-                                                                     runtime.stream)
-        else:
-            runtime.stream(None)
+        hand_on = functools.partial(super().save_checkpoint, checkpoint, filepath, storage_options)
+        self._checkpoints.save(self._ckpt(), checkpoint, filepath, storage_options, hand_on)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
-        """Read ``ckpt_path`` on every rank; a truncated, foreign or incomplete checkpoint
-        raises the same CheckpointError on every rank (``ckpt_check``), never a hang. A model
-        built without weights gets a sharded directory's tensors at the build instead, each
-        rank only its own (``deferred_restore``)."""
-        self._restore = None
-        deferred_sharded = (sharded.is_sharded_checkpoint(checkpoint_path)
-                            and self._deferred())
-
-        def read() -> dict:
-            if sharded.is_sharded_checkpoint(checkpoint_path):
-                if deferred_sharded:
-                    checkpoint, self._restore = sharded.load_deferred(checkpoint_path)
-                    return checkpoint
-                return sharded.load(checkpoint_path, self.lightning_module,
-                                    [_unwrap(o) for o in self.optimizers])
-            if self._deferred() and _writes_locally(self.checkpoint_io, checkpoint_path, None):
-                # each rank applies only what it keeps: read those pages, not the whole file
-                return load_mapped(checkpoint_path, weights_only)
-            return super(GeneralParallel, self).load_checkpoint(checkpoint_path,
-                                                                weights_only=weights_only)
-
-        # a deferred sharded read holds no tensors yet: the build checks its entries
-        module = None if deferred_sharded else self.lightning_module
-        return ckpt_check.load_checked(checkpoint_path, read, module, timeout=self.step_timeout)
+        read = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        return self._checkpoints.load(self._ckpt(), checkpoint_path, weights_only,
+                                      self.step_timeout, read)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        runtime = self._runtime()
-        if runtime is not None:  # only the parameters this rank holds
-            runtime.load_state_dict(checkpoint["state_dict"])
-            return
-        if self._deferred():  # meta parameters would drop the values: applied at the build
-            if self._restore is None:
-                self._restore = DeferredRestore(state_dict=checkpoint["state_dict"])
-            return
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
-
-    def _deferred(self) -> bool:
-        """The module was built without weights and the pipeline has not given them yet."""
-        module = self.lightning_module
-        return module is not None and self._runtime() is None and is_deferred(module)
+        self._checkpoints.load_model_state(self._ckpt(), checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        optimizer_states = checkpoint["optimizer_states"]
-        if self._runtime() is None and self._restore is not None:
-            # a deferred model: the per-parameter state is applied at the build (a sharded
-            # directory's is read then); the param groups (learning rates) now
-            if self._restore.path is None:
-                self._restore.optimizer_states = list(optimizer_states)
-            optimizer_states = [{"state": {}, "param_groups": s["param_groups"]}
-                                for s in optimizer_states]
-        # strict=False as in Lightning's Strategy.load_optimizer_state_dict (a drop-in for DDP)
-        for optimizer, state in zip(self.optimizers, optimizer_states, strict=False):
-            _unwrap(optimizer).load_state_dict(state)
-        _optimizers_to_device(self.optimizers, self.root_device)
-        runtime = self._runtime()
-        if runtime is not None:
-            runtime.prune_optimizer_state([_unwrap(o) for o in self.optimizers])
+        self._checkpoints.load_optimizer_states(self._ckpt(), checkpoint, self.root_device)
 
     # ------------------------------------------------------------------ end
 
@@ -607,7 +497,7 @@ class GeneralParallel(DDPStrategy):
             self._engine.close(gather=gather)
             self.memory_report = self._engine.memory
             self._engine = None
-        self._restore = None
+        self._checkpoints.restore = None
         if self._control is not None:
             self._control.close()
             if self._failure is not None and self.global_rank == 0:
@@ -634,28 +524,3 @@ class GeneralParallel(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, description, schedule in library_names("GeneralParallel"):
             strategy_registry.register(name, cls, description=description, schedule=schedule)
-
-
-def _check_checkpoint_arguments(state_dict_type: Any, gather_on_teardown: Any,
-                                stream_checkpoint: Any = "auto") -> None:
-    """The Trainer strategy's own arguments (the shared ones: :mod:`.options`)."""
-    if not (isinstance(state_dict_type, str) and state_dict_type in STATE_DICT_TYPES):
-        raise StrategyConfigError(
-            f"state_dict_type={state_dict_type!r} is not valid: use 'full' (one .ckpt) or "
-            "'sharded' (a torch.distributed.checkpoint directory); e.g. state_dict_type='full'"
-        )
-    if gather_on_teardown != "auto":
-        validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
-    if stream_checkpoint != "auto":
-        validate.flag("stream_checkpoint", stream_checkpoint, StrategyConfigError)
-
-
-def _writes_locally(checkpoint_io: Any, filepath: Any, storage_options: Any) -> bool:
-    """Lightning's default CheckpointIO and a local path: the strategy writes the file itself
-    (atomically, next to the target); a user's CheckpointIO or a remote URL keeps its own."""
-    return (type(checkpoint_io) is TorchCheckpointIO and storage_options is None
-            and isinstance(get_filesystem(filepath), LocalFileSystem))
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
