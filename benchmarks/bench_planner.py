@@ -50,17 +50,21 @@ from lightning_gsched.schedule.plan import plan
 # the module, not the function the package re-exports under the same name
 _PLAN_MODULE = importlib.import_module("lightning_gsched.schedule.plan")
 
+_SYMMETRY_MODULE = importlib.import_module("lightning_gsched.schedule.symmetry")
+
 HEADLINE = {"W": 64, "S": 64, "B": 256}
 GOAL_S = 1.0
-# label -> name looked up by plan._build at call time
+# label -> (module, name) looked up at call time by plan._build and by the simulator it makes
+# (symmetry.make_simulator: the priorities and the simulation, by symmetry or in full)
 PHASES = {
-    "placement_table": "PlacementTable",
-    "priorities": "priority_ranks",
-    "auto_cap": "auto_cap_timeline",  # the bisection, including the chosen cap's simulation
-    "simulate": "simulate",
-    "lower": "lower",
-    "dry_run": "dry_run",
-    "measure": "measure",
+    "placement_table": ((_PLAN_MODULE, "PlacementTable"),),
+    "priorities": ((_SYMMETRY_MODULE, "priority_ranks"),),
+    # the bisection, including the chosen cap's simulation
+    "auto_cap": ((_PLAN_MODULE, "_auto_cap_timeline"),),
+    "simulate": ((_SYMMETRY_MODULE, "simulate"), (_PLAN_MODULE, "simulate")),
+    "lower": ((_PLAN_MODULE, "lower"),),
+    "dry_run": ((_PLAN_MODULE, "dry_run"),),
+    "measure": ((_PLAN_MODULE, "measure"),),
 }
 SCALING_SCHEDULES = ("fslpp", "1f1b")
 
@@ -98,7 +102,8 @@ def phase_timers() -> Iterator[tuple[dict[str, float], dict[str, int]]]:
     times: dict[str, float] = {label: 0.0 for label in PHASES}
     calls: dict[str, int] = {label: 0 for label in PHASES}
     depth = [0]
-    originals = {name: getattr(_PLAN_MODULE, name) for name in PHASES.values()}
+    originals = {(module, name): getattr(module, name)
+                 for targets in PHASES.values() for module, name in targets}
 
     def wrap(label: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -116,12 +121,13 @@ def phase_timers() -> Iterator[tuple[dict[str, float], dict[str, int]]]:
         return timed
 
     try:
-        for label, name in PHASES.items():
-            setattr(_PLAN_MODULE, name, wrap(label, originals[name]))
+        for label, targets in PHASES.items():
+            for module, name in targets:
+                setattr(module, name, wrap(label, originals[(module, name)]))
         yield times, calls
     finally:
-        for name, fn in originals.items():
-            setattr(_PLAN_MODULE, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
 
 
 def time_plan(schedule: str, W: int, S: int, B: int, repeats: int,

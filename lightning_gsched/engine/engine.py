@@ -65,6 +65,21 @@ from lightning_gsched.schedule.describe import plan_command, startup_summary
 from lightning_gsched.schedule.plan import Plan
 
 
+def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:
+    """Per rank, the microbatches whose rows it uses: those whose first stage (inputs) or last
+    stage (targets, the loss) it computes, read from the placement table's compute rows.
+
+    Why the table and not the programs: the same answer (a stage's forward of microbatch b runs
+    on ``compute[s][b]``), without reading every rank's program, which a large plan lowers
+    only for the ranks that read it (schedule/lazy_ranks.py)."""
+    needed: list[list[int]] = [[] for _ in range(world_size)]
+    for b, (first, last) in enumerate(zip(compute[0], compute[-1], strict=True)):
+        needed[first].append(b)
+        if last != first:
+            needed[last].append(b)
+    return needed
+
+
 def _sync_module_states(module: torch.nn.Module, group: Any = None) -> None:
     """Rank 0's parameters and buffers everywhere, as DDP does when it wraps a model.
 
@@ -327,11 +342,7 @@ class PipelineEngine:
             return None
         key = id(plan.programs)
         if key not in self._needed:
-            needed = []
-            for r in range(self.world_size):
-                first, last = stage_micros(plan.programs, r)
-                needed.append(sorted(set(first) | set(last)))
-            self._needed[key] = needed
+            self._needed[key] = needed_micros(plan.table.compute, self.world_size)
         return self._needed[key]
 
     def _global_batch(self, batch: Any, rows: list[int], micro: int,
