@@ -52,7 +52,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import Result, launch, median
+from benchmarks.common import LaunchError, Result, launch, median
 from benchmarks.lit_runs import ScheduleTimer, StepTimer, run_fit
 from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
@@ -284,8 +284,16 @@ def run(quick: bool, schedules: list[str] | None = None) -> list[Result]:
     steps, warmup = (12, 2) if quick else (20, 3)  # then profiled and measured alternate
     results = []
     for schedule in schedules or SCHEDULES:
-        r = launch("benchmarks.bench_fidelity:fidelity_run", 2, schedule=schedule, steps=steps,
-                   warmup=warmup, per_rank=8, microbatches=8, repeats=5 if quick else 9)
+        try:
+            r = launch("benchmarks.bench_fidelity:fidelity_run", 2, schedule=schedule,
+                       steps=steps, warmup=warmup, per_rank=8, microbatches=8,
+                       repeats=5 if quick else 9)
+        except LaunchError as exc:  # one schedule's failure (e.g. a refused calibration)
+            reason = next((line.split("Error: ", 1)[-1] for line in str(exc).splitlines()
+                           if "Error: " in line), str(exc).splitlines()[0])
+            results.append(Result(f"fidelity[{schedule}]", None, None, goal="within ±10%",
+                                  notes=f"FAILED: {reason[:300]}"))
+            continue
         results.append(_row(r))
     return results
 

@@ -35,7 +35,12 @@ from lightning_gsched.engine.config import AutoRequest, ScheduleConfig
 from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.memory_report import optimizer_bytes_factor
 from lightning_gsched.engine.options import PartitionOptions
-from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
+from lightning_gsched.errors import (
+    CalibrationError,
+    GschedError,
+    ScheduleConfigError,
+    StrategyConfigError,
+)
 from lightning_gsched.measure.tune_profile import tune_model
 from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.arguments import ScheduleArguments
@@ -100,7 +105,12 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     """
     outcome: tuple
     # every rank measures the runtime's costs on the job's own process group (collective)
-    costs = calibrate() if world_size > 1 else DEFAULT_COSTS
+    refused = None
+    try:
+        costs = calibrate() if world_size > 1 else DEFAULT_COSTS
+    except CalibrationError as exc:  # raised on every rank alike (figures averaged over ranks)
+        # a busy machine must not stop the run: rank the candidates with the default costs
+        costs, refused = DEFAULT_COSTS, str(exc)
     if rank == 0:
         try:
             outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
@@ -124,6 +134,9 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
         cause = outcome[3] if len(outcome) > 3 else None
         raise error_type(message) from cause
     config.choose(*outcome[1:])
+    if refused is not None:
+        config.choice_text += (f"\n  the runtime's costs could not be measured ({refused}); the "
+                               "tuner ranked with the default costs (DEFAULT_COSTS)")
 
 
 def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions, args: tuple,
