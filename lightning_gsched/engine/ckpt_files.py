@@ -19,6 +19,8 @@ import shutil
 from typing import Any, BinaryIO, Iterator
 
 import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 PARTIAL = ".partial"  # suffix of every staging name: a leftover is recognisable as one
 
@@ -112,3 +114,14 @@ def discard(staging: str) -> None:
     """Remove a staging file or directory after a failed save (never raises)."""
     _remove(staging)
 
+
+def written_here(checkpoint_io: Any, default_io: type, path: Any,
+                 storage_options: Any = None) -> bool:
+    """Whether the strategy reads and writes ``path`` itself: the front end's default
+    CheckpointIO (``default_io``: Lightning's ``TorchCheckpointIO``, which this package does not
+    import) and a local path, as Lightning's ``get_filesystem`` resolves it. A user's
+    CheckpointIO, storage options or a remote URL keep their own reader and writer."""
+    if type(checkpoint_io) is not default_io or storage_options is not None:
+        return False
+    filesystem, _ = url_to_fs(str(path))
+    return isinstance(filesystem, LocalFileSystem)

@@ -260,11 +260,11 @@ class PipelineEngine:
                                         sync_weights=False,
                                         forward_context=self.forward_context,
                                         checkpointed=self.train_plan.checkpointed,
-                                        transport=self.transport)
-            # a model built without weights is the large-model path, where the process's
-            # memory is the constraint: give the heap's free pages back at every step
-            # (runtime/host_heap.py; on a small model it costs ~15% of a CPU step)
-            self.runtime.release_heap_each_step = self.deferred
+                                        transport=self.transport,
+                                        # a model built without weights is the large-model
+                                        # path, where the process's memory is the
+                                        # constraint (runtime/host_heap.py)
+                                        release_heap_each_step=self.deferred)
             self.runtime.prune_optimizer_state(self.optimizers())
         if self.rank == 0:
             self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),

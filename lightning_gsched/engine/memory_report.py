@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from lightning_gsched.engine.logsync import exchange
 from lightning_gsched.measure.measure_bytes import measure_stage_bytes
-from lightning_gsched.measure.meta_attention import fused_attention_on_meta
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
@@ -63,9 +62,7 @@ class MemoryReport:
             try:
                 # a deferred model (no weights yet) is sized on meta tensors
                 deferred = any(has_meta_parameters(stage) for stage in stages)
-                # meta sizing: attention as the device's fused kernel saves it, not the math
-                with (buffers_on_meta(*stages) if deferred else contextlib.nullcontext(),
-                      fused_attention_on_meta() if deferred else contextlib.nullcontext()):
+                with buffers_on_meta(*stages) if deferred else contextlib.nullcontext():
                     outcome = (measure_stage_bytes(
                         stages, to_meta(args) if deferred else args,
                         to_meta(kwargs) if deferred else kwargs,

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import nn
 
+from lightning_gsched.engine import ckpt_files
 from lightning_gsched.engine.ckpt_check import mismatch
 
 WHAT = "fabric.load path"
@@ -27,8 +26,7 @@ WHAT = "fabric.load path"
 def handled_here(checkpoint_io: Any, path: Any, storage_options: Any = None) -> bool:
     """Fabric's default CheckpointIO and a local path (a user's CheckpointIO or a remote URL
     keeps its own reader and writer)."""
-    return (type(checkpoint_io) is TorchCheckpointIO and storage_options is None
-            and isinstance(get_filesystem(path), LocalFileSystem))
+    return ckpt_files.written_here(checkpoint_io, TorchCheckpointIO, path, storage_options)
 
 
 def problem_of(path: Any, checkpoint: Any, state: Any, strict: bool) -> Optional[str]:

@@ -162,7 +162,8 @@ class GeneralParallelFabric(DDPStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Keep the model unwrapped; check the schedule for this world size (fails here, on
-        every rank, if it does not fit; the plan is made once, at the first step). The pipeline is built at the first :meth:`step`."""
+        every rank, if it does not fit). The plan and the pipeline are made once, at the first
+        :meth:`step`."""
         if self._engine is not None and self._engine.module is not module:
             raise StrategyConfigError(
                 "GeneralParallelFabric pipelines one model; a second fabric.setup(model) with "

@@ -19,9 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
@@ -242,8 +240,7 @@ def check_arguments(state_dict_type: Any, gather_on_teardown: Any,
 def writes_locally(checkpoint_io: Any, filepath: Any, storage_options: Any) -> bool:
     """Lightning's default CheckpointIO and a local path: the strategy writes the file itself
     (atomically, next to the target); a user's CheckpointIO or a remote URL keeps its own."""
-    return (type(checkpoint_io) is TorchCheckpointIO and storage_options is None
-            and isinstance(get_filesystem(filepath), LocalFileSystem))
+    return ckpt_files.written_here(checkpoint_io, TorchCheckpointIO, filepath, storage_options)
 
 
 def unwrap(optimizer: Any) -> Any:

@@ -28,7 +28,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import PartitionError
+from lightning_gsched.measure.meta_attention import fused_attention_on_meta
 from lightning_gsched.measure.profile import _run_loss, _run_stage
+from lightning_gsched.partition.meta_run import has_meta_parameters
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
@@ -65,6 +67,9 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
     with torch.enable_grad(), ExitStack() as preserved:
         for stage in stages:
             preserved.enter_context(preserved_tensors_and_rng(stage))
+        if any(has_meta_parameters(stage) for stage in stages):
+            # sized on meta tensors: attention as the device's fused kernel saves it
+            preserved.enter_context(fused_attention_on_meta())
         for s, stage in enumerate(stages):
             if handed is None:
                 stash, loss_part, out = _stashed_bytes(stage, s, last, args, kwargs or {},

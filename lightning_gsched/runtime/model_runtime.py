@@ -69,7 +69,7 @@ class ModelRuntime:
                  channels: Channels | None = None,
                  forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", release_heap_each_step: bool = False) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights,
@@ -84,9 +84,9 @@ class ModelRuntime:
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
         self._stream: fullstate_stream.StreamPlan | None = None  # a described streamed save
         # return the C heap's free pages at every step's start and after the hand-over
-        # (host_heap.py): for models whose memory is the constraint (the engine sets it for a
-        # model built without weights); it costs a small model ~15% of its step on CPU
-        self.release_heap_each_step = False
+        # (host_heap.py): for models whose memory is the constraint (the engine asks for it
+        # for a model built without weights); it costs a small model ~15% of its step on CPU
+        self.release_heap_each_step = release_heap_each_step
         # the parameters now live in the stage buffers: the tensors they were built in are free
         release_free_heap(self.device)
 

@@ -26,10 +26,6 @@ class Placement(Protocol):
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
 
 
-class _RowsPlacement(Placement, Protocol):
-    def rows(self, stages: int, micro: int) -> Rows: ...
-
-
 class CheckedPlacement(Placement, Protocol):
     """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
 
@@ -308,7 +304,7 @@ class PlacementTable:
         self.owners: list[tuple[int, ...]]
         self.fetch_source: dict[tuple[int, int], int]
         if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
-            weight_rows, self.compute = cast(_RowsPlacement, placement).rows(stages, micro)
+            weight_rows, self.compute = cast(_LibraryPlacement, placement).rows(stages, micro)
             self.weights = [[(w, w) for w in row] for row in weight_rows]
             self.owners = [tuple(sorted(set(row))) for row in weight_rows]
             self.fetch_source = {(s, c): w for s in range(stages)
@@ -390,5 +386,6 @@ class PlacementTable:
 
 
 # placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one
-# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan)
-_LIBRARY = (DDP, FSDP, GPipe, VShape, LPP, FSLPP, FSLPPSeed)
+# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan): the
+# library's own classes exactly, not a user's subclass that may change ``__call__``
+_LIBRARY = tuple(_LibraryPlacement.__subclasses__())
