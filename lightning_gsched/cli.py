@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.arguments import CAP_WORDS, ScheduleArguments
-from lightning_gsched.schedule.describe import describe, text_table
+from lightning_gsched.schedule.describe import MAX_ROWS, describe, text_table
 from lightning_gsched.schedule.library import resolve_shape
 from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import ORDER_NAMES
@@ -153,10 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--order", choices=ORDER_NAMES, default=None, help="tie-break order n(s,b,d)")
     p.add_argument("--cap", type=_option(_checked_cap, _parse_cap), default="default", help="activation cap: int, list, 'auto' or 'none'")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of text: every worker's metrics and "
+                        "program (at large W this lowers every rank: slow; the text table "
+                        f"beyond {MAX_ROWS} workers computes only the rows it shows)")
     p.add_argument("--png", metavar="FILE", default=None,
                    help="also draw the timeline to FILE (missing parent folders are created)")
-    p.add_argument("--programs", action="store_true", help="also print every rank's program")
+    p.add_argument("--programs", action="store_true",
+                   help="also print every rank's program (lowers every rank: slow at large W)")
     ckpt = p.add_mutually_exclusive_group()
     ckpt.add_argument("--checkpoint-activations", action="store_true",
                       help="activation checkpointing on every stage: F keeps only the stage's "
@@ -344,24 +348,32 @@ def _schedule_arguments(args: argparse.Namespace) -> ScheduleArguments:
                              ties=args.tie)
 
 
+def _plan_json(result: Plan, stage_bytes: list[int] | None) -> dict[str, Any]:
+    """``gsched plan --json``: the plan's JSON, with ``--stage-bytes`` each worker's owned and
+    peak resident bytes added to its row. Reads every rank's program (it lists them all)."""
+    out = result.to_json()
+    if stage_bytes is not None:
+        held = resident_bytes(result.programs, stage_bytes)
+        for row, h in zip(out["per_worker"], held, strict=True):
+            row.update(owned_bytes=h.owned, peak_resident_bytes=h.peak)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "plan":
             result = plan_arguments(_schedule_arguments(args), args.workers,
                                     forward_only=args.forward_only)
-            held = (None if args.stage_bytes is None
-                    else resident_bytes(result.programs, args.stage_bytes))
+            # the JSON lists every worker (every program read); the text only the rows it shows
+            text = None if args.json else describe(result, args.stage_bytes)
+            out = _plan_json(result, args.stage_bytes) if args.json else None
             if args.png and not _write_png(result, args.png):
                 return 2
-            if args.json:
-                out = result.to_json()
-                if held is not None:
-                    for row, h in zip(out["per_worker"], held, strict=True):
-                        row.update(owned_bytes=h.owned, peak_resident_bytes=h.peak)
+            if out is not None:
                 print(json.dumps(out))
             else:
-                print(describe(result, args.stage_bytes))
+                print(text)
                 print()
                 print(ascii_timeline(result.timeline))
                 if args.programs:

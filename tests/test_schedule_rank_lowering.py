@@ -12,7 +12,7 @@ import pytest
 
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.jobs import StageGraph
-from lightning_gsched.schedule.lazy_ranks import LazyList
+from lightning_gsched.schedule.lazy_ranks import EAGER_AFTER, LazyList
 from lightning_gsched.schedule.lower import lower
 from lightning_gsched.schedule.lower_rank import RankLowering
 from lightning_gsched.schedule.orders import bfs
@@ -126,3 +126,23 @@ def test_the_lazy_list_behaves_as_the_list() -> None:
         lazy[4]
     with pytest.raises(TypeError):
         hash(lazy)
+
+
+def test_a_sample_is_made_alone_and_does_not_switch_to_make_all() -> None:
+    """LazyList.sample: a bounded reader (the text table's shown workers) makes only the items
+    it reads, however many, never by make_all; the list its items read is sampled alike."""
+    made: list[int] = []
+    everything: list[str] = []
+
+    def make_all() -> list[int]:
+        everything.append("all")
+        return list(range(100))
+
+    source = LazyList(100, lambda i: made.append(i) or i, make_all)
+    derived = LazyList(100, lambda i: -source[i], lambda: [-i for i in source], reads=source)
+    wanted = [*range(EAGER_AFTER + 4), 99]
+    assert derived.sample(wanted) == [-i for i in wanted]
+    assert everything == [] and made == wanted  # each made once, alone
+    assert source.lowered == derived.lowered == len(wanted)
+    assert derived[3] == -3 and derived[99] == -99 and everything == []  # kept
+    assert derived.sample([-1]) == [-99] and made == wanted

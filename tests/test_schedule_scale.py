@@ -4,6 +4,7 @@ O(W x S) / O(W^2) loops equal to the plain scans they replace. No timing here (b
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 
@@ -12,15 +13,23 @@ import pytest
 from lightning_gsched.cli import main
 from lightning_gsched.errors import PlanTooLargeError, ScheduleConfigError
 from lightning_gsched.schedule import plan
-from lightning_gsched.schedule.describe import describe
+from lightning_gsched.schedule.describe import (
+    MAX_ROWS,
+    SHOWN_FIRST,
+    SHOWN_LAST,
+    describe,
+    worker_rows,
+)
 from lightning_gsched.schedule.fold import (
     fold_rows,
     owners_text,
     ranks_text,
     sequence_text,
 )
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY, resolve_shape
 from lightning_gsched.schedule.limits import MAX_JOBS, check_size
+from lightning_gsched.schedule.metrics import measure
 from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.render import MAX_WORKERS, ascii_timeline
 
@@ -123,8 +132,53 @@ def test_describe_folds_workers_and_owners_at_large_W():
 def test_describe_caps_and_rows_stay_short_for_a_long_pipeline():
     text = describe(plan("1f1b", workers=80, microbatches=80))
     assert "cap=80..1" in text.splitlines()[0]
-    assert len(text.splitlines()) == 4 + 48 and "... " in text  # elided middle rows
+    # 1f1b's workers all differ (peak act): the first and last ones, the gap, the note
+    assert len(text.splitlines()) == 4 + SHOWN_FIRST + 1 + SHOWN_LAST + 1
+    assert text.endswith(f"... workers {SHOWN_FIRST}-{79 - SHOWN_LAST} not shown; --json or "
+                         "--programs lists every worker")
     assert all(len(line) < 200 for line in text.splitlines())
+
+
+@pytest.mark.parametrize("name,ties,lazy", [("fsdp", False, True), ("fslpp", False, True),
+                                            ("fslpp", True, False), ("1f1b", False, False)])
+def test_describe_beyond_max_rows_computes_only_the_rows_it_shows(name, ties, lazy):
+    """Beyond MAX_ROWS workers the table shows the first and last workers' rows, each equal to
+    that worker's row from every program fully lowered and measured, and lowers only their
+    programs (lazy plans: fsdp, fslpp); the workers between are named, not computed."""
+    W = MAX_ROWS + 16
+    S = plan(name, W).stages
+    extra = {"ties": {0: (0, S - 1)}} if ties else {}
+    tie_bytes = {0: 7} if ties else None
+    stage_bytes = [1000 + s for s in range(S)]
+    result = plan(name, W, **extra)
+    text = describe(result, stage_bytes, tie_bytes)
+    shown = [*range(SHOWN_FIRST), *range(W - SHOWN_LAST, W)]
+    assert isinstance(result.programs.ranks, LazyList) == lazy
+    if lazy:  # lowered per rank on demand: only the shown ranks' programs were
+        assert result.programs.ranks.lowered == result.metrics.per_worker.lowered == len(shown)
+    full = plan(name, W, **extra)
+    list(full.programs.ranks)  # every program at once: the full lowering and dry run
+    reference = dataclasses.replace(full, metrics=measure(full.programs, full.timeline))
+    expected = worker_rows(reference, range(W), stage_bytes, tie_bytes)
+    hidden = f"{SHOWN_FIRST}-{W - SHOWN_LAST - 1}"
+    lines = text.splitlines()
+    assert lines[-1] == f"... workers {hidden} not shown; --json or --programs lists every worker"
+    listed = []
+    for line in lines[4:-1]:
+        label, *cells = line.split()
+        if label == "...":
+            assert cells[0] == hidden and set(cells[1:]) == {"..."}
+            continue
+        for worker in expand_ranks(label):
+            assert cells == [str(c) for c in expected[worker][1:]], worker
+            listed.append(worker)
+    assert sorted(listed) == shown
+
+
+def test_cli_plan_text_names_the_workers_it_does_not_show(capsys):
+    assert main(["plan", "fsdp", "-w", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "... workers 6-251 not shown; --json or --programs lists every worker" in out
 
 
 def test_timeline_draws_the_first_workers_and_says_so():

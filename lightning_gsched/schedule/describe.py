@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Sequence
 
 from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import normalise_caps
@@ -86,6 +87,11 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
     its program implies (what the runtime's ``peak_resident_param_bytes`` counter measures).
     A plan with ties has three tie columns: fetches / serves, gradient reductions out / in,
     all-reduces (``FETCH_T``/``SEND_T``, ``REDUCE_T``/``RECV_T``, ``ALLREDUCE_T``).
+
+    Up to :data:`MAX_ROWS` workers every worker's row is computed (folded from
+    :data:`FOLD_FROM`); beyond, only the rows the table shows (:func:`_sampled_table`): a row
+    reads its worker's program, and at W=1024 lowering every rank's takes a minute and GBs.
+    The head lines read the timeline and the placement table only.
     """
     m = result.metrics
     head = (
@@ -96,29 +102,70 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
     )
     header = ["worker", "busy", "act in/out", "grad in/out", "w fetch/serve", "g reduce out/in",
               "allreduce", "peak act", "owned", "peak resident"]
+    if result.ties:
+        header += ["tie fetch/serve", "tie reduce out/in", "tie allreduce"]
+    if stage_bytes is not None:
+        header += ["owned bytes", "peak bytes"]
+    if result.workers > MAX_ROWS:
+        return head + "\n" + _sampled_table(result, header, stage_bytes, tie_bytes)
+    rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
+    return head + "\n" + text_table(_fit_rows(rows), header)
+
+
+FOLD_FROM = 17  # workers: from here on, equal rows of consecutive workers are one row
+MAX_ROWS = 48  # workers whose rows are all computed and printed at most; beyond, a sample:
+SHOWN_FIRST = 6  # the rows of the first SHOWN_FIRST workers (a row lowers its worker's program:
+SHOWN_LAST = 4  # ~0.1 s at W=1024), and of the last SHOWN_LAST (a pipeline's ends differ)
+OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
+
+
+def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int] | None = None,
+                tie_bytes: Mapping[int, int] | None = None) -> list[list[object]]:
+    """:func:`describe`'s rows of ``workers`` (cells as printed, the worker first).
+
+    Fewer workers than the plan has are read by :meth:`.LazyList.sample`: their programs are
+    lowered alone, however many ranks the plan has (the caller keeps their number bounded);
+    every worker is read by iterating (the full lowering at once where it is lazy).
+    """
+    per_worker = result.metrics.per_worker
+    if len(workers) == len(per_worker):
+        metrics = list(per_worker)
+    elif isinstance(per_worker, LazyList):
+        metrics = per_worker.sample(workers)
+    else:
+        metrics = [per_worker[w] for w in workers]
     rows: list[list[object]] = [
         [w.worker, f"{w.busy:g}", f"{w.activation_recvs}/{w.activation_sends}",
          f"{w.input_grad_recvs}/{w.input_grad_sends}", f"{w.weight_fetches}/{w.weight_serves}",
          f"{w.grad_sends}/{w.grad_recvs}", w.allreduces, w.peak_activations, w.owned_stages,
          w.peak_resident_stages]
-        for w in m.per_worker
+        for w in metrics
     ]
     if result.ties:
-        header += ["tie fetch/serve", "tie reduce out/in", "tie allreduce"]
-        for row, w in zip(rows, m.per_worker, strict=True):
+        for row, w in zip(rows, metrics, strict=True):
             row += [f"{w.tie_fetches}/{w.tie_serves}", f"{w.tie_grad_sends}/{w.tie_grad_recvs}",
                     w.tie_allreduces]
     if stage_bytes is not None:
-        header += ["owned bytes", "peak bytes"]
-        for row, held in zip(rows, resident_bytes(result.programs, stage_bytes, tie_bytes),
-                             strict=True):
-            row += [held.owned, held.peak]
-    return head + "\n" + text_table(_fit_rows(rows), header)
+        held = resident_bytes(result.programs, stage_bytes, tie_bytes, ranks=list(workers))
+        for row, h in zip(rows, held, strict=True):
+            row += [h.owned, h.peak]
+    return rows
 
 
-FOLD_FROM = 17  # workers: from here on, equal rows of consecutive workers are one row
-MAX_ROWS = 48  # rows printed at most; beyond, the first and last ones and a count between
-OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
+def _sampled_table(result: Plan, header: list[str], stage_bytes: Sequence[int] | None,
+                   tie_bytes: Mapping[int, int] | None) -> str:
+    """The table beyond :data:`MAX_ROWS` workers: the rows of the first :data:`SHOWN_FIRST` and
+    the last :data:`SHOWN_LAST` workers (each part's equal rows folded), and a line naming the
+    workers between, whose rows are not computed (``--json`` and ``--programs`` read them all)."""
+    W = result.workers
+    first, last = list(range(SHOWN_FIRST)), list(range(W - SHOWN_LAST, W))
+    rows = worker_rows(result, first + last, stage_bytes, tie_bytes)
+    hidden = f"{SHOWN_FIRST}-{W - SHOWN_LAST - 1}"
+    gap: list[object] = [f"... {hidden}", *["..."] * (len(header) - 1)]
+    table = text_table([*fold_rows(rows[:SHOWN_FIRST]), gap, *fold_rows(rows[SHOWN_FIRST:])],
+                       header)
+    return (table + f"\n... workers {hidden} not shown; --json or --programs lists every "
+            "worker")
 
 
 def _owners_line(owners: Sequence[Sequence[int]]) -> str:
@@ -131,18 +178,9 @@ def _owners_line(owners: Sequence[Sequence[int]]) -> str:
 
 
 def _fit_rows(rows: list[list[object]]) -> list[list[object]]:
-    """The per-worker rows as printed: unchanged for small W; from :data:`FOLD_FROM` workers,
-    consecutive workers with equal rows as one row (``0-1023``), and beyond :data:`MAX_ROWS`
-    rows the first and last ones with a count of the rows between (``--json`` has them all)."""
-    if len(rows) < FOLD_FROM:
-        return rows
-    folded = fold_rows(rows)
-    if len(folded) <= MAX_ROWS:
-        return folded
-    head, tail = folded[: MAX_ROWS - 9], folded[-8:]  # with the gap row: MAX_ROWS rows
-    hidden = len(folded) - len(head) - len(tail)
-    gap: list[object] = [f"... {hidden} rows", *["..."] * (len(rows[0]) - 1)]
-    return [*head, gap, *tail]
+    """The per-worker rows as printed (at most :data:`MAX_ROWS` workers): unchanged for small
+    W; from :data:`FOLD_FROM` workers, workers with equal rows as one row (``0-38/2``)."""
+    return rows if len(rows) < FOLD_FROM else fold_rows(rows)
 
 
 # ---------------------------------------------------------------------------- startup summary

@@ -11,11 +11,15 @@ predictor's walk) would pay W rank-local lowerings, each several times the full 
 share of one rank; so where the list is given ``make_all`` (every item at once: the full
 lowering, and for a verified plan the full dry run), iterating, or indexing more than
 :data:`EAGER_AFTER` distinct items one by one, makes the missing items that way instead.
+
+A reader that shows a bounded sample of a large list (``gsched plan``'s table: the first and
+last workers' rows at W=1024) uses :meth:`LazyList.sample`, which makes those items alone and
+does not count them towards that switch: its bound is the caller's promise.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, Sequence, TypeVar, overload
+from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar, overload
 
 from lightning_gsched.schedule.program import Action
 
@@ -30,13 +34,17 @@ class LazyList(Sequence[T], Generic[T]):
     """A list whose item i is ``make(i)``, made on first access and kept (module docstring).
 
     Used for ``Programs.ranks`` (:data:`LazyRanks`) and a plan's per-worker metrics, which
-    read each rank's program.
+    read each rank's program. ``reads``: the LazyList whose item i ``make(i)`` reads (a metrics
+    row reads rank i's program), so that :meth:`sample` samples it too: else reading the
+    sampled rows would count their programs towards that list's eager switch.
     """
 
     def __init__(self, size: int, make: Callable[[int], T],
-                 make_all: Callable[[], Sequence[T]] | None = None) -> None:
+                 make_all: Callable[[], Sequence[T]] | None = None,
+                 reads: LazyList[Any] | None = None) -> None:
         self._make = make
         self._make_all = make_all
+        self._reads = reads
         self._made = 0
         self._items: list[T | None] = [None] * size
 
@@ -59,6 +67,26 @@ class LazyList(Sequence[T], Generic[T]):
             program = self._items[index] = self._make(index % len(self))
             self._made += 1
         return program
+
+    def sample(self, indices: Iterable[int]) -> list[T]:
+        """The items at ``indices``, each missing one made alone by ``make`` (never by
+        ``make_all``) and not counted towards :data:`EAGER_AFTER`; kept as indexing keeps them.
+
+        Why: a reader of a bounded number of items (the text table's shown workers) must not
+        turn a plan of 1,024 ranks into the full lowering of all of them, which is what
+        indexing a ninth item does; the bound is the caller's to keep (a sample of every item
+        is W rank-local lowerings, slower than ``make_all``).
+        """
+        wanted = list(indices)
+        if self._reads is not None:
+            self._reads.sample(wanted)  # made here, so that make() finds them made
+        items: list[T] = []
+        for index in wanted:
+            item = self._items[index]  # IndexError as a list's
+            if item is None:
+                item = self._items[index] = self._make(index % len(self))
+            items.append(item)
+        return items
 
     def make_all(self) -> None:
         """Make every missing item at once by ``make_all`` (module docstring); items already

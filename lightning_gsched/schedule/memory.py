@@ -359,7 +359,8 @@ class ResidentBytes:
 
 
 def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
-                   tie_bytes: Mapping[int, int] | None = None) -> list[ResidentBytes]:
+                   tie_bytes: Mapping[int, int] | None = None,
+                   ranks: Sequence[int] | None = None) -> list[ResidentBytes]:
     """Per rank: owned parameter bytes and the peak of owned + fetched ones, read off the programs.
 
     ``stage_bytes``: every stage's parameter bytes (what the runtime's flat buffer of that stage
@@ -370,6 +371,8 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
     ``peak_resident_param_bytes`` counter measures the same quantity on the real buffers, so for
     the same programs the two are equal. Unlike ``peak_resident_stages`` (a count) this weighs
     each stage by its size: which stages are resident together is decided by the programs.
+    ``ranks``: only these ranks, in this order (default: every rank): only their programs are
+    read (the text table's few shown workers, sampled first: :meth:`.LazyList.sample`).
     """
     sizes = list(stage_bytes)
     if len(sizes) != programs.num_stages or any(
@@ -387,7 +390,7 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
                           + sum(ties[h] for h in programs.owned_ties(rank)),
                           peak=rank_memory(programs, weights_only, rank,
                                            rules=rules).category_peaks.weights)
-            for rank in range(programs.world_size)]
+            for rank in (range(programs.world_size) if ranks is None else ranks)]
 
 
 def uniform_sizes(stages: int, params: int, activations: int, message: int,

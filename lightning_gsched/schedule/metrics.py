@@ -110,8 +110,9 @@ def measure_lazily(programs: Programs, timeline: Timeline) -> PlanMetrics:
             programs.ranks.make_all()
         return [worker(rank) for rank in range(programs.world_size)]
 
+    ranks = programs.ranks if isinstance(programs.ranks, LazyList) else None
     return PlanMetrics(latency=latency, bubble_fraction=bubble,
-                       per_worker=LazyList(programs.world_size, worker, every))
+                       per_worker=LazyList(programs.world_size, worker, every, reads=ranks))
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
