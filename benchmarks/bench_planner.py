@@ -28,7 +28,16 @@ Times are medians over a few repeats. Wall time is what the goal is about; CPU t
 process (``time.process_time``) is recorded beside it because the machine is shared: when other
 processes compete for the cores, wall time grows and CPU time much less.
 
-Run ``python -m benchmarks.bench_planner [--quick] [--plot PATH]``.
+The second row, ``planner_scale_1024`` (:func:`run_scale`), is issue 26's goal for one rank at
+scale: every library schedule at W=1024 with its default S, B, R plans in < 5 s and < 1 GB.
+Each schedule runs in a fresh process (so its peak RSS, ``os.wait4``'s ``ru_maxrss``, is that
+plan's alone): ``plan(name, workers=1024)`` and then ONE rank's program (``ranks[W // 2]``,
+what a rank of a running job lowers: lazy plans lower nothing else), each timed there; a
+schedule past its timeout is stopped and recorded as timed out. The quick run times the
+schedules that plan by symmetry (seconds each); the full run all of them (the pipelines
+simulate 4-12 million jobs: minutes, at the time of writing).
+
+Run ``python -m benchmarks.bench_planner [--quick] [--plot PATH] [--scale]``.
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ import gc
 import importlib
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from benchmarks.bench_planner_scale import time_command
 from benchmarks.common import Result, median
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.library import LIBRARY
@@ -337,13 +348,106 @@ def plot_scaling(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------ planner_scale_1024
+
+SCALE_W = 1024
+SCALE_GOAL_S, SCALE_GOAL_MB = 5.0, 1024  # the issue's "< 5 s and < 1 GB"
+SCALE_TIMEOUT_S = 150.0  # per schedule: a pipeline past it is recorded as timed out
+SCALE_QUICK = ("ddp", "fsdp", "lpp", "fslpp", "fslpp-seed")  # by symmetry: seconds each
+# the child: plan() and one rank's program, each timed there; one JSON line on stdout
+SCALE_CODE = """
+import json, sys, time
+from lightning_gsched.schedule import plan
+name, W = sys.argv[1], int(sys.argv[2])
+start = time.perf_counter()
+result = plan(name, workers=W)
+planned = time.perf_counter()
+program = result.programs.ranks[W // 2]
+lowered = time.perf_counter()
+print(json.dumps({"plan_s": planned - start, "rank_s": lowered - planned, "S": result.stages,
+                  "B": result.micro, "R": result.R, "jobs": len(result.timeline.start),
+                  "rank_actions": len(program)}))
+"""
+
+
+def measure_scale(name: str, W: int = SCALE_W, timeout: float = SCALE_TIMEOUT_S
+                  ) -> dict[str, Any]:
+    """One schedule's row: ``plan(name, workers=W)`` and rank ``W // 2``'s program in a fresh
+    process; its seconds (plan + rank, timed in the child; ``process_s``: the whole process,
+    interpreter start included), peak MB (the child's ``ru_maxrss``), jobs, and ``passed``
+    against :data:`SCALE_GOAL_S` / :data:`SCALE_GOAL_MB` (False when timed out or failed)."""
+    run = time_command([name, "-w", str(W)], timeout,
+                       [sys.executable, "-c", SCALE_CODE, name, str(W)], capture=True)
+    row: dict[str, Any] = {"schedule": name, "W": W, "process_s": run["seconds"],
+                           "peak_mb": round(run["peak_kb"] / 1024, 1),
+                           "timed_out": run["timed_out"], "exit": run["exit"]}
+    if run["timed_out"] or run["exit"] != 0:
+        last = (run["stderr"].strip().splitlines() or ["no output"])[-1]  # the exception
+        reason = f"timed out after {timeout:g} s" if run["timed_out"] else last[:200]
+        return {**row, "seconds": None, "passed": False, "error": reason}
+    child = json.loads(run["output"].strip().splitlines()[-1])
+    seconds = round(child["plan_s"] + child["rank_s"], 3)
+    passed = seconds < SCALE_GOAL_S and row["peak_mb"] < SCALE_GOAL_MB
+    return {**row, **child, "plan_s": round(child["plan_s"], 3),
+            "rank_s": round(child["rank_s"], 3), "seconds": seconds, "passed": passed}
+
+
+def run_scale(quick: bool) -> list[Result]:
+    """The ``planner_scale_1024`` row: :func:`measure_scale` for every library schedule (quick:
+    :data:`SCALE_QUICK`); ours is the slowest completed schedule's seconds, against 5 s."""
+    names = SCALE_QUICK if quick else tuple(LIBRARY)
+    rows = [measure_scale(name) for name in names]
+    done = [r for r in rows if r["seconds"] is not None]
+    slowest = max(done, key=lambda r: r["seconds"]) if done else None
+    passed = [r["schedule"] for r in rows if r["passed"]]
+    missed = [f"{r['schedule']} ({r.get('error') or _scale_cell(r)})" for r in rows
+              if not r["passed"]]
+    notes = (f"plan(NAME, workers={SCALE_W}) (default S, B, R; verify=True) + rank "
+             f"{SCALE_W // 2}'s program, each schedule its own process; within < "
+             f"{SCALE_GOAL_S:g} s and < 1 GB: {', '.join(passed) or 'none'}"
+             + (f"; not: {', '.join(missed)}" if missed else "")
+             + (f"; slowest {slowest['schedule']} {_scale_cell(slowest)}" if slowest else "")
+             + ("; quick run: the schedules planned by symmetry only" if quick else ""))
+    return [Result("planner_scale_1024", slowest["seconds"] if slowest else None,
+                   SCALE_GOAL_S, goal="< 5 s, < 1 GB", notes=notes,
+                   extra={"W": SCALE_W, "timeout_s": SCALE_TIMEOUT_S, "per_schedule": rows})]
+
+
+def _scale_cell(row: dict[str, Any]) -> str:
+    return f"{row['seconds']} s, {row['peak_mb']:.0f} MB"
+
+
+def scale_markdown(rows: list[dict[str, Any]]) -> str:
+    """The per-schedule table of ``planner_scale_1024``: S, B, R, jobs, plan and one-rank
+    seconds, peak MB and whether the schedule meets the goal."""
+    lines = ["| schedule | S | B | R | jobs | plan (s) | one rank (s) | total (s) | process (s) "
+             "| peak MB | < 5 s, < 1 GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["seconds"] is None:
+            lines.append(f"| {r['schedule']} | | | | | | | | {r['process_s']} | "
+                         f"{r['peak_mb']:.0f} | no: {str(r['error']).replace('|', '/')} |")
+            continue
+        lines.append(f"| {r['schedule']} | {r['S']} | {r['B']} | {r['R'] or '-'} | {r['jobs']} "
+                     f"| {r['plan_s']} | {r['rank_s']} | {r['seconds']} | {r['process_s']} | "
+                     f"{r['peak_mb']:.0f} | {'yes' if r['passed'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (~30 s)")
     parser.add_argument("--plot", metavar="PATH", help="also draw the scaling plot (PNG)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--scale", action="store_true",
+                        help=f"the planner_scale_1024 row instead (W={SCALE_W}, a process each)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.scale:
+        scale = run_scale(args.quick)[0]
+        print(json.dumps(scale.as_json(), indent=1) if args.json else scale.notes)
+        print(scale_markdown(scale.extra["per_schedule"]))
+        print(f"\n(benchmark took {time.perf_counter() - start:.1f} s)")
+        return
     results = run(args.quick)
     for res in results:
         if args.json:

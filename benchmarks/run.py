@@ -60,6 +60,9 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "large_model": lambda q: [] if q else bench_process_memory.run_large(q),
         "tune": bench_tune.run,
         "planner_speed": bench_planner.run,
+        # plan() + one rank's program at W=1024 per library schedule (quick: the symmetric
+        # ones), each its own process: seconds, peak MB against < 5 s, < 1 GB
+        "planner_scale_1024": bench_planner.run_scale,
         # gsched plan at W=1024 (each library schedule) and the W=100,000 answers
         "planner_w1024": bench_planner_scale.run,
     }
@@ -234,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         if planner is not None and planner.extra.get("per_schedule"):
             extras["markdown"]["Planner time per library schedule"] = (
                 bench_planner.per_schedule_markdown(planner.extra["per_schedule"]))
+        scale = next((r for r in results if r.name == "planner_scale_1024"), None)
+        if scale is not None and scale.extra.get("per_schedule"):
+            extras["markdown"]["plan() and one rank's program at W=1024 per library schedule"] = (
+                bench_planner.scale_markdown(scale.extra["per_schedule"]))
         large = next((r for r in results if r.name == "planner_w1024"), None)
         if large is not None:
             from benchmarks import bench_planner_scale

@@ -30,3 +30,25 @@ def test_the_timers_see_every_phase(schedule: str, expected: tuple[str, ...]) ->
     assert set(times) == set(PHASES)
     timed = time_plan(schedule, 4, 8, 8, 1)
     assert timed["valid"] and timed["simulations"] >= 1
+
+
+def test_the_scale_row_measures_plan_and_one_rank_in_a_fresh_process() -> None:
+    """planner_scale_1024's measurement at a tiny W (seconds): its fields, the markdown, a
+    timeout recorded as such, and the child's own peak (not the parent's: ru_maxrss of a child
+    counts the spawning process's RSS, so a parent holding 192 MB must not show in the row)."""
+    from benchmarks.bench_planner import measure_scale, scale_markdown
+
+    held = bytearray(192 << 20)
+    held[::4096] = b"\1" * len(held[::4096])  # touched: resident in this process
+    rows = [measure_scale(name, W=8, timeout=60.0) for name in ("ddp", "1f1b")]
+    for row in rows:
+        assert row["passed"] and not row["timed_out"] and row["exit"] == 0, row
+        assert row["jobs"] > 0 and row["rank_actions"] > 0 and row["S"] >= 1
+        assert row["seconds"] == round(row["plan_s"] + row["rank_s"], 3)
+        assert 0 < row["peak_mb"] < 150, row
+    stopped = measure_scale("fsdp", W=8, timeout=0.0)
+    assert stopped["timed_out"] and not stopped["passed"] and stopped["seconds"] is None
+    table = scale_markdown([*rows, stopped]).splitlines()
+    assert len(table) == 2 + 3 and table[2].startswith("| ddp | 1 | 8 | - | 16 |")
+    assert table[-1].endswith("| no: timed out after 0 s |")
+    del held

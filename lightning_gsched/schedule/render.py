@@ -24,7 +24,8 @@ def _time_unit(timeline: Timeline) -> float:
     collected before rounding: at W=1024 (two million jobs) rounding each cost half a second
     of ``gsched plan``, spent only to find the diagram too wide to draw.
     """
-    durations = {round(d, 6) for d in set(map(sub, timeline.end, timeline.start))}
+    distinct: set[float] = set(map(sub, timeline.end, timeline.start))
+    durations = {round(d, 6) for d in distinct}
     shortest = min(durations)
     scaled = [round(d * 1000) for d in durations]
     unit = reduce(math.gcd, scaled) / 1000
