@@ -106,7 +106,7 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         header += ["tie fetch/serve", "tie reduce out/in", "tie allreduce"]
     if stage_bytes is not None:
         header += ["owned bytes", "peak bytes"]
-    if result.workers > MAX_ROWS:
+    if result.workers > max(MAX_ROWS, SHOWN_FIRST + SHOWN_LAST):
         return head + "\n" + _sampled_table(result, header, stage_bytes, tie_bytes)
     rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
     return head + "\n" + text_table(_fit_rows(rows), header)
@@ -129,7 +129,8 @@ def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int]
     """
     per_worker = result.metrics.per_worker
     if len(workers) == len(per_worker):
-        metrics = list(per_worker)
+        every = list(per_worker)
+        metrics = [every[w] for w in workers]
     elif isinstance(per_worker, LazyList):
         metrics = per_worker.sample(workers)
     else:
