@@ -223,8 +223,8 @@ def test_activation_checkpointing_per_stage_matches_single_device(worlds, tmp_pa
 def lazy_run(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     """The 3-step loop and an evaluation on a plan lowered per rank (issue 26: the threshold
     ``LAZY_FROM_JOBS`` set to 0 in this worker, unverified, as a W=1024 job's plans are
-    lowered); then how many
-    programs each plan lowered on this rank, and the start-up figures the ranks gathered."""
+    lowered); then how many programs each plan lowered on this rank, and the start-up figures
+    the ranks gathered."""
     import sys
 
     from lightning_gsched.engine import config
