@@ -220,6 +220,75 @@ def test_activation_checkpointing_per_stage_matches_single_device(worlds, tmp_pa
                                    rtol=1e-5, atol=1e-5)
 
 
+def lazy_run(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
+    """The 3-step loop and an evaluation on a plan lowered per rank (issue 26: the threshold
+    ``LAZY_FROM_JOBS`` set to 0 in this worker, unverified, as a W=1024 job's plans are
+    lowered); then how many programs each plan lowered on this rank, and the start-up figures
+    the ranks gathered."""
+    import sys
+
+    from lightning_gsched.engine import config
+    from lightning_gsched.schedule.describe import startup_summary
+    from lightning_gsched.schedule.lazy_ranks import LazyList
+
+    plan_module = sys.modules["lightning_gsched.schedule.plan"]
+    saved = plan_module.LAZY_FROM_JOBS, config.plan_arguments
+    plan_module.LAZY_FROM_JOBS = 0
+    # unverified: the proof that verifies a lazy plan leaves ties (this GPT's) to the dry run
+    config.plan_arguments = functools.partial(saved[1], verify=False)  # type: ignore[assignment]
+    try:
+        fabric = pipelined_fabric(ctx, schedule)
+        model, optimizer = setup(fabric)
+        batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
+        losses = train(fabric, model, optimizer, batches, pipelined=True)
+        logits = fabric.strategy.evaluate(model, batches[0], last_logits)
+        engine = fabric.strategy.engine
+        result = engine.train_plan
+        evals = list(engine.config._eval_plans.values())
+        assert isinstance(result.programs.ranks, LazyList)
+        assert evals and all(isinstance(e.programs.ranks, LazyList) for e in evals)
+        made = {"programs": result.programs.ranks.lowered,
+                "metrics": result.metrics.per_worker.lowered,  # type: ignore[attr-defined]
+                "eval": [e.programs.ranks.lowered for e in evals]}
+        memory = engine.runtime.memory()
+        rows = engine._startup_rows(result, memory)  # collective: what the start-up gathered
+        predicted = engine.memory.predicted
+        sizes = engine.memory.sizes
+        # the full path, every program read (lowered now, after the counts above)
+        summary = (startup_summary(result, memory.stage_bytes, memory.tie_bytes, None, rows),
+                   startup_summary(result, memory.stage_bytes, memory.tie_bytes, None))
+        fabric.strategy.finish()
+    finally:
+        plan_module.LAZY_FROM_JOBS, config.plan_arguments = saved
+    return {"losses": losses, "weights": state_of(model), "logits": logits, "made": made,
+            "predicted": predicted, "sizes": sizes, "summary": summary,
+            "checkpointed": result.checkpointed}
+
+
+def test_a_plan_lowered_per_rank_trains_and_each_rank_reads_only_its_program(worlds) -> None:
+    """Issue 26: a rank's start-up, steps and evaluation lower its own program only (the
+    replica groups, the transport's signature, the memory prediction and the start-up
+    summary read no other rank's), and the run, the predicted bytes and the summary equal
+    the full path's."""
+    from lightning_gsched.schedule import plan
+    from lightning_gsched.schedule.memory import predict_memory
+
+    want = reference()
+    results = worlds.get(WORLD).run(lazy_run, "1f1b")
+    for rank, got in enumerate(results):
+        label = f"lazy 1f1b rank {rank}"
+        assert got["made"] == {"programs": 1, "metrics": 1, "eval": [1]}, label
+        assert_same_state(got["weights"], want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
+        torch.testing.assert_close(got["logits"], share(want["logits"], rank, WORLD),
+                                   rtol=1e-5, atol=1e-5)
+        assert got["summary"][0] == got["summary"][1], label
+    first = results[0]
+    eager = plan("1f1b", WORLD, ties=first["sizes"].tie_map.values()).programs
+    assert first["predicted"] == predict_memory(eager, first["sizes"], first["checkpointed"],
+                                                sends_held=True)
+
+
 def test_the_comparison_is_not_vacuous() -> None:
     """3 steps move the weights far beyond the tolerance, and losses differ per step."""
     want, initial = reference(), state_of(make_gpt(0))

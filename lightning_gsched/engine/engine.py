@@ -61,7 +61,12 @@ from lightning_gsched.runtime import (
     owned_parameters,
     stage_micros,
 )
-from lightning_gsched.schedule.describe import plan_command, startup_summary
+from lightning_gsched.schedule.describe import (
+    StartupRow,
+    plan_command,
+    startup_row,
+    startup_summary,
+)
 from lightning_gsched.schedule.plan import Plan
 
 
@@ -266,12 +271,25 @@ class PipelineEngine:
                                         # constraint (runtime/host_heap.py)
                                         release_heap_each_step=self.deferred)
             self.runtime.prune_optimizer_state(self.optimizers())
+            memory = self.runtime.memory()
+            rows = self._startup_rows(plan, memory)
         if self.rank == 0:
-            self.info(startup_text(self.train_plan, self.partition, self.runtime.memory(),
+            self.info(startup_text(self.train_plan, self.partition, memory,
                                    custom=(self.config.arguments is not None
                                            and self.config.arguments.placement is not None),
                                    memory_lines=self.memory.startup_lines(),
-                                   header=self.config.choice_text))
+                                   header=self.config.choice_text, rows=rows))
+
+    def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
+        """Every worker's row of the start-up summary, each computed by its own rank from
+        its own program and gathered (collective).
+
+        Why not rank 0 reading every program: a plan of many ranks lowers each rank's program
+        when first read (schedule/lazy_ranks.py); reading all W of them on rank 0 costs a
+        minute and gigabytes at W=1024. Gathered, the summary is the same text."""
+        mine = startup_row(plan, memory.stage_bytes, memory.tie_bytes, self.rank)
+        return self._collective("the start-up summary's gather",
+                                lambda: exchange(mine, self.world_size, self.group))
 
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
                     training: bool) -> GlobalBatch:
@@ -510,19 +528,22 @@ class PipelineEngine:
 
 
 def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bool,
-                 memory_lines: str | None = None, header: str = "") -> str:
+                 memory_lines: str | None = None, header: str = "",
+                 rows: list[StartupRow] | None = None) -> str:
     """What rank 0 prints when the pipeline is built: one screen at W=8 and beyond.
 
     The plan's per-worker numbers as ranges over the workers (:func:`startup_summary`), the
     command that prints the full per-worker table (not for a ``custom`` placement, which the
     CLI cannot express), and the partition's stage table without the per-stage unit lists
     (2-3 lines per stage), which ``partition.report()`` gives in full. ``header``: what
-    comes first (``schedule="auto"``: how the plan was chosen).
+    comes first (``schedule="auto"``: how the plan was chosen). ``rows``: every worker's
+    numbers, gathered from the ranks (:meth:`PipelineEngine._startup_rows`); None: read off
+    every program here.
     """
     command = None if custom else plan_command(plan)
     return "\n".join([
         *([header] if header else []),
-        startup_summary(plan, memory.stage_bytes, memory.tie_bytes, command),
+        startup_summary(plan, memory.stage_bytes, memory.tie_bytes, command, rows),
         *([memory_lines] if memory_lines else []),
         partition.report(units=False),
         "(the units of each stage: strategy.engine.partition.report() during the run)",

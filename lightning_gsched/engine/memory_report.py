@@ -6,7 +6,8 @@ the user's optimizers (their state is a third of Adam's footprint) and the point
 with that state starts (the second training step: the state appears at the first
 ``optimizer.step``). The numbers come from the planner (``schedule/memory.py``) and from the
 runtime's accounting (``ModelRuntime.record_memory``); this module only runs them at the right
-moments, sizes the stages on rank 0 (one broadcast) and gathers the ranks' measured figures
+moments, sizes the stages on rank 0 (one broadcast), gathers the ranks' predictions (each
+rank predicts its own, from its own program: one collective) and the ranks' measured figures
 (one collective, once).
 """
 
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_gsched.engine.logsync import exchange
+from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.measure.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
-from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
+from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_rank_memory
 from lightning_gsched.schedule.plan import Plan
 
 MEASURED_STEP = 1  # the second training step (0-based): the optimizer state exists by then
@@ -75,11 +77,33 @@ class MemoryReport:
             outcome = box[0]
         self.sizes, self.unavailable = outcome
         if self.sizes is not None:
-            # gloo's sends complete only in wait(): the transport holds sent buffers to the
-            # step's end (runtime/transport.py, _prune_sends), so handed-off gradients stay
-            sends_held = world_size > 1 and dist.get_backend(_group(self.control)) == "gloo"
-            self.predicted = predict_memory(plan.programs, self.sizes, plan.checkpointed,
-                                            sends_held)
+            self.predicted, self.unavailable = self._predict_ranks(
+                self.sizes, plan, world_size, rank)
+
+    def _predict_ranks(self, sizes: ModelSizes, plan: Plan, world_size: int, rank: int,
+                       ) -> tuple[list[RankMemory] | None, str | None]:
+        """Every rank's prediction, each made by its own rank from its own program and
+        gathered (collective): (the list, None), or (None, why) on every rank alike.
+
+        Why not each rank predicting every rank: that reads every rank's program, which a plan
+        of many ranks lowers per rank when first read (schedule/lazy_ranks.py): a minute and
+        gigabytes per rank at W=1024. Gathered, the figures are the same."""
+        # gloo's sends complete only in wait(): the transport holds sent buffers to the
+        # step's end (runtime/transport.py, _prune_sends), so handed-off gradients stay
+        sends_held = world_size > 1 and dist.get_backend(_group(self.control)) == "gloo"
+        mine: tuple[RankMemory | None, str | None]
+        try:
+            mine = (predict_rank_memory(plan.programs, sizes, rank, plan.checkpointed,
+                                        sends_held), None)
+        except ScheduleConfigError:
+            raise  # the sizes do not fit the plan: checked without programs, every rank alike
+        except Exception as exc:  # noqa: BLE001 - a report must never stop the training
+            mine = (None, f"{type(exc).__name__}: {exc}")
+        gathered = exchange(mine, world_size, _group(self.control))
+        failed = next((why for _, why in gathered if why is not None), None)
+        if failed is not None:  # every rank sees the same list, so all agree
+            return None, failed
+        return [memory for memory, _ in gathered if memory is not None], None
 
     def startup_lines(self) -> str:
         if self.predicted is None:

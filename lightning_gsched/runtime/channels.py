@@ -11,7 +11,8 @@ Replica all-reduces (of stages and of ties) get one subgroup per distinct member
 running statistics one world group for their end-of-step all-reduce.
 
 ``dist.new_group`` is collective over the whole job, so every rank must build its ``Channels``
-in the same order with the same programs; the groups are derived from the programs alone.
+in the same order with the same programs; the groups are derived from the programs alone (for
+a plan lowered per rank, from its stage owners alone: :func:`replica_groups`).
 
 On a failure the executor calls :meth:`Channels.abort`: it writes the first failure into the
 job's store (peers quote it as the root cause) and destroys every group of this object, which
@@ -28,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.program import Op, Programs
 
 KINDS = ("p2p", "weights", "grads")
@@ -90,12 +92,31 @@ def destroy_groups(groups: list[Any], collect: bool = False) -> None:
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     """Distinct ``ALLREDUCE_G``/``ALLREDUCE_T`` member sets (and replicated owners), sorted:
-    the creation order."""
-    groups = {tuple(owners) for owners in programs.owners if len(owners) > 1}
+    the creation order, which must be the same on every rank (``dist.new_group`` is
+    collective).
+
+    Programs lowered per rank on demand (``Programs.ranks`` a :class:`LazyList`: large plans,
+    schedule/lazy_ranks.py) come from the planner's lowering, whose every all-reduce group is
+    the owners of a replicated stage or tie home (``lower.py``, ``lower_rank.py``,
+    ``lower_ties.py``), so :func:`owner_groups` is the list, read without lowering any program
+    (scanning them would lower all W on every rank: a minute and gigabytes at W=1024). Whether
+    the list is lazy is the plan's own decision, the same on every rank. Programs given as a
+    list (eager plans, parsed or hand-written ones) are in memory already: their actions are
+    scanned too, so a group that is not a stage's owners still gets its subgroup.
+    """
+    groups = set(owner_groups(programs))
+    if isinstance(programs.ranks, LazyList):
+        return sorted(groups)
     for program in programs.ranks:
         groups.update(a.group for a in program
                       if a.op in (Op.ALLREDUCE_G, Op.ALLREDUCE_T) and a.group)
     return sorted(groups)
+
+
+def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
+    """The distinct owner sets of replicated stages, sorted: every all-reduce group the
+    planner's lowering makes (a tie is owned with its home stage), read off ``owners``."""
+    return sorted({tuple(owners) for owners in programs.owners if len(owners) > 1})
 
 
 class Channels:

@@ -58,7 +58,10 @@ from lightning_gsched.runtime.layout import (
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step import StepRun
 from lightning_gsched.runtime.transport import TRANSPORTS, Transport, label
-from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.program import OPS, Action, Op, Programs
+
+# the ops whose message is a pytree (activations, input-gradients): the p2p channel's
+_PYTREE_OPS = frozenset(op for op, spec in OPS.items() if spec.channel == "p2p")
 
 
 class ProgramExecutor:
@@ -246,7 +249,7 @@ class ProgramExecutor:
         (BatchNorm) are left as they were, even for modules in training mode. Counters of the
         run are in ``self.last_forward_counters`` (equal to the forward-only plan's metrics).
         """
-        check_forward_programs(self.programs, programs)
+        check_forward_programs(self.programs, programs, self.rank)
         view = ProgramView.of(programs, self.rank)
         with torch.inference_mode(False), torch.no_grad(), self.running_stats.unchanged():
             state = StepRun(self, view, inputs, output_fn, forward_only=True)
@@ -320,11 +323,17 @@ class ProgramExecutor:
         self.transport.begin_step(programs, key)
 
     def _has_pytree_messages(self, programs: Programs) -> bool:
-        """Whether any rank's program sends activations or input-gradients (cached)."""
+        """Whether this rank's program sends or receives activations or input-gradients
+        (cached per programs).
+
+        Why this rank's only: the step's signature (the inputs' specs) keys the transport's
+        fast path, which only a sender and its receiver must agree on, and both have such a
+        message in their programs, so both take the signature; a rank with none exchanges no
+        pytree and its key changes nothing. Reading every rank's program instead would lower
+        all W of a plan lowered per rank (schedule/lazy_ranks.py) on every rank."""
         key = id(programs)
         if key not in self._messages:
-            sends = {Op.SEND_ACT, Op.SEND_GRAD}
-            found = any(a.op in sends for program in programs.ranks for a in program)
+            found = any(a.op in _PYTREE_OPS for a in programs.ranks[self.rank])
             self._messages[key] = (programs, found)
         return self._messages[key][1]
 

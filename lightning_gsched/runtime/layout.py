@@ -21,6 +21,7 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.schedule.consumption import OpRules
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 
@@ -75,8 +76,16 @@ class ProgramView:
         )
 
 
-def check_forward_programs(train: Programs, programs: Programs) -> None:
-    """``programs`` can run as forward-only programs on an executor built for ``train``."""
+def check_forward_programs(train: Programs, programs: Programs, rank: int | None = None,
+                           ) -> None:
+    """``programs`` can run as forward-only programs on an executor built for ``train``.
+
+    Programs lowered per rank on demand (``programs.ranks`` a :class:`LazyList`, a large
+    plan's: schedule/lazy_ranks.py) are checked by their ``forward_only`` flag (the lowering of
+    a forward-only plan makes forward ops only) and ``rank``'s own program, without lowering
+    the other ranks' (every rank decides alike: the flag and the laziness are the plan's);
+    programs given as a list are scanned whole, as they are in memory already.
+    """
     fix = (
         "plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
         "forward_only=True), i.e. the schedule, W, S, R and ties of the executor's programs "
@@ -87,11 +96,20 @@ def check_forward_programs(train: Programs, programs: Programs) -> None:
             f"forward() needs the Programs of a forward-only plan (plan(...).programs), got "
             f"{type(programs).__name__}; {fix}."
         )
-    for rank, program in enumerate(programs.ranks):
+    if isinstance(programs.ranks, LazyList):
+        if not programs.forward_only:
+            raise RuntimeConfigError(
+                "forward() runs forward-only programs, but these programs are a training "
+                f"plan's (backward, input-gradient or gradient-reduction actions); {fix}.")
+        scanned: Sequence[tuple[int, list[Action]]] = (
+            [] if rank is None else [(rank, programs.ranks[rank])])
+    else:
+        scanned = list(enumerate(programs.ranks))
+    for where, program in scanned:
         bad = next((a for a in program if a.op in BACKWARD_OPS), None)
         if bad is not None:
             raise RuntimeConfigError(
-                f"forward() runs forward-only programs, but rank {rank}'s program contains "
+                f"forward() runs forward-only programs, but rank {where}'s program contains "
                 f"'{bad}' (backward, input-gradient or gradient-reduction actions); {fix}."
             )
     mismatches = []

@@ -9,12 +9,13 @@ CLI to do so (``tests/test_layering.py`` checks that nothing imports ``lightning
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY
-from lightning_gsched.schedule.memory import resident_bytes
+from lightning_gsched.schedule.memory import ResidentBytes, rank_resident_bytes, resident_bytes
+from lightning_gsched.schedule.metrics import WorkerMetrics
 from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
 
@@ -293,8 +294,27 @@ def _byte_span(values: Sequence[float]) -> str:
     return f"{low_number}-{high}" if high.endswith(f" {low_unit}") else f"{low} to {high}"
 
 
+class StartupRow(NamedTuple):
+    """One worker's numbers in :func:`startup_summary`: its counts (``metrics.per_worker``)
+    and its parameter bytes (owned, peak resident)."""
+
+    counts: WorkerMetrics
+    resident: ResidentBytes
+
+
+def startup_row(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
+                rank: int) -> StartupRow:
+    """``rank``'s :class:`StartupRow`, read off its own program only.
+
+    Why: every rank of a job computes its own row and the rows are gathered (one collective)
+    for :func:`startup_summary`'s ``rows``, so no rank reads (and, for a plan lowered per rank,
+    lowers) the programs of all W ranks, which at W=1024 costs a minute and gigabytes."""
+    return StartupRow(result.metrics.per_worker[rank],
+                      rank_resident_bytes(result.programs, stage_bytes, tie_bytes, rank))
+
+
 def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
-                    command: str | None) -> str:
+                    command: str | None, rows: Sequence[StartupRow] | None = None) -> str:
     """The plan as GeneralParallel prints it before the first step: 10 lines for any W (one
     more with ties, one more naming the checkpointed stages when activation checkpointing is
     on).
@@ -303,15 +323,23 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
     ``{home stage: bytes}`` of every tie (owned with its home stage, fetched by the workers
     that compute a reader without owning it). ``command``: how to print the full per-worker
     table (e.g. :func:`plan_command`), or None when no command can (a custom placement).
+    ``rows``: every worker's :class:`StartupRow` in worker order, where the caller gathered
+    them (:func:`startup_row` on each rank); None: read here off every program.
     """
     m = result.metrics
-    workers = [w.worker for w in m.per_worker]
+    if rows is None:
+        rows = [StartupRow(w, r) for w, r in zip(
+            m.per_worker, resident_bytes(result.programs, stage_bytes, tie_bytes), strict=True)]
+    elif len(rows) != result.workers:
+        raise ValueError(f"startup_summary got {len(rows)} rows for {result.workers} workers")
+    per_worker = [row.counts for row in rows]
+    workers = [w.worker for w in per_worker]
 
     def ranged(field: str) -> str:
-        return span([getattr(w, field) for w in m.per_worker])
+        return span([getattr(w, field) for w in per_worker])
 
     def most(field: str) -> str:
-        values = [getattr(w, field) for w in m.per_worker]
+        values = [getattr(w, field) for w in per_worker]
         return _most(values, workers, span(values))
 
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
@@ -319,7 +347,7 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
              + (f", weight {_numbers(wgt)}" if wgt else "")
              if len({*fwd}) == 1 and len({*bwd}) == 1 and len({*wgt}) <= 1
              else "the given per-stage costs")
-    memory = worker_parameter_bytes(result, stage_bytes, tie_bytes)
+    memory = [(row.resident.owned, row.resident.peak) for row in rows]
     peak = [float(p) for _, p in memory]
     lines = [
         f"GeneralParallel plan: {result.schedule} {configuration_text(result)}",
