@@ -69,10 +69,12 @@ GOAL_S = 1.0
 # (symmetry.make_simulator: the priorities and the simulation, by symmetry or in full)
 PHASES = {
     "placement_table": ((_PLAN_MODULE, "PlacementTable"),),
-    "priorities": ((_SYMMETRY_MODULE, "priority_ranks"),),
+    # ranks for a simulation job by job, or the keys of a pipeline's sweep (sweep.py)
+    "priorities": ((_SYMMETRY_MODULE, "priority_ranks"), (_SYMMETRY_MODULE, "order_keys")),
     # the bisection, including the chosen cap's simulation
     "auto_cap": ((_PLAN_MODULE, "_auto_cap_timeline"),),
-    "simulate": ((_SYMMETRY_MODULE, "simulate"), (_PLAN_MODULE, "simulate")),
+    "simulate": ((_SYMMETRY_MODULE, "simulate"), (_PLAN_MODULE, "simulate"),
+                 (_SYMMETRY_MODULE, "simulate_sweep")),
     "lower": ((_PLAN_MODULE, "lower"),),
     "dry_run": ((_PLAN_MODULE, "dry_run"),),
     "measure": ((_PLAN_MODULE, "measure"),),

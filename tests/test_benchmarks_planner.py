@@ -15,16 +15,22 @@ def test_every_wrapped_phase_still_exists() -> None:
             assert hasattr(module, name), f"{label}: {module.__name__}.{name} is gone"
 
 
-@pytest.mark.parametrize("schedule, expected", [
-    ("1f1b", ("placement_table", "priorities", "simulate", "lower", "dry_run", "measure")),
+@pytest.mark.parametrize("schedule, cap, expected", [
+    # a pipeline: its keys and its sweep (sweep.py)
+    ("1f1b", None, ("placement_table", "priorities", "simulate", "lower", "dry_run", "measure")),
     # cap='auto': the bisection's simulations (and their priorities) run inside auto_cap
-    ("interleaved", ("placement_table", "auto_cap", "simulate", "lower", "dry_run", "measure")),
+    ("interleaved", "auto",
+     ("placement_table", "auto_cap", "simulate", "lower", "dry_run", "measure")),
+    # a looped placement: one group simulated job by job (symmetry.py), each rank's program
+    # lowered when read (none here)
+    ("fslpp", None, ("placement_table", "priorities", "simulate")),
 ])
-def test_the_timers_see_every_phase(schedule: str, expected: tuple[str, ...]) -> None:
+def test_the_timers_see_every_phase(schedule: str, cap: str | None,
+                                    expected: tuple[str, ...]) -> None:
     from lightning_gsched.schedule.plan import plan
 
     with phase_timers() as (times, calls):
-        plan(schedule, 4, stages=8, microbatches=8)
+        plan(schedule, 4, stages=8, microbatches=8, **({"cap": cap} if cap else {}))
     for label in expected:
         assert calls[label] >= 1, label
     assert set(times) == set(PHASES)

@@ -86,9 +86,11 @@ LIBRARY: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "interleaved", "one loop over all W workers with S=2W stages in Megatron's interleaved "
             "1F1B order: GPipe's bubble divided by S/W, twice the activation messages",
-            lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: "auto",
+            # cap S: what cap='auto' (the smallest cap keeping the uncapped latency) finds at
+            # every shape tests/test_schedule_sweep.py checks, without auto's ~12 simulations
+            lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: S,
             stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, default_R=lambda W: W,
-            defaults_doc="R=W, S=2W, B=2W, order=interleaved, cap=auto",
+            defaults_doc="R=W, S=2W, B=2W, order=interleaved, cap=S",
         ),
         ScheduleSpec(
             "fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per worker): "

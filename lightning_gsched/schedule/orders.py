@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence, Union
 
+import numpy as np
+
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
@@ -140,6 +142,48 @@ def interleaved_sequence(
     return position
 
 
+class InterleavedOrder:
+    """Priority = position in :func:`interleaved_sequence`, by formula (no table of every job).
+
+    Why a formula: at W=1024 the sequence has 8 million jobs, and a dict from every job to its
+    position would take over a gigabyte. :meth:`positions` gives every job's position at once
+    (numpy) for the planner's sweep (:mod:`.sweep`); ``tests/test_schedule_sweep.py`` checks
+    both against :func:`interleaved_sequence`, the order's written-out definition.
+    """
+
+    __name__ = "interleaved"
+
+    def __init__(self, workers: int, stages: int, micro: int, R: int) -> None:
+        self.workers, self.stages, self.micro, self.R = workers, stages, micro, R
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> int:
+        return int(self.positions(np.array([stage]), np.array([micro]),
+                                  np.array([phase is not _F]))[0])
+
+    def __repr__(self) -> str:
+        return f"<interleaved order W={self.workers} S={self.stages} B={self.micro} R={self.R}>"
+
+    def positions(self, stage: np.ndarray, micro: np.ndarray,
+                  backward: np.ndarray) -> np.ndarray:
+        """Positions of jobs (arrays of stage, microbatch, is-backward) in their worker's
+        sequence: :func:`interleaved_sequence`'s loops solved for the index."""
+        R, G, V = self.R, self.workers // self.R, self.stages // self.R
+        g, p, c = micro % G, stage % R, stage // R
+        m = micro // G  # the microbatch's place among its group's (b = g + m * G)
+        mine = (self.micro - g + G - 1) // G
+        block, within = m // R, m % R
+        size = np.minimum(R, mine - block * R)  # the last block may be short
+        chunk = np.where(backward, V - 1 - c, c)
+        index = block * V * R + chunk * size + within  # in the forward (backward) order
+        forwards = mine * V
+        warmup = np.minimum(2 * (R - p - 1) + (V - 1) * R, forwards)
+        forward_at = np.where(index < warmup, index, 2 * index - warmup)
+        backward_at = np.where(index < forwards - warmup, warmup + 2 * index + 1,
+                               forwards + index)
+        positions: np.ndarray = np.where(backward, backward_at, forward_at)
+        return positions
+
+
 def interleaved_order(workers: int, stages: int, micro: int, R: int) -> PriorityFn:
     """Priority = position in :func:`interleaved_sequence` (depth-first, warm-up aware)."""
     if R is None or workers % R or stages % R:
@@ -147,12 +191,7 @@ def interleaved_order(workers: int, stages: int, micro: int, R: int) -> Priority
             "order 'interleaved' needs a looped placement with W and S multiples of R "
             f"(got W={workers}, S={stages}, R={R}); use order '1f1b' for other placements"
         )
-    position = interleaved_sequence(workers, stages, micro, R)
-
-    def interleaved(stage: int, micro_: int, phase: Phase) -> int:
-        return position[(stage, micro_, phase)]
-
-    return interleaved
+    return InterleavedOrder(workers, stages, micro, R)
 
 
 ORDERS: dict[str, PriorityFn] = {"bfs": bfs, "gpipe": gpipe, "1f1b": one_f_one_b,

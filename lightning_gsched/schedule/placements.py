@@ -305,7 +305,8 @@ class PlacementTable:
         self.fetch_source: dict[tuple[int, int], int]
         if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
             weight_rows, self.compute = cast(_LibraryPlacement, placement).rows(stages, micro)
-            self.weights = [[(w, w) for w in row] for row in weight_rows]
+            pairs = {w: (w, w) for w in range(workers)}  # one tuple per worker, shared by rows
+            self.weights = [list(map(pairs.__getitem__, row)) for row in weight_rows]
             self.owners = [tuple(sorted(set(row))) for row in weight_rows]
             self.fetch_source = {(s, c): w for s in range(stages)
                                  for c, w in set(zip(self.compute[s], weight_rows[s], strict=True)) if c != w}

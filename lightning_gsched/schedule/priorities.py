@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Sequence
 
+import numpy as np
+
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase, all_jobs, phases_of
-from lightning_gsched.schedule.orders import OrderLayout, PriorityFn, layout_of
+from lightning_gsched.schedule.orders import InterleavedOrder, PriorityFn, layout_of
 
 
 def priority_ranks(
@@ -32,9 +34,11 @@ def priority_ranks(
     does (:func:`_packed`), so the sort compares ints, not tuples.
     """
     phases = phases_of(forward_only, split_backward)
-    layout = layout_of(priority)
-    if layout is not None:
-        return inverse(_layout_order(layout, stages, micro, phases))
+    known = order_keys(priority, stages, micro, phases)
+    if known is not None:  # a library order: its keys at once, ranked by one sort
+        ranks = np.empty(len(known), dtype=np.int64)
+        ranks[np.argsort(known, kind="stable")] = np.arange(len(known))
+        return ranks.tolist()  # type: ignore[no-any-return]
     keys: list[Any] = []
     append = keys.append
     s = b = 0
@@ -68,26 +72,47 @@ def inverse(permutation: list[int]) -> list[int]:
     return inverse
 
 
-def _layout_order(layout: OrderLayout, stages: int, micro: int,
-                  phases: tuple[Phase, ...]) -> list[int]:
-    """Flat job indices in the order a library order's layout ranks them (see orders.py)."""
+def order_keys(priority: PriorityFn, stages: int, micro: int,
+               phases: tuple[Phase, ...]) -> np.ndarray | None:
+    """Keys (int64 per flat job index) that order jobs as the pairs (n(job), job) do, for the
+    orders whose keys have a formula: a library order's layout (orders.py) and interleaved's
+    positions. None for any other order (then n is called per job: :func:`priority_ranks`).
+
+    The job tie-break is (stage, micro, phase by its text: B < F < W), as ``Job`` compares.
+    Computed on the (stage, micro) grid, one phase at a time, into one array.
+    """
+    layout = layout_of(priority)
+    if layout is None and not isinstance(priority, InterleavedOrder):
+        return None
     P = len(phases)
-    index_of = {d: k for k, d in enumerate(phases)}
-    order: list[int] = []
-    for group, major, minor in layout:
-        ks = [index_of[d] for d in sorted(group, key=str) if d in index_of]
-        if not ks:
+    keys = np.empty((stages, micro, P), dtype=np.int64)
+    stage = np.arange(stages, dtype=np.int64)[:, None]
+    b = np.arange(micro, dtype=np.int64)[None, :]
+    job = (stage * micro + b) * 3  # the job's place in (stage, micro, phase text) order
+    span = max(stages, micro)
+    for k, d in enumerate(phases):
+        if isinstance(priority, InterleavedOrder):
+            at = priority.positions(stage, b, np.full((1, 1), d is not Phase.F))
+            keys[:, :, k] = at * (stages * micro * 3) + job + _TEXT_RANK[d]
             continue
-        loops = []
-        for name, ascending in (major, minor):
-            span = range(stages if name == "stage" else micro)
-            loops.append(span if ascending else span[::-1])
-        outer, inner = loops
-        if major[0] == "stage":  # flat = (stage * micro + b) * P + k
-            order += [(x * micro + y) * P + k for x in outer for y in inner for k in ks]
-        else:
-            order += [(y * micro + x) * P + k for x in outer for y in inner for k in ks]
-    return order
+        assert layout is not None
+        group, (major, minor) = next((index, (major, minor)) for index, (members, major, minor)
+                                     in enumerate(layout) if d in members)
+        place = (_loop_index(major, stage, b, stages, micro) * span
+                 + _loop_index(minor, stage, b, stages, micro))
+        keys[:, :, k] = ((group * span * span + place) * 3) + _TEXT_RANK[d]
+    return keys.reshape(-1)
+
+
+_TEXT_RANK = {Phase.B: 0, Phase.F: 1, Phase.W: 2}
+
+
+def _loop_index(loop: tuple[str, bool], stage: np.ndarray, micro: np.ndarray, stages: int,
+                micros: int) -> np.ndarray:
+    """A layout loop's place of each job: its index, reversed where the loop descends."""
+    name, ascending = loop
+    value, size = (stage, stages) if name == "stage" else (micro, micros)
+    return value if ascending else size - 1 - value
 
 
 def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:

@@ -54,7 +54,7 @@ premise on fully lowered programs):
 - gradients handed to the owner (``REDUCE_G``/``RECV_G``) are waited for by no compute, and
   there are no all-reduces: every stage has one owner and there are no ties.
 
-What :func:`certify` checks on the timeline (O(jobs), in C-level loops; the planner asks it
+What :func:`certify` checks on the timeline (O(jobs), in numpy; the planner asks it
 for timelines by group symmetry and for plans of :data:`.plan.LAZY_FROM_JOBS` jobs or more, the
 pipelines at large W, and dry-runs anything else in full): a chain graph, one owner per stage, no ties; every
 job's duration is positive; every job starts no earlier than its predecessors end; every
@@ -68,10 +68,11 @@ dry-run.
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import chain, repeat
-from operator import ge, itemgetter, le, lt
-from typing import Callable, Mapping
+from array import array
+from itertools import chain
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.dryrun_rank import CHANNEL_KINDS, Shared, check_rank
@@ -85,6 +86,7 @@ from lightning_gsched.schedule.program import (
     Programs,
 )
 from lightning_gsched.schedule.simulate import Timeline
+from lightning_gsched.schedule.sweep import WorkerOrders
 
 
 def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
@@ -98,38 +100,51 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
         return "the stage graph is not a chain"
     if any(len(owners) != 1 for owners in table.owners):
         return "a stage has several owners (all-reduces)"
-    start, end = timeline.start, timeline.end
+    start, end = _floats(timeline.start), _floats(timeline.end)
     J = len(start)
-    if len(end) != J or not all(map(lt, start, end)):
+    if len(end) != J or not np.all(start < end):
         return "a job's duration is not positive"
     P, B = len(timeline.phases), table.micro
     if P * B * table.stages != J:
         return "the timeline's jobs are not the plan's"
     # flat job (s * B + b) * P + k: slices of step P are one phase, stage-major
     f_start, f_end = start[0::P], end[0::P]
-    if not all(map(ge, f_start[B:], f_end[:-B])):  # F s b after F s-1 b
+    if not np.all(f_start[B:] >= f_end[:-B]):  # F s b after F s-1 b
         return "a forward starts before its input's forward ends"
     if P >= 2:
         b_start, b_end = start[1::P], end[1::P]
-        if not all(map(ge, b_start[-B:], f_end[-B:])):  # the last stage's B after its F
+        if not np.all(b_start[-B:] >= f_end[-B:]):  # the last stage's B after its F
             return "a backward starts before its forward ends"
-        if not all(map(ge, b_start[:-B], b_end[B:])):  # B s b after B s+1 b
+        if not np.all(b_start[:-B] >= b_end[B:]):  # B s b after B s+1 b
             return "a backward starts before its output's backward ends"
-    if P == 3 and not all(map(ge, start[2::P], b_end)):  # W s b after B s b
+    if P == 3 and not np.all(start[2::P] >= b_end):  # W s b after B s b
         return "a weight-gradient job starts before its backward ends"
-    for jobs in timeline.order:
-        if len(jobs) < 2:
-            continue
-        starts = itemgetter(*jobs)(start)  # a tuple (two or more jobs)
-        if not all(map(le, starts, starts[1:])):
-            return "a worker's starts decrease along its order"
-    if sum(map(len, timeline.order)) != J:
+    flat, offsets = _orders(timeline.order)
+    if len(flat) != J or np.bincount(flat, minlength=J).max(initial=1) != 1:
         return "the workers' orders do not hold every job once"
-    seen = bytearray(J)
-    deque(map(seen.__setitem__, chain.from_iterable(timeline.order), repeat(1)), maxlen=0)
-    if seen.count(0):
-        return "the workers' orders do not hold every job once"
+    starts = start[flat]
+    rising = starts[1:] >= starts[:-1]
+    edges = offsets[1:-1]
+    rising[edges[(edges > 0) & (edges < len(flat))] - 1] = True  # a worker's last, next's first
+    if not np.all(rising):
+        return "a worker's starts decrease along its order"
     return None
+
+
+def _floats(values: Sequence[float]) -> np.ndarray:
+    """Times as a float64 array: without a copy for the sweep's ``array('d')``."""
+    return np.frombuffer(values, dtype=np.float64) if isinstance(values, array) \
+        else np.asarray(values, dtype=np.float64)
+
+
+def _orders(order: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every worker's order as one int array and the offsets where each worker's begins."""
+    if isinstance(order, WorkerOrders):
+        return order.flat, order.offsets
+    lengths = np.fromiter(map(len, order), dtype=np.int64, count=len(order))
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    flat = np.fromiter(chain.from_iterable(order), dtype=np.int64, count=int(offsets[-1]))
+    return flat, offsets
 
 
 def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Action]]],

@@ -116,10 +116,14 @@ class Timeline:
     """
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
-                 order: list[list[int]], start: list[float], end: list[float],
-                 sequence: list[int] | Callable[[], list[int]], busy: list[float]) -> None:
+                 order: Sequence[list[int]], start: Sequence[float], end: Sequence[float],
+                 sequence: list[int] | Callable[[], list[int]], busy: list[float],
+                 latency: float | None = None) -> None:
         self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
+        # lists, or compact equivalents for 10^7 jobs (sweep.py: ``array('d')`` times and
+        # per-worker lists made when read)
         self.order, self.start, self.end = order, start, end
+        self._latency = latency  # known to the sweep; else the largest end, when asked
         # a callable: built when first read (a timeline by symmetry merges its groups' orders
         # only for a reader of every slot, see symmetry.py)
         self._sequence = sequence
@@ -140,7 +144,9 @@ class Timeline:
 
     @property
     def latency(self) -> float:
-        return max(self.end, default=0.0)
+        if self._latency is None:
+            self._latency = max(self.end, default=0.0)
+        return self._latency
 
     def job(self, index: int) -> Job:
         """The job at flat index ``index``."""
@@ -384,11 +390,18 @@ def _stuck_error(
             job_of[rank] for rank in state.ready[0]]
         if waiting and not state.forward_allowed():
             stage, b = divmod(min(waiting) // P, micro)  # F jobs: flat order is (stage, micro)
-            blocked.append(
-                f"worker {w} holds {state.stash} activations (cap {state.cap}) and cannot start "
-                f"{Job(stage, b, phases[0])}"
-            )
-    detail = "; ".join(blocked) if blocked else "no worker has a startable job"
+            assert state.cap is not None  # forward_allowed() is False only under a cap
+            blocked.append((w, state.stash, state.cap, Job(stage, b, phases[0])))
+    return stuck_error(blocked, placed, total, caps)
+
+
+def stuck_error(blocked: Sequence[tuple[int, int, int, Job]], placed: int, total: int,
+                caps: Sequence[int | None]) -> CapTooSmallError:
+    """The error when no worker can start anything: per blocked worker (worker, stash, cap, its
+    first waiting forward). Shared with the sweep (sweep.py), which must fail the same way."""
+    detail = "; ".join(
+        f"worker {w} holds {stash} activations (cap {cap}) and cannot start {job}"
+        for w, stash, cap, job in blocked) or "no worker has a startable job"
     return CapTooSmallError(
         f"the schedule cannot make progress after {placed} of {total} jobs: {detail}. The "
         f"activation cap {list(caps)} is too small for this placement and order; raise the cap, "

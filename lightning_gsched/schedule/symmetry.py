@@ -37,6 +37,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from lightning_gsched.errors import CapTooSmallError
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.orders import PriorityFn, layout_of
@@ -49,8 +51,9 @@ from lightning_gsched.schedule.placements import (
     PlacementFn,
     PlacementTable,
 )
-from lightning_gsched.schedule.priorities import priority_ranks
+from lightning_gsched.schedule.priorities import order_keys, priority_ranks
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
+from lightning_gsched.schedule.sweep import keys_increase_in_micro, simulate_sweep, sweepable
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,28 @@ def make_simulator(
     graph: StageGraph, table: PlacementTable, placement: PlacementFn, priority: PriorityFn,
     costs: Costs,
 ) -> Callable[[Sequence[int | None]], Timeline]:
-    """``caps -> Timeline``: by symmetry where it is exact, else the full simulation.
+    """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a
+    pipeline (:mod:`.sweep`), else the full simulation.
 
     The full ranks (one per job: 0.6-1.3 s at W=1024) are computed only if a full simulation
-    runs; the group's ranks once, for every cap the planner tries.
+    runs; the group's ranks, or the sweep's keys, once, for every cap the planner tries.
     """
     groups = groups_of(placement, table.workers, table.micro)
     full_ranks: list[int] = []
     group_parts: list[tuple[PlacementTable, list[int]]] = []
+    if groups is None and sweepable(graph, table):
+        keys = order_keys(priority, table.stages, table.micro, graph.phases)
+        if keys is None:  # a user's order: its ranks are keys too
+            full_ranks.extend(priority_ranks(priority, table.stages, table.micro,
+                                             graph.forward_only, graph.split_backward))
+            keys = np.asarray(full_ranks, dtype=np.int64)
+        if keys_increase_in_micro(keys, table.stages, table.micro, len(graph.phases)):
+            swept = keys
+
+            def sweep(caps: Sequence[int | None]) -> Timeline:
+                return simulate_sweep(graph, table, swept, costs, caps)
+
+            return sweep
 
     def full(caps: Sequence[int | None]) -> Timeline:
         if not full_ranks:
@@ -139,11 +156,12 @@ def expand(group: Timeline, groups: Groups, ranks: Callable[[], Sequence[int]]) 
     S, P, Bg = group.stages, len(group.phases), group.micro
     start: list[float] = []
     end: list[float] = []
+    group_start, group_end = list(group.start), list(group.end)  # the simulator's lists
     for s in range(S):
         for m in range(Bg):
             at = (s * Bg + m) * P
-            start += group.start[at:at + P] * G  # b = m*G + g for g = 0..G-1: the same slot
-            end += group.end[at:at + P] * G
+            start += group_start[at:at + P] * G  # b = m*G + g for g = 0..G-1: the same slot
+            end += group_end[at:at + P] * G
     # group 0's flat index (s*Bg + m)*P + k is the full (s*B + m*G)*P + k; group g adds g*P
     base = [[((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
             for jobs in group.order]

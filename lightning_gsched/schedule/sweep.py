@@ -1,0 +1,263 @@
+"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy).
+
+Why: :func:`.simulate.simulate` places one job per heap event, about 5 us a job in Python. At
+W=1024 a pipeline's default plan has 4 to 12 million jobs (1f1b: S=W, B=2W, two phases; zbv:
+S=2W, three), 20 to 75 s per simulation. This module computes the very same timeline with a
+few numpy operations per *time window* instead of per job: about latency / (shortest job)
+windows, 10^4 at W=1024, each deciding for every worker at once.
+
+**When it applies** (:func:`sweepable`, checked by the planner, which otherwise simulates job
+by job): the stage graph is a chain, every stage runs on one compute worker whatever the
+microbatch (every pipeline placement: gpipe, 1f1b, interleaved, zero bubble; not the looped
+ones, which :mod:`.symmetry` handles), and the order's keys increase with ``b`` for every
+(stage, phase) (every library order, interleaved's included; a user's order is checked).
+
+**Why it is the simulator's timeline, exactly.**
+
+1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue, in b order. In a
+   chain every job has at most one predecessor, with the same b. Claim: every queue runs in b
+   order and its ready times do not decrease along it. By induction over time: ``F 0 b`` are
+   all ready at 0; if the predecessor's queue runs in b order, its starts increase along b on
+   its one worker and its duration is one per (stage, phase), so its ends increase: the
+   ready times along the queue do not decrease. Then the jobs of a queue ready at time t are
+   a prefix of what is left of it, and since keys increase along the queue, the simulator's
+   choice (the smallest key among ready jobs the cap allows) is a head: the queue runs in b
+   order. Each worker's next job is therefore the smallest ``(max(free_at, ready), key)``
+   among its queue heads (forwards only while its stash is below its cap): the rule
+   :func:`.simulate.simulate` applies with heaps over all of the worker's jobs.
+2. *Windows.* Let t* be the earliest decision over all workers and d the shortest duration.
+   A job not started yet starts at t* or later and ends at t* + d or later (float rounding is
+   monotone), so nothing becomes ready before t* + d: every worker whose decision falls below
+   t* + d decides exactly as the event-ordered simulation does, and all of them are taken in
+   one step (a worker decides at most once per window, its job lasting d at least).
+3. *Same floats.* Starts are ends or ready times (maxima of ends), ends are start + duration,
+   and each worker's busy time is the sequential sum of its durations in its order
+   (``np.cumsum`` adds in sequence): the operations the simulator does, so the timeline is
+   equal, not close. ``tests/test_schedule_sweep.py`` compares the two on every library
+   pipeline, uneven costs, caps and custom orders.
+
+A cap too small ends the sweep as it ends the simulation, with the same
+:class:`~lightning_gsched.errors.CapTooSmallError` (:func:`.simulate.stuck_error`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Iterator, Sequence, overload
+
+import numpy as np
+
+from lightning_gsched.schedule.jobs import Job, StageGraph
+from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.simulate import Costs, Timeline, stuck_error
+
+_NO_CAP = np.iinfo(np.int64).max
+_LAST_KEY = np.iinfo(np.int64).max
+
+
+def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
+    """A chain whose every stage is computed on one worker for all microbatches (docstring)."""
+    return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
+
+
+def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: int) -> bool:
+    """Whether every (stage, phase) queue's keys increase with b (docstring, item 1)."""
+    grid = keys.reshape(stages, micro, phases)
+    return bool(np.all(grid[:, 1:, :] > grid[:, :-1, :]))
+
+
+class WorkerOrders(Sequence[list[int]]):
+    """``Timeline.order`` of a swept timeline: each worker's flat jobs as a list when read.
+
+    All orders together are one int array (``flat``, worker after worker, from ``offsets``);
+    a rank lowering its own program reads its own list and its neighbours', so at W=1024 the
+    other 10^7 ints are never made Python objects. Lists made are kept.
+    """
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
+        self.flat, self.offsets = flat, offsets
+        self._lists: list[list[int] | None] = [None] * (len(offsets) - 1)
+
+    def __len__(self) -> int:
+        return len(self._lists)
+
+    @overload
+    def __getitem__(self, index: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[list[int]]: ...
+
+    def __getitem__(self, index: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        made = self._lists[index]
+        if made is None:
+            w = index % len(self._lists)
+            made = self._lists[w] = self.flat[self.offsets[w]:self.offsets[w + 1]].tolist()
+        return made
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[w] for w in range(len(self)))
+
+
+class _Queues:
+    """Every worker's queues as the cells of a K x W grid (K: the most queues a worker has).
+
+    Cell ``slot * W + worker`` holds one queue of the worker; each grid row is a contiguous
+    vector over the workers, so a per-worker minimum over its queues is K - 1 element-wise
+    minima (numpy reduces a short last axis slowly: 20x here). Queue (s, d) holds ``(s, b,
+    d)`` for b = 0..B-1, flat job index ``base + b * P``; a cell past a worker's queues is
+    empty (no jobs left, never ready).
+    """
+
+    def __init__(self, graph: StageGraph, table: PlacementTable, costs: Costs) -> None:
+        W, S, B = table.workers, table.stages, table.micro
+        P = len(graph.phases)
+        worker_of_stage = np.array([row[0] for row in table.compute], dtype=np.int64)
+        stage = np.repeat(np.arange(S, dtype=np.int64), P)  # queue (s, d) at s * P + d
+        phase = np.tile(np.arange(P, dtype=np.int64), S)
+        worker = worker_of_stage[stage]
+        by_worker = np.argsort(worker, kind="stable")
+        counts = np.bincount(worker, minlength=W)
+        K = int(counts.max())
+        slot = np.empty(S * P, dtype=np.int64)
+        slot[by_worker] = np.arange(S * P) - np.repeat(np.cumsum(counts) - counts, counts)
+        cell = slot * W + worker  # of every queue
+
+        def grid(values: np.ndarray, empty: float | int, dtype: type) -> np.ndarray:
+            out: np.ndarray = np.full(K * W, empty, dtype=dtype)
+            out[cell] = values
+            return out
+
+        durations = np.array([costs.by_phase()[d] for d in graph.phases], dtype=np.float64)
+        release = P - 1  # the stash is freed by the last backward phase: B, or W when split
+        self.width = K
+        self.base = grid(stage * B * P + phase, 0, np.int64)
+        self.duration = grid(durations[phase, stage], np.inf, np.float64)
+        self.jobs = grid(np.full(S * P, B), 0, np.int64)  # jobs in each queue (0: empty cell)
+        self.forward = grid(phase == 0, False, np.bool_)
+        self.releases = grid((phase == release) & (phase > 0), 0, np.int64)
+        self.shortest = float(durations.min()) if durations.size else 1.0
+        # successors in a chain, as the flat index of their b = 0 job (-1: none), and their
+        # queue's cell: F s -> F s+1 (the last stage's F -> its B); B s -> B s-1, and W s
+        # when the backward is split
+        succ_a = np.full(S * P, -1, dtype=np.int64)
+        succ_b = np.full(S * P, -1, dtype=np.int64)
+        f, bk = phase == 0, phase == 1
+        inner, last = f & (stage < S - 1), f & (stage == S - 1)
+        succ_a[inner] = (stage[inner] + 1) * B * P
+        if P > 1:
+            succ_a[last] = (S - 1) * B * P + 1
+            back = bk & (stage > 0)
+            succ_a[back] = (stage[back] - 1) * B * P + 1
+            succ_b[bk] = stage[bk] * B * P + 2
+        self.successors: list[tuple[np.ndarray, np.ndarray]] = []
+        for succ in (succ_a, succ_b) if P == 3 else (succ_a,):
+            queue = np.where(succ >= 0, (succ // (B * P)) * P + succ % P, 0)
+            self.successors.append((grid(succ, -1, np.int64), grid(cell[queue], 0, np.int64)))
+
+
+def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, costs: Costs,
+                   caps: Sequence[int | None]) -> Timeline:
+    """The timeline :func:`.simulate.simulate` gives for ``keys``' order (module docstring).
+
+    ``keys``: int64 per flat job index ``(stage * B + b) * P + phase``, ordering jobs as the
+    simulator's ranks do (only their order matters); the caller checks :func:`sweepable` and
+    :func:`keys_increase_in_micro`.
+    """
+    W, S, B = table.workers, table.stages, table.micro
+    P = len(graph.phases)
+    J = S * B * P
+    q = _Queues(graph, table, costs)
+    K = q.width
+    cap = np.array([_NO_CAP if c is None else c for c in caps], dtype=np.int64)
+    capped = bool(np.any(cap != _NO_CAP))
+    ready = np.full(J, np.inf)
+    ready[0:B * P:P] = 0.0  # F 0 b: sources
+    # the timeline's own storage, written through numpy views (no copy at the end)
+    start_times, end_times = array("d", bytes(8 * J)), array("d", bytes(8 * J))
+    start = np.frombuffer(start_times, dtype=np.float64)
+    end = np.frombuffer(end_times, dtype=np.float64)
+    # each worker's order, written in place: worker w's jobs at offsets[w] ..
+    per_worker = np.bincount(np.arange(K * W) % W, weights=q.jobs, minlength=W).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(per_worker)))
+    flat = np.empty(J, dtype=np.int64)
+    cursor = offsets[:-1].copy()
+    busy = np.zeros(W)
+    free_at = np.zeros(W)
+    stash = np.zeros(W, dtype=np.int64)
+    # per cell: its head's flat job, ready time and key, and the jobs left in its queue
+    head = q.base.copy()
+    left = q.jobs.copy()
+    head_ready = np.where(left > 0, ready[head], np.inf)
+    # a head's key with its slot in the low digits: a worker's smallest one names its choice
+    slot_of = np.arange(K * W, dtype=np.int64) // W
+    head_key = keys[head] * K + slot_of
+    ready_grid, key_grid = head_ready.reshape(K, W), head_key.reshape(K, W)  # views
+    forward_grid = q.forward.reshape(K, W)
+    placed = 0
+    while placed < J:
+        if capped:
+            at = np.where(forward_grid & (stash >= cap), np.inf, ready_grid)
+            np.maximum(at, free_at, out=at)
+        else:
+            at = np.maximum(ready_grid, free_at)
+        when = np.minimum.reduce(at, axis=0)  # each worker's earliest start
+        first = when.min()
+        if first == np.inf:
+            raise _stuck(q, left, head, ready, stash, cap, caps, B, P, placed, J, graph)
+        # every worker's choice: the smallest key among its heads startable at ``when``
+        best = np.minimum.reduce(np.where(at == when, key_grid, _LAST_KEY), axis=0)
+        rows = np.flatnonzero(when < first + q.shortest)
+        when_rows = when[rows]
+        cell = best[rows] % K * W + rows
+        chosen = head[cell]
+        ends = when_rows + q.duration[cell]
+        start[chosen] = when_rows
+        end[chosen] = ends
+        free_at[rows] = ends
+        busy[rows] += ends - when_rows  # the simulator's sum: in each worker's order
+        flat[cursor[rows]] = chosen
+        cursor[rows] += 1
+        if capped:
+            stash[rows] += q.forward[cell]
+            stash[rows] -= q.releases[cell]
+        # the queue's next job (b + 1, the next flat index of its queue) becomes its head
+        remaining = left[cell] - 1
+        left[cell] = remaining
+        following = np.minimum(chosen + P, J - 1)
+        head[cell] = following
+        head_ready[cell] = np.where(remaining > 0, ready[following], np.inf)
+        head_key[cell] = keys[following] * K + slot_of[cell]
+        offset = chosen - q.base[cell]  # b * P: the successors' microbatch
+        for succ, succ_cell in q.successors:
+            target = succ[cell]
+            has = target >= 0
+            target, arrives, where = target[has] + offset[has], ends[has], succ_cell[cell[has]]
+            ready[target] = arrives
+            is_head = head[where] == target  # its queue waits on it: the head is ready now
+            head_ready[where[is_head]] = arrives[is_head]
+        placed += len(rows)
+
+    def sequence() -> list[int]:  # the simulator's placement order: by (start, key)
+        return np.lexsort((keys, start)).tolist()  # type: ignore[no-any-return]
+
+    return Timeline(W, S, B, graph.phases, WorkerOrders(flat, offsets), start_times, end_times,
+                    sequence, busy.tolist(), latency=float(end.max()) if J else 0.0)
+
+
+def _stuck(q: _Queues, left: np.ndarray, head: np.ndarray, ready: np.ndarray,
+           stash: np.ndarray, cap: np.ndarray, caps: Sequence[int | None], B: int, P: int,
+           placed: int, total: int, graph: StageGraph) -> Exception:
+    """The simulator's error when no worker can start anything (:func:`.simulate.stuck_error`):
+    per blocked worker, its first waiting forward (the smallest flat index of an F whose input
+    has arrived: a queue's head, since a queue's later jobs have larger indices)."""
+    blocked: list[tuple[int, int, int, Job]] = []
+    shape = (q.width, len(stash))
+    jobs = head.reshape(shape)
+    waiting = ((left > 0) & q.forward & np.isfinite(ready[head])).reshape(shape)
+    for w in np.flatnonzero(waiting.any(axis=0) & (stash >= cap)).tolist():
+        flat = int(jobs[:, w][waiting[:, w]].min())
+        stage, b = divmod(flat // P, B)
+        blocked.append((w, int(stash[w]), int(cap[w]), Job(stage, b, graph.phases[0])))
+    return stuck_error(blocked, placed, total, caps)
+
