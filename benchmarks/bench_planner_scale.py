@@ -6,9 +6,10 @@ Issue 26's goals: every library schedule at W=1024 with its default B plans in <
 ``python -m lightning_gsched.cli plan ...`` process (printing included, output discarded):
 its wall seconds and its own peak resident set (its VmHWM at exit, the figure
 ``/usr/bin/time -f %M`` prints: see :data:`WRAPPER`), stopped at a timeout, which the row
-then reports. The quick
-run times the W=100,000 answers and the schedules whose default shape is small (ddp, lpp);
-the full run all of them (the pipelines plan 4-12 million jobs each at W=1024: minutes).
+then reports. Every run times all eleven schedules (the pipelines' 4-12 million jobs plan in
+seconds by their sweep, schedule/sweep.py) and the W=100,000 answers. What one rank does at
+start-up (``plan()`` and its own program, no printing) is the ``planner_scale_1024`` row
+(bench_planner.py).
 """
 
 from __future__ import annotations
@@ -23,22 +24,8 @@ from benchmarks.common import Result
 from lightning_gsched.schedule.library import LIBRARY
 
 GOAL_S, GOAL_KB, ANSWER_S = 5.0, 1 << 20, 10.0
-QUICK_SCHEDULES = ("ddp", "lpp")
 LARGE = (("1f1b", ["-w", "100000", "-b", "1"]), ("fsdp", ["-w", "100000"]),
          ("ddp", ["-w", "100000"]))
-
-
-# One rank's start-up at W=1024: a plan (timeline by symmetry, nothing lowered) and the
-# program and metrics of one rank, lowered alone (schedule/lower_rank.py); unverified, and
-# verified (schedule/proof.py: deadlock freedom from the timeline, the rank's own checks as it
-# is lowered). ddp and lpp (all-reduces) are verified by the full dry run, which is fast there.
-# The pipelines (4-12 million jobs, lowered per rank from 2^18 jobs) only in the full run:
-# their simulation alone takes 15 s to minutes.
-ONE_RANK = ("ddp", "fsdp", "lpp", "fslpp", "fslpp-seed")
-ONE_RANK_PIPELINES = ("gpipe", "1f1b")
-ONE_RANK_CODE = ("import sys; from lightning_gsched.schedule import plan; "
-                 "p = plan(sys.argv[1], 1024, verify=sys.argv[2] == 'verified'); "
-                 "assert p.programs.ranks[511] and p.metrics.per_worker[511]")
 
 
 # The child's peak RSS is its own high-water mark (/proc/self/status VmHWM, written to stderr
@@ -127,13 +114,7 @@ def time_command(args: list[str], timeout: float, command: list[str] | None = No
 
 def run(quick: bool) -> list[Result]:
     timeout = 60.0 if quick else 300.0
-    names = QUICK_SCHEDULES if quick else tuple(LIBRARY)
-    rows = [{"schedule": name, **time_command([name, "-w", "1024"], timeout)} for name in names]
-    one_rank = [{"schedule": name, **time_command(
-        [name, "-w", "1024", f"(one rank, {mode})"], timeout,
-        [sys.executable, "-c", ONE_RANK_CODE, name, mode])}
-        for name in ONE_RANK + (() if quick else ONE_RANK_PIPELINES)
-        for mode in ("unverified", "verified")]
+    rows = [{"schedule": name, **time_command([name, "-w", "1024"], timeout)} for name in LIBRARY]
     large = [{"schedule": name, **time_command([name, *args], 2 * ANSWER_S)}
              for name, args in LARGE]
     met = [r["schedule"] for r in rows
@@ -144,13 +125,9 @@ def run(quick: bool) -> list[Result]:
              f"< 5 s and < 1 GB: {', '.join(met) or 'none'}; slowest {slowest['schedule']} "
              f"{slowest['seconds']} s, {slowest['peak_kb'] // 1024} MB"
              + (" (timed out)" if slowest["timed_out"] else "")
-             + f"; W=100,000 answers < {ANSWER_S:g} s: {'all' if answered else 'not all'}"
-             + "; one rank's program and metrics from a plan at W=1024: "
-             + ", ".join(f"{r['schedule']} {r['args'].split('(')[-1].split(')')[0].split()[-1]}"
-                         f" {r['seconds']} s" for r in one_rank))
+             + f"; W=100,000 answers < {ANSWER_S:g} s: {'all' if answered else 'not all'}")
     return [Result("planner_w1024", slowest["seconds"], GOAL_S, goal="< 5 s, < 1 GB",
-                   notes=notes, extra={"w1024": rows, "w100000": large,
-                                       "w1024_one_rank": one_rank})]
+                   notes=notes, extra={"w1024": rows, "w100000": large})]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -167,5 +144,4 @@ if __name__ == "__main__":
     quick = "--quick" in sys.argv
     for result in run(quick):
         print(result.notes)
-        print(markdown(result.extra["w1024"] + result.extra["w100000"]
-                       + result.extra["w1024_one_rank"]))
+        print(markdown(result.extra["w1024"] + result.extra["w100000"]))

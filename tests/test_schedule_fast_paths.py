@@ -164,11 +164,15 @@ def test_simulation_of_a_dag_matches_the_plain_greedy_rule(split):
     (DDP(4), 3, 8), (FSDP(4), 8, 8), (GPipe(4, 8), 8, 6), (VShape(2, 8), 8, 4),
     (LPP(6, 3), 6, 4), (LPP(4, 1), 4, 4), (FSLPP(6, 2), 8, 6), (FSLPP(4, 4), 8, 4),
     (FSLPPSeed(6, 3), 9, 4),
+    # rows repeating with the groups' period (micro_period), over several periods
+    (LPP(4, 2), 4, 12), (LPP(4, 4), 8, 8), (FSDP(3), 3, 9), (FSLPP(4, 2), 4, 10),
+    (FSLPPSeed(4, 2), 4, 6), (DDP(2), 1, 6),
 ])
 def test_library_placement_rows_match_calling_the_placement(placement, S, B):
     """A library placement's ``rows`` (its ``__call__`` evaluated once per distinct row entry,
     from the symmetry the class states) give the table that calling it per job gives: the
-    symmetry claims (``weights_key``, ``compute_key``, rows constant in the microbatch) hold."""
+    symmetry claims (``weights_key``, ``compute_key``, rows constant or periodic in the
+    microbatch) hold."""
     fast = PlacementTable(placement, placement.workers, S, B)
     called = PlacementTable(lambda s, b, d: placement(s, b, d), placement.workers, S, B)
     assert fast.compute == called.compute and fast.weights == called.weights

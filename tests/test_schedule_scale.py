@@ -178,7 +178,8 @@ def test_describe_beyond_max_rows_computes_only_the_rows_it_shows(name, ties, la
 def test_cli_plan_text_names_the_workers_it_does_not_show(capsys):
     assert main(["plan", "fsdp", "-w", "256"]) == 0
     out = capsys.readouterr().out
-    assert "... workers 6-251 not shown; --json or --programs lists every worker" in out
+    assert (f"... workers {SHOWN_FIRST}-{255 - SHOWN_LAST} not shown; --json or --programs "
+            "lists every worker") in out
 
 
 def test_timeline_draws_the_first_workers_and_says_so():

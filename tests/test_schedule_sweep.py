@@ -30,7 +30,7 @@ from lightning_gsched.schedule.orders import (
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.priorities import order_keys, priority_ranks
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
-from lightning_gsched.schedule.sweep import WorkerOrders, sweepable
+from lightning_gsched.schedule.sweep import WorkerOrders, sweepable, worth_sweeping
 from lightning_gsched.schedule.symmetry import make_simulator
 
 PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
@@ -64,7 +64,7 @@ def _both(name: str, W: int, S: int | None = None, B: int | None = None,
     out: list[Timeline | str] = []
     for run in (lambda c: simulate(graph, table, priority_ranks(
                     priority, S, B, forward_only, split), cost, c),
-                make_simulator(graph, table, placement, priority, cost)):
+                make_simulator(graph, table, placement, priority, cost, sweep=True)):
         try:
             out.append(run(cap_list))
         except CapTooSmallError as exc:
@@ -130,7 +130,7 @@ def test_a_cap_too_small_fails_as_the_simulation_does(name: str) -> None:
     messages = []
     for run in (lambda c: simulate(graph, table, priority_ranks(
                     priority, S, B, False, spec.split_backward), cost, c),
-                make_simulator(graph, table, placement, priority, cost)):
+                make_simulator(graph, table, placement, priority, cost, sweep=True)):
         with pytest.raises(CapTooSmallError) as caught:
             run([1] * W)  # two stages per worker: one stash cannot complete
         messages.append(str(caught.value))
@@ -153,11 +153,11 @@ def test_a_user_order_is_swept_when_its_keys_rise_with_b_and_simulated_otherwise
     assert slow.start == full.start and slow.order == full.order
 
 
-def test_a_user_pipeline_placement_is_swept() -> None:
-    W, S, B = 3, 6, 7
+def test_a_user_pipeline_placement_is_swept_by_the_planner() -> None:
+    W, S, B = 16, 32, 128  # big enough for the planner to choose the sweep (worth_sweeping)
 
     def zigzag(s: int, b: int, d: Phase) -> tuple[int, int]:
-        worker = (s * 2) % W  # stage s on one worker for every microbatch: a pipeline
+        worker = (s * 5) % W  # stage s on one worker for every microbatch: a pipeline
         return worker, worker
 
     result = plan(placement=zigzag, workers=W, stages=S, microbatches=B, order="1f1b",
@@ -167,6 +167,28 @@ def test_a_user_pipeline_placement_is_swept() -> None:
     ranks = priority_ranks(one_f_one_b, S, B)
     full = simulate(graph, result.table, ranks, result.costs, result.caps)
     _assert_equal(full, result.timeline)
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_the_planner_sweeps_a_large_pipeline_and_simulates_a_small_one(name: str) -> None:
+    large, small = plan(name, workers=32), plan(name, workers=2)
+    assert isinstance(large.timeline.order, WorkerOrders)
+    assert not isinstance(small.timeline.order, WorkerOrders)
+    spec = get_schedule(name)
+    graph = StageGraph(large.stages, None, split_backward=spec.split_backward)
+    priority = resolve_order(spec.order, 32, large.stages, large.micro, large.R)
+    full = simulate(graph, large.table, priority_ranks(
+        priority, large.stages, large.micro, False, spec.split_backward), large.costs,
+        large.caps)
+    _assert_equal(full, large.timeline)
+
+
+def test_a_long_chain_of_few_microbatches_is_simulated_job_by_job() -> None:
+    """W=100,000 stages and B=1: one job per time window; the sweep would take minutes."""
+    assert not worth_sweeping(PlacementTable(get_schedule("1f1b").make_placement(
+        1000, 1000, 1), 1000, 1000, 1), 2)
+    assert worth_sweeping(PlacementTable(get_schedule("1f1b").make_placement(
+        64, 64, 1), 64, 64, 128), 2)
 
 
 def test_the_keys_order_jobs_as_the_priority_and_the_job_do() -> None:

@@ -115,8 +115,8 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
 
 FOLD_FROM = 17  # workers: from here on, equal rows of consecutive workers are one row
 MAX_ROWS = 48  # workers whose rows are all computed and printed at most; beyond, a sample:
-SHOWN_FIRST = 6  # the rows of the first SHOWN_FIRST workers (a row lowers its worker's program:
-SHOWN_LAST = 4  # ~0.1 s at W=1024), and of the last SHOWN_LAST (a pipeline's ends differ)
+SHOWN_FIRST = 4  # the rows of the first SHOWN_FIRST workers (a row lowers its worker's program:
+SHOWN_LAST = 2  # 0.1-0.3 s at W=1024), and of the last SHOWN_LAST (a pipeline's ends differ)
 OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
 
 

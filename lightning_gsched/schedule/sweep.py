@@ -60,6 +60,26 @@ def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
     return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
 
 
+# Rough costs on this class of machine (benchmarks/bench_planner.py): a window is a fixed
+# ~60 us of numpy calls plus ~0.015 us per queue cell; the event-by-event simulation ~5 us a job
+_WINDOW_US, _CELL_US, _JOB_US = 60.0, 0.015, 5.0
+
+
+def worth_sweeping(table: PlacementTable, phases: int) -> bool:
+    """Whether the sweep should beat the job-by-job simulation (both give the same timeline).
+
+    The sweep pays per time window, about one per job of the busiest worker plus the pipeline's
+    fill and drain (two passes over the stages): cheap when many workers decide per window
+    (1f1b at W=1024: 4 million jobs in ~6,000 windows), slow for a long chain with few
+    microbatches (W=100,000, B=1: one job per window over a 200,000-cell grid).
+    """
+    W, S, B = table.workers, table.stages, table.micro
+    stages_per_worker = -(-S // W)
+    cells = stages_per_worker * phases * W
+    windows = stages_per_worker * phases * B + 2 * S
+    return windows * (_WINDOW_US + _CELL_US * cells) < _JOB_US * S * B * phases
+
+
 def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: int) -> bool:
     """Whether every (stage, phase) queue's keys increase with b (docstring, item 1)."""
     grid = keys.reshape(stages, micro, phases)
@@ -150,10 +170,18 @@ class _Queues:
             back = bk & (stage > 0)
             succ_a[back] = (stage[back] - 1) * B * P + 1
             succ_b[bk] = stage[bk] * B * P + 2
-        self.successors: list[tuple[np.ndarray, np.ndarray]] = []
-        for succ in (succ_a, succ_b) if P == 3 else (succ_a,):
-            queue = np.where(succ >= 0, (succ // (B * P)) * P + succ % P, 0)
-            self.successors.append((grid(succ, -1, np.int64), grid(cell[queue], 0, np.int64)))
+        # one row per kind of successor; no successor points at the sink job J and the sink
+        # cell K * W (so the loop needs no filtering: a target past J is clipped to J)
+        kinds = (succ_a, succ_b) if P == 3 else (succ_a,)
+        sink_job, sink_cell = S * B * P, K * W
+        # (cells x kinds: a cell's successors are one contiguous row, gathered at once)
+        self.succ = np.full((K * W, len(kinds)), sink_job, dtype=np.int64)
+        self.succ_cell = np.full((K * W, len(kinds)), sink_cell, dtype=np.int64)
+        for kind, succ in enumerate(kinds):
+            has = succ >= 0
+            queue = (succ[has] // (B * P)) * P + succ[has] % P
+            self.succ[cell[has], kind] = succ[has]
+            self.succ_cell[cell[has], kind] = cell[queue]
 
 
 def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, costs: Costs,
@@ -169,31 +197,35 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     J = S * B * P
     q = _Queues(graph, table, costs)
     K = q.width
+    cells = K * W
     cap = np.array([_NO_CAP if c is None else c for c in caps], dtype=np.int64)
     capped = bool(np.any(cap != _NO_CAP))
-    ready = np.full(J, np.inf)
+    if len(keys) and int(keys.max()) >= _LAST_KEY // (cells + 1):  # room for the cell digits
+        keys = np.argsort(np.argsort(keys, kind="stable"), kind="stable")  # the same order
+    ready = np.full(J + 1, np.inf)  # and the sink job J (sweep successors that do not exist)
     ready[0:B * P:P] = 0.0  # F 0 b: sources
     # the timeline's own storage, written through numpy views (no copy at the end)
     start_times, end_times = array("d", bytes(8 * J)), array("d", bytes(8 * J))
     start = np.frombuffer(start_times, dtype=np.float64)
     end = np.frombuffer(end_times, dtype=np.float64)
-    # each worker's order, written in place: worker w's jobs at offsets[w] ..
-    per_worker = np.bincount(np.arange(K * W) % W, weights=q.jobs, minlength=W).astype(np.int64)
+    # each worker's order, written in place: worker w's jobs from offsets[w] on
+    per_worker = np.bincount(np.arange(cells) % W, weights=q.jobs, minlength=W).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(per_worker)))
     flat = np.empty(J, dtype=np.int64)
     cursor = offsets[:-1].copy()
     busy = np.zeros(W)
     free_at = np.zeros(W)
     stash = np.zeros(W, dtype=np.int64)
-    # per cell: its head's flat job, ready time and key, and the jobs left in its queue
-    head = q.base.copy()
-    left = q.jobs.copy()
-    head_ready = np.where(left > 0, ready[head], np.inf)
-    # a head's key with its slot in the low digits: a worker's smallest one names its choice
-    slot_of = np.arange(K * W, dtype=np.int64) // W
-    head_key = keys[head] * K + slot_of
-    ready_grid, key_grid = head_ready.reshape(K, W), head_key.reshape(K, W)  # views
+    # per cell, and the sink cell: its head's flat job, ready time and key; the key carries
+    # the cell in its low digits, so a worker's smallest key names the cell it takes
+    head = np.append(q.base, -1)  # the sink cell's head matches no job
+    head_ready = np.append(np.where(q.jobs > 0, ready[q.base], np.inf), np.inf)
+    cell_ids = np.arange(cells + 1, dtype=np.int64)
+    head_key = keys[np.minimum(head, J - 1)] * (cells + 1) + cell_ids
+    ready_grid = head_ready[:cells].reshape(K, W)  # views of the flat arrays
+    key_grid = head_key[:cells].reshape(K, W)
     forward_grid = q.forward.reshape(K, W)
+    last = (B - 1) * P  # a queue's last job: b * P = last
     placed = 0
     while placed < J:
         if capped:
@@ -204,48 +236,47 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
         when = np.minimum.reduce(at, axis=0)  # each worker's earliest start
         first = when.min()
         if first == np.inf:
-            raise _stuck(q, left, head, ready, stash, cap, caps, B, P, placed, J, graph)
+            raise _stuck(q, head, ready, stash, cap, caps, B, P, placed, J, graph)
         # every worker's choice: the smallest key among its heads startable at ``when``
         best = np.minimum.reduce(np.where(at == when, key_grid, _LAST_KEY), axis=0)
         rows = np.flatnonzero(when < first + q.shortest)
         when_rows = when[rows]
-        cell = best[rows] % K * W + rows
+        cell = best[rows] % (cells + 1)
         chosen = head[cell]
         ends = when_rows + q.duration[cell]
         start[chosen] = when_rows
         end[chosen] = ends
         free_at[rows] = ends
         busy[rows] += ends - when_rows  # the simulator's sum: in each worker's order
-        flat[cursor[rows]] = chosen
-        cursor[rows] += 1
+        at_cursor = cursor[rows]
+        flat[at_cursor] = chosen
+        cursor[rows] = at_cursor + 1
         if capped:
             stash[rows] += q.forward[cell]
             stash[rows] -= q.releases[cell]
         # the queue's next job (b + 1, the next flat index of its queue) becomes its head
-        remaining = left[cell] - 1
-        left[cell] = remaining
-        following = np.minimum(chosen + P, J - 1)
+        offset = chosen - q.base[cell]  # b * P: also the successors' microbatch
+        following = chosen + P
         head[cell] = following
-        head_ready[cell] = np.where(remaining > 0, ready[following], np.inf)
-        head_key[cell] = keys[following] * K + slot_of[cell]
-        offset = chosen - q.base[cell]  # b * P: the successors' microbatch
-        for succ, succ_cell in q.successors:
-            target = succ[cell]
-            has = target >= 0
-            target, arrives, where = target[has] + offset[has], ends[has], succ_cell[cell[has]]
-            ready[target] = arrives
-            is_head = head[where] == target  # its queue waits on it: the head is ready now
-            head_ready[where[is_head]] = arrives[is_head]
+        head_ready[cell] = np.where(offset < last, ready[np.minimum(following, J)], np.inf)
+        head_key[cell] = keys[np.minimum(following, J - 1)] * (cells + 1) + cell
+        # successors: ready when this job ends; a queue waiting on one has its head ready
+        target = np.minimum(q.succ[cell] + offset[:, None], J)
+        arrives = np.broadcast_to(ends[:, None], target.shape)
+        ready[target] = arrives
+        where = q.succ_cell[cell]
+        is_head = head[where] == target
+        head_ready[where[is_head]] = arrives[is_head]
         placed += len(rows)
 
     def sequence() -> list[int]:  # the simulator's placement order: by (start, key)
-        return np.lexsort((keys, start)).tolist()  # type: ignore[no-any-return]
+        return np.lexsort((keys[:J], start)).tolist()  # type: ignore[no-any-return]
 
     return Timeline(W, S, B, graph.phases, WorkerOrders(flat, offsets), start_times, end_times,
                     sequence, busy.tolist(), latency=float(end.max()) if J else 0.0)
 
 
-def _stuck(q: _Queues, left: np.ndarray, head: np.ndarray, ready: np.ndarray,
+def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray,
            stash: np.ndarray, cap: np.ndarray, caps: Sequence[int | None], B: int, P: int,
            placed: int, total: int, graph: StageGraph) -> Exception:
     """The simulator's error when no worker can start anything (:func:`.simulate.stuck_error`):
@@ -253,8 +284,9 @@ def _stuck(q: _Queues, left: np.ndarray, head: np.ndarray, ready: np.ndarray,
     has arrived: a queue's head, since a queue's later jobs have larger indices)."""
     blocked: list[tuple[int, int, int, Job]] = []
     shape = (q.width, len(stash))
-    jobs = head.reshape(shape)
-    waiting = ((left > 0) & q.forward & np.isfinite(ready[head])).reshape(shape)
+    jobs = head[:-1].reshape(shape)  # without the sink cell
+    left = (jobs - q.base.reshape(shape)) < q.jobs.reshape(shape) * len(graph.phases)
+    waiting = left & q.forward.reshape(shape) & np.isfinite(ready[np.minimum(jobs, len(ready) - 1)])
     for w in np.flatnonzero(waiting.any(axis=0) & (stash >= cap)).tolist():
         flat = int(jobs[:, w][waiting[:, w]].min())
         stage, b = divmod(flat // P, B)

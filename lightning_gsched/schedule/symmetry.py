@@ -53,7 +53,12 @@ from lightning_gsched.schedule.placements import (
 )
 from lightning_gsched.schedule.priorities import order_keys, priority_ranks
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
-from lightning_gsched.schedule.sweep import keys_increase_in_micro, simulate_sweep, sweepable
+from lightning_gsched.schedule.sweep import (
+    keys_increase_in_micro,
+    simulate_sweep,
+    sweepable,
+    worth_sweeping,
+)
 
 
 @dataclass(frozen=True)
@@ -97,18 +102,22 @@ def symmetric(groups: Groups | None, priority: PriorityFn,
 
 def make_simulator(
     graph: StageGraph, table: PlacementTable, placement: PlacementFn, priority: PriorityFn,
-    costs: Costs,
+    costs: Costs, sweep: bool | None = None,
 ) -> Callable[[Sequence[int | None]], Timeline]:
     """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a
-    pipeline (:mod:`.sweep`), else the full simulation.
+    pipeline where that is faster (:mod:`.sweep`), else the full simulation.
 
+    ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to be faster; True,
+    wherever it is exact (tests); False, never. All three give the same timeline.
     The full ranks (one per job: 0.6-1.3 s at W=1024) are computed only if a full simulation
     runs; the group's ranks, or the sweep's keys, once, for every cap the planner tries.
     """
     groups = groups_of(placement, table.workers, table.micro)
     full_ranks: list[int] = []
     group_parts: list[tuple[PlacementTable, list[int]]] = []
-    if groups is None and sweepable(graph, table):
+    if sweep is None:
+        sweep = worth_sweeping(table, len(graph.phases))
+    if sweep and groups is None and sweepable(graph, table):
         keys = order_keys(priority, table.stages, table.micro, graph.phases)
         if keys is None:  # a user's order: its ranks are keys too
             full_ranks.extend(priority_ranks(priority, table.stages, table.micro,
@@ -117,10 +126,10 @@ def make_simulator(
         if keys_increase_in_micro(keys, table.stages, table.micro, len(graph.phases)):
             swept = keys
 
-            def sweep(caps: Sequence[int | None]) -> Timeline:
+            def swept_run(caps: Sequence[int | None]) -> Timeline:
                 return simulate_sweep(graph, table, swept, costs, caps)
 
-            return sweep
+            return swept_run
 
     def full(caps: Sequence[int | None]) -> Timeline:
         if not full_ranks:
