@@ -25,7 +25,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeFault
-from lightning_gsched.runtime import FaultNotice, default_store, destroy_groups
+from lightning_gsched.runtime import LOST_PEER_GRACE_S, FaultNotice, default_store, destroy_groups
 
 T = TypeVar("T")
 _SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
@@ -63,10 +63,12 @@ class ControlGroup:
     def fault(self, what: str, exc: BaseException) -> RuntimeFault:
         from lightning_gsched.runtime import short_reason
 
-        first = self.first_fault()
         text = str(exc).lower()
-        how = (f"nothing arrived within {self.timeout:g} s (step_timeout)"
-               if "timed out" in text or "timeout" in text
+        timed_out = "timed out" in text or "timeout" in text
+        # a lost connection is often the first news of a peer's failure: its notice may
+        # still be on its way (FaultNotice.first_within)
+        first = self.notice.first_within(0.0 if timed_out else LOST_PEER_GRACE_S)
+        how = (f"nothing arrived within {self.timeout:g} s (step_timeout)" if timed_out
                else f"lost the connection to a peer ({short_reason(exc)})")
         message = f"rank {self.rank} stopped in {what}: {how}"
         if first and not first.startswith(f"rank {self.rank} "):

@@ -511,6 +511,11 @@ class PipelineEngine:
         first failure and drop the runtime's and the control group's connections, so every
         peer waiting on this rank stops at once with a RuntimeFault quoting it."""
         self.failed = True
+        if self.control is not None:
+            # the notice before any connection is dropped: the runtime's abort below closes
+            # its groups and collects garbage (up to a second), and a peer in a control
+            # collective must find the cause when its connection goes
+            self.control.report(message)
         if self.runtime is not None and not self.runtime.closed:
             self.runtime.abort(message)
         if self.control is not None:

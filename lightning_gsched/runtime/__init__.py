@@ -40,7 +40,13 @@ from __future__ import annotations
 
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime.calibration import calibrate
-from lightning_gsched.runtime.channels import Channels, FaultNotice, default_store, destroy_groups
+from lightning_gsched.runtime.channels import (
+    LOST_PEER_GRACE_S,
+    Channels,
+    FaultNotice,
+    default_store,
+    destroy_groups,
+)
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.faults import short_reason
@@ -69,6 +75,7 @@ from lightning_gsched.runtime.transport import TRANSPORTS
 __all__ = [
     "StreamedTensor",
     "FaultNotice",
+    "LOST_PEER_GRACE_S",
     "default_store",
     "destroy_groups",
     "DeferredLoadError",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +34,8 @@ from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.program import Op, Programs
 
 KINDS = ("p2p", "weights", "grads")
+# how long a rank that lost its connection to a peer waits for that peer's failure notice
+LOST_PEER_GRACE_S = 2.0
 _SERIAL = itertools.count()  # same sequence on every rank: Channels are built collectively
 
 
@@ -73,6 +76,23 @@ class FaultNotice:
         except Exception:  # noqa: BLE001
             return None
         return None
+
+    def first_within(self, grace: float) -> str | None:
+        """:meth:`first`, waiting up to ``grace`` s for a failure to be recorded.
+
+        For a rank that lost its connection to a peer: a failing peer records its failure
+        before it closes its connections, but the close can still reach this rank first (the
+        peer drops other groups' connections, or the store's reply is slower than the socket's
+        end). Without the wait that rank recorded its own "lost the connection" as the job's
+        first failure and the real cause was lost from its message. A peer that died never
+        records anything; then the wait costs ``grace``, once, on the way out.
+        """
+        deadline = time.monotonic() + grace
+        while True:
+            first = self.first()
+            if first is not None or time.monotonic() >= deadline:
+                return first
+            time.sleep(0.02)
 
 
 def destroy_groups(groups: list[Any], collect: bool = False) -> None:
@@ -201,9 +221,10 @@ class Channels:
         """Record the first failure of this job's channels (later reports keep the first)."""
         self.notice.report(message)
 
-    def first_fault(self) -> str | None:
-        """The failure another rank recorded, if any (never blocks)."""
-        return self.notice.first()
+    def first_fault(self, grace: float = 0.0) -> str | None:
+        """The failure a rank recorded, if any, waiting up to ``grace`` s for one
+        (:meth:`FaultNotice.first_within`)."""
+        return self.notice.first_within(grace)
 
     def abort(self) -> None:
         """Destroy every group of this object: peers blocked on this rank error out promptly.

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from lightning_gsched.errors import RuntimeFault
-from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.channels import LOST_PEER_GRACE_S, Channels
 
 _GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
@@ -71,12 +71,14 @@ class Waiter:
                 f"rank {self.rank} stopped {where}: lost the connection to a peer after "
                 f"{elapsed:.1f} s ({short_reason(exc)})"
             )
-        fault = RuntimeFault(message + self.root_cause())
+        fault = RuntimeFault(message + self.root_cause(0.0 if timed_out else LOST_PEER_GRACE_S))
         fault.headline = message  # what peers quote as the root cause
         return fault
 
-    def root_cause(self) -> str:
-        first = self.channels.first_fault()
+    def root_cause(self, grace: float = 0.0) -> str:
+        """What to add to this rank's message: the job's first failure if another rank
+        recorded it (waiting ``grace`` s for one: ``FaultNotice.first_within``)."""
+        first = self.channels.first_fault(grace)
         if first and not first.startswith(f"rank {self.rank} "):
             return f". First failure reported in the job: {first}"
         if first:
