@@ -28,8 +28,6 @@ from lightning_gsched.schedule.memory import (
     StageSizes,
     TieSizes,
     predict_memory,
-    predict_rank_memory,
-    rank_resident_bytes,
     resident_bytes,
 )
 from lightning_gsched.schedule.plan import Plan
@@ -85,11 +83,11 @@ def test_rank_local_answers_equal_the_full_path(name: str, W: int, kwargs: dict)
     sizes = _sizes(result)
     for held in (False, True):
         every = predict_memory(programs, sizes, result.checkpointed, held)
-        assert [predict_rank_memory(programs, sizes, r, result.checkpointed, held)
+        assert [predict_memory(programs, sizes, result.checkpointed, held, ranks=[r])[0]
                 for r in range(W)] == every
     stage_bytes = [s.params for s in sizes.stages]
     tie_bytes = {h: t.params for h, t in sizes.ties.items()}
-    assert [rank_resident_bytes(programs, stage_bytes, tie_bytes, r)
+    assert [resident_bytes(programs, stage_bytes, tie_bytes, ranks=[r])[0]
             for r in range(W)] == resident_bytes(programs, stage_bytes, tie_bytes)
     # the start-up summary from gathered rows is the text read off every program
     rows = [startup_row(result, stage_bytes, tie_bytes, r) for r in range(W)]
@@ -152,7 +150,7 @@ def test_a_lazy_plan_start_up_lowers_only_the_own_program(
         assert replica_groups(programs) == _scanned_groups(eager.programs)
         assert _messages(programs, rank) == _messages(eager.programs, rank)
         check_forward_programs(programs, evaluation.programs, rank)
-        assert (predict_rank_memory(programs, sizes, rank, lazy.checkpointed, True)
+        assert (predict_memory(programs, sizes, lazy.checkpointed, True, ranks=[rank])[0]
                 == predict_memory(eager.programs, sizes, eager.checkpointed, True)[rank])
         row = startup_row(lazy, stage_bytes, tie_bytes, rank)
         assert row == startup_row(eager, stage_bytes, tie_bytes, rank)

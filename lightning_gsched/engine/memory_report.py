@@ -25,7 +25,7 @@ from lightning_gsched.measure.measure_bytes import measure_stage_bytes
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
-from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_rank_memory
+from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
 from lightning_gsched.schedule.plan import Plan
 
 MEASURED_STEP = 1  # the second training step (0-based): the optimizer state exists by then
@@ -93,8 +93,8 @@ class MemoryReport:
         sends_held = world_size > 1 and dist.get_backend(_group(self.control)) == "gloo"
         mine: tuple[RankMemory | None, str | None]
         try:
-            mine = (predict_rank_memory(plan.programs, sizes, rank, plan.checkpointed,
-                                        sends_held), None)
+            mine = (predict_memory(plan.programs, sizes, plan.checkpointed, sends_held,
+                                   ranks=[rank])[0], None)
         except ScheduleConfigError:
             raise  # the sizes do not fit the plan: checked without programs, every rank alike
         except Exception as exc:  # noqa: BLE001 - a report must never stop the training

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY
-from lightning_gsched.schedule.memory import ResidentBytes, rank_resident_bytes, resident_bytes
+from lightning_gsched.schedule.memory import ResidentBytes, resident_bytes
 from lightning_gsched.schedule.metrics import WorkerMetrics
 from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
@@ -217,16 +217,6 @@ def _numbers(values: Sequence[float]) -> str:
     return f"{values[0]:g}" if len(set(values)) == 1 else ",".join(f"{v:g}" for v in values)
 
 
-def worker_parameter_bytes(result: Plan, stage_bytes: Sequence[int],
-                           tie_bytes: Mapping[int, int] | None = None) -> list[tuple[int, int]]:
-    """Per worker: (bytes of the stages and ties it owns, its peak of owned + fetched bytes).
-
-    Both read off the programs (:func:`~lightning_gsched.schedule.memory.resident_bytes`):
-    exactly what the runtime's ``peak_resident_param_bytes`` counter will measure.
-    """
-    return [(r.owned, r.peak) for r in resident_bytes(result.programs, stage_bytes, tie_bytes)]
-
-
 def plan_command(result: Plan) -> str:
     """The ``gsched plan`` command that prints this plan in full (per-worker table, timeline).
 
@@ -310,7 +300,7 @@ def startup_row(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int
     for :func:`startup_summary`'s ``rows``, so no rank reads (and, for a plan lowered per rank,
     lowers) the programs of all W ranks, which at W=1024 costs a minute and gigabytes."""
     return StartupRow(result.metrics.per_worker[rank],
-                      rank_resident_bytes(result.programs, stage_bytes, tie_bytes, rank))
+                      resident_bytes(result.programs, stage_bytes, tie_bytes, ranks=[rank])[0])
 
 
 def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],

@@ -301,7 +301,7 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
 
 def predict_memory(programs: Programs, sizes: ModelSizes,
                    checkpointed: Sequence[bool] = (), sends_held: bool = False,
-                   ) -> list[RankMemory]:
+                   ranks: Sequence[int] | None = None) -> list[RankMemory]:
     """Every rank's predicted bytes for one step of ``programs`` (see the module docstring).
 
     ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none.
@@ -309,36 +309,15 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
     handles complete only in ``wait()``), so it keeps every sent buffer until the end of the
     step; a fetched unit's gradient handed off by ``REDUCE_G``/``REDUCE_T`` then stays, as
     communication, until the step ends instead of leaving with the message.
-
-    This reads every rank's program; a rank that needs only its own figures (a job's start-up
-    at large W, where the programs are lowered per rank: ``lazy_ranks.py``) calls
-    :func:`predict_rank_memory`, which gives the same :class:`RankMemory` for its rank."""
-    _check_prediction(programs, sizes, checkpointed)
-    rules = OpRules.of(programs)
-    return [rank_memory(programs, sizes, r, checkpointed, sends_held, rules)
-            for r in range(programs.world_size)]
-
-
-def predict_rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
-                        checkpointed: Sequence[bool] = (), sends_held: bool = False,
-                        ) -> RankMemory:
-    """``predict_memory(...)[rank]``, reading ``rank``'s program only (the same checks).
-
-    Why: a rank's walk reads only its own program (the other facts it needs are the owners,
-    the ties and the stage graph), so a job's ranks can each predict their own bytes and
-    gather the figures, instead of each lowering every rank's program (a minute and gigabytes
-    at W=1024)."""
-    if not 0 <= rank < programs.world_size:
-        raise ScheduleConfigError(
-            f"rank {rank} is not one of the programs' {programs.world_size} ranks")
-    _check_prediction(programs, sizes, checkpointed)
-    return rank_memory(programs, sizes, rank, checkpointed, sends_held)
-
-
-def _check_prediction(programs: Programs, sizes: ModelSizes,
-                      checkpointed: Sequence[bool]) -> None:
-    """The sizes and flags fit the programs (:func:`predict_memory`'s checks, raised alike on
-    every rank: they read no program)."""
+    ``ranks``: only these ranks, in this order (default: every rank). A rank's walk reads only
+    its own program (the other facts it needs are the owners, the ties and the stage graph), so
+    a job's ranks each predict their own bytes and gather them (a job's start-up at large W,
+    where the programs are lowered per rank: ``lazy_ranks.py``) instead of each lowering
+    every rank's program (a minute and gigabytes at W=1024)."""
+    for rank in ranks or ():
+        if not 0 <= rank < programs.world_size:
+            raise ScheduleConfigError(
+                f"rank {rank} is not one of the programs' {programs.world_size} ranks")
     if len(sizes.stages) != programs.num_stages:
         raise ScheduleConfigError(
             f"the sizes describe {len(sizes.stages)} stages but the programs have "
@@ -358,6 +337,9 @@ def _check_prediction(programs: Programs, sizes: ModelSizes,
         raise ScheduleConfigError(
             f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
             "the plan's own plan(...).checkpointed")
+    rules = OpRules.of(programs)
+    return [rank_memory(programs, sizes, r, checkpointed, sends_held, rules)
+            for r in (range(programs.world_size) if ranks is None else ranks)]
 
 
 def check_tie_sizes(programs: Programs, sizes: ModelSizes) -> None:
@@ -399,28 +381,9 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
     the same programs the two are equal. Unlike ``peak_resident_stages`` (a count) this weighs
     each stage by its size: which stages are resident together is decided by the programs.
     ``ranks``: only these ranks, in this order (default: every rank): only their programs are
-    read (the text table's few shown workers, sampled first: :meth:`.LazyList.sample`).
-    :func:`rank_resident_bytes` gives one rank's row from its own program only.
+    read (the text table's few shown workers, sampled first: :meth:`.LazyList.sample`; a
+    rank's own row at a job's start-up).
     """
-    weights_only, sizes, ties = _weights_only(programs, stage_bytes, tie_bytes)
-    rules = OpRules.of(programs)
-    return [_resident_row(programs, weights_only, sizes, ties, rank, rules)
-            for rank in (range(programs.world_size) if ranks is None else ranks)]
-
-
-def rank_resident_bytes(programs: Programs, stage_bytes: Sequence[int],
-                        tie_bytes: Mapping[int, int] | None, rank: int) -> ResidentBytes:
-    """``resident_bytes(...)[rank]``, reading ``rank``'s program only (a rank's start-up row
-    at large W, where the programs are lowered per rank: ``lazy_ranks.py``)."""
-    weights_only, sizes, ties = _weights_only(programs, stage_bytes, tie_bytes)
-    return _resident_row(programs, weights_only, sizes, ties, rank, OpRules.of(programs))
-
-
-def _weights_only(programs: Programs, stage_bytes: Sequence[int],
-                  tie_bytes: Mapping[int, int] | None,
-                  ) -> tuple[ModelSizes, list[int], dict[int, int]]:
-    """The checked stage sizes, the tie sizes, and the :class:`ModelSizes` with nothing but
-    weights sized (the walk of :func:`resident_bytes`)."""
     sizes = list(stage_bytes)
     if len(sizes) != programs.num_stages or any(
         isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes
@@ -432,15 +395,12 @@ def _weights_only(programs: Programs, stage_bytes: Sequence[int],
     ties = {h: int((tie_bytes or {}).get(h, 0)) for h in programs.ties}
     weights_only = ModelSizes(tuple(StageSizes(b, 0, 0, 0, 0) for b in sizes),
                               {h: TieSizes(r, ties[h], 0, 0) for h, r in programs.ties.items()})
-    return weights_only, sizes, ties
-
-
-def _resident_row(programs: Programs, weights_only: ModelSizes, sizes: Sequence[int],
-                  ties: Mapping[int, int], rank: int, rules: OpRules) -> ResidentBytes:
-    return ResidentBytes(owned=sum(sizes[s] for s in programs.owned_stages(rank))
-                         + sum(ties[h] for h in programs.owned_ties(rank)),
-                         peak=rank_memory(programs, weights_only, rank,
-                                          rules=rules).category_peaks.weights)
+    rules = OpRules.of(programs)
+    return [ResidentBytes(owned=sum(sizes[s] for s in programs.owned_stages(rank))
+                          + sum(ties[h] for h in programs.owned_ties(rank)),
+                          peak=rank_memory(programs, weights_only, rank,
+                                           rules=rules).category_peaks.weights)
+            for rank in (range(programs.world_size) if ranks is None else ranks)]
 
 
 def uniform_sizes(stages: int, params: int, activations: int, message: int,

@@ -43,11 +43,12 @@ A cap too small ends the sweep as it ends the simulation, with the same
 from __future__ import annotations
 
 from array import array
-from typing import Iterator, Sequence, overload
+from typing import Sequence
 
 import numpy as np
 
 from lightning_gsched.schedule.jobs import Job, StageGraph
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.simulate import Costs, Timeline, stuck_error
 
@@ -86,37 +87,21 @@ def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: in
     return bool(np.all(grid[:, 1:, :] > grid[:, :-1, :]))
 
 
-class WorkerOrders(Sequence[list[int]]):
+class WorkerOrders(LazyList[list[int]]):
     """``Timeline.order`` of a swept timeline: each worker's flat jobs as a list when read.
 
     All orders together are one int array (``flat``, worker after worker, from ``offsets``);
     a rank lowering its own program reads its own list and its neighbours', so at W=1024 the
-    other 10^7 ints are never made Python objects. Lists made are kept.
+    other 10^7 ints are never made Python objects. Lists made are kept (:class:`LazyList`);
+    :func:`.proof.certify` reads the arrays themselves.
     """
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.flat, self.offsets = flat, offsets
-        self._lists: list[list[int] | None] = [None] * (len(offsets) - 1)
+        super().__init__(len(offsets) - 1, self._worker)
 
-    def __len__(self) -> int:
-        return len(self._lists)
-
-    @overload
-    def __getitem__(self, index: int) -> list[int]: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[list[int]]: ...
-
-    def __getitem__(self, index: int | slice) -> list[int] | list[list[int]]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        made = self._lists[index]
-        if made is None:
-            w = index % len(self._lists)
-            made = self._lists[w] = self.flat[self.offsets[w]:self.offsets[w + 1]].tolist()
-        return made
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (self[w] for w in range(len(self)))
+    def _worker(self, w: int) -> list[int]:
+        return self.flat[self.offsets[w]:self.offsets[w + 1]].tolist()  # type: ignore[no-any-return]
 
 
 class _Queues:
