@@ -61,10 +61,9 @@ class ControlGroup:
             raise self.fault(what, exc) from exc
 
     def fault(self, what: str, exc: BaseException) -> RuntimeFault:
-        from lightning_gsched.runtime import short_reason
+        from lightning_gsched.runtime import is_timeout, short_reason
 
-        text = str(exc).lower()
-        timed_out = "timed out" in text or "timeout" in text
+        timed_out = is_timeout(exc)
         # a lost connection is often the first news of a peer's failure: its notice may
         # still be on its way (FaultNotice.first_within)
         first = self.notice.first_within(0.0 if timed_out else LOST_PEER_GRACE_S)

@@ -49,7 +49,7 @@ from lightning_gsched.runtime.channels import (
 )
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
-from lightning_gsched.runtime.faults import short_reason
+from lightning_gsched.runtime.faults import is_timeout, short_reason
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.fullstate_stream import StreamedTensor
@@ -89,6 +89,7 @@ __all__ = [
     "load_parameters",
     "load_pretrained",
     "pretrained_weights",
+    "is_timeout",
     "short_reason",
     "Channels",
     "MeasuredBytes",

@@ -24,6 +24,14 @@ from lightning_gsched.runtime.channels import LOST_PEER_GRACE_S, Channels
 _GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 
+def is_timeout(exc: BaseException | None) -> bool:
+    """Whether a backend error (None: a wait that returned unfinished) is a timeout rather than
+    a lost connection: the two faults are reported differently, and only a lost connection
+    waits for the peer's notice (``LOST_PEER_GRACE_S``)."""
+    text = "" if exc is None else str(exc).lower()
+    return exc is None or "timed out" in text or "timeout" in text
+
+
 def short_reason(exc: BaseException) -> str:
     """One line of a backend error, without gloo's source-location prefix."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -59,8 +67,7 @@ class Waiter:
             raise self.fault(what, None, time.monotonic() - start)
 
     def fault(self, what: str, exc: BaseException | None, elapsed: float) -> RuntimeFault:
-        text = "" if exc is None else str(exc).lower()
-        timed_out = exc is None or "timed out" in text or "timeout" in text
+        timed_out = is_timeout(exc)
         where = f"at {self.where()} waiting for {what}"
         if timed_out:
             message = (

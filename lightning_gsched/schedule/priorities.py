@@ -36,9 +36,7 @@ def priority_ranks(
     phases = phases_of(forward_only, split_backward)
     known = order_keys(priority, stages, micro, phases)
     if known is not None:  # a library order: its keys at once, ranked by one sort
-        ranks = np.empty(len(known), dtype=np.int64)
-        ranks[np.argsort(known, kind="stable")] = np.arange(len(known))
-        return ranks.tolist()  # type: ignore[no-any-return]
+        return dense_ranks(known).tolist()  # type: ignore[no-any-return]
     keys: list[Any] = []
     append = keys.append
     s = b = 0
@@ -63,6 +61,13 @@ def priority_ranks(
             f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
         ) from exc
     return inverse(order)
+
+
+def dense_ranks(keys: np.ndarray) -> np.ndarray:
+    """0 .. J-1 in the order of ``keys`` (unique ints): the smallest ints that order alike."""
+    ranks = np.empty(len(keys), dtype=np.int64)
+    ranks[np.argsort(keys, kind="stable")] = np.arange(len(keys))
+    return ranks
 
 
 def inverse(permutation: list[int]) -> list[int]:

@@ -50,6 +50,7 @@ import numpy as np
 from lightning_gsched.schedule.jobs import Job, StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.priorities import dense_ranks
 from lightning_gsched.schedule.simulate import Costs, Timeline, stuck_error
 
 _NO_CAP = np.iinfo(np.int64).max
@@ -186,7 +187,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     cap = np.array([_NO_CAP if c is None else c for c in caps], dtype=np.int64)
     capped = bool(np.any(cap != _NO_CAP))
     if len(keys) and int(keys.max()) >= _LAST_KEY // (cells + 1):  # room for the cell digits
-        keys = np.argsort(np.argsort(keys, kind="stable"), kind="stable")  # the same order
+        keys = dense_ranks(keys)  # the same order, in ints below J
     ready = np.full(J + 1, np.inf)  # and the sink job J (sweep successors that do not exist)
     ready[0:B * P:P] = 0.0  # F 0 b: sources
     # the timeline's own storage, written through numpy views (no copy at the end)
