@@ -65,7 +65,7 @@ def test_several_microbatches_per_group(name: str, W: int, R: int | None, scale:
     base = plan(name, W, R=R, verify=False)
     result = plan(name, W, base.stages, base.micro * scale, R=R, verify=False,
                   cap=None if scale == 3 else "default")
-    assert result.timeline.group_shape is not None
+    assert result.timeline.replicas is not None
     _assert_every_rank(result)
     _assert_every_rank(plan(name, W, base.stages, base.micro * scale, R=R, verify=False,
                             fetch_window=2, split_backward=True), 2)
@@ -74,7 +74,7 @@ def test_several_microbatches_per_group(name: str, W: int, R: int | None, scale:
 def test_a_custom_placement_and_a_stage_dag() -> None:
     result = plan(None, 3, 6, 6, placement=lambda s, b, d: (s % 3, (s + b) % 3),
                   order="1f1b", verify=False, cap=None)
-    assert result.timeline.group_shape is None
+    assert result.timeline.replicas is None
     _assert_every_rank(result)
     # a stage DAG (plan() refuses it until the runtime runs one; the lowering follows it)
     edges = [(0, 1), (0, 2), (1, 3), (2, 3)]

@@ -80,15 +80,15 @@ def test_what_has_no_fast_path() -> None:
     """Pipelines, custom placements and orders, caps that do not repeat per group: in full."""
     spec = get_schedule("fslpp")
     placement = spec.make_placement(8, 8, 2)
-    groups = groups_of(placement, 8, 8)
+    groups = groups_of(placement, bfs, 8, 8)
     assert groups is not None and groups.count == 4
-    assert symmetric(groups, bfs, [3] * 8)
-    assert not symmetric(groups, lambda s, b, d: (s, b), [3] * 8)  # no written-out layout
-    assert not symmetric(groups, bfs, [3, 2] + [3] * 6)  # caps differ between groups
-    assert symmetric(groups, bfs, [3, 2] * 4)  # ... but may differ inside one
-    assert groups_of(get_schedule("1f1b").make_placement(8, 8, 8), 8, 8) is None
-    assert groups_of(lambda s, b, d: (0, b % 8), 8, 8) is None
-    assert groups_of(get_schedule("lpp").make_placement(8, 8, 8), 8, 8) is None  # G = 1
+    assert symmetric(groups, [3] * 8)
+    assert groups_of(placement, lambda s, b, d: (s, b), 8, 8) is None  # no written-out layout
+    assert not symmetric(groups, [3, 2] + [3] * 6)  # caps differ between groups
+    assert symmetric(groups, [3, 2] * 4)  # ... but may differ inside one
+    assert groups_of(get_schedule("1f1b").make_placement(8, 8, 8), bfs, 8, 8) is None
+    assert groups_of(lambda s, b, d: (0, b % 8), bfs, 8, 8) is None
+    assert groups_of(get_schedule("lpp").make_placement(8, 8, 8), bfs, 8, 8) is None  # G = 1
 
 
 @pytest.mark.parametrize("name,W,R", [("fsdp", 4, None), ("fslpp", 8, 2), ("lpp", 6, 3),

@@ -96,6 +96,8 @@ class GeneralParallelFabric(DDPStrategy):
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,
+        data_parallel_size: int = 1,
+        data_parallel: Literal["replicate", "shard"] = "replicate",
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
         verify: Union[bool, str] = "auto",

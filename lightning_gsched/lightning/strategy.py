@@ -112,6 +112,15 @@ class GeneralParallel(DDPStrategy):
         fetch_window: the most fetched (non-owned) stages a worker holds at once (fsdp,
             fslpp): None (each fetch one compute early: at most 2) or 1 (a fetch waits for
             the previous fetched stage's release; less memory, the transfer is not hidden).
+        data_parallel_size: G replicas of the schedule, each on W / G ranks (pipeline x data
+            parallel; rank ``p * G + g`` is pipeline position p of replica g, and
+            ``self.device_mesh`` has the dimensions ``"pipeline"`` and ``"data_parallel"``).
+            The schedule's defaults are those of W / G workers; ``microbatches`` counts one
+            replica's. Not with ddp or fsdp, which are data parallel already.
+        data_parallel: ``"replicate"`` (each replica holds its stages; one gradient
+            all-reduce per stage, issued after its last backward) or ``"shard"`` (each stage
+            owned once across the replicas, fetched once per step, its gradient reduced to the
+            owner).
         memory_budget: bytes per rank (an int, or a string such as ``"20GiB"``) the plan
             ``"auto"`` picks must fit in its predicted peak; only with ``schedule="auto"``.
             None: the fastest plan, whatever its bytes. With ``"auto"``, ``stages``,
@@ -157,6 +166,8 @@ class GeneralParallel(DDPStrategy):
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,
+        data_parallel_size: int = 1,
+        data_parallel: Literal["replicate", "shard"] = "replicate",
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
         verify: Union[bool, str] = "auto",

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.data_parallel import check_data_parallel
 from lightning_gsched.schedule.library import LIBRARY, check_R, get_schedule
 from lightning_gsched.schedule.orders import CapSpec, PriorityFn, check_order
 from lightning_gsched.schedule.placements import PlacementFn
@@ -50,10 +51,12 @@ class ScheduleArguments:
     checkpoint_activations: bool | Sequence[bool] = False
     fetch_window: int | None = None
     ties: Mapping[int, Iterable[int]] | Iterable[Iterable[int]] | None = None
+    data_parallel_size: int = 1
+    data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
         _check(self)
-        for name in ("stages", "microbatches", "R", "fetch_window"):
+        for name in ("stages", "microbatches", "R", "fetch_window", "data_parallel_size"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, int(value))
@@ -116,3 +119,5 @@ def _check(a: ScheduleArguments) -> None:
     validate.stage_flags("checkpoint_activations", a.checkpoint_activations, S)
     validate.optional_positive_int("fetch_window", a.fetch_window, "1")
     validate.ties(a.ties, S)  # kept as given: plan() checks it against the resolved S
+    check_data_parallel(a.schedule if a.placement is None else None, a.data_parallel_size,
+                        a.data_parallel)

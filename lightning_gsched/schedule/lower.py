@@ -259,13 +259,7 @@ def _lower_weights(
             continue  # computes only stages it owns: nothing to fetch
         stages = [flat // BP for flat in jobs]
         freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
-        n = len(stages)
-        i = 0
-        while i < n:
-            stage = stages[i]
-            j = i
-            while j + 1 < n and stages[j + 1] == stage:
-                j += 1
+        for stage, i, j in stage_runs(stages, table.hold_fetched_for_step):
             if stage not in owned:
                 fetch_gap = max(i - 1, 0)
                 if fetch_window is not None and len(freed_at) >= fetch_window:
@@ -273,8 +267,35 @@ def _lower_weights(
                 put_run(table, timeline, build, worker, stage, i, j, fetch_gap, grad_k,
                         reduce_gaps)
                 freed_at.append(j + 1)
-            i = j + 1
     return reduce_gaps
+
+
+def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, int]]:
+    """(stage, i, j) of every run of a worker's order (``stages``: each compute's stage): the
+    span its weights stay resident, ordered by first compute.
+
+    A run is a maximal block of consecutive computes of one stage; with ``whole_step`` (a
+    sharded data-parallel placement: ``PlacementTable.hold_fetched_for_step``) it spans the
+    stage's first compute of the step to its last, so a fetched stage is fetched once, kept
+    across every microbatch and its gradient reduced once, whatever runs between.
+    """
+    runs: list[tuple[int, int, int]] = []
+    if whole_step:
+        span: dict[int, list[int]] = {}
+        for index, stage in enumerate(stages):
+            if stage in span:
+                span[stage][1] = index
+            else:
+                span[stage] = [index, index]
+        return [(stage, i, j) for stage, (i, j) in span.items()]  # first-seen order
+    n, i = len(stages), 0
+    while i < n:
+        j = i
+        while j + 1 < n and stages[j + 1] == stages[i]:
+            j += 1
+        runs.append((stages[i], i, j))
+        i = j + 1
+    return runs
 
 
 def put_run(table: PlacementTable, timeline: Timeline, build: _Builder, worker: int,
@@ -291,7 +312,8 @@ def put_run(table: PlacementTable, timeline: Timeline, build: _Builder, worker: 
     build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
               Action(Op.SEND_W, stage, None, worker))
     run_end = timeline.end[jobs[j]]
-    if any(jobs[k] % P == grad_k for k in range(i, j + 1)):
+    BP = table.micro * P  # a whole-step run (stage_runs) holds other stages' computes too
+    if any(jobs[k] % P == grad_k and jobs[k] // BP == stage for k in range(i, j + 1)):
         build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
         gap = build.gap_at(owner, run_end)
         build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))

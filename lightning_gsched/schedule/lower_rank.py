@@ -15,7 +15,7 @@ for rank r, in the same relative order, and nothing else:
   by r's runs) and the gradients handed to r (made by the fetchers' runs); both are here, the
   sends out of r are r's own actions and need no fix;
 - the data flow (activations, input gradients) into and out of r is made by visiting r and its
-  consumers: with a timeline by symmetry (``Timeline.group_shape``) that is r's group, whose
+  consumers: with a timeline by symmetry (``Timeline.replicas``) that is r's group, whose
   workers feed only each other; otherwise every worker is visited;
 - a fetcher's runs of a stage are read from an index of its order (stage -> runs), built once
   per distinct order: with a timeline by symmetry every worker of a group position has the
@@ -34,7 +34,7 @@ from operator import itemgetter
 from typing import Any, Mapping
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
-from lightning_gsched.schedule.lower import _CATEGORY, _COMPUTE_OP, _Builder, put_run
+from lightning_gsched.schedule.lower import _CATEGORY, _COMPUTE_OP, _Builder, put_run, stage_runs
 from lightning_gsched.schedule.lower_flow import SLOTS, lower_data_flow
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.placements import PlacementTable
@@ -68,11 +68,12 @@ class _RankBuilder(_Builder):
         self.sends = defaultdict(list)
         self.recvs = defaultdict(list)
         self._starts = starts
-        shape = timeline.group_shape
-        self._period = shape[0] if shape is not None else W  # workers with the same times
+        # by symmetry, a rank's times are those of its position in replica 0
+        replicas = timeline.replicas
+        self._key = replicas.position if replicas is not None else int
 
     def gap_at(self, rank: int, time: float) -> int:
-        key = rank % self._period  # by symmetry, worker p's times are those of its group's
+        key = self._key(rank)
         starts = self._starts.get(key)
         if starts is None:
             start = self.timeline.start
@@ -149,11 +150,9 @@ class RankLowering:
         """The consumers whose visit makes r's data flow (r, and the workers r sends to), and
         the workers whose positions key those messages (those and their producers): with a
         timeline by symmetry r's group (both); else read off r's jobs and theirs."""
-        shape = self.timeline.group_shape
-        if shape is not None:
-            R = shape[0]
-            first = rank - rank % R
-            return list(range(first, first + R)), None
+        replicas = self.timeline.replicas
+        if replicas is not None:
+            return replicas.members(replicas.replica(rank)), None
         visit = sorted({rank} | self._neighbours(rank, consumers=True))
         indexed = set(visit)
         for worker in visit:
@@ -180,22 +179,16 @@ class RankLowering:
 
     def _index(self, worker: int) -> _Runs:
         """(stage, i, j) of every run of ``worker``'s order, and per stage its (i, j)."""
-        shape = self.timeline.group_shape
-        key = worker % shape[0] if shape is not None else worker
+        replicas = self.timeline.replicas
+        key = replicas.position(worker) if replicas is not None else worker
         runs = self._runs.get(key)
         if runs is None:
             BP = self.table.micro * len(self.timeline.phases)
             stages = [flat // BP for flat in self.timeline.order[worker]]
-            listed: list[tuple[int, int, int]] = []
+            listed = stage_runs(stages, self.table.hold_fetched_for_step)
             by_stage: dict[int, list[tuple[int, int]]] = {}
-            n, i = len(stages), 0
-            while i < n:
-                j = i
-                while j + 1 < n and stages[j + 1] == stages[i]:
-                    j += 1
-                listed.append((stages[i], i, j))
-                by_stage.setdefault(stages[i], []).append((i, j))
-                i = j + 1
+            for stage, i, j in listed:
+                by_stage.setdefault(stage, []).append((i, j))
             runs = self._runs[key] = (listed, by_stage)
         return runs
 

@@ -153,21 +153,32 @@ class InterleavedOrder:
 
     __name__ = "interleaved"
 
-    def __init__(self, workers: int, stages: int, micro: int, R: int) -> None:
+    def __init__(self, workers: int, stages: int, micro: int, R: int,
+                 replicas: int = 1) -> None:
+        # ``replicas``: G data-parallel replicas of this W-worker order (data_parallel.py);
+        # microbatch b is replica b mod G's microbatch b // G, and ``micro`` is per replica
         self.workers, self.stages, self.micro, self.R = workers, stages, micro, R
+        self.replicas = replicas
+
+    def with_replicas(self, replicas: int) -> InterleavedOrder:
+        """This order read through ``replicas`` data-parallel replicas (b -> b // G)."""
+        return InterleavedOrder(self.workers, self.stages, self.micro, self.R, replicas)
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> int:
         return int(self.positions(np.array([stage]), np.array([micro]),
                                   np.array([phase is not _F]))[0])
 
     def __repr__(self) -> str:
-        return f"<interleaved order W={self.workers} S={self.stages} B={self.micro} R={self.R}>"
+        replicas = f" x {self.replicas} replicas" if self.replicas > 1 else ""
+        return (f"<interleaved order W={self.workers} S={self.stages} B={self.micro} "
+                f"R={self.R}{replicas}>")
 
     def positions(self, stage: np.ndarray, micro: np.ndarray,
                   backward: np.ndarray) -> np.ndarray:
         """Positions of jobs (arrays of stage, microbatch, is-backward) in their worker's
         sequence: :func:`interleaved_sequence`'s loops solved for the index."""
         R, G, V = self.R, self.workers // self.R, self.stages // self.R
+        micro = micro // self.replicas  # the replica's own microbatch
         g, p, c = micro % G, stage % R, stage // R
         m = micro // G  # the microbatch's place among its group's (b = g + m * G)
         mine = (self.micro - g + G - 1) // G

@@ -12,7 +12,7 @@ of callables is also a placement; :func:`tabulate` validates it once and caches 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Hashable, Protocol, cast
+from typing import Any, Callable, ClassVar, Hashable, Protocol, cast
 
 from lightning_gsched.errors import PlacementError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -37,8 +37,13 @@ class CheckedPlacement(Placement, Protocol):
 # instead of calling w(s, b, d) twice per (stage, microbatch).
 Rows = tuple[list[list[int]], list[list[int]]]
 
+# placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one
+# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan): the
+# library's own classes exactly (registered by LibraryPlacement.__init_subclass__)
+_LIBRARY: set[type] = set()
 
-class _LibraryPlacement:
+
+class LibraryPlacement:
     """What every library placement shares: its table of rows, read from ``__call__`` itself.
 
     A placement's formula is written once, in ``__call__`` (the paper's ``w(s, b, d)``). The
@@ -49,6 +54,13 @@ class _LibraryPlacement:
     of the S x B = 1M a per-job evaluation would take. These are claims about the formula's
     symmetry; tests/test_schedule_fast_paths.py checks them against calling it per job.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The library's own placement classes (defined in this package) are trusted by
+        :class:`PlacementTable`; a user's subclass, which may change ``__call__``, is not."""
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("lightning_gsched.schedule."):
+            _LIBRARY.add(cls)
 
     # a row of weights (compute) workers is the same for every microbatch of a stage
     weights_constant_in_micro: ClassVar[bool] = False
@@ -117,7 +129,7 @@ def _check_groups(name: str, workers: int, stages: int, micro: int, R: int) -> i
 
 
 @dataclass(frozen=True)
-class DDP(_LibraryPlacement):
+class DDP(LibraryPlacement):
     """w = (b mod W, b mod W): each worker runs whole microbatches with its own weight replica."""
 
     workers: int
@@ -144,7 +156,7 @@ class DDP(_LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class FSDP(_LibraryPlacement):
+class FSDP(LibraryPlacement):
     """w = (s mod W, b mod W): DDP's compute, but stage s's weights live only on worker s mod W."""
 
     workers: int
@@ -170,7 +182,7 @@ class FSDP(_LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class GPipe(_LibraryPlacement):
+class GPipe(LibraryPlacement):
     """w = (k, k) with k = s // (S/W): contiguous blocks of stages per worker, no looping."""
 
     workers: int
@@ -191,7 +203,7 @@ class GPipe(_LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class VShape(_LibraryPlacement):
+class VShape(LibraryPlacement):
     """w = (v(s), v(s)): stages in a V over the workers, v(s) = s for s < W, 2W-1-s after.
 
     Worker r holds stages r and 2W-1-r (with S = 2W; S = 2kW repeats the V k times), so the
@@ -223,7 +235,7 @@ class VShape(_LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class LPP(_LibraryPlacement):
+class LPP(LibraryPlacement):
     """The seed's looped pipeline: w = (h(s,b), h(s,b)), h(s,b) = (R*b mod W) + (s mod R).
 
     W = G*R workers form G groups of R; group b mod G runs microbatch b, and worker r of a group
@@ -254,7 +266,7 @@ class LPP(_LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class FSLPP(_LibraryPlacement):
+class FSLPP(LibraryPlacement):
     """Fully sharded looped pipeline: LPP's compute, one owner per stage, balanced.
 
     The owner of stage s is chosen among the workers that compute s (position s mod R in each
@@ -285,7 +297,7 @@ class FSLPP(_LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class FSLPPSeed(_LibraryPlacement):
+class FSLPPSeed(LibraryPlacement):
     """The seed's literal FSLPP: w = (h(s, s), h(s, b)). Concentrates ownership (see docs)."""
 
     workers: int
@@ -325,8 +337,11 @@ class PlacementTable:
         self.weights: list[list[tuple[int, int]]]
         self.owners: list[tuple[int, ...]]
         self.fetch_source: dict[tuple[int, int], int]
+        # the lowering holds a fetched stage for the whole step (data_parallel='shard'), not
+        # per run of consecutive jobs (lower.stage_runs)
+        self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
         if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
-            library = cast(_LibraryPlacement, placement)
+            library = cast(LibraryPlacement, placement)
             weight_rows, self.compute = library.rows(stages, micro)
             pairs = {w: (w, w) for w in range(workers)}  # one tuple per worker, shared by rows
             self.weights = [list(map(pairs.__getitem__, row)) for row in weight_rows]
@@ -413,7 +428,4 @@ class PlacementTable:
         return self._computed.get(worker, set())
 
 
-# placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one
-# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan): the
-# library's own classes exactly, not a user's subclass that may change ``__call__``
-_LIBRARY = tuple(_LibraryPlacement.__subclasses__())
+

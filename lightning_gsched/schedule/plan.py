@@ -7,14 +7,21 @@ numbers a user reads before training are those of the programs the runtime will 
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
 from lightning_gsched.schedule.consumption import require_chain
+from lightning_gsched.schedule.data_parallel import (
+    lift,
+    lift_caps,
+    lift_priority,
+    pipeline_size,
+)
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
@@ -32,6 +39,7 @@ from lightning_gsched.schedule.orders import (
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
 from lightning_gsched.schedule.program import Action, Programs
 from lightning_gsched.schedule.proof import certify, checked_lowering
+from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.symmetry import make_simulator
 
@@ -39,6 +47,7 @@ from lightning_gsched.schedule.symmetry import make_simulator
 # freedom from the timeline: proof.py) whatever their timeline; timelines by group symmetry
 # always do. Below it, lowering and dry-running every program at once costs under ~2 s.
 LAZY_FROM_JOBS = 1 << 18
+T = TypeVar("T")
 
 
 @contextmanager
@@ -85,10 +94,24 @@ class Plan:
     # forward; ``costs.backward`` already includes that recompute). All False when forward-only.
     checkpointed: tuple[bool, ...] = ()
     fetch_window: int | None = None  # most fetched stages resident at once (None: no limit)
+    # G replicas of a P = W/G-worker schedule (data_parallel.py); ``micro`` counts all G
+    # replicas' microbatches (each replica runs micro / G)
+    data_parallel_size: int = 1
+    data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
         if not self.checkpointed:
             self.checkpointed = (False,) * self.stages
+
+    @property
+    def pipeline_size(self) -> int:
+        """P: the workers of one replica."""
+        return self.workers // self.data_parallel_size
+
+    @property
+    def replicas(self) -> ReplicaLayout:
+        """Where each replica's ranks sit (``rank = p * G + g``; G = 1: one replica)."""
+        return ReplicaLayout(self.pipeline_size, self.data_parallel_size)
 
     @property
     def ties(self) -> dict[int, tuple[int, ...]]:
@@ -100,6 +123,9 @@ class Plan:
             "schedule": self.schedule,
             "forward_only": self.forward_only,
             "workers": self.workers,
+            "data_parallel_size": self.data_parallel_size,
+            "data_parallel": self.data_parallel,
+            "pipeline_size": self.pipeline_size,
             "stages": self.stages,
             "microbatches": self.micro,
             "R": self.R,
@@ -145,6 +171,8 @@ def plan(
     checkpoint_activations: bool | Sequence[bool] = False,
     fetch_window: int | None = None,
     ties: Mapping[int, Iterable[int]] | Iterable[Iterable[int]] | None = None,
+    data_parallel_size: int = 1,
+    data_parallel: str = "replicate",
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -182,6 +210,15 @@ def plan(
     without owning it, and its gradient reduced to the owners (``FETCH_T``/``REDUCE_T``/
     ``ALLREDUCE_T``; see :mod:`.lower_ties`).
 
+    ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each (a pipeline
+    composed with data parallelism, :mod:`.data_parallel`): the schedule's defaults (S, B, cap,
+    R) are its P-worker defaults, ``microbatches`` counts one replica's (the plan runs G times
+    as many), and rank ``p * G + g`` is position p of replica g. ``data_parallel``:
+    ``"replicate"`` (each replica holds its stages; one gradient all-reduce per stage across
+    the G replicas, issued after its last backward) or ``"shard"`` (each stage owned once
+    across its column, fetched once per step and held, its gradient reduced to the owner
+    once; the default S grows until every worker's stages divide among its column).
+
     ``verify=False`` skips the dry run; then, where the timeline is by group symmetry
     (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order) or the plan has
     :data:`LAZY_FROM_JOBS` jobs or more, nothing reads every program, so ``programs.ranks`` and
@@ -198,7 +235,8 @@ def plan(
         schedule=schedule, stages=stages, microbatches=microbatches, R=R, order=order, cap=cap,
         forward_cost=forward_cost, backward_cost=backward_cost, placement=placement,
         priority=priority, weight_cost=weight_cost, split_backward=split_backward,
-        checkpoint_activations=checkpoint_activations, fetch_window=fetch_window, ties=ties)
+        checkpoint_activations=checkpoint_activations, fetch_window=fetch_window, ties=ties,
+        data_parallel_size=data_parallel_size, data_parallel=data_parallel)
     return plan_arguments(arguments, workers, edges=edges, verify=verify,
                           forward_only=forward_only)
 
@@ -212,7 +250,7 @@ def plan_arguments(
     verify = validate.flag("verify", verify)
     prepared = _prepare(arguments, workers, edges, forward_only)
     with _gc_paused():
-        return _build(*prepared, verify=verify)
+        return _build(prepared, verify=verify)
 
 
 def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
@@ -229,7 +267,7 @@ def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
     a = arguments
     if a.placement is not None or any(callable(f) for f in (a.order, a.priority, a.cap)):
         with _gc_paused():
-            _build(*prepared, verify=False)
+            _build(prepared, verify=False)
     return prepared.S, prepared.B, prepared.R
 
 
@@ -252,6 +290,8 @@ class _Prepared(NamedTuple):
     checkpointed: tuple[bool, ...]
     fetch_window: int | None
     ties: dict[int, tuple[int, ...]]
+    data_parallel_size: int
+    data_parallel: str
 
 
 def _prepare(arguments: ScheduleArguments, workers: int,
@@ -265,14 +305,16 @@ def _prepare(arguments: ScheduleArguments, workers: int,
     forward_only = validate.flag("forward_only", forward_only)
     if isinstance(cap, str) and cap == "none":
         cap = None
+    G = a.data_parallel_size
+    P = pipeline_size(W, G)  # each replica's workers (W when G = 1)
     if placement is None:
         spec = get_schedule(schedule)  # type: ignore[arg-type]
-        S, B, R = resolve_shape(spec.name, W, stages, microbatches, R)
-        library_placement = spec.make_placement(W, S, R or 1)
-        library_placement.check(S, B)
+        S, B, R = _replica_shape(spec.name, P, G, a)
+        library_placement = spec.make_placement(P, S, R or 1)
+        _on_replicas(library_placement.check, P, G)(S, B)
         placement_fn: PlacementFn = library_placement
         order_spec = order if order is not None else (priority or spec.order)
-        cap_spec = None if forward_only else spec.cap(W, S) if cap == DEFAULT else cap
+        cap_spec = None if forward_only else spec.cap(P, S) if cap == DEFAULT else cap
         name = spec.name
         split = spec.split_backward if split_backward is None else split_backward
         uses_default_cap = cap == DEFAULT
@@ -285,6 +327,16 @@ def _prepare(arguments: ScheduleArguments, workers: int,
         name = schedule or "custom"
         split = bool(split_backward)
         uses_default_cap = False
+    if G > 1:  # the P-worker schedule's placement, priority and cap, lifted to G replicas
+        layout = ReplicaLayout(P, G)
+        placement_fn = _on_replicas(lift, P, G)(placement_fn, layout, S, B, a.data_parallel)
+        if callable(order_spec) or order_spec == "interleaved":  # a library name is exact
+            order_spec = lift_priority(resolve_order(order_spec, P, S, B, R), G)
+        if isinstance(cap_spec, str) or cap_spec is None:
+            pass  # 'auto' searches one uniform cap; None: uncapped
+        else:
+            cap_spec = lift_caps(normalise_caps(cap_spec, P), layout)
+        B *= G
     split = validate.flag("split_backward", split) and not forward_only
     check_size(name, W, S, B, 1 if forward_only else 3 if split else 2)
     # forward-only plans of a split schedule share its arguments; they run no W to cost
@@ -299,18 +351,44 @@ def _prepare(arguments: ScheduleArguments, workers: int,
     require_chain(S, edges)  # the runtime runs chains only: refuse other graphs up front
     return _Prepared(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges,
                      bool(forward_only), split, uses_default_cap, checkpointed,
-                     a.fetch_window, tie_map)
+                     a.fetch_window, tie_map, G, a.data_parallel)
 
 
-def _build(
-    name: str, W: int, S: int, B: int, R: int | None, order_spec: str | PriorityFn,
-    cap_spec: CapSpec, placement_fn: PlacementFn, costs: Costs,
-    edges: Sequence[tuple[int, int]] | None, forward_only: bool = False,
-    split_backward: bool = False, default_cap: bool = False,
-    checkpointed: tuple[bool, ...] = (),
-    fetch_window: int | None = None,
-    ties: dict[int, tuple[int, ...]] | None = None, *, verify: bool = True,
-) -> Plan:
+def _replica_shape(name: str, P: int, G: int, a: ScheduleArguments
+                   ) -> tuple[int, int, int | None]:
+    """(S, B per replica, R) of a library schedule on each replica's P workers.
+
+    Sharded over G replicas, the default S grows by the smallest factor that gives every
+    worker a multiple of G stages, so that each rank of a column owns as many as the others
+    (1f1b on P workers: S = P per replica, 2P at G = 2; interleaved's 2P needs no growth).
+    """
+    S, B, R = _on_replicas(resolve_shape, P, G)(name, P, a.stages, a.microbatches, a.R)
+    if G > 1 and a.data_parallel == "shard" and a.stages is None:
+        per_worker = max(1, S // P)
+        S *= G // math.gcd(per_worker, G)
+    return S, B, R
+
+
+def _on_replicas(check: Callable[..., T], P: int, G: int) -> Callable[..., T]:
+    """``check`` whose :class:`ScheduleConfigError` says, with replicas, that it is about the
+    P-worker schedule each replica runs (its numbers are P's, not W's)."""
+    if G == 1:
+        return check
+
+    def checked(*args: Any) -> T:
+        try:
+            return check(*args)
+        except ScheduleConfigError as exc:
+            raise type(exc)(
+                f"with data_parallel_size={G} each replica runs the schedule on P = W / "
+                f"data_parallel_size = {P} workers: {exc}") from None
+
+    return checked
+
+
+def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
+    (name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, forward_only,
+     split_backward, default_cap, checkpointed, fetch_window, ties, G, mode) = prepared
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
     graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split_backward)
@@ -338,7 +416,7 @@ def _build(
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = run(caps)
-    if (timeline.group_shape is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
+    if (timeline.replicas is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
             not verify or certify(graph, table, timeline, ties) is None):
         # nothing reads every program here: each rank's is lowered when first read (exactly
         # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py).
@@ -368,7 +446,7 @@ def _build(
             dry_run(programs)
         metrics = measure(programs, timeline)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
-                forward_only, checkpointed, fetch_window)
+                forward_only, checkpointed, fetch_window, G, mode)
 
 
 def _jobs_per_worker(table: PlacementTable) -> list[int]:

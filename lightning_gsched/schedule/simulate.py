@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.priorities import inverse
@@ -127,10 +128,10 @@ class Timeline:
         # a callable: built when first read (a timeline by symmetry merges its groups' orders
         # only for a reader of every slot, see symmetry.py)
         self._sequence = sequence
-        # (R, G) when built by group symmetry (symmetry.py): group g, workers g*R .. g*R+R-1,
-        # runs microbatches b = g mod G, and worker g*R + p's order is worker p's with b
-        # renamed (same stages, same times); None: no such promise
-        self.group_shape: tuple[int, int] | None = None
+        # set when built by group symmetry (symmetry.py): replica g (layout.members(g)) runs
+        # microbatches b = g mod G, and the order of position p in replica g is position p's
+        # in replica 0 with b renamed (same stages, same times); None: no such promise
+        self.replicas: ReplicaLayout | None = None
         self.busy = busy
         self._slots: list[Slot] | None = None
         self._by_worker: list[list[Slot]] | None = None

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from lightning_gsched.errors import CapTooSmallError
+from lightning_gsched.schedule.data_parallel import DataParallel, replica_priority
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.orders import PriorityFn, layout_of
 from lightning_gsched.schedule.placements import (
@@ -52,6 +53,7 @@ from lightning_gsched.schedule.placements import (
     PlacementTable,
 )
 from lightning_gsched.schedule.priorities import order_keys, priority_ranks
+from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.sweep import (
     keys_increase_in_micro,
@@ -63,41 +65,58 @@ from lightning_gsched.schedule.sweep import (
 
 @dataclass(frozen=True)
 class Groups:
-    """G groups of R workers: group g runs microbatches b = g mod G on workers g*R .. g*R+R-1."""
+    """G groups (replicas) of a P-worker schedule: where they sit (``layout``), and the
+    P-worker placement and priority that one group runs (planned alone, then renamed)."""
 
-    workers: int
-    R: int
-    micro: int
+    layout: ReplicaLayout
+    placement: PlacementFn  # the P-worker placement of one group
+    priority: PriorityFn  # the P-worker priority of one group
 
     @property
     def count(self) -> int:
-        return self.workers // self.R
+        return self.layout.replicas
 
 
-def groups_of(placement: PlacementFn, workers: int, micro: int) -> Groups | None:
-    """The group structure of a library looped placement, or None (no fast path).
+def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
+              micro: int) -> Groups | None:
+    """The group structure of a placement whose compute splits into replicas, or None.
 
-    ddp and fsdp are R = 1 (one worker per group); lpp, fslpp and fslpp-seed their R. A
-    single group (G = 1) gains nothing, so it is None too.
+    A data-parallel lift (:class:`~.data_parallel.DataParallel`) with the priority it was
+    lifted with: any P-worker placement and priority (module docstring of data_parallel.py).
+    The looped family, replica-contiguous: ddp and fsdp are R = 1, lpp, fslpp and fslpp-seed
+    their R, each group running ``LPP(R, R)`` under a library order. A single group (G = 1)
+    gains nothing, so it is None too.
     """
-    if type(placement) in (DDP, FSDP):
-        R = 1
-    elif type(placement) in (LPP, FSLPP, FSLPPSeed):
-        R = placement.R  # type: ignore[attr-defined]
+    if isinstance(placement, DataParallel):
+        layout = placement.layout
+        inner = replica_priority(priority, layout.replicas)
+        if inner is None:
+            return None
+        group = Groups(layout, placement.inner, inner)
     else:
+        if type(placement) in (DDP, FSDP):
+            R = 1
+        elif type(placement) in (LPP, FSLPP, FSLPPSeed):
+            R = placement.R  # type: ignore[attr-defined]
+        else:
+            return None
+        if workers % R or layout_of(priority) is None:
+            return None
+        group = Groups(ReplicaLayout(R, workers // R, pipeline_major=False), LPP(R, R),
+                       priority)
+    G = group.count
+    if micro % G or G < 2:
         return None
-    if workers % R or micro % (workers // R) or workers // R < 2:
-        return None
-    return Groups(workers, R, micro)
+    return group
 
 
-def symmetric(groups: Groups | None, priority: PriorityFn,
-              caps: Sequence[int | None]) -> bool:
-    """Whether :func:`simulate_groups` gives exactly the full simulation (module docstring)."""
-    if groups is None or layout_of(priority) is None:
+def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
+    """Whether :func:`simulate_groups` gives exactly the full simulation (module docstring):
+    a group structure, and caps that are the same at a position in every group."""
+    if groups is None:
         return False
-    R = groups.R
-    return all(caps[w] == caps[w % R] for w in range(len(caps)))
+    layout = groups.layout
+    return all(caps[w] == caps[layout.rank(layout.position(w), 0)] for w in range(len(caps)))
 
 
 def make_simulator(
@@ -110,11 +129,12 @@ def make_simulator(
     ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to be faster; True,
     wherever it is exact (tests); False, never. All three give the same timeline.
     The full ranks (one per job: 0.6-1.3 s at W=1024) are computed only if a full simulation
-    runs; the group's ranks, or the sweep's keys, once, for every cap the planner tries.
+    runs; the group's simulator (itself swept where that pays), or the sweep's keys, once, for
+    every cap the planner tries.
     """
-    groups = groups_of(placement, table.workers, table.micro)
+    groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
-    group_parts: list[tuple[PlacementTable, list[int]]] = []
+    group_run: list[Callable[[Sequence[int | None]], Timeline]] = []
     if sweep is None:
         sweep = worth_sweeping(table, len(graph.phases))
     if sweep and groups is None and sweepable(graph, table):
@@ -138,31 +158,33 @@ def make_simulator(
         return simulate(graph, table, full_ranks, costs, caps)
 
     def run(caps: Sequence[int | None]) -> Timeline:
-        if groups is None or not symmetric(groups, priority, caps):
+        if groups is None or not symmetric(groups, caps):
             return full(caps)
-        if not group_parts:
-            sub_micro = table.micro // groups.count
-            sub_table = PlacementTable(LPP(groups.R, groups.R), groups.R, table.stages, sub_micro)
-            group_parts.append((sub_table, priority_ranks(
-                priority, table.stages, sub_micro, graph.forward_only, graph.split_backward)))
-        sub_table, sub_ranks = group_parts[0]
+        layout = groups.layout
+        if not group_run:
+            P, sub_micro = layout.pipeline, table.micro // groups.count
+            sub_table = PlacementTable(groups.placement, P, table.stages, sub_micro)
+            group_run.append(make_simulator(graph, sub_table, groups.placement,
+                                            groups.priority, costs, sweep))
         try:
-            group = simulate(graph, sub_table, sub_ranks, costs, list(caps[:groups.R]))
+            group = group_run[0]([caps[layout.rank(p, 0)] for p in range(layout.pipeline)])
         except CapTooSmallError:
             return full(caps)  # the same failure, with the full plan's names in its message
-        return expand(group, groups, lambda: full_ranks or priority_ranks(
+        return expand(group, layout, lambda: full_ranks or priority_ranks(
             priority, table.stages, table.micro, graph.forward_only, graph.split_backward))
 
     return run
 
 
-def expand(group: Timeline, groups: Groups, ranks: Callable[[], Sequence[int]]) -> Timeline:
+def expand(group: Timeline, layout: ReplicaLayout,
+           ranks: Callable[[], Sequence[int]]) -> Timeline:
     """The full timeline from group 0's (module docstring): G renamed copies.
 
     ``ranks``: the full plan's ranks, called only if the placement order is read.
     """
-    G, R, B = groups.count, groups.R, groups.micro
+    G = layout.replicas
     S, P, Bg = group.stages, len(group.phases), group.micro
+    B = Bg * G
     start: list[float] = []
     end: list[float] = []
     group_start, group_end = list(group.start), list(group.end)  # the simulator's lists
@@ -174,23 +196,26 @@ def expand(group: Timeline, groups: Groups, ranks: Callable[[], Sequence[int]]) 
     # group 0's flat index (s*Bg + m)*P + k is the full (s*B + m*G)*P + k; group g adds g*P
     base = [[((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
             for jobs in group.order]
-    order = [[j + g * P for j in base[p]] if g else base[p]
-             for g in range(G) for p in range(R)]
-    busy = list(group.busy) * G
-    sequence = _merged_sequence(group, groups, ranks)
-    timeline = Timeline(groups.workers, S, B, group.phases, order, start, end, sequence, busy)
-    timeline.group_shape = (R, G)
+    order: list[list[int]] = [[] for _ in range(layout.workers)]
+    for g in range(G):
+        for p in range(layout.pipeline):
+            order[layout.rank(p, g)] = [j + g * P for j in base[p]] if g else base[p]
+    busy = [group.busy[layout.position(w)] for w in range(layout.workers)]
+    sequence = _merged_sequence(group, G, ranks)
+    timeline = Timeline(layout.workers, S, B, group.phases, order, start, end, sequence, busy)
+    timeline.replicas = layout
     return timeline
 
 
-def _merged_sequence(group: Timeline, groups: Groups,
+def _merged_sequence(group: Timeline, G: int,
                      ranks: Callable[[], Sequence[int]]) -> Callable[[], list[int]]:
     """The full simulation's placement order, built when first read (module docstring)."""
 
     def build() -> list[int]:
         full_ranks = ranks()
         start = group.start
-        P, Bg, B, G = len(group.phases), group.micro, groups.micro, groups.count
+        P, Bg = len(group.phases), group.micro
+        B = Bg * G
         renamed = [((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in group.sequence]
         times = [start[j] for j in group.sequence]
         heads = [(times[0], full_ranks[renamed[0] + g * P], g, 0) for g in range(G)] \

@@ -1,0 +1,228 @@
+"""Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
+
+The seed's formalism already holds data parallelism: a schedule is a placement ``w(s, b, d)``,
+a priority ``n(s, b, d)`` and a cap per worker, and G replicas of a P-worker schedule are the
+same three lifted by one renaming (:class:`~.replicas.ReplicaLayout`: position ``p`` of replica
+``g`` is rank ``p*G + g``). Microbatch ``b`` runs on replica ``g = b mod G`` as that replica's
+microbatch ``m = b // G``:
+
+- placement: the compute worker of ``(s, b, d)`` is ``rank(w_P(s, m, d).compute, g)``. The
+  weights worker:
+  - ``replicate``: ``rank(w_P(s, m, d).weights, g)``: every replica owns its copy, so a stage
+    has G owners, and the lowering's replica all-reduce joins them right after each owner's
+    last weight-gradient job of the stage (it overlaps the rest of the pipeline);
+  - ``shard``: one owner per stage across the replicas. The P-worker schedule must own each
+    stage once (``o(s)``); the stages position ``o`` owns are dealt round robin over its column
+    (the k-th to replica ``k mod G``). The other ranks of the column fetch the stage; the
+    lowering holds a fetched stage from its first job of the step to its last
+    (:attr:`DataParallel.hold_fetched_for_step`, torchtitan's ``reshard_after_forward=False``
+    under a pipeline) and reduces its gradient to the owner once.
+- priority: ``n(s, b, d) = n_P(s, b // G, d)`` (:func:`lift_priority`);
+- cap: ``cap[rank(p, g)] = cap_P[p]`` (:func:`lift_caps`).
+
+Why it is exact, not an approximation: a job's predecessors and successors are jobs of the same
+microbatch (a chain), so they run on its replica's ranks; every rank runs one replica's jobs,
+ordered by the P-worker priorities under an order-preserving renaming of microbatches
+(``m -> g + G*m``). So every replica's timeline is the P-worker schedule's, renamed, and each
+rank stashes exactly what its position stashes in the P-worker plan. :mod:`.symmetry` plans one
+replica and renames it; tests compare that with the full simulation of the lifted placement.
+Only weights cross replicas (all-reduce or fetch/reduce), added by the lowering.
+
+The looped family is this lift with a replica-contiguous layout (``pipeline_major=False``):
+lpp is G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker;
+tests/test_schedule_data_parallel.py shows each equal to its library placement.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule import validate
+from lightning_gsched.schedule.jobs import Phase
+from lightning_gsched.schedule.library import LIBRARY
+from lightning_gsched.schedule.orders import InterleavedOrder, PriorityFn, layout_of
+from lightning_gsched.schedule.placements import LibraryPlacement, PlacementFn, PlacementTable
+from lightning_gsched.schedule.replicas import ReplicaLayout
+
+MODES = ("replicate", "shard")
+# data parallel over all W ranks already: a second data-parallel dimension means nothing there
+ALREADY_DATA_PARALLEL = ("ddp", "fsdp")
+
+
+def takes_data_parallel() -> list[str]:
+    """The library schedules that compose with ``data_parallel_size > 1``."""
+    return [name for name in LIBRARY if name not in ALREADY_DATA_PARALLEL]
+
+
+def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
+    """What can be said without W: G a positive int, the mode known, and a schedule that is
+    not data parallel over every rank already. ``schedule`` is None for a custom placement."""
+    G = validate.positive_int("data_parallel_size", size, "2")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise validate.invalid(
+            "data_parallel", mode, f"must be one of {list(MODES)} (each replica holds its "
+            "stages, or each stage is owned once across its column of replicas)", "'shard'")
+    if G > 1 and schedule in ALREADY_DATA_PARALLEL:
+        raise ScheduleConfigError(
+            f"schedule {schedule!r} is data parallel over all W ranks already, so "
+            f"data_parallel_size={G} has nothing to compose with; use "
+            f"data_parallel_size=1, or a pipeline schedule that takes it: "
+            f"{', '.join(takes_data_parallel())}")
+    if mode == "shard" and G == 1:
+        raise ScheduleConfigError(
+            "data_parallel='shard' shards each stage over the data-parallel replicas, and "
+            "data_parallel_size=1 has one replica: set data_parallel_size to 2 or more, or use "
+            "fsdp or fslpp to shard without replicas")
+
+
+def pipeline_size(workers: int, replicas: int) -> int:
+    """P = W / G, or a :class:`ScheduleConfigError` naming the divisors of W."""
+    if workers % replicas:
+        divisors = [d for d in range(1, workers + 1) if workers % d == 0]
+        raise ScheduleConfigError(
+            f"data_parallel_size={replicas} does not divide the W={workers} workers (num_nodes "
+            f"x devices); each replica runs the schedule on W / data_parallel_size workers. "
+            f"Choose data_parallel_size among {divisors}")
+    return workers // replicas
+
+
+@dataclass(frozen=True)
+class DataParallel(LibraryPlacement):
+    """G replicas of the P-worker placement ``inner`` (module docstring). Build it with
+    :func:`lift`, which validates ``inner`` (a valid inner placement makes a valid lift) and
+    computes the owners of the shard mode."""
+
+    inner: PlacementFn
+    layout: ReplicaLayout
+    owners: tuple[int, ...] | None = None  # shard: each stage's owning rank; None: replicate
+
+    @property
+    def shard(self) -> bool:
+        return self.owners is not None
+
+    @property
+    def hold_fetched_for_step(self) -> bool:
+        """Sharded: a fetched stage stays from its first job of the step to its last."""
+        return self.owners is not None
+
+    @property
+    def weights_constant_in_micro(self) -> bool:  # type: ignore[override]
+        return self.owners is not None  # sharded: one owner per stage
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        layout = self.layout
+        replica, m = micro % layout.replicas, micro // layout.replicas
+        weights, compute = self.inner(stage, m, phase)
+        if self.owners is not None:
+            return self.owners[stage], layout.rank(compute, replica)
+        return layout.rank(weights, replica), layout.rank(compute, replica)
+
+    def _inner_library(self) -> LibraryPlacement | None:
+        inner = self.inner
+        return inner if isinstance(inner, LibraryPlacement) else None
+
+    def weights_key(self, stage: int) -> Hashable:
+        inner = self._inner_library()
+        if self.owners is not None or inner is None:
+            return stage
+        return inner.weights_key(stage)  # equal inner rows, renamed alike
+
+    def compute_key(self, stage: int) -> Hashable:
+        inner = self._inner_library()
+        return stage if inner is None else inner.compute_key(stage)
+
+    def micro_period(self) -> int | None:
+        """The inner rows' period (1 where they do not depend on the microbatch) times G."""
+        inner = self._inner_library()
+        if inner is None:
+            return None
+        period = inner.micro_period()
+        if period is None and inner.compute_constant_in_micro and \
+                inner.weights_constant_in_micro:
+            period = 1
+        return None if period is None else period * self.layout.replicas
+
+    def check(self, stages: int, micro: int) -> None:
+        """Checked by :func:`lift` already (the inner placement on its P workers)."""
+
+
+def lift(inner: PlacementFn, layout: ReplicaLayout, stages: int, micro_per_replica: int,
+         mode: str = "replicate") -> DataParallel:
+    """The G-replica placement of ``inner`` (a P-worker placement), checked.
+
+    ``inner`` is validated on its own P workers (a user's ``w`` is named in the error with the
+    P-worker job). Shard mode needs one owner per stage in ``inner``; a schedule that
+    replicates its stages itself (lpp) is refused, naming its sharded form.
+    """
+    table = PlacementTable(inner, layout.pipeline, stages, micro_per_replica)
+    if mode == "replicate":
+        return DataParallel(inner, layout)
+    shared = [s for s, owners in enumerate(table.owners) if len(owners) != 1]
+    if shared:
+        s = shared[0]
+        raise ScheduleConfigError(
+            f"data_parallel='shard' needs a schedule that owns each stage once per replica, "
+            f"but stage {s} has {len(table.owners[s])} owners in the {layout.pipeline}-worker "
+            "schedule (lpp replicates its stages over its groups): use data_parallel="
+            "'replicate', or fslpp (lpp with each stage owned once)")
+    dealt: dict[int, int] = {}
+    owners: list[int] = []
+    for s in range(stages):
+        position = table.owners[s][0]
+        k = dealt.get(position, 0)
+        dealt[position] = k + 1
+        owners.append(layout.rank(position, k % layout.replicas))
+    return DataParallel(inner, layout, tuple(owners))
+
+
+class LiftedPriority:
+    """``n(s, b, d) = n_P(s, b // G, d)``: a P-worker priority read through the renaming."""
+
+    def __init__(self, inner: PriorityFn, replicas: int) -> None:
+        self.inner, self.replicas = inner, replicas
+        self.__name__ = getattr(inner, "__name__", "custom")
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> Any:
+        return self.inner(stage, micro // self.replicas, phase)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__} of each of {self.replicas} replicas>"
+
+
+def lift_priority(priority: PriorityFn, replicas: int) -> PriorityFn:
+    """The lifted priority of a P-worker ``priority``.
+
+    A library order (bfs, gpipe, 1f1b, zb) is returned as is: its microbatch loops are
+    monotone in b, so on every rank (whose microbatches are ``g + G*m``) it orders jobs as
+    ``n_P(s, m, d)`` does, and the fast paths keep reading its layout. Interleaved's positions
+    take the replica count; any other callable is wrapped (:class:`LiftedPriority`).
+    """
+    if replicas == 1 or layout_of(priority) is not None:
+        return priority
+    if isinstance(priority, InterleavedOrder):
+        return priority.with_replicas(replicas)
+    return LiftedPriority(priority, replicas)
+
+
+def replica_priority(priority: PriorityFn, replicas: int) -> PriorityFn | None:
+    """The P-worker priority that :func:`lift_priority` lifted to ``priority``, or None when
+    ``priority`` is not such a lift (then no replica can be planned alone)."""
+    if layout_of(priority) is not None:
+        return priority
+    if isinstance(priority, InterleavedOrder) and priority.replicas == replicas:
+        return priority.with_replicas(1)
+    if isinstance(priority, LiftedPriority) and priority.replicas == replicas:
+        return priority.inner
+    return None
+
+
+def lift_caps(caps: Sequence[int | None], layout: ReplicaLayout) -> list[int | None]:
+    """One cap per rank: position p's cap in every replica."""
+    out: list[int | None] = [None] * layout.workers
+    for p, cap in enumerate(caps):
+        for rank in layout.column(p):
+            out[rank] = cap
+    return out
