@@ -72,7 +72,7 @@ def first_microbatches(config: ScheduleConfig, whole: GlobalBatch, workers: int,
 
     def first() -> Any:
         if training:
-            return whole.micros(config.resolved(workers)[1], exact=True)[0]
+            return whole.micros(config.training_micro(workers), exact=True)[0]
         B = config.eval_plan(workers, whole.rows).micro
         cut = whole.micros(B, exact=False, what="evaluation batch")
         return next(m for m, n in zip(cut, micro_rows(whole.rows, B), strict=True) if n)

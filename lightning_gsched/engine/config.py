@@ -28,8 +28,12 @@ from typing import Any
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import ScheduleArguments
-from lightning_gsched.schedule.library import resolve_shape
-from lightning_gsched.schedule.plan import Plan, check_plan_arguments, plan_arguments
+from lightning_gsched.schedule.plan import (
+    Plan,
+    check_plan_arguments,
+    plan_arguments,
+    resolve_arguments,
+)
 from lightning_gsched.schedule.tune import TuneResult
 
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, S, B, R and checkpointing
@@ -176,14 +180,17 @@ class ScheduleConfig:
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
-        resolution, :func:`~lightning_gsched.schedule.library.resolve_shape`)."""
+        resolution, :func:`~lightning_gsched.schedule.plan.resolve_arguments`; B per
+        data-parallel replica)."""
         if self.is_auto:
             return self._effective().resolved(workers)
-        a = self._arguments()
-        if a.placement is not None:
-            return int(a.stages), int(a.microbatches), a.R  # type: ignore[arg-type]
-        return resolve_shape(a.schedule, workers, a.stages,  # type: ignore[arg-type]
-                             a.microbatches, a.R)
+        return resolve_arguments(self._arguments(), workers)
+
+    def training_micro(self, workers: int) -> int:
+        """How many microbatches a training step cuts the global batch into: B per replica
+        times the data-parallel replicas."""
+        config = self._effective() if self.is_auto else self
+        return config.resolved(workers)[1] * config._arguments().data_parallel_size
 
     def _arguments(self) -> ScheduleArguments:
         assert self.arguments is not None, "an undecided 'auto' has no arguments"
@@ -208,8 +215,9 @@ class ScheduleConfig:
         if rows in self._eval_plans:
             return self._eval_plans[rows]
         S, B_train, R = self.resolved(workers)
-        candidates = list(range(min(B_train, max(rows, 1)), 0, -1))
-        candidates += list(range(max(rows, 1) + 1, max(B_train, rows) + 1))
+        rows = max(rows // self._arguments().data_parallel_size, 1)  # B is per replica
+        candidates = list(range(min(B_train, rows), 0, -1))
+        candidates += list(range(rows + 1, max(B_train, rows) + 1))
         last_error: GschedError | None = None
         for B in candidates:
             try:

@@ -403,9 +403,9 @@ class PipelineEngine:
         if not self.config.decided:
             batch = self._build_auto(batch, rows, caller, training=True)
         else:
-            batch = self._global_batch(batch, rows, self.config.resolved(self.world_size)[1],
+            batch = self._global_batch(batch, rows, self.config.training_micro(self.world_size),
                                        self.train_plan)
-        B = self.config.resolved(self.world_size)[1]
+        B = self.config.training_micro(self.world_size)
         micros = batch.micros(B, exact=True)
         if not self.built:
             self.build(caller, micros[0], training=True)

@@ -271,6 +271,20 @@ def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
     return prepared.S, prepared.B, prepared.R
 
 
+def resolve_arguments(arguments: ScheduleArguments, workers: int) -> tuple[int, int, int | None]:
+    """(S, B, R) that :func:`plan_arguments` fills in for ``workers`` ranks: a library
+    schedule's defaults on each replica's P = W / G workers (B per replica), or a custom
+    placement's own S and B. A front end that fixes them once (``ScheduleConfig``) plans
+    the same schedule for training and evaluation."""
+    a = arguments
+    if a.placement is not None:
+        return int(a.stages), int(a.microbatches), a.R  # type: ignore[arg-type]
+    W = validate.positive_int("workers", workers)
+    P = pipeline_size(W, a.data_parallel_size)
+    return _replica_shape(get_schedule(a.schedule).name, P,  # type: ignore[arg-type]
+                          a.data_parallel_size, a)
+
+
 class _Prepared(NamedTuple):
     """The checked, resolved inputs of one plan (``plan_arguments``' first half)."""
 
