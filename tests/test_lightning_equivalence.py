@@ -102,6 +102,53 @@ def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, 
         assert_fit_matches(states, tmp, want, want_log, f"{schedule} W={world_size} {optimizer}")
 
 
+# pipelines x data parallel: every pipeline schedule at W=4 as P=2 x G=2, each stage replicated
+# over the two replicas or sharded across them; placed right after the W=4 cases above, so the
+# same world serves them (Trainer and Fabric in the same worker processes)
+DATA_PARALLEL = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "lpp", "fslpp"]
+DATA_PARALLEL_ADAM = {("1f1b", "shard"), ("zbv", "replicate")}  # optimizer state moves too
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+@pytest.mark.parametrize("schedule", DATA_PARALLEL)
+def test_pipelines_times_data_parallel_match_single_device(worlds, schedule: str, mode: str,
+                                                          tmp_path) -> None:
+    """Trainer (SGD; Adam for two of them; clipping by norm; the tied embedding and head)
+    and Fabric (SGD, clipping) at P=2 x G=2 end at one device's weights and losses."""
+    from test_fabric import reference as fabric_reference
+    from test_fabric import run_schedule
+
+    world = worlds.get(4)
+    options = {"schedule": schedule, "data_parallel_size": 2, "data_parallel": mode}
+    optimizers = ("sgd", "adam") if (schedule, mode) in DATA_PARALLEL_ADAM else ("sgd",)
+    for optimizer in optimizers:
+        want, want_log = reference(optimizer)
+        tmp = str(tmp_path / optimizer)
+        states = world.run(fit_on_worker, options, optimizer, tmp)
+        assert_fit_matches(states, tmp, want, want_log, f"{schedule} 2x2 {mode} {optimizer}")
+    fabric_want = fabric_reference()
+    fabric_options = {"data_parallel_size": 2, "data_parallel": mode}
+    results = world.run(run_schedule, schedule, str(tmp_path / "fabric.ckpt"), "32-true",
+                        fabric_options)
+    for rank, got in enumerate(results):
+        label = f"fabric {schedule} 2x2 {mode} rank {rank}"
+        assert_same_state(got["weights"], fabric_want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(fabric_want["losses"], rel=1e-5), label
+
+
+def test_data_parallel_with_activation_checkpointing_matches_single_device(worlds,
+                                                                           tmp_path) -> None:
+    """zb-h1 sharded over 2 replicas with every stage recomputing its forward."""
+    want, want_log = reference("sgd")
+    options = {"schedule": "zb-h1", "data_parallel_size": 2, "data_parallel": "shard",
+               "checkpoint_activations": True}
+    results = worlds.get(4).run(checkpointed_fit_on_worker, options, str(tmp_path))
+    for _, flags in results:
+        assert flags == [True] * 4, flags  # S doubled by sharding: 4 stages, all checkpointed
+    assert_fit_matches([state for state, _ in results], str(tmp_path), want, want_log,
+                       "checkpointed zb-h1 2x2 shard")
+
+
 def test_fsdp_with_two_stages_per_worker_matches_single_device(worlds, tmp_path) -> None:
     """fsdp at W=2 with S=4 (the fsdp_vs_torch configuration): each rank frees a fetched stage
     after its forward and fetches it again for its backward; SGD, as above."""

@@ -40,6 +40,7 @@ SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fsl
 MODELS = ["gpt", "cnn"]
 EXTRA_SCHEDULES = ["1f1b", "fsdp", "fslpp", "zb-h1"]
 EXTRA_MODELS = ["long_skip", "kwargs", "custom_fn"]  # custom_fn: user backward, B/W split
+DATA_PARALLEL = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "lpp", "fslpp"]
 VOCAB = 64
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -115,7 +116,10 @@ def reference(
 def setup(ctx: WorkerContext, schedule: str, model_name: str, stages: int | None,
           fetch_window: int | None = None):
     """(plan, batch, loss_fn, model, executor, canonical names) for one distributed run."""
-    p = plan(schedule, workers=ctx.world_size, stages=stages, fetch_window=fetch_window)
+    name, _, replicas = schedule.partition("@")  # "1f1b@2-shard": 2 replicas, sharded
+    G, _, mode = replicas.partition("-")
+    p = plan(name, workers=ctx.world_size, stages=stages, fetch_window=fetch_window,
+             data_parallel_size=int(G or 1), data_parallel=mode or "replicate")
     batch = global_batch(model_name, p.micro)
     model = build(model_name)
     args, kwargs, _ = batch[0]
@@ -202,6 +206,10 @@ def _cases() -> list:
         cases.append(pytest.param(W, "fsdp", "gpt", 2 * W, None, id=f"W{W}-fsdp-gpt-S{2 * W}"))
         if W == 4:
             cases.append(pytest.param(W, "fsdp", "gpt", None, 1, id=f"W{W}-fsdp-gpt-window1"))
+            # pipelines x data parallel: P=2 x G=2, each stage replicated or sharded
+            cases += [pytest.param(W, f"{name}@2-{mode}", "gpt", None, None,
+                                   id=f"W{W}-{name}-2x2-{mode}")
+                      for name in DATA_PARALLEL for mode in ("replicate", "shard")]
     return cases
 
 

@@ -18,9 +18,12 @@ from lightning_gsched.schedule import plan
 
 def with_ties(p: Any, part: Any) -> Any:
     """``p`` (a library plan with default order and cap) planned with ``part``'s tied weights."""
-    return plan(p.schedule, workers=p.workers, stages=p.stages, microbatches=p.micro, R=p.R,
-                forward_only=p.forward_only, checkpoint_activations=list(p.checkpointed),
-                fetch_window=p.fetch_window, ties=part.shared_parameters.values())
+    G = p.data_parallel_size  # microbatches= counts one replica's
+    return plan(p.schedule, workers=p.workers, stages=p.stages, microbatches=p.micro // G,
+                R=p.R, forward_only=p.forward_only,
+                checkpoint_activations=list(p.checkpointed), fetch_window=p.fetch_window,
+                ties=part.shared_parameters.values(), data_parallel_size=G,
+                data_parallel=p.data_parallel)
 
 
 def held_parameters(ex: Any) -> list[nn.Parameter]:
