@@ -2,10 +2,12 @@
 
 Where :func:`certify` accepts a timeline, ``plan(verify=True)`` proves deadlock freedom once
 and checks each rank's program as it is lowered; here, at small W for every schedule this
-applies to (fsdp, fslpp, fslpp-seed; several B, split backwards, fetch windows, forward-only),
+applies to (fsdp, fslpp, fslpp-seed; ddp, lpp and pipelines x data parallel, whose replicas
+all-reduce; several B, split backwards, fetch windows, forward-only),
 the fast verified plan's programs, timeline and metrics equal the full path's (every program
 lowered and dry-run), the lemma's premise holds on the lowered programs themselves, anything
-outside the argument (no symmetry, ties, replicas, a broken renaming) is dry-run in full, and a
+outside the argument (no symmetry, ties, replicated stages that are also fetched, a broken
+renaming) is dry-run in full, and a
 broken program is refused when its rank is lowered.
 """
 
@@ -37,7 +39,16 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
     for kwargs in ({}, {"microbatches": 2 * W}, {"split_backward": True},
                    {"fetch_window": 1}, {"forward_only": True}, {"cap": None})
 ] + [("fslpp", 8, {"R": 4}), ("fslpp", 8, {"R": 2, "microbatches": 16}),
-     ("fsdp", 6, {"order": "1f1b"}), ("fslpp", 8, {"order": "zb", "split_backward": True})]
+     ("fsdp", 6, {"order": "1f1b"}), ("fslpp", 8, {"order": "zb", "split_backward": True})] + [
+    # replicas (all-reduces after each owner's last gradient job): ddp, lpp, and pipelines x
+    # data parallel, replicated or sharded
+    ("ddp", 4, {}), ("ddp", 8, {"split_backward": True}), ("lpp", 8, {}), ("lpp", 6, {"R": 3}),
+    ("1f1b", 8, {"data_parallel_size": 2}), ("zbv", 8, {"data_parallel_size": 2}),
+    ("interleaved", 8, {"data_parallel_size": 4}), ("zb-h2", 6, {"data_parallel_size": 3}),
+    ("gpipe", 8, {"data_parallel_size": 2, "forward_only": True}),
+    ("zb-h1", 8, {"data_parallel_size": 2, "data_parallel": "shard"}),
+    ("1f1b", 6, {"data_parallel_size": 2, "data_parallel": "shard"}),
+]
 
 
 def _full(monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs: Any) -> Plan:
@@ -88,7 +99,13 @@ def _assert_premise(programs: Programs, result: Plan) -> None:
         for event in check_rank(shared, rank).events:
             if isinstance(event, int):
                 continue
-            assert len(event) == 2  # no all-reduce
+            if len(event) == 4:  # an all-reduce: right after its last gradient job of the stage
+                index, stage = event[0], program[event[0]].stage
+                computes = [a for a in program[:index] if a.op in phase_of]
+                grad = Op.W if programs.split_backward else Op.B
+                assert computes[-1].op is grad and computes[-1].stage == stage
+                assert not any(a.op is grad and a.stage == stage for a in program[index:])
+                continue
             index, consumed = event
             t = starts[rank][index]
             for channel, k in consumed:
@@ -96,7 +113,7 @@ def _assert_premise(programs: Programs, result: Plan) -> None:
 
 
 @pytest.mark.parametrize(("name", "kwargs"), [
-    ("ddp", {}), ("lpp", {}),  # replicas: all-reduces
+    ("fslpp", {"data_parallel_size": 2}),  # replicated stages that are also fetched
     ("fsdp", {"ties": {0: (0, 3)}}),  # ties
     ("1f1b", {}), ("interleaved", {}),  # no group symmetry
     ("fslpp", {"R": 8}),  # one group
@@ -153,8 +170,21 @@ def test_certify_names_why() -> None:
     graph = StageGraph(result.stages, None)
     assert certify(graph, result.table, result.timeline, None) is None
     assert "tied" in (certify(graph, result.table, result.timeline, {0: (0, 1)}) or "")
-    assert "owners" in (certify(graph, plan("ddp", 4, verify=False).table, result.timeline,
-                                None) or "")
+    fetched_replicas = plan("fslpp", 8, data_parallel_size=2, verify=False)
+    assert "several owners and fetchers" in (certify(
+        StageGraph(fetched_replicas.stages, None), fetched_replicas.table,
+        fetched_replicas.timeline, None) or "")
+    # replicas that end their last gradient job of a stage at different times
+    replicated = plan("1f1b", 4, data_parallel_size=2, verify=False)
+    graph = StageGraph(replicated.stages, None)
+    assert certify(graph, replicated.table, replicated.timeline, None) is None
+    end = list(replicated.timeline.end)
+    last = max(range(1, len(end), 2), key=lambda j: end[j] if j // 2 // replicated.micro == 0
+               else -1)  # stage 0's last backward
+    end[last] += 0.5
+    replicated.timeline.end = end
+    assert "different times" in (certify(graph, replicated.table, replicated.timeline, None)
+                                 or "")
 
 
 def _tampered(monkeypatch: pytest.MonkeyPatch, edit: Any) -> None:
@@ -176,6 +206,22 @@ def test_a_rank_program_failing_its_check_is_refused(monkeypatch: pytest.MonkeyP
     result = plan("fsdp", 4)
     with pytest.raises(ProgramError, match="rank 2"):
         result.programs.ranks[2]
+
+
+def test_an_all_reduce_outside_the_argument_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An all-reduce moved before its rank's last gradient job of the stage: a member could
+    wait there for a replica that waits for this rank, so the rank's check refuses it."""
+    def early_all_reduce(rank: int, program: list[Action], sends: Any) -> Any:
+        index = next(i for i, a in enumerate(program) if a.op is Op.ALLREDUCE_G)
+        first_backward = next(i for i, a in enumerate(program)
+                              if a.op is Op.B and a.stage == program[index].stage)
+        moved = program[:index] + program[index + 1:]
+        return moved[:first_backward] + [program[index]] + moved[first_backward:], sends
+
+    _tampered(monkeypatch, early_all_reduce)
+    result = plan("1f1b", 4, data_parallel_size=2)
+    with pytest.raises(ProgramError, match="rank 1 .*an all-reduce not right after"):
+        result.programs.ranks[1]
 
 
 def test_a_channel_into_a_rank_that_does_not_match_is_refused(

@@ -19,13 +19,28 @@ by computes starting before t(c); q is finished or stuck at a compute starting n
 t(c), so q passed that send, and the first k-1 sends of ch, which precede it in q's program.
 All of c's messages are there and c is not stuck: a contradiction.
 
+**All-reduces** (replicated stages: each replica of a data-parallel lift owns its copy,
+:mod:`.data_parallel`). An all-reduce waits for every member of its group. Give it the key
+T(a): the end of the compute right before it. If every member's all-reduce of a stage comes
+right after that member's last weight-gradient job of the stage, alone in its gap, and every
+member ends that job at one time T_s (:func:`certify` checks the timeline: the replicas run
+the same timeline renamed), the argument above holds with waits ordered by key (a compute's
+start, an all-reduce's T): a member stuck before an all-reduce a is stuck at a compute that
+starts before T(a) (it ends no later) or at an earlier all-reduce, which sits in an earlier
+gap and so has a smaller key; a sender stuck before a send at an all-reduce has it in an
+earlier gap than the send (within a gap the all-reduce's category follows every send's), so
+its key is at most the start of a compute before the send, which starts before t(c). Each
+step lowers the key strictly: no cycle of waits exists. Stages with several owners and
+fetchers (their all-reduce waits for gradient receives) are dry-run in full.
+
 **The premise is checked, rank by rank** (:func:`checked_lowering`, when a rank's program is
 first lowered): for each compute of the rank and each message (channel, k) it consumes (the
 dry run's own per-rank check, :func:`.dryrun_rank.check_rank`, names them), the k-th send into
 the rank on that channel (the rank-local lowering makes every send into the rank and knows its
 gap in the sender's program: :func:`.lower_rank.sends_into`) must come after sender computes
 that start before this one (the last of them does: a worker's starts do not decrease); the rank's posts on every channel into it must carry the messages
-sent on it, in order (so the channel has its k-th send); and no all-reduce may occur. Every
+sent on it, in order (so the channel has its k-th send); and each all-reduce must sit right
+after the rank's last gradient job of its stage, alone in its gap. Every
 channel has one receiver and every wait one rank, so these checks over all ranks are exactly
 the lemma's premise and the dry run's matching check: the plan is deadlock-free once every
 rank that runs has passed its own check, which it does before its program is returned (a
@@ -51,12 +66,16 @@ premise on fully lowered programs):
   owner's sends of them to it, are both in the order of the runs (pt strictly increases along
   a worker's computes, equal only for two runs fetched before the first one, ordered by
   creation), so the FIFO fix moves no post and the run's computes consume the run's own send;
-- gradients handed to the owner (``REDUCE_G``/``RECV_G``) are waited for by no compute, and
-  there are no all-reduces: every stage has one owner and there are no ties.
+- gradients handed to the owner (``REDUCE_G``/``RECV_G``) are waited for by no compute; a
+  replicated stage (several owners, none fetched) has its all-reduce put right after each
+  owner's last gradient job of it (:func:`.lower.lower`), and no two stages of a rank end at
+  one job; there are no ties.
 
 What :func:`certify` checks on the timeline (O(jobs), in numpy; the planner asks it
 for timelines by group symmetry and for plans of :data:`.plan.LAZY_FROM_JOBS` jobs or more, the
-pipelines at large W, and dry-runs anything else in full): a chain graph, one owner per stage, no ties; every
+pipelines at large W, and dry-runs anything else in full): a chain graph, no ties, no stage
+both replicated and fetched, every owner of a replicated stage computing it and ending its last
+gradient job of it at one time; every
 job's duration is positive; every job starts no earlier than its predecessors end; every
 worker's starts do not decrease along its order; the workers' orders hold every job exactly
 once (each rank checks that its computes are its order, so every job runs once: the dry
@@ -98,8 +117,9 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
         return "tied weights (their fetches and all-reduces are outside the argument)"
     if not graph.is_chain:
         return "the stage graph is not a chain"
-    if any(len(owners) != 1 for owners in table.owners):
-        return "a stage has several owners (all-reduces)"
+    replicated = [s for s, owners in enumerate(table.owners) if len(owners) > 1]
+    if any(len(table.owners[s]) > 1 for s, _ in table.fetch_source):
+        return "a stage has several owners and fetchers (all-reduces after gradient receives)"
     start, end = _floats(timeline.start), _floats(timeline.end)
     J = len(start)
     if len(end) != J or not np.all(start < end):
@@ -119,6 +139,10 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
             return "a backward starts before its output's backward ends"
     if P == 3 and not np.all(start[2::P] >= b_end):  # W s b after B s b
         return "a weight-gradient job starts before its backward ends"
+    if replicated:
+        why = _replicas_reduce_together(table, timeline, end, replicated)
+        if why is not None:
+            return why
     flat, offsets = _orders(timeline.order)
     if len(flat) != J or np.bincount(flat, minlength=J).max(initial=1) != 1:
         return "the workers' orders do not hold every job once"
@@ -128,6 +152,26 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     rising[edges[(edges > 0) & (edges < len(flat))] - 1] = True  # a worker's last, next's first
     if not np.all(rising):
         return "a worker's starts decrease along its order"
+    return None
+
+
+def _replicas_reduce_together(table: PlacementTable, timeline: Timeline, end: np.ndarray,
+                              replicated: list[int]) -> str | None:
+    """None where every owner of each replicated stage computes it and ends its last
+    weight-gradient job of it at the same time T_s (the all-reduce's key in the lemma: each
+    replica of a data-parallel lift runs the same timeline, renamed)."""
+    P, B = len(timeline.phases), table.micro
+    grad = P - 1  # the job that accumulates weight gradients: B, or W when split
+    ends = end[grad::P].reshape(table.stages, B)
+    for s in replicated:
+        workers = np.asarray(table.compute[s], dtype=np.int64)
+        last = np.full(table.workers, -np.inf)
+        np.maximum.at(last, workers, ends[s])
+        owners = np.asarray(table.owners[s], dtype=np.int64)
+        if np.isinf(last[owners]).any():
+            return f"an owner of stage {s} does not compute it"
+        if not np.all(last[owners] == last[owners[0]]):
+            return f"the owners of stage {s} end their last gradient job at different times"
     return None
 
 
@@ -155,6 +199,7 @@ def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Ac
     W = len(timeline.order)
     P, B = len(timeline.phases), lowering.table.micro
     phase = {op: k for k, op in enumerate((Op.F, Op.B, Op.W)[:P])}
+    grad_op = (Op.F, Op.B, Op.W)[P - 1]  # accumulates weight gradients (B, or W when split)
     empty: list[Action] = []
 
     def make(rank: int) -> list[Action]:
@@ -176,17 +221,18 @@ def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Ac
         events = check_rank(shared, rank).events
         sent = _check_channels_into(rank, W, shared, sends)
         # the lemma's premise for this rank's waits: each consumed message's send comes after
-        # computes of its sender that start before the consumer does, and there are no
-        # all-reduces (certify: one owner per stage, no ties)
+        # computes of its sender that start before the consumer does, and each all-reduce
+        # right after this rank's last weight-gradient job of its stage, alone in its gap
+        # (certify: its owners end that job at one time T_s)
         start, order = timeline.start, timeline.order
         for event in events:
             if event.__class__ is int:
                 continue
             index, consumed = event[0], event[1]
             action = program[index]
-            if len(event) != 2 or action[0] not in phase:
-                raise ProgramError(f"rank {rank} at action {index} ('{action}'): an all-reduce "
-                                   "is outside the argument (proof.py)")
+            if len(event) == 4:
+                _check_allreduce(rank, program, index, consumed, phase[grad_op])
+                continue
             t = start[(action[1] * B + action[2]) * P + phase[action[0]]]
             for channel, k in consumed:
                 src, gap = sent[channel][k - 1]
@@ -200,6 +246,28 @@ def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Ac
         return program
 
     return make
+
+
+def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list,
+                     grad_k: int) -> None:
+    """The lemma's premise for an all-reduce (module docstring): the compute before it is this
+    rank's last weight-gradient job of its stage, with no other all-reduce in between, and
+    it waits for no gradient message."""
+    action = program[index]
+    grad_op = (Op.F, Op.B, Op.W)[grad_k]
+    stage = action[1]
+    before = index - 1
+    while before >= 0 and program[before][0] not in (Op.F, Op.B, Op.W):
+        if program[before][0] in (Op.ALLREDUCE_G, Op.ALLREDUCE_T):
+            before = -1
+            break
+        before -= 1
+    later = any(a[0] is grad_op and a[1] == stage for a in program[index + 1:])
+    if consumed or before < 0 or program[before][0] is not grad_op or \
+            program[before][1] != stage or later:
+        raise ProgramError(f"rank {rank} at action {index} ('{action}'): an all-reduce not "
+                           "right after this rank's last gradient job of its stage is outside "
+                           "the argument (proof.py)")
 
 
 def _check_channels_into(

@@ -135,6 +135,7 @@ def make_simulator(
     groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
     group_run: list[Callable[[Sequence[int | None]], Timeline]] = []
+    asked = sweep  # one group decides for itself whether a sweep pays
     if sweep is None:
         sweep = worth_sweeping(table, len(graph.phases))
     if sweep and groups is None and sweepable(graph, table):
@@ -165,7 +166,7 @@ def make_simulator(
             P, sub_micro = layout.pipeline, table.micro // groups.count
             sub_table = PlacementTable(groups.placement, P, table.stages, sub_micro)
             group_run.append(make_simulator(graph, sub_table, groups.placement,
-                                            groups.priority, costs, sweep))
+                                            groups.priority, costs, asked))
         try:
             group = group_run[0]([caps[layout.rank(p, 0)] for p in range(layout.pipeline)])
         except CapTooSmallError:
