@@ -208,7 +208,8 @@ def test_library_placements_and_custom_ones_agree_on_rows() -> None:
         layout = ReplicaLayout(inner.workers, 3)
         lifted = lift(inner, layout, 12, 4, mode)
         fast = PlacementTable(lifted, layout.workers, 12, 12)
-        slow = PlacementTable(lambda s, b, d: lifted(s, b, d), layout.workers, 12, 12)
+        slow = PlacementTable(lambda s, b, d, lifted=lifted: lifted(s, b, d), layout.workers,
+                              12, 12)
         assert (fast.compute, fast.weights, fast.owners, fast.fetch_source) == \
             (slow.compute, slow.weights, slow.owners, slow.fetch_source)
         assert fast.hold_fetched_for_step == (mode == "shard")

@@ -23,6 +23,7 @@ from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph, all_jobs
 from lightning_gsched.schedule.library import LIBRARY
+from lightning_gsched.schedule.lower_build import Builder
 from lightning_gsched.schedule.orders import (
     bfs,
     gpipe,
@@ -50,7 +51,6 @@ from planner_references import (
     reference_simulate,
 )
 
-lower_module = import_module("lightning_gsched.schedule.lower")
 simulate_module = import_module("lightning_gsched.schedule.simulate")
 metrics_module = import_module("lightning_gsched.schedule.metrics")
 
@@ -226,10 +226,10 @@ def test_zbv_posts_moved_for_fifo_order_match_the_reference(W, S, B):
 
 
 def test_posts_are_moved_when_a_channel_is_out_of_order():
-    """The FIFO pass of the keyed actions (weights, gradients, ties: ``_Builder.put``) when
+    """The FIFO pass of the keyed actions (weights, gradients, ties: ``Builder.put``) when
     posts are not already in send order, against the reference."""
     timeline_owner = plan("1f1b", workers=2, stages=2, microbatches=4, verify=False)
-    build = lower_module._Builder(timeline_owner.timeline)
+    build = Builder(timeline_owner.timeline)
     # two sends on one channel in one order, their posts in the other
     build.put(0, 1, 1.0, Action(Op.SEND_W, 0, None, 1))
     build.put(0, 2, 2.0, Action(Op.SEND_W, 1, None, 1))

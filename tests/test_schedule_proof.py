@@ -25,7 +25,7 @@ from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.dryrun_rank import Shared, check_rank
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import EAGER_AFTER, LazyList
-from lightning_gsched.schedule.lower_rank import RankLowering
+from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.plan import Plan, plan
 from lightning_gsched.schedule.program import SEND_OPS, Action, Op, Programs
 from lightning_gsched.schedule.proof import certify
@@ -188,13 +188,13 @@ def test_certify_names_why() -> None:
 
 
 def _tampered(monkeypatch: pytest.MonkeyPatch, edit: Any) -> None:
-    original = RankLowering.program_and_sends
+    original = Lowering.program_and_sends
 
-    def program_and_sends(self: RankLowering, rank: int) -> Any:
+    def program_and_sends(self: Lowering, rank: int) -> Any:
         program, sends = original(self, rank)
         return edit(rank, list(program), sends)
 
-    monkeypatch.setattr(RankLowering, "program_and_sends", program_and_sends)
+    monkeypatch.setattr(Lowering, "program_and_sends", program_and_sends)
 
 
 def test_a_rank_program_failing_its_check_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""One rank's program lowered alone (schedule/lower_rank.py) is the full lowering's, exactly.
+"""One rank's program lowered alone (schedule/lower.py: Lowering.programs of one rank) is the full lowering's, exactly.
 
 Every rank of every library schedule at small W (timelines by symmetry and in full), with and
 without ties, fetch windows, forward-only, several B and R, a custom placement and a stage DAG;
@@ -13,8 +13,7 @@ import pytest
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import EAGER_AFTER, LazyList
-from lightning_gsched.schedule.lower import lower
-from lightning_gsched.schedule.lower_rank import RankLowering
+from lightning_gsched.schedule.lower import Lowering, lower
 from lightning_gsched.schedule.orders import bfs
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.plan import Plan
@@ -31,7 +30,7 @@ def _graph(result: Plan) -> StageGraph:
 
 
 def _assert_every_rank(result: Plan, fetch_window: int | None = None) -> None:
-    lowering = RankLowering(_graph(result), result.table, result.timeline, fetch_window,
+    lowering = Lowering(_graph(result), result.table, result.timeline, fetch_window,
                             result.programs.ties)
     full = lower(_graph(result), result.table, result.timeline, fetch_window,
                  result.programs.ties).ranks
@@ -81,7 +80,7 @@ def test_a_custom_placement_and_a_stage_dag() -> None:
     graph = StageGraph(4, edges)
     table = PlacementTable(lambda s, b, d: (s % 2, b % 2), 2, 4, 4)
     timeline = simulate(graph, table, priority_ranks(bfs, 4, 4), Costs.build(4), [None] * 2)
-    lowering = RankLowering(graph, table, timeline)
+    lowering = Lowering(graph, table, timeline)
     full = lower(graph, table, timeline).ranks
     assert [lowering.program(rank) for rank in range(2)] == full
 

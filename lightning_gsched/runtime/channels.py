@@ -117,7 +117,7 @@ def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
 
     Programs lowered per rank on demand (``Programs.ranks`` a :class:`LazyList`: large plans,
     schedule/lazy_ranks.py) come from the planner's lowering, whose every all-reduce group is
-    the owners of a replicated stage or tie home (``lower.py``, ``lower_rank.py``,
+    the owners of a replicated stage or tie home (``lower_weights.py``,
     ``lower_ties.py``), so :func:`owner_groups` is the list, read without lowering any program
     (scanning them would lower all W on every rank: a minute and gigabytes at W=1024). Whether
     the list is lazy is the plan's own decision, the same on every rank. Programs given as a

@@ -1,7 +1,7 @@
 """Programs lowered on first access: a rank reads its own program without the others' built.
 
 Why: at W=1024 fsdp's programs hold ~10 million actions (over 1 GB); a rank executing its
-program needs only its own (~10,000), which :class:`~.lower_rank.RankLowering` makes in about
+program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about
 0.1 s. :data:`LazyRanks` is the ``Programs.ranks`` sequence of such a plan: indexing lowers a
 rank once and keeps it, iterating lowers every rank in order, and it compares equal to the list
 of the same programs, so every reader of ``Programs.ranks`` works unchanged.

@@ -13,12 +13,10 @@ from collections import defaultdict
 from typing import Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.lower_build import RECV_CATEGORY, SEND_CATEGORY, SLOTS
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import Action, Op
 from lightning_gsched.schedule.simulate import Timeline
-
-SLOTS = 9  # small key of an action: gap * SLOTS + category (a compute: 8, after its gap)
-SEND_CATEGORY, RECV_CATEGORY = 0, 7  # hand data over first, post the next inputs last
 
 
 def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline,
@@ -35,7 +33,7 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
     channels' FIFO order is settled right after (:func:`_fifo_posts`).
 
     ``workers`` (ascending): visit only these consumers, for a rank-local lowering
-    (:mod:`.lower_rank`); ``indexed`` (default ``workers``) must hold them and every producer
+    (:class:`.lower.Lowering` of some ranks); ``indexed`` (default ``workers``) must hold them and every producer
     of their inputs (a group of a looped placement does), whose positions the sends are keyed
     by. A visited consumer's flow list then holds exactly what the full visit gives it, and
     a producer's holds, in the full visit's relative order, its sends to the visited consumers.
@@ -102,7 +100,7 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
 
 def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
                 positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
-    """Post one consumer's receives in each channel's send order (as ``_Builder.make_fifo`` does in :mod:`.lower`).
+    """Post one consumer's receives in each channel's send order (the rule of ``Builder.make_fifo``, :mod:`.lower_build`).
 
     A channel source -> consumer is in order when its producers' positions (the sends' order on
     the source: one send per producing compute) increase along its posts; the usual case. Else,

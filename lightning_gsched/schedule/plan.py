@@ -27,8 +27,7 @@ from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import get_schedule, resolve_shape
 from lightning_gsched.schedule.limits import check_size
-from lightning_gsched.schedule.lower import lower, programs_of
-from lightning_gsched.schedule.lower_rank import RankLowering
+from lightning_gsched.schedule.lower import Lowering, lower, programs_of
 from lightning_gsched.schedule.metrics import PlanMetrics, measure, measure_lazily
 from lightning_gsched.schedule.orders import (
     CapSpec,
@@ -223,7 +222,7 @@ def plan(
     (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order) or the plan has
     :data:`LAZY_FROM_JOBS` jobs or more, nothing reads every program, so ``programs.ranks`` and
     ``metrics.per_worker`` are made per rank when first read (:mod:`.lazy_ranks`,
-    :mod:`.lower_rank`): the same values, one rank's at a time. ``verify=True`` does the same
+    :class:`.lower.Lowering`): the same values, one rank's at a time. ``verify=True`` does the same
     where :func:`.proof.certify` accepts the timeline (no all-reduce, no ties): deadlock
     freedom is proven once from the timeline and each rank's program passes the dry run's
     per-rank checks, the matching of the channels into it and the proof's premise when it is
@@ -433,11 +432,11 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
     if (timeline.replicas is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
             not verify or certify(graph, table, timeline, ties) is None):
         # nothing reads every program here: each rank's is lowered when first read (exactly
-        # what lower() gives it: lower_rank.py), and so are its metrics (lazy_ranks.py).
+        # what lower() gives it: lower.py), and so are its metrics (lazy_ranks.py).
         # Verified: deadlock freedom is proven once from the timeline, and each rank's program
         # passes its own checks as it is lowered (proof.py)
         # (both run after plan() returned: with the collector paused, as planning is)
-        lowering = RankLowering(graph, table, timeline, fetch_window, ties)
+        lowering = Lowering(graph, table, timeline, fetch_window, ties)
         one = lowering.program if not verify else checked_lowering(
             lowering, lambda ranks: programs_of(graph, table, ranks, ties))
 

@@ -37,7 +37,7 @@ fetchers (their all-reduce waits for gradient receives) are dry-run in full.
 first lowered): for each compute of the rank and each message (channel, k) it consumes (the
 dry run's own per-rank check, :func:`.dryrun_rank.check_rank`, names them), the k-th send into
 the rank on that channel (the rank-local lowering makes every send into the rank and knows its
-gap in the sender's program: :func:`.lower_rank.sends_into`) must come after sender computes
+gap in the sender's program: :func:`.lower.sends_into`) must come after sender computes
 that start before this one (the last of them does: a worker's starts do not decrease); the rank's posts on every channel into it must carry the messages
 sent on it, in order (so the channel has its k-th send); and each all-reduce must sit right
 after the rank's last gradient job of its stage, alone in its gap. Every
@@ -47,7 +47,7 @@ rank that runs has passed its own check, which it does before its program is ret
 failure raises :class:`ProgramError` there). The same per-rank check covers the rest of the
 dry run (weights, inputs, stash, gradients, the state at the end, forward-only ops). What the
 checks trust: that a rank-local lowering is the full lowering's, for the rank's own program
-and the sends into it (:mod:`.lower_rank`; tests compare every rank's program at small W), so
+and the sends into it (:mod:`.lower`; tests compare every rank's program at small W), so
 the sends rank r checks against are those its peers' programs hold.
 
 **Why the check always passes** for :mod:`.lower`'s programs of a timeline :func:`certify`
@@ -89,14 +89,15 @@ from __future__ import annotations
 
 from array import array
 from itertools import chain
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.dryrun_rank import CHANNEL_KINDS, Shared, check_rank
 from lightning_gsched.schedule.jobs import StageGraph
-from lightning_gsched.schedule.lower_rank import RankLowering, SentMessage
+from lightning_gsched.schedule.lower import Lowering
+from lightning_gsched.schedule.lower_build import Message
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
@@ -191,9 +192,9 @@ def _orders(order: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     return flat, offsets
 
 
-def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Action]]],
+def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action]]],
                      Programs]) -> Callable[[int], list[Action]]:
-    """``rank -> program``: :meth:`RankLowering.program`, checked as the module docstring says
+    """``rank -> program``: :meth:`Lowering.program`, checked as the module docstring says
     before it is returned (``programs_of`` wraps a list of programs with the plan's facts)."""
     timeline = lowering.timeline
     W = len(timeline.order)
@@ -248,7 +249,7 @@ def checked_lowering(lowering: RankLowering, programs_of: Callable[[list[list[Ac
     return make
 
 
-def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list,
+def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list[Any],
                      grad_k: int) -> None:
     """The lemma's premise for an all-reduce (module docstring): the compute before it is this
     rank's last weight-gradient job of its stage, with no other all-reduce in between, and
@@ -272,7 +273,7 @@ def _check_allreduce(rank: int, program: list[Action], index: int, consumed: lis
 
 def _check_channels_into(
     rank: int, W: int, shared: Shared,
-    sends: dict[tuple[str, int, int], list[tuple[SentMessage, int]]],
+    sends: dict[tuple[str, int, int], list[tuple[Message, int]]],
 ) -> dict[int, list[tuple[int, int]]]:
     """The rank's posts on every channel into it carry the messages sent on it, in order;
     returns per channel id (the dry run's) each send's (sender, gap in the sender's program)."""

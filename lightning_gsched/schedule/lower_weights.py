@@ -1,0 +1,217 @@
+"""The lowering's weight rules: fetch, hold, free and reduce a stage; all-reduce its replicas.
+
+- A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`): a block
+  of consecutive computes of s, or, for a placement that holds fetched stages for the step
+  (data-parallel ``shard``), s's first compute of the step to its last. ``FETCH_W`` is posted
+  one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the k-th
+  fetched run before it), ``FREE_W`` right after the run. A run that accumulates weight
+  gradients (backwards; W jobs when the backward is split) ends with ``REDUCE_G`` to the
+  owner, as FSDP reduces after each backward instead of holding gradients of weights it no
+  longer has.
+- The owner gets ``SEND_W`` and ``RECV_G`` at the point of its program matching the simulated
+  time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
+- Replicas (several owners of a stage) get ``ALLREDUCE_G`` right after their last
+  weight-gradient job of the stage (and after every ``RECV_G`` of it), so the reduction
+  overlaps the rest of the backward pass.
+
+:class:`WeightLowering` makes these actions for the kept ranks of a builder: its own runs and
+the runs of the ranks fetching from it, in the order the lowering of every rank makes them
+(workers ascending, each worker's runs in its order), so a kept rank's actions are the same
+whichever ranks are kept.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Sequence
+
+from lightning_gsched.schedule.jobs import Phase
+from lightning_gsched.schedule.lower_build import Builder
+from lightning_gsched.schedule.placements import PlacementTable
+from lightning_gsched.schedule.program import Action, Op, RankGroup
+from lightning_gsched.schedule.simulate import Timeline
+
+Run = tuple[int, int, int, int]  # (stage, first position, last position, fetch gap)
+
+
+def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, int]]:
+    """(stage, i, j) of every run of a worker's order (``stages``: each compute's stage): the
+    span its weights stay resident, ordered by first compute.
+
+    A run is a maximal block of consecutive computes of one stage; with ``whole_step`` (a
+    sharded data-parallel placement: ``PlacementTable.hold_fetched_for_step``) it spans the
+    stage's first compute of the step to its last, so a fetched stage is fetched once, kept
+    across every microbatch and its gradient reduced once, whatever runs between.
+    """
+    if whole_step:
+        span: dict[int, list[int]] = {}
+        for index, stage in enumerate(stages):
+            if stage in span:
+                span[stage][1] = index
+            else:
+                span[stage] = [index, index]
+        return [(stage, i, j) for stage, (i, j) in span.items()]  # first-seen order
+    runs: list[tuple[int, int, int]] = []
+    n, i = len(stages), 0
+    while i < n:
+        j = i
+        while j + 1 < n and stages[j + 1] == stages[i]:
+            j += 1
+        runs.append((stages[i], i, j))
+        i = j + 1
+    return runs
+
+
+class WeightLowering:
+    """The weight actions of a timeline, for the ranks a builder keeps (module docstring).
+
+    The indexes (each worker's runs, the fetchers of each owner) are built once and shared by
+    every rank lowered; a worker's runs are indexed by its position in its replica when the
+    timeline is by symmetry (the same stages at the same places)."""
+
+    def __init__(self, table: PlacementTable, timeline: Timeline, grad_phase: Phase,
+                 fetch_window: int | None) -> None:
+        self.table, self.timeline, self.fetch_window = table, timeline, fetch_window
+        phases = timeline.phases
+        self.grad_k = phases.index(grad_phase) if grad_phase in phases else -1
+        self._runs: dict[int, tuple[list[tuple[int, int, int]],
+                                    dict[int, list[tuple[int, int]]]]] = {}
+        self._fetchers: dict[int, list[int]] | None = None
+        self._groups: dict[int, RankGroup] = {}
+
+    def lower(self, build: Builder, forward_only: bool) -> None:
+        """Fetches, serves, frees and reductions, then the replicas' all-reduces."""
+        reduce_gaps = self._fetched(build)
+        if not forward_only:
+            self._allreduce(build, reduce_gaps)
+
+    def _fetched(self, build: Builder) -> dict[tuple[int, int], int]:
+        """Every fetched run that concerns a kept rank (its own, and those it serves); returns
+        per (owner, stage) the latest gap where the owner posts a gradient receive."""
+        reduce_gaps: dict[tuple[int, int], int] = {}
+        keep = build.keep
+        table = self.table
+        workers: Collection[int] = range(table.workers) if keep is None else sorted(
+            {*keep, *(w for rank in keep for w in self._fetchers_of(rank))})
+        for worker in workers:
+            if keep is None or worker in keep:
+                runs = self._fetched_runs(worker)
+            else:
+                runs = self._served(worker, keep)
+            for stage, i, j, fetch_gap in runs:
+                put_run(table, self.timeline, build, worker, stage, i, j, fetch_gap,
+                        self.grad_k, reduce_gaps)
+        return reduce_gaps
+
+    def _index(self, worker: int) -> tuple[list[tuple[int, int, int]],
+                                           dict[int, list[tuple[int, int]]]]:
+        """(stage, i, j) of every run of ``worker``'s order, and per stage its (i, j)."""
+        replicas = self.timeline.replicas
+        key = replicas.position(worker) if replicas is not None else worker
+        runs = self._runs.get(key)
+        if runs is None:
+            BP = self.table.micro * len(self.timeline.phases)
+            stages = [flat // BP for flat in self.timeline.order[worker]]
+            listed = stage_runs(stages, self.table.hold_fetched_for_step)
+            by_stage: dict[int, list[tuple[int, int]]] = {}
+            for stage, i, j in listed:
+                by_stage.setdefault(stage, []).append((i, j))
+            runs = self._runs[key] = (listed, by_stage)
+        return runs
+
+    def _fetched_runs(self, worker: int) -> list[Run]:
+        """Every run ``worker`` fetches, with its fetch gap (the module docstring's rule)."""
+        table = self.table
+        owned = set(table.owned_stages(worker))
+        if table.computed_stages(worker) <= owned:
+            return []  # computes only stages it owns: nothing to fetch
+        out: list[Run] = []
+        freed_at: list[int] = []  # gap of the FREE_W of each fetched run so far
+        window = self.fetch_window
+        for stage, i, j in self._index(worker)[0]:
+            if stage in owned:
+                continue
+            fetch_gap = max(i - 1, 0)
+            if window is not None and len(freed_at) >= window:
+                fetch_gap = max(fetch_gap, freed_at[-window])
+            out.append((stage, i, j, fetch_gap))
+            freed_at.append(j + 1)
+        return out
+
+    def _served(self, worker: int, owners: Collection[int]) -> list[Run]:
+        """The runs of ``worker`` that fetch a stage from one of ``owners``, in its order."""
+        table = self.table
+        if self.fetch_window is not None:  # a fetch gap depends on the runs before it
+            return [run for run in self._fetched_runs(worker)
+                    if table.fetch_source[(run[0], worker)] in owners]
+        owned = set(table.owned_stages(worker))
+        by_stage = self._index(worker)[1]
+        runs = [(stage, i, j, max(i - 1, 0))
+                for owner in owners for stage in table.owned_stages(owner)
+                if stage not in owned and table.fetch_source.get((stage, worker)) == owner
+                for i, j in by_stage.get(stage, ())]
+        runs.sort(key=lambda run: run[1])
+        return runs
+
+    def _fetchers_of(self, owner: int) -> list[int]:
+        if self._fetchers is None:
+            index: dict[int, set[int]] = {}
+            for (_, worker), source in self.table.fetch_source.items():
+                index.setdefault(source, set()).add(worker)
+            self._fetchers = {w: sorted(ws) for w, ws in index.items()}
+        return self._fetchers.get(owner, [])
+
+    def _allreduce(self, build: Builder, reduce_gaps: dict[tuple[int, int], int]) -> None:
+        """Each kept replica owner's ``ALLREDUCE_G`` of a stage, after its last gradient job of
+        it (and its gradient receives): by stage, then owner, as for every rank."""
+        owners = self.table.owners
+        keep = build.keep
+        P = len(self.timeline.phases)
+        BP = self.table.micro * P
+        end, order = self.timeline.end, self.timeline.order
+        last: dict[int, dict[int, tuple[int, float]]] = {}  # rank -> stage -> (gap, time)
+
+        def last_of(rank: int) -> dict[int, tuple[int, float]]:
+            if rank not in last:
+                mine = last[rank] = {}
+                for i, flat in enumerate(order[rank]):
+                    if flat % P == self.grad_k:
+                        mine[flat // BP] = (i + 1, end[flat])
+            return last[rank]
+
+        stages = range(len(owners)) if keep is None else sorted(
+            {s for rank in keep for s in self.table.owned_stages(rank)})
+        for stage in stages:
+            if len(owners[stage]) < 2:
+                continue
+            group = self._groups.get(stage)
+            if group is None:  # one object for all members: hashed once (see RankGroup)
+                group = self._groups[stage] = RankGroup(owners[stage])
+            for owner in group:
+                if keep is not None and owner not in keep:
+                    continue
+                gap, time = last_of(owner).get(stage, (0, 0.0))
+                gap = max(gap, reduce_gaps.get((owner, stage), 0))
+                build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
+
+
+def put_run(table: PlacementTable, timeline: Timeline, build: Builder, worker: int,
+            stage: int, i: int, j: int, fetch_gap: int, grad_k: int,
+            reduce_gaps: dict[tuple[int, int], int]) -> None:
+    """The actions of one fetched run: ``worker`` computes ``stage`` at positions i..j of its
+    order (other stages' computes too, in a whole-step run); fetched at ``fetch_gap``."""
+    jobs = timeline.order[worker]
+    P = len(timeline.phases)
+    owner = table.fetch_source[(stage, worker)]
+    prefetch_time = timeline.start[jobs[fetch_gap]] if i > 0 else 0.0
+    build.put(worker, fetch_gap, prefetch_time, Action(Op.FETCH_W, stage, None, owner))
+    build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
+              Action(Op.SEND_W, stage, None, worker))
+    run_end = timeline.end[jobs[j]]
+    BP = table.micro * P
+    if any(jobs[k] % P == grad_k and jobs[k] // BP == stage for k in range(i, j + 1)):
+        build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
+        gap = build.gap_at(owner, run_end)
+        build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))
+        key = (owner, stage)
+        reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
+    build.put(worker, j + 1, run_end, Action(Op.FREE_W, stage))
