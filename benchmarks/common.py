@@ -353,6 +353,11 @@ def cpu_text(row: Result) -> str:
             f"{row.cpu_ratio:.3f}")
 
 
+def byte_text(value: float) -> str:
+    """Bytes as KiB below 1 MiB (a batch row's counts), else MiB (the memory rows)."""
+    return f"{value / 2**10:.1f} KiB" if value < 2**20 else f"{value / 2**20:.2f} MiB"
+
+
 def print_rows(rows: list[Result], as_json: bool, skip_keys: tuple[str, ...] = (),
                short: bool = False, more_lines: Any = None) -> None:
     """Print a benchmark's rows on stdout, as a ``python -m benchmarks.bench_*`` run shows them.
@@ -366,8 +371,12 @@ def print_rows(rows: list[Result], as_json: bool, skip_keys: tuple[str, ...] = (
         if as_json:
             print(json.dumps(row.as_json()))
             continue
-        print(f"{row.name}: ours {1000 * row.ours_s:.1f} ms, anchor {1000 * row.anchor_s:.1f} ms, "
-              f"ratio {ratio_text(row)} (goal {row.goal}); CPU {cpu_text(row)}")
+        if row.unit == "bytes":
+            sides = f"ours {byte_text(row.ours_s)}, anchor {byte_text(row.anchor_s)}"
+        else:
+            sides = f"ours {1000 * row.ours_s:.1f} ms, anchor {1000 * row.anchor_s:.1f} ms"
+        print(f"{row.name}: {sides}, ratio {ratio_text(row)} (goal {row.goal}); "
+              f"CPU {cpu_text(row)}")
         print(f"  {row.notes}")
         print("  " + ", ".join(f"{k}={_short(v) if short else v}"
                                for k, v in row.extra.items() if k not in skip_keys))

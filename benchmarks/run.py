@@ -27,13 +27,14 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # `python benchmarks/run.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Result, machine_description  # noqa: E402
+from benchmarks.common import Result, byte_text, machine_description  # noqa: E402
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
     from benchmarks import (
+        bench_batch_bytes,
         bench_engine,
         bench_fidelity,
         bench_fsdp,
@@ -65,6 +66,8 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "planner_scale_1024": bench_planner.run_scale,
         # gsched plan at W=1024 (each library schedule) and the W=100,000 answers
         "planner_w1024": bench_planner_scale.run,
+        # W=4 as 1f1b 2 x 2: batch bytes each rank receives per step vs the rows it reads
+        "batch_bytes_per_rank": bench_batch_bytes.run,
     }
 
 
@@ -72,7 +75,7 @@ def _fmt_time(seconds: float | None, unit: str = "seconds") -> str:
     if seconds is None:
         return "-"
     if unit == "bytes":
-        return f"{seconds / 2**20:.2f} MiB"
+        return byte_text(seconds)
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 

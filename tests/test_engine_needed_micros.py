@@ -1,4 +1,4 @@
-"""The engine's batch gather reads which microbatches each rank needs from the placement
+"""The engine's row exchange reads which microbatches each rank needs from the placement
 table (``engine.needed_micros``), not from every rank's program: the same answer as the
 programs give (``runtime.stage_micros``), for every library schedule, training and
 forward-only, checked here against the programs themselves."""

@@ -1,8 +1,9 @@
-"""The per-step fast paths of the strategy: local microbatches and the loss/log all-reduce.
+"""The per-step fast paths of the strategy: rows moved point to point and the loss/log all-reduce.
 
 Both replace a general collective (all-gather of the batch, pickled all-gather of losses and
-logs) by something cheaper when it is safe, so each is checked against the general path it
-replaces, including the cases where it must fall back.
+logs) by something cheaper, so each is checked against what the general path gave: the rows a
+rank holds are the single-device cut of the global batch (one replica) or its replica's cut, and
+a rank receives exactly the rows of the microbatches it reads that it did not load.
 """
 
 from __future__ import annotations
@@ -10,66 +11,119 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.bench_batch_bytes import ReceivedRows
 from dist_harness import WorkerContext
-from lightning_gsched.engine.batches import (
-    GlobalBatch,
-    gather_batch,
-    owns_its_micros,
-    rows_and_layouts,
-    split_batch,
-)
+from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
+from lightning_gsched.engine.engine import needed_micros
 from lightning_gsched.engine.intercept import LogRecord
 from lightning_gsched.engine.logsync import LossLogExchange, exchange
+from lightning_gsched.engine.rows import check_rows, row_map, transfers
+from lightning_gsched.errors import BatchSplitError
+from lightning_gsched.schedule.plan import plan
 
 
-def test_owns_its_micros_follows_row_ranges():
-    # 2 ranks x 4 rows, 4 microbatches of 2 rows: rank 0 holds micros 0-1, rank 1 micros 2-3
-    assert owns_its_micros([4, 4], 4, [[0, 1], [2, 3]])
-    assert not owns_its_micros([4, 4], 4, [[0, 1, 2], [3]])  # rank 0 would need rank 1's rows
-    # uneven rows: rank 0 has 2 rows, rank 1 has 6; micro 1 = rows 2-3 belongs to rank 1
-    assert not owns_its_micros([2, 6], 4, [[0, 1], [2, 3]])
-    assert owns_its_micros([2, 6], 4, [[0], [1, 2, 3]])
-    # a microbatch straddling two ranks (3 micros over 2 x 3 rows: rows 2-3) belongs to neither
-    assert not owns_its_micros([3, 3], 3, [[0, 1], [2]])
-
-
-@pytest.mark.parametrize("rows", [[4, 4], [2, 6], [3, 3, 6]])
-def test_local_micros_equal_the_split_of_the_global_batch(rows):
-    world = len(rows)
+def _batches(rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A global batch whose row i holds i, and each rank's slice of it in rank order."""
     total = sum(rows)
-    x = torch.arange(total * 3).reshape(total, 3)
-    y = torch.arange(total)
-    starts = [sum(rows[:r]) for r in range(world)]
-    parts = 4 if total % 4 == 0 else 3
-    reference = split_batch((x, y), parts, exact=False)
-    for rank in range(world):
-        local = (x[starts[rank]: starts[rank] + rows[rank]], y[starts[rank]: starts[rank] + rows[rank]])
-        got = GlobalBatch(None, rows, local=local, rank=rank).micros(parts, exact=False)
-        held = 0
-        for b, micro in enumerate(got):
-            if micro is None:
-                continue
-            held += 1
-            assert torch.equal(micro[0], reference[b][0]) and torch.equal(micro[1], reference[b][1])
-        assert held >= 1 or rows[rank] < total // parts
+    data = torch.arange(total * 3).reshape(total, 3)
+    starts = [sum(rows[:r]) for r in range(len(rows))]
+    return data, [data[s:s + n] for s, n in zip(starts, rows, strict=True)]
+
+
+def _micro(pieces, locals_: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([locals_[p.source][p.start:p.stop] for p in pieces] or [locals_[0][:0]])
+
+
+@pytest.mark.parametrize("rows", [[4, 4], [2, 6], [3, 3, 6], [0, 5, 3], [1, 1, 1, 1]])
+@pytest.mark.parametrize("parts", [1, 3, 4])
+def test_one_replica_is_the_global_batch_cut_as_before(rows, parts):
+    """G = 1: microbatch b is rows of torch.tensor_split(global batch, B)[b], as before replicas."""
+    data, locals_ = _batches(rows)
+    cut = row_map(rows, [list(range(len(rows)))], parts)
+    want = torch.tensor_split(data, parts)
+    assert cut.micro_rows() == [len(w) for w in want]
+    for b, pieces in enumerate(cut.micros):
+        assert [p.offset for p in pieces] == [sum(q.rows for q in pieces[:i])
+                                             for i in range(len(pieces))]
+        assert torch.equal(_micro(pieces, locals_), want[b])
+
+
+def test_replica_g_cuts_its_ranks_batches_in_position_order():
+    """W=4 as P=2 x G=2 (rank p*G + g): replica 0 is ranks 0, 2 and replica 1 ranks 1, 3; replica
+    g's m-th microbatch is the step's microbatch g + 2m."""
+    rows = [3, 1, 2, 2]
+    _, locals_ = _batches(rows)
+    cut = row_map(rows, [[0, 2], [1, 3]], 4)
+    replica0 = torch.cat([locals_[0], locals_[2]])  # 5 rows -> 3 + 2
+    replica1 = torch.cat([locals_[1], locals_[3]])  # 3 rows -> 2 + 1
+    want = {0: replica0[:3], 2: replica0[3:], 1: replica1[:2], 3: replica1[2:]}
+    for b, rows_b in want.items():
+        assert torch.equal(_micro(cut.micros[b], locals_), rows_b)
+    assert cut.micro_rows() == [3, 2, 2, 1] and cut.replica_rows() == [5, 3]
+    # where each rank's predictions come from: its rows in order, one piece per microbatch
+    assert [(p.micro, p.offset, p.rows) for p in cut.loaded_by(3)] == [(1, 1, 1), (3, 0, 1)]
+
+
+def test_transfers_carry_only_wanted_rows_from_their_loaders():
+    cut = row_map([4, 4], [[0, 1]], 4)
+    assert transfers(cut, [[0, 1], [2, 3]]) == []  # every rank reads only its own rows (ddp)
+    (move,) = transfers(cut, [[0, 1], [0, 2, 3]])  # rank 1 reads microbatch 0 too
+    assert (move.source, move.target, move.rows) == (0, 1, 2)
+    assert [(p.micro, p.start, p.stop) for p in move.pieces] == [(0, 0, 2)]
+    # 1f1b at W=4 as 2 x 2: every rank's needs come from its own replica only, and each rank
+    # receives exactly the rows of the microbatches it reads that it did not load
+    p = plan("1f1b", 4, data_parallel_size=2)
+    needed = needed_micros(p.table.compute, 4)
+    cut = row_map([2, 2, 2, 2], [p.replicas.members(g) for g in range(2)], p.micro)
+    moves = transfers(cut, needed)
+    assert moves and all(p.replicas.replica(t.source) == p.replicas.replica(t.target)
+                         for t in moves)
+    for rank in range(4):
+        received = sorted((q.micro, q.source, q.start) for t in moves if t.target == rank
+                          for q in t.pieces)
+        read = sorted((q.micro, q.source, q.start) for b in needed[rank]
+                      for q in cut.micros[b] if q.source != rank)
+        assert received == read
+
+
+@pytest.mark.parametrize("rows", [[3, 1, 2, 2], [2, 0, 2, 2]])
+def test_outputs_go_back_to_the_rank_that_loaded_the_rows(rows):
+    """Each microbatch's output rows (here 10 x its input rows) return to their loaders, in each
+    loader's order; a rank that loaded nothing gets an empty output of the same structure."""
+    _, locals_ = _batches(rows)
+    cut = row_map(rows, [[0, 2], [1, 3]], 4)
+    outputs = {b: {"y": _micro(pieces, locals_) * 10} for b, pieces in enumerate(cut.micros)}
+    for rank in range(4):
+        got = local_outputs(outputs, cut, rank, "predict_step")
+        assert torch.equal(got["y"], locals_[rank] * 10)
+
+
+def test_training_refuses_unequal_microbatches_and_says_why():
+    check_rows(row_map([4, 4, 4, 4], [[0, 2], [1, 3]], 4), exact=True)
+    with pytest.raises(BatchSplitError, match=r"replicas hold \[5, 3\] rows"):
+        check_rows(row_map([3, 1, 2, 2], [[0, 2], [1, 3]], 4), exact=True)
+    with pytest.raises(BatchSplitError, match="do not split into 4 equal microbatches"):
+        check_rows(row_map([3, 4], [[0, 1]], 4), exact=True)  # one replica: as before
+    check_rows(row_map([3, 1, 2, 2], [[0, 2], [1, 3]], 4), exact=False)  # evaluation: uneven
 
 
 # --------------------------------------------------------------------------- distributed
 
 
-def gather_check(ctx: WorkerContext, rows: list[int], parts: int, needed: list[list[int]]) -> dict:
-    """Fast path and full gather agree on every microbatch a rank needs."""
-    start = sum(rows[: ctx.rank])
-    total = sum(rows)
-    data = torch.arange(total * 2, dtype=torch.float32).reshape(total, 2)
-    local = (data[start: start + rows[ctx.rank]],)
+def row_exchange_check(ctx: WorkerContext, rows: list[int], parts: int,
+                       needed: list[list[int]]) -> dict:
+    """Each rank's exchanged microbatches are the single-device cut; what it received."""
+    data, locals_ = _batches(rows)
+    local = (locals_[ctx.rank], "flag")  # a plain leaf rides along from the local batch
     counts, _ = rows_and_layouts(local, ctx.world_size)
-    fast = gather_batch(local, counts, ctx.rank, parts, needed)
-    full = gather_batch(local, counts, ctx.rank)
-    want = full.micros(parts, exact=False)
-    got = fast.micros(parts, exact=False)
-    mismatched = [b for b in needed[ctx.rank] if got[b] is None or not torch.equal(got[b][0], want[b][0])]
-    return {"counts": counts, "skipped": fast.value is None, "mismatched": mismatched}
+    cut = row_map(counts, [list(range(ctx.world_size))], parts)
+    with ReceivedRows() as seen:
+        got = exchange_rows(local, cut, ctx.rank, needed)
+    want = torch.tensor_split(data, parts)
+    mismatched = [b for b in needed[ctx.rank]
+                  if not torch.equal(got[b][0], want[b]) or got[b][1] != "flag"]
+    return {"counts": counts, "received_rows": seen.rows(), "mismatched": mismatched,
+            "held": sorted(got)}
 
 
 def exchange_check(ctx: WorkerContext, steps: list[dict]) -> list[dict]:
@@ -91,16 +145,19 @@ def exchange_check(ctx: WorkerContext, steps: list[dict]) -> list[dict]:
     return out
 
 
-def test_gather_is_skipped_only_when_every_rank_owns_its_micros(worlds):
+def test_ranks_receive_only_the_rows_they_read_that_they_did_not_load(worlds):
     world = worlds.get(2)
-    results = world.run(gather_check, [4, 4], 4, [[0, 1], [2, 3]])
-    assert all(r["skipped"] and not r["mismatched"] for r in results)
+    results = world.run(row_exchange_check, [4, 4], 4, [[0, 1], [2, 3]])
     assert results[0]["counts"] == [4, 4]
-    # rank 1 needs micro 0 (rank 0's rows): every rank must take the gathering path together
-    results = world.run(gather_check, [4, 4], 4, [[0, 1], [0, 2, 3]])
-    assert all(not r["skipped"] and not r["mismatched"] for r in results)
-    results = world.run(gather_check, [2, 6], 4, [[0], [1, 2, 3]])
-    assert all(r["skipped"] and not r["mismatched"] for r in results)
+    assert all(r["received_rows"] == 0 and not r["mismatched"] for r in results)
+    # rank 1 reads microbatch 0 (rank 0's rows 0-1) too: only those two rows travel
+    results = world.run(row_exchange_check, [4, 4], 4, [[0, 1], [0, 2, 3]])
+    assert [r["received_rows"] for r in results] == [0, 2]
+    assert all(not r["mismatched"] for r in results) and results[1]["held"] == [0, 2, 3]
+    # uneven ranks: microbatch 1 (rows 2-3) was loaded by rank 1 and is read by rank 0
+    results = world.run(row_exchange_check, [2, 6], 4, [[0, 1], [1, 2, 3]])
+    assert [r["received_rows"] for r in results] == [2, 0]
+    assert all(not r["mismatched"] for r in results)
 
 
 def test_loss_log_exchange_equals_object_gather_across_layout_changes(worlds):

@@ -7,7 +7,8 @@ are thin adapters over it. Nothing here imports the ``lightning`` pip package, s
 Fabric front end never loads ``lightning.pytorch`` nor registers Trainer strategies.
 
 Modules, one job each: :mod:`.options` (the arguments both front ends take), :mod:`.config`
-(arguments -> plans), :mod:`.batches` (global batch, microbatches), :mod:`.intercept` (running
+(arguments -> plans), :mod:`.rows` (the batch semantics: which rows make each microbatch),
+:mod:`.batches` (rows moved to the ranks that read them), :mod:`.intercept` (running
 the user's step around the model's call), :mod:`.logsync` (losses and logged values),
 :mod:`.auto` (``schedule="auto"`` decided at the first batch), :mod:`.memory_report`
 (predicted and measured bytes), :mod:`.control` (the strategy's own bounded collectives),

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gsched.engine.batches import GlobalBatch, micro_rows
 from lightning_gsched.engine.config import AutoRequest, ScheduleConfig
 from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.memory_report import optimizer_bytes_factor
@@ -56,28 +55,17 @@ from lightning_gsched.schedule.tune import (
 TABLE_ROWS = 10  # rows of the ranked table in the startup text
 
 
-def first_microbatches(config: ScheduleConfig, whole: GlobalBatch, workers: int,
-                       training: bool) -> tuple[Any, Callable[[], Any]]:
-    """The microbatch the tuner profiles, and a function giving the first microbatch under the
-    pick (once decided: the one the partition is traced and the bytes are sized on).
+def probe_parts(config: ScheduleConfig, global_rows: int, workers: int) -> int:
+    """How many microbatches the tuner's probe cuts the global batch into (rank order): the
+    engine profiles the first of them, every rank receiving its rows.
 
-    The profiled one is the smallest any candidate runs (the global batch cut into the most
-    microbatches the search tries). Scaling a profile up to larger microbatches is linear, so
-    what does not grow with the rows (index and mask tensors, per-call overheads) is
+    The profiled microbatch is the smallest any candidate runs (the global batch cut into the
+    most microbatches the search tries). Scaling a profile up to larger microbatches is linear,
+    so what does not grow with the rows (index and mask tensors, per-call overheads) is
     over-counted, never under-counted: a pick's predicted bytes bound those of the executed
     plan (the startup prediction) from above.
     """
-    parts = max(microbatch_counts(workers, whole.rows, _request(config).microbatches))
-    probe = whole.micros(parts, exact=training)[0]
-
-    def first() -> Any:
-        if training:
-            return whole.micros(config.training_micro(workers), exact=True)[0]
-        B = config.eval_plan(workers, whole.rows).micro
-        cut = whole.micros(B, exact=False, what="evaluation batch")
-        return next(m for m, n in zip(cut, micro_rows(whole.rows, B), strict=True) if n)
-
-    return probe, first
+    return max(microbatch_counts(workers, global_rows, _request(config).microbatches))
 
 
 def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.Tensor]:

@@ -34,6 +34,7 @@ from lightning_gsched.schedule.plan import (
     plan_arguments,
     resolve_arguments,
 )
+from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.tune import TuneResult
 
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, S, B, R and checkpointing
@@ -192,6 +193,13 @@ class ScheduleConfig:
         config = self._effective() if self.is_auto else self
         return config.resolved(workers)[1] * config._arguments().data_parallel_size
 
+    def replicas(self, workers: int) -> ReplicaLayout:
+        """Where the data-parallel replicas sit among ``workers`` ranks: every plan's
+        ``Plan.replicas``, known without a plan, so the first batch's rows can be cut by replica
+        (engine/rows.py) before the training plan exists."""
+        G = (self._effective() if self.is_auto else self)._arguments().data_parallel_size
+        return ReplicaLayout(workers // G, G)
+
     def _arguments(self) -> ScheduleArguments:
         assert self.arguments is not None, "an undecided 'auto' has no arguments"
         return self.arguments
@@ -215,9 +223,9 @@ class ScheduleConfig:
         if rows in self._eval_plans:
             return self._eval_plans[rows]
         S, B_train, R = self.resolved(workers)
-        rows = max(rows // self._arguments().data_parallel_size, 1)  # B is per replica
-        candidates = list(range(min(B_train, rows), 0, -1))
-        candidates += list(range(rows + 1, max(B_train, rows) + 1))
+        per = max(rows // self._arguments().data_parallel_size, 1)  # B is per replica
+        candidates = list(range(min(B_train, per), 0, -1))
+        candidates += list(range(per + 1, max(B_train, per) + 1))
         last_error: GschedError | None = None
         for B in candidates:
             try:

@@ -2,7 +2,7 @@
 
 Why: the runtime bounds every wait of a step and, on a failure, tears down its groups so peers
 stop at once (``runtime/faults.py``). But between steps the ranks also meet in the front end's
-collectives: the batch gather, the loss/log exchange, the evaluation gather, the build's
+collectives: the batch's row exchange, the loss/log exchange, the evaluation gather, the build's
 broadcasts, Lightning's ``barrier``/``broadcast`` (``ModelCheckpoint``). On the default group those
 wait for the launcher's ``timeout`` (30 minutes by default), and a rank that fails in a hook the
 others never reach (a callback, the dataloader, ``validation_step`` on one rank) leaves them

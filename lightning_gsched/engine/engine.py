@@ -7,15 +7,16 @@ and the Fabric strategy (:mod:`lightning_gsched.fabric`) are thin adapters over 
 which reaches the runtime only through its facade :class:`~lightning_gsched.runtime.ModelRuntime`;
 it imports nothing of Lightning itself (``tests/test_layering.py`` checks this package). It is built lazily at the first batch of the run, because tracing the
 model needs one real call of ``forward`` and the front ends get no data before that. Every rank
-sees the same global batch, so everything decided at that point (the probe of the user's step,
-the partition, the programs) is identical on every rank, and a contract error is raised by every
-rank at once instead of leaving some ranks waiting. ``schedule="auto"`` is decided there too,
-before the partition (:mod:`.auto`: rank 0 tunes, every rank gets its pick); until then the
-engine has no training plan, and the first batch is gathered whole to probe the model on it.
+receives the same first microbatch, so everything decided at that point (the probe of the user's
+step, the partition, the programs) is identical on every rank, and a contract error is raised by
+every rank at once instead of leaving some ranks waiting. ``schedule="auto"`` is decided there
+too, before the partition (:mod:`.auto`: rank 0 tunes, every rank gets its pick). A step's rows
+move point to point, each to the ranks whose programs read it (:mod:`.rows`, :mod:`.batches`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,15 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gsched.engine.auto import choose_schedule, first_microbatches, step_loss_fn
-from lightning_gsched.engine.batches import (
-    GlobalBatch,
-    concat_outputs,
-    gather_batch,
-    micro_rows,
-    rows_and_layouts,
-    take_rows,
-)
+from lightning_gsched.engine.auto import choose_schedule, probe_parts, step_loss_fn
+from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.deferred_restore import DeferredRestore
@@ -45,6 +39,7 @@ from lightning_gsched.engine.logsync import (
 )
 from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.options import PartitionOptions
+from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
@@ -68,6 +63,7 @@ from lightning_gsched.schedule.describe import (
     startup_summary,
 )
 from lightning_gsched.schedule.plan import Plan
+from lightning_gsched.schedule.replicas import ReplicaLayout
 
 
 def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:
@@ -103,6 +99,19 @@ def _agreed_seed(world_size: int, group: Any = None) -> int:
     if world_size > 1:
         dist.broadcast(seed, 0, group=group)
     return int(seed.item())
+
+
+@dataclass(frozen=True)
+class Held:
+    """Microbatches every rank holds already (the first one, which a build probes) and the row
+    map they were cut under: a step's exchange sends them again only under another row map."""
+
+    cut: RowMap | None = None
+    micros: dict[int, Any] = field(default_factory=dict)
+
+    def first(self) -> Any:
+        assert self.cut is not None
+        return self.micros[self.cut.first_nonempty()]
 
 
 @dataclass
@@ -292,14 +301,23 @@ class PipelineEngine:
                                 lambda: exchange(mine, self.world_size, self.group))
 
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
-                    training: bool) -> GlobalBatch:
-        """The first batch of an undecided ``"auto"``: every rank gathers the global batch, and
-        the pick is made for its rows (the microbatches: :func:`.auto.first_microbatches`)."""
-        whole = self._collective("the batch gather",
-                                 lambda: gather_batch(batch, rows, self.rank, group=self.group))
-        probe, first = first_microbatches(self.config, whole, self.world_size, training)
-        self.build(caller, probe, training, global_rows=whole.rows, micro_of=first)
-        return whole
+                     training: bool) -> Held:
+        """The first batch of an undecided ``"auto"``: the tuner profiles the first microbatch of
+        its own cut (:func:`.auto.probe_parts`, the global batch in rank order), which every
+        rank receives; the build then probes the first microbatch under the pick, which every
+        rank receives too and keeps for the step (returned)."""
+        parts = probe_parts(self.config, sum(rows), self.world_size)
+        tuner_cut = self._row_map(rows, parts, exact=training,
+                                  replicas=ReplicaLayout(self.world_size, 1))
+        held = [Held()]
+
+        def first() -> Any:
+            held[0] = self._first_micro(batch, self._step_cut(rows, training))
+            return held[0].first()
+
+        self.build(caller, self._first_micro(batch, tuner_cut).first(), training,
+                   global_rows=sum(rows), micro_of=first)
+        return held[0]
 
     def _partition(self, args: tuple, kwargs: dict) -> Any:
         S = self.config.resolved(self.world_size)[0]
@@ -339,7 +357,8 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _capture_all(self, caller: StepCaller, micros: list[Any], wanted: list[int]) -> dict:
+    def _capture_all(self, caller: StepCaller, micros: Mapping[int, Any],
+                     wanted: list[int]) -> dict:
         inputs = {}
         for b in wanted:
             try:
@@ -355,25 +374,48 @@ class PipelineEngine:
             raise type(exc)(message) from exc
         raise RuntimeFault(message) from exc
 
-    def _needed_micros(self, plan: Plan) -> list[list[int]] | None:
-        """Per rank, the microbatches whose rows it uses (None before the first build).
-
-        Before the engine is built every rank probes microbatch 0, so the whole batch is needed.
-        """
-        if not self.built:
-            return None
+    def _needed_micros(self, plan: Plan) -> list[list[int]]:
+        """Per rank, the microbatches whose rows it uses (first-stage inputs, last-stage
+        targets), read once per plan off its placement table."""
         key = id(plan.programs)
         if key not in self._needed:
             self._needed[key] = needed_micros(plan.table.compute, self.world_size)
         return self._needed[key]
 
-    def _global_batch(self, batch: Any, rows: list[int], micro: int,
-                      plan: Plan | None) -> Any:
-        """Gather what this rank needs of the global batch cut into ``micro`` microbatches
-        (``plan``: whose programs say which; None before the build: all of it)."""
-        needed = None if plan is None else self._needed_micros(plan)
-        return self._collective("the batch gather", lambda: gather_batch(
-            batch, rows, self.rank, micro, needed, group=self.group))
+    def _row_map(self, rows: list[int], parts: int, *, exact: bool,
+                 what: str = "global batch", replicas: ReplicaLayout | None = None) -> RowMap:
+        """The step's ``parts`` microbatches as pieces of the ranks' batches, cut by replica
+        (engine/rows.py; ``replicas``: the schedule's unless given), checked: training
+        (``exact``) refuses microbatches of unequal rows on every rank alike."""
+        layout = replicas if replicas is not None else self.config.replicas(self.world_size)
+        cut = row_map(rows, [layout.members(g) for g in range(layout.replicas)], parts)
+        check_rows(cut, exact, what)
+        return cut
+
+    def _step_cut(self, rows: list[int], training: bool) -> RowMap:
+        """The row map of a decided schedule's training or evaluation step."""
+        if training:
+            return self._row_map(rows, self.config.training_micro(self.world_size), exact=True)
+        B = self.config.eval_plan(self.world_size, sum(rows)).micro
+        return self._row_map(rows, B, exact=False, what="evaluation batch")
+
+    def _exchange(self, batch: Any, cut: RowMap, wanted: list[list[int]],
+                  held: Held | None = None) -> dict[int, Any]:
+        """This rank's ``wanted`` microbatches, the rows it did not load received point to
+        point from the ranks that did (batches.exchange_rows: only inside their replica, and
+        only to the ranks that read them); those ``held`` by every rank under the same cut are
+        not sent again."""
+        given = held.micros if held is not None and held.cut == cut else {}
+        wanted = [[b for b in micros if b not in given] for micros in wanted]
+        received = self._collective("the batch's row exchange", lambda: exchange_rows(
+            batch, cut, self.rank, wanted, self.group))
+        return {**given, **received}
+
+    def _first_micro(self, batch: Any, cut: RowMap) -> Held:
+        """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
+        step on it and partitions the model on its call (every rank the same)."""
+        everyone = [[cut.first_nonempty()]] * self.world_size
+        return Held(cut, self._exchange(batch, cut, everyone))
 
     def _rows(self, batch: Any) -> tuple[list[int], list[int]]:
         return self._collective("the batch-size exchange",
@@ -400,15 +442,16 @@ class PipelineEngine:
         ``drop_previous_grads``: the loop zeroes the gradients before the hand-over
         (``ModelRuntime.step``)."""
         rows, layouts = self._rows(batch)
+        held = Held()
         if not self.config.decided:
-            batch = self._build_auto(batch, rows, caller, training=True)
-        else:
-            batch = self._global_batch(batch, rows, self.config.training_micro(self.world_size),
-                                       self.train_plan)
+            held = self._build_auto(batch, rows, caller, training=True)
         B = self.config.training_micro(self.world_size)
-        micros = batch.micros(B, exact=True)
+        cut = self._step_cut(rows, training=True)
         if not self.built:
-            self.build(caller, micros[0], training=True)
+            held = self._first_micro(batch, cut)
+            self.build(caller, held.first(), training=True)
+        assert self.train_plan is not None
+        micros = self._exchange(batch, cut, self._needed_micros(self.train_plan), held)
         runtime = self._runtime()
         if self.losses_and_logs is None:
             self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device,
@@ -440,9 +483,8 @@ class PipelineEngine:
                 f"expected one loss per microbatch ({B}), got {sorted(all_losses)}; every rank "
                 "must run the same plan"
             )
-        weights = micro_rows(batch.rows, B)
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
-        return StepOutcome(loss, reduce_records(records, weights), batch.rows_per_rank[self.rank],
+        return StepOutcome(loss, reduce_records(records, cut.micro_rows()), rows[self.rank],
                            pending[0].notices)
 
     def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool,
@@ -450,18 +492,18 @@ class PipelineEngine:
         """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
         gets the outputs of the rows it loaded (predictions go back to their rank)."""
         rows, layouts = self._rows(batch)
+        held = Held()
         if not self.config.decided:
-            self._build_auto(batch, rows, caller, training=False)
-        plan = self.config.eval_plan(self.world_size, sum(rows))
-        B = plan.micro
-        batch = self._global_batch(batch, rows, B, plan)
-        micros = batch.micros(B, exact=False, what="evaluation batch")
-        weights = micro_rows(batch.rows, B)
+            held = self._build_auto(batch, rows, caller, training=False)
+        cut = self._step_cut(rows, training=False)
         if not self.built:
-            first = next(b for b in range(B) if weights[b] > 0)
-            self.build(caller, micros[first], training=False)
-            # the build recorded the partition's ties: the same plan (same B), ties placed
-            plan = self.config.eval_plan(self.world_size, sum(rows))
+            held = self._first_micro(batch, cut)
+            self.build(caller, held.first(), training=False)
+        # after the build: the partition's ties are placed (the same B and placement)
+        plan = self.config.eval_plan(self.world_size, sum(rows))
+        if plan.micro != cut.parts:
+            cut = self._step_cut(rows, training=False)
+        micros = self._exchange(batch, cut, self._needed_micros(plan), held)
         runtime = self._runtime()
         first_micros, _ = stage_micros(plan.programs, self.rank)
         inputs = self._capture_all(caller, micros, first_micros)
@@ -478,14 +520,12 @@ class PipelineEngine:
             (shipped, caller.logs, notice()), self.world_size, self.group))
         notices = [n for _, _, n in gathered]
         records = [r for _, logs, _ in gathered for r in logs]
-        logged = reduce_records(records, weights)
-        mine = batch.rows_per_rank[self.rank]
+        logged = reduce_records(records, cut.micro_rows())
+        mine = rows[self.rank]
         if not keep_outputs:
             return StepOutcome(None, logged, mine, notices)
         by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
-        joined = concat_outputs([by_micro[b] for b in range(B)], caller.name)
-        start = batch.offset(self.rank)
-        local = take_rows(joined, start, start + mine)
+        local = local_outputs(by_micro, cut, self.rank, caller.name)
         return StepOutcome(_to_device(local, runtime.device), logged, mine, notices)
 
     # ------------------------------------------------------------------ gradients
