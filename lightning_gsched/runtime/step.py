@@ -40,8 +40,7 @@ from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step_ties import TieSteps
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.runtime.unit_traffic import UnitTraffic
-from lightning_gsched.schedule.consumption import RecvKey
-from lightning_gsched.schedule.program import Action
+from lightning_gsched.schedule.program import Action, Message
 
 
 class ExecutorState(Protocol):
@@ -97,7 +96,7 @@ class StepRun(TieSteps):
         self.counters = RuntimeCounters(owned_stages=len(ex.owned))
         ex.transport.counters = self.counters  # the executor began the transport's step
         self.losses: dict[int, Any] = {}  # forward-only: output_fn's values
-        self.received: dict[RecvKey, Any] = {}  # posted RECV_ACT / RECV_GRAD
+        self.received: dict[Message, Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
         self.produced_grads: dict[tuple[int, int], list] = {}
         # stages' fetches, gradient hand-offs and receives (ties': self.tie_io, step_ties.py)
@@ -259,7 +258,7 @@ class StepRun(TieSteps):
 
     def _post_pytree(self, a: Action, index: int) -> None:
         """Post the receive of an activation or input-gradient, keyed by (op, stage, micro)."""
-        self.received[(a.op, a.stage, a.micro)] = self.transport.post_pytree(a.peer, label(a, index))
+        self.received[Message.of(a)] = self.transport.post_pytree(a.peer, label(a, index))
 
     def _recv_act(self, a: Action, index: int) -> None:
         self._post_pytree(a, index)

@@ -39,11 +39,8 @@ from typing import Iterable, Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.jobs import Phase, StageGraph
-from lightning_gsched.schedule.program import Action, Op, Programs, weight_grad_op
+from lightning_gsched.schedule.program import Action, Message, Op, Programs, weight_grad_op
 
-# A posted point-to-point receive as its RECV action names it: (op, stage, micro). The stage
-# is the producer's: ``RECV_ACT p b`` carries F p b's output, ``RECV_GRAD c b`` B c b's.
-RecvKey = tuple[Op, int, "int | None"]
 # A fetched unit as its fetch names it: (FETCH_W, stage) or (FETCH_T, tie home).
 UnitKey = tuple[Op, int]
 
@@ -123,14 +120,14 @@ class OpRules:
                     else ((Phase.F, stage),))  # a sink: its own forward's loss
         return ((Phase.B, stage),)  # W: what its B left
 
-    def messages_read(self, action: Action) -> list[RecvKey]:
+    def messages_read(self, action: Action) -> list[Message]:
         """The posted receives ``action`` consumes when their producers ran on another rank:
         ``RECV_ACT p b`` for F, ``RECV_GRAD c b`` for B, nothing for W or any other op."""
         op, s, b = action.op, action.stage, action.micro
         if op is Op.F:
-            return [(Op.RECV_ACT, p, b) for p in self.act_from[s]]
+            return [Message(Op.RECV_ACT, p, b) for p in self.act_from[s]]
         if op is Op.B:
-            return [(Op.RECV_GRAD, c, b) for c in self.grad_from[s]]
+            return [Message(Op.RECV_GRAD, c, b) for c in self.grad_from[s]]
         return []
 
     def narrows_stash(self, op: Op) -> bool:

@@ -32,7 +32,7 @@ collective order, a peer that is no rank) first, else the first found rank by ra
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -46,28 +46,25 @@ from lightning_gsched.schedule.dryrun_rank import (
 )
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
-    CHANNEL_OF,
     COLLECTIVE_OPS,
     OPS,
     RECV_FOR_SEND,
     RECV_OPS,
     SEND_OPS,
     Action,
+    Channel,
+    Message,
     Op,
     Programs,
+    check_channel,
 )
-
-# A malformed action may lack its peer or microbatch: the types admit None so the dry run can
-# report such programs instead of assuming them away.
-_Channel = tuple[str, "int | None", "int | None"]  # (kind, src rank, dst rank)
-_Ident = tuple[Op, int, "int | None"]  # (receive op, stage, micro): what a message carries
 
 
 class _Scan(NamedTuple):
     """What one pass over every action collects for the static checks."""
 
-    sent: dict[_Channel, list[_Ident]]  # per channel, the messages in send order
-    posted: dict[_Channel, list[_Ident]]  # per channel, the messages in post order
+    sent: dict[Channel, list[Message]]  # per channel, the messages in send order
+    posted: dict[Channel, list[Message]]  # per channel, the messages in post order
     # group -> rank -> the all-reduces it runs, as (op, stage): stages' and ties'
     orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int]]]]
     bad_group: str | None  # the first all-reduce run by a rank outside its group
@@ -76,34 +73,27 @@ class _Scan(NamedTuple):
 
 def _scan(programs: Programs) -> _Scan:
     """One pass over every action (the static checks' only pass over all programs)."""
-    sent: dict[_Channel, list[_Ident]] = defaultdict(list)
-    posted: dict[_Channel, list[_Ident]] = defaultdict(list)
+    sent: dict[Channel, list[Message]] = defaultdict(list)
+    posted: dict[Channel, list[Message]] = defaultdict(list)
     orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int]]]] = defaultdict(dict)
     bad_group: str | None = None
     bad_field: str | None = None
     peers = set(range(programs.world_size))
     micros = set(range(programs.num_micro))
-    # op -> (is a send, channel kind, the receive op that names the message, names a micro)
-    messages = {op: (op in SEND_OPS, CHANNEL_OF[op], RECV_FOR_SEND.get(op, op), OPS[op].per_micro)
-                for op in SEND_OPS | RECV_OPS}
     for rank, program in enumerate(programs.ranks):
         for action in program:
             op = action[0]
-            kind = messages.get(op)
-            if kind is not None:
-                is_send, channel, recv_op, per_micro = kind
-                peer = action[3]
-                if peer not in peers or (per_micro and action[2] not in micros):
+            if op in SEND_OPS or op in RECV_OPS:
+                # a malformed action may lack its peer or microbatch: reported, not assumed away
+                if action[3] not in peers or (OPS[op].per_micro and action[2] not in micros):
                     bad_field = bad_field or (
                         f"rank {rank} runs '{action}': its peer must be a rank (0 to "
                         f"{programs.world_size - 1})" + (f" and its microbatch one of 0 to "
                                                          f"{programs.num_micro - 1}"
-                                                         if per_micro else ""))
+                                                         if OPS[op].per_micro else ""))
                     continue
-                if is_send:
-                    sent[(channel, rank, peer)].append((recv_op, action[1], action[2]))
-                else:
-                    posted[(channel, peer, rank)].append((op, action[1], action[2]))
+                (sent if op in SEND_OPS else posted)[Channel.of(action, rank)].append(
+                    Message.of(action))
             elif op in COLLECTIVE_OPS:
                 group = action.group
                 if group is None or rank not in group:
@@ -114,44 +104,14 @@ def _scan(programs: Programs) -> _Scan:
 
 
 def check_matching(programs: Programs, scanned: _Scan | None = None) -> None:
-    """Every send has a receive on its channel, in the same order, and vice versa."""
+    """Every send has a receive on its channel, in the same order, and vice versa
+    (:func:`.program.check_channel`, channels in order)."""
     scanned = scanned or _scan(programs)
     if scanned.bad_field is not None:
         raise ProgramError(scanned.bad_field)
     sent, posted = scanned.sent, scanned.posted
-    for channel in sorted(set(sent) | set(posted), key=str):
-        sends, recvs = sent.get(channel, []), posted.get(channel, [])
-        if sends == recvs:
-            continue  # the common case: same messages in the same order (nothing to report)
-        _report_mismatch(programs, channel, sends, recvs)
-
-
-def _report_mismatch(programs: Programs, channel: _Channel, sends: list[_Ident],
-                     recvs: list[_Ident]) -> None:
-    """Raise the :class:`ProgramError` that names the first unmatched or misordered message."""
-    kind, src, dst = channel
-
-    def actions(rank: int | None, ops: frozenset[Op], peer: int | None) -> list[Action]:
-        program = programs.ranks[rank] if rank is not None else []
-        return [a for a in program if a.op in ops and CHANNEL_OF[a.op] == kind and a.peer == peer]
-
-    send_actions = actions(src, SEND_OPS, dst)
-    recv_actions = actions(dst, RECV_OPS, src)
-    unmatched = Counter(sends)
-    unmatched.subtract(recvs)
-    for ident, extra in unmatched.items():
-        if extra > 0:
-            action = send_actions[sends.index(ident)]
-            raise ProgramError(f"rank {src} runs '{action}' but rank {dst} never receives it")
-        if extra < 0:
-            action = recv_actions[recvs.index(ident)]
-            raise ProgramError(f"rank {dst} posts '{action}' but rank {src} never sends it")
-    for k in range(len(sends)):
-        if sends[k] != recvs[k]:
-            raise ProgramError(
-                f"{kind} channel {src}->{dst} is out of order at message {k}: rank {src} sends "
-                f"'{send_actions[k]}' but rank {dst} posts '{recv_actions[k]}'"
-            )
+    for channel in sorted(set(sent) | set(posted)):
+        check_channel(channel, sent.get(channel, []), posted.get(channel, []))
 
 
 def check_collective_order(programs: Programs, scanned: _Scan | None = None) -> None:
@@ -202,20 +162,28 @@ def dry_run(programs: Programs) -> None:
 
 
 def _check_listed_matching(programs: Programs, shared: Shared) -> None:
-    """:func:`check_matching` on the messages the ranks' checks listed per channel: a channel
-    matches when its sends name the receive op, stage and microbatch of its posts, in order."""
+    """:func:`.program.check_channel` on the messages the ranks' checks listed per channel
+    number: a quick comparison of every channel, then the rule itself on the first channel (in
+    channel order) that differs, which names the message."""
+    W = programs.world_size
     sent, posted = shared.sent, shared.posted
-    recv_for = RECV_FOR_SEND.__getitem__
+    differing = [number for number in set(sent) | set(posted)
+                 if not _same_messages(sent.get(number, []), posted.get(number, []))]
+    if differing:
+        number = min(differing, key=lambda n: Channel.numbered(n, W))
+        check_channel(Channel.numbered(number, W),
+                      [Message.of(action) for action in sent.get(number, ())],
+                      [Message.of(action) for action in posted.get(number, ())])
+        raise AssertionError(f"channel {number} differs but check_channel found nothing")
+
+
+def _same_messages(sends: list[Action], posts: list[Action]) -> bool:
+    """Whether sends and posts carry the same messages in order, without building them."""
     stage_micro = itemgetter(1, 2)
-    for channel in set(sent) | set(posted):
-        sends, recvs = sent.get(channel, []), posted.get(channel, [])
-        if (len(sends) == len(recvs)
-                and list(map(stage_micro, sends)) == list(map(stage_micro, recvs))
-                and list(map(recv_for, map(itemgetter(0), sends)))
-                == list(map(itemgetter(0), recvs))):
-            continue
-        check_matching(programs)  # names the first mismatch, in its order of channels
-        raise AssertionError(f"channel {channel} mismatched but check_matching found nothing")
+    return (len(sends) == len(posts)
+            and list(map(stage_micro, sends)) == list(map(stage_micro, posts))
+            and list(map(RECV_FOR_SEND.__getitem__, map(itemgetter(0), sends)))
+            == list(map(itemgetter(0), posts)))
 
 
 def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ decides: its **events**, in order:
 - ``(index, messages, key, size)``: an all-reduce at ``index``: its gradient messages, then
   every one of the ``size`` members of its group at ``key``.
 
-Channels are ints ``kind * W * W + src * W + dst``, jobs (stage s, microbatch b) ints
+Channels are ints (``program.Channel.number``: ``kind * W * W + src * W + dst``), jobs (stage s, microbatch b) ints
 ``s * M + b``: every set and dict here hashes ints. A receive posts ``(channel, k)`` under what
 it carries; the sends and receives of each channel are also listed (as actions) for the
 matching check, and the all-reduces of each group for the order check.
@@ -27,11 +27,16 @@ from typing import Any
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.consumption import OpRules
-from lightning_gsched.schedule.program import CHANNEL_OF, Action, Op, Programs
+from lightning_gsched.schedule.program import (
+    CHANNEL_KINDS,
+    Action,
+    Op,
+    Programs,
+    channel_bases,
+)
 
 _Message = tuple[int, int]  # (channel id, k): the k-th message (counted from 1) on a channel
 Event = Any  # int | tuple[int, list[_Message]] | tuple[int, list[_Message], tuple, int]
-CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_OF.values()))}
 _ABSENT = object()  # a dict.get default that no stored value is
 # Enum members as module constants (an ``Op.F`` look-up goes through the enum's descriptor)
 _F, _B, _W = Op.F, Op.B, Op.W
@@ -63,7 +68,7 @@ class Shared:
         self.peers = set(range(W))
         self.micros = set(range(self.M))
         self.rules = OpRules.of(programs)
-        self.base = {op: CHANNEL_KINDS[kind] * W * W for op, kind in CHANNEL_OF.items()}
+        self.base = channel_bases(W)  # a channel's number: base[op] + src * W + dst
         self.channels = len(CHANNEL_KINDS) * W * W
         self.posted_count = channel_counters(self.channels)
         self.sent: dict[int, list[Action]] = defaultdict(list)  # channel -> its sends, in order

@@ -35,12 +35,19 @@ from operator import itemgetter
 from typing import Mapping, Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
-from lightning_gsched.schedule.lower_build import SLOTS, Builder, Channel, Key, Message
+from lightning_gsched.schedule.lower_build import SLOTS, Builder, Key
 from lightning_gsched.schedule.lower_flow import lower_data_flow
 from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.lower_weights import WeightLowering
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import CHANNEL_OF, RECV_FOR_SEND, Action, Op, Programs
+from lightning_gsched.schedule.program import (
+    RECV_FOR_SEND,
+    Action,
+    Channel,
+    Message,
+    Op,
+    Programs,
+)
 from lightning_gsched.schedule.simulate import Timeline
 
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
@@ -73,7 +80,7 @@ class Lowering:
     def program_and_sends(self, rank: int) -> tuple[list[Action], dict[Channel, list[tuple[
             Message, int]]]]:
         """:meth:`program`, and every channel into ``rank`` with the messages sent on it
-        (stage, micro, receive op) and each one's gap in the sender's program, in send order
+        and each one's gap in the sender's program, in send order
         (for :mod:`.proof`'s rank check)."""
         build = self._lower({rank})
         return (build.program(rank, self._computes(rank)),
@@ -163,7 +170,7 @@ def programs_of(graph: StageGraph, table: PlacementTable, ranks: Sequence[list[A
 def sends_into(rank: int, flow: list[list[Action]], flow_keys: list[list[int]],
                put_sends: Mapping[Channel, list[tuple[Key, Message]]],
                ) -> dict[Channel, list[tuple[Message, int]]]:
-    """Every channel into ``rank``: its messages (stage, micro, receive op) in send order, each
+    """Every channel into ``rank``: its messages in send order, each
     with its gap in the sender's program (it comes right before the sender's compute of that
     position), from a builder keeping ``rank``: the data flow's sends in their program order
     (small keys ``gap * SLOTS + category``), then the other sends by their full keys."""
@@ -176,9 +183,8 @@ def sends_into(rank: int, flow: list[list[Action]], flow_keys: list[list[int]],
         for index in sorted(range(len(actions)), key=keys.__getitem__):  # stable
             action = actions[index]
             if action.peer == rank and action.op in RECV_FOR_SEND:
-                out.setdefault((CHANNEL_OF[action.op], src, rank), []).append(
-                    ((action.stage, action.micro, RECV_FOR_SEND[action.op]),
-                     keys[index] // SLOTS))
+                out.setdefault(Channel.of(action, src), []).append(
+                    (Message.of(action), keys[index] // SLOTS))
     for channel, sent in put_sends.items():
         if channel[2] == rank:
             out.setdefault(channel, []).extend((ident, key[0])

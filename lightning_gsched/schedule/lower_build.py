@@ -31,11 +31,11 @@ from operator import itemgetter
 from typing import Any, Collection
 
 from lightning_gsched.schedule.program import (
-    CHANNEL_OF,
-    RECV_FOR_SEND,
     RECV_OPS,
     SEND_OPS,
     Action,
+    Channel,
+    Message,
     Op,
 )
 from lightning_gsched.schedule.simulate import Timeline
@@ -54,9 +54,6 @@ CATEGORY = {
 # (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
 # make_fifo had to reorder
 Key = tuple[Any, ...]
-# a message as filed under its channel: (stage, micro, the receive op that posts it)
-Message = tuple[int, "int | None", Op]
-Channel = tuple[str, int, int]  # (kind, src rank, dst rank)
 
 
 class Builder:
@@ -97,12 +94,10 @@ class Builder:
         if op in SEND_OPS:
             assert action.peer is not None  # lowering names the peer of every message it emits
             if keep is None or action.peer in keep:  # orders the receiver's posts
-                self.sends[(CHANNEL_OF[op], rank, action.peer)].append(
-                    (key, (action.stage, action.micro, RECV_FOR_SEND[op])))
+                self.sends[Channel.of(action, rank)].append((key, Message.of(action)))
         elif op in RECV_OPS and kept:
-            assert action.peer is not None
-            self.recvs[(CHANNEL_OF[op], action.peer, rank)].append(
-                (key, (action.stage, action.micro, op), len(self.entries[rank]) - 1))
+            self.recvs[Channel.of(action, rank)].append(
+                (key, Message.of(action), len(self.entries[rank]) - 1))
 
     def gap_at(self, rank: int, time: float) -> int:
         """Gap before the first compute on ``rank`` that starts at or after ``time``."""
@@ -123,9 +118,9 @@ class Builder:
         smaller of its own key and the key of the receive after it, so posts only move earlier.
         """
         second = itemgetter(1)
-        for (channel, src, dst), sent in self.sends.items():
+        for channel, sent in self.sends.items():
             sent.sort()  # keys are unique: send order on the channel
-            posts = sorted(self.recvs.get((channel, src, dst), ()))  # post order
+            posts = sorted(self.recvs.get(channel, ()))  # post order
             if list(map(second, sent)) == list(map(second, posts)):
                 continue  # the usual case: already in the same order, no post moves
             matched: list[int | None]
@@ -138,7 +133,7 @@ class Builder:
                     waiting[ident].append(index)  # pop() yields the earliest post first
                 matched = [waiting[ident].pop() if waiting[ident] else None
                            for _, ident in sent]
-            entries = self.entries[dst]
+            entries = self.entries[channel.dst]
             running: Key | None = None
             for position in reversed(range(len(matched))):
                 recv_index = matched[position]

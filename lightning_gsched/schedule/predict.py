@@ -61,7 +61,7 @@ from lightning_gsched.schedule.consumption import (
 )
 from lightning_gsched.schedule.jobs import Job, Phase
 from lightning_gsched.schedule.memory import ModelSizes
-from lightning_gsched.schedule.program import OPS, Action, Op
+from lightning_gsched.schedule.program import Action, Message, Op
 from lightning_gsched.schedule.runtime_costs import ZERO_COSTS, RuntimeCosts
 from lightning_gsched.schedule.walk import Walker
 
@@ -80,10 +80,10 @@ class StepPrediction:
         return 1 - self.compute_only / self.latency if self.latency else 0.0
 
 
-# A message's identity, the same on both ends: (send op, stage, micro, src, dst, occurrence).
-# The k-th send of a key matches the k-th receive of it (channels are FIFO per (src, dst)).
-MessageKey = tuple[Op, int, int | None, int, int, int]
-_SEND_OF_PHASE = {Phase.F: Op.SEND_ACT, Phase.B: Op.SEND_GRAD}
+# A message's identity, the same on both ends: (message, src, dst, occurrence). The k-th send
+# of a key matches the k-th receive of it (channels are FIFO per (src, dst)).
+MessageKey = tuple[Message, int, int, int]
+_RECV_OF_PHASE = {Phase.F: Op.RECV_ACT, Phase.B: Op.RECV_GRAD}
 _PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
 _FETCHES = frozenset(FETCH_OF_FREE.values())
 _GRAD_RECVS = {recv: op for op, recv in RECEIVE_OF_COLLECTIVE.items()}  # -> what consumes them
@@ -103,34 +103,34 @@ class _Charges:
         out = [st[s].message if st else 0 for s in range(S)]
         grad_in = [max((out[p] for p in rules.act_from[s]), default=0) for s in range(S)]
         self.costs = costs
-        # bytes of one message sent by op for a stage
+        # bytes of one message (named by the receive that posts it) for a stage
         self._bytes: dict[Op, list[int]] = {
-            Op.SEND_ACT: out,
-            Op.SEND_GRAD: grad_in,
-            Op.SEND_W: [st[s].params if st else 0 for s in range(S)],
-            Op.REDUCE_G: [st[s].grads if st else 0 for s in range(S)],
+            Op.RECV_ACT: out,
+            Op.RECV_GRAD: grad_in,
+            Op.FETCH_W: [st[s].params if st else 0 for s in range(S)],
+            Op.RECV_G: [st[s].grads if st else 0 for s in range(S)],
             # a tie is named by its home stage
-            Op.SEND_T: [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
-            Op.REDUCE_T: [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
+            Op.FETCH_T: [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
+            Op.RECV_T: [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
         }
         self._flight = {op: [costs.message_time(b) for b in sizes_]
                         for op, sizes_ in self._bytes.items()}
         self._send = {op: [costs.send_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
         self._recv = {op: [costs.recv_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
-        self._grads = {Op.ALLREDUCE_G: self._bytes[Op.REDUCE_G],
-                       Op.ALLREDUCE_T: self._bytes[Op.REDUCE_T]}
+        self._grads = {Op.ALLREDUCE_G: self._bytes[Op.RECV_G],
+                       Op.ALLREDUCE_T: self._bytes[Op.RECV_T]}
 
-    def flight(self, op: Op, stage: int) -> float:
-        """Seconds a message sent by ``op`` for ``stage`` is in flight."""
-        return self._flight[op][stage]
+    def flight(self, message: Message) -> float:
+        """Seconds ``message`` is in flight."""
+        return self._flight[message.op][message.stage]
 
-    def send_cpu(self, op: Op, stage: int) -> float:
-        """The sender's CPU seconds for that message."""
-        return self._send[op][stage]
+    def send_cpu(self, message: Message) -> float:
+        """The sender's CPU seconds for ``message``."""
+        return self._send[message.op][message.stage]
 
-    def recv_cpu(self, op: Op, stage: int) -> float:
-        """The receiver's CPU seconds for that message."""
-        return self._recv[op][stage]
+    def recv_cpu(self, message: Message) -> float:
+        """The receiver's CPU seconds for ``message``."""
+        return self._recv[message.op][message.stage]
 
     def allreduce(self, op: Op, stage: int, members: int) -> float:
         """Seconds of ``ALLREDUCE_G`` of a stage or ``ALLREDUCE_T`` of a tie among members."""
@@ -160,18 +160,18 @@ class _Replay:
 
     # ------------------------------------------------------------------ messages
 
-    def _key(self, side: str, op: Op, stage: int, micro: int | None, src: int, dst: int
-             ) -> MessageKey:
-        """The next occurrence of this message on ``side`` ("send" / "recv")."""
-        base = (side, op, stage, micro, src, dst)
+    def _key(self, side: str, message: Message, src: int, dst: int) -> MessageKey:
+        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side`` ("send" /
+        "recv")."""
+        base = (side, message, src, dst)
         k = self._occurrences.get(base, 0)
         self._occurrences[base] = k + 1
-        return (op, stage, micro, src, dst, k)
+        return (message, src, dst, k)
 
     def arrival(self, key: MessageKey) -> float:
         """When the bytes are at the receiver (both ends known)."""
         start = max(self.sent[key], self.posted.get(key, 0.0))
-        return start + self.charges.flight(key[0], key[1])
+        return start + self.charges.flight(key[0])
 
     def _consume(self, at: float, keys: Sequence[MessageKey]) -> float | MessageKey:
         """``at`` after waiting for ``keys`` and paying each one's receive CPU; or the first
@@ -180,7 +180,7 @@ class _Replay:
             if key not in self.sent:
                 return key
         for key in sorted(keys, key=self.arrival):
-            at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0], key[1])
+            at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0])
         return at
 
     # ------------------------------------------------------------------ walk handler
@@ -197,7 +197,8 @@ class _Replay:
             if pw == w:
                 ready = max(ready, end)
             else:
-                messages.append((_SEND_OF_PHASE[pred.phase], pred.stage, pred.micro, pw, w, 0))
+                messages.append((Message(_RECV_OF_PHASE[pred.phase], pred.stage, pred.micro),
+                                 pw, w, 0))
         needed = self.rules.units_read[a.stage]
         fetching = self.fetching[w]
         messages += [fetching[n] for n in needed if n in fetching]
@@ -214,18 +215,16 @@ class _Replay:
 
     def send(self, w: int, a: Action) -> Hashable | None:
         assert a.peer is not None
-        key = self._key("send", a.op, a.stage, a.micro, w, a.peer)
+        key = self._key("send", Message.of(a), w, a.peer)
         self.sent[key] = self.clock[w] + self.cpu.send_cpu  # leaves; its bytes flow as written
-        self.clock[w] += self.charges.send_cpu(a.op, a.stage)
+        self.clock[w] += self.charges.send_cpu(key[0])
         self.sends_of[w].append(key)
         self.walker.wake(key)
         return None
 
     def recv(self, w: int, a: Action) -> Hashable | None:
         assert a.peer is not None
-        send_op = OPS[a.op].matches
-        assert send_op is not None
-        key = self._key("recv", send_op, a.stage, a.micro, a.peer, w)
+        key = self._key("recv", Message.of(a), a.peer, w)
         self.posted[key] = self.clock[w]
         if a.op in _FETCHES:
             self.fetching[w][(a.op, a.stage)] = key

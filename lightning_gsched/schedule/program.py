@@ -47,9 +47,12 @@ releases, which op ends the stash) is written once as well, in :mod:`.consumptio
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple, Sequence
+
+from lightning_gsched.errors import ProgramError
 
 
 class Op(str, Enum):
@@ -247,6 +250,92 @@ class Action(NamedTuple):
             int(match["peer"]) if match["peer"] is not None else None,
             tuple(int(r) for r in group.split(",") if r) if group is not None else None,
         )
+
+
+class Message(NamedTuple):
+    """What one message carries, named alike at its send and its receive: the receive op that
+    posts it, the stage (a tie's home stage) and the microbatch (None for weights and
+    gradients of a whole unit). The lowering, the dry run, the proof, the cost replay and the
+    runtime all name messages so."""
+
+    op: Op
+    stage: int
+    micro: int | None
+
+    @classmethod
+    def of(cls, action: Action) -> Message:
+        """The message a send or a receive action carries."""
+        return cls(RECV_FOR_SEND.get(action.op, action.op), action.stage, action.micro)
+
+
+SEND_FOR_RECV = {recv: send for send, recv in RECV_FOR_SEND.items()}
+# channel kinds as small ints (for channel numbers: :meth:`Channel.number`)
+CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_OF.values()))}
+
+
+class Channel(NamedTuple):
+    """One direction of one kind of traffic between two ranks: its messages arrive in the order
+    they are sent (FIFO), so every receive must be posted in that order."""
+
+    kind: str
+    src: int
+    dst: int
+
+    @classmethod
+    def of(cls, action: Action, rank: int) -> Channel:
+        """The channel ``rank``'s send or receive ``action`` uses."""
+        assert action.peer is not None
+        kind = CHANNEL_OF[action.op]
+        return cls(kind, rank, action.peer) if action.op in SEND_OPS else \
+            cls(kind, action.peer, rank)
+
+    def number(self, world: int) -> int:
+        """A dense int for the channel among ``world`` ranks (``channel_bases``' numbering)."""
+        return CHANNEL_KINDS[self.kind] * world * world + self.src * world + self.dst
+
+    @classmethod
+    def numbered(cls, number: int, world: int) -> Channel:
+        """The channel of a :meth:`number`."""
+        kind, rest = divmod(number, world * world)
+        src, dst = divmod(rest, world)
+        return cls(next(k for k, i in CHANNEL_KINDS.items() if i == kind), src, dst)
+
+    def __str__(self) -> str:
+        return f"{self.kind} channel {self.src}->{self.dst}"
+
+
+def channel_bases(world: int) -> dict[Op, int]:
+    """Per send or receive op, the number of its channel kind's channel 0->0: a hot loop's
+    ``base[op] + src * world + dst`` is :meth:`Channel.number`."""
+    return {op: CHANNEL_KINDS[kind] * world * world for op, kind in CHANNEL_OF.items()}
+
+
+def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Message]) -> None:
+    """The one matching rule: a channel's sends and posts carry the same messages in the same
+    order. Raises :class:`ProgramError` naming the first message sent and never posted (or
+    posted and never sent), else the first out of order."""
+    if list(sent) == list(posted):
+        return
+    kind, src, dst = channel
+
+    def send(message: Message) -> Action:
+        return Action(SEND_FOR_RECV[message.op], message.stage, message.micro, dst)
+
+    def post(message: Message) -> Action:
+        return Action(message.op, message.stage, message.micro, src)
+
+    unmatched = Counter(sent)
+    unmatched.subtract(posted)
+    for message, extra in unmatched.items():
+        if extra > 0:
+            raise ProgramError(f"{channel}: rank {src} runs '{send(message)}' but rank {dst} "
+                               "never receives it")
+        if extra < 0:
+            raise ProgramError(f"{channel}: rank {dst} posts '{post(message)}' but rank {src} "
+                               "never sends it")
+    k = next(k for k, (a, b) in enumerate(zip(sent, posted, strict=True)) if a != b)
+    raise ProgramError(f"{channel} is out of order at message {k}: rank {src} sends "
+                       f"'{send(sent[k])}' but rank {dst} posts '{post(posted[k])}'")
 
 
 _PATTERN = re.compile(

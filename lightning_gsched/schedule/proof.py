@@ -94,16 +94,18 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule.dryrun_rank import CHANNEL_KINDS, Shared, check_rank
+from lightning_gsched.schedule.dryrun_rank import Shared, check_rank
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lower import Lowering
-from lightning_gsched.schedule.lower_build import Message
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
     Action,
+    Channel,
+    Message,
     Op,
     Programs,
+    check_channel,
 )
 from lightning_gsched.schedule.simulate import Timeline
 from lightning_gsched.schedule.sweep import WorkerOrders
@@ -272,26 +274,18 @@ def _check_allreduce(rank: int, program: list[Action], index: int, consumed: lis
 
 
 def _check_channels_into(
-    rank: int, W: int, shared: Shared,
-    sends: dict[tuple[str, int, int], list[tuple[Message, int]]],
+    rank: int, W: int, shared: Shared, sends: dict[Channel, list[tuple[Message, int]]],
 ) -> dict[int, list[tuple[int, int]]]:
-    """The rank's posts on every channel into it carry the messages sent on it, in order;
-    returns per channel id (the dry run's) each send's (sender, gap in the sender's program)."""
-    posted = {channel: [(a[0], a[1], a[2]) for a in actions]
-              for channel, actions in shared.posted.items()}
-    kind_base = {kind: index * W * W for kind, index in CHANNEL_KINDS.items()}
-    sent: dict[int, list[tuple[Op, int, int | None]]] = {}
+    """The rank's posts on every channel into it carry the messages sent on it, in order
+    (:func:`.program.check_channel`); returns per channel number (the dry run's) each send's
+    (sender, gap in the sender's program)."""
     where: dict[int, list[tuple[int, int]]] = {}
-    for (kind, src, dst), messages in sends.items():
+    channels = {channel.number(W): channel for channel in sends if sends[channel]}
+    channels.update((number, Channel.numbered(number, W)) for number in shared.posted)
+    for number, channel in channels.items():
+        messages = sends.get(channel, [])
+        check_channel(channel, [message for message, _ in messages],
+                      [Message.of(action) for action in shared.posted.get(number, ())])
         if messages:
-            channel = kind_base[kind] + src * W + dst
-            sent[channel] = [(op, s, b) for (s, b, op), _ in messages]
-            where[channel] = [(src, gap) for _, gap in messages]
-    for channel in set(posted) | set(sent):
-        if posted.get(channel, []) != sent.get(channel, []):
-            kind = next(k for k, base in kind_base.items() if base <= channel < base + W * W)
-            src = (channel - kind_base[kind]) // W
-            raise ProgramError(
-                f"{kind} channel {src}->{rank}: rank {src} sends {sent.get(channel, [])[:4]}... "
-                f"but rank {rank} posts {posted.get(channel, [])[:4]}... (in order)")
+            where[number] = [(channel.src, gap) for _, gap in messages]
     return where
