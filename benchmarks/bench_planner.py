@@ -72,7 +72,7 @@ PHASES = {
     # ranks for a simulation job by job, or the keys of a pipeline's sweep (sweep.py)
     "priorities": ((_SYMMETRY_MODULE, "priority_ranks"), (_SYMMETRY_MODULE, "order_keys")),
     # the bisection, including the chosen cap's simulation
-    "auto_cap": ((_PLAN_MODULE, "_auto_cap_timeline"),),
+    "auto_cap": ((_PLAN_MODULE, "auto_cap_timeline"),),
     "simulate": ((_SYMMETRY_MODULE, "simulate"), (_PLAN_MODULE, "simulate"),
                  (_SYMMETRY_MODULE, "simulate_sweep")),
     "lower": ((_PLAN_MODULE, "lower"),),

@@ -38,8 +38,9 @@ from lightning_gsched.runtime.footprint import (
 from lightning_gsched.runtime.split_backward import backward_input
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.library import LIBRARY
-from lightning_gsched.schedule.memory import predict_memory, uniform_sizes
+from lightning_gsched.schedule.memory import predict_memory
 from lightning_gsched.schedule.program import Op
+from sizes import uniform_sizes
 from test_runtime_schedules import build, calls, global_batch, make_loss
 
 SCHEDULES = list(LIBRARY)

@@ -14,7 +14,7 @@ from lightning_gsched.errors import ProgramError, RuntimeConfigError
 from lightning_gsched.runtime import stage_micros
 from lightning_gsched.runtime.layout import check_forward_programs
 from lightning_gsched.schedule import LIBRARY, Op, Phase, Programs, StageGraph, dry_run, plan
-from lightning_gsched.schedule.program import BACKWARD_OPS, FORWARD_ONLY_OPS
+from lightning_gsched.schedule.program import BACKWARD_OPS, COMPUTE_OPS, FORWARD_ONLY_OPS
 from test_schedule_properties import configs
 
 ZERO_IN_FORWARD = ["input_grad_recvs", "input_grad_sends", "grad_sends", "grad_recvs",
@@ -45,7 +45,7 @@ def check_forward_only_plan(result, train_owners) -> None:
     # programs: only forward-only ops, the timeline's compute order, dry run passes
     for w, program in enumerate(result.programs.ranks):
         assert {a.op for a in program} <= FORWARD_ONLY_OPS, program
-        computes = [(a.stage, a.micro) for a in program if a.is_compute]
+        computes = [(a.stage, a.micro) for a in program if a.op in COMPUTE_OPS]
         assert computes == [(x.job.stage, x.job.micro) for x in result.timeline.by_worker[w]]
     dry_run(result.programs)
     # metrics: no backward traffic, activations as the placement implies

@@ -20,9 +20,10 @@ from lightning_gsched.errors import ProgramError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Op, plan
 from lightning_gsched.schedule.describe import describe, plan_command
 from lightning_gsched.schedule.dryrun import dry_run
-from lightning_gsched.schedule.memory import predict_memory, resident_bytes, uniform_sizes
+from lightning_gsched.schedule.memory import predict_memory, resident_bytes
 from lightning_gsched.schedule.predict import predict_step_time
-from lightning_gsched.schedule.program import Action, Programs
+from lightning_gsched.schedule.program import COMPUTE_OPS, Action, Programs
+from sizes import uniform_sizes
 
 TIE_FIELDS = ("tie_fetches", "tie_serves", "tie_grad_sends", "tie_grad_recvs", "tie_allreduces")
 
@@ -67,8 +68,8 @@ def test_gpipe_four_stages_tied_ends():
     rank3 = [str(a) for a in p.programs.ranks[3] if a.op.value.endswith("_T")]
     assert rank3 == ["FETCH_T s0 <-0", "REDUCE_T s0 ->0", "FREE_T s0"]
     program = p.programs.ranks[3]
-    first_compute = next(i for i, a in enumerate(program) if a.is_compute)
-    last_compute = max(i for i, a in enumerate(program) if a.is_compute)
+    first_compute = next(i for i, a in enumerate(program) if a.op in COMPUTE_OPS)
+    last_compute = max(i for i, a in enumerate(program) if a.op in COMPUTE_OPS)
     assert program.index(Action.parse("FETCH_T s0 <-0")) < first_compute  # held all step
     assert program.index(Action.parse("FREE_T s0")) > last_compute
 

@@ -5,9 +5,8 @@ meta tensors, and on the meta device ``F.scaled_dot_product_attention`` has no f
 choose, so it decomposes into the math path, which saves the whole ``T x T`` attention matrix
 of every head for the backward. On CPU and CUDA the same call runs a fused kernel (flash or
 memory-efficient attention) that saves only the query, key, value, output and the
-log-sum-exp rows. Measured on a GPT with 16 heads and 256 positions (H200, 2026-11-26), the
-meta sizing predicted 25% more activation bytes than the same model sized on real tensors,
-and the CUDA allocator agreed with the real-tensor figure.
+log-sum-exp rows, so meta sizing without this overcounts activation bytes
+(docs/benchmarks.md, "Measurements behind design choices").
 
 :func:`fused_attention_on_meta` routes such calls on meta tensors to torch's fused CPU kernel,
 whose meta implementation and autograd formula save exactly what the fused kernels save, so

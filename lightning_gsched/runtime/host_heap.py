@@ -11,14 +11,13 @@ and varied from run to run.
 ``malloc_trim(0)`` at the start of every step returns the free pages (top of the heap and
 whole free pages inside it) without changing the allocator's policy, so the rank's resident
 set starts each step at its live tensors. It costs page faults when the next step reuses
-those pages: 0-5% of the step in a memory-bound single-process Adam loop over 128 MiB of
-parameters (alternated rounds, 2026-11-25), against 15-25% for fixing the mmap threshold
-(``mallopt(M_MMAP_THRESHOLD)``), which would also return memory inside a step. Users who
+those pages, far less than fixing the mmap threshold (``mallopt(M_MMAP_THRESHOLD)``), which
+would also return memory inside a step (figures: docs/benchmarks.md, "Measurements behind
+design choices"). Users who
 want that stricter policy set glibc's own variable (``MALLOC_MMAP_THRESHOLD_=1048576``).
 
-On a small model whose step allocates many small activations the same trim cost 15% of the
-step (the benchmark GPT built with weights: ``single_process_overhead`` 1.00 without it, 1.16
-with it, ``ddp_vs_lightning`` 1.03 against 1.18; 2026-11-26). So the runtime trims at every
+On a small model whose step allocates many small activations the same trim costs a sizeable
+share of the step (the benchmark GPT built with weights). So the runtime trims at every
 step only where memory is the constraint: ``ModelRuntime.release_heap_each_step``, which the
 engine sets for a model built without weights (the large-model path, docs/memory.md); the
 one trim after the stage buffers are built always runs.

@@ -135,6 +135,3 @@ class OpRules:
         a split ``B``, after which it holds what ``W`` needs (module docstring)."""
         return op is Op.B and self.split_backward and not self.forward_only
 
-    def releases_stash(self, op: Op) -> bool:
-        """Whether ``op`` ends the stash of its (stage, microbatch)."""
-        return op is self.weight_grad_op

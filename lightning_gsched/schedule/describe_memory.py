@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from lightning_gsched.schedule.describe import byte_text
+from lightning_gsched.schedule.describe import byte_text, span
 from lightning_gsched.schedule.memory import CATEGORIES, RankMemory
 
 
 def _span(values: Sequence[float]) -> str:
-    low, high = min(values), max(values)
-    return byte_text(low) if low == high else f"{byte_text(low)}-{byte_text(high)}"
+    return span(values, byte_text)
 
 
 def predicted_text(memories: Sequence[RankMemory]) -> str:

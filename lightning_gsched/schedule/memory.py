@@ -403,20 +403,6 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
             for rank in (range(programs.world_size) if ranks is None else ranks)]
 
 
-def uniform_sizes(stages: int, params: int, activations: int, message: int,
-                  optimizer_factor: float = 0.0,
-                  ties: Mapping[int, tuple[int, ...]] | None = None,
-                  tie_params: int = 0) -> ModelSizes:
-    """Equal stages (for planning before anything is measured, and for tests): gradients the
-    size of the weights, optimizer state ``optimizer_factor`` times the weights; every tie of
-    ``ties`` (``{home: readers}``, as ``plan().ties``) ``tie_params`` bytes, sized alike."""
-    stage = StageSizes(params, params, int(params * optimizer_factor), activations, message,
-                       inputs=message)
-    tie = {h: TieSizes(tuple(r), tie_params, tie_params, int(tie_params * optimizer_factor))
-           for h, r in (ties or {}).items()}
-    return ModelSizes(tuple(stage for _ in range(stages)), tie)
-
-
 def peaks(memories: Sequence[RankMemory]) -> list[int]:
     """The predicted peak total of every rank."""
     return [m.peak for m in memories]

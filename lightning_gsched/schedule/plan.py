@@ -39,7 +39,7 @@ from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
 from lightning_gsched.schedule.program import Action, Programs
 from lightning_gsched.schedule.proof import certify, checked_lowering
 from lightning_gsched.schedule.replicas import ReplicaLayout
-from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
+from lightning_gsched.schedule.simulate import Costs, Timeline
 from lightning_gsched.schedule.symmetry import make_simulator
 
 # Plans with this many jobs lower each rank's program on demand (and, verified, prove deadlock
@@ -55,9 +55,8 @@ def _gc_paused() -> Iterator[None]:
 
     A large plan allocates ~10^5 small acyclic tuples; generational collections triggered by
     those allocations can never free anything here and each full one also walks every object
-    the process holds. Measured (issue 26, 2-core CPU, best of 2): fslpp W=64 0.21 s paused vs
-    0.28 s enabled, fsdp W=128 0.76 vs 1.34 s; with torch and Lightning imported, as on a
-    training rank, 0.21 vs 0.46 s and 0.85 vs 1.81 s. So it stays, although the switch is
+    the process holds (how much that costs: docs/benchmarks.md, "Measurements behind design
+    choices"). So it stays, although the switch is
     process-wide (CPython has no per-thread collector): while a plan is built, other threads'
     cyclic garbage waits (it is collected once the pause ends; nothing is lost), and a
     collector the caller had disabled stays disabled. Two threads planning at once may
@@ -410,7 +409,7 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
     run = make_simulator(graph, table, placement_fn, priority_fn, costs)
     timeline: Timeline | None = None
     if cap_spec == "auto":
-        caps, timeline = _auto_cap_timeline(run, table)
+        caps, timeline = auto_cap_timeline(run, table)
     elif isinstance(cap_spec, str):
         raise ScheduleConfigError(f"cap {cap_spec!r} is not understood; use an int, a list, None or 'auto'")
     else:
@@ -419,7 +418,7 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
         try:
             timeline = run(caps)
         except CapTooSmallError as exc:
-            smallest = _smallest_feasible_cap(run, table)
+            smallest = smallest_feasible_cap(run, table)
             if not default_cap:
                 raise CapTooSmallError(
                     f"{exc} (the smallest uniform cap that completes this schedule is {smallest})"
@@ -499,16 +498,10 @@ def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> 
     return _bisect(guess + 1, high, ok)
 
 
-def smallest_feasible_cap(
-    graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
-) -> int:
-    """Smallest uniform cap with which the greedy schedule completes (bisection)."""
-    return _smallest_feasible_cap(lambda caps: simulate(graph, table, ranks, costs, caps), table)
-
-
-def _smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
+def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
                            table: PlacementTable) -> int:
-    """:func:`smallest_feasible_cap` with ``run(caps)`` simulating (by symmetry or in full)."""
+    """The smallest uniform cap with which the greedy schedule completes (bisection);
+    ``run(caps)`` simulates (by symmetry, a sweep or in full: ``symmetry.make_simulator``)."""
 
     def completes(c: int) -> bool:
         try:
@@ -520,27 +513,11 @@ def _smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
     return _bisect(1, max(1, max(_jobs_per_worker(table))), completes)
 
 
-def auto_cap(
-    graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
-) -> list[int | None]:
-    """Smallest uniform cap whose latency equals the uncapped latency (bisection)."""
-    return auto_cap_timeline(graph, table, ranks, costs)[0]
-
-
-def auto_cap_timeline(
-    graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs
-) -> tuple[list[int | None], Timeline]:
-    """:func:`auto_cap` and the timeline simulated with that cap.
-
-    The bisection already simulated the chosen cap (the last cap that kept the latency), so the
-    planner takes that timeline instead of simulating it once more.
-    """
-    return _auto_cap_timeline(lambda caps: simulate(graph, table, ranks, costs, caps), table)
-
-
-def _auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
+def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
                        table: PlacementTable) -> tuple[list[int | None], Timeline]:
-    """:func:`auto_cap_timeline` with ``run(caps)`` simulating (by symmetry or in full)."""
+    """The smallest uniform cap whose latency equals the uncapped latency (bisection), and the
+    timeline simulated with it (the bisection already simulated it: the last cap that kept the
+    latency); ``run(caps)`` simulates as for :func:`smallest_feasible_cap`."""
     W = table.workers
     target = run([None] * W).latency
     kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline

@@ -74,11 +74,6 @@ class StepPrediction:
     compute_only: float  # the plan's own latency (every communication cost 0)
     worker_end: tuple[float, ...]  # per worker: the end of its step
 
-    @property
-    def communication_share(self) -> float:
-        """Fraction of the predicted step added by communication and the runtime's work."""
-        return 1 - self.compute_only / self.latency if self.latency else 0.0
-
 
 # A message's identity, the same on both ends: (message, src, dst, occurrence). The k-th send
 # of a key matches the k-th receive of it (channels are FIFO per (src, dst)).

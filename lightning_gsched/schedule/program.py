@@ -231,10 +231,6 @@ class Action(NamedTuple):
             text += " [" + ",".join(str(r) for r in self.group) + "]"
         return text
 
-    @property
-    def is_compute(self) -> bool:
-        return self.op in COMPUTE_OPS
-
     @classmethod
     def parse(cls, text: str) -> "Action":
         """Inverse of ``str(action)``."""

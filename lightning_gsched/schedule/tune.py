@@ -20,9 +20,8 @@ gradients and optimizer state do not change), and compute times affinely: each j
 ``fixed_share`` of its profiled time (per stage, forward and backward; what does not shrink
 with the rows: per-op dispatch, autograd set-up) stays, the rest scales with the rows.
 Linear scaling alone (``fixed_share`` None or 0) scales the fixed costs too, so it is
-optimistic for microbatches smaller than the profile's: on the benchmark GPT (W=2, 16 rows,
-profiled at 4 rows, 2026-11-25, shared machine) candidates of B=8 (2 rows) ran at 2.2-2.9x
-their prediction, those of B=2 and 4 at 1.7-1.9x, and the tuner preferred B=8.
+optimistic for microbatches smaller than the profile's: it made the tuner prefer the smallest
+microbatches on the benchmark GPT (docs/benchmarks.md, "Measurements behind design choices").
 
 Checkpointing (``plan(checkpoint_activations=True)``, every stage) keeps only each stage's inputs
 between F and B and recomputes the forward at B: the planner charges the recompute to B, and the
