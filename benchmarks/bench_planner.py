@@ -73,8 +73,7 @@ PHASES = {
     "priorities": ((_SYMMETRY_MODULE, "priority_ranks"), (_SYMMETRY_MODULE, "order_keys")),
     # the bisection, including the chosen cap's simulation
     "auto_cap": ((_PLAN_MODULE, "auto_cap_timeline"),),
-    "simulate": ((_SYMMETRY_MODULE, "simulate"), (_PLAN_MODULE, "simulate"),
-                 (_SYMMETRY_MODULE, "simulate_sweep")),
+    "simulate": ((_SYMMETRY_MODULE, "simulate"), (_SYMMETRY_MODULE, "simulate_sweep")),
     "lower": ((_PLAN_MODULE, "lower"),),
     "dry_run": ((_PLAN_MODULE, "dry_run"),),
     "measure": ((_PLAN_MODULE, "measure"),),
