@@ -160,6 +160,21 @@ def load(path: Any, module: Any = None, optimizers: Any = None) -> dict[str, Any
     return {**meta["rest"], "state_dict": state_dict, "optimizer_states": optimizer_states}
 
 
+def saved_model_entries(path: Any) -> dict[str, torch.Tensor]:
+    """The model entries of a sharded directory as meta tensors of their saved shapes.
+
+    Why: a model built without weights reads the directory's tensors only at the build, but
+    Lightning restores the optimizers' param groups before it, so another model's directory
+    would fail there in torch's own words. The index (``.metadata``) holds every key's shape,
+    so the directory can be checked against the model (``ckpt_check.mismatch``) when it is
+    given, reading no tensor."""
+    layout = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype,
+                                             device="meta")
+            for key, m in layout.items()
+            if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+
+
 def load_deferred(path: Any) -> tuple[dict[str, Any], DeferredRestore]:
     """A sharded directory for a model built without weights: the checkpoint without its
     tensors now (optimizers get their param groups only), and the tensors at the build, where

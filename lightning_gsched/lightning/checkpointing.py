@@ -17,6 +17,7 @@ run), read afresh each time because Lightning and the tests change it between ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -144,7 +145,8 @@ class TrainerCheckpoints:
         """``load_checkpoint``: read ``ckpt_path`` on every rank; a truncated, foreign or
         incomplete checkpoint raises the same CheckpointError on every rank (``ckpt_check``),
         never a hang. A model built without weights gets a sharded directory's tensors at the
-        build instead, each rank only its own (``deferred_restore``), and a local full file
+        build instead, each rank only its own (``deferred_restore``; the directory is checked
+        against the model now, by the shapes in its index), and a local full file
         memory-mapped. ``read_default()``: Lightning's own reading."""
         self.restore = None
         deferred_sharded = sharded.is_sharded_checkpoint(checkpoint_path) and ctx.deferred
@@ -161,9 +163,10 @@ class TrainerCheckpoints:
                 return load_mapped(checkpoint_path, weights_only)
             return read_default()
 
-        # a deferred sharded read holds no tensors yet: the build checks its entries
-        module = None if deferred_sharded else ctx.module
-        return ckpt_check.load_checked(checkpoint_path, read, module, timeout=timeout)
+        # a deferred sharded read holds no tensors yet: checked by the shapes in its index
+        check = partial(_index_mismatch, checkpoint_path, ctx.module) if deferred_sharded else None
+        return ckpt_check.load_checked(checkpoint_path, read, ctx.module, timeout=timeout,
+                                       check=check)
 
     def load_model_state(self, ctx: SaveContext, checkpoint: Mapping[str, Any],
                          strict: bool) -> None:
@@ -246,6 +249,14 @@ def writes_locally(checkpoint_io: Any, filepath: Any, storage_options: Any) -> b
 def unwrap(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _index_mismatch(path: Any, module: Any, checkpoint: Any) -> str | None:
+    """What makes a sharded directory read without its tensors (for a model built without
+    weights) another model's: the shapes in its index against the module's (None: nothing).
+    Checked when ``ckpt_path`` is given, before Lightning restores the optimizers' param
+    groups, which would otherwise fail in torch's words on another model's directory."""
+    return ckpt_check.mismatch(f"ckpt_path {path}", sharded.saved_model_entries(path), module)
 
 
 def _sharded_writer(ctx: SaveContext) -> Callable[[str], bool]:
