@@ -25,6 +25,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,8 +58,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def strict_warnings() -> None:
+    """A deprecation that the library's own code triggers is an error, in every process a test
+    runs (pyproject.toml sets the same filters for pytest's own process): the library must not
+    call what torch or Lightning are about to remove."""
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("error", category=category, module="lightning_gsched")
+
+
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    strict_warnings()
     import torch
     import torch.distributed as dist
 
