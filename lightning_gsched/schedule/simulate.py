@@ -23,10 +23,10 @@ from typing import Callable, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.priorities import inverse
+from lightning_gsched.schedule.replicas import ReplicaLayout
 
 
 @dataclass(frozen=True)
