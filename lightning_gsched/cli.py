@@ -21,11 +21,20 @@ from typing import Any, Callable, Sequence
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.arguments import CAP_WORDS, ScheduleArguments
-from lightning_gsched.schedule.describe import MAX_ROWS, describe, text_table
-from lightning_gsched.schedule.library import resolve_shape
+from lightning_gsched.schedule.data_parallel import ALREADY_DATA_PARALLEL, MODES
+from lightning_gsched.schedule.describe import (
+    EVERY_WORKER_HINT,
+    MAX_ROWS,
+    describe,
+    hidden_workers,
+    listed_workers,
+    micro_text,
+    text_table,
+    workers_text,
+)
 from lightning_gsched.schedule.memory import resident_bytes
 from lightning_gsched.schedule.orders import ORDER_NAMES
-from lightning_gsched.schedule.plan import plan_arguments
+from lightning_gsched.schedule.plan import plan_arguments, resolve_arguments
 from lightning_gsched.schedule.render import ascii_timeline, save_png
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS
 
@@ -84,12 +93,14 @@ def _stage_list(text: str) -> list[int]:
     return stages
 
 
-def _checkpoint_activations(args: argparse.Namespace) -> bool | list[bool]:
-    """``--checkpoint-activations`` or ``--checkpoint-stages`` as plan()'s argument."""
+def _checkpoint_activations(args: argparse.Namespace, arguments: ScheduleArguments
+                            ) -> bool | list[bool]:
+    """``--checkpoint-activations`` or ``--checkpoint-stages`` as plan()'s argument; the
+    stages named are checked against the S ``arguments`` resolve to (plan()'s own
+    resolution: a replica's default S with ``--dp``)."""
     if args.checkpoint_stages is None:
         return bool(args.checkpoint_activations)
-    stages, _, _ = resolve_shape(args.schedule, args.workers, args.stages, args.microbatches,
-                                 args.R)
+    stages = resolve_arguments(arguments, args.workers)[0]
     beyond = [s for s in args.checkpoint_stages if s >= stages]
     if beyond:
         raise ScheduleConfigError(
@@ -145,22 +156,41 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-cost", type=_cost("weight_cost"), default=None, help="W duration (schedules with a split backward: zb-h1, zb-h2, zbv); default: half of --backward-cost, the other half going to B")
 
 
+def data_parallel_options(parser: argparse.ArgumentParser) -> None:
+    """``--data-parallel-size``/``--dp`` and ``--data-parallel``: G replicas of the schedule,
+    each on P = W / G workers (plan(), GeneralParallel and the configs take the same two)."""
+    parser.add_argument("--dp", "--data-parallel-size", dest="data_parallel_size",
+                        type=_count("data_parallel_size", "2"), default=1, metavar="G",
+                        help="G data-parallel replicas of the schedule, each on P = W / G "
+                             "workers (rank p*G + g is pipeline position p of replica g); "
+                             "-s, -b, --R and --cap are one replica's. Default 1. Not with "
+                             f"{' or '.join(ALREADY_DATA_PARALLEL)} (data parallel already)")
+    parser.add_argument("--data-parallel", choices=MODES, default="replicate",
+                        help="with --dp G > 1: 'replicate' (each replica holds its stages; one "
+                             "gradient all-reduce per stage over its G replicas) or 'shard' "
+                             "(each stage owned once across its column of G workers, fetched "
+                             "once per step, its gradient reduced to the owner)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gsched", description="Plan and compare lightning_gsched schedules.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="simulate one schedule; print its metrics and timeline")
     p.add_argument("schedule", help=f"one of: {', '.join(LIBRARY)}")
     _common(p)
+    data_parallel_options(p)
     p.add_argument("--order", choices=ORDER_NAMES, default=None, help="tie-break order n(s,b,d)")
     p.add_argument("--cap", type=_option(_checked_cap, _parse_cap), default="default", help="activation cap: int, list, 'auto' or 'none'")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of text: every worker's metrics and "
-                        "program (at large W this lowers every rank: slow; the text table "
-                        f"beyond {MAX_ROWS} workers computes only the rows it shows)")
+                   help="print one JSON object instead of text: the plan's shape, owners, "
+                        f"latency and per-worker metrics; up to W={MAX_ROWS} every worker's "
+                        "row, timeline slot and program, beyond only the rows the text table "
+                        "shows (\"complete\": false), unless --programs is given")
     p.add_argument("--png", metavar="FILE", default=None,
                    help="also draw the timeline to FILE (missing parent folders are created)")
     p.add_argument("--programs", action="store_true",
-                   help="also print every rank's program (lowers every rank: slow at large W)")
+                   help="also print every rank's program; with --json at any W, every "
+                        "worker's row, slot and program (lowers every rank: slow at large W)")
     ckpt = p.add_mutually_exclusive_group()
     ckpt.add_argument("--checkpoint-activations", action="store_true",
                       help="activation checkpointing on every stage: F keeps only the stage's "
@@ -182,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the cap is ignored")
     c = sub.add_parser("compare", help="the seed's Table 1 with numbers, every library schedule side by side")
     _common(c)
+    data_parallel_options(c)
     c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     _tune_parser(sub)
     return parser
@@ -271,16 +302,24 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | None,
-                 forward_cost, backward_cost, weight_cost=None) -> list[dict]:
-    rows = []
+                 forward_cost, backward_cost, weight_cost=None, data_parallel_size: int = 1,
+                 data_parallel: str = "replicate") -> list[dict]:
+    """One row per library schedule (``gsched compare``), or ``{"schedule", "error"}`` where
+    the sizes do not fit it, or ``{"schedule", "skipped"}`` for ddp and fsdp with
+    ``data_parallel_size`` > 1 (data parallel over every rank already: nothing to compose)."""
+    rows: list[dict] = []
     for name in LIBRARY:
+        if data_parallel_size > 1 and name in ALREADY_DATA_PARALLEL:
+            rows.append({"schedule": name, "skipped": "data parallel over all W ranks already"})
+            continue
         try:
             uses_R = LIBRARY[name].default_R is not None
             split = LIBRARY[name].split_backward
             result = plan(name, workers=workers, stages=stages, microbatches=micro,
                           R=R if uses_R and name != "interleaved" else None,
                           forward_cost=forward_cost, backward_cost=backward_cost,
-                          weight_cost=weight_cost if split else None)
+                          weight_cost=weight_cost if split else None,
+                          data_parallel_size=data_parallel_size, data_parallel=data_parallel)
         except GschedError as exc:
             rows.append({"schedule": name, "error": str(exc)})
             continue
@@ -298,23 +337,37 @@ def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | N
     return rows
 
 
-def _compare_text(rows: list[dict], workers: int) -> str:
+def _compare_workers(workers: int, data_parallel_size: int, data_parallel: str) -> str:
+    """``W=8``, or ``W=8 (P=4 x G=2, replicate)``: the head of ``gsched compare``'s table."""
+    if data_parallel_size == 1:
+        return f"W={workers}"
+    return (f"W={workers} (P={workers // data_parallel_size} x G={data_parallel_size}, "
+            f"{data_parallel}); B counts every replica's microbatches")
+
+
+def _compare_text(rows: list[dict], head: str) -> str:
     header = ["scheme", "S", "B", "R", "latency", "bubble", "act msgs/w", "w fetches/w",
               "g reduces/w", "act store/w", "w store/w", "owned max"]
-    table, errors = [], []
+    table, errors, skipped = [], [], []
     for r in rows:
         if "error" in r:
             errors.append(f"  {r['schedule']}: {r['error']}")
+            continue
+        if "skipped" in r:
+            skipped.append(r["schedule"])
             continue
         table.append([r["schedule"], r["stages"], r["microbatches"], r["R"] if r["R"] is not None else "-",
                       f"{r['latency']:g}", f"{r['bubble_fraction']:.1%}",
                       r["activation_msgs_per_worker"], r["weight_fetches_per_worker"],
                       r["grad_sends_per_worker"], r["activation_storage_per_worker"],
                       r["weight_storage_per_worker"], r["owned_stages_max"]])
-    text = (f"W={workers}; per-worker columns are the maximum over workers; storage counts "
+    text = (f"{head}; per-worker columns are the maximum over workers; storage counts "
             "microbatch-stages (activations) and stages (weights)\n" + text_table(table, header))
     if errors:
         text += "\nnot valid for these sizes:\n" + "\n".join(errors)
+    if skipped:
+        text += (f"\nnot run with --dp > 1: {', '.join(skipped)} (data parallel over all W "
+                 "ranks already; compare them with --dp 1)")
     return text
 
 
@@ -324,7 +377,8 @@ def _write_png(result: Plan, path: str) -> bool:
     A path that still cannot be written (a file where a folder should be, no permission) or a
     missing matplotlib is one line on stderr, not a traceback; returns False then.
     """
-    title = (f"{result.schedule}: W={result.workers} S={result.stages} B={result.micro}"
+    title = (f"{result.schedule}: {workers_text(result)} S={result.stages} "
+             f"{micro_text(result)}"
              + (" (forward only)" if result.forward_only else ""))
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -344,16 +398,28 @@ def _schedule_arguments(args: argparse.Namespace) -> ScheduleArguments:
     """``gsched plan``'s options as the one arguments type (options named as its fields)."""
     given = {name: getattr(args, name) for name in ScheduleArguments.names()
              if name not in ("checkpoint_activations", "ties") and hasattr(args, name)}
-    return ScheduleArguments(**given, checkpoint_activations=_checkpoint_activations(args),
-                             ties=args.tie)
+    arguments = ScheduleArguments(**given, ties=args.tie)
+    return arguments.replace(checkpoint_activations=_checkpoint_activations(args, arguments))
 
 
-def _plan_json(result: Plan, stage_bytes: list[int] | None) -> dict[str, Any]:
-    """``gsched plan --json``: the plan's JSON, with ``--stage-bytes`` each worker's owned and
-    peak resident bytes added to its row. Reads every rank's program (it lists them all)."""
-    out = result.to_json()
+def _plan_json(result: Plan, stage_bytes: list[int] | None, every: bool) -> dict[str, Any]:
+    """``gsched plan --json``: the plan's JSON, with ``--stage-bytes`` each listed worker's
+    owned and peak resident bytes added to its row.
+
+    Up to :data:`MAX_ROWS` workers, or with ``every`` (``--programs``), every worker's row,
+    slot and program; beyond, the rows the text table shows, each read off its own program,
+    and a note naming what is left out. Why: the rest costs every rank's lowering (over a
+    minute at W=1024) and millions of slots, while the answer's head reads neither.
+    """
+    listed = None if every else listed_workers(result.workers)
+    out = result.to_json(listed)
+    if listed is not None:
+        out["omitted"] = (f"the rows of workers {hidden_workers(result.workers)}, the timeline "
+                          f"and the programs (W > {MAX_ROWS}): {EVERY_WORKER_HINT}; it "
+                          "lowers every rank, slow at large W")
     if stage_bytes is not None:
-        held = resident_bytes(result.programs, stage_bytes)
+        ranks = [row["worker"] for row in out["per_worker"]]
+        held = resident_bytes(result.programs, stage_bytes, ranks=ranks)
         for row, h in zip(out["per_worker"], held, strict=True):
             row.update(owned_bytes=h.owned, peak_resident_bytes=h.peak)
     return out
@@ -365,9 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             result = plan_arguments(_schedule_arguments(args), args.workers,
                                     forward_only=args.forward_only)
-            # the JSON lists every worker (every program read); the text only the rows it shows
+            # JSON and text list the same rows beyond MAX_ROWS workers; --programs: every one
             text = None if args.json else describe(result, args.stage_bytes)
-            out = _plan_json(result, args.stage_bytes) if args.json else None
+            out = _plan_json(result, args.stage_bytes, args.programs) if args.json else None
             if args.png and not _write_png(result, args.png):
                 return 2
             if out is not None:
@@ -385,8 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(args)
         else:
             rows = compare_rows(args.workers, args.stages, args.microbatches, args.R,
-                                args.forward_cost, args.backward_cost, args.weight_cost)
-            print(json.dumps(rows) if args.json else _compare_text(rows, args.workers))
+                                args.forward_cost, args.backward_cost, args.weight_cost,
+                                args.data_parallel_size, args.data_parallel)
+            head = _compare_workers(args.workers, args.data_parallel_size, args.data_parallel)
+            print(json.dumps(rows) if args.json else _compare_text(rows, head))
     except GschedError as exc:
         print(f"gsched: error: {exc}", file=sys.stderr)
         return 2

@@ -237,6 +237,19 @@ def test_what_needs_the_device_count_fails_at_setup_with_a_clear_error() -> None
         failing.schedule_config.training_plan(2)
 
 
+def test_device_mesh_before_setup_says_when_it_exists() -> None:
+    """``trainer.strategy.device_mesh`` / ``fabric.strategy.device_mesh`` read too early: a
+    StrategyConfigError naming when the mesh is made (set-up, or the first batch for "auto"),
+    not Lightning's RuntimeError or an AttributeError."""
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    for strategy in (GeneralParallel("1f1b", data_parallel_size=2), GeneralParallelFabric("auto")):
+        with pytest.raises(StrategyConfigError, match=r"device_mesh is made once the processes "
+                                                      r"have started.*schedule='auto'"):
+            strategy.device_mesh  # noqa: B018  # the property's refusal is the point
+
+
 # ----------------------------------------------------------------------------- CLI
 
 CLI_CASES = [

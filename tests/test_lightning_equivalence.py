@@ -149,6 +149,101 @@ def test_data_parallel_with_activation_checkpointing_matches_single_device(world
                        "checkpointed zb-h1 2x2 shard")
 
 
+def mesh_ranks(mesh: Any) -> dict:
+    """What a check compares of a DeviceMesh: its shape and names, and the global ranks of
+    this rank's two sub-meshes, with the data-parallel one's group summing the ranks."""
+    column = mesh["data_parallel"]
+    total = torch.tensor([float(torch.distributed.get_rank())])
+    torch.distributed.all_reduce(total, group=column.get_group())
+    return {"shape": tuple(mesh.shape), "names": tuple(mesh.mesh_dim_names),
+            "data_parallel": column.mesh.tolist(), "pipeline": mesh["pipeline"].mesh.tolist(),
+            "column_sum": int(total.item())}
+
+
+def mesh_on_worker(ctx: WorkerContext, tmp: str) -> dict:
+    """The device mesh at W=4 as P=2 x G=2 (one launch, three front-end runs): a Trainer fit
+    of 1f1b (``self.device_mesh`` in the module at fit start and in the first step,
+    ``trainer.strategy.device_mesh``; the fit's weights for one-device comparison); a Fabric
+    run in shard mode (``fabric.strategy.device_mesh`` after launch, one step); a Fabric
+    ``"auto"`` run, whose mesh is refused before its first step and (W, 1) after it."""
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.errors import StrategyConfigError
+
+    as_worker(ctx.rank)
+    seen: dict[str, Any] = {}
+
+    class Record(pl.Callback):
+        def on_fit_start(self, trainer: Any, module: Any) -> None:
+            seen["fit_start"] = mesh_ranks(module.device_mesh)
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+            if index == 0:
+                seen["module"] = mesh_ranks(module.device_mesh)
+                seen["strategy"] = mesh_ranks(trainer.strategy.device_mesh)
+
+    model = make_lit_gpt(optimizer="sgd")
+    fit = trainer(ctx.world_size, GeneralParallel("1f1b", data_parallel_size=2), tmp,
+                  callbacks=[Record()], **dict(DEFAULT_FIT))
+    fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * 2 * STEPS), GLOBAL_BATCH, ctx.world_size,
+                               ctx.rank))
+    seen["state"] = state_of(model)
+    seen["fabric_shard"] = _fabric_mesh(ctx, "1f1b", data_parallel_size=2, data_parallel="shard")
+    try:
+        seen["fabric_auto"] = _fabric_mesh(ctx, "auto", stages=2, microbatches=2)
+    except StrategyConfigError as exc:
+        seen["fabric_auto"] = f"refused: {exc}"
+    return seen
+
+
+def _fabric_mesh(ctx: WorkerContext, schedule: str, **options: Any) -> dict:
+    """A Fabric run's mesh: read after launch (an undecided "auto" refuses, saying when it
+    exists), then after one step; the step's loss."""
+    from lightning_gsched.errors import StrategyConfigError
+    from test_fabric import compute_loss, global_batches, pipelined_fabric, setup, share
+
+    fabric = pipelined_fabric(ctx, schedule, options=options)
+    try:
+        before: Any = mesh_ranks(fabric.strategy.device_mesh)
+    except StrategyConfigError as exc:
+        before = f"refused: {exc}"
+    model, _ = setup(fabric)
+    batch = share(global_batches()[0], ctx.rank, ctx.world_size)
+    loss = float(fabric.strategy.step(model, batch, compute_loss))
+    after = mesh_ranks(fabric.strategy.device_mesh)
+    fabric.strategy.finish()
+    return {"before": before, "after": after, "loss": loss}
+
+
+def test_device_mesh_is_pipeline_by_data_parallel_under_trainer_and_fabric(worlds,
+                                                                           tmp_path) -> None:
+    """W=4 as P=2 x G=2: rank p*2 + g; ``mesh["data_parallel"]`` is the stage's column (the
+    ranks whose gradients are reduced together), ``mesh["pipeline"]`` the replica's ranks.
+    The Trainer fit of 1f1b at 2 x 2 also trains like one device."""
+    from test_fabric import reference as fabric_reference
+
+    results = worlds.get(4).run(mesh_on_worker, str(tmp_path))
+    want, want_log = reference("sgd")
+    assert_fit_matches([r["state"] for r in results], str(tmp_path), want, want_log,
+                       "1f1b W=4 as 2 x 2")
+    first_loss = fabric_reference()["losses"][0]
+    for rank, seen in enumerate(results):
+        p, g = divmod(rank, 2)
+        expected = {"shape": (2, 2), "names": ("pipeline", "data_parallel"),
+                    "data_parallel": [2 * p, 2 * p + 1], "pipeline": [g, 2 + g],
+                    "column_sum": 4 * p + 1}
+        assert seen["fit_start"] == seen["module"] == seen["strategy"] == expected, rank
+        shard = seen["fabric_shard"]
+        assert shard["before"] == shard["after"] == expected, rank
+        assert shard["loss"] == pytest.approx(first_loss, rel=1e-5)
+        auto = seen["fabric_auto"]
+        assert auto["before"].startswith("refused: device_mesh is made once"), auto["before"]
+        assert "at the first batch for schedule='auto'" in auto["before"]
+        assert auto["after"] == {"shape": (4, 1), "names": ("pipeline", "data_parallel"),
+                                 "data_parallel": [rank], "pipeline": [0, 1, 2, 3],
+                                 "column_sum": rank}
+        assert auto["loss"] == pytest.approx(first_loss, rel=1e-5)
+
+
 def test_fsdp_with_two_stages_per_worker_matches_single_device(worlds, tmp_path) -> None:
     """fsdp at W=2 with S=4 (the fsdp_vs_torch configuration): each rank frees a fetched stage
     after its forward and fetches it again for its backward; SGD, as above."""

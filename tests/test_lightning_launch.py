@@ -69,13 +69,17 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
         assert type(cli.trainer.strategy).__name__ == "DDPStrategy"
         return
     assert isinstance(cli.trainer.strategy, GeneralParallel)
-    assert cli.trainer.strategy.schedule_config.schedule == name
+    schedule, _, variant = name.partition("_")  # 1f1b_dp: 1f1b on a (pipeline, data) mesh
+    assert cli.trainer.strategy.schedule_config.schedule == schedule
     if name == "auto":  # decided at the first batch: no plan before it
         cli.trainer.strategy.schedule_config.check(4)
         assert not cli.trainer.strategy.schedule_config.decided
         return
     plan = cli.trainer.strategy.schedule_config.training_plan(4)  # the plan it would run
     assert plan.workers == 4
+    if variant.startswith("dp"):  # 2 replicas of a 2-worker pipeline, as the file says
+        mode = "shard" if variant == "dp_shard" else "replicate"
+        assert (plan.pipeline_size, plan.data_parallel_size, plan.data_parallel) == (2, 2, mode)
 
 
 @pytest.mark.parametrize("value, nbytes", [("20GiB", 20 * 2**30), ("512 MiB", 512 * 2**20),

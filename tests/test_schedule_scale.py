@@ -14,6 +14,7 @@ from lightning_gsched.cli import main
 from lightning_gsched.errors import PlanTooLargeError, ScheduleConfigError
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.describe import (
+    EVERY_WORKER_HINT,
     MAX_ROWS,
     SHOWN_FIRST,
     SHOWN_LAST,
@@ -134,8 +135,8 @@ def test_describe_caps_and_rows_stay_short_for_a_long_pipeline():
     assert "cap=80..1" in text.splitlines()[0]
     # 1f1b's workers all differ (peak act): the first and last ones, the gap, the note
     assert len(text.splitlines()) == 4 + SHOWN_FIRST + 1 + SHOWN_LAST + 1
-    assert text.endswith(f"... workers {SHOWN_FIRST}-{79 - SHOWN_LAST} not shown; --json or "
-                         "--programs lists every worker")
+    assert text.endswith(f"... workers {SHOWN_FIRST}-{79 - SHOWN_LAST} not shown; "
+                         f"{EVERY_WORKER_HINT}")
     assert all(len(line) < 200 for line in text.splitlines())
 
 
@@ -162,7 +163,7 @@ def test_describe_beyond_max_rows_computes_only_the_rows_it_shows(name, ties, la
     expected = worker_rows(reference, range(W), stage_bytes, tie_bytes)
     hidden = f"{SHOWN_FIRST}-{W - SHOWN_LAST - 1}"
     lines = text.splitlines()
-    assert lines[-1] == f"... workers {hidden} not shown; --json or --programs lists every worker"
+    assert lines[-1] == f"... workers {hidden} not shown; {EVERY_WORKER_HINT}"
     listed = []
     for line in lines[4:-1]:
         label, *cells = line.split()
@@ -178,8 +179,7 @@ def test_describe_beyond_max_rows_computes_only_the_rows_it_shows(name, ties, la
 def test_cli_plan_text_names_the_workers_it_does_not_show(capsys):
     assert main(["plan", "fsdp", "-w", "256"]) == 0
     out = capsys.readouterr().out
-    assert (f"... workers {SHOWN_FIRST}-{255 - SHOWN_LAST} not shown; --json or --programs "
-            "lists every worker") in out
+    assert f"... workers {SHOWN_FIRST}-{255 - SHOWN_LAST} not shown; {EVERY_WORKER_HINT}" in out
 
 
 def test_timeline_draws_the_first_workers_and_says_so():

@@ -179,6 +179,12 @@ class ScheduleConfig:
         """A schedule is known: a fixed one, or ``"auto"``'s pick."""
         return not self.is_auto or self._chosen is not None
 
+    @property
+    def data_parallel_size(self) -> int:
+        """G of the decided schedule (a fixed one, or ``"auto"``'s pick): the replicas the
+        device mesh's ``"data_parallel"`` dimension counts."""
+        return self._effective()._arguments().data_parallel_size
+
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
         resolution, :func:`~lightning_gsched.schedule.plan.resolve_arguments`; B per

@@ -38,6 +38,7 @@ from lightning_gsched.engine.logsync import (
     reduce_records,
 )
 from lightning_gsched.engine.memory_report import MemoryReport
+from lightning_gsched.engine.mesh import DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
@@ -141,6 +142,8 @@ class PipelineEngine:
     (:mod:`.control`; the Trainer strategy's); None: the default group.
     ``init_weights``: a deferred model's kept parameters are read from these safetensors files
     (runtime/pretrained.py) instead of initialised.
+    ``device_mesh``: the front end's (pipeline, data_parallel) mesh (:mod:`.mesh`); the build
+    makes it if setup could not (``"auto"``: G is the pick's). None: no mesh.
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
@@ -149,8 +152,11 @@ class PipelineEngine:
                  forward_context: Callable[[], AbstractContextManager] | None = None,
                  transport: str = "auto", control: ControlGroup | None = None,
                  device: torch.device | None = None,
-                 init_weights: PretrainedWeights | None = None) -> None:
+                 init_weights: PretrainedWeights | None = None,
+                 device_mesh: DeviceMeshSlot | None = None) -> None:
         self.module = module
+        # the front end's device_mesh: made at setup for a named schedule, else at the build
+        self.device_mesh = device_mesh
         self.init_weights = init_weights
         # a checkpoint resumed into a deferred model, applied once the kept parameters have
         # storage (deferred_restore.py; set by the strategy before the build)
@@ -248,6 +254,10 @@ class PipelineEngine:
             # names them
             self.config.set_ties(self.partition.shared_parameters.values())
             plan = self.train_plan = self.config.training_plan(self.world_size)
+            mesh = self.device_mesh
+            if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
+                self._collective("the device mesh", lambda: mesh.make_for(
+                    self.world_size, plan.data_parallel_size, self.device_hint.type))
             # sized before the runtime releases the stages this rank does not own
             self._collective("the build's memory prediction", lambda: self.memory.predict(
                 self.partition.stages, args, kwargs, plan, self.optimizers(), self.world_size,

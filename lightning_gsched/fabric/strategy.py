@@ -32,12 +32,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_gsched.engine import ckpt_check, ckpt_files, ckpt_stream
 from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
+from lightning_gsched.engine.mesh import DeviceMeshSlot
 from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_stream_checkpoint,
@@ -137,11 +139,24 @@ class GeneralParallelFabric(DDPStrategy):
         self.checkpoint_stream_stats: ckpt_stream.StreamStats | None = None
         # during a streamed save: the model's state dict, described with placeholders
         self._described: dict[str, Any] | None = None
+        self._mesh = DeviceMeshSlot()  # engine/mesh.py
 
     @property
     def engine(self) -> PipelineEngine | None:
         """The pipeline of the model set up (None before ``fabric.setup``)."""
         return self._engine
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The (pipeline, data_parallel) mesh: shape (W / G, G), rank ``p * G + g``. Made at
+        ``fabric.launch`` for a named schedule, at the first :meth:`step` for ``"auto"``;
+        before, a StrategyConfigError says so (engine/mesh.py)."""
+        return self._mesh.mesh
+
+    def setup_environment(self) -> None:
+        """DDP's process group, then the device mesh when G is known (a named schedule)."""
+        super().setup_environment()
+        self._mesh.make_if_decided(self.schedule_config, self.world_size, self.root_device.type)
 
     # ------------------------------------------------------------------ setup
 
@@ -181,6 +196,7 @@ class GeneralParallelFabric(DDPStrategy):
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
                 device=self.root_device, init_weights=self.init_weights,
+                device_mesh=self._mesh,
             )
         return module
 

@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_gsched.engine import ckpt_stream
@@ -36,6 +37,7 @@ from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.logsync import replay
 from lightning_gsched.engine.memory_report import MemoryReport
+from lightning_gsched.engine.mesh import DeviceMeshSlot
 from lightning_gsched.engine.options import (
     check_launch_arguments,
     check_transport,
@@ -209,6 +211,7 @@ class GeneralParallel(DDPStrategy):
         self._released = False  # a run ended without giving every rank the full weights back
         # the last run's predicted and measured bytes per rank (kept after teardown)
         self.memory_report: MemoryReport | None = None
+        self._mesh = DeviceMeshSlot(on_made=self._give_module_mesh)  # engine/mesh.py
 
     # ------------------------------------------------------------------ properties
 
@@ -222,7 +225,27 @@ class GeneralParallel(DDPStrategy):
         """The running pipeline (None before setup and after teardown)."""
         return self._engine
 
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The (pipeline, data_parallel) mesh: shape (W / G, G), rank ``p * G + g``, as
+        ``self.device_mesh`` in the LightningModule (ModelParallelStrategy's attribute).
+        Made at setup for a named schedule, at the first batch for ``"auto"``; before, a
+        StrategyConfigError says so (engine/mesh.py)."""
+        return self._mesh.mesh
+
     # ------------------------------------------------------------------ setup
+
+    def setup_environment(self) -> None:
+        """DDP's process group, then the device mesh when G is known (a named schedule):
+        ``configure_model`` can read ``self.device_mesh`` as under ModelParallelStrategy."""
+        super().setup_environment()
+        self._mesh.make_if_decided(self.schedule_config, self.world_size, self.root_device.type)
+
+    def _give_module_mesh(self, mesh: DeviceMesh) -> None:
+        """``LightningModule.device_mesh`` reads ``_device_mesh``; Lightning's own strategies
+        set it so (ModelParallelStrategy.setup_environment)."""
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = mesh
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -267,6 +290,7 @@ class GeneralParallel(DDPStrategy):
             transport=self.transport,
             optimizers=lambda: [unwrap(o) for o in self.optimizers], info=rank_zero_info,
             control=self._control, device=self.root_device, init_weights=self.init_weights,
+            device_mesh=self._mesh,
         )
         self._engine.restore = self._checkpoints.restore  # its optimizer state may still arrive
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, NamedTuple, Sequence
 
+from lightning_gsched.schedule.data_parallel import lift_caps
 from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY
@@ -44,6 +45,19 @@ def _caps_line(caps: Sequence[int | None]) -> str:
     return text if len(caps) <= 16 or "," not in text else sequence_text(caps)
 
 
+def _plan_caps_line(result: Plan) -> str:
+    """The plan's caps as :func:`_caps_line` writes them; with G replicas whose columns share
+    a cap (a lifted cap: always, unless built by hand), one replica's P caps and
+    ``per replica``, as ``--cap`` takes them: W caps would be G copies of each. One cap for
+    every worker stays one value."""
+    layout = result.replicas
+    if layout.replicas > 1 and len(set(result.caps)) > 1:
+        per_position = [result.caps[r] for r in layout.members(0)]
+        if lift_caps(per_position, layout) == list(result.caps):
+            return f"{_caps_line(per_position)} per replica"
+    return _caps_line(result.caps)
+
+
 def checkpoint_text(checkpointed: Sequence[bool]) -> str:
     """The checkpointed stages, folded: ``""`` (none), ``"all"``, or indices with ranges
     (``"0-2,5"``), the form ``gsched plan --checkpoint-stages`` takes."""
@@ -66,14 +80,30 @@ def ties_text(ties: Mapping[int, Sequence[int]]) -> str:
     return ";".join(",".join(str(s) for s in readers) for readers in ties.values())
 
 
+def workers_text(result: Plan) -> str:
+    """``W=8``, or with data-parallel replicas ``W=8 (P=4 x G=2, replicate)``: the ranks, and
+    how they split into G replicas of a P-worker pipeline and how the replicas hold weights."""
+    G = result.data_parallel_size
+    if G == 1:
+        return f"W={result.workers}"
+    return f"W={result.workers} (P={result.pipeline_size} x G={G}, {result.data_parallel})"
+
+
+def micro_text(result: Plan) -> str:
+    """``B=8``, or with replicas ``B=16 (8 per replica)``: ``Plan.micro`` counts every
+    replica's microbatches, while ``microbatches=`` (``-b``) is one replica's."""
+    G = result.data_parallel_size
+    return f"B={result.micro}" + (f" ({result.micro // G} per replica)" if G > 1 else "")
+
+
 def configuration_text(result: Plan) -> str:
     """``W=2 S=4 B=2 order=bfs cap=none`` (R, the fetch window and the checkpointed stages
-    where set): the plan's shape, written the same way by :func:`describe` and
-    :func:`startup_summary`."""
+    where set; P x G with data-parallel replicas): the plan's shape, written the same way by
+    :func:`describe` and :func:`startup_summary`."""
     checkpointed = checkpoint_text(result.checkpointed)
-    return (f"W={result.workers} S={result.stages} B={result.micro}"
+    return (f"{workers_text(result)} S={result.stages} {micro_text(result)}"
             + (f" R={result.R}" if result.R is not None else "")
-            + f" order={result.order} cap={_caps_line(result.caps)}"
+            + f" order={result.order} cap={_plan_caps_line(result)}"
             + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
             + (f" ties={ties_text(result.ties)}" if result.ties else "")
             + (f" checkpointed={checkpointed}" if checkpointed else ""))
@@ -107,7 +137,7 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         header += ["tie fetch/serve", "tie reduce out/in", "tie allreduce"]
     if stage_bytes is not None:
         header += ["owned bytes", "peak bytes"]
-    if result.workers > max(MAX_ROWS, SHOWN_FIRST + SHOWN_LAST):
+    if listed_workers(result.workers) is not None:
         return head + "\n" + _sampled_table(result, header, stage_bytes, tie_bytes)
     rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
     return head + "\n" + text_table(_fit_rows(rows), header)
@@ -118,6 +148,19 @@ MAX_ROWS = 48  # workers whose rows are all computed and printed at most; beyond
 SHOWN_FIRST = 4  # the rows of the first SHOWN_FIRST workers (a row lowers its worker's program:
 SHOWN_LAST = 2  # 0.1-0.3 s at W=1024), and of the last SHOWN_LAST (a pipeline's ends differ)
 OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
+
+
+def listed_workers(workers: int) -> list[int] | None:
+    """The workers whose rows a bounded reader shows for a plan of ``workers`` ranks: None
+    (every worker) up to :data:`MAX_ROWS`, else the first :data:`SHOWN_FIRST` and the last
+    :data:`SHOWN_LAST`.
+
+    Why one rule: the text table and ``gsched plan --json`` list the same rows, and each row
+    reads (at large W: lowers) its worker's program, so the rest are named, not computed.
+    """
+    if workers <= max(MAX_ROWS, SHOWN_FIRST + SHOWN_LAST):
+        return None
+    return [*range(SHOWN_FIRST), *range(workers - SHOWN_LAST, workers)]
 
 
 def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int] | None = None,
@@ -158,16 +201,24 @@ def _sampled_table(result: Plan, header: list[str], stage_bytes: Sequence[int] |
                    tie_bytes: Mapping[int, int] | None) -> str:
     """The table beyond :data:`MAX_ROWS` workers: the rows of the first :data:`SHOWN_FIRST` and
     the last :data:`SHOWN_LAST` workers (each part's equal rows folded), and a line naming the
-    workers between, whose rows are not computed (``--json`` and ``--programs`` read them all)."""
-    W = result.workers
-    first, last = list(range(SHOWN_FIRST)), list(range(W - SHOWN_LAST, W))
-    rows = worker_rows(result, first + last, stage_bytes, tie_bytes)
-    hidden = f"{SHOWN_FIRST}-{W - SHOWN_LAST - 1}"
+    workers between, whose rows are not computed (``--programs`` reads them all)."""
+    shown = listed_workers(result.workers)
+    assert shown is not None
+    rows = worker_rows(result, shown, stage_bytes, tie_bytes)
+    hidden = hidden_workers(result.workers)
     gap: list[object] = [f"... {hidden}", *["..."] * (len(header) - 1)]
     table = text_table([*fold_rows(rows[:SHOWN_FIRST]), gap, *fold_rows(rows[SHOWN_FIRST:])],
                        header)
-    return (table + f"\n... workers {hidden} not shown; --json or --programs lists every "
-            "worker")
+    return table + f"\n... workers {hidden} not shown; {EVERY_WORKER_HINT}"
+
+
+# what lists every worker where a bounded reader (table, --json) lists a sample
+EVERY_WORKER_HINT = "--programs lists every worker (and with --json every slot and program)"
+
+
+def hidden_workers(workers: int) -> str:
+    """``4-1021``: the workers :func:`listed_workers` leaves out (a range)."""
+    return f"{SHOWN_FIRST}-{workers - SHOWN_LAST - 1}"
 
 
 def _owners_line(owners: Sequence[Sequence[int]]) -> str:
@@ -226,8 +277,12 @@ def plan_command(result: Plan) -> str:
     different: resolving it needs simulations).
     """
     spec = LIBRARY[result.schedule]
+    G = result.data_parallel_size
     words = [f"gsched plan {result.schedule} -w {result.workers} -s {result.stages} "
-             f"-b {result.micro}"]
+             f"-b {result.micro // G}"]  # -b: one replica's microbatches
+    if G > 1:
+        words.append(f"--dp {G}" + (" --data-parallel shard"
+                                    if result.data_parallel == "shard" else ""))
     if result.R is not None:
         words.append(f"--R {result.R}")
     if result.order != spec.order:
@@ -235,9 +290,10 @@ def plan_command(result: Plan) -> str:
     if result.fetch_window is not None:
         words.append(f"--fetch-window {result.fetch_window}")
     words += [f"--tie {','.join(str(s) for s in readers)}" for readers in result.ties.values()]
-    default_cap = spec.cap(result.workers, result.stages)
-    if isinstance(default_cap, str) or result.caps != normalise_caps(default_cap, result.workers):
-        words.append(f"--cap {cap_text(result.caps)}")
+    if result.caps != _default_caps(result):
+        # --cap is per pipeline position (each replica's P workers): the caps of replica 0
+        layout = result.replicas
+        words.append(f"--cap {cap_text([result.caps[r] for r in layout.members(0)])}")
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
     checkpointed = checkpoint_text(result.checkpointed)
     if checkpointed == "all":
@@ -256,6 +312,18 @@ def plan_command(result: Plan) -> str:
     elif any(c != 1.0 for c in (*bwd, *wgt)):  # split: B and W each 1.0 is the halved default
         words.append(f"--backward-cost {_numbers(bwd)} --weight-cost {_numbers(wgt)}")
     return " ".join(words)
+
+
+def _default_caps(result: Plan) -> list[int | None] | None:
+    """The per-worker caps a library schedule gets by default for this plan's shape (each
+    replica's P-worker caps, lifted to the G replicas), or None where the default is a
+    search (``"auto"``): then the plan's own caps are written out."""
+    spec = LIBRARY[result.schedule]
+    layout = result.replicas
+    default = spec.cap(layout.pipeline, result.stages)
+    if isinstance(default, str):
+        return None
+    return lift_caps(normalise_caps(default, layout.pipeline), layout)
 
 
 def _owners_text(owners: Sequence[Sequence[int]], width: int) -> str:

@@ -116,7 +116,35 @@ class Plan:
         """Tied weights: ``{home stage: every stage reading the tie}`` (the programs' own)."""
         return self.programs.ties
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, workers: Sequence[int] | None = None) -> dict[str, Any]:
+        """The plan as one JSON object (``gsched plan --json``).
+
+        ``workers``: list only these workers' metrics rows, each read off its own program
+        (:meth:`.LazyList.sample`), and leave out the timeline's slots and the programs
+        (``"complete": false``). Why: at W=1024 every rank's program is a minute's lowering
+        and the timeline millions of slots; the shape, owners, caps and latency are not.
+        None: every worker's row, every slot and every program (``"complete": true``).
+        """
+        out = self._summary_json()
+        if workers is not None:
+            per_worker = self.metrics.per_worker
+            rows = (per_worker.sample(workers) if isinstance(per_worker, LazyList)
+                    else [per_worker[w] for w in workers])
+            return {**out, "complete": False, "per_worker": [m.as_dict() for m in rows]}
+        return {
+            **out,
+            "complete": True,
+            "per_worker": [m.as_dict() for m in self.metrics.per_worker],
+            "timeline": [
+                {"worker": s.worker, "stage": s.job.stage, "micro": s.job.micro,
+                 "phase": s.job.phase.value, "start": s.start, "end": s.end}
+                for s in sorted(self.timeline.slots, key=lambda s: (s.worker, s.start))
+            ],
+            "programs": [[str(a) for a in program] for program in self.programs.ranks],
+        }
+
+    def _summary_json(self) -> dict[str, Any]:
+        """:meth:`to_json`'s fields that read no program and no slot."""
         return {
             "schedule": self.schedule,
             "forward_only": self.forward_only,
@@ -139,13 +167,6 @@ class Plan:
             "latency": self.metrics.latency,
             "bubble_fraction": self.metrics.bubble_fraction,
             "owners": [list(o) for o in self.table.owners],
-            "per_worker": [m.as_dict() for m in self.metrics.per_worker],
-            "timeline": [
-                {"worker": s.worker, "stage": s.job.stage, "micro": s.job.micro,
-                 "phase": s.job.phase.value, "start": s.start, "end": s.end}
-                for s in sorted(self.timeline.slots, key=lambda s: (s.worker, s.start))
-            ],
-            "programs": [[str(a) for a in program] for program in self.programs.ranks],
         }
 
 
