@@ -66,10 +66,13 @@ def census_bytes() -> int:
             return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper)
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            # a tensor without storage (a wrapper), or one whose storage was invalidated
+            # (FSDP2 frees an unsharded parameter's storage under a live Python tensor)
             return
-        if storage.data_ptr():
-            seen[storage.data_ptr()] = storage.nbytes()
+        if ptr:
+            seen[ptr] = storage.nbytes()
 
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor):
@@ -103,32 +106,81 @@ def events_peak(prof: Any, baseline: int) -> dict[str, Any]:
             "at_peak": {"census": baseline, "allocated in the step": high}}
 
 
-class ProfilerPeak(pl.Callback):
-    """Profile the allocations of one training batch (``batch``); keep :func:`timeline_peak`
-    (``peak``) and :func:`events_peak` (``events``), the census taken just before profiling."""
+def fit_peak(events: dict[str, Any], before_fit: int) -> dict[str, Any]:
+    """:func:`events_peak`'s figure less ``before_fit`` (a census taken, after a collection,
+    before the fit built anything): the bytes the fit itself held at its peak.
 
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
+    Why: in reused processes (``benchmarks/rounds.py``) earlier fits can leave storages alive
+    that no Python collection frees (torch 2.13's ``replicate`` and ``fully_shard`` leave the
+    whole model behind: 12.6 MiB of the benchmark GPT per fit, found by a census after
+    ``gc.collect()``; their hooks hold it from C++), and the census would count them in every
+    later fit's peak."""
+    total = events["total"] - before_fit
+    return {"total": total, "before_fit": before_fit,
+            "at_peak": {**events["at_peak"], "census": events["at_peak"]["census"] - before_fit}}
+
+
+def census_now() -> int:
+    """:func:`census_bytes` after a full collection: what is alive now, garbage excluded."""
+    gc.collect()
+    return census_bytes()
+
+
+class StepPeak:
+    """The peak bytes of the code run inside ``with StepPeak() as peak:`` (a plain loop's step),
+    measured as :class:`ProfilerPeak` measures a Lightning batch: a census just before, the
+    profiler's allocation events during it. After the block: ``events`` (:func:`events_peak`)
+    and, with ``timeline=True``, ``peak`` (:func:`timeline_peak`; torch's data-flow analysis,
+    slow and failing on some steps, hence optional).
+
+    Why a context manager beside the callback: a comparison of peaks (ours in a Trainer against
+    torch in a plain loop) must measure both sides by the same code, and a plain loop has no
+    batch hooks."""
+
+    def __init__(self, timeline: bool = False) -> None:
+        self.timeline = timeline
         self.peak: dict[str, Any] | None = None
         self.events: dict[str, Any] | None = None
         self._prof: Any = None
         self._baseline = 0
 
+    def __enter__(self) -> "StepPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._baseline = census_now()
+        # stacks and shapes only feed torch's own analysis (timeline_peak)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                             record_shapes=self.timeline, with_stack=self.timeline)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.peak = timeline_peak(self._prof) if self.timeline else None
+            self.events = events_peak(self._prof, self._baseline)
+        self._prof = None
+
+
+class ProfilerPeak(pl.Callback):
+    """Profile the allocations of one training batch (``batch``); keep :func:`timeline_peak`
+    (``peak``, unless ``timeline=False``) and :func:`events_peak` (``events``), the census taken
+    just before profiling (:class:`StepPeak` around the batch)."""
+
+    def __init__(self, batch: int, timeline: bool = True) -> None:
+        self.batch = batch
+        self.timeline = timeline
+        self.peak: dict[str, Any] | None = None
+        self.events: dict[str, Any] | None = None
+        self._step: StepPeak | None = None
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.batch:
-            from torch.profiler import ProfilerActivity, profile
-
-            gc.collect()
-            self._baseline = census_bytes()
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                                 record_shapes=True, with_stack=True)
-            self._prof.__enter__()
+            self._step = StepPeak(self.timeline).__enter__()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if batch_idx == self.batch and self._prof is not None:
-            self._prof.__exit__(None, None, None)
-            self.peak = timeline_peak(self._prof)
-            self.events = events_peak(self._prof, self._baseline)
-            self._prof = None
+        if batch_idx == self.batch and self._step is not None:
+            self._step.__exit__(None, None, None)
+            self.peak, self.events = self._step.peak, self._step.events
+            self._step = None

@@ -22,6 +22,7 @@ categories by construction. On CUDA the engine also reports
 ``torch.cuda.max_memory_allocated``.
 
     python -m benchmarks.bench_memory [--schedules 1f1b zbv]
+    python -m benchmarks.bench_memory --pp-dp [--schedules 1f1b zb-h1]   # P=2 x G=2, W=4
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ from lightning_gsched.schedule.library import LIBRARY
 WORLD = 2
 PER_RANK = 8
 STEPS = 3
+PP, DP = 2, 2  # the pipeline x data parallel rows (run_pp_dp): W = 4
+PP_DP_QUICK = ["1f1b"]
+PP_DP_FULL = ["1f1b", "zb-h1"]
 
 
-def memory_run(rank: int, world: int, schedules: list[str], steps: int,
+def memory_run(rank: int, world: int, rows: dict[str, dict[str, Any]], steps: int,
                per_rank: int) -> dict[str, Any]:
-    """One fit per schedule in these processes; every rank's predicted and measured peaks."""
+    """One fit per row in these processes (``rows``: label -> ``GeneralParallel`` keywords);
+    every rank's predicted and measured peaks."""
     import torch.distributed as dist
 
     from benchmarks.allocator_peak import ProfilerPeak
@@ -48,8 +53,8 @@ def memory_run(rank: int, world: int, schedules: list[str], steps: int,
     from lightning_gsched import GeneralParallel
 
     out = {}
-    for schedule in schedules:
-        strategy = GeneralParallel(schedule, microbatches=2 * world)
+    for label, keywords in rows.items():
+        strategy = GeneralParallel(**keywords)
         profiler = ProfilerPeak(batch=1)  # the second step, as the runtime's accounting
         run_fit(strategy, rank, world, steps, per_rank, GPTShape(), [profiler])
         peaks: list[Any] = [None] * world
@@ -58,10 +63,10 @@ def memory_run(rank: int, world: int, schedules: list[str], steps: int,
         dist.all_gather_object(events, profiler.events)
         report = strategy.memory_report
         if report is None or report.predicted is None or report.measured is None:
-            raise RuntimeError(f"no memory report for {schedule}: "
+            raise RuntimeError(f"no memory report for {label}: "
                                f"{getattr(report, 'unavailable', None)}")
         # categories: each one's own peak; totals: the peak of the sum (both sides alike)
-        out[schedule] = {
+        out[label] = {
             "predicted": [{**m.category_peaks.as_dict(), "total": m.peak}
                           for m in report.predicted],
             "measured_runtime": report.measured,  # the runtime's own accounting: diagnostic
@@ -116,16 +121,36 @@ def _row(schedule: str, r: dict[str, Any]) -> Result:
 
 def run(quick: bool, schedules: list[str] | None = None) -> list[Result]:
     names = schedules or list(LIBRARY)
-    runs = launch("benchmarks.bench_memory:memory_run", WORLD, schedules=names, steps=STEPS,
+    rows = {name: {"schedule": name, "microbatches": 2 * WORLD} for name in names}
+    runs = launch("benchmarks.bench_memory:memory_run", WORLD, rows=rows, steps=STEPS,
                   per_rank=PER_RANK)
-    return [_row(schedule, runs[schedule]) for schedule in names]
+    return [_row(name, runs[name]) for name in names]
+
+
+def pp_dp_rows(schedules: list[str]) -> dict[str, dict[str, Any]]:
+    """``memory[<schedule> 2x2 <mode>]``: P=2 pipelines x G=2 replicas on W=4, both modes,
+    with each replica's pipeline the W=2 rows' (``microbatches`` is per replica: 2P)."""
+    return {f"{name} {PP}x{DP} {mode}": {
+        "schedule": name, "microbatches": 2 * PP, "data_parallel_size": DP,
+        "data_parallel": mode} for name in schedules for mode in ("replicate", "shard")}
+
+
+def run_pp_dp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
+    """The bytes model at P=2 x G=2 (issue 32): the same measurement at W=4, PER_RANK rows per
+    rank, so that each replica runs the W=2 rows' global batch."""
+    rows = pp_dp_rows(schedules or (PP_DP_QUICK if quick else PP_DP_FULL))
+    runs = launch("benchmarks.bench_memory:memory_run", PP * DP, rows=rows, steps=STEPS,
+                  per_rank=PER_RANK)
+    return [_row(label, runs[label]) for label in rows]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="*")
+    parser.add_argument("--pp-dp", action="store_true",
+                        help="the P=2 x G=2 rows (W=4, both modes) instead of the W=2 ones")
     args = parser.parse_args()
-    for r in run(True, args.schedules):
+    for r in (run_pp_dp if args.pp_dp else run)(True, args.schedules):
         measured = "-" if r.ours_s is None else f"{r.ours_s / 2**20:7.2f} MiB"
         ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
         print(f"{r.name:22s} measured {measured}  predicted {r.anchor_s / 2**20:7.2f} MiB  "

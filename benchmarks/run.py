@@ -43,6 +43,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_pipeline,
         bench_planner,
         bench_planner_scale,
+        bench_pp_dp,
         bench_process_memory,
         bench_tune,
     )
@@ -52,9 +53,14 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "pipeline_vs_torch": bench_pipeline.run,
         "pipeline_engine_vs_torch": bench_engine.run,
         "fsdp_vs_torch": bench_fsdp.run,
+        # W=4 = 2 pipelines x 2 replicas against torch pipelining x DDP / replicate / FSDP2
+        # (quick: the 1f1b and shard rows; zb-h1 in the full run)
+        "pp_dp_vs_torch": bench_pp_dp.run,
         "single_process_overhead": lambda q: [bench_lightning.single_process_overhead(q)],
         "fidelity": bench_fidelity.run,
         "memory": bench_memory.run,
+        # the bytes model at P=2 x G=2, W=4, both modes (quick: 1f1b; full: also zb-h1)
+        "memory_pp_dp": bench_memory.run_pp_dp,
         # full run only (several minutes, GiB of RAM): RSS of deferred fits on W=4 processes;
         # large_model also skips itself with less than 16 GiB available
         "memory_process": lambda q: [] if q else bench_process_memory.run_small(q),
@@ -228,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
 
         extras["markdown"]["Efficiency: where the rest of the step goes"] = (
             efficiency.markdown(fidelity))
+    from benchmarks import bench_pp_dp
+
+    pp_dp = bench_pp_dp.markdown(results)  # the 2 x 2 rows, every rank
+    if pp_dp:
+        extras["markdown"]["Pipelines x data parallel (W=4 = 2 x 2): every rank"] = pp_dp
     if len(runs) > 1:
         extras["markdown"][f"Repeatability: {len(runs)} runs of the suite"] = (
             repeat_table(runs, markdown=True))
