@@ -70,6 +70,8 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         # plan() + one rank's program at W=1024 per library schedule (quick: the symmetric
         # ones), each its own process: seconds, peak MB against < 5 s, < 1 GB
         "planner_scale_1024": bench_planner.run_scale,
+        # the same at W=1024 as 16 pipeline ranks x 64 replicas (issue 32; quick: replicate)
+        "planner_scale_1024_dp": bench_planner.run_scale_data_parallel,
         # gsched plan at W=1024 (each library schedule) and the W=100,000 answers
         "planner_w1024": bench_planner_scale.run,
         # W=4 as 1f1b 2 x 2: batch bytes each rank receives per step vs the rows it reads
@@ -255,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         if scale is not None and scale.extra.get("per_schedule"):
             extras["markdown"]["plan() and one rank's program at W=1024 per library schedule"] = (
                 bench_planner.scale_markdown(scale.extra["per_schedule"]))
+        scale_dp = next((r for r in results if r.name == "planner_scale_1024_dp"), None)
+        if scale_dp is not None and scale_dp.extra.get("per_schedule"):
+            extras["markdown"]["plan() and one rank's program at W=1024 as 16 x 64"] = (
+                bench_planner.scale_markdown(scale_dp.extra["per_schedule"]))
         large = next((r for r in results if r.name == "planner_w1024"), None)
         if large is not None:
             from benchmarks import bench_planner_scale
