@@ -24,7 +24,6 @@ from lightning_gsched.schedule import symmetry
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.dryrun_rank import Shared, check_rank
 from lightning_gsched.schedule.jobs import StageGraph
-from lightning_gsched.schedule.lazy_ranks import EAGER_AFTER, LazyList
 from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.plan import Plan, plan
 from lightning_gsched.schedule.program import SEND_OPS, Action, Op, Programs
@@ -61,9 +60,9 @@ def _full(monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs: Any) -> Plan:
 def test_fast_verified_plan_equals_full_path(monkeypatch: pytest.MonkeyPatch, name: str, W: int,
                                              kwargs: dict[str, Any]) -> None:
     fast = plan(name, W, **kwargs)
-    assert isinstance(fast.programs.ranks, LazyList)  # the argument applied
+    assert fast.programs.ranks.lowered == 0  # the argument applied: nothing lowered yet
     full = _full(monkeypatch, name, W, **kwargs)
-    assert isinstance(full.programs.ranks, list)
+    assert full.programs.ranks.lowered == W  # every program lowered and dry-run
     assert fast.timeline.start == full.timeline.start
     assert fast.timeline.order == full.timeline.order
     for rank in reversed(range(W)):
@@ -123,14 +122,14 @@ def test_outside_the_argument_dry_runs_in_full(monkeypatch: pytest.MonkeyPatch, 
     calls: list[int] = []
     monkeypatch.setattr(plan_module, "dry_run", lambda p: calls.append(p.world_size) or dry_run(p))
     result = plan(name, 8, **kwargs)
-    assert isinstance(result.programs.ranks, list) and calls == [8]
+    assert result.programs.ranks.lowered == 8 and calls == [8]
 
 
 def test_custom_placement_dry_runs_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(plan_module, "dry_run", lambda p: calls.append(1) or dry_run(p))
     result = plan(None, 4, stages=4, microbatches=4, placement=lambda s, b, d: (s, b))
-    assert isinstance(result.programs.ranks, list) and calls == [1]
+    assert result.programs.ranks.lowered == 4 and calls == [1]
 
 
 @pytest.mark.parametrize("breakage", ["early", "overlap", "swap", "duplicate"])
@@ -161,7 +160,7 @@ def test_broken_renaming_falls_back_to_full_dry_run(monkeypatch: pytest.MonkeyPa
     except ProgramError:
         pass  # the full dry run refused the programs of the broken timeline
     else:
-        assert isinstance(result.programs.ranks, list)
+        assert result.programs.ranks.lowered == result.workers
     assert calls == [1]
 
 
@@ -237,8 +236,9 @@ def test_a_channel_into_a_rank_that_does_not_match_is_refused(
 
 
 def test_readers_of_every_rank_take_the_full_path_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Iterating the programs (or the per-worker rows), or indexing more than EAGER_AFTER ranks,
-    lowers and dry-runs every program at once instead of rank by rank (lazy_ranks.py)."""
+    """Reading ranks one by one lowers only those (however many); a reader of every rank says
+    so (``make_all``: the per-worker rows' reader, the cost replay) and gets every program
+    lowered and dry-run at once (lazy_ranks.py)."""
     calls: list[int] = []
     monkeypatch.setattr(plan_module, "dry_run", lambda p: calls.append(1) or dry_run(p))
     W = 16
@@ -246,14 +246,15 @@ def test_readers_of_every_rank_take_the_full_path_once(monkeypatch: pytest.Monke
     reference = _full(monkeypatch, "fsdp", W)
     calls.clear()
     lazy = result.programs.ranks
-    assert isinstance(lazy, LazyList)
-    for rank in range(EAGER_AFTER):
+    assert lazy.lowered == 0
+    for rank in range(W - 1):
         assert lazy[rank] == reference.programs.ranks[rank]
-    assert lazy.lowered == EAGER_AFTER and calls == []
-    assert lazy[W - 1] == reference.programs.ranks[W - 1]  # one more: all at once
-    assert lazy.lowered == W and calls == [1]
-    assert lazy == reference.programs.ranks and calls == [1]
-    rows = plan("fslpp", 8).metrics.per_worker  # the table's reader: every row
+    assert lazy.lowered == W - 1 and calls == []  # one by one, never all at once by itself
+    second = plan("fsdp", W).programs.ranks
+    assert second.make_all() is second and second.lowered == W and calls == [1]
+    assert second == reference.programs.ranks and calls == [1]
+    rows = plan("fslpp", 8).metrics.per_worker  # the table's reader of every row
+    rows.make_all()
     assert [m.as_dict() for m in rows] == [m.as_dict() for m in
                                           _full(monkeypatch, "fslpp", 8).metrics.per_worker]
     assert calls == [1, 1, 1]  # the lazy plan's one full pass (the rows), the reference's
@@ -289,7 +290,7 @@ def test_large_plans_without_symmetry_equal_full_path(
     0) are lowered per rank, neighbours' data flow only, and verified by the argument."""
     monkeypatch.setattr(plan_module, "LAZY_FROM_JOBS", 0)
     fast = plan(name, W, verify=verify, **kwargs)
-    assert isinstance(fast.programs.ranks, LazyList)
+    assert fast.programs.ranks.lowered == 0
     full = _full(monkeypatch, name, W, **kwargs)
     for rank in reversed(range(W)):
         assert fast.programs.ranks[rank] == full.programs.ranks[rank], rank

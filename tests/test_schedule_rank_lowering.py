@@ -12,7 +12,7 @@ import pytest
 
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.jobs import StageGraph
-from lightning_gsched.schedule.lazy_ranks import EAGER_AFTER, LazyList
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.lower import Lowering, lower
 from lightning_gsched.schedule.orders import bfs
 from lightning_gsched.schedule.placements import PlacementTable
@@ -119,17 +119,15 @@ def test_the_lazy_list_behaves_as_the_list() -> None:
     assert lazy[1:3] == [[1], [2, 2]]
     assert list(lazy) == [[], [1], [2, 2], [3, 3, 3]] and sorted(made) == [0, 1, 2, 3]
     assert lazy == [[], [1], [2, 2], [3, 3, 3]] and lazy != [[], [1]]
-    lazy[0] = [9]
-    assert lazy[0] == [9]
     with pytest.raises(IndexError):
         lazy[4]
     with pytest.raises(TypeError):
         hash(lazy)
 
 
-def test_a_sample_is_made_alone_and_does_not_switch_to_make_all() -> None:
-    """LazyList.sample: a bounded reader (the text table's shown workers) makes only the items
-    it reads, however many, never by make_all; the list its items read is sampled alike."""
+def test_reading_items_one_by_one_never_switches_to_make_all() -> None:
+    """A bounded reader (the text table's shown workers) makes only the items it reads, each
+    alone, however many; ``make_all`` is the explicit reader of every item, made once."""
     made: list[int] = []
     everything: list[str] = []
 
@@ -138,10 +136,12 @@ def test_a_sample_is_made_alone_and_does_not_switch_to_make_all() -> None:
         return list(range(100))
 
     source = LazyList(100, lambda i: made.append(i) or i, make_all)
-    derived = LazyList(100, lambda i: -source[i], lambda: [-i for i in source], reads=source)
-    wanted = [*range(EAGER_AFTER + 4), 99]
-    assert derived.sample(wanted) == [-i for i in wanted]
+    derived = LazyList(100, lambda i: -source[i], lambda: [-i for i in source])
+    wanted = [*range(12), 99]
+    assert [derived[i] for i in wanted] == [-i for i in wanted]
     assert everything == [] and made == wanted  # each made once, alone
     assert source.lowered == derived.lowered == len(wanted)
-    assert derived[3] == -3 and derived[99] == -99 and everything == []  # kept
-    assert derived.sample([-1]) == [-99] and made == wanted
+    assert derived[3] == -3 and derived[-1] == -99 and made == wanted  # kept
+    assert source.make_all() is source and everything == ["all"] and made == wanted
+    assert list(source) == list(range(100)) and source.make_all() and everything == ["all"]
+

@@ -30,7 +30,6 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeConfigError
-from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.program import Op, Programs
 
 KINDS = ("p2p", "weights", "grads")
@@ -115,17 +114,15 @@ def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     the creation order, which must be the same on every rank (``dist.new_group`` is
     collective).
 
-    Programs lowered per rank on demand (``Programs.ranks`` a :class:`LazyList`: large plans,
-    schedule/lazy_ranks.py) come from the planner's lowering, whose every all-reduce group is
-    the owners of a replicated stage or tie home (``lower_weights.py``,
-    ``lower_ties.py``), so :func:`owner_groups` is the list, read without lowering any program
-    (scanning them would lower all W on every rank: a minute and gigabytes at W=1024). Whether
-    the list is lazy is the plan's own decision, the same on every rank. Programs given as a
-    list (eager plans, parsed or hand-written ones) are in memory already: their actions are
-    scanned too, so a group that is not a stage's owners still gets its subgroup.
+    The planner's programs (``Programs.planned``) make every all-reduce group of a replicated
+    stage's or tie home's owners (``lower_weights.py``, ``lower_ties.py``), so
+    :func:`owner_groups` is the list, read without lowering any program (scanning them would
+    lower all W on every rank: a minute and gigabytes at W=1024). Other programs (parsed or
+    hand-written) are scanned too, so a group that is not a stage's owners still gets its
+    subgroup; every rank decides alike.
     """
     groups = set(owner_groups(programs))
-    if isinstance(programs.ranks, LazyList):
+    if programs.planned:
         return sorted(groups)
     for program in programs.ranks:
         groups.update(a.group for a in program

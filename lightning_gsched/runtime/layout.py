@@ -21,7 +21,6 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.schedule.consumption import OpRules
-from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 
@@ -80,11 +79,10 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
                            ) -> None:
     """``programs`` can run as forward-only programs on an executor built for ``train``.
 
-    Programs lowered per rank on demand (``programs.ranks`` a :class:`LazyList`, a large
-    plan's: schedule/lazy_ranks.py) are checked by their ``forward_only`` flag (the lowering of
-    a forward-only plan makes forward ops only) and ``rank``'s own program, without lowering
-    the other ranks' (every rank decides alike: the flag and the laziness are the plan's);
-    programs given as a list are scanned whole, as they are in memory already.
+    The planner's programs (``Programs.planned``) are checked by their ``forward_only`` flag
+    (the lowering of a forward-only plan makes forward ops only) and ``rank``'s own program,
+    without lowering the other ranks' (every rank decides alike); other programs (parsed or
+    hand-written) are scanned whole.
     """
     fix = (
         "plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
@@ -96,7 +94,7 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
             f"forward() needs the Programs of a forward-only plan (plan(...).programs), got "
             f"{type(programs).__name__}; {fix}."
         )
-    if isinstance(programs.ranks, LazyList):
+    if programs.planned:
         if not programs.forward_only:
             raise RuntimeConfigError(
                 "forward() runs forward-only programs, but these programs are a training "

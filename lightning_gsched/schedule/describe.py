@@ -167,18 +167,14 @@ def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int]
                 tie_bytes: Mapping[int, int] | None = None) -> list[list[object]]:
     """:func:`describe`'s rows of ``workers`` (cells as printed, the worker first).
 
-    Fewer workers than the plan has are read by :meth:`.LazyList.sample`: their programs are
-    lowered alone, however many ranks the plan has (the caller keeps their number bounded);
-    every worker is read by iterating (the full lowering at once where it is lazy).
+    Fewer workers than the plan has are read one by one: their programs are lowered alone,
+    however many ranks the plan has (the caller keeps their number bounded); every worker is
+    read after ``make_all`` (the full lowering at once where the plan is lazy).
     """
     per_worker = result.metrics.per_worker
-    if len(workers) == len(per_worker):
-        every = list(per_worker)
-        metrics = [every[w] for w in workers]
-    elif isinstance(per_worker, LazyList):
-        metrics = per_worker.sample(workers)
-    else:
-        metrics = [per_worker[w] for w in workers]
+    if len(workers) == len(per_worker) and isinstance(per_worker, LazyList):
+        per_worker.make_all()  # every row: every program at once
+    metrics = [per_worker[w] for w in workers]
     rows: list[list[object]] = [
         [w.worker, f"{w.busy:g}", f"{w.activation_recvs}/{w.activation_sends}",
          f"{w.input_grad_recvs}/{w.input_grad_sends}", f"{w.weight_fetches}/{w.weight_serves}",

@@ -141,6 +141,7 @@ def dry_run(programs: Programs) -> None:
     the static checks run on their own first, so a mismatch is named rather than its symptom
     (a compute missing the input that was never received).
     """
+    programs.ranks.make_all()  # reads every rank
     if programs.forward_only:
         check_forward_only(programs)
     shared = Shared(programs)

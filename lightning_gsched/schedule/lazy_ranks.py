@@ -1,52 +1,45 @@
-"""Programs lowered on first access: a rank reads its own program without the others' built.
+"""``Programs.ranks``: one type, one behaviour. An item is made when first read and kept.
 
 Why: at W=1024 fsdp's programs hold ~10 million actions (over 1 GB); a rank executing its
-program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about
-0.1 s. :data:`LazyRanks` is the ``Programs.ranks`` sequence of such a plan: indexing lowers a
-rank once and keeps it, iterating lowers every rank in order, and it compares equal to the list
-of the same programs, so every reader of ``Programs.ranks`` works unchanged.
+program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about 0.1 s. So
+every plan's programs are a :class:`LazyList`: reading rank r (indexing, or iterating, which
+reads the ranks in order) makes rank r's program alone if it is not made yet. A plan that
+lowered every program at once (a small plan, verified by the full dry run) hands over a list
+whose items are all made (:meth:`LazyList.of`).
 
-A reader of every rank (the CLI's table, ``--json``, the runtime's channel set-up, the
-predictor's walk) would pay W rank-local lowerings, each several times the full lowering's
-share of one rank; so where the list is given ``make_all`` (every item at once: the full
-lowering, and for a verified plan the full dry run), iterating, or indexing more than
-:data:`EAGER_AFTER` distinct items one by one, makes the missing items that way instead.
-
-A reader that shows a bounded sample of a large list (``gsched plan``'s table: the first and
-last workers' rows at W=1024) uses :meth:`LazyList.sample`, which makes those items alone and
-does not count them towards that switch: its bound is the caller's promise.
+A reader of every rank (the CLI's ``--programs``, the cost replay, the bytes model of every
+rank, the full dry run) says so: :meth:`LazyList.make_all` makes the missing items at once by
+the plan's ``make_all`` (the full lowering and, for a verified plan, the full dry run), which
+is several times cheaper than W rank-local lowerings. Nothing switches by itself: reading ranks
+one by one never lowers more than the ranks read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar, overload
-
-from lightning_gsched.schedule.program import Action
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar, overload
 
 T = TypeVar("T")
-
-# distinct items made one by one before a LazyList with ``make_all`` makes the rest at once: a
-# rank reads its own program (and an engine a few more); more is a reader of every rank
-EAGER_AFTER = 8
 
 
 class LazyList(Sequence[T], Generic[T]):
     """A list whose item i is ``make(i)``, made on first access and kept (module docstring).
 
-    Used for ``Programs.ranks`` (:data:`LazyRanks`) and a plan's per-worker metrics, which
-    read each rank's program. ``reads``: the LazyList whose item i ``make(i)`` reads (a metrics
-    row reads rank i's program), so that :meth:`sample` samples it too: else reading the
-    sampled rows would count their programs towards that list's eager switch.
+    Used for ``Programs.ranks`` and a lazily planned plan's per-worker metrics (each row reads
+    its rank's program). ``make_all``: every item at once, for :meth:`make_all`.
     """
 
     def __init__(self, size: int, make: Callable[[int], T],
-                 make_all: Callable[[], Sequence[T]] | None = None,
-                 reads: LazyList[Any] | None = None) -> None:
+                 make_all: Callable[[], Sequence[T]] | None = None) -> None:
         self._make = make
         self._make_all = make_all
-        self._reads = reads
-        self._made = 0
         self._items: list[T | None] = [None] * size
+
+    @classmethod
+    def of(cls, items: Sequence[T]) -> LazyList[T]:
+        """A list whose items are all made already."""
+        made: LazyList[T] = cls(len(items), _made_whole)
+        made._items = list(items)
+        return made
 
     def __len__(self) -> int:
         return len(self._items)
@@ -59,50 +52,28 @@ class LazyList(Sequence[T], Generic[T]):
     def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        program = self._items[index]  # IndexError as a list's
-        if program is None:
-            if self._make_all is not None and self._made >= EAGER_AFTER:
-                self.make_all()
-                return self._items[index]  # type: ignore[return-value]  # made now
-            program = self._items[index] = self._make(index % len(self))
-            self._made += 1
-        return program
+        item = self._items[index]  # IndexError as a list's
+        if item is None:
+            item = self._items[index] = self._make(index % len(self))
+        return item
 
-    def sample(self, indices: Iterable[int]) -> list[T]:
-        """The items at ``indices``, each missing one made alone by ``make`` (never by
-        ``make_all``) and not counted towards :data:`EAGER_AFTER`; kept as indexing keeps them.
-
-        Why: a reader of a bounded number of items (the text table's shown workers) must not
-        turn a plan of 1,024 ranks into the full lowering of all of them, which is what
-        indexing a ninth item does; the bound is the caller's to keep (a sample of every item
-        is W rank-local lowerings, slower than ``make_all``).
-        """
-        wanted = list(indices)
-        if self._reads is not None:
-            self._reads.sample(wanted)  # made here, so that make() finds them made
-        items: list[T] = []
-        for index in wanted:
-            item = self._items[index]  # IndexError as a list's
-            if item is None:
-                item = self._items[index] = self._make(index % len(self))
-            items.append(item)
-        return items
-
-    def make_all(self) -> None:
-        """Make every missing item at once by ``make_all`` (module docstring); items already
-        made (or set) stay as they are. Without ``make_all``, nothing."""
-        make_all = self._make_all
-        if make_all is None or None not in self._items:
-            return
-        items = make_all()  # may raise (a verified plan's dry run): then it stays to retry
-        self._make_all = None
-        for index, item in enumerate(items):
-            if self._items[index] is None:
-                self._items[index] = item
+    def make_all(self) -> LazyList[T]:
+        """Make every missing item (by ``make_all`` where given: one pass for all, else one by
+        one); items already made stay as they are. Returns this list, for chaining."""
+        if None not in self._items:
+            return self
+        if self._make_all is not None:
+            items = self._make_all()  # may raise (a verified plan's dry run): it stays to retry
+            self._make_all = None
+            for index, item in enumerate(items):
+                if self._items[index] is None:
+                    self._items[index] = item
+        for index in range(len(self)):
+            self[index]
+        return self
 
     def __iter__(self) -> Iterator[T]:
-        self.make_all()
-        return (self[rank] for rank in range(len(self)))
+        return (self[index] for index in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (LazyList, list)):
@@ -113,12 +84,14 @@ class LazyList(Sequence[T], Generic[T]):
 
     @property
     def lowered(self) -> int:
-        """How many items were made so far."""
+        """How many items are made so far."""
         return sum(item is not None for item in self._items)
 
     def __repr__(self) -> str:
         return f"LazyList({len(self)} items, {self.lowered} made)"
 
 
-LazyRanks = LazyList[list[Action]]
+def _made_whole(index: int) -> Any:
+    """``make`` of a list made whole (:meth:`LazyList.of`): never called."""
+    raise AssertionError(f"item {index} of a list made whole is missing")
 

@@ -35,6 +35,7 @@ from operator import itemgetter
 from typing import Mapping, Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.lower_build import SLOTS, Builder, Key
 from lightning_gsched.schedule.lower_flow import lower_data_flow
 from lightning_gsched.schedule.lower_ties import lower_ties
@@ -162,9 +163,10 @@ def programs_of(graph: StageGraph, table: PlacementTable, ranks: Sequence[list[A
     """:class:`Programs` of ``ranks`` (a list, or lowered per rank: :mod:`.lazy_ranks`) with
     the facts the runtime needs beside them (owners, stage graph, ties)."""
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
-    return Programs(ranks, table.stages, table.micro, list(table.owners),
-                    edges, forward_only=graph.forward_only,
-                    split_backward=graph.split_backward, ties=dict(ties or {}))
+    lazy = ranks if isinstance(ranks, LazyList) else LazyList.of(list(ranks))
+    return Programs(lazy, table.stages, table.micro, list(table.owners), edges,
+                    forward_only=graph.forward_only, split_backward=graph.split_backward,
+                    ties=dict(ties or {}), planned=True)
 
 
 def sends_into(rank: int, flow: list[list[Action]], flow_keys: list[list[int]],

@@ -337,6 +337,8 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
         raise ScheduleConfigError(
             f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
             "the plan's own plan(...).checkpointed")
+    if ranks is None:
+        programs.ranks.make_all()  # a reader of every rank: the full lowering at once
     rules = OpRules.of(programs)
     return [rank_memory(programs, sizes, r, checkpointed, sends_held, rules)
             for r in (range(programs.world_size) if ranks is None else ranks)]

@@ -106,13 +106,11 @@ def measure_lazily(programs: Programs, timeline: Timeline) -> PlanMetrics:
         total_busy += busy[rank]
     bubble = 1.0 - total_busy / capacity if capacity > 0 else 0.0
     def every() -> list[WorkerMetrics]:  # a reader of every row: every program at once
-        if isinstance(programs.ranks, LazyList):
-            programs.ranks.make_all()
+        programs.ranks.make_all()
         return [worker(rank) for rank in range(programs.world_size)]
 
-    ranks = programs.ranks if isinstance(programs.ranks, LazyList) else None
     return PlanMetrics(latency=latency, bubble_fraction=bubble,
-                       per_worker=LazyList(programs.world_size, worker, every, reads=ranks))
+                       per_worker=LazyList(programs.world_size, worker, every))
 
 
 def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:

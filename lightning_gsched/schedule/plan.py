@@ -120,16 +120,16 @@ class Plan:
         """The plan as one JSON object (``gsched plan --json``).
 
         ``workers``: list only these workers' metrics rows, each read off its own program
-        (:meth:`.LazyList.sample`), and leave out the timeline's slots and the programs
+        alone, and leave out the timeline's slots and the programs
         (``"complete": false``). Why: at W=1024 every rank's program is a minute's lowering
         and the timeline millions of slots; the shape, owners, caps and latency are not.
         None: every worker's row, every slot and every program (``"complete": true``).
         """
         out = self._summary_json()
+        if workers is None:
+            self.programs.ranks.make_all()  # every program: at once
         if workers is not None:
-            per_worker = self.metrics.per_worker
-            rows = (per_worker.sample(workers) if isinstance(per_worker, LazyList)
-                    else [per_worker[w] for w in workers])
+            rows = [self.metrics.per_worker[w] for w in workers]
             return {**out, "complete": False, "per_worker": [m.as_dict() for m in rows]}
         return {
             **out,
@@ -469,7 +469,7 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
                 full = lower(graph, table, timeline, fetch_window, ties)
                 if verify:
                     dry_run(full)
-                return full.ranks  # type: ignore[return-value]  # lower() gives a list
+                return list(full.ranks)
 
         programs = programs_of(graph, table, LazyList(W, make, every), ties)
         metrics = measure_lazily(programs, timeline)

@@ -53,6 +53,7 @@ from enum import Enum
 from typing import Literal, NamedTuple, Sequence
 
 from lightning_gsched.errors import ProgramError
+from lightning_gsched.schedule.lazy_ranks import LazyList
 
 
 class Op(str, Enum):
@@ -351,9 +352,16 @@ class Programs:
     gradient) then ``W`` (weight gradient) of the same (stage, microbatch) on the same rank; the
     stash lives until ``W``. ``ties``: tie home stage -> its reader stages (home included);
     a tie is owned by ``owners[home]``.
+
+    ``ranks`` is always a :class:`~.lazy_ranks.LazyList` (a list given here is wrapped, all
+    made): a program is made when first read; ``ranks.make_all()`` where a reader needs every
+    one. ``planned``: made by the planner's lowering (:func:`.lower.programs_of`), whose every
+    all-reduce group is a replicated stage's owners and whose forward-only plans hold only
+    forward ops; a reader may then answer from those facts instead of reading every program
+    (the runtime's start-up at large W does).
     """
 
-    ranks: Sequence[list[Action]]  # a list, or LazyRanks: lowered per rank when first read
+    ranks: LazyList[list[Action]]  # a list given here is wrapped: every item made
     num_stages: int
     num_micro: int
     owners: list[tuple[int, ...]]
@@ -365,6 +373,12 @@ class Programs:
     # (the owners list it was built from, rank -> owned stages): see owned_stages
     _owned_index: tuple[list[tuple[int, ...]], dict[int, list[int]]] | None = field(
         default=None, init=False, repr=False, compare=False)
+    planned: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ranks: Sequence[list[Action]] = self.ranks  # a caller's list is accepted too
+        if not isinstance(ranks, LazyList):
+            self.ranks = LazyList.of(list(ranks))
 
     @property
     def world_size(self) -> int:

@@ -47,6 +47,7 @@ class Walker:
     """Runs every rank's program with a handler; ranks wait on keys until woken."""
 
     def __init__(self, programs: Programs) -> None:
+        programs.ranks.make_all()  # walks every rank: the full lowering at once
         self.programs = programs
         self.pc = [0] * programs.world_size
         self._waiters: dict[Hashable, list[int]] = defaultdict(list)
