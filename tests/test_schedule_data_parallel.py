@@ -267,3 +267,23 @@ def test_large_w_plans_one_replica_and_lowers_one_rank() -> None:
     made = getattr(p.programs.ranks, "made", None)
     if made is not None:
         assert made <= 2
+
+
+def test_gsched_plan_shows_what_sharding_saves_against_replicating() -> None:
+    """With stage bytes, a sharded plan's text says each rank's owned bytes at rest against
+    the same placement replicated (where a rank owns every stage it computes), and the bytes
+    model agrees: the sharded plan's ranks hold less at rest."""
+    from lightning_gsched.schedule.describe import describe
+    from lightning_gsched.schedule.memory import resident_bytes
+
+    sharded = plan("1f1b", 4, data_parallel_size=2, data_parallel="shard")
+    replicated = plan("1f1b", 4, stages=sharded.stages, data_parallel_size=2)
+    stage_bytes = [1000 * (s + 1) for s in range(sharded.stages)]
+    line = describe(sharded, stage_bytes).splitlines()[2]
+    assert line.startswith("sharded over 2 replicas: each rank owns")
+    ours = resident_bytes(sharded.programs, stage_bytes)
+    theirs = resident_bytes(replicated.programs, stage_bytes)
+    assert max(r.owned for r in ours) < max(r.owned for r in theirs)
+    saved = 1 - max(r.owned for r in ours) / max(r.owned for r in theirs)
+    assert f"{saved:.0%} less on the largest rank" in line
+    assert "sharded over" not in describe(replicated, stage_bytes)

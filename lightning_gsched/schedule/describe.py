@@ -137,10 +137,27 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         header += ["tie fetch/serve", "tie reduce out/in", "tie allreduce"]
     if stage_bytes is not None:
         header += ["owned bytes", "peak bytes"]
+    if stage_bytes is not None and result.data_parallel == "shard":
+        head += "\n" + shard_saving(result, stage_bytes)
     if listed_workers(result.workers) is not None:
         return head + "\n" + _sampled_table(result, header, stage_bytes, tie_bytes)
     rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
     return head + "\n" + text_table(_fit_rows(rows), header)
+
+
+def shard_saving(result: Plan, stage_bytes: Sequence[int]) -> str:
+    """What sharding over the replicas saves at rest: each rank's owned parameter bytes (its
+    gradients and optimizer state scale alike) against the same plan replicated, where a rank
+    owns every stage it computes (read off the placement table: no second plan)."""
+    table = result.table
+    ranks = listed_workers(result.workers) or range(result.workers)
+    owned = [sum(stage_bytes[s] for s in table.owned_stages(r)) for r in ranks]
+    replicated = [sum(stage_bytes[s] for s in table.computed_stages(r)) for r in ranks]
+    saved = 1 - max(owned) / max(replicated) if max(replicated) else 0.0
+    return (f"sharded over {result.data_parallel_size} replicas: each rank owns "
+            f"{span(owned, byte_text)} of parameters at rest (gradients and optimizer state "
+            f"alike), replicated it would own {span(replicated, byte_text)}: "
+            f"{saved:.0%} less on the largest rank")
 
 
 FOLD_FROM = 17  # workers: from here on, equal rows of consecutive workers are one row
