@@ -129,6 +129,13 @@ class StageGraph:
         return all_jobs(self.num_stages, num_micro, self.forward_only, self.split_backward)
 
 
+def weight_grad_phase(split_backward: bool) -> Phase:
+    """The job that ends a backward: it accumulates the stage's weight gradients and releases
+    the stash of its (stage, microbatch). W when the backward is split, else B. The one place
+    this rule is written (the simulator, the lowering, the proof, the program IR read it)."""
+    return Phase.W if split_backward else Phase.B
+
+
 def phases_of(forward_only: bool = False, split_backward: bool = False) -> tuple[Phase, ...]:
     """The phases of every (stage, microbatch): F; F, B; or F, B, W."""
     if forward_only:

@@ -34,7 +34,7 @@ from collections.abc import Collection
 from operator import itemgetter
 from typing import Mapping, Sequence
 
-from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.jobs import Phase, StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.lower_build import SLOTS, Builder, Key
 from lightning_gsched.schedule.lower_flow import lower_data_flow
@@ -63,7 +63,7 @@ class Lowering:
         self.graph, self.table, self.timeline = graph, table, timeline
         self.fetch_window = fetch_window
         self.ties = dict(ties or {})
-        self.grad_phase = Phase.W if graph.split_backward else Phase.B
+        self.grad_phase = weight_grad_phase(graph.split_backward)
         self.weights = WeightLowering(table, timeline, self.grad_phase, fetch_window)
         self._starts: dict[int, list[float]] = {}  # start times by worker, shared by builders
         self._ops = [_COMPUTE_OP[d] for d in timeline.phases]

@@ -53,6 +53,7 @@ from enum import Enum
 from typing import Literal, NamedTuple, Sequence
 
 from lightning_gsched.errors import ProgramError
+from lightning_gsched.schedule.jobs import weight_grad_phase
 from lightning_gsched.schedule.lazy_ranks import LazyList
 
 
@@ -204,9 +205,7 @@ def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
     """The compute that accumulates a stage's weight gradients and releases the stash of its
     (stage, microbatch): W when the backward is split, else B; None when forward-only (nothing
     is stashed, no gradient exists). Read through ``schedule/consumption.py``'s rules."""
-    if forward_only:
-        return None
-    return Op.W if split_backward else Op.B
+    return None if forward_only else Op(weight_grad_phase(split_backward).value)
 
 
 class Action(NamedTuple):

@@ -95,7 +95,7 @@ import numpy as np
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.dryrun_rank import Shared, check_rank
-from lightning_gsched.schedule.jobs import StageGraph
+from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -202,7 +202,7 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
     W = len(timeline.order)
     P, B = len(timeline.phases), lowering.table.micro
     phase = {op: k for k, op in enumerate((Op.F, Op.B, Op.W)[:P])}
-    grad_op = (Op.F, Op.B, Op.W)[P - 1]  # accumulates weight gradients (B, or W when split)
+    grad_op = Op(weight_grad_phase(P == 3).value)  # the job that ends a backward
     empty: list[Action] = []
 
     def make(rank: int) -> list[Action]:
@@ -234,7 +234,7 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
             index, consumed = event[0], event[1]
             action = program[index]
             if len(event) == 4:
-                _check_allreduce(rank, program, index, consumed, phase[grad_op])
+                _check_allreduce(rank, program, index, consumed, grad_op)
                 continue
             t = start[(action[1] * B + action[2]) * P + phase[action[0]]]
             for channel, k in consumed:
@@ -252,12 +252,11 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
 
 
 def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list[Any],
-                     grad_k: int) -> None:
+                     grad_op: Op) -> None:
     """The lemma's premise for an all-reduce (module docstring): the compute before it is this
     rank's last weight-gradient job of its stage, with no other all-reduce in between, and
     it waits for no gradient message."""
     action = program[index]
-    grad_op = (Op.F, Op.B, Op.W)[grad_k]
     stage = action[1]
     before = index - 1
     while before >= 0 and program[before][0] not in (Op.F, Op.B, Op.W):

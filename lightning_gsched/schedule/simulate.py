@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
-from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
+from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, weight_grad_phase
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.priorities import inverse
 from lightning_gsched.schedule.replicas import ReplicaLayout
@@ -247,7 +247,7 @@ def simulate(
     workers = [_Worker(caps[w], P) for w in range(W)]
     compute = table.compute
     duration = [costs.by_phase()[d] for d in graph.phases]
-    release = _PHASE_INDEX[Phase.W if graph.split_backward else Phase.B]
+    release = _PHASE_INDEX[weight_grad_phase(graph.split_backward)]
     heappush, heappop = heapq.heappush, heapq.heappop
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
     job_of = inverse(list(ranks))  # rank -> flat job index
