@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from operator import itemgetter
-from typing import Any, Collection
+from typing import Any, Collection, Sequence, TypeVar
 
 from lightning_gsched.schedule.program import (
     RECV_OPS,
@@ -54,6 +54,20 @@ CATEGORY = {
 # (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
 # make_fifo had to reorder
 Key = tuple[Any, ...]
+P = TypeVar("P", int, Key)  # a post's place: a small int key (the data flow) or a full key
+
+
+def fifo_places(posts_in_send_order: Sequence[P]) -> list[P]:
+    """The FIFO rule, one place for both families of actions: a channel's receives, listed in
+    the order of the sends they match, each take the earliest of its own post and the posts of
+    every later send (a suffix minimum). So posts only ever move earlier, and a moved receive
+    goes right before the receive it overtakes (its *anchor*), several movers of one anchor
+    in their sends' order."""
+    places: list[P] = list(posts_in_send_order)
+    for k in range(len(places) - 2, -1, -1):
+        if places[k + 1] < places[k]:
+            places[k] = places[k + 1]
+    return places
 
 
 class Builder:
@@ -111,11 +125,10 @@ class Builder:
     def make_fifo(self) -> None:
         """Post receives in each channel's send order by moving posts earlier where needed.
 
-        For the actions of :meth:`put` (the data flow's channels are fixed as they are made,
-        :func:`~.lower_flow.fifo_posts`, by the same rule). The k-th send of a message on a
-        channel matches the k-th receive of that message (weights of one stage may be fetched
-        several times). Walking the sends from last to first, each matched receive takes the
-        smaller of its own key and the key of the receive after it, so posts only move earlier.
+        For the actions of :meth:`put` (the data flow fixes its channels as they are made, by
+        the same rule: :func:`fifo_places`). The k-th send of a message on a channel matches
+        the k-th receive of that message (weights of one stage may be fetched several times);
+        each matched receive's key becomes its place, then its send position breaks ties.
         """
         second = itemgetter(1)
         for channel, sent in self.sends.items():
@@ -134,16 +147,12 @@ class Builder:
                 matched = [waiting[ident].pop() if waiting[ident] else None
                            for _, ident in sent]
             entries = self.entries[channel.dst]
-            running: Key | None = None
-            for position in reversed(range(len(matched))):
-                recv_index = matched[position]
-                if recv_index is None:
-                    continue  # left unmatched on purpose: the dry run reports it
-                key, recv = entries[recv_index]  # its own 4-part key: matched once
-                if running is not None and key > running:
-                    key = running
-                running = key
-                entries[recv_index] = (key + (position,), recv)
+            # unmatched receives are left as they are on purpose: the dry run reports them
+            kept = [(position, index) for position, index in enumerate(matched)
+                    if index is not None]
+            places = fifo_places([entries[index][0] for _, index in kept])
+            for (position, index), key in zip(kept, places, strict=True):
+                entries[index] = (key + (position,), entries[index][1])
 
     def program(self, rank: int, computes: list[Action]) -> list[Action]:
         """One rank's program: its ``computes`` (in its order) merged with its other actions.

@@ -13,7 +13,12 @@ from collections import defaultdict
 from typing import Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph
-from lightning_gsched.schedule.lower_build import RECV_CATEGORY, SEND_CATEGORY, SLOTS
+from lightning_gsched.schedule.lower_build import (
+    RECV_CATEGORY,
+    SEND_CATEGORY,
+    SLOTS,
+    fifo_places,
+)
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import Action, Op
 from lightning_gsched.schedule.simulate import Timeline
@@ -100,14 +105,14 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
 
 def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
                 positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
-    """Post one consumer's receives in each channel's send order (the rule of ``Builder.make_fifo``, :mod:`.lower_build`).
+    """Post one consumer's receives in each channel's send order (:func:`.lower_build.fifo_places`,
+    the rule ``Builder.make_fifo`` applies too).
 
     A channel source -> consumer is in order when its producers' positions (the sends' order on
-    the source: one send per producing compute) increase along its posts; the usual case. Else,
-    walking the sends from last to first, a receive posted after the earliest receive of a later
-    send moves to just before that one (the *anchor*: it takes the anchor's place and key;
-    several movers of one anchor keep their send order), so posts only move earlier.
-    ``mine[first_post:]`` holds this consumer's receives in post order; moves rewrite it.
+    the source: one send per producing compute) increase along its posts; the usual case. Else
+    each receive takes its place (an index in ``mine``): a receive that moves goes right before
+    its anchor and takes the anchor's key. ``mine[first_post:]`` holds this consumer's
+    receives in post order; moves rewrite it.
     """
     movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
     moved: set[int] = set()
@@ -116,14 +121,12 @@ def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
             continue
         source_posts = posts[source]
         send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)
-        running = len(send_order)  # the earliest post (index in post order) of a later send
-        for place in reversed(range(len(send_order))):
-            post = send_order[place]
-            if post > running:
-                movers.setdefault(source_posts[running], []).append((place, source_posts[post]))
-                moved.add(source_posts[post])
-            else:
-                running = post
+        in_send_order = [source_posts[post] for post in send_order]
+        for place, (post, anchor) in enumerate(zip(in_send_order, fifo_places(in_send_order),
+                                                   strict=True)):
+            if anchor != post:
+                movers.setdefault(anchor, []).append((place, post))
+                moved.add(post)
     if not moved:
         return
     actions: list[Action] = []
