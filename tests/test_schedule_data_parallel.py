@@ -244,6 +244,9 @@ def test_the_replica_layout() -> None:
      r"stages S=6 must be a positive multiple of 2W=4"),
     ({"schedule": "1f1b", "workers": 4, "cap": [1, 2, 3, 4], "data_parallel_size": 2},
      r"cap list has 4 entries but there are W=2 workers"),
+    ({"schedule": "1f1b", "workers": 4, "data_parallel_size": 2, "data_parallel": "shard",
+      "checkpoint_activations": [True, False]},
+     r"needs S=4 values.*data_parallel='shard' grew the schedule's default S to 4.*stages="),
 ])
 def test_bad_input_names_the_values_and_the_choices(kwargs: dict, match: str) -> None:
     with pytest.raises(ScheduleConfigError, match=match):
@@ -287,3 +290,15 @@ def test_gsched_plan_shows_what_sharding_saves_against_replicating() -> None:
     saved = 1 - max(r.owned for r in ours) / max(r.owned for r in theirs)
     assert f"{saved:.0%} less on the largest rank" in line
     assert "sharded over" not in describe(replicated, stage_bytes)
+
+
+def test_a_fetch_window_below_the_stages_a_sharded_rank_holds_is_refused() -> None:
+    """Sharded, a rank holds every stage it fetches for the step (3 at G=4): a window of 1 or
+    2 would make a fetch wait for a free at the step's end; a window of 3 is the plan itself."""
+    for window in (1, 2):
+        with pytest.raises(ScheduleConfigError, match=rf"fetch_window={window} is not valid "
+                           r"with data_parallel='shard'.*\(3 here\).*at least 3"):
+            plan("1f1b", 8, data_parallel_size=4, data_parallel="shard", fetch_window=window)
+    held = plan("1f1b", 8, data_parallel_size=4, data_parallel="shard", fetch_window=3)
+    plain = plan("1f1b", 8, data_parallel_size=4, data_parallel="shard")
+    assert held.programs.ranks[0] == plain.programs.ranks[0]

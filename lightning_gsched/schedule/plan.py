@@ -372,15 +372,16 @@ def _prepare(arguments: ScheduleArguments, workers: int,
         B *= G
     split = validate.flag("split_backward", split) and not forward_only
     check_size(name, W, S, B, 1 if forward_only else 3 if split else 2)
-    # forward-only plans of a split schedule share its arguments; they run no W to cost
-    costs = Costs.build(S, a.forward_cost, a.backward_cost,
-                        None if forward_only else a.weight_cost, split)
-    checkpointed = validate.per_stage_flags("checkpoint_activations", a.checkpoint_activations,
-                                            S)
+    with _sharding_grew(a, S):  # per-stage arguments against the S the plan has
+        # forward-only plans of a split schedule share its arguments; they run no W to cost
+        costs = Costs.build(S, a.forward_cost, a.backward_cost,
+                            None if forward_only else a.weight_cost, split)
+        checkpointed = validate.per_stage_flags("checkpoint_activations",
+                                                a.checkpoint_activations, S)
+        tie_map = validate.ties(a.ties, S)
     if forward_only:  # no backward: nothing is stashed, nothing recomputed
         checkpointed = (False,) * S
     costs = costs.with_recompute(checkpointed)
-    tie_map = validate.ties(a.ties, S)
     require_chain(S, edges)  # the runtime runs chains only: refuse other graphs up front
     return _Prepared(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges,
                      bool(forward_only), split, uses_default_cap, checkpointed,
@@ -400,6 +401,20 @@ def _replica_shape(name: str, P: int, G: int, a: ScheduleArguments
         per_worker = max(1, S // P)
         S *= G // math.gcd(per_worker, G)
     return S, B, R
+
+
+@contextmanager
+def _sharding_grew(a: ScheduleArguments, S: int) -> Iterator[None]:
+    """A per-stage argument's error says, where ``data_parallel='shard'`` grew the default S
+    (:func:`_replica_shape`), that S is the grown one and how to fix it."""
+    try:
+        yield
+    except ScheduleConfigError as exc:
+        if a.data_parallel != "shard" or a.stages is not None or a.placement is not None:
+            raise
+        raise type(exc)(
+            f"{exc} (data_parallel='shard' grew the schedule's default S to {S} so that every "
+            "rank of a stage's column owns as many stages; give stages= to choose S)") from None
 
 
 def _on_replicas(check: Callable[..., T], P: int, G: int) -> Callable[..., T]:
@@ -426,6 +441,8 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
     graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split_backward)
     table = PlacementTable(placement_fn, W, S, B)  # both phases: owners as in training
+    if table.hold_fetched_for_step and fetch_window is not None:
+        _check_window_holds_step(table, fetch_window)
     # by group symmetry where that is exact (symmetry.py), else the full simulation
     run = make_simulator(graph, table, placement_fn, priority_fn, costs)
     timeline: Timeline | None = None
@@ -480,6 +497,19 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
         metrics = measure(programs, timeline)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
                 forward_only, checkpointed, fetch_window, G, mode)
+
+
+def _check_window_holds_step(table: PlacementTable, fetch_window: int) -> None:
+    """A placement that holds fetched stages for the step (data_parallel='shard') holds every
+    stage a rank fetches at once; a smaller ``fetch_window`` cannot be met (its fetches would
+    wait for frees at the step's end, after the computes that need them)."""
+    fetched = max((len(table.computed_stages(w) - set(table.owned_stages(w)))
+                   for w in range(table.workers)), default=0)
+    if fetch_window < fetched:
+        raise ScheduleConfigError(
+            f"fetch_window={fetch_window} is not valid with data_parallel='shard': a rank holds "
+            f"every stage it fetches for the whole step ({fetched} here), so the window must "
+            f"be at least {fetched}; drop fetch_window, or use data_parallel='replicate'")
 
 
 def _jobs_per_worker(table: PlacementTable) -> list[int]:
