@@ -115,7 +115,7 @@ def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     collective).
 
     The planner's programs (``Programs.planned``) make every all-reduce group of a replicated
-    stage's or tie home's owners (``lower_weights.py``, ``lower_ties.py``), so
+    stage's or tie home's owners (``lower_weights.py``), so
     :func:`owner_groups` is the list, read without lowering any program (scanning them would
     lower all W on every rank: a minute and gigabytes at W=1024). Other programs (parsed or
     hand-written) are scanned too, so a group that is not a stage's owners still gets its

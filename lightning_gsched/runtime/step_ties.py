@@ -1,7 +1,7 @@
 """The tie actions of one step: fetch, serve, free, reduce, receive and all-reduce a tie.
 
 Why a module of its own: a tie (tied weights, one flat unit per home stage, see
-``schedule/lower_ties.py``) behaves like a stage's weights with another residency rule, and
+``schedule/lower_weights.py``) behaves like a stage's weights with another residency rule, and
 the step's stage actions (:mod:`.step`) stay as they are. :class:`TieSteps` is mixed into
 :class:`~.step.StepRun`; it reads the executor's ``ties`` (``{home: FlatStage}``) and the step's
 transport, channels and counters; what a tie's messages do is shared with the stages'

@@ -3,8 +3,8 @@
 Why one class for two kinds: a stage's weights (``FETCH_W`` ... ``RECV_G``, ``ALLREDUCE_G``) and
 a tie's (``FETCH_T`` ... ``RECV_T``, ``ALLREDUCE_T``) are both flat units (:class:`.flat.FlatStage`)
 that a rank owns or fetches, frees, hands gradients back from and sums received gradients into;
-only the residency rule the planner applies differs (``schedule/lower.py`` vs
-``schedule/lower_ties.py``), not what each action does. :class:`UnitTraffic` holds one kind's
+only the residency rule the planner applies differs (``schedule/lower_weights.py``: per run,
+or held for the step), not what each action does. :class:`UnitTraffic` holds one kind's
 per-step state (posted fetches, pending gradient receives, started all-reduces) and does those
 actions; the step (:mod:`.step`, :mod:`.step_ties`) routes each op to the right instance and
 keeps what is particular to a kind (bucketed all-reduces of stages, counters).

@@ -9,7 +9,8 @@ inserts communication and weight residency:
   the transfer overlaps that compute (the seed's prefetch thread): :mod:`.lower_flow`;
 - weights: fetched per run of a non-owned stage, served and reduced by its owner, replicas
   all-reduced after their last gradient job: :mod:`.lower_weights`;
-- tied weights: their own fetch, hold and reduction rule, :mod:`.lower_ties`.
+- tied weights: a weight unit held for the step by a rank computing a reader stage it does
+  not own, by the same rules and their own ops (``*_T``): :mod:`.lower_weights`.
 
 A forward-only timeline (``graph.forward_only``) lowers to forwards, activation messages and
 weight fetches only. Every channel is made FIFO-consistent: receives are posted in the order the
@@ -38,7 +39,6 @@ from lightning_gsched.schedule.jobs import Phase, StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.lower_build import SLOTS, Builder, Key
 from lightning_gsched.schedule.lower_flow import lower_data_flow
-from lightning_gsched.schedule.lower_ties import lower_ties
 from lightning_gsched.schedule.lower_weights import WeightLowering
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -93,10 +93,7 @@ class Lowering:
         visit, indexed = self._flow_workers(keep)
         lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys, visit,
                         indexed)
-        self.weights.lower(build, self.graph.forward_only)
-        if self.ties:
-            lower_ties(self.ties, table, timeline, build, self.grad_phase,
-                       self.graph.forward_only)
+        self.weights.lower(build, self.graph.forward_only, self.ties)
         build.make_fifo()
         return build
 
@@ -152,7 +149,7 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
     ``fetch_window``: the most fetched stages a worker may hold at once (None: no limit beyond
     the one-compute-early prefetch, which never holds more than two, so 2 or more is the same).
     ``ties``: tied weights, ``{home stage: reader stages}`` (validated), lowered by
-    :func:`~lightning_gsched.schedule.lower_ties.lower_ties`.
+    :mod:`.lower_weights` as weight units held for the step.
     """
     ranks = Lowering(graph, table, timeline, fetch_window, ties).programs()
     return programs_of(graph, table, ranks, ties)

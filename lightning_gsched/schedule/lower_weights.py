@@ -22,7 +22,8 @@ whichever ranks are kept.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from dataclasses import dataclass
+from typing import Collection, Mapping, Sequence
 
 from lightning_gsched.schedule.jobs import Phase
 from lightning_gsched.schedule.lower_build import Builder
@@ -31,6 +32,25 @@ from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.simulate import Timeline
 
 Run = tuple[int, int, int, int]  # (stage, first position, last position, fetch gap)
+
+
+@dataclass(frozen=True)
+class UnitOps:
+    """The ops of one kind of weight unit: a stage's weights, or a tie (weights several stages
+    read, named by its home stage). Both are fetched, served, freed, reduced to the owner and
+    all-reduced over their owners by the same rules; only the ops (and so the runtime's
+    buffers) differ."""
+
+    fetch: Op
+    serve: Op
+    free: Op
+    reduce: Op
+    recv: Op
+    allreduce: Op
+
+
+STAGE_OPS = UnitOps(Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G)
+TIE_OPS = UnitOps(Op.FETCH_T, Op.SEND_T, Op.FREE_T, Op.REDUCE_T, Op.RECV_T, Op.ALLREDUCE_T)
 
 
 def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, int]]:
@@ -78,11 +98,15 @@ class WeightLowering:
         self._fetchers: dict[int, list[int]] | None = None
         self._groups: dict[int, RankGroup] = {}
 
-    def lower(self, build: Builder, forward_only: bool) -> None:
-        """Fetches, serves, frees and reductions, then the replicas' all-reduces."""
+    def lower(self, build: Builder, forward_only: bool,
+              ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
+        """Fetches, serves, frees and reductions, then the replicas' all-reduces; then the
+        ties' (:meth:`_ties`)."""
         reduce_gaps = self._fetched(build)
         if not forward_only:
             self._allreduce(build, reduce_gaps)
+        for home, readers in (ties or {}).items():
+            self._tie(build, home, set(readers), forward_only)
 
     def _fetched(self, build: Builder) -> dict[tuple[int, int], int]:
         """Every fetched run that concerns a kept rank (its own, and those it serves); returns
@@ -194,24 +218,73 @@ class WeightLowering:
                 build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
 
 
+    def _tie(self, build: Builder, home: int, readers: set[int], forward_only: bool) -> None:
+        """A tie (weights the ``readers`` stages share, owned with ``home``) as a weight unit
+        held for the step: a non-owner computing reader jobs fetches it before its first one
+        (from the owner it fetches ``home`` from, else the first owner) and holds it to its
+        last, when it hands back the gradient; owners all-reduce it after their last reader
+        gradient job and every gradient they receive. A tie is typically read at both ends of
+        the model: fetched per run it would travel many times."""
+        table, timeline = self.table, self.timeline
+        P = len(timeline.phases)
+        BP = table.micro * P
+        owners = table.owners[home]
+        end = timeline.end
+        recv_gaps: dict[tuple[int, int], int] = {}
+        own_last: dict[int, tuple[int, float]] = {}  # owner -> (gap after, time)
+        for worker, order in enumerate(timeline.order):  # flat job indices, in order
+            jobs = [i for i, flat in enumerate(order) if flat // BP in readers]
+            if not jobs:
+                continue
+            grads = [] if forward_only else [i for i in jobs if order[i] % P == self.grad_k]
+            if worker in owners:
+                if grads:
+                    own_last[worker] = (grads[-1] + 1, end[order[grads[-1]]])
+                continue
+            source = table.fetch_source.get((home, worker), owners[0])
+            # the last reader job of a training step is a gradient job (every F is followed by
+            # its B, and a split B by its W, on the same worker): the run ends with the reduce
+            put_unit_run(timeline, build, worker, home, source, jobs[0], jobs[-1],
+                         max(jobs[0] - 1, 0), bool(grads), recv_gaps, TIE_OPS)
+        if len(owners) < 2 or forward_only:
+            return
+        group = RankGroup(owners)  # one object for all members: hashed once
+        for owner in group:
+            gap, time = own_last.get(owner, (0, 0.0))
+            gap = max(gap, recv_gaps.get((owner, home), 0))
+            build.put(owner, gap, time, Action(Op.ALLREDUCE_T, home, None, None, group))
+
+
 def put_run(table: PlacementTable, timeline: Timeline, build: Builder, worker: int,
             stage: int, i: int, j: int, fetch_gap: int, grad_k: int,
             reduce_gaps: dict[tuple[int, int], int]) -> None:
-    """The actions of one fetched run: ``worker`` computes ``stage`` at positions i..j of its
-    order (other stages' computes too, in a whole-step run); fetched at ``fetch_gap``."""
+    """The actions of one fetched run of a stage: ``worker`` computes ``stage`` at positions
+    i..j of its order (other stages' computes too, in a whole-step run); fetched at
+    ``fetch_gap``, reduced if a job of the run accumulates the stage's weight gradients."""
     jobs = timeline.order[worker]
     P = len(timeline.phases)
-    owner = table.fetch_source[(stage, worker)]
-    prefetch_time = timeline.start[jobs[fetch_gap]] if i > 0 else 0.0
-    build.put(worker, fetch_gap, prefetch_time, Action(Op.FETCH_W, stage, None, owner))
-    build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
-              Action(Op.SEND_W, stage, None, worker))
-    run_end = timeline.end[jobs[j]]
     BP = table.micro * P
-    if any(jobs[k] % P == grad_k and jobs[k] // BP == stage for k in range(i, j + 1)):
-        build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, stage, None, owner))
+    reduces = any(jobs[k] % P == grad_k and jobs[k] // BP == stage for k in range(i, j + 1))
+    put_unit_run(timeline, build, worker, stage, table.fetch_source[(stage, worker)], i, j,
+                 fetch_gap, reduces, reduce_gaps, STAGE_OPS)
+
+
+def put_unit_run(timeline: Timeline, build: Builder, worker: int, unit: int, owner: int,
+                 i: int, j: int, fetch_gap: int, reduces: bool,
+                 reduce_gaps: dict[tuple[int, int], int], ops: UnitOps) -> None:
+    """A weight unit held by ``worker`` from its compute i to j: the fetch (posted at
+    ``fetch_gap``) and the owner's serve at the simulated time it is needed, then, after the
+    run, the gradient handed to the owner (``reduces``) and the free."""
+    jobs = timeline.order[worker]
+    prefetch_time = timeline.start[jobs[fetch_gap]] if i > 0 else 0.0
+    build.put(worker, fetch_gap, prefetch_time, Action(ops.fetch, unit, None, owner))
+    build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
+              Action(ops.serve, unit, None, worker))
+    run_end = timeline.end[jobs[j]]
+    if reduces:
+        build.put(worker, j + 1, run_end, Action(ops.reduce, unit, None, owner))
         gap = build.gap_at(owner, run_end)
-        build.put(owner, gap, run_end, Action(Op.RECV_G, stage, None, worker))
-        key = (owner, stage)
+        build.put(owner, gap, run_end, Action(ops.recv, unit, None, worker))
+        key = (owner, unit)
         reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
-    build.put(worker, j + 1, run_end, Action(Op.FREE_W, stage))
+    build.put(worker, j + 1, run_end, Action(ops.free, unit))

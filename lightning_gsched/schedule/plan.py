@@ -227,7 +227,7 @@ def plan(
     ``partition(...).shared_parameters.values()``); each is owned with its home stage (the
     lowest that reads it), fetched and held for the step by a rank that computes a reader
     without owning it, and its gradient reduced to the owners (``FETCH_T``/``REDUCE_T``/
-    ``ALLREDUCE_T``; see :mod:`.lower_ties`).
+    ``ALLREDUCE_T``; see :mod:`.lower_weights`).
 
     ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each (a pipeline
     composed with data parallelism, :mod:`.data_parallel`): the schedule's defaults (S, B, cap,

@@ -28,7 +28,7 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
   ``recv_time(bytes)``;
 * ``ALLREDUCE_G`` of stage s among n ranks: asynchronous, started when every member has reached
   it, finished ``allreduce_time(grads bytes, n)`` later;
-* ties (``plan.ties``, see :mod:`.lower_ties`) are charged like stage weights: ``SEND_T`` and
+* ties (``plan.ties``, see :mod:`.lower_weights`) are charged like stage weights: ``SEND_T`` and
   ``REDUCE_T`` carry the tie's parameter and gradient bytes (``sizes.ties``), a ``FETCH_T`` is
   consumed by the first compute of a stage reading the tie (or its ``FREE_T``), ``RECV_T`` by
   ``ALLREDUCE_T`` or the end of the step, and ``ALLREDUCE_T`` takes ``allreduce_time`` of the
