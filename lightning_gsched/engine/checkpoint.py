@@ -38,11 +38,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, cast
 
-import torch
-from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
 from torch import nn
 from torch.optim import Optimizer
 
@@ -50,7 +49,7 @@ from lightning_gsched.engine import checkpoint_check, checkpoint_files, checkpoi
 from lightning_gsched.engine.checkpoint_files import StreamStats
 from lightning_gsched.engine.checkpoint_sharded import DeferredRestore
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.runtime import ModelRuntime, StreamedTensor, is_deferred
+from lightning_gsched.runtime import ModelRuntime, is_deferred
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -92,11 +91,11 @@ class CheckpointView:
         return self.module is not None and self.runtime is None and is_deferred(self.module)
 
 
-def check_stream_checkpoint(stream_checkpoint: Any) -> Any:
+def check_stream_checkpoint(stream_checkpoint: Any) -> bool | str:
     """``stream_checkpoint``: a bool or ``"auto"`` (both front ends)."""
     if stream_checkpoint != "auto":
         validate.flag("stream_checkpoint", stream_checkpoint, StrategyConfigError)
-    return stream_checkpoint
+    return cast("bool | str", stream_checkpoint)
 
 
 class CheckpointService:
@@ -122,7 +121,7 @@ class CheckpointService:
                 "'sharded' (a torch.distributed.checkpoint directory); e.g. "
                 "state_dict_type='full'")
         self.state_dict_type = state_dict_type
-        self.stream_checkpoint = check_stream_checkpoint(stream_checkpoint)
+        self.stream_checkpoint: bool | str = check_stream_checkpoint(stream_checkpoint)
         self.default_io = default_io
         self.what = what
         self.restore: DeferredRestore | None = None
@@ -208,12 +207,8 @@ class CheckpointService:
                                                                    runtime.stream)
             elif local:
                 runtime.stream(None)
-            else:
-                if view.rank == 0:
-                    checkpoint = _filled(checkpoint, _collect(runtime))
-                else:
-                    runtime.stream(None)
-                hand_on(checkpoint)
+            else:  # rank 0 keeps every tensor and fills the placeholders in
+                hand_on(runtime.stream_kept(checkpoint))
             return
         if not local:
             hand_on(checkpoint)
@@ -224,7 +219,7 @@ class CheckpointService:
 
     def read(self, view: CheckpointView, path: Any, weights_only: bool | None,
              read_default: Callable[[], Any], fabric_state: Any = None,
-             strict: bool = True) -> Any:
+             strict: bool = True) -> StateDict:
         """Read the checkpoint at ``path`` on every rank (collective). A local path is checked
         and agreed first (:mod:`.checkpoint_check`: ``ckpt_path``'s Lightning checkpoint, or
         ``fabric.load(path, fabric_state, strict)``'s dict). ``read_default()``: the front
@@ -245,7 +240,7 @@ class CheckpointService:
             return read_default()
 
         if not _is_local(name):
-            return read()
+            return cast(StateDict, read())
 
         def check(checkpoint: Any) -> str | None:
             if self.what != checkpoint_check.TRAINER:
@@ -256,7 +251,8 @@ class CheckpointService:
                                                  _module(view))
             return checkpoint_check.lightning_problem(name, checkpoint, view.module)
 
-        return checkpoint_check.load_checked(name, read, check, view.timeout, self.what)
+        return cast(StateDict, checkpoint_check.load_checked(name, read, check, view.timeout,
+                                                            self.what))
 
     def load_model_state(self, view: CheckpointView, state_dict: Mapping[str, Any],
                          strict: bool) -> None:
@@ -336,32 +332,3 @@ def _module(view: CheckpointView) -> nn.Module:
 def _is_local(path: Any) -> bool:
     filesystem, _ = url_to_fs(str(path))
     return isinstance(filesystem, LocalFileSystem)
-
-
-def _collect(runtime: ModelRuntime) -> dict[int, torch.Tensor]:
-    """Rank 0: every streamed tensor kept (copies), by ``id(placeholder)``: for a checkpoint
-    written by other means (a user's CheckpointIO, a remote path); this holds them all."""
-    tensors: dict[int, torch.Tensor] = {}
-
-    def keep(placeholder: StreamedTensor, tensor: torch.Tensor) -> None:
-        tensors[id(placeholder)] = tensor.detach().clone()
-
-    runtime.stream(keep)
-    return tensors
-
-
-def _filled(checkpoint: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
-    """``checkpoint`` with every placeholder replaced by ``tensors[id(placeholder)]``, in place
-    for dicts and lists (a state dict keeps its type and ``_metadata``)."""
-    if isinstance(checkpoint, StreamedTensor):
-        return tensors[id(checkpoint)]
-    if isinstance(checkpoint, dict):
-        for key, value in checkpoint.items():
-            checkpoint[key] = _filled(value, tensors)
-        return checkpoint
-    if isinstance(checkpoint, list):
-        checkpoint[:] = [_filled(v, tensors) for v in checkpoint]
-        return checkpoint
-    if isinstance(checkpoint, tuple) and not hasattr(checkpoint, "_fields"):
-        return tuple(_filled(v, tensors) for v in checkpoint)
-    return checkpoint

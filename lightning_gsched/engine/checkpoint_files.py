@@ -40,9 +40,10 @@ import shutil
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, cast
 
 import torch
+from torch.types import Storage
 
 from lightning_gsched.errors import CheckpointWriteError
 from lightning_gsched.runtime import StreamedTensor
@@ -52,7 +53,7 @@ PARTIAL = ".partial"  # suffix of every staging name: a leftover is recognisable
 Sink = Callable[[StreamedTensor, torch.Tensor], None]
 # runs the transfer: calls the sink on rank 0 for each tensor, and the second argument with the
 # bytes rank 0 holds for the transfer (a received buffer) whenever that changes
-Stream = Callable[[Sink | None, Callable[[int], None]], None]
+Stream = Callable[[Sink | None, Callable[[int], None]], object]
 
 
 # ---------------------------------------------------------------------------- atomic
@@ -209,12 +210,16 @@ class _Pickler(pickle.Pickler):
         if not isinstance(obj, StreamedTensor):
             return NotImplemented
         shape = obj.shape
-        args = (_Slot(obj), 0, shape, _contiguous_stride(shape), False, OrderedDict())
+        args: tuple[Any, ...] = (_Slot(obj), 0, shape, _contiguous_stride(shape), False,
+                                 OrderedDict())
         if _uses_v3(obj.dtype):
             return torch._utils._rebuild_tensor_v3, (*args, obj.dtype)
         return torch._utils._rebuild_tensor_v2, args
 
     def persistent_id(self, obj: Any) -> Any:
+        # torch.save's own persistent_id for real storages (serialization.py); the private
+        # helpers it calls are untyped, so they are reached through ``Any`` here
+        serialization: Any = torch.serialization
         if isinstance(obj, _Slot):
             ph = obj.placeholder
             self.placeholders[id(ph)] = ph
@@ -222,20 +227,21 @@ class _Pickler(pickle.Pickler):
             if _uses_v3(ph.dtype):
                 nbytes = ph.numel() * torch.empty((), dtype=ph.dtype).element_size()
                 return ("storage", torch.UntypedStorage, key, "cpu", nbytes)
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[ph.dtype])
-            return ("storage", storage_type, key, "cpu", ph.numel())
+            typed = getattr(torch, torch.storage._dtype_to_storage_type_map()[ph.dtype])
+            return ("storage", typed, key, "cpu", ph.numel())
         if isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj):
+            real: Any = obj
             if isinstance(obj, torch.storage.TypedStorage):
-                storage = obj._untyped_storage
-                storage_type: Any = getattr(torch, obj._pickle_storage_type())
-                numel = obj._size()
+                storage = real._untyped_storage
+                storage_type = getattr(torch, real._pickle_storage_type())
+                numel = real._size()
             else:
-                storage = obj
-                storage_type = torch.serialization.normalize_storage_type(type(obj))
+                storage = real
+                storage_type = serialization.normalize_storage_type(type(obj))
                 numel = storage.nbytes()
             key = self.keys.get(storage._cdata, "?")
             self.reals.setdefault(storage._cdata, storage)
-            location = torch.serialization.location_tag(storage)
+            location = serialization.location_tag(storage)
             return ("storage", storage_type, key, location, numel)
         return None
 
@@ -272,12 +278,12 @@ class _ZipStream:
         self.zip.write_record("data.pkl", data, len(data))
         # no ".format_version" (version 1 promises records in the pickle's order, which lets a
         # reader compute offsets instead of reading them): records come in transfer order
-        self.zip.write_record(".storage_alignment", str(alignment), len(str(alignment)))
-        self.zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for name, text in ((".storage_alignment", str(alignment)), ("byteorder", sys.byteorder)):
+            self.zip.write_record(name, text.encode(), len(text))
         for key, storage in reals:
             if storage.device.type != "cpu":
-                storage = storage.cpu()
-            self.zip.write_record(f"data/{key}", storage, storage.nbytes())
+                storage = cast(torch.UntypedStorage, cast(Any, storage).cpu())
+            self.zip.write_record(f"data/{key}", cast(Storage, storage), storage.nbytes())
 
     def sink(self, placeholder: StreamedTensor, tensor: torch.Tensor) -> None:
         if self.error is not None or id(placeholder) not in self.pending:
@@ -294,7 +300,8 @@ class _ZipStream:
             start = data.storage_offset() * data.element_size()
             # the tensor's own bytes: a slice of its storage (a view of a stage buffer), no copy
             self.zip.write_record(f"data/{self.keys[id(placeholder)]}",
-                                  data.untyped_storage()[start:start + nbytes], nbytes)
+                                  cast(Storage, data.untyped_storage()[start:start + nbytes]),
+                                  nbytes)
             self.pending.discard(id(placeholder))
             self.stats.records += 1
         except Exception as exc:  # noqa: BLE001  (kept, raised once the transfer ended)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
@@ -38,6 +39,8 @@ from lightning_gsched.engine import checkpoint_files
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.runtime import ModelRuntime, parameter_names
 
+# dcp.save / dcp.load are read off the module at each call (a test replaces dcp.save to inject
+# a failing write); torch re-exports them without __all__: hence attr-defined ignores there
 META = "gsched_meta.pt"  # rank 0's non-tensor part of a sharded directory, written last
 
 # (optimizer index, parameter's saved name, state field) -> a non-tensor state value
@@ -59,7 +62,7 @@ def saved_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
 
 def _index(path: str) -> dict[str, TensorStorageMetadata]:
     """Every tensor's key -> its shape and dtype, from the directory's ``.metadata``."""
-    layout = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    layout = FileSystemReader(path).read_metadata().state_dict_metadata
     return {k: m for k, m in layout.items() if isinstance(m, TensorStorageMetadata)}
 
 
@@ -169,7 +172,7 @@ def save(checkpoint: StateDict, path: Any, rank: int) -> None:
     else:
         gathered = [others]
     try:
-        dcp.save(tensors, checkpoint_id=staging)
+        dcp.save(tensors, checkpoint_id=staging)  # type: ignore[attr-defined]
         if rank == 0:
             merged: NonTensor = {}
             for part in gathered or []:
@@ -201,7 +204,7 @@ def load(path: Any) -> StateDict:
     path = str(path)
     meta = _meta_file(path)
     tensors = {key: _empty(m) for key, m in _index(path).items()}
-    dcp.load(tensors, checkpoint_id=path)
+    dcp.load(tensors, checkpoint_id=path)  # type: ignore[attr-defined]
     state_dict = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     optimizer_states = []
     for i, om in enumerate(meta["optimizers"]):
@@ -268,7 +271,7 @@ class DeferredRestore:
                 tensors.update({key: _empty(meta) for key, meta in index.items()
                                 if key.startswith(prefix)
                                 and key[len(prefix):].rsplit(".", 1)[0] in names})
-            dcp.load(tensors, checkpoint_id=self.path)
+            dcp.load(tensors, checkpoint_id=self.path)  # type: ignore[attr-defined]
             values = {key: tensors[f"model.{key}"] for key in where}
             states = [_optimizer_state(i, tensors, self.non_tensor, names)
                       for i, names in enumerate(index_of)]

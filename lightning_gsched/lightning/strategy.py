@@ -506,7 +506,8 @@ class GeneralParallel(DDPStrategy):
                                     storage_options=storage_options)
         self._checkpoints.write(self._view(), checkpoint, filepath, storage_options, hand_on)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+    def load_checkpoint(self, checkpoint_path: Any,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
         read = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         return self._checkpoints.read(self._view(), checkpoint_path, weights_only, read)
 
