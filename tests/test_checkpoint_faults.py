@@ -64,7 +64,8 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
 
     Returns this rank's model state (after the good save), what the checkpoint's directory held
     while the failed write was under way, and the error it raised."""
-    from lightning_gsched.engine import ckpt_files, sharded
+    from lightning_gsched.engine import checkpoint_files as ckpt_files
+    from lightning_gsched.engine import checkpoint_sharded as sharded
 
     _private_tempdir(os.path.join(tmp, f"systmp{ctx.rank}"))
     fit, model = _fit(ctx, options, tmp)
@@ -102,7 +103,7 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
         worlds, state_dict_type: str, tmp_path) -> None:
-    from lightning_gsched.engine import sharded
+    from lightning_gsched.engine import checkpoint_sharded as sharded
 
     directory = tmp_path / "ckpt"
     path = directory / "last.ckpt"
@@ -127,7 +128,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
 
 
 def test_atomic_save_in_one_process_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
-    from lightning_gsched.engine import ckpt_files
+    from lightning_gsched.engine import checkpoint_files as ckpt_files
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systmp"))
     os.makedirs(tmp_path / "systmp")
@@ -153,7 +154,7 @@ def test_atomic_save_in_one_process_leaves_no_temporary_file(tmp_path, monkeypat
 def save_then_spoil_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str,
                               spoil: str) -> None:
     """Write a good checkpoint (W=2), then make it bad the way ``spoil`` says (rank 0)."""
-    from lightning_gsched.engine.sharded import META
+    from lightning_gsched.engine.checkpoint_sharded import META
 
     fit, _ = _fit(ctx, options, tmp)
     fit.save_checkpoint(path)

@@ -392,6 +392,21 @@ def test_layer_rule(rule, package_imports):
     assert not violations, "layering violations:\n" + "\n".join(violations)
 
 
+def test_front_ends_reach_checkpoints_through_the_engine_face(package_imports):
+    """Both front ends call one checkpoint service (``engine/checkpoint.py``), imported from
+    ``lightning_gsched.engine``; its mechanisms (files, shards, checks) are the service's own,
+    so neither front end imports an ``engine.checkpoint*`` submodule: every decision about a
+    checkpoint is made in the service."""
+    services = sorted(f"{PACKAGE}.engine.{path.stem}"
+                      for path in (PACKAGE_DIR / "engine").glob("checkpoint*.py"))
+    assert f"{PACKAGE}.engine.checkpoint" in services
+    crossing = [
+        str(r) for module, records in package_imports.items() if _matches(module, FRONT_ENDS)
+        for r in records if not r.implicit and _matches(r.target, services)
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
 def test_no_import_cycles(package_imports):
     """Module-level imports (what runs when a module is first imported) form no cycle."""
     report = _cycles_text(package_imports, type_only=False)

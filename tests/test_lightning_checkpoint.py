@@ -251,7 +251,7 @@ def uninterrupted() -> Uninterrupted:
 
 def read_checkpoint(path: str) -> dict:
     """A full file or a sharded directory, as the dict Lightning restores."""
-    from lightning_gsched.engine import sharded
+    from lightning_gsched.engine import checkpoint_sharded as sharded
 
     if os.path.isdir(path):
         return sharded.load(path)

@@ -2,8 +2,8 @@
 
 Lightning restores a checkpoint before the first batch, while a deferred model's parameters are
 still on the meta device (a copy into them is a no-op), so the strategy applies the checkpoint at
-the build, to the parameters each rank keeps (engine/deferred_restore.py). Checked at W=2,
-against Lightning's own single-process resume (fit 2 steps, save, resume for 2 more) in the same
+the build, to the parameters each rank keeps (the checkpoint service's DeferredRestore,
+engine/checkpoint_sharded.py). Checked at W=2, against Lightning's own single-process resume (fit 2 steps, save, resume for 2 more) in the same
 test:
 
 * a sharded checkpoint (torch.distributed.checkpoint) saved under fsdp resumes under 1f1b into a
@@ -142,7 +142,10 @@ def test_a_deferred_model_resumes_reading_only_its_own(world, tmp_path: Path, sa
 
 
 def test_a_checkpoint_without_a_kept_parameter_is_refused_naming_it() -> None:
-    from lightning_gsched.engine.deferred_restore import DeferredRestore, DeferredRestoreError
+    from lightning_gsched.engine.checkpoint_sharded import (
+        DeferredRestore,
+        DeferredRestoreError,
+    )
 
     model = LitNet()
     state = {k: v for k, v in model.state_dict().items() if k != "model.out.bias"}

@@ -44,7 +44,7 @@ from dist_harness import WorkerContext
 from lightning_gsched.errors import GschedError, RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import Channels, ProgramExecutor, tie_map
-from lightning_gsched.runtime.fullstate import full_state_dict
+from lightning_gsched.runtime.fullstate_stream import full_state_dict
 from lightning_gsched.schedule import Op, Programs, plan
 from lightning_gsched.schedule.library import LIBRARY
 
@@ -194,7 +194,7 @@ def schedule_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
         bad.append(f"momentum not restored: {[m.momentum for m in norms]}")
     if any(m._forward_hooks for m in norms):
         bad.append("forward hooks left on norm modules")
-    full = full_state_dict(model, ex)
+    full = full_state_dict(model, ex, ctx.world_size)
     if ctx.rank == 0:
         compare(bad, "full state dict", full, ref["state"])
     trained = statistics(model)

@@ -1,5 +1,6 @@
-"""GeneralParallel's checkpoint-restore hooks (lightning/checkpointing.py, to which the strategy's
-hooks delegate), called directly in one process (no Trainer).
+"""GeneralParallel's checkpoint-restore hooks (the engine's checkpoint service,
+engine/checkpoint.py, which the strategy's hooks call), called directly in one process (no
+Trainer).
 
 Lightning names the hooks' argument ``checkpoint``; strategy.py once imported its gathering
 module under that very name, so inside ``load_optimizer_state_dict`` the module was shadowed by
@@ -22,9 +23,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gsched.engine import sharded
+from lightning_gsched.engine import TRAINER, CheckpointService, CheckpointView
+from lightning_gsched.engine import checkpoint_sharded as sharded
 from lightning_gsched.errors import CheckpointError
-from lightning_gsched.lightning.checkpointing import SaveContext, TrainerCheckpoints
 from lightning_gsched.runtime.fullstate import prune_optimizer_state
 from lightning_models import LitGPT
 
@@ -41,10 +42,9 @@ def test_optimizer_state_loaded_into_a_built_pipeline_keeps_only_owned_parameter
     runtime = SimpleNamespace(
         prune_optimizer_state=lambda optimizers: prune_optimizer_state(optimizers, [owned]))
     # what the hook reads of the strategy, with the pipeline already built
-    ctx = SaveContext(module=None, engine=SimpleNamespace(runtime=runtime),  # type: ignore[arg-type]
-                      optimizers=[fresh], rank=0, world_size=1, checkpoint_io=None)
-    TrainerCheckpoints("full", "auto").load_optimizer_states(
-        ctx, {"optimizer_states": [saved]}, torch.device("cpu"))
+    view = CheckpointView(module=None, engine=SimpleNamespace(runtime=runtime),  # type: ignore[arg-type]
+                          optimizers=[fresh], rank=0, world_size=1, checkpoint_io=None)
+    CheckpointService(None, TRAINER, "full", "auto").load_optimizer_states(view, [saved])
 
     assert set(fresh.state) == {owned}  # this rank's parameters only, restored
     torch.testing.assert_close(fresh.state[owned]["exp_avg"], trained.state[owned]["exp_avg"])
@@ -67,10 +67,10 @@ def _load_deferred(path: Any) -> dict:
     """Lightning's ``ckpt_path`` read into a LitGPT built without weights."""
     with torch.device("meta"):
         module = LitGPT(optimizer="adam")
-    ctx = SaveContext(module=module, engine=None, optimizers=[], rank=0, world_size=1,
-                      checkpoint_io=None)
-    return TrainerCheckpoints("sharded", "auto").load(ctx, path, None, timeout=30.0,
-                                                      read_default=dict)
+    view = CheckpointView(module=module, engine=None, optimizers=[], rank=0, world_size=1,
+                          checkpoint_io=None, timeout=30.0)
+    return CheckpointService(None, TRAINER, "sharded", "auto").read(view, path, None,
+                                                                     read_default=dict)
 
 
 @pytest.mark.parametrize("other, phrase", [

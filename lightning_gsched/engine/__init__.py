@@ -12,11 +12,27 @@ Modules, one job each: :mod:`.options` (the arguments both front ends take), :mo
 the user's step around the model's call), :mod:`.logsync` (losses and logged values),
 :mod:`.auto` (``schedule="auto"`` decided at the first batch), :mod:`.memory_report`
 (predicted and measured bytes), :mod:`.control` (the strategy's own bounded collectives),
-:mod:`.deferred_restore` (a checkpoint resumed into a deferred model), :mod:`.engine`.
+:mod:`.checkpoint` (the checkpoint service: every save and load of both front ends; its
+mechanisms in :mod:`.checkpoint_files`, :mod:`.checkpoint_sharded` and
+:mod:`.checkpoint_check`), :mod:`.engine`.
+
+The front ends reach checkpoints through this face only (``CheckpointService``,
+``CheckpointView``, ``StreamStats`` and the names the messages use), never the
+``checkpoint*`` submodules (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
+from lightning_gsched.engine.checkpoint import CheckpointService, CheckpointView
+from lightning_gsched.engine.checkpoint_check import FABRIC, TRAINER
+from lightning_gsched.engine.checkpoint_files import StreamStats
 from lightning_gsched.engine.engine import PipelineEngine
 
-__all__ = ["PipelineEngine"]
+__all__ = [
+    "FABRIC",
+    "TRAINER",
+    "CheckpointService",
+    "CheckpointView",
+    "PipelineEngine",
+    "StreamStats",
+]

@@ -27,9 +27,9 @@ from torch import nn
 
 from lightning_gsched.engine.auto import choose_schedule, probe_parts, step_loss_fn
 from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
+from lightning_gsched.engine.checkpoint import CheckpointService
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.deferred_restore import DeferredRestore
 from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.logsync import (
     LossLogExchange,
@@ -144,6 +144,9 @@ class PipelineEngine:
     (runtime/pretrained.py) instead of initialised.
     ``device_mesh``: the front end's (pipeline, data_parallel) mesh (:mod:`.mesh`); the build
     makes it if setup could not (``"auto"``: G is the pick's). None: no mesh.
+    ``checkpoints``: the front end's checkpoint service (:mod:`.checkpoint`; it outlives the
+    engine: Lightning saves and loads before setup and after teardown); the build applies the
+    restore it holds for a model built without weights, to what this rank keeps.
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
@@ -153,14 +156,13 @@ class PipelineEngine:
                  transport: str = "auto", control: ControlGroup | None = None,
                  device: torch.device | None = None,
                  init_weights: PretrainedWeights | None = None,
-                 device_mesh: DeviceMeshSlot | None = None) -> None:
+                 device_mesh: DeviceMeshSlot | None = None,
+                 checkpoints: CheckpointService | None = None) -> None:
         self.module = module
         # the front end's device_mesh: made at setup for a named schedule, else at the build
         self.device_mesh = device_mesh
         self.init_weights = init_weights
-        # a checkpoint resumed into a deferred model, applied once the kept parameters have
-        # storage (deferred_restore.py; set by the strategy before the build)
-        self.restore: DeferredRestore | None = None
+        self.checkpoints = checkpoints
         self.config = config
         self.options = options
         # made once, at the build, with the partition's tied weights (config.check at setup)
@@ -268,17 +270,19 @@ class PipelineEngine:
                 seed = self._collective("the seed broadcast",
                                         lambda: _agreed_seed(self.world_size, self.group))
                 rest = keep
-                if self.init_weights is not None and self.restore is None:
+                # a checkpoint resumed into the model (checkpoint.py), set aside until now
+                checkpoints = self.checkpoints
+                restore = checkpoints.take_restore() if checkpoints is not None else None
+                if self.init_weights is not None and restore is None:
                     # read, not drawn (runtime/pretrained.py); a resumed checkpoint overrides
                     rest = load_parameters(self.module, keep, self.init_weights,
                                            self.device_hint)
                 if rest:
                     initialize_parameters(self.module, rest, seed, self.device_hint)
-                if self.restore is not None:  # only what this rank keeps
-                    restore = self.restore
-                    self._collective("the checkpoint's restore", lambda: restore.apply(
+                if restore is not None:  # only what this rank keeps
+                    apply = restore.apply
+                    self._collective("the checkpoint's restore", lambda: apply(
                         self.module, keep, self.optimizers()))
-                    self.restore = None
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,

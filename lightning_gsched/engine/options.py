@@ -95,14 +95,6 @@ def check_transport(transport: Any) -> str:
     return str(validate.one_of("transport", transport, TRANSPORTS, StrategyConfigError))
 
 
-def check_stream_checkpoint(stream_checkpoint: Any) -> Any:
-    """``stream_checkpoint``: a bool or ``"auto"`` (both front ends; see
-    :func:`.ckpt_stream.streams`)."""
-    if stream_checkpoint != "auto":
-        validate.flag("stream_checkpoint", stream_checkpoint, StrategyConfigError)
-    return stream_checkpoint
-
-
 def library_names(front_end: str) -> list[tuple[str, str, str]]:
     """``(registered name, description, schedule)`` for every library schedule, e.g.
     ``("gsched_1f1b", "GeneralParallel('1f1b'): ...", "1f1b")``; and ``gsched_auto``."""

@@ -10,9 +10,10 @@ interleaves the forwards and backwards of microbatches over the ranks. So one ca
 optimizer step, and the rest of a plain Fabric loop stays as it is.
 
 This class is a thin adapter: the pipeline (probe, partition, plans, the step, the hand-over,
-clipping, evaluation) is the shared engine's :class:`~lightning_gsched.engine.engine.
-PipelineEngine` (the Trainer strategy's too), and gradients and checkpoints go through the same runtime facade
-(:class:`~lightning_gsched.runtime.ModelRuntime`).
+clipping, evaluation) is the shared engine's :class:`~lightning_gsched.engine.PipelineEngine`
+(the Trainer strategy's too), checkpoints are the engine's ``CheckpointService`` (``fabric.save``
+and ``fabric.load`` translated into its calls, as the Trainer's hooks are), and gradients go
+through the same runtime facade (:class:`~lightning_gsched.runtime.ModelRuntime`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 import lightning.fabric.wrappers as fabric_wrappers
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
@@ -35,27 +37,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_gsched.engine import ckpt_check, ckpt_files, ckpt_stream
-from lightning_gsched.engine.deferred_restore import DeferredRestore, load_mapped
-from lightning_gsched.engine.engine import PipelineEngine
+from lightning_gsched.engine import (
+    FABRIC,
+    CheckpointService,
+    CheckpointView,
+    PipelineEngine,
+    StreamStats,
+)
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.mesh import DeviceMeshSlot
 from lightning_gsched.engine.options import (
     check_launch_arguments,
-    check_stream_checkpoint,
     check_transport,
     library_names,
     pipeline_keywords,
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.fabric import checkpoints
-from lightning_gsched.runtime import (
-    ModelRuntime,
-    deferred_parameters,
-    is_deferred,
-    pretrained_weights,
-)
+from lightning_gsched.runtime import deferred_parameters, pretrained_weights
 
 
 class GeneralParallelFabric(DDPStrategy):
@@ -119,7 +118,9 @@ class GeneralParallelFabric(DDPStrategy):
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
-        self.stream_checkpoint = check_stream_checkpoint(stream_checkpoint)
+        # fabric.save / fabric.load: the engine's checkpoint service (checks stream_checkpoint)
+        self._checkpoints = CheckpointService(TorchCheckpointIO, FABRIC,
+                                              stream_checkpoint=stream_checkpoint)
         # a deferred model's kept parameters read from safetensors files (runtime/pretrained.py)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
@@ -135,10 +136,6 @@ class GeneralParallelFabric(DDPStrategy):
         self.step_timeout = step_timeout
         self._engine: PipelineEngine | None = None
         self._optimizers: list[Optimizer] = []
-        # rank 0: what the last streamed save held and wrote (engine/ckpt_stream.StreamStats)
-        self.checkpoint_stream_stats: ckpt_stream.StreamStats | None = None
-        # during a streamed save: the model's state dict, described with placeholders
-        self._described: dict[str, Any] | None = None
         self._mesh = DeviceMeshSlot()  # engine/mesh.py
 
     @property
@@ -196,7 +193,7 @@ class GeneralParallelFabric(DDPStrategy):
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
                 device=self.root_device, init_weights=self.init_weights,
-                device_mesh=self._mesh,
+                device_mesh=self._mesh, checkpoints=self._checkpoints,
             )
         return module
 
@@ -224,13 +221,6 @@ class GeneralParallelFabric(DDPStrategy):
                 "the model passed is not the one set up with fabric.setup(model, ...); pass "
                 "that model (or what fabric.setup returned)")
         return engine
-
-    def _runtime_of(self, module: Any) -> ModelRuntime | None:
-        """The runtime when ``module`` is the pipelined model and the pipeline is built."""
-        engine = self._engine
-        if engine is None or engine.runtime is None or module is not engine.module:
-            return None
-        return engine.runtime
 
     # ------------------------------------------------------------------ steps
 
@@ -300,157 +290,121 @@ class GeneralParallelFabric(DDPStrategy):
                                            error_if_nonfinite)
 
     # ------------------------------------------------------------------ checkpoints
+    # Fabric's save/load hooks, each translated into calls on the engine's checkpoint service
+    # (the Trainer strategy's hooks make the same calls): it decides gathered or streamed,
+    # written here (atomically) or by a user's CheckpointIO, checked on every rank, set aside
+    # for a model built without weights
+
+    def _view(self) -> CheckpointView:
+        engine = self._engine
+        return CheckpointView(engine.module if engine is not None else None, engine,
+                              list(self._optimizers), self.global_rank, self.world_size,
+                              self.checkpoint_io, self.step_timeout)
+
+    def _pipelines(self, module: Any) -> bool:
+        return self._engine is not None and module is self._engine.module
+
+    @property
+    def stream_checkpoint(self) -> bool | str:
+        return self._checkpoints.stream_checkpoint
+
+    @stream_checkpoint.setter
+    def stream_checkpoint(self, value: bool | str) -> None:
+        self._checkpoints.stream_checkpoint = value
+
+    @property
+    def checkpoint_stream_stats(self) -> StreamStats | None:
+        """Rank 0: what the last streamed save held and wrote."""
+        return self._checkpoints.stream_stats
+
+    @checkpoint_stream_stats.setter
+    def checkpoint_stream_stats(self, value: StreamStats | None) -> None:
+        self._checkpoints.stream_stats = value
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The full state dict, gathered to rank 0 from the stages' owners (collective); during
-        a streamed save, the one described with placeholders (:meth:`save_checkpoint` sends
-        the tensors)."""
-        runtime = self._runtime_of(module)
-        if runtime is None:
+        """The pipelined model's full state dict: gathered to rank 0 from the stages' owners
+        (collective), or, during a streamed save, described with placeholders."""
+        if not self._pipelines(module):
             return module.state_dict()
-        if self._described is not None:
-            return self._described
-        return runtime.full_state_dict()
+        return self._checkpoints.model_state(self._view(), module.state_dict)
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Every parameter's optimizer state, gathered to rank 0 (collective); during a
         streamed save, described with placeholders (one gather of small descriptions)."""
-        runtime = self._engine.runtime if self._engine is not None else None
-        if runtime is None:
-            return optimizer.state_dict()
-        if self._described is not None:
-            return runtime.streamed_optimizer_state(optimizer)
-        return runtime.full_optimizer_state(optimizer)
+        return self._checkpoints.optimizer_state(self._view(), optimizer)
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any],
                                strict: bool = True) -> None:
-        runtime = self._runtime_of(module)
-        if runtime is None:
+        if not self._pipelines(module):
             module.load_state_dict(state_dict, strict=strict)
-        else:  # only the stages this rank holds
-            runtime.load_state_dict(state_dict)
+            return
+        self._checkpoints.load_model_state(self._view(), state_dict, strict)
 
     def save_checkpoint(self, path: _PATH, state: dict[str, Any],
                         storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Gathered on every rank (collective), written by rank 0 to a temporary name next to
-        ``path`` and renamed over it: readers see the old file or the whole new one
-        (:mod:`.checkpoints`). A model built without weights (``stream_checkpoint="auto"``,
-        or ``True`` for any model) is streamed instead: see :meth:`_save_streamed`."""
-        runtime = self._streaming_runtime(state)
-        if runtime is not None:
-            self._save_streamed(runtime, path, state, storage_options, filter)
-            return
-        if not checkpoints.handled_here(self.checkpoint_io, path, storage_options):
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-            return
-        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        if self.is_global_zero:
-            ckpt_files.atomic_save(converted, path)
-
-    def _streaming_runtime(self, state: dict[str, Any]) -> ModelRuntime | None:
-        """The runtime when this save streams: the pipeline is built, ``stream_checkpoint``
-        says so (engine/ckpt_stream.streams, as for the Trainer) and the pipelined model is
-        among ``state``'s entries (without it there is nothing to stream)."""
-        engine = self._engine
-        if engine is None or engine.runtime is None:
-            return None
-        if not ckpt_stream.streams(self.stream_checkpoint, engine.deferred):
-            return None
-        if not any(obj is engine.module for obj in state.values()):
-            return None
-        return engine.runtime
-
-    def _save_streamed(self, runtime: ModelRuntime, path: _PATH, state: dict[str, Any],
-                       storage_options: Optional[Any],
-                       filter: Optional[dict[str, Callable[[str, Any], bool]]]) -> None:
-        """The model's state dict is described first (placeholders, no data moves), so that
-        Fabric's own conversion of ``state`` (:meth:`get_module_state_dict`,
-        :meth:`get_optimizer_state`, in the user's key order) returns placeholders; then every
-        rank sends its tensors to rank 0 one weight unit (one optimizer tensor) at a time and
-        rank 0 writes each into the file as it arrives, atomically
-        (``engine/ckpt_stream.save_described``, the Trainer strategy's path too). A user's
-        CheckpointIO or a remote path gets the real checkpoint, collected on rank 0."""
-        self._described = runtime.streamed_state_dict()  # collective, every rank
-        try:
+        """Fabric's conversion of ``state`` (in the user's key order) inside one save of the
+        checkpoint service, which decides: gathered on every rank (collective) and written by
+        rank 0 to a temporary name next to ``path`` renamed over it (readers see the old file
+        or the whole new one), or, for a model built without weights
+        (``stream_checkpoint="auto"``, or ``True`` for any model) when the model is among
+        ``state``'s entries, described first and streamed to rank 0 one weight unit (one
+        optimizer tensor) at a time, written as it arrives. A user's CheckpointIO or a remote
+        path gets the real checkpoint, written by rank 0."""
+        view = self._view()
+        includes_model = any(self._pipelines(obj) for obj in state.values())
+        with self._checkpoints.saving(view, includes_model):
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        finally:
-            self._described = None
 
         def hand_on(checkpoint: dict[str, Any]) -> None:
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint=checkpoint, path=path,
                                                    storage_options=storage_options)
 
-        local = checkpoints.handled_here(self.checkpoint_io, path, storage_options)
-        stats = ckpt_stream.save_described(runtime, converted, path,
-                                           rank_zero=self.is_global_zero, local=local,
-                                           hand_on=hand_on)
-        if stats is not None:
-            self.checkpoint_stream_stats = stats
+        self._checkpoints.write(view, converted, path, storage_options, hand_on)
 
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Fabric's loading (every rank reads the full checkpoint), then each rank drops the
-        optimizer state of parameters it does not own. A missing, truncated or foreign file
-        raises the same CheckpointError on every rank first (:mod:`.checkpoints`).
+        """Read by the checkpoint service on every rank (a missing, truncated or foreign local
+        file raises the same CheckpointError on every rank), restored as Fabric restores it,
+        then each rank drops the optimizer state of parameters it does not own.
 
         Into a model built without weights (``fabric.init_module()``) whose pipeline is not
         built yet, a copy would be a no-op on its meta parameters: the file is memory-mapped
         instead, and the model's and optimizers' entries are applied at the build, each rank
-        only to what it keeps (``engine/deferred_restore.py``, as the Trainer strategy does)."""
-        engine = self._engine
-        if (engine is not None and engine.runtime is None and isinstance(state, dict)
-                and is_deferred(engine.module)):
-            return self._load_deferred(engine, path, state, strict, weights_only)
-        if checkpoints.handled_here(self.checkpoint_io, path):
-            io = self.checkpoint_io
-            checkpoint = ckpt_check.load_checked(
-                path, lambda: io.load_checkpoint(path, weights_only=weights_only), None,
-                timeout=self.step_timeout, what=checkpoints.WHAT,
-                check=lambda c: checkpoints.problem_of(path, c, state, strict))
-            self.checkpoint_io = checkpoints.Preloaded(checkpoint)  # type: ignore[assignment]
-            try:
-                remainder = super().load_checkpoint(path, state, strict=strict,
-                                                    weights_only=weights_only)
-            finally:
-                self.checkpoint_io = io
-        else:
+        only to what it keeps (as the Trainer strategy does)."""
+        view, io = self._view(), self.checkpoint_io
+        checkpoint = self._checkpoints.read(
+            view, path, weights_only, lambda: io.load_checkpoint(path, weights_only=weights_only),
+            fabric_state=state, strict=strict)
+        if view.deferred and isinstance(state, dict):
+            return self._load_deferred(view, path, checkpoint, state, strict)
+        self.checkpoint_io = _Preloaded(checkpoint)  # type: ignore[assignment]
+        try:  # Fabric restores what was read and checked, without reading it again
             remainder = super().load_checkpoint(path, state, strict=strict,
                                                 weights_only=weights_only)
-        engine = self._engine
-        if engine is not None and engine.runtime is not None:
-            engine.runtime.prune_optimizer_state(self._optimizers)
+        finally:
+            self.checkpoint_io = io
+        self._checkpoints.prune(view)
         return remainder
 
-    def _load_deferred(self, engine: PipelineEngine, path: _PATH, state: dict[str, Any],
-                       strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
-        """:meth:`load_checkpoint` into a deferred model: set the restore aside for the build."""
-        checkpoint = ckpt_check.load_checked(
-            path, lambda: load_mapped(path, weights_only), None, timeout=self.step_timeout,
-            what=checkpoints.WHAT, check=lambda c: checkpoints.problem_of(path, c, state, strict))
+    def _load_deferred(self, view: CheckpointView, path: _PATH, checkpoint: dict[str, Any],
+                       state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """:meth:`load_checkpoint` into a deferred model: the model's and optimizers' entries
+        handed to the checkpoint service (set aside for the build), the rest as Fabric would."""
         _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
         by_object = {id(_unwrap_objects(obj)): name for name, obj in state.items()}
-        model_key = by_object.get(id(engine.module))
+        model_key = by_object.get(id(view.module))
         if model_key is None or model_key not in checkpoint:
             raise StrategyConfigError(
                 f"fabric.load({str(path)!r}, state) into a model built without weights needs "
                 "the model in state, under the key it was saved with (e.g. {'model': model, "
                 "'optimizer': optimizer}); its weights exist only once the checkpoint is applied")
-        optimizer_states = []
-        for optimizer in self._optimizers:
-            key = by_object.get(id(optimizer))
-            saved = checkpoint.get(key) if key is not None else None
-            if saved is None:
-                optimizer_states.append({"state": {}})
-                continue
-            # hyperparameters now (their tensors, if any, are few); per-parameter state at the
-            # build, where the parameters have storage
-            optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
-            optimizer_states.append(saved)
-        engine.restore = DeferredRestore(state_dict=checkpoint[model_key],
-                                         optimizer_states=optimizer_states)
-        applied = {model_key} | {by_object[id(o)] for o in self._optimizers if id(o) in by_object}
+        self._checkpoints.load_model_state(view, checkpoint[model_key], strict)
+        keys = [by_object.get(id(optimizer)) for optimizer in self._optimizers]
+        self._checkpoints.load_optimizer_states(
+            view, [checkpoint.get(key) if key is not None else None for key in keys])
+        applied = {model_key} | {key for key in keys if key is not None}
         for name, obj in state.items():
             if name in applied or name not in checkpoint:
                 continue
@@ -492,3 +446,14 @@ def _inside_fabric_backward() -> Iterator[None]:
         yield
     finally:
         fabric_wrappers._in_fabric_backward = before
+
+
+class _Preloaded:
+    """A CheckpointIO stand-in whose ``load_checkpoint`` returns what was already read and
+    checked, so Fabric's own ``load_checkpoint`` restores it without reading it again."""
+
+    def __init__(self, checkpoint: Any) -> None:
+        self.checkpoint = checkpoint
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint

@@ -5,10 +5,10 @@ Importing this package registers ``gsched_<schedule>`` names with Lightning's St
 user's step, logs, ``schedule="auto"``, the step) is the engine both front ends share,
 ``lightning_gsched.engine``. Modules here, the Trainer's side only: :mod:`.strategy` (the
 Trainer class), :mod:`.hook_failure` (which hook failed; the first ``on_exception`` callback),
-:mod:`.preemption` (SIGTERM/SIGUSR1 agreed at a step boundary), :mod:`.sharded` (sharded
-checkpoints), :mod:`.ckpt_files` (atomic writes), :mod:`.ckpt_check` (``ckpt_path`` checked on
-every rank). Gradients, clipping and full checkpoints go through the
-runtime's facade, ``lightning_gsched.runtime.ModelRuntime``. See ``docs/usage.md``.
+:mod:`.preemption` (SIGTERM/SIGUSR1 agreed at a step boundary). Checkpoints (full or sharded,
+gathered or streamed, atomic, checked on every rank) are the engine's ``CheckpointService``,
+which the strategy's checkpoint hooks call; gradients and clipping go through the runtime's
+facade, ``lightning_gsched.runtime.ModelRuntime``. See ``docs/usage.md``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ exactly DDP's; what differs is that the model is not wrapped. Instead each step 
 programs (the engine, :mod:`lightning_gsched.engine`): ``training_step`` runs the whole schedule and keeps the gradients
 aside, ``backward`` hands them to the parameters (Lightning zeroes gradients between the two),
 clipping by norm is global over all stages, evaluation runs forward-only programs, and
-checkpoints are gathered or streamed from the stages' owners (:mod:`.checkpointing`: the hooks
-here are one-line delegations to it). The
-engine and the runtime facade are shared with the Fabric strategy (``lightning_gsched.fabric``).
+checkpoints go through the engine's checkpoint service (``CheckpointService``: the checkpoint
+hooks here only translate Lightning's calls into its). The engine, its checkpoint service and
+the runtime facade are shared with the Fabric strategy (``lightning_gsched.fabric``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,9 +33,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_gsched.engine import ckpt_stream
+from lightning_gsched.engine import (
+    TRAINER,
+    CheckpointService,
+    CheckpointView,
+    PipelineEngine,
+    StreamStats,
+)
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.logsync import replay
 from lightning_gsched.engine.memory_report import MemoryReport
@@ -46,12 +53,6 @@ from lightning_gsched.engine.options import (
     pipeline_options,
 )
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.lightning.checkpointing import (
-    SaveContext,
-    TrainerCheckpoints,
-    check_arguments,
-    unwrap,
-)
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
@@ -59,6 +60,7 @@ from lightning_gsched.runtime import (
     deferred_parameters,
     pretrained_weights,
 )
+from lightning_gsched.schedule import validate
 
 
 class GeneralParallel(DDPStrategy):
@@ -184,7 +186,11 @@ class GeneralParallel(DDPStrategy):
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
         schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
-        check_arguments(state_dict_type, gather_on_teardown, stream_checkpoint)
+        # the checkpoint hooks' arguments (checked) and state: the engine's checkpoint service
+        checkpoints = CheckpointService(TorchCheckpointIO, TRAINER, state_dict_type,
+                                        stream_checkpoint)
+        if gather_on_teardown != "auto":
+            validate.flag("gather_on_teardown", gather_on_teardown, StrategyConfigError)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
@@ -198,8 +204,7 @@ class GeneralParallel(DDPStrategy):
         )
         self.schedule_config = schedule_config
         self.partition_options = partition_options
-        # the checkpoint hooks' arguments and state (.checkpointing)
-        self._checkpoints = TrainerCheckpoints(state_dict_type, stream_checkpoint)
+        self._checkpoints = checkpoints
         self.step_timeout = step_timeout
         self.gather_on_teardown = gather_on_teardown
         self._engine: PipelineEngine | None = None
@@ -288,11 +293,10 @@ class GeneralParallel(DDPStrategy):
             module, self.schedule_config, self.partition_options,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
             transport=self.transport,
-            optimizers=lambda: [unwrap(o) for o in self.optimizers], info=rank_zero_info,
+            optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
             control=self._control, device=self.root_device, init_weights=self.init_weights,
-            device_mesh=self._mesh,
+            device_mesh=self._mesh, checkpoints=self._checkpoints,
         )
-        self._engine.restore = self._checkpoints.restore  # its optimizer state may still arrive
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
 
     def _install_fault_handling(self, trainer: Any) -> None:
@@ -453,13 +457,15 @@ class GeneralParallel(DDPStrategy):
                                tensor, group=control.group, reduce_op=reduce_op))
 
     # ------------------------------------------------------------------ checkpoints
-    # Lightning calls these names on the strategy; the logic is .checkpointing's
+    # Lightning calls these names on the strategy; each is one call on the engine's
+    # checkpoint service, which decides how the checkpoint is saved or loaded
 
-    def _ckpt(self) -> SaveContext:
-        """What the checkpoint hooks read of this strategy now (.checkpointing)."""
-        return SaveContext(self.lightning_module, self._engine, list(self.optimizers),
-                           self.global_rank, self.world_size, self.checkpoint_io,
-                           self._failure, self._released)
+    def _view(self) -> CheckpointView:
+        """What the checkpoint service reads of this strategy now."""
+        return CheckpointView(self.lightning_module, self._engine,
+                              [_unwrap(o) for o in self.optimizers], self.global_rank,
+                              self.world_size, self.checkpoint_io, self.step_timeout,
+                              self._failure, self._released)
 
     @property
     def state_dict_type(self) -> str:
@@ -478,35 +484,39 @@ class GeneralParallel(DDPStrategy):
         self._checkpoints.stream_checkpoint = value
 
     @property
-    def checkpoint_stream_stats(self) -> ckpt_stream.StreamStats | None:
-        """Rank 0: what the last streamed save held and wrote (``ckpt_stream.StreamStats``)."""
+    def checkpoint_stream_stats(self) -> StreamStats | None:
+        """Rank 0: what the last streamed save held and wrote."""
         return self._checkpoints.stream_stats
 
     @checkpoint_stream_stats.setter
-    def checkpoint_stream_stats(self, value: ckpt_stream.StreamStats | None) -> None:
+    def checkpoint_stream_stats(self, value: StreamStats | None) -> None:
         self._checkpoints.stream_stats = value
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpoints.module_state(self._ckpt(), super().lightning_module_state_dict)
+        view = self._view()  # a save begins here (Lightning's dump_checkpoint)
+        with self._checkpoints.saving(view):
+            return self._checkpoints.model_state(view, super().lightning_module_state_dict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self._checkpoints.optimizer_state(self._ckpt(), optimizer)
+        return self._checkpoints.optimizer_state(self._view(), _unwrap(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
-        hand_on = functools.partial(super().save_checkpoint, checkpoint, filepath, storage_options)
-        self._checkpoints.save(self._ckpt(), checkpoint, filepath, storage_options, hand_on)
+        hand_on = functools.partial(super().save_checkpoint, filepath=filepath,
+                                    storage_options=storage_options)
+        self._checkpoints.write(self._view(), checkpoint, filepath, storage_options, hand_on)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+    def load_checkpoint(self, checkpoint_path: Any,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
         read = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        return self._checkpoints.load(self._ckpt(), checkpoint_path, weights_only,
-                                      self.step_timeout, read)
+        return self._checkpoints.read(self._view(), checkpoint_path, weights_only, read)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._checkpoints.load_model_state(self._ckpt(), checkpoint, strict)
+        self._checkpoints.load_model_state(self._view(), checkpoint["state_dict"], strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._checkpoints.load_optimizer_states(self._ckpt(), checkpoint, self.root_device)
+        self._checkpoints.load_optimizer_states(self._view(), checkpoint["optimizer_states"])
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ end
 
@@ -559,3 +569,8 @@ class GeneralParallel(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, description, schedule in library_names("GeneralParallel"):
             strategy_registry.register(name, cls, description=description, schedule=schedule)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

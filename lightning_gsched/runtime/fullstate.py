@@ -3,11 +3,12 @@
 Why: under a sharded schedule no rank holds the whole model (non-owned stages have 0-byte
 storage) and each optimizer holds state only for the parameters its rank owns. A checkpoint that
 loads in one process needs the full state dict under the module's own names, so rank 0 collects
-every stage from its first owner and every optimizer state entry from the parameter's primary
-rank (:mod:`.ownership`). Such a checkpoint does not depend on the schedule or the worker count,
-so it resumes under any other: loading gives every rank the full state (before any stage is
-released, or filtered to what a built rank holds), and the optimizer state of parameters a rank
-does not own is pruned once the new schedule's ownership is known.
+every stage from its first owner (the streamed transfer of :mod:`.fullstate_stream`, each
+tensor kept: :func:`.fullstate_stream.full_state_dict`) and every optimizer state entry from the
+parameter's primary rank (:mod:`.ownership`, here). Such a checkpoint does not depend on the
+schedule or the worker count, so it resumes under any other: loading gives every rank the full
+state (before any stage is released, or filtered to what a built rank holds), and the optimizer
+state of parameters a rank does not own is pruned once the new schedule's ownership is known.
 """
 
 from __future__ import annotations
@@ -45,34 +46,6 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def full_state_dict(module: nn.Module, stages: StageBuffers) -> dict[str, Any]:
-    """The module's full state dict on rank 0 (collective; other ranks get ``{}``)."""
-    rank = stages.rank
-    names = parameter_names(module)
-    state = module.state_dict() if rank == 0 else {}
-    for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
-        if not flat.numel:
-            continue
-        src = owners[0]
-        buffer: torch.Tensor | None = None
-        if rank == src:
-            assert flat.flat is not None
-            buffer = flat.flat
-            if src != 0:
-                dist.send(buffer.contiguous(), 0)
-        elif rank == 0:
-            buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
-            dist.recv(buffer, src)
-        if rank != 0:
-            continue
-        assert buffer is not None
-        for p, view in flat.views(buffer):
-            value = view.detach().clone()
-            for name in names.get(id(p), []):
-                state[name] = value
-    return state
-
-
 def restore_full_weights(stages: StageBuffers, world_size: int) -> None:
     """Give every rank every stage again (collective), e.g. when training ends.
 
@@ -99,7 +72,7 @@ def _cpu(value: Any) -> Any:
 
 
 def _primary_entries(optimizer: Optimizer, state: dict[str, Any],
-                     primary: Sequence[nn.Parameter]) -> dict[int, dict]:
+                     primary: Sequence[nn.Parameter]) -> dict[int, dict[str, Any]]:
     """The entries of ``state`` (optimizer.state_dict()) for parameters this rank is primary
     for, on the CPU so they can be pickled to other ranks."""
     params = [p for group in optimizer.param_groups for p in group["params"]]

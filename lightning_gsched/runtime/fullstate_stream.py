@@ -16,12 +16,16 @@ model larger than one rank cannot afford. Here saving is two steps:
    order. The owner sends, rank 0 hands each tensor to ``sink(placeholder, tensor)`` (which
    writes it) and drops it before the next: rank 0 holds at most one weight unit's buffer
    received from another rank (or one optimizer tensor) besides what it already keeps.
+
+Gathering the model's state dict (:func:`full_state_dict`) is the same transfer with every
+tensor kept and put in place of its placeholder (:func:`fill_placeholders`), so the gathered and
+the streamed checkpoint cannot differ in what they hold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -238,3 +242,41 @@ def transfer(plan: StreamPlan, sink: Sink | None,
                 del tensor
                 if on_hold is not None:
                     on_hold(0)
+
+
+def keep_all(plan: StreamPlan) -> dict[int, torch.Tensor]:
+    """Run the transfer keeping every tensor (copies) on rank 0, by ``id(placeholder)``
+    (collective): rank 0 then holds them all, as a gathered checkpoint does."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def keep(placeholder: StreamedTensor, tensor: torch.Tensor) -> None:
+        kept[id(placeholder)] = tensor.detach().clone()
+
+    transfer(plan, keep)
+    return kept
+
+
+def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
+    """``obj`` with every placeholder replaced by ``tensors[id(placeholder)]``, in place for
+    dicts and lists (a state dict keeps its type and ``_metadata``)."""
+    if isinstance(obj, StreamedTensor):
+        return tensors[id(obj)]
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = fill_placeholders(value, tensors)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [fill_placeholders(v, tensors) for v in obj]
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(fill_placeholders(v, tensors) for v in obj)
+    return obj
+
+
+def full_state_dict(module: nn.Module, stages: StageBuffers,
+                    world_size: int) -> dict[str, Any]:
+    """The module's full state dict on rank 0, ``{}`` elsewhere (collective): the streamed
+    transfer, every tensor kept (a tied parameter is one tensor under each of its names)."""
+    state, plan = describe_state_dict(module, stages, world_size)
+    filled: dict[str, Any] = fill_placeholders(state, keep_all(plan))
+    return filled

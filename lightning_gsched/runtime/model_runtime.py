@@ -160,7 +160,7 @@ class ModelRuntime:
 
     def full_state_dict(self) -> dict[str, Any]:
         """The module's full state dict on rank 0, ``{}`` elsewhere (collective)."""
-        return fullstate.full_state_dict(self.module, self.executor)
+        return fullstate_stream.full_state_dict(self.module, self.executor, self.world_size)
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every parameter's state on rank 0, ``{}`` elsewhere
@@ -200,6 +200,15 @@ class ModelRuntime:
             return False
         fullstate_stream.transfer(plan, sink, on_hold)
         return True
+
+    def stream_kept(self, described: Any) -> Any:
+        """:meth:`stream` with every tensor kept on rank 0 and put in place of its placeholder
+        in ``described`` (in place for dicts and lists; collective): for a described checkpoint
+        written by other means (a user's CheckpointIO). Rank 0 then holds all of them."""
+        plan, self._stream = self._stream, None
+        if plan is None:
+            return described
+        return fullstate_stream.fill_placeholders(described, fullstate_stream.keep_all(plan))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full state dict into what this rank holds (other stages' entries skipped)."""

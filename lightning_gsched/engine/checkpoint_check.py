@@ -1,29 +1,35 @@
-"""Checking a checkpoint given to ``ckpt_path`` before Lightning restores it, on every rank.
+"""A checkpoint read on every rank, checked, and the verdict agreed: one CheckpointError for all.
 
-Why: every rank reads ``ckpt_path`` itself. A truncated file (a save that was killed), another
-model's checkpoint, or a sharded directory whose save never finished would otherwise end in a
-backend error deep inside ``torch.load``/``load_state_dict``, or worse, on some ranks only
-(a path that is not on a file system every rank shares) while the others go on into the first
-step's collectives and wait there. Here each rank reads and checks the checkpoint, the ranks
-exchange what they found on a group whose timeout is ``step_timeout``, and if any rank found a
-problem every rank raises the same :class:`CheckpointError`, naming the file and what is wrong.
+Used only by :mod:`.checkpoint` (the checkpoint service), for ``ckpt_path`` (the Trainer) and
+``fabric.load`` alike. Why: every rank reads the checkpoint itself. A truncated file (a save
+that was killed), another model's checkpoint, or a sharded directory whose save never finished
+would otherwise end in a backend error deep inside ``torch.load``/``load_state_dict``, or worse,
+on some ranks only (a path that is not on a file system every rank shares) while the others go
+on into the first step's collectives and wait there. Here each rank reads and checks the
+checkpoint, the ranks exchange what they found on a group whose timeout is ``step_timeout``,
+and if any rank found a problem every rank raises the same :class:`CheckpointError`, naming the
+file and what is wrong.
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_gsched.engine.sharded import META
+from lightning_gsched.engine.checkpoint_sharded import META
 from lightning_gsched.errors import CheckpointError
 
+TRAINER = "ckpt_path"  # how the messages name the argument read
+FABRIC = "fabric.load path"
 EARLIER = "resume from an earlier checkpoint, or start without ckpt_path"
 SHOWN = 3  # how many missing parameter names a message lists
+
+Check = Callable[[Any], Optional[str]]  # a read checkpoint -> what is wrong with it (None: ok)
 
 
 def _short(exc: BaseException) -> str:
@@ -37,11 +43,10 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:200]}"
 
 
-def precheck(path: str, what: str = "ckpt_path") -> Optional[str]:
-    """What is wrong with ``path`` before reading it (None: go on and read it). ``what``: how
-    the messages name the argument (``ckpt_path``, or ``fabric.load``'s path)."""
+def precheck(path: str, what: str) -> Optional[str]:
+    """What is wrong with ``path`` before reading it (None: go on and read it)."""
     if not os.path.exists(path):
-        if what != "ckpt_path":
+        if what != TRAINER:
             return f"{what} {path} does not exist: pass a file written by fabric.save"
         return (f"ckpt_path {path} does not exist: pass a .ckpt file or a sharded checkpoint "
                 "directory (ckpt_path='last' needs a ModelCheckpoint with save_last=True)")
@@ -57,16 +62,16 @@ def precheck(path: str, what: str = "ckpt_path") -> Optional[str]:
     return None
 
 
-def unreadable(path: str, exc: BaseException, what: str = "ckpt_path") -> str:
+def unreadable(path: str, exc: BaseException, what: str) -> str:
     """The message for a checkpoint that could not be read."""
     part = "a shard of the sharded checkpoint" if os.path.isdir(path) else "the file"
-    earlier = EARLIER if what == "ckpt_path" else "load an earlier checkpoint"
+    earlier = EARLIER if what == TRAINER else "load an earlier checkpoint"
     return (f"{what} {path} is truncated or not a checkpoint: reading {part} failed "
             f"({_short(exc)}). Its save was interrupted or the file was damaged; {earlier}")
 
 
-def foreign(path: str, checkpoint: Any, module: Optional[nn.Module]) -> Optional[str]:
-    """What makes ``checkpoint`` unusable for ``module`` (None: nothing)."""
+def lightning_problem(path: str, checkpoint: Any, module: Optional[nn.Module]) -> Optional[str]:
+    """What makes ``checkpoint`` (read from ``ckpt_path``) unusable for ``module``."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         return (f"ckpt_path {path} is not a Lightning checkpoint (no 'state_dict' in it); pass "
                 "a checkpoint written by Trainer.save_checkpoint or ModelCheckpoint")
@@ -75,7 +80,31 @@ def foreign(path: str, checkpoint: Any, module: Optional[nn.Module]) -> Optional
     return mismatch(f"ckpt_path {path}", checkpoint["state_dict"], module)
 
 
-def mismatch(where: str, saved: dict, module: nn.Module) -> Optional[str]:
+def fabric_problem(path: str, checkpoint: Any, state: Any, strict: bool) -> Optional[str]:
+    """What makes ``checkpoint`` unusable for ``fabric.load(path, state)``. Each module in
+    ``state`` must find its own parameters under its key; missing keys are Fabric's to report
+    (``strict``)."""
+    if not isinstance(checkpoint, dict):
+        return (f"{FABRIC} {path} holds a {type(checkpoint).__name__}, not the dict "
+                "fabric.save writes; pass a file written by fabric.save")
+    if isinstance(state, nn.Module):
+        return mismatch(f"{FABRIC} {path}", checkpoint, state) if strict else None
+    if not isinstance(state, dict):
+        return None
+    for key, value in state.items():
+        if isinstance(value, nn.Module) and key in checkpoint:
+            saved = checkpoint[key]
+            if not isinstance(saved, dict):
+                return (f"{FABRIC} {path} holds a {type(saved).__name__} under {key!r}, not a "
+                        "module's state_dict; pass a checkpoint of this model")
+            if strict:
+                found = mismatch(f"{FABRIC} {path} (under {key!r})", saved, value)
+                if found:
+                    return found
+    return None
+
+
+def mismatch(where: str, saved: Mapping[str, Any], module: nn.Module) -> Optional[str]:
     """What makes the state dict ``saved`` (found at ``where``) another model's (None: it is
     this model's)."""
     wanted = {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
@@ -133,12 +162,10 @@ class Agreement:
             dist.destroy_process_group(group)
 
 
-def load_checked(path: Any, read: Callable[[], dict], module: Optional[nn.Module],
-                 timeout: float, what: str = "ckpt_path",
-                 check: Optional[Callable[[Any], Optional[str]]] = None) -> dict:
-    """``read()`` the checkpoint at ``path`` on every rank, checked as the module doc says;
-    ``check(checkpoint)`` replaces the Lightning checkpoint's check (:func:`foreign`), e.g. for
-    the free-form dict of ``fabric.save``."""
+def load_checked(path: Any, read: Callable[[], Any], check: Check, timeout: float,
+                 what: str) -> Any:
+    """``read()`` the checkpoint at ``path`` on every rank, ``check(checkpoint)`` it, and agree
+    (bounded by ``timeout``): any rank's problem is every rank's CheckpointError."""
     name = str(path)
     agree = Agreement(timeout)
     try:
@@ -146,7 +173,7 @@ def load_checked(path: Any, read: Callable[[], dict], module: Optional[nn.Module
         checkpoint: Any = None
         try:
             checkpoint = read()
-            problem = check(checkpoint) if check else foreign(name, checkpoint, module)
+            problem = check(checkpoint)
         # CheckpointException (a sharded read, raised on every rank) is a BaseException
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported as such
             problem = unreadable(name, exc, what)

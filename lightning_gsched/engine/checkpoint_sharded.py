@@ -1,0 +1,321 @@
+"""Sharded checkpoints (torch.distributed.checkpoint directories) and a deferred model's restore.
+
+Used only by :mod:`.checkpoint` (the checkpoint service); nothing here decides what to write.
+
+**Sharded.** For a model too large to gather on one rank, ``state_dict_type="sharded"`` lets
+every rank write the stages and ties it is the first owner of (rank 0 adds buffers, extra
+parameters and the non-tensor trainer state), in parallel, without a full copy anywhere. Keys
+are the module's own parameter names (``model.<name>``) and ``optim.<i>.<name>.<state key>``
+(``<name>``: a parameter's first name, :func:`saved_names`), never stage numbers, so the
+directory resumes under any schedule, worker count and (P, G) layout: :func:`load` reads every
+tensor on every rank (each rank still holds the full model before its stages are released) into
+an ordinary full checkpoint dict.
+
+**Deferred restore.** Lightning restores a checkpoint's weights before the strategy's setup and
+its optimizer state before the first batch, while a model built without weights still has its
+parameters on the meta device, where a copy is a no-op. So the tensors are kept aside
+(:class:`DeferredRestore`) and applied at the build, once each rank has given storage to the
+parameters it keeps: a sharded directory is read then, each rank asking ``dcp.load`` for its
+kept parameters, their optimizer state and the buffers (every rank holds every buffer); a full
+checkpoint was memory-mapped (``checkpoint_files.load_mapped``) and only its kept entries are
+applied, so only their pages are read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.optim import Optimizer
+
+from lightning_gsched.engine import checkpoint_files
+from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.runtime import ModelRuntime, parameter_names
+
+# dcp.save / dcp.load are read off the module at each call (a test replaces dcp.save to inject
+# a failing write); torch re-exports them without __all__: hence attr-defined ignores there
+META = "gsched_meta.pt"  # rank 0's non-tensor part of a sharded directory, written last
+
+# (optimizer index, parameter's saved name, state field) -> a non-tensor state value
+NonTensor = dict[tuple[int, str, str], Any]
+StateDict = dict[str, Any]
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    return os.path.isdir(str(path)) and os.path.isfile(os.path.join(str(path), META))
+
+
+def saved_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
+    """The name each of ``optimizer``'s parameters has in a sharded directory: its first
+    state-dict name (``param<i>`` for one the module does not hold)."""
+    names = parameter_names(module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [names[id(p)][0] if id(p) in names else f"param{i}" for i, p in enumerate(params)]
+
+
+def _index(path: str) -> dict[str, TensorStorageMetadata]:
+    """Every tensor's key -> its shape and dtype, from the directory's ``.metadata``."""
+    layout = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: m for k, m in layout.items() if isinstance(m, TensorStorageMetadata)}
+
+
+def _empty(meta: TensorStorageMetadata, device: str = "cpu") -> torch.Tensor:
+    return torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=device)
+
+
+def _meta_file(path: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = torch.load(os.path.join(path, META), weights_only=False,
+                                        map_location="cpu")
+    return loaded
+
+
+def _optimizer_state(i: int, tensors: Mapping[str, torch.Tensor], non_tensor: NonTensor,
+                     index_of: Mapping[str, int]) -> dict[int, dict[str, Any]]:
+    """Optimizer ``i``'s per-parameter state from the directory's ``optim.<i>.*`` tensors and
+    its non-tensor values, for the parameters ``index_of`` names (saved name -> index)."""
+    state: dict[int, dict[str, Any]] = {}
+    prefix = f"optim.{i}."
+    for key, value in tensors.items():
+        if key.startswith(prefix):
+            name, fld = key[len(prefix):].rsplit(".", 1)
+            if name in index_of:
+                state.setdefault(index_of[name], {})[fld] = value
+    for (j, name, fld), value in non_tensor.items():
+        if j == i and name in index_of:
+            state.setdefault(index_of[name], {})[fld] = value
+    return dict(sorted(state.items()))
+
+
+def _kept_index(module: nn.Module, optimizer: Optimizer, kept_ids: set[int]) -> dict[str, int]:
+    """Saved name -> index in ``optimizer`` of each kept parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {name: i for i, (name, p) in enumerate(zip(saved_names(module, optimizer), params,
+                                                      strict=True)) if id(p) in kept_ids}
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+def writer_of_names(module: nn.Module, runtime: ModelRuntime | None, rank: int,
+                    world: int) -> Callable[[str], bool]:
+    """Which state-dict keys this rank writes.
+
+    While stages are distributed: a stage or tie parameter is written by its first owner,
+    everything else (buffers, extra parameters) by rank 0. After a run (every rank holds the full
+    model again) the keys are dealt round-robin, so the write is still spread over the ranks.
+    """
+    if runtime is None:
+        keys = list(module.state_dict().keys())
+        return {k for i, k in enumerate(keys) if i % world == rank}.__contains__
+    names = parameter_names(module)
+    stage_names = {n for p in runtime.stage_parameters() for n in names.get(id(p), [])}
+    primary = {n for p in runtime.primary_parameters() for n in names.get(id(p), [])}
+    return lambda key: key in primary or (rank == 0 and key not in stage_names)
+
+
+def local_model_state(module: nn.Module, is_mine: Callable[[str], bool]) -> StateDict:
+    """The state-dict entries this rank writes (copies: stage views share one buffer)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if is_mine(k)}
+
+
+def local_optimizer_state(module: nn.Module, optimizer: Optimizer,
+                          is_mine: Callable[[str], bool]) -> StateDict:
+    """Optimizer state of the parameters whose (first) name this rank writes, keyed by name."""
+    index_names = saved_names(module, optimizer)
+    state = optimizer.state_dict()
+    local = {index_names[i]: entry for i, entry in state["state"].items()
+             if is_mine(index_names[i])}
+    return {"state": local, "param_groups": state["param_groups"], "index_names": index_names}
+
+
+def save(checkpoint: StateDict, path: Any, rank: int) -> None:
+    """Write ``path/`` (collective): DCP shards plus rank 0's non-tensor metadata."""
+    path = str(path)
+    if os.path.isfile(path):
+        raise StrategyConfigError(
+            f"{path} is a file; a sharded checkpoint is a directory. Remove it or use "
+            "state_dict_type='full'"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    others: NonTensor = {}
+    for key, value in checkpoint.get("state_dict", {}).items():
+        tensors[f"model.{key}"] = value
+    optim_meta = []
+    for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
+        for name, entry in opt_state.get("state", {}).items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{i}.{name}.{key}"] = value.detach().clone()
+                else:
+                    others[(i, name, key)] = value
+        optim_meta.append({"param_groups": opt_state.get("param_groups"),
+                           "index_names": opt_state.get("index_names")})
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    # every rank writes into one staging directory next to ``path`` (same name on every rank);
+    # rank 0 swaps it in only after every rank finished, so an interrupted save leaves the
+    # previous checkpoint whole and its staging directory is removed (checkpoint_files)
+    staging = checkpoint_files.staging_name(path, unique=False)
+    if rank == 0:
+        checkpoint_files.remove_stale(path)
+        os.makedirs(staging)
+    if world > 1:
+        dist.barrier()  # the staging directory exists (and is empty) before anyone writes
+        dist.gather_object(others, gathered, dst=0)
+    else:
+        gathered = [others]
+    try:
+        dcp.save(tensors, checkpoint_id=staging)  # type: ignore[attr-defined]
+        if rank == 0:
+            merged: NonTensor = {}
+            for part in gathered or []:
+                merged.update(part)
+            rest = {k: v for k, v in checkpoint.items()
+                    if k not in ("state_dict", "optimizer_states")}
+            torch.save({"rest": rest, "optimizers": optim_meta, "non_tensor": merged},
+                       os.path.join(staging, META))
+        if world > 1:
+            dist.barrier()  # every rank's shards are written
+        if rank == 0:
+            checkpoint_files.swap_in_directory(staging, path)
+    except BaseException:
+        # dcp.save raises on every rank when any rank's write fails (it gathers the outcome);
+        # rank 0 removes the staging directory (a peer may still be leaving it); a rank 0 that
+        # was killed leaves it to the next save of this name (checkpoint_files.remove_stale)
+        if rank == 0:
+            checkpoint_files.discard(staging)
+        raise
+    if world > 1:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load(path: Any) -> StateDict:
+    """Read a sharded directory into an ordinary full checkpoint dict (collective)."""
+    path = str(path)
+    meta = _meta_file(path)
+    tensors = {key: _empty(m) for key, m in _index(path).items()}
+    dcp.load(tensors, checkpoint_id=path)  # type: ignore[attr-defined]
+    state_dict = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    optimizer_states = []
+    for i, om in enumerate(meta["optimizers"]):
+        index_of = {name: index for index, name in enumerate(om["index_names"] or [])}
+        optimizer_states.append({"state": _optimizer_state(i, tensors, meta["non_tensor"],
+                                                           index_of),
+                                 "param_groups": om["param_groups"]})
+    return {**meta["rest"], "state_dict": state_dict, "optimizer_states": optimizer_states}
+
+
+def saved_model_entries(path: Any) -> dict[str, torch.Tensor]:
+    """The model entries of a sharded directory as meta tensors of their saved shapes.
+
+    Why: a model built without weights reads the directory's tensors only at the build, but
+    Lightning restores the optimizers' param groups before it, so another model's directory
+    would fail there in torch's own words. The index holds every key's shape, so the directory
+    can be checked against the model when it is given, reading no tensor."""
+    return {key[len("model."):]: _empty(m, "meta") for key, m in _index(str(path)).items()
+            if key.startswith("model.")}
+
+
+def load_deferred(path: Any) -> tuple[StateDict, DeferredRestore]:
+    """A sharded directory for a model built without weights: the checkpoint without its
+    tensors now (optimizers get their param groups only), and the tensors at the build."""
+    path = str(path)
+    meta = _meta_file(path)
+    optimizer_states = [{"state": {}, "param_groups": om["param_groups"]}
+                        for om in meta["optimizers"]]
+    checkpoint = {**meta["rest"], "state_dict": {}, "optimizer_states": optimizer_states}
+    return checkpoint, DeferredRestore(path=path, non_tensor=dict(meta["non_tensor"]))
+
+
+class DeferredRestoreError(StrategyConfigError):
+    """A checkpoint resumed into a model built without weights lacks a tensor the model has."""
+
+
+@dataclass
+class DeferredRestore:
+    """A checkpoint's model and optimizer state, applied at the build (see the module doc).
+
+    ``path``: a sharded directory, read at :meth:`apply` (``non_tensor``: its optimizers'
+    non-tensor entries); else ``state_dict`` and ``optimizer_states``: a full checkpoint's,
+    already in memory (mapped)."""
+
+    path: str | None = None
+    non_tensor: NonTensor = field(default_factory=dict)
+    state_dict: Mapping[str, torch.Tensor] | None = None
+    optimizer_states: list[StateDict] | None = None
+
+    def apply(self, module: nn.Module, kept: Sequence[nn.Parameter],
+              optimizers: Sequence[Optimizer]) -> None:
+        """Fill ``kept`` (which have storage now), every persistent buffer and the kept
+        parameters' optimizer state (collective for a sharded directory: ``dcp.load``)."""
+        kept_ids = {id(p) for p in kept}
+        index_of = [_kept_index(module, optimizer, kept_ids) for optimizer in optimizers]
+        if self.path is not None:
+            index = _index(self.path)
+            where = self._model_keys(module, kept, {k[len("model."):] for k in index
+                                                    if k.startswith("model.")})
+            tensors = {f"model.{key}": torch.empty_like(t, device="cpu")
+                       for key, t in where.items()}
+            for i, names in enumerate(index_of):  # the kept parameters' optimizer tensors
+                prefix = f"optim.{i}."
+                tensors.update({key: _empty(meta) for key, meta in index.items()
+                                if key.startswith(prefix)
+                                and key[len(prefix):].rsplit(".", 1)[0] in names})
+            dcp.load(tensors, checkpoint_id=self.path)  # type: ignore[attr-defined]
+            values = {key: tensors[f"model.{key}"] for key in where}
+            states = [_optimizer_state(i, tensors, self.non_tensor, names)
+                      for i, names in enumerate(index_of)]
+        else:
+            assert self.state_dict is not None
+            where = self._model_keys(module, kept, set(self.state_dict))
+            values = {key: self.state_dict[key] for key in where}
+            # an optimizer the checkpoint has no state for is left as it is
+            states = [{int(i): entry for i, entry in saved.get("state", {}).items()
+                       if int(i) in names.values()}
+                      for saved, names in zip(self.optimizer_states or [], index_of,
+                                              strict=False)]
+            # the whole checkpoint's tensors are not kept past the build
+            self.state_dict, self.optimizer_states = None, None
+        with torch.no_grad():
+            for key, tensor in where.items():
+                tensor.copy_(values[key])
+        for optimizer, state in zip(optimizers, states, strict=False):
+            # keep the param groups Lightning restored (and the LR scheduler's) with the rest
+            groups = optimizer.state_dict()["param_groups"]
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _model_keys(self, module: nn.Module, kept: Sequence[nn.Parameter],
+                    available: set[str]) -> dict[str, torch.Tensor]:
+        """Checkpoint key -> the tensor it fills: each kept parameter (under the first of its
+        names the checkpoint has) and every persistent buffer."""
+        names = parameter_names(module)
+        source = self.path or "the checkpoint"
+        where: dict[str, torch.Tensor] = {}
+        for p in kept:
+            found = [n for n in names.get(id(p), []) if n in available]
+            if not found:
+                raise DeferredRestoreError(
+                    f"the parameter {names.get(id(p), ['?'])[0]!r} is not in {source}: the "
+                    "checkpoint was saved from another model. Resume from a checkpoint of this "
+                    "model")
+            where[found[0]] = p
+        param_names = {n for ns in names.values() for n in ns}
+        for key, buffer in module.state_dict(keep_vars=True).items():
+            if key in param_names:
+                continue
+            if key not in available:
+                raise DeferredRestoreError(
+                    f"the buffer {key!r} is not in {source}: the checkpoint was saved from "
+                    "another model. Resume from a checkpoint of this model")
+            where[key] = buffer
+        return where
