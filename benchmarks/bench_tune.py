@@ -1,6 +1,8 @@
 """``tune``: does the tuner's pick run fastest under a fixed budget, and does it rank the rest?
 
-1. ``tune_model`` ranks every library configuration (activation caps included) of the
+1. ``tune_model`` ranks every library configuration (activation caps included; at W=2 the
+   data-parallel lifts are ddp and fsdp under other names, so G stays 1; ``top=None``: every
+   candidate costed, not only the top the bounded search ranks) of the
    benchmark GPT (:mod:`benchmarks.model`) on W=2 ranks with the row's global batch, SGD with
    momentum (optimizer factor 1) and a **fixed memory budget** per rank (:data:`BUDGET`, passed
    into the tuner, so "fits" constrains the pick), with the runtime's costs measured on a W=2
@@ -88,6 +90,9 @@ def _config(candidate: Any, profiles: dict[int, Any]) -> dict[str, Any]:
         config["R"] = candidate.R
     if candidate.cap is not None:
         config["cap"] = candidate.cap
+    if candidate.replicas > 1:
+        config["data_parallel_size"] = candidate.replicas
+        config["data_parallel"] = candidate.mode
     return config
 
 
@@ -124,7 +129,8 @@ def run(quick: bool) -> list[Result]:
     try:
         ranking = tune_model(core, (x,), WORLD, global_rows,
                              loss_fn=lambda out: lm_loss(out, y), budget=BUDGET,
-                             optimizer_factor=1.0, repeats=3 if quick else 5, costs=costs)
+                             optimizer_factor=1.0, repeats=3 if quick else 5, costs=costs,
+                             top=None)  # every candidate costed: the random draws span it
     finally:
         torch.set_num_threads(threads)
     pick = ranking.best

@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tune_parser(sub: Any) -> None:
-    t = sub.add_parser("tune", help="profile a model and rank schedule x S x B x R x "
-                                    "checkpointing by predicted step time within a memory budget")
+    t = sub.add_parser("tune", help="profile a model and rank schedule x data-parallel G and "
+                                    "mode x S x B x R x cap x checkpointing by predicted step "
+                                    "time within a memory budget")
     t.add_argument("target", help="FILE.py:FUNCTION or MODULE:FUNCTION returning (model, args) or "
                                   "(model, args, loss_fn): the model and one microbatch")
     t.add_argument("-w", "--workers", type=_count("workers", "4"), required=True)
@@ -237,9 +238,14 @@ def _tune_parser(sub: Any) -> None:
     t.add_argument("-s", "--stages", type=_count("stages", "4"), default=None,
                    help="only this S (as GeneralParallel('auto', stages=...))")
     t.add_argument("-b", "--microbatches", type=_count("microbatches", "8"), default=None,
-                   help="only this B")
+                   help="only this B (per data-parallel replica)")
     t.add_argument("--R", type=_count("R", "2"), default=None,
                    help="only the looped schedules, with this R")
+    t.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size",
+                   type=_count("data_parallel_size", "2"), default=None,
+                   help="only this G: G replicas of each schedule on W/G workers, both modes "
+                        "(as GeneralParallel('auto', data_parallel_size=...)); default: every "
+                        "divisor of W below W")
     d = DEFAULT_COSTS
     t.add_argument("--latency", type=float, default=None,
                    help=f"seconds a message is in flight besides its bytes (default {d.latency:g})")
@@ -251,7 +257,9 @@ def _tune_parser(sub: Any) -> None:
     t.add_argument("--job-overhead", type=float, default=None,
                    help=f"the runtime's seconds per compute job beyond the profiled compute "
                         f"(default {d.job_cpu:g})")
-    t.add_argument("--top", type=_count("top", "20"), default=20, help="rows of the table")
+    t.add_argument("--top", type=_count("top", "20"), default=20,
+                   help="rows of the table: the fastest that fit, ranked exactly (the search "
+                        "skips candidates whose lower bounds rule them out)")
 
 
 def _load_target(spec: str) -> tuple[Any, tuple, Any]:
@@ -296,7 +304,8 @@ def _tune(args: argparse.Namespace) -> int:
                         budget=args.budget, optimizer_factor=args.optimizer_factor,
                         costs=costs, schedules=args.schedules,
                         checkpoint=(False,) if args.no_checkpointing else (False, True),
-                        stages=args.stages, micro=args.microbatches, R=args.R)
+                        stages=args.stages, micro=args.microbatches, R=args.R,
+                        replicas=args.data_parallel_size, top=args.top)
     print(result.table(args.top))
     return 0
 

@@ -87,7 +87,8 @@ def fit_auto(ctx: WorkerContext, validate_first: bool, **options: Any) -> dict:
         "state": state_of(model),
         "chosen": (chosen.schedule, chosen.arguments.stages, chosen.arguments.microbatches,
                    chosen.arguments.R, chosen.arguments.checkpoint_activations,
-                   list(chosen.arguments.forward_cost)),
+                   list(chosen.arguments.forward_cost), chosen.arguments.data_parallel_size,
+                   chosen.arguments.data_parallel),
         "programs": [[str(a) for a in program] for program in plan.programs.ranks],
         "pick_peak": result.best.peak,
         "peaks": [v.peak for v in result.verdicts if v.peak is not None],
@@ -138,6 +139,22 @@ def test_budget_between_the_peaks_picks_a_plan_under_it(worlds, free) -> None:
     assert out[0]["programs"] == out[1]["programs"]
     for rank in range(WORLD):  # another schedule, the same training
         assert_same_state(out[rank]["state"], _reference(), f"budgeted auto rank {rank}")
+
+
+@pytest.mark.distributed
+def test_a_fixed_data_parallel_size_picks_replicas_that_train_like_one_device(worlds) -> None:
+    """``data_parallel_size=2`` on the 2 ranks: the tuner ranks one-worker schedules in 2
+    replicas (replicated or sharded), every rank runs the pick, and it trains like one
+    device (each replica's microbatches, the gradients joined across the replicas)."""
+    out = worlds.get(WORLD).run(fit_auto, False, data_parallel_size=2)
+    assert out[0]["chosen"] == out[1]["chosen"] and out[0]["programs"] == out[1]["programs"]
+    schedule, S, B, *_, G, mode = out[0]["chosen"]
+    assert G == 2 and mode in ("replicate", "shard") and GLOBAL_BATCH % (B * G) == 0
+    text = out[0]["printed"]
+    assert f"pick: {schedule} S={S} B={B}" in text and f"G=2 {mode}" in text
+    assert f"data_parallel_size=2, data_parallel={mode!r}" in text
+    for rank in range(WORLD):
+        assert_same_state(out[rank]["state"], _reference(), f"auto G=2 rank {rank}")
 
 
 @pytest.mark.distributed
@@ -205,6 +222,22 @@ def test_arguments_are_checked_at_construction(front_end: str) -> None:
     with pytest.raises(ScheduleConfigError, match="R=3 does not divide"):
         config.check(2)
     make("auto").schedule_config.check(2)  # nothing to check yet
+    # data_parallel_size is a constraint (G fixed), checked against W at setup, R against
+    # each replica's W / G; the mode is the tuner's to choose
+    config = make("auto", data_parallel_size=2, R=2).schedule_config
+    assert config.auto.data_parallel_size == 2
+    config.check(4)
+    with pytest.raises(ScheduleConfigError, match=r"data_parallel_size=2 does not divide the "
+                                                  r"W=3 workers.*leave data_parallel_size"):
+        config.check(3)
+    with pytest.raises(ScheduleConfigError, match=r"R=2 does not divide the 3 devices of each "
+                                                  r"of the data_parallel_size=2 replicas"):
+        config.check(6)
+    assert make("auto").schedule_config.auto.data_parallel_size is None  # 1: searched
+    with pytest.raises(ScheduleConfigError, match="data_parallel='shard'.*data_parallel_size="):
+        make("auto", data_parallel="shard")
+    with pytest.raises(ScheduleConfigError, match="data_parallel_size=0"):
+        make("auto", data_parallel_size=0)
     with pytest.raises(StrategyConfigError, match="decided at the first batch"):
         make("auto").schedule_config.training_plan(2)
 
@@ -214,7 +247,9 @@ def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:
     from lightning_gsched.schedule.tune import candidates
 
     free = candidates(4, 64)
-    assert {c.stages for c in free} > {4} and {c.micro for c in free} == {4, 8, 16}
+    # B per replica: 4, 8 and 16 microbatches a step at every G
+    assert {c.stages for c in free} > {4} and {c.step_micro for c in free} == {4, 8, 16}
+    assert {c.replicas for c in free} == {1, 2}
     fixed = candidates(4, 64, stages=4, micro=8)
     assert fixed and {(c.stages, c.micro) for c in fixed} == {(4, 8)}
     assert {c.schedule for c in fixed} == {c.schedule for c in free}
@@ -222,6 +257,8 @@ def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:
     assert looped and {c.R for c in looped} == {2}
     assert all(get_schedule(c.schedule).default_R is not None for c in looped)
     assert [c for c in candidates(4, 64, checkpoint=(True,)) if not c.checkpoint] == []
+    pairs = candidates(8, 128, replicas=2, stages=4)
+    assert pairs and {(c.replicas, c.stages) for c in pairs} == {(2, 4)}
 
 
 def test_a_capped_pick_runs_with_its_cap() -> None:
@@ -240,3 +277,29 @@ def test_a_capped_pick_runs_with_its_cap() -> None:
     p = _as_config(capped, result).training_plan(2)
     assert p.caps == [capped.candidate.cap] * 2
     assert p.metrics.max_of("peak_activations") <= capped.candidate.cap < 8
+
+
+def test_a_2d_pick_runs_as_the_plan_the_tuner_costed() -> None:
+    """A pick with G = 2 becomes a config whose training plan is the tuner's plan of it (the
+    same programs: G, the mode and the costs carried over) and whose training step cuts
+    B x G microbatches."""
+    from lightning_gsched.engine.auto import _as_config
+    from lightning_gsched.schedule.memory import ModelSizes, StageSizes
+    from lightning_gsched.schedule.tune import StageProfile, plan_candidate, tune
+
+    def profile(S: int) -> StageProfile:
+        stage = StageSizes(100, 100, 200, 1000, 10)
+        return StageProfile(S, 4, (1.0,) * S, (2.0,) * S, ModelSizes((stage,) * S))
+
+    for mode_wanted in ("replicate", "shard"):
+        result = tune(4, 32, profile, replicas=2, schedules=["1f1b", "zbv"], top=None)
+        v = next(v for v in result.verdicts if v.candidate.mode == mode_wanted
+                 and v.step_time is not None)
+        config = _as_config(v, result)
+        assert config.arguments.data_parallel_size == 2
+        assert config.arguments.data_parallel == mode_wanted
+        planned = config.training_plan(4)
+        tuned = plan_candidate(v.candidate, result.profiles[v.candidate.stages], 4)
+        assert [[str(a) for a in p] for p in planned.programs.ranks] == \
+            [[str(a) for a in p] for p in tuned.programs.ranks]
+        assert config.training_micro(4) == v.candidate.micro * 2 == v.candidate.step_micro

@@ -8,13 +8,15 @@ from independent plans, not read back from the tuner.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import plan
 from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
-from lightning_gsched.schedule.tune import Candidate, StageProfile, evaluate, tune
+from lightning_gsched.schedule.tune import Candidate, StageProfile, TuneResult, evaluate, tune
 
 MiB = 2**20
 W, GLOBAL_ROWS = 4, 64
@@ -29,15 +31,23 @@ def profile(S: int) -> StageProfile:
                         split=((1.0 / S,) * S, (1.0 / S,) * S))
 
 
+@functools.lru_cache(maxsize=1)
+def exhaustive() -> TuneResult:
+    """Every candidate costed, no budget (top=None): the reference the bounded search meets."""
+    return tune(W, GLOBAL_ROWS, profile, top=None)
+
+
 def test_ranked_by_predicted_step_time_and_everything_fits_without_budget() -> None:
-    result = tune(W, GLOBAL_ROWS, profile)
+    result = exhaustive()
     times = [v.step_time for v in result.verdicts if v.step_time is not None]
     assert times == sorted(times) and len(times) > 20
     assert all(v.fits for v in result.verdicts if v.step_time is not None)
     assert result.best is result.verdicts[0]
-    # every library schedule was costed
+    # every library schedule was costed, and the pipelines with G = 2 replicas, both modes
     assert {v.candidate.schedule for v in result.verdicts if v.step_time is not None} >= {
         "ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "zb-h1", "zbv"}
+    assert {(v.candidate.replicas, v.candidate.mode) for v in result.verdicts
+            if v.step_time is not None} == {(1, "replicate"), (2, "replicate"), (2, "shard")}
 
 
 def test_a_verdict_is_the_plan_it_names() -> None:
@@ -58,21 +68,25 @@ def test_a_verdict_is_the_plan_it_names() -> None:
 
 
 def test_budget_picks_the_fastest_that_fits() -> None:
-    free = tune(W, GLOBAL_ROWS, profile)
+    free = exhaustive()
     peaks = sorted(v.peak for v in free.verdicts if v.peak is not None)
     budget = (peaks[0] + peaks[-1]) // 2
     result = tune(W, GLOBAL_ROWS, profile, budget=budget)
     best = result.best
     assert best is not None and best.peak is not None and best.peak <= budget
+    # over the budget: sized (peak known) or skipped by its bytes bound, never "fits"
     over = [v for v in result.verdicts if v.peak is not None and v.peak > budget]
     assert over and all(not v.fits and "budget" in v.reason for v in over)
-    fitting = [v.step_time for v in result.verdicts if v.fits]
-    assert best.step_time == min(fitting)
+    assert all(not v.fits for v in result.verdicts if v.peak is None)
+    fitting = [v.step_time for v in free.verdicts if v.peak is not None and v.peak <= budget]
+    assert best.step_time == min(fitting)  # the fastest of every candidate that fits
     assert best.step_time >= free.verdicts[0].step_time  # type: ignore[operator]
 
 
 def test_impossible_budget_names_the_smallest_peak() -> None:
-    free = tune(W, GLOBAL_ROWS, profile)
+    """The bounded search, finding nothing under the budget, still finds the smallest peak of
+    every candidate (costing every one: top=None)."""
+    free = exhaustive()
     smallest = min(v.peak for v in free.verdicts if v.peak is not None)
     with pytest.raises(ScheduleConfigError, match="smallest predicted peak") as info:
         tune(W, GLOBAL_ROWS, profile, budget=smallest - 1)
@@ -96,7 +110,7 @@ def test_stage_counts_the_model_cannot_reach_are_dropped_with_the_reason() -> No
             raise ScheduleConfigError(f"the model has 4 blocks, not {S}")
         return profile(S)
 
-    result = tune(W, GLOBAL_ROWS, shallow)
+    result = tune(W, GLOBAL_ROWS, shallow, top=None)
     dropped = [v for v in result.verdicts if v.step_time is None]
     assert dropped and all(v.candidate.stages > 4 or "invalid" in v.reason for v in dropped)
     assert any("4 blocks" in v.reason for v in dropped)
@@ -120,7 +134,8 @@ def test_smaller_caps_are_searched_and_trade_bubble_for_activations() -> None:
     """gpipe stashes all B microbatches; the capped candidates are plans with that uniform cap
     (built here independently) whose peak stash is at most the cap, and no two verdicts of one
     configuration share their programs."""
-    result = tune(W, GLOBAL_ROWS, profile, schedules=["gpipe"], checkpoint=(False,), micro=16)
+    result = tune(W, GLOBAL_ROWS, profile, schedules=["gpipe"], checkpoint=(False,), micro=16,
+                  replicas=1, top=None)
     costed = [v for v in result.verdicts if v.step_time is not None]
     default = [v for v in costed if v.candidate.cap is None]
     capped = [v for v in costed if v.candidate.cap is not None]

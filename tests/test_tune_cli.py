@@ -25,8 +25,14 @@ def tiny_target() -> tuple:
     return model, (idx,), loss_fn
 
 
-def _peaks(text: str) -> list[tuple[str, str]]:
-    return re.findall(r"^\s+\d+\s+(\S.*?)\s{2,}\S+ ms\s+(\S+ \S+)\s+(yes|no)", text, re.M)
+ROW = re.compile(r"^\s+\d+\s+(\S+ S=.*?)\s+(\d+)\s+(-|replicate|shard)\s+([\d.]+) ms\s+"
+                 r"([\d.]+ \S+)\s+(yes|no)", re.M)
+
+
+def _rows(text: str) -> list[tuple[str, int, str, float, str, str]]:
+    """The table's rows: (candidate, G, mode, step ms, peak, fits)."""
+    return [(c.strip(), int(G), mode, float(ms), peak, fits)
+            for c, G, mode, ms, peak, fits in ROW.findall(text)]
 
 
 def test_tune_ranks_and_picks_within_the_budget(capsys) -> None:
@@ -34,23 +40,22 @@ def test_tune_ranks_and_picks_within_the_budget(capsys) -> None:
                      "--schedules", "gpipe", "1f1b", "zbv", "fsdp"]) == 0
     free = capsys.readouterr().out
     assert "budget none" in free and "pick: " in free
-    rows = re.findall(r"^\s+\d+\s+(\S+ S=.*?)\s{2,}\s*([\d.]+) ms\s+([\d.]+ \S+)\s+(yes|no)",
-                      free, re.M)
+    rows = _rows(free)
     assert rows and all(fits == "yes" for *_, fits in rows)
-    times = [float(t) for _, t, _, _ in rows]
+    times = [t for _, _, _, t, _, _ in rows]
     assert times == sorted(times)
+    assert {(G, mode) for _, G, mode, *_ in rows} == {(1, "-")}  # W=2: G=2 is ddp/fsdp
     # a budget between the smallest and the largest peak: the pick is under it
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    peaks = sorted(float(p.split()[0]) * units[p.split()[1]] for _, _, p, _ in rows)
+    peaks = sorted(float(p.split()[0]) * units[p.split()[1]] for *_, p, _ in rows)
     budget = int((peaks[0] + peaks[-1]) / 2)
     assert cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--budget", str(budget),
                      "--schedules", "gpipe", "1f1b", "zbv", "fsdp"]) == 0
     ranked = capsys.readouterr().out
     pick = ranked.split("pick: ")[1].strip()
-    chosen = [r for r in re.findall(r"^\s+\d+\s+(\S+ S=.*?)\s{2,}\s*[\d.]+ ms\s+([\d.]+ \S+)\s+"
-                                    r"(yes|no)", ranked, re.M) if r[0].strip() == pick]
-    assert chosen and chosen[0][2] == "yes"
-    value, unit = chosen[0][1].split()
+    chosen = [r for r in _rows(ranked) if r[0] == pick]
+    assert chosen and chosen[0][5] == "yes"
+    value, unit = chosen[0][4].split()
     assert float(value) * units[unit] <= budget * 1.001  # printed with one decimal
     assert "no: peak" in ranked
 
@@ -124,3 +129,21 @@ def test_runtime_cost_flags_reach_the_tuner(capsys, monkeypatch) -> None:
                                       "bandwidth": 5e8})
     assert cli.main(base + ["--message-cpu", "-1"]) == 2
     assert "send_cpu must be a non-negative number" in capsys.readouterr().err
+
+
+def test_data_parallel_size_fixes_G_and_both_modes_are_ranked(capsys) -> None:
+    """``--dp 2`` on 4 workers: every row is 2 replicas of a 2-worker schedule, in both modes,
+    and the pick names its G and mode; a G that does not divide W is the planner's error."""
+    base = ["tune", TARGET, "-w", "4", "--global-batch", "16", "--schedules", "1f1b", "zbv",
+            "--no-checkpointing", "--top", "40"]
+    assert cli.main(base + ["--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows and {G for _, G, *_ in rows} == {2}
+    assert {mode for _, _, mode, *_ in rows} == {"replicate", "shard"}
+    pick = out.split("pick: ")[1].strip()
+    best = rows[0]
+    assert pick == f"{best[0]} G=2 {best[2]}"
+    assert cli.main(base + ["--data-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "data_parallel_size=3 does not divide the W=4 workers" in err and "[1, 2, 4]" in err

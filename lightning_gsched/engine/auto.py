@@ -3,10 +3,10 @@
 Why at the first batch: the tuner (``measure.tune_profile.tune_model``) profiles the model cut
 into each stage count it considers, on one real microbatch, and the engine has the model's call
 on a real microbatch only when it builds the pipeline (the probe of the user's step). This module
-runs the tuner there and turns the pick into an ordinary :class:`ScheduleConfig` (schedule, S, B,
-R, checkpointing, and the measured per-stage seconds as its costs, so that the programs the run
-executes are the ones the tuner evaluated); from then on the engine continues exactly as if the
-user had written those arguments.
+runs the tuner there and turns the pick into an ordinary :class:`ScheduleConfig` (schedule, G
+and the data-parallel mode, S, B, R, cap, checkpointing, and the measured per-stage seconds as
+its costs, so that the programs the run executes are the ones the tuner evaluated); from then on
+the engine continues exactly as if the user had written those arguments.
 
 Why rank 0 decides alone: profiled seconds differ between ranks and between runs, so ranks tuning
 on their own could pick different plans and then wait for messages that never come. Rank 0
@@ -42,14 +42,13 @@ from lightning_gsched.errors import (
 )
 from lightning_gsched.measure.tune_profile import tune_model
 from lightning_gsched.runtime import calibrate
-from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 from lightning_gsched.schedule.tune import (
     TuneResult,
     Verdict,
-    candidate_costs,
-    microbatch_counts,
+    candidate_arguments,
+    most_microbatches,
 )
 
 TABLE_ROWS = 10  # rows of the ranked table in the startup text
@@ -60,12 +59,14 @@ def probe_parts(config: ScheduleConfig, global_rows: int, workers: int) -> int:
     engine profiles the first of them, every rank receiving its rows.
 
     The profiled microbatch is the smallest any candidate runs (the global batch cut into the
-    most microbatches the search tries). Scaling a profile up to larger microbatches is linear,
-    so what does not grow with the rows (index and mask tensors, per-call overheads) is
-    over-counted, never under-counted: a pick's predicted bytes bound those of the executed
-    plan (the startup prediction) from above.
+    most microbatches, B per replica x G replicas, the search tries: ``most_microbatches``).
+    Scaling a profile up to larger microbatches is linear, so what does not grow with the rows
+    (index and mask tensors, per-call overheads) is over-counted, never under-counted: a pick's
+    predicted bytes bound those of the executed plan (the startup prediction) from above.
     """
-    return max(microbatch_counts(workers, global_rows, _request(config).microbatches))
+    request = _request(config)
+    return most_microbatches(workers, global_rows, request.microbatches,
+                             request.data_parallel_size)
 
 
 def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.Tensor]:
@@ -144,7 +145,8 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
                 budget=request.memory_budget, optimizer_factor=factor, costs=costs,
                 checkpoint=(True,) if request.checkpoint else (False, True),
                 stages=request.stages or _stages_fixed_by(options), micro=request.microbatches,
-                R=request.R, balance=options.balance, leaf_modules=options.leaf_modules,
+                R=request.R, replicas=request.data_parallel_size, top=TABLE_ROWS,
+                balance=options.balance, leaf_modules=options.leaf_modules,
                 split_points=options.split_points, static_shapes=options.static_shapes)
     finally:
         for p, grad in grads:
@@ -155,7 +157,8 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
         dropped = "; ".join(f"{v.candidate.text()}: {v.reason}" for v in result.verdicts[:3])
         raise ScheduleConfigError(
             f"no candidate could be planned for W={workers} and a global batch of "
-            f"{global_rows} rows ({dropped or 'no candidates'}). Loosen stages=/microbatches=/R="
+            f"{global_rows} rows ({dropped or 'no candidates'}). Loosen stages=/microbatches=/"
+            "R=/data_parallel_size="
         )
     chosen = _as_config(best, result)
     return chosen, _text(result, best, chosen, seconds, loss_fn is not None, costs), result
@@ -171,13 +174,13 @@ def _stages_fixed_by(options: PartitionOptions) -> int | None:
 
 
 def _as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
-    """The pick as arguments: what the user would have written, plus the measured costs."""
+    """The pick as arguments: what the user would have written (G and the mode included),
+    plus the measured costs; the very arguments the tuner planned it with
+    (``candidate_arguments``), but the tied weights, which the engine records from the
+    partition it builds (``ScheduleConfig.set_ties``)."""
     c = best.candidate
-    forward, backward, weight = candidate_costs(c, result.profiles[c.stages])
-    return ScheduleConfig(arguments=ScheduleArguments(
-        schedule=c.schedule, R=c.R, microbatches=c.micro, stages=c.stages,
-        forward_cost=forward, backward_cost=backward, weight_cost=weight,
-        checkpoint_activations=c.checkpoint, **({"cap": c.cap} if c.cap is not None else {})))
+    arguments = candidate_arguments(c, result.profiles[c.stages]).replace(ties=None)
+    return ScheduleConfig(arguments=arguments)
 
 
 def _request(config: ScheduleConfig) -> AutoRequest:
@@ -193,6 +196,9 @@ def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: fl
     pick = chosen.arguments
     assert pick is not None
     R = f", R={pick.R}" if pick.R is not None else ""
+    if pick.data_parallel_size > 1:
+        R += (f", data_parallel_size={pick.data_parallel_size}, "
+              f"data_parallel={pick.data_parallel!r}")
     ckpt = ", checkpoint_activations=True" if pick.checkpoint_activations else ""
     ckpt = (f", cap={best.candidate.cap}" if best.candidate.cap is not None else "") + ckpt
     assert best.step_time is not None and best.peak is not None

@@ -28,6 +28,7 @@ from typing import Any
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import ScheduleArguments
+from lightning_gsched.schedule.data_parallel import pipeline_size
 from lightning_gsched.schedule.plan import (
     Plan,
     check_plan_arguments,
@@ -37,20 +38,25 @@ from lightning_gsched.schedule.plan import (
 from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.tune import TuneResult
 
-AUTO = "auto"  # schedule="auto": the tuner picks schedule, S, B, R and checkpointing
+AUTO = "auto"  # schedule="auto": the tuner picks schedule, G and mode, S, B, R, cap, ckpt
 # what "auto" lets a user fix (constraints of the search); every other argument it decides
-AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations")
+AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations",
+                    "data_parallel_size")
 
 
 @dataclass(frozen=True)
 class AutoRequest:
-    """What ``schedule="auto"`` was asked for: the search's constraints and the memory budget."""
+    """What ``schedule="auto"`` was asked for: the search's constraints and the memory budget.
+
+    ``microbatches``: B per data-parallel replica, as ``plan()`` counts it; ``data_parallel_size``:
+    G (None: the tuner searches the divisors of W, and the mode)."""
 
     stages: int | None = None
     microbatches: int | None = None
     R: int | None = None
     checkpoint: bool = False  # True: only checkpointed candidates
     memory_budget: int | None = None  # bytes per rank
+    data_parallel_size: int | None = None
 
 
 @dataclass
@@ -120,13 +126,23 @@ class ScheduleConfig:
         return self._chosen
 
     def _check_workers(self, workers: int) -> None:
-        """What ``"auto"`` can check before the first batch: a fixed R divides W."""
-        R = None if self.auto is None else self.auto.R
-        if R is not None and workers % R:
+        """What ``"auto"`` can check before the first batch: a fixed G divides W, and a fixed
+        R divides W (or, with a fixed G, each replica's W / G workers)."""
+        assert self.auto is not None
+        R, G = self.auto.R, self.auto.data_parallel_size
+        if G is not None:
+            try:
+                pipeline_size(workers, G)
+            except ScheduleConfigError as exc:
+                raise ScheduleConfigError(f"{exc}, or leave data_parallel_size to "
+                                          "schedule='auto'") from None
+        P = workers // (G or 1)
+        if R is not None and P % R:
+            where = f"the {workers} devices (num_nodes x devices), W={workers}" if G is None \
+                else f"the {P} devices of each of the data_parallel_size={G} replicas"
             raise ScheduleConfigError(
-                f"R={R} does not divide the {workers} devices (num_nodes x devices), "
-                f"W={workers}; choose R among "
-                f"{[r for r in range(1, workers + 1) if workers % r == 0]}, or leave R to "
+                f"R={R} does not divide {where}; choose R among "
+                f"{[r for r in range(1, P + 1) if P % r == 0]}, or leave R to "
                 "schedule='auto'"
             )
 
@@ -164,7 +180,7 @@ class ScheduleConfig:
         """What a front end checks at setup, on every rank, before any process talks to
         another: everything ``plan()`` checks before it simulates, for ``workers`` ranks
         (:func:`~lightning_gsched.schedule.plan.check_plan_arguments`; an undecided
-        ``"auto"``: a fixed R divides W). No plan is built: the training plan is made once,
+        ``"auto"``: a fixed G and R divide W). No plan is built: the training plan is made once,
         at the first batch, with the partition's tied weights (:meth:`training_plan`)."""
         if self.is_auto and self._chosen is None:
             self._check_workers(workers)
@@ -250,11 +266,13 @@ class ScheduleConfig:
 
 
 def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
-    """``"auto"`` chooses schedule, order, cap and costs itself: refuse what would fix them.
+    """``"auto"`` chooses schedule, data-parallel mode, order, cap and costs itself: refuse
+    what would fix them.
 
-    ``stages``, ``microbatches`` and ``R`` are kept as constraints of the search (only
-    candidates with that S, that B; with R, the looped schedules with that R), and
-    ``checkpoint_activations=True`` keeps only checkpointed candidates.
+    ``stages``, ``microbatches``, ``R`` and ``data_parallel_size`` are kept as constraints of
+    the search (only candidates with that S, that B per replica, that G; with R, the looped
+    schedules with that R), and ``checkpoint_activations=True`` keeps only checkpointed
+    candidates. ``data_parallel`` is not one: the search tries both modes at every G > 1.
     """
     defaults = ScheduleArguments.defaults()
     unknown = sorted(set(given) - set(defaults))
@@ -264,15 +282,16 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
                  if name not in AUTO_CONSTRAINTS and value != defaults[name]]
     if conflicts:
         raise ScheduleConfigError(
-            f"schedule='auto' chooses the schedule, its order and cap, and measures the "
-            f"stage costs itself; {', '.join(conflicts)} would decide part of that. Drop "
-            f"{'it' if len(conflicts) == 1 else 'them'}, or name a schedule (e.g. "
+            f"schedule='auto' chooses the schedule, its data-parallel mode, order and cap, and "
+            f"measures the stage costs itself; {', '.join(conflicts)} would decide part of "
+            f"that. Drop {'it' if len(conflicts) == 1 else 'them'}, or name a schedule (e.g. "
             "schedule='1f1b') to set them yourself. With 'auto' you may fix stages=, "
-            "microbatches=, R= and checkpoint_activations=True"
+            "microbatches=, R=, data_parallel_size= and checkpoint_activations=True"
         )
     stages = validate.optional_positive_int("stages", given.get("stages"))
     micro = validate.optional_positive_int("microbatches", given.get("microbatches"), "8")
     R = validate.optional_positive_int("R", given.get("R"), "2")
+    G = _data_parallel_size(given.get("data_parallel_size", 1))
     checkpoint = given.get("checkpoint_activations", False)
     if not isinstance(checkpoint, bool):
         raise ScheduleConfigError(
@@ -280,4 +299,12 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
             "schedule='auto': give True (only checkpointed candidates) or False (the "
             "tuner tries both); per-stage lists need a fixed schedule and S"
         )
-    return AutoRequest(stages, micro, R, checkpoint, budget)
+    return AutoRequest(stages, micro, R, checkpoint, budget, G)
+
+
+def _data_parallel_size(size: Any) -> int | None:
+    """G fixed by the user, or None when left to the search. The argument's default (1) is
+    read as "search": the front ends pass every keyword, so "auto" cannot tell it from a
+    written 1 (``gsched tune --dp 1`` can: it keeps one pipeline over all W)."""
+    G = validate.positive_int("data_parallel_size", size, "2")
+    return None if G == 1 else G

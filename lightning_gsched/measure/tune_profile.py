@@ -22,7 +22,7 @@ from lightning_gsched.partition.api import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
-from lightning_gsched.schedule.tune import StageProfile, TuneResult, tune
+from lightning_gsched.schedule.tune import TOP, StageProfile, TuneResult, tune
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
@@ -100,14 +100,18 @@ def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: i
                costs: RuntimeCosts | None = None, schedules: Sequence[str] | None = None,
                checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,
                stages: int | None = None, micro: int | None = None, R: int | None = None,
+               replicas: int | None = None, top: int | None = TOP,
                **partition_options: Any) -> TuneResult:
-    """Rank every library configuration for ``model`` on ``workers`` ranks (``gsched tune``).
+    """Rank the library configurations for ``model`` on ``workers`` ranks (``gsched tune``).
 
     ``args``/``kwargs``: one microbatch (its rows are the profile's; other microbatch sizes are
-    scaled from it). ``global_rows``: the rows of one optimizer step over all ranks.
+    scaled from it). ``global_rows``: the rows of one optimizer step over all ranks: a
+    candidate with G replicas and B microbatches per replica cuts it into B x G microbatches.
     ``budget``: bytes per rank (an int or ``"20GiB"``); None ranks without a budget.
     ``optimizer_factor``: optimizer state per parameter byte (2: Adam, 1: SGD with momentum).
-    ``stages``/``micro``/``R``: values the search must keep (``schedule.tune.candidates``).
+    ``stages``/``micro`` (B per replica)/``R``/``replicas`` (G, ``data_parallel_size``):
+    values the search must keep (``schedule.tune.candidates``); ``top``: the fitting
+    candidates ranked exactly (``schedule.tune.tune``; None: every candidate costed).
     ``costs``: the runtime's costs per message, job and step (``runtime.calibrate()`` on the
     job's process group; default ``schedule.runtime_costs.DEFAULT_COSTS``).
     The model is profiled once per stage count the candidates need, with its buffers and the
@@ -124,4 +128,5 @@ def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: i
         return profiles[count]
 
     return tune(workers, global_rows, profile_of, budget=limit, costs=costs,
-                schedules=schedules, checkpoint=checkpoint, stages=stages, micro=micro, R=R)
+                schedules=schedules, checkpoint=checkpoint, stages=stages, micro=micro, R=R,
+                replicas=replicas, top=top)

@@ -286,17 +286,22 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
     see :func:`predict_memory`; ``rules``: the programs' :class:`OpRules`, if built already)."""
     walk = _RankWalk(programs, sizes, rank,
                      list(checkpointed) or [False] * programs.num_stages, sends_held, rules)
-    best = walk.now()
-    highs = best.as_dict()
+    # plain tuples per action, a Bytes only at a new peak: the tuner walks every rank of
+    # hundreds of plans, and building and summing a dataclass per action was most of its time
+    best = _now(walk)
+    highs = list(best)
     for action in programs.ranks[rank]:
         walk.apply(action)
-        current = walk.now()
-        if current.total > best.total:
+        current = _now(walk)
+        if sum(current) > sum(best):
             best = current
-        for name, value in current.as_dict().items():
-            highs[name] = max(highs[name], value)
-    highs.pop("total")
-    return RankMemory(rank, best, Bytes(**highs))
+        highs = [max(high, value) for high, value in zip(highs, current, strict=True)]
+    return RankMemory(rank, Bytes(*best), Bytes(*highs))
+
+
+def _now(walk: _RankWalk) -> tuple[int, int, int, int, int]:
+    """The walk's bytes by category, in :data:`CATEGORIES`' order."""
+    return (walk.weights, walk.gradients, walk.optimizer, walk.activations, walk.communication)
 
 
 def predict_memory(programs: Programs, sizes: ModelSizes,
