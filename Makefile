@@ -21,7 +21,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# ruff (pyflakes, import order, bugbear) and strict mypy on the pure-Python schedule layer
+# ruff (pyflakes, import order, bugbear) and strict mypy on the whole package (the modules
+# pyproject.toml's [tool.mypy] overrides exempt are named there, with why)
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy

@@ -262,7 +262,7 @@ def _tune_parser(sub: Any) -> None:
                         "skips candidates whose lower bounds rule them out)")
 
 
-def _load_target(spec: str) -> tuple[Any, tuple, Any]:
+def _load_target(spec: str) -> tuple[Any, tuple[Any, ...], Any]:
     """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` -> (model, args, loss_fn or None)."""
     import importlib
     import importlib.util
@@ -311,12 +311,14 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | None,
-                 forward_cost, backward_cost, weight_cost=None, data_parallel_size: int = 1,
-                 data_parallel: str = "replicate") -> list[dict]:
+                 forward_cost: float | Sequence[float], backward_cost: float | Sequence[float],
+                 weight_cost: float | Sequence[float] | None = None,
+                 data_parallel_size: int = 1,
+                 data_parallel: str = "replicate") -> list[dict[str, Any]]:
     """One row per library schedule (``gsched compare``), or ``{"schedule", "error"}`` where
     the sizes do not fit it, or ``{"schedule", "skipped"}`` for ddp and fsdp with
     ``data_parallel_size`` > 1 (data parallel over every rank already: nothing to compose)."""
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for name in LIBRARY:
         if data_parallel_size > 1 and name in ALREADY_DATA_PARALLEL:
             rows.append({"schedule": name, "skipped": "data parallel over all W ranks already"})
@@ -354,7 +356,7 @@ def _compare_workers(workers: int, data_parallel_size: int, data_parallel: str) 
             f"{data_parallel}); B counts every replica's microbatches")
 
 
-def _compare_text(rows: list[dict], head: str) -> str:
+def _compare_text(rows: list[dict[str, Any]], head: str) -> str:
     header = ["scheme", "S", "B", "R", "latency", "bubble", "act msgs/w", "w fetches/w",
               "g reduces/w", "act store/w", "w store/w", "owned max"]
     table, errors, skipped = [], [], []

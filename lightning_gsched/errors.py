@@ -86,6 +86,10 @@ class RuntimeFault(GschedError, RuntimeError):
     when known, the root cause reported by the rank that failed first.
     """
 
+    # what peers quote as the root cause where it differs from the message (the message
+    # without the root cause this rank appended); None: the message itself
+    headline: str | None = None
+
 
 class MessageShapeError(RuntimeFault):
     """A stage's output (or input-gradient) changed shape or structure within a step signature

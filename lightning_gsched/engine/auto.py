@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,10 +81,19 @@ def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.
     return loss
 
 
+# rank 0's ("ok", *the pick) or ("error", its type, its message[, the exception raised there]);
+# what the other ranks hold until it is broadcast: ("pending",)
+_Outcome = (tuple[Literal["ok"], ScheduleConfig, str, TuneResult]
+            | tuple[Literal["error"], type[Exception], str]
+            | tuple[Literal["error"], type[Exception], str, BaseException]
+            | tuple[Literal["pending"]])
+
+
 def choose_schedule(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
-                    args: tuple, kwargs: dict, *, loss_fn: Callable[[Any], torch.Tensor] | None,
+                    args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                    loss_fn: Callable[[Any], torch.Tensor] | None,
                     global_rows: int, optimizers: Sequence[Any], world_size: int, rank: int,
-                    forward_context: Callable[[], AbstractContextManager] | None = None,
+                    forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
                     group: Any = None) -> None:
     """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
     (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
@@ -92,7 +101,7 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     ``args``/``kwargs``: the model's call on one microbatch (the probe's); ``global_rows``: the
     rows of the global batch the plan will cut into microbatches.
     """
-    outcome: tuple
+    outcome: _Outcome
     # every rank measures the runtime's costs on the job's own process group (collective)
     refused = None
     try:
@@ -128,10 +137,11 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
                                "tuner ranked with the default costs (DEFAULT_COSTS)")
 
 
-def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions, args: tuple,
-            kwargs: dict, loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int,
+def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
+            args: tuple[Any, ...], kwargs: dict[str, Any],
+            loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int,
             factor: float, workers: int,
-            forward_context: Callable[[], AbstractContextManager] | None,
+            forward_context: Callable[[], AbstractContextManager[Any]] | None,
             costs: RuntimeCosts = DEFAULT_COSTS) -> tuple[ScheduleConfig, str, TuneResult]:
     """Rank 0's part: tune; the pick as a checked config, the text that explains it, and
     every verdict."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_a
 from lightning_gsched.engine.checkpoint import CheckpointService
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.intercept import StepCaller, step_loss
+from lightning_gsched.engine.intercept import CallArgs, StepCaller, step_loss
 from lightning_gsched.engine.logsync import (
     LossLogExchange,
     PendingExchange,
@@ -42,7 +42,7 @@ from lightning_gsched.engine.mesh import DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
-from lightning_gsched.partition import partition
+from lightning_gsched.partition import Partition, partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
@@ -65,6 +65,8 @@ from lightning_gsched.schedule.describe import (
 )
 from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.replicas import ReplicaLayout
+
+_T = TypeVar("_T")
 
 
 def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:
@@ -127,7 +129,7 @@ class StepOutcome:
     """
 
     value: Any
-    logged: list[tuple[str, float, dict]]
+    logged: list[tuple[str, float, dict[str, Any]]]
     rows: int
     notices: list[int] = field(default_factory=list)  # every rank's pending preemption signal
 
@@ -151,8 +153,8 @@ class PipelineEngine:
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                  *, world_size: int, rank: int, timeout: float,
-                 optimizers: Callable[[], list], info: Callable[[str], None],
-                 forward_context: Callable[[], AbstractContextManager] | None = None,
+                 optimizers: Callable[[], list[Any]], info: Callable[[str], None],
+                 forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
                  transport: str = "auto", control: ControlGroup | None = None,
                  device: torch.device | None = None,
                  init_weights: PretrainedWeights | None = None,
@@ -174,7 +176,7 @@ class PipelineEngine:
         self.info = info
         self.forward_context = forward_context
         self.runtime: ModelRuntime | None = None
-        self.partition: Any = None
+        self.partition: Partition | None = None
         self.failed = False
         self.losses_and_logs: LossLogExchange | None = None
         self.control = control
@@ -210,7 +212,7 @@ class PipelineEngine:
         assert self.runtime is not None, "the pipeline is built at the first batch"
         return self.runtime
 
-    def _probe(self, caller: StepCaller, micro_batch: Any, training: bool) -> tuple[tuple, dict]:
+    def _probe(self, caller: StepCaller, micro_batch: Any, training: bool) -> CallArgs:
         """Run the user's step once on the full local model to check the step contract.
 
         A model built without weights (deferred) cannot run: only the call of the model is
@@ -251,10 +253,10 @@ class PipelineEngine:
                                 forward_context=self.forward_context, group=self.group)
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
-            self.partition = self._partition(args, kwargs)
+            part = self.partition = self._partition(args, kwargs)
             # tied weights are placed by the plan: the one plan is made once the partition
             # names them
-            self.config.set_ties(self.partition.shared_parameters.values())
+            self.config.set_ties(part.shared_parameters.values())
             plan = self.train_plan = self.config.training_plan(self.world_size)
             mesh = self.device_mesh
             if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
@@ -262,10 +264,10 @@ class PipelineEngine:
                     self.world_size, plan.data_parallel_size, self.device_hint.type))
             # sized before the runtime releases the stages this rank does not own
             self._collective("the build's memory prediction", lambda: self.memory.predict(
-                self.partition.stages, args, kwargs, plan, self.optimizers(), self.world_size,
+                part.stages, args, kwargs, plan, self.optimizers(), self.world_size,
                 self.rank))
             if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
-                keep = owned_parameters(self.partition.stages, plan.programs, self.rank,
+                keep = owned_parameters(part.stages, plan.programs, self.rank,
                                         self.module)
                 seed = self._collective("the seed broadcast",
                                         lambda: _agreed_seed(self.world_size, self.group))
@@ -297,7 +299,7 @@ class PipelineEngine:
             memory = self.runtime.memory()
             rows = self._startup_rows(plan, memory)
         if self.rank == 0:
-            self.info(startup_text(self.train_plan, self.partition, memory,
+            self.info(startup_text(self.train_plan, part, memory,
                                    custom=(self.config.arguments is not None
                                            and self.config.arguments.placement is not None),
                                    memory_lines=self.memory.startup_lines(),
@@ -333,13 +335,13 @@ class PipelineEngine:
                    global_rows=sum(rows), micro_of=first)
         return held[0]
 
-    def _partition(self, args: tuple, kwargs: dict) -> Any:
+    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Partition:
         S = self.config.resolved(self.world_size)[0]
         opts = self.options
         common = dict(balance=opts.balance, leaf_modules=opts.leaf_modules,
                       split_points=opts.split_points, static_shapes=opts.static_shapes)
         unit_costs = None
-        measured: Any = None
+        measured: Partition | None = None
         if opts.balance == "time" and self.world_size > 1:
             # rank 0 measures and keeps its partition; every other rank cuts at the same places
             # with rank 0's costs (one partition per rank)
@@ -372,7 +374,7 @@ class PipelineEngine:
     # ------------------------------------------------------------------ steps
 
     def _capture_all(self, caller: StepCaller, micros: Mapping[int, Any],
-                     wanted: list[int]) -> dict:
+                     wanted: list[int]) -> dict[int, CallArgs]:
         inputs = {}
         for b in wanted:
             try:
@@ -435,7 +437,7 @@ class PipelineEngine:
         return self._collective("the batch-size exchange",
                                 lambda: rows_and_layouts(batch, self.world_size, self.group))
 
-    def _collective(self, what: str, collective: Callable[[], Any]) -> Any:
+    def _collective(self, what: str, collective: Callable[[], _T]) -> _T:
         """One of the engine's collectives; a backend failure becomes a RuntimeFault quoting
         the job's first failure (:mod:`.control`)."""
         if self.control is None:
@@ -586,7 +588,7 @@ class PipelineEngine:
         self.runtime = None
 
 
-def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bool,
+def startup_text(plan: Plan, partition: Partition, memory: ParameterMemory, custom: bool,
                  memory_lines: str | None = None, header: str = "",
                  rows: list[StartupRow] | None = None) -> str:
     """What rank 0 prints when the pipeline is built: one screen at W=8 and beyond.
@@ -609,13 +611,14 @@ def startup_text(plan: Plan, partition: Any, memory: ParameterMemory, custom: bo
     ])
 
 
-def _signature(caller: StepCaller, rows: list[int], layouts: list[int]) -> tuple:
+def _signature(caller: StepCaller, rows: list[int], layouts: list[int]
+               ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """What every rank knows of a step's shapes without asking (the runtime sends activations
     as bare tensors for a signature it has seen): the hook, every rank's rows and layout."""
     return caller.name, tuple(rows), tuple(layouts)
 
 
-def _normal_call(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
+def _normal_call(call: CallArgs) -> CallArgs:
     """A model call's ``(args, kwargs)`` with :func:`_normal` values."""
     args, kwargs = call
     return tuple(_normal(a) for a in args), {k: _normal(v) for k, v in kwargs.items()}

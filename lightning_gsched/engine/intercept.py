@@ -33,12 +33,15 @@ from torch import nn
 
 from lightning_gsched.errors import TrainingStepError, mark_origin
 
+# the model's call on one microbatch: positional and keyword arguments
+CallArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
 
 class _Captured(BaseException):
     """Raised by the intercepted ``forward`` to leave the user's step after the model's call
     (a BaseException so that ``except Exception:`` in user code lets it through)."""
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__("captured")
         self.args, self.kwargs = args, kwargs
 
@@ -57,8 +60,8 @@ class LogRecord:
 class ProbeResult:
     """What the probe saw: the arguments of the one ``self(...)`` call and the step's result."""
 
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     result: Any
 
 
@@ -80,8 +83,8 @@ class StepCaller:
     logs: list[LogRecord] = field(default_factory=list)
 
     @classmethod
-    def for_hook(cls, module: nn.Module, hook: str, rest: tuple = (),
-                 kwargs: dict | None = None) -> "StepCaller":
+    def for_hook(cls, module: nn.Module, hook: str, rest: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None) -> "StepCaller":
         """A LightningModule's ``<hook>(microbatch, *rest, **kwargs)``, e.g. training_step."""
         kwargs = dict(kwargs or {})
 
@@ -91,7 +94,7 @@ class StepCaller:
         return cls(module, run, f"{type(module).__name__}.{hook}")
 
     @contextmanager
-    def _patched(self, forward: Callable, log: Callable) -> Iterator[None]:
+    def _patched(self, forward: Callable[..., Any], log: Callable[..., Any]) -> Iterator[None]:
         module = self.module
         patches = {"forward": forward, **({"log": log} if self.record_logs else {})}
         saved = {name: (name in vars(module), vars(module).get(name)) for name in patches}
@@ -106,7 +109,7 @@ class StepCaller:
                 else:
                     delattr(module, name)
 
-    def capture(self, micro_batch: Any) -> tuple[tuple, dict]:
+    def capture(self, micro_batch: Any) -> CallArgs:
         """The ``(args, kwargs)`` the step passes to the model for this microbatch."""
         called = False
 
@@ -129,7 +132,7 @@ class StepCaller:
         verdict); logging is dropped. The caller preserves RNG and buffers around it.
         """
         real = type(self.module).forward.__get__(self.module)
-        calls: list[tuple[tuple, dict]] = []
+        calls: list[CallArgs] = []
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             calls.append((args, kwargs))

@@ -21,11 +21,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.intercept import LogRecord
 from lightning_gsched.errors import TrainingStepError
 
 _FX_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
-_FX_FUNCS: dict[Callable, str] = {torch.mean: "mean", torch.sum: "sum", torch.max: "max",
+_FX_FUNCS: dict[Callable[..., Any], str] = {torch.mean: "mean", torch.sum: "sum", torch.max: "max",
                                   torch.min: "min"}
 
 
@@ -52,10 +53,10 @@ class LossLogExchange:
     """
 
     def __init__(self, world_size: int, rank: int, micro: int, device: torch.device,
-                 control: Any = None) -> None:
+                 control: ControlGroup | None = None) -> None:
         self.world_size, self.rank, self.micro, self.device = world_size, rank, micro, device
         self.control = control  # collectives over control.group (None: the default group)
-        self.layout: list[list[tuple[int, str, dict]]] | None = None
+        self.layout: list[list[tuple[int, str, dict[str, Any]]]] | None = None
         self.object_exchanges = 0  # steps that fell back to the pickled all-gather
 
     @property
@@ -109,6 +110,7 @@ class LossLogExchange:
         if pending.work is None:
             return {b: float(v) for b, v in pending.losses.items()}, pending.records
         pending.work.wait()
+        assert pending.packed is not None  # set with the work
         values = pending.packed.tolist()  # the logged values are host numbers: one sync
         pending.notices = [int(v) for v in values[-1 - self.world_size : -1]]
         B = self.micro
@@ -154,7 +156,8 @@ def _fx_kind(name: str, fx: Any) -> str:
     )
 
 
-def reduce_records(records: list[LogRecord], weights: list[int]) -> list[tuple[str, float, dict]]:
+def reduce_records(records: list[LogRecord], weights: list[int]
+                   ) -> list[tuple[str, float, dict[str, Any]]]:
     """(name, value, options) per logged name, in first-logged order (see module docstring)."""
     by_name: dict[str, list[LogRecord]] = {}
     for record in sorted(records, key=lambda r: r.micro):
@@ -179,7 +182,7 @@ def reduce_records(records: list[LogRecord], weights: list[int]) -> list[tuple[s
     return out
 
 
-def replay(module: Any, reduced: list[tuple[str, float, dict]], device: torch.device,
+def replay(module: Any, reduced: list[tuple[str, float, dict[str, Any]]], device: torch.device,
            batch_size: int) -> None:
     """Log the reduced values through Lightning, identically on every rank."""
     for name, value, options in reduced:

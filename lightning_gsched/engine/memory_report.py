@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.logsync import exchange
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.measure.measure_bytes import measure_stage_bytes
@@ -41,7 +42,7 @@ def optimizer_bytes_factor(optimizers: Sequence[Any]) -> float:
 class MemoryReport:
     """Predicted bytes per rank (at build) and the measured comparison (after one step)."""
 
-    def __init__(self, control: Any = None) -> None:
+    def __init__(self, control: ControlGroup | None = None) -> None:
         self.control = control  # its collectives' group is control.group (None: the default)
         self.sizes: ModelSizes | None = None
         self.predicted: list[RankMemory] | None = None
@@ -50,8 +51,9 @@ class MemoryReport:
         self.unavailable: str | None = None
         self.steps = 0
 
-    def predict(self, stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict, plan: Plan,
-                optimizers: Sequence[Any], world_size: int = 1, rank: int = 0) -> None:
+    def predict(self, stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
+                kwargs: dict[str, Any], plan: Plan, optimizers: Sequence[Any],
+                world_size: int = 1, rank: int = 0) -> None:
         """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
         the user's step computes it) and predict every rank's bytes for the training plan.
 
@@ -134,6 +136,6 @@ class MemoryReport:
             info(comparison_text(self.predicted, self.measured, step + 1, self.device_peaks))
 
 
-def _group(control: Any) -> Any:
+def _group(control: ControlGroup | None) -> Any:
     """``control.group``, read at each use (an aborted group must not be kept alive)."""
     return getattr(control, "group", None)

@@ -29,7 +29,7 @@ class PartitionOptions:
     """How the model's forward is cut into stages (``partition()``'s options)."""
 
     balance: Any = "params"
-    leaf_modules: tuple = ()
+    leaf_modules: tuple[type | str, ...] = ()
     split_points: Any = None
     static_shapes: bool | None = None
     verify: bool | str = "auto"  # compare the split with the model at setup (partition/verify.py)

@@ -82,14 +82,14 @@ class GeneralParallelFabric(DDPStrategy):
         R: Optional[int] = None,
         microbatches: Optional[int] = None,
         stages: Optional[int] = None,
-        order: Optional[Union[str, Callable]] = None,
+        order: Optional[Union[str, Callable[..., Any]]] = None,
         cap: Optional[Union[int, list[int], str]] = "default",
         balance: Union[str, list[int]] = "params",
         leaf_modules: Sequence[Union[str, type]] = (),
         split_points: Optional[list[str]] = None,
         static_shapes: Optional[bool] = None,
-        placement: Optional[Callable] = None,
-        priority: Optional[Callable] = None,
+        placement: Optional[Callable[..., Any]] = None,
+        priority: Optional[Callable[..., Any]] = None,
         step_timeout: float = 300.0,
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
@@ -157,7 +157,8 @@ class GeneralParallelFabric(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
 
-    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+    def module_init_context(self, empty_init: Optional[bool] = None
+                            ) -> AbstractContextManager[Any]:
         """``fabric.init_module()`` builds the model without weights (parameters on the meta
         device, buffers real), as the Trainer strategy's ``tensor_init_context`` does; each rank
         initialises only the stages it keeps. ``empty_init=False`` builds real weights."""
@@ -172,9 +173,11 @@ class GeneralParallelFabric(DDPStrategy):
     def module_to_device(self, module: nn.Module) -> None:
         """Move what has storage; meta parameters get theirs at the first step."""
         device = self.root_device
-        module._apply(lambda t: t if t.is_meta else t.to(device))
+        module._apply(  # type: ignore[no-untyped-call]  # nn.Module._apply: unannotated
+            lambda t: t if t.is_meta else t.to(device))
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    # the model stays unwrapped (DDP's setup_module returns a DistributedDataParallel)
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
         """Keep the model unwrapped; check the schedule for this world size (fails here, on
         every rank, if it does not fit). The plan and the pipeline are made once, at the first
         :meth:`step`."""
@@ -249,7 +252,8 @@ class GeneralParallelFabric(DDPStrategy):
         with _inside_fabric_backward():  # precision: around each stage forward (setup_module)
             outcome = engine.training_step(batch, caller)
         engine.hand_over_grads(1.0)
-        return outcome.value
+        loss: torch.Tensor = outcome.value
+        return loss
 
     def evaluate(self, model: Any, batch: Any, fn: Callable[[Any, Any], Any]) -> Any:
         """A forward-only run of the schedule (validation, test, prediction; collective).

@@ -55,10 +55,12 @@ class PreemptionSignals(_SignalConnector):
             if self._has_already_handler(signum):  # keep a program's own handler, as Lightning
                 handlers.append(signal.getsignal(signum))
             self._register_signal(signum, _HandlersCompose(handlers))
-        self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._check_at_batch_start
+        # the loop's per-batch SIGTERM broadcast becomes this connector's agreement
+        loop = self.trainer.fit_loop.epoch_loop
+        loop._broadcast_sigterm_tensor = self._check_at_batch_start  # type: ignore[method-assign]
 
     def _notice_signals(self) -> list[int]:
-        signals = [signal.SIGTERM]
+        signals: list[int] = [signal.SIGTERM]
         requeue = self._requeue_signal()
         if requeue is not None:
             signals.append(requeue)

@@ -23,7 +23,8 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
@@ -150,15 +151,15 @@ class GeneralParallel(DDPStrategy):
         R: Optional[int] = None,
         microbatches: Optional[int] = None,
         stages: Optional[int] = None,
-        order: Optional[Union[str, Callable]] = None,
+        order: Optional[Union[str, Callable[..., Any]]] = None,
         cap: Optional[Union[int, list[int], str]] = "default",
         balance: Union[str, list[int]] = "params",
         leaf_modules: Sequence[Union[str, type]] = (),
         split_points: Optional[list[str]] = None,
         static_shapes: Optional[bool] = None,
         state_dict_type: Literal["full", "sharded"] = "full",
-        placement: Optional[Callable] = None,
-        priority: Optional[Callable] = None,
+        placement: Optional[Callable[..., Any]] = None,
+        priority: Optional[Callable[..., Any]] = None,
         step_timeout: float = 300.0,
         gather_on_teardown: Union[bool, str] = "auto",
         stream_checkpoint: Union[bool, str] = "auto",
@@ -297,7 +298,9 @@ class GeneralParallel(DDPStrategy):
             control=self._control, device=self.root_device, init_weights=self.init_weights,
             device_mesh=self._mesh, checkpoints=self._checkpoints,
         )
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore
+        # clipping by the global norm over every rank's stages, for this strategy's plugin
+        self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
+            self._clip_grad_by_norm)
 
     def _install_fault_handling(self, trainer: Any) -> None:
         """The run's control group, the preemption signals, the failure notice (see
@@ -308,7 +311,7 @@ class GeneralParallel(DDPStrategy):
         self._signals = PreemptionSignals(trainer)
         trainer._signal_connector = self._signals
         self._notice = FailureNotice(self._report_failure)
-        trainer.callbacks.insert(0, self._notice)
+        _callbacks(trainer).insert(0, self._notice)
 
     def _report_failure(self, exception: BaseException) -> None:
         """First of the ``on_exception`` calls: a preemption is a planned stop (every rank is
@@ -319,7 +322,8 @@ class GeneralParallel(DDPStrategy):
         self._failure = failure_message(self.global_rank, exception)
         # the ranks stopped at different points: no consistent state to save, and a save
         # would also rotate out the last good checkpoint (save_top_k); the others stay intact
-        for callback in self.lightning_module.trainer.callbacks:
+        assert self.lightning_module is not None  # an exception in a running Trainer
+        for callback in _callbacks(self.lightning_module.trainer):
             if isinstance(callback, ModelCheckpoint) and callback.save_on_exception:
                 callback.save_on_exception = False
         if self._engine is not None:
@@ -346,7 +350,9 @@ class GeneralParallel(DDPStrategy):
         batch gives this rank's their storage on the device."""
         assert self.model is not None
         device = self.root_device
-        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+        # nn.Module._apply has no annotations
+        self.model._apply(  # type: ignore[no-untyped-call]
+            lambda t: t if t.is_meta else t.to(device))
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
@@ -363,7 +369,7 @@ class GeneralParallel(DDPStrategy):
             raise StrategyConfigError("GeneralParallel was used before Trainer setup")
         return self._engine
 
-    def _caller(self, hook: str, args: tuple, kwargs: dict) -> StepCaller:
+    def _caller(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepCaller:
         """The user's ``<hook>(batch, *rest, **kwargs)`` with ``self(...)`` intercepted."""
         module = self.lightning_module
         assert module is not None
@@ -387,6 +393,7 @@ class GeneralParallel(DDPStrategy):
         engine = self._require_engine()
         with self.precision_plugin.train_step_context():
             caller = self._caller("training_step", args, kwargs)
+            assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
             outcome = engine.training_step(
                 args[0], caller, self._pending_signal,
@@ -394,7 +401,8 @@ class GeneralParallel(DDPStrategy):
             self._agree(outcome, f"training step {trainer.global_step + 1}")
             return self._logged(outcome)
 
-    def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
+    def _eval_step(self, hook: str, context: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
         engine = self._require_engine()
         with context:
             caller = self._caller(hook, args, kwargs)
@@ -506,8 +514,8 @@ class GeneralParallel(DDPStrategy):
                                     storage_options=storage_options)
         self._checkpoints.write(self._view(), checkpoint, filepath, storage_options, hand_on)
 
-    def load_checkpoint(self, checkpoint_path: Any,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None
+                        ) -> dict[str, Any]:
         read = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         return self._checkpoints.read(self._view(), checkpoint_path, weights_only, read)
 
@@ -550,13 +558,15 @@ class GeneralParallel(DDPStrategy):
                 self._control.linger(self.world_size - 1, stop=lambda: self._pending_signal() > 0)
             self._control = None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._notice is not None and trainer is not None and self._notice in trainer.callbacks:
-            trainer.callbacks.remove(self._notice)
+        if (self._notice is not None and trainer is not None
+                and self._notice in _callbacks(trainer)):
+            _callbacks(trainer).remove(self._notice)
         self._notice = None
         module = self.lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
             # a deferred model keeps other ranks' parameters on meta, which .cpu() cannot move
-            module._apply(lambda t: t if t.is_meta else t.cpu())
+            module._apply(  # type: ignore[no-untyped-call]  # nn.Module._apply: unannotated
+                lambda t: t if t.is_meta else t.cpu())
             module.cpu = lambda: module  # type: ignore[method-assign]
             try:
                 super().teardown()
@@ -574,3 +584,8 @@ class GeneralParallel(DDPStrategy):
 def _unwrap(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _callbacks(trainer: Trainer) -> list[Callback]:
+    """``trainer.callbacks``: set by Lightning's callback connector, not declared on Trainer."""
+    return trainer.callbacks  # type: ignore[attr-defined,no-any-return]

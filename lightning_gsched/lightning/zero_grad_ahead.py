@@ -40,5 +40,6 @@ def loop_zeroes_grads(trainer: Any, module: Any) -> bool:
         return False
     if any(_overrides(cb, Callback, "on_before_zero_grad") for cb in trainer.callbacks):
         return False
-    batch_idx = fit_loop.epoch_loop.batch_idx
-    return batch_idx % trainer.accumulate_grad_batches == 0
+    batch_idx: int = fit_loop.epoch_loop.batch_idx
+    accumulate: int = trainer.accumulate_grad_batches
+    return batch_idx % accumulate == 0

@@ -44,7 +44,8 @@ def _bytes(tensors: Any) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict | None = None,
+def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
+                        kwargs: dict[str, Any] | None = None,
                         loss_fn: Callable[[Any], torch.Tensor] | None = None,
                         optimizer_factor: float = 0.0) -> ModelSizes:
     """Each stage's parameter, gradient, optimizer, stashed-activation and message bytes.
@@ -108,7 +109,8 @@ def measure_stage_bytes(stages: Sequence[torch.nn.Module], args: tuple, kwargs: 
     return ModelSizes(tuple(sizes), tie_sizes)
 
 
-def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwargs: dict,
+def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple[Any, ...],
+                   kwargs: dict[str, Any],
                    loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int, Any]:
     """(bytes autograd saves in this stage's forward and loss, weights excluded; of those,
     the loss's own; the stage's output)."""
@@ -124,7 +126,8 @@ def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwarg
     return saved.nbytes, loss_part, out
 
 
-def _split_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple, kwargs: dict,
+def _split_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple[Any, ...],
+                 kwargs: dict[str, Any],
                  leaves: list[torch.Tensor], loss_fn: Callable[[Any], torch.Tensor] | None,
                  ) -> tuple[int, int]:
     """(``b_released``, ``w_grads``): what a split B frees of this stage's stash, and the

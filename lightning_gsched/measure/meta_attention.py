@@ -45,8 +45,8 @@ class fused_attention_on_meta(TorchFunctionMode):  # noqa: N801 - used as a cont
     """Within the ``with`` block, scaled-dot-product attention on meta tensors runs the fused
     kernel's meta implementation (what it saves for the backward is what CPU and CUDA save)."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _SDPA:
             out = _fused(*args, **kwargs)

@@ -78,7 +78,8 @@ def _fresh(value: Any) -> tuple[Any, list[torch.Tensor]]:
     return pytree.tree_map(make, value), leaves
 
 
-def profile_stages(stages: Sequence[torch.nn.Module], args: tuple, kwargs: dict | None = None,
+def profile_stages(stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
+                   kwargs: dict[str, Any] | None = None,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 5,
                    warmup: int = 2, split_backward: bool = False) -> StageTimes:
     """Time each stage's forward and backward on one microbatch (``args``/``kwargs``).
@@ -160,7 +161,8 @@ def _split_backward(stage: torch.nn.Module, roots: list[torch.Tensor], grads: li
     return elapsed_b, time.perf_counter() - start
 
 
-def _run_stage(stage: torch.nn.Module, index: int, count: int, args: tuple, kwargs: dict) -> Any:
+def _run_stage(stage: torch.nn.Module, index: int, count: int, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
     """``stage(*args, **kwargs)``; a failure names the stage and its unit (not torch internals)."""
     try:
         return stage(*args, **kwargs)

@@ -25,7 +25,7 @@ from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 from lightning_gsched.schedule.tune import TOP, StageProfile, TuneResult, tune
 
 
-def _rows(args: tuple, kwargs: dict) -> int:
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Rows of the microbatch: the first dimension of its first tensor."""
     for t in pytree.tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -36,7 +36,8 @@ def _rows(args: tuple, kwargs: dict) -> int:
 MAX_FIXED_SHARE = 0.9  # a noisy pair of timings must not make a job's cost independent of rows
 
 
-def _first_rows(args: tuple, kwargs: dict, rows: int, keep: int) -> tuple[tuple, dict]:
+def _first_rows(args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, keep: int
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The microbatch cut to its first ``keep`` rows (tensors whose first dimension is
     ``rows``; everything else as it is)."""
     def cut(x: Any) -> Any:
@@ -44,7 +45,8 @@ def _first_rows(args: tuple, kwargs: dict, rows: int, keep: int) -> tuple[tuple,
             return x[:keep]
         return x
 
-    return pytree.tree_map(cut, (args, kwargs))
+    cut_args, cut_kwargs = pytree.tree_map(cut, (args, kwargs))
+    return cut_args, cut_kwargs
 
 
 def fixed_shares(full: Sequence[float], part: Sequence[float], share: float
@@ -59,7 +61,8 @@ def fixed_shares(full: Sequence[float], part: Sequence[float], share: float
     return tuple(out)
 
 
-def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict | None = None,
+def stage_profile(model: torch.nn.Module, stages: int, args: tuple[Any, ...],
+                  kwargs: dict[str, Any] | None = None,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   optimizer_factor: float = 0.0, repeats: int = 3,
                   **partition_options: Any) -> StageProfile:
@@ -94,8 +97,9 @@ def stage_profile(model: torch.nn.Module, stages: int, args: tuple, kwargs: dict
         split=(tuple(split.backward), tuple(split.weight)), fixed_share=fixed)
 
 
-def tune_model(model: torch.nn.Module, args: tuple, workers: int, global_rows: int,
-               kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, global_rows: int,
+               kwargs: dict[str, Any] | None = None,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None,
                budget: int | str | None = None, optimizer_factor: float = 2.0,
                costs: RuntimeCosts | None = None, schedules: Sequence[str] | None = None,
                checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,

@@ -11,6 +11,7 @@ import contextlib
 from itertools import pairwise
 from typing import Any, Sequence
 
+import torch.fx as fx
 from torch import nn
 
 from lightning_gsched.partition import arguments
@@ -80,7 +81,7 @@ class Partition:
         stages: list[StageModule],
         unit_costs: list[float],
         cost_unit: str,
-        value_bytes: dict,
+        value_bytes: dict[fx.Node, int],
         balance: Any,
     ) -> None:
         self.module = module
@@ -182,8 +183,9 @@ class Partition:
 
 
 def _costs(
-    table: UnitTable, balance: Any, unit_costs: Sequence[float] | None, args: tuple, kwargs: dict
-) -> tuple[list[float], str, dict]:
+    table: UnitTable, balance: Any, unit_costs: Sequence[float] | None, args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[float], str, dict[fx.Node, int]]:
     """(unit costs, their unit, bytes of every value) — runs the example once."""
     profiler = TimeProfiler(len(table)) if balance == "time" and unit_costs is None else None
     value_bytes = run_example(table, args, kwargs, hook=profiler)

@@ -104,7 +104,7 @@ def check_unit_costs(unit_costs: Any, num_units: int | None = None) -> list[floa
             for k, c in enumerate(unit_costs)]
 
 
-def check_example(example_args: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+def check_example(example_args: Any, example_kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """(args, kwargs) of one call of ``forward``; a lone tensor stands for ``(tensor,)``.
 
     A lone tensor is a common slip for ``(x,)`` (``tuple(x)`` would iterate its rows), a dict
@@ -129,7 +129,8 @@ def check_example(example_args: Any, example_kwargs: Any) -> tuple[tuple, dict]:
 
 
 def check_options(balance: Any, leaf_modules: Any, split_points: Any, static_shapes: Any,
-                  num_stages: int | None) -> tuple[Any, tuple, list[str] | None, bool | None]:
+                  num_stages: int | None
+                  ) -> tuple[Any, tuple[type | str, ...], list[str] | None, bool | None]:
     """The options ``GeneralParallel`` forwards to ``partition()``, normalised.
 
     ``num_stages`` is None when the schedule decides it at setup; the counts are then checked

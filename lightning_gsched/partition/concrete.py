@@ -102,7 +102,7 @@ class _ConcreteMixin:
 
 class ConcreteProxy(RecordsMutation, _ConcreteMixin, fx.Proxy):
     def _concrete(self) -> Any:
-        return self.tracer.concrete.value_of(self.node)  # type: ignore[attr-defined]
+        return self.tracer.concrete.value_of(self.node)
 
 
 class ConcreteAttribute(RecordsMutation, _ConcreteMixin, Attribute):

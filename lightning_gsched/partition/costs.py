@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +36,8 @@ def _synchronize(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor], torch.device | None]:
+def _prepare(args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor], torch.device | None]:
     """Fresh grad-requiring copies of floating activations; parameters are passed as they are."""
     grad_inputs: list[torch.Tensor] = []
     device: list[torch.device] = []
@@ -59,7 +60,8 @@ def _prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]
     return new_args, new_kwargs, grad_inputs, (device[0] if device else None)
 
 
-def _time_once(call: Callable[..., Any], args: tuple, kwargs: dict, extra: list[torch.Tensor]) -> int:
+def _time_once(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               extra: Sequence[torch.Tensor]) -> int:
     run_args, run_kwargs, grad_inputs, device = _prepare(args, kwargs)
     grad_inputs += [p for p in extra if p.requires_grad]
     _synchronize(device)
@@ -84,7 +86,8 @@ class TimeProfiler:
         self.repeats = repeats
         self.costs: list[int] = [0] * num_units
 
-    def __call__(self, unit: Unit, call: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def __call__(self, unit: Unit, call: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
         extra = list(call.parameters()) if isinstance(call, nn.Module) else []
         samples: list[int] = []
         with torch.enable_grad():
@@ -98,7 +101,8 @@ class TimeProfiler:
         self.costs[unit.index] = int(statistics.median(samples))
 
     @staticmethod
-    def _forward_only(call: Callable[..., Any], args: tuple, kwargs: dict) -> int:
+    def _forward_only(call: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> int:
         run_args, run_kwargs, _, device = _prepare(args, kwargs)
         with torch.no_grad():
             start = time.perf_counter_ns()

@@ -31,6 +31,7 @@ from lightning_gsched.partition.errors import BalanceError, TooManyStagesError
 from lightning_gsched.partition.hints import finer_trace_hint, leaf_origin
 from lightning_gsched.partition.linear import bottleneck, cheapest_split
 from lightning_gsched.partition.names import unknown_name_error
+from lightning_gsched.partition.tracer import target_name
 from lightning_gsched.partition.units import UnitTable
 
 Number = float
@@ -86,7 +87,7 @@ def _module_position(name: str, table: UnitTable, module: nn.Module) -> int | No
     position = table.first_unit_of_module(canonical)
     if position is not None:
         return position
-    leaves = [u.node.target for u in table.units if u.node.op == "call_module"]
+    leaves = [target_name(u.node) for u in table.units if u.node.op == "call_module"]
     enclosing = [t for t in leaves if canonical.startswith(t + ".")]
     if enclosing:
         raise BalanceError(

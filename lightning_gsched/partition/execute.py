@@ -22,11 +22,11 @@ from torch.utils import _pytree as pytree
 from lightning_gsched.errors import GschedError
 from lightning_gsched.partition.errors import ExampleInputError
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.tracer import TracedModel
+from lightning_gsched.partition.tracer import TracedModel, target_name
 from lightning_gsched.partition.units import Unit, UnitTable
 
 # called with (unit, callable running the unit, args, kwargs) while the example runs
-UnitHook = Callable[[Unit, Callable[..., Any], tuple, dict], None]
+UnitHook = Callable[[Unit, Callable[..., Any], tuple[Any, ...], dict[str, Any]], None]
 
 
 def value_bytes(value: Any) -> int:
@@ -41,21 +41,23 @@ def value_bytes(value: Any) -> int:
 def unit_callable(node: fx.Node, traced: TracedModel) -> Callable[..., Any]:
     """A function running ``node`` on concrete arguments (its module, function or method)."""
     if node.op == "call_module":
-        return traced.resolve(node.target)
+        module: Callable[..., Any] = traced.resolve(target_name(node))
+        return module
     if node.op == "call_function":
         return node.target  # type: ignore[return-value]
     if node.op == "call_method":
-        name = node.target
+        name = target_name(node)
 
         def call_method(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            return getattr(obj, name)(*args, **kwargs)  # type: ignore[arg-type]
+            return getattr(obj, name)(*args, **kwargs)
 
         return call_method
     raise ValueError(f"not a unit: {node.format_node()}")
 
 
 def run_example(
-    table: UnitTable, example_args: tuple, example_kwargs: dict, hook: UnitHook | None = None
+    table: UnitTable, example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
+    hook: UnitHook | None = None,
 ) -> dict[fx.Node, int]:
     """Execute every unit on the example; returns the byte size of every value node."""
     traced = table.traced
@@ -65,7 +67,7 @@ def run_example(
     sizes = {node: value_bytes(value) for node, value in env.items()}
 
     def load(node: fx.Node) -> Any:
-        return traced.resolve(node.target) if node.op == "get_attr" else env[node]
+        return traced.resolve(target_name(node)) if node.op == "get_attr" else env[node]
 
     dying: dict[int, list[fx.Node]] = {}
     for value, last in table.last_use.items():
@@ -78,8 +80,8 @@ def run_example(
             call = unit_callable(node, traced)
             try:
                 if hook is not None:
-                    hook(unit, call, args, kwargs)  # type: ignore[arg-type]
-                env[node] = call(*args, **kwargs)  # type: ignore[operator]
+                    hook(unit, call, args, kwargs)
+                env[node] = call(*args, **kwargs)
             except GschedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of the model on the example
@@ -97,7 +99,7 @@ def example_error(unit: Unit, table: UnitTable, args: Any, kwargs: Any,
     owner = type(traced.module).__name__
     node = unit.node
     if node.op == "call_module":
-        where = f"module {node.target!r} ({type(traced.resolve(node.target)).__name__})"
+        where = f"module {node.target!r} ({type(traced.resolve(target_name(node))).__name__})"
     elif unit.module_path:
         where = f"module {unit.module_path!r}"
     else:

@@ -48,7 +48,8 @@ PLAIN_TYPES: tuple[type, ...] = (
 )
 
 
-def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_arguments(signature: inspect.Signature, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> dict[str, Any]:
     """Bind a call to ``forward``'s signature; ``**kwargs`` are sorted so key order never matters."""
     bound = signature.bind(*args, **kwargs)
     arguments = dict(bound.arguments)
@@ -142,7 +143,7 @@ class InputLayout(_PicklesSpecAsTemplate):
 
     @classmethod
     def from_example(
-        cls, owner: str, signature: inspect.Signature, args: tuple, kwargs: dict
+        cls, owner: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> InputLayout:
         try:
             arguments = bind_arguments(signature, args, kwargs)
@@ -152,7 +153,10 @@ class InputLayout(_PicklesSpecAsTemplate):
                 "Pass the same arguments you would pass to module(...)."
             ) from None
         with_paths, spec = pytree.tree_flatten_with_path(arguments)
-        tensor_leaves, constants, names, taken = [], {}, [], set()
+        tensor_leaves: list[int] = []
+        constants: dict[int, Any] = {}
+        names: list[str] = []
+        taken: set[str] = set()
         for i, (path, leaf) in enumerate(with_paths):
             where = "".join(f"[{_key_text(k)!r}]" for k in path)
             if isinstance(leaf, torch.Tensor):
@@ -177,7 +181,7 @@ class InputLayout(_PicklesSpecAsTemplate):
             described=_describe(arguments),
         )
 
-    def flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The graph inputs for a call; raises :class:`StageInputError` if it differs from the trace."""
         try:
             arguments = bind_arguments(self.signature, args, kwargs)
@@ -219,7 +223,7 @@ class InputLayout(_PicklesSpecAsTemplate):
         shapes = tuple(tuple(t.shape) for t in tensors)
         return dataclasses.replace(self, static_shapes=shapes)
 
-    def unflatten(self, tensors: Sequence[Any]) -> tuple[tuple, dict]:
+    def unflatten(self, tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from values for the tensor leaves (proxies while tracing)."""
         leaves: list[Any] = [None] * (len(self.tensor_leaves) + len(self.constants))
         for slot, value in zip(self.tensor_leaves, tensors, strict=True):
@@ -227,7 +231,7 @@ class InputLayout(_PicklesSpecAsTemplate):
         for slot, value in self.constants.items():
             leaves[slot] = value
         arguments = pytree.tree_unflatten(leaves, self.spec)
-        bound = inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
+        bound = inspect.BoundArguments(self.signature, arguments)
         return bound.args, {**bound.kwargs, **self.fixed_keywords}
 
 

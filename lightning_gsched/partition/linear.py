@@ -33,7 +33,8 @@ def _prefix(costs: Sequence[Number]) -> list[Number]:
 
 def _segments_needed(costs: Sequence[Number], bound: Number) -> float:
     """Fewest segments with every segment <= bound (``inf`` if one unit alone exceeds it)."""
-    count, current = 1, 0
+    count = 1
+    current: Number = 0  # an int for int costs (exact)
     for cost in costs:
         if cost > bound:
             return math.inf
@@ -52,6 +53,7 @@ def bottleneck(costs: Sequence[Number], num_segments: int) -> Number:
     _prefix(costs)  # validates
     if n == 0:
         return 0
+    middle: Number
     low, high = max(costs), sum(costs)  # answer lies in [low, high]; splitting never raises max
     if all(float(c).is_integer() for c in costs):
         low, high = int(low), int(high)

@@ -41,7 +41,7 @@ def _holds_tensors(obj: Any, depth: int, seen: set[int]) -> bool:
     return any(_holds_tensors(child, depth - 1, seen) for child in children)
 
 
-def _where(path: tuple) -> str:
+def _where(path: tuple[Any, ...]) -> str:
     parts = []
     for key in path:
         for attr in ("key", "idx", "name"):

@@ -10,7 +10,7 @@ of that.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -30,11 +30,13 @@ def preserved_attributes(module: nn.Module) -> Iterator[None]:
             for key in [k for k in m.__dict__ if k not in attributes]:
                 del m.__dict__[key]
             m.__dict__.update(attributes)
-            for live, snapshot in (
+            # parameters, buffers, children: each {name: value or None}
+            tables: list[tuple[dict[str, Any], dict[str, Any]]] = [
                 (m._parameters, parameters),
                 (m._buffers, buffers),
                 (m._modules, children),
-            ):
+            ]
+            for live, snapshot in tables:
                 live.clear()
                 live.update(snapshot)
 
@@ -44,7 +46,9 @@ def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
     """Restore buffer values (BatchNorm statistics...) and the RNG streams on exit."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    # torch.cuda.is_initialized has no annotations
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
     try:
         yield
     finally:

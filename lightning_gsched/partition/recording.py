@@ -51,7 +51,7 @@ class FunctionApply:
         self.__qualname__ = self.__name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function.apply(*args, **kwargs)
+        return self.function.apply(*args, **kwargs)  # type: ignore[no-untyped-call]  # untyped
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FunctionApply) and other.function is self.function
@@ -76,7 +76,7 @@ def function_target(function: type[torch.autograd.Function]) -> FunctionApply:
     return _targets[function]
 
 
-def _tracer_of(args: tuple, kwargs: dict) -> Any:
+def _tracer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The tracer of the first proxy among the arguments (None: a call on real values)."""
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, fx.Proxy):

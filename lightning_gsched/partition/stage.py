@@ -36,7 +36,7 @@ from torch import nn
 from lightning_gsched.partition.errors import ModeMismatchError, PartitionError, StageInputError
 from lightning_gsched.partition.layout import InputLayout, OutputLayout
 from lightning_gsched.partition.recording import mutated_value, writable_copy
-from lightning_gsched.partition.tracer import TracedModel
+from lightning_gsched.partition.tracer import TracedModel, target_name
 from lightning_gsched.partition.units import UnitTable
 
 
@@ -145,7 +145,7 @@ class StageModule(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]  # nn.Module's: unannotated
         self._gsched_fns = self._compile_all()
 
     def _current_mode(self) -> bool:
@@ -257,7 +257,7 @@ def _slice_graph(table: UnitTable, start: int, stop: int, last: bool) -> fx.Grap
         if node not in env:
             if node.op != "get_attr":
                 raise AssertionError(f"value {node.name} is not live in this stage")
-            env[node] = graph.get_attr(node.target)  # re-created per stage: never carried
+            env[node] = graph.get_attr(target_name(node))  # re-created per stage: never carried
         return env[node]
 
     for unit in table.units[start:stop]:

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.node import Argument, Target
 
 from lightning_gsched.partition.attempts import (
     Attempt,
@@ -106,7 +107,8 @@ class GschedTracer(fx.Tracer):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
-    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
         try:
             qualname = self.path_of_module(m)
         except NameError:
@@ -132,8 +134,14 @@ class GschedTracer(fx.Tracer):
             if not is_root:
                 self.gsched_scope.pop()
 
-    def create_node(  # type: ignore[override]
-        self, kind, target, args, kwargs, name=None, type_expr=None
+    def create_node(
+        self,
+        kind: str,
+        target: Target,
+        args: tuple[Argument, ...],
+        kwargs: dict[str, Argument],
+        name: str | None = None,
+        type_expr: Any | None = None,
     ) -> fx.Node:
         if kind in ("call_module", "get_attr") and isinstance(target, str):
             if target.startswith(ROOT + "."):
@@ -161,7 +169,7 @@ class _TraceRootBase(nn.Module):
         self._gsched_outputs: OutputLayout | None = None
         self._gsched_stale_outputs: list[str] = []
 
-    def _gsched_call(self, tensors: tuple) -> tuple:
+    def _gsched_call(self, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
         args, kwargs = self._gsched_layout.unflatten(tensors)
         out = getattr(self, ROOT)(*args, **kwargs)
         self._gsched_outputs, proxies = OutputLayout.split(out)
@@ -178,7 +186,15 @@ def _make_root(module: nn.Module, layout: InputLayout) -> _TraceRootBase:
     namespace: dict[str, Any] = {}
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - generated signature only
     cls = type("GschedTraceRoot", (_TraceRootBase,), {"forward": namespace["forward"]})
-    return cls(module, layout)
+    root: _TraceRootBase = cls(module, layout)
+    return root
+
+
+def target_name(node: fx.Node) -> str:
+    """A ``call_module`` / ``get_attr`` / ``call_method`` node's target: a qualified name (fx
+    types any target as a name or a callable; only ``call_function`` targets are callables)."""
+    assert isinstance(node.target, str), node.format_node()
+    return node.target
 
 
 @dataclass
@@ -279,8 +295,8 @@ def _mode_difference(first: fx.Graph, second: fx.Graph) -> str | None:
 def _flip_mode_difference(
     module: nn.Module,
     layout: InputLayout,
-    classes: tuple,
-    names: frozenset,
+    classes: tuple[type, ...],
+    names: frozenset[str],
     example: list[torch.Tensor] | None,
     graph: fx.Graph,
 ) -> tuple[str | None, fx.Graph | None, dict[str, Any]]:
@@ -290,6 +306,7 @@ def _flip_mode_difference(
     constants under names of their own so both graphs' constants can live side by side).
     """
     modes = [(m, m.training) for m in module.modules()]
+    reason: str | None
     try:
         module.train(not module.training)
         other, _, other_root = _trace_once(module, layout, classes, names, example)

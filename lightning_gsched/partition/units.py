@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from lightning_gsched.partition.recording import mutated_value
-from lightning_gsched.partition.tracer import SCOPE, TracedModel
+from lightning_gsched.partition.tracer import SCOPE, TracedModel, target_name
 
 UNIT_OPS = ("call_module", "call_function", "call_method")
 
@@ -69,10 +69,10 @@ def _tensors_read(node: fx.Node, traced: TracedModel) -> list[Any]:
     """Parameters/buffers/modules a node reads: its leaf module and its get_attr inputs."""
     objects: list[Any] = []
     if node.op == "call_module":
-        objects.append(traced.resolve(node.target))
+        objects.append(traced.resolve(target_name(node)))
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
-            objects.append(traced.resolve(arg.target))
+            objects.append(traced.resolve(target_name(arg)))
     return objects
 
 

@@ -103,7 +103,9 @@ def _kept_state(module: nn.Module) -> Iterator[None]:
 
 
 def _seeded() -> contextlib.AbstractContextManager[Any]:
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    # torch.cuda.is_initialized has no annotations
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    devices = [torch.cuda.current_device()] if cuda else []
     fork = torch.random.fork_rng(devices=devices)
 
     @contextlib.contextmanager
@@ -134,7 +136,8 @@ def _copy_over(value: Any) -> Any:
     return value
 
 
-def _run_unsplit(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
+def _run_unsplit(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Any, dict[str, Any]]:
     for p in module.parameters():
         p.grad = None
     with _seeded():
@@ -146,7 +149,7 @@ def _run_unsplit(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, dic
                     if p.grad is not None}
 
 
-def _run_split(stages: Sequence[nn.Module], args: tuple, kwargs: dict) -> Any:
+def _run_split(stages: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Forward stage by stage through copies, then backward stage by stage."""
     outputs: list[Any] = []
     received: list[Any] = []
@@ -223,7 +226,8 @@ def _describe_error(error: float) -> str:
     return f"differs by {error:.3g} of its largest magnitude"
 
 
-def verify_split(part: Any, args: tuple, kwargs: dict, verify: str | bool) -> Verdict:
+def verify_split(part: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 verify: str | bool) -> Verdict:
     """Compare ``part`` with ``part.module`` on the example; raise :class:`SplitMismatchError`.
 
     The error names the first stage that differs (the earliest stage holding a parameter whose

@@ -74,7 +74,10 @@ class GradBuckets:
         self.next = 0
         self.works = []
         for i, p in enumerate(self.grads.params):
-            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+            # torch's register_post_accumulate_grad_hook has no annotations
+            handle = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                self._hook(i))
+            self.handles.append(handle)
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def done(param: torch.Tensor) -> None:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import Work
 
 from lightning_gsched.errors import CalibrationError, RuntimeConfigError
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
@@ -79,6 +80,18 @@ def _median(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = ti
     return statistics.median(samples)
 
 
+def _isend(tensor: torch.Tensor, peer: int, group: Any) -> Work:
+    work = dist.isend(tensor, peer, group=group)
+    assert work is not None  # None only on a rank outside ``group``
+    return work
+
+
+def _irecv(tensor: torch.Tensor, peer: int, group: Any) -> Work:
+    work = dist.irecv(tensor, peer, group=group)
+    assert work is not None  # None only on a rank outside ``group``
+    return work
+
+
 def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats: int
                ) -> list[float]:
     """One-way seconds of one message of each size: half the median round trip.
@@ -93,9 +106,9 @@ def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats
         start = time.perf_counter()
         for sending in (first, not first):
             if sending:
-                dist.isend(buf, peer, group=group).wait()
+                _isend(buf, peer, group).wait()
             else:
-                dist.irecv(buf, peer, group=group).wait()
+                _irecv(buf, peer, group).wait()
         return time.perf_counter() - start
 
     for _ in range(3):  # warm-up: connection set-up, allocation, a peer still starting
@@ -114,13 +127,13 @@ def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) 
 
     def stream() -> None:
         if sender:
-            dist.irecv(flag, peer, group=group).wait()  # the receiver has posted everything
-            works = [dist.isend(b, peer, group=group) for b in bufs]
+            _irecv(flag, peer, group).wait()  # the receiver has posted everything
+            works = [_isend(b, peer, group) for b in bufs]
             for w in works:
                 w.wait()
         else:
-            works = [dist.irecv(b, peer, group=group) for b in bufs]
-            dist.isend(flag, peer, group=group).wait()
+            works = [_irecv(b, peer, group) for b in bufs]
+            _isend(flag, peer, group).wait()
             for w in works:
                 w.wait()
 
@@ -196,7 +209,8 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
     for k in (1, 8):
         programs = plan("ddp", workers=world, microbatches=world * k).programs
         executor = ProgramExecutor([layer], programs, sync_weights=False)
-        inputs = {b: ((x,), {}) for b in executor.first_stage_micros}
+        inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {
+            b: ((x,), {}) for b in executor.first_stage_micros}
         try:
             steps[k] = _median(partial(executor.step, inputs, _sum_loss), repeats)
         finally:

@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.schedule.program import Op, Programs
@@ -38,7 +39,7 @@ LOST_PEER_GRACE_S = 2.0
 _SERIAL = itertools.count()  # same sequence on every rank: Channels are built collectively
 
 
-def default_store() -> Any | None:
+def default_store() -> Store | None:
     """The default process group's store, used for the fault notice (None if unavailable)."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
@@ -53,7 +54,7 @@ class FaultNotice:
     keeps the first), read without blocking. Shared by the runtime's channels and the
     strategy's control group, whose peers quote it as the root cause of their own error."""
 
-    def __init__(self, store: Any | None, key: str) -> None:
+    def __init__(self, store: Store | None, key: str) -> None:
         self.store = store
         self.key = key
 
@@ -147,7 +148,7 @@ class Channels:
     """
 
     def __init__(
-        self, programs: Programs, *, timeout: float = 300.0, store: Any | None = None
+        self, programs: Programs, *, timeout: float = 300.0, store: Store | None = None
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, ParamSpec, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -53,7 +53,11 @@ from lightning_gsched.runtime.recompute import (
 from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
 
 LossFn = Callable[[Any, int], torch.Tensor]
-ForwardContext = Callable[[], AbstractContextManager]
+ForwardContext = Callable[[], AbstractContextManager[Any]]
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+# one microbatch's call of a stage (or of the model): positional and keyword arguments
+CallArgs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 @dataclass
@@ -87,8 +91,9 @@ class StageCompute:
         self.loss_params: list[torch.Tensor] = []
         # split backward: (stage, micro) -> the weight-gradient work its B left for its W
         self.pending_weights: dict[tuple[int, int], PendingWeightGrad | ChainedWeightGrad] = {}
-        self.params = [[p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
-                       for stage in self.stages]
+        self.params: list[list[torch.Tensor]] = [
+            [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
+            for stage in self.stages]
         # when a dict: seconds of every forward / backward, keyed ("F" | "B", stage); the
         # in-run profile that predict_step_time can replay (ProgramExecutor.compute_times)
         self.times: dict[tuple[str, int], list[float]] | None = None
@@ -104,16 +109,17 @@ class StageCompute:
         self,
         s: int,
         b: int,
-        args: tuple,
-        kwargs: dict,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         in_leaves: list[torch.Tensor],
         loss_fn: LossFn,
     ) -> tuple[wire.Split | None, torch.Tensor | None]:
         """Run ``F s b``; returns (output split for the next stage, unscaled loss on the last)."""
         return self._timed("F", s, self._forward, s, b, args, kwargs, in_leaves, loss_fn)
 
-    def _forward(self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
-                 loss_fn: LossFn) -> tuple[wire.Split | None, torch.Tensor | None]:
+    def _forward(self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 in_leaves: list[torch.Tensor], loss_fn: LossFn
+                 ) -> tuple[wire.Split | None, torch.Tensor | None]:
         if self.checkpointed[s]:
             return self._forward_checkpointed(s, b, args, kwargs, in_leaves, loss_fn)
         with torch.enable_grad(), self._saved(s, b):
@@ -165,8 +171,8 @@ class StageCompute:
                    if key in held)
 
     def _forward_checkpointed(
-        self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
-        loss_fn: LossFn,
+        self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+        in_leaves: list[torch.Tensor], loss_fn: LossFn,
     ) -> tuple[wire.Split | None, torch.Tensor | None]:
         """``F s b`` of a checkpointed stage: no graph; the inputs and generators are kept."""
         replay = Replay.take(args, kwargs, self.devices[s])
@@ -175,8 +181,8 @@ class StageCompute:
             return self._run_checkpointed(s, b, args, kwargs, in_leaves, loss_fn, replay)
 
     def _run_checkpointed(
-        self, s: int, b: int, args: tuple, kwargs: dict, in_leaves: list[torch.Tensor],
-        loss_fn: LossFn, replay: Replay,
+        self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+        in_leaves: list[torch.Tensor], loss_fn: LossFn, replay: Replay,
     ) -> tuple[wire.Split | None, torch.Tensor | None]:
         with torch.no_grad(), self.forward_context():
             output = self.stages[s](*args, **kwargs)
@@ -203,7 +209,7 @@ class StageCompute:
             )
         return loss
 
-    def infer(self, s: int, args: tuple, kwargs: dict) -> Any:
+    def infer(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Forward of stage ``s`` without autograd and without stashing (forward-only runs)."""
         with torch.no_grad(), self.forward_context():
             return self.stages[s](*args, **kwargs)
@@ -229,13 +235,14 @@ class StageCompute:
             )
         self._timed("W", s, pending.run)
 
-    def _timed(self, phase: str, s: int, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, phase: str, s: int, fn: Callable[_P, _T], *args: _P.args,
+               **kwargs: _P.kwargs) -> _T:
         """``fn(*args)``, its seconds recorded under (phase, stage) while timing is on."""
         if self.times is None:
-            return fn(*args)
+            return fn(*args, **kwargs)
         start = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             self.times.setdefault((phase, s), []).append(time.perf_counter() - start)
 

@@ -38,6 +38,7 @@ from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import (
+    CallArgs,
     ForwardContext,
     LossFn,
     StageCompute,
@@ -162,7 +163,7 @@ class ProgramExecutor:
                 grads = self.flats[stage].grads
                 if stage in received or stage not in last_b or not grads.numel:
                     continue
-                buckets = GradBuckets(grads, lambda t, g=group: self.channels.all_reduce(t, g))
+                buckets = GradBuckets(grads, partial(self.channels.all_reduce, members=group))
                 if len(buckets.buckets) > 1:  # one bucket can only start when the backward ends
                     plan[last_b[stage]] = buckets
             self._overlap[key] = (view.programs, plan)
@@ -190,7 +191,7 @@ class ProgramExecutor:
 
     # ------------------------------------------------------------------ public
 
-    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
+    def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
              signature: Hashable | None = None,
              on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
         """Run this rank's program once: forward, backward and gradient reduction of one step.
@@ -221,7 +222,7 @@ class ProgramExecutor:
     def forward(
         self,
         programs: Programs,
-        inputs: Mapping[int, tuple[tuple, dict]],
+        inputs: Mapping[int, CallArgs],
         output_fn: Callable[[Any, int], Any],
         *,
         signature: Hashable | None = None,
@@ -269,7 +270,7 @@ class ProgramExecutor:
             self._guarded(state.finish)
         except RuntimeFault as fault:
             state.drop()
-            self.abort(getattr(fault, "headline", str(fault)))
+            self.abort(fault.headline or str(fault))
             raise
         finally:
             self._position = "the start of its program"

@@ -69,7 +69,7 @@ class Waiter:
     def fault(self, what: str, exc: BaseException | None, elapsed: float) -> RuntimeFault:
         timed_out = is_timeout(exc)
         where = f"at {self.where()} waiting for {what}"
-        if timed_out:
+        if timed_out or exc is None:  # (is_timeout(None) is True)
             message = (
                 f"rank {self.rank} timed out {where}: nothing arrived within {self.timeout:g} s"
             )

@@ -255,7 +255,7 @@ class FlatGrads(FlatLayout):
             p.grad = view
         elif grad.data_ptr() != view.data_ptr():
             with torch.no_grad():
-                view.copy_(p.grad.reshape(view.shape))
+                view.copy_(grad.reshape(view.shape))
             p.grad = view
 
     def give_away(self) -> torch.Tensor:

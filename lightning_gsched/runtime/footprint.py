@@ -75,7 +75,7 @@ class SavedTensorBytes:
         self.exclude = set(exclude)
         self.storages: dict[int, int] = {}
         # storage address -> weak references to the packed objects of the tensors saved there
-        self._saved_by: dict[int, list[weakref.ref]] = {}
+        self._saved_by: dict[int, list[weakref.ref[_Packed]]] = {}
         self._hooks: Any = None
 
     def count(self, t: torch.Tensor) -> None:
@@ -85,7 +85,7 @@ class SavedTensorBytes:
             self.storages[ptr] = nbytes
             self._saved_by.pop(ptr, None)
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> _Packed:
         # detached: the same storage, but not the tensor itself. An op that saves its own
         # output (exp, tanh) would otherwise hold that output, whose grad_fn is the op: a
         # cycle through the autograd graph that Python's collector cannot see, so a forward
@@ -119,7 +119,7 @@ class SavedTensorBytes:
                 if ptr not in self._saved_by or any(r() is not None for r in self._saved_by[ptr])}
 
 
-def _unpack(packed: Any) -> torch.Tensor:
+def _unpack(packed: _Packed) -> torch.Tensor:
     return packed.t
 
 

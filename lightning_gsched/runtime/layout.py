@@ -36,6 +36,19 @@ class StepResult:
     counters: RuntimeCounters
 
 
+def micro_of(a: Action) -> int:
+    """The microbatch of a compute or an activation / input-gradient message (always set on
+    those ops; ``Action.micro`` is None only for a whole unit's weights and gradients)."""
+    assert a.micro is not None, f"'{a}' names no microbatch"
+    return a.micro
+
+
+def peer_of(a: Action) -> int:
+    """The other rank of a message action (always set on those ops)."""
+    assert a.peer is not None, f"'{a}' names no peer"
+    return a.peer
+
+
 def stage_micros(programs: Programs, rank: int) -> tuple[list[int], list[int]]:
     """(microbatches whose first stage runs on ``rank``, those whose last stage runs there).
 
@@ -43,7 +56,7 @@ def stage_micros(programs: Programs, rank: int) -> tuple[list[int], list[int]]:
     for which microbatches ``loss_fn``/``output_fn`` is called on that rank.
     """
     last = programs.num_stages - 1
-    ran = [(a.stage, a.micro) for a in programs.ranks[rank] if a.op is Op.F]
+    ran = [(a.stage, micro_of(a)) for a in programs.ranks[rank] if a.op is Op.F]
     return sorted(b for s, b in ran if s == 0), sorted(b for s, b in ran if s == last)
 
 
@@ -69,8 +82,8 @@ class ProgramView:
             program,
             first,
             last,
-            frozenset((a.stage, a.micro) for a in program if a.op is Op.F),
-            frozenset((a.stage, a.micro) for a in program if a.op is Op.B),
+            frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.F),
+            frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.B),
             OpRules.of(programs),
         )
 

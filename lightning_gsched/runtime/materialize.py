@@ -72,7 +72,7 @@ def deferred_parameters() -> Iterator[None]:
     def refuse_load(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise DeferredLoadError(f"{type(module).__name__}.load_state_dict was called. {_LOAD_FIX}")
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     nn.Module.load_state_dict = refuse_load  # type: ignore[method-assign,assignment]
     try:
         yield

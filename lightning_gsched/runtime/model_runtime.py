@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_gsched.runtime import fullstate, fullstate_stream
 from lightning_gsched.runtime.channels import Channels
-from lightning_gsched.runtime.compute import ForwardContext, LossFn
+from lightning_gsched.runtime.compute import CallArgs, ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_state_bytes
 from lightning_gsched.runtime.handover import GradStash
@@ -102,7 +102,7 @@ class ModelRuntime:
 
     # ------------------------------------------------------------------ running
 
-    def step(self, inputs: Mapping[int, tuple[tuple, dict]], loss_fn: LossFn, *,
+    def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
              signature: Hashable | None = None,
              on_computed: Callable[[dict[int, Any]], None] | None = None,
              drop_previous_grads: bool = False) -> StepResult:
@@ -118,7 +118,7 @@ class ModelRuntime:
         self._grads.after_step()
         return result
 
-    def forward(self, programs: Programs, inputs: Mapping[int, tuple[tuple, dict]],
+    def forward(self, programs: Programs, inputs: Mapping[int, CallArgs],
                 output_fn: Callable[[Any, int], Any], *,
                 signature: Hashable | None = None) -> dict[int, Any]:
         """A forward-only run (:meth:`ProgramExecutor.forward`); gradients are untouched."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -71,14 +71,15 @@ class RngState:
 class Replay:
     """What ``B s b`` needs to run a checkpointed ``F s b`` again."""
 
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     rng: RngState
     versions: list[tuple[torch.Tensor, int]]  # every input tensor and its version at F
     out_leaves: list[torch.Tensor] = field(default_factory=list)  # last stage: what loss_fn saw
 
     @classmethod
-    def take(cls, args: tuple, kwargs: dict, stage_devices: Sequence[int]) -> "Replay":
+    def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any], stage_devices: Sequence[int]
+             ) -> "Replay":
         """Before ``F``: the inputs, their versions and the generators' state."""
         tensors = input_tensors(args, kwargs)
         devices = sorted({*stage_devices, *cuda_devices(tensors)})
@@ -97,7 +98,7 @@ class Replay:
                 )
 
 
-def input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def input_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The distinct tensors among a stage call's arguments."""
     leaves = pytree.tree_leaves((args, kwargs))
     return list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
@@ -145,7 +146,7 @@ def loss_gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor],
     """
     if not split:
         if loss.requires_grad:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward: unannotated
         return [t.grad if t.requires_grad else None for t in leaves], None
     grads, pending = backward_input([loss], None, leaves, params)
     return grads, pending

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeGuard
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_gsched.errors import RuntimeConfigError
@@ -53,7 +53,7 @@ AllReduce = Callable[[torch.Tensor], Any]  # starts a SUM all-reduce over every 
 Wait = Callable[[Any, str], None]
 
 
-def has_running_stats(module: nn.Module) -> bool:
+def has_running_stats(module: nn.Module) -> TypeGuard[_NormBase]:
     """A norm layer that updates running statistics when it runs in training mode."""
     return (
         isinstance(module, (_BatchNorm, _InstanceNorm))
@@ -61,6 +61,13 @@ def has_running_stats(module: nn.Module) -> bool:
         and module.running_mean is not None
         and module.running_var is not None
     )
+
+
+def _statistics(module: _NormBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(running_mean, running_var)`` of a module that :func:`has_running_stats`."""
+    mean, var = module.running_mean, module.running_var
+    assert mean is not None and var is not None
+    return mean, var
 
 
 def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
@@ -88,7 +95,7 @@ def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
                 )
 
 
-def _factor(module: nn.Module, calls_so_far: int) -> float:
+def _factor(module: _NormBase, calls_so_far: int) -> float:
     """The update factor of this module's next call (torch's rule; see the module docstring).
 
     ``calls_so_far`` is ``num_batches_tracked`` after this call's increment (BatchNorm only).
@@ -127,8 +134,8 @@ class StatsLayout:
     (one round unless a module is called from several stages).
     """
 
-    def __init__(self, per_stage: Sequence[Sequence[nn.Module]]) -> None:
-        self.modules: list[nn.Module] = []
+    def __init__(self, per_stage: Sequence[Sequence[_NormBase]]) -> None:
+        self.modules: list[_NormBase] = []
         index: dict[int, int] = {}
         self.sites: list[_Site] = []
         offset = 0
@@ -139,7 +146,7 @@ class StatsLayout:
                     index[id(m)] = len(self.modules)
                     self.modules.append(m)
                 j = index[id(m)]
-                size = m.running_mean.numel()
+                size = _statistics(m)[0].numel()
                 self.sites.append(_Site(s, j, offset, size, seen.get(j, 0)))
                 seen[j] = seen.get(j, 0) + 1
                 offset += 2 * size
@@ -150,12 +157,12 @@ class StatsLayout:
         starts, position = [], 0
         for m in self.modules:
             starts.append(position)
-            position += 2 * m.running_mean.numel()
+            position += 2 * _statistics(m)[0].numel()
         self.starts = starts
-        first = self.modules[0].running_mean
+        first = _statistics(self.modules[0])[0]
         self.dtype = first.dtype
         for m in self.modules:
-            self.dtype = torch.promote_types(self.dtype, m.running_mean.dtype)
+            self.dtype = torch.promote_types(self.dtype, _statistics(m)[0].dtype)
         self.device = first.device
         self.rounds = self._rounds()
 
@@ -179,7 +186,7 @@ class StatsLayout:
     def running(self) -> torch.Tensor:
         """R: the modules' current ``[running_mean, running_var]``, concatenated."""
         return torch.cat([t.detach().reshape(-1).to(self.dtype) for m in self.modules
-                          for t in (m.running_mean, m.running_var)])
+                          for t in _statistics(m)])
 
     def calls(self) -> torch.Tensor:
         """Each module's ``num_batches_tracked`` (0 where it has none), as one int64 tensor."""
@@ -193,9 +200,10 @@ class StatsLayout:
         and ``calls`` into BatchNorms' ``num_batches_tracked``."""
         with torch.no_grad():
             for j, (m, start) in enumerate(zip(self.modules, self.starts, strict=True)):
-                size = m.running_mean.numel()
-                m.running_mean.copy_(values[start:start + size].view_as(m.running_mean))
-                m.running_var.copy_(values[start + size:start + 2 * size].view_as(m.running_var))
+                mean, var = _statistics(m)
+                size = mean.numel()
+                mean.copy_(values[start:start + size].view_as(mean))
+                var.copy_(values[start + size:start + 2 * size].view_as(var))
                 counter = _counter(m)
                 if calls is not None and counter is not None:
                     counter.fill_(calls[j])
@@ -236,7 +244,7 @@ class StatsStep:
                 m.momentum = momentum
 
     def _recorder(self, k: int, site: _Site, b: int) -> Callable[..., None]:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
+        def record(module: _NormBase, args: Any, output: Any) -> None:
             if (k, b) in self.calls:
                 raise RuntimeConfigError(
                     f"{type(module).__name__} in stage {site.stage} ran twice in one forward; "
@@ -246,10 +254,11 @@ class StatsStep:
             self.calls.add((k, b))
             row = self.table[b]
             start = len(self.layout.sites) + site.offset
+            mean, var = _statistics(module)
             with torch.no_grad():
                 row[k] = 1
-                row[start:start + site.size].copy_(module.running_mean.reshape(-1))
-                row[start + site.size:start + 2 * site.size].copy_(module.running_var.reshape(-1))
+                row[start:start + site.size].copy_(mean.reshape(-1))
+                row[start + site.size:start + 2 * site.size].copy_(var.reshape(-1))
 
         return record
 

@@ -149,8 +149,9 @@ class PendingWeightGrad:
             item = queue.popleft()
             outputs = _weight_outputs(item)
             for index, key in item.weight_edges:
-                if outputs[index] is not None:
-                    arriving.setdefault(key, []).append(outputs[index])
+                output = outputs[index]
+                if output is not None:
+                    arriving.setdefault(key, []).append(output)
         if not arriving:  # nothing reached a parameter (all None, or no parameter needs one)
             return
         edges = [GradientEdge(node, nr) for node, nr in arriving]

@@ -31,11 +31,11 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.buckets import GradBuckets
 from lightning_gsched.runtime.channels import Channels
-from lightning_gsched.runtime.compute import LossFn, StageCompute
+from lightning_gsched.runtime.compute import CallArgs, LossFn, StageCompute
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.footprint import MeasuredBytes
-from lightning_gsched.runtime.layout import ProgramView
+from lightning_gsched.runtime.layout import ProgramView, micro_of, peer_of
 from lightning_gsched.runtime.running_stats import RunningStats
 from lightning_gsched.runtime.step_ties import TieSteps
 from lightning_gsched.runtime.transport import Transport, label
@@ -75,11 +75,13 @@ class ExecutorState(Protocol):
 class StepRun(TieSteps):
     """State of one step: posted receives, produced values, pending reductions, counters."""
 
+    ex: ExecutorState  # (TieSteps, a mixin that cannot import this module, declares it Any)
+
     def __init__(
         self,
         ex: ExecutorState,
         view: ProgramView,
-        inputs: Mapping[int, tuple[tuple, dict]],
+        inputs: Mapping[int, CallArgs],
         loss_fn: LossFn,
         forward_only: bool = False,
         on_computed: Callable[[dict[int, Any]], None] | None = None,
@@ -98,7 +100,7 @@ class StepRun(TieSteps):
         self.losses: dict[int, Any] = {}  # forward-only: output_fn's values
         self.received: dict[Message, Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
-        self.produced_grads: dict[tuple[int, int], list] = {}
+        self.produced_grads: dict[tuple[int, int], list[Any]] = {}
         # stages' fetches, gradient hand-offs and receives (ties': self.tie_io, step_ties.py)
         self.stage_io = UnitTraffic("stage", dict(enumerate(ex.flats)), ex.transport, ex.rank)
         self.allreduces: list[tuple[Any, str]] = []
@@ -156,7 +158,7 @@ class StepRun(TieSteps):
     # ------------------------------------------------------------------ compute
 
     def _f(self, a: Action, index: int) -> None:
-        s, b = a.stage, a.micro
+        s, b = a.stage, micro_of(a)
         self._weights_ready(s)
         producers = self.rules.act_from[s]
         if not producers:  # a first stage: the model's input
@@ -168,9 +170,9 @@ class StepRun(TieSteps):
             if message is not None:
                 value, leaves = self.transport.wait_pytree(message)
             else:
-                parts = self.produced_acts.pop((producers[0], b))
-                leaves = wire.detached_leaves(parts.tensors)
-                value = wire.join(parts.structure, leaves)
+                produced = self.produced_acts.pop((producers[0], b))
+                leaves = wire.detached_leaves(produced.tensors)
+                value = wire.join(produced.structure, leaves)
             args, kwargs = (value,), {}
         if self.forward_only:
             self._infer(s, b, tuple(args), dict(kwargs))
@@ -181,12 +183,13 @@ class StepRun(TieSteps):
         if loss is not None:
             self.losses[b] = loss
         else:
+            assert parts is not None  # not a last stage: its output
             self.produced_acts[(s, b)] = parts
         self.counters.peak_activations = max(
             self.counters.peak_activations, self.ex.compute.stashed
         )
 
-    def _infer(self, s: int, b: int, args: tuple, kwargs: dict) -> None:
+    def _infer(self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         output = self.ex.compute.infer(s, args, kwargs)
         if not self.rules.grad_from[s]:  # a sink: nothing reads its output
             self.losses[b] = self.loss_fn(output, b)
@@ -194,7 +197,7 @@ class StepRun(TieSteps):
             self.produced_acts[(s, b)] = wire.split(output, what=f"output of stage {s}")
 
     def _b(self, a: Action, index: int) -> None:
-        s, b = a.stage, a.micro
+        s, b = a.stage, micro_of(a)
         self._before_reduction(a, "backward")
         self._weights_ready(s)
         if not self.split:
@@ -216,7 +219,7 @@ class StepRun(TieSteps):
 
     def _w(self, a: Action, index: int) -> None:
         """Weight gradients of a split backward: what ``B s b`` left, accumulated now."""
-        s, b = a.stage, a.micro
+        s, b = a.stage, micro_of(a)
         self._before_reduction(a, "W")
         self._weights_ready(s)
         self._prepare_weight_grads(s, index)
@@ -248,29 +251,31 @@ class StepRun(TieSteps):
     # ------------------------------------------------------------------ activations and grads
 
     def _send_act(self, a: Action, index: int) -> None:
-        key = (a.stage, a.micro)
+        b = micro_of(a)
+        key = (a.stage, b)
         parts = self.produced_acts[key]
         # kept while a forward on this rank still reads it
-        if not any((c, a.micro) in self.view.local_forward for c in self.rules.grad_from[a.stage]):
+        if not any((c, b) in self.view.local_forward for c in self.rules.grad_from[a.stage]):
             del self.produced_acts[key]
-        self.transport.send_pytree(parts, a.peer, label(a, index),
-                                   f"output of stage {a.stage} on microbatch {a.micro}")
+        self.transport.send_pytree(parts, peer_of(a), label(a, index),
+                                   f"output of stage {a.stage} on microbatch {b}")
 
     def _post_pytree(self, a: Action, index: int) -> None:
         """Post the receive of an activation or input-gradient, keyed by (op, stage, micro)."""
-        self.received[Message.of(a)] = self.transport.post_pytree(a.peer, label(a, index))
+        self.received[Message.of(a)] = self.transport.post_pytree(peer_of(a), label(a, index))
 
     def _recv_act(self, a: Action, index: int) -> None:
         self._post_pytree(a, index)
 
     def _send_grad(self, a: Action, index: int) -> None:
-        key = (a.stage, a.micro)
+        b = micro_of(a)
+        key = (a.stage, b)
         grads = self.produced_grads[key]
-        if not any((p, a.micro) in self.view.local_backward for p in self.rules.act_from[a.stage]):
+        if not any((p, b) in self.view.local_backward for p in self.rules.act_from[a.stage]):
             del self.produced_grads[key]
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
-        self.transport.send_pytree(parts, a.peer, label(a, index),
-                                   f"input-gradient of stage {a.stage} on microbatch {a.micro}")
+        self.transport.send_pytree(parts, peer_of(a), label(a, index),
+                                   f"input-gradient of stage {a.stage} on microbatch {b}")
 
     def _recv_grad(self, a: Action, index: int) -> None:
         self._post_pytree(a, index)

@@ -16,6 +16,8 @@ def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
     then the tensors are swapped in place, so every holder of ``param`` (modules, stages, the
     optimizer) sees the new storage."""
     if param.is_meta != data.is_meta:
-        torch.utils.swap_tensors(param, nn.Parameter(data, requires_grad=param.requires_grad))
+        # torch.utils.swap_tensors has no annotations
+        torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+            param, nn.Parameter(data, requires_grad=param.requires_grad))
     else:
         param.data = data

@@ -76,6 +76,10 @@ class IncomingPytree:
         return sum(t.numel() * t.element_size() for t in self.buffers)
 
 
+# (peer, direction) -> the specs of its messages in this step, in order
+_Specs = dict[tuple[int, str], list[wire.Spec]]
+
+
 class SpecBook:
     """Message specs per (programs, signature), per (peer, direction), in message order.
 
@@ -87,10 +91,10 @@ class SpecBook:
     def __init__(self, capacity: int = SIGNATURES_KEPT) -> None:
         self.capacity = capacity
         # key -> (programs kept alive so their id is not reused, specs)
-        self.known: OrderedDict[tuple[int, Hashable], tuple[Any, dict]] = OrderedDict()
+        self.known: OrderedDict[tuple[int, Hashable], tuple[Any, _Specs]] = OrderedDict()
         self.key: tuple[int, Hashable] = (0, None)
         self.programs: Any = None
-        self.expect: dict[tuple[int, str], list[wire.Spec]] | None = None
+        self.expect: _Specs | None = None
         self.keep = True
         self.now: dict[tuple[int, str], list[wire.Spec]] = defaultdict(list)
         self.count: dict[tuple[int, str], int] = defaultdict(int)
@@ -156,7 +160,8 @@ class Transport:
         self.rank = channels.rank
         self.described = transport == "described"
         self.counters = RuntimeCounters()
-        self.sends: deque[tuple[Any, tuple, str]] = deque()  # (work, buffers kept alive, label)
+        # (work, buffers kept alive, label)
+        self.sends: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
         self._pending: dict[int, deque[IncomingPytree]] = defaultdict(deque)
         self.book = SpecBook()
         self.described_messages = 0  # messages sent or received on the described path

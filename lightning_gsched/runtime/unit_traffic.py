@@ -18,6 +18,7 @@ import torch
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime.flat import FlatStage
+from lightning_gsched.runtime.layout import peer_of
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.schedule.program import Action
 
@@ -48,7 +49,7 @@ class UnitTraffic:
         if unit.resident:
             raise RuntimeConfigError(f"{a.op} of {self.kind} {a.stage}, which is already "
                                      "resident here")
-        work = self.transport.post_flat(unit.fetch_buffer(), a.peer, "weights")
+        work = self.transport.post_flat(unit.fetch_buffer(), peer_of(a), "weights")
         self.fetches[a.stage] = (work, label(a, index))
 
     def serve(self, a: Action, index: int) -> None:
@@ -57,7 +58,8 @@ class UnitTraffic:
         if not unit.owned:
             raise RuntimeConfigError(f"{a.op} of {self.kind} {a.stage}, which rank {self.rank} "
                                      "does not own")
-        self.transport.send_flat(unit.flat, a.peer, "weights", label(a, index))
+        assert unit.flat is not None  # an owned unit holds its weights
+        self.transport.send_flat(unit.flat, peer_of(a), "weights", label(a, index))
 
     def land(self, key: int) -> None:
         """Wait for the unit's posted fetch, if one is pending."""
@@ -94,7 +96,7 @@ class UnitTraffic:
     def hand_off(self, a: Action, index: int) -> None:
         """``REDUCE_G`` / ``REDUCE_T``: send the accumulated gradient to the owner, drop it."""
         grad = self.units[a.stage].take_grads()
-        self.transport.send_flat(grad, a.peer, "grads", label(a, index))
+        self.transport.send_flat(grad, peer_of(a), "grads", label(a, index))
 
     def post_grad(self, a: Action, index: int) -> None:
         """``RECV_G`` / ``RECV_T``: post the receive of a peer's gradient (summed in later)."""
@@ -105,7 +107,7 @@ class UnitTraffic:
             )
         unit = self.units[a.stage]
         buffer = torch.empty(unit.grads.numel, dtype=unit.dtype, device=unit.device)
-        work = self.transport.post_flat(buffer, a.peer, "grads")
+        work = self.transport.post_flat(buffer, peer_of(a), "grads")
         self.grad_recvs.setdefault(a.stage, []).append((work, buffer, label(a, index)))
 
     def sum_received(self, key: int) -> None:

@@ -78,6 +78,10 @@ class Split:
     tensors: list[torch.Tensor]
 
 
+# a walked node (see _Walker): a tuple whose first item is its tag
+_Node = tuple[Any, ...]
+
+
 class _Walker:
     """Direct walk of tensors / tuples / lists / dicts / plain values into a nested tuple.
 
@@ -90,7 +94,7 @@ class _Walker:
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}
 
-    def walk(self, obj: Any) -> tuple:
+    def walk(self, obj: Any) -> _Node:
         if isinstance(obj, torch.Tensor):
             key = id(obj)
             if key not in self.index:
@@ -136,7 +140,7 @@ def join(structure: Any, tensors: Sequence[Any]) -> Any:
     return _build(structure, tensors)
 
 
-def _build(node: tuple, tensors: Sequence[Any]) -> Any:
+def _build(node: _Node, tensors: Sequence[Any]) -> Any:
     tag = node[0]
     if tag == "t":
         return tensors[node[1]]
