@@ -182,7 +182,7 @@ def _torch_loop(rank: int, world: int, row: PpDpRow, steps: int, per_rank: int,
     opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
     rows = per_rank * world
     xs, ys = token_data(shape, rows * (steps + 1)).tensors
-    mine = torch.tensor(replica_rows(g, DP, microbatches, rows))
+    mine = torch.tensor(replica_rows(g, DP, microbatches, rows, PP))
     batches = [(xs[i * rows:(i + 1) * rows][mine], ys[i * rows:(i + 1) * rows][mine])
                for i in range(steps + 1)]
     first, last = p == 0, p == PP - 1

@@ -6,12 +6,13 @@ plan does. These few rules are that contract, and ``tests/test_benchmarks_pp_dp.
 each of them against our planner (what rank ``p*G + g`` computes) and our batch cutting (which
 rows a microbatch holds), so the anchor cannot drift from ours silently.
 
-Our rules (``lightning_gsched/schedule/data_parallel.py``, ``engine/batches.py``):
+Our rules (``lightning_gsched/schedule/data_parallel.py``, ``engine/rows.py``):
 
 * rank ``p*G + g`` is pipeline position ``p`` of replica ``g`` (torch's
   ``init_device_mesh("cpu", (P, G), mesh_dim_names=("pp", "dp"))`` gives the same ranks);
-* a step cuts the global batch (every rank's rows, in rank order) into ``B*G`` equal
-  microbatches; microbatch ``b`` runs on replica ``b mod G`` as its microbatch ``b // G``;
+* replica ``g``'s batch is its ranks' DataLoader rows in position order (ranks ``p*G + g``),
+  cut into ``B`` equal microbatches; its ``m``-th is the step's microbatch ``g + G*m`` (rows
+  travel only inside their replica);
 * a P-worker pipeline of S stages puts S/P consecutive stages on each position (S = P for
   replicate, S = 2P for shard at G=2: each rank of a column then owns one stage).
 """
@@ -37,13 +38,15 @@ def replica_micros(replica: int, replicas: int, micros_per_replica: int) -> list
     return [replica + replicas * j for j in range(micros_per_replica)]
 
 
-def replica_rows(replica: int, replicas: int, micros_per_replica: int, rows: int) -> list[int]:
-    """Rows of a global batch of ``rows`` rows that replica ``replica`` reads, microbatch by
-    microbatch: handed to torch's schedule, which cuts its input into equal chunks in order,
-    its chunk j is our microbatch ``replica + replicas * j``."""
+def replica_rows(replica: int, replicas: int, micros_per_replica: int, rows: int,
+                 positions: int) -> list[int]:
+    """Rows of a global batch of ``rows`` rows (every rank's, in rank order) that replica
+    ``replica`` reads: its ranks' rows in position order. Handed to torch's schedule, which
+    cuts its input into equal chunks in order, its chunk j is our microbatch
+    ``replica + replicas * j``."""
     parts = replicas * micros_per_replica
     if rows % parts:
         raise ValueError(f"{rows} rows do not cut into {parts} equal microbatches")
-    size = rows // parts
-    return [b * size + i for b in replica_micros(replica, replicas, micros_per_replica)
-            for i in range(size)]
+    per_rank = rows // (positions * replicas)
+    return [rank * per_rank + i for p in range(positions)
+            for rank in (p * replicas + replica,) for i in range(per_rank)]

@@ -34,8 +34,9 @@ from benchmarks.pp_dp_layout import (  # noqa: E402
     replica_micros,
     replica_rows,
 )
-from lightning_gsched.engine.batches import micro_bounds  # noqa: E402
+from lightning_gsched.engine.rows import row_map  # noqa: E402
 from lightning_gsched.schedule.plan import plan  # noqa: E402
+from lightning_gsched.schedule.program import Op  # noqa: E402
 
 
 def _computes(row_key: str) -> dict[int, tuple[set[int], set[int]]]:
@@ -44,8 +45,9 @@ def _computes(row_key: str) -> dict[int, tuple[set[int], set[int]]]:
     p = plan(row.schedule, workers=WORLD, microbatches=MICROBATCHES, data_parallel_size=DP,
              data_parallel=row.data_parallel)
     assert p.stages == row.stages, "the row's S must be our default at P=2 x G=2"
-    return {r: ({a.stage for a in prog if a.is_compute},
-                {a.micro for a in prog if a.is_compute})
+    computes = (Op.F, Op.B, Op.W)
+    return {r: ({a.stage for a in prog if a.op in computes},
+                {a.micro for a in prog if a.op in computes})
             for r, prog in enumerate(p.programs.ranks)}
 
 
@@ -59,14 +61,18 @@ def test_anchor_places_stages_and_microbatches_as_our_plan(row_key):
 
 
 def test_replica_rows_are_our_microbatches_in_order():
+    """The rows the anchor feeds each replica, cut by torch into equal chunks, are our
+    microbatches (engine/rows.py's row map of the same ranks and batches), in order."""
     rows = PER_RANK * WORLD
-    bounds = micro_bounds(rows, MICROBATCHES * DP)
-    assert all(end - start == MICRO_ROWS for start, end in bounds)
+    replicas = [[p * DP + g for p in range(PP)] for g in range(DP)]
+    ours = row_map([PER_RANK] * WORLD, replicas, MICROBATCHES * DP)
+    assert all(n == MICRO_ROWS for n in ours.micro_rows())
     for replica in range(DP):
-        want = [i for b in replica_micros(replica, DP, MICROBATCHES)
-                for i in range(*bounds[b])]
-        assert replica_rows(replica, DP, MICROBATCHES, rows) == want
-    every = sorted(i for g in range(DP) for i in replica_rows(g, DP, MICROBATCHES, rows))
+        want = [piece.source * PER_RANK + i
+                for b in replica_micros(replica, DP, MICROBATCHES)
+                for piece in ours.micros[b] for i in range(piece.start, piece.stop)]
+        assert replica_rows(replica, DP, MICROBATCHES, rows, PP) == want
+    every = sorted(i for g in range(DP) for i in replica_rows(g, DP, MICROBATCHES, rows, PP))
     assert every == list(range(rows))
 
 
@@ -74,7 +80,7 @@ def test_layout_refuses_uneven_cuts():
     with pytest.raises(ValueError, match="positions"):
         position_stages(3, 2)
     with pytest.raises(ValueError, match="equal microbatches"):
-        replica_rows(0, 2, 3, 10)
+        replica_rows(0, 2, 3, 10, 2)
 
 
 def test_ours_strategy_names_the_row():
