@@ -16,23 +16,49 @@ the user's step around the model's call), :mod:`.logsync` (losses and logged val
 mechanisms in :mod:`.checkpoint_files`, :mod:`.checkpoint_sharded` and
 :mod:`.checkpoint_check`), :mod:`.engine`.
 
-The front ends reach checkpoints through this face only (``CheckpointService``,
-``CheckpointView``, ``StreamStats`` and the names the messages use), never the
-``checkpoint*`` submodules (``tests/test_layering.py``).
+The front ends import this face only (``__all__``: what they use), never an engine submodule
+(``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
-from lightning_gsched.engine.checkpoint import CheckpointService, CheckpointView
+from lightning_gsched.engine.checkpoint import (
+    CheckpointService,
+    CheckpointSettings,
+    CheckpointView,
+)
 from lightning_gsched.engine.checkpoint_check import FABRIC, TRAINER
 from lightning_gsched.engine.checkpoint_files import StreamStats
+from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.engine import PipelineEngine
+from lightning_gsched.engine.intercept import StepCaller
+from lightning_gsched.engine.logsync import replay
+from lightning_gsched.engine.memory_report import MemoryReport
+from lightning_gsched.engine.mesh import DeviceMeshSlot
+from lightning_gsched.engine.options import (
+    check_launch_arguments,
+    check_transport,
+    library_names,
+    pipeline_keywords,
+    pipeline_options,
+)
 
 __all__ = [
     "FABRIC",
     "TRAINER",
     "CheckpointService",
+    "CheckpointSettings",
     "CheckpointView",
+    "ControlGroup",
+    "DeviceMeshSlot",
+    "MemoryReport",
     "PipelineEngine",
+    "StepCaller",
     "StreamStats",
+    "check_launch_arguments",
+    "check_transport",
+    "library_names",
+    "pipeline_keywords",
+    "pipeline_options",
+    "replay",
 ]

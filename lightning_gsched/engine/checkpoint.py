@@ -332,3 +332,29 @@ def _module(view: CheckpointView) -> nn.Module:
 def _is_local(path: Any) -> bool:
     filesystem, _ = url_to_fs(str(path))
     return isinstance(filesystem, LocalFileSystem)
+
+
+class CheckpointSettings:
+    """The checkpoint options both front ends expose as their own attributes
+    (``strategy.stream_checkpoint``, ``strategy.checkpoint_stream_stats``), forwarded to the
+    strategy's :class:`CheckpointService` (``_checkpoints``): written once for both."""
+
+    _checkpoints: CheckpointService
+
+    @property
+    def stream_checkpoint(self) -> bool | str:
+        return self._checkpoints.stream_checkpoint
+
+    @stream_checkpoint.setter
+    def stream_checkpoint(self, value: bool | str) -> None:
+        self._checkpoints.stream_checkpoint = value
+
+    @property
+    def checkpoint_stream_stats(self) -> StreamStats | None:
+        """Rank 0: what the last streamed save held and wrote."""
+        return self._checkpoints.stream_stats
+
+    @checkpoint_stream_stats.setter
+    def checkpoint_stream_stats(self, value: StreamStats | None) -> None:
+        self._checkpoints.stream_stats = value
+

@@ -40,13 +40,11 @@ from torch.optim import Optimizer
 from lightning_gsched.engine import (
     FABRIC,
     CheckpointService,
+    CheckpointSettings,
     CheckpointView,
+    DeviceMeshSlot,
     PipelineEngine,
-    StreamStats,
-)
-from lightning_gsched.engine.intercept import StepCaller
-from lightning_gsched.engine.mesh import DeviceMeshSlot
-from lightning_gsched.engine.options import (
+    StepCaller,
     check_launch_arguments,
     check_transport,
     library_names,
@@ -57,7 +55,7 @@ from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.runtime import deferred_parameters, pretrained_weights
 
 
-class GeneralParallelFabric(DDPStrategy):
+class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     """Run a Fabric training loop with a schedule from one generic scheduler.
 
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
@@ -307,23 +305,6 @@ class GeneralParallelFabric(DDPStrategy):
 
     def _pipelines(self, module: Any) -> bool:
         return self._engine is not None and module is self._engine.module
-
-    @property
-    def stream_checkpoint(self) -> bool | str:
-        return self._checkpoints.stream_checkpoint
-
-    @stream_checkpoint.setter
-    def stream_checkpoint(self, value: bool | str) -> None:
-        self._checkpoints.stream_checkpoint = value
-
-    @property
-    def checkpoint_stream_stats(self) -> StreamStats | None:
-        """Rank 0: what the last streamed save held and wrote."""
-        return self._checkpoints.stream_stats
-
-    @checkpoint_stream_stats.setter
-    def checkpoint_stream_stats(self, value: StreamStats | None) -> None:
-        self._checkpoints.stream_stats = value
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The pipelined model's full state dict: gathered to rank 0 from the stages' owners

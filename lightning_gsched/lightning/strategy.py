@@ -37,21 +37,19 @@ from torch.optim import Optimizer
 from lightning_gsched.engine import (
     TRAINER,
     CheckpointService,
+    CheckpointSettings,
     CheckpointView,
+    ControlGroup,
+    DeviceMeshSlot,
+    MemoryReport,
     PipelineEngine,
-    StreamStats,
-)
-from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.intercept import StepCaller
-from lightning_gsched.engine.logsync import replay
-from lightning_gsched.engine.memory_report import MemoryReport
-from lightning_gsched.engine.mesh import DeviceMeshSlot
-from lightning_gsched.engine.options import (
+    StepCaller,
     check_launch_arguments,
     check_transport,
     library_names,
     pipeline_keywords,
     pipeline_options,
+    replay,
 )
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
@@ -64,7 +62,7 @@ from lightning_gsched.runtime import (
 from lightning_gsched.schedule import validate
 
 
-class GeneralParallel(DDPStrategy):
+class GeneralParallel(CheckpointSettings, DDPStrategy):
     """Train any Lightning project with a schedule from one generic scheduler.
 
     Args:
@@ -482,23 +480,6 @@ class GeneralParallel(DDPStrategy):
     @state_dict_type.setter
     def state_dict_type(self, value: str) -> None:
         self._checkpoints.state_dict_type = value
-
-    @property
-    def stream_checkpoint(self) -> bool | str:
-        return self._checkpoints.stream_checkpoint
-
-    @stream_checkpoint.setter
-    def stream_checkpoint(self, value: bool | str) -> None:
-        self._checkpoints.stream_checkpoint = value
-
-    @property
-    def checkpoint_stream_stats(self) -> StreamStats | None:
-        """Rank 0: what the last streamed save held and wrote."""
-        return self._checkpoints.stream_stats
-
-    @checkpoint_stream_stats.setter
-    def checkpoint_stream_stats(self, value: StreamStats | None) -> None:
-        self._checkpoints.stream_stats = value
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         view = self._view()  # a save begins here (Lightning's dump_checkpoint)
