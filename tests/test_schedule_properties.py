@@ -108,7 +108,7 @@ def test_every_plan_is_a_valid_schedule(config):
 @pytest.mark.parametrize("threshold", [1, 2, 5, 8, 9, 16])
 @pytest.mark.parametrize("guess", [0, 1, 4, 8, 9, 16, 40])
 def test_cap_search_from_a_guess_finds_the_bisection_answer(threshold, guess):
-    from lightning_gsched.schedule.plan import _bisect, _search_from
+    from lightning_gsched.schedule.cap_search import _bisect, _search_from
 
     calls = []
 

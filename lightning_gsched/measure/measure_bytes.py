@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import PartitionError
 from lightning_gsched.measure.meta_attention import fused_attention_on_meta
-from lightning_gsched.measure.profile import _run_loss, _run_stage
+from lightning_gsched.measure.profile import run_loss, run_stage
 from lightning_gsched.partition.meta_run import has_meta_parameters
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.runtime import wire
@@ -116,11 +116,11 @@ def _stashed_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple[Any, .
     the loss's own; the stage's output)."""
     weights = weight_storages(stage)
     with SavedTensorBytes(exclude=weights) as saved:
-        out = _run_stage(stage, s, last + 1, args, kwargs)
+        out = run_stage(stage, s, last + 1, args, kwargs)
         loss_part = 0
         if s == last and loss_fn is not None:
             with SavedTensorBytes(exclude=weights) as in_loss:  # the innermost hooks apply
-                _run_loss(loss_fn, out)
+                run_loss(loss_fn, out)
             loss_part = in_loss.nbytes
             saved.storages.update(in_loss.storages)
     return saved.nbytes, loss_part, out
@@ -137,9 +137,9 @@ def _split_bytes(stage: torch.nn.Module, s: int, last: int, args: tuple[Any, ...
     (:func:`~lightning_gsched.runtime.footprint.held_until_w`). W is not run: no ``.grad``."""
     weights = weight_storages(stage)
     with SavedTensorBytes(exclude=weights) as saved:
-        out = _run_stage(stage, s, last + 1, args, kwargs)
+        out = run_stage(stage, s, last + 1, args, kwargs)
         if s == last and loss_fn is not None:
-            roots = [_run_loss(loss_fn, out).reshape(())]
+            roots = [run_loss(loss_fn, out).reshape(())]
             grads: list[torch.Tensor] | None = None
         else:
             roots = [t for t in wire.split(out, what=f"output of stage {s}").tensors

@@ -112,9 +112,9 @@ def profile_stages(stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
                     call_args, call_kwargs = (fresh,), {}
                 _sync(device)
                 start = time.perf_counter()
-                out = _run_stage(stage, s, len(stages), call_args, call_kwargs)
+                out = run_stage(stage, s, len(stages), call_args, call_kwargs)
                 if s == len(stages) - 1:
-                    out = _run_loss(loss_fn, out) if loss_fn is not None else sum(
+                    out = run_loss(loss_fn, out) if loss_fn is not None else sum(
                         t.float().sum() for t in pytree.tree_leaves(out)
                         if isinstance(t, torch.Tensor) and t.is_floating_point())
                 _sync(device)
@@ -161,7 +161,7 @@ def _split_backward(stage: torch.nn.Module, roots: list[torch.Tensor], grads: li
     return elapsed_b, time.perf_counter() - start
 
 
-def _run_stage(stage: torch.nn.Module, index: int, count: int, args: tuple[Any, ...],
+def run_stage(stage: torch.nn.Module, index: int, count: int, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
     """``stage(*args, **kwargs)``; a failure names the stage and its unit (not torch internals)."""
     try:
@@ -179,7 +179,7 @@ def _run_stage(stage: torch.nn.Module, index: int, count: int, args: tuple[Any, 
         ) from exc
 
 
-def _run_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any) -> torch.Tensor:
+def run_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any) -> torch.Tensor:
     """The user's ``loss_fn(output)``; a failure says it was the loss, not a stage."""
     try:
         return loss_fn(output)

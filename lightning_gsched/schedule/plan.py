@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
+from lightning_gsched.schedule.cap_search import auto_cap_timeline, smallest_feasible_cap
 from lightning_gsched.schedule.consumption import require_chain
 from lightning_gsched.schedule.data_parallel import (
     lift,
@@ -510,82 +511,3 @@ def _check_window_holds_step(table: PlacementTable, fetch_window: int) -> None:
             f"fetch_window={fetch_window} is not valid with data_parallel='shard': a rank holds "
             f"every stage it fetches for the whole step ({fetched} here), so the window must "
             f"be at least {fetched}; drop fetch_window, or use data_parallel='replicate'")
-
-
-def _jobs_per_worker(table: PlacementTable) -> list[int]:
-    counts = [0] * table.workers
-    for s in range(table.stages):
-        for b in range(table.micro):
-            counts[table.compute[s][b]] += 1
-    return counts
-
-
-def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
-    """Smallest c in [low, high] with ok(c), assuming ok is monotone and ok(high)."""
-    while low < high:
-        mid = (low + high) // 2
-        if ok(mid):
-            high = mid
-        else:
-            low = mid + 1
-    return low
-
-
-def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
-    """:func:`_bisect`'s answer, trying ``guess`` and ``guess - 1`` first.
-
-    The smallest cap that keeps a schedule's latency is often exactly W (1F1B-like orders
-    stash at most W microbatch-stages per worker), so two simulations usually settle it where a
-    bisection over [1, jobs per worker] takes log2(B*S/W) of them; with a monotone ``ok`` the
-    answer is the same either way.
-    """
-    guess = min(max(guess, low), high)
-    if guess == high:
-        return _bisect(low, high, ok)
-    if ok(guess):
-        if guess == low or not ok(guess - 1):
-            return guess
-        return _bisect(low, guess - 1, ok)
-    return _bisect(guess + 1, high, ok)
-
-
-def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
-                           table: PlacementTable) -> int:
-    """The smallest uniform cap with which the greedy schedule completes (bisection);
-    ``run(caps)`` simulates (by symmetry, a sweep or in full: ``symmetry.make_simulator``)."""
-
-    def completes(c: int) -> bool:
-        try:
-            run([c] * table.workers)
-            return True
-        except CapTooSmallError:
-            return False
-
-    return _bisect(1, max(1, max(_jobs_per_worker(table))), completes)
-
-
-def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
-                       table: PlacementTable) -> tuple[list[int | None], Timeline]:
-    """The smallest uniform cap whose latency equals the uncapped latency (bisection), and the
-    timeline simulated with it (the bisection already simulated it: the last cap that kept the
-    latency); ``run(caps)`` simulates as for :func:`smallest_feasible_cap`."""
-    W = table.workers
-    target = run([None] * W).latency
-    kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline
-
-    def keeps_latency(c: int) -> bool:
-        try:
-            timeline = run([c] * W)
-        except CapTooSmallError:
-            return False
-        if timeline.latency <= target + 1e-9:
-            kept.clear()
-            kept[c] = timeline
-            return True
-        return False
-
-    cap = _search_from(1, max(1, max(_jobs_per_worker(table))), keeps_latency, guess=W)
-    timeline = kept.get(cap)
-    if timeline is None:  # the upper end, never tried: simulate it
-        timeline = run([cap] * W)
-    return [cap] * W, timeline
