@@ -206,6 +206,8 @@ def main() -> None:
         result["outcome"] = type(exc).__name__
         result["message"] = str(exc)
         result["traceback"] = traceback.format_exc()
+    if rank == 0:  # a script that does more after fit (the launcher must not be cut off)
+        time.sleep(float(os.environ.get("GSCHED_TEST_RANK0_AFTER", "0")))
     result["ended"] = time.time()
     result["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     result["step"] = trainer.global_step

@@ -29,13 +29,16 @@ BOUND = 240.0  # start-up (~10 s per process on 2 cores) + a few step_timeouts (
 
 
 def run_job(tmp: Path, schedule: str, world: int, fault: str, rank: int, step: int,
-            where: str, resume: bool = False, state_dict_type: str = "full") -> list[dict]:
-    """Launch the job, wait (bounded) for every rank's result; the results in rank order."""
+            where: str, resume: bool = False, state_dict_type: str = "full",
+            rank0_after: float = 0.0) -> list[dict]:
+    """Launch the job, wait (bounded) for every rank's result; the results in rank order.
+    ``rank0_after``: seconds rank 0's script spends after ``fit`` ends before it writes."""
     tmp.mkdir(parents=True, exist_ok=True)
     for old in tmp.glob("rank*.json"):
         old.unlink()
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     env.pop("GSCHED_TEST_LAUNCHER", None)
+    env["GSCHED_TEST_RANK0_AFTER"] = str(rank0_after)
     if resume:
         env["RESUME"] = "1"
     else:
@@ -46,9 +49,17 @@ def run_job(tmp: Path, schedule: str, world: int, fault: str, rank: int, step: i
              str(step), where, state_dict_type], env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + BOUND
     files = [tmp / f"rank{r}.json" for r in range(world)]
-    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+    launcher_gone = float("inf")  # rank 0 is the launcher: once it is gone, give the rest 10 s
+    while (not all(f.exists() for f in files) and time.monotonic() < deadline
+           and time.monotonic() < launcher_gone + 10.0):
+        if launcher.poll() is not None:
+            launcher_gone = min(launcher_gone, time.monotonic())
         time.sleep(0.5)
     missing = [r for r, f in enumerate(files) if not f.exists()]
+    if missing and launcher.poll() is not None and not (tmp / "rank0.json").exists():
+        pytest.fail(f"rank 0 (the launcher) ended with code {launcher.returncode} without "
+                    f"writing its result; ranks {missing} have none:\n"
+                    + (tmp / "log.txt").read_text()[-3000:])
     if missing:  # a hang: stop every rank we started, then fail naming the ones stuck
         for pid_file in tmp.glob("pid*"):
             try:
@@ -144,6 +155,18 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
     ended = [r["ended"] - failing["injected_at"] for r in results]
     print(f"{where} raised on rank {rank} of {world}: every rank ended "
           f"{min(ended):.1f}-{max(ended):.1f} s after the raise")
+
+
+def test_a_failed_child_outlives_rank_0_so_rank_0_reports(tmp_path: Path) -> None:
+    """Lightning's launcher (rank 0) SIGKILLs itself and every child within 5 s of a child
+    exiting non-zero. Rank 1 fails; rank 0's script then takes 8 s after ``fit`` before it
+    writes: it still writes, because the failed child waits for rank 0's process to end
+    (ControlGroup.outlive_host) instead of exiting first."""
+    results = run_job(tmp_path, "1f1b", 2, "raise", 1, 1, "batch_end", rank0_after=8.0)
+    assert results[1]["injected"], results[1]
+    assert results[0]["outcome"] == "RuntimeFault", results[0]
+    assert "rank 1 failed in Injector.on_train_batch_end" in results[0]["message"], results[0]
+    assert results[1]["ended"] >= results[0]["ended"], results  # rank 1 waited for rank 0
 
 
 @pytest.fixture(scope="module")

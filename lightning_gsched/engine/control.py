@@ -43,6 +43,18 @@ class ControlGroup:
         self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
         self.notice = FaultNotice(self.store, self.key)
         self.closed = False
+        self.host_pid = self._share_host_pid()
+
+    def _share_host_pid(self) -> int | None:
+        """Rank 0's process id, published through the store (every rank builds the group)."""
+        if self.store is None:
+            return None
+        try:
+            if self.rank == 0:
+                self.store.set(self.key + "/host-pid", str(os.getpid()))
+            return int(self.store.get(self.key + "/host-pid"))
+        except Exception:  # noqa: BLE001 - only :meth:`outlive_host` reads it
+            return None
 
     def report(self, message: str) -> None:
         """Record the job's first failure (a later report keeps the first)."""
@@ -110,6 +122,22 @@ class ControlGroup:
                     return
             except Exception:  # noqa: BLE001
                 return
+            time.sleep(0.05)
+
+    def outlive_host(self) -> None:
+        """On a rank whose parent process is rank 0 (Lightning's own launcher started it),
+        after a failure: wait until rank 0's process has ended, at most ``timeout`` s.
+
+        Why: that launcher watches its children and SIGKILLs itself and all of them within
+        5 s of one exiting non-zero (Lightning's ``_ChildProcessObserver``). A failed child
+        that exits first can cut rank 0 off before rank 0 has printed its own error (the one
+        naming the first failure) or before the user's script has written anything after
+        ``fit``. Rank 0 never waits on its children, so the wait cannot deadlock. Not under
+        torchrun or SLURM, where rank 0 is not the parent."""
+        if self.host_pid is None or self.rank == 0 or os.getppid() != self.host_pid:
+            return
+        deadline = time.monotonic() + self.timeout
+        while os.getppid() == self.host_pid and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def close(self, collect: bool = False) -> None:

@@ -537,6 +537,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             if self._failure is not None and self.global_rank == 0:
                 # rank 0 hosts the job's store; a SIGTERM (the launcher ending the group)
                 self._control.linger(self.world_size - 1, stop=lambda: self._pending_signal() > 0)
+            if self._failed:
+                self._control.outlive_host()
             self._control = None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if (self._notice is not None and trainer is not None
