@@ -167,6 +167,83 @@ def rss_run(rank: int, world: int, schedule: str, layers: int, width: int, steps
     return {"ranks": everyone}
 
 
+def fsdp2_rss_run(rank: int, world: int, layers: int, width: int, steps: int,
+                  per_rank: int = PER_RANK) -> dict[str, Any]:
+    """FSDP2 at its best on :func:`rss_run`'s model, data and optimizer, in a plain loop; this
+    rank's RSS growth measured the same way (``VmHWM`` after the loop - ``VmRSS`` before the
+    model exists).
+
+    Like for like with ours: the model is built on the meta device and each rank materialises
+    only its shards (``to_empty`` + ``reset_parameters``, torchtitan's deferred init); one
+    ``fully_shard`` group per ``Linear`` (the finest grouping, the smallest unsharded working
+    set) with ``reshard_after_forward=True`` (a layer is unsharded for its forward and again for
+    its backward), Adam over the sharded parameters; and the heap's free pages handed back to
+    the OS at every step start, as our runtime does (``runtime/host_heap.py``): without it
+    FSDP2's growth on CPU was 2.1-2.9 GiB per rank, mostly freed blocks glibc kept."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    gen = torch.Generator().manual_seed(rank)
+    xs = torch.randn(per_rank * steps, width, generator=gen)
+    ys = torch.randn(per_rank * steps, width, generator=gen)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, before the model exists
+    start = _status_bytes("VmRSS")
+    with torch.device("meta"):
+        mods: list[nn.Module] = []
+        for i in range(layers):
+            mods.append(nn.Linear(width, width))
+            if i < layers - 1:
+                mods.append(nn.ReLU())
+        model = nn.Sequential(*mods)
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, reshard_after_forward=True)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in model:
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    from lightning_gsched.runtime.host_heap import release_free_heap
+
+    for i in range(steps):
+        release_free_heap(torch.device("cpu"))
+        x, y = xs[i * per_rank:(i + 1) * per_rank], ys[i * per_rank:(i + 1) * per_rank]
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    peak = _status_bytes("VmHWM")
+    mine = {"rank": rank, "rss_start": start, "rss_peak": peak, "growth": peak - start}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
+
+
+def run_vs_fsdp2(quick: bool) -> list[Result]:
+    """``fsdp_process_vs_fsdp2``: the worst rank's RSS growth, ours (fsdp, S=2W) / FSDP2's, each
+    side in fresh processes on the ``memory_process`` model (goal <= 1.00)."""
+    ours = launch("benchmarks.bench_process_memory:rss_run", WORLD, schedule="fsdp",
+                  **SMALL)["ranks"]
+    rival = launch("benchmarks.bench_process_memory:fsdp2_rss_run", WORLD, **SMALL)["ranks"]
+    worst_ours = max(r["growth"] for r in ours)
+    worst_rival = max(r["growth"] for r in rival)
+    per = "; ".join(f"r{a['rank']} {a['growth'] / MIB:.0f}/{b['growth'] / MIB:.0f}"
+                    for a, b in zip(ours, rival, strict=True))
+    return [Result(
+        name="fsdp_process_vs_fsdp2", ours_s=worst_ours, anchor_s=worst_rival, unit="bytes",
+        goal="<= 1.00",
+        notes=(f"peak RSS growth of the worst rank (VmHWM after training - VmRSS before the "
+               f"model), ours fsdp S={2 * WORLD} / FSDP2 one group per Linear, reshard after "
+               f"forward, heap trimmed at each step like ours; per rank ours/FSDP2 MiB: {per}; {SMALL['layers']} x "
+               f"Linear({SMALL['width']}), Adam, deferred init on both sides, W={WORLD}, "
+               f"{SMALL['steps']} steps, fresh processes per side"),
+        extra={"measured_by": "rss", "ours": ours, "fsdp2": rival, **SMALL, "world": WORLD})]
+
+
 def _row(prefix: str, schedule: str, cfg: dict[str, Any], ranks: list[dict[str, Any]],
          quick: bool) -> Result:
     ratios = [r["growth"] / r["predicted"] for r in ranks]
@@ -224,9 +301,14 @@ def run_large(quick: bool, schedules: list[str] | None = None) -> list[Result]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="the large_model rows instead")
+    parser.add_argument("--vs-fsdp2", action="store_true",
+                        help="the fsdp_process_vs_fsdp2 row instead")
     parser.add_argument("--schedules", nargs="*")
     args = parser.parse_args()
-    rows = (run_large if args.large else run_small)(True, args.schedules)
+    if args.vs_fsdp2:
+        rows = run_vs_fsdp2(True)
+    else:
+        rows = (run_large if args.large else run_small)(True, args.schedules)
     for r in rows:
         ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
         print(f"{r.name:26s} ratio {ratio}  {r.notes}")

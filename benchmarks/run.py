@@ -65,6 +65,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         # large_model also skips itself with less than 16 GiB available
         "memory_process": lambda q: [] if q else bench_process_memory.run_small(q),
         "large_model": lambda q: [] if q else bench_process_memory.run_large(q),
+        "fsdp_process_vs_fsdp2": lambda q: [] if q else bench_process_memory.run_vs_fsdp2(q),
         "tune": bench_tune.run,
         "planner_speed": bench_planner.run,
         # plan() + one rank's program at W=1024 per library schedule (quick: the symmetric
