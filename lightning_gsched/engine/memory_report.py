@@ -90,12 +90,11 @@ class MemoryReport:
         Why not each rank predicting every rank: that reads every rank's program, which a plan
         of many ranks lowers per rank when first read (schedule/lazy_ranks.py): a minute and
         gigabytes per rank at W=1024. Gathered, the figures are the same."""
-        # gloo's sends complete only in wait(): the transport holds sent buffers to the
-        # step's end (runtime/transport.py, _prune_sends), so handed-off gradients stay
-        sends_held = world_size > 1 and dist.get_backend(_group(self.control)) == "gloo"
+        # a sent buffer is released when its send completes, on every backend
+        # (runtime/send_release.py): a handed-off gradient leaves at its REDUCE
         mine: tuple[RankMemory | None, str | None]
         try:
-            mine = (predict_memory(plan.programs, sizes, plan.checkpointed, sends_held,
+            mine = (predict_memory(plan.programs, sizes, plan.checkpointed,
                                    ranks=[rank])[0], None)
         except ScheduleConfigError:
             raise  # the sizes do not fit the plan: checked without programs, every rank alike

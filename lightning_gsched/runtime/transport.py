@@ -1,7 +1,8 @@
 """Messages of a program: pytrees on ``p2p``, flat buffers on ``weights`` and ``grads``.
 
 Why this shape: sends never block (the programs were proven deadlock-free under that model), so
-every send is an ``isend`` whose handle and buffer are kept until the end of the step. Receives
+every send is an ``isend`` whose handle and buffer are kept until the send completed
+(:class:`send_release.SendReleaser`, which also bounds them at the step's end). Receives
 are *posted* where the program says and waited for where they are consumed.
 
 A pytree message (an activation or an input-gradient) is sent as its tensors, one message per
@@ -51,6 +52,7 @@ from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
+from lightning_gsched.runtime.send_release import SendReleaser
 from lightning_gsched.schedule.program import Action
 
 TRANSPORTS = ("auto", "described")
@@ -160,8 +162,7 @@ class Transport:
         self.rank = channels.rank
         self.described = transport == "described"
         self.counters = RuntimeCounters()
-        # (work, buffers kept alive, label)
-        self.sends: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
+        self.sends = SendReleaser(waiter.wait, waiter.timeout)
         self._pending: dict[int, deque[IncomingPytree]] = defaultdict(deque)
         self.book = SpecBook()
         self.described_messages = 0  # messages sent or received on the described path
@@ -286,28 +287,17 @@ class Transport:
     # ------------------------------------------------------------------ sends
 
     def _isend(self, tensor: torch.Tensor, peer: int, kind: str, label: str) -> None:
-        self._prune_sends()
-        self.sends.append((self.channels.isend(tensor, peer, kind), (tensor,), label))
-
-    def _prune_sends(self) -> None:
-        """Release buffers of sends that already completed, where the backend can tell (NCCL).
-
-        Gloo's point-to-point handles only complete in ``wait()``, so there every send buffer
-        is held until :meth:`drain_sends` at the end of the step.
-        """
-        while self.sends and self.sends[0][0].is_completed():
-            self.sends.popleft()
+        self.sends.add(self.channels.isend(tensor, peer, kind), (tensor,),
+                       f"the peer to receive {label}")
 
     def drain_sends(self) -> None:
-        """Wait for every send of the step (their buffers are released afterwards)."""
-        while self.sends:
-            work, _, label = self.sends[0]
-            self.waiter.wait(work, f"the peer to receive {label}")
-            self.sends.popleft()
+        """Wait for every send of the step (each buffer was released as its send completed)."""
+        self.sends.drain()
 
     def drop_all(self) -> None:
         """Forget every handle (before aborting the channels: handles keep connections alive)."""
         self.sends.clear()
+        self.sends = SendReleaser(self.waiter.wait, self.waiter.timeout)
         self._pending.clear()
         self.book.clear()
 
