@@ -77,7 +77,6 @@ def reference_simulate(graph: StageGraph, table, ranks, costs, caps) -> list[Slo
 _CATEGORY = {
     Op.SEND_ACT: 0, Op.SEND_GRAD: 0, Op.REDUCE_G: 1, Op.FREE_W: 2, Op.SEND_W: 3, Op.RECV_G: 4,
     Op.ALLREDUCE_G: 5, Op.FETCH_W: 6, Op.RECV_ACT: 7, Op.RECV_GRAD: 7,
-    Op.REDUCE_T: 1, Op.FREE_T: 2, Op.SEND_T: 3, Op.RECV_T: 4, Op.ALLREDUCE_T: 5, Op.FETCH_T: 6,
 }
 
 
@@ -199,20 +198,22 @@ def _reference_tie(home, readers, table, by_worker, build, grad_phase, forward_o
         source = table.fetch_source.get((home, worker), owners[0])
         fetch_gap = max(jobs[0] - 1, 0)
         time = slots[fetch_gap].start if jobs[0] > 0 else 0.0
-        build.put(worker, fetch_gap, time, Action(Op.FETCH_T, home, None, source))
-        build.put(source, build.gap_at(source, time), time, Action(Op.SEND_T, home, None, worker))
+        build.put(worker, fetch_gap, time, Action(Op.FETCH_W, home, None, source, None, True))
+        build.put(source, build.gap_at(source, time), time,
+                  Action(Op.SEND_W, home, None, worker, None, True))
         if grads:
             end = slots[grads[-1]].end
-            build.put(worker, grads[-1] + 1, end, Action(Op.REDUCE_T, home, None, source))
+            build.put(worker, grads[-1] + 1, end, Action(Op.REDUCE_G, home, None, source, None, True))
             gap = build.gap_at(source, end)
-            build.put(source, gap, end, Action(Op.RECV_T, home, None, worker))
+            build.put(source, gap, end, Action(Op.RECV_G, home, None, worker, None, True))
             recv_gaps[source] = max(recv_gaps.get(source, 0), gap)
-        build.put(worker, jobs[-1] + 1, slots[jobs[-1]].end, Action(Op.FREE_T, home))
+        build.put(worker, jobs[-1] + 1, slots[jobs[-1]].end,
+                  Action(Op.FREE_W, home, None, None, None, True))
     if len(owners) > 1 and not forward_only:
         for owner in owners:
             gap, time = own_last.get(owner, (0, 0.0))
             gap = max(gap, recv_gaps.get(owner, 0))
-            build.put(owner, gap, time, Action(Op.ALLREDUCE_T, home, None, None, owners))
+            build.put(owner, gap, time, Action(Op.ALLREDUCE_G, home, None, None, owners, True))
 
 
 def reference_make_fifo(all_entries):
@@ -271,13 +272,14 @@ def reference_dry_run(programs: Programs) -> None:
                     raise ProgramError(f"bad peer or microbatch in '{a}'")
             if a.op in SEND_OPS:
                 sent_idents[(CHANNEL_OF[a.op], rank, a.peer)].append(
-                    (RECV_FOR_SEND[a.op], a.stage, a.micro))
+                    (RECV_FOR_SEND[a.op], a.stage, a.micro, a.tie))
             elif a.op in RECV_OPS:
-                posted_idents[(CHANNEL_OF[a.op], a.peer, rank)].append((a.op, a.stage, a.micro))
+                posted_idents[(CHANNEL_OF[a.op], a.peer, rank)].append(
+                    (a.op, a.stage, a.micro, a.tie))
             elif a.op in COLLECTIVE_OPS:
                 if a.group is None or rank not in a.group:
                     raise ProgramError(f"rank {rank} is not in the group of '{a}'")
-                orders[a.group].setdefault(rank, []).append((a.op, a.stage))
+                orders[a.group].setdefault(rank, []).append((a.op, a.stage, a.tie))
     for channel in set(sent_idents) | set(posted_idents):
         if sent_idents.get(channel, []) != posted_idents.get(channel, []):
             raise ProgramError(f"channel {channel} does not match")
@@ -323,18 +325,22 @@ class _RankState:
         self.resident = {s: None for s in programs.owned_stages(rank)}
         self.ties = {h: None for h in programs.owned_ties(rank)}
         self.posted = {}  # (recv op, stage, micro) -> message (channel, k)
-        self.pending = defaultdict(list)  # (op, stage) -> gradient messages for an all-reduce
+        self.pending = defaultdict(list)  # (stage, tie) -> gradient messages for an all-reduce
         self.stash, self.grad_stages, self.unreduced = set(), set(), set()
         self.done = {"F": set(), "B": set(), "W": set()}
+
+
+def _ties_read_by(programs, s):
+    return [h for h in sorted(programs.ties) if s in programs.ties[h]]
 
 
 def _step(programs, st, rank, a, inputs, outputs, sent, posted, arrived) -> bool:
     """Run one action (True) or leave it waiting (False); raise if it breaks a rule."""
     op, s, b = a.op, a.stage, a.micro
     if op in SEND_OPS:
-        if op is Op.REDUCE_G and s not in st.grad_stages:
+        if op is Op.REDUCE_G and not a.tie and s not in st.grad_stages:
             raise ProgramError(f"'{a}' without a weight-gradient job")
-        if op is Op.REDUCE_T:
+        if op is Op.REDUCE_G and a.tie:
             if s not in st.unreduced:
                 raise ProgramError(f"'{a}' holds no tie gradient")
             st.unreduced.discard(s)
@@ -344,27 +350,27 @@ def _step(programs, st, rank, a, inputs, outputs, sent, posted, arrived) -> bool
         channel = (CHANNEL_OF[op], a.peer, rank)
         posted[channel] += 1
         message = (channel, posted[channel])
-        if op in (Op.FETCH_W, Op.FETCH_T):
-            held = st.resident if op is Op.FETCH_W else st.ties
+        if op is Op.FETCH_W:
+            held = st.ties if a.tie else st.resident
             if s in held:
                 raise ProgramError(f"'{a}' fetches what is resident")
             held[s] = message
-        elif op in (Op.RECV_G, Op.RECV_T):
-            st.pending[(op, s)].append(message)
+        elif op is Op.RECV_G:
+            st.pending[(s, a.tie)].append(message)
         else:
             st.posted[(op, s, b)] = message
         return True
-    if op in (Op.FREE_W, Op.FREE_T):
-        held = st.resident if op is Op.FREE_W else st.ties
-        if held.get(s, "missing") in (None, "missing") or (op is Op.FREE_T and s in st.unreduced):
+    if op is Op.FREE_W:
+        held = st.ties if a.tie else st.resident
+        if held.get(s, "missing") in (None, "missing") or (a.tie and s in st.unreduced):
             raise ProgramError(f"'{a}' frees what was not fetched, or an unsent gradient")
         del held[s]
         return True
     if op in COLLECTIVE_OPS:
-        pending = st.pending[(Op.RECV_T if op is Op.ALLREDUCE_T else Op.RECV_G, s)]
+        pending = st.pending[(s, a.tie)]
         if any(sent[c] < k for c, k in pending):
             return False
-        key = (a.group, op, s)
+        key = (a.group, op, s, a.tie)
         arrived[key].add(rank)
         if len(arrived[key]) < len(a.group):
             return False
@@ -376,7 +382,7 @@ def _step(programs, st, rank, a, inputs, outputs, sent, posted, arrived) -> bool
     if b not in range(programs.num_micro):
         raise ProgramError(f"'{a}' names no microbatch of these programs")
     needed = [] if st.resident[s] is None else [st.resident[s]]
-    for h in programs.ties_read_by(s):
+    for h in _ties_read_by(programs, s):
         if h not in st.ties:
             raise ProgramError(f"'{a}' without tie {h}")
         if st.ties[h] is not None:
@@ -407,7 +413,7 @@ def _step(programs, st, rank, a, inputs, outputs, sent, posted, arrived) -> bool
     if op is (Op.W if programs.split_backward else Op.B):
         st.stash.discard(job)
         st.grad_stages.add(s)
-        st.unreduced.update(h for h in programs.ties_read_by(s) if st.ties.get(h) is not None)
+        st.unreduced.update(h for h in _ties_read_by(programs, s) if st.ties.get(h) is not None)
     return True
 
 

@@ -237,3 +237,14 @@ def test_runtime_errors_are_gsched_errors():
     assert issubclass(RuntimeConfigError, GschedError) and issubclass(
         RuntimeConfigError, ValueError
     )
+
+
+def test_every_op_of_the_ir_has_exactly_one_runtime_handler():
+    """The runtime runs each op through one table (runtime/step.py HANDLERS): an op the IR
+    gains without a handler would fail at its first action, in the middle of a job."""
+    from lightning_gsched.runtime.step import HANDLERS, StepRun
+    from lightning_gsched.schedule.program import Op
+
+    assert set(HANDLERS) == set(Op)
+    for op, handler in HANDLERS.items():
+        assert getattr(StepRun, handler.__name__) is handler, op

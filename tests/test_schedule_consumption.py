@@ -13,7 +13,7 @@ import pytest
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, plan
 from lightning_gsched.schedule import predict as predict_module
-from lightning_gsched.schedule.consumption import FETCH_OF_FREE, OpRules
+from lightning_gsched.schedule.consumption import OpRules, unit_of
 from lightning_gsched.schedule.dryrun_rank import Shared
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.memory import _RankWalk
@@ -77,13 +77,15 @@ def test_what_a_compute_reads_on_a_general_graph():
     assert rules.act_from[2] == (0, 1) and rules.grad_from[0] == (2, 3)
     assert rules.reads(Op.B, 3) == ((Phase.F, 3),)  # a sink starts from its own loss
     assert rules.reads(Op.W, 1) == ((Phase.B, 1),)
-    assert rules.units_read[3] == ((Op.FETCH_W, 3), (Op.FETCH_T, 0))
+    assert rules.units_read[3] == ((3, False), (0, True))  # its stage, then tie 0
     assert rules.weight_grad_op is Op.W  # W, not B, ends a split backward's stash
-    from lightning_gsched.schedule.program import Action
+    from lightning_gsched.schedule.program import Action, Message
 
-    assert rules.messages_read(Action(Op.F, 2, 5)) == [(Op.RECV_ACT, 0, 5), (Op.RECV_ACT, 1, 5)]
-    assert rules.messages_read(Action(Op.B, 0, 1)) == [(Op.RECV_GRAD, 2, 1), (Op.RECV_GRAD, 3, 1)]
-    assert FETCH_OF_FREE[Op.FREE_T] is Op.FETCH_T
+    assert rules.messages_read(Action(Op.F, 2, 5)) == [Message(Op.RECV_ACT, 0, 5),
+                                                       Message(Op.RECV_ACT, 1, 5)]
+    assert rules.messages_read(Action(Op.B, 0, 1)) == [Message(Op.RECV_GRAD, 2, 1),
+                                                       Message(Op.RECV_GRAD, 3, 1)]
+    assert unit_of(Action.parse("FREE_W t0")) == (0, True)
     assert Job(2, 0, Phase.F) in StageGraph(4, [(0, 2), (1, 2), (0, 3), (2, 3)]).succ(
         Job(1, 0, Phase.F))
 

@@ -246,21 +246,22 @@ def test_posts_are_moved_when_a_channel_is_out_of_order():
 
 
 def reference_counts(programs, rank):
-    counts = {OPS[op].counter: 0 for op in Op if OPS[op].counter}
+    counts = {name: 0 for op in Op for name in (OPS[op].counter, OPS[op].tie_counter) if name}
     stash = peak_stash = 0
     resident = peak_resident = owned = len(programs.owned_stages(rank))
     for action in programs.ranks[rank]:
-        if OPS[action.op].counter:
-            counts[OPS[action.op].counter] += 1
+        name = OPS[action.op].tie_counter if action.tie else OPS[action.op].counter
+        if name:
+            counts[name] += 1
         if programs.weight_grad_op is not None and action.op is Op.F:
             stash += 1
             peak_stash = max(peak_stash, stash)
         elif action.op is programs.weight_grad_op:
             stash -= 1
-        elif action.op is Op.FETCH_W:
+        elif action.op is Op.FETCH_W and not action.tie:  # a tie is no stage
             resident += 1
             peak_resident = max(peak_resident, resident)
-        elif action.op is Op.FREE_W:
+        elif action.op is Op.FREE_W and not action.tie:
             resident -= 1
     return {**counts, "peak_activations": peak_stash, "owned_stages": owned,
             "peak_resident_stages": peak_resident}
@@ -268,9 +269,11 @@ def reference_counts(programs, rank):
 
 @pytest.mark.parametrize("name", ["fsdp", "lpp", "fslpp", "zb-h1", "zbv"])
 @pytest.mark.parametrize("forward_only", [False, True])
-def test_program_counts_match_a_plain_count(name, forward_only):
+@pytest.mark.parametrize("tied", [False, True])
+def test_program_counts_match_a_plain_count(name, forward_only, tied):
     S = 8 if name in ("zbv", "lpp") else 4
-    result = plan(name, workers=4, stages=S, microbatches=8, forward_only=forward_only)
+    result = plan(name, workers=4, stages=S, microbatches=8, forward_only=forward_only,
+                  ties=[(0, S - 1)] if tied else None)
     for rank in range(4):
         assert (metrics_module.program_counts(result.programs, rank).planned()
                 == reference_counts(result.programs, rank))

@@ -65,13 +65,13 @@ def test_gpipe_four_stages_tied_ends():
         {**zero, "tie_serves": 1, "tie_grad_recvs": 1}, zero, zero,
         {**zero, "tie_fetches": 1, "tie_grad_sends": 1},
     ]
-    rank3 = [str(a) for a in p.programs.ranks[3] if a.op.value.endswith("_T")]
-    assert rank3 == ["FETCH_T s0 <-0", "REDUCE_T s0 ->0", "FREE_T s0"]
+    rank3 = [str(a) for a in p.programs.ranks[3] if a.tie]
+    assert rank3 == ["FETCH_W t0 <-0", "REDUCE_G t0 ->0", "FREE_W t0"]
     program = p.programs.ranks[3]
     first_compute = next(i for i, a in enumerate(program) if a.op in COMPUTE_OPS)
     last_compute = max(i for i, a in enumerate(program) if a.op in COMPUTE_OPS)
-    assert program.index(Action.parse("FETCH_T s0 <-0")) < first_compute  # held all step
-    assert program.index(Action.parse("FREE_T s0")) > last_compute
+    assert program.index(Action.parse("FETCH_W t0 <-0")) < first_compute  # held all step
+    assert program.index(Action.parse("FREE_W t0")) > last_compute
 
 
 def test_zbv_puts_both_ends_on_rank_zero():
@@ -88,7 +88,8 @@ def test_ddp_only_all_reduces_the_tie():
     p = plan("ddp", workers=2, stages=2, ties=[(0, 1)])
     assert tie_counts(p) == [{**dict.fromkeys(TIE_FIELDS, 0), "tie_allreduces": 1}] * 2
     for program in p.programs.ranks:
-        assert [str(a) for a in program if a.op is Op.ALLREDUCE_T] == ["ALLREDUCE_T s0 [0,1]"]
+        assert [str(a) for a in program if a.op is Op.ALLREDUCE_G and a.tie] == [
+            "ALLREDUCE_G t0 [0,1]"]
 
 
 @pytest.mark.parametrize("schedule", ["fsdp", "fslpp"])
@@ -103,15 +104,18 @@ def test_sharded_schedules_fetch_where_they_compute(schedule):
 def test_forward_only_programs_fetch_serve_and_free_only():
     for schedule in ("gpipe", "fsdp", "ddp"):
         p = plan(schedule, workers=2, stages=2, forward_only=True, ties=[(0, 1)])
-        ops = {a.op for program in p.programs.ranks for a in program}
-        assert not ops & {Op.REDUCE_T, Op.RECV_T, Op.ALLREDUCE_T}
+        ops = {a.op for program in p.programs.ranks for a in program if a.tie}
+        assert ops <= {Op.FETCH_W, Op.SEND_W, Op.FREE_W}  # no gradient of a tie moves
         assert tie_counts(p) == expected_tie_counts(p)
 
 
 def test_action_text_round_trips():
-    for text in ("FETCH_T s0 <-0", "SEND_T s0 ->3", "FREE_T s2", "REDUCE_T s0 ->0",
-                 "RECV_T s0 <-3", "ALLREDUCE_T s0 [0,1]"):
+    for text in ("FETCH_W t0 <-0", "SEND_W t0 ->3", "FREE_W t2", "REDUCE_G t0 ->0",
+                 "RECV_G t0 <-3", "ALLREDUCE_G t0 [0,1]"):
         assert str(Action.parse(text)) == text
+        assert Action.parse(text).tie and not Action.parse(text.replace(" t", " s")).tie
+    with pytest.raises(ValueError, match="act on a tie"):
+        Action.parse("F t0 b1")  # a compute is a stage's
 
 
 # --------------------------------------------------------------------------- every schedule
@@ -140,7 +144,7 @@ def test_every_library_schedule_places_ties(schedule, W, S):
         p = plan(schedule, workers=W, stages=S, forward_only=forward_only, ties=ties)
         assert tie_counts(p) == expected_tie_counts(p), (forward_only, p.programs.text())
         for with_ties, without in zip(p.programs.ranks, base.programs.ranks, strict=True):
-            assert [a for a in with_ties if not a.op.value.endswith("_T")] == without
+            assert [a for a in with_ties if not a.tie] == without
 
 
 # --------------------------------------------------------------------------- arguments
@@ -188,14 +192,14 @@ def test_dry_run_refuses_broken_tie_programs():
     p = plan("gpipe", workers=4, stages=4, ties=[(0, 3)])
     dry_run(p.programs)
     with pytest.raises(ProgramError, match="never receives it|never sends it"):
-        dry_run(_without(p.programs, (0, "SEND_T s0 ->3")))
+        dry_run(_without(p.programs, (0, "SEND_W t0 ->3")))
     # no fetch: rank 3 computes stage 3 without the tie (matching fails first on the channel)
     with pytest.raises(ProgramError, match="has no weights of tie 0"):
-        dry_run(_without(p.programs, (3, "FETCH_T s0 <-0"), (0, "SEND_T s0 ->3")))
+        dry_run(_without(p.programs, (3, "FETCH_W t0 <-0"), (0, "SEND_W t0 ->3")))
     with pytest.raises(ProgramError, match="frees tie 0 while its gradient was not sent"):
-        dry_run(_without(p.programs, (3, "REDUCE_T s0 ->0"), (0, "RECV_T s0 <-3")))
+        dry_run(_without(p.programs, (3, "REDUCE_G t0 ->0"), (0, "RECV_G t0 <-3")))
     with pytest.raises(ProgramError, match=r"ends with fetched ties \[0\] never freed"):
-        dry_run(_without(p.programs, (3, "FREE_T s0")))
+        dry_run(_without(p.programs, (3, "FREE_W t0")))
 
 
 # --------------------------------------------------------------------------- bytes
@@ -203,8 +207,8 @@ def test_dry_run_refuses_broken_tie_programs():
 
 def test_memory_counts_tie_bytes_where_held():
     """gpipe W=S=4, tie {0, 3} of T bytes (stages P): the owner (rank 0) holds the tie's weights,
-    gradient and optimizer state all step; rank 3 holds its weights from FETCH_T to FREE_T and
-    its gradient from its first backward to REDUCE_T, no optimizer state; ranks 1 and 2 none."""
+    gradient and optimizer state all step; rank 3 holds its weights from FETCH_W t0 to FREE_W t0 and
+    its gradient from its first backward to REDUCE_G t0, no optimizer state; ranks 1 and 2 none."""
     P, T, factor = 1000, 300, 2
     p = plan("gpipe", workers=4, stages=4, ties=[(0, 3)])
     sizes = uniform_sizes(4, P, 0, 0, optimizer_factor=factor, ties=p.ties, tie_params=T)

@@ -63,7 +63,7 @@ def _scanned_groups(programs: Programs) -> list[tuple[int, ...]]:
     groups = {tuple(o) for o in programs.owners if len(o) > 1}
     for program in programs.ranks:
         groups.update(tuple(a.group) for a in program
-                      if a.op in (Op.ALLREDUCE_G, Op.ALLREDUCE_T) and a.group)
+                      if a.op is Op.ALLREDUCE_G and a.group)
     return sorted(groups)
 
 

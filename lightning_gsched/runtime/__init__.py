@@ -27,7 +27,7 @@ fault notice), :mod:`.faults` (bounded waits, error messages), :mod:`.transport`
 receives; bare tensors once a step signature's shapes are known), :mod:`.flat` (flat weight/gradient buffers, fetch/free), :mod:`.compute` (stage
 forward/backward, stash), :mod:`.running_stats` (BatchNorm statistics equal to one device's on
 every rank), :mod:`.layout` (which parameters go where), :mod:`.executor` (the program walker),
-:mod:`.step` and :mod:`.step_ties` (one step's actions), :mod:`.counters`, :mod:`.calibration` (the planner's
+:mod:`.step` and :mod:`.unit_traffic` (one step's actions), :mod:`.counters`, :mod:`.calibration` (the planner's
 RuntimeCosts measured on the job's process group); for the facade: :mod:`.ownership` (which parameters a rank
 updates and counts), :mod:`.handover` (gradients to the optimizer loop, global norm),
 :mod:`.fullstate` (full model and optimizer state), :mod:`.fullstate_stream` (the same sent to

@@ -111,7 +111,7 @@ def destroy_groups(groups: list[Any], collect: bool = False) -> None:
 
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
-    """Distinct ``ALLREDUCE_G``/``ALLREDUCE_T`` member sets (and replicated owners), sorted:
+    """Distinct ``ALLREDUCE_G`` member sets (of stages and ties) (and replicated owners), sorted:
     the creation order, which must be the same on every rank (``dist.new_group`` is
     collective).
 
@@ -127,7 +127,7 @@ def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
         return sorted(groups)
     for program in programs.ranks:
         groups.update(a.group for a in program
-                      if a.op in (Op.ALLREDUCE_G, Op.ALLREDUCE_T) and a.group)
+                      if a.op is Op.ALLREDUCE_G and a.group)
     return sorted(groups)
 
 

@@ -19,8 +19,8 @@ from lightning_gsched.schedule.counts import PLANNED, ActionCounts
 class RuntimeCounters(ActionCounts):
     """Counters of one step on one rank.
 
-    Message counts move when the send is issued or the receive is posted (``count(op)``, from
-    the op table). ``peak_activations`` is the most stashed (forward done, last backward phase
+    Message counts move when the send is issued or the receive is posted (``count(op, tie)``,
+    from the op table: a tie's actions move the ``tie_*`` counters). ``peak_activations`` is the most stashed (forward done, last backward phase
     pending) microbatch-stages; ``peak_resident_stages`` counts owned stages plus fetched ones,
     raised when a fetch is posted and lowered when it is freed (exactly as the planner counts).
     Bytes are those of point-to-point messages (headers included); all-reduces are counted
@@ -30,7 +30,7 @@ class RuntimeCounters(ActionCounts):
     # not planned, measured
     bytes_sent: int = 0
     bytes_received: int = 0
-    allreduce_bytes: int = 0  # stage and tie all-reduces (ALLREDUCE_G, ALLREDUCE_T)
+    allreduce_bytes: int = 0  # stage and tie all-reduces (ALLREDUCE_G)
     stats_allreduces: int = 0  # end-of-step all-reduce of running statistics (BatchNorm)
     stats_allreduce_bytes: int = 0
     peak_resident_param_bytes: int = 0  # stage and tie buffers (owned + fetched)

@@ -8,11 +8,10 @@ process groups); ``step(inputs, loss_fn)`` walks this rank's program in order:
   from the local consumer's backward; the stage's fetched weights are waited for first.
 * ``SEND_*``/``REDUCE_G`` start a send and move on; ``RECV_*``/``FETCH_W`` post a receive that
   the first consumer waits for (:mod:`.transport`).
-* ``FETCH_W``/``FREE_W`` make a non-owned stage resident / release it (:mod:`.flat`);
-  ``FETCH_T``/``FREE_T`` the same for a tie (tied weights, one unit per home stage).
+* ``FETCH_W``/``FREE_W`` make a non-owned weight unit resident / release it (:mod:`.flat`): a
+  stage, or a tie (tied weights, one unit per home stage: ``FETCH_W t0 <-0``).
 * ``RECV_G`` gradients are summed into the owner's before its ``ALLREDUCE_G`` or at the end;
-  ``ALLREDUCE_G`` starts an async SUM over the replica owners and is waited for at the end;
-  ``RECV_T``/``ALLREDUCE_T`` do the same for a tie's owners.
+  ``ALLREDUCE_G`` starts an async SUM over the unit's owners and is waited for at the end.
 
 At the end of the step every owner's ``param.grad`` is the gradient of the mean loss over all B
 microbatches (the global batch), replicas and tie owners included, and every rank's BatchNorm running statistics are one device's after running
@@ -154,9 +153,9 @@ class ProgramExecutor:
             for i, a in enumerate(view.program):
                 if a.op is grad_op:
                     last_b[a.stage] = i
-                elif a.op is Op.ALLREDUCE_G:
+                elif a.op is Op.ALLREDUCE_G and not a.tie:  # a stage's (ties' unbucketed)
                     groups[a.stage] = a.group
-                elif a.op is Op.RECV_G:
+                elif a.op is Op.RECV_G and not a.tie:
                     received.add(a.stage)
             plan: dict[int, GradBuckets] = {}
             for stage, group in groups.items():

@@ -14,7 +14,7 @@ refilled by the next fetch: tensors autograd saved during a forward under an ear
 Tied parameters (the same ``Parameter`` in several stages) are not part of any stage buffer:
 those with the same home stage (the lowest that reads them) form a *tie*, one more
 :class:`FlatStage` (``kind="tie"``) placed by the plan: owned with its home stage, fetched by
-``FETCH_T`` and released by ``FREE_T`` like a stage by ``FETCH_W``/``FREE_W``.
+the same ops as a stage (``FETCH_W t0 <-0``, ``FREE_W t0``).
 """
 
 from __future__ import annotations

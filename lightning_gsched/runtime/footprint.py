@@ -6,9 +6,9 @@ runtime's side of that comparison, by accounting for the live tensors the runtim
 sampled after every action as the planner samples its walk:
 
 * weights: the real storage of every stage buffer (owned, and fetched ones until ``FREE_W``
-  releases the storage), and of every tie unit (owned, or fetched until ``FREE_T``);
-* gradients: every active gradient buffer (owned stages and ties, fetched stages until
-  ``REDUCE_G`` hands theirs over, fetched ties until ``REDUCE_T``);
+  releases the storage), and of every tie unit (owned, or fetched until its ``FREE_W``);
+* gradients: every active gradient buffer (owned stages and ties, fetched ones until their
+  ``REDUCE_G`` hands them over);
 * activations: for each stashed (stage, microbatch), the bytes of the distinct storages autograd
   saved during its forward (:class:`SavedTensorBytes`), weights excluded, until its backward (or
   its ``W``) drops them;

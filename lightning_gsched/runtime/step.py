@@ -5,9 +5,12 @@ for a send or a local consumer, pending gradient receives and all-reduces, count
 dropped at once on a failure, before the executor destroys its process groups (pending handles
 keep connections open). The executor (:mod:`.executor`) owns what outlives a step: stages, flat
 buffers, channels; :class:`ExecutorState` lists what a step reads of it, so this module does not
-import the executor (which imports this one). One method per op, named after it (``F`` -> ``_f``, ``FETCH_W`` ->
-``_fetch_w``); the semantics are those the dry run proves (see ``docs/runtime.md``), and which
-input a compute reads is the dry run's own rule (``view.rules``, :mod:`..schedule.consumption`).
+import the executor (which imports this one). One method per op, listed in the op -> method
+table :data:`HANDLERS` that :meth:`StepRun.run` calls (functions of the class, not
+bound methods: a table of bound methods on the instance would be a reference cycle that keeps a
+finished step's tensors alive until the garbage collector runs); the semantics are those the dry
+run proves (see ``docs/runtime.md``), and which input a compute reads is the dry run's own rule
+(``view.rules``, :mod:`..schedule.consumption`).
 The runtime runs chains of stages (``check_programs``), so each compute reads at most one
 producer's output or one consumer's gradient.
 
@@ -16,7 +19,9 @@ The same object runs a forward-only program (``forward_only=True``, from
 to ``output_fn`` (any value), and nothing that touches gradients (no zeroing at the start, no
 running statistics captured or exchanged).
 
-The tie actions (``FETCH_T`` ... ``ALLREDUCE_T``) are in :mod:`.step_ties`, mixed in.
+The weight-unit ops (``FETCH_W`` ... ``ALLREDUCE_G``) act on a stage's weights or, with
+``Action.tie``, on a tie (tied weights, one flat unit per home stage): one method per op for
+both, each doing its work through the kind's :class:`~.unit_traffic.UnitTraffic`.
 """
 
 from __future__ import annotations
@@ -37,10 +42,9 @@ from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.footprint import MeasuredBytes
 from lightning_gsched.runtime.layout import ProgramView, micro_of, peer_of
 from lightning_gsched.runtime.running_stats import RunningStats
-from lightning_gsched.runtime.step_ties import TieSteps
 from lightning_gsched.runtime.transport import Transport, label
 from lightning_gsched.runtime.unit_traffic import UnitTraffic
-from lightning_gsched.schedule.program import Action, Message
+from lightning_gsched.schedule.program import Action, Message, Op
 
 
 class ExecutorState(Protocol):
@@ -72,10 +76,8 @@ class ExecutorState(Protocol):
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]: ...
 
 
-class StepRun(TieSteps):
+class StepRun:
     """State of one step: posted receives, produced values, pending reductions, counters."""
-
-    ex: ExecutorState  # (TieSteps, a mixin that cannot import this module, declares it Any)
 
     def __init__(
         self,
@@ -101,8 +103,9 @@ class StepRun(TieSteps):
         self.received: dict[Message, Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
         self.produced_grads: dict[tuple[int, int], list[Any]] = {}
-        # stages' fetches, gradient hand-offs and receives (ties': self.tie_io, step_ties.py)
+        # weight units' fetches, gradient hand-offs and receives: stages' and ties' (_units)
         self.stage_io = UnitTraffic("stage", dict(enumerate(ex.flats)), ex.transport, ex.rank)
+        self.tie_io = UnitTraffic("tie", ex.ties, ex.transport, ex.rank)
         self.allreduces: list[tuple[Any, str]] = []
         # index of a stage's last B -> its bucketed all-reduce, started during that backward
         self.overlap: dict[int, GradBuckets] = {} if forward_only else ex.overlapped_reductions(view)
@@ -111,14 +114,10 @@ class StepRun(TieSteps):
         self.stats = None if forward_only else ex.running_stats.begin_step(view.programs.num_micro)
         self.resident = len(ex.owned)
         self.counters.peak_resident_stages = self.resident
-        for s in ex.owned:
-            ex.flats[s].ensure_owned_views()
+        for unit in [*(ex.flats[s] for s in ex.owned), *(ex.ties[h] for h in ex.owned_ties)]:
+            unit.ensure_owned_views()
             if not forward_only:  # a forward-only run leaves gradients as they are
-                ex.flats[s].zero_grads()
-        programs = view.programs
-        self._begin_ties(ex.ties, set(ex.owned_ties),
-                         {s: programs.ties_read_by(s) for s in range(programs.num_stages)},
-                         forward_only)
+                unit.zero_grads()
         self._note_bytes()
         if ex.memory is not None:
             ex.memory.sample(self.live_bytes())
@@ -130,16 +129,16 @@ class StepRun(TieSteps):
         self.armed.clear()
         self.received.clear()
         self.stage_io.drop()
+        self.tie_io.drop()
         self.allreduces.clear()
-        self._drop_ties()
         self.produced_acts.clear()
         self.produced_grads.clear()
         if self.stats is not None:
             self.stats.abandon()
 
     def run(self, action: Action, index: int) -> None:
-        getattr(self, f"_{action.op.value.lower()}")(action, index)
-        self.counters.count(action.op)
+        HANDLERS[action.op](self, action, index)
+        self.counters.count(action.op, action.tie)
         if self.ex.memory is not None:
             self.ex.memory.sample(self.live_bytes())
 
@@ -234,8 +233,18 @@ class StepRun(TieSteps):
             )
 
     def _prepare_weight_grads(self, s: int, index: int) -> None:
-        """Before an action accumulates stage s's weight gradients (B, or W when split)."""
-        self._tie_weight_grads(s)
+        """Before an action accumulates stage s's weight gradients (B, or W when split): its
+        gradient buffer and those of the ties it reads are active."""
+        for h in self.rules.ties_read[s]:
+            if h in self.tie_io.reduced:
+                raise RuntimeConfigError(
+                    f"a weight-gradient job of stage {s} after ALLREDUCE_G t{h} (tie {h}) "
+                    "started; the all-reduce must come after the last weight-gradient job of a "
+                    "stage reading the tie on this rank."
+                )
+            grads = self.tie_io.units[h].grads
+            if not grads.active:
+                grads.zero()  # a fetched tie's first weight-gradient job of the step
         flat = self.ex.flats[s]
         if not flat.grads.active:
             flat.zero_grads()  # first weight-gradient job of a fetched stage in this run
@@ -245,7 +254,10 @@ class StepRun(TieSteps):
             self.armed[s] = buckets
 
     def _weights_ready(self, s: int) -> None:
-        self._ties_ready(s)
+        """Before a job of stage ``s``: its weights and the ties it reads are here (a posted
+        fetch landed)."""
+        for h in self.rules.ties_read[s]:
+            self.tie_io.ready(h, f" (read by stage {s})")
         self.stage_io.ready(s, "'s weights")
 
     # ------------------------------------------------------------------ activations and grads
@@ -261,11 +273,9 @@ class StepRun(TieSteps):
                                    f"output of stage {a.stage} on microbatch {b}")
 
     def _post_pytree(self, a: Action, index: int) -> None:
-        """Post the receive of an activation or input-gradient, keyed by (op, stage, micro)."""
+        """``RECV_ACT`` / ``RECV_GRAD``: post the receive of an activation or input-gradient,
+        keyed by its message (the compute that reads it takes it)."""
         self.received[Message.of(a)] = self.transport.post_pytree(peer_of(a), label(a, index))
-
-    def _recv_act(self, a: Action, index: int) -> None:
-        self._post_pytree(a, index)
 
     def _send_grad(self, a: Action, index: int) -> None:
         b = micro_of(a)
@@ -277,35 +287,37 @@ class StepRun(TieSteps):
         self.transport.send_pytree(parts, peer_of(a), label(a, index),
                                    f"input-gradient of stage {a.stage} on microbatch {b}")
 
-    def _recv_grad(self, a: Action, index: int) -> None:
-        self._post_pytree(a, index)
+    # ------------------------------------------------------------------ weight units
 
-    # ------------------------------------------------------------------ weights
+    def _units(self, a: Action) -> UnitTraffic:
+        """The traffic of the kind of weight unit ``a`` acts on: ties' or stages'."""
+        return self.tie_io if a.tie else self.stage_io
 
-    def _fetch_w(self, a: Action, index: int) -> None:
-        self.stage_io.fetch(a, index)
-        self.resident += 1
-        self.counters.peak_resident_stages = max(self.counters.peak_resident_stages, self.resident)
+    def _fetch(self, a: Action, index: int) -> None:
+        self._units(a).fetch(a, index)
+        if not a.tie:  # a tie is no stage (peak_resident_stages), though its bytes count
+            self.resident += 1
+            self.counters.peak_resident_stages = max(self.counters.peak_resident_stages,
+                                                     self.resident)
         self._note_bytes()
 
-    def _send_w(self, a: Action, index: int) -> None:
-        self.stage_io.serve(a, index)
+    def _serve(self, a: Action, index: int) -> None:
+        self._units(a).serve(a, index)
 
-    def _free_w(self, a: Action, index: int) -> None:
-        self.stage_io.free(a, index, "REDUCE_G")
-        self.resident -= 1
+    def _free(self, a: Action, index: int) -> None:
+        self._units(a).free(a, index)
+        if not a.tie:
+            self.resident -= 1
 
-    # ------------------------------------------------------------------ gradients
+    def _hand_off(self, a: Action, index: int) -> None:
+        self._units(a).hand_off(a, index)
 
-    def _reduce_g(self, a: Action, index: int) -> None:
-        self.stage_io.hand_off(a, index)
+    def _post_unit_grad(self, a: Action, index: int) -> None:
+        self._units(a).post_grad(a, index)
 
-    def _recv_g(self, a: Action, index: int) -> None:
-        self.stage_io.post_grad(a, index)
-
-    def _allreduce_g(self, a: Action, index: int) -> None:
+    def _all_reduce(self, a: Action, index: int) -> None:
         s = a.stage
-        buckets = self.armed.pop(s, None)
+        buckets = None if a.tie else self.armed.pop(s, None)
         if buckets is not None:  # started bucket by bucket during the last backward
             grad = self.ex.flats[s].grads.flat
             assert grad is not None
@@ -313,7 +325,7 @@ class StepRun(TieSteps):
             self.allreduces.extend((work, what) for work in buckets.finish())
             self.stage_io.reduced.add(s)
         else:
-            grad, works = self.stage_io.all_reduce(
+            grad, works = self._units(a).all_reduce(
                 a, index, partial(self.ex.channels.all_reduce, members=a.group))
             self.allreduces.extend(works)
         self.counters.allreduce_bytes += grad.numel() * grad.element_size()
@@ -359,3 +371,14 @@ class StepRun(TieSteps):
         self.counters.peak_resident_param_bytes = max(
             self.counters.peak_resident_param_bytes, resident
         )
+
+
+# op -> the StepRun method that runs it; run() calls each through this table
+HANDLERS: dict[Op, Callable[[StepRun, Action, int], None]] = {
+    Op.F: StepRun._f, Op.B: StepRun._b, Op.W: StepRun._w,
+    Op.SEND_ACT: StepRun._send_act, Op.RECV_ACT: StepRun._post_pytree,
+    Op.SEND_GRAD: StepRun._send_grad, Op.RECV_GRAD: StepRun._post_pytree,
+    Op.FETCH_W: StepRun._fetch, Op.SEND_W: StepRun._serve, Op.FREE_W: StepRun._free,
+    Op.REDUCE_G: StepRun._hand_off, Op.RECV_G: StepRun._post_unit_grad,
+    Op.ALLREDUCE_G: StepRun._all_reduce,
+}

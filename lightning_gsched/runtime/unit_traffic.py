@@ -1,13 +1,13 @@
 """Weight units' messages within one step: fetch, serve, free, hand-off and receive of gradients.
 
-Why one class for two kinds: a stage's weights (``FETCH_W`` ... ``RECV_G``, ``ALLREDUCE_G``) and
-a tie's (``FETCH_T`` ... ``RECV_T``, ``ALLREDUCE_T``) are both flat units (:class:`.flat.FlatStage`)
-that a rank owns or fetches, frees, hands gradients back from and sums received gradients into;
-only the residency rule the planner applies differs (``schedule/lower_weights.py``: per run,
-or held for the step), not what each action does. :class:`UnitTraffic` holds one kind's
-per-step state (posted fetches, pending gradient receives, started all-reduces) and does those
-actions; the step (:mod:`.step`, :mod:`.step_ties`) routes each op to the right instance and
-keeps what is particular to a kind (bucketed all-reduces of stages, counters).
+Why one class for two kinds: a stage's weights (``FETCH_W s1 <-0``) and a tie's (``FETCH_W t0
+<-0``) are both flat units (:class:`.flat.FlatStage`) that a rank owns or fetches, frees, hands
+gradients back from and sums received gradients into, by the same ops; only the residency rule
+the planner applies differs (``schedule/lower_weights.py``: per run, or held for the step), not
+what each action does. :class:`UnitTraffic` holds one kind's per-step state (posted fetches,
+pending gradient receives, started all-reduces) and does those actions; the step (:mod:`.step`)
+has one instance per kind, picks one by ``Action.tie`` and keeps what is particular to a kind
+(bucketed all-reduces of stages, ``peak_resident_stages``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class UnitTraffic:
     # ------------------------------------------------------------------ weights
 
     def fetch(self, a: Action, index: int) -> None:
-        """``FETCH_*``: post the receive of a unit's weights into its (re)allocated buffer."""
+        """``FETCH_W``: post the receive of a unit's weights into its (re)allocated buffer."""
         unit = self.units[a.stage]
         if unit.resident:
             raise RuntimeConfigError(f"{a.op} of {self.kind} {a.stage}, which is already "
@@ -53,7 +53,7 @@ class UnitTraffic:
         self.fetches[a.stage] = (work, label(a, index))
 
     def serve(self, a: Action, index: int) -> None:
-        """``SEND_W`` / ``SEND_T``: the owner sends the unit's weights."""
+        """``SEND_W``: the owner sends the unit's weights."""
         unit = self.units[a.stage]
         if not unit.owned:
             raise RuntimeConfigError(f"{a.op} of {self.kind} {a.stage}, which rank {self.rank} "
@@ -79,27 +79,26 @@ class UnitTraffic:
             )
         unit.materialize()
 
-    def free(self, a: Action, index: int, hand_off: str) -> None:
-        """``FREE_*``: release a fetched unit (a fetch never used lands first); ``hand_off``: the
-        op that must have sent its gradient."""
+    def free(self, a: Action, index: int) -> None:
+        """``FREE_W``: release a fetched unit (a fetch never used lands first)."""
         self.land(a.stage)
         unit = self.units[a.stage]
         if unit.grads.active:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} while its gradient was not sent to the owner "
-                f"({hand_off} must come first); the programs are not from this planner."
+                "(its REDUCE_G must come first); the programs are not from this planner."
             )
         unit.free()
 
     # ------------------------------------------------------------------ gradients
 
     def hand_off(self, a: Action, index: int) -> None:
-        """``REDUCE_G`` / ``REDUCE_T``: send the accumulated gradient to the owner, drop it."""
+        """``REDUCE_G``: send the accumulated gradient to the owner, drop it."""
         grad = self.units[a.stage].take_grads()
         self.transport.send_flat(grad, peer_of(a), "grads", label(a, index))
 
     def post_grad(self, a: Action, index: int) -> None:
-        """``RECV_G`` / ``RECV_T``: post the receive of a peer's gradient (summed in later)."""
+        """``RECV_G``: post the receive of a peer's gradient (summed in later)."""
         if a.stage in self.reduced:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} after its all-reduce started; gradients must "
@@ -122,7 +121,7 @@ class UnitTraffic:
 
     def all_reduce(self, a: Action, index: int,
                    launch: Callable[[torch.Tensor], Any]) -> tuple[torch.Tensor, list[tuple[Any, str]]]:
-        """``ALLREDUCE_*`` without buckets: received gradients summed in, then one all-reduce
+        """``ALLREDUCE_G`` without buckets: received gradients summed in, then one all-reduce
         among the group (``launch`` starts it). The gradient and the (work, label) to wait for."""
         self.sum_received(a.stage)
         grad = self.units[a.stage].grads.sync()

@@ -16,8 +16,8 @@ The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`O
   rank that is the posted ``RECV_GRAD c b``. It also reads its own stash (``F s b``);
 * ``W s b`` (split backward only) reads what ``B s b`` left on the same rank, nothing posted;
 * every compute of s needs s's weights and those of each tie s reads
-  (:attr:`OpRules.units_read`): a posted ``FETCH_W``/``FETCH_T`` is consumed by the first
-  compute that needs it, or by its ``FREE_W``/``FREE_T`` if none does (:data:`FETCH_OF_FREE`);
+  (:attr:`OpRules.units_read`): a posted ``FETCH_W`` of the unit is consumed by the first
+  compute that needs it, or by the unit's ``FREE_W`` if none does;
 * ``F`` stashes (unless the programs are forward-only); the weight-gradient op
   (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates
   the weight gradients and releases the stash;
@@ -25,8 +25,8 @@ The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`O
   ``B`` to ``W`` the (stage, microbatch) holds what ``W`` needs, i.e. the forward's saved tensors
   minus those of the graph above every weight (the loss's, freed with B's roots), plus the
   gradients ``B`` recorded for ``W`` (``StageSizes.b_released``, ``StageSizes.w_grads``);
-* ``ALLREDUCE_G``/``ALLREDUCE_T`` sum in the gradients posted by ``RECV_G``/``RECV_T`` of its
-  unit (:data:`RECEIVE_OF_COLLECTIVE`); those never all-reduced are summed in at the step's end.
+* ``ALLREDUCE_G`` of a unit sums in the gradients posted by ``RECV_G`` of the same unit; those
+  never all-reduced are summed in at the step's end.
 
 What the readers do with a consumed input (check it, time it, count its bytes, run it) stays
 theirs. The runtime executes chains of stages only, so :func:`require_chain` is what ``plan()``
@@ -41,13 +41,13 @@ from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.program import Action, Message, Op, Programs, weight_grad_op
 
-# A fetched unit as its fetch names it: (FETCH_W, stage) or (FETCH_T, tie home).
-UnitKey = tuple[Op, int]
+# A weight unit as its actions name it: (stage, False) or (tie home, True); see unit_of.
+UnitKey = tuple[int, bool]
 
-# The fetch whose buffer a free releases (a fetch no compute used is consumed there).
-FETCH_OF_FREE: dict[Op, Op] = {Op.FREE_W: Op.FETCH_W, Op.FREE_T: Op.FETCH_T}
-# The gradient receive a collective sums in.
-RECEIVE_OF_COLLECTIVE: dict[Op, Op] = {Op.ALLREDUCE_G: Op.RECV_G, Op.ALLREDUCE_T: Op.RECV_T}
+
+def unit_of(action: Action) -> UnitKey:
+    """The weight unit a unit op (``FETCH_W`` ... ``ALLREDUCE_G``) acts on."""
+    return (action.stage, action.tie)
 
 
 def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> None:
@@ -73,11 +73,11 @@ def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> N
 class OpRules:
     """The consumption rules of a stage graph's programs, per stage (module docstring).
 
-    Read off the :class:`StageGraph` (its edges and flags) and the ties. Tables of tuples, indexed by stage, built once per programs: the readers look them up in
-    their hot loops. ``act_from[s]``: producer stages whose outputs ``F s`` reads;
+    Read off the :class:`StageGraph` (its edges and flags) and the ties. Tables of tuples,
+    indexed by stage, built once per programs: the readers look them up in their hot loops. ``act_from[s]``: producer stages whose outputs ``F s`` reads;
     ``grad_from[s]``: consumer stages whose input-gradients ``B s`` reads; ``ties_read[s]``:
-    homes of the ties s reads; ``units_read[s]``: the fetched units a compute of s needs, as
-    their fetches name them. ``stash_op``: F, or None when forward-only; ``weight_grad_op``:
+    homes of the ties s reads; ``units_read[s]``: the weight units a compute of s needs
+    (:data:`UnitKey`: its stage, then its ties). ``stash_op``: F, or None when forward-only; ``weight_grad_op``:
     the op that accumulates weight gradients and releases the stash
     (:func:`~.program.weight_grad_op`, also ``Programs.weight_grad_op``).
     """
@@ -97,8 +97,7 @@ class OpRules:
         self.ties_read: tuple[tuple[int, ...], ...] = tuple(
             tuple(h for h in sorted(ties) if s in ties[h]) for s in range(num_stages))
         self.units_read: tuple[tuple[UnitKey, ...], ...] = tuple(
-            ((Op.FETCH_W, s), *((Op.FETCH_T, h) for h in self.ties_read[s]))
-            for s in range(num_stages))
+            ((s, False), *((h, True) for h in self.ties_read[s])) for s in range(num_stages))
         self.stash_op: Op | None = None if self.forward_only else Op.F
         self.weight_grad_op: Op | None = weight_grad_op(self.forward_only, self.split_backward)
 

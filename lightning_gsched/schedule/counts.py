@@ -3,8 +3,8 @@
 The planner reads these numbers off the programs (:mod:`.metrics`) and the runtime counts them as
 it executes the same programs (``runtime.counters.RuntimeCounters`` extends this class with what
 the planner does not model, such as bytes). One type for both, so a test compares them field by
-field and a new op's counter is added in one place: the ``counter`` of its
-:class:`~lightning_gsched.schedule.program.OpSpec`, plus a field here.
+field and a new op's counter is added in one place: the ``counter`` (for a weight-unit op also
+the ``tie_counter``) of its :class:`~lightning_gsched.schedule.program.OpSpec`, plus a field here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class ActionCounts:
     ``peak_activations``: the most (stage, microbatch) stashes held at once, from F to the op
     that releases them (B, or W when the backward is split). ``peak_resident_stages``: owned
     stages plus fetched ones, raised at ``FETCH_W`` and lowered at ``FREE_W`` (ties are not
-    stages: their traffic is in the ``tie_*`` counters, their bytes in the bytes walk).
+    stages: their unit ops move the ``tie_*`` counters, their bytes are in the bytes walk).
     """
 
     activation_recvs: int = 0
@@ -43,9 +43,10 @@ class ActionCounts:
     owned_stages: int = 0
     peak_resident_stages: int = 0
 
-    def count(self, op: Op) -> None:
-        """Add one action of ``op`` to the counter the op table names for it (if any)."""
-        name = OPS[op].counter
+    def count(self, op: Op, tie: bool = False) -> None:
+        """Add one action of ``op`` (on a tie: ``tie``) to the counter the op table names for it
+        (if any)."""
+        name = OPS[op].counter_of(tie)
         if name is not None:
             setattr(self, name, getattr(self, name) + 1)
 
@@ -60,6 +61,7 @@ class ActionCounts:
 PLANNED: tuple[str, ...] = tuple(f.name for f in fields(ActionCounts))
 
 # every counter an op names exists here (checked at import: a typo in the table fails at once)
-_missing = {spec.counter for spec in OPS.values() if spec.counter} - set(PLANNED)
+_missing = {name for spec in OPS.values() for name in (spec.counter, spec.tie_counter)
+            if name} - set(PLANNED)
 if _missing:  # pragma: no cover - a programming error in the op table
     raise ImportError(f"op table names counters that ActionCounts lacks: {sorted(_missing)}")

@@ -117,7 +117,7 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
     the ties) two columns more: the bytes a worker owns and the peak of owned + fetched bytes
     its program implies (what the runtime's ``peak_resident_param_bytes`` counter measures).
     A plan with ties has three tie columns: fetches / serves, gradient reductions out / in,
-    all-reduces (``FETCH_T``/``SEND_T``, ``REDUCE_T``/``RECV_T``, ``ALLREDUCE_T``).
+    all-reduces (``FETCH_W``/``SEND_W``, ``REDUCE_G``/``RECV_G``, ``ALLREDUCE_G`` of a tie).
 
     Up to :data:`MAX_ROWS` workers every worker's row is computed (folded from
     :data:`FOLD_FROM`); beyond, only the rows the table shows (:func:`_sampled_table`): a row

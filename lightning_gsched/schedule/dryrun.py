@@ -11,10 +11,11 @@ stage's weights (owned, or fetched and not freed), collectives come in the same 
 member of a group, and at the end nothing is stashed, fetched or unreceived. Any violation raises
 :class:`ProgramError` naming the rank and the action in text form.
 
-Ties (``programs.ties``): a compute of a stage that reads a tie needs the tie resident (owned, or
-fetched by ``FETCH_T`` and not freed); a fetched tie's gradient, once a weight-gradient job of a
-reader stage ran, must leave by ``REDUCE_T`` before its ``FREE_T``; ``ALLREDUCE_T`` waits like
-``ALLREDUCE_G`` (its ``RECV_T`` messages, every owner) and is ordered with it per group.
+Ties (``programs.ties``) are weight units like stages (``FETCH_W t0 <-0``): a compute of a stage
+that reads a tie needs the tie resident (owned, or fetched and not freed); a fetched tie's
+gradient, once a weight-gradient job of a reader stage ran, must leave by its ``REDUCE_G`` before
+its ``FREE_W``; its ``ALLREDUCE_G`` waits for its own ``RECV_G`` messages and every owner, and is
+ordered with the stages' per group.
 
 Split-backward programs (``programs.split_backward``, zero-bubble schedules) run ``W s b`` after
 ``B s b`` on the same rank; the stash lives until ``W``, and ``REDUCE_G`` needs a ``W`` of the stage.
@@ -65,8 +66,8 @@ class _Scan(NamedTuple):
 
     sent: dict[Channel, list[Message]]  # per channel, the messages in send order
     posted: dict[Channel, list[Message]]  # per channel, the messages in post order
-    # group -> rank -> the all-reduces it runs, as (op, stage): stages' and ties'
-    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int]]]]
+    # group -> rank -> the all-reduces it runs, as (op, stage, tie): stages' and ties'
+    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]
     bad_group: str | None  # the first all-reduce run by a rank outside its group
     bad_field: str | None  # the first message whose peer or microbatch does not exist
 
@@ -75,7 +76,7 @@ def _scan(programs: Programs) -> _Scan:
     """One pass over every action (the static checks' only pass over all programs)."""
     sent: dict[Channel, list[Message]] = defaultdict(list)
     posted: dict[Channel, list[Message]] = defaultdict(list)
-    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int]]]] = defaultdict(dict)
+    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]] = defaultdict(dict)
     bad_group: str | None = None
     bad_field: str | None = None
     peers = set(range(programs.world_size))
@@ -99,7 +100,7 @@ def _scan(programs: Programs) -> _Scan:
                 if group is None or rank not in group:
                     bad_group = bad_group or f"rank {rank} runs '{action}' but is not in its group"
                     continue
-                orders[group].setdefault(rank, []).append((op, action.stage))
+                orders[group].setdefault(rank, []).append((op, action.stage, action.tie))
     return _Scan(sent, posted, orders, bad_group, bad_field)
 
 
@@ -180,9 +181,9 @@ def _check_listed_matching(programs: Programs, shared: Shared) -> None:
 
 def _same_messages(sends: list[Action], posts: list[Action]) -> bool:
     """Whether sends and posts carry the same messages in order, without building them."""
-    stage_micro = itemgetter(1, 2)
+    carried = itemgetter(1, 2, 5)  # stage, microbatch, tie
     return (len(sends) == len(posts)
-            and list(map(stage_micro, sends)) == list(map(stage_micro, posts))
+            and list(map(carried, sends)) == list(map(carried, posts))
             and list(map(RECV_FOR_SEND.__getitem__, map(itemgetter(0), sends)))
             == list(map(itemgetter(0), posts)))
 
@@ -244,7 +245,7 @@ def check_forward_only(programs: Programs) -> None:
             if action.op in BACKWARD_OPS:
                 raise ProgramError(
                     f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
-                    "only F, SEND_ACT/RECV_ACT, FETCH_W/SEND_W/FREE_W and FETCH_T/SEND_T/FREE_T"
+                    "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
                 )
 
 

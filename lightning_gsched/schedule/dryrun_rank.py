@@ -43,8 +43,6 @@ _F, _B, _W = Op.F, Op.B, Op.W
 _SEND_ACT, _SEND_GRAD, _RECV_ACT, _RECV_GRAD = Op.SEND_ACT, Op.SEND_GRAD, Op.RECV_ACT, Op.RECV_GRAD
 _FETCH_W, _SEND_W, _FREE_W, _REDUCE_G = Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G
 _RECV_G, _ALLREDUCE_G = Op.RECV_G, Op.ALLREDUCE_G
-_FETCH_T, _SEND_T, _FREE_T, _REDUCE_T = Op.FETCH_T, Op.SEND_T, Op.FREE_T, Op.REDUCE_T
-_RECV_T, _ALLREDUCE_T = Op.RECV_T, Op.ALLREDUCE_T
 
 
 _DENSE_CHANNELS = 1 << 22  # channel ids counted in a list up to here (W up to about 1,180)
@@ -73,8 +71,9 @@ class Shared:
         self.posted_count = channel_counters(self.channels)
         self.sent: dict[int, list[Action]] = defaultdict(list)  # channel -> its sends, in order
         self.posted: dict[int, list[Action]] = defaultdict(list)  # channel -> its posts
-        # group -> rank -> the all-reduces it runs, as (op, stage)
-        self.orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int]]]] = defaultdict(dict)
+        # group -> rank -> the all-reduces it runs, as (op, stage, tie)
+        self.orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]] = defaultdict(
+            dict)
 
 
 class RankResult:
@@ -106,7 +105,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
 
     # stage -> None if owned, else the FETCH_W message its weights arrive with
     resident: dict[int, _Message | None] = {s: None for s in programs.owned_stages(rank)}
-    # tie home -> None if owned, else the FETCH_T message its weights arrive with
+    # tie home -> the same, for the ties (a weight unit each, with ``action.tie`` set)
     tie_state: dict[int, _Message | None] = {h: None for h in programs.owned_ties(rank)}
     forward_done: set[int] = set()
     backward_done: set[int] = set()
@@ -117,8 +116,8 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # producer job -> the message its activation / input-gradient comes in
     posted_act: dict[int, _Message] = {}
     posted_grad: dict[int, _Message] = {}
-    pending_grads: dict[int, list[_Message]] = defaultdict(list)
-    pending_tie_grads: dict[int, list[_Message]] = defaultdict(list)
+    # (unit, tie) -> gradient messages posted for its all-reduce
+    pending_grads: dict[tuple[int, bool], list[_Message]] = defaultdict(list)
     events: list[Event] = []
     event = events.append
     F, B, W_, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (
@@ -142,9 +141,9 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                     if h not in tie_state:
                         raise fail(index, f"has no weights of tie {h} (read by stage {s}): it "
                                    "neither owns nor fetched them")
-                    tie = tie_state[h]
-                    if tie is not None:
-                        consumed.append(tie)
+                    arrival = tie_state[h]
+                    if arrival is not None:
+                        consumed.append(arrival)
             if op is F:
                 if job in forward_done:
                     raise fail(index, f"runs F s{s} b{b} twice")
@@ -206,12 +205,13 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             continue
         if op in base and peer not in peers:
             raise fail(index, "names a peer these programs do not have")
-        if op is _SEND_W or op is _SEND_T or op is _REDUCE_G or op is _REDUCE_T:
-            s = action[1]
-            if op is _REDUCE_G and s not in grad_stages:
+        # a weight unit's op: a stage's, or a tie's (its home stage, action.tie)
+        s, tie = action[1], action[5]
+        if op is _SEND_W or op is _REDUCE_G:
+            if op is _REDUCE_G and not tie and s not in grad_stages:
                 raise fail(index, f"sends the gradient of stage {s} but ran no "
                            f"{weight_grad_op} of it")
-            if op is _REDUCE_T:
+            if op is _REDUCE_G and tie:
                 if s not in tie_unreduced:
                     raise fail(index, f"sends the gradient of tie {s} but holds none (no "
                                f"{weight_grad_op} of a stage reading it ran since it was "
@@ -220,42 +220,33 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             channel = base[op] + rank * W + peer
             sent_on[channel].append(action)
             event(channel)
-        elif op is _FETCH_W or op is _RECV_G or op is _FETCH_T or op is _RECV_T:
-            s = action[1]
+        elif op is _FETCH_W or op is _RECV_G:
             channel = base[op] + peer * W + rank
             k = posted_count[channel] + 1
             posted_count[channel] = k
             posted_on[channel].append(action)
             if op is _FETCH_W:
-                if s in resident:
-                    raise fail(index, f"fetches stage {s} whose weights are already resident")
-                resident[s] = (channel, k)
-            elif op is _FETCH_T:
-                if s in tie_state:
-                    raise fail(index, f"fetches tie {s} whose weights are already resident")
-                tie_state[s] = (channel, k)
+                held = tie_state if tie else resident
+                if s in held:
+                    raise fail(index, f"fetches {'tie' if tie else 'stage'} {s} whose weights "
+                               "are already resident")
+                held[s] = (channel, k)
             else:
-                (pending_grads if op is _RECV_G else pending_tie_grads)[s].append((channel, k))
+                pending_grads[(s, tie)].append((channel, k))
         elif op is _FREE_W:
-            s = action[1]
-            if resident.get(s, _ABSENT) is None or s not in resident:
-                raise fail(index, f"frees stage {s} which was not fetched")
-            del resident[s]
-        elif op is _FREE_T:
-            s = action[1]
-            if tie_state.get(s, _ABSENT) is None or s not in tie_state:
-                raise fail(index, f"frees tie {s} which was not fetched")
-            if s in tie_unreduced:
+            held = tie_state if tie else resident
+            if held.get(s, _ABSENT) is None or s not in held:
+                raise fail(index, f"frees {'tie' if tie else 'stage'} {s} which was not fetched")
+            if tie and s in tie_unreduced:
                 raise fail(index, f"frees tie {s} while its gradient was not sent to the owner "
-                           "(REDUCE_T must come first)")
-            del tie_state[s]
-        else:  # ALLREDUCE_G / ALLREDUCE_T
-            s, group = action[1], action[4]
+                           f"(REDUCE_G t{s} must come first)")
+            del held[s]
+        else:  # ALLREDUCE_G
+            group = action[4]
             if group is None or rank not in group:
                 raise fail(index, "is an all-reduce of a group this rank is not in")
-            shared.orders[group].setdefault(rank, []).append((op, s))
-            pending = pending_tie_grads if op is _ALLREDUCE_T else pending_grads
-            event((index, pending.pop(s, []), (group, op, s), len(group)))
+            shared.orders[group].setdefault(rank, []).append((op, s, tie))
+            event((index, pending_grads.pop((s, tie), []), (group, s, tie), len(group)))
     end = len(program)
     if stash:
         stashed = sorted(divmod(job, M) for job in stash)
@@ -263,9 +254,9 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     fetched = [s for s, msg in resident.items() if msg is not None]
     if fetched:
         raise fail(end, f"ends with fetched weights of stages {fetched} never freed")
-    held = [h for h, msg in tie_state.items() if msg is not None]
-    if held:
-        raise fail(end, f"ends with fetched ties {held} never freed")
+    fetched = [h for h, msg in tie_state.items() if msg is not None]
+    if fetched:
+        raise fail(end, f"ends with fetched ties {fetched} never freed")
     # Gradients still pending at the end are awaited by the owner before the optimizer step;
     # the matching check guarantees their sends exist and the walk that senders finish.
     return RankResult(events, forward_done, backward_done, weight_done)

@@ -10,7 +10,7 @@ inserts communication and weight residency:
 - weights: fetched per run of a non-owned stage, served and reduced by its owner, replicas
   all-reduced after their last gradient job: :mod:`.lower_weights`;
 - tied weights: a weight unit held for the step by a rank computing a reader stage it does
-  not own, by the same rules and their own ops (``*_T``): :mod:`.lower_weights`.
+  not own, by the same rules and ops (``FETCH_W t0 <-0``): :mod:`.lower_weights`.
 
 A forward-only timeline (``graph.forward_only``) lowers to forwards, activation messages and
 weight fetches only. Every channel is made FIFO-consistent: receives are posted in the order the
@@ -101,7 +101,8 @@ class Lowering:
         P, B = len(self.timeline.phases), self.table.micro
         ops = self._ops
         new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
-        return [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None, None))
+        return [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None,
+                                          None, False))
                 for flat in self.timeline.order[rank]]
 
     def _flow_workers(self, keep: set[int] | None) -> tuple[list[int] | None,

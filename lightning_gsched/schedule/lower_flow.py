@@ -94,11 +94,11 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, timeline: Timeline
                         continue
                     done.add((other, b, k, worker))
                 produced = position[(other * B + b) * P + k]
-                flow[src].append(new_tuple(Action, (send, other, b, worker, None)))
+                flow[src].append(new_tuple(Action, (send, other, b, worker, None, False)))
                 flow_keys[src].append(produced * SLOTS + SLOTS + SEND_CATEGORY)
                 positions[src].append(produced)
                 posts[src].append(len(mine))
-                mine.append(new_tuple(Action, (recv, other, b, src, None)))
+                mine.append(new_tuple(Action, (recv, other, b, src, None, False)))
                 my_keys.append(recv_key)
         _fifo_posts(mine, my_keys, first_post, positions, posts)
 

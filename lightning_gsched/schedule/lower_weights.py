@@ -22,7 +22,6 @@ whichever ranks are kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
 from lightning_gsched.schedule.jobs import Phase
@@ -32,25 +31,6 @@ from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.simulate import Timeline
 
 Run = tuple[int, int, int, int]  # (stage, first position, last position, fetch gap)
-
-
-@dataclass(frozen=True)
-class UnitOps:
-    """The ops of one kind of weight unit: a stage's weights, or a tie (weights several stages
-    read, named by its home stage). Both are fetched, served, freed, reduced to the owner and
-    all-reduced over their owners by the same rules; only the ops (and so the runtime's
-    buffers) differ."""
-
-    fetch: Op
-    serve: Op
-    free: Op
-    reduce: Op
-    recv: Op
-    allreduce: Op
-
-
-STAGE_OPS = UnitOps(Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G)
-TIE_OPS = UnitOps(Op.FETCH_T, Op.SEND_T, Op.FREE_T, Op.REDUCE_T, Op.RECV_T, Op.ALLREDUCE_T)
 
 
 def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, int]]:
@@ -245,14 +225,14 @@ class WeightLowering:
             # the last reader job of a training step is a gradient job (every F is followed by
             # its B, and a split B by its W, on the same worker): the run ends with the reduce
             put_unit_run(timeline, build, worker, home, source, jobs[0], jobs[-1],
-                         max(jobs[0] - 1, 0), bool(grads), recv_gaps, TIE_OPS)
+                         max(jobs[0] - 1, 0), bool(grads), recv_gaps, tie=True)
         if len(owners) < 2 or forward_only:
             return
         group = RankGroup(owners)  # one object for all members: hashed once
         for owner in group:
             gap, time = own_last.get(owner, (0, 0.0))
             gap = max(gap, recv_gaps.get((owner, home), 0))
-            build.put(owner, gap, time, Action(Op.ALLREDUCE_T, home, None, None, group))
+            build.put(owner, gap, time, Action(Op.ALLREDUCE_G, home, None, None, group, True))
 
 
 def put_run(table: PlacementTable, timeline: Timeline, build: Builder, worker: int,
@@ -266,25 +246,26 @@ def put_run(table: PlacementTable, timeline: Timeline, build: Builder, worker: i
     BP = table.micro * P
     reduces = any(jobs[k] % P == grad_k and jobs[k] // BP == stage for k in range(i, j + 1))
     put_unit_run(timeline, build, worker, stage, table.fetch_source[(stage, worker)], i, j,
-                 fetch_gap, reduces, reduce_gaps, STAGE_OPS)
+                 fetch_gap, reduces, reduce_gaps)
 
 
 def put_unit_run(timeline: Timeline, build: Builder, worker: int, unit: int, owner: int,
                  i: int, j: int, fetch_gap: int, reduces: bool,
-                 reduce_gaps: dict[tuple[int, int], int], ops: UnitOps) -> None:
-    """A weight unit held by ``worker`` from its compute i to j: the fetch (posted at
-    ``fetch_gap``) and the owner's serve at the simulated time it is needed, then, after the
-    run, the gradient handed to the owner (``reduces``) and the free."""
+                 reduce_gaps: dict[tuple[int, int], int], tie: bool = False) -> None:
+    """A weight unit (stage ``unit``'s weights, or with ``tie`` the tie whose home it is) held
+    by ``worker`` from its compute i to j: the fetch (posted at ``fetch_gap``) and the owner's
+    serve at the simulated time it is needed, then, after the run, the gradient handed to the
+    owner (``reduces``) and the free."""
     jobs = timeline.order[worker]
     prefetch_time = timeline.start[jobs[fetch_gap]] if i > 0 else 0.0
-    build.put(worker, fetch_gap, prefetch_time, Action(ops.fetch, unit, None, owner))
+    build.put(worker, fetch_gap, prefetch_time, Action(Op.FETCH_W, unit, None, owner, None, tie))
     build.put(owner, build.gap_at(owner, prefetch_time), prefetch_time,
-              Action(ops.serve, unit, None, worker))
+              Action(Op.SEND_W, unit, None, worker, None, tie))
     run_end = timeline.end[jobs[j]]
     if reduces:
-        build.put(worker, j + 1, run_end, Action(ops.reduce, unit, None, owner))
+        build.put(worker, j + 1, run_end, Action(Op.REDUCE_G, unit, None, owner, None, tie))
         gap = build.gap_at(owner, run_end)
-        build.put(owner, gap, run_end, Action(ops.recv, unit, None, worker))
+        build.put(owner, gap, run_end, Action(Op.RECV_G, unit, None, worker, None, tie))
         key = (owner, unit)
         reduce_gaps[key] = max(reduce_gaps.get(key, 0), gap)
-    build.put(worker, j + 1, run_end, Action(ops.free, unit))
+    build.put(worker, j + 1, run_end, Action(Op.FREE_W, unit, None, None, None, tie))

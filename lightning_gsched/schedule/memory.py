@@ -12,13 +12,12 @@ measured can be compared rank by rank, as the action counters are.
 
 What each category holds on a rank, as the runtime allocates it:
 
-* **weights**: the stages it owns, always; a fetched stage from its ``FETCH_W`` (the receive is
-  posted into the stage buffer) to its ``FREE_W``; the ties it owns (those of its owned home
-  stages), always; a fetched tie from its ``FETCH_T`` to its ``FREE_T``.
-* **gradients**: the owned stages' and owned ties' gradient buffers for the whole step (zeroed
-  at its start and handed to the optimizer at its end); a fetched stage's from its first
-  weight-gradient job (``B``, or ``W`` when the backward is split) to its ``REDUCE_G``; a
-  fetched tie's from the first weight-gradient job of a stage reading it to its ``REDUCE_T``.
+* **weights**: the weight units (stages, and ties: those of its owned home stages) it owns,
+  always; a fetched unit from its ``FETCH_W`` (the receive is posted into the unit's buffer)
+  to its ``FREE_W``.
+* **gradients**: the owned units' gradient buffers for the whole step (zeroed at its start and
+  handed to the optimizer at its end); a fetched unit's from the first weight-gradient job
+  (``B``, or ``W`` when the backward is split) of a stage reading it to its ``REDUCE_G``.
 * **optimizer**: the state the optimizer keeps for the parameters this rank updates (owned
   stages and owned ties); constant over the step.
 * **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b``.
@@ -30,8 +29,9 @@ What each category holds on a rank, as the runtime allocates it:
   from ``B`` to ``W`` (the loss's graph is released at ``B``), with ``w_grads``.
 * **communication**: receive buffers posted and not yet consumed: an activation from its
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
-  peer's stage gradient from ``RECV_G`` to the ``ALLREDUCE_G`` that sums it in (or the step's
-  end), a peer's tie gradient from ``RECV_T`` to the ``ALLREDUCE_T`` (or the step's end). Sends are not counted: a sent tensor is one the stash or a gradient buffer already holds;
+  peer's gradient of a unit from ``RECV_G`` to the unit's ``ALLREDUCE_G`` that sums it in (or
+  the step's end). Sends are not counted: a sent tensor is one the stash or a gradient buffer
+  already holds;
   except, with ``sends_held`` (gloo), a fetched unit's handed-off gradient, which the transport
   keeps (as communication) until the step's end.
 
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field, fields
 from typing import Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
-from lightning_gsched.schedule.consumption import RECEIVE_OF_COLLECTIVE, OpRules
-from lightning_gsched.schedule.program import Action, Op, Programs
+from lightning_gsched.schedule.consumption import OpRules, UnitKey, unit_of
+from lightning_gsched.schedule.program import Action, Message, Op, Programs
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "communication")
 
@@ -146,15 +146,8 @@ class RankMemory:
         return self.at_peak.total
 
 
-# A weight unit's ops, stages' and ties' alike: (unit kind, role in the walk)
-_UNIT_OPS: dict[Op, tuple[str, str]] = {
-    Op.FETCH_W: ("stage", "fetch"), Op.FREE_W: ("stage", "free"),
-    Op.REDUCE_G: ("stage", "hand_off"), Op.RECV_G: ("stage", "receive"),
-    Op.ALLREDUCE_G: ("stage", "all-reduce"),
-    Op.FETCH_T: ("tie", "fetch"), Op.FREE_T: ("tie", "free"),
-    Op.REDUCE_T: ("tie", "hand_off"), Op.RECV_T: ("tie", "receive"),
-    Op.ALLREDUCE_T: ("tie", "all-reduce"),
-}
+# the weight-unit ops that change bytes (a serve sends what the owner holds)
+_UNIT_OPS = frozenset({Op.FETCH_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
 
 
 class _RankWalk:
@@ -181,9 +174,10 @@ class _RankWalk:
                           + sum(t.optimizer for t in ties) if training else 0)
         self.activations = 0
         self.communication = 0
-        # ("stage", s) / ("tie", home): fetched units holding a gradient not yet handed off
-        self.fetched_grads: set[tuple[str, int]] = set()
-        self.posted: dict[tuple[Op, int, int | None], int] = {}
+        # fetched units holding a gradient not yet handed off
+        self.fetched_grads: set[UnitKey] = set()
+        self.posted: dict[Message, int] = {}  # activations, input-gradients
+        self.grads_posted: dict[UnitKey, int] = {}  # peers' gradients not yet summed in
         self.stashed: dict[tuple[int, int | None], int] = {}  # (stage, micro) -> bytes held
         self.fed_by_message: set[tuple[int, int | None]] = set()
 
@@ -212,41 +206,40 @@ class _RankWalk:
                                 else stages[s].b_released)
                 self._hold(s, a.micro, kept + stages[s].w_grads)
         elif op is Op.RECV_ACT:
-            self._post((op, s, a.micro), stages[s].message)
+            self._post(Message.of(a), stages[s].message)
         elif op is Op.RECV_GRAD:  # the gradient of stage s's input: its producer's output
-            self._post((op, s, a.micro),
+            self._post(Message.of(a),
                        max((stages[p].message for p in rules.act_from[s]), default=0))
         elif op in _UNIT_OPS:
-            self._unit(a, *_UNIT_OPS[op])
+            self._unit(a)
         # sends change nothing: a sent tensor is one the stash or a gradient buffer holds
 
-    def _unit(self, a: Action, kind: str, role: str) -> None:
-        """A weight unit's op (a stage's ``*_W``/``*_G`` or a tie's ``*_T``, see _UNIT_OPS):
-        fetched weights, a fetched unit's gradient handed off, an owner's received gradients."""
-        params, grads = self._unit_bytes(kind, a.stage)
-        if role == "fetch":
+    def _unit(self, a: Action) -> None:
+        """A weight unit's op (a stage's or a tie's): fetched weights, a fetched unit's
+        gradient handed off, an owner's received gradients."""
+        op, unit = a.op, unit_of(a)
+        params, grads = self._unit_bytes(unit)
+        if op is Op.FETCH_W:
             self.weights += params
-        elif role == "free":
+        elif op is Op.FREE_W:
             self.weights -= params
-        elif role == "hand_off":
-            if (kind, a.stage) in self.fetched_grads:
-                self.fetched_grads.discard((kind, a.stage))
+        elif op is Op.REDUCE_G:
+            if unit in self.fetched_grads:
+                self.fetched_grads.discard(unit)
                 self.gradients -= grads
                 if self.sends_held:  # the sent buffer lives on until the step's end
                     self.communication += grads
-        elif role == "receive":
-            key: tuple[Op, int, int | None] = (a.op, a.stage, a.peer)
-            self.posted[key] = self.posted.get(key, 0) + grads
+        elif op is Op.RECV_G:
+            self.grads_posted[unit] = self.grads_posted.get(unit, 0) + grads
             self.communication += grads
-        else:  # all-reduce: the gradients received for it are summed in
-            received = RECEIVE_OF_COLLECTIVE[a.op]
-            for done in [k for k in self.posted if k[0] is received and k[1] == a.stage]:
-                self._consume(done)
+        else:  # ALLREDUCE_G: the gradients received for it are summed in
+            self.communication -= self.grads_posted.pop(unit, 0)
 
-    def _unit_bytes(self, kind: str, index: int) -> tuple[int, int]:
-        """(parameter, gradient) bytes of stage ``index`` or of the tie whose home it is."""
-        unit = self.sizes.stages[index] if kind == "stage" else self.sizes.ties[index]
-        return unit.params, unit.grads
+    def _unit_bytes(self, unit: UnitKey) -> tuple[int, int]:
+        """(parameter, gradient) bytes of a stage or of the tie whose home it is."""
+        index, tie = unit
+        sizes = self.sizes.ties[index] if tie else self.sizes.stages[index]
+        return sizes.params, sizes.grads
 
     def _graph(self, s: int, micro: int | None) -> int:
         """Bytes of the graph of ``F s micro`` (fed by a message, or locally)."""
@@ -260,18 +253,18 @@ class _RankWalk:
     def _weight_grads(self, s: int) -> None:
         """A weight-gradient job of stage ``s``: a fetched stage's gradient buffer, and those of
         the fetched ties it reads, start at their first use."""
-        units = [("stage", s, s in self.owned),
-                 *(("tie", h, h in self.owned_ties) for h in self.ties_of[s])]
-        for kind, index, owned in units:
-            if not owned and (kind, index) not in self.fetched_grads:
-                self.fetched_grads.add((kind, index))
-                self.gradients += self._unit_bytes(kind, index)[1]
+        units = [((s, False), s in self.owned),
+                 *(((h, True), h in self.owned_ties) for h in self.ties_of[s])]
+        for unit, owned in units:
+            if not owned and unit not in self.fetched_grads:
+                self.fetched_grads.add(unit)
+                self.gradients += self._unit_bytes(unit)[1]
 
-    def _post(self, key: tuple[Op, int, int | None], nbytes: int) -> None:
+    def _post(self, key: Message, nbytes: int) -> None:
         self.posted[key] = nbytes
         self.communication += nbytes
 
-    def _consume(self, key: tuple[Op, int, int | None]) -> bool:
+    def _consume(self, key: Message) -> bool:
         """Drop a posted receive's buffer; whether one was posted."""
         if key not in self.posted:
             return False
@@ -312,7 +305,7 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
     ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none.
     ``sends_held``: the transport cannot tell when a send completed (gloo's point-to-point
     handles complete only in ``wait()``), so it keeps every sent buffer until the end of the
-    step; a fetched unit's gradient handed off by ``REDUCE_G``/``REDUCE_T`` then stays, as
+    step; a fetched unit's gradient handed off by ``REDUCE_G`` then stays, as
     communication, until the step ends instead of leaving with the message.
     ``ranks``: only these ranks, in this order (default: every rank). A rank's walk reads only
     its own program (the other facts it needs are the owners, the ties and the stage graph), so
@@ -382,7 +375,7 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
     ``stage_bytes``: every stage's parameter bytes (what the runtime's flat buffer of that stage
     holds; tied parameters are not part of any stage). ``tie_bytes``: ``{home: bytes}`` of
     every tie of the programs (None: ties count 0 bytes), owned with their home stage and
-    fetched from ``FETCH_T`` to ``FREE_T``. This is the
+    fetched from their ``FETCH_W`` to their ``FREE_W``. This is the
     weights category of the bytes walk with nothing else sized; the runtime's
     ``peak_resident_param_bytes`` counter measures the same quantity on the real buffers, so for
     the same programs the two are equal. Unlike ``peak_resident_stages`` (a count) this weighs

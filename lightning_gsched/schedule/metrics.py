@@ -40,8 +40,11 @@ class PlanMetrics:
         return max(values)
 
 
-# op -> the ActionCounts field one such action adds 1 to (the op table's counters)
+# op -> the ActionCounts field one such action adds 1 to (the op table's counters), of a stage
+# and of a tie (``Action.tie``)
 _COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is not None}
+_TIE_COUNTER_OF = {op: spec.tie_counter for op, spec in OPS.items()
+                   if spec.tie_counter is not None}
 
 
 def _steps(up: Op, down: Op) -> dict[Op, int]:
@@ -62,12 +65,18 @@ def program_counts(programs: Programs, rank: int, into: ActionCounts | None = No
 
     The message counters are a tally of ops (each op's counter in the op table); each peak is
     the largest running sum of +1/-1 steps: F and the op that releases the stash (B, or W when
-    the backward is split) for activations, FETCH_W and FREE_W for resident stages. ``into``:
-    the (zeroed) counts to fill, e.g. a :class:`WorkerMetrics`.
+    the backward is split) for activations, FETCH_W and FREE_W of a stage (not of a tie) for
+    resident stages. A tie's actions move the ``tie_*`` counters (:attr:`OpSpec.tie_counter`).
+    ``into``: the (zeroed) counts to fill, e.g. a :class:`WorkerMetrics`.
     """
     owned = len(programs.owned_stages(rank))
     release = programs.weight_grad_op  # None: forward-only, nothing stashed
-    ops = list(map(itemgetter(0), programs.ranks[rank]))
+    program = programs.ranks[rank]
+    tie_tally: Counter[Op] = Counter()
+    if programs.ties:  # a tie's actions are left out of the stages' counts and peaks
+        tie_tally.update(a[0] for a in program if a[5])
+        program = [a for a in program if not a[5]]
+    ops = list(map(itemgetter(0), program))
     tally = Counter(ops)
     peak_activations = peak_fetched = 0  # a running sum that never moves peaks at 0
     if release is not None and tally[Op.F]:
@@ -79,10 +88,11 @@ def program_counts(programs: Programs, rank: int, into: ActionCounts | None = No
     counts.owned_stages = owned
     counts.peak_activations = peak_activations
     counts.peak_resident_stages = owned + peak_fetched
-    for op, n in tally.items():
-        name = _COUNTER_OF.get(op)
-        if name is not None:
-            setattr(counts, name, getattr(counts, name) + n)
+    for counter_of, ops_tally in ((_COUNTER_OF, tally), (_TIE_COUNTER_OF, tie_tally)):
+        for op, n in ops_tally.items():
+            name = counter_of.get(op)
+            if name is not None:
+                setattr(counts, name, getattr(counts, name) + n)
     return counts
 
 

@@ -227,8 +227,8 @@ def plan(
     ``{home stage: reader stages}`` or a sequence of stage groups (e.g.
     ``partition(...).shared_parameters.values()``); each is owned with its home stage (the
     lowest that reads it), fetched and held for the step by a rank that computes a reader
-    without owning it, and its gradient reduced to the owners (``FETCH_T``/``REDUCE_T``/
-    ``ALLREDUCE_T``; see :mod:`.lower_weights`).
+    without owning it, and its gradient reduced to the owners: a weight unit like a stage, by
+    the same ops (``FETCH_W t0 <-0``, ``REDUCE_G t0 ->0``; see :mod:`.lower_weights`).
 
     ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each (a pipeline
     composed with data parallelism, :mod:`.data_parallel`): the schedule's defaults (S, B, cap,

@@ -28,11 +28,9 @@ What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: 
   ``recv_time(bytes)``;
 * ``ALLREDUCE_G`` of stage s among n ranks: asynchronous, started when every member has reached
   it, finished ``allreduce_time(grads bytes, n)`` later;
-* ties (``plan.ties``, see :mod:`.lower_weights`) are charged like stage weights: ``SEND_T`` and
-  ``REDUCE_T`` carry the tie's parameter and gradient bytes (``sizes.ties``), a ``FETCH_T`` is
-  consumed by the first compute of a stage reading the tie (or its ``FREE_T``), ``RECV_T`` by
-  ``ALLREDUCE_T`` or the end of the step, and ``ALLREDUCE_T`` takes ``allreduce_time`` of the
-  tie's gradient bytes;
+* ties (``plan.ties``, see :mod:`.lower_weights`) are weight units charged like a stage's
+  weights, with the tie's parameter and gradient bytes (``sizes.ties``); a tie's fetch is
+  consumed by the first compute of a stage reading the tie (or by its free);
 * a worker's step ends when its last job, its reductions and its sends (the runtime drains
   them) are done, plus ``step_cpu``.
 
@@ -54,11 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
-from lightning_gsched.schedule.consumption import (
-    FETCH_OF_FREE,
-    RECEIVE_OF_COLLECTIVE,
-    OpRules,
-)
+from lightning_gsched.schedule.consumption import OpRules, UnitKey, unit_of
 from lightning_gsched.schedule.jobs import Job, Phase
 from lightning_gsched.schedule.memory import ModelSizes
 from lightning_gsched.schedule.program import Action, Message, Op
@@ -80,8 +74,6 @@ class StepPrediction:
 MessageKey = tuple[Message, int, int, int]
 _RECV_OF_PHASE = {Phase.F: Op.RECV_ACT, Phase.B: Op.RECV_GRAD}
 _PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
-_FETCHES = frozenset(FETCH_OF_FREE.values())
-_GRAD_RECVS = {recv: op for op, recv in RECEIVE_OF_COLLECTIVE.items()}  # -> what consumes them
 
 
 class _Charges:
@@ -98,38 +90,37 @@ class _Charges:
         out = [st[s].message if st else 0 for s in range(S)]
         grad_in = [max((out[p] for p in rules.act_from[s]), default=0) for s in range(S)]
         self.costs = costs
-        # bytes of one message (named by the receive that posts it) for a stage
-        self._bytes: dict[Op, list[int]] = {
-            Op.RECV_ACT: out,
-            Op.RECV_GRAD: grad_in,
-            Op.FETCH_W: [st[s].params if st else 0 for s in range(S)],
-            Op.RECV_G: [st[s].grads if st else 0 for s in range(S)],
-            # a tie is named by its home stage
-            Op.FETCH_T: [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
-            Op.RECV_T: [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
+        # bytes of one message (named by the receive that posts it and whether it is a tie's)
+        # per stage (a tie is named by its home stage)
+        self._bytes: dict[tuple[Op, bool], list[int]] = {
+            (Op.RECV_ACT, False): out,
+            (Op.RECV_GRAD, False): grad_in,
+            (Op.FETCH_W, False): [st[s].params if st else 0 for s in range(S)],
+            (Op.RECV_G, False): [st[s].grads if st else 0 for s in range(S)],
+            (Op.FETCH_W, True): [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
+            (Op.RECV_G, True): [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
         }
         self._flight = {op: [costs.message_time(b) for b in sizes_]
                         for op, sizes_ in self._bytes.items()}
         self._send = {op: [costs.send_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
         self._recv = {op: [costs.recv_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
-        self._grads = {Op.ALLREDUCE_G: self._bytes[Op.RECV_G],
-                       Op.ALLREDUCE_T: self._bytes[Op.RECV_T]}
 
     def flight(self, message: Message) -> float:
         """Seconds ``message`` is in flight."""
-        return self._flight[message.op][message.stage]
+        return self._flight[(message.op, message.tie)][message.stage]
 
     def send_cpu(self, message: Message) -> float:
         """The sender's CPU seconds for ``message``."""
-        return self._send[message.op][message.stage]
+        return self._send[(message.op, message.tie)][message.stage]
 
     def recv_cpu(self, message: Message) -> float:
         """The receiver's CPU seconds for ``message``."""
-        return self._recv[message.op][message.stage]
+        return self._recv[(message.op, message.tie)][message.stage]
 
-    def allreduce(self, op: Op, stage: int, members: int) -> float:
-        """Seconds of ``ALLREDUCE_G`` of a stage or ``ALLREDUCE_T`` of a tie among members."""
-        return self.costs.allreduce_time(self._grads[op][stage], members)
+    def allreduce(self, unit: UnitKey, members: int) -> float:
+        """Seconds of the ``ALLREDUCE_G`` of a unit (a stage or a tie) among members."""
+        stage, tie = unit
+        return self.costs.allreduce_time(self._bytes[(Op.RECV_G, tie)][stage], members)
 
 
 class _Replay:
@@ -146,12 +137,12 @@ class _Replay:
         self.sent: dict[MessageKey, float] = {}  # departure (after the sender's fixed CPU)
         self.posted: dict[MessageKey, float] = {}  # when the receiver posted it
         self._occurrences: dict[tuple[Any, ...], int] = {}
-        # (FETCH_W, stage) / (FETCH_T, home) -> the posted fetch not yet consumed
-        self.fetching: list[dict[tuple[Op, int], MessageKey]] = [{} for _ in range(W)]
-        # (ALLREDUCE_G, stage) / (ALLREDUCE_T, home) -> gradients received for it
-        self.grads_in: list[dict[tuple[Op, int], list[MessageKey]]] = [{} for _ in range(W)]
+        # weight unit -> the posted fetch not yet consumed
+        self.fetching: list[dict[UnitKey, MessageKey]] = [{} for _ in range(W)]
+        # weight unit -> gradients received for its all-reduce
+        self.grads_in: list[dict[UnitKey, list[MessageKey]]] = [{} for _ in range(W)]
         self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
-        self.reductions: dict[tuple[Op, int, tuple[int, ...] | None], list[float]] = {}
+        self.reductions: dict[tuple[UnitKey, tuple[int, ...] | None], list[float]] = {}
 
     # ------------------------------------------------------------------ messages
 
@@ -221,15 +212,15 @@ class _Replay:
         assert a.peer is not None
         key = self._key("recv", Message.of(a), a.peer, w)
         self.posted[key] = self.clock[w]
-        if a.op in _FETCHES:
-            self.fetching[w][(a.op, a.stage)] = key
-        elif a.op in _GRAD_RECVS:
-            self.grads_in[w].setdefault((_GRAD_RECVS[a.op], a.stage), []).append(key)
+        if a.op is Op.FETCH_W:
+            self.fetching[w][unit_of(a)] = key
+        elif a.op is Op.RECV_G:
+            self.grads_in[w].setdefault(unit_of(a), []).append(key)
         # activations and input-gradients are consumed by the compute that reads them
         return None
 
     def free(self, w: int, a: Action) -> Hashable | None:
-        name = (FETCH_OF_FREE[a.op], a.stage)
+        name = unit_of(a)
         fetch = self.fetching[w].get(name)
         if fetch is not None:  # fetched but never used: the receive lands first
             at = self._consume(self.clock[w], [fetch])
@@ -240,13 +231,13 @@ class _Replay:
         return None
 
     def collective(self, w: int, a: Action) -> Hashable | None:
-        name = (a.op, a.stage)
+        name = unit_of(a)
         at = self._consume(self.clock[w], self.grads_in[w].get(name, []))
         if not isinstance(at, float):
             return at
         self.grads_in[w].pop(name, None)
         self.clock[w] = at
-        self.reductions.setdefault((a.op, a.stage, a.group), []).append(at)
+        self.reductions.setdefault((name, a.group), []).append(at)
         return None
 
     # ------------------------------------------------------------------ end of step
@@ -260,9 +251,9 @@ class _Replay:
                 at = self._consume(ends[w], keys)
                 assert isinstance(at, float)  # every send has run once the walk is complete
                 ends[w] = at
-        for (op, stage, group), reached in self.reductions.items():
+        for (unit, group), reached in self.reductions.items():
             members = group or tuple(range(workers))
-            finish = max(reached) + self.charges.allreduce(op, stage, len(members))
+            finish = max(reached) + self.charges.allreduce(unit, len(members))
             for w in members:
                 ends[w] = max(ends[w], finish)
         return [end + self.cpu.step_cpu for end in ends]

@@ -20,18 +20,17 @@ through :meth:`Action.parse`, for error messages, test diffs and bug reports:
 ``REDUCE_G s5 ->1``     send this rank's accumulated gradient of stage 5 to its owner 1
 ``RECV_G s5 <-3``       owner side: post the receive of rank 3's gradient of stage 5 (summed in)
 ``ALLREDUCE_G s5 [0,2]``  all-reduce stage 5's gradient among its replica owners 0 and 2
-``FETCH_T s0 <-0``      post the receive of tie 0 (the tied weights whose home stage is 0)
-``SEND_T s0 ->3``       owner side of a tie fetch: send tie 0's weights to rank 3
-``FREE_T s0``           release the fetched weights of tie 0 (after the last job that reads it)
-``REDUCE_T s0 ->0``     send this rank's accumulated gradient of tie 0 to its owner 0
-``RECV_T s0 <-3``       owner side: post the receive of rank 3's gradient of tie 0 (summed in)
-``ALLREDUCE_T s0 [0,1]``  all-reduce tie 0's gradient among its owners 0 and 1
+``FETCH_W t0 <-0``      the same six ops on a tie: ``t0`` is tie 0 (the tied weights whose home
+                        stage is 0), e.g. post the receive of its weights from owner 0
 ======================  =======================================================================
 
-A *tie* is a set of parameters several stages read (a tied embedding and output head). It is
-one weight unit named by its **home** stage, the lowest stage that reads it (the ``stage`` field
-of the ``*_T`` actions), owned with that stage (``owners[home]``) and fetched once per step by a
-rank that computes a reader stage without owning it (:attr:`Programs.ties`).
+The last six ops act on a *weight unit*: a stage's own weights (``s5``), or a *tie* (``t0``), a
+set of parameters several stages read (a tied embedding and output head). A tie is one weight
+unit named by its **home** stage, the lowest stage that reads it (``Action.stage`` with
+``Action.tie`` set), owned with that stage (``owners[home]``) and fetched once per step by a rank
+that computes a reader stage without owning it (:attr:`Programs.ties`). Every reader treats the
+two kinds alike except where a tie differs (which stages read it; it is no stage in
+``peak_resident_stages``; its traffic has its own ``tie_*`` counters: :attr:`OpSpec.tie_counter`).
 
 Receives are *posts*: the runtime starts them where they appear (that is the prefetch) and waits
 for them at the first action that consumes them. Sends never block. That is also the model the
@@ -71,12 +70,6 @@ class Op(str, Enum):
     REDUCE_G = "REDUCE_G"
     RECV_G = "RECV_G"
     ALLREDUCE_G = "ALLREDUCE_G"
-    FETCH_T = "FETCH_T"
-    SEND_T = "SEND_T"
-    FREE_T = "FREE_T"
-    REDUCE_T = "REDUCE_T"
-    RECV_T = "RECV_T"
-    ALLREDUCE_T = "ALLREDUCE_T"
 
     def __str__(self) -> str:
         return self.value
@@ -95,7 +88,9 @@ class OpSpec:
     the :class:`~lightning_gsched.schedule.counts.ActionCounts` field one such action adds 1 to
     (None: counted otherwise or not at all). ``forward_only``: allowed in forward-only programs
     (validation, test, predict). ``per_micro``: the action names a microbatch. ``outgoing``: its
-    peer is written ``->peer`` (it sends) rather than ``<-peer``.
+    peer is written ``->peer`` (it sends) rather than ``<-peer``. ``tie_counter``: set on the
+    ops of a weight unit, which may be a tie (``Action.tie``); the field a tie's action adds 1
+    to instead of ``counter``.
     """
 
     op: Op
@@ -107,6 +102,11 @@ class OpSpec:
     forward_only: bool = False
     per_micro: bool = False
     outgoing: bool = False
+    tie_counter: str | None = None
+
+    def counter_of(self, tie: bool) -> str | None:
+        """The counter one action of this op moves: a tie's own, or the op's."""
+        return self.tie_counter if tie else self.counter
 
 
 OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
@@ -127,35 +127,26 @@ OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
            outgoing=True),
     OpSpec(Op.RECV_GRAD, "recv", "post the receive of an input-gradient",
            channel="p2p", matches=Op.SEND_GRAD, counter="input_grad_recvs", per_micro=True),
-    OpSpec(Op.FETCH_W, "recv", "post the receive of a stage's weights; they become resident",
-           channel="weights", matches=Op.SEND_W, counter="weight_fetches", forward_only=True),
-    OpSpec(Op.SEND_W, "send", "owner: send a stage's weights to a rank that fetches them",
+    # the weight-unit ops: a stage's or a tie's (Action.tie), one channel per kind for both
+    OpSpec(Op.FETCH_W, "recv", "post the receive of a unit's weights; they become resident",
+           channel="weights", matches=Op.SEND_W, counter="weight_fetches", forward_only=True,
+           tie_counter="tie_fetches"),
+    OpSpec(Op.SEND_W, "send", "owner: send a unit's weights to a rank that fetches them",
            channel="weights", matches=Op.FETCH_W, counter="weight_serves", forward_only=True,
-           outgoing=True),
-    OpSpec(Op.FREE_W, "free", "release a fetched stage's weights", forward_only=True),
-    OpSpec(Op.REDUCE_G, "send", "send a fetched stage's accumulated gradient to its owner",
-           channel="grads", matches=Op.RECV_G, counter="grad_sends", outgoing=True),
+           outgoing=True, tie_counter="tie_serves"),
+    OpSpec(Op.FREE_W, "free", "release a fetched unit's weights", forward_only=True),
+    OpSpec(Op.REDUCE_G, "send", "send a fetched unit's accumulated gradient to its owner",
+           channel="grads", matches=Op.RECV_G, counter="grad_sends", outgoing=True,
+           tie_counter="tie_grad_sends"),
     OpSpec(Op.RECV_G, "recv", "owner: post the receive of a rank's gradient (summed in)",
-           channel="grads", matches=Op.REDUCE_G, counter="grad_recvs"),
-    OpSpec(Op.ALLREDUCE_G, "collective", "all-reduce a stage's gradient among its replica owners",
-           counter="allreduces"),
-    # ties: the same kinds and channels as the stage-weight ops (FIFO per channel holds them all)
-    OpSpec(Op.FETCH_T, "recv", "post the receive of a tie's weights; held until its FREE_T",
-           channel="weights", matches=Op.SEND_T, counter="tie_fetches", forward_only=True),
-    OpSpec(Op.SEND_T, "send", "owner: send a tie's weights to a rank that fetches them",
-           channel="weights", matches=Op.FETCH_T, counter="tie_serves", forward_only=True,
-           outgoing=True),
-    OpSpec(Op.FREE_T, "free", "release a fetched tie's weights", forward_only=True),
-    OpSpec(Op.REDUCE_T, "send", "send a fetched tie's accumulated gradient to its owner",
-           channel="grads", matches=Op.RECV_T, counter="tie_grad_sends", outgoing=True),
-    OpSpec(Op.RECV_T, "recv", "owner: post the receive of a rank's tie gradient (summed in)",
-           channel="grads", matches=Op.REDUCE_T, counter="tie_grad_recvs"),
-    OpSpec(Op.ALLREDUCE_T, "collective", "all-reduce a tie's gradient among its owners",
-           counter="tie_allreduces"),
+           channel="grads", matches=Op.REDUCE_G, counter="grad_recvs",
+           tie_counter="tie_grad_recvs"),
+    OpSpec(Op.ALLREDUCE_G, "collective", "all-reduce a unit's gradient among its owners",
+           counter="allreduces", tie_counter="tie_allreduces"),
 )}
 
-# ops that act on a tie (their ``stage`` is the tie's home stage), and on stage weights
-TIE_OPS = frozenset({Op.FETCH_T, Op.SEND_T, Op.FREE_T, Op.REDUCE_T, Op.RECV_T, Op.ALLREDUCE_T})
+# the ops of a weight unit (a stage's weights, or a tie's when ``Action.tie``)
+UNIT_OPS = frozenset({Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
 COLLECTIVE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "collective")
 
 COMPUTE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "compute")
@@ -209,7 +200,9 @@ def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
 
 
 class Action(NamedTuple):
-    """One step of a rank's program. ``peer`` is the other rank of a message.
+    """One step of a rank's program. ``peer`` is the other rank of a message; ``tie``: a weight
+    unit op (:data:`UNIT_OPS`) acts on the tie whose home is ``stage`` (written ``t<home>``)
+    rather than on the stage's own weights (``s<stage>``).
 
     Immutable and hashable. A NamedTuple rather than a frozen dataclass because lowering builds
     ~10^5 of them for W=64, S=64, B=256 and a frozen dataclass costs 4x more per instance.
@@ -220,9 +213,10 @@ class Action(NamedTuple):
     micro: int | None = None
     peer: int | None = None
     group: tuple[int, ...] | None = None
+    tie: bool = False
 
     def __str__(self) -> str:
-        text = f"{self.op.value} s{self.stage}"
+        text = f"{self.op.value} {'t' if self.tie else 's'}{self.stage}"
         if self.micro is not None:
             text += f" b{self.micro}"
         if self.peer is not None:
@@ -238,6 +232,10 @@ class Action(NamedTuple):
         if match is None or match["op"] not in Op.__members__:
             raise ValueError(f"not an action: {text!r} (expected e.g. 'F s3 b1' or 'FETCH_W s5 <-1')")
         op = Op(match["op"])
+        tie = match["unit"] == "t"
+        if tie and op not in UNIT_OPS:
+            raise ValueError(f"not an action: {text!r} (only the weight-unit ops "
+                             f"{sorted(o.value for o in UNIT_OPS)} act on a tie 't<home>')")
         group = match["group"]
         return cls(
             op,
@@ -245,23 +243,26 @@ class Action(NamedTuple):
             int(match["micro"]) if match["micro"] is not None else None,
             int(match["peer"]) if match["peer"] is not None else None,
             tuple(int(r) for r in group.split(",") if r) if group is not None else None,
+            tie,
         )
 
 
 class Message(NamedTuple):
     """What one message carries, named alike at its send and its receive: the receive op that
-    posts it, the stage (a tie's home stage) and the microbatch (None for weights and
-    gradients of a whole unit). The lowering, the dry run, the proof, the cost replay and the
+    posts it, the stage (a tie's home stage, with ``tie``) and the microbatch (None for weights
+    and gradients of a whole unit). The lowering, the dry run, the proof, the cost replay and the
     runtime all name messages so."""
 
     op: Op
     stage: int
     micro: int | None
+    tie: bool = False
 
     @classmethod
     def of(cls, action: Action) -> Message:
         """The message a send or a receive action carries."""
-        return cls(RECV_FOR_SEND.get(action.op, action.op), action.stage, action.micro)
+        return cls(RECV_FOR_SEND.get(action.op, action.op), action.stage, action.micro,
+                   action.tie)
 
 
 SEND_FOR_RECV = {recv: send for send, recv in RECV_FOR_SEND.items()}
@@ -315,10 +316,11 @@ def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Me
     kind, src, dst = channel
 
     def send(message: Message) -> Action:
-        return Action(SEND_FOR_RECV[message.op], message.stage, message.micro, dst)
+        return Action(SEND_FOR_RECV[message.op], message.stage, message.micro, dst, None,
+                      message.tie)
 
     def post(message: Message) -> Action:
-        return Action(message.op, message.stage, message.micro, src)
+        return Action(message.op, message.stage, message.micro, src, None, message.tie)
 
     unmatched = Counter(sent)
     unmatched.subtract(posted)
@@ -335,7 +337,7 @@ def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Me
 
 
 _PATTERN = re.compile(
-    r"^(?P<op>[A-Z_]+) s(?P<stage>\d+)(?: b(?P<micro>\d+))?"
+    r"^(?P<op>[A-Z_]+) (?P<unit>[st])(?P<stage>\d+)(?: b(?P<micro>\d+))?"
     r"(?: (?P<dir>->|<-)(?P<peer>\d+))?(?: \[(?P<group>[\d,]*)\])?$"
 )
 
@@ -409,10 +411,6 @@ class Programs:
     def owned_ties(self, rank: int) -> list[int]:
         """Home stages of the ties ``rank`` owns (a tie is owned with its home stage)."""
         return [h for h in sorted(self.ties) if rank in self.owners[h]]
-
-    def ties_read_by(self, stage: int) -> list[int]:
-        """Home stages of the ties ``stage`` reads (its jobs need them resident)."""
-        return [h for h in sorted(self.ties) if stage in self.ties[h]]
 
     def text(self, rank: int | None = None) -> str:
         """Human-readable programs, one action per line (all ranks when ``rank`` is None)."""

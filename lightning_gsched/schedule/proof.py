@@ -260,7 +260,7 @@ def _check_allreduce(rank: int, program: list[Action], index: int, consumed: lis
     stage = action[1]
     before = index - 1
     while before >= 0 and program[before][0] not in (Op.F, Op.B, Op.W):
-        if program[before][0] in (Op.ALLREDUCE_G, Op.ALLREDUCE_T):
+        if program[before][0] is Op.ALLREDUCE_G:
             before = -1
             break
         before -= 1
