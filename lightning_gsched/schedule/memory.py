@@ -31,9 +31,8 @@ What each category holds on a rank, as the runtime allocates it:
   ``RECV_ACT`` to the ``F`` that reads it, an input-gradient from ``RECV_GRAD`` to its ``B``, a
   peer's gradient of a unit from ``RECV_G`` to the unit's ``ALLREDUCE_G`` that sums it in (or
   the step's end). Sends are not counted: a sent tensor is one the stash or a gradient buffer
-  already holds;
-  except, with ``sends_held`` (gloo), a fetched unit's handed-off gradient, which the transport
-  keeps (as communication) until the step's end.
+  already holds, and the transport drops its reference when the send completes, on every
+  backend (runtime/send_release.py), so a fetched unit's gradient leaves at its ``REDUCE_G``.
 
 Which action consumes which receive and which op ends a stash are the shared rules of
 :mod:`.consumption` (the dry run, the time replay and the runtime read the same ones).
@@ -154,11 +153,9 @@ class _RankWalk:
     """The live bytes of one rank while its program runs, action by action."""
 
     def __init__(self, programs: Programs, sizes: ModelSizes, rank: int,
-                 checkpointed: Sequence[bool], sends_held: bool = False,
-                 rules: OpRules | None = None) -> None:
+                 checkpointed: Sequence[bool], rules: OpRules | None = None) -> None:
         self.programs, self.sizes, self.rank = programs, sizes, rank
         self.checkpointed = checkpointed
-        self.sends_held = sends_held
         self.rules = rules = rules or OpRules.of(programs)
         owned = programs.owned_stages(rank)
         self.owned = set(owned)
@@ -227,8 +224,6 @@ class _RankWalk:
             if unit in self.fetched_grads:
                 self.fetched_grads.discard(unit)
                 self.gradients -= grads
-                if self.sends_held:  # the sent buffer lives on until the step's end
-                    self.communication += grads
         elif op is Op.RECV_G:
             self.grads_posted[unit] = self.grads_posted.get(unit, 0) + grads
             self.communication += grads
@@ -273,12 +268,11 @@ class _RankWalk:
 
 
 def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
-                checkpointed: Sequence[bool] = (), sends_held: bool = False,
-                rules: OpRules | None = None) -> RankMemory:
-    """Walk one rank's program; the peak of the total and of each category (``sends_held``:
-    see :func:`predict_memory`; ``rules``: the programs' :class:`OpRules`, if built already)."""
+                checkpointed: Sequence[bool] = (), rules: OpRules | None = None) -> RankMemory:
+    """Walk one rank's program; the peak of the total and of each category (``rules``: the
+    programs' :class:`OpRules`, if built already)."""
     walk = _RankWalk(programs, sizes, rank,
-                     list(checkpointed) or [False] * programs.num_stages, sends_held, rules)
+                     list(checkpointed) or [False] * programs.num_stages, rules)
     # plain tuples per action, a Bytes only at a new peak: the tuner walks every rank of
     # hundreds of plans, and building and summing a dataclass per action was most of its time
     best = _now(walk)
@@ -298,15 +292,11 @@ def _now(walk: _RankWalk) -> tuple[int, int, int, int, int]:
 
 
 def predict_memory(programs: Programs, sizes: ModelSizes,
-                   checkpointed: Sequence[bool] = (), sends_held: bool = False,
+                   checkpointed: Sequence[bool] = (),
                    ranks: Sequence[int] | None = None) -> list[RankMemory]:
     """Every rank's predicted bytes for one step of ``programs`` (see the module docstring).
 
     ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none.
-    ``sends_held``: the transport cannot tell when a send completed (gloo's point-to-point
-    handles complete only in ``wait()``), so it keeps every sent buffer until the end of the
-    step; a fetched unit's gradient handed off by ``REDUCE_G`` then stays, as
-    communication, until the step ends instead of leaving with the message.
     ``ranks``: only these ranks, in this order (default: every rank). A rank's walk reads only
     its own program (the other facts it needs are the owners, the ties and the stage graph), so
     a job's ranks each predict their own bytes and gather them (a job's start-up at large W,
@@ -338,7 +328,7 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
     if ranks is None:
         programs.ranks.make_all()  # a reader of every rank: the full lowering at once
     rules = OpRules.of(programs)
-    return [rank_memory(programs, sizes, r, checkpointed, sends_held, rules)
+    return [rank_memory(programs, sizes, r, checkpointed, rules)
             for r in (range(programs.world_size) if ranks is None else ranks)]
 
 
