@@ -57,6 +57,20 @@ def _saves_outputs() -> tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.
     return model, (torch.randn(4, 8),), lambda out: (out * out).mean()
 
 
+def _counted_forward(stage: nn.Module, call: tuple[Any, ...], counter: SavedTensorBytes,
+                     loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[Any, int]:
+    """A forward counted by ``counter`` (and the loss after it, counted apart, then added):
+    its output (or loss) and the loss's own bytes."""
+    with counter:
+        out = stage(*call)
+        if loss_fn is not None:
+            with SavedTensorBytes(exclude=counter.exclude) as in_loss:
+                loss = loss_fn(out)
+            counter.storages.update(in_loss.storages)
+            return loss, in_loss.nbytes
+    return out, 0
+
+
 def _separate_bytes(stages: list[nn.Module], args: tuple[Any, ...],
                     loss_fn: Callable[[Any], torch.Tensor] | None) -> list[tuple[int, ...]]:
     """(activations, received_activations, loss_graph, b_released, w_grads, message) per stage,
@@ -68,32 +82,22 @@ def _separate_bytes(stages: list[nn.Module], args: tuple[Any, ...],
     with torch.enable_grad():
         for s, stage in enumerate(stages):
             weights = weight_storages(stage)
-
-            def forward(call: tuple[Any, ...], counter: SavedTensorBytes) -> tuple[Any, int]:
-                with counter:
-                    out = stage(*call)
-                    if s == last and loss_fn is not None:
-                        with SavedTensorBytes(exclude=weights) as in_loss:
-                            loss = loss_fn(out)
-                        counter.storages.update(in_loss.storages)
-                        return loss, in_loss.nbytes
-                return out, 0
-
+            ending = loss_fn if s == last else None
             if handed is None:
                 local, leaves = args, []
             else:
                 leaves = wire.detached_leaves(handed.tensors)
                 local = (wire.join(handed.structure, leaves),)
             stash = SavedTensorBytes(exclude=weights)
-            out, loss_part = forward(local, stash)
+            out, loss_part = _counted_forward(stage, local, stash, ending)
             if handed is not None:
                 leaves = wire.detached_leaves(handed.tensors)
                 local = (wire.join(handed.structure, leaves),)
             split = SavedTensorBytes(exclude=weights)
             with split:
                 again = stage(*local)
-                if s == last and loss_fn is not None:
-                    roots, grads = [loss_fn(again).reshape(())], None
+                if ending is not None:
+                    roots, grads = [ending(again).reshape(())], None
                 else:
                     roots = [t for t in wire.split(again).tensors if t.requires_grad]
                     grads = [torch.ones_like(t) for t in roots]
@@ -109,7 +113,7 @@ def _separate_bytes(stages: list[nn.Module], args: tuple[Any, ...],
             if handed is not None:
                 message, _ = wire.received_copy(handed, torch.device("cpu"))
                 counted = SavedTensorBytes(exclude=weights)
-                forward((message,), counted)
+                _counted_forward(stage, (message,), counted, ending)
                 received = counted.nbytes
             parts = None if s == last else wire.split(out)
             out_sizes.append((stash.nbytes, received, loss_part, released, w_grads,

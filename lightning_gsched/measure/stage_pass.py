@@ -79,10 +79,11 @@ def measure_stages(stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
 
     ``kinds``: the timed repetitions' backwards (``"whole"``, ``"split"``, ``"unlossed"``;
     none: no timing), ``warmup`` untimed runs then ``repeats`` of each kind per stage (medians;
-    ``"unlossed"`` differs from ``"whole"`` on the last stage only, and only it runs there).
+    ``"unlossed"`` differs from ``"whole"`` on the last stage only: elsewhere it is "whole").
     ``sizes``: one byte repetition per stage (``optimizer_factor``: optimizer-state bytes per
     trainable parameter byte). ``loss_fn`` maps the last stage's output to the loss.
-    Stage ``s`` runs ``warmup + repeats * len(kinds)`` times for its seconds plus, with
+    Stage ``s`` runs ``warmup + repeats * k`` times for its seconds (``k``: its distinct kinds,
+    ``"unlossed"`` counting on the last stage only) plus, with
     ``sizes``, once (twice when ``s > 0``: the input as received too), each a forward and,
     but for the received input, a backward. Nothing is left behind: no ``.grad``, and buffers
     (BatchNorm statistics) and the RNG streams are restored.
@@ -106,7 +107,9 @@ def measure_stages(stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
         for s, stage in enumerate(stages):
             last_input = handed
             call = _local_call(args, kwargs, handed)
-            stage_kinds = [k for k in kinds if k != "unlossed" or s == count - 1]
+            # before the last stage there is no loss to leave out: "unlossed" is "whole"
+            stage_kinds = list(dict.fromkeys(
+                "whole" if k == "unlossed" and s < count - 1 else k for k in kinds))
             timed: wire.Split | None = None
             if stage_kinds and repeats > 0:
                 per_kind, timed = time_stage(stage, s, count, call, loss_fn, stage_kinds,
