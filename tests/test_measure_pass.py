@@ -5,9 +5,10 @@
   a message), and its bytes equal those of separate runs made here the way the planner's sizes
   were measured before the pass (one forward for the stash, another forward and B for the split
   backward's bytes, another for the received input): the figures did not change;
-* the memory report's sizes, from a pass the tuner made with the loss on the same cut and
-  microbatch (measure/build_passes.py), equal a bytes-only pass without the loss, while only
-  the last stage runs again; another microbatch is measured anew.
+* the memory report's sizes (``MemoryReport.predict`` as the build calls it), from a pass the
+  tuner made with the loss on the same cut and microbatch (measure/build_passes.py), equal a
+  bytes-only pass without the loss, while only the last stage runs again; another microbatch
+  is measured anew.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.measure import measure_stage_bytes, measure_stages
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
 from lightning_gsched.runtime.split_backward import backward_input
+from lightning_gsched.schedule import plan
 from models import gpt_inputs, make_gpt
 
 
@@ -175,10 +178,13 @@ def test_the_report_reuses_the_tuners_pass_of_its_cut_and_microbatch() -> None:
     built = partition(model, 3, args)  # the engine's partition of the same cut
     calls = _count_forwards(list(built.stages))
     same = tuple(a.clone() for a in args)  # the pick's microbatch: equal rows, another tensor
-    sizes = passes.stage_bytes(built.stage_units, built.stages, same, {}, 2.0)
-    assert passes.reused == 1
+    trained = plan("1f1b", workers=3, ties=built.shared_parameters.values())
+    report = MemoryReport()  # as the engine's build calls it (rank 0 of one)
+    report.predict(built.stages, same, {}, trained, [torch.optim.Adam(model.parameters())],
+                   passes=passes, stage_units=built.stage_units)
+    assert passes.reused == 1 and report.predicted is not None
     assert dict(calls) == {2: 2}  # the last stage only: local and received input, no loss
-    assert sizes == measure_stage_bytes(built.stages, same, optimizer_factor=2.0)
+    assert report.sizes == measure_stage_bytes(built.stages, same, optimizer_factor=2.0)
     calls.clear()
     other = (gpt_inputs(batch=3)[0],)  # another microbatch: measured anew
     sizes = passes.stage_bytes(built.stage_units, built.stages, other, {}, 2.0)
