@@ -170,8 +170,7 @@ def fidelity_run(rank: int, world: int, schedule: str, steps: int, warmup: int, 
                  microbatches: int, shape: dict[str, int] | None = None, R: int | None = None,
                  repeats: int = 7) -> dict[str, Any]:
     from lightning_gsched import GeneralParallel
-    from lightning_gsched.measure.measure_bytes import measure_stage_bytes
-    from lightning_gsched.measure.profile import profile_stages
+    from lightning_gsched.measure.stage_pass import measure_stage_bytes, profile_stages
     from lightning_gsched.partition import partition
     from lightning_gsched.runtime import calibrate
     from lightning_gsched.schedule.plan import plan

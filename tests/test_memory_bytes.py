@@ -26,7 +26,7 @@ import torch
 
 from dist_harness import WorkerContext
 from lightning_gsched.errors import ScheduleConfigError
-from lightning_gsched.measure.measure_bytes import measure_stage_bytes
+from lightning_gsched.measure.stage_pass import measure_stage_bytes
 from lightning_gsched.partition import partition
 from lightning_gsched.runtime import ModelRuntime
 from lightning_gsched.runtime.footprint import (

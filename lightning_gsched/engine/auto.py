@@ -40,6 +40,7 @@ from lightning_gsched.errors import (
     ScheduleConfigError,
     StrategyConfigError,
 )
+from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.measure.tune_profile import tune_model
 from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.describe import byte_text
@@ -94,12 +95,13 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
                     loss_fn: Callable[[Any], torch.Tensor] | None,
                     global_rows: int, optimizers: Sequence[Any], world_size: int, rank: int,
                     forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
-                    group: Any = None) -> None:
+                    group: Any = None, passes: BuildPasses | None = None) -> None:
     """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
     (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
 
     ``args``/``kwargs``: the model's call on one microbatch (the probe's); ``global_rows``: the
-    rows of the global batch the plan will cut into microbatches.
+    rows of the global batch the plan will cut into microbatches. ``passes``: where rank 0
+    keeps the tuner's measuring passes for the build's memory report.
     """
     outcome: _Outcome
     # every rank measures the runtime's costs on the job's own process group (collective)
@@ -113,7 +115,7 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
         try:
             outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
                                       global_rows, optimizer_bytes_factor(optimizers),
-                                      world_size, forward_context, costs))
+                                      world_size, forward_context, costs, passes))
         except GschedError as exc:
             outcome = ("error", type(exc), f"schedule='auto': {exc}", exc)
         except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
@@ -142,7 +144,8 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
             loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int,
             factor: float, workers: int,
             forward_context: Callable[[], AbstractContextManager[Any]] | None,
-            costs: RuntimeCosts = DEFAULT_COSTS) -> tuple[ScheduleConfig, str, TuneResult]:
+            costs: RuntimeCosts = DEFAULT_COSTS, passes: BuildPasses | None = None,
+            ) -> tuple[ScheduleConfig, str, TuneResult]:
     """Rank 0's part: tune; the pick as a checked config, the text that explains it, and
     every verdict."""
     request = _request(config)
@@ -155,7 +158,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
                 budget=request.memory_budget, optimizer_factor=factor, costs=costs,
                 checkpoint=(True,) if request.checkpoint else (False, True),
                 stages=request.stages or _stages_fixed_by(options), micro=request.microbatches,
-                R=request.R, replicas=request.data_parallel_size, top=TABLE_ROWS,
+                R=request.R, replicas=request.data_parallel_size, top=TABLE_ROWS, passes=passes,
                 balance=options.balance, leaf_modules=options.leaf_modules,
                 split_points=options.split_points, static_shapes=options.static_shapes)
     finally:

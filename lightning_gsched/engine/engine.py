@@ -42,6 +42,7 @@ from lightning_gsched.engine.mesh import DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
+from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition, partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.verify import check_verify, verify_split
@@ -245,12 +246,16 @@ class PipelineEngine:
             if self.world_size > 1:
                 self._collective("the build's weight broadcast",
                                  lambda: _sync_module_states(self.module, self.group))
+            # the stages measured once: the tuner's passes serve the memory report where they
+            # measured its cut on its microbatch (measure/build_passes.py)
+            passes = BuildPasses()
             if not self.config.decided:
                 choose_schedule(self.module, self.config, self.options, args, kwargs,
                                 loss_fn=step_loss_fn(caller, micro_batch) if training else None,
                                 global_rows=global_rows, optimizers=self.optimizers(),
                                 world_size=self.world_size, rank=self.rank,
-                                forward_context=self.forward_context, group=self.group)
+                                forward_context=self.forward_context, group=self.group,
+                                passes=passes)
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
@@ -265,7 +270,8 @@ class PipelineEngine:
             # sized before the runtime releases the stages this rank does not own
             self._collective("the build's memory prediction", lambda: self.memory.predict(
                 part.stages, args, kwargs, plan, self.optimizers(), self.world_size,
-                self.rank))
+                self.rank, passes=passes, stage_units=part.stage_units))
+            passes.clear()  # their tensors (a microbatch's activations per stage count) go
             if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
                 keep = owned_parameters(part.stages, plan.programs, self.rank,
                                         self.module)

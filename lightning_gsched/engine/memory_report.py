@@ -13,7 +13,6 @@ rank predicts its own, from its own program: one collective) and the ranks' meas
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,7 +21,8 @@ import torch.distributed as dist
 from lightning_gsched.engine.control import ControlGroup
 from lightning_gsched.engine.logsync import exchange
 from lightning_gsched.errors import ScheduleConfigError
-from lightning_gsched.measure.measure_bytes import measure_stage_bytes
+from lightning_gsched.measure.build_passes import BuildPasses
+from lightning_gsched.measure.stage_pass import measure_stage_bytes
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
@@ -53,24 +53,32 @@ class MemoryReport:
 
     def predict(self, stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
                 kwargs: dict[str, Any], plan: Plan, optimizers: Sequence[Any],
-                world_size: int = 1, rank: int = 0) -> None:
+                world_size: int = 1, rank: int = 0, passes: BuildPasses | None = None,
+                stage_units: list[list[str]] | None = None) -> None:
         """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
         the user's step computes it) and predict every rank's bytes for the training plan.
 
         Every rank holds the same model and microbatch, so rank 0 alone runs the stages'
         forwards and broadcasts the sizes (collective): the other ranks skip that work, and all
         of them agree on whether a prediction exists, which decides whether they take part in
-        the measured step's gather."""
+        the measured step's gather. ``passes``/``stage_units``: the build's measuring passes
+        and the cut of ``stages``; where a pass measured that cut on this microbatch (``"auto"``),
+        its bytes are reused rather than measured again (measure/build_passes.py)."""
         outcome: tuple[ModelSizes | None, str | None] = (None, None)
         if rank == 0:
             try:
                 # a deferred model (no weights yet) is sized on meta tensors
                 deferred = any(has_meta_parameters(stage) for stage in stages)
-                with buffers_on_meta(*stages) if deferred else contextlib.nullcontext():
-                    outcome = (measure_stage_bytes(
-                        stages, to_meta(args) if deferred else args,
-                        to_meta(kwargs) if deferred else kwargs,
-                        optimizer_factor=optimizer_bytes_factor(optimizers)), None)
+                factor = optimizer_bytes_factor(optimizers)
+                if deferred:
+                    with buffers_on_meta(*stages):
+                        sizes = measure_stage_bytes(stages, to_meta(args), to_meta(kwargs),
+                                                    optimizer_factor=factor)
+                elif passes is not None and stage_units is not None:
+                    sizes = passes.stage_bytes(stage_units, stages, args, kwargs, factor)
+                else:
+                    sizes = measure_stage_bytes(stages, args, kwargs, optimizer_factor=factor)
+                outcome = (sizes, None)
             except Exception as exc:  # noqa: BLE001 - a report must never stop the training
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         if world_size > 1:

@@ -1,13 +1,13 @@
-"""Measured forward and backward time of each stage, in seconds, for the planner's costs.
+"""Measured forward and backward time of one stage, in seconds, for the planner's costs.
 
 Why: the planner's timeline is only as good as its per-stage costs. The defaults (forward 1,
 backward 2 per stage) give the right *shape* of a schedule, but predicting a step time in
 seconds, or planning around a heavy last stage (a vocabulary projection plus the loss), needs
-the stages' real durations on the real microbatch. ``profile_stages`` runs the stages one after
-another on one microbatch, exactly as a pipeline would (each stage fed the previous stage's
-output), and times each stage's forward and its backward separately; pass the result to
-``plan(forward_cost=..., backward_cost=...)`` or ``GeneralParallel(forward_cost=...,
-backward_cost=...)``.
+the stages' real durations on the real microbatch. :func:`time_stage` times one stage's
+forward and backward on its input as the pipeline hands it over; the loop over the stages, fed
+one after another, is the measuring pass (:mod:`.stage_pass`, ``profile_stages``), whose
+:class:`StageTimes` go to ``plan(forward_cost=..., backward_cost=...)`` or
+``GeneralParallel(forward_cost=..., backward_cost=...)``.
 
 Zero-bubble schedules split every backward into B (input gradients, on the critical path) and W
 (weight gradients, later). Their plans need both durations, and halving a measured backward is
@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -31,6 +31,7 @@ from lightning_gsched.errors import GschedError, PartitionError
 from lightning_gsched.partition.errors import ExampleInputError
 from lightning_gsched.partition.execute import describe_values
 from lightning_gsched.partition.stage import StageModule
+from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.split_backward import backward_input
 
 
@@ -64,85 +65,82 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fresh(value: Any) -> tuple[Any, list[torch.Tensor]]:
-    """A stage's inputs as new leaves that require grad (floating tensors only)."""
-    leaves: list[torch.Tensor] = []
-
-    def make(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            leaf = x.detach().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf
-        return x
-
-    return pytree.tree_map(make, value), leaves
+Kind = Literal["whole", "split", "unlossed"]
+"""A timed repetition's backward: the whole backward; B then W (the zero-bubble split); or the
+whole backward of the last stage without the loss (its outputs summed, as with no ``loss_fn``)."""
 
 
-def profile_stages(stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
-                   kwargs: dict[str, Any] | None = None,
-                   loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 5,
-                   warmup: int = 2, split_backward: bool = False) -> StageTimes:
-    """Time each stage's forward and backward on one microbatch (``args``/``kwargs``).
+@dataclass
+class KindSamples:
+    """One kind's seconds over its timed repetitions (``weight``: W's, ``split`` only)."""
 
-    ``stages``: a :class:`~lightning_gsched.partition.Partition`'s ``stages``. ``loss_fn`` maps
-    the last stage's output to the scalar the backward starts from (the step's loss; without
-    it the output's sum is used). The backward of a stage is timed from the gradient of its
-    outputs (random, the shape a pipeline would receive) to the gradients of its inputs and
-    parameters. Medians over ``repeats`` runs after ``warmup`` runs. ``split_backward``: time
-    the backward as the zero-bubble runtime runs it, B (input gradients) then W (weight
-    gradients), reported as ``backward`` and ``weight``.
+    forward: list[float] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)
+    weight: list[float] = field(default_factory=list)
+
+
+StageCall = Callable[[], tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]]
+"""A stage's inputs for one run: ``(args, kwargs, leaves)``, fresh leaves each call."""
+
+
+def time_stage(stage: torch.nn.Module, index: int, count: int, call: StageCall,
+               loss_fn: Callable[[Any], torch.Tensor] | None, kinds: Sequence[Kind],
+               repeats: int, warmup: int, device: torch.device | None,
+               ) -> tuple[dict[Kind, KindSamples], wire.Split | None]:
+    """One stage's timed repetitions, no hooks installed: ``warmup`` untimed runs (cycling
+    through ``kinds``), then ``repeats`` runs of each kind; and the last run's output as the
+    next stage receives it (fresh leaves, no graph; None for the last stage).
+
+    The forward of the last stage includes the loss (``loss_fn``, or the sum of its floating
+    outputs without one, or for ``"unlossed"``); a backward starts from the gradient of the
+    stage's outputs (random, the shape a pipeline would receive) and ends at its inputs' and
+    parameters' gradients. Every run ends with the stage's ``.grad`` set to None (outside the
+    timer), so each backward allocates its gradients as the first one of a step does.
     """
-    if not stages:
-        raise PartitionError("profile_stages needs at least one stage")
-    kwargs = kwargs or {}
-    forward: list[list[float]] = [[] for _ in stages]
-    backward: list[list[float]] = [[] for _ in stages]
-    weight: list[list[float]] = [[] for _ in stages]
-    device = next((t.device for t in pytree.tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor)), None)
-    with torch.enable_grad():
-        for attempt in range(warmup + repeats):
-            value: Any = None
-            for s, stage in enumerate(stages):
-                leaves: list[torch.Tensor] = []
-                if s == 0:
-                    call_args, call_kwargs = args, kwargs
-                else:
-                    fresh, leaves = _fresh(value)
-                    call_args, call_kwargs = (fresh,), {}
-                _sync(device)
-                start = time.perf_counter()
-                out = run_stage(stage, s, len(stages), call_args, call_kwargs)
-                if s == len(stages) - 1:
-                    out = run_loss(loss_fn, out) if loss_fn is not None else sum(
-                        t.float().sum() for t in pytree.tree_leaves(out)
-                        if isinstance(t, torch.Tensor) and t.is_floating_point())
-                _sync(device)
-                elapsed_f = time.perf_counter() - start
-                tensors = [t for t in pytree.tree_leaves(out)
-                           if isinstance(t, torch.Tensor) and t.requires_grad]
-                grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t)
-                         for t in tensors]
-                if split_backward:
-                    elapsed_b, elapsed_w = _split_backward(stage, tensors, grads, leaves, device)
-                else:
-                    _sync(device)
-                    start = time.perf_counter()
-                    if tensors:
-                        torch.autograd.backward(tensors, grads)
-                    _sync(device)
-                    elapsed_b, elapsed_w = time.perf_counter() - start, 0.0
-                if attempt >= warmup:
-                    forward[s].append(elapsed_f)
-                    backward[s].append(elapsed_b)
-                    weight[s].append(elapsed_w)
-                value = pytree.tree_map(
-                    lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-            for stage in stages:
-                stage.zero_grad(set_to_none=True)
-    return StageTimes([statistics.median(v) for v in forward],
-                      [statistics.median(v) for v in backward],
-                      [statistics.median(v) for v in weight] if split_backward else [])
+    samples: dict[Kind, KindSamples] = {kind: KindSamples() for kind in kinds}
+    order = [kinds[i % len(kinds)] for i in range(warmup)] + [
+        kind for _ in range(repeats) for kind in kinds]
+    last = index == count - 1
+    handed: wire.Split | None = None
+    for attempt, kind in enumerate(order):
+        args, kwargs, leaves = call()
+        _sync(device)
+        start = time.perf_counter()
+        out = run_stage(stage, index, count, args, kwargs)
+        if last:
+            out = run_loss(loss_fn, out) if loss_fn is not None and kind != "unlossed" else sum(
+                t.float().sum() for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.is_floating_point())
+        _sync(device)
+        elapsed_f = time.perf_counter() - start
+        if not last and attempt == len(order) - 1:
+            parts = wire.split(out, what=f"output of stage {index}")
+            handed = wire.Split(parts.structure, wire.detached_leaves(parts.tensors))
+            del parts
+        tensors = [t for t in pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in tensors]
+        del out
+        if kind == "split":
+            elapsed_b, elapsed_w = _split_backward(stage, tensors, grads, leaves, device)
+        else:
+            _sync(device)
+            start = time.perf_counter()
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            _sync(device)
+            elapsed_b, elapsed_w = time.perf_counter() - start, 0.0
+        stage.zero_grad(set_to_none=True)
+        if attempt >= warmup:
+            samples[kind].forward.append(elapsed_f)
+            samples[kind].backward.append(elapsed_b)
+            samples[kind].weight.append(elapsed_w)
+    return samples, handed
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of a stage's samples (0.0 for none: a kind that was not timed)."""
+    return statistics.median(values) if values else 0.0
 
 
 def _split_backward(stage: torch.nn.Module, roots: list[torch.Tensor], grads: list[torch.Tensor],

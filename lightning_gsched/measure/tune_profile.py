@@ -5,8 +5,9 @@ model, timing the stages and counting their bytes needs torch and the partitione
 :func:`stage_profile` call per stage count gives everything a candidate with that S needs:
 forward and backward seconds (and B/W apart, as the zero-bubble runtime splits them), the
 share of each that does not shrink with the microbatch's rows (timed again on half the rows)
-and the bytes of ``measure.measure_stage_bytes`` (what a checkpointed stage would keep
-included).
+and the bytes per stage (what a checkpointed stage would keep included): one measuring pass
+(``measure.stage_pass``) gets the seconds and the bytes from the same visit of each stage, and
+one more timing on half the rows gives the shares.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from lightning_gsched.measure.measure_bytes import measure_stage_bytes
-from lightning_gsched.measure.profile import profile_stages
+from lightning_gsched.measure.build_passes import BuildPasses
+from lightning_gsched.measure.profile import Kind
+from lightning_gsched.measure.stage_pass import measure_stages
 from lightning_gsched.partition.api import partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.schedule import validate
@@ -65,32 +67,42 @@ def stage_profile(model: torch.nn.Module, stages: int, args: tuple[Any, ...],
                   kwargs: dict[str, Any] | None = None,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   optimizer_factor: float = 0.0, repeats: int = 3,
-                  **partition_options: Any) -> StageProfile:
+                  passes: BuildPasses | None = None, **partition_options: Any) -> StageProfile:
     """``model`` cut into ``stages`` stages, measured on the microbatch ``args``/``kwargs``.
 
     ``loss_fn(output) -> scalar``: the loss of the last stage (timed and sized with it).
     ``optimizer_factor``: optimizer-state bytes per parameter byte (2 for Adam).
+    ``passes``: where the measuring pass is kept for later consumers (the memory report).
     ``partition_options``: as :func:`partition` takes them (``balance``, ``leaf_modules``...).
     """
     kwargs = kwargs or {}
     # a measurement, not the split that trains: the engine verifies the one it builds
     part = partition(model, stages, args, kwargs, **{"verify": False, **partition_options})
-    whole = profile_stages(part.stages, args, kwargs, loss_fn=loss_fn, repeats=repeats)
-    split = profile_stages(part.stages, args, kwargs, loss_fn=loss_fn, repeats=repeats,
-                           split_backward=True)
-    sizes = measure_stage_bytes(part.stages, args, kwargs, loss_fn=loss_fn,
-                                optimizer_factor=optimizer_factor)
     rows = _rows(args, kwargs)
+    # the row shares below compare seconds without the loss: the last stage is timed so too
+    unlossed: tuple[Kind, ...] = ("unlossed",) if rows >= 2 and loss_fn is not None else ()
+    # one pass: seconds (whole and split backward) and bytes from the same visit of each stage
+    measured = measure_stages(part.stages, args, kwargs, loss_fn,
+                              kinds=("whole", "split", *unlossed), repeats=repeats,
+                              sizes=True, optimizer_factor=optimizer_factor)
+    if passes is not None:
+        passes.record(part.stage_units, args, kwargs, measured)
+    whole, split, sizes = measured.times, measured.split, measured.sizes
+    assert whole is not None and split is not None and sizes is not None
     fixed = None
     if rows >= 2:
-        # what does not shrink with the rows: the stages timed again (without the loss, whose
-        # targets belong to the full microbatch) on all rows and on half of them
+        # what does not shrink with the rows: the stages' seconds without the loss (whose
+        # targets belong to the full microbatch) on all rows, from the pass, against one more
+        # timing on half of them
         keep = rows // 2
         half_args, half_kwargs = _first_rows(args, kwargs, rows, keep)
-        full = profile_stages(part.stages, args, kwargs, repeats=repeats)
-        half = profile_stages(part.stages, half_args, half_kwargs, repeats=repeats)
-        fixed = (fixed_shares(full.forward, half.forward, keep / rows),
-                 fixed_shares(full.backward, half.backward, keep / rows))
+        last_f, last_b = measured.unlossed_last or (whole.forward[-1], whole.backward[-1])
+        full_f, full_b = [*whole.forward[:-1], last_f], [*whole.backward[:-1], last_b]
+        half = measure_stages(part.stages, half_args, half_kwargs, kinds=("whole",),
+                              repeats=repeats).times
+        assert half is not None
+        fixed = (fixed_shares(full_f, half.forward, keep / rows),
+                 fixed_shares(full_b, half.backward, keep / rows))
     return StageProfile(
         stages=stages, rows=rows, forward=tuple(whole.forward),
         backward=tuple(whole.backward), sizes=sizes,
@@ -105,7 +117,7 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
                checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,
                stages: int | None = None, micro: int | None = None, R: int | None = None,
                replicas: int | None = None, top: int | None = TOP,
-               **partition_options: Any) -> TuneResult:
+               passes: BuildPasses | None = None, **partition_options: Any) -> TuneResult:
     """Rank the library configurations for ``model`` on ``workers`` ranks (``gsched tune``).
 
     ``args``/``kwargs``: one microbatch (its rows are the profile's; other microbatch sizes are
@@ -119,7 +131,8 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
     ``costs``: the runtime's costs per message, job and step (``runtime.calibrate()`` on the
     job's process group; default ``schedule.runtime_costs.DEFAULT_COSTS``).
     The model is profiled once per stage count the candidates need, with its buffers and the
-    RNG restored afterwards; ``partition_options`` go to :func:`partition`.
+    RNG restored afterwards; ``partition_options`` go to :func:`partition`. ``passes``: where
+    each stage count's measuring pass is kept (the engine's memory report reuses them).
     """
     limit = None if budget is None else validate.byte_size("memory_budget", budget)
     profiles: dict[int, StageProfile] = {}
@@ -128,7 +141,8 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
         if count not in profiles:
             with preserved_tensors_and_rng(model):
                 profiles[count] = stage_profile(model, count, args, kwargs, loss_fn,
-                                                optimizer_factor, repeats, **partition_options)
+                                                optimizer_factor, repeats, passes=passes,
+                                                **partition_options)
         return profiles[count]
 
     return tune(workers, global_rows, profile_of, budget=limit, costs=costs,

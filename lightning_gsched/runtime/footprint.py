@@ -109,6 +109,24 @@ class SavedTensorBytes:
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
 
+    def absorb(self, inner: "SavedTensorBytes") -> None:
+        """Count what a nested counter saw (its storages and who holds them) here too.
+
+        Why: nested hooks see only the innermost counter, so a part of a forward (the loss) is
+        counted apart by one; absorbed, this counter's :meth:`alive_storages` also follows the
+        part's saved tensors, as one counter over the whole forward would."""
+        for ptr, nbytes in inner.storages.items():
+            pinned = ptr not in inner._saved_by or (ptr in self.storages
+                                                     and ptr not in self._saved_by)
+            if pinned:
+                self.storages[ptr] = nbytes
+                self._saved_by.pop(ptr, None)
+            elif ptr in self.storages:
+                self._saved_by[ptr].extend(inner._saved_by[ptr])
+            else:
+                self.storages[ptr] = nbytes
+                self._saved_by[ptr] = list(inner._saved_by[ptr])
+
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
