@@ -127,14 +127,19 @@ def row_exchange_check(ctx: WorkerContext, rows: list[int], parts: int,
 
 
 def exchange_check(ctx: WorkerContext, steps: list[dict]) -> list[dict]:
-    """Each step's result of the fast exchange equals the pickled all-gather's."""
+    """Each step's result of the fast exchange (fed tensors) equals the pickled all-gather's
+    (fed the same values as numbers)."""
     fast = LossLogExchange(ctx.world_size, ctx.rank, micro=4, device=torch.device("cpu"))
     out = []
     for step in steps:
         mine = step[str(ctx.rank)]
         losses = {int(b): v for b, v in mine["losses"].items()}
         records = [LogRecord(m, name, value, dict(options)) for m, name, value, options in mine["logs"]]
-        got_losses, got_records = fast(losses, records)
+        # the step hands the fast path 0-dim tensors (read on the host once, by the exchange)
+        as_tensors = [LogRecord(r.micro, r.name, torch.tensor(r.value), r.options)
+                      for r in records]
+        got_losses, got_records = fast({b: torch.tensor(v) for b, v in losses.items()},
+                                       as_tensors)
         gathered = exchange((losses, records), ctx.world_size)
         want_losses = {b: v for part, _ in gathered for b, v in part.items()}
         want_records = [r for _, logs in gathered for r in logs]
