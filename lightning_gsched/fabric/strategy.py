@@ -44,6 +44,7 @@ from lightning_gsched.engine import (
     CheckpointView,
     DeviceMeshSlot,
     PipelineEngine,
+    PreemptionNotice,
     StepCaller,
     check_launch_arguments,
     check_transport,
@@ -51,7 +52,7 @@ from lightning_gsched.engine import (
     pipeline_keywords,
     pipeline_options,
 )
-from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.errors import PreemptedError, StrategyConfigError
 from lightning_gsched.runtime import deferred_parameters, pretrained_weights
 
 
@@ -72,6 +73,12 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     built without weights is streamed to rank 0 one weight unit at a time, never gathered).
     :meth:`evaluate` runs a forward-only schedule, and :meth:`finish` gives every rank the full
     model back. One model per strategy.
+
+    Preemption: SIGTERM (and SIGUSR1, unless the program handles it) to any rank is recorded,
+    not acted on; every rank learns of it in the same :meth:`step` (its loss exchange carries
+    the notice) and :attr:`preempted` becomes True there on every rank, so the loop can save
+    and leave together. A :meth:`step` or :meth:`evaluate` after that raises
+    :class:`~lightning_gsched.errors.PreemptedError` on every rank.
     """
 
     def __init__(
@@ -135,6 +142,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         self._engine: PipelineEngine | None = None
         self._optimizers: list[Optimizer] = []
         self._mesh = DeviceMeshSlot()  # engine/mesh.py
+        self._preemption = PreemptionNotice()  # installed at launch, in every rank's process
+        self._steps = 0  # calls of step(): names the step a preemption was agreed in
 
     @property
     def engine(self) -> PipelineEngine | None:
@@ -148,10 +157,25 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         before, a StrategyConfigError says so (engine/mesh.py)."""
         return self._mesh.mesh
 
+    @property
+    def preempted(self) -> bool:
+        """True on every rank from the :meth:`step` (or :meth:`evaluate`) in which every rank
+        learnt of a SIGTERM/SIGUSR1 that reached any of them: save and leave the loop then."""
+        return bool(self._preemption.agreed)
+
+    @property
+    def preemption(self) -> str | None:
+        """Which signal reached which rank, agreed in which step (None: no preemption)."""
+        if not self._preemption.agreed:
+            return None
+        return self._preemption.describe(self.global_rank, "every rank stops after it")
+
     def setup_environment(self) -> None:
-        """DDP's process group, then the device mesh when G is known (a named schedule)."""
+        """DDP's process group, the device mesh when G is known (a named schedule), and the
+        preemption handlers (SIGTERM, SIGUSR1) in this rank's process."""
         super().setup_environment()
         self._mesh.make_if_decided(self.schedule_config, self.world_size, self.root_device.type)
+        self._preemption.install()
 
     # ------------------------------------------------------------------ setup
 
@@ -246,12 +270,31 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         other ranks own have no gradient (their optimizer state stays with their owner).
         """
         engine = self._engine_of(model)
+        self._refuse_after_preemption("step")
         caller = self._caller(engine, model, loss_fn)
+        self._steps += 1
         with _inside_fabric_backward():  # precision: around each stage forward (setup_module)
-            outcome = engine.training_step(batch, caller)
+            outcome = engine.training_step(batch, caller, self._pending_signal)
         engine.hand_over_grads(1.0)
+        self._agree(outcome.notices, f"step {self._steps}")
         loss: torch.Tensor = outcome.value
         return loss
+
+    def _pending_signal(self) -> int:
+        return self._preemption.pending
+
+    def _agree(self, notices: list[int], where: str) -> None:
+        """Every rank saw every rank's pending signal in this step's exchange: print it."""
+        if self._preemption.agree(notices, where):
+            print(self._preemption.describe(  # every rank: the logs show that all stopped
+                self.global_rank, "save a checkpoint and leave the loop (fabric.strategy."
+                "preempted is True on every rank)"), flush=True)
+
+    def _refuse_after_preemption(self, call: str) -> None:
+        if self._preemption.agreed:
+            raise PreemptedError(self._preemption.describe(
+                self.global_rank, f"fabric.strategy.{call} was called after it. When "
+                "fabric.strategy.preempted is True, save (fabric.save) and leave the loop"))
 
     def evaluate(self, model: Any, batch: Any, fn: Callable[[Any, Any], Any]) -> Any:
         """A forward-only run of the schedule (validation, test, prediction; collective).
@@ -263,7 +306,11 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         ``model.eval()``/``model.train()`` around it as you would without a pipeline.
         """
         engine = self._engine_of(model)
-        return engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True).value
+        self._refuse_after_preemption("evaluate")
+        outcome = engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True,
+                                   notice=self._pending_signal)
+        self._agree(outcome.notices, f"an evaluation after step {self._steps}")
+        return outcome.value
 
     @staticmethod
     def _caller(engine: PipelineEngine, model: Any, fn: Callable[[Any, Any], Any]) -> StepCaller:
@@ -413,6 +460,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
 
     def teardown(self) -> None:
         self.finish()
+        self._preemption.uninstall()
         super().teardown()
 
     @classmethod
