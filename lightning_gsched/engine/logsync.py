@@ -6,7 +6,9 @@ there exists on one rank only. Lightning expects every rank to make the same ``s
 read the value on every rank). One exchange per step (:class:`LossLogExchange`: a single
 all-reduce while the logged names stay the same) brings every microbatch's records and loss to
 every rank; each name is then reduced over the global batch the way a single device
-would have seen it, and logged with the user's options on every rank.
+would have seen it, and logged with the user's options on every rank. The logged values arrive
+here as tensors (engine/intercept.py) and become host numbers in the exchange's one read (with
+the losses): no read per value and microbatch.
 
 Reduction over microbatches: ``reduce_fx`` "mean" (the default) takes the row-weighted mean (the
 value of a per-row average on the whole batch), "sum" the sum, "max"/"min" the extremes.
