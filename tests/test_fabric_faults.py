@@ -11,6 +11,7 @@ wait is bounded (the job's ``step_timeout`` is 30 s): a rank without a result is
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +21,13 @@ import torch
 
 from launched_jobs import wait_for_ranks
 
-pytestmark = pytest.mark.distributed
-
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "fabric_preempt_script.py"
 BOUND = 180.0  # start-up (~10 s per process on 2 cores) + a few step_timeouts (30 s)
 SIGNAL_RANK, SIGNAL_STEP = 1, 2  # loop index 2: the third step
 
 
+@pytest.mark.distributed
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     with open(tmp_path / "log.txt", "w") as log:
@@ -51,3 +51,37 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path
     assert saved["step"] == SIGNAL_STEP + 1
     assert set(saved["model"]) == {f"layers.{i}.{p}" for i in range(4)
                                    for p in ("weight", "bias")}
+
+
+def test_the_handler_records_chains_and_is_put_back() -> None:
+    """In one process: SIGTERM is recorded (the process lives), a program's own SIGTERM handler
+    still runs, a program's own SIGUSR1 handler stays in charge, and uninstall puts both back;
+    the ranks' notices agree once, naming each signal and rank."""
+    from lightning_gsched.engine import PreemptionNotice
+
+    seen: list[int] = []
+
+    def own(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    notice = PreemptionNotice()
+    try:
+        signal.signal(signal.SIGTERM, own)
+        signal.signal(signal.SIGUSR1, own)
+        notice.install()
+        assert signal.getsignal(signal.SIGUSR1) is own
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert notice.pending == signal.SIGTERM and seen == [signal.SIGTERM, signal.SIGUSR1]
+        notice.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        notice.uninstall()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    assert not notice.agree([0, 0], "step 1") and not notice.agreed
+    assert notice.agree([0, int(signal.SIGTERM)], "step 2")
+    assert not notice.agree([int(signal.SIGUSR1), 0], "step 3")  # the first agreement stays
+    assert notice.describe(0, "stop.") == (
+        "rank 0: preemption notice (SIGTERM on rank 1) agreed by every rank in step 2; stop.")

@@ -271,6 +271,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         """
         engine = self._engine_of(model)
         self._refuse_after_preemption("step")
+        self._preemption.install()  # again after a finish(): a new pipeline
         caller = self._caller(engine, model, loss_fn)
         self._steps += 1
         with _inside_fabric_backward():  # precision: around each stage forward (setup_module)
@@ -307,6 +308,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         """
         engine = self._engine_of(model)
         self._refuse_after_preemption("evaluate")
+        self._preemption.install()
         outcome = engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True,
                                    notice=self._pending_signal)
         self._agree(outcome.notices, f"an evaluation after step {self._steps}")
@@ -452,15 +454,15 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         """End the pipeline (collective): every rank gets the full weights and optimizer state
         back (unless a rank failed) and the pipeline's process groups are released.
 
-        Afterwards the model is an ordinary full model on every rank; a later :meth:`step`
-        builds a new pipeline.
+        Afterwards the model is an ordinary full model on every rank, SIGTERM and SIGUSR1 act
+        as they did before ``fabric.launch()``, and a later :meth:`step` builds a new pipeline.
         """
         if self._engine is not None:
             self._engine.close(gather=True)
+        self._preemption.uninstall()  # no pipeline left to stop together: signals act as usual
 
     def teardown(self) -> None:
         self.finish()
-        self._preemption.uninstall()
         super().teardown()
 
     @classmethod
