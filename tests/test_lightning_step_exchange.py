@@ -190,3 +190,21 @@ def test_loss_log_exchange_equals_object_gather_across_layout_changes(worlds):
         # the pickled gather ran exactly on the steps whose layout changed on some rank: the
         # first, when rank 1 added a name, when it dropped it again, and when options changed
         assert [r["object_exchanges"] for r in per_step] == [1, 1, 2, 2, 3, 4]
+
+
+def test_one_rank_reads_losses_and_logged_tensors_as_numbers_in_one_read():
+    """W=1: losses and records (tensors and numbers) come back as host numbers, the same
+    values, read with one ``tolist`` (no ``item`` per value)."""
+    from test_runtime_sync_free import SyncCounter
+
+    fast = LossLogExchange(1, 0, micro=2, device=torch.device("cpu"))
+    losses = {0: torch.tensor(1.5), 1: torch.tensor(2.25)}
+    records = [LogRecord(0, "a", torch.tensor(0.5), {}), LogRecord(1, "a", 3.0, {}),
+               LogRecord(1, "b", torch.tensor(-7.0, dtype=torch.bfloat16), {"reduce_fx": "max"})]
+    with SyncCounter() as reads:
+        got_losses, got_records = fast(losses, records)
+    assert dict(reads.calls) == {"tolist": 1}
+    assert got_losses == {0: 1.5, 1: 2.25}
+    assert [(r.micro, r.name, r.value, r.options) for r in got_records] == [
+        (0, "a", 0.5, {}), (1, "a", 3.0, {}), (1, "b", -7.0, {"reduce_fx": "max"})]
+    assert all(type(r.value) is float for r in got_records)

@@ -99,7 +99,7 @@ class LossLogExchange:
         packed[-1 - W + self.rank] = float(notice)
         if losses:
             micros = sorted(losses)
-            index = torch.tensor(micros, device=self.device)
+            index = torch.tensor(micros).to(self.device, non_blocking=True)
             packed[index] = _as_float64([losses[b] for b in micros], self.device)
             packed[index + B] = 1.0
         changed = self.layout is None or mine != self.layout[self.rank]
@@ -144,13 +144,18 @@ class LossLogExchange:
 
 
 def _as_float64(values: list[Any], device: torch.device) -> torch.Tensor:
-    """Numbers and 0-dim tensors as one float64 vector on ``device``, without a host read."""
+    """Numbers and 0-dim tensors as one float64 vector on ``device``, without a host read and
+    without a blocking copy: the numbers cross to the device in one non-blocking copy (a
+    ``torch.tensor(x, device="cuda")`` per number would wait for the device each time)."""
     if not values:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([torch.as_tensor(v).detach().reshape(()).to(device, torch.float64)
-                        if isinstance(v, torch.Tensor)
-                        else torch.tensor(float(v), dtype=torch.float64, device=device)
-                        for v in values])
+    numbers = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values],
+                           dtype=torch.float64).to(device, non_blocking=True)
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return numbers
+    return torch.stack([v.detach().reshape(()).to(device, torch.float64, non_blocking=True)
+                        if isinstance(v, torch.Tensor) else numbers[i]
+                        for i, v in enumerate(values)])
 
 
 def _with_values(records: list[LogRecord], values: list[float]) -> list[LogRecord]:
