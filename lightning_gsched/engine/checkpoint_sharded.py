@@ -161,7 +161,7 @@ def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) ->
             if rank == 0:
                 checkpoint_files.remove_stale(path)
                 os.makedirs(staging)
-        gathered = phases.exchange.gather(others)
+        gathered = phases.gather(others, "gathering the optimizers' non-tensor state")
         with phases.phase("writing its shards"):
             dcp.save(tensors, checkpoint_id=staging)  # type: ignore[attr-defined]
             if rank == 0:
@@ -211,6 +211,18 @@ class _Phases:
         self.path, self.rank = path, rank
         self.exchange = BoundedExchange(timeout)
 
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (bounded); a peer that never answers is named as such."""
+        try:
+            return self.exchange.gather(value)
+        except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointWriteError(
+                f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
+                f"within {self.exchange.timeout:g} s (step_timeout) while {what}: a rank died "
+                f"or hangs ({reason}). The previous checkpoint under that name is kept"
+            ) from exc
+
     @contextmanager
     def phase(self, what: str) -> Iterator[None]:
         """Run the body; then every rank learns every rank's outcome. This rank's own failure
@@ -223,13 +235,11 @@ class _Phases:
             error = exc
         mine = None if error is None else f"{type(error).__name__}: {error}"
         try:
-            outcomes = self.exchange.gather(mine)
-        except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
-            raise CheckpointWriteError(
-                f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
-                f"within {self.exchange.timeout:g} s (step_timeout) while {what}: a rank died "
-                f"or hangs ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). "
-                "The previous checkpoint under that name is kept") from (error or exc)
+            outcomes = self.gather(mine, what)
+        except CheckpointWriteError:
+            if error is None:
+                raise
+            outcomes = []  # this rank's own failure is the news: raised below
         if error is not None:
             raise error
         failed = [(r, outcome) for r, outcome in enumerate(outcomes) if outcome is not None]

@@ -42,6 +42,7 @@ from lightning_gsched.engine import (
     CheckpointService,
     CheckpointSettings,
     CheckpointView,
+    ControlGroup,
     DeviceMeshSlot,
     PipelineEngine,
     PreemptionNotice,
@@ -143,6 +144,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         self._optimizers: list[Optimizer] = []
         self._mesh = DeviceMeshSlot()  # engine/mesh.py
         self._preemption = PreemptionNotice()  # installed at launch, in every rank's process
+        self._control: ControlGroup | None = None  # barrier, broadcast, the engine's exchanges
         self._steps = 0  # calls of step(): names the step a preemption was agreed in
 
     @property
@@ -176,6 +178,10 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         super().setup_environment()
         self._mesh.make_if_decided(self.schedule_config, self.world_size, self.root_device.type)
         self._preemption.install()
+        if self.world_size > 1 and self._control is None:
+            # the strategy's own collectives wait step_timeout at most, not the launcher's
+            # timeout (30 minutes), and stop at once when a rank reports a failure
+            self._control = ControlGroup(self.global_rank, self.step_timeout)
 
     # ------------------------------------------------------------------ setup
 
@@ -217,7 +223,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
                 transport=self.transport,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
-                device=self.root_device, init_weights=self.init_weights,
+                device=self.root_device, init_weights=self.init_weights, control=self._control,
                 device_mesh=self._mesh, checkpoints=self._checkpoints,
             )
         return module
@@ -340,6 +346,34 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         return self._engine.clip_grad_norm(params, float(max_norm), float(norm_type),
                                            error_if_nonfinite)
 
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Over the strategy's control group: bounded by step_timeout, and released at once
+        when a rank reports a failure (e.g. a failed ``fabric.save``, which ends in a barrier)."""
+        control = self._control
+        if control is None or control.closed:
+            return super().barrier(*args, **kwargs)
+        control.run("a barrier", lambda: torch.distributed.barrier(group=control.group))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        control = self._control
+        if control is None or control.closed:
+            return super().broadcast(obj, src)
+        box = [obj]
+        control.run("a broadcast", lambda: torch.distributed.broadcast_object_list(
+            box, src, group=control.group))
+        return box[0]
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        """This rank failed in a collective call: tell the job and drop the connections, so
+        peers waiting on this rank stop at once with an error naming it."""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        message = (f"rank {self.global_rank} failed in {where}: {type(exc).__name__}"
+                   + (f": {text}" if text else ""))
+        if self._engine is not None:
+            self._engine.abort(message)
+        elif self._control is not None:
+            self._control.abort(message)
+
     # ------------------------------------------------------------------ checkpoints
     # Fabric's save/load hooks, each translated into calls on the engine's checkpoint service
     # (the Trainer strategy's hooks make the same calls): it decides gathered or streamed,
@@ -387,15 +421,21 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         path gets the real checkpoint, written by rank 0."""
         view = self._view()
         includes_model = any(self._pipelines(obj) for obj in state.values())
-        with self._checkpoints.saving(view, includes_model):
-            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
 
         def hand_on(checkpoint: dict[str, Any]) -> None:
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint=checkpoint, path=path,
                                                    storage_options=storage_options)
 
-        self._checkpoints.write(view, converted, path, storage_options, hand_on)
+        try:
+            with self._checkpoints.saving(view, includes_model):
+                converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+            self._checkpoints.write(view, converted, path, storage_options, hand_on)
+        except Exception as exc:
+            # the peers are on their way to fabric.save's barrier (or in the gather): they
+            # stop at once, naming this rank, instead of waiting for it
+            self._failed(f"fabric.save({str(path)!r})", exc)
+            raise
 
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -463,6 +503,9 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
 
     def teardown(self) -> None:
         self.finish()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         super().teardown()
 
     @classmethod
