@@ -140,3 +140,12 @@ class CheckpointWriteError(GschedError, OSError):
     no rank waits on a transfer that stopped; nothing is left under the name (the previous file,
     if any, is untouched).
     """
+
+
+class PreemptedError(GschedError, RuntimeError):
+    """A Fabric loop stepped on after every rank agreed on a preemption notice (SIGTERM/SIGUSR1).
+
+    Raised by ``fabric.strategy.step`` / ``evaluate`` on every rank at the same call, so a loop
+    that does not read ``fabric.strategy.preempted`` still stops together instead of training
+    into the scheduler's kill; the message names the signal, the rank it reached and the step.
+    """

@@ -1,7 +1,9 @@
 """Checkpoints under faults: an interrupted save leaves nothing behind, a bad ckpt_path fails.
 
 An interrupted save (the writer raises midway, as a full disk or a kill between write and
-rename would leave it) must leave the previous checkpoint under that name intact, and no
+rename would leave it, or, for a sharded save, rank 0 fails to put the written directory in
+place: every rank must stop, the others with an error naming rank 0, not wait in a barrier)
+must leave the previous checkpoint under that name intact, and no
 temporary file, neither next to the checkpoint nor in the system temporary folder (each worker
 points ``tempfile.tempdir`` at a folder of its own, which must stay empty). A truncated file,
 another model's checkpoint, or a sharded directory without its metadata given to
@@ -96,8 +98,33 @@ def interrupted_save_on_worker(ctx: WorkerContext, options: dict, tmp: str, path
         error = str(exc)
     finally:
         ckpt_files.torch.save, sharded.dcp.save = real_torch_save, real_dcp_save
+    outside = None
+    if options["state_dict_type"] == "sharded":  # then a failure outside the writer, rank 0
+        outside = _save_failing_outside_the_writer(ctx, fit, path)
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "seen": seen, "error": error}
+            "seen": seen, "error": error, "outside": outside}
+
+
+def _save_failing_outside_the_writer(ctx: WorkerContext, fit: Any, path: str) -> tuple:
+    """A sharded save whose shards are written but whose swap into place fails on rank 0
+    (the peers used to wait for it in a barrier of the default group, 30 minutes): how each
+    rank's save ended, (error type, message)."""
+    from lightning_gsched.engine import checkpoint_files as ckpt_files
+
+    def refused(staging: str, target: str) -> None:
+        raise OSError("simulated: rename refused")
+
+    real = ckpt_files.swap_in_directory
+    if ctx.rank == 0:
+        ckpt_files.swap_in_directory = refused  # type: ignore[assignment]
+    try:
+        checkpoint = fit._checkpoint_connector.dump_checkpoint(weights_only=False)
+        fit.strategy.save_checkpoint(checkpoint, path)
+    except OSError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        ckpt_files.swap_in_directory = real  # type: ignore[assignment]
+    return None, None
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
@@ -114,6 +141,12 @@ def test_interrupted_save_leaves_the_previous_checkpoint_and_no_temporary_file(
         assert results[rank]["error"] == "simulated: no space left on device"
         partial = [n for n in results[rank]["seen"] if n.startswith(".last.ckpt.")]
         assert partial and all(n.endswith(".partial") for n in partial), results[rank]["seen"]
+    if state_dict_type == "sharded":  # rank 0 failed after the shards: every rank stopped
+        assert results[0]["outside"] == ("OSError", "simulated: rename refused")
+        kind, message = results[1]["outside"]
+        assert kind == "CheckpointWriteError", message
+        assert f"the sharded save of {path} failed on rank 0 while putting the directory in " \
+               "place (OSError: simulated: rename refused)" in message
     assert sorted(os.listdir(directory)) == ["last.ckpt"]  # nothing else left
     for rank in range(2):
         assert _files_in(tmp_path / f"systmp{rank}") == []

@@ -393,3 +393,41 @@ def test_fabric_backward_names_the_step_to_call_instead() -> None:
 
     with pytest.raises(StrategyConfigError, match=r"fabric\.strategy\.step\(model, batch"):
         GeneralParallelFabric().backward(torch.ones((), requires_grad=True), None)
+
+
+def failing_save(ctx: WorkerContext, path: str) -> tuple[str, str]:
+    """One step, then a ``fabric.save`` whose write fails on rank 0: how each rank's save
+    ended, (error type, message). The others used to wait in Fabric's barrier after the save
+    on the default group (the launcher's 30 minutes); they now stop at once, naming rank 0."""
+    from lightning_gsched.engine import checkpoint_files
+
+    fabric = pipelined_fabric(ctx, "1f1b", options={"step_timeout": 60})
+    model, optimizer = setup(fabric)
+    batch = share(global_batches()[0], ctx.rank, ctx.world_size)
+    train(fabric, model, optimizer, [batch], pipelined=True)
+
+    def disk_full(checkpoint: Any, target: Any) -> None:
+        raise OSError("simulated: no space left on device")
+
+    real = checkpoint_files.atomic_save
+    if ctx.rank == 0:
+        checkpoint_files.atomic_save = disk_full  # type: ignore[assignment]
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer})
+    except Exception as exc:  # noqa: BLE001 - the test reads how each rank ended
+        return type(exc).__name__, str(exc)
+    finally:
+        checkpoint_files.atomic_save = real  # type: ignore[assignment]
+    return "saved", ""
+
+
+def test_a_save_failing_on_rank_0_stops_every_rank_naming_it(worlds, tmp_path) -> None:
+    """Last in the module: the failed ranks' groups are closed, as after any failure."""
+    results = worlds.get(WORLD).run(failing_save, str(tmp_path / "ckpt.pt"))
+    assert results[0] == ("OSError", "simulated: no space left on device")
+    kind, message = results[1]
+    assert kind == "RuntimeFault", message
+    assert "rank 1 stopped in a barrier" in message
+    assert (f"First failure reported in the job: rank 0 failed in fabric.save("
+            f"'{tmp_path / 'ckpt.pt'}'): OSError: simulated: no space left on device") in message
+    assert not (tmp_path / "ckpt.pt").exists()

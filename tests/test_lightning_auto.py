@@ -7,6 +7,8 @@
 * with a budget between the smallest and the largest peak of that search (decided in a training
   step this time), the pick's predicted peak is under it, and so is the memory report's
   prediction for the plan the run executed;
+* a refused calibration (CalibrationError on every rank) falls back to the default costs, says
+  so in the startup text, and trains like one device;
 * an impossible budget fails the fit on every rank with the tuner's ScheduleConfigError naming
   the smallest peak (no hang);
 * ``GeneralParallelFabric("auto", stages=2)`` trains like a single-device Fabric loop, every
@@ -58,11 +60,28 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def fit_auto(ctx: WorkerContext, validate_first: bool, **options: Any) -> dict:
-    """One 3-step fit under GeneralParallel("auto", **options); what the test compares."""
+REFUSED = "simulated: the all-reduce bandwidth cannot be fitted"
+
+
+def fit_auto(ctx: WorkerContext, validate_first: bool, refuse_calibration: bool = False,
+             **options: Any) -> dict:
+    """One 3-step fit under GeneralParallel("auto", **options); what the test compares.
+    ``refuse_calibration``: the runtime's calibration raises CalibrationError on every rank
+    (as it does alike on every rank when the measured figures do not fit the cost model)."""
     from lightning_gsched import GeneralParallel
+    from lightning_gsched.engine import auto
+    from lightning_gsched.errors import CalibrationError
 
     as_worker(ctx.rank)
+    calibrations: list[str] = []
+
+    def refused() -> Any:
+        calibrations.append("refused")
+        raise CalibrationError(REFUSED)
+
+    real_calibrate = auto.calibrate
+    if refuse_calibration:
+        auto.calibrate = refused
     printed = _Lines()
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     logger.addHandler(printed)
@@ -78,6 +97,7 @@ def fit_auto(ctx: WorkerContext, validate_first: bool, **options: Any) -> dict:
         run.fit(model, loader, val_dataloaders=loader if validate_first else None)
     finally:
         logger.removeHandler(printed)
+        auto.calibrate = real_calibrate
     config = strategy.schedule_config
     chosen = config.chosen
     plan = config.training_plan(ctx.world_size)
@@ -95,6 +115,7 @@ def fit_auto(ctx: WorkerContext, validate_first: bool, **options: Any) -> dict:
         "fits": [(v.peak, v.fits) for v in result.verdicts if v.peak is not None],
         "reported_peak": max(m.peak for m in report.predicted) if report.predicted else None,
         "printed": "\n".join(printed.lines),
+        "calibrations": calibrations,
     }
 
 
@@ -155,6 +176,22 @@ def test_a_fixed_data_parallel_size_picks_replicas_that_train_like_one_device(wo
     assert f"data_parallel_size=2, data_parallel={mode!r}" in text
     for rank in range(WORLD):
         assert_same_state(out[rank]["state"], _reference(), f"auto G=2 rank {rank}")
+
+
+@pytest.mark.distributed
+def test_a_refused_calibration_ranks_with_the_default_costs_and_trains(worlds) -> None:
+    """calibrate() raising CalibrationError (every rank alike) does not stop the run: the
+    tuner ranks with DEFAULT_COSTS, the startup text says so and why, every rank runs the same
+    pick, and it trains like one device."""
+    out = worlds.get(WORLD).run(fit_auto, False, True)
+    assert [r["calibrations"] for r in out] == [["refused"]] * WORLD  # once, on every rank
+    assert out[0]["chosen"] == out[1]["chosen"] and out[0]["programs"] == out[1]["programs"]
+    text = out[0]["printed"]
+    assert "runtime costs (defaults):" in text
+    assert (f"the runtime's costs could not be measured ({REFUSED}); the tuner ranked with "
+            "the default costs (DEFAULT_COSTS)") in text
+    for rank in range(WORLD):
+        assert_same_state(out[rank]["state"], _reference(), f"refused calibration rank {rank}")
 
 
 @pytest.mark.distributed

@@ -14,12 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from launched_jobs import wait_for_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -47,31 +48,7 @@ def run_job(tmp: Path, schedule: str, world: int, fault: str, rank: int, step: i
         launcher = subprocess.Popen(
             [sys.executable, str(SCRIPT), str(tmp), schedule, str(world), fault, str(rank),
              str(step), where, state_dict_type], env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + BOUND
-    files = [tmp / f"rank{r}.json" for r in range(world)]
-    launcher_gone = float("inf")  # rank 0 is the launcher: once it is gone, give the rest 10 s
-    while (not all(f.exists() for f in files) and time.monotonic() < deadline
-           and time.monotonic() < launcher_gone + 10.0):
-        if launcher.poll() is not None:
-            launcher_gone = min(launcher_gone, time.monotonic())
-        time.sleep(0.5)
-    missing = [r for r, f in enumerate(files) if not f.exists()]
-    if missing and launcher.poll() is not None and not (tmp / "rank0.json").exists():
-        pytest.fail(f"rank 0 (the launcher) ended with code {launcher.returncode} without "
-                    f"writing its result; ranks {missing} have none:\n"
-                    + (tmp / "log.txt").read_text()[-3000:])
-    if missing:  # a hang: stop every rank we started, then fail naming the ones stuck
-        for pid_file in tmp.glob("pid*"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        launcher.kill()
-        log_tail = (tmp / "log.txt").read_text()[-3000:]
-        pytest.fail(f"ranks {missing} did not end within {BOUND:g} s (a hang):\n{log_tail}")
-    launcher.wait(timeout=60)
-    time.sleep(0.5)  # the result files are written just before each process exits
-    return [json.loads(f.read_text()) for f in files]
+    return wait_for_ranks(launcher, tmp, world, BOUND)
 
 
 PREEMPTIONS = [

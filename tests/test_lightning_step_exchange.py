@@ -127,14 +127,19 @@ def row_exchange_check(ctx: WorkerContext, rows: list[int], parts: int,
 
 
 def exchange_check(ctx: WorkerContext, steps: list[dict]) -> list[dict]:
-    """Each step's result of the fast exchange equals the pickled all-gather's."""
+    """Each step's result of the fast exchange (fed tensors) equals the pickled all-gather's
+    (fed the same values as numbers)."""
     fast = LossLogExchange(ctx.world_size, ctx.rank, micro=4, device=torch.device("cpu"))
     out = []
     for step in steps:
         mine = step[str(ctx.rank)]
         losses = {int(b): v for b, v in mine["losses"].items()}
         records = [LogRecord(m, name, value, dict(options)) for m, name, value, options in mine["logs"]]
-        got_losses, got_records = fast(losses, records)
+        # the step hands the fast path 0-dim tensors (read on the host once, by the exchange)
+        as_tensors = [LogRecord(r.micro, r.name, torch.tensor(r.value), r.options)
+                      for r in records]
+        got_losses, got_records = fast({b: torch.tensor(v) for b, v in losses.items()},
+                                       as_tensors)
         gathered = exchange((losses, records), ctx.world_size)
         want_losses = {b: v for part, _ in gathered for b, v in part.items()}
         want_records = [r for _, logs in gathered for r in logs]
@@ -185,3 +190,21 @@ def test_loss_log_exchange_equals_object_gather_across_layout_changes(worlds):
         # the pickled gather ran exactly on the steps whose layout changed on some rank: the
         # first, when rank 1 added a name, when it dropped it again, and when options changed
         assert [r["object_exchanges"] for r in per_step] == [1, 1, 2, 2, 3, 4]
+
+
+def test_one_rank_reads_losses_and_logged_tensors_as_numbers_in_one_read():
+    """W=1: losses and records (tensors and numbers) come back as host numbers, the same
+    values, read with one ``tolist`` (no ``item`` per value)."""
+    from test_runtime_sync_free import SyncCounter
+
+    fast = LossLogExchange(1, 0, micro=2, device=torch.device("cpu"))
+    losses = {0: torch.tensor(1.5), 1: torch.tensor(2.25)}
+    records = [LogRecord(0, "a", torch.tensor(0.5), {}), LogRecord(1, "a", 3.0, {}),
+               LogRecord(1, "b", torch.tensor(-7.0, dtype=torch.bfloat16), {"reduce_fx": "max"})]
+    with SyncCounter() as reads:
+        got_losses, got_records = fast(losses, records)
+    assert dict(reads.calls) == {"tolist": 1}
+    assert got_losses == {0: 1.5, 1: 2.25}
+    assert [(r.micro, r.name, r.value, r.options) for r in got_records] == [
+        (0, "a", 0.5, {}), (1, "a", 3.0, {}), (1, "b", -7.0, {"reduce_fx": "max"})]
+    assert all(type(r.value) is float for r in got_records)

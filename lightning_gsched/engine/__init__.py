@@ -12,6 +12,7 @@ Modules, one job each: :mod:`.options` (the arguments both front ends take), :mo
 the user's step around the model's call), :mod:`.logsync` (losses and logged values),
 :mod:`.auto` (``schedule="auto"`` decided at the first batch), :mod:`.memory_report`
 (predicted and measured bytes), :mod:`.control` (the strategy's own bounded collectives),
+:mod:`.preemption` (a signal agreed by every rank at a step's exchange),
 :mod:`.checkpoint` (the checkpoint service: every save and load of both front ends; its
 mechanisms in :mod:`.checkpoint_files`, :mod:`.checkpoint_sharded` and
 :mod:`.checkpoint_check`), :mod:`.engine`.
@@ -42,6 +43,7 @@ from lightning_gsched.engine.options import (
     pipeline_keywords,
     pipeline_options,
 )
+from lightning_gsched.engine.preemption import PreemptionNotice, signal_name
 
 __all__ = [
     "FABRIC",
@@ -53,6 +55,7 @@ __all__ = [
     "DeviceMeshSlot",
     "MemoryReport",
     "PipelineEngine",
+    "PreemptionNotice",
     "StepCaller",
     "StreamStats",
     "check_launch_arguments",
@@ -61,4 +64,5 @@ __all__ = [
     "pipeline_keywords",
     "pipeline_options",
     "replay",
+    "signal_name",
 ]

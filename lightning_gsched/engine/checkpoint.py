@@ -197,7 +197,7 @@ class CheckpointService:
         ``hand_on(checkpoint)``: the front end's own writer (a user's CheckpointIO or a remote
         path), which gets real tensors (streamed ones collected on rank 0)."""
         if self.state_dict_type == "sharded":
-            checkpoint_sharded.save(checkpoint, path, view.rank)
+            checkpoint_sharded.save(checkpoint, path, view.rank, view.timeout)
             return
         local = self.writes_here(view.checkpoint_io, path, storage_options)
         runtime = view.runtime

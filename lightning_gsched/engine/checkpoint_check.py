@@ -14,14 +14,13 @@ file and what is wrong.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_gsched.engine.checkpoint_sharded import META
+from lightning_gsched.engine.rank_exchange import BoundedExchange
 from lightning_gsched.errors import CheckpointError
 
 TRAINER = "ckpt_path"  # how the messages name the argument read
@@ -137,16 +136,11 @@ class Agreement:
     """The ranks exchange what each found; any problem becomes every rank's CheckpointError."""
 
     def __init__(self, timeout: float) -> None:
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.group: Any = None
-        if self.world > 1:  # gloo: the exchange is of small Python objects, on CPU
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.exchange = BoundedExchange(timeout)
+        self.world = self.exchange.world
 
     def __call__(self, problem: Optional[str]) -> None:
-        problems: list[Optional[str]] = [problem]
-        if self.group is not None:
-            problems = [None] * self.world
-            dist.all_gather_object(problems, problem, group=self.group)
+        problems: list[Optional[str]] = self.exchange.gather(problem)
         found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
         if not found:
             return
@@ -157,9 +151,7 @@ class Agreement:
         raise CheckpointError(first)
 
     def close(self) -> None:
-        if self.group is not None:
-            group, self.group = self.group, None
-            dist.destroy_process_group(group)
+        self.exchange.close()
 
 
 def load_checked(path: Any, read: Callable[[], Any], check: Check, timeout: float,

@@ -24,19 +24,21 @@ applied, so only their pages are read.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_gsched.engine import checkpoint_files
-from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.engine.rank_exchange import BoundedExchange
+from lightning_gsched.errors import CheckpointWriteError, StrategyConfigError
 from lightning_gsched.runtime import ModelRuntime, parameter_names
 
 # dcp.save / dcp.load are read off the module at each call (a test replaces dcp.save to inject
@@ -135,14 +137,56 @@ def local_optimizer_state(module: nn.Module, optimizer: Optimizer,
     return {"state": local, "param_groups": state["param_groups"], "index_names": index_names}
 
 
-def save(checkpoint: StateDict, path: Any, rank: int) -> None:
-    """Write ``path/`` (collective): DCP shards plus rank 0's non-tensor metadata."""
+def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) -> None:
+    """Write ``path/`` (collective): DCP shards plus rank 0's non-tensor metadata.
+
+    Every rank writes into one staging directory next to ``path`` (same name on every rank);
+    rank 0 swaps it in only after every rank finished, so an interrupted save leaves the
+    previous checkpoint whole and its staging directory is removed (checkpoint_files). The
+    ranks agree after each phase (:class:`_Phases`, bounded by ``timeout``, the
+    ``step_timeout``): a rank that fails raises its own error, and every other rank raises a
+    CheckpointWriteError naming it, instead of waiting in a barrier for the launcher's timeout.
+    """
     path = str(path)
-    if os.path.isfile(path):
-        raise StrategyConfigError(
-            f"{path} is a file; a sharded checkpoint is a directory. Remove it or use "
-            "state_dict_type='full'"
-        )
+    staging = checkpoint_files.staging_name(path, unique=False)
+    phases = _Phases(path, rank, timeout)
+    try:
+        with phases.phase("preparing the save"):
+            tensors, others, optim_meta = _split(checkpoint)
+            if os.path.isfile(path):
+                raise StrategyConfigError(
+                    f"{path} is a file; a sharded checkpoint is a directory. Remove it or use "
+                    "state_dict_type='full'"
+                )
+            if rank == 0:
+                checkpoint_files.remove_stale(path)
+                os.makedirs(staging)
+        gathered = phases.gather(others, "gathering the optimizers' non-tensor state")
+        with phases.phase("writing its shards"):
+            dcp.save(tensors, checkpoint_id=staging)  # type: ignore[attr-defined]
+            if rank == 0:
+                merged: NonTensor = {}
+                for part in gathered:
+                    merged.update(part)
+                rest = {k: v for k, v in checkpoint.items()
+                        if k not in ("state_dict", "optimizer_states")}
+                torch.save({"rest": rest, "optimizers": optim_meta, "non_tensor": merged},
+                           os.path.join(staging, META))
+        with phases.phase("putting the directory in place"):
+            if rank == 0:
+                checkpoint_files.swap_in_directory(staging, path)
+    except BaseException:
+        # rank 0 removes the staging directory (a peer may still be leaving it); a rank 0 that
+        # was killed leaves it to the next save of this name (checkpoint_files.remove_stale)
+        if rank == 0:
+            checkpoint_files.discard(staging)
+        raise
+    finally:
+        phases.exchange.close()
+
+
+def _split(checkpoint: StateDict) -> tuple[dict[str, torch.Tensor], NonTensor, list[Any]]:
+    """(the tensors DCP writes, the optimizers' non-tensor state, their groups and names)."""
     tensors: dict[str, torch.Tensor] = {}
     others: NonTensor = {}
     for key, value in checkpoint.get("state_dict", {}).items():
@@ -157,43 +201,54 @@ def save(checkpoint: StateDict, path: Any, rank: int) -> None:
                     others[(i, name, key)] = value
         optim_meta.append({"param_groups": opt_state.get("param_groups"),
                            "index_names": opt_state.get("index_names")})
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    # every rank writes into one staging directory next to ``path`` (same name on every rank);
-    # rank 0 swaps it in only after every rank finished, so an interrupted save leaves the
-    # previous checkpoint whole and its staging directory is removed (checkpoint_files)
-    staging = checkpoint_files.staging_name(path, unique=False)
-    if rank == 0:
-        checkpoint_files.remove_stale(path)
-        os.makedirs(staging)
-    if world > 1:
-        dist.barrier()  # the staging directory exists (and is empty) before anyone writes
-        dist.gather_object(others, gathered, dst=0)
-    else:
-        gathered = [others]
-    try:
-        dcp.save(tensors, checkpoint_id=staging)  # type: ignore[attr-defined]
-        if rank == 0:
-            merged: NonTensor = {}
-            for part in gathered or []:
-                merged.update(part)
-            rest = {k: v for k, v in checkpoint.items()
-                    if k not in ("state_dict", "optimizer_states")}
-            torch.save({"rest": rest, "optimizers": optim_meta, "non_tensor": merged},
-                       os.path.join(staging, META))
-        if world > 1:
-            dist.barrier()  # every rank's shards are written
-        if rank == 0:
-            checkpoint_files.swap_in_directory(staging, path)
-    except BaseException:
-        # dcp.save raises on every rank when any rank's write fails (it gathers the outcome);
-        # rank 0 removes the staging directory (a peer may still be leaving it); a rank 0 that
-        # was killed leaves it to the next save of this name (checkpoint_files.remove_stale)
-        if rank == 0:
-            checkpoint_files.discard(staging)
-        raise
-    if world > 1:
-        dist.barrier()
+    return tensors, others, optim_meta
+
+
+class _Phases:
+    """The phases of one sharded save, each ended by every rank's outcome (bounded)."""
+
+    def __init__(self, path: str, rank: int, timeout: float) -> None:
+        self.path, self.rank = path, rank
+        self.exchange = BoundedExchange(timeout)
+
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (bounded); a peer that never answers is named as such."""
+        try:
+            return self.exchange.gather(value)
+        except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointWriteError(
+                f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
+                f"within {self.exchange.timeout:g} s (step_timeout) while {what}: a rank died "
+                f"or hangs ({reason}). The previous checkpoint under that name is kept"
+            ) from exc
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        """Run the body; then every rank learns every rank's outcome. This rank's own failure
+        is re-raised as it was; a peer's becomes a CheckpointWriteError naming it."""
+        error: BaseException | None = None
+        try:
+            yield
+        # CheckpointException (dcp.save's, raised on every rank alike) is a BaseException
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised below
+            error = exc
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        try:
+            outcomes = self.gather(mine, what)
+        except CheckpointWriteError:
+            if error is None:
+                raise
+            outcomes = []  # this rank's own failure is the news: raised below
+        if error is not None:
+            raise error
+        failed = [(r, outcome) for r, outcome in enumerate(outcomes) if outcome is not None]
+        if failed:
+            r, outcome = failed[0]
+            raise CheckpointWriteError(
+                f"the sharded save of {self.path} failed on rank {r} while {what} "
+                f"({outcome}); this rank stopped with it. The previous checkpoint under that "
+                "name is kept; fix the cause on that rank (e.g. its disk) and save again")
 
 
 # ---------------------------------------------------------------------------- loading

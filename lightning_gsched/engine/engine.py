@@ -35,6 +35,7 @@ from lightning_gsched.engine.logsync import (
     LossLogExchange,
     PendingExchange,
     exchange,
+    on_host,
     reduce_records,
 )
 from lightning_gsched.engine.memory_report import MemoryReport
@@ -538,8 +539,9 @@ class PipelineEngine:
             self.failed = True
             raise
         shipped = {b: _to_cpu(v) for b, v in outputs.items()} if keep_outputs else {}
+        logs = on_host(caller.logs, runtime.device)  # one host read for the step's records
         gathered = self._collective("the evaluation gather", lambda: exchange(
-            (shipped, caller.logs, notice()), self.world_size, self.group))
+            (shipped, logs, notice()), self.world_size, self.group))
         notices = [n for _, _, n in gathered]
         records = [r for _, logs, _ in gathered for r in logs]
         logged = reduce_records(records, cut.micro_rows())

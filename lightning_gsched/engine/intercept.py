@@ -13,7 +13,9 @@ The engine runs the step twice per microbatch, on different ranks:
 For the Trainer, ``self.log`` calls made while finishing are recorded (with the microbatch)
 instead of going to Lightning: the strategy reduces them over microbatches and ranks and logs
 each value once, the same on every rank. During capture they are dropped (the finishing run logs
-them).
+them). A logged tensor is kept as a tensor (detached, as Lightning keeps it), not read with
+``.item()``: on a GPU each read waits for the device, once per value and microbatch; the step's
+one exchange (:mod:`.logsync`) turns them all into numbers with a single read.
 
 Stopping the step uses an exception, :class:`_Captured`. It derives from ``BaseException`` (as
 ``KeyboardInterrupt`` and ``GeneratorExit`` do), so a user's ``try: ... except Exception:``
@@ -52,7 +54,7 @@ class LogRecord:
 
     micro: int
     name: str
-    value: float
+    value: float | torch.Tensor  # a tensor (0-dim, detached) until the step's exchange
     options: dict[str, Any]
 
 
@@ -185,7 +187,7 @@ class StepCaller:
                     f"self.log({name!r}, ...) got positional options; pass them by keyword "
                     "(prog_bar=True, ...) so GeneralParallel can replay them"
                 )
-            self.logs.append(LogRecord(micro, name, _to_float(name, value), options))
+            self.logs.append(LogRecord(micro, name, _logged_value(name, value), options))
 
         with self._patched(forward, log):
             try:
@@ -200,13 +202,16 @@ def _drop_log(*args: Any, **kwargs: Any) -> None:
     """``self.log`` during capture: the finishing run on the last-stage rank logs instead."""
 
 
-def _to_float(name: str, value: Any) -> float:
+def _logged_value(name: str, value: Any) -> float | torch.Tensor:
+    """A logged scalar as kept until the exchange: a tensor stays on its device (a copy,
+    detached, as Lightning's own ``log`` keeps it: the step may change the original in place),
+    a number becomes a float. No host read here (see the module doc)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TrainingStepError(
                 f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars"
             )
-        return float(value.detach().float().item())
+        return value.detach().clone().reshape(())
     if isinstance(value, (int, float, bool)):
         return float(value)
     raise TrainingStepError(

@@ -6,7 +6,9 @@ there exists on one rank only. Lightning expects every rank to make the same ``s
 read the value on every rank). One exchange per step (:class:`LossLogExchange`: a single
 all-reduce while the logged names stay the same) brings every microbatch's records and loss to
 every rank; each name is then reduced over the global batch the way a single device
-would have seen it, and logged with the user's options on every rank.
+would have seen it, and logged with the user's options on every rank. The logged values arrive
+here as tensors (engine/intercept.py) and become host numbers in the exchange's one read (with
+the losses): no read per value and microbatch.
 
 Reduction over microbatches: ``reduce_fx`` "mean" (the default) takes the row-weighted mean (the
 value of a per-row average on the whole batch), "sum" the sum, "max"/"min" the extremes.
@@ -76,12 +78,18 @@ class LossLogExchange:
         Why split from :meth:`finish`: the engine starts the exchange the moment the step's
         compute is done, while the gradient all-reduce is still in flight (``on_computed`` of
         ``ProgramExecutor.step``), so the small collective's round trip and the ranks' skew are
-        hidden behind that wait instead of following it. ``losses`` may hold 0-dim tensors.
+        hidden behind that wait instead of following it. ``losses`` and the records' values
+        may be 0-dim tensors: nothing here reads them on the host (:meth:`finish` does, once).
         ``notice``: this rank's pending preemption signal (0: none), one slot per rank, so that
-        every rank learns of a signal any rank received at the same step (:mod:`lightning_gsched.lightning.preemption`).
+        every rank learns of a signal any rank received at the same step (the front ends'
+        preemption handling).
         """
+        own = _as_float64([r.value for r in records], self.device)
         if self.world_size == 1:
-            return PendingExchange(dict(losses), list(records), None, None, [notice])
+            local = dict(losses)
+            return PendingExchange(local, list(records), None, None, [notice],
+                                   torch.cat([_as_float64(list(local.values()), self.device),
+                                              own]))
         B = self.micro
         mine = [(r.micro, r.name, r.options) for r in records]
         sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
@@ -91,40 +99,41 @@ class LossLogExchange:
         packed[-1 - W + self.rank] = float(notice)
         if losses:
             micros = sorted(losses)
-            index = torch.tensor(micros, device=self.device)
-            values = torch.stack([torch.as_tensor(losses[b]).detach().reshape(())
-                                  for b in micros]).to(self.device, torch.float64)
-            packed[index] = values
+            index = torch.tensor(micros).to(self.device, non_blocking=True)
+            packed[index] = _as_float64([losses[b] for b in micros], self.device)
             packed[index + B] = 1.0
         changed = self.layout is None or mine != self.layout[self.rank]
         if changed:
             packed[-1] = 1.0
         else:
-            packed[start : start + len(records)] = torch.tensor(
-                [r.value for r in records], dtype=torch.float64, device=self.device)
+            packed[start : start + len(records)] = own
         work = dist.all_reduce(packed, async_op=True, group=self.group)
-        return PendingExchange(dict(losses), list(records), packed, work, [])
+        return PendingExchange(dict(losses), list(records), packed, work, [], own)
 
     def finish(self, pending: PendingExchange) -> tuple[dict[int, float], list[LogRecord]]:
-        """Wait for :meth:`start`'s all-reduce; (losses of all ranks, records of all ranks)."""
-        if pending.work is None:
-            return {b: float(v) for b, v in pending.losses.items()}, pending.records
+        """Wait for :meth:`start`'s all-reduce; (losses of all ranks, records of all ranks),
+        every value a host number, read with one transfer."""
+        if pending.work is None:  # a world of one: this rank's losses, then its records
+            values = pending.own.tolist()  # the step's one host read
+            losses = dict(zip(pending.losses, values, strict=False))
+            return losses, _with_values(pending.records, values[len(losses):])
         pending.work.wait()
         assert pending.packed is not None  # set with the work
-        values = pending.packed.tolist()  # the logged values are host numbers: one sync
+        size = pending.packed.numel()
+        # the step's one host read: the all-reduced slots and this rank's own values
+        values = torch.cat([pending.packed, pending.own]).tolist()
+        values, own = values[:size], values[size:]
         pending.notices = [int(v) for v in values[-1 - self.world_size : -1]]
         B = self.micro
-        if values[-1] > 0:
-            local = {b: float(v) for b, v in pending.losses.items()}
-            gathered = exchange((local, pending.records), self.world_size, self.group)
-            self.object_exchanges += 1
-            self.layout = [[(r.micro, r.name, r.options) for r in logs] for _, logs in gathered]
-            all_losses = {b: v for part, _ in gathered for b, v in part.items()}
-            return all_losses, [r for _, logs in gathered for r in logs]
         counts = values[B : 2 * B]
         all_losses = {b: values[b] for b in range(B) if counts[b] > 0}
         if any(c > 1 for c in counts):
             all_losses = {}  # a microbatch's loss came from two ranks: reported by the caller
+        if values[-1] > 0:  # a rank's layout changed: the records go as objects, this once
+            gathered = exchange(_with_values(pending.records, own), self.world_size, self.group)
+            self.object_exchanges += 1
+            self.layout = [[(r.micro, r.name, r.options) for r in logs] for logs in gathered]
+            return all_losses, [r for logs in gathered for r in logs]
         out, position = [], 2 * B
         assert self.layout is not None
         for part in self.layout:
@@ -132,6 +141,34 @@ class LossLogExchange:
                 out.append(LogRecord(micro, name, values[position], options))
                 position += 1
         return all_losses, out
+
+
+def _as_float64(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Numbers and 0-dim tensors as one float64 vector on ``device``, without a host read and
+    without a blocking copy: the numbers cross to the device in one non-blocking copy (a
+    ``torch.tensor(x, device="cuda")`` per number would wait for the device each time)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    numbers = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values],
+                           dtype=torch.float64).to(device, non_blocking=True)
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return numbers
+    return torch.stack([v.detach().reshape(()).to(device, torch.float64, non_blocking=True)
+                        if isinstance(v, torch.Tensor) else numbers[i]
+                        for i, v in enumerate(values)])
+
+
+def _with_values(records: list[LogRecord], values: list[float]) -> list[LogRecord]:
+    return [LogRecord(r.micro, r.name, v, r.options)
+            for r, v in zip(records, values, strict=True)]
+
+
+def on_host(records: list[LogRecord], device: torch.device) -> list[LogRecord]:
+    """``records`` with host numbers as values, read with one transfer (an evaluation step's
+    records, before they are gathered as objects)."""
+    if not records:
+        return []
+    return _with_values(records, _as_float64([r.value for r in records], device).tolist())
 
 
 @dataclass
@@ -143,6 +180,7 @@ class PendingExchange:
     packed: torch.Tensor | None  # the all-reduced slots (None: a world of one)
     work: Any  # the all-reduce's handle
     notices: list[int]  # every rank's pending preemption signal, once finished
+    own: torch.Tensor  # this rank's record values (a world of one: its losses first)
 
 
 def _fx_kind(name: str, fx: Any) -> str:
@@ -166,9 +204,9 @@ def reduce_records(records: list[LogRecord], weights: list[int]
     for name, group in by_name.items():
         options = group[0].options
         kind = _fx_kind(name, options.get("reduce_fx", "mean"))
-        values = [r.value for r in group]
+        values = [_number(r) for r in group]
         if kind == "mean":
-            pairs = [(r.value, weights[r.micro]) for r in group if weights[r.micro] > 0]
+            pairs = [(_number(r), weights[r.micro]) for r in group if weights[r.micro] > 0]
             total = sum(w for _, w in pairs)
             value = (sum(v * w for v, w in pairs) / total if total
                      else sum(values) / len(values))
@@ -180,6 +218,13 @@ def reduce_records(records: list[LogRecord], weights: list[int]
             value = min(values)
         out.append((name, value, options))
     return out
+
+
+def _number(record: LogRecord) -> float:
+    """A record's value after the exchange (a host number: the exchange read it)."""
+    if isinstance(record.value, torch.Tensor):
+        raise TypeError(f"{record.name!r}: reduce the records the exchange returned")
+    return float(record.value)
 
 
 def replay(module: Any, reduced: list[tuple[str, float, dict[str, Any]]], device: torch.device,

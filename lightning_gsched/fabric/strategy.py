@@ -42,8 +42,10 @@ from lightning_gsched.engine import (
     CheckpointService,
     CheckpointSettings,
     CheckpointView,
+    ControlGroup,
     DeviceMeshSlot,
     PipelineEngine,
+    PreemptionNotice,
     StepCaller,
     check_launch_arguments,
     check_transport,
@@ -51,7 +53,7 @@ from lightning_gsched.engine import (
     pipeline_keywords,
     pipeline_options,
 )
-from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.errors import PreemptedError, StrategyConfigError
 from lightning_gsched.runtime import deferred_parameters, pretrained_weights
 
 
@@ -72,6 +74,12 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     built without weights is streamed to rank 0 one weight unit at a time, never gathered).
     :meth:`evaluate` runs a forward-only schedule, and :meth:`finish` gives every rank the full
     model back. One model per strategy.
+
+    Preemption: SIGTERM (and SIGUSR1, unless the program handles it) to any rank is recorded,
+    not acted on; every rank learns of it in the same :meth:`step` (its loss exchange carries
+    the notice) and :attr:`preempted` becomes True there on every rank, so the loop can save
+    and leave together. A :meth:`step` or :meth:`evaluate` after that raises
+    :class:`~lightning_gsched.errors.PreemptedError` on every rank.
     """
 
     def __init__(
@@ -135,6 +143,9 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         self._engine: PipelineEngine | None = None
         self._optimizers: list[Optimizer] = []
         self._mesh = DeviceMeshSlot()  # engine/mesh.py
+        self._preemption = PreemptionNotice()  # installed at launch, in every rank's process
+        self._control: ControlGroup | None = None  # barrier, broadcast, the engine's exchanges
+        self._steps = 0  # calls of step(): names the step a preemption was agreed in
 
     @property
     def engine(self) -> PipelineEngine | None:
@@ -148,10 +159,29 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         before, a StrategyConfigError says so (engine/mesh.py)."""
         return self._mesh.mesh
 
+    @property
+    def preempted(self) -> bool:
+        """True on every rank from the :meth:`step` (or :meth:`evaluate`) in which every rank
+        learnt of a SIGTERM/SIGUSR1 that reached any of them: save and leave the loop then."""
+        return bool(self._preemption.agreed)
+
+    @property
+    def preemption(self) -> str | None:
+        """Which signal reached which rank, agreed in which step (None: no preemption)."""
+        if not self._preemption.agreed:
+            return None
+        return self._preemption.describe(self.global_rank, "every rank stops after it")
+
     def setup_environment(self) -> None:
-        """DDP's process group, then the device mesh when G is known (a named schedule)."""
+        """DDP's process group, the device mesh when G is known (a named schedule), and the
+        preemption handlers (SIGTERM, SIGUSR1) in this rank's process."""
         super().setup_environment()
         self._mesh.make_if_decided(self.schedule_config, self.world_size, self.root_device.type)
+        self._preemption.install()
+        if self.world_size > 1 and self._control is None:
+            # the strategy's own collectives wait step_timeout at most, not the launcher's
+            # timeout (30 minutes), and stop at once when a rank reports a failure
+            self._control = ControlGroup(self.global_rank, self.step_timeout)
 
     # ------------------------------------------------------------------ setup
 
@@ -193,7 +223,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
                 transport=self.transport,
                 optimizers=lambda: list(self._optimizers), info=rank_zero_info,
                 forward_context=self.precision.forward_context,
-                device=self.root_device, init_weights=self.init_weights,
+                device=self.root_device, init_weights=self.init_weights, control=self._control,
                 device_mesh=self._mesh, checkpoints=self._checkpoints,
             )
         return module
@@ -246,12 +276,32 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         other ranks own have no gradient (their optimizer state stays with their owner).
         """
         engine = self._engine_of(model)
+        self._refuse_after_preemption("step")
+        self._preemption.install()  # again after a finish(): a new pipeline
         caller = self._caller(engine, model, loss_fn)
+        self._steps += 1
         with _inside_fabric_backward():  # precision: around each stage forward (setup_module)
-            outcome = engine.training_step(batch, caller)
+            outcome = engine.training_step(batch, caller, self._pending_signal)
         engine.hand_over_grads(1.0)
+        self._agree(outcome.notices, f"step {self._steps}")
         loss: torch.Tensor = outcome.value
         return loss
+
+    def _pending_signal(self) -> int:
+        return self._preemption.pending
+
+    def _agree(self, notices: list[int], where: str) -> None:
+        """Every rank saw every rank's pending signal in this step's exchange: print it."""
+        if self._preemption.agree(notices, where):
+            print(self._preemption.describe(  # every rank: the logs show that all stopped
+                self.global_rank, "save a checkpoint and leave the loop (fabric.strategy."
+                "preempted is True on every rank)"), flush=True)
+
+    def _refuse_after_preemption(self, call: str) -> None:
+        if self._preemption.agreed:
+            raise PreemptedError(self._preemption.describe(
+                self.global_rank, f"fabric.strategy.{call} was called after it. When "
+                "fabric.strategy.preempted is True, save (fabric.save) and leave the loop"))
 
     def evaluate(self, model: Any, batch: Any, fn: Callable[[Any, Any], Any]) -> Any:
         """A forward-only run of the schedule (validation, test, prediction; collective).
@@ -263,7 +313,12 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         ``model.eval()``/``model.train()`` around it as you would without a pipeline.
         """
         engine = self._engine_of(model)
-        return engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True).value
+        self._refuse_after_preemption("evaluate")
+        self._preemption.install()
+        outcome = engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True,
+                                   notice=self._pending_signal)
+        self._agree(outcome.notices, f"an evaluation after step {self._steps}")
+        return outcome.value
 
     @staticmethod
     def _caller(engine: PipelineEngine, model: Any, fn: Callable[[Any, Any], Any]) -> StepCaller:
@@ -290,6 +345,34 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         params = list(self.precision.main_params(optimizer))
         return self._engine.clip_grad_norm(params, float(max_norm), float(norm_type),
                                            error_if_nonfinite)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Over the strategy's control group: bounded by step_timeout, and released at once
+        when a rank reports a failure (e.g. a failed ``fabric.save``, which ends in a barrier)."""
+        control = self._control
+        if control is None or control.closed:
+            return super().barrier(*args, **kwargs)
+        control.run("a barrier", lambda: torch.distributed.barrier(group=control.group))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        control = self._control
+        if control is None or control.closed:
+            return super().broadcast(obj, src)
+        box = [obj]
+        control.run("a broadcast", lambda: torch.distributed.broadcast_object_list(
+            box, src, group=control.group))
+        return box[0]
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        """This rank failed in a collective call: tell the job and drop the connections, so
+        peers waiting on this rank stop at once with an error naming it."""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        message = (f"rank {self.global_rank} failed in {where}: {type(exc).__name__}"
+                   + (f": {text}" if text else ""))
+        if self._engine is not None:
+            self._engine.abort(message)
+        elif self._control is not None:
+            self._control.abort(message)
 
     # ------------------------------------------------------------------ checkpoints
     # Fabric's save/load hooks, each translated into calls on the engine's checkpoint service
@@ -338,15 +421,21 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         path gets the real checkpoint, written by rank 0."""
         view = self._view()
         includes_model = any(self._pipelines(obj) for obj in state.values())
-        with self._checkpoints.saving(view, includes_model):
-            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
 
         def hand_on(checkpoint: dict[str, Any]) -> None:
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint=checkpoint, path=path,
                                                    storage_options=storage_options)
 
-        self._checkpoints.write(view, converted, path, storage_options, hand_on)
+        try:
+            with self._checkpoints.saving(view, includes_model):
+                converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+            self._checkpoints.write(view, converted, path, storage_options, hand_on)
+        except Exception as exc:
+            # the peers are on their way to fabric.save's barrier (or in the gather): they
+            # stop at once, naming this rank, instead of waiting for it
+            self._failed(f"fabric.save({str(path)!r})", exc)
+            raise
 
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -405,14 +494,18 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         """End the pipeline (collective): every rank gets the full weights and optimizer state
         back (unless a rank failed) and the pipeline's process groups are released.
 
-        Afterwards the model is an ordinary full model on every rank; a later :meth:`step`
-        builds a new pipeline.
+        Afterwards the model is an ordinary full model on every rank, SIGTERM and SIGUSR1 act
+        as they did before ``fabric.launch()``, and a later :meth:`step` builds a new pipeline.
         """
         if self._engine is not None:
             self._engine.close(gather=True)
+        self._preemption.uninstall()  # no pipeline left to stop together: signals act as usual
 
     def teardown(self) -> None:
         self.finish()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         super().teardown()
 
     @classmethod

@@ -7,7 +7,7 @@ all-gather, the loss/log exchange), so the broadcast never meets its peers and t
 Its loops also read ``trainer.received_sigterm`` per rank (end of a training batch, end of each
 evaluation batch), so a rank that got the signal leaves the loop alone.
 
-Here the handler only records the signal (:attr:`PreemptionSignals.pending`). The strategy hands
+Here (as for Fabric, :mod:`lightning_gsched.engine.preemption`) the handler only records the signal (:attr:`PreemptionSignals.pending`). The strategy hands
 that number to the step's exchange that every rank runs anyway (the per-step loss/log all-reduce
 in training, the log gather in evaluation; :mod:`.logsync`), and :meth:`agree` turns the result
 into ``received_sigterm = True`` on every rank *after the same step*. Lightning's loops then raise
@@ -33,6 +33,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_gsched.engine import signal_name
 
 
 class PreemptionSignals(_SignalConnector):
@@ -105,7 +107,7 @@ class PreemptionSignals(_SignalConnector):
 
     def describe(self, rank: int) -> str:
         """The line each rank prints when the preemption stops it."""
-        who = ", ".join(f"{_name(code)} on rank {r}" for r, code in sorted(self.agreed.items()))
+        who = ", ".join(f"{signal_name(code)} on rank {r}" for r, code in sorted(self.agreed.items()))
         return (f"rank {rank}: preemption notice ({who}) agreed by every rank in {self.agreed_at}; "
                 "every rank stops after that step. Resume with "
                 "trainer.fit(..., ckpt_path='last') (save one on the way out with "
@@ -117,13 +119,6 @@ class PreemptionSignals(_SignalConnector):
         requeue = self._requeue_signal()
         if requeue is None or requeue not in self.agreed.values():
             return False
-        rank_zero_info(f"Handling auto-requeue signal {_name(requeue)} at a step boundary")
+        rank_zero_info(f"Handling auto-requeue signal {signal_name(requeue)} at a step boundary")
         self._slurm_sigusr_handler_fn(requeue, None)  # type: ignore[arg-type]
         return True
-
-
-def _name(code: int) -> str:
-    try:
-        return signal.Signals(code).name
-    except ValueError:
-        return f"signal {code}"

@@ -1,0 +1,92 @@
+"""A Fabric loop under GeneralParallelFabric that gets SIGTERM mid-run: the subject of
+``test_fabric_faults.py``.
+
+Run as ``python fabric_preempt_script.py OUT_DIR RANK STEP``: Fabric's script launcher re-runs
+it for rank 1 (as a user's ``python train.py`` with ``devices=2``). At loop step STEP, rank RANK
+sends itself SIGTERM from inside the loss function, after ``model(...)``: on the last stage's
+rank that code runs inside the schedule, while the other rank is in the step's traffic. The loop
+is the one docs/usage.md shows: after each step, if ``fabric.strategy.preempted``, save and
+leave. It then checks that a further ``step`` raises ``PreemptedError``. Every rank writes
+``OUT_DIR/rank<r>.json``: how its loop ended, the steps done, and what the extra step raised;
+``OUT_DIR/pid<r>`` as it starts (the test kills stuck ranks by it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the tests' helpers; this checkout's package
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+
+from models import make_mlp, seeded  # noqa: E402
+
+STEPS, WORLD, GLOBAL_BATCH = 6, 2, 8
+
+
+def main() -> None:
+    from lightning_gsched.errors import PreemptedError
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    out, signal_rank, signal_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=WORLD,
+                    strategy=GeneralParallelFabric("1f1b", step_timeout=30))
+    fabric.launch()
+    rank = fabric.global_rank
+    with open(os.path.join(out, f"pid{rank}"), "w") as handle:
+        handle.write(str(os.getpid()))
+    model = make_mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    inputs = seeded(1, lambda: torch.randn(GLOBAL_BATCH * STEPS, 16))
+    targets = seeded(2, lambda: torch.randn(GLOBAL_BATCH * STEPS, 8))
+    rows = GLOBAL_BATCH // WORLD
+    step = 0
+
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        output = model(x)
+        if rank == signal_rank and step == signal_step:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice, mid-step
+        return F.mse_loss(output, y)
+
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        for step in range(STEPS):  # noqa: B007 - loss_fn reads it
+            start = step * GLOBAL_BATCH + rank * rows
+            batch = (inputs[start:start + rows], targets[start:start + rows])
+            optimizer.zero_grad()
+            fabric.strategy.step(model, batch, loss_fn)
+            optimizer.step()
+            if fabric.strategy.preempted:
+                fabric.save(os.path.join(out, "ckpt.pt"),
+                            {"model": model, "optimizer": optimizer, "step": step + 1})
+                break
+        result["outcome"] = "preempted" if fabric.strategy.preempted else "finished"
+        result["steps"] = step + 1
+        result["notice"] = fabric.strategy.preemption
+        try:  # a loop that stepped on regardless stops too, on every rank
+            fabric.strategy.step(model, batch, loss_fn)
+            result["after"] = "stepped"
+        except PreemptedError as exc:
+            result["after"] = str(exc)
+    except BaseException as exc:  # noqa: BLE001 - the test reads how each rank ended
+        result["outcome"] = type(exc).__name__
+        result["message"] = str(exc)
+        result["traceback"] = traceback.format_exc()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
