@@ -59,7 +59,8 @@ class Costs:
             if weight is not None:
                 raise ScheduleConfigError(
                     "weight_cost is the duration of the W phase, which only schedules with a "
-                    "split backward have (zb-h1, zb-h2, zbv, or split_backward=True); drop "
+                    "split backward have (zb-h1, zb-h2, zbv, v-half, v-min, or "
+                    "split_backward=True); drop "
                     "weight_cost or choose such a schedule"
                 )
             return cls(fwd, bwd)
