@@ -153,7 +153,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--R", type=_count("R", "2"), default=None, help="workers per looped group (lpp, fslpp, ...)")
     parser.add_argument("--forward-cost", type=_cost("forward_cost"), default=1.0, help="F duration: one number or one per stage")
     parser.add_argument("--backward-cost", type=_cost("backward_cost"), default=2.0, help="B duration: one number or one per stage (the input-gradient part when W is split off)")
-    parser.add_argument("--weight-cost", type=_cost("weight_cost"), default=None, help="W duration (schedules with a split backward: zb-h1, zb-h2, zbv); default: half of --backward-cost, the other half going to B")
+    parser.add_argument("--weight-cost", type=_cost("weight_cost"), default=None, help="W duration (schedules with a split backward: zb-h1, zb-h2, zbv, v-half, v-min); default: half of --backward-cost, the other half going to B")
 
 
 def data_parallel_options(parser: argparse.ArgumentParser) -> None:

@@ -37,7 +37,9 @@ from lightning_gsched.schedule.simulate import Slot
 def reference_simulate(graph: StageGraph, table, ranks, costs, caps) -> list[Slot]:
     """The slots in the order they are placed: each step, among every ready job whose worker may
     start it (a forward only below the worker's cap), the smallest (start, rank) runs, start =
-    max(the worker's free time, the job's ready time)."""
+    max(the worker's free time, the job's ready time). A reserving placement (reserve.py)
+    charges a microbatch's first forward on a worker all its stashes there and its later
+    forwards nothing: a forward may start while the count plus its charge is within the cap."""
     jobs = list(all_jobs(graph.num_stages, table.micro, graph.forward_only, graph.split_backward))
     rank_of = {job: ranks[i] for i, job in enumerate(jobs)}
     missing = {job: len(graph.pred(job)) for job in jobs}
@@ -46,12 +48,19 @@ def reference_simulate(graph: StageGraph, table, ranks, costs, caps) -> list[Slo
     free = [0.0] * table.workers
     stash = [0] * table.workers
     release = Phase.W if graph.split_backward else Phase.B
+    charge = {}
+    for job in jobs:
+        if job.phase is Phase.F:
+            w = table.compute[job.stage][job.micro]
+            mine = [s for s in range(graph.num_stages) if table.compute[s][job.micro] == w]
+            first = job.stage == mine[0]
+            charge[job] = (len(mine) if first else 0) if table.reserves_stash else 1
     slots = []
     while ready:
         best = None
         for job in ready:
             w = table.compute[job.stage][job.micro]
-            if job.phase is Phase.F and caps[w] is not None and stash[w] >= caps[w]:
+            if job.phase is Phase.F and caps[w] is not None and stash[w] + charge[job] > caps[w]:
                 continue
             key = (max(free[w], ready_time[job]), rank_of[job])
             if best is None or key < best[0]:
@@ -62,7 +71,7 @@ def reference_simulate(graph: StageGraph, table, ranks, costs, caps) -> list[Slo
         ready.remove(job)
         end = start + costs.of(job)
         free[w] = end
-        stash[w] += 1 if job.phase is Phase.F else -1 if job.phase is release else 0
+        stash[w] += charge[job] if job.phase is Phase.F else -1 if job.phase is release else 0
         slots.append(Slot(job, w, start, end))
         for nxt in graph.succ(job):
             missing[nxt] -= 1

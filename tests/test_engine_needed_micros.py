@@ -17,7 +17,7 @@ from lightning_gsched.schedule.plan import plan
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_table_gives_what_the_programs_give(schedule: str, forward_only: bool) -> None:
     W = 4
-    S = 8 if schedule in ("zbv", "interleaved", "lpp") else 4
+    S = 8 if schedule in ("zbv", "v-half", "v-min", "interleaved", "lpp") else 4
     p = plan(schedule, W, stages=S, microbatches=8, forward_only=forward_only)
     from_programs = []
     for r in range(W):

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.distributed
 
 SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fslpp-seed",
              "zb-h1", "zb-h2", "zbv"]
-SPLIT_BACKWARD = {"zb-h1", "zb-h2", "zbv"}
+SPLIT_BACKWARD = {"zb-h1", "zb-h2", "zbv", "v-half", "v-min"}
+V_MEMORY = ["v-half", "v-min"]  # the memory-controlled V schedules: at W=2 only
 STEPS, GLOBAL_BATCH, CLIP = 3, 8, 0.5
 
 WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
@@ -85,8 +86,8 @@ def assert_fit_matches(states: list, tmp: str, want: dict, want_log: list, label
 
 # schedule innermost: all W=2 cases, then all W=4 ones, so the module's worker processes are
 # started twice rather than once per case
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size,schedule", [
+    (W, schedule) for W in (2, 4) for schedule in SCHEDULES + (V_MEMORY if W == 2 else [])])
 def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, tmp_path) -> None:
     world = worlds.get(world_size)
     # Adam at W=2 only: which rank holds which parameter's optimizer state follows from stage

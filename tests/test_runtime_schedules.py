@@ -40,6 +40,8 @@ SCHEDULES = ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "interleaved", "fslpp", "fsl
 MODELS = ["gpt", "cnn"]
 EXTRA_SCHEDULES = ["1f1b", "fsdp", "fslpp", "zb-h1"]
 EXTRA_MODELS = ["long_skip", "kwargs", "custom_fn"]  # custom_fn: user backward, B/W split
+# the memory-controlled V schedules (reserved caps): at W=2 and 4, where the worlds run anyway
+V_MEMORY = ["v-half", "v-min"]
 DATA_PARALLEL = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "lpp", "fslpp"]
 VOCAB = 64
 RTOL, ATOL = 1e-5, 1e-6
@@ -196,6 +198,8 @@ def _cases() -> list:
         combos = [(schedule, m) for schedule in SCHEDULES for m in MODELS]
         if W == 2:  # pytrees: a long skip (pass-through that needs grad), kwargs and dict output
             combos += [(schedule, m) for schedule in EXTRA_SCHEDULES for m in EXTRA_MODELS]
+        if W > 1:
+            combos += [(schedule, "gpt") for schedule in V_MEMORY]
         for schedule, model_name in combos:
             stages = 2 if schedule == "ddp" else None  # ddp: replicate a 2-stage model
             cases.append(pytest.param(W, schedule, model_name, stages, None,
@@ -241,7 +245,7 @@ def test_step_matches_single_process(worlds, W, schedule, model_name, stages, fe
             assert sum(t["tie_grad_sends"] for t in ties) == sum(t["tie_fetches"] for t in ties)
         if schedule == "ddp":
             assert all(t["tie_allreduces"] == 1 for t in ties), ties
-        if schedule == "zbv":
+        if schedule in ("zbv", *V_MEMORY):  # the V: stages 0 and S-1 on rank 0
             assert not any(v for t in ties for v in t.values()), ties
 
     # memory: non-owned weights released; measured bytes at rest and at peak = the planner's

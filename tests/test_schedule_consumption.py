@@ -32,7 +32,7 @@ def _tables(rules: OpRules) -> tuple:
 def _library_plans():
     for name in sorted(LIBRARY):
         for W in (2, 3, 4):
-            S = 2 * W if name in ("zbv", "interleaved") else W
+            S = 2 * W if name in ("zbv", "v-half", "v-min", "interleaved") else W
             for kwargs in ({}, {"forward_only": True}, {"ties": {0: (0, S - 1)}}):
                 yield pytest.param(name, W, S, kwargs, id=f"{name}-W{W}-{'-'.join(kwargs)}")
 

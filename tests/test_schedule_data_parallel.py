@@ -27,7 +27,8 @@ from lightning_gsched.schedule.placements import DDP, FSDP, FSLPP, LPP, GPipe
 from lightning_gsched.schedule.program import Op
 from lightning_gsched.schedule.replicas import ReplicaLayout
 
-PIPELINES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "lpp", "fslpp"]
+PIPELINES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "v-half", "lpp",
+             "fslpp"]
 TIMELINE = ("start", "end", "order", "busy", "sequence")
 
 
@@ -68,6 +69,8 @@ def test_a_lifted_plan_equals_its_full_simulation(name: str, P: int, G: int, mod
 
     # what a user's placement says to be held for the step, as the sharded lift does
     custom.hold_fetched_for_step = lifted.hold_fetched_for_step  # type: ignore[attr-defined]
+    # and the cap rule of the V schedules (reserve.py), which the lift reads through
+    custom.reserves_stash = lifted.reserves_stash  # type: ignore[attr-defined]
     full = plan(name, fast.workers, fast.stages, fast.micro, placement=custom, priority=order,
                 cap=fast.caps, split_backward=fast.programs.split_backward)
     assert full.timeline.replicas is None
@@ -240,8 +243,8 @@ def test_the_replica_layout() -> None:
     ({"schedule": "1f1b", "workers": 4, "data_parallel_size": 0},
      r"data_parallel_size=0 is not valid: must be a positive integer"),
     ({"schedule": "zbv", "workers": 4, "stages": 6, "data_parallel_size": 2},
-     r"each replica runs the schedule on P = W / data_parallel_size = 2 workers: zbv: "
-     r"stages S=6 must be a positive multiple of 2W=4"),
+     r"each replica runs the schedule on P = W / data_parallel_size = 2 workers: a V "
+     r"placement \(zbv, v-half, v-min\): stages S=6 must be a positive multiple of 2W=4"),
     ({"schedule": "1f1b", "workers": 4, "cap": [1, 2, 3, 4], "data_parallel_size": 2},
      r"cap list has 4 entries but there are W=2 workers"),
     ({"schedule": "1f1b", "workers": 4, "data_parallel_size": 2, "data_parallel": "shard",

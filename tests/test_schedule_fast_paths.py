@@ -99,7 +99,7 @@ def test_priority_ranks_still_refuse_incomparable_values():
 
 def _timeline_cases():
     for name in LIBRARY:
-        S = 8 if name in ("zbv", "interleaved", "lpp") else 4
+        S = 8 if name in ("zbv", "v-half", "v-min", "interleaved", "lpp") else 4
         for kwargs in ({}, {"forward_only": True}, {"cap": None}, {"cap": "auto"},
                        {"forward_cost": [1.0, 1.5, 0.5, 1.0] * (S // 4),
                         "backward_cost": [2.0, 1.0, 3.0, 2.5] * (S // 4)}):
@@ -127,11 +127,12 @@ def test_simulation_matches_the_plain_greedy_rule(name, S, kwargs):
     assert result.metrics.latency == max(x.end for x in expected)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "zbv", "fslpp", "interleaved"])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "zbv", "v-half", "fslpp",
+                                  "interleaved"])
 @pytest.mark.parametrize("cap", [1, 2, 3, 5])
 def test_capped_simulation_completes_or_sticks_as_the_plain_rule_does(name, cap):
     """Small uniform caps: the same timeline as the reference, or both stuck."""
-    S = 8 if name in ("zbv", "interleaved") else 4
+    S = 8 if name in ("zbv", "v-half", "interleaved") else 4
     result = plan(name, workers=4, stages=S, microbatches=8, verify=False, cap=None)
     graph = StageGraph(S, split_backward=result.programs.split_backward)
     spec = LIBRARY[name]
@@ -184,7 +185,7 @@ def test_library_placement_rows_match_calling_the_placement(placement, S, B):
 
 def _lowering_cases():
     for name in LIBRARY:
-        S = 8 if name in ("zbv", "interleaved", "lpp") else 4
+        S = 8 if name in ("zbv", "v-half", "v-min", "interleaved", "lpp") else 4
         for kwargs in ({}, {"forward_only": True}, {"fetch_window": 1},
                        {"ties": {0: (0, S - 1)}}, {"ties": {1: (1, 2)}, "forward_only": True},
                        {"forward_cost": [1.0, 1.5, 0.5, 1.0] * (S // 4),

@@ -43,6 +43,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
     # data parallel, replicated or sharded
     ("ddp", 4, {}), ("ddp", 8, {"split_backward": True}), ("lpp", 8, {}), ("lpp", 6, {"R": 3}),
     ("1f1b", 8, {"data_parallel_size": 2}), ("zbv", 8, {"data_parallel_size": 2}),
+    ("v-half", 8, {"data_parallel_size": 2}),
     ("interleaved", 8, {"data_parallel_size": 4}), ("zb-h2", 6, {"data_parallel_size": 3}),
     ("gpipe", 8, {"data_parallel_size": 2, "forward_only": True}),
     ("zb-h1", 8, {"data_parallel_size": 2, "data_parallel": "shard"}),
@@ -274,7 +275,7 @@ def test_a_send_too_late_for_the_argument_is_refused(monkeypatch: pytest.MonkeyP
         result.programs.ranks[1]
 
 
-PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "v-half")
 
 
 @pytest.mark.parametrize("verify", [True, False])

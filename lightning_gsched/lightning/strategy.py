@@ -67,7 +67,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
 
     Args:
         schedule: a library name (ddp, fsdp, gpipe, 1f1b, lpp, interleaved, fslpp, fslpp-seed,
-            zb-h1, zb-h2, zbv), ``"auto"`` (the tuner profiles the model at the first batch and
+            zb-h1, zb-h2, zbv, v-half, v-min), ``"auto"`` (the tuner profiles the model at the first batch and
             picks the fastest schedule, S, B, R and checkpointing; see ``memory_budget``), or a
             label for a custom ``placement``.
         R: workers per loop for the looped schedules (lpp, interleaved, fslpp, fslpp-seed).
@@ -106,7 +106,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         weight_cost: the W phase's per-stage cost (zero-bubble schedules; ``backward_cost`` is
             then B's); default: half of ``backward_cost``, the other half going to B.
         split_backward: run backwards as B then W (None: the schedule's choice, True for
-            zb-h1, zb-h2, zbv).
+            zb-h1, zb-h2, zbv, v-half, v-min).
         checkpoint_activations: activation checkpointing, True for every stage or one bool per
             stage: a checkpointed stage's forward keeps only its inputs (and the random
             generators' state) and its backward runs the forward again first, trading one more

@@ -109,6 +109,11 @@ class DataParallel(LibraryPlacement):
         return self.owners is not None
 
     @property
+    def reserves_stash(self) -> bool:
+        """The P-worker schedule's cap rule (reserve.py), read through the lift."""
+        return bool(getattr(self.inner, "reserves_stash", False))
+
+    @property
     def weights_constant_in_micro(self) -> bool:  # type: ignore[override]
         return self.owners is not None  # sharded: one owner per stage
 

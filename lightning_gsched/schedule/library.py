@@ -29,6 +29,25 @@ def _per_worker(workers: int, stages: int) -> int:
     return max(1, stages // workers)
 
 
+def v_half_caps(workers: int, stages: int) -> int:
+    """V-Half's activation memory (Qi et al. 2024), (W+2)/2 microbatches of a worker's share,
+    counted in stage-chunks: (S/W)(W+2)/2 stashes, rounded down.
+
+    Why not the paper's table, (W+2)//2 microbatches, at odd W: that floor is half a microbatch
+    (one stage-chunk) below what the steady state holds, and under the greedy scheduler the
+    bubble then grows with B (W=3: 7, 13, 25 units at B=6, 12, 24; docs/schedules.md). At even W
+    the two agree.
+    """
+    return (_per_worker(workers, stages) * (workers + 2)) // 2
+
+
+def v_min_caps(workers: int, stages: int) -> int:
+    """V-Min's activation memory (Qi et al. 2024), (W+4)/3 microbatches of a worker's share, in
+    stage-chunks rounded down: (S/W)(W+4)/3 (rounded as :func:`v_half_caps`, for the same
+    reason)."""
+    return (_per_worker(workers, stages) * (workers + 4)) // 3
+
+
 def _even_r(workers: int) -> int:
     """Default R for the looped family: groups of two when W is even, else one group."""
     return 2 if workers % 2 == 0 else workers
@@ -126,6 +145,22 @@ LIBRARY: dict[str, ScheduleSpec] = {
             lambda W, S, R: VShape(W, S), "zb", lambda W, S: S,
             stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
             defaults_doc="S=2W, B=2W, order=zb, cap=S stage-chunks (2W per V)",
+        ),
+        ScheduleSpec(
+            "v-half", "zbv's V with the activation cap at about half of 1F1B's ((W+2)/2 "
+            "microbatches per worker, reserved at a microbatch's first forward there): half of "
+            "1F1B's bubble (Qi et al. 2024, V-Half)",
+            lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_half_caps,
+            stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
+            defaults_doc="S=2W, B=2W, order=zb, cap=(S/W)(W+2)/2 stage-chunks, reserved",
+        ),
+        ScheduleSpec(
+            "v-min", "zbv's V with the activation cap at about a third of 1F1B's ((W+4)/3 "
+            "microbatches per worker, reserved): the least memory of the V family; its bubble "
+            "grows with B except at W=2 and 4 (Qi et al. 2024, V-Min, without its exact offsets)",
+            lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_min_caps,
+            stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
+            defaults_doc="S=2W, B=2W, order=zb, cap=(S/W)(W+4)/3 stage-chunks, reserved",
         ),
     ]
 }

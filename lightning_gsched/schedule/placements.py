@@ -214,6 +214,9 @@ class VShape(LibraryPlacement):
 
     workers: int
     stages: int
+    # the cap reserves a microbatch's stashes on a worker at its first forward there
+    # (reserve.py): what lets a cap below 2W complete on a V (v-half, v-min)
+    reserves_stash: bool = False
 
     def worker_of(self, stage: int) -> int:
         position = stage % (2 * self.workers)
@@ -228,8 +231,9 @@ class VShape(LibraryPlacement):
     def check(self, stages: int, micro: int) -> None:
         _require(
             stages % (2 * self.workers) == 0,
-            f"zbv: stages S={stages} must be a positive multiple of 2W={2 * self.workers} (each "
-            f"worker holds one stage on the way down and one on the way up); use "
+            f"a V placement (zbv, v-half, v-min): stages S={stages} must be a positive multiple "
+            f"of 2W={2 * self.workers} (each worker holds one stage on the way down and one on "
+            f"the way up); use "
             f"S={2 * self.workers * max(1, -(-stages // (2 * self.workers)))}",
         )
 
@@ -340,6 +344,9 @@ class PlacementTable:
         # the lowering holds a fetched stage for the whole step (data_parallel='shard'), not
         # per run of consecutive jobs (lower.stage_runs)
         self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
+        # the cap counts a microbatch's stashes on a worker from its first forward there
+        # (reserve.py: the memory-controlled V schedules)
+        self.reserves_stash = bool(getattr(placement, "reserves_stash", False))
         if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
             library = cast(LibraryPlacement, placement)
             weight_rows, self.compute = library.rows(stages, micro)

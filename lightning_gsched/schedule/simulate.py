@@ -9,7 +9,10 @@ a fraction of a second.
 
 Activation caps: a forward may not start on a worker that already holds ``cap`` activations
 (forwards whose backward has not finished). If no worker can start anything while jobs remain,
-the cap is too small and :class:`CapTooSmallError` says which worker is stuck and why.
+the cap is too small and :class:`CapTooSmallError` says which worker is stuck and why. Where the
+placement reserves stashes (:mod:`.reserve`), a forward is charged what :func:`.reserve.
+stash_charges` says (a microbatch's first forward on a worker: all its stashes there; its later
+forwards: nothing) and may start while the count plus its charge stays within the cap.
 
 A forward-only graph (:class:`StageGraph` with ``forward_only=True``) simulates F jobs only; the
 planner passes no caps then (nothing is stashed for a backward).
@@ -27,6 +30,7 @@ from lightning_gsched.schedule.jobs import Job, Phase, StageGraph, weight_grad_p
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.priorities import inverse
 from lightning_gsched.schedule.replicas import ReplicaLayout
+from lightning_gsched.schedule.reserve import stash_charges
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class Costs:
             if weight is not None:
                 raise ScheduleConfigError(
                     "weight_cost is the duration of the W phase, which only schedules with a "
-                    "split backward have (zb-h1, zb-h2, zbv, or split_backward=True); drop "
+                    "split backward have (zb-h1, zb-h2, zbv, v-half, v-min, or "
+                    "split_backward=True); drop "
                     "weight_cost or choose such a schedule"
                 )
             return cls(fwd, bwd)
@@ -206,8 +211,33 @@ class _Worker:
         self.version = 0
         self.next_start: float | None = None  # start of its valid event (None: no event)
 
-    def forward_allowed(self) -> bool:
-        return self.cap is None or self.stash < self.cap
+    def forward_allowed(self, charge: int = 1) -> bool:
+        return self.cap is None or self.stash + charge <= self.cap
+
+    def best_forward(self, charges: list[int], job_of: list[int], phases: int) -> int:
+        """The smallest-ranked ready forward the cap allows, or -1 (reserving placements only:
+        there a forward's charge depends on the job, so the heap's head may be refused while a
+        later forward, already paid for, may start)."""
+        allowed = [rank for rank in self.ready[0]
+                   if self.forward_allowed(charges[job_of[rank] // phases])]
+        return min(allowed, default=-1)
+
+    def next_forward(self, charges: list[int], job_of: list[int],
+                     phases: int) -> tuple[float, int] | None:
+        """The earliest (ready time, rank) of a pending forward the cap allows, or None."""
+        allowed = [entry for entry in self.pending[0]
+                   if self.forward_allowed(charges[job_of[entry[1]] // phases])]
+        return min(allowed, default=None)
+
+    def take_forward(self, rank: int) -> None:
+        """Remove the forward ``rank`` from its queue, wherever in the heap it is."""
+        if rank in self.ready[0]:
+            self.ready[0].remove(rank)
+            heapq.heapify(self.ready[0])
+            return
+        pending = self.pending[0]
+        pending.remove(next(entry for entry in pending if entry[1] == rank))
+        heapq.heapify(pending)
 
 
 _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
@@ -239,7 +269,9 @@ def simulate(
     - the timeline is recorded densely (:class:`Timeline`): no Slot or Job is built here.
 
     The stash of a (stage, microbatch) counts against the cap from its F until its last
-    backward phase: B, or W when the graph splits the backward.
+    backward phase: B, or W when the graph splits the backward. A reserving placement
+    (:mod:`.reserve`) charges a microbatch's stashes on a worker at its first forward there;
+    only then does the forward queue need more than its head (:meth:`_Worker.best_forward`).
     """
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
@@ -251,6 +283,7 @@ def simulate(
     heappush, heappop = heapq.heappush, heapq.heappop
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
     job_of = inverse(list(ranks))  # rank -> flat job index
+    charges = stash_charges(table.compute) if table.reserves_stash else None
 
     def refresh(w: int) -> None:
         """Push worker w's next job under the greedy rule as its (new) valid event.
@@ -269,6 +302,9 @@ def simulate(
             pend, queue = pending[k], ready[k]
             while pend and pend[0][0] <= free_at:
                 heappush(queue, heappop(pend)[1])
+            if not k and charges is not None:  # k = 0 comes first: now_rank is still -1
+                now_rank = state.best_forward(charges, job_of, P)
+                continue
             if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
                 now_rank, now_k = queue[0], k
         if now_rank >= 0:
@@ -278,6 +314,11 @@ def simulate(
         later: tuple[float, int, int] | None = None
         for k in state.phases:
             pend = pending[k]
+            if not k and charges is not None:
+                entry = state.next_forward(charges, job_of, P)
+                if entry is not None:
+                    later = (entry[0], entry[1], 0)
+                continue
             if pend and (k or forward):
                 cand = (pend[0][0], pend[0][1], k)
                 if later is None or cand < later:
@@ -332,6 +373,8 @@ def simulate(
         ready = state.ready[k]
         if ready and ready[0] == rank:
             heappop(ready)
+        elif not k and charges is not None:
+            state.take_forward(rank)
         else:
             heappop(state.pending[k])
         i = job_of[rank]
@@ -339,7 +382,7 @@ def simulate(
         micro = (i - stage * BP) // P
         end = start + duration[k][stage]
         if k == 0:
-            state.stash += 1
+            state.stash += 1 if charges is None else charges[i // P]
         elif k == release:
             state.stash -= 1
         start_of[i] = start
@@ -376,20 +419,22 @@ def simulate(
         refresh(w)
 
     if len(sequence) != total:
-        raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps)
+        raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps,
+                           charges)
     return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
 
 
 def _stuck_error(
     workers: list[_Worker], job_of: list[int], phases: tuple[Phase, ...], micro: int,
-    placed: int, total: int, caps: Sequence[int | None],
+    placed: int, total: int, caps: Sequence[int | None], charges: list[int] | None = None,
 ) -> CapTooSmallError:
     blocked = []
     P = len(phases)
     for w, state in enumerate(workers):
         waiting = [job_of[rank] for _, rank in state.pending[0]] + [
             job_of[rank] for rank in state.ready[0]]
-        if waiting and not state.forward_allowed():
+        if waiting and not any(state.forward_allowed(1 if charges is None else charges[i // P])
+                               for i in waiting):
             stage, b = divmod(min(waiting) // P, micro)  # F jobs: flat order is (stage, micro)
             assert state.cap is not None  # forward_allowed() is False only under a cap
             blocked.append((w, state.stash, state.cap, Job(stage, b, phases[0])))

@@ -1,0 +1,35 @@
+"""Stash reservations: a microbatch entering a worker claims, against the worker's activation
+cap, every stash it will hold there.
+
+Why: the plain cap counts the stashes a worker holds now. On a V placement (worker r holds
+stages r and 2W-1-r) a cap below 2W deadlocks: worker 0's first stage is always ready, so it
+fills the cap with first-stage forwards, and the second-stage forward of its oldest microbatch,
+which every backward waits for, can never start. Counting a microbatch's later stashes on the
+worker from its first forward there (and its later forwards as already paid for) keeps room
+for them, so any cap of at least the stages a worker holds completes, and the stash a worker
+really holds never exceeds the cap. The memory-controlled V schedules (``v-half``, ``v-min``)
+use it; a placement opts in with ``reserves_stash = True`` (``PlacementTable.reserves_stash``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def stash_charges(compute: Sequence[Sequence[int]]) -> list[int]:
+    """What each forward adds to its worker's count under the cap, by flat (stage * B + micro).
+
+    ``compute[s][b]``: the worker that computes stage s of microbatch b. The first forward of
+    microbatch b on a worker is charged the number of stages b has on that worker; its later
+    forwards there cost 0. Every stash is still released one by one, by its last backward phase.
+    """
+    stages = len(compute)
+    micro = len(compute[0]) if stages else 0
+    charges = [0] * (stages * micro)
+    for b in range(micro):
+        first: dict[int, int] = {}  # worker -> flat index of b's first forward on it
+        for s in range(stages):
+            worker = compute[s][b]
+            at = first.setdefault(worker, s * micro + b)
+            charges[at] += 1
+    return charges
