@@ -33,7 +33,8 @@ from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
 from lightning_gsched.schedule.sweep import WorkerOrders, sweepable, worth_sweeping
 from lightning_gsched.schedule.symmetry import make_simulator
 
-PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+# v-half and v-min: zbv's V under caps that reserve a microbatch's stashes (reserve.py)
+PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "v-half", "v-min")
 
 
 def _uneven(stages: int, seed: int) -> list[float]:
@@ -99,7 +100,7 @@ def test_the_sweep_is_the_simulation_at_the_library_defaults(name: str, W: int) 
 def test_the_sweep_is_the_simulation_with_other_shapes_and_caps(name: str) -> None:
     W = 4
     spec = get_schedule(name)
-    S = 4 * W if name in ("interleaved", "zbv") else 2 * W  # several stages per worker
+    S = 4 * W if name in ("interleaved", "zbv", "v-half", "v-min") else 2 * W  # several a worker
     for B, caps, costs in ((3 * W, "default", "uneven"), (W, None, "uneven"),
                            (2 * W, 3, "unit"), (2 * W, [5, 4, 3, 6], "uneven"),
                            (5, None, "unit")):
@@ -117,7 +118,7 @@ def test_the_sweep_is_the_simulation_with_other_shapes_and_caps(name: str) -> No
         _assert_equal(full, fast)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["zbv", "interleaved"])
+@pytest.mark.parametrize("name", ["zbv", "interleaved", "v-half"])
 def test_a_cap_too_small_fails_as_the_simulation_does(name: str) -> None:
     spec = get_schedule(name)
     W = 4

@@ -51,6 +51,7 @@ from lightning_gsched.schedule.jobs import Job, StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.priorities import dense_ranks
+from lightning_gsched.schedule.reserve import stash_charges
 from lightning_gsched.schedule.simulate import Costs, Timeline, stuck_error
 
 _NO_CAP = np.iinfo(np.int64).max
@@ -58,12 +59,13 @@ _LAST_KEY = np.iinfo(np.int64).max
 
 
 def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
-    """A chain whose every stage is computed on one worker for all microbatches (docstring),
-    under the plain cap: a reserving placement (reserve.py) charges forwards unequally, so a
-    queue's head may be refused while another queue's forward starts; it is simulated job by
-    job."""
-    return (graph.is_chain and not table.reserves_stash
-            and all(row.count(row[0]) == len(row) for row in table.compute))
+    """A chain whose every stage is computed on one worker for all microbatches (docstring).
+
+    A reserving placement (reserve.py) charges a forward what it reserves: with every stage on
+    one worker for all microbatches, that charge is the same for every job of a (stage, F)
+    queue, so a queue's head is refused exactly when all of its forwards are, and the best
+    allowed forward of a queue is still its head (the module docstring's item 1 holds)."""
+    return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
 
 
 # Rough costs on this class of machine (benchmarks/bench_planner.py): a window is a fixed
@@ -145,6 +147,12 @@ class _Queues:
         self.duration = grid(durations[phase, stage], np.inf, np.float64)
         self.jobs = grid(np.full(S * P, B), 0, np.int64)  # jobs in each queue (0: empty cell)
         self.forward = grid(phase == 0, False, np.bool_)
+        # what a forward adds to its worker's count under the cap: 1, or, where the placement
+        # reserves (reserve.py), the charge of its stage (the same for every microbatch here)
+        charge = np.ones(S, dtype=np.int64)
+        if table.reserves_stash:
+            charge = np.array(stash_charges(table.compute)[::B] if B else charge, dtype=np.int64)
+        self.charge = grid(np.where(phase == 0, charge[stage], 0), 0, np.int64)
         self.releases = grid((phase == release) & (phase > 0), 0, np.int64)
         self.shortest = float(durations.min()) if durations.size else 1.0
         # successors in a chain, as the flat index of their b = 0 job (-1: none), and their
@@ -215,11 +223,12 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     ready_grid = head_ready[:cells].reshape(K, W)  # views of the flat arrays
     key_grid = head_key[:cells].reshape(K, W)
     forward_grid = q.forward.reshape(K, W)
+    charge_grid = q.charge.reshape(K, W)
     last = (B - 1) * P  # a queue's last job: b * P = last
     placed = 0
     while placed < J:
         if capped:
-            at = np.where(forward_grid & (stash >= cap), np.inf, ready_grid)
+            at = np.where(forward_grid & (stash + charge_grid > cap), np.inf, ready_grid)
             np.maximum(at, free_at, out=at)
         else:
             at = np.maximum(ready_grid, free_at)
@@ -242,7 +251,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
         flat[at_cursor] = chosen
         cursor[rows] = at_cursor + 1
         if capped:
-            stash[rows] += q.forward[cell]
+            stash[rows] += q.charge[cell]
             stash[rows] -= q.releases[cell]
         # the queue's next job (b + 1, the next flat index of its queue) becomes its head
         offset = chosen - q.base[cell]  # b * P: also the successors' microbatch
@@ -277,8 +286,9 @@ def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray,
     jobs = head[:-1].reshape(shape)  # without the sink cell
     left = (jobs - q.base.reshape(shape)) < q.jobs.reshape(shape) * len(graph.phases)
     waiting = left & q.forward.reshape(shape) & np.isfinite(ready[np.minimum(jobs, len(ready) - 1)])
-    for w in np.flatnonzero(waiting.any(axis=0) & (stash >= cap)).tolist():
-        flat = int(jobs[:, w][waiting[:, w]].min())
+    refused = waiting & (stash + q.charge.reshape(shape) > cap)
+    for w in np.flatnonzero(refused.any(axis=0)).tolist():
+        flat = int(jobs[:, w][refused[:, w]].min())
         stage, b = divmod(flat // P, B)
         blocked.append((w, int(stash[w]), int(cap[w]), Job(stage, b, graph.phases[0])))
     return stuck_error(blocked, placed, total, caps)
