@@ -271,12 +271,12 @@ def test_checkpoint_readable_on_one_rank_only_fails_on_every_rank(worlds, tmp_pa
 
 
 def fabric_checkpoint_faults_on_worker(ctx: WorkerContext, tmp: str) -> dict:
-    """One Fabric run (1f1b, a step): ``fabric.save`` into a folder and then over the same
-    name with the writer failing midway; ``fabric.load`` of a missing, a truncated and another
-    model's file. What each left and raised."""
+    """One Fabric run (1f1b, a step): ``fabric.save`` into a folder; ``fabric.load`` of a
+    missing, a truncated and another model's file; then the save over the same name with
+    rank 0's writer failing midway. What each left and raised."""
     from lightning.fabric import Fabric
 
-    from lightning_gsched.errors import CheckpointError
+    from lightning_gsched.errors import CheckpointError, RuntimeFault
     from lightning_gsched.fabric import GeneralParallelFabric
     from models import make_gpt
 
@@ -302,25 +302,7 @@ def fabric_checkpoint_faults_on_worker(ctx: WorkerContext, tmp: str) -> dict:
     path = os.path.join(folder, "run.ckpt")
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     saved = sorted(os.listdir(folder))
-    # the same save again, the writer failing midway (a full disk)
-    interrupted = None
     real_save = torch.save
-
-    def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if hasattr(f, "write"):
-            f.write(b"partial")
-        raise OSError("No space left on device (injected)")
-
-    torch.save = failing_save  # type: ignore[assignment]
-    try:
-        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
-    except OSError as exc:
-        interrupted = str(exc)
-        fabric.barrier()  # the one fabric.save ends with, which the raise skipped on rank 0
-    finally:
-        torch.save = real_save  # type: ignore[assignment]
-    after = sorted(os.listdir(folder))
-    step = fabric.load(path, {"model": model, "optimizer": optimizer})["step"]
     if ctx.rank == 0:
         with open(path, "rb") as f:
             head = f.read(1000)
@@ -336,7 +318,28 @@ def fabric_checkpoint_faults_on_worker(ctx: WorkerContext, tmp: str) -> dict:
             errors[name] = "loaded"
         except CheckpointError as exc:
             errors[name] = str(exc)
-    fabric.strategy.finish()
+    # last, the same save again with rank 0's writer failing midway (a full disk): a failed
+    # save ends the job on every rank (rank 0 with its error, the others with a RuntimeFault
+    # naming it), so nothing collective follows
+    interrupted = None
+
+    def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if hasattr(f, "write"):
+            f.write(b"partial")
+        raise OSError("No space left on device (injected)")
+
+    if ctx.rank == 0:
+        torch.save = failing_save  # type: ignore[assignment]
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    except (OSError, RuntimeFault) as exc:
+        interrupted = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.save = real_save  # type: ignore[assignment]
+    after = sorted(name for name in os.listdir(folder)
+                   if name not in ("truncated.ckpt", "foreign.ckpt"))
+    step = torch.load(path, map_location="cpu", weights_only=False)["step"]
+    fabric.strategy.finish()  # this rank's share of the run's resources, without collectives
     return {"saved": saved, "after": after, "interrupted": interrupted, "step": step,
             "errors": errors, "tmp": _files_in(os.path.join(tmp, f"tmp{ctx.rank}"))}
 
@@ -353,6 +356,8 @@ def test_fabric_save_is_atomic_and_a_bad_fabric_load_names_the_file(worlds, tmp_
             errors
         assert "foreign.ckpt (under 'model') does not hold this model's parameters" in \
             errors["foreign.ckpt"], errors
-    writer = results[0]
-    assert "No space left" in (writer["interrupted"] or ""), writer
+    writer, peer = results
+    assert (writer["interrupted"] or "").startswith("OSError: No space left"), writer
     assert writer["after"] == ["run.ckpt"], writer  # the failed save's temporary file removed
+    assert (peer["interrupted"] or "").startswith("RuntimeFault: rank 1 "), peer
+    assert "rank 0 failed in fabric.save" in peer["interrupted"], peer

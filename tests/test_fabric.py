@@ -33,7 +33,7 @@ from models import make_gpt
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-SCHEDULES = list(LIBRARY)
+SCHEDULES = [name for name in LIBRARY if name != "v-min"]  # at W=2 v-min's plan is v-half's (test_schedule_vshape_memory): run once
 STEPS, GLOBAL_BATCH, CLIP, LR = 3, 8, 0.5, 0.05
 SAVED_AT = 2  # every distributed run saves a checkpoint after this many steps
 LOADS = [  # (checkpoint of this schedule's run, loaded into a fresh run under this schedule)

@@ -50,7 +50,7 @@ from lightning_gsched.schedule.library import LIBRARY
 
 pytestmark = pytest.mark.distributed
 
-SCHEDULES = list(LIBRARY)
+SCHEDULES = [name for name in LIBRARY if name != "v-min"]  # at W=2 v-min's plan is v-half's (test_schedule_vshape_memory): run once
 W4_SCHEDULES = ["1f1b", "lpp", "interleaved", "fslpp"]
 # 8 rows per microbatch: over 4 rows BatchNorm is so ill-conditioned that the third step's
 # gradients of the first convolutions move by 5e-6 (measured) when one process merely sums the

@@ -127,3 +127,13 @@ def test_programs_pass_the_dry_run_and_hold_what_the_timeline_holds(name: str, W
     dry_run(result.programs)  # and the full symbolic execution of every program
     assert result.metrics.max_of("peak_activations") == max(_stash_peaks(result))
     assert max(_stash_peaks(result)) <= result.caps[0]
+
+
+def test_at_two_workers_v_min_is_v_half() -> None:
+    """(p+2)//2 = (p+4)//3 = 2 microbatches at p=2: the same caps, so the same programs. The
+    launched suites that run every schedule at W=2 run v-half only, on this ground."""
+    half, least = plan("v-half", 2), plan("v-min", 2)
+    assert half.caps == least.caps
+    assert [list(map(str, half.programs.ranks[r])) for r in range(2)] == \
+        [list(map(str, least.programs.ranks[r])) for r in range(2)]
+    assert plan("v-half", 4).caps != plan("v-min", 4).caps  # they part from p=4 on

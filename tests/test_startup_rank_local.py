@@ -81,10 +81,9 @@ def test_rank_local_answers_equal_the_full_path(name: str, W: int, kwargs: dict)
     assert owner_groups(programs) == _scanned_groups(programs) == replica_groups(programs)
     # memory: each rank's own prediction and resident bytes are the full path's row
     sizes = _sizes(result)
-    for held in (False, True):
-        every = predict_memory(programs, sizes, result.checkpointed, held)
-        assert [predict_memory(programs, sizes, result.checkpointed, held, ranks=[r])[0]
-                for r in range(W)] == every
+    every = predict_memory(programs, sizes, result.checkpointed)
+    assert [predict_memory(programs, sizes, result.checkpointed, ranks=[r])[0]
+            for r in range(W)] == every
     stage_bytes = [s.params for s in sizes.stages]
     tie_bytes = {h: t.params for h, t in sizes.ties.items()}
     assert [resident_bytes(programs, stage_bytes, tie_bytes, ranks=[r])[0]
@@ -150,8 +149,8 @@ def test_a_lazy_plan_start_up_lowers_only_the_own_program(
         assert replica_groups(programs) == _scanned_groups(eager.programs)
         assert _messages(programs, rank) == _messages(eager.programs, rank)
         check_forward_programs(programs, evaluation.programs, rank)
-        assert (predict_memory(programs, sizes, lazy.checkpointed, True, ranks=[rank])[0]
-                == predict_memory(eager.programs, sizes, eager.checkpointed, True)[rank])
+        assert (predict_memory(programs, sizes, lazy.checkpointed, ranks=[rank])[0]
+                == predict_memory(eager.programs, sizes, eager.checkpointed)[rank])
         row = startup_row(lazy, stage_bytes, tie_bytes, rank)
         assert row == startup_row(eager, stage_bytes, tie_bytes, rank)
         assert _made(programs.ranks) == 1, programs.ranks  # its own program, nothing else

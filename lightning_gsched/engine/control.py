@@ -43,6 +43,7 @@ class ControlGroup:
         self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
         self.notice = FaultNotice(self.store, self.key)
         self.closed = False
+        self.failed = False  # a collective here failed, or this rank aborted: the job is ending
         self.host_pid = self._share_host_pid()
 
     def _share_host_pid(self) -> int | None:
@@ -75,6 +76,7 @@ class ControlGroup:
     def fault(self, what: str, exc: BaseException) -> RuntimeFault:
         from lightning_gsched.runtime import is_timeout, short_reason
 
+        self.failed = True
         timed_out = is_timeout(exc)
         # a lost connection is often the first news of a peer's failure: its notice may
         # still be on its way (FaultNotice.first_within)
@@ -94,6 +96,7 @@ class ControlGroup:
         """This rank failed (or stopped for a peer's failure): tell the job, and close the
         group so peers stop waiting for it. A rank whose message is not the first failure
         acknowledges having read it (:meth:`linger`)."""
+        self.failed = True
         self.report(message)
         first = self.first_fault()
         if first is not None and first != message and self.store is not None:

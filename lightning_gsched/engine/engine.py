@@ -590,7 +590,10 @@ class PipelineEngine:
         runtime = self.runtime
         if runtime is None:
             return
-        if gather and not self.failed and not runtime.closed:
+        # a failure seen in one of the strategy's own collectives (the control group) counts:
+        # the peers are ending, so a gathering collective would wait for them in vain
+        failed = self.failed or (self.control is not None and self.control.failed)
+        if gather and not failed and not runtime.closed:
             runtime.restore_full_model(self.optimizers())
         runtime.close()
         self.runtime = None
