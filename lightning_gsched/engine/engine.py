@@ -271,7 +271,8 @@ class PipelineEngine:
             # sized before the runtime releases the stages this rank does not own
             self._collective("the build's memory prediction", lambda: self.memory.predict(
                 part.stages, args, kwargs, plan, self.optimizers(), self.world_size,
-                self.rank, passes=passes, stage_units=part.stage_units))
+                self.rank, passes=passes, stage_units=part.stage_units,
+                device_type=self.device_hint.type))
             passes.clear()  # their tensors (a microbatch's activations per stage count) go
             if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
                 keep = owned_parameters(part.stages, plan.programs, self.rank,

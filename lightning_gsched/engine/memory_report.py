@@ -13,6 +13,7 @@ rank predicts its own, from its own program: one collective) and the ranks' meas
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.measure.stage_pass import measure_stage_bytes
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
-from lightning_gsched.runtime import ModelRuntime, optimizer_factor
+from lightning_gsched.runtime import ModelRuntime, optimizer_factor, optimizer_step_factor
 from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
 from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
 from lightning_gsched.schedule.plan import Plan
@@ -54,7 +55,8 @@ class MemoryReport:
     def predict(self, stages: Sequence[torch.nn.Module], args: tuple[Any, ...],
                 kwargs: dict[str, Any], plan: Plan, optimizers: Sequence[Any],
                 world_size: int = 1, rank: int = 0, passes: BuildPasses | None = None,
-                stage_units: list[list[str]] | None = None) -> None:
+                stage_units: list[list[str]] | None = None,
+                device_type: str | None = None) -> None:
         """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
         the user's step computes it) and predict every rank's bytes for the training plan.
 
@@ -63,7 +65,8 @@ class MemoryReport:
         of them agree on whether a prediction exists, which decides whether they take part in
         the measured step's gather. ``passes``/``stage_units``: the build's measuring passes
         and the cut of ``stages``; where a pass measured that cut on this microbatch (``"auto"``),
-        its bytes are reused rather than measured again (measure/build_passes.py)."""
+        its bytes are reused rather than measured again (measure/build_passes.py).
+        ``device_type``: where the run trains (the optimizer's step allocates by device)."""
         outcome: tuple[ModelSizes | None, str | None] = (None, None)
         if rank == 0:
             try:
@@ -78,7 +81,9 @@ class MemoryReport:
                     sizes = passes.stage_bytes(stage_units, stages, args, kwargs, factor)
                 else:
                     sizes = measure_stage_bytes(stages, args, kwargs, optimizer_factor=factor)
-                outcome = (sizes, None)
+                step = max((optimizer_step_factor(opt, device_type) for opt in optimizers),
+                           default=0.0)
+                outcome = (replace(sizes, optimizer_step=step), None)
             except Exception as exc:  # noqa: BLE001 - a report must never stop the training
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         if world_size > 1:

@@ -50,7 +50,11 @@ from lightning_gsched.runtime.channels import (
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.faults import is_timeout, short_reason
-from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_factor
+from lightning_gsched.runtime.footprint import (
+    MeasuredBytes,
+    optimizer_factor,
+    optimizer_step_factor,
+)
 from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.fullstate_stream import StreamedTensor
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
@@ -102,6 +106,7 @@ __all__ = [
     "StepResult",
     "TRANSPORTS",
     "optimizer_factor",
+    "optimizer_step_factor",
     "parameter_names",
     "calibrate",
     "stage_micros",

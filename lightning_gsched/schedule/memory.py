@@ -19,7 +19,10 @@ What each category holds on a rank, as the runtime allocates it:
   handed to the optimizer at its end); a fetched unit's from the first weight-gradient job
   (``B``, or ``W`` when the backward is split) of a stage reading it to its ``REDUCE_G``.
 * **optimizer**: the state the optimizer keeps for the parameters this rank updates (owned
-  stages and owned ties); constant over the step.
+  stages and owned ties); constant over the step. After the program, the optimizer's step is
+  one more moment: owned weights, gradients and state plus the step's temporaries
+  (``ModelSizes.optimizer_step`` x the owned gradients: a multi-tensor Adam's
+  ``sqrt(exp_avg_sq)``), activations and messages gone.
 * **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b``.
   When the backward is split, ``B s b`` narrows it (``OpRules.narrows_stash``) to what
   ``W s b`` needs, held until ``W``: the saved tensors less ``b_released`` (those of the graph
@@ -106,6 +109,9 @@ class ModelSizes:
 
     stages: tuple[StageSizes, ...]
     ties: Mapping[int, TieSizes] = field(default_factory=dict)
+    # what the optimizer's step allocates for its duration, per byte of the gradients it
+    # applies (runtime.optimizer_step_factor: 1.0 for a multi-tensor Adam, 0 otherwise)
+    optimizer_step: float = 0.0
 
     @property
     def tie_map(self) -> dict[int, tuple[int, ...]]:
@@ -283,6 +289,14 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
         if sum(current) > sum(best):
             best = current
         highs = [max(high, value) for high, value in zip(highs, current, strict=True)]
+    if sizes.optimizer_step and walk.gradients:
+        # after the program: the optimizer's step, over this rank's owned weights, gradients
+        # and state, plus its temporaries (counted as optimizer bytes)
+        stepping = (walk.weights, walk.gradients,
+                    walk.optimizer + int(sizes.optimizer_step * walk.gradients), 0, 0)
+        if sum(stepping) > sum(best):
+            best = stepping
+        highs = [max(high, value) for high, value in zip(highs, stepping, strict=True)]
     return RankMemory(rank, Bytes(*best), Bytes(*highs))
 
 
