@@ -104,6 +104,7 @@ class PipelineRow:
 ROWS = {row.schedule: row for row in (
     PipelineRow("gpipe", "ScheduleGPipe", WORLD),
     PipelineRow("1f1b", "Schedule1F1B", WORLD),
+    PipelineRow("interleaved", "ScheduleInterleaved1F1B", 2 * WORLD),
     PipelineRow("zb-h1", "ScheduleInterleavedZeroBubble", WORLD),
     PipelineRow("zbv", "ScheduleZBVZeroBubble", 2 * WORLD, "v"),
 )}

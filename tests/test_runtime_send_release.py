@@ -88,6 +88,37 @@ def test_the_drain_is_bounded_by_the_timeout() -> None:
     releaser.clear()
 
 
+class SelfCompletingWork:
+    """An NCCL-like handle: it reports completion without being waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait_for(self, label: str) -> None:
+        self.waited = True
+
+
+def test_handles_that_complete_by_themselves_need_no_thread() -> None:
+    """``threaded=False`` (NCCL): a new send drops the completed ones at the head of the queue;
+    the drain waits for the rest, in order."""
+    releaser = SendReleaser(_wait, timeout=10, threaded=False)
+    first, second, third = SelfCompletingWork(), SelfCompletingWork(), SelfCompletingWork()
+    buffer = torch.zeros(10)
+    ref = weakref.ref(buffer)
+    releaser.add(first, (buffer,), "first")
+    del buffer
+    first.done = True
+    releaser.add(second, (torch.zeros(1),), "second")
+    assert ref() is None and releaser.held == 1  # first went when second was sent
+    releaser.add(third, (torch.zeros(1),), "third")
+    releaser.drain()
+    assert releaser.held == 0 and second.waited and third.waited and not first.waited
+
+
 def gloo_release_check(ctx: WorkerContext) -> bool | None:
     """Rank 0 sends; rank 1 receives. Rank 0's buffer must die before rank 0 drains."""
     import torch.distributed as dist

@@ -9,7 +9,9 @@ difference between fitting and not fitting a 2 GiB model on four CPU processes.
 
 :class:`SendReleaser` waits for the sends in a thread of its own, in the order they were issued
 (``Work.wait`` releases the GIL, so the step's thread keeps computing) and drops each buffer as
-its wait returns. The step's end (:meth:`SendReleaser.drain`) waits, bounded by the job's
+its wait returns. Where the handles report completion by themselves (``threaded=False``: NCCL,
+tensors on a GPU) no thread is started: each new send first drops the completed ones at the
+head of the queue, as the transport always did there. The step's end (:meth:`SendReleaser.drain`) waits, bounded by the job's
 timeout, until every send of the step is done, and re-raises the first failure the thread saw
 as the step's own :class:`RuntimeFault`, with the message's label.
 """
@@ -32,8 +34,9 @@ WaitFn = Callable[[Any, str], None]
 class SendReleaser:
     """This rank's outstanding sends, waited for off the step's thread."""
 
-    def __init__(self, wait: WaitFn, timeout: float) -> None:
+    def __init__(self, wait: WaitFn, timeout: float, threaded: bool = True) -> None:
         self._wait = wait
+        self._threaded = threaded
         self._timeout = float(timeout)
         self._queue: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
         self._lock = threading.Condition()
@@ -44,6 +47,11 @@ class SendReleaser:
 
     def add(self, work: Any, buffers: tuple[torch.Tensor, ...], label: str) -> None:
         """Hold ``buffers`` until ``work`` (their send) completed."""
+        if not self._threaded:
+            while self._queue and self._queue[0][0].is_completed():
+                self._queue.popleft()
+            self._queue.append((work, buffers, label))
+            return
         with self._lock:
             self._queue.append((work, buffers, label))
             self._lock.notify_all()
@@ -60,6 +68,12 @@ class SendReleaser:
 
     def drain(self) -> None:
         """Return once every send so far completed; raise the first failure of one."""
+        if not self._threaded:
+            while self._queue:
+                work, _, label = self._queue[0]
+                self._wait(work, label)
+                self._queue.popleft()
+            return
         deadline = time.monotonic() + self._timeout
         with self._lock:
             while (self._queue or self._busy is not None) and self._failure is None:

@@ -162,7 +162,9 @@ class Transport:
         self.rank = channels.rank
         self.described = transport == "described"
         self.counters = RuntimeCounters()
-        self.sends = SendReleaser(waiter.wait, waiter.timeout)
+        # gloo's (CPU) send handles complete only in wait(): a thread waits for them
+        self.threaded_sends = device.type == "cpu"
+        self.sends = SendReleaser(waiter.wait, waiter.timeout, self.threaded_sends)
         self._pending: dict[int, deque[IncomingPytree]] = defaultdict(deque)
         self.book = SpecBook()
         self.described_messages = 0  # messages sent or received on the described path
@@ -297,7 +299,7 @@ class Transport:
     def drop_all(self) -> None:
         """Forget every handle (before aborting the channels: handles keep connections alive)."""
         self.sends.clear()
-        self.sends = SendReleaser(self.waiter.wait, self.waiter.timeout)
+        self.sends = SendReleaser(self.waiter.wait, self.waiter.timeout, self.threaded_sends)
         self._pending.clear()
         self.book.clear()
 
