@@ -109,13 +109,23 @@ FAILURES = [
 ]
 
 
+# Lightning's launcher (rank 0) SIGKILLs itself and every child within 5 s of a child exiting
+# non-zero. In this case rank 0's script takes 6 s after ``fit`` before it writes: it still
+# writes, because the failed child waits for rank 0's process to end (ControlGroup.outlive_host)
+OUTLIVED = {("1f1b", 2, "raise", 1, 1, "batch_end")}
+
+
 @pytest.mark.parametrize("schedule, world, fault, rank, step, where, hook", FAILURES,
                          ids=["-".join(map(str, case[:6])) for case in FAILURES])
 def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
         tmp_path: Path, schedule: str, world: int, fault: str, rank: int, step: int,
         where: str, hook: str) -> None:
-    results = run_job(tmp_path, schedule, world, fault, rank, step, where)
+    outlived = (schedule, world, fault, rank, step, where) in OUTLIVED
+    results = run_job(tmp_path, schedule, world, fault, rank, step, where,
+                      rank0_after=6.0 if outlived else 0.0)
     assert results[rank]["injected"], results[rank]
+    if outlived:  # the failed child ended after rank 0 had written
+        assert results[rank]["ended"] >= results[0]["ended"], results
     for r in results:
         assert r["outcome"] not in ("finished", "SIGTERMException"), r
     named = f"rank {rank} failed"
@@ -132,18 +142,6 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
     ended = [r["ended"] - failing["injected_at"] for r in results]
     print(f"{where} raised on rank {rank} of {world}: every rank ended "
           f"{min(ended):.1f}-{max(ended):.1f} s after the raise")
-
-
-def test_a_failed_child_outlives_rank_0_so_rank_0_reports(tmp_path: Path) -> None:
-    """Lightning's launcher (rank 0) SIGKILLs itself and every child within 5 s of a child
-    exiting non-zero. Rank 1 fails; rank 0's script then takes 8 s after ``fit`` before it
-    writes: it still writes, because the failed child waits for rank 0's process to end
-    (ControlGroup.outlive_host) instead of exiting first."""
-    results = run_job(tmp_path, "1f1b", 2, "raise", 1, 1, "batch_end", rank0_after=8.0)
-    assert results[1]["injected"], results[1]
-    assert results[0]["outcome"] == "RuntimeFault", results[0]
-    assert "rank 1 failed in Injector.on_train_batch_end" in results[0]["message"], results[0]
-    assert results[1]["ended"] >= results[0]["ended"], results  # rank 1 waited for rank 0
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,6 @@ print(json.dumps((status("VmHWM") - start) / sum(p.numel() * 4 for p in params))
 """
 
 CASES = [
-    ("Adam", {"foreach": True}),
     ("Adam", {"foreach": True, "weight_decay": 0.1}),  # its gradient copy is gone by the sqrt
     ("AdamW", {"foreach": True, "weight_decay": 0.1}),
     ("Adam", {"fused": True}),
