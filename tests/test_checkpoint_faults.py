@@ -302,6 +302,7 @@ def fabric_checkpoint_faults_on_worker(ctx: WorkerContext, tmp: str) -> dict:
     path = os.path.join(folder, "run.ckpt")
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     saved = sorted(os.listdir(folder))
+    fabric.barrier()  # every rank listed the folder before rank 0 adds the bad files to it
     real_save = torch.save
     if ctx.rank == 0:
         with open(path, "rb") as f:
