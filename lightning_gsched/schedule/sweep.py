@@ -149,9 +149,9 @@ class _Queues:
         self.forward = grid(phase == 0, False, np.bool_)
         # what a forward adds to its worker's count under the cap: 1, or, where the placement
         # reserves (reserve.py), the charge of its stage (the same for every microbatch here)
-        charge = np.ones(S, dtype=np.int64)
-        if table.reserves_stash:
-            charge = np.array(stash_charges(table.compute)[::B] if B else charge, dtype=np.int64)
+        # (every microbatch runs where microbatch 0 does, so its column gives every stage's)
+        charge = np.array(stash_charges([row[:1] for row in table.compute])
+                          if table.reserves_stash else [1] * S, dtype=np.int64)
         self.charge = grid(np.where(phase == 0, charge[stage], 0), 0, np.int64)
         self.releases = grid((phase == release) & (phase > 0), 0, np.int64)
         self.shortest = float(durations.min()) if durations.size else 1.0
