@@ -73,6 +73,17 @@ class ControlGroup:
         except RuntimeError as exc:  # gloo/nccl: lost connection, timeout, aborted group
             raise self.fault(what, exc) from exc
 
+    def barrier(self, name: str | None = None) -> None:
+        """A barrier of every rank on this group (what a front end's ``barrier`` runs)."""
+        self.run(f"barrier {name!r}" if name else "a barrier",
+                 lambda: dist.barrier(group=self.group))
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        """``src``'s ``obj`` on every rank (what a front end's ``broadcast`` runs)."""
+        box = [obj]
+        self.run("a broadcast", lambda: dist.broadcast_object_list(box, src, group=self.group))
+        return box[0]
+
     def fault(self, what: str, exc: BaseException) -> RuntimeFault:
         from lightning_gsched.runtime import is_timeout, short_reason
 

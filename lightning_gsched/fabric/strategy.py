@@ -352,16 +352,13 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         control = self._control
         if control is None or control.closed:
             return super().barrier(*args, **kwargs)
-        control.run("a barrier", lambda: torch.distributed.barrier(group=control.group))
+        control.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         control = self._control
         if control is None or control.closed:
             return super().broadcast(obj, src)
-        box = [obj]
-        control.run("a broadcast", lambda: torch.distributed.broadcast_object_list(
-            box, src, group=control.group))
-        return box[0]
+        return control.broadcast_object(obj, src)
 
     def _failed(self, where: str, exc: BaseException) -> None:
         """This rank failed in a collective call: tell the job and drop the connections, so

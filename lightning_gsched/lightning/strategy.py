@@ -442,17 +442,13 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         control = self._control
         if control is None or control.closed:
             return super().barrier(name)
-        control.run(f"barrier {name!r}" if name else "a barrier",
-                    lambda: torch.distributed.barrier(group=control.group))
+        control.barrier(name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         control = self._control
         if control is None or control.closed:
             return super().broadcast(obj, src)
-        box = [obj]
-        control.run("a broadcast", lambda: torch.distributed.broadcast_object_list(
-            box, src, group=control.group))
-        return box[0]
+        return control.broadcast_object(obj, src)
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         control = self._control
