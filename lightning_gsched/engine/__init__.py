@@ -43,7 +43,7 @@ from lightning_gsched.engine.options import (
     pipeline_keywords,
     pipeline_options,
 )
-from lightning_gsched.engine.preemption import PreemptionNotice, signal_name
+from lightning_gsched.engine.preemption import PreemptionAgreement, PreemptionNotice, signal_name
 
 __all__ = [
     "FABRIC",
@@ -55,6 +55,7 @@ __all__ = [
     "DeviceMeshSlot",
     "MemoryReport",
     "PipelineEngine",
+    "PreemptionAgreement",
     "PreemptionNotice",
     "StepCaller",
     "StreamStats",

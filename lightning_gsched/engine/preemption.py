@@ -11,8 +11,8 @@ turns the result, the same list on every rank, into :attr:`PreemptionNotice.agre
 same step everywhere. A loop can then save (a collective) and stop on every rank together.
 
 The Fabric strategy installs one (``GeneralParallelFabric.preempted``); the Trainer strategy
-keeps its own connector (``lightning/preemption.py``), which adds Lightning's loop flag and
-SLURM requeue on the same agreement.
+keeps its own connector (``lightning/preemption.py``), which holds a
+:class:`PreemptionAgreement` and adds Lightning's loop flag and SLURM requeue to it.
 """
 
 from __future__ import annotations
@@ -33,13 +33,43 @@ def signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-class PreemptionNotice:
-    """SIGTERM (and SIGUSR1, unless the program handles it itself) as a preemption notice."""
+class PreemptionAgreement:
+    """A rank's pending notice and, after a step's exchange, the notices every rank agreed on:
+    the state both front ends keep (the Trainer's connector holds one, Fabric's notice is one)."""
 
     def __init__(self) -> None:
         self.pending = 0  # the first notice signal this rank received (0: none)
         self.agreed: dict[int, int] = {}  # rank -> signal, once every rank has agreed
         self.agreed_at = ""  # where every rank learnt of it, e.g. "step 7"
+
+    def record(self, signum: int) -> bool:
+        """Note a signal from the handler (no collective, no I/O); True for the first."""
+        if self.pending:
+            return False
+        self.pending = int(signum)
+        return True
+
+    def agree(self, notices: list[int], where: str) -> bool:
+        """Every rank's pending signal after one exchange (the same list on every rank);
+        ``where`` names the step. True at the step where the ranks first agree."""
+        if self.agreed or not any(notices):
+            return False
+        self.agreed = {rank: code for rank, code in enumerate(notices) if code}
+        self.agreed_at = where
+        return True
+
+    def describe(self, rank: int, then: str) -> str:
+        """The line each rank prints when the notice is agreed; ``then``: what to do now."""
+        who = ", ".join(f"{signal_name(code)} on rank {r}" for r, code in sorted(self.agreed.items()))
+        return (f"rank {rank}: preemption notice ({who}) agreed by every rank in "
+                f"{self.agreed_at}; {then}")
+
+
+class PreemptionNotice(PreemptionAgreement):
+    """SIGTERM (and SIGUSR1, unless the program handles it itself) as a preemption notice."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self._previous: dict[int, Handler] = {}
 
     def install(self) -> None:
@@ -64,24 +94,8 @@ class PreemptionNotice:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        """The handler: record the first notice; no collective, no I/O."""
-        if not self.pending:
-            self.pending = int(signum)
+        """The handler: record the first notice, then a program's own SIGTERM handler."""
+        self.record(signum)
         previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, frame)
-
-    def agree(self, notices: list[int], where: str) -> bool:
-        """Every rank's pending signal after one exchange (the same list on every rank);
-        ``where`` names the step. True at the step where the ranks first agree."""
-        if self.agreed or not any(notices):
-            return False
-        self.agreed = {rank: code for rank, code in enumerate(notices) if code}
-        self.agreed_at = where
-        return True
-
-    def describe(self, rank: int, then: str) -> str:
-        """The line each rank prints when the notice is agreed; ``then``: what to do now."""
-        who = ", ".join(f"{signal_name(code)} on rank {r}" for r, code in sorted(self.agreed.items()))
-        return (f"rank {rank}: preemption notice ({who}) agreed by every rank in "
-                f"{self.agreed_at}; {then}")

@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gsched.engine import signal_name
+from lightning_gsched.engine import PreemptionAgreement, signal_name
 
 
 class PreemptionSignals(_SignalConnector):
@@ -42,15 +42,23 @@ class PreemptionSignals(_SignalConnector):
 
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
-        self.pending = 0  # the first preemption signal this rank received (0: none)
-        self.agreed: dict[int, int] = {}  # rank -> signal, once every rank has agreed
-        self.agreed_at = ""  # where every rank learnt of it, e.g. "training step 7"
+        self.agreement = PreemptionAgreement()  # the state Fabric's notice keeps too
+
+    @property
+    def pending(self) -> int:
+        """The first preemption signal this rank received (0: none)."""
+        return self.agreement.pending
+
+    @property
+    def agreed(self) -> dict[int, int]:
+        """Rank -> signal, once every rank has agreed."""
+        return self.agreement.agreed
 
     # ------------------------------------------------------------------ handlers
 
     def register_signal_handlers(self) -> None:
         self.received_sigterm = False
-        self.pending, self.agreed, self.agreed_at = 0, {}, ""
+        self.agreement = PreemptionAgreement()
         self._original_handlers = self._get_current_signal_handlers()
         for signum in self._notice_signals():
             handlers: list[Any] = [self._notice]
@@ -78,12 +86,10 @@ class PreemptionSignals(_SignalConnector):
 
     def _notice(self, signum: Any, _: Optional[FrameType]) -> None:
         """The handler: record the signal; no collective, no I/O beyond forwarding."""
-        if not self.pending:
-            self.pending = int(signum)
-            if int(signum) == signal.SIGTERM:
-                launcher = self.trainer.strategy.launcher
-                if launcher is not None:  # the script launcher's children, as Lightning does
-                    launcher.kill(signum)
+        if self.agreement.record(int(signum)) and int(signum) == signal.SIGTERM:
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:  # the script launcher's children, as Lightning does
+                launcher.kill(signum)
 
     def teardown(self) -> None:
         super().teardown()
@@ -94,11 +100,8 @@ class PreemptionSignals(_SignalConnector):
     def agree(self, notices: list[int], where: str) -> None:
         """Every rank's pending signal after one exchange (the same list on every rank);
         ``where`` names the step, for the message."""
-        if self.agreed or not any(notices):
-            return
-        self.agreed = {rank: code for rank, code in enumerate(notices) if code}
-        self.agreed_at = where
-        self.received_sigterm = True  # Lightning's loops stop at the same point on every rank
+        if self.agreement.agree(notices, where):
+            self.received_sigterm = True  # Lightning's loops stop at the same point everywhere
 
     def _check_at_batch_start(self) -> None:
         """Replaces Lightning's per-batch broadcast of the flag: it is the same everywhere."""
@@ -107,11 +110,10 @@ class PreemptionSignals(_SignalConnector):
 
     def describe(self, rank: int) -> str:
         """The line each rank prints when the preemption stops it."""
-        who = ", ".join(f"{signal_name(code)} on rank {r}" for r, code in sorted(self.agreed.items()))
-        return (f"rank {rank}: preemption notice ({who}) agreed by every rank in {self.agreed_at}; "
-                "every rank stops after that step. Resume with "
-                "trainer.fit(..., ckpt_path='last') (save one on the way out with "
-                "ModelCheckpoint(save_last=True, save_on_exception=True))")
+        return self.agreement.describe(
+            rank, "every rank stops after that step. Resume with "
+            "trainer.fit(..., ckpt_path='last') (save one on the way out with "
+            "ModelCheckpoint(save_last=True, save_on_exception=True))")
 
     def requeue_if_asked(self) -> bool:
         """Lightning's SLURM auto-requeue (save ``hpc_ckpt_<n>.ckpt``, ``scontrol requeue``),
