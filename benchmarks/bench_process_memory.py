@@ -96,6 +96,27 @@ class RssTrace(pl.Callback):
         self._mark(f"batch {batch_idx} end")
 
 
+def linear_stack(layers: int, width: int) -> Any:
+    """The rows' model: ``layers`` x Linear(width, width), ReLU between (built on whatever
+    device the caller's context says, meta included)."""
+    from torch import nn
+
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def rank_rows(rank: int, rows: int, width: int) -> tuple[Any, Any]:
+    """This rank's inputs and targets (seeded by the rank), made before the measurement."""
+    import torch
+
+    gen = torch.Generator().manual_seed(rank)
+    return (torch.randn(rows, width, generator=gen), torch.randn(rows, width, generator=gen))
+
+
 def strategy_kwargs(schedule: str, world: int) -> dict[str, Any]:
     """fsdp with two stages per rank (S=2W); the other schedules at their defaults."""
     return {"stages": 2 * world} if schedule == "fsdp" else {}
@@ -114,12 +135,7 @@ def rss_run(rank: int, world: int, schedule: str, layers: int, width: int, steps
     class Stack(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            mods: list[nn.Module] = []
-            for i in range(layers):
-                mods.append(nn.Linear(width, width))
-                if i < layers - 1:
-                    mods.append(nn.ReLU())
-            self.net = nn.Sequential(*mods)
+            self.net = linear_stack(layers, width)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.net(x)
@@ -131,10 +147,7 @@ def rss_run(rank: int, world: int, schedule: str, layers: int, width: int, steps
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
-    gen = torch.Generator().manual_seed(rank)
-    rows = per_rank * steps
-    data = TensorDataset(torch.randn(rows, width, generator=gen),
-                         torch.randn(rows, width, generator=gen))
+    data = TensorDataset(*rank_rows(rank, per_rank * steps, width))
     loader = DataLoader(data, batch_size=per_rank, shuffle=False)
     strategy = GeneralParallel(schedule, **strategy_kwargs(schedule, world))
     tracer = RssTrace() if trace else None
@@ -186,18 +199,11 @@ def fsdp2_rss_run(rank: int, world: int, layers: int, width: int, steps: int,
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    gen = torch.Generator().manual_seed(rank)
-    xs = torch.randn(per_rank * steps, width, generator=gen)
-    ys = torch.randn(per_rank * steps, width, generator=gen)
+    xs, ys = rank_rows(rank, per_rank * steps, width)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, before the model exists
     start = _status_bytes("VmRSS")
     with torch.device("meta"):
-        mods: list[nn.Module] = []
-        for i in range(layers):
-            mods.append(nn.Linear(width, width))
-            if i < layers - 1:
-                mods.append(nn.ReLU())
-        model = nn.Sequential(*mods)
+        model = linear_stack(layers, width)
     for module in model:
         if isinstance(module, nn.Linear):
             fully_shard(module, reshard_after_forward=True)
