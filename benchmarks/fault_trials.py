@@ -63,17 +63,23 @@ def trial(out: Path, schedule: str, world: int, moment: tuple[str, int, int, str
         time.sleep(0.2)
     wall = time.monotonic() - start
     if not all(f.exists() for f in files):
-        for pid_file in out.glob("pid*"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        launcher.kill()
+        stop_job(out, launcher)
         launcher.wait()
         return None, wall
     launcher.wait(timeout=60)
     time.sleep(0.3)  # the result files are written just before each process exits
     return [json.loads(f.read_text()) for f in files], wall
+
+
+def stop_job(out: Path, launcher: subprocess.Popen[bytes]) -> None:
+    """Kill every rank of a launched job (each wrote ``out/pid<r>`` as it started) and its
+    launcher: what a hang leaves behind (also tests/launched_jobs.py)."""
+    for pid_file in out.glob("pid*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    launcher.kill()
 
 
 def run(schedule: str, world: int, trials: int, timeout: float, seed: int) -> dict[str, Any]:

@@ -10,13 +10,13 @@ and the test fails naming it (after killing every rank it started).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from benchmarks.fault_trials import stop_job
 
 
 def wait_for_ranks(launcher: subprocess.Popen, out: Path, world: int, bound: float) -> list[dict]:
@@ -36,12 +36,7 @@ def wait_for_ranks(launcher: subprocess.Popen, out: Path, world: int, bound: flo
                     f"writing its result; ranks {missing} have none:\n"
                     + (out / "log.txt").read_text()[-3000:])
     if missing:  # a hang: stop every rank we started, then fail naming the ones stuck
-        for pid_file in out.glob("pid*"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        launcher.kill()
+        stop_job(out, launcher)
         log_tail = (out / "log.txt").read_text()[-3000:]
         pytest.fail(f"ranks {missing} did not end within {bound:g} s (a hang):\n{log_tail}")
     launcher.wait(timeout=60)
