@@ -8,7 +8,8 @@ rank that code runs inside the schedule, while the other rank is in the step's t
 is the one docs/usage.md shows: after each step, if ``fabric.strategy.preempted``, save and
 leave. It then checks that a further ``step`` raises ``PreemptedError``. Every rank writes
 ``OUT_DIR/rank<r>.json``: how its loop ended, the steps done, and what the extra step raised;
-``OUT_DIR/pid<r>`` as it starts (the test kills stuck ranks by it).
+``OUT_DIR/pid<r>`` as it starts (the test kills stuck ranks by it). Then rank 1 raises in the
+user's code, uncaught (:func:`uncaught_on_one_rank`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,26 @@ def main() -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
     sys.stdout.flush()
+    uncaught_on_one_rank(fabric, out, rank)
+
+
+def uncaught_on_one_rank(fabric: Fabric, out: str, rank: int) -> None:
+    """Then a bug in the user's own loop: rank 1 raises and leaves it uncaught, while rank 0
+    waits in a barrier. Rank 0 must stop at once naming rank 1's error, and live to write
+    ``after0.json`` 6 s later (past the 5 s in which Lightning's launcher would SIGKILL it once
+    rank 1 exited non-zero, unless rank 1 outlives it)."""
+    import time
+
+    if rank == 1:
+        raise ValueError("a bug in the user's loop on rank 1")
+    message = None
+    try:
+        fabric.barrier()
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        message = f"{type(exc).__name__}: {exc}"
+    time.sleep(6)
+    with open(os.path.join(out, "after0.json"), "w") as handle:
+        json.dump({"message": message}, handle)
 
 
 if __name__ == "__main__":

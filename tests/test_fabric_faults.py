@@ -6,10 +6,12 @@ step 3 of 6, while rank 0 is in the step's traffic. Every rank must see
 ``fabric.strategy.preempted`` after the same step, save one checkpoint of that step (a
 collective) and leave its loop; a further ``step`` raises ``PreemptedError`` on every rank. The
 wait is bounded (the job's ``step_timeout`` is 30 s): a rank without a result is a hang, named.
+The same launch then checks an uncaught error in the user's loop on rank 1 (see the script).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -47,6 +49,12 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path
     log = (tmp_path / "log.txt").read_text()
     for rank in range(2):
         assert f"rank {rank}: preemption notice (SIGTERM on rank {SIGNAL_RANK})" in log, log
+    # then rank 1 ends by an uncaught error of the user's loop: rank 0, in a barrier, stops
+    # naming it, and lives past Lightning's child observer (its exit code, 0, is the launcher's)
+    after = json.loads((tmp_path / "after0.json").read_text())["message"]
+    assert after is not None and after.startswith("RuntimeFault: rank 0 stopped in a barrier"), after
+    assert "rank 1 ended by an uncaught ValueError: a bug in the user's loop on rank 1" in after
+    assert "ValueError: a bug in the user's loop on rank 1" in log  # rank 1's traceback
     saved = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=False)
     assert saved["step"] == SIGNAL_STEP + 1
     assert set(saved["model"]) == {f"layers.{i}.{p}" for i in range(4)

@@ -160,3 +160,54 @@ class ControlGroup:
         self.closed = True
         group, self.group = self.group, None
         destroy_groups([group], collect)
+
+
+class UncaughtExitReport:
+    """While installed: an exception that ends this rank's process uncaught is told to the job,
+    and a child of rank 0 then outlives rank 0.
+
+    Why: in a user's own loop (Fabric) nothing of ours runs when the user's code raises between
+    steps, or when our own error is not caught. Without this, the rank exits and its peers wait
+    in the next collective until ``step_timeout``, learning only that a peer was lost; and
+    Lightning's launcher, seeing a child exit non-zero, SIGKILLs rank 0 within 5 s, maybe before
+    rank 0 has printed its own error (:meth:`ControlGroup.outlive_host`). Chained to
+    ``sys.excepthook``, which Python calls after the traceback would be printed and before the
+    interpreter ends: the previous hook prints it, then ``abort(message)`` (unless ``failed()``:
+    the job already knows) closes this rank's connections with the message in the job's store,
+    and the wait for rank 0 follows.
+    """
+
+    def __init__(self, control: ControlGroup, abort: Callable[[str], None],
+                 failed: Callable[[], bool]) -> None:
+        self.control = control
+        self.abort = abort
+        self.failed = failed
+        self._previous: Callable[..., Any] | None = None
+
+    def install(self) -> None:
+        import sys
+
+        if self._previous is None:
+            self._previous, sys.excepthook = sys.excepthook, self._hook
+
+    def uninstall(self) -> None:
+        import sys
+
+        if self._previous is not None and sys.excepthook == self._hook:
+            sys.excepthook = self._previous
+        self._previous = None
+
+    def _hook(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        import sys
+
+        previous = self._previous or sys.__excepthook__
+        previous(kind, value, traceback)
+        try:
+            sys.stderr.flush()
+            if not self.failed():
+                text = str(value).strip().splitlines()[0] if str(value).strip() else ""
+                self.abort(f"rank {self.control.rank} ended by an uncaught {kind.__name__}"
+                           + (f": {text}" if text else ""))
+            self.control.outlive_host()
+        except Exception:  # noqa: BLE001 - the process is ending: never mask its own error
+            pass

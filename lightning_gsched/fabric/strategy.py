@@ -47,6 +47,7 @@ from lightning_gsched.engine import (
     PipelineEngine,
     PreemptionNotice,
     StepCaller,
+    UncaughtExitReport,
     check_launch_arguments,
     check_transport,
     library_names,
@@ -145,6 +146,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         self._mesh = DeviceMeshSlot()  # engine/mesh.py
         self._preemption = PreemptionNotice()  # installed at launch, in every rank's process
         self._control: ControlGroup | None = None  # barrier, broadcast, the engine's exchanges
+        self._exit_report: UncaughtExitReport | None = None  # an uncaught exception, told
         self._steps = 0  # calls of step(): names the step a preemption was agreed in
 
     @property
@@ -182,6 +184,11 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
             # the strategy's own collectives wait step_timeout at most, not the launcher's
             # timeout (30 minutes), and stop at once when a rank reports a failure
             self._control = ControlGroup(self.global_rank, self.step_timeout)
+            # an exception that ends this process uncaught (the user's loop, or ours) is told
+            # to the job, and rank 0's output survives Lightning's child observer
+            self._exit_report = UncaughtExitReport(self._control, self._abort_job,
+                                                   self._job_failed)
+            self._exit_report.install()
 
     # ------------------------------------------------------------------ setup
 
@@ -364,8 +371,10 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         """This rank failed in a collective call: tell the job and drop the connections, so
         peers waiting on this rank stop at once with an error naming it."""
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        message = (f"rank {self.global_rank} failed in {where}: {type(exc).__name__}"
-                   + (f": {text}" if text else ""))
+        self._abort_job(f"rank {self.global_rank} failed in {where}: {type(exc).__name__}"
+                        + (f": {text}" if text else ""))
+
+    def _abort_job(self, message: str) -> None:
         if self._engine is not None:
             self._engine.abort(message)
         elif self._control is not None:
@@ -498,8 +507,16 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
             self._engine.close(gather=True)
         self._preemption.uninstall()  # no pipeline left to stop together: signals act as usual
 
+    def _job_failed(self) -> bool:
+        """A failure is already known to the job (this rank's or a peer's)."""
+        return ((self._engine is not None and self._engine.failed)
+                or (self._control is not None and self._control.failed))
+
     def teardown(self) -> None:
         self.finish()
+        if self._exit_report is not None:
+            self._exit_report.uninstall()
+            self._exit_report = None
         if self._control is not None:
             self._control.close()
             self._control = None
