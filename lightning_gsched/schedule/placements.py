@@ -1,12 +1,11 @@
-"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``.
-
-A placement says, for every job, which worker computes it and which worker holds the source of
-truth of the stage's weights for that job. Everything else (activation transfers, weight
-fetches, gradient reductions, replica all-reduces) follows from it during lowering.
+"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: for every job, which worker
+computes it and which holds the source of truth of its stage's weights. Everything else
+(activation transfers, weight fetches, gradient reductions, replica all-reduces) follows from it
+during lowering.
 
 The named placements generalise the seed's equalities: where the seed needs ``W = B`` we accept
-``B`` a multiple of ``W``; where it needs ``W = S`` we accept ``S`` a multiple of ``W``. Any pair
-of callables is also a placement; :func:`tabulate` validates it once and caches the answers.
+``B`` a multiple of ``W``; where it needs ``W = S``, ``S`` a multiple of ``W``. Any pair of
+callables is also a placement; :class:`PlacementTable` validates it once and caches the answers.
 """
 
 from __future__ import annotations
@@ -19,45 +18,38 @@ from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
-_F = Phase.F  # an enum member look-up costs ~0.2 us on Python 3.11; rows() reads it per call
+_F = Phase.F  # a module constant: an enum member look-up is slow, and rows() reads it per call
 
 
-class Placement(Protocol):
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
-
-
-class CheckedPlacement(Placement, Protocol):
+class CheckedPlacement(Protocol):
     """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
 
     def check(self, stages: int, micro: int) -> None: ...
 
 
-# (weights worker, compute worker) of every (stage, micro), as rows by stage: the same for
-# both phases. Library placements give them at once (``rows``); PlacementTable reads them
-# instead of calling w(s, b, d) twice per (stage, microbatch).
+# (weights workers, compute workers) of every (stage, micro), as rows by stage (the same for
+# both phases)
 Rows = tuple[list[list[int]], list[list[int]]]
 
-# placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one
-# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan): the
-# library's own classes exactly (registered by LibraryPlacement.__init_subclass__)
+# The classes whose ``rows`` PlacementTable trusts without validating: the library's own
+# (registered by LibraryPlacement.__init_subclass__; their validity is checked by tests). A
+# user's subclass may change ``__call__``, so it is validated like any callable.
 _LIBRARY: set[type] = set()
 
 
 class LibraryPlacement:
     """What every library placement shares: its table of rows, read from ``__call__`` itself.
 
-    A placement's formula is written once, in ``__call__`` (the paper's ``w(s, b, d)``). The
-    table ``PlacementTable`` reads (:meth:`rows`) is not a second copy of it: each class only
-    states which stages share a row (``weights_key``/``compute_key``: stages with equal keys
-    have equal rows) and which rows do not depend on the microbatch, and :meth:`rows` calls
-    ``__call__`` once per distinct row entry. At W=1024 that is about W calls for fsdp instead
-    of the S x B = 1M a per-job evaluation would take. These are claims about the formula's
-    symmetry; tests/test_schedule_fast_paths.py checks them against calling it per job.
+    The formula is written once, in ``__call__``. Each class only states which stages share a
+    row (``weights_key``/``compute_key``: equal keys, equal rows) and which rows do not depend
+    on the microbatch or repeat in it, so :meth:`rows` calls ``__call__`` once per distinct row
+    entry: about W calls for fsdp at W=1024 instead of S x B. These symmetry claims are checked
+    against per-job calls by tests/test_schedule_fast_paths.py.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The library's own placement classes (defined in this package) are trusted by
-        :class:`PlacementTable`; a user's subclass, which may change ``__call__``, is not."""
         super().__init_subclass__(**kwargs)
         if cls.__module__.startswith("lightning_gsched.schedule."):
             _LIBRARY.add(cls)
@@ -67,10 +59,7 @@ class LibraryPlacement:
     compute_constant_in_micro: ClassVar[bool] = False
 
     def micro_period(self) -> int | None:
-        """Every row repeats with this period in the microbatch (None: no such claim). The
-        looped placements send microbatch b to group b mod G, so their rows repeat every G:
-        interleaved at W=1024 (LPP with G=1) is 2,048 calls per row class instead of 4 million
-        for the whole table."""
+        """Every row repeats with this period in the microbatch (None: no such claim)."""
         return None
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
@@ -106,28 +95,6 @@ def _require(condition: bool, message: str) -> None:
         raise ScheduleConfigError(message)
 
 
-def _check_groups(name: str, workers: int, stages: int, micro: int, R: int) -> int:
-    """Validate W = G*R, S % R == 0, B % G == 0 for the looped family; return G."""
-    _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
-    _require(
-        workers % R == 0,
-        f"{name}: R={R} does not divide the number of workers W={workers}; "
-        f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}",
-    )
-    groups = workers // R
-    _require(
-        stages % R == 0,
-        f"{name}: stages S={stages} must be a multiple of R={R} so that each worker of a group "
-        f"holds S/R stages; use S={R * max(1, -(-stages // R))}",
-    )
-    _require(
-        micro % groups == 0,
-        f"{name}: microbatches B={micro} must be a multiple of the number of groups G=W/R={groups}; "
-        f"use B={groups * max(1, -(-micro // groups))}",
-    )
-    return groups
-
-
 @dataclass(frozen=True)
 class DDP(LibraryPlacement):
     """w = (b mod W, b mod W): each worker runs whole microbatches with its own weight replica."""
@@ -145,7 +112,7 @@ class DDP(LibraryPlacement):
         return 0
 
     def micro_period(self) -> int | None:
-        return self.workers  # microbatch b runs on worker b mod W
+        return self.workers
 
     def check(self, stages: int, micro: int) -> None:
         _require(
@@ -167,10 +134,10 @@ class FSDP(LibraryPlacement):
     weights_constant_in_micro = True  # one owner per stage
 
     def compute_key(self, stage: int) -> Hashable:
-        return 0  # DDP's compute: the same for every stage
+        return 0  # DDP's compute
 
     def micro_period(self) -> int | None:
-        return self.workers  # microbatch b runs on worker b mod W
+        return self.workers
 
     def check(self, stages: int, micro: int) -> None:
         DDP(self.workers).check(stages, micro)
@@ -181,18 +148,28 @@ class FSDP(LibraryPlacement):
         )
 
 
+class _Pinned(LibraryPlacement):
+    """w = (k(s), k(s)): every stage computed where its weights live, for every microbatch."""
+
+    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
+
+    def worker_of(self, stage: int) -> int:
+        raise NotImplementedError
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        worker = self.worker_of(stage)
+        return worker, worker
+
+
 @dataclass(frozen=True)
-class GPipe(LibraryPlacement):
-    """w = (k, k) with k = s // (S/W): contiguous blocks of stages per worker, no looping."""
+class GPipe(_Pinned):
+    """k = s // (S/W): contiguous blocks of stages per worker, no looping."""
 
     workers: int
     stages: int
 
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        worker = stage // (self.stages // self.workers)
-        return worker, worker
-
-    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
+    def worker_of(self, stage: int) -> int:
+        return stage // (self.stages // self.workers)
 
     def check(self, stages: int, micro: int) -> None:
         _require(
@@ -203,13 +180,12 @@ class GPipe(LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class VShape(LibraryPlacement):
-    """w = (v(s), v(s)): stages in a V over the workers, v(s) = s for s < W, 2W-1-s after.
+class VShape(_Pinned):
+    """Stages in a V over the workers: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats it).
 
-    Worker r holds stages r and 2W-1-r (with S = 2W; S = 2kW repeats the V k times), so the
-    first and the last stage live on worker 0: a microbatch goes down the workers and comes
-    back up, and the loss is computed where the pipeline started (ZB-V, DualPipeV). Weights
-    never move.
+    Worker r holds stages r and 2W-1-r, so the first and the last stage live on worker 0: a
+    microbatch goes down the workers and comes back up, and the loss is computed where the
+    pipeline started (ZB-V, DualPipeV).
     """
 
     workers: int
@@ -222,12 +198,6 @@ class VShape(LibraryPlacement):
         position = stage % (2 * self.workers)
         return position if position < self.workers else 2 * self.workers - 1 - position
 
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        worker = self.worker_of(stage)
-        return worker, worker
-
-    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
-
     def check(self, stages: int, micro: int) -> None:
         _require(
             stages % (2 * self.workers) == 0,
@@ -239,38 +209,60 @@ class VShape(LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class LPP(LibraryPlacement):
-    """The seed's looped pipeline: w = (h(s,b), h(s,b)), h(s,b) = (R*b mod W) + (s mod R).
-
-    W = G*R workers form G groups of R; group b mod G runs microbatch b, and worker r of a group
-    runs every stage s with s mod R == r. R=1 is DDP, R=W (with S=W) is GPipe.
-    """
+class _Looped(LibraryPlacement):
+    """The seed's looped compute h(s, b) = (R*b mod W) + (s mod R): W = G*R workers form G
+    groups of R; group b mod G runs microbatch b, and worker r of a group runs every stage s
+    with s mod R == r. Subclasses differ in where the weights live."""
 
     workers: int
     R: int
+    name: ClassVar[str]
 
     def h(self, stage: int, micro: int) -> int:
         return (self.R * micro) % self.workers + stage % self.R
+
+    def compute_key(self, stage: int) -> Hashable:
+        return stage % self.R  # h depends on s through s mod R only
+
+    def micro_period(self) -> int | None:
+        return self.workers // self.R  # and on b through R*b mod W: period G
+
+    def check(self, stages: int, micro: int) -> None:
+        """W = G*R, S % R == 0, B % G == 0."""
+        name, workers, R = self.name, self.workers, self.R
+        _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
+        _require(
+            workers % R == 0,
+            f"{name}: R={R} does not divide the number of workers W={workers}; "
+            f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}",
+        )
+        groups = workers // R
+        _require(
+            stages % R == 0,
+            f"{name}: stages S={stages} must be a multiple of R={R} so that each worker of a group "
+            f"holds S/R stages; use S={R * max(1, -(-stages // R))}",
+        )
+        _require(
+            micro % groups == 0,
+            f"{name}: microbatches B={micro} must be a multiple of the number of groups "
+            f"G=W/R={groups}; use B={groups * max(1, -(-micro // groups))}",
+        )
+
+
+class LPP(_Looped):
+    """The seed's looped pipeline: w = (h(s,b), h(s,b)). R=1 is DDP, R=W (with S=W) is GPipe."""
+
+    name = "lpp"
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         worker = self.h(stage, micro)
         return worker, worker
 
     def weights_key(self, stage: int) -> Hashable:
-        return stage % self.R  # h(s, b) depends on s through s mod R only
-
-    def compute_key(self, stage: int) -> Hashable:
         return stage % self.R
 
-    def micro_period(self) -> int | None:
-        return self.workers // self.R  # h(s, b) depends on b through R*b mod W: period G
 
-    def check(self, stages: int, micro: int) -> None:
-        _check_groups("lpp", self.workers, stages, micro, self.R)
-
-
-@dataclass(frozen=True)
-class FSLPP(LibraryPlacement):
+class FSLPP(_Looped):
     """Fully sharded looped pipeline: LPP's compute, one owner per stage, balanced.
 
     The owner of stage s is chosen among the workers that compute s (position s mod R in each
@@ -278,59 +270,32 @@ class FSLPP(LibraryPlacement):
     Every worker then owns at most ceil(S/W) stages, unlike the seed's literal h(s, s).
     """
 
-    workers: int
-    R: int
+    name = "fslpp"
+    weights_constant_in_micro = True
 
     def owner(self, stage: int) -> int:
         groups = self.workers // self.R
         return self.R * ((stage // self.R) % groups) + stage % self.R
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        return self.owner(stage), LPP(self.workers, self.R).h(stage, micro)
-
-    weights_constant_in_micro = True  # one owner per stage
-
-    def compute_key(self, stage: int) -> Hashable:
-        return stage % self.R  # LPP's compute
-
-    def micro_period(self) -> int | None:
-        return self.workers // self.R  # LPP's compute: period G in the microbatch
-
-    def check(self, stages: int, micro: int) -> None:
-        _check_groups("fslpp", self.workers, stages, micro, self.R)
+        return self.owner(stage), self.h(stage, micro)
 
 
-@dataclass(frozen=True)
-class FSLPPSeed(LibraryPlacement):
+class FSLPPSeed(_Looped):
     """The seed's literal FSLPP: w = (h(s, s), h(s, b)). Concentrates ownership (see docs)."""
 
-    workers: int
-    R: int
+    name = "fslpp-seed"
+    weights_constant_in_micro = True
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        lpp = LPP(self.workers, self.R)
-        return lpp.h(stage, stage), lpp.h(stage, micro)
-
-    weights_constant_in_micro = True  # h(s, s): one owner per stage
-
-    def compute_key(self, stage: int) -> Hashable:
-        return stage % self.R  # LPP's compute
-
-    def micro_period(self) -> int | None:
-        return self.workers // self.R  # LPP's compute: period G in the microbatch
-
-    def check(self, stages: int, micro: int) -> None:
-        _check_groups("fslpp-seed", self.workers, stages, micro, self.R)
+        return self.h(stage, stage), self.h(stage, micro)
 
 
 class PlacementTable:
-    """A validated placement evaluated once for every (s, b): O(1) look-ups for the simulator.
-
-    Validation (clear :class:`PlacementError` messages naming the job):
-    - both workers are integers in [0, W);
-    - F and B of one (s, b) run on the same compute worker (the stashed activation lives there);
-    - all jobs of stage s on one compute worker use the same weights worker, so a worker fetches
-      stage s from exactly one owner and returns its gradient to that owner.
+    """A placement evaluated once for every (s, b), validated (a :class:`PlacementError` names
+    the job): both workers are ints in [0, W); F and B of one (s, b) run on one compute worker
+    (the stash lives there); all jobs of stage s on one compute worker use one weights worker,
+    so a worker fetches stage s from, and returns its gradient to, a single owner.
     """
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
@@ -341,13 +306,10 @@ class PlacementTable:
         self.weights: list[list[tuple[int, int]]]
         self.owners: list[tuple[int, ...]]
         self.fetch_source: dict[tuple[int, int], int]
-        # the lowering holds a fetched stage for the whole step (data_parallel='shard'), not
-        # per run of consecutive jobs (lower.stage_runs)
+        # the lowering holds a fetched stage for the whole step (data_parallel='shard')
         self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
-        # the cap counts a microbatch's stashes on a worker from its first forward there
-        # (reserve.py: the memory-controlled V schedules)
         self.reserves_stash = bool(getattr(placement, "reserves_stash", False))
-        if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
+        if type(placement) in _LIBRARY:  # valid by construction: read its rows
             library = cast(LibraryPlacement, placement)
             weight_rows, self.compute = library.rows(stages, micro)
             pairs = {w: (w, w) for w in range(workers)}  # one tuple per worker, shared by rows
@@ -363,7 +325,7 @@ class PlacementTable:
         self.compute = [[0] * micro for _ in range(stages)]
         self.weights = [[(0, 0)] * micro for _ in range(stages)]
         source: dict[tuple[int, int], tuple[int, int, Phase]] = {}
-        F, B = Phase.F, Phase.B  # locals: an enum member look-up costs ~0.2 us on Python 3.11
+        F, B = Phase.F, Phase.B  # locals: enum member look-ups are slow
         for s in range(stages):
             for b in range(micro):
                 (wf, cf) = self._call(placement, s, b, F)
@@ -416,8 +378,7 @@ class PlacementTable:
         return self.weights[stage][micro][0 if phase is Phase.F else 1]
 
     def owned_stages(self, worker: int) -> list[int]:
-        """The stages ``worker`` owns, from an index built once (a scan of every stage per
-        worker made lowering O(W x S))."""
+        """The stages ``worker`` owns, from an index built once (not O(S) per worker)."""
         if self._owned is None:
             self._owned = {}
             for s, owners in enumerate(self.owners):
@@ -433,6 +394,3 @@ class PlacementTable:
                 for w in set(row):
                     self._computed.setdefault(w, set()).add(s)
         return self._computed.get(worker, set())
-
-
-

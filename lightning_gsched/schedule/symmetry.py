@@ -1,30 +1,26 @@
 """The timeline by group symmetry: simulate one group of workers, rename it for the others.
 
-Why: at W=1024 the full greedy simulation of fsdp (2 million jobs) takes 5 s and fslpp's
-(4 million) 12 s, while their compute splits into G identical independent groups. In the
-looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R dividing W) group
-``g`` runs the microbatches ``b = g + G*m`` on the workers ``g*R .. g*R + R - 1`` (worker
-``g*R + p`` computes the stages ``s mod R == p``), and no job of one group waits for a job of
-another. The weights owners do not matter here: the simulation reads only the compute workers.
+Why: the full greedy simulation of fsdp or fslpp at W=1024 takes seconds, while their compute
+splits into G identical independent groups. In the looped family (ddp and fsdp are R = 1; lpp,
+fslpp and fslpp-seed any R dividing W) group ``g`` runs the microbatches ``b = g + G*m`` on the
+workers ``g*R .. g*R + R - 1`` (worker ``g*R + p`` computes the stages ``s mod R == p``), and
+no job of one group waits for one of another (the weights owners do not matter here).
 
-Why the renaming is exact, not approximate (the simulator's rules, :func:`.simulate.simulate`):
+Why the renaming is exact (the simulator's rules, :func:`.simulate.simulate`):
 
 - every decision compares the (start, rank) keys of jobs of one group only (a worker's queues
-  hold its own jobs; a job's successors run in its group), so a group's run depends on its jobs
-  and the *relative* order of their ranks, never on another group;
-- a library order (a :data:`~.orders.LAYOUTS` entry: bfs, gpipe, 1f1b, zb) ranks jobs by
-  (phase group, stage or microbatch loops, job) with every microbatch loop ascending or
-  descending in ``b``, so ``b = g + G*m`` orders as ``m`` does in every group: group g's
-  relative order is group 0's, and group 0's is that of a plan of R workers and B/G
-  microbatches (``LPP(R, R)`` computes stage s on worker ``s mod R``);
+  hold its own jobs; a job's successors run in its group), so a group's run depends only on
+  its jobs and the *relative* order of their ranks;
+- a library order (:class:`~.orders.LibraryOrder`) ranks jobs by (phase group, stage or
+  microbatch loops, job) with every microbatch loop monotone in ``b``, so ``b = g + G*m``
+  orders as ``m`` does in every group: group g's relative order is group 0's, that of a plan
+  of R workers and B/G microbatches (``LPP(R, R)`` computes stage s on worker ``s mod R``);
 - costs are per stage, and the caps must repeat with period R (checked; else no fast path).
 
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
 worker ``p`` to ``g*R + p``, and its busy sums are the same floats summed in the same order.
-The simulation's global placement order (``Timeline.sequence``) interleaves the groups by the
-event heap: each group's valid events pop in its own order, and the heap takes the group whose
-next one has the smallest (start, rank) key, so the sequence is a merge of G renamed copies
-of group 0's by that key. It is built only when read (drawing every slot, ``--json``).
+The global placement order (``Timeline.sequence``) is a merge of G renamed copies of group 0's
+by the event heap's (start, rank) key, built only when read.
 
 Anything else (a custom placement or priority, the interleaved order, caps that do not repeat)
 is simulated in full. A cap too small fails in the group as in the full run; the full
@@ -79,13 +75,9 @@ class Groups:
 
 def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
               micro: int) -> Groups | None:
-    """The group structure of a placement whose compute splits into replicas, or None.
-
-    A data-parallel lift (:class:`~.data_parallel.DataParallel`) with the priority it was
-    lifted with: any P-worker placement and priority (module docstring of data_parallel.py).
-    The looped family, replica-contiguous: ddp and fsdp are R = 1, lpp, fslpp and fslpp-seed
-    their R, each group running ``LPP(R, R)`` under a library order. A single group (G = 1)
-    gains nothing, so it is None too.
+    """The group structure of a placement whose compute splits into G >= 2 replicas, or None:
+    a data-parallel lift (:class:`~.data_parallel.DataParallel`) of any P-worker placement and
+    priority, or the looped family under a library order, each group running ``LPP(R, R)``.
     """
     if isinstance(placement, DataParallel):
         layout = placement.layout
@@ -124,13 +116,10 @@ def make_simulator(
     costs: Costs, sweep: bool | None = None,
 ) -> Callable[[Sequence[int | None]], Timeline]:
     """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a
-    pipeline where that is faster (:mod:`.sweep`), else the full simulation.
-
-    ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to be faster; True,
-    wherever it is exact (tests); False, never. All three give the same timeline.
-    The full ranks (one per job: 0.6-1.3 s at W=1024) are computed only if a full simulation
-    runs; the group's simulator (itself swept where that pays), or the sweep's keys, once, for
-    every cap the planner tries.
+    pipeline where that is faster (:mod:`.sweep`), else the full simulation; all give the same
+    timeline. ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to pay; True,
+    wherever it is exact (tests); False, never. What the caps do not change (the full ranks,
+    only if a full simulation runs; the group's simulator; the sweep's keys) is made once.
     """
     groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
@@ -179,10 +168,8 @@ def make_simulator(
 
 def expand(group: Timeline, layout: ReplicaLayout,
            ranks: Callable[[], Sequence[int]]) -> Timeline:
-    """The full timeline from group 0's (module docstring): G renamed copies.
-
-    ``ranks``: the full plan's ranks, called only if the placement order is read.
-    """
+    """The full timeline from group 0's: G renamed copies. ``ranks``: the full plan's ranks,
+    called only if the placement order is read."""
     G = layout.replicas
     S, P, Bg = group.stages, len(group.phases), group.micro
     B = Bg * G
@@ -194,31 +181,17 @@ def expand(group: Timeline, layout: ReplicaLayout,
             at = (s * Bg + m) * P
             start += group_start[at:at + P] * G  # b = m*G + g for g = 0..G-1: the same slot
             end += group_end[at:at + P] * G
-    # group 0's flat index (s*Bg + m)*P + k is the full (s*B + m*G)*P + k; group g adds g*P
-    base = [[((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
-            for jobs in group.order]
+    base = [_renamed(jobs, P, Bg, G) for jobs in group.order]
     order: list[list[int]] = [[] for _ in range(layout.workers)]
     for g in range(G):
         for p in range(layout.pipeline):
             order[layout.rank(p, g)] = [j + g * P for j in base[p]] if g else base[p]
     busy = [group.busy[layout.position(w)] for w in range(layout.workers)]
-    sequence = _merged_sequence(group, G, ranks)
-    timeline = Timeline(layout.workers, S, B, group.phases, order, start, end, sequence, busy)
-    timeline.replicas = layout
-    return timeline
 
-
-def _merged_sequence(group: Timeline, G: int,
-                     ranks: Callable[[], Sequence[int]]) -> Callable[[], list[int]]:
-    """The full simulation's placement order, built when first read (module docstring)."""
-
-    def build() -> list[int]:
+    def sequence() -> list[int]:  # G renamed copies of group 0's, merged by (start, rank)
         full_ranks = ranks()
-        start = group.start
-        P, Bg = len(group.phases), group.micro
-        B = Bg * G
-        renamed = [((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in group.sequence]
-        times = [start[j] for j in group.sequence]
+        renamed = _renamed(group.sequence, P, Bg, G)
+        times = [group.start[j] for j in group.sequence]
         heads = [(times[0], full_ranks[renamed[0] + g * P], g, 0) for g in range(G)] \
             if renamed else []
         heapq.heapify(heads)
@@ -234,4 +207,13 @@ def _merged_sequence(group: Timeline, G: int,
                 heapq.heappop(heads)
         return out
 
-    return build
+    timeline = Timeline(layout.workers, S, B, group.phases, order, start, end, sequence, busy)
+    timeline.replicas = layout
+    return timeline
+
+
+def _renamed(jobs: Sequence[int], P: int, Bg: int, G: int) -> list[int]:
+    """Group 0's flat indices (s*Bg + m)*P + k as the full plan's (s*B + m*G)*P + k (group g
+    adds g*P)."""
+    B = Bg * G
+    return [((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
