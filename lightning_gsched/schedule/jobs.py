@@ -68,8 +68,7 @@ class StageGraph:
             if not (0 <= u < v < num_stages):
                 raise ScheduleConfigError(
                     f"stage edge ({u}, {v}) is invalid: edges must satisfy 0 <= producer < "
-                    f"consumer < {num_stages} (number stages in topological order)"
-                )
+                    f"consumer < {num_stages} (number stages in topological order)")
             self._inputs[v].append(u)
             self._outputs[u].append(v)
         self.is_chain = chain or all(

@@ -164,8 +164,7 @@ def check_R(spec: ScheduleSpec, R: int | None) -> None:
     if spec.default_R is None and R not in (None, 1):
         raise ScheduleConfigError(
             f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
-            "interleaved, fslpp, fslpp-seed); drop R"
-        )
+            "interleaved, fslpp, fslpp-seed); drop R")
 
 
 def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
@@ -177,8 +176,7 @@ def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
     if spec.name == "interleaved" and R != workers:
         raise ScheduleConfigError(
             f"interleaved is lpp with a single group (R=W={workers}); got R={R}. Use schedule "
-            "'lpp' for several groups"
-        )
+            "'lpp' for several groups")
     return R
 
 
@@ -192,8 +190,7 @@ def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches:
         raise ScheduleConfigError(
             f"R={R} does not divide the {workers} devices (num_nodes x devices), W={workers}; "
             "choose R among "
-            f"{[r for r in range(1, workers + 1) if workers % r == 0]}"
-        )
+            f"{[r for r in range(1, workers + 1) if workers % r == 0]}")
     S = stages if stages is not None else spec.stages(workers, R or 1)
     B = microbatches if microbatches is not None else spec.micro(workers, R or 1)
     return S, B, R

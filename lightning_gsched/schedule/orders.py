@@ -176,8 +176,7 @@ def interleaved_order(workers: int, stages: int, micro: int, R: int) -> Priority
     if R is None or workers % R or stages % R:
         raise ScheduleConfigError(
             "order 'interleaved' needs a looped placement with W and S multiples of R "
-            f"(got W={workers}, S={stages}, R={R}); use order '1f1b' for other placements"
-        )
+            f"(got W={workers}, S={stages}, R={R}); use order '1f1b' for other placements")
     return InterleavedOrder(workers, stages, micro, R)
 
 
@@ -193,8 +192,7 @@ def check_order(order: object) -> None:
         return
     raise ScheduleConfigError(
         f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or a "
-        "callable n(s, b, d), e.g. order='1f1b'"
-    )
+        "callable n(s, b, d), e.g. order='1f1b'")
 
 
 def resolve_order(
@@ -233,8 +231,7 @@ def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
         if len(caps) != workers:
             raise ScheduleConfigError(
                 f"cap list has {len(caps)} entries but there are W={workers} workers; give one "
-                "cap per worker, a single int, or None"
-            )
+                "cap per worker, a single int, or None")
     return [validate.cap_entry(w, c) for w, c in enumerate(caps)]
 
 

@@ -95,6 +95,11 @@ def _require(condition: bool, message: str) -> None:
         raise ScheduleConfigError(message)
 
 
+def _multiple(value: int, of: int, message: str, label: str) -> None:
+    """Require ``value`` to be a multiple of ``of``; the error suggests the next positive one."""
+    _require(value % of == 0, f"{message}; use {label}={of * max(1, -(-value // of))}")
+
+
 @dataclass(frozen=True)
 class DDP(LibraryPlacement):
     """w = (b mod W, b mod W): each worker runs whole microbatches with its own weight replica."""
@@ -115,11 +120,8 @@ class DDP(LibraryPlacement):
         return self.workers
 
     def check(self, stages: int, micro: int) -> None:
-        _require(
-            micro % self.workers == 0,
-            f"ddp: microbatches B={micro} must be a multiple of workers W={self.workers}; "
-            f"use B={self.workers * max(1, -(-micro // self.workers))}",
-        )
+        _multiple(micro, self.workers, f"ddp: microbatches B={micro} must be a multiple of "
+                  f"workers W={self.workers}", "B")
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,8 @@ class FSDP(LibraryPlacement):
 
     def check(self, stages: int, micro: int) -> None:
         DDP(self.workers).check(stages, micro)
-        _require(
-            stages % self.workers == 0,
-            f"fsdp: stages S={stages} must be a multiple of workers W={self.workers} so every "
-            f"worker owns S/W stages; use S={self.workers * max(1, -(-stages // self.workers))}",
-        )
+        _multiple(stages, self.workers, f"fsdp: stages S={stages} must be a multiple of workers "
+                  f"W={self.workers} so every worker owns S/W stages", "S")
 
 
 class _Pinned(LibraryPlacement):
@@ -172,11 +171,9 @@ class GPipe(_Pinned):
         return stage // (self.stages // self.workers)
 
     def check(self, stages: int, micro: int) -> None:
-        _require(
-            stages >= self.workers and stages % self.workers == 0,
-            f"gpipe: stages S={stages} must be a positive multiple of workers W={self.workers} "
-            f"(S < W leaves workers idle); use S={self.workers}",
-        )
+        _require(stages >= self.workers and stages % self.workers == 0,
+                 f"gpipe: stages S={stages} must be a positive multiple of workers "
+                 f"W={self.workers} (S < W leaves workers idle); use S={self.workers}")
 
 
 @dataclass(frozen=True)
@@ -199,13 +196,9 @@ class VShape(_Pinned):
         return position if position < self.workers else 2 * self.workers - 1 - position
 
     def check(self, stages: int, micro: int) -> None:
-        _require(
-            stages % (2 * self.workers) == 0,
-            f"a V placement (zbv, v-half, v-min): stages S={stages} must be a positive multiple "
-            f"of 2W={2 * self.workers} (each worker holds one stage on the way down and one on "
-            f"the way up); use "
-            f"S={2 * self.workers * max(1, -(-stages // (2 * self.workers)))}",
-        )
+        _multiple(stages, 2 * self.workers, f"a V placement (zbv, v-half, v-min): stages "
+                  f"S={stages} must be a positive multiple of 2W={2 * self.workers} (each worker "
+                  "holds one stage on the way down and one on the way up)", "S")
 
 
 @dataclass(frozen=True)
@@ -231,22 +224,15 @@ class _Looped(LibraryPlacement):
         """W = G*R, S % R == 0, B % G == 0."""
         name, workers, R = self.name, self.workers, self.R
         _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
-        _require(
-            workers % R == 0,
-            f"{name}: R={R} does not divide the number of workers W={workers}; "
-            f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}",
-        )
+        if workers % R:
+            divisors = [r for r in range(1, workers + 1) if workers % r == 0]
+            raise ScheduleConfigError(f"{name}: R={R} does not divide the number of workers "
+                                      f"W={workers}; choose R among {divisors}")
         groups = workers // R
-        _require(
-            stages % R == 0,
-            f"{name}: stages S={stages} must be a multiple of R={R} so that each worker of a group "
-            f"holds S/R stages; use S={R * max(1, -(-stages // R))}",
-        )
-        _require(
-            micro % groups == 0,
-            f"{name}: microbatches B={micro} must be a multiple of the number of groups "
-            f"G=W/R={groups}; use B={groups * max(1, -(-micro // groups))}",
-        )
+        _multiple(stages, R, f"{name}: stages S={stages} must be a multiple of R={R} so that each "
+                  "worker of a group holds S/R stages", "S")
+        _multiple(micro, groups, f"{name}: microbatches B={micro} must be a multiple of the number "
+                  f"of groups G=W/R={groups}", "B")
 
 
 class LPP(_Looped):
@@ -334,8 +320,7 @@ class PlacementTable:
                     raise PlacementError(
                         f"placement puts F s{s} b{b} on worker {cf} but B s{s} b{b} on worker {cb}; "
                         "the backward needs the activations stashed by its forward, so both "
-                        "phases of one (stage, microbatch) must use the same compute worker"
-                    )
+                        "phases of one (stage, microbatch) must use the same compute worker")
                 self.compute[s][b] = cf
                 self.weights[s][b] = (wf, wb)
                 for w, d in ((wf, F), (wb, B)):
@@ -346,8 +331,7 @@ class PlacementTable:
                         raise PlacementError(
                             f"worker {cf} computes stage {s} with weights from worker {first[0]} "
                             f"({first[2].value} b{first[1]}) and from worker {w} ({d.value} b{b}); "
-                            "a compute worker must fetch a stage from a single owner"
-                        )
+                            "a compute worker must fetch a stage from a single owner")
         self.owners = [
             tuple(sorted({w for pair in self.weights[s] for w in pair})) for s in range(stages)
         ]
@@ -364,14 +348,12 @@ class PlacementTable:
         except (TypeError, ValueError) as exc:
             raise PlacementError(
                 f"placement(s={s}, b={b}, d={d.value}) must return a pair "
-                f"(weights_worker, compute_worker) of ints; it failed with: {exc}"
-            ) from exc
+                f"(weights_worker, compute_worker) of ints; it failed with: {exc}") from exc
         for label, w in (("weights", weights), ("compute", compute)):
             if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.workers:
                 raise PlacementError(
                     f"placement(s={s}, b={b}, d={d.value}) returned {label} worker {w!r}; "
-                    f"workers must be ints in [0, {self.workers}) for W={self.workers}"
-                )
+                    f"workers must be ints in [0, {self.workers}) for W={self.workers}")
         return weights, compute
 
     def weights_worker(self, stage: int, micro: int, phase: Phase) -> int:

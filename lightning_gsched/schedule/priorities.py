@@ -49,8 +49,7 @@ def priority_ranks(
             order = sorted(range(len(keys)), key=lambda i: (keys[i], jobs[i]))
     except TypeError as exc:
         raise ScheduleConfigError(
-            f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
-        ) from exc
+            f"priority values must be mutually comparable (ints or tuples of ints): {exc}") from exc
     return inverse(order)
 
 

@@ -301,8 +301,7 @@ def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Me
 
 _PATTERN = re.compile(
     r"^(?P<op>[A-Z_]+) (?P<unit>[st])(?P<stage>\d+)(?: b(?P<micro>\d+))?"
-    r"(?: (?P<dir>->|<-)(?P<peer>\d+))?(?: \[(?P<group>[\d,]*)\])?$"
-)
+    r"(?: (?P<dir>->|<-)(?P<peer>\d+))?(?: \[(?P<group>[\d,]*)\])?$")
 
 
 @dataclass

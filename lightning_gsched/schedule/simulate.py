@@ -183,7 +183,7 @@ class _Worker:
         self.version = 0
         self.next_start: float | None = None  # start of its valid event (None: no event)
 
-    def forward_allowed(self, charge: int = 1) -> bool:
+    def forward_allowed(self, charge: int) -> bool:
         return self.cap is None or self.stash + charge <= self.cap
 
     def best_forward(self, charges: list[int], job_of: list[int], phases: int) -> int:
@@ -368,27 +368,18 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
                 refresh(nw)
         refresh(w)
 
-    if len(sequence) != total:
-        raise _stuck_error(workers, job_of, graph.phases, B, len(sequence), total, caps,
-                           charges)
-    return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
-
-
-def _stuck_error(
-    workers: list[_Worker], job_of: list[int], phases: tuple[Phase, ...], micro: int,
-    placed: int, total: int, caps: Sequence[int | None], charges: list[int] | None = None,
-) -> CapTooSmallError:
-    blocked = []
-    P = len(phases)
+    if len(sequence) == total:
+        return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
+    blocked = []  # the workers whose every waiting forward the cap refuses
     for w, state in enumerate(workers):
         waiting = [job_of[rank] for _, rank in state.pending[0]] + [
             job_of[rank] for rank in state.ready[0]]
         if waiting and not any(state.forward_allowed(1 if charges is None else charges[i // P])
                                for i in waiting):
-            stage, b = divmod(min(waiting) // P, micro)  # F jobs: flat order is (stage, micro)
+            stage, b = divmod(min(waiting) // P, B)  # F jobs: flat order is (stage, micro)
             assert state.cap is not None  # forward_allowed() is False only under a cap
-            blocked.append((w, state.stash, state.cap, Job(stage, b, phases[0])))
-    return stuck_error(blocked, placed, total, caps)
+            blocked.append((w, state.stash, state.cap, Job(stage, b, graph.phases[0])))
+    raise stuck_error(blocked, len(sequence), total, caps)
 
 
 def stuck_error(blocked: Sequence[tuple[int, int, int, Job]], placed: int, total: int,
@@ -401,5 +392,4 @@ def stuck_error(blocked: Sequence[tuple[int, int, int, Job]], placed: int, total
     return CapTooSmallError(
         f"the schedule cannot make progress after {placed} of {total} jobs: {detail}. The "
         f"activation cap {list(caps)} is too small for this placement and order; raise the cap, "
-        "use cap='auto' (the smallest cap that keeps the uncapped latency) or cap=None"
-    )
+        "use cap='auto' (the smallest cap that keeps the uncapped latency) or cap=None")
