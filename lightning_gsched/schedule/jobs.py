@@ -1,10 +1,9 @@
-"""Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase).
+"""Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase),
+derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler).
 
-A job is the forward (F) or backward (B) of one stage on one microbatch, and with a split
-backward (zero-bubble schedules) also W, the weight-gradient half of B: B then computes only the
-input gradient, all the previous stage waits for, and ``W s b`` follows ``B s b`` with no
-successor, so the scheduler may put it into any later bubble of the worker. The dependencies
-derive from a :class:`StageGraph`, so a DAG of stages fits the same scheduler.
+With a split backward (zero-bubble schedules) B computes only the input gradient, all the
+previous stage waits for, and ``W s b`` (the weight gradient) follows ``B s b`` with no
+successor, so the scheduler may put it into any later bubble of the worker.
 """
 
 from __future__ import annotations

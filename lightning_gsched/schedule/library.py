@@ -23,8 +23,7 @@ from lightning_gsched.schedule.placements import (
 
 
 def _per_worker(workers: int, stages: int) -> int:
-    """Stages per worker of a contiguous placement (k = S/W): a microbatch in flight stashes k
-    (stage, microbatch) pairs on a worker, so memory caps scale by k."""
+    """k = S/W stages per worker: a microbatch in flight stashes k on a worker, so caps scale."""
     return max(1, stages // workers)
 
 
@@ -154,8 +153,7 @@ def get_schedule(name: str) -> ScheduleSpec:
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownScheduleError(
             f"unknown schedule {name!r}{hint} Known schedules: {', '.join(LIBRARY)}; or pass "
-            "placement= and priority= callables for a custom schedule"
-        ) from None
+            "placement= and priority= callables for a custom schedule") from None
 
 
 def check_R(spec: ScheduleSpec, R: int | None) -> None:
@@ -167,30 +165,24 @@ def check_R(spec: ScheduleSpec, R: int | None) -> None:
             "interleaved, fslpp, fslpp-seed); drop R")
 
 
-def resolve_R(spec: ScheduleSpec, workers: int, R: int | None) -> int | None:
-    check_R(spec, R)
-    if spec.default_R is None:
-        return None
-    if R is None:
-        return spec.default_R(workers)
-    if spec.name == "interleaved" and R != workers:
-        raise ScheduleConfigError(
-            f"interleaved is lpp with a single group (R=W={workers}); got R={R}. Use schedule "
-            "'lpp' for several groups")
-    return R
-
-
 def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches: int | None,
                   R: int | None) -> tuple[int, int, int | None]:
     """(S, B, R) for a library schedule on ``workers`` ranks, filling its defaults: the one
     resolution every front end uses, so they agree on the defaults."""
     spec = get_schedule(schedule)
-    R = resolve_R(spec, workers, R)
+    check_R(spec, R)
+    if spec.default_R is None:
+        R = None
+    elif R is None:
+        R = spec.default_R(workers)
+    elif spec.name == "interleaved" and R != workers:
+        raise ScheduleConfigError(
+            f"interleaved is lpp with a single group (R=W={workers}); got R={R}. Use schedule "
+            "'lpp' for several groups")
     if R is not None and workers % R:
         raise ScheduleConfigError(
             f"R={R} does not divide the {workers} devices (num_nodes x devices), W={workers}; "
-            "choose R among "
-            f"{[r for r in range(1, workers + 1) if workers % r == 0]}")
+            f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}")
     S = stages if stages is not None else spec.stages(workers, R or 1)
     B = microbatches if microbatches is not None else spec.micro(workers, R or 1)
     return S, B, R

@@ -1,9 +1,8 @@
 """Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps.
 
-The order only breaks ties between jobs a worker could start at the same time. A priority alone
-cannot bound memory under a greedy scheduler (a worker with ready forwards keeps taking them), so
-a schedule may also carry a cap: the most stashes (forwards whose backward has not run yet) a
-worker may hold. 1F1B is "backward first" plus a cap.
+An order only breaks ties between jobs a worker could start at once, so it cannot bound memory
+(a worker with ready forwards keeps taking them): a cap does, the most stashes a worker may
+hold. 1F1B is "backward first" plus a cap.
 """
 
 from __future__ import annotations
@@ -22,10 +21,8 @@ CapSpec = Union[None, int, str, Sequence[Union[int, None]], Callable[[int], Unio
 
 
 # A library order is written once, as a layout: groups of phases in key order; within a group,
-# (stage, micro) pairs by a major and a minor loop (which index, ascending?), and the phases of
-# one pair in their text order (the job's own tie-break: B < F < W). ``n(s, b, d)`` is derived
-# from it (LibraryOrder) and ``priorities.order_keys`` computes every key from it at once;
-# tests/test_schedule_fast_paths.py checks the two agree.
+# (stage, micro) by a major and a minor loop (which index, ascending?), then the job's own
+# tie-break. LibraryOrder derives n(s, b, d) from it, priorities.order_keys every key at once.
 Loop = tuple[str, bool]  # ("stage" or "micro", ascending)
 OrderLayout = tuple[tuple[frozenset[Phase], Loop, Loop], ...]
 _STAGE_UP, _STAGE_DOWN, _MICRO_UP = ("stage", True), ("stage", False), ("micro", True)
@@ -39,7 +36,6 @@ class LibraryOrder:
         self.__name__ = self.name = name
         self.__doc__ = doc
         self.layout = layout
-        # per phase: (group, sign and index of the major loop, of the minor loop)
         self._keys = {phase: (group, major, minor)
                       for group, (phases, major, minor) in enumerate(layout) for phase in phases}
 
@@ -93,13 +89,12 @@ def layout_of(priority: object) -> OrderLayout | None:
 def interleaved_sequence(
     workers: int, stages: int, micro: int, R: int
 ) -> dict[tuple[int, int, Phase], int]:
-    """Position of every job in Megatron's interleaved 1F1B sequence, per worker.
+    """Position of every job in its worker's Megatron interleaved 1F1B sequence: the order's
+    written-out definition (tests check :class:`InterleavedOrder` against it).
 
-    Looped placement (W = G*R, worker ``g*R + p`` runs stages ``c*R + p`` of the microbatches
-    ``b`` with ``b mod G == g``). Each worker runs its chunks depth-first over groups of R
-    microbatches, after a warm-up of ``2*(R-p-1) + (v-1)*R`` forwards (v = S/R chunks), then
-    alternates one forward and one backward. The order's written-out definition (tests check
-    :class:`InterleavedOrder` against it).
+    Worker ``g*R + p`` of a looped placement runs stages ``c*R + p`` of the microbatches ``b mod
+    G == g``, its chunks depth-first over groups of R microbatches: a warm-up of ``2*(R-p-1) +
+    (v-1)*R`` forwards (v = S/R chunks), then one forward and one backward alternately.
     """
     groups, chunks = workers // R, stages // R
     position: dict[tuple[int, int, Phase], int] = {}
@@ -123,10 +118,9 @@ def interleaved_sequence(
 
 
 class InterleavedOrder:
-    """Priority = position in :func:`interleaved_sequence`, by formula: a table of every job's
-    position would not fit at large W. :meth:`positions` gives every job's at once (numpy).
-    ``replicas``: G data-parallel replicas of this W-worker order (data_parallel.py): microbatch
-    b is replica b mod G's microbatch b // G, and ``micro`` is per replica.
+    """Priority = position in :func:`interleaved_sequence`, by formula (a table would not fit
+    at large W). ``replicas``: G data-parallel replicas of this order (microbatch b is replica b
+    mod G's b // G; ``micro`` is per replica).
     """
 
     __name__ = "interleaved"

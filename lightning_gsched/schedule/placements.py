@@ -1,11 +1,8 @@
-"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: for every job, which worker
-computes it and which holds the source of truth of its stage's weights. Everything else
-(activation transfers, weight fetches, gradient reductions, replica all-reduces) follows from it
-during lowering.
+"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: which worker computes each job
+and which holds the source of truth of its stage's weights (all traffic follows in lowering).
 
-The named placements generalise the seed's equalities: where the seed needs ``W = B`` we accept
-``B`` a multiple of ``W``; where it needs ``W = S``, ``S`` a multiple of ``W``. Any pair of
-callables is also a placement; :class:`PlacementTable` validates it once and caches the answers.
+The named placements generalise the seed's equalities ``W = B`` and ``W = S`` to multiples. Any
+callable is a placement too; :class:`PlacementTable` validates it once and caches the answers.
 """
 
 from __future__ import annotations
@@ -29,24 +26,17 @@ class CheckedPlacement(Protocol):
     def check(self, stages: int, micro: int) -> None: ...
 
 
-# (weights workers, compute workers) of every (stage, micro), as rows by stage (the same for
-# both phases)
-Rows = tuple[list[list[int]], list[list[int]]]
-
-# The classes whose ``rows`` PlacementTable trusts without validating: the library's own
-# (registered by LibraryPlacement.__init_subclass__; their validity is checked by tests). A
-# user's subclass may change ``__call__``, so it is validated like any callable.
+Rows = tuple[list[list[int]], list[list[int]]]  # (weights, compute) workers by stage, micro
+# the classes whose rows PlacementTable trusts unvalidated (tests check them): the library's
+# own, not a user's subclass, which may change __call__
 _LIBRARY: set[type] = set()
 
 
 class LibraryPlacement:
-    """What every library placement shares: its table of rows, read from ``__call__`` itself.
-
-    The formula is written once, in ``__call__``. Each class only states which stages share a
-    row (``weights_key``/``compute_key``: equal keys, equal rows) and which rows do not depend
-    on the microbatch or repeat in it, so :meth:`rows` calls ``__call__`` once per distinct row
-    entry: about W calls for fsdp at W=1024 instead of S x B. These symmetry claims are checked
-    against per-job calls by tests/test_schedule_fast_paths.py.
+    """A library placement's table of rows, read from ``__call__`` (its one formula): each class
+    states which stages share a row (equal ``weights_key``/``compute_key``) and which rows are
+    constant or periodic in the microbatch, so :meth:`rows` calls ``__call__`` once per distinct
+    entry, not S x B times (tests/test_schedule_fast_paths.py checks these claims).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -54,12 +44,12 @@ class LibraryPlacement:
         if cls.__module__.startswith("lightning_gsched.schedule."):
             _LIBRARY.add(cls)
 
-    # a row of weights (compute) workers is the same for every microbatch of a stage
+    # a stage's weights (compute) worker is the same for every microbatch
     weights_constant_in_micro: ClassVar[bool] = False
     compute_constant_in_micro: ClassVar[bool] = False
 
     def micro_period(self) -> int | None:
-        """Every row repeats with this period in the microbatch (None: no such claim)."""
+        """Every row's period in the microbatch (None: no such claim)."""
         return None
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
@@ -178,17 +168,11 @@ class GPipe(_Pinned):
 
 @dataclass(frozen=True)
 class VShape(_Pinned):
-    """Stages in a V over the workers: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats it).
-
-    Worker r holds stages r and 2W-1-r, so the first and the last stage live on worker 0: a
-    microbatch goes down the workers and comes back up, and the loss is computed where the
-    pipeline started (ZB-V, DualPipeV).
-    """
+    """Stages in a V: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats it). The first and last
+    stage live on worker 0, so the loss is computed where the pipeline started (ZB-V)."""
 
     workers: int
     stages: int
-    # the cap reserves a microbatch's stashes on a worker at its first forward there
-    # (reserve.py): what lets a cap below 2W complete on a V (v-half, v-min)
     reserves_stash: bool = False
 
     def worker_of(self, stage: int) -> int:
@@ -249,12 +233,9 @@ class LPP(_Looped):
 
 
 class FSLPP(_Looped):
-    """Fully sharded looped pipeline: LPP's compute, one owner per stage, balanced.
-
-    The owner of stage s is chosen among the workers that compute s (position s mod R in each
-    group), cycling over groups as s advances by R: owner(s) = R*((s // R) mod G) + (s mod R).
-    Every worker then owns at most ceil(S/W) stages, unlike the seed's literal h(s, s).
-    """
+    """Fully sharded looped pipeline: LPP's compute, one owner per stage among its computing
+    workers, cycling over groups: owner(s) = R*((s // R) mod G) + (s mod R), at most ceil(S/W)
+    stages per worker (unlike the seed's literal h(s, s))."""
 
     name = "fslpp"
     weights_constant_in_micro = True

@@ -19,14 +19,13 @@ def priority_ranks(
     priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
     split_backward: bool = False,
 ) -> list[int]:
-    """Dense integer ranks (heap keys) by flat job index ``(stage * micro + b) * P + phase``
-    (:func:`phases_of`), ordered as the pairs (n(job), job). An order with a formula
-    (:func:`order_keys`) is not called per job; other orders returning ints or tuples of ints
-    are packed into one int per job (:func:`_packed`), so the sort compares ints, not tuples.
+    """Dense integer ranks (heap keys) by flat job index, ordered as the pairs (n(job), job).
+    An order with a formula (:func:`order_keys`) is not called per job; other orders' ints or
+    tuples of ints are packed into one int per job (:func:`_packed`) for a sort of ints.
     """
     phases = phases_of(forward_only, split_backward)
     known = order_keys(priority, stages, micro, phases)
-    if known is not None:  # a library order: its keys at once, ranked by one sort
+    if known is not None:
         return dense_ranks(known).tolist()  # type: ignore[no-any-return]
     keys: list[Any] = []
     append = keys.append

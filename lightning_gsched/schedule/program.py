@@ -1,23 +1,18 @@
 """The program IR: one ordered list of actions per rank, and one table of what each op means.
 
-The planner costs and draws these programs and the runtime executes them: the single source of
-truth for what happens on a rank. What each op means is written once, in :data:`OPS`; what
-each action consumes and releases, in :mod:`.consumption`. Every action has a text form that
-round-trips through :meth:`Action.parse` (error messages, test diffs, bug reports): ``F s3 b1``
-(forward of stage 3 on microbatch 1), ``SEND_ACT s3 b1 ->2`` (to rank 2), ``RECV_GRAD s4 b1
-<-2`` (from rank 2), ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5 [0,2]`` (among ranks 0 and 2).
+The planner costs and draws these programs and the runtime executes them. What each op means is
+written once, in :data:`OPS`; what each action consumes and releases, in :mod:`.consumption`.
+An action's text form (``F s3 b1``, ``SEND_ACT s3 b1 ->2``, ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5
+[0,2]``) round-trips through :meth:`Action.parse`.
 
-The :data:`UNIT_OPS` act on a *weight unit*: a stage's own weights (``s5``), or a *tie*
-(``t0``), a set of parameters several stages read (a tied embedding and output head). A tie is
-named by its **home** stage, the lowest stage that reads it (``Action.stage`` with
-``Action.tie``), owned with that stage (``owners[home]``) and fetched once per step by a rank
-that computes a reader stage without owning it (:attr:`Programs.ties`). Readers treat both
-kinds alike except where a tie differs (its reader stages; it is no stage in
-``peak_resident_stages``; its own ``tie_*`` counters: :attr:`OpSpec.tie_counter`).
+The :data:`UNIT_OPS` act on a *weight unit*: a stage's own weights (``s5``) or a *tie* (``t0``),
+parameters several stages read (a tied embedding and head), named by its **home**, the lowest
+stage reading it, owned with it (``owners[home]``) and fetched once per step by a rank that
+computes a reader without owning it (:attr:`Programs.ties`). A tie differs from a stage only in
+its readers, in being no stage of ``peak_resident_stages`` and in its ``tie_*`` counters.
 
-Receives are *posts*: the runtime starts them where they appear (that is the prefetch) and waits
-for them at the first action that consumes them. Sends never block. That is also the model the
-dry run (:mod:`lightning_gsched.schedule.dryrun`) proves deadlock-free.
+Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
+first action that consumes them. Sends never block. The dry run proves this model deadlock-free.
 """
 
 from __future__ import annotations
@@ -57,15 +52,11 @@ OpKind = Literal["compute", "send", "recv", "free", "collective"]
 
 @dataclass(frozen=True)
 class OpSpec:
-    """What one op means, for every reader of programs.
-
-    ``kind``: compute (F/B/W), send (never blocks), recv (a post; consumed later), free (release
-    fetched weights), collective (all-reduce among a group). ``channel``: the FIFO channel a
-    send/recv uses; ``matches``: the op at the message's other end. ``counter``: the
+    """What one op means, for every reader of programs. ``channel``: the FIFO channel a send or
+    recv uses; ``matches``: the op at the message's other end. ``counter``: the
     :class:`~lightning_gsched.schedule.counts.ActionCounts` field one action adds 1 to (None:
     counted otherwise or not at all); ``tie_counter``: a tie's instead. ``forward_only``: allowed
-    in forward-only programs. ``per_micro``: the action names a microbatch. ``outgoing``: its
-    peer is written ``->peer`` rather than ``<-peer``.
+    in forward-only programs. ``per_micro``: names a microbatch. ``outgoing``: written ``->peer``.
     """
 
     op: Op
@@ -136,10 +127,8 @@ _OUT_OPS = frozenset(op for op, spec in OPS.items() if spec.outgoing)
 
 
 class RankGroup(tuple[int, ...]):
-    """An all-reduce group: a tuple of ranks that hashes once and tests membership in O(1)
-    (the dry run asks every member ``rank in group`` and keys by the group: O(W^2) per plan
-    with a plain tuple). Equal to, and hashing as, the plain tuple, so a parsed program
-    compares equal to a lowered one.
+    """An all-reduce group that hashes once and tests membership in O(1) (the dry run asks every
+    member ``rank in group``: O(W^2) with a plain tuple). Equal to, and hashing as, the tuple.
     """
 
     _hash: int
@@ -200,15 +189,10 @@ class Action(NamedTuple):
         if tie and op not in UNIT_OPS:
             raise ValueError(f"not an action: {text!r} (only the weight-unit ops "
                              f"{sorted(o.value for o in UNIT_OPS)} act on a tie 't<home>')")
-        group = match["group"]
-        return cls(
-            op,
-            int(match["stage"]),
-            int(match["micro"]) if match["micro"] is not None else None,
-            int(match["peer"]) if match["peer"] is not None else None,
-            tuple(int(r) for r in group.split(",") if r) if group is not None else None,
-            tie,
-        )
+        micro, peer, group = match["micro"], match["peer"], match["group"]
+        return cls(op, int(match["stage"]), None if micro is None else int(micro),
+                   None if peer is None else int(peer),
+                   None if group is None else tuple(int(r) for r in group.split(",") if r), tie)
 
 
 class Message(NamedTuple):
@@ -234,8 +218,8 @@ CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_
 
 
 class Channel(NamedTuple):
-    """One direction of one kind of traffic between two ranks: its messages arrive in the order
-    they are sent (FIFO), so every receive must be posted in that order."""
+    """One direction of one kind of traffic between two ranks: FIFO, so every receive must be
+    posted in the order of the sends."""
 
     kind: str
     src: int
@@ -309,16 +293,12 @@ class Programs:
     """Programs of all ranks plus the facts the runtime needs to execute them.
 
     ``owners[s]``: the ranks holding the source of truth of stage s (several: replicas, kept
-    equal by ``ALLREDUCE_G``); ``edges``: the stage graph. ``forward_only`` programs hold only
-    :data:`FORWARD_ONLY_OPS`. ``split_backward`` programs run every backward as ``B`` then
-    ``W`` of the same (stage, microbatch) on the same rank; the stash lives until ``W``.
-    ``ties``: tie home stage -> its reader stages (home included, sorted).
-
-    ``ranks`` is always a :class:`~.lazy_ranks.LazyList` (a list given here is wrapped): a
-    program is made when first read (``ranks.make_all()`` makes every one). ``planned``: made by
-    the planner's lowering, whose every all-reduce group is a replicated stage's owners and
-    whose forward-only plans hold only forward ops; a reader may answer from those facts
-    instead of reading every program.
+    equal by ``ALLREDUCE_G``). ``forward_only``: only :data:`FORWARD_ONLY_OPS`.
+    ``split_backward``: every backward is ``B`` then ``W`` on one rank, the stash living until
+    ``W``. ``ties``: tie home -> its reader stages (sorted). ``ranks``: a
+    :class:`~.lazy_ranks.LazyList` (a list given is wrapped), each program made when first read.
+    ``planned``: made by the planner's lowering (every all-reduce group is a replicated stage's
+    owners), so a reader may answer from those facts instead of reading every program.
     """
 
     ranks: LazyList[list[Action]]

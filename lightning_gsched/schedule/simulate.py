@@ -1,15 +1,12 @@
 """The seed's clock-free greedy simulation, with a heap instead of a scan of the frontier.
 
-The seed runs next, among jobs whose predecessors are done, ``argmin max(t(worker), t(job)) +
-eps * n``. Equivalently: every worker's candidate is its earliest-startable ready job (ties
-broken by the order ``n``), and the globally earliest candidate runs next. Start times handed
-out so never decrease, so this is an event-ordered list scheduler at O(log J) per job.
+The seed runs ``argmin max(t(worker), t(job)) + eps * n`` among ready jobs: every worker's
+earliest-startable job (ties broken by the order ``n``), the earliest of those first. Start
+times so handed out never decrease: an event-ordered list scheduler, O(log J) per job.
 
-Activation caps: a forward may not start on a worker that already holds ``cap`` stashes
-(forwards whose backward has not finished); where the placement reserves stashes
-(:mod:`.reserve`), a forward is charged :func:`.reserve.stash_charges`' count instead of 1. If
-no worker can start anything while jobs remain, :class:`CapTooSmallError` says which worker is
-stuck and why.
+A forward may not start on a worker holding ``cap`` stashes (forwards whose backward has not
+finished; a reserving placement charges :func:`.reserve.stash_charges` instead of 1). If no
+worker can start anything while jobs remain, :class:`CapTooSmallError` says who is stuck.
 """
 
 from __future__ import annotations
@@ -29,11 +26,9 @@ from lightning_gsched.schedule.reserve import stash_charges
 
 @dataclass(frozen=True)
 class Costs:
-    """Duration of each (stage, phase). Defaults follow the usual backward = 2 x forward.
-
-    ``weight`` is the W phase's duration when the backward is split; then ``backward`` is the
-    input-gradient part only. :meth:`build` with ``weight=None`` and ``split=True`` halves the
-    backward between B and W: for a layer's matmuls each costs about one forward.
+    """Duration of each (stage, phase), by default backward = 2 x forward. ``weight``: W's, when
+    split (then ``backward`` is B's only); :meth:`build` halves the backward between B and W by
+    default (for a layer's matmuls each costs about one forward).
     """
 
     forward: tuple[float, ...]
@@ -96,13 +91,10 @@ class Slot(NamedTuple):
 
 
 class Timeline:
-    """Result of a simulation: every job with its worker and start/end time.
-
-    Recorded densely by flat job index ``i = (stage * micro + b) * P + k`` (k: the phase's place
-    in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (the flat indices worker w runs, in
-    order), ``sequence`` (every index in placement order) and ``busy[w]`` (the sum of worker w's
-    ``end - start``, in its order). :attr:`slots` and :attr:`by_worker` are built on first use,
-    so a plan nobody draws never allocates a Slot per job.
+    """Every job's worker and start/end time, by flat job index ``i = (stage * micro + b) * P
+    + k`` (k: the phase's place in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (worker
+    w's indices in order), ``sequence`` (placement order), ``busy[w]`` (the sum of w's ``end -
+    start`` in order). :attr:`slots` and :attr:`by_worker` are built on first use only.
     """
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
@@ -217,21 +209,13 @@ _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 
 def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs,
              caps: Sequence[int | None]) -> Timeline:
-    """Run the greedy schedule to completion and return the timeline.
+    """Run the greedy schedule to completion. ``ranks``: :func:`~.priorities.priority_ranks`.
 
-    ``ranks``: :func:`~.priorities.priority_ranks`' dense keys by flat job index. A hot loop
-    (the cap search runs it several times per plan), with the plain rule's results
-    (tests/planner_references.py) by these shortcuts:
-
-    - an event carries its worker's choice and version, so a valid event (the worker unchanged
-      since) is taken without choosing again; a stale one is skipped by its version;
-    - a worker that starts something now (at its ``free_at``) is not refreshed when a new job
-      becomes ready only later: its choice cannot change;
-    - a successor with a single predecessor (every job of a chain) is ready when the job ends,
-      and one ready by its worker's ``free_at`` goes straight to the ready heap.
-
-    A stash counts against the cap from its F until its last backward phase (B, or W when
-    split).
+    A hot loop with the plain rule's results (tests/planner_references.py): an event carries
+    its worker's choice and version, so a valid event is taken without choosing again and a
+    stale one skipped; a worker starting something now is not refreshed for a job ready only
+    later; a single-predecessor successor is ready when its job ends. A stash counts against
+    the cap from its F until its last backward phase (B, or W when split).
     """
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)

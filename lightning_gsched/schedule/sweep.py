@@ -1,33 +1,27 @@
-"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy).
+"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy):
+the very timeline of :func:`.simulate.simulate`, which costs microseconds per job (millions at
+W=1024), for a few numpy operations per window (about latency / shortest job).
 
-Why: :func:`.simulate.simulate` costs some microseconds per job, and a pipeline's default plan
-at W=1024 has millions of jobs. This computes the very same timeline with a few numpy
-operations per *time window* (about latency / shortest job), each deciding for every worker.
-
-**When it applies** (:func:`sweepable`; otherwise the planner simulates job by job): the stage
-graph is a chain, every stage runs on one compute worker whatever the microbatch (the pipeline
-placements; the looped ones go to :mod:`.symmetry`), and the order's keys increase with ``b``
-for every (stage, phase) (every library order; a user's order is checked).
+It applies (:func:`sweepable`) to a chain whose every stage runs on one compute worker for all
+microbatches (the pipeline placements; looped ones go to :mod:`.symmetry`) under an order whose
+keys increase with ``b`` for every (stage, phase) (every library order; a user's is checked).
 
 **Why it is the simulator's timeline, exactly.**
 
-1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue, in b order; in a
-   chain a job's one predecessor has the same b. Claim: every queue runs in b order and its
-   ready times do not decrease along it. By induction over time: ``F 0 b`` are all ready at 0;
-   if the predecessor's queue runs in b order on its one worker with one duration, its ends
-   increase along b, so ready times along the queue do not decrease. Then the jobs of a queue
-   ready at time t are a prefix of what is left of it, and since keys increase along the
-   queue, the simulator's choice (the smallest key among ready jobs the cap allows) is a
-   head. Each worker's next job is therefore the smallest ``(max(free_at, ready), key)``
-   among its queue heads (forwards only within its cap): the simulator's rule.
+1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a
+   job's one predecessor has the same b, so by induction over time every queue runs in b order
+   with non-decreasing ready times (its predecessor queue's ends increase along b on one worker
+   with one duration). The jobs of a queue ready at t are then a prefix of what is left of it,
+   and with keys increasing along it the simulator's choice (the smallest key among ready jobs
+   the cap allows) is a head: each worker's next job is the smallest ``(max(free_at, ready),
+   key)`` among its queue heads (forwards only within its cap).
 2. *Windows.* Let t* be the earliest decision over all workers and d the shortest duration.
-   A job not started yet ends at t* + d or later (float rounding is monotone), so nothing
-   becomes ready before t* + d: every worker whose decision falls below t* + d decides as the
-   event-ordered simulation does, and all of them are taken in one step (a worker decides at
-   most once per window, its job lasting d at least).
+   Nothing not started yet ends before t* + d (float rounding is monotone), so every worker
+   deciding below t* + d decides as the event-ordered simulation does, at most once (its job
+   lasts d at least): all are taken in one step.
 3. *Same floats.* Starts are ends or ready times (maxima of ends), ends are start + duration,
-   and each worker's busy time adds its durations in its order: the simulator's operations,
-   so the timeline is equal, not close (``tests/test_schedule_sweep.py`` compares the two).
+   and busy times add durations in each worker's order: the simulator's operations, so the
+   timeline is equal, not close (``tests/test_schedule_sweep.py`` compares the two).
 
 A cap too small raises the simulator's :class:`~lightning_gsched.errors.CapTooSmallError`.
 """

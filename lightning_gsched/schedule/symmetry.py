@@ -1,30 +1,23 @@
 """The timeline by group symmetry: simulate one group of workers, rename it for the others.
 
-Why: the full greedy simulation of fsdp or fslpp at W=1024 takes seconds, while their compute
-splits into G identical independent groups. In the looped family (ddp and fsdp are R = 1; lpp,
-fslpp and fslpp-seed any R dividing W) group ``g`` runs the microbatches ``b = g + G*m`` on the
-workers ``g*R .. g*R + R - 1`` (worker ``g*R + p`` computes the stages ``s mod R == p``), and
-no job of one group waits for one of another (the weights owners do not matter here).
+Why: the compute of the looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R
+dividing W) splits into G identical independent groups: group ``g`` runs the microbatches
+``b = g + G*m`` on the workers ``g*R + p`` (p computing the stages ``s mod R == p``).
 
 Why the renaming is exact (the simulator's rules, :func:`.simulate.simulate`):
 
-- every decision compares the (start, rank) keys of jobs of one group only (a worker's queues
+- every decision compares the (start, rank) keys of one group's jobs only (a worker's queues
   hold its own jobs; a job's successors run in its group), so a group's run depends only on
   its jobs and the *relative* order of their ranks;
-- a library order (:class:`~.orders.LibraryOrder`) ranks jobs by (phase group, stage or
-  microbatch loops, job) with every microbatch loop monotone in ``b``, so ``b = g + G*m``
-  orders as ``m`` does in every group: group g's relative order is group 0's, that of a plan
-  of R workers and B/G microbatches (``LPP(R, R)`` computes stage s on worker ``s mod R``);
+- a library order (:class:`~.orders.LibraryOrder`) ranks jobs by loops monotone in ``b``, so
+  ``b = g + G*m`` orders as ``m`` does in every group: every group's relative order is that of
+  a plan of R workers and B/G microbatches (``LPP(R, R)``);
 - costs are per stage, and the caps must repeat with period R (checked; else no fast path).
 
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
-worker ``p`` to ``g*R + p``, and its busy sums are the same floats summed in the same order.
-The global placement order (``Timeline.sequence``) is a merge of G renamed copies of group 0's
-by the event heap's (start, rank) key, built only when read.
-
-Anything else (a custom placement or priority, the interleaved order, caps that do not repeat)
-is simulated in full. A cap too small fails in the group as in the full run; the full
-simulation then raises the exact error (naming the full plan's worker and job).
+worker ``p`` to ``g*R + p``, with the same busy sums; the global placement order is a merge of
+the G renamed copies by (start, rank), built only when read. Anything else is simulated in full,
+as is a cap too small (for the error naming the full plan's worker and job).
 """
 
 from __future__ import annotations
