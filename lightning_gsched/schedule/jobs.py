@@ -45,13 +45,8 @@ class StageGraph:
     forward ends the microbatch. ``split_backward``: every B is followed by a W.
     """
 
-    def __init__(
-        self,
-        num_stages: int,
-        edges: Iterable[tuple[int, int]] | None = None,
-        forward_only: bool = False,
-        split_backward: bool = False,
-    ) -> None:
+    def __init__(self, num_stages: int, edges: Iterable[tuple[int, int]] | None = None,
+                 forward_only: bool = False, split_backward: bool = False) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ScheduleConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
         self.num_stages = num_stages

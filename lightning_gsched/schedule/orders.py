@@ -86,9 +86,8 @@ def layout_of(priority: object) -> OrderLayout | None:
     return priority.layout if isinstance(priority, LibraryOrder) else None
 
 
-def interleaved_sequence(
-    workers: int, stages: int, micro: int, R: int
-) -> dict[tuple[int, int, Phase], int]:
+def interleaved_sequence(workers: int, stages: int, micro: int,
+                         R: int) -> dict[tuple[int, int, Phase], int]:
     """Position of every job in its worker's Megatron interleaved 1F1B sequence: the order's
     written-out definition (tests check :class:`InterleavedOrder` against it).
 
@@ -189,9 +188,8 @@ def check_order(order: object) -> None:
         "callable n(s, b, d), e.g. order='1f1b'")
 
 
-def resolve_order(
-    order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1, R: int | None = None
-) -> PriorityFn:
+def resolve_order(order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1,
+                  R: int | None = None) -> PriorityFn:
     """A priority function from a name (``bfs``, ``1f1b``/``dfs``, ``interleaved``) or callable."""
     check_order(order)
     if callable(order):

@@ -15,10 +15,8 @@ from lightning_gsched.schedule.jobs import Phase, all_jobs, phases_of
 from lightning_gsched.schedule.orders import InterleavedOrder, PriorityFn, layout_of
 
 
-def priority_ranks(
-    priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
-    split_backward: bool = False,
-) -> list[int]:
+def priority_ranks(priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
+                   split_backward: bool = False) -> list[int]:
     """Dense integer ranks (heap keys) by flat job index, ordered as the pairs (n(job), job).
     An order with a formula (:func:`order_keys`) is not called per job; other orders' ints or
     tuples of ints are packed into one int per job (:func:`_packed`) for a sort of ints.

@@ -346,9 +346,7 @@ class Programs:
 
     def text(self, rank: int | None = None) -> str:
         """Human-readable programs, one action per line (all ranks when ``rank`` is None)."""
-        ranks = range(self.world_size) if rank is None else [rank]
-        lines = []
-        for r in ranks:
-            lines.append(f"rank {r}:")
-            lines.extend(f"  {a}" for a in self.ranks[r])
+        lines: list[str] = []
+        for r in range(self.world_size) if rank is None else [rank]:
+            lines += [f"rank {r}:", *(f"  {a}" for a in self.ranks[r])]
         return "\n".join(lines)

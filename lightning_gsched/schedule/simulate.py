@@ -36,11 +36,9 @@ class Costs:
     weight: tuple[float, ...] = ()
 
     @classmethod
-    def build(
-        cls, stages: int, forward: float | Sequence[float] = 1.0,
-        backward: float | Sequence[float] = 2.0, weight: float | Sequence[float] | None = None,
-        split: bool = False,
-    ) -> "Costs":
+    def build(cls, stages: int, forward: float | Sequence[float] = 1.0,
+              backward: float | Sequence[float] = 2.0,
+              weight: float | Sequence[float] | None = None, split: bool = False) -> "Costs":
         fwd = cls._per_stage("forward", forward, stages)
         bwd = cls._per_stage("backward", backward, stages)
         if not split:
@@ -178,10 +176,10 @@ class _Worker:
     def forward_allowed(self, charge: int) -> bool:
         return self.cap is None or self.stash + charge <= self.cap
 
+    # Reserving placements only: a forward's charge depends on the job, so a later one, already
+    # paid for, may start while the heap's head is refused.
     def best_forward(self, charges: list[int], job_of: list[int], phases: int) -> int:
-        """The smallest-ranked ready forward the cap allows, or -1. Reserving placements only:
-        a forward's charge depends on the job, so a later one, already paid for, may start
-        while the heap's head is refused."""
+        """The smallest-ranked ready forward the cap allows, or -1."""
         allowed = [rank for rank in self.ready[0]
                    if self.forward_allowed(charges[job_of[rank] // phases])]
         return min(allowed, default=-1)

@@ -40,8 +40,7 @@ from lightning_gsched.schedule.priorities import dense_ranks
 from lightning_gsched.schedule.reserve import stash_charges
 from lightning_gsched.schedule.simulate import Costs, Timeline, stuck_error
 
-_NO_CAP = np.iinfo(np.int64).max
-_LAST_KEY = np.iinfo(np.int64).max
+_NO_CAP = _LAST_KEY = np.iinfo(np.int64).max
 
 
 def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
@@ -74,11 +73,9 @@ def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: in
 
 
 class WorkerOrders(LazyList[list[int]]):
-    """``Timeline.order`` of a swept timeline: all orders are one int array (``flat``, worker
-    after worker, from ``offsets``) and a worker's list is made when read, so a rank lowering
-    its own program never makes the others' ints Python objects. :func:`.proof.certify` reads
-    the arrays themselves.
-    """
+    """``Timeline.order`` of a swept timeline: one int array (``flat``, worker after worker,
+    from ``offsets``), a worker's list made when read (a rank lowering its own program never
+    makes the others' Python ints); :func:`.proof.certify` reads the arrays themselves."""
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.flat, self.offsets = flat, offsets
@@ -246,9 +243,9 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
                     sequence, busy.tolist(), latency=float(end.max()) if J else 0.0)
 
 
-def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray,
-           stash: np.ndarray, cap: np.ndarray, caps: Sequence[int | None], B: int, P: int,
-           placed: int, total: int, graph: StageGraph) -> Exception:
+def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray, stash: np.ndarray, cap: np.ndarray,
+           caps: Sequence[int | None], B: int, P: int, placed: int, total: int,
+           graph: StageGraph) -> Exception:
     """The simulator's error when no worker can start anything: per blocked worker, its first
     waiting forward (the smallest flat index of an F whose input has arrived: a queue head)."""
     blocked: list[tuple[int, int, int, Job]] = []

@@ -58,8 +58,8 @@ class Groups:
     P-worker placement and priority that one group runs (planned alone, then renamed)."""
 
     layout: ReplicaLayout
-    placement: PlacementFn  # the P-worker placement of one group
-    priority: PriorityFn  # the P-worker priority of one group
+    placement: PlacementFn
+    priority: PriorityFn
 
     @property
     def count(self) -> int:
@@ -96,18 +96,17 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
 
 
 def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
-    """Whether :func:`simulate_groups` gives exactly the full simulation (module docstring):
-    a group structure, and caps that are the same at a position in every group."""
+    """Whether one group's run renamed is exactly the full simulation: a group structure, and
+    caps that are the same at a position in every group."""
     if groups is None:
         return False
     layout = groups.layout
     return all(caps[w] == caps[layout.rank(layout.position(w), 0)] for w in range(len(caps)))
 
 
-def make_simulator(
-    graph: StageGraph, table: PlacementTable, placement: PlacementFn, priority: PriorityFn,
-    costs: Costs, sweep: bool | None = None,
-) -> Callable[[Sequence[int | None]], Timeline]:
+def make_simulator(graph: StageGraph, table: PlacementTable, placement: PlacementFn,
+                   priority: PriorityFn, costs: Costs,
+                   sweep: bool | None = None) -> Callable[[Sequence[int | None]], Timeline]:
     """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a
     pipeline where that is faster (:mod:`.sweep`), else the full simulation; all give the same
     timeline. ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to pay; True,
@@ -117,28 +116,29 @@ def make_simulator(
     groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
     group_run: list[Callable[[Sequence[int | None]], Timeline]] = []
+
+    def fresh_ranks() -> list[int]:
+        return priority_ranks(priority, table.stages, table.micro, graph.forward_only,
+                              graph.split_backward)
+
+    def ranks() -> list[int]:  # kept for every cap a full simulation runs with
+        if not full_ranks:
+            full_ranks.extend(fresh_ranks())
+        return full_ranks
+
     asked = sweep  # one group decides for itself whether a sweep pays
     if sweep is None:
         sweep = worth_sweeping(table, len(graph.phases))
     if sweep and groups is None and sweepable(graph, table):
         keys = order_keys(priority, table.stages, table.micro, graph.phases)
         if keys is None:  # a user's order: its ranks are keys too
-            full_ranks.extend(priority_ranks(priority, table.stages, table.micro,
-                                             graph.forward_only, graph.split_backward))
-            keys = np.asarray(full_ranks, dtype=np.int64)
+            keys = np.asarray(ranks(), dtype=np.int64)
         if keys_increase_in_micro(keys, table.stages, table.micro, len(graph.phases)):
             swept = keys
-
-            def swept_run(caps: Sequence[int | None]) -> Timeline:
-                return simulate_sweep(graph, table, swept, costs, caps)
-
-            return swept_run
+            return lambda caps: simulate_sweep(graph, table, swept, costs, caps)
 
     def full(caps: Sequence[int | None]) -> Timeline:
-        if not full_ranks:
-            full_ranks.extend(priority_ranks(priority, table.stages, table.micro,
-                                             graph.forward_only, graph.split_backward))
-        return simulate(graph, table, full_ranks, costs, caps)
+        return simulate(graph, table, ranks(), costs, caps)
 
     def run(caps: Sequence[int | None]) -> Timeline:
         if groups is None or not symmetric(groups, caps):
@@ -153,8 +153,7 @@ def make_simulator(
             group = group_run[0]([caps[layout.rank(p, 0)] for p in range(layout.pipeline)])
         except CapTooSmallError:
             return full(caps)  # the same failure, with the full plan's names in its message
-        return expand(group, layout, lambda: full_ranks or priority_ranks(
-            priority, table.stages, table.micro, graph.forward_only, graph.split_backward))
+        return expand(group, layout, lambda: full_ranks or fresh_ranks())
 
     return run
 
