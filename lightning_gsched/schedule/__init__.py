@@ -1,10 +1,6 @@
-"""Pure-Python scheduling layer (never imports torch).
-
-``plan(name, workers=W, ...)`` returns a :class:`Plan` whose ``programs`` the runtime executes
-and whose ``metrics`` and ``timeline`` the CLI prints and draws. ``__all__`` is the public API:
-planning, predicting (time and memory) and tuning, and the types a custom schedule or a reader
-of a plan needs. The planner's internals (``lower``, ``simulate``, orders, ...) are imported
-from their modules.
+"""Pure-Python scheduling layer (never imports torch). ``plan(name, workers=W, ...)`` returns a
+:class:`Plan`: ``programs`` for the runtime, ``metrics`` and ``timeline`` for the CLI. ``__all__``
+is the public API; the planner's internals are imported from their modules.
 """
 
 from lightning_gsched.schedule.arguments import ScheduleArguments

@@ -1,16 +1,9 @@
-"""Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase).
+"""Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase),
+derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler).
 
-A job is one unit of work: forward (F) or backward (B) of one stage on one microbatch, and with
-a split backward (zero-bubble schedules) also W, the weight-gradient half of B. The dependencies
-are not hard-coded as a chain; they are derived from a :class:`StageGraph`, so a DAG of stages
-(several encoder legs feeding a decoder) fits the same scheduler later.
-
-Split backward (``StageGraph(S, split_backward=True)``): B computes only the gradient of the
-stage's input, which is all the previous stage waits for; ``W s b`` follows ``B s b`` and has no
-successor, so the scheduler may put it anywhere later on the same worker (into a bubble).
-
-A forward-only graph (``StageGraph(S, forward_only=True)``, for validation/test/predict) has only
-F jobs: a sink's forward has no successor and B jobs do not exist.
+With a split backward (zero-bubble schedules) B computes only the input gradient, all the
+previous stage waits for, and ``W s b`` (the weight gradient) follows ``B s b`` with no
+successor, so the scheduler may put it into any later bubble of the worker.
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ from lightning_gsched.errors import ScheduleConfigError
 
 
 class Phase(str, Enum):
-    """Phase of a job. ``str`` mix-in keeps text forms and JSON output short ("F", "B")."""
+    """Phase of a job (``str``: text forms and JSON output stay short)."""
 
     F = "F"
     B = "B"
@@ -33,7 +26,7 @@ class Phase(str, Enum):
 
 
 class Job(NamedTuple):
-    """(stage, micro, phase). A NamedTuple: hashable, ordered and cheap for 10^5 jobs."""
+    """(stage, micro, phase): a NamedTuple, hashable, ordered and cheap."""
 
     stage: int
     micro: int
@@ -46,20 +39,14 @@ class Job(NamedTuple):
 class StageGraph:
     """Which stages feed which. Default: the chain 0 -> 1 -> ... -> S-1.
 
-    ``edges`` are (producer, consumer) pairs; stages must be numbered in a topological order
-    (producer < consumer), which is how the partitioner numbers them. Sinks (stages without
-    consumers) are where the loss is computed, so their backward starts from their own forward.
-    With ``forward_only=True`` there are no backward jobs: a sink's forward ends the microbatch.
-    With ``split_backward=True`` every B is followed by a W of the same (stage, microbatch).
+    ``edges`` are (producer, consumer) pairs with producer < consumer (stages in topological
+    order, as the partitioner numbers them). Sinks compute the loss, so their backward starts
+    from their own forward. ``forward_only`` (validation, test, predict): only F jobs, a sink's
+    forward ends the microbatch. ``split_backward``: every B is followed by a W.
     """
 
-    def __init__(
-        self,
-        num_stages: int,
-        edges: Iterable[tuple[int, int]] | None = None,
-        forward_only: bool = False,
-        split_backward: bool = False,
-    ) -> None:
+    def __init__(self, num_stages: int, edges: Iterable[tuple[int, int]] | None = None,
+                 forward_only: bool = False, split_backward: bool = False) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ScheduleConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
         self.num_stages = num_stages
@@ -75,8 +62,7 @@ class StageGraph:
             if not (0 <= u < v < num_stages):
                 raise ScheduleConfigError(
                     f"stage edge ({u}, {v}) is invalid: edges must satisfy 0 <= producer < "
-                    f"consumer < {num_stages} (number stages in topological order)"
-                )
+                    f"consumer < {num_stages} (number stages in topological order)")
             self._inputs[v].append(u)
             self._outputs[u].append(v)
         self.is_chain = chain or all(
@@ -131,8 +117,7 @@ class StageGraph:
 
 def weight_grad_phase(split_backward: bool) -> Phase:
     """The job that ends a backward: it accumulates the stage's weight gradients and releases
-    the stash of its (stage, microbatch). W when the backward is split, else B. The one place
-    this rule is written (the simulator, the lowering, the proof, the program IR read it)."""
+    the stash of its (stage, microbatch). W when the backward is split, else B."""
     return Phase.W if split_backward else Phase.B
 
 

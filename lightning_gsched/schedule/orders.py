@@ -1,9 +1,8 @@
 """Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps.
 
-The order only breaks ties between jobs a worker could start at the same time. A priority alone
-cannot bound memory under a greedy scheduler (a worker with ready forwards keeps taking them), so
-a schedule may also carry a cap: the most activations (forwards whose backward has not run yet)
-a worker may hold. 1F1B is "backward first" plus a cap.
+An order only breaks ties between jobs a worker could start at once, so it cannot bound memory
+(a worker with ready forwards keeps taking them): a cap does, the most stashes a worker may
+hold. 1F1B is "backward first" plus a cap.
 """
 
 from __future__ import annotations
@@ -17,32 +16,26 @@ from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PriorityFn = Callable[[int, int, Phase], Any]
-# Enum members as module constants: ``Phase.F`` is a look-up through the enum's descriptor
-# (about 0.2 us on Python 3.11), and the library orders run once per job of every plan
-_F, _B, _W = Phase.F, Phase.B, Phase.W
+_F, _B, _W = Phase.F, Phase.B, Phase.W  # module constants: enum member look-ups are slow
 CapSpec = Union[None, int, str, Sequence[Union[int, None]], Callable[[int], Union[int, None]]]
 
 
-# A library order is written once, as a layout: the ranking that sorting (n(job), job) gives,
-# as groups of phases in key order; within a group, (stage, micro) pairs by a major and a
-# minor loop (which index, ascending?), and the phases of one pair in their text order (the
-# job's own tie-break: B < F < W). The function n(s, b, d) is derived from it
-# (:func:`library_order`), and ``priorities.priority_ranks`` enumerates the layout instead of
-# calling n per job and sorting; tests/test_schedule_fast_paths.py checks the two agree.
+# A library order is written once, as a layout: groups of phases in key order; within a group,
+# (stage, micro) by a major and a minor loop (which index, ascending?), then the job's own
+# tie-break. LibraryOrder derives n(s, b, d) from it, priorities.order_keys every key at once.
 Loop = tuple[str, bool]  # ("stage" or "micro", ascending)
 OrderLayout = tuple[tuple[frozenset[Phase], Loop, Loop], ...]
 _STAGE_UP, _STAGE_DOWN, _MICRO_UP = ("stage", True), ("stage", False), ("micro", True)
 
 
 class LibraryOrder:
-    """``n(s, b, d)`` of a library order, derived from its :data:`OrderLayout`: the key is
-    (the phase's group, then the major and the minor index, negated where descending)."""
+    """``n(s, b, d)`` of a library order: (the phase's group, then the major and the minor
+    index of its :data:`OrderLayout`, negated where descending)."""
 
     def __init__(self, name: str, layout: OrderLayout, doc: str) -> None:
         self.__name__ = self.name = name
         self.__doc__ = doc
         self.layout = layout
-        # per phase: (group, sign and index of the major loop, of the minor loop)
         self._keys = {phase: (group, major, minor)
                       for group, (phases, major, minor) in enumerate(layout) for phase in phases}
 
@@ -62,23 +55,16 @@ def _index(loop: Loop, stage: int, micro: int) -> int:
 bfs = LibraryOrder("bfs", (
     (frozenset({_F}), _STAGE_UP, _MICRO_UP),  # (0, stage, micro)
     (frozenset({_B, _W}), _STAGE_DOWN, _MICRO_UP)),  # (1, -stage, micro)
-    """Breadth-first (GPipe, looped BFS): all forwards before backwards, stage-major.
-
-    A looped worker finishes stage s for every microbatch before moving to its next stage, which
-    also lets fetched weights stay resident over a whole run of microbatches.
-    """)
+    """Breadth-first (GPipe, looped BFS): all forwards before backwards, stage-major. A looped
+    worker finishes stage s for every microbatch before its next stage, so fetched weights stay
+    resident over a whole run of microbatches.""")
 
 gpipe = LibraryOrder("gpipe", (
     (frozenset({_F}), _MICRO_UP, _STAGE_UP),  # (0, micro, stage)
     (frozenset({_B, _W}), _MICRO_UP, _STAGE_DOWN)),  # (1, micro, -stage)
-    """GPipe's order: all forwards before backwards, microbatch-major.
-
-    A worker holding several consecutive stages (S > W) passes a microbatch through all of them
-    before taking the next microbatch, so the next worker gets work as early as possible; with
-    one stage per worker it is :data:`bfs`. (``bfs`` at S = 2W made W=4, B=8 take 129 cost
-    units against 66 here: every worker ran its first stage for all microbatches before its
-    second.)
-    """)
+    """GPipe's order: all forwards before backwards, microbatch-major. A worker holding several
+    consecutive stages (S > W) passes a microbatch through all of them before the next, so the
+    next worker gets work as early as possible; with one stage per worker it is :data:`bfs`.""")
 
 one_f_one_b = LibraryOrder("one_f_one_b", (
     (frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
@@ -89,16 +75,10 @@ zero_bubble = LibraryOrder("zero_bubble", (
     (frozenset({_B}), _MICRO_UP, _STAGE_DOWN),  # (0, micro, -stage)
     (frozenset({_F}), _MICRO_UP, _STAGE_DOWN),  # (1, micro, -stage)
     (frozenset({_W}), _MICRO_UP, _STAGE_DOWN)),  # (2, micro, -stage)
-    """Zero bubble: 1F1B's order with every W last, so W runs only where nothing else can.
-
-    B first (it is on the critical path: the previous stage waits for its input gradient), then
-    F, oldest microbatch and deepest stage first; W (weight gradients, needed by nobody before
-    the optimizer step) only when neither is startable, or when the activation cap stops the
-    next F: a W frees a stash, so it is also what lets the pipeline go on under a cap.
-    """)
-
-LAYOUTS: tuple[tuple[PriorityFn, OrderLayout], ...] = tuple(
-    (order, order.layout) for order in (bfs, gpipe, one_f_one_b, zero_bubble))
+    """Zero bubble: 1F1B's order with every W last. B first (the previous stage waits for its
+    input gradient), then F, oldest microbatch and deepest stage first; W (needed by nobody
+    before the optimizer step) only when neither is startable or the cap stops the next F (a W
+    frees a stash, so it is also what lets the pipeline go on under a cap).""")
 
 
 def layout_of(priority: object) -> OrderLayout | None:
@@ -106,32 +86,26 @@ def layout_of(priority: object) -> OrderLayout | None:
     return priority.layout if isinstance(priority, LibraryOrder) else None
 
 
-def interleaved_sequence(
-    workers: int, stages: int, micro: int, R: int
-) -> dict[tuple[int, int, Phase], int]:
-    """Position of every job in Megatron's interleaved 1F1B sequence, per worker.
+def interleaved_sequence(workers: int, stages: int, micro: int,
+                         R: int) -> dict[tuple[int, int, Phase], int]:
+    """Position of every job in its worker's Megatron interleaved 1F1B sequence: the order's
+    written-out definition (tests check :class:`InterleavedOrder` against it).
 
-    Looped placement (W = G*R, worker ``g*R + p`` runs stages ``c*R + p`` of the microbatches
-    ``b`` with ``b mod G == g``). Each worker runs its chunks depth-first over groups of R
-    microbatches, after a warm-up of ``2*(R-p-1) + (v-1)*R`` forwards (v = S/R chunks), then
-    alternates one forward and one backward. Used as a priority, the greedy simulator follows this
-    sequence whenever the next job is ready and fills the gap with a later one otherwise.
+    Worker ``g*R + p`` of a looped placement runs stages ``c*R + p`` of the microbatches ``b mod
+    G == g``, its chunks depth-first over groups of R microbatches: a warm-up of ``2*(R-p-1) +
+    (v-1)*R`` forwards (v = S/R chunks), then one forward and one backward alternately.
     """
     groups, chunks = workers // R, stages // R
     position: dict[tuple[int, int, Phase], int] = {}
     for worker in range(workers):
         g, p = divmod(worker, R)
         mine = [b for b in range(micro) if b % groups == g]
-        order: list[tuple[int, int]] = []  # (chunk, micro) in forward order
+        forwards: list[tuple[int, int, Phase]] = []
+        backwards: list[tuple[int, int, Phase]] = []
         for first in range(0, len(mine), R):
             block = mine[first:first + R]
-            order.extend((c, b) for c in range(chunks) for b in block)
-        forwards = [(c * R + p, b, Phase.F) for c, b in order]
-        backward_order: list[tuple[int, int]] = []
-        for first in range(0, len(mine), R):
-            block = mine[first:first + R]
-            backward_order.extend((c, b) for c in reversed(range(chunks)) for b in block)
-        backwards = [(c * R + p, b, Phase.B) for c, b in backward_order]
+            forwards += [(c * R + p, b, _F) for c in range(chunks) for b in block]
+            backwards += [(c * R + p, b, _B) for c in reversed(range(chunks)) for b in block]
         warmup = min(2 * (R - p - 1) + (chunks - 1) * R, len(forwards))
         sequence = forwards[:warmup]
         for k in range(len(forwards) - warmup):
@@ -143,20 +117,15 @@ def interleaved_sequence(
 
 
 class InterleavedOrder:
-    """Priority = position in :func:`interleaved_sequence`, by formula (no table of every job).
-
-    Why a formula: at W=1024 the sequence has 8 million jobs, and a dict from every job to its
-    position would take over a gigabyte. :meth:`positions` gives every job's position at once
-    (numpy) for the planner's sweep (:mod:`.sweep`); ``tests/test_schedule_sweep.py`` checks
-    both against :func:`interleaved_sequence`, the order's written-out definition.
+    """Priority = position in :func:`interleaved_sequence`, by formula (a table would not fit
+    at large W). ``replicas``: G data-parallel replicas of this order (microbatch b is replica b
+    mod G's b // G; ``micro`` is per replica).
     """
 
     __name__ = "interleaved"
 
     def __init__(self, workers: int, stages: int, micro: int, R: int,
                  replicas: int = 1) -> None:
-        # ``replicas``: G data-parallel replicas of this W-worker order (data_parallel.py);
-        # microbatch b is replica b mod G's microbatch b // G, and ``micro`` is per replica
         self.workers, self.stages, self.micro, self.R = workers, stages, micro, R
         self.replicas = replicas
 
@@ -200,8 +169,7 @@ def interleaved_order(workers: int, stages: int, micro: int, R: int) -> Priority
     if R is None or workers % R or stages % R:
         raise ScheduleConfigError(
             "order 'interleaved' needs a looped placement with W and S multiples of R "
-            f"(got W={workers}, S={stages}, R={R}); use order '1f1b' for other placements"
-        )
+            f"(got W={workers}, S={stages}, R={R}); use order '1f1b' for other placements")
     return InterleavedOrder(workers, stages, micro, R)
 
 
@@ -211,21 +179,17 @@ ORDER_NAMES = sorted([*ORDERS, "interleaved"])
 
 
 def check_order(order: object) -> None:
-    """An order argument is None (the schedule's), a known name or a callable ``n(s, b, d)``.
-
-    Needs no sizes, so ``plan()`` and ``GeneralParallel`` call it where the argument enters.
-    """
+    """An order argument is None (the schedule's), a known name or a callable ``n(s, b, d)``
+    (needs no sizes: checked where the argument enters)."""
     if order is None or callable(order) or (isinstance(order, str) and order in ORDER_NAMES):
         return
     raise ScheduleConfigError(
         f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or a "
-        "callable n(s, b, d), e.g. order='1f1b'"
-    )
+        "callable n(s, b, d), e.g. order='1f1b'")
 
 
-def resolve_order(
-    order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1, R: int | None = None
-) -> PriorityFn:
+def resolve_order(order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1,
+                  R: int | None = None) -> PriorityFn:
     """A priority function from a name (``bfs``, ``1f1b``/``dfs``, ``interleaved``) or callable."""
     check_order(order)
     if callable(order):
@@ -236,21 +200,15 @@ def resolve_order(
 
 
 def one_f_one_b_caps(workers: int, stages: int | None = None) -> list[int]:
-    """The classic 1F1B bound: worker r of a W-deep pipeline holds at most W - r microbatches.
-
-    Caps count (stage, microbatch) stashes; a worker holding k = S/W consecutive stages stashes
-    k per microbatch in flight, hence k * (W - r).
-    """
+    """The classic 1F1B bound: worker r of a W-deep pipeline holds at most W - r microbatches,
+    k * (W - r) stashes for k = S/W consecutive stages per worker."""
     per_micro = max(1, (stages or workers) // workers)
     return [per_micro * (workers - r) for r in range(workers)]
 
 
 def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
-    """Turn a cap spec into one entry per worker (``None`` = unbounded).
-
-    Accepts None, an int (same cap everywhere), a sequence of length W, or a callable
-    ``cap(worker)``. ``"auto"`` is resolved by the planner (it needs simulations), not here.
-    """
+    """One cap per worker (``None`` = unbounded) from None, an int, a sequence of length W or a
+    callable ``cap(worker)``. ``"auto"`` is resolved by the planner (it needs simulations)."""
     if cap is None:
         return [None] * workers
     if isinstance(cap, str):
@@ -265,14 +223,12 @@ def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
         if len(caps) != workers:
             raise ScheduleConfigError(
                 f"cap list has {len(caps)} entries but there are W={workers} workers; give one "
-                "cap per worker, a single int, or None"
-            )
+                "cap per worker, a single int, or None")
     return [validate.cap_entry(w, c) for w, c in enumerate(caps)]
 
 
 def _call_cap(cap: Callable[[int], int | None], worker: int) -> int | None:
-    """A user's ``cap(worker)``; a failure inside it names the callable and the worker."""
-    try:
+    try:  # a failure inside the user's cap names the callable and the worker
         return cap(worker)
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's cap(w)
         raise validate.user_callable_error("cap", cap, (worker,), "w", exc) from exc

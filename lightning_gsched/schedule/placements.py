@@ -1,12 +1,8 @@
-"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``.
+"""Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: which worker computes each job
+and which holds the source of truth of its stage's weights (all traffic follows in lowering).
 
-A placement says, for every job, which worker computes it and which worker holds the source of
-truth of the stage's weights for that job. Everything else (activation transfers, weight
-fetches, gradient reductions, replica all-reduces) follows from it during lowering.
-
-The named placements generalise the seed's equalities: where the seed needs ``W = B`` we accept
-``B`` a multiple of ``W``; where it needs ``W = S`` we accept ``S`` a multiple of ``W``. Any pair
-of callables is also a placement; :func:`tabulate` validates it once and caches the answers.
+The named placements generalise the seed's equalities ``W = B`` and ``W = S`` to multiples. Any
+callable is a placement too; :class:`PlacementTable` validates it once and caches the answers.
 """
 
 from __future__ import annotations
@@ -19,58 +15,41 @@ from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
-_F = Phase.F  # an enum member look-up costs ~0.2 us on Python 3.11; rows() reads it per call
+_F = Phase.F  # a module constant: an enum member look-up is slow, and rows() reads it per call
 
 
-class Placement(Protocol):
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
-
-
-class CheckedPlacement(Placement, Protocol):
+class CheckedPlacement(Protocol):
     """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
 
     def check(self, stages: int, micro: int) -> None: ...
 
 
-# (weights worker, compute worker) of every (stage, micro), as rows by stage: the same for
-# both phases. Library placements give them at once (``rows``); PlacementTable reads them
-# instead of calling w(s, b, d) twice per (stage, microbatch).
-Rows = tuple[list[list[int]], list[list[int]]]
-
-# placements whose ``rows`` PlacementTable reads (each compute worker fetches a stage from one
-# owner and runs both phases of a (stage, microbatch): checked by tests, not per plan): the
-# library's own classes exactly (registered by LibraryPlacement.__init_subclass__)
+Rows = tuple[list[list[int]], list[list[int]]]  # (weights, compute) workers by stage, micro
+# the classes whose rows PlacementTable trusts unvalidated (tests check them): the library's
+# own, not a user's subclass, which may change __call__
 _LIBRARY: set[type] = set()
 
 
 class LibraryPlacement:
-    """What every library placement shares: its table of rows, read from ``__call__`` itself.
-
-    A placement's formula is written once, in ``__call__`` (the paper's ``w(s, b, d)``). The
-    table ``PlacementTable`` reads (:meth:`rows`) is not a second copy of it: each class only
-    states which stages share a row (``weights_key``/``compute_key``: stages with equal keys
-    have equal rows) and which rows do not depend on the microbatch, and :meth:`rows` calls
-    ``__call__`` once per distinct row entry. At W=1024 that is about W calls for fsdp instead
-    of the S x B = 1M a per-job evaluation would take. These are claims about the formula's
-    symmetry; tests/test_schedule_fast_paths.py checks them against calling it per job.
+    """A library placement's table of rows, read from ``__call__`` (its one formula): each class
+    states which stages share a row (equal ``weights_key``/``compute_key``) and which rows are
+    constant or periodic in the microbatch, so :meth:`rows` calls ``__call__`` once per distinct
+    entry, not S x B times (tests/test_schedule_fast_paths.py checks these claims).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The library's own placement classes (defined in this package) are trusted by
-        :class:`PlacementTable`; a user's subclass, which may change ``__call__``, is not."""
         super().__init_subclass__(**kwargs)
         if cls.__module__.startswith("lightning_gsched.schedule."):
             _LIBRARY.add(cls)
 
-    # a row of weights (compute) workers is the same for every microbatch of a stage
+    # a stage's weights (compute) worker is the same for every microbatch
     weights_constant_in_micro: ClassVar[bool] = False
     compute_constant_in_micro: ClassVar[bool] = False
 
     def micro_period(self) -> int | None:
-        """Every row repeats with this period in the microbatch (None: no such claim). The
-        looped placements send microbatch b to group b mod G, so their rows repeat every G:
-        interleaved at W=1024 (LPP with G=1) is 2,048 calls per row class instead of 4 million
-        for the whole table."""
+        """Every row's period in the microbatch (None: no such claim)."""
         return None
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
@@ -106,26 +85,9 @@ def _require(condition: bool, message: str) -> None:
         raise ScheduleConfigError(message)
 
 
-def _check_groups(name: str, workers: int, stages: int, micro: int, R: int) -> int:
-    """Validate W = G*R, S % R == 0, B % G == 0 for the looped family; return G."""
-    _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
-    _require(
-        workers % R == 0,
-        f"{name}: R={R} does not divide the number of workers W={workers}; "
-        f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}",
-    )
-    groups = workers // R
-    _require(
-        stages % R == 0,
-        f"{name}: stages S={stages} must be a multiple of R={R} so that each worker of a group "
-        f"holds S/R stages; use S={R * max(1, -(-stages // R))}",
-    )
-    _require(
-        micro % groups == 0,
-        f"{name}: microbatches B={micro} must be a multiple of the number of groups G=W/R={groups}; "
-        f"use B={groups * max(1, -(-micro // groups))}",
-    )
-    return groups
+def _multiple(value: int, of: int, message: str, label: str) -> None:
+    """Require ``value`` to be a multiple of ``of``; the error suggests the next positive one."""
+    _require(value % of == 0, f"{message}; use {label}={of * max(1, -(-value // of))}")
 
 
 @dataclass(frozen=True)
@@ -145,14 +107,11 @@ class DDP(LibraryPlacement):
         return 0
 
     def micro_period(self) -> int | None:
-        return self.workers  # microbatch b runs on worker b mod W
+        return self.workers
 
     def check(self, stages: int, micro: int) -> None:
-        _require(
-            micro % self.workers == 0,
-            f"ddp: microbatches B={micro} must be a multiple of workers W={self.workers}; "
-            f"use B={self.workers * max(1, -(-micro // self.workers))}",
-        )
+        _multiple(micro, self.workers, f"ddp: microbatches B={micro} must be a multiple of "
+                  f"workers W={self.workers}", "B")
 
 
 @dataclass(frozen=True)
@@ -167,170 +126,143 @@ class FSDP(LibraryPlacement):
     weights_constant_in_micro = True  # one owner per stage
 
     def compute_key(self, stage: int) -> Hashable:
-        return 0  # DDP's compute: the same for every stage
+        return 0  # DDP's compute
 
     def micro_period(self) -> int | None:
-        return self.workers  # microbatch b runs on worker b mod W
+        return self.workers
 
     def check(self, stages: int, micro: int) -> None:
         DDP(self.workers).check(stages, micro)
-        _require(
-            stages % self.workers == 0,
-            f"fsdp: stages S={stages} must be a multiple of workers W={self.workers} so every "
-            f"worker owns S/W stages; use S={self.workers * max(1, -(-stages // self.workers))}",
-        )
+        _multiple(stages, self.workers, f"fsdp: stages S={stages} must be a multiple of workers "
+                  f"W={self.workers} so every worker owns S/W stages", "S")
 
 
-@dataclass(frozen=True)
-class GPipe(LibraryPlacement):
-    """w = (k, k) with k = s // (S/W): contiguous blocks of stages per worker, no looping."""
-
-    workers: int
-    stages: int
-
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        worker = stage // (self.stages // self.workers)
-        return worker, worker
+class _Pinned(LibraryPlacement):
+    """w = (k(s), k(s)): every stage computed where its weights live, for every microbatch."""
 
     weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
 
-    def check(self, stages: int, micro: int) -> None:
-        _require(
-            stages >= self.workers and stages % self.workers == 0,
-            f"gpipe: stages S={stages} must be a positive multiple of workers W={self.workers} "
-            f"(S < W leaves workers idle); use S={self.workers}",
-        )
+    def worker_of(self, stage: int) -> int:
+        raise NotImplementedError
+
+    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
+        worker = self.worker_of(stage)
+        return worker, worker
 
 
 @dataclass(frozen=True)
-class VShape(LibraryPlacement):
-    """w = (v(s), v(s)): stages in a V over the workers, v(s) = s for s < W, 2W-1-s after.
-
-    Worker r holds stages r and 2W-1-r (with S = 2W; S = 2kW repeats the V k times), so the
-    first and the last stage live on worker 0: a microbatch goes down the workers and comes
-    back up, and the loss is computed where the pipeline started (ZB-V, DualPipeV). Weights
-    never move.
-    """
+class GPipe(_Pinned):
+    """k = s // (S/W): contiguous blocks of stages per worker, no looping."""
 
     workers: int
     stages: int
-    # the cap reserves a microbatch's stashes on a worker at its first forward there
-    # (reserve.py): what lets a cap below 2W complete on a V (v-half, v-min)
+
+    def worker_of(self, stage: int) -> int:
+        return stage // (self.stages // self.workers)
+
+    def check(self, stages: int, micro: int) -> None:
+        _require(stages >= self.workers and stages % self.workers == 0,
+                 f"gpipe: stages S={stages} must be a positive multiple of workers "
+                 f"W={self.workers} (S < W leaves workers idle); use S={self.workers}")
+
+
+@dataclass(frozen=True)
+class VShape(_Pinned):
+    """Stages in a V: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats it). The first and last
+    stage live on worker 0, so the loss is computed where the pipeline started (ZB-V)."""
+
+    workers: int
+    stages: int
     reserves_stash: bool = False
 
     def worker_of(self, stage: int) -> int:
         position = stage % (2 * self.workers)
         return position if position < self.workers else 2 * self.workers - 1 - position
 
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        worker = self.worker_of(stage)
-        return worker, worker
-
-    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
-
     def check(self, stages: int, micro: int) -> None:
-        _require(
-            stages % (2 * self.workers) == 0,
-            f"a V placement (zbv, v-half, v-min): stages S={stages} must be a positive multiple "
-            f"of 2W={2 * self.workers} (each worker holds one stage on the way down and one on "
-            f"the way up); use "
-            f"S={2 * self.workers * max(1, -(-stages // (2 * self.workers)))}",
-        )
+        _multiple(stages, 2 * self.workers, f"a V placement (zbv, v-half, v-min): stages "
+                  f"S={stages} must be a positive multiple of 2W={2 * self.workers} (each worker "
+                  "holds one stage on the way down and one on the way up)", "S")
 
 
 @dataclass(frozen=True)
-class LPP(LibraryPlacement):
-    """The seed's looped pipeline: w = (h(s,b), h(s,b)), h(s,b) = (R*b mod W) + (s mod R).
-
-    W = G*R workers form G groups of R; group b mod G runs microbatch b, and worker r of a group
-    runs every stage s with s mod R == r. R=1 is DDP, R=W (with S=W) is GPipe.
-    """
+class _Looped(LibraryPlacement):
+    """The seed's looped compute h(s, b) = (R*b mod W) + (s mod R): W = G*R workers form G
+    groups of R; group b mod G runs microbatch b, and worker r of a group runs every stage s
+    with s mod R == r. Subclasses differ in where the weights live."""
 
     workers: int
     R: int
+    name: ClassVar[str]
 
     def h(self, stage: int, micro: int) -> int:
         return (self.R * micro) % self.workers + stage % self.R
+
+    def compute_key(self, stage: int) -> Hashable:
+        return stage % self.R  # h depends on s through s mod R only
+
+    def micro_period(self) -> int | None:
+        return self.workers // self.R  # and on b through R*b mod W: period G
+
+    def check(self, stages: int, micro: int) -> None:
+        """W = G*R, S % R == 0, B % G == 0."""
+        name, workers, R = self.name, self.workers, self.R
+        _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
+        if workers % R:
+            divisors = [r for r in range(1, workers + 1) if workers % r == 0]
+            raise ScheduleConfigError(f"{name}: R={R} does not divide the number of workers "
+                                      f"W={workers}; choose R among {divisors}")
+        groups = workers // R
+        _multiple(stages, R, f"{name}: stages S={stages} must be a multiple of R={R} so that each "
+                  "worker of a group holds S/R stages", "S")
+        _multiple(micro, groups, f"{name}: microbatches B={micro} must be a multiple of the number "
+                  f"of groups G=W/R={groups}", "B")
+
+
+class LPP(_Looped):
+    """The seed's looped pipeline: w = (h(s,b), h(s,b)). R=1 is DDP, R=W (with S=W) is GPipe."""
+
+    name = "lpp"
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         worker = self.h(stage, micro)
         return worker, worker
 
     def weights_key(self, stage: int) -> Hashable:
-        return stage % self.R  # h(s, b) depends on s through s mod R only
-
-    def compute_key(self, stage: int) -> Hashable:
         return stage % self.R
 
-    def micro_period(self) -> int | None:
-        return self.workers // self.R  # h(s, b) depends on b through R*b mod W: period G
 
-    def check(self, stages: int, micro: int) -> None:
-        _check_groups("lpp", self.workers, stages, micro, self.R)
+class FSLPP(_Looped):
+    """Fully sharded looped pipeline: LPP's compute, one owner per stage among its computing
+    workers, cycling over groups: owner(s) = R*((s // R) mod G) + (s mod R), at most ceil(S/W)
+    stages per worker (unlike the seed's literal h(s, s))."""
 
-
-@dataclass(frozen=True)
-class FSLPP(LibraryPlacement):
-    """Fully sharded looped pipeline: LPP's compute, one owner per stage, balanced.
-
-    The owner of stage s is chosen among the workers that compute s (position s mod R in each
-    group), cycling over groups as s advances by R: owner(s) = R*((s // R) mod G) + (s mod R).
-    Every worker then owns at most ceil(S/W) stages, unlike the seed's literal h(s, s).
-    """
-
-    workers: int
-    R: int
+    name = "fslpp"
+    weights_constant_in_micro = True
 
     def owner(self, stage: int) -> int:
         groups = self.workers // self.R
         return self.R * ((stage // self.R) % groups) + stage % self.R
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        return self.owner(stage), LPP(self.workers, self.R).h(stage, micro)
-
-    weights_constant_in_micro = True  # one owner per stage
-
-    def compute_key(self, stage: int) -> Hashable:
-        return stage % self.R  # LPP's compute
-
-    def micro_period(self) -> int | None:
-        return self.workers // self.R  # LPP's compute: period G in the microbatch
-
-    def check(self, stages: int, micro: int) -> None:
-        _check_groups("fslpp", self.workers, stages, micro, self.R)
+        return self.owner(stage), self.h(stage, micro)
 
 
-@dataclass(frozen=True)
-class FSLPPSeed(LibraryPlacement):
+class FSLPPSeed(_Looped):
     """The seed's literal FSLPP: w = (h(s, s), h(s, b)). Concentrates ownership (see docs)."""
 
-    workers: int
-    R: int
+    name = "fslpp-seed"
+    weights_constant_in_micro = True
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        lpp = LPP(self.workers, self.R)
-        return lpp.h(stage, stage), lpp.h(stage, micro)
-
-    weights_constant_in_micro = True  # h(s, s): one owner per stage
-
-    def compute_key(self, stage: int) -> Hashable:
-        return stage % self.R  # LPP's compute
-
-    def micro_period(self) -> int | None:
-        return self.workers // self.R  # LPP's compute: period G in the microbatch
-
-    def check(self, stages: int, micro: int) -> None:
-        _check_groups("fslpp-seed", self.workers, stages, micro, self.R)
+        return self.h(stage, stage), self.h(stage, micro)
 
 
 class PlacementTable:
-    """A validated placement evaluated once for every (s, b): O(1) look-ups for the simulator.
-
-    Validation (clear :class:`PlacementError` messages naming the job):
-    - both workers are integers in [0, W);
-    - F and B of one (s, b) run on the same compute worker (the stashed activation lives there);
-    - all jobs of stage s on one compute worker use the same weights worker, so a worker fetches
-      stage s from exactly one owner and returns its gradient to that owner.
+    """A placement evaluated once for every (s, b), validated (a :class:`PlacementError` names
+    the job): both workers are ints in [0, W); F and B of one (s, b) run on one compute worker
+    (the stash lives there); all jobs of stage s on one compute worker use one weights worker,
+    so a worker fetches stage s from, and returns its gradient to, a single owner.
     """
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
@@ -341,13 +273,10 @@ class PlacementTable:
         self.weights: list[list[tuple[int, int]]]
         self.owners: list[tuple[int, ...]]
         self.fetch_source: dict[tuple[int, int], int]
-        # the lowering holds a fetched stage for the whole step (data_parallel='shard'), not
-        # per run of consecutive jobs (lower.stage_runs)
+        # the lowering holds a fetched stage for the whole step (data_parallel='shard')
         self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
-        # the cap counts a microbatch's stashes on a worker from its first forward there
-        # (reserve.py: the memory-controlled V schedules)
         self.reserves_stash = bool(getattr(placement, "reserves_stash", False))
-        if type(placement) in _LIBRARY:  # valid by construction (tests check it): read rows
+        if type(placement) in _LIBRARY:  # valid by construction: read its rows
             library = cast(LibraryPlacement, placement)
             weight_rows, self.compute = library.rows(stages, micro)
             pairs = {w: (w, w) for w in range(workers)}  # one tuple per worker, shared by rows
@@ -363,7 +292,7 @@ class PlacementTable:
         self.compute = [[0] * micro for _ in range(stages)]
         self.weights = [[(0, 0)] * micro for _ in range(stages)]
         source: dict[tuple[int, int], tuple[int, int, Phase]] = {}
-        F, B = Phase.F, Phase.B  # locals: an enum member look-up costs ~0.2 us on Python 3.11
+        F, B = Phase.F, Phase.B  # locals: enum member look-ups are slow
         for s in range(stages):
             for b in range(micro):
                 (wf, cf) = self._call(placement, s, b, F)
@@ -372,8 +301,7 @@ class PlacementTable:
                     raise PlacementError(
                         f"placement puts F s{s} b{b} on worker {cf} but B s{s} b{b} on worker {cb}; "
                         "the backward needs the activations stashed by its forward, so both "
-                        "phases of one (stage, microbatch) must use the same compute worker"
-                    )
+                        "phases of one (stage, microbatch) must use the same compute worker")
                 self.compute[s][b] = cf
                 self.weights[s][b] = (wf, wb)
                 for w, d in ((wf, F), (wb, B)):
@@ -384,8 +312,7 @@ class PlacementTable:
                         raise PlacementError(
                             f"worker {cf} computes stage {s} with weights from worker {first[0]} "
                             f"({first[2].value} b{first[1]}) and from worker {w} ({d.value} b{b}); "
-                            "a compute worker must fetch a stage from a single owner"
-                        )
+                            "a compute worker must fetch a stage from a single owner")
         self.owners = [
             tuple(sorted({w for pair in self.weights[s] for w in pair})) for s in range(stages)
         ]
@@ -402,22 +329,19 @@ class PlacementTable:
         except (TypeError, ValueError) as exc:
             raise PlacementError(
                 f"placement(s={s}, b={b}, d={d.value}) must return a pair "
-                f"(weights_worker, compute_worker) of ints; it failed with: {exc}"
-            ) from exc
+                f"(weights_worker, compute_worker) of ints; it failed with: {exc}") from exc
         for label, w in (("weights", weights), ("compute", compute)):
             if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.workers:
                 raise PlacementError(
                     f"placement(s={s}, b={b}, d={d.value}) returned {label} worker {w!r}; "
-                    f"workers must be ints in [0, {self.workers}) for W={self.workers}"
-                )
+                    f"workers must be ints in [0, {self.workers}) for W={self.workers}")
         return weights, compute
 
     def weights_worker(self, stage: int, micro: int, phase: Phase) -> int:
         return self.weights[stage][micro][0 if phase is Phase.F else 1]
 
     def owned_stages(self, worker: int) -> list[int]:
-        """The stages ``worker`` owns, from an index built once (a scan of every stage per
-        worker made lowering O(W x S))."""
+        """The stages ``worker`` owns, from an index built once (not O(S) per worker)."""
         if self._owned is None:
             self._owned = {}
             for s, owners in enumerate(self.owners):
@@ -433,6 +357,3 @@ class PlacementTable:
                 for w in set(row):
                     self._computed.setdefault(w, set()).add(s)
         return self._computed.get(worker, set())
-
-
-

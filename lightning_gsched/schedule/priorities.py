@@ -1,9 +1,5 @@
 """Priorities as dense ranks: ``n(s, b, d)`` evaluated once per plan, turned into the ints the
-simulator's queues compare.
-
-A library order (:data:`~lightning_gsched.schedule.orders.LAYOUTS`) is enumerated from its
-written-out layout without calling it; any other order's values are sorted with the job as the
-tie-break, packed into one int per job where they are ints or tuples of ints.
+simulator's queues compare, in the order of the pairs (n(job), job).
 """
 
 from __future__ import annotations
@@ -19,23 +15,15 @@ from lightning_gsched.schedule.jobs import Phase, all_jobs, phases_of
 from lightning_gsched.schedule.orders import InterleavedOrder, PriorityFn, layout_of
 
 
-def priority_ranks(
-    priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
-    split_backward: bool = False,
-) -> list[int]:
-    """Evaluate n(s, b, d) once and turn it into dense integer ranks (fast heap keys).
-
-    The result is indexed by the flat job index ``(stage * micro + b) * P + phase`` (P phases
-    per job in the order F, B, W: :func:`phases_of`), the layout :func:`simulate` works in.
-    Rank order is that of the pairs (n(job), job): equal priorities are broken by the job
-    itself. A library order's ranking is enumerated from its written-out layout
-    (:data:`~lightning_gsched.schedule.orders.LAYOUTS`) without calling it; other orders
-    returning ints or tuples of ints are packed into one int per job that orders as the pair
-    does (:func:`_packed`), so the sort compares ints, not tuples.
+def priority_ranks(priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
+                   split_backward: bool = False) -> list[int]:
+    """Dense integer ranks (heap keys) by flat job index, ordered as the pairs (n(job), job).
+    An order with a formula (:func:`order_keys`) is not called per job; other orders' ints or
+    tuples of ints are packed into one int per job (:func:`_packed`) for a sort of ints.
     """
     phases = phases_of(forward_only, split_backward)
     known = order_keys(priority, stages, micro, phases)
-    if known is not None:  # a library order: its keys at once, ranked by one sort
+    if known is not None:
         return dense_ranks(known).tolist()  # type: ignore[no-any-return]
     keys: list[Any] = []
     append = keys.append
@@ -58,8 +46,7 @@ def priority_ranks(
             order = sorted(range(len(keys)), key=lambda i: (keys[i], jobs[i]))
     except TypeError as exc:
         raise ScheduleConfigError(
-            f"priority values must be mutually comparable (ints or tuples of ints): {exc}"
-        ) from exc
+            f"priority values must be mutually comparable (ints or tuples of ints): {exc}") from exc
     return inverse(order)
 
 
@@ -80,11 +67,8 @@ def inverse(permutation: list[int]) -> list[int]:
 def order_keys(priority: PriorityFn, stages: int, micro: int,
                phases: tuple[Phase, ...]) -> np.ndarray | None:
     """Keys (int64 per flat job index) that order jobs as the pairs (n(job), job) do, for the
-    orders whose keys have a formula: a library order's layout (orders.py) and interleaved's
-    positions. None for any other order (then n is called per job: :func:`priority_ranks`).
-
+    orders with a formula: a library order's layout and interleaved's positions; else None.
     The job tie-break is (stage, micro, phase by its text: B < F < W), as ``Job`` compares.
-    Computed on the (stage, micro) grid, one phase at a time, into one array.
     """
     layout = layout_of(priority)
     if layout is None and not isinstance(priority, InterleavedOrder):
@@ -126,8 +110,7 @@ def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
 
     Each key component is shifted to start at 0 and the tuple read as a mixed-radix number
     (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
-    the job's place in job order ((stage, micro), then the phase by its text: B < F < W), the
-    tie-break. ``keys`` are listed stage, micro, then ``phases`` (the flat job order).
+    the job's place in job order (the tie-break). ``keys`` are in flat job order.
     """
     if not keys:
         return None

@@ -1,46 +1,18 @@
-"""The program IR: one ordered list of actions per rank, and one table of what each action means.
+"""The program IR: one ordered list of actions per rank, and one table of what each op means.
 
-The planner costs and draws these programs and the runtime executes them, so they are the single
-source of truth for what happens on a rank. Every action has a compact text form that round-trips
-through :meth:`Action.parse`, for error messages, test diffs and bug reports:
+The planner costs and draws these programs and the runtime executes them. What each op means is
+written once, in :data:`OPS`; what each action consumes and releases, in :mod:`.consumption`.
+An action's text form (``F s3 b1``, ``SEND_ACT s3 b1 ->2``, ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5
+[0,2]``) round-trips through :meth:`Action.parse`.
 
-======================  =======================================================================
-``F s3 b1``             forward of stage 3 on microbatch 1 (stashes its activations)
-``B s3 b1``             backward of stage 3 on microbatch 1: the gradient of the stage's input;
-                        also of its weights unless the programs split the backward (then ``W``)
-``W s3 b1``             weight-gradient half of a split backward (zero-bubble schedules):
-                        accumulates stage 3's weight gradients for microbatch 1, frees the stash
-``SEND_ACT s3 b1 ->2``  send the output of ``F s3 b1`` to rank 2
-``RECV_ACT s3 b1 <-1``  post the receive of the output of ``F s3 b1`` from rank 1
-``SEND_GRAD s4 b1 ->3`` send the input-gradient produced by ``B s4 b1`` to rank 3
-``RECV_GRAD s4 b1 <-2`` post the receive of the input-gradient produced by ``B s4 b1``
-``FETCH_W s5 <-1``      post the receive of stage 5's weights from owner 1 (they become resident)
-``SEND_W s5 ->3``       owner side of a fetch: send stage 5's weights to rank 3
-``FREE_W s5``           release the fetched weights of stage 5
-``REDUCE_G s5 ->1``     send this rank's accumulated gradient of stage 5 to its owner 1
-``RECV_G s5 <-3``       owner side: post the receive of rank 3's gradient of stage 5 (summed in)
-``ALLREDUCE_G s5 [0,2]``  all-reduce stage 5's gradient among its replica owners 0 and 2
-``FETCH_W t0 <-0``      the same six ops on a tie: ``t0`` is tie 0 (the tied weights whose home
-                        stage is 0), e.g. post the receive of its weights from owner 0
-======================  =======================================================================
+The :data:`UNIT_OPS` act on a *weight unit*: a stage's own weights (``s5``) or a *tie* (``t0``),
+parameters several stages read (a tied embedding and head), named by its **home**, the lowest
+stage reading it, owned with it (``owners[home]``) and fetched once per step by a rank that
+computes a reader without owning it (:attr:`Programs.ties`). A tie differs from a stage only in
+its readers, in being no stage of ``peak_resident_stages`` and in its ``tie_*`` counters.
 
-The last six ops act on a *weight unit*: a stage's own weights (``s5``), or a *tie* (``t0``), a
-set of parameters several stages read (a tied embedding and output head). A tie is one weight
-unit named by its **home** stage, the lowest stage that reads it (``Action.stage`` with
-``Action.tie`` set), owned with that stage (``owners[home]``) and fetched once per step by a rank
-that computes a reader stage without owning it (:attr:`Programs.ties`). Every reader treats the
-two kinds alike except where a tie differs (which stages read it; it is no stage in
-``peak_resident_stages``; its traffic has its own ``tie_*`` counters: :attr:`OpSpec.tie_counter`).
-
-Receives are *posts*: the runtime starts them where they appear (that is the prefetch) and waits
-for them at the first action that consumes them. Sends never block. That is also the model the
-dry run (:mod:`lightning_gsched.schedule.dryrun`) proves deadlock-free.
-
-What each op means is written once, in :data:`OPS` (one :class:`OpSpec` per op): its kind, its
-channel and matching op, the counter it moves, whether forward-only programs may hold it. The
-dry run, the time replay, the metrics and the runtime read the table instead of repeating it.
-What each action consumes and releases (which receive a compute reads, which fetch a free
-releases, which op ends the stash) is written once as well, in :mod:`.consumption`.
+Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
+first action that consumes them. Sends never block. The dry run proves this model deadlock-free.
 """
 
 from __future__ import annotations
@@ -80,17 +52,11 @@ OpKind = Literal["compute", "send", "recv", "free", "collective"]
 
 @dataclass(frozen=True)
 class OpSpec:
-    """What one op means, for every reader of programs.
-
-    ``kind``: compute (F/B/W), send (never blocks), recv (a post; consumed later), free (release
-    fetched weights), collective (all-reduce among a group). ``channel``: the FIFO message
-    channel a send/recv uses; ``matches``: the op at the other end of that message. ``counter``:
-    the :class:`~lightning_gsched.schedule.counts.ActionCounts` field one such action adds 1 to
-    (None: counted otherwise or not at all). ``forward_only``: allowed in forward-only programs
-    (validation, test, predict). ``per_micro``: the action names a microbatch. ``outgoing``: its
-    peer is written ``->peer`` (it sends) rather than ``<-peer``. ``tie_counter``: set on the
-    ops of a weight unit, which may be a tie (``Action.tie``); the field a tie's action adds 1
-    to instead of ``counter``.
+    """What one op means, for every reader of programs. ``channel``: the FIFO channel a send or
+    recv uses; ``matches``: the op at the message's other end. ``counter``: the
+    :class:`~lightning_gsched.schedule.counts.ActionCounts` field one action adds 1 to (None:
+    counted otherwise or not at all); ``tie_counter``: a tie's instead. ``forward_only``: allowed
+    in forward-only programs. ``per_micro``: names a microbatch. ``outgoing``: written ``->peer``.
     """
 
     op: Op
@@ -145,33 +111,24 @@ OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
            counter="allreduces", tie_counter="tie_allreduces"),
 )}
 
-# the ops of a weight unit (a stage's weights, or a tie's when ``Action.tie``)
 UNIT_OPS = frozenset({Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
 COLLECTIVE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "collective")
-
 COMPUTE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "compute")
 SEND_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "send")
 RECV_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "recv")
-# What a forward-only program (plan(..., forward_only=True)) may contain.
 FORWARD_ONLY_OPS = frozenset(op for op, spec in OPS.items() if spec.forward_only)
 BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, W, input-gradients, gradient reductions
-# Message channels. Each channel is FIFO per (src, dst): the k-th send on a channel matches the
-# k-th receive posted on it. Separate channels let weights and gradients flow independently of
-# activations (the runtime maps each to its own tag / process group).
+# Each channel is FIFO per (src, dst): the k-th send on it matches the k-th receive posted on
+# it. Separate channels let weights and gradients flow independently of activations.
 CHANNEL_OF = {op: spec.channel for op, spec in OPS.items() if spec.channel is not None}
-# Which receive matches which send.
 RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items()
                  if spec.kind == "send" and spec.matches is not None}
 _OUT_OPS = frozenset(op for op, spec in OPS.items() if spec.outgoing)
 
 
 class RankGroup(tuple[int, ...]):
-    """An all-reduce group: a tuple of ranks that hashes once and tests membership in O(1).
-
-    Why: the dry run asks every member ``rank in group`` and keys its bookkeeping by the
-    group, so with a plain tuple a group of all W ranks (ddp, lpp's replicas) costs O(W) per
-    member, O(W^2) per plan: hours at W=10^5. Equal to, and hashing as, the plain tuple, so
-    a parsed program (plain tuples) compares equal to a lowered one.
+    """An all-reduce group that hashes once and tests membership in O(1) (the dry run asks every
+    member ``rank in group``: O(W^2) with a plain tuple). Equal to, and hashing as, the tuple.
     """
 
     _hash: int
@@ -194,18 +151,14 @@ class RankGroup(tuple[int, ...]):
 
 def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
     """The compute that accumulates a stage's weight gradients and releases the stash of its
-    (stage, microbatch): W when the backward is split, else B; None when forward-only (nothing
-    is stashed, no gradient exists). Read through ``schedule/consumption.py``'s rules."""
+    (stage, microbatch): W when the backward is split, else B; None when forward-only."""
     return None if forward_only else Op(weight_grad_phase(split_backward).value)
 
 
 class Action(NamedTuple):
     """One step of a rank's program. ``peer`` is the other rank of a message; ``tie``: a weight
-    unit op (:data:`UNIT_OPS`) acts on the tie whose home is ``stage`` (written ``t<home>``)
-    rather than on the stage's own weights (``s<stage>``).
-
-    Immutable and hashable. A NamedTuple rather than a frozen dataclass because lowering builds
-    ~10^5 of them for W=64, S=64, B=256 and a frozen dataclass costs 4x more per instance.
+    unit op acts on the tie whose home is ``stage`` (``t<home>``), not the stage's weights.
+    A NamedTuple: lowering builds very many, and a frozen dataclass costs 4x more each.
     """
 
     op: Op
@@ -236,22 +189,16 @@ class Action(NamedTuple):
         if tie and op not in UNIT_OPS:
             raise ValueError(f"not an action: {text!r} (only the weight-unit ops "
                              f"{sorted(o.value for o in UNIT_OPS)} act on a tie 't<home>')")
-        group = match["group"]
-        return cls(
-            op,
-            int(match["stage"]),
-            int(match["micro"]) if match["micro"] is not None else None,
-            int(match["peer"]) if match["peer"] is not None else None,
-            tuple(int(r) for r in group.split(",") if r) if group is not None else None,
-            tie,
-        )
+        micro, peer, group = match["micro"], match["peer"], match["group"]
+        return cls(op, int(match["stage"]), None if micro is None else int(micro),
+                   None if peer is None else int(peer),
+                   None if group is None else tuple(int(r) for r in group.split(",") if r), tie)
 
 
 class Message(NamedTuple):
     """What one message carries, named alike at its send and its receive: the receive op that
-    posts it, the stage (a tie's home stage, with ``tie``) and the microbatch (None for weights
-    and gradients of a whole unit). The lowering, the dry run, the proof, the cost replay and the
-    runtime all name messages so."""
+    posts it, the stage (a tie's home, with ``tie``) and the microbatch (None for a unit's
+    weights and gradients)."""
 
     op: Op
     stage: int
@@ -271,8 +218,8 @@ CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_
 
 
 class Channel(NamedTuple):
-    """One direction of one kind of traffic between two ranks: its messages arrive in the order
-    they are sent (FIFO), so every receive must be posted in that order."""
+    """One direction of one kind of traffic between two ranks: FIFO, so every receive must be
+    posted in the order of the sends."""
 
     kind: str
     src: int
@@ -338,46 +285,37 @@ def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Me
 
 _PATTERN = re.compile(
     r"^(?P<op>[A-Z_]+) (?P<unit>[st])(?P<stage>\d+)(?: b(?P<micro>\d+))?"
-    r"(?: (?P<dir>->|<-)(?P<peer>\d+))?(?: \[(?P<group>[\d,]*)\])?$"
-)
+    r"(?: (?P<dir>->|<-)(?P<peer>\d+))?(?: \[(?P<group>[\d,]*)\])?$")
 
 
 @dataclass
 class Programs:
     """Programs of all ranks plus the facts the runtime needs to execute them.
 
-    ``owners[s]`` are the ranks that hold the source of truth of stage s (more than one means
-    replicas, kept equal by ``ALLREDUCE_G``); ``edges`` is the stage graph. ``forward_only``
-    programs (validation, test, predict) contain only :data:`FORWARD_ONLY_OPS`.
-    ``split_backward`` programs (zero-bubble schedules) run every backward as ``B`` (input
-    gradient) then ``W`` (weight gradient) of the same (stage, microbatch) on the same rank; the
-    stash lives until ``W``. ``ties``: tie home stage -> its reader stages (home included);
-    a tie is owned by ``owners[home]``.
-
-    ``ranks`` is always a :class:`~.lazy_ranks.LazyList` (a list given here is wrapped, all
-    made): a program is made when first read; ``ranks.make_all()`` where a reader needs every
-    one. ``planned``: made by the planner's lowering (:func:`.lower.programs_of`), whose every
-    all-reduce group is a replicated stage's owners and whose forward-only plans hold only
-    forward ops; a reader may then answer from those facts instead of reading every program
-    (the runtime's start-up at large W does).
+    ``owners[s]``: the ranks holding the source of truth of stage s (several: replicas, kept
+    equal by ``ALLREDUCE_G``). ``forward_only``: only :data:`FORWARD_ONLY_OPS`.
+    ``split_backward``: every backward is ``B`` then ``W`` on one rank, the stash living until
+    ``W``. ``ties``: tie home -> its reader stages (sorted). ``ranks``: a
+    :class:`~.lazy_ranks.LazyList` (a list given is wrapped), each program made when first read.
+    ``planned``: made by the planner's lowering (every all-reduce group is a replicated stage's
+    owners), so a reader may answer from those facts instead of reading every program.
     """
 
-    ranks: LazyList[list[Action]]  # a list given here is wrapped: every item made
+    ranks: LazyList[list[Action]]
     num_stages: int
     num_micro: int
     owners: list[tuple[int, ...]]
     edges: list[tuple[int, int]]
     forward_only: bool = False
     split_backward: bool = False
-    # tie home stage -> every stage that reads it (home included, sorted); see the module doc
     ties: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # (the owners list it was built from, rank -> owned stages): see owned_stages
+    # (the owners list it was built from, rank -> owned stages)
     _owned_index: tuple[list[tuple[int, ...]], dict[int, list[int]]] | None = field(
         default=None, init=False, repr=False, compare=False)
     planned: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
-        ranks: Sequence[list[Action]] = self.ranks  # a caller's list is accepted too
+        ranks: Sequence[list[Action]] = self.ranks
         if not isinstance(ranks, LazyList):
             self.ranks = LazyList.of(list(ranks))
 
@@ -387,18 +325,12 @@ class Programs:
 
     @property
     def weight_grad_op(self) -> Op | None:
-        """The compute op that accumulates weight gradients and after which a (stage,
-        microbatch)'s stash is gone: W when the backward is split, else B; None for forward-only
-        programs (they stash nothing). The other consumption rules: ``schedule/consumption.py``."""
+        """These programs' :func:`weight_grad_op`."""
         return weight_grad_op(self.forward_only, self.split_backward)
 
     def owned_stages(self, rank: int) -> list[int]:
-        """The stages ``rank`` owns, ascending.
-
-        Read from an index of ``owners`` built on first use: every reader asks this once per
-        rank, and scanning all stages each time made a plan of W ranks and S stages cost
-        O(W x S) (minutes at W = S = 10^4).
-        """
+        """The stages ``rank`` owns, ascending, from an index of ``owners`` built on first use
+        (every reader asks once per rank: a scan of all stages each time is O(W x S))."""
         index = self._owned_index
         if index is None or index[0] is not self.owners:
             by_rank: dict[int, list[int]] = {}
@@ -414,9 +346,7 @@ class Programs:
 
     def text(self, rank: int | None = None) -> str:
         """Human-readable programs, one action per line (all ranks when ``rank`` is None)."""
-        ranks = range(self.world_size) if rank is None else [rank]
-        lines = []
-        for r in ranks:
-            lines.append(f"rank {r}:")
-            lines.extend(f"  {a}" for a in self.ranks[r])
+        lines: list[str] = []
+        for r in range(self.world_size) if rank is None else [rank]:
+            lines += [f"rank {r}:", *(f"  {a}" for a in self.ranks[r])]
         return "\n".join(lines)

@@ -1,14 +1,11 @@
-"""Stash reservations: a microbatch entering a worker claims, against the worker's activation
-cap, every stash it will hold there.
+"""Stash reservations: a microbatch entering a worker claims, against its cap, every stash it
+will hold there.
 
-Why: the plain cap counts the stashes a worker holds now. On a V placement (worker r holds
-stages r and 2W-1-r) a cap below 2W deadlocks: worker 0's first stage is always ready, so it
-fills the cap with first-stage forwards, and the second-stage forward of its oldest microbatch,
-which every backward waits for, can never start. Counting a microbatch's later stashes on the
-worker from its first forward there (and its later forwards as already paid for) keeps room
-for them, so any cap of at least the stages a worker holds completes, and the stash a worker
-really holds never exceeds the cap. The memory-controlled V schedules (``v-half``, ``v-min``)
-use it; a placement opts in with ``reserves_stash = True`` (``PlacementTable.reserves_stash``).
+Why: on a V placement a plain cap below 2W deadlocks: worker 0's first stage is always ready,
+so it fills the cap with first-stage forwards, and the second-stage forward of its oldest
+microbatch, which every backward waits for, never starts. Reserving keeps room for it, so any
+cap of at least a worker's stages completes, and the stash held never exceeds the cap. A
+placement opts in with ``reserves_stash = True`` (v-half, v-min).
 """
 
 from __future__ import annotations

@@ -1,43 +1,29 @@
-"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy).
+"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy):
+the very timeline of :func:`.simulate.simulate`, which costs microseconds per job (millions at
+W=1024), for a few numpy operations per window (about latency / shortest job).
 
-Why: :func:`.simulate.simulate` places one job per heap event, about 5 us a job in Python. At
-W=1024 a pipeline's default plan has 4 to 12 million jobs (1f1b: S=W, B=2W, two phases; zbv:
-S=2W, three), 20 to 75 s per simulation. This module computes the very same timeline with a
-few numpy operations per *time window* instead of per job: about latency / (shortest job)
-windows, 10^4 at W=1024, each deciding for every worker at once.
-
-**When it applies** (:func:`sweepable`, checked by the planner, which otherwise simulates job
-by job): the stage graph is a chain, every stage runs on one compute worker whatever the
-microbatch (every pipeline placement: gpipe, 1f1b, interleaved, zero bubble; not the looped
-ones, which :mod:`.symmetry` handles), and the order's keys increase with ``b`` for every
-(stage, phase) (every library order, interleaved's included; a user's order is checked).
+It applies (:func:`sweepable`) to a chain whose every stage runs on one compute worker for all
+microbatches (the pipeline placements; looped ones go to :mod:`.symmetry`) under an order whose
+keys increase with ``b`` for every (stage, phase) (every library order; a user's is checked).
 
 **Why it is the simulator's timeline, exactly.**
 
-1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue, in b order. In a
-   chain every job has at most one predecessor, with the same b. Claim: every queue runs in b
-   order and its ready times do not decrease along it. By induction over time: ``F 0 b`` are
-   all ready at 0; if the predecessor's queue runs in b order, its starts increase along b on
-   its one worker and its duration is one per (stage, phase), so its ends increase: the
-   ready times along the queue do not decrease. Then the jobs of a queue ready at time t are
-   a prefix of what is left of it, and since keys increase along the queue, the simulator's
-   choice (the smallest key among ready jobs the cap allows) is a head: the queue runs in b
-   order. Each worker's next job is therefore the smallest ``(max(free_at, ready), key)``
-   among its queue heads (forwards only while its stash is below its cap): the rule
-   :func:`.simulate.simulate` applies with heaps over all of the worker's jobs.
+1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a
+   job's one predecessor has the same b, so by induction over time every queue runs in b order
+   with non-decreasing ready times (its predecessor queue's ends increase along b on one worker
+   with one duration). The jobs of a queue ready at t are then a prefix of what is left of it,
+   and with keys increasing along it the simulator's choice (the smallest key among ready jobs
+   the cap allows) is a head: each worker's next job is the smallest ``(max(free_at, ready),
+   key)`` among its queue heads (forwards only within its cap).
 2. *Windows.* Let t* be the earliest decision over all workers and d the shortest duration.
-   A job not started yet starts at t* or later and ends at t* + d or later (float rounding is
-   monotone), so nothing becomes ready before t* + d: every worker whose decision falls below
-   t* + d decides exactly as the event-ordered simulation does, and all of them are taken in
-   one step (a worker decides at most once per window, its job lasting d at least).
+   Nothing not started yet ends before t* + d (float rounding is monotone), so every worker
+   deciding below t* + d decides as the event-ordered simulation does, at most once (its job
+   lasts d at least): all are taken in one step.
 3. *Same floats.* Starts are ends or ready times (maxima of ends), ends are start + duration,
-   and each worker's busy time is the sequential sum of its durations in its order
-   (``np.cumsum`` adds in sequence): the operations the simulator does, so the timeline is
-   equal, not close. ``tests/test_schedule_sweep.py`` compares the two on every library
-   pipeline, uneven costs, caps and custom orders.
+   and busy times add durations in each worker's order: the simulator's operations, so the
+   timeline is equal, not close (``tests/test_schedule_sweep.py`` compares the two).
 
-A cap too small ends the sweep as it ends the simulation, with the same
-:class:`~lightning_gsched.errors.CapTooSmallError` (:func:`.simulate.stuck_error`).
+A cap too small raises the simulator's :class:`~lightning_gsched.errors.CapTooSmallError`.
 """
 
 from __future__ import annotations
@@ -54,33 +40,25 @@ from lightning_gsched.schedule.priorities import dense_ranks
 from lightning_gsched.schedule.reserve import stash_charges
 from lightning_gsched.schedule.simulate import Costs, Timeline, stuck_error
 
-_NO_CAP = np.iinfo(np.int64).max
-_LAST_KEY = np.iinfo(np.int64).max
+_NO_CAP = _LAST_KEY = np.iinfo(np.int64).max
 
 
 def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
-    """A chain whose every stage is computed on one worker for all microbatches (docstring).
-
-    A reserving placement (reserve.py) charges a forward what it reserves: with every stage on
-    one worker for all microbatches, that charge is the same for every job of a (stage, F)
-    queue, so a queue's head is refused exactly when all of its forwards are, and the best
+    """A chain whose every stage is computed on one worker for all microbatches. A reserving
+    placement (reserve.py) then charges every forward of a (stage, F) queue alike, so the best
     allowed forward of a queue is still its head (the module docstring's item 1 holds)."""
     return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
 
 
-# Rough costs on this class of machine (benchmarks/bench_planner.py): a window is a fixed
-# ~60 us of numpy calls plus ~0.015 us per queue cell; the event-by-event simulation ~5 us a job
+# rough costs (benchmarks/bench_planner.py): a window's numpy calls, plus per queue cell; a job
+# of the event-by-event simulation
 _WINDOW_US, _CELL_US, _JOB_US = 60.0, 0.015, 5.0
 
 
 def worth_sweeping(table: PlacementTable, phases: int) -> bool:
-    """Whether the sweep should beat the job-by-job simulation (both give the same timeline).
-
-    The sweep pays per time window, about one per job of the busiest worker plus the pipeline's
-    fill and drain (two passes over the stages): cheap when many workers decide per window
-    (1f1b at W=1024: 4 million jobs in ~6,000 windows), slow for a long chain with few
-    microbatches (W=100,000, B=1: one job per window over a 200,000-cell grid).
-    """
+    """Whether the sweep should beat the job-by-job simulation. It pays per time window, about
+    one per job of the busiest worker plus fill and drain (two passes over the stages): cheap
+    when many workers decide per window, slow for a long chain with few microbatches."""
     W, S, B = table.workers, table.stages, table.micro
     stages_per_worker = -(-S // W)
     cells = stages_per_worker * phases * W
@@ -95,13 +73,9 @@ def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: in
 
 
 class WorkerOrders(LazyList[list[int]]):
-    """``Timeline.order`` of a swept timeline: each worker's flat jobs as a list when read.
-
-    All orders together are one int array (``flat``, worker after worker, from ``offsets``);
-    a rank lowering its own program reads its own list and its neighbours', so at W=1024 the
-    other 10^7 ints are never made Python objects. Lists made are kept (:class:`LazyList`);
-    :func:`.proof.certify` reads the arrays themselves.
-    """
+    """``Timeline.order`` of a swept timeline: one int array (``flat``, worker after worker,
+    from ``offsets``), a worker's list made when read (a rank lowering its own program never
+    makes the others' Python ints); :func:`.proof.certify` reads the arrays themselves."""
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.flat, self.offsets = flat, offsets
@@ -114,11 +88,10 @@ class WorkerOrders(LazyList[list[int]]):
 class _Queues:
     """Every worker's queues as the cells of a K x W grid (K: the most queues a worker has).
 
-    Cell ``slot * W + worker`` holds one queue of the worker; each grid row is a contiguous
-    vector over the workers, so a per-worker minimum over its queues is K - 1 element-wise
-    minima (numpy reduces a short last axis slowly: 20x here). Queue (s, d) holds ``(s, b,
-    d)`` for b = 0..B-1, flat job index ``base + b * P``; a cell past a worker's queues is
-    empty (no jobs left, never ready).
+    Cell ``slot * W + worker`` holds one queue of the worker, so a per-worker minimum over its
+    queues is K - 1 element-wise minima of contiguous rows (numpy reduces a short last axis
+    slowly). Queue (s, d) holds ``(s, b, d)``, flat job index ``base + b * P``; a cell past a
+    worker's queues is empty (no jobs, never ready).
     """
 
     def __init__(self, graph: StageGraph, table: PlacementTable, costs: Costs) -> None:
@@ -147,17 +120,15 @@ class _Queues:
         self.duration = grid(durations[phase, stage], np.inf, np.float64)
         self.jobs = grid(np.full(S * P, B), 0, np.int64)  # jobs in each queue (0: empty cell)
         self.forward = grid(phase == 0, False, np.bool_)
-        # what a forward adds to its worker's count under the cap: 1, or, where the placement
-        # reserves (reserve.py), the charge of its stage (the same for every microbatch here)
-        # (every microbatch runs where microbatch 0 does, so its column gives every stage's)
+        # what a forward adds to its worker's count under the cap: 1, or its reserving charge
+        # (reserve.py), the same for every microbatch here, so microbatch 0's column gives it
         charge = np.array(stash_charges([row[:1] for row in table.compute])
                           if table.reserves_stash else [1] * S, dtype=np.int64)
         self.charge = grid(np.where(phase == 0, charge[stage], 0), 0, np.int64)
         self.releases = grid((phase == release) & (phase > 0), 0, np.int64)
         self.shortest = float(durations.min()) if durations.size else 1.0
-        # successors in a chain, as the flat index of their b = 0 job (-1: none), and their
-        # queue's cell: F s -> F s+1 (the last stage's F -> its B); B s -> B s-1, and W s
-        # when the backward is split
+        # successors in a chain as the flat index of their b = 0 job (-1: none): F s -> F s+1
+        # (the last stage's F -> its B); B s -> B s-1, and W s when split
         succ_a = np.full(S * P, -1, dtype=np.int64)
         succ_b = np.full(S * P, -1, dtype=np.int64)
         f, bk = phase == 0, phase == 1
@@ -168,11 +139,10 @@ class _Queues:
             back = bk & (stage > 0)
             succ_a[back] = (stage[back] - 1) * B * P + 1
             succ_b[bk] = stage[bk] * B * P + 2
-        # one row per kind of successor; no successor points at the sink job J and the sink
-        # cell K * W (so the loop needs no filtering: a target past J is clipped to J)
+        # per cell, one column per kind of successor (gathered at once); no successor points
+        # at the sink job J and the sink cell K * W, so the loop needs no filtering
         kinds = (succ_a, succ_b) if P == 3 else (succ_a,)
         sink_job, sink_cell = S * B * P, K * W
-        # (cells x kinds: a cell's successors are one contiguous row, gathered at once)
         self.succ = np.full((K * W, len(kinds)), sink_job, dtype=np.int64)
         self.succ_cell = np.full((K * W, len(kinds)), sink_cell, dtype=np.int64)
         for kind, succ in enumerate(kinds):
@@ -184,10 +154,8 @@ class _Queues:
 
 def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, costs: Costs,
                    caps: Sequence[int | None]) -> Timeline:
-    """The timeline :func:`.simulate.simulate` gives for ``keys``' order (module docstring).
-
-    ``keys``: int64 per flat job index ``(stage * B + b) * P + phase``, ordering jobs as the
-    simulator's ranks do (only their order matters); the caller checks :func:`sweepable` and
+    """The timeline :func:`.simulate.simulate` gives for ``keys``' order: int64 per flat job
+    index, ordering jobs as the simulator's ranks do. The caller checks :func:`sweepable` and
     :func:`keys_increase_in_micro`.
     """
     W, S, B = table.workers, table.stages, table.micro
@@ -275,12 +243,11 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
                     sequence, busy.tolist(), latency=float(end.max()) if J else 0.0)
 
 
-def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray,
-           stash: np.ndarray, cap: np.ndarray, caps: Sequence[int | None], B: int, P: int,
-           placed: int, total: int, graph: StageGraph) -> Exception:
-    """The simulator's error when no worker can start anything (:func:`.simulate.stuck_error`):
-    per blocked worker, its first waiting forward (the smallest flat index of an F whose input
-    has arrived: a queue's head, since a queue's later jobs have larger indices)."""
+def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray, stash: np.ndarray, cap: np.ndarray,
+           caps: Sequence[int | None], B: int, P: int, placed: int, total: int,
+           graph: StageGraph) -> Exception:
+    """The simulator's error when no worker can start anything: per blocked worker, its first
+    waiting forward (the smallest flat index of an F whose input has arrived: a queue head)."""
     blocked: list[tuple[int, int, int, Job]] = []
     shape = (q.width, len(stash))
     jobs = head[:-1].reshape(shape)  # without the sink cell

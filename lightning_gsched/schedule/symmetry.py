@@ -1,34 +1,23 @@
 """The timeline by group symmetry: simulate one group of workers, rename it for the others.
 
-Why: at W=1024 the full greedy simulation of fsdp (2 million jobs) takes 5 s and fslpp's
-(4 million) 12 s, while their compute splits into G identical independent groups. In the
-looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R dividing W) group
-``g`` runs the microbatches ``b = g + G*m`` on the workers ``g*R .. g*R + R - 1`` (worker
-``g*R + p`` computes the stages ``s mod R == p``), and no job of one group waits for a job of
-another. The weights owners do not matter here: the simulation reads only the compute workers.
+Why: the compute of the looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R
+dividing W) splits into G identical independent groups: group ``g`` runs the microbatches
+``b = g + G*m`` on the workers ``g*R + p`` (p computing the stages ``s mod R == p``).
 
-Why the renaming is exact, not approximate (the simulator's rules, :func:`.simulate.simulate`):
+Why the renaming is exact (the simulator's rules, :func:`.simulate.simulate`):
 
-- every decision compares the (start, rank) keys of jobs of one group only (a worker's queues
-  hold its own jobs; a job's successors run in its group), so a group's run depends on its jobs
-  and the *relative* order of their ranks, never on another group;
-- a library order (a :data:`~.orders.LAYOUTS` entry: bfs, gpipe, 1f1b, zb) ranks jobs by
-  (phase group, stage or microbatch loops, job) with every microbatch loop ascending or
-  descending in ``b``, so ``b = g + G*m`` orders as ``m`` does in every group: group g's
-  relative order is group 0's, and group 0's is that of a plan of R workers and B/G
-  microbatches (``LPP(R, R)`` computes stage s on worker ``s mod R``);
+- every decision compares the (start, rank) keys of one group's jobs only (a worker's queues
+  hold its own jobs; a job's successors run in its group), so a group's run depends only on
+  its jobs and the *relative* order of their ranks;
+- a library order (:class:`~.orders.LibraryOrder`) ranks jobs by loops monotone in ``b``, so
+  ``b = g + G*m`` orders as ``m`` does in every group: every group's relative order is that of
+  a plan of R workers and B/G microbatches (``LPP(R, R)``);
 - costs are per stage, and the caps must repeat with period R (checked; else no fast path).
 
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
-worker ``p`` to ``g*R + p``, and its busy sums are the same floats summed in the same order.
-The simulation's global placement order (``Timeline.sequence``) interleaves the groups by the
-event heap: each group's valid events pop in its own order, and the heap takes the group whose
-next one has the smallest (start, rank) key, so the sequence is a merge of G renamed copies
-of group 0's by that key. It is built only when read (drawing every slot, ``--json``).
-
-Anything else (a custom placement or priority, the interleaved order, caps that do not repeat)
-is simulated in full. A cap too small fails in the group as in the full run; the full
-simulation then raises the exact error (naming the full plan's worker and job).
+worker ``p`` to ``g*R + p``, with the same busy sums; the global placement order is a merge of
+the G renamed copies by (start, rank), built only when read. Anything else is simulated in full,
+as is a cap too small (for the error naming the full plan's worker and job).
 """
 
 from __future__ import annotations
@@ -69,8 +58,8 @@ class Groups:
     P-worker placement and priority that one group runs (planned alone, then renamed)."""
 
     layout: ReplicaLayout
-    placement: PlacementFn  # the P-worker placement of one group
-    priority: PriorityFn  # the P-worker priority of one group
+    placement: PlacementFn
+    priority: PriorityFn
 
     @property
     def count(self) -> int:
@@ -79,13 +68,9 @@ class Groups:
 
 def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
               micro: int) -> Groups | None:
-    """The group structure of a placement whose compute splits into replicas, or None.
-
-    A data-parallel lift (:class:`~.data_parallel.DataParallel`) with the priority it was
-    lifted with: any P-worker placement and priority (module docstring of data_parallel.py).
-    The looped family, replica-contiguous: ddp and fsdp are R = 1, lpp, fslpp and fslpp-seed
-    their R, each group running ``LPP(R, R)`` under a library order. A single group (G = 1)
-    gains nothing, so it is None too.
+    """The group structure of a placement whose compute splits into G >= 2 replicas, or None:
+    a data-parallel lift (:class:`~.data_parallel.DataParallel`) of any P-worker placement and
+    priority, or the looped family under a library order, each group running ``LPP(R, R)``.
     """
     if isinstance(placement, DataParallel):
         layout = placement.layout
@@ -111,52 +96,49 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
 
 
 def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
-    """Whether :func:`simulate_groups` gives exactly the full simulation (module docstring):
-    a group structure, and caps that are the same at a position in every group."""
+    """Whether one group's run renamed is exactly the full simulation: a group structure, and
+    caps that are the same at a position in every group."""
     if groups is None:
         return False
     layout = groups.layout
     return all(caps[w] == caps[layout.rank(layout.position(w), 0)] for w in range(len(caps)))
 
 
-def make_simulator(
-    graph: StageGraph, table: PlacementTable, placement: PlacementFn, priority: PriorityFn,
-    costs: Costs, sweep: bool | None = None,
-) -> Callable[[Sequence[int | None]], Timeline]:
+def make_simulator(graph: StageGraph, table: PlacementTable, placement: PlacementFn,
+                   priority: PriorityFn, costs: Costs,
+                   sweep: bool | None = None) -> Callable[[Sequence[int | None]], Timeline]:
     """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a
-    pipeline where that is faster (:mod:`.sweep`), else the full simulation.
-
-    ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to be faster; True,
-    wherever it is exact (tests); False, never. All three give the same timeline.
-    The full ranks (one per job: 0.6-1.3 s at W=1024) are computed only if a full simulation
-    runs; the group's simulator (itself swept where that pays), or the sweep's keys, once, for
-    every cap the planner tries.
+    pipeline where that is faster (:mod:`.sweep`), else the full simulation; all give the same
+    timeline. ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to pay; True,
+    wherever it is exact (tests); False, never. What the caps do not change (the full ranks,
+    only if a full simulation runs; the group's simulator; the sweep's keys) is made once.
     """
     groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
     group_run: list[Callable[[Sequence[int | None]], Timeline]] = []
+
+    def fresh_ranks() -> list[int]:
+        return priority_ranks(priority, table.stages, table.micro, graph.forward_only,
+                              graph.split_backward)
+
+    def ranks() -> list[int]:  # kept for every cap a full simulation runs with
+        if not full_ranks:
+            full_ranks.extend(fresh_ranks())
+        return full_ranks
+
     asked = sweep  # one group decides for itself whether a sweep pays
     if sweep is None:
         sweep = worth_sweeping(table, len(graph.phases))
     if sweep and groups is None and sweepable(graph, table):
         keys = order_keys(priority, table.stages, table.micro, graph.phases)
         if keys is None:  # a user's order: its ranks are keys too
-            full_ranks.extend(priority_ranks(priority, table.stages, table.micro,
-                                             graph.forward_only, graph.split_backward))
-            keys = np.asarray(full_ranks, dtype=np.int64)
+            keys = np.asarray(ranks(), dtype=np.int64)
         if keys_increase_in_micro(keys, table.stages, table.micro, len(graph.phases)):
             swept = keys
-
-            def swept_run(caps: Sequence[int | None]) -> Timeline:
-                return simulate_sweep(graph, table, swept, costs, caps)
-
-            return swept_run
+            return lambda caps: simulate_sweep(graph, table, swept, costs, caps)
 
     def full(caps: Sequence[int | None]) -> Timeline:
-        if not full_ranks:
-            full_ranks.extend(priority_ranks(priority, table.stages, table.micro,
-                                             graph.forward_only, graph.split_backward))
-        return simulate(graph, table, full_ranks, costs, caps)
+        return simulate(graph, table, ranks(), costs, caps)
 
     def run(caps: Sequence[int | None]) -> Timeline:
         if groups is None or not symmetric(groups, caps):
@@ -171,18 +153,15 @@ def make_simulator(
             group = group_run[0]([caps[layout.rank(p, 0)] for p in range(layout.pipeline)])
         except CapTooSmallError:
             return full(caps)  # the same failure, with the full plan's names in its message
-        return expand(group, layout, lambda: full_ranks or priority_ranks(
-            priority, table.stages, table.micro, graph.forward_only, graph.split_backward))
+        return expand(group, layout, lambda: full_ranks or fresh_ranks())
 
     return run
 
 
 def expand(group: Timeline, layout: ReplicaLayout,
            ranks: Callable[[], Sequence[int]]) -> Timeline:
-    """The full timeline from group 0's (module docstring): G renamed copies.
-
-    ``ranks``: the full plan's ranks, called only if the placement order is read.
-    """
+    """The full timeline from group 0's: G renamed copies. ``ranks``: the full plan's ranks,
+    called only if the placement order is read."""
     G = layout.replicas
     S, P, Bg = group.stages, len(group.phases), group.micro
     B = Bg * G
@@ -194,31 +173,17 @@ def expand(group: Timeline, layout: ReplicaLayout,
             at = (s * Bg + m) * P
             start += group_start[at:at + P] * G  # b = m*G + g for g = 0..G-1: the same slot
             end += group_end[at:at + P] * G
-    # group 0's flat index (s*Bg + m)*P + k is the full (s*B + m*G)*P + k; group g adds g*P
-    base = [[((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
-            for jobs in group.order]
+    base = [_renamed(jobs, P, Bg, G) for jobs in group.order]
     order: list[list[int]] = [[] for _ in range(layout.workers)]
     for g in range(G):
         for p in range(layout.pipeline):
             order[layout.rank(p, g)] = [j + g * P for j in base[p]] if g else base[p]
     busy = [group.busy[layout.position(w)] for w in range(layout.workers)]
-    sequence = _merged_sequence(group, G, ranks)
-    timeline = Timeline(layout.workers, S, B, group.phases, order, start, end, sequence, busy)
-    timeline.replicas = layout
-    return timeline
 
-
-def _merged_sequence(group: Timeline, G: int,
-                     ranks: Callable[[], Sequence[int]]) -> Callable[[], list[int]]:
-    """The full simulation's placement order, built when first read (module docstring)."""
-
-    def build() -> list[int]:
+    def sequence() -> list[int]:  # G renamed copies of group 0's, merged by (start, rank)
         full_ranks = ranks()
-        start = group.start
-        P, Bg = len(group.phases), group.micro
-        B = Bg * G
-        renamed = [((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in group.sequence]
-        times = [start[j] for j in group.sequence]
+        renamed = _renamed(group.sequence, P, Bg, G)
+        times = [group.start[j] for j in group.sequence]
         heads = [(times[0], full_ranks[renamed[0] + g * P], g, 0) for g in range(G)] \
             if renamed else []
         heapq.heapify(heads)
@@ -234,4 +199,13 @@ def _merged_sequence(group: Timeline, G: int,
                 heapq.heappop(heads)
         return out
 
-    return build
+    timeline = Timeline(layout.workers, S, B, group.phases, order, start, end, sequence, busy)
+    timeline.replicas = layout
+    return timeline
+
+
+def _renamed(jobs: Sequence[int], P: int, Bg: int, G: int) -> list[int]:
+    """Group 0's flat indices (s*Bg + m)*P + k as the full plan's (s*B + m*G)*P + k (group g
+    adds g*P)."""
+    B = Bg * G
+    return [((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
