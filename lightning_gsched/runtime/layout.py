@@ -1,18 +1,17 @@
 """Which parameters go into which flat buffer, sanity checks, and the step's result type.
 
-Why here: the executor needs one decision made the same way on every rank: the parameters of
-stage ``s`` (in ``stage.parameters()`` order) form its flat buffer, except parameters that several
-stages read (tied weights): those form one flat unit per *home* stage (the lowest stage reading
-them), a tie, placed by the plan (``Programs.ties``, owned with the home stage).
-Also here: what one rank's program of a :class:`Programs` implies for a run
-(:class:`ProgramView`, :func:`stage_micros`), and the checks that let forward-only programs run on
-an executor built for training programs (:func:`check_forward_programs`).
+Every rank decides alike: the parameters of stage ``s`` (in ``stage.parameters()`` order) form
+its flat buffer, except parameters that several stages read (tied weights): those form one flat
+unit per *home* stage (the lowest stage reading them), a tie, placed by the plan
+(``Programs.ties``, owned with the home stage). Also here: what one rank's program implies for a
+run (:class:`ProgramView`, :func:`stage_micros`), and the checks that let forward-only programs
+run on an executor built for training programs (:func:`check_forward_programs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -26,19 +25,30 @@ from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 @dataclass
 class StepResult:
-    """What one ``step()`` returns on one rank.
-
-    ``losses``: ``{b: loss}`` (unscaled, detached) for the microbatches whose last stage ran here.
-    ``counters``: what this rank did (:class:`RuntimeCounters`).
-    """
+    """What one ``step()`` returns on one rank: ``{b: loss}`` (unscaled, detached) for the
+    microbatches whose last stage ran here, and what this rank did."""
 
     losses: dict[int, torch.Tensor]
     counters: RuntimeCounters
 
 
+class StageBuffers(Protocol):
+    """What ownership and the full state read of the executor (a Protocol: they need not import
+    it): the stage buffers and who owns them."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def programs(self) -> Programs: ...
+    @property
+    def flats(self) -> Sequence[FlatStage]: ...
+    @property
+    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+
+
 def micro_of(a: Action) -> int:
-    """The microbatch of a compute or an activation / input-gradient message (always set on
-    those ops; ``Action.micro`` is None only for a whole unit's weights and gradients)."""
+    """The microbatch of a compute or an activation / input-gradient message (``Action.micro``
+    is None only for a whole unit's weights and gradients)."""
     assert a.micro is not None, f"'{a}' names no microbatch"
     return a.micro
 
@@ -50,11 +60,9 @@ def peer_of(a: Action) -> int:
 
 
 def stage_micros(programs: Programs, rank: int) -> tuple[list[int], list[int]]:
-    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there).
-
-    The first list says which ``inputs`` a rank must pass to ``step()``/``forward()``; the second
-    for which microbatches ``loss_fn``/``output_fn`` is called on that rank.
-    """
+    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there):
+    which ``inputs`` a rank passes to ``step()``/``forward()``, and for which microbatches
+    ``loss_fn``/``output_fn`` is called there."""
     last = programs.num_stages - 1
     ran = [(a.stage, micro_of(a)) for a in programs.ranks[rank] if a.op is Op.F]
     return sorted(b for s, b in ran if s == 0), sorted(b for s, b in ran if s == last)
@@ -76,12 +84,10 @@ class ProgramView:
     @classmethod
     def of(cls, programs: Programs, rank: int) -> "ProgramView":
         program = programs.ranks[rank]
-        first, last = stage_micros(programs, rank)
         return cls(
             programs,
             program,
-            first,
-            last,
+            *stage_micros(programs, rank),
             frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.F),
             frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.B),
             OpRules.of(programs),
@@ -92,10 +98,9 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
                            ) -> None:
     """``programs`` can run as forward-only programs on an executor built for ``train``.
 
-    The planner's programs (``Programs.planned``) are checked by their ``forward_only`` flag
-    (the lowering of a forward-only plan makes forward ops only) and ``rank``'s own program,
-    without lowering the other ranks' (every rank decides alike); other programs (parsed or
-    hand-written) are scanned whole.
+    The planner's programs (``Programs.planned``) are checked by their ``forward_only`` flag and
+    ``rank``'s own program, without lowering the other ranks' (every rank decides alike); other
+    programs (parsed or hand-written) are scanned whole.
     """
     fix = (
         "plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
@@ -173,11 +178,8 @@ class TieGroup:
 def split_parameters(
     stages: Sequence[nn.Module],
 ) -> tuple[list[list[nn.Parameter]], list[TieGroup]]:
-    """(each stage's own parameters, the ties): a parameter read by one stage lives in that
-    stage's buffer; the parameters read by several stages form one tie per home stage.
-
-    The one rule for both the runtime's buffers and ``measure.measure_stage_bytes``'s sizes.
-    """
+    """(each stage's own parameters, the ties): the one rule for both the runtime's buffers and
+    ``measure.measure_stage_bytes``'s sizes."""
     per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
     readers: dict[int, list[int]] = {}
     for s, params in enumerate(per_stage):
@@ -230,14 +232,13 @@ def build_flat_stages(
     """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), the device.
 
     Non-owned stages and ties are released right away, so from here on a rank holds only its
-    own stages and ties. The device is the one of the parameters that have storage: a deferred
-    model (runtime/materialize.py) has only this rank's on a device, the rest on ``meta``.
+    own. The device is that of the parameters and buffers with storage (a deferred model has
+    only this rank's on a device, the rest on ``meta``).
     """
     own, ties = split_parameters(stages)
-    all_params = [p for stage in stages for p in dict.fromkeys(stage.parameters())]
-    real = [t for t in [*all_params, *(b for st in stages for b in st.buffers())]
-            if not t.is_meta]
-    device = real[0].device if real else torch.device("cpu")
+    tensors = [*(p for stage in stages for p in stage.parameters()),
+               *(b for stage in stages for b in stage.buffers())]
+    device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
     flats = [FlatStage(s, params, owned=s in owned, device=device)
              for s, params in enumerate(own)]
     units = {g.home: FlatStage(g.home, g.params, owned=g.home in owned_ties, kind="tie",
