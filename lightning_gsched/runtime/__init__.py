@@ -1,24 +1,8 @@
 """Execute planned programs over torch.distributed: one rank, one program, one step at a time.
 
-    from lightning_gsched.partition import partition
-    from lightning_gsched.schedule import plan
-    from lightning_gsched.runtime import ProgramExecutor
-
-    part = partition(model, S, example_args=(x,))
-    programs = plan("fslpp", workers=W, stages=S, microbatches=B,
-                    ties=part.shared_parameters.values()).programs   # tied weights placed too
-    executor = ProgramExecutor(part.stages, programs)          # collective: builds process groups
-    result = executor.step({b: ((x[b],), {}) for b in range(B)},   # every microbatch: they
-                           loss_fn=lambda out, b: F.cross_entropy(out, y[b]))  # give the shapes
-    optimizer.step()   # owners' param.grad == gradient of the mean loss over the global batch
-
-    evaluation = plan("fslpp", workers=W, stages=S, microbatches=B2, forward_only=True).programs
-    first, last = stage_micros(evaluation, rank)                # inputs run / outputs returned
-    outputs = executor.forward(evaluation, {b: ((x2[b],), {}) for b in range(B2)},
-                               output_fn=lambda out, b: out.argmax(-1))   # {b: value} for `last`
-
-Training front ends use the facade :class:`ModelRuntime` (:mod:`.model_runtime`); this package
-exports what they and the engine use (tests import the submodules). See ``docs/runtime.md``.
+:class:`ProgramExecutor` runs one rank's program of ``plan(...).programs`` on ``partition(...)``'s
+stages; training front ends and the engine use the facade :class:`ModelRuntime` and the names
+exported here (tests import the submodules). See ``docs/runtime.md``.
 """
 
 from __future__ import annotations

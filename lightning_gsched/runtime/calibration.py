@@ -1,34 +1,29 @@
 """Measure the planner's :class:`RuntimeCosts` on the job's own process group, in about a second.
 
-Why here: what a message, an all-reduce or the executor's work around a job costs depends on the
-machine, the backend and the load, so the planner's predictions (``predict_step_time``, the
-tuner's ranking) use numbers measured where the job runs. Every rank takes part (collectives) and
-returns the same numbers (averaged with one all-reduce), so ranks that plan with them plan alike.
+Why: what a message, an all-reduce or the executor's work around a job costs depends on the
+machine, the backend and the load, so the planner's predictions use numbers measured where the
+job runs. Every rank takes part and returns the same numbers (averaged with one all-reduce), so
+ranks that plan with them plan alike. Measured, with bare single-tensor messages as the runtime
+sends activations:
 
-What is measured (bare single-tensor messages, as the runtime sends activations):
-
-* ping-pong between rank pairs (0, 1), (2, 3), ... of float32 tensors up to 16 MiB (so the
-  per-byte slope stands well above the noise): half the round trip is one message, fitted to
-  ``a + bytes * wall_per_byte``;
-* streams of messages of two sizes with the receives posted first: process CPU time (every
-  thread, gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait on the
-  sender and per ``irecv`` + wait on the receiver, fitted to ``cpu + bytes * cpu_per_byte`` on
-  each end. The model's ``latency`` is what the ping-pong's fixed part leaves after both ends'
-  fixed CPU; its ``bandwidth`` is what the per-byte slope leaves after the *receiver's* per-byte
-  CPU, which the model charges after the flight. The sender's per-byte CPU is not subtracted: the
-  sender writes the bytes while they flow (and the receiver reads them meanwhile), so in wall
-  time the two ends overlap (subtracting both came out negative in most runs). So the model
-  charges one isolated message exactly the measured ``a + bytes * wall_per_byte``. Where a slope
-  stays within noise after retries, :class:`~lightning_gsched.errors.CalibrationError` says so
-  instead of returning infinity;
-* all-reduces of a few sizes over the group: ``allreduce_latency`` (the smallest size's time) and
+* ping-pong between rank pairs (0, 1), (2, 3), ... up to 16 MiB (so the per-byte slope stands
+  above the noise): half the round trip is one message, fitted to ``a + bytes * wall_per_byte``;
+* streams of messages of two sizes, receives posted first: process CPU time (every thread,
+  gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait and per
+  ``irecv`` + wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is what
+  the ping-pong's fixed part leaves after both ends' fixed CPU; ``bandwidth`` what its per-byte
+  slope leaves after the *receiver's* per-byte CPU, which the model charges after the flight.
+  The sender's is not subtracted: it writes the bytes while they flow, overlapping the receiver
+  in wall time (subtracting both came out negative in most runs). So one isolated message costs
+  exactly the measured ``a + bytes * wall_per_byte``; a slope within noise after retries raises
+  :class:`~lightning_gsched.errors.CalibrationError` instead of giving infinity;
+* all-reduces of a few sizes: ``allreduce_latency`` (the smallest size's time) and
   ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
-* the executor itself on a trivial one-layer stage (a data-parallel program of k forwards and
-  backwards per rank, k = 1 and 8, beside the same layer's forward+backward timed alone):
-  ``job_cpu`` is the step's growth per job beyond that compute, ``step_cpu`` its fixed part beyond
-  the all-reduce. A trivial stage rather than a profiled step of the real model: it needs no
-  model, runs before anything is planned (the tuner needs it then), and separates the runtime's
-  own work from compute exactly; work that grows with a real model's size is the stage profile's.
+* the executor on a trivial one-layer stage (a data-parallel program of k = 1 and 8 forwards and
+  backwards per rank, beside the layer's forward+backward timed alone): ``job_cpu`` is the step's
+  growth per job beyond that compute, ``step_cpu`` its fixed part beyond the all-reduce. It needs
+  no model, runs before anything is planned (the tuner needs it then), and separates the
+  runtime's own work from compute exactly; work growing with a real model is the stage profile's.
 """
 
 from __future__ import annotations
@@ -172,10 +167,6 @@ def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
     return _taking_turns(timed, _buffers(sizes), 1, repeats)  # gloo sets up buffers per size
 
 
-def _sum_loss(out: torch.Tensor, b: int) -> torch.Tensor:
-    return out.sum()
-
-
 def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
     """(job_cpu, step_cpu) from the executor on a trivial stage; see the module docstring."""
     from lightning_gsched.runtime.executor import ProgramExecutor
@@ -196,7 +187,7 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
         inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {
             b: ((x,), {}) for b in executor.first_stage_micros}
         try:
-            steps[k] = _median(partial(executor.step, inputs, _sum_loss), repeats)
+            steps[k] = _median(partial(executor.step, inputs, lambda out, b: out.sum()), repeats)
         finally:
             executor.close()
     per_micro = (steps[8] - steps[1]) / 7  # one F + one B in the executor
@@ -249,8 +240,7 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
             f"{', '.join(str(b) for b in PING_BYTES)} bytes give {wall_per_byte * 1e9:.3f} ns "
             f"per byte, not above the receiver's CPU per byte ({recv_per_byte * 1e9:.3f} ns); "
             "the machine was too busy to measure it. Rerun on a quieter machine, raise "
-            "repeats, or pass RuntimeCosts(bandwidth=...) yourself"
-        )
+            "repeats, or pass RuntimeCosts(bandwidth=...) yourself")
     ar_latency, ar_per_byte = _fit_allreduce(values[n_ping + 4:], world)
     if ar_per_byte <= 0:
         raise CalibrationError(
@@ -258,8 +248,7 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
             f"{', '.join(f'{t * 1e6:.0f} us' for t in values[n_ping + 4:])} for "
             f"{', '.join(str(b) for b in ALLREDUCE_BYTES)} bytes do not grow with size; "
             "rerun on a quieter machine, raise repeats, or pass "
-            "RuntimeCosts(allreduce_bandwidth=...) yourself"
-        )
+            "RuntimeCosts(allreduce_bandwidth=...) yourself")
     return RuntimeCosts(
         # the fixed part of one message beyond both ends' fixed CPU (clamped: CPU measured in
         # all threads may exceed the wall time it overlaps; a latency of 0 is still finite)
@@ -284,8 +273,7 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeConfigError(
             "calibrate() needs torch.distributed initialized on every rank "
-            "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS"
-        )
+            "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS")
     world = dist.get_world_size(group)
     messages = RuntimeCosts()
     if world > 1:

@@ -1,19 +1,14 @@
 """One contiguous buffer per stage for its weights, one for its gradients.
 
-Why: a weight fetch or a gradient reduction of a stage is then exactly one message of a size both
-ends know (no header), and freeing a fetched stage is one storage release. Parameters become
-views into the buffer (``param.data``), gradients views into the gradient buffer (``param.grad``;
-autograd accumulates into them in place).
+Why: a stage's weight fetch or gradient reduction is then one message of a size both ends know,
+and freeing a fetched stage one storage release. Parameters are views of the buffer, gradients
+views of the gradient buffer (autograd accumulates into them in place). A tie (tied parameters of
+one home stage) is one more :class:`FlatStage` (``kind="tie"``).
 
-Freeing works like FSDP's reshard: the storage is resized to 0 bytes (memory really released) and
-every parameter's ``.data`` becomes an empty tensor, so nothing outside a fetch..free window can
-read stale weights. The *same* storage is resized and refilled by the next fetch, so tensors
-autograd saved under an earlier fetch (views of the weights) see the refetched values and a
-backward after a refetch is correct.
-
-Tied parameters (one ``Parameter`` in several stages) are in no stage buffer: those with the same
-home stage (the lowest reading them) form a *tie*, one more :class:`FlatStage` (``kind="tie"``),
-owned with its home stage and fetched by the same ops as a stage.
+Freeing works like FSDP's reshard: the storage is resized to 0 bytes and every parameter's
+``.data`` becomes an empty tensor, so nothing outside a fetch..free window reads stale weights.
+The *same* storage is refilled by the next fetch, so tensors autograd saved under an earlier
+fetch (views of the weights) see the refetched values and a backward after a refetch is correct.
 """
 
 from __future__ import annotations
@@ -40,11 +35,8 @@ def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
 
 class FlatLayout:
     """Where each of some parameters lives in one flat buffer of their concatenated elements.
-
-    Weights, gradients, checkpoints and the gradient hand-over all cut a flat buffer into
-    per-parameter views with :meth:`views`. Shapes and sizes are taken at construction, while the
-    weights are present (a released stage's parameters are empty afterwards).
-    """
+    Shapes and sizes are taken at construction, while the weights are present (a released
+    stage's parameters are empty afterwards)."""
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self.params = list(params)
@@ -84,8 +76,7 @@ class FlatStage(FlatLayout):
                 f"{kind} {index} mixes parameter dtypes/devices "
                 f"{sorted(map(str, dtypes | devices))}; "
                 "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
-                "move it to one device before building the runtime."
-            )
+                "move it to one device before building the runtime.")
         super().__init__(params)  # sizes kept: the params of a non-owned stage go empty
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else (device or torch.device("cpu"))
@@ -103,8 +94,6 @@ class FlatStage(FlatLayout):
             self.resident = True
         else:
             self._release_params()
-
-    # ------------------------------------------------------------------ weights
 
     @property
     def nbytes(self) -> int:
@@ -155,8 +144,6 @@ class FlatStage(FlatLayout):
 
     def resident_bytes(self) -> int:
         return self.flat.untyped_storage().nbytes() if self.flat is not None else 0
-
-    # ------------------------------------------------------------------ gradients
 
     def zero_grads(self) -> None:
         self.grads.zero()

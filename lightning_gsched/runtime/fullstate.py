@@ -1,31 +1,26 @@
 """The full model and optimizer state from sharded training: gather to rank 0, give back to all.
 
-Under a sharded schedule no rank holds the whole model (non-owned stages have 0-byte storage) and
-each optimizer holds state only for the parameters its rank owns. A checkpoint that loads in one
-process needs the full state dict under the module's own names: every weight unit from its first
-owner, every optimizer state entry from the parameter's primary rank (:mod:`.ownership`). Such a
-checkpoint does not depend on the schedule or the worker count, so it resumes under any other:
-loading gives every rank the full state (before any stage is released, or filtered to what a
-built rank holds), and the optimizer state of parameters a rank does not own is pruned once the
-new schedule's ownership is known.
+No rank holds the whole model (non-owned stages have 0-byte storage) nor every parameter's
+optimizer state, but a checkpoint that loads in one process needs the full state dict under the
+module's own names: each weight unit from its first owner, each optimizer entry from the
+parameter's primary rank (:mod:`.ownership`). Such a checkpoint resumes under any schedule and
+worker count: loading gives every rank the full state (filtered to what a built rank holds), and
+the optimizer state of parameters a rank does not own is pruned once the new ownership is known.
 
-Saving streams, so that rank 0 never holds the whole model and its optimizer state at once (which
-a model larger than one rank cannot afford), in two steps:
+Saving streams, so that rank 0 never holds the whole model and its optimizer state at once:
 
-1. *Describe* (collective, no tensor data moves): :func:`describe_state_dict` gives rank 0 the
-   module's state dict with each parameter a :class:`StreamedTensor` placeholder;
-   :func:`describe_optimizer_state` gathers from every rank a small description of its primary
-   optimizer entries (tensors as shape/dtype; tiny ones such as Adam's ``step`` as values) and
-   gives rank 0 ``optimizer.state_dict()``'s full form with placeholders. Every rank records in a
-   :class:`StreamPlan` what it will send.
-2. *Transfer* (collective): :func:`transfer` walks the plan, weight units in
-   :func:`.layout.weight_units` order, then optimizers as described, source ranks in order. The
-   owner sends, rank 0 hands each tensor to ``sink(placeholder, tensor)`` (which writes it) and
-   drops it before the next: rank 0 holds at most one weight unit's buffer received from another
-   rank (or one optimizer tensor) besides what it already keeps.
+1. *Describe* (no tensor data moves): :func:`describe_state_dict` gives rank 0 the module's state
+   dict with each parameter a :class:`StreamedTensor` placeholder; :func:`describe_optimizer_state`
+   gathers from every rank a small description of its primary optimizer entries (tiny tensors
+   such as Adam's ``step`` as values) and gives rank 0 ``optimizer.state_dict()``'s full form with
+   placeholders. Every rank records in a :class:`StreamPlan` what it will send.
+2. *Transfer*: :func:`transfer` walks the plan (weight units in :func:`.layout.weight_units`
+   order, then optimizers, source ranks in order); rank 0 hands each tensor to ``sink`` and drops
+   it before the next, so it holds at most one weight unit's buffer received from another rank
+   (or one optimizer tensor) beyond what it keeps.
 
-Gathering the model's state dict (:func:`full_state_dict`) is the same transfer with every tensor
-kept in place of its placeholder, so the gathered and the streamed checkpoint cannot differ.
+:func:`full_state_dict` is the same transfer with every tensor kept in place of its placeholder,
+so the gathered and the streamed checkpoint cannot differ.
 """
 
 from __future__ import annotations
@@ -202,12 +197,13 @@ class StreamPlan:
     device: torch.device = torch.device("cpu")  # where rank 0 receives
     units: list[_Unit] = field(default_factory=list)
     optimizers: list[list[_Source]] = field(default_factory=list)
-    count: int = 0  # placeholders made so far (rank 0)
+    count: int = 0  # placeholders numbered so far (rank 0)
 
-    def placeholder(self, shape: Sequence[int], dtype: torch.dtype, source: int,
-                    where: str) -> StreamedTensor:
+    def numbered(self, placeholder: StreamedTensor) -> StreamedTensor:
+        """``placeholder`` with the next place in the transfer order as its ``seq``."""
+        placeholder.seq = self.count
         self.count += 1
-        return StreamedTensor(shape, dtype, source, where, self.count - 1)
+        return placeholder
 
 
 def describe_state_dict(module: nn.Module, stages: StageBuffers,
@@ -228,7 +224,7 @@ def describe_state_dict(module: nn.Module, stages: StageBuffers,
             continue
         for j, p in enumerate(flat.params):
             where = f"{flat.kind} {flat.index} (weight unit {i}) offset {flat.offsets[j]}"
-            ph = plan.placeholder(flat.shapes[j], flat.dtype, unit.src, where)
+            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, unit.src, where, -1))
             unit.placeholders.append(ph)
             for name in names.get(id(p), []):
                 state[name] = ph  # a tied parameter: one placeholder under each name
@@ -240,20 +236,21 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
     """Rank 0: ``optimizer.state_dict()`` with every parameter's state, tensors as
     placeholders; ``{}`` elsewhere (collective: one small object gather). Adds the optimizer to
     ``plan``'s transfer."""
-    rank = plan.rank
+    rank, k = plan.rank, len(plan.optimizers)
     state = optimizer.state_dict()
-    # this rank's primary entries, each tensor it will send as ("tensor", shape, dtype)
+    # this rank's primary entries, each tensor it will send a placeholder (numbered on rank 0)
     mine: dict[int, dict[str, Any]] = {}
     tensors: list[torch.Tensor] = []
     for index, entry in _primary_entries(optimizer, state, primary):
         mine[index] = {}
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor):
-                mine[index][key] = ("value", value)
+                mine[index][key] = value
             elif value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
-                mine[index][key] = ("value", value.detach().cpu().clone())
+                mine[index][key] = value.detach().cpu().clone()
             else:
-                mine[index][key] = ("tensor", tuple(value.shape), value.dtype)
+                where = f"optimizer {k} state of parameter {index} {key!r}"
+                mine[index][key] = StreamedTensor(value.shape, value.dtype, rank, where, -1)
                 tensors.append(value.detach())
     gathered: list[Any] | None = [mine]
     if plan.world_size > 1:
@@ -262,27 +259,13 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
     if rank != 0:  # only the source itself knows what it sends; rank 0 needs nothing here
         plan.optimizers.append([_Source(rank, tensors=tensors)])
         return {}
-    k = len(plan.optimizers)
-    sources: list[_Source] = []
-    parts = []
+    sources = []
     for src, entries in enumerate(gathered or []):
-        source = _Source(src, tensors=tensors if src == 0 else [])
-        part: dict[int, dict[str, Any]] = {}
-        for index, entry in entries.items():
-            part[index] = {}
-            for key, (kind, *rest) in entry.items():
-                if kind == "value":
-                    part[index][key] = rest[0]
-                    continue
-                shape, dtype = rest
-                ph = plan.placeholder(shape, dtype, src,
-                                      f"optimizer {k} state of parameter {index} {key!r}")
-                source.placeholders.append(ph)
-                part[index][key] = ph
-        sources.append(source)
-        parts.append(part)
+        placeholders = [plan.numbered(value) for entry in entries.values()
+                        for value in entry.values() if isinstance(value, StreamedTensor)]
+        sources.append(_Source(src, placeholders, tensors if src == 0 else []))
     plan.optimizers.append(sources)
-    return _merged(parts, state["param_groups"])
+    return _merged(gathered or [], state["param_groups"])
 
 
 def transfer(plan: StreamPlan, sink: Sink | None,

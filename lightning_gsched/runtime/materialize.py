@@ -43,8 +43,7 @@ _LOAD_FIX = (
     "trainer.init_module() (deferred initialisation: each rank later initialises only its own "
     "stages), so weights loaded there would be dropped. Load them after the model is built (a "
     "checkpoint: trainer.fit(ckpt_path=...)), or build with real weights: "
-    "trainer.init_module(empty_init=False), or outside configure_model."
-)
+    "trainer.init_module(empty_init=False), or outside configure_model.")
 
 
 @contextlib.contextmanager
@@ -107,8 +106,7 @@ def _reset_parameters(name: str, sub: nn.Module, owner: str) -> Callable[[], Non
             "its own but has no reset_parameters(), so a model built without weights (deferred "
             "initialisation: configure_model, init_module) cannot initialise them. Define "
             f"{type(sub).__name__}.reset_parameters() to fill its parameters (as torch's layers "
-            "do), or build the model with real weights outside init_module/configure_model."
-        )
+            "do), or build the model with real weights outside init_module/configure_model.")
     return reset
 
 

@@ -1,10 +1,9 @@
 """``ModelRuntime``: the one object a training front end talks to.
 
-The Lightning Trainer strategy and the Fabric strategy both need the same things of a running
-schedule: run a step and keep its gradients until the loop's backward, hand them over, clip by the
-norm of the whole model, know which parameters this rank updates, gather or restore the full
-model and optimizer state, report parameter memory, and stop every rank on a failure. They see
-only this facade, so the executor, the stage buffers and the process groups can change behind it.
+The Trainer and Fabric strategies need the same of a running schedule: a step whose gradients are
+held until the loop's backward, clipping by the whole model's norm, the parameters this rank
+updates, the full model and optimizer state, parameter memory, and stopping every rank on a
+failure. Seeing only this facade, they let the executor and its buffers change behind it.
 
     runtime = ModelRuntime(module, partition.stages, plan.programs)    # collective
     result = runtime.step(inputs, loss_fn)      # gradients are held, not yet in param.grad
@@ -38,8 +37,7 @@ from lightning_gsched.schedule.program import Programs
 
 @dataclass(frozen=True)
 class ParameterMemory:
-    """Parameter bytes by category on one rank (gradients and optimizer state follow the
-    parameters this rank owns)."""
+    """Parameter bytes by category on one rank."""
 
     stage_bytes: list[int]  # every stage's weights (the same numbers on every rank)
     tie_bytes: dict[int, int]  # every tie's weights, by home stage (the same on every rank)
@@ -48,7 +46,7 @@ class ParameterMemory:
 
 
 class ModelRuntime:
-    """This rank's share of ``module`` trained by ``programs`` (see the module docstring).
+    """This rank's share of ``module`` trained by ``programs``.
 
     Args:
         module: the whole model (every rank passes its own identical replica): parameters that
@@ -99,8 +97,6 @@ class ModelRuntime:
         """True after :meth:`close`, :meth:`abort` or a failed step: it cannot run again."""
         return self.executor.channels.closed
 
-    # ------------------------------------------------------------------ running
-
     def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
              signature: Hashable | None = None,
              on_computed: Callable[[dict[int, Any]], None] | None = None,
@@ -122,8 +118,6 @@ class ModelRuntime:
         """A forward-only run (:meth:`ProgramExecutor.forward`); gradients are untouched."""
         return self.executor.forward(programs, inputs, output_fn, signature=signature)
 
-    # ------------------------------------------------------------------ parameters
-
     def owned_parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank updates (optimizer state is kept for these only)."""
         return self.ownership.owned
@@ -136,8 +130,6 @@ class ModelRuntime:
     def stage_parameters(self) -> list[nn.Parameter]:
         """Parameters that live in a stage or tie buffer (owned here or not): all but extra."""
         return self.ownership.in_stages
-
-    # ------------------------------------------------------------------ gradients
 
     def hand_over(self, scale: float = 1.0) -> None:
         """``param.grad += scale * gradient of the last step`` (assigned where None), as
@@ -154,8 +146,7 @@ class ModelRuntime:
         return self._grads.clip_by_norm(list(params), float(max_norm), float(norm_type),
                                         error_if_nonfinite)
 
-    # ------------------------------------------------------------------ full state
-    # (collective, every rank calls each in the same order; see :mod:`.fullstate`)
+    # full state: collective, every rank calls each in the same order (see :mod:`.fullstate`)
 
     def full_state_dict(self) -> dict[str, Any]:
         """The module's full state dict on rank 0, ``{}`` elsewhere."""
@@ -225,8 +216,6 @@ class ModelRuntime:
                                                self.world_size)
         self.close()
 
-    # ------------------------------------------------------------------ memory
-
     def memory(self) -> ParameterMemory:
         """Parameter bytes by category on this rank."""
         flats, ties = self.executor.flats, self.executor.ties
@@ -252,8 +241,6 @@ class ModelRuntime:
         shifted = [{**d, "optimizer": state, "total": d.get("total", 0) + state}
                    for d in (measured.at_peak, measured.peaks)]
         return MeasuredBytes(*shifted)
-
-    # ------------------------------------------------------------------ failures and end
 
     def abort(self, message: str) -> None:
         """A failure outside a step (e.g. in the user's code before stage 0): tell the job

@@ -1,36 +1,31 @@
 """Running statistics (BatchNorm, InstanceNorm): after a step, one device's values on every rank.
 
-Why: a stage's modules exist on every rank (only parameters are fetched and released; buffers
-stay), but each rank runs a stage's forward on just the microbatches its program gives it, so
-left alone every copy of a BatchNorm would track different microbatches. The semantics kept, the
-strongest that is exact for every placement: after each training step, every rank holds for
-every stage the running statistics that ONE device would hold after running that stage's forward
-on microbatches ``0 .. B-1`` in order (training mode), from the buffers at the step's start.
-Forward outputs still normalise with each microbatch's own batch statistics (as DDP without
-SyncBatchNorm, and as one device with gradient accumulation).
+Why: a stage's modules (and buffers) exist on every rank, but each rank runs a stage's forward on
+just the microbatches its program gives it, so every copy of a BatchNorm would track different
+microbatches. Kept here, the strongest semantics exact for every placement: after each training
+step every rank holds, for every stage, the running statistics ONE device would hold after
+running that stage's forward on microbatches ``0 .. B-1`` in order from the step's starting
+buffers. Outputs still normalise with each microbatch's own batch statistics (as DDP without
+SyncBatchNorm, and one device with gradient accumulation).
 
-How (checked against torch's ``_BatchNorm.forward``, ``_InstanceNorm`` and ATen's CPU kernel): a
-training-mode update is ``running = f * batch_stat + (1 - f) * running`` for the mean and the
-*unbiased* variance, where ``f`` is ``momentum``; for a BatchNorm with ``momentum=None`` it is
-``1 / num_batches_tracked`` (after ``num_batches_tracked += 1``, BatchNorm only, once per call);
-an InstanceNorm with ``momentum=None`` uses ``f = 0``. So during a step each ``F s b`` runs the
-stage's such modules with ``momentum = 1.0``: right after each call the buffers hold exactly that
-call's batch statistics, which a forward hook copies into the step's table at (microbatch b,
-stage s). At the end of the step one SUM all-reduce over all ranks (each slot was written by the
-one rank that ran ``F s b``, the others add zeros) gives every rank the whole table, and every
-rank folds it into the buffers it held at the step's start, microbatch by microbatch and stage by
-stage, with each module's real factor, and adds the number of calls to ``num_batches_tracked``.
+How (checked against torch's ``_BatchNorm``, ``_InstanceNorm`` and ATen's CPU kernel): a training
+update is ``running = f * batch_stat + (1 - f) * running`` for the mean and the *unbiased*
+variance, where ``f`` is ``momentum``, or with ``momentum=None`` ``1 / num_batches_tracked`` for
+a BatchNorm (after its ``num_batches_tracked += 1``, once per call) and 0 for an InstanceNorm. So
+each ``F s b`` runs the stage's such modules with ``momentum = 1.0``: right after each call the
+buffers hold that call's batch statistics, which a forward hook copies into the step's table at
+(microbatch b, stage s). At the step's end one SUM all-reduce (each slot written by the one rank
+that ran ``F s b``, the others add zeros) gives every rank the whole table, which every rank
+folds into its starting buffers microbatch by microbatch, stage by stage, with each module's
+real factor, adding the number of calls to ``num_batches_tracked``.
 
-Exactness: the fold uses the CPU kernel's float32 formula; only the batch variance, which the
-kernel keeps in double until mixed in, is rounded once to float32 here: about 1e-7 relative.
-
-Cost: nothing when no module keeps running statistics in training mode; otherwise one all-reduce
-of ``B * (2 * channels + 1 per module)`` numbers per step and an O(B) fold.
-
-Limits: a module with running statistics called more than once in one forward of one stage is
-refused (the table has one slot per call site, and a rank that did not run the stage cannot know
-how many calls another made); ``nn.SyncBatchNorm`` is refused (:func:`check_no_sync_batchnorm`).
-Other buffers a forward mutates are not synchronised.
+Exactness: the kernel's float32 formula; only the batch variance, which the kernel keeps in
+double until mixed in, is rounded once to float32 here (about 1e-7 relative). Cost: nothing when
+no module keeps running statistics in training mode, else one all-reduce of ``B * (2 * channels
++ 1 per module)`` numbers per step and an O(B) fold. Limits: a module called more than once in
+one stage forward is refused (one slot per call site, and a rank that did not run the stage
+cannot know how many calls another made), as is ``nn.SyncBatchNorm``; other buffers a forward
+mutates are not synchronised.
 """
 
 from __future__ import annotations
@@ -83,8 +78,7 @@ def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
                     "Use nn.BatchNorm1d/2d/3d instead (do not convert the model with "
                     "nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends each step "
                     "with the running statistics one device would have (docs/runtime.md, "
-                    "'BatchNorm and other running statistics')."
-                )
+                    "'BatchNorm and other running statistics').")
 
 
 def _factor(module: _NormBase, calls_so_far: int) -> float:
@@ -176,7 +170,8 @@ class StatsLayout:
         """Each module's ``num_batches_tracked`` (0 where it has none), as one int64 tensor."""
         zero = torch.zeros((), dtype=torch.long, device=self.device)
         counters = [_counter(m) for m in self.modules]
-        return torch.stack([zero if c is None else c.detach().reshape(()).to(zero) for c in counters])
+        return torch.stack([zero if c is None else c.detach().reshape(()).to(zero)
+                            for c in counters])
 
     def write(self, values: torch.Tensor, calls: Sequence[int]) -> None:
         """Copy R back into the modules' buffers (in place: the tensors keep their identity),
@@ -232,8 +227,7 @@ class StatsStep:
                 raise RuntimeConfigError(
                     f"{type(module).__name__} in stage {site.stage} ran twice in one forward; "
                     "the runtime keeps running statistics exact for modules called at most once "
-                    "per stage forward. Use one norm module per call site."
-                )
+                    "per stage forward. Use one norm module per call site.")
             self.calls.add((k, b))
             row = self.table[b]
             start = len(self.layout.sites) + site.offset
@@ -249,10 +243,6 @@ class StatsStep:
         """Exchange the table (``all_reduce`` None: a single rank) and fold it on this rank."""
         if all_reduce is not None:
             wait(all_reduce(self.table), "the all-reduce of running statistics over all ranks")
-        self._fold()
-        self.folded = True
-
-    def _fold(self) -> None:
         layout = self.layout
         calls = self.table[:, : len(layout.sites)].tolist()  # one device sync
         tracked = self.start_calls.tolist()
@@ -274,6 +264,7 @@ class StatsStep:
                 stat = self.table[b, in_row]
                 running[in_r] = f * stat + (1 - f) * running[in_r]
         layout.write(running, tracked)
+        self.folded = True
 
     def abandon(self) -> None:
         """A failed step: put back the buffers of the step's start (the captures changed them)."""
@@ -285,8 +276,7 @@ class RunningStats:
     """The modules with running statistics in each stage, found once per executor.
 
     ``begin_step(B)`` gives a :class:`StatsStep`, or None when no such module is in training
-    mode (then a step costs nothing extra); :meth:`unchanged` keeps forward-only runs from
-    touching the buffers; :meth:`broadcast` makes every rank start from rank 0's.
+    mode (then a step costs nothing extra).
     """
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
@@ -296,8 +286,6 @@ class RunningStats:
         self._layouts: dict[tuple[bool, ...], StatsLayout] = {}
 
     def begin_step(self, num_micro: int) -> StatsStep | None:
-        if not self.modules:
-            return None
         key = tuple(m.training for m in self.modules)
         if not any(key):
             return None
