@@ -90,7 +90,7 @@ class FlatStage(FlatLayout):
             with torch.no_grad():
                 for p, view in self.views(self.flat):
                     view.copy_(p.data.reshape(view.shape))
-            self._point_params()
+            self.materialize()
             self.resident = True
         else:
             self._release_params()
@@ -98,12 +98,6 @@ class FlatStage(FlatLayout):
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
-
-    def _point_params(self) -> None:
-        assert self.flat is not None
-        for p, view in self.views(self.flat):
-            p.data = view
-        self.materialized = True
 
     def _release_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -133,7 +127,10 @@ class FlatStage(FlatLayout):
     def materialize(self) -> None:
         """Non-owner, after the fetch completed: parameters become views of the fetched buffer."""
         if not self.materialized:
-            self._point_params()
+            assert self.flat is not None
+            for p, view in self.views(self.flat):
+                p.data = view
+            self.materialized = True
 
     def free(self) -> None:
         """Non-owner: release the fetched weights for real (storage to 0 bytes)."""

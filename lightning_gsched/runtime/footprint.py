@@ -1,20 +1,13 @@
 """Bytes a rank really holds while it runs a step, in the planner's categories.
 
-The planner predicts per-rank bytes from the programs (``schedule/memory.py``); this is the
-runtime's side of checking that prediction: the live tensors the runtime itself holds, sampled
-after every action as the planner samples its walk:
-
-* weights: the real storage of every stage buffer and tie unit (owned, and fetched ones until
-  ``FREE_W`` releases the storage);
-* gradients: every active gradient buffer (owned, and fetched ones until their ``REDUCE_G``);
-* activations: for each stashed (stage, microbatch), the distinct storages autograd saved during
-  its forward (:class:`SavedTensorBytes`), weights excluded, until its backward (or ``W``) drops
-  them; ``measure.measure_stage_bytes`` sizes a stage's stash with the same counter, so the
-  prediction and the accounting count the same tensors;
-* communication: posted receive buffers not yet consumed.
-
-The optimizer's state is read from the real optimizer (:func:`optimizer_state_bytes`). On CUDA,
-``torch.cuda.max_memory_allocated`` is the independent check of the total.
+The runtime's side of checking the planner's per-rank prediction (``schedule/memory.py``): the
+live tensors the runtime holds, sampled after every action as the planner samples its walk:
+weights (the real storage of stage and tie buffers, owned or fetched until ``FREE_W``),
+gradients (active gradient buffers), activations (for each stashed (stage, microbatch), the
+distinct storages autograd saved during its forward, weights excluded:
+:class:`SavedTensorBytes`, also what ``measure.measure_stage_bytes`` sizes a stash with, so both
+count the same tensors) and communication (posted receive buffers not yet consumed). The
+optimizer's state is read from the optimizer (:func:`optimizer_state_bytes`).
 """
 
 from __future__ import annotations

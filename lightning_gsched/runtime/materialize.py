@@ -1,20 +1,16 @@
 """Deferred initialisation: build a model without its weights, give each rank only its own.
 
-Why: a model that does not fit one device must never be whole on any rank. Built under
-:func:`deferred_parameters` (what ``GeneralParallel``'s ``tensor_init_context`` enters for
-``configure_model()`` and ``trainer.init_module()``), every parameter lives on the ``meta`` device
-while buffers stay real: buffers are small, and many are computed when the module is built
-(causal masks, rotary frequencies) and could not be recomputed afterwards. Tracing, partitioning
-and planning work on the meta model; then each rank gives storage to the parameters of the stages
-it owns and initialises them (:func:`initialize_parameters`).
+A model that does not fit one device must never be whole on any rank. Built under
+:func:`deferred_parameters` (``GeneralParallel``'s ``tensor_init_context``), every parameter is
+on the ``meta`` device while buffers stay real: they are small, and many are computed when the
+module is built (causal masks, rotary frequencies). Tracing, partitioning and planning work on
+the meta model; then each rank gives storage to its stages' parameters and initialises them.
 
-**Same seed, same weights, whatever W, schedule and S.** Every module that holds parameters is
-initialised by its own ``reset_parameters()`` under an RNG seeded with :func:`module_seed` (the
-run's seed and the module's name), so the values depend neither on which rank initialises which
-module nor on the order. A tied parameter keeps the values of its first holder in
-``named_modules()`` order, as in eager construction where the head's own weight is replaced by
-the embedding's. :func:`initialize` does the same on one device: the reference a single-process
-run starts from.
+**Same seed, same weights, whatever W, schedule and S.** Every module holding parameters runs its
+own ``reset_parameters()`` under an RNG seeded by :func:`module_seed` (the run's seed and the
+module's name), so no value depends on which rank initialises which module, nor in which order.
+A tied parameter keeps its first holder's values in ``named_modules()`` order, as in eager
+construction. :func:`initialize` does the same on one device, for a single-process reference.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Which of a module's parameters this rank holds, updates, and counts once over all ranks.
 
-The split the gradient hand-over, clipping by the global norm, full checkpoints and pruning of
-optimizer state all need. Three kinds of parameters behave differently under a schedule:
+Three kinds of parameters behave differently under a schedule:
 
 * stage parameters: in one stage's flat buffer; held and updated by the stage's owners (all
   replicas); counted once, on the stage's first owner;

@@ -1,21 +1,15 @@
 """Pretrained weights for a deferred model: each rank reads only the tensors it keeps.
 
-Why: a model that does not fit one rank (built without weights, :mod:`.materialize`) must not be
-read whole by any rank either. Weights saved as ``transformers`` saves them (safetensors: one
-``model.safetensors`` or a ``model.safetensors.index.json`` whose ``weight_map`` names the shard
-of each tensor) can be read one tensor at a time, so each rank reads the parameters it keeps
-(:func:`.materialize.owned_parameters`) and nothing else.
-
-Names are the model's ``state_dict`` keys. ``prefix`` is what the model's keys carry before the
-file's: a LightningModule holding the network as ``self.model`` has keys ``model.<name>`` while
-the network saved alone has ``<name>``, so ``prefix="model."``. Parameters outside ``prefix`` (a
-head the LightningModule adds) are initialised as without weights. A tied parameter is read under
-the first of its names the file has (``transformers`` saves one of them).
-
-Before reading, every rank checks every parameter under ``prefix`` against the files' headers
-(name and shape, no tensor data), so a missing or mismatched tensor fails every rank alike. Every
-rank reads the persistent buffers the file has (every rank holds every buffer; buffers are
-small); those it lacks keep their built values. ``safetensors`` is imported only when read.
+A model built without weights (:mod:`.materialize`) must not be read whole by any rank either.
+Safetensors as ``transformers`` saves them (one ``model.safetensors``, or an index whose
+``weight_map`` names each tensor's shard) are read one tensor at a time, so each rank reads the
+parameters it keeps (:func:`.materialize.owned_parameters`) and nothing else. ``prefix`` is what
+the model's state-dict names carry before the file's (``"model."`` for a LightningModule holding
+the network as ``self.model``); parameters outside it are initialised as without weights. A tied
+parameter is read under the first of its names the file has. Before reading, every rank checks
+every parameter under ``prefix`` against the headers (name and shape), so a mismatch fails every
+rank alike. Every rank reads the persistent buffers the file has (buffers are small and held by
+every rank); the others keep their built values.
 """
 
 from __future__ import annotations
