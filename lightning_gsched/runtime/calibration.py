@@ -61,15 +61,20 @@ def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(my - b * mx, 0.0), b
 
 
-def _median(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter
-            ) -> float:
-    fn()  # warm-up: connection set-up, allocation
-    samples = []
+def _medians(runs: Sequence[Callable[[], Any]], warmups: int, repeats: int,
+             clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The median seconds (by ``clock``) of each of ``runs``, which take turns within every
+    repeat, so a burst of load from other processes lands on all alike instead of bending a fit."""
+    for _ in range(warmups):  # connection set-up, allocation, a peer still starting
+        for run in runs:
+            run()
+    samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        start = clock()
-        fn()
-        samples.append(clock() - start)
-    return statistics.median(samples)
+        for run, column in zip(runs, samples, strict=True):
+            start = clock()
+            run()
+            column.append(clock() - start)
+    return [statistics.median(column) for column in samples]
 
 
 def _started(work: Work | None) -> Work:
@@ -81,29 +86,17 @@ def _buffers(sizes: Sequence[int]) -> list[torch.Tensor]:
     return [torch.zeros(max(1, nbytes // 4)) for nbytes in sizes]
 
 
-def _taking_turns(timed: Callable[[torch.Tensor], float], bufs: Sequence[torch.Tensor],
-                  warmups: int, repeats: int) -> list[float]:
-    """The median of ``timed(buf)`` for each buffer, the buffers taking turns within every repeat,
-    so a burst of load from other processes lands on all sizes alike instead of bending the fit."""
-    for _ in range(warmups):  # connection set-up, allocation, a peer still starting
-        for buf in bufs:
-            timed(buf)
-    samples = [[timed(buf) for buf in bufs] for _ in range(repeats)]
-    return [statistics.median(column) for column in zip(*samples, strict=True)]
-
-
 def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats: int
                ) -> list[float]:
     """One-way seconds of one message of each size: half the median round trip."""
 
-    def round_trip(buf: torch.Tensor) -> float:
-        start = time.perf_counter()
+    def round_trip(buf: torch.Tensor) -> None:
         for sending in (first, not first):
             op = dist.isend if sending else dist.irecv
             _started(op(buf, peer, group=group)).wait()
-        return time.perf_counter() - start
 
-    return [t / 2 for t in _taking_turns(round_trip, _buffers(sizes), 3, repeats)]
+    trips = _medians([partial(round_trip, buf) for buf in _buffers(sizes)], 3, repeats)
+    return [t / 2 for t in trips]
 
 
 def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) -> float:
@@ -122,7 +115,7 @@ def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) 
             w.wait()
 
     # the handshake message's CPU is in the sample too: a small share of STREAM messages
-    return _median(stream, repeats, time.process_time) / STREAM
+    return _medians([stream], 1, repeats, time.process_time)[0] / STREAM
 
 
 def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
@@ -157,14 +150,9 @@ def _fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
 
 
 def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
-    """Median seconds of one all-reduce of each size."""
-
-    def timed(buf: torch.Tensor) -> float:
-        start = time.perf_counter()
-        dist.all_reduce(buf, group=group)
-        return time.perf_counter() - start
-
-    return _taking_turns(timed, _buffers(sizes), 1, repeats)  # gloo sets up buffers per size
+    """Median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)."""
+    return _medians([partial(dist.all_reduce, buf, group=group) for buf in _buffers(sizes)], 1,
+                    repeats)
 
 
 def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
@@ -179,7 +167,7 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
     def alone() -> None:
         layer(x).sum().backward()
 
-    compute = _median(alone, repeats)  # one forward + backward, outside the executor
+    compute = _medians([alone], 1, repeats)[0]  # one forward + backward, outside the executor
     steps = {}
     for k in (1, 8):
         programs = plan("ddp", workers=world, microbatches=world * k).programs
@@ -187,7 +175,8 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
         inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {
             b: ((x,), {}) for b in executor.first_stage_micros}
         try:
-            steps[k] = _median(partial(executor.step, inputs, lambda out, b: out.sum()), repeats)
+            run = partial(executor.step, inputs, lambda out, b: out.sum())
+            steps[k] = _medians([run], 1, repeats)[0]
         finally:
             executor.close()
     per_micro = (steps[8] - steps[1]) / 7  # one F + one B in the executor

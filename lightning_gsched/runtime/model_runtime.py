@@ -4,14 +4,6 @@ The Trainer and Fabric strategies need the same of a running schedule: a step wh
 held until the loop's backward, clipping by the whole model's norm, the parameters this rank
 updates, the full model and optimizer state, parameter memory, and stopping every rank on a
 failure. Seeing only this facade, they let the executor and its buffers change behind it.
-
-    runtime = ModelRuntime(module, partition.stages, plan.programs)    # collective
-    result = runtime.step(inputs, loss_fn)      # gradients are held, not yet in param.grad
-    runtime.hand_over(1.0)                      # param.grad += step gradient
-    runtime.clip_grad_norm(params, 1.0)         # norm over every rank, each parameter once
-    optimizer.step()
-    state = runtime.full_state_dict()           # rank 0: the whole module's state dict
-    runtime.restore_full_model([optimizer])     # every rank: full weights again; closes
 """
 
 from __future__ import annotations
