@@ -43,8 +43,9 @@ import models
 from dist_harness import WorkerContext
 from lightning_gsched.errors import GschedError, RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
-from lightning_gsched.runtime import Channels, ProgramExecutor, tie_map
-from lightning_gsched.runtime.fullstate_stream import full_state_dict
+from lightning_gsched.runtime import ProgramExecutor, tie_map
+from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.fullstate import full_state_dict
 from lightning_gsched.schedule import Op, Programs, plan
 from lightning_gsched.schedule.library import LIBRARY
 

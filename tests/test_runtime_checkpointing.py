@@ -34,7 +34,8 @@ import models
 from dist_harness import WorkerContext
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
-from lightning_gsched.runtime import Channels, ProgramExecutor
+from lightning_gsched.runtime import ProgramExecutor
+from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.schedule import Programs, plan
 from lightning_gsched.schedule.library import LIBRARY
 from test_runtime_batchnorm import compare, statistics, train_batch

@@ -30,7 +30,8 @@ import models
 from dist_harness import WorkerContext
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault
 from lightning_gsched.partition import partition
-from lightning_gsched.runtime import Channels, ProgramExecutor, stage_micros
+from lightning_gsched.runtime import ProgramExecutor, stage_micros
+from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.schedule import Programs, plan
 from tie_helpers import held_parameters, with_ties
 

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from lightning_gsched.errors import GschedError, RuntimeConfigError, RuntimeFault
-from lightning_gsched.runtime import RuntimeCounters, wire
+from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.compute import StageCompute
+from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.flat import FlatGrads, FlatStage
 from lightning_gsched.runtime.layout import build_flat_stages, check_programs, check_ties, tie_map
 from lightning_gsched.schedule import WorkerMetrics, plan

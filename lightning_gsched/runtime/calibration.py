@@ -1,37 +1,29 @@
 """Measure the planner's :class:`RuntimeCosts` on the job's own process group, in about a second.
 
-Why here: what a message, an all-reduce or the executor's work around a job costs depends on
-the machine, the backend and the load, so the planner's predictions (``predict_step_time``, the
-tuner's ranking) use numbers measured where the job runs. Every rank takes part (collectives);
-every rank returns the same numbers (the ranks' measurements are averaged with one all-reduce),
-so ranks that plan with them plan alike.
+Why: what a message, an all-reduce or the executor's work around a job costs depends on the
+machine, the backend and the load, so the planner's predictions use numbers measured where the
+job runs. Every rank takes part and returns the same numbers (averaged with one all-reduce), so
+ranks that plan with them plan alike. Measured, with bare single-tensor messages as the runtime
+sends activations:
 
-What is measured (bare single-tensor messages, as the runtime sends activations):
-
-* ping-pong between rank pairs (0, 1), (2, 3), ... of float32 tensors of a few sizes (up to
-  16 MiB, so the per-byte slope stands well above the noise): half the round trip is one
-  message, fitted to ``a + bytes * wall_per_byte``;
-* streams of messages of two sizes with the receives posted first: process CPU time (every
-  thread, gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait on
-  the sender and per ``irecv`` + wait on the receiver, fitted to ``cpu + bytes * cpu_per_byte``
-  on each end (gloo writes and reads the bytes on the CPU). The model's ``latency`` is what the
-  ping-pong's fixed part leaves after both ends' fixed CPU; its ``bandwidth`` is what the
-  per-byte slope leaves after the *receiver's* per-byte CPU, which the model charges after the
-  flight. The sender's per-byte CPU is not subtracted: the sender writes the bytes while they
-  flow (and the receiver reads them meanwhile), so in wall time the two ends overlap; an
-  earlier fit that subtracted both ends came out negative in most runs and was reported as an
-  infinite bandwidth. The model now charges one isolated message exactly the measured
-  ``a + bytes * wall_per_byte``. Where a slope stays within noise after retries,
-  :class:`~lightning_gsched.errors.CalibrationError` says so instead of returning infinity;
-* all-reduces of a few sizes over the group: ``allreduce_latency`` (the smallest size's time)
-  and ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
-* the executor itself on a trivial one-layer stage (a data-parallel program of k forwards and
-  backwards per rank, k = 1 and 8, beside the same layer's forward+backward timed alone):
-  ``job_cpu`` is the step's growth per job beyond that compute, ``step_cpu`` its fixed part
-  beyond the all-reduce. Why the executor on a trivial stage rather than a profiled step of the
-  real model: it needs no model, runs before anything is planned (the tuner needs it then), and
-  separates the runtime's own work from compute exactly; what it cannot see is work that grows
-  with a real model's size, which the stage profile measures.
+* ping-pong between rank pairs (0, 1), (2, 3), ... up to 16 MiB (so the per-byte slope stands
+  above the noise): half the round trip is one message, fitted to ``a + bytes * wall_per_byte``;
+* streams of messages of two sizes, receives posted first: process CPU time (every thread,
+  gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait and per
+  ``irecv`` + wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is what
+  the ping-pong's fixed part leaves after both ends' fixed CPU; ``bandwidth`` what its per-byte
+  slope leaves after the *receiver's* per-byte CPU, which the model charges after the flight.
+  The sender's is not subtracted: it writes the bytes while they flow, overlapping the receiver
+  in wall time (subtracting both came out negative in most runs). So one isolated message costs
+  exactly the measured ``a + bytes * wall_per_byte``; a slope within noise after retries raises
+  :class:`~lightning_gsched.errors.CalibrationError` instead of giving infinity;
+* all-reduces of a few sizes: ``allreduce_latency`` (the smallest size's time) and
+  ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
+* the executor on a trivial one-layer stage (a data-parallel program of k = 1 and 8 forwards and
+  backwards per rank, beside the layer's forward+backward timed alone): ``job_cpu`` is the step's
+  growth per job beyond that compute, ``step_cpu`` its fixed part beyond the all-reduce. It needs
+  no model, runs before anything is planned (the tuner needs it then), and separates the
+  runtime's own work from compute exactly; work growing with a real model is the stage profile's.
 """
 
 from __future__ import annotations
@@ -50,8 +42,8 @@ from lightning_gsched.errors import CalibrationError, RuntimeConfigError
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 
 PING_BYTES = (4, 1 << 18, 1 << 22, 1 << 24)
-# Up to 4 MiB: a gradient all-reduce is often many MiB, and the per-byte cost fitted from 1 MiB
-# alone (where the fixed cost still weighs) came out 2-5x too high on the 2-core machine.
+# up to 4 MiB: a gradient all-reduce is often many MiB, and a per-byte cost fitted from 1 MiB
+# (where the fixed cost still weighs) came out several times too high
 ALLREDUCE_BYTES = (4, 1 << 20, 1 << 22)
 STREAM_BYTES = (4, 1 << 18)
 STREAM = 16  # messages per CPU sample
@@ -69,76 +61,61 @@ def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(my - b * mx, 0.0), b
 
 
-def _median(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter
-            ) -> float:
-    fn()  # warm-up: connection set-up, allocation
-    samples = []
+def _medians(runs: Sequence[Callable[[], Any]], warmups: int, repeats: int,
+             clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The median seconds (by ``clock``) of each of ``runs``, which take turns within every
+    repeat, so a burst of load from other processes lands on all alike instead of bending a fit."""
+    for _ in range(warmups):  # connection set-up, allocation, a peer still starting
+        for run in runs:
+            run()
+    samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        start = clock()
-        fn()
-        samples.append(clock() - start)
-    return statistics.median(samples)
+        for run, column in zip(runs, samples, strict=True):
+            start = clock()
+            run()
+            column.append(clock() - start)
+    return [statistics.median(column) for column in samples]
 
 
-def _isend(tensor: torch.Tensor, peer: int, group: Any) -> Work:
-    work = dist.isend(tensor, peer, group=group)
-    assert work is not None  # None only on a rank outside ``group``
+def _started(work: Work | None) -> Work:
+    assert work is not None  # None only on a rank outside the group
     return work
 
 
-def _irecv(tensor: torch.Tensor, peer: int, group: Any) -> Work:
-    work = dist.irecv(tensor, peer, group=group)
-    assert work is not None  # None only on a rank outside ``group``
-    return work
+def _buffers(sizes: Sequence[int]) -> list[torch.Tensor]:
+    return [torch.zeros(max(1, nbytes // 4)) for nbytes in sizes]
 
 
 def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats: int
                ) -> list[float]:
-    """One-way seconds of one message of each size: half the median round trip.
+    """One-way seconds of one message of each size: half the median round trip."""
 
-    Sizes take turns within every repeat, so a burst of load from other processes (this can be
-    a shared machine) lands on all sizes alike instead of bending the fit.
-    """
-    bufs = [torch.zeros(max(1, nbytes // 4)) for nbytes in sizes]
-    samples: list[list[float]] = [[] for _ in sizes]
-
-    def round_trip(buf: torch.Tensor) -> float:
-        start = time.perf_counter()
+    def round_trip(buf: torch.Tensor) -> None:
         for sending in (first, not first):
-            if sending:
-                _isend(buf, peer, group).wait()
-            else:
-                _irecv(buf, peer, group).wait()
-        return time.perf_counter() - start
+            op = dist.isend if sending else dist.irecv
+            _started(op(buf, peer, group=group)).wait()
 
-    for _ in range(3):  # warm-up: connection set-up, allocation, a peer still starting
-        for buf in bufs:
-            round_trip(buf)
-    for _ in range(repeats):
-        for i, buf in enumerate(bufs):
-            samples[i].append(round_trip(buf))
-    return [statistics.median(s) / 2 for s in samples]
+    trips = _medians([partial(round_trip, buf) for buf in _buffers(sizes)], 3, repeats)
+    return [t / 2 for t in trips]
 
 
 def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) -> float:
     """Process CPU seconds per message of ``nbytes`` on this side of a stream of ``STREAM``."""
-    bufs = [torch.zeros(max(1, nbytes // 4)) for _ in range(STREAM)]
+    bufs = _buffers([nbytes] * STREAM)
     flag = torch.zeros(1)
 
     def stream() -> None:
         if sender:
-            _irecv(flag, peer, group).wait()  # the receiver has posted everything
-            works = [_isend(b, peer, group) for b in bufs]
-            for w in works:
-                w.wait()
+            _started(dist.irecv(flag, peer, group=group)).wait()  # the receiver has posted all
+            works = [_started(dist.isend(b, peer, group=group)) for b in bufs]
         else:
-            works = [_irecv(b, peer, group) for b in bufs]
-            _isend(flag, peer, group).wait()
-            for w in works:
-                w.wait()
+            works = [_started(dist.irecv(b, peer, group=group)) for b in bufs]
+            _started(dist.isend(flag, peer, group=group)).wait()
+        for w in works:
+            w.wait()
 
     # the handshake message's CPU is in the sample too: a small share of STREAM messages
-    return _median(stream, repeats, time.process_time) / STREAM
+    return _medians([stream], 1, repeats, time.process_time)[0] / STREAM
 
 
 def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
@@ -159,10 +136,9 @@ def _fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
     """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`.
 
     The latency is the smallest size's time itself, and the per-byte cost the least-squares
-    slope of the larger sizes' times above it, through that point. Why not one least-squares
-    line through all sizes: its intercept follows the large sizes, whose times vary by more
-    than a small all-reduce costs, and came out negative (clamped to 0) in some runs, which
-    would make small all-reduces free.
+    slope of the larger sizes' times above it, through that point: one line through all sizes
+    has its intercept follow the large sizes, whose times vary by more than a small all-reduce
+    costs, and it could come out negative, making small all-reduces free.
     """
     ring = 2 * (world - 1) / world
     latency = times[0]
@@ -174,22 +150,9 @@ def _fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
 
 
 def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
-    """Median seconds of one all-reduce of each size, sizes taking turns within every repeat
-    (as in :func:`_ping_pong`, so a burst of load bends no size more than another)."""
-    bufs = [torch.zeros(max(1, nbytes // 4)) for nbytes in sizes]
-    samples: list[list[float]] = [[] for _ in sizes]
-    for buf in bufs:  # warm-up: gloo sets up buffers per size
-        dist.all_reduce(buf, group=group)
-    for _ in range(repeats):
-        for i, buf in enumerate(bufs):
-            start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            samples[i].append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
-
-
-def _sum_loss(out: torch.Tensor, b: int) -> torch.Tensor:
-    return out.sum()
+    """Median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)."""
+    return _medians([partial(dist.all_reduce, buf, group=group) for buf in _buffers(sizes)], 1,
+                    repeats)
 
 
 def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
@@ -204,7 +167,7 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
     def alone() -> None:
         layer(x).sum().backward()
 
-    compute = _median(alone, repeats)  # one forward + backward, outside the executor
+    compute = _medians([alone], 1, repeats)[0]  # one forward + backward, outside the executor
     steps = {}
     for k in (1, 8):
         programs = plan("ddp", workers=world, microbatches=world * k).programs
@@ -212,7 +175,8 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
         inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {
             b: ((x,), {}) for b in executor.first_stage_micros}
         try:
-            steps[k] = _median(partial(executor.step, inputs, _sum_loss), repeats)
+            run = partial(executor.step, inputs, lambda out, b: out.sum())
+            steps[k] = _medians([run], 1, repeats)[0]
         finally:
             executor.close()
     per_micro = (steps[8] - steps[1]) / 7  # one F + one B in the executor
@@ -255,8 +219,7 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
     _, wall_per_byte = _fit([(float(b), t) for b, t in zip(PING_BYTES, ping, strict=True)])
     # the fixed part from the two smallest sizes, whose per-byte share is small: the least
     # disturbed of them (load only ever adds time). The least-squares intercept follows the
-    # large sizes, whose noise exceeds a message's fixed cost: it gave 34 us to 1.04 ms in
-    # eleven runs on the shared 2-core machine
+    # large sizes, whose noise exceeds a message's fixed cost
     a = min(t - b * wall_per_byte for b, t in zip(PING_BYTES[:2], ping[:2], strict=True))
     link_per_byte = wall_per_byte - recv_per_byte
     if link_per_byte <= 0:
@@ -266,8 +229,7 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
             f"{', '.join(str(b) for b in PING_BYTES)} bytes give {wall_per_byte * 1e9:.3f} ns "
             f"per byte, not above the receiver's CPU per byte ({recv_per_byte * 1e9:.3f} ns); "
             "the machine was too busy to measure it. Rerun on a quieter machine, raise "
-            "repeats, or pass RuntimeCosts(bandwidth=...) yourself"
-        )
+            "repeats, or pass RuntimeCosts(bandwidth=...) yourself")
     ar_latency, ar_per_byte = _fit_allreduce(values[n_ping + 4:], world)
     if ar_per_byte <= 0:
         raise CalibrationError(
@@ -275,8 +237,7 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
             f"{', '.join(f'{t * 1e6:.0f} us' for t in values[n_ping + 4:])} for "
             f"{', '.join(str(b) for b in ALLREDUCE_BYTES)} bytes do not grow with size; "
             "rerun on a quieter machine, raise repeats, or pass "
-            "RuntimeCosts(allreduce_bandwidth=...) yourself"
-        )
+            "RuntimeCosts(allreduce_bandwidth=...) yourself")
     return RuntimeCosts(
         # the fixed part of one message beyond both ends' fixed CPU (clamped: CPU measured in
         # all threads may exceed the wall time it overlaps; a latency of 0 is still finite)
@@ -301,8 +262,7 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeConfigError(
             "calibrate() needs torch.distributed initialized on every rank "
-            "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS"
-        )
+            "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS")
     world = dist.get_world_size(group)
     messages = RuntimeCosts()
     if world > 1:

@@ -1,20 +1,14 @@
 """One contiguous buffer per stage for its weights, one for its gradients.
 
-Why: a weight fetch or a gradient reduction of a stage is then exactly one message of a size both
-ends know (no header), and freeing a fetched stage is one storage release. Parameters become
-views into the buffer (``param.data``), gradients views into the gradient buffer (``param.grad``;
-autograd accumulates into them in place).
+Why: a stage's weight fetch or gradient reduction is then one message of a size both ends know,
+and freeing a fetched stage one storage release. Parameters are views of the buffer, gradients
+views of the gradient buffer (autograd accumulates into them in place). A tie (tied parameters of
+one home stage) is one more :class:`FlatStage` (``kind="tie"``).
 
-Freeing works like FSDP's reshard: the stage's storage is resized to 0 bytes (memory really
-released) and every parameter's ``.data`` becomes an empty tensor, so nothing outside a
-fetch..free window can read stale weights. The *same* storage object is resized again and
-refilled by the next fetch: tensors autograd saved during a forward under an earlier fetch
-(views of the weights) then see the refetched values, so a backward after a refetch is correct.
-
-Tied parameters (the same ``Parameter`` in several stages) are not part of any stage buffer:
-those with the same home stage (the lowest that reads them) form a *tie*, one more
-:class:`FlatStage` (``kind="tie"``) placed by the plan: owned with its home stage, fetched by
-the same ops as a stage (``FETCH_W t0 <-0``, ``FREE_W t0``).
+Freeing works like FSDP's reshard: the storage is resized to 0 bytes and every parameter's
+``.data`` becomes an empty tensor, so nothing outside a fetch..free window reads stale weights.
+The *same* storage is refilled by the next fetch, so tensors autograd saved under an earlier
+fetch (views of the weights) see the refetched values and a backward after a refetch is correct.
 """
 
 from __future__ import annotations
@@ -25,17 +19,24 @@ import torch
 from torch import nn
 
 from lightning_gsched.errors import RuntimeConfigError
-from lightning_gsched.runtime.storage import set_storage
+
+
+def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
+    """``param.data = data``, also from or to the meta device, where ``.data`` cannot be set
+    ("incompatible tensor type"): then the tensors are swapped in place, so every holder of
+    ``param`` (modules, stages, the optimizer) sees the new storage."""
+    if param.is_meta != data.is_meta:
+        # torch.utils.swap_tensors has no annotations
+        torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+            param, nn.Parameter(data, requires_grad=param.requires_grad))
+    else:
+        param.data = data
 
 
 class FlatLayout:
     """Where each of some parameters lives in one flat buffer of their concatenated elements.
-
-    Why a class of its own: weights, gradients, checkpoints and the gradient hand-over all cut a
-    flat buffer into per-parameter views; :meth:`views` is the one loop that does it. Shapes and
-    sizes are taken at construction, while the weights are present (a released stage's
-    parameters are empty afterwards).
-    """
+    Shapes and sizes are taken at construction, while the weights are present (a released
+    stage's parameters are empty afterwards)."""
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self.params = list(params)
@@ -75,8 +76,7 @@ class FlatStage(FlatLayout):
                 f"{kind} {index} mixes parameter dtypes/devices "
                 f"{sorted(map(str, dtypes | devices))}; "
                 "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
-                "move it to one device before building the runtime."
-            )
+                "move it to one device before building the runtime.")
         super().__init__(params)  # sizes kept: the params of a non-owned stage go empty
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else (device or torch.device("cpu"))
@@ -85,31 +85,19 @@ class FlatStage(FlatLayout):
         self.flat: torch.Tensor | None = None  # weights; storage kept across fetches
         self.resident = False
         self.materialized = False
-        if owned:
-            self._adopt()
+        if owned:  # copy the current weights into the flat buffer, params become its views
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for p, view in self.views(self.flat):
+                    view.copy_(p.data.reshape(view.shape))
+            self.materialize()
+            self.resident = True
         else:
             self._release_params()
 
-    # ------------------------------------------------------------------ weights
-
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def _adopt(self) -> None:
-        """Owner: copy the current weights into the flat buffer and point the params at it."""
-        self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for p, view in self.views(self.flat):
-                view.copy_(p.data.reshape(view.shape))
-        self._point_params()
-        self.resident = True
-
-    def _point_params(self) -> None:
-        assert self.flat is not None
-        for p, view in self.views(self.flat):
-            p.data = view
-        self.materialized = True
+        return self.numel * self.dtype.itemsize
 
     def _release_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -139,7 +127,10 @@ class FlatStage(FlatLayout):
     def materialize(self) -> None:
         """Non-owner, after the fetch completed: parameters become views of the fetched buffer."""
         if not self.materialized:
-            self._point_params()
+            assert self.flat is not None
+            for p, view in self.views(self.flat):
+                p.data = view
+            self.materialized = True
 
     def free(self) -> None:
         """Non-owner: release the fetched weights for real (storage to 0 bytes)."""
@@ -151,28 +142,23 @@ class FlatStage(FlatLayout):
     def resident_bytes(self) -> int:
         return self.flat.untyped_storage().nbytes() if self.flat is not None else 0
 
-    # ------------------------------------------------------------------ gradients
-
     def zero_grads(self) -> None:
         self.grads.zero()
 
     def take_grads(self) -> torch.Tensor:
         """Non-owner: hand over the accumulated flat gradient and stop holding it.
 
-        The buffer leaves with the message (the transport keeps it until the send completes)
-        and is not kept for reuse: a fetched stage holds gradient storage only from its first
-        weight-gradient job to its ``REDUCE_G``, as the memory prediction counts; kept, every
-        fetched stage's gradient buffer stayed resident between steps (a stage's worth per
-        fetched stage, found by the ``memory_process`` benchmark's RSS).
+        The buffer leaves with the message and is not kept for reuse: a fetched stage holds
+        gradient storage only from its first weight-gradient job to its ``REDUCE_G``, as the
+        memory prediction counts (kept, every fetched stage's buffer stayed resident between
+        steps).
         """
         return self.grads.give_away()
 
 
 class FlatGrads(FlatLayout):
-    """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views).
-
-    Used per stage and per tie.
-    """
+    """Gradients of some parameters (of a stage or a tie) accumulated in one flat buffer
+    (``param.grad`` are views)."""
 
     def __init__(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
@@ -185,16 +171,13 @@ class FlatGrads(FlatLayout):
         self.spare: torch.Tensor | None = None
         # the per-parameter views of the buffers this object holds (flat, spare, the last one
         # taken), by buffer: a step folds and hands over every parameter two or three times,
-        # and cutting a view costs about as much as the check it serves (see grad_views)
+        # and cutting a view costs about as much as the check it serves
         self._views: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._taken: torch.Tensor | None = None
 
     def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's view of ``flat`` (one of this object's buffers), cut once per buffer.
-
-        Only buffers this object holds are remembered, so no buffer outlives its last user
-        because of the cache; another tensor gets fresh views.
-        """
+        """Each parameter's view of ``flat``, cut once per buffer. Only buffers this object holds
+        are remembered, so the cache keeps no buffer alive; another tensor gets fresh views."""
         for buffer, views in self._views:
             if buffer is flat:
                 return views
@@ -218,7 +201,7 @@ class FlatGrads(FlatLayout):
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def zero(self) -> None:
         """Start accumulating in a zeroed flat buffer (allocated on first use, or recycled)."""
@@ -241,11 +224,9 @@ class FlatGrads(FlatLayout):
         return self.flat
 
     def fold(self, i: int) -> None:
-        """Make parameter i's ``.grad`` a view of the flat buffer again, keeping its value.
-
-        Autograd may replace a ``.grad`` instead of accumulating into it; the value is then
-        copied into the buffer. Needs an active buffer (:meth:`zero` ran this step).
-        """
+        """Make parameter i's ``.grad`` a view of the flat buffer again, keeping its value
+        (autograd may replace a ``.grad`` instead of accumulating into it). Needs an active
+        buffer (:meth:`zero` ran this step)."""
         assert self.flat is not None
         p, view = self.params[i], self.grad_views(self.flat)[i]
         grad = p.grad
@@ -259,8 +240,7 @@ class FlatGrads(FlatLayout):
             p.grad = view
 
     def give_away(self) -> torch.Tensor:
-        """:meth:`take`, then forget the buffer (no spare, no cached views): the caller owns
-        it for good."""
+        """:meth:`take`, then forget the buffer (no spare, no cached views) for good."""
         flat = self.take()
         self._taken = None
         self._views = [(b, v) for b, v in self._views if b is not flat]

@@ -1,25 +1,13 @@
 """Bytes a rank really holds while it runs a step, in the planner's categories.
 
-Why: the planner predicts per-rank bytes from the programs (``schedule/memory.py``); a prediction
-users can trust is one that is checked against what the runtime holds. This module does the
-runtime's side of that comparison, by accounting for the live tensors the runtime itself holds,
-sampled after every action as the planner samples its walk:
-
-* weights: the real storage of every stage buffer (owned, and fetched ones until ``FREE_W``
-  releases the storage), and of every tie unit (owned, or fetched until its ``FREE_W``);
-* gradients: every active gradient buffer (owned stages and ties, fetched ones until their
-  ``REDUCE_G`` hands them over);
-* activations: for each stashed (stage, microbatch), the bytes of the distinct storages autograd
-  saved during its forward (:class:`SavedTensorBytes`), weights excluded, until its backward (or
-  its ``W``) drops them;
-* communication: posted receive buffers not yet consumed (activation and input-gradient
-  payloads, peers' stage and tie gradients).
-
-The optimizer's state is not the executor's: :func:`optimizer_state_bytes` reads it from the real
-optimizer. On CUDA, ``torch.cuda.max_memory_allocated`` is the independent check of the total.
-
-:class:`SavedTensorBytes` is also what ``measure.measure_stage_bytes`` uses to size a stage's
-stash before any step runs, so the prediction and the accounting count the same tensors.
+The runtime's side of checking the planner's per-rank prediction (``schedule/memory.py``): the
+live tensors the runtime holds, sampled after every action as the planner samples its walk:
+weights (the real storage of stage and tie buffers, owned or fetched until ``FREE_W``),
+gradients (active gradient buffers), activations (for each stashed (stage, microbatch), the
+distinct storages autograd saved during its forward, weights excluded:
+:class:`SavedTensorBytes`, also what ``measure.measure_stage_bytes`` sizes a stash with, so both
+count the same tensors) and communication (posted receive buffers not yet consumed). The
+optimizer's state is read from the optimizer (:func:`optimizer_state_bytes`).
 """
 
 from __future__ import annotations
@@ -32,14 +20,11 @@ import torch
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """(address, bytes) of the storage a tensor views: two views of one storage count once.
-
-    A meta tensor (a model sized before it has weights, runtime/materialize.py) has no address;
-    its storage's identity stands in for one, and its bytes are what it would hold."""
+    """(address, bytes) of the storage a tensor views: two views of one storage count once. A
+    meta tensor (a model sized before it has weights) has no address: its storage's identity
+    stands in for one, and its bytes are what it would hold."""
     storage = t.untyped_storage()
-    if t.device.type == "meta":
-        return storage._cdata, storage.nbytes()
-    return storage.data_ptr(), storage.nbytes()
+    return storage._cdata if t.device.type == "meta" else storage.data_ptr(), storage.nbytes()
 
 
 def weight_storages(module: torch.nn.Module) -> list[int]:
@@ -49,9 +34,8 @@ def weight_storages(module: torch.nn.Module) -> list[int]:
 
 
 class _Packed:
-    """What the pack hook hands autograd for one saved tensor: the tensor (detached), in an
-    object autograd alone references, so a weak reference to it says whether the graph node
-    that saved it is still alive."""
+    """What the pack hook hands autograd for one saved tensor (detached): an object autograd
+    alone references, so a weak reference to it says whether the node that saved it is alive."""
 
     __slots__ = ("t", "__weakref__")
 
@@ -62,13 +46,11 @@ class _Packed:
 class SavedTensorBytes:
     """Within the ``with`` block, the distinct storages autograd saves for the backward.
 
-    ``exclude``: storages not to count (the stage's weight buffers: they are weights, not
-    activations). A tensor saved twice, or two views of one storage, count once.
-
-    :meth:`alive_storages` is what autograd still holds later: a storage counts while a node
-    that saved it is alive (a split backward's B drops the nodes above every weight, e.g. the
-    loss's, and W keeps the rest; :func:`held_until_w`). Storages added by :meth:`count`
-    (kept by someone else than autograd, e.g. a checkpointed stage's inputs) always count.
+    ``exclude``: storages not to count (the stage's weights). A tensor saved twice, or two views
+    of one storage, count once. :meth:`alive_storages` is what autograd still holds later: a
+    storage counts while a node that saved it is alive (a split backward's B drops the nodes
+    above every weight, W keeps the rest: :func:`held_until_w`). Storages added by :meth:`count`
+    (kept by someone other than autograd, e.g. a checkpointed stage's inputs) always count.
     """
 
     def __init__(self, exclude: Iterable[int] = ()) -> None:
@@ -86,11 +68,10 @@ class SavedTensorBytes:
             self._saved_by.pop(ptr, None)
 
     def _pack(self, t: torch.Tensor) -> _Packed:
-        # detached: the same storage, but not the tensor itself. An op that saves its own
-        # output (exp, tanh) would otherwise hold that output, whose grad_fn is the op: a
-        # cycle through the autograd graph that Python's collector cannot see, so a forward
-        # that is never followed by its backward (sizing a stage) kept its whole graph alive,
-        # weights included
+        # detached: an op that saves its own output (exp, tanh) would otherwise hold that
+        # output, whose grad_fn is the op: a cycle through the autograd graph that Python's
+        # collector cannot see, keeping a forward never followed by its backward (sizing a
+        # stage) alive, weights included
         packed = _Packed(t.detach())
         ptr, nbytes = storage_key(t)
         if ptr and ptr not in self.exclude:
@@ -102,7 +83,7 @@ class SavedTensorBytes:
         return packed
 
     def __enter__(self) -> "SavedTensorBytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda p: p.t)
         self._hooks.__enter__()
         return self
 
@@ -110,11 +91,9 @@ class SavedTensorBytes:
         self._hooks.__exit__(*exc)
 
     def absorb(self, inner: "SavedTensorBytes") -> None:
-        """Count what a nested counter saw (its storages and who holds them) here too.
-
-        Why: nested hooks see only the innermost counter, so a part of a forward (the loss) is
-        counted apart by one; absorbed, this counter's :meth:`alive_storages` also follows the
-        part's saved tensors, as one counter over the whole forward would."""
+        """Count what a nested counter saw (its storages and who holds them) here too: nested
+        hooks see only the innermost counter, so a part of a forward (the loss) counted apart
+        is then followed here as one counter over the whole forward would."""
         for ptr, nbytes in inner.storages.items():
             pinned = ptr not in inner._saved_by or (ptr in self.storages
                                                      and ptr not in self._saved_by)
@@ -137,16 +116,11 @@ class SavedTensorBytes:
                 if ptr not in self._saved_by or any(r() is not None for r in self._saved_by[ptr])}
 
 
-def _unpack(packed: _Packed) -> torch.Tensor:
-    return packed.t
-
-
 def held_until_w(saved: SavedTensorBytes, gradients: Iterable[torch.Tensor | None]
                  ) -> dict[int, int]:
     """What a (stage, microbatch) holds from its split B to its W, as {storage: bytes}: the
     storages its forward saved that autograd still holds after B (``saved``, read after B's
-    roots are dropped), and the gradients B recorded for W (``PendingWeightGrad``'s
-    ``held_tensors()``). The runtime's accounting and ``measure_stage_bytes`` both call it."""
+    roots are dropped), and the gradients B recorded for W."""
     held = saved.alive_storages()
     for g in gradients:
         if g is not None:
@@ -158,11 +132,9 @@ def held_until_w(saved: SavedTensorBytes, gradients: Iterable[torch.Tensor | Non
 
 @dataclass
 class MeasuredBytes:
-    """Peak bytes per category on one rank over the steps it was recording (see the module doc).
-
-    ``at_peak``: the categories at the moment of the highest total; ``peaks``: each category's own
-    highest value. Same names as ``schedule.memory.Bytes``.
-    """
+    """Peak bytes per category on one rank over the steps it was recording: ``at_peak`` at the
+    moment of the highest total, ``peaks`` each category's own highest value (the names of
+    ``schedule.memory.Bytes``)."""
 
     at_peak: dict[str, int] = field(default_factory=dict)
     peaks: dict[str, int] = field(default_factory=dict)
@@ -179,18 +151,17 @@ class MeasuredBytes:
             self.peaks[name] = max(self.peaks.get(name, 0), value)
 
 
-_STATE_PER_PARAM = {  # optimizer state tensors the size of the parameter, by optimizer type
+# optimizer state tensors the size of the parameter, by optimizer type (SGD keeps a momentum
+# buffer only with momentum; RMSprop a square average, plus a momentum buffer and a mean if asked)
+_STATE_PER_PARAM = {
     "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "Adadelta": 2,
 }
 
 
 def optimizer_factor(optimizer: Any) -> float | None:
-    """State bytes per parameter byte the optimizer will keep, from its type and settings.
-
-    Used before the first step (when the state does not exist yet); None when not known (then
-    the bytes are measured after the first step). SGD keeps a momentum buffer only with
-    momentum; RMSprop a square average, plus a momentum buffer and a mean when asked.
-    """
+    """State bytes per parameter byte the optimizer will keep, from its type and settings,
+    before its first step creates the state; None when not known (then the bytes are measured
+    after the first step)."""
     name = type(optimizer).__name__
     groups = getattr(optimizer, "param_groups", [{}])
     if name in _STATE_PER_PARAM:
@@ -211,16 +182,15 @@ _FOREACH_DEVICES = ("cuda", "xpu", "mtia")
 def optimizer_step_factor(optimizer: Any, device_type: str | None = None) -> float:
     """Bytes ``optimizer.step()`` allocates for its own duration, per trainable parameter byte.
 
-    Why: Adam's and AdamW's multi-tensor step builds ``sqrt(exp_avg_sq)`` for every parameter
-    at once, a temporary the size of the parameters, beside the weights, gradients and state
+    Adam's and AdamW's multi-tensor step builds ``sqrt(exp_avg_sq)`` for every parameter at
+    once, a temporary the size of the parameters (1.0), beside the weights, gradients and state
     (its copy of the gradients for weight decay or ``maximize`` is deleted before that). That
     step is torch's default where every parameter is on a CUDA-like device, or with
-    ``foreach=True``. Measured by the OS in ``tests/test_optimizer_step_bytes.py``: 1.0 x the
-    parameters, with or without weight decay. ``fused=True`` allocates nothing that size; the
-    per-parameter loop (the CPU default) holds about three of the largest parameter at once,
-    which this figure leaves out (0). Other optimizers: 0 (not measured). ``device_type``:
-    where the parameters will train, for torch's default choice (the parameters may still be
-    on the meta device when this is asked); None: their own devices."""
+    ``foreach=True``. ``fused=True`` allocates nothing that size; the per-parameter loop (the CPU
+    default) holds about three of the largest parameter at once, which this figure leaves out
+    (0). Other optimizers: 0 (not measured). ``device_type``: where the parameters will train,
+    for torch's default choice (they may still be on the meta device); None: their own devices.
+    """
     if type(optimizer).__name__ not in ("Adam", "AdamW"):
         return 0.0
     factor = 0.0

@@ -1,19 +1,33 @@
 """The full model and optimizer state from sharded training: gather to rank 0, give back to all.
 
-Why: under a sharded schedule no rank holds the whole model (non-owned stages have 0-byte
-storage) and each optimizer holds state only for the parameters its rank owns. A checkpoint that
-loads in one process needs the full state dict under the module's own names, so rank 0 collects
-every stage from its first owner (the streamed transfer of :mod:`.fullstate_stream`, each
-tensor kept: :func:`.fullstate_stream.full_state_dict`) and every optimizer state entry from the
-parameter's primary rank (:mod:`.ownership`, here). Such a checkpoint does not depend on the
-schedule or the worker count, so it resumes under any other: loading gives every rank the full
-state (before any stage is released, or filtered to what a built rank holds), and the optimizer
-state of parameters a rank does not own is pruned once the new schedule's ownership is known.
+No rank holds the whole model (non-owned stages have 0-byte storage) nor every parameter's
+optimizer state, but a checkpoint that loads in one process needs the full state dict under the
+module's own names: each weight unit from its first owner, each optimizer entry from the
+parameter's primary rank (:mod:`.ownership`). Such a checkpoint resumes under any schedule and
+worker count: loading gives every rank the full state (filtered to what a built rank holds), and
+the optimizer state of parameters a rank does not own is pruned once the new ownership is known.
+
+Saving streams, so that rank 0 never holds the whole model and its optimizer state at once:
+
+1. *Describe* (no tensor data moves): :func:`describe_state_dict` gives rank 0 the module's state
+   dict with each parameter a :class:`StreamedTensor` placeholder; :func:`describe_optimizer_state`
+   gathers from every rank a small description of its primary optimizer entries (tiny tensors
+   such as Adam's ``step`` as values) and gives rank 0 ``optimizer.state_dict()``'s full form with
+   placeholders. Every rank records in a :class:`StreamPlan` what it will send.
+2. *Transfer*: :func:`transfer` walks the plan (weight units in :func:`.layout.weight_units`
+   order, then optimizers, source ranks in order); rank 0 hands each tensor to ``sink`` and drops
+   it before the next, so it holds at most one weight unit's buffer received from another rank
+   (or one optimizer tensor) beyond what it keeps.
+
+:func:`full_state_dict` is the same transfer with every tensor kept in place of its placeholder,
+so the gathered and the streamed checkpoint cannot differ.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,25 +35,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gsched.runtime.flat import FlatStage
-from lightning_gsched.runtime.layout import weight_units
-from lightning_gsched.schedule.program import Programs
+from lightning_gsched.runtime.layout import StageBuffers, weight_units
 
-
-class StageBuffers(Protocol):
-    """What gathering reads of the executor: the stage buffers and who owns them."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def programs(self) -> Programs: ...
-    @property
-    def flats(self) -> Sequence[FlatStage]: ...
-    @property
-    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+# an optimizer tensor of at most this many bytes travels in the description, as a value
+SMALL_TENSOR_BYTES = 64
 
 
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
-    """Every state-dict name of each parameter (tied parameters have several)."""
+    """Every state-dict name of each parameter, by id (tied parameters have several)."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -56,35 +59,34 @@ def restore_full_weights(stages: StageBuffers, world_size: int) -> None:
     for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
         if not flat.numel:
             continue
-        src = owners[0]
         if flat.owned:
             buffer = flat.flat.detach().clone()  # type: ignore[union-attr]
         else:
             buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
         if world_size > 1:
-            dist.broadcast(buffer, src)
+            dist.broadcast(buffer, owners[0])
         for p, view in flat.views(buffer):
             p.data = view
 
 
-def _cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
-
-
 def _primary_entries(optimizer: Optimizer, state: dict[str, Any],
-                     primary: Sequence[nn.Parameter]) -> dict[int, dict[str, Any]]:
-    """The entries of ``state`` (optimizer.state_dict()) for parameters this rank is primary
-    for, on the CPU so they can be pickled to other ranks."""
+                     primary: Sequence[nn.Parameter]) -> Iterable[tuple[int, dict[str, Any]]]:
+    """The entries of ``state`` (``optimizer.state_dict()``) of the parameters this rank is
+    primary for."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     wanted = {id(p) for p in primary}
-    return {
-        index: {key: _cpu(value) for key, value in entry.items()}
-        for index, entry in state["state"].items()
-        if id(params[index]) in wanted
-    }
+    return ((i, entry) for i, entry in state["state"].items() if id(params[i]) in wanted)
 
 
-def _merged(parts: list[Any], param_groups: Any) -> dict[str, Any]:
+def _cpu_entries(optimizer: Optimizer, state: dict[str, Any],
+                 primary: Sequence[nn.Parameter]) -> dict[int, dict[str, Any]]:
+    """:func:`_primary_entries` on the CPU, so they can be pickled to other ranks."""
+    return {index: {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+                    for key, value in entry.items()}
+            for index, entry in _primary_entries(optimizer, state, primary)}
+
+
+def _merged(parts: Iterable[dict[int, Any]], param_groups: Any) -> dict[str, Any]:
     merged: dict[int, Any] = {}
     for part in parts:
         merged.update(part)
@@ -98,7 +100,7 @@ def full_optimizer_state(optimizer: Optimizer, primary: Sequence[nn.Parameter], 
     if world_size == 1:
         return state
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(_primary_entries(optimizer, state, primary), gathered, dst=0)
+    dist.gather_object(_cpu_entries(optimizer, state, primary), gathered, dst=0)
     if rank != 0:
         return {}
     return _merged(gathered or [], state["param_groups"])
@@ -113,7 +115,7 @@ def restore_full_optimizer_state(optimizers: Sequence[Optimizer],
     """
     for optimizer in optimizers:
         state = optimizer.state_dict()
-        mine = _primary_entries(optimizer, state, primary)
+        mine = _cpu_entries(optimizer, state, primary)
         gathered: list[Any] = [mine]
         if world_size > 1:
             gathered = [None] * world_size
@@ -134,13 +136,223 @@ def prune_optimizer_state(optimizers: Sequence[Optimizer], keep: Sequence[nn.Par
 
 
 def load_held_state(module: nn.Module, state: dict[str, Any]) -> None:
-    """Load ``state`` (a full state dict) into what this rank holds of a built model.
-
-    Parameters of stages this rank does not own are empty here, so their entries are skipped
-    (``strict=False``); owned stage parameters are views of the stage buffers, so loading copies
-    into the buffers.
-    """
+    """Load ``state`` (a full state dict) into what this rank holds of a built model: entries of
+    parameters held elsewhere (empty here) are skipped; owned stage parameters are views of the
+    stage buffers, so loading copies into the buffers."""
     held_elsewhere = {name for name, p in module.named_parameters(remove_duplicate=False)
                       if p.numel() == 0}
     module.load_state_dict({k: v for k, v in state.items() if k not in held_elsewhere},
                            strict=False)
+
+
+class StreamedTensor:
+    """A tensor of a full checkpoint that rank 0 receives only while the file is written.
+
+    Stands where ``torch.save`` would find the tensor (``checkpoint["state_dict"]`` values,
+    optimizer state entries); the streaming writer pickles it as the tensor it will be. ``seq``
+    is its place in the transfer order (unique within one save).
+    """
+
+    __slots__ = ("shape", "dtype", "source", "where", "seq")
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, source: int, where: str,
+                 seq: int) -> None:
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = dtype
+        self.source = source
+        self.where = where
+        self.seq = seq
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        return (f"StreamedTensor(shape={self.shape}, dtype={self.dtype}, from rank "
+                f"{self.source}, {self.where})")
+
+
+Sink = Callable[[StreamedTensor, torch.Tensor], None]
+
+
+@dataclass
+class _Unit:
+    src: int
+    flat: FlatStage
+    placeholders: list[StreamedTensor]  # rank 0: one per parameter view, else []
+
+
+@dataclass
+class _Source:
+    rank: int
+    placeholders: list[StreamedTensor] = field(default_factory=list)  # rank 0
+    tensors: list[torch.Tensor] = field(default_factory=list)  # on the source itself
+
+
+@dataclass
+class StreamPlan:
+    """What one save transfers, the same sequence on every rank (each knows its own part)."""
+
+    rank: int
+    world_size: int
+    device: torch.device = torch.device("cpu")  # where rank 0 receives
+    units: list[_Unit] = field(default_factory=list)
+    optimizers: list[list[_Source]] = field(default_factory=list)
+    count: int = 0  # placeholders numbered so far (rank 0)
+
+    def numbered(self, placeholder: StreamedTensor) -> StreamedTensor:
+        """``placeholder`` with the next place in the transfer order as its ``seq``."""
+        placeholder.seq = self.count
+        self.count += 1
+        return placeholder
+
+
+def describe_state_dict(module: nn.Module, stages: StageBuffers,
+                        world_size: int) -> tuple[dict[str, Any], StreamPlan]:
+    """Rank 0: the module's state dict, every parameter held in a weight unit a placeholder
+    (buffers and parameters outside the units stay real); other ranks: ``{}``. No collective."""
+    rank = stages.rank
+    units = weight_units(stages.programs, stages.flats, stages.ties)
+    plan = StreamPlan(rank, world_size, units[0][1].device if units else torch.device("cpu"))
+    names = parameter_names(module)
+    state = module.state_dict() if rank == 0 else {}
+    for i, (owners, flat) in enumerate(units):
+        if not flat.numel:
+            continue
+        unit = _Unit(owners[0], flat, [])
+        plan.units.append(unit)
+        if rank != 0:
+            continue
+        for j, p in enumerate(flat.params):
+            where = f"{flat.kind} {flat.index} (weight unit {i}) offset {flat.offsets[j]}"
+            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, unit.src, where, -1))
+            unit.placeholders.append(ph)
+            for name in names.get(id(p), []):
+                state[name] = ph  # a tied parameter: one placeholder under each name
+    return state, plan
+
+
+def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
+                             primary: Sequence[nn.Parameter]) -> dict[str, Any]:
+    """Rank 0: ``optimizer.state_dict()`` with every parameter's state, tensors as
+    placeholders; ``{}`` elsewhere (collective: one small object gather). Adds the optimizer to
+    ``plan``'s transfer."""
+    rank, k = plan.rank, len(plan.optimizers)
+    state = optimizer.state_dict()
+    # this rank's primary entries, each tensor it will send a placeholder (numbered on rank 0)
+    mine: dict[int, dict[str, Any]] = {}
+    tensors: list[torch.Tensor] = []
+    for index, entry in _primary_entries(optimizer, state, primary):
+        mine[index] = {}
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                mine[index][key] = value
+            elif value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
+                mine[index][key] = value.detach().cpu().clone()
+            else:
+                where = f"optimizer {k} state of parameter {index} {key!r}"
+                mine[index][key] = StreamedTensor(value.shape, value.dtype, rank, where, -1)
+                tensors.append(value.detach())
+    gathered: list[Any] | None = [mine]
+    if plan.world_size > 1:
+        gathered = [None] * plan.world_size if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:  # only the source itself knows what it sends; rank 0 needs nothing here
+        plan.optimizers.append([_Source(rank, tensors=tensors)])
+        return {}
+    sources = []
+    for src, entries in enumerate(gathered or []):
+        placeholders = [plan.numbered(value) for entry in entries.values()
+                        for value in entry.values() if isinstance(value, StreamedTensor)]
+        sources.append(_Source(src, placeholders, tensors if src == 0 else []))
+    plan.optimizers.append(sources)
+    return _merged(gathered or [], state["param_groups"])
+
+
+def transfer(plan: StreamPlan, sink: Sink | None,
+             on_hold: Callable[[int], None] | None = None) -> None:
+    """Send every planned tensor to rank 0 in the plan's order (collective). Rank 0 calls
+    ``sink(placeholder, tensor)`` for each (the tensor is valid during the call only);
+    ``on_hold(bytes)`` is told the bytes rank 0 holds for the transfer (a received buffer)."""
+    rank = plan.rank
+
+    def hold(nbytes: int) -> None:
+        if on_hold is not None:
+            on_hold(nbytes)
+
+    def receive(tensor: torch.Tensor, src: int) -> torch.Tensor:
+        hold(tensor.numel() * tensor.element_size())
+        dist.recv(tensor, src)
+        return tensor
+
+    for unit in plan.units:
+        flat = unit.flat
+        if rank != 0:
+            if rank == unit.src:
+                assert flat.flat is not None
+                dist.send(flat.flat.detach().contiguous(), 0)
+            continue
+        if unit.src == 0:
+            assert flat.flat is not None
+            buffer = flat.flat.detach()
+        else:
+            buffer = receive(torch.empty(flat.numel, dtype=flat.dtype, device=flat.device),
+                             unit.src)
+        if sink is not None:
+            for ph, (_, view) in zip(unit.placeholders, flat.views(buffer), strict=True):
+                sink(ph, view)
+        del buffer
+        hold(0)
+    for sources in plan.optimizers:
+        for source in sources:
+            if rank != 0:  # rank 0 only sends to itself: no message
+                for tensor in source.tensors:
+                    dist.send(tensor.contiguous(), 0)
+                continue
+            for i, ph in enumerate(source.placeholders):
+                if source.rank == 0:
+                    tensor = source.tensors[i]
+                else:
+                    tensor = receive(torch.empty(ph.shape, dtype=ph.dtype, device=plan.device),
+                                     source.rank)
+                if sink is not None:
+                    sink(ph, tensor)
+                del tensor
+                hold(0)
+
+
+def keep_all(plan: StreamPlan) -> dict[int, torch.Tensor]:
+    """Run the transfer keeping every tensor (copies) on rank 0, by ``id(placeholder)``
+    (collective): rank 0 then holds them all, as a gathered checkpoint does."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def keep(placeholder: StreamedTensor, tensor: torch.Tensor) -> None:
+        kept[id(placeholder)] = tensor.detach().clone()
+
+    transfer(plan, keep)
+    return kept
+
+
+def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
+    """``obj`` with every placeholder replaced by ``tensors[id(placeholder)]``, in place for
+    dicts and lists (a state dict keeps its type and ``_metadata``)."""
+    if isinstance(obj, StreamedTensor):
+        return tensors[id(obj)]
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = fill_placeholders(value, tensors)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [fill_placeholders(v, tensors) for v in obj]
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(fill_placeholders(v, tensors) for v in obj)
+    return obj
+
+
+def full_state_dict(module: nn.Module, stages: StageBuffers,
+                    world_size: int) -> dict[str, Any]:
+    """The module's full state dict on rank 0, ``{}`` elsewhere (collective): the streamed
+    transfer, every tensor kept (a tied parameter is one tensor under each of its names)."""
+    state, plan = describe_state_dict(module, stages, world_size)
+    filled: dict[str, Any] = fill_placeholders(state, keep_all(plan))
+    return filled

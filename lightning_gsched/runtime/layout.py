@@ -1,18 +1,14 @@
 """Which parameters go into which flat buffer, sanity checks, and the step's result type.
 
-Why here: the executor needs one decision made the same way on every rank: the parameters of
-stage ``s`` (in ``stage.parameters()`` order) form its flat buffer, except parameters that several
-stages read (tied weights): those form one flat unit per *home* stage (the lowest stage reading
-them), a tie, placed by the plan (``Programs.ties``, owned with the home stage).
-Also here: what one rank's program of a :class:`Programs` implies for a run
-(:class:`ProgramView`, :func:`stage_micros`), and the checks that let forward-only programs run on
-an executor built for training programs (:func:`check_forward_programs`).
+Every rank decides alike: the parameters of stage ``s`` (in ``stage.parameters()`` order) form
+its flat buffer, except those several stages read (tied weights): they form one unit per *home*
+stage (the lowest reading them), a tie, placed by the plan (``Programs.ties``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -26,35 +22,43 @@ from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 @dataclass
 class StepResult:
-    """What one ``step()`` returns on one rank.
-
-    ``losses``: ``{b: loss}`` (unscaled, detached) for the microbatches whose last stage ran here.
-    ``counters``: what this rank did (:class:`RuntimeCounters`).
-    """
+    """What one ``step()`` returns on one rank: ``{b: loss}`` (unscaled, detached) for the
+    microbatches whose last stage ran here, and what this rank did."""
 
     losses: dict[int, torch.Tensor]
     counters: RuntimeCounters
 
 
+class StageBuffers(Protocol):
+    """The executor's stage buffers and their owners, as ownership and the full state read them
+    (a Protocol: they need not import the executor)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def programs(self) -> Programs: ...
+    @property
+    def flats(self) -> Sequence[FlatStage]: ...
+    @property
+    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+
+
 def micro_of(a: Action) -> int:
-    """The microbatch of a compute or an activation / input-gradient message (always set on
-    those ops; ``Action.micro`` is None only for a whole unit's weights and gradients)."""
+    """The microbatch of a compute or an activation / input-gradient message."""
     assert a.micro is not None, f"'{a}' names no microbatch"
     return a.micro
 
 
 def peer_of(a: Action) -> int:
-    """The other rank of a message action (always set on those ops)."""
+    """The other rank of a message action."""
     assert a.peer is not None, f"'{a}' names no peer"
     return a.peer
 
 
 def stage_micros(programs: Programs, rank: int) -> tuple[list[int], list[int]]:
-    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there).
-
-    The first list says which ``inputs`` a rank must pass to ``step()``/``forward()``; the second
-    for which microbatches ``loss_fn``/``output_fn`` is called on that rank.
-    """
+    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there):
+    which ``inputs`` a rank passes to ``step()``/``forward()``, and for which microbatches
+    ``loss_fn``/``output_fn`` is called there."""
     last = programs.num_stages - 1
     ran = [(a.stage, micro_of(a)) for a in programs.ranks[rank] if a.op is Op.F]
     return sorted(b for s, b in ran if s == 0), sorted(b for s, b in ran if s == last)
@@ -70,18 +74,15 @@ class ProgramView:
     last_stage_micros: list[int]
     local_forward: frozenset[tuple[int, int]]  # (stage, micro) forwards run on this rank
     local_backward: frozenset[tuple[int, int]]
-    # what each compute reads and what ends a stash: the rules the dry run proves them with
-    rules: OpRules
+    rules: OpRules  # what each compute reads and what ends a stash, as the dry run proves it
 
     @classmethod
     def of(cls, programs: Programs, rank: int) -> "ProgramView":
         program = programs.ranks[rank]
-        first, last = stage_micros(programs, rank)
         return cls(
             programs,
             program,
-            first,
-            last,
+            *stage_micros(programs, rank),
             frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.F),
             frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.B),
             OpRules.of(programs),
@@ -90,23 +91,17 @@ class ProgramView:
 
 def check_forward_programs(train: Programs, programs: Programs, rank: int | None = None,
                            ) -> None:
-    """``programs`` can run as forward-only programs on an executor built for ``train``.
-
-    The planner's programs (``Programs.planned``) are checked by their ``forward_only`` flag
-    (the lowering of a forward-only plan makes forward ops only) and ``rank``'s own program,
-    without lowering the other ranks' (every rank decides alike); other programs (parsed or
-    hand-written) are scanned whole.
-    """
+    """``programs`` can run as forward-only programs on an executor built for ``train``. The
+    planner's programs are checked by their ``forward_only`` flag and ``rank``'s own program,
+    without lowering the other ranks' (every rank decides alike); others are scanned whole."""
     fix = (
         "plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
         "forward_only=True), i.e. the schedule, W, S, R and ties of the executor's programs "
-        "(the number of microbatches may differ)"
-    )
+        "(the number of microbatches may differ)")
     if not isinstance(programs, Programs):
         raise RuntimeConfigError(
             f"forward() needs the Programs of a forward-only plan (plan(...).programs), got "
-            f"{type(programs).__name__}; {fix}."
-        )
+            f"{type(programs).__name__}; {fix}.")
     if programs.planned:
         if not programs.forward_only:
             raise RuntimeConfigError(
@@ -121,8 +116,7 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
         if bad is not None:
             raise RuntimeConfigError(
                 f"forward() runs forward-only programs, but rank {where}'s program contains "
-                f"'{bad}' (backward, input-gradient or gradient-reduction actions); {fix}."
-            )
+                f"'{bad}' (backward, input-gradient or gradient-reduction actions); {fix}.")
     mismatches = []
     if programs.world_size != train.world_size:
         mismatches.append(f"{programs.world_size} workers instead of {train.world_size}")
@@ -131,8 +125,7 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
     elif [tuple(o) for o in programs.owners] != [tuple(o) for o in train.owners]:
         mismatches.append(
             f"stage owners {[list(o) for o in programs.owners]} instead of "
-            f"{[list(o) for o in train.owners]}"
-        )
+            f"{[list(o) for o in train.owners]}")
     if sorted(programs.edges) != sorted(train.edges):
         mismatches.append(f"stage edges {programs.edges} instead of {train.edges}")
     if dict(programs.ties) != dict(train.ties):
@@ -140,8 +133,7 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
     if mismatches:
         raise RuntimeConfigError(
             "the forward-only programs do not fit this executor's programs: "
-            + "; ".join(mismatches) + f"; {fix}."
-        )
+            + "; ".join(mismatches) + f"; {fix}.")
 
 
 def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
@@ -149,15 +141,13 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
         raise RuntimeConfigError(
             f"the programs are for {programs.num_stages} stages but {len(stages)} stage modules "
             f"were given; partition the model into {programs.num_stages} stages or plan with "
-            f"stages={len(stages)}."
-        )
+            f"stages={len(stages)}.")
     chain = [(s, s + 1) for s in range(programs.num_stages - 1)]
     if sorted(programs.edges) != chain:
         raise RuntimeConfigError(
             f"the runtime executes a chain of stages (stage s feeds s+1, as partition() "
             f"produces), but the programs' stage graph has edges {programs.edges}; plan without "
-            "edges=."
-        )
+            "edges=.")
 
 
 @dataclass(frozen=True)
@@ -173,11 +163,8 @@ class TieGroup:
 def split_parameters(
     stages: Sequence[nn.Module],
 ) -> tuple[list[list[nn.Parameter]], list[TieGroup]]:
-    """(each stage's own parameters, the ties): a parameter read by one stage lives in that
-    stage's buffer; the parameters read by several stages form one tie per home stage.
-
-    The one rule for both the runtime's buffers and ``measure.measure_stage_bytes``'s sizes.
-    """
+    """(each stage's own parameters, the ties): the one rule for both the runtime's buffers and
+    ``measure.measure_stage_bytes``'s sizes."""
     per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
     readers: dict[int, list[int]] = {}
     for s, params in enumerate(per_stage):
@@ -211,8 +198,7 @@ def check_ties(stages: Sequence[nn.Module], programs: Programs) -> None:
             f"the stages share parameters (tied weights) as {found} (home stage: reader "
             f"stages), but the programs were planned with ties {dict(programs.ties)}; plan with "
             f"ties={found} (e.g. plan(..., ties=partition(...).shared_parameters.values())) so "
-            "that the plan places them."
-        )
+            "that the plan places them.")
 
 
 def weight_units(programs: Programs, flats: Sequence[FlatStage],
@@ -227,17 +213,13 @@ def weight_units(programs: Programs, flats: Sequence[FlatStage],
 def build_flat_stages(
     stages: Sequence[nn.Module], owned: Collection[int], owned_ties: Collection[int] = (),
 ) -> tuple[list[FlatStage], dict[int, FlatStage], torch.device]:
-    """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), the device.
-
-    Non-owned stages and ties are released right away, so from here on a rank holds only its
-    own stages and ties. The device is the one of the parameters that have storage: a deferred
-    model (runtime/materialize.py) has only this rank's on a device, the rest on ``meta``.
-    """
+    """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), the device (that of
+    the tensors with storage: a deferred model's other ranks' parameters are on ``meta``).
+    Non-owned stages and ties are released right away."""
     own, ties = split_parameters(stages)
-    all_params = [p for stage in stages for p in dict.fromkeys(stage.parameters())]
-    real = [t for t in [*all_params, *(b for st in stages for b in st.buffers())]
-            if not t.is_meta]
-    device = real[0].device if real else torch.device("cpu")
+    tensors = [*(p for stage in stages for p in stage.parameters()),
+               *(b for stage in stages for b in stage.buffers())]
+    device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
     flats = [FlatStage(s, params, owned=s in owned, device=device)
              for s, params in enumerate(own)]
     units = {g.home: FlatStage(g.home, g.params, owned=g.home in owned_ties, kind="tie",

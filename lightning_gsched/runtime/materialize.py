@@ -1,35 +1,30 @@
 """Deferred initialisation: build a model without its weights, give each rank only its own.
 
-Why: a model that does not fit one device must never be whole on any rank. Built under
-:func:`deferred_parameters` (what ``GeneralParallel``'s ``tensor_init_context`` enters for
-``configure_model()`` and ``trainer.init_module()``), every parameter lives on the ``meta``
-device (shape and dtype, no storage) while buffers stay real: buffers are small, and many are
-computed when the module is built (causal masks, rotary frequencies) and could not be recomputed
-afterwards. Tracing, partitioning and planning work on the meta model; then each rank gives
-storage to the parameters of the stages it owns and initialises them
-(:func:`initialize_parameters`).
+A model that does not fit one device must never be whole on any rank. Built under
+:func:`deferred_parameters` (``GeneralParallel``'s ``tensor_init_context``), every parameter is
+on the ``meta`` device while buffers stay real: they are small, and many are computed when the
+module is built (causal masks, rotary frequencies). Tracing, partitioning and planning work on
+the meta model; then each rank gives storage to its stages' parameters and initialises them.
 
-**Same seed, same weights, whatever W, schedule and S.** Every module that holds parameters is
-initialised by its own ``reset_parameters()`` under an RNG seeded with :func:`module_seed`
-(the run's seed and the module's name), so the values do not depend on which rank initialises
-which module, nor in which order. A tied parameter (held by two modules, an embedding and an
-output head) keeps the values of its first holder in ``named_modules()`` order, as in eager
-construction where the head's own weight is replaced by the embedding's. :func:`initialize` does the same on one device: the reference
-a single-process run starts from.
+**Same seed, same weights, whatever W, schedule and S.** Every module holding parameters runs its
+own ``reset_parameters()`` under an RNG seeded by :func:`module_seed` (the run's seed and the
+module's name), so no value depends on which rank initialises which module, nor in which order.
+A tied parameter keeps its first holder's values in ``named_modules()`` order, as in eager
+construction. :func:`initialize` does the same on one device, for a single-process reference.
 """
 
 from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.runtime.flat import set_storage
 from lightning_gsched.runtime.layout import split_parameters
-from lightning_gsched.runtime.storage import set_storage
 from lightning_gsched.schedule.program import Programs
 
 _REGISTER_PARAMETER = nn.Module.register_parameter
@@ -44,18 +39,17 @@ _LOAD_FIX = (
     "trainer.init_module() (deferred initialisation: each rank later initialises only its own "
     "stages), so weights loaded there would be dropped. Load them after the model is built (a "
     "checkpoint: trainer.fit(ckpt_path=...)), or build with real weights: "
-    "trainer.init_module(empty_init=False), or outside configure_model."
-)
+    "trainer.init_module(empty_init=False), or outside configure_model.")
 
 
 @contextlib.contextmanager
 def deferred_parameters() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device; buffers stay real.
 
-    A parameter is created where the module creates it (``torch.empty`` does not touch its
-    pages, so nothing is committed) and moved to ``meta`` as it is registered. Loading weights
-    inside (``load_state_dict``, or a real parameter assigned over a meta one, as
-    ``from_pretrained`` does) raises :class:`DeferredLoadError` instead of dropping them.
+    A parameter is created where the module creates it (``torch.empty`` commits no pages) and
+    moved to ``meta`` as it is registered. Loading weights inside (``load_state_dict``, or a real
+    parameter assigned over a meta one, as ``from_pretrained`` does) raises
+    :class:`DeferredLoadError` instead of dropping them.
     """
     load_state_dict = nn.Module.load_state_dict
 
@@ -95,26 +89,21 @@ def module_seed(seed: int, name: str) -> int:
 def _holders(module: nn.Module, params: Collection[int]) -> list[tuple[str, nn.Module]]:
     """Modules (canonical names) that directly hold a parameter in ``params`` (by id) or a meta
     buffer."""
-    holders = []
-    for name, sub in module.named_modules():
-        direct = [*sub.parameters(recurse=False)]
-        if any(id(p) in params for p in direct) or any(
-                b.is_meta for b in sub.buffers(recurse=False)):
-            holders.append((name, sub))
-    return holders
+    return [(name, sub) for name, sub in module.named_modules()
+            if any(id(p) in params for p in sub.parameters(recurse=False))
+            or any(b.is_meta for b in sub.buffers(recurse=False))]
 
 
-def _reset(name: str, sub: nn.Module, owner: str) -> None:
-    reset = getattr(sub, "reset_parameters", None)
+def _reset_parameters(name: str, sub: nn.Module, owner: str) -> Callable[[], None]:
+    reset: Callable[[], None] | None = getattr(sub, "reset_parameters", None)
     if not callable(reset):
         raise StrategyConfigError(
             f"module {name or '(root)'!r} ({type(sub).__name__}) of {owner} holds parameters of "
             "its own but has no reset_parameters(), so a model built without weights (deferred "
             "initialisation: configure_model, init_module) cannot initialise them. Define "
             f"{type(sub).__name__}.reset_parameters() to fill its parameters (as torch's layers "
-            "do), or build the model with real weights outside init_module/configure_model."
-        )
-    reset()
+            "do), or build the model with real weights outside init_module/configure_model.")
+    return reset
 
 
 @torch.no_grad()
@@ -125,16 +114,14 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
 
     Each module holding one of them runs ``reset_parameters()`` under :func:`module_seed`; its
     other meta parameters (another rank's) get scratch storage for the call, so the RNG draws,
-    and hence the values, are the same as on one device; the scratch is dropped afterwards.
-    Meta buffers (a model built under ``torch.device("meta")``) get storage on ``device`` and
-    are reset by their module too.
+    and hence the values, are the same as on one device. Meta buffers (a model built under
+    ``torch.device("meta")``) get storage on ``device`` and are reset by their module too.
     """
     wanted = {id(p) for p in params}
     owner = type(module).__name__
     # every rank checks every module (not only those it initialises), so all fail alike
     for name, sub in _holders(module, {id(p) for p in module.parameters()}):
-        if not callable(getattr(sub, "reset_parameters", None)):
-            _reset(name, sub, owner)  # raises, naming the module and the fix
+        _reset_parameters(name, sub, owner)
     for p in params:
         if p.is_meta:
             set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
@@ -152,7 +139,7 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
                 sub._buffers[bname] = torch.empty_like(b, device=device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, name))
-            _reset(name, sub, owner)
+            _reset_parameters(name, sub, owner)()
         for p in scratch:
             set_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         for p, value in kept:
@@ -174,11 +161,8 @@ def owned_parameters(stages: Sequence[nn.Module], programs: Programs, rank: int,
 
 
 def initialize(module: nn.Module, seed: int, device: Any = "cpu") -> nn.Module:
-    """The weights a deferred ``module`` gets under ``GeneralParallel``, on one device.
-
-    Gives every parameter storage and initialises every parameter-holding module as the
-    strategy does (:func:`module_seed`); use it to start a single-process reference run, or to
-    train on one device a model written for deferred initialisation. Returns ``module``.
-    """
+    """The weights a deferred ``module`` gets under ``GeneralParallel``, on one device: for a
+    single-process reference run, or to train on one device a model written for deferred
+    initialisation. Returns ``module``."""
     initialize_parameters(module, list(module.parameters()), seed, torch.device(device))
     return module

@@ -1,20 +1,9 @@
 """``ModelRuntime``: the one object a training front end talks to.
 
-Why: the Lightning Trainer strategy and the Fabric strategy both need the same things of a
-running schedule: run a step and keep its gradients until the loop's backward, hand them over,
-clip by the norm of the whole model, know which parameters this rank updates, gather or restore
-the full model and optimizer state, report parameter memory, and stop every rank on a failure.
-Before this class they read :class:`ProgramExecutor` internals (its flat buffers, tie units,
-channels, owner lists) to do so. Now the front ends see only this facade, and the
-executor, the stage buffers and the process groups can change behind it.
-
-    runtime = ModelRuntime(module, partition.stages, plan.programs)    # collective
-    result = runtime.step(inputs, loss_fn)      # gradients are held, not yet in param.grad
-    runtime.hand_over(1.0)                      # param.grad += step gradient
-    runtime.clip_grad_norm(params, 1.0)         # norm over every rank, each parameter once
-    optimizer.step()
-    state = runtime.full_state_dict()           # rank 0: the whole module's state dict
-    runtime.restore_full_model([optimizer])     # every rank: full weights again; closes
+The Trainer and Fabric strategies need the same of a running schedule: a step whose gradients are
+held until the loop's backward, clipping by the whole model's norm, the parameters this rank
+updates, the full model and optimizer state, parameter memory, and stopping every rank on a
+failure. Seeing only this facade, they let the executor and its buffers change behind it.
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_gsched.runtime import fullstate, fullstate_stream
+from lightning_gsched.runtime import fullstate
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.compute import CallArgs, ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
@@ -40,8 +29,7 @@ from lightning_gsched.schedule.program import Programs
 
 @dataclass(frozen=True)
 class ParameterMemory:
-    """Parameter bytes by category on one rank (gradients and optimizer state follow the
-    parameters this rank owns)."""
+    """Parameter bytes by category on one rank."""
 
     stage_bytes: list[int]  # every stage's weights (the same numbers on every rank)
     tie_bytes: dict[int, int]  # every tie's weights, by home stage (the same on every rank)
@@ -50,7 +38,7 @@ class ParameterMemory:
 
 
 class ModelRuntime:
-    """This rank's share of ``module`` trained by ``programs`` (see the module docstring).
+    """This rank's share of ``module`` trained by ``programs``.
 
     Args:
         module: the whole model (every rank passes its own identical replica): parameters that
@@ -59,6 +47,10 @@ class ModelRuntime:
         programs: ``plan(...).programs``, the same on every rank.
         timeout, sync_weights, channels, forward_context, checkpointed, transport: as
             :class:`ProgramExecutor`'s.
+        release_heap_each_step: return the C heap's free pages at every step's start and after
+            the hand-over (:mod:`.host_heap`), for models whose memory is the constraint (the
+            engine asks for it for a model built without weights); it costs a small model ~15%
+            of its step on CPU.
 
     ``executor`` is the :class:`ProgramExecutor` underneath, for tools that time or count what
     it does (benchmarks, tests); front ends use the methods below.
@@ -82,10 +74,7 @@ class ModelRuntime:
         # a split backward accumulates what loss.backward() would: the extras the loss reads
         self.executor.compute.loss_params = list(self.ownership.extra)
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
-        self._stream: fullstate_stream.StreamPlan | None = None  # a described streamed save
-        # return the C heap's free pages at every step's start and after the hand-over
-        # (host_heap.py): for models whose memory is the constraint (the engine asks for it
-        # for a model built without weights); it costs a small model ~15% of its step on CPU
+        self._stream: fullstate.StreamPlan | None = None  # a described streamed save
         self.release_heap_each_step = release_heap_each_step
         # the parameters now live in the stage buffers: the tensors they were built in are free
         release_free_heap(self.device)
@@ -100,16 +89,13 @@ class ModelRuntime:
         """True after :meth:`close`, :meth:`abort` or a failed step: it cannot run again."""
         return self.executor.channels.closed
 
-    # ------------------------------------------------------------------ running
-
     def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
              signature: Hashable | None = None,
              on_computed: Callable[[dict[int, Any]], None] | None = None,
              drop_previous_grads: bool = False) -> StepResult:
         """One step of the schedule (:meth:`ProgramExecutor.step`); its gradients are then held
         here until :meth:`hand_over`, and ``param.grad`` is what it was before the step, or
-        None with ``drop_previous_grads`` (the caller's loop zeroes them before the hand-over:
-        :meth:`GradStash.before_step`)."""
+        None with ``drop_previous_grads`` (the caller's loop zeroes them before the hand-over)."""
         self._grads.before_step(drop_previous=drop_previous_grads)
         if self.release_heap_each_step:  # what the last step freed, before this one allocates
             release_free_heap(self.device)
@@ -124,8 +110,6 @@ class ModelRuntime:
         """A forward-only run (:meth:`ProgramExecutor.forward`); gradients are untouched."""
         return self.executor.forward(programs, inputs, output_fn, signature=signature)
 
-    # ------------------------------------------------------------------ parameters
-
     def owned_parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank updates (optimizer state is kept for these only)."""
         return self.ownership.owned
@@ -138,8 +122,6 @@ class ModelRuntime:
     def stage_parameters(self) -> list[nn.Parameter]:
         """Parameters that live in a stage or tie buffer (owned here or not): all but extra."""
         return self.ownership.in_stages
-
-    # ------------------------------------------------------------------ gradients
 
     def hand_over(self, scale: float = 1.0) -> None:
         """``param.grad += scale * gradient of the last step`` (assigned where None), as
@@ -156,25 +138,23 @@ class ModelRuntime:
         return self._grads.clip_by_norm(list(params), float(max_norm), float(norm_type),
                                         error_if_nonfinite)
 
-    # ------------------------------------------------------------------ full state
+    # full state: collective, every rank calls each in the same order (see :mod:`.fullstate`)
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The module's full state dict on rank 0, ``{}`` elsewhere (collective)."""
-        return fullstate_stream.full_state_dict(self.module, self.executor, self.world_size)
+        """The module's full state dict on rank 0, ``{}`` elsewhere."""
+        return fullstate.full_state_dict(self.module, self.executor, self.world_size)
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """``optimizer.state_dict()`` with every parameter's state on rank 0, ``{}`` elsewhere
-        (collective)."""
+        """``optimizer.state_dict()`` with every parameter's state on rank 0, ``{}`` elsewhere."""
         return fullstate.full_optimizer_state(optimizer, self.ownership.primary, self.rank,
                                               self.world_size)
 
     def streamed_state_dict(self) -> dict[str, Any]:
-        """Like :meth:`full_state_dict` with every stage parameter a
-        :class:`~.fullstate_stream.StreamedTensor` placeholder on rank 0 (no data moves): starts
-        a new streamed save, which :meth:`streamed_optimizer_state` extends and
-        :meth:`stream` carries out (every rank calls all three in the same order)."""
-        state, self._stream = fullstate_stream.describe_state_dict(self.module, self.executor,
-                                                                   self.world_size)
+        """:meth:`full_state_dict` with every stage parameter a :class:`~.fullstate.StreamedTensor`
+        placeholder (no data moves): starts a streamed save, which
+        :meth:`streamed_optimizer_state` extends and :meth:`stream` carries out."""
+        state, self._stream = fullstate.describe_state_dict(self.module, self.executor,
+                                                            self.world_size)
         return state
 
     @property
@@ -183,32 +163,32 @@ class ModelRuntime:
         return self._stream is not None
 
     def streamed_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Like :meth:`full_optimizer_state` with tensors as placeholders on rank 0 (collective:
-        one gather of small descriptions); after :meth:`streamed_state_dict`."""
+        """:meth:`full_optimizer_state` with tensors as placeholders (one gather of small
+        descriptions); after :meth:`streamed_state_dict`."""
         if self._stream is None:
             raise RuntimeError("streamed_optimizer_state() before streamed_state_dict()")
-        return fullstate_stream.describe_optimizer_state(self._stream, optimizer,
-                                                         self.ownership.primary)
+        return fullstate.describe_optimizer_state(self._stream, optimizer,
+                                                  self.ownership.primary)
 
-    def stream(self, sink: fullstate_stream.Sink | None,
+    def stream(self, sink: fullstate.Sink | None,
                on_hold: Callable[[int], None] | None = None) -> bool:
-        """Send the described tensors to rank 0 one at a time (collective); rank 0 calls
+        """Send the described tensors to rank 0 one at a time; rank 0 calls
         ``sink(placeholder, tensor)`` for each. False (nothing done) when no streamed save was
         described since the last one."""
         plan, self._stream = self._stream, None
         if plan is None:
             return False
-        fullstate_stream.transfer(plan, sink, on_hold)
+        fullstate.transfer(plan, sink, on_hold)
         return True
 
     def stream_kept(self, described: Any) -> Any:
-        """:meth:`stream` with every tensor kept on rank 0 and put in place of its placeholder
-        in ``described`` (in place for dicts and lists; collective): for a described checkpoint
-        written by other means (a user's CheckpointIO). Rank 0 then holds all of them."""
+        """:meth:`stream` with every tensor kept on rank 0 in place of its placeholder in
+        ``described`` (in place for dicts and lists), for a described checkpoint written by
+        other means (a user's CheckpointIO)."""
         plan, self._stream = self._stream, None
         if plan is None:
             return described
-        return fullstate_stream.fill_placeholders(described, fullstate_stream.keep_all(plan))
+        return fullstate.fill_placeholders(described, fullstate.keep_all(plan))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full state dict into what this rank holds (other stages' entries skipped)."""
@@ -220,15 +200,13 @@ class ModelRuntime:
         return fullstate.prune_optimizer_state(optimizers, self.ownership.owned)
 
     def restore_full_model(self, optimizers: Sequence[Optimizer]) -> None:
-        """Give every rank the full weights and the optimizers' full state again, then close
-        (collective): afterwards the module is an ordinary model, as after DDP."""
+        """Give every rank the full weights and the optimizers' full state again, then close:
+        afterwards the module is an ordinary model, as after DDP."""
         with torch.no_grad():
             fullstate.restore_full_weights(self.executor, self.world_size)
         fullstate.restore_full_optimizer_state(optimizers, self.ownership.primary,
                                                self.world_size)
         self.close()
-
-    # ------------------------------------------------------------------ memory
 
     def memory(self) -> ParameterMemory:
         """Parameter bytes by category on this rank."""
@@ -255,8 +233,6 @@ class ModelRuntime:
         shifted = [{**d, "optimizer": state, "total": d.get("total", 0) + state}
                    for d in (measured.at_peak, measured.peaks)]
         return MeasuredBytes(*shifted)
-
-    # ------------------------------------------------------------------ failures and end
 
     def abort(self, message: str) -> None:
         """A failure outside a step (e.g. in the user's code before stage 0): tell the job

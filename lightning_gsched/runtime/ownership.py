@@ -1,15 +1,12 @@
 """Which of a module's parameters this rank holds, updates, and counts once over all ranks.
 
-Why a module of its own: the same split is needed by the gradient hand-over (:mod:`.handover`),
-clipping by the global norm, gathering a full checkpoint from the owners (:mod:`.fullstate`),
-pruning optimizer state and writing sharded checkpoints. Three kinds of parameters behave
-differently under a schedule:
+Three kinds of parameters behave differently under a schedule:
 
 * stage parameters: in one stage's flat buffer; held and updated by the stage's owners (all
   replicas); counted once, on the stage's first owner;
-* tied parameters (several stages read them): in one tie unit per home stage (the lowest stage
-  reading them), held and updated by that stage's owners, fetched for the step by other ranks
-  that compute a reader stage; counted once, on the home stage's first owner;
+* tied parameters (several stages read them): in one tie unit per home stage, held and updated by
+  that stage's owners, fetched for the step by other ranks that compute a reader stage; counted
+  once, on the home stage's first owner;
 * extra parameters: trainable parameters of the module that no stage reads but the step does (a
   loss module, a head applied after the model's call); they get gradients on the ranks that
   finish microbatches, so the hand-over sums them over all ranks; counted on rank 0.
@@ -18,26 +15,10 @@ differently under a schedule:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
 
 from torch import nn
 
-from lightning_gsched.runtime.flat import FlatStage
-from lightning_gsched.schedule.program import Programs
-
-
-class StageHolder(Protocol):
-    """What the split reads of the executor (stated as a Protocol: the executor does not know
-    about ownership, and this module need not import it)."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def programs(self) -> Programs: ...
-    @property
-    def flats(self) -> Sequence[FlatStage]: ...
-    @property
-    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+from lightning_gsched.runtime.layout import StageBuffers
 
 
 @dataclass(frozen=True)
@@ -52,7 +33,7 @@ class Ownership:
     owned: list[nn.Parameter]  # updated by this rank: optimizer state is kept for these only
 
     @classmethod
-    def of(cls, holder: StageHolder, module: nn.Module) -> "Ownership":
+    def of(cls, holder: StageBuffers, module: nn.Module) -> "Ownership":
         rank, owners = holder.rank, holder.programs.owners
         stages = {s: list(holder.flats[s].grads.params)
                   for s in sorted(holder.programs.owned_stages(rank))}

@@ -1,24 +1,15 @@
 """Pretrained weights for a deferred model: each rank reads only the tensors it keeps.
 
-Why: a model that does not fit one rank (built without weights, :mod:`.materialize`) must not
-be read whole by any rank either. Weights saved as ``transformers`` saves them (safetensors:
-one ``model.safetensors`` or a ``model.safetensors.index.json`` whose ``weight_map`` names the
-shard of each tensor) can be read one tensor at a time (``safe_open(...).get_tensor(name)``),
-so each rank reads the parameters it keeps (:func:`.materialize.owned_parameters`) and nothing
-else, instead of :func:`.materialize.initialize_parameters`'s random values.
-
-Names are the model's ``state_dict`` keys. ``prefix`` is what the model's keys carry before
-the file's: a LightningModule holding the network as ``self.model`` has keys
-``model.<name>`` while the network saved alone has ``<name>``, so ``prefix="model."``. Model
-parameters whose names do not start with ``prefix`` (a head the LightningModule adds) are not
-in the file: they are initialised as without weights. A tied parameter (one tensor under two
-names) is read under the first of its names the file has (``transformers`` saves one of them).
-
-Before reading, every rank checks every parameter under ``prefix`` against the files' headers
-(name and shape: headers only, no tensor data), so a missing or mismatched tensor fails every
-rank alike, naming the tensor and the file. Persistent buffers the file has are read by every
-rank (every rank holds and runs every buffer; buffers are small); those it lacks keep their
-built values. ``safetensors`` is imported only when weights are read.
+A model built without weights (:mod:`.materialize`) must not be read whole by any rank either.
+Safetensors as ``transformers`` saves them (one ``model.safetensors``, or an index whose
+``weight_map`` names each tensor's shard) are read one tensor at a time, so each rank reads the
+parameters it keeps (:func:`.materialize.owned_parameters`) and nothing else. ``prefix`` is what
+the model's state-dict names carry before the file's (``"model."`` for a LightningModule holding
+the network as ``self.model``); parameters outside it are initialised as without weights. A tied
+parameter is read under the first of its names the file has. Before reading, every rank checks
+every parameter under ``prefix`` against the headers (name and shape), so a mismatch fails every
+rank alike. Every rank reads the persistent buffers the file has (buffers are small and held by
+every rank); the others keep their built values.
 """
 
 from __future__ import annotations
@@ -33,8 +24,9 @@ import torch
 from torch import nn
 
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.runtime.flat import set_storage
+from lightning_gsched.runtime.fullstate import parameter_names
 from lightning_gsched.runtime.materialize import initialize_parameters
-from lightning_gsched.runtime.storage import set_storage
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -55,8 +47,8 @@ class PretrainedWeights:
 
 
 def pretrained_weights(path: str | os.PathLike[str], prefix: str = "") -> PretrainedWeights:
-    """Check ``path`` exists and resolve a directory to its index or single file (no read of
-    the weights: this runs where the strategy's arguments are checked, before any process)."""
+    """Check ``path`` exists and resolve a directory to its index or single file (reading no
+    weights: this runs where the strategy's arguments are checked, before any process)."""
     if not isinstance(prefix, str):
         raise PretrainedWeightsError(
             f"init_weights_prefix must be a string (the model's state_dict names before the "
@@ -76,19 +68,15 @@ def pretrained_weights(path: str | os.PathLike[str], prefix: str = "") -> Pretra
     return PretrainedWeights(given, prefix)
 
 
-def _safetensors() -> Any:
+def _open(file: Path) -> Any:
+    """A lazy handle on one safetensors file: the header is read, tensors on request."""
     try:
         import safetensors
     except ImportError as exc:  # pragma: no cover - a dependency, only missing if removed
         raise PretrainedWeightsError(
             "init_weights reads safetensors files, and the safetensors package is not "
             "installed: pip install safetensors") from exc
-    return safetensors
-
-
-def _open(file: Path) -> Any:
-    """A lazy handle on one safetensors file: the header is read, tensors on request."""
-    return _safetensors().safe_open(str(file), framework="pt", device="cpu")
+    return safetensors.safe_open(str(file), framework="pt", device="cpu")
 
 
 def _where(weights: PretrainedWeights) -> dict[str, Path]:
@@ -105,14 +93,6 @@ def _where(weights: PretrainedWeights) -> dict[str, Path]:
         return {name: weights.path for name in f.keys()}
 
 
-def _names(module: nn.Module) -> dict[int, list[str]]:
-    """Every name of each parameter (by id): a tied parameter has several."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
-
-
 def _file_key(names: Iterable[str], prefix: str, where: dict[str, Path]) -> str | None:
     """The file's name for a parameter: its first name under ``prefix`` the file has."""
     under = [n[len(prefix):] for n in names if n.startswith(prefix)]
@@ -124,14 +104,15 @@ def _check(module: nn.Module, weights: PretrainedWeights,
     """Every parameter under the prefix is in the files with its shape (headers only); returns
     parameter id -> file key."""
     params = {id(p): p for p in module.parameters()}
+    names = parameter_names(module)
     keys: dict[int, str] = {}
-    for pid, names in _names(module).items():
-        key = _file_key(names, weights.prefix, where)
+    for pid, aliases in names.items():
+        key = _file_key(aliases, weights.prefix, where)
         if key is None:
             continue
         if key not in where:
             raise PretrainedWeightsError(
-                f"the parameter {names[0]!r} is not in {weights.path} (looked for {key!r} with "
+                f"the parameter {aliases[0]!r} is not in {weights.path} (looked for {key!r} with "
                 f"init_weights_prefix={weights.prefix!r}); the file's first names are "
                 f"{sorted(where)[:3]}. Set init_weights_prefix to the part of the model's names "
                 "the file lacks (e.g. 'model.' for a LightningModule holding the network as "
@@ -147,7 +128,7 @@ def _check(module: nn.Module, weights: PretrainedWeights,
                 if shape != tuple(params[pid].shape):
                     raise PretrainedWeightsError(
                         f"the tensor {keys[pid]!r} in {file} has shape {list(shape)} but the "
-                        f"model's parameter {_names(module)[pid][0]!r} has "
+                        f"model's parameter {names[pid][0]!r} has "
                         f"{list(params[pid].shape)}: the weights are of another model or "
                         "configuration")
     return keys
@@ -157,16 +138,15 @@ def _check(module: nn.Module, weights: PretrainedWeights,
 def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
                     weights: PretrainedWeights, device: torch.device) -> list[nn.Parameter]:
     """Give ``params`` storage on ``device`` holding the file's values, reading only their
-    tensors; load the persistent buffers the file has. Checks every parameter first (see the
-    module doc). Returns the parameters of ``params`` the file does not cover (outside the
-    prefix), for :func:`.materialize.initialize_parameters`."""
+    tensors; load the persistent buffers the file has. Checks every parameter first. Returns the
+    parameters of ``params`` the file does not cover (outside the prefix), for
+    :func:`.materialize.initialize_parameters`."""
     where = _where(weights)
     keys = _check(module, weights, where)
-    rest = [p for p in params if id(p) not in keys]
-    wanted = [p for p in params if id(p) in keys]
     by_file: dict[Path, list[nn.Parameter]] = {}
-    for p in wanted:
-        by_file.setdefault(where[keys[id(p)]], []).append(p)
+    for p in params:
+        if id(p) in keys:
+            by_file.setdefault(where[keys[id(p)]], []).append(p)
     buffers = _persistent_buffers(module, weights.prefix, where)
     files = set(by_file) | {where[k] for k in buffers}
     for file in sorted(files):
@@ -177,7 +157,7 @@ def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
             for key, (holder, bname) in buffers.items():
                 if where[key] == file:
                     _load_buffer(holder, bname, f.get_tensor(key), key, file)
-    return rest
+    return [p for p in params if id(p) not in keys]
 
 
 def _persistent_buffers(module: nn.Module, prefix: str,
@@ -211,9 +191,8 @@ def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str,
 def load_pretrained(module: nn.Module, weights: PretrainedWeights | str | os.PathLike[str],
                     seed: int = 0, device: Any = "cpu") -> nn.Module:
     """The weights a deferred ``module`` gets under ``GeneralParallel(init_weights=...)``, on one
-    device (a single-process reference, or one-device use of a model written for deferred
-    initialisation): every parameter read from the file, those outside the prefix initialised
-    as :func:`.materialize.initialize` does. Returns ``module``."""
+    device (as :func:`.materialize.initialize`, whose values those outside the prefix get).
+    Returns ``module``."""
     if not isinstance(weights, PretrainedWeights):
         weights = pretrained_weights(weights)
     rest = load_parameters(module, list(module.parameters()), weights, torch.device(device))

@@ -1,45 +1,38 @@
 """Running statistics (BatchNorm, InstanceNorm): after a step, one device's values on every rank.
 
-Why: a stage's modules exist on every rank (only parameters are fetched and released; buffers
-stay), but each rank runs the forward of a stage on just the microbatches its program gives it,
-so left alone every copy of a BatchNorm would track different microbatches and no rank would
-hold what one device holds. The semantics kept here, the strongest that is exact for every
-placement: after each training step, every rank holds for every stage the running statistics
-that ONE device would hold after running that stage's forward on microbatches ``0 .. B-1`` in
-order (training mode), starting from the buffers at the step's start. Forward outputs still
-normalise with each microbatch's own batch statistics (as DDP without SyncBatchNorm, and as one
-device with gradient accumulation).
+Why: a stage's modules (and buffers) exist on every rank, but each rank runs a stage's forward on
+just the microbatches its program gives it, so every copy of a BatchNorm would track different
+microbatches. Kept here, the strongest semantics exact for every placement: after each training
+step every rank holds, for every stage, the running statistics ONE device would hold after
+running that stage's forward on microbatches ``0 .. B-1`` in order from the step's starting
+buffers. Outputs still normalise with each microbatch's own batch statistics (as DDP without
+SyncBatchNorm, and one device with gradient accumulation).
 
-How (checked against torch's ``_BatchNorm.forward``, ``_InstanceNorm`` and ATen's CPU kernel):
-a training-mode update is ``running = f * batch_stat + (1 - f) * running`` for the mean and for
-the *unbiased* variance, where ``f`` is the module's ``momentum``; for a BatchNorm with
-``momentum=None`` it is ``1 / num_batches_tracked`` (a cumulative average), after
-``num_batches_tracked += 1`` (BatchNorm only, once per call); an InstanceNorm with
-``momentum=None`` uses ``f = 0``. So during a step each ``F s b`` runs the stage's such modules
-with ``momentum = 1.0``: right after each call the buffers hold exactly that call's batch
-statistics, which a forward hook copies into the step's table at (microbatch b, stage s). At the
-end of the step one SUM all-reduce over all ranks (every rank calls it; each slot was written by
-the one rank that ran ``F s b``, the others add zeros) gives every rank the whole table, and every
-rank folds it into the buffers it held at the step's start, microbatch by microbatch and stage by
-stage, with each module's real factor, and adds the number of calls to ``num_batches_tracked``.
+How (checked against torch's ``_BatchNorm``, ``_InstanceNorm`` and ATen's CPU kernel): a training
+update is ``running = f * batch_stat + (1 - f) * running`` for the mean and the *unbiased*
+variance, where ``f`` is ``momentum``, or with ``momentum=None`` ``1 / num_batches_tracked`` for
+a BatchNorm (after its ``num_batches_tracked += 1``, once per call) and 0 for an InstanceNorm. So
+each ``F s b`` runs the stage's such modules with ``momentum = 1.0``: right after each call the
+buffers hold that call's batch statistics, which a forward hook copies into the step's table at
+(microbatch b, stage s). At the step's end one SUM all-reduce (each slot written by the one rank
+that ran ``F s b``, the others add zeros) gives every rank the whole table, which every rank
+folds into its starting buffers microbatch by microbatch, stage by stage, with each module's
+real factor, adding the number of calls to ``num_batches_tracked``.
 
-Exactness: the fold uses the same float32 formula as the CPU kernel; the one difference is that
-the kernel keeps the batch variance in double until it is mixed in, while here it is rounded once
-to float32 (the buffer's dtype) when captured: about 1e-7 relative per statistic.
-
-Cost: nothing when no module keeps running statistics in training mode; otherwise one
-all-reduce of ``B * (2 * channels + 1 per module)`` numbers per step and an O(B) fold.
-
-Limits: a module with running statistics called more than once in one forward of one stage is
-refused (the table has one slot per call site, and a rank that did not run the stage cannot know
-how many calls another made); ``nn.SyncBatchNorm`` is refused at construction (see
-:func:`check_no_sync_batchnorm`). Other buffers a forward mutates are not synchronised.
+Exactness: the kernel's float32 formula; only the batch variance, which the kernel keeps in
+double until mixed in, is rounded once to float32 here (about 1e-7 relative). Cost: nothing when
+no module keeps running statistics in training mode, else one all-reduce of ``B * (2 * channels
++ 1 per module)`` numbers per step and an O(B) fold. Limits: a module called more than once in
+one stage forward is refused (one slot per call site, and a rank that did not run the stage
+cannot know how many calls another made), as is ``nn.SyncBatchNorm``; other buffers a forward
+mutates are not synchronised.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import reduce
 from typing import Any, Callable, Iterator, Sequence, TypeGuard
 
 import torch
@@ -71,16 +64,10 @@ def _statistics(module: _NormBase) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
-    """Refuse ``nn.SyncBatchNorm``: its training forward is a collective over the ranks.
-
-    Why refuse rather than convert: SyncBatchNorm all-reduces batch statistics inside every
-    training forward, so all ranks must run that layer at the same moment on concurrent
-    batches. A schedule runs each stage's forwards on different ranks at different times (many
-    ranks run none of a given stage), so its collectives would pair unrelated forwards or wait
-    forever; and normalising over "the batches that happen to run together" has no meaning for
-    a pipeline. Silently turning it back into BatchNorm would change what the forward computes
-    (the user asked for global-batch statistics), so the user decides.
-    """
+    """Refuse ``nn.SyncBatchNorm``: its training forward is a collective all ranks must run at
+    once, while a schedule runs each stage's forwards on different ranks at different times (so
+    its collectives would pair unrelated forwards or hang). Not converted silently: that would
+    change what the forward computes (the user asked for global-batch statistics)."""
     for s, stage in enumerate(stages):
         for name, module in stage.named_modules():
             if isinstance(module, nn.SyncBatchNorm):
@@ -91,21 +78,17 @@ def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
                     "Use nn.BatchNorm1d/2d/3d instead (do not convert the model with "
                     "nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends each step "
                     "with the running statistics one device would have (docs/runtime.md, "
-                    "'BatchNorm and other running statistics')."
-                )
+                    "'BatchNorm and other running statistics').")
 
 
 def _factor(module: _NormBase, calls_so_far: int) -> float:
-    """The update factor of this module's next call (torch's rule; see the module docstring).
-
-    ``calls_so_far`` is ``num_batches_tracked`` after this call's increment (BatchNorm only).
-    """
-    momentum = module.momentum
-    if isinstance(module, _BatchNorm):
-        if module.num_batches_tracked is not None and momentum is None:
-            return 1.0 / float(calls_so_far)
-        return 0.0 if momentum is None else float(momentum)
-    return 0.0 if momentum is None else float(momentum)
+    """The update factor of this module's next call (torch's rule); ``calls_so_far`` is
+    ``num_batches_tracked`` after this call's increment."""
+    if module.momentum is not None:
+        return float(module.momentum)
+    if isinstance(module, _BatchNorm) and module.num_batches_tracked is not None:
+        return 1.0 / float(calls_so_far)
+    return 0.0
 
 
 def _counter(module: nn.Module) -> torch.Tensor | None:
@@ -136,17 +119,20 @@ class StatsLayout:
 
     def __init__(self, per_stage: Sequence[Sequence[_NormBase]]) -> None:
         self.modules: list[_NormBase] = []
-        index: dict[int, int] = {}
+        self.starts: list[int] = []  # each module's first element in R
         self.sites: list[_Site] = []
-        offset = 0
-        seen: dict[int, int] = {}
+        index: dict[int, int] = {}
+        offset = position = 0
+        seen: dict[int, int] = {}  # module -> its sites so far
         for s, modules in enumerate(per_stage):
             for m in modules:
+                size = _statistics(m)[0].numel()
                 if id(m) not in index:
                     index[id(m)] = len(self.modules)
                     self.modules.append(m)
+                    self.starts.append(position)
+                    position += 2 * size
                 j = index[id(m)]
-                size = _statistics(m)[0].numel()
                 self.sites.append(_Site(s, j, offset, size, seen.get(j, 0)))
                 seen[j] = seen.get(j, 0) + 1
                 offset += 2 * size
@@ -154,16 +140,8 @@ class StatsLayout:
         for k, site in enumerate(self.sites):
             self.by_stage.setdefault(site.stage, []).append((k, site))
         self.width = len(self.sites) + offset  # one table row
-        starts, position = [], 0
-        for m in self.modules:
-            starts.append(position)
-            position += 2 * _statistics(m)[0].numel()
-        self.starts = starts
-        first = _statistics(self.modules[0])[0]
-        self.dtype = first.dtype
-        for m in self.modules:
-            self.dtype = torch.promote_types(self.dtype, _statistics(m)[0].dtype)
-        self.device = first.device
+        self.dtype = reduce(torch.promote_types, [_statistics(m)[0].dtype for m in self.modules])
+        self.device = _statistics(self.modules[0])[0].device
         self.rounds = self._rounds()
 
     def _rounds(self) -> list[tuple[torch.Tensor, ...]]:
@@ -184,7 +162,7 @@ class StatsLayout:
         return rounds
 
     def running(self) -> torch.Tensor:
-        """R: the modules' current ``[running_mean, running_var]``, concatenated."""
+        """R: the modules' current ``[running_mean, running_var]``."""
         return torch.cat([t.detach().reshape(-1).to(self.dtype) for m in self.modules
                           for t in _statistics(m)])
 
@@ -195,7 +173,7 @@ class StatsLayout:
         return torch.stack([zero if c is None else c.detach().reshape(()).to(zero)
                             for c in counters])
 
-    def write(self, values: torch.Tensor, calls: Sequence[int] | None = None) -> None:
+    def write(self, values: torch.Tensor, calls: Sequence[int]) -> None:
         """Copy R back into the modules' buffers (in place: the tensors keep their identity),
         and ``calls`` into BatchNorms' ``num_batches_tracked``."""
         with torch.no_grad():
@@ -205,7 +183,7 @@ class StatsLayout:
                 mean.copy_(values[start:start + size].view_as(mean))
                 var.copy_(values[start + size:start + 2 * size].view_as(var))
                 counter = _counter(m)
-                if calls is not None and counter is not None:
+                if counter is not None:
                     counter.fill_(calls[j])
 
 
@@ -223,8 +201,8 @@ class StatsStep:
 
     @contextmanager
     def capture(self, s: int, b: int) -> Iterator[None]:
-        """Run ``F s b`` inside: its modules' batch statistics land in row b (see the module
-        docstring); momentum and hooks are put back even when the forward fails."""
+        """Run ``F s b`` inside: its modules' batch statistics land in row b; momentum and hooks
+        are put back even when the forward fails."""
         sites = self.layout.by_stage.get(s, [])
         if not sites:
             yield
@@ -249,8 +227,7 @@ class StatsStep:
                 raise RuntimeConfigError(
                     f"{type(module).__name__} in stage {site.stage} ran twice in one forward; "
                     "the runtime keeps running statistics exact for modules called at most once "
-                    "per stage forward. Use one norm module per call site."
-                )
+                    "per stage forward. Use one norm module per call site.")
             self.calls.add((k, b))
             row = self.table[b]
             start = len(self.layout.sites) + site.offset
@@ -266,10 +243,6 @@ class StatsStep:
         """Exchange the table (``all_reduce`` None: a single rank) and fold it on this rank."""
         if all_reduce is not None:
             wait(all_reduce(self.table), "the all-reduce of running statistics over all ranks")
-        self._fold()
-        self.folded = True
-
-    def _fold(self) -> None:
         layout = self.layout
         calls = self.table[:, : len(layout.sites)].tolist()  # one device sync
         tracked = self.start_calls.tolist()
@@ -291,6 +264,7 @@ class StatsStep:
                 stat = self.table[b, in_row]
                 running[in_r] = f * stat + (1 - f) * running[in_r]
         layout.write(running, tracked)
+        self.folded = True
 
     def abandon(self) -> None:
         """A failed step: put back the buffers of the step's start (the captures changed them)."""
@@ -302,8 +276,7 @@ class RunningStats:
     """The modules with running statistics in each stage, found once per executor.
 
     ``begin_step(B)`` gives a :class:`StatsStep`, or None when no such module is in training
-    mode (then a step costs nothing extra); :meth:`unchanged` keeps forward-only runs from
-    touching the buffers; :meth:`broadcast` makes every rank start from rank 0's.
+    mode (then a step costs nothing extra).
     """
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
@@ -313,8 +286,6 @@ class RunningStats:
         self._layouts: dict[tuple[bool, ...], StatsLayout] = {}
 
     def begin_step(self, num_micro: int) -> StatsStep | None:
-        if not self.modules:
-            return None
         key = tuple(m.training for m in self.modules)
         if not any(key):
             return None
