@@ -1,22 +1,20 @@
 """The process groups one executor talks over, and the job-wide fault notice.
 
-Why one group per channel kind: programs are FIFO per (src, dst) *per channel* (``p2p`` for
-activations and input-gradients, ``weights``, ``grads``), and backends without message tags
-(NCCL) only order messages within one communicator. A ``p2p`` message is one message per
-tensor (preceded by its spec on the described path, see :mod:`.transport`), all on one group:
-receives from a peer are posted in the order the peer sends. Each kind has one group per direction (messages from the lower to the higher rank, and back):
-NCCL runs the point-to-point operations of one communicator in issue order, so a receive posted
-early from a peer must not be able to hold back a later send *to* that peer.
-Replica all-reduces (of stages and of ties) get one subgroup per distinct member set, and
-running statistics one world group for their end-of-step all-reduce.
+Programs are FIFO per (src, dst) *per channel* (``p2p`` for activations and input-gradients,
+``weights``, ``grads``), and backends without message tags (NCCL) only order messages within one
+communicator: hence one group per channel kind, and within a kind one per direction (lower to
+higher rank, and back), because NCCL runs one communicator's point-to-point operations in issue
+order, so a receive posted early from a peer must not hold back a later send *to* that peer.
+Replica all-reduces (of stages and ties) get one subgroup per distinct member set, and running
+statistics one world group.
 
-``dist.new_group`` is collective over the whole job, so every rank must build its ``Channels``
-in the same order with the same programs; the groups are derived from the programs alone (for
-a plan lowered per rank, from its stage owners alone: :func:`replica_groups`).
+``dist.new_group`` is collective over the whole job, so every rank builds its ``Channels`` in the
+same order with the same programs; the groups are derived from the programs alone (for a plan
+lowered per rank, from its stage owners alone: :func:`replica_groups`).
 
-On a failure the executor calls :meth:`Channels.abort`: it writes the first failure into the
-job's store (peers quote it as the root cause) and destroys every group of this object, which
-closes its connections, so peers blocked on this rank fail at once instead of at their timeout.
+On a failure the executor reports the first failure into the job's store (peers quote it as the
+root cause) and destroys every group of this object, so peers blocked on this rank fail at once
+instead of at their timeout.
 """
 
 from __future__ import annotations
@@ -80,12 +78,10 @@ class FaultNotice:
     def first_within(self, grace: float) -> str | None:
         """:meth:`first`, waiting up to ``grace`` s for a failure to be recorded.
 
-        For a rank that lost its connection to a peer: a failing peer records its failure
-        before it closes its connections, but the close can still reach this rank first (the
-        peer drops other groups' connections, or the store's reply is slower than the socket's
-        end). Without the wait that rank recorded its own "lost the connection" as the job's
-        first failure and the real cause was lost from its message. A peer that died never
-        records anything; then the wait costs ``grace``, once, on the way out.
+        For a rank that lost its connection to a peer: a failing peer records its failure before
+        it closes its connections, but the close can still reach this rank first. Without the
+        wait, this rank's own "lost the connection" would become the job's first failure and hide
+        the real cause. A peer that died records nothing; the wait then costs ``grace``, once.
         """
         deadline = time.monotonic() + grace
         while True:
@@ -96,10 +92,9 @@ class FaultNotice:
 
 
 def destroy_groups(groups: list[Any], collect: bool = False) -> None:
-    """Destroy process groups this object no longer holds (one already gone is skipped);
-    ``collect``: then run the garbage collector, which frees the backend's buffers at once
-    (it costs up to a second in a large process such as a Lightning job). Empties ``groups``,
-    so the caller's list holds no reference to them either."""
+    """Destroy process groups (one already gone is skipped) and empty ``groups``, so the caller
+    holds no reference either; ``collect``: then run the garbage collector, which frees the
+    backend's buffers at once (it costs up to a second in a large process)."""
     for group in groups:
         try:
             dist.destroy_process_group(group)
@@ -111,29 +106,22 @@ def destroy_groups(groups: list[Any], collect: bool = False) -> None:
 
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
-    """Distinct ``ALLREDUCE_G`` member sets (of stages and ties) (and replicated owners), sorted:
-    the creation order, which must be the same on every rank (``dist.new_group`` is
-    collective).
+    """Distinct ``ALLREDUCE_G`` member sets, sorted: the creation order, the same on every rank.
 
-    The planner's programs (``Programs.planned``) make every all-reduce group of a replicated
-    stage's or tie home's owners (``lower_weights.py``), so
+    The planner's programs (``Programs.planned``) all-reduce exactly over replicated owners, so
     :func:`owner_groups` is the list, read without lowering any program (scanning them would
-    lower all W on every rank: a minute and gigabytes at W=1024). Other programs (parsed or
-    hand-written) are scanned too, so a group that is not a stage's owners still gets its
-    subgroup; every rank decides alike.
+    lower all W on every rank). Other programs (parsed or hand-written) are scanned too.
     """
     groups = set(owner_groups(programs))
     if programs.planned:
         return sorted(groups)
     for program in programs.ranks:
-        groups.update(a.group for a in program
-                      if a.op is Op.ALLREDUCE_G and a.group)
+        groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
     return sorted(groups)
 
 
 def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
-    """The distinct owner sets of replicated stages, sorted: every all-reduce group the
-    planner's lowering makes (a tie is owned with its home stage), read off ``owners``."""
+    """The distinct owner sets of replicated stages (a tie is owned with its home), sorted."""
     return sorted({tuple(owners) for owners in programs.owners if len(owners) > 1})
 
 
@@ -181,8 +169,6 @@ class Channels:
         }
         self.closed = False
 
-    # ------------------------------------------------------------------ messages
-
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeConfigError(
@@ -213,32 +199,17 @@ class Channels:
     def broadcast(self, tensor: Any, src: int, members: tuple[int, ...] | None) -> None:
         dist.broadcast(tensor, src, group=self._collective_group(members))
 
-    # ------------------------------------------------------------------ faults
-
-    def report_fault(self, message: str) -> None:
-        """Record the first failure of this job's channels (later reports keep the first)."""
-        self.notice.report(message)
-
     def first_fault(self, grace: float = 0.0) -> str | None:
-        """The failure a rank recorded, if any, waiting up to ``grace`` s for one
-        (:meth:`FaultNotice.first_within`)."""
+        """The failure a rank recorded, if any, waiting up to ``grace`` s for one."""
         return self.notice.first_within(grace)
-
-    def abort(self) -> None:
-        """Destroy every group of this object: peers blocked on this rank error out promptly.
-
-        The caller must have dropped its pending work handles first (they keep the groups'
-        connections alive). A full garbage collection then frees work objects that reference
-        cycles still hold, so the connections really close now.
-        """
-        self.close(collect=True)
 
     def close(self, collect: bool = False) -> None:
         """Release the process groups (local; call on every rank when done with the executor).
 
-        ``collect`` forces a garbage collection afterwards (abort); a normal close after a
-        completed step holds no pending work and skips it (it costs up to a second in a large
-        process such as a Lightning job).
+        ``collect`` (on an abort, after the caller dropped its pending work handles, which keep
+        the groups' connections alive): a full garbage collection then frees work objects that
+        reference cycles still hold, so the connections really close now. A normal close holds
+        no pending work and skips it.
         """
         if self.closed:
             return

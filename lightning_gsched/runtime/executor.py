@@ -153,7 +153,7 @@ class ProgramExecutor:
         self.compute.times = {} if enabled else None
 
     def compute_times(self) -> dict[tuple[str, int], list[float]]:
-        """Seconds of each recorded ``F``/``B``/``W`` by ("F" | "B" | "W", stage), waits excluded."""
+        """Seconds of each recorded ``F``/``B``/``W`` by (phase, stage), waits excluded."""
         return dict(self.compute.times or {})
 
     def record_memory(self, enabled: bool = True) -> None:
@@ -343,9 +343,9 @@ class ProgramExecutor:
         """Report ``message`` as the job's failure, drop every handle and destroy the groups,
         so that peers waiting on this rank fail at once quoting it. Called on a failed step,
         and by a front end whose own code failed between steps."""
-        self.channels.report_fault(message)
+        self.channels.notice.report(message)
         self.transport.drop_all()
         self.compute.stash.clear()
         self.compute.pending_weights.clear()
         self.compute.saved_counters.clear()
-        self.channels.abort()
+        self.channels.close(collect=True)

@@ -89,7 +89,7 @@ class StepRun:
         self.tie_io = UnitTraffic("tie", ex.ties, ex.transport, ex.rank)
         self.allreduces: list[tuple[Any, str]] = []
         # index of a stage's last B -> its bucketed all-reduce, started during that backward
-        self.overlap: dict[int, GradBuckets] = {} if forward_only else ex.overlapped_reductions(view)
+        self.overlap = {} if forward_only else ex.overlapped_reductions(view)
         self.armed: dict[int, GradBuckets] = {}
         # BatchNorm statistics of this step's forwards, folded on every rank at the end
         self.stats = None if forward_only else ex.running_stats.begin_step(view.programs.num_micro)
