@@ -141,14 +141,12 @@ class Channels:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(
                 "torch.distributed is not initialized; call dist.init_process_group(...) on every "
-                "rank before building the runtime."
-            )
+                "rank before building the runtime.")
         world = dist.get_world_size()
         if world != programs.world_size:
             raise RuntimeConfigError(
                 f"the programs are for {programs.world_size} workers but the job has {world} "
-                f"ranks; plan with workers={world}."
-            )
+                f"ranks; plan with workers={world}.")
         self.rank = dist.get_rank()
         self.world_size = world
         self.timeout = float(timeout)
@@ -173,8 +171,7 @@ class Channels:
         if self.closed:
             raise RuntimeConfigError(
                 "these channels are closed (after a failure or close()); build a new executor "
-                "(and new channels) on every rank to continue."
-            )
+                "(and new channels) on every rank to continue.")
 
     def group(self, kind: str, src: int, dst: int) -> Any:
         """The group carrying ``kind`` messages from ``src`` to ``dst``."""

@@ -185,8 +185,7 @@ class StageCompute:
                    else type(loss).__name__)
             raise RuntimeConfigError(
                 f"loss_fn(output, {b}) must return a scalar tensor, got {got}; "
-                "reduce the loss (e.g. .mean()) inside loss_fn."
-            )
+                "reduce the loss (e.g. .mean()) inside loss_fn.")
         return loss
 
     def infer(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -226,8 +225,7 @@ class StageCompute:
         if pending is None:
             raise RuntimeConfigError(
                 f"W s{s} b{b} without a split B s{s} b{b} before it on this rank; the programs "
-                "are not from this planner."
-            )
+                "are not from this planner.")
         with self._timed("W", s):
             pending.run()
 
@@ -257,8 +255,7 @@ class StageCompute:
         if len(grads) != len(outputs):
             raise RuntimeConfigError(
                 f"B s{s} b{b} got {len(grads)} output gradients for {len(outputs)} "
-                "output tensors; every rank must run the same model and partition."
-            )
+                "output tensors; every rank must run the same model and partition.")
         # outputs without a gradient, or that need none, are left out
         pairs = [(out, grad) for out, grad in zip(outputs, grads, strict=True)
                  if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
@@ -278,6 +275,5 @@ def check_checkpointed(checkpointed: Sequence[bool] | None, stages: int) -> list
     if len(flags) != stages or not all(isinstance(f, bool) for f in flags):
         raise RuntimeConfigError(
             f"checkpointed={flags!r} must be one bool per stage ({stages}); pass the plan's "
-            "flags, plan(..., checkpoint_activations=...).checkpointed."
-        )
+            "flags, plan(..., checkpoint_activations=...).checkpointed.")
     return flags

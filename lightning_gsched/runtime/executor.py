@@ -1,4 +1,4 @@
-"""Execute one rank's program for one optimizer step (op meanings: ``schedule/program.py`` OPS).
+"""Execute one rank's program for one optimizer step. Op meanings: ``schedule/program.py`` OPS.
 
 ``ProgramExecutor(stages, programs)`` is built collectively on every rank (it creates the process
 groups). After :meth:`~ProgramExecutor.step` every owner's ``param.grad`` is the gradient of the
@@ -86,8 +86,7 @@ class ProgramExecutor:
         if transport not in TRANSPORTS:
             raise RuntimeConfigError(
                 f"transport={transport!r} is not one of {list(TRANSPORTS)}; use 'auto' (bare "
-                "tensors once shapes are known) or 'described' (shapes sent with every message)."
-            )
+                "tensors once shapes are known) or 'described' (shapes sent with every message).")
         checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
         check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
@@ -109,7 +108,7 @@ class ProgramExecutor:
         self.last_counters: RuntimeCounters | None = None
         self.last_forward_counters: RuntimeCounters | None = None
         self.memory: MeasuredBytes | None = None  # see record_memory
-        # per programs (kept alive so their id is not reused): see the methods that fill them
+        # per id(programs), with the programs kept alive so that their id is not reused
         self._messages: dict[int, tuple[Programs, bool]] = {}
         self._overlap: dict[int, tuple[Any, dict[int, GradBuckets]]] = {}
         if sync_weights:
@@ -176,18 +175,15 @@ class ProgramExecutor:
         Args:
             inputs: ``{b: (args, kwargs)}``, the call of stage 0 (the model's ``forward``) on
                 microbatch ``b``, for every microbatch: those of ``self.first_stage_micros`` run
-                here, the others only define the step signature. With ``signature``,
-                ``self.first_stage_micros`` suffice.
-            loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``
-                with the model's output on microbatch ``b``.
-            signature: any hashable value, the same on every rank, that changes whenever the
-                shapes of the messages between stages may change (e.g. the batch's shape).
-                Default: the shapes, dtypes and plain values of every microbatch's inputs.
-                Steps with a signature seen before send bare tensors (:mod:`.transport`).
-            on_computed: called with this rank's ``{b: loss}`` once its last compute job is
-                done, before the step waits for its all-reduces and sends, so that a caller's
-                own small collective started there overlaps those waits. It must not wait on
-                this step's work.
+                here, the others define the step signature (with ``signature``, not needed).
+            loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``.
+            signature: a hashable value, the same on every rank, that changes whenever the
+                shapes of the messages between stages may (e.g. the batch's shape). Default:
+                the shapes, dtypes and plain values of every microbatch's inputs. Steps with a
+                known signature send bare tensors (:mod:`.transport`).
+            on_computed: called with this rank's ``{b: loss}`` after its last compute job,
+                before the step waits for its all-reduces and sends, so that a caller's small
+                collective started there overlaps those waits (it must not wait on this step).
         Returns:
             :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
         """
@@ -206,24 +202,15 @@ class ProgramExecutor:
     ) -> dict[int, Any]:
         """Run this rank's program of forward-only ``programs`` (validation, test, predict).
 
-        Args:
-            programs: ``plan(schedule, workers=W, stages=S, R=R, microbatches=B',
-                forward_only=True).programs`` with the schedule, W, S and R of this executor's
-                programs (``B'`` may differ). The same on every rank; every rank must call.
-            inputs: ``{b: (args, kwargs)}`` as in :meth:`step`, for these programs'
-                microbatches (``stage_micros(programs, rank)[0]`` run here). Microbatches may
-                have different sizes, including 0 rows.
-            output_fn: ``output_fn(output, b) -> anything``, called on the rank that runs the last
-                stage of microbatch ``b`` with the model's output.
-            signature: as in :meth:`step`.
-        Returns:
-            ``{b: output_fn(output, b)}`` for the microbatches whose last stage ran here.
+        ``programs``: ``plan(..., forward_only=True).programs`` with the schedule, W, S and R
+        of this executor's programs (the microbatches may differ), the same on every rank;
+        every rank must call. ``inputs`` and ``signature`` as in :meth:`step` (microbatches may
+        have different sizes, including 0 rows); ``output_fn(output, b)`` is called where the
+        last stage of microbatch ``b`` runs. Returns ``{b: output_fn(output, b)}`` for those.
 
-        Runs under ``torch.no_grad()`` and outside inference mode (also inside
-        ``torch.inference_mode()``, so fetched weights never become inference tensors). Owned
-        gradients and running statistics are left as they were; non-owned stages are released
-        afterwards as after :meth:`step`. The run's counters are in
-        ``self.last_forward_counters`` (equal to the forward-only plan's metrics).
+        Runs under ``torch.no_grad()`` and outside inference mode (so fetched weights never
+        become inference tensors). Owned gradients and running statistics are left as they were;
+        the run's counters are in ``self.last_forward_counters``.
         """
         check_forward_programs(self.programs, programs, self.rank)
         view = ProgramView.of(programs, self.rank)
@@ -234,7 +221,7 @@ class ProgramExecutor:
         return state.losses
 
     def _execute(self, state: StepRun, caller: str, signature: Hashable | None) -> None:
-        """Walk ``state.view.program``; on any failure abort the channels and raise a fault."""
+        """Walk the program; on any failure abort the channels and raise a fault."""
         try:
             self._guarded(self._check_inputs, state.inputs, state.view.first_stage_micros, caller)
             self._guarded(self._begin_transport, state, signature, caller)
@@ -276,8 +263,7 @@ class ProgramExecutor:
             except TypeError as exc:
                 raise RuntimeConfigError(
                     f"{caller}'s signature must be hashable (e.g. a tuple of ints), got "
-                    f"{type(signature).__name__}."
-                ) from exc
+                    f"{type(signature).__name__}.") from exc
             key: Hashable = ("given", signature)
         elif self.transport.described or not self._has_pytree_messages(programs):
             key = None  # nothing depends on it
@@ -290,19 +276,15 @@ class ProgramExecutor:
                     "on to send activations without their shapes). Pass every microbatch's "
                     f"inputs on every rank, or {caller[:-2]}(..., signature=<the same hashable "
                     "on every rank, e.g. the batch shape>), or build the executor with "
-                    "transport='described'."
-                )
+                    "transport='described'.")
             key = ("inputs", tuple(wire.spec_of(wire.split(state.inputs[b], "inputs"))
                                    for b in range(programs.num_micro)))
         self.transport.begin_step(programs, key)
 
     def _has_pytree_messages(self, programs: Programs) -> bool:
-        """Whether this rank's program sends or receives activations or input-gradients
-        (cached per programs).
-
-        This rank's only: the signature keys the transport's fast path, which only a sender and
-        its receiver must agree on, and both have the message in their programs. Reading every
-        rank's program would lower all W of a plan lowered per rank on every rank."""
+        """Whether this rank's program exchanges pytrees (cached per programs). Only its own:
+        a sender and its receiver, the only ranks that must agree on the signature, both have
+        the message, and reading every rank's program would lower a lazy plan's all W."""
         key = id(programs)
         if key not in self._messages:
             found = any(a.op in _PYTREE_OPS for a in programs.ranks[self.rank])
@@ -312,8 +294,7 @@ class ProgramExecutor:
     def _check_inputs(self, inputs: Mapping[int, Any], first: list[int], caller: str) -> None:
         if not isinstance(inputs, Mapping):
             raise RuntimeConfigError(
-                f"{caller} takes inputs as {{b: (args, kwargs)}}, got {type(inputs).__name__}."
-            )
+                f"{caller} takes inputs as {{b: (args, kwargs)}}, got {type(inputs).__name__}.")
         missing = [b for b in first if b not in inputs]
         if missing:
             where = ("executor.first_stage_micros" if caller == "step()"
@@ -321,16 +302,14 @@ class ProgramExecutor:
             raise RuntimeConfigError(
                 f"rank {self.rank} runs stage 0 on microbatches {first} but "
                 f"{caller} got no inputs for {missing}; pass {{b: (args, kwargs)}} for (at least) "
-                f"{where}."
-            )
+                f"{where}.")
         for b in first:
             call = inputs[b]
             if not (isinstance(call, tuple) and len(call) == 2
                     and isinstance(call[0], (tuple, list)) and isinstance(call[1], Mapping)):
                 raise RuntimeConfigError(
                     f"inputs[{b}] must be (args, kwargs), e.g. ((x,), {{}}); "
-                    f"got {type(call).__name__}."
-                )
+                    f"got {type(call).__name__}.")
 
     def _sync_weights(self) -> None:
         for owners, flat in weight_units(self.programs, self.flats, self.ties):

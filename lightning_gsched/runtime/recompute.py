@@ -85,8 +85,7 @@ class Replay:
                     f"in place after F s{s} b{b} took it, so B s{s} b{b} cannot recompute the "
                     "stage's forward from it (activation checkpointing). Make the stage leave "
                     "its inputs unchanged (e.g. x = x + y instead of x += y, or a ReLU without "
-                    "inplace=True), or turn checkpoint_activations off for this stage."
-                )
+                    "inplace=True), or turn checkpoint_activations off for this stage.")
 
 
 def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],

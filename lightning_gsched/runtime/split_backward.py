@@ -116,8 +116,7 @@ class PendingWeightGrad:
         if self._work is None:
             raise RuntimeConfigError(
                 "the weight gradients of this backward were already accumulated; run each "
-                "PendingWeightGrad once (the programs list one W per (stage, microbatch))."
-            )
+                "PendingWeightGrad once (the programs list one W per (stage, microbatch)).")
         # take the references out of the object first: after run, nothing here keeps the
         # graph (and the forward's saved tensors) alive, even if a step below raises
         (intermediates, root_edges, params), self._work = self._work, None
@@ -240,24 +239,21 @@ def _roots_with_grads(roots: Sequence[torch.Tensor],
         if not isinstance(r, torch.Tensor):
             raise RuntimeConfigError(
                 f"root {i} is a {type(r).__name__}, not a tensor; pass the stage's output "
-                "tensors (flattened) or [loss]."
-            )
+                "tensors (flattened) or [loss].")
     if root_grads is None:
         for i, r in enumerate(roots):
             if r.numel() != 1:
                 raise RuntimeConfigError(
                     f"root_grads=None means a gradient of ones, which only a scalar root (a loss) "
                     f"has, but root {i} has shape {tuple(r.shape)}; pass the gradients of the "
-                    "outputs, or reduce the loss to a scalar."
-                )
+                    "outputs, or reduce the loss to a scalar.")
         grads: list[torch.Tensor | None] = [torch.ones_like(r) for r in roots]
     else:
         grads = list(root_grads)
         if len(grads) != len(roots):
             raise RuntimeConfigError(
                 f"{len(grads)} root gradients for {len(roots)} roots; give one per root (None "
-                "for an output that received no gradient)."
-            )
+                "for an output that received no gradient).")
     pairs = []
     for i, (r, g) in enumerate(zip(roots, grads, strict=True)):
         if g is None:
@@ -268,8 +264,7 @@ def _roots_with_grads(roots: Sequence[torch.Tensor],
                     f"root {i} (shape {tuple(r.shape)}) was given a gradient but does not "
                     "require grad, so no parameter can get a gradient through it (computed under "
                     "torch.no_grad() or detached?); pass only roots that require grad, or None as "
-                    "the gradient of an output that needs none."
-                )
+                    "the gradient of an output that needs none.")
             continue
         pairs.append((r, g))
     return pairs
@@ -284,8 +279,7 @@ def _input_leaves(inputs: Sequence[Any]) -> list[torch.Tensor]:
                 raise RuntimeConfigError(
                     f"input {i} is not a leaf (its grad_fn is {type(t.grad_fn).__name__}), so B "
                     "would run into the graph that produced it; give the stage fresh leaves, "
-                    "e.g. x.detach().requires_grad_()."
-                )
+                    "e.g. x.detach().requires_grad_().")
             wanted.append(t)
     return wanted
 
@@ -296,13 +290,11 @@ def _check_params(params: list[torch.Tensor], wanted: list[torch.Tensor]) -> Non
         if p.grad_fn is not None:
             raise RuntimeConfigError(
                 f"a parameter of shape {tuple(p.shape)} is not a leaf (its grad_fn is "
-                f"{type(p.grad_fn).__name__}); pass the stage's nn.Parameters."
-            )
+                f"{type(p.grad_fn).__name__}); pass the stage's nn.Parameters.")
         if id(p) in inputs:
             raise RuntimeConfigError(
                 f"a parameter of shape {tuple(p.shape)} is also a stage input; B returns an "
-                "input's gradient and W accumulates a parameter's, so pass it as one of the two."
-            )
+                "input's gradient and W accumulates a parameter's, so pass it as one of the two.")
 
 
 def _edge_key(t: torch.Tensor) -> EdgeKey:

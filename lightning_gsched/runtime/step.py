@@ -1,4 +1,4 @@
-"""The state of one step on one rank, and what each action of the program does.
+"""The state of one step on one rank: what each action of the program does.
 
 Everything here lives exactly one step (posted receives, values produced for a send or a local
 consumer, pending gradient receives and all-reduces, counters) and is dropped at once on a
@@ -204,8 +204,7 @@ class StepRun:
         if a.stage in self.stage_io.reduced:
             raise RuntimeConfigError(
                 f"{a} after ALLREDUCE_G of stage {a.stage} started; the all-reduce must come "
-                f"after the stage's last {what} on this rank."
-            )
+                f"after the stage's last {what} on this rank.")
 
     def _prepare_weight_grads(self, s: int, index: int) -> None:
         """Before a job accumulates stage s's weight gradients (B, or W when split): activate
@@ -216,8 +215,7 @@ class StepRun:
                 raise RuntimeConfigError(
                     f"a weight-gradient job of stage {s} after ALLREDUCE_G t{h} (tie {h}) "
                     "started; the all-reduce must come after the last weight-gradient job of a "
-                    "stage reading the tie on this rank."
-                )
+                    "stage reading the tie on this rank.")
             grads = self.tie_io.units[h].grads
             if not grads.active:
                 grads.zero()
@@ -329,8 +327,7 @@ class StepRun:
         if leftovers or held:
             raise RuntimeConfigError(
                 f"rank {self.ex.rank} ends its program with unconsumed receives {leftovers} or "
-                f"stashed activations {held}; the programs are inconsistent."
-            )
+                f"stashed activations {held}; the programs are inconsistent.")
         self._note_bytes()
 
     def _note_bytes(self) -> None:

@@ -116,8 +116,7 @@ class SpecBook:
             raise RuntimeConfigError(
                 f"message {position} {'to' if direction == 'out' else 'from'} rank {peer} was "
                 f"not in the last step of these programs ({len(specs)} messages); the programs "
-                "changed under the executor. Plan once and pass the same programs every step."
-            )
+                "changed under the executor. Plan once and pass the same programs every step.")
         return specs[position]
 
     def commit(self) -> None:

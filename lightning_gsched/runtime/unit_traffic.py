@@ -70,8 +70,7 @@ class UnitTraffic:
             raise RuntimeConfigError(
                 f"{self.kind} {key}{reader} is not resident on rank {self.rank} (neither owned "
                 "nor fetched); the programs do not match this rank. Plan once and pass the same "
-                "programs on every rank."
-            )
+                "programs on every rank.")
         unit.materialize()
 
     def free(self, a: Action, index: int) -> None:
@@ -81,8 +80,7 @@ class UnitTraffic:
         if unit.grads.active:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} while its gradient was not sent to the owner "
-                "(its REDUCE_G must come first); the programs are not from this planner."
-            )
+                "(its REDUCE_G must come first); the programs are not from this planner.")
         unit.free()
 
     def hand_off(self, a: Action, index: int) -> None:
@@ -95,8 +93,7 @@ class UnitTraffic:
         if a.stage in self.reduced:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} after its all-reduce started; gradients must "
-                "be received before the owners reduce them."
-            )
+                "be received before the owners reduce them.")
         unit = self.units[a.stage]
         buffer = torch.empty(unit.grads.numel, dtype=unit.dtype, device=unit.device)
         work = self.transport.post_flat(buffer, peer_of(a), "grads")
