@@ -1,20 +1,14 @@
 """The process groups one executor talks over, and the job-wide fault notice.
 
-Programs are FIFO per (src, dst) *per channel* (``p2p`` for activations and input-gradients,
-``weights``, ``grads``), and backends without message tags (NCCL) only order messages within one
-communicator: hence one group per channel kind, and within a kind one per direction (lower to
-higher rank, and back), because NCCL runs one communicator's point-to-point operations in issue
-order, so a receive posted early from a peer must not hold back a later send *to* that peer.
-Replica all-reduces (of stages and ties) get one subgroup per distinct member set, and running
-statistics one world group.
-
-``dist.new_group`` is collective over the whole job, so every rank builds its ``Channels`` in the
-same order with the same programs; the groups are derived from the programs alone (for a plan
-lowered per rank, from its stage owners alone: :func:`replica_groups`).
-
-On a failure the executor reports the first failure into the job's store (peers quote it as the
-root cause) and destroys every group of this object, so peers blocked on this rank fail at once
-instead of at their timeout.
+Programs are FIFO per (src, dst) *per channel* (``p2p``, ``weights``, ``grads``), and backends
+without message tags (NCCL) only order messages within one communicator: hence one group per
+kind, and per direction (lower to higher rank, and back), because NCCL runs a communicator's
+point-to-point operations in issue order, so a receive posted early from a peer must not hold back
+a later send *to* it. Replica all-reduces get one subgroup per member set, running statistics one
+world group. ``dist.new_group`` is collective over the job, so every rank builds its ``Channels``
+in the same order from the same programs (for a plan lowered per rank, from its stage owners
+alone: :func:`replica_groups`). On a failure the executor reports it in the job's store (peers
+quote it as the root cause) and destroys the groups, so that peers blocked on it fail at once.
 """
 
 from __future__ import annotations
@@ -48,9 +42,9 @@ def default_store() -> Store | None:
 
 
 class FaultNotice:
-    """The job's first failure under one key of the job's store: written once (a later report
-    keeps the first), read without blocking. Shared by the runtime's channels and the
-    strategy's control group, whose peers quote it as the root cause of their own error."""
+    """The job's first failure under one key of the job's store, written once (a later report
+    keeps the first): peers of the runtime's channels and of the strategy's control group quote
+    it as the root cause of their own error."""
 
     def __init__(self, store: Store | None, key: str) -> None:
         self.store = store
@@ -78,10 +72,9 @@ class FaultNotice:
     def first_within(self, grace: float) -> str | None:
         """:meth:`first`, waiting up to ``grace`` s for a failure to be recorded.
 
-        For a rank that lost its connection to a peer: a failing peer records its failure before
-        it closes its connections, but the close can still reach this rank first. Without the
-        wait, this rank's own "lost the connection" would become the job's first failure and hide
-        the real cause. A peer that died records nothing; the wait then costs ``grace``, once.
+        For a rank that lost its connection to a peer: the peer records its failure before it
+        closes its connections, but the close can reach this rank first, whose own "lost the
+        connection" would then hide the real cause. A dead peer records nothing: ``grace`` lost.
         """
         deadline = time.monotonic() + grace
         while True:
@@ -126,14 +119,9 @@ def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
 
 
 class Channels:
-    """Process groups per channel kind, replica subgroups, and the fault notice.
-
-    Args:
-        programs: the programs the executor will run (they decide the replica subgroups).
-        timeout: seconds; also the process groups' own timeout, which bounds collectives.
-        store: a ``torch.distributed.Store`` shared by the job for the fault notice; default:
-            the default process group's store.
-    """
+    """Process groups per channel kind, replica subgroups (decided by ``programs``), and the
+    fault notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is
+    also the groups' own, which bounds collectives."""
 
     def __init__(
         self, programs: Programs, *, timeout: float = 300.0, store: Store | None = None

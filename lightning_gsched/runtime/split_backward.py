@@ -1,64 +1,54 @@
 """A stage's backward in two halves: B (input gradients) now, W (weight gradients) later.
 
 Zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``; Qi et al., "Zero Bubble Pipeline
-Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, because the previous
-stage waits for it, and ``W s b`` later, where the worker would otherwise idle. Autograd has no
-"weights later" mode, so this module cuts one backward in two over the same graph, without
-recomputing the forward, after ``torch.distributed.pipelining._backward`` (differences below).
+Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, since the previous stage
+waits for it, and ``W s b`` where the worker would otherwise idle. Autograd has no "weights later"
+mode, so this module cuts one backward in two over the same graph, without recomputing the
+forward, after ``torch.distributed.pipelining._backward`` (differences below).
 
 Terms, on the autograd graph below the roots (the stage's outputs, or its loss):
 
-* I, the *input closure*: the nodes from which the AccumulateGrad node of an input needing a
-  gradient is reachable. Every parent of a node of I is in I.
+* I, the *input closure*: the nodes from which an input's AccumulateGrad node is reachable.
+  Every parent of a node of I is in I.
 * O, the *weight side*: the nodes outside I from which a parameter's AccumulateGrad node is
   reachable. Nothing below a node of O is in I (it would then reach an input itself).
 * *intermediates*: the nodes of I with a child in O (e.g. a Linear's ``AddmmBackward``, whose
   children are the layer input (I) and the weight's ``TBackward`` and the bias (O)).
 
 **B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``:
-autograd executes exactly the nodes of I, and of each only the outputs towards I, so no
-weight-gradient product is computed and no ``.grad`` is touched. A pre-hook on every intermediate
-records the gradient arriving at it, which is its full gradient since all its parents are in I.
+autograd executes exactly the nodes of I, each only towards I, so no weight-gradient product is
+computed and no ``.grad`` touched. A pre-hook on every intermediate records the gradient arriving
+at it, which is complete since all its parents are in I.
 
-**W** (:meth:`PendingWeightGrad.run`) has two phases:
+**W** (:meth:`PendingWeightGrad.run`): (1) each intermediate runs again, alone, from its recorded
+gradient, with its O children as the ``autograd.grad`` targets, so only its outputs towards O are
+computed; a post-hook reads them and hands nothing on. One engine call per intermediate, because
+from an upper intermediate the input side below it leads to the lower intermediates' weights, so
+one call from all of them would run B again. (2) One ``torch.autograd.backward`` from the O
+children with the read outputs summed per edge, plus the roots outside I (outputs computed from
+parameters alone, or every root when no input needs a gradient), with ``inputs=params``.
+Parameters accumulate through their AccumulateGrad nodes, once each: ``.grad`` views of a flat
+buffer receive the sum in place and post-accumulate hooks fire once (:mod:`.buckets` relies on it).
 
-1. Each intermediate runs again, alone, from its recorded gradient: an ``autograd.grad`` call
-   whose targets are its O children, so autograd computes only its outputs towards O; a
-   post-hook reads them and hands nothing on.
-2. One ``torch.autograd.backward`` from the O children, with the read outputs summed per edge,
-   plus the roots not in I (outputs computed from parameters alone, or every root when no input
-   needs a gradient), restricted to ``inputs=params``. Parameters accumulate through their
-   AccumulateGrad nodes, once each: ``.grad`` views of a flat buffer receive the sum in place and
-   post-accumulate hooks fire once per parameter (:mod:`.buckets` relies on both).
-
-Nothing counts twice: B executed only nodes of I, phase 1 only each intermediate's outputs
-towards O (edges B skipped), phase 2 only nodes of O; a root outside I was not executed in B and
-nothing below it is in I. Phase 1 makes one engine call per intermediate because autograd runs
-every node on a path from a starting point to a target: from an upper intermediate, the input
-side below it leads to the lower intermediates' weights, so one call would run B again.
-
-Cost: B is the ordinary backward minus its weight products; W runs every intermediate once more
-for its weight outputs only, then the weight-only subgraph. Overheads: a Python walk of the graph
-per B, one engine call per intermediate in W, and the graph's saved tensors and recorded
-gradients alive from B to W (dropped by :meth:`PendingWeightGrad.run`). When an intermediate's O
-child is also reachable through its I children (a Linear applied twice), autograd also computes
-that intermediate's input-side output (discarded) and visits the I nodes below with no gradient,
-which built-in nodes skip.
+Nothing counts twice: B executed only nodes of I, phase 1 only the intermediates' edges towards O,
+phase 2 only nodes of O; a root outside I was not executed in B and nothing below it is in I.
 
 Exactness: B executes the same nodes of I in the same order (the engine orders ready nodes by
-creation; O nodes never make a node of I ready) on the same buffers as one ordinary backward, so
-input gradients and recorded gradients are bit-identical, and each intermediate's weight outputs
-are the same kernels on the same values. Phase 2 sums the terms reaching one O edge in the
-ordinary order (root gradients first, then intermediates in B's order). Only an O node receiving
-three or more terms, from intermediates and other O nodes, may add them in another order: float
-rounding, not a different value.
+creation; O nodes never make a node of I ready) on the same buffers as an ordinary backward, so
+input and recorded gradients are bit-identical, and the weight outputs are the same kernels on the
+same values. Phase 2 sums the terms reaching an O edge in the ordinary order (roots first, then
+intermediates in B's order); only an O node receiving three or more terms, from intermediates and
+other O nodes, may add them in another order: float rounding, not a different value.
 
-Differences from ``torch.distributed.pipelining``: roots outside I feed W; an intermediate
-reachable from another is not counted twice; W does not re-run the input side between
-intermediates; parameters accumulate through AccumulateGrad (in place, hooks fire) instead of
-``grad`` plus a manual add; the graph is released after W. Only the given parameters receive
-gradients: another leaf reachable from the roots gets none, where an ordinary backward would
-accumulate into it.
+Cost: B is the ordinary backward minus its weight products; W the weight products plus the
+weight-only subgraph, with one engine call per intermediate and the graph's saved tensors and
+recorded gradients alive from B to W. When an intermediate's O child is also reachable through its
+I children (a Linear applied twice), autograd also computes its input-side output (discarded).
+
+Unlike ``torch.distributed.pipelining``: roots outside I feed W; an intermediate reachable from
+another is not counted twice; W does not re-run the input side; parameters accumulate through
+AccumulateGrad (in place, hooks fire); the graph is released after W. Only the given parameters
+receive gradients: another leaf reachable from the roots gets none.
 """
 
 from __future__ import annotations
@@ -117,8 +107,7 @@ class PendingWeightGrad:
             raise RuntimeConfigError(
                 "the weight gradients of this backward were already accumulated; run each "
                 "PendingWeightGrad once (the programs list one W per (stage, microbatch)).")
-        # take the references out of the object first: after run, nothing here keeps the
-        # graph (and the forward's saved tensors) alive, even if a step below raises
+        # take the references out first: nothing here keeps the graph alive, even on a raise
         (intermediates, root_edges, params), self._work = self._work, None
         arriving: dict[EdgeKey, list[torch.Tensor]] = {}
         for key, grad in root_edges:  # the engine adds the roots' gradients first
@@ -143,11 +132,8 @@ class PendingWeightGrad:
 def _weight_outputs(item: _Intermediate) -> tuple[torch.Tensor | None, ...]:
     """Phase 1: run one intermediate from its recorded gradient for its outputs towards O.
 
-    The autograd.grad targets are the node's O children: the engine then computes only the
-    outputs leading to them (and, if an I child also leads to one, that output too). The
-    post-hook keeps the outputs and hands nothing on, so no other node adds to anything. The
-    pre-hook puts back exactly what B recorded, in case tensor hooks on this node's outputs
-    (``register_hook``) would change the fed gradient a second time.
+    The post-hook keeps the outputs and hands nothing on. The pre-hook puts back exactly what B
+    recorded, in case tensor hooks on the node's outputs would change the fed gradient again.
     """
     node, recorded = item.node, item.grads
     outputs: list[tuple[torch.Tensor | None, ...]] = []
@@ -180,12 +166,10 @@ def backward_input(
 ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
     """B: the gradients of ``inputs`` (None where none), and the work W has left.
 
-    ``roots``: the stage's output tensors with ``root_grads`` their incoming gradients (a None
-    entry: no gradient for that output, it is skipped), or, on the last stage, ``[loss]`` with
-    ``root_grads=None`` (a gradient of ones). ``inputs``: the stage's inputs, leaves; those that
-    do not require grad (or are not tensors) get None. ``params``: the stage's parameters; only
-    those that require grad receive gradients, and only in :meth:`PendingWeightGrad.run`: B
-    leaves every ``.grad`` (inputs' and parameters') untouched.
+    ``roots``: the stage's output tensors with ``root_grads`` their gradients (None: skipped),
+    or ``[loss]`` with ``root_grads=None`` (a gradient of ones). ``inputs``: the stage's inputs,
+    leaves. ``params``: those requiring grad receive gradients in :meth:`PendingWeightGrad.run`;
+    B leaves every ``.grad`` untouched.
     """
     params = list(dict.fromkeys(p for p in params if p.requires_grad))
     wanted = _input_leaves(inputs)

@@ -1,38 +1,35 @@
 """Messages of a program: pytrees on ``p2p``, flat buffers on ``weights`` and ``grads``.
 
 Sends never block (the programs were proven deadlock-free under that model): every send is an
-``isend`` whose buffer :class:`~.send_release.SendReleaser` keeps until it completed. Receives
-are *posted* where the program says and waited for where they are consumed.
+``isend`` whose buffer :class:`~.send_release.SendReleaser` keeps until it completed. Receives are
+*posted* where the program says and waited for where they are consumed.
 
 A pytree message (activation or input-gradient) travels as its distinct non-empty tensors, one
-message each, as they are (no header, no pickling, no copy), as torch.distributed.pipelining does
-after its shape inference. The receiver must then know the message's *spec* (:class:`wire.Spec`)
-in advance to post the receives into right-shaped buffers where the program posts them (on gloo
-the bytes only flow once the receive is posted; on NCCL reading a header would cost a sync).
-
-Both ends know the spec without asking each other: the programs send the same messages every
-step, and the shapes follow from the step's *signature*, which every rank computes alike
-(``ProgramExecutor.step(..., signature=...)``; by default the inputs' shapes). Both ends keep,
-per (programs, signature), the specs of the last completed step per peer, direction and position
-(:class:`SpecBook`, least recently used dropped alike on every rank). Each step is then either
+message each, as they are (no header, pickling or copy), as torch.distributed.pipelining does
+after shape inference. So the receiver must know the message's *spec* (:class:`wire.Spec`) when
+it posts the receives (on gloo the bytes only flow once the receive is posted; on NCCL reading a
+header would cost a sync). The programs send the same messages every step, and their shapes
+follow from the step's *signature*, which every rank computes alike (by default the inputs'
+shapes). Both ends remember, per (programs, signature), the specs of the last completed step per
+peer, direction and position (:class:`SpecBook`, least recently used dropped alike everywhere).
+A step is then either
 
 * *fast* (a known (programs, signature)): the receiver posts the tensor receives at the program's
-  receive post; the sender compares its spec with the remembered one. A differing message (a
-  shape that depends on the data) cannot be told to the receiver, whose buffers are posted: the
-  sender raises :class:`MessageShapeError` (see ``transport="described"``);
-* or *described* (a new signature, or every step with ``transport="described"``): each message is
-  an ``int64 [meta_len]`` header, the pickled spec, then the tensors. The receiver posts nothing
-  ahead: a consumer's wait takes the pending messages from that peer in program order, so the
-  channel stays in the sender's order. At the end of the step the recorded specs become the
-  signature's expectation.
+  receive post; the sender checks its spec against the remembered one and raises
+  :class:`MessageShapeError` if it differs (a data-dependent shape cannot be told to a receiver
+  whose buffers are posted; see ``transport="described"``);
+* or *described* (a new signature, or always with ``transport="described"``): each message is an
+  ``int64 [meta_len]`` header, the pickled spec, then the tensors. The receiver posts nothing
+  ahead: a consumer's wait takes the peer's pending messages in program order, so the channel
+  stays in the sender's order. The recorded specs become the signature's expectation.
 
-Both ends decide fast vs described from the same history. Empty tensors travel as nothing.
-Weights and gradient reductions have sizes both ends know: one message each.
+Empty tensors travel as nothing. Weights and gradient reductions have sizes both ends know.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
@@ -49,16 +46,16 @@ TRANSPORTS = ("auto", "described")
 SIGNATURES_KEPT = 16  # (programs, signature) pairs remembered; older ones are described again
 
 
+@dataclass(eq=False)  # compared by identity, as any handle
 class IncomingPytree:
     """A posted pytree receive: its tensors' receives are posted (fast path), or it waits in
     its peer's queue until a consumer takes it (described path)."""
 
-    def __init__(self, peer: int, label: str) -> None:
-        self.peer = peer
-        self.label = label  # "'RECV_ACT s0 b1 <-0' (action 2)"
-        self.spec: wire.Spec | None = None
-        self.buffers: list[torch.Tensor] | None = None
-        self.works: list[Any] = []
+    peer: int
+    label: str  # "'RECV_ACT s0 b1 <-0' (action 2)"
+    spec: wire.Spec | None = None
+    buffers: list[torch.Tensor] | None = None
+    works: list[Any] = field(default_factory=list)
 
     @property
     def pending_bytes(self) -> int:
@@ -75,9 +72,9 @@ _Specs = dict[tuple[int, str], list[wire.Spec]]
 class SpecBook:
     """Message specs per (programs, signature), per (peer, direction), in message order.
 
-    ``begin`` starts a step; :attr:`fast` tells whether its (programs, signature) completed a
-    step before (then ``expected`` gives each message's spec); otherwise ``record`` notes the
-    specs and ``commit`` (end of a successful step) makes them the expectation.
+    After ``begin``, :attr:`fast` tells whether the (programs, signature) completed a step
+    before (then ``expected`` gives each message's spec); otherwise the step notes the specs in
+    ``now`` and ``commit`` (end of a successful step) makes them the expectation.
     """
 
     def __init__(self, capacity: int = SIGNATURES_KEPT) -> None:
@@ -135,10 +132,7 @@ class SpecBook:
 
 class Transport:
     """Sends and receives of one executor; counts messages' bytes into ``counters``.
-
-    ``transport``: ``"auto"`` (fast path for a known step signature) or ``"described"`` (every
-    message carries its spec, every step).
-    """
+    ``transport``: ``"auto"`` or ``"described"`` (see the module docstring)."""
 
     def __init__(self, channels: Channels, waiter: Waiter, device: torch.device,
                  transport: str = "auto") -> None:

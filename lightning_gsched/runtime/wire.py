@@ -58,8 +58,7 @@ class _TensorUnpickler(pickle.Unpickler):
 
 @dataclass
 class Split:
-    """A pytree taken apart: its structure (hashable, see the module doc) and its distinct
-    tensors in a fixed order."""
+    """A pytree taken apart: its structure and its distinct tensors in a fixed order."""
 
     structure: Any
     tensors: list[torch.Tensor]
@@ -145,11 +144,8 @@ def _build(node: _Node, tensors: Sequence[Any]) -> Any:
 
 
 def detached_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """What a receiving stage gets: fresh leaves, requiring grad where the sender's did.
-
-    A stage boundary is always cut (also between two stages on one rank), so each backward
-    covers exactly one stage and yields the gradients of that stage's inputs in ``.grad``.
-    """
+    """What a receiving stage gets: fresh leaves, requiring grad where the sender's did (a stage
+    boundary is always cut, also between two stages on one rank: see :mod:`.compute`)."""
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
@@ -160,8 +156,7 @@ TensorSpec = tuple[torch.Size, torch.dtype, bool]  # shape, dtype, requires_grad
 
 @dataclass(frozen=True)
 class Spec:
-    """What a receiver must know to receive a message without a header: the structure and, per
-    distinct tensor, its shape, dtype and ``requires_grad``. Compared by ``==``."""
+    """What a receiver must know to receive a message without a header (compared by ``==``)."""
 
     structure: Any
     tensors: tuple[TensorSpec, ...]
@@ -195,7 +190,7 @@ def decode_spec(meta: bytes) -> Spec:
 
 def wire_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The tensor as it goes on the wire: detached, on ``device``, contiguous (copied only if
-    it is not already)."""
+    needed)."""
     data = t.detach()
     if data.device != device:
         data = data.to(device)
@@ -216,8 +211,7 @@ def received(spec: Spec, buffers: Sequence[torch.Tensor]) -> tuple[Any, list[tor
 
 
 def received_copy(parts: Split, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
-    """What a receiver of ``parts`` gets, built locally (one fresh buffer per tensor): how
-    :func:`lightning_gsched.measure.measure_stage_bytes` sizes a received stage input."""
+    """What a receiver of ``parts`` gets, built locally (one fresh buffer per tensor)."""
     spec = spec_of(parts)
     buffers = empty_like_spec(spec, device)
     with torch.no_grad():
