@@ -1,23 +1,19 @@
 """Forward and backward of one stage on one microbatch, and the stash between them.
 
-Every stage boundary is cut: each ``B s b`` is a separate action (possibly long after ``F s b``,
-with the stage's weights freed and refetched in between), so a stage's backward must cover that
-stage only. Stage inputs are therefore always fresh leaves, ``B s b`` is
-``autograd.backward(outputs of F s b, their gradients)``, and the inputs' ``.grad`` are the
-gradients handed to the producer. The last stage's backward starts from ``loss_fn(output, b) /
-B``, so the summed gradients are those of the mean loss of the global batch.
+Every stage boundary is cut: ``B s b`` may run long after ``F s b``, with the stage's weights
+freed and refetched in between, so a backward must cover one stage only. Stage inputs are fresh
+leaves, ``B s b`` is ``autograd.backward(outputs of F s b, their gradients)`` and the inputs'
+``.grad`` go to the producer. The last stage starts from ``loss_fn(output, b) / B``: the summed
+gradients are those of the global batch's mean loss. A split backward computes only the input
+gradients at ``B`` and keeps what the weight gradients need (:mod:`.split_backward`) until ``W``,
+stashed until then as the planner counts it. ``forward_context`` is entered around the stage's
+forward call only, so a front end's precision applies to the model as for ``model(x)`` on one
+device, not to the loss code or the backward.
 
-A split backward (zero-bubble programs) computes only the input gradients at ``B`` and keeps
-what the weight gradients need (:mod:`.split_backward`) until ``W``; the (stage, microbatch)
-counts as stashed until then, as the planner counts it.
-
-``forward_context`` is entered around the stage's forward call only: a front end's precision then
-applies to the model as for ``model(x)`` on one device, not to the loss code or the backward.
-
-A checkpointed stage (:mod:`.recompute`) runs ``F`` under ``torch.no_grad`` and stashes its
-inputs and the generators' state; ``B`` runs the forward again, then does what B does for any
-stage. On the last stage ``F`` still calls ``loss_fn``, on fresh leaves holding the output, so the
-loss has a small graph of its own; ``B`` backpropagates the loss to those leaves first.
+A checkpointed stage (:mod:`.recompute`) runs ``F`` without a graph, stashing its inputs and the
+generators' state, and ``B`` runs the forward again. On the last stage ``F`` still calls
+``loss_fn``, on fresh leaves holding the output, so the loss has a small graph of its own that
+``B`` backpropagates to those leaves first.
 """
 
 from __future__ import annotations
@@ -144,10 +140,9 @@ class StageCompute:
 
     @contextmanager
     def _saved(self, s: int, b: int, held: Sequence[Any] = ()) -> Iterator[None]:
-        """When recording, count what autograd saves in ``F s b`` (weights and buffers
-        excluded) plus the tensors in ``held`` that the stash keeps besides. A checkpointed
-        stage's recompute at a split B records again, replacing F's record: from then to W the
-        stash holds the recomputed graph."""
+        """When recording, count what autograd saves in ``F s b`` (weights and buffers excluded)
+        plus ``held``, kept besides. A checkpointed stage's recompute records again: from then
+        to W the stash holds the recomputed graph."""
         if self.saved_bytes is None:
             yield
             return

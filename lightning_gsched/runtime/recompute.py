@@ -1,23 +1,17 @@
 """Activation checkpointing of a stage: what ``F s b`` keeps, and how ``B s b`` replays it.
 
-A stage's stashed activations limit how many microbatches a worker can hold. A checkpointed
-stage runs ``F s b`` without a graph and keeps only its inputs and the random generators' state;
-``B s b`` runs the same forward again (one more forward per backward, which the planner charges
-to B).
+A checkpointed stage's ``F`` keeps only its inputs and the random generators' state instead of
+its activations (which limit how many microbatches a worker holds); ``B`` runs the forward again
+(charged to B by the planner). The replay runs the same stage on the same inputs, generators
+restored (:class:`RngState`), inside the same ``forward_context``, so it is bit-exact; the ambient
+random stream is forked around it, so later draws are as without checkpointing. A stage that
+modifies an input in place (torch allows it without a graph) is refused (``check_inputs``).
 
-Exactness: the replay runs the same stage on the same input tensors with the generators where
-they were at F (:class:`RngState`) inside the same ``forward_context``, so it computes the
-forward's values bit for bit and the backward is the ordinary one. The ambient random stream is
-forked around the replay, so every later draw is as without checkpointing. A stage that modifies
-an input tensor in place (which torch allows without a graph) cannot be replayed exactly and is
-refused (:meth:`Replay.check_inputs`).
-
-Output flags: without a graph no output requires grad, yet the next stage must know which inputs
-need a gradient. :func:`flag_outputs` marks every floating-point output the stage computed as
-requiring grad when the stage has a trainable parameter or an input requiring grad, as the
-reentrant ``torch.utils.checkpoint`` does. Where the graph would not have (a float computed from a
-buffer alone), the next stage computes a gradient the replay then drops: extra work, never a
-different result.
+Without a graph no output requires grad, yet the next stage must know which inputs need one:
+:func:`flag_outputs` marks every floating-point output the stage computed, when it has a trainable
+parameter or an input requiring grad, as the reentrant ``torch.utils.checkpoint`` does. Where the
+graph would not have (a float computed from a buffer alone), the extra gradient is dropped by the
+replay: extra work, never a different result.
 """
 
 from __future__ import annotations

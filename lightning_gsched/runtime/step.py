@@ -1,21 +1,18 @@
 """The state of one step on one rank: what each action of the program does.
 
-Everything here lives exactly one step (posted receives, values produced for a send or a local
-consumer, pending gradient receives and all-reduces, counters) and is dropped at once on a
-failure, before the executor destroys its process groups (pending handles keep connections
-open). What outlives a step is the executor's; :class:`ExecutorState` lists what a step reads of
-it, so this module does not import the executor (which imports this one).
+Everything here lives one step (posted receives, values produced for a send or a local consumer,
+pending gradient receives and all-reduces, counters) and is dropped at once on a failure, before
+the executor destroys its process groups (pending handles keep connections open). What outlives a
+step is the executor's: :class:`ExecutorState` lists what a step reads of it, so that this module
+need not import the executor (which imports it).
 
-One method per op, called through the op -> method table :data:`HANDLERS`: functions of the
-class, not bound methods, since a table of bound methods on the instance would be a reference
-cycle keeping a finished step's tensors alive until the garbage collector runs. Which input a
-compute reads is the dry run's rule (``view.rules``, :mod:`..schedule.consumption`); the runtime
-runs chains of stages (``check_programs``), so each compute reads at most one producer's output
-or one consumer's gradient. Weight-unit ops act on a stage or, with ``Action.tie``, on a tie,
-through that kind's :class:`~.unit_traffic.UnitTraffic`.
-
-A forward-only run (``forward_only=True``) runs forwards without autograd or stash, hands the
-last stage's output to ``output_fn`` and touches no gradient and no running statistics.
+:meth:`StepRun.run` calls one method per op through the table :data:`HANDLERS`, of functions, not
+bound methods: bound methods stored on the instance would be a reference cycle keeping a finished
+step's tensors alive until the garbage collector runs. Which input a compute reads is the dry
+run's rule (``view.rules``); the runtime runs chains of stages (``check_programs``), so a compute
+reads at most one message. Weight-unit ops act on a stage or, with ``Action.tie``, a tie, through
+that kind's :class:`~.unit_traffic.UnitTraffic`. A forward-only run computes without autograd or
+stash, hands the last stage's output to ``output_fn`` and touches no gradient or statistics.
 """
 
 from __future__ import annotations
