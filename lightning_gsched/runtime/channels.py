@@ -51,22 +51,19 @@ class FaultNotice:
         self.key = key
 
     def report(self, message: str) -> None:
-        if self.store is None:
-            return
         try:
-            self.store.compare_set(self.key, "", message)
+            if self.store is not None:
+                self.store.compare_set(self.key, "", message)
         except Exception:  # noqa: BLE001 - never mask the real failure
             pass
 
     def first(self) -> str | None:
         """The failure a rank recorded, if any (never blocks)."""
-        if self.store is None:
-            return None
         try:
-            if self.store.check([self.key]):
+            if self.store is not None and self.store.check([self.key]):
                 return self.store.get(self.key).decode(errors="replace")
         except Exception:  # noqa: BLE001
-            return None
+            pass
         return None
 
     def first_within(self, grace: float) -> str | None:
@@ -145,9 +142,7 @@ class Channels:
         everyone = list(range(world))
         self.groups: dict[tuple[str, bool], Any] = {
             (kind, up): dist.new_group(everyone, timeout=span)
-            for kind in KINDS
-            for up in (True, False)
-        }
+            for kind in KINDS for up in (True, False)}
         self.shared = dist.new_group(everyone, timeout=span)
         self.replicas: dict[tuple[int, ...], Any] = {
             members: dist.new_group(list(members), timeout=span)

@@ -30,13 +30,6 @@ class GradSource(Protocol):
     device: torch.device
 
 
-def _flatten(params: list[nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients in one flat tensor (zeros where a gradient is None)."""
-    return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-    ])
-
-
 class GradStash:
     """Holds one step's gradients from the schedule until :meth:`hand_over`."""
 
@@ -72,15 +65,12 @@ class GradStash:
 
     def after_step(self) -> None:
         """Take the step's gradients out of the parameters; restore what was set aside."""
-        self.held = []
-        for s in self.ownership.stages:
-            grads = self.source.flats[s].grads
-            self.held.append((grads, grads.take(), grads))
-        for h in self.ownership.ties:
-            grads = self.source.ties[h].grads
-            self.held.append((grads, grads.take(), grads))
-        if self.ownership.extra:
-            flat = _flatten(self.ownership.extra)
+        units = [*(self.source.flats[s] for s in self.ownership.stages),
+                 *(self.source.ties[h] for h in self.ownership.ties)]
+        self.held = [(unit.grads, unit.grads.take(), unit.grads) for unit in units]
+        if self.ownership.extra:  # one flat of their gradients, zeros where None
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in self.ownership.extra])
             if self.world_size > 1:
                 dist.all_reduce(flat)
             self.held.append((self.extra_layout, flat, None))
