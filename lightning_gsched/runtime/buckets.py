@@ -1,18 +1,14 @@
 """Start a stage's gradient all-reduce in pieces while its last backward is still running.
 
-Why: a program reduces stage s's gradients (``ALLREDUCE_G s``) after the last backward of s on
-this rank. Issued as one all-reduce at that point, the whole transfer follows the backward. For
-data-parallel schedules (``ddp``: one stage, the whole model), that is the difference from
-torch's DDP, which overlaps the reduction of the last layers' gradients with the backward of
-the first ones. A :class:`GradBuckets` does the same for any stage: while the stage's *last*
-backward of the step runs, a post-accumulate hook on each parameter counts it done, and as soon
-as every parameter of a bucket (a contiguous piece of the stage's flat gradient, about
-:data:`BUCKET_BYTES`) has its final gradient, that piece's all-reduce starts. Buckets start in
-one fixed order (reverse parameter order, as backward produces them) on every rank, because
-collectives must be issued in the same order everywhere; a bucket that completes early waits for
-its predecessors. At ``ALLREDUCE_G`` the remaining buckets (e.g. parameters this backward did not
-reach) start, and the step waits for all of them at its end, as before. The sum is the same: a
-piece-wise all-reduce of a buffer is an all-reduce of the buffer.
+Issued as one all-reduce at ``ALLREDUCE_G s``, the whole transfer follows the stage's last
+backward; torch's DDP instead overlaps the reduction of the last layers' gradients with the
+backward of the first ones. :class:`GradBuckets` does the same for any stage: during the stage's
+last backward of the step, a post-accumulate hook on each parameter counts it done, and once
+every parameter of a bucket (a contiguous piece of the flat gradient, about :data:`BUCKET_BYTES`)
+has its final gradient, that piece's all-reduce starts. Buckets start in one fixed order (reverse
+parameter order, as backward produces them) on every rank, since collectives must be issued in
+the same order everywhere. ``ALLREDUCE_G`` starts the remaining buckets; the step waits for all at
+its end. A piece-wise all-reduce of a buffer is an all-reduce of the buffer.
 """
 
 from __future__ import annotations
@@ -23,33 +19,23 @@ import torch
 
 from lightning_gsched.runtime.flat import FlatGrads
 
-# torch DDP's default bucket_cap_mb. Smaller buckets start earlier but pay one collective's
-# latency each: on the 2-core CPU benchmark machine 4 MiB buckets made a 13 MB model's step
-# slower (gloo's threads then compete with the backward for the cores).
+# torch DDP's default bucket_cap_mb: smaller buckets start earlier but pay one latency each
 BUCKET_BYTES = 25 * 2**20
 
 
 def bucket_ranges(sizes: list[int], offsets: list[int], element_size: int,
                   cap: int) -> list[tuple[int, int, list[int]]]:
     """(start, end, parameter indices) per bucket, last parameters first; never splits one."""
-    buckets: list[tuple[int, int, list[int]]] = []
-    members: list[int] = []
+    groups: list[list[int]] = [[]]
     nbytes = 0
     for i in reversed(range(len(sizes))):
-        members.append(i)
+        groups[-1].append(i)
         nbytes += sizes[i] * element_size
         if nbytes >= cap:
-            buckets.append(_close(members, sizes, offsets))
-            members, nbytes = [], 0
-    if members:
-        buckets.append(_close(members, sizes, offsets))
-    return buckets
-
-
-def _close(members: list[int], sizes: list[int], offsets: list[int]) -> tuple[int, int, list[int]]:
-    start = min(offsets[i] for i in members)
-    end = max(offsets[i] + sizes[i] for i in members)
-    return start, end, list(members)
+            groups.append([])
+            nbytes = 0
+    return [(min(offsets[i] for i in members), max(offsets[i] + sizes[i] for i in members),
+             members) for members in groups if members]
 
 
 class GradBuckets:

@@ -1,22 +1,14 @@
 """The process groups one executor talks over, and the job-wide fault notice.
 
-Why one group per channel kind: programs are FIFO per (src, dst) *per channel* (``p2p`` for
-activations and input-gradients, ``weights``, ``grads``), and backends without message tags
-(NCCL) only order messages within one communicator. A ``p2p`` message is one message per
-tensor (preceded by its spec on the described path, see :mod:`.transport`), all on one group:
-receives from a peer are posted in the order the peer sends. Each kind has one group per direction (messages from the lower to the higher rank, and back):
-NCCL runs the point-to-point operations of one communicator in issue order, so a receive posted
-early from a peer must not be able to hold back a later send *to* that peer.
-Replica all-reduces (of stages and of ties) get one subgroup per distinct member set, and
-running statistics one world group for their end-of-step all-reduce.
-
-``dist.new_group`` is collective over the whole job, so every rank must build its ``Channels``
-in the same order with the same programs; the groups are derived from the programs alone (for
-a plan lowered per rank, from its stage owners alone: :func:`replica_groups`).
-
-On a failure the executor calls :meth:`Channels.abort`: it writes the first failure into the
-job's store (peers quote it as the root cause) and destroys every group of this object, which
-closes its connections, so peers blocked on this rank fail at once instead of at their timeout.
+Programs are FIFO per (src, dst) *per channel* (``p2p``, ``weights``, ``grads``), and backends
+without message tags (NCCL) only order messages within one communicator: hence one group per
+kind, and per direction (lower to higher rank, and back), because NCCL runs a communicator's
+point-to-point operations in issue order, so a receive posted early from a peer must not hold back
+a later send *to* it. Replica all-reduces get one subgroup per member set, running statistics one
+world group. ``dist.new_group`` is collective over the job, so every rank builds its ``Channels``
+in the same order from the same programs (for a plan lowered per rank, from its stage owners
+alone: :func:`replica_groups`). On a failure the executor reports it in the job's store (peers
+quote it as the root cause) and destroys the groups, so that peers blocked on it fail at once.
 """
 
 from __future__ import annotations
@@ -50,42 +42,36 @@ def default_store() -> Store | None:
 
 
 class FaultNotice:
-    """The job's first failure under one key of the job's store: written once (a later report
-    keeps the first), read without blocking. Shared by the runtime's channels and the
-    strategy's control group, whose peers quote it as the root cause of their own error."""
+    """The job's first failure under one key of the job's store, written once (a later report
+    keeps the first): peers of the runtime's channels and of the strategy's control group quote
+    it as the root cause of their own error."""
 
     def __init__(self, store: Store | None, key: str) -> None:
         self.store = store
         self.key = key
 
     def report(self, message: str) -> None:
-        if self.store is None:
-            return
         try:
-            self.store.compare_set(self.key, "", message)
+            if self.store is not None:
+                self.store.compare_set(self.key, "", message)
         except Exception:  # noqa: BLE001 - never mask the real failure
             pass
 
     def first(self) -> str | None:
         """The failure a rank recorded, if any (never blocks)."""
-        if self.store is None:
-            return None
         try:
-            if self.store.check([self.key]):
+            if self.store is not None and self.store.check([self.key]):
                 return self.store.get(self.key).decode(errors="replace")
         except Exception:  # noqa: BLE001
-            return None
+            pass
         return None
 
     def first_within(self, grace: float) -> str | None:
         """:meth:`first`, waiting up to ``grace`` s for a failure to be recorded.
 
-        For a rank that lost its connection to a peer: a failing peer records its failure
-        before it closes its connections, but the close can still reach this rank first (the
-        peer drops other groups' connections, or the store's reply is slower than the socket's
-        end). Without the wait that rank recorded its own "lost the connection" as the job's
-        first failure and the real cause was lost from its message. A peer that died never
-        records anything; then the wait costs ``grace``, once, on the way out.
+        For a rank that lost its connection to a peer: the peer records its failure before it
+        closes its connections, but the close can reach this rank first, whose own "lost the
+        connection" would then hide the real cause. A dead peer records nothing: ``grace`` lost.
         """
         deadline = time.monotonic() + grace
         while True:
@@ -96,10 +82,9 @@ class FaultNotice:
 
 
 def destroy_groups(groups: list[Any], collect: bool = False) -> None:
-    """Destroy process groups this object no longer holds (one already gone is skipped);
-    ``collect``: then run the garbage collector, which frees the backend's buffers at once
-    (it costs up to a second in a large process such as a Lightning job). Empties ``groups``,
-    so the caller's list holds no reference to them either."""
+    """Destroy process groups (one already gone is skipped) and empty ``groups``, so the caller
+    holds no reference either; ``collect``: then run the garbage collector, which frees the
+    backend's buffers at once (it costs up to a second in a large process)."""
     for group in groups:
         try:
             dist.destroy_process_group(group)
@@ -111,41 +96,29 @@ def destroy_groups(groups: list[Any], collect: bool = False) -> None:
 
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
-    """Distinct ``ALLREDUCE_G`` member sets (of stages and ties) (and replicated owners), sorted:
-    the creation order, which must be the same on every rank (``dist.new_group`` is
-    collective).
+    """Distinct ``ALLREDUCE_G`` member sets, sorted: the creation order, the same on every rank.
 
-    The planner's programs (``Programs.planned``) make every all-reduce group of a replicated
-    stage's or tie home's owners (``lower_weights.py``), so
+    The planner's programs (``Programs.planned``) all-reduce exactly over replicated owners, so
     :func:`owner_groups` is the list, read without lowering any program (scanning them would
-    lower all W on every rank: a minute and gigabytes at W=1024). Other programs (parsed or
-    hand-written) are scanned too, so a group that is not a stage's owners still gets its
-    subgroup; every rank decides alike.
+    lower all W on every rank). Other programs (parsed or hand-written) are scanned too.
     """
     groups = set(owner_groups(programs))
     if programs.planned:
         return sorted(groups)
     for program in programs.ranks:
-        groups.update(a.group for a in program
-                      if a.op is Op.ALLREDUCE_G and a.group)
+        groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
     return sorted(groups)
 
 
 def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
-    """The distinct owner sets of replicated stages, sorted: every all-reduce group the
-    planner's lowering makes (a tie is owned with its home stage), read off ``owners``."""
+    """The distinct owner sets of replicated stages (a tie is owned with its home), sorted."""
     return sorted({tuple(owners) for owners in programs.owners if len(owners) > 1})
 
 
 class Channels:
-    """Process groups per channel kind, replica subgroups, and the fault notice.
-
-    Args:
-        programs: the programs the executor will run (they decide the replica subgroups).
-        timeout: seconds; also the process groups' own timeout, which bounds collectives.
-        store: a ``torch.distributed.Store`` shared by the job for the fault notice; default:
-            the default process group's store.
-    """
+    """Process groups per channel kind, replica subgroups (decided by ``programs``), and the
+    fault notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is
+    also the groups' own, which bounds collectives."""
 
     def __init__(
         self, programs: Programs, *, timeout: float = 300.0, store: Store | None = None
@@ -153,14 +126,12 @@ class Channels:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(
                 "torch.distributed is not initialized; call dist.init_process_group(...) on every "
-                "rank before building the runtime."
-            )
+                "rank before building the runtime.")
         world = dist.get_world_size()
         if world != programs.world_size:
             raise RuntimeConfigError(
                 f"the programs are for {programs.world_size} workers but the job has {world} "
-                f"ranks; plan with workers={world}."
-            )
+                f"ranks; plan with workers={world}.")
         self.rank = dist.get_rank()
         self.world_size = world
         self.timeout = float(timeout)
@@ -171,9 +142,7 @@ class Channels:
         everyone = list(range(world))
         self.groups: dict[tuple[str, bool], Any] = {
             (kind, up): dist.new_group(everyone, timeout=span)
-            for kind in KINDS
-            for up in (True, False)
-        }
+            for kind in KINDS for up in (True, False)}
         self.shared = dist.new_group(everyone, timeout=span)
         self.replicas: dict[tuple[int, ...], Any] = {
             members: dist.new_group(list(members), timeout=span)
@@ -181,14 +150,11 @@ class Channels:
         }
         self.closed = False
 
-    # ------------------------------------------------------------------ messages
-
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeConfigError(
                 "these channels are closed (after a failure or close()); build a new executor "
-                "(and new channels) on every rank to continue."
-            )
+                "(and new channels) on every rank to continue.")
 
     def group(self, kind: str, src: int, dst: int) -> Any:
         """The group carrying ``kind`` messages from ``src`` to ``dst``."""
@@ -213,32 +179,17 @@ class Channels:
     def broadcast(self, tensor: Any, src: int, members: tuple[int, ...] | None) -> None:
         dist.broadcast(tensor, src, group=self._collective_group(members))
 
-    # ------------------------------------------------------------------ faults
-
-    def report_fault(self, message: str) -> None:
-        """Record the first failure of this job's channels (later reports keep the first)."""
-        self.notice.report(message)
-
     def first_fault(self, grace: float = 0.0) -> str | None:
-        """The failure a rank recorded, if any, waiting up to ``grace`` s for one
-        (:meth:`FaultNotice.first_within`)."""
+        """The failure a rank recorded, if any, waiting up to ``grace`` s for one."""
         return self.notice.first_within(grace)
-
-    def abort(self) -> None:
-        """Destroy every group of this object: peers blocked on this rank error out promptly.
-
-        The caller must have dropped its pending work handles first (they keep the groups'
-        connections alive). A full garbage collection then frees work objects that reference
-        cycles still hold, so the connections really close now.
-        """
-        self.close(collect=True)
 
     def close(self, collect: bool = False) -> None:
         """Release the process groups (local; call on every rank when done with the executor).
 
-        ``collect`` forces a garbage collection afterwards (abort); a normal close after a
-        completed step holds no pending work and skips it (it costs up to a second in a large
-        process such as a Lightning job).
+        ``collect`` (on an abort, after the caller dropped its pending work handles, which keep
+        the groups' connections alive): a full garbage collection then frees work objects that
+        reference cycles still hold, so the connections really close now. A normal close holds
+        no pending work and skips it.
         """
         if self.closed:
             return

@@ -1,9 +1,8 @@
 """What one rank actually did in one step, counted as it happened.
 
 :class:`RuntimeCounters` is the planner's :class:`~lightning_gsched.schedule.counts.ActionCounts`
-(the same fields, read off the same programs by ``schedule.metrics.program_counts``) plus facts
-the planner does not model (bytes, running-statistics reductions), so a test
-compares ``counters.planned()`` with the plan's per-worker metrics: equality shows the runtime
+(read off the same programs by ``schedule.metrics.program_counts``) plus what the planner does not
+model, so that ``counters.planned()`` equal to the plan's per-worker metrics shows the runtime
 executed exactly the planned communication and held exactly the planned memory.
 """
 
@@ -19,15 +18,13 @@ from lightning_gsched.schedule.counts import PLANNED, ActionCounts
 class RuntimeCounters(ActionCounts):
     """Counters of one step on one rank.
 
-    Message counts move when the send is issued or the receive is posted (``count(op, tie)``,
-    from the op table: a tie's actions move the ``tie_*`` counters). ``peak_activations`` is the most stashed (forward done, last backward phase
-    pending) microbatch-stages; ``peak_resident_stages`` counts owned stages plus fetched ones,
-    raised when a fetch is posted and lowered when it is freed (exactly as the planner counts).
-    Bytes are those of point-to-point messages (headers included); all-reduces are counted
-    separately.
+    Message counts move when the send is issued or the receive is posted (a tie's actions move
+    the ``tie_*`` counters). ``peak_activations``: the most (stage, microbatch) pairs stashed
+    (forward done, last backward phase pending); ``peak_resident_stages``: owned stages plus
+    fetched ones, raised when a fetch is posted and lowered when freed, as the planner counts.
     """
 
-    # not planned, measured
+    # measured, not planned; bytes of point-to-point messages include headers
     bytes_sent: int = 0
     bytes_received: int = 0
     allreduce_bytes: int = 0  # stage and tie all-reduces (ALLREDUCE_G)

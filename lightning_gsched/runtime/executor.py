@@ -1,27 +1,13 @@
-"""Execute one rank's program for one optimizer step.
+"""Execute one rank's program for one optimizer step. Op meanings: ``schedule/program.py`` OPS.
 
-``ProgramExecutor(stages, programs)`` is built once on every rank (collectively: it creates the
-process groups); ``step(inputs, loss_fn)`` walks this rank's program in order:
-
-* ``F``/``B`` run the stage (see :mod:`.compute`); a forward's input comes from the posted
-  ``RECV_ACT`` or from the local producer, a backward's output gradients from ``RECV_GRAD`` or
-  from the local consumer's backward; the stage's fetched weights are waited for first.
-* ``SEND_*``/``REDUCE_G`` start a send and move on; ``RECV_*``/``FETCH_W`` post a receive that
-  the first consumer waits for (:mod:`.transport`).
-* ``FETCH_W``/``FREE_W`` make a non-owned weight unit resident / release it (:mod:`.flat`): a
-  stage, or a tie (tied weights, one unit per home stage: ``FETCH_W t0 <-0``).
-* ``RECV_G`` gradients are summed into the owner's before its ``ALLREDUCE_G`` or at the end;
-  ``ALLREDUCE_G`` starts an async SUM over the unit's owners and is waited for at the end.
-
-At the end of the step every owner's ``param.grad`` is the gradient of the mean loss over all B
-microbatches (the global batch), replicas and tie owners included, and every rank's BatchNorm running statistics are one device's after running
-the B microbatches in order (:mod:`.running_stats`). Any failure raises :class:`RuntimeFault`
-naming rank, action and cause, after aborting this executor's channels so that no peer hangs.
-
-``forward(programs, inputs, output_fn)`` runs this rank's program of *forward-only* programs
-(``plan(..., forward_only=True)``: same schedule, W, S and R, any number of microbatches) on the
-same stages, flat buffers and channels, without autograd and without touching any gradient, so
-validation can interleave with training, even in the middle of an accumulation window.
+``ProgramExecutor(stages, programs)`` is built collectively on every rank (it creates the process
+groups). After :meth:`~ProgramExecutor.step` every owner's ``param.grad`` is the gradient of the
+mean loss over the B microbatches (replicas and tie owners included) and every rank's running
+statistics are one device's after the B microbatches in order (:mod:`.running_stats`).
+:meth:`~ProgramExecutor.forward` runs forward-only programs on the same stages, buffers and
+channels without touching gradients, so validation can interleave with training. Any failure
+raises :class:`RuntimeFault` naming rank, action and cause, after aborting this executor's
+channels so that no peer hangs.
 """
 
 from __future__ import annotations
@@ -74,17 +60,14 @@ class ProgramExecutor:
         channels: process groups to use; default: new ones (collective, same order everywhere).
         timeout: seconds any single wait may take before the step fails with a RuntimeFault.
         sync_weights: broadcast replicated stages and ties from their first owner and running
-            statistics (BatchNorm) from rank 0 at construction, so replicas start equal even if
-            models were not.
+            statistics (BatchNorm) from rank 0 at construction, so replicas start equal.
         forward_context: entered around every stage forward (e.g. a front end's autocast);
             the loss function and the backward run outside it.
-        checkpointed: one bool per stage, ``plan(..., checkpoint_activations=...).checkpointed``:
-            activation checkpointing (a stage's ``F`` keeps only its inputs, its ``B`` recomputes
-            the forward; :mod:`.recompute`). None: no stage.
-        transport: how activations and input-gradients travel (:mod:`.transport`): ``"auto"``
-            sends bare tensors once the step signature is known (its first step, and the first
-            step of every new signature, describes each message); ``"described"`` describes
-            every message of every step (for stage outputs whose shapes depend on the data).
+        checkpointed: one bool per stage (``plan(..., checkpoint_activations=...).checkpointed``)
+            for activation checkpointing (:mod:`.recompute`). None: no stage.
+        transport: ``"auto"`` sends bare tensors once the step signature is known (the first step
+            of every signature describes each message); ``"described"`` describes every message
+            (for stage outputs whose shapes depend on the data). See :mod:`.transport`.
     """
 
     def __init__(
@@ -103,8 +86,7 @@ class ProgramExecutor:
         if transport not in TRANSPORTS:
             raise RuntimeConfigError(
                 f"transport={transport!r} is not one of {list(TRANSPORTS)}; use 'auto' (bare "
-                "tensors once shapes are known) or 'described' (shapes sent with every message)."
-            )
+                "tensors once shapes are known) or 'described' (shapes sent with every message).")
         checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
         check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
@@ -116,33 +98,30 @@ class ProgramExecutor:
         self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
         self.owned = set(programs.owned_stages(self.rank))
         self.owned_ties = set(programs.owned_ties(self.rank))
-        self.flats, self.ties, self.device = build_flat_stages(stages, self.owned,
-                                                               self.owned_ties)
+        self.flats, self.ties, self.device = build_flat_stages(stages, self.owned, self.owned_ties)
         self.compute = StageCompute(stages, self.num_micro, forward_context, checkpointed)
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device, transport)
-        self._messages: dict[int, tuple[Programs, bool]] = {}  # see _has_pytree_messages
         self.first_stage_micros = self.view.first_stage_micros
         self.last_stage_micros = self.view.last_stage_micros
         self.last_counters: RuntimeCounters | None = None
-        self._overlap: dict[int, tuple[Any, dict[int, GradBuckets]]] = {}
         self.last_forward_counters: RuntimeCounters | None = None
         self.memory: MeasuredBytes | None = None  # see record_memory
+        # per id(programs), with the programs kept alive so that their id is not reused
+        self._messages: dict[int, tuple[Programs, bool]] = {}
+        self._overlap: dict[int, tuple[Any, dict[int, GradBuckets]]] = {}
         if sync_weights:
             self._sync_weights()
 
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]:
-        """{index of stage s's last weight-gradient job: its bucketed all-reduce} for this rank.
+        """{index of stage s's last weight-gradient job (B, or W when split): its bucketed
+        all-reduce} for this rank, cached per programs (buckets and hooks reused every step).
 
-        The weight-gradient job is B, or W when the programs split the backward.
-
-        A stage qualifies when the program all-reduces it (``ALLREDUCE_G``), receives no
-        gradient contributions for it (``RECV_G``, which must be added first) and its gradient
-        spans more than one bucket: a single bucket completes with the backward's last
-        parameter, so hooking every parameter (registered, fired and removed every step) would
-        cost per-parameter Python calls to start it no earlier than ``ALLREDUCE_G`` does.
-        Cached per programs; the buckets (and their hooks' bookkeeping) are reused every step.
+        A stage qualifies when the program all-reduces it, receives no ``RECV_G`` contributions
+        for it (they must be added first) and its gradient spans more than one bucket: a single
+        bucket can only start when the backward ends, no earlier than ``ALLREDUCE_G`` does, so
+        hooking every parameter would cost per-parameter Python calls for nothing.
         """
         key = id(view.programs)
         if key not in self._overlap:
@@ -163,7 +142,7 @@ class ProgramExecutor:
                 if stage in received or stage not in last_b or not grads.numel:
                     continue
                 buckets = GradBuckets(grads, partial(self.channels.all_reduce, members=group))
-                if len(buckets.buckets) > 1:  # one bucket can only start when the backward ends
+                if len(buckets.buckets) > 1:
                     plan[last_b[stage]] = buckets
             self._overlap[key] = (view.programs, plan)
         return self._overlap[key][1]
@@ -173,7 +152,7 @@ class ProgramExecutor:
         self.compute.times = {} if enabled else None
 
     def compute_times(self) -> dict[tuple[str, int], list[float]]:
-        """Seconds of each recorded ``F``/``B``/``W`` by ("F" | "B" | "W", stage), waits excluded."""
+        """Seconds of each recorded ``F``/``B``/``W`` by (phase, stage), waits excluded."""
         return dict(self.compute.times or {})
 
     def record_memory(self, enabled: bool = True) -> None:
@@ -188,8 +167,6 @@ class ProgramExecutor:
         state is not the executor's: ``ModelRuntime.measured_memory`` adds it."""
         return self.memory
 
-    # ------------------------------------------------------------------ public
-
     def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
              signature: Hashable | None = None,
              on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
@@ -198,18 +175,15 @@ class ProgramExecutor:
         Args:
             inputs: ``{b: (args, kwargs)}``, the call of stage 0 (the model's ``forward``) on
                 microbatch ``b``, for every microbatch: those of ``self.first_stage_micros`` run
-                here, the others only define the step signature (below). With ``signature``,
-                ``self.first_stage_micros`` suffice.
-            loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``
-                with the model's output on microbatch ``b`` (targets are the caller's business).
-            signature: any hashable value, the same on every rank, that changes whenever the
-                shapes of the messages between stages may change (e.g. the batch's shape).
-                Default: the shapes, dtypes and plain values of every microbatch's inputs.
-                Steps with a signature seen before send bare tensors (:mod:`.transport`).
-            on_computed: called once with this rank's ``{b: loss}`` when its last compute job
-                is done, before the step waits for its all-reduces and sends: a caller's own
-                small collective (the Lightning engine's log exchange) started there overlaps
-                those waits instead of following them. It must not wait on this step's work.
+                here, the others define the step signature (with ``signature``, not needed).
+            loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``.
+            signature: a hashable value, the same on every rank, that changes whenever the
+                shapes of the messages between stages may (e.g. the batch's shape). Default:
+                the shapes, dtypes and plain values of every microbatch's inputs. Steps with a
+                known signature send bare tensors (:mod:`.transport`).
+            on_computed: called with this rank's ``{b: loss}`` after its last compute job,
+                before the step waits for its all-reduces and sends, so that a caller's small
+                collective started there overlaps those waits (it must not wait on this step).
         Returns:
             :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
         """
@@ -228,26 +202,15 @@ class ProgramExecutor:
     ) -> dict[int, Any]:
         """Run this rank's program of forward-only ``programs`` (validation, test, predict).
 
-        Args:
-            programs: ``plan(schedule, workers=W, stages=S, R=R, microbatches=B',
-                forward_only=True).programs`` with the schedule, W, S and R of this executor's
-                programs (``B'`` may differ). The same on every rank; every rank must call.
-            inputs: ``{b: (args, kwargs)}`` for every microbatch of these programs (those whose
-                first stage runs here, ``stage_micros(programs, rank)[0]``, are run; the others
-                define the signature, as in :meth:`step`; with ``signature``, the first ones
-                suffice). Microbatches may have different sizes, including 0 rows.
-            output_fn: ``output_fn(output, b) -> anything``, called on the rank that runs the last
-                stage of microbatch ``b`` with the model's output.
-            signature: as in :meth:`step`.
-        Returns:
-            ``{b: output_fn(output, b)}`` for the microbatches whose last stage ran here.
+        ``programs``: ``plan(..., forward_only=True).programs`` with the schedule, W, S and R
+        of this executor's programs (the microbatches may differ), the same on every rank;
+        every rank must call. ``inputs`` and ``signature`` as in :meth:`step` (microbatches may
+        have different sizes, including 0 rows); ``output_fn(output, b)`` is called where the
+        last stage of microbatch ``b`` runs. Returns ``{b: output_fn(output, b)}`` for those.
 
-        Runs under ``torch.no_grad()`` (and outside inference mode, also when called inside
-        ``torch.inference_mode()``, so fetched weights never become inference tensors). Owned
-        gradients (``param.grad``, flat gradient buffers, tied parameters) are left untouched;
-        non-owned stages are released afterwards as after :meth:`step`; running statistics
-        (BatchNorm) are left as they were, even for modules in training mode. Counters of the
-        run are in ``self.last_forward_counters`` (equal to the forward-only plan's metrics).
+        Runs under ``torch.no_grad()`` and outside inference mode (so fetched weights never
+        become inference tensors). Owned gradients and running statistics are left as they were;
+        the run's counters are in ``self.last_forward_counters``.
         """
         check_forward_programs(self.programs, programs, self.rank)
         view = ProgramView.of(programs, self.rank)
@@ -258,7 +221,7 @@ class ProgramExecutor:
         return state.losses
 
     def _execute(self, state: StepRun, caller: str, signature: Hashable | None) -> None:
-        """Walk ``state.view.program``; on any failure abort the channels and raise a fault."""
+        """Walk the program; on any failure abort the channels and raise a fault."""
         try:
             self._guarded(self._check_inputs, state.inputs, state.view.first_stage_micros, caller)
             self._guarded(self._begin_transport, state, signature, caller)
@@ -291,8 +254,6 @@ class ProgramExecutor:
         """Release the process groups (the executor cannot step afterwards)."""
         self.channels.close()
 
-    # ------------------------------------------------------------------ internals
-
     def _begin_transport(self, state: StepRun, signature: Hashable | None, caller: str) -> None:
         """Start the transport's step under this step's signature (the same on every rank)."""
         programs = state.view.programs
@@ -302,8 +263,7 @@ class ProgramExecutor:
             except TypeError as exc:
                 raise RuntimeConfigError(
                     f"{caller}'s signature must be hashable (e.g. a tuple of ints), got "
-                    f"{type(signature).__name__}."
-                ) from exc
+                    f"{type(signature).__name__}.") from exc
             key: Hashable = ("given", signature)
         elif self.transport.described or not self._has_pytree_messages(programs):
             key = None  # nothing depends on it
@@ -316,21 +276,15 @@ class ProgramExecutor:
                     "on to send activations without their shapes). Pass every microbatch's "
                     f"inputs on every rank, or {caller[:-2]}(..., signature=<the same hashable "
                     "on every rank, e.g. the batch shape>), or build the executor with "
-                    "transport='described'."
-                )
+                    "transport='described'.")
             key = ("inputs", tuple(wire.spec_of(wire.split(state.inputs[b], "inputs"))
                                    for b in range(programs.num_micro)))
         self.transport.begin_step(programs, key)
 
     def _has_pytree_messages(self, programs: Programs) -> bool:
-        """Whether this rank's program sends or receives activations or input-gradients
-        (cached per programs).
-
-        Why this rank's only: the step's signature (the inputs' specs) keys the transport's
-        fast path, which only a sender and its receiver must agree on, and both have such a
-        message in their programs, so both take the signature; a rank with none exchanges no
-        pytree and its key changes nothing. Reading every rank's program instead would lower
-        all W of a plan lowered per rank (schedule/lazy_ranks.py) on every rank."""
+        """Whether this rank's program exchanges pytrees (cached per programs). Only its own:
+        a sender and its receiver, the only ranks that must agree on the signature, both have
+        the message, and reading every rank's program would lower a lazy plan's all W."""
         key = id(programs)
         if key not in self._messages:
             found = any(a.op in _PYTREE_OPS for a in programs.ranks[self.rank])
@@ -338,34 +292,24 @@ class ProgramExecutor:
         return self._messages[key][1]
 
     def _check_inputs(self, inputs: Mapping[int, Any], first: list[int], caller: str) -> None:
-        where = (
-            "executor.first_stage_micros"
-            if caller == "step()"
-            else "stage_micros(programs, rank)[0] of the programs passed to forward()"
-        )
         if not isinstance(inputs, Mapping):
             raise RuntimeConfigError(
-                f"{caller} takes inputs as {{b: (args, kwargs)}}, got {type(inputs).__name__}."
-            )
+                f"{caller} takes inputs as {{b: (args, kwargs)}}, got {type(inputs).__name__}.")
         missing = [b for b in first if b not in inputs]
         if missing:
+            where = ("executor.first_stage_micros" if caller == "step()"
+                     else "stage_micros(programs, rank)[0] of the programs passed to forward()")
             raise RuntimeConfigError(
                 f"rank {self.rank} runs stage 0 on microbatches {first} but "
                 f"{caller} got no inputs for {missing}; pass {{b: (args, kwargs)}} for (at least) "
-                f"{where}."
-            )
+                f"{where}.")
         for b in first:
             call = inputs[b]
-            if not (
-                isinstance(call, tuple)
-                and len(call) == 2
-                and isinstance(call[0], (tuple, list))
-                and isinstance(call[1], Mapping)
-            ):
+            if not (isinstance(call, tuple) and len(call) == 2
+                    and isinstance(call[0], (tuple, list)) and isinstance(call[1], Mapping)):
                 raise RuntimeConfigError(
                     f"inputs[{b}] must be (args, kwargs), e.g. ((x,), {{}}); "
-                    f"got {type(call).__name__}."
-                )
+                    f"got {type(call).__name__}.")
 
     def _sync_weights(self) -> None:
         for owners, flat in weight_units(self.programs, self.flats, self.ties):
@@ -375,13 +319,12 @@ class ProgramExecutor:
             self.running_stats.broadcast(partial(self.channels.broadcast, src=0, members=None))
 
     def abort(self, message: str) -> None:
-        """Tell the job what failed first, then drop every handle and destroy the groups.
-
-        Called on a failed step, and by a front end whose own code failed between steps, so
-        that peers waiting on this rank fail at once, quoting ``message``."""
-        self.channels.report_fault(message)
+        """Report ``message`` as the job's failure, drop every handle and destroy the groups,
+        so that peers waiting on this rank fail at once quoting it. Called on a failed step,
+        and by a front end whose own code failed between steps."""
+        self.channels.notice.report(message)
         self.transport.drop_all()
         self.compute.stash.clear()
         self.compute.pending_weights.clear()
         self.compute.saved_counters.clear()
-        self.channels.abort()
+        self.channels.close(collect=True)

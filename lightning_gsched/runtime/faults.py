@@ -1,13 +1,10 @@
 """Bounded waits and the errors a rank raises when it fails or a peer does.
 
-Why: a distributed step must never hang. Every blocking wait of the runtime goes through
-:meth:`Waiter.wait`, which waits at most ``timeout`` seconds and turns a timeout or a lost
-connection into a :class:`RuntimeFault` naming this rank, the action it was executing and the
-message it was waiting for, plus the first failure any rank reported (the root cause).
-
-Gloo's point-to-point work objects cannot be polled (``is_completed()`` stays False until
-``wait()``), so a wait is one ``work.wait(timeout=...)`` call. A rank that fails destroys its
-process groups (:meth:`Channels.abort`), which makes its peers' waits fail at once with a lost
+A distributed step must never hang: every blocking wait of the runtime goes through
+:meth:`Waiter.wait`, which waits at most ``timeout`` seconds (one ``work.wait(timeout=...)``:
+gloo's point-to-point work cannot be polled) and turns a timeout or a lost connection into a
+:class:`RuntimeFault` naming this rank, its action, the awaited message and the first failure any
+rank reported. A failing rank destroys its groups, so its peers' waits fail at once with a lost
 connection; a rank that hangs is caught by its peers' timeouts.
 """
 
@@ -26,8 +23,7 @@ _GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 def is_timeout(exc: BaseException | None) -> bool:
     """Whether a backend error (None: a wait that returned unfinished) is a timeout rather than
-    a lost connection: the two faults are reported differently, and only a lost connection
-    waits for the peer's notice (``LOST_PEER_GRACE_S``)."""
+    a lost connection (only the latter waits for the peer's notice, ``LOST_PEER_GRACE_S``)."""
     text = "" if exc is None else str(exc).lower()
     return exc is None or "timed out" in text or "timeout" in text
 
@@ -43,10 +39,8 @@ def short_reason(exc: BaseException) -> str:
 
 
 class Waiter:
-    """Waits on communication handles with a deadline; builds the fault messages.
-
-    ``where`` returns the current position, e.g. ``"'F s1 b0' (action 3)"``.
-    """
+    """Waits on communication handles with a deadline; builds the fault messages. ``where``
+    returns the current position, e.g. ``"'F s1 b0' (action 3)"``."""
 
     def __init__(
         self, rank: int, channels: Channels, timeout: float, where: Callable[[], str]
@@ -70,9 +64,8 @@ class Waiter:
         timed_out = is_timeout(exc)
         where = f"at {self.where()} waiting for {what}"
         if timed_out or exc is None:  # (is_timeout(None) is True)
-            message = (
-                f"rank {self.rank} timed out {where}: nothing arrived within {self.timeout:g} s"
-            )
+            message = (f"rank {self.rank} timed out {where}: nothing arrived within "
+                       f"{self.timeout:g} s")
         else:
             message = (
                 f"rank {self.rank} stopped {where}: lost the connection to a peer after "
@@ -83,8 +76,8 @@ class Waiter:
         return fault
 
     def root_cause(self, grace: float = 0.0) -> str:
-        """What to add to this rank's message: the job's first failure if another rank
-        recorded it (waiting ``grace`` s for one: ``FaultNotice.first_within``)."""
+        """What to add to this rank's message: the job's first failure if another rank recorded
+        it (waiting ``grace`` s for one)."""
         first = self.channels.first_fault(grace)
         if first and not first.startswith(f"rank {self.rank} "):
             return f". First failure reported in the job: {first}"

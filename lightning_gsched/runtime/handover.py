@@ -1,22 +1,18 @@
 """A step's gradients, from the schedule to an optimizer loop; clipping by the global norm.
 
-Why: an optimizer loop expects ``loss.backward()`` semantics: gradients *added* to what
-``param.grad`` holds (an accumulation window), at the moment the loop calls backward. The
-schedule computes them earlier (Lightning's Trainer runs ``training_step``, then ``zero_grad``,
-then ``backward``), so :class:`GradStash` takes them out of the parameters right after the
-schedule ran, restores whatever the parameters held before, and adds them back in
-:meth:`GradStash.hand_over`, scaled (e.g. by ``1/accumulate_grad_batches``). A front end whose
-loop needs them at once (Fabric) hands over right after the step.
-
-Which parameters get which gradients: see :mod:`.ownership`. Clipping by norm counts every
-parameter once (its primary rank), then one all-reduce of the sum gives every rank the norm of
-the whole model.
+An optimizer loop expects ``loss.backward()`` semantics: gradients *added* to what ``param.grad``
+holds, when the loop calls backward. The schedule computes them earlier (Lightning runs
+``training_step``, then ``zero_grad``, then ``backward``), so :class:`GradStash` takes them out of
+the parameters right after the schedule, restores what they held before, and adds them back,
+scaled, in :meth:`GradStash.hand_over` (Fabric hands over right after the step). Which parameters
+get which gradients: :mod:`.ownership`. The global norm counts every parameter once (on its
+primary rank), then one all-reduce gives every rank the whole model's norm.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,19 +25,9 @@ from lightning_gsched.runtime.ownership import Ownership
 class GradSource(Protocol):
     """What the stash reads of the executor: where each step's gradients accumulate."""
 
-    @property
-    def flats(self) -> Sequence[FlatStage]: ...
-    @property
-    def ties(self) -> Mapping[int, FlatStage]: ...
-    @property
-    def device(self) -> torch.device: ...
-
-
-def _flatten(params: list[nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients in one flat tensor (zeros where a gradient is None)."""
-    return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-    ])
+    flats: list[FlatStage]
+    ties: dict[int, FlatStage]
+    device: torch.device
 
 
 class GradStash:
@@ -53,24 +39,19 @@ class GradStash:
         self.ownership = ownership
         self.rank, self.world_size = rank, world_size
         self.extra_layout = FlatLayout(ownership.extra)
-        # (where each parameter's gradient is in the flat, the flat, the FlatGrads it came
-        # from: None for extras)
+        # (where each parameter's gradient is in the flat, the flat, its FlatGrads: None for extras)
         self.held: list[tuple[FlatLayout, torch.Tensor, FlatGrads | None]] = []
         self._saved: dict[int, torch.Tensor | None] = {}
-        # flats handed to the parameters by the last hand_over, with the FlatGrads they came
-        # from: once the loop's zero_grad has dropped every view of one, it is recycled
+        # flats whose views the last hand_over gave the parameters, recycled once zero_grad
+        # dropped every view
         self._given: list[tuple[torch.Tensor, FlatGrads]] = []
-
-    # ------------------------------------------------------------------ around the schedule
 
     def before_step(self, drop_previous: bool = False) -> None:
         """Set aside gradients an accumulation window holds; extras start from None.
 
-        ``drop_previous``: the caller knows its loop zeroes the gradients before it hands this
-        step's over (Lightning's ``training_step``, ``zero_grad``, ``backward`` at the start of
-        an accumulation window). Setting last step's gradients aside would then keep a second
-        owned-gradient buffer alive through the whole schedule only to be thrown away, so they
-        are dropped now and their buffers recycled for this step instead.
+        ``drop_previous``: the caller's loop zeroes the gradients before this step's are handed
+        over (Lightning at the start of an accumulation window), so last step's are dropped and
+        their buffers recycled now, instead of a second gradient buffer living through the step.
         """
         if drop_previous:
             for p in self.ownership.owned:
@@ -84,23 +65,18 @@ class GradStash:
 
     def after_step(self) -> None:
         """Take the step's gradients out of the parameters; restore what was set aside."""
-        self.held = []
-        for s in self.ownership.stages:
-            grads = self.source.flats[s].grads
-            self.held.append((grads, grads.take(), grads))
-        for h in self.ownership.ties:
-            grads = self.source.ties[h].grads
-            self.held.append((grads, grads.take(), grads))
-        if self.ownership.extra:
-            flat = _flatten(self.ownership.extra)
+        units = [*(self.source.flats[s] for s in self.ownership.stages),
+                 *(self.source.ties[h] for h in self.ownership.ties)]
+        self.held = [(unit.grads, unit.grads.take(), unit.grads) for unit in units]
+        if self.ownership.extra:  # one flat of their gradients, zeros where None
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in self.ownership.extra])
             if self.world_size > 1:
                 dist.all_reduce(flat)
             self.held.append((self.extra_layout, flat, None))
         for p in self.ownership.owned:
             p.grad = self._saved.get(id(p))
         self._saved = {}
-
-    # ------------------------------------------------------------------ hand-over
 
     def _recycle_given(self) -> None:
         """Return last step's flats whose views no parameter holds any more (zero_grad ran)."""
@@ -131,8 +107,6 @@ class GradStash:
                 else:  # added into existing gradients: free right away
                     source.recycle(flat)
         self.held = []
-
-    # ------------------------------------------------------------------ clipping
 
     def global_norm(self, params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
         """Norm of all gradients of the model, each parameter counted once over all ranks."""

@@ -1,29 +1,17 @@
 """Activation checkpointing of a stage: what ``F s b`` keeps, and how ``B s b`` replays it.
 
-Why: a stage's stashed activations (every tensor its forward saved for the backward) are what
-limits how many microbatches a worker can hold. A checkpointed stage runs ``F s b`` without a
-graph (``torch.no_grad``) and keeps only what it needs to run the same forward again at
-``B s b``: its inputs, and the state of the random generators (so dropout draws the same
-masks). The price is one more forward per backward, which the planner charges to B.
+A checkpointed stage's ``F`` keeps only its inputs and the random generators' state instead of
+its activations (which limit how many microbatches a worker holds); ``B`` runs the forward again
+(charged to B by the planner). The replay runs the same stage on the same inputs, generators
+restored (:class:`RngState`), inside the same ``forward_context``, so it is bit-exact; the ambient
+random stream is forked around it, so later draws are as without checkpointing. A stage that
+modifies an input in place (torch allows it without a graph) is refused (``check_inputs``).
 
-Exactness: the replay runs the same stage on the same input tensors with the generators where
-they were at F (:class:`RngState`) and inside the same ``forward_context`` (a front end's
-autocast), so it computes the forward's values bit for bit, and the backward that follows is the
-ordinary one. The ambient random stream is forked around the replay: after ``B`` the generators
-are where they would be without checkpointing, so every later draw is the same too.
-
-What cannot be kept exact, and is refused (:class:`Replay` ``.check_inputs``): a stage that
-modifies one of its input tensors in place. Without a graph, torch allows that even on a leaf
-that requires grad, and the replay would start from the modified values.
-
-Output flags: without a graph, no output requires grad, yet the next stage must know which of
-its inputs need a gradient (the flag travels with the tensor on the wire).
-:func:`flag_outputs` marks every floating-point output the stage computed as requiring grad
-when the stage has a trainable parameter or an input that requires grad, as the reentrant
-``torch.utils.checkpoint`` does for its outputs; outputs passed through unchanged keep their
-own flag. Where that marks an output the graph would not have (a float computed from a buffer
-alone), the next stage computes a gradient for it that the replay then finds unneeded and
-drops: extra work, never a different result.
+Without a graph no output requires grad, yet the next stage must know which inputs need one:
+:func:`flag_outputs` marks every floating-point output the stage computed, when it has a trainable
+parameter or an input requiring grad, as the reentrant ``torch.utils.checkpoint`` does. Where the
+graph would not have (a float computed from a buffer alone), the extra gradient is dropped by the
+replay: extra work, never a different result.
 """
 
 from __future__ import annotations
@@ -45,11 +33,8 @@ def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 
 class RngState:
-    """The CPU generator's state and the CUDA generators' of ``devices``, taken now.
-
-    As ``torch.utils.checkpoint`` preserves them: the default generators only (a
-    ``torch.Generator`` the model creates itself is its own business).
-    """
+    """The CPU generator's state and the CUDA generators' of ``devices``, taken now (the
+    default generators only, as ``torch.utils.checkpoint`` preserves them)."""
 
     def __init__(self, devices: Sequence[int] = ()) -> None:
         self.cpu = torch.get_rng_state()
@@ -57,8 +42,7 @@ class RngState:
 
     @contextmanager
     def restored(self) -> Iterator[None]:
-        """Inside: the generators as they were when taken; afterwards: as they were before
-        entering (the ambient stream is forked, not advanced)."""
+        """Inside: the generators as they were when taken; afterwards: as before entering."""
         devices = [d for d, _ in self.cuda]
         with torch.random.fork_rng(devices=devices, device_type="cuda"):
             torch.set_rng_state(self.cpu)
@@ -74,19 +58,20 @@ class Replay:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     rng: RngState
-    versions: list[tuple[torch.Tensor, int]]  # every input tensor and its version at F
+    versions: list[tuple[torch.Tensor, int]]  # every distinct input tensor and its version at F
     out_leaves: list[torch.Tensor] = field(default_factory=list)  # last stage: what loss_fn saw
 
     @classmethod
     def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any], stage_devices: Sequence[int]
              ) -> "Replay":
         """Before ``F``: the inputs, their versions and the generators' state."""
-        tensors = input_tensors(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
         devices = sorted({*stage_devices, *cuda_devices(tensors)})
         return cls(args, kwargs, RngState(devices), [(t, t._version) for t in tensors])
 
     def check_inputs(self, s: int, b: int) -> None:
-        """Refuse a replay from inputs modified in place since F took them (see module doc)."""
+        """Refuse a replay from inputs modified in place since F took them."""
         for i, (tensor, version) in enumerate(self.versions):
             if tensor._version != version:
                 raise RuntimeConfigError(
@@ -94,14 +79,7 @@ class Replay:
                     f"in place after F s{s} b{b} took it, so B s{s} b{b} cannot recompute the "
                     "stage's forward from it (activation checkpointing). Make the stage leave "
                     "its inputs unchanged (e.g. x = x + y instead of x += y, or a ReLU without "
-                    "inplace=True), or turn checkpoint_activations off for this stage."
-                )
-
-
-def input_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The distinct tensors among a stage call's arguments."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    return list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+                    "inplace=True), or turn checkpoint_activations off for this stage.")
 
 
 def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -109,10 +87,8 @@ def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
     """The outputs of a forward run without a graph, flagged for the next stage (module doc).
 
     A computed floating-point (or complex) output becomes a detached alias requiring grad when
-    ``differentiable`` (the stage has a trainable parameter or an input requiring grad); an
-    output that already requires grad or is one of the stage's inputs stays as it is. Aliases,
-    not the tensors themselves, so that a buffer or a user tensor returned as an output is
-    never changed.
+    ``differentiable``; an output that already requires grad or is one of the stage's inputs
+    stays as it is. Aliases, so that a buffer or user tensor returned as output is never changed.
     """
     given = {id(t) for t in inputs}
     flagged = []
@@ -124,43 +100,32 @@ def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
     return flagged
 
 
-def fresh_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves for the last stage's ``loss_fn``: same values and flags, no history, so the loss
-    builds a graph of its own that ends at them."""
-    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-
-
 def loss_gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor],
                    params: Sequence[torch.Tensor], split: bool,
                    ) -> tuple[list[torch.Tensor | None], PendingWeightGrad | None]:
     """Backpropagate the last stage's loss to the leaves ``loss_fn`` saw (its own small graph).
 
-    Ordinary backward: ``loss.backward()``, so a parameter the loss code reads (a loss module
-    outside the stages, or one of the stage's own) accumulates as it would without
-    checkpointing, and the leaves' ``.grad`` are read. Split backward: the loss graph's own B
-    (:func:`backward_input` with the leaves as inputs), whose weight part, for the stage's
-    ``params`` the loss code reads, joins the stage's W (:class:`ChainedWeightGrad`), as those
-    parameters' gradients do without checkpointing. A parameter reached both through the loss
-    code and through the stage then accumulates its two terms one after the other instead of
-    their sum: float rounding, not another value.
+    Ordinary backward: ``loss.backward()``, so a parameter the loss code reads accumulates as
+    without checkpointing. Split backward: the loss graph's own B, whose weight part joins the
+    stage's W (:class:`ChainedWeightGrad`). A parameter reached both through the loss code and
+    the stage then accumulates its two terms one after the other instead of their sum: float
+    rounding, not another value.
     """
     if not split:
         if loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward: unannotated
         return [t.grad if t.requires_grad else None for t in leaves], None
-    grads, pending = backward_input([loss], None, leaves, params)
-    return grads, pending
+    return backward_input([loss], None, leaves, params)
 
 
 class ChainedWeightGrad:
     """The W of a checkpointed last stage under a split backward: what the loss graph's B left,
-    then what the recomputed stage's B left (see :func:`loss_gradients`)."""
+    then what the recomputed stage's B left."""
 
     def __init__(self, first: PendingWeightGrad, then: PendingWeightGrad) -> None:
         self.parts = [first, then]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The gradients both parts recorded for W (:meth:`PendingWeightGrad.held_tensors`)."""
         return [t for part in self.parts for t in part.held_tensors()]
 
     def run(self) -> None:

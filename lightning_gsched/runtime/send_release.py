@@ -1,19 +1,14 @@
 """Release each sent buffer when its send completes, on every backend.
 
-Why: a program never waits for its own sends (they were proven deadlock-free as non-blocking),
-so the transport must keep each send's handle and buffer until the send is done. NCCL's handles
-report completion by themselves (``is_completed``), but gloo's point-to-point handles complete
-only inside ``wait()``: polled from the step's thread they never finish, so every sent buffer
-lived to the step's end. Under ``fsdp`` that is every fetched stage's gradient at once, the
-difference between fitting and not fitting a 2 GiB model on four CPU processes.
-
-:class:`SendReleaser` waits for the sends in a thread of its own, in the order they were issued
-(``Work.wait`` releases the GIL, so the step's thread keeps computing) and drops each buffer as
-its wait returns. Where the handles report completion by themselves (``threaded=False``: NCCL,
-tensors on a GPU) no thread is started: each new send first drops the completed ones at the
-head of the queue, as the transport always did there. The step's end (:meth:`SendReleaser.drain`) waits, bounded by the job's
-timeout, until every send of the step is done, and re-raises the first failure the thread saw
-as the step's own :class:`RuntimeFault`, with the message's label.
+A program never waits for its own sends, so the transport keeps each send's handle and buffer
+until the send is done. NCCL's handles report completion by themselves (``is_completed``), but
+gloo's point-to-point handles complete only inside ``wait()``: polled from the step's thread,
+every sent buffer would live to the step's end (under ``fsdp``, every fetched stage's gradient at
+once). So with ``threaded=True`` a thread of its own waits for the sends in issue order
+(``Work.wait`` releases the GIL) and drops each buffer as its wait returns; with
+``threaded=False`` each new send drops the completed ones at the head of the queue.
+:meth:`SendReleaser.drain` (the step's end) waits, bounded by the job's timeout, for every send
+and re-raises the first failure as the step's own :class:`RuntimeFault`.
 """
 
 from __future__ import annotations

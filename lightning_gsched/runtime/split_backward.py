@@ -1,77 +1,54 @@
 """A stage's backward in two halves: B (input gradients) now, W (weight gradients) later.
 
-Why: zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``; Qi et al., "Zero Bubble Pipeline
-Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, because the previous
-stage waits for its result, and ``W s b`` later, where the worker would otherwise idle. Autograd
-has no "weights later" mode, so this module cuts one backward in two over the same graph, without
-recomputing the forward. The approach is the one of ``torch.distributed.pipelining._backward``
-(reverse edges, input closure, intermediates); the differences are listed at the end.
+Zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``; Qi et al., "Zero Bubble Pipeline
+Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, since the previous stage
+waits for it, and ``W s b`` where the worker would otherwise idle. Autograd has no "weights later"
+mode, so this module cuts one backward in two over the same graph, without recomputing the
+forward, after ``torch.distributed.pipelining._backward`` (differences below).
 
 Terms, on the autograd graph below the roots (the stage's outputs, or its loss):
 
-* I, the *input closure*: the nodes from which the AccumulateGrad node of an input needing a
-  gradient is reachable (the inputs' own nodes included). Every parent of a node of I is in I.
+* I, the *input closure*: the nodes from which an input's AccumulateGrad node is reachable.
+  Every parent of a node of I is in I.
 * O, the *weight side*: the nodes outside I from which a parameter's AccumulateGrad node is
-  reachable (a weight's transpose, a ``p.exp()``, the AccumulateGrad nodes). Nothing below a
-  node of O is in I (it would then reach an input itself).
+  reachable. Nothing below a node of O is in I (it would then reach an input itself).
 * *intermediates*: the nodes of I with a child in O (e.g. a Linear's ``AddmmBackward``, whose
   children are the layer input (I) and the weight's ``TBackward`` and the bias (O)).
 
-**B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``.
-Autograd executes exactly the nodes of I, and of each only the outputs towards I, so no
-weight-gradient product is computed and no ``.grad`` is touched. A pre-hook on every intermediate
-records the gradient arriving at it, which is its full gradient: all its parents are in I.
+**B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``:
+autograd executes exactly the nodes of I, each only towards I, so no weight-gradient product is
+computed and no ``.grad`` touched. A pre-hook on every intermediate records the gradient arriving
+at it, which is complete since all its parents are in I.
 
-**W** (:meth:`PendingWeightGrad.run`) has two phases:
+**W** (:meth:`PendingWeightGrad.run`): (1) each intermediate runs again, alone, from its recorded
+gradient, with its O children as the ``autograd.grad`` targets, so only its outputs towards O are
+computed; a post-hook reads them and hands nothing on. One engine call per intermediate, because
+from an upper intermediate the input side below it leads to the lower intermediates' weights, so
+one call from all of them would run B again. (2) One ``torch.autograd.backward`` from the O
+children with the read outputs summed per edge, plus the roots outside I (outputs computed from
+parameters alone, or every root when no input needs a gradient), with ``inputs=params``.
+Parameters accumulate through their AccumulateGrad nodes, once each: ``.grad`` views of a flat
+buffer receive the sum in place and post-accumulate hooks fire once (:mod:`.buckets` relies on it).
 
-1. Each intermediate runs again, alone, from its recorded gradient: an ``autograd.grad`` call
-   whose targets are the intermediate's O children, so autograd computes only its outputs
-   towards O. A post-hook reads those outputs and hands nothing on (it returns no gradients).
-2. One ``torch.autograd.backward`` from the O children, with the read outputs summed per edge,
-   plus the roots that are not in I (outputs computed from parameters alone, or every root when
-   no input needs a gradient, e.g. a first stage fed token ids), restricted to the parameters
-   (``inputs=params``). Parameters accumulate through their usual AccumulateGrad nodes, once
-   each: ``.grad`` views of a flat buffer receive the sum in place and post-accumulate hooks
-   fire once per parameter (the bucketed all-reduce of ``runtime/buckets.py`` relies on both).
+Nothing counts twice: B executed only nodes of I, phase 1 only the intermediates' edges towards O,
+phase 2 only nodes of O; a root outside I was not executed in B and nothing below it is in I.
 
-Nothing counts twice: B executed only nodes of I, phase 1 only each intermediate's outputs
-towards O (edges B skipped), phase 2 only nodes of O. A root outside I was not executed in B
-and nothing below it is in I, so its gradient reaches O only through phase 2's starting edge.
+Exactness: B executes the same nodes of I in the same order (the engine orders ready nodes by
+creation; O nodes never make a node of I ready) on the same buffers as an ordinary backward, so
+input and recorded gradients are bit-identical, and the weight outputs are the same kernels on the
+same values. Phase 2 sums the terms reaching an O edge in the ordinary order (roots first, then
+intermediates in B's order); only an O node receiving three or more terms, from intermediates and
+other O nodes, may add them in another order: float rounding, not a different value.
 
-Why one engine call per intermediate in phase 1, not one call from all of them: autograd runs
-every node on a path from a starting point to a target, and from an upper intermediate the
-input-side nodes below it lead to the lower intermediates' weights. One call would therefore run
-the whole input side again (B twice over: a GELU backward, every Linear's input product). With
-only its own O children as targets, an intermediate's input-side children are not on a path.
+Cost: B is the ordinary backward minus its weight products; W the weight products plus the
+weight-only subgraph, with one engine call per intermediate and the graph's saved tensors and
+recorded gradients alive from B to W. When an intermediate's O child is also reachable through its
+I children (a Linear applied twice), autograd also computes its input-side output (discarded).
 
-Cost model. B: an input-only backward, i.e. the ordinary backward minus its weight products.
-W: every intermediate once more for its weight outputs only (the products the ordinary
-backward would have done there), then the weight-only subgraph once (views, AccumulateGrad).
-Overheads: a Python walk of the graph per B; one autograd engine call per intermediate in W
-(a fixed cost, about 0.1-0.2 ms on a CPU, plus a walk of the nodes below the intermediate); and
-memory: from B to W the graph's saved tensors and the recorded gradients of the intermediates
-stay alive, which :meth:`PendingWeightGrad.run` drops. One case re-runs more: when an
-intermediate's O child is also reachable through its I children (a Linear applied twice: its
-bias and weight are below both uses), autograd also computes that intermediate's input-side
-output (discarded) and runs the I nodes below it with no gradient, which built-in nodes skip.
-
-Exactness. B executes the same nodes of I in the same order (the engine orders ready nodes by
-creation, and O nodes never make a node of I ready) on the same buffers as one ordinary backward,
-so input gradients and recorded gradients are bit-identical, and each intermediate's weight
-outputs are the same kernels on the same values. Phase 2 sums the terms reaching one O edge in
-the ordinary order (root gradients first, then intermediates in B's order), and the engine runs
-the O nodes once, as usual. Only an O node that receives three or more terms, from intermediates
-and from other O nodes, may have them added in another order: float rounding (a few ulps), not
-a different value. ``tests/test_runtime_split_backward.py`` asserts bit equality elsewhere.
-
-Differences from ``torch.distributed.pipelining``: roots outside I feed W (else parameters
-reached only through them get no gradient; with no input needing a gradient all of them);
-an intermediate reachable from another is not counted twice; W does not re-run the input-side
-nodes between intermediates; parameters accumulate through AccumulateGrad (in place, hooks
-fire) instead of ``grad`` + manual add; the graph is released after W.
-
-Only the given parameters receive gradients: a leaf that is neither an input nor in ``params``
-but reachable from the roots gets none, where an ordinary backward would accumulate into it.
+Unlike ``torch.distributed.pipelining``: roots outside I feed W; an intermediate reachable from
+another is not counted twice; W does not re-run the input side; parameters accumulate through
+AccumulateGrad (in place, hooks fire); the graph is released after W. Only the given parameters
+receive gradients: another leaf reachable from the roots gets none.
 """
 
 from __future__ import annotations
@@ -79,6 +56,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -89,25 +67,19 @@ from lightning_gsched.errors import RuntimeConfigError
 EdgeKey = tuple[Node, int]  # (node, index of its gradient input), as in ``next_functions``
 
 
+@dataclass(slots=True)
 class _Intermediate:
     """A node of I with children in O, the gradient B recorded at it, and its O edges."""
 
-    __slots__ = ("node", "grads", "weight_edges")
-
-    def __init__(self, node: Node, grads: tuple[torch.Tensor | None, ...],
-                 weight_edges: list[tuple[int, EdgeKey]]) -> None:
-        self.node = node
-        self.grads = grads
-        self.weight_edges = weight_edges  # (output index of node, the edge it feeds)
+    node: Node
+    grads: tuple[torch.Tensor | None, ...]
+    weight_edges: list[tuple[int, EdgeKey]]  # (output index of node, the edge it feeds)
 
 
 class PendingWeightGrad:
-    """What ``W s b`` needs from ``B s b``; :meth:`run` accumulates it, once.
-
-    Holds the intermediates with their recorded gradients, the roots outside I with theirs, and
-    the parameters to accumulate into. These references keep the forward's saved tensors alive
-    until :meth:`run`, which drops them first.
-    """
+    """What ``W s b`` needs from ``B s b``: the intermediates with their recorded gradients, the
+    roots outside I with theirs, and the parameters. These keep the forward's saved tensors
+    alive until :meth:`run`, which accumulates them, once, and drops them first."""
 
     def __init__(self, intermediates: list[_Intermediate],
                  root_edges: list[tuple[EdgeKey, torch.Tensor]],
@@ -121,9 +93,8 @@ class PendingWeightGrad:
         return self._work is None
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The gradients B recorded for W (at the intermediates, and of the roots outside I):
-        with the saved tensors of the graph below the intermediates, what this object keeps
-        alive from B to W (``runtime/footprint.py``'s ``held_until_w``); empty once run."""
+        """The gradients B recorded for W: with the saved tensors of the graph below the
+        intermediates, what this object keeps alive from B to W (``footprint.held_until_w``)."""
         if self._work is None:
             return []
         intermediates, root_edges, _ = self._work
@@ -135,10 +106,8 @@ class PendingWeightGrad:
         if self._work is None:
             raise RuntimeConfigError(
                 "the weight gradients of this backward were already accumulated; run each "
-                "PendingWeightGrad once (the programs list one W per (stage, microbatch))."
-            )
-        # take the references out of the object first: after run, nothing here keeps the
-        # graph (and the forward's saved tensors) alive, even if a step below raises
+                "PendingWeightGrad once (the programs list one W per (stage, microbatch)).")
+        # take the references out first: nothing here keeps the graph alive, even on a raise
         (intermediates, root_edges, params), self._work = self._work, None
         arriving: dict[EdgeKey, list[torch.Tensor]] = {}
         for key, grad in root_edges:  # the engine adds the roots' gradients first
@@ -163,11 +132,8 @@ class PendingWeightGrad:
 def _weight_outputs(item: _Intermediate) -> tuple[torch.Tensor | None, ...]:
     """Phase 1: run one intermediate from its recorded gradient for its outputs towards O.
 
-    The autograd.grad targets are the node's O children: the engine then computes only the
-    outputs leading to them (and, if an I child also leads to one, that output too). The
-    post-hook keeps the outputs and hands nothing on, so no other node adds to anything. The
-    pre-hook puts back exactly what B recorded, in case tensor hooks on this node's outputs
-    (``register_hook``) would change the fed gradient a second time.
+    The post-hook keeps the outputs and hands nothing on. The pre-hook puts back exactly what B
+    recorded, in case tensor hooks on the node's outputs would change the fed gradient again.
     """
     node, recorded = item.node, item.grads
     outputs: list[tuple[torch.Tensor | None, ...]] = []
@@ -200,28 +166,24 @@ def backward_input(
 ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
     """B: the gradients of ``inputs`` (None where none), and the work W has left.
 
-    ``roots``: the stage's output tensors with ``root_grads`` their incoming gradients (a None
-    entry: no gradient for that output, it is skipped), or, on the last stage, ``[loss]`` with
-    ``root_grads=None`` (a gradient of ones). ``inputs``: the stage's inputs, leaves; those that
-    do not require grad (or are not tensors) get None. ``params``: the stage's parameters; only
-    those that require grad receive gradients, and only in :meth:`PendingWeightGrad.run`: B
-    leaves every ``.grad`` (inputs' and parameters') untouched.
+    ``roots``: the stage's output tensors with ``root_grads`` their gradients (None: skipped),
+    or ``[loss]`` with ``root_grads=None`` (a gradient of ones). ``inputs``: the stage's inputs,
+    leaves. ``params``: those requiring grad receive gradients in :meth:`PendingWeightGrad.run`;
+    B leaves every ``.grad`` untouched.
     """
     params = list(dict.fromkeys(p for p in params if p.requires_grad))
     wanted = _input_leaves(inputs)
     _check_params(params, wanted)
     pairs = _roots_with_grads(roots, root_grads, needs_weights=bool(params))
     root_edges = [(_edge_key(r), g) for r, g in pairs]
-    children = _walk([key[0] for key, _ in root_edges])
-    parents = _parents(children)
-    input_nodes = {_edge_key(t)[0] for t in wanted}
-    closure = _ancestors(parents, input_nodes)  # I
+    parents = _parents([key[0] for key, _ in root_edges])
+    closure = _ancestors(parents, {_edge_key(t)[0] for t in wanted})  # I
     param_nodes = {_edge_key(p)[0]: p for p in params}
     weight_side = _ancestors(parents, set(param_nodes), blocked=closure)  # O
     intermediates = {
-        node: [(i, (child, nr)) for i, (child, nr) in enumerate(node.next_functions)
-               if child in weight_side]
-        for node in closure if any(child in weight_side for child, _ in children[node])
+        node: edges for node in closure
+        if (edges := [(i, (child, nr)) for i, (child, nr) in enumerate(node.next_functions)
+                      if child in weight_side])
     }
 
     recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}  # in B's execution order
@@ -261,24 +223,21 @@ def _roots_with_grads(roots: Sequence[torch.Tensor],
         if not isinstance(r, torch.Tensor):
             raise RuntimeConfigError(
                 f"root {i} is a {type(r).__name__}, not a tensor; pass the stage's output "
-                "tensors (flattened) or [loss]."
-            )
+                "tensors (flattened) or [loss].")
     if root_grads is None:
         for i, r in enumerate(roots):
             if r.numel() != 1:
                 raise RuntimeConfigError(
                     f"root_grads=None means a gradient of ones, which only a scalar root (a loss) "
                     f"has, but root {i} has shape {tuple(r.shape)}; pass the gradients of the "
-                    "outputs, or reduce the loss to a scalar."
-                )
+                    "outputs, or reduce the loss to a scalar.")
         grads: list[torch.Tensor | None] = [torch.ones_like(r) for r in roots]
     else:
         grads = list(root_grads)
         if len(grads) != len(roots):
             raise RuntimeConfigError(
                 f"{len(grads)} root gradients for {len(roots)} roots; give one per root (None "
-                "for an output that received no gradient)."
-            )
+                "for an output that received no gradient).")
     pairs = []
     for i, (r, g) in enumerate(zip(roots, grads, strict=True)):
         if g is None:
@@ -289,8 +248,7 @@ def _roots_with_grads(roots: Sequence[torch.Tensor],
                     f"root {i} (shape {tuple(r.shape)}) was given a gradient but does not "
                     "require grad, so no parameter can get a gradient through it (computed under "
                     "torch.no_grad() or detached?); pass only roots that require grad, or None as "
-                    "the gradient of an output that needs none."
-                )
+                    "the gradient of an output that needs none.")
             continue
         pairs.append((r, g))
     return pairs
@@ -305,8 +263,7 @@ def _input_leaves(inputs: Sequence[Any]) -> list[torch.Tensor]:
                 raise RuntimeConfigError(
                     f"input {i} is not a leaf (its grad_fn is {type(t.grad_fn).__name__}), so B "
                     "would run into the graph that produced it; give the stage fresh leaves, "
-                    "e.g. x.detach().requires_grad_()."
-                )
+                    "e.g. x.detach().requires_grad_().")
             wanted.append(t)
     return wanted
 
@@ -317,13 +274,11 @@ def _check_params(params: list[torch.Tensor], wanted: list[torch.Tensor]) -> Non
         if p.grad_fn is not None:
             raise RuntimeConfigError(
                 f"a parameter of shape {tuple(p.shape)} is not a leaf (its grad_fn is "
-                f"{type(p.grad_fn).__name__}); pass the stage's nn.Parameters."
-            )
+                f"{type(p.grad_fn).__name__}); pass the stage's nn.Parameters.")
         if id(p) in inputs:
             raise RuntimeConfigError(
                 f"a parameter of shape {tuple(p.shape)} is also a stage input; B returns an "
-                "input's gradient and W accumulates a parameter's, so pass it as one of the two."
-            )
+                "input's gradient and W accumulates a parameter's, so pass it as one of the two.")
 
 
 def _edge_key(t: torch.Tensor) -> EdgeKey:
@@ -332,25 +287,18 @@ def _edge_key(t: torch.Tensor) -> EdgeKey:
     return edge.node, edge.output_nr
 
 
-def _walk(roots: list[Node]) -> dict[Node, list[EdgeKey]]:
-    """Every node below ``roots`` with its backward edges (``next_functions`` without Nones)."""
-    children: dict[Node, list[EdgeKey]] = {}
-    queue = deque(dict.fromkeys(roots))
-    seen = set(queue)
+def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Every node below ``roots`` with the nodes whose ``next_functions`` lead to it."""
+    parents: dict[Node, list[Node]] = {node: [] for node in roots}
+    queue = deque(parents)
     while queue:
         node = queue.popleft()
-        children[node] = [(n, nr) for n, nr in node.next_functions if n is not None]
-        for n, _ in children[node]:
-            if n not in seen:
-                seen.add(n)
-                queue.append(n)
-    return children
-
-
-def _parents(children: dict[Node, list[EdgeKey]]) -> dict[Node, list[Node]]:
-    parents: dict[Node, list[Node]] = {node: [] for node in children}
-    for node, edges in children.items():
-        for child, _ in edges:
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                queue.append(child)
             parents[child].append(node)
     return parents
 

@@ -1,34 +1,25 @@
 """The state of one step on one rank: what each action of the program does.
 
-Why a separate object: everything in it lives exactly one step (posted receives, values produced
-for a send or a local consumer, pending gradient receives and all-reduces, counters) and is
-dropped at once on a failure, before the executor destroys its process groups (pending handles
-keep connections open). The executor (:mod:`.executor`) owns what outlives a step: stages, flat
-buffers, channels; :class:`ExecutorState` lists what a step reads of it, so this module does not
-import the executor (which imports this one). One method per op, listed in the op -> method
-table :data:`HANDLERS` that :meth:`StepRun.run` calls (functions of the class, not
-bound methods: a table of bound methods on the instance would be a reference cycle that keeps a
-finished step's tensors alive until the garbage collector runs); the semantics are those the dry
-run proves (see ``docs/runtime.md``), and which input a compute reads is the dry run's own rule
-(``view.rules``, :mod:`..schedule.consumption`).
-The runtime runs chains of stages (``check_programs``), so each compute reads at most one
-producer's output or one consumer's gradient.
+Everything here lives one step (posted receives, values produced for a send or a local consumer,
+pending gradient receives and all-reduces, counters) and is dropped at once on a failure, before
+the executor destroys its process groups (pending handles keep connections open). What outlives a
+step is the executor's: :class:`ExecutorState` lists what a step reads of it, so that this module
+need not import the executor (which imports it).
 
-The same object runs a forward-only program (``forward_only=True``, from
-``ProgramExecutor.forward``): forwards without autograd or stash, the last stage's output handed
-to ``output_fn`` (any value), and nothing that touches gradients (no zeroing at the start, no
-running statistics captured or exchanged).
-
-The weight-unit ops (``FETCH_W`` ... ``ALLREDUCE_G``) act on a stage's weights or, with
-``Action.tie``, on a tie (tied weights, one flat unit per home stage): one method per op for
-both, each doing its work through the kind's :class:`~.unit_traffic.UnitTraffic`.
+:meth:`StepRun.run` calls one method per op through the table :data:`HANDLERS`, of functions, not
+bound methods: bound methods stored on the instance would be a reference cycle keeping a finished
+step's tensors alive until the garbage collector runs. Which input a compute reads is the dry
+run's rule (``view.rules``); the runtime runs chains of stages (``check_programs``), so a compute
+reads at most one message. Weight-unit ops act on a stage or, with ``Action.tie``, a tie, through
+that kind's :class:`~.unit_traffic.UnitTraffic`. A forward-only run computes without autograd or
+stash, hands the last stage's output to ``output_fn`` and touches no gradient or statistics.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -48,31 +39,19 @@ from lightning_gsched.schedule.program import Action, Message, Op
 
 
 class ExecutorState(Protocol):
-    """What one step reads of the :class:`~.executor.ProgramExecutor` that runs it: the parts
-    that outlive a step."""
+    """What one step reads of the :class:`~.executor.ProgramExecutor` that runs it."""
 
-    @property
-    def rank(self) -> int: ...
-    @property
-    def num_stages(self) -> int: ...
-    @property
-    def owned(self) -> Collection[int]: ...
-    @property
-    def flats(self) -> Sequence[FlatStage]: ...
-    @property
-    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
-    @property
-    def owned_ties(self) -> Collection[int]: ...
-    @property
-    def compute(self) -> StageCompute: ...
-    @property
-    def channels(self) -> Channels: ...
-    @property
-    def transport(self) -> Transport: ...
-    @property
-    def running_stats(self) -> RunningStats: ...
-    @property
-    def memory(self) -> MeasuredBytes | None: ...  # sampled after every action when set
+    rank: int
+    owned: set[int]
+    owned_ties: set[int]
+    flats: list[FlatStage]
+    ties: dict[int, FlatStage]  # tie home stage -> its unit
+    compute: StageCompute
+    channels: Channels
+    transport: Transport
+    running_stats: RunningStats
+    memory: MeasuredBytes | None  # sampled after every action when set
+
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]: ...
 
 
@@ -103,12 +82,11 @@ class StepRun:
         self.received: dict[Message, Any] = {}  # posted RECV_ACT / RECV_GRAD
         self.produced_acts: dict[tuple[int, int], wire.Split] = {}
         self.produced_grads: dict[tuple[int, int], list[Any]] = {}
-        # weight units' fetches, gradient hand-offs and receives: stages' and ties' (_units)
         self.stage_io = UnitTraffic("stage", dict(enumerate(ex.flats)), ex.transport, ex.rank)
         self.tie_io = UnitTraffic("tie", ex.ties, ex.transport, ex.rank)
         self.allreduces: list[tuple[Any, str]] = []
         # index of a stage's last B -> its bucketed all-reduce, started during that backward
-        self.overlap: dict[int, GradBuckets] = {} if forward_only else ex.overlapped_reductions(view)
+        self.overlap = {} if forward_only else ex.overlapped_reductions(view)
         self.armed: dict[int, GradBuckets] = {}
         # BatchNorm statistics of this step's forwards, folded on every rank at the end
         self.stats = None if forward_only else ex.running_stats.begin_step(view.programs.num_micro)
@@ -116,7 +94,7 @@ class StepRun:
         self.counters.peak_resident_stages = self.resident
         for unit in [*(ex.flats[s] for s in ex.owned), *(ex.ties[h] for h in ex.owned_ties)]:
             unit.ensure_owned_views()
-            if not forward_only:  # a forward-only run leaves gradients as they are
+            if not forward_only:
                 unit.zero_grads()
         self._note_bytes()
         if ex.memory is not None:
@@ -145,12 +123,11 @@ class StepRun:
     def live_bytes(self) -> dict[str, int]:
         """What this rank holds now, by the planner's categories (runtime/footprint.py)."""
         units = (self.stage_io, self.tie_io)
-        weights = sum(io.resident_bytes() for io in units)
-        gradients = sum(io.active_grad_bytes() for io in units)
         buffers = [buf for io in units for buf in io.pending_buffers()]
         communication = sum(m.pending_bytes for m in self.received.values())
         communication += sum(t.numel() * t.element_size() for t in buffers)
-        return {"weights": weights, "gradients": gradients, "optimizer": 0,
+        return {"weights": sum(io.resident_bytes() for io in units),
+                "gradients": sum(io.active_grad_bytes() for io in units), "optimizer": 0,
                 "activations": self.ex.compute.live_activation_bytes(),
                 "communication": communication}
 
@@ -174,7 +151,11 @@ class StepRun:
                 value = wire.join(produced.structure, leaves)
             args, kwargs = (value,), {}
         if self.forward_only:
-            self._infer(s, b, tuple(args), dict(kwargs))
+            output = self.ex.compute.infer(s, tuple(args), dict(kwargs))
+            if not self.rules.grad_from[s]:  # a sink: nothing reads its output
+                self.losses[b] = self.loss_fn(output, b)
+            else:
+                self.produced_acts[(s, b)] = wire.split(output, what=f"output of stage {s}")
             return
         with self.stats.capture(s, b) if self.stats is not None else nullcontext():
             parts, loss = self.ex.compute.forward(s, b, tuple(args), dict(kwargs), leaves,
@@ -184,16 +165,8 @@ class StepRun:
         else:
             assert parts is not None  # not a last stage: its output
             self.produced_acts[(s, b)] = parts
-        self.counters.peak_activations = max(
-            self.counters.peak_activations, self.ex.compute.stashed
-        )
-
-    def _infer(self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        output = self.ex.compute.infer(s, args, kwargs)
-        if not self.rules.grad_from[s]:  # a sink: nothing reads its output
-            self.losses[b] = self.loss_fn(output, b)
-        else:
-            self.produced_acts[(s, b)] = wire.split(output, what=f"output of stage {s}")
+        self.counters.peak_activations = max(self.counters.peak_activations,
+                                             self.ex.compute.stashed)
 
     def _b(self, a: Action, index: int) -> None:
         s, b = a.stage, micro_of(a)
@@ -217,7 +190,6 @@ class StepRun:
             self.produced_grads[(s, b)] = input_grads
 
     def _w(self, a: Action, index: int) -> None:
-        """Weight gradients of a split backward: what ``B s b`` left, accumulated now."""
         s, b = a.stage, micro_of(a)
         self._before_reduction(a, "W")
         self._weights_ready(s)
@@ -229,33 +201,31 @@ class StepRun:
         if a.stage in self.stage_io.reduced:
             raise RuntimeConfigError(
                 f"{a} after ALLREDUCE_G of stage {a.stage} started; the all-reduce must come "
-                f"after the stage's last {what} on this rank."
-            )
+                f"after the stage's last {what} on this rank.")
 
     def _prepare_weight_grads(self, s: int, index: int) -> None:
-        """Before an action accumulates stage s's weight gradients (B, or W when split): its
-        gradient buffer and those of the ties it reads are active."""
+        """Before a job accumulates stage s's weight gradients (B, or W when split): activate
+        its gradient buffer and those of the ties it reads; arm its bucketed all-reduce if this
+        is its last such job."""
         for h in self.rules.ties_read[s]:
             if h in self.tie_io.reduced:
                 raise RuntimeConfigError(
                     f"a weight-gradient job of stage {s} after ALLREDUCE_G t{h} (tie {h}) "
                     "started; the all-reduce must come after the last weight-gradient job of a "
-                    "stage reading the tie on this rank."
-                )
+                    "stage reading the tie on this rank.")
             grads = self.tie_io.units[h].grads
             if not grads.active:
-                grads.zero()  # a fetched tie's first weight-gradient job of the step
+                grads.zero()
         flat = self.ex.flats[s]
         if not flat.grads.active:
-            flat.zero_grads()  # first weight-gradient job of a fetched stage in this run
+            flat.zero_grads()
         buckets = self.overlap.get(index)
-        if buckets is not None:  # the stage's last one: start its all-reduce bucket by bucket
+        if buckets is not None:
             buckets.arm()
             self.armed[s] = buckets
 
     def _weights_ready(self, s: int) -> None:
-        """Before a job of stage ``s``: its weights and the ties it reads are here (a posted
-        fetch landed)."""
+        """Before a job of stage ``s``: its weights and the ties it reads are resident."""
         for h in self.rules.ties_read[s]:
             self.tie_io.ready(h, f" (read by stage {s})")
         self.stage_io.ready(s, "'s weights")
@@ -273,8 +243,7 @@ class StepRun:
                                    f"output of stage {a.stage} on microbatch {b}")
 
     def _post_pytree(self, a: Action, index: int) -> None:
-        """``RECV_ACT`` / ``RECV_GRAD``: post the receive of an activation or input-gradient,
-        keyed by its message (the compute that reads it takes it)."""
+        """``RECV_ACT`` / ``RECV_GRAD``: the compute that reads the message takes it."""
         self.received[Message.of(a)] = self.transport.post_pytree(peer_of(a), label(a, index))
 
     def _send_grad(self, a: Action, index: int) -> None:
@@ -290,7 +259,6 @@ class StepRun:
     # ------------------------------------------------------------------ weight units
 
     def _units(self, a: Action) -> UnitTraffic:
-        """The traffic of the kind of weight unit ``a`` acts on: ties' or stages'."""
         return self.tie_io if a.tie else self.stage_io
 
     def _fetch(self, a: Action, index: int) -> None:
@@ -342,38 +310,30 @@ class StepRun:
         self.tie_io.finish()
         for work, what in self.allreduces:
             self.transport.wait(work, what)
-        if self.stats is not None:
-            self._sync_running_stats()
+        if self.stats is not None:  # every rank folds all ranks' statistics, microbatch order
+            channels, all_reduce = self.ex.channels, None
+            if channels.world_size > 1:
+                table = self.stats.table
+                self.counters.stats_allreduces += 1
+                self.counters.stats_allreduce_bytes += table.numel() * table.element_size()
+                all_reduce = partial(channels.all_reduce, members=None)
+            self.stats.finish(all_reduce, self.transport.wait)
         self.transport.drain_sends()
         self.transport.end_step()
         held = sorted([*self.ex.compute.stash, *self.ex.compute.pending_weights])
         if leftovers or held:
             raise RuntimeConfigError(
                 f"rank {self.ex.rank} ends its program with unconsumed receives {leftovers} or "
-                f"stashed activations {held}; the programs are inconsistent."
-            )
+                f"stashed activations {held}; the programs are inconsistent.")
         self._note_bytes()
-
-    def _sync_running_stats(self) -> None:
-        """Every rank: the step's batch statistics from all ranks, folded in microbatch order."""
-        assert self.stats is not None
-        channels = self.ex.channels
-        all_reduce = None
-        if channels.world_size > 1:
-            table = self.stats.table
-            self.counters.stats_allreduces += 1
-            self.counters.stats_allreduce_bytes += table.numel() * table.element_size()
-            all_reduce = partial(channels.all_reduce, members=None)
-        self.stats.finish(all_reduce, self.transport.wait)
 
     def _note_bytes(self) -> None:
         resident = self.stage_io.resident_bytes() + self.tie_io.resident_bytes()
-        self.counters.peak_resident_param_bytes = max(
-            self.counters.peak_resident_param_bytes, resident
-        )
+        self.counters.peak_resident_param_bytes = max(self.counters.peak_resident_param_bytes,
+                                                      resident)
 
 
-# op -> the StepRun method that runs it; run() calls each through this table
+# op -> the StepRun method that runs it (see the module docstring)
 HANDLERS: dict[Op, Callable[[StepRun, Action, int], None]] = {
     Op.F: StepRun._f, Op.B: StepRun._b, Op.W: StepRun._w,
     Op.SEND_ACT: StepRun._send_act, Op.RECV_ACT: StepRun._post_pytree,

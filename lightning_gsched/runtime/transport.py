@@ -1,48 +1,35 @@
 """Messages of a program: pytrees on ``p2p``, flat buffers on ``weights`` and ``grads``.
 
-Why this shape: sends never block (the programs were proven deadlock-free under that model), so
-every send is an ``isend`` whose handle and buffer are kept until the send completed
-(:class:`send_release.SendReleaser`, which also bounds them at the step's end). Receives
-are *posted* where the program says and waited for where they are consumed.
+Sends never block (the programs were proven deadlock-free under that model): every send is an
+``isend`` whose buffer :class:`~.send_release.SendReleaser` keeps until it completed. Receives are
+*posted* where the program says and waited for where they are consumed.
 
-A pytree message (an activation or an input-gradient) is sent as its tensors, one message per
-distinct non-empty tensor, as they are (no header, no pickling, no copy into a byte payload), as
-torch.distributed.pipelining does after its shape inference. The receiver must then know every
-message's *spec* (structure, per tensor shape, dtype, ``requires_grad``; :class:`wire.Spec`)
-before the message arrives, so that it can post one receive per tensor, into a buffer of the
-right shape, where the program posts the receive (on gloo a message's bytes only flow once its
-receive is posted, so a receive posted only when the consumer waits puts the whole transfer on
-the critical path; on NCCL reading a header on the device would also cost a synchronisation).
+A pytree message (activation or input-gradient) travels as its distinct non-empty tensors, one
+message each, as they are (no header, pickling or copy), as torch.distributed.pipelining does
+after shape inference. So the receiver must know the message's *spec* (:class:`wire.Spec`) when
+it posts the receives (on gloo the bytes only flow once the receive is posted; on NCCL reading a
+header would cost a sync). The programs send the same messages every step, and their shapes
+follow from the step's *signature*, which every rank computes alike (by default the inputs'
+shapes). Both ends remember, per (programs, signature), the specs of the last completed step per
+peer, direction and position (:class:`SpecBook`, least recently used dropped alike everywhere).
+A step is then either
 
-How both ends know the spec without asking each other: the programs send the same sequence of
-messages every step, and the step's shapes follow from its *signature*, a value every rank
-computes alike without communicating (``ProgramExecutor.step(..., signature=...)``: by default
-the shapes and dtypes of every microbatch's inputs, which every rank is given). Both ends keep,
-per (programs, signature), the specs of every message of the last completed step, per peer,
-direction and position (:class:`SpecBook`, a few signatures, least recently used dropped alike on
-every rank because every rank sees the same sequence of steps). Then each step is either
+* *fast* (a known (programs, signature)): the receiver posts the tensor receives at the program's
+  receive post; the sender checks its spec against the remembered one and raises
+  :class:`MessageShapeError` if it differs (a data-dependent shape cannot be told to a receiver
+  whose buffers are posted; see ``transport="described"``);
+* or *described* (a new signature, or always with ``transport="described"``): each message is an
+  ``int64 [meta_len]`` header, the pickled spec, then the tensors. The receiver posts nothing
+  ahead: a consumer's wait takes the peer's pending messages in program order, so the channel
+  stays in the sender's order. The recorded specs become the signature's expectation.
 
-* *fast* (a known (programs, signature)): the receiver posts the tensor receives into buffers of
-  the remembered specs at the program's receive post; the sender checks that its message has the
-  remembered spec (a tuple comparison) and sends the tensors. A message that differs (a shape
-  that depends on the data, not on the signature) cannot be told to the receiver, whose buffers
-  are already posted: the sender raises :class:`MessageShapeError` and the fault machinery ends
-  every rank with an error quoting it (see ``transport="described"``);
-* or *described* (a new signature: first step, another batch shape, other programs; or every
-  step with ``transport="described"``): each message is an ``int64 [meta_len]`` header, the
-  pickled spec, then the tensors, all on the ``p2p`` channel. The receiver posts nothing ahead:
-  when a consumer waits for a message it takes the pending messages from that peer in program
-  order (header, spec, then one receive per tensor), so the channel stays in the sender's order.
-  Both ends record the specs; at the end of the step they become the signature's expectation.
-
-Both ends decide fast vs described from the same history, so every message is read the way it
-was written. Empty tensors travel as nothing; a message without tensors sends nothing on the
-fast path. Weights and gradient reductions have sizes both ends know: one message each.
+Empty tensors travel as nothing. Weights and gradient reductions have sizes both ends know.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
@@ -59,16 +46,16 @@ TRANSPORTS = ("auto", "described")
 SIGNATURES_KEPT = 16  # (programs, signature) pairs remembered; older ones are described again
 
 
+@dataclass(eq=False)  # compared by identity, as any handle
 class IncomingPytree:
     """A posted pytree receive: its tensors' receives are posted (fast path), or it waits in
     its peer's queue until a consumer takes it (described path)."""
 
-    def __init__(self, peer: int, label: str) -> None:
-        self.peer = peer
-        self.label = label  # "'RECV_ACT s0 b1 <-0' (action 2)"
-        self.spec: wire.Spec | None = None
-        self.buffers: list[torch.Tensor] | None = None
-        self.works: list[Any] = []
+    peer: int
+    label: str  # "'RECV_ACT s0 b1 <-0' (action 2)"
+    spec: wire.Spec | None = None
+    buffers: list[torch.Tensor] | None = None
+    works: list[Any] = field(default_factory=list)
 
     @property
     def pending_bytes(self) -> int:
@@ -78,16 +65,16 @@ class IncomingPytree:
         return sum(t.numel() * t.element_size() for t in self.buffers)
 
 
-# (peer, direction) -> the specs of its messages in this step, in order
+# (peer, "in" | "out") -> the specs of its messages in this step, in order
 _Specs = dict[tuple[int, str], list[wire.Spec]]
 
 
 class SpecBook:
     """Message specs per (programs, signature), per (peer, direction), in message order.
 
-    ``begin`` starts a step; :attr:`fast` tells whether its (programs, signature) completed a
-    step before (then ``expected`` gives each message's spec); otherwise ``record`` notes the
-    specs as they go and ``commit`` (end of a successful step) makes them the expectation.
+    After ``begin``, :attr:`fast` tells whether the (programs, signature) completed a step
+    before (then ``expected`` gives each message's spec); otherwise the step notes the specs in
+    ``now`` and ``commit`` (end of a successful step) makes them the expectation.
     """
 
     def __init__(self, capacity: int = SIGNATURES_KEPT) -> None:
@@ -98,7 +85,7 @@ class SpecBook:
         self.programs: Any = None
         self.expect: _Specs | None = None
         self.keep = True
-        self.now: dict[tuple[int, str], list[wire.Spec]] = defaultdict(list)
+        self.now: _Specs = defaultdict(list)
         self.count: dict[tuple[int, str], int] = defaultdict(int)
 
     @property
@@ -126,12 +113,8 @@ class SpecBook:
             raise RuntimeConfigError(
                 f"message {position} {'to' if direction == 'out' else 'from'} rank {peer} was "
                 f"not in the last step of these programs ({len(specs)} messages); the programs "
-                "changed under the executor. Plan once and pass the same programs every step."
-            )
+                "changed under the executor. Plan once and pass the same programs every step.")
         return specs[position]
-
-    def record(self, peer: int, direction: str, spec: wire.Spec) -> None:
-        self.now[(peer, direction)].append(spec)
 
     def commit(self) -> None:
         if self.fast or not self.keep:
@@ -149,10 +132,7 @@ class SpecBook:
 
 class Transport:
     """Sends and receives of one executor; counts messages' bytes into ``counters``.
-
-    ``transport``: ``"auto"`` (fast path for a known step signature, see the module doc) or
-    ``"described"`` (every message carries its spec, every step).
-    """
+    ``transport``: ``"auto"`` or ``"described"`` (see the module docstring)."""
 
     def __init__(self, channels: Channels, waiter: Waiter, device: torch.device,
                  transport: str = "auto") -> None:
@@ -191,7 +171,7 @@ class Transport:
             if spec != expected:
                 raise self._changed(spec, expected, peer, label, what)
         else:
-            self.book.record(peer, "out", spec)
+            self.book.now[(peer, "out")].append(spec)
             meta = wire.encode_spec(spec)
             header = torch.tensor([len(meta)], dtype=torch.int64, device=self.device)
             body = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
@@ -239,14 +219,13 @@ class Transport:
         meta = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
         self.waiter.wait(self.channels.irecv(meta, message.peer, "p2p"), what)
         spec = wire.decode_spec(meta.cpu().numpy().tobytes())
-        self.book.record(message.peer, "in", spec)
+        self.book.now[(message.peer, "in")].append(spec)
         self.counters.bytes_received += 8 + meta.numel()
         self.described_messages += 1
         self._post_tensors(message, spec)
 
     def flush(self) -> None:
-        """End of step: take every described message still pending (its spec is recorded, no
-        receive lingers)."""
+        """End of step: take every described message still pending (no receive lingers)."""
         for queue in self._pending.values():
             while queue:
                 self._take(queue.popleft())

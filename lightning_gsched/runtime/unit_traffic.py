@@ -1,13 +1,10 @@
 """Weight units' messages within one step: fetch, serve, free, hand-off and receive of gradients.
 
-Why one class for two kinds: a stage's weights (``FETCH_W s1 <-0``) and a tie's (``FETCH_W t0
-<-0``) are both flat units (:class:`.flat.FlatStage`) that a rank owns or fetches, frees, hands
-gradients back from and sums received gradients into, by the same ops; only the residency rule
-the planner applies differs (``schedule/lower_weights.py``: per run, or held for the step), not
-what each action does. :class:`UnitTraffic` holds one kind's per-step state (posted fetches,
-pending gradient receives, started all-reduces) and does those actions; the step (:mod:`.step`)
-has one instance per kind, picks one by ``Action.tie`` and keeps what is particular to a kind
-(bucketed all-reduces of stages, ``peak_resident_stages``).
+A stage's weights (``FETCH_W s1 <-0``) and a tie's (``FETCH_W t0 <-0``) are both flat units
+(:class:`.flat.FlatStage`) acted on by the same ops; only the planner's residency rule differs.
+:class:`UnitTraffic` holds one kind's per-step state (posted fetches, pending gradient receives,
+started all-reduces) and does those actions; the step (:mod:`.step`) has one per kind and keeps
+what is particular to a kind (bucketed all-reduces of stages, ``peak_resident_stages``).
 """
 
 from __future__ import annotations
@@ -41,8 +38,6 @@ class UnitTraffic:
         self.fetches.clear()
         self.grad_recvs.clear()
 
-    # ------------------------------------------------------------------ weights
-
     def fetch(self, a: Action, index: int) -> None:
         """``FETCH_W``: post the receive of a unit's weights into its (re)allocated buffer."""
         unit = self.units[a.stage]
@@ -62,7 +57,7 @@ class UnitTraffic:
         self.transport.send_flat(unit.flat, peer_of(a), "weights", label(a, index))
 
     def land(self, key: int) -> None:
-        """Wait for the unit's posted fetch, if one is pending."""
+        """Wait for the unit's posted fetch, if any."""
         if key in self.fetches:
             work, what = self.fetches.pop(key)
             self.transport.wait(work, what)
@@ -75,8 +70,7 @@ class UnitTraffic:
             raise RuntimeConfigError(
                 f"{self.kind} {key}{reader} is not resident on rank {self.rank} (neither owned "
                 "nor fetched); the programs do not match this rank. Plan once and pass the same "
-                "programs on every rank."
-            )
+                "programs on every rank.")
         unit.materialize()
 
     def free(self, a: Action, index: int) -> None:
@@ -86,11 +80,8 @@ class UnitTraffic:
         if unit.grads.active:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} while its gradient was not sent to the owner "
-                "(its REDUCE_G must come first); the programs are not from this planner."
-            )
+                "(its REDUCE_G must come first); the programs are not from this planner.")
         unit.free()
-
-    # ------------------------------------------------------------------ gradients
 
     def hand_off(self, a: Action, index: int) -> None:
         """``REDUCE_G``: send the accumulated gradient to the owner, drop it."""
@@ -102,8 +93,7 @@ class UnitTraffic:
         if a.stage in self.reduced:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} after its all-reduce started; gradients must "
-                "be received before the owners reduce them."
-            )
+                "be received before the owners reduce them.")
         unit = self.units[a.stage]
         buffer = torch.empty(unit.grads.numel, dtype=unit.dtype, device=unit.device)
         work = self.transport.post_flat(buffer, peer_of(a), "grads")
@@ -119,10 +109,10 @@ class UnitTraffic:
             self.transport.wait(work, what)
             total.add_(buffer)
 
-    def all_reduce(self, a: Action, index: int,
-                   launch: Callable[[torch.Tensor], Any]) -> tuple[torch.Tensor, list[tuple[Any, str]]]:
+    def all_reduce(self, a: Action, index: int, launch: Callable[[torch.Tensor], Any]
+                   ) -> tuple[torch.Tensor, list[tuple[Any, str]]]:
         """``ALLREDUCE_G`` without buckets: received gradients summed in, then one all-reduce
-        among the group (``launch`` starts it). The gradient and the (work, label) to wait for."""
+        (``launch`` starts it). The gradient and the (work, label) to wait for."""
         self.sum_received(a.stage)
         grad = self.units[a.stage].grads.sync()
         self.reduced.add(a.stage)
@@ -133,8 +123,6 @@ class UnitTraffic:
         """End of step: gradients received for units no all-reduce summed in."""
         for key in sorted(self.grad_recvs):
             self.sum_received(key)
-
-    # ------------------------------------------------------------------ bytes
 
     def resident_bytes(self) -> int:
         return sum(u.resident_bytes() for u in self.units.values())

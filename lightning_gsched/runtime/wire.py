@@ -1,25 +1,19 @@
 """Pytrees of tensors and plain values <-> a structure and a list of tensors, and their spec.
 
-Why: a stage boundary carries an arbitrary pytree (tensors, ints from ``x.size()``,
-``torch.Size``, ``None``, nested tuples and dicts) whose shapes may change from step to step.
-The transport (:mod:`.transport`) sends the tensors as they are, one message each, and the
-*spec* of the message (structure, and per tensor shape, dtype and ``requires_grad``) only when
-the receiver cannot know it already. So a pytree is taken apart into
+A stage boundary carries an arbitrary pytree (tensors, ints from ``x.size()``, ``torch.Size``,
+``None``, nested containers) whose shapes may change between steps. :mod:`.transport` sends its
+tensors as they are and the *spec* (structure, per tensor shape, dtype, ``requires_grad``) only
+when the receiver cannot know it. So a pytree is taken apart into
 
-* a *structure*: a hashable, comparable description of the pytree with every tensor replaced by
-  its index. The common output kinds (a tensor; tuples, lists and dicts of tensors and plain
-  values, nested) are walked directly, which costs a few microseconds and lets the sender
-  compare this step's structure with the remembered one by ``==``. Anything else (a named tuple,
-  a dataclass, a model-output object) is pickled once, with tensors found by the pickler itself
-  (``persistent_id``), so tensors may sit anywhere in a picklable structure;
-* its distinct tensors, in a fixed order. The same tensor object appearing twice is listed
-  (and sent) once and comes back as one object, which keeps aliasing (and therefore gradient
-  accumulation on it) identical on both sides. The order is the same on every rank that joins
-  the structure again, which is what lets the backward pair the i-th output tensor with the i-th
-  gradient it receives.
+* a *structure*: a hashable description with every tensor replaced by its index. Tensors and
+  tuples, lists and dicts of them and of plain values are walked directly (a few microseconds,
+  comparable by ``==`` with last step's); anything else (named tuples, dataclasses, model-output
+  objects) is pickled once, tensors found by the pickler itself (``persistent_id``);
+* its distinct tensors, in a fixed order. A tensor appearing twice is sent once and comes back as
+  one object, which keeps aliasing (and gradient accumulation on it) identical on both sides; the
+  order lets the backward pair the i-th output tensor with the i-th gradient it receives.
 
-Pickled structures and specs come from ranks of the same job and are trusted like any pickled
-checkpoint.
+Pickled structures and specs come from ranks of the same job and are trusted like a checkpoint.
 """
 
 from __future__ import annotations
@@ -43,21 +37,14 @@ class _Unwalkable(Exception):
 
 
 class _TensorPickler(pickle.Pickler):
-    """Pickles a structure with tensors replaced by their index in ``self.tensors``."""
+    """Pickles a structure with tensors replaced by their index in ``self.found.tensors``."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}
+        self.found = _Walker()
 
     def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, torch.Tensor):
-            key = id(obj)
-            if key not in self._index:
-                self._index[key] = len(self.tensors)
-                self.tensors.append(obj)
-            return self._index[key]
-        return None
+        return self.found.index_of(obj) if isinstance(obj, torch.Tensor) else None
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -71,8 +58,7 @@ class _TensorUnpickler(pickle.Unpickler):
 
 @dataclass
 class Split:
-    """A pytree taken apart: its structure (hashable, see the module doc) and its distinct
-    tensors in a fixed order."""
+    """A pytree taken apart: its structure and its distinct tensors in a fixed order."""
 
     structure: Any
     tensors: list[torch.Tensor]
@@ -94,13 +80,17 @@ class _Walker:
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}
 
+    def index_of(self, t: torch.Tensor) -> int:
+        """``t``'s index among the distinct tensors found so far (appended if new)."""
+        key = id(t)
+        if key not in self.index:
+            self.index[key] = len(self.tensors)
+            self.tensors.append(t)
+        return self.index[key]
+
     def walk(self, obj: Any) -> _Node:
         if isinstance(obj, torch.Tensor):
-            key = id(obj)
-            if key not in self.index:
-                self.index[key] = len(self.tensors)
-                self.tensors.append(obj)
-            return ("t", self.index[key])
+            return ("t", self.index_of(obj))
         kind = type(obj)
         if kind is tuple or kind is list:
             return (kind.__name__, tuple(self.walk(x) for x in obj))
@@ -130,7 +120,7 @@ def split(obj: Any, what: str = "value") -> Split:
             f"cannot send the {what}: {type(exc).__name__}: {exc}. Stage outputs must be tensors, "
             "plain Python values or containers of them (picklable); return such values instead."
         ) from exc
-    return Split(("pickle", buffer.getvalue()), pickler.tensors)
+    return Split(("pickle", buffer.getvalue()), pickler.found.tensors)
 
 
 def join(structure: Any, tensors: Sequence[Any]) -> Any:
@@ -154,11 +144,8 @@ def _build(node: _Node, tensors: Sequence[Any]) -> Any:
 
 
 def detached_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """What a receiving stage gets: fresh leaves, requiring grad where the sender's did.
-
-    A stage boundary is always cut (also between two stages on one rank), so each backward
-    covers exactly one stage and yields the gradients of that stage's inputs in ``.grad``.
-    """
+    """What a receiving stage gets: fresh leaves, requiring grad where the sender's did (a stage
+    boundary is always cut, also between two stages on one rank: see :mod:`.compute`)."""
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
@@ -169,8 +156,7 @@ TensorSpec = tuple[torch.Size, torch.dtype, bool]  # shape, dtype, requires_grad
 
 @dataclass(frozen=True)
 class Spec:
-    """What a receiver must know to receive a message without a header: the structure and, per
-    distinct tensor, its shape, dtype and ``requires_grad``. Compared by ``==``."""
+    """What a receiver must know to receive a message without a header (compared by ``==``)."""
 
     structure: Any
     tensors: tuple[TensorSpec, ...]
@@ -204,7 +190,7 @@ def decode_spec(meta: bytes) -> Spec:
 
 def wire_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The tensor as it goes on the wire: detached, on ``device``, contiguous (copied only if
-    it is not already)."""
+    needed)."""
     data = t.detach()
     if data.device != device:
         data = data.to(device)
@@ -225,8 +211,7 @@ def received(spec: Spec, buffers: Sequence[torch.Tensor]) -> tuple[Any, list[tor
 
 
 def received_copy(parts: Split, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
-    """What a receiver of ``parts`` gets, built locally (one fresh buffer per tensor): how
-    :func:`lightning_gsched.measure.measure_stage_bytes` sizes a received stage input."""
+    """What a receiver of ``parts`` gets, built locally (one fresh buffer per tensor)."""
     spec = spec_of(parts)
     buffers = empty_like_spec(spec, device)
     with torch.no_grad():
