@@ -1,6 +1,6 @@
 """How to write a full checkpoint of a model larger than one rank into one ``torch.load`` file.
 
-Why: rank 0 receives the model one weight unit at a time (``runtime/fullstate_stream.py``); the
+Why: rank 0 receives the model one weight unit at a time (``runtime/fullstate.py``); the
 question is how the file gets written without rank 0 holding the model. Each candidate runs in a
 fresh process on N units of U bytes, each unit made (as a received buffer is) only when the
 transfer reaches it, and reports wall time, the peak of anonymous memory (sampled every 2 ms:

@@ -3,7 +3,7 @@
 ``GeneralParallel(stream_checkpoint=...)`` (``"auto"``: for a model built without weights):
 rank 0 describes the checkpoint with placeholders, then receives one weight unit's buffer (or
 one optimizer tensor) at a time and writes it into the ``.ckpt`` zip (engine/checkpoint_files.py,
-runtime/fullstate_stream.py). Checked at W=2 on a deferred tied GPT (fsdp, Adam):
+runtime/fullstate.py). Checked at W=2 on a deferred tied GPT (fsdp, Adam):
 
 * the streamed file loads with plain ``torch.load`` (``weights_only``, ``mmap``) and equals,
   exactly, the file the gathered path writes at the same step (state dict and optimizer

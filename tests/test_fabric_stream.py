@@ -4,7 +4,7 @@
 ``fabric.init_module()``), as the Trainer strategy's (tests/test_checkpoint_stream.py): Fabric's
 conversion of ``state`` returns placeholders for the model and optimizer, then every rank sends
 its tensors one weight unit (one optimizer tensor) at a time and rank 0 writes each into the file
-as it arrives (engine/checkpoint_files.py, runtime/fullstate_stream.py). Checked at W=2 on a deferred
+as it arrives (engine/checkpoint_files.py, runtime/fullstate.py). Checked at W=2 on a deferred
 fsdp GPT (SGD with momentum), after 2 steps of one run:
 
 * the streamed file loads with plain ``torch.load(weights_only=True)`` and equals, exactly, the
