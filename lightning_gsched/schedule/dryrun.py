@@ -1,41 +1,28 @@
 """Prove a set of programs can run: every message matched, every input present, no deadlock.
 
-The execution model is the runtime's: sends never block; receives are posted where they appear
-and complete when the peer's matching send has happened; a compute waits for the receives it
-consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its group.
-Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
+The execution model is the runtime's: sends never block; a receive is posted where it appears
+and completes once the peer's matching send has happened; a compute waits for the receives it
+consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its
+group. Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
 
-The dry run also checks what the runtime relies on: a forward has all its inputs (computed here
-or received), a backward has its stashed forward and its output gradients, a compute has its
-stage's weights (owned, or fetched and not freed), collectives come in the same order on every
-member of a group, and at the end nothing is stashed, fetched or unreceived. Any violation raises
-:class:`ProgramError` naming the rank and the action in text form.
-
-Ties (``programs.ties``) are weight units like stages (``FETCH_W t0 <-0``): a compute of a stage
-that reads a tie needs the tie resident (owned, or fetched and not freed); a fetched tie's
-gradient, once a weight-gradient job of a reader stage ran, must leave by its ``REDUCE_G`` before
-its ``FREE_W``; its ``ALLREDUCE_G`` waits for its own ``RECV_G`` messages and every owner, and is
-ordered with the stages' per group.
-
-Split-backward programs (``programs.split_backward``, zero-bubble schedules) run ``W s b`` after
-``B s b`` on the same rank; the stash lives until ``W``, and ``REDUCE_G`` needs a ``W`` of the stage.
-
-Forward-only programs (``programs.forward_only``) may contain no backward-related action, stash
-nothing (a forward's output is consumed by the next stage, not kept for a backward) and must
-run every forward exactly once.
+Besides matching and deadlock, the dry run checks what the runtime relies on (per rank,
+:mod:`.dryrun_rank`): inputs, stash, weights and ties resident, gradients leaving before a
+free, nothing left at the end; collectives in the same order on every member of a group;
+forward-only programs holding only forward ops and running every forward once. Any violation
+raises :class:`ProgramError` naming the rank and the action in text form.
 
 How: everything but waiting depends only on a rank's own earlier actions, so each program is
-checked once in order (:mod:`.dryrun_rank`), which also lists each channel's messages for the
-matching check and yields the rank's sends and waits; :func:`_walk` runs those alone for
-deadlock. Programs with several faults get one of them named: a static one (matching,
-collective order, a peer that is no rank) first, else the first found rank by rank.
+checked once in order, which also lists each channel's messages and yields the rank's sends and
+waits; :func:`_walk` runs those alone for deadlock. Of several faults one is named: a static
+one (matching, collective order, a peer that is no rank) first, else the first rank's.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from itertools import chain
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.dryrun_rank import (
@@ -43,118 +30,44 @@ from lightning_gsched.schedule.dryrun_rank import (
     RankResult,
     Shared,
     channel_counters,
+    check_forward_only,
     check_rank,
 )
 from lightning_gsched.schedule.program import (
-    BACKWARD_OPS,
     COLLECTIVE_OPS,
     OPS,
     RECV_FOR_SEND,
-    RECV_OPS,
     SEND_OPS,
     Action,
     Channel,
     Message,
     Op,
     Programs,
+    channel_bases,
     check_channel,
 )
 
-
-class _Scan(NamedTuple):
-    """What one pass over every action collects for the static checks."""
-
-    sent: dict[Channel, list[Message]]  # per channel, the messages in send order
-    posted: dict[Channel, list[Message]]  # per channel, the messages in post order
-    # group -> rank -> the all-reduces it runs, as (op, stage, tie): stages' and ties'
-    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]
-    bad_group: str | None  # the first all-reduce run by a rank outside its group
-    bad_field: str | None  # the first message whose peer or microbatch does not exist
-
-
-def _scan(programs: Programs) -> _Scan:
-    """One pass over every action (the static checks' only pass over all programs)."""
-    sent: dict[Channel, list[Message]] = defaultdict(list)
-    posted: dict[Channel, list[Message]] = defaultdict(list)
-    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]] = defaultdict(dict)
-    bad_group: str | None = None
-    bad_field: str | None = None
-    peers = set(range(programs.world_size))
-    micros = set(range(programs.num_micro))
-    for rank, program in enumerate(programs.ranks):
-        for action in program:
-            op = action[0]
-            if op in SEND_OPS or op in RECV_OPS:
-                # a malformed action may lack its peer or microbatch: reported, not assumed away
-                if action[3] not in peers or (OPS[op].per_micro and action[2] not in micros):
-                    bad_field = bad_field or (
-                        f"rank {rank} runs '{action}': its peer must be a rank (0 to "
-                        f"{programs.world_size - 1})" + (f" and its microbatch one of 0 to "
-                                                         f"{programs.num_micro - 1}"
-                                                         if OPS[op].per_micro else ""))
-                    continue
-                (sent if op in SEND_OPS else posted)[Channel.of(action, rank)].append(
-                    Message.of(action))
-            elif op in COLLECTIVE_OPS:
-                group = action.group
-                if group is None or rank not in group:
-                    bad_group = bad_group or f"rank {rank} runs '{action}' but is not in its group"
-                    continue
-                orders[group].setdefault(rank, []).append((op, action.stage, action.tie))
-    return _Scan(sent, posted, orders, bad_group, bad_field)
-
-
-def check_matching(programs: Programs, scanned: _Scan | None = None) -> None:
-    """Every send has a receive on its channel, in the same order, and vice versa
-    (:func:`.program.check_channel`, channels in order)."""
-    scanned = scanned or _scan(programs)
-    if scanned.bad_field is not None:
-        raise ProgramError(scanned.bad_field)
-    sent, posted = scanned.sent, scanned.posted
-    for channel in sorted(set(sent) | set(posted)):
-        check_channel(channel, sent.get(channel, []), posted.get(channel, []))
-
-
-def check_collective_order(programs: Programs, scanned: _Scan | None = None) -> None:
-    """Members of one group must issue their all-reduces (stages' and ties') in the same order."""
-    scanned = scanned or _scan(programs)
-    if scanned.bad_group is not None:
-        raise ProgramError(scanned.bad_group)
-    orders = scanned.orders
-    for group, by_rank in orders.items():
-        reference = by_rank.get(group[0])
-        for rank in group:
-            if by_rank.get(rank) != reference:
-                raise ProgramError(
-                    f"ranks {group[0]} and {rank} all-reduce group {list(group)} in different "
-                    f"orders: {reference} vs {by_rank.get(rank)}"
-                )
+Orders = dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]  # group -> rank -> ARs
 
 
 def dry_run(programs: Programs) -> None:
     """Execute all programs symbolically; raise :class:`ProgramError` on any problem.
 
-    In order: forward-only programs hold forward-only ops; every rank's program is checked in
-    program order (:func:`~.dryrun_rank.check_rank`: weights, inputs, stash, gradients, the
-    state at the end), which also lists every channel's messages and every group's
-    all-reduces; those must match (same messages, same order) and agree; the ranks' events
-    are walked for deadlock (:func:`_walk`); every job ran once. Where a rank's check fails,
-    the static checks run on their own first, so a mismatch is named rather than its symptom
-    (a compute missing the input that was never received).
+    Where a rank's check fails, the static checks run on their own first, so a mismatch is
+    named rather than its symptom (a compute missing the input that was never received).
     """
     programs.ranks.make_all()  # reads every rank
     if programs.forward_only:
-        check_forward_only(programs)
+        for rank, program in enumerate(programs.ranks):
+            check_forward_only(rank, program)
     shared = Shared(programs)
     try:
         results = [check_rank(shared, rank) for rank in range(programs.world_size)]
     except ProgramError:
-        scanned = _scan(programs)
-        check_matching(programs, scanned)
-        check_collective_order(programs, scanned)
+        _check_static(programs)
         raise
-    _check_listed_matching(programs, shared)
-    check_collective_order(programs, _Scan({}, {}, shared.orders, None, None))
+    _check_matching(programs.world_size, shared.sent, shared.posted)
+    _check_collective_order(shared.orders)
     stuck = _walk([result.events for result in results], shared.channels)
     if stuck:
         detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'"
@@ -163,12 +76,47 @@ def dry_run(programs: Programs) -> None:
     _check_coverage(programs, results)
 
 
-def _check_listed_matching(programs: Programs, shared: Shared) -> None:
-    """:func:`.program.check_channel` on the messages the ranks' checks listed per channel
-    number: a quick comparison of every channel, then the rule itself on the first channel (in
-    channel order) that differs, which names the message."""
+def _check_static(programs: Programs) -> None:
+    """Matching and collective order from one pass over every action, trusting nothing a
+    rank's check would have refused (a peer or microbatch that does not exist is named)."""
     W = programs.world_size
-    sent, posted = shared.sent, shared.posted
+    base = channel_bases(W)
+    sent: dict[int, list[Action]] = defaultdict(list)
+    posted: dict[int, list[Action]] = defaultdict(list)
+    orders: Orders = defaultdict(dict)
+    bad_group: str | None = None
+    micros = range(programs.num_micro)
+    for rank, program in enumerate(programs.ranks):
+        for action in program:
+            op, peer = action[0], action[3]
+            if op in base:  # a send or a receive
+                per_micro = OPS[op].per_micro
+                if peer not in range(W) or (per_micro and action[2] not in micros):
+                    raise ProgramError(
+                        f"rank {rank} runs '{action}': its peer must be a rank (0 to {W - 1})"
+                        + (f" and its microbatch one of 0 to {programs.num_micro - 1}"
+                           if per_micro else ""))
+                if op in SEND_OPS:
+                    sent[base[op] + rank * W + peer].append(action)
+                else:
+                    posted[base[op] + peer * W + rank].append(action)
+            elif op in COLLECTIVE_OPS:
+                group = action.group
+                if group is None or rank not in group:
+                    bad_group = bad_group or f"rank {rank} runs '{action}' but is not in its group"
+                else:
+                    orders[group].setdefault(rank, []).append((op, action.stage, action.tie))
+    _check_matching(W, sent, posted)
+    if bad_group is not None:
+        raise ProgramError(bad_group)
+    _check_collective_order(orders)
+
+
+def _check_matching(W: int, sent: dict[int, list[Action]], posted: dict[int, list[Action]],
+                    ) -> None:
+    """:func:`.program.check_channel` on the messages listed per channel number: a quick
+    comparison of every channel, then the rule itself on the first channel (in channel order)
+    that differs, which names the message."""
     differing = [number for number in set(sent) | set(posted)
                  if not _same_messages(sent.get(number, []), posted.get(number, []))]
     if differing:
@@ -186,6 +134,18 @@ def _same_messages(sends: list[Action], posts: list[Action]) -> bool:
             and list(map(carried, sends)) == list(map(carried, posts))
             and list(map(RECV_FOR_SEND.__getitem__, map(itemgetter(0), sends)))
             == list(map(itemgetter(0), posts)))
+
+
+def _check_collective_order(orders: Orders) -> None:
+    """Members of one group must issue their all-reduces (stages' and ties') in the same order."""
+    for group, by_rank in orders.items():
+        reference = by_rank.get(group[0])
+        for rank in group:
+            if by_rank.get(rank) != reference:
+                raise ProgramError(
+                    f"ranks {group[0]} and {rank} all-reduce group {list(group)} in different "
+                    f"orders: {reference} vs {by_rank.get(rank)}"
+                )
 
 
 def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
@@ -238,31 +198,16 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
             if position[rank] < len(mine)]
 
 
-def check_forward_only(programs: Programs) -> None:
-    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
-    for rank, program in enumerate(programs.ranks):
-        for index, action in enumerate(program):
-            if action.op in BACKWARD_OPS:
-                raise ProgramError(
-                    f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
-                    "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
-                )
-
-
 def _check_coverage(programs: Programs, ranks: list[RankResult]) -> None:
     """Every (stage, microbatch) runs each of its phases exactly once across all ranks."""
     phases = ["F"] if programs.forward_only else ["B", "W"] if programs.split_backward else ["B"]
     M = programs.num_micro
     expected = set(range(programs.num_stages * M))  # jobs s * M + b
     for phase in phases:
-        done_sets = [{"F": state.forward_done, "B": state.backward_done,
-                      "W": state.weight_done}[phase] for state in ranks]
+        done_sets = [state.done[phase] for state in ranks]
         if sum(map(len, done_sets)) == len(expected) and set().union(*done_sets) == expected:
             continue  # each job once: as many runs as jobs, and every job among them
-        count: dict[int, int] = defaultdict(int)
-        for done in done_sets:
-            for job in done:
-                count[job] += 1
+        count = Counter(chain.from_iterable(done_sets))
         for job in sorted(expected):
             if count[job] != 1:
                 s, b = divmod(job, M)

@@ -1,33 +1,30 @@
 """The dry run's per-rank half: one rank's program checked in order, and what it waits for.
 
-Everything the dry run checks except waiting depends only on the rank's own program: a compute
-has its stage's weights (owned, or fetched and not freed), its inputs (computed here before, or
-posted here before), its stashed forward; a gradient leaves only after a weight-gradient job;
-fetched weights and ties are freed; nothing is left stashed. A rank's state never changes
-while it waits for another rank, so :func:`check_rank` walks each program once, in program
-order, without waiting, and hands :mod:`.dryrun` the only things the ranks' interleaving
-decides: its **events**, in order:
+Everything but waiting depends only on the rank's own program (weights resident, inputs computed
+or posted before, stash, gradients, the state at the end), and a rank's state never changes
+while it waits, so :func:`check_rank` walks a program once, without waiting, and hands
+:mod:`.dryrun` the only things the interleaving decides, its **events** in order:
 
 - ``channel`` (an int): a send on that channel;
-- ``(index, messages)``: the action at ``index`` (a compute) consumes these messages, each
-  ``(channel, k)``: the k-th message on the channel, there once the channel counted k sends;
+- ``(index, messages)``: the compute at ``index`` consumes these messages, each ``(channel,
+  k)``: the k-th message on the channel, there once the channel counted k sends;
 - ``(index, messages, key, size)``: an all-reduce at ``index``: its gradient messages, then
   every one of the ``size`` members of its group at ``key``.
 
-Channels are ints (``program.Channel.number``: ``kind * W * W + src * W + dst``), jobs (stage s, microbatch b) ints
-``s * M + b``: every set and dict here hashes ints. A receive posts ``(channel, k)`` under what
-it carries; the sends and receives of each channel are also listed (as actions) for the
-matching check, and the all-reduces of each group for the order check.
+Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``: every set
+and dict here hashes ints. Each channel's sends and posts are also listed (as actions) for the
+matching check, and each group's all-reduces for the order check.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.program import (
+    BACKWARD_OPS,
     CHANNEL_KINDS,
     Action,
     Op,
@@ -38,13 +35,6 @@ from lightning_gsched.schedule.program import (
 _Message = tuple[int, int]  # (channel id, k): the k-th message (counted from 1) on a channel
 Event = Any  # int | tuple[int, list[_Message]] | tuple[int, list[_Message], tuple, int]
 _ABSENT = object()  # a dict.get default that no stored value is
-# Enum members as module constants (an ``Op.F`` look-up goes through the enum's descriptor)
-_F, _B, _W = Op.F, Op.B, Op.W
-_SEND_ACT, _SEND_GRAD, _RECV_ACT, _RECV_GRAD = Op.SEND_ACT, Op.SEND_GRAD, Op.RECV_ACT, Op.RECV_GRAD
-_FETCH_W, _SEND_W, _FREE_W, _REDUCE_G = Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G
-_RECV_G, _ALLREDUCE_G = Op.RECV_G, Op.ALLREDUCE_G
-
-
 _DENSE_CHANNELS = 1 << 22  # channel ids counted in a list up to here (W up to about 1,180)
 
 
@@ -55,9 +45,8 @@ def channel_counters(channels: int) -> list[int] | defaultdict[int, int]:
 
 
 class Shared:
-    """What every rank's check shares: sizes, the consumption rules (:class:`OpRules`: what a
-    compute reads, what ends a stash), channel bases, and the lists the static checks read once
-    every rank is done."""
+    """What every rank's check shares: sizes, the consumption rules, channel bases, and the
+    lists the static checks read once every rank is done."""
 
     def __init__(self, programs: Programs) -> None:
         self.programs = programs
@@ -76,25 +65,30 @@ class Shared:
             dict)
 
 
-class RankResult:
-    """One rank's events and the jobs it ran (for the coverage check)."""
+class RankResult(NamedTuple):
+    """One rank's events and, per phase ("F", "B", "W"), the jobs it ran (for coverage)."""
 
-    __slots__ = ("events", "forward_done", "backward_done", "weight_done")
+    events: list[Event]
+    done: dict[str, set[int]]
 
-    def __init__(self, events: list[Event], forward_done: set[int], backward_done: set[int],
-                 weight_done: set[int]) -> None:
-        self.events, self.forward_done = events, forward_done
-        self.backward_done, self.weight_done = backward_done, weight_done
+
+def check_forward_only(rank: int, program: list[Action]) -> None:
+    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
+    for index, action in enumerate(program):
+        if action.op in BACKWARD_OPS:
+            raise ProgramError(
+                f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
+                "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
+            )
 
 
 def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loop, by op
-    """Check ``rank``'s program in order (see the module docstring); raise
-    :class:`ProgramError` naming the rank and the action at the first problem."""
+    """Check ``rank``'s program in order; raise :class:`ProgramError` naming the rank and the
+    action at the first problem."""
     programs = shared.programs
     program = programs.ranks[rank]
-    W, M, micros, peers = shared.W, shared.M, shared.micros, shared.peers
-    rules, base = shared.rules, shared.base
-    # producers whose outputs F reads, consumers whose input-gradients B reads, ties per stage
+    W, M, micros, peers, base = shared.W, shared.M, shared.micros, shared.peers, shared.base
+    rules = shared.rules
     inputs, outputs, ties_of = rules.act_from, rules.grad_from, rules.ties_read
     posted_count, sent_on, posted_on = shared.posted_count, shared.sent, shared.posted
     split, stash_op, weight_grad_op = programs.split_backward, rules.stash_op, rules.weight_grad_op
@@ -103,9 +97,8 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
         where = f"'{program[index]}'" if index < len(program) else "the end"
         return ProgramError(f"rank {rank} at action {index} ({where}): {message}")
 
-    # stage -> None if owned, else the FETCH_W message its weights arrive with
+    # stage (tie home) -> None if owned, else the FETCH_W message its weights arrive with
     resident: dict[int, _Message | None] = {s: None for s in programs.owned_stages(rank)}
-    # tie home -> the same, for the ties (a weight unit each, with ``action.tie`` set)
     tie_state: dict[int, _Message | None] = {h: None for h in programs.owned_ties(rank)}
     forward_done: set[int] = set()
     backward_done: set[int] = set()
@@ -116,12 +109,14 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # producer job -> the message its activation / input-gradient comes in
     posted_act: dict[int, _Message] = {}
     posted_grad: dict[int, _Message] = {}
-    # (unit, tie) -> gradient messages posted for its all-reduce
-    pending_grads: dict[tuple[int, bool], list[_Message]] = defaultdict(list)
+    pending_grads: dict[tuple[int, bool], list[_Message]] = defaultdict(list)  # for ALLREDUCE_G
     events: list[Event] = []
     event = events.append
+    # ops as locals (an ``Op.F`` look-up goes through the enum's descriptor)
     F, B, W_, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (
-        _F, _B, _W, _SEND_ACT, _SEND_GRAD, _RECV_ACT, _RECV_GRAD)
+        Op.F, Op.B, Op.W, Op.SEND_ACT, Op.SEND_GRAD, Op.RECV_ACT, Op.RECV_GRAD)
+    FETCH_W, SEND_W, FREE_W, REDUCE_G, RECV_G = (
+        Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G)
     for index, action in enumerate(program):
         op = action[0]
         if op is F or op is B or op is W_:
@@ -136,14 +131,13 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             job = s * M + b
             consumed: list[_Message] = [] if weights is None else [weights]  # type: ignore[list-item]
             ties = ties_of[s]
-            if ties:
-                for h in ties:
-                    if h not in tie_state:
-                        raise fail(index, f"has no weights of tie {h} (read by stage {s}): it "
-                                   "neither owns nor fetched them")
-                    arrival = tie_state[h]
-                    if arrival is not None:
-                        consumed.append(arrival)
+            for h in ties:
+                if h not in tie_state:
+                    raise fail(index, f"has no weights of tie {h} (read by stage {s}): it "
+                               "neither owns nor fetched them")
+                arrival = tie_state[h]
+                if arrival is not None:
+                    consumed.append(arrival)
             if op is F:
                 if job in forward_done:
                     raise fail(index, f"runs F s{s} b{b} twice")
@@ -184,7 +178,6 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             if consumed:
                 event((index, consumed))
             continue
-        # a message's peer (and microbatch) must exist: ints from here on
         peer: int = action[3]  # type: ignore[assignment]
         if op is SEND_ACT or op is SEND_GRAD:
             if peer not in peers or action[2] not in micros:
@@ -205,13 +198,12 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             continue
         if op in base and peer not in peers:
             raise fail(index, "names a peer these programs do not have")
-        # a weight unit's op: a stage's, or a tie's (its home stage, action.tie)
-        s, tie = action[1], action[5]
-        if op is _SEND_W or op is _REDUCE_G:
-            if op is _REDUCE_G and not tie and s not in grad_stages:
+        s, tie = action[1], action[5]  # a weight unit's op: a stage's, or a tie's home's
+        if op is SEND_W or op is REDUCE_G:
+            if op is REDUCE_G and not tie and s not in grad_stages:
                 raise fail(index, f"sends the gradient of stage {s} but ran no "
                            f"{weight_grad_op} of it")
-            if op is _REDUCE_G and tie:
+            if op is REDUCE_G and tie:
                 if s not in tie_unreduced:
                     raise fail(index, f"sends the gradient of tie {s} but holds none (no "
                                f"{weight_grad_op} of a stage reading it ran since it was "
@@ -220,12 +212,12 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             channel = base[op] + rank * W + peer
             sent_on[channel].append(action)
             event(channel)
-        elif op is _FETCH_W or op is _RECV_G:
+        elif op is FETCH_W or op is RECV_G:
             channel = base[op] + peer * W + rank
             k = posted_count[channel] + 1
             posted_count[channel] = k
             posted_on[channel].append(action)
-            if op is _FETCH_W:
+            if op is FETCH_W:
                 held = tie_state if tie else resident
                 if s in held:
                     raise fail(index, f"fetches {'tie' if tie else 'stage'} {s} whose weights "
@@ -233,7 +225,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                 held[s] = (channel, k)
             else:
                 pending_grads[(s, tie)].append((channel, k))
-        elif op is _FREE_W:
+        elif op is FREE_W:
             held = tie_state if tie else resident
             if held.get(s, _ABSENT) is None or s not in held:
                 raise fail(index, f"frees {'tie' if tie else 'stage'} {s} which was not fetched")
@@ -257,6 +249,6 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     fetched = [h for h, msg in tie_state.items() if msg is not None]
     if fetched:
         raise fail(end, f"ends with fetched ties {fetched} never freed")
-    # Gradients still pending at the end are awaited by the owner before the optimizer step;
-    # the matching check guarantees their sends exist and the walk that senders finish.
-    return RankResult(events, forward_done, backward_done, weight_done)
+    # Gradients pending at the end are awaited by the owner before the optimizer step; the
+    # matching check guarantees their sends exist and the walk that senders finish.
+    return RankResult(events, {"F": forward_done, "B": backward_done, "W": weight_done})
