@@ -30,13 +30,13 @@ strictly: no cycle of waits. Stages with several owners and fetchers are dry-run
 
 **The premise is checked rank by rank** (:func:`checked_lowering`, when a rank's program is
 first lowered): for each message (channel, k) a compute consumes (named by
-:func:`.dryrun_rank.check_rank`), the k-th send into the rank on that channel (the rank-local
+:func:`.dryrun.check_rank`), the k-th send into the rank on that channel (the rank-local
 lowering knows it and its gap in the sender's program: :meth:`.lower.Lowering.program_and_sends`)
 must come after sender computes that start before this one (the last of them does: a worker's
 starts do not decrease); the rank's posts on every channel into it must carry the messages sent
 on it, in order; each all-reduce must sit right after the rank's last gradient job of its stage,
 alone in its gap. Every channel has one receiver and every wait one rank, so these checks over
-all ranks are the lemma's premise and the dry run's matching check; :func:`.dryrun_rank.check_rank`
+all ranks are the lemma's premise and the dry run's matching check; :func:`.dryrun.check_rank`
 covers the rest of the dry run. Trusted: that a rank-local lowering is the full lowering's for
 the rank's own program and the sends into it (the tests compare every rank at small W).
 
@@ -72,7 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule.dryrun_rank import Shared, check_forward_only, check_rank
+from lightning_gsched.schedule.dryrun import Shared, check_forward_only, check_rank
 from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.placements import PlacementTable
