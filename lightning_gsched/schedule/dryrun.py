@@ -104,8 +104,9 @@ def _check_static(programs: Programs) -> None:
     micros = range(programs.num_micro)
     for rank, program in enumerate(programs.ranks):
         for action in program:
-            op, peer = action[0], action[3]
+            op = action[0]
             if op in base:  # a send or a receive
+                peer: int = action[3]  # type: ignore[assignment]  # checked next
                 per_micro = OPS[op].per_micro
                 if peer not in range(W) or (per_micro and action[2] not in micros):
                     raise ProgramError(

@@ -9,19 +9,15 @@ category:
 
 - the data flow (:func:`lower_data_flow`, the planner's largest loop: two actions per message)
   appends actions with small int keys ``gap * SLOTS + category`` in the order they are made,
-  which is already their order within a (gap, category). Its channels (``p2p``) carry nothing
-  else, so each consumer's FIFO order is settled as soon as its receives are made;
+  which is already their order within a (gap, category). Its channels carry nothing else, so
+  each consumer's FIFO order is settled as soon as its receives are made;
 - everything else (weights, reductions, all-reduces, ties: a few per run of a stage) goes
   through :meth:`Builder.put` with a full key (gap, category, time, serial): several owners'
   serves can land in one gap, ordered by the simulated time the peer needs them.
 
-:meth:`Builder.program` sorts the second family by full key, then merges both families and the
-computes by one stable sort of small ints.
-
-``keep`` (None: every rank) names the ranks whose programs are made; a put for another rank
-only takes its place in the order of serials, except a send into a kept rank, which is filed
-under its channel for the receiver's FIFO fix. So the kept ranks' programs are exactly those of
-the lowering of every rank (only the relative order of serials matters).
+``keep`` (None: every rank) names the ranks whose programs are made; a put for another rank only
+takes its place in the order of serials, except a send into a kept rank, which is filed for the
+receiver's FIFO fix (why that suffices: :mod:`.lower`).
 """
 
 from __future__ import annotations
@@ -120,12 +116,11 @@ class Builder:
         return bisect.bisect_left(starts, time)
 
     def make_fifo(self) -> None:
-        """Post receives in each channel's send order by moving posts earlier where needed.
+        """Post the receives of :meth:`put` in each channel's send order (:func:`fifo_places`).
 
-        For the actions of :meth:`put` (the data flow fixes its channels as they are made, by
-        the same rule: :func:`fifo_places`). The k-th send of a message on a channel matches
-        the k-th receive of that message (weights of one stage may be fetched several times);
-        each matched receive's key becomes its place, then its send position breaks ties.
+        The k-th send of a message on a channel matches the k-th receive of that message (a
+        stage's weights may be fetched several times); each matched receive's key becomes its
+        place, then its send position breaks ties.
         """
         second = itemgetter(1)
         for channel, sent in self.sends.items():
@@ -154,10 +149,9 @@ class Builder:
     def program(self, rank: int, computes: list[Action]) -> list[Action]:
         """One rank's program: its ``computes`` (in its order) merged with its other actions.
 
-        The put actions are sorted by their full keys first; from then on every action has a
-        small int key (gap * SLOTS + category, a compute COMPUTE_CATEGORY in its own gap), and
-        one stable sort of those ints keeps each family's order where keys are equal (equal keys
-        are always of one family: the families never share a category).
+        The put actions are sorted by their full keys first; then every action has a small int
+        key, and one stable sort of those keeps each family's order where keys are equal (equal
+        keys are always of one family: the families never share a category).
         """
         first = itemgetter(0)
         entries = self.entries[rank]

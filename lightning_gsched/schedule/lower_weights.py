@@ -12,9 +12,8 @@
   overlaps the rest of the backward pass.
 - A tie is a weight unit held for the step by the same ops (:meth:`WeightLowering._tie`).
 
-For the kept ranks of a builder, :class:`WeightLowering` makes their own runs and the runs of
-the ranks fetching from them, in the order the lowering of every rank makes them (workers
-ascending, each worker's runs in its order).
+For a builder's kept ranks, :class:`WeightLowering` makes their own runs and those of the ranks
+fetching from them, in the order the lowering of every rank makes them (:mod:`.lower`).
 """
 
 from __future__ import annotations
@@ -59,11 +58,9 @@ def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, 
 
 
 class WeightLowering:
-    """The weight actions of a timeline, for the ranks a builder keeps (module docstring).
-
-    The indexes (each worker's runs, the fetchers of each owner) are built once and shared by
-    every rank lowered; a worker's runs are indexed by its position in its replica when the
-    timeline is by symmetry (the same stages at the same places)."""
+    """The weight actions of a timeline, for the ranks a builder keeps. Its indexes (each
+    worker's runs, each owner's fetchers) are built once for every rank lowered; by symmetry a
+    worker's runs are its replica position's (the same stages at the same places)."""
 
     def __init__(self, table: PlacementTable, timeline: Timeline, grad_phase: Phase,
                  fetch_window: int | None) -> None:

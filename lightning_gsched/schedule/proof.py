@@ -1,12 +1,11 @@
 """Deadlock freedom proven once from the timeline; each rank's own checks when it is lowered.
 
 Why: at W=1024 fsdp's programs hold ~10 million actions, too many to lower and dry-run at once,
-and the ranks of a plan by group symmetry (:mod:`.symmetry`) do not run one program up to a
-renaming (each owns a different stage, which it serves to every other rank), so no
-representative rank's dry run covers the others. What every rank shares is the rule its actions
-were placed by, and that rule, applied to a timeline that respects the stage graph, leaves
-nothing to wait forever. So the proof is done once, on the timeline, and each rank checks what
-only its own program decides.
+and ranks by group symmetry (:mod:`.symmetry`) do not run one program up to a renaming (each
+serves its own stage to every other rank), so no representative rank's dry run covers the
+others. What every rank shares is the rule its actions were placed by; applied to a timeline
+that respects the stage graph, it leaves nothing to wait forever. So the proof is done once, on
+the timeline, and each rank checks what only its own program decides.
 
 **The lemma** (the dry run's execution model, :mod:`.dryrun`; only computes and all-reduces
 wait). Let no program hold an all-reduce, and let each compute c (simulated start t(c)) consume
@@ -14,31 +13,29 @@ only messages (channel, k) whose channel has a k-th send, placed in its sender's
 no compute that starts at or after t(c). Then every rank runs to its end. Proof: else take,
 among the computes the ranks are stuck at, one c of least t(c). The k-th send of a message it
 consumes is on a rank q preceded only by computes starting before t(c); q is finished or stuck
-at a compute starting no earlier than t(c), so q passed that send and the first k-1 sends of the
-channel before it. All of c's messages are there and c is not stuck: a contradiction.
+at a compute starting no earlier than t(c), so q passed that send and the channel's k-1 sends
+before it. All of c's messages are there and c is not stuck: a contradiction.
 
-**All-reduces** (replicated stages, :mod:`.data_parallel`) wait for every member of the group.
-Give one the key T(a): the end of the compute right before it. If every member's all-reduce of
-a stage comes right after its last weight-gradient job of the stage, alone in its gap, and every
-member ends that job at one time T_s (:func:`certify` checks this), the argument holds with
-waits ordered by key (a compute's start, an all-reduce's T): a member stuck before an all-reduce
-a is stuck at a compute starting before T(a) or at an earlier all-reduce, in an earlier gap and
-so of smaller key; a sender stuck before a send at an all-reduce has it in an earlier gap than
-the send (within a gap an all-reduce's category follows every send's), so its key is at most
-the start of a compute before the send, which starts before t(c). Each step lowers the key
+**All-reduces** (replicated stages) wait for every member. Key one a by T(a), the end of the
+compute right before it. If every member's all-reduce of a stage comes right after its last
+weight-gradient job of the stage, alone in its gap, and all members end that job at one time
+T_s, the argument holds with waits ordered by key (a compute's start, an all-reduce's T): a
+member stuck before a is stuck at a compute starting before T(a) or at an earlier all-reduce,
+in an earlier gap, of smaller key; a sender stuck before a send at an all-reduce has it in an
+earlier gap than the send (within a gap all-reduces follow sends), so its key is at most the
+start of a compute before the send, which starts before t(c). Each step lowers the key
 strictly: no cycle of waits. Stages with several owners and fetchers are dry-run in full.
 
-**The premise is checked rank by rank** (:func:`checked_lowering`, when a rank's program is
-first lowered): for each message (channel, k) a compute consumes (named by
-:func:`.dryrun.check_rank`), the k-th send into the rank on that channel (the rank-local
-lowering knows it and its gap in the sender's program: :meth:`.lower.Lowering.program_and_sends`)
-must come after sender computes that start before this one (the last of them does: a worker's
-starts do not decrease); the rank's posts on every channel into it must carry the messages sent
-on it, in order; each all-reduce must sit right after the rank's last gradient job of its stage,
-alone in its gap. Every channel has one receiver and every wait one rank, so these checks over
-all ranks are the lemma's premise and the dry run's matching check; :func:`.dryrun.check_rank`
+**The premise, rank by rank** (:func:`checked_lowering`, when a rank's program is first
+lowered): for each message (channel, k) a compute consumes (named by :func:`.dryrun.check_rank`),
+the k-th send into the rank on that channel (:meth:`.lower.Lowering.program_and_sends` knows its
+gap in the sender's program) comes after sender computes that start before this one (the last
+of them does: a worker's starts do not decrease); the rank's posts on each channel into it carry
+the messages sent on it, in order; each all-reduce sits right after the rank's last gradient
+job of its stage, alone in its gap. Every channel has one receiver and every wait one rank, so
+over all ranks these are the lemma's premise and the dry run's matching check; ``check_rank``
 covers the rest of the dry run. Trusted: that a rank-local lowering is the full lowering's for
-the rank's own program and the sends into it (the tests compare every rank at small W).
+the rank's own program and the sends into it (tests compare every rank at small W).
 
 **Why the check always passes** for :mod:`.lower`'s programs of a timeline :func:`certify`
 accepts (it is a guard, not a search):
@@ -46,21 +43,17 @@ accepts (it is a guard, not a search):
 - an activation (input gradient) consumed by F s b (B s b) is sent right after the producer's
   compute; the computes before that start no later than the producer, which starts before it
   ends, which is no later than t(c) (the timeline respects the graph);
-- a run's fetched weights, fetched at the gap before a compute starting at pt (0.0 before the
-  first compute), are served in the owner's gap before its first compute starting at or after
-  pt (``gap_at``): after computes starting before pt only. A rank's fetches from one owner and
-  the owner's serves to it are both in run order (pt strictly increases along a worker's
-  computes), so the FIFO fix moves no post and a run consumes its own send;
+- a run's weights, fetched at the gap before a compute starting at pt (0.0 before the first
+  compute), are served in the owner's gap before its first compute starting at or after pt:
+  after computes starting before pt only. A rank's fetches from one owner and the owner's
+  serves to it are both in run order (pt strictly increases along a worker's computes), so the
+  FIFO fix moves no post and a run consumes its own send;
 - gradients handed to the owner are waited for by no compute; a replicated stage (several
   owners, none fetched) has its all-reduce right after each owner's last gradient job of it,
   and no two stages of a rank end at one job; there are no ties.
 
-:func:`certify` checks on the timeline, in O(jobs) numpy: a chain graph, no ties, no stage both
-replicated and fetched, replicas ending their last gradient job together, positive durations,
-every job starting no earlier than its predecessors end, every worker's starts non-decreasing
-along its order, and the orders holding every job once (each rank checks that its computes are
-its order: the dry run's coverage check). A reader of every program takes the full path at once
-(:mod:`.lazy_ranks`): every program lowered and dry-run.
+:func:`certify` checks the rest on the timeline, in O(jobs) numpy; a timeline it refuses is
+dry-run in full, and so is every program for a reader of every rank (:mod:`.lazy_ranks`).
 """
 
 from __future__ import annotations
@@ -87,12 +80,20 @@ from lightning_gsched.schedule.program import (
 from lightning_gsched.schedule.simulate import Timeline
 from lightning_gsched.schedule.sweep import WorkerOrders
 
+_WAITS = frozenset({Op.F, Op.B, Op.W, Op.ALLREDUCE_G})  # the actions that may wait
+
 
 def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
             ties: Mapping[int, tuple[int, ...]] | None) -> str | None:
     """None where the lemma (module docstring) proves every program of ``lower(graph, table,
     timeline)`` deadlock-free given each rank's own check; else why not (then the caller
-    dry-runs every program)."""
+    dry-runs every program).
+
+    Checked: a chain graph, no ties, no stage both replicated and fetched, replicas ending their
+    last gradient job together, positive durations, every job starting no earlier than its
+    predecessors end, every worker's starts non-decreasing along its order, and the orders
+    holding every job once (with each rank's check that its computes are its order: the dry
+    run's coverage check)."""
     if ties:
         return "tied weights (their fetches and all-reduces are outside the argument)"
     if not graph.is_chain:
@@ -224,20 +225,13 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
 
 def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list[Any],
                      grad_op: Op) -> None:
-    """The lemma's premise for an all-reduce (module docstring): the compute before it is this
-    rank's last weight-gradient job of its stage, with no other all-reduce in between, and
-    it waits for no gradient message."""
+    """The lemma's premise for an all-reduce: it waits for no gradient message, and the compute
+    before it, with no other all-reduce between, is this rank's last gradient job of its stage."""
     action = program[index]
     stage = action[1]
-    before = index - 1
-    while before >= 0 and program[before][0] not in (Op.F, Op.B, Op.W):
-        if program[before][0] is Op.ALLREDUCE_G:
-            before = -1
-            break
-        before -= 1
-    later = any(a[0] is grad_op and a[1] == stage for a in program[index + 1:])
-    if consumed or before < 0 or program[before][0] is not grad_op or \
-            program[before][1] != stage or later:
+    before = next((program[i] for i in range(index - 1, -1, -1) if program[i][0] in _WAITS), None)
+    if consumed or before is None or before[0] is not grad_op or before[1] != stage or any(
+            a[0] is grad_op and a[1] == stage for a in program[index + 1:]):
         raise ProgramError(f"rank {rank} at action {index} ('{action}'): an all-reduce not "
                            "right after this rank's last gradient job of its stage is outside "
                            "the argument (proof.py)")
