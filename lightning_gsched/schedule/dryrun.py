@@ -5,16 +5,15 @@ and completes once the peer's matching send has happened; a compute waits for th
 consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its
 group. Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
 
-Besides matching and deadlock, the dry run checks what the runtime relies on: inputs computed or
-posted before, stash, weights and ties resident, gradients leaving before a free, nothing left
-at the end; collectives in the same order on every member of a group; forward-only programs
-holding only forward ops; every job run once. Any violation raises :class:`ProgramError` naming
-the rank and the action in text form. Of several faults one is named: a static one (matching,
-collective order, a peer that is no rank) first, else the first rank's.
+Also checked, as the runtime relies on it: inputs computed or posted before, stash, weights and
+ties resident, gradients leaving before a free, nothing left at the end; collectives in one
+order on every member of a group; forward-only programs holding only forward ops; every job run
+once. A violation raises :class:`ProgramError` naming the rank and the action; of several, a
+static one (matching, collective order, a peer that is no rank) first, else the first rank's.
 
-How: everything but waiting depends only on a rank's own earlier actions, and a rank's state
-never changes while it waits, so :func:`check_rank` walks each program once, in order, without
-waiting, and yields the only things the interleaving decides, the rank's **events** in order:
+How: all but waiting depends only on a rank's own earlier actions, and its state never changes
+while it waits, so :func:`check_rank` walks each program once, in order, and yields what the
+interleaving decides, the rank's **events**; :func:`_walk` runs those alone for deadlock:
 
 - ``channel`` (an int): a send on that channel;
 - ``(index, messages)``: the compute at ``index`` consumes these messages, each ``(channel,
@@ -22,10 +21,9 @@ waiting, and yields the only things the interleaving decides, the rank's **event
 - ``(index, messages, key, size)``: an all-reduce at ``index``: its gradient messages, then
   every one of the ``size`` members of its group at ``key``.
 
-:func:`_walk` runs those alone for deadlock. Channels are ints (:meth:`.program.Channel.number`),
-jobs (s, b) ints ``s * M + b``: every set and dict here hashes ints. :func:`check_rank` also
-lists each channel's sends and posts (as actions) for the matching check, and each group's
-all-reduces for the order check.
+Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``: every set
+and dict here hashes ints. ``check_rank`` also lists each channel's sends and posts, and each
+group's all-reduces, for the matching and order checks.
 """
 
 from __future__ import annotations
@@ -257,32 +255,26 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                 arrival = tie_state[h]
                 if arrival is not None:
                     consumed.append(arrival)
-            if op is F:
-                if job in forward_done:
-                    raise fail(index, f"runs F s{s} b{b} twice")
-                for other in inputs[s]:
-                    if other * M + b not in forward_done:
-                        message = posted_act.get(other * M + b)
+            if op is F or op is B:  # reads its producers' outputs (consumers' gradients)
+                if op is F:
+                    done, sources, posted = forward_done, inputs, posted_act
+                elif job not in stash:
+                    raise fail(index, f"runs a backward without the stashed forward F s{s} b{b}")
+                else:
+                    done, sources, posted = backward_done, outputs, posted_grad
+                if job in done:
+                    raise fail(index, f"runs {op} s{s} b{b} twice")
+                for other in sources[s]:
+                    if other * M + b not in done:
+                        message = posted.get(other * M + b)
                         if message is None:
-                            raise fail(index, f"needs the output of F s{other} b{b} but "
-                                       "neither computed nor received it")
+                            what = "the output of F" if op is F else "the gradient from B"
+                            raise fail(index, f"needs {what} s{other} b{b} but neither "
+                                       "computed nor received it")
                         consumed.append(message)
-                forward_done.add(job)
+                done.add(job)
                 if op is stash_op:
                     stash.add(job)
-            elif op is B:
-                if job not in stash:
-                    raise fail(index, f"runs a backward without the stashed forward F s{s} b{b}")
-                if job in backward_done:
-                    raise fail(index, f"runs B s{s} b{b} twice")
-                for other in outputs[s]:
-                    if other * M + b not in backward_done:
-                        message = posted_grad.get(other * M + b)
-                        if message is None:
-                            raise fail(index, f"needs the gradient from B s{other} b{b} but "
-                                       "neither computed nor received it")
-                        consumed.append(message)
-                backward_done.add(job)
             else:  # W: the weight-gradient half of a split backward, after its B on this rank
                 if not split:
                     raise fail(index, "runs W, but these programs do not split the backward")
