@@ -37,20 +37,14 @@ over all ranks these are the lemma's premise and the dry run's matching check; `
 covers the rest of the dry run. Trusted: that a rank-local lowering is the full lowering's for
 the rank's own program and the sends into it (tests compare every rank at small W).
 
-**Why the check always passes** for :mod:`.lower`'s programs of a timeline :func:`certify`
-accepts (it is a guard, not a search):
-
-- an activation (input gradient) consumed by F s b (B s b) is sent right after the producer's
-  compute; the computes before that start no later than the producer, which starts before it
-  ends, which is no later than t(c) (the timeline respects the graph);
-- a run's weights, fetched at the gap before a compute starting at pt (0.0 before the first
-  compute), are served in the owner's gap before its first compute starting at or after pt:
-  after computes starting before pt only. A rank's fetches from one owner and the owner's
-  serves to it are both in run order (pt strictly increases along a worker's computes), so the
-  FIFO fix moves no post and a run consumes its own send;
-- gradients handed to the owner are waited for by no compute; a replicated stage (several
-  owners, none fetched) has its all-reduce right after each owner's last gradient job of it,
-  and no two stages of a rank end at one job; there are no ties.
+**Why the check passes** for :mod:`.lower`'s programs of a timeline :func:`certify` accepts (a
+guard, not a search): an activation or input gradient is sent right after its producer's
+compute, which ends no later than its consumer starts; a run's weights, fetched at the gap before
+a compute starting at pt (0.0 before the first), are served in the owner's gap before its first
+compute starting at or after pt, and a rank's fetches from an owner and the owner's serves to it
+are both in run order (pt strictly increases along a worker's computes), so the FIFO fix moves
+no post; gradients handed to an owner are awaited by no compute; a replicated stage (several
+owners, none fetched) has its all-reduce right after each owner's last gradient job of it.
 
 :func:`certify` checks the rest on the timeline, in O(jobs) numpy; a timeline it refuses is
 dry-run in full, and so is every program for a reader of every rank (:mod:`.lazy_ranks`).
