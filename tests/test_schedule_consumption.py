@@ -14,7 +14,7 @@ from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, plan
 from lightning_gsched.schedule import predict as predict_module
 from lightning_gsched.schedule.consumption import OpRules, unit_of
-from lightning_gsched.schedule.dryrun_rank import Shared
+from lightning_gsched.schedule.dryrun import Shared
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
 from lightning_gsched.schedule.memory import _RankWalk
 from lightning_gsched.schedule.program import COMPUTE_OPS, Op

@@ -21,8 +21,7 @@ import pytest
 
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule import symmetry
-from lightning_gsched.schedule.dryrun import dry_run
-from lightning_gsched.schedule.dryrun_rank import Shared, check_rank
+from lightning_gsched.schedule.dryrun import Shared, check_rank, dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.plan import Plan, plan

@@ -1,36 +1,29 @@
 """What each action consumes and releases: the rules every reader of programs shares.
 
-Why one place: four readers walk a rank's program action by action, the dry run
-(:mod:`.dryrun_rank`), the time replay (:mod:`.predict`), the bytes walk (:mod:`.memory`) and
-the runtime's step (``runtime/step.py``), and each must agree on which posted receive an action
-consumes, which fetched units a compute needs, and which op ends a stash. Written in each of
-them, the copies drifted (two followed the stage graph, two assumed a chain); here they are
-written once, from the stage graph, and read by all four.
+Four readers walk a rank's program action by action: the dry run (:mod:`.dryrun`), the
+time replay (:mod:`.predict`), the bytes walk (:mod:`.memory`) and the runtime's step. Each must
+agree on which posted receive an action consumes, which fetched units a compute needs, and which
+op ends a stash; written in each, the copies drifted, so they are written once, here, from the
+stage graph. For a compute of stage s on microbatch b (:class:`OpRules`):
 
-The rules, for a compute ``F``/``B``/``W`` of stage s on microbatch b (:class:`OpRules`):
-
-* ``F s b`` reads the output of ``F p b`` for every producer p of s (:attr:`OpRules.act_from`;
-  none: the model's input); from another rank that is the posted ``RECV_ACT p b``;
-* ``B s b`` reads the input-gradient of ``B c b`` for every consumer c of s
-  (:attr:`OpRules.grad_from`; none: s is a sink and starts from its own loss); from another
-  rank that is the posted ``RECV_GRAD c b``. It also reads its own stash (``F s b``);
+* ``F s b`` reads the output of ``F p b`` for every producer p of s (none: the model's input);
+  from another rank that is the posted ``RECV_ACT p b``;
+* ``B s b`` reads the input-gradient of ``B c b`` for every consumer c of s (none: s is a sink
+  and starts from its own loss), from another rank the posted ``RECV_GRAD c b``, and its stash;
 * ``W s b`` (split backward only) reads what ``B s b`` left on the same rank, nothing posted;
-* every compute of s needs s's weights and those of each tie s reads
-  (:attr:`OpRules.units_read`): a posted ``FETCH_W`` of the unit is consumed by the first
-  compute that needs it, or by the unit's ``FREE_W`` if none does;
-* ``F`` stashes (unless the programs are forward-only); the weight-gradient op
-  (:func:`~.program.weight_grad_op`: ``B``, or ``W`` when the backward is split) accumulates
-  the weight gradients and releases the stash;
-* when the backward is split, ``B`` narrows the stash (:meth:`OpRules.narrows_stash`): from
-  ``B`` to ``W`` the (stage, microbatch) holds what ``W`` needs, i.e. the forward's saved tensors
-  minus those of the graph above every weight (the loss's, freed with B's roots), plus the
-  gradients ``B`` recorded for ``W`` (``StageSizes.b_released``, ``StageSizes.w_grads``);
+* every compute of s needs s's weights and those of each tie s reads: a posted ``FETCH_W`` of
+  the unit is consumed by the first compute that needs it, or by the unit's ``FREE_W``;
+* ``F`` stashes (unless forward-only); the weight-gradient op (:func:`~.program.weight_grad_op`)
+  accumulates the weight gradients and releases the stash;
+* when the backward is split, ``B`` narrows the stash to what ``W`` needs: the forward's saved
+  tensors minus those of the graph above every weight, plus the gradients ``B`` recorded for
+  ``W`` (``StageSizes.b_released``, ``StageSizes.w_grads``);
 * ``ALLREDUCE_G`` of a unit sums in the gradients posted by ``RECV_G`` of the same unit; those
   never all-reduced are summed in at the step's end.
 
-What the readers do with a consumed input (check it, time it, count its bytes, run it) stays
-theirs. The runtime executes chains of stages only, so :func:`require_chain` is what ``plan()``
-calls to refuse any other graph until it does.
+What a reader does with a consumed input (check it, time it, count its bytes, run it) stays its
+own. The runtime executes chains of stages only: ``plan()`` refuses other graphs
+(:func:`require_chain`).
 """
 
 from __future__ import annotations
@@ -53,10 +46,9 @@ def unit_of(action: Action) -> UnitKey:
 def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> None:
     """Refuse a stage graph other than the chain 0 -> 1 -> ... -> S-1.
 
-    Why: the planner follows any graph, but the runtime executes chains only (a message names
-    its producer stage but not which of several inputs it feeds), so a plan of another graph
-    could be costed and checked and then fail at the first step. The edges' range is checked
-    first (by :class:`StageGraph`) so that an invalid edge is named as such.
+    Why: the runtime executes chains only (a message names its producer stage, not which of
+    several inputs it feeds), so a plan of another graph would fail at its first step. The
+    edges' range is checked first (by :class:`StageGraph`) so that an invalid edge is named.
     """
     if edges is None:
         return
@@ -71,15 +63,14 @@ def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> N
 
 
 class OpRules:
-    """The consumption rules of a stage graph's programs, per stage (module docstring).
+    """The consumption rules of a stage graph's programs (module docstring), as tables of
+    tuples indexed by stage, built once: the readers look them up in their hot loops.
 
-    Read off the :class:`StageGraph` (its edges and flags) and the ties. Tables of tuples,
-    indexed by stage, built once per programs: the readers look them up in their hot loops. ``act_from[s]``: producer stages whose outputs ``F s`` reads;
-    ``grad_from[s]``: consumer stages whose input-gradients ``B s`` reads; ``ties_read[s]``:
-    homes of the ties s reads; ``units_read[s]``: the weight units a compute of s needs
-    (:data:`UnitKey`: its stage, then its ties). ``stash_op``: F, or None when forward-only; ``weight_grad_op``:
-    the op that accumulates weight gradients and releases the stash
-    (:func:`~.program.weight_grad_op`, also ``Programs.weight_grad_op``).
+    ``act_from[s]``: producers whose outputs ``F s`` reads; ``grad_from[s]``: consumers whose
+    input-gradients ``B s`` reads; ``ties_read[s]``: homes of the ties s reads;
+    ``units_read[s]``: the weight units a compute of s needs (its stage, then its ties).
+    ``stash_op``: F, or None when forward-only; ``weight_grad_op``: the op that accumulates
+    weight gradients and releases the stash.
     """
 
     __slots__ = ("num_stages", "forward_only", "split_backward", "act_from", "grad_from",
@@ -120,8 +111,7 @@ class OpRules:
         return ((Phase.B, stage),)  # W: what its B left
 
     def messages_read(self, action: Action) -> list[Message]:
-        """The posted receives ``action`` consumes when their producers ran on another rank:
-        ``RECV_ACT p b`` for F, ``RECV_GRAD c b`` for B, nothing for W or any other op."""
+        """The posted receives ``action`` consumes when their producers ran on another rank."""
         op, s, b = action.op, action.stage, action.micro
         if op is Op.F:
             return [Message(Op.RECV_ACT, p, b) for p in self.act_from[s]]
@@ -130,7 +120,6 @@ class OpRules:
         return []
 
     def narrows_stash(self, op: Op) -> bool:
-        """Whether ``op`` changes what its (stage, microbatch) stash holds without ending it:
-        a split ``B``, after which it holds what ``W`` needs (module docstring)."""
+        """Whether ``op`` narrows its stash without ending it: a split ``B`` (module docstring)."""
         return op is Op.B and self.split_backward and not self.forward_only
 

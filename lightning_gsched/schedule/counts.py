@@ -1,10 +1,9 @@
 """What a rank's program does, counted: the one record the planner predicts and the runtime meets.
 
-The planner reads these numbers off the programs (:mod:`.metrics`) and the runtime counts them as
-it executes the same programs (``runtime.counters.RuntimeCounters`` extends this class with what
-the planner does not model, such as bytes). One type for both, so a test compares them field by
-field and a new op's counter is added in one place: the ``counter`` (for a weight-unit op also
-the ``tie_counter``) of its :class:`~lightning_gsched.schedule.program.OpSpec`, plus a field here.
+The planner reads these numbers off the programs (:mod:`.metrics`); the runtime counts them as it
+executes the same programs (``RuntimeCounters`` extends this class with bytes and the like). One
+type for both, so a test compares them field by field, and a new op's counter is added in one
+place: the ``counter`` (``tie_counter``) of its :class:`~.program.OpSpec`, plus a field here.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ class ActionCounts:
     peak_resident_stages: int = 0
 
     def count(self, op: Op, tie: bool = False) -> None:
-        """Add one action of ``op`` (on a tie: ``tie``) to the counter the op table names for it
-        (if any)."""
+        """Add one action of ``op`` (on a tie: ``tie``) to the counter the op table names, if any."""
         name = OPS[op].counter_of(tie)
         if name is not None:
             setattr(self, name, getattr(self, name) + 1)

@@ -1,160 +1,87 @@
 """Prove a set of programs can run: every message matched, every input present, no deadlock.
 
-The execution model is the runtime's: sends never block; receives are posted where they appear
-and complete when the peer's matching send has happened; a compute waits for the receives it
-consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its group.
-Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
+The execution model is the runtime's: sends never block; a receive is posted where it appears
+and completes once the peer's matching send has happened; a compute waits for the receives it
+consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its
+group. Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
 
-The dry run also checks what the runtime relies on: a forward has all its inputs (computed here
-or received), a backward has its stashed forward and its output gradients, a compute has its
-stage's weights (owned, or fetched and not freed), collectives come in the same order on every
-member of a group, and at the end nothing is stashed, fetched or unreceived. Any violation raises
-:class:`ProgramError` naming the rank and the action in text form.
+Also checked, as the runtime relies on it: inputs computed or posted before, stash, weights and
+ties resident, gradients leaving before a free, nothing left at the end; collectives in one
+order on every member of a group; forward-only programs holding only forward ops; every job run
+once. A violation raises :class:`ProgramError` naming the rank and the action; of several, a
+static one (matching, collective order, a peer that is no rank) first, else the first rank's.
 
-Ties (``programs.ties``) are weight units like stages (``FETCH_W t0 <-0``): a compute of a stage
-that reads a tie needs the tie resident (owned, or fetched and not freed); a fetched tie's
-gradient, once a weight-gradient job of a reader stage ran, must leave by its ``REDUCE_G`` before
-its ``FREE_W``; its ``ALLREDUCE_G`` waits for its own ``RECV_G`` messages and every owner, and is
-ordered with the stages' per group.
+How: all but waiting depends only on a rank's own earlier actions, and its state never changes
+while it waits, so :func:`check_rank` walks each program once, in order, and yields what the
+interleaving decides, the rank's **events**; :func:`_walk` runs those alone for deadlock:
 
-Split-backward programs (``programs.split_backward``, zero-bubble schedules) run ``W s b`` after
-``B s b`` on the same rank; the stash lives until ``W``, and ``REDUCE_G`` needs a ``W`` of the stage.
+- ``channel`` (an int): a send on that channel;
+- ``(index, messages)``: the compute at ``index`` consumes these messages, each ``(channel,
+  k)``: the k-th message on the channel, there once the channel counted k sends;
+- ``(index, messages, key, size)``: an all-reduce at ``index``: its gradient messages, then
+  every one of the ``size`` members of its group at ``key``.
 
-Forward-only programs (``programs.forward_only``) may contain no backward-related action, stash
-nothing (a forward's output is consumed by the next stage, not kept for a backward) and must
-run every forward exactly once.
-
-How: everything but waiting depends only on a rank's own earlier actions, so each program is
-checked once in order (:mod:`.dryrun_rank`), which also lists each channel's messages for the
-matching check and yields the rank's sends and waits; :func:`_walk` runs those alone for
-deadlock. Programs with several faults get one of them named: a static one (matching,
-collective order, a peer that is no rank) first, else the first found rank by rank.
+Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``: every set
+and dict here hashes ints. ``check_rank`` also lists each channel's sends and posts, and each
+group's all-reduces, for the matching and order checks.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from itertools import chain
 from operator import itemgetter
 from typing import Any, NamedTuple
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule.dryrun_rank import (
-    Event,
-    RankResult,
-    Shared,
-    channel_counters,
-    check_rank,
-)
+from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.program import (
     BACKWARD_OPS,
+    CHANNEL_KINDS,
     COLLECTIVE_OPS,
     OPS,
     RECV_FOR_SEND,
-    RECV_OPS,
     SEND_OPS,
     Action,
     Channel,
     Message,
     Op,
     Programs,
+    channel_bases,
     check_channel,
 )
 
-
-class _Scan(NamedTuple):
-    """What one pass over every action collects for the static checks."""
-
-    sent: dict[Channel, list[Message]]  # per channel, the messages in send order
-    posted: dict[Channel, list[Message]]  # per channel, the messages in post order
-    # group -> rank -> the all-reduces it runs, as (op, stage, tie): stages' and ties'
-    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]
-    bad_group: str | None  # the first all-reduce run by a rank outside its group
-    bad_field: str | None  # the first message whose peer or microbatch does not exist
+_Message = tuple[int, int]  # (channel id, k): the k-th message (counted from 1) on a channel
+Event = Any  # int | tuple[int, list[_Message]] | tuple[int, list[_Message], tuple, int]
+_ABSENT = object()  # a dict.get default that no stored value is
+_DENSE_CHANNELS = 1 << 22  # channel ids counted in a list up to here (W up to about 1,180)
+Orders = dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]  # group -> rank -> ARs
 
 
-def _scan(programs: Programs) -> _Scan:
-    """One pass over every action (the static checks' only pass over all programs)."""
-    sent: dict[Channel, list[Message]] = defaultdict(list)
-    posted: dict[Channel, list[Message]] = defaultdict(list)
-    orders: dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]] = defaultdict(dict)
-    bad_group: str | None = None
-    bad_field: str | None = None
-    peers = set(range(programs.world_size))
-    micros = set(range(programs.num_micro))
-    for rank, program in enumerate(programs.ranks):
-        for action in program:
-            op = action[0]
-            if op in SEND_OPS or op in RECV_OPS:
-                # a malformed action may lack its peer or microbatch: reported, not assumed away
-                if action[3] not in peers or (OPS[op].per_micro and action[2] not in micros):
-                    bad_field = bad_field or (
-                        f"rank {rank} runs '{action}': its peer must be a rank (0 to "
-                        f"{programs.world_size - 1})" + (f" and its microbatch one of 0 to "
-                                                         f"{programs.num_micro - 1}"
-                                                         if OPS[op].per_micro else ""))
-                    continue
-                (sent if op in SEND_OPS else posted)[Channel.of(action, rank)].append(
-                    Message.of(action))
-            elif op in COLLECTIVE_OPS:
-                group = action.group
-                if group is None or rank not in group:
-                    bad_group = bad_group or f"rank {rank} runs '{action}' but is not in its group"
-                    continue
-                orders[group].setdefault(rank, []).append((op, action.stage, action.tie))
-    return _Scan(sent, posted, orders, bad_group, bad_field)
-
-
-def check_matching(programs: Programs, scanned: _Scan | None = None) -> None:
-    """Every send has a receive on its channel, in the same order, and vice versa
-    (:func:`.program.check_channel`, channels in order)."""
-    scanned = scanned or _scan(programs)
-    if scanned.bad_field is not None:
-        raise ProgramError(scanned.bad_field)
-    sent, posted = scanned.sent, scanned.posted
-    for channel in sorted(set(sent) | set(posted)):
-        check_channel(channel, sent.get(channel, []), posted.get(channel, []))
-
-
-def check_collective_order(programs: Programs, scanned: _Scan | None = None) -> None:
-    """Members of one group must issue their all-reduces (stages' and ties') in the same order."""
-    scanned = scanned or _scan(programs)
-    if scanned.bad_group is not None:
-        raise ProgramError(scanned.bad_group)
-    orders = scanned.orders
-    for group, by_rank in orders.items():
-        reference = by_rank.get(group[0])
-        for rank in group:
-            if by_rank.get(rank) != reference:
-                raise ProgramError(
-                    f"ranks {group[0]} and {rank} all-reduce group {list(group)} in different "
-                    f"orders: {reference} vs {by_rank.get(rank)}"
-                )
+def channel_counters(channels: int) -> list[int] | defaultdict[int, int]:
+    """One count per channel id, all 0: a list while there are few ids, else a dict of the ones
+    used (W=4096 has 50 M ids, of which a plan uses a few per rank)."""
+    return [0] * channels if channels <= _DENSE_CHANNELS else defaultdict(int)
 
 
 def dry_run(programs: Programs) -> None:
     """Execute all programs symbolically; raise :class:`ProgramError` on any problem.
 
-    In order: forward-only programs hold forward-only ops; every rank's program is checked in
-    program order (:func:`~.dryrun_rank.check_rank`: weights, inputs, stash, gradients, the
-    state at the end), which also lists every channel's messages and every group's
-    all-reduces; those must match (same messages, same order) and agree; the ranks' events
-    are walked for deadlock (:func:`_walk`); every job ran once. Where a rank's check fails,
-    the static checks run on their own first, so a mismatch is named rather than its symptom
-    (a compute missing the input that was never received).
+    Where a rank's check fails, the static checks run on their own first, so a mismatch is
+    named rather than its symptom (a compute missing the input that was never received).
     """
     programs.ranks.make_all()  # reads every rank
     if programs.forward_only:
-        check_forward_only(programs)
+        for rank, program in enumerate(programs.ranks):
+            check_forward_only(rank, program)
     shared = Shared(programs)
     try:
         results = [check_rank(shared, rank) for rank in range(programs.world_size)]
     except ProgramError:
-        scanned = _scan(programs)
-        check_matching(programs, scanned)
-        check_collective_order(programs, scanned)
+        _check_static(programs)
         raise
-    _check_listed_matching(programs, shared)
-    check_collective_order(programs, _Scan({}, {}, shared.orders, None, None))
+    _check_matching(programs.world_size, shared.sent, shared.posted)
+    _check_collective_order(shared.orders)
     stuck = _walk([result.events for result in results], shared.channels)
     if stuck:
         detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'"
@@ -163,12 +90,48 @@ def dry_run(programs: Programs) -> None:
     _check_coverage(programs, results)
 
 
-def _check_listed_matching(programs: Programs, shared: Shared) -> None:
-    """:func:`.program.check_channel` on the messages the ranks' checks listed per channel
-    number: a quick comparison of every channel, then the rule itself on the first channel (in
-    channel order) that differs, which names the message."""
+def _check_static(programs: Programs) -> None:
+    """Matching and collective order from one pass over every action, trusting nothing a
+    rank's check would have refused (a peer or microbatch that does not exist is named)."""
     W = programs.world_size
-    sent, posted = shared.sent, shared.posted
+    base = channel_bases(W)
+    sent: dict[int, list[Action]] = defaultdict(list)
+    posted: dict[int, list[Action]] = defaultdict(list)
+    orders: Orders = defaultdict(dict)
+    bad_group: str | None = None
+    micros = range(programs.num_micro)
+    for rank, program in enumerate(programs.ranks):
+        for action in program:
+            op = action[0]
+            if op in base:  # a send or a receive
+                peer: int = action[3]  # type: ignore[assignment]  # checked next
+                per_micro = OPS[op].per_micro
+                if peer not in range(W) or (per_micro and action[2] not in micros):
+                    raise ProgramError(
+                        f"rank {rank} runs '{action}': its peer must be a rank (0 to {W - 1})"
+                        + (f" and its microbatch one of 0 to {programs.num_micro - 1}"
+                           if per_micro else ""))
+                if op in SEND_OPS:
+                    sent[base[op] + rank * W + peer].append(action)
+                else:
+                    posted[base[op] + peer * W + rank].append(action)
+            elif op in COLLECTIVE_OPS:
+                group = action.group
+                if group is None or rank not in group:
+                    bad_group = bad_group or f"rank {rank} runs '{action}' but is not in its group"
+                else:
+                    orders[group].setdefault(rank, []).append((op, action.stage, action.tie))
+    _check_matching(W, sent, posted)
+    if bad_group is not None:
+        raise ProgramError(bad_group)
+    _check_collective_order(orders)
+
+
+def _check_matching(W: int, sent: dict[int, list[Action]], posted: dict[int, list[Action]],
+                    ) -> None:
+    """:func:`.program.check_channel` on the messages listed per channel number: a quick
+    comparison of every channel, then the rule itself on the first channel (in channel order)
+    that differs, which names the message."""
     differing = [number for number in set(sent) | set(posted)
                  if not _same_messages(sent.get(number, []), posted.get(number, []))]
     if differing:
@@ -186,6 +149,220 @@ def _same_messages(sends: list[Action], posts: list[Action]) -> bool:
             and list(map(carried, sends)) == list(map(carried, posts))
             and list(map(RECV_FOR_SEND.__getitem__, map(itemgetter(0), sends)))
             == list(map(itemgetter(0), posts)))
+
+
+def _check_collective_order(orders: Orders) -> None:
+    """Members of one group must issue their all-reduces (stages' and ties') in the same order."""
+    for group, by_rank in orders.items():
+        reference = by_rank.get(group[0])
+        for rank in group:
+            if by_rank.get(rank) != reference:
+                raise ProgramError(
+                    f"ranks {group[0]} and {rank} all-reduce group {list(group)} in different "
+                    f"orders: {reference} vs {by_rank.get(rank)}"
+                )
+
+
+class Shared:
+    """What every rank's check shares: sizes, the consumption rules, channel bases, and the
+    lists the static checks read once every rank is done."""
+
+    def __init__(self, programs: Programs) -> None:
+        self.programs = programs
+        W = self.W = programs.world_size
+        self.M = programs.num_micro
+        self.peers = set(range(W))
+        self.micros = set(range(self.M))
+        self.rules = OpRules.of(programs)
+        self.base = channel_bases(W)  # a channel's number: base[op] + src * W + dst
+        self.channels = len(CHANNEL_KINDS) * W * W
+        self.posted_count = channel_counters(self.channels)
+        self.sent: dict[int, list[Action]] = defaultdict(list)  # channel -> its sends, in order
+        self.posted: dict[int, list[Action]] = defaultdict(list)  # channel -> its posts
+        self.orders: Orders = defaultdict(dict)  # all-reduces as (op, stage, tie)
+
+
+class RankResult(NamedTuple):
+    """One rank's events and, per phase ("F", "B", "W"), the jobs it ran (for coverage)."""
+
+    events: list[Event]
+    done: dict[str, set[int]]
+
+
+def check_forward_only(rank: int, program: list[Action]) -> None:
+    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
+    for index, action in enumerate(program):
+        if action.op in BACKWARD_OPS:
+            raise ProgramError(
+                f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
+                "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
+            )
+
+
+def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loop, by op
+    """Check ``rank``'s program in order; raise :class:`ProgramError` naming the rank and the
+    action at the first problem."""
+    programs = shared.programs
+    program = programs.ranks[rank]
+    W, M, micros, peers, base = shared.W, shared.M, shared.micros, shared.peers, shared.base
+    rules = shared.rules
+    inputs, outputs, ties_of = rules.act_from, rules.grad_from, rules.ties_read
+    posted_count, sent_on, posted_on = shared.posted_count, shared.sent, shared.posted
+    split, stash_op, weight_grad_op = programs.split_backward, rules.stash_op, rules.weight_grad_op
+
+    def fail(index: int, message: str) -> ProgramError:
+        where = f"'{program[index]}'" if index < len(program) else "the end"
+        return ProgramError(f"rank {rank} at action {index} ({where}): {message}")
+
+    # stage (tie home) -> None if owned, else the FETCH_W message its weights arrive with
+    resident: dict[int, _Message | None] = {s: None for s in programs.owned_stages(rank)}
+    tie_state: dict[int, _Message | None] = {h: None for h in programs.owned_ties(rank)}
+    forward_done: set[int] = set()
+    backward_done: set[int] = set()
+    weight_done: set[int] = set()
+    stash: set[int] = set()
+    grad_stages: set[int] = set()  # stages whose weight gradients it accumulated
+    tie_unreduced: set[int] = set()  # fetched ties holding gradients not yet sent
+    # producer job -> the message its activation / input-gradient comes in
+    posted_act: dict[int, _Message] = {}
+    posted_grad: dict[int, _Message] = {}
+    pending_grads: dict[tuple[int, bool], list[_Message]] = defaultdict(list)  # for ALLREDUCE_G
+    events: list[Event] = []
+    event = events.append
+    # ops as locals (an ``Op.F`` look-up goes through the enum's descriptor)
+    F, B, W_, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (
+        Op.F, Op.B, Op.W, Op.SEND_ACT, Op.SEND_GRAD, Op.RECV_ACT, Op.RECV_GRAD)
+    FETCH_W, SEND_W, FREE_W, REDUCE_G, RECV_G = (
+        Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G)
+    for index, action in enumerate(program):
+        op = action[0]
+        if op is F or op is B or op is W_:
+            s, b = action[1], action[2]
+            weights = resident.get(s, _ABSENT)
+            if weights is _ABSENT:
+                raise fail(index, f"has no weights of stage {s}: it neither owns nor fetched "
+                           "them")
+            if b not in micros:
+                raise fail(index, f"names microbatch {b}; these programs have microbatches 0 "
+                           f"to {M - 1}")
+            job = s * M + b
+            consumed: list[_Message] = [] if weights is None else [weights]  # type: ignore[list-item]
+            ties = ties_of[s]
+            for h in ties:
+                if h not in tie_state:
+                    raise fail(index, f"has no weights of tie {h} (read by stage {s}): it "
+                               "neither owns nor fetched them")
+                arrival = tie_state[h]
+                if arrival is not None:
+                    consumed.append(arrival)
+            if op is F or op is B:  # reads its producers' outputs (consumers' gradients)
+                if op is F:
+                    done, sources, posted = forward_done, inputs, posted_act
+                elif job not in stash:
+                    raise fail(index, f"runs a backward without the stashed forward F s{s} b{b}")
+                else:
+                    done, sources, posted = backward_done, outputs, posted_grad
+                if job in done:
+                    raise fail(index, f"runs {op} s{s} b{b} twice")
+                for other in sources[s]:
+                    if other * M + b not in done:
+                        message = posted.get(other * M + b)
+                        if message is None:
+                            what = "the output of F" if op is F else "the gradient from B"
+                            raise fail(index, f"needs {what} s{other} b{b} but neither "
+                                       "computed nor received it")
+                        consumed.append(message)
+                done.add(job)
+                if op is stash_op:
+                    stash.add(job)
+            else:  # W: the weight-gradient half of a split backward, after its B on this rank
+                if not split:
+                    raise fail(index, "runs W, but these programs do not split the backward")
+                if job not in backward_done or job not in stash:
+                    raise fail(index, f"runs W s{s} b{b} before B s{s} b{b} on this rank")
+                weight_done.add(job)
+            if op is weight_grad_op:  # accumulates the weight gradients, ends the stash
+                stash.discard(job)
+                grad_stages.add(s)
+                if ties:
+                    tie_unreduced.update(h for h in ties if tie_state[h] is not None)
+            if consumed:
+                event((index, consumed))
+            continue
+        peer: int = action[3]  # type: ignore[assignment]
+        if op is SEND_ACT or op is SEND_GRAD:
+            if peer not in peers or action[2] not in micros:
+                raise fail(index, "names a peer or microbatch these programs do not have")
+            channel = base[op] + rank * W + peer
+            sent_on[channel].append(action)
+            event(channel)
+            continue
+        if op is RECV_ACT or op is RECV_GRAD:
+            micro: int = action[2]  # type: ignore[assignment]
+            if peer not in peers or micro not in micros:
+                raise fail(index, "names a peer or microbatch these programs do not have")
+            channel = base[op] + peer * W + rank
+            k = posted_count[channel] + 1
+            posted_count[channel] = k
+            posted_on[channel].append(action)
+            (posted_act if op is RECV_ACT else posted_grad)[action[1] * M + micro] = (channel, k)
+            continue
+        if op in base and peer not in peers:
+            raise fail(index, "names a peer these programs do not have")
+        s, tie = action[1], action[5]  # a weight unit's op: a stage's, or a tie's home's
+        if op is SEND_W or op is REDUCE_G:
+            if op is REDUCE_G and not tie and s not in grad_stages:
+                raise fail(index, f"sends the gradient of stage {s} but ran no "
+                           f"{weight_grad_op} of it")
+            if op is REDUCE_G and tie:
+                if s not in tie_unreduced:
+                    raise fail(index, f"sends the gradient of tie {s} but holds none (no "
+                               f"{weight_grad_op} of a stage reading it ran since it was "
+                               "fetched, or it was sent already)")
+                tie_unreduced.discard(s)
+            channel = base[op] + rank * W + peer
+            sent_on[channel].append(action)
+            event(channel)
+        elif op is FETCH_W or op is RECV_G:
+            channel = base[op] + peer * W + rank
+            k = posted_count[channel] + 1
+            posted_count[channel] = k
+            posted_on[channel].append(action)
+            if op is FETCH_W:
+                held = tie_state if tie else resident
+                if s in held:
+                    raise fail(index, f"fetches {'tie' if tie else 'stage'} {s} whose weights "
+                               "are already resident")
+                held[s] = (channel, k)
+            else:
+                pending_grads[(s, tie)].append((channel, k))
+        elif op is FREE_W:
+            held = tie_state if tie else resident
+            if held.get(s, _ABSENT) is None or s not in held:
+                raise fail(index, f"frees {'tie' if tie else 'stage'} {s} which was not fetched")
+            if tie and s in tie_unreduced:
+                raise fail(index, f"frees tie {s} while its gradient was not sent to the owner "
+                           f"(REDUCE_G t{s} must come first)")
+            del held[s]
+        else:  # ALLREDUCE_G
+            group = action[4]
+            if group is None or rank not in group:
+                raise fail(index, "is an all-reduce of a group this rank is not in")
+            shared.orders[group].setdefault(rank, []).append((op, s, tie))
+            event((index, pending_grads.pop((s, tie), []), (group, s, tie), len(group)))
+    end = len(program)
+    if stash:
+        stashed = sorted(divmod(job, M) for job in stash)
+        raise fail(end, f"ends with stashed activations {stashed} that no backward consumed")
+    fetched = [s for s, msg in resident.items() if msg is not None]
+    if fetched:
+        raise fail(end, f"ends with fetched weights of stages {fetched} never freed")
+    fetched = [h for h, msg in tie_state.items() if msg is not None]
+    if fetched:
+        raise fail(end, f"ends with fetched ties {fetched} never freed")
+    # Gradients pending at the end are awaited by the owner before the optimizer step; the
+    # matching check guarantees their sends exist and the walk that senders finish.
+    return RankResult(events, {"F": forward_done, "B": backward_done, "W": weight_done})
 
 
 def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
@@ -238,31 +415,16 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
             if position[rank] < len(mine)]
 
 
-def check_forward_only(programs: Programs) -> None:
-    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
-    for rank, program in enumerate(programs.ranks):
-        for index, action in enumerate(program):
-            if action.op in BACKWARD_OPS:
-                raise ProgramError(
-                    f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
-                    "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
-                )
-
-
 def _check_coverage(programs: Programs, ranks: list[RankResult]) -> None:
     """Every (stage, microbatch) runs each of its phases exactly once across all ranks."""
     phases = ["F"] if programs.forward_only else ["B", "W"] if programs.split_backward else ["B"]
     M = programs.num_micro
     expected = set(range(programs.num_stages * M))  # jobs s * M + b
     for phase in phases:
-        done_sets = [{"F": state.forward_done, "B": state.backward_done,
-                      "W": state.weight_done}[phase] for state in ranks]
+        done_sets = [state.done[phase] for state in ranks]
         if sum(map(len, done_sets)) == len(expected) and set().union(*done_sets) == expected:
             continue  # each job once: as many runs as jobs, and every job among them
-        count: dict[int, int] = defaultdict(int)
-        for done in done_sets:
-            for job in done:
-                count[job] += 1
+        count = Counter(chain.from_iterable(done_sets))
         for job in sorted(expected):
             if count[job] != 1:
                 s, b = divmod(job, M)

@@ -1,17 +1,13 @@
-"""``Programs.ranks``: one type, one behaviour. An item is made when first read and kept.
+"""``Programs.ranks``: a list whose item is made when first read, and kept.
 
 Why: at W=1024 fsdp's programs hold ~10 million actions (over 1 GB); a rank executing its
-program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about 0.1 s. So
-every plan's programs are a :class:`LazyList`: reading rank r (indexing, or iterating, which
-reads the ranks in order) makes rank r's program alone if it is not made yet. A plan that
-lowered every program at once (a small plan, verified by the full dry run) hands over a list
-whose items are all made (:meth:`LazyList.of`).
-
-A reader of every rank (the CLI's ``--programs``, the cost replay, the bytes model of every
-rank, the full dry run) says so: :meth:`LazyList.make_all` makes the missing items at once by
-the plan's ``make_all`` (the full lowering and, for a verified plan, the full dry run), which
-is several times cheaper than W rank-local lowerings. Nothing switches by itself: reading ranks
-one by one never lowers more than the ranks read.
+program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about 0.1 s.
+Reading rank r (indexing, or iterating, which reads the ranks in order) makes rank r's program
+alone. A reader of every rank (``--programs``, the cost replay, the bytes model, the full dry
+run) says so: :meth:`LazyList.make_all` makes the missing items at once by the plan's
+``make_all`` (the full lowering and, if verified, the full dry run), several times cheaper than
+W rank-local lowerings. Nothing switches by itself: reading ranks one by one never lowers more
+than the ranks read.
 """
 
 from __future__ import annotations
@@ -22,11 +18,8 @@ T = TypeVar("T")
 
 
 class LazyList(Sequence[T], Generic[T]):
-    """A list whose item i is ``make(i)``, made on first access and kept (module docstring).
-
-    Used for ``Programs.ranks`` and a lazily planned plan's per-worker metrics (each row reads
-    its rank's program). ``make_all``: every item at once, for :meth:`make_all`.
-    """
+    """A list whose item i is ``make(i)``, made on first access and kept (module docstring);
+    also a lazy plan's per-worker metrics. ``make_all``: every item at once."""
 
     def __init__(self, size: int, make: Callable[[int], T],
                  make_all: Callable[[], Sequence[T]] | None = None) -> None:
@@ -91,7 +84,5 @@ class LazyList(Sequence[T], Generic[T]):
         return f"LazyList({len(self)} items, {self.lowered} made)"
 
 
-def _made_whole(index: int) -> Any:
-    """``make`` of a list made whole (:meth:`LazyList.of`): never called."""
+def _made_whole(index: int) -> Any:  # make of a list made whole: never called
     raise AssertionError(f"item {index} of a list made whole is missing")
-

@@ -5,28 +5,25 @@ inserts communication and weight residency:
 
 - outputs: ``SEND_ACT`` right after a forward whose consumer runs elsewhere, ``SEND_GRAD`` right
   after a backward whose producer runs elsewhere (a W, split off a backward, sends nothing);
-- inputs: ``RECV_ACT``/``RECV_GRAD`` posted one compute early (before the previous compute), so
-  the transfer overlaps that compute (the seed's prefetch thread): :mod:`.lower_flow`;
+- inputs: ``RECV_ACT``/``RECV_GRAD`` posted one compute early, so the transfer overlaps that
+  compute (:func:`.lower_build.lower_data_flow`);
 - weights: fetched per run of a non-owned stage, served and reduced by its owner, replicas
-  all-reduced after their last gradient job: :mod:`.lower_weights`;
-- tied weights: a weight unit held for the step by a rank computing a reader stage it does
-  not own, by the same rules and ops (``FETCH_W t0 <-0``): :mod:`.lower_weights`.
+  all-reduced after their last gradient job; tied weights by the same rules and ops, as a unit
+  held for the step (:mod:`.lower_weights`).
 
-A forward-only timeline (``graph.forward_only``) lowers to forwards, activation messages and
-weight fetches only. Every channel is made FIFO-consistent: receives are posted in the order the
-peer sends, moving a post earlier when needed (never later), so that backends without message
-tags (NCCL) can run the same programs. Where each action goes in its program (one key system,
-one builder): :mod:`.lower_build`.
+A forward-only timeline lowers to forwards, activation messages and weight fetches only. Every
+channel is made FIFO-consistent: receives are posted in the order the peer sends, moving a post
+earlier when needed (never later), so that backends without message tags (NCCL) can run the
+same programs. Where each action goes in its program: :mod:`.lower_build`.
 
 **One pass for any set of ranks.** :meth:`Lowering.programs` takes the ranks to make (None:
-every rank). The builder keeps only their actions, and the rules visit only what concerns them:
-the data flow of the kept ranks and their consumers (with a timeline by symmetry, their
-replicas, whose workers feed only each other), their own weight runs and the runs of the ranks
-fetching from them. Every rule visits workers and runs in the order the lowering of every rank
-does and the builder orders actions by the relative order of their serials, so a rank's program
-is the same whichever ranks are made with it. Why: at W=1024 fsdp's programs hold ~10 million
-actions while a rank executing its program needs ~10,000 (:mod:`.lazy_ranks`); the tests
-compare every rank lowered alone with the lowering of every rank.
+every rank); the builder keeps only their actions, and the rules visit only what concerns them:
+the data flow of the kept ranks and their consumers (by symmetry, their replicas, whose workers
+feed only each other), their own weight runs and those of the ranks fetching from them. Every
+rule visits workers and runs in the order the lowering of every rank does, and the builder
+orders actions by the relative order of their serials, so a rank's program is the same
+whichever ranks are made with it. Why: at W=1024 fsdp's programs hold ~10 million actions while
+a rank executing its program needs ~10,000 (:mod:`.lazy_ranks`).
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ from typing import Mapping, Sequence
 
 from lightning_gsched.schedule.jobs import Phase, StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lazy_ranks import LazyList
-from lightning_gsched.schedule.lower_build import SLOTS, Builder, Key
-from lightning_gsched.schedule.lower_flow import lower_data_flow
+from lightning_gsched.schedule.lower_build import SLOTS, Builder, lower_data_flow
 from lightning_gsched.schedule.lower_weights import WeightLowering
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
@@ -61,10 +57,9 @@ class Lowering:
                  fetch_window: int | None = None,
                  ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
         self.graph, self.table, self.timeline = graph, table, timeline
-        self.fetch_window = fetch_window
         self.ties = dict(ties or {})
-        self.grad_phase = weight_grad_phase(graph.split_backward)
-        self.weights = WeightLowering(table, timeline, self.grad_phase, fetch_window)
+        grad_phase = weight_grad_phase(graph.split_backward)
+        self.weights = WeightLowering(table, timeline, grad_phase, fetch_window)
         self._starts: dict[int, list[float]] = {}  # start times by worker, shared by builders
         self._ops = [_COMPUTE_OP[d] for d in timeline.phases]
 
@@ -78,39 +73,50 @@ class Lowering:
         """``rank``'s program, lowered alone."""
         return self.programs([rank])[0]
 
-    def program_and_sends(self, rank: int) -> tuple[list[Action], dict[Channel, list[tuple[
-            Message, int]]]]:
-        """:meth:`program`, and every channel into ``rank`` with the messages sent on it
-        and each one's gap in the sender's program, in send order
-        (for :mod:`.proof`'s rank check)."""
+    def program_and_sends(self, rank: int) -> tuple[
+            list[Action], dict[Channel, list[tuple[Message, int]]]]:
+        """:meth:`program`, and every channel into ``rank`` with the messages sent on it, in
+        send order, each with its gap in the sender's program (it comes right before the
+        sender's compute of that position), for :mod:`.proof`'s rank check."""
         build = self._lower({rank})
-        return (build.program(rank, self._computes(rank)),
-                sends_into(rank, build.flow, build.flow_keys, build.sends))
+        sends: dict[Channel, list[tuple[Message, int]]] = {}
+        # the data flow's sends in their program order (small keys gap * SLOTS + category)
+        for src, actions in enumerate(build.flow):
+            if src == rank or not actions:
+                continue
+            keys = build.flow_keys[src]
+            for index in sorted(range(len(actions)), key=keys.__getitem__):  # stable
+                action = actions[index]
+                if action.peer == rank and action.op in RECV_FOR_SEND:
+                    sends.setdefault(Channel.of(action, src), []).append(
+                        (Message.of(action), keys[index] // SLOTS))
+        # then the other sends, by their full keys (gap, ...)
+        for channel, sent in build.sends.items():
+            if channel[2] == rank:
+                sends.setdefault(channel, []).extend(
+                    (message, key[0]) for key, message in sorted(sent, key=itemgetter(0)))
+        return build.program(rank, self._computes(rank)), sends
 
     def _lower(self, keep: set[int] | None) -> Builder:
-        timeline, table = self.timeline, self.table
-        build = Builder(timeline, keep, self._starts)
+        build = Builder(self.timeline, keep, self._starts)
         visit, indexed = self._flow_workers(keep)
-        lower_data_flow(self.graph, table, timeline, build.flow, build.flow_keys, visit,
-                        indexed)
+        lower_data_flow(self.graph, self.table, build, visit, indexed)
         self.weights.lower(build, self.graph.forward_only, self.ties)
         build.make_fifo()
         return build
 
     def _computes(self, rank: int) -> list[Action]:
-        P, B = len(self.timeline.phases), self.table.micro
-        ops = self._ops
+        P, B, ops = len(self.timeline.phases), self.table.micro, self._ops
         new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
-        return [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None,
-                                          None, False))
+        return [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None, None,
+                                   False))
                 for flat in self.timeline.order[rank]]
 
-    def _flow_workers(self, keep: set[int] | None) -> tuple[list[int] | None,
-                                                            list[int] | None]:
+    def _flow_workers(self, keep: set[int] | None) -> tuple[list[int] | None, list[int] | None]:
         """The consumers whose visit makes the kept ranks' data flow (they, and the workers
         they send to), and the workers whose positions key those messages (those and their
-        producers): every worker for every rank; with a timeline by symmetry the kept ranks'
-        replicas (both); else read off the kept ranks' jobs and their neighbours'."""
+        producers): every worker for every rank; by symmetry the kept ranks' replicas (both);
+        else read off the kept ranks' jobs and their neighbours'."""
         if keep is None:
             return None, None
         replicas = self.timeline.replicas
@@ -126,17 +132,16 @@ class Lowering:
     def _neighbours(self, worker: int, consumers: bool) -> set[int]:
         """The workers that consume ``worker``'s activations and input gradients (or produce
         those ``worker`` consumes): F s b feeds F of s's outputs, B s b the B of its inputs."""
-        graph, compute, timeline = self.graph, self.table.compute, self.timeline
-        P, BP = len(timeline.phases), self.table.micro * len(timeline.phases)
-        phases = timeline.phases
+        graph, compute, phases = self.graph, self.table.compute, self.timeline.phases
+        P = len(phases)
+        BP = self.table.micro * P
         out: set[int] = set()
-        for flat in timeline.order[worker]:
+        for flat in self.timeline.order[worker]:
             phase = phases[flat % P]
             if phase is Phase.W:
                 continue
             s, b = flat // BP, flat % BP // P
-            forward = phase is Phase.F
-            others = graph.outputs(s) if forward is consumers else graph.inputs(s)
+            others = graph.outputs(s) if (phase is Phase.F) is consumers else graph.inputs(s)
             out.update(compute[o][b] for o in others)
         out.discard(worker)
         return out
@@ -149,8 +154,7 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 
     ``fetch_window``: the most fetched stages a worker may hold at once (None: no limit beyond
     the one-compute-early prefetch, which never holds more than two, so 2 or more is the same).
-    ``ties``: tied weights, ``{home stage: reader stages}`` (validated), lowered by
-    :mod:`.lower_weights` as weight units held for the step.
+    ``ties``: tied weights, ``{home stage: reader stages}`` (validated).
     """
     ranks = Lowering(graph, table, timeline, fetch_window, ties).programs()
     return programs_of(graph, table, ranks, ties)
@@ -158,35 +162,10 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 
 def programs_of(graph: StageGraph, table: PlacementTable, ranks: Sequence[list[Action]],
                 ties: Mapping[int, tuple[int, ...]] | None) -> Programs:
-    """:class:`Programs` of ``ranks`` (a list, or lowered per rank: :mod:`.lazy_ranks`) with
+    """:class:`Programs` of ``ranks`` (a list, or a :class:`LazyList` lowered per rank) with
     the facts the runtime needs beside them (owners, stage graph, ties)."""
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
     lazy = ranks if isinstance(ranks, LazyList) else LazyList.of(list(ranks))
     return Programs(lazy, table.stages, table.micro, list(table.owners), edges,
                     forward_only=graph.forward_only, split_backward=graph.split_backward,
                     ties=dict(ties or {}), planned=True)
-
-
-def sends_into(rank: int, flow: list[list[Action]], flow_keys: list[list[int]],
-               put_sends: Mapping[Channel, list[tuple[Key, Message]]],
-               ) -> dict[Channel, list[tuple[Message, int]]]:
-    """Every channel into ``rank``: its messages in send order, each
-    with its gap in the sender's program (it comes right before the sender's compute of that
-    position), from a builder keeping ``rank``: the data flow's sends in their program order
-    (small keys ``gap * SLOTS + category``), then the other sends by their full keys."""
-    out: dict[Channel, list[tuple[Message, int]]] = {}
-    first = itemgetter(0)
-    for src, actions in enumerate(flow):
-        if src == rank or not actions:
-            continue
-        keys = flow_keys[src]
-        for index in sorted(range(len(actions)), key=keys.__getitem__):  # stable
-            action = actions[index]
-            if action.peer == rank and action.op in RECV_FOR_SEND:
-                out.setdefault(Channel.of(action, src), []).append(
-                    (Message.of(action), keys[index] // SLOTS))
-    for channel, sent in put_sends.items():
-        if channel[2] == rank:
-            out.setdefault(channel, []).extend((ident, key[0])
-                                               for key, ident in sorted(sent, key=first))
-    return out

@@ -1,26 +1,23 @@
-"""The lowering's builder: where each action goes in a program, and the FIFO order of posts.
+"""The lowering's builder: where each action goes in a program, the FIFO order of posts, and
+the data flow (activation and input-gradient messages).
 
 One key system. A rank's program is its actions sorted by (gap, category, then the order they
 were made in), gap g's actions coming right before the rank's compute g: hand data to peers
 first, release memory, serve owners' duties, post the prefetches for the next computes
-(:data:`CATEGORY`), the compute last (:data:`COMPUTE_CATEGORY`). Two families are made
-differently and never share a category:
+(:data:`CATEGORY`), the compute last. Two families are made differently and never share a
+category:
 
-- the data flow (activation and input-gradient messages, :mod:`.lower_flow`, the planner's
-  largest loop) appends actions with small int keys ``gap * SLOTS + category`` in the order
-  they are made, which is already their order within a (gap, category);
+- the data flow (:func:`lower_data_flow`, the planner's largest loop: two actions per message)
+  appends actions with small int keys ``gap * SLOTS + category`` in the order they are made,
+  which is already their order within a (gap, category). Its channels carry nothing else, so
+  each consumer's FIFO order is settled as soon as its receives are made;
 - everything else (weights, reductions, all-reduces, ties: a few per run of a stage) goes
   through :meth:`Builder.put` with a full key (gap, category, time, serial): several owners'
   serves can land in one gap, ordered by the simulated time the peer needs them.
 
-:meth:`Builder.program` sorts the second family by full key, then merges both families and the
-computes by one stable sort of small ints.
-
-One builder for every lowering. ``keep`` (None: every rank) names the ranks whose programs are
-made; a put for another rank only takes its place in the order of serials, except a send into
-a kept rank, which is filed under its channel for the receiver's FIFO fix. So the programs of
-the kept ranks are exactly those of the lowering of every rank (only the relative order of
-serials matters), whatever ranks are kept.
+``keep`` (None: every rank) names the ranks whose programs are made; a put for another rank only
+takes its place in the order of serials, except a send into a kept rank, which is filed for the
+receiver's FIFO fix (why that suffices: :mod:`.lower`).
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ from collections import defaultdict
 from operator import itemgetter
 from typing import Any, Collection, Sequence, TypeVar
 
+from lightning_gsched.schedule.jobs import Phase, StageGraph
+from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
     RECV_OPS,
     SEND_OPS,
@@ -49,19 +48,17 @@ CATEGORY = {
     Op.RECV_ACT: RECV_CATEGORY, Op.RECV_GRAD: RECV_CATEGORY,
 }
 
-# (gap, category, time, serial), then (..., position) for a receive on a channel whose posts
-# make_fifo had to reorder
+# (gap, category, time, serial), then (..., position) for a receive make_fifo moved
 Key = tuple[Any, ...]
-P = TypeVar("P", int, Key)  # a post's place: a small int key (the data flow) or a full key
+Place = TypeVar("Place", int, Key)  # a post's place: a small int key (data flow) or a full key
 
 
-def fifo_places(posts_in_send_order: Sequence[P]) -> list[P]:
-    """The FIFO rule, one place for both families of actions: a channel's receives, listed in
-    the order of the sends they match, each take the earliest of its own post and the posts of
-    every later send (a suffix minimum). So posts only ever move earlier, and a moved receive
-    goes right before the receive it overtakes (its *anchor*), several movers of one anchor
-    in their sends' order."""
-    places: list[P] = list(posts_in_send_order)
+def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
+    """The FIFO rule, for both families: a channel's receives, listed in the order of the sends
+    they match, each take the earliest of its own post and the posts of every later send (a
+    suffix minimum). So posts only move earlier, a moved receive going right before the receive
+    it overtakes (its *anchor*), several movers of one anchor in their sends' order."""
+    places: list[Place] = list(posts_in_send_order)
     for k in range(len(places) - 2, -1, -1):
         if places[k + 1] < places[k]:
             places[k] = places[k + 1]
@@ -73,10 +70,8 @@ class Builder:
 
     ``entries[rank]``: (key, action) of what :meth:`put` receives. Sends into a kept rank and
     a kept rank's receives are also filed under their channel (``sends``, ``recvs``) for
-    :meth:`make_fifo`. ``flow[rank]`` / ``flow_keys[rank]``: the data flow's actions and their
-    small keys, filled by :func:`~.lower_flow.lower_data_flow` (for a subset of ranks it also
-    holds the producers' sends into the kept ranks: :meth:`.lower.Lowering.program_and_sends`
-    reads them).
+    :meth:`make_fifo`. ``flow[rank]`` / ``flow_keys[rank]``: the data flow's actions and small
+    keys (:func:`lower_data_flow`; for a subset of ranks also the producers' sends into them).
     """
 
     def __init__(self, timeline: Timeline, keep: Collection[int] | None = None,
@@ -121,12 +116,11 @@ class Builder:
         return bisect.bisect_left(starts, time)
 
     def make_fifo(self) -> None:
-        """Post receives in each channel's send order by moving posts earlier where needed.
+        """Post the receives of :meth:`put` in each channel's send order (:func:`fifo_places`).
 
-        For the actions of :meth:`put` (the data flow fixes its channels as they are made, by
-        the same rule: :func:`fifo_places`). The k-th send of a message on a channel matches
-        the k-th receive of that message (weights of one stage may be fetched several times);
-        each matched receive's key becomes its place, then its send position breaks ties.
+        The k-th send of a message on a channel matches the k-th receive of that message (a
+        stage's weights may be fetched several times); each matched receive's key becomes its
+        place, then its send position breaks ties.
         """
         second = itemgetter(1)
         for channel, sent in self.sends.items():
@@ -155,10 +149,9 @@ class Builder:
     def program(self, rank: int, computes: list[Action]) -> list[Action]:
         """One rank's program: its ``computes`` (in its order) merged with its other actions.
 
-        The put actions are sorted by their full keys first; from then on every action has a
-        small int key (gap * SLOTS + category, a compute COMPUTE_CATEGORY in its own gap), and
-        one stable sort of those ints keeps each family's order where keys are equal (equal keys
-        are always of one family: the families never share a category).
+        The put actions are sorted by their full keys first; then every action has a small int
+        key, and one stable sort of those keeps each family's order where keys are equal (equal
+        keys are always of one family: the families never share a category).
         """
         first = itemgetter(0)
         entries = self.entries[rank]
@@ -169,3 +162,119 @@ class Builder:
                                        in map(first, entries)]
         keys += range(COMPUTE_CATEGORY, SLOTS * len(computes), SLOTS)
         return list(map(actions.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
+
+
+def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
+                    workers: Sequence[int] | None = None,
+                    indexed: Sequence[int] | None = None) -> None:
+    """Activation sends/receives after forwards, input-gradient sends/receives after backwards,
+    into ``build.flow``.
+
+    Consumers are visited worker by worker in their order; each remote input makes the
+    producer's send (the gap after the producer's compute) and the consumer's receive (the gap
+    before the previous compute), both appended in the order serials would give them. All
+    messages into one consumer are made while visiting it, so its channels' FIFO order is
+    settled right after (:func:`_fifo_posts`).
+
+    ``workers`` (ascending): visit only these consumers (a rank-local lowering); ``indexed``
+    (default ``workers``) must hold them and every producer of their inputs, whose positions
+    key the sends. A visited consumer's flow then holds exactly what the full visit gives it,
+    and a producer's, in the full visit's relative order, its sends to the visited consumers.
+    """
+    timeline, flow, flow_keys, compute = build.timeline, build.flow, build.flow_keys, table.compute
+    B, P = table.micro, len(timeline.phases)
+    BP = B * P
+    phase_index = {d: k for k, d in enumerate(timeline.phases)}
+    order = timeline.order
+    visit = range(len(order)) if workers is None else workers
+    # flat job -> index in its worker's order (a dict for a few workers: not one slot per job)
+    position: list[int] | dict[int, int] = [0] * (table.stages * BP) if workers is None else {}
+    for worker in (visit if indexed is None else indexed):
+        for i, flat in enumerate(order[worker]):
+            position[flat] = i
+    done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
+    new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
+    # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
+    kinds: list[tuple[Op, Op, list[list[int]]] | None] = [None] * P
+    for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
+                              (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD)):
+        if phase in phase_index:
+            kinds[phase_index[phase]] = (send, recv, [
+                list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
+                for s in range(graph.num_stages)])
+    chain = graph.is_chain
+    for worker in visit:
+        jobs = order[worker]
+        mine, my_keys = flow[worker], flow_keys[worker]
+        first_post = len(mine)
+        # per source rank: the producers' positions and the receives' indices in ``mine``, in
+        # post order (the channel source -> worker)
+        positions: defaultdict[int, list[int]] = defaultdict(list)
+        posts: defaultdict[int, list[int]] = defaultdict(list)
+        for i, flat in enumerate(jobs):
+            k = flat % P
+            kind = kinds[k]
+            if kind is None:
+                continue
+            s = flat // BP
+            others = kind[2][s]
+            if not others:
+                continue
+            b = (flat - s * BP) // P
+            send, recv = kind[0], kind[1]
+            recv_key = (i - 1 if i else 0) * SLOTS + RECV_CATEGORY
+            for other in others:
+                src = compute[other][b]
+                if src == worker:
+                    continue
+                if not chain:  # in a DAG one output may feed two stages on one worker
+                    if (other, b, k, worker) in done:
+                        continue
+                    done.add((other, b, k, worker))
+                produced = position[(other * B + b) * P + k]
+                flow[src].append(new_tuple(Action, (send, other, b, worker, None, False)))
+                flow_keys[src].append(produced * SLOTS + SLOTS + SEND_CATEGORY)
+                positions[src].append(produced)
+                posts[src].append(len(mine))
+                mine.append(new_tuple(Action, (recv, other, b, src, None, False)))
+                my_keys.append(recv_key)
+        _fifo_posts(mine, my_keys, first_post, positions, posts)
+
+
+def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
+                positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
+    """Post one consumer's receives in each channel's send order (:func:`fifo_places`).
+
+    A channel source -> consumer is in order when its producers' positions (the sends' order on
+    the source) increase along its posts; the usual case. Else a receive that moves goes right
+    before its anchor and takes the anchor's key. ``mine[first_post:]`` holds this consumer's
+    receives in post order; moves rewrite it.
+    """
+    movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
+    moved: set[int] = set()
+    for source, source_positions in positions.items():
+        if source_positions == sorted(source_positions):
+            continue
+        source_posts = posts[source]
+        send_order = sorted(range(len(source_positions)), key=source_positions.__getitem__)
+        in_send_order = [source_posts[post] for post in send_order]
+        for place, (post, anchor) in enumerate(zip(in_send_order, fifo_places(in_send_order),
+                                                   strict=True)):
+            if anchor != post:
+                movers.setdefault(anchor, []).append((place, post))
+                moved.add(post)
+    if not moved:
+        return
+    actions: list[Action] = []
+    small: list[int] = []
+    for index in range(first_post, len(mine)):
+        if index in moved:
+            continue
+        key = keys[index]
+        for _, mover in sorted(movers.get(index, ())):
+            actions.append(mine[mover])
+            small.append(key)
+        actions.append(mine[index])
+        small.append(key)
+    mine[first_post:] = actions
+    keys[first_post:] = small

@@ -1,23 +1,19 @@
 """The lowering's weight rules: fetch, hold, free and reduce a stage; all-reduce its replicas.
 
-- A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`): a block
-  of consecutive computes of s, or, for a placement that holds fetched stages for the step
-  (data-parallel ``shard``), s's first compute of the step to its last. ``FETCH_W`` is posted
-  one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the k-th
-  fetched run before it), ``FREE_W`` right after the run. A run that accumulates weight
-  gradients (backwards; W jobs when the backward is split) ends with ``REDUCE_G`` to the
-  owner, as FSDP reduces after each backward instead of holding gradients of weights it no
-  longer has.
+- A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`). ``FETCH_W``
+  is posted one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the
+  k-th fetched run before it), ``FREE_W`` right after the run. A run that accumulates weight
+  gradients ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of
+  holding gradients of weights it no longer has.
 - The owner gets ``SEND_W`` and ``RECV_G`` at the point of its program matching the simulated
   time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
 - Replicas (several owners of a stage) get ``ALLREDUCE_G`` right after their last
   weight-gradient job of the stage (and after every ``RECV_G`` of it), so the reduction
   overlaps the rest of the backward pass.
+- A tie is a weight unit held for the step by the same ops (:meth:`WeightLowering._tie`).
 
-:class:`WeightLowering` makes these actions for the kept ranks of a builder: its own runs and
-the runs of the ranks fetching from it, in the order the lowering of every rank makes them
-(workers ascending, each worker's runs in its order), so a kept rank's actions are the same
-whichever ranks are kept.
+For a builder's kept ranks, :class:`WeightLowering` makes their own runs and those of the ranks
+fetching from them, in the order the lowering of every rank makes them (:mod:`.lower`).
 """
 
 from __future__ import annotations
@@ -62,11 +58,9 @@ def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, 
 
 
 class WeightLowering:
-    """The weight actions of a timeline, for the ranks a builder keeps (module docstring).
-
-    The indexes (each worker's runs, the fetchers of each owner) are built once and shared by
-    every rank lowered; a worker's runs are indexed by its position in its replica when the
-    timeline is by symmetry (the same stages at the same places)."""
+    """The weight actions of a timeline, for the ranks a builder keeps. Its indexes (each
+    worker's runs, each owner's fetchers) are built once for every rank lowered; by symmetry a
+    worker's runs are its replica position's (the same stages at the same places)."""
 
     def __init__(self, table: PlacementTable, timeline: Timeline, grad_phase: Phase,
                  fetch_window: int | None) -> None:
@@ -80,8 +74,7 @@ class WeightLowering:
 
     def lower(self, build: Builder, forward_only: bool,
               ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
-        """Fetches, serves, frees and reductions, then the replicas' all-reduces; then the
-        ties' (:meth:`_ties`)."""
+        """Fetches, serves, frees and reductions, then the replicas' all-reduces; then ties'."""
         reduce_gaps = self._fetched(build)
         if not forward_only:
             self._allreduce(build, reduce_gaps)
@@ -92,18 +85,20 @@ class WeightLowering:
         """Every fetched run that concerns a kept rank (its own, and those it serves); returns
         per (owner, stage) the latest gap where the owner posts a gradient receive."""
         reduce_gaps: dict[tuple[int, int], int] = {}
-        keep = build.keep
-        table = self.table
+        keep, table, timeline = build.keep, self.table, self.timeline
+        P = len(timeline.phases)
+        BP = table.micro * P
         workers: Collection[int] = range(table.workers) if keep is None else sorted(
             {*keep, *(w for rank in keep for w in self._fetchers_of(rank))})
         for worker in workers:
-            if keep is None or worker in keep:
-                runs = self._fetched_runs(worker)
-            else:
-                runs = self._served(worker, keep)
+            jobs = timeline.order[worker]
+            runs = (self._fetched_runs(worker) if keep is None or worker in keep
+                    else self._served(worker, keep))
             for stage, i, j, fetch_gap in runs:
-                put_run(table, self.timeline, build, worker, stage, i, j, fetch_gap,
-                        self.grad_k, reduce_gaps)
+                reduces = any(jobs[k] % P == self.grad_k and jobs[k] // BP == stage
+                              for k in range(i, j + 1))
+                put_unit_run(timeline, build, worker, stage, table.fetch_source[(stage, worker)],
+                             i, j, fetch_gap, reduces, reduce_gaps)
         return reduce_gaps
 
     def _index(self, worker: int) -> tuple[list[tuple[int, int, int]],
@@ -167,8 +162,7 @@ class WeightLowering:
     def _allreduce(self, build: Builder, reduce_gaps: dict[tuple[int, int], int]) -> None:
         """Each kept replica owner's ``ALLREDUCE_G`` of a stage, after its last gradient job of
         it (and its gradient receives): by stage, then owner, as for every rank."""
-        owners = self.table.owners
-        keep = build.keep
+        owners, keep = self.table.owners, build.keep
         P = len(self.timeline.phases)
         BP = self.table.micro * P
         end, order = self.timeline.end, self.timeline.order
@@ -191,12 +185,10 @@ class WeightLowering:
             if group is None:  # one object for all members: hashed once (see RankGroup)
                 group = self._groups[stage] = RankGroup(owners[stage])
             for owner in group:
-                if keep is not None and owner not in keep:
-                    continue
-                gap, time = last_of(owner).get(stage, (0, 0.0))
-                gap = max(gap, reduce_gaps.get((owner, stage), 0))
-                build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
-
+                if keep is None or owner in keep:
+                    gap, time = last_of(owner).get(stage, (0, 0.0))
+                    gap = max(gap, reduce_gaps.get((owner, stage), 0))
+                    build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
 
     def _tie(self, build: Builder, home: int, readers: set[int], forward_only: bool) -> None:
         """A tie (weights the ``readers`` stages share, owned with ``home``) as a weight unit
@@ -209,7 +201,6 @@ class WeightLowering:
         P = len(timeline.phases)
         BP = table.micro * P
         owners = table.owners[home]
-        end = timeline.end
         recv_gaps: dict[tuple[int, int], int] = {}
         own_last: dict[int, tuple[int, float]] = {}  # owner -> (gap after, time)
         for worker, order in enumerate(timeline.order):  # flat job indices, in order
@@ -219,7 +210,7 @@ class WeightLowering:
             grads = [] if forward_only else [i for i in jobs if order[i] % P == self.grad_k]
             if worker in owners:
                 if grads:
-                    own_last[worker] = (grads[-1] + 1, end[order[grads[-1]]])
+                    own_last[worker] = (grads[-1] + 1, timeline.end[order[grads[-1]]])
                 continue
             source = table.fetch_source.get((home, worker), owners[0])
             # the last reader job of a training step is a gradient job (every F is followed by
@@ -233,20 +224,6 @@ class WeightLowering:
             gap, time = own_last.get(owner, (0, 0.0))
             gap = max(gap, recv_gaps.get((owner, home), 0))
             build.put(owner, gap, time, Action(Op.ALLREDUCE_G, home, None, None, group, True))
-
-
-def put_run(table: PlacementTable, timeline: Timeline, build: Builder, worker: int,
-            stage: int, i: int, j: int, fetch_gap: int, grad_k: int,
-            reduce_gaps: dict[tuple[int, int], int]) -> None:
-    """The actions of one fetched run of a stage: ``worker`` computes ``stage`` at positions
-    i..j of its order (other stages' computes too, in a whole-step run); fetched at
-    ``fetch_gap``, reduced if a job of the run accumulates the stage's weight gradients."""
-    jobs = timeline.order[worker]
-    P = len(timeline.phases)
-    BP = table.micro * P
-    reduces = any(jobs[k] % P == grad_k and jobs[k] // BP == stage for k in range(i, j + 1))
-    put_unit_run(timeline, build, worker, stage, table.fetch_source[(stage, worker)], i, j,
-                 fetch_gap, reduces, reduce_gaps)
 
 
 def put_unit_run(timeline: Timeline, build: Builder, worker: int, unit: int, owner: int,

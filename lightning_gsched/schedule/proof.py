@@ -1,88 +1,53 @@
 """Deadlock freedom proven once from the timeline; each rank's own checks when it is lowered.
 
-Why: at W=1024 fsdp's programs hold ~10 million actions; lowering and dry-running them all
-took 70 s and 5.4 GB, while the ranks of a plan whose timeline comes by group symmetry
-(:mod:`.symmetry`) do *not* run one program up to a renaming (each owns a different stage,
-which it serves to every other rank), so no representative rank's dry run covers the others.
-What every rank does share is the rule its actions were placed by, and that rule, applied to a
-timeline that respects the stage graph, leaves nothing to wait forever. So the proof is done
-once, on the timeline, and each rank checks what only its own program decides.
+Why: at W=1024 fsdp's programs hold ~10 million actions, too many to lower and dry-run at once,
+and ranks by group symmetry (:mod:`.symmetry`) do not run one program up to a renaming (each
+serves its own stage to every other rank), so no representative rank's dry run covers the
+others. What every rank shares is the rule its actions were placed by; applied to a timeline
+that respects the stage graph, it leaves nothing to wait forever. So the proof is done once, on
+the timeline, and each rank checks what only its own program decides.
 
-**The lemma** (the dry run's execution model, :mod:`.dryrun`: sends never block; a compute
-waits for the messages it consumes, the k-th message of a channel being there once the channel
-counted k sends; only computes and all-reduces wait). Let every program be free of all-reduces
-and let each compute c (simulated start t(c)) consume only messages (channel, k) whose channel
-has a k-th send, placed in its sender's program after no compute that starts at or after t(c).
-Then every rank runs to its end. Proof: else take, among the computes the ranks are stuck at,
-one c of least t(c). A message (ch, k) it consumes has its k-th send on a rank q preceded only
-by computes starting before t(c); q is finished or stuck at a compute starting no earlier than
-t(c), so q passed that send, and the first k-1 sends of ch, which precede it in q's program.
-All of c's messages are there and c is not stuck: a contradiction.
+**The lemma** (the dry run's execution model, :mod:`.dryrun`; only computes and all-reduces
+wait). Let no program hold an all-reduce, and let each compute c (simulated start t(c)) consume
+only messages (channel, k) whose channel has a k-th send, placed in its sender's program after
+no compute that starts at or after t(c). Then every rank runs to its end. Proof: else take,
+among the computes the ranks are stuck at, one c of least t(c). The k-th send of a message it
+consumes is on a rank q preceded only by computes starting before t(c); q is finished or stuck
+at a compute starting no earlier than t(c), so q passed that send and the channel's k-1 sends
+before it. All of c's messages are there and c is not stuck: a contradiction.
 
-**All-reduces** (replicated stages: each replica of a data-parallel lift owns its copy,
-:mod:`.data_parallel`). An all-reduce waits for every member of its group. Give it the key
-T(a): the end of the compute right before it. If every member's all-reduce of a stage comes
-right after that member's last weight-gradient job of the stage, alone in its gap, and every
-member ends that job at one time T_s (:func:`certify` checks the timeline: the replicas run
-the same timeline renamed), the argument above holds with waits ordered by key (a compute's
-start, an all-reduce's T): a member stuck before an all-reduce a is stuck at a compute that
-starts before T(a) (it ends no later) or at an earlier all-reduce, which sits in an earlier
-gap and so has a smaller key; a sender stuck before a send at an all-reduce has it in an
-earlier gap than the send (within a gap the all-reduce's category follows every send's), so
-its key is at most the start of a compute before the send, which starts before t(c). Each
-step lowers the key strictly: no cycle of waits exists. Stages with several owners and
-fetchers (their all-reduce waits for gradient receives) are dry-run in full.
+**All-reduces** (replicated stages) wait for every member. Key one a by T(a), the end of the
+compute right before it. If every member's all-reduce of a stage comes right after its last
+weight-gradient job of the stage, alone in its gap, and all members end that job at one time
+T_s, the argument holds with waits ordered by key (a compute's start, an all-reduce's T): a
+member stuck before a is stuck at a compute starting before T(a) or at an earlier all-reduce,
+in an earlier gap, of smaller key; a sender stuck before a send at an all-reduce has it in an
+earlier gap than the send (within a gap all-reduces follow sends), so its key is at most the
+start of a compute before the send, which starts before t(c). Each step lowers the key
+strictly: no cycle of waits. Stages with several owners and fetchers are dry-run in full.
 
-**The premise is checked, rank by rank** (:func:`checked_lowering`, when a rank's program is
-first lowered): for each compute of the rank and each message (channel, k) it consumes (the
-dry run's own per-rank check, :func:`.dryrun_rank.check_rank`, names them), the k-th send into
-the rank on that channel (the rank-local lowering makes every send into the rank and knows its
-gap in the sender's program: :func:`.lower.sends_into`) must come after sender computes
-that start before this one (the last of them does: a worker's starts do not decrease); the rank's posts on every channel into it must carry the messages
-sent on it, in order (so the channel has its k-th send); and each all-reduce must sit right
-after the rank's last gradient job of its stage, alone in its gap. Every
-channel has one receiver and every wait one rank, so these checks over all ranks are exactly
-the lemma's premise and the dry run's matching check: the plan is deadlock-free once every
-rank that runs has passed its own check, which it does before its program is returned (a
-failure raises :class:`ProgramError` there). The same per-rank check covers the rest of the
-dry run (weights, inputs, stash, gradients, the state at the end, forward-only ops). What the
-checks trust: that a rank-local lowering is the full lowering's, for the rank's own program
-and the sends into it (:mod:`.lower`; tests compare every rank's program at small W), so
-the sends rank r checks against are those its peers' programs hold.
+**The premise, rank by rank** (:func:`checked_lowering`, when a rank's program is first
+lowered): for each message (channel, k) a compute consumes (named by :func:`.dryrun.check_rank`),
+the k-th send into the rank on that channel (:meth:`.lower.Lowering.program_and_sends` knows its
+gap in the sender's program) comes after sender computes that start before this one (the last
+of them does: a worker's starts do not decrease); the rank's posts on each channel into it carry
+the messages sent on it, in order; each all-reduce sits right after the rank's last gradient
+job of its stage, alone in its gap. Every channel has one receiver and every wait one rank, so
+over all ranks these are the lemma's premise and the dry run's matching check; ``check_rank``
+covers the rest of the dry run. Trusted: that a rank-local lowering is the full lowering's for
+the rank's own program and the sends into it (tests compare every rank at small W).
 
-**Why the check always passes** for :mod:`.lower`'s programs of a timeline :func:`certify`
-accepts (so it is a guard, not a search; ``tests/test_schedule_proof.py`` also checks the
-premise on fully lowered programs):
+**Why the check passes** for :mod:`.lower`'s programs of a timeline :func:`certify` accepts (a
+guard, not a search): an activation or input gradient is sent right after its producer's
+compute, which ends no later than its consumer starts; a run's weights, fetched at the gap before
+a compute starting at pt (0.0 before the first), are served in the owner's gap before its first
+compute starting at or after pt, and a rank's fetches from an owner and the owner's serves to it
+are both in run order (pt strictly increases along a worker's computes), so the FIFO fix moves
+no post; gradients handed to an owner are awaited by no compute; a replicated stage (several
+owners, none fetched) has its all-reduce right after each owner's last gradient job of it.
 
-- an activation (input gradient) consumed by F s b (B s b) is the producer job's output, sent
-  by ``SEND_ACT`` (``SEND_GRAD``) right after the producer's compute (the first category of the
-  next gap); the computes before it start no later than the producer, which starts before it
-  ends (durations are positive), which is no later than t(c) (the timeline respects the graph);
-- a fetched stage's weights consumed by a compute of a run fetched at the gap before a compute
-  starting at pt (0.0 for a run fetched before the first compute; pt <= the run's starts, as a
-  worker's starts do not decrease) are ``SEND_W`` put in the owner's program in the gap before
-  its first compute starting at or after pt (``gap_at``, a bisection of the owner's starts):
-  after computes starting before pt only. A rank's fetches of one owner's stages, and the
-  owner's sends of them to it, are both in the order of the runs (pt strictly increases along
-  a worker's computes, equal only for two runs fetched before the first one, ordered by
-  creation), so the FIFO fix moves no post and the run's computes consume the run's own send;
-- gradients handed to the owner (``REDUCE_G``/``RECV_G``) are waited for by no compute; a
-  replicated stage (several owners, none fetched) has its all-reduce put right after each
-  owner's last gradient job of it (:func:`.lower.lower`), and no two stages of a rank end at
-  one job; there are no ties.
-
-What :func:`certify` checks on the timeline (O(jobs), in numpy; the planner asks it
-for timelines by group symmetry and for plans of :data:`.plan.LAZY_FROM_JOBS` jobs or more, the
-pipelines at large W, and dry-runs anything else in full): a chain graph, no ties, no stage
-both replicated and fetched, every owner of a replicated stage computing it and ending its last
-gradient job of it at one time; every
-job's duration is positive; every job starts no earlier than its predecessors end; every
-worker's starts do not decrease along its order; the workers' orders hold every job exactly
-once (each rank checks that its computes are its order, so every job runs once: the dry
-run's coverage check). A timeline whose renaming is broken fails one of these and
-is dry-run in full. A reader of every program (the CLI's table, ``--json``, the runtime's
-channel set-up) takes the full path at once (:mod:`.lazy_ranks`): every program lowered and
-dry-run.
+:func:`certify` checks the rest on the timeline, in O(jobs) numpy; a timeline it refuses is
+dry-run in full, and so is every program for a reader of every rank (:mod:`.lazy_ranks`).
 """
 
 from __future__ import annotations
@@ -94,12 +59,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from lightning_gsched.errors import ProgramError
-from lightning_gsched.schedule.dryrun_rank import Shared, check_rank
+from lightning_gsched.schedule.dryrun import Shared, check_forward_only, check_rank
 from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import (
-    BACKWARD_OPS,
     Action,
     Channel,
     Message,
@@ -110,12 +74,20 @@ from lightning_gsched.schedule.program import (
 from lightning_gsched.schedule.simulate import Timeline
 from lightning_gsched.schedule.sweep import WorkerOrders
 
+_WAITS = frozenset({Op.F, Op.B, Op.W, Op.ALLREDUCE_G})  # the actions that may wait
+
 
 def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
             ties: Mapping[int, tuple[int, ...]] | None) -> str | None:
     """None where the lemma (module docstring) proves every program of ``lower(graph, table,
     timeline)`` deadlock-free given each rank's own check; else why not (then the caller
-    dry-runs every program)."""
+    dry-runs every program).
+
+    Checked: a chain graph, no ties, no stage both replicated and fetched, replicas ending their
+    last gradient job together, positive durations, every job starting no earlier than its
+    predecessors end, every worker's starts non-decreasing along its order, and the orders
+    holding every job once (with each rank's check that its computes are its order: the dry
+    run's coverage check)."""
     if ties:
         return "tied weights (their fetches and all-reduces are outside the argument)"
     if not graph.is_chain:
@@ -211,10 +183,7 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
         ranks[rank] = program
         programs = programs_of(ranks)
         if programs.forward_only:
-            for index, action in enumerate(program):
-                if action.op in BACKWARD_OPS:
-                    raise ProgramError(f"rank {rank} at action {index} ('{action}'): "
-                                       "forward-only programs contain no backward action")
+            check_forward_only(rank, program)
         # its computes are its order (then every job runs once: certify's coverage check)
         computes = [-1 if a[2] is None else (a[1] * B + a[2]) * P + phase[a[0]]
                     for a in program if a[0] in phase]
@@ -223,10 +192,7 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
         shared = Shared(programs)
         events = check_rank(shared, rank).events
         sent = _check_channels_into(rank, W, shared, sends)
-        # the lemma's premise for this rank's waits: each consumed message's send comes after
-        # computes of its sender that start before the consumer does, and each all-reduce
-        # right after this rank's last weight-gradient job of its stage, alone in its gap
-        # (certify: its owners end that job at one time T_s)
+        # the lemma's premise for this rank's waits (module docstring)
         start, order = timeline.start, timeline.order
         for event in events:
             if event.__class__ is int:
@@ -253,20 +219,13 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
 
 def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list[Any],
                      grad_op: Op) -> None:
-    """The lemma's premise for an all-reduce (module docstring): the compute before it is this
-    rank's last weight-gradient job of its stage, with no other all-reduce in between, and
-    it waits for no gradient message."""
+    """The lemma's premise for an all-reduce: it waits for no gradient message, and the compute
+    before it, with no other all-reduce between, is this rank's last gradient job of its stage."""
     action = program[index]
     stage = action[1]
-    before = index - 1
-    while before >= 0 and program[before][0] not in (Op.F, Op.B, Op.W):
-        if program[before][0] is Op.ALLREDUCE_G:
-            before = -1
-            break
-        before -= 1
-    later = any(a[0] is grad_op and a[1] == stage for a in program[index + 1:])
-    if consumed or before < 0 or program[before][0] is not grad_op or \
-            program[before][1] != stage or later:
+    before = next((program[i] for i in range(index - 1, -1, -1) if program[i][0] in _WAITS), None)
+    if consumed or before is None or before[0] is not grad_op or before[1] != stage or any(
+            a[0] is grad_op and a[1] == stage for a in program[index + 1:]):
         raise ProgramError(f"rank {rank} at action {index} ('{action}'): an all-reduce not "
                            "right after this rank's last gradient job of its stage is outside "
                            "the argument (proof.py)")

@@ -1,16 +1,12 @@
 """Checks of user-given arguments, shared by ``plan()``, the ``gsched`` CLI, ``partition()`` and
 ``GeneralParallel``.
 
-Why one module: the same kind of argument (a count such as ``microbatches``, a duration such as
-``forward_cost`` or ``step_timeout``, a flag, a callable) enters through several doors and must be
-refused at each door, before any simulation runs or any process starts, with the same wording:
-the argument's name, the bad value, and a valid value. Each check takes the error class to raise
-(default :class:`ScheduleConfigError`) so that every layer raises its own ``GschedError``
-subclass with one implementation of the rule. Pure Python: the schedule layer never imports torch.
-
-Also here: :func:`user_callable_error`, which turns an exception raised *inside* a callable the
-user gave the planner (placement ``w``, priority ``n``, a cap function) into a
-:class:`UserCallableError` naming that callable and the arguments it was called with.
+Why one module: the same kind of argument (a count, a duration, a flag, a callable) enters
+through several doors and must be refused at each, before any simulation runs or any process
+starts, with the same wording: the argument's name, the bad value, and a valid value. Each check
+takes the error class to raise (default :class:`ScheduleConfigError`), so every layer raises its
+own ``GschedError`` subclass with one implementation of the rule. :func:`user_callable_error`
+names a user callable (placement, priority, cap) that raised inside the planner.
 """
 
 from __future__ import annotations
@@ -60,12 +56,9 @@ def optional_positive_int(name: str, value: Any, example: str = "4",
 def positive_number(name: str, value: Any, example: str = "1.0",
                     error: ErrorType = ScheduleConfigError,
                     rule: str = "must be a finite number > 0") -> float:
-    """``value`` as a finite float > 0: durations (costs, timeouts).
-
-    Zero is refused: a zero-duration job makes the timeline's latency and bubble meaningless
-    (all-zero costs plan a step of length 0) and is almost always a missing measurement; give a
-    small positive number for a negligible stage. ``inf`` and ``nan`` are refused too.
-    """
+    """``value`` as a finite float > 0: durations (costs, timeouts). Zero is refused: a
+    zero-duration job makes latency and bubble meaningless and is almost always a missing
+    measurement (give a small positive number for a negligible stage)."""
     if not is_real(value) or not math.isfinite(value) or not value > 0:
         raise invalid(name, value, rule, example, error)
     return float(value)
@@ -81,8 +74,8 @@ def non_negative_number(name: str, value: Any, example: str = "0.1",
 
 def costs(name: str, value: Any, stages: int | None = None,
           error: ErrorType = ScheduleConfigError) -> tuple[float, ...] | float:
-    """A cost argument: one duration for every stage, or one per stage (``len == stages`` when
-    ``stages`` is known). Returns the float, or the tuple of floats."""
+    """A cost argument: one duration for every stage (a float), or one per stage (a tuple;
+    ``len == stages`` when ``stages`` is known)."""
     if is_real(value):
         return positive_number(name, value, "1.0", error, COST_RULE)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -130,12 +123,8 @@ def flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool:
 
 def stage_flags(name: str, value: Any, stages: int | None = None,
                 error: ErrorType = ScheduleConfigError) -> bool | tuple[bool, ...]:
-    """A per-stage switch: one bool for every stage, or one bool per stage (``len == stages``
-    when ``stages`` is known). Returns the bool, or the tuple of bools.
-
-    As with :func:`flag`, 0/1 and strings are refused: ``[1, 0]`` or ``"yes"`` is far more
-    likely a mistake than a request.
-    """
+    """A per-stage switch: one bool for every stage, or a tuple of one per stage (``len ==
+    stages`` when ``stages`` is known). As with :func:`flag`, 0/1 and strings are refused."""
     if isinstance(value, bool):
         return value
     rule = "give True or False for every stage, or a list of them, one per stage"
@@ -189,10 +178,8 @@ def optional_callable(name: str, value: Any, signature: str,
 
 
 def stage_edges(edges: Any) -> list[tuple[int, int]] | None:
-    """None (a chain) or pairs ``(producer, consumer)`` of stage indices.
-
-    The range ``0 <= producer < consumer < S`` needs S and is checked by :class:`StageGraph`.
-    """
+    """None (a chain) or pairs ``(producer, consumer)`` of stage indices (their range needs S:
+    :class:`StageGraph` checks it)."""
     if edges is None:
         return None
     if isinstance(edges, (str, bytes)) or not isinstance(edges, Iterable):
@@ -214,10 +201,8 @@ def ties(value: Any, stages: int | None = None,
     """Tied weights as ``{home stage: every stage that reads the tie, home included}``.
 
     Accepts a mapping ``{home: reader stages}`` or a sequence of stage groups (e.g. the values of
-    ``partition(...).shared_parameters``). Each group's home is its lowest stage; groups with
-    the same home are one tie (their readers united), as the runtime holds every tied parameter
-    of one home stage in one unit. ``None`` or empty: no ties. With ``stages`` known, every
-    index must lie in ``[0, stages)``.
+    ``partition(...).shared_parameters``). A group's home is its lowest stage; groups of one
+    home are one tie (the runtime holds every tied parameter of a home stage in one unit).
     """
     if value is None:
         return {}
@@ -267,12 +252,8 @@ def cap_entry(worker: int, value: Any) -> int | None:
 
 
 def cap_form(cap: Any, words: Sequence[str], error: ErrorType = ScheduleConfigError) -> None:
-    """The shape of a cap argument, before the number of workers is known.
-
-    ``words`` are the strings the caller understands (``plan``: "auto", "default", "none").
-    A list's length must equal the number of workers; that is checked once W is known
-    (:func:`~.orders.normalise_caps`).
-    """
+    """The shape of a cap argument, before the number of workers is known (a list's length:
+    :func:`~.orders.normalise_caps`). ``words``: the strings the caller understands."""
     rule = "use an int >= 1 or a list of them (one per worker)"
     if words:
         rule += f", or one of {', '.join(map(repr, words))}"
@@ -298,12 +279,9 @@ def cap_form(cap: Any, words: Sequence[str], error: ErrorType = ScheduleConfigEr
 
 def user_callable_error(role: str, fn: Callable[..., Any], args: Sequence[Any], names: str,
                         exc: BaseException) -> GschedError:
-    """The error for a user callable ``fn`` that raised ``exc`` when called with ``args``.
-
-    ``role`` is the argument it was given as (``"placement"``), ``names`` its parameters
-    (``"s, b, d"``). A ``GschedError`` the callable raised on purpose is kept as it is. Raise
-    the result ``from exc`` so the original traceback stays attached.
-    """
+    """The error for a user callable ``fn`` given as ``role`` (``"placement"``), parameters
+    ``names`` (``"s, b, d"``), that raised ``exc`` when called with ``args``; a ``GschedError``
+    it raised on purpose is kept. Raise the result ``from exc`` to keep the traceback."""
     if isinstance(exc, GschedError):
         return exc
     shown = ", ".join(f"{n}={_arg_text(a)}" for n, a in zip(names.split(", "), args, strict=False))
@@ -315,6 +293,5 @@ def user_callable_error(role: str, fn: Callable[..., Any], args: Sequence[Any], 
     )
 
 
-def _arg_text(value: Any) -> str:
-    """Phases print as F/B (their value), everything else as repr."""
+def _arg_text(value: Any) -> str:  # phases print as F/B (their value), the rest as repr
     return str(getattr(value, "value", None) or repr(value))

@@ -1,21 +1,12 @@
-"""One walker over every rank's program, for replays whose actions take time: the time replay
-(:mod:`.predict`) is a handler.
+"""One walker over every rank's program, for replays whose actions take time (the time replay,
+:mod:`.predict`, is its handler).
 
-Why a walker: a replay executes the programs under the runtime's rules (a rank runs its actions
-in order; an action may have to wait for something another rank does), and only what an action
-*does* differs. The walker owns the order of execution and the waiting; a handler says, per op
-kind of the table (:data:`~lightning_gsched.schedule.program.OPS`), what an action does and, if
-it cannot run yet, which key it waits on. Whoever makes a key true calls :meth:`Walker.wake`.
-
-A handler is an object with one method per op kind: ``compute``, ``send``, ``recv``, ``free``
-and ``collective``, each ``(rank, action) -> key or None`` (None: done, move on). The results do
-not depend on the interleaving the walker chooses, only on the programs and the handler, since a
-rank never runs past an action that waits.
-
-The dry run is not a handler any more (issue 14): what it checks of an action depends only on
-its own rank's earlier actions, so it checks each program once in order
-(:mod:`.dryrun_rank`) and walks only the sends and the waits left over (:func:`.dryrun._walk`),
-a fraction of the actions, without a call per action.
+The walker owns the order of execution and the waiting: a rank runs its actions in order; a
+handler says, per op kind of :data:`~lightning_gsched.schedule.program.OPS`, what an action does
+and, if it cannot run yet, which key it waits on; whoever makes a key true calls
+:meth:`Walker.wake`. A handler has one method per op kind (``compute``, ``send``, ``recv``,
+``free``, ``collective``), each ``(rank, action) -> key or None`` (None: done, move on). The
+result does not depend on the interleaving, since a rank never runs past an action that waits.
 """
 
 from __future__ import annotations
@@ -23,24 +14,17 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Callable, Hashable, Protocol
 
-from lightning_gsched.schedule.program import OPS, Action, Op, Programs
-
-Step = Callable[[int, Action], "Hashable | None"]
+from lightning_gsched.schedule.program import OPS, Action, Programs
 
 
 class Handler(Protocol):
-    """What a program walk does for each kind of action (see the module docstring)."""
+    """What a walk does for each kind of action (module docstring)."""
 
     def compute(self, rank: int, action: Action) -> Hashable | None: ...
     def send(self, rank: int, action: Action) -> Hashable | None: ...
     def recv(self, rank: int, action: Action) -> Hashable | None: ...
     def free(self, rank: int, action: Action) -> Hashable | None: ...
     def collective(self, rank: int, action: Action) -> Hashable | None: ...
-
-
-def dispatch_table(handler: Handler) -> dict[Op, Step]:
-    """``op -> handler method`` resolved once per walk (the walk's hot loop is a dict look-up)."""
-    return {op: getattr(handler, spec.kind) for op, spec in OPS.items()}
 
 
 class Walker:
@@ -61,17 +45,10 @@ class Walker:
                 self._queued.add(rank)
                 self._runnable.append(rank)
 
-    def current(self, rank: int) -> Action | None:
-        """The action ``rank`` is at (None once its program is done)."""
-        program = self.programs.ranks[rank]
-        return program[self.pc[rank]] if self.pc[rank] < len(program) else None
-
     def run(self, handler: Handler, on_end: Callable[[int], None] | None = None) -> list[int]:
         """Walk until no rank can move; return the ranks whose programs did not finish.
-
-        ``on_end(rank)`` runs once when a rank's program completes.
-        """
-        table = dispatch_table(handler)
+        ``on_end(rank)`` runs once when a rank's program completes."""
+        table = {op: getattr(handler, spec.kind) for op, spec in OPS.items()}  # resolved once
         ranks, pc, runnable = self.programs.ranks, self.pc, self._runnable
         waiters, queued = self._waiters, self._queued
         while runnable:
