@@ -34,6 +34,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
     from benchmarks import (
+        bench_auto,
         bench_batch_bytes,
         bench_engine,
         bench_fidelity,
@@ -67,6 +68,9 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "large_model": lambda q: [] if q else bench_process_memory.run_large(q),
         "fsdp_process_vs_fsdp2": lambda q: [] if q else bench_process_memory.run_vs_fsdp2(q),
         "tune": bench_tune.run,
+        # full run only (~20 torch configurations fitted at W=4): GeneralParallel("auto") under
+        # a memory budget against the fastest torch option that fits it, W=4 and W=2
+        "auto_vs_best_torch": lambda q: [] if q else bench_auto.run(q),
         "planner_speed": bench_planner.run,
         # plan() + one rank's program at W=1024 per library schedule (quick: the symmetric
         # ones), each its own process: seconds, peak MB against < 5 s, < 1 GB
