@@ -1,36 +1,30 @@
 """Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
 
-The seed's formalism already holds data parallelism: a schedule is a placement ``w(s, b, d)``,
-a priority ``n(s, b, d)`` and a cap per worker, and G replicas of a P-worker schedule are the
-same three lifted by one renaming (:class:`~.replicas.ReplicaLayout`: position ``p`` of replica
-``g`` is rank ``p*G + g``). Microbatch ``b`` runs on replica ``g = b mod G`` as that replica's
-microbatch ``m = b // G``:
+A schedule is a placement ``w(s, b, d)``, a priority ``n(s, b, d)`` and a cap per worker; G
+replicas of a P-worker schedule are the same three lifted by one renaming
+(:class:`~.replicas.ReplicaLayout`: position ``p`` of replica ``g`` is a rank). Microbatch ``b``
+runs on replica ``g = b mod G`` as that replica's microbatch ``m = b // G``:
 
-- placement: the compute worker of ``(s, b, d)`` is ``rank(w_P(s, m, d).compute, g)``. The
-  weights worker:
-  - ``replicate``: ``rank(w_P(s, m, d).weights, g)``: every replica owns its copy, so a stage
-    has G owners, and the lowering's replica all-reduce joins them right after each owner's
-    last weight-gradient job of the stage (it overlaps the rest of the pipeline);
-  - ``shard``: one owner per stage across the replicas. The P-worker schedule must own each
-    stage once (``o(s)``); the stages position ``o`` owns are dealt round robin over its column
-    (the k-th to replica ``k mod G``). The other ranks of the column fetch the stage; the
-    lowering holds a fetched stage from its first job of the step to its last
-    (:attr:`DataParallel.hold_fetched_for_step`, torchtitan's ``reshard_after_forward=False``
-    under a pipeline) and reduces its gradient to the owner once.
+- placement: the compute worker of ``(s, b, d)`` is ``rank(w_P(s, m, d).compute, g)``; the
+  weights worker is, replicated, ``rank(w_P(s, m, d).weights, g)`` (a stage has G owners, joined
+  by the lowering's replica all-reduce after each owner's last weight-gradient job of the
+  stage), and, sharded, one owner per stage: the P-worker schedule must own each stage once, and
+  the stages position ``o`` owns are dealt round robin over its column (the k-th to replica
+  ``k mod G``). The column's other ranks fetch the stage, hold it from their first job of the
+  step to their last (torchtitan's ``reshard_after_forward=False`` under a pipeline) and reduce
+  its gradient to the owner once;
 - priority: ``n(s, b, d) = n_P(s, b // G, d)`` (:func:`lift_priority`);
 - cap: ``cap[rank(p, g)] = cap_P[p]`` (:func:`lift_caps`).
 
-Why it is exact, not an approximation: a job's predecessors and successors are jobs of the same
-microbatch (a chain), so they run on its replica's ranks; every rank runs one replica's jobs,
-ordered by the P-worker priorities under an order-preserving renaming of microbatches
-(``m -> g + G*m``). So every replica's timeline is the P-worker schedule's, renamed, and each
-rank stashes exactly what its position stashes in the P-worker plan. :mod:`.symmetry` plans one
-replica and renames it; tests compare that with the full simulation of the lifted placement.
-Only weights cross replicas (all-reduce or fetch/reduce), added by the lowering.
+Why it is exact: a job's predecessors and successors are jobs of the same microbatch, so they
+run on its replica's ranks; every rank runs one replica's jobs, ordered by the P-worker
+priorities under an order-preserving renaming of microbatches (``m -> g + G*m``). So every
+replica's timeline is the P-worker schedule's, renamed, and each rank stashes exactly what its
+position stashes in the P-worker plan; only weights cross replicas, added by the lowering.
+:mod:`.symmetry` plans one replica and renames it; tests compare that with the full simulation.
 
-The looped family is this lift with a replica-contiguous layout (``pipeline_major=False``):
-lpp is G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker;
-tests/test_schedule_data_parallel.py shows each equal to its library placement.
+The looped family is this lift with a replica-contiguous layout: lpp is G replicas of an R-worker
+loop, fslpp its sharded form, ddp and fsdp of one worker (tests/test_schedule_data_parallel.py).
 Pure Python.
 """
 
@@ -101,21 +95,16 @@ class DataParallel(LibraryPlacement):
 
     @property
     def shard(self) -> bool:
+        """Sharded: one owner per stage (so its row of weights workers is constant in the
+        microbatch), and a fetched stage is held from its first job of the step to its last."""
         return self.owners is not None
 
-    @property
-    def hold_fetched_for_step(self) -> bool:
-        """Sharded: a fetched stage stays from its first job of the step to its last."""
-        return self.owners is not None
+    hold_fetched_for_step = weights_constant_in_micro = shard
 
     @property
     def reserves_stash(self) -> bool:
         """The P-worker schedule's cap rule (reserve.py), read through the lift."""
         return bool(getattr(self.inner, "reserves_stash", False))
-
-    @property
-    def weights_constant_in_micro(self) -> bool:  # type: ignore[override]
-        return self.owners is not None  # sharded: one owner per stage
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         layout = self.layout
@@ -126,8 +115,7 @@ class DataParallel(LibraryPlacement):
         return layout.rank(weights, replica), layout.rank(compute, replica)
 
     def _inner_library(self) -> LibraryPlacement | None:
-        inner = self.inner
-        return inner if isinstance(inner, LibraryPlacement) else None
+        return self.inner if isinstance(self.inner, LibraryPlacement) else None
 
     def weights_key(self, stage: int) -> Hashable:
         inner = self._inner_library()
@@ -173,7 +161,7 @@ def lift(inner: PlacementFn, layout: ReplicaLayout, stages: int, micro_per_repli
             f"but stage {s} has {len(table.owners[s])} owners in the {layout.pipeline}-worker "
             "schedule (lpp replicates its stages over its groups): use data_parallel="
             "'replicate', or fslpp (lpp with each stage owned once)")
-    dealt: dict[int, int] = {}
+    dealt: dict[int, int] = {}  # stages dealt so far per position
     owners: list[int] = []
     for s in range(stages):
         position = table.owners[s][0]
@@ -200,10 +188,10 @@ class LiftedPriority:
 def lift_priority(priority: PriorityFn, replicas: int) -> PriorityFn:
     """The lifted priority of a P-worker ``priority``.
 
-    A library order (bfs, gpipe, 1f1b, zb) is returned as is: its microbatch loops are
-    monotone in b, so on every rank (whose microbatches are ``g + G*m``) it orders jobs as
-    ``n_P(s, m, d)`` does, and the fast paths keep reading its layout. Interleaved's positions
-    take the replica count; any other callable is wrapped (:class:`LiftedPriority`).
+    A library order (bfs, gpipe, 1f1b, zb) is returned as is: its microbatch loops are monotone
+    in b, so on every rank (whose microbatches are ``g + G*m``) it orders jobs as ``n_P(s, m, d)``
+    does, and the fast paths keep reading its layout. Interleaved's positions take the replica
+    count; any other callable is wrapped (:class:`LiftedPriority`).
     """
     if replicas == 1 or layout_of(priority) is not None:
         return priority
@@ -225,9 +213,5 @@ def replica_priority(priority: PriorityFn, replicas: int) -> PriorityFn | None:
 
 
 def lift_caps(caps: Sequence[int | None], layout: ReplicaLayout) -> list[int | None]:
-    """One cap per rank: position p's cap in every replica."""
-    out: list[int | None] = [None] * layout.workers
-    for p, cap in enumerate(caps):
-        for rank in layout.column(p):
-            out[rank] = cap
-    return out
+    """One cap per rank: position p's cap (of P) in every replica."""
+    return [caps[layout.position(rank)] for rank in range(layout.workers)]

@@ -1,47 +1,42 @@
-"""The tuner's search: which schedule, data-parallel G and mode, S, B, R, cap and checkpointing
-is fastest within a budget.
+"""The tuner: which schedule, data-parallel G and mode, S, B, R, cap and checkpointing is
+fastest within a memory budget, by a bounded search over real plans.
 
-Why in the planner: every candidate is an ordinary plan whose programs the runtime would
-execute unchanged (:mod:`.tune_cost`), so its predicted step time and bytes are those of the
-real run, not of a separate model of the schedule. The space (:mod:`.tune_space`): every
-library schedule, composed with G data-parallel replicas (each divisor of W below W, replicated
-or sharded), its R, S and B choices, checkpointing off and on; and, for a schedule whose default
-plan stashes more than one (stage, microbatch) per stage chunk on a worker, smaller uniform
-activation caps (half the default plan's peak stash, and one microbatch in flight) that trade
-bubble for activation memory; a cap whose programs equal an already tried one's is dropped.
+Every candidate is an ordinary plan whose programs the runtime would execute unchanged
+(:mod:`.tune_cost`), so its predicted step time and bytes are those of the real run. The space is
+:mod:`.tune_space`'s plus, for a schedule whose default plan stashes more than one (stage,
+microbatch) per stage chunk on a worker, smaller uniform caps (:func:`~.tune_cost.cap_choices`);
+a cap whose programs equal an already costed one's is dropped.
 
-Why bounded: the space at W=8 holds hundreds of candidates and costing one (replaying every
-rank's program, walking its bytes) takes tens of milliseconds to a second, at the first batch
-of a run, on rank 0, while the other ranks wait. The search ranks exactly the ``top`` fastest
-candidates that fit (branch and bound; its state: :mod:`.tune_search`), and costs a candidate
-only when its lower bound does not rule it out:
+Why bounded: at W=8 the space holds hundreds of candidates, costing one (replaying every rank's
+program, walking its bytes) takes up to a second, and the search runs at the first batch on rank
+0 while the other ranks wait. So it ranks exactly the ``top`` fastest candidates that fit (branch
+and bound), costing a candidate only when its lower bound does not rule it out:
 
-1. a candidate's work bound (:func:`~.tune_cost.work_bound`: its compute over W, one
-   microbatch's chain) needs no plan;
-2. planned (cheap: the planner plans one replica and renames it), its bound grows to the plan's
-   own latency (:func:`~.tune_cost.plan_bound`), and with a budget a plan whose owned weights,
-   gradients and optimizer state plus the least its timeline stashes exceed it cannot fit
-   (:func:`~.tune_cost.memory_bound`);
-3. only then is it sized (:func:`~.tune_cost.predict_peak`) and, when it fits, timed
-   (:func:`~.tune_cost.predict_time`); over the budget, only the fastest few are timed, for
-   the table's "what more memory would buy" rows.
+1. unplanned, its bound is its work (:func:`~.tune_cost.work_bound`);
+2. planned (cheap: one replica, renamed), the bound grows to the plan's own latency
+   (:func:`~.tune_cost.plan_bound`), and with a budget a plan whose bytes bound
+   (:func:`~.tune_cost.memory_bound`) exceeds it is set aside;
+3. only then is it sized and, when it fits, timed; over the budget only the fastest
+   :data:`OVER_ROWS` are timed, for the table's "what more memory would buy" rows.
 
 Candidates are taken lowest bound first; once the lowest bound left exceeds the ``top``-th
-fastest fitting step time found, nothing left can enter the table, and the search stops: its
-``top`` rows, and so its pick, are those of costing every candidate (tests compare). A
-candidate at a smaller cap enters when its default-cap plan is planned, with that plan's bound,
-as a cap only holds jobs back (its plan is no faster than the default's). ``top=None`` costs
-every candidate. When nothing fits the budget, the candidates skipped for their bytes bound are
-sized, smallest bound first, until the smallest peak is known (the error names it).
+fastest fitting step time, nothing left can enter the table, so its rows and pick are those of
+costing every candidate (tests compare). A smaller cap enters with its default-cap plan's bound,
+as a cap only holds jobs back. When nothing fits, the candidates set aside are sized, smallest
+bound first, until the smallest peak is known (the error names it).
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule.describe import byte_text
+from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 from lightning_gsched.schedule.tune_cost import (
     StageProfile,
@@ -50,24 +45,31 @@ from lightning_gsched.schedule.tune_cost import (
     candidate_costs,
     cap_choices,
     evaluate,
+    memory_bound,
+    over_budget,
+    plan_bound,
     plan_candidate,
+    predict_peak,
+    predict_time,
+    refused,
+    work_bound,
 )
-from lightning_gsched.schedule.tune_search import BoundedSearch, distinct_key
 from lightning_gsched.schedule.tune_space import (
     Candidate,
     candidates,
     microbatch_counts,
     most_microbatches,
-    replica_counts,
 )
 
 __all__ = [
-    "TOP", "Candidate", "StageProfile", "TuneResult", "Verdict", "cap_choices",
-    "candidate_arguments", "candidate_costs", "candidates", "evaluate", "microbatch_counts",
-    "most_microbatches", "plan_candidate", "replica_counts", "tune",
+    "TOP", "Candidate", "StageProfile", "TuneResult", "Verdict", "candidate_arguments",
+    "candidate_costs", "candidates", "evaluate", "microbatch_counts", "most_microbatches",
+    "plan_candidate", "tune",
 ]
 
 TOP = 10  # the fitting candidates ranked exactly by default (the startup table's rows)
+OVER_ROWS = 3  # the fastest candidates over the budget whose step time the table shows
+_SLACK = 1e-9  # relative: a bound and a replay summing the same seconds in another order
 
 
 @dataclass
@@ -86,8 +88,7 @@ class TuneResult:
 
     @property
     def best(self) -> Verdict | None:
-        fitting = [v for v in self.verdicts if v.fits]
-        return fitting[0] if fitting else None
+        return next((v for v in self.verdicts if v.fits), None)
 
     def table(self, limit: int = 20) -> str:
         """The ranked table `gsched tune` prints (G and the data-parallel mode per row)."""
@@ -112,20 +113,11 @@ class TuneResult:
             lines.append(f"over the budget: {len(over) + len(sized)} candidates sized"
                          + (f", {len(sized)} of them not timed (slower than those shown, by "
                             "their bounds)" if sized else ""))
-        lines += self._uncosted_lines()
-        best = self.best
-        lines.append("pick: " + (f"{best.candidate.text()}" if best is not None else
-                                 "nothing fits"))
-        return "\n".join(lines)
-
-    def _uncosted_lines(self) -> list[str]:
-        """What was not costed: skipped by the search's bounds, or refused by the planner."""
-        lines = []
         skipped = [v for v in self.verdicts if v.skipped]
-        over = [v for v in skipped if v.reason.endswith("budget")]
-        slower = [v for v in skipped if not v.reason.endswith("budget")]
-        for group, what in ((slower, f"slower than the {self.top} fastest that fit"),
-                            (over, "over the budget")):
+        for group, what in (
+                ([v for v in skipped if not v.reason.endswith("budget")],
+                 f"slower than the {self.top} fastest that fit"),
+                ([v for v in skipped if v.reason.endswith("budget")], "over the budget")):
             if group:
                 lines.append(f"not costed: {len(group)} {what} by their lower bounds (e.g. "
                              f"{group[0].candidate.text()}: {group[0].reason})")
@@ -134,33 +126,166 @@ class TuneResult:
         if invalid:
             lines.append(f"dropped before costing: {len(invalid)} (e.g. "
                          f"{invalid[0].candidate.text()}: {invalid[0].reason})")
-        return lines
+        best = self.best
+        lines.append("pick: " + (best.candidate.text() if best is not None else "nothing fits"))
+        return "\n".join(lines)
 
 
-def _distinct(ranked: list[Verdict]) -> list[Verdict]:
-    """Drop a candidate predicted exactly like a better-ranked one of the same schedule, S, R,
-    cap, checkpointing, G and mode (e.g. DDP with more, smaller microbatches): fewer
-    microbatches first."""
-    seen: set[tuple[object, ...]] = set()
-    out = []
-    for v in ranked:
-        key = distinct_key(v)
-        if key not in seen:
-            seen.add(key)
-            out.append(v)
-    return out
+def _distinct_key(v: Verdict) -> tuple[object, ...]:
+    """What makes two verdicts the same row: the configuration but B, and the predictions (a
+    schedule predicted alike at more, smaller microbatches adds nothing to the table)."""
+    c = v.candidate
+    return (c.schedule, c.stages, c.R, c.cap, c.checkpoint, c.replicas, c.mode, v.step_time,
+            v.peak)
 
 
-def _profiles(profile_of: Callable[[int], StageProfile], counts: Sequence[int]
-              ) -> dict[int, StageProfile | str]:
-    """The profile per stage count, or why the model cannot be cut into that many."""
-    out: dict[int, StageProfile | str] = {}
-    for S in counts:
+@dataclass(order=True)
+class _Entry:
+    """A candidate waiting in the search: its lower bound (the heap's key), its plan once made,
+    and the programs of the caps already costed for its configuration (``family``)."""
+
+    bound: float
+    order: int
+    candidate: Candidate = field(compare=False)
+    profile: StageProfile = field(compare=False)
+    planned: Plan | None = field(default=None, compare=False)
+    family: list[object] = field(default_factory=list, compare=False)
+
+
+@dataclass
+class _Over:
+    """A planned candidate over the budget: its peak (None: only bounded) and the least peak
+    known for it (its peak, or its bytes bound)."""
+
+    entry: _Entry
+    peak: int | None
+    least: int
+
+
+class _BoundedSearch:
+    """The branch and bound's state (module docstring): a heap of candidates by lower bound, the
+    costed verdicts, and the distinct step times that set the threshold."""
+
+    def __init__(self, workers: int, costs: RuntimeCosts, budget: int | None,
+                 top: int | None) -> None:
+        self.workers, self.costs, self.budget, self.top = workers, costs, budget, top
+        self.heap: list[_Entry] = []
+        self.costed: list[Verdict] = []
+        self.uncosted: list[Verdict] = []
+        self.over: list[_Over] = []  # over the budget, not timed yet
+        self.fit_times: list[float] = []  # distinct fitting verdicts' step times, sorted
+        self.over_times: list[float] = []  # and those over the budget
+        self.keys: set[tuple[object, ...]] = set()
+        self.pushed = 0
+
+    def push(self, entry: _Entry) -> None:
+        entry.order, self.pushed = self.pushed, self.pushed + 1
+        heapq.heappush(self.heap, entry)
+
+    def threshold(self) -> float:
+        """A candidate with a larger bound cannot enter the ``top`` fastest that fit."""
+        if self.top is None or len(self.fit_times) < self.top:
+            return float("inf")
+        return self.fit_times[self.top - 1] * (1 + _SLACK)
+
+    def run(self) -> None:
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            if entry.bound > (limit := self.threshold()):
+                for e in [entry, *self.heap]:
+                    self.uncosted.append(Verdict(
+                        e.candidate, reason=f"step >= {e.bound * 1e3:.2f} ms (its bound) > "
+                        f"{limit * 1e3:.2f} ms", skipped=True))
+                self.heap = []
+            elif entry.planned is None:
+                self._plan(entry)
+            else:
+                self._cost(entry)
+        if self.budget is not None and not self.fit_times:
+            self._smallest_peak()
+        self._time_fastest_over()
+
+    def _plan(self, entry: _Entry) -> None:
+        """Plan the candidate: refused, it is dropped (a smaller cap silently: its default's
+        verdict stands for the configuration); over the budget by its bytes bound, set aside;
+        else back in the heap with its plan's bound. Its smaller caps join the heap with that
+        bound (a cap only holds jobs back), and may fit where it does not."""
+        c = entry.candidate
         try:
-            out[S] = profile_of(S)
+            entry.planned = plan_candidate(c, entry.profile, self.workers)
         except GschedError as exc:
-            out[S] = f"cannot cut {S} stages: {str(exc).splitlines()[0]}"
-    return out
+            if c.cap is None:
+                self.uncosted.append(refused(c, exc))
+            return
+        entry.bound = max(entry.bound, plan_bound(entry.planned, self.costs))
+        least = None if self.budget is None or self.top is None else memory_bound(
+            c, entry.profile, entry.planned)
+        if least is not None and self.budget is not None and least > self.budget:
+            self.over.append(_Over(entry, None, least))
+        else:
+            self.push(entry)
+        if c.cap is None:
+            for cap in cap_choices(entry.planned):
+                capped = dataclasses.replace(c, cap=cap)
+                self.push(_Entry(entry.bound, 0, capped, entry.profile, None, entry.family))
+
+    def _cost(self, entry: _Entry) -> None:
+        """The candidate's peak, then, when it fits (or every candidate is costed), its step
+        time; over the budget, it waits for :meth:`_time_fastest_over`."""
+        planned, c = entry.planned, entry.candidate
+        assert planned is not None
+        if planned.programs.ranks in entry.family:
+            return  # a cap whose programs another cap of this configuration has
+        entry.family.append(planned.programs.ranks)
+        peak = predict_peak(c, entry.profile, planned)
+        reason = over_budget(peak, self.budget)
+        if reason and self.top is not None:
+            self.over.append(_Over(entry, peak, peak))
+        else:
+            self._record(Verdict(c, predict_time(c, entry.profile, planned, self.costs), peak,
+                                 not reason, reason))
+
+    def _record(self, v: Verdict) -> None:
+        assert v.step_time is not None
+        self.costed.append(v)
+        key = _distinct_key(v)
+        if key not in self.keys:
+            self.keys.add(key)
+            bisect.insort(self.fit_times if v.fits else self.over_times, v.step_time)
+
+    def _smallest_peak(self) -> None:
+        """Nothing fits: size the candidates set aside by their bytes bound, smallest bound
+        first, until no bound is below the smallest peak found (the error names it)."""
+        waiting = sorted((o for o in self.over if o.peak is None),
+                         key=lambda o: (o.least, o.entry.order))
+        smallest = min((o.peak for o in self.over if o.peak is not None), default=None)
+        for o in waiting:
+            if smallest is not None and o.least >= smallest:
+                break
+            assert o.entry.planned is not None
+            o.peak = o.least = predict_peak(o.entry.candidate, o.entry.profile,
+                                            o.entry.planned)
+            smallest = o.peak if smallest is None else min(smallest, o.peak)
+
+    def _time_fastest_over(self) -> None:
+        """Time the candidates over the budget, lowest bound first, until no bound left is below
+        the :data:`OVER_ROWS`-th fastest of them; the rest keep their peak (or their bytes
+        bound) without a step time."""
+        for o in sorted(self.over, key=lambda o: (o.entry.bound, o.entry.order)):
+            entry, c = o.entry, o.entry.candidate
+            assert entry.planned is not None
+            if len(self.over_times) >= OVER_ROWS and \
+                    entry.bound > self.over_times[OVER_ROWS - 1] * (1 + _SLACK):
+                self.uncosted.append(
+                    Verdict(c, None, o.peak, False, over_budget(o.peak, self.budget))
+                    if o.peak is not None else
+                    Verdict(c, reason=f"peak >= {byte_text(o.least)} (its bound) > the budget",
+                            skipped=True))
+                continue
+            peak = o.peak if o.peak is not None else predict_peak(c, entry.profile,
+                                                                  entry.planned)
+            step = predict_time(c, entry.profile, entry.planned, self.costs)
+            self._record(Verdict(c, step, peak, False, over_budget(peak, self.budget)))
 
 
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
@@ -169,16 +294,16 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
          checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
          micro: int | None = None, R: int | None = None, replicas: int | None = None,
          top: int | None = TOP) -> TuneResult:
-    """Rank the candidates (see :func:`~.tune_space.candidates`) by predicted step time; the
-    ``top`` fastest that fit exactly (module docstring), those over the budget kept in the
-    table as "no", those the planner refuses as dropped.
+    """Rank the candidates (:func:`~.tune_space.candidates`) by predicted step time: the ``top``
+    fastest that fit exactly (module docstring), those over the budget kept in the table as
+    "no", those the planner refuses as dropped.
 
-    ``profile_of(S)``: the model measured at S stages (called once per S, rising; raise a
-    GschedError when the model cannot be cut into S stages, and the candidates with that S are
-    dropped). ``stages``/``micro`` (B per replica)/``R``/``replicas`` (G): fixed values.
-    ``costs``: the runtime's costs (default :data:`~.runtime_costs.DEFAULT_COSTS`).
-    ``top``: the fitting candidates ranked exactly (None: cost every candidate).
-    Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached.
+    ``profile_of(S)``: the model measured at S stages (called once per S, rising; a GschedError
+    when the model cannot be cut into S stages drops the candidates with that S).
+    ``stages``/``micro`` (B per replica)/``R``/``replicas`` (G): fixed values. ``costs``: the
+    runtime's (default :data:`~.runtime_costs.DEFAULT_COSTS`). ``top``: the fitting candidates
+    ranked exactly (None: cost every candidate). Raises :class:`ScheduleConfigError` when
+    nothing fits, naming the smallest peak reached.
     """
     if top is not None and top < 1:
         raise ScheduleConfigError(f"top={top!r} must be a positive int (or None: every "
@@ -186,36 +311,37 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
     costs = costs or DEFAULT_COSTS
     space = candidates(workers, global_rows, schedules, checkpoint, stages=stages, micro=micro,
                        R=R, replicas=replicas)
-    profiles = _profiles(profile_of, sorted({c.stages for c in space}))
-    search = BoundedSearch(workers, costs, budget, top)
+    profiles: dict[int, StageProfile] = {}
+    cannot: dict[int, str] = {}  # why the model cannot be cut into S stages
+    for S in sorted({c.stages for c in space}):
+        try:
+            profiles[S] = profile_of(S)
+        except GschedError as exc:
+            cannot[S] = f"cannot cut {S} stages: {str(exc).splitlines()[0]}"
+    search = _BoundedSearch(workers, costs, budget, top)
     for c in space:
-        profile = profiles[c.stages]
-        if isinstance(profile, str):
-            search.uncosted.append(Verdict(c, reason=profile))
+        if c.stages in cannot:
+            search.uncosted.append(Verdict(c, reason=cannot[c.stages]))
         else:
-            search.add(c, profile)
+            bound = work_bound(c, profiles[c.stages], workers, costs)
+            search.push(_Entry(bound, 0, c, profiles[c.stages]))
     search.run()
-    costed = _distinct(sorted(search.costed, key=lambda v: (
-        not v.fits, v.step_time, v.peak, v.candidate.step_micro, v.candidate.replicas)))
+    # fewer microbatches first, so that a row predicted like a better-ranked one is dropped
+    first: dict[tuple[object, ...], Verdict] = {}
+    for v in sorted(search.costed, key=lambda v: (
+            not v.fits, v.step_time, v.peak, v.candidate.step_micro, v.candidate.replicas)):
+        first.setdefault(_distinct_key(v), v)
     # sized only (peak known), then skipped by a bound, then refused by the planner
     uncosted = sorted(search.uncosted, key=lambda v: (v.peak is None, not v.skipped))
-    result = TuneResult(costed + uncosted, budget, workers, global_rows,
-                        profiles={S: p for S, p in profiles.items()
-                                  if isinstance(p, StageProfile)}, top=top)
+    verdicts = list(first.values()) + uncosted
+    result = TuneResult(verdicts, budget, workers, global_rows, profiles, top)
     if budget is not None and result.best is None:
-        _nothing_fits(budget, result.verdicts)
+        smallest = min((v for v in result.verdicts if v.peak is not None),
+                       key=lambda v: v.peak or 0, default=None)
+        raise ScheduleConfigError(
+            f"no candidate fits the memory budget of {byte_text(budget)} per rank; the smallest "
+            f"predicted peak is "
+            + (f"{byte_text(smallest.peak)} ({smallest.candidate.text()})"
+               if smallest is not None and smallest.peak is not None else "unknown")
+            + ". Raise the budget, add workers, or shrink the per-rank batch.")
     return result
-
-
-def _nothing_fits(budget: int, verdicts: list[Verdict]) -> None:
-    """Raise the error naming the smallest peak (and its candidate): what to raise the budget
-    to, or which configuration comes closest."""
-    smallest = min((v for v in verdicts if v.peak is not None), key=lambda v: v.peak or 0,
-                   default=None)
-    raise ScheduleConfigError(
-        f"no candidate fits the memory budget of {byte_text(budget)} per rank; the smallest "
-        f"predicted peak is "
-        + (f"{byte_text(smallest.peak)} ({smallest.candidate.text()})"
-           if smallest is not None and smallest.peak is not None else "unknown")
-        + ". Raise the budget, add workers, or shrink the per-rank batch."
-    )

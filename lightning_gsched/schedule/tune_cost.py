@@ -1,35 +1,25 @@
-"""What one tuner candidate costs: its plan, its predicted step time and peak, and bounds on both.
+"""What one tuner candidate is and costs: its plan arguments, its predicted step time and peak
+bytes, and the cheap lower bounds on both that let the search (:mod:`.tune`) skip it.
 
-Why a module of its own: the search (:mod:`.tune`) decides *which* candidates to plan and cost;
-this module says what a candidate *is* (the ``ScheduleArguments`` a front end would plan it
-with: :func:`candidate_arguments`) and what it costs (:func:`evaluate`), plus the cheap lower
-bounds that let the search skip candidates that cannot make its table
-(:func:`work_bound`, :func:`plan_bound`, :func:`memory_bound`).
+A candidate is an ordinary plan whose programs the runtime would execute unchanged, so its step
+time (``predict_step_time`` with the runtime's costs: messages, reductions, replica all-reduces,
+sharded weight fetches) and bytes per rank (``predict_memory``) are those of the real run.
 
-Every candidate is an ordinary plan whose programs the runtime would execute unchanged, so its
-predicted step time (``predict_step_time`` with the runtime's costs: the messages, the
-reductions, the replica all-reduces of a data-parallel plan and the weight fetches of a sharded
-one, each at its bytes) and its predicted bytes per rank (``predict_memory``) are those of the
-real run.
+Scaling: a profile is measured on microbatches of ``rows`` rows. At another microbatch size,
+stashed activations and messages scale linearly with the rows (weights, gradients and optimizer
+state do not), and compute times affinely: each job's ``fixed_share`` of its profiled time (what
+does not shrink with the rows: per-op dispatch, autograd set-up) stays, the rest scales. Linear
+scaling alone (no ``fixed_share``) is optimistic for microbatches smaller than the profile's.
 
-Scaling: a profile is measured on microbatches of ``rows`` rows; a candidate with another
-microbatch size scales stashed activations and messages linearly with the rows (weights,
-gradients and optimizer state do not change), and compute times affinely: each job's
-``fixed_share`` of its profiled time (per stage, forward and backward; what does not shrink
-with the rows: per-op dispatch, autograd set-up) stays, the rest scales with the rows.
-Linear scaling alone (``fixed_share`` None or 0) scales the fixed costs too, so it is
-optimistic for microbatches smaller than the profile's: it made the tuner prefer the smallest
-microbatches on the benchmark GPT (docs/benchmarks.md, "Measurements behind design choices").
-
-Checkpointing (``checkpoint_activations=True``, every stage) keeps only each stage's inputs
-between F and B and recomputes the forward at B: the planner charges the recompute to B, and the
-bytes model holds the inputs instead of the graph (``schedule/memory.py``).
-Pure Python: what the model costs comes in as numbers (:class:`StageProfile`).
+Checkpointing recomputes each stage's forward at B: the planner charges it to B, and the bytes
+model holds the stage's inputs instead of its graph. Pure Python: the model comes in as numbers
+(:class:`StageProfile`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -61,8 +51,8 @@ class StageProfile:
     backward: tuple[float, ...]
     sizes: ModelSizes
     split: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    # per stage, the share of (forward, backward) seconds that does not scale with the rows
-    # (the module docstring); the backward's share also applies to the split B and W
+    # per stage, the share of (forward, backward) seconds that does not scale with the rows;
+    # the backward's share also applies to the split B and W
     fixed_share: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
@@ -81,10 +71,8 @@ class Verdict:
 
 def candidate_costs(candidate: Candidate, profile: StageProfile
                     ) -> tuple[list[float], list[float], list[float] | None]:
-    """The per-stage (forward, backward, weight) seconds ``plan()`` gets for ``candidate``:
-    the profile's, scaled to the candidate's rows; B and W apart for a split-backward schedule
-    (weight None otherwise). What the front ends plan the picked candidate with, so the run's
-    programs are the ones evaluated."""
+    """The per-stage (forward, backward, weight) seconds ``plan()`` gets for ``candidate``, scaled
+    to its rows; B and W apart for a split-backward schedule (weight None otherwise)."""
     f = candidate.rows / profile.rows
     fixed_f, fixed_b = profile.fixed_share or ((0.0,) * profile.stages,) * 2
 
@@ -114,8 +102,8 @@ def scaled_sizes(profile: StageProfile, rows: int) -> ModelSizes:
 
 def candidate_arguments(candidate: Candidate, profile: StageProfile) -> ScheduleArguments:
     """The arguments ``plan()`` gets for ``candidate``: what a user would write, plus the
-    profile's seconds as costs and its tied weights. ``GeneralParallel("auto")`` trains its
-    pick with these, so the programs that run are the ones the tuner costed."""
+    profile's seconds as costs and its tied weights. ``GeneralParallel("auto")`` trains its pick
+    with these, so the programs that run are the ones the tuner costed."""
     c = candidate
     forward, backward, weight = candidate_costs(c, profile)
     return ScheduleArguments(
@@ -130,36 +118,36 @@ def plan_candidate(candidate: Candidate, profile: StageProfile, workers: int) ->
     return plan_arguments(candidate_arguments(candidate, profile), workers)
 
 
+def refused(candidate: Candidate, exc: GschedError) -> Verdict:
+    """The verdict on a candidate the planner refuses: the first line of its error."""
+    return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
+
+
 def cap_choices(default: Plan) -> list[int]:
-    """Smaller uniform caps worth trying beside a schedule's default plan: half its peak
-    stash, and one microbatch in flight per worker (:func:`microbatch_chunk`), both below the
-    peak and neither below one microbatch (no order completes under that). They trade bubble
-    for activation memory."""
-    peak = peak_stash_count(default)
-    chunk = microbatch_chunk(default)
+    """Smaller uniform caps worth trying beside a schedule's default plan, trading bubble for
+    activation memory: half its peak stash count, and one microbatch in flight per worker, both
+    below the peak. Nothing smaller completes: a worker computing k stages of a microbatch holds
+    k stashes when its last stage's backward starts (k = S / P for a pipeline, S for fsdp)."""
+    # the programs' peak_activations, read off the timeline (no program lowered): a stash lasts
+    # from F to W when the backward is split, else to B
+    timeline = default.timeline
+    release = Phase.W if Phase.W in timeline.phases else Phase.B
+    ones = [1] * default.stages
+    peak = max((_peak_stash(order, default, ones, release) for order in timeline.order),
+               default=0)
+    chunk = max(Counter(row[0] for row in default.table.compute).values(), default=1)
     return [c for c in dict.fromkeys(((peak + 1) // 2, chunk)) if chunk <= c < peak]
 
 
-def microbatch_chunk(planned: Plan) -> int:
-    """The most (stage, microbatch) pairs one microbatch stashes on one worker: a worker
-    computing k of its stages holds k of them when its last stage's backward starts, so a
-    smaller uniform cap never completes (k = S / P for a pipeline, S for fsdp)."""
-    counts: dict[int, int] = {}
-    for row in planned.table.compute:
-        counts[row[0]] = counts.get(row[0], 0) + 1
-    return max(counts.values(), default=1)
-
-
 def predict_peak(candidate: Candidate, profile: StageProfile, planned: Plan) -> int:
-    """The candidate's predicted peak bytes, the most of any rank (``predict_memory``)."""
+    """The candidate's predicted peak bytes, the most of any rank."""
     sizes = scaled_sizes(profile, candidate.rows)
     return max(m.peak for m in predict_memory(planned.programs, sizes, planned.checkpointed))
 
 
 def predict_time(candidate: Candidate, profile: StageProfile, planned: Plan,
                  costs: RuntimeCosts) -> float:
-    """The candidate's predicted step time (``predict_step_time`` with the runtime's costs
-    and the messages' bytes)."""
+    """The candidate's predicted step time, messages at their bytes."""
     sizes = scaled_sizes(profile, candidate.rows)
     return predict_step_time(planned, costs=costs, sizes=sizes).latency
 
@@ -170,16 +158,15 @@ def over_budget(peak: int, budget: int | None) -> str:
 
 
 def evaluate(candidate: Candidate, profile: StageProfile, workers: int, costs: RuntimeCosts,
-             budget: int | None, planned: Plan | None = None) -> Verdict:
-    """Plan the candidate with the profile's costs; its step time and peak bytes
-    (``planned``: its plan when the caller already has it)."""
+             budget: int | None) -> Verdict:
+    """Plan the candidate with the profile's costs: its step time and peak bytes."""
     try:
-        result = planned or plan_candidate(candidate, profile, workers)
+        planned = plan_candidate(candidate, profile, workers)
     except GschedError as exc:
-        return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
-    peak = predict_peak(candidate, profile, result)
+        return refused(candidate, exc)
+    peak = predict_peak(candidate, profile, planned)
     reason = over_budget(peak, budget)
-    return Verdict(candidate, predict_time(candidate, profile, result, costs), peak,
+    return Verdict(candidate, predict_time(candidate, profile, planned, costs), peak,
                    not reason, reason)
 
 
@@ -188,10 +175,10 @@ def work_bound(candidate: Candidate, profile: StageProfile, workers: int,
     """A lower bound of the candidate's predicted step time, without planning it.
 
     ``predict_step_time`` charges every compute job its cost plus ``costs.job_cpu`` on its
-    worker, respects each microbatch's chain (F of every stage, then B of every stage) and
-    adds ``costs.step_cpu`` at the end; every other charge only delays. So the step lasts at
-    least the larger of the busiest worker's work (at least the mean: all jobs over W) and one
-    microbatch's chain, plus ``step_cpu``."""
+    worker, respects each microbatch's chain (F of every stage, then B of every stage) and adds
+    ``costs.step_cpu`` at the end; every other charge only delays. So the step lasts at least the
+    larger of the mean worker's work (all jobs over W) and one microbatch's chain, plus
+    ``step_cpu``."""
     forward, backward, weight = candidate_costs(candidate, profile)
     S, split = candidate.stages, get_schedule(candidate.schedule).split_backward
     jobs = Costs.build(S, forward, backward, weight, split).with_recompute(
@@ -204,19 +191,19 @@ def work_bound(candidate: Candidate, profile: StageProfile, workers: int,
 
 
 def plan_bound(planned: Plan, costs: RuntimeCosts) -> float:
-    """A lower bound of the plan's predicted step time, from its plan alone: the replay keeps
-    the plan's orders and only adds non-negative charges, so it ends no earlier than the
-    plan's own (compute-only) latency, plus ``costs.step_cpu``."""
+    """A lower bound of the plan's predicted step time: the replay keeps the plan's orders and
+    only adds non-negative charges, so it ends no earlier than the plan's own (compute-only)
+    latency, plus ``costs.step_cpu``."""
     return planned.metrics.latency + costs.step_cpu
 
 
 def memory_bound(candidate: Candidate, profile: StageProfile, planned: Plan) -> int:
-    """A lower bound of the plan's predicted peak bytes, from its owners and its timeline
-    (no program read): a rank holds the weights, gradients and optimizer state of the stages
-    it owns for the whole step, and at least the smaller of a stage's two stash sizes (its
-    inputs, checkpointed) from each ``F`` to its ``B``, in its timeline's order, which is its
-    program's (``schedule/memory.py``). Cheaper than the bytes walk by the programs' messages
-    and, for a plan lowered per rank, by the lowering."""
+    """A lower bound of the plan's predicted peak bytes, from its owners and its timeline, not
+    its programs (cheaper than the bytes walk by the messages and, lowered per rank, by the
+    lowering): a rank holds the weights, gradients and optimizer state of the stages it owns for
+    the whole step, and at least the smaller of a stage's two stash sizes (its inputs,
+    checkpointed) from each ``F`` to its ``B``, in its timeline's order, which is its
+    program's."""
     sizes = scaled_sizes(profile, candidate.rows).stages
     held = [0] * planned.workers
     for stage, owners in zip(sizes, planned.programs.owners, strict=True):
@@ -228,22 +215,10 @@ def memory_bound(candidate: Candidate, profile: StageProfile, planned: Plan) -> 
                for owned, order in zip(held, planned.timeline.order, strict=True))
 
 
-def peak_stash_count(planned: Plan) -> int:
-    """The most (stage, microbatch) pairs a worker stashes at once (the programs'
-    ``peak_activations``), read off the timeline: from each ``F`` to the job that ends its
-    stash (``W`` when the backward is split, else ``B``), in each worker's order, which is its
-    program's; no program is lowered."""
-    release = Phase.W if Phase.W in planned.timeline.phases else Phase.B
-    ones = [1] * planned.stages
-    return max((_peak_stash(order, planned, ones, release) for order in planned.timeline.order),
-               default=0)
-
-
 def _peak_stash(order: Sequence[int], planned: Plan, held_bytes: Sequence[int],
                 release: Phase = Phase.B) -> int:
     """The most of ``held_bytes[s]`` per (stage, microbatch) held from ``F`` to ``release``
-    along one worker's timeline order (flat job indices: ``(stage * micro + b) * phases +
-    k``)."""
+    along one worker's timeline order (flat job indices: ``(stage * micro + b) * phases + k``)."""
     phases = planned.timeline.phases
     per_stage = len(phases) * planned.timeline.micro
     step = [1 if phase is Phase.F else -1 if phase is release else 0 for phase in phases]
