@@ -46,18 +46,20 @@ def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> 
     return _bisect(guess + 1, high, ok)
 
 
+def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None]
+              ) -> Timeline | None:
+    """The timeline under ``caps``, or None when the schedule cannot complete under them."""
+    try:
+        return run(caps)
+    except CapTooSmallError:
+        return None
+
+
 def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
                           table: PlacementTable) -> int:
     """The smallest uniform cap with which the greedy schedule completes."""
-
-    def completes(c: int) -> bool:
-        try:
-            run([c] * table.workers)
-            return True
-        except CapTooSmallError:
-            return False
-
-    return _bisect(1, _most_jobs_per_worker(table), completes)
+    return _bisect(1, _most_jobs_per_worker(table),
+                   lambda c: _simulate(run, [c] * table.workers) is not None)
 
 
 def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
@@ -69,15 +71,12 @@ def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
     kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline
 
     def keeps_latency(c: int) -> bool:
-        try:
-            timeline = run([c] * W)
-        except CapTooSmallError:
+        timeline = _simulate(run, [c] * W)
+        if timeline is None or timeline.latency > target + 1e-9:
             return False
-        if timeline.latency <= target + 1e-9:
-            kept.clear()
-            kept[c] = timeline
-            return True
-        return False
+        kept.clear()
+        kept[c] = timeline
+        return True
 
     cap = _search_from(1, _most_jobs_per_worker(table), keeps_latency, guess=W)
     timeline = kept[cap] if cap in kept else run([cap] * W)  # the upper end, never tried

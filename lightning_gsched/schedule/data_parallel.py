@@ -1,35 +1,29 @@
 """Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
 
 A schedule is a placement ``w(s, b, d)``, a priority ``n(s, b, d)`` and a cap per worker; G
-replicas of a P-worker schedule are the same three lifted by one renaming
-(:class:`~.replicas.ReplicaLayout`: position ``p`` of replica ``g`` is a rank). Microbatch ``b``
-runs on replica ``g = b mod G`` as that replica's microbatch ``m = b // G``:
+replicas of a P-worker schedule lift all three by one renaming (:class:`~.replicas.ReplicaLayout`).
+Microbatch ``b`` runs on replica ``g = b mod G`` as its microbatch ``m = b // G``:
 
-- placement: the compute worker of ``(s, b, d)`` is ``rank(w_P(s, m, d).compute, g)``; the
-  weights worker is, replicated, ``rank(w_P(s, m, d).weights, g)`` (a stage has G owners, joined
-  by the lowering's replica all-reduce after each owner's last weight-gradient job of the
-  stage), and, sharded, one owner per stage: the P-worker schedule must own each stage once, and
-  the stages position ``o`` owns are dealt round robin over its column (the k-th to replica
-  ``k mod G``). The column's other ranks fetch the stage, hold it from their first job of the
-  step to their last (torchtitan's ``reshard_after_forward=False`` under a pipeline) and reduce
-  its gradient to the owner once;
-- priority: ``n(s, b, d) = n_P(s, b // G, d)`` (:func:`lift_priority`);
-- cap: ``cap[rank(p, g)] = cap_P[p]`` (:func:`lift_caps`).
+- placement: compute on ``rank(w_P(s, m, d).compute, g)``. Replicated, the weights too, so a
+  stage has G owners, joined by the lowering's replica all-reduce after each owner's last
+  weight-gradient job of the stage. Sharded (the P-worker schedule owns each stage once), the
+  stages position ``o`` owns are dealt round robin over its column, whose other ranks fetch a
+  stage, hold it for the step (torchtitan's ``reshard_after_forward=False`` under a pipeline)
+  and reduce its gradient to the owner once;
+- priority: ``n(s, b, d) = n_P(s, b // G, d)``; cap: ``cap[rank(p, g)] = cap_P[p]``.
 
-Why it is exact: a job's predecessors and successors are jobs of the same microbatch, so they
-run on its replica's ranks; every rank runs one replica's jobs, ordered by the P-worker
-priorities under an order-preserving renaming of microbatches (``m -> g + G*m``). So every
-replica's timeline is the P-worker schedule's, renamed, and each rank stashes exactly what its
-position stashes in the P-worker plan; only weights cross replicas, added by the lowering.
-:mod:`.symmetry` plans one replica and renames it; tests compare that with the full simulation.
-
-The looped family is this lift with a replica-contiguous layout: lpp is G replicas of an R-worker
-loop, fslpp its sharded form, ddp and fsdp of one worker (tests/test_schedule_data_parallel.py).
-Pure Python.
+Why it is exact: a job's predecessors and successors are jobs of its microbatch, so they run on
+its replica's ranks; every rank runs one replica's jobs, in the P-worker priorities' order under
+an order-preserving renaming of microbatches (``m -> g + G*m``). So every replica's timeline is
+the P-worker schedule's, renamed, and each rank stashes what its position stashes; only weights
+cross replicas, added by the lowering. :mod:`.symmetry` plans one replica and renames it (tests
+compare that with the full simulation). The looped family is this lift with replica-contiguous
+ranks: lpp is G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -117,11 +111,9 @@ class DataParallel(LibraryPlacement):
     def _inner_library(self) -> LibraryPlacement | None:
         return self.inner if isinstance(self.inner, LibraryPlacement) else None
 
-    def weights_key(self, stage: int) -> Hashable:
+    def weights_key(self, stage: int) -> Hashable:  # equal inner rows are renamed alike
         inner = self._inner_library()
-        if self.owners is not None or inner is None:
-            return stage
-        return inner.weights_key(stage)  # equal inner rows, renamed alike
+        return stage if self.owners is not None or inner is None else inner.weights_key(stage)
 
     def compute_key(self, stage: int) -> Hashable:
         inner = self._inner_library()
@@ -161,13 +153,11 @@ def lift(inner: PlacementFn, layout: ReplicaLayout, stages: int, micro_per_repli
             f"but stage {s} has {len(table.owners[s])} owners in the {layout.pipeline}-worker "
             "schedule (lpp replicates its stages over its groups): use data_parallel="
             "'replicate', or fslpp (lpp with each stage owned once)")
-    dealt: dict[int, int] = {}  # stages dealt so far per position
+    dealt: Counter[int] = Counter()  # stages dealt so far per position
     owners: list[int] = []
-    for s in range(stages):
-        position = table.owners[s][0]
-        k = dealt.get(position, 0)
-        dealt[position] = k + 1
-        owners.append(layout.rank(position, k % layout.replicas))
+    for (position,) in table.owners:
+        owners.append(layout.rank(position, dealt[position] % layout.replicas))
+        dealt[position] += 1
     return DataParallel(inner, layout, tuple(owners))
 
 

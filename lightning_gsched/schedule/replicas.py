@@ -1,9 +1,6 @@
-"""Where the G replicas of a P-worker schedule sit among the W = P x G ranks.
-
-One definition of the renaming (position ``p``, replica ``g``) -> rank keeps its readers
-agreeing: the data-parallel placement (:mod:`.data_parallel`), the planner's symmetry path (one
-replica simulated, the others renamed), the per-rank lowering (a rank's replica is the group
-whose data flow it shares) and the engine (the rows a rank may need, the device mesh).
+"""Where the G replicas of a P-worker schedule sit among the W = P x G ranks: one definition of
+the renaming (position ``p``, replica ``g``) -> rank, for the data-parallel placement, the
+planner's symmetry path, the per-rank lowering and the engine (batch rows, device mesh) to agree.
 
 - ``pipeline_major=True`` (the default for ``data_parallel_size``): ``rank = p * G + g``, as
   torchtitan's ``["pp", "dp"]`` device mesh. A stage's column (its G ranks, one per replica) is

@@ -1,29 +1,32 @@
 """The tuner: which schedule, data-parallel G and mode, S, B, R, cap and checkpointing is
-fastest within a memory budget, by a bounded search over real plans.
+fastest within a memory budget.
 
-Every candidate is an ordinary plan whose programs the runtime would execute unchanged
-(:mod:`.tune_cost`), so its predicted step time and bytes are those of the real run. The space is
-:mod:`.tune_space`'s plus, for a schedule whose default plan stashes more than one (stage,
-microbatch) per stage chunk on a worker, smaller uniform caps (:func:`~.tune_cost.cap_choices`);
-a cap whose programs equal an already costed one's is dropped.
+Every candidate (:mod:`.tune_space`, plus smaller uniform caps: :func:`cap_choices`) is an
+ordinary plan whose programs the runtime would execute unchanged, so its predicted step time
+(``predict_step_time`` with the runtime's costs) and bytes per rank (``predict_memory``) are
+those of the real run. A profile (:class:`StageProfile`) is measured at one microbatch size; at
+another, stashes and messages scale linearly with the rows (weights, gradients and optimizer
+state do not) and compute times affinely: each job's ``fixed_share`` (per-op dispatch, autograd
+set-up) stays, the rest scales (linear alone is optimistic for smaller microbatches).
 
 Why bounded: at W=8 the space holds hundreds of candidates, costing one (replaying every rank's
 program, walking its bytes) takes up to a second, and the search runs at the first batch on rank
 0 while the other ranks wait. So it ranks exactly the ``top`` fastest candidates that fit (branch
 and bound), costing a candidate only when its lower bound does not rule it out:
 
-1. unplanned, its bound is its work (:func:`~.tune_cost.work_bound`);
+1. unplanned, its bound is its work (:func:`work_bound`);
 2. planned (cheap: one replica, renamed), the bound grows to the plan's own latency
-   (:func:`~.tune_cost.plan_bound`), and with a budget a plan whose bytes bound
-   (:func:`~.tune_cost.memory_bound`) exceeds it is set aside;
+   (:func:`plan_bound`); with a budget, a plan whose bytes bound (:func:`memory_bound`) exceeds
+   it is set aside;
 3. only then is it sized and, when it fits, timed; over the budget only the fastest
    :data:`OVER_ROWS` are timed, for the table's "what more memory would buy" rows.
 
 Candidates are taken lowest bound first; once the lowest bound left exceeds the ``top``-th
 fastest fitting step time, nothing left can enter the table, so its rows and pick are those of
 costing every candidate (tests compare). A smaller cap enters with its default-cap plan's bound,
-as a cap only holds jobs back. When nothing fits, the candidates set aside are sized, smallest
-bound first, until the smallest peak is known (the error names it).
+as a cap only holds jobs back; one whose programs equal an already costed cap's is dropped.
+When nothing fits, the candidates set aside are sized, smallest bound first, until the smallest
+peak is known (the error names it). Pure Python: the model comes in as numbers.
 """
 
 from __future__ import annotations
@@ -31,45 +34,214 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
+from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
 from lightning_gsched.schedule.describe import byte_text
-from lightning_gsched.schedule.plan import Plan
+from lightning_gsched.schedule.jobs import Phase
+from lightning_gsched.schedule.library import get_schedule
+from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
+from lightning_gsched.schedule.plan import Plan, plan_arguments
+from lightning_gsched.schedule.predict import predict_step_time
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
-from lightning_gsched.schedule.tune_cost import (
-    StageProfile,
-    Verdict,
-    candidate_arguments,
-    candidate_costs,
-    cap_choices,
-    evaluate,
-    memory_bound,
-    over_budget,
-    plan_bound,
-    plan_candidate,
-    predict_peak,
-    predict_time,
-    refused,
-    work_bound,
-)
-from lightning_gsched.schedule.tune_space import (
-    Candidate,
-    candidates,
-    microbatch_counts,
-    most_microbatches,
-)
-
-__all__ = [
-    "TOP", "Candidate", "StageProfile", "TuneResult", "Verdict", "candidate_arguments",
-    "candidate_costs", "candidates", "evaluate", "microbatch_counts", "most_microbatches",
-    "plan_candidate", "tune",
-]
+from lightning_gsched.schedule.simulate import Costs
+from lightning_gsched.schedule.tune_space import Candidate as Candidate
+from lightning_gsched.schedule.tune_space import candidates as candidates
+from lightning_gsched.schedule.tune_space import microbatch_counts as microbatch_counts
+from lightning_gsched.schedule.tune_space import most_microbatches as most_microbatches
 
 TOP = 10  # the fitting candidates ranked exactly by default (the startup table's rows)
 OVER_ROWS = 3  # the fastest candidates over the budget whose step time the table shows
 _SLACK = 1e-9  # relative: a bound and a replay summing the same seconds in another order
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """The model cut into ``stages`` stages, measured on one microbatch of ``rows`` rows.
+
+    ``forward``/``backward``: seconds per stage (the whole backward); ``split``: (B, W) seconds
+    per stage measured with the zero-bubble runtime's split backward, None to halve the
+    backward. ``sizes``: bytes per stage (``measure.measure_stage_bytes``).
+    """
+
+    stages: int
+    rows: int
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    sizes: ModelSizes
+    split: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # per stage, the share of (forward, backward) seconds that does not scale with the rows;
+    # the backward's share also applies to the split B and W
+    fixed_share: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A candidate's predicted step time and peak bytes (max over ranks), or why it was not
+    costed (``reason``; ``skipped``: the search's bounds showed it cannot make the table)."""
+
+    candidate: Candidate
+    step_time: float | None = None
+    peak: int | None = None
+    fits: bool = False
+    reason: str = ""
+    skipped: bool = False
+
+
+def candidate_costs(candidate: Candidate, profile: StageProfile
+                    ) -> tuple[list[float], list[float], list[float] | None]:
+    """The per-stage (forward, backward, weight) seconds ``plan()`` gets for ``candidate``, scaled
+    to its rows; B and W apart for a split-backward schedule (weight None otherwise)."""
+    f = candidate.rows / profile.rows
+    fixed_f, fixed_b = profile.fixed_share or ((0.0,) * profile.stages,) * 2
+
+    def scaled(times: Sequence[float], fixed: Sequence[float]) -> list[float]:
+        return [t * (k + (1 - k) * f) for t, k in zip(times, fixed, strict=True)]
+
+    forward = scaled(profile.forward, fixed_f)
+    if get_schedule(candidate.schedule).split_backward and profile.split is not None:
+        return forward, scaled(profile.split[0], fixed_b), scaled(profile.split[1], fixed_b)
+    return forward, scaled(profile.backward, fixed_b), None
+
+
+def _scaled_sizes(profile: StageProfile, rows: int) -> ModelSizes:
+    """The profile's sizes for microbatches of ``rows`` rows (module docstring)."""
+    f = rows / profile.rows
+
+    def stage(st: StageSizes) -> StageSizes:
+        return dataclasses.replace(
+            st, activations=int(st.activations * f),
+            received_activations=int(st.stash_from_message * f), message=int(st.message * f),
+            inputs=int(st.inputs * f), loss_graph=int(st.loss_graph * f))
+
+    return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages)))
+
+
+def candidate_arguments(candidate: Candidate, profile: StageProfile) -> ScheduleArguments:
+    """The arguments ``plan()`` gets for ``candidate``: what a user would write, plus the
+    profile's seconds as costs and its tied weights. ``GeneralParallel("auto")`` trains its pick
+    with these, so the programs that run are the ones the tuner costed."""
+    c = candidate
+    forward, backward, weight = candidate_costs(c, profile)
+    return ScheduleArguments(
+        schedule=c.schedule, stages=c.stages, microbatches=c.micro, R=c.R,
+        cap=DEFAULT if c.cap is None else c.cap, checkpoint_activations=c.checkpoint,
+        forward_cost=forward, backward_cost=backward, weight_cost=weight,
+        ties=profile.sizes.tie_map, data_parallel_size=c.replicas, data_parallel=c.mode)
+
+
+def plan_candidate(candidate: Candidate, profile: StageProfile, workers: int) -> Plan:
+    """The candidate's plan with the profile's costs (raises the planner's GschedError)."""
+    return plan_arguments(candidate_arguments(candidate, profile), workers)
+
+
+def _refused(candidate: Candidate, exc: GschedError) -> Verdict:
+    """The verdict on a candidate the planner refuses: the first line of its error."""
+    return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
+
+
+def cap_choices(default: Plan) -> list[int]:
+    """Smaller uniform caps worth trying beside a schedule's default plan, trading bubble for
+    activation memory: half its peak stash count, and one microbatch in flight per worker, both
+    below the peak. Nothing smaller completes: a worker computing k stages of a microbatch holds
+    k stashes when its last stage's backward starts (k = S / P for a pipeline, S for fsdp)."""
+    # the programs' peak_activations, read off the timeline (no program lowered): a stash lasts
+    # from F to W when the backward is split, else to B
+    timeline = default.timeline
+    release = Phase.W if Phase.W in timeline.phases else Phase.B
+    ones = [1] * default.stages
+    peak = max((_peak_stash(order, default, ones, release) for order in timeline.order),
+               default=0)
+    chunk = max(Counter(row[0] for row in default.table.compute).values(), default=1)
+    return [c for c in dict.fromkeys(((peak + 1) // 2, chunk)) if chunk <= c < peak]
+
+
+def predict_peak(candidate: Candidate, profile: StageProfile, planned: Plan) -> int:
+    """The candidate's predicted peak bytes, the most of any rank."""
+    sizes = _scaled_sizes(profile, candidate.rows)
+    return max(m.peak for m in predict_memory(planned.programs, sizes, planned.checkpointed))
+
+
+def predict_time(candidate: Candidate, profile: StageProfile, planned: Plan,
+                 costs: RuntimeCosts) -> float:
+    """The candidate's predicted step time, messages at their bytes."""
+    sizes = _scaled_sizes(profile, candidate.rows)
+    return predict_step_time(planned, costs=costs, sizes=sizes).latency
+
+
+def _over_budget(peak: int, budget: int | None) -> str:
+    """Why a peak does not fit, or "" when it does."""
+    return "" if budget is None or peak <= budget else f"peak {byte_text(peak)} > budget"
+
+
+def evaluate(candidate: Candidate, profile: StageProfile, workers: int, costs: RuntimeCosts,
+             budget: int | None) -> Verdict:
+    """Plan the candidate with the profile's costs: its step time and peak bytes."""
+    try:
+        planned = plan_candidate(candidate, profile, workers)
+    except GschedError as exc:
+        return _refused(candidate, exc)
+    peak = predict_peak(candidate, profile, planned)
+    reason = _over_budget(peak, budget)
+    return Verdict(candidate, predict_time(candidate, profile, planned, costs), peak,
+                   not reason, reason)
+
+
+def work_bound(candidate: Candidate, profile: StageProfile, workers: int,
+               costs: RuntimeCosts) -> float:
+    """A lower bound of the candidate's predicted step time, without planning it: the replay
+    charges every compute job its cost plus ``costs.job_cpu`` on its worker, keeps each
+    microbatch's chain (F of every stage, then B of every stage), adds ``costs.step_cpu``, and
+    every other charge only delays; so it lasts at least the mean worker's work or the chain."""
+    forward, backward, weight = candidate_costs(candidate, profile)
+    S, split = candidate.stages, get_schedule(candidate.schedule).split_backward
+    jobs = Costs.build(S, forward, backward, weight, split).with_recompute(
+        [candidate.checkpoint] * S)
+    per_micro = sum(jobs.forward) + sum(jobs.backward) + sum(jobs.weight)
+    phases = 3 if split else 2
+    total = candidate.step_micro * (per_micro + S * phases * costs.job_cpu)
+    chain = sum(jobs.forward) + sum(jobs.backward) + 2 * S * costs.job_cpu
+    return max(total / workers, chain) + costs.step_cpu
+
+
+def plan_bound(planned: Plan, costs: RuntimeCosts) -> float:
+    """A lower bound of the plan's predicted step time: the replay keeps the plan's orders and
+    only adds non-negative charges, so it ends no earlier than the plan's own (compute-only)
+    latency, plus ``costs.step_cpu``."""
+    return planned.metrics.latency + costs.step_cpu
+
+
+def memory_bound(candidate: Candidate, profile: StageProfile, planned: Plan) -> int:
+    """A lower bound of the plan's predicted peak bytes from its owners and timeline, no program
+    walked: a rank holds its stages' weights, gradients and optimizer state all step, and at least
+    the smaller of a stage's two stash sizes (its inputs, checkpointed) from each ``F`` to its
+    ``B``, in its timeline's order, which is its program's."""
+    sizes = _scaled_sizes(profile, candidate.rows).stages
+    held = [0] * planned.workers
+    for stage, owners in zip(sizes, planned.programs.owners, strict=True):
+        for rank in owners:
+            held[rank] += stage.params + stage.grads + stage.optimizer
+    least = [st.inputs if ckpt else min(st.activations, st.stash_from_message)
+             for st, ckpt in zip(sizes, planned.checkpointed, strict=True)]
+    return max(owned + _peak_stash(order, planned, least)
+               for owned, order in zip(held, planned.timeline.order, strict=True))
+
+
+def _peak_stash(order: Sequence[int], planned: Plan, held_bytes: Sequence[int],
+                release: Phase = Phase.B) -> int:
+    """The most of ``held_bytes[s]`` per (stage, microbatch) held from ``F`` to ``release``
+    along one worker's timeline order (flat job indices: ``(stage * micro + b) * phases + k``)."""
+    phases = planned.timeline.phases
+    per_stage = len(phases) * planned.timeline.micro
+    step = [1 if phase is Phase.F else -1 if phase is release else 0 for phase in phases]
+    held = peak = 0
+    for i in order:
+        held += step[i % len(phases)] * held_bytes[i // per_stage]
+        peak = max(peak, held)
+    return peak
 
 
 @dataclass
@@ -92,11 +264,11 @@ class TuneResult:
 
     def table(self, limit: int = 20) -> str:
         """The ranked table `gsched tune` prints (G and the data-parallel mode per row)."""
+        row = "{:>4}  {:<34} {:>2}  {:<9} {:>10}  {:>10}  {}".format
         lines = [f"gsched tune: W={self.workers}, global batch {self.global_rows} rows, budget "
                  + (byte_text(self.budget) if self.budget is not None else "none"),
-                 f"{'rank':>4}  {'candidate':<34} {'G':>2}  {'mode':<9} {'step time':>10}  "
-                 f"{'peak/rank':>10}  fits",
-                 f"{'-' * 4}  {'-' * 34} {'-' * 2}  {'-' * 9} {'-' * 10}  {'-' * 10}  ----"]
+                 row("rank", "candidate", "G", "mode", "step time", "peak/rank", "fits"),
+                 row(*("-" * n for n in (4, 34, 2, 9, 10, 10, 4)))]
         costed = [v for v in self.verdicts if v.step_time is not None]
         fitting, over = [v for v in costed if v.fits], [v for v in costed if not v.fits]
         # the fastest that fit, then the fastest few over the budget (what it would buy)
@@ -104,10 +276,9 @@ class TuneResult:
         for i, v in enumerate(shown, 1):
             assert v.step_time is not None and v.peak is not None
             c = v.candidate
-            mode = c.mode if c.replicas > 1 else "-"
-            lines.append(f"{i:>4}  {c.shape_text():<34} {c.replicas:>2}  {mode:<9} "
-                         f"{v.step_time * 1e3:>7.1f} ms  {byte_text(v.peak):>10}  "
-                         f"{'yes' if v.fits else 'no: ' + v.reason}")
+            lines.append(row(i, c.shape_text(), c.replicas, c.mode if c.replicas > 1 else "-",
+                             f"{v.step_time * 1e3:.1f} ms", byte_text(v.peak),
+                             "yes" if v.fits else "no: " + v.reason))
         sized = [v for v in self.verdicts if v.step_time is None and v.peak is not None]
         if len(over) + len(sized) > len(shown) - len(fitting[:limit]):
             lines.append(f"over the budget: {len(over) + len(sized)} candidates sized"
@@ -142,7 +313,9 @@ def _distinct_key(v: Verdict) -> tuple[object, ...]:
 @dataclass(order=True)
 class _Entry:
     """A candidate waiting in the search: its lower bound (the heap's key), its plan once made,
-    and the programs of the caps already costed for its configuration (``family``)."""
+    the programs of the caps already costed for its configuration (``family``); set aside over
+    the budget, its peak (None: only bounded) and the least peak known (its peak or bytes bound).
+    """
 
     bound: float
     order: int
@@ -150,16 +323,8 @@ class _Entry:
     profile: StageProfile = field(compare=False)
     planned: Plan | None = field(default=None, compare=False)
     family: list[object] = field(default_factory=list, compare=False)
-
-
-@dataclass
-class _Over:
-    """A planned candidate over the budget: its peak (None: only bounded) and the least peak
-    known for it (its peak, or its bytes bound)."""
-
-    entry: _Entry
-    peak: int | None
-    least: int
+    peak: int | None = field(default=None, compare=False)
+    least: int = field(default=0, compare=False)
 
 
 class _BoundedSearch:
@@ -172,7 +337,7 @@ class _BoundedSearch:
         self.heap: list[_Entry] = []
         self.costed: list[Verdict] = []
         self.uncosted: list[Verdict] = []
-        self.over: list[_Over] = []  # over the budget, not timed yet
+        self.over: list[_Entry] = []  # over the budget, not timed yet
         self.fit_times: list[float] = []  # distinct fitting verdicts' step times, sorted
         self.over_times: list[float] = []  # and those over the budget
         self.keys: set[tuple[object, ...]] = set()
@@ -215,13 +380,14 @@ class _BoundedSearch:
             entry.planned = plan_candidate(c, entry.profile, self.workers)
         except GschedError as exc:
             if c.cap is None:
-                self.uncosted.append(refused(c, exc))
+                self.uncosted.append(_refused(c, exc))
             return
         entry.bound = max(entry.bound, plan_bound(entry.planned, self.costs))
         least = None if self.budget is None or self.top is None else memory_bound(
             c, entry.profile, entry.planned)
         if least is not None and self.budget is not None and least > self.budget:
-            self.over.append(_Over(entry, None, least))
+            entry.least = least
+            self.over.append(entry)
         else:
             self.push(entry)
         if c.cap is None:
@@ -238,9 +404,10 @@ class _BoundedSearch:
             return  # a cap whose programs another cap of this configuration has
         entry.family.append(planned.programs.ranks)
         peak = predict_peak(c, entry.profile, planned)
-        reason = over_budget(peak, self.budget)
+        reason = _over_budget(peak, self.budget)
         if reason and self.top is not None:
-            self.over.append(_Over(entry, peak, peak))
+            entry.peak = entry.least = peak
+            self.over.append(entry)
         else:
             self._record(Verdict(c, predict_time(c, entry.profile, planned, self.costs), peak,
                                  not reason, reason))
@@ -256,36 +423,33 @@ class _BoundedSearch:
     def _smallest_peak(self) -> None:
         """Nothing fits: size the candidates set aside by their bytes bound, smallest bound
         first, until no bound is below the smallest peak found (the error names it)."""
-        waiting = sorted((o for o in self.over if o.peak is None),
-                         key=lambda o: (o.least, o.entry.order))
-        smallest = min((o.peak for o in self.over if o.peak is not None), default=None)
-        for o in waiting:
-            if smallest is not None and o.least >= smallest:
+        waiting = sorted((e for e in self.over if e.peak is None), key=lambda e: (e.least, e.order))
+        smallest = min((e.peak for e in self.over if e.peak is not None), default=None)
+        for e in waiting:
+            if smallest is not None and e.least >= smallest:
                 break
-            assert o.entry.planned is not None
-            o.peak = o.least = predict_peak(o.entry.candidate, o.entry.profile,
-                                            o.entry.planned)
-            smallest = o.peak if smallest is None else min(smallest, o.peak)
+            assert e.planned is not None
+            e.peak = e.least = predict_peak(e.candidate, e.profile, e.planned)
+            smallest = e.peak if smallest is None else min(smallest, e.peak)
 
     def _time_fastest_over(self) -> None:
         """Time the candidates over the budget, lowest bound first, until no bound left is below
         the :data:`OVER_ROWS`-th fastest of them; the rest keep their peak (or their bytes
         bound) without a step time."""
-        for o in sorted(self.over, key=lambda o: (o.entry.bound, o.entry.order)):
-            entry, c = o.entry, o.entry.candidate
-            assert entry.planned is not None
+        for e in sorted(self.over):  # by bound, then order pushed
+            c = e.candidate
+            assert e.planned is not None
             if len(self.over_times) >= OVER_ROWS and \
-                    entry.bound > self.over_times[OVER_ROWS - 1] * (1 + _SLACK):
+                    e.bound > self.over_times[OVER_ROWS - 1] * (1 + _SLACK):
                 self.uncosted.append(
-                    Verdict(c, None, o.peak, False, over_budget(o.peak, self.budget))
-                    if o.peak is not None else
-                    Verdict(c, reason=f"peak >= {byte_text(o.least)} (its bound) > the budget",
+                    Verdict(c, None, e.peak, False, _over_budget(e.peak, self.budget))
+                    if e.peak is not None else
+                    Verdict(c, reason=f"peak >= {byte_text(e.least)} (its bound) > the budget",
                             skipped=True))
                 continue
-            peak = o.peak if o.peak is not None else predict_peak(c, entry.profile,
-                                                                  entry.planned)
-            step = predict_time(c, entry.profile, entry.planned, self.costs)
-            self._record(Verdict(c, step, peak, False, over_budget(peak, self.budget)))
+            peak = e.peak if e.peak is not None else predict_peak(c, e.profile, e.planned)
+            step = predict_time(c, e.profile, e.planned, self.costs)
+            self._record(Verdict(c, step, peak, False, _over_budget(peak, self.budget)))
 
 
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
@@ -294,16 +458,12 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
          checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
          micro: int | None = None, R: int | None = None, replicas: int | None = None,
          top: int | None = TOP) -> TuneResult:
-    """Rank the candidates (:func:`~.tune_space.candidates`) by predicted step time: the ``top``
-    fastest that fit exactly (module docstring), those over the budget kept in the table as
-    "no", those the planner refuses as dropped.
+    """Rank the candidates by predicted step time (module docstring).
 
-    ``profile_of(S)``: the model measured at S stages (called once per S, rising; a GschedError
-    when the model cannot be cut into S stages drops the candidates with that S).
-    ``stages``/``micro`` (B per replica)/``R``/``replicas`` (G): fixed values. ``costs``: the
-    runtime's (default :data:`~.runtime_costs.DEFAULT_COSTS`). ``top``: the fitting candidates
-    ranked exactly (None: cost every candidate). Raises :class:`ScheduleConfigError` when
-    nothing fits, naming the smallest peak reached.
+    ``profile_of(S)``: the model measured at S stages (called once per S, rising; its GschedError
+    drops the candidates with that S). ``stages``/``micro`` (B per replica)/``R``/``replicas``
+    (G): fixed values. ``top``: the fitting candidates ranked exactly (None: cost every one).
+    Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached.
     """
     if top is not None and top < 1:
         raise ScheduleConfigError(f"top={top!r} must be a positive int (or None: every "

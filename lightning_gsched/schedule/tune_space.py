@@ -1,23 +1,20 @@
 """The tuner's search space: which (schedule, G, mode, R, S, B, checkpointing) it considers.
 
-Why a module of its own: the space is the part of the tuner a user constrains
-(``GeneralParallel("auto", stages=4, data_parallel_size=2)``, ``gsched tune -s 4 --dp 2``) and
-the part the engine must agree with before anything is planned (it profiles the smallest
-microbatch any candidate cuts: :func:`most_microbatches`). Pure Python, no plan built.
+A module of its own as the part of the tuner a user constrains (``GeneralParallel("auto",
+stages=4, data_parallel_size=2)``, ``gsched tune -s 4 --dp 2``) and the engine must agree with
+before anything is planned (it profiles the smallest microbatch: :func:`most_microbatches`).
 
-Data parallelism: each divisor G of W below W, with P = W / G workers per replica, in both modes.
-A candidate's ``micro`` is B per replica, as ``plan()`` counts it: a step cuts the global batch
-into B x G microbatches. B per replica takes P, 2P and 4P, so the step's microbatch counts (W, 2W,
-4W) and sizes are the same for every G, and the profile of the smallest microbatch serves all.
-
-Left out unless the user fixes G, as the search has them under another name: G = W (a one-worker
-pipeline in W replicas is ddp or fsdp); lpp with G > 1 (lpp is itself replicas of an R-deep
-loop: tests/test_schedule_tune_dp.py compares the predictions). ``plan()`` refuses ddp and fsdp
-with G > 1 (data parallel over all W already).
+G: each divisor of W below W, in both modes. A candidate's ``micro`` is B per replica, as
+``plan()`` counts it (a step cuts the global batch into B x G microbatches); B takes P, 2P and
+4P (P = W / G), so the step's microbatch counts (W, 2W, 4W) and sizes are the same for every G
+and one profile serves them all. Left out unless the user fixes G, as searched under another
+name: G = W (a one-worker pipeline in W replicas is ddp or fsdp) and lpp with G > 1 (lpp is
+itself replicas of an R-deep loop; tests/test_schedule_tune_dp.py compares the predictions).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -142,7 +139,7 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
     """
     if replicas is not None:
         pipeline_size(workers, replicas)  # G divides W, or the error naming the divisors
-    out = []
+    out: list[Candidate] = []
     for G in replica_counts(workers, replicas):
         micros = microbatch_counts(workers, global_rows, micro, G)
         for name in schedules or list(LIBRARY):
@@ -157,10 +154,7 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
             for mode in modes:
                 for r in _Rs(name, workers // G, R):
                     default_s = _default_stages(name, workers, r, G, mode)
-                    for S in [stages] if stages is not None else dict.fromkeys(
-                            (default_s, 2 * default_s)):
-                        for B in micros:
-                            for ckpt in checkpoint:
-                                out.append(Candidate(name, S, B, r, ckpt,
-                                                     global_rows // (B * G), None, G, mode))
+                    Ss = [stages] if stages is not None else [default_s, 2 * default_s]
+                    out += [Candidate(name, S, B, r, ckpt, global_rows // (B * G), None, G, mode)
+                            for S, B, ckpt in itertools.product(Ss, micros, checkpoint)]
     return out
