@@ -1,8 +1,7 @@
 """The planner's search for caps: the smallest cap a schedule completes under, and ``cap="auto"``.
 
-Both are bisections over simulations (``run(caps)``: one timeline, by symmetry, a sweep or in
-full: ``symmetry.make_simulator``), which :func:`.plan.plan` asks for where a cap is ``"auto"``
-or a schedule's default cap cannot complete. Pure Python.
+Both bisect over simulations (``run(caps)``: ``symmetry.make_simulator``); :func:`.plan.plan`
+asks for them where a cap is ``"auto"`` or a schedule's default cap cannot complete.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
 
 
 def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
-    """:func:`_bisect`'s answer, trying ``guess`` and ``guess - 1`` first: the answer is often
-    exactly W (1F1B-like orders stash at most W microbatch-stages per worker), so two simulations
-    usually settle what a bisection takes log2(B*S/W) for; with a monotone ``ok`` the answer is
-    the same."""
+    """:func:`_bisect`'s answer (the same, ``ok`` being monotone), trying ``guess`` and ``guess -
+    1`` first: the answer is often exactly W (1F1B-like orders stash at most W microbatch-stages
+    per worker), so two simulations usually settle what a bisection takes log2(B*S/W) for."""
     guess = min(max(guess, low), high)
     if guess == high:
         return _bisect(low, high, ok)

@@ -1,7 +1,7 @@
 """Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
 
-A schedule is a placement ``w(s, b, d)``, a priority ``n(s, b, d)`` and a cap per worker; G
-replicas of a P-worker schedule lift all three by one renaming (:class:`~.replicas.ReplicaLayout`).
+A schedule is a placement ``w(s, b, d)``, a priority ``n(s, b, d)`` and a cap per worker; G replicas
+of a P-worker schedule lift all three by one renaming (:class:`~.replicas.ReplicaLayout`).
 Microbatch ``b`` runs on replica ``g = b mod G`` as its microbatch ``m = b // G``:
 
 - placement: compute on ``rank(w_P(s, m, d).compute, g)``. Replicated, the weights too, so a
@@ -12,13 +12,13 @@ Microbatch ``b`` runs on replica ``g = b mod G`` as its microbatch ``m = b // G`
   and reduce its gradient to the owner once;
 - priority: ``n(s, b, d) = n_P(s, b // G, d)``; cap: ``cap[rank(p, g)] = cap_P[p]``.
 
-Why it is exact: a job's predecessors and successors are jobs of its microbatch, so they run on
-its replica's ranks; every rank runs one replica's jobs, in the P-worker priorities' order under
-an order-preserving renaming of microbatches (``m -> g + G*m``). So every replica's timeline is
-the P-worker schedule's, renamed, and each rank stashes what its position stashes; only weights
-cross replicas, added by the lowering. :mod:`.symmetry` plans one replica and renames it (tests
-compare that with the full simulation). The looped family is this lift with replica-contiguous
-ranks: lpp is G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
+Why it is exact: a job's predecessors and successors are jobs of its microbatch, so they run on its
+replica's ranks; every rank runs one replica's jobs, in the P-worker priorities' order under an
+order-preserving renaming of microbatches (``m -> g + G*m``). So every replica's timeline is the
+P-worker schedule's, renamed, and each rank stashes what its position stashes; only weights cross
+replicas, added by the lowering. :mod:`.symmetry` plans one replica and renames it (tests compare
+that with the full simulation). The looped family is this lift with replica-contiguous ranks: lpp is
+G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
 """
 
 from __future__ import annotations
@@ -79,9 +79,8 @@ def pipeline_size(workers: int, replicas: int) -> int:
 
 @dataclass(frozen=True)
 class DataParallel(LibraryPlacement):
-    """G replicas of the P-worker placement ``inner`` (module docstring). Build it with
-    :func:`lift`, which validates ``inner`` (a valid inner placement makes a valid lift) and
-    computes the owners of the shard mode."""
+    """G replicas of the P-worker placement ``inner``; built by :func:`lift`, which validates
+    ``inner`` (a valid inner placement makes a valid lift) and deals the shard mode's owners."""
 
     inner: PlacementFn
     layout: ReplicaLayout
@@ -96,8 +95,7 @@ class DataParallel(LibraryPlacement):
     hold_fetched_for_step = weights_constant_in_micro = shard
 
     @property
-    def reserves_stash(self) -> bool:
-        """The P-worker schedule's cap rule (reserve.py), read through the lift."""
+    def reserves_stash(self) -> bool:  # the P-worker schedule's cap rule (reserve.py), lifted
         return bool(getattr(self.inner, "reserves_stash", False))
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
@@ -125,8 +123,7 @@ class DataParallel(LibraryPlacement):
         if inner is None:
             return None
         period = inner.micro_period()
-        if period is None and inner.compute_constant_in_micro and \
-                inner.weights_constant_in_micro:
+        if period is None and inner.compute_constant_in_micro and inner.weights_constant_in_micro:
             period = 1
         return None if period is None else period * self.layout.replicas
 
@@ -136,18 +133,13 @@ class DataParallel(LibraryPlacement):
 
 def lift(inner: PlacementFn, layout: ReplicaLayout, stages: int, micro_per_replica: int,
          mode: str = "replicate") -> DataParallel:
-    """The G-replica placement of ``inner`` (a P-worker placement), checked.
-
-    ``inner`` is validated on its own P workers (a user's ``w`` is named in the error with the
-    P-worker job). Shard mode needs one owner per stage in ``inner``; a schedule that
-    replicates its stages itself (lpp) is refused, naming its sharded form.
-    """
+    """The G-replica placement of ``inner``, validated on its own P workers (so an error names
+    the P-worker job). Shard mode needs one owner per stage in ``inner``."""
     table = PlacementTable(inner, layout.pipeline, stages, micro_per_replica)
     if mode == "replicate":
         return DataParallel(inner, layout)
-    shared = [s for s, owners in enumerate(table.owners) if len(owners) != 1]
-    if shared:
-        s = shared[0]
+    s = next((s for s, owners in enumerate(table.owners) if len(owners) != 1), None)
+    if s is not None:
         raise ScheduleConfigError(
             f"data_parallel='shard' needs a schedule that owns each stage once per replica, "
             f"but stage {s} has {len(table.owners[s])} owners in the {layout.pipeline}-worker "
@@ -176,13 +168,9 @@ class LiftedPriority:
 
 
 def lift_priority(priority: PriorityFn, replicas: int) -> PriorityFn:
-    """The lifted priority of a P-worker ``priority``.
-
-    A library order (bfs, gpipe, 1f1b, zb) is returned as is: its microbatch loops are monotone
-    in b, so on every rank (whose microbatches are ``g + G*m``) it orders jobs as ``n_P(s, m, d)``
-    does, and the fast paths keep reading its layout. Interleaved's positions take the replica
-    count; any other callable is wrapped (:class:`LiftedPriority`).
-    """
+    """The lifted priority of a P-worker ``priority``. A library order (bfs, gpipe, 1f1b, zb) is
+    returned as is: its microbatch loops are monotone in b, so on every rank (microbatches
+    ``g + G*m``) it orders jobs as ``n_P(s, m, d)`` does, and the fast paths keep its layout."""
     if replicas == 1 or layout_of(priority) is not None:
         return priority
     if isinstance(priority, InterleavedOrder):

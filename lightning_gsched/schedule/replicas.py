@@ -1,12 +1,10 @@
-"""Where the G replicas of a P-worker schedule sit among the W = P x G ranks: one definition of
-the renaming (position ``p``, replica ``g``) -> rank, for the data-parallel placement, the
-planner's symmetry path, the per-rank lowering and the engine (batch rows, device mesh) to agree.
+"""Where the G replicas of a P-worker schedule sit among the W = P x G ranks: one renaming
+(position ``p``, replica ``g``) -> rank for the planner, the lowering and the engine to agree on.
 
-- ``pipeline_major=True`` (the default for ``data_parallel_size``): ``rank = p * G + g``, as
-  torchtitan's ``["pp", "dp"]`` device mesh. A stage's column (its G ranks, one per replica) is
-  contiguous, so its gradient all-reduce (or sharded weight fetches) stays inside a node, and
-  only the pipeline's point-to-point messages cross nodes.
-- ``pipeline_major=False``: ``rank = g * P + p``, a replica contiguous: how the looped family
+- ``pipeline_major=True`` (the default): ``rank = p * G + g``, as torchtitan's ``["pp", "dp"]``
+  mesh: a stage's column (its G ranks) is contiguous, so its gradient all-reduce or sharded weight
+  fetches stay inside a node, and only the pipeline's messages cross nodes.
+- ``pipeline_major=False``: ``rank = g * P + p``, a replica contiguous, as the looped family
   (lpp, fslpp, ddp, fsdp) numbers its groups (``LPP.h(s, b) = R * (b mod G) + s mod R``).
 
 Microbatch ``b`` runs on replica ``b mod G`` as that replica's microbatch ``b // G``.

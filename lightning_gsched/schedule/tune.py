@@ -1,32 +1,26 @@
 """The tuner: which schedule, data-parallel G and mode, S, B, R, cap and checkpointing is
 fastest within a memory budget.
 
-Every candidate (:mod:`.tune_space`, plus smaller uniform caps: :func:`cap_choices`) is an
-ordinary plan whose programs the runtime would execute unchanged, so its predicted step time
-(``predict_step_time`` with the runtime's costs) and bytes per rank (``predict_memory``) are
-those of the real run. A profile (:class:`StageProfile`) is measured at one microbatch size; at
-another, stashes and messages scale linearly with the rows (weights, gradients and optimizer
-state do not) and compute times affinely: each job's ``fixed_share`` (per-op dispatch, autograd
-set-up) stays, the rest scales (linear alone is optimistic for smaller microbatches).
+Every candidate (:mod:`.tune_space`, plus smaller uniform caps: :func:`cap_choices`) is an ordinary
+plan whose programs the runtime would execute unchanged, so its predicted step time
+(``predict_step_time`` with the runtime's costs) and bytes per rank (``predict_memory``) are those
+of the real run. A profile (:class:`StageProfile`) is measured at one microbatch size; at another,
+stashes and messages scale linearly with the rows (weights, gradients and optimizer state do not)
+and compute times affinely: each job's ``fixed_share`` (per-op dispatch, autograd set-up) stays, the
+rest scales (linear alone is optimistic for smaller microbatches).
 
-Why bounded: at W=8 the space holds hundreds of candidates, costing one (replaying every rank's
-program, walking its bytes) takes up to a second, and the search runs at the first batch on rank
-0 while the other ranks wait. So it ranks exactly the ``top`` fastest candidates that fit (branch
-and bound), costing a candidate only when its lower bound does not rule it out:
-
-1. unplanned, its bound is its work (:func:`work_bound`);
-2. planned (cheap: one replica, renamed), the bound grows to the plan's own latency
-   (:func:`plan_bound`); with a budget, a plan whose bytes bound (:func:`memory_bound`) exceeds
-   it is set aside;
-3. only then is it sized and, when it fits, timed; over the budget only the fastest
-   :data:`OVER_ROWS` are timed, for the table's "what more memory would buy" rows.
-
-Candidates are taken lowest bound first; once the lowest bound left exceeds the ``top``-th
-fastest fitting step time, nothing left can enter the table, so its rows and pick are those of
-costing every candidate (tests compare). A smaller cap enters with its default-cap plan's bound,
-as a cap only holds jobs back; one whose programs equal an already costed cap's is dropped.
-When nothing fits, the candidates set aside are sized, smallest bound first, until the smallest
-peak is known (the error names it). Pure Python: the model comes in as numbers.
+Why bounded: the space holds hundreds of candidates, costing one replays every rank's program and
+walks its bytes, and the search runs at the first batch on rank 0 while the others wait. So it ranks
+exactly the ``top`` fastest candidates that fit (branch and bound), taking candidates lowest lower
+bound first: the bound grows from the work (:func:`work_bound`) to the plan's own latency once
+planned (:func:`plan_bound`), a plan whose bytes bound (:func:`memory_bound`) exceeds the budget is
+set aside, and only then is a candidate sized and, when it fits, timed. Once the lowest bound left
+exceeds the ``top``-th fastest fitting step time, nothing left can enter the table, so its rows and
+pick are those of costing every candidate (tests compare). A smaller cap enters with its default-cap
+plan's bound, as a cap only holds jobs back; one whose programs equal an already costed cap's is
+dropped. Over the budget, only the fastest :data:`OVER_ROWS` are timed (the table's "what more
+memory would buy" rows); when nothing fits, the candidates set aside are sized, smallest bound
+first, until the smallest peak is known (the error names it).
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.jobs import Phase
 from lightning_gsched.schedule.library import get_schedule
-from lightning_gsched.schedule.memory import ModelSizes, StageSizes, predict_memory
+from lightning_gsched.schedule.memory import ModelSizes, predict_memory
 from lightning_gsched.schedule.plan import Plan, plan_arguments
 from lightning_gsched.schedule.predict import predict_step_time
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
@@ -60,12 +54,9 @@ _SLACK = 1e-9  # relative: a bound and a replay summing the same seconds in anot
 
 @dataclass(frozen=True)
 class StageProfile:
-    """The model cut into ``stages`` stages, measured on one microbatch of ``rows`` rows.
-
-    ``forward``/``backward``: seconds per stage (the whole backward); ``split``: (B, W) seconds
-    per stage measured with the zero-bubble runtime's split backward, None to halve the
-    backward. ``sizes``: bytes per stage (``measure.measure_stage_bytes``).
-    """
+    """The model cut into ``stages`` stages, measured on one microbatch of ``rows`` rows: seconds
+    per stage (``backward`` the whole backward; ``split``: (B, W) measured with the zero-bubble
+    runtime's split backward, None to halve it) and bytes per stage (``sizes``)."""
 
     stages: int
     rows: int
@@ -110,20 +101,16 @@ def candidate_costs(candidate: Candidate, profile: StageProfile
 def _scaled_sizes(profile: StageProfile, rows: int) -> ModelSizes:
     """The profile's sizes for microbatches of ``rows`` rows (module docstring)."""
     f = rows / profile.rows
-
-    def stage(st: StageSizes) -> StageSizes:
-        return dataclasses.replace(
-            st, activations=int(st.activations * f),
-            received_activations=int(st.stash_from_message * f), message=int(st.message * f),
-            inputs=int(st.inputs * f), loss_graph=int(st.loss_graph * f))
-
-    return dataclasses.replace(profile.sizes, stages=tuple(map(stage, profile.sizes.stages)))
+    stages = tuple(dataclasses.replace(
+        st, activations=int(st.activations * f), message=int(st.message * f),
+        received_activations=int(st.stash_from_message * f), inputs=int(st.inputs * f),
+        loss_graph=int(st.loss_graph * f)) for st in profile.sizes.stages)
+    return dataclasses.replace(profile.sizes, stages=stages)
 
 
 def candidate_arguments(candidate: Candidate, profile: StageProfile) -> ScheduleArguments:
-    """The arguments ``plan()`` gets for ``candidate``: what a user would write, plus the
-    profile's seconds as costs and its tied weights. ``GeneralParallel("auto")`` trains its pick
-    with these, so the programs that run are the ones the tuner costed."""
+    """What a user would pass ``plan()`` for ``candidate``, plus the profile's seconds and tied
+    weights: ``GeneralParallel("auto")`` trains its pick with these, as the tuner costed them."""
     c = candidate
     forward, backward, weight = candidate_costs(c, profile)
     return ScheduleArguments(
@@ -145,11 +132,9 @@ def _refused(candidate: Candidate, exc: GschedError) -> Verdict:
 
 def cap_choices(default: Plan) -> list[int]:
     """Smaller uniform caps worth trying beside a schedule's default plan, trading bubble for
-    activation memory: half its peak stash count, and one microbatch in flight per worker, both
-    below the peak. Nothing smaller completes: a worker computing k stages of a microbatch holds
-    k stashes when its last stage's backward starts (k = S / P for a pipeline, S for fsdp)."""
-    # the programs' peak_activations, read off the timeline (no program lowered): a stash lasts
-    # from F to W when the backward is split, else to B
+    activation memory: half its peak stash count (read off the timeline: no program lowered),
+    and one microbatch in flight per worker, below which nothing completes (a worker computing k
+    stages of a microbatch holds k stashes when its last stage's backward starts)."""
     timeline = default.timeline
     release = Phase.W if Phase.W in timeline.phases else Phase.B
     ones = [1] * default.stages
@@ -209,8 +194,7 @@ def work_bound(candidate: Candidate, profile: StageProfile, workers: int,
 
 def plan_bound(planned: Plan, costs: RuntimeCosts) -> float:
     """A lower bound of the plan's predicted step time: the replay keeps the plan's orders and
-    only adds non-negative charges, so it ends no earlier than the plan's own (compute-only)
-    latency, plus ``costs.step_cpu``."""
+    only adds non-negative charges to its (compute-only) latency, then ``costs.step_cpu``."""
     return planned.metrics.latency + costs.step_cpu
 
 
@@ -247,9 +231,8 @@ def _peak_stash(order: Sequence[int], planned: Plan, held_bytes: Sequence[int],
 @dataclass
 class TuneResult:
     """Every verdict: the timed ones, fastest fitting first; then those over the budget only
-    sized (peak, no step time); those the search's bounds skipped (``skipped``); those the
-    planner refused. ``best`` is the pick (None when nothing fits). ``top``: the fitting rows
-    ranked exactly (None: every candidate costed)."""
+    sized; those the search's bounds skipped; those the planner refused. ``top``: the fitting
+    rows ranked exactly (None: every candidate costed)."""
 
     verdicts: list[Verdict]
     budget: int | None
@@ -259,7 +242,7 @@ class TuneResult:
     top: int | None = None
 
     @property
-    def best(self) -> Verdict | None:
+    def best(self) -> Verdict | None:  # the pick; None when nothing fits
         return next((v for v in self.verdicts if v.fits), None)
 
     def table(self, limit: int = 20) -> str:
@@ -305,17 +288,14 @@ class TuneResult:
 def _distinct_key(v: Verdict) -> tuple[object, ...]:
     """What makes two verdicts the same row: the configuration but B, and the predictions (a
     schedule predicted alike at more, smaller microbatches adds nothing to the table)."""
-    c = v.candidate
-    return (c.schedule, c.stages, c.R, c.cap, c.checkpoint, c.replicas, c.mode, v.step_time,
-            v.peak)
+    return dataclasses.replace(v.candidate, micro=0, rows=0), v.step_time, v.peak
 
 
 @dataclass(order=True)
 class _Entry:
-    """A candidate waiting in the search: its lower bound (the heap's key), its plan once made,
-    the programs of the caps already costed for its configuration (``family``); set aside over
-    the budget, its peak (None: only bounded) and the least peak known (its peak or bytes bound).
-    """
+    """A candidate in the search: its lower bound (the heap's key), its plan once made, the
+    programs of the caps costed for its configuration; set aside over the budget, its peak (None:
+    only bounded) and the least peak known (its peak or bytes bound)."""
 
     bound: float
     order: int
@@ -328,8 +308,7 @@ class _Entry:
 
 
 class _BoundedSearch:
-    """The branch and bound's state (module docstring): a heap of candidates by lower bound, the
-    costed verdicts, and the distinct step times that set the threshold."""
+    """The branch and bound (module docstring): a heap of candidates by lower bound."""
 
     def __init__(self, workers: int, costs: RuntimeCosts, budget: int | None,
                  top: int | None) -> None:
@@ -373,8 +352,7 @@ class _BoundedSearch:
     def _plan(self, entry: _Entry) -> None:
         """Plan the candidate: refused, it is dropped (a smaller cap silently: its default's
         verdict stands for the configuration); over the budget by its bytes bound, set aside;
-        else back in the heap with its plan's bound. Its smaller caps join the heap with that
-        bound (a cap only holds jobs back), and may fit where it does not."""
+        else back in the heap with its plan's bound, which its smaller caps join it with."""
         c = entry.candidate
         try:
             entry.planned = plan_candidate(c, entry.profile, self.workers)
@@ -383,9 +361,8 @@ class _BoundedSearch:
                 self.uncosted.append(_refused(c, exc))
             return
         entry.bound = max(entry.bound, plan_bound(entry.planned, self.costs))
-        least = None if self.budget is None or self.top is None else memory_bound(
-            c, entry.profile, entry.planned)
-        if least is not None and self.budget is not None and least > self.budget:
+        if self.budget is not None and self.top is not None and \
+                (least := memory_bound(c, entry.profile, entry.planned)) > self.budget:
             entry.least = least
             self.over.append(entry)
         else:
@@ -434,8 +411,7 @@ class _BoundedSearch:
 
     def _time_fastest_over(self) -> None:
         """Time the candidates over the budget, lowest bound first, until no bound left is below
-        the :data:`OVER_ROWS`-th fastest of them; the rest keep their peak (or their bytes
-        bound) without a step time."""
+        the :data:`OVER_ROWS`-th fastest of them; the rest keep their peak or bytes bound."""
         for e in sorted(self.over):  # by bound, then order pushed
             c = e.candidate
             assert e.planned is not None
@@ -454,17 +430,14 @@ class _BoundedSearch:
 
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
          budget: int | None = None, costs: RuntimeCosts | None = None,
-         schedules: Sequence[str] | None = None,
-         checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
-         micro: int | None = None, R: int | None = None, replicas: int | None = None,
-         top: int | None = TOP) -> TuneResult:
-    """Rank the candidates by predicted step time (module docstring).
-
-    ``profile_of(S)``: the model measured at S stages (called once per S, rising; its GschedError
-    drops the candidates with that S). ``stages``/``micro`` (B per replica)/``R``/``replicas``
-    (G): fixed values. ``top``: the fitting candidates ranked exactly (None: cost every one).
-    Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached.
-    """
+         schedules: Sequence[str] | None = None, checkpoint: Sequence[bool] = (False, True), *,
+         stages: int | None = None, micro: int | None = None, R: int | None = None,
+         replicas: int | None = None, top: int | None = TOP) -> TuneResult:
+    """Rank the candidates by predicted step time (module docstring). ``profile_of(S)``: the
+    model measured at S stages (called once per S, rising; its GschedError drops the candidates
+    with that S). ``stages``, ``micro`` (B per replica), ``R``, ``replicas`` (G): fixed values.
+    ``top``: the fitting candidates ranked exactly (None: cost every one). Raises
+    :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached."""
     if top is not None and top < 1:
         raise ScheduleConfigError(f"top={top!r} must be a positive int (or None: every "
                                   "candidate costed), e.g. top=10")
@@ -493,8 +466,7 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
         first.setdefault(_distinct_key(v), v)
     # sized only (peak known), then skipped by a bound, then refused by the planner
     uncosted = sorted(search.uncosted, key=lambda v: (v.peak is None, not v.skipped))
-    verdicts = list(first.values()) + uncosted
-    result = TuneResult(verdicts, budget, workers, global_rows, profiles, top)
+    result = TuneResult([*first.values(), *uncosted], budget, workers, global_rows, profiles, top)
     if budget is not None and result.best is None:
         smallest = min((v for v in result.verdicts if v.peak is not None),
                        key=lambda v: v.peak or 0, default=None)

@@ -1,15 +1,13 @@
-"""The tuner's search space: which (schedule, G, mode, R, S, B, checkpointing) it considers.
+"""The tuner's search space: which (schedule, G, mode, R, S, B, checkpointing) it considers; the
+part a user constrains (``gsched tune -s 4 --dp 2``) and the engine must agree with before
+anything is planned (it profiles the smallest microbatch: :func:`most_microbatches`).
 
-A module of its own as the part of the tuner a user constrains (``GeneralParallel("auto",
-stages=4, data_parallel_size=2)``, ``gsched tune -s 4 --dp 2``) and the engine must agree with
-before anything is planned (it profiles the smallest microbatch: :func:`most_microbatches`).
-
-G: each divisor of W below W, in both modes. A candidate's ``micro`` is B per replica, as
-``plan()`` counts it (a step cuts the global batch into B x G microbatches); B takes P, 2P and
-4P (P = W / G), so the step's microbatch counts (W, 2W, 4W) and sizes are the same for every G
-and one profile serves them all. Left out unless the user fixes G, as searched under another
-name: G = W (a one-worker pipeline in W replicas is ddp or fsdp) and lpp with G > 1 (lpp is
-itself replicas of an R-deep loop; tests/test_schedule_tune_dp.py compares the predictions).
+G: each divisor of W below W, in both modes. A candidate's ``micro`` is B per replica, as ``plan()``
+counts it (a step cuts the global batch into B x G microbatches); B takes P, 2P and 4P (P = W / G),
+so the step's microbatch counts (W, 2W, 4W) and sizes are the same for every G and one profile
+serves them all. Left out unless the user fixes G, as searched under another name: G = W (a
+one-worker pipeline in W replicas is ddp or fsdp) and lpp with G > 1 (lpp is itself replicas of an
+R-deep loop; tests/test_schedule_tune_dp.py compares the predictions).
 """
 
 from __future__ import annotations
@@ -27,11 +25,9 @@ from lightning_gsched.schedule.plan import resolve_arguments
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration: what ``plan()`` is asked for.
-
-    ``micro``: B per data-parallel replica; ``replicas``: G, ``mode``: ``data_parallel``;
-    ``rows``: rows of one microbatch (the global batch / (B x G)); ``cap``: a uniform activation
-    cap per worker, None for the schedule's default."""
+    """One configuration: what ``plan()`` is asked for. ``micro``: B per data-parallel replica;
+    ``replicas``: G; ``rows``: rows of one microbatch (the global batch / (B x G)); ``cap``: a
+    uniform activation cap per worker, None for the schedule's default."""
 
     schedule: str
     stages: int
@@ -57,8 +53,7 @@ class Candidate:
 
     def text(self) -> str:
         """The whole configuration in one line: :meth:`shape_text`, then G and the mode."""
-        dp = f" G={self.replicas} {self.mode}" if self.replicas > 1 else ""
-        return self.shape_text() + dp
+        return self.shape_text() + (f" G={self.replicas} {self.mode}" if self.replicas > 1 else "")
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,8 +61,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def replica_counts(workers: int, fixed: int | None = None) -> list[int]:
-    """The G values searched: every divisor of W below W (and 1 when W = 1), or only the
-    user's ``fixed`` G."""
+    """The G values searched: each divisor of W below W (1 when W = 1), or the user's ``fixed``."""
     if fixed is not None:
         return [fixed]
     return [G for G in _divisors(workers) if G < workers or G == 1]
@@ -76,9 +70,8 @@ def replica_counts(workers: int, fixed: int | None = None) -> list[int]:
 def microbatch_counts(workers: int, global_rows: int, micro: int | None = None,
                       replicas: int = 1) -> list[int]:
     """The B values per replica searched at G = ``replicas``: those giving W, 2W and 4W
-    microbatches per step where they divide the global batch, else the largest step count <= W
-    that divides it and that G divides; only the user's ``micro`` when fixed (and, with G > 1,
-    B x G divides the global batch)."""
+    microbatches per step that divide the global batch, else the largest step count <= W that
+    divides it and that G divides; only the user's ``micro`` (when B x G divides the batch)."""
     G = replicas
     if micro is not None:
         return [micro] if G == 1 or global_rows % (micro * G) == 0 else []
@@ -92,8 +85,7 @@ def microbatch_counts(workers: int, global_rows: int, micro: int | None = None,
 def most_microbatches(workers: int, global_rows: int, micro: int | None = None,
                       replicas: int | None = None) -> int:
     """The most microbatches any candidate cuts a step into (B x G): the tuner profiles a
-    microbatch of ``global_rows`` / that many rows, the smallest any candidate runs.
-    ``micro``, ``replicas``: the user's fixed B per replica and G, if any."""
+    microbatch of ``global_rows`` / that many rows, the smallest any candidate runs."""
     steps = [B * G for G in replica_counts(workers, replicas)
              for B in microbatch_counts(workers, global_rows, micro, G)]
     return max(steps, default=micro or 1)
@@ -101,9 +93,8 @@ def most_microbatches(workers: int, global_rows: int, micro: int | None = None,
 
 def _Rs(name: str, pipeline: int, R: int | None) -> list[int | None]:
     """The R values of a schedule on a P-worker replica: the user's, else the default and the
-    divisors of P strictly between 1 and P (R = 1 and R = P are ddp's and gpipe's placements
-    under another name: seed, Table 1); a schedule whose default is one group of all P
-    (interleaved) has no other R."""
+    divisors of P strictly between 1 and P (R = 1 and R = P are ddp's and gpipe's placements:
+    seed, Table 1); none other where the default is one group of all P (interleaved)."""
     spec = get_schedule(name)
     if R is not None:
         return [R]
@@ -115,9 +106,8 @@ def _Rs(name: str, pipeline: int, R: int | None) -> list[int | None]:
 
 
 def _default_stages(name: str, workers: int, R: int | None, G: int, mode: str) -> int:
-    """``plan()``'s default S for this shape; for an R ``plan()`` refuses (the user's, not
-    dividing P), the P-worker default, so that the candidate reaches ``plan()`` and its verdict
-    names the reason."""
+    """``plan()``'s default S for this shape; for an R it refuses (the user's, not dividing P),
+    the P-worker default, so that the candidate's verdict names the reason."""
     try:
         return resolve_arguments(ScheduleArguments(
             schedule=name, R=R, data_parallel_size=G, data_parallel=mode), workers)[0]
@@ -129,14 +119,10 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
                checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
                micro: int | None = None, R: int | None = None,
                replicas: int | None = None) -> list[Candidate]:
-    """The search space: every library schedule, at every G of :func:`replica_counts` in each
-    mode it takes (module docstring), with its R choices on each replica's P workers, its
-    default S for that shape (``plan()``'s own) and twice that, B per replica from
-    :func:`microbatch_counts`, checkpointing off and on.
-
-    ``stages``, ``micro`` (B per replica), ``R``, ``replicas`` (G): fixed by the user: only that
-    S, B, G; with R only the schedules that take one (the looped ones), with that R.
-    """
+    """The search space: every library schedule, at every G in each mode it takes, with its R
+    choices on each replica's P workers, its default S for that shape and twice that, each B per
+    replica, checkpointing off and on. ``stages``, ``micro``, ``R``, ``replicas``: fixed by the
+    user; with R, only the schedules that take one (the looped ones)."""
     if replicas is not None:
         pipeline_size(workers, replicas)  # G divides W, or the error naming the divisors
     out: list[Candidate] = []
