@@ -35,14 +35,12 @@ from lightning_gsched.schedule.tune import (
     TuneResult,
     Verdict,
     candidates,
+    memory_bound,
     microbatch_counts,
     most_microbatches,
-    tune,
-)
-from lightning_gsched.schedule.tune_cost import (
-    memory_bound,
     plan_bound,
     plan_candidate,
+    tune,
     work_bound,
 )
 from test_schedule_tune import profile as uniform

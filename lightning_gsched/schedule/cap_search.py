@@ -1,13 +1,12 @@
 """The planner's search for caps: the smallest cap a schedule completes under, and ``cap="auto"``.
 
-Why a module of its own: both are bisections over simulations (each ``run(caps)`` one timeline,
-by symmetry, a sweep or in full: ``symmetry.make_simulator``), a question of their own beside
-building a plan; :func:`.plan.plan` asks them where a cap is ``"auto"`` or a schedule's default
-cap cannot complete. Pure Python.
+Both bisect over simulations (``run(caps)``: ``symmetry.make_simulator``); :func:`.plan.plan`
+asks for them where a cap is ``"auto"`` or a schedule's default cap cannot complete.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 from lightning_gsched.errors import CapTooSmallError
@@ -15,12 +14,9 @@ from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.simulate import Timeline
 
 
-def _jobs_per_worker(table: PlacementTable) -> list[int]:
-    counts = [0] * table.workers
-    for s in range(table.stages):
-        for b in range(table.micro):
-            counts[table.compute[s][b]] += 1
-    return counts
+def _most_jobs_per_worker(table: PlacementTable) -> int:
+    """An upper end for a cap search: no worker stashes more than it computes (at least 1)."""
+    return max(1, max(Counter(w for row in table.compute for w in row).values(), default=0))
 
 
 def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
@@ -35,13 +31,9 @@ def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
 
 
 def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
-    """:func:`_bisect`'s answer, trying ``guess`` and ``guess - 1`` first.
-
-    The smallest cap that keeps a schedule's latency is often exactly W (1F1B-like orders
-    stash at most W microbatch-stages per worker), so two simulations usually settle it where a
-    bisection over [1, jobs per worker] takes log2(B*S/W) of them; with a monotone ``ok`` the
-    answer is the same either way.
-    """
+    """:func:`_bisect`'s answer (the same, ``ok`` being monotone), trying ``guess`` and ``guess -
+    1`` first: the answer is often exactly W (1F1B-like orders stash at most W microbatch-stages
+    per worker), so two simulations usually settle what a bisection takes log2(B*S/W) for."""
     guess = min(max(guess, low), high)
     if guess == high:
         return _bisect(low, high, ok)
@@ -52,43 +44,38 @@ def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> 
     return _bisect(guess + 1, high, ok)
 
 
+def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None]
+              ) -> Timeline | None:
+    """The timeline under ``caps``, or None when the schedule cannot complete under them."""
+    try:
+        return run(caps)
+    except CapTooSmallError:
+        return None
+
+
 def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
-                           table: PlacementTable) -> int:
-    """The smallest uniform cap with which the greedy schedule completes (bisection);
-    ``run(caps)`` simulates (by symmetry, a sweep or in full: ``symmetry.make_simulator``)."""
-
-    def completes(c: int) -> bool:
-        try:
-            run([c] * table.workers)
-            return True
-        except CapTooSmallError:
-            return False
-
-    return _bisect(1, max(1, max(_jobs_per_worker(table))), completes)
+                          table: PlacementTable) -> int:
+    """The smallest uniform cap with which the greedy schedule completes."""
+    return _bisect(1, _most_jobs_per_worker(table),
+                   lambda c: _simulate(run, [c] * table.workers) is not None)
 
 
 def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
-                       table: PlacementTable) -> tuple[list[int | None], Timeline]:
-    """The smallest uniform cap whose latency equals the uncapped latency (bisection), and the
-    timeline simulated with it (the bisection already simulated it: the last cap that kept the
-    latency); ``run(caps)`` simulates as for :func:`smallest_feasible_cap`."""
+                      table: PlacementTable) -> tuple[list[int | None], Timeline]:
+    """The smallest uniform cap whose latency equals the uncapped latency, and its timeline (the
+    bisection's last cap that kept the latency, so not simulated again)."""
     W = table.workers
     target = run([None] * W).latency
     kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline
 
     def keeps_latency(c: int) -> bool:
-        try:
-            timeline = run([c] * W)
-        except CapTooSmallError:
+        timeline = _simulate(run, [c] * W)
+        if timeline is None or timeline.latency > target + 1e-9:
             return False
-        if timeline.latency <= target + 1e-9:
-            kept.clear()
-            kept[c] = timeline
-            return True
-        return False
+        kept.clear()
+        kept[c] = timeline
+        return True
 
-    cap = _search_from(1, max(1, max(_jobs_per_worker(table))), keeps_latency, guess=W)
-    timeline = kept.get(cap)
-    if timeline is None:  # the upper end, never tried: simulate it
-        timeline = run([cap] * W)
+    cap = _search_from(1, _most_jobs_per_worker(table), keeps_latency, guess=W)
+    timeline = kept[cap] if cap in kept else run([cap] * W)  # the upper end, never tried
     return [cap] * W, timeline

@@ -1,41 +1,29 @@
 """Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
 
-The seed's formalism already holds data parallelism: a schedule is a placement ``w(s, b, d)``,
-a priority ``n(s, b, d)`` and a cap per worker, and G replicas of a P-worker schedule are the
-same three lifted by one renaming (:class:`~.replicas.ReplicaLayout`: position ``p`` of replica
-``g`` is rank ``p*G + g``). Microbatch ``b`` runs on replica ``g = b mod G`` as that replica's
-microbatch ``m = b // G``:
+A schedule is a placement ``w(s, b, d)``, a priority ``n(s, b, d)`` and a cap per worker; G replicas
+of a P-worker schedule lift all three by one renaming (:class:`~.replicas.ReplicaLayout`).
+Microbatch ``b`` runs on replica ``g = b mod G`` as its microbatch ``m = b // G``:
 
-- placement: the compute worker of ``(s, b, d)`` is ``rank(w_P(s, m, d).compute, g)``. The
-  weights worker:
-  - ``replicate``: ``rank(w_P(s, m, d).weights, g)``: every replica owns its copy, so a stage
-    has G owners, and the lowering's replica all-reduce joins them right after each owner's
-    last weight-gradient job of the stage (it overlaps the rest of the pipeline);
-  - ``shard``: one owner per stage across the replicas. The P-worker schedule must own each
-    stage once (``o(s)``); the stages position ``o`` owns are dealt round robin over its column
-    (the k-th to replica ``k mod G``). The other ranks of the column fetch the stage; the
-    lowering holds a fetched stage from its first job of the step to its last
-    (:attr:`DataParallel.hold_fetched_for_step`, torchtitan's ``reshard_after_forward=False``
-    under a pipeline) and reduces its gradient to the owner once.
-- priority: ``n(s, b, d) = n_P(s, b // G, d)`` (:func:`lift_priority`);
-- cap: ``cap[rank(p, g)] = cap_P[p]`` (:func:`lift_caps`).
+- placement: compute on ``rank(w_P(s, m, d).compute, g)``. Replicated, the weights too, so a
+  stage has G owners, joined by the lowering's replica all-reduce after each owner's last
+  weight-gradient job of the stage. Sharded (the P-worker schedule owns each stage once), the
+  stages position ``o`` owns are dealt round robin over its column, whose other ranks fetch a
+  stage, hold it for the step (torchtitan's ``reshard_after_forward=False`` under a pipeline)
+  and reduce its gradient to the owner once;
+- priority: ``n(s, b, d) = n_P(s, b // G, d)``; cap: ``cap[rank(p, g)] = cap_P[p]``.
 
-Why it is exact, not an approximation: a job's predecessors and successors are jobs of the same
-microbatch (a chain), so they run on its replica's ranks; every rank runs one replica's jobs,
-ordered by the P-worker priorities under an order-preserving renaming of microbatches
-(``m -> g + G*m``). So every replica's timeline is the P-worker schedule's, renamed, and each
-rank stashes exactly what its position stashes in the P-worker plan. :mod:`.symmetry` plans one
-replica and renames it; tests compare that with the full simulation of the lifted placement.
-Only weights cross replicas (all-reduce or fetch/reduce), added by the lowering.
-
-The looped family is this lift with a replica-contiguous layout (``pipeline_major=False``):
-lpp is G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker;
-tests/test_schedule_data_parallel.py shows each equal to its library placement.
-Pure Python.
+Why it is exact: a job's predecessors and successors are jobs of its microbatch, so they run on its
+replica's ranks; every rank runs one replica's jobs, in the P-worker priorities' order under an
+order-preserving renaming of microbatches (``m -> g + G*m``). So every replica's timeline is the
+P-worker schedule's, renamed, and each rank stashes what its position stashes; only weights cross
+replicas, added by the lowering. :mod:`.symmetry` plans one replica and renames it (tests compare
+that with the full simulation). The looped family is this lift with replica-contiguous ranks: lpp is
+G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -91,9 +79,8 @@ def pipeline_size(workers: int, replicas: int) -> int:
 
 @dataclass(frozen=True)
 class DataParallel(LibraryPlacement):
-    """G replicas of the P-worker placement ``inner`` (module docstring). Build it with
-    :func:`lift`, which validates ``inner`` (a valid inner placement makes a valid lift) and
-    computes the owners of the shard mode."""
+    """G replicas of the P-worker placement ``inner``; built by :func:`lift`, which validates
+    ``inner`` (a valid inner placement makes a valid lift) and deals the shard mode's owners."""
 
     inner: PlacementFn
     layout: ReplicaLayout
@@ -101,21 +88,15 @@ class DataParallel(LibraryPlacement):
 
     @property
     def shard(self) -> bool:
+        """Sharded: one owner per stage (so its row of weights workers is constant in the
+        microbatch), and a fetched stage is held from its first job of the step to its last."""
         return self.owners is not None
 
-    @property
-    def hold_fetched_for_step(self) -> bool:
-        """Sharded: a fetched stage stays from its first job of the step to its last."""
-        return self.owners is not None
+    hold_fetched_for_step = weights_constant_in_micro = shard
 
     @property
-    def reserves_stash(self) -> bool:
-        """The P-worker schedule's cap rule (reserve.py), read through the lift."""
+    def reserves_stash(self) -> bool:  # the P-worker schedule's cap rule (reserve.py), lifted
         return bool(getattr(self.inner, "reserves_stash", False))
-
-    @property
-    def weights_constant_in_micro(self) -> bool:  # type: ignore[override]
-        return self.owners is not None  # sharded: one owner per stage
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         layout = self.layout
@@ -126,14 +107,11 @@ class DataParallel(LibraryPlacement):
         return layout.rank(weights, replica), layout.rank(compute, replica)
 
     def _inner_library(self) -> LibraryPlacement | None:
-        inner = self.inner
-        return inner if isinstance(inner, LibraryPlacement) else None
+        return self.inner if isinstance(self.inner, LibraryPlacement) else None
 
-    def weights_key(self, stage: int) -> Hashable:
+    def weights_key(self, stage: int) -> Hashable:  # equal inner rows are renamed alike
         inner = self._inner_library()
-        if self.owners is not None or inner is None:
-            return stage
-        return inner.weights_key(stage)  # equal inner rows, renamed alike
+        return stage if self.owners is not None or inner is None else inner.weights_key(stage)
 
     def compute_key(self, stage: int) -> Hashable:
         inner = self._inner_library()
@@ -145,8 +123,7 @@ class DataParallel(LibraryPlacement):
         if inner is None:
             return None
         period = inner.micro_period()
-        if period is None and inner.compute_constant_in_micro and \
-                inner.weights_constant_in_micro:
+        if period is None and inner.compute_constant_in_micro and inner.weights_constant_in_micro:
             period = 1
         return None if period is None else period * self.layout.replicas
 
@@ -156,30 +133,23 @@ class DataParallel(LibraryPlacement):
 
 def lift(inner: PlacementFn, layout: ReplicaLayout, stages: int, micro_per_replica: int,
          mode: str = "replicate") -> DataParallel:
-    """The G-replica placement of ``inner`` (a P-worker placement), checked.
-
-    ``inner`` is validated on its own P workers (a user's ``w`` is named in the error with the
-    P-worker job). Shard mode needs one owner per stage in ``inner``; a schedule that
-    replicates its stages itself (lpp) is refused, naming its sharded form.
-    """
+    """The G-replica placement of ``inner``, validated on its own P workers (so an error names
+    the P-worker job). Shard mode needs one owner per stage in ``inner``."""
     table = PlacementTable(inner, layout.pipeline, stages, micro_per_replica)
     if mode == "replicate":
         return DataParallel(inner, layout)
-    shared = [s for s, owners in enumerate(table.owners) if len(owners) != 1]
-    if shared:
-        s = shared[0]
+    s = next((s for s, owners in enumerate(table.owners) if len(owners) != 1), None)
+    if s is not None:
         raise ScheduleConfigError(
             f"data_parallel='shard' needs a schedule that owns each stage once per replica, "
             f"but stage {s} has {len(table.owners[s])} owners in the {layout.pipeline}-worker "
             "schedule (lpp replicates its stages over its groups): use data_parallel="
             "'replicate', or fslpp (lpp with each stage owned once)")
-    dealt: dict[int, int] = {}
+    dealt: Counter[int] = Counter()  # stages dealt so far per position
     owners: list[int] = []
-    for s in range(stages):
-        position = table.owners[s][0]
-        k = dealt.get(position, 0)
-        dealt[position] = k + 1
-        owners.append(layout.rank(position, k % layout.replicas))
+    for (position,) in table.owners:
+        owners.append(layout.rank(position, dealt[position] % layout.replicas))
+        dealt[position] += 1
     return DataParallel(inner, layout, tuple(owners))
 
 
@@ -198,13 +168,9 @@ class LiftedPriority:
 
 
 def lift_priority(priority: PriorityFn, replicas: int) -> PriorityFn:
-    """The lifted priority of a P-worker ``priority``.
-
-    A library order (bfs, gpipe, 1f1b, zb) is returned as is: its microbatch loops are
-    monotone in b, so on every rank (whose microbatches are ``g + G*m``) it orders jobs as
-    ``n_P(s, m, d)`` does, and the fast paths keep reading its layout. Interleaved's positions
-    take the replica count; any other callable is wrapped (:class:`LiftedPriority`).
-    """
+    """The lifted priority of a P-worker ``priority``. A library order (bfs, gpipe, 1f1b, zb) is
+    returned as is: its microbatch loops are monotone in b, so on every rank (microbatches
+    ``g + G*m``) it orders jobs as ``n_P(s, m, d)`` does, and the fast paths keep its layout."""
     if replicas == 1 or layout_of(priority) is not None:
         return priority
     if isinstance(priority, InterleavedOrder):
@@ -225,9 +191,5 @@ def replica_priority(priority: PriorityFn, replicas: int) -> PriorityFn | None:
 
 
 def lift_caps(caps: Sequence[int | None], layout: ReplicaLayout) -> list[int | None]:
-    """One cap per rank: position p's cap in every replica."""
-    out: list[int | None] = [None] * layout.workers
-    for p, cap in enumerate(caps):
-        for rank in layout.column(p):
-            out[rank] = cap
-    return out
+    """One cap per rank: position p's cap (of P) in every replica."""
+    return [caps[layout.position(rank)] for rank in range(layout.workers)]

@@ -1,22 +1,13 @@
-"""Where the G replicas of a P-worker schedule sit among the W = P x G ranks.
+"""Where the G replicas of a P-worker schedule sit among the W = P x G ranks: one renaming
+(position ``p``, replica ``g``) -> rank for the planner, the lowering and the engine to agree on.
 
-Why a type of its own: the same renaming (position ``p`` in a P-worker schedule, replica
-``g``) -> rank is read by the data-parallel placement (:mod:`.data_parallel`), by the planner's
-symmetry path (one replica simulated, the others renamed: :mod:`.symmetry`), by the per-rank
-lowering (a rank's replica is the group whose data flow it shares) and by the engine (which
-rows of the batch a rank may need, the device mesh). One definition keeps them agreeing.
-
-Two layouts:
-
-- ``pipeline_major=True`` (the default for ``data_parallel_size``): ``rank = p * G + g``, as
-  torchtitan's ``["pp", "dp"]`` device mesh. A stage's column (the G ranks that compute it, one
-  per replica) is contiguous, so its gradient all-reduce (or its weight fetches, sharded) stays
-  inside a node, and only the pipeline's point-to-point messages cross nodes.
-- ``pipeline_major=False``: ``rank = g * P + p``, a replica contiguous: how the looped family
+- ``pipeline_major=True`` (the default): ``rank = p * G + g``, as torchtitan's ``["pp", "dp"]``
+  mesh: a stage's column (its G ranks) is contiguous, so its gradient all-reduce or sharded weight
+  fetches stay inside a node, and only the pipeline's messages cross nodes.
+- ``pipeline_major=False``: ``rank = g * P + p``, a replica contiguous, as the looped family
   (lpp, fslpp, ddp, fsdp) numbers its groups (``LPP.h(s, b) = R * (b mod G) + s mod R``).
 
 Microbatch ``b`` runs on replica ``b mod G`` as that replica's microbatch ``b // G``.
-Pure Python.
 """
 
 from __future__ import annotations
@@ -47,7 +38,6 @@ class ReplicaLayout:
         return rank // self.replicas if self.pipeline_major else rank % self.pipeline
 
     def replica(self, rank: int) -> int:
-        """The replica ``rank`` belongs to."""
         return rank % self.replicas if self.pipeline_major else rank // self.pipeline
 
     def members(self, replica: int) -> list[int]:
@@ -57,8 +47,3 @@ class ReplicaLayout:
     def column(self, position: int) -> list[int]:
         """The ranks of ``position`` in every replica, by replica (0 .. G-1)."""
         return [self.rank(position, g) for g in range(self.replicas)]
-
-    @staticmethod
-    def replica_of_micro(micro: int, replicas: int) -> tuple[int, int]:
-        """(replica, that replica's microbatch) of microbatch ``micro``: ``b mod G, b // G``."""
-        return micro % replicas, micro // replicas
