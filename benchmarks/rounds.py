@@ -118,12 +118,13 @@ def rounds_in_process(rank: int, world: int, sides: dict[str, list[Any]],
 
 
 def measure(sides: dict[str, Side], world: int, rounds: int, warmup: int,
-            processes: str | None = None) -> dict[str, SideRuns]:
-    """Run ``sides`` alternated for ``rounds`` rounds on ``world`` processes; per-side runs."""
+            processes: str | None = None, timeout: float = 600.0) -> dict[str, SideRuns]:
+    """Run ``sides`` alternated for ``rounds`` rounds on ``world`` processes; per-side runs.
+    ``timeout``: seconds for one launch (all of it, in ``"reused"`` processes)."""
     processes = processes or PROCESSES
     names = list(sides)
     if processes == "reused":
-        per_rank = launch_ranks("benchmarks.rounds:rounds_in_process", world,
+        per_rank = launch_ranks("benchmarks.rounds:rounds_in_process", world, timeout,
                                 sides={n: [s.target, s.kwargs] for n, s in sides.items()},
                                 rounds=rounds)
         return {n: SideRuns([[per_rank[k][n][r] for k in range(world)] for r in range(rounds)],
@@ -133,7 +134,8 @@ def measure(sides: dict[str, Side], world: int, rounds: int, warmup: int,
     outputs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
     for r in range(rounds):
         for name in _order(names, r):
-            outputs[name].append(launch_ranks(sides[name].target, world, **sides[name].kwargs))
+            outputs[name].append(launch_ranks(sides[name].target, world, timeout,
+                                              **sides[name].kwargs))
     return {n: SideRuns(outputs[n], warmup) for n in names}
 
 
