@@ -1,13 +1,9 @@
 """``ScheduleArguments``: what a schedule is asked for, validated once, whatever the W.
 
-Why a type of its own: ``plan()``, the CLI, ``ScheduleConfig`` and both front ends take the same
-schedule arguments; each used to list and check them again. They now build one frozen
+``plan()``, the CLI, ``ScheduleConfig`` and both front ends take the same arguments as one frozen
 ``ScheduleArguments``, whose ``__post_init__`` refuses everything wrong whatever the number of
-workers (``microbatches=0``, ``R="2"``, an unknown order or cap word, ``forward_cost=inf``, a
-non-callable placement), each with a ``ScheduleConfigError`` naming the argument, the value and
-a valid one. What needs W (R dividing W, S and B multiples a placement requires, a cap list's
-length, a per-stage list's length against the schedule's default S) is checked by ``plan()``.
-Torch-free, like the rest of ``schedule/``.
+workers, with a ``ScheduleConfigError`` naming the argument, the value and a valid one. What
+needs W (R dividing W, a placement's multiples, a list's length against S) ``plan()`` checks.
 """
 
 from __future__ import annotations
@@ -29,12 +25,9 @@ CAP_WORDS = ("auto", DEFAULT, "none")  # "none" = uncapped, as None
 
 @dataclass(frozen=True)
 class ScheduleArguments:
-    """The schedule arguments of :func:`~lightning_gsched.schedule.plan` (see its docstring).
-
-    Values are kept as given (a front end's config round-trips them; errors found later, with
-    W, quote them as the user wrote them) except ``stages``, ``microbatches``, ``R`` and
-    ``fetch_window``, which become ints.
-    """
+    """The schedule arguments of :func:`~lightning_gsched.schedule.plan` (see its docstring),
+    kept as given (a config round-trips them; later errors quote them as written) except the
+    counts, which become ints."""
 
     schedule: str | None = "fslpp"
     stages: int | None = None

@@ -1,9 +1,8 @@
-"""Pipeline diagrams in the seed's style: rows = workers, columns = time, one cell per job.
+"""Pipeline diagrams: rows = workers, columns = time, one cell per job.
 
-``ascii_timeline`` prints in a terminal (label ``F3`` / ``B3`` = phase + stage, the microbatch as
-a digit or letter underneath so the cell "colour" survives plain text). ``save_png`` draws the
-same picture with matplotlib, colouring cells by microbatch. matplotlib is imported lazily so the
-planner itself stays dependency-free.
+``ascii_timeline`` prints in a terminal (``F3`` = phase + stage, the microbatch as a digit or
+letter underneath so the cell "colour" survives plain text); ``save_png`` draws it with
+matplotlib, imported lazily so that the planner stays dependency-free.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ _MICRO_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 def _time_unit(timeline: Timeline) -> float:
     """Largest unit that divides every duration (so cells align), at least 1/8 of the shortest.
 
-    A job's duration is its (stage, phase)'s cost, the same for every microbatch, so the
-    microbatch-0 jobs hold every distinct duration: at W=1024 (up to 12 million jobs) reading
-    them all cost up to 0.7 s of ``gsched plan``, spent only to find the diagram too wide.
+    A job's duration is its (stage, phase)'s cost, the same for every microbatch, so reading
+    the microbatch-0 jobs finds every distinct duration without reading millions of jobs.
     """
     P, B = len(timeline.phases), timeline.micro
     first = [(s * B) * P + k for s in range(timeline.stages) for k in range(P)]
@@ -34,14 +32,14 @@ def _time_unit(timeline: Timeline) -> float:
 
 MAX_WORKERS = 64  # workers drawn at most (the first ones); the legend counts the rest
 MAX_COLUMNS = 1000  # a diagram wider than this many characters is not drawn
+CELL, MAX_WIDTH = 3, 240  # characters per time unit, fewer where the diagram would be wider
 
 
-def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int = 240) -> str:
+def ascii_timeline(timeline: Timeline) -> str:
     """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time.
 
-    Readable at any size: beyond :data:`MAX_WORKERS` workers only the first ones are drawn,
-    and a timeline needing more than :data:`MAX_COLUMNS` characters at one per time unit is not
-    drawn at all; a line says so (``--png`` draws any size, ``--json`` lists every slot).
+    Only the first :data:`MAX_WORKERS` workers are drawn, and nothing wider than
+    :data:`MAX_COLUMNS` characters at one per time unit; a line says what was left out.
     """
     if not timeline.order or not any(timeline.order):
         return "(empty timeline)"
@@ -51,15 +49,12 @@ def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int =
         return (f"(timeline not drawn: {columns} time units of {unit:g} over {timeline.workers} "
                 f"workers is wider than {MAX_COLUMNS} characters; --png PATH draws it, --json "
                 f"lists every slot; latency {timeline.latency:g})")
-    cell = width_per_unit
-    if columns * cell > max_width:
-        cell = max(1, max_width // columns)
+    cell = CELL if columns * CELL <= MAX_WIDTH else max(1, MAX_WIDTH // columns)
     shown = min(timeline.workers, MAX_WORKERS)
     label_width = len(f"w{shown - 1}") + 1
     lines = []
     for worker in range(shown):
-        top = [" "] * (columns * cell)
-        bottom = [" "] * (columns * cell)
+        top, bottom = [" "] * (columns * cell), [" "] * (columns * cell)
         for index in timeline.order[worker]:  # not by_worker: no Slot for workers not drawn
             job = timeline.job(index)
             a = int(round(timeline.start[index] / unit)) * cell
