@@ -116,8 +116,7 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         f"schedule {result.schedule}: {configuration_text(result)}"
         + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
-        f"stage owners {_owners_text(result.table.owners, OWNERS_WIDTH)}"
-    )
+        f"stage owners {_owners_text(result.table.owners, OWNERS_WIDTH)}")
     header = ["worker", "busy", "act in/out", "grad in/out", "w fetch/serve", "g reduce out/in",
               "allreduce", "peak act", "owned", "peak resident"]
     if result.ties:

@@ -1,33 +1,29 @@
 """Bytes per rank, predicted from the programs: weights, gradients, optimizer state, stashed
 activations and communication buffers, at every action and at the peak.
 
-The programs say, action by action, which weights are resident on a rank, which (stage,
-microbatch) activations are stashed and which receives are posted; times per-stage sizes
-(:class:`StageSizes`, measured by :func:`lightning_gsched.measure.measure_stage_bytes`), that
-answers "does it fit, and where does the memory go" without running anything. The runtime
-accounts for the same categories while it executes the same programs (``runtime/footprint.py``),
-so predicted and measured compare rank by rank. On a rank, as the runtime allocates them:
+The programs say, action by action, which weights are resident, which activations are stashed
+and which receives are posted; times per-stage sizes (:class:`StageSizes`, measured by
+:func:`lightning_gsched.measure.measure_stage_bytes`), that says whether a plan fits and where
+its memory goes without running it. The runtime accounts for the same categories as it executes
+the same programs (``runtime/footprint.py``), so predicted and measured compare rank by rank:
 
 * **weights**: the owned weight units (stages, and the ties of owned home stages), always; a
   fetched unit from its ``FETCH_W`` (the receive is posted into its buffer) to its ``FREE_W``.
 * **gradients**: the owned units' buffers for the whole step; a fetched unit's from the first
   weight-gradient job (``B``, or ``W`` when split) of a stage reading it to its ``REDUCE_G``.
-* **optimizer**: the state kept for the owned units, constant over the step. After the program
-  the optimizer's step is one more moment: owned weights, gradients and state plus the step's
-  temporaries (``ModelSizes.optimizer_step`` x the owned gradients), nothing else.
-* **activations**: what autograd saves in ``F s b`` for its backward, held until ``B s b``. A
-  split ``B`` narrows it (``OpRules.narrows_stash``) to what ``W s b`` needs, held until ``W``:
-  less ``b_released``, plus ``w_grads``. A checkpointed stage keeps only its inputs from ``F`` to
-  ``B`` (on the last stage also the loss's graph); split, its recomputed graph then lives from
-  ``B`` to ``W`` (less the loss's graph), with ``w_grads``.
+* **optimizer**: the owned units' state. After the program, the optimizer's step is one more
+  moment: owned weights, gradients and state plus ``ModelSizes.optimizer_step`` x the gradients.
+* **activations**: what ``F s b`` saves for its backward, held until ``B s b``; a split ``B``
+  narrows it (``OpRules.narrows_stash``) to what ``W s b`` needs (less ``b_released``, plus
+  ``w_grads``). A checkpointed stage keeps only its inputs from ``F`` to ``B`` (the last stage
+  also its loss's graph); split, its recomputed graph less the loss's, plus ``w_grads``, lives
+  from ``B`` to ``W``.
 * **communication**: receive buffers posted and not yet consumed (:mod:`.consumption` says by
-  which action): an activation until its ``F``, an input-gradient until its ``B``, a peer's
-  gradient until the unit's ``ALLREDUCE_G`` (or the step's end). Sends are not counted: a sent
-  tensor is one the stash or a gradient buffer holds, and the transport drops its reference
-  when the send completes (runtime/send_release.py).
+  which action). Sends are not counted: a sent tensor is one the stash or a gradient buffer
+  holds, and the transport drops it when the send completes (runtime/send_release.py).
 
-The peak is taken at the start and after every action: :class:`RankMemory` holds the total's
-peak split by category, and each category's own peak.
+:class:`RankMemory` holds the total's peak (at the start or after any action) split by
+category, and each category's own peak.
 """
 
 from __future__ import annotations
@@ -290,8 +286,7 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
         raise ScheduleConfigError(
             f"the sizes describe {len(sizes.stages)} stages but the programs have "
             f"{programs.num_stages}; measure the sizes on the partition the plan was made for "
-            "(the same number of stages)"
-        )
+            "(the same number of stages)")
     for s, stage in enumerate(sizes.stages):
         for f in fields(stage):
             value = getattr(stage, f.name)
@@ -316,8 +311,7 @@ def check_tie_sizes(programs: Programs, sizes: ModelSizes) -> None:
             f"the sizes describe ties {sizes.tie_map} (home stage: reader stages) but the "
             f"programs were planned with ties {dict(programs.ties)}; plan with "
             "ties=sizes.tie_map (the partition's shared_parameters) so that tied weights are "
-            "placed by the plan"
-        )
+            "placed by the plan")
     for h, tie in sizes.ties.items():
         for name in ("params", "grads", "optimizer"):
             _check_bytes(f"tie {h}'s {name}", getattr(tie, name))
@@ -353,8 +347,7 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
     ):
         raise ScheduleConfigError(
             f"stage_bytes must be one int >= 0 per stage ({programs.num_stages}), got "
-            f"{stage_bytes!r}"
-        )
+            f"{stage_bytes!r}")
     ties = {h: int((tie_bytes or {}).get(h, 0)) for h in programs.ties}
     weights_only = ModelSizes(tuple(StageSizes(b, 0, 0, 0, 0) for b in sizes),
                               {h: TieSizes(r, ties[h], 0, 0) for h, r in programs.ties.items()})

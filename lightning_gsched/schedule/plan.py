@@ -250,16 +250,22 @@ def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
 
 
 def resolve_arguments(arguments: ScheduleArguments, workers: int) -> tuple[int, int, int | None]:
-    """(S, B, R) that :func:`plan_arguments` fills in for ``workers`` ranks: a library
-    schedule's defaults on each replica's P = W / G workers (B per replica), or a custom
-    placement's own S and B, so that a front end plans training and evaluation alike."""
+    """(S, B, R) that :func:`plan_arguments` fills in for ``workers`` ranks, so that a front end
+    plans training and evaluation alike: a custom placement's own S and B, or a library
+    schedule's defaults on each replica's P = W / G workers (B per replica). Sharded over G
+    replicas, the default S grows by the smallest factor that gives every worker a multiple of
+    G stages, so that each rank of a column owns as many (1f1b at G = 2: S = 2P)."""
     a = arguments
     if a.placement is not None:
         return int(a.stages), int(a.microbatches), a.R  # type: ignore[arg-type]
     W = validate.positive_int("workers", workers)
-    P = pipeline_size(W, a.data_parallel_size)
-    return _replica_shape(get_schedule(a.schedule).name, P,  # type: ignore[arg-type]
-                          a.data_parallel_size, a)
+    G = a.data_parallel_size
+    P = pipeline_size(W, G)
+    name = get_schedule(a.schedule).name  # type: ignore[arg-type]
+    S, B, R = _on_replicas(resolve_shape, P, G)(name, P, a.stages, a.microbatches, a.R)
+    if G > 1 and a.data_parallel == "shard" and a.stages is None:
+        S *= G // math.gcd(max(1, S // P), G)
+    return S, B, R
 
 
 class _Prepared(NamedTuple):
@@ -289,9 +295,9 @@ def _prepare(a: ScheduleArguments, workers: int,
     cap = None if isinstance(a.cap, str) and a.cap == "none" else a.cap
     G = a.data_parallel_size
     P = pipeline_size(W, G)  # each replica's workers (W when G = 1)
+    S, B, R = resolve_arguments(a, W)
     if a.placement is None:
         spec = get_schedule(a.schedule)  # type: ignore[arg-type]
-        S, B, R = _replica_shape(spec.name, P, G, a)
         library_placement = spec.make_placement(P, S, R or 1)
         _on_replicas(library_placement.check, P, G)(S, B)
         placement_fn: PlacementFn = library_placement
@@ -300,8 +306,6 @@ def _prepare(a: ScheduleArguments, workers: int,
         name = spec.name
         split = spec.split_backward if a.split_backward is None else a.split_backward
     else:
-        assert a.stages is not None and a.microbatches is not None  # ScheduleArguments checked
-        S, B, R = a.stages, a.microbatches, a.R
         placement_fn = a.placement
         order_spec = a.order if a.order is not None else (a.priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap
@@ -331,18 +335,6 @@ def _prepare(a: ScheduleArguments, workers: int,
     graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split)
     return _Prepared(a, name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, graph,
                      a.placement is None and cap == DEFAULT, checkpointed, tie_map)
-
-
-def _replica_shape(name: str, P: int, G: int, a: ScheduleArguments
-                   ) -> tuple[int, int, int | None]:
-    """(S, B per replica, R) of a library schedule on each replica's P workers. Sharded over G
-    replicas, the default S grows by the smallest factor that gives every worker a multiple of
-    G stages, so that each rank of a column owns as many (1f1b at G = 2: S = 2P)."""
-    S, B, R = _on_replicas(resolve_shape, P, G)(name, P, a.stages, a.microbatches, a.R)
-    if G > 1 and a.data_parallel == "shard" and a.stages is None:
-        per_worker = max(1, S // P)
-        S *= G // math.gcd(per_worker, G)
-    return S, B, R
 
 
 @contextmanager

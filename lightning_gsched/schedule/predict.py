@@ -1,34 +1,25 @@
 """Step time of a plan's programs once the runtime's work takes time: a replay, not a new schedule.
 
-The simulator orders jobs by compute costs alone, and the runtime executes those orders as they
-are; on a real machine every message also costs CPU at both ends and time to arrive, a gradient
-reduction runs after a stage's last backward, a fetch must arrive before its stage computes, and
-the executor spends time around every job. ``predict_step_time`` walks every rank's program (a
-handler of :mod:`.walk`) with the runtime's dependencies and charges each of those to the worker
-that spends it; compute and order stay the plan's, and with all costs 0 it returns the plan's
-latency. What is charged (``costs``: :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: the
-bytes of :class:`~.memory.ModelSizes`):
+The simulator orders jobs by compute costs alone; the runtime also spends CPU on every message at
+both ends, waits for arrivals, reduces gradients and works around every job. ``predict_step_time``
+walks every rank's program (a :mod:`.walk` handler) with the runtime's dependencies and charges
+each cost to the worker that spends it (``costs``: :class:`~.runtime_costs.RuntimeCosts`;
+``sizes``: :class:`~.memory.ModelSizes`); order and compute stay the plan's, and with all costs
+0 it returns the plan's latency.
 
-* a compute job starts when its worker is free, its inputs have arrived and its fetched weights
-  are resident, plus the receive CPU of each message it consumes; it lasts its planned cost plus
-  ``job_cpu``;
+* a compute job starts when its worker is free and its inputs and fetched weights have arrived,
+  plus the receive CPU of each message it consumes; it lasts its cost plus ``job_cpu``;
 * a send advances its worker's clock by ``send_time(bytes)``; the message leaves once the fixed
-  ``send_cpu`` is spent (the per-byte CPU overlaps the flight), or when the receive is posted if
-  that is later (gloo moves the bytes once both ends are there), and arrives ``latency + bytes /
-  bandwidth`` later. Bytes: the stage's output for an activation, the producing stage's output
-  for an input-gradient, the unit's weights for a fetch, its gradients for a hand-off;
-* a posted receive is consumed by the first action that needs it (the rules of
-  :mod:`.consumption`: the compute that reads it, ``FREE_W`` for an unused fetch,
-  ``ALLREDUCE_G`` or the step's end for a peer's gradient), which waits for the arrival, then
-  pays ``recv_time(bytes)``;
+  ``send_cpu`` is spent (its per-byte CPU overlaps the flight), or when the receive is posted if
+  later (gloo moves bytes once both ends are there), and arrives ``message_time(bytes)`` later;
+* a posted receive is consumed by the first action that needs it (:mod:`.consumption`), which
+  waits for the arrival, then pays ``recv_time(bytes)``;
 * ``ALLREDUCE_G`` among n ranks starts when every member has reached it and ends
-  ``allreduce_time(grads bytes, n)`` later, asynchronously;
-* a tie (:mod:`.lower_weights`) is a weight unit charged like a stage, with its own bytes;
-* a worker's step ends when its last job, its reductions and its sends (the runtime drains them)
-  are done, plus ``step_cpu``.
+  ``allreduce_time(bytes, n)`` later, asynchronously; ties are weight units like stages;
+* a worker's step ends when its jobs, reductions and sends are done, plus ``step_cpu``.
 
-Not modelled: contention for a link or for the cores that compute, and the optimizer step. A new
-message kind needs its bytes in :class:`_Charges` and its receive's consumer in :mod:`.consumption`.
+Not modelled: contention for links or cores, and the optimizer step. A new message kind needs
+its bytes in :class:`_Charges` and its receive's consumer in :mod:`.consumption`.
 """
 
 from __future__ import annotations
@@ -70,8 +61,7 @@ class _Charges:
             sizes = ModelSizes(tuple(StageSizes(0, 0, 0, 0, 0) for _ in range(S)))
         elif len(sizes.stages) != S:
             raise ScheduleConfigError(
-                f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages"
-            )
+                f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages")
         stages, ties = sizes.stages, sizes.ties
         out = [st.message for st in stages]
         self.costs = costs
@@ -126,11 +116,8 @@ class _Replay:
         self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
         self.reductions: dict[tuple[UnitKey, tuple[int, ...] | None], list[float]] = {}
 
-    # ------------------------------------------------------------------ messages
-
     def _key(self, side: str, message: Message, src: int, dst: int) -> MessageKey:
-        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side`` ("send" /
-        "recv")."""
+        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side``."""
         base = (side, message, src, dst)
         k = self._occurrences.get(base, 0)
         self._occurrences[base] = k + 1
@@ -150,8 +137,6 @@ class _Replay:
         for key in sorted(keys, key=self.arrival):
             at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0])
         return at
-
-    # ------------------------------------------------------------------ walk handler
 
     def compute(self, w: int, a: Action) -> Hashable | None:
         job = Job(a.stage, a.micro, _PHASE[a.op])  # type: ignore[arg-type]  # compute: micro set
@@ -222,9 +207,8 @@ class _Replay:
         self.reductions.setdefault((name, a.group), []).append(at)
         return None
 
-    # ------------------------------------------------------------------ end of step
-
     def worker_ends(self, workers: int) -> list[float]:
+        """Each worker's end of step, once the walk is complete."""
         ends = list(self.ends)
         for w in range(workers):
             for key in self.sends_of[w]:  # the runtime drains its sends
@@ -255,7 +239,6 @@ def predict_step_time(plan: Any, *, costs: RuntimeCosts | None = None,
     if stuck:
         raise ScheduleConfigError(
             f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
-            "that never runs); were they lowered from this plan?"
-        )
+            "that never runs); were they lowered from this plan?")
     ends = replay.worker_ends(W)
     return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))

@@ -75,8 +75,7 @@ def ascii_timeline(timeline: Timeline) -> str:
                      f"{timeline.workers} only; --png PATH draws them all)")
     legend = (
         f"time unit = {unit:g} per {cell} char(s); top row: F/B + stage, bottom row: microbatch "
-        f"(0-9, a-z, ...); latency {timeline.latency:g}"
-    )
+        f"(0-9, a-z, ...); latency {timeline.latency:g}")
     return "\n".join(lines + [legend])
 
 
@@ -98,13 +97,11 @@ def save_png(timeline: Timeline, path: str, title: str = "") -> str:
         hatch = {"B": "//", "W": ".."}.get(slot.job.phase.value)
         ax.broken_barh(
             [(slot.start, slot.end - slot.start)], (slot.worker - 0.4, 0.8),
-            facecolors=colour, edgecolors="black", linewidth=0.4, hatch=hatch,
-        )
+            facecolors=colour, edgecolors="black", linewidth=0.4, hatch=hatch)
         if show_text:
             ax.text(
                 (slot.start + slot.end) / 2, slot.worker, f"{slot.job.phase.value}{slot.job.stage}",
-                ha="center", va="center", fontsize=7,
-            )
+                ha="center", va="center", fontsize=7)
     ax.set_ylim(workers - 0.5, -0.5)
     ax.set_xlim(0, timeline.latency)
     ax.set_yticks(range(workers))

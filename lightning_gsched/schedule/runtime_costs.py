@@ -42,13 +42,11 @@ class RuntimeCosts:
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
                 raise ScheduleConfigError(
-                    f"RuntimeCosts.{f.name} must be a non-negative number, got {value!r}"
-                )
+                    f"RuntimeCosts.{f.name} must be a non-negative number, got {value!r}")
         for name in ("bandwidth", "allreduce_bandwidth"):
             if getattr(self, name) == 0:
                 raise ScheduleConfigError(
-                    f"RuntimeCosts.{name} must be > 0 bytes/s (math.inf: bytes cost nothing)"
-                )
+                    f"RuntimeCosts.{name} must be > 0 bytes/s (math.inf: bytes cost nothing)")
 
     def send_time(self, nbytes: float) -> float:
         """The sender's CPU seconds for one message of ``nbytes``."""
@@ -90,5 +88,4 @@ class RuntimeCosts:
 DEFAULT_COSTS = RuntimeCosts(
     latency=60e-6, bandwidth=2.7e9, send_cpu=30e-6, recv_cpu=40e-6, send_cpu_per_byte=0.2e-9,
     recv_cpu_per_byte=0.2e-9,
-    allreduce_latency=250e-6, allreduce_bandwidth=1.0e9, job_cpu=200e-6, step_cpu=1.1e-3,
-)
+    allreduce_latency=250e-6, allreduce_bandwidth=1.0e9, job_cpu=200e-6, step_cpu=1.1e-3)
