@@ -40,9 +40,8 @@ def cap_text(caps: Sequence[int | None]) -> str:
 
 
 def _plan_caps_text(result: Plan) -> str:
-    """:func:`cap_text` of the plan's caps, a long list as arithmetic runs (``1024..1``). With
-    G replicas whose columns share a cap (a lifted cap), one replica's P caps and
-    ``per replica``, as ``--cap`` takes them."""
+    """:func:`cap_text` of the plan's caps, a long list as arithmetic runs (``1024..1``); lifted
+    to G replicas, one replica's caps and ``per replica``, as ``--cap`` takes them."""
     caps, suffix = list(result.caps), ""
     layout = result.replicas
     if layout.replicas > 1 and len(set(caps)) > 1:
@@ -54,8 +53,8 @@ def _plan_caps_text(result: Plan) -> str:
 
 
 def checkpoint_text(checkpointed: Sequence[bool]) -> str:
-    """The checkpointed stages, folded: ``""`` (none), ``"all"``, or indices with ranges
-    (``"0-2,5"``), the form ``gsched plan --checkpoint-stages`` takes."""
+    """The checkpointed stages as ``--checkpoint-stages`` takes them: ``""``, ``"all"`` or
+    ``"0-2,5"``."""
     stages = [s for s, on in enumerate(checkpointed) if on]
     if not stages:
         return ""
@@ -80,8 +79,7 @@ def workers_text(result: Plan) -> str:
 
 
 def micro_text(result: Plan) -> str:
-    """``B=8``, or with replicas ``B=16 (8 per replica)``: ``Plan.micro`` counts every
-    replica's microbatches, while ``microbatches=`` (``-b``) is one replica's."""
+    """``B=8``, or with replicas ``B=16 (8 per replica)`` (``-b`` is one replica's)."""
     G = result.data_parallel_size
     return f"B={result.micro}" + (f" ({result.micro // G} per replica)" if G > 1 else "")
 
@@ -102,14 +100,10 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
              tie_bytes: Mapping[int, int] | None = None) -> str:
     """Text summary of a plan: configuration, latency, bubble, and one row per worker.
 
-    With ``stage_bytes`` (every stage's parameter bytes; ``tie_bytes``: ``{home: bytes}`` of
-    the ties) two columns more: the bytes a worker owns and the peak of owned + fetched bytes
-    (what the runtime's ``peak_resident_param_bytes`` counter measures). A plan with ties has
-    three tie columns.
-
-    Up to :data:`MAX_ROWS` workers every row is computed (equal ones folded from
-    :data:`FOLD_FROM`); beyond, only those :func:`listed_workers` names, since a row reads (at
-    large W: lowers) its worker's program. The head lines read the timeline and placement only.
+    With ``stage_bytes`` (and ``tie_bytes``: ``{home: bytes}``) two columns more: the parameter
+    bytes a worker owns and its peak of owned + fetched ones. Beyond :data:`MAX_ROWS` workers
+    only the rows :func:`listed_workers` names are computed: a row reads (at large W: lowers)
+    its worker's program, while the head lines read only the timeline and placement.
     """
     m = result.metrics
     head = (
@@ -161,8 +155,7 @@ OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its co
 
 def listed_workers(workers: int) -> list[int] | None:
     """The workers whose rows the text table and ``gsched plan --json`` show: None (every
-    worker) up to :data:`MAX_ROWS`, else the first :data:`SHOWN_FIRST` and last
-    :data:`SHOWN_LAST`; the rest are named, not computed."""
+    worker) up to :data:`MAX_ROWS`, else the first and last few."""
     if workers <= max(MAX_ROWS, SHOWN_FIRST + SHOWN_LAST):
         return None
     return [*range(SHOWN_FIRST), *range(workers - SHOWN_LAST, workers)]
@@ -233,11 +226,8 @@ def _numbers(values: Sequence[float]) -> str:
 
 
 def plan_command(result: Plan) -> str:
-    """The ``gsched plan`` command that prints this plan in full (library schedules only).
-
-    W, S and B always; order, cap and costs only where they differ from the schedule's defaults
-    (a default cap of ``"auto"`` counts as different: resolving it needs simulations).
-    """
+    """The ``gsched plan`` command that prints this plan in full (library schedules only): W, S
+    and B always, the rest where it differs from the schedule's defaults."""
     spec = LIBRARY[result.schedule]
     G = result.data_parallel_size
     words = [f"gsched plan {result.schedule} -w {result.workers} -s {result.stages} "
@@ -323,11 +313,9 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
                     command: str | None, rows: Sequence[StartupRow] | None = None) -> str:
     """The plan as GeneralParallel prints it before the first step, in a fixed number of lines.
 
-    ``stage_bytes``: every stage's parameter bytes (tied parameters excluded); ``tie_bytes``:
-    ``{home stage: bytes}`` of every tie. ``command``: how to print the full per-worker table
-    (e.g. :func:`plan_command`), or None (a custom placement). ``rows``: every worker's
-    :class:`StartupRow` in worker order, gathered by the caller (:func:`startup_row` on each
-    rank); None: read here off every program.
+    ``stage_bytes``/``tie_bytes`` as :func:`describe` takes them; ``command``: how to print the
+    full table (:func:`plan_command`; None for a custom placement); ``rows``: every worker's
+    :class:`StartupRow`, gathered by the caller (None: read here off every program).
     """
     m = result.metrics
     if rows is None:
@@ -391,8 +379,8 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
 
 
 def predicted_text(memories: Sequence[RankMemory]) -> str:
-    """Three lines of at most 100 characters: the predicted peak per rank (range, and the rank
-    that peaks), and what that peak is made of (each category's range over the ranks' peaks)."""
+    """Three lines: the predicted peak per rank (range, and the rank that peaks), and each
+    category's range over the ranks' peaks."""
     peaks = [m.peak for m in memories]
     top = max(range(len(peaks)), key=peaks.__getitem__)
     parts = [f"{c} {span([getattr(m.at_peak, c) for m in memories], byte_text)}"

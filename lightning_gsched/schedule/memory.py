@@ -178,11 +178,12 @@ class _RankWalk:
                 kept = graph - (stages[s].loss_graph if self.checkpointed[s]
                                 else stages[s].b_released)
                 self._hold(s, a.micro, kept + stages[s].w_grads)
-        elif op is Op.RECV_ACT:
-            self._post(Message.of(a), stages[s].message)
-        elif op is Op.RECV_GRAD:  # the gradient of stage s's input: its producer's output
-            self._post(Message.of(a),
-                       max((stages[p].message for p in rules.act_from[s]), default=0))
+        elif op is Op.RECV_ACT or op is Op.RECV_GRAD:
+            # an input-gradient is the size of the output of the stage that produced the input
+            nbytes = (stages[s].message if op is Op.RECV_ACT
+                      else max((stages[p].message for p in rules.act_from[s]), default=0))
+            self.posted[Message.of(a)] = nbytes
+            self.communication += nbytes
         elif op in _UNIT_OPS:
             self._unit(a)
         # sends change nothing: a sent tensor is one the stash or a gradient buffer holds
@@ -230,10 +231,6 @@ class _RankWalk:
                 self.fetched_grads.add(unit)
                 self.gradients += self._unit_bytes(unit)[1]
 
-    def _post(self, key: Message, nbytes: int) -> None:
-        self.posted[key] = nbytes
-        self.communication += nbytes
-
     def _consume(self, key: Message) -> bool:
         """Drop a posted receive's buffer; whether one was posted."""
         if key not in self.posted:
@@ -272,12 +269,9 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
 def predict_memory(programs: Programs, sizes: ModelSizes,
                    checkpointed: Sequence[bool] = (),
                    ranks: Sequence[int] | None = None) -> list[RankMemory]:
-    """Every rank's predicted bytes for one step of ``programs`` (see the module docstring).
-
-    ``checkpointed``: one bool per stage (``plan(...).checkpointed``); empty means none.
-    ``ranks``: only these ranks, in this order (default: every rank). A rank's walk reads only
-    its own program, so a job's ranks each predict their own bytes and gather them instead of
-    each lowering every rank's program."""
+    """Every rank's predicted bytes for one step of ``programs``. ``checkpointed``: one bool per
+    stage (``plan(...).checkpointed``; empty: none). ``ranks``: only these ranks, in this order;
+    a walk reads only its rank's program, so each rank of a job can predict its own."""
     for rank in ranks or ():
         if not 0 <= rank < programs.world_size:
             raise ScheduleConfigError(
@@ -292,20 +286,6 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
             value = getattr(stage, f.name)
             if f.name != "received_activations" or value != -1:
                 _check_bytes(f"stage {s}'s {f.name}", value)
-    check_tie_sizes(programs, sizes)
-    if checkpointed and len(checkpointed) != programs.num_stages:
-        raise ScheduleConfigError(
-            f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
-            "the plan's own plan(...).checkpointed")
-    if ranks is None:
-        programs.ranks.make_all()  # a reader of every rank: the full lowering at once
-    rules = OpRules.of(programs)
-    return [rank_memory(programs, sizes, r, checkpointed, rules)
-            for r in (range(programs.world_size) if ranks is None else ranks)]
-
-
-def check_tie_sizes(programs: Programs, sizes: ModelSizes) -> None:
-    """The sizes describe exactly the programs' ties (same homes, same readers)."""
     if sizes.tie_map != dict(programs.ties):
         raise ScheduleConfigError(
             f"the sizes describe ties {sizes.tie_map} (home stage: reader stages) but the "
@@ -315,6 +295,15 @@ def check_tie_sizes(programs: Programs, sizes: ModelSizes) -> None:
     for h, tie in sizes.ties.items():
         for name in ("params", "grads", "optimizer"):
             _check_bytes(f"tie {h}'s {name}", getattr(tie, name))
+    if checkpointed and len(checkpointed) != programs.num_stages:
+        raise ScheduleConfigError(
+            f"checkpointed has {len(checkpointed)} flags for {programs.num_stages} stages; pass "
+            "the plan's own plan(...).checkpointed")
+    if ranks is None:
+        programs.ranks.make_all()  # a reader of every rank: the full lowering at once
+    rules = OpRules.of(programs)
+    return [rank_memory(programs, sizes, r, checkpointed, rules)
+            for r in (range(programs.world_size) if ranks is None else ranks)]
 
 
 def _check_bytes(what: str, value: object) -> None:
@@ -333,13 +322,10 @@ class ResidentBytes:
 def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
                    tie_bytes: Mapping[int, int] | None = None,
                    ranks: Sequence[int] | None = None) -> list[ResidentBytes]:
-    """Per rank: owned parameter bytes and the peak of owned + fetched ones, read off the programs.
-
-    ``stage_bytes``: every stage's parameter bytes (its flat buffer's; tied parameters are in
-    no stage). ``tie_bytes``: ``{home: bytes}`` of every tie (None: 0 bytes). This is the bytes
-    walk's weights category with nothing else sized, what the runtime's
-    ``peak_resident_param_bytes`` counter measures on the real buffers. ``ranks``: only these
-    ranks, in this order (default: every rank); only their programs are read.
+    """Per rank: owned parameter bytes and the peak of owned + fetched ones (the bytes walk's
+    weights category with nothing else sized: what the runtime's ``peak_resident_param_bytes``
+    counter measures). ``stage_bytes``: every stage's (tied parameters are in no stage);
+    ``tie_bytes``: ``{home: bytes}`` (None: 0); ``ranks``: only these ranks' programs are read.
     """
     sizes = list(stage_bytes)
     if len(sizes) != programs.num_stages or any(

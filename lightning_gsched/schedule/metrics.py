@@ -59,12 +59,9 @@ _RESIDENT_STEPS = _steps(Op.FETCH_W, Op.FREE_W)
 
 def program_counts(programs: Programs, rank: int, into: ActionCounts | None = None
                    ) -> ActionCounts:
-    """Message counts, peak stash and peak residency of one rank's program (the fields of
-    :class:`ActionCounts`), filled into ``into`` (zeroed counts, e.g. a :class:`WorkerMetrics`).
-
-    Each peak is the largest running sum of +1/-1 steps; a tie's actions move only the
-    ``tie_*`` counters.
-    """
+    """One rank's :class:`ActionCounts`, filled into ``into`` (zeroed, e.g. a
+    :class:`WorkerMetrics`). Each peak is the largest running sum of +1/-1 steps; a tie's
+    actions move only the ``tie_*`` counters."""
     owned = len(programs.owned_stages(rank))
     release = programs.weight_grad_op  # None: forward-only, nothing stashed
     program = programs.ranks[rank]

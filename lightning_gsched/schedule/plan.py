@@ -10,7 +10,7 @@ import gc
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -37,19 +37,14 @@ from lightning_gsched.schedule.symmetry import make_simulator
 # freedom from the timeline: proof.py) whatever their timeline; timelines by group symmetry
 # always do. Below it, lowering and dry-running every program at once is cheap enough.
 LAZY_FROM_JOBS = 1 << 18
-T = TypeVar("T")
 
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while planning.
-
-    A large plan allocates ~10^5 small acyclic tuples: the collections they trigger free nothing
-    and each full one walks every object the process holds (docs/benchmarks.md). The switch is
-    process-wide: other threads' cyclic garbage waits until the pause ends (nothing is lost), a
-    collector the caller had disabled stays disabled, and two threads planning at once may
-    re-enable it early, which costs time, never correctness.
-    """
+    """Pause the cyclic garbage collector while planning: a large plan allocates ~10^5 small
+    acyclic tuples, whose collections free nothing and walk every object the process holds.
+    Process-wide: other threads' cyclic garbage waits for the end (nothing is lost), and two
+    threads planning at once may re-enable it early, which costs time, never correctness."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -234,13 +229,9 @@ def plan_arguments(
 def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
                          forward_only: bool = False) -> tuple[int, int, int | None]:
     """Everything :func:`plan_arguments` checks before it simulates: (S, B, R) for ``workers``
-    ranks, or the error ``plan`` would raise.
-
-    Why: a front end checks its configuration when the job starts (on every rank, before any
-    process talks to another) and plans at the first batch, once the partition has named the
-    tied weights; what only the simulation finds (a cap no order completes under) is raised
-    then, by every rank alike. A user's callable (placement, order, priority or cap) fails only
-    when called, so with one the plan is built here (unverified) and dropped."""
+    ranks, or the error ``plan`` would raise. A front end checks its configuration on every rank
+    before any process talks to another, and plans at the first batch. A user's callable fails
+    only when called, so with one the plan is built here (unverified) and dropped."""
     prepared = _prepare(arguments, workers, None, forward_only)
     a = arguments
     if a.placement is not None or any(callable(f) for f in (a.order, a.priority, a.cap)):
@@ -262,7 +253,8 @@ def resolve_arguments(arguments: ScheduleArguments, workers: int) -> tuple[int, 
     G = a.data_parallel_size
     P = pipeline_size(W, G)
     name = get_schedule(a.schedule).name  # type: ignore[arg-type]
-    S, B, R = _on_replicas(resolve_shape, P, G)(name, P, a.stages, a.microbatches, a.R)
+    with _on_replicas(P, G):
+        S, B, R = resolve_shape(name, P, a.stages, a.microbatches, a.R)
     if G > 1 and a.data_parallel == "shard" and a.stages is None:
         S *= G // math.gcd(max(1, S // P), G)
     return S, B, R
@@ -299,7 +291,8 @@ def _prepare(a: ScheduleArguments, workers: int,
     if a.placement is None:
         spec = get_schedule(a.schedule)  # type: ignore[arg-type]
         library_placement = spec.make_placement(P, S, R or 1)
-        _on_replicas(library_placement.check, P, G)(S, B)
+        with _on_replicas(P, G):
+            library_placement.check(S, B)
         placement_fn: PlacementFn = library_placement
         order_spec = a.order if a.order is not None else (a.priority or spec.order)
         cap_spec = None if forward_only else spec.cap(P, S) if cap == DEFAULT else cap
@@ -313,7 +306,8 @@ def _prepare(a: ScheduleArguments, workers: int,
         split = bool(a.split_backward)
     if G > 1:  # the P-worker schedule's placement, priority and cap, lifted to G replicas
         layout = ReplicaLayout(P, G)
-        placement_fn = _on_replicas(lift, P, G)(placement_fn, layout, S, B, a.data_parallel)
+        with _on_replicas(P, G):
+            placement_fn = lift(placement_fn, layout, S, B, a.data_parallel)
         if callable(order_spec) or order_spec == "interleaved":  # a library name is exact
             order_spec = lift_priority(resolve_order(order_spec, P, S, B, R), G)
         if cap_spec is not None and not isinstance(cap_spec, str):  # 'auto': one uniform cap
@@ -350,21 +344,18 @@ def _sharding_grew(a: ScheduleArguments, S: int) -> Iterator[None]:
             "rank of a stage's column owns as many stages; give stages= to choose S)") from None
 
 
-def _on_replicas(check: Callable[..., T], P: int, G: int) -> Callable[..., T]:
-    """``check`` whose :class:`ScheduleConfigError` says, with replicas, that its numbers are
-    those of the P-worker schedule each replica runs."""
-    if G == 1:
-        return check
-
-    def checked(*args: Any) -> T:
-        try:
-            return check(*args)
-        except ScheduleConfigError as exc:
-            raise type(exc)(
-                f"with data_parallel_size={G} each replica runs the schedule on P = W / "
-                f"data_parallel_size = {P} workers: {exc}") from None
-
-    return checked
+@contextmanager
+def _on_replicas(P: int, G: int) -> Iterator[None]:
+    """With replicas, a :class:`ScheduleConfigError` says that its numbers are those of the
+    P-worker schedule each replica runs."""
+    try:
+        yield
+    except ScheduleConfigError as exc:
+        if G == 1:
+            raise
+        raise type(exc)(
+            f"with data_parallel_size={G} each replica runs the schedule on P = W / "
+            f"data_parallel_size = {P} workers: {exc}") from None
 
 
 def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:

@@ -17,10 +17,7 @@ _MICRO_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def _time_unit(timeline: Timeline) -> float:
     """Largest unit that divides every duration (so cells align), at least 1/8 of the shortest.
-
-    A job's duration is its (stage, phase)'s cost, the same for every microbatch, so reading
-    the microbatch-0 jobs finds every distinct duration without reading millions of jobs.
-    """
+    A duration depends on the stage and phase only: the microbatch-0 jobs hold every one."""
     P, B = len(timeline.phases), timeline.micro
     first = [(s * B) * P + k for s in range(timeline.stages) for k in range(P)]
     durations = {round(timeline.end[i] - timeline.start[i], 6) for i in first}
@@ -36,11 +33,8 @@ CELL, MAX_WIDTH = 3, 240  # characters per time unit, fewer where the diagram wo
 
 
 def ascii_timeline(timeline: Timeline) -> str:
-    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time.
-
-    Only the first :data:`MAX_WORKERS` workers are drawn, and nothing wider than
-    :data:`MAX_COLUMNS` characters at one per time unit; a line says what was left out.
-    """
+    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time; the
+    first :data:`MAX_WORKERS` workers, nothing over :data:`MAX_COLUMNS` units wide."""
     if not timeline.order or not any(timeline.order):
         return "(empty timeline)"
     unit = _time_unit(timeline)
