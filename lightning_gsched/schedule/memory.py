@@ -29,7 +29,7 @@ category, and each category's own peak.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.consumption import OpRules, UnitKey, unit_of
@@ -245,24 +245,24 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
     walk = _RankWalk(programs, sizes, rank,
                      list(checkpointed) or [False] * programs.num_stages, rules)
 
-    def moments() -> Iterator[tuple[int, int, int, int, int]]:
-        for action in programs.ranks[rank]:
-            walk.apply(action)
-            yield walk.now()
-        if sizes.optimizer_step and walk.gradients:
-            # the optimizer's step: owned weights, gradients and state, plus its temporaries
-            # (counted as optimizer bytes)
-            yield (walk.weights, walk.gradients,
-                   walk.optimizer + int(sizes.optimizer_step * walk.gradients), 0, 0)
-
     # plain tuples per action, a Bytes only at the end: the tuner walks every rank of hundreds
     # of plans, and a dataclass per action was most of its time
     best = walk.now()
     highs = list(best)
-    for current in moments():
+    for action in programs.ranks[rank]:
+        walk.apply(action)
+        current = walk.now()
         if sum(current) > sum(best):
             best = current
         highs = [max(high, value) for high, value in zip(highs, current, strict=True)]
+    if sizes.optimizer_step and walk.gradients:
+        # the optimizer's step: owned weights, gradients and state, plus its temporaries
+        # (counted as optimizer bytes)
+        stepping = (walk.weights, walk.gradients,
+                    walk.optimizer + int(sizes.optimizer_step * walk.gradients), 0, 0)
+        if sum(stepping) > sum(best):
+            best = stepping
+        highs = [max(high, value) for high, value in zip(highs, stepping, strict=True)]
     return RankMemory(rank, Bytes(*best), Bytes(*highs))
 
 

@@ -99,13 +99,9 @@ class Plan:
         return self.programs.ties
 
     def to_json(self, workers: Sequence[int] | None = None) -> dict[str, Any]:
-        """The plan as one JSON object (``gsched plan --json``).
-
-        ``workers``: list only these workers' metrics rows, each read off its own program, and
-        leave out the timeline's slots and the programs (``"complete": false``): at W=1024
-        lowering every program takes a minute and the timeline holds millions of slots. None:
-        every row, slot and program (``"complete": true``).
-        """
+        """The plan as one JSON object (``gsched plan --json``). ``workers``: only these
+        workers' rows, each read off its own program, without the timeline's slots and the
+        programs (``"complete": false``), which at large W take minutes and gigabytes."""
         out = {
             "schedule": self.schedule,
             "forward_only": self.forward_only,
@@ -172,36 +168,30 @@ def plan(
     """Build, simulate, lower, verify and measure a schedule.
 
     ``schedule`` names a library entry; or pass ``placement`` (and optionally ``priority``) for a
-    custom schedule, with ``schedule=None`` or a label. ``cap="auto"``: the smallest uniform
+    custom schedule, ``schedule`` then being a label. ``cap="auto"``: the smallest uniform
     activation cap that keeps the uncapped latency. ``edges``: the stage graph, which must be
     the chain 0 -> 1 -> ... -> S-1 (the default) while the runtime runs chains only.
-
-    ``forward_only=True`` plans validation/test/predict: F jobs only, with the training plan's
-    placement (hence stage owners), so one executor runs both; no activation cap.
+    ``forward_only=True`` plans validation/test/predict: F jobs only, on the training plan's
+    placement (hence stage owners), so one executor runs both.
     ``split_backward``: every backward as B (input gradient) then W (weight gradient); None: the
-    schedule's choice (the zero-bubble ones split). ``weight_cost`` is W's duration and
-    ``backward_cost`` then B's; without it a split backward's cost is halved between B and W.
-    ``checkpoint_activations``: True or one bool per stage; a checkpointed stage's F keeps only
-    its inputs and its B recomputes the forward, so its backward cost grows by its forward cost.
-    ``fetch_window``: the most fetched (non-owned) stages a worker holds at once; None: each
-    fetch is posted one compute before its stage's first job (at most two held).
-    ``ties``: weights several stages read, as ``{home stage: reader stages}`` or stage groups
-    (``partition(...).shared_parameters.values()``): a weight unit owned with its home stage
-    (the lowest reader), fetched and reduced like a stage (:mod:`.lower_weights`).
+    schedule's choice. ``weight_cost`` is W's duration and ``backward_cost`` then B's; without
+    it a split backward's cost is halved between B and W. ``checkpoint_activations``: True or
+    one bool per stage; a checkpointed stage's F keeps only its inputs and its B recomputes the
+    forward, so its backward cost grows by its forward cost. ``fetch_window``: the most fetched
+    stages a worker holds at once (None: each fetch is posted one compute before it is needed).
+    ``ties``: weights several stages read (``{home stage: reader stages}`` or stage groups), each
+    a weight unit owned with its home stage (the lowest reader), fetched and reduced like one.
+    ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each, rank
+    ``p * G + g`` being position p of replica g; the defaults are the P-worker ones and
+    ``microbatches`` counts one replica's. ``data_parallel``: ``"replicate"`` (one gradient
+    all-reduce per stage across the replicas) or ``"shard"`` (each stage owned once across its
+    column, fetched once per step and held).
 
-    ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each
-    (:mod:`.data_parallel`): the defaults are the P-worker ones, ``microbatches`` counts one
-    replica's, and rank ``p * G + g`` is position p of replica g. ``data_parallel``:
-    ``"replicate"`` (one gradient all-reduce per stage across the replicas) or ``"shard"`` (each
-    stage owned once across its column, fetched once per step and held; the default S grows
-    until every worker's stages divide among its column).
-
-    Where the timeline is by group symmetry (:mod:`.symmetry`) or the plan has
-    :data:`LAZY_FROM_JOBS` jobs or more, and ``verify=False`` or :func:`.proof.certify` accepts
-    the timeline, ``programs.ranks`` and ``metrics.per_worker`` are made per rank when first
-    read (:mod:`.lazy_ranks`): the same values; verified, deadlock freedom is proven once and
-    each program passes the dry run's per-rank checks when made. Reading every program lowers
-    (and dry-runs) them all at once.
+    Where the timeline is by group symmetry (:mod:`.symmetry`) or has :data:`LAZY_FROM_JOBS`
+    jobs or more, and ``verify=False`` or :func:`.proof.certify` accepts it, ``programs.ranks``
+    and ``metrics.per_worker`` are made per rank when first read (:mod:`.lazy_ranks`), with the
+    same values; verified, deadlock freedom is proven once and each program passes the dry
+    run's per-rank checks when made. Reading every program lowers (and dry-runs) them all.
     """
     validate.positive_int("workers", workers)  # first, as before the arguments
     arguments = ScheduleArguments(
