@@ -144,8 +144,7 @@ class _RankWalk:
         self.weights = sum(u.params for u in units)
         self.gradients = sum(u.grads for u in units) if training else 0
         self.optimizer = sum(u.optimizer for u in units) if training else 0
-        self.activations = 0
-        self.communication = 0
+        self.activations = self.communication = 0
         # fetched units holding a gradient not yet handed off
         self.fetched_grads: set[UnitKey] = set()
         self.posted: dict[Message, int] = {}  # activations, input-gradients

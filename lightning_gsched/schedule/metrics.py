@@ -45,16 +45,11 @@ _TIE_COUNTER_OF = {op: spec.tie_counter for op, spec in OPS.items()
                    if spec.tie_counter is not None}
 
 
-def _steps(up: Op, down: Op) -> dict[Op, int]:
-    """+1 for ``up``, -1 for ``down``, 0 for every other op: the step of a running sum."""
-    step = dict.fromkeys(Op, 0)
-    step[up], step[down] = 1, -1
-    return step
-
-
-# built once, not per rank
-_STASH_STEPS = {release: _steps(Op.F, release) for release in (Op.B, Op.W)}
-_RESIDENT_STEPS = _steps(Op.FETCH_W, Op.FREE_W)
+# the +1/-1 steps of a running sum, per op, built once: the stash (F, then the op that releases
+# it) and the fetched stages resident
+_STASH_STEPS = {release: {**dict.fromkeys(Op, 0), Op.F: 1, release: -1}
+                for release in (Op.B, Op.W)}
+_RESIDENT_STEPS = {**dict.fromkeys(Op, 0), Op.FETCH_W: 1, Op.FREE_W: -1}
 
 
 def program_counts(programs: Programs, rank: int, into: ActionCounts | None = None
