@@ -26,7 +26,7 @@ from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.measure.stage_pass import measure_stage_bytes
 from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor, optimizer_step_factor
-from lightning_gsched.schedule.describe_memory import comparison_text, predicted_text
+from lightning_gsched.schedule.describe import comparison_text, predicted_text
 from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
 from lightning_gsched.schedule.plan import Plan
 

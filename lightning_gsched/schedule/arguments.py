@@ -1,13 +1,9 @@
 """``ScheduleArguments``: what a schedule is asked for, validated once, whatever the W.
 
-Why a type of its own: ``plan()``, the CLI, ``ScheduleConfig`` and both front ends take the same
-schedule arguments; each used to list and check them again. They now build one frozen
+``plan()``, the CLI, ``ScheduleConfig`` and both front ends take the same arguments as one frozen
 ``ScheduleArguments``, whose ``__post_init__`` refuses everything wrong whatever the number of
-workers (``microbatches=0``, ``R="2"``, an unknown order or cap word, ``forward_cost=inf``, a
-non-callable placement), each with a ``ScheduleConfigError`` naming the argument, the value and
-a valid one. What needs W (R dividing W, S and B multiples a placement requires, a cap list's
-length, a per-stage list's length against the schedule's default S) is checked by ``plan()``.
-Torch-free, like the rest of ``schedule/``.
+workers, with a ``ScheduleConfigError`` naming the argument, the value and a valid one. What
+needs W (R dividing W, a placement's multiples, a list's length against S) ``plan()`` checks.
 """
 
 from __future__ import annotations
@@ -29,12 +25,9 @@ CAP_WORDS = ("auto", DEFAULT, "none")  # "none" = uncapped, as None
 
 @dataclass(frozen=True)
 class ScheduleArguments:
-    """The schedule arguments of :func:`~lightning_gsched.schedule.plan` (see its docstring).
-
-    Values are kept as given (a front end's config round-trips them; errors found later, with
-    W, quote them as the user wrote them) except ``stages``, ``microbatches``, ``R`` and
-    ``fetch_window``, which become ints.
-    """
+    """The schedule arguments of :func:`~lightning_gsched.schedule.plan` (see its docstring),
+    kept as given (a config round-trips them; later errors quote them as written) except the
+    counts, which become ints."""
 
     schedule: str | None = "fslpp"
     stages: int | None = None
@@ -55,7 +48,46 @@ class ScheduleArguments:
     data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
-        _check(self)
+        """Refuse every argument that is wrong whatever the number of workers."""
+        validate.optional_callable("placement", self.placement, "w(s, b, d) -> (weights_worker, "
+                                   "compute_worker)")
+        validate.optional_callable("priority", self.priority, "n(s, b, d) -> sortable key")
+        S = validate.optional_positive_int("stages", self.stages)
+        validate.optional_positive_int("microbatches", self.microbatches, "8")
+        R = validate.optional_positive_int("R", self.R, "2")
+        if self.placement is None:
+            if not isinstance(self.schedule, str):
+                raise ScheduleConfigError(
+                    f"schedule={self.schedule!r} is not valid: give a library name (one of "
+                    f"{', '.join(LIBRARY)}) or placement= (and priority=) callables for a custom "
+                    "schedule; e.g. schedule='fslpp'")
+            check_R(get_schedule(self.schedule), R)
+        else:
+            if self.schedule is not None and not isinstance(self.schedule, str):
+                raise ScheduleConfigError(
+                    f"schedule={self.schedule!r} is not valid: with a custom placement it is only "
+                    "a label (a str) or None; e.g. schedule='mine'")
+            if self.stages is None or self.microbatches is None:
+                raise ScheduleConfigError(
+                    "a custom placement needs explicit stages= and microbatches= (the library's "
+                    "defaults are per schedule); e.g. stages=4, microbatches=8")
+        check_order(self.order)
+        if self.order is not None and self.priority is not None:
+            raise ScheduleConfigError(
+                f"order={self.order!r} and priority={self.priority!r} both set the priority "
+                "n(s, b, d); give only one of them")
+        validate.cap_form(self.cap, CAP_WORDS)
+        validate.costs("forward_cost", self.forward_cost, S)
+        validate.costs("backward_cost", self.backward_cost, S)
+        if self.weight_cost is not None:
+            validate.costs("weight_cost", self.weight_cost, S)
+        if self.split_backward is not None:
+            validate.flag("split_backward", self.split_backward)
+        validate.stage_flags("checkpoint_activations", self.checkpoint_activations, S)
+        validate.optional_positive_int("fetch_window", self.fetch_window, "1")
+        validate.ties(self.ties, S)  # kept as given: plan() checks it against the resolved S
+        check_data_parallel(self.schedule if self.placement is None else None,
+                            self.data_parallel_size, self.data_parallel)
         for name in ("stages", "microbatches", "R", "fetch_window", "data_parallel_size"):
             value = getattr(self, name)
             if value is not None:
@@ -74,50 +106,3 @@ class ScheduleArguments:
     def replace(self, **changes: Any) -> ScheduleArguments:
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)
-
-
-def _check(a: ScheduleArguments) -> None:
-    """Refuse every argument that is wrong whatever the number of workers."""
-    validate.optional_callable("placement", a.placement, "w(s, b, d) -> (weights_worker, "
-                               "compute_worker)")
-    validate.optional_callable("priority", a.priority, "n(s, b, d) -> sortable key")
-    S = validate.optional_positive_int("stages", a.stages)
-    validate.optional_positive_int("microbatches", a.microbatches, "8")
-    R = validate.optional_positive_int("R", a.R, "2")
-    if a.placement is None:
-        if not isinstance(a.schedule, str):
-            raise ScheduleConfigError(
-                f"schedule={a.schedule!r} is not valid: give a library name (one of "
-                f"{', '.join(LIBRARY)}) or placement= (and priority=) callables for a custom "
-                "schedule; e.g. schedule='fslpp'"
-            )
-        check_R(get_schedule(a.schedule), R)
-    else:
-        if a.schedule is not None and not isinstance(a.schedule, str):
-            raise ScheduleConfigError(
-                f"schedule={a.schedule!r} is not valid: with a custom placement it is only a "
-                "label (a str) or None; e.g. schedule='mine'"
-            )
-        if a.stages is None or a.microbatches is None:
-            raise ScheduleConfigError(
-                "a custom placement needs explicit stages= and microbatches= (the library's "
-                "defaults are per schedule); e.g. stages=4, microbatches=8"
-            )
-    check_order(a.order)
-    if a.order is not None and a.priority is not None:
-        raise ScheduleConfigError(
-            f"order={a.order!r} and priority={a.priority!r} both set the priority n(s, b, d); "
-            "give only one of them"
-        )
-    validate.cap_form(a.cap, CAP_WORDS)
-    validate.costs("forward_cost", a.forward_cost, S)
-    validate.costs("backward_cost", a.backward_cost, S)
-    if a.weight_cost is not None:
-        validate.costs("weight_cost", a.weight_cost, S)
-    if a.split_backward is not None:
-        validate.flag("split_backward", a.split_backward)
-    validate.stage_flags("checkpoint_activations", a.checkpoint_activations, S)
-    validate.optional_positive_int("fetch_window", a.fetch_window, "1")
-    validate.ties(a.ties, S)  # kept as given: plan() checks it against the resolved S
-    check_data_parallel(a.schedule if a.placement is None else None, a.data_parallel_size,
-                        a.data_parallel)

@@ -1,21 +1,21 @@
-"""Text summaries of a plan: :func:`describe` (one row per worker, what ``gsched plan`` prints)
-and :func:`startup_summary` (every per-worker number folded into its range over the workers,
-what GeneralParallel prints when it starts).
+"""Text summaries of a plan: :func:`describe` (one row per worker, what ``gsched plan`` prints),
+:func:`startup_summary` (each per-worker number as its range over the workers, what
+GeneralParallel prints when it starts) and its memory lines, predicted and measured.
 
-Lives in the schedule layer (not in the CLI) because both the ``gsched`` CLI and the Lightning
-strategy print it: the strategy logs the plan it is about to run, and it must not depend on the
-CLI to do so (``tests/test_layering.py`` checks that nothing imports ``lightning_gsched.cli``).
+In the schedule layer, not the CLI, because the strategy logs the plan it runs too, and nothing
+may import ``lightning_gsched.cli`` (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 from lightning_gsched.schedule.data_parallel import lift_caps
 from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import LIBRARY
-from lightning_gsched.schedule.memory import ResidentBytes, resident_bytes
+from lightning_gsched.schedule.memory import CATEGORIES, RankMemory, ResidentBytes, resident_bytes
 from lightning_gsched.schedule.metrics import WorkerMetrics
 from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
@@ -39,39 +39,29 @@ def cap_text(caps: Sequence[int | None]) -> str:
     return ",".join(str(c) for c in caps)
 
 
-def _caps_line(caps: Sequence[int | None]) -> str:
-    """:func:`cap_text`, with a long per-worker list as arithmetic runs (``1024..1``)."""
-    text = cap_text(caps)
-    return text if len(caps) <= 16 or "," not in text else sequence_text(caps)
-
-
-def _plan_caps_line(result: Plan) -> str:
-    """The plan's caps as :func:`_caps_line` writes them; with G replicas whose columns share
-    a cap (a lifted cap: always, unless built by hand), one replica's P caps and
-    ``per replica``, as ``--cap`` takes them: W caps would be G copies of each. One cap for
-    every worker stays one value."""
+def _plan_caps_text(result: Plan) -> str:
+    """:func:`cap_text` of the plan's caps, a long list as arithmetic runs (``1024..1``); lifted
+    to G replicas, one replica's caps and ``per replica``, as ``--cap`` takes them."""
+    caps, suffix = list(result.caps), ""
     layout = result.replicas
-    if layout.replicas > 1 and len(set(result.caps)) > 1:
-        per_position = [result.caps[r] for r in layout.members(0)]
-        if lift_caps(per_position, layout) == list(result.caps):
-            return f"{_caps_line(per_position)} per replica"
-    return _caps_line(result.caps)
+    if layout.replicas > 1 and len(set(caps)) > 1:
+        per_position = [caps[r] for r in layout.members(0)]
+        if lift_caps(per_position, layout) == caps:
+            caps, suffix = per_position, " per replica"
+    text = cap_text(caps)
+    return (text if len(caps) <= 16 or "," not in text else sequence_text(caps)) + suffix
 
 
 def checkpoint_text(checkpointed: Sequence[bool]) -> str:
-    """The checkpointed stages, folded: ``""`` (none), ``"all"``, or indices with ranges
-    (``"0-2,5"``), the form ``gsched plan --checkpoint-stages`` takes."""
+    """The checkpointed stages as ``--checkpoint-stages`` takes them: ``""``, ``"all"`` or
+    ``"0-2,5"``."""
     stages = [s for s, on in enumerate(checkpointed) if on]
     if not stages:
         return ""
     if len(stages) == len(checkpointed):
         return "all"
-    runs: list[list[int]] = []
-    for s in stages:
-        if runs and runs[-1][-1] == s - 1:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
+    # consecutive stages share their offset from their index in ``stages``
+    runs = [[s for _, s in run] for _, run in groupby(enumerate(stages), lambda p: p[1] - p[0])]
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
@@ -81,8 +71,7 @@ def ties_text(ties: Mapping[int, Sequence[int]]) -> str:
 
 
 def workers_text(result: Plan) -> str:
-    """``W=8``, or with data-parallel replicas ``W=8 (P=4 x G=2, replicate)``: the ranks, and
-    how they split into G replicas of a P-worker pipeline and how the replicas hold weights."""
+    """``W=8``, or with data-parallel replicas ``W=8 (P=4 x G=2, replicate)``."""
     G = result.data_parallel_size
     if G == 1:
         return f"W={result.workers}"
@@ -90,20 +79,18 @@ def workers_text(result: Plan) -> str:
 
 
 def micro_text(result: Plan) -> str:
-    """``B=8``, or with replicas ``B=16 (8 per replica)``: ``Plan.micro`` counts every
-    replica's microbatches, while ``microbatches=`` (``-b``) is one replica's."""
+    """``B=8``, or with replicas ``B=16 (8 per replica)`` (``-b`` is one replica's)."""
     G = result.data_parallel_size
     return f"B={result.micro}" + (f" ({result.micro // G} per replica)" if G > 1 else "")
 
 
 def configuration_text(result: Plan) -> str:
-    """``W=2 S=4 B=2 order=bfs cap=none`` (R, the fetch window and the checkpointed stages
-    where set; P x G with data-parallel replicas): the plan's shape, written the same way by
-    :func:`describe` and :func:`startup_summary`."""
+    """``W=2 S=4 B=2 order=bfs cap=none`` and what else is set: the plan's shape, as
+    :func:`describe` and :func:`startup_summary` write it."""
     checkpointed = checkpoint_text(result.checkpointed)
     return (f"{workers_text(result)} S={result.stages} {micro_text(result)}"
             + (f" R={result.R}" if result.R is not None else "")
-            + f" order={result.order} cap={_plan_caps_line(result)}"
+            + f" order={result.order} cap={_plan_caps_text(result)}"
             + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
             + (f" ties={ties_text(result.ties)}" if result.ties else "")
             + (f" checkpointed={checkpointed}" if checkpointed else ""))
@@ -113,24 +100,17 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
              tie_bytes: Mapping[int, int] | None = None) -> str:
     """Text summary of a plan: configuration, latency, bubble, and one row per worker.
 
-    With ``stage_bytes`` (every stage's parameter bytes; ``tie_bytes``: ``{home: bytes}`` of
-    the ties) two columns more: the bytes a worker owns and the peak of owned + fetched bytes
-    its program implies (what the runtime's ``peak_resident_param_bytes`` counter measures).
-    A plan with ties has three tie columns: fetches / serves, gradient reductions out / in,
-    all-reduces (``FETCH_W``/``SEND_W``, ``REDUCE_G``/``RECV_G``, ``ALLREDUCE_G`` of a tie).
-
-    Up to :data:`MAX_ROWS` workers every worker's row is computed (folded from
-    :data:`FOLD_FROM`); beyond, only the rows the table shows (:func:`_sampled_table`): a row
-    reads its worker's program, and at W=1024 lowering every rank's takes a minute and GBs.
-    The head lines read the timeline and the placement table only.
+    With ``stage_bytes`` (and ``tie_bytes``: ``{home: bytes}``) two columns more: the parameter
+    bytes a worker owns and its peak of owned + fetched ones. Beyond :data:`MAX_ROWS` workers
+    only the rows :func:`listed_workers` names are computed: a row reads (at large W: lowers)
+    its worker's program, while the head lines read only the timeline and placement.
     """
     m = result.metrics
     head = (
         f"schedule {result.schedule}: {configuration_text(result)}"
         + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
-        f"stage owners {_owners_line(result.table.owners)}"
-    )
+        f"stage owners {_owners_text(result.table.owners, OWNERS_WIDTH)}")
     header = ["worker", "busy", "act in/out", "grad in/out", "w fetch/serve", "g reduce out/in",
               "allreduce", "peak act", "owned", "peak resident"]
     if result.ties:
@@ -139,16 +119,22 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
         header += ["owned bytes", "peak bytes"]
     if stage_bytes is not None and result.data_parallel == "shard":
         head += "\n" + shard_saving(result, stage_bytes)
-    if listed_workers(result.workers) is not None:
-        return head + "\n" + _sampled_table(result, header, stage_bytes, tie_bytes)
-    rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
-    return head + "\n" + text_table(_fit_rows(rows), header)
+    shown = listed_workers(result.workers)
+    if shown is None:
+        rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
+        return head + "\n" + text_table(rows if len(rows) < FOLD_FROM else fold_rows(rows), header)
+    # the first and last workers' rows (each part's equal rows folded), a line for the rest
+    rows = worker_rows(result, shown, stage_bytes, tie_bytes)
+    hidden = hidden_workers(result.workers)
+    gap: list[object] = [f"... {hidden}", *["..."] * (len(header) - 1)]
+    table = text_table([*fold_rows(rows[:SHOWN_FIRST]), gap, *fold_rows(rows[SHOWN_FIRST:])],
+                       header)
+    return f"{head}\n{table}\n... workers {hidden} not shown; {EVERY_WORKER_HINT}"
 
 
 def shard_saving(result: Plan, stage_bytes: Sequence[int]) -> str:
-    """What sharding over the replicas saves at rest: each rank's owned parameter bytes (its
-    gradients and optimizer state scale alike) against the same plan replicated, where a rank
-    owns every stage it computes (read off the placement table: no second plan)."""
+    """What sharding over the replicas saves at rest: each rank's owned parameter bytes against
+    the same plan replicated, where a rank owns every stage it computes (no second plan)."""
     table = result.table
     ranks = listed_workers(result.workers) or range(result.workers)
     owned = [sum(stage_bytes[s] for s in table.owned_stages(r)) for r in ranks]
@@ -160,21 +146,16 @@ def shard_saving(result: Plan, stage_bytes: Sequence[int]) -> str:
             f"{saved:.0%} less on the largest rank")
 
 
-FOLD_FROM = 17  # workers: from here on, equal rows of consecutive workers are one row
-MAX_ROWS = 48  # workers whose rows are all computed and printed at most; beyond, a sample:
-SHOWN_FIRST = 4  # the rows of the first SHOWN_FIRST workers (a row lowers its worker's program:
-SHOWN_LAST = 2  # 0.1-0.3 s at W=1024), and of the last SHOWN_LAST (a pipeline's ends differ)
+FOLD_FROM = 17  # workers: from here on, equal rows are one row
+MAX_ROWS = 48  # workers whose rows are all computed at most; beyond, a sample: the first
+SHOWN_FIRST = 4  # SHOWN_FIRST workers and the last SHOWN_LAST (a pipeline's ends differ)
+SHOWN_LAST = 2
 OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
 
 
 def listed_workers(workers: int) -> list[int] | None:
-    """The workers whose rows a bounded reader shows for a plan of ``workers`` ranks: None
-    (every worker) up to :data:`MAX_ROWS`, else the first :data:`SHOWN_FIRST` and the last
-    :data:`SHOWN_LAST`.
-
-    Why one rule: the text table and ``gsched plan --json`` list the same rows, and each row
-    reads (at large W: lowers) its worker's program, so the rest are named, not computed.
-    """
+    """The workers whose rows the text table and ``gsched plan --json`` show: None (every
+    worker) up to :data:`MAX_ROWS`, else the first and last few."""
     if workers <= max(MAX_ROWS, SHOWN_FIRST + SHOWN_LAST):
         return None
     return [*range(SHOWN_FIRST), *range(workers - SHOWN_LAST, workers)]
@@ -182,12 +163,8 @@ def listed_workers(workers: int) -> list[int] | None:
 
 def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int] | None = None,
                 tie_bytes: Mapping[int, int] | None = None) -> list[list[object]]:
-    """:func:`describe`'s rows of ``workers`` (cells as printed, the worker first).
-
-    Fewer workers than the plan has are read one by one: their programs are lowered alone,
-    however many ranks the plan has (the caller keeps their number bounded); every worker is
-    read after ``make_all`` (the full lowering at once where the plan is lazy).
-    """
+    """:func:`describe`'s rows of ``workers`` (cells as printed, the worker first): each
+    program read alone, or every one at once (``make_all``) when every worker's row is asked."""
     per_worker = result.metrics.per_worker
     if len(workers) == len(per_worker) and isinstance(per_worker, LazyList):
         per_worker.make_all()  # every row: every program at once
@@ -210,21 +187,6 @@ def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int]
     return rows
 
 
-def _sampled_table(result: Plan, header: list[str], stage_bytes: Sequence[int] | None,
-                   tie_bytes: Mapping[int, int] | None) -> str:
-    """The table beyond :data:`MAX_ROWS` workers: the rows of the first :data:`SHOWN_FIRST` and
-    the last :data:`SHOWN_LAST` workers (each part's equal rows folded), and a line naming the
-    workers between, whose rows are not computed (``--programs`` reads them all)."""
-    shown = listed_workers(result.workers)
-    assert shown is not None
-    rows = worker_rows(result, shown, stage_bytes, tie_bytes)
-    hidden = hidden_workers(result.workers)
-    gap: list[object] = [f"... {hidden}", *["..."] * (len(header) - 1)]
-    table = text_table([*fold_rows(rows[:SHOWN_FIRST]), gap, *fold_rows(rows[SHOWN_FIRST:])],
-                       header)
-    return table + f"\n... workers {hidden} not shown; {EVERY_WORKER_HINT}"
-
-
 # what lists every worker where a bounded reader (table, --json) lists a sample
 EVERY_WORKER_HINT = "--programs lists every worker (and with --json every slot and program)"
 
@@ -234,28 +196,10 @@ def hidden_workers(workers: int) -> str:
     return f"{SHOWN_FIRST}-{workers - SHOWN_LAST - 1}"
 
 
-def _owners_line(owners: Sequence[Sequence[int]]) -> str:
-    """``[[0], [1], ...]`` while it is short; at large W the compact form of
-    :func:`~.fold.owners_text` (exact: runs of stages and arithmetic runs of ranks)."""
-    plain = str([list(o) for o in owners]) if len(owners) <= OWNERS_WIDTH else ""
-    if plain and len(plain) <= OWNERS_WIDTH:
-        return plain
-    return owners_text(owners, OWNERS_WIDTH)
-
-
-def _fit_rows(rows: list[list[object]]) -> list[list[object]]:
-    """The per-worker rows as printed (at most :data:`MAX_ROWS` workers): unchanged for small
-    W; from :data:`FOLD_FROM` workers, workers with equal rows as one row (``0-38/2``)."""
-    return rows if len(rows) < FOLD_FROM else fold_rows(rows)
-
-
 # ---------------------------------------------------------------------------- startup summary
 #
-# describe() has one row per worker: right for `gsched plan`, but at W=8 and beyond it scrolls
-# the start of a run off the screen once the partition table follows it. The startup summary
-# has a fixed number of lines for any W (each per-worker number as its range over the workers,
-# with the worker that needs the most where that matters) and names the command that prints
-# the full table.
+# A fixed number of lines for any W, where describe()'s row per worker would scroll the start of
+# a run off the screen; it names the command that prints the full table.
 
 SUMMARY_WIDTH = 112  # no line of the startup summary is longer (the partition table's width)
 
@@ -282,13 +226,8 @@ def _numbers(values: Sequence[float]) -> str:
 
 
 def plan_command(result: Plan) -> str:
-    """The ``gsched plan`` command that prints this plan in full (per-worker table, timeline).
-
-    For library schedules only (a custom placement can carry any label: the caller knows).
-    W, S and B are always given, since they say what the plan is for; order, cap and costs only
-    where they differ from the schedule's defaults (a default cap of ``"auto"`` counts as
-    different: resolving it needs simulations).
-    """
+    """The ``gsched plan`` command that prints this plan in full (library schedules only): W, S
+    and B always, the rest where it differs from the schedule's defaults."""
     spec = LIBRARY[result.schedule]
     G = result.data_parallel_size
     words = [f"gsched plan {result.schedule} -w {result.workers} -s {result.stages} "
@@ -303,9 +242,11 @@ def plan_command(result: Plan) -> str:
     if result.fetch_window is not None:
         words.append(f"--fetch-window {result.fetch_window}")
     words += [f"--tie {','.join(str(s) for s in readers)}" for readers in result.ties.values()]
-    if result.caps != _default_caps(result):
+    layout = result.replicas
+    default = spec.cap(layout.pipeline, result.stages)  # "auto" (a search): caps written out
+    if isinstance(default, str) or result.caps != lift_caps(normalise_caps(
+            default, layout.pipeline), layout):
         # --cap is per pipeline position (each replica's P workers): the caps of replica 0
-        layout = result.replicas
         words.append(f"--cap {cap_text([result.caps[r] for r in layout.members(0)])}")
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
     checkpointed = checkpoint_text(result.checkpointed)
@@ -327,21 +268,9 @@ def plan_command(result: Plan) -> str:
     return " ".join(words)
 
 
-def _default_caps(result: Plan) -> list[int | None] | None:
-    """The per-worker caps a library schedule gets by default for this plan's shape (each
-    replica's P-worker caps, lifted to the G replicas), or None where the default is a
-    search (``"auto"``): then the plan's own caps are written out."""
-    spec = LIBRARY[result.schedule]
-    layout = result.replicas
-    default = spec.cap(layout.pipeline, result.stages)
-    if isinstance(default, str):
-        return None
-    return lift_caps(normalise_caps(default, layout.pipeline), layout)
-
-
 def _owners_text(owners: Sequence[Sequence[int]], width: int) -> str:
     """``[[0], [1], ...]`` when it fits ``width``, else the compact form of
-    :func:`~.fold.owners_text`, cut to ``width`` with a count of what was left out."""
+    :func:`~.fold.owners_text`."""
     if len(owners) <= width:
         text = str([list(o) for o in owners])
         if len(text) <= width:
@@ -366,8 +295,7 @@ def _byte_span(values: Sequence[float]) -> str:
 
 
 class StartupRow(NamedTuple):
-    """One worker's numbers in :func:`startup_summary`: its counts (``metrics.per_worker``)
-    and its parameter bytes (owned, peak resident)."""
+    """One worker's numbers in :func:`startup_summary`: counts and parameter bytes."""
 
     counts: WorkerMetrics
     resident: ResidentBytes
@@ -375,27 +303,19 @@ class StartupRow(NamedTuple):
 
 def startup_row(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
                 rank: int) -> StartupRow:
-    """``rank``'s :class:`StartupRow`, read off its own program only.
-
-    Why: every rank of a job computes its own row and the rows are gathered (one collective)
-    for :func:`startup_summary`'s ``rows``, so no rank reads (and, for a plan lowered per rank,
-    lowers) the programs of all W ranks, which at W=1024 costs a minute and gigabytes."""
+    """``rank``'s :class:`StartupRow`, read off its own program only: each rank computes its
+    own and the rows are gathered, so that no rank lowers the programs of all W ranks."""
     return StartupRow(result.metrics.per_worker[rank],
                       resident_bytes(result.programs, stage_bytes, tie_bytes, ranks=[rank])[0])
 
 
 def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
                     command: str | None, rows: Sequence[StartupRow] | None = None) -> str:
-    """The plan as GeneralParallel prints it before the first step: 10 lines for any W (one
-    more with ties, one more naming the checkpointed stages when activation checkpointing is
-    on).
+    """The plan as GeneralParallel prints it before the first step, in a fixed number of lines.
 
-    ``stage_bytes``: every stage's parameter bytes (tied parameters excluded); ``tie_bytes``:
-    ``{home stage: bytes}`` of every tie (owned with its home stage, fetched by the workers
-    that compute a reader without owning it). ``command``: how to print the full per-worker
-    table (e.g. :func:`plan_command`), or None when no command can (a custom placement).
-    ``rows``: every worker's :class:`StartupRow` in worker order, where the caller gathered
-    them (:func:`startup_row` on each rank); None: read here off every program.
+    ``stage_bytes``/``tie_bytes`` as :func:`describe` takes them; ``command``: how to print the
+    full table (:func:`plan_command`; None for a custom placement); ``rows``: every worker's
+    :class:`StartupRow`, gathered by the caller (None: read here off every program).
     """
     m = result.metrics
     if rows is None:
@@ -455,4 +375,30 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
                      "recomputes the forward (in the backward costs above)")
     if command is not None:
         lines.append(f"  per-worker table and timeline: {command}")
+    return "\n".join(lines)
+
+
+def predicted_text(memories: Sequence[RankMemory]) -> str:
+    """Three lines: the predicted peak per rank (range, and the rank that peaks), and each
+    category's range over the ranks' peaks."""
+    peaks = [m.peak for m in memories]
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    parts = [f"{c} {span([getattr(m.at_peak, c) for m in memories], byte_text)}"
+             for c in CATEGORIES]
+    return (f"    predicted peak bytes per rank {span(peaks, byte_text)} (highest: rank {top}), "
+            f"made of\n      {', '.join(parts[:3])}\n      {', '.join(parts[3:])}")
+
+
+def comparison_text(memories: Sequence[RankMemory], measured: Sequence[Mapping[str, int]],
+                    step: int, device_peaks: Sequence[int | None] = ()) -> str:
+    """Per rank: predicted and measured peak (and the device allocator's peak where known)."""
+    lines = [f"GeneralParallel memory per rank, step {step}: predicted / measured peak "
+             "(runtime accounting of the tensors it holds)"]
+    for rank, (m, got) in enumerate(zip(memories, measured, strict=True)):
+        total = got.get("total", 0)
+        ratio = f"{total / m.peak:.3f}" if m.peak else "-"
+        device = device_peaks[rank] if rank < len(device_peaks) else None
+        extra = f", device allocator peak {byte_text(device)}" if device is not None else ""
+        lines.append(f"  rank {rank}: {byte_text(m.peak)} / {byte_text(total)} "
+                     f"(measured/predicted {ratio}){extra}")
     return "\n".join(lines)

@@ -1,10 +1,9 @@
 """Metrics read off the programs (what moves, what is held) and the timeline (when).
 
-Counts come from the programs, not from the placement, because the programs are what the runtime
-executes: its counters must equal these numbers exactly. They are one
-:class:`~lightning_gsched.schedule.counts.ActionCounts` per rank, read in one pass over each
-rank's program with the op table's counters (counting never waits on another rank, so it needs
-no walker): a tally of ops and running sums, all in C loops.
+Counts come from the programs, not the placement: the runtime executes the programs, and its
+counters must equal these numbers exactly. One :class:`~.counts.ActionCounts` per rank, read in
+one pass over its program (counting never waits on another rank, so it needs no walker): a tally
+of ops and running sums, all in C loops.
 """
 
 from __future__ import annotations
@@ -40,35 +39,24 @@ class PlanMetrics:
         return max(values)
 
 
-# op -> the ActionCounts field one such action adds 1 to (the op table's counters), of a stage
-# and of a tie (``Action.tie``)
+# op -> the ActionCounts field one such action adds 1 to, on a stage and on a tie
 _COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is not None}
 _TIE_COUNTER_OF = {op: spec.tie_counter for op, spec in OPS.items()
                    if spec.tie_counter is not None}
 
 
-def _steps(up: Op, down: Op) -> dict[Op, int]:
-    """+1 for ``up``, -1 for ``down``, 0 for every other op: the step of a running sum."""
-    step = dict.fromkeys(Op, 0)
-    step[up], step[down] = 1, -1
-    return step
-
-
-# built once, not per rank: at W = 10^5 building them per call cost seconds
-_STASH_STEPS = {release: _steps(Op.F, release) for release in (Op.B, Op.W)}
-_RESIDENT_STEPS = _steps(Op.FETCH_W, Op.FREE_W)
+# the +1/-1 steps of a running sum, per op, built once: the stash (F, then the op that releases
+# it) and the fetched stages resident
+_STASH_STEPS = {release: {**dict.fromkeys(Op, 0), Op.F: 1, release: -1}
+                for release in (Op.B, Op.W)}
+_RESIDENT_STEPS = {**dict.fromkeys(Op, 0), Op.FETCH_W: 1, Op.FREE_W: -1}
 
 
 def program_counts(programs: Programs, rank: int, into: ActionCounts | None = None
                    ) -> ActionCounts:
-    """Message counts, peak stash and peak residency of one rank's program.
-
-    The message counters are a tally of ops (each op's counter in the op table); each peak is
-    the largest running sum of +1/-1 steps: F and the op that releases the stash (B, or W when
-    the backward is split) for activations, FETCH_W and FREE_W of a stage (not of a tie) for
-    resident stages. A tie's actions move the ``tie_*`` counters (:attr:`OpSpec.tie_counter`).
-    ``into``: the (zeroed) counts to fill, e.g. a :class:`WorkerMetrics`.
-    """
+    """One rank's :class:`ActionCounts`, filled into ``into`` (zeroed, e.g. a
+    :class:`WorkerMetrics`). Each peak is the largest running sum of +1/-1 steps; a tie's
+    actions move only the ``tie_*`` counters."""
     owned = len(programs.owned_stages(rank))
     release = programs.weight_grad_op  # None: forward-only, nothing stashed
     program = programs.ranks[rank]
@@ -96,43 +84,25 @@ def program_counts(programs: Programs, rank: int, into: ActionCounts | None = No
     return counts
 
 
-def measure_lazily(programs: Programs, timeline: Timeline) -> PlanMetrics:
-    """:func:`measure`, each worker's counts read off its program when first asked for.
-
-    Latency and bubble come from the timeline at once; a plan whose programs are lowered per
-    rank on demand (:mod:`.lazy_ranks`) then lowers nothing until a worker's row is read.
-    """
-    busy = timeline.busy
+def measure(programs: Programs, timeline: Timeline, lazy: bool = False) -> PlanMetrics:
+    """Latency and bubble from the timeline, each worker's counts from its program; ``lazy``:
+    a worker's counts when first read, so a plan lowered per rank (:mod:`.lazy_ranks`) lowers
+    nothing until then."""
+    W, busy, latency = programs.world_size, timeline.busy, timeline.latency
 
     def worker(rank: int) -> WorkerMetrics:
         counts = WorkerMetrics(worker=rank, busy=busy[rank])
         program_counts(programs, rank, into=counts)
         return counts
 
-    latency = timeline.latency
-    capacity = latency * programs.world_size
-    total_busy = 0.0
-    for rank in range(programs.world_size):  # the same sum, in the same order, as measure()
-        total_busy += busy[rank]
-    bubble = 1.0 - total_busy / capacity if capacity > 0 else 0.0
     def every() -> list[WorkerMetrics]:  # a reader of every row: every program at once
         programs.ranks.make_all()
-        return [worker(rank) for rank in range(programs.world_size)]
+        return [worker(rank) for rank in range(W)]
 
-    return PlanMetrics(latency=latency, bubble_fraction=bubble,
-                       per_worker=LazyList(programs.world_size, worker, every))
-
-
-def measure(programs: Programs, timeline: Timeline) -> PlanMetrics:
-    latency = timeline.latency
-    per_worker = []
     total_busy = 0.0
-    for rank in range(programs.world_size):
-        busy = timeline.busy[rank]
-        total_busy += busy
-        worker = WorkerMetrics(worker=rank, busy=busy)
-        program_counts(programs, rank, into=worker)  # filled in place
-        per_worker.append(worker)
-    capacity = latency * programs.world_size
+    for rank in range(W):
+        total_busy += busy[rank]
+    capacity = latency * W
     bubble = 1.0 - total_busy / capacity if capacity > 0 else 0.0
+    per_worker = LazyList(W, worker, every) if lazy else every()
     return PlanMetrics(latency=latency, bubble_fraction=bubble, per_worker=per_worker)

@@ -10,32 +10,22 @@ import gc
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
 from lightning_gsched.schedule.cap_search import auto_cap_timeline, smallest_feasible_cap
 from lightning_gsched.schedule.consumption import require_chain
-from lightning_gsched.schedule.data_parallel import (
-    lift,
-    lift_caps,
-    lift_priority,
-    pipeline_size,
-)
+from lightning_gsched.schedule.data_parallel import lift, lift_caps, lift_priority, pipeline_size
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.library import get_schedule, resolve_shape
 from lightning_gsched.schedule.limits import check_size
 from lightning_gsched.schedule.lower import Lowering, lower, programs_of
-from lightning_gsched.schedule.metrics import PlanMetrics, measure, measure_lazily
-from lightning_gsched.schedule.orders import (
-    CapSpec,
-    PriorityFn,
-    normalise_caps,
-    resolve_order,
-)
+from lightning_gsched.schedule.metrics import PlanMetrics, measure
+from lightning_gsched.schedule.orders import CapSpec, PriorityFn, normalise_caps, resolve_order
 from lightning_gsched.schedule.placements import PlacementFn, PlacementTable
 from lightning_gsched.schedule.program import Action, Programs
 from lightning_gsched.schedule.proof import certify, checked_lowering
@@ -45,24 +35,16 @@ from lightning_gsched.schedule.symmetry import make_simulator
 
 # Plans with this many jobs lower each rank's program on demand (and, verified, prove deadlock
 # freedom from the timeline: proof.py) whatever their timeline; timelines by group symmetry
-# always do. Below it, lowering and dry-running every program at once costs under ~2 s.
+# always do. Below it, lowering and dry-running every program at once is cheap enough.
 LAZY_FROM_JOBS = 1 << 18
-T = TypeVar("T")
 
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while planning.
-
-    A large plan allocates ~10^5 small acyclic tuples; generational collections triggered by
-    those allocations can never free anything here and each full one also walks every object
-    the process holds (how much that costs: docs/benchmarks.md, "Measurements behind design
-    choices"). So it stays, although the switch is
-    process-wide (CPython has no per-thread collector): while a plan is built, other threads'
-    cyclic garbage waits (it is collected once the pause ends; nothing is lost), and a
-    collector the caller had disabled stays disabled. Two threads planning at once may
-    re-enable it while one still plans: that costs time, never correctness.
-    """
+    """Pause the cyclic garbage collector while planning: a large plan allocates ~10^5 small
+    acyclic tuples, whose collections free nothing and walk every object the process holds.
+    Process-wide: other threads' cyclic garbage waits for the end (nothing is lost), and two
+    threads planning at once may re-enable it early, which costs time, never correctness."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -89,12 +71,11 @@ class Plan:
     programs: Programs
     metrics: PlanMetrics
     forward_only: bool = False
-    # per stage: activation checkpointing (F keeps only the stage's inputs, B recomputes the
-    # forward; ``costs.backward`` already includes that recompute). All False when forward-only.
+    # per stage: activation checkpointing (all False when forward-only; ``costs.backward``
+    # includes the recompute)
     checkpointed: tuple[bool, ...] = ()
     fetch_window: int | None = None  # most fetched stages resident at once (None: no limit)
-    # G replicas of a P = W/G-worker schedule (data_parallel.py); ``micro`` counts all G
-    # replicas' microbatches (each replica runs micro / G)
+    # G replicas of a P = W/G-worker schedule; ``micro`` counts all G replicas' microbatches
     data_parallel_size: int = 1
     data_parallel: str = "replicate"
 
@@ -118,35 +99,10 @@ class Plan:
         return self.programs.ties
 
     def to_json(self, workers: Sequence[int] | None = None) -> dict[str, Any]:
-        """The plan as one JSON object (``gsched plan --json``).
-
-        ``workers``: list only these workers' metrics rows, each read off its own program
-        alone, and leave out the timeline's slots and the programs
-        (``"complete": false``). Why: at W=1024 every rank's program is a minute's lowering
-        and the timeline millions of slots; the shape, owners, caps and latency are not.
-        None: every worker's row, every slot and every program (``"complete": true``).
-        """
-        out = self._summary_json()
-        if workers is None:
-            self.programs.ranks.make_all()  # every program: at once
-        if workers is not None:
-            rows = [self.metrics.per_worker[w] for w in workers]
-            return {**out, "complete": False, "per_worker": [m.as_dict() for m in rows]}
-        return {
-            **out,
-            "complete": True,
-            "per_worker": [m.as_dict() for m in self.metrics.per_worker],
-            "timeline": [
-                {"worker": s.worker, "stage": s.job.stage, "micro": s.job.micro,
-                 "phase": s.job.phase.value, "start": s.start, "end": s.end}
-                for s in sorted(self.timeline.slots, key=lambda s: (s.worker, s.start))
-            ],
-            "programs": [[str(a) for a in program] for program in self.programs.ranks],
-        }
-
-    def _summary_json(self) -> dict[str, Any]:
-        """:meth:`to_json`'s fields that read no program and no slot."""
-        return {
+        """The plan as one JSON object (``gsched plan --json``). ``workers``: only these
+        workers' rows, each read off its own program, without the timeline's slots and the
+        programs (``"complete": false``), which at large W take minutes and gigabytes."""
+        out = {
             "schedule": self.schedule,
             "forward_only": self.forward_only,
             "workers": self.workers,
@@ -168,6 +124,21 @@ class Plan:
             "latency": self.metrics.latency,
             "bubble_fraction": self.metrics.bubble_fraction,
             "owners": [list(o) for o in self.table.owners],
+        }
+        if workers is not None:
+            rows = [self.metrics.per_worker[w] for w in workers]
+            return {**out, "complete": False, "per_worker": [m.as_dict() for m in rows]}
+        self.programs.ranks.make_all()  # every program: at once
+        return {
+            **out,
+            "complete": True,
+            "per_worker": [m.as_dict() for m in self.metrics.per_worker],
+            "timeline": [
+                {"worker": s.worker, "stage": s.job.stage, "micro": s.job.micro,
+                 "phase": s.job.phase.value, "start": s.start, "end": s.end}
+                for s in sorted(self.timeline.slots, key=lambda s: (s.worker, s.start))
+            ],
+            "programs": [[str(a) for a in program] for program in self.programs.ranks],
         }
 
 
@@ -197,58 +168,30 @@ def plan(
     """Build, simulate, lower, verify and measure a schedule.
 
     ``schedule`` names a library entry; or pass ``placement`` (and optionally ``priority``) for a
-    custom schedule, with ``schedule=None`` or a label of your choice. ``cap="auto"`` picks the
-    smallest uniform activation cap that keeps the uncapped latency. ``edges``: the stage graph,
-    which must be the chain 0 -> 1 -> ... -> S-1 (the default) while the runtime runs chains
-    only; another graph raises :class:`ScheduleConfigError`.
+    custom schedule, ``schedule`` then being a label. ``cap="auto"``: the smallest uniform
+    activation cap that keeps the uncapped latency. ``edges``: the stage graph, which must be
+    the chain 0 -> 1 -> ... -> S-1 (the default) while the runtime runs chains only.
+    ``forward_only=True`` plans validation/test/predict: F jobs only, on the training plan's
+    placement (hence stage owners), so one executor runs both.
+    ``split_backward``: every backward as B (input gradient) then W (weight gradient); None: the
+    schedule's choice. ``weight_cost`` is W's duration and ``backward_cost`` then B's; without
+    it a split backward's cost is halved between B and W. ``checkpoint_activations``: True or
+    one bool per stage; a checkpointed stage's F keeps only its inputs and its B recomputes the
+    forward, so its backward cost grows by its forward cost. ``fetch_window``: the most fetched
+    stages a worker holds at once (None: each fetch is posted one compute before it is needed).
+    ``ties``: weights several stages read (``{home stage: reader stages}`` or stage groups), each
+    a weight unit owned with its home stage (the lowest reader), fetched and reduced like one.
+    ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each, rank
+    ``p * G + g`` being position p of replica g; the defaults are the P-worker ones and
+    ``microbatches`` counts one replica's. ``data_parallel``: ``"replicate"`` (one gradient
+    all-reduce per stage across the replicas) or ``"shard"`` (each stage owned once across its
+    column, fetched once per step and held).
 
-    ``forward_only=True`` plans validation/test/predict: F jobs only, with the same placement
-    (hence the same stage owners) as the training plan of the same schedule, W, S and R, so one
-    executor runs both. Programs then hold F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W only;
-    the activation cap is ignored (nothing is stashed for a backward).
-
-    ``split_backward``: run every backward as B (input gradient) then W (weight gradient), as the
-    zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``) do by default; None means the
-    schedule's choice (False for a custom placement). ``weight_cost`` is W's duration; then
-    ``backward_cost`` is B's (the input-gradient part). Without ``weight_cost`` a split
-    backward's cost is halved between B and W.
-
-    ``checkpoint_activations``: True (every stage), or one bool per stage. A checkpointed
-    stage's ``F`` keeps only the stage's inputs and its ``B`` recomputes the forward first, so
-    its backward cost (B's, the input-gradient part when the backward is split) grows by its
-    forward cost; ``Plan.checkpointed`` records the flags (all False for a forward-only plan,
-    which has no backward).
-    ``fetch_window``: the most fetched (non-owned) stages a worker holds at once. None: each
-    fetch is posted one compute before its stage's first job, which holds at most two (the
-    stage computing and the next one). 1: a fetch that would overlap another fetched stage's
-    compute waits for that stage's ``FREE_W`` (less memory, the transfer no longer hidden).
-    Programs of schedules that never run two fetched stages back to back do not change.
-    ``ties``: weights several stages read (a tied embedding and output head), as
-    ``{home stage: reader stages}`` or a sequence of stage groups (e.g.
-    ``partition(...).shared_parameters.values()``); each is owned with its home stage (the
-    lowest that reads it), fetched and held for the step by a rank that computes a reader
-    without owning it, and its gradient reduced to the owners: a weight unit like a stage, by
-    the same ops (``FETCH_W t0 <-0``, ``REDUCE_G t0 ->0``; see :mod:`.lower_weights`).
-
-    ``data_parallel_size=G``: G replicas of the schedule on P = W/G workers each (a pipeline
-    composed with data parallelism, :mod:`.data_parallel`): the schedule's defaults (S, B, cap,
-    R) are its P-worker defaults, ``microbatches`` counts one replica's (the plan runs G times
-    as many), and rank ``p * G + g`` is position p of replica g. ``data_parallel``:
-    ``"replicate"`` (each replica holds its stages; one gradient all-reduce per stage across
-    the G replicas, issued after its last backward) or ``"shard"`` (each stage owned once
-    across its column, fetched once per step and held, its gradient reduced to the owner
-    once; the default S grows until every worker's stages divide among its column).
-
-    ``verify=False`` skips the dry run; then, where the timeline is by group symmetry
-    (:mod:`.symmetry`: ddp, fsdp, lpp, fslpp, fslpp-seed with a library order) or the plan has
-    :data:`LAZY_FROM_JOBS` jobs or more, nothing reads every program, so ``programs.ranks`` and
-    ``metrics.per_worker`` are made per rank when first read (:mod:`.lazy_ranks`,
-    :class:`.lower.Lowering`): the same values, one rank's at a time. ``verify=True`` does the same
-    where :func:`.proof.certify` accepts the timeline (no all-reduce, no ties): deadlock
-    freedom is proven once from the timeline and each rank's program passes the dry run's
-    per-rank checks, the matching of the channels into it and the proof's premise when it is
-    first read (:class:`ProgramError` there otherwise). Reading every program (iterating, or
-    more than a few ranks) lowers and dry-runs them all at once, as a plan without those does.
+    Where the timeline is by group symmetry (:mod:`.symmetry`) or has :data:`LAZY_FROM_JOBS`
+    jobs or more, and ``verify=False`` or :func:`.proof.certify` accepts it, ``programs.ranks``
+    and ``metrics.per_worker`` are made per rank when first read (:mod:`.lazy_ranks`), with the
+    same values; verified, deadlock freedom is proven once and each program passes the dry
+    run's per-rank checks when made. Reading every program lowers (and dry-runs) them all.
     """
     validate.positive_int("workers", workers)  # first, as before the arguments
     arguments = ScheduleArguments(
@@ -275,14 +218,10 @@ def plan_arguments(
 
 def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
                          forward_only: bool = False) -> tuple[int, int, int | None]:
-    """Everything :func:`plan_arguments` checks before it simulates, without simulating:
-    (S, B, R) for ``workers`` ranks, or the same error ``plan`` would raise.
-
-    Why: a front end checks its configuration when the job starts (on every rank, before any
-    process talks to another) and plans once at the first batch, when the partition has named
-    the tied weights. What only the simulation can find (a cap no order completes under) is
-    raised then, by every rank alike. A user's callable (placement, order or priority, cap)
-    fails only when called, so with one the plan is built here (unverified) and dropped."""
+    """Everything :func:`plan_arguments` checks before it simulates: (S, B, R) for ``workers``
+    ranks, or the error ``plan`` would raise. A front end checks its configuration on every rank
+    before any process talks to another, and plans at the first batch. A user's callable fails
+    only when called, so with one the plan is built here (unverified) and dropped."""
     prepared = _prepare(arguments, workers, None, forward_only)
     a = arguments
     if a.placement is not None or any(callable(f) for f in (a.order, a.priority, a.cap)):
@@ -292,22 +231,29 @@ def check_plan_arguments(arguments: ScheduleArguments, workers: int = 1, *,
 
 
 def resolve_arguments(arguments: ScheduleArguments, workers: int) -> tuple[int, int, int | None]:
-    """(S, B, R) that :func:`plan_arguments` fills in for ``workers`` ranks: a library
-    schedule's defaults on each replica's P = W / G workers (B per replica), or a custom
-    placement's own S and B. A front end that fixes them once (``ScheduleConfig``) plans
-    the same schedule for training and evaluation."""
+    """(S, B, R) that :func:`plan_arguments` fills in for ``workers`` ranks, so that a front end
+    plans training and evaluation alike: a custom placement's own S and B, or a library
+    schedule's defaults on each replica's P = W / G workers (B per replica). Sharded over G
+    replicas, the default S grows by the smallest factor that gives every worker a multiple of
+    G stages, so that each rank of a column owns as many (1f1b at G = 2: S = 2P)."""
     a = arguments
     if a.placement is not None:
         return int(a.stages), int(a.microbatches), a.R  # type: ignore[arg-type]
     W = validate.positive_int("workers", workers)
-    P = pipeline_size(W, a.data_parallel_size)
-    return _replica_shape(get_schedule(a.schedule).name, P,  # type: ignore[arg-type]
-                          a.data_parallel_size, a)
+    G = a.data_parallel_size
+    P = pipeline_size(W, G)
+    name = get_schedule(a.schedule).name  # type: ignore[arg-type]
+    with _on_replicas(P, G):
+        S, B, R = resolve_shape(name, P, a.stages, a.microbatches, a.R)
+    if G > 1 and a.data_parallel == "shard" and a.stages is None:
+        S *= G // math.gcd(max(1, S // P), G)
+    return S, B, R
 
 
 class _Prepared(NamedTuple):
     """The checked, resolved inputs of one plan (``plan_arguments``' first half)."""
 
+    arguments: ScheduleArguments
     name: str
     W: int
     S: int
@@ -317,58 +263,44 @@ class _Prepared(NamedTuple):
     cap_spec: CapSpec
     placement_fn: PlacementFn
     costs: Costs
-    edges: Sequence[tuple[int, int]] | None
-    forward_only: bool
-    split: bool
+    graph: StageGraph
     uses_default_cap: bool
     checkpointed: tuple[bool, ...]
-    fetch_window: int | None
     ties: dict[int, tuple[int, ...]]
-    data_parallel_size: int
-    data_parallel: str
 
 
-def _prepare(arguments: ScheduleArguments, workers: int,
+def _prepare(a: ScheduleArguments, workers: int,
              edges: Sequence[tuple[int, int]] | None, forward_only: bool) -> _Prepared:
     W = validate.positive_int("workers", workers)
-    a = arguments
-    schedule, stages, microbatches, R, order, cap = (a.schedule, a.stages, a.microbatches, a.R,
-                                                     a.order, a.cap)
-    placement, priority, split_backward = a.placement, a.priority, a.split_backward
     edges = validate.stage_edges(edges)
     forward_only = validate.flag("forward_only", forward_only)
-    if isinstance(cap, str) and cap == "none":
-        cap = None
+    cap = None if isinstance(a.cap, str) and a.cap == "none" else a.cap
     G = a.data_parallel_size
     P = pipeline_size(W, G)  # each replica's workers (W when G = 1)
-    if placement is None:
-        spec = get_schedule(schedule)  # type: ignore[arg-type]
-        S, B, R = _replica_shape(spec.name, P, G, a)
+    S, B, R = resolve_arguments(a, W)
+    if a.placement is None:
+        spec = get_schedule(a.schedule)  # type: ignore[arg-type]
         library_placement = spec.make_placement(P, S, R or 1)
-        _on_replicas(library_placement.check, P, G)(S, B)
+        with _on_replicas(P, G):
+            library_placement.check(S, B)
         placement_fn: PlacementFn = library_placement
-        order_spec = order if order is not None else (priority or spec.order)
+        order_spec = a.order if a.order is not None else (a.priority or spec.order)
         cap_spec = None if forward_only else spec.cap(P, S) if cap == DEFAULT else cap
         name = spec.name
-        split = spec.split_backward if split_backward is None else split_backward
-        uses_default_cap = cap == DEFAULT
+        split = spec.split_backward if a.split_backward is None else a.split_backward
     else:
-        assert stages is not None and microbatches is not None  # ScheduleArguments: both given
-        S, B = stages, microbatches
-        placement_fn = placement
-        order_spec = order if order is not None else (priority or "bfs")
+        placement_fn = a.placement
+        order_spec = a.order if a.order is not None else (a.priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap
-        name = schedule or "custom"
-        split = bool(split_backward)
-        uses_default_cap = False
+        name = a.schedule or "custom"
+        split = bool(a.split_backward)
     if G > 1:  # the P-worker schedule's placement, priority and cap, lifted to G replicas
         layout = ReplicaLayout(P, G)
-        placement_fn = _on_replicas(lift, P, G)(placement_fn, layout, S, B, a.data_parallel)
+        with _on_replicas(P, G):
+            placement_fn = lift(placement_fn, layout, S, B, a.data_parallel)
         if callable(order_spec) or order_spec == "interleaved":  # a library name is exact
             order_spec = lift_priority(resolve_order(order_spec, P, S, B, R), G)
-        if isinstance(cap_spec, str) or cap_spec is None:
-            pass  # 'auto' searches one uniform cap; None: uncapped
-        else:
+        if cap_spec is not None and not isinstance(cap_spec, str):  # 'auto': one uniform cap
             cap_spec = lift_caps(normalise_caps(cap_spec, P), layout)
         B *= G
     split = validate.flag("split_backward", split) and not forward_only
@@ -384,30 +316,14 @@ def _prepare(arguments: ScheduleArguments, workers: int,
         checkpointed = (False,) * S
     costs = costs.with_recompute(checkpointed)
     require_chain(S, edges)  # the runtime runs chains only: refuse other graphs up front
-    return _Prepared(name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges,
-                     bool(forward_only), split, uses_default_cap, checkpointed,
-                     a.fetch_window, tie_map, G, a.data_parallel)
-
-
-def _replica_shape(name: str, P: int, G: int, a: ScheduleArguments
-                   ) -> tuple[int, int, int | None]:
-    """(S, B per replica, R) of a library schedule on each replica's P workers.
-
-    Sharded over G replicas, the default S grows by the smallest factor that gives every
-    worker a multiple of G stages, so that each rank of a column owns as many as the others
-    (1f1b on P workers: S = P per replica, 2P at G = 2; interleaved's 2P needs no growth).
-    """
-    S, B, R = _on_replicas(resolve_shape, P, G)(name, P, a.stages, a.microbatches, a.R)
-    if G > 1 and a.data_parallel == "shard" and a.stages is None:
-        per_worker = max(1, S // P)
-        S *= G // math.gcd(per_worker, G)
-    return S, B, R
+    graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split)
+    return _Prepared(a, name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, graph,
+                     a.placement is None and cap == DEFAULT, checkpointed, tie_map)
 
 
 @contextmanager
 def _sharding_grew(a: ScheduleArguments, S: int) -> Iterator[None]:
-    """A per-stage argument's error says, where ``data_parallel='shard'`` grew the default S
-    (:func:`_replica_shape`), that S is the grown one and how to fix it."""
+    """A per-stage argument's error says where ``data_parallel='shard'`` grew the default S."""
     try:
         yield
     except ScheduleConfigError as exc:
@@ -418,42 +334,37 @@ def _sharding_grew(a: ScheduleArguments, S: int) -> Iterator[None]:
             "rank of a stage's column owns as many stages; give stages= to choose S)") from None
 
 
-def _on_replicas(check: Callable[..., T], P: int, G: int) -> Callable[..., T]:
-    """``check`` whose :class:`ScheduleConfigError` says, with replicas, that it is about the
-    P-worker schedule each replica runs (its numbers are P's, not W's)."""
-    if G == 1:
-        return check
-
-    def checked(*args: Any) -> T:
-        try:
-            return check(*args)
-        except ScheduleConfigError as exc:
-            raise type(exc)(
-                f"with data_parallel_size={G} each replica runs the schedule on P = W / "
-                f"data_parallel_size = {P} workers: {exc}") from None
-
-    return checked
+@contextmanager
+def _on_replicas(P: int, G: int) -> Iterator[None]:
+    """With replicas, a :class:`ScheduleConfigError` says that its numbers are those of the
+    P-worker schedule each replica runs."""
+    try:
+        yield
+    except ScheduleConfigError as exc:
+        if G == 1:
+            raise
+        raise type(exc)(
+            f"with data_parallel_size={G} each replica runs the schedule on P = W / "
+            f"data_parallel_size = {P} workers: {exc}") from None
 
 
 def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
-    (name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, edges, forward_only,
-     split_backward, default_cap, checkpointed, fetch_window, ties, G, mode) = prepared
+    (a, name, W, S, B, R, order_spec, cap_spec, placement_fn, costs, graph, default_cap,
+     checkpointed, ties) = prepared
+    fetch_window = a.fetch_window
     priority_fn = resolve_order(order_spec, W, S, B, R)
     order_name = order_spec if isinstance(order_spec, str) else getattr(order_spec, "__name__", "custom")
-    graph = StageGraph(S, edges, forward_only=forward_only, split_backward=split_backward)
     table = PlacementTable(placement_fn, W, S, B)  # both phases: owners as in training
     if table.hold_fetched_for_step and fetch_window is not None:
         _check_window_holds_step(table, fetch_window)
     # by group symmetry where that is exact (symmetry.py), else the full simulation
     run = make_simulator(graph, table, placement_fn, priority_fn, costs)
-    timeline: Timeline | None = None
     if cap_spec == "auto":
         caps, timeline = auto_cap_timeline(run, table)
     elif isinstance(cap_spec, str):
         raise ScheduleConfigError(f"cap {cap_spec!r} is not understood; use an int, a list, None or 'auto'")
     else:
         caps = normalise_caps(cap_spec, W)
-    if timeline is None:
         try:
             timeline = run(caps)
         except CapTooSmallError as exc:
@@ -467,13 +378,11 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
             # uniform cap that completes is the closest schedule that runs.
             caps = [smallest] * W
             timeline = run(caps)
-    if (timeline.replicas is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
-            not verify or certify(graph, table, timeline, ties) is None):
-        # nothing reads every program here: each rank's is lowered when first read (exactly
-        # what lower() gives it: lower.py), and so are its metrics (lazy_ranks.py).
-        # Verified: deadlock freedom is proven once from the timeline, and each rank's program
-        # passes its own checks as it is lowered (proof.py)
-        # (both run after plan() returned: with the collector paused, as planning is)
+    lazy = (timeline.replicas is not None or len(timeline.start) >= LAZY_FROM_JOBS) and (
+        not verify or certify(graph, table, timeline, ties) is None)
+    if lazy:
+        # each rank's program is lowered when first read (what lower() gives it), checked when
+        # verified (proof.py), after plan() returned: with the collector paused, as planning is
         lowering = Lowering(graph, table, timeline, fetch_window, ties)
         one = lowering.program if not verify else checked_lowering(
             lowering, lambda ranks: programs_of(graph, table, ranks, ties))
@@ -490,20 +399,19 @@ def _build(prepared: _Prepared, *, verify: bool = True) -> Plan:
                 return list(full.ranks)
 
         programs = programs_of(graph, table, LazyList(W, make, every), ties)
-        metrics = measure_lazily(programs, timeline)
     else:
         programs = lower(graph, table, timeline, fetch_window, ties)
         if verify:
             dry_run(programs)
-        metrics = measure(programs, timeline)
+    metrics = measure(programs, timeline, lazy=lazy)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
-                forward_only, checkpointed, fetch_window, G, mode)
+                graph.forward_only, checkpointed, fetch_window, a.data_parallel_size,
+                a.data_parallel)
 
 
 def _check_window_holds_step(table: PlacementTable, fetch_window: int) -> None:
     """A placement that holds fetched stages for the step (data_parallel='shard') holds every
-    stage a rank fetches at once; a smaller ``fetch_window`` cannot be met (its fetches would
-    wait for frees at the step's end, after the computes that need them)."""
+    stage a rank fetches at once: a smaller ``fetch_window`` cannot be met."""
     fetched = max((len(table.computed_stages(w) - set(table.owned_stages(w)))
                    for w in range(table.workers)), default=0)
     if fetch_window < fetched:

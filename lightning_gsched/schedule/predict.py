@@ -1,49 +1,25 @@
 """Step time of a plan's programs once the runtime's work takes time: a replay, not a new schedule.
 
-Why: the simulator decides *orders* with compute costs only, and the runtime executes those
-orders as they are. On a real machine every message costs its sender and its receiver CPU and
-takes time to arrive, a gradient all-reduce or hand-off to the owner runs after the last
-backward of a stage, a weight fetch must arrive before the stage computes, and the executor
-spends its own time around every job. ``predict_step_time`` walks every rank's program in order
-(a handler of the program walker, :mod:`.walk`), with the runtime's dependencies, and charges
-each of those to the worker where the runtime spends it; compute and order stay the plan's.
-With all costs 0 it returns the plan's own latency.
+The simulator orders jobs by compute costs alone; the runtime also spends CPU on every message at
+both ends, waits for arrivals, reduces gradients and works around every job. ``predict_step_time``
+walks every rank's program (a :mod:`.walk` handler) with the runtime's dependencies and charges
+each cost to the worker that spends it (``costs``: :class:`~.runtime_costs.RuntimeCosts`;
+``sizes``: :class:`~.memory.ModelSizes`); order and compute stay the plan's, and with all costs
+0 it returns the plan's latency.
 
-What is charged (``costs``: a :class:`~.runtime_costs.RuntimeCosts`; ``sizes``: the bytes of
-:class:`~.memory.ModelSizes`, which say how large each message is):
+* a compute job starts when its worker is free and its inputs and fetched weights have arrived,
+  plus the receive CPU of each message it consumes; it lasts its cost plus ``job_cpu``;
+* a send advances its worker's clock by ``send_time(bytes)``; the message leaves once the fixed
+  ``send_cpu`` is spent (its per-byte CPU overlaps the flight), or when the receive is posted if
+  later (gloo moves bytes once both ends are there), and arrives ``message_time(bytes)`` later;
+* a posted receive is consumed by the first action that needs it (:mod:`.consumption`), which
+  waits for the arrival, then pays ``recv_time(bytes)``;
+* ``ALLREDUCE_G`` among n ranks starts when every member has reached it and ends
+  ``allreduce_time(bytes, n)`` later, asynchronously; ties are weight units like stages;
+* a worker's step ends when its jobs, reductions and sends are done, plus ``step_cpu``.
 
-* a compute job ``F``/``B``/``W`` starts when its worker is free, its inputs have arrived and
-  its fetched weights are resident, plus the receive CPU of each message it consumes; it lasts
-  its planned cost plus ``job_cpu``;
-* a send (``SEND_ACT``, ``SEND_GRAD``, ``SEND_W``, ``REDUCE_G``) advances its worker's clock by
-  ``send_time(bytes)`` (``send_cpu`` + bytes x ``send_cpu_per_byte``); the message leaves once
-  the fixed ``send_cpu`` is spent (the sender writes its bytes while they flow: its per-byte
-  CPU overlaps the flight), or when the receive is posted if that is later (gloo moves the
-  bytes once both ends are there), and arrives ``latency + bytes / bandwidth`` later. Bytes: the
-  stage's output for an activation, the producing stage's output for an input-gradient, the
-  stage's weights for a fetch, its gradients for a hand-off;
-* a posted receive (``RECV_*``, ``FETCH_W``) is consumed by the first action that needs it: the
-  compute that reads it, ``FREE_W`` for an unused fetch, ``ALLREDUCE_G`` (or the end of the
-  step) for a peer's gradient; the consumer waits for the arrival, then pays
-  ``recv_time(bytes)``;
-* ``ALLREDUCE_G`` of stage s among n ranks: asynchronous, started when every member has reached
-  it, finished ``allreduce_time(grads bytes, n)`` later;
-* ties (``plan.ties``, see :mod:`.lower_weights`) are weight units charged like a stage's
-  weights, with the tie's parameter and gradient bytes (``sizes.ties``); a tie's fetch is
-  consumed by the first compute of a stage reading the tie (or by its free);
-* a worker's step ends when its last job, its reductions and its sends (the runtime drains
-  them) are done, plus ``step_cpu``.
-
-Not modelled: contention of several transfers for one link or of communication threads for
-the cores that compute, and the optimizer step after the programs.
-
-Which action consumes which input (the jobs a compute reads, the fetched units it needs, the
-fetch a free releases, the gradients an all-reduce sums in) is the shared rules of
-:mod:`.consumption`, which the dry run, the bytes walk and the runtime read too.
-
-Adding an op (e.g. a new message kind): give its send its bytes in :class:`_Charges` (and a
-fixed extra time if any) and its receive a consumer in :mod:`.consumption`; the rest follows
-from the op table.
+Not modelled: contention for links or cores, and the optimizer step. A new message kind needs
+its bytes in :class:`_Charges` and its receive's consumer in :mod:`.consumption`.
 """
 
 from __future__ import annotations
@@ -54,9 +30,9 @@ from typing import Any, Hashable, Sequence
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.schedule.consumption import OpRules, UnitKey, unit_of
 from lightning_gsched.schedule.jobs import Job, Phase
-from lightning_gsched.schedule.memory import ModelSizes
+from lightning_gsched.schedule.memory import ModelSizes, StageSizes
 from lightning_gsched.schedule.program import Action, Message, Op
-from lightning_gsched.schedule.runtime_costs import ZERO_COSTS, RuntimeCosts
+from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 from lightning_gsched.schedule.walk import Walker
 
 
@@ -81,40 +57,36 @@ class _Charges:
 
     def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, rules: OpRules) -> None:
         S = rules.num_stages
-        if sizes is not None and len(sizes.stages) != S:
+        if sizes is None:  # every message 0 bytes
+            sizes = ModelSizes(tuple(StageSizes(0, 0, 0, 0, 0) for _ in range(S)))
+        elif len(sizes.stages) != S:
             raise ScheduleConfigError(
-                f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages"
-            )
-        st = sizes.stages if sizes is not None else None
-        tie_sizes = sizes.ties if sizes is not None else {}
-        out = [st[s].message if st else 0 for s in range(S)]
-        grad_in = [max((out[p] for p in rules.act_from[s]), default=0) for s in range(S)]
+                f"sizes: {len(sizes.stages)} stages given for a plan of {S} stages")
+        stages, ties = sizes.stages, sizes.ties
+        out = [st.message for st in stages]
         self.costs = costs
-        # bytes of one message (named by the receive that posts it and whether it is a tie's)
-        # per stage (a tie is named by its home stage)
+        # per stage (a tie: its home stage), the bytes of one message, named by the receive that
+        # posts it and whether it is a tie's
         self._bytes: dict[tuple[Op, bool], list[int]] = {
             (Op.RECV_ACT, False): out,
-            (Op.RECV_GRAD, False): grad_in,
-            (Op.FETCH_W, False): [st[s].params if st else 0 for s in range(S)],
-            (Op.RECV_G, False): [st[s].grads if st else 0 for s in range(S)],
-            (Op.FETCH_W, True): [tie_sizes[s].params if s in tie_sizes else 0 for s in range(S)],
-            (Op.RECV_G, True): [tie_sizes[s].grads if s in tie_sizes else 0 for s in range(S)],
+            (Op.RECV_GRAD, False): [max((out[p] for p in rules.act_from[s]), default=0)
+                                    for s in range(S)],
+            (Op.FETCH_W, False): [st.params for st in stages],
+            (Op.RECV_G, False): [st.grads for st in stages],
+            (Op.FETCH_W, True): [ties[s].params if s in ties else 0 for s in range(S)],
+            (Op.RECV_G, True): [ties[s].grads if s in ties else 0 for s in range(S)],
         }
-        self._flight = {op: [costs.message_time(b) for b in sizes_]
-                        for op, sizes_ in self._bytes.items()}
-        self._send = {op: [costs.send_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
-        self._recv = {op: [costs.recv_time(b) for b in sizes_] for op, sizes_ in self._bytes.items()}
+        self._flight, self._send, self._recv = (
+            {key: [seconds(b) for b in nbytes] for key, nbytes in self._bytes.items()}
+            for seconds in (costs.message_time, costs.send_time, costs.recv_time))
 
     def flight(self, message: Message) -> float:
-        """Seconds ``message`` is in flight."""
         return self._flight[(message.op, message.tie)][message.stage]
 
     def send_cpu(self, message: Message) -> float:
-        """The sender's CPU seconds for ``message``."""
         return self._send[(message.op, message.tie)][message.stage]
 
     def recv_cpu(self, message: Message) -> float:
-        """The receiver's CPU seconds for ``message``."""
         return self._recv[(message.op, message.tie)][message.stage]
 
     def allreduce(self, unit: UnitKey, members: int) -> float:
@@ -144,11 +116,8 @@ class _Replay:
         self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
         self.reductions: dict[tuple[UnitKey, tuple[int, ...] | None], list[float]] = {}
 
-    # ------------------------------------------------------------------ messages
-
     def _key(self, side: str, message: Message, src: int, dst: int) -> MessageKey:
-        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side`` ("send" /
-        "recv")."""
+        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side``."""
         base = (side, message, src, dst)
         k = self._occurrences.get(base, 0)
         self._occurrences[base] = k + 1
@@ -168,8 +137,6 @@ class _Replay:
         for key in sorted(keys, key=self.arrival):
             at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0])
         return at
-
-    # ------------------------------------------------------------------ walk handler
 
     def compute(self, w: int, a: Action) -> Hashable | None:
         job = Job(a.stage, a.micro, _PHASE[a.op])  # type: ignore[arg-type]  # compute: micro set
@@ -240,9 +207,8 @@ class _Replay:
         self.reductions.setdefault((name, a.group), []).append(at)
         return None
 
-    # ------------------------------------------------------------------ end of step
-
     def worker_ends(self, workers: int) -> list[float]:
+        """Each worker's end of step, once the walk is complete."""
         ends = list(self.ends)
         for w in range(workers):
             for key in self.sends_of[w]:  # the runtime drains its sends
@@ -260,26 +226,19 @@ class _Replay:
 
 
 def predict_step_time(plan: Any, *, costs: RuntimeCosts | None = None,
-                      sizes: ModelSizes | None = None,
-                      edges: Sequence[tuple[int, int]] | None = None) -> StepPrediction:
-    """Replay ``plan``'s programs with the runtime's costs (see the module docstring).
-
-    ``plan``: a :class:`~lightning_gsched.schedule.plan.Plan`; its ``costs`` give the compute
-    time of every job. ``costs``: what messages, reductions, jobs and the step cost
-    (:class:`RuntimeCosts`; default: nothing). ``sizes``: bytes per stage, for messages' sizes
-    (None: every message counts 0 bytes, so only latencies and CPU are charged). ``edges``:
-    the stage graph if it is not the programs' own.
-    """
+                      sizes: ModelSizes | None = None) -> StepPrediction:
+    """Replay ``plan``'s programs (a :class:`~.plan.Plan`, whose ``costs`` time the jobs) with
+    the runtime's ``costs`` (default: nothing) and messages sized by ``sizes`` (None: 0 bytes;
+    only latencies and CPU are charged)."""
     W = plan.workers
-    rules = OpRules.of(plan.programs, edges)
-    charges = _Charges(costs or ZERO_COSTS, sizes, rules)
+    rules = OpRules.of(plan.programs)
+    charges = _Charges(costs or RuntimeCosts(), sizes, rules)
     walker = Walker(plan.programs)
     replay = _Replay(plan, rules, walker, charges)
     stuck = walker.run(replay)
     if stuck:
         raise ScheduleConfigError(
             f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
-            "that never runs); were they lowered from this plan?"
-        )
+            "that never runs); were they lowered from this plan?")
     ends = replay.worker_ends(W)
     return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))

@@ -1,9 +1,8 @@
-"""Pipeline diagrams in the seed's style: rows = workers, columns = time, one cell per job.
+"""Pipeline diagrams: rows = workers, columns = time, one cell per job.
 
-``ascii_timeline`` prints in a terminal (label ``F3`` / ``B3`` = phase + stage, the microbatch as
-a digit or letter underneath so the cell "colour" survives plain text). ``save_png`` draws the
-same picture with matplotlib, colouring cells by microbatch. matplotlib is imported lazily so the
-planner itself stays dependency-free.
+``ascii_timeline`` prints in a terminal (``F3`` = phase + stage, the microbatch as a digit or
+letter underneath so the cell "colour" survives plain text); ``save_png`` draws it with
+matplotlib, imported lazily so that the planner stays dependency-free.
 """
 
 from __future__ import annotations
@@ -18,11 +17,7 @@ _MICRO_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def _time_unit(timeline: Timeline) -> float:
     """Largest unit that divides every duration (so cells align), at least 1/8 of the shortest.
-
-    A job's duration is its (stage, phase)'s cost, the same for every microbatch, so the
-    microbatch-0 jobs hold every distinct duration: at W=1024 (up to 12 million jobs) reading
-    them all cost up to 0.7 s of ``gsched plan``, spent only to find the diagram too wide.
-    """
+    A duration depends on the stage and phase only: the microbatch-0 jobs hold every one."""
     P, B = len(timeline.phases), timeline.micro
     first = [(s * B) * P + k for s in range(timeline.stages) for k in range(P)]
     durations = {round(timeline.end[i] - timeline.start[i], 6) for i in first}
@@ -34,15 +29,12 @@ def _time_unit(timeline: Timeline) -> float:
 
 MAX_WORKERS = 64  # workers drawn at most (the first ones); the legend counts the rest
 MAX_COLUMNS = 1000  # a diagram wider than this many characters is not drawn
+CELL, MAX_WIDTH = 3, 240  # characters per time unit, fewer where the diagram would be wider
 
 
-def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int = 240) -> str:
-    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time.
-
-    Readable at any size: beyond :data:`MAX_WORKERS` workers only the first ones are drawn,
-    and a timeline needing more than :data:`MAX_COLUMNS` characters at one per time unit is not
-    drawn at all; a line says so (``--png`` draws any size, ``--json`` lists every slot).
-    """
+def ascii_timeline(timeline: Timeline) -> str:
+    """Two text rows per worker: phase+stage labels and microbatch ids, aligned in time; the
+    first :data:`MAX_WORKERS` workers, nothing over :data:`MAX_COLUMNS` units wide."""
     if not timeline.order or not any(timeline.order):
         return "(empty timeline)"
     unit = _time_unit(timeline)
@@ -51,15 +43,12 @@ def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int =
         return (f"(timeline not drawn: {columns} time units of {unit:g} over {timeline.workers} "
                 f"workers is wider than {MAX_COLUMNS} characters; --png PATH draws it, --json "
                 f"lists every slot; latency {timeline.latency:g})")
-    cell = width_per_unit
-    if columns * cell > max_width:
-        cell = max(1, max_width // columns)
+    cell = CELL if columns * CELL <= MAX_WIDTH else max(1, MAX_WIDTH // columns)
     shown = min(timeline.workers, MAX_WORKERS)
     label_width = len(f"w{shown - 1}") + 1
     lines = []
     for worker in range(shown):
-        top = [" "] * (columns * cell)
-        bottom = [" "] * (columns * cell)
+        top, bottom = [" "] * (columns * cell), [" "] * (columns * cell)
         for index in timeline.order[worker]:  # not by_worker: no Slot for workers not drawn
             job = timeline.job(index)
             a = int(round(timeline.start[index] / unit)) * cell
@@ -80,8 +69,7 @@ def ascii_timeline(timeline: Timeline, width_per_unit: int = 3, max_width: int =
                      f"{timeline.workers} only; --png PATH draws them all)")
     legend = (
         f"time unit = {unit:g} per {cell} char(s); top row: F/B + stage, bottom row: microbatch "
-        f"(0-9, a-z, ...); latency {timeline.latency:g}"
-    )
+        f"(0-9, a-z, ...); latency {timeline.latency:g}")
     return "\n".join(lines + [legend])
 
 
@@ -103,13 +91,11 @@ def save_png(timeline: Timeline, path: str, title: str = "") -> str:
         hatch = {"B": "//", "W": ".."}.get(slot.job.phase.value)
         ax.broken_barh(
             [(slot.start, slot.end - slot.start)], (slot.worker - 0.4, 0.8),
-            facecolors=colour, edgecolors="black", linewidth=0.4, hatch=hatch,
-        )
+            facecolors=colour, edgecolors="black", linewidth=0.4, hatch=hatch)
         if show_text:
             ax.text(
                 (slot.start + slot.end) / 2, slot.worker, f"{slot.job.phase.value}{slot.job.stage}",
-                ha="center", va="center", fontsize=7,
-            )
+                ha="center", va="center", fontsize=7)
     ax.set_ylim(workers - 0.5, -0.5)
     ax.set_xlim(0, timeline.latency)
     ax.set_yticks(range(workers))

@@ -1,15 +1,9 @@
 """What a step costs besides the stages' compute: messages, reductions and the runtime's own work.
 
-Why a model of its own: the simulator orders jobs by compute costs alone, but the runtime that
-executes the programs spends time on every message (the sender's and the receiver's CPU, the
-latency of the link, the bytes at its bandwidth), on every all-reduce, on every compute job (the
-executor's Python around a forward or backward: dispatch, stash, autograd set-up) and once per
-step. :func:`~lightning_gsched.schedule.predict.predict_step_time` charges these to the workers
-where the runtime spends them; the tuner ranks candidates with the same numbers, so a plan of
-many small jobs and messages is no longer predicted as fast as its compute alone.
-
-Pure numbers (no torch): ``runtime/calibration.py`` measures them on the job's own process group;
-``gsched tune`` without a process group uses :data:`DEFAULT_COSTS` or its flags.
+The simulator orders jobs by compute costs alone, but the runtime spends time on every message,
+all-reduce and compute job and once per step; :func:`~.predict.predict_step_time` charges these
+to the workers that spend them, and the tuner ranks candidates with the same numbers. Pure
+numbers: ``runtime/calibration.py`` measures them on the job's process group.
 """
 
 from __future__ import annotations
@@ -24,26 +18,12 @@ from lightning_gsched.errors import ScheduleConfigError
 class RuntimeCosts:
     """Seconds the runtime spends besides compute (all >= 0; bandwidths in bytes/second).
 
-    Point-to-point message (activation, input-gradient, weight fetch, gradient hand-off):
-
-    * ``send_cpu + bytes * send_cpu_per_byte``: the sender's CPU to issue it (gloo writes a
-      message into the socket in the caller's thread when it can); the sending worker's clock
-      advances by it at the ``SEND_*`` action, and the message leaves after the fixed
-      ``send_cpu``: the bytes flow while the sender writes them;
-    * ``latency + bytes / bandwidth``: in flight, from the sender's first byte to the last
-      byte's arrival (the sender's per-byte CPU lies inside it; the receiver's is charged after
-      it). Finite: :func:`~lightning_gsched.runtime.calibrate` fits it or refuses;
-    * ``recv_cpu + bytes * recv_cpu_per_byte``: the receiver's CPU (posting the receive,
-      reading the bytes, waiting, bookkeeping), charged where the message is consumed: after it
-      has arrived, before the consuming job starts.
-
-    All-reduce among ``n`` ranks of ``bytes``: ``allreduce_latency + 2 (n - 1) / n * bytes /
-    allreduce_bandwidth`` (a ring moves each byte out and in ``(n - 1) / n`` times), started
-    when every member has reached it, asynchronous to compute.
-
-    ``job_cpu``: the executor's own work around each compute job (F, B or W), added to the
-    job's profiled compute. ``step_cpu``: fixed work per step on every worker (starting and
-    finishing the step), added once at the end.
+    A point-to-point message costs its sender ``send_time`` (gloo writes into the socket in the
+    caller's thread; the bytes flow while it writes), is in flight ``message_time`` from the
+    first byte's departure to the last one's arrival (finite: ``runtime.calibrate`` fits it or
+    refuses), and costs its receiver ``recv_time`` where it is consumed. An all-reduce among n
+    ranks is a ring's (each byte out and in ``(n - 1) / n`` times). ``job_cpu``: the executor's
+    own work around each compute job; ``step_cpu``: fixed work per step on every worker.
     """
 
     latency: float = 0.0
@@ -62,13 +42,11 @@ class RuntimeCosts:
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
                 raise ScheduleConfigError(
-                    f"RuntimeCosts.{f.name} must be a non-negative number, got {value!r}"
-                )
+                    f"RuntimeCosts.{f.name} must be a non-negative number, got {value!r}")
         for name in ("bandwidth", "allreduce_bandwidth"):
             if getattr(self, name) == 0:
                 raise ScheduleConfigError(
-                    f"RuntimeCosts.{name} must be > 0 bytes/s (math.inf: bytes cost nothing)"
-                )
+                    f"RuntimeCosts.{name} must be > 0 bytes/s (math.inf: bytes cost nothing)")
 
     def send_time(self, nbytes: float) -> float:
         """The sender's CPU seconds for one message of ``nbytes``."""
@@ -88,7 +66,7 @@ class RuntimeCosts:
             return 0.0
         return self.allreduce_latency + 2 * (members - 1) / members * nbytes / self.allreduce_bandwidth
 
-    def with_changes(self, **changes: float) -> "RuntimeCosts":
+    def with_changes(self, **changes: float) -> RuntimeCosts:
         """A copy with some fields replaced (``None`` values are ignored: flags not given)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
@@ -105,13 +83,9 @@ class RuntimeCosts:
                 f"{self.step_cpu * 1e3:.1f} ms per step")
 
 
-ZERO_COSTS = RuntimeCosts()
-
-# `gsched tune` without a process group (and GeneralParallel("auto") on one process): the
-# figures runtime/calibration.py measured with gloo between two processes of one 2-core AMD EPYC
-# VM (see docs/memory.md, "gsched tune"); pass measured ones for another machine.
+# `gsched tune` without a process group (and GeneralParallel("auto") on one process): what
+# runtime/calibration.py measured with gloo on one machine (docs/memory.md, "gsched tune").
 DEFAULT_COSTS = RuntimeCosts(
     latency=60e-6, bandwidth=2.7e9, send_cpu=30e-6, recv_cpu=40e-6, send_cpu_per_byte=0.2e-9,
     recv_cpu_per_byte=0.2e-9,
-    allreduce_latency=250e-6, allreduce_bandwidth=1.0e9, job_cpu=200e-6, step_cpu=1.1e-3,
-)
+    allreduce_latency=250e-6, allreduce_bandwidth=1.0e9, job_cpu=200e-6, step_cpu=1.1e-3)
