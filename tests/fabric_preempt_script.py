@@ -1,15 +1,19 @@
 """A Fabric loop under GeneralParallelFabric that gets SIGTERM mid-run: the subject of
-``test_fabric_faults.py``.
+``test_fabric_faults.py`` and of the Fabric trials of ``benchmarks/fault_trials.py``.
 
-Run as ``python fabric_preempt_script.py OUT_DIR RANK STEP``: Fabric's script launcher re-runs
-it for rank 1 (as a user's ``python train.py`` with ``devices=2``). At loop step STEP, rank RANK
-sends itself SIGTERM from inside the loss function, after ``model(...)``: on the last stage's
-rank that code runs inside the schedule, while the other rank is in the step's traffic. The loop
-is the one docs/usage.md shows: after each step, if ``fabric.strategy.preempted``, save and
-leave. It then checks that a further ``step`` raises ``PreemptedError``. Every rank writes
-``OUT_DIR/rank<r>.json``: how its loop ended, the steps done, and what the extra step raised;
-``OUT_DIR/pid<r>`` as it starts (the test kills stuck ranks by it). Then rank 1 raises in the
-user's code, uncaught (:func:`uncaught_on_one_rank`).
+Run as ``python fabric_preempt_script.py OUT_DIR RANK STEP [WHERE [FAULT [uncaught]]]``: Fabric's
+script launcher re-runs it for rank 1 (as a user's ``python train.py`` with ``devices=2``). At
+loop step STEP, rank RANK does FAULT (``sigterm``: SIGTERM to itself, the default, or
+``sigterm-launcher``: to rank 0, the launcher) at WHERE: ``loss`` (the default: inside the loss
+function after ``model(...)``; on the last stage's rank that code runs inside the schedule,
+while the other rank is in the step's traffic; on rank 0 it is never reached), ``before_step``
+(the loop's own code before ``strategy.step``) or ``after_step`` (after ``optimizer.step``). The
+loop is the one docs/usage.md shows: after each step, if ``fabric.strategy.preempted``, save
+and leave. It then checks that a further ``step`` raises ``PreemptedError``. Every rank writes
+``OUT_DIR/rank<r>.json``: how its loop ended, the steps done, whether it did the fault
+(``injected``) and what the extra step raised; ``OUT_DIR/pid<r>`` as it starts (the test kills
+stuck ranks by it). With ``uncaught``, rank 1 then raises in the user's code, uncaught
+(:func:`uncaught_on_one_rank`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ def main() -> None:
     from lightning_gsched.fabric import GeneralParallelFabric
 
     out, signal_rank, signal_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    where = sys.argv[4] if len(sys.argv) > 4 else "loss"
+    fault = sys.argv[5] if len(sys.argv) > 5 else "sigterm"
+    os.environ.setdefault("GSCHED_TEST_LAUNCHER", str(os.getpid()))  # rank 0's, inherited
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=WORLD,
                     strategy=GeneralParallelFabric("1f1b", step_timeout=30))
@@ -53,11 +60,18 @@ def main() -> None:
     rows = GLOBAL_BATCH // WORLD
     step = 0
 
+    injected: list[str] = []
+
+    def inject(point: str) -> None:
+        if rank == signal_rank and step == signal_step and point == where and not injected:
+            injected.append(point)
+            target = os.getpid() if fault == "sigterm" else int(os.environ["GSCHED_TEST_LAUNCHER"])
+            os.kill(target, signal.SIGTERM)  # a preemption notice
+
     def loss_fn(model: Any, batch: Any) -> torch.Tensor:
         x, y = batch
         output = model(x)
-        if rank == signal_rank and step == signal_step:
-            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice, mid-step
+        inject("loss")
         return F.mse_loss(output, y)
 
     result: dict[str, Any] = {"rank": rank}
@@ -66,8 +80,10 @@ def main() -> None:
             start = step * GLOBAL_BATCH + rank * rows
             batch = (inputs[start:start + rows], targets[start:start + rows])
             optimizer.zero_grad()
+            inject("before_step")
             fabric.strategy.step(model, batch, loss_fn)
             optimizer.step()
+            inject("after_step")
             if fabric.strategy.preempted:
                 fabric.save(os.path.join(out, "ckpt.pt"),
                             {"model": model, "optimizer": optimizer, "step": step + 1})
@@ -84,10 +100,12 @@ def main() -> None:
         result["outcome"] = type(exc).__name__
         result["message"] = str(exc)
         result["traceback"] = traceback.format_exc()
+    result["injected"] = bool(injected)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
     sys.stdout.flush()
-    uncaught_on_one_rank(fabric, out, rank)
+    if sys.argv[-1] == "uncaught":
+        uncaught_on_one_rank(fabric, out, rank)
 
 
 def uncaught_on_one_rank(fabric: Fabric, out: str, rank: int) -> None:

@@ -34,7 +34,8 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     with open(tmp_path / "log.txt", "w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(tmp_path), str(SIGNAL_RANK), str(SIGNAL_STEP)],
+            [sys.executable, str(SCRIPT), str(tmp_path), str(SIGNAL_RANK), str(SIGNAL_STEP), "loss",
+             "sigterm", "uncaught"],
             env=env, stdout=log, stderr=subprocess.STDOUT)
     results = wait_for_ranks(launcher, tmp_path, 2, BOUND)
     assert launcher.returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
