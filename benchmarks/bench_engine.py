@@ -30,6 +30,7 @@ from benchmarks.bench_pipeline import (
     _chosen,
     _fmt,
     _placement_text,
+    process_counts,
 )
 from benchmarks.common import Result
 from benchmarks.rounds import Side, measure, ratio_result
@@ -64,9 +65,11 @@ def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int
     times: list[float] = []
     cpu_times: list[float] = []
     losses: list[float] = []
+    counts: list[list[int]] = []
     for i in range(steps):
         lo = i * rows + rank * per_rank  # this rank's rows of global batch i
         batch = (xs[lo:lo + per_rank], ys[lo:lo + per_rank])
+        before = process_counts()
         cpu = time.process_time()
         start = time.perf_counter()
         loss = fabric.strategy.step(model, batch, loss_fn)
@@ -74,9 +77,26 @@ def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int
         opt.zero_grad()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu)
+        counts.append([b - a for a, b in zip(before, process_counts(), strict=True)])
         losses.append(float(loss))
+    # our process groups (each a gloo thread that wakes every 10 ms) must not outlive the fit:
+    # in reused processes (benchmarks/rounds.py) they would run beside the next fits, the
+    # anchor's included
+    fabric.strategy.teardown()
     return {"times": times, "cpu_times": cpu_times, "loss": losses[-1], "losses": losses,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "counts": counts}
+
+
+def step_counts(runs: Any) -> list[list[float]]:
+    """Per rank, the median over every round's steady steps of (minor page faults, voluntary,
+    involuntary context switches) per step (:func:`process_counts`)."""
+    from benchmarks.common import median
+
+    per_rank: list[list[float]] = []
+    for rank in range(len(runs.outputs[0])):
+        steps = [c for out in runs.outputs for c in out[rank]["counts"][runs.warmup:]]
+        per_rank.append([median([float(c[i]) for c in steps]) for i in range(3)])
+    return per_rank
 
 
 def _engine_side(schedule: str, steps: int) -> Side:
@@ -104,7 +124,9 @@ def run(quick: bool, rows: Sequence[str] | None = None) -> list[Result]:
         results.append(ratio_result(
             f"pipeline_engine_vs_torch[{row.schedule}]", runs["ours"], runs["anchor"], GOAL,
             notes, extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor,
-                          "steps_per_run": cfg["steps"], "wall_s": round(wall, 1)}))
+                          "steps_per_run": cfg["steps"], "wall_s": round(wall, 1),
+                          "faults_switches_per_step": {"ours": step_counts(runs["ours"]),
+                                                       "anchor": step_counts(runs["anchor"])}}))
     return results
 
 
@@ -116,6 +138,8 @@ def main() -> None:
     for r in run(args.quick, args.rows):
         print(f"{r.name:34s} ours {r.ours_s * 1e3:7.1f} ms  torch {r.anchor_s * 1e3:7.1f} ms  "
               f"ratio {r.ratio:.3f}  cpu ratio {r.cpu_ratio}  {r.notes}")
+        print(f"  per rank (minor faults, voluntary, involuntary switches) per step: "
+              f"{r.extra['faults_switches_per_step']}")
 
 
 if __name__ == "__main__":

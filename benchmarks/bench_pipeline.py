@@ -110,6 +110,16 @@ ROWS = {row.schedule: row for row in (
 )}
 
 
+def process_counts() -> tuple[int, int, int]:
+    """This process's minor page faults, voluntary and involuntary context switches so far:
+    read around each step, their differences say whether one side's kernels touch fresh pages
+    (a new allocation backed by new pages faults on first write) or lose the core more often."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw
+
+
 @functools.lru_cache(maxsize=None)
 def _split(stages: int) -> dict[str, Any]:
     from benchmarks.model import GPTShape
@@ -159,12 +169,14 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
         times: list[float] = []
         cpu_times: list[float] = []
         losses: list[float] = []
+        counts: list[list[int]] = []
         prof = cProfile.Profile() if profile_dir else None
         for i in range(steps):
             x, y = xs[i * rows:(i + 1) * rows], ys[i * rows:(i + 1) * rows]
             step_losses: list[Any] = []
             if prof is not None and i >= warmup:
                 prof.enable()
+            before = process_counts()
             cpu = time.process_time()
             start = time.perf_counter()
             sched.step(*((x,) if first else ()), target=y if last else None,
@@ -173,6 +185,7 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
             opt.zero_grad()
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu)
+            counts.append([b - a for a, b in zip(before, process_counts(), strict=True)])
             if prof is not None and i >= warmup:
                 prof.disable()
             if last:
@@ -185,7 +198,7 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
                       if num_stages - 1 in local_stages(row.placement, r, world, num_stages))
         dist.broadcast_object_list(box, src=holder)
         return {"times": times, "cpu_times": cpu_times, "loss": box[0][-1], "losses": box[0],
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "counts": counts}
     finally:
         if owned:
             dist.destroy_process_group()
