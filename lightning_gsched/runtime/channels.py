@@ -1,8 +1,9 @@
 """The process groups one executor talks over, and the job-wide fault notice.
 
-Programs are FIFO per (src, dst) *per channel* (``p2p``, ``weights``, ``grads``), and backends
-without message tags (NCCL) only order messages within one communicator: hence one group per
-kind, and per direction (lower to higher rank, and back), because NCCL runs a communicator's
+Programs are FIFO per (src, dst) *per channel* (``p2p``, ``weights``, ``grads``). gloo keeps one
+queue per (peer, tag): there one group carries every channel, a tag each. Backends without
+message tags (NCCL) only order messages within one communicator: there one group per kind, and
+per direction (lower to higher rank, and back), because NCCL runs a communicator's
 point-to-point operations in issue order, so a receive posted early from a peer must not hold back
 a later send *to* it. Replica all-reduces get one subgroup per member set, running statistics one
 world group. ``dist.new_group`` is collective over the job, so every rank builds its ``Channels``
@@ -140,12 +141,23 @@ class Channels:
         self.notice = FaultNotice(self.store, f"lightning_gsched/fault/{self.serial}")
         span = timedelta(seconds=self.timeout)
         everyone = list(range(world))
-        self.groups: dict[tuple[str, bool], Any] = {
-            (kind, up): dist.new_group(everyone, timeout=span)
-            for kind in KINDS for up in (True, False)}
-        self.shared = dist.new_group(everyone, timeout=span)
+        # gloo matches messages by tag: one group carries every channel, a tag each. A gloo
+        # group is a thread that wakes every 10 ms; seven of them, on the core the rank
+        # computes on, preempted its compute thread about four times as often as torch's one
+        # (docs/benchmarks.md, "the engine's gap, counted per thread")
+        self.tagged = dist.get_backend() == "gloo"
+        if self.tagged:
+            one = dist.new_group(everyone, timeout=span)
+            self.groups: dict[tuple[str, bool], Any] = {
+                (kind, up): one for kind in KINDS for up in (True, False)}
+            self.shared = one
+        else:
+            self.groups = {(kind, up): dist.new_group(everyone, timeout=span)
+                           for kind in KINDS for up in (True, False)}
+            self.shared = dist.new_group(everyone, timeout=span)
         self.replicas: dict[tuple[int, ...], Any] = {
-            members: dist.new_group(list(members), timeout=span)
+            members: self.shared if self.tagged and len(members) == world
+            else dist.new_group(list(members), timeout=span)
             for members in replica_groups(programs)
         }
         self.closed = False
@@ -161,11 +173,16 @@ class Channels:
         self._check_open()
         return self.groups[(kind, src < dst)]
 
+    def _tag(self, kind: str, src: int, dst: int) -> int:
+        return 2 * KINDS.index(kind) + (src < dst) if self.tagged else 0
+
     def isend(self, tensor: Any, peer: int, kind: str) -> Any:
-        return dist.isend(tensor, peer, group=self.group(kind, self.rank, peer))
+        return dist.isend(tensor, peer, group=self.group(kind, self.rank, peer),
+                          tag=self._tag(kind, self.rank, peer))
 
     def irecv(self, tensor: Any, peer: int, kind: str) -> Any:
-        return dist.irecv(tensor, peer, group=self.group(kind, peer, self.rank))
+        return dist.irecv(tensor, peer, group=self.group(kind, peer, self.rank),
+                          tag=self._tag(kind, peer, self.rank))
 
     def _collective_group(self, members: tuple[int, ...] | None) -> Any:
         self._check_open()
@@ -194,6 +211,7 @@ class Channels:
         if self.closed:
             return
         self.closed = True
-        groups = [*self.groups.values(), self.shared, *self.replicas.values()]
+        groups = list({id(g): g for g in (*self.groups.values(), self.shared,
+                                          *self.replicas.values())}.values())
         self.groups, self.replicas, self.shared = {}, {}, None
         destroy_groups(groups, collect)
