@@ -73,7 +73,7 @@ def calibrated(rank: int, world: int) -> dict[str, float]:
 
 def _config(candidate: Any, profiles: dict[int, Any]) -> dict[str, Any]:
     """``GeneralParallel``'s arguments for a candidate as ``"auto"`` would train its pick
-    (``engine/auto._as_config``): with the profiled stage costs, so the measured fit runs the
+    (``engine/auto.pick_as_config``): with the profiled stage costs, so the measured fit runs the
     very programs the tuner predicted. Without them the planner orders with unit costs, and
     for schedules whose order follows the costs (zbv, interleaved, zero-bubble W placement)
     the measured programs were not the predicted ones (the runs before 2026-11-26)."""

@@ -301,7 +301,7 @@ def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:
 def test_a_capped_pick_runs_with_its_cap() -> None:
     """A pick the tuner found at a smaller activation cap becomes a config whose training plan
     has that cap on every worker (and so the programs the tuner costed)."""
-    from lightning_gsched.engine.auto import _as_config
+    from lightning_gsched.engine.auto import pick_as_config
     from lightning_gsched.schedule.memory import ModelSizes, StageSizes
     from lightning_gsched.schedule.tune import StageProfile, tune
 
@@ -311,7 +311,7 @@ def test_a_capped_pick_runs_with_its_cap() -> None:
 
     result = tune(2, 16, profile, schedules=["gpipe"], checkpoint=(False,), stages=2, micro=8)
     capped = next(v for v in result.verdicts if v.candidate.cap is not None)
-    p = _as_config(capped, result).training_plan(2)
+    p = pick_as_config(capped, result).training_plan(2)
     assert p.caps == [capped.candidate.cap] * 2
     assert p.metrics.max_of("peak_activations") <= capped.candidate.cap < 8
 
@@ -320,7 +320,7 @@ def test_a_2d_pick_runs_as_the_plan_the_tuner_costed() -> None:
     """A pick with G = 2 becomes a config whose training plan is the tuner's plan of it (the
     same programs: G, the mode and the costs carried over) and whose training step cuts
     B x G microbatches."""
-    from lightning_gsched.engine.auto import _as_config
+    from lightning_gsched.engine.auto import pick_as_config
     from lightning_gsched.schedule.memory import ModelSizes, StageSizes
     from lightning_gsched.schedule.tune import StageProfile, plan_candidate, tune
 
@@ -332,7 +332,7 @@ def test_a_2d_pick_runs_as_the_plan_the_tuner_costed() -> None:
         result = tune(4, 32, profile, replicas=2, schedules=["1f1b", "zbv"], top=None)
         v = next(v for v in result.verdicts if v.candidate.mode == mode_wanted
                  and v.step_time is not None)
-        config = _as_config(v, result)
+        config = pick_as_config(v, result)
         assert config.arguments.data_parallel_size == 2
         assert config.arguments.data_parallel == mode_wanted
         planned = config.training_plan(4)

@@ -52,17 +52,17 @@ def test_calibration_needs_a_process_group() -> None:
 
 
 def test_allreduce_fit_keeps_the_small_all_reduce_cost_and_fits_the_slope_above_it() -> None:
-    from lightning_gsched.runtime.calibration import ALLREDUCE_BYTES, _fit_allreduce
+    from lightning_gsched.runtime.calibration import ALLREDUCE_BYTES, fit_allreduce
 
     latency, per_ring_byte, world = 150e-6, 0.5e-9, 2
     ring = 2 * (world - 1) / world
     exact = [latency + ring * (n - ALLREDUCE_BYTES[0]) * per_ring_byte for n in ALLREDUCE_BYTES]
-    got = _fit_allreduce(exact, world)
+    got = fit_allreduce(exact, world)
     assert got[0] == pytest.approx(latency) and got[1] == pytest.approx(per_ring_byte)
     # large sizes measured slow relative to the middle one: one least-squares line through all
     # sizes would put its intercept below zero; the small all-reduce must still cost its time
     skewed = [latency, 0.3e-3, 4.0e-3][: len(ALLREDUCE_BYTES)]
-    small, slope = _fit_allreduce(skewed, world)
+    small, slope = fit_allreduce(skewed, world)
     assert small == latency and slope > 0
 
 

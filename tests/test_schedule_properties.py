@@ -108,7 +108,7 @@ def test_every_plan_is_a_valid_schedule(config):
 @pytest.mark.parametrize("threshold", [1, 2, 5, 8, 9, 16])
 @pytest.mark.parametrize("guess", [0, 1, 4, 8, 9, 16, 40])
 def test_cap_search_from_a_guess_finds_the_bisection_answer(threshold, guess):
-    from lightning_gsched.schedule.cap_search import _bisect, _search_from
+    from lightning_gsched.schedule.cap_search import search_from, smallest_passing
 
     calls = []
 
@@ -116,6 +116,7 @@ def test_cap_search_from_a_guess_finds_the_bisection_answer(threshold, guess):
         calls.append(c)
         return c >= threshold
 
-    assert _search_from(1, 16, ok, guess) == _bisect(1, 16, lambda c: c >= threshold) == threshold
+    expected = smallest_passing(1, 16, lambda c: c >= threshold)
+    assert search_from(1, 16, ok, guess) == expected == threshold
     if guess == threshold and 1 < guess < 16:
         assert calls == [guess, guess - 1]  # a right guess costs two simulations

@@ -173,7 +173,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
             f"{global_rows} rows ({dropped or 'no candidates'}). Loosen stages=/microbatches=/"
             "R=/data_parallel_size="
         )
-    chosen = _as_config(best, result)
+    chosen = pick_as_config(best, result)
     return chosen, _text(result, best, chosen, seconds, loss_fn is not None, costs), result
 
 
@@ -186,7 +186,7 @@ def _stages_fixed_by(options: PartitionOptions) -> int | None:
     return None
 
 
-def _as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
+def pick_as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
     """The pick as arguments: what the user would have written (G and the mode included),
     plus the measured costs; the very arguments the tuner planned it with
     (``candidate_arguments``), but the tied weights, which the engine records from the

@@ -132,7 +132,7 @@ def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
     return _fit(sends), _fit(recvs)
 
 
-def _fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
+def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
     """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`.
 
     The latency is the smallest size's time itself, and the per-byte cost the least-squares
@@ -230,7 +230,7 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
             f"per byte, not above the receiver's CPU per byte ({recv_per_byte * 1e9:.3f} ns); "
             "the machine was too busy to measure it. Rerun on a quieter machine, raise "
             "repeats, or pass RuntimeCosts(bandwidth=...) yourself")
-    ar_latency, ar_per_byte = _fit_allreduce(values[n_ping + 4:], world)
+    ar_latency, ar_per_byte = fit_allreduce(values[n_ping + 4:], world)
     if ar_per_byte <= 0:
         raise CalibrationError(
             f"calibrate(): the all-reduce bandwidth cannot be fitted: "

@@ -19,7 +19,7 @@ def _most_jobs_per_worker(table: PlacementTable) -> int:
     return max(1, max(Counter(w for row in table.compute for w in row).values(), default=0))
 
 
-def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
+def smallest_passing(low: int, high: int, ok: Callable[[int], bool]) -> int:
     """Smallest c in [low, high] with ok(c), assuming ok is monotone and ok(high)."""
     while low < high:
         mid = (low + high) // 2
@@ -30,18 +30,19 @@ def _bisect(low: int, high: int, ok: Callable[[int], bool]) -> int:
     return low
 
 
-def _search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
-    """:func:`_bisect`'s answer (the same, ``ok`` being monotone), trying ``guess`` and ``guess -
-    1`` first: the answer is often exactly W (1F1B-like orders stash at most W microbatch-stages
-    per worker), so two simulations usually settle what a bisection takes log2(B*S/W) for."""
+def search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
+    """:func:`smallest_passing`'s answer (the same, ``ok`` being monotone), trying ``guess`` and
+    ``guess - 1`` first: the answer is often exactly W (1F1B-like orders stash at most W
+    microbatch-stages per worker), so two simulations usually settle what a bisection takes
+    log2(B*S/W) for."""
     guess = min(max(guess, low), high)
     if guess == high:
-        return _bisect(low, high, ok)
+        return smallest_passing(low, high, ok)
     if ok(guess):
         if guess == low or not ok(guess - 1):
             return guess
-        return _bisect(low, guess - 1, ok)
-    return _bisect(guess + 1, high, ok)
+        return smallest_passing(low, guess - 1, ok)
+    return smallest_passing(guess + 1, high, ok)
 
 
 def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None]
@@ -56,7 +57,7 @@ def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None
 def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
                           table: PlacementTable) -> int:
     """The smallest uniform cap with which the greedy schedule completes."""
-    return _bisect(1, _most_jobs_per_worker(table),
+    return smallest_passing(1, _most_jobs_per_worker(table),
                    lambda c: _simulate(run, [c] * table.workers) is not None)
 
 
@@ -76,6 +77,6 @@ def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
         kept[c] = timeline
         return True
 
-    cap = _search_from(1, _most_jobs_per_worker(table), keeps_latency, guess=W)
+    cap = search_from(1, _most_jobs_per_worker(table), keeps_latency, guess=W)
     timeline = kept[cap] if cap in kept else run([cap] * W)  # the upper end, never tried
     return [cap] * W, timeline
