@@ -32,6 +32,13 @@ _SERIAL = itertools.count()  # same sequence on every rank: groups are built col
 
 
 
+def error_text(exc: BaseException) -> str:
+    """``"ValueError: boom"``: an error's type and the first line of its message, as every
+    failure report of a rank quotes it."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return type(exc).__name__ + (f": {text}" if text else "")
+
+
 class ControlGroup:
     """One process group over every rank (timeout ``timeout`` s) and the failure notice."""
 
@@ -205,9 +212,7 @@ class UncaughtExitReport:
         try:
             sys.stderr.flush()
             if not self.failed():
-                text = str(value).strip().splitlines()[0] if str(value).strip() else ""
-                self.abort(f"rank {self.control.rank} ended by an uncaught {kind.__name__}"
-                           + (f": {text}" if text else ""))
+                self.abort(f"rank {self.control.rank} ended by an uncaught {error_text(value)}")
             self.control.outlive_host()
         except Exception:  # noqa: BLE001 - the process is ending: never mask its own error
             pass

@@ -50,6 +50,7 @@ from lightning_gsched.engine import (
     UncaughtExitReport,
     check_launch_arguments,
     check_transport,
+    error_text,
     library_names,
     pipeline_keywords,
     pipeline_options,
@@ -370,9 +371,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     def _failed(self, where: str, exc: BaseException) -> None:
         """This rank failed in a collective call: tell the job and drop the connections, so
         peers waiting on this rank stop at once with an error naming it."""
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self._abort_job(f"rank {self.global_rank} failed in {where}: {type(exc).__name__}"
-                        + (f": {text}" if text else ""))
+        self._abort_job(f"rank {self.global_rank} failed in {where}: {error_text(exc)}")
 
     def _abort_job(self, message: str) -> None:
         if self._engine is not None:

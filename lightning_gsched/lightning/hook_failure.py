@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_gsched.engine import error_text
+
 _DISPATCHERS = {
     "_call_callback_hooks": "callback",
     "_call_lightning_module_hook": "LightningModule",
@@ -59,9 +61,7 @@ def failure_message(rank: int, exception: BaseException) -> str:
 
     if isinstance(exception, RuntimeFault):
         return str(exception).split(". First failure reported in the job")[0]
-    text = str(exception).strip().splitlines()[0] if str(exception).strip() else ""
-    return (f"rank {rank} failed in {failed_hook(exception)}: {type(exception).__name__}"
-            + (f": {text}" if text else ""))
+    return f"rank {rank} failed in {failed_hook(exception)}: {error_text(exception)}"
 
 
 class FailureNotice(Callback):
