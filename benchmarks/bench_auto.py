@@ -50,8 +50,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from benchmarks.bench_pipeline import pipeline_step
 from benchmarks.common import Result, median
-from benchmarks.pipeline_split import local_stages, stage_modules, stage_split
+from benchmarks.pipeline_split import stage_split
 from benchmarks.rounds import Side, SideRuns, measure
 
 MODULE = "benchmarks.bench_auto"
@@ -162,29 +163,16 @@ def _pipeline_step(rank: int, world: int, spec: Rival, microbatches: int,
     """A step function for a torch pipelining schedule on this rank's stages; its loss is the
     mean of the last stage's microbatch losses (None on ranks without the last stage)."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, schedules
 
     assert cuts is not None
-    modules = stage_modules(core, cuts)
-    num_stages = len(modules)
-    mine = local_stages(spec.placement, rank, world, num_stages)
-    local = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
-    cls = getattr(schedules, spec.torch_class)
-    single = issubclass(cls, schedules.PipelineScheduleSingle)
-    sched = cls(local[0] if single else local, microbatches, loss_fn=loss_fn)
-    opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.05,
-                          momentum=0.9)
-    first, last = 0 in mine, num_stages - 1 in mine
+    step, _ = pipeline_step(rank, world, core, cuts, spec.placement, spec.torch_class,
+                            microbatches, loss_fn)
 
-    def step(x: Any, y: Any) -> float | None:
-        losses: list[Any] = []
-        sched.step(*((x,) if first else ()), target=y if last else None,
-                   losses=losses if last else None, return_outputs=False)
-        opt.step()
-        opt.zero_grad()
-        return float(torch.stack(losses).mean()) if last else None
+    def mean_loss(x: Any, y: Any) -> float | None:
+        losses = step(x, y)
+        return None if losses is None else float(torch.stack(losses).mean())
 
-    return step
+    return mean_loss
 
 
 def _data_parallel_step(rank: int, world: int, spec: Rival, microbatches: int,

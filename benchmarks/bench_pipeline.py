@@ -130,6 +130,50 @@ def _split(stages: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the anchor
 
 
+def schedule_step(stages: list[Any], torch_class: str, microbatches: int, loss_fn: Any,
+                  params: Any, first: bool, last: bool) -> Any:
+    """A torch pipelining schedule over this rank's ``stages`` (``PipelineStage`` objects) and
+    SGD with momentum over ``params``: ``step(x, y)`` runs ``schedule.step`` (``x`` used where
+    ``first``, ``y`` where ``last``, as torch requires), ``optimizer.step`` and ``zero_grad``,
+    and returns the last stage's microbatch losses (None on a rank without it). What every
+    torch anchor of the benchmarks times as a step."""
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, torch_class)
+    single = issubclass(cls, schedules.PipelineScheduleSingle)
+    sched = cls(stages[0] if single else stages, microbatches, loss_fn=loss_fn)
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    def step(x: Any, y: Any) -> list[Any] | None:
+        losses: list[Any] = []
+        sched.step(*((x,) if first else ()), target=y if last else None,
+                   losses=losses if last else None, return_outputs=False)
+        opt.step()
+        opt.zero_grad()
+        return losses if last else None
+
+    return step
+
+
+def pipeline_step(rank: int, world: int, core: Any, cuts: list[int], placement: str,
+                  torch_class: str, microbatches: int, loss_fn: Any) -> tuple[Any, bool]:
+    """:func:`schedule_step` on this rank's stages of ``core`` cut before the blocks ``cuts``
+    (``placement``: see :func:`benchmarks.pipeline_split.local_stages`); the step and whether
+    this rank holds the last stage."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    modules = stage_modules(core, cuts)
+    num_stages = len(modules)
+    mine = local_stages(placement, rank, world, num_stages)
+    local = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
+    last = num_stages - 1 in mine
+    step = schedule_step(local, torch_class, microbatches, loss_fn,
+                         [p for s in mine for p in modules[s].parameters()], 0 in mine, last)
+    return step, last
+
+
 def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int,
                          cuts: list[int], microbatches: int = MICROBATCHES,
                          shape: dict[str, int] | None = None, profile_dir: str | None = None,
@@ -142,7 +186,6 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
     """
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, schedules
 
     from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
@@ -152,17 +195,9 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
     if owned:
         dist.init_process_group("gloo")
     try:
-        mine = local_stages(row.placement, rank, world, len(cuts) + 1)
-        modules = stage_modules(build_core(gshape, seed=0), cuts)
-        num_stages = len(modules)
-        local = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
-        cls = getattr(schedules, row.torch_schedule)
-        single = issubclass(cls, schedules.PipelineScheduleSingle)
-        sched = cls(local[0] if single else local, microbatches, loss_fn=lm_loss)
-        opt = torch.optim.SGD([p for s in mine for p in modules[s].parameters()], lr=0.05,
-                              momentum=0.9)
-        del modules
-        first, last = 0 in mine, num_stages - 1 in mine
+        num_stages = len(cuts) + 1
+        step, last = pipeline_step(rank, world, build_core(gshape, seed=0), cuts, row.placement,
+                                   row.torch_schedule, microbatches, lm_loss)
         rows = per_rank * world
         data = token_data(gshape, rows * steps)
         xs, ys = data.tensors
@@ -173,22 +208,18 @@ def torch_pipeline_timed(rank: int, world: int, schedule: str, steps: int, per_r
         prof = cProfile.Profile() if profile_dir else None
         for i in range(steps):
             x, y = xs[i * rows:(i + 1) * rows], ys[i * rows:(i + 1) * rows]
-            step_losses: list[Any] = []
             if prof is not None and i >= warmup:
                 prof.enable()
             before = process_counts()
             cpu = time.process_time()
             start = time.perf_counter()
-            sched.step(*((x,) if first else ()), target=y if last else None,
-                       losses=step_losses if last else None, return_outputs=False)
-            opt.step()
-            opt.zero_grad()
+            step_losses = step(x, y)
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu)
             counts.append([b - a for a, b in zip(before, process_counts(), strict=True)])
             if prof is not None and i >= warmup:
                 prof.disable()
-            if last:
+            if step_losses is not None:
                 losses.append(float(torch.stack(step_losses).mean()))
         if prof is not None:
             dump_profile(prof, profile_dir, rank, steps - warmup)

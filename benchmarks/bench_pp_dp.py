@@ -63,6 +63,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from benchmarks.bench_pipeline import schedule_step
 from benchmarks.common import Result
 from benchmarks.pipeline_split import describe, stage_modules, stage_split
 from benchmarks.pp_dp_layout import mesh_coords, position_stages, replica_rows
@@ -162,7 +163,7 @@ def _torch_loop(rank: int, world: int, row: PpDpRow, steps: int, per_rank: int,
                 cuts: list[int], microbatches: int, peak: bool) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.pipelining import PipelineStage
 
     from benchmarks.allocator_peak import StepPeak, census_now, fit_peak
     from benchmarks.model import GPTShape, build_core, lm_loss, token_data
@@ -176,24 +177,18 @@ def _torch_loop(rank: int, world: int, row: PpDpRow, steps: int, per_rank: int,
                            row.torch_dp, mesh["dp"])
     del modules  # the other positions' stages
     stage = PipelineStage(module, p, PP, torch.device("cpu"), group=mesh["pp"].get_group())
-    cls = getattr(schedules, row.torch_schedule)
-    single = issubclass(cls, schedules.PipelineScheduleSingle)
-    sched = cls(stage if single else [stage], microbatches, loss_fn=lm_loss)
-    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    first, last = p == 0, p == PP - 1
+    step = schedule_step([stage], row.torch_schedule, microbatches, lm_loss, module.parameters(),
+                         first, last)
     rows = per_rank * world
     xs, ys = token_data(shape, rows * (steps + 1)).tensors
     mine = torch.tensor(replica_rows(g, DP, microbatches, rows, PP))
     batches = [(xs[i * rows:(i + 1) * rows][mine], ys[i * rows:(i + 1) * rows][mine])
                for i in range(steps + 1)]
-    first, last = p == 0, p == PP - 1
 
     def one_step(x: Any, y: Any) -> float | None:
-        losses: list[Any] = []
-        sched.step(*((x,) if first else ()), target=y if last else None,
-                   losses=losses if last else None, return_outputs=False)
-        opt.step()
-        opt.zero_grad()
-        return float(torch.stack(losses).mean()) if last else None
+        losses = step(x, y)
+        return None if losses is None else float(torch.stack(losses).mean())
 
     times, cpu_times, losses = [], [], []
     for x, y in batches[:steps]:
