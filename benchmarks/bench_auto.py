@@ -128,6 +128,8 @@ def rival_timed(rank: int, world: int, rival: str, microbatches: int, steps: int
     from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
     spec = RIVALS[rival]
+    if not dist.is_initialized():  # launched alone, not in benchmarks.rounds' processes
+        dist.init_process_group("gloo")
     before_fit = census_now()
     shape = GPTShape(layers=layers_for(world))
     rows = per_rank * world
