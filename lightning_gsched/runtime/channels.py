@@ -1,15 +1,14 @@
 """The process groups one executor talks over, and the job-wide fault notice.
 
 Programs are FIFO per (src, dst) *per channel* (``p2p``, ``weights``, ``grads``). gloo keeps one
-queue per (peer, tag): there one group carries every channel, a tag each. Backends without
-message tags (NCCL) only order messages within one communicator: there one group per kind, and
-per direction (lower to higher rank, and back), because NCCL runs a communicator's
-point-to-point operations in issue order, so a receive posted early from a peer must not hold back
-a later send *to* it. Replica all-reduces get one subgroup per member set, running statistics one
-world group. ``dist.new_group`` is collective over the job, so every rank builds its ``Channels``
-in the same order from the same programs (for a plan lowered per rank, from its stage owners
-alone: :func:`replica_groups`). On a failure the executor reports it in the job's store (peers
-quote it as the root cause) and destroys the groups, so that peers blocked on it fail at once.
+queue per (peer, tag): there one group carries every channel, a tag each. Backends without message
+tags (NCCL) only order messages within one communicator: there one group per kind and direction,
+because NCCL runs a communicator's point-to-point operations in issue order, so a receive posted
+early from a peer must not hold back a later send *to* it. Replica all-reduces get one subgroup
+per member set, running statistics one world group. ``dist.new_group`` is collective, so every
+rank builds its ``Channels`` in the same order from the same programs (:func:`replica_groups`).
+On a failure the executor reports it in the job's store (peers quote it as the root cause) and
+destroys the groups, so that peers blocked on it fail at once.
 """
 
 from __future__ import annotations
@@ -43,9 +42,8 @@ def default_store() -> Store | None:
 
 
 class FaultNotice:
-    """The job's first failure under one key of the job's store, written once (a later report
-    keeps the first): peers of the runtime's channels and of the strategy's control group quote
-    it as the root cause of their own error."""
+    """The job's first failure under one key of the job's store, written once: peers of the
+    runtime's channels and of the strategy's control group quote it as their root cause."""
 
     def __init__(self, store: Store | None, key: str) -> None:
         self.store = store
@@ -68,12 +66,9 @@ class FaultNotice:
         return None
 
     def first_within(self, grace: float) -> str | None:
-        """:meth:`first`, waiting up to ``grace`` s for a failure to be recorded.
-
-        For a rank that lost its connection to a peer: the peer records its failure before it
-        closes its connections, but the close can reach this rank first, whose own "lost the
-        connection" would then hide the real cause. A dead peer records nothing: ``grace`` lost.
-        """
+        """:meth:`first`, waiting up to ``grace`` s for one: a failing peer records its failure
+        before it closes its connections, but the close can reach this rank first, whose own
+        "lost the connection" would then hide the real cause."""
         deadline = time.monotonic() + grace
         while True:
             first = self.first()
@@ -85,7 +80,7 @@ class FaultNotice:
 def destroy_groups(groups: list[Any], collect: bool = False) -> None:
     """Destroy process groups (one already gone is skipped) and empty ``groups``, so the caller
     holds no reference either; ``collect``: then run the garbage collector, which frees the
-    backend's buffers at once (it costs up to a second in a large process)."""
+    backend's buffers at once (up to a second in a large process)."""
     for group in groups:
         try:
             dist.destroy_process_group(group)
@@ -98,16 +93,12 @@ def destroy_groups(groups: list[Any], collect: bool = False) -> None:
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     """Distinct ``ALLREDUCE_G`` member sets, sorted: the creation order, the same on every rank.
-
-    The planner's programs (``Programs.planned``) all-reduce exactly over replicated owners, so
-    :func:`owner_groups` is the list, read without lowering any program (scanning them would
-    lower all W on every rank). Other programs (parsed or hand-written) are scanned too.
-    """
+    The planner's programs (``Programs.planned``) all-reduce exactly over replicated owners, read
+    without lowering any program (which would lower all W on every rank); others are scanned."""
     groups = set(owner_groups(programs))
-    if programs.planned:
-        return sorted(groups)
-    for program in programs.ranks:
-        groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
+    if not programs.planned:
+        for program in programs.ranks:
+            groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
     return sorted(groups)
 
 
@@ -117,9 +108,9 @@ def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
 
 
 class Channels:
-    """Process groups per channel kind, replica subgroups (decided by ``programs``), and the
-    fault notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is
-    also the groups' own, which bounds collectives."""
+    """Process groups per channel kind, replica subgroups (decided by ``programs``), and the fault
+    notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is also the
+    groups' own, which bounds collectives."""
 
     def __init__(
         self, programs: Programs, *, timeout: float = 300.0, store: Store | None = None
@@ -141,9 +132,9 @@ class Channels:
         self.notice = FaultNotice(self.store, f"lightning_gsched/fault/{self.serial}")
         span = timedelta(seconds=self.timeout)
         everyone = list(range(world))
-        # gloo matches messages by tag: one group carries every channel, a tag each. A gloo
-        # group is a thread that wakes every 10 ms; seven of them, on the core the rank
-        # computes on, preempted its compute thread about four times as often as torch's one
+        # gloo matches messages by tag: one group carries every channel, a tag each. A gloo group
+        # is a thread that wakes every 10 ms; seven of them, on the core the rank computes on,
+        # preempted its compute thread about four times as often as torch's one
         # (docs/benchmarks.md, "the engine's gap, counted per thread")
         self.tagged = dist.get_backend() == "gloo"
         if self.tagged:
@@ -168,21 +159,19 @@ class Channels:
                 "these channels are closed (after a failure or close()); build a new executor "
                 "(and new channels) on every rank to continue.")
 
-    def group(self, kind: str, src: int, dst: int) -> Any:
-        """The group carrying ``kind`` messages from ``src`` to ``dst``."""
+    def _route(self, kind: str, src: int, dst: int) -> tuple[Any, int]:
+        """The group and tag carrying ``kind`` messages from ``src`` to ``dst``."""
         self._check_open()
-        return self.groups[(kind, src < dst)]
-
-    def _tag(self, kind: str, src: int, dst: int) -> int:
-        return 2 * KINDS.index(kind) + (src < dst) if self.tagged else 0
+        up = src < dst
+        return self.groups[(kind, up)], (2 * KINDS.index(kind) + up if self.tagged else 0)
 
     def isend(self, tensor: Any, peer: int, kind: str) -> Any:
-        return dist.isend(tensor, peer, group=self.group(kind, self.rank, peer),
-                          tag=self._tag(kind, self.rank, peer))
+        group, tag = self._route(kind, self.rank, peer)
+        return dist.isend(tensor, peer, group=group, tag=tag)
 
     def irecv(self, tensor: Any, peer: int, kind: str) -> Any:
-        return dist.irecv(tensor, peer, group=self.group(kind, peer, self.rank),
-                          tag=self._tag(kind, peer, self.rank))
+        group, tag = self._route(kind, peer, self.rank)
+        return dist.irecv(tensor, peer, group=group, tag=tag)
 
     def _collective_group(self, members: tuple[int, ...] | None) -> Any:
         self._check_open()
@@ -202,12 +191,9 @@ class Channels:
 
     def close(self, collect: bool = False) -> None:
         """Release the process groups (local; call on every rank when done with the executor).
-
-        ``collect`` (on an abort, after the caller dropped its pending work handles, which keep
-        the groups' connections alive): a full garbage collection then frees work objects that
-        reference cycles still hold, so the connections really close now. A normal close holds
-        no pending work and skips it.
-        """
+        ``collect`` (on an abort, once the caller dropped its pending work handles, which keep the
+        connections alive): a full garbage collection frees work objects that reference cycles
+        still hold, so the connections really close now."""
         if self.closed:
             return
         self.closed = True

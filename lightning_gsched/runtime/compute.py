@@ -1,19 +1,18 @@
 """Forward and backward of one stage on one microbatch, and the stash between them.
 
 Every stage boundary is cut: ``B s b`` may run long after ``F s b``, with the stage's weights
-freed and refetched in between, so a backward must cover one stage only. Stage inputs are fresh
+freed and refetched in between, so a backward covers one stage only. Stage inputs are fresh
 leaves, ``B s b`` is ``autograd.backward(outputs of F s b, their gradients)`` and the inputs'
 ``.grad`` go to the producer. The last stage starts from ``loss_fn(output, b) / B``: the summed
 gradients are those of the global batch's mean loss. A split backward computes only the input
-gradients at ``B`` and keeps what the weight gradients need (:mod:`.split_backward`) until ``W``,
-stashed until then as the planner counts it. ``forward_context`` is entered around the stage's
-forward call only, so a front end's precision applies to the model as for ``model(x)`` on one
-device, not to the loss code or the backward.
+gradients at ``B`` and stashes what the weight gradients need (:mod:`.split_backward`) until
+``W``. ``forward_context`` surrounds the stage's forward call only, so a front end's precision
+applies as for ``model(x)`` on one device, not to the loss code or the backward.
 
 A checkpointed stage (:mod:`.recompute`) runs ``F`` without a graph, stashing its inputs and the
 generators' state, and ``B`` runs the forward again. On the last stage ``F`` still calls
-``loss_fn``, on fresh leaves holding the output, so the loss has a small graph of its own that
-``B`` backpropagates to those leaves first.
+``loss_fn``, on fresh leaves holding the output: the loss's own small graph, which ``B``
+backpropagates to those leaves first.
 """
 
 from __future__ import annotations
@@ -29,13 +28,7 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
-from lightning_gsched.runtime.recompute import (
-    ChainedWeightGrad,
-    Replay,
-    cuda_devices,
-    flag_outputs,
-    loss_gradients,
-)
+from lightning_gsched.runtime.recompute import Replay, cuda_devices, flag_outputs, loss_gradients
 from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
 
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -72,22 +65,22 @@ class StageCompute:
         # trainable parameters no stage reads that the loss code may (a loss module's):
         # loss.backward() accumulates them, so a split backward's W must too
         self.loss_params: list[torch.Tensor] = []
-        # split backward: (stage, micro) -> the weight-gradient work its B left for its W
-        self.pending_weights: dict[tuple[int, int], PendingWeightGrad | ChainedWeightGrad] = {}
+        # split backward: (stage, micro) -> the weight-gradient work its B left for its W, in
+        # order (a checkpointed last stage's: the loss graph's, then the recomputed stage's)
+        self.pending_weights: dict[tuple[int, int], list[PendingWeightGrad]] = {}
         self.params: list[list[torch.Tensor]] = [
             [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
             for stage in self.stages]
         # when a dict: seconds of every F / B / W by (phase, stage) (ProgramExecutor.compute_times)
         self.times: dict[tuple[str, int], list[float]] | None = None
-        # when a dict: the storages (address -> bytes) autograd saved in each stashed F
-        # (stage, micro), dropped with the stash (runtime/footprint.py)
+        # when a dict: the storages (address -> bytes) autograd saved in each stashed F (stage,
+        # micro), dropped with the stash (runtime/footprint.py)
         self.saved_bytes: dict[tuple[int, int], dict[int, int]] | None = None
         # the counters behind saved_bytes, until the B of their (stage, micro) (narrow_stash)
         self.saved_counters: dict[tuple[int, int], SavedTensorBytes] = {}
 
     @contextmanager
     def _timed(self, phase: str, s: int) -> Iterator[None]:
-        """Record the block's seconds under (phase, stage) while timing is on."""
         if self.times is None:
             yield
             return
@@ -119,8 +112,8 @@ class StageCompute:
         self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
         in_leaves: list[torch.Tensor], loss_fn: LossFn,
     ) -> tuple[wire.Split | None, torch.Tensor | None]:
-        """``F s b`` of a checkpointed stage: no graph; it keeps the inputs and generators, and
-        on the last stage the loss's own graph."""
+        """``F s b`` of a checkpointed stage: no graph; it keeps the inputs and generators, and on
+        the last stage the loss's own graph."""
         replay = Replay.take(args, kwargs, self.devices[s])
         with self._saved(s, b, held=[t for t, _ in replay.versions]):
             with torch.no_grad(), self.forward_context():
@@ -155,14 +148,14 @@ class StageCompute:
         self.saved_counters[(s, b)] = counter
 
     def narrow_stash(self, s: int, b: int) -> None:
-        """After a split ``B s b`` (``OpRules.narrows_stash``): until ``W s b`` the record of
-        (s, b) is what it really holds, :func:`~.footprint.held_until_w` (B dropped the graph's
-        roots, e.g. the loss's nodes)."""
+        """After a split ``B s b`` (``OpRules.narrows_stash``): until ``W s b`` the record of (s, b)
+        is what it really holds, :func:`~.footprint.held_until_w` (B dropped the graph's roots,
+        e.g. the loss's nodes)."""
         counter = self.saved_counters.pop((s, b), None)
         if self.saved_bytes is None or counter is None:
             return
-        self.saved_bytes[(s, b)] = held_until_w(counter,
-                                                self.pending_weights[(s, b)].held_tensors())
+        held = [t for part in self.pending_weights[(s, b)] for t in part.held_tensors()]
+        self.saved_bytes[(s, b)] = held_until_w(counter, held)
 
     def live_activation_bytes(self) -> int:
         """Bytes saved by the forwards whose stash is still held (see :attr:`saved_bytes`)."""
@@ -191,9 +184,7 @@ class StageCompute:
     def backward(self, s: int, b: int, out_grads: Sequence[Any] | None,
                  split: bool = False) -> list[Any]:
         """Run ``B s b``; returns the gradients of the stage's input tensors (None where none).
-
-        ``split``: input gradients only; the weight gradients wait for :meth:`weight`.
-        """
+        ``split``: input gradients only; the weight gradients wait for :meth:`weight`."""
         with self._timed("B", s):
             stashed = self.stash.pop((s, b))
             loss_weights = None
@@ -206,7 +197,7 @@ class StageCompute:
                 input_grads, pending = backward_input(roots, grads, stashed.inputs,
                                                       self._weight_params(s))
                 self.pending_weights[(s, b)] = (
-                    pending if loss_weights is None else ChainedWeightGrad(loss_weights, pending))
+                    [pending] if loss_weights is None else [loss_weights, pending])
                 return list(input_grads)  # the record ends at narrow_stash
             if roots:
                 torch.autograd.backward(roots, grads)
@@ -222,19 +213,20 @@ class StageCompute:
                 f"W s{s} b{b} without a split B s{s} b{b} before it on this rank; the programs "
                 "are not from this planner.")
         with self._timed("W", s):
-            pending.run()
+            for part in pending:
+                part.run()
 
     def _weight_params(self, s: int) -> list[torch.Tensor]:
-        """The parameters a split backward of stage ``s`` accumulates: the stage's, and on the
-        last stage also :attr:`loss_params` (what ``loss.backward()`` would reach)."""
+        """The parameters a split backward of stage ``s`` accumulates: the stage's, and on the last
+        stage also :attr:`loss_params` (what ``loss.backward()`` would reach)."""
         if s != self.last or not self.loss_params:
             return self.params[s]
         return list(dict.fromkeys([*self.params[s], *self.loss_params]))
 
     def _roots(self, s: int, b: int, stashed: Stashed, out_grads: Sequence[Any] | None,
                split: bool) -> tuple[list[torch.Tensor], list[Any] | None]:
-        """Where ``B s b`` starts: tensors and their gradients (None: the loss, a gradient of
-        ones). A checkpointed stage's forward runs again here (:mod:`.recompute`)."""
+        """Where ``B s b`` starts: tensors and their gradients (None: the loss, a gradient of ones).
+        A checkpointed stage's forward runs again here (:mod:`.recompute`)."""
         replay, loss = stashed.replay, stashed.loss
         if replay is not None:  # out_grads: on the last stage, the leaves' (see backward)
             replay.check_inputs(s, b)

@@ -51,23 +51,17 @@ _PYTREE_OPS = frozenset(op for op, spec in OPS.items() if spec.channel == "p2p")
 
 
 class ProgramExecutor:
-    """Runs this rank's program of ``programs`` over ``stages`` (see the module docstring).
+    """Runs this rank's program of ``programs`` (``plan(...).programs``, the same on every rank)
+    over ``stages`` (e.g. ``partition(model, S, ...).stages``; each rank its own replica, built
+    identically: same split, same parameter order).
 
-    Args:
-        stages: the model's stages, e.g. ``partition(model, S, ...).stages``; every rank passes
-            its own replica, built identically (same split, same parameter order).
-        programs: ``plan(...).programs``, the same on every rank.
-        channels: process groups to use; default: new ones (collective, same order everywhere).
-        timeout: seconds any single wait may take before the step fails with a RuntimeFault.
-        sync_weights: broadcast replicated stages and ties from their first owner and running
-            statistics (BatchNorm) from rank 0 at construction, so replicas start equal.
-        forward_context: entered around every stage forward (e.g. a front end's autocast);
-            the loss function and the backward run outside it.
-        checkpointed: one bool per stage (``plan(..., checkpoint_activations=...).checkpointed``)
-            for activation checkpointing (:mod:`.recompute`). None: no stage.
-        transport: ``"auto"`` sends bare tensors once the step signature is known (the first step
-            of every signature describes each message); ``"described"`` describes every message
-            (for stage outputs whose shapes depend on the data). See :mod:`.transport`.
+    ``channels``: default new ones (collective, same order everywhere). ``timeout``: seconds any
+    single wait may take before the step fails. ``sync_weights``: broadcast replicated stages and
+    ties from their first owner, and running statistics from rank 0, so replicas start equal.
+    ``forward_context``: entered around every stage forward (e.g. autocast), not the loss or the
+    backward. ``checkpointed``: one bool per stage (``plan(...).checkpointed``, :mod:`.recompute`).
+    ``transport``: ``"auto"`` sends bare tensors once the step signature is known (its first step
+    describes each message), ``"described"`` describes every message (data-dependent shapes).
     """
 
     def __init__(
@@ -115,14 +109,10 @@ class ProgramExecutor:
             self._sync_weights()
 
     def overlapped_reductions(self, view: ProgramView) -> dict[int, GradBuckets]:
-        """{index of stage s's last weight-gradient job (B, or W when split): its bucketed
-        all-reduce} for this rank, cached per programs (buckets and hooks reused every step).
-
-        A stage qualifies when the program all-reduces it, receives no ``RECV_G`` contributions
-        for it (they must be added first) and its gradient spans more than one bucket: a single
-        bucket can only start when the backward ends, no earlier than ``ALLREDUCE_G`` does, so
-        hooking every parameter would cost per-parameter Python calls for nothing.
-        """
+        """{index of stage s's last weight-gradient job: its bucketed all-reduce}, cached per
+        programs. A stage qualifies when the program all-reduces it, receives no ``RECV_G`` for it
+        (those must be added first) and its gradient spans several buckets: a single bucket starts
+        when the backward ends, as ``ALLREDUCE_G`` would, so hooks would cost for nothing."""
         key = id(view.programs)
         if key not in self._overlap:
             last_b: dict[int, int] = {}
@@ -156,8 +146,8 @@ class ProgramExecutor:
         return dict(self.compute.times or {})
 
     def record_memory(self, enabled: bool = True) -> None:
-        """Start (afresh) or stop accounting for the bytes this rank holds, after every action
-        of every step, by the planner's categories (:mod:`.footprint`; see measured_memory)."""
+        """Start (afresh) or stop sampling the bytes this rank holds after every action, by the
+        planner's categories (:mod:`.footprint`)."""
         self.memory = MeasuredBytes() if enabled else None
         self.compute.saved_bytes = {} if enabled else None
         self.compute.saved_counters.clear()
@@ -172,20 +162,15 @@ class ProgramExecutor:
              on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
         """Run this rank's program once: forward, backward and gradient reduction of one step.
 
-        Args:
-            inputs: ``{b: (args, kwargs)}``, the call of stage 0 (the model's ``forward``) on
-                microbatch ``b``, for every microbatch: those of ``self.first_stage_micros`` run
-                here, the others define the step signature (with ``signature``, not needed).
-            loss_fn: ``loss_fn(output, b) -> scalar``, called for ``self.last_stage_micros``.
-            signature: a hashable value, the same on every rank, that changes whenever the
-                shapes of the messages between stages may (e.g. the batch's shape). Default:
-                the shapes, dtypes and plain values of every microbatch's inputs. Steps with a
-                known signature send bare tensors (:mod:`.transport`).
-            on_computed: called with this rank's ``{b: loss}`` after its last compute job,
-                before the step waits for its all-reduces and sends, so that a caller's small
-                collective started there overlaps those waits (it must not wait on this step).
-        Returns:
-            :class:`StepResult`: unscaled losses of the microbatches that ended here, counters.
+        ``inputs``: ``{b: (args, kwargs)}``, stage 0's call on microbatch ``b``: those of
+        ``self.first_stage_micros`` run here, the others define the default ``signature``, a
+        hashable, the same on every rank, that changes whenever the messages' shapes may (default:
+        the shapes, dtypes and plain values of every microbatch's inputs); steps with a known
+        signature send bare tensors. ``loss_fn(output, b) -> scalar`` runs for
+        ``self.last_stage_micros``. ``on_computed({b: loss})`` runs after this rank's last compute,
+        before the step waits for its all-reduces and sends, so that a caller's small collective
+        started there overlaps them (it must not wait on this step). Returns the unscaled losses
+        of the microbatches that ended here, and the counters.
         """
         state = StepRun(self, self.view, inputs, loss_fn, on_computed=on_computed)
         self._execute(state, "step()", signature)
@@ -202,15 +187,12 @@ class ProgramExecutor:
     ) -> dict[int, Any]:
         """Run this rank's program of forward-only ``programs`` (validation, test, predict).
 
-        ``programs``: ``plan(..., forward_only=True).programs`` with the schedule, W, S and R
-        of this executor's programs (the microbatches may differ), the same on every rank;
-        every rank must call. ``inputs`` and ``signature`` as in :meth:`step` (microbatches may
-        have different sizes, including 0 rows); ``output_fn(output, b)`` is called where the
-        last stage of microbatch ``b`` runs. Returns ``{b: output_fn(output, b)}`` for those.
-
-        Runs under ``torch.no_grad()`` and outside inference mode (so fetched weights never
-        become inference tensors). Owned gradients and running statistics are left as they were;
-        the run's counters are in ``self.last_forward_counters``.
+        ``programs``: ``plan(..., forward_only=True).programs`` with this executor's schedule, W,
+        S and R (the microbatches may differ, even have 0 rows), the same on every rank; every
+        rank must call. ``inputs`` and ``signature`` as in :meth:`step`. Returns
+        ``{b: output_fn(output, b)}`` where microbatch ``b``'s last stage runs. Runs under
+        ``no_grad`` outside inference mode (so fetched weights never become inference tensors);
+        owned gradients and running statistics stay as they were.
         """
         check_forward_programs(self.programs, programs, self.rank)
         view = ProgramView.of(programs, self.rank)
@@ -282,9 +264,9 @@ class ProgramExecutor:
         self.transport.begin_step(programs, key)
 
     def _has_pytree_messages(self, programs: Programs) -> bool:
-        """Whether this rank's program exchanges pytrees (cached per programs). Only its own:
-        a sender and its receiver, the only ranks that must agree on the signature, both have
-        the message, and reading every rank's program would lower a lazy plan's all W."""
+        """Whether this rank's program exchanges pytrees (cached per programs). Only its own: a
+        sender and its receiver, the only ranks that must agree on the signature, both have the
+        message, and reading every rank's program would lower a lazy plan's all W."""
         key = id(programs)
         if key not in self._messages:
             found = any(a.op in _PYTREE_OPS for a in programs.ranks[self.rank])
@@ -319,9 +301,9 @@ class ProgramExecutor:
             self.running_stats.broadcast(partial(self.channels.broadcast, src=0, members=None))
 
     def abort(self, message: str) -> None:
-        """Report ``message`` as the job's failure, drop every handle and destroy the groups,
-        so that peers waiting on this rank fail at once quoting it. Called on a failed step,
-        and by a front end whose own code failed between steps."""
+        """Report ``message`` as the job's failure, drop every handle and destroy the groups, so
+        that peers waiting on this rank fail at once quoting it (a failed step, or a front end's
+        own code failing between steps)."""
         self.channels.notice.report(message)
         self.transport.drop_all()
         self.compute.stash.clear()

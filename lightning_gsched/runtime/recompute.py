@@ -1,17 +1,16 @@
 """Activation checkpointing of a stage: what ``F s b`` keeps, and how ``B s b`` replays it.
 
 A checkpointed stage's ``F`` keeps only its inputs and the random generators' state instead of
-its activations (which limit how many microbatches a worker holds); ``B`` runs the forward again
-(charged to B by the planner). The replay runs the same stage on the same inputs, generators
-restored (:class:`RngState`), inside the same ``forward_context``, so it is bit-exact; the ambient
+its activations; ``B`` runs the forward again (charged to B by the planner), on the same inputs,
+generators restored, inside the same ``forward_context``, so the replay is bit-exact; the ambient
 random stream is forked around it, so later draws are as without checkpointing. A stage that
 modifies an input in place (torch allows it without a graph) is refused (``check_inputs``).
 
 Without a graph no output requires grad, yet the next stage must know which inputs need one:
 :func:`flag_outputs` marks every floating-point output the stage computed, when it has a trainable
 parameter or an input requiring grad, as the reentrant ``torch.utils.checkpoint`` does. Where the
-graph would not have (a float computed from a buffer alone), the extra gradient is dropped by the
-replay: extra work, never a different result.
+graph would not have (a float computed from a buffer alone), the replay drops the extra gradient:
+extra work, never a different result.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 
 class RngState:
-    """The CPU generator's state and the CUDA generators' of ``devices``, taken now (the
-    default generators only, as ``torch.utils.checkpoint`` preserves them)."""
+    """The CPU generator's state and the CUDA generators' of ``devices``, taken now (the default
+    generators only, as ``torch.utils.checkpoint`` preserves them)."""
 
     def __init__(self, devices: Sequence[int] = ()) -> None:
         self.cpu = torch.get_rng_state()
@@ -64,7 +63,6 @@ class Replay:
     @classmethod
     def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any], stage_devices: Sequence[int]
              ) -> "Replay":
-        """Before ``F``: the inputs, their versions and the generators' state."""
         leaves = pytree.tree_leaves((args, kwargs))
         tensors = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
         devices = sorted({*stage_devices, *cuda_devices(tensors)})
@@ -84,12 +82,9 @@ class Replay:
 
 def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                  differentiable: bool) -> list[torch.Tensor]:
-    """The outputs of a forward run without a graph, flagged for the next stage (module doc).
-
-    A computed floating-point (or complex) output becomes a detached alias requiring grad when
-    ``differentiable``; an output that already requires grad or is one of the stage's inputs
-    stays as it is. Aliases, so that a buffer or user tensor returned as output is never changed.
-    """
+    """The outputs of a forward run without a graph, flagged for the next stage: when
+    ``differentiable``, a computed floating-point (or complex) output becomes a detached alias
+    requiring grad (an alias, so a buffer or user tensor returned as output is never changed)."""
     given = {id(t) for t in inputs}
     flagged = []
     for t in tensors:
@@ -106,29 +101,12 @@ def loss_gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor],
     """Backpropagate the last stage's loss to the leaves ``loss_fn`` saw (its own small graph).
 
     Ordinary backward: ``loss.backward()``, so a parameter the loss code reads accumulates as
-    without checkpointing. Split backward: the loss graph's own B, whose weight part joins the
-    stage's W (:class:`ChainedWeightGrad`). A parameter reached both through the loss code and
-    the stage then accumulates its two terms one after the other instead of their sum: float
-    rounding, not another value.
+    without checkpointing. Split backward: the loss graph's own B, whose weight part runs first
+    in the stage's W. A parameter reached both through the loss code and the stage then
+    accumulates its two terms one after the other instead of their sum: float rounding.
     """
     if not split:
         if loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward: unannotated
         return [t.grad if t.requires_grad else None for t in leaves], None
     return backward_input([loss], None, leaves, params)
-
-
-class ChainedWeightGrad:
-    """The W of a checkpointed last stage under a split backward: what the loss graph's B left,
-    then what the recomputed stage's B left."""
-
-    def __init__(self, first: PendingWeightGrad, then: PendingWeightGrad) -> None:
-        self.parts = [first, then]
-
-    def held_tensors(self) -> list[torch.Tensor]:
-        return [t for part in self.parts for t in part.held_tensors()]
-
-    def run(self) -> None:
-        parts, self.parts = self.parts, []
-        for part in parts:
-            part.run()

@@ -7,8 +7,6 @@ every sent buffer would live to the step's end (under ``fsdp``, every fetched st
 once). So with ``threaded=True`` a thread of its own waits for the sends in issue order
 (``Work.wait`` releases the GIL) and drops each buffer as its wait returns; with
 ``threaded=False`` each new send drops the completed ones at the head of the queue.
-:meth:`SendReleaser.drain` (the step's end) waits, bounded by the job's timeout, for every send
-and re-raises the first failure as the step's own :class:`RuntimeFault`.
 """
 
 from __future__ import annotations
@@ -62,7 +60,8 @@ class SendReleaser:
             return len(self._queue) + int(self._busy is not None)
 
     def drain(self) -> None:
-        """Return once every send so far completed; raise the first failure of one."""
+        """Return once every send so far completed, bounded by the timeout; raise the first
+        failure of one (as the step's own :class:`RuntimeFault`)."""
         if not self._threaded:
             while self._queue:
                 work, _, label = self._queue[0]

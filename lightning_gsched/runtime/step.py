@@ -1,18 +1,17 @@
 """The state of one step on one rank: what each action of the program does.
 
-Everything here lives one step (posted receives, values produced for a send or a local consumer,
-pending gradient receives and all-reduces, counters) and is dropped at once on a failure, before
-the executor destroys its process groups (pending handles keep connections open). What outlives a
-step is the executor's: :class:`ExecutorState` lists what a step reads of it, so that this module
-need not import the executor (which imports it).
+Everything here lives one step (posted receives, produced values, pending gradient receives and
+all-reduces, counters) and is dropped at once on a failure, before the executor destroys its
+process groups (pending handles keep connections open). :class:`ExecutorState` is what a step
+reads of the executor, so that this module need not import it.
 
-:meth:`StepRun.run` calls one method per op through the table :data:`HANDLERS`, of functions, not
-bound methods: bound methods stored on the instance would be a reference cycle keeping a finished
-step's tensors alive until the garbage collector runs. Which input a compute reads is the dry
-run's rule (``view.rules``); the runtime runs chains of stages (``check_programs``), so a compute
-reads at most one message. Weight-unit ops act on a stage or, with ``Action.tie``, a tie, through
-that kind's :class:`~.unit_traffic.UnitTraffic`. A forward-only run computes without autograd or
-stash, hands the last stage's output to ``output_fn`` and touches no gradient or statistics.
+:meth:`StepRun.run` dispatches through :data:`HANDLERS`, of functions: bound methods stored on the
+instance would be a reference cycle keeping a finished step's tensors alive until the garbage
+collector runs. Which input a compute reads is the dry run's rule (``view.rules``); the runtime
+runs chains of stages (``check_programs``), so a compute reads at most one message. Weight-unit
+ops act on a stage or, with ``Action.tie``, a tie, through that kind's :class:`.UnitTraffic`. A
+forward-only run computes without autograd or stash, hands the last stage's output to
+``output_fn`` and touches no gradient or statistics.
 """
 
 from __future__ import annotations
@@ -131,8 +130,6 @@ class StepRun:
                 "activations": self.ex.compute.live_activation_bytes(),
                 "communication": communication}
 
-    # ------------------------------------------------------------------ compute
-
     def _f(self, a: Action, index: int) -> None:
         s, b = a.stage, micro_of(a)
         self._weights_ready(s)
@@ -230,8 +227,6 @@ class StepRun:
             self.tie_io.ready(h, f" (read by stage {s})")
         self.stage_io.ready(s, "'s weights")
 
-    # ------------------------------------------------------------------ activations and grads
-
     def _send_act(self, a: Action, index: int) -> None:
         b = micro_of(a)
         key = (a.stage, b)
@@ -255,8 +250,6 @@ class StepRun:
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
         self.transport.send_pytree(parts, peer_of(a), label(a, index),
                                    f"input-gradient of stage {a.stage} on microbatch {b}")
-
-    # ------------------------------------------------------------------ weight units
 
     def _units(self, a: Action) -> UnitTraffic:
         return self.tie_io if a.tie else self.stage_io
@@ -297,8 +290,6 @@ class StepRun:
                 a, index, partial(self.ex.channels.all_reduce, members=a.group))
             self.allreduces.extend(works)
         self.counters.allreduce_bytes += grad.numel() * grad.element_size()
-
-    # ------------------------------------------------------------------ end of step
 
     def finish(self) -> None:
         if self.on_computed is not None:  # every compute is done; the waits below are not

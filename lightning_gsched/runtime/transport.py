@@ -8,22 +8,18 @@ A pytree message (activation or input-gradient) travels as its distinct non-empt
 message each, as they are (no header, pickling or copy), as torch.distributed.pipelining does
 after shape inference. So the receiver must know the message's *spec* (:class:`wire.Spec`) when
 it posts the receives (on gloo the bytes only flow once the receive is posted; on NCCL reading a
-header would cost a sync). The programs send the same messages every step, and their shapes
+header would cost a sync). The programs send the same messages every step, with shapes that
 follow from the step's *signature*, which every rank computes alike (by default the inputs'
 shapes). Both ends remember, per (programs, signature), the specs of the last completed step per
-peer, direction and position (:class:`SpecBook`, least recently used dropped alike everywhere).
-A step is then either
-
-* *fast* (a known (programs, signature)): the receiver posts the tensor receives at the program's
-  receive post; the sender checks its spec against the remembered one and raises
-  :class:`MessageShapeError` if it differs (a data-dependent shape cannot be told to a receiver
-  whose buffers are posted; see ``transport="described"``);
-* or *described* (a new signature, or always with ``transport="described"``): each message is an
-  ``int64 [meta_len]`` header, the pickled spec, then the tensors. The receiver posts nothing
-  ahead: a consumer's wait takes the peer's pending messages in program order, so the channel
-  stays in the sender's order. The recorded specs become the signature's expectation.
-
-Empty tensors travel as nothing. Weights and gradient reductions have sizes both ends know.
+peer, direction and position (least recently used dropped alike everywhere). A step is then
+*fast* (a known (programs, signature)): the receiver posts the tensor receives at the program's
+receive post; the sender checks its spec against the remembered one and raises
+:class:`MessageShapeError` if it differs (a data-dependent shape cannot be told to a receiver
+whose buffers are posted). Or it is *described* (a new signature, or ``transport="described"``):
+each message is an ``int64 [meta_len]`` header, the pickled spec, then the tensors; the receiver
+posts nothing ahead, a consumer's wait takes the peer's pending messages in program order, so the
+channel stays in the sender's order. Empty tensors travel as nothing. Weights and gradient
+reductions have sizes both ends know.
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ SIGNATURES_KEPT = 16  # (programs, signature) pairs remembered; older ones are d
 
 @dataclass(eq=False)  # compared by identity, as any handle
 class IncomingPytree:
-    """A posted pytree receive: its tensors' receives are posted (fast path), or it waits in
-    its peer's queue until a consumer takes it (described path)."""
+    """A posted pytree receive: its tensors' receives are posted (fast path), or it waits in its
+    peer's queue until a consumer takes it (described path)."""
 
     peer: int
     label: str  # "'RECV_ACT s0 b1 <-0' (action 2)"
@@ -69,70 +65,15 @@ class IncomingPytree:
 _Specs = dict[tuple[int, str], list[wire.Spec]]
 
 
-class SpecBook:
-    """Message specs per (programs, signature), per (peer, direction), in message order.
-
-    After ``begin``, :attr:`fast` tells whether the (programs, signature) completed a step
-    before (then ``expected`` gives each message's spec); otherwise the step notes the specs in
-    ``now`` and ``commit`` (end of a successful step) makes them the expectation.
-    """
-
-    def __init__(self, capacity: int = SIGNATURES_KEPT) -> None:
-        self.capacity = capacity
-        # key -> (programs kept alive so their id is not reused, specs)
-        self.known: OrderedDict[tuple[int, Hashable], tuple[Any, _Specs]] = OrderedDict()
-        self.key: tuple[int, Hashable] = (0, None)
-        self.programs: Any = None
-        self.expect: _Specs | None = None
-        self.keep = True
-        self.now: _Specs = defaultdict(list)
-        self.count: dict[tuple[int, str], int] = defaultdict(int)
-
-    @property
-    def fast(self) -> bool:
-        return self.expect is not None
-
-    def begin(self, programs: Any, signature: Hashable, described: bool) -> None:
-        self.key = (id(programs), signature)
-        self.programs = programs
-        self.keep = not described
-        entry = None if described else self.known.get(self.key)
-        if entry is not None:
-            self.known.move_to_end(self.key)
-        self.expect = None if entry is None else entry[1]
-        self.now = defaultdict(list)
-        self.count = defaultdict(int)
-
-    def expected(self, peer: int, direction: str) -> wire.Spec:
-        """Fast path: the spec of the next message to/from ``peer``; advances the position."""
-        assert self.expect is not None
-        position = self.count[(peer, direction)]
-        self.count[(peer, direction)] = position + 1
-        specs = self.expect.get((peer, direction), [])
-        if position >= len(specs):
-            raise RuntimeConfigError(
-                f"message {position} {'to' if direction == 'out' else 'from'} rank {peer} was "
-                f"not in the last step of these programs ({len(specs)} messages); the programs "
-                "changed under the executor. Plan once and pass the same programs every step.")
-        return specs[position]
-
-    def commit(self) -> None:
-        if self.fast or not self.keep:
-            return
-        self.known[self.key] = (self.programs, dict(self.now))
-        self.known.move_to_end(self.key)
-        while len(self.known) > self.capacity:
-            self.known.popitem(last=False)
-
-    def clear(self) -> None:
-        self.known.clear()
-        self.programs = None
-        self.expect = None
-
-
 class Transport:
     """Sends and receives of one executor; counts messages' bytes into ``counters``.
-    ``transport``: ``"auto"`` or ``"described"`` (see the module docstring)."""
+
+    The message specs of the last completed step are kept per (programs, signature), per (peer,
+    direction), in message order (``known``). After :meth:`begin_step`, :attr:`fast` tells
+    whether the step's (programs, signature) completed a step before (then ``_expected`` gives
+    each message's spec); otherwise the step notes the specs in ``now`` and :meth:`end_step`
+    makes them the expectation.
+    """
 
     def __init__(self, channels: Channels, waiter: Waiter, device: torch.device,
                  transport: str = "auto") -> None:
@@ -146,32 +87,61 @@ class Transport:
         self.threaded_sends = device.type == "cpu"
         self.sends = SendReleaser(waiter.wait, waiter.timeout, self.threaded_sends)
         self._pending: dict[int, deque[IncomingPytree]] = defaultdict(deque)
-        self.book = SpecBook()
+        # (id(programs), signature) -> (programs kept alive so their id is not reused, specs)
+        self.known: OrderedDict[tuple[int, Hashable], tuple[Any, _Specs]] = OrderedDict()
+        self.key: tuple[int, Hashable] = (0, None)
+        self.programs: Any = None
+        self.expect: _Specs | None = None
+        self.now: _Specs = defaultdict(list)
+        self.count: dict[tuple[int, str], int] = defaultdict(int)
         self.described_messages = 0  # messages sent or received on the described path
 
     def begin_step(self, programs: Any, signature: Hashable) -> None:
         """A run of ``programs`` with ``signature`` starts (the same on every rank)."""
-        self.book.begin(programs, signature, self.described)
+        self.key = (id(programs), signature)
+        self.programs = programs
+        entry = None if self.described else self.known.get(self.key)
+        if entry is not None:
+            self.known.move_to_end(self.key)
+        self.expect = None if entry is None else entry[1]
+        self.now = defaultdict(list)
+        self.count = defaultdict(int)
 
     def end_step(self) -> None:
         """The run completed on this rank: a described run's specs become the expectation."""
-        self.book.commit()
+        if self.fast or self.described:
+            return
+        self.known[self.key] = (self.programs, dict(self.now))
+        self.known.move_to_end(self.key)
+        while len(self.known) > SIGNATURES_KEPT:
+            self.known.popitem(last=False)
 
     @property
     def fast(self) -> bool:
         """Whether this step's pytrees travel without their spec."""
-        return self.book.fast
+        return self.expect is not None
 
-    # ------------------------------------------------------------------ pytrees (p2p)
+    def _expected(self, peer: int, direction: str) -> wire.Spec:
+        """Fast path: the spec of the next message to/from ``peer``; advances the position."""
+        assert self.expect is not None
+        position = self.count[(peer, direction)]
+        self.count[(peer, direction)] = position + 1
+        specs = self.expect.get((peer, direction), [])
+        if position >= len(specs):
+            raise RuntimeConfigError(
+                f"message {position} {'to' if direction == 'out' else 'from'} rank {peer} was "
+                f"not in the last step of these programs ({len(specs)} messages); the programs "
+                "changed under the executor. Plan once and pass the same programs every step.")
+        return specs[position]
 
     def send_pytree(self, parts: wire.Split, peer: int, label: str, what: str = "message") -> None:
         spec = wire.spec_of(parts)
-        if self.book.fast:
-            expected = self.book.expected(peer, "out")
+        if self.fast:
+            expected = self._expected(peer, "out")
             if spec != expected:
                 raise self._changed(spec, expected, peer, label, what)
         else:
-            self.book.now[(peer, "out")].append(spec)
+            self.now[(peer, "out")].append(spec)
             meta = wire.encode_spec(spec)
             header = torch.tensor([len(meta)], dtype=torch.int64, device=self.device)
             body = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
@@ -186,8 +156,8 @@ class Transport:
 
     def post_pytree(self, peer: int, label: str) -> IncomingPytree:
         message = IncomingPytree(peer, label)
-        if self.book.fast:  # the tensors flow while this rank computes
-            self._post_tensors(message, self.book.expected(peer, "in"))
+        if self.fast:  # the tensors flow while this rank computes
+            self._post_tensors(message, self._expected(peer, "in"))
         else:
             self._pending[peer].append(message)
         return message
@@ -219,7 +189,7 @@ class Transport:
         meta = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
         self.waiter.wait(self.channels.irecv(meta, message.peer, "p2p"), what)
         spec = wire.decode_spec(meta.cpu().numpy().tobytes())
-        self.book.now[(message.peer, "in")].append(spec)
+        self.now[(message.peer, "in")].append(spec)
         self.counters.bytes_received += 8 + meta.numel()
         self.described_messages += 1
         self._post_tensors(message, spec)
@@ -249,8 +219,6 @@ class Transport:
         fault.headline = message
         return fault
 
-    # ------------------------------------------------------------------ flat buffers
-
     def send_flat(self, tensor: torch.Tensor, peer: int, kind: str, label: str) -> None:
         if tensor.numel():
             self._isend(tensor, peer, kind, label)
@@ -265,8 +233,6 @@ class Transport:
         if work is not None:
             self.waiter.wait(work, label)
 
-    # ------------------------------------------------------------------ sends
-
     def _isend(self, tensor: torch.Tensor, peer: int, kind: str, label: str) -> None:
         self.sends.add(self.channels.isend(tensor, peer, kind), (tensor,),
                        f"the peer to receive {label}")
@@ -280,7 +246,9 @@ class Transport:
         self.sends.clear()
         self.sends = SendReleaser(self.waiter.wait, self.waiter.timeout, self.threaded_sends)
         self._pending.clear()
-        self.book.clear()
+        self.known.clear()
+        self.programs = None
+        self.expect = None
 
 
 def label(action: Action, index: int) -> str:

@@ -1,10 +1,9 @@
 """Weight units' messages within one step: fetch, serve, free, hand-off and receive of gradients.
 
 A stage's weights (``FETCH_W s1 <-0``) and a tie's (``FETCH_W t0 <-0``) are both flat units
-(:class:`.flat.FlatStage`) acted on by the same ops; only the planner's residency rule differs.
-:class:`UnitTraffic` holds one kind's per-step state (posted fetches, pending gradient receives,
-started all-reduces) and does those actions; the step (:mod:`.step`) has one per kind and keeps
-what is particular to a kind (bucketed all-reduces of stages, ``peak_resident_stages``).
+(:class:`.flat.FlatStage`) acted on by the same ops. The step (:mod:`.step`) has one
+:class:`UnitTraffic` per kind and keeps what is particular to a kind (bucketed all-reduces of
+stages, ``peak_resident_stages``).
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class UnitTraffic:
             self.transport.wait(work, what)
 
     def ready(self, key: int, reader: str) -> None:
-        """Before a compute that reads the unit (``reader`` names it in an error)."""
+        """Before a compute that reads the unit (``reader`` names the reader in an error)."""
         self.land(key)
         unit = self.units[key]
         if not unit.resident:
@@ -112,7 +111,7 @@ class UnitTraffic:
     def all_reduce(self, a: Action, index: int, launch: Callable[[torch.Tensor], Any]
                    ) -> tuple[torch.Tensor, list[tuple[Any, str]]]:
         """``ALLREDUCE_G`` without buckets: received gradients summed in, then one all-reduce
-        (``launch`` starts it). The gradient and the (work, label) to wait for."""
+        (``launch`` starts it). Returns the gradient and the (work, label) to wait for."""
         self.sum_received(a.stage)
         grad = self.units[a.stage].grads.sync()
         self.reduced.add(a.stage)
