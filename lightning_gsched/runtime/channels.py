@@ -112,9 +112,8 @@ class Channels:
     notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is also the
     groups' own, which bounds collectives."""
 
-    def __init__(
-        self, programs: Programs, *, timeout: float = 300.0, store: Store | None = None
-    ) -> None:
+    def __init__(self, programs: Programs, *, timeout: float = 300.0,
+                 store: Store | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(
                 "torch.distributed is not initialized; call dist.init_process_group(...) on every "

@@ -1,4 +1,5 @@
-"""Forward and backward of one stage on one microbatch, and the stash between them.
+"""Forward and backward of one stage on one microbatch, the stash between them, and activation
+checkpointing.
 
 Every stage boundary is cut: ``B s b`` may run long after ``F s b``, with the stage's weights
 freed and refetched in between, so a backward covers one stage only. Stage inputs are fresh
@@ -9,10 +10,17 @@ gradients at ``B`` and stashes what the weight gradients need (:mod:`.split_back
 ``W``. ``forward_context`` surrounds the stage's forward call only, so a front end's precision
 applies as for ``model(x)`` on one device, not to the loss code or the backward.
 
-A checkpointed stage (:mod:`.recompute`) runs ``F`` without a graph, stashing its inputs and the
-generators' state, and ``B`` runs the forward again. On the last stage ``F`` still calls
-``loss_fn``, on fresh leaves holding the output: the loss's own small graph, which ``B``
-backpropagates to those leaves first.
+A checkpointed stage's ``F`` runs without a graph and keeps only its inputs and the random
+generators' state; ``B`` runs the forward again (charged to B by the planner) on the same inputs,
+generators restored, inside the same ``forward_context``, so the replay is bit-exact; the ambient
+random stream is forked around it, so later draws are as without checkpointing. A stage that
+modifies an input in place (torch allows it without a graph) is refused. On the last stage ``F``
+still calls ``loss_fn``, on fresh leaves holding the output: the loss's own small graph, which
+``B`` backpropagates to those leaves first. Without a graph no output requires grad, yet the next
+stage must know which inputs need one: :func:`flag_outputs` marks every floating-point output the
+stage computed, when it has a trainable parameter or an input requiring grad, as the reentrant
+``torch.utils.checkpoint`` does. Where the graph would not have (a float computed from a buffer
+alone), the replay drops the extra gradient: extra work, never a different result.
 """
 
 from __future__ import annotations
@@ -20,21 +28,98 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
-from lightning_gsched.runtime.recompute import Replay, cuda_devices, flag_outputs, loss_gradients
 from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
 
 LossFn = Callable[[Any, int], torch.Tensor]
 ForwardContext = Callable[[], AbstractContextManager[Any]]
 # one microbatch's call of a stage (or of the model): positional and keyword arguments
 CallArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Indices of the CUDA devices the tensors live on (sorted, once each)."""
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+@dataclass
+class Replay:
+    """What ``B s b`` needs to run a checkpointed ``F s b`` again: its inputs and the state of
+    the CPU generator and of the CUDA ones of the stage's and inputs' devices (the default
+    generators only, as ``torch.utils.checkpoint`` preserves them)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[tuple[int, torch.Tensor]]
+    versions: list[tuple[torch.Tensor, int]]  # every distinct input tensor and its version at F
+    out_leaves: list[torch.Tensor] = field(default_factory=list)  # last stage: what loss_fn saw
+
+    @classmethod
+    def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any], stage_devices: Sequence[int]
+             ) -> "Replay":
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+        devices = sorted({*stage_devices, *cuda_devices(tensors)})
+        return cls(args, kwargs, torch.get_rng_state(),
+                   [(d, torch.cuda.get_rng_state(d)) for d in devices],
+                   [(t, t._version) for t in tensors])
+
+    @contextmanager
+    def rng_restored(self) -> Iterator[None]:
+        """Inside: the generators as they were at F; afterwards: as before entering."""
+        with torch.random.fork_rng(devices=[d for d, _ in self.cuda_rng], device_type="cuda"):
+            torch.set_rng_state(self.cpu_rng)
+            for device, state in self.cuda_rng:
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+    def check_inputs(self, s: int, b: int) -> None:
+        """Refuse a replay from inputs modified in place since F took them."""
+        for i, (tensor, version) in enumerate(self.versions):
+            if tensor._version != version:
+                raise RuntimeConfigError(
+                    f"input tensor {i} (shape {tuple(tensor.shape)}) of stage {s} was modified "
+                    f"in place after F s{s} b{b} took it, so B s{s} b{b} cannot recompute the "
+                    "stage's forward from it (activation checkpointing). Make the stage leave "
+                    "its inputs unchanged (e.g. x = x + y instead of x += y, or a ReLU without "
+                    "inplace=True), or turn checkpoint_activations off for this stage.")
+
+
+def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                 differentiable: bool) -> list[torch.Tensor]:
+    """The outputs of a forward run without a graph, flagged for the next stage: when
+    ``differentiable``, a computed floating-point (or complex) output becomes a detached alias
+    requiring grad (an alias, so a buffer or user tensor returned as output is never changed)."""
+    given = {id(t) for t in inputs}
+    return [t.detach().requires_grad_() if differentiable and not t.requires_grad
+            and id(t) not in given and (t.is_floating_point() or t.is_complex()) else t
+            for t in tensors]
+
+
+def loss_gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor],
+                   params: Sequence[torch.Tensor], split: bool,
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad | None]:
+    """Backpropagate the last stage's loss to the leaves ``loss_fn`` saw (its own small graph).
+
+    Ordinary backward: ``loss.backward()``, so a parameter the loss code reads accumulates as
+    without checkpointing. Split backward: the loss graph's own B, whose weight part runs first
+    in the stage's W. A parameter reached both through the loss code and the stage then
+    accumulates its two terms one after the other instead of their sum: float rounding.
+    """
+    if not split:
+        if loss.requires_grad:
+            loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward: unannotated
+        return [t.grad if t.requires_grad else None for t in leaves], None
+    return backward_input([loss], None, leaves, params)
 
 
 @dataclass
@@ -108,10 +193,9 @@ class StageCompute:
             self.stash[(s, b)] = Stashed(in_leaves, outputs=parts.tensors)
             return parts, None
 
-    def _forward_checkpointed(
-        self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-        in_leaves: list[torch.Tensor], loss_fn: LossFn,
-    ) -> tuple[wire.Split | None, torch.Tensor | None]:
+    def _forward_checkpointed(self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                              in_leaves: list[torch.Tensor], loss_fn: LossFn,
+                              ) -> tuple[wire.Split | None, torch.Tensor | None]:
         """``F s b`` of a checkpointed stage: no graph; it keeps the inputs and generators, and on
         the last stage the loss's own graph."""
         replay = Replay.take(args, kwargs, self.devices[s])
@@ -226,11 +310,11 @@ class StageCompute:
     def _roots(self, s: int, b: int, stashed: Stashed, out_grads: Sequence[Any] | None,
                split: bool) -> tuple[list[torch.Tensor], list[Any] | None]:
         """Where ``B s b`` starts: tensors and their gradients (None: the loss, a gradient of ones).
-        A checkpointed stage's forward runs again here (:mod:`.recompute`)."""
+        A checkpointed stage's forward runs again here."""
         replay, loss = stashed.replay, stashed.loss
         if replay is not None:  # out_grads: on the last stage, the leaves' (see backward)
             replay.check_inputs(s, b)
-            with replay.rng.restored(), torch.enable_grad(), self._saved(s, b), \
+            with replay.rng_restored(), torch.enable_grad(), self._saved(s, b), \
                     self.forward_context():
                 output = self.stages[s](*replay.args, **replay.kwargs)
             outputs = wire.split(output, what=f"output of stage {s}").tensors

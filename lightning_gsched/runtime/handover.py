@@ -132,8 +132,7 @@ class GradStash:
             raise RuntimeError(  # the same on every rank: the norm was all-reduced
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
             if p.grad is not None:

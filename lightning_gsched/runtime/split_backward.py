@@ -4,7 +4,7 @@ Zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``; Qi et al., "Zero Bubble Pi
 Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, since the previous stage
 waits for it, and ``W s b`` where the worker would otherwise idle. Autograd has no "weights later"
 mode, so this module cuts one backward in two over the same graph, without recomputing the
-forward, after ``torch.distributed.pipelining._backward`` (differences below).
+forward, after ``torch.distributed.pipelining._backward``.
 
 Terms, on the autograd graph below the roots (the stage's outputs, or its loss): I, the *input
 closure*, the nodes from which an input's AccumulateGrad node is reachable (every parent of a node
@@ -38,13 +38,10 @@ same values. Phase 2 sums the terms reaching an O edge in the ordinary order (ro
 intermediates in B's order); only an O node receiving three or more terms, from intermediates and
 other O nodes, may add them in another order: float rounding, not a different value.
 
-Cost: B is the ordinary backward minus its weight products; W the weight products plus the
-weight-only subgraph, one engine call per intermediate, the saved tensors and recorded gradients
-alive from B to W. When an intermediate's O child is also reachable through its I children (a
-Linear applied twice), autograd also computes its input-side output (discarded). Unlike
-``torch.distributed.pipelining``, roots outside I feed W, an intermediate reachable from another
-counts once, W does not re-run the input side, parameters accumulate through AccumulateGrad and
-the graph is released after W. Only the given parameters receive gradients.
+Cost: B is the ordinary backward minus its weight products, W the weight products plus the
+weight-only subgraph; saved tensors and recorded gradients live from B to W. An intermediate's O
+child also reachable through its I children (a Linear applied twice) has its input-side output
+computed and discarded. Only the given parameters receive gradients.
 """
 
 from __future__ import annotations
@@ -68,8 +65,8 @@ _Work = tuple[list[_Intermediate], list[tuple[EdgeKey, torch.Tensor]], list[torc
 
 class PendingWeightGrad:
     """What ``W s b`` needs from ``B s b``: the intermediates with their recorded gradients, the
-    roots outside I with theirs, and the parameters. These keep the forward's saved tensors
-    alive until :meth:`run`, which accumulates them, once, and drops them first."""
+    roots outside I with theirs, and the parameters. These keep the forward's saved tensors alive
+    until :meth:`run`, which accumulates them, once, and drops them first."""
 
     def __init__(self, work: _Work) -> None:
         self._work: _Work | None = work
@@ -142,12 +139,9 @@ def _weight_outputs(node: Node, recorded: tuple[torch.Tensor | None, ...],
     return outputs[0] if outputs else (None,) * len(node.next_functions)
 
 
-def backward_input(
-    roots: Sequence[torch.Tensor],
-    root_grads: Sequence[torch.Tensor | None] | None,
-    inputs: Sequence[Any],
-    params: Iterable[torch.Tensor],
-) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
+def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None] | None,
+                   inputs: Sequence[Any], params: Iterable[torch.Tensor],
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
     """B: the gradients of ``inputs`` (leaves; None where none), and the work W has left.
 
     ``roots``: the stage's output tensors with ``root_grads`` their gradients (None: skipped), or

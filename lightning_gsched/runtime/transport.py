@@ -1,7 +1,7 @@
 """Messages of a program: pytrees on ``p2p``, flat buffers on ``weights`` and ``grads``.
 
 Sends never block (the programs were proven deadlock-free under that model): every send is an
-``isend`` whose buffer :class:`~.send_release.SendReleaser` keeps until it completed. Receives are
+``isend`` whose buffer :class:`SendReleaser` keeps until it completed. Receives are
 *posted* where the program says and waited for where they are consumed.
 
 A pytree message (activation or input-gradient) travels as its distinct non-empty tensors, one
@@ -24,22 +24,25 @@ reductions have sizes both ends know.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
-from lightning_gsched.errors import MessageShapeError, RuntimeConfigError
+from lightning_gsched.errors import MessageShapeError, RuntimeConfigError, RuntimeFault
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.channels import Channels
 from lightning_gsched.runtime.counters import RuntimeCounters
 from lightning_gsched.runtime.faults import Waiter
-from lightning_gsched.runtime.send_release import SendReleaser
 from lightning_gsched.schedule.program import Action
 
 TRANSPORTS = ("auto", "described")
 SIGNATURES_KEPT = 16  # (programs, signature) pairs remembered; older ones are described again
+# a send's wait, raising a RuntimeFault that names the message (faults.Waiter.wait)
+WaitFn = Callable[[Any, str], None]
 
 
 @dataclass(eq=False)  # compared by identity, as any handle
@@ -52,13 +55,6 @@ class IncomingPytree:
     spec: wire.Spec | None = None
     buffers: list[torch.Tensor] | None = None
     works: list[Any] = field(default_factory=list)
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of the posted, not yet consumed receive buffers."""
-        if self.buffers is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self.buffers)
 
 
 # (peer, "in" | "out") -> the specs of its messages in this step, in order
@@ -213,8 +209,7 @@ class Transport:
             "without a header. If the shape depends on the data, use the described transport: "
             "GeneralParallel(..., transport=\"described\") (or ProgramExecutor(..., "
             "transport=\"described\")); if it follows the inputs' shapes, every rank must be "
-            "given every microbatch's inputs (or the same step(..., signature=...))"
-        )
+            "given every microbatch's inputs (or the same step(..., signature=...))")
         fault = MessageShapeError(message)
         fault.headline = message
         return fault
@@ -249,6 +244,106 @@ class Transport:
         self.known.clear()
         self.programs = None
         self.expect = None
+
+
+class SendReleaser:
+    """This rank's outstanding sends, each buffer held until its send completed.
+
+    NCCL's handles report completion by themselves (``is_completed``), but gloo's point-to-point
+    handles complete only inside ``wait()``: polled from the step's thread, every sent buffer would
+    live to the step's end (under ``fsdp``, every fetched stage's gradient at once). So with
+    ``threaded=True`` a thread of its own waits for the sends in issue order (``Work.wait``
+    releases the GIL) and drops each buffer as its wait returns; with ``threaded=False`` each new
+    send drops the completed ones at the head of the queue.
+    """
+
+    def __init__(self, wait: WaitFn, timeout: float, threaded: bool = True) -> None:
+        self._wait = wait
+        self._threaded = threaded
+        self._timeout = float(timeout)
+        self._queue: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
+        self._lock = threading.Condition()
+        self._failure: RuntimeFault | None = None
+        self._busy: str | None = None  # the label of the send the thread is waiting for
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, work: Any, buffers: tuple[torch.Tensor, ...], label: str) -> None:
+        """Hold ``buffers`` until ``work`` (their send) completed."""
+        if not self._threaded:
+            while self._queue and self._queue[0][0].is_completed():
+                self._queue.popleft()
+            self._queue.append((work, buffers, label))
+            return
+        with self._lock:
+            self._queue.append((work, buffers, label))
+            self._lock.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gsched-send-release",
+                                            daemon=True)
+            self._thread.start()
+
+    @property
+    def held(self) -> int:
+        """Sends not yet known complete (their buffers still held)."""
+        with self._lock:
+            return len(self._queue) + int(self._busy is not None)
+
+    def drain(self) -> None:
+        """Return once every send so far completed, bounded by the timeout; raise the first
+        failure of one (as the step's own :class:`RuntimeFault`)."""
+        if not self._threaded:
+            while self._queue:
+                work, _, label = self._queue[0]
+                self._wait(work, label)
+                self._queue.popleft()
+            return
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            while (self._queue or self._busy is not None) and self._failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(timeout=min(left, 1.0))
+            failure, self._failure = self._failure, None
+            pending = [label for _, _, label in self._queue]
+            if self._busy is not None:
+                pending.insert(0, self._busy)
+        if failure is not None:
+            raise failure
+        if pending:  # the thread's own wait (same timeout, started earlier) usually fails first
+            raise RuntimeFault(f"waiting for {pending[0]}: the step's sends did not complete "
+                               f"within {self._timeout:g} s ({len(pending)} outstanding)")
+
+    def clear(self) -> None:
+        """Forget every handle (the channels are being aborted); the thread ends."""
+        with self._lock:
+            self._queue.clear()
+            self._closed = True
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                work, buffers, label = self._queue.popleft()
+                self._busy = label
+            try:
+                self._wait(work, label)
+            except RuntimeFault as fault:
+                with self._lock:
+                    self._failure = self._failure or fault
+            except Exception as exc:  # noqa: BLE001 - reported on the step's thread
+                with self._lock:
+                    self._failure = self._failure or RuntimeFault(
+                        f"the send of {label} failed: {exc}")
+            del work, buffers  # the buffer goes with its last reference, now
+            with self._lock:
+                self._busy = None
+                self._lock.notify_all()
 
 
 def label(action: Action, index: int) -> str:
