@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import itertools
 import time
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -50,19 +51,15 @@ class FaultNotice:
         self.key = key
 
     def report(self, message: str) -> None:
-        try:
+        with suppress(Exception):  # never mask the real failure
             if self.store is not None:
                 self.store.compare_set(self.key, "", message)
-        except Exception:  # noqa: BLE001 - never mask the real failure
-            pass
 
     def first(self) -> str | None:
         """The failure a rank recorded, if any (never blocks)."""
-        try:
+        with suppress(Exception):
             if self.store is not None and self.store.check([self.key]):
                 return self.store.get(self.key).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            pass
         return None
 
     def first_within(self, grace: float) -> str | None:
@@ -137,10 +134,9 @@ class Channels:
         # (docs/benchmarks.md, "the engine's gap, counted per thread")
         self.tagged = dist.get_backend() == "gloo"
         if self.tagged:
-            one = dist.new_group(everyone, timeout=span)
+            self.shared = dist.new_group(everyone, timeout=span)
             self.groups: dict[tuple[str, bool], Any] = {
-                (kind, up): one for kind in KINDS for up in (True, False)}
-            self.shared = one
+                (kind, up): self.shared for kind in KINDS for up in (True, False)}
         else:
             self.groups = {(kind, up): dist.new_group(everyone, timeout=span)
                            for kind in KINDS for up in (True, False)}
@@ -148,8 +144,7 @@ class Channels:
         self.replicas: dict[tuple[int, ...], Any] = {
             members: self.shared if self.tagged and len(members) == world
             else dist.new_group(list(members), timeout=span)
-            for members in replica_groups(programs)
-        }
+            for members in replica_groups(programs)}
         self.closed = False
 
     def _check_open(self) -> None:

@@ -1,26 +1,23 @@
-"""Forward and backward of one stage on one microbatch, the stash between them, and activation
-checkpointing.
+"""Forward and backward of one stage on one microbatch, the stash between them, checkpointing.
 
 Every stage boundary is cut: ``B s b`` may run long after ``F s b``, with the stage's weights
 freed and refetched in between, so a backward covers one stage only. Stage inputs are fresh
 leaves, ``B s b`` is ``autograd.backward(outputs of F s b, their gradients)`` and the inputs'
 ``.grad`` go to the producer. The last stage starts from ``loss_fn(output, b) / B``: the summed
-gradients are those of the global batch's mean loss. A split backward computes only the input
-gradients at ``B`` and stashes what the weight gradients need (:mod:`.split_backward`) until
-``W``. ``forward_context`` surrounds the stage's forward call only, so a front end's precision
-applies as for ``model(x)`` on one device, not to the loss code or the backward.
+gradients are those of the global batch's mean loss. A split backward stashes what the weight
+gradients need (:mod:`.split_backward`) from ``B`` to ``W``. ``forward_context`` surrounds the
+stage's forward call only, so a front end's precision applies as for ``model(x)`` on one device.
 
-A checkpointed stage's ``F`` runs without a graph and keeps only its inputs and the random
-generators' state; ``B`` runs the forward again (charged to B by the planner) on the same inputs,
-generators restored, inside the same ``forward_context``, so the replay is bit-exact; the ambient
-random stream is forked around it, so later draws are as without checkpointing. A stage that
-modifies an input in place (torch allows it without a graph) is refused. On the last stage ``F``
-still calls ``loss_fn``, on fresh leaves holding the output: the loss's own small graph, which
-``B`` backpropagates to those leaves first. Without a graph no output requires grad, yet the next
-stage must know which inputs need one: :func:`flag_outputs` marks every floating-point output the
-stage computed, when it has a trainable parameter or an input requiring grad, as the reentrant
-``torch.utils.checkpoint`` does. Where the graph would not have (a float computed from a buffer
-alone), the replay drops the extra gradient: extra work, never a different result.
+A checkpointed stage's ``F`` runs without a graph and keeps only its inputs and the generators'
+state; ``B`` runs the forward again (charged to B by the planner) on the same inputs, generators
+restored, inside the same ``forward_context``: bit-exact, and the ambient random stream is forked
+around it. A stage that modifies an input in place (torch allows it without a graph) is refused.
+On the last stage ``F`` still calls ``loss_fn``, on fresh leaves holding the output: the loss's
+own small graph, which ``B`` backpropagates to those leaves first. Without a graph no output
+requires grad, yet the next stage must know which inputs need one: :func:`flag_outputs` marks
+every floating-point output the stage computed, when it has a trainable parameter or an input
+requiring grad, as the reentrant ``torch.utils.checkpoint`` does; where the graph would not have
+(a float computed from a buffer alone), the replay drops the extra gradient: extra work only.
 """
 
 from __future__ import annotations
@@ -216,7 +213,7 @@ class StageCompute:
             return None, loss.detach()
 
     @contextmanager
-    def _saved(self, s: int, b: int, held: Sequence[Any] = ()) -> Iterator[None]:
+    def _saved(self, s: int, b: int, held: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         """When recording, count what autograd saves in ``F s b`` (weights and buffers excluded)
         plus ``held``, kept besides. A checkpointed stage's recompute records again: from then
         to W the stash holds the recomputed graph."""
@@ -226,8 +223,7 @@ class StageCompute:
         with SavedTensorBytes(exclude=weight_storages(self.stages[s])) as counter:
             yield
         for t in held:
-            if isinstance(t, torch.Tensor):
-                counter.count(t)
+            counter.count(t)
         self.saved_bytes[(s, b)] = counter.storages
         self.saved_counters[(s, b)] = counter
 

@@ -9,15 +9,13 @@ channels without touching gradients, so validation can interleave with training.
 raises :class:`RuntimeFault` naming rank, action and cause, after aborting this executor's
 channels so that no peer hangs.
 
-A step's state (:class:`StepRun`: posted receives, produced values, pending gradient receives and
-all-reduces, counters) lives one step and is dropped at once on a failure, before the executor
-destroys its process groups (pending handles keep connections open). :meth:`StepRun.run`
-dispatches through :data:`HANDLERS`, of functions: bound methods stored on the instance would be
-a reference cycle keeping a finished step's tensors alive until the garbage collector runs. Which
-input a compute reads is the dry run's rule (``view.rules``); the runtime runs chains of stages
+A step's state (:class:`StepRun`) is dropped at once on a failure, before the executor destroys
+its process groups (pending handles keep connections open). :meth:`StepRun.run` dispatches
+through :data:`HANDLERS`, of functions: bound methods stored on the instance would be a reference
+cycle keeping a finished step's tensors alive until the garbage collector runs. Which input a
+compute reads is the dry run's rule (``view.rules``); the runtime runs chains of stages
 (``check_programs``), so a compute reads at most one message. A forward-only run computes without
-autograd or stash, hands the last stage's output to ``output_fn`` and touches no gradient or
-statistics.
+autograd or stash and touches no gradient or statistics.
 """
 
 from __future__ import annotations
@@ -94,11 +92,10 @@ class ProgramExecutor:
         self.programs = programs
         self.view = ProgramView.of(programs, self.rank)
         self.program: list[Action] = self.view.program
-        self.num_stages, self.num_micro = programs.num_stages, programs.num_micro
         self.owned = set(programs.owned_stages(self.rank))
         self.owned_ties = set(programs.owned_ties(self.rank))
         self.flats, self.ties, self.device = build_flat_stages(stages, self.owned, self.owned_ties)
-        self.compute = StageCompute(stages, self.num_micro, forward_context, checkpointed)
+        self.compute = StageCompute(stages, programs.num_micro, forward_context, checkpointed)
         self._position = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device, transport)
@@ -328,13 +325,11 @@ class UnitTraffic:
         self.grad_recvs: dict[int, list[tuple[Any, torch.Tensor, str]]] = {}
         self.reduced: set[int] = set()  # units whose all-reduce has started
 
-    def drop(self) -> None:
-        """Forget pending handles (after a failure, before the groups go)."""
+    def drop(self) -> None:  # after a failure, before the groups go
         self.fetches.clear()
         self.grad_recvs.clear()
 
     def fetch(self, a: Action, index: int) -> None:
-        """``FETCH_W``: post the receive of a unit's weights into its (re)allocated buffer."""
         unit = self.units[a.stage]
         if unit.resident:
             raise RuntimeConfigError(f"{a.op} of {self.kind} {a.stage}, which is already "
@@ -343,7 +338,6 @@ class UnitTraffic:
         self.fetches[a.stage] = (work, label(a, index))
 
     def serve(self, a: Action, index: int) -> None:
-        """``SEND_W``: the owner sends the unit's weights."""
         unit = self.units[a.stage]
         if not unit.owned:
             raise RuntimeConfigError(f"{a.op} of {self.kind} {a.stage}, which rank {self.rank} "
@@ -352,7 +346,6 @@ class UnitTraffic:
         self.transport.send_flat(unit.flat, peer_of(a), "weights", label(a, index))
 
     def land(self, key: int) -> None:
-        """Wait for the unit's posted fetch, if any."""
         if key in self.fetches:
             work, what = self.fetches.pop(key)
             self.transport.wait(work, what)
@@ -369,8 +362,7 @@ class UnitTraffic:
         unit.materialize()
 
     def free(self, a: Action, index: int) -> None:
-        """``FREE_W``: release a fetched unit (a fetch never used lands first)."""
-        self.land(a.stage)
+        self.land(a.stage)  # a fetch never used lands first
         unit = self.units[a.stage]
         if unit.grads.active:
             raise RuntimeConfigError(
@@ -379,12 +371,10 @@ class UnitTraffic:
         unit.free()
 
     def hand_off(self, a: Action, index: int) -> None:
-        """``REDUCE_G``: send the accumulated gradient to the owner, drop it."""
         grad = self.units[a.stage].take_grads()
         self.transport.send_flat(grad, peer_of(a), "grads", label(a, index))
 
     def post_grad(self, a: Action, index: int) -> None:
-        """``RECV_G``: post the receive of a peer's gradient (summed in later)."""
         if a.stage in self.reduced:
             raise RuntimeConfigError(
                 f"{a.op} of {self.kind} {a.stage} after its all-reduce started; gradients must "
@@ -422,8 +412,6 @@ class UnitTraffic:
     def resident_bytes(self) -> int:
         return sum(u.resident_bytes() for u in self.units.values())
 
-    def active_grad_bytes(self) -> int:
-        return sum(u.grads.nbytes for u in self.units.values() if u.grads.active)
 
 
 class StepRun:
@@ -491,8 +479,9 @@ class StepRun:
         # posted receives: pytrees' not yet consumed buffers, gradients not yet summed in
         buffers = [*(t for m in self.received.values() for t in m.buffers or ()),
                    *(t for io in units for recvs in io.grad_recvs.values() for _, t, _ in recvs)]
+        grads = [u.grads for io in units for u in io.units.values()]
         return {"weights": sum(io.resident_bytes() for io in units),
-                "gradients": sum(io.active_grad_bytes() for io in units), "optimizer": 0,
+                "gradients": sum(g.nbytes for g in grads if g.active), "optimizer": 0,
                 "activations": self.ex.compute.live_activation_bytes(),
                 "communication": sum(t.numel() * t.element_size() for t in buffers)}
 
@@ -697,5 +686,4 @@ HANDLERS: dict[Op, Callable[[StepRun, Action, int], None]] = {
     Op.SEND_GRAD: StepRun._send_grad, Op.RECV_GRAD: StepRun._post_pytree,
     Op.FETCH_W: StepRun._fetch, Op.SEND_W: StepRun._serve, Op.FREE_W: StepRun._free,
     Op.REDUCE_G: StepRun._hand_off, Op.RECV_G: StepRun._post_unit_grad,
-    Op.ALLREDUCE_G: StepRun._all_reduce,
-}
+    Op.ALLREDUCE_G: StepRun._all_reduce}

@@ -130,8 +130,7 @@ def _weight_outputs(node: Node, recorded: tuple[torch.Tensor | None, ...],
     targets = [GradientEdge(n, nr) for n, nr in dict.fromkeys(key for _, key in weight_edges)]
     handles = [node.register_prehook(replay), node.register_hook(keep)]
     try:
-        torch.autograd.grad([edge for edge, _ in given], targets,
-                            grad_outputs=[g for _, g in given],
+        torch.autograd.grad([e for e, _ in given], targets, grad_outputs=[g for _, g in given],
                             retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:

@@ -1,8 +1,8 @@
 """Messages of a program: pytrees on ``p2p``, flat buffers on ``weights`` and ``grads``.
 
 Sends never block (the programs were proven deadlock-free under that model): every send is an
-``isend`` whose buffer :class:`SendReleaser` keeps until it completed. Receives are
-*posted* where the program says and waited for where they are consumed.
+``isend`` whose buffer :class:`SendReleaser` keeps until it completed. Receives are *posted* where
+the program says and waited for where they are consumed.
 
 A pytree message (activation or input-gradient) travels as its distinct non-empty tensors, one
 message each, as they are (no header, pickling or copy), as torch.distributed.pipelining does
@@ -10,16 +10,15 @@ after shape inference. So the receiver must know the message's *spec* (:class:`w
 it posts the receives (on gloo the bytes only flow once the receive is posted; on NCCL reading a
 header would cost a sync). The programs send the same messages every step, with shapes that
 follow from the step's *signature*, which every rank computes alike (by default the inputs'
-shapes). Both ends remember, per (programs, signature), the specs of the last completed step per
-peer, direction and position (least recently used dropped alike everywhere). A step is then
-*fast* (a known (programs, signature)): the receiver posts the tensor receives at the program's
-receive post; the sender checks its spec against the remembered one and raises
-:class:`MessageShapeError` if it differs (a data-dependent shape cannot be told to a receiver
-whose buffers are posted). Or it is *described* (a new signature, or ``transport="described"``):
-each message is an ``int64 [meta_len]`` header, the pickled spec, then the tensors; the receiver
-posts nothing ahead, a consumer's wait takes the peer's pending messages in program order, so the
-channel stays in the sender's order. Empty tensors travel as nothing. Weights and gradient
-reductions have sizes both ends know.
+shapes). Both ends remember, per (programs, signature), the specs of the last completed step
+(least recently used dropped alike everywhere). A step is then *fast* (a known signature): the
+receiver posts the tensor receives at the program's receive post; the sender checks its spec
+against the remembered one and raises :class:`MessageShapeError` if it differs (a data-dependent
+shape cannot be told to a receiver whose buffers are posted). Or it is *described* (a new
+signature, or ``transport="described"``): each message is an ``int64 [meta_len]`` header, the
+pickled spec, then the tensors; the receiver posts nothing ahead, a consumer's wait takes the
+peer's pending messages in program order, the sender's. Empty tensors travel as nothing. Weights
+and gradient reductions have sizes both ends know.
 """
 
 from __future__ import annotations
@@ -62,14 +61,11 @@ _Specs = dict[tuple[int, str], list[wire.Spec]]
 
 
 class Transport:
-    """Sends and receives of one executor; counts messages' bytes into ``counters``.
-
-    The message specs of the last completed step are kept per (programs, signature), per (peer,
-    direction), in message order (``known``). After :meth:`begin_step`, :attr:`fast` tells
-    whether the step's (programs, signature) completed a step before (then ``_expected`` gives
-    each message's spec); otherwise the step notes the specs in ``now`` and :meth:`end_step`
-    makes them the expectation.
-    """
+    """Sends and receives of one executor; counts messages' bytes into ``counters``. The specs of
+    the last completed step are kept per (programs, signature), per (peer, direction), in message
+    order (``known``): after :meth:`begin_step`, :attr:`fast` tells whether there are some (then
+    ``_expected`` gives each message's spec); otherwise the step notes the specs in ``now`` and
+    :meth:`end_step` makes them the expectation."""
 
     def __init__(self, channels: Channels, waiter: Waiter, device: torch.device,
                  transport: str = "auto") -> None:
