@@ -19,7 +19,7 @@ import torch
 
 from dist_harness import WorkerContext
 from lightning_gsched.errors import RuntimeFault
-from lightning_gsched.runtime.send_release import SendReleaser
+from lightning_gsched.runtime.transport import SendReleaser
 
 
 class FakeWork:

@@ -1,14 +1,12 @@
 """Start a stage's gradient all-reduce in pieces while its last backward is still running.
 
-Issued as one all-reduce at ``ALLREDUCE_G s``, the whole transfer follows the stage's last
-backward; torch's DDP instead overlaps the reduction of the last layers' gradients with the
-backward of the first ones. :class:`GradBuckets` does the same for any stage: during the stage's
-last backward of the step, a post-accumulate hook on each parameter counts it done, and once
-every parameter of a bucket (a contiguous piece of the flat gradient, about :data:`BUCKET_BYTES`)
-has its final gradient, that piece's all-reduce starts. Buckets start in one fixed order (reverse
-parameter order, as backward produces them) on every rank, since collectives must be issued in
-the same order everywhere. ``ALLREDUCE_G`` starts the remaining buckets; the step waits for all at
-its end. A piece-wise all-reduce of a buffer is an all-reduce of the buffer.
+As torch's DDP overlaps the reduction of the last layers' gradients with the backward of the
+first ones: during the stage's last backward of the step, a post-accumulate hook on each parameter
+counts it done, and once every parameter of a bucket (a contiguous piece of the flat gradient,
+about :data:`BUCKET_BYTES`) has its final gradient, that piece's all-reduce starts. Buckets start
+in one fixed order (reverse parameter order, as backward produces them) on every rank, since
+collectives must be issued in the same order everywhere. ``ALLREDUCE_G`` starts the remaining
+buckets. A piece-wise all-reduce of a buffer is an all-reduce of the buffer.
 """
 
 from __future__ import annotations
@@ -59,17 +57,15 @@ class GradBuckets:
         self.pending = [len(members) for _, _, members in self.buckets]
         self.next = 0
         self.works = []
-        for i, p in enumerate(self.grads.params):
-            # torch's register_post_accumulate_grad_hook has no annotations
-            handle = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                self._hook(i))
-            self.handles.append(handle)
+        # torch's register_post_accumulate_grad_hook has no annotations
+        self.handles += [
+            p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(self.grads.params)]
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def done(param: torch.Tensor) -> None:
             self.grads.fold(i)  # the final gradient must be in the flat piece we send
-            k = self.bucket_of[i]
-            self.pending[k] -= 1
+            self.pending[self.bucket_of[i]] -= 1
             while self.next < len(self.buckets) and self.pending[self.next] == 0:
                 self._start(self.next)
                 self.started_during_backward += 1

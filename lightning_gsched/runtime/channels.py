@@ -1,15 +1,14 @@
 """The process groups one executor talks over, and the job-wide fault notice.
 
 Programs are FIFO per (src, dst) *per channel* (``p2p``, ``weights``, ``grads``). gloo keeps one
-queue per (peer, tag): there one group carries every channel, a tag each. Backends without
-message tags (NCCL) only order messages within one communicator: there one group per kind, and
-per direction (lower to higher rank, and back), because NCCL runs a communicator's
-point-to-point operations in issue order, so a receive posted early from a peer must not hold back
-a later send *to* it. Replica all-reduces get one subgroup per member set, running statistics one
-world group. ``dist.new_group`` is collective over the job, so every rank builds its ``Channels``
-in the same order from the same programs (for a plan lowered per rank, from its stage owners
-alone: :func:`replica_groups`). On a failure the executor reports it in the job's store (peers
-quote it as the root cause) and destroys the groups, so that peers blocked on it fail at once.
+queue per (peer, tag): there one group carries every channel, a tag each. Backends without message
+tags (NCCL) only order messages within one communicator: there one group per kind and direction,
+because NCCL runs a communicator's point-to-point operations in issue order, so a receive posted
+early from a peer must not hold back a later send *to* it. Replica all-reduces get one subgroup
+per member set, running statistics one world group. ``dist.new_group`` is collective, so every
+rank builds its ``Channels`` in the same order from the same programs (:func:`replica_groups`).
+On a failure the executor reports it in the job's store (peers quote it as the root cause) and
+destroys the groups, so that peers blocked on it fail at once.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from __future__ import annotations
 import gc
 import itertools
 import time
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -43,37 +43,29 @@ def default_store() -> Store | None:
 
 
 class FaultNotice:
-    """The job's first failure under one key of the job's store, written once (a later report
-    keeps the first): peers of the runtime's channels and of the strategy's control group quote
-    it as the root cause of their own error."""
+    """The job's first failure under one key of the job's store, written once: peers of the
+    runtime's channels and of the strategy's control group quote it as their root cause."""
 
     def __init__(self, store: Store | None, key: str) -> None:
         self.store = store
         self.key = key
 
     def report(self, message: str) -> None:
-        try:
+        with suppress(Exception):  # never mask the real failure
             if self.store is not None:
                 self.store.compare_set(self.key, "", message)
-        except Exception:  # noqa: BLE001 - never mask the real failure
-            pass
 
     def first(self) -> str | None:
         """The failure a rank recorded, if any (never blocks)."""
-        try:
+        with suppress(Exception):
             if self.store is not None and self.store.check([self.key]):
                 return self.store.get(self.key).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            pass
         return None
 
     def first_within(self, grace: float) -> str | None:
-        """:meth:`first`, waiting up to ``grace`` s for a failure to be recorded.
-
-        For a rank that lost its connection to a peer: the peer records its failure before it
-        closes its connections, but the close can reach this rank first, whose own "lost the
-        connection" would then hide the real cause. A dead peer records nothing: ``grace`` lost.
-        """
+        """:meth:`first`, waiting up to ``grace`` s for one: a failing peer records its failure
+        before it closes its connections, but the close can reach this rank first, whose own
+        "lost the connection" would then hide the real cause."""
         deadline = time.monotonic() + grace
         while True:
             first = self.first()
@@ -85,7 +77,7 @@ class FaultNotice:
 def destroy_groups(groups: list[Any], collect: bool = False) -> None:
     """Destroy process groups (one already gone is skipped) and empty ``groups``, so the caller
     holds no reference either; ``collect``: then run the garbage collector, which frees the
-    backend's buffers at once (it costs up to a second in a large process)."""
+    backend's buffers at once (up to a second in a large process)."""
     for group in groups:
         try:
             dist.destroy_process_group(group)
@@ -98,16 +90,12 @@ def destroy_groups(groups: list[Any], collect: bool = False) -> None:
 
 def replica_groups(programs: Programs) -> list[tuple[int, ...]]:
     """Distinct ``ALLREDUCE_G`` member sets, sorted: the creation order, the same on every rank.
-
-    The planner's programs (``Programs.planned``) all-reduce exactly over replicated owners, so
-    :func:`owner_groups` is the list, read without lowering any program (scanning them would
-    lower all W on every rank). Other programs (parsed or hand-written) are scanned too.
-    """
+    The planner's programs (``Programs.planned``) all-reduce exactly over replicated owners, read
+    without lowering any program (which would lower all W on every rank); others are scanned."""
     groups = set(owner_groups(programs))
-    if programs.planned:
-        return sorted(groups)
-    for program in programs.ranks:
-        groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
+    if not programs.planned:
+        for program in programs.ranks:
+            groups.update(a.group for a in program if a.op is Op.ALLREDUCE_G and a.group)
     return sorted(groups)
 
 
@@ -117,13 +105,12 @@ def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
 
 
 class Channels:
-    """Process groups per channel kind, replica subgroups (decided by ``programs``), and the
-    fault notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is
-    also the groups' own, which bounds collectives."""
+    """Process groups per channel kind, replica subgroups (decided by ``programs``), and the fault
+    notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is also the
+    groups' own, which bounds collectives."""
 
-    def __init__(
-        self, programs: Programs, *, timeout: float = 300.0, store: Store | None = None
-    ) -> None:
+    def __init__(self, programs: Programs, *, timeout: float = 300.0,
+                 store: Store | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(
                 "torch.distributed is not initialized; call dist.init_process_group(...) on every "
@@ -141,16 +128,15 @@ class Channels:
         self.notice = FaultNotice(self.store, f"lightning_gsched/fault/{self.serial}")
         span = timedelta(seconds=self.timeout)
         everyone = list(range(world))
-        # gloo matches messages by tag: one group carries every channel, a tag each. A gloo
-        # group is a thread that wakes every 10 ms; seven of them, on the core the rank
-        # computes on, preempted its compute thread about four times as often as torch's one
+        # gloo matches messages by tag: one group carries every channel, a tag each. A gloo group
+        # is a thread that wakes every 10 ms; seven of them, on the core the rank computes on,
+        # preempted its compute thread about four times as often as torch's one
         # (docs/benchmarks.md, "the engine's gap, counted per thread")
         self.tagged = dist.get_backend() == "gloo"
         if self.tagged:
-            one = dist.new_group(everyone, timeout=span)
+            self.shared = dist.new_group(everyone, timeout=span)
             self.groups: dict[tuple[str, bool], Any] = {
-                (kind, up): one for kind in KINDS for up in (True, False)}
-            self.shared = one
+                (kind, up): self.shared for kind in KINDS for up in (True, False)}
         else:
             self.groups = {(kind, up): dist.new_group(everyone, timeout=span)
                            for kind in KINDS for up in (True, False)}
@@ -158,8 +144,7 @@ class Channels:
         self.replicas: dict[tuple[int, ...], Any] = {
             members: self.shared if self.tagged and len(members) == world
             else dist.new_group(list(members), timeout=span)
-            for members in replica_groups(programs)
-        }
+            for members in replica_groups(programs)}
         self.closed = False
 
     def _check_open(self) -> None:
@@ -168,21 +153,19 @@ class Channels:
                 "these channels are closed (after a failure or close()); build a new executor "
                 "(and new channels) on every rank to continue.")
 
-    def group(self, kind: str, src: int, dst: int) -> Any:
-        """The group carrying ``kind`` messages from ``src`` to ``dst``."""
+    def _route(self, kind: str, src: int, dst: int) -> tuple[Any, int]:
+        """The group and tag carrying ``kind`` messages from ``src`` to ``dst``."""
         self._check_open()
-        return self.groups[(kind, src < dst)]
-
-    def _tag(self, kind: str, src: int, dst: int) -> int:
-        return 2 * KINDS.index(kind) + (src < dst) if self.tagged else 0
+        up = src < dst
+        return self.groups[(kind, up)], (2 * KINDS.index(kind) + up if self.tagged else 0)
 
     def isend(self, tensor: Any, peer: int, kind: str) -> Any:
-        return dist.isend(tensor, peer, group=self.group(kind, self.rank, peer),
-                          tag=self._tag(kind, self.rank, peer))
+        group, tag = self._route(kind, self.rank, peer)
+        return dist.isend(tensor, peer, group=group, tag=tag)
 
     def irecv(self, tensor: Any, peer: int, kind: str) -> Any:
-        return dist.irecv(tensor, peer, group=self.group(kind, peer, self.rank),
-                          tag=self._tag(kind, peer, self.rank))
+        group, tag = self._route(kind, peer, self.rank)
+        return dist.irecv(tensor, peer, group=group, tag=tag)
 
     def _collective_group(self, members: tuple[int, ...] | None) -> Any:
         self._check_open()
@@ -202,12 +185,9 @@ class Channels:
 
     def close(self, collect: bool = False) -> None:
         """Release the process groups (local; call on every rank when done with the executor).
-
-        ``collect`` (on an abort, after the caller dropped its pending work handles, which keep
-        the groups' connections alive): a full garbage collection then frees work objects that
-        reference cycles still hold, so the connections really close now. A normal close holds
-        no pending work and skips it.
-        """
+        ``collect`` (on an abort, once the caller dropped its pending work handles, which keep the
+        connections alive): a full garbage collection frees work objects that reference cycles
+        still hold, so the connections really close now."""
         if self.closed:
             return
         self.closed = True

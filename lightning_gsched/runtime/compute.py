@@ -1,19 +1,23 @@
-"""Forward and backward of one stage on one microbatch, and the stash between them.
+"""Forward and backward of one stage on one microbatch, the stash between them, checkpointing.
 
 Every stage boundary is cut: ``B s b`` may run long after ``F s b``, with the stage's weights
-freed and refetched in between, so a backward must cover one stage only. Stage inputs are fresh
+freed and refetched in between, so a backward covers one stage only. Stage inputs are fresh
 leaves, ``B s b`` is ``autograd.backward(outputs of F s b, their gradients)`` and the inputs'
 ``.grad`` go to the producer. The last stage starts from ``loss_fn(output, b) / B``: the summed
-gradients are those of the global batch's mean loss. A split backward computes only the input
-gradients at ``B`` and keeps what the weight gradients need (:mod:`.split_backward`) until ``W``,
-stashed until then as the planner counts it. ``forward_context`` is entered around the stage's
-forward call only, so a front end's precision applies to the model as for ``model(x)`` on one
-device, not to the loss code or the backward.
+gradients are those of the global batch's mean loss. A split backward stashes what the weight
+gradients need (:mod:`.split_backward`) from ``B`` to ``W``. ``forward_context`` surrounds the
+stage's forward call only, so a front end's precision applies as for ``model(x)`` on one device.
 
-A checkpointed stage (:mod:`.recompute`) runs ``F`` without a graph, stashing its inputs and the
-generators' state, and ``B`` runs the forward again. On the last stage ``F`` still calls
-``loss_fn``, on fresh leaves holding the output, so the loss has a small graph of its own that
-``B`` backpropagates to those leaves first.
+A checkpointed stage's ``F`` runs without a graph and keeps only its inputs and the generators'
+state; ``B`` runs the forward again (charged to B by the planner) on the same inputs, generators
+restored, inside the same ``forward_context``: bit-exact, and the ambient random stream is forked
+around it. A stage that modifies an input in place (torch allows it without a graph) is refused.
+On the last stage ``F`` still calls ``loss_fn``, on fresh leaves holding the output: the loss's
+own small graph, which ``B`` backpropagates to those leaves first. Without a graph no output
+requires grad, yet the next stage must know which inputs need one: :func:`flag_outputs` marks
+every floating-point output the stage computed, when it has a trainable parameter or an input
+requiring grad, as the reentrant ``torch.utils.checkpoint`` does; where the graph would not have
+(a float computed from a buffer alone), the replay drops the extra gradient: extra work only.
 """
 
 from __future__ import annotations
@@ -21,27 +25,98 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
-from lightning_gsched.runtime.recompute import (
-    ChainedWeightGrad,
-    Replay,
-    cuda_devices,
-    flag_outputs,
-    loss_gradients,
-)
 from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
 
 LossFn = Callable[[Any, int], torch.Tensor]
 ForwardContext = Callable[[], AbstractContextManager[Any]]
 # one microbatch's call of a stage (or of the model): positional and keyword arguments
 CallArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Indices of the CUDA devices the tensors live on (sorted, once each)."""
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+@dataclass
+class Replay:
+    """What ``B s b`` needs to run a checkpointed ``F s b`` again: its inputs and the state of
+    the CPU generator and of the CUDA ones of the stage's and inputs' devices (the default
+    generators only, as ``torch.utils.checkpoint`` preserves them)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[tuple[int, torch.Tensor]]
+    versions: list[tuple[torch.Tensor, int]]  # every distinct input tensor and its version at F
+    out_leaves: list[torch.Tensor] = field(default_factory=list)  # last stage: what loss_fn saw
+
+    @classmethod
+    def take(cls, args: tuple[Any, ...], kwargs: dict[str, Any], stage_devices: Sequence[int]
+             ) -> "Replay":
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+        devices = sorted({*stage_devices, *cuda_devices(tensors)})
+        return cls(args, kwargs, torch.get_rng_state(),
+                   [(d, torch.cuda.get_rng_state(d)) for d in devices],
+                   [(t, t._version) for t in tensors])
+
+    @contextmanager
+    def rng_restored(self) -> Iterator[None]:
+        """Inside: the generators as they were at F; afterwards: as before entering."""
+        with torch.random.fork_rng(devices=[d for d, _ in self.cuda_rng], device_type="cuda"):
+            torch.set_rng_state(self.cpu_rng)
+            for device, state in self.cuda_rng:
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+    def check_inputs(self, s: int, b: int) -> None:
+        """Refuse a replay from inputs modified in place since F took them."""
+        for i, (tensor, version) in enumerate(self.versions):
+            if tensor._version != version:
+                raise RuntimeConfigError(
+                    f"input tensor {i} (shape {tuple(tensor.shape)}) of stage {s} was modified "
+                    f"in place after F s{s} b{b} took it, so B s{s} b{b} cannot recompute the "
+                    "stage's forward from it (activation checkpointing). Make the stage leave "
+                    "its inputs unchanged (e.g. x = x + y instead of x += y, or a ReLU without "
+                    "inplace=True), or turn checkpoint_activations off for this stage.")
+
+
+def flag_outputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                 differentiable: bool) -> list[torch.Tensor]:
+    """The outputs of a forward run without a graph, flagged for the next stage: when
+    ``differentiable``, a computed floating-point (or complex) output becomes a detached alias
+    requiring grad (an alias, so a buffer or user tensor returned as output is never changed)."""
+    given = {id(t) for t in inputs}
+    return [t.detach().requires_grad_() if differentiable and not t.requires_grad
+            and id(t) not in given and (t.is_floating_point() or t.is_complex()) else t
+            for t in tensors]
+
+
+def loss_gradients(loss: torch.Tensor, leaves: Sequence[torch.Tensor],
+                   params: Sequence[torch.Tensor], split: bool,
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad | None]:
+    """Backpropagate the last stage's loss to the leaves ``loss_fn`` saw (its own small graph).
+
+    Ordinary backward: ``loss.backward()``, so a parameter the loss code reads accumulates as
+    without checkpointing. Split backward: the loss graph's own B, whose weight part runs first
+    in the stage's W. A parameter reached both through the loss code and the stage then
+    accumulates its two terms one after the other instead of their sum: float rounding.
+    """
+    if not split:
+        if loss.requires_grad:
+            loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward: unannotated
+        return [t.grad if t.requires_grad else None for t in leaves], None
+    return backward_input([loss], None, leaves, params)
 
 
 @dataclass
@@ -72,22 +147,22 @@ class StageCompute:
         # trainable parameters no stage reads that the loss code may (a loss module's):
         # loss.backward() accumulates them, so a split backward's W must too
         self.loss_params: list[torch.Tensor] = []
-        # split backward: (stage, micro) -> the weight-gradient work its B left for its W
-        self.pending_weights: dict[tuple[int, int], PendingWeightGrad | ChainedWeightGrad] = {}
+        # split backward: (stage, micro) -> the weight-gradient work its B left for its W, in
+        # order (a checkpointed last stage's: the loss graph's, then the recomputed stage's)
+        self.pending_weights: dict[tuple[int, int], list[PendingWeightGrad]] = {}
         self.params: list[list[torch.Tensor]] = [
             [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
             for stage in self.stages]
         # when a dict: seconds of every F / B / W by (phase, stage) (ProgramExecutor.compute_times)
         self.times: dict[tuple[str, int], list[float]] | None = None
-        # when a dict: the storages (address -> bytes) autograd saved in each stashed F
-        # (stage, micro), dropped with the stash (runtime/footprint.py)
+        # when a dict: the storages (address -> bytes) autograd saved in each stashed F (stage,
+        # micro), dropped with the stash (runtime/footprint.py)
         self.saved_bytes: dict[tuple[int, int], dict[int, int]] | None = None
         # the counters behind saved_bytes, until the B of their (stage, micro) (narrow_stash)
         self.saved_counters: dict[tuple[int, int], SavedTensorBytes] = {}
 
     @contextmanager
     def _timed(self, phase: str, s: int) -> Iterator[None]:
-        """Record the block's seconds under (phase, stage) while timing is on."""
         if self.times is None:
             yield
             return
@@ -115,12 +190,11 @@ class StageCompute:
             self.stash[(s, b)] = Stashed(in_leaves, outputs=parts.tensors)
             return parts, None
 
-    def _forward_checkpointed(
-        self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-        in_leaves: list[torch.Tensor], loss_fn: LossFn,
-    ) -> tuple[wire.Split | None, torch.Tensor | None]:
-        """``F s b`` of a checkpointed stage: no graph; it keeps the inputs and generators, and
-        on the last stage the loss's own graph."""
+    def _forward_checkpointed(self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                              in_leaves: list[torch.Tensor], loss_fn: LossFn,
+                              ) -> tuple[wire.Split | None, torch.Tensor | None]:
+        """``F s b`` of a checkpointed stage: no graph; it keeps the inputs and generators, and on
+        the last stage the loss's own graph."""
         replay = Replay.take(args, kwargs, self.devices[s])
         with self._saved(s, b, held=[t for t, _ in replay.versions]):
             with torch.no_grad(), self.forward_context():
@@ -139,7 +213,7 @@ class StageCompute:
             return None, loss.detach()
 
     @contextmanager
-    def _saved(self, s: int, b: int, held: Sequence[Any] = ()) -> Iterator[None]:
+    def _saved(self, s: int, b: int, held: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         """When recording, count what autograd saves in ``F s b`` (weights and buffers excluded)
         plus ``held``, kept besides. A checkpointed stage's recompute records again: from then
         to W the stash holds the recomputed graph."""
@@ -149,20 +223,19 @@ class StageCompute:
         with SavedTensorBytes(exclude=weight_storages(self.stages[s])) as counter:
             yield
         for t in held:
-            if isinstance(t, torch.Tensor):
-                counter.count(t)
+            counter.count(t)
         self.saved_bytes[(s, b)] = counter.storages
         self.saved_counters[(s, b)] = counter
 
     def narrow_stash(self, s: int, b: int) -> None:
-        """After a split ``B s b`` (``OpRules.narrows_stash``): until ``W s b`` the record of
-        (s, b) is what it really holds, :func:`~.footprint.held_until_w` (B dropped the graph's
-        roots, e.g. the loss's nodes)."""
+        """After a split ``B s b`` (``OpRules.narrows_stash``): until ``W s b`` the record of (s, b)
+        is what it really holds, :func:`~.footprint.held_until_w` (B dropped the graph's roots,
+        e.g. the loss's nodes)."""
         counter = self.saved_counters.pop((s, b), None)
         if self.saved_bytes is None or counter is None:
             return
-        self.saved_bytes[(s, b)] = held_until_w(counter,
-                                                self.pending_weights[(s, b)].held_tensors())
+        held = [t for part in self.pending_weights[(s, b)] for t in part.held_tensors()]
+        self.saved_bytes[(s, b)] = held_until_w(counter, held)
 
     def live_activation_bytes(self) -> int:
         """Bytes saved by the forwards whose stash is still held (see :attr:`saved_bytes`)."""
@@ -191,9 +264,7 @@ class StageCompute:
     def backward(self, s: int, b: int, out_grads: Sequence[Any] | None,
                  split: bool = False) -> list[Any]:
         """Run ``B s b``; returns the gradients of the stage's input tensors (None where none).
-
-        ``split``: input gradients only; the weight gradients wait for :meth:`weight`.
-        """
+        ``split``: input gradients only; the weight gradients wait for :meth:`weight`."""
         with self._timed("B", s):
             stashed = self.stash.pop((s, b))
             loss_weights = None
@@ -206,7 +277,7 @@ class StageCompute:
                 input_grads, pending = backward_input(roots, grads, stashed.inputs,
                                                       self._weight_params(s))
                 self.pending_weights[(s, b)] = (
-                    pending if loss_weights is None else ChainedWeightGrad(loss_weights, pending))
+                    [pending] if loss_weights is None else [loss_weights, pending])
                 return list(input_grads)  # the record ends at narrow_stash
             if roots:
                 torch.autograd.backward(roots, grads)
@@ -222,23 +293,24 @@ class StageCompute:
                 f"W s{s} b{b} without a split B s{s} b{b} before it on this rank; the programs "
                 "are not from this planner.")
         with self._timed("W", s):
-            pending.run()
+            for part in pending:
+                part.run()
 
     def _weight_params(self, s: int) -> list[torch.Tensor]:
-        """The parameters a split backward of stage ``s`` accumulates: the stage's, and on the
-        last stage also :attr:`loss_params` (what ``loss.backward()`` would reach)."""
+        """The parameters a split backward of stage ``s`` accumulates: the stage's, and on the last
+        stage also :attr:`loss_params` (what ``loss.backward()`` would reach)."""
         if s != self.last or not self.loss_params:
             return self.params[s]
         return list(dict.fromkeys([*self.params[s], *self.loss_params]))
 
     def _roots(self, s: int, b: int, stashed: Stashed, out_grads: Sequence[Any] | None,
                split: bool) -> tuple[list[torch.Tensor], list[Any] | None]:
-        """Where ``B s b`` starts: tensors and their gradients (None: the loss, a gradient of
-        ones). A checkpointed stage's forward runs again here (:mod:`.recompute`)."""
+        """Where ``B s b`` starts: tensors and their gradients (None: the loss, a gradient of ones).
+        A checkpointed stage's forward runs again here."""
         replay, loss = stashed.replay, stashed.loss
         if replay is not None:  # out_grads: on the last stage, the leaves' (see backward)
             replay.check_inputs(s, b)
-            with replay.rng.restored(), torch.enable_grad(), self._saved(s, b), \
+            with replay.rng_restored(), torch.enable_grad(), self._saved(s, b), \
                     self.forward_context():
                 output = self.stages[s](*replay.args, **replay.kwargs)
             outputs = wire.split(output, what=f"output of stage {s}").tensors

@@ -1,8 +1,8 @@
 """Bounded waits and the errors a rank raises when it fails or a peer does.
 
 A distributed step must never hang: every blocking wait of the runtime goes through
-:meth:`Waiter.wait`, which waits at most ``timeout`` seconds (one ``work.wait(timeout=...)``:
-gloo's point-to-point work cannot be polled) and turns a timeout or a lost connection into a
+:meth:`Waiter.wait`, at most ``timeout`` seconds (one ``work.wait(timeout=...)``: gloo's
+point-to-point work cannot be polled), turning a timeout or a lost connection into a
 :class:`RuntimeFault` naming this rank, its action, the awaited message and the first failure any
 rank reported. A failing rank destroys its groups, so its peers' waits fail at once with a lost
 connection; a rank that hangs is caught by its peers' timeouts.
@@ -22,10 +22,9 @@ _GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 
 def is_timeout(exc: BaseException | None) -> bool:
-    """Whether a backend error (None: a wait that returned unfinished) is a timeout rather than
-    a lost connection (only the latter waits for the peer's notice, ``LOST_PEER_GRACE_S``)."""
-    text = "" if exc is None else str(exc).lower()
-    return exc is None or "timed out" in text or "timeout" in text
+    """Whether a backend error (None: a wait that returned unfinished) is a timeout rather than a
+    lost connection (only the latter waits for the peer's notice, ``LOST_PEER_GRACE_S``)."""
+    return exc is None or "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
 
 
 def short_reason(exc: BaseException) -> str:
@@ -42,9 +41,8 @@ class Waiter:
     """Waits on communication handles with a deadline; builds the fault messages. ``where``
     returns the current position, e.g. ``"'F s1 b0' (action 3)"``."""
 
-    def __init__(
-        self, rank: int, channels: Channels, timeout: float, where: Callable[[], str]
-    ) -> None:
+    def __init__(self, rank: int, channels: Channels, timeout: float,
+                 where: Callable[[], str]) -> None:
         self.rank = rank
         self.channels = channels
         self.timeout = float(timeout)
@@ -61,30 +59,22 @@ class Waiter:
             raise self.fault(what, None, time.monotonic() - start)
 
     def fault(self, what: str, exc: BaseException | None, elapsed: float) -> RuntimeFault:
-        timed_out = is_timeout(exc)
         where = f"at {self.where()} waiting for {what}"
-        if timed_out or exc is None:  # (is_timeout(None) is True)
+        if is_timeout(exc) or exc is None:  # (is_timeout(None) is True)
             message = (f"rank {self.rank} timed out {where}: nothing arrived within "
                        f"{self.timeout:g} s")
+            first = self.channels.first_fault(0.0)
         else:
-            message = (
-                f"rank {self.rank} stopped {where}: lost the connection to a peer after "
-                f"{elapsed:.1f} s ({short_reason(exc)})"
-            )
-        fault = RuntimeFault(message + self.root_cause(0.0 if timed_out else LOST_PEER_GRACE_S))
+            message = (f"rank {self.rank} stopped {where}: lost the connection to a peer after "
+                       f"{elapsed:.1f} s ({short_reason(exc)})")
+            first = self.channels.first_fault(LOST_PEER_GRACE_S)
+        if not first:
+            cause = (". No rank reported a failure: a peer is stuck, died, or runs different "
+                     "programs (every rank must plan the same schedule, stages and microbatches); "
+                     "raise timeout= if a peer is only slower")
+        else:  # the job's first failure, unless it is this rank's own
+            own = first.startswith(f"rank {self.rank} ")
+            cause = "" if own else f". First failure reported in the job: {first}"
+        fault = RuntimeFault(message + cause)
         fault.headline = message  # what peers quote as the root cause
         return fault
-
-    def root_cause(self, grace: float = 0.0) -> str:
-        """What to add to this rank's message: the job's first failure if another rank recorded
-        it (waiting ``grace`` s for one)."""
-        first = self.channels.first_fault(grace)
-        if first and not first.startswith(f"rank {self.rank} "):
-            return f". First failure reported in the job: {first}"
-        if first:
-            return ""
-        return (
-            ". No rank reported a failure: a peer is stuck, died, or runs different programs "
-            "(every rank must plan the same schedule, stages and microbatches); raise timeout= "
-            "if a peer is only slower"
-        )

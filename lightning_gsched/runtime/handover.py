@@ -4,9 +4,7 @@ An optimizer loop expects ``loss.backward()`` semantics: gradients *added* to wh
 holds, when the loop calls backward. The schedule computes them earlier (Lightning runs
 ``training_step``, then ``zero_grad``, then ``backward``), so :class:`GradStash` takes them out of
 the parameters right after the schedule, restores what they held before, and adds them back,
-scaled, in :meth:`GradStash.hand_over` (Fabric hands over right after the step). Which parameters
-get which gradients: :mod:`.ownership`. The global norm counts every parameter once (on its
-primary rank), then one all-reduce gives every rank the whole model's norm.
+scaled, in :meth:`GradStash.hand_over`. Which parameters get which gradients: :mod:`.ownership`.
 """
 
 from __future__ import annotations
@@ -42,17 +40,15 @@ class GradStash:
         # (where each parameter's gradient is in the flat, the flat, its FlatGrads: None for extras)
         self.held: list[tuple[FlatLayout, torch.Tensor, FlatGrads | None]] = []
         self._saved: dict[int, torch.Tensor | None] = {}
-        # flats whose views the last hand_over gave the parameters, recycled once zero_grad
-        # dropped every view
+        # flats whose views the last hand_over gave the parameters, recycled once zero_grad dropped
+        # every view
         self._given: list[tuple[torch.Tensor, FlatGrads]] = []
 
     def before_step(self, drop_previous: bool = False) -> None:
         """Set aside gradients an accumulation window holds; extras start from None.
-
         ``drop_previous``: the caller's loop zeroes the gradients before this step's are handed
         over (Lightning at the start of an accumulation window), so last step's are dropped and
-        their buffers recycled now, instead of a second gradient buffer living through the step.
-        """
+        their buffers recycled now, instead of a second gradient buffer living through the step."""
         if drop_previous:
             for p in self.ownership.owned:
                 p.grad = None
@@ -109,7 +105,8 @@ class GradStash:
         self.held = []
 
     def global_norm(self, params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-        """Norm of all gradients of the model, each parameter counted once over all ranks."""
+        """Norm of all gradients of the model: each parameter counted once, on its primary rank,
+        then one all-reduce gives every rank the whole model's norm."""
         wanted = {id(p) for p in params}
         mine = [p.grad for p in self.ownership.primary if id(p) in wanted and p.grad is not None]
         device = self.source.device
@@ -135,8 +132,7 @@ class GradStash:
             raise RuntimeError(  # the same on every rank: the norm was all-reduced
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
             if p.grad is not None:

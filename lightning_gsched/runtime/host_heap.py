@@ -1,14 +1,12 @@
 """Give the C heap's free pages back to the OS at step boundaries (CPU, glibc).
 
-On CPU a rank's tensors live in the process's C heap, and glibc keeps most of what a step frees:
-its dynamic mmap threshold makes blocks up to the last freed mmap'd size (up to 32 MiB) come from
-the heap, whose freed pages stay resident, so the process's peak exceeds its live tensors by a
-varying amount (docs/benchmarks.md). ``malloc_trim(0)`` at the start of a step returns the free
-pages without changing the allocator's policy (``mallopt(M_MMAP_THRESHOLD)`` would also return
-memory inside a step, at a far higher cost; ``MALLOC_MMAP_THRESHOLD_`` sets it for users who want
-it). The trim costs a sizeable share of a small model's step, so the runtime trims every step
-only where memory is the constraint (``ModelRuntime.release_heap_each_step``); the one trim after
-the stage buffers are built always runs. GPU tensors and other C libraries: a no-op.
+On CPU glibc keeps most of what a step frees: its dynamic mmap threshold makes blocks up to the
+last freed mmap'd size (up to 32 MiB) come from the heap, whose freed pages stay resident, so the
+process's peak exceeds its live tensors by a varying amount (docs/benchmarks.md).
+``malloc_trim(0)`` returns the free pages without changing the allocator's policy
+(``mallopt(M_MMAP_THRESHOLD)`` would also return memory inside a step, at a far higher cost). The
+trim costs a sizeable share of a small model's step, so the runtime trims every step only where
+memory is the constraint (``ModelRuntime.release_heap_each_step``). Elsewhere a no-op.
 """
 
 from __future__ import annotations
@@ -38,8 +36,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_free_heap(device: torch.device) -> bool:
-    """Return the C heap's free pages to the OS when ``device``'s tensors live there (CPU).
-    True when memory was released."""
+    """Return the C heap's free pages to the OS when ``device``'s tensors live there (CPU); True
+    when memory was released."""
     if device.type != "cpu":
         return False
     trim = _malloc_trim()

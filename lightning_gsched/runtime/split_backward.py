@@ -4,31 +4,29 @@ Zero-bubble schedules (``zb-h1``, ``zb-h2``, ``zbv``; Qi et al., "Zero Bubble Pi
 Parallelism") run ``B s b`` as soon as the next stage's gradient arrives, since the previous stage
 waits for it, and ``W s b`` where the worker would otherwise idle. Autograd has no "weights later"
 mode, so this module cuts one backward in two over the same graph, without recomputing the
-forward, after ``torch.distributed.pipelining._backward`` (differences below).
+forward, after ``torch.distributed.pipelining._backward``.
 
-Terms, on the autograd graph below the roots (the stage's outputs, or its loss):
-
-* I, the *input closure*: the nodes from which an input's AccumulateGrad node is reachable.
-  Every parent of a node of I is in I.
-* O, the *weight side*: the nodes outside I from which a parameter's AccumulateGrad node is
-  reachable. Nothing below a node of O is in I (it would then reach an input itself).
-* *intermediates*: the nodes of I with a child in O (e.g. a Linear's ``AddmmBackward``, whose
-  children are the layer input (I) and the weight's ``TBackward`` and the bias (O)).
+Terms, on the autograd graph below the roots (the stage's outputs, or its loss): I, the *input
+closure*, the nodes from which an input's AccumulateGrad node is reachable (every parent of a node
+of I is in I); O, the *weight side*, the nodes outside I from which a parameter's AccumulateGrad
+node is reachable (nothing below a node of O is in I: it would then reach an input itself);
+*intermediates*, the nodes of I with a child in O (e.g. a Linear's ``AddmmBackward``: the layer
+input is in I, the weight's ``TBackward`` and the bias in O).
 
 **B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``:
 autograd executes exactly the nodes of I, each only towards I, so no weight-gradient product is
 computed and no ``.grad`` touched. A pre-hook on every intermediate records the gradient arriving
-at it, which is complete since all its parents are in I.
+at it, complete since all its parents are in I.
 
 **W** (:meth:`PendingWeightGrad.run`): (1) each intermediate runs again, alone, from its recorded
 gradient, with its O children as the ``autograd.grad`` targets, so only its outputs towards O are
-computed; a post-hook reads them and hands nothing on. One engine call per intermediate, because
-from an upper intermediate the input side below it leads to the lower intermediates' weights, so
-one call from all of them would run B again. (2) One ``torch.autograd.backward`` from the O
-children with the read outputs summed per edge, plus the roots outside I (outputs computed from
-parameters alone, or every root when no input needs a gradient), with ``inputs=params``.
-Parameters accumulate through their AccumulateGrad nodes, once each: ``.grad`` views of a flat
-buffer receive the sum in place and post-accumulate hooks fire once (:mod:`.buckets` relies on it).
+computed; a post-hook reads them and hands nothing on. One engine call per intermediate: from an
+upper intermediate the input side leads to the lower intermediates' weights, so one call from all
+would run B again. (2) One ``torch.autograd.backward`` from the O children with the read outputs
+summed per edge, plus the roots outside I (outputs computed from parameters alone, or every root
+when no input needs a gradient), with ``inputs=params``. Parameters accumulate through their
+AccumulateGrad nodes, once each: ``.grad`` views of a flat buffer receive the sum in place and
+post-accumulate hooks fire once (:mod:`.buckets` relies on it).
 
 Nothing counts twice: B executed only nodes of I, phase 1 only the intermediates' edges towards O,
 phase 2 only nodes of O; a root outside I was not executed in B and nothing below it is in I.
@@ -40,15 +38,10 @@ same values. Phase 2 sums the terms reaching an O edge in the ordinary order (ro
 intermediates in B's order); only an O node receiving three or more terms, from intermediates and
 other O nodes, may add them in another order: float rounding, not a different value.
 
-Cost: B is the ordinary backward minus its weight products; W the weight products plus the
-weight-only subgraph, with one engine call per intermediate and the graph's saved tensors and
-recorded gradients alive from B to W. When an intermediate's O child is also reachable through its
-I children (a Linear applied twice), autograd also computes its input-side output (discarded).
-
-Unlike ``torch.distributed.pipelining``: roots outside I feed W; an intermediate reachable from
-another is not counted twice; W does not re-run the input side; parameters accumulate through
-AccumulateGrad (in place, hooks fire); the graph is released after W. Only the given parameters
-receive gradients: another leaf reachable from the roots gets none.
+Cost: B is the ordinary backward minus its weight products, W the weight products plus the
+weight-only subgraph; saved tensors and recorded gradients live from B to W. An intermediate's O
+child also reachable through its I children (a Linear applied twice) has its input-side output
+computed and discarded. Only the given parameters receive gradients.
 """
 
 from __future__ import annotations
@@ -56,7 +49,6 @@ from __future__ import annotations
 import functools
 import operator
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -65,27 +57,19 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from lightning_gsched.errors import RuntimeConfigError
 
 EdgeKey = tuple[Node, int]  # (node, index of its gradient input), as in ``next_functions``
-
-
-@dataclass(slots=True)
-class _Intermediate:
-    """A node of I with children in O, the gradient B recorded at it, and its O edges."""
-
-    node: Node
-    grads: tuple[torch.Tensor | None, ...]
-    weight_edges: list[tuple[int, EdgeKey]]  # (output index of node, the edge it feeds)
+# a node of I with children in O, the gradient B recorded at it, and its O edges as
+# (output index of the node, the edge it feeds)
+_Intermediate = tuple[Node, tuple[torch.Tensor | None, ...], list[tuple[int, EdgeKey]]]
+_Work = tuple[list[_Intermediate], list[tuple[EdgeKey, torch.Tensor]], list[torch.Tensor]]
 
 
 class PendingWeightGrad:
     """What ``W s b`` needs from ``B s b``: the intermediates with their recorded gradients, the
-    roots outside I with theirs, and the parameters. These keep the forward's saved tensors
-    alive until :meth:`run`, which accumulates them, once, and drops them first."""
+    roots outside I with theirs, and the parameters. These keep the forward's saved tensors alive
+    until :meth:`run`, which accumulates them, once, and drops them first."""
 
-    def __init__(self, intermediates: list[_Intermediate],
-                 root_edges: list[tuple[EdgeKey, torch.Tensor]],
-                 params: list[torch.Tensor]) -> None:
-        self._work: tuple[list[_Intermediate], list[tuple[EdgeKey, torch.Tensor]],
-                          list[torch.Tensor]] | None = (intermediates, root_edges, params)
+    def __init__(self, work: _Work) -> None:
+        self._work: _Work | None = work
 
     @property
     def done(self) -> bool:
@@ -98,7 +82,7 @@ class PendingWeightGrad:
         if self._work is None:
             return []
         intermediates, root_edges, _ = self._work
-        return [*(g for item in intermediates for g in item.grads if g is not None),
+        return [*(g for _, grads, _ in intermediates for g in grads if g is not None),
                 *(g for _, g in root_edges)]
 
     def run(self) -> None:
@@ -115,11 +99,10 @@ class PendingWeightGrad:
         queue = deque(intermediates)  # in B's execution order (see Exactness)
         intermediates.clear()
         while queue:  # each recorded gradient is dropped once used
-            item = queue.popleft()
-            outputs = _weight_outputs(item)
-            for index, key in item.weight_edges:
-                output = outputs[index]
-                if output is not None:
+            node, recorded, weight_edges = queue.popleft()
+            outputs = _weight_outputs(node, recorded, weight_edges)
+            for index, key in weight_edges:
+                if (output := outputs[index]) is not None:
                     arriving.setdefault(key, []).append(output)
         if not arriving:  # nothing reached a parameter (all None, or no parameter needs one)
             return
@@ -129,13 +112,11 @@ class PendingWeightGrad:
         torch.autograd.backward(edges, grad_tensors=sums, inputs=params)
 
 
-def _weight_outputs(item: _Intermediate) -> tuple[torch.Tensor | None, ...]:
-    """Phase 1: run one intermediate from its recorded gradient for its outputs towards O.
-
-    The post-hook keeps the outputs and hands nothing on. The pre-hook puts back exactly what B
-    recorded, in case tensor hooks on the node's outputs would change the fed gradient again.
-    """
-    node, recorded = item.node, item.grads
+def _weight_outputs(node: Node, recorded: tuple[torch.Tensor | None, ...],
+                    weight_edges: list[tuple[int, EdgeKey]]) -> tuple[torch.Tensor | None, ...]:
+    """Phase 1: run one intermediate from its recorded gradient for its outputs towards O. The
+    post-hook keeps them and hands nothing on; the pre-hook puts back exactly what B recorded, in
+    case tensor hooks on the node's outputs would change the fed gradient again."""
     outputs: list[tuple[torch.Tensor | None, ...]] = []
 
     def replay(_arriving: tuple[Any, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -146,11 +127,10 @@ def _weight_outputs(item: _Intermediate) -> tuple[torch.Tensor | None, ...]:
         return tuple(None for _ in grad_inputs)
 
     given = [(GradientEdge(node, i), g) for i, g in enumerate(recorded) if g is not None]
-    targets = [GradientEdge(n, nr) for n, nr in dict.fromkeys(key for _, key in item.weight_edges)]
+    targets = [GradientEdge(n, nr) for n, nr in dict.fromkeys(key for _, key in weight_edges)]
     handles = [node.register_prehook(replay), node.register_hook(keep)]
     try:
-        torch.autograd.grad([edge for edge, _ in given], targets,
-                            grad_outputs=[g for _, g in given],
+        torch.autograd.grad([e for e, _ in given], targets, grad_outputs=[g for _, g in given],
                             retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
@@ -158,18 +138,14 @@ def _weight_outputs(item: _Intermediate) -> tuple[torch.Tensor | None, ...]:
     return outputs[0] if outputs else (None,) * len(node.next_functions)
 
 
-def backward_input(
-    roots: Sequence[torch.Tensor],
-    root_grads: Sequence[torch.Tensor | None] | None,
-    inputs: Sequence[Any],
-    params: Iterable[torch.Tensor],
-) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
-    """B: the gradients of ``inputs`` (None where none), and the work W has left.
+def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None] | None,
+                   inputs: Sequence[Any], params: Iterable[torch.Tensor],
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
+    """B: the gradients of ``inputs`` (leaves; None where none), and the work W has left.
 
-    ``roots``: the stage's output tensors with ``root_grads`` their gradients (None: skipped),
-    or ``[loss]`` with ``root_grads=None`` (a gradient of ones). ``inputs``: the stage's inputs,
-    leaves. ``params``: those requiring grad receive gradients in :meth:`PendingWeightGrad.run`;
-    B leaves every ``.grad`` untouched.
+    ``roots``: the stage's output tensors with ``root_grads`` their gradients (None: skipped), or
+    ``[loss]`` with ``root_grads=None`` (a gradient of ones). ``params`` requiring grad receive
+    gradients in :meth:`PendingWeightGrad.run`; B leaves every ``.grad`` untouched.
     """
     params = list(dict.fromkeys(p for p in params if p.requires_grad))
     wanted = _input_leaves(inputs)
@@ -204,13 +180,13 @@ def backward_input(
             for handle in handles:
                 handle.remove()
         input_grads = {id(t): g for t, g in zip(wanted, grads, strict=True)}
-    pending = PendingWeightGrad(
-        [_Intermediate(node, arrived, intermediates[node]) for node, arrived in recorded.items()
+    pending = PendingWeightGrad((
+        [(node, arrived, intermediates[node]) for node, arrived in recorded.items()
          if any(g is not None for g in arrived)],  # all None: nothing reached it, nothing to add
         # roots outside I: never executed in B and nothing below them is in I (see docstring)
         [(key, g) for key, g in root_edges if key[0] in weight_side],
         [p for node, p in param_nodes.items() if node in weight_side],
-    )
+    ))
     return [input_grads.get(id(t)) for t in inputs], pending
 
 
@@ -238,20 +214,14 @@ def _roots_with_grads(roots: Sequence[torch.Tensor],
             raise RuntimeConfigError(
                 f"{len(grads)} root gradients for {len(roots)} roots; give one per root (None "
                 "for an output that received no gradient).")
-    pairs = []
     for i, (r, g) in enumerate(zip(roots, grads, strict=True)):
-        if g is None:
-            continue
-        if not r.requires_grad:
-            if needs_weights:
-                raise RuntimeConfigError(
-                    f"root {i} (shape {tuple(r.shape)}) was given a gradient but does not "
-                    "require grad, so no parameter can get a gradient through it (computed under "
-                    "torch.no_grad() or detached?); pass only roots that require grad, or None as "
-                    "the gradient of an output that needs none.")
-            continue
-        pairs.append((r, g))
-    return pairs
+        if g is not None and not r.requires_grad and needs_weights:
+            raise RuntimeConfigError(
+                f"root {i} (shape {tuple(r.shape)}) was given a gradient but does not "
+                "require grad, so no parameter can get a gradient through it (computed under "
+                "torch.no_grad() or detached?); pass only roots that require grad, or None as "
+                "the gradient of an output that needs none.")
+    return [(r, g) for r, g in zip(roots, grads, strict=True) if g is not None and r.requires_grad]
 
 
 def _input_leaves(inputs: Sequence[Any]) -> list[torch.Tensor]:

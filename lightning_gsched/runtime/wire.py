@@ -3,17 +3,14 @@
 A stage boundary carries an arbitrary pytree (tensors, ints from ``x.size()``, ``torch.Size``,
 ``None``, nested containers) whose shapes may change between steps. :mod:`.transport` sends its
 tensors as they are and the *spec* (structure, per tensor shape, dtype, ``requires_grad``) only
-when the receiver cannot know it. So a pytree is taken apart into
-
-* a *structure*: a hashable description with every tensor replaced by its index. Tensors and
-  tuples, lists and dicts of them and of plain values are walked directly (a few microseconds,
-  comparable by ``==`` with last step's); anything else (named tuples, dataclasses, model-output
-  objects) is pickled once, tensors found by the pickler itself (``persistent_id``);
-* its distinct tensors, in a fixed order. A tensor appearing twice is sent once and comes back as
-  one object, which keeps aliasing (and gradient accumulation on it) identical on both sides; the
-  order lets the backward pair the i-th output tensor with the i-th gradient it receives.
-
-Pickled structures and specs come from ranks of the same job and are trusted like a checkpoint.
+when the receiver cannot know it. So a pytree is taken apart into a *structure*, a hashable
+description with every tensor replaced by its index (tensors and tuples, lists and dicts of them
+and of plain values are walked directly: a few microseconds, comparable by ``==`` with last
+step's; anything else is pickled once, tensors found by the pickler's ``persistent_id``), and its
+distinct tensors in a fixed order. A tensor appearing twice is sent once and comes back as one
+object, which keeps aliasing (and gradient accumulation on it) identical on both sides; the order
+lets the backward pair the i-th output tensor with the i-th gradient it receives. Pickled
+structures and specs come from ranks of the same job and are trusted like a checkpoint.
 """
 
 from __future__ import annotations
@@ -69,19 +66,16 @@ _Node = tuple[Any, ...]
 
 
 class _Walker:
-    """Direct walk of tensors / tuples / lists / dicts / plain values into a nested tuple.
-
-    Node forms: ``("t", i)`` tensor i; ``("v", type, value)`` a plain value (the type keeps
-    ``1``, ``1.0`` and ``True`` apart); ``("tuple" | "list", children)``; ``("dict", keys,
-    children)``. Only exact built-in container types are walked (a subclass may carry more).
-    """
+    """Direct walk of tensors / tuples / lists / dicts / plain values into a nested tuple:
+    ``("t", i)`` tensor i; ``("v", type, value)`` a plain value (the type keeps ``1``, ``1.0`` and
+    ``True`` apart); ``("tuple" | "list", children)``; ``("dict", keys, children)``. Only exact
+    built-in container types are walked (a subclass may carry more)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}
 
     def index_of(self, t: torch.Tensor) -> int:
-        """``t``'s index among the distinct tensors found so far (appended if new)."""
         key = id(t)
         if key not in self.index:
             self.index[key] = len(self.tensors)
@@ -149,8 +143,6 @@ def detached_leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
-# ---------------------------------------------------------------------- specs
-
 TensorSpec = tuple[torch.Size, torch.dtype, bool]  # shape, dtype, requires_grad
 
 
@@ -174,12 +166,11 @@ class Spec:
 
 
 def spec_of(parts: Split) -> Spec:
-    return Spec(parts.structure,
-                tuple((t.shape, t.dtype, t.requires_grad) for t in parts.tensors))
+    return Spec(parts.structure, tuple((t.shape, t.dtype, t.requires_grad) for t in parts.tensors))
 
 
 def encode_spec(spec: Spec) -> bytes:
-    """The describe path's metadata: the pickled spec."""
+    """The described path's metadata: the pickled spec."""
     return pickle.dumps((spec.structure, spec.tensors), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -189,8 +180,7 @@ def decode_spec(meta: bytes) -> Spec:
 
 
 def wire_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The tensor as it goes on the wire: detached, on ``device``, contiguous (copied only if
-    needed)."""
+    """The tensor as it goes on the wire: detached, on ``device``, contiguous (copied if needed)."""
     data = t.detach()
     if data.device != device:
         data = data.to(device)
@@ -205,8 +195,8 @@ def empty_like_spec(spec: Spec, device: torch.device) -> list[torch.Tensor]:
 def received(spec: Spec, buffers: Sequence[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
     """The pytree a receiver gets from filled ``buffers``: fresh leaves requiring grad as the
     sender's tensors did, joined into the structure."""
-    leaves = [buf.requires_grad_(flag) for buf, (_, _, flag) in zip(buffers, spec.tensors,
-                                                                     strict=True)]
+    leaves = [buf.requires_grad_(flag)
+              for buf, (_, _, flag) in zip(buffers, spec.tensors, strict=True)]
     return join(spec.structure, leaves), leaves
 
 
