@@ -1,6 +1,5 @@
 """The planner's bisections over simulations (``run(caps)``: ``symmetry.make_simulator``): the
-smallest cap a schedule completes under, and ``cap="auto"``.
-"""
+smallest cap a schedule completes under, and ``cap="auto"``."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ def search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> i
 
 def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None]
               ) -> Timeline | None:
-    """The timeline under ``caps``, or None when the schedule cannot complete under them."""
     try:
         return run(caps)
     except CapTooSmallError:

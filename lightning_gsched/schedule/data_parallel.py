@@ -1,8 +1,5 @@
-"""Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
-
-A schedule (placement ``w(s, b, d)``, priority ``n(s, b, d)``, a cap per worker) is lifted to G
-replicas by one renaming (:class:`~.replicas.ReplicaLayout`): microbatch ``b`` runs on replica
-``g = b mod G`` as its microbatch ``m = b // G``.
+"""Data parallelism as a placement: G replicas of any P-worker schedule, one renaming: microbatch
+``b`` runs as ``m = b // G`` on replica ``g = b mod G`` (:class:`~.replicas.ReplicaLayout`).
 
 - placement: compute on ``rank(w_P(s, m, d).compute, g)``. Replicated, the weights too: a stage's G
   owners are joined by the lowering's all-reduce after each one's last weight-gradient job of it.
@@ -12,12 +9,12 @@ replicas by one renaming (:class:`~.replicas.ReplicaLayout`): microbatch ``b`` r
 - priority: ``n(s, b, d) = n_P(s, b // G, d)``; cap: ``cap[rank(p, g)] = cap_P[p]``.
 
 Why exact: a job's predecessors and successors are jobs of its microbatch, so on its replica's
-ranks; every rank runs one replica's jobs in the P-worker priorities' order under an
+ranks, and every rank runs one replica's jobs in the P-worker priorities' order under an
 order-preserving renaming of microbatches (``m -> g + G*m``). So each replica's timeline is the
 P-worker schedule's, renamed, and each rank stashes what its position stashes; only weights cross
-replicas (the lowering adds them). :mod:`.symmetry` plans one replica and renames it (tests compare
-with the full simulation). The looped family is this lift with replica-contiguous ranks: lpp is G
-replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
+replicas. :mod:`.symmetry` plans one replica and renames it (tests compare with the full
+simulation). The looped family is this lift with replica-contiguous ranks: lpp is G replicas of an
+R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
 """
 
 from __future__ import annotations
@@ -54,9 +51,8 @@ def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
     if G > 1 and schedule in ALREADY_DATA_PARALLEL:
         raise ScheduleConfigError(
             f"schedule {schedule!r} is data parallel over all W ranks already, so "
-            f"data_parallel_size={G} has nothing to compose with; use "
-            f"data_parallel_size=1, or a pipeline schedule that takes it: "
-            f"{', '.join(takes_data_parallel())}")
+            f"data_parallel_size={G} has nothing to compose with; use data_parallel_size=1, or a "
+            f"pipeline schedule that takes it: {', '.join(takes_data_parallel())}")
     if mode == "shard" and G == 1:
         raise ScheduleConfigError(
             "data_parallel='shard' shards each stage over the data-parallel replicas, and "
@@ -67,11 +63,10 @@ def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
 def pipeline_size(workers: int, replicas: int) -> int:
     """P = W / G, or a :class:`ScheduleConfigError` naming the divisors of W."""
     if workers % replicas:
-        divisors = [d for d in range(1, workers + 1) if workers % d == 0]
         raise ScheduleConfigError(
-            f"data_parallel_size={replicas} does not divide the W={workers} workers (num_nodes "
-            f"x devices); each replica runs the schedule on W / data_parallel_size workers. "
-            f"Choose data_parallel_size among {divisors}")
+            f"data_parallel_size={replicas} does not divide the W={workers} workers (num_nodes x "
+            f"devices); each replica runs the schedule on W / data_parallel_size workers. Choose "
+            f"data_parallel_size among {[d for d in range(1, workers + 1) if workers % d == 0]}")
     return workers // replicas
 
 

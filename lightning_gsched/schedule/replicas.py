@@ -1,11 +1,9 @@
 """Where the G replicas of a P-worker schedule sit among the W = P x G ranks: the one renaming
 (position ``p``, replica ``g``) -> rank that the planner, the lowering and the engine agree on.
-
-- ``pipeline_major=True`` (the default): ``rank = p * G + g``, as torchtitan's ``["pp", "dp"]``
-  mesh: a stage's column (its G ranks) is contiguous, so its gradient all-reduce or sharded weight
-  fetches stay inside a node, and only the pipeline's messages cross nodes.
-- ``pipeline_major=False``: ``rank = g * P + p``, a replica contiguous, as the looped family
-  (lpp, fslpp, ddp, fsdp) numbers its groups (``LPP.h(s, b) = R * (b mod G) + s mod R``).
+Pipeline-major (the default), ``rank = p * G + g`` as torchtitan's ``["pp", "dp"]`` mesh: a stage's
+G ranks are contiguous, so its gradient all-reduce or weight fetches stay inside a node and only the
+pipeline's messages cross nodes. Else ``rank = g * P + p``, a replica contiguous, as the looped
+family (lpp, fslpp, ddp, fsdp) numbers its groups (``LPP.h(s, b) = R * (b mod G) + s mod R``).
 """
 
 from __future__ import annotations
@@ -23,11 +21,9 @@ class ReplicaLayout:
     def workers(self) -> int:
         return self.pipeline * self.replicas
 
-    def rank(self, position: int, replica: int) -> int:
-        """The rank of ``position`` (a worker of the P-worker schedule) in ``replica``."""
-        if self.pipeline_major:
-            return position * self.replicas + replica
-        return replica * self.pipeline + position
+    def rank(self, position: int, replica: int) -> int:  # position: a P-worker schedule's worker
+        major = self.pipeline_major
+        return position * self.replicas + replica if major else replica * self.pipeline + position
 
     def position(self, rank: int) -> int:  # the rank's worker in the P-worker schedule
         return rank // self.replicas if self.pipeline_major else rank % self.pipeline

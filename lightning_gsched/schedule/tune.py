@@ -2,12 +2,11 @@
 within a memory budget.
 
 Every candidate (:func:`candidates`, plus smaller caps: :func:`cap_choices`) is an ordinary plan the
-runtime would execute unchanged, so its predictions are the real run's. B per replica takes P, 2P
-and 4P (P = W / G), so a step's microbatch counts and sizes are the same at every G and one profile,
-measured at one microbatch size, serves them all; at another size, stashes and messages scale
-linearly with the rows, compute times affinely (each job's ``fixed_share``: dispatch, autograd
-set-up, stays). Left out unless G is fixed, as searched under another name: G = W (W one-worker
-replicas are ddp or fsdp) and lpp with G > 1 (itself replicas of an R-deep loop).
+runtime would execute unchanged. B per replica takes P, 2P and 4P (P = W / G), so a step's
+microbatch counts and sizes are the same at every G and one profile serves them all; at another
+microbatch size than the profile's, stashes and messages scale linearly with the rows, compute times
+affinely (each job's ``fixed_share``, dispatch and autograd set-up, stays). Left out unless G is
+fixed, as searched under another name: G = W (ddp or fsdp) and lpp with G > 1 (replicas of a loop).
 
 Why bounded: costing a candidate replays every rank's program, at the first batch while all ranks
 wait, and there are hundreds. So a branch and bound ranks exactly the ``top`` fastest that fit,
@@ -49,9 +48,8 @@ _SLACK = 1e-9  # relative: a bound and a replay summing the same seconds in anot
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration: what ``plan()`` is asked for. ``micro``: B per replica; ``replicas``: G;
-    ``rows``: rows of one microbatch (the global batch / (B x G)); ``cap``: a uniform activation
-    cap per worker, None for the schedule's default."""
+    """What ``plan()`` is asked for. ``micro``: B per replica; ``replicas``: G; ``rows``: one
+    microbatch's rows (global batch / (B x G)); ``cap``: uniform per worker, None: the default."""
 
     schedule: str
     stages: int
@@ -95,8 +93,7 @@ def microbatch_counts(workers: int, global_rows: int, micro: int | None = None,
     G = replicas
     if micro is not None:
         return [micro] if G == 1 or global_rows % (micro * G) == 0 else []
-    counts = [T for T in dict.fromkeys((workers, 2 * workers, 4 * workers))
-              if global_rows % T == 0]
+    counts = [T for T in dict.fromkeys((workers, 2 * workers, 4 * workers)) if global_rows % T == 0]
     if not counts:
         counts = [T for T in _divisors(global_rows) if T <= workers and T % G == 0][-1:]
     return [T // G for T in counts]
@@ -112,9 +109,8 @@ def most_microbatches(workers: int, global_rows: int, micro: int | None = None,
 
 
 def _Rs(name: str, pipeline: int, R: int | None) -> list[int | None]:
-    """The R values of a schedule on a P-worker replica: the user's (None where R is no
-    parameter), else the default and the divisors of P strictly between 1 and P (R = 1 and R = P
-    are ddp's and gpipe's placements); none other where the default is one group of all P."""
+    """The user's R (None where R is no parameter), else the default on P workers and, unless it
+    is P (one group), the divisors of P strictly between 1 and P (1, P: ddp, gpipe placements)."""
     default_R = get_schedule(name).default_R
     if R is not None or default_R is None:
         return [R]
@@ -151,12 +147,11 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
             # refused by plan(), or searched already (module docstring)
             skip = name in ALREADY_DATA_PARALLEL or (name == "lpp" and replicas is None)
             modes: Sequence[str] = ["replicate"] if G == 1 else [] if skip else MODES
-            for mode in modes:
-                for r in _Rs(name, workers // G, R):
-                    default_s = _default_stages(name, workers, r, G, mode)
-                    Ss = [stages] if stages is not None else [default_s, 2 * default_s]
-                    out += [Candidate(name, S, B, r, ckpt, global_rows // (B * G), None, G, mode)
-                            for S, B, ckpt in itertools.product(Ss, micros, checkpoint)]
+            for mode, r in itertools.product(modes, _Rs(name, workers // G, R)):
+                default_s = _default_stages(name, workers, r, G, mode)
+                Ss = [stages] if stages is not None else [default_s, 2 * default_s]
+                out += [Candidate(name, S, B, r, ckpt, global_rows // (B * G), None, G, mode)
+                        for S, B, ckpt in itertools.product(Ss, micros, checkpoint)]
     return out
 
 
@@ -190,8 +185,7 @@ class Verdict:
 
 def candidate_costs(candidate: Candidate, profile: StageProfile
                     ) -> tuple[list[float], list[float], list[float] | None]:
-    """The per-stage (forward, backward, weight) seconds scaled to the candidate's rows; weight
-    None unless its schedule splits the backward."""
+    """Per-stage (forward, backward, weight) seconds at the candidate's rows (weight: if split)."""
     f = candidate.rows / profile.rows
     fixed_f, fixed_b = profile.fixed_share or ((0.0,) * profile.stages,) * 2
 
@@ -237,9 +231,8 @@ def cap_choices(default: Plan) -> list[int]:
     """Smaller uniform caps worth trying, trading bubble for activation memory: half the default
     plan's peak stash count (off its timeline), and one microbatch in flight per worker, below
     which nothing completes (a worker computing k stages of a microbatch holds k stashes)."""
-    timeline = default.timeline
+    timeline, ones = default.timeline, [1] * default.stages
     release = Phase.W if Phase.W in timeline.phases else Phase.B
-    ones = [1] * default.stages
     peak = max((_peak_stash(order, default, ones, release) for order in timeline.order),
                default=0)
     chunk = max(Counter(row[0] for row in default.table.compute).values(), default=1)
@@ -316,18 +309,14 @@ def _peak_stash(order: Sequence[int], planned: Plan, held_bytes: Sequence[int],
     phases = planned.timeline.phases
     per_stage = len(phases) * planned.timeline.micro
     step = [1 if phase is Phase.F else -1 if phase is release else 0 for phase in phases]
-    held = peak = 0
-    for i in order:
-        held += step[i % len(phases)] * held_bytes[i // per_stage]
-        peak = max(peak, held)
-    return peak
+    deltas = (step[i % len(phases)] * held_bytes[i // per_stage] for i in order)
+    return max(itertools.accumulate(deltas, initial=0))
 
 
 @dataclass
 class TuneResult:
-    """Every verdict: the timed ones, fastest fitting first; then those over the budget only
-    sized; those the search's bounds skipped; those the planner refused. ``top``: the fitting
-    rows ranked exactly (None: every candidate costed)."""
+    """Every verdict: the timed, fastest fitting first; then the sized only, the skipped by a bound,
+    the refused by the planner. ``top``: the fitting rows ranked exactly (None: all costed)."""
 
     verdicts: list[Verdict]
     budget: int | None
@@ -390,9 +379,8 @@ def _kth(times: list[float], k: int | None) -> float:
 
 @dataclass(order=True)
 class _Entry:
-    """A candidate in the search: its lower bound (the heap's key), its plan once made, the
-    programs of the caps costed for its configuration; set aside over the budget, its peak (None:
-    only bounded) and the least peak known (its peak or bytes bound)."""
+    """A candidate in the search: its bound (the heap's key), plan once made, the programs of its
+    configuration's costed caps; set aside over budget, its peak (None: bounded) and least peak."""
 
     bound: float
     order: int
@@ -441,9 +429,8 @@ class _BoundedSearch:
         self._time_fastest_over()
 
     def _plan(self, entry: _Entry) -> None:
-        """Plan the candidate: refused, it is dropped (a smaller cap silently: its default's
-        verdict stands for the configuration); over the budget by its bytes bound, set aside;
-        else back in the heap with its plan's bound, which its smaller caps join it with."""
+        """Refused, drop it (a smaller cap silently: its default's verdict stands); over budget by
+        its bytes bound, set it aside; else back in the heap at its plan's bound, its caps too."""
         c = entry.candidate
         try:
             entry.planned = plan_candidate(c, entry.profile, self.workers)
@@ -519,10 +506,9 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
          schedules: Sequence[str] | None = None, checkpoint: Sequence[bool] = (False, True), *,
          stages: int | None = None, micro: int | None = None, R: int | None = None,
          replicas: int | None = None, top: int | None = TOP) -> TuneResult:
-    """Rank the candidates by predicted step time (module docstring). ``profile_of(S)``: the
-    model measured at S stages (called once per S, rising; its GschedError drops the candidates
-    with that S). ``stages``, ``micro`` (B per replica), ``R``, ``replicas`` (G): fixed values.
-    Raises :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached."""
+    """Rank the candidates by predicted step time. ``profile_of(S)``: the model measured at S
+    stages (called once per S, rising; its GschedError drops the candidates with that S). Raises
+    :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached."""
     if top is not None and top < 1:
         raise ScheduleConfigError(f"top={top!r} must be a positive int (or None: every "
                                   "candidate costed), e.g. top=10")
