@@ -10,6 +10,8 @@ from lightning_gsched.errors import CapTooSmallError
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.simulate import Timeline
 
+Run = Callable[[list[int | None]], Timeline]  # a simulation under per-worker caps
+
 
 def _most_jobs_per_worker(table: PlacementTable) -> int:
     """An upper end for a cap search: no worker stashes more than it computes (at least 1)."""
@@ -41,23 +43,20 @@ def search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> i
     return smallest_passing(guess + 1, high, ok)
 
 
-def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None]
-              ) -> Timeline | None:
+def _simulate(run: Run, caps: list[int | None]) -> Timeline | None:
     try:
         return run(caps)
     except CapTooSmallError:
         return None
 
 
-def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
-                          table: PlacementTable) -> int:
+def smallest_feasible_cap(run: Run, table: PlacementTable) -> int:
     """The smallest uniform cap with which the greedy schedule completes."""
     return smallest_passing(1, _most_jobs_per_worker(table),
                             lambda c: _simulate(run, [c] * table.workers) is not None)
 
 
-def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
-                      table: PlacementTable) -> tuple[list[int | None], Timeline]:
+def auto_cap_timeline(run: Run, table: PlacementTable) -> tuple[list[int | None], Timeline]:
     """The smallest uniform cap whose latency equals the uncapped latency, and its timeline."""
     W = table.workers
     target = run([None] * W).latency

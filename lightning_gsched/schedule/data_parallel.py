@@ -80,12 +80,12 @@ class DataParallel(LibraryPlacement):
     owners: tuple[int, ...] | None = None  # shard: each stage's owning rank; None: replicate
 
     @property
-    def hold_fetched_for_step(self) -> bool:
-        """Sharded: a fetched stage is held from its first job of the step to its last; and a
-        stage's one owner makes its row of weights workers constant in the microbatch."""
+    def shard(self) -> bool:
+        """Sharded: one owner per stage (so its row of weights workers is constant in the
+        microbatch), and a fetched stage is held from its first job of the step to its last."""
         return self.owners is not None
 
-    weights_constant_in_micro = hold_fetched_for_step
+    hold_fetched_for_step = weights_constant_in_micro = shard
 
     @property
     def reserves_stash(self) -> bool:  # the P-worker schedule's cap rule (reserve.py), lifted

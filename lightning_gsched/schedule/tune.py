@@ -415,10 +415,9 @@ class _BoundedSearch:
         while self.heap:
             entry = heapq.heappop(self.heap)
             if entry.bound > (limit := _kth(self.fit_times, self.top)):
-                for e in [entry, *self.heap]:
-                    self.uncosted.append(Verdict(
-                        e.candidate, reason=f"step >= {e.bound * 1e3:.2f} ms (its bound) > "
-                        f"{limit * 1e3:.2f} ms", skipped=True))
+                self.uncosted += [Verdict(e.candidate, reason=f"step >= {e.bound * 1e3:.2f} ms "
+                                          f"(its bound) > {limit * 1e3:.2f} ms", skipped=True)
+                                  for e in [entry, *self.heap]]
                 self.heap = []
             elif entry.planned is None:
                 self._plan(entry)
@@ -446,8 +445,7 @@ class _BoundedSearch:
         else:
             self.push(entry)
         if c.cap is None:
-            for cap in cap_choices(entry.planned):
-                capped = dataclasses.replace(c, cap=cap)
+            for capped in (dataclasses.replace(c, cap=cap) for cap in cap_choices(entry.planned)):
                 self.push(_Entry(entry.bound, 0, capped, entry.profile, None, entry.family))
 
     def _cost(self, entry: _Entry) -> None:
@@ -468,8 +466,7 @@ class _BoundedSearch:
     def _record(self, v: Verdict) -> None:
         assert v.step_time is not None
         self.costed.append(v)
-        key = _distinct_key(v)
-        if key not in self.keys:
+        if (key := _distinct_key(v)) not in self.keys:
             self.keys.add(key)
             bisect.insort(self.fit_times if v.fits else self.over_times, v.step_time)
 
@@ -523,12 +520,10 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
         except GschedError as exc:
             cannot[S] = f"cannot cut {S} stages: {str(exc).splitlines()[0]}"
     search = _BoundedSearch(workers, costs, budget, top)
+    search.uncosted += [Verdict(c, reason=cannot[c.stages]) for c in space if c.stages in cannot]
     for c in space:
-        if c.stages in cannot:
-            search.uncosted.append(Verdict(c, reason=cannot[c.stages]))
-        else:
-            bound = work_bound(c, profiles[c.stages], workers, costs)
-            search.push(_Entry(bound, 0, c, profiles[c.stages]))
+        if (p := profiles.get(c.stages)) is not None:
+            search.push(_Entry(work_bound(c, p, workers, costs), 0, c, p))
     search.run()
     # fewer microbatches first, so that a row predicted like a better-ranked one is dropped
     first: dict[tuple[object, ...], Verdict] = {}
