@@ -1,8 +1,5 @@
-"""The planner's search for caps: the smallest cap a schedule completes under, and ``cap="auto"``.
-
-Both bisect over simulations (``run(caps)``: ``symmetry.make_simulator``); :func:`.plan.plan`
-asks for them where a cap is ``"auto"`` or a schedule's default cap cannot complete.
-"""
+"""The planner's bisections over simulations (``run(caps)``: ``symmetry.make_simulator``): the
+smallest cap a schedule completes under, and ``cap="auto"``."""
 
 from __future__ import annotations
 
@@ -12,6 +9,8 @@ from typing import Callable
 from lightning_gsched.errors import CapTooSmallError
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.simulate import Timeline
+
+Run = Callable[[list[int | None]], Timeline]  # a simulation under per-worker caps
 
 
 def _most_jobs_per_worker(table: PlacementTable) -> int:
@@ -31,10 +30,9 @@ def smallest_passing(low: int, high: int, ok: Callable[[int], bool]) -> int:
 
 
 def search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> int:
-    """:func:`smallest_passing`'s answer (the same, ``ok`` being monotone), trying ``guess`` and
-    ``guess - 1`` first: the answer is often exactly W (1F1B-like orders stash at most W
-    microbatch-stages per worker), so two simulations usually settle what a bisection takes
-    log2(B*S/W) for."""
+    """:func:`smallest_passing`'s answer, trying ``guess`` and ``guess - 1`` first: it is often
+    exactly W (1F1B-like orders stash at most W microbatch-stages per worker), so two simulations
+    usually settle what a bisection takes log2(B*S/W) for."""
     guess = min(max(guess, low), high)
     if guess == high:
         return smallest_passing(low, high, ok)
@@ -45,29 +43,24 @@ def search_from(low: int, high: int, ok: Callable[[int], bool], guess: int) -> i
     return smallest_passing(guess + 1, high, ok)
 
 
-def _simulate(run: Callable[[list[int | None]], Timeline], caps: list[int | None]
-              ) -> Timeline | None:
-    """The timeline under ``caps``, or None when the schedule cannot complete under them."""
+def _simulate(run: Run, caps: list[int | None]) -> Timeline | None:
     try:
         return run(caps)
     except CapTooSmallError:
         return None
 
 
-def smallest_feasible_cap(run: Callable[[list[int | None]], Timeline],
-                          table: PlacementTable) -> int:
+def smallest_feasible_cap(run: Run, table: PlacementTable) -> int:
     """The smallest uniform cap with which the greedy schedule completes."""
     return smallest_passing(1, _most_jobs_per_worker(table),
-                   lambda c: _simulate(run, [c] * table.workers) is not None)
+                            lambda c: _simulate(run, [c] * table.workers) is not None)
 
 
-def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
-                      table: PlacementTable) -> tuple[list[int | None], Timeline]:
-    """The smallest uniform cap whose latency equals the uncapped latency, and its timeline (the
-    bisection's last cap that kept the latency, so not simulated again)."""
+def auto_cap_timeline(run: Run, table: PlacementTable) -> tuple[list[int | None], Timeline]:
+    """The smallest uniform cap whose latency equals the uncapped latency, and its timeline."""
     W = table.workers
     target = run([None] * W).latency
-    kept: dict[int, Timeline] = {}  # the last cap that kept the latency, and its timeline
+    kept: dict[int, Timeline] = {}  # the last cap that kept the latency: not simulated again
 
     def keeps_latency(c: int) -> bool:
         timeline = _simulate(run, [c] * W)
@@ -78,5 +71,4 @@ def auto_cap_timeline(run: Callable[[list[int | None]], Timeline],
         return True
 
     cap = search_from(1, _most_jobs_per_worker(table), keeps_latency, guess=W)
-    timeline = kept[cap] if cap in kept else run([cap] * W)  # the upper end, never tried
-    return [cap] * W, timeline
+    return [cap] * W, kept.get(cap) or run([cap] * W)  # the upper end may be untried

@@ -1,29 +1,25 @@
-"""Data parallelism as a placement: G replicas of any P-worker schedule, by one combinator.
+"""Data parallelism as a placement: G replicas of any P-worker schedule, one renaming: microbatch
+``b`` runs as ``m = b // G`` on replica ``g = b mod G`` (:class:`~.replicas.ReplicaLayout`).
 
-A schedule is a placement ``w(s, b, d)``, a priority ``n(s, b, d)`` and a cap per worker; G replicas
-of a P-worker schedule lift all three by one renaming (:class:`~.replicas.ReplicaLayout`).
-Microbatch ``b`` runs on replica ``g = b mod G`` as its microbatch ``m = b // G``:
-
-- placement: compute on ``rank(w_P(s, m, d).compute, g)``. Replicated, the weights too, so a
-  stage has G owners, joined by the lowering's replica all-reduce after each owner's last
-  weight-gradient job of the stage. Sharded (the P-worker schedule owns each stage once), the
-  stages position ``o`` owns are dealt round robin over its column, whose other ranks fetch a
-  stage, hold it for the step (torchtitan's ``reshard_after_forward=False`` under a pipeline)
-  and reduce its gradient to the owner once;
+- placement: compute on ``rank(w_P(s, m, d).compute, g)``. Replicated, the weights too: a stage's G
+  owners are joined by the lowering's all-reduce after each one's last weight-gradient job of it.
+  Sharded (the P-worker schedule owns each stage once), position ``o``'s stages are dealt round
+  robin over its column, whose other ranks fetch a stage, hold it for the step (torchtitan's
+  ``reshard_after_forward=False`` under a pipeline) and reduce its gradient to the owner once;
 - priority: ``n(s, b, d) = n_P(s, b // G, d)``; cap: ``cap[rank(p, g)] = cap_P[p]``.
 
-Why it is exact: a job's predecessors and successors are jobs of its microbatch, so they run on its
-replica's ranks; every rank runs one replica's jobs, in the P-worker priorities' order under an
-order-preserving renaming of microbatches (``m -> g + G*m``). So every replica's timeline is the
+Why exact: a job's predecessors and successors are jobs of its microbatch, so on its replica's
+ranks, and every rank runs one replica's jobs in the P-worker priorities' order under an
+order-preserving renaming of microbatches (``m -> g + G*m``). So each replica's timeline is the
 P-worker schedule's, renamed, and each rank stashes what its position stashes; only weights cross
-replicas, added by the lowering. :mod:`.symmetry` plans one replica and renames it (tests compare
-that with the full simulation). The looped family is this lift with replica-contiguous ranks: lpp is
-G replicas of an R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
+replicas. :mod:`.symmetry` plans one replica and renames it (tests compare with the full
+simulation). The looped family is this lift with replica-contiguous ranks: lpp is G replicas of an
+R-worker loop, fslpp its sharded form, ddp and fsdp of one worker.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import itertools
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -46,8 +42,7 @@ def takes_data_parallel() -> list[str]:
 
 
 def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
-    """What can be said without W: G a positive int, the mode known, and a schedule that is
-    not data parallel over every rank already. ``schedule`` is None for a custom placement."""
+    """What can be said without W. ``schedule`` is None for a custom placement."""
     G = validate.positive_int("data_parallel_size", size, "2")
     if not isinstance(mode, str) or mode not in MODES:
         raise validate.invalid(
@@ -56,9 +51,8 @@ def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
     if G > 1 and schedule in ALREADY_DATA_PARALLEL:
         raise ScheduleConfigError(
             f"schedule {schedule!r} is data parallel over all W ranks already, so "
-            f"data_parallel_size={G} has nothing to compose with; use "
-            f"data_parallel_size=1, or a pipeline schedule that takes it: "
-            f"{', '.join(takes_data_parallel())}")
+            f"data_parallel_size={G} has nothing to compose with; use data_parallel_size=1, or a "
+            f"pipeline schedule that takes it: {', '.join(takes_data_parallel())}")
     if mode == "shard" and G == 1:
         raise ScheduleConfigError(
             "data_parallel='shard' shards each stage over the data-parallel replicas, and "
@@ -69,11 +63,10 @@ def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
 def pipeline_size(workers: int, replicas: int) -> int:
     """P = W / G, or a :class:`ScheduleConfigError` naming the divisors of W."""
     if workers % replicas:
-        divisors = [d for d in range(1, workers + 1) if workers % d == 0]
         raise ScheduleConfigError(
-            f"data_parallel_size={replicas} does not divide the W={workers} workers (num_nodes "
-            f"x devices); each replica runs the schedule on W / data_parallel_size workers. "
-            f"Choose data_parallel_size among {divisors}")
+            f"data_parallel_size={replicas} does not divide the W={workers} workers (num_nodes x "
+            f"devices); each replica runs the schedule on W / data_parallel_size workers. Choose "
+            f"data_parallel_size among {[d for d in range(1, workers + 1) if workers % d == 0]}")
     return workers // replicas
 
 
@@ -99,12 +92,11 @@ class DataParallel(LibraryPlacement):
         return bool(getattr(self.inner, "reserves_stash", False))
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        layout = self.layout
-        replica, m = micro % layout.replicas, micro // layout.replicas
+        replica, m = micro % self.layout.replicas, micro // self.layout.replicas
         weights, compute = self.inner(stage, m, phase)
         if self.owners is not None:
-            return self.owners[stage], layout.rank(compute, replica)
-        return layout.rank(weights, replica), layout.rank(compute, replica)
+            return self.owners[stage], self.layout.rank(compute, replica)
+        return self.layout.rank(weights, replica), self.layout.rank(compute, replica)
 
     def _inner_library(self) -> LibraryPlacement | None:
         return self.inner if isinstance(self.inner, LibraryPlacement) else None
@@ -145,12 +137,9 @@ def lift(inner: PlacementFn, layout: ReplicaLayout, stages: int, micro_per_repli
             f"but stage {s} has {len(table.owners[s])} owners in the {layout.pipeline}-worker "
             "schedule (lpp replicates its stages over its groups): use data_parallel="
             "'replicate', or fslpp (lpp with each stage owned once)")
-    dealt: Counter[int] = Counter()  # stages dealt so far per position
-    owners: list[int] = []
-    for (position,) in table.owners:
-        owners.append(layout.rank(position, dealt[position] % layout.replicas))
-        dealt[position] += 1
-    return DataParallel(inner, layout, tuple(owners))
+    dealt = {p: itertools.count() for (p,) in table.owners}  # numbers each position's stages
+    owners = tuple(layout.rank(p, next(dealt[p]) % layout.replicas) for (p,) in table.owners)
+    return DataParallel(inner, layout, owners)
 
 
 class LiftedPriority:
@@ -168,9 +157,9 @@ class LiftedPriority:
 
 
 def lift_priority(priority: PriorityFn, replicas: int) -> PriorityFn:
-    """The lifted priority of a P-worker ``priority``. A library order (bfs, gpipe, 1f1b, zb) is
-    returned as is: its microbatch loops are monotone in b, so on every rank (microbatches
-    ``g + G*m``) it orders jobs as ``n_P(s, m, d)`` does, and the fast paths keep its layout."""
+    """A library order (bfs, gpipe, 1f1b, zb) is returned as is: its microbatch loops are
+    monotone in b, so on every rank (microbatches ``g + G*m``) it orders jobs as ``n_P(s, m, d)``
+    does, and the fast paths keep its layout."""
     if replicas == 1 or layout_of(priority) is not None:
         return priority
     if isinstance(priority, InterleavedOrder):

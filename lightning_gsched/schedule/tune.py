@@ -1,26 +1,22 @@
-"""The tuner: which schedule, data-parallel G and mode, S, B, R, cap and checkpointing is
-fastest within a memory budget.
+"""The tuner: which schedule, data-parallel G and mode, S, B, R, cap and checkpointing is fastest
+within a memory budget.
 
-Every candidate (:mod:`.tune_space`, plus smaller uniform caps: :func:`cap_choices`) is an ordinary
-plan whose programs the runtime would execute unchanged, so its predicted step time
-(``predict_step_time`` with the runtime's costs) and bytes per rank (``predict_memory``) are those
-of the real run. A profile (:class:`StageProfile`) is measured at one microbatch size; at another,
-stashes and messages scale linearly with the rows (weights, gradients and optimizer state do not)
-and compute times affinely: each job's ``fixed_share`` (per-op dispatch, autograd set-up) stays, the
-rest scales (linear alone is optimistic for smaller microbatches).
+Every candidate (:func:`candidates`, plus smaller caps: :func:`cap_choices`) is an ordinary plan the
+runtime would execute unchanged. B per replica takes P, 2P and 4P (P = W / G), so a step's
+microbatch counts and sizes are the same at every G and one profile serves them all; at another
+microbatch size than the profile's, stashes and messages scale linearly with the rows, compute times
+affinely (each job's ``fixed_share``, dispatch and autograd set-up, stays). Left out unless G is
+fixed, as searched under another name: G = W (ddp or fsdp) and lpp with G > 1 (replicas of a loop).
 
-Why bounded: the space holds hundreds of candidates, costing one replays every rank's program and
-walks its bytes, and the search runs at the first batch on rank 0 while the others wait. So it ranks
-exactly the ``top`` fastest candidates that fit (branch and bound), taking candidates lowest lower
-bound first: the bound grows from the work (:func:`work_bound`) to the plan's own latency once
-planned (:func:`plan_bound`), a plan whose bytes bound (:func:`memory_bound`) exceeds the budget is
-set aside, and only then is a candidate sized and, when it fits, timed. Once the lowest bound left
-exceeds the ``top``-th fastest fitting step time, nothing left can enter the table, so its rows and
-pick are those of costing every candidate (tests compare). A smaller cap enters with its default-cap
-plan's bound, as a cap only holds jobs back; one whose programs equal an already costed cap's is
-dropped. Over the budget, only the fastest :data:`OVER_ROWS` are timed (the table's "what more
-memory would buy" rows); when nothing fits, the candidates set aside are sized, smallest bound
-first, until the smallest peak is known (the error names it).
+Why bounded: costing a candidate replays every rank's program, at the first batch while all ranks
+wait, and there are hundreds. So a branch and bound ranks exactly the ``top`` fastest that fit,
+lowest lower bound first: :func:`work_bound`, then :func:`plan_bound` once planned; a plan over the
+budget by :func:`memory_bound` is set aside; only then is a candidate sized and, fitting, timed.
+Once the lowest bound left exceeds the ``top``-th fastest fitting time, nothing left can enter the
+table, so rows and pick equal costing every candidate (tests compare). A smaller cap enters with
+its default-cap plan's bound (a cap only holds jobs back), and is dropped if its programs equal a
+costed cap's. Over the budget only the :data:`OVER_ROWS` fastest are timed; when nothing fits, those
+set aside are sized, smallest bound first, until the smallest peak is known (the error names it).
 """
 
 from __future__ import annotations
@@ -28,24 +24,22 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
+from lightning_gsched.schedule.data_parallel import ALREADY_DATA_PARALLEL, MODES, pipeline_size
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.jobs import Phase
-from lightning_gsched.schedule.library import get_schedule
+from lightning_gsched.schedule.library import LIBRARY, get_schedule
 from lightning_gsched.schedule.memory import ModelSizes, predict_memory
-from lightning_gsched.schedule.plan import Plan, plan_arguments
+from lightning_gsched.schedule.plan import Plan, plan_arguments, resolve_arguments
 from lightning_gsched.schedule.predict import predict_step_time
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 from lightning_gsched.schedule.simulate import Costs
-from lightning_gsched.schedule.tune_space import Candidate as Candidate
-from lightning_gsched.schedule.tune_space import candidates as candidates
-from lightning_gsched.schedule.tune_space import microbatch_counts as microbatch_counts
-from lightning_gsched.schedule.tune_space import most_microbatches as most_microbatches
 
 TOP = 10  # the fitting candidates ranked exactly by default (the startup table's rows)
 OVER_ROWS = 3  # the fastest candidates over the budget whose step time the table shows
@@ -53,10 +47,119 @@ _SLACK = 1e-9  # relative: a bound and a replay summing the same seconds in anot
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """What ``plan()`` is asked for. ``micro``: B per replica; ``replicas``: G; ``rows``: one
+    microbatch's rows (global batch / (B x G)); ``cap``: uniform per worker, None: the default."""
+
+    schedule: str
+    stages: int
+    micro: int
+    R: int | None
+    checkpoint: bool
+    rows: int
+    cap: int | None = None
+    replicas: int = 1
+    mode: str = "replicate"
+
+    @property
+    def step_micro(self) -> int:  # microbatches one step cuts the global batch into: B x G
+        return self.micro * self.replicas
+
+    def shape_text(self) -> str:
+        """Schedule, S, B, R, cap and checkpointing (the table's candidate column)."""
+        r = f" R={self.R}" if self.R is not None else ""
+        cap = f" cap={self.cap}" if self.cap is not None else ""
+        return (f"{self.schedule} S={self.stages} B={self.micro}{r}{cap}"
+                + (" ckpt" if self.checkpoint else ""))
+
+    def text(self) -> str:  # the whole configuration: shape_text, then G and the mode
+        return self.shape_text() + (f" G={self.replicas} {self.mode}" if self.replicas > 1 else "")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def replica_counts(workers: int, fixed: int | None = None) -> list[int]:
+    """The G values searched: each divisor of W below W (1 when W = 1), or the user's ``fixed``."""
+    return [fixed] if fixed is not None else _divisors(workers)[:-1] or [1]
+
+
+def microbatch_counts(workers: int, global_rows: int, micro: int | None = None,
+                      replicas: int = 1) -> list[int]:
+    """The B values per replica searched at G = ``replicas``: those giving W, 2W and 4W
+    microbatches per step that divide the global batch, else the largest step count <= W that
+    divides it and that G divides; only the user's ``micro`` (when B x G divides the batch)."""
+    G = replicas
+    if micro is not None:
+        return [micro] if G == 1 or global_rows % (micro * G) == 0 else []
+    counts = [T for T in dict.fromkeys((workers, 2 * workers, 4 * workers)) if global_rows % T == 0]
+    if not counts:
+        counts = [T for T in _divisors(global_rows) if T <= workers and T % G == 0][-1:]
+    return [T // G for T in counts]
+
+
+def most_microbatches(workers: int, global_rows: int, micro: int | None = None,
+                      replicas: int | None = None) -> int:
+    """The most microbatches any candidate cuts a step into (B x G): the engine profiles a
+    microbatch of ``global_rows`` / that many rows, the smallest any candidate runs."""
+    steps = [B * G for G in replica_counts(workers, replicas)
+             for B in microbatch_counts(workers, global_rows, micro, G)]
+    return max(steps, default=micro or 1)
+
+
+def _Rs(name: str, pipeline: int, R: int | None) -> list[int | None]:
+    """The user's R (None where R is no parameter), else the default on P workers and, unless it
+    is P (one group), the divisors of P strictly between 1 and P (1, P: ddp, gpipe placements)."""
+    default_R = get_schedule(name).default_R
+    if R is not None or default_R is None:
+        return [R]
+    default = default_R(pipeline)
+    middle = [d for d in _divisors(pipeline) if 1 < d < pipeline]
+    return list(dict.fromkeys([default] + (middle if default < pipeline else [])))
+
+
+def _default_stages(name: str, workers: int, R: int | None, G: int, mode: str) -> int:
+    """``plan()``'s default S for this shape; for an R it refuses (the user's, not dividing P),
+    the P-worker default, so that the candidate's verdict names the reason."""
+    try:
+        return resolve_arguments(ScheduleArguments(
+            schedule=name, R=R, data_parallel_size=G, data_parallel=mode), workers)[0]
+    except GschedError:
+        return get_schedule(name).stages(workers // G, R or 1)
+
+
+def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None = None,
+               checkpoint: Sequence[bool] = (False, True), *, stages: int | None = None,
+               micro: int | None = None, R: int | None = None,
+               replicas: int | None = None) -> list[Candidate]:
+    """Every library schedule at every G in each mode it takes, with its R choices on P workers,
+    its default S for that shape and twice that, each B, checkpointing off and on; or the user's
+    ``stages``, ``micro``, ``R`` (only the looped schedules then), ``replicas``."""
+    if replicas is not None:
+        pipeline_size(workers, replicas)  # G divides W, or the error naming the divisors
+    out: list[Candidate] = []
+    for G in replica_counts(workers, replicas):
+        micros = microbatch_counts(workers, global_rows, micro, G)
+        for name in schedules or list(LIBRARY):
+            if R is not None and get_schedule(name).default_R is None:
+                continue
+            # refused by plan(), or searched already (module docstring)
+            skip = name in ALREADY_DATA_PARALLEL or (name == "lpp" and replicas is None)
+            modes: Sequence[str] = ["replicate"] if G == 1 else [] if skip else MODES
+            for mode, r in itertools.product(modes, _Rs(name, workers // G, R)):
+                default_s = _default_stages(name, workers, r, G, mode)
+                Ss = [stages] if stages is not None else [default_s, 2 * default_s]
+                out += [Candidate(name, S, B, r, ckpt, global_rows // (B * G), None, G, mode)
+                        for S, B, ckpt in itertools.product(Ss, micros, checkpoint)]
+    return out
+
+
+@dataclass(frozen=True)
 class StageProfile:
     """The model cut into ``stages`` stages, measured on one microbatch of ``rows`` rows: seconds
-    per stage (``backward`` the whole backward; ``split``: (B, W) measured with the zero-bubble
-    runtime's split backward, None to halve it) and bytes per stage (``sizes``)."""
+    and bytes per stage (``split``: B and W of the split backward, None to halve ``backward``;
+    ``fixed_share``: per stage, the share of (forward, backward) seconds not scaling with rows)."""
 
     stages: int
     rows: int
@@ -64,8 +167,6 @@ class StageProfile:
     backward: tuple[float, ...]
     sizes: ModelSizes
     split: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    # per stage, the share of (forward, backward) seconds that does not scale with the rows;
-    # the backward's share also applies to the split B and W
     fixed_share: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
@@ -84,8 +185,7 @@ class Verdict:
 
 def candidate_costs(candidate: Candidate, profile: StageProfile
                     ) -> tuple[list[float], list[float], list[float] | None]:
-    """The per-stage (forward, backward, weight) seconds ``plan()`` gets for ``candidate``, scaled
-    to its rows; B and W apart for a split-backward schedule (weight None otherwise)."""
+    """Per-stage (forward, backward, weight) seconds at the candidate's rows (weight: if split)."""
     f = candidate.rows / profile.rows
     fixed_f, fixed_b = profile.fixed_share or ((0.0,) * profile.stages,) * 2
 
@@ -99,7 +199,6 @@ def candidate_costs(candidate: Candidate, profile: StageProfile
 
 
 def _scaled_sizes(profile: StageProfile, rows: int) -> ModelSizes:
-    """The profile's sizes for microbatches of ``rows`` rows (module docstring)."""
     f = rows / profile.rows
     stages = tuple(dataclasses.replace(
         st, activations=int(st.activations * f), message=int(st.message * f),
@@ -109,7 +208,7 @@ def _scaled_sizes(profile: StageProfile, rows: int) -> ModelSizes:
 
 
 def candidate_arguments(candidate: Candidate, profile: StageProfile) -> ScheduleArguments:
-    """What a user would pass ``plan()`` for ``candidate``, plus the profile's seconds and tied
+    """What a user would pass ``plan()`` for ``candidate``, with the profile's seconds and tied
     weights: ``GeneralParallel("auto")`` trains its pick with these, as the tuner costed them."""
     c = candidate
     forward, backward, weight = candidate_costs(c, profile)
@@ -121,23 +220,19 @@ def candidate_arguments(candidate: Candidate, profile: StageProfile) -> Schedule
 
 
 def plan_candidate(candidate: Candidate, profile: StageProfile, workers: int) -> Plan:
-    """The candidate's plan with the profile's costs (raises the planner's GschedError)."""
     return plan_arguments(candidate_arguments(candidate, profile), workers)
 
 
 def _refused(candidate: Candidate, exc: GschedError) -> Verdict:
-    """The verdict on a candidate the planner refuses: the first line of its error."""
     return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
 
 
 def cap_choices(default: Plan) -> list[int]:
-    """Smaller uniform caps worth trying beside a schedule's default plan, trading bubble for
-    activation memory: half its peak stash count (read off the timeline: no program lowered),
-    and one microbatch in flight per worker, below which nothing completes (a worker computing k
-    stages of a microbatch holds k stashes when its last stage's backward starts)."""
-    timeline = default.timeline
+    """Smaller uniform caps worth trying, trading bubble for activation memory: half the default
+    plan's peak stash count (off its timeline), and one microbatch in flight per worker, below
+    which nothing completes (a worker computing k stages of a microbatch holds k stashes)."""
+    timeline, ones = default.timeline, [1] * default.stages
     release = Phase.W if Phase.W in timeline.phases else Phase.B
-    ones = [1] * default.stages
     peak = max((_peak_stash(order, default, ones, release) for order in timeline.order),
                default=0)
     chunk = max(Counter(row[0] for row in default.table.compute).values(), default=1)
@@ -145,21 +240,21 @@ def cap_choices(default: Plan) -> list[int]:
 
 
 def predict_peak(candidate: Candidate, profile: StageProfile, planned: Plan) -> int:
-    """The candidate's predicted peak bytes, the most of any rank."""
     sizes = _scaled_sizes(profile, candidate.rows)
     return max(m.peak for m in predict_memory(planned.programs, sizes, planned.checkpointed))
 
 
-def predict_time(candidate: Candidate, profile: StageProfile, planned: Plan,
-                 costs: RuntimeCosts) -> float:
-    """The candidate's predicted step time, messages at their bytes."""
-    sizes = _scaled_sizes(profile, candidate.rows)
-    return predict_step_time(planned, costs=costs, sizes=sizes).latency
-
-
 def _over_budget(peak: int, budget: int | None) -> str:
-    """Why a peak does not fit, or "" when it does."""
     return "" if budget is None or peak <= budget else f"peak {byte_text(peak)} > budget"
+
+
+def _timed(c: Candidate, profile: StageProfile, planned: Plan, costs: RuntimeCosts,
+           budget: int | None, peak: int | None = None) -> Verdict:
+    """The candidate's verdict: its peak (predicted unless given), then its step time."""
+    peak = predict_peak(c, profile, planned) if peak is None else peak
+    reason = _over_budget(peak, budget)
+    step = predict_step_time(planned, costs=costs, sizes=_scaled_sizes(profile, c.rows)).latency
+    return Verdict(c, step, peak, not reason, reason)
 
 
 def evaluate(candidate: Candidate, profile: StageProfile, workers: int, costs: RuntimeCosts,
@@ -169,40 +264,33 @@ def evaluate(candidate: Candidate, profile: StageProfile, workers: int, costs: R
         planned = plan_candidate(candidate, profile, workers)
     except GschedError as exc:
         return _refused(candidate, exc)
-    peak = predict_peak(candidate, profile, planned)
-    reason = _over_budget(peak, budget)
-    return Verdict(candidate, predict_time(candidate, profile, planned, costs), peak,
-                   not reason, reason)
+    return _timed(candidate, profile, planned, costs, budget)
 
 
 def work_bound(candidate: Candidate, profile: StageProfile, workers: int,
                costs: RuntimeCosts) -> float:
-    """A lower bound of the candidate's predicted step time, without planning it: the replay
-    charges every compute job its cost plus ``costs.job_cpu`` on its worker, keeps each
-    microbatch's chain (F of every stage, then B of every stage), adds ``costs.step_cpu``, and
-    every other charge only delays; so it lasts at least the mean worker's work or the chain."""
-    forward, backward, weight = candidate_costs(candidate, profile)
+    """A lower bound of the candidate's step time, unplanned: the replay charges every compute
+    job its cost plus ``costs.job_cpu`` on its worker, keeps each microbatch's chain (F of every
+    stage, then B of every stage), adds ``costs.step_cpu``, and every other charge only delays."""
     S, split = candidate.stages, get_schedule(candidate.schedule).split_backward
-    jobs = Costs.build(S, forward, backward, weight, split).with_recompute(
+    jobs = Costs.build(S, *candidate_costs(candidate, profile), split).with_recompute(
         [candidate.checkpoint] * S)
     per_micro = sum(jobs.forward) + sum(jobs.backward) + sum(jobs.weight)
-    phases = 3 if split else 2
-    total = candidate.step_micro * (per_micro + S * phases * costs.job_cpu)
+    total = candidate.step_micro * (per_micro + S * (3 if split else 2) * costs.job_cpu)
     chain = sum(jobs.forward) + sum(jobs.backward) + 2 * S * costs.job_cpu
     return max(total / workers, chain) + costs.step_cpu
 
 
 def plan_bound(planned: Plan, costs: RuntimeCosts) -> float:
-    """A lower bound of the plan's predicted step time: the replay keeps the plan's orders and
-    only adds non-negative charges to its (compute-only) latency, then ``costs.step_cpu``."""
+    """A lower bound of the plan's step time: the replay keeps its orders and only adds
+    non-negative charges to its compute-only latency, then ``costs.step_cpu``."""
     return planned.metrics.latency + costs.step_cpu
 
 
 def memory_bound(candidate: Candidate, profile: StageProfile, planned: Plan) -> int:
-    """A lower bound of the plan's predicted peak bytes from its owners and timeline, no program
-    walked: a rank holds its stages' weights, gradients and optimizer state all step, and at least
-    the smaller of a stage's two stash sizes (its inputs, checkpointed) from each ``F`` to its
-    ``B``, in its timeline's order, which is its program's."""
+    """A lower bound of the plan's peak bytes, no program walked: a rank holds its stages'
+    weights, gradients and optimizer state all step, and at least the smaller of a stage's two
+    stash sizes (its inputs, checkpointed) from each ``F`` to its ``B`` in its timeline's order."""
     sizes = _scaled_sizes(profile, candidate.rows).stages
     held = [0] * planned.workers
     for stage, owners in zip(sizes, planned.programs.owners, strict=True):
@@ -221,18 +309,14 @@ def _peak_stash(order: Sequence[int], planned: Plan, held_bytes: Sequence[int],
     phases = planned.timeline.phases
     per_stage = len(phases) * planned.timeline.micro
     step = [1 if phase is Phase.F else -1 if phase is release else 0 for phase in phases]
-    held = peak = 0
-    for i in order:
-        held += step[i % len(phases)] * held_bytes[i // per_stage]
-        peak = max(peak, held)
-    return peak
+    deltas = (step[i % len(phases)] * held_bytes[i // per_stage] for i in order)
+    return max(itertools.accumulate(deltas, initial=0))
 
 
 @dataclass
 class TuneResult:
-    """Every verdict: the timed ones, fastest fitting first; then those over the budget only
-    sized; those the search's bounds skipped; those the planner refused. ``top``: the fitting
-    rows ranked exactly (None: every candidate costed)."""
+    """Every verdict: the timed, fastest fitting first; then the sized only, the skipped by a bound,
+    the refused by the planner. ``top``: the fitting rows ranked exactly (None: all costed)."""
 
     verdicts: list[Verdict]
     budget: int | None
@@ -246,7 +330,7 @@ class TuneResult:
         return next((v for v in self.verdicts if v.fits), None)
 
     def table(self, limit: int = 20) -> str:
-        """The ranked table `gsched tune` prints (G and the data-parallel mode per row)."""
+        """The ranked table `gsched tune` prints."""
         row = "{:>4}  {:<34} {:>2}  {:<9} {:>10}  {:>10}  {}".format
         lines = [f"gsched tune: W={self.workers}, global batch {self.global_rows} rows, budget "
                  + (byte_text(self.budget) if self.budget is not None else "none"),
@@ -267,11 +351,9 @@ class TuneResult:
             lines.append(f"over the budget: {len(over) + len(sized)} candidates sized"
                          + (f", {len(sized)} of them not timed (slower than those shown, by "
                             "their bounds)" if sized else ""))
-        skipped = [v for v in self.verdicts if v.skipped]
-        for group, what in (
-                ([v for v in skipped if not v.reason.endswith("budget")],
-                 f"slower than the {self.top} fastest that fit"),
-                ([v for v in skipped if v.reason.endswith("budget")], "over the budget")):
+        for mem, what in ((False, f"slower than the {self.top} fastest that fit"),
+                          (True, "over the budget")):
+            group = [v for v in self.verdicts if v.skipped and v.reason.endswith("budget") == mem]
             if group:
                 lines.append(f"not costed: {len(group)} {what} by their lower bounds (e.g. "
                              f"{group[0].candidate.text()}: {group[0].reason})")
@@ -281,8 +363,7 @@ class TuneResult:
             lines.append(f"dropped before costing: {len(invalid)} (e.g. "
                          f"{invalid[0].candidate.text()}: {invalid[0].reason})")
         best = self.best
-        lines.append("pick: " + (best.candidate.text() if best is not None else "nothing fits"))
-        return "\n".join(lines)
+        return "\n".join([*lines, "pick: " + (best.candidate.text() if best else "nothing fits")])
 
 
 def _distinct_key(v: Verdict) -> tuple[object, ...]:
@@ -291,11 +372,15 @@ def _distinct_key(v: Verdict) -> tuple[object, ...]:
     return dataclasses.replace(v.candidate, micro=0, rows=0), v.step_time, v.peak
 
 
+def _kth(times: list[float], k: int | None) -> float:
+    """A candidate with a larger bound cannot enter the ``k`` fastest of sorted ``times``."""
+    return float("inf") if k is None or len(times) < k else times[k - 1] * (1 + _SLACK)
+
+
 @dataclass(order=True)
 class _Entry:
-    """A candidate in the search: its lower bound (the heap's key), its plan once made, the
-    programs of the caps costed for its configuration; set aside over the budget, its peak (None:
-    only bounded) and the least peak known (its peak or bytes bound)."""
+    """A candidate in the search: its bound (the heap's key), plan once made, the programs of its
+    configuration's costed caps; set aside over budget, its peak (None: bounded) and least peak."""
 
     bound: float
     order: int
@@ -326,20 +411,13 @@ class _BoundedSearch:
         entry.order, self.pushed = self.pushed, self.pushed + 1
         heapq.heappush(self.heap, entry)
 
-    def threshold(self) -> float:
-        """A candidate with a larger bound cannot enter the ``top`` fastest that fit."""
-        if self.top is None or len(self.fit_times) < self.top:
-            return float("inf")
-        return self.fit_times[self.top - 1] * (1 + _SLACK)
-
     def run(self) -> None:
         while self.heap:
             entry = heapq.heappop(self.heap)
-            if entry.bound > (limit := self.threshold()):
-                for e in [entry, *self.heap]:
-                    self.uncosted.append(Verdict(
-                        e.candidate, reason=f"step >= {e.bound * 1e3:.2f} ms (its bound) > "
-                        f"{limit * 1e3:.2f} ms", skipped=True))
+            if entry.bound > (limit := _kth(self.fit_times, self.top)):
+                self.uncosted += [Verdict(e.candidate, reason=f"step >= {e.bound * 1e3:.2f} ms "
+                                          f"(its bound) > {limit * 1e3:.2f} ms", skipped=True)
+                                  for e in [entry, *self.heap]]
                 self.heap = []
             elif entry.planned is None:
                 self._plan(entry)
@@ -350,9 +428,8 @@ class _BoundedSearch:
         self._time_fastest_over()
 
     def _plan(self, entry: _Entry) -> None:
-        """Plan the candidate: refused, it is dropped (a smaller cap silently: its default's
-        verdict stands for the configuration); over the budget by its bytes bound, set aside;
-        else back in the heap with its plan's bound, which its smaller caps join it with."""
+        """Refused, drop it (a smaller cap silently: its default's verdict stands); over budget by
+        its bytes bound, set it aside; else back in the heap at its plan's bound, its caps too."""
         c = entry.candidate
         try:
             entry.planned = plan_candidate(c, entry.profile, self.workers)
@@ -368,8 +445,7 @@ class _BoundedSearch:
         else:
             self.push(entry)
         if c.cap is None:
-            for cap in cap_choices(entry.planned):
-                capped = dataclasses.replace(c, cap=cap)
+            for capped in (dataclasses.replace(c, cap=cap) for cap in cap_choices(entry.planned)):
                 self.push(_Entry(entry.bound, 0, capped, entry.profile, None, entry.family))
 
     def _cost(self, entry: _Entry) -> None:
@@ -381,19 +457,16 @@ class _BoundedSearch:
             return  # a cap whose programs another cap of this configuration has
         entry.family.append(planned.programs.ranks)
         peak = predict_peak(c, entry.profile, planned)
-        reason = _over_budget(peak, self.budget)
-        if reason and self.top is not None:
+        if self.top is not None and _over_budget(peak, self.budget):
             entry.peak = entry.least = peak
             self.over.append(entry)
         else:
-            self._record(Verdict(c, predict_time(c, entry.profile, planned, self.costs), peak,
-                                 not reason, reason))
+            self._record(_timed(c, entry.profile, planned, self.costs, self.budget, peak))
 
     def _record(self, v: Verdict) -> None:
         assert v.step_time is not None
         self.costed.append(v)
-        key = _distinct_key(v)
-        if key not in self.keys:
+        if (key := _distinct_key(v)) not in self.keys:
             self.keys.add(key)
             bisect.insort(self.fit_times if v.fits else self.over_times, v.step_time)
 
@@ -413,19 +486,16 @@ class _BoundedSearch:
         """Time the candidates over the budget, lowest bound first, until no bound left is below
         the :data:`OVER_ROWS`-th fastest of them; the rest keep their peak or bytes bound."""
         for e in sorted(self.over):  # by bound, then order pushed
-            c = e.candidate
             assert e.planned is not None
-            if len(self.over_times) >= OVER_ROWS and \
-                    e.bound > self.over_times[OVER_ROWS - 1] * (1 + _SLACK):
-                self.uncosted.append(
-                    Verdict(c, None, e.peak, False, _over_budget(e.peak, self.budget))
-                    if e.peak is not None else
-                    Verdict(c, reason=f"peak >= {byte_text(e.least)} (its bound) > the budget",
-                            skipped=True))
-                continue
-            peak = e.peak if e.peak is not None else predict_peak(c, e.profile, e.planned)
-            step = predict_time(c, e.profile, e.planned, self.costs)
-            self._record(Verdict(c, step, peak, False, _over_budget(peak, self.budget)))
+            if e.bound <= _kth(self.over_times, OVER_ROWS):
+                self._record(_timed(e.candidate, e.profile, e.planned, self.costs, self.budget,
+                                    e.peak))
+            elif e.peak is not None:
+                self.uncosted.append(Verdict(e.candidate, None, e.peak, False,
+                                             _over_budget(e.peak, self.budget)))
+            else:
+                self.uncosted.append(Verdict(e.candidate, skipped=True, reason=(
+                    f"peak >= {byte_text(e.least)} (its bound) > the budget")))
 
 
 def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfile],
@@ -433,10 +503,8 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
          schedules: Sequence[str] | None = None, checkpoint: Sequence[bool] = (False, True), *,
          stages: int | None = None, micro: int | None = None, R: int | None = None,
          replicas: int | None = None, top: int | None = TOP) -> TuneResult:
-    """Rank the candidates by predicted step time (module docstring). ``profile_of(S)``: the
-    model measured at S stages (called once per S, rising; its GschedError drops the candidates
-    with that S). ``stages``, ``micro`` (B per replica), ``R``, ``replicas`` (G): fixed values.
-    ``top``: the fitting candidates ranked exactly (None: cost every one). Raises
+    """Rank the candidates by predicted step time. ``profile_of(S)``: the model measured at S
+    stages (called once per S, rising; its GschedError drops the candidates with that S). Raises
     :class:`ScheduleConfigError` when nothing fits, naming the smallest peak reached."""
     if top is not None and top < 1:
         raise ScheduleConfigError(f"top={top!r} must be a positive int (or None: every "
@@ -452,12 +520,10 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
         except GschedError as exc:
             cannot[S] = f"cannot cut {S} stages: {str(exc).splitlines()[0]}"
     search = _BoundedSearch(workers, costs, budget, top)
+    search.uncosted += [Verdict(c, reason=cannot[c.stages]) for c in space if c.stages in cannot]
     for c in space:
-        if c.stages in cannot:
-            search.uncosted.append(Verdict(c, reason=cannot[c.stages]))
-        else:
-            bound = work_bound(c, profiles[c.stages], workers, costs)
-            search.push(_Entry(bound, 0, c, profiles[c.stages]))
+        if (p := profiles.get(c.stages)) is not None:
+            search.push(_Entry(work_bound(c, p, workers, costs), 0, c, p))
     search.run()
     # fewer microbatches first, so that a row predicted like a better-ranked one is dropped
     first: dict[tuple[object, ...], Verdict] = {}
@@ -468,12 +534,10 @@ def tune(workers: int, global_rows: int, profile_of: Callable[[int], StageProfil
     uncosted = sorted(search.uncosted, key=lambda v: (v.peak is None, not v.skipped))
     result = TuneResult([*first.values(), *uncosted], budget, workers, global_rows, profiles, top)
     if budget is not None and result.best is None:
-        smallest = min((v for v in result.verdicts if v.peak is not None),
-                       key=lambda v: v.peak or 0, default=None)
+        peaks = [(v.peak, v.candidate.text()) for v in result.verdicts if v.peak is not None]
+        least = min(peaks, key=lambda p: p[0], default=None)
         raise ScheduleConfigError(
             f"no candidate fits the memory budget of {byte_text(budget)} per rank; the smallest "
-            f"predicted peak is "
-            + (f"{byte_text(smallest.peak)} ({smallest.candidate.text()})"
-               if smallest is not None and smallest.peak is not None else "unknown")
-            + ". Raise the budget, add workers, or shrink the per-rank batch.")
+            f"predicted peak is {f'{byte_text(least[0])} ({least[1]})' if least else 'unknown'}. "
+            "Raise the budget, add workers, or shrink the per-rank batch.")
     return result
