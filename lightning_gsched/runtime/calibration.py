@@ -1,21 +1,20 @@
 """Measure the planner's :class:`RuntimeCosts` on the job's own process group, in about a second.
 
 Why: what a message, an all-reduce or the executor's work around a job costs depends on the
-machine, the backend and the load, so the planner's predictions use numbers measured where the
-job runs. Every rank takes part and returns the same numbers (averaged with one all-reduce), so
-ranks that plan with them plan alike. Measured, with bare single-tensor messages as the runtime
-sends activations:
+machine, the backend and the load, so the planner predicts with numbers measured where the job
+runs. Every rank takes part and returns the same numbers (averaged with one all-reduce), so ranks
+plan alike. Measured, with bare single-tensor messages as the runtime sends activations:
 
 * ping-pong between rank pairs (0, 1), (2, 3), ... up to 16 MiB (so the per-byte slope stands
   above the noise): half the round trip is one message, fitted to ``a + bytes * wall_per_byte``;
-* streams of messages of two sizes, receives posted first: process CPU time (every thread,
-  gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait and per
-  ``irecv`` + wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is what
-  the ping-pong's fixed part leaves after both ends' fixed CPU; ``bandwidth`` what its per-byte
-  slope leaves after the *receiver's* per-byte CPU, which the model charges after the flight.
-  The sender's is not subtracted: it writes the bytes while they flow, overlapping the receiver
-  in wall time (subtracting both came out negative in most runs). So one isolated message costs
-  exactly the measured ``a + bytes * wall_per_byte``; a slope within noise after retries raises
+* streams of messages of two sizes, receives posted first: process CPU time (every thread, gloo's
+  included: on a CPU job they take cycles from compute) per ``isend`` + wait and per ``irecv`` +
+  wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is what the ping-pong's
+  fixed part leaves after both ends' fixed CPU; ``bandwidth`` what its slope leaves after the
+  *receiver's* per-byte CPU, which the model charges after the flight. The sender's is not
+  subtracted: it writes the bytes while they flow, overlapping the receiver in wall time
+  (subtracting both came out negative in most runs). So one isolated message costs exactly the
+  measured ``a + bytes * wall_per_byte``; a slope within noise after retries raises
   :class:`~lightning_gsched.errors.CalibrationError` instead of giving infinity;
 * all-reduces of a few sizes: ``allreduce_latency`` (the smallest size's time) and
   ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
@@ -25,7 +24,6 @@ sends activations:
   no model, runs before anything is planned (the tuner needs it then), and separates the
   runtime's own work from compute exactly; work growing with a real model is the stage profile's.
 """
-
 from __future__ import annotations
 
 import statistics
@@ -56,8 +54,7 @@ def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
     sxx = sum((x - mx) ** 2 for x, _ in points)
-    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    b = max(b, 0.0)
+    b = max(sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0, 0.0)
     return max(my - b * mx, 0.0), b
 
 
@@ -92,8 +89,7 @@ def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats
 
     def round_trip(buf: torch.Tensor) -> None:
         for sending in (first, not first):
-            op = dist.isend if sending else dist.irecv
-            _started(op(buf, peer, group=group)).wait()
+            _started((dist.isend if sending else dist.irecv)(buf, peer, group=group)).wait()
 
     trips = _medians([partial(round_trip, buf) for buf in _buffers(sizes)], 3, repeats)
     return [t / 2 for t in trips]
@@ -126,20 +122,16 @@ def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
     for nbytes in STREAM_BYTES:
         mine = _stream_cpu(peer, first, nbytes, group, repeats)
         theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
-        send, recv = (mine, theirs) if first else (theirs, mine)
-        sends.append((float(nbytes), send))
-        recvs.append((float(nbytes), recv))
+        sends.append((float(nbytes), mine if first else theirs))
+        recvs.append((float(nbytes), theirs if first else mine))
     return _fit(sends), _fit(recvs)
 
 
 def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
-    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`.
-
-    The latency is the smallest size's time itself, and the per-byte cost the least-squares
-    slope of the larger sizes' times above it, through that point: one line through all sizes
-    has its intercept follow the large sizes, whose times vary by more than a small all-reduce
-    costs, and it could come out negative, making small all-reduces free.
-    """
+    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`:
+    the smallest size's time, and the least-squares slope of the larger sizes' times through
+    that point. One line through all sizes has its intercept follow the large sizes, whose times
+    vary by more than a small all-reduce costs: it could come out negative (free all-reduces)."""
     ring = 2 * (world - 1) / world
     latency = times[0]
     extra = [(ring * (nbytes - ALLREDUCE_BYTES[0]), t - latency)
@@ -147,12 +139,6 @@ def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
     sxx = sum(x * x for x, _ in extra)
     per_byte = max(sum(x * y for x, y in extra) / sxx, 0.0) if sxx else 0.0
     return latency, per_byte
-
-
-def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
-    """Median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)."""
-    return _medians([partial(dist.all_reduce, buf, group=group) for buf in _buffers(sizes)], 1,
-                    repeats)
 
 
 def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
@@ -180,16 +166,13 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
         finally:
             executor.close()
     per_micro = (steps[8] - steps[1]) / 7  # one F + one B in the executor
-    job = max(per_micro - compute, 0.0) / 2
-    step = max(steps[1] - per_micro, 0.0)
-    return job, step
+    return max(per_micro - compute, 0.0) / 2, max(steps[1] - per_micro, 0.0)
 
 
 def _measure_messages(group: Any, repeats: int) -> list[float]:
-    """Every rank's averaged raw figures (collective): [ping one-way per size..., send cpu, per
-    byte, recv cpu, per byte, all-reduce per size...]. Pairs' figures are averaged over the
-    pairs, all-reduces over the ranks, so every rank holds the same list and takes the same
-    fit-or-refuse decision."""
+    """The raw figures (collective): [ping one-way per size..., send cpu, per byte, recv cpu,
+    per byte, all-reduce per size...], averaged over the pairs (pair figures) or the ranks
+    (all-reduces), so every rank holds the same list and takes the same fit-or-refuse decision."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = rank ^ 1
     n_pair = len(PING_BYTES) + 4
@@ -200,19 +183,20 @@ def _measure_messages(group: Any, repeats: int) -> list[float]:
         send, recv = _cpu_fit(peer, first, group, repeats)
         values[len(PING_BYTES):n_pair] = [*send, *recv]
         values[n_pair] = 1.0
-    values[n_pair + 1:] = _allreduces(ALLREDUCE_BYTES, group, 2 * repeats)
+    # median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)
+    values[n_pair + 1:] = _medians([partial(dist.all_reduce, buf, group=group)
+                                    for buf in _buffers(ALLREDUCE_BYTES)], 1, 2 * repeats)
     box = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(box, group=group)
     values = box.tolist()
     pairs = values[n_pair]
-    return [v / (pairs if i < n_pair else world)
-            for i, v in enumerate(values) if i != n_pair]
+    return [v / (pairs if i < n_pair else world) for i, v in enumerate(values) if i != n_pair]
 
 
 def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
     """The message and all-reduce fields of :class:`RuntimeCosts` from
-    :func:`_measure_messages`' figures, or :class:`CalibrationError` naming the figure that
-    does not fit (see the module docstring for the model)."""
+    :func:`_measure_messages`' figures, or :class:`CalibrationError` naming the figure that does
+    not fit (the model: the module docstring)."""
     n_ping = len(PING_BYTES)
     ping = values[:n_ping]
     send, send_per_byte, recv, recv_per_byte = values[n_ping:n_ping + 4]
@@ -241,23 +225,20 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
     return RuntimeCosts(
         # the fixed part of one message beyond both ends' fixed CPU (clamped: CPU measured in
         # all threads may exceed the wall time it overlaps; a latency of 0 is still finite)
-        latency=max(a - send - recv, 0.0),
-        bandwidth=1 / link_per_byte,
-        send_cpu=send, recv_cpu=recv,
-        send_cpu_per_byte=send_per_byte, recv_cpu_per_byte=recv_per_byte,
-        allreduce_latency=ar_latency, allreduce_bandwidth=1 / ar_per_byte,
-    )
+        latency=max(a - send - recv, 0.0), bandwidth=1 / link_per_byte,
+        send_cpu=send, recv_cpu=recv, send_cpu_per_byte=send_per_byte,
+        recv_cpu_per_byte=recv_per_byte, allreduce_latency=ar_latency,
+        allreduce_bandwidth=1 / ar_per_byte)
 
 
 def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> RuntimeCosts:
     """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective.
 
-    ``executor``: also measure ``job_cpu``/``step_cpu`` with the executor on a trivial stage
-    (builds one executor's process groups twice; default group only). Every rank returns the
-    same costs, every one of them finite. A one-rank job has no messages: only the executor's
-    costs are measured. Raises :class:`CalibrationError` when the message or all-reduce
-    figures still do not fit after :data:`ATTEMPTS` measurements (every rank raises alike: the
-    decision is taken on the figures averaged over ranks).
+    ``executor``: also measure ``job_cpu``/``step_cpu`` (builds one executor's process groups
+    twice; default group only). Every rank returns the same finite costs; a one-rank job measures
+    only the executor's. Raises :class:`CalibrationError` (on every rank alike: the decision is
+    taken on figures averaged over ranks) when the message or all-reduce figures still do not fit
+    after :data:`ATTEMPTS` measurements.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeConfigError(
@@ -275,8 +256,7 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
                     raise
     job = step = 0.0
     if executor and group is None:
-        job, step = _executor_costs(world, repeats)
-        box = torch.tensor([job, step], dtype=torch.float64)
+        box = torch.tensor(_executor_costs(world, repeats), dtype=torch.float64)
         if world > 1:
             dist.all_reduce(box)
         job, step = (v / world for v in box.tolist())

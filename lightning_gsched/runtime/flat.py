@@ -13,6 +13,7 @@ fetch (views of the weights) see the refetched values and a backward after a ref
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Sequence
 
 import torch
@@ -22,9 +23,8 @@ from lightning_gsched.errors import RuntimeConfigError
 
 
 def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
-    """``param.data = data``, also from or to the meta device, where ``.data`` cannot be set
-    ("incompatible tensor type"): then the tensors are swapped in place, so every holder of
-    ``param`` (modules, stages, the optimizer) sees the new storage."""
+    """``param.data = data``, also from or to the meta device, where ``.data`` cannot be set: the
+    tensors are then swapped in place, so every holder of ``param`` sees the new storage."""
     if param.is_meta != data.is_meta:
         # torch.utils.swap_tensors has no annotations
         torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
@@ -34,19 +34,15 @@ def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
 
 
 class FlatLayout:
-    """Where each of some parameters lives in one flat buffer of their concatenated elements.
-    Shapes and sizes are taken at construction, while the weights are present (a released
-    stage's parameters are empty afterwards)."""
+    """Where each of some parameters lives in one flat buffer of their concatenated elements;
+    shapes and sizes are taken while the weights are present (a released stage's go empty)."""
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.sizes = [p.numel() for p in self.params]
-        self.offsets: list[int] = []
-        self.numel = 0
-        for size in self.sizes:
-            self.offsets.append(self.numel)
-            self.numel += size
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.numel = sum(self.sizes)
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s piece of ``flat``, shaped like the parameter."""
@@ -55,8 +51,7 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, its view of ``flat``) for every parameter, in buffer order."""
-        for i, p in enumerate(self.params):
-            yield p, self.view(flat, i)
+        return ((p, self.view(flat, i)) for i, p in enumerate(self.params))
 
 
 class FlatStage(FlatLayout):
@@ -77,7 +72,7 @@ class FlatStage(FlatLayout):
                 f"{sorted(map(str, dtypes | devices))}; "
                 "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
                 "move it to one device before building the runtime.")
-        super().__init__(params)  # sizes kept: the params of a non-owned stage go empty
+        super().__init__(params)
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else (device or torch.device("cpu"))
         self.grads = FlatGrads(self.params, self.dtype, self.device)
@@ -146,19 +141,14 @@ class FlatStage(FlatLayout):
         self.grads.zero()
 
     def take_grads(self) -> torch.Tensor:
-        """Non-owner: hand over the accumulated flat gradient and stop holding it.
-
-        The buffer leaves with the message and is not kept for reuse: a fetched stage holds
-        gradient storage only from its first weight-gradient job to its ``REDUCE_G``, as the
-        memory prediction counts (kept, every fetched stage's buffer stayed resident between
-        steps).
-        """
+        """Non-owner: hand over the accumulated flat gradient for good. Not kept for reuse: a
+        fetched stage holds gradient storage only from its first weight-gradient job to its
+        ``REDUCE_G``, as the memory prediction counts."""
         return self.grads.give_away()
 
 
 class FlatGrads(FlatLayout):
-    """Gradients of some parameters (of a stage or a tie) accumulated in one flat buffer
-    (``param.grad`` are views)."""
+    """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views)."""
 
     def __init__(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
@@ -224,9 +214,8 @@ class FlatGrads(FlatLayout):
         return self.flat
 
     def fold(self, i: int) -> None:
-        """Make parameter i's ``.grad`` a view of the flat buffer again, keeping its value
-        (autograd may replace a ``.grad`` instead of accumulating into it). Needs an active
-        buffer (:meth:`zero` ran this step)."""
+        """Make parameter i's ``.grad`` a view of the active flat buffer again, keeping its value
+        (autograd may replace a ``.grad`` instead of accumulating into it)."""
         assert self.flat is not None
         p, view = self.params[i], self.grad_views(self.flat)[i]
         grad = p.grad
