@@ -9,21 +9,20 @@ plan alike. Measured, with bare single-tensor messages as the runtime sends acti
   above the noise): half the round trip is one message, fitted to ``a + bytes * wall_per_byte``;
 * streams of messages of two sizes, receives posted first: process CPU time (every thread, gloo's
   included: on a CPU job they take cycles from compute) per ``isend`` + wait and per ``irecv`` +
-  wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is what the ping-pong's
-  fixed part leaves after both ends' fixed CPU; ``bandwidth`` what its slope leaves after the
-  *receiver's* per-byte CPU, which the model charges after the flight. The sender's is not
-  subtracted: it writes the bytes while they flow, overlapping the receiver in wall time
-  (subtracting both came out negative in most runs). So one isolated message costs exactly the
-  measured ``a + bytes * wall_per_byte``; a slope within noise after retries raises
-  :class:`~lightning_gsched.errors.CalibrationError` instead of giving infinity;
+  wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is ``a`` less both
+  ends' fixed CPU; ``bandwidth`` the ping-pong slope less the *receiver's* per-byte CPU, which
+  the model charges after the flight, not the sender's, which overlaps the flight (subtracting
+  both came out negative in most runs). So one isolated message costs exactly the measured line;
+  a slope within noise after retries raises :class:`~lightning_gsched.errors.CalibrationError`;
 * all-reduces of a few sizes: ``allreduce_latency`` (the smallest size's time) and
   ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
-* the executor on a trivial one-layer stage (a data-parallel program of k = 1 and 8 forwards and
+* the executor on a trivial one-layer stage (data-parallel programs of k = 1 and 8 forwards and
   backwards per rank, beside the layer's forward+backward timed alone): ``job_cpu`` is the step's
   growth per job beyond that compute, ``step_cpu`` its fixed part beyond the all-reduce. It needs
-  no model, runs before anything is planned (the tuner needs it then), and separates the
-  runtime's own work from compute exactly; work growing with a real model is the stage profile's.
+  no model, runs before anything is planned (the tuner needs it), and separates the runtime's own
+  work from compute exactly; work growing with a real model is the stage profile's.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -114,19 +113,6 @@ def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) 
     return _medians([stream], 1, repeats, time.process_time)[0] / STREAM
 
 
-def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
-             ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((send_cpu, send_cpu_per_byte), (recv_cpu, recv_cpu_per_byte)) seen from this rank:
-    ``first`` sends first, then both swap roles, so each rank measures both ends."""
-    sends, recvs = [], []
-    for nbytes in STREAM_BYTES:
-        mine = _stream_cpu(peer, first, nbytes, group, repeats)
-        theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
-        sends.append((float(nbytes), mine if first else theirs))
-        recvs.append((float(nbytes), theirs if first else mine))
-    return _fit(sends), _fit(recvs)
-
-
 def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
     """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`:
     the smallest size's time, and the least-squares slope of the larger sizes' times through
@@ -180,8 +166,13 @@ def _measure_messages(group: Any, repeats: int) -> list[float]:
     if peer < world:
         first = rank < peer
         values[:len(PING_BYTES)] = _ping_pong(peer, first, PING_BYTES, group, 2 * repeats)
-        send, recv = _cpu_fit(peer, first, group, repeats)
-        values[len(PING_BYTES):n_pair] = [*send, *recv]
+        sends, recvs = [], []  # ``first`` sends first, then both swap roles: both ends measured
+        for nbytes in STREAM_BYTES:
+            mine = _stream_cpu(peer, first, nbytes, group, repeats)
+            theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
+            sends.append((float(nbytes), mine if first else theirs))
+            recvs.append((float(nbytes), theirs if first else mine))
+        values[len(PING_BYTES):n_pair] = [*_fit(sends), *_fit(recvs)]
         values[n_pair] = 1.0
     # median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)
     values[n_pair + 1:] = _medians([partial(dist.all_reduce, buf, group=group)

@@ -15,6 +15,7 @@ every rank a :class:`StreamPlan` of what it will send; :func:`transfer` then wal
 rank 0 hands each tensor to ``sink`` and drops it before the next. :func:`full_state_dict` is the
 same transfer keeping every tensor, so the gathered and the streamed checkpoint cannot differ.
 """
+
 from __future__ import annotations
 
 import math
@@ -153,28 +154,25 @@ Sink = Callable[[StreamedTensor, torch.Tensor], None]
 
 
 @dataclass
-class _Unit:
+class _Message:
+    """One tensor for rank 0: a weight ``unit``'s buffer (a placeholder per parameter view), or
+    an optimizer state tensor (one placeholder)."""
+
     src: int
-    flat: FlatStage
-    placeholders: list[StreamedTensor]  # rank 0: one per parameter view, else []
-
-
-@dataclass
-class _Source:
-    rank: int
-    placeholders: list[StreamedTensor] = field(default_factory=list)  # rank 0
-    tensors: list[torch.Tensor] = field(default_factory=list)  # on the source itself
+    tensor: torch.Tensor | None  # on the source: what it sends
+    placeholders: list[StreamedTensor]  # rank 0
+    unit: FlatStage | None = None
 
 
 @dataclass
 class StreamPlan:
-    """What one save transfers, the same sequence on every rank (each knows its own part)."""
+    """What one save transfers, in the same order on every rank (each knows its own part)."""
 
     rank: int
     world_size: int
-    device: torch.device = torch.device("cpu")  # where rank 0 receives
-    units: list[_Unit] = field(default_factory=list)
-    optimizers: list[list[_Source]] = field(default_factory=list)
+    device: torch.device = torch.device("cpu")  # where rank 0 receives optimizer tensors
+    messages: list[_Message] = field(default_factory=list)
+    optimizers: int = 0
     count: int = 0  # placeholders numbered so far (rank 0)
 
     def numbered(self, placeholder: StreamedTensor) -> StreamedTensor:
@@ -196,12 +194,13 @@ def describe_state_dict(module: nn.Module, stages: StageBuffers,
     for i, (owners, flat) in enumerate(units):
         if not flat.numel:
             continue
-        unit = _Unit(owners[0], flat, [])
-        plan.units.append(unit)
+        sent = flat.flat.detach() if rank == owners[0] and flat.flat is not None else None
+        message = _Message(owners[0], sent, [], flat)
+        plan.messages.append(message)
         for j, p in enumerate(flat.params if rank == 0 else []):
             where = f"{flat.kind} {flat.index} (weight unit {i}) offset {flat.offsets[j]}"
-            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, unit.src, where, -1))
-            unit.placeholders.append(ph)
+            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, owners[0], where, -1))
+            message.placeholders.append(ph)
             for name in names.get(id(p), []):
                 state[name] = ph  # a tied parameter: one placeholder under each name
     return state, plan
@@ -211,7 +210,8 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
                              primary: Sequence[nn.Parameter]) -> dict[str, Any]:
     """Rank 0: ``optimizer.state_dict()`` with every parameter's state, tensors as placeholders;
     ``{}`` elsewhere (collective: one small object gather). Adds the optimizer to ``plan``."""
-    rank, k = plan.rank, len(plan.optimizers)
+    rank, k = plan.rank, plan.optimizers
+    plan.optimizers += 1
     state = optimizer.state_dict()
     # this rank's primary entries, each tensor it will send a placeholder (numbered on rank 0)
     mine: dict[int, dict[str, Any]] = {}
@@ -232,13 +232,13 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
         gathered = [None] * plan.world_size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
     if gathered is None:  # only the source itself knows what it sends; rank 0 needs nothing
-        plan.optimizers.append([_Source(rank, tensors=tensors)])
+        plan.messages += [_Message(rank, tensor, []) for tensor in tensors]
         return {}
-    plan.optimizers.append([
-        _Source(src, [plan.numbered(value) for entry in entries.values()
-                      for value in entry.values() if isinstance(value, StreamedTensor)],
-                tensors if src == 0 else [])
-        for src, entries in enumerate(gathered)])
+    for src, entries in enumerate(gathered):
+        placeholders = [plan.numbered(value) for entry in entries.values()
+                        for value in entry.values() if isinstance(value, StreamedTensor)]
+        plan.messages += [_Message(src, tensors[i] if src == 0 else None, [ph])
+                          for i, ph in enumerate(placeholders)]
     return _merged(gathered, state["param_groups"])
 
 
@@ -258,39 +258,27 @@ def transfer(plan: StreamPlan, sink: Sink | None,
         dist.recv(tensor, src)
         return tensor
 
-    for unit in plan.units:
-        flat = unit.flat
-        if rank != 0:
-            if rank == unit.src:
-                assert flat.flat is not None
-                dist.send(flat.flat.detach().contiguous(), 0)
+    for m in plan.messages:
+        if rank != 0:  # rank 0 only sends to itself: no message
+            if rank == m.src:
+                assert m.tensor is not None
+                dist.send(m.tensor.contiguous(), 0)
             continue
-        if unit.src == 0:
-            assert flat.flat is not None
-            buffer = flat.flat.detach()
+        unit, first = m.unit, m.placeholders[0]
+        if m.src == 0:
+            assert m.tensor is not None
+            buffer = m.tensor
+        elif unit is not None:
+            buffer = receive(torch.empty(unit.numel, dtype=unit.dtype, device=unit.device), m.src)
         else:
-            buffer = receive(torch.empty(flat.numel, dtype=flat.dtype, device=flat.device),
-                             unit.src)
-        if sink is not None:
-            for ph, (_, view) in zip(unit.placeholders, flat.views(buffer), strict=True):
+            buffer = receive(torch.empty(first.shape, dtype=first.dtype, device=plan.device), m.src)
+        if sink is not None and unit is not None:
+            for ph, (_, view) in zip(m.placeholders, unit.views(buffer), strict=True):
                 sink(ph, view)
+        elif sink is not None:
+            sink(first, buffer)
         del buffer
         hold(0)
-    for source in (source for sources in plan.optimizers for source in sources):
-        if rank != 0:  # rank 0 only sends to itself: no message
-            for tensor in source.tensors:
-                dist.send(tensor.contiguous(), 0)
-            continue
-        for i, ph in enumerate(source.placeholders):
-            if source.rank == 0:
-                tensor = source.tensors[i]
-            else:
-                tensor = receive(torch.empty(ph.shape, dtype=ph.dtype, device=plan.device),
-                                 source.rank)
-            if sink is not None:
-                sink(ph, tensor)
-            del tensor
-            hold(0)
 
 
 def transfer_kept(plan: StreamPlan, described: Any) -> Any:

@@ -24,8 +24,10 @@ and an O(B) fold. Refused: a module called twice in one stage forward (one slot 
 rank that did not run the stage cannot know how many calls another made), ``nn.SyncBatchNorm``.
 Other buffers a forward mutates are not synchronised.
 """
+
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import reduce
@@ -55,22 +57,6 @@ def _statistics(module: _NormBase) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, var
 
 
-def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
-    """Refuse ``nn.SyncBatchNorm``, whose training forward is a collective (see the error). Not
-    converted silently: that would change what the forward computes (global-batch statistics)."""
-    for s, stage in enumerate(stages):
-        for name, module in stage.named_modules():
-            if isinstance(module, nn.SyncBatchNorm):
-                raise RuntimeConfigError(
-                    f"stage {s} contains nn.SyncBatchNorm ({name or type(module).__name__}), "
-                    "whose training forward is a collective that every rank must run at once; a "
-                    "schedule runs each stage's forwards on different ranks at different times. "
-                    "Use nn.BatchNorm1d/2d/3d instead (do not convert the model with "
-                    "nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends each step "
-                    "with the running statistics one device would have (docs/runtime.md, "
-                    "'BatchNorm and other running statistics').")
-
-
 def _factor(module: _NormBase, calls_so_far: int) -> float:
     """The update factor of this module's next call (torch's rule); ``calls_so_far`` is
     ``num_batches_tracked`` after this call's increment."""
@@ -83,8 +69,7 @@ def _factor(module: _NormBase, calls_so_far: int) -> float:
 
 def _counter(module: nn.Module) -> torch.Tensor | None:
     """A BatchNorm's ``num_batches_tracked`` (InstanceNorm's is never updated)."""
-    counter = getattr(module, "num_batches_tracked", None)
-    return counter if isinstance(module, _BatchNorm) else None
+    return module.num_batches_tracked if isinstance(module, _BatchNorm) else None
 
 
 @dataclass(frozen=True)
@@ -108,21 +93,17 @@ class StatsLayout:
     """
 
     def __init__(self, per_stage: Sequence[Sequence[_NormBase]]) -> None:
-        self.modules: list[_NormBase] = []
-        self.starts: list[int] = []  # each module's first element in R
+        self.modules = list({id(m): m for ms in per_stage for m in ms}.values())
+        index = {id(m): j for j, m in enumerate(self.modules)}
+        sizes = [_statistics(m)[0].numel() for m in self.modules]
+        self.starts = [2 * n for n in itertools.accumulate(sizes, initial=0)][:-1]  # in R
         self.sites: list[_Site] = []
-        index: dict[int, int] = {}
-        offset = position = 0
+        offset = 0
         for s, modules in enumerate(per_stage):
-            for m in modules:
-                size = _statistics(m)[0].numel()
-                j = index.setdefault(id(m), len(self.modules))
-                if j == len(self.modules):
-                    self.modules.append(m)
-                    self.starts.append(position)
-                    position += 2 * size
-                self.sites.append(_Site(s, j, offset, size, sum(t.module == j for t in self.sites)))
-                offset += 2 * size
+            for j in (index[id(m)] for m in modules):
+                earlier = sum(site.module == j for site in self.sites)
+                self.sites.append(_Site(s, j, offset, sizes[j], earlier))
+                offset += 2 * sizes[j]
         self.by_stage: dict[int, list[tuple[int, _Site]]] = {}
         for k, site in enumerate(self.sites):
             self.by_stage.setdefault(site.stage, []).append((k, site))
@@ -257,7 +238,18 @@ class RunningStats:
     """
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
-        check_no_sync_batchnorm(stages)
+        # SyncBatchNorm is refused, not converted: that would change what the forward computes
+        for s, stage in enumerate(stages):
+            for name, module in stage.named_modules():
+                if isinstance(module, nn.SyncBatchNorm):
+                    raise RuntimeConfigError(
+                        f"stage {s} contains nn.SyncBatchNorm ({name or type(module).__name__}), "
+                        "whose training forward is a collective that every rank must run at "
+                        "once; a schedule runs each stage's forwards on different ranks at "
+                        "different times. Use nn.BatchNorm1d/2d/3d instead (do not convert the "
+                        "model with nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends "
+                        "each step with the running statistics one device would have "
+                        "(docs/runtime.md, 'BatchNorm and other running statistics').")
         self.per_stage = [[m for m in stage.modules() if has_running_stats(m)] for stage in stages]
         self.modules = list({id(m): m for ms in self.per_stage for m in ms}.values())
         self._layouts: dict[tuple[bool, ...], StatsLayout] = {}
