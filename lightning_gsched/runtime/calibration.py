@@ -90,8 +90,7 @@ def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats
         for sending in (first, not first):
             _started((dist.isend if sending else dist.irecv)(buf, peer, group=group)).wait()
 
-    trips = _medians([partial(round_trip, buf) for buf in _buffers(sizes)], 3, repeats)
-    return [t / 2 for t in trips]
+    return [t / 2 for t in _medians([partial(round_trip, b) for b in _buffers(sizes)], 3, repeats)]
 
 
 def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) -> float:
@@ -114,10 +113,9 @@ def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) 
 
 
 def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
-    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`:
-    the smallest size's time, and the least-squares slope of the larger sizes' times through
-    that point. One line through all sizes has its intercept follow the large sizes, whose times
-    vary by more than a small all-reduce costs: it could come out negative (free all-reduces)."""
+    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`: the
+    smallest size's time, and the larger sizes' least-squares slope through it (one line's
+    intercept would follow the noisy large sizes, even below zero: free all-reduces)."""
     ring = 2 * (world - 1) / world
     latency = times[0]
     extra = [(ring * (nbytes - ALLREDUCE_BYTES[0]), t - latency)
@@ -135,11 +133,8 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
     torch.manual_seed(0)
     layer = nn.Linear(4, 4)
     x = torch.randn(2, 4)
-
-    def alone() -> None:
-        layer(x).sum().backward()
-
-    compute = _medians([alone], 1, repeats)[0]  # one forward + backward, outside the executor
+    # one forward + backward, outside the executor
+    compute = _medians([lambda: layer(x).sum().backward()], 1, repeats)[0]
     steps = {}
     for k in (1, 8):
         programs = plan("ddp", workers=world, microbatches=world * k).programs
@@ -185,9 +180,7 @@ def _measure_messages(group: Any, repeats: int) -> list[float]:
 
 
 def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
-    """The message and all-reduce fields of :class:`RuntimeCosts` from
-    :func:`_measure_messages`' figures, or :class:`CalibrationError` naming the figure that does
-    not fit (the model: the module docstring)."""
+    """:func:`_measure_messages`' figures as :class:`RuntimeCosts`, or :class:`CalibrationError`."""
     n_ping = len(PING_BYTES)
     ping = values[:n_ping]
     send, send_per_byte, recv, recv_per_byte = values[n_ping:n_ping + 4]
@@ -223,28 +216,24 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
 
 
 def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> RuntimeCosts:
-    """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective.
-
-    ``executor``: also measure ``job_cpu``/``step_cpu`` (builds one executor's process groups
-    twice; default group only). Every rank returns the same finite costs; a one-rank job measures
-    only the executor's. Raises :class:`CalibrationError` (on every rank alike: the decision is
-    taken on figures averaged over ranks) when the message or all-reduce figures still do not fit
-    after :data:`ATTEMPTS` measurements.
-    """
+    """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective. Every
+    rank returns the same finite costs, or raises :class:`CalibrationError` alike (decided on
+    figures averaged over ranks) when the message or all-reduce figures do not fit after
+    :data:`ATTEMPTS` measurements. ``executor``: also measure ``job_cpu``/``step_cpu`` (default
+    group only; builds one executor's process groups twice), all that a one-rank job measures."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeConfigError(
             "calibrate() needs torch.distributed initialized on every rank "
             "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS")
     world = dist.get_world_size(group)
     messages = RuntimeCosts()
-    if world > 1:
-        for attempt in range(ATTEMPTS):
-            try:
-                messages = fit_message_costs(_measure_messages(group, repeats), world)
-                break
-            except CalibrationError:
-                if attempt == ATTEMPTS - 1:
-                    raise
+    for attempt in range(ATTEMPTS if world > 1 else 0):  # one rank: no messages
+        try:
+            messages = fit_message_costs(_measure_messages(group, repeats), world)
+            break
+        except CalibrationError:
+            if attempt == ATTEMPTS - 1:
+                raise
     job = step = 0.0
     if executor and group is None:
         box = torch.tensor(_executor_costs(world, repeats), dtype=torch.float64)

@@ -1,14 +1,13 @@
 """One contiguous buffer per stage for its weights, one for its gradients.
 
 Why: a stage's weight fetch or gradient reduction is then one message of a size both ends know,
-and freeing a fetched stage one storage release. Parameters are views of the buffer, gradients
-views of the gradient buffer (autograd accumulates into them in place). A tie (tied parameters of
-one home stage) is one more :class:`FlatStage` (``kind="tie"``).
-
-Freeing works like FSDP's reshard: the storage is resized to 0 bytes and every parameter's
-``.data`` becomes an empty tensor, so nothing outside a fetch..free window reads stale weights.
-The *same* storage is refilled by the next fetch, so tensors autograd saved under an earlier
-fetch (views of the weights) see the refetched values and a backward after a refetch is correct.
+and freeing a fetched stage one storage release. Parameters and gradients are views of the
+buffers (autograd accumulates in place); a tie (the tied parameters of one home stage) is one
+more :class:`FlatStage`. Freeing works like FSDP's reshard: the storage is resized to 0 bytes and
+every parameter's ``.data`` becomes empty, so nothing outside a fetch..free window reads stale
+weights. The *same* storage is refilled by the next fetch, so tensors autograd saved under an
+earlier fetch (views of the weights) see the refetched values: a backward after a refetch is
+correct.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
     """``param.data = data``, also from or to the meta device, where ``.data`` cannot be set: the
     tensors are then swapped in place, so every holder of ``param`` sees the new storage."""
     if param.is_meta != data.is_meta:
-        # torch.utils.swap_tensors has no annotations
         torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
             param, nn.Parameter(data, requires_grad=param.requires_grad))
     else:
@@ -55,8 +53,7 @@ class FlatLayout:
 
 
 class FlatStage(FlatLayout):
-    """The weights and gradients of one stage (or one tie: ``kind="tie"``, ``index`` its home
-    stage) on one rank (owned, or fetched on demand)."""
+    """The weights and gradients of one stage (or tie: ``index`` its home stage) on one rank."""
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool,
                  kind: str = "stage", device: torch.device | None = None) -> None:
@@ -81,12 +78,10 @@ class FlatStage(FlatLayout):
         self.resident = False
         self.materialized = False
         if owned:  # copy the current weights into the flat buffer, params become its views
-            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for p, view in self.views(self.flat):
+                for p, view in self.views(self.fetch_buffer()):
                     view.copy_(p.data.reshape(view.shape))
             self.materialize()
-            self.resident = True
         else:
             self._release_params()
 
@@ -111,7 +106,7 @@ class FlatStage(FlatLayout):
                 p.data = view
 
     def fetch_buffer(self) -> torch.Tensor:
-        """Non-owner: (re)allocate the stage's storage; the returned tensor receives the weights."""
+        """(Re)allocate the stage's storage; the returned tensor receives the weights."""
         if self.flat is None:
             self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         else:
@@ -141,18 +136,16 @@ class FlatStage(FlatLayout):
         self.grads.zero()
 
     def take_grads(self) -> torch.Tensor:
-        """Non-owner: hand over the accumulated flat gradient for good. Not kept for reuse: a
-        fetched stage holds gradient storage only from its first weight-gradient job to its
-        ``REDUCE_G``, as the memory prediction counts."""
+        """Non-owner: hand over the flat gradient for good (not kept for reuse: a fetched stage
+        holds gradient storage from its first weight-gradient job to its ``REDUCE_G`` only)."""
         return self.grads.give_away()
 
 
 class FlatGrads(FlatLayout):
     """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views)."""
 
-    def __init__(
-        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__([p for p in params if p.requires_grad])
         self.dtype, self.device = dtype, device
         self.flat: torch.Tensor | None = None

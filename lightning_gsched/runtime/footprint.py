@@ -26,8 +26,7 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def weight_storages(module: torch.nn.Module) -> list[int]:
-    """Addresses of a stage's parameter and buffer storages: saved by autograd, they are
-    weights, not activations."""
+    """Addresses of a stage's parameter and buffer storages (saved by autograd: not activations)."""
     return [storage_key(t)[0] for t in (*module.parameters(), *module.buffers()) if t.numel()]
 
 
@@ -43,14 +42,10 @@ class _Packed:
 
 class SavedTensorBytes:
     """Within the ``with`` block, the distinct storages autograd saves for the backward, but
-    ``exclude`` (the stage's weights).
-
-    :meth:`alive_storages` is what autograd still holds later: a storage counts while a node that
-    saved it is alive (a split backward's B drops the nodes above every weight:
-    :func:`held_until_w`).
-    Storages added by :meth:`count` (held by someone else, e.g. a checkpointed stage's inputs)
-    always count.
-    """
+    ``exclude`` (the stage's weights). :meth:`alive_storages` is what autograd still holds later:
+    a storage counts while a node that saved it is alive (a split backward's B drops the nodes
+    above every weight: :func:`held_until_w`); storages added by :meth:`count` (held by someone
+    else, e.g. a checkpointed stage's inputs) always count."""
 
     def __init__(self, exclude: Iterable[int] = ()) -> None:
         self.exclude = set(exclude)
@@ -116,11 +111,9 @@ def held_until_w(saved: SavedTensorBytes, gradients: Iterable[torch.Tensor | Non
     forward saved that autograd still holds (read after B's roots are dropped), and the gradients
     B recorded for W."""
     held = saved.alive_storages()
-    for g in gradients:
-        if g is not None:
-            ptr, nbytes = storage_key(g)
-            if ptr and ptr not in saved.exclude:
-                held.setdefault(ptr, nbytes)
+    for ptr, nbytes in (storage_key(g) for g in gradients if g is not None):
+        if ptr and ptr not in saved.exclude:
+            held.setdefault(ptr, nbytes)
     return held
 
 
@@ -146,16 +139,14 @@ class MeasuredBytes:
 
 # optimizer state tensors the size of the parameter, by optimizer type (SGD keeps a momentum
 # buffer only with momentum; RMSprop a square average, plus a momentum buffer and a mean if asked)
-_STATE_PER_PARAM = {
-    "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1, "Adadelta": 2,
-}
+_STATE_PER_PARAM = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
+                    "Adadelta": 2}
 
 
 def optimizer_factor(optimizer: Any) -> float | None:
     """State bytes per parameter byte the optimizer will keep, known before its first step
     creates the state; None when not known (then measured after the first step)."""
-    name = type(optimizer).__name__
-    groups = getattr(optimizer, "param_groups", [{}])
+    name, groups = type(optimizer).__name__, getattr(optimizer, "param_groups", [{}])
     if name in _STATE_PER_PARAM:
         return float(_STATE_PER_PARAM[name])
     if name == "SGD":

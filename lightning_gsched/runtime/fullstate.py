@@ -42,21 +42,6 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def restore_full_weights(stages: StageBuffers, world_size: int) -> None:
-    """Give every rank every stage again (collective), e.g. when training ends: parameters become
-    views of a fresh copy of their unit, so the module is an ordinary full model on every rank
-    (the stage buffers no longer back it: the runtime must not step again)."""
-    for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
-        if not flat.numel:
-            continue
-        buffer = (flat.flat.detach().clone() if flat.owned  # type: ignore[union-attr]
-                  else torch.empty(flat.numel, dtype=flat.dtype, device=flat.device))
-        if world_size > 1:
-            dist.broadcast(buffer, owners[0])
-        for p, view in flat.views(buffer):
-            p.data = view
-
-
 def _primary_entries(optimizer: Optimizer, state: dict[str, Any],
                      primary: Sequence[nn.Parameter]) -> Iterable[tuple[int, dict[str, Any]]]:
     """The entries of ``state`` (``optimizer.state_dict()``) of the ``primary`` parameters."""
@@ -89,10 +74,21 @@ def full_optimizer_state(optimizer: Optimizer, primary: Sequence[nn.Parameter], 
     return {} if gathered is None else _merged(gathered, state["param_groups"])
 
 
-def restore_full_optimizer_state(optimizers: Sequence[Optimizer],
-                                 primary: Sequence[nn.Parameter], world_size: int) -> None:
-    """Give every rank every parameter's optimizer state again (collective; with
-    :func:`restore_full_weights`, a finished run looks like DDP's to a later save or run)."""
+def restore_full_state(stages: StageBuffers, optimizers: Sequence[Optimizer],
+                       primary: Sequence[nn.Parameter], world_size: int) -> None:
+    """Give every rank every stage and every parameter's optimizer state again (collective), e.g.
+    when training ends, so the run looks like DDP's to a later save or run: parameters become
+    views of a fresh copy of their unit (the runtime, no longer backing them, must not step)."""
+    with torch.no_grad():
+        for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
+            if not flat.numel:
+                continue
+            buffer = (flat.flat.detach().clone() if flat.owned  # type: ignore[union-attr]
+                      else torch.empty(flat.numel, dtype=flat.dtype, device=flat.device))
+            if world_size > 1:
+                dist.broadcast(buffer, owners[0])
+            for p, view in flat.views(buffer):
+                p.data = view
     for optimizer in optimizers:
         state = optimizer.state_dict()
         mine = _cpu_entries(optimizer, state, primary)
@@ -104,8 +100,7 @@ def restore_full_optimizer_state(optimizers: Sequence[Optimizer],
 
 
 def prune_optimizer_state(optimizers: Sequence[Optimizer], keep: Sequence[nn.Parameter]) -> int:
-    """Drop the state of parameters not in ``keep`` (e.g. loaded from a full checkpoint); returns
-    the number of entries dropped."""
+    """Drop the state of parameters not in ``keep``; returns the number of entries dropped."""
     wanted = {id(p) for p in keep}
     dropped = 0
     for optimizer in optimizers:
@@ -126,12 +121,9 @@ def load_held_state(module: nn.Module, state: dict[str, Any]) -> None:
 
 @dataclass(eq=False, slots=True)
 class StreamedTensor:
-    """A tensor of a full checkpoint that rank 0 receives only while the file is written.
-
-    Stands where ``torch.save`` would find the tensor (state-dict values, optimizer state
-    entries); the streaming writer pickles it as the tensor it will be. ``seq`` is its place in
-    the transfer order (unique within one save).
-    """
+    """A tensor of a full checkpoint that rank 0 receives only while the file is written: it
+    stands where ``torch.save`` would find the tensor, and the streaming writer pickles it as the
+    tensor it will be. ``seq``: its place in the transfer order (unique within one save)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -213,20 +205,20 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
     rank, k = plan.rank, plan.optimizers
     plan.optimizers += 1
     state = optimizer.state_dict()
-    # this rank's primary entries, each tensor it will send a placeholder (numbered on rank 0)
-    mine: dict[int, dict[str, Any]] = {}
-    tensors: list[torch.Tensor] = []
-    for index, entry in _primary_entries(optimizer, state, primary):
-        mine[index] = {}
-        for key, value in entry.items():
-            if not isinstance(value, torch.Tensor):
-                mine[index][key] = value
-            elif value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
-                mine[index][key] = value.detach().cpu().clone()
-            else:
-                where = f"optimizer {k} state of parameter {index} {key!r}"
-                mine[index][key] = StreamedTensor(value.shape, value.dtype, rank, where, -1)
-                tensors.append(value.detach())
+    tensors: list[torch.Tensor] = []  # what this rank sends, in order
+
+    def described(index: int, key: str, value: Any) -> Any:
+        """``value`` as rank 0 first sees it: a placeholder for a tensor this rank will send."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
+            return value.detach().cpu().clone()
+        tensors.append(value.detach())
+        where = f"optimizer {k} state of parameter {index} {key!r}"
+        return StreamedTensor(value.shape, value.dtype, rank, where, -1)
+
+    mine = {index: {key: described(index, key, value) for key, value in entry.items()}
+            for index, entry in _primary_entries(optimizer, state, primary)}
     gathered: list[Any] | None = [mine]
     if plan.world_size > 1:
         gathered = [None] * plan.world_size if rank == 0 else None
@@ -248,10 +240,7 @@ def transfer(plan: StreamPlan, sink: Sink | None,
     ``sink(placeholder, tensor)`` for each (the tensor is valid during the call only);
     ``on_hold(bytes)`` is told the bytes rank 0 holds for the transfer (a received buffer)."""
     rank = plan.rank
-
-    def hold(nbytes: int) -> None:
-        if on_hold is not None:
-            on_hold(nbytes)
+    hold: Callable[[int], None] = on_hold or (lambda nbytes: None)
 
     def receive(tensor: torch.Tensor, src: int) -> torch.Tensor:
         hold(tensor.numel() * tensor.element_size())

@@ -33,14 +33,10 @@ class StageBuffers(Protocol):
     """The executor's stage buffers and their owners, as ownership and the full state read them
     (a Protocol: they need not import the executor)."""
 
-    @property
-    def rank(self) -> int: ...
-    @property
-    def programs(self) -> Programs: ...
-    @property
-    def flats(self) -> Sequence[FlatStage]: ...
-    @property
-    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+    rank: int
+    programs: Programs
+    flats: list[FlatStage]
+    ties: dict[int, FlatStage]  # tie home stage -> its unit
 
 
 def micro_of(a: Action) -> int:
@@ -115,9 +111,8 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
     if programs.num_stages != train.num_stages:
         mismatches.append(f"{programs.num_stages} stages instead of {train.num_stages}")
     elif [tuple(o) for o in programs.owners] != [tuple(o) for o in train.owners]:
-        mismatches.append(
-            f"stage owners {[list(o) for o in programs.owners]} instead of "
-            f"{[list(o) for o in train.owners]}")
+        mismatches.append(f"stage owners {[list(o) for o in programs.owners]} instead of "
+                          f"{[list(o) for o in train.owners]}")
     if sorted(programs.edges) != sorted(train.edges):
         mismatches.append(f"stage edges {programs.edges} instead of {train.edges}")
     if dict(programs.ties) != dict(train.ties):
@@ -134,8 +129,7 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
             f"the programs are for {programs.num_stages} stages but {len(stages)} stage modules "
             f"were given; partition the model into {programs.num_stages} stages or plan with "
             f"stages={len(stages)}.")
-    chain = [(s, s + 1) for s in range(programs.num_stages - 1)]
-    if sorted(programs.edges) != chain:
+    if sorted(programs.edges) != [(s, s + 1) for s in range(programs.num_stages - 1)]:
         raise RuntimeConfigError(
             f"the runtime executes a chain of stages (stage s feeds s+1, as partition() "
             f"produces), but the programs' stage graph has edges {programs.edges}; plan without "
@@ -144,8 +138,7 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
 
 @dataclass(frozen=True)
 class TieGroup:
-    """The tied parameters whose home (lowest reading stage) is ``home``; ``readers``: every
-    stage that reads one of them (home included, sorted)."""
+    """Tied parameters whose home (lowest stage reading them) is ``home``; sorted ``readers``."""
 
     home: int
     readers: tuple[int, ...]
@@ -162,14 +155,11 @@ def split_parameters(stages: Sequence[nn.Module]
         for p in params:
             readers.setdefault(id(p), []).append(s)
     own = [[p for p in params if len(readers[id(p)]) == 1] for params in per_stage]
-    groups: dict[int, tuple[set[int], list[nn.Parameter]]] = {}
-    tied = {id(p): p for params in per_stage for p in params if len(readers[id(p)]) > 1}
-    for pid, p in tied.items():
-        reading, members = groups.setdefault(readers[pid][0], (set(), []))
-        reading.update(readers[pid])
-        members.append(p)
-    return own, [TieGroup(home, tuple(sorted(reading)), members)
-                 for home, (reading, members) in sorted(groups.items())]
+    groups: dict[int, list[nn.Parameter]] = {}
+    for p in {id(p): p for params in per_stage for p in params if len(readers[id(p)]) > 1}.values():
+        groups.setdefault(readers[id(p)][0], []).append(p)
+    return own, [TieGroup(home, tuple(sorted({s for p in ps for s in readers[id(p)]})), ps)
+                 for home, ps in sorted(groups.items())]
 
 
 def tie_map(stages: Sequence[nn.Module]) -> dict[int, tuple[int, ...]]:

@@ -1,15 +1,15 @@
 """Deferred initialisation: build a model without its weights, give each rank only its own.
 
 A model that does not fit one device must never be whole on any rank. Built under
-:func:`deferred_parameters`, every parameter is on the ``meta`` device while buffers stay real:
-they are small, and many are computed when the module is built (causal masks, rotary
-frequencies). Tracing, partitioning and planning work on the meta model; then each rank gives
-storage to its stages' parameters and initialises them.
+:func:`deferred_parameters`, every parameter is on the ``meta`` device while buffers stay real
+(small, and often computed when the module is built: causal masks, rotary frequencies). Tracing,
+partitioning and planning work on the meta model; then each rank gives storage to its stages'
+parameters and initialises them.
 
 **Same seed, same weights, whatever W, schedule and S.** Every module holding parameters runs its
 own ``reset_parameters()`` under an RNG seeded by :func:`module_seed` (the run's seed and the
-module's name), so no value depends on which rank initialises which module, nor in which order.
-A tied parameter keeps its first holder's values in ``named_modules()`` order, as in eager
+module's name), so no value depends on which rank initialises which module, nor in which order;
+a tied parameter keeps its first holder's values in ``named_modules()`` order, as in eager
 construction. :func:`initialize` does the same on one device, for a single-process reference.
 """
 
@@ -78,8 +78,7 @@ def is_deferred(module: nn.Module) -> bool:
 
 
 def module_seed(seed: int, name: str) -> int:
-    """The RNG seed module ``name`` is initialised under: a function of the run's seed and the
-    name alone (crc32, the same in every process)."""
+    """The RNG seed module ``name`` is initialised under: a function of the seed and name alone."""
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
@@ -106,12 +105,9 @@ def _reset_parameters(name: str, sub: nn.Module, owner: str) -> Callable[[], Non
 def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], seed: int,
                           device: torch.device) -> None:
     """Give ``params`` storage on ``device`` and initialise them; other meta parameters stay so.
-
-    Each module holding one of them runs ``reset_parameters()`` under :func:`module_seed`; its
-    other meta parameters (another rank's) get scratch storage for the call, so the RNG draws,
-    and hence the values, are the same as on one device. Meta buffers (a model built under
-    ``torch.device("meta")``) get storage on ``device`` and are reset by their module too.
-    """
+    Each module holding one runs ``reset_parameters()`` under :func:`module_seed`, its other meta
+    parameters (another rank's) on scratch storage, so the RNG draws and values are the same as on
+    one device. Meta buffers (of a model built on ``torch.device("meta")``) are reset there too."""
     wanted = {id(p) for p in params}
     owner = type(module).__name__
     # every rank checks every module (not only those it initialises), so all fail alike

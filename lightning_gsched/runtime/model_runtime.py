@@ -38,15 +38,12 @@ class ParameterMemory:
 
 
 class ModelRuntime:
-    """This rank's share of ``module`` (every rank passes its own identical replica, where the
-    parameters no stage reads but the step does, e.g. a loss module, are found) trained by
-    ``programs`` (``plan(...).programs``) on ``stages`` (``partition(...).stages``).
-
-    Other arguments are :class:`ProgramExecutor`'s, except ``release_heap_each_step``: return
-    the C heap's free pages at every step's start and after the hand-over (:mod:`.host_heap`),
-    for models whose memory is the constraint (the engine asks for it for a model built without
-    weights); it costs a small model ~15% of its step on CPU. ``executor`` is the executor
-    underneath, for tools that time or count what it does; front ends use the methods below.
+    """This rank's share of ``module`` (each rank's identical replica, where parameters no stage
+    reads but the step does, e.g. a loss module, are found) trained by ``plan(...).programs`` on
+    ``partition(...).stages``. Other arguments are :class:`ProgramExecutor`'s, except
+    ``release_heap_each_step``: return the C heap's free pages at every step's start and after the
+    hand-over (:mod:`.host_heap`), for models whose memory is the constraint; it costs a small
+    model ~15% of its step on CPU. ``executor``: for tools that time or count what it does.
     """
 
     def __init__(self, module: nn.Module, stages: Sequence[nn.Module], programs: Programs, *,
@@ -81,12 +78,10 @@ class ModelRuntime:
         return self.executor.channels.closed
 
     def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
-             signature: Hashable | None = None,
-             on_computed: Callable[[dict[int, Any]], None] | None = None,
-             drop_previous_grads: bool = False) -> StepResult:
-        """One step of the schedule; its gradients are held here until :meth:`hand_over`, and
-        ``param.grad`` is what it was before the step, or None with ``drop_previous_grads`` (the
-        caller's loop zeroes them before the hand-over)."""
+             signature: Hashable | None = None, drop_previous_grads: bool = False,
+             on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
+        """One step; its gradients are held here until :meth:`hand_over`, and ``param.grad`` stays
+        as before it (None with ``drop_previous_grads``: the loop zeroes them before hand-over)."""
         self._grads.before_step(drop_previous=drop_previous_grads)
         if self.release_heap_each_step:  # what the last step freed, before this one allocates
             release_free_heap(self.device)
@@ -105,8 +100,7 @@ class ModelRuntime:
         return self.ownership.owned
 
     def primary_parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank counts (norms) and writes (checkpoints), each parameter on
-        exactly one rank."""
+        """What this rank counts (norms) and writes (checkpoints): each parameter on one rank."""
         return self.ownership.primary
 
     def stage_parameters(self) -> list[nn.Parameter]:
@@ -117,8 +111,7 @@ class ModelRuntime:
         """``param.grad += scale * gradient of the last step`` (assigned where None), as
         ``loss.backward()`` would; a second call without a step hands over nothing."""
         self._grads.hand_over(scale)
-        if self.release_heap_each_step:
-            # the schedule's transients are free now, before the optimizer allocates its own
+        if self.release_heap_each_step:  # the step's transients, before the optimizer allocates
             release_free_heap(self.device)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float,
@@ -141,8 +134,8 @@ class ModelRuntime:
 
     def streamed_state_dict(self) -> dict[str, Any]:
         """:meth:`full_state_dict` with placeholders for the stage parameters (no data moves):
-        starts a streamed save, which :meth:`streamed_optimizer_state` extends and
-        :meth:`stream` carries out."""
+        starts a streamed save, which :meth:`streamed_optimizer_state` extends and :meth:`stream`
+        sends."""
         state, self._stream = fullstate.describe_state_dict(self.module, self.executor,
                                                             self.world_size)
         return state
@@ -170,8 +163,7 @@ class ModelRuntime:
 
     def stream_kept(self, described: Any) -> Any:
         """:meth:`stream` keeping every tensor on rank 0 in place of its placeholder in
-        ``described`` (in place for dicts and lists), for a checkpoint written by other means (a
-        user's CheckpointIO)."""
+        ``described`` (in place for dicts and lists), for a checkpoint written by a CheckpointIO."""
         plan, self._stream = self._stream, None
         return described if plan is None else fullstate.transfer_kept(plan, described)
 
@@ -180,17 +172,14 @@ class ModelRuntime:
         fullstate.load_held_state(self.module, state)
 
     def prune_optimizer_state(self, optimizers: Sequence[Optimizer]) -> int:
-        """Drop optimizer state of parameters this rank does not own (after loading full state);
-        the number of entries dropped."""
+        """Drop the optimizer state of parameters this rank does not own; returns how many."""
         return fullstate.prune_optimizer_state(optimizers, self.ownership.owned)
 
     def restore_full_model(self, optimizers: Sequence[Optimizer]) -> None:
         """Give every rank the full weights and the optimizers' full state again, then close:
         afterwards the module is an ordinary model, as after DDP."""
-        with torch.no_grad():
-            fullstate.restore_full_weights(self.executor, self.world_size)
-        fullstate.restore_full_optimizer_state(optimizers, self.ownership.primary,
-                                               self.world_size)
+        fullstate.restore_full_state(self.executor, optimizers, self.ownership.primary,
+                                     self.world_size)
         self.close()
 
     def memory(self) -> ParameterMemory:
@@ -217,9 +206,8 @@ class ModelRuntime:
                                for d in (measured.at_peak, measured.peaks)))
 
     def abort(self, message: str) -> None:
-        """A failure outside a step (e.g. in the user's code before stage 0): tell the job (peers
-        quote ``message`` as the first failure) and drop the process groups, so every peer
-        waiting on this rank fails at once instead of at its timeout."""
+        """A failure outside a step (e.g. in user code before stage 0): tell the job (peers quote
+        ``message`` as the first failure) and drop the process groups, so waiting peers fail now."""
         self.executor.abort(message)
 
     def close(self) -> None:

@@ -37,8 +37,7 @@ class PretrainedWeightsError(StrategyConfigError):
 
 @dataclass(frozen=True)
 class PretrainedWeights:
-    """Where a deferred model's weights come from: ``path`` (a ``.safetensors`` file or an
-    ``.index.json``) and the ``prefix`` the model's names carry before the file's."""
+    """A ``.safetensors`` file or index, and the ``prefix`` the model's names carry before its."""
 
     path: Path
     prefix: str = ""
@@ -91,8 +90,7 @@ def _where(weights: PretrainedWeights) -> dict[str, Path]:
         return {name: weights.path for name in f.keys()}
 
 
-def _check(module: nn.Module, weights: PretrainedWeights,
-           where: dict[str, Path]) -> dict[int, str]:
+def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]) -> dict[int, str]:
     """Every parameter under the prefix is in the files with its shape (headers only); returns
     parameter id -> file key (its first name under the prefix the file has)."""
     params = {id(p): p for p in module.parameters()}
@@ -158,8 +156,7 @@ def _persistent_buffers(module: nn.Module, prefix: str,
     return found
 
 
-def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str,
-                 file: Path) -> None:
+def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str, file: Path) -> None:
     buffer = holder._buffers[bname]
     assert buffer is not None
     if tuple(value.shape) != tuple(buffer.shape):

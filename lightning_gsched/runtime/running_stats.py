@@ -84,13 +84,10 @@ class _Site:
 
 
 class StatsLayout:
-    """Where every training module's statistics sit: the table rows and the running vector.
-
-    A table row (one per microbatch) is ``[calls of each site | mean, var of each site]``; the
-    running vector ``R`` is ``[running_mean, running_var]`` of each distinct module. Sites of the
-    same round touch distinct modules, so one microbatch's fold is one vector update per round
-    (one round unless a module is called from several stages).
-    """
+    """Where every training module's statistics sit: a table row (one per microbatch) is ``[calls
+    of each site | mean, var of each site]``, the running vector ``R`` is ``[running_mean,
+    running_var]`` of each distinct module. Sites of the same round touch distinct modules, so one
+    microbatch's fold is one vector update per round (one unless several stages call a module)."""
 
     def __init__(self, per_stage: Sequence[Sequence[_NormBase]]) -> None:
         self.modules = list({id(m): m for ms in per_stage for m in ms}.values())
@@ -120,11 +117,10 @@ class StatsLayout:
             in_r, in_row, owner = [], [], []
             for column, k in enumerate(sites):
                 site = self.sites[k]
-                in_r.append(torch.arange(self.starts[site.module],
-                                         self.starts[site.module] + 2 * site.size))
-                start = len(self.sites) + site.offset
-                in_row.append(torch.arange(start, start + 2 * site.size))
-                owner.append(torch.full((2 * site.size,), column, dtype=torch.long))
+                span = torch.arange(2 * site.size)
+                in_r.append(span + self.starts[site.module])
+                in_row.append(span + len(self.sites) + site.offset)
+                owner.append(torch.full_like(span, column))
             rounds.append((torch.tensor(sites, device=self.device),
                            *(torch.cat(t).to(self.device) for t in (in_r, in_row, owner))))
         return rounds
@@ -141,8 +137,7 @@ class StatsLayout:
                             for c in map(_counter, self.modules)])
 
     def write(self, values: torch.Tensor, calls: Sequence[int]) -> None:
-        """Copy R back into the modules' buffers (in place: the tensors keep their identity),
-        and ``calls`` into BatchNorms' ``num_batches_tracked``."""
+        """Copy R into the modules' buffers in place, ``calls`` into ``num_batches_tracked``."""
         with torch.no_grad():
             for j, (m, start) in enumerate(zip(self.modules, self.starts, strict=True)):
                 mean, var = _statistics(m)
@@ -231,11 +226,8 @@ class StatsStep:
 
 
 class RunningStats:
-    """The modules with running statistics in each stage, found once per executor.
-
-    ``begin_step(B)`` gives a :class:`StatsStep`, or None when no such module is in training
-    mode (then a step costs nothing extra).
-    """
+    """The modules with running statistics in each stage, found once per executor; while none
+    is in training mode, :meth:`begin_step` gives None and a step costs nothing extra."""
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         # SyncBatchNorm is refused, not converted: that would change what the forward computes
@@ -259,8 +251,8 @@ class RunningStats:
         if not any(key):
             return None
         if key not in self._layouts:
-            self._layouts[key] = StatsLayout(
-                [[m for m in ms if m.training] for ms in self.per_stage])
+            self._layouts[key] = StatsLayout([[m for m in ms if m.training]
+                                              for ms in self.per_stage])
         return StatsStep(self._layouts[key], num_micro)
 
     @contextmanager
