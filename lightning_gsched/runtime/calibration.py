@@ -49,9 +49,7 @@ ATTEMPTS = 3  # measurements of the message and all-reduce costs before refusing
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least squares ``seconds = a + bytes * b``; both clamped at >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
+    mx, my = (sum(column) / len(points) for column in zip(*points, strict=True))
     sxx = sum((x - mx) ** 2 for x, _ in points)
     b = max(sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0, 0.0)
     return max(my - b * mx, 0.0), b
@@ -185,9 +183,8 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
     ping = values[:n_ping]
     send, send_per_byte, recv, recv_per_byte = values[n_ping:n_ping + 4]
     _, wall_per_byte = _fit([(float(b), t) for b, t in zip(PING_BYTES, ping, strict=True)])
-    # the fixed part from the two smallest sizes, whose per-byte share is small: the least
-    # disturbed of them (load only ever adds time). The least-squares intercept follows the
-    # large sizes, whose noise exceeds a message's fixed cost
+    # the fixed part from the two smallest sizes (small per-byte share), the least disturbed (load
+    # only adds time): a least-squares intercept follows the large sizes, noisier than it
     a = min(t - b * wall_per_byte for b, t in zip(PING_BYTES[:2], ping[:2], strict=True))
     link_per_byte = wall_per_byte - recv_per_byte
     if link_per_byte <= 0:

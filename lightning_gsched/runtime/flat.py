@@ -44,8 +44,7 @@ class FlatLayout:
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s piece of ``flat``, shaped like the parameter."""
-        start = self.offsets[i]
-        return flat[start : start + self.sizes[i]].view(self.shapes[i])
+        return flat[self.offsets[i] : self.offsets[i] + self.sizes[i]].view(self.shapes[i])
 
     def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, its view of ``flat``) for every parameter, in buffer order."""

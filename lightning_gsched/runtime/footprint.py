@@ -166,12 +166,11 @@ def optimizer_step_factor(optimizer: Any, device_type: str | None = None) -> flo
     """Bytes ``optimizer.step()`` allocates for its own duration, per trainable parameter byte.
 
     Adam's and AdamW's multi-tensor step (torch's default where every parameter is on a CUDA-like
-    device, or ``foreach=True``) builds ``sqrt(exp_avg_sq)`` for every parameter at once: 1.0
-    (its copy of the gradients for weight decay or ``maximize`` is deleted before that).
-    ``fused=True`` allocates nothing that size; the per-parameter loop (the CPU default) holds
-    about three of the largest parameter, left out (0). Other optimizers: 0 (not measured).
-    ``device_type``: where the parameters will train (they may still be on meta), for torch's
-    default choice; None: their own devices.
+    device, or ``foreach=True``) builds ``sqrt(exp_avg_sq)`` for every parameter at once: 1.0 (its
+    gradient copy for weight decay or ``maximize`` is deleted before). ``fused=True`` allocates
+    nothing that size; the per-parameter loop (the CPU default) about three of the largest
+    parameter, left out (0); other optimizers: 0 (not measured). ``device_type``: where the
+    parameters will train (they may still be on meta), for torch's default; None: their devices.
     """
     if type(optimizer).__name__ not in ("Adam", "AdamW"):
         return 0.0

@@ -3,8 +3,8 @@
 A checkpoint that loads in one process needs the full state dict under the module's own names,
 though no rank holds the whole model nor every optimizer entry: each weight unit comes from its
 first owner, each optimizer entry from its parameter's primary rank (:mod:`.ownership`). It
-resumes under any schedule and worker count: every rank loads the full state (filtered to what it
-holds), and prunes the optimizer state of parameters it does not own.
+resumes under any schedule and worker count: every rank loads what it holds of the full state and
+prunes the optimizer state of parameters it does not own.
 
 Saving streams, so that rank 0 never holds the whole model and its optimizer state at once:
 *describe* (no tensor data moves) gives rank 0 the state dicts with each tensor a
@@ -147,8 +147,8 @@ Sink = Callable[[StreamedTensor, torch.Tensor], None]
 
 @dataclass
 class _Message:
-    """One tensor for rank 0: a weight ``unit``'s buffer (a placeholder per parameter view), or
-    an optimizer state tensor (one placeholder)."""
+    """One tensor for rank 0: a weight ``unit``'s buffer (one placeholder per parameter view) or
+    an optimizer state tensor."""
 
     src: int
     tensor: torch.Tensor | None  # on the source: what it sends
@@ -236,9 +236,9 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
 
 def transfer(plan: StreamPlan, sink: Sink | None,
              on_hold: Callable[[int], None] | None = None) -> None:
-    """Send every planned tensor to rank 0 in the plan's order (collective). Rank 0 calls
-    ``sink(placeholder, tensor)`` for each (the tensor is valid during the call only);
-    ``on_hold(bytes)`` is told the bytes rank 0 holds for the transfer (a received buffer)."""
+    """Send every planned tensor to rank 0 in the plan's order (collective); rank 0 calls
+    ``sink(placeholder, tensor)`` for each (valid during the call only) and tells ``on_hold`` the
+    bytes it holds for the transfer (a received buffer)."""
     rank = plan.rank
     hold: Callable[[int], None] = on_hold or (lambda nbytes: None)
 

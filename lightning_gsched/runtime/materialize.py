@@ -2,9 +2,8 @@
 
 A model that does not fit one device must never be whole on any rank. Built under
 :func:`deferred_parameters`, every parameter is on the ``meta`` device while buffers stay real
-(small, and often computed when the module is built: causal masks, rotary frequencies). Tracing,
-partitioning and planning work on the meta model; then each rank gives storage to its stages'
-parameters and initialises them.
+(small, and often computed at build: causal masks, rotary frequencies). Tracing, partitioning and
+planning work on the meta model; then each rank gives its stages' parameters storage and values.
 
 **Same seed, same weights, whatever W, schedule and S.** Every module holding parameters runs its
 own ``reset_parameters()`` under an RNG seeded by :func:`module_seed` (the run's seed and the
@@ -44,10 +43,9 @@ _LOAD_FIX = (
 
 @contextlib.contextmanager
 def deferred_parameters() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (moved there as they are
-    registered: ``torch.empty`` commits no pages). Loading weights inside (``load_state_dict``,
-    or a real parameter assigned over a meta one, as ``from_pretrained`` does) raises
-    :class:`DeferredLoadError` instead of dropping them."""
+    """Modules built inside get their parameters on the meta device, moved as they are registered
+    (``torch.empty`` commits no pages). Loading weights inside (``load_state_dict``, or a real
+    parameter assigned over a meta one, as ``from_pretrained`` does) raises, not drops them."""
     load_state_dict = nn.Module.load_state_dict
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:

@@ -42,9 +42,8 @@ class ModelRuntime:
     reads but the step does, e.g. a loss module, are found) trained by ``plan(...).programs`` on
     ``partition(...).stages``. Other arguments are :class:`ProgramExecutor`'s, except
     ``release_heap_each_step``: return the C heap's free pages at every step's start and after the
-    hand-over (:mod:`.host_heap`), for models whose memory is the constraint; it costs a small
-    model ~15% of its step on CPU. ``executor``: for tools that time or count what it does.
-    """
+    hand-over (:mod:`.host_heap`), for models whose memory is the constraint (costs a small model
+    ~15% of its step on CPU). ``executor``: for tools that time or count what it does."""
 
     def __init__(self, module: nn.Module, stages: Sequence[nn.Module], programs: Programs, *,
                  timeout: float = 300.0, sync_weights: bool = True,
