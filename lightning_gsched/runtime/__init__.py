@@ -1,8 +1,7 @@
 """Execute planned programs over torch.distributed: one rank, one program, one step at a time.
 
 :class:`ProgramExecutor` runs one rank's program of ``plan(...).programs`` on ``partition(...)``'s
-stages; training front ends and the engine use the facade :class:`ModelRuntime` and the names
-exported here (tests import the submodules). See ``docs/runtime.md``.
+stages; front ends use the facade :class:`ModelRuntime` and the names here. See docs/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,26 @@
 """Measure the planner's :class:`RuntimeCosts` on the job's own process group, in about a second.
 
 Why: what a message, an all-reduce or the executor's work around a job costs depends on the
-machine, the backend and the load, so the planner's predictions use numbers measured where the
-job runs. Every rank takes part and returns the same numbers (averaged with one all-reduce), so
-ranks that plan with them plan alike. Measured, with bare single-tensor messages as the runtime
-sends activations:
+machine, the backend and the load, so the planner predicts with numbers measured where the job
+runs. Every rank takes part and returns the same numbers (averaged with one all-reduce), so ranks
+plan alike. Measured, with bare single-tensor messages as the runtime sends activations:
 
 * ping-pong between rank pairs (0, 1), (2, 3), ... up to 16 MiB (so the per-byte slope stands
   above the noise): half the round trip is one message, fitted to ``a + bytes * wall_per_byte``;
-* streams of messages of two sizes, receives posted first: process CPU time (every thread,
-  gloo's included: on a CPU job they take cycles from compute) per ``isend`` + wait and per
-  ``irecv`` + wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is what
-  the ping-pong's fixed part leaves after both ends' fixed CPU; ``bandwidth`` what its per-byte
-  slope leaves after the *receiver's* per-byte CPU, which the model charges after the flight.
-  The sender's is not subtracted: it writes the bytes while they flow, overlapping the receiver
-  in wall time (subtracting both came out negative in most runs). So one isolated message costs
-  exactly the measured ``a + bytes * wall_per_byte``; a slope within noise after retries raises
-  :class:`~lightning_gsched.errors.CalibrationError` instead of giving infinity;
+* streams of messages of two sizes, receives posted first: process CPU time (every thread, gloo's
+  included: on a CPU job they take cycles from compute) per ``isend`` + wait and per ``irecv`` +
+  wait, fitted to ``cpu + bytes * cpu_per_byte`` on each end. ``latency`` is ``a`` less both
+  ends' fixed CPU; ``bandwidth`` the ping-pong slope less the *receiver's* per-byte CPU, which
+  the model charges after the flight, not the sender's, which overlaps the flight (subtracting
+  both came out negative in most runs). So one isolated message costs exactly the measured line;
+  a slope within noise after retries raises :class:`~lightning_gsched.errors.CalibrationError`;
 * all-reduces of a few sizes: ``allreduce_latency`` (the smallest size's time) and
   ``allreduce_bandwidth`` (the larger sizes' slope above it, in ring bytes);
-* the executor on a trivial one-layer stage (a data-parallel program of k = 1 and 8 forwards and
+* the executor on a trivial one-layer stage (data-parallel programs of k = 1 and 8 forwards and
   backwards per rank, beside the layer's forward+backward timed alone): ``job_cpu`` is the step's
   growth per job beyond that compute, ``step_cpu`` its fixed part beyond the all-reduce. It needs
-  no model, runs before anything is planned (the tuner needs it then), and separates the
-  runtime's own work from compute exactly; work growing with a real model is the stage profile's.
+  no model, runs before anything is planned (the tuner needs it), and separates the runtime's own
+  work from compute exactly; work growing with a real model is the stage profile's.
 """
 
 from __future__ import annotations
@@ -52,12 +49,9 @@ ATTEMPTS = 3  # measurements of the message and all-reduce costs before refusing
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least squares ``seconds = a + bytes * b``; both clamped at >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
+    mx, my = (sum(column) / len(points) for column in zip(*points, strict=True))
     sxx = sum((x - mx) ** 2 for x, _ in points)
-    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    b = max(b, 0.0)
+    b = max(sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0, 0.0)
     return max(my - b * mx, 0.0), b
 
 
@@ -92,11 +86,9 @@ def _ping_pong(peer: int, first: bool, sizes: Sequence[int], group: Any, repeats
 
     def round_trip(buf: torch.Tensor) -> None:
         for sending in (first, not first):
-            op = dist.isend if sending else dist.irecv
-            _started(op(buf, peer, group=group)).wait()
+            _started((dist.isend if sending else dist.irecv)(buf, peer, group=group)).wait()
 
-    trips = _medians([partial(round_trip, buf) for buf in _buffers(sizes)], 3, repeats)
-    return [t / 2 for t in trips]
+    return [t / 2 for t in _medians([partial(round_trip, b) for b in _buffers(sizes)], 3, repeats)]
 
 
 def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) -> float:
@@ -118,28 +110,10 @@ def _stream_cpu(peer: int, sender: bool, nbytes: int, group: Any, repeats: int) 
     return _medians([stream], 1, repeats, time.process_time)[0] / STREAM
 
 
-def _cpu_fit(peer: int, first: bool, group: Any, repeats: int
-             ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((send_cpu, send_cpu_per_byte), (recv_cpu, recv_cpu_per_byte)) seen from this rank:
-    ``first`` sends first, then both swap roles, so each rank measures both ends."""
-    sends, recvs = [], []
-    for nbytes in STREAM_BYTES:
-        mine = _stream_cpu(peer, first, nbytes, group, repeats)
-        theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
-        send, recv = (mine, theirs) if first else (theirs, mine)
-        sends.append((float(nbytes), send))
-        recvs.append((float(nbytes), recv))
-    return _fit(sends), _fit(recvs)
-
-
 def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
-    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`.
-
-    The latency is the smallest size's time itself, and the per-byte cost the least-squares
-    slope of the larger sizes' times above it, through that point: one line through all sizes
-    has its intercept follow the large sizes, whose times vary by more than a small all-reduce
-    costs, and it could come out negative, making small all-reduces free.
-    """
+    """(latency, seconds per ring byte) from the all-reduce times of :data:`ALLREDUCE_BYTES`: the
+    smallest size's time, and the larger sizes' least-squares slope through it (one line's
+    intercept would follow the noisy large sizes, even below zero: free all-reduces)."""
     ring = 2 * (world - 1) / world
     latency = times[0]
     extra = [(ring * (nbytes - ALLREDUCE_BYTES[0]), t - latency)
@@ -147,12 +121,6 @@ def fit_allreduce(times: Sequence[float], world: int) -> tuple[float, float]:
     sxx = sum(x * x for x, _ in extra)
     per_byte = max(sum(x * y for x, y in extra) / sxx, 0.0) if sxx else 0.0
     return latency, per_byte
-
-
-def _allreduces(sizes: Sequence[int], group: Any, repeats: int) -> list[float]:
-    """Median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)."""
-    return _medians([partial(dist.all_reduce, buf, group=group) for buf in _buffers(sizes)], 1,
-                    repeats)
 
 
 def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
@@ -163,11 +131,8 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
     torch.manual_seed(0)
     layer = nn.Linear(4, 4)
     x = torch.randn(2, 4)
-
-    def alone() -> None:
-        layer(x).sum().backward()
-
-    compute = _medians([alone], 1, repeats)[0]  # one forward + backward, outside the executor
+    # one forward + backward, outside the executor
+    compute = _medians([lambda: layer(x).sum().backward()], 1, repeats)[0]
     steps = {}
     for k in (1, 8):
         programs = plan("ddp", workers=world, microbatches=world * k).programs
@@ -180,16 +145,13 @@ def _executor_costs(world: int, repeats: int) -> tuple[float, float]:
         finally:
             executor.close()
     per_micro = (steps[8] - steps[1]) / 7  # one F + one B in the executor
-    job = max(per_micro - compute, 0.0) / 2
-    step = max(steps[1] - per_micro, 0.0)
-    return job, step
+    return max(per_micro - compute, 0.0) / 2, max(steps[1] - per_micro, 0.0)
 
 
 def _measure_messages(group: Any, repeats: int) -> list[float]:
-    """Every rank's averaged raw figures (collective): [ping one-way per size..., send cpu, per
-    byte, recv cpu, per byte, all-reduce per size...]. Pairs' figures are averaged over the
-    pairs, all-reduces over the ranks, so every rank holds the same list and takes the same
-    fit-or-refuse decision."""
+    """The raw figures (collective): [ping one-way per size..., send cpu, per byte, recv cpu,
+    per byte, all-reduce per size...], averaged over the pairs (pair figures) or the ranks
+    (all-reduces), so every rank holds the same list and takes the same fit-or-refuse decision."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = rank ^ 1
     n_pair = len(PING_BYTES) + 4
@@ -197,29 +159,32 @@ def _measure_messages(group: Any, repeats: int) -> list[float]:
     if peer < world:
         first = rank < peer
         values[:len(PING_BYTES)] = _ping_pong(peer, first, PING_BYTES, group, 2 * repeats)
-        send, recv = _cpu_fit(peer, first, group, repeats)
-        values[len(PING_BYTES):n_pair] = [*send, *recv]
+        sends, recvs = [], []  # ``first`` sends first, then both swap roles: both ends measured
+        for nbytes in STREAM_BYTES:
+            mine = _stream_cpu(peer, first, nbytes, group, repeats)
+            theirs = _stream_cpu(peer, not first, nbytes, group, repeats)
+            sends.append((float(nbytes), mine if first else theirs))
+            recvs.append((float(nbytes), theirs if first else mine))
+        values[len(PING_BYTES):n_pair] = [*_fit(sends), *_fit(recvs)]
         values[n_pair] = 1.0
-    values[n_pair + 1:] = _allreduces(ALLREDUCE_BYTES, group, 2 * repeats)
+    # median seconds of one all-reduce of each size (warm-up: gloo sets up buffers per size)
+    values[n_pair + 1:] = _medians([partial(dist.all_reduce, buf, group=group)
+                                    for buf in _buffers(ALLREDUCE_BYTES)], 1, 2 * repeats)
     box = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(box, group=group)
     values = box.tolist()
     pairs = values[n_pair]
-    return [v / (pairs if i < n_pair else world)
-            for i, v in enumerate(values) if i != n_pair]
+    return [v / (pairs if i < n_pair else world) for i, v in enumerate(values) if i != n_pair]
 
 
 def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
-    """The message and all-reduce fields of :class:`RuntimeCosts` from
-    :func:`_measure_messages`' figures, or :class:`CalibrationError` naming the figure that
-    does not fit (see the module docstring for the model)."""
+    """:func:`_measure_messages`' figures as :class:`RuntimeCosts`, or :class:`CalibrationError`."""
     n_ping = len(PING_BYTES)
     ping = values[:n_ping]
     send, send_per_byte, recv, recv_per_byte = values[n_ping:n_ping + 4]
     _, wall_per_byte = _fit([(float(b), t) for b, t in zip(PING_BYTES, ping, strict=True)])
-    # the fixed part from the two smallest sizes, whose per-byte share is small: the least
-    # disturbed of them (load only ever adds time). The least-squares intercept follows the
-    # large sizes, whose noise exceeds a message's fixed cost
+    # the fixed part from the two smallest sizes (small per-byte share), the least disturbed (load
+    # only adds time): a least-squares intercept follows the large sizes, noisier than it
     a = min(t - b * wall_per_byte for b, t in zip(PING_BYTES[:2], ping[:2], strict=True))
     link_per_byte = wall_per_byte - recv_per_byte
     if link_per_byte <= 0:
@@ -241,42 +206,34 @@ def fit_message_costs(values: Sequence[float], world: int) -> RuntimeCosts:
     return RuntimeCosts(
         # the fixed part of one message beyond both ends' fixed CPU (clamped: CPU measured in
         # all threads may exceed the wall time it overlaps; a latency of 0 is still finite)
-        latency=max(a - send - recv, 0.0),
-        bandwidth=1 / link_per_byte,
-        send_cpu=send, recv_cpu=recv,
-        send_cpu_per_byte=send_per_byte, recv_cpu_per_byte=recv_per_byte,
-        allreduce_latency=ar_latency, allreduce_bandwidth=1 / ar_per_byte,
-    )
+        latency=max(a - send - recv, 0.0), bandwidth=1 / link_per_byte,
+        send_cpu=send, recv_cpu=recv, send_cpu_per_byte=send_per_byte,
+        recv_cpu_per_byte=recv_per_byte, allreduce_latency=ar_latency,
+        allreduce_bandwidth=1 / ar_per_byte)
 
 
 def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> RuntimeCosts:
-    """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective.
-
-    ``executor``: also measure ``job_cpu``/``step_cpu`` with the executor on a trivial stage
-    (builds one executor's process groups twice; default group only). Every rank returns the
-    same costs, every one of them finite. A one-rank job has no messages: only the executor's
-    costs are measured. Raises :class:`CalibrationError` when the message or all-reduce
-    figures still do not fit after :data:`ATTEMPTS` measurements (every rank raises alike: the
-    decision is taken on the figures averaged over ranks).
-    """
+    """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective. Every
+    rank returns the same finite costs, or raises :class:`CalibrationError` alike (decided on
+    figures averaged over ranks) when the message or all-reduce figures do not fit after
+    :data:`ATTEMPTS` measurements. ``executor``: also measure ``job_cpu``/``step_cpu`` (default
+    group only; builds one executor's process groups twice), all that a one-rank job measures."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeConfigError(
             "calibrate() needs torch.distributed initialized on every rank "
             "(dist.init_process_group); without a job, use schedule.runtime_costs.DEFAULT_COSTS")
     world = dist.get_world_size(group)
     messages = RuntimeCosts()
-    if world > 1:
-        for attempt in range(ATTEMPTS):
-            try:
-                messages = fit_message_costs(_measure_messages(group, repeats), world)
-                break
-            except CalibrationError:
-                if attempt == ATTEMPTS - 1:
-                    raise
+    for attempt in range(ATTEMPTS if world > 1 else 0):  # one rank: no messages
+        try:
+            messages = fit_message_costs(_measure_messages(group, repeats), world)
+            break
+        except CalibrationError:
+            if attempt == ATTEMPTS - 1:
+                raise
     job = step = 0.0
     if executor and group is None:
-        job, step = _executor_costs(world, repeats)
-        box = torch.tensor([job, step], dtype=torch.float64)
+        box = torch.tensor(_executor_costs(world, repeats), dtype=torch.float64)
         if world > 1:
             dist.all_reduce(box)
         job, step = (v / world for v in box.tolist())

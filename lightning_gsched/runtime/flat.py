@@ -1,18 +1,18 @@
 """One contiguous buffer per stage for its weights, one for its gradients.
 
 Why: a stage's weight fetch or gradient reduction is then one message of a size both ends know,
-and freeing a fetched stage one storage release. Parameters are views of the buffer, gradients
-views of the gradient buffer (autograd accumulates into them in place). A tie (tied parameters of
-one home stage) is one more :class:`FlatStage` (``kind="tie"``).
-
-Freeing works like FSDP's reshard: the storage is resized to 0 bytes and every parameter's
-``.data`` becomes an empty tensor, so nothing outside a fetch..free window reads stale weights.
-The *same* storage is refilled by the next fetch, so tensors autograd saved under an earlier
-fetch (views of the weights) see the refetched values and a backward after a refetch is correct.
+and freeing a fetched stage one storage release. Parameters and gradients are views of the
+buffers (autograd accumulates in place); a tie (the tied parameters of one home stage) is one
+more :class:`FlatStage`. Freeing works like FSDP's reshard: the storage is resized to 0 bytes and
+every parameter's ``.data`` becomes empty, so nothing outside a fetch..free window reads stale
+weights. The *same* storage is refilled by the next fetch, so tensors autograd saved under an
+earlier fetch (views of the weights) see the refetched values: a backward after a refetch is
+correct.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Sequence
 
 import torch
@@ -22,11 +22,9 @@ from lightning_gsched.errors import RuntimeConfigError
 
 
 def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
-    """``param.data = data``, also from or to the meta device, where ``.data`` cannot be set
-    ("incompatible tensor type"): then the tensors are swapped in place, so every holder of
-    ``param`` (modules, stages, the optimizer) sees the new storage."""
+    """``param.data = data``, also from or to the meta device, where ``.data`` cannot be set: the
+    tensors are then swapped in place, so every holder of ``param`` sees the new storage."""
     if param.is_meta != data.is_meta:
-        # torch.utils.swap_tensors has no annotations
         torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
             param, nn.Parameter(data, requires_grad=param.requires_grad))
     else:
@@ -34,34 +32,27 @@ def set_storage(param: nn.Parameter, data: torch.Tensor) -> None:
 
 
 class FlatLayout:
-    """Where each of some parameters lives in one flat buffer of their concatenated elements.
-    Shapes and sizes are taken at construction, while the weights are present (a released
-    stage's parameters are empty afterwards)."""
+    """Where each of some parameters lives in one flat buffer of their concatenated elements;
+    shapes and sizes are taken while the weights are present (a released stage's go empty)."""
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.sizes = [p.numel() for p in self.params]
-        self.offsets: list[int] = []
-        self.numel = 0
-        for size in self.sizes:
-            self.offsets.append(self.numel)
-            self.numel += size
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.numel = sum(self.sizes)
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s piece of ``flat``, shaped like the parameter."""
-        start = self.offsets[i]
-        return flat[start : start + self.sizes[i]].view(self.shapes[i])
+        return flat[self.offsets[i] : self.offsets[i] + self.sizes[i]].view(self.shapes[i])
 
     def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, its view of ``flat``) for every parameter, in buffer order."""
-        for i, p in enumerate(self.params):
-            yield p, self.view(flat, i)
+        return ((p, self.view(flat, i)) for i, p in enumerate(self.params))
 
 
 class FlatStage(FlatLayout):
-    """The weights and gradients of one stage (or one tie: ``kind="tie"``, ``index`` its home
-    stage) on one rank (owned, or fetched on demand)."""
+    """The weights and gradients of one stage (or tie: ``index`` its home stage) on one rank."""
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], owned: bool,
                  kind: str = "stage", device: torch.device | None = None) -> None:
@@ -77,7 +68,7 @@ class FlatStage(FlatLayout):
                 f"{sorted(map(str, dtypes | devices))}; "
                 "the runtime keeps one flat buffer per stage. Cast the model to one dtype and "
                 "move it to one device before building the runtime.")
-        super().__init__(params)  # sizes kept: the params of a non-owned stage go empty
+        super().__init__(params)
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else (device or torch.device("cpu"))
         self.grads = FlatGrads(self.params, self.dtype, self.device)
@@ -86,12 +77,10 @@ class FlatStage(FlatLayout):
         self.resident = False
         self.materialized = False
         if owned:  # copy the current weights into the flat buffer, params become its views
-            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for p, view in self.views(self.flat):
+                for p, view in self.views(self.fetch_buffer()):
                     view.copy_(p.data.reshape(view.shape))
             self.materialize()
-            self.resident = True
         else:
             self._release_params()
 
@@ -116,7 +105,7 @@ class FlatStage(FlatLayout):
                 p.data = view
 
     def fetch_buffer(self) -> torch.Tensor:
-        """Non-owner: (re)allocate the stage's storage; the returned tensor receives the weights."""
+        """(Re)allocate the stage's storage; the returned tensor receives the weights."""
         if self.flat is None:
             self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         else:
@@ -146,23 +135,16 @@ class FlatStage(FlatLayout):
         self.grads.zero()
 
     def take_grads(self) -> torch.Tensor:
-        """Non-owner: hand over the accumulated flat gradient and stop holding it.
-
-        The buffer leaves with the message and is not kept for reuse: a fetched stage holds
-        gradient storage only from its first weight-gradient job to its ``REDUCE_G``, as the
-        memory prediction counts (kept, every fetched stage's buffer stayed resident between
-        steps).
-        """
+        """Non-owner: hand over the flat gradient for good (not kept for reuse: a fetched stage
+        holds gradient storage from its first weight-gradient job to its ``REDUCE_G`` only)."""
         return self.grads.give_away()
 
 
 class FlatGrads(FlatLayout):
-    """Gradients of some parameters (of a stage or a tie) accumulated in one flat buffer
-    (``param.grad`` are views)."""
+    """Gradients of some parameters accumulated in one flat buffer (``param.grad`` are views)."""
 
-    def __init__(
-        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__([p for p in params if p.requires_grad])
         self.dtype, self.device = dtype, device
         self.flat: torch.Tensor | None = None
@@ -224,9 +206,8 @@ class FlatGrads(FlatLayout):
         return self.flat
 
     def fold(self, i: int) -> None:
-        """Make parameter i's ``.grad`` a view of the flat buffer again, keeping its value
-        (autograd may replace a ``.grad`` instead of accumulating into it). Needs an active
-        buffer (:meth:`zero` ran this step)."""
+        """Make parameter i's ``.grad`` a view of the active flat buffer again, keeping its value
+        (autograd may replace a ``.grad`` instead of accumulating into it)."""
         assert self.flat is not None
         p, view = self.params[i], self.grad_views(self.flat)[i]
         grad = p.grad

@@ -1,26 +1,19 @@
 """The full model and optimizer state from sharded training: gather to rank 0, give back to all.
 
-No rank holds the whole model (non-owned stages have 0-byte storage) nor every parameter's
-optimizer state, but a checkpoint that loads in one process needs the full state dict under the
-module's own names: each weight unit from its first owner, each optimizer entry from the
-parameter's primary rank (:mod:`.ownership`). Such a checkpoint resumes under any schedule and
-worker count: loading gives every rank the full state (filtered to what a built rank holds), and
-the optimizer state of parameters a rank does not own is pruned once the new ownership is known.
+A checkpoint that loads in one process needs the full state dict under the module's own names,
+though no rank holds the whole model nor every optimizer entry: each weight unit comes from its
+first owner, each optimizer entry from its parameter's primary rank (:mod:`.ownership`). It
+resumes under any schedule and worker count: every rank loads what it holds of the full state and
+prunes the optimizer state of parameters it does not own.
 
 Saving streams, so that rank 0 never holds the whole model and its optimizer state at once:
-
-1. *Describe* (no tensor data moves): :func:`describe_state_dict` gives rank 0 the module's state
-   dict with each parameter a :class:`StreamedTensor` placeholder; :func:`describe_optimizer_state`
-   gathers from every rank a small description of its primary optimizer entries (tiny tensors
-   such as Adam's ``step`` as values) and gives rank 0 ``optimizer.state_dict()``'s full form with
-   placeholders. Every rank records in a :class:`StreamPlan` what it will send.
-2. *Transfer*: :func:`transfer` walks the plan (weight units in :func:`.layout.weight_units`
-   order, then optimizers, source ranks in order); rank 0 hands each tensor to ``sink`` and drops
-   it before the next, so it holds at most one weight unit's buffer received from another rank
-   (or one optimizer tensor) beyond what it keeps.
-
-:func:`full_state_dict` is the same transfer with every tensor kept in place of its placeholder,
-so the gathered and the streamed checkpoint cannot differ.
+*describe* (no tensor data moves) gives rank 0 the state dicts with each tensor a
+:class:`StreamedTensor` placeholder (the optimizer's from one gather of every rank's small
+description of its primary entries; tiny tensors such as Adam's ``step`` travel as values), and
+every rank a :class:`StreamPlan` of what it will send; :func:`transfer` then walks the plan
+(weight units in :func:`.layout.weight_units` order, then optimizers, source ranks in order) and
+rank 0 hands each tensor to ``sink`` and drops it before the next. :func:`full_state_dict` is the
+same transfer keeping every tensor, so the gathered and the streamed checkpoint cannot differ.
 """
 
 from __future__ import annotations
@@ -49,30 +42,9 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def restore_full_weights(stages: StageBuffers, world_size: int) -> None:
-    """Give every rank every stage again (collective), e.g. when training ends.
-
-    Parameters of non-owned stages become views of a freshly received buffer; owned ones keep
-    their values. Afterwards the module is an ordinary full model on every rank (the stage
-    buffers no longer back it: the runtime must not step again).
-    """
-    for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
-        if not flat.numel:
-            continue
-        if flat.owned:
-            buffer = flat.flat.detach().clone()  # type: ignore[union-attr]
-        else:
-            buffer = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
-        if world_size > 1:
-            dist.broadcast(buffer, owners[0])
-        for p, view in flat.views(buffer):
-            p.data = view
-
-
 def _primary_entries(optimizer: Optimizer, state: dict[str, Any],
                      primary: Sequence[nn.Parameter]) -> Iterable[tuple[int, dict[str, Any]]]:
-    """The entries of ``state`` (``optimizer.state_dict()``) of the parameters this rank is
-    primary for."""
+    """The entries of ``state`` (``optimizer.state_dict()``) of the ``primary`` parameters."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     wanted = {id(p) for p in primary}
     return ((i, entry) for i, entry in state["state"].items() if id(params[i]) in wanted)
@@ -87,32 +59,36 @@ def _cpu_entries(optimizer: Optimizer, state: dict[str, Any],
 
 
 def _merged(parts: Iterable[dict[int, Any]], param_groups: Any) -> dict[str, Any]:
-    merged: dict[int, Any] = {}
-    for part in parts:
-        merged.update(part)
+    merged = {index: entry for part in parts for index, entry in part.items()}
     return {"state": dict(sorted(merged.items())), "param_groups": param_groups}
 
 
 def full_optimizer_state(optimizer: Optimizer, primary: Sequence[nn.Parameter], rank: int,
                          world_size: int) -> dict[str, Any]:
-    """The optimizer's state dict with every parameter's state, on rank 0 (collective)."""
+    """The optimizer's state dict with every parameter's state on rank 0, ``{}`` elsewhere."""
     state = optimizer.state_dict()
     if world_size == 1:
         return state
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(_cpu_entries(optimizer, state, primary), gathered, dst=0)
-    if rank != 0:
-        return {}
-    return _merged(gathered or [], state["param_groups"])
+    return {} if gathered is None else _merged(gathered, state["param_groups"])
 
 
-def restore_full_optimizer_state(optimizers: Sequence[Optimizer],
-                                 primary: Sequence[nn.Parameter], world_size: int) -> None:
-    """Give every rank every parameter's optimizer state again (collective; end of a run).
-
-    Together with :func:`restore_full_weights` this makes a finished run look like DDP's, so a
-    checkpoint saved afterwards and a later run both see complete state.
-    """
+def restore_full_state(stages: StageBuffers, optimizers: Sequence[Optimizer],
+                       primary: Sequence[nn.Parameter], world_size: int) -> None:
+    """Give every rank every stage and every parameter's optimizer state again (collective), e.g.
+    when training ends, so the run looks like DDP's to a later save or run: parameters become
+    views of a fresh copy of their unit (the runtime, no longer backing them, must not step)."""
+    with torch.no_grad():
+        for owners, flat in weight_units(stages.programs, stages.flats, stages.ties):
+            if not flat.numel:
+                continue
+            buffer = (flat.flat.detach().clone() if flat.owned  # type: ignore[union-attr]
+                      else torch.empty(flat.numel, dtype=flat.dtype, device=flat.device))
+            if world_size > 1:
+                dist.broadcast(buffer, owners[0])
+            for p, view in flat.views(buffer):
+                p.data = view
     for optimizer in optimizers:
         state = optimizer.state_dict()
         mine = _cpu_entries(optimizer, state, primary)
@@ -124,44 +100,39 @@ def restore_full_optimizer_state(optimizers: Sequence[Optimizer],
 
 
 def prune_optimizer_state(optimizers: Sequence[Optimizer], keep: Sequence[nn.Parameter]) -> int:
-    """Drop state of parameters this rank does not own (e.g. loaded from a full checkpoint)."""
+    """Drop the state of parameters not in ``keep``; returns the number of entries dropped."""
     wanted = {id(p) for p in keep}
     dropped = 0
     for optimizer in optimizers:
-        for p in list(optimizer.state):
-            if id(p) not in wanted:
-                del optimizer.state[p]
-                dropped += 1
+        for p in [p for p in optimizer.state if id(p) not in wanted]:
+            del optimizer.state[p]
+            dropped += 1
     return dropped
 
 
 def load_held_state(module: nn.Module, state: dict[str, Any]) -> None:
-    """Load ``state`` (a full state dict) into what this rank holds of a built model: entries of
-    parameters held elsewhere (empty here) are skipped; owned stage parameters are views of the
-    stage buffers, so loading copies into the buffers."""
+    """Load a full state dict into what this rank holds (owned parameters are views of the stage
+    buffers); parameters held elsewhere (empty here) are skipped."""
     held_elsewhere = {name for name, p in module.named_parameters(remove_duplicate=False)
                       if p.numel() == 0}
     module.load_state_dict({k: v for k, v in state.items() if k not in held_elsewhere},
                            strict=False)
 
 
+@dataclass(eq=False, slots=True)
 class StreamedTensor:
-    """A tensor of a full checkpoint that rank 0 receives only while the file is written.
+    """A tensor of a full checkpoint that rank 0 receives only while the file is written: it
+    stands where ``torch.save`` would find the tensor, and the streaming writer pickles it as the
+    tensor it will be. ``seq``: its place in the transfer order (unique within one save)."""
 
-    Stands where ``torch.save`` would find the tensor (``checkpoint["state_dict"]`` values,
-    optimizer state entries); the streaming writer pickles it as the tensor it will be. ``seq``
-    is its place in the transfer order (unique within one save).
-    """
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: int
+    where: str
+    seq: int
 
-    __slots__ = ("shape", "dtype", "source", "where", "seq")
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, source: int, where: str,
-                 seq: int) -> None:
-        self.shape = tuple(int(n) for n in shape)
-        self.dtype = dtype
-        self.source = source
-        self.where = where
-        self.seq = seq
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(n) for n in self.shape)
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -175,28 +146,25 @@ Sink = Callable[[StreamedTensor, torch.Tensor], None]
 
 
 @dataclass
-class _Unit:
+class _Message:
+    """One tensor for rank 0: a weight ``unit``'s buffer (one placeholder per parameter view) or
+    an optimizer state tensor."""
+
     src: int
-    flat: FlatStage
-    placeholders: list[StreamedTensor]  # rank 0: one per parameter view, else []
-
-
-@dataclass
-class _Source:
-    rank: int
-    placeholders: list[StreamedTensor] = field(default_factory=list)  # rank 0
-    tensors: list[torch.Tensor] = field(default_factory=list)  # on the source itself
+    tensor: torch.Tensor | None  # on the source: what it sends
+    placeholders: list[StreamedTensor]  # rank 0
+    unit: FlatStage | None = None
 
 
 @dataclass
 class StreamPlan:
-    """What one save transfers, the same sequence on every rank (each knows its own part)."""
+    """What one save transfers, in the same order on every rank (each knows its own part)."""
 
     rank: int
     world_size: int
-    device: torch.device = torch.device("cpu")  # where rank 0 receives
-    units: list[_Unit] = field(default_factory=list)
-    optimizers: list[list[_Source]] = field(default_factory=list)
+    device: torch.device = torch.device("cpu")  # where rank 0 receives optimizer tensors
+    messages: list[_Message] = field(default_factory=list)
+    optimizers: int = 0
     count: int = 0  # placeholders numbered so far (rank 0)
 
     def numbered(self, placeholder: StreamedTensor) -> StreamedTensor:
@@ -218,14 +186,13 @@ def describe_state_dict(module: nn.Module, stages: StageBuffers,
     for i, (owners, flat) in enumerate(units):
         if not flat.numel:
             continue
-        unit = _Unit(owners[0], flat, [])
-        plan.units.append(unit)
-        if rank != 0:
-            continue
-        for j, p in enumerate(flat.params):
+        sent = flat.flat.detach() if rank == owners[0] and flat.flat is not None else None
+        message = _Message(owners[0], sent, [], flat)
+        plan.messages.append(message)
+        for j, p in enumerate(flat.params if rank == 0 else []):
             where = f"{flat.kind} {flat.index} (weight unit {i}) offset {flat.offsets[j]}"
-            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, unit.src, where, -1))
-            unit.placeholders.append(ph)
+            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, owners[0], where, -1))
+            message.placeholders.append(ph)
             for name in names.get(id(p), []):
                 state[name] = ph  # a tied parameter: one placeholder under each name
     return state, plan
@@ -233,103 +200,86 @@ def describe_state_dict(module: nn.Module, stages: StageBuffers,
 
 def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
                              primary: Sequence[nn.Parameter]) -> dict[str, Any]:
-    """Rank 0: ``optimizer.state_dict()`` with every parameter's state, tensors as
-    placeholders; ``{}`` elsewhere (collective: one small object gather). Adds the optimizer to
-    ``plan``'s transfer."""
-    rank, k = plan.rank, len(plan.optimizers)
+    """Rank 0: ``optimizer.state_dict()`` with every parameter's state, tensors as placeholders;
+    ``{}`` elsewhere (collective: one small object gather). Adds the optimizer to ``plan``."""
+    rank, k = plan.rank, plan.optimizers
+    plan.optimizers += 1
     state = optimizer.state_dict()
-    # this rank's primary entries, each tensor it will send a placeholder (numbered on rank 0)
-    mine: dict[int, dict[str, Any]] = {}
-    tensors: list[torch.Tensor] = []
-    for index, entry in _primary_entries(optimizer, state, primary):
-        mine[index] = {}
-        for key, value in entry.items():
-            if not isinstance(value, torch.Tensor):
-                mine[index][key] = value
-            elif value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
-                mine[index][key] = value.detach().cpu().clone()
-            else:
-                where = f"optimizer {k} state of parameter {index} {key!r}"
-                mine[index][key] = StreamedTensor(value.shape, value.dtype, rank, where, -1)
-                tensors.append(value.detach())
+    tensors: list[torch.Tensor] = []  # what this rank sends, in order
+
+    def described(index: int, key: str, value: Any) -> Any:
+        """``value`` as rank 0 first sees it: a placeholder for a tensor this rank will send."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
+            return value.detach().cpu().clone()
+        tensors.append(value.detach())
+        where = f"optimizer {k} state of parameter {index} {key!r}"
+        return StreamedTensor(value.shape, value.dtype, rank, where, -1)
+
+    mine = {index: {key: described(index, key, value) for key, value in entry.items()}
+            for index, entry in _primary_entries(optimizer, state, primary)}
     gathered: list[Any] | None = [mine]
     if plan.world_size > 1:
         gathered = [None] * plan.world_size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-    if rank != 0:  # only the source itself knows what it sends; rank 0 needs nothing here
-        plan.optimizers.append([_Source(rank, tensors=tensors)])
+    if gathered is None:  # only the source itself knows what it sends; rank 0 needs nothing
+        plan.messages += [_Message(rank, tensor, []) for tensor in tensors]
         return {}
-    sources = []
-    for src, entries in enumerate(gathered or []):
+    for src, entries in enumerate(gathered):
         placeholders = [plan.numbered(value) for entry in entries.values()
                         for value in entry.values() if isinstance(value, StreamedTensor)]
-        sources.append(_Source(src, placeholders, tensors if src == 0 else []))
-    plan.optimizers.append(sources)
-    return _merged(gathered or [], state["param_groups"])
+        plan.messages += [_Message(src, tensors[i] if src == 0 else None, [ph])
+                          for i, ph in enumerate(placeholders)]
+    return _merged(gathered, state["param_groups"])
 
 
 def transfer(plan: StreamPlan, sink: Sink | None,
              on_hold: Callable[[int], None] | None = None) -> None:
-    """Send every planned tensor to rank 0 in the plan's order (collective). Rank 0 calls
-    ``sink(placeholder, tensor)`` for each (the tensor is valid during the call only);
-    ``on_hold(bytes)`` is told the bytes rank 0 holds for the transfer (a received buffer)."""
+    """Send every planned tensor to rank 0 in the plan's order (collective); rank 0 calls
+    ``sink(placeholder, tensor)`` for each (valid during the call only) and tells ``on_hold`` the
+    bytes it holds for the transfer (a received buffer)."""
     rank = plan.rank
-
-    def hold(nbytes: int) -> None:
-        if on_hold is not None:
-            on_hold(nbytes)
+    hold: Callable[[int], None] = on_hold or (lambda nbytes: None)
 
     def receive(tensor: torch.Tensor, src: int) -> torch.Tensor:
         hold(tensor.numel() * tensor.element_size())
         dist.recv(tensor, src)
         return tensor
 
-    for unit in plan.units:
-        flat = unit.flat
-        if rank != 0:
-            if rank == unit.src:
-                assert flat.flat is not None
-                dist.send(flat.flat.detach().contiguous(), 0)
+    for m in plan.messages:
+        if rank != 0:  # rank 0 only sends to itself: no message
+            if rank == m.src:
+                assert m.tensor is not None
+                dist.send(m.tensor.contiguous(), 0)
             continue
-        if unit.src == 0:
-            assert flat.flat is not None
-            buffer = flat.flat.detach()
+        unit, first = m.unit, m.placeholders[0]
+        if m.src == 0:
+            assert m.tensor is not None
+            buffer = m.tensor
+        elif unit is not None:
+            buffer = receive(torch.empty(unit.numel, dtype=unit.dtype, device=unit.device), m.src)
         else:
-            buffer = receive(torch.empty(flat.numel, dtype=flat.dtype, device=flat.device),
-                             unit.src)
-        if sink is not None:
-            for ph, (_, view) in zip(unit.placeholders, flat.views(buffer), strict=True):
+            buffer = receive(torch.empty(first.shape, dtype=first.dtype, device=plan.device), m.src)
+        if sink is not None and unit is not None:
+            for ph, (_, view) in zip(m.placeholders, unit.views(buffer), strict=True):
                 sink(ph, view)
+        elif sink is not None:
+            sink(first, buffer)
         del buffer
         hold(0)
-    for sources in plan.optimizers:
-        for source in sources:
-            if rank != 0:  # rank 0 only sends to itself: no message
-                for tensor in source.tensors:
-                    dist.send(tensor.contiguous(), 0)
-                continue
-            for i, ph in enumerate(source.placeholders):
-                if source.rank == 0:
-                    tensor = source.tensors[i]
-                else:
-                    tensor = receive(torch.empty(ph.shape, dtype=ph.dtype, device=plan.device),
-                                     source.rank)
-                if sink is not None:
-                    sink(ph, tensor)
-                del tensor
-                hold(0)
 
 
-def keep_all(plan: StreamPlan) -> dict[int, torch.Tensor]:
-    """Run the transfer keeping every tensor (copies) on rank 0, by ``id(placeholder)``
-    (collective): rank 0 then holds them all, as a gathered checkpoint does."""
+def transfer_kept(plan: StreamPlan, described: Any) -> Any:
+    """Run the transfer keeping a copy of every tensor on rank 0 in place of its placeholder in
+    ``described`` (collective): rank 0 then holds them all, as a gathered checkpoint does."""
     kept: dict[int, torch.Tensor] = {}
 
     def keep(placeholder: StreamedTensor, tensor: torch.Tensor) -> None:
         kept[id(placeholder)] = tensor.detach().clone()
 
     transfer(plan, keep)
-    return kept
+    return fill_placeholders(described, kept)
 
 
 def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
@@ -349,10 +299,9 @@ def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
     return obj
 
 
-def full_state_dict(module: nn.Module, stages: StageBuffers,
-                    world_size: int) -> dict[str, Any]:
+def full_state_dict(module: nn.Module, stages: StageBuffers, world_size: int) -> dict[str, Any]:
     """The module's full state dict on rank 0, ``{}`` elsewhere (collective): the streamed
     transfer, every tensor kept (a tied parameter is one tensor under each of its names)."""
     state, plan = describe_state_dict(module, stages, world_size)
-    filled: dict[str, Any] = fill_placeholders(state, keep_all(plan))
+    filled: dict[str, Any] = transfer_kept(plan, state)
     return filled

@@ -22,8 +22,8 @@ from lightning_gsched.schedule.program import BACKWARD_OPS, Action, Op, Programs
 
 @dataclass
 class StepResult:
-    """What one ``step()`` returns on one rank: ``{b: loss}`` (unscaled, detached) for the
-    microbatches whose last stage ran here, and what this rank did."""
+    """One ``step()`` on one rank: ``{b: loss}`` (unscaled, detached) for the microbatches whose
+    last stage ran here, and what this rank did."""
 
     losses: dict[int, torch.Tensor]
     counters: RuntimeCounters
@@ -33,14 +33,10 @@ class StageBuffers(Protocol):
     """The executor's stage buffers and their owners, as ownership and the full state read them
     (a Protocol: they need not import the executor)."""
 
-    @property
-    def rank(self) -> int: ...
-    @property
-    def programs(self) -> Programs: ...
-    @property
-    def flats(self) -> Sequence[FlatStage]: ...
-    @property
-    def ties(self) -> Mapping[int, FlatStage]: ...  # tie home stage -> its unit
+    rank: int
+    programs: Programs
+    flats: list[FlatStage]
+    ties: dict[int, FlatStage]  # tie home stage -> its unit
 
 
 def micro_of(a: Action) -> int:
@@ -56,9 +52,8 @@ def peer_of(a: Action) -> int:
 
 
 def stage_micros(programs: Programs, rank: int) -> tuple[list[int], list[int]]:
-    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there):
-    which ``inputs`` a rank passes to ``step()``/``forward()``, and for which microbatches
-    ``loss_fn``/``output_fn`` is called there."""
+    """(microbatches whose first stage runs on ``rank``, those whose last stage runs there): the
+    ``inputs`` it passes to ``step()``/``forward()``, and where ``loss_fn``/``output_fn`` run."""
     last = programs.num_stages - 1
     ran = [(a.stage, micro_of(a)) for a in programs.ranks[rank] if a.op is Op.F]
     return sorted(b for s, b in ran if s == 0), sorted(b for s, b in ran if s == last)
@@ -79,25 +74,19 @@ class ProgramView:
     @classmethod
     def of(cls, programs: Programs, rank: int) -> "ProgramView":
         program = programs.ranks[rank]
-        return cls(
-            programs,
-            program,
-            *stage_micros(programs, rank),
-            frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.F),
-            frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.B),
-            OpRules.of(programs),
-        )
+        return cls(programs, program, *stage_micros(programs, rank),
+                   frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.F),
+                   frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.B),
+                   OpRules.of(programs))
 
 
-def check_forward_programs(train: Programs, programs: Programs, rank: int | None = None,
-                           ) -> None:
-    """``programs`` can run as forward-only programs on an executor built for ``train``. The
-    planner's programs are checked by their ``forward_only`` flag and ``rank``'s own program,
-    without lowering the other ranks' (every rank decides alike); others are scanned whole."""
-    fix = (
-        "plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
-        "forward_only=True), i.e. the schedule, W, S, R and ties of the executor's programs "
-        "(the number of microbatches may differ)")
+def check_forward_programs(train: Programs, programs: Programs, rank: int | None = None) -> None:
+    """``programs`` can run as forward-only programs on an executor built for ``train``. Planned
+    programs are checked by their ``forward_only`` flag and ``rank``'s own program, without
+    lowering the other ranks' (every rank decides alike); others are scanned whole."""
+    fix = ("plan them with plan(<same schedule>, workers=W, stages=S, R=R, ties=..., "
+           "forward_only=True), i.e. the schedule, W, S, R and ties of the executor's programs "
+           "(the number of microbatches may differ)")
     if not isinstance(programs, Programs):
         raise RuntimeConfigError(
             f"forward() needs the Programs of a forward-only plan (plan(...).programs), got "
@@ -107,12 +96,11 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
             raise RuntimeConfigError(
                 "forward() runs forward-only programs, but these programs are a training "
                 f"plan's (backward, input-gradient or gradient-reduction actions); {fix}.")
-        scanned: Sequence[tuple[int, list[Action]]] = (
-            [] if rank is None else [(rank, programs.ranks[rank])])
+        scanned = [] if rank is None else [rank]
     else:
-        scanned = list(enumerate(programs.ranks))
-    for where, program in scanned:
-        bad = next((a for a in program if a.op in BACKWARD_OPS), None)
+        scanned = list(range(len(programs.ranks)))
+    for where in scanned:
+        bad = next((a for a in programs.ranks[where] if a.op in BACKWARD_OPS), None)
         if bad is not None:
             raise RuntimeConfigError(
                 f"forward() runs forward-only programs, but rank {where}'s program contains "
@@ -123,9 +111,8 @@ def check_forward_programs(train: Programs, programs: Programs, rank: int | None
     if programs.num_stages != train.num_stages:
         mismatches.append(f"{programs.num_stages} stages instead of {train.num_stages}")
     elif [tuple(o) for o in programs.owners] != [tuple(o) for o in train.owners]:
-        mismatches.append(
-            f"stage owners {[list(o) for o in programs.owners]} instead of "
-            f"{[list(o) for o in train.owners]}")
+        mismatches.append(f"stage owners {[list(o) for o in programs.owners]} instead of "
+                          f"{[list(o) for o in train.owners]}")
     if sorted(programs.edges) != sorted(train.edges):
         mismatches.append(f"stage edges {programs.edges} instead of {train.edges}")
     if dict(programs.ties) != dict(train.ties):
@@ -142,8 +129,7 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
             f"the programs are for {programs.num_stages} stages but {len(stages)} stage modules "
             f"were given; partition the model into {programs.num_stages} stages or plan with "
             f"stages={len(stages)}.")
-    chain = [(s, s + 1) for s in range(programs.num_stages - 1)]
-    if sorted(programs.edges) != chain:
+    if sorted(programs.edges) != [(s, s + 1) for s in range(programs.num_stages - 1)]:
         raise RuntimeConfigError(
             f"the runtime executes a chain of stages (stage s feeds s+1, as partition() "
             f"produces), but the programs' stage graph has edges {programs.edges}; plan without "
@@ -152,41 +138,32 @@ def check_programs(stages: Sequence[nn.Module], programs: Programs) -> None:
 
 @dataclass(frozen=True)
 class TieGroup:
-    """The tied parameters whose home (lowest reading stage) is ``home``; ``readers``: every
-    stage that reads one of them (home included, sorted)."""
+    """Tied parameters whose home (lowest stage reading them) is ``home``; sorted ``readers``."""
 
     home: int
     readers: tuple[int, ...]
     params: list[nn.Parameter]
 
 
-def split_parameters(
-    stages: Sequence[nn.Module],
-) -> tuple[list[list[nn.Parameter]], list[TieGroup]]:
+def split_parameters(stages: Sequence[nn.Module]
+                     ) -> tuple[list[list[nn.Parameter]], list[TieGroup]]:
     """(each stage's own parameters, the ties): the one rule for both the runtime's buffers and
     ``measure.measure_stage_bytes``'s sizes."""
     per_stage = [list(dict.fromkeys(stage.parameters())) for stage in stages]
-    readers: dict[int, list[int]] = {}
+    readers: dict[int, list[int]] = {}  # in stage order: the first is the home
     for s, params in enumerate(per_stage):
         for p in params:
             readers.setdefault(id(p), []).append(s)
     own = [[p for p in params if len(readers[id(p)]) == 1] for params in per_stage]
-    groups: dict[int, tuple[set[int], list[nn.Parameter]]] = {}
-    for params in per_stage:
-        for p in params:
-            stages_of = readers[id(p)]
-            if len(stages_of) > 1:
-                reading, members = groups.setdefault(min(stages_of), (set(), []))
-                reading.update(stages_of)
-                if all(q is not p for q in members):
-                    members.append(p)
-    ties = [TieGroup(home, tuple(sorted(reading)), members)
-            for home, (reading, members) in sorted(groups.items())]
-    return own, ties
+    groups: dict[int, list[nn.Parameter]] = {}
+    for p in {id(p): p for params in per_stage for p in params if len(readers[id(p)]) > 1}.values():
+        groups.setdefault(readers[id(p)][0], []).append(p)
+    return own, [TieGroup(home, tuple(sorted({s for p in ps for s in readers[id(p)]})), ps)
+                 for home, ps in sorted(groups.items())]
 
 
 def tie_map(stages: Sequence[nn.Module]) -> dict[int, tuple[int, ...]]:
-    """``{home: readers}`` of the stages' tied parameters: what ``plan(..., ties=)`` needs."""
+    """``{home: readers}`` of the stages' tied parameters, for ``plan(..., ties=)``."""
     return {g.home: g.readers for g in split_parameters(stages)[1]}
 
 
@@ -203,26 +180,22 @@ def check_ties(stages: Sequence[nn.Module], programs: Programs) -> None:
 
 def weight_units(programs: Programs, flats: Sequence[FlatStage],
                  ties: Mapping[int, FlatStage]) -> list[tuple[tuple[int, ...], FlatStage]]:
-    """Every stage buffer and tie unit with its owners (a tie's are its home stage's), stages
-    first, then ties by home: the same order on every rank, for collectives over all units."""
+    """Every stage buffer and tie unit with its owners (a tie's are its home stage's), in the
+    same order on every rank (stages, then ties by home), for collectives over all units."""
     owners = programs.owners
     return ([(tuple(owners[s]), flat) for s, flat in enumerate(flats)]
             + [(tuple(owners[h]), unit) for h, unit in sorted(ties.items())])
 
 
-def build_flat_stages(
-    stages: Sequence[nn.Module], owned: Collection[int], owned_ties: Collection[int] = (),
-) -> tuple[list[FlatStage], dict[int, FlatStage], torch.device]:
-    """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), the device (that of
-    the tensors with storage: a deferred model's other ranks' parameters are on ``meta``).
-    Non-owned stages and ties are released right away."""
+def build_flat_stages(stages: Sequence[nn.Module], owned: Collection[int],
+                      owned_ties: Collection[int] = (),
+                      ) -> tuple[list[FlatStage], dict[int, FlatStage], torch.device]:
+    """One :class:`FlatStage` per stage, one per tie (``{home: unit}``), and the device of the
+    tensors with storage (a deferred model's other ranks' parameters are on ``meta``)."""
     own, ties = split_parameters(stages)
     tensors = [*(p for stage in stages for p in stage.parameters()),
                *(b for stage in stages for b in stage.buffers())]
     device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
-    flats = [FlatStage(s, params, owned=s in owned, device=device)
-             for s, params in enumerate(own)]
-    units = {g.home: FlatStage(g.home, g.params, owned=g.home in owned_ties, kind="tie",
-                               device=device)
-             for g in ties}
+    flats = [FlatStage(s, params, owned=s in owned, device=device) for s, params in enumerate(own)]
+    units = {g.home: FlatStage(g.home, g.params, g.home in owned_ties, "tie", device) for g in ties}
     return flats, units, device

@@ -1,15 +1,14 @@
 """Deferred initialisation: build a model without its weights, give each rank only its own.
 
 A model that does not fit one device must never be whole on any rank. Built under
-:func:`deferred_parameters` (``GeneralParallel``'s ``tensor_init_context``), every parameter is
-on the ``meta`` device while buffers stay real: they are small, and many are computed when the
-module is built (causal masks, rotary frequencies). Tracing, partitioning and planning work on
-the meta model; then each rank gives storage to its stages' parameters and initialises them.
+:func:`deferred_parameters`, every parameter is on the ``meta`` device while buffers stay real
+(small, and often computed at build: causal masks, rotary frequencies). Tracing, partitioning and
+planning work on the meta model; then each rank gives its stages' parameters storage and values.
 
 **Same seed, same weights, whatever W, schedule and S.** Every module holding parameters runs its
 own ``reset_parameters()`` under an RNG seeded by :func:`module_seed` (the run's seed and the
-module's name), so no value depends on which rank initialises which module, nor in which order.
-A tied parameter keeps its first holder's values in ``named_modules()`` order, as in eager
+module's name), so no value depends on which rank initialises which module, nor in which order;
+a tied parameter keeps its first holder's values in ``named_modules()`` order, as in eager
 construction. :func:`initialize` does the same on one device, for a single-process reference.
 """
 
@@ -44,13 +43,9 @@ _LOAD_FIX = (
 
 @contextlib.contextmanager
 def deferred_parameters() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device; buffers stay real.
-
-    A parameter is created where the module creates it (``torch.empty`` commits no pages) and
-    moved to ``meta`` as it is registered. Loading weights inside (``load_state_dict``, or a real
-    parameter assigned over a meta one, as ``from_pretrained`` does) raises
-    :class:`DeferredLoadError` instead of dropping them.
-    """
+    """Modules built inside get their parameters on the meta device, moved as they are registered
+    (``torch.empty`` commits no pages). Loading weights inside (``load_state_dict``, or a real
+    parameter assigned over a meta one, as ``from_pretrained`` does) raises, not drops them."""
     load_state_dict = nn.Module.load_state_dict
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -81,14 +76,12 @@ def is_deferred(module: nn.Module) -> bool:
 
 
 def module_seed(seed: int, name: str) -> int:
-    """The RNG seed module ``name`` is initialised under: a function of the run's seed and the
-    name alone (crc32 of the name, so it is the same in every process)."""
+    """The RNG seed module ``name`` is initialised under: a function of the seed and name alone."""
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
 def _holders(module: nn.Module, params: Collection[int]) -> list[tuple[str, nn.Module]]:
-    """Modules (canonical names) that directly hold a parameter in ``params`` (by id) or a meta
-    buffer."""
+    """Modules (canonical names) directly holding a parameter in ``params`` or a meta buffer."""
     return [(name, sub) for name, sub in module.named_modules()
             if any(id(p) in params for p in sub.parameters(recurse=False))
             or any(b.is_meta for b in sub.buffers(recurse=False))]
@@ -109,14 +102,10 @@ def _reset_parameters(name: str, sub: nn.Module, owner: str) -> Callable[[], Non
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], seed: int,
                           device: torch.device) -> None:
-    """Give ``params`` storage on ``device`` and initialise them, leaving the other meta
-    parameters without storage.
-
-    Each module holding one of them runs ``reset_parameters()`` under :func:`module_seed`; its
-    other meta parameters (another rank's) get scratch storage for the call, so the RNG draws,
-    and hence the values, are the same as on one device. Meta buffers (a model built under
-    ``torch.device("meta")``) get storage on ``device`` and are reset by their module too.
-    """
+    """Give ``params`` storage on ``device`` and initialise them; other meta parameters stay so.
+    Each module holding one runs ``reset_parameters()`` under :func:`module_seed`, its other meta
+    parameters (another rank's) on scratch storage, so the RNG draws and values are the same as on
+    one device. Meta buffers (of a model built on ``torch.device("meta")``) are reset there too."""
     wanted = {id(p) for p in params}
     owner = type(module).__name__
     # every rank checks every module (not only those it initialises), so all fail alike
@@ -127,13 +116,11 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
             set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
     initialised: set[int] = set()  # a tied parameter keeps its first holder's values
     for name, sub in _holders(module, wanted):
-        kept = [(p, p.detach().clone()) for p in sub.parameters(recurse=False)
-                if id(p) in initialised]
-        scratch = []
-        for p in sub.parameters(recurse=False):
-            if p.is_meta:
-                scratch.append(p)
-                set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+        own = list(sub.parameters(recurse=False))
+        kept = [(p, p.detach().clone()) for p in own if id(p) in initialised]
+        scratch = [p for p in own if p.is_meta]
+        for p in scratch:
+            set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
         for bname, b in list(sub.named_buffers(recurse=False)):
             if b.is_meta:
                 sub._buffers[bname] = torch.empty_like(b, device=device)
@@ -149,8 +136,8 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
 
 def owned_parameters(stages: Sequence[nn.Module], programs: Programs, rank: int,
                      module: nn.Module) -> list[nn.Parameter]:
-    """The parameters ``rank`` keeps: its stages' own, its ties', and the ones no stage reads
-    (the loss may read them; every rank keeps those)."""
+    """The parameters ``rank`` keeps: its stages' own, its ties', and those no stage reads (the
+    loss may read them; every rank keeps those)."""
     own, ties = split_parameters(stages)
     keep = [p for s in programs.owned_stages(rank) for p in own[s]]
     homes = set(programs.owned_ties(rank))
@@ -161,8 +148,7 @@ def owned_parameters(stages: Sequence[nn.Module], programs: Programs, rank: int,
 
 
 def initialize(module: nn.Module, seed: int, device: Any = "cpu") -> nn.Module:
-    """The weights a deferred ``module`` gets under ``GeneralParallel``, on one device: for a
-    single-process reference run, or to train on one device a model written for deferred
-    initialisation. Returns ``module``."""
+    """The weights a deferred ``module`` gets under ``GeneralParallel``, on one device (a
+    single-process reference, or a model written for deferred initialisation trained on one)."""
     initialize_parameters(module, list(module.parameters()), seed, torch.device(device))
     return module

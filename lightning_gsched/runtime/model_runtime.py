@@ -38,34 +38,21 @@ class ParameterMemory:
 
 
 class ModelRuntime:
-    """This rank's share of ``module`` trained by ``programs``.
-
-    Args:
-        module: the whole model (every rank passes its own identical replica): parameters that
-            no stage reads but the step does (a loss module) are found here.
-        stages: its stages, e.g. ``partition(module, S, ...).stages``.
-        programs: ``plan(...).programs``, the same on every rank.
-        timeout, sync_weights, channels, forward_context, checkpointed, transport: as
-            :class:`ProgramExecutor`'s.
-        release_heap_each_step: return the C heap's free pages at every step's start and after
-            the hand-over (:mod:`.host_heap`), for models whose memory is the constraint (the
-            engine asks for it for a model built without weights); it costs a small model ~15%
-            of its step on CPU.
-
-    ``executor`` is the :class:`ProgramExecutor` underneath, for tools that time or count what
-    it does (benchmarks, tests); front ends use the methods below.
-    """
+    """This rank's share of ``module`` (each rank's identical replica, where parameters no stage
+    reads but the step does, e.g. a loss module, are found) trained by ``plan(...).programs`` on
+    ``partition(...).stages``. Other arguments are :class:`ProgramExecutor`'s, except
+    ``release_heap_each_step``: return the C heap's free pages at every step's start and after the
+    hand-over (:mod:`.host_heap`), for models whose memory is the constraint (costs a small model
+    ~15% of its step on CPU). ``executor``: for tools that time or count what it does."""
 
     def __init__(self, module: nn.Module, stages: Sequence[nn.Module], programs: Programs, *,
                  timeout: float = 300.0, sync_weights: bool = True,
-                 channels: Channels | None = None,
-                 forward_context: ForwardContext | None = None,
+                 channels: Channels | None = None, forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None,
                  transport: str = "auto", release_heap_each_step: bool = False) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
-                                        sync_weights=sync_weights,
-                                        forward_context=forward_context,
+                                        sync_weights=sync_weights, forward_context=forward_context,
                                         checkpointed=checkpointed, transport=transport)
         self.rank = self.executor.rank
         self.world_size = programs.world_size
@@ -90,24 +77,21 @@ class ModelRuntime:
         return self.executor.channels.closed
 
     def step(self, inputs: Mapping[int, CallArgs], loss_fn: LossFn, *,
-             signature: Hashable | None = None,
-             on_computed: Callable[[dict[int, Any]], None] | None = None,
-             drop_previous_grads: bool = False) -> StepResult:
-        """One step of the schedule (:meth:`ProgramExecutor.step`); its gradients are then held
-        here until :meth:`hand_over`, and ``param.grad`` is what it was before the step, or
-        None with ``drop_previous_grads`` (the caller's loop zeroes them before the hand-over)."""
+             signature: Hashable | None = None, drop_previous_grads: bool = False,
+             on_computed: Callable[[dict[int, Any]], None] | None = None) -> StepResult:
+        """One step; its gradients are held here until :meth:`hand_over`, and ``param.grad`` stays
+        as before it (None with ``drop_previous_grads``: the loop zeroes them before hand-over)."""
         self._grads.before_step(drop_previous=drop_previous_grads)
         if self.release_heap_each_step:  # what the last step freed, before this one allocates
             release_free_heap(self.device)
-        result = self.executor.step(inputs, loss_fn, signature=signature,
-                                    on_computed=on_computed)
+        result = self.executor.step(inputs, loss_fn, signature=signature, on_computed=on_computed)
         self._grads.after_step()
         return result
 
     def forward(self, programs: Programs, inputs: Mapping[int, CallArgs],
                 output_fn: Callable[[Any, int], Any], *,
                 signature: Hashable | None = None) -> dict[int, Any]:
-        """A forward-only run (:meth:`ProgramExecutor.forward`); gradients are untouched."""
+        """A forward-only run; gradients are untouched."""
         return self.executor.forward(programs, inputs, output_fn, signature=signature)
 
     def owned_parameters(self) -> list[nn.Parameter]:
@@ -115,8 +99,7 @@ class ModelRuntime:
         return self.ownership.owned
 
     def primary_parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank counts (norms) and writes (checkpoints): each parameter is
-        primary on exactly one rank."""
+        """What this rank counts (norms) and writes (checkpoints): each parameter on one rank."""
         return self.ownership.primary
 
     def stage_parameters(self) -> list[nn.Parameter]:
@@ -127,8 +110,7 @@ class ModelRuntime:
         """``param.grad += scale * gradient of the last step`` (assigned where None), as
         ``loss.backward()`` would; a second call without a step hands over nothing."""
         self._grads.hand_over(scale)
-        if self.release_heap_each_step:
-            # the schedule's transients are free now, before the optimizer allocates its own
+        if self.release_heap_each_step:  # the step's transients, before the optimizer allocates
             release_free_heap(self.device)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float,
@@ -150,9 +132,9 @@ class ModelRuntime:
                                               self.world_size)
 
     def streamed_state_dict(self) -> dict[str, Any]:
-        """:meth:`full_state_dict` with every stage parameter a :class:`~.fullstate.StreamedTensor`
-        placeholder (no data moves): starts a streamed save, which
-        :meth:`streamed_optimizer_state` extends and :meth:`stream` carries out."""
+        """:meth:`full_state_dict` with placeholders for the stage parameters (no data moves):
+        starts a streamed save, which :meth:`streamed_optimizer_state` extends and :meth:`stream`
+        sends."""
         state, self._stream = fullstate.describe_state_dict(self.module, self.executor,
                                                             self.world_size)
         return state
@@ -163,18 +145,15 @@ class ModelRuntime:
         return self._stream is not None
 
     def streamed_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """:meth:`full_optimizer_state` with tensors as placeholders (one gather of small
-        descriptions); after :meth:`streamed_state_dict`."""
+        """:meth:`full_optimizer_state` with placeholders, after :meth:`streamed_state_dict`."""
         if self._stream is None:
             raise RuntimeError("streamed_optimizer_state() before streamed_state_dict()")
-        return fullstate.describe_optimizer_state(self._stream, optimizer,
-                                                  self.ownership.primary)
+        return fullstate.describe_optimizer_state(self._stream, optimizer, self.ownership.primary)
 
     def stream(self, sink: fullstate.Sink | None,
                on_hold: Callable[[int], None] | None = None) -> bool:
-        """Send the described tensors to rank 0 one at a time; rank 0 calls
-        ``sink(placeholder, tensor)`` for each. False (nothing done) when no streamed save was
-        described since the last one."""
+        """Send the described tensors to rank 0 one at a time (:func:`.fullstate.transfer`);
+        False (nothing done) when no streamed save was described since the last one."""
         plan, self._stream = self._stream, None
         if plan is None:
             return False
@@ -182,41 +161,33 @@ class ModelRuntime:
         return True
 
     def stream_kept(self, described: Any) -> Any:
-        """:meth:`stream` with every tensor kept on rank 0 in place of its placeholder in
-        ``described`` (in place for dicts and lists), for a described checkpoint written by
-        other means (a user's CheckpointIO)."""
+        """:meth:`stream` keeping every tensor on rank 0 in place of its placeholder in
+        ``described`` (in place for dicts and lists), for a checkpoint written by a CheckpointIO."""
         plan, self._stream = self._stream, None
-        if plan is None:
-            return described
-        return fullstate.fill_placeholders(described, fullstate.keep_all(plan))
+        return described if plan is None else fullstate.transfer_kept(plan, described)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full state dict into what this rank holds (other stages' entries skipped)."""
         fullstate.load_held_state(self.module, state)
 
     def prune_optimizer_state(self, optimizers: Sequence[Optimizer]) -> int:
-        """Drop optimizer state of parameters this rank does not own (after loading full state);
-        the number of entries dropped."""
+        """Drop the optimizer state of parameters this rank does not own; returns how many."""
         return fullstate.prune_optimizer_state(optimizers, self.ownership.owned)
 
     def restore_full_model(self, optimizers: Sequence[Optimizer]) -> None:
         """Give every rank the full weights and the optimizers' full state again, then close:
         afterwards the module is an ordinary model, as after DDP."""
-        with torch.no_grad():
-            fullstate.restore_full_weights(self.executor, self.world_size)
-        fullstate.restore_full_optimizer_state(optimizers, self.ownership.primary,
-                                               self.world_size)
+        fullstate.restore_full_state(self.executor, optimizers, self.ownership.primary,
+                                     self.world_size)
         self.close()
 
     def memory(self) -> ParameterMemory:
-        """Parameter bytes by category on this rank."""
         flats, ties = self.executor.flats, self.executor.ties
         return ParameterMemory(
             stage_bytes=[flat.nbytes for flat in flats],
             tie_bytes={h: unit.nbytes for h, unit in sorted(ties.items())},
             owned_stages=sorted(self.executor.owned),
-            resident_bytes=sum(unit.resident_bytes() for unit in [*flats, *ties.values()]),
-        )
+            resident_bytes=sum(unit.resident_bytes() for unit in [*flats, *ties.values()]))
 
     def record_memory(self, enabled: bool = True) -> None:
         """Start (afresh) or stop accounting for the bytes this rank holds during steps."""
@@ -230,14 +201,12 @@ class ModelRuntime:
             return None
         # constant over a step (it changes in optimizer.step, outside the programs)
         state = sum(optimizer_state_bytes(opt, self.ownership.owned) for opt in optimizers)
-        shifted = [{**d, "optimizer": state, "total": d.get("total", 0) + state}
-                   for d in (measured.at_peak, measured.peaks)]
-        return MeasuredBytes(*shifted)
+        return MeasuredBytes(*({**d, "optimizer": state, "total": d.get("total", 0) + state}
+                               for d in (measured.at_peak, measured.peaks)))
 
     def abort(self, message: str) -> None:
-        """A failure outside a step (e.g. in the user's code before stage 0): tell the job
-        (peers quote ``message`` as the first failure) and drop the process groups, so every
-        peer waiting on this rank fails at once instead of at its timeout."""
+        """A failure outside a step (e.g. in user code before stage 0): tell the job (peers quote
+        ``message`` as the first failure) and drop the process groups, so waiting peers fail now."""
         self.executor.abort(message)
 
     def close(self) -> None:

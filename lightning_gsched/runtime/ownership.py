@@ -1,15 +1,12 @@
 """Which of a module's parameters this rank holds, updates, and counts once over all ranks.
 
-Three kinds of parameters behave differently under a schedule:
-
-* stage parameters: in one stage's flat buffer; held and updated by the stage's owners (all
-  replicas); counted once, on the stage's first owner;
-* tied parameters (several stages read them): in one tie unit per home stage, held and updated by
-  that stage's owners, fetched for the step by other ranks that compute a reader stage; counted
-  once, on the home stage's first owner;
-* extra parameters: trainable parameters of the module that no stage reads but the step does (a
-  loss module, a head applied after the model's call); they get gradients on the ranks that
-  finish microbatches, so the hand-over sums them over all ranks; counted on rank 0.
+* stage parameters: in one stage's flat buffer, held and updated by the stage's owners (all
+  replicas), counted on the stage's first owner;
+* tied parameters (read by several stages): in one tie unit per home stage, held, updated and
+  counted as that stage's are (other ranks computing a reader stage fetch it);
+* extra parameters: trainable parameters no stage reads but the step does (a loss module, a head
+  applied after the model's call): they get gradients on the ranks that finish microbatches, so
+  the hand-over sums them over all ranks; counted on rank 0.
 """
 
 from __future__ import annotations

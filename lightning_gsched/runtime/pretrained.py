@@ -2,14 +2,13 @@
 
 A model built without weights (:mod:`.materialize`) must not be read whole by any rank either.
 Safetensors as ``transformers`` saves them (one ``model.safetensors``, or an index whose
-``weight_map`` names each tensor's shard) are read one tensor at a time, so each rank reads the
-parameters it keeps (:func:`.materialize.owned_parameters`) and nothing else. ``prefix`` is what
-the model's state-dict names carry before the file's (``"model."`` for a LightningModule holding
-the network as ``self.model``); parameters outside it are initialised as without weights. A tied
-parameter is read under the first of its names the file has. Before reading, every rank checks
-every parameter under ``prefix`` against the headers (name and shape), so a mismatch fails every
-rank alike. Every rank reads the persistent buffers the file has (buffers are small and held by
-every rank); the others keep their built values.
+``weight_map`` names each tensor's shard) are read one tensor at a time, so each rank reads only
+the parameters it keeps. ``prefix`` is what the model's state-dict names carry before the file's
+(``"model."`` for a LightningModule holding the network as ``self.model``); parameters outside it
+are initialised as without weights. A tied parameter is read under the first of its names the
+file has. Every rank first checks every parameter under ``prefix`` against the headers (name and
+shape), so a mismatch fails every rank alike. Every rank reads the persistent buffers the file
+has (small, held by every rank); the others keep their built values.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterable
+from typing import Any, Collection
 
 import torch
 from torch import nn
@@ -38,9 +37,7 @@ class PretrainedWeightsError(StrategyConfigError):
 
 @dataclass(frozen=True)
 class PretrainedWeights:
-    """Where a deferred model's weights come from: ``path`` (a ``.safetensors`` file, an
-    ``.index.json``, or a directory holding ``model.safetensors.index.json`` or
-    ``model.safetensors``) and the ``prefix`` the model's names carry before the file's."""
+    """A ``.safetensors`` file or index, and the ``prefix`` the model's names carry before its."""
 
     path: Path
     prefix: str = ""
@@ -48,7 +45,7 @@ class PretrainedWeights:
 
 def pretrained_weights(path: str | os.PathLike[str], prefix: str = "") -> PretrainedWeights:
     """Check ``path`` exists and resolve a directory to its index or single file (reading no
-    weights: this runs where the strategy's arguments are checked, before any process)."""
+    weights: this runs where the strategy's arguments are checked)."""
     if not isinstance(prefix, str):
         raise PretrainedWeightsError(
             f"init_weights_prefix must be a string (the model's state_dict names before the "
@@ -93,23 +90,17 @@ def _where(weights: PretrainedWeights) -> dict[str, Path]:
         return {name: weights.path for name in f.keys()}
 
 
-def _file_key(names: Iterable[str], prefix: str, where: dict[str, Path]) -> str | None:
-    """The file's name for a parameter: its first name under ``prefix`` the file has."""
-    under = [n[len(prefix):] for n in names if n.startswith(prefix)]
-    return next((k for k in under if k in where), under[0] if under else None)
-
-
-def _check(module: nn.Module, weights: PretrainedWeights,
-           where: dict[str, Path]) -> dict[int, str]:
+def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]) -> dict[int, str]:
     """Every parameter under the prefix is in the files with its shape (headers only); returns
-    parameter id -> file key."""
+    parameter id -> file key (its first name under the prefix the file has)."""
     params = {id(p): p for p in module.parameters()}
     names = parameter_names(module)
     keys: dict[int, str] = {}
     for pid, aliases in names.items():
-        key = _file_key(aliases, weights.prefix, where)
-        if key is None:
+        under = [n[len(weights.prefix):] for n in aliases if n.startswith(weights.prefix)]
+        if not under:
             continue
+        key = next((k for k in under if k in where), under[0])
         if key not in where:
             raise PretrainedWeightsError(
                 f"the parameter {aliases[0]!r} is not in {weights.path} (looked for {key!r} with "
@@ -118,12 +109,9 @@ def _check(module: nn.Module, weights: PretrainedWeights,
                 "the file lacks (e.g. 'model.' for a LightningModule holding the network as "
                 "self.model), or save the weights of this model")
         keys[pid] = key
-    by_file: dict[Path, list[int]] = {}
-    for pid, key in keys.items():
-        by_file.setdefault(where[key], []).append(pid)
-    for file, pids in by_file.items():
+    for file in dict.fromkeys(where[key] for key in keys.values()):
         with _open(file) as f:
-            for pid in pids:
+            for pid in (pid for pid, key in keys.items() if where[key] == file):
                 shape = tuple(f.get_slice(keys[pid]).get_shape())
                 if shape != tuple(params[pid].shape):
                     raise PretrainedWeightsError(
@@ -138,22 +126,17 @@ def _check(module: nn.Module, weights: PretrainedWeights,
 def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
                     weights: PretrainedWeights, device: torch.device) -> list[nn.Parameter]:
     """Give ``params`` storage on ``device`` holding the file's values, reading only their
-    tensors; load the persistent buffers the file has. Checks every parameter first. Returns the
-    parameters of ``params`` the file does not cover (outside the prefix), for
-    :func:`.materialize.initialize_parameters`."""
+    tensors, and load the persistent buffers the file has. Returns the parameters of ``params``
+    the file does not cover (outside the prefix), to be initialised."""
     where = _where(weights)
     keys = _check(module, weights, where)
-    by_file: dict[Path, list[nn.Parameter]] = {}
-    for p in params:
-        if id(p) in keys:
-            by_file.setdefault(where[keys[id(p)]], []).append(p)
+    read = [p for p in params if id(p) in keys]
     buffers = _persistent_buffers(module, weights.prefix, where)
-    files = set(by_file) | {where[k] for k in buffers}
-    for file in sorted(files):
+    for file in sorted({where[keys[id(p)]] for p in read} | {where[k] for k in buffers}):
         with _open(file) as f:
-            for p in by_file.get(file, []):
-                value = f.get_tensor(keys[id(p)]).to(device=device, dtype=p.dtype)
-                set_storage(p, value)
+            for p in read:
+                if where[keys[id(p)]] == file:
+                    set_storage(p, f.get_tensor(keys[id(p)]).to(device=device, dtype=p.dtype))
             for key, (holder, bname) in buffers.items():
                 if where[key] == file:
                     _load_buffer(holder, bname, f.get_tensor(key), key, file)
@@ -165,17 +148,15 @@ def _persistent_buffers(module: nn.Module, prefix: str,
     """File key -> (holding module, buffer name) of the persistent buffers the file has."""
     found = {}
     for mname, sub in module.named_modules():
-        for bname, b in sub.named_buffers(recurse=False):
-            if b is None or bname in sub._non_persistent_buffers_set:
-                continue
+        for bname, _ in sub.named_buffers(recurse=False):
             name = f"{mname}.{bname}" if mname else bname
-            if name.startswith(prefix) and name[len(prefix):] in where:
+            if (bname not in sub._non_persistent_buffers_set and name.startswith(prefix)
+                    and name[len(prefix):] in where):
                 found[name[len(prefix):]] = (sub, bname)
     return found
 
 
-def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str,
-                 file: Path) -> None:
+def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str, file: Path) -> None:
     buffer = holder._buffers[bname]
     assert buffer is not None
     if tuple(value.shape) != tuple(buffer.shape):
@@ -191,8 +172,7 @@ def _load_buffer(holder: nn.Module, bname: str, value: torch.Tensor, key: str,
 def load_pretrained(module: nn.Module, weights: PretrainedWeights | str | os.PathLike[str],
                     seed: int = 0, device: Any = "cpu") -> nn.Module:
     """The weights a deferred ``module`` gets under ``GeneralParallel(init_weights=...)``, on one
-    device (as :func:`.materialize.initialize`, whose values those outside the prefix get).
-    Returns ``module``."""
+    device (as :func:`.materialize.initialize`, whose values those outside the prefix get)."""
     if not isinstance(weights, PretrainedWeights):
         weights = pretrained_weights(weights)
     rest = load_parameters(module, list(module.parameters()), weights, torch.device(device))

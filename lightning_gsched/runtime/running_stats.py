@@ -1,35 +1,33 @@
 """Running statistics (BatchNorm, InstanceNorm): after a step, one device's values on every rank.
 
-Why: a stage's modules (and buffers) exist on every rank, but each rank runs a stage's forward on
-just the microbatches its program gives it, so every copy of a BatchNorm would track different
-microbatches. Kept here, the strongest semantics exact for every placement: after each training
-step every rank holds, for every stage, the running statistics ONE device would hold after
-running that stage's forward on microbatches ``0 .. B-1`` in order from the step's starting
-buffers. Outputs still normalise with each microbatch's own batch statistics (as DDP without
-SyncBatchNorm, and one device with gradient accumulation).
+Why: every rank holds every stage's modules but runs a stage's forward only on the microbatches
+its program gives it, so each copy of a BatchNorm would track different microbatches. Kept here,
+the strongest semantics exact for every placement: after each training step every rank holds the
+running statistics ONE device would hold after running each stage's forward on microbatches
+``0 .. B-1`` in order from the step's starting buffers (outputs still normalise with each
+microbatch's own batch statistics, as DDP without SyncBatchNorm).
 
-How (checked against torch's ``_BatchNorm``, ``_InstanceNorm`` and ATen's CPU kernel): a training
-update is ``running = f * batch_stat + (1 - f) * running`` for the mean and the *unbiased*
-variance, where ``f`` is ``momentum``, or with ``momentum=None`` ``1 / num_batches_tracked`` for
-a BatchNorm (after its ``num_batches_tracked += 1``, once per call) and 0 for an InstanceNorm. So
-each ``F s b`` runs the stage's such modules with ``momentum = 1.0``: right after each call the
-buffers hold that call's batch statistics, which a forward hook copies into the step's table at
-(microbatch b, stage s). At the step's end one SUM all-reduce (each slot written by the one rank
-that ran ``F s b``, the others add zeros) gives every rank the whole table, which every rank
-folds into its starting buffers microbatch by microbatch, stage by stage, with each module's
-real factor, adding the number of calls to ``num_batches_tracked``.
+How (checked against torch's ``_BatchNorm``, ``_InstanceNorm`` and ATen's CPU kernel): an update
+is ``running = f * batch_stat + (1 - f) * running`` for the mean and the *unbiased* variance,
+``f`` being ``momentum``, or with ``momentum=None`` ``1 / num_batches_tracked`` for a BatchNorm
+(after its per-call increment) and 0 for an InstanceNorm. So each ``F s b`` runs the stage's such
+modules with ``momentum = 1.0``: right after each call the buffers hold its batch statistics,
+which a forward hook copies into the step's table at (microbatch b, stage s). At the step's end
+one SUM all-reduce (each slot written by the one rank that ran ``F s b``) gives every rank the
+whole table, which it folds into its starting buffers microbatch by microbatch, stage by stage,
+with each module's real factor, adding the calls to ``num_batches_tracked``.
 
-Exactness: the kernel's float32 formula; only the batch variance, which the kernel keeps in
-double until mixed in, is rounded once to float32 here (about 1e-7 relative). Cost: nothing when
-no module keeps running statistics in training mode, else one all-reduce of ``B * (2 * channels
-+ 1 per module)`` numbers per step and an O(B) fold. Limits: a module called more than once in
-one stage forward is refused (one slot per call site, and a rank that did not run the stage
-cannot know how many calls another made), as is ``nn.SyncBatchNorm``; other buffers a forward
-mutates are not synchronised.
+Exact but for the batch variance, which the kernel keeps in double until mixed in, rounded once
+to float32 here (about 1e-7 relative). Cost: nothing without modules keeping running statistics
+in training mode, else one all-reduce of ``B * (2 * channels + 1 per module)`` numbers per step
+and an O(B) fold. Refused: a module called twice in one stage forward (one slot per call site; a
+rank that did not run the stage cannot know how many calls another made), ``nn.SyncBatchNorm``.
+Other buffers a forward mutates are not synchronised.
 """
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import reduce
@@ -48,12 +46,8 @@ Wait = Callable[[Any, str], None]
 
 def has_running_stats(module: nn.Module) -> TypeGuard[_NormBase]:
     """A norm layer that updates running statistics when it runs in training mode."""
-    return (
-        isinstance(module, (_BatchNorm, _InstanceNorm))
-        and module.track_running_stats
-        and module.running_mean is not None
-        and module.running_var is not None
-    )
+    return (isinstance(module, (_BatchNorm, _InstanceNorm)) and module.track_running_stats
+            and module.running_mean is not None and module.running_var is not None)
 
 
 def _statistics(module: _NormBase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,24 +55,6 @@ def _statistics(module: _NormBase) -> tuple[torch.Tensor, torch.Tensor]:
     mean, var = module.running_mean, module.running_var
     assert mean is not None and var is not None
     return mean, var
-
-
-def check_no_sync_batchnorm(stages: Sequence[nn.Module]) -> None:
-    """Refuse ``nn.SyncBatchNorm``: its training forward is a collective all ranks must run at
-    once, while a schedule runs each stage's forwards on different ranks at different times (so
-    its collectives would pair unrelated forwards or hang). Not converted silently: that would
-    change what the forward computes (the user asked for global-batch statistics)."""
-    for s, stage in enumerate(stages):
-        for name, module in stage.named_modules():
-            if isinstance(module, nn.SyncBatchNorm):
-                raise RuntimeConfigError(
-                    f"stage {s} contains nn.SyncBatchNorm ({name or type(module).__name__}), "
-                    "whose training forward is a collective that every rank must run at once; a "
-                    "schedule runs each stage's forwards on different ranks at different times. "
-                    "Use nn.BatchNorm1d/2d/3d instead (do not convert the model with "
-                    "nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends each step "
-                    "with the running statistics one device would have (docs/runtime.md, "
-                    "'BatchNorm and other running statistics').")
 
 
 def _factor(module: _NormBase, calls_so_far: int) -> float:
@@ -93,8 +69,7 @@ def _factor(module: _NormBase, calls_so_far: int) -> float:
 
 def _counter(module: nn.Module) -> torch.Tensor | None:
     """A BatchNorm's ``num_batches_tracked`` (InstanceNorm's is never updated)."""
-    counter = getattr(module, "num_batches_tracked", None)
-    return counter if isinstance(module, _BatchNorm) else None
+    return module.num_batches_tracked if isinstance(module, _BatchNorm) else None
 
 
 @dataclass(frozen=True)
@@ -109,33 +84,23 @@ class _Site:
 
 
 class StatsLayout:
-    """Where every training module's statistics sit: the table rows and the running vector.
-
-    A table row (one per microbatch) is ``[calls of each site | mean, var of each site]``; the
-    running vector ``R`` is ``[running_mean, running_var]`` of each distinct module. Sites of the
-    same round touch distinct modules, so one microbatch's fold is one vector update per round
-    (one round unless a module is called from several stages).
-    """
+    """Where every training module's statistics sit: a table row (one per microbatch) is ``[calls
+    of each site | mean, var of each site]``, the running vector ``R`` is ``[running_mean,
+    running_var]`` of each distinct module. Sites of the same round touch distinct modules, so one
+    microbatch's fold is one vector update per round (one unless several stages call a module)."""
 
     def __init__(self, per_stage: Sequence[Sequence[_NormBase]]) -> None:
-        self.modules: list[_NormBase] = []
-        self.starts: list[int] = []  # each module's first element in R
+        self.modules = list({id(m): m for ms in per_stage for m in ms}.values())
+        index = {id(m): j for j, m in enumerate(self.modules)}
+        sizes = [_statistics(m)[0].numel() for m in self.modules]
+        self.starts = [2 * n for n in itertools.accumulate(sizes, initial=0)][:-1]  # in R
         self.sites: list[_Site] = []
-        index: dict[int, int] = {}
-        offset = position = 0
-        seen: dict[int, int] = {}  # module -> its sites so far
+        offset = 0
         for s, modules in enumerate(per_stage):
-            for m in modules:
-                size = _statistics(m)[0].numel()
-                if id(m) not in index:
-                    index[id(m)] = len(self.modules)
-                    self.modules.append(m)
-                    self.starts.append(position)
-                    position += 2 * size
-                j = index[id(m)]
-                self.sites.append(_Site(s, j, offset, size, seen.get(j, 0)))
-                seen[j] = seen.get(j, 0) + 1
-                offset += 2 * size
+            for j in (index[id(m)] for m in modules):
+                earlier = sum(site.module == j for site in self.sites)
+                self.sites.append(_Site(s, j, offset, sizes[j], earlier))
+                offset += 2 * sizes[j]
         self.by_stage: dict[int, list[tuple[int, _Site]]] = {}
         for k, site in enumerate(self.sites):
             self.by_stage.setdefault(site.stage, []).append((k, site))
@@ -152,11 +117,10 @@ class StatsLayout:
             in_r, in_row, owner = [], [], []
             for column, k in enumerate(sites):
                 site = self.sites[k]
-                in_r.append(torch.arange(self.starts[site.module],
-                                         self.starts[site.module] + 2 * site.size))
-                start = len(self.sites) + site.offset
-                in_row.append(torch.arange(start, start + 2 * site.size))
-                owner.append(torch.full((2 * site.size,), column, dtype=torch.long))
+                span = torch.arange(2 * site.size)
+                in_r.append(span + self.starts[site.module])
+                in_row.append(span + len(self.sites) + site.offset)
+                owner.append(torch.full_like(span, column))
             rounds.append((torch.tensor(sites, device=self.device),
                            *(torch.cat(t).to(self.device) for t in (in_r, in_row, owner))))
         return rounds
@@ -169,13 +133,11 @@ class StatsLayout:
     def calls(self) -> torch.Tensor:
         """Each module's ``num_batches_tracked`` (0 where it has none), as one int64 tensor."""
         zero = torch.zeros((), dtype=torch.long, device=self.device)
-        counters = [_counter(m) for m in self.modules]
         return torch.stack([zero if c is None else c.detach().reshape(()).to(zero)
-                            for c in counters])
+                            for c in map(_counter, self.modules)])
 
     def write(self, values: torch.Tensor, calls: Sequence[int]) -> None:
-        """Copy R back into the modules' buffers (in place: the tensors keep their identity),
-        and ``calls`` into BatchNorms' ``num_batches_tracked``."""
+        """Copy R into the modules' buffers in place, ``calls`` into ``num_batches_tracked``."""
         with torch.no_grad():
             for j, (m, start) in enumerate(zip(self.modules, self.starts, strict=True)):
                 mean, var = _statistics(m)
@@ -192,7 +154,6 @@ class StatsStep:
 
     def __init__(self, layout: StatsLayout, num_micro: int) -> None:
         self.layout = layout
-        self.num_micro = num_micro
         self.table = torch.zeros(num_micro, layout.width, dtype=layout.dtype, device=layout.device)
         self.start = layout.running()
         self.start_calls = layout.calls()  # a tensor: read (one device sync) when folding
@@ -204,9 +165,6 @@ class StatsStep:
         """Run ``F s b`` inside: its modules' batch statistics land in row b; momentum and hooks
         are put back even when the forward fails."""
         sites = self.layout.by_stage.get(s, [])
-        if not sites:
-            yield
-            return
         modules = [self.layout.modules[site.module] for _, site in sites]
         momenta = [m.momentum for m in modules]
         handles = []
@@ -246,23 +204,18 @@ class StatsStep:
         layout = self.layout
         calls = self.table[:, : len(layout.sites)].tolist()  # one device sync
         tracked = self.start_calls.tolist()
-        factors = []
-        for b in range(self.num_micro):
-            row = []
+        factors = [[0.0] * len(layout.sites) for _ in calls]  # 0: not called, no update
+        for b, called in enumerate(calls):
             for k, site in enumerate(layout.sites):  # stage order within a microbatch
-                if not calls[b][k]:
-                    row.append(0.0)  # not called in this forward: no update
-                    continue
-                tracked[site.module] += 1
-                row.append(_factor(layout.modules[site.module], tracked[site.module]))
-            factors.append(row)
+                if called[k]:
+                    tracked[site.module] += 1
+                    factors[b][k] = _factor(layout.modules[site.module], tracked[site.module])
         f_table = torch.tensor(factors, dtype=layout.dtype).to(layout.device)
         running = self.start.clone()
-        for b in range(self.num_micro):
+        for b in range(len(calls)):
             for sites, in_r, in_row, owner in layout.rounds:
                 f = f_table[b, sites][owner]
-                stat = self.table[b, in_row]
-                running[in_r] = f * stat + (1 - f) * running[in_r]
+                running[in_r] = f * self.table[b, in_row] + (1 - f) * running[in_r]
         layout.write(running, tracked)
         self.folded = True
 
@@ -273,14 +226,22 @@ class StatsStep:
 
 
 class RunningStats:
-    """The modules with running statistics in each stage, found once per executor.
-
-    ``begin_step(B)`` gives a :class:`StatsStep`, or None when no such module is in training
-    mode (then a step costs nothing extra).
-    """
+    """The modules with running statistics in each stage, found once per executor; while none
+    is in training mode, :meth:`begin_step` gives None and a step costs nothing extra."""
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
-        check_no_sync_batchnorm(stages)
+        # SyncBatchNorm is refused, not converted: that would change what the forward computes
+        for s, stage in enumerate(stages):
+            for name, module in stage.named_modules():
+                if isinstance(module, nn.SyncBatchNorm):
+                    raise RuntimeConfigError(
+                        f"stage {s} contains nn.SyncBatchNorm ({name or type(module).__name__}), "
+                        "whose training forward is a collective that every rank must run at "
+                        "once; a schedule runs each stage's forwards on different ranks at "
+                        "different times. Use nn.BatchNorm1d/2d/3d instead (do not convert the "
+                        "model with nn.SyncBatchNorm.convert_sync_batchnorm): every rank then ends "
+                        "each step with the running statistics one device would have "
+                        "(docs/runtime.md, 'BatchNorm and other running statistics').")
         self.per_stage = [[m for m in stage.modules() if has_running_stats(m)] for stage in stages]
         self.modules = list({id(m): m for ms in self.per_stage for m in ms}.values())
         self._layouts: dict[tuple[bool, ...], StatsLayout] = {}
@@ -290,15 +251,15 @@ class RunningStats:
         if not any(key):
             return None
         if key not in self._layouts:
-            self._layouts[key] = StatsLayout(
-                [[m for m in ms if m.training] for ms in self.per_stage])
+            self._layouts[key] = StatsLayout([[m for m in ms if m.training]
+                                              for ms in self.per_stage])
         return StatsStep(self._layouts[key], num_micro)
 
     @contextmanager
     def unchanged(self) -> Iterator[None]:
         """Buffers as they were before (a forward-only run of modules left in training mode)."""
-        training = [m for m in self.modules if m.training]
-        saved = [(t, t.detach().clone()) for m in training for t in m.buffers(recurse=False)]
+        saved = [(t, t.detach().clone()) for m in self.modules if m.training
+                 for t in m.buffers(recurse=False)]
         try:
             yield
         finally:
