@@ -264,6 +264,7 @@ def transfer(plan: StreamPlan, sink: Sink | None,
         if sink is not None and unit is not None:
             for ph, (_, view) in zip(m.placeholders, unit.views(buffer), strict=True):
                 sink(ph, view)
+                del view  # a view keeps the whole buffer alive: at most one received unit held
         elif sink is not None:
             sink(first, buffer)
         del buffer
