@@ -1,6 +1,6 @@
 """Sent buffers are released when their send completes, not at the step's end.
 
-``runtime/send_release.py`` waits for a rank's sends in a thread of its own. These checks hold
+``runtime/transport.py``'s ``SendReleaser`` waits for a rank's sends in a thread of its own. These checks hold
 the buffers through weak references: a buffer the releaser still holds stays alive, one it
 dropped dies with its last reference. On gloo (the point that motivated it: a gloo send only
 completes inside ``wait()``) a real two-process send is released once the peer has received it,

@@ -104,7 +104,7 @@ class MemoryReport:
         of many ranks lowers per rank when first read (schedule/lazy_ranks.py): a minute and
         gigabytes per rank at W=1024. Gathered, the figures are the same."""
         # a sent buffer is released when its send completes, on every backend
-        # (runtime/send_release.py): a handed-off gradient leaves at its REDUCE
+        # (runtime/transport.py: SendReleaser): a handed-off gradient leaves at its REDUCE
         mine: tuple[RankMemory | None, str | None]
         try:
             mine = (predict_memory(plan.programs, sizes, plan.checkpointed,
