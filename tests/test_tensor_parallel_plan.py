@@ -8,18 +8,22 @@ ranks run.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from dist_harness import WorkerContext
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlanError,
     assign_plan,
     name_matches,
     parallelize_stages,
+    shard_specs,
 )
 from models import gpt_inputs, make_gpt
 
@@ -55,8 +59,6 @@ def test_patterns_follow_parallelize_module() -> None:
 
 
 def test_each_stage_gets_the_entries_naming_its_modules(tp_mesh: object) -> None:
-    from torch.distributed.tensor import DTensor
-
     model, stages = split_gpt()
     before = {n: p.shape for n, p in model.named_parameters()}
     assigned = parallelize_stages(stages, MLP_PLAN, tp_mesh)  # type: ignore[arg-type]
@@ -66,18 +68,23 @@ def test_each_stage_gets_the_entries_naming_its_modules(tp_mesh: object) -> None
     for stage, found in zip(stages, assigned, strict=True):
         mine = dict(stage.named_modules())
         assert all(n in mine for n in found)
-    # the stages hold the model's own modules: the model is sharded in place, under its names
+    # the stages hold the model's own modules: the model is sharded in place, under its names,
+    # each sharded parameter a plain Parameter holding this rank's shard
+    specs = shard_specs(model)
+    assert sorted(specs) == sorted(f"blocks.{i}.mlp.{j}.{k}" for i in range(3)
+                                   for j in (0, 2) for k in ("weight", "bias"))
     for name, p in model.named_parameters():
-        sharded = name.startswith("blocks.") and ".mlp." in name
-        assert isinstance(p, DTensor) == sharded, name
-        if sharded:
-            local = p.to_local().shape
-            if name.endswith("mlp.0.weight") or name.endswith("mlp.0.bias"):
-                assert local[0] == before[name][0] // T  # column-wise: output rows
-            elif name.endswith("mlp.2.weight"):
-                assert local == (before[name][0], before[name][1] // T)  # row-wise: inputs
-            else:  # a row-wise Linear's bias is replicated
-                assert local == before[name]
+        assert type(p) is nn.Parameter, name
+        spec = specs.get(name)
+        if spec is None:
+            assert p.shape == before[name], name
+            continue
+        assert spec.shape == before[name]
+        if name.endswith("mlp.2.bias"):  # a row-wise layer's bias is replicated
+            assert spec.dim is None and p.shape == before[name]
+        else:  # column-wise: output rows (weight and bias); row-wise: input columns
+            assert spec.dim == (1 if name.endswith("mlp.2.weight") else 0), name
+            assert p.shape[spec.dim] == before[name][spec.dim] // T, name
 
 
 def test_styles_by_name_and_by_object_are_the_same(tp_mesh: object) -> None:
@@ -114,9 +121,8 @@ def test_a_refused_plan_names_the_problem_and_shards_nothing(
         parallelize_stages(stages, plan, tp_mesh)  # type: ignore[arg-type]
     for w in words:
         assert w in str(info.value), str(info.value)
-    from torch.distributed.tensor import DTensor
-
-    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    assert not shard_specs(model)
+    assert [p.shape for p in model.parameters()] == [p.shape for p in make_gpt(0).parameters()]
 
 
 def test_a_size_the_degree_does_not_divide_is_refused(tp_mesh: object) -> None:
@@ -125,3 +131,60 @@ def test_a_size_the_degree_does_not_divide_is_refused(tp_mesh: object) -> None:
                                                       r"be split column-wise into "
                                                       r"tensor_parallel_size=2"):
         parallelize_stages([model], {"0": "colwise", "2": "rowwise"}, tp_mesh)  # type: ignore[arg-type]
+
+
+# A whole transformer block tensor-parallel, as Megatron shards it: q, k, v and the MLP's first
+# layer column-wise (each rank computes its heads and its slice of the hidden layer), the
+# attention's output projection and the MLP's second layer row-wise (partial sums all-reduced)
+BLOCK_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+              "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
+              "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+def gpt_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+
+
+def sharded_stages_check(ctx: WorkerContext) -> dict[str, Any]:
+    """Both ranks run the two stages of a tensor-parallel GPT in turn; each local gradient is
+    compared with its slice of the gradient of the unsplit, unsharded model (same process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tensor_parallel",))
+    (idx,) = gpt_inputs()
+    reference = make_gpt(0, shardable=True)
+    gpt_loss(reference(idx), idx).backward()
+    model = make_gpt(0, shardable=True)
+    stages = partition(model, 2, (idx,), verify=False).stages
+    parallelize_stages(stages, BLOCK_PLAN, mesh)
+    carried = stages[0](idx)
+    # what a stage sends is plain tensors (a row-wise layer's in-flight all-reduce waited for)
+    assert all(type(v) is torch.Tensor for v in carried if isinstance(v, torch.Tensor))
+    loss = gpt_loss(stages[1](carried), idx)
+    loss.backward()
+    specs = shard_specs(model)
+    wanted = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter and type(p.grad) is torch.Tensor, name  # plain tensors
+        spec = specs.get(name)
+        full = wanted[name].grad
+        mine = full if spec is None or spec.dim is None else \
+            full.chunk(ctx.world_size, spec.dim)[ctx.rank]
+        # float32 roundoff of the reordered sums only: a row-wise layer adds T partial sums
+        # (all-reduce) where one device adds all terms in one kernel; the longest reduction is
+        # 4 * dim * rows = 2,048 terms, whose worst-case relative error is ~1e-4
+        torch.testing.assert_close(p.grad, mine, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    return {"loss": loss.item(), "reference": gpt_loss(reference(idx), idx).item(),
+            "sharded": sorted(n for n, s in specs.items() if s.dim is not None)}
+
+
+def test_sharded_stages_train_like_one_device(worlds: Any) -> None:
+    results = worlds.get(T).run(sharded_stages_check)
+    for r in results:
+        assert abs(r["loss"] - r["reference"]) <= 1e-5 * abs(r["reference"]), r
+    # every block's q, k, v, proj and MLP weights, and the column-wise layers' biases
+    expected = {f"blocks.{i}.{layer}" for i in range(3)
+                for layer in ("attn.q.weight", "attn.k.weight", "attn.v.weight",
+                              "attn.proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")}
+    assert all(set(r["sharded"]) == expected for r in results), results

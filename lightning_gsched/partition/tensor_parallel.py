@@ -15,13 +15,26 @@ Checked before anything is sharded, each naming the module and the fix: a column
 style on a module it cannot shard (torch's styles shard ``nn.Linear`` and ``nn.Embedding``), and
 a sharded dimension the tensor-parallel size does not divide (even shards keep every rank's
 compute, bytes and messages equal, which the planner's costs assume).
+
+After sharding, every parameter torch made a ``DTensor`` is kept as a plain ``nn.Parameter``
+holding this rank's shard, under its own name, and the module sees a ``DTensor`` view of it
+(``DTensor.from_local``) only while its forward runs (:func:`keep_shards_local`). Why: the
+runtime's flat buffers, weight fetches, gradient reductions, optimizers and byte measurements
+work on plain tensors, and a ``DTensor`` parameter's storage cannot be re-pointed through
+torch's public API; autograd through ``from_local`` gives the plain parameter its shard's
+gradient (a replicated parameter's partial gradients are reduced there, as ``SequenceParallel``
+needs). Where each local tensor sits in the full one is kept (:func:`shard_specs`) for
+checkpoints and pretrained weights.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union, cast
 
+import torch
 from torch import nn
 
 from lightning_gsched.partition.errors import PartitionError
@@ -144,6 +157,7 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
     if callable(plan):
         for stage in stages:
             plan(stage, mesh)
+            keep_shards_local(stage)
         return [{} for _ in stages]
     if not isinstance(plan, Mapping):
         raise TensorParallelPlanError(
@@ -154,10 +168,80 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
     for found, stage_modules in zip(assigned, modules, strict=True):
         for name, style in found.items():
             check_fits(name, stage_modules[name], style, mesh.size())
-    done: set[int] = set()  # a module two stages share (a tie) is sharded once
+    done: set[int] = set()  # a module two stages share is sharded once
     for stage, found, stage_modules in zip(stages, assigned, modules, strict=True):
         todo = {n: s for n, s in found.items() if id(stage_modules[n]) not in done}
         done.update(id(stage_modules[n]) for n in todo)
         if todo:
             parallelize_module(stage, mesh, todo)
+    for stage in stages:
+        keep_shards_local(stage)
     return assigned
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a rank's local parameter sits in the full one: ``dim`` is split into
+    ``mesh.size()`` equal shards in rank order (None: every rank holds all of it)."""
+
+    shape: torch.Size  # the full parameter's
+    stride: tuple[int, ...]
+    placements: tuple[Any, ...]
+    mesh: Any  # DeviceMesh
+    dim: int | None
+
+
+# module -> {parameter name: spec}, for the modules keep_shards_local converted
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, dict[str, ShardSpec]] = weakref.WeakKeyDictionary()
+
+
+def keep_shards_local(module: nn.Module) -> None:
+    """Every ``DTensor`` parameter under ``module`` becomes a plain parameter of its local
+    shard, seen as a ``DTensor`` during its module's forward (module doc). Idempotent."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for owner in module.modules():
+        found: dict[str, ShardSpec] = {}
+        for name, param in list(cast(dict[str, Any], owner._parameters).items()):
+            if not isinstance(param, DTensor):
+                continue
+            shards = [pl.dim for pl in param.placements if isinstance(pl, Shard)]
+            found[name] = ShardSpec(param.shape, tuple(param.stride()), tuple(param.placements),
+                                    param.device_mesh, shards[0] if shards else None)
+            owner._parameters[name] = nn.Parameter(param.to_local().detach(),
+                                                   requires_grad=param.requires_grad)
+        if found:
+            _SHARDED[owner] = found
+            owner.register_forward_pre_hook(_as_dtensors)
+            owner.register_forward_hook(_as_parameters, always_call=True)
+
+
+def _as_dtensors(owner: nn.Module, args: Any) -> None:
+    """Before the forward: the module reads ``DTensor`` views of its local parameters (an
+    instance attribute is found before ``nn.Module.__getattr__`` looks in ``_parameters``)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, spec in _SHARDED[owner].items():
+        owner.__dict__[name] = DTensor.from_local(
+            cast(torch.Tensor, owner._parameters[name]), spec.mesh, spec.placements, run_check=False,
+            shape=spec.shape, stride=spec.stride)
+
+
+def _as_parameters(owner: nn.Module, args: Any, output: Any) -> Any:
+    """After the forward (also a failed one): the plain parameters again; a row-wise layer's
+    output, an all-reduce still in flight, waited for, so a stage sends plain tensors."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+
+    for name in _SHARDED[owner]:
+        owner.__dict__.pop(name, None)
+    if isinstance(output, AsyncCollectiveTensor):
+        # on the wrapper, not its ``wait()`` (which returns the inner tensor, cut from autograd)
+        return wait_tensor(output)  # type: ignore[no-untyped-call]
+    return None
+
+
+def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """``{parameter name under module: spec}`` for every sharded parameter it holds."""
+    return {f"{prefix}.{name}" if prefix else name: spec
+            for prefix, owner in module.named_modules()
+            for name, spec in _SHARDED.get(owner, {}).items()}
