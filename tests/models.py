@@ -194,11 +194,31 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y)
 
 
-class GPTBlock(nn.Module):
+class ShardableAttention(nn.Module):
+    """The same attention written to run on a tensor-parallel shard of its heads: separate
+    ``q``, ``k``, ``v`` layers (a fused one sharded column-wise would give rank 0 all of q and
+    part of k) and ``-1`` heads in every view, so the local head count follows the local width."""
+
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (layer(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for layer in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).flatten(2))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, shardable: bool = False) -> None:
+        super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
+        self.attn = (ShardableAttention if shardable else CausalSelfAttention)(dim, heads)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
@@ -212,6 +232,7 @@ class TinyGPT(nn.Module):
 
     ``tie="functional"`` reads ``self.wte.weight`` in forward; ``tie="module"`` shares the
     Parameter with a ``head`` Linear, so the weight also has the alias name ``head.weight``.
+    ``shardable``: blocks with :class:`ShardableAttention` (tensor-parallel tests).
     """
 
     def __init__(
@@ -223,12 +244,13 @@ class TinyGPT(nn.Module):
         block_size: int = 16,
         dropout: float = 0.0,
         tie: str = "functional",
+        shardable: bool = False,
     ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(block_size, dim)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, shardable) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.tie = tie
         if tie == "module":

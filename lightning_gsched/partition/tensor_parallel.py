@@ -1,0 +1,247 @@
+"""Tensor parallelism inside a stage: torch's own styles, applied to each stage after the split.
+
+Why this shape: Lightning users already write tensor-parallel plans for ``ModelParallelStrategy``
+as ``parallelize_module(model, mesh["tensor_parallel"], {"blocks.*.attn.qkv": ColwiseParallel(),
+...})``, and torchtitan applies one plan to every pipeline stage. A stage keeps the model's
+original module names (:mod:`.stage`), so the same patterns resolve on every stage; each stage
+gets the entries that name one of its modules, and a pattern that names no module of any stage
+is an error here (torch only warns and skips it, which leaves a layer silently replicated).
+
+Styles are torch's :class:`~torch.distributed.tensor.parallel.ParallelStyle` objects, or by name
+where a YAML/JSON config cannot hold objects: ``"colwise"``, ``"rowwise"``, ``"sequence"``. A
+plan may instead be a function ``parallelize(stage_module, tp_mesh)`` called once per stage.
+
+Checked before anything is sharded, each naming the module and the fix: a column- or row-wise
+style on a module it cannot shard (torch's styles shard ``nn.Linear`` and ``nn.Embedding``), and
+a sharded dimension the tensor-parallel size does not divide (even shards keep every rank's
+compute, bytes and messages equal, which the planner's costs assume).
+
+After sharding, every parameter torch made a ``DTensor`` is kept as a plain ``nn.Parameter``
+holding this rank's shard, under its own name, and the module sees a ``DTensor`` view of it
+(``DTensor.from_local``) only while its forward runs (:func:`keep_shards_local`). Why: the
+runtime's flat buffers, weight fetches, gradient reductions, optimizers and byte measurements
+work on plain tensors, and a ``DTensor`` parameter's storage cannot be re-pointed through
+torch's public API; autograd through ``from_local`` gives the plain parameter its shard's
+gradient (a replicated parameter's partial gradients are reduced there, as ``SequenceParallel``
+needs). Where each local tensor sits in the full one is kept (:func:`shard_specs`) for
+checkpoints and pretrained weights.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union, cast
+
+import torch
+from torch import nn
+
+from lightning_gsched.partition.errors import PartitionError
+from lightning_gsched.partition.names import close_matches
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+STYLE_NAMES = ("colwise", "rowwise", "sequence")
+
+# A plan as a user gives it: module-name patterns -> styles (objects or names), or a function
+# that parallelizes one stage in place on the tensor-parallel mesh.
+TensorParallelPlan = Union[Mapping[str, Any], Callable[[nn.Module, "DeviceMesh"], Any]]
+
+
+class TensorParallelPlanError(PartitionError, ValueError):
+    """A tensor-parallel plan that names no module, a style that does not fit its module, or a
+    size the tensor-parallel degree does not divide."""
+
+
+def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
+    """A torch style object from a plan entry's value (an object, or one of STYLE_NAMES)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if isinstance(name_or_style, ParallelStyle):
+        return name_or_style
+    by_name = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+               "sequence": SequenceParallel}
+    if isinstance(name_or_style, str) and name_or_style.lower() in by_name:
+        return by_name[name_or_style.lower()]()  # type: ignore[no-any-return]
+    raise TensorParallelPlanError(
+        f"tensor_parallel_plan[{pattern!r}] = {name_or_style!r} is not a tensor-parallel style. "
+        f"Give one of torch's styles (ColwiseParallel(), RowwiseParallel(), SequenceParallel(), "
+        f"PrepareModuleInput(...), ...) or its name: {', '.join(map(repr, STYLE_NAMES))}")
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """``parallelize_module``'s rule: as many dotted parts, each matched by ``fnmatch``."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(map(fnmatch.fnmatchcase, names, parts))
+
+
+def assign_plan(plan: Mapping[str, Any], stage_modules: Sequence[Sequence[str]]
+                ) -> list[dict[str, ParallelStyle]]:
+    """Per stage, ``{module name: style}`` for the plan's patterns.
+
+    ``stage_modules``: each stage's module names (``named_modules`` of the stage; the model's
+    own names). A pattern matching no module of any stage, or a module matched by two patterns,
+    raises :class:`TensorParallelPlanError`.
+    """
+    styles = {pattern: style_of(value, pattern) for pattern, value in plan.items()}
+    assigned: list[dict[str, ParallelStyle]] = [{} for _ in stage_modules]
+    by_module: dict[str, str] = {}
+    for pattern, style in styles.items():
+        found = False
+        for stage, names in zip(assigned, stage_modules, strict=True):
+            for name in names:
+                if not name or not name_matches(pattern, name):
+                    continue
+                found = True
+                if by_module.setdefault(name, pattern) != pattern:
+                    raise TensorParallelPlanError(
+                        f"module {name!r} is matched by two tensor_parallel_plan patterns, "
+                        f"{by_module[name]!r} and {pattern!r}: make them name disjoint modules")
+                stage[name] = style
+        if not found:
+            known = {n for names in stage_modules for n in names if n}
+            hint = close_matches(pattern, known)
+            raise TensorParallelPlanError(
+                f"tensor_parallel_plan pattern {pattern!r} matches no module of the model. "
+                + (f"Close matches: {', '.join(map(repr, hint))}. " if hint else "")
+                + "Patterns are module names with '*' for one dotted part, as in "
+                "parallelize_module (e.g. 'blocks.*.attn.proj'); list the names with "
+                "[n for n, _ in model.named_modules()]")
+    return assigned
+
+
+def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
+    """Refuse a column/row-wise style on a module it cannot shard evenly ``degree`` ways."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return
+    kind = "column" if isinstance(style, ColwiseParallel) else "row"
+    if isinstance(module, nn.Linear):
+        # a Linear's weight is (out, in): column-wise shards the outputs, row-wise the inputs
+        dim, size = (("out_features", module.out_features) if kind == "column"
+                     else ("in_features", module.in_features))
+    elif isinstance(module, nn.Embedding):
+        dim, size = (("embedding_dim", module.embedding_dim) if kind == "column"
+                     else ("num_embeddings", module.num_embeddings))
+    else:
+        raise TensorParallelPlanError(
+            f"tensor_parallel_plan gives {type(style).__name__} to {name!r}, a "
+            f"{type(module).__name__}: {kind}-wise sharding applies to nn.Linear and "
+            "nn.Embedding only. Name the Linear/Embedding inside it, or give this module "
+            "SequenceParallel / PrepareModuleInput instead")
+    if size % degree:
+        raise TensorParallelPlanError(
+            f"{name!r} ({type(module).__name__}, {dim}={size}) cannot be split {kind}-wise "
+            f"into tensor_parallel_size={degree} equal shards: choose a tensor_parallel_size "
+            f"that divides {size}, or leave {name!r} out of the plan (replicated)")
+
+
+def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
+                       mesh: DeviceMesh) -> list[dict[str, ParallelStyle]]:
+    """Shard every stage's modules over ``mesh`` (1-D, the tensor-parallel ranks), in place.
+
+    Every check of the whole plan runs before the first module is sharded, so a refused plan
+    leaves the model as it was. Returns what each stage received (empty for a function plan).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if callable(plan):
+        for stage in stages:
+            plan(stage, mesh)
+            keep_shards_local(stage)
+        return [{} for _ in stages]
+    if not isinstance(plan, Mapping):
+        raise TensorParallelPlanError(
+            f"tensor_parallel_plan must be a dict of module-name patterns to styles or a "
+            f"function parallelize(stage_module, tp_mesh), not {type(plan).__name__}")
+    modules = [dict(stage.named_modules()) for stage in stages]
+    assigned = assign_plan(plan, [list(m) for m in modules])
+    for found, stage_modules in zip(assigned, modules, strict=True):
+        for name, style in found.items():
+            check_fits(name, stage_modules[name], style, mesh.size())
+    done: set[int] = set()  # a module two stages share is sharded once
+    for stage, found, stage_modules in zip(stages, assigned, modules, strict=True):
+        todo = {n: s for n, s in found.items() if id(stage_modules[n]) not in done}
+        done.update(id(stage_modules[n]) for n in todo)
+        if todo:
+            parallelize_module(stage, mesh, todo)
+    for stage in stages:
+        keep_shards_local(stage)
+    return assigned
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a rank's local parameter sits in the full one: ``dim`` is split into
+    ``mesh.size()`` equal shards in rank order (None: every rank holds all of it)."""
+
+    shape: torch.Size  # the full parameter's
+    stride: tuple[int, ...]
+    placements: tuple[Any, ...]
+    mesh: Any  # DeviceMesh
+    dim: int | None
+
+
+# module -> {parameter name: spec}, for the modules keep_shards_local converted
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, dict[str, ShardSpec]] = weakref.WeakKeyDictionary()
+
+
+def keep_shards_local(module: nn.Module) -> None:
+    """Every ``DTensor`` parameter under ``module`` becomes a plain parameter of its local
+    shard, seen as a ``DTensor`` during its module's forward (module doc). Idempotent."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for owner in module.modules():
+        found: dict[str, ShardSpec] = {}
+        for name, param in list(cast(dict[str, Any], owner._parameters).items()):
+            if not isinstance(param, DTensor):
+                continue
+            shards = [pl.dim for pl in param.placements if isinstance(pl, Shard)]
+            found[name] = ShardSpec(param.shape, tuple(param.stride()), tuple(param.placements),
+                                    param.device_mesh, shards[0] if shards else None)
+            owner._parameters[name] = nn.Parameter(param.to_local().detach(),
+                                                   requires_grad=param.requires_grad)
+        if found:
+            _SHARDED[owner] = found
+            owner.register_forward_pre_hook(_as_dtensors)
+            owner.register_forward_hook(_as_parameters, always_call=True)
+
+
+def _as_dtensors(owner: nn.Module, args: Any) -> None:
+    """Before the forward: the module reads ``DTensor`` views of its local parameters (an
+    instance attribute is found before ``nn.Module.__getattr__`` looks in ``_parameters``)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, spec in _SHARDED[owner].items():
+        owner.__dict__[name] = DTensor.from_local(
+            cast(torch.Tensor, owner._parameters[name]), spec.mesh, spec.placements, run_check=False,
+            shape=spec.shape, stride=spec.stride)
+
+
+def _as_parameters(owner: nn.Module, args: Any, output: Any) -> Any:
+    """After the forward (also a failed one): the plain parameters again; a row-wise layer's
+    output, an all-reduce still in flight, waited for, so a stage sends plain tensors."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+
+    for name in _SHARDED[owner]:
+        owner.__dict__.pop(name, None)
+    if isinstance(output, AsyncCollectiveTensor):
+        # on the wrapper, not its ``wait()`` (which returns the inner tensor, cut from autograd)
+        return wait_tensor(output)  # type: ignore[no-untyped-call]
+    return None
+
+
+def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """``{parameter name under module: spec}`` for every sharded parameter it holds."""
+    return {f"{prefix}.{name}" if prefix else name: spec
+            for prefix, owner in module.named_modules()
+            for name, spec in _SHARDED.get(owner, {}).items()}

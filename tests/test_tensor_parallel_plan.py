@@ -1,0 +1,190 @@
+"""A tensor-parallel plan resolved on the stages of a split model: which modules each stage
+shards, and every refused plan named before anything is sharded.
+
+One process: torch's fake process group stands in for T ranks (its collectives move no data),
+which is all that resolving, checking and sharding need; the numerics are checked where real
+ranks run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dist_harness import WorkerContext
+from lightning_gsched.partition import partition
+from lightning_gsched.partition.tensor_parallel import (
+    TensorParallelPlanError,
+    assign_plan,
+    name_matches,
+    parallelize_stages,
+    shard_specs,
+)
+from models import gpt_inputs, make_gpt
+
+T = 2
+
+
+@pytest.fixture
+def tp_mesh() -> Iterator[object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=T)
+    try:
+        yield init_device_mesh("cpu", (T,), mesh_dim_names=("tensor_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def split_gpt(layers: int = 3) -> tuple[nn.Module, list[nn.Module]]:
+    model = make_gpt(0, layers=layers)
+    part = partition(model, 2, gpt_inputs(), verify=False)
+    return model, list(part.stages)
+
+
+MLP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+def test_patterns_follow_parallelize_module() -> None:
+    assert name_matches("blocks.*.mlp.0", "blocks.12.mlp.0")
+    assert not name_matches("blocks.*.mlp.0", "blocks.1.mlp.0.weight")  # same number of parts
+    assert not name_matches("blocks.*", "blocks.1.mlp")
+    assert name_matches("blocks.1?.attn", "blocks.12.attn")
+
+
+def test_each_stage_gets_the_entries_naming_its_modules(tp_mesh: object) -> None:
+    model, stages = split_gpt()
+    before = {n: p.shape for n, p in model.named_parameters()}
+    assigned = parallelize_stages(stages, MLP_PLAN, tp_mesh)  # type: ignore[arg-type]
+    # every block's two MLP layers, each in the stage that computes the block, none twice
+    names = [n for found in assigned for n in found]
+    assert sorted(names) == sorted(f"blocks.{i}.mlp.{j}" for i in range(3) for j in (0, 2))
+    for stage, found in zip(stages, assigned, strict=True):
+        mine = dict(stage.named_modules())
+        assert all(n in mine for n in found)
+    # the stages hold the model's own modules: the model is sharded in place, under its names,
+    # each sharded parameter a plain Parameter holding this rank's shard
+    specs = shard_specs(model)
+    assert sorted(specs) == sorted(f"blocks.{i}.mlp.{j}.{k}" for i in range(3)
+                                   for j in (0, 2) for k in ("weight", "bias"))
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter, name
+        spec = specs.get(name)
+        if spec is None:
+            assert p.shape == before[name], name
+            continue
+        assert spec.shape == before[name]
+        if name.endswith("mlp.2.bias"):  # a row-wise layer's bias is replicated
+            assert spec.dim is None and p.shape == before[name]
+        else:  # column-wise: output rows (weight and bias); row-wise: input columns
+            assert spec.dim == (1 if name.endswith("mlp.2.weight") else 0), name
+            assert p.shape[spec.dim] == before[name][spec.dim] // T, name
+
+
+def test_styles_by_name_and_by_object_are_the_same(tp_mesh: object) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    _, stages = split_gpt()
+    names = [list(dict(s.named_modules())) for s in stages]
+    by_name = assign_plan(MLP_PLAN, names)
+    by_object = assign_plan({"blocks.*.mlp.0": ColwiseParallel(),
+                             "blocks.*.mlp.2": RowwiseParallel()}, names)
+    assert [{n: type(s) for n, s in st.items()} for st in by_name] == \
+        [{n: type(s) for n, s in st.items()} for st in by_object]
+
+
+def test_a_function_plan_is_called_once_per_stage(tp_mesh: object) -> None:
+    _, stages = split_gpt()
+    seen: list[tuple[nn.Module, object]] = []
+    parallelize_stages(stages, lambda stage, mesh: seen.append((stage, mesh)), tp_mesh)  # type: ignore[arg-type]
+    assert [s for s, _ in seen] == stages and all(m is tp_mesh for _, m in seen)
+
+
+@pytest.mark.parametrize("plan, words", [
+    ({"blocks.*.mlp.9": "colwise"}, ["'blocks.*.mlp.9' matches no module", "blocks."]),
+    ({"blocks.*.ln1": "colwise"}, ["ColwiseParallel to 'blocks.0.ln1', a LayerNorm",
+                                   "nn.Linear and nn.Embedding"]),
+    ({"blocks.*.mlp.0": "diagonal"}, ["'diagonal' is not a tensor-parallel style", "'colwise'"]),
+    ({"blocks.*.mlp.0": "colwise", "blocks.0.mlp.?": "rowwise"},
+     ["'blocks.0.mlp.0' is matched by two tensor_parallel_plan patterns"]),
+])
+def test_a_refused_plan_names_the_problem_and_shards_nothing(
+        tp_mesh: object, plan: dict[str, str], words: list[str]) -> None:
+    model, stages = split_gpt()
+    with pytest.raises(TensorParallelPlanError) as info:
+        parallelize_stages(stages, plan, tp_mesh)  # type: ignore[arg-type]
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert not shard_specs(model)
+    assert [p.shape for p in model.parameters()] == [p.shape for p in make_gpt(0).parameters()]
+
+
+def test_a_size_the_degree_does_not_divide_is_refused(tp_mesh: object) -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 4))
+    with pytest.raises(TensorParallelPlanError, match=r"'0' \(Linear, out_features=3\) cannot "
+                                                      r"be split column-wise into "
+                                                      r"tensor_parallel_size=2"):
+        parallelize_stages([model], {"0": "colwise", "2": "rowwise"}, tp_mesh)  # type: ignore[arg-type]
+
+
+# A whole transformer block tensor-parallel, as Megatron shards it: q, k, v and the MLP's first
+# layer column-wise (each rank computes its heads and its slice of the hidden layer), the
+# attention's output projection and the MLP's second layer row-wise (partial sums all-reduced)
+BLOCK_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+              "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
+              "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+def gpt_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+
+
+def sharded_stages_check(ctx: WorkerContext) -> dict[str, Any]:
+    """Both ranks run the two stages of a tensor-parallel GPT in turn; each local gradient is
+    compared with its slice of the gradient of the unsplit, unsharded model (same process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tensor_parallel",))
+    (idx,) = gpt_inputs()
+    reference = make_gpt(0, shardable=True)
+    gpt_loss(reference(idx), idx).backward()
+    model = make_gpt(0, shardable=True)
+    stages = partition(model, 2, (idx,), verify=False).stages
+    parallelize_stages(stages, BLOCK_PLAN, mesh)
+    carried = stages[0](idx)
+    # what a stage sends is plain tensors (a row-wise layer's in-flight all-reduce waited for)
+    assert all(type(v) is torch.Tensor for v in carried if isinstance(v, torch.Tensor))
+    loss = gpt_loss(stages[1](carried), idx)
+    loss.backward()
+    specs = shard_specs(model)
+    wanted = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter and type(p.grad) is torch.Tensor, name  # plain tensors
+        spec = specs.get(name)
+        full = wanted[name].grad
+        mine = full if spec is None or spec.dim is None else \
+            full.chunk(ctx.world_size, spec.dim)[ctx.rank]
+        # float32 roundoff of the reordered sums only: a row-wise layer adds T partial sums
+        # (all-reduce) where one device adds all terms in one kernel; the longest reduction is
+        # 4 * dim * rows = 2,048 terms, whose worst-case relative error is ~1e-4
+        torch.testing.assert_close(p.grad, mine, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    return {"loss": loss.item(), "reference": gpt_loss(reference(idx), idx).item(),
+            "sharded": sorted(n for n, s in specs.items() if s.dim is not None)}
+
+
+def test_sharded_stages_train_like_one_device(worlds: Any) -> None:
+    results = worlds.get(T).run(sharded_stages_check)
+    for r in results:
+        assert abs(r["loss"] - r["reference"]) <= 1e-5 * abs(r["reference"]), r
+    # every block's q, k, v, proj and MLP weights, and the column-wise layers' biases
+    expected = {f"blocks.{i}.{layer}" for i in range(3)
+                for layer in ("attn.q.weight", "attn.k.weight", "attn.v.weight",
+                              "attn.proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")}
+    assert all(set(r["sharded"]) == expected for r in results), results
