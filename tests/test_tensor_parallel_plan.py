@@ -21,6 +21,7 @@ from lightning_gsched.partition import partition
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlanError,
     assign_plan,
+    explain_sharded_failure,
     name_matches,
     parallelize_stages,
     shard_specs,
@@ -188,3 +189,27 @@ def test_sharded_stages_train_like_one_device(worlds: Any) -> None:
                 for layer in ("attn.q.weight", "attn.k.weight", "attn.v.weight",
                               "attn.proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")}
     assert all(set(r["sharded"]) == expected for r in results), results
+
+
+def test_code_that_needs_global_sizes_is_named_by_the_module_before_it(tp_mesh: object) -> None:
+    """The test GPT splits its fused qkv by the full width: on a column-wise shard the split
+    yields two pieces, and the error names the layer whose output it was reading."""
+    model, stages = split_gpt()
+    parallelize_stages(stages, {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"},
+                       tp_mesh)  # type: ignore[arg-type]
+    (idx,) = gpt_inputs()
+    with pytest.raises(TensorParallelPlanError) as info:
+        explain_sharded_failure(stages[0], T, lambda: stages[0](idx))
+    message = str(info.value)
+    assert "right after 'blocks.0.attn.qkv' ran (a module the plan shards)" in message, message
+    assert "IndexError" in message and "-1 for a sharded dimension" in message
+    # code written for shards runs, and its result comes back unchanged
+    _, shardable = split_gpt_shardable()
+    parallelize_stages(shardable, BLOCK_PLAN, tp_mesh)  # type: ignore[arg-type]
+    carried = explain_sharded_failure(shardable[0], T, lambda: shardable[0](idx))
+    assert isinstance(carried, tuple) and carried
+
+
+def split_gpt_shardable() -> tuple[nn.Module, list[nn.Module]]:
+    model = make_gpt(0, shardable=True)
+    return model, list(partition(model, 2, gpt_inputs(), verify=False).stages)

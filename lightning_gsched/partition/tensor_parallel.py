@@ -32,7 +32,7 @@ from __future__ import annotations
 import fnmatch
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, Union, cast
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 STYLE_NAMES = ("colwise", "rowwise", "sequence")
+_T = TypeVar("_T")
 
 # A plan as a user gives it: module-name patterns -> styles (objects or names), or a function
 # that parallelizes one stage in place on the tensor-parallel mesh.
@@ -245,3 +246,43 @@ def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
     return {f"{prefix}.{name}" if prefix else name: spec
             for prefix, owner in module.named_modules()
             for name, spec in _SHARDED.get(owner, {}).items()}
+
+
+def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T]) -> _T:
+    """``call()`` (a forward of ``stage`` after sharding); an error it raises becomes a
+    :class:`TensorParallelPlanError` naming the last of the stage's modules that ran.
+
+    Why: model code that computes with the model's global sizes (a head count, a fused
+    projection split by the full width) fails on a shard deep inside the stage's generated code,
+    whose traceback names no module; the module that ran last is where the sharded width came
+    from, and the fix is in the code reading its output."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from lightning_gsched.errors import GschedError
+
+    names = {id(m): n for n, m in stage.named_modules() if n}
+    last: list[str] = []
+
+    def record(module: nn.Module, args: Any, output: Any) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            last[:] = [name]
+
+    handle = register_module_forward_hook(record)
+    try:
+        return call()
+    except GschedError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        where = f"right after {last[0]!r} ran" if last else "before any of its modules ran"
+        if last and any(n == last[0] or n.startswith(last[0] + ".") for n in shard_specs(stage)):
+            where += " (a module the plan shards)"
+        raise TensorParallelPlanError(
+            f"a stage's forward fails once sharded tensor_parallel_size={degree} ways, {where}: "
+            f"{type(exc).__name__}: {text}. The model's code must compute with local sizes: "
+            "write -1 for a sharded dimension in view/reshape/unflatten (view(b, t, -1, "
+            "head_dim), not the model's global head count), and shard q, k and v as separate "
+            "layers rather than split a fused projection by the full width") from exc
+    finally:
+        handle.remove()
