@@ -1,9 +1,8 @@
-"""``ScheduleArguments``: what a schedule is asked for, validated once, whatever the W.
-
-``plan()``, the CLI, ``ScheduleConfig`` and both front ends take the same arguments as one frozen
-``ScheduleArguments``, whose ``__post_init__`` refuses everything wrong whatever the number of
-workers, with a ``ScheduleConfigError`` naming the argument, the value and a valid one. What
-needs W (R dividing W, a placement's multiples, a list's length against S) ``plan()`` checks.
+"""``ScheduleArguments``: what a schedule is asked for, validated once, whatever the W. ``plan()``,
+the CLI, ``ScheduleConfig`` and both front ends take the same frozen arguments, which refuse
+everything wrong whatever the number of workers with a ``ScheduleConfigError`` naming the
+argument, the value and a valid one. What needs W (R dividing W, a placement's multiples, a
+list's length against S) ``plan()`` checks.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ CAP_WORDS = ("auto", DEFAULT, "none")  # "none" = uncapped, as None
 
 @dataclass(frozen=True)
 class ScheduleArguments:
-    """The schedule arguments of :func:`~lightning_gsched.schedule.plan` (see its docstring),
-    kept as given (a config round-trips them; later errors quote them as written) except the
-    counts, which become ints."""
+    """:func:`~lightning_gsched.schedule.plan`'s schedule arguments, kept as given (a config
+    round-trips them; later errors quote them as written) except the counts, made ints."""
 
     schedule: str | None = "fslpp"
     stages: int | None = None
@@ -48,7 +46,6 @@ class ScheduleArguments:
     data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
-        """Refuse every argument that is wrong whatever the number of workers."""
         validate.optional_callable("placement", self.placement, "w(s, b, d) -> (weights_worker, "
                                    "compute_worker)")
         validate.optional_callable("priority", self.priority, "n(s, b, d) -> sortable key")
@@ -94,15 +91,12 @@ class ScheduleArguments:
                 object.__setattr__(self, name, int(value))
 
     @classmethod
-    def names(cls) -> tuple[str, ...]:
-        """The argument names, in order (a front end picks its keywords by them)."""
+    def names(cls) -> tuple[str, ...]:  # in order: a front end picks its keywords by them
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def defaults(cls) -> dict[str, Any]:
-        """``{name: default}`` (``"auto"`` refuses any argument moved off its default)."""
+    def defaults(cls) -> dict[str, Any]:  # "auto" refuses any argument moved off its default
         return {f.name: f.default for f in dataclasses.fields(cls)}
 
-    def replace(self, **changes: Any) -> ScheduleArguments:
-        """A copy with ``changes``, validated again."""
+    def replace(self, **changes: Any) -> ScheduleArguments:  # validated again
         return dataclasses.replace(self, **changes)

@@ -1,15 +1,14 @@
-"""Text summaries of a plan: :func:`describe` (one row per worker, what ``gsched plan`` prints),
+"""Text summaries of a plan: :func:`describe` (a row per worker, what ``gsched plan`` prints),
 :func:`startup_summary` (each per-worker number as its range over the workers, what
-GeneralParallel prints when it starts) and its memory lines, predicted and measured.
-
-In the schedule layer, not the CLI, because the strategy logs the plan it runs too, and nothing
-may import ``lightning_gsched.cli`` (``tests/test_layering.py``).
+GeneralParallel prints when it starts) and its memory lines, predicted and measured. Here, not in
+the CLI, because the strategy logs the plan it runs too, and nothing may import
+``lightning_gsched.cli`` (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
 from itertools import groupby
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from lightning_gsched.schedule.data_parallel import lift_caps
 from lightning_gsched.schedule.fold import fold_rows, owners_text, sequence_text
@@ -20,45 +19,32 @@ from lightning_gsched.schedule.metrics import WorkerMetrics
 from lightning_gsched.schedule.orders import normalise_caps
 from lightning_gsched.schedule.plan import Plan
 
+FOLD_FROM = 17  # workers: from here on, equal rows are one row
+MAX_ROWS = 48  # workers whose rows are all computed at most; beyond, a sample:
+SHOWN_FIRST, SHOWN_LAST = 4, 2  # the first and the last workers (a pipeline's ends differ)
+OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
+SUMMARY_WIDTH = 112  # no line of the startup summary is longer (the partition table's width)
+# what lists every worker where a bounded reader (table, --json) lists a sample
+EVERY_WORKER_HINT = "--programs lists every worker (and with --json every slot and program)"
+
 
 def text_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     """Columns padded to their widest cell; the first left-aligned, the rest right-aligned."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
-    lines += [fmt.format(*[str(c) for c in r]) for r in rows]
-    return "\n".join(lines)
+    return "\n".join([fmt.format(*header), fmt.format(*["-" * w for w in widths]),
+                      *(fmt.format(*map(str, r)) for r in rows)])
 
 
 def cap_text(caps: Sequence[int | None]) -> str:
-    """Per-stage activation caps, folded: ``none``, one shared value, or a comma list."""
-    if all(c is None for c in caps):
-        return "none"
-    if len(set(caps)) == 1:
-        return str(caps[0])
-    return ",".join(str(c) for c in caps)
-
-
-def _plan_caps_text(result: Plan) -> str:
-    """:func:`cap_text` of the plan's caps, a long list as arithmetic runs (``1024..1``); lifted
-    to G replicas, one replica's caps and ``per replica``, as ``--cap`` takes them."""
-    caps, suffix = list(result.caps), ""
-    layout = result.replicas
-    if layout.replicas > 1 and len(set(caps)) > 1:
-        per_position = [caps[r] for r in layout.members(0)]
-        if lift_caps(per_position, layout) == caps:
-            caps, suffix = per_position, " per replica"
-    text = cap_text(caps)
-    return (text if len(caps) <= 16 or "," not in text else sequence_text(caps)) + suffix
+    """Per-worker activation caps as ``--cap`` takes them: ``none``, one value, or a list."""
+    return "none" if all(c is None for c in caps) else _numbers(caps, str)
 
 
 def checkpoint_text(checkpointed: Sequence[bool]) -> str:
-    """The checkpointed stages as ``--checkpoint-stages`` takes them: ``""``, ``"all"`` or
-    ``"0-2,5"``."""
+    """As ``--checkpoint-stages`` takes them: ``""``, ``"all"`` or ``"0-2,5"``."""
     stages = [s for s, on in enumerate(checkpointed) if on]
-    if not stages:
-        return ""
-    if len(stages) == len(checkpointed):
+    if stages and len(stages) == len(checkpointed):
         return "all"
     # consecutive stages share their offset from their index in ``stages``
     runs = [[s for _, s in run] for _, run in groupby(enumerate(stages), lambda p: p[1] - p[0])]
@@ -66,16 +52,15 @@ def checkpoint_text(checkpointed: Sequence[bool]) -> str:
 
 
 def ties_text(ties: Mapping[int, Sequence[int]]) -> str:
-    """Ties as ``gsched plan --tie`` takes them: ``0,3;1,2`` (each tie's reader stages)."""
+    """As ``--tie`` takes them: ``0,3;1,2`` (each tie's reader stages)."""
     return ";".join(",".join(str(s) for s in readers) for readers in ties.values())
 
 
 def workers_text(result: Plan) -> str:
     """``W=8``, or with data-parallel replicas ``W=8 (P=4 x G=2, replicate)``."""
     G = result.data_parallel_size
-    if G == 1:
-        return f"W={result.workers}"
-    return f"W={result.workers} (P={result.pipeline_size} x G={G}, {result.data_parallel})"
+    return f"W={result.workers}" + (
+        f" (P={result.pipeline_size} x G={G}, {result.data_parallel})" if G > 1 else "")
 
 
 def micro_text(result: Plan) -> str:
@@ -85,12 +70,20 @@ def micro_text(result: Plan) -> str:
 
 
 def configuration_text(result: Plan) -> str:
-    """``W=2 S=4 B=2 order=bfs cap=none`` and what else is set: the plan's shape, as
-    :func:`describe` and :func:`startup_summary` write it."""
+    """The plan's shape, ``W=2 S=4 B=2 order=bfs cap=none`` and what else is set; a long cap list
+    as arithmetic runs (``1024..1``), lifted to G replicas one replica's and ``per replica``."""
+    caps, suffix = list(result.caps), ""
+    layout = result.replicas
+    if layout.replicas > 1 and len(set(caps)) > 1:
+        per_position = [caps[r] for r in layout.members(0)]
+        if lift_caps(per_position, layout) == caps:
+            caps, suffix = per_position, " per replica"
+    cap = cap_text(caps)
+    cap = (cap if len(caps) <= 16 or "," not in cap else sequence_text(caps)) + suffix
     checkpointed = checkpoint_text(result.checkpointed)
     return (f"{workers_text(result)} S={result.stages} {micro_text(result)}"
             + (f" R={result.R}" if result.R is not None else "")
-            + f" order={result.order} cap={_plan_caps_text(result)}"
+            + f" order={result.order} cap={cap}"
             + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
             + (f" ties={ties_text(result.ties)}" if result.ties else "")
             + (f" checkpointed={checkpointed}" if checkpointed else ""))
@@ -98,13 +91,10 @@ def configuration_text(result: Plan) -> str:
 
 def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
              tie_bytes: Mapping[int, int] | None = None) -> str:
-    """Text summary of a plan: configuration, latency, bubble, and one row per worker.
-
-    With ``stage_bytes`` (and ``tie_bytes``: ``{home: bytes}``) two columns more: the parameter
-    bytes a worker owns and its peak of owned + fetched ones. Beyond :data:`MAX_ROWS` workers
-    only the rows :func:`listed_workers` names are computed: a row reads (at large W: lowers)
-    its worker's program, while the head lines read only the timeline and placement.
-    """
+    """Configuration, latency, bubble, and one row per worker; with ``stage_bytes`` (and
+    ``tie_bytes``: ``{home: bytes}``) the parameter bytes a worker owns and its peak of owned +
+    fetched ones. Beyond :data:`MAX_ROWS` workers only :func:`listed_workers`' rows are computed:
+    a row reads (at large W: lowers) its worker's program, the head lines only the timeline."""
     m = result.metrics
     head = (
         f"schedule {result.schedule}: {configuration_text(result)}"
@@ -120,11 +110,11 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
     if stage_bytes is not None and result.data_parallel == "shard":
         head += "\n" + shard_saving(result, stage_bytes)
     shown = listed_workers(result.workers)
+    rows = worker_rows(result, range(result.workers) if shown is None else shown, stage_bytes,
+                       tie_bytes)
     if shown is None:
-        rows = worker_rows(result, range(result.workers), stage_bytes, tie_bytes)
         return head + "\n" + text_table(rows if len(rows) < FOLD_FROM else fold_rows(rows), header)
     # the first and last workers' rows (each part's equal rows folded), a line for the rest
-    rows = worker_rows(result, shown, stage_bytes, tie_bytes)
     hidden = hidden_workers(result.workers)
     gap: list[object] = [f"... {hidden}", *["..."] * (len(header) - 1)]
     table = text_table([*fold_rows(rows[:SHOWN_FIRST]), gap, *fold_rows(rows[SHOWN_FIRST:])],
@@ -133,12 +123,11 @@ def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
 
 
 def shard_saving(result: Plan, stage_bytes: Sequence[int]) -> str:
-    """What sharding over the replicas saves at rest: each rank's owned parameter bytes against
-    the same plan replicated, where a rank owns every stage it computes (no second plan)."""
-    table = result.table
+    """What sharding saves at rest: each rank's owned parameter bytes against the same plan
+    replicated, where a rank owns every stage it computes (no second plan)."""
     ranks = listed_workers(result.workers) or range(result.workers)
-    owned = [sum(stage_bytes[s] for s in table.owned_stages(r)) for r in ranks]
-    replicated = [sum(stage_bytes[s] for s in table.computed_stages(r)) for r in ranks]
+    owned = [sum(stage_bytes[s] for s in result.table.owned_stages(r)) for r in ranks]
+    replicated = [sum(stage_bytes[s] for s in result.table.computed_stages(r)) for r in ranks]
     saved = 1 - max(owned) / max(replicated) if max(replicated) else 0.0
     return (f"sharded over {result.data_parallel_size} replicas: each rank owns "
             f"{span(owned, byte_text)} of parameters at rest (gradients and optimizer state "
@@ -146,40 +135,34 @@ def shard_saving(result: Plan, stage_bytes: Sequence[int]) -> str:
             f"{saved:.0%} less on the largest rank")
 
 
-FOLD_FROM = 17  # workers: from here on, equal rows are one row
-MAX_ROWS = 48  # workers whose rows are all computed at most; beyond, a sample: the first
-SHOWN_FIRST = 4  # SHOWN_FIRST workers and the last SHOWN_LAST (a pipeline's ends differ)
-SHOWN_LAST = 2
-OWNERS_WIDTH = 160  # the owners line's plain form up to this width, else its compact form
-
-
 def listed_workers(workers: int) -> list[int] | None:
-    """The workers whose rows the text table and ``gsched plan --json`` show: None (every
-    worker) up to :data:`MAX_ROWS`, else the first and last few."""
+    """The workers whose rows the table and ``--json`` show: None (all) up to :data:`MAX_ROWS`,
+    else the first and last few."""
     if workers <= max(MAX_ROWS, SHOWN_FIRST + SHOWN_LAST):
         return None
     return [*range(SHOWN_FIRST), *range(workers - SHOWN_LAST, workers)]
 
 
+def hidden_workers(workers: int) -> str:
+    """``4-1021``: the workers :func:`listed_workers` leaves out."""
+    return f"{SHOWN_FIRST}-{workers - SHOWN_LAST - 1}"
+
+
 def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int] | None = None,
                 tie_bytes: Mapping[int, int] | None = None) -> list[list[object]]:
-    """:func:`describe`'s rows of ``workers`` (cells as printed, the worker first): each
-    program read alone, or every one at once (``make_all``) when every worker's row is asked."""
+    """:func:`describe`'s rows of ``workers``, cells as printed: each program read alone, or all
+    at once (``make_all``) when every worker's row is asked."""
     per_worker = result.metrics.per_worker
     if len(workers) == len(per_worker) and isinstance(per_worker, LazyList):
-        per_worker.make_all()  # every row: every program at once
-    metrics = [per_worker[w] for w in workers]
+        per_worker.make_all()
     rows: list[list[object]] = [
         [w.worker, f"{w.busy:g}", f"{w.activation_recvs}/{w.activation_sends}",
          f"{w.input_grad_recvs}/{w.input_grad_sends}", f"{w.weight_fetches}/{w.weight_serves}",
          f"{w.grad_sends}/{w.grad_recvs}", w.allreduces, w.peak_activations, w.owned_stages,
-         w.peak_resident_stages]
-        for w in metrics
-    ]
-    if result.ties:
-        for row, w in zip(rows, metrics, strict=True):
-            row += [f"{w.tie_fetches}/{w.tie_serves}", f"{w.tie_grad_sends}/{w.tie_grad_recvs}",
-                    w.tie_allreduces]
+         w.peak_resident_stages,
+         *([f"{w.tie_fetches}/{w.tie_serves}", f"{w.tie_grad_sends}/{w.tie_grad_recvs}",
+            w.tie_allreduces] if result.ties else [])]
+        for w in map(per_worker.__getitem__, workers)]
     if stage_bytes is not None:
         held = resident_bytes(result.programs, stage_bytes, tie_bytes, ranks=list(workers))
         for row, h in zip(rows, held, strict=True):
@@ -187,25 +170,8 @@ def worker_rows(result: Plan, workers: Sequence[int], stage_bytes: Sequence[int]
     return rows
 
 
-# what lists every worker where a bounded reader (table, --json) lists a sample
-EVERY_WORKER_HINT = "--programs lists every worker (and with --json every slot and program)"
-
-
-def hidden_workers(workers: int) -> str:
-    """``4-1021``: the workers :func:`listed_workers` leaves out (a range)."""
-    return f"{SHOWN_FIRST}-{workers - SHOWN_LAST - 1}"
-
-
-# ---------------------------------------------------------------------------- startup summary
-#
-# A fixed number of lines for any W, where describe()'s row per worker would scroll the start of
-# a run off the screen; it names the command that prints the full table.
-
-SUMMARY_WIDTH = 112  # no line of the startup summary is longer (the partition table's width)
-
-
 def byte_text(nbytes: float) -> str:
-    """Human-readable bytes: ``512 B``, ``49.2 KiB``, ``3.1 MiB``, ``1.25 GiB``."""
+    """``512 B``, ``49.2 KiB``, ``3.1 MiB``, ``1.25 GiB``."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB"):
         if value < 1024:
@@ -220,27 +186,23 @@ def span(values: Sequence[float], text: Callable[[float], str] = "{:g}".format) 
     return text(low) if low == high else f"{text(low)}-{text(high)}"
 
 
-def _numbers(values: Sequence[float]) -> str:
-    """One number when all are equal, else the comma list (the CLI's form of costs and caps)."""
-    return f"{values[0]:g}" if len(set(values)) == 1 else ",".join(f"{v:g}" for v in values)
+def _numbers(values: Sequence[Any], text: Callable[[Any], str] = "{:g}".format) -> str:
+    """One value when all are equal, else the comma list (the CLI's form of costs and caps)."""
+    return text(values[0]) if len(set(values)) == 1 else ",".join(map(text, values))
 
 
 def plan_command(result: Plan) -> str:
-    """The ``gsched plan`` command that prints this plan in full (library schedules only): W, S
-    and B always, the rest where it differs from the schedule's defaults."""
+    """The ``gsched plan`` command that prints this (library) plan in full: W, S and B, the rest
+    where it differs from the schedule's defaults."""
     spec = LIBRARY[result.schedule]
     G = result.data_parallel_size
     words = [f"gsched plan {result.schedule} -w {result.workers} -s {result.stages} "
              f"-b {result.micro // G}"]  # -b: one replica's microbatches
-    if G > 1:
-        words.append(f"--dp {G}" + (" --data-parallel shard"
-                                    if result.data_parallel == "shard" else ""))
-    if result.R is not None:
-        words.append(f"--R {result.R}")
-    if result.order != spec.order:
-        words.append(f"--order {result.order}")
-    if result.fetch_window is not None:
-        words.append(f"--fetch-window {result.fetch_window}")
+    words += [word for given, word in (
+        (G > 1, f"--dp {G}"), (result.data_parallel == "shard", "--data-parallel shard"),
+        (result.R is not None, f"--R {result.R}"),
+        (result.order != spec.order, f"--order {result.order}"),
+        (result.fetch_window is not None, f"--fetch-window {result.fetch_window}")) if given]
     words += [f"--tie {','.join(str(s) for s in readers)}" for readers in result.ties.values()]
     layout = result.replicas
     default = spec.cap(layout.pipeline, result.stages)  # "auto" (a search): caps written out
@@ -256,8 +218,8 @@ def plan_command(result: Plan) -> str:
         words.append(f"--checkpoint-stages {checkpointed}")
     # the plan's backward costs include the recompute of checkpointed stages; the CLI adds it
     # (rounded: b + f - f may differ from b in its last bit)
-    bwd = tuple(round(b - f, 12) if on else b for b, f, on in zip(bwd, fwd, result.checkpointed,
-                                                                  strict=True))
+    bwd = tuple(round(b - f, 12) if on else b
+                for b, f, on in zip(bwd, fwd, result.checkpointed, strict=True))
     if any(c != 1.0 for c in fwd):
         words.append(f"--forward-cost {_numbers(fwd)}")
     if not wgt:
@@ -269,20 +231,12 @@ def plan_command(result: Plan) -> str:
 
 
 def _owners_text(owners: Sequence[Sequence[int]], width: int) -> str:
-    """``[[0], [1], ...]`` when it fits ``width``, else the compact form of
-    :func:`~.fold.owners_text`."""
+    """``[[0], [1], ...]`` when it fits ``width``, else :func:`~.fold.owners_text`."""
     if len(owners) <= width:
         text = str([list(o) for o in owners])
         if len(text) <= width:
             return text
     return owners_text(owners, width)
-
-
-def _most(values: Sequence[float], workers: Sequence[int], text: str) -> str:
-    """``text`` (the range of ``values``) and, when they differ, the worker with the largest."""
-    if min(values) == max(values):
-        return text
-    return f"{text} (most: worker {workers[max(range(len(values)), key=values.__getitem__)]})"
 
 
 def _byte_span(values: Sequence[float]) -> str:
@@ -295,7 +249,7 @@ def _byte_span(values: Sequence[float]) -> str:
 
 
 class StartupRow(NamedTuple):
-    """One worker's numbers in :func:`startup_summary`: counts and parameter bytes."""
+    """One worker's numbers in :func:`startup_summary`."""
 
     counts: WorkerMetrics
     resident: ResidentBytes
@@ -303,20 +257,17 @@ class StartupRow(NamedTuple):
 
 def startup_row(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
                 rank: int) -> StartupRow:
-    """``rank``'s :class:`StartupRow`, read off its own program only: each rank computes its
-    own and the rows are gathered, so that no rank lowers the programs of all W ranks."""
+    """``rank``'s row, read off its own program only: each rank computes its own and the rows
+    are gathered, so that no rank lowers the programs of all W ranks."""
     return StartupRow(result.metrics.per_worker[rank],
                       resident_bytes(result.programs, stage_bytes, tie_bytes, ranks=[rank])[0])
 
 
 def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping[int, int],
                     command: str | None, rows: Sequence[StartupRow] | None = None) -> str:
-    """The plan as GeneralParallel prints it before the first step, in a fixed number of lines.
-
-    ``stage_bytes``/``tie_bytes`` as :func:`describe` takes them; ``command``: how to print the
-    full table (:func:`plan_command`; None for a custom placement); ``rows``: every worker's
-    :class:`StartupRow`, gathered by the caller (None: read here off every program).
-    """
+    """The plan as GeneralParallel prints it before the first step, in a fixed number of lines
+    for any W. ``command``: how to print the full table (:func:`plan_command`; None for a
+    custom placement); ``rows``: every worker's, gathered by the caller (None: read here)."""
     m = result.metrics
     if rows is None:
         rows = [StartupRow(w, r) for w, r in zip(
@@ -326,20 +277,25 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
     per_worker = [row.counts for row in rows]
     workers = [w.worker for w in per_worker]
 
-    def ranged(field: str) -> str:
-        return span([getattr(w, field) for w in per_worker])
+    def column(field: str) -> list[float]:
+        return [getattr(w, field) for w in per_worker]
 
-    def most(field: str) -> str:
-        values = [getattr(w, field) for w in per_worker]
-        return _most(values, workers, span(values))
+    def ranged(field: str) -> str:
+        return span(column(field))
+
+    def most(values: Sequence[float], text: Callable[[Sequence[float]], str] = span) -> str:
+        """``text(values)`` and, when they differ, the worker with the largest."""
+        if min(values) == max(values):
+            return text(values)
+        return f"{text(values)} (most: worker {workers[values.index(max(values))]})"
 
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
     costs = (f"costs per stage: forward {_numbers(fwd)}, backward {_numbers(bwd)}"
              + (f", weight {_numbers(wgt)}" if wgt else "")
              if len({*fwd}) == 1 and len({*bwd}) == 1 and len({*wgt}) <= 1
              else "the given per-stage costs")
-    memory = [(row.resident.owned, row.resident.peak) for row in rows]
-    peak = [float(p) for _, p in memory]
+    owned = [float(row.resident.owned) for row in rows]
+    peak = [float(row.resident.peak) for row in rows]
     lines = [
         f"GeneralParallel plan: {result.schedule} {configuration_text(result)}",
         f"  latency {m.latency:g}, bubble {m.bubble_fraction:.1%} ({costs}); busy per worker "
@@ -352,10 +308,10 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
         f"    weight fetches {ranged('weight_fetches')} / serves {ranged('weight_serves')}, "
         f"gradient reductions out {ranged('grad_sends')} / in {ranged('grad_recvs')}, "
         f"all-reduces {ranged('allreduces')}",
-        f"    peak stashed activations (microbatch-stages) {most('peak_activations')}; stages "
-        f"owned {ranged('owned_stages')}, peak resident {most('peak_resident_stages')}",
-        f"    parameters owned {_byte_span([float(o) for o, _ in memory])}, peak resident "
-        + _most(peak, workers, _byte_span(peak)),
+        f"    peak stashed activations (microbatch-stages) {most(column('peak_activations'))}; "
+        f"stages owned {ranged('owned_stages')}, peak resident "
+        f"{most(column('peak_resident_stages'))}",
+        f"    parameters owned {_byte_span(owned)}, peak resident {most(peak, _byte_span)}",
     ]
     if not result.ties:
         lines.append("    optimizer state only for the owned part")

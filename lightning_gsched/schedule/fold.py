@@ -1,14 +1,11 @@
-"""Compact text for long lists of ranks and stages, so the planner's output reads at any W.
-
-A set of ranks as arithmetic runs (``0-1022/2`` = 0, 2, ..., 1022), runs of stages whose owners
-move by a fixed step as one item (``s0-1023: [0]+1`` = stage s owned by rank s), and equal table
-rows over several workers as one row. Nothing is approximated: each form expands back to exactly
-the list it stands for; where a list is still too long, the text says how many items it leaves
-out.
+"""Compact text for long lists of ranks and stages, so the planner's output reads at any W. Nothing
+is approximated: each form expands back to exactly the list it stands for; where a list is still
+too long, the text says how many items it leaves out.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Iterator, Sequence
 
 
@@ -33,24 +30,23 @@ def _runs(values: Sequence[int | None], descending: bool) -> Iterator[tuple[obje
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
-    """``[0-3]``, ``[0-1022/2]``, ``[1,5,9-12]``: ascending ranks as maximal arithmetic runs
-    (a run of three or more with step 1 is ``a-b``, with step k ``a-b/k``)."""
+    """``[0-3]``, ``[0-1022/2]``, ``[1,5,9-12]``: ascending ranks, runs of three or more as
+    ``a-b`` (step 1) or ``a-b/k``."""
     parts = [str(a) if not step else f"{a}-{b}" + ("" if step == 1 else f"/{step}")
              for a, b, step in _runs(list(ranks), descending=False)]
     return "[" + ",".join(parts) + "]"
 
 
 def sequence_text(values: Sequence[int | None]) -> str:
-    """``20..1``, ``4,4,4..16/4``: per-worker numbers (activation caps) as maximal arithmetic
-    runs of three or more, ``a..b`` (step +-1) or ``a..b/k``; other items as they are. For
-    reading only: the CLI's ``--cap`` takes the plain comma list."""
+    """``20..1``, ``4,4,4..16/4``: per-worker numbers (activation caps), runs of three or more
+    as ``a..b`` (step +-1) or ``a..b/k``. For reading only: ``--cap`` takes the comma list."""
     return ",".join(str(a) if not step else f"{a}..{b}" + ("" if abs(step) == 1 else f"/{abs(step)}")
                     for a, b, step in _runs(values, descending=True))
 
 
 def owners_text(owners: Sequence[Sequence[int]], width: int = 160) -> str:
-    """The owners of every stage in at most ``width`` characters: consecutive stages whose owner
-    sets differ by one fixed shift are one item, ``s0-1023: [0]+1`` (stage s owned by rank s),
+    """Every stage's owners in at most ``width`` characters, consecutive stages whose owners
+    move by one fixed shift as one item: ``s0-1023: [0]+1`` (stage s owned by rank s),
     ``s0-3: [0-6/2]`` (all owned by 0, 2, 4, 6)."""
     items: list[str] = []
     s = 0
@@ -62,28 +58,19 @@ def owners_text(owners: Sequence[Sequence[int]], width: int = 160) -> str:
                    and list(owners[end + 1]) == [r + shift * (end + 1 - s) for r in first]):
                 end += 1
         label = f"s{s}" if end == s else f"s{s}-{end}"
-        text = ranks_text(first)
-        if end > s and shift:
-            text += f"{shift:+d}"
-        items.append(f"{label}: {text}")
+        items.append(f"{label}: {ranks_text(first)}" + (f"{shift:+d}" if end > s and shift else ""))
         s = end + 1
     text = "; ".join(items)
     if len(text) <= width:
         return text
-    shown: list[str] = []
-    used = 0  # characters of the items shown, with their separators
-    for item in items:
-        if used + len(item) + 2 + 28 > width:  # room for the count of what is left out
-            break
-        shown.append(item)
-        used += len(item) + 2
-    return "; ".join(shown) + f"; ... ({len(items) - len(shown)} more stage groups)"
+    # the items that leave room for the count of what is left out (28 characters)
+    shown = sum(used + 28 <= width for used in accumulate(len(item) + 2 for item in items))
+    return "; ".join(items[:shown]) + f"; ... ({len(items) - shown} more stage groups)"
 
 
 def fold_rows(rows: Sequence[Sequence[object]]) -> list[list[object]]:
-    """Rows equal but for their first cell (the worker) as one row, its first cell the workers
-    it stands for in :func:`ranks_text`'s form (``0-1022/2``; cut to 40 characters with their
-    count when irregular), in the order of each row's first worker."""
+    """Rows equal but for their first cell (the worker) as one row, first cell its workers as in
+    :func:`ranks_text` (cut to 40 characters with their count when irregular), in worker order."""
     groups: dict[tuple[object, ...], list[int]] = {}
     for row in rows:
         groups.setdefault(tuple(row[1:]), []).append(int(str(row[0])))

@@ -1,29 +1,22 @@
-"""Bytes per rank, predicted from the programs: weights, gradients, optimizer state, stashed
-activations and communication buffers, at every action and at the peak.
+"""Bytes per rank predicted from the programs, at every action and at the peak: whether a plan fits
+and where its memory goes, without running it (stage sizes measured by
+:func:`lightning_gsched.measure.measure_stage_bytes`). The runtime accounts for the same categories
+executing the same programs (``runtime/footprint.py``), so predicted and measured compare rank by
+rank:
 
-The programs say, action by action, which weights are resident, which activations are stashed
-and which receives are posted; times per-stage sizes (:class:`StageSizes`, measured by
-:func:`lightning_gsched.measure.measure_stage_bytes`), that says whether a plan fits and where
-its memory goes without running it. The runtime accounts for the same categories as it executes
-the same programs (``runtime/footprint.py``), so predicted and measured compare rank by rank:
-
-* **weights**: the owned weight units (stages, and the ties of owned home stages), always; a
-  fetched unit from its ``FETCH_W`` (the receive is posted into its buffer) to its ``FREE_W``.
-* **gradients**: the owned units' buffers for the whole step; a fetched unit's from the first
-  weight-gradient job (``B``, or ``W`` when split) of a stage reading it to its ``REDUCE_G``.
-* **optimizer**: the owned units' state. After the program, the optimizer's step is one more
+* **weights**: the owned weight units (stages, and the ties of owned home stages); a fetched one
+  from its ``FETCH_W`` (the receive is posted into its buffer) to its ``FREE_W``.
+* **gradients**: the owned units' buffers; a fetched unit's from the first weight-gradient job
+  (``B``, or ``W`` when split) of a stage reading it to its ``REDUCE_G``.
+* **optimizer**: the owned units' state; after the program, the optimizer's step is one more
   moment: owned weights, gradients and state plus ``ModelSizes.optimizer_step`` x the gradients.
-* **activations**: what ``F s b`` saves for its backward, held until ``B s b``; a split ``B``
-  narrows it (``OpRules.narrows_stash``) to what ``W s b`` needs (less ``b_released``, plus
-  ``w_grads``). A checkpointed stage keeps only its inputs from ``F`` to ``B`` (the last stage
-  also its loss's graph); split, its recomputed graph less the loss's, plus ``w_grads``, lives
-  from ``B`` to ``W``.
-* **communication**: receive buffers posted and not yet consumed (:mod:`.consumption` says by
-  which action). Sends are not counted: a sent tensor is one the stash or a gradient buffer
-  holds, and the transport drops it when the send completes (runtime/send_release.py).
-
-:class:`RankMemory` holds the total's peak (at the start or after any action) split by
-category, and each category's own peak.
+* **activations**: what ``F s b`` saves for its backward, until ``B s b``; a split ``B`` narrows
+  it to what ``W s b`` needs (less ``b_released``, plus ``w_grads``). A checkpointed stage keeps
+  only its inputs from ``F`` to ``B`` (the last stage also its loss's graph); split, its
+  recomputed graph less the loss's, plus ``w_grads``, from ``B`` to ``W``.
+* **communication**: posted receive buffers not yet consumed (:mod:`.consumption` says by which
+  action). Sends are not counted: a sent tensor is one the stash or a gradient buffer holds, and
+  the transport drops it when the send completes (runtime/send_release.py).
 """
 
 from __future__ import annotations
@@ -40,14 +33,10 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "communication
 
 @dataclass(frozen=True)
 class StageSizes:
-    """Bytes of one stage, as the torch layers measure them.
-
-    ``grads``: the trainable weights' gradient buffer; ``optimizer``: the state its owner keeps.
-    ``activations``: what one microbatch's forward stashes when its input is local;
-    ``received_activations``: the same when its input arrived as a message (a saved view of the
-    received buffer keeps it alive whole). ``message``: the stage's output for one microbatch
-    (the input-gradient coming back is counted at the same size).
-    """
+    """Bytes of one stage. ``activations``: what one microbatch's forward stashes when its input
+    is local; ``received_activations``: when it arrived as a message (a saved view of the received
+    buffer keeps it alive whole). ``message``: the stage's output for one microbatch (the
+    input-gradient coming back is counted at the same size)."""
 
     params: int
     grads: int
@@ -57,10 +46,8 @@ class StageSizes:
     received_activations: int = -1  # -1: the same as ``activations``
     inputs: int = 0  # what a checkpointed stage keeps from F to B
     loss_graph: int = 0  # of ``activations``, the last stage's loss code's own graph
-    # split backward: of ``activations``, what B frees (the graph above every weight, e.g. the
-    # loss's); and the gradients B records for W, held from B to W
-    b_released: int = 0
-    w_grads: int = 0
+    b_released: int = 0  # split: of ``activations``, what B frees (the graph above every weight)
+    w_grads: int = 0  # split: the gradients B records for W, held from B to W
 
     @property
     def stash_from_message(self) -> int:
@@ -69,8 +56,7 @@ class StageSizes:
 
 @dataclass(frozen=True)
 class TieSizes:
-    """Bytes of one tie (weights, gradient buffer, its owners' optimizer state); ``readers``:
-    every stage that reads it (home included), as the plan's ``ties`` says."""
+    """Bytes of one tie; ``readers``: every stage that reads it (home included)."""
 
     readers: tuple[int, ...]
     params: int
@@ -80,17 +66,15 @@ class TieSizes:
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """Every stage's sizes plus every tie's (``{home stage: TieSizes}``; outside the stages)."""
+    """Every stage's sizes plus every tie's (``{home stage: TieSizes}``, in no stage)."""
 
     stages: tuple[StageSizes, ...]
     ties: Mapping[int, TieSizes] = field(default_factory=dict)
-    # what the optimizer's step allocates, per byte of the gradients it applies
-    # (runtime.optimizer_step_factor: 1.0 for a multi-tensor Adam, 0 otherwise)
+    # the optimizer step's allocation per gradient byte (1.0 for a multi-tensor Adam, else 0)
     optimizer_step: float = 0.0
 
     @property
-    def tie_map(self) -> dict[int, tuple[int, ...]]:
-        """``{home: readers}``, as ``plan(..., ties=...)`` takes them."""
+    def tie_map(self) -> dict[int, tuple[int, ...]]:  # {home: readers}, as plan(ties=) takes
         return {h: tuple(t.readers) for h, t in sorted(self.ties.items())}
 
 
@@ -114,7 +98,8 @@ class Bytes:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank: the total's peak (``at_peak``, by category) and each category's own peak."""
+    """One rank: the total's peak (``at_peak``, by category, at the start or after any action)
+    and each category's own peak."""
 
     rank: int
     at_peak: Bytes
@@ -125,7 +110,6 @@ class RankMemory:
         return self.at_peak.total
 
 
-# the weight-unit ops that change bytes (a serve sends what the owner holds)
 _UNIT_OPS = frozenset({Op.FETCH_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
 
 
@@ -145,15 +129,13 @@ class _RankWalk:
         self.gradients = sum(u.grads for u in units) if training else 0
         self.optimizer = sum(u.optimizer for u in units) if training else 0
         self.activations = self.communication = 0
-        # fetched units holding a gradient not yet handed off
-        self.fetched_grads: set[UnitKey] = set()
+        self.fetched_grads: set[UnitKey] = set()  # fetched units' gradients not yet handed off
         self.posted: dict[Message, int] = {}  # activations, input-gradients
         self.grads_posted: dict[UnitKey, int] = {}  # peers' gradients not yet summed in
         self.stashed: dict[tuple[int, int | None], int] = {}  # (stage, micro) -> bytes held
         self.fed_by_message: set[tuple[int, int | None]] = set()
 
-    def now(self) -> tuple[int, int, int, int, int]:
-        """The bytes by category, in :data:`CATEGORIES`' order."""
+    def now(self) -> tuple[int, int, int, int, int]:  # in CATEGORIES' order
         return (self.weights, self.gradients, self.optimizer, self.activations,
                 self.communication)
 
@@ -183,36 +165,25 @@ class _RankWalk:
                       else max((stages[p].message for p in rules.act_from[s]), default=0))
             self.posted[Message.of(a)] = nbytes
             self.communication += nbytes
-        elif op in _UNIT_OPS:
-            self._unit(a)
-        # sends change nothing: a sent tensor is one the stash or a gradient buffer holds
-
-    def _unit(self, a: Action) -> None:
-        """A weight unit's op (a stage's or a tie's)."""
-        op, unit = a.op, unit_of(a)
-        params, grads = self._unit_bytes(unit)
-        if op is Op.FETCH_W:
-            self.weights += params
-        elif op is Op.FREE_W:
-            self.weights -= params
-        elif op is Op.REDUCE_G:
-            if unit in self.fetched_grads:
+        elif op in _UNIT_OPS:  # a weight unit's (a stage's or a tie's)
+            unit = unit_of(a)
+            sizes = self._unit_sizes(unit)
+            if op is Op.FETCH_W or op is Op.FREE_W:
+                self.weights += sizes.params if op is Op.FETCH_W else -sizes.params
+            elif op is Op.REDUCE_G and unit in self.fetched_grads:
                 self.fetched_grads.discard(unit)
-                self.gradients -= grads
-        elif op is Op.RECV_G:
-            self.grads_posted[unit] = self.grads_posted.get(unit, 0) + grads
-            self.communication += grads
-        else:  # ALLREDUCE_G: the gradients received for it are summed in
-            self.communication -= self.grads_posted.pop(unit, 0)
+                self.gradients -= sizes.grads
+            elif op is Op.RECV_G:
+                self.grads_posted[unit] = self.grads_posted.get(unit, 0) + sizes.grads
+                self.communication += sizes.grads
+            elif op is Op.ALLREDUCE_G:  # the gradients received for it are summed in
+                self.communication -= self.grads_posted.pop(unit, 0)
+        # sends and serves change nothing: a sent tensor is one the stash or a buffer holds
 
-    def _unit_bytes(self, unit: UnitKey) -> tuple[int, int]:
-        """(parameter, gradient) bytes of a stage or of the tie whose home it is."""
-        index, tie = unit
-        sizes = self.sizes.ties[index] if tie else self.sizes.stages[index]
-        return sizes.params, sizes.grads
+    def _unit_sizes(self, unit: UnitKey) -> StageSizes | TieSizes:  # a stage's, or a tie's
+        return self.sizes.ties[unit[0]] if unit[1] else self.sizes.stages[unit[0]]
 
-    def _graph(self, s: int, micro: int | None) -> int:
-        """Bytes of the graph of ``F s micro`` (fed by a message, or locally)."""
+    def _graph(self, s: int, micro: int | None) -> int:  # of ``F s micro``
         stage = self.sizes.stages[s]
         return stage.stash_from_message if (s, micro) in self.fed_by_message else stage.activations
 
@@ -221,17 +192,15 @@ class _RankWalk:
         self.stashed[(s, micro)] = nbytes
 
     def _weight_grads(self, s: int) -> None:
-        """A weight-gradient job of stage ``s``: the gradient buffers of the fetched units it
-        reads start at their first use."""
+        """The gradient buffers of the fetched units stage ``s`` reads start at their first use."""
         units = [((s, False), s in self.owned),
                  *(((h, True), h in self.owned_ties) for h in self.rules.ties_read[s])]
         for unit, owned in units:
             if not owned and unit not in self.fetched_grads:
                 self.fetched_grads.add(unit)
-                self.gradients += self._unit_bytes(unit)[1]
+                self.gradients += self._unit_sizes(unit).grads
 
-    def _consume(self, key: Message) -> bool:
-        """Drop a posted receive's buffer; whether one was posted."""
+    def _consume(self, key: Message) -> bool:  # drop a posted receive's buffer, if one was
         if key not in self.posted:
             return False
         self.communication -= self.posted.pop(key)
@@ -243,34 +212,25 @@ def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
     """Walk one rank's program: the peak of the total and of each category."""
     walk = _RankWalk(programs, sizes, rank,
                      list(checkpointed) or [False] * programs.num_stages, rules)
-
-    # plain tuples per action, a Bytes only at the end: the tuner walks every rank of hundreds
-    # of plans, and a dataclass per action was most of its time
-    best = walk.now()
-    highs = list(best)
+    # plain tuples per action, Bytes only at the end: the tuner walks every rank of hundreds of
+    # plans, and a dataclass per action was most of its time
+    moments = [walk.now()]
     for action in programs.ranks[rank]:
         walk.apply(action)
-        current = walk.now()
-        if sum(current) > sum(best):
-            best = current
-        highs = [max(high, value) for high, value in zip(highs, current, strict=True)]
+        moments.append(walk.now())
     if sizes.optimizer_step and walk.gradients:
-        # the optimizer's step: owned weights, gradients and state, plus its temporaries
-        # (counted as optimizer bytes)
-        stepping = (walk.weights, walk.gradients,
-                    walk.optimizer + int(sizes.optimizer_step * walk.gradients), 0, 0)
-        if sum(stepping) > sum(best):
-            best = stepping
-        highs = [max(high, value) for high, value in zip(highs, stepping, strict=True)]
-    return RankMemory(rank, Bytes(*best), Bytes(*highs))
+        # the optimizer's step: owned weights, gradients, state and its temporaries (optimizer)
+        moments.append((walk.weights, walk.gradients,
+                        walk.optimizer + int(sizes.optimizer_step * walk.gradients), 0, 0))
+    peak = max(moments, key=sum)  # the first of equal totals
+    return RankMemory(rank, Bytes(*peak), Bytes(*map(max, zip(*moments, strict=True))))
 
 
-def predict_memory(programs: Programs, sizes: ModelSizes,
-                   checkpointed: Sequence[bool] = (),
+def predict_memory(programs: Programs, sizes: ModelSizes, checkpointed: Sequence[bool] = (),
                    ranks: Sequence[int] | None = None) -> list[RankMemory]:
-    """Every rank's predicted bytes for one step of ``programs``. ``checkpointed``: one bool per
-    stage (``plan(...).checkpointed``; empty: none). ``ranks``: only these ranks, in this order;
-    a walk reads only its rank's program, so each rank of a job can predict its own."""
+    """Every rank's predicted bytes for one step. ``checkpointed``: ``plan(...).checkpointed``
+    (empty: none). ``ranks``: only these, in this order; a walk reads only its rank's program,
+    so each rank of a job can predict its own."""
     for rank in ranks or ():
         if not 0 <= rank < programs.world_size:
             raise ScheduleConfigError(
@@ -281,10 +241,9 @@ def predict_memory(programs: Programs, sizes: ModelSizes,
             f"{programs.num_stages}; measure the sizes on the partition the plan was made for "
             "(the same number of stages)")
     for s, stage in enumerate(sizes.stages):
-        for f in fields(stage):
-            value = getattr(stage, f.name)
-            if f.name != "received_activations" or value != -1:
-                _check_bytes(f"stage {s}'s {f.name}", value)
+        for name, value in vars(stage).items():  # the fields, in order
+            if name != "received_activations" or value != -1:
+                _check_bytes(f"stage {s}'s {name}", value)
     if sizes.tie_map != dict(programs.ties):
         raise ScheduleConfigError(
             f"the sizes describe ties {sizes.tie_map} (home stage: reader stages) but the "
@@ -312,7 +271,7 @@ def _check_bytes(what: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class ResidentBytes:
-    """One worker's parameter bytes: the stages it owns, and the most it holds at once."""
+    """One worker's parameter bytes: owned, and the most it holds at once."""
 
     owned: int
     peak: int
@@ -321,15 +280,12 @@ class ResidentBytes:
 def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
                    tie_bytes: Mapping[int, int] | None = None,
                    ranks: Sequence[int] | None = None) -> list[ResidentBytes]:
-    """Per rank: owned parameter bytes and the peak of owned + fetched ones (the bytes walk's
-    weights category with nothing else sized: what the runtime's ``peak_resident_param_bytes``
-    counter measures). ``stage_bytes``: every stage's (tied parameters are in no stage);
-    ``tie_bytes``: ``{home: bytes}`` (None: 0); ``ranks``: only these ranks' programs are read.
-    """
+    """Per rank: owned parameter bytes and the peak of owned + fetched ones (the walk's weights
+    with nothing else sized: the runtime's ``peak_resident_param_bytes``). ``stage_bytes``: every
+    stage's (tied parameters are in no stage); ``tie_bytes``: ``{home: bytes}`` (None: 0)."""
     sizes = list(stage_bytes)
-    if len(sizes) != programs.num_stages or any(
-        isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes
-    ):
+    if len(sizes) != programs.num_stages or any(isinstance(b, bool) or not isinstance(b, int)
+                                                or b < 0 for b in sizes):
         raise ScheduleConfigError(
             f"stage_bytes must be one int >= 0 per stage ({programs.num_stages}), got "
             f"{stage_bytes!r}")

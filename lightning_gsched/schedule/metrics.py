@@ -1,9 +1,7 @@
-"""Metrics read off the programs (what moves, what is held) and the timeline (when).
-
-Counts come from the programs, not the placement: the runtime executes the programs, and its
-counters must equal these numbers exactly. One :class:`~.counts.ActionCounts` per rank, read in
-one pass over its program (counting never waits on another rank, so it needs no walker): a tally
-of ops and running sums, all in C loops.
+"""Metrics read off the programs (what moves, what is held) and the timeline (when). Counts come
+from the programs, not the placement: the runtime executes the programs, and its counters must
+equal these numbers exactly. One pass per rank (counting never waits on another rank, so it needs
+no walker): a tally of ops and running sums, all in C loops.
 """
 
 from __future__ import annotations
@@ -39,12 +37,6 @@ class PlanMetrics:
         return max(values)
 
 
-# op -> the ActionCounts field one such action adds 1 to, on a stage and on a tie
-_COUNTER_OF = {op: spec.counter for op, spec in OPS.items() if spec.counter is not None}
-_TIE_COUNTER_OF = {op: spec.tie_counter for op, spec in OPS.items()
-                   if spec.tie_counter is not None}
-
-
 # the +1/-1 steps of a running sum, per op, built once: the stash (F, then the op that releases
 # it) and the fetched stages resident
 _STASH_STEPS = {release: {**dict.fromkeys(Op, 0), Op.F: 1, release: -1}
@@ -52,12 +44,11 @@ _STASH_STEPS = {release: {**dict.fromkeys(Op, 0), Op.F: 1, release: -1}
 _RESIDENT_STEPS = {**dict.fromkeys(Op, 0), Op.FETCH_W: 1, Op.FREE_W: -1}
 
 
-def program_counts(programs: Programs, rank: int, into: ActionCounts | None = None
-                   ) -> ActionCounts:
-    """One rank's :class:`ActionCounts`, filled into ``into`` (zeroed, e.g. a
-    :class:`WorkerMetrics`). Each peak is the largest running sum of +1/-1 steps; a tie's
-    actions move only the ``tie_*`` counters."""
-    owned = len(programs.owned_stages(rank))
+def program_counts(programs: Programs, rank: int, into: ActionCounts | None = None) -> ActionCounts:
+    """One rank's counts, filled into ``into`` (zeroed, e.g. a :class:`WorkerMetrics`). Each
+    peak is the largest running sum of +1/-1 steps; a tie's actions move only ``tie_*``."""
+    counts = ActionCounts() if into is None else into
+    counts.owned_stages = counts.peak_resident_stages = len(programs.owned_stages(rank))
     release = programs.weight_grad_op  # None: forward-only, nothing stashed
     program = programs.ranks[rank]
     tie_tally: Counter[Op] = Counter()
@@ -66,28 +57,24 @@ def program_counts(programs: Programs, rank: int, into: ActionCounts | None = No
         program = [a for a in program if not a[5]]
     ops = list(map(itemgetter(0), program))
     tally = Counter(ops)
-    peak_activations = peak_fetched = 0  # a running sum that never moves peaks at 0
+    # a running sum that never moves peaks at 0 (``into``'s zero)
     if release is not None and tally[Op.F]:
-        peak_activations = max(accumulate(map(_STASH_STEPS[release].__getitem__, ops),
-                                          initial=0))
+        counts.peak_activations = max(accumulate(map(_STASH_STEPS[release].__getitem__, ops),
+                                                 initial=0))
     if tally[Op.FETCH_W]:
-        peak_fetched = max(accumulate(map(_RESIDENT_STEPS.__getitem__, ops), initial=0))
-    counts = ActionCounts() if into is None else into
-    counts.owned_stages = owned
-    counts.peak_activations = peak_activations
-    counts.peak_resident_stages = owned + peak_fetched
-    for counter_of, ops_tally in ((_COUNTER_OF, tally), (_TIE_COUNTER_OF, tie_tally)):
+        counts.peak_resident_stages += max(accumulate(map(_RESIDENT_STEPS.__getitem__, ops),
+                                                      initial=0))
+    for tie, ops_tally in ((False, tally), (True, tie_tally)):
         for op, n in ops_tally.items():
-            name = counter_of.get(op)
+            name = OPS[op].counter_of(tie)
             if name is not None:
                 setattr(counts, name, getattr(counts, name) + n)
     return counts
 
 
 def measure(programs: Programs, timeline: Timeline, lazy: bool = False) -> PlanMetrics:
-    """Latency and bubble from the timeline, each worker's counts from its program; ``lazy``:
-    a worker's counts when first read, so a plan lowered per rank (:mod:`.lazy_ranks`) lowers
-    nothing until then."""
+    """Latency and bubble from the timeline, each worker's counts from its program; ``lazy``: a
+    worker's counts when first read, so a plan lowered per rank lowers nothing until then."""
     W, busy, latency = programs.world_size, timeline.busy, timeline.latency
 
     def worker(rank: int) -> WorkerMetrics:

@@ -3,9 +3,8 @@
 The simulator orders jobs by compute costs alone; the runtime also spends CPU on every message at
 both ends, waits for arrivals, reduces gradients and works around every job. ``predict_step_time``
 walks every rank's program (a :mod:`.walk` handler) with the runtime's dependencies and charges
-each cost to the worker that spends it (``costs``: :class:`~.runtime_costs.RuntimeCosts`;
-``sizes``: :class:`~.memory.ModelSizes`); order and compute stay the plan's, and with all costs
-0 it returns the plan's latency.
+each cost to the worker that spends it; order and compute stay the plan's (all costs 0: the
+plan's latency).
 
 * a compute job starts when its worker is free and its inputs and fetched weights have arrived,
   plus the receive CPU of each message it consumes; it lasts its cost plus ``job_cpu``;
@@ -18,8 +17,8 @@ each cost to the worker that spends it (``costs``: :class:`~.runtime_costs.Runti
   ``allreduce_time(bytes, n)`` later, asynchronously; ties are weight units like stages;
 * a worker's step ends when its jobs, reductions and sends are done, plus ``step_cpu``.
 
-Not modelled: contention for links or cores, and the optimizer step. A new message kind needs
-its bytes in :class:`_Charges` and its receive's consumer in :mod:`.consumption`.
+Not modelled: contention for links or cores, and the optimizer step. A new message kind needs its
+bytes in :class:`_Charges` and its receive's consumer in :mod:`.consumption`.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from lightning_gsched.schedule.walk import Walker
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Predicted seconds (or cost units) of one step of a plan's programs."""
+    """Predicted seconds (or cost units) of one step."""
 
     latency: float  # end of the last worker's step (jobs, reductions, sends, step_cpu)
     compute_only: float  # the plan's own latency (every communication cost 0)
@@ -53,7 +52,7 @@ _PHASE = {Op.F: Phase.F, Op.B: Phase.B, Op.W: Phase.W}
 
 
 class _Charges:
-    """Seconds per message kind and stage, from the cost model and the bytes."""
+    """Seconds per message kind (its receive's op, whether a tie's) and stage."""
 
     def __init__(self, costs: RuntimeCosts, sizes: ModelSizes | None, rules: OpRules) -> None:
         S = rules.num_stages
@@ -65,8 +64,7 @@ class _Charges:
         stages, ties = sizes.stages, sizes.ties
         out = [st.message for st in stages]
         self.costs = costs
-        # per stage (a tie: its home stage), the bytes of one message, named by the receive that
-        # posts it and whether it is a tie's
+        # per stage (a tie: its home stage), the bytes of one message
         self._bytes: dict[tuple[Op, bool], list[int]] = {
             (Op.RECV_ACT, False): out,
             (Op.RECV_GRAD, False): [max((out[p] for p in rules.act_from[s]), default=0)
@@ -76,21 +74,16 @@ class _Charges:
             (Op.FETCH_W, True): [ties[s].params if s in ties else 0 for s in range(S)],
             (Op.RECV_G, True): [ties[s].grads if s in ties else 0 for s in range(S)],
         }
-        self._flight, self._send, self._recv = (
-            {key: [seconds(b) for b in nbytes] for key, nbytes in self._bytes.items()}
-            for seconds in (costs.message_time, costs.send_time, costs.recv_time))
+        timed = {"flight": costs.message_time, "send": costs.send_time, "recv": costs.recv_time}
+        self._seconds = {kind: {key: list(map(seconds, nbytes))
+                                for key, nbytes in self._bytes.items()}
+                         for kind, seconds in timed.items()}
 
-    def flight(self, message: Message) -> float:
-        return self._flight[(message.op, message.tie)][message.stage]
+    def seconds(self, kind: str, message: Message) -> float:
+        """``message``'s ``"flight"``, ``"send"`` (CPU) or ``"recv"`` (CPU) seconds."""
+        return self._seconds[kind][(message.op, message.tie)][message.stage]
 
-    def send_cpu(self, message: Message) -> float:
-        return self._send[(message.op, message.tie)][message.stage]
-
-    def recv_cpu(self, message: Message) -> float:
-        return self._recv[(message.op, message.tie)][message.stage]
-
-    def allreduce(self, unit: UnitKey, members: int) -> float:
-        """Seconds of the ``ALLREDUCE_G`` of a unit (a stage or a tie) among members."""
+    def allreduce(self, unit: UnitKey, members: int) -> float:  # a stage's or a tie's
         stage, tie = unit
         return self.costs.allreduce_time(self._bytes[(Op.RECV_G, tie)][stage], members)
 
@@ -101,41 +94,36 @@ class _Replay:
     def __init__(self, plan: Any, rules: OpRules, walker: Walker, charges: _Charges) -> None:
         W = plan.workers
         self.rules, self.walker, self.charges = rules, walker, charges
-        self.cpu = charges.costs
-        self.job_costs = plan.costs
+        self.cpu, self.job_costs = charges.costs, plan.costs
         self.done: dict[Job, tuple[float, int]] = {}  # job -> (end, worker)
-        self.clock = [0.0] * W
-        self.ends = [0.0] * W
+        self.clock, self.ends = [0.0] * W, [0.0] * W
         self.sent: dict[MessageKey, float] = {}  # departure (after the sender's fixed CPU)
         self.posted: dict[MessageKey, float] = {}  # when the receiver posted it
         self._occurrences: dict[tuple[Any, ...], int] = {}
-        # weight unit -> the posted fetch not yet consumed
-        self.fetching: list[dict[UnitKey, MessageKey]] = [{} for _ in range(W)]
+        self.fetching: list[dict[UnitKey, MessageKey]] = [{} for _ in range(W)]  # not yet used
         # weight unit -> gradients received for its all-reduce
         self.grads_in: list[dict[UnitKey, list[MessageKey]]] = [{} for _ in range(W)]
         self.sends_of: list[list[MessageKey]] = [[] for _ in range(W)]
         self.reductions: dict[tuple[UnitKey, tuple[int, ...] | None], list[float]] = {}
 
     def _key(self, side: str, message: Message, src: int, dst: int) -> MessageKey:
-        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side``."""
+        """The next occurrence of ``message`` from ``src`` to ``dst`` on ``side`` (send/recv)."""
         base = (side, message, src, dst)
         k = self._occurrences.get(base, 0)
         self._occurrences[base] = k + 1
         return (message, src, dst, k)
 
-    def arrival(self, key: MessageKey) -> float:
-        """When the bytes are at the receiver (both ends known)."""
+    def arrival(self, key: MessageKey) -> float:  # both ends known
         start = max(self.sent[key], self.posted.get(key, 0.0))
-        return start + self.charges.flight(key[0])
+        return start + self.charges.seconds("flight", key[0])
 
     def _consume(self, at: float, keys: Sequence[MessageKey]) -> float | MessageKey:
-        """``at`` after waiting for ``keys`` and paying each one's receive CPU; or the first
-        key whose send has not happened yet (wait for it)."""
+        """``at`` after waiting for ``keys`` and paying their receive CPU, or a key not sent yet."""
         for key in keys:
             if key not in self.sent:
                 return key
         for key in sorted(keys, key=self.arrival):
-            at = max(at, self.arrival(key)) + self.charges.recv_cpu(key[0])
+            at = max(at, self.arrival(key)) + self.charges.seconds("recv", key[0])
         return at
 
     def compute(self, w: int, a: Action) -> Hashable | None:
@@ -170,7 +158,7 @@ class _Replay:
         assert a.peer is not None
         key = self._key("send", Message.of(a), w, a.peer)
         self.sent[key] = self.clock[w] + self.cpu.send_cpu  # leaves; its bytes flow as written
-        self.clock[w] += self.charges.send_cpu(key[0])
+        self.clock[w] += self.charges.seconds("send", key[0])
         self.sends_of[w].append(key)
         self.walker.wake(key)
         return None
@@ -208,7 +196,7 @@ class _Replay:
         return None
 
     def worker_ends(self, workers: int) -> list[float]:
-        """Each worker's end of step, once the walk is complete."""
+        """Each worker's end of step, once the walk is complete (module docstring)."""
         ends = list(self.ends)
         for w in range(workers):
             for key in self.sends_of[w]:  # the runtime drains its sends
@@ -230,15 +218,13 @@ def predict_step_time(plan: Any, *, costs: RuntimeCosts | None = None,
     """Replay ``plan``'s programs (a :class:`~.plan.Plan`, whose ``costs`` time the jobs) with
     the runtime's ``costs`` (default: nothing) and messages sized by ``sizes`` (None: 0 bytes;
     only latencies and CPU are charged)."""
-    W = plan.workers
     rules = OpRules.of(plan.programs)
-    charges = _Charges(costs or RuntimeCosts(), sizes, rules)
     walker = Walker(plan.programs)
-    replay = _Replay(plan, rules, walker, charges)
+    replay = _Replay(plan, rules, walker, _Charges(costs or RuntimeCosts(), sizes, rules))
     stuck = walker.run(replay)
     if stuck:
         raise ScheduleConfigError(
             f"the programs of workers {stuck} cannot be replayed (a compute job waits for one "
             "that never runs); were they lowered from this plan?")
-    ends = replay.worker_ends(W)
+    ends = replay.worker_ends(plan.workers)
     return StepPrediction(max(ends) if ends else 0.0, plan.metrics.latency, tuple(ends))
