@@ -16,7 +16,7 @@ from lightning_gsched.schedule import predict as predict_module
 from lightning_gsched.schedule.consumption import OpRules, unit_of
 from lightning_gsched.schedule.dryrun import Shared
 from lightning_gsched.schedule.jobs import Job, Phase, StageGraph
-from lightning_gsched.schedule.memory import _RankWalk
+from lightning_gsched.schedule.memory import RankWalk
 from lightning_gsched.schedule.program import COMPUTE_OPS, Op
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 from planner_references import plan_general_graph
@@ -55,7 +55,7 @@ def test_the_readers_use_one_set_of_rules(name, W, S, kwargs, monkeypatch):
     assert _tables(Shared(programs).rules) == _tables(rules)
     sizes = uniform_sizes(S, 10, 100, 7, ties=programs.ties, tie_params=3)
     for rank in range(W):
-        walk = _RankWalk(programs, sizes, rank, [False] * S)
+        walk = RankWalk(programs, sizes, rank, [False] * S)
         assert _tables(walk.rules) == _tables(rules)
         # every posted activation / input-gradient is consumed by a compute, per the rules
         for action in programs.ranks[rank]:
@@ -99,7 +99,7 @@ def test_the_bytes_walk_follows_a_general_graph(split):
     programs = result.programs
     sizes = uniform_sizes(4, 10, 100, 7)
     for rank in range(3):
-        walk = _RankWalk(programs, sizes, rank, [False] * 4)
+        walk = RankWalk(programs, sizes, rank, [False] * 4)
         for action in programs.ranks[rank]:
             walk.apply(action)
         assert not [k for k in walk.posted if k[0] in (Op.RECV_ACT, Op.RECV_GRAD)]

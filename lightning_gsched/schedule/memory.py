@@ -16,7 +16,7 @@ rank:
   recomputed graph less the loss's, plus ``w_grads``, from ``B`` to ``W``.
 * **communication**: posted receive buffers not yet consumed (:mod:`.consumption` says by which
   action). Sends are not counted: a sent tensor is one the stash or a gradient buffer holds, and
-  the transport drops it when the send completes (runtime/send_release.py).
+  the transport drops it when the send completes (runtime/transport.py: SendReleaser).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class RankMemory:
 _UNIT_OPS = frozenset({Op.FETCH_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
 
 
-class _RankWalk:
+class RankWalk:
     """The live bytes of one rank while its program runs, action by action."""
 
     def __init__(self, programs: Programs, sizes: ModelSizes, rank: int,
@@ -210,7 +210,7 @@ class _RankWalk:
 def rank_memory(programs: Programs, sizes: ModelSizes, rank: int,
                 checkpointed: Sequence[bool] = (), rules: OpRules | None = None) -> RankMemory:
     """Walk one rank's program: the peak of the total and of each category."""
-    walk = _RankWalk(programs, sizes, rank,
+    walk = RankWalk(programs, sizes, rank,
                      list(checkpointed) or [False] * programs.num_stages, rules)
     # plain tuples per action, Bytes only at the end: the tuner walks every rank of hundreds of
     # plans, and a dataclass per action was most of its time
