@@ -12,18 +12,13 @@ once. A violation raises :class:`ProgramError` naming the rank and the action; o
 static one (matching, collective order, a peer that is no rank) first, else the first rank's.
 
 How: all but waiting depends only on a rank's own earlier actions, and its state never changes
-while it waits, so :func:`check_rank` walks each program once, in order, and yields what the
-interleaving decides, the rank's **events**; :func:`_walk` runs those alone for deadlock:
-
-- ``channel`` (an int): a send on that channel;
-- ``(index, messages)``: the compute at ``index`` consumes these messages, each ``(channel,
-  k)``: the k-th message on the channel, there once the channel counted k sends;
-- ``(index, messages, key, size)``: an all-reduce at ``index``: its gradient messages, then
-  every one of the ``size`` members of its group at ``key``.
-
-Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``: every set
-and dict here hashes ints. ``check_rank`` also lists each channel's sends and posts, and each
-group's all-reduces, for the matching and order checks.
+while it waits, so :func:`check_rank` walks each program once and yields what the interleaving
+decides, the rank's **events**, which :func:`_walk` runs alone for deadlock: a send (its
+channel, an int); ``(index, messages)``, the compute at ``index`` consuming messages ``(channel,
+k)``, each there once the channel counted k sends; ``(index, messages, key, size)``, an
+all-reduce waiting for its gradient messages, then for the ``size`` members of its group at
+``key``. Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``:
+every set and dict here hashes ints.
 """
 
 from __future__ import annotations
@@ -59,17 +54,15 @@ Orders = dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]  # group -
 
 
 def channel_counters(channels: int) -> list[int] | defaultdict[int, int]:
-    """One count per channel id, all 0: a list while there are few ids, else a dict of the ones
-    used (W=4096 has 50 M ids, of which a plan uses a few per rank)."""
+    """One 0 per channel id: a list while there are few, else a dict (W=4096 has 50 M ids, of
+    which a plan uses a few per rank)."""
     return [0] * channels if channels <= _DENSE_CHANNELS else defaultdict(int)
 
 
 def dry_run(programs: Programs) -> None:
-    """Execute all programs symbolically; raise :class:`ProgramError` on any problem.
-
-    Where a rank's check fails, the static checks run on their own first, so a mismatch is
-    named rather than its symptom (a compute missing the input that was never received).
-    """
+    """Execute all programs symbolically; raise :class:`ProgramError` on any problem. Where a
+    rank's check fails, the static checks run first, so a mismatch is named rather than its
+    symptom (a compute missing the input that was never received)."""
     programs.ranks.make_all()  # reads every rank
     if programs.forward_only:
         for rank, program in enumerate(programs.ranks):
@@ -84,8 +77,7 @@ def dry_run(programs: Programs) -> None:
     _check_collective_order(shared.orders)
     stuck = _walk([result.events for result in results], shared.channels)
     if stuck:
-        detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'"
-                           for r, index in stuck)
+        detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'" for r, index in stuck)
         raise ProgramError(f"programs deadlock: {detail}")
     _check_coverage(programs, results)
 
@@ -129,9 +121,8 @@ def _check_static(programs: Programs) -> None:
 
 def _check_matching(W: int, sent: dict[int, list[Action]], posted: dict[int, list[Action]],
                     ) -> None:
-    """:func:`.program.check_channel` on the messages listed per channel number: a quick
-    comparison of every channel, then the rule itself on the first channel (in channel order)
-    that differs, which names the message."""
+    """:func:`.program.check_channel` on the first channel (in channel order) whose sends and
+    posts differ, found by a quick comparison of every channel."""
     differing = [number for number in set(sent) | set(posted)
                  if not _same_messages(sent.get(number, []), posted.get(number, []))]
     if differing:
@@ -164,8 +155,7 @@ def _check_collective_order(orders: Orders) -> None:
 
 
 class Shared:
-    """What every rank's check shares: sizes, the consumption rules, channel bases, and the
-    lists the static checks read once every rank is done."""
+    """What every rank's check shares, and the lists the static checks read once all are done."""
 
     def __init__(self, programs: Programs) -> None:
         self.programs = programs
@@ -177,9 +167,9 @@ class Shared:
         self.base = channel_bases(W)  # a channel's number: base[op] + src * W + dst
         self.channels = len(CHANNEL_KINDS) * W * W
         self.posted_count = channel_counters(self.channels)
-        self.sent: dict[int, list[Action]] = defaultdict(list)  # channel -> its sends, in order
-        self.posted: dict[int, list[Action]] = defaultdict(list)  # channel -> its posts
-        self.orders: Orders = defaultdict(dict)  # all-reduces as (op, stage, tie)
+        self.sent: dict[int, list[Action]] = defaultdict(list)  # per channel, in order
+        self.posted: dict[int, list[Action]] = defaultdict(list)
+        self.orders: Orders = defaultdict(dict)
 
 
 class RankResult(NamedTuple):
@@ -190,7 +180,6 @@ class RankResult(NamedTuple):
 
 
 def check_forward_only(rank: int, program: list[Action]) -> None:
-    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
     for index, action in enumerate(program):
         if action.op in BACKWARD_OPS:
             raise ProgramError(
@@ -200,12 +189,10 @@ def check_forward_only(rank: int, program: list[Action]) -> None:
 
 
 def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loop, by op
-    """Check ``rank``'s program in order; raise :class:`ProgramError` naming the rank and the
-    action at the first problem."""
-    programs = shared.programs
+    """Check ``rank``'s program in order; raise :class:`ProgramError` at the first problem."""
+    programs, rules = shared.programs, shared.rules
     program = programs.ranks[rank]
     W, M, micros, peers, base = shared.W, shared.M, shared.micros, shared.peers, shared.base
-    rules = shared.rules
     inputs, outputs, ties_of = rules.act_from, rules.grad_from, rules.ties_read
     posted_count, sent_on, posted_on = shared.posted_count, shared.sent, shared.posted
     split, stash_op, weight_grad_op = programs.split_backward, rules.stash_op, rules.weight_grad_op
@@ -217,9 +204,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # stage (tie home) -> None if owned, else the FETCH_W message its weights arrive with
     resident: dict[int, _Message | None] = {s: None for s in programs.owned_stages(rank)}
     tie_state: dict[int, _Message | None] = {h: None for h in programs.owned_ties(rank)}
-    forward_done: set[int] = set()
-    backward_done: set[int] = set()
-    weight_done: set[int] = set()
+    forward_done, backward_done, weight_done = set[int](), set[int](), set[int]()
     stash: set[int] = set()
     grad_stages: set[int] = set()  # stages whose weight gradients it accumulated
     tie_unreduced: set[int] = set()  # fetched ties holding gradients not yet sent
@@ -232,16 +217,15 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # ops as locals (an ``Op.F`` look-up goes through the enum's descriptor)
     F, B, W_, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (
         Op.F, Op.B, Op.W, Op.SEND_ACT, Op.SEND_GRAD, Op.RECV_ACT, Op.RECV_GRAD)
-    FETCH_W, SEND_W, FREE_W, REDUCE_G, RECV_G = (
-        Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G)
+    FETCH_W, SEND_W, FREE_W, REDUCE_G, ALLREDUCE_G = (
+        Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.ALLREDUCE_G)
     for index, action in enumerate(program):
         op = action[0]
         if op is F or op is B or op is W_:
             s, b = action[1], action[2]
             weights = resident.get(s, _ABSENT)
             if weights is _ABSENT:
-                raise fail(index, f"has no weights of stage {s}: it neither owns nor fetched "
-                           "them")
+                raise fail(index, f"has no weights of stage {s}: it neither owns nor fetched them")
             if b not in micros:
                 raise fail(index, f"names microbatch {b}; these programs have microbatches 0 "
                            f"to {M - 1}")
@@ -290,76 +274,62 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                 event((index, consumed))
             continue
         peer: int = action[3]  # type: ignore[assignment]
-        if op is SEND_ACT or op is SEND_GRAD:
+        s, tie = action[1], action[5]  # a unit op's stage, or tie home
+        if op is SEND_ACT or op is SEND_GRAD or op is RECV_ACT or op is RECV_GRAD:
             if peer not in peers or action[2] not in micros:
                 raise fail(index, "names a peer or microbatch these programs do not have")
-            channel = base[op] + rank * W + peer
-            sent_on[channel].append(action)
-            event(channel)
-            continue
-        if op is RECV_ACT or op is RECV_GRAD:
-            micro: int = action[2]  # type: ignore[assignment]
-            if peer not in peers or micro not in micros:
-                raise fail(index, "names a peer or microbatch these programs do not have")
-            channel = base[op] + peer * W + rank
-            k = posted_count[channel] + 1
-            posted_count[channel] = k
-            posted_on[channel].append(action)
-            (posted_act if op is RECV_ACT else posted_grad)[action[1] * M + micro] = (channel, k)
-            continue
-        if op in base and peer not in peers:
+        elif op in base and peer not in peers:
             raise fail(index, "names a peer these programs do not have")
-        s, tie = action[1], action[5]  # a weight unit's op: a stage's, or a tie's home's
-        if op is SEND_W or op is REDUCE_G:
-            if op is REDUCE_G and not tie and s not in grad_stages:
-                raise fail(index, f"sends the gradient of stage {s} but ran no "
-                           f"{weight_grad_op} of it")
-            if op is REDUCE_G and tie:
-                if s not in tie_unreduced:
-                    raise fail(index, f"sends the gradient of tie {s} but holds none (no "
-                               f"{weight_grad_op} of a stage reading it ran since it was "
-                               "fetched, or it was sent already)")
-                tie_unreduced.discard(s)
+        if op is REDUCE_G and not tie and s not in grad_stages:
+            raise fail(index, f"sends the gradient of stage {s} but ran no {weight_grad_op} of it")
+        if op is REDUCE_G and tie:
+            if s not in tie_unreduced:
+                raise fail(index, f"sends the gradient of tie {s} but holds none (no "
+                           f"{weight_grad_op} of a stage reading it ran since it was fetched, or "
+                           "it was sent already)")
+            tie_unreduced.discard(s)
+        if op is SEND_ACT or op is SEND_GRAD or op is SEND_W or op is REDUCE_G:
             channel = base[op] + rank * W + peer
             sent_on[channel].append(action)
             event(channel)
-        elif op is FETCH_W or op is RECV_G:
-            channel = base[op] + peer * W + rank
-            k = posted_count[channel] + 1
-            posted_count[channel] = k
-            posted_on[channel].append(action)
-            if op is FETCH_W:
-                held = tie_state if tie else resident
-                if s in held:
-                    raise fail(index, f"fetches {'tie' if tie else 'stage'} {s} whose weights "
-                               "are already resident")
-                held[s] = (channel, k)
-            else:
-                pending_grads[(s, tie)].append((channel, k))
         elif op is FREE_W:
             held = tie_state if tie else resident
-            if held.get(s, _ABSENT) is None or s not in held:
+            if held.get(s) is None:  # owned, or not held
                 raise fail(index, f"frees {'tie' if tie else 'stage'} {s} which was not fetched")
             if tie and s in tie_unreduced:
                 raise fail(index, f"frees tie {s} while its gradient was not sent to the owner "
                            f"(REDUCE_G t{s} must come first)")
             del held[s]
-        else:  # ALLREDUCE_G
+        elif op is ALLREDUCE_G:
             group = action[4]
             if group is None or rank not in group:
                 raise fail(index, "is an all-reduce of a group this rank is not in")
             shared.orders[group].setdefault(rank, []).append((op, s, tie))
             event((index, pending_grads.pop((s, tie), []), (group, s, tie), len(group)))
+        else:  # a post: RECV_ACT, RECV_GRAD, FETCH_W or RECV_G
+            channel = base[op] + peer * W + rank
+            k = posted_count[channel] + 1
+            posted_count[channel] = k
+            posted_on[channel].append(action)
+            if op is RECV_ACT or op is RECV_GRAD:
+                job = s * M + action[2]  # type: ignore[operator]  # checked above
+                (posted_act if op is RECV_ACT else posted_grad)[job] = (channel, k)
+            elif op is FETCH_W:
+                held = tie_state if tie else resident
+                if s in held:
+                    unit = "tie" if tie else "stage"
+                    raise fail(index, f"fetches {unit} {s} whose weights are already resident")
+                held[s] = (channel, k)
+            else:
+                pending_grads[(s, tie)].append((channel, k))
     end = len(program)
     if stash:
         stashed = sorted(divmod(job, M) for job in stash)
         raise fail(end, f"ends with stashed activations {stashed} that no backward consumed")
-    fetched = [s for s, msg in resident.items() if msg is not None]
-    if fetched:
-        raise fail(end, f"ends with fetched weights of stages {fetched} never freed")
-    fetched = [h for h, msg in tie_state.items() if msg is not None]
-    if fetched:
-        raise fail(end, f"ends with fetched ties {fetched} never freed")
+    for held, what in ((resident, "weights of stages"), (tie_state, "ties")):
+        fetched = [unit for unit, message in held.items() if message is not None]
+        if fetched:
+            raise fail(end, f"ends with fetched {what} {fetched} never freed")
     # Gradients pending at the end are awaited by the owner before the optimizer step; the
     # matching check guarantees their sends exist and the walk that senders finish.
     return RankResult(events, {"F": forward_done, "B": backward_done, "W": weight_done})
@@ -367,13 +337,9 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
 
 def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
     """Run every rank through its events; return (rank, action index) of each rank left
-    waiting (a deadlock), else [].
-
-    Sends never block; a consumer waits until each of its messages' channels counted enough
-    sends; an all-reduce, then, until every member of its group reached it. A waiting rank is
-    parked under what it waits for and run again when that happens; the result does not depend
-    on the order ranks run in, since a rank never passes an event that waits.
-    """
+    waiting (a deadlock), else []. A waiting rank is parked under what it waits for and run
+    again when that happens; the result does not depend on the order ranks run in, since a rank
+    never passes an event that waits."""
     sent = channel_counters(channels)
     position = [0] * len(events)
     waiters: dict[Any, list[int]] = {}
