@@ -1,20 +1,15 @@
 """Lower a timeline to one program per rank: every rank's, or only the ranks asked for.
 
 Each worker's compute jobs keep their simulated order. Between two computes ("gaps") the lowering
-inserts communication and weight residency:
-
-- outputs: ``SEND_ACT`` right after a forward whose consumer runs elsewhere, ``SEND_GRAD`` right
-  after a backward whose producer runs elsewhere (a W, split off a backward, sends nothing);
-- inputs: ``RECV_ACT``/``RECV_GRAD`` posted one compute early, so the transfer overlaps that
-  compute (:func:`.lower_build.lower_data_flow`);
-- weights: fetched per run of a non-owned stage, served and reduced by its owner, replicas
-  all-reduced after their last gradient job; tied weights by the same rules and ops, as a unit
-  held for the step (:mod:`.lower_weights`).
-
-A forward-only timeline lowers to forwards, activation messages and weight fetches only. Every
+inserts communication and weight residency: ``SEND_ACT`` right after a forward whose consumer
+runs elsewhere, ``SEND_GRAD`` right after a backward whose producer runs elsewhere (a W sends
+nothing); ``RECV_ACT``/``RECV_GRAD`` posted one compute early, so that the transfer overlaps
+that compute (:mod:`.lower_build`); weights fetched per run of a non-owned stage, served and
+reduced by its owner, replicas all-reduced, ties by the same rules (:mod:`.lower_weights`). A
+forward-only timeline lowers to forwards, activation messages and weight fetches only. Every
 channel is made FIFO-consistent: receives are posted in the order the peer sends, moving a post
 earlier when needed (never later), so that backends without message tags (NCCL) can run the
-same programs. Where each action goes in its program: :mod:`.lower_build`.
+same programs.
 
 **One pass for any set of ranks.** :meth:`Lowering.programs` takes the ranks to make (None:
 every rank); the builder keeps only their actions, and the rules visit only what concerns them:
@@ -58,8 +53,8 @@ class Lowering:
                  ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
         self.graph, self.table, self.timeline = graph, table, timeline
         self.ties = dict(ties or {})
-        grad_phase = weight_grad_phase(graph.split_backward)
-        self.weights = WeightLowering(table, timeline, grad_phase, fetch_window)
+        self.weights = WeightLowering(table, timeline, weight_grad_phase(graph.split_backward),
+                                      fetch_window)
         self._starts: dict[int, list[float]] = {}  # start times by worker, shared by builders
         self._ops = [_COMPUTE_OP[d] for d in timeline.phases]
 
@@ -76,8 +71,7 @@ class Lowering:
     def program_and_sends(self, rank: int) -> tuple[
             list[Action], dict[Channel, list[tuple[Message, int]]]]:
         """:meth:`program`, and every channel into ``rank`` with the messages sent on it, in
-        send order, each with its gap in the sender's program (it comes right before the
-        sender's compute of that position), for :mod:`.proof`'s rank check."""
+        send order, each with its gap in the sender's program, for :mod:`.proof`'s rank check."""
         build = self._lower({rank})
         sends: dict[Channel, list[tuple[Message, int]]] = {}
         # the data flow's sends in their program order (small keys gap * SLOTS + category)
@@ -108,21 +102,18 @@ class Lowering:
     def _computes(self, rank: int) -> list[Action]:
         P, B, ops = len(self.timeline.phases), self.table.micro, self._ops
         new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
-        return [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None, None,
-                                   False))
+        return [new_tuple(Action, (ops[flat % P], flat // P // B, flat // P % B, None, None, False))
                 for flat in self.timeline.order[rank]]
 
     def _flow_workers(self, keep: set[int] | None) -> tuple[list[int] | None, list[int] | None]:
-        """The consumers whose visit makes the kept ranks' data flow (they, and the workers
-        they send to), and the workers whose positions key those messages (those and their
-        producers): every worker for every rank; by symmetry the kept ranks' replicas (both);
-        else read off the kept ranks' jobs and their neighbours'."""
+        """The consumers to visit for the kept ranks' data flow (they and the workers they send
+        to), and the workers whose positions key those messages (those and their producers); by
+        symmetry, the kept ranks' replicas for both (None: every worker)."""
         if keep is None:
             return None, None
         replicas = self.timeline.replicas
         if replicas is not None:
-            return sorted({m for rank in keep
-                           for m in replicas.members(replicas.replica(rank))}), None
+            return sorted({m for r in keep for m in replicas.members(replicas.replica(r))}), None
         visit = sorted(set(keep).union(*(self._neighbours(r, consumers=True) for r in keep)))
         indexed = set(visit)
         for worker in visit:
@@ -131,7 +122,7 @@ class Lowering:
 
     def _neighbours(self, worker: int, consumers: bool) -> set[int]:
         """The workers that consume ``worker``'s activations and input gradients (or produce
-        those ``worker`` consumes): F s b feeds F of s's outputs, B s b the B of its inputs."""
+        those it consumes)."""
         graph, compute, phases = self.graph, self.table.compute, self.timeline.phases
         P = len(phases)
         BP = self.table.micro * P
@@ -150,12 +141,9 @@ class Lowering:
 def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
           fetch_window: int | None = None,
           ties: Mapping[int, tuple[int, ...]] | None = None) -> Programs:
-    """Every rank's program of a simulated timeline (see the module docstring).
-
-    ``fetch_window``: the most fetched stages a worker may hold at once (None: no limit beyond
-    the one-compute-early prefetch, which never holds more than two, so 2 or more is the same).
-    ``ties``: tied weights, ``{home stage: reader stages}`` (validated).
-    """
+    """Every rank's program of a simulated timeline. ``fetch_window``: the most fetched stages
+    a worker may hold at once (None: no limit beyond the one-compute-early prefetch, which never
+    holds more than two, so 2 or more is the same). ``ties``: ``{home stage: reader stages}``."""
     ranks = Lowering(graph, table, timeline, fetch_window, ties).programs()
     return programs_of(graph, table, ranks, ties)
 
@@ -163,7 +151,7 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 def programs_of(graph: StageGraph, table: PlacementTable, ranks: Sequence[list[Action]],
                 ties: Mapping[int, tuple[int, ...]] | None) -> Programs:
     """:class:`Programs` of ``ranks`` (a list, or a :class:`LazyList` lowered per rank) with
-    the facts the runtime needs beside them (owners, stage graph, ties)."""
+    the facts the runtime needs beside them."""
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]
     lazy = ranks if isinstance(ranks, LazyList) else LazyList.of(list(ranks))
     return Programs(lazy, table.stages, table.micro, list(table.owners), edges,

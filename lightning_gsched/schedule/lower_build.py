@@ -1,16 +1,15 @@
 """The lowering's builder: where each action goes in a program, the FIFO order of posts, and
 the data flow (activation and input-gradient messages).
 
-One key system. A rank's program is its actions sorted by (gap, category, then the order they
-were made in), gap g's actions coming right before the rank's compute g: hand data to peers
-first, release memory, serve owners' duties, post the prefetches for the next computes
-(:data:`CATEGORY`), the compute last. Two families are made differently and never share a
-category:
+A rank's program is its actions sorted by (gap, category, then the order they were made in), gap
+g's actions coming right before the rank's compute g: hand data to peers first, release memory,
+serve owners' duties, post the prefetches for the next computes (:data:`CATEGORY`), the compute
+last. Two families are made differently and never share a category:
 
 - the data flow (:func:`lower_data_flow`, the planner's largest loop: two actions per message)
   appends actions with small int keys ``gap * SLOTS + category`` in the order they are made,
-  which is already their order within a (gap, category). Its channels carry nothing else, so
-  each consumer's FIFO order is settled as soon as its receives are made;
+  already their order within a (gap, category). Its channels carry nothing else, so each
+  consumer's FIFO order is settled as soon as its receives are made;
 - everything else (weights, reductions, all-reduces, ties: a few per run of a stage) goes
   through :meth:`Builder.put` with a full key (gap, category, time, serial): several owners'
   serves can land in one gap, ordered by the simulated time the peer needs them.
@@ -55,9 +54,9 @@ Place = TypeVar("Place", int, Key)  # a post's place: a small int key (data flow
 
 def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
     """The FIFO rule, for both families: a channel's receives, listed in the order of the sends
-    they match, each take the earliest of its own post and the posts of every later send (a
-    suffix minimum). So posts only move earlier, a moved receive going right before the receive
-    it overtakes (its *anchor*), several movers of one anchor in their sends' order."""
+    they match, each take the earliest of its own post and the posts of every later send. So
+    posts only move earlier, a moved receive going right before the receive it overtakes (its
+    *anchor*), several movers of one anchor in their sends' order."""
     places: list[Place] = list(posts_in_send_order)
     for k in range(len(places) - 2, -1, -1):
         if places[k + 1] < places[k]:
@@ -68,10 +67,9 @@ def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
 class Builder:
     """Collects actions per rank, then sorts each kept rank's into its program.
 
-    ``entries[rank]``: (key, action) of what :meth:`put` receives. Sends into a kept rank and
-    a kept rank's receives are also filed under their channel (``sends``, ``recvs``) for
-    :meth:`make_fifo`. ``flow[rank]`` / ``flow_keys[rank]``: the data flow's actions and small
-    keys (:func:`lower_data_flow`; for a subset of ranks also the producers' sends into them).
+    ``entries[rank]``: (key, action) of each :meth:`put`; sends into a kept rank and a kept
+    rank's receives are also filed per channel (``sends``, ``recvs``) for :meth:`make_fifo`.
+    ``flow[rank]``, ``flow_keys[rank]``: the data flow's actions and small keys.
     """
 
     def __init__(self, timeline: Timeline, keep: Collection[int] | None = None,
@@ -99,7 +97,6 @@ class Builder:
         if kept:
             self.entries[rank].append((key, action))
         if op in SEND_OPS:
-            assert action.peer is not None  # lowering names the peer of every message it emits
             if keep is None or action.peer in keep:  # orders the receiver's posts
                 self.sends[Channel.of(action, rank)].append((key, Message.of(action)))
         elif op in RECV_OPS and kept:
@@ -116,48 +113,34 @@ class Builder:
         return bisect.bisect_left(starts, time)
 
     def make_fifo(self) -> None:
-        """Post the receives of :meth:`put` in each channel's send order (:func:`fifo_places`).
-
-        The k-th send of a message on a channel matches the k-th receive of that message (a
-        stage's weights may be fetched several times); each matched receive's key becomes its
-        place, then its send position breaks ties.
-        """
+        """Post the receives of :meth:`put` in each channel's send order (:func:`fifo_places`):
+        the k-th send of a message matches its k-th receive (a stage's weights may be fetched
+        several times); a matched receive's key becomes its place, its send position next."""
         second = itemgetter(1)
         for channel, sent in self.sends.items():
             sent.sort()  # keys are unique: send order on the channel
             posts = sorted(self.recvs.get(channel, ()))  # post order
             if list(map(second, sent)) == list(map(second, posts)):
                 continue  # the usual case: already in the same order, no post moves
-            matched: list[int | None]
-            if len(set(map(second, posts))) == len(posts):  # each message posted once
-                index_of = {ident: index for _, ident, index in posts}
-                matched = [index_of.pop(ident, None) for _, ident in sent]
-            else:  # weights of one stage fetched several times: k-th send, k-th post
-                waiting: dict[Message, list[int]] = defaultdict(list)
-                for _, ident, index in reversed(posts):
-                    waiting[ident].append(index)  # pop() yields the earliest post first
-                matched = [waiting[ident].pop() if waiting[ident] else None
-                           for _, ident in sent]
+            waiting: dict[Message, list[int]] = defaultdict(list)  # k-th send, k-th post
+            for _, ident, index in reversed(posts):
+                waiting[ident].append(index)  # pop() yields the earliest post first
+            matched = [waiting[ident].pop() if waiting[ident] else None for _, ident in sent]
             entries = self.entries[channel.dst]
             # unmatched receives are left as they are on purpose: the dry run reports them
-            kept = [(position, index) for position, index in enumerate(matched)
-                    if index is not None]
+            kept = [(position, index) for position, index in enumerate(matched) if index is not None]
             places = fifo_places([entries[index][0] for _, index in kept])
             for (position, index), key in zip(kept, places, strict=True):
                 entries[index] = (key + (position,), entries[index][1])
 
     def program(self, rank: int, computes: list[Action]) -> list[Action]:
-        """One rank's program: its ``computes`` (in its order) merged with its other actions.
-
-        The put actions are sorted by their full keys first; then every action has a small int
-        key, and one stable sort of those keeps each family's order where keys are equal (equal
-        keys are always of one family: the families never share a category).
-        """
+        """One rank's program: its ``computes`` merged with its other actions. The put actions
+        are sorted by their full keys first; then one stable sort of small int keys keeps each
+        family's order where keys are equal (equal keys are always of one family)."""
         first = itemgetter(0)
         entries = self.entries[rank]
         entries.sort(key=first)  # keys are unique (serial): a total order
-        actions = self.flow[rank] + list(map(itemgetter(1), entries))
-        actions += computes
+        actions = self.flow[rank] + list(map(itemgetter(1), entries)) + computes
         keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
                                        in map(first, entries)]
         keys += range(COMPUTE_CATEGORY, SLOTS * len(computes), SLOTS)
@@ -167,19 +150,16 @@ class Builder:
 def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
                     workers: Sequence[int] | None = None,
                     indexed: Sequence[int] | None = None) -> None:
-    """Activation sends/receives after forwards, input-gradient sends/receives after backwards,
-    into ``build.flow``.
+    """The activation and input-gradient messages, into ``build.flow``. Consumers are visited
+    worker by worker in their order; each remote input makes the producer's send (the gap after
+    the producer's compute) and the consumer's receive (the gap before the previous compute),
+    both appended in the order serials would give them; all messages into one consumer are made
+    while visiting it, so its FIFO order is settled right after (:func:`_fifo_posts`).
 
-    Consumers are visited worker by worker in their order; each remote input makes the
-    producer's send (the gap after the producer's compute) and the consumer's receive (the gap
-    before the previous compute), both appended in the order serials would give them. All
-    messages into one consumer are made while visiting it, so its channels' FIFO order is
-    settled right after (:func:`_fifo_posts`).
-
-    ``workers`` (ascending): visit only these consumers (a rank-local lowering); ``indexed``
-    (default ``workers``) must hold them and every producer of their inputs, whose positions
-    key the sends. A visited consumer's flow then holds exactly what the full visit gives it,
-    and a producer's, in the full visit's relative order, its sends to the visited consumers.
+    ``workers`` (ascending): visit only these consumers; ``indexed`` (default ``workers``) must
+    hold them and every producer of their inputs, whose positions key the sends. A visited
+    consumer's flow then holds exactly what the full visit gives it, and a producer's, in the
+    full visit's relative order, its sends to the visited consumers.
     """
     timeline, flow, flow_keys, compute = build.timeline, build.flow, build.flow_keys, table.compute
     B, P = table.micro, len(timeline.phases)
@@ -243,13 +223,9 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
 
 def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
                 positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
-    """Post one consumer's receives in each channel's send order (:func:`fifo_places`).
-
-    A channel source -> consumer is in order when its producers' positions (the sends' order on
-    the source) increase along its posts; the usual case. Else a receive that moves goes right
-    before its anchor and takes the anchor's key. ``mine[first_post:]`` holds this consumer's
-    receives in post order; moves rewrite it.
-    """
+    """Post one consumer's receives (``mine[first_post:]``, rewritten) in each channel's send
+    order (:func:`fifo_places`). A channel is in order when its producers' positions increase
+    along its posts, the usual case; else a mover goes right before its anchor, with its key."""
     movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
     moved: set[int] = set()
     for source, source_positions in positions.items():

@@ -1,12 +1,10 @@
-"""One walker over every rank's program, for replays whose actions take time (the time replay,
-:mod:`.predict`, is its handler).
+"""One walker over every rank's program, for replays whose actions take time (:mod:`.predict`).
 
 The walker owns the order of execution and the waiting: a rank runs its actions in order; a
-handler says, per op kind of :data:`~lightning_gsched.schedule.program.OPS`, what an action does
-and, if it cannot run yet, which key it waits on; whoever makes a key true calls
-:meth:`Walker.wake`. A handler has one method per op kind (``compute``, ``send``, ``recv``,
-``free``, ``collective``), each ``(rank, action) -> key or None`` (None: done, move on). The
-result does not depend on the interleaving, since a rank never runs past an action that waits.
+:class:`Handler` says, per op kind (:data:`~lightning_gsched.schedule.program.OPS`), what an
+action does and, if it cannot run yet, which key it waits on (None: done, move on); whoever
+makes a key true calls :meth:`Walker.wake`. The result does not depend on the interleaving,
+since a rank never runs past an action that waits.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from lightning_gsched.schedule.program import OPS, Action, Programs
 
 
 class Handler(Protocol):
-    """What a walk does for each kind of action (module docstring)."""
+    """What a walk does for each kind of action."""
 
     def compute(self, rank: int, action: Action) -> Hashable | None: ...
     def send(self, rank: int, action: Action) -> Hashable | None: ...
