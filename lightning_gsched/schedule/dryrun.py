@@ -85,20 +85,16 @@ def dry_run(programs: Programs) -> None:
 def _check_static(programs: Programs) -> None:
     """Matching and collective order from one pass over every action, trusting nothing a
     rank's check would have refused (a peer or microbatch that does not exist is named)."""
-    W = programs.world_size
-    base = channel_bases(W)
-    sent: dict[int, list[Action]] = defaultdict(list)
-    posted: dict[int, list[Action]] = defaultdict(list)
-    orders: Orders = defaultdict(dict)
+    shared = Shared(programs)
+    W, base, sent, posted, orders = shared.W, shared.base, shared.sent, shared.posted, shared.orders
     bad_group: str | None = None
-    micros = range(programs.num_micro)
     for rank, program in enumerate(programs.ranks):
         for action in program:
             op = action[0]
             if op in base:  # a send or a receive
                 peer: int = action[3]  # type: ignore[assignment]  # checked next
                 per_micro = OPS[op].per_micro
-                if peer not in range(W) or (per_micro and action[2] not in micros):
+                if peer not in shared.peers or (per_micro and action[2] not in shared.micros):
                     raise ProgramError(
                         f"rank {rank} runs '{action}': its peer must be a rank (0 to {W - 1})"
                         + (f" and its microbatch one of 0 to {programs.num_micro - 1}"
@@ -148,10 +144,8 @@ def _check_collective_order(orders: Orders) -> None:
         reference = by_rank.get(group[0])
         for rank in group:
             if by_rank.get(rank) != reference:
-                raise ProgramError(
-                    f"ranks {group[0]} and {rank} all-reduce group {list(group)} in different "
-                    f"orders: {reference} vs {by_rank.get(rank)}"
-                )
+                raise ProgramError(f"ranks {group[0]} and {rank} all-reduce group {list(group)} in "
+                                   f"different orders: {reference} vs {by_rank.get(rank)}")
 
 
 class Shared:
@@ -182,10 +176,9 @@ class RankResult(NamedTuple):
 def check_forward_only(rank: int, program: list[Action]) -> None:
     for index, action in enumerate(program):
         if action.op in BACKWARD_OPS:
-            raise ProgramError(
-                f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
-                "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
-            )
+            raise ProgramError(f"rank {rank} at action {index} ('{action}'): forward-only programs "
+                               "contain only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of "
+                               "stages and ties)")
 
 
 def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loop, by op

@@ -1,15 +1,11 @@
 """Lower a timeline to one program per rank: every rank's, or only the ranks asked for.
 
 Each worker's compute jobs keep their simulated order. Between two computes ("gaps") the lowering
-inserts communication and weight residency: ``SEND_ACT`` right after a forward whose consumer
-runs elsewhere, ``SEND_GRAD`` right after a backward whose producer runs elsewhere (a W sends
-nothing); ``RECV_ACT``/``RECV_GRAD`` posted one compute early, so that the transfer overlaps
-that compute (:mod:`.lower_build`); weights fetched per run of a non-owned stage, served and
-reduced by its owner, replicas all-reduced, ties by the same rules (:mod:`.lower_weights`). A
-forward-only timeline lowers to forwards, activation messages and weight fetches only. Every
-channel is made FIFO-consistent: receives are posted in the order the peer sends, moving a post
-earlier when needed (never later), so that backends without message tags (NCCL) can run the
-same programs.
+inserts the data flow, each send right after its compute and each receive posted one compute
+early so that the transfer overlaps that compute (:mod:`.lower_build`), and the weight actions
+(:mod:`.lower_weights`). Every channel is made FIFO-consistent: receives are posted in the order
+the peer sends, moving a post earlier when needed (never later), so that backends without
+message tags (NCCL) can run the same programs.
 
 **One pass for any set of ranks.** :meth:`Lowering.programs` takes the ranks to make (None:
 every rank); the builder keeps only their actions, and the rules visit only what concerns them:
@@ -27,19 +23,12 @@ from collections.abc import Collection
 from operator import itemgetter
 from typing import Mapping, Sequence
 
-from lightning_gsched.schedule.jobs import Phase, StageGraph, weight_grad_phase
+from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.lower_build import SLOTS, Builder, lower_data_flow
 from lightning_gsched.schedule.lower_weights import WeightLowering
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import (
-    RECV_FOR_SEND,
-    Action,
-    Channel,
-    Message,
-    Op,
-    Programs,
-)
+from lightning_gsched.schedule.program import RECV_FOR_SEND, Action, Channel, Message, Op, Programs
 from lightning_gsched.schedule.simulate import Timeline
 
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
@@ -52,9 +41,7 @@ class Lowering:
                  fetch_window: int | None = None,
                  ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
         self.graph, self.table, self.timeline = graph, table, timeline
-        self.ties = dict(ties or {})
-        self.weights = WeightLowering(table, timeline, weight_grad_phase(graph.split_backward),
-                                      fetch_window)
+        self.weights = WeightLowering(graph, table, timeline, fetch_window, ties)
         self._starts: dict[int, list[float]] = {}  # start times by worker, shared by builders
         self._ops = [_COMPUTE_OP[d] for d in timeline.phases]
 
@@ -95,7 +82,7 @@ class Lowering:
         build = Builder(self.timeline, keep, self._starts)
         visit, indexed = self._flow_workers(keep)
         lower_data_flow(self.graph, self.table, build, visit, indexed)
-        self.weights.lower(build, self.graph.forward_only, self.ties)
+        self.weights.lower(build)
         build.make_fifo()
         return build
 

@@ -26,16 +26,10 @@ from collections import defaultdict
 from operator import itemgetter
 from typing import Any, Collection, Sequence, TypeVar
 
+from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import (
-    RECV_OPS,
-    SEND_OPS,
-    Action,
-    Channel,
-    Message,
-    Op,
-)
+from lightning_gsched.schedule.program import RECV_OPS, SEND_OPS, Action, Channel, Message, Op
 from lightning_gsched.schedule.simulate import Timeline
 
 SLOTS = 9  # small key of an action: gap * SLOTS + category
@@ -164,7 +158,6 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
     timeline, flow, flow_keys, compute = build.timeline, build.flow, build.flow_keys, table.compute
     B, P = table.micro, len(timeline.phases)
     BP = B * P
-    phase_index = {d: k for k, d in enumerate(timeline.phases)}
     order = timeline.order
     visit = range(len(order)) if workers is None else workers
     # flat job -> index in its worker's order (a dict for a few workers: not one slot per job)
@@ -175,13 +168,10 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
     done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
     # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
-    kinds: list[tuple[Op, Op, list[list[int]]] | None] = [None] * P
-    for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
-                              (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD)):
-        if phase in phase_index:
-            kinds[phase_index[phase]] = (send, recv, [
-                list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
-                for s in range(graph.num_stages)])
+    rules = OpRules(graph)
+    flows = {Phase.F: (Op.SEND_ACT, Op.RECV_ACT, rules.act_from),
+             Phase.B: (Op.SEND_GRAD, Op.RECV_GRAD, rules.grad_from)}
+    kinds = [flows.get(phase) for phase in timeline.phases]
     chain = graph.is_chain
     for worker in visit:
         jobs = order[worker]

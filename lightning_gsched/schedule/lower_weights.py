@@ -1,23 +1,21 @@
 """The lowering's weight rules: fetch, hold, free and reduce a stage; all-reduce its replicas.
 
-- A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`). ``FETCH_W``
-  is posted one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the
-  k-th fetched run before it), ``FREE_W`` right after the run. A run that accumulates weight
-  gradients ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of
-  holding gradients of weights it no longer has.
-- The owner gets ``SEND_W`` and ``RECV_G`` at the point of its program matching the simulated
-  time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
-- Replicas (several owners of a stage) get ``ALLREDUCE_G`` right after their last
-  weight-gradient job of the stage (and after every ``RECV_G`` of it), so the reduction
-  overlaps the rest of the backward pass.
-- A tie is a weight unit held for the step by the same ops (:meth:`WeightLowering._tie`).
+A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`): ``FETCH_W``
+posted one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the k-th
+fetched run before it), ``FREE_W`` right after the run and, if the run accumulated weight
+gradients, ``REDUCE_G`` to the owner before it, as FSDP reduces after each backward instead of
+holding gradients of weights it no longer has. The owner's ``SEND_W`` and ``RECV_G`` go where
+its program meets the simulated time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
+Replicas (several owners of a stage) all-reduce right after their last weight-gradient job of
+the stage and every ``RECV_G`` of it, overlapping the rest of the backward pass. A tie is a
+weight unit held for the step by the same ops (:meth:`WeightLowering._tie`).
 """
 
 from __future__ import annotations
 
 from typing import Collection, Mapping, Sequence
 
-from lightning_gsched.schedule.jobs import Phase
+from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lower_build import Builder
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import Action, Op, RankGroup
@@ -46,23 +44,23 @@ class WeightLowering:
     """The weight actions of a timeline, for the ranks a builder keeps. Its indexes are built
     once for every rank lowered; by symmetry a worker's runs are its replica position's."""
 
-    def __init__(self, table: PlacementTable, timeline: Timeline, grad_phase: Phase,
-                 fetch_window: int | None) -> None:
+    def __init__(self, graph: StageGraph, table: PlacementTable, timeline: Timeline,
+                 fetch_window: int | None, ties: Mapping[int, tuple[int, ...]] | None) -> None:
         self.table, self.timeline, self.fetch_window = table, timeline, fetch_window
-        phases = timeline.phases
+        self.forward_only, self.ties = graph.forward_only, dict(ties or {})
+        grad_phase, phases = weight_grad_phase(graph.split_backward), timeline.phases
         self.grad_k = phases.index(grad_phase) if grad_phase in phases else -1
         self._runs: dict[int, Index] = {}
         self._fetchers: dict[int, list[int]] | None = None
         self._groups: dict[int, RankGroup] = {}
 
-    def lower(self, build: Builder, forward_only: bool,
-              ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
+    def lower(self, build: Builder) -> None:
         """Fetches, serves, frees and reductions, then the replicas' all-reduces; then ties'."""
         reduce_gaps = self._fetched(build)
-        if not forward_only:
+        if not self.forward_only:
             self._allreduce(build, reduce_gaps)
-        for home, readers in (ties or {}).items():
-            self._tie(build, home, set(readers), forward_only)
+        for home, readers in self.ties.items():
+            self._tie(build, home, set(readers))
 
     def _fetched(self, build: Builder) -> dict[tuple[int, int], int]:
         """Every fetched run of a kept rank or served by one; returns per (owner, stage) the
@@ -172,12 +170,12 @@ class WeightLowering:
                     gap = max(gap, reduce_gaps.get((owner, stage), 0))
                     build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
 
-    def _tie(self, build: Builder, home: int, readers: set[int], forward_only: bool) -> None:
+    def _tie(self, build: Builder, home: int, readers: set[int]) -> None:
         """A tie (owned with ``home``) held for the step, as it is typically read at both ends
         of the model: a non-owner fetches it before its first reader job (from its source of
         ``home``, else the first owner) and hands back the gradient after its last; owners
         all-reduce it after their last reader gradient job and every gradient they receive."""
-        table, timeline = self.table, self.timeline
+        table, timeline, forward_only = self.table, self.timeline, self.forward_only
         P = len(timeline.phases)
         BP = table.micro * P
         owners = table.owners[home]

@@ -25,16 +25,14 @@ earlier gap than the send (within a gap all-reduces follow sends), so its key is
 start of a compute before the send, which starts before t(c). Each step lowers the key
 strictly: no cycle of waits. Stages with several owners and fetchers are dry-run in full.
 
-**The premise, rank by rank** (:func:`checked_lowering`, when a rank's program is first
-lowered): for each message (channel, k) a compute consumes, the k-th send into the rank on that
-channel (:meth:`.lower.Lowering.program_and_sends` knows its gap in the sender's program) comes
-after sender computes that start before this one (the last of them does: a worker's starts do
-not decrease); the rank's posts on each channel into it carry the messages sent on it, in
-order; each all-reduce sits right after the rank's last gradient job of its stage, alone in its
-gap. Every channel has one receiver and every wait one rank, so over all ranks these are the
-lemma's premise and the dry run's matching check; :func:`.dryrun.check_rank` covers the rest of
-the dry run. Trusted: that a rank-local lowering is the full lowering's for the rank's own
-program and the sends into it (tests compare every rank at small W).
+**The premise, rank by rank** (:func:`checked_lowering`): for each message (channel, k) a
+compute consumes, the k-th send into the rank on that channel comes after sender computes that
+start before this one (the last of them does: a worker's starts do not decrease); the rank's
+posts on each channel into it carry the messages sent on it, in order; each all-reduce sits
+right after the rank's last gradient job of its stage, alone in its gap. Every channel has one
+receiver and every wait one rank, so over all ranks these are the lemma's premise and the dry
+run's matching check; :func:`.dryrun.check_rank` covers the rest. Trusted: that a rank-local
+lowering is the full lowering's for the rank's program and the sends into it (tested at small W).
 
 **Why the check passes** for :mod:`.lower`'s programs of a timeline :func:`certify` accepts (a
 guard, not a search): an activation or input gradient is sent right after its producer's
@@ -61,14 +59,7 @@ from lightning_gsched.schedule.dryrun import Shared, check_forward_only, check_r
 from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lower import Lowering
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import (
-    Action,
-    Channel,
-    Message,
-    Op,
-    Programs,
-    check_channel,
-)
+from lightning_gsched.schedule.program import Action, Channel, Message, Op, Programs, check_channel
 from lightning_gsched.schedule.simulate import Timeline
 from lightning_gsched.schedule.sweep import WorkerOrders
 
