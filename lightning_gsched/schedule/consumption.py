@@ -1,9 +1,8 @@
 """What each action consumes and releases: the rules every reader of programs shares.
 
-The dry run (:mod:`.dryrun`), the time replay (:mod:`.predict`), the bytes walk (:mod:`.memory`)
-and the runtime's step must agree on which posted receive an action consumes, which fetched
-units a compute needs and which op ends a stash; written in each, the copies drifted, so they
-are written once, here, from the stage graph. For a compute of stage s on microbatch b:
+The dry run, the time replay, the bytes walk and the runtime's step must agree on which posted
+receive an action consumes, which fetched units a compute needs and which op ends a stash;
+written in each, the copies drifted. For a compute of stage s on microbatch b:
 
 * ``F s b`` reads the output of ``F p b`` for every producer p of s (none: the model's input);
   from another rank that is the posted ``RECV_ACT p b``;
@@ -17,9 +16,6 @@ are written once, here, from the stage graph. For a compute of stage s on microb
   what ``W`` needs (``StageSizes.b_released``, ``StageSizes.w_grads``);
 * ``ALLREDUCE_G`` of a unit sums in the gradients posted by ``RECV_G`` of the same unit; those
   never all-reduced are summed in at the step's end.
-
-What a reader does with a consumed input (check it, time it, count its bytes, run it) stays its
-own.
 """
 
 from __future__ import annotations
@@ -56,16 +52,14 @@ def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> N
 
 
 class OpRules:
-    """The consumption rules (module docstring) as tables indexed by stage, built once for the
-    readers' hot loops: ``act_from[s]``, the producers whose outputs ``F s`` reads;
-    ``grad_from[s]``, the consumers whose input-gradients ``B s`` reads; ``ties_read[s]``, the
-    homes of the ties s reads; ``units_read[s]``, its stage then its ties."""
+    """The rules as tables indexed by stage, built once for the readers' hot loops: ``act_from``,
+    the producers whose outputs ``F s`` reads; ``grad_from``, the consumers whose input-gradients
+    ``B s`` reads; ``ties_read``, the homes of the ties s reads; ``units_read``, s and those."""
 
     __slots__ = ("num_stages", "forward_only", "split_backward", "act_from", "grad_from",
                  "ties_read", "units_read", "stash_op", "weight_grad_op")
 
-    def __init__(self, graph: StageGraph,
-                 ties: Mapping[int, Sequence[int]] | None = None) -> None:
+    def __init__(self, graph: StageGraph, ties: Mapping[int, Sequence[int]] | None = None) -> None:
         num_stages = self.num_stages = graph.num_stages
         self.forward_only, self.split_backward = graph.forward_only, graph.split_backward
         self.act_from: tuple[tuple[int, ...], ...] = tuple(

@@ -17,8 +17,7 @@ class ActionCounts:
     """Messages of one step on one rank (counted when a send is issued or a receive posted), its
     peak stash and its peak weight residency. ``peak_activations``: the most (stage, microbatch)
     stashes held at once. ``peak_resident_stages``: owned stages plus fetched ones, raised at
-    ``FETCH_W`` and lowered at ``FREE_W`` (ties are not stages: they move ``tie_*`` counters).
-    """
+    ``FETCH_W`` and lowered at ``FREE_W`` (ties are not stages: they move ``tie_*`` counters)."""
 
     activation_recvs: int = 0
     activation_sends: int = 0

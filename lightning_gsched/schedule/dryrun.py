@@ -1,9 +1,8 @@
 """Prove a set of programs can run: every message matched, every input present, no deadlock.
 
 The execution model is the runtime's: sends never block; a receive is posted where it appears
-and completes once the peer's matching send has happened; a compute waits for the receives it
-consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its
-group. Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
+and completes once the peer's matching send has happened (FIFO per channel); a compute waits for
+the receives it consumes; ``ALLREDUCE_G`` for the gradients posted to it and every group member.
 
 Also checked, as the runtime relies on it: inputs computed or posted before, stash, weights and
 ties resident, gradients leaving before a free, nothing left at the end; collectives in one
@@ -14,11 +13,10 @@ static one (matching, collective order, a peer that is no rank) first, else the 
 How: all but waiting depends only on a rank's own earlier actions, and its state never changes
 while it waits, so :func:`check_rank` walks each program once and yields what the interleaving
 decides, the rank's **events**, which :func:`_walk` runs alone for deadlock: a send (its
-channel, an int); ``(index, messages)``, the compute at ``index`` consuming messages ``(channel,
-k)``, each there once the channel counted k sends; ``(index, messages, key, size)``, an
-all-reduce waiting for its gradient messages, then for the ``size`` members of its group at
-``key``. Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``:
-every set and dict here hashes ints.
+channel); ``(index, messages)``, the compute at ``index`` consuming messages ``(channel, k)``,
+each there once the channel counted k sends; ``(index, messages, key, size)``, an all-reduce
+waiting for its messages, then for the ``size`` members of its group at ``key``. Channels
+(:meth:`.program.Channel.number`) and jobs (``s * M + b``) are ints: cheap to hash.
 """
 
 from __future__ import annotations
@@ -83,8 +81,7 @@ def dry_run(programs: Programs) -> None:
 
 
 def _check_static(programs: Programs) -> None:
-    """Matching and collective order from one pass over every action, trusting nothing a
-    rank's check would have refused (a peer or microbatch that does not exist is named)."""
+    """Matching and collective order, trusting nothing a rank's check would have refused."""
     shared = Shared(programs)
     W, base, sent, posted, orders = shared.W, shared.base, shared.sent, shared.posted, shared.orders
     bad_group: str | None = None
@@ -117,8 +114,7 @@ def _check_static(programs: Programs) -> None:
 
 def _check_matching(W: int, sent: dict[int, list[Action]], posted: dict[int, list[Action]],
                     ) -> None:
-    """:func:`.program.check_channel` on the first channel (in channel order) whose sends and
-    posts differ, found by a quick comparison of every channel."""
+    """:func:`.program.check_channel` on the first channel (in channel order) that differs."""
     differing = [number for number in set(sent) | set(posted)
                  if not _same_messages(sent.get(number, []), posted.get(number, []))]
     if differing:
@@ -152,11 +148,9 @@ class Shared:
     """What every rank's check shares, and the lists the static checks read once all are done."""
 
     def __init__(self, programs: Programs) -> None:
-        self.programs = programs
+        self.programs, self.M = programs, programs.num_micro
         W = self.W = programs.world_size
-        self.M = programs.num_micro
-        self.peers = set(range(W))
-        self.micros = set(range(self.M))
+        self.peers, self.micros = set(range(W)), set(range(self.M))
         self.rules = OpRules.of(programs)
         self.base = channel_bases(W)  # a channel's number: base[op] + src * W + dst
         self.channels = len(CHANNEL_KINDS) * W * W
@@ -197,7 +191,8 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # stage (tie home) -> None if owned, else the FETCH_W message its weights arrive with
     resident: dict[int, _Message | None] = {s: None for s in programs.owned_stages(rank)}
     tie_state: dict[int, _Message | None] = {h: None for h in programs.owned_ties(rank)}
-    forward_done, backward_done, weight_done = set[int](), set[int](), set[int]()
+    ran: dict[str, set[int]] = {"F": set(), "B": set(), "W": set()}  # phase -> jobs run
+    forward_done, backward_done, weight_done = ran["F"], ran["B"], ran["W"]
     stash: set[int] = set()
     grad_stages: set[int] = set()  # stages whose weight gradients it accumulated
     tie_unreduced: set[int] = set()  # fetched ties holding gradients not yet sent
@@ -210,8 +205,8 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # ops as locals (an ``Op.F`` look-up goes through the enum's descriptor)
     F, B, W_, SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (
         Op.F, Op.B, Op.W, Op.SEND_ACT, Op.SEND_GRAD, Op.RECV_ACT, Op.RECV_GRAD)
-    FETCH_W, SEND_W, FREE_W, REDUCE_G, ALLREDUCE_G = (
-        Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.ALLREDUCE_G)
+    FETCH_W, SEND_W, FREE_W, REDUCE_G, RECV_G = (
+        Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G)
     for index, action in enumerate(program):
         op = action[0]
         if op is F or op is B or op is W_:
@@ -267,24 +262,52 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                 event((index, consumed))
             continue
         peer: int = action[3]  # type: ignore[assignment]
-        s, tie = action[1], action[5]  # a unit op's stage, or tie home
-        if op is SEND_ACT or op is SEND_GRAD or op is RECV_ACT or op is RECV_GRAD:
+        if op is SEND_ACT or op is SEND_GRAD:
             if peer not in peers or action[2] not in micros:
                 raise fail(index, "names a peer or microbatch these programs do not have")
-        elif op in base and peer not in peers:
-            raise fail(index, "names a peer these programs do not have")
-        if op is REDUCE_G and not tie and s not in grad_stages:
-            raise fail(index, f"sends the gradient of stage {s} but ran no {weight_grad_op} of it")
-        if op is REDUCE_G and tie:
-            if s not in tie_unreduced:
-                raise fail(index, f"sends the gradient of tie {s} but holds none (no "
-                           f"{weight_grad_op} of a stage reading it ran since it was fetched, or "
-                           "it was sent already)")
-            tie_unreduced.discard(s)
-        if op is SEND_ACT or op is SEND_GRAD or op is SEND_W or op is REDUCE_G:
             channel = base[op] + rank * W + peer
             sent_on[channel].append(action)
             event(channel)
+            continue
+        if op is RECV_ACT or op is RECV_GRAD:
+            micro: int = action[2]  # type: ignore[assignment]
+            if peer not in peers or micro not in micros:
+                raise fail(index, "names a peer or microbatch these programs do not have")
+            channel = base[op] + peer * W + rank
+            k = posted_count[channel] + 1
+            posted_count[channel] = k
+            posted_on[channel].append(action)
+            (posted_act if op is RECV_ACT else posted_grad)[action[1] * M + micro] = (channel, k)
+            continue
+        if op in base and peer not in peers:
+            raise fail(index, "names a peer these programs do not have")
+        s, tie = action[1], action[5]  # a weight unit's op: a stage's, or a tie's home's
+        if op is SEND_W or op is REDUCE_G:
+            if op is REDUCE_G and not tie and s not in grad_stages:
+                raise fail(index, f"sends the gradient of stage {s} but ran no "
+                           f"{weight_grad_op} of it")
+            if op is REDUCE_G and tie:
+                if s not in tie_unreduced:
+                    raise fail(index, f"sends the gradient of tie {s} but holds none (no "
+                               f"{weight_grad_op} of a stage reading it ran since it was "
+                               "fetched, or it was sent already)")
+                tie_unreduced.discard(s)
+            channel = base[op] + rank * W + peer
+            sent_on[channel].append(action)
+            event(channel)
+        elif op is FETCH_W or op is RECV_G:
+            channel = base[op] + peer * W + rank
+            k = posted_count[channel] + 1
+            posted_count[channel] = k
+            posted_on[channel].append(action)
+            if op is FETCH_W:
+                held = tie_state if tie else resident
+                if s in held:
+                    raise fail(index, f"fetches {'tie' if tie else 'stage'} {s} whose weights "
+                               "are already resident")
+                held[s] = (channel, k)
+            else:
+                pending_grads[(s, tie)].append((channel, k))
         elif op is FREE_W:
             held = tie_state if tie else resident
             if held.get(s) is None:  # owned, or not held
@@ -293,28 +316,12 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                 raise fail(index, f"frees tie {s} while its gradient was not sent to the owner "
                            f"(REDUCE_G t{s} must come first)")
             del held[s]
-        elif op is ALLREDUCE_G:
+        else:  # ALLREDUCE_G
             group = action[4]
             if group is None or rank not in group:
                 raise fail(index, "is an all-reduce of a group this rank is not in")
             shared.orders[group].setdefault(rank, []).append((op, s, tie))
             event((index, pending_grads.pop((s, tie), []), (group, s, tie), len(group)))
-        else:  # a post: RECV_ACT, RECV_GRAD, FETCH_W or RECV_G
-            channel = base[op] + peer * W + rank
-            k = posted_count[channel] + 1
-            posted_count[channel] = k
-            posted_on[channel].append(action)
-            if op is RECV_ACT or op is RECV_GRAD:
-                job = s * M + action[2]  # type: ignore[operator]  # checked above
-                (posted_act if op is RECV_ACT else posted_grad)[job] = (channel, k)
-            elif op is FETCH_W:
-                held = tie_state if tie else resident
-                if s in held:
-                    unit = "tie" if tie else "stage"
-                    raise fail(index, f"fetches {unit} {s} whose weights are already resident")
-                held[s] = (channel, k)
-            else:
-                pending_grads[(s, tie)].append((channel, k))
     end = len(program)
     if stash:
         stashed = sorted(divmod(job, M) for job in stash)
@@ -325,14 +332,13 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             raise fail(end, f"ends with fetched {what} {fetched} never freed")
     # Gradients pending at the end are awaited by the owner before the optimizer step; the
     # matching check guarantees their sends exist and the walk that senders finish.
-    return RankResult(events, {"F": forward_done, "B": backward_done, "W": weight_done})
+    return RankResult(events, ran)
 
 
 def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
-    """Run every rank through its events; return (rank, action index) of each rank left
-    waiting (a deadlock), else []. A waiting rank is parked under what it waits for and run
-    again when that happens; the result does not depend on the order ranks run in, since a rank
-    never passes an event that waits."""
+    """Run every rank through its events; return (rank, action index) of each rank left waiting
+    (a deadlock). A waiting rank is parked under what it waits for and run again when that
+    happens; as no rank passes an event that waits, the order ranks run in does not matter."""
     sent = channel_counters(channels)
     position = [0] * len(events)
     waiters: dict[Any, list[int]] = {}
@@ -346,9 +352,8 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
             event = mine[i]
             if event.__class__ is int:  # a send
                 sent[event] += 1
-                woken = waiters.pop(event, None)
-                if woken:
-                    runnable += woken
+                if event in waiters:
+                    runnable += waiters.pop(event)
                 i += 1
                 continue
             blocked: Any = None
@@ -361,10 +366,8 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
                 members.add(rank)
                 if len(members) < event[3]:
                     blocked = event[2]
-                else:
-                    woken = waiters.pop(event[2], None)
-                    if woken:
-                        runnable += woken
+                elif event[2] in waiters:
+                    runnable += waiters.pop(event[2])
             if blocked is not None:
                 waiters.setdefault(blocked, []).append(rank)
                 break

@@ -2,10 +2,9 @@
 
 Why: at W=1024 fsdp's programs hold ~10 million actions (over 1 GB); a rank executing its
 program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about 0.1 s.
-Reading rank r makes rank r's program alone. A reader of every rank (``--programs``, the cost
-replay, the bytes model, the full dry run) calls :meth:`LazyList.make_all`, which makes the
-missing items at once (the full lowering and, if verified, the full dry run), several times
-cheaper than W rank-local lowerings. Nothing switches by itself.
+Reading ranks one by one lowers only the ranks read; a reader of every rank (``--programs``, the
+replays, the full dry run) calls :meth:`LazyList.make_all`: one full lowering, several times
+cheaper than W rank-local ones.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ class LazyList(Sequence[T], Generic[T]):
 
     def __init__(self, size: int, make: Callable[[int], T],
                  make_all: Callable[[], Sequence[T]] | None = None) -> None:
-        self._make = make
-        self._make_all = make_all
+        self._make, self._make_all = make, make_all
         self._items: list[T | None] = [None] * size
 
     @classmethod
@@ -49,8 +47,7 @@ class LazyList(Sequence[T], Generic[T]):
         return item
 
     def make_all(self) -> LazyList[T]:
-        """Make every missing item (by ``make_all`` where given, else one by one); items already
-        made stay as they are. Returns this list."""
+        """Make every missing item (by ``make_all`` where given, else one by one); returns self."""
         if None not in self._items:
             return self
         if self._make_all is not None:

@@ -7,40 +7,40 @@ early so that the transfer overlaps that compute (:mod:`.lower_build`), and the 
 the peer sends, moving a post earlier when needed (never later), so that backends without
 message tags (NCCL) can run the same programs.
 
-**One pass for any set of ranks.** :meth:`Lowering.programs` takes the ranks to make (None:
-every rank); the builder keeps only their actions, and the rules visit only what concerns them:
-the data flow of the kept ranks and their consumers (by symmetry, their replicas, whose workers
-feed only each other), their own weight runs and those of the ranks fetching from them. Every
-rule visits workers and runs in the order the lowering of every rank does, and the builder
-orders actions by the relative order of their serials, so a rank's program is the same
-whichever ranks are made with it. Why: at W=1024 fsdp's programs hold ~10 million actions while
-a rank executing its program needs ~10,000 (:mod:`.lazy_ranks`).
+**One pass for any set of ranks** (:meth:`Lowering.programs`; why: :mod:`.lazy_ranks`): the
+builder keeps only those ranks' actions, and the rules visit only what concerns them: the data
+flow of the kept ranks and their consumers (by symmetry, their replicas, whose workers feed only
+each other), their own weight runs and those of the ranks fetching from them. Every rule visits
+workers and runs in the order the lowering of every rank does, and the builder orders actions by
+the relative order of their serials, so a rank's program is the same whichever ranks are made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from operator import itemgetter
-from typing import Mapping, Sequence
+from typing import Sequence
 
+from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
 from lightning_gsched.schedule.lower_build import SLOTS, Builder, lower_data_flow
-from lightning_gsched.schedule.lower_weights import WeightLowering
+from lightning_gsched.schedule.lower_weights import Ties, WeightLowering
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import RECV_FOR_SEND, Action, Channel, Message, Op, Programs
 from lightning_gsched.schedule.simulate import Timeline
 
 _COMPUTE_OP = {Phase.F: Op.F, Phase.B: Op.B, Phase.W: Op.W}
+Sends = dict[Channel, list[tuple[Message, int]]]  # per channel, (message, gap in the sender's)
 
 
 class Lowering:
     """Lowers programs of a timeline on demand; the indexes they need are built once."""
 
     def __init__(self, graph: StageGraph, table: PlacementTable, timeline: Timeline,
-                 fetch_window: int | None = None,
-                 ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
+                 fetch_window: int | None = None, ties: Ties | None = None) -> None:
         self.graph, self.table, self.timeline = graph, table, timeline
+        self.rules = OpRules(graph)  # built once for every rank lowered
         self.weights = WeightLowering(graph, table, timeline, fetch_window, ties)
         self._starts: dict[int, list[float]] = {}  # start times by worker, shared by builders
         self._ops = [_COMPUTE_OP[d] for d in timeline.phases]
@@ -55,12 +55,11 @@ class Lowering:
         """``rank``'s program, lowered alone."""
         return self.programs([rank])[0]
 
-    def program_and_sends(self, rank: int) -> tuple[
-            list[Action], dict[Channel, list[tuple[Message, int]]]]:
+    def program_and_sends(self, rank: int) -> tuple[list[Action], Sends]:
         """:meth:`program`, and every channel into ``rank`` with the messages sent on it, in
         send order, each with its gap in the sender's program, for :mod:`.proof`'s rank check."""
         build = self._lower({rank})
-        sends: dict[Channel, list[tuple[Message, int]]] = {}
+        sends: Sends = {}
         # the data flow's sends in their program order (small keys gap * SLOTS + category)
         for src, actions in enumerate(build.flow):
             if src == rank or not actions:
@@ -81,7 +80,7 @@ class Lowering:
     def _lower(self, keep: set[int] | None) -> Builder:
         build = Builder(self.timeline, keep, self._starts)
         visit, indexed = self._flow_workers(keep)
-        lower_data_flow(self.graph, self.table, build, visit, indexed)
+        lower_data_flow(self.graph, self.rules, self.table, build, visit, indexed)
         self.weights.lower(build)
         build.make_fifo()
         return build
@@ -126,8 +125,7 @@ class Lowering:
 
 
 def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
-          fetch_window: int | None = None,
-          ties: Mapping[int, tuple[int, ...]] | None = None) -> Programs:
+          fetch_window: int | None = None, ties: Ties | None = None) -> Programs:
     """Every rank's program of a simulated timeline. ``fetch_window``: the most fetched stages
     a worker may hold at once (None: no limit beyond the one-compute-early prefetch, which never
     holds more than two, so 2 or more is the same). ``ties``: ``{home stage: reader stages}``."""
@@ -136,7 +134,7 @@ def lower(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 
 
 def programs_of(graph: StageGraph, table: PlacementTable, ranks: Sequence[list[Action]],
-                ties: Mapping[int, tuple[int, ...]] | None) -> Programs:
+                ties: Ties | None) -> Programs:
     """:class:`Programs` of ``ranks`` (a list, or a :class:`LazyList` lowered per rank) with
     the facts the runtime needs beside them."""
     edges = [(u, v) for u in range(graph.num_stages) for v in graph.outputs(u)]

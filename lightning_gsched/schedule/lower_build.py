@@ -4,19 +4,14 @@ the data flow (activation and input-gradient messages).
 A rank's program is its actions sorted by (gap, category, then the order they were made in), gap
 g's actions coming right before the rank's compute g: hand data to peers first, release memory,
 serve owners' duties, post the prefetches for the next computes (:data:`CATEGORY`), the compute
-last. Two families are made differently and never share a category:
-
-- the data flow (:func:`lower_data_flow`, the planner's largest loop: two actions per message)
-  appends actions with small int keys ``gap * SLOTS + category`` in the order they are made,
-  already their order within a (gap, category). Its channels carry nothing else, so each
-  consumer's FIFO order is settled as soon as its receives are made;
-- everything else (weights, reductions, all-reduces, ties: a few per run of a stage) goes
-  through :meth:`Builder.put` with a full key (gap, category, time, serial): several owners'
-  serves can land in one gap, ordered by the simulated time the peer needs them.
-
-``keep`` (None: every rank) names the ranks whose programs are made; a put for another rank only
-takes its place in the order of serials, except a send into a kept rank, which is filed for the
-receiver's FIFO fix (why that suffices: :mod:`.lower`).
+last. Two families never share a category: the data flow (:func:`lower_data_flow`, the
+planner's largest loop) appends actions with small int keys (``gap * SLOTS + category``) in the
+order they are made, their order within a (gap, category), on channels that carry nothing else;
+the rest (a few actions per run of a stage) goes through :meth:`Builder.put` with a full key
+(gap, category, time, serial): several owners' serves can land in one gap, ordered by the
+simulated time the peer needs them. ``keep`` (None: every rank) names the ranks whose programs
+are made; a put for another rank only takes its place in the order of serials, except a send
+into a kept rank, which is filed for the receiver's FIFO fix (why that suffices: :mod:`.lower`).
 """
 
 from __future__ import annotations
@@ -47,10 +42,9 @@ Place = TypeVar("Place", int, Key)  # a post's place: a small int key (data flow
 
 
 def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
-    """The FIFO rule, for both families: a channel's receives, listed in the order of the sends
-    they match, each take the earliest of its own post and the posts of every later send. So
-    posts only move earlier, a moved receive going right before the receive it overtakes (its
-    *anchor*), several movers of one anchor in their sends' order."""
+    """The FIFO rule: a channel's receives, in the order of the sends they match, each take the
+    earliest of its own post and those of every later send. So posts only move earlier, each
+    right before the receive it overtakes (its *anchor*), movers of one anchor in send order."""
     places: list[Place] = list(posts_in_send_order)
     for k in range(len(places) - 2, -1, -1):
         if places[k + 1] < places[k]:
@@ -59,12 +53,9 @@ def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
 
 
 class Builder:
-    """Collects actions per rank, then sorts each kept rank's into its program.
-
-    ``entries[rank]``: (key, action) of each :meth:`put`; sends into a kept rank and a kept
-    rank's receives are also filed per channel (``sends``, ``recvs``) for :meth:`make_fifo`.
-    ``flow[rank]``, ``flow_keys[rank]``: the data flow's actions and small keys.
-    """
+    """Collects actions per rank, then sorts each kept rank's into its program. ``entries``:
+    (key, action) of each :meth:`put`, sends into a kept rank and a kept rank's receives filed
+    per channel too (``sends``, ``recvs``); ``flow``, ``flow_keys``: the data flow's."""
 
     def __init__(self, timeline: Timeline, keep: Collection[int] | None = None,
                  starts: dict[int, list[float]] | None = None) -> None:
@@ -76,17 +67,15 @@ class Builder:
         self.serial = 0
         self.sends: dict[Channel, list[tuple[Key, Message]]] = defaultdict(list)
         self.recvs: dict[Channel, list[tuple[Key, Message, int]]] = defaultdict(list)
-        # start times by worker, read when first needed (a rank-local lowering must not build
-        # every worker's); by symmetry a rank's times are those of its position in replica 0
+        # start times per worker (by symmetry, per replica position), made when first needed
         self._starts = {} if starts is None else starts
         replicas = timeline.replicas
         self._time_key = replicas.position if replicas is not None else int
 
     def put(self, rank: int, gap: int, time: float, action: Action) -> None:
         self.serial += 1  # what is not kept still takes its place in the order of serials
-        key = (gap, CATEGORY[action[0]], time, self.serial)
-        keep = self.keep
-        op = action.op
+        keep, op = self.keep, action[0]
+        key = (gap, CATEGORY[op], time, self.serial)
         kept = keep is None or rank in keep
         if kept:
             self.entries[rank].append((key, action))
@@ -122,7 +111,7 @@ class Builder:
             matched = [waiting[ident].pop() if waiting[ident] else None for _, ident in sent]
             entries = self.entries[channel.dst]
             # unmatched receives are left as they are on purpose: the dry run reports them
-            kept = [(position, index) for position, index in enumerate(matched) if index is not None]
+            kept = [(place, index) for place, index in enumerate(matched) if index is not None]
             places = fifo_places([entries[index][0] for _, index in kept])
             for (position, index), key in zip(kept, places, strict=True):
                 entries[index] = (key + (position,), entries[index][1])
@@ -135,30 +124,25 @@ class Builder:
         entries = self.entries[rank]
         entries.sort(key=first)  # keys are unique (serial): a total order
         actions = self.flow[rank] + list(map(itemgetter(1), entries)) + computes
-        keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
-                                       in map(first, entries)]
+        keys = self.flow_keys[rank] + [key[0] * SLOTS + key[1] for key, _ in entries]
         keys += range(COMPUTE_CATEGORY, SLOTS * len(computes), SLOTS)
         return list(map(actions.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
 
 
-def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
-                    workers: Sequence[int] | None = None,
-                    indexed: Sequence[int] | None = None) -> None:
+def lower_data_flow(graph: StageGraph, rules: OpRules, table: PlacementTable, build: Builder,
+                    workers: Sequence[int] | None, indexed: Sequence[int] | None) -> None:
     """The activation and input-gradient messages, into ``build.flow``. Consumers are visited
     worker by worker in their order; each remote input makes the producer's send (the gap after
     the producer's compute) and the consumer's receive (the gap before the previous compute),
     both appended in the order serials would give them; all messages into one consumer are made
     while visiting it, so its FIFO order is settled right after (:func:`_fifo_posts`).
-
     ``workers`` (ascending): visit only these consumers; ``indexed`` (default ``workers``) must
     hold them and every producer of their inputs, whose positions key the sends. A visited
-    consumer's flow then holds exactly what the full visit gives it, and a producer's, in the
-    full visit's relative order, its sends to the visited consumers.
+    consumer's flow is then the full visit's, and a producer's holds its sends to it in order.
     """
     timeline, flow, flow_keys, compute = build.timeline, build.flow, build.flow_keys, table.compute
-    B, P = table.micro, len(timeline.phases)
+    B, P, order = table.micro, len(timeline.phases), timeline.order
     BP = B * P
-    order = timeline.order
     visit = range(len(order)) if workers is None else workers
     # flat job -> index in its worker's order (a dict for a few workers: not one slot per job)
     position: list[int] | dict[int, int] = [0] * (table.stages * BP) if workers is None else {}
@@ -168,7 +152,6 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
     done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
     # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
-    rules = OpRules(graph)
     flows = {Phase.F: (Op.SEND_ACT, Op.RECV_ACT, rules.act_from),
              Phase.B: (Op.SEND_GRAD, Op.RECV_GRAD, rules.grad_from)}
     kinds = [flows.get(phase) for phase in timeline.phases]

@@ -2,9 +2,9 @@
 
 A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`): ``FETCH_W``
 posted one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the k-th
-fetched run before it), ``FREE_W`` right after the run and, if the run accumulated weight
-gradients, ``REDUCE_G`` to the owner before it, as FSDP reduces after each backward instead of
-holding gradients of weights it no longer has. The owner's ``SEND_W`` and ``RECV_G`` go where
+fetched run before it), ``FREE_W`` right after the run, preceded by ``REDUCE_G`` to the owner if
+the run accumulated weight gradients, as FSDP reduces after each backward instead of holding
+gradients of weights it no longer has. The owner's ``SEND_W`` and ``RECV_G`` go where
 its program meets the simulated time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
 Replicas (several owners of a stage) all-reduce right after their last weight-gradient job of
 the stage and every ``RECV_G`` of it, overlapping the rest of the backward pass. A tie is a
@@ -22,14 +22,15 @@ from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.simulate import Timeline
 
 Run = tuple[int, int, int, int]  # (stage, first position, last position, fetch gap)
+Ties = Mapping[int, tuple[int, ...]]  # home stage -> every stage reading the tie
 Index = tuple[list[tuple[int, int, int]], dict[int, list[tuple[int, int]]]]  # WeightLowering._index
 
 
 def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, int]]:
-    """(stage, i, j) of every run of a worker's order (``stages``: each compute's stage), by
-    first compute: a maximal block of computes of one stage, its weights resident from i to j.
-    With ``whole_step`` (``PlacementTable.hold_fetched_for_step``) a run spans the stage's
-    first compute of the step to its last: fetched once, its gradient reduced once."""
+    """(stage, i, j) of every run (a maximal block of computes of one stage, ``stages`` giving
+    each compute's), by first compute. With ``whole_step`` (a sharded data-parallel placement:
+    ``PlacementTable.hold_fetched_for_step``) a run spans the stage's first compute of the step
+    to its last: fetched once, its gradient reduced once."""
     if whole_step:
         first: dict[int, int] = {}
         for index, stage in enumerate(stages):
@@ -45,7 +46,7 @@ class WeightLowering:
     once for every rank lowered; by symmetry a worker's runs are its replica position's."""
 
     def __init__(self, graph: StageGraph, table: PlacementTable, timeline: Timeline,
-                 fetch_window: int | None, ties: Mapping[int, tuple[int, ...]] | None) -> None:
+                 fetch_window: int | None, ties: Ties | None) -> None:
         self.table, self.timeline, self.fetch_window = table, timeline, fetch_window
         self.forward_only, self.ties = graph.forward_only, dict(ties or {})
         grad_phase, phases = weight_grad_phase(graph.split_backward), timeline.phases
@@ -124,12 +125,10 @@ class WeightLowering:
                     if table.fetch_source[(run[0], worker)] in owners]
         owned = set(table.owned_stages(worker))
         by_stage = self._index(worker)[1]
-        runs = [(stage, i, j, max(i - 1, 0))
-                for owner in owners for stage in table.owned_stages(owner)
-                if stage not in owned and table.fetch_source.get((stage, worker)) == owner
-                for i, j in by_stage.get(stage, ())]
-        runs.sort(key=lambda run: run[1])
-        return runs
+        return sorted(((stage, i, j, max(i - 1, 0))
+                       for owner in owners for stage in table.owned_stages(owner)
+                       if stage not in owned and table.fetch_source.get((stage, worker)) == owner
+                       for i, j in by_stage.get(stage, ())), key=lambda run: run[1])
 
     def _fetchers_of(self, owner: int) -> list[int]:
         if self._fetchers is None:
@@ -161,9 +160,8 @@ class WeightLowering:
         for stage in stages:
             if len(owners[stage]) < 2:
                 continue
-            group = self._groups.get(stage)
-            if group is None:  # one object for all members: hashed once (see RankGroup)
-                group = self._groups[stage] = RankGroup(owners[stage])
+            # one object for all members and lowerings: hashed once (see RankGroup)
+            group = self._groups.setdefault(stage, RankGroup(owners[stage]))
             for owner in group:
                 if keep is None or owner in keep:
                     gap, time = last_of(owner).get(stage, (0, 0.0))
@@ -171,10 +169,10 @@ class WeightLowering:
                     build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
 
     def _tie(self, build: Builder, home: int, readers: set[int]) -> None:
-        """A tie (owned with ``home``) held for the step, as it is typically read at both ends
-        of the model: a non-owner fetches it before its first reader job (from its source of
-        ``home``, else the first owner) and hands back the gradient after its last; owners
-        all-reduce it after their last reader gradient job and every gradient they receive."""
+        """A tie, typically read at both ends of the model, held for the step: a non-owner fetches
+        it before its first reader job (from its source of ``home``, else the first owner) and
+        hands back the gradient after its last; owners all-reduce it after their last reader
+        gradient job and every gradient they receive."""
         table, timeline, forward_only = self.table, self.timeline, self.forward_only
         P = len(timeline.phases)
         BP = table.micro * P

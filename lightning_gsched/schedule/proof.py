@@ -37,13 +37,12 @@ lowering is the full lowering's for the rank's program and the sends into it (te
 **Why the check passes** for :mod:`.lower`'s programs of a timeline :func:`certify` accepts (a
 guard, not a search): an activation or input gradient is sent right after its producer's
 compute, which ends no later than its consumer starts; a run's weights, fetched at the gap before
-a compute starting at pt (0.0 before the first), are served in the owner's gap before its first
-compute starting at or after pt, and a rank's fetches from an owner and the owner's serves to it
-are both in run order (pt strictly increases along a worker's computes), so the FIFO fix moves
-no post; gradients handed to an owner are awaited by no compute; a replicated stage (several
-owners, none fetched) has its all-reduce right after each owner's last gradient job of it.
-:func:`certify` checks the rest on the timeline, in O(jobs) numpy; a timeline it refuses is
-dry-run in full, and so is every program for a reader of every rank (:mod:`.lazy_ranks`).
+a compute starting at pt, are served in the owner's gap before its first compute starting at or
+after pt, in run order (pt increases along a worker's computes), so the FIFO fix moves no post;
+gradients handed to an owner are awaited by no compute; a replicated stage (several owners, none
+fetched) is all-reduced right after each owner's last gradient job of it. :func:`certify` checks
+the rest on the timeline, in O(jobs) numpy; a timeline it refuses is dry-run in full, and so is
+every program for a reader of every rank (:mod:`.lazy_ranks`).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ import numpy as np
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.dryrun import Shared, check_forward_only, check_rank
 from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
-from lightning_gsched.schedule.lower import Lowering
+from lightning_gsched.schedule.lower import Lowering, Sends
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import Action, Channel, Message, Op, Programs, check_channel
 from lightning_gsched.schedule.simulate import Timeline
@@ -68,10 +67,9 @@ _WAITS = frozenset({Op.F, Op.B, Op.W, Op.ALLREDUCE_G})  # the actions that may w
 
 def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
             ties: Mapping[int, tuple[int, ...]] | None) -> str | None:
-    """None where the lemma (module docstring) proves every program of ``lower(graph, table,
-    timeline)`` deadlock-free given each rank's own check; else why not (then the caller
-    dry-runs every program). That the orders hold every job once, with each rank's check that
-    its computes are its order, is the dry run's coverage check."""
+    """None where the lemma proves every program of ``lower(graph, table, timeline)`` deadlock-free
+    given each rank's own check, else why not. That the orders hold every job once, with each
+    rank's check that its computes are its order, is the dry run's coverage check."""
     if ties:
         return "tied weights (their fetches and all-reduces are outside the argument)"
     if not graph.is_chain:
@@ -119,9 +117,8 @@ def _replicas_reduce_together(table: PlacementTable, timeline: Timeline, end: np
     P, B = len(timeline.phases), table.micro
     ends = end[P - 1::P].reshape(table.stages, B)  # weight-gradient jobs: B, or W when split
     for s in replicated:
-        workers = np.asarray(table.compute[s], dtype=np.int64)
         last = np.full(table.workers, -np.inf)
-        np.maximum.at(last, workers, ends[s])
+        np.maximum.at(last, np.asarray(table.compute[s], dtype=np.int64), ends[s])
         owners = np.asarray(table.owners[s], dtype=np.int64)
         if np.isinf(last[owners]).any():
             return f"an owner of stage {s} does not compute it"
@@ -151,17 +148,13 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
     """``rank -> program``: :meth:`Lowering.program`, checked as the module docstring says
     (``programs_of`` wraps a list of programs with the plan's facts)."""
     timeline = lowering.timeline
-    W = len(timeline.order)
-    P, B = len(timeline.phases), lowering.table.micro
+    W, P, B = len(timeline.order), len(timeline.phases), lowering.table.micro
     phase = {op: k for k, op in enumerate((Op.F, Op.B, Op.W)[:P])}
     grad_op = Op(weight_grad_phase(P == 3).value)  # the job that ends a backward
-    empty: list[Action] = []
 
     def make(rank: int) -> list[Action]:
         program, sends = lowering.program_and_sends(rank)
-        ranks = [empty] * W
-        ranks[rank] = program
-        programs = programs_of(ranks)
+        programs = programs_of([[]] * rank + [program] + [[]] * (W - 1 - rank))
         if programs.forward_only:
             check_forward_only(rank, program)
         # its computes are its order (then every job runs once: certify's coverage check)
@@ -171,7 +164,7 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
             raise ProgramError(f"rank {rank}'s computes are not its timeline order")
         shared = Shared(programs)
         events = check_rank(shared, rank).events
-        sent = _check_channels_into(rank, W, shared, sends)
+        sent = _check_channels_into(W, shared, sends)
         # the lemma's premise for this rank's waits (module docstring)
         start, order = timeline.start, timeline.order
         for event in events:
@@ -211,9 +204,7 @@ def _check_allreduce(rank: int, program: list[Action], index: int, consumed: lis
                            "the argument (proof.py)")
 
 
-def _check_channels_into(
-    rank: int, W: int, shared: Shared, sends: dict[Channel, list[tuple[Message, int]]],
-) -> dict[int, list[tuple[int, int]]]:
+def _check_channels_into(W: int, shared: Shared, sends: Sends) -> dict[int, list[tuple[int, int]]]:
     """:func:`.program.check_channel` of every channel into the rank; returns per channel
     number each send's (sender, gap in the sender's program)."""
     where: dict[int, list[tuple[int, int]]] = {}

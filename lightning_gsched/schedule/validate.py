@@ -1,9 +1,8 @@
 """Checks of user-given arguments, shared by ``plan()``, the CLI, ``partition()`` and the strategy.
 
-The same kind of argument (a count, a duration, a flag, a callable) enters through several doors
-and must be refused at each, before any simulation runs or any process starts, in one wording:
-the argument's name, the bad value, and a valid value. Each check takes the error class to raise
-(default :class:`ScheduleConfigError`), so every layer raises its own ``GschedError`` subclass.
+One kind of argument (a count, a duration, a flag, a callable) enters through several doors and
+is refused at each before any simulation runs or process starts, in one wording: its name, the
+bad value, a valid one. Each check takes the error class to raise, so every layer raises its own.
 """
 
 from __future__ import annotations
