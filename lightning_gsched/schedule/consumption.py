@@ -1,10 +1,8 @@
 """What each action consumes and releases: the rules every reader of programs shares.
 
-Four readers walk a rank's program action by action: the dry run (:mod:`.dryrun`), the
-time replay (:mod:`.predict`), the bytes walk (:mod:`.memory`) and the runtime's step. Each must
-agree on which posted receive an action consumes, which fetched units a compute needs, and which
-op ends a stash; written in each, the copies drifted, so they are written once, here, from the
-stage graph. For a compute of stage s on microbatch b (:class:`OpRules`):
+The dry run, the time replay, the bytes walk and the runtime's step must agree on which posted
+receive an action consumes, which fetched units a compute needs and which op ends a stash;
+written in each, the copies drifted. For a compute of stage s on microbatch b:
 
 * ``F s b`` reads the output of ``F p b`` for every producer p of s (none: the model's input);
   from another rank that is the posted ``RECV_ACT p b``;
@@ -14,16 +12,10 @@ stage graph. For a compute of stage s on microbatch b (:class:`OpRules`):
 * every compute of s needs s's weights and those of each tie s reads: a posted ``FETCH_W`` of
   the unit is consumed by the first compute that needs it, or by the unit's ``FREE_W``;
 * ``F`` stashes (unless forward-only); the weight-gradient op (:func:`~.program.weight_grad_op`)
-  accumulates the weight gradients and releases the stash;
-* when the backward is split, ``B`` narrows the stash to what ``W`` needs: the forward's saved
-  tensors minus those of the graph above every weight, plus the gradients ``B`` recorded for
-  ``W`` (``StageSizes.b_released``, ``StageSizes.w_grads``);
+  accumulates the weight gradients and releases the stash; a split ``B`` narrows the stash to
+  what ``W`` needs (``StageSizes.b_released``, ``StageSizes.w_grads``);
 * ``ALLREDUCE_G`` of a unit sums in the gradients posted by ``RECV_G`` of the same unit; those
   never all-reduced are summed in at the step's end.
-
-What a reader does with a consumed input (check it, time it, count its bytes, run it) stays its
-own. The runtime executes chains of stages only: ``plan()`` refuses other graphs
-(:func:`require_chain`).
 """
 
 from __future__ import annotations
@@ -44,12 +36,9 @@ def unit_of(action: Action) -> UnitKey:
 
 
 def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> None:
-    """Refuse a stage graph other than the chain 0 -> 1 -> ... -> S-1.
-
-    Why: the runtime executes chains only (a message names its producer stage, not which of
-    several inputs it feeds), so a plan of another graph would fail at its first step. The
-    edges' range is checked first (by :class:`StageGraph`) so that an invalid edge is named.
-    """
+    """Refuse a stage graph other than the chain 0 -> 1 -> ... -> S-1: the runtime executes
+    chains only (a message names its producer stage, not which of several inputs it feeds).
+    :class:`StageGraph` checks the edges' range first, so that an invalid edge is named."""
     if edges is None:
         return
     edges = list(edges)
@@ -63,21 +52,14 @@ def require_chain(num_stages: int, edges: Iterable[tuple[int, int]] | None) -> N
 
 
 class OpRules:
-    """The consumption rules of a stage graph's programs (module docstring), as tables of
-    tuples indexed by stage, built once: the readers look them up in their hot loops.
-
-    ``act_from[s]``: producers whose outputs ``F s`` reads; ``grad_from[s]``: consumers whose
-    input-gradients ``B s`` reads; ``ties_read[s]``: homes of the ties s reads;
-    ``units_read[s]``: the weight units a compute of s needs (its stage, then its ties).
-    ``stash_op``: F, or None when forward-only; ``weight_grad_op``: the op that accumulates
-    weight gradients and releases the stash.
-    """
+    """The rules as tables indexed by stage, built once for the readers' hot loops: ``act_from``,
+    the producers whose outputs ``F s`` reads; ``grad_from``, the consumers whose input-gradients
+    ``B s`` reads; ``ties_read``, the homes of the ties s reads; ``units_read``, s and those."""
 
     __slots__ = ("num_stages", "forward_only", "split_backward", "act_from", "grad_from",
                  "ties_read", "units_read", "stash_op", "weight_grad_op")
 
-    def __init__(self, graph: StageGraph,
-                 ties: Mapping[int, Sequence[int]] | None = None) -> None:
+    def __init__(self, graph: StageGraph, ties: Mapping[int, Sequence[int]] | None = None) -> None:
         num_stages = self.num_stages = graph.num_stages
         self.forward_only, self.split_backward = graph.forward_only, graph.split_backward
         self.act_from: tuple[tuple[int, ...], ...] = tuple(
@@ -100,8 +82,7 @@ class OpRules:
         return cls(graph, programs.ties)
 
     def reads(self, op: Op, stage: int) -> tuple[tuple[Phase, int], ...]:
-        """The jobs (phase, stage), on the same microbatch, whose results a compute reads: the
-        graph's dependencies (:meth:`StageGraph.pred`) as the readers consume them."""
+        """The jobs (phase, stage), on the same microbatch, whose results a compute reads."""
         if op is Op.F:
             return tuple((Phase.F, p) for p in self.act_from[stage])
         if op is Op.B:
@@ -120,6 +101,6 @@ class OpRules:
         return []
 
     def narrows_stash(self, op: Op) -> bool:
-        """Whether ``op`` narrows its stash without ending it: a split ``B`` (module docstring)."""
+        """Whether ``op`` narrows its stash without ending it: a split ``B``."""
         return op is Op.B and self.split_backward and not self.forward_only
 

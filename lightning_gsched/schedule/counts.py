@@ -1,9 +1,8 @@
 """What a rank's program does, counted: the one record the planner predicts and the runtime meets.
 
 The planner reads these numbers off the programs (:mod:`.metrics`); the runtime counts them as it
-executes the same programs (``RuntimeCounters`` extends this class with bytes and the like). One
-type for both, so a test compares them field by field, and a new op's counter is added in one
-place: the ``counter`` (``tie_counter``) of its :class:`~.program.OpSpec`, plus a field here.
+executes them (``RuntimeCounters`` extends this class), so a test compares them field by field. A
+new op's counter is the ``counter`` (``tie_counter``) of its :class:`~.program.OpSpec` and a field.
 """
 
 from __future__ import annotations
@@ -15,14 +14,10 @@ from lightning_gsched.schedule.program import OPS, Op
 
 @dataclass
 class ActionCounts:
-    """Messages of one step on one rank, its peak stash and its peak weight residency.
-
-    Message counts move when a send is issued or a receive posted (each op's ``counter``).
-    ``peak_activations``: the most (stage, microbatch) stashes held at once, from F to the op
-    that releases them (B, or W when the backward is split). ``peak_resident_stages``: owned
-    stages plus fetched ones, raised at ``FETCH_W`` and lowered at ``FREE_W`` (ties are not
-    stages: their unit ops move the ``tie_*`` counters, their bytes are in the bytes walk).
-    """
+    """Messages of one step on one rank (counted when a send is issued or a receive posted), its
+    peak stash and its peak weight residency. ``peak_activations``: the most (stage, microbatch)
+    stashes held at once. ``peak_resident_stages``: owned stages plus fetched ones, raised at
+    ``FETCH_W`` and lowered at ``FREE_W`` (ties are not stages: they move ``tie_*`` counters)."""
 
     activation_recvs: int = 0
     activation_sends: int = 0
@@ -43,7 +38,7 @@ class ActionCounts:
     peak_resident_stages: int = 0
 
     def count(self, op: Op, tie: bool = False) -> None:
-        """Add one action of ``op`` (on a tie: ``tie``) to the counter the op table names, if any."""
+        """Add one action of ``op`` (on a tie: ``tie``) to its counter, if any."""
         name = OPS[op].counter_of(tie)
         if name is not None:
             setattr(self, name, getattr(self, name) + 1)

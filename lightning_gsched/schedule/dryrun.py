@@ -1,9 +1,8 @@
 """Prove a set of programs can run: every message matched, every input present, no deadlock.
 
 The execution model is the runtime's: sends never block; a receive is posted where it appears
-and completes once the peer's matching send has happened; a compute waits for the receives it
-consumes; ``ALLREDUCE_G`` waits for the gradients posted to it and for every member of its
-group. Each channel is FIFO per (src, dst): the k-th receive posted matches the k-th send.
+and completes once the peer's matching send has happened (FIFO per channel); a compute waits for
+the receives it consumes; ``ALLREDUCE_G`` for the gradients posted to it and every group member.
 
 Also checked, as the runtime relies on it: inputs computed or posted before, stash, weights and
 ties resident, gradients leaving before a free, nothing left at the end; collectives in one
@@ -12,18 +11,12 @@ once. A violation raises :class:`ProgramError` naming the rank and the action; o
 static one (matching, collective order, a peer that is no rank) first, else the first rank's.
 
 How: all but waiting depends only on a rank's own earlier actions, and its state never changes
-while it waits, so :func:`check_rank` walks each program once, in order, and yields what the
-interleaving decides, the rank's **events**; :func:`_walk` runs those alone for deadlock:
-
-- ``channel`` (an int): a send on that channel;
-- ``(index, messages)``: the compute at ``index`` consumes these messages, each ``(channel,
-  k)``: the k-th message on the channel, there once the channel counted k sends;
-- ``(index, messages, key, size)``: an all-reduce at ``index``: its gradient messages, then
-  every one of the ``size`` members of its group at ``key``.
-
-Channels are ints (:meth:`.program.Channel.number`), jobs (s, b) ints ``s * M + b``: every set
-and dict here hashes ints. ``check_rank`` also lists each channel's sends and posts, and each
-group's all-reduces, for the matching and order checks.
+while it waits, so :func:`check_rank` walks each program once and yields what the interleaving
+decides, the rank's **events**, which :func:`_walk` runs alone for deadlock: a send (its
+channel); ``(index, messages)``, the compute at ``index`` consuming messages ``(channel, k)``,
+each there once the channel counted k sends; ``(index, messages, key, size)``, an all-reduce
+waiting for its messages, then for the ``size`` members of its group at ``key``. Channels
+(:meth:`.program.Channel.number`) and jobs (``s * M + b``) are ints: cheap to hash.
 """
 
 from __future__ import annotations
@@ -59,17 +52,15 @@ Orders = dict[tuple[int, ...], dict[int, list[tuple[Op, int, bool]]]]  # group -
 
 
 def channel_counters(channels: int) -> list[int] | defaultdict[int, int]:
-    """One count per channel id, all 0: a list while there are few ids, else a dict of the ones
-    used (W=4096 has 50 M ids, of which a plan uses a few per rank)."""
+    """One 0 per channel id: a list while there are few, else a dict (W=4096 has 50 M ids, of
+    which a plan uses a few per rank)."""
     return [0] * channels if channels <= _DENSE_CHANNELS else defaultdict(int)
 
 
 def dry_run(programs: Programs) -> None:
-    """Execute all programs symbolically; raise :class:`ProgramError` on any problem.
-
-    Where a rank's check fails, the static checks run on their own first, so a mismatch is
-    named rather than its symptom (a compute missing the input that was never received).
-    """
+    """Execute all programs symbolically; raise :class:`ProgramError` on any problem. Where a
+    rank's check fails, the static checks run first, so a mismatch is named rather than its
+    symptom (a compute missing the input that was never received)."""
     programs.ranks.make_all()  # reads every rank
     if programs.forward_only:
         for rank, program in enumerate(programs.ranks):
@@ -84,29 +75,23 @@ def dry_run(programs: Programs) -> None:
     _check_collective_order(shared.orders)
     stuck = _walk([result.events for result in results], shared.channels)
     if stuck:
-        detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'"
-                           for r, index in stuck)
+        detail = "; ".join(f"rank {r} waits at '{programs.ranks[r][index]}'" for r, index in stuck)
         raise ProgramError(f"programs deadlock: {detail}")
     _check_coverage(programs, results)
 
 
 def _check_static(programs: Programs) -> None:
-    """Matching and collective order from one pass over every action, trusting nothing a
-    rank's check would have refused (a peer or microbatch that does not exist is named)."""
-    W = programs.world_size
-    base = channel_bases(W)
-    sent: dict[int, list[Action]] = defaultdict(list)
-    posted: dict[int, list[Action]] = defaultdict(list)
-    orders: Orders = defaultdict(dict)
+    """Matching and collective order, trusting nothing a rank's check would have refused."""
+    shared = Shared(programs)
+    W, base, sent, posted, orders = shared.W, shared.base, shared.sent, shared.posted, shared.orders
     bad_group: str | None = None
-    micros = range(programs.num_micro)
     for rank, program in enumerate(programs.ranks):
         for action in program:
             op = action[0]
             if op in base:  # a send or a receive
                 peer: int = action[3]  # type: ignore[assignment]  # checked next
                 per_micro = OPS[op].per_micro
-                if peer not in range(W) or (per_micro and action[2] not in micros):
+                if peer not in shared.peers or (per_micro and action[2] not in shared.micros):
                     raise ProgramError(
                         f"rank {rank} runs '{action}': its peer must be a rank (0 to {W - 1})"
                         + (f" and its microbatch one of 0 to {programs.num_micro - 1}"
@@ -129,9 +114,7 @@ def _check_static(programs: Programs) -> None:
 
 def _check_matching(W: int, sent: dict[int, list[Action]], posted: dict[int, list[Action]],
                     ) -> None:
-    """:func:`.program.check_channel` on the messages listed per channel number: a quick
-    comparison of every channel, then the rule itself on the first channel (in channel order)
-    that differs, which names the message."""
+    """:func:`.program.check_channel` on the first channel (in channel order) that differs."""
     differing = [number for number in set(sent) | set(posted)
                  if not _same_messages(sent.get(number, []), posted.get(number, []))]
     if differing:
@@ -157,29 +140,24 @@ def _check_collective_order(orders: Orders) -> None:
         reference = by_rank.get(group[0])
         for rank in group:
             if by_rank.get(rank) != reference:
-                raise ProgramError(
-                    f"ranks {group[0]} and {rank} all-reduce group {list(group)} in different "
-                    f"orders: {reference} vs {by_rank.get(rank)}"
-                )
+                raise ProgramError(f"ranks {group[0]} and {rank} all-reduce group {list(group)} in "
+                                   f"different orders: {reference} vs {by_rank.get(rank)}")
 
 
 class Shared:
-    """What every rank's check shares: sizes, the consumption rules, channel bases, and the
-    lists the static checks read once every rank is done."""
+    """What every rank's check shares, and the lists the static checks read once all are done."""
 
     def __init__(self, programs: Programs) -> None:
-        self.programs = programs
+        self.programs, self.M = programs, programs.num_micro
         W = self.W = programs.world_size
-        self.M = programs.num_micro
-        self.peers = set(range(W))
-        self.micros = set(range(self.M))
+        self.peers, self.micros = set(range(W)), set(range(self.M))
         self.rules = OpRules.of(programs)
         self.base = channel_bases(W)  # a channel's number: base[op] + src * W + dst
         self.channels = len(CHANNEL_KINDS) * W * W
         self.posted_count = channel_counters(self.channels)
-        self.sent: dict[int, list[Action]] = defaultdict(list)  # channel -> its sends, in order
-        self.posted: dict[int, list[Action]] = defaultdict(list)  # channel -> its posts
-        self.orders: Orders = defaultdict(dict)  # all-reduces as (op, stage, tie)
+        self.sent: dict[int, list[Action]] = defaultdict(list)  # per channel, in order
+        self.posted: dict[int, list[Action]] = defaultdict(list)
+        self.orders: Orders = defaultdict(dict)
 
 
 class RankResult(NamedTuple):
@@ -190,22 +168,18 @@ class RankResult(NamedTuple):
 
 
 def check_forward_only(rank: int, program: list[Action]) -> None:
-    """Forward-only programs contain no backward, input-gradient or gradient-reduction action."""
     for index, action in enumerate(program):
         if action.op in BACKWARD_OPS:
-            raise ProgramError(
-                f"rank {rank} at action {index} ('{action}'): forward-only programs contain "
-                "only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of stages and ties)"
-            )
+            raise ProgramError(f"rank {rank} at action {index} ('{action}'): forward-only programs "
+                               "contain only F, SEND_ACT/RECV_ACT and FETCH_W/SEND_W/FREE_W (of "
+                               "stages and ties)")
 
 
 def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loop, by op
-    """Check ``rank``'s program in order; raise :class:`ProgramError` naming the rank and the
-    action at the first problem."""
-    programs = shared.programs
+    """Check ``rank``'s program in order; raise :class:`ProgramError` at the first problem."""
+    programs, rules = shared.programs, shared.rules
     program = programs.ranks[rank]
     W, M, micros, peers, base = shared.W, shared.M, shared.micros, shared.peers, shared.base
-    rules = shared.rules
     inputs, outputs, ties_of = rules.act_from, rules.grad_from, rules.ties_read
     posted_count, sent_on, posted_on = shared.posted_count, shared.sent, shared.posted
     split, stash_op, weight_grad_op = programs.split_backward, rules.stash_op, rules.weight_grad_op
@@ -217,9 +191,8 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     # stage (tie home) -> None if owned, else the FETCH_W message its weights arrive with
     resident: dict[int, _Message | None] = {s: None for s in programs.owned_stages(rank)}
     tie_state: dict[int, _Message | None] = {h: None for h in programs.owned_ties(rank)}
-    forward_done: set[int] = set()
-    backward_done: set[int] = set()
-    weight_done: set[int] = set()
+    ran: dict[str, set[int]] = {"F": set(), "B": set(), "W": set()}  # phase -> jobs run
+    forward_done, backward_done, weight_done = ran["F"], ran["B"], ran["W"]
     stash: set[int] = set()
     grad_stages: set[int] = set()  # stages whose weight gradients it accumulated
     tie_unreduced: set[int] = set()  # fetched ties holding gradients not yet sent
@@ -240,8 +213,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
             s, b = action[1], action[2]
             weights = resident.get(s, _ABSENT)
             if weights is _ABSENT:
-                raise fail(index, f"has no weights of stage {s}: it neither owns nor fetched "
-                           "them")
+                raise fail(index, f"has no weights of stage {s}: it neither owns nor fetched them")
             if b not in micros:
                 raise fail(index, f"names microbatch {b}; these programs have microbatches 0 "
                            f"to {M - 1}")
@@ -338,7 +310,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
                 pending_grads[(s, tie)].append((channel, k))
         elif op is FREE_W:
             held = tie_state if tie else resident
-            if held.get(s, _ABSENT) is None or s not in held:
+            if held.get(s) is None:  # owned, or not held
                 raise fail(index, f"frees {'tie' if tie else 'stage'} {s} which was not fetched")
             if tie and s in tie_unreduced:
                 raise fail(index, f"frees tie {s} while its gradient was not sent to the owner "
@@ -354,26 +326,19 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     if stash:
         stashed = sorted(divmod(job, M) for job in stash)
         raise fail(end, f"ends with stashed activations {stashed} that no backward consumed")
-    fetched = [s for s, msg in resident.items() if msg is not None]
-    if fetched:
-        raise fail(end, f"ends with fetched weights of stages {fetched} never freed")
-    fetched = [h for h, msg in tie_state.items() if msg is not None]
-    if fetched:
-        raise fail(end, f"ends with fetched ties {fetched} never freed")
+    for held, what in ((resident, "weights of stages"), (tie_state, "ties")):
+        fetched = [unit for unit, message in held.items() if message is not None]
+        if fetched:
+            raise fail(end, f"ends with fetched {what} {fetched} never freed")
     # Gradients pending at the end are awaited by the owner before the optimizer step; the
     # matching check guarantees their sends exist and the walk that senders finish.
-    return RankResult(events, {"F": forward_done, "B": backward_done, "W": weight_done})
+    return RankResult(events, ran)
 
 
 def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
-    """Run every rank through its events; return (rank, action index) of each rank left
-    waiting (a deadlock), else [].
-
-    Sends never block; a consumer waits until each of its messages' channels counted enough
-    sends; an all-reduce, then, until every member of its group reached it. A waiting rank is
-    parked under what it waits for and run again when that happens; the result does not depend
-    on the order ranks run in, since a rank never passes an event that waits.
-    """
+    """Run every rank through its events; return (rank, action index) of each rank left waiting
+    (a deadlock). A waiting rank is parked under what it waits for and run again when that
+    happens; as no rank passes an event that waits, the order ranks run in does not matter."""
     sent = channel_counters(channels)
     position = [0] * len(events)
     waiters: dict[Any, list[int]] = {}
@@ -387,9 +352,8 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
             event = mine[i]
             if event.__class__ is int:  # a send
                 sent[event] += 1
-                woken = waiters.pop(event, None)
-                if woken:
-                    runnable += woken
+                if event in waiters:
+                    runnable += waiters.pop(event)
                 i += 1
                 continue
             blocked: Any = None
@@ -402,10 +366,8 @@ def _walk(events: list[list[Event]], channels: int) -> list[tuple[int, int]]:
                 members.add(rank)
                 if len(members) < event[3]:
                     blocked = event[2]
-                else:
-                    woken = waiters.pop(event[2], None)
-                    if woken:
-                        runnable += woken
+                elif event[2] in waiters:
+                    runnable += waiters.pop(event[2])
             if blocked is not None:
                 waiters.setdefault(blocked, []).append(rank)
                 break

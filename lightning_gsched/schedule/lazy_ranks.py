@@ -2,35 +2,31 @@
 
 Why: at W=1024 fsdp's programs hold ~10 million actions (over 1 GB); a rank executing its
 program needs only its own (~10,000), which :class:`~.lower.Lowering` makes in about 0.1 s.
-Reading rank r (indexing, or iterating, which reads the ranks in order) makes rank r's program
-alone. A reader of every rank (``--programs``, the cost replay, the bytes model, the full dry
-run) says so: :meth:`LazyList.make_all` makes the missing items at once by the plan's
-``make_all`` (the full lowering and, if verified, the full dry run), several times cheaper than
-W rank-local lowerings. Nothing switches by itself: reading ranks one by one never lowers more
-than the ranks read.
+Reading ranks one by one lowers only the ranks read; a reader of every rank (``--programs``, the
+replays, the full dry run) calls :meth:`LazyList.make_all`: one full lowering, several times
+cheaper than W rank-local ones.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar, overload
+from typing import Callable, Generic, Iterator, Sequence, TypeVar, overload
 
 T = TypeVar("T")
 
 
 class LazyList(Sequence[T], Generic[T]):
-    """A list whose item i is ``make(i)``, made on first access and kept (module docstring);
-    also a lazy plan's per-worker metrics. ``make_all``: every item at once."""
+    """A list whose item i is ``make(i)``, made on first access and kept; also a lazy plan's
+    per-worker metrics. ``make_all``: every item at once."""
 
     def __init__(self, size: int, make: Callable[[int], T],
                  make_all: Callable[[], Sequence[T]] | None = None) -> None:
-        self._make = make
-        self._make_all = make_all
+        self._make, self._make_all = make, make_all
         self._items: list[T | None] = [None] * size
 
     @classmethod
     def of(cls, items: Sequence[T]) -> LazyList[T]:
         """A list whose items are all made already."""
-        made: LazyList[T] = cls(len(items), _made_whole)
+        made: LazyList[T] = cls(len(items), items.__getitem__)  # never called: all are made
         made._items = list(items)
         return made
 
@@ -51,8 +47,7 @@ class LazyList(Sequence[T], Generic[T]):
         return item
 
     def make_all(self) -> LazyList[T]:
-        """Make every missing item (by ``make_all`` where given: one pass for all, else one by
-        one); items already made stay as they are. Returns this list, for chaining."""
+        """Make every missing item (by ``make_all`` where given, else one by one); returns self."""
         if None not in self._items:
             return self
         if self._make_all is not None:
@@ -82,7 +77,3 @@ class LazyList(Sequence[T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"LazyList({len(self)} items, {self.lowered} made)"
-
-
-def _made_whole(index: int) -> Any:  # make of a list made whole: never called
-    raise AssertionError(f"item {index} of a list made whole is missing")

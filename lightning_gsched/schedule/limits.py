@@ -1,10 +1,8 @@
 """How large a plan the planner builds, refused before any work when it is larger.
 
-``plan()`` simulates every job, builds every rank's program and checks them all, at about
-10-30 microseconds and 1-3 KB per job (F, B and W of each stage and microbatch) on one core.
-A shape far beyond that (``fsdp`` at W=100,000 is 2 x 10^10 jobs) would run for hours and
-exhaust memory instead of answering; :func:`check_size` answers at once with
-:class:`~lightning_gsched.errors.PlanTooLargeError` naming the size and the ways to shrink it.
+``plan()`` simulates every job and builds and checks every rank's program, at about 10-30
+microseconds and 1-3 KB per job on one core. A shape far beyond that (``fsdp`` at W=100,000 is
+2 x 10^10 jobs) would run for hours and exhaust memory instead of answering.
 """
 
 from __future__ import annotations

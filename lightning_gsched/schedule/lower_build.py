@@ -1,23 +1,17 @@
 """The lowering's builder: where each action goes in a program, the FIFO order of posts, and
 the data flow (activation and input-gradient messages).
 
-One key system. A rank's program is its actions sorted by (gap, category, then the order they
-were made in), gap g's actions coming right before the rank's compute g: hand data to peers
-first, release memory, serve owners' duties, post the prefetches for the next computes
-(:data:`CATEGORY`), the compute last. Two families are made differently and never share a
-category:
-
-- the data flow (:func:`lower_data_flow`, the planner's largest loop: two actions per message)
-  appends actions with small int keys ``gap * SLOTS + category`` in the order they are made,
-  which is already their order within a (gap, category). Its channels carry nothing else, so
-  each consumer's FIFO order is settled as soon as its receives are made;
-- everything else (weights, reductions, all-reduces, ties: a few per run of a stage) goes
-  through :meth:`Builder.put` with a full key (gap, category, time, serial): several owners'
-  serves can land in one gap, ordered by the simulated time the peer needs them.
-
-``keep`` (None: every rank) names the ranks whose programs are made; a put for another rank only
-takes its place in the order of serials, except a send into a kept rank, which is filed for the
-receiver's FIFO fix (why that suffices: :mod:`.lower`).
+A rank's program is its actions sorted by (gap, category, then the order they were made in), gap
+g's actions coming right before the rank's compute g: hand data to peers first, release memory,
+serve owners' duties, post the prefetches for the next computes (:data:`CATEGORY`), the compute
+last. Two families never share a category: the data flow (:func:`lower_data_flow`, the
+planner's largest loop) appends actions with small int keys (``gap * SLOTS + category``) in the
+order they are made, their order within a (gap, category), on channels that carry nothing else;
+the rest (a few actions per run of a stage) goes through :meth:`Builder.put` with a full key
+(gap, category, time, serial): several owners' serves can land in one gap, ordered by the
+simulated time the peer needs them. ``keep`` (None: every rank) names the ranks whose programs
+are made; a put for another rank only takes its place in the order of serials, except a send
+into a kept rank, which is filed for the receiver's FIFO fix (why that suffices: :mod:`.lower`).
 """
 
 from __future__ import annotations
@@ -27,16 +21,10 @@ from collections import defaultdict
 from operator import itemgetter
 from typing import Any, Collection, Sequence, TypeVar
 
+from lightning_gsched.schedule.consumption import OpRules
 from lightning_gsched.schedule.jobs import Phase, StageGraph
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import (
-    RECV_OPS,
-    SEND_OPS,
-    Action,
-    Channel,
-    Message,
-    Op,
-)
+from lightning_gsched.schedule.program import RECV_OPS, SEND_OPS, Action, Channel, Message, Op
 from lightning_gsched.schedule.simulate import Timeline
 
 SLOTS = 9  # small key of an action: gap * SLOTS + category
@@ -54,10 +42,9 @@ Place = TypeVar("Place", int, Key)  # a post's place: a small int key (data flow
 
 
 def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
-    """The FIFO rule, for both families: a channel's receives, listed in the order of the sends
-    they match, each take the earliest of its own post and the posts of every later send (a
-    suffix minimum). So posts only move earlier, a moved receive going right before the receive
-    it overtakes (its *anchor*), several movers of one anchor in their sends' order."""
+    """The FIFO rule: a channel's receives, in the order of the sends they match, each take the
+    earliest of its own post and those of every later send. So posts only move earlier, each
+    right before the receive it overtakes (its *anchor*), movers of one anchor in send order."""
     places: list[Place] = list(posts_in_send_order)
     for k in range(len(places) - 2, -1, -1):
         if places[k + 1] < places[k]:
@@ -66,13 +53,9 @@ def fifo_places(posts_in_send_order: Sequence[Place]) -> list[Place]:
 
 
 class Builder:
-    """Collects actions per rank, then sorts each kept rank's into its program.
-
-    ``entries[rank]``: (key, action) of what :meth:`put` receives. Sends into a kept rank and
-    a kept rank's receives are also filed under their channel (``sends``, ``recvs``) for
-    :meth:`make_fifo`. ``flow[rank]`` / ``flow_keys[rank]``: the data flow's actions and small
-    keys (:func:`lower_data_flow`; for a subset of ranks also the producers' sends into them).
-    """
+    """Collects actions per rank, then sorts each kept rank's into its program. ``entries``:
+    (key, action) of each :meth:`put`, sends into a kept rank and a kept rank's receives filed
+    per channel too (``sends``, ``recvs``); ``flow``, ``flow_keys``: the data flow's."""
 
     def __init__(self, timeline: Timeline, keep: Collection[int] | None = None,
                  starts: dict[int, list[float]] | None = None) -> None:
@@ -84,22 +67,19 @@ class Builder:
         self.serial = 0
         self.sends: dict[Channel, list[tuple[Key, Message]]] = defaultdict(list)
         self.recvs: dict[Channel, list[tuple[Key, Message, int]]] = defaultdict(list)
-        # start times by worker, read when first needed (a rank-local lowering must not build
-        # every worker's); by symmetry a rank's times are those of its position in replica 0
+        # start times per worker (by symmetry, per replica position), made when first needed
         self._starts = {} if starts is None else starts
         replicas = timeline.replicas
         self._time_key = replicas.position if replicas is not None else int
 
     def put(self, rank: int, gap: int, time: float, action: Action) -> None:
         self.serial += 1  # what is not kept still takes its place in the order of serials
-        key = (gap, CATEGORY[action[0]], time, self.serial)
-        keep = self.keep
-        op = action.op
+        keep, op = self.keep, action[0]
+        key = (gap, CATEGORY[op], time, self.serial)
         kept = keep is None or rank in keep
         if kept:
             self.entries[rank].append((key, action))
         if op in SEND_OPS:
-            assert action.peer is not None  # lowering names the peer of every message it emits
             if keep is None or action.peer in keep:  # orders the receiver's posts
                 self.sends[Channel.of(action, rank)].append((key, Message.of(action)))
         elif op in RECV_OPS and kept:
@@ -116,76 +96,53 @@ class Builder:
         return bisect.bisect_left(starts, time)
 
     def make_fifo(self) -> None:
-        """Post the receives of :meth:`put` in each channel's send order (:func:`fifo_places`).
-
-        The k-th send of a message on a channel matches the k-th receive of that message (a
-        stage's weights may be fetched several times); each matched receive's key becomes its
-        place, then its send position breaks ties.
-        """
+        """Post the receives of :meth:`put` in each channel's send order (:func:`fifo_places`):
+        the k-th send of a message matches its k-th receive (a stage's weights may be fetched
+        several times); a matched receive's key becomes its place, its send position next."""
         second = itemgetter(1)
         for channel, sent in self.sends.items():
             sent.sort()  # keys are unique: send order on the channel
             posts = sorted(self.recvs.get(channel, ()))  # post order
             if list(map(second, sent)) == list(map(second, posts)):
                 continue  # the usual case: already in the same order, no post moves
-            matched: list[int | None]
-            if len(set(map(second, posts))) == len(posts):  # each message posted once
-                index_of = {ident: index for _, ident, index in posts}
-                matched = [index_of.pop(ident, None) for _, ident in sent]
-            else:  # weights of one stage fetched several times: k-th send, k-th post
-                waiting: dict[Message, list[int]] = defaultdict(list)
-                for _, ident, index in reversed(posts):
-                    waiting[ident].append(index)  # pop() yields the earliest post first
-                matched = [waiting[ident].pop() if waiting[ident] else None
-                           for _, ident in sent]
+            waiting: dict[Message, list[int]] = defaultdict(list)  # k-th send, k-th post
+            for _, ident, index in reversed(posts):
+                waiting[ident].append(index)  # pop() yields the earliest post first
+            matched = [waiting[ident].pop() if waiting[ident] else None for _, ident in sent]
             entries = self.entries[channel.dst]
             # unmatched receives are left as they are on purpose: the dry run reports them
-            kept = [(position, index) for position, index in enumerate(matched)
-                    if index is not None]
+            kept = [(place, index) for place, index in enumerate(matched) if index is not None]
             places = fifo_places([entries[index][0] for _, index in kept])
             for (position, index), key in zip(kept, places, strict=True):
                 entries[index] = (key + (position,), entries[index][1])
 
     def program(self, rank: int, computes: list[Action]) -> list[Action]:
-        """One rank's program: its ``computes`` (in its order) merged with its other actions.
-
-        The put actions are sorted by their full keys first; then every action has a small int
-        key, and one stable sort of those keeps each family's order where keys are equal (equal
-        keys are always of one family: the families never share a category).
-        """
+        """One rank's program: its ``computes`` merged with its other actions. The put actions
+        are sorted by their full keys first; then one stable sort of small int keys keeps each
+        family's order where keys are equal (equal keys are always of one family)."""
         first = itemgetter(0)
         entries = self.entries[rank]
         entries.sort(key=first)  # keys are unique (serial): a total order
-        actions = self.flow[rank] + list(map(itemgetter(1), entries))
-        actions += computes
-        keys = self.flow_keys[rank] + [gap * SLOTS + category for gap, category, *_
-                                       in map(first, entries)]
+        actions = self.flow[rank] + list(map(itemgetter(1), entries)) + computes
+        keys = self.flow_keys[rank] + [key[0] * SLOTS + key[1] for key, _ in entries]
         keys += range(COMPUTE_CATEGORY, SLOTS * len(computes), SLOTS)
         return list(map(actions.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
 
 
-def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
-                    workers: Sequence[int] | None = None,
-                    indexed: Sequence[int] | None = None) -> None:
-    """Activation sends/receives after forwards, input-gradient sends/receives after backwards,
-    into ``build.flow``.
-
-    Consumers are visited worker by worker in their order; each remote input makes the
-    producer's send (the gap after the producer's compute) and the consumer's receive (the gap
-    before the previous compute), both appended in the order serials would give them. All
-    messages into one consumer are made while visiting it, so its channels' FIFO order is
-    settled right after (:func:`_fifo_posts`).
-
-    ``workers`` (ascending): visit only these consumers (a rank-local lowering); ``indexed``
-    (default ``workers``) must hold them and every producer of their inputs, whose positions
-    key the sends. A visited consumer's flow then holds exactly what the full visit gives it,
-    and a producer's, in the full visit's relative order, its sends to the visited consumers.
+def lower_data_flow(graph: StageGraph, rules: OpRules, table: PlacementTable, build: Builder,
+                    workers: Sequence[int] | None, indexed: Sequence[int] | None) -> None:
+    """The activation and input-gradient messages, into ``build.flow``. Consumers are visited
+    worker by worker in their order; each remote input makes the producer's send (the gap after
+    the producer's compute) and the consumer's receive (the gap before the previous compute),
+    both appended in the order serials would give them; all messages into one consumer are made
+    while visiting it, so its FIFO order is settled right after (:func:`_fifo_posts`).
+    ``workers`` (ascending): visit only these consumers; ``indexed`` (default ``workers``) must
+    hold them and every producer of their inputs, whose positions key the sends. A visited
+    consumer's flow is then the full visit's, and a producer's holds its sends to it in order.
     """
     timeline, flow, flow_keys, compute = build.timeline, build.flow, build.flow_keys, table.compute
-    B, P = table.micro, len(timeline.phases)
+    B, P, order = table.micro, len(timeline.phases), timeline.order
     BP = B * P
-    phase_index = {d: k for k, d in enumerate(timeline.phases)}
-    order = timeline.order
     visit = range(len(order)) if workers is None else workers
     # flat job -> index in its worker's order (a dict for a few workers: not one slot per job)
     position: list[int] | dict[int, int] = [0] * (table.stages * BP) if workers is None else {}
@@ -195,13 +152,9 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
     done: set[tuple[int, int, int, int]] = set()  # (producer stage, micro, phase, consumer)
     new_tuple = tuple.__new__  # Action(...) without the NamedTuple __new__ frame
     # per phase index: (send op, receive op, the stages it receives from) -- W receives nothing
-    kinds: list[tuple[Op, Op, list[list[int]]] | None] = [None] * P
-    for phase, send, recv in ((Phase.F, Op.SEND_ACT, Op.RECV_ACT),
-                              (Phase.B, Op.SEND_GRAD, Op.RECV_GRAD)):
-        if phase in phase_index:
-            kinds[phase_index[phase]] = (send, recv, [
-                list(graph.inputs(s) if phase is Phase.F else graph.outputs(s))
-                for s in range(graph.num_stages)])
+    flows = {Phase.F: (Op.SEND_ACT, Op.RECV_ACT, rules.act_from),
+             Phase.B: (Op.SEND_GRAD, Op.RECV_GRAD, rules.grad_from)}
+    kinds = [flows.get(phase) for phase in timeline.phases]
     chain = graph.is_chain
     for worker in visit:
         jobs = order[worker]
@@ -243,13 +196,9 @@ def lower_data_flow(graph: StageGraph, table: PlacementTable, build: Builder,
 
 def _fifo_posts(mine: list[Action], keys: list[int], first_post: int,
                 positions: dict[int, list[int]], posts: dict[int, list[int]]) -> None:
-    """Post one consumer's receives in each channel's send order (:func:`fifo_places`).
-
-    A channel source -> consumer is in order when its producers' positions (the sends' order on
-    the source) increase along its posts; the usual case. Else a receive that moves goes right
-    before its anchor and takes the anchor's key. ``mine[first_post:]`` holds this consumer's
-    receives in post order; moves rewrite it.
-    """
+    """Post one consumer's receives (``mine[first_post:]``, rewritten) in each channel's send
+    order (:func:`fifo_places`). A channel is in order when its producers' positions increase
+    along its posts, the usual case; else a mover goes right before its anchor, with its key."""
     movers: dict[int, list[tuple[int, int]]] = {}  # anchor index -> (send position, mover)
     moved: set[int] = set()
     for source, source_positions in positions.items():

@@ -1,89 +1,71 @@
 """The lowering's weight rules: fetch, hold, free and reduce a stage; all-reduce its replicas.
 
-- A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`). ``FETCH_W``
-  is posted one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the
-  k-th fetched run before it), ``FREE_W`` right after the run. A run that accumulates weight
-  gradients ends with ``REDUCE_G`` to the owner, as FSDP reduces after each backward instead of
-  holding gradients of weights it no longer has.
-- The owner gets ``SEND_W`` and ``RECV_G`` at the point of its program matching the simulated
-  time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
-- Replicas (several owners of a stage) get ``ALLREDUCE_G`` right after their last
-  weight-gradient job of the stage (and after every ``RECV_G`` of it), so the reduction
-  overlaps the rest of the backward pass.
-- A tie is a weight unit held for the step by the same ops (:meth:`WeightLowering._tie`).
-
-For a builder's kept ranks, :class:`WeightLowering` makes their own runs and those of the ranks
-fetching from them, in the order the lowering of every rank makes them (:mod:`.lower`).
+A worker that does not own stage s fetches it once per *run* (:func:`stage_runs`): ``FETCH_W``
+posted one compute early (with a ``fetch_window`` of k, not before the ``FREE_W`` of the k-th
+fetched run before it), ``FREE_W`` right after the run, preceded by ``REDUCE_G`` to the owner if
+the run accumulated weight gradients, as FSDP reduces after each backward instead of holding
+gradients of weights it no longer has. The owner's ``SEND_W`` and ``RECV_G`` go where
+its program meets the simulated time the peer needs them (:meth:`.lower_build.Builder.gap_at`).
+Replicas (several owners of a stage) all-reduce right after their last weight-gradient job of
+the stage and every ``RECV_G`` of it, overlapping the rest of the backward pass. A tie is a
+weight unit held for the step by the same ops (:meth:`WeightLowering._tie`).
 """
 
 from __future__ import annotations
 
 from typing import Collection, Mapping, Sequence
 
-from lightning_gsched.schedule.jobs import Phase
+from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
 from lightning_gsched.schedule.lower_build import Builder
 from lightning_gsched.schedule.placements import PlacementTable
 from lightning_gsched.schedule.program import Action, Op, RankGroup
 from lightning_gsched.schedule.simulate import Timeline
 
 Run = tuple[int, int, int, int]  # (stage, first position, last position, fetch gap)
+Ties = Mapping[int, tuple[int, ...]]  # home stage -> every stage reading the tie
+Index = tuple[list[tuple[int, int, int]], dict[int, list[tuple[int, int]]]]  # WeightLowering._index
 
 
 def stage_runs(stages: Sequence[int], whole_step: bool) -> list[tuple[int, int, int]]:
-    """(stage, i, j) of every run of a worker's order (``stages``: each compute's stage): the
-    span its weights stay resident, ordered by first compute.
-
-    A run is a maximal block of consecutive computes of one stage; with ``whole_step`` (a
-    sharded data-parallel placement: ``PlacementTable.hold_fetched_for_step``) it spans the
-    stage's first compute of the step to its last, so a fetched stage is fetched once, kept
-    across every microbatch and its gradient reduced once, whatever runs between.
-    """
+    """(stage, i, j) of every run (a maximal block of computes of one stage, ``stages`` giving
+    each compute's), by first compute. With ``whole_step`` (a sharded data-parallel placement:
+    ``PlacementTable.hold_fetched_for_step``) a run spans the stage's first compute of the step
+    to its last: fetched once, its gradient reduced once."""
     if whole_step:
-        span: dict[int, list[int]] = {}
+        first: dict[int, int] = {}
         for index, stage in enumerate(stages):
-            if stage in span:
-                span[stage][1] = index
-            else:
-                span[stage] = [index, index]
-        return [(stage, i, j) for stage, (i, j) in span.items()]  # first-seen order
-    runs: list[tuple[int, int, int]] = []
-    n, i = len(stages), 0
-    while i < n:
-        j = i
-        while j + 1 < n and stages[j + 1] == stages[i]:
-            j += 1
-        runs.append((stages[i], i, j))
-        i = j + 1
-    return runs
+            first.setdefault(stage, index)
+        last = {stage: index for index, stage in enumerate(stages)}
+        return [(stage, i, last[stage]) for stage, i in first.items()]
+    starts = [i for i in range(len(stages)) if not i or stages[i] != stages[i - 1]]
+    return [(stages[i], i, j - 1) for i, j in zip(starts, [*starts[1:], len(stages)], strict=True)]
 
 
 class WeightLowering:
-    """The weight actions of a timeline, for the ranks a builder keeps. Its indexes (each
-    worker's runs, each owner's fetchers) are built once for every rank lowered; by symmetry a
-    worker's runs are its replica position's (the same stages at the same places)."""
+    """The weight actions of a timeline, for the ranks a builder keeps. Its indexes are built
+    once for every rank lowered; by symmetry a worker's runs are its replica position's."""
 
-    def __init__(self, table: PlacementTable, timeline: Timeline, grad_phase: Phase,
-                 fetch_window: int | None) -> None:
+    def __init__(self, graph: StageGraph, table: PlacementTable, timeline: Timeline,
+                 fetch_window: int | None, ties: Ties | None) -> None:
         self.table, self.timeline, self.fetch_window = table, timeline, fetch_window
-        phases = timeline.phases
+        self.forward_only, self.ties = graph.forward_only, dict(ties or {})
+        grad_phase, phases = weight_grad_phase(graph.split_backward), timeline.phases
         self.grad_k = phases.index(grad_phase) if grad_phase in phases else -1
-        self._runs: dict[int, tuple[list[tuple[int, int, int]],
-                                    dict[int, list[tuple[int, int]]]]] = {}
+        self._runs: dict[int, Index] = {}
         self._fetchers: dict[int, list[int]] | None = None
         self._groups: dict[int, RankGroup] = {}
 
-    def lower(self, build: Builder, forward_only: bool,
-              ties: Mapping[int, tuple[int, ...]] | None = None) -> None:
+    def lower(self, build: Builder) -> None:
         """Fetches, serves, frees and reductions, then the replicas' all-reduces; then ties'."""
         reduce_gaps = self._fetched(build)
-        if not forward_only:
+        if not self.forward_only:
             self._allreduce(build, reduce_gaps)
-        for home, readers in (ties or {}).items():
-            self._tie(build, home, set(readers), forward_only)
+        for home, readers in self.ties.items():
+            self._tie(build, home, set(readers))
 
     def _fetched(self, build: Builder) -> dict[tuple[int, int], int]:
-        """Every fetched run that concerns a kept rank (its own, and those it serves); returns
-        per (owner, stage) the latest gap where the owner posts a gradient receive."""
+        """Every fetched run of a kept rank or served by one; returns per (owner, stage) the
+        latest gap where the owner posts a gradient receive."""
         reduce_gaps: dict[tuple[int, int], int] = {}
         keep, table, timeline = build.keep, self.table, self.timeline
         P = len(timeline.phases)
@@ -101,8 +83,7 @@ class WeightLowering:
                              i, j, fetch_gap, reduces, reduce_gaps)
         return reduce_gaps
 
-    def _index(self, worker: int) -> tuple[list[tuple[int, int, int]],
-                                           dict[int, list[tuple[int, int]]]]:
+    def _index(self, worker: int) -> Index:
         """(stage, i, j) of every run of ``worker``'s order, and per stage its (i, j)."""
         replicas = self.timeline.replicas
         key = replicas.position(worker) if replicas is not None else worker
@@ -144,12 +125,10 @@ class WeightLowering:
                     if table.fetch_source[(run[0], worker)] in owners]
         owned = set(table.owned_stages(worker))
         by_stage = self._index(worker)[1]
-        runs = [(stage, i, j, max(i - 1, 0))
-                for owner in owners for stage in table.owned_stages(owner)
-                if stage not in owned and table.fetch_source.get((stage, worker)) == owner
-                for i, j in by_stage.get(stage, ())]
-        runs.sort(key=lambda run: run[1])
-        return runs
+        return sorted(((stage, i, j, max(i - 1, 0))
+                       for owner in owners for stage in table.owned_stages(owner)
+                       if stage not in owned and table.fetch_source.get((stage, worker)) == owner
+                       for i, j in by_stage.get(stage, ())), key=lambda run: run[1])
 
     def _fetchers_of(self, owner: int) -> list[int]:
         if self._fetchers is None:
@@ -181,23 +160,20 @@ class WeightLowering:
         for stage in stages:
             if len(owners[stage]) < 2:
                 continue
-            group = self._groups.get(stage)
-            if group is None:  # one object for all members: hashed once (see RankGroup)
-                group = self._groups[stage] = RankGroup(owners[stage])
+            # one object for all members and lowerings: hashed once (see RankGroup)
+            group = self._groups.setdefault(stage, RankGroup(owners[stage]))
             for owner in group:
                 if keep is None or owner in keep:
                     gap, time = last_of(owner).get(stage, (0, 0.0))
                     gap = max(gap, reduce_gaps.get((owner, stage), 0))
                     build.put(owner, gap, time, Action(Op.ALLREDUCE_G, stage, None, None, group))
 
-    def _tie(self, build: Builder, home: int, readers: set[int], forward_only: bool) -> None:
-        """A tie (weights the ``readers`` stages share, owned with ``home``) as a weight unit
-        held for the step: a non-owner computing reader jobs fetches it before its first one
-        (from the owner it fetches ``home`` from, else the first owner) and holds it to its
-        last, when it hands back the gradient; owners all-reduce it after their last reader
-        gradient job and every gradient they receive. A tie is typically read at both ends of
-        the model: fetched per run it would travel many times."""
-        table, timeline = self.table, self.timeline
+    def _tie(self, build: Builder, home: int, readers: set[int]) -> None:
+        """A tie, typically read at both ends of the model, held for the step: a non-owner fetches
+        it before its first reader job (from its source of ``home``, else the first owner) and
+        hands back the gradient after its last; owners all-reduce it after their last reader
+        gradient job and every gradient they receive."""
+        table, timeline, forward_only = self.table, self.timeline, self.forward_only
         P = len(timeline.phases)
         BP = table.micro * P
         owners = table.owners[home]
@@ -229,10 +205,9 @@ class WeightLowering:
 def put_unit_run(timeline: Timeline, build: Builder, worker: int, unit: int, owner: int,
                  i: int, j: int, fetch_gap: int, reduces: bool,
                  reduce_gaps: dict[tuple[int, int], int], tie: bool = False) -> None:
-    """A weight unit (stage ``unit``'s weights, or with ``tie`` the tie whose home it is) held
-    by ``worker`` from its compute i to j: the fetch (posted at ``fetch_gap``) and the owner's
-    serve at the simulated time it is needed, then, after the run, the gradient handed to the
-    owner (``reduces``) and the free."""
+    """A weight unit (stage ``unit``, or with ``tie`` the tie of home ``unit``) held by ``worker``
+    from its compute i to j: the fetch and the owner's serve at the time it is needed, then the
+    gradient handed to the owner (``reduces``) and the free."""
     jobs = timeline.order[worker]
     prefetch_time = timeline.start[jobs[fetch_gap]] if i > 0 else 0.0
     build.put(worker, fetch_gap, prefetch_time, Action(Op.FETCH_W, unit, None, owner, None, tie))

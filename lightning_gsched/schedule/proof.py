@@ -4,8 +4,7 @@ Why: at W=1024 fsdp's programs hold ~10 million actions, too many to lower and d
 and ranks by group symmetry (:mod:`.symmetry`) do not run one program up to a renaming (each
 serves its own stage to every other rank), so no representative rank's dry run covers the
 others. What every rank shares is the rule its actions were placed by; applied to a timeline
-that respects the stage graph, it leaves nothing to wait forever. So the proof is done once, on
-the timeline, and each rank checks what only its own program decides.
+that respects the stage graph, it leaves nothing to wait forever.
 
 **The lemma** (the dry run's execution model, :mod:`.dryrun`; only computes and all-reduces
 wait). Let no program hold an all-reduce, and let each compute c (simulated start t(c)) consume
@@ -26,28 +25,24 @@ earlier gap than the send (within a gap all-reduces follow sends), so its key is
 start of a compute before the send, which starts before t(c). Each step lowers the key
 strictly: no cycle of waits. Stages with several owners and fetchers are dry-run in full.
 
-**The premise, rank by rank** (:func:`checked_lowering`, when a rank's program is first
-lowered): for each message (channel, k) a compute consumes (named by :func:`.dryrun.check_rank`),
-the k-th send into the rank on that channel (:meth:`.lower.Lowering.program_and_sends` knows its
-gap in the sender's program) comes after sender computes that start before this one (the last
-of them does: a worker's starts do not decrease); the rank's posts on each channel into it carry
-the messages sent on it, in order; each all-reduce sits right after the rank's last gradient
-job of its stage, alone in its gap. Every channel has one receiver and every wait one rank, so
-over all ranks these are the lemma's premise and the dry run's matching check; ``check_rank``
-covers the rest of the dry run. Trusted: that a rank-local lowering is the full lowering's for
-the rank's own program and the sends into it (tests compare every rank at small W).
+**The premise, rank by rank** (:func:`checked_lowering`): for each message (channel, k) a
+compute consumes, the k-th send into the rank on that channel comes after sender computes that
+start before this one (the last of them does: a worker's starts do not decrease); the rank's
+posts on each channel into it carry the messages sent on it, in order; each all-reduce sits
+right after the rank's last gradient job of its stage, alone in its gap. Every channel has one
+receiver and every wait one rank, so over all ranks these are the lemma's premise and the dry
+run's matching check; :func:`.dryrun.check_rank` covers the rest. Trusted: that a rank-local
+lowering is the full lowering's for the rank's program and the sends into it (tested at small W).
 
 **Why the check passes** for :mod:`.lower`'s programs of a timeline :func:`certify` accepts (a
 guard, not a search): an activation or input gradient is sent right after its producer's
 compute, which ends no later than its consumer starts; a run's weights, fetched at the gap before
-a compute starting at pt (0.0 before the first), are served in the owner's gap before its first
-compute starting at or after pt, and a rank's fetches from an owner and the owner's serves to it
-are both in run order (pt strictly increases along a worker's computes), so the FIFO fix moves
-no post; gradients handed to an owner are awaited by no compute; a replicated stage (several
-owners, none fetched) has its all-reduce right after each owner's last gradient job of it.
-
-:func:`certify` checks the rest on the timeline, in O(jobs) numpy; a timeline it refuses is
-dry-run in full, and so is every program for a reader of every rank (:mod:`.lazy_ranks`).
+a compute starting at pt, are served in the owner's gap before its first compute starting at or
+after pt, in run order (pt increases along a worker's computes), so the FIFO fix moves no post;
+gradients handed to an owner are awaited by no compute; a replicated stage (several owners, none
+fetched) is all-reduced right after each owner's last gradient job of it. :func:`certify` checks
+the rest on the timeline, in O(jobs) numpy; a timeline it refuses is dry-run in full, and so is
+every program for a reader of every rank (:mod:`.lazy_ranks`).
 """
 
 from __future__ import annotations
@@ -61,16 +56,9 @@ import numpy as np
 from lightning_gsched.errors import ProgramError
 from lightning_gsched.schedule.dryrun import Shared, check_forward_only, check_rank
 from lightning_gsched.schedule.jobs import StageGraph, weight_grad_phase
-from lightning_gsched.schedule.lower import Lowering
+from lightning_gsched.schedule.lower import Lowering, Sends
 from lightning_gsched.schedule.placements import PlacementTable
-from lightning_gsched.schedule.program import (
-    Action,
-    Channel,
-    Message,
-    Op,
-    Programs,
-    check_channel,
-)
+from lightning_gsched.schedule.program import Action, Channel, Message, Op, Programs, check_channel
 from lightning_gsched.schedule.simulate import Timeline
 from lightning_gsched.schedule.sweep import WorkerOrders
 
@@ -79,15 +67,9 @@ _WAITS = frozenset({Op.F, Op.B, Op.W, Op.ALLREDUCE_G})  # the actions that may w
 
 def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
             ties: Mapping[int, tuple[int, ...]] | None) -> str | None:
-    """None where the lemma (module docstring) proves every program of ``lower(graph, table,
-    timeline)`` deadlock-free given each rank's own check; else why not (then the caller
-    dry-runs every program).
-
-    Checked: a chain graph, no ties, no stage both replicated and fetched, replicas ending their
-    last gradient job together, positive durations, every job starting no earlier than its
-    predecessors end, every worker's starts non-decreasing along its order, and the orders
-    holding every job once (with each rank's check that its computes are its order: the dry
-    run's coverage check)."""
+    """None where the lemma proves every program of ``lower(graph, table, timeline)`` deadlock-free
+    given each rank's own check, else why not. That the orders hold every job once, with each
+    rank's check that its computes are its order, is the dry run's coverage check."""
     if ties:
         return "tied weights (their fetches and all-reduces are outside the argument)"
     if not graph.is_chain:
@@ -114,10 +96,8 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
             return "a backward starts before its output's backward ends"
     if P == 3 and not np.all(start[2::P] >= b_end):  # W s b after B s b
         return "a weight-gradient job starts before its backward ends"
-    if replicated:
-        why = _replicas_reduce_together(table, timeline, end, replicated)
-        if why is not None:
-            return why
+    if replicated and (why := _replicas_reduce_together(table, timeline, end, replicated)):
+        return why
     flat, offsets = _orders(timeline.order)
     if len(flat) != J or np.bincount(flat, minlength=J).max(initial=1) != 1:
         return "the workers' orders do not hold every job once"
@@ -133,15 +113,12 @@ def certify(graph: StageGraph, table: PlacementTable, timeline: Timeline,
 def _replicas_reduce_together(table: PlacementTable, timeline: Timeline, end: np.ndarray,
                               replicated: list[int]) -> str | None:
     """None where every owner of each replicated stage computes it and ends its last
-    weight-gradient job of it at the same time T_s (the all-reduce's key in the lemma: each
-    replica of a data-parallel lift runs the same timeline, renamed)."""
+    weight-gradient job of it at one time T_s (the all-reduce's key in the lemma)."""
     P, B = len(timeline.phases), table.micro
-    grad = P - 1  # the job that accumulates weight gradients: B, or W when split
-    ends = end[grad::P].reshape(table.stages, B)
+    ends = end[P - 1::P].reshape(table.stages, B)  # weight-gradient jobs: B, or W when split
     for s in replicated:
-        workers = np.asarray(table.compute[s], dtype=np.int64)
         last = np.full(table.workers, -np.inf)
-        np.maximum.at(last, workers, ends[s])
+        np.maximum.at(last, np.asarray(table.compute[s], dtype=np.int64), ends[s])
         owners = np.asarray(table.owners[s], dtype=np.int64)
         if np.isinf(last[owners]).any():
             return f"an owner of stage {s} does not compute it"
@@ -151,7 +128,7 @@ def _replicas_reduce_together(table: PlacementTable, timeline: Timeline, end: np
 
 
 def _floats(values: Sequence[float]) -> np.ndarray:
-    """Times as a float64 array: without a copy for the sweep's ``array('d')``."""
+    """Times as a float64 array, without a copy of the sweep's ``array('d')``."""
     return np.frombuffer(values, dtype=np.float64) if isinstance(values, array) \
         else np.asarray(values, dtype=np.float64)
 
@@ -169,19 +146,15 @@ def _orders(order: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action]]],
                      Programs]) -> Callable[[int], list[Action]]:
     """``rank -> program``: :meth:`Lowering.program`, checked as the module docstring says
-    before it is returned (``programs_of`` wraps a list of programs with the plan's facts)."""
+    (``programs_of`` wraps a list of programs with the plan's facts)."""
     timeline = lowering.timeline
-    W = len(timeline.order)
-    P, B = len(timeline.phases), lowering.table.micro
+    W, P, B = len(timeline.order), len(timeline.phases), lowering.table.micro
     phase = {op: k for k, op in enumerate((Op.F, Op.B, Op.W)[:P])}
     grad_op = Op(weight_grad_phase(P == 3).value)  # the job that ends a backward
-    empty: list[Action] = []
 
     def make(rank: int) -> list[Action]:
         program, sends = lowering.program_and_sends(rank)
-        ranks = [empty] * W
-        ranks[rank] = program
-        programs = programs_of(ranks)
+        programs = programs_of([[]] * rank + [program] + [[]] * (W - 1 - rank))
         if programs.forward_only:
             check_forward_only(rank, program)
         # its computes are its order (then every job runs once: certify's coverage check)
@@ -191,7 +164,7 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
             raise ProgramError(f"rank {rank}'s computes are not its timeline order")
         shared = Shared(programs)
         events = check_rank(shared, rank).events
-        sent = _check_channels_into(rank, W, shared, sends)
+        sent = _check_channels_into(W, shared, sends)
         # the lemma's premise for this rank's waits (module docstring)
         start, order = timeline.start, timeline.order
         for event in events:
@@ -219,8 +192,8 @@ def checked_lowering(lowering: Lowering, programs_of: Callable[[list[list[Action
 
 def _check_allreduce(rank: int, program: list[Action], index: int, consumed: list[Any],
                      grad_op: Op) -> None:
-    """The lemma's premise for an all-reduce: it waits for no gradient message, and the compute
-    before it, with no other all-reduce between, is this rank's last gradient job of its stage."""
+    """The lemma's premise for an all-reduce: it waits for no gradient message, and the last
+    compute or all-reduce before it is this rank's last gradient job of its stage."""
     action = program[index]
     stage = action[1]
     before = next((program[i] for i in range(index - 1, -1, -1) if program[i][0] in _WAITS), None)
@@ -231,12 +204,9 @@ def _check_allreduce(rank: int, program: list[Action], index: int, consumed: lis
                            "the argument (proof.py)")
 
 
-def _check_channels_into(
-    rank: int, W: int, shared: Shared, sends: dict[Channel, list[tuple[Message, int]]],
-) -> dict[int, list[tuple[int, int]]]:
-    """The rank's posts on every channel into it carry the messages sent on it, in order
-    (:func:`.program.check_channel`); returns per channel number (the dry run's) each send's
-    (sender, gap in the sender's program)."""
+def _check_channels_into(W: int, shared: Shared, sends: Sends) -> dict[int, list[tuple[int, int]]]:
+    """:func:`.program.check_channel` of every channel into the rank; returns per channel
+    number each send's (sender, gap in the sender's program)."""
     where: dict[int, list[tuple[int, int]]] = {}
     channels = {channel.number(W): channel for channel in sends if sends[channel]}
     channels.update((number, Channel.numbered(number, W)) for number in shared.posted)

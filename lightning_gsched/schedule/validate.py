@@ -1,12 +1,8 @@
-"""Checks of user-given arguments, shared by ``plan()``, the ``gsched`` CLI, ``partition()`` and
-``GeneralParallel``.
+"""Checks of user-given arguments, shared by ``plan()``, the CLI, ``partition()`` and the strategy.
 
-Why one module: the same kind of argument (a count, a duration, a flag, a callable) enters
-through several doors and must be refused at each, before any simulation runs or any process
-starts, with the same wording: the argument's name, the bad value, and a valid value. Each check
-takes the error class to raise (default :class:`ScheduleConfigError`), so every layer raises its
-own ``GschedError`` subclass with one implementation of the rule. :func:`user_callable_error`
-names a user callable (placement, priority, cap) that raised inside the planner.
+One kind of argument (a count, a duration, a flag, a callable) enters through several doors and
+is refused at each before any simulation runs or process starts, in one wording: its name, the
+bad value, a valid one. Each check takes the error class to raise, so every layer raises its own.
 """
 
 from __future__ import annotations
@@ -56,9 +52,8 @@ def optional_positive_int(name: str, value: Any, example: str = "4",
 def positive_number(name: str, value: Any, example: str = "1.0",
                     error: ErrorType = ScheduleConfigError,
                     rule: str = "must be a finite number > 0") -> float:
-    """``value`` as a finite float > 0: durations (costs, timeouts). Zero is refused: a
-    zero-duration job makes latency and bubble meaningless and is almost always a missing
-    measurement (give a small positive number for a negligible stage)."""
+    """``value`` as a finite float > 0: a duration. Zero is refused: it makes latency and bubble
+    meaningless and is almost always a missing measurement."""
     if not is_real(value) or not math.isfinite(value) or not value > 0:
         raise invalid(name, value, rule, example, error)
     return float(value)
@@ -74,20 +69,14 @@ def non_negative_number(name: str, value: Any, example: str = "0.1",
 
 def costs(name: str, value: Any, stages: int | None = None,
           error: ErrorType = ScheduleConfigError) -> tuple[float, ...] | float:
-    """A cost argument: one duration for every stage (a float), or one per stage (a tuple;
-    ``len == stages`` when ``stages`` is known)."""
+    """One duration for every stage (a float), or one per stage (``stages`` of them where known)."""
     if is_real(value):
         return positive_number(name, value, "1.0", error, COST_RULE)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise invalid(name, value, f"give one number or one number per stage ({COST_RULE})",
                       "1.0", error)
     values = list(value)
-    if not values or (stages is not None and len(values) != stages):
-        expected = f"S={stages} values" if stages is not None else "at least one value"
-        raise error(
-            f"{name} has {len(values)} values but needs {expected}: give one number for every "
-            f"stage or a single number for all, e.g. {name}=1.0"
-        )
+    _check_count(name, values, stages, error, "", "number", "1.0")
     return tuple(positive_number(f"{name}[{s}]", v, "1.0", error, COST_RULE)
                  for s, v in enumerate(values))
 
@@ -123,8 +112,8 @@ def flag(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> bool:
 
 def stage_flags(name: str, value: Any, stages: int | None = None,
                 error: ErrorType = ScheduleConfigError) -> bool | tuple[bool, ...]:
-    """A per-stage switch: one bool for every stage, or a tuple of one per stage (``len ==
-    stages`` when ``stages`` is known). As with :func:`flag`, 0/1 and strings are refused."""
+    """One bool for every stage, or a tuple of one per stage (``stages`` of them where known);
+    as with :func:`flag`, 0/1 and strings are refused."""
     if isinstance(value, bool):
         return value
     rule = "give True or False for every stage, or a list of them, one per stage"
@@ -133,22 +122,23 @@ def stage_flags(name: str, value: Any, stages: int | None = None,
     values = list(value)
     for s, v in enumerate(values):
         if not isinstance(v, bool):
-            raise error(
-                f"{name}[{s}]={v!r} is not valid: each entry must be True or False (one per "
-                f"stage); e.g. {name}=[True, False]"
-            )
+            raise error(f"{name}[{s}]={v!r} is not valid: each entry must be True or False (one "
+                        f"per stage); e.g. {name}=[True, False]")
+    _check_count(name, values, stages, error, " (one per stage)", "bool", "True")
+    return tuple(values)
+
+
+def _check_count(name: str, values: list[Any], stages: int | None, error: ErrorType, note: str,
+                 one: str, example: str) -> None:
     if not values or (stages is not None and len(values) != stages):
         expected = f"S={stages} values" if stages is not None else "at least one value"
-        raise error(
-            f"{name} has {len(values)} values but needs {expected} (one per stage): give one "
-            f"bool for every stage or a single bool for all, e.g. {name}=True"
-        )
-    return tuple(values)
+        raise error(f"{name} has {len(values)} values but needs {expected}{note}: give one {one} "
+                    f"for every stage or a single {one} for all, e.g. {name}={example}")
 
 
 def per_stage_flags(name: str, value: Any, stages: int,
                     error: ErrorType = ScheduleConfigError) -> tuple[bool, ...]:
-    """:func:`stage_flags` for a known number of stages, as one bool per stage."""
+    """:func:`stage_flags` as one bool per stage."""
     checked = stage_flags(name, value, stages, error)
     return checked if isinstance(checked, tuple) else (checked,) * stages
 
@@ -178,8 +168,7 @@ def optional_callable(name: str, value: Any, signature: str,
 
 
 def stage_edges(edges: Any) -> list[tuple[int, int]] | None:
-    """None (a chain) or pairs ``(producer, consumer)`` of stage indices (their range needs S:
-    :class:`StageGraph` checks it)."""
+    """None (a chain) or pairs ``(producer, consumer)`` of stage indices (in range: StageGraph)."""
     if edges is None:
         return None
     if isinstance(edges, (str, bytes)) or not isinstance(edges, Iterable):
@@ -189,21 +178,17 @@ def stage_edges(edges: Any) -> list[tuple[int, int]] | None:
     for pair in pairs:
         if (not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2
                 or not all(is_int(s) for s in pair)):
-            raise ScheduleConfigError(
-                f"edges entry {pair!r} is not valid: each edge is a pair (producer, consumer) "
-                "of stage indices; e.g. edges=[(0, 1), (1, 2)]"
-            )
+            raise ScheduleConfigError(f"edges entry {pair!r} is not valid: each edge is a pair "
+                                      "(producer, consumer) of stage indices; e.g. "
+                                      "edges=[(0, 1), (1, 2)]")
     return [(int(u), int(v)) for u, v in pairs]
 
 
 def ties(value: Any, stages: int | None = None,
          error: ErrorType = ScheduleConfigError) -> dict[int, tuple[int, ...]]:
-    """Tied weights as ``{home stage: every stage that reads the tie, home included}``.
-
-    Accepts a mapping ``{home: reader stages}`` or a sequence of stage groups (e.g. the values of
-    ``partition(...).shared_parameters``). A group's home is its lowest stage; groups of one
-    home are one tie (the runtime holds every tied parameter of a home stage in one unit).
-    """
+    """Tied weights as ``{home stage: every stage that reads the tie, home included}``, from a
+    mapping ``{home: reader stages}`` or stage groups (``partition(...).shared_parameters``). A
+    group's home is its lowest stage; groups of one home are one tie (one unit at runtime)."""
     if value is None:
         return {}
     example = "[(0, 3)] (stage 0 and stage 3 read one tied weight)"
@@ -228,10 +213,8 @@ def ties(value: Any, stages: int | None = None,
         for s in group:
             if not is_int(s) or s < 0 or (stages is not None and s >= stages):
                 where = f"in [0, {stages})" if stages is not None else ">= 0"
-                raise error(
-                    f"ties={value!r} is not valid: stage {s!r} of group {list(group)} is not a "
-                    f"stage index {where}; e.g. ties={example}"
-                )
+                raise error(f"ties={value!r} is not valid: stage {s!r} of group {list(group)} is "
+                            f"not a stage index {where}; e.g. ties={example}")
         members = {int(s) for s in group}
         if len(members) < 2:
             raise invalid("ties", value, f"group {list(group)} names fewer than two stages (a "
@@ -243,11 +226,9 @@ def ties(value: Any, stages: int | None = None,
 def cap_entry(worker: int, value: Any) -> int | None:
     """One worker's activation cap: a positive int, or None for no cap."""
     if value is not None and (not is_int(value) or value < 1):
-        raise ScheduleConfigError(
-            f"cap for worker {worker} is {value!r}; a cap must be a positive int (a worker must "
-            "hold at least one activation to make progress) or None for no cap; e.g. "
-            "cap=[4, 3, 2, 1]"
-        )
+        raise ScheduleConfigError(f"cap for worker {worker} is {value!r}; a cap must be a positive "
+                                  "int (a worker must hold at least one activation to make "
+                                  "progress) or None for no cap; e.g. cap=[4, 3, 2, 1]")
     return None if value is None else int(value)
 
 
@@ -257,20 +238,14 @@ def cap_form(cap: Any, words: Sequence[str], error: ErrorType = ScheduleConfigEr
     rule = "use an int >= 1 or a list of them (one per worker)"
     if words:
         rule += f", or one of {', '.join(map(repr, words))}"
-    if cap is None or callable(cap):
-        return
-    if isinstance(cap, str):
-        if cap not in words:
-            raise invalid("cap", cap, rule, "'auto'", error)
+    if cap is None or callable(cap) or (isinstance(cap, str) and cap in words):
         return
     if is_int(cap):
         if cap < 1:
             raise invalid("cap", cap, "a cap must be >= 1 (a worker must hold at least one "
                           "activation to make progress); " + rule, "'auto'", error)
         return
-    if isinstance(cap, bool) or not isinstance(cap, Iterable):
-        raise invalid("cap", cap, rule, "'auto'", error)
-    entries = list(cap)
+    entries = [] if isinstance(cap, str) or not isinstance(cap, Iterable) else list(cap)
     if not entries:
         raise invalid("cap", cap, rule, "'auto'", error)
     for worker, value in enumerate(entries):
@@ -280,17 +255,15 @@ def cap_form(cap: Any, words: Sequence[str], error: ErrorType = ScheduleConfigEr
 def user_callable_error(role: str, fn: Callable[..., Any], args: Sequence[Any], names: str,
                         exc: BaseException) -> GschedError:
     """The error for a user callable ``fn`` given as ``role`` (``"placement"``), parameters
-    ``names`` (``"s, b, d"``), that raised ``exc`` when called with ``args``; a ``GschedError``
-    it raised on purpose is kept. Raise the result ``from exc`` to keep the traceback."""
+    ``names`` (``"s, b, d"``), that raised ``exc`` on ``args``; a ``GschedError`` it raised on
+    purpose is kept. Raise the result ``from exc`` to keep the traceback."""
     if isinstance(exc, GschedError):
         return exc
     shown = ", ".join(f"{n}={_arg_text(a)}" for n, a in zip(names.split(", "), args, strict=False))
     label = getattr(fn, "__name__", type(fn).__name__)
-    return UserCallableError(
-        f"the {role} callable {label}({shown}) raised {type(exc).__name__}: {exc}. The planner "
-        f"calls {role}({names}) for every ({names}) of the schedule; fix the callable so it "
-        "handles these arguments"
-    )
+    return UserCallableError(f"the {role} callable {label}({shown}) raised {type(exc).__name__}: "
+                             f"{exc}. The planner calls {role}({names}) for every ({names}) of "
+                             "the schedule; fix the callable so it handles these arguments")
 
 
 def _arg_text(value: Any) -> str:  # phases print as F/B (their value), the rest as repr

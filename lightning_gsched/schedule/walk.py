@@ -1,12 +1,8 @@
-"""One walker over every rank's program, for replays whose actions take time (the time replay,
-:mod:`.predict`, is its handler).
+"""One walker over every rank's program, for replays whose actions take time (:mod:`.predict`).
 
-The walker owns the order of execution and the waiting: a rank runs its actions in order; a
-handler says, per op kind of :data:`~lightning_gsched.schedule.program.OPS`, what an action does
-and, if it cannot run yet, which key it waits on; whoever makes a key true calls
-:meth:`Walker.wake`. A handler has one method per op kind (``compute``, ``send``, ``recv``,
-``free``, ``collective``), each ``(rank, action) -> key or None`` (None: done, move on). The
-result does not depend on the interleaving, since a rank never runs past an action that waits.
+The walker owns the order of execution and the waiting: a :class:`Handler` says, per op kind,
+what an action does and, if it cannot run yet, which key it waits on (None: done); whoever makes
+a key true calls :meth:`Walker.wake`. The result does not depend on the interleaving.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from lightning_gsched.schedule.program import OPS, Action, Programs
 
 
 class Handler(Protocol):
-    """What a walk does for each kind of action (module docstring)."""
+    """What a walk does for each kind of action."""
 
     def compute(self, rank: int, action: Action) -> Hashable | None: ...
     def send(self, rank: int, action: Action) -> Hashable | None: ...
@@ -46,17 +42,15 @@ class Walker:
                 self._runnable.append(rank)
 
     def run(self, handler: Handler, on_end: Callable[[int], None] | None = None) -> list[int]:
-        """Walk until no rank can move; return the ranks whose programs did not finish.
-        ``on_end(rank)`` runs once when a rank's program completes."""
+        """Walk until no rank can move; return the unfinished ranks (``on_end``: at each finish)."""
         table = {op: getattr(handler, spec.kind) for op, spec in OPS.items()}  # resolved once
         ranks, pc, runnable = self.programs.ranks, self.pc, self._runnable
         waiters, queued = self._waiters, self._queued
         while runnable:
             rank = runnable.popleft()
             queued.discard(rank)
-            program = ranks[rank]
+            program, i = ranks[rank], pc[rank]
             end = len(program)
-            i = pc[rank]
             while i < end:
                 action = program[i]
                 key = table[action[0]](rank, action)
