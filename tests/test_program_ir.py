@@ -127,3 +127,16 @@ def test_dag_of_stages_two_encoder_legs_feeding_one_head():
     assert result.metrics.per_worker[2].activation_recvs == 2 * 4
     # the legs run in parallel: latency is one leg + head, not two legs + head
     assert result.metrics.latency < 4 * 3 + 4 * 3 + 3 * 3
+
+
+@pytest.mark.parametrize("unit", ["s99", "t7"])
+def test_dry_run_names_a_weight_unit_past_the_last_stage(unit):
+    """A matched fetch of a unit the programs do not have: a ProgramError naming it (was a bare
+    IndexError from the dry run's per-stage tables)."""
+    result = plan("fsdp", workers=2)
+    broken = copy.deepcopy(result.programs)
+    broken.ranks[0].insert(0, Action.parse(f"FETCH_W {unit} <-1"))
+    broken.ranks[1].insert(0, Action.parse(f"SEND_W {unit} ->0"))
+    with pytest.raises(ProgramError, match=rf"rank [01] at action 0 .*names (stage|tie) "
+                                           rf"{unit[1:]}; these programs have stages 0 to 1"):
+        dry_run(broken)

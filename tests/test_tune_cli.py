@@ -74,11 +74,12 @@ def test_bad_target_and_budget_are_clear_errors(capsys) -> None:
     assert cli.main(["tune", "tests/test_tune_cli.py:nothing", "-w", "2",
                      "--global-batch", "8"]) == 2
     assert "has no function nothing" in capsys.readouterr().err
-    try:
-        cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--budget", "lots"])
-    except SystemExit as exc:  # argparse: usage, exit 2, the rule
-        assert exc.code == 2
-    assert "memory_budget='lots' is not valid" in capsys.readouterr().err
+    for budget in ("lots", "infGB", "1e400GB"):  # float() reads "inf" and overflows to it
+        try:
+            cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--budget", budget])
+        except SystemExit as exc:  # argparse: usage, exit 2, the rule
+            assert exc.code == 2
+        assert f"memory_budget={budget!r} is not valid" in capsys.readouterr().err
 
 
 def test_tuning_leaves_the_model_as_it_was() -> None:

@@ -180,6 +180,7 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
     programs, rules = shared.programs, shared.rules
     program = programs.ranks[rank]
     W, M, micros, peers, base = shared.W, shared.M, shared.micros, shared.peers, shared.base
+    S = programs.num_stages
     inputs, outputs, ties_of = rules.act_from, rules.grad_from, rules.ties_read
     posted_count, sent_on, posted_on = shared.posted_count, shared.sent, shared.posted
     split, stash_op, weight_grad_op = programs.split_backward, rules.stash_op, rules.weight_grad_op
@@ -282,6 +283,9 @@ def check_rank(shared: Shared, rank: int) -> RankResult:  # noqa: C901 - one loo
         if op in base and peer not in peers:
             raise fail(index, "names a peer these programs do not have")
         s, tie = action[1], action[5]  # a weight unit's op: a stage's, or a tie's home's
+        if not 0 <= s < S:
+            raise fail(index, f"names {'tie' if tie else 'stage'} {s}; these programs have "
+                       f"stages 0 to {S - 1}")
         if op is SEND_W or op is REDUCE_G:
             if op is REDUCE_G and not tie and s not in grad_stages:
                 raise fail(index, f"sends the gradient of stage {s} but ran no "

@@ -97,7 +97,7 @@ def byte_size(name: str, value: Any, error: ErrorType = ScheduleConfigError) -> 
             amount = float(number)
         except ValueError:
             amount = -1.0
-        if unit in _BYTE_UNITS and amount > 0:
+        if unit in _BYTE_UNITS and 0 < amount < math.inf:  # "inf" and "1e400" are floats too
             return int(amount * _BYTE_UNITS[unit])
     raise invalid(name, value, "give a positive number of bytes, or a string with a unit "
                   "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", '"20GiB"', error)
