@@ -29,7 +29,7 @@ lint: $(STAMP)
 
 # lint first (seconds), then the suite; make stops at the first command that fails
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --quick

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import traceback
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
@@ -78,6 +79,10 @@ class ControlGroup:
         except RuntimeFault:
             raise
         except RuntimeError as exc:  # gloo/nccl: lost connection, timeout, aborted group
+            # the failed call's frames hold the group (an argument), and the traceback holds
+            # the frames while the error propagates: destroying the group would not close its
+            # connections, and a peer waiting on this rank would wait for step_timeout
+            traceback.clear_frames(exc.__traceback__)
             raise self.fault(what, exc) from exc
 
     def barrier(self, name: str | None = None) -> None:
