@@ -1,14 +1,13 @@
 """Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: which worker computes each job
-and which holds the source of truth of its stage's weights (all traffic follows in lowering).
-
-The named placements generalise the seed's equalities ``W = B`` and ``W = S`` to multiples. Any
-callable is a placement too; :class:`PlacementTable` validates it once and caches the answers.
+and which holds the source of truth of its stage's weights (lowering derives all traffic).
+The named ones generalise the seed's ``W = B`` and ``W = S`` to multiples; any callable is a
+placement too, validated once by :class:`PlacementTable`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Protocol, cast
+from typing import Any, Callable, ClassVar, Hashable, cast
 
 from lightning_gsched.errors import PlacementError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -16,27 +15,16 @@ from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
 _F = Phase.F  # a module constant: an enum member look-up is slow, and rows() reads it per call
-
-
-class CheckedPlacement(Protocol):
-    """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
-
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
-
-    def check(self, stages: int, micro: int) -> None: ...
-
-
-Rows = tuple[list[list[int]], list[list[int]]]  # (weights, compute) workers by stage, micro
 # the classes whose rows PlacementTable trusts unvalidated (tests check them): the library's
 # own, not a user's subclass, which may change __call__
 _LIBRARY: set[type] = set()
 
 
 class LibraryPlacement:
-    """A library placement's table of rows, read from ``__call__`` (its one formula): each class
-    states which stages share a row (equal ``weights_key``/``compute_key``) and which rows are
-    constant or periodic in the microbatch, so :meth:`rows` calls ``__call__`` once per distinct
-    entry, not S x B times (tests/test_schedule_fast_paths.py checks these claims).
+    """A library placement: ``w(s, b, d)`` (its one formula), :meth:`check` of the sizes its
+    layout needs, and claims on its rows (stages with equal ``weights_key``/``compute_key``
+    share a row; rows constant or periodic in b), so :meth:`rows` calls ``__call__`` once per
+    distinct entry, not S x B times (tests/test_schedule_fast_paths.py checks the claims).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -55,15 +43,17 @@ class LibraryPlacement:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         raise NotImplementedError
 
+    def check(self, stages: int, micro: int) -> None:
+        raise NotImplementedError
+
     def weights_key(self, stage: int) -> Hashable:
-        """Stages with equal keys have equal rows of weights workers."""
         return stage
 
     def compute_key(self, stage: int) -> Hashable:
-        """Stages with equal keys have equal rows of compute workers."""
         return stage
 
-    def rows(self, stages: int, micro: int) -> Rows:
+    def rows(self, stages: int, micro: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(weights, compute) workers by stage and microbatch."""
         weights: list[list[int]] = []
         compute: list[list[int]] = []
         seen: dict[tuple[int, Hashable], list[int]] = {}
@@ -103,8 +93,7 @@ class DDP(LibraryPlacement):
     def weights_key(self, stage: int) -> Hashable:
         return 0  # every stage: the same replicas
 
-    def compute_key(self, stage: int) -> Hashable:
-        return 0
+    compute_key = weights_key
 
     def micro_period(self) -> int | None:
         return self.workers
@@ -205,7 +194,6 @@ class _Looped(LibraryPlacement):
         return self.workers // self.R  # and on b through R*b mod W: period G
 
     def check(self, stages: int, micro: int) -> None:
-        """W = G*R, S % R == 0, B % G == 0."""
         name, workers, R = self.name, self.workers, self.R
         _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
         if workers % R:
@@ -240,12 +228,9 @@ class FSLPP(_Looped):
     name = "fslpp"
     weights_constant_in_micro = True
 
-    def owner(self, stage: int) -> int:
-        groups = self.workers // self.R
-        return self.R * ((stage // self.R) % groups) + stage % self.R
-
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        return self.owner(stage), self.h(stage, micro)
+        owner = self.R * ((stage // self.R) % (self.workers // self.R)) + stage % self.R
+        return owner, self.h(stage, micro)
 
 
 class FSLPPSeed(_Looped):
@@ -270,9 +255,9 @@ class PlacementTable:
         self._owned: dict[int, list[int]] | None = None
         self._computed: dict[int, set[int]] | None = None
         self.compute: list[list[int]]
-        self.weights: list[list[tuple[int, int]]]
+        self.weights: list[list[tuple[int, int]]]  # (F's, B's) weights worker
         self.owners: list[tuple[int, ...]]
-        self.fetch_source: dict[tuple[int, int], int]
+        self.fetch_source: dict[tuple[int, int], int]  # (stage, compute worker) -> owner
         # the lowering holds a fetched stage for the whole step (data_parallel='shard')
         self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
         self.reserves_stash = bool(getattr(placement, "reserves_stash", False))
@@ -313,9 +298,7 @@ class PlacementTable:
                             f"worker {cf} computes stage {s} with weights from worker {first[0]} "
                             f"({first[2].value} b{first[1]}) and from worker {w} ({d.value} b{b}); "
                             "a compute worker must fetch a stage from a single owner")
-        self.owners = [
-            tuple(sorted({w for pair in self.weights[s] for w in pair})) for s in range(stages)
-        ]
+        self.owners = [tuple(sorted({w for pair in row for w in pair})) for row in self.weights]
         self.fetch_source = {k: v[0] for k, v in source.items()}
 
     def _call(self, placement: PlacementFn, s: int, b: int, d: Phase) -> tuple[int, int]:
@@ -337,11 +320,8 @@ class PlacementTable:
                     f"workers must be ints in [0, {self.workers}) for W={self.workers}")
         return weights, compute
 
-    def weights_worker(self, stage: int, micro: int, phase: Phase) -> int:
-        return self.weights[stage][micro][0 if phase is Phase.F else 1]
-
+    # indexes built on first use: a scan of all stages per worker would be O(W x S)
     def owned_stages(self, worker: int) -> list[int]:
-        """The stages ``worker`` owns, from an index built once (not O(S) per worker)."""
         if self._owned is None:
             self._owned = {}
             for s, owners in enumerate(self.owners):
@@ -350,7 +330,7 @@ class PlacementTable:
         return list(self._owned.get(worker, ()))
 
     def computed_stages(self, worker: int) -> set[int]:
-        """The stages ``worker`` computes for some microbatch (index built once)."""
+        """The stages ``worker`` computes for some microbatch."""
         if self._computed is None:
             self._computed = {}
             for s, row in enumerate(self.compute):

@@ -1,8 +1,7 @@
-"""The seed's clock-free greedy simulation, with a heap instead of a scan of the frontier.
-
-The seed runs ``argmin max(t(worker), t(job)) + eps * n`` among ready jobs: every worker's
-earliest-startable job (ties broken by the order ``n``), the earliest of those first. Start
-times so handed out never decrease: an event-ordered list scheduler, O(log J) per job.
+"""The seed's clock-free greedy simulation, ``argmin max(t(worker), t(job)) + eps * n`` among
+ready jobs (every worker's earliest-startable job, ties broken by the order ``n``, the earliest
+of those first), with a heap instead of a scan of the frontier. Start times so handed out never
+decrease: an event-ordered list scheduler, O(log J) per job.
 
 A forward may not start on a worker holding ``cap`` stashes (forwards whose backward has not
 finished; a reserving placement charges :func:`.reserve.stash_charges` instead of 1). If no
@@ -26,10 +25,9 @@ from lightning_gsched.schedule.reserve import stash_charges
 
 @dataclass(frozen=True)
 class Costs:
-    """Duration of each (stage, phase), by default backward = 2 x forward. ``weight``: W's, when
-    split (then ``backward`` is B's only); :meth:`build` halves the backward between B and W by
-    default (for a layer's matmuls each costs about one forward).
-    """
+    """Duration of each (stage, phase). ``weight``: W's, when split (then ``backward`` is B's
+    only); :meth:`build` halves the backward between B and W by default (for a layer's matmuls
+    each costs about one forward)."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
@@ -92,8 +90,7 @@ class Timeline:
     """Every job's worker and start/end time, by flat job index ``i = (stage * micro + b) * P
     + k`` (k: the phase's place in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (worker
     w's indices in order), ``sequence`` (placement order), ``busy[w]`` (the sum of w's ``end -
-    start`` in order). :attr:`slots` and :attr:`by_worker` are built on first use only.
-    """
+    start`` in order). :attr:`slots` and :attr:`by_worker` are built on first use only."""
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
                  order: Sequence[list[int]], start: Sequence[float], end: Sequence[float],
@@ -101,18 +98,16 @@ class Timeline:
                  latency: float | None = None) -> None:
         self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
         # lists, or compact equivalents (sweep.py: ``array('d')`` times, lazy per-worker lists)
-        self.order, self.start, self.end = order, start, end
+        self.order, self.start, self.end, self.busy = order, start, end, busy
         self._latency = latency  # else the largest end, when asked
-        self._sequence = sequence  # a callable: built when first read (symmetry.py)
-        # set when built by group symmetry (symmetry.py): replica g runs microbatches b = g mod
-        # G, its position p's order is replica 0's with b renamed (same stages, same times)
+        self._sequence = sequence  # a callable: built when first read
+        # set by group symmetry (symmetry.py): replica g runs microbatches b = g mod G, its
+        # position p's order is replica 0's with b renamed (same stages, same times)
         self.replicas: ReplicaLayout | None = None
-        self.busy = busy
         self._slot_lists: tuple[list[Slot], list[list[Slot]]] | None = None
 
     @property
     def sequence(self) -> list[int]:
-        """Every flat job index in the order the simulation placed it."""
         if callable(self._sequence):
             self._sequence = self._sequence()
         return self._sequence
@@ -124,7 +119,6 @@ class Timeline:
         return self._latency
 
     def job(self, index: int) -> Job:
-        """The job at flat index ``index``."""
         P = len(self.phases)
         stage, micro = divmod(index // P, self.micro)
         return Job(stage, micro, self.phases[index % P])
@@ -176,21 +170,6 @@ class _Worker:
     def forward_allowed(self, charge: int) -> bool:
         return self.cap is None or self.stash + charge <= self.cap
 
-    # Reserving placements only: a forward's charge depends on the job, so a later one, already
-    # paid for, may start while the heap's head is refused.
-    def best_forward(self, charges: list[int], job_of: list[int], phases: int) -> int:
-        """The smallest-ranked ready forward the cap allows, or -1."""
-        allowed = [rank for rank in self.ready[0]
-                   if self.forward_allowed(charges[job_of[rank] // phases])]
-        return min(allowed, default=-1)
-
-    def next_forward(self, charges: list[int], job_of: list[int],
-                     phases: int) -> tuple[float, int] | None:
-        """The earliest (ready time, rank) of a pending forward the cap allows, or None."""
-        allowed = [entry for entry in self.pending[0]
-                   if self.forward_allowed(charges[job_of[entry[1]] // phases])]
-        return min(allowed, default=None)
-
     def take_forward(self, rank: int) -> None:
         """Remove the forward ``rank`` from its queue, wherever in the heap it is."""
         if rank in self.ready[0]:
@@ -213,8 +192,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
     its worker's choice and version, so a valid event is taken without choosing again and a
     stale one skipped; a worker starting something now is not refreshed for a job ready only
     later; a single-predecessor successor is ready when its job ends. A stash counts against
-    the cap from its F until its last backward phase (B, or W when split).
-    """
+    the cap from its F until its last backward phase (B, or W when split)."""
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
     total = P * S * B
@@ -226,6 +204,9 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
     events: list[tuple[float, int, int, int, int]] = []  # (start, rank, worker, version, phase)
     job_of = inverse(list(ranks))  # rank -> flat job index
     charges = stash_charges(table.compute) if table.reserves_stash else None
+
+    def charge(rank: int) -> int:  # what the forward ``rank`` adds to its worker's stash
+        return 1 if charges is None else charges[job_of[rank] // P]
 
     def refresh(w: int) -> None:
         """Push worker w's next job as its (new) valid event: startable now (at ``free_at``)
@@ -241,8 +222,10 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
             pend, queue = pending[k], ready[k]
             while pend and pend[0][0] <= free_at:
                 heappush(queue, heappop(pend)[1])
-            if not k and charges is not None:  # k = 0 comes first: now_rank is still -1
-                now_rank = state.best_forward(charges, job_of, P)
+            # reserving: a forward's charge depends on the job, so a later one, already paid for,
+            # may start while the heap's head is refused (k = 0 comes first: now_rank is -1)
+            if not k and charges is not None:
+                now_rank = min((r for r in queue if state.forward_allowed(charge(r))), default=-1)
                 continue
             if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
                 now_rank, now_k = queue[0], k
@@ -254,9 +237,8 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
         for k in state.phases:
             pend = pending[k]
             if not k and charges is not None:
-                entry = state.next_forward(charges, job_of, P)
-                if entry is not None:
-                    later = (entry[0], entry[1], 0)
+                entry = min((e for e in pend if state.forward_allowed(charge(e[1]))), default=None)
+                later = None if entry is None else (entry[0], entry[1], 0)
                 continue
             if pend and (k or forward):
                 cand = (pend[0][0], pend[0][1], k)
@@ -354,11 +336,10 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
         return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
     blocked = []  # the workers whose every waiting forward the cap refuses
     for w, state in enumerate(workers):
-        waiting = [job_of[rank] for _, rank in state.pending[0]] + [
-            job_of[rank] for rank in state.ready[0]]
-        if waiting and not any(state.forward_allowed(1 if charges is None else charges[i // P])
-                               for i in waiting):
-            stage, b = divmod(min(waiting) // P, B)  # F jobs: flat order is (stage, micro)
+        waiting = [rank for _, rank in state.pending[0]] + state.ready[0]
+        if waiting and not any(state.forward_allowed(charge(rank)) for rank in waiting):
+            first = min(job_of[rank] for rank in waiting)
+            stage, b = divmod(first // P, B)  # F jobs: flat order is (stage, micro)
             assert state.cap is not None  # forward_allowed() is False only under a cap
             blocked.append((w, state.stash, state.cap, Job(stage, b, graph.phases[0])))
     raise stuck_error(blocked, len(sequence), total, caps)
