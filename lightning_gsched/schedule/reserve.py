@@ -1,10 +1,8 @@
 """Stash reservations: a microbatch entering a worker claims, against its cap, every stash it
-will hold there.
-
-Why: on a V placement a plain cap below 2W deadlocks: worker 0's first stage is always ready,
-so it fills the cap with first-stage forwards, and the second-stage forward of its oldest
-microbatch, which every backward waits for, never starts. Reserving keeps room for it, so any
-cap of at least a worker's stages completes, and the stash held never exceeds the cap. A
+will hold there. Why: on a V placement a plain cap below 2W deadlocks: worker 0's first stage is
+always ready, so it fills the cap with first-stage forwards, and the second-stage forward of its
+oldest microbatch, which every backward waits for, never starts. Reserving keeps room for it, so
+any cap of at least a worker's stages completes, and the stash held never exceeds the cap. A
 placement opts in with ``reserves_stash = True`` (v-half, v-min).
 """
 
@@ -14,19 +12,15 @@ from typing import Sequence
 
 
 def stash_charges(compute: Sequence[Sequence[int]]) -> list[int]:
-    """What each forward adds to its worker's count under the cap, by flat (stage * B + micro).
-
-    ``compute[s][b]``: the worker that computes stage s of microbatch b. The first forward of
-    microbatch b on a worker is charged the number of stages b has on that worker; its later
-    forwards there cost 0. Every stash is still released one by one, by its last backward phase.
-    """
+    """What each forward adds to its worker's count under the cap, by flat (stage * B + micro):
+    the first forward of microbatch b on a worker is charged the number of stages b has on that
+    worker, its later forwards there 0. Every stash is still released one by one, by its last
+    backward phase."""
     stages = len(compute)
     micro = len(compute[0]) if stages else 0
     charges = [0] * (stages * micro)
     for b in range(micro):
         first: dict[int, int] = {}  # worker -> flat index of b's first forward on it
         for s in range(stages):
-            worker = compute[s][b]
-            at = first.setdefault(worker, s * micro + b)
-            charges[at] += 1
+            charges[first.setdefault(compute[s][b], s * micro + b)] += 1
     return charges

@@ -1,29 +1,27 @@
 """The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy):
 the very timeline of :func:`.simulate.simulate`, which costs microseconds per job (millions at
-W=1024), for a few numpy operations per window (about latency / shortest job).
-
-It applies (:func:`sweepable`) to a chain whose every stage runs on one compute worker for all
-microbatches (the pipeline placements; looped ones go to :mod:`.symmetry`) under an order whose
-keys increase with ``b`` for every (stage, phase) (every library order; a user's is checked).
+W=1024), for a few numpy operations per window (about latency / shortest job). It applies
+(:func:`sweepable`) to a chain whose every stage runs on one compute worker for all microbatches
+(the pipeline placements; looped ones go to :mod:`.symmetry`) under an order whose keys increase
+with ``b`` for every (stage, phase) (every library order; a user's is checked).
 
 **Why it is the simulator's timeline, exactly.**
 
-1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a
-   job's one predecessor has the same b, so by induction over time every queue runs in b order
-   with non-decreasing ready times (its predecessor queue's ends increase along b on one worker
-   with one duration). The jobs of a queue ready at t are then a prefix of what is left of it,
-   and with keys increasing along it the simulator's choice (the smallest key among ready jobs
-   the cap allows) is a head: each worker's next job is the smallest ``(max(free_at, ready),
-   key)`` among its queue heads (forwards only within its cap).
+1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a job's
+   one predecessor has the same b, so by induction over time every queue runs in b order with
+   non-decreasing ready times (its predecessor queue's ends increase along b on one worker with
+   one duration). The jobs of a queue ready at t are then a prefix of what is left of it, and
+   with keys increasing along it the simulator's choice (the smallest key among ready jobs the
+   cap allows) is a head: each worker's next job is the smallest ``(max(free_at, ready), key)``
+   among its queue heads (forwards only within its cap).
 2. *Windows.* Let t* be the earliest decision over all workers and d the shortest duration.
    Nothing not started yet ends before t* + d (float rounding is monotone), so every worker
    deciding below t* + d decides as the event-ordered simulation does, at most once (its job
    lasts d at least): all are taken in one step.
 3. *Same floats.* Starts are ends or ready times (maxima of ends), ends are start + duration,
    and busy times add durations in each worker's order: the simulator's operations, so the
-   timeline is equal, not close (``tests/test_schedule_sweep.py`` compares the two).
-
-A cap too small raises the simulator's :class:`~lightning_gsched.errors.CapTooSmallError`.
+   timeline is equal, not close (``tests/test_schedule_sweep.py`` compares the two). A cap too
+   small raises the simulator's :class:`~lightning_gsched.errors.CapTooSmallError`.
 """
 
 from __future__ import annotations
@@ -50,15 +48,15 @@ def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
     return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
 
 
-# rough costs (benchmarks/bench_planner.py): a window's numpy calls, plus per queue cell; a job
-# of the event-by-event simulation
+# rough costs (benchmarks/bench_planner.py): a window's numpy calls, plus per queue cell; a job of
+# the event-by-event simulation
 _WINDOW_US, _CELL_US, _JOB_US = 60.0, 0.015, 5.0
 
 
 def worth_sweeping(table: PlacementTable, phases: int) -> bool:
-    """Whether the sweep should beat the job-by-job simulation. It pays per time window, about
-    one per job of the busiest worker plus fill and drain (two passes over the stages): cheap
-    when many workers decide per window, slow for a long chain with few microbatches."""
+    """Whether the sweep should beat the job-by-job simulation. It pays per time window, about one
+    per job of the busiest worker plus fill and drain (two passes over the stages): cheap when
+    many workers decide per window, slow for a long chain with few microbatches."""
     W, S, B = table.workers, table.stages, table.micro
     stages_per_worker = -(-S // W)
     cells = stages_per_worker * phases * W
@@ -73,9 +71,9 @@ def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: in
 
 
 class WorkerOrders(LazyList[list[int]]):
-    """``Timeline.order`` of a swept timeline: one int array (``flat``, worker after worker,
-    from ``offsets``), a worker's list made when read (a rank lowering its own program never
-    makes the others' Python ints); :func:`.proof.certify` reads the arrays themselves."""
+    """``Timeline.order`` of a swept timeline: one int array (``flat``, worker after worker, from
+    ``offsets``), a worker's list made when read (a rank lowering its own program never makes
+    the others' Python ints); :func:`.proof.certify` reads the arrays themselves."""
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.flat, self.offsets = flat, offsets
@@ -87,7 +85,6 @@ class WorkerOrders(LazyList[list[int]]):
 
 class _Queues:
     """Every worker's queues as the cells of a K x W grid (K: the most queues a worker has).
-
     Cell ``slot * W + worker`` holds one queue of the worker, so a per-worker minimum over its
     queues is K - 1 element-wise minima of contiguous rows (numpy reduces a short last axis
     slowly). Queue (s, d) holds ``(s, b, d)``, flat job index ``base + b * P``; a cell past a
@@ -122,8 +119,8 @@ class _Queues:
         self.forward = grid(phase == 0, False, np.bool_)
         # what a forward adds to its worker's count under the cap: 1, or its reserving charge
         # (reserve.py), the same for every microbatch here, so microbatch 0's column gives it
-        charge = np.array(stash_charges([row[:1] for row in table.compute])
-                          if table.reserves_stash else [1] * S, dtype=np.int64)
+        charge = np.array(stash_charges([row[:1] for row in table.compute]) if table.reserves_stash
+                          else [1] * S, dtype=np.int64)
         self.charge = grid(np.where(phase == 0, charge[stage], 0), 0, np.int64)
         self.releases = grid((phase == release) & (phase > 0), 0, np.int64)
         self.shortest = float(durations.min()) if durations.size else 1.0
@@ -154,10 +151,9 @@ class _Queues:
 
 def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, costs: Costs,
                    caps: Sequence[int | None]) -> Timeline:
-    """The timeline :func:`.simulate.simulate` gives for ``keys``' order: int64 per flat job
-    index, ordering jobs as the simulator's ranks do. The caller checks :func:`sweepable` and
-    :func:`keys_increase_in_micro`.
-    """
+    """The timeline :func:`.simulate.simulate` gives for ``keys``' order (int64 per flat job
+    index, ordering jobs as the simulator's ranks do). The caller checks :func:`sweepable` and
+    :func:`keys_increase_in_micro`."""
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
     J = S * B * P
@@ -179,9 +175,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     offsets = np.concatenate(([0], np.cumsum(per_worker)))
     flat = np.empty(J, dtype=np.int64)
     cursor = offsets[:-1].copy()
-    busy = np.zeros(W)
-    free_at = np.zeros(W)
-    stash = np.zeros(W, dtype=np.int64)
+    busy, free_at, stash = np.zeros(W), np.zeros(W), np.zeros(W, dtype=np.int64)
     # per cell, and the sink cell: its head's flat job, ready time and key; the key carries
     # the cell in its low digits, so a worker's smallest key names the cell it takes
     head = np.append(q.base, -1)  # the sink cell's head matches no job
@@ -248,15 +242,14 @@ def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray, stash: np.ndarray, c
            graph: StageGraph) -> Exception:
     """The simulator's error when no worker can start anything: per blocked worker, its first
     waiting forward (the smallest flat index of an F whose input has arrived: a queue head)."""
-    blocked: list[tuple[int, int, int, Job]] = []
     shape = (q.width, len(stash))
     jobs = head[:-1].reshape(shape)  # without the sink cell
     left = (jobs - q.base.reshape(shape)) < q.jobs.reshape(shape) * len(graph.phases)
     waiting = left & q.forward.reshape(shape) & np.isfinite(ready[np.minimum(jobs, len(ready) - 1)])
     refused = waiting & (stash + q.charge.reshape(shape) > cap)
+    blocked = []
     for w in np.flatnonzero(refused.any(axis=0)).tolist():
-        flat = int(jobs[:, w][refused[:, w]].min())
-        stage, b = divmod(flat // P, B)
+        stage, b = divmod(int(jobs[:, w][refused[:, w]].min()) // P, B)
         blocked.append((w, int(stash[w]), int(cap[w]), Job(stage, b, graph.phases[0])))
     return stuck_error(blocked, placed, total, caps)
 

@@ -1,17 +1,16 @@
 """The timeline by group symmetry: simulate one group of workers, rename it for the others.
-
-Why: the compute of the looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R
+The compute of the looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R
 dividing W) splits into G identical independent groups: group ``g`` runs the microbatches
 ``b = g + G*m`` on the workers ``g*R + p`` (p computing the stages ``s mod R == p``).
 
 Why the renaming is exact (the simulator's rules, :func:`.simulate.simulate`):
 
 - every decision compares the (start, rank) keys of one group's jobs only (a worker's queues
-  hold its own jobs; a job's successors run in its group), so a group's run depends only on
-  its jobs and the *relative* order of their ranks;
-- a library order (:class:`~.orders.LibraryOrder`) ranks jobs by loops monotone in ``b``, so
-  ``b = g + G*m`` orders as ``m`` does in every group: every group's relative order is that of
-  a plan of R workers and B/G microbatches (``LPP(R, R)``);
+  hold its own jobs; a job's successors run in its group), so a group's run depends only on its
+  jobs and the *relative* order of their ranks;
+- a library order ranks jobs by loops monotone in ``b``, so ``b = g + G*m`` orders as ``m``
+  does in every group: every group's relative order is that of a plan of R workers and B/G
+  microbatches (``LPP(R, R)``);
 - costs are per stage, and the caps must repeat with period R (checked; else no fast path).
 
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
@@ -68,10 +67,9 @@ class Groups:
 
 def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
               micro: int) -> Groups | None:
-    """The group structure of a placement whose compute splits into G >= 2 replicas, or None:
-    a data-parallel lift (:class:`~.data_parallel.DataParallel`) of any P-worker placement and
-    priority, or the looped family under a library order, each group running ``LPP(R, R)``.
-    """
+    """The group structure of a placement whose compute splits into G >= 2 replicas, or None: a
+    data-parallel lift (:class:`~.data_parallel.DataParallel`) of any P-worker placement and
+    priority, or the looped family under a library order, each group running ``LPP(R, R)``."""
     if isinstance(placement, DataParallel):
         layout = placement.layout
         inner = replica_priority(priority, layout.replicas)
@@ -87,12 +85,8 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
             return None
         if workers % R or layout_of(priority) is None:
             return None
-        group = Groups(ReplicaLayout(R, workers // R, pipeline_major=False), LPP(R, R),
-                       priority)
-    G = group.count
-    if micro % G or G < 2:
-        return None
-    return group
+        group = Groups(ReplicaLayout(R, workers // R, pipeline_major=False), LPP(R, R), priority)
+    return None if micro % group.count or group.count < 2 else group
 
 
 def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
@@ -107,12 +101,11 @@ def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
 def make_simulator(graph: StageGraph, table: PlacementTable, placement: PlacementFn,
                    priority: PriorityFn, costs: Costs,
                    sweep: bool | None = None) -> Callable[[Sequence[int | None]], Timeline]:
-    """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a
-    pipeline where that is faster (:mod:`.sweep`), else the full simulation; all give the same
-    timeline. ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to pay; True,
-    wherever it is exact (tests); False, never. What the caps do not change (the full ranks,
-    only if a full simulation runs; the group's simulator; the sweep's keys) is made once.
-    """
+    """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a pipeline
+    where that is faster (:mod:`.sweep`), else the full simulation; all give the same timeline.
+    ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to pay; True, wherever it is
+    exact (tests); False, never. What the caps do not change (the full ranks, only if a full
+    simulation runs; the group's simulator; the sweep's keys) is made once."""
     groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
     group_run: list[Callable[[Sequence[int | None]], Timeline]] = []
@@ -126,10 +119,8 @@ def make_simulator(graph: StageGraph, table: PlacementTable, placement: Placemen
             full_ranks.extend(fresh_ranks())
         return full_ranks
 
-    asked = sweep  # one group decides for itself whether a sweep pays
-    if sweep is None:
-        sweep = worth_sweeping(table, len(graph.phases))
-    if sweep and groups is None and sweepable(graph, table):
+    worth = worth_sweeping(table, len(graph.phases)) if sweep is None else sweep
+    if worth and groups is None and sweepable(graph, table):
         keys = order_keys(priority, table.stages, table.micro, graph.phases)
         if keys is None:  # a user's order: its ranks are keys too
             keys = np.asarray(ranks(), dtype=np.int64)
@@ -147,8 +138,8 @@ def make_simulator(graph: StageGraph, table: PlacementTable, placement: Placemen
         if not group_run:
             P, sub_micro = layout.pipeline, table.micro // groups.count
             sub_table = PlacementTable(groups.placement, P, table.stages, sub_micro)
-            group_run.append(make_simulator(graph, sub_table, groups.placement,
-                                            groups.priority, costs, asked))
+            group_run.append(make_simulator(  # the group decides for itself whether a sweep pays
+                graph, sub_table, groups.placement, groups.priority, costs, sweep))
         try:
             group = group_run[0]([caps[layout.rank(p, 0)] for p in range(layout.pipeline)])
         except CapTooSmallError:
