@@ -54,7 +54,6 @@ class ScheduleSpec:
     stages: Callable[[int, int], int] = lambda W, R: W  # (W, R) -> default S
     micro: Callable[[int, int], int] = lambda W, R: 2 * W  # (W, R) -> default B
     default_R: Callable[[int], int] | None = None  # None: R is not a parameter of this schedule
-    defaults_doc: str = ""
     split_backward: bool = False  # B then W (zero-bubble schedules)
 
 
@@ -63,69 +62,54 @@ def _two_w(W: int, R: int) -> int:
 
 
 LIBRARY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
-    ScheduleSpec(
-        "ddp", "no transfers except one all-reduce, but every worker holds all weights and all "
-        "activations of its microbatches", lambda W, S, R: DDP(W), "bfs",
-        stages=lambda W, R: 1, micro=lambda W, R: W, defaults_doc="S=1, B=W"),
-    ScheduleSpec(
-        "fsdp", "DDP's latency with one stage per worker at rest; pays a weight fetch for every "
-        "non-owned stage in forward and again in backward", lambda W, S, R: FSDP(W), "bfs",
-        micro=lambda W, R: W, defaults_doc="S=W, B=W"),
-    ScheduleSpec(
-        "gpipe", "weights never move, only activations between neighbours; bubble (W-1)/(B+W-1) "
-        "and each worker stashes all B microbatches", lambda W, S, R: GPipe(W, S), "gpipe",
-        defaults_doc="S=W, B=2W"),
-    ScheduleSpec(
-        "1f1b", "GPipe's placement and latency, but backward-first with a cap: worker r stashes "
-        "at most W-r microbatches instead of B", lambda W, S, R: GPipe(W, S), "1f1b",
-        one_f_one_b_caps, defaults_doc="S=W, B=2W, cap=(S/W)(W-r)"),
-    ScheduleSpec(
-        "lpp", "looped pipeline: G=W/R replicas of an R-deep loop; smaller bubble than GPipe, "
-        "weights replicated G times (all-reduce among replicas)", lambda W, S, R: LPP(W, R),
-        "bfs", stages=lambda W, R: 2 * R, default_R=_even_r,
-        defaults_doc="R=2 (W even) else W, S=2R, B=2W"),
-    ScheduleSpec(
-        "interleaved", "one loop over all W workers with S=2W stages in Megatron's interleaved "
-        "1F1B order: GPipe's bubble divided by S/W, twice the activation messages",
-        # cap S: what cap='auto' finds at every shape tests/test_schedule_sweep.py checks
-        lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: S, stages=_two_w,
-        default_R=lambda W: W, defaults_doc="R=W, S=2W, B=2W, order=interleaved, cap=S"),
-    ScheduleSpec(
-        "fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per worker): "
-        "weights fetched within groups instead of replicated", lambda W, S, R: FSLPP(W, R),
-        "bfs", default_R=_even_r, defaults_doc="R=2 (W even) else W, S=W, B=2W"),
-    ScheduleSpec(
-        "fslpp-seed", "the seed's literal owner map h(s,s): same traffic pattern as fslpp but "
-        "ownership concentrated on a few workers", lambda W, S, R: FSLPPSeed(W, R), "bfs",
-        default_R=_even_r, defaults_doc="R=2 (W even) else W, S=W, B=2W"),
-    ScheduleSpec(
-        "zb-h1", "1F1B's placement with the backward split into B and W, W filling the bubbles: "
-        "about a third of 1F1B's bubble at the same peak stash (W microbatches)",
-        lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * W,
-        split_backward=True, defaults_doc="S=W, B=2W, order=zb, cap=(S/W)W"),
-    ScheduleSpec(
-        "zb-h2", "zb-h1 with 2W-1 microbatches in flight: extra warm-up forwards remove the "
-        "bubble, for about twice zb-h1's activation memory",
-        lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * (2 * W - 1),
-        split_backward=True, defaults_doc="S=W, B=2W, order=zb, cap=(S/W)(2W-1)"),
-    ScheduleSpec(
-        "zbv", "two stages per worker in a V (worker r holds stages r and 2W-1-r) with a split "
-        "backward: near-zero bubble at 1F1B's activation memory, weights never move",
-        lambda W, S, R: VShape(W, S), "zb", lambda W, S: S, stages=_two_w, split_backward=True,
-        defaults_doc="S=2W, B=2W, order=zb, cap=S stage-chunks (2W per V)"),
-    ScheduleSpec(
-        "v-half", "zbv's V with the activation cap at about half of 1F1B's ((W+2)/2 microbatches "
-        "per worker, reserved at a microbatch's first forward there): half of 1F1B's bubble (Qi "
-        "et al. 2024, V-Half)", lambda W, S, R: VShape(W, S, reserves_stash=True), "zb",
-        v_half_caps, stages=_two_w, split_backward=True,
-        defaults_doc="S=2W, B=2W, order=zb, cap=(S/W)(W+2)/2 stage-chunks, reserved"),
-    ScheduleSpec(
-        "v-min", "zbv's V with the activation cap at about a third of 1F1B's ((W+4)/3 "
-        "microbatches per worker, reserved): the least memory of the V family; its bubble grows "
-        "with B except at W=2 and 4 (Qi et al. 2024, V-Min, without its exact offsets)",
-        lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_min_caps, stages=_two_w,
-        split_backward=True,
-        defaults_doc="S=2W, B=2W, order=zb, cap=(S/W)(W+4)/3 stage-chunks, reserved"),
+    ScheduleSpec("ddp", "no transfers except one all-reduce, but every worker holds all weights "
+                 "and all activations of its microbatches", lambda W, S, R: DDP(W), "bfs",
+                 stages=lambda W, R: 1, micro=lambda W, R: W),
+    ScheduleSpec("fsdp", "DDP's latency with one stage per worker at rest; pays a weight fetch "
+                 "for every non-owned stage in forward and again in backward",
+                 lambda W, S, R: FSDP(W), "bfs", micro=lambda W, R: W),
+    ScheduleSpec("gpipe", "weights never move, only activations between neighbours; bubble "
+                 "(W-1)/(B+W-1) and each worker stashes all B microbatches",
+                 lambda W, S, R: GPipe(W, S), "gpipe"),
+    ScheduleSpec("1f1b", "GPipe's placement and latency, but backward-first with a cap: worker "
+                 "r stashes at most W-r microbatches instead of B", lambda W, S, R: GPipe(W, S),
+                 "1f1b", one_f_one_b_caps),
+    ScheduleSpec("lpp", "looped pipeline: G=W/R replicas of an R-deep loop; smaller bubble than "
+                 "GPipe, weights replicated G times (all-reduce among replicas)",
+                 lambda W, S, R: LPP(W, R), "bfs", stages=lambda W, R: 2 * R, default_R=_even_r),
+    # cap S: what cap='auto' finds at every shape tests/test_schedule_sweep.py checks
+    ScheduleSpec("interleaved", "one loop over all W workers with S=2W stages in Megatron's "
+                 "interleaved 1F1B order: GPipe's bubble divided by S/W, twice the activation "
+                 "messages", lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: S,
+                 stages=_two_w, default_R=lambda W: W),
+    ScheduleSpec("fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per "
+                 "worker): weights fetched within groups instead of replicated",
+                 lambda W, S, R: FSLPP(W, R), "bfs", default_R=_even_r),
+    ScheduleSpec("fslpp-seed", "the seed's literal owner map h(s,s): same traffic pattern as "
+                 "fslpp but ownership concentrated on a few workers",
+                 lambda W, S, R: FSLPPSeed(W, R), "bfs", default_R=_even_r),
+    ScheduleSpec("zb-h1", "1F1B's placement with the backward split into B and W, W filling the "
+                 "bubbles: about a third of 1F1B's bubble at the same peak stash (W "
+                 "microbatches)", lambda W, S, R: GPipe(W, S), "zb",
+                 lambda W, S: _per_worker(W, S) * W, split_backward=True),
+    ScheduleSpec("zb-h2", "zb-h1 with 2W-1 microbatches in flight: extra warm-up forwards "
+                 "remove the bubble, for about twice zb-h1's activation memory",
+                 lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * (2 * W - 1),
+                 split_backward=True),
+    ScheduleSpec("zbv", "two stages per worker in a V (worker r holds stages r and 2W-1-r) with "
+                 "a split backward: near-zero bubble at 1F1B's activation memory, weights never "
+                 "move", lambda W, S, R: VShape(W, S), "zb", lambda W, S: S, stages=_two_w,
+                 split_backward=True),
+    ScheduleSpec("v-half", "zbv's V with the activation cap at about half of 1F1B's ((W+2)/2 "
+                 "microbatches per worker, reserved at a microbatch's first forward there): half "
+                 "of 1F1B's bubble (Qi et al. 2024, V-Half)",
+                 lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_half_caps,
+                 stages=_two_w, split_backward=True),
+    ScheduleSpec("v-min", "zbv's V with the activation cap at about a third of 1F1B's ((W+4)/3 "
+                 "microbatches per worker, reserved): the least memory of the V family; its "
+                 "bubble grows with B except at W=2 and 4 (Qi et al. 2024, V-Min, without its "
+                 "exact offsets)", lambda W, S, R: VShape(W, S, reserves_stash=True), "zb",
+                 v_min_caps, stages=_two_w, split_backward=True),
 ]}
 
 

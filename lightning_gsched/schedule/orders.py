@@ -109,8 +109,7 @@ def interleaved_sequence(workers: int, stages: int, micro: int,
         for k in range(len(forwards) - warmup):
             sequence += [forwards[warmup + k], backwards[k]]
         sequence += backwards[len(forwards) - warmup:]
-        for index, job in enumerate(sequence):
-            position[job] = index
+        position.update((job, index) for index, job in enumerate(sequence))
     return position
 
 
@@ -172,11 +171,10 @@ ORDER_NAMES = sorted([*ORDERS, "interleaved"])
 
 def check_order(order: object) -> None:
     """An order argument is None (the schedule's), a known name or a callable ``n(s, b, d)``."""
-    if order is None or callable(order) or (isinstance(order, str) and order in ORDER_NAMES):
-        return
-    raise ScheduleConfigError(
-        f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or a "
-        "callable n(s, b, d), e.g. order='1f1b'")
+    if not (order is None or callable(order) or (isinstance(order, str) and order in ORDER_NAMES)):
+        raise ScheduleConfigError(
+            f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or "
+            "a callable n(s, b, d), e.g. order='1f1b'")
 
 
 def resolve_order(order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1,

@@ -19,6 +19,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Literal, NamedTuple, Sequence
 
 from lightning_gsched.errors import ProgramError
@@ -64,7 +65,6 @@ class OpSpec:
     counter: str | None = None
     forward_only: bool = False
     per_micro: bool = False
-    outgoing: bool = False
     tie_counter: str | None = None
 
     def counter_of(self, tie: bool) -> str | None:
@@ -79,22 +79,21 @@ OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
     OpSpec(Op.W, "compute", "weight-gradient of a stage after its split B; frees the stash",
            per_micro=True),
     OpSpec(Op.SEND_ACT, "send", "send a forward's output to the rank of the next stage", "p2p",
-           Op.RECV_ACT, "activation_sends", forward_only=True, per_micro=True, outgoing=True),
+           Op.RECV_ACT, "activation_sends", forward_only=True, per_micro=True),
     OpSpec(Op.RECV_ACT, "recv", "post the receive of a forward's output", "p2p", Op.SEND_ACT,
            "activation_recvs", forward_only=True, per_micro=True),
     OpSpec(Op.SEND_GRAD, "send", "send a backward's input-gradient to the producer's rank",
-           "p2p", Op.RECV_GRAD, "input_grad_sends", per_micro=True, outgoing=True),
+           "p2p", Op.RECV_GRAD, "input_grad_sends", per_micro=True),
     OpSpec(Op.RECV_GRAD, "recv", "post the receive of an input-gradient", "p2p", Op.SEND_GRAD,
            "input_grad_recvs", per_micro=True),
     # the weight-unit ops: a stage's or a tie's (Action.tie), one channel per kind for both
     OpSpec(Op.FETCH_W, "recv", "post the receive of a unit's weights; they become resident",
            "weights", Op.SEND_W, "weight_fetches", forward_only=True, tie_counter="tie_fetches"),
     OpSpec(Op.SEND_W, "send", "owner: send a unit's weights to a rank that fetches them",
-           "weights", Op.FETCH_W, "weight_serves", forward_only=True, outgoing=True,
-           tie_counter="tie_serves"),
+           "weights", Op.FETCH_W, "weight_serves", forward_only=True, tie_counter="tie_serves"),
     OpSpec(Op.FREE_W, "free", "release a fetched unit's weights", forward_only=True),
     OpSpec(Op.REDUCE_G, "send", "send a fetched unit's accumulated gradient to its owner",
-           "grads", Op.RECV_G, "grad_sends", outgoing=True, tie_counter="tie_grad_sends"),
+           "grads", Op.RECV_G, "grad_sends", tie_counter="tie_grad_sends"),
     OpSpec(Op.RECV_G, "recv", "owner: post the receive of a rank's gradient (summed in)",
            "grads", Op.REDUCE_G, "grad_recvs", tie_counter="tie_grad_recvs"),
     OpSpec(Op.ALLREDUCE_G, "collective", "all-reduce a unit's gradient among its owners",
@@ -113,29 +112,25 @@ BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, W, input-gradients, gradie
 CHANNEL_OF = {op: spec.channel for op, spec in OPS.items() if spec.channel is not None}
 RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items()
                  if spec.kind == "send" and spec.matches is not None}
-_OUT_OPS = frozenset(op for op, spec in OPS.items() if spec.outgoing)
 
 
 class RankGroup(tuple[int, ...]):
     """An all-reduce group that hashes once and tests membership in O(1) (the dry run asks every
     member ``rank in group``: O(W^2) with a plain tuple). Equal to, and hashing as, the tuple."""
 
-    _hash: int
-    _members: frozenset[int]
+    @cached_property
+    def _hash(self) -> int:
+        return tuple.__hash__(self)
+
+    @cached_property
+    def _members(self) -> frozenset[int]:
+        return frozenset(self)
 
     def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            self._hash = tuple.__hash__(self)
-            return self._hash
+        return self._hash
 
     def __contains__(self, rank: object) -> bool:
-        try:
-            members = self._members
-        except AttributeError:
-            members = self._members = frozenset(self)
-        return rank in members
+        return rank in self._members
 
 
 def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
@@ -160,7 +155,7 @@ class Action(NamedTuple):
         if self.micro is not None:
             text += f" b{self.micro}"
         if self.peer is not None:
-            text += f" {'->' if self.op in _OUT_OPS else '<-'}{self.peer}"
+            text += f" {'->' if self.op in SEND_OPS else '<-'}{self.peer}"
         if self.group is not None:
             text += " [" + ",".join(str(r) for r in self.group) + "]"
         return text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
@@ -104,7 +105,6 @@ class Timeline:
         # set by group symmetry (symmetry.py): replica g runs microbatches b = g mod G, its
         # position p's order is replica 0's with b renamed (same stages, same times)
         self.replicas: ReplicaLayout | None = None
-        self._slot_lists: tuple[list[Slot], list[list[Slot]]] | None = None
 
     @property
     def sequence(self) -> list[int]:
@@ -123,9 +123,8 @@ class Timeline:
         stage, micro = divmod(index // P, self.micro)
         return Job(stage, micro, self.phases[index % P])
 
+    @cached_property
     def _slots(self) -> tuple[list[Slot], list[list[Slot]]]:
-        if self._slot_lists is not None:
-            return self._slot_lists
         P, B, phases = len(self.phases), self.micro, self.phases
         start, end = self.start, self.end
         new_tuple = tuple.__new__  # NamedTuples without their __new__ frame
@@ -135,19 +134,18 @@ class Timeline:
                 q = i // P
                 job = new_tuple(Job, (q // B, q % B, phases[i % P]))
                 slot_of[i] = new_tuple(Slot, (job, worker, start[i], end[i]))
-        self._slot_lists = ([slot_of[i] for i in self.sequence],
-                            [[slot_of[i] for i in indices] for indices in self.order])
-        return self._slot_lists
+        return ([slot_of[i] for i in self.sequence],
+                [[slot_of[i] for i in indices] for indices in self.order])
 
     @property
     def slots(self) -> list[Slot]:
         """Every job's slot, in the order the simulation placed them (start times ascending)."""
-        return self._slots()[0]
+        return self._slots[0]
 
     @property
     def by_worker(self) -> list[list[Slot]]:
         """Per worker, its slots in the order it runs them."""
-        return self._slots()[1]
+        return self._slots[1]
 
 
 class _Worker:
@@ -216,8 +214,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
         free_at = state.free_at
         pending, ready = state.pending, state.ready
         forward = state.cap is None or state.stash < state.cap
-        now_rank = -1
-        now_k = 0
+        now_rank, now_k = -1, 0
         for k in state.phases:
             pend, queue = pending[k], ready[k]
             while pend and pend[0][0] <= free_at:
@@ -244,11 +241,9 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
                 cand = (pend[0][0], pend[0][1], k)
                 if later is None or cand < later:
                     later = cand
+        state.next_start = None if later is None else later[0]
         if later is not None:
             heappush(events, (later[0], later[1], w, state.version, later[2]))
-            state.next_start = later[0]
-        else:
-            state.next_start = None
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with their flat index at b = 0 and whether they have a single predecessor
@@ -259,9 +254,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
          for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     ]
-    missing: list[int] = []
-    for s in range(S):
-        missing.extend([n_pred[(s, d)] for d in graph.phases] * B)
+    missing = [n_pred[(s, d)] for s in range(S) for _ in range(B) for d in graph.phases]
     ready_time = [0.0] * total
     touched: list[int] = []
     for (s, d), count in n_pred.items():
@@ -274,8 +267,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
     for w in dict.fromkeys(touched):
         refresh(w)
 
-    start_of = [0.0] * total  # by flat job index
-    end_of = [0.0] * total
+    start_of, end_of = [0.0] * total, [0.0] * total  # by flat job index
     order: list[list[int]] = [[] for _ in range(W)]  # per worker, its flat jobs in order
     append_to = [jobs.append for jobs in order]
     busy = [0.0] * W  # per worker, the sum of its jobs' end - start, in its order

@@ -1,27 +1,24 @@
-"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy):
-the very timeline of :func:`.simulate.simulate`, which costs microseconds per job (millions at
-W=1024), for a few numpy operations per window (about latency / shortest job). It applies
-(:func:`sweepable`) to a chain whose every stage runs on one compute worker for all microbatches
-(the pipeline placements; looped ones go to :mod:`.symmetry`) under an order whose keys increase
-with ``b`` for every (stage, phase) (every library order; a user's is checked).
+"""The greedy simulation of a pipeline, swept in time windows over per-stage queues (numpy): the
+very timeline of :func:`.simulate.simulate` (microseconds per job, millions at W=1024) for a few
+numpy operations per window (about latency / shortest job). It applies (:func:`sweepable`) to a
+chain whose every stage runs on one compute worker for all microbatches (looped placements go to
+:mod:`.symmetry`) under an order whose keys increase with ``b`` for every (stage, phase).
 
 **Why it is the simulator's timeline, exactly.**
 
 1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a job's
-   one predecessor has the same b, so by induction over time every queue runs in b order with
-   non-decreasing ready times (its predecessor queue's ends increase along b on one worker with
-   one duration). The jobs of a queue ready at t are then a prefix of what is left of it, and
-   with keys increasing along it the simulator's choice (the smallest key among ready jobs the
-   cap allows) is a head: each worker's next job is the smallest ``(max(free_at, ready), key)``
-   among its queue heads (forwards only within its cap).
-2. *Windows.* Let t* be the earliest decision over all workers and d the shortest duration.
-   Nothing not started yet ends before t* + d (float rounding is monotone), so every worker
-   deciding below t* + d decides as the event-ordered simulation does, at most once (its job
-   lasts d at least): all are taken in one step.
-3. *Same floats.* Starts are ends or ready times (maxima of ends), ends are start + duration,
-   and busy times add durations in each worker's order: the simulator's operations, so the
-   timeline is equal, not close (``tests/test_schedule_sweep.py`` compares the two). A cap too
-   small raises the simulator's :class:`~lightning_gsched.errors.CapTooSmallError`.
+   one predecessor has the same b, so by induction every queue runs in b order with
+   non-decreasing ready times (its predecessor queue's ends increase along b). The jobs of a
+   queue ready at t are then a prefix of what is left of it, and with keys increasing along it
+   the simulator's choice (the smallest key among ready jobs the cap allows) is a head: each
+   worker's next job is the smallest ``(max(free_at, ready), key)`` among its queue heads.
+2. *Windows.* Let t* be the earliest decision and d the shortest duration. Nothing not started
+   yet ends before t* + d (float rounding is monotone), so every worker deciding below t* + d
+   decides as the event-ordered simulation does, at most once (its job lasts d at least): all
+   are taken in one step.
+3. *Same floats.* Starts are ends or maxima of ends, ends are start + duration, busy times add
+   durations in each worker's order: the simulator's operations, so the timeline is equal, not
+   close (tests/test_schedule_sweep.py). A cap too small raises the simulator's error.
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
     return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
 
 
-# rough costs (benchmarks/bench_planner.py): a window's numpy calls, plus per queue cell; a job of
-# the event-by-event simulation
+# rough costs (bench_planner.py): a window's numpy calls, per queue cell, an event-simulated job
 _WINDOW_US, _CELL_US, _JOB_US = 60.0, 0.015, 5.0
 
 

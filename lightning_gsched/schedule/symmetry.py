@@ -1,16 +1,13 @@
-"""The timeline by group symmetry: simulate one group of workers, rename it for the others.
-The compute of the looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R
-dividing W) splits into G identical independent groups: group ``g`` runs the microbatches
-``b = g + G*m`` on the workers ``g*R + p`` (p computing the stages ``s mod R == p``).
+"""The timeline by group symmetry: simulate one group of workers, rename it for the others. The
+compute of the looped family (ddp and fsdp are R = 1; lpp, fslpp and fslpp-seed any R dividing
+W) splits into G identical independent groups: group ``g`` runs the microbatches ``b = g + G*m``
+on the workers ``g*R + p`` (p computing the stages ``s mod R == p``). The renaming is exact:
 
-Why the renaming is exact (the simulator's rules, :func:`.simulate.simulate`):
-
-- every decision compares the (start, rank) keys of one group's jobs only (a worker's queues
-  hold its own jobs; a job's successors run in its group), so a group's run depends only on its
-  jobs and the *relative* order of their ranks;
-- a library order ranks jobs by loops monotone in ``b``, so ``b = g + G*m`` orders as ``m``
-  does in every group: every group's relative order is that of a plan of R workers and B/G
-  microbatches (``LPP(R, R)``);
+- every decision of the simulator compares the (start, rank) keys of one group's jobs only (a
+  worker's queues hold its own jobs; a job's successors run in its group), so a group's run
+  depends only on its jobs and the *relative* order of their ranks;
+- a library order ranks jobs by loops monotone in ``b``, so ``b = g + G*m`` orders as ``m`` does
+  in every group: every group's relative order is that of ``LPP(R, R)`` on B/G microbatches;
 - costs are per stage, and the caps must repeat with period R (checked; else no fast path).
 
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
