@@ -2,8 +2,7 @@
 derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler). With a split
 backward (zero-bubble schedules) B computes only the input gradient, all the previous stage
 waits for, and ``W s b`` (the weight gradient) follows ``B s b`` with no successor, so the
-scheduler may put it into any later bubble of the worker.
-"""
+scheduler may put it into any later bubble of the worker."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class StageGraph:
     """Which stages feed which: ``edges`` (producer, consumer) with producer < consumer (stages
     in topological order, as the partitioner numbers them); default the chain 0 -> ... -> S-1.
     Sinks compute the loss, so their backward starts from their own forward. ``forward_only``
-    (validation, test, predict): only F jobs, a sink's forward ends the microbatch.
-    """
+    (validation, test, predict): only F jobs, a sink's forward ends the microbatch."""
 
     def __init__(self, num_stages: int, edges: Iterable[tuple[int, int]] | None = None,
                  forward_only: bool = False, split_backward: bool = False) -> None:

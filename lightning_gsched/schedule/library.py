@@ -1,7 +1,6 @@
 """Named schedules (``gsched plan NAME``, ``GeneralParallel(NAME)``): a placement factory, a
 default order, a default activation cap and defaults for S (stages), B (microbatches) and R
-(workers per looped group) as functions of W (workers).
-"""
+(workers per looped group) as functions of W (workers)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps. An order only
 breaks ties between jobs a worker could start at once, so it cannot bound memory (a worker with
 ready forwards keeps taking them): a cap does, the most stashes a worker may hold. 1F1B is
-"backward first" plus a cap.
-"""
+"backward first" plus a cap."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ def interleaved_sequence(workers: int, stages: int, micro: int,
     written-out definition (tests check :class:`InterleavedOrder` against it). Worker ``g*R +
     p`` of a looped placement runs stages ``c*R + p`` of the microbatches ``b mod G == g``, its
     chunks depth-first over groups of R microbatches: a warm-up of ``2*(R-p-1) + (v-1)*R``
-    forwards (v = S/R chunks), then one forward and one backward alternately.
-    """
+    forwards (v = S/R chunks), then one forward and one backward alternately."""
     groups, chunks = workers // R, stages // R
     position: dict[tuple[int, int, Phase], int] = {}
     for worker in range(workers):

@@ -1,8 +1,7 @@
 """Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: which worker computes each job
 and which holds the source of truth of its stage's weights (lowering derives all traffic).
 The named ones generalise the seed's ``W = B`` and ``W = S`` to multiples; any callable is a
-placement too, validated once by :class:`PlacementTable`.
-"""
+placement too, validated once by :class:`PlacementTable`."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class LibraryPlacement:
     """A library placement: ``w(s, b, d)`` (its one formula), :meth:`check` of the sizes its
     layout needs, and claims on its rows (stages with equal ``weights_key``/``compute_key``
     share a row; rows constant or periodic in b), so :meth:`rows` calls ``__call__`` once per
-    distinct entry, not S x B times (tests/test_schedule_fast_paths.py checks the claims).
-    """
+    distinct entry, not S x B times (tests/test_schedule_fast_paths.py checks the claims)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -246,18 +244,14 @@ class FSLPPSeed(_Looped):
 class PlacementTable:
     """A placement evaluated once for every (s, b), validated (a :class:`PlacementError` names
     the job): both workers are ints in [0, W); F and B of one (s, b) run on one compute worker
-    (the stash lives there); all jobs of stage s on one compute worker use one weights worker,
-    so a worker fetches stage s from, and returns its gradient to, a single owner.
-    """
+    (the stash lives there); all jobs of stage s on one compute worker use one weights worker, so
+    a worker fetches stage s from, and returns its gradient to, a single owner (``fetch_source[(s,
+    c)]``). ``weights[s][b]``: (F's, B's) weights worker."""
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
         self.workers, self.stages, self.micro = workers, stages, micro
         self._owned: dict[int, list[int]] | None = None
         self._computed: dict[int, set[int]] | None = None
-        self.compute: list[list[int]]
-        self.weights: list[list[tuple[int, int]]]  # (F's, B's) weights worker
-        self.owners: list[tuple[int, ...]]
-        self.fetch_source: dict[tuple[int, int], int]  # (stage, compute worker) -> owner
         # the lowering holds a fetched stage for the whole step (data_parallel='shard')
         self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
         self.reserves_stash = bool(getattr(placement, "reserves_stash", False))

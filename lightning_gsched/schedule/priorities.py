@@ -25,8 +25,7 @@ def priority_ranks(priority: PriorityFn, stages: int, micro: int, forward_only: 
         return dense_ranks(known).tolist()  # type: ignore[no-any-return]
     keys: list[Any] = []
     append = keys.append
-    s = b = 0
-    d = phases[0]
+    s, b, d = 0, 0, phases[0]
     try:  # one try around the loop: no per-job cost on the planner's hot path
         for s in range(stages):
             for b in range(micro):
@@ -100,8 +99,7 @@ def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
     tuple of ints of one length; None otherwise (then the pairs themselves are sorted). Each
     key component is shifted to start at 0 and the tuple read as a mixed-radix number
     (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
-    the job's place in job order (the tie-break). ``keys`` are in flat job order.
-    """
+    the job's place in job order (the tie-break). ``keys`` are in flat job order."""
     if not keys:
         return None
     columns: list[Sequence[Any]] = [keys]

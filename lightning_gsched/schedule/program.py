@@ -6,12 +6,11 @@ b1 ->2``, ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5 [0,2]``) round-trips through :met
 The :data:`UNIT_OPS` act on a *weight unit*: a stage's own weights (``s5``) or a *tie* (``t0``),
 parameters several stages read (a tied embedding and head), named by its **home**, the lowest
 stage reading it, owned with it and fetched once per step by a rank computing a reader without
-owning it. A tie differs from a stage only in its readers, in being no stage of
-``peak_resident_stages`` and in its ``tie_*`` counters.
+owning it. A tie differs from a stage only in its readers and counters, and in being no stage of
+``peak_resident_stages``.
 
 Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
-first action that consumes them. Sends never block. The dry run proves this model deadlock-free.
-"""
+first action that consumes them. Sends never block. The dry run proves this model deadlock-free."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class OpSpec:
     """What one op means, for every reader of programs. ``channel``: the FIFO channel a send or
     recv uses; ``matches``: the op at the message's other end. ``counter`` (``tie_counter``: a
     tie's): the :class:`~.counts.ActionCounts` field one action adds 1 to (None: counted
-    otherwise or not at all). ``forward_only``: allowed in forward-only programs.
-    """
+    otherwise or not at all). ``forward_only``: allowed in forward-only programs."""
 
     op: Op
     kind: OpKind
@@ -274,8 +272,7 @@ class Programs:
     rank, the stash living until ``W``. ``ties``: tie home -> its reader stages (sorted).
     ``ranks``: each program made when first read (a list given is wrapped). ``planned``: made by
     the planner's lowering (every all-reduce group is a replicated stage's owners), so a reader
-    may answer from those facts instead of reading every program.
-    """
+    may answer from those facts instead of reading every program."""
 
     ranks: LazyList[list[Action]]
     num_stages: int

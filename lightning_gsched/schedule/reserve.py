@@ -3,8 +3,7 @@ will hold there. Why: on a V placement a plain cap below 2W deadlocks: worker 0'
 always ready, so it fills the cap with first-stage forwards, and the second-stage forward of its
 oldest microbatch, which every backward waits for, never starts. Reserving keeps room for it, so
 any cap of at least a worker's stages completes, and the stash held never exceeds the cap. A
-placement opts in with ``reserves_stash = True`` (v-half, v-min).
-"""
+placement opts in with ``reserves_stash = True`` (v-half, v-min)."""
 
 from __future__ import annotations
 

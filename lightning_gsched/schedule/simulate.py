@@ -1,12 +1,9 @@
 """The seed's clock-free greedy simulation, ``argmin max(t(worker), t(job)) + eps * n`` among
 ready jobs (every worker's earliest-startable job, ties broken by the order ``n``, the earliest
-of those first), with a heap instead of a scan of the frontier. Start times so handed out never
-decrease: an event-ordered list scheduler, O(log J) per job.
-
-A forward may not start on a worker holding ``cap`` stashes (forwards whose backward has not
-finished; a reserving placement charges :func:`.reserve.stash_charges` instead of 1). If no
-worker can start anything while jobs remain, :class:`CapTooSmallError` says who is stuck.
-"""
+of those first), with a heap instead of a scan of the frontier: an event-ordered list scheduler,
+O(log J) per job. A forward may not start on a worker holding ``cap`` stashes (forwards whose
+backward has not finished; a reserving placement charges :func:`.reserve.stash_charges` instead
+of 1). If no worker can start anything while jobs remain, :class:`CapTooSmallError` says who."""
 
 from __future__ import annotations
 
@@ -88,9 +85,9 @@ class Slot(NamedTuple):
 
 
 class Timeline:
-    """Every job's worker and start/end time, by flat job index ``i = (stage * micro + b) * P
-    + k`` (k: the phase's place in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (worker
-    w's indices in order), ``sequence`` (placement order), ``busy[w]`` (the sum of w's ``end -
+    """Every job's worker and start/end time, by flat job index ``i = (stage * micro + b) * P +
+    k`` (k: the phase's place in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (worker w's
+    indices in order), ``sequence`` (placement order), ``busy[w]`` (the sum of w's ``end -
     start`` in order). :attr:`slots` and :attr:`by_worker` are built on first use only."""
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
@@ -184,13 +181,12 @@ _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 
 def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs,
              caps: Sequence[int | None]) -> Timeline:
-    """Run the greedy schedule to completion. ``ranks``: :func:`~.priorities.priority_ranks`.
-
-    A hot loop with the plain rule's results (tests/planner_references.py): an event carries
-    its worker's choice and version, so a valid event is taken without choosing again and a
-    stale one skipped; a worker starting something now is not refreshed for a job ready only
-    later; a single-predecessor successor is ready when its job ends. A stash counts against
-    the cap from its F until its last backward phase (B, or W when split)."""
+    """Run the greedy schedule to completion (``ranks``: :func:`~.priorities.priority_ranks`),
+    a hot loop with the plain rule's results (tests/planner_references.py): an event carries its
+    worker's choice and version, so a valid event is taken without choosing again and a stale
+    one skipped; a worker starting something now is not refreshed for a job ready only later; a
+    single-predecessor successor is ready when its job ends. A stash counts against the cap from
+    its F until its last backward phase (B, or W when split)."""
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
     total = P * S * B

@@ -18,8 +18,7 @@ chain whose every stage runs on one compute worker for all microbatches (looped 
    are taken in one step.
 3. *Same floats.* Starts are ends or maxima of ends, ends are start + duration, busy times add
    durations in each worker's order: the simulator's operations, so the timeline is equal, not
-   close (tests/test_schedule_sweep.py). A cap too small raises the simulator's error.
-"""
+   close (tests/test_schedule_sweep.py). A cap too small raises the simulator's error."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ class _Queues:
     Cell ``slot * W + worker`` holds one queue of the worker, so a per-worker minimum over its
     queues is K - 1 element-wise minima of contiguous rows (numpy reduces a short last axis
     slowly). Queue (s, d) holds ``(s, b, d)``, flat job index ``base + b * P``; a cell past a
-    worker's queues is empty (no jobs, never ready).
-    """
+    worker's queues is empty (no jobs, never ready)."""
 
     def __init__(self, graph: StageGraph, table: PlacementTable, costs: Costs) -> None:
         W, S, B = table.workers, table.stages, table.micro
@@ -176,8 +174,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     # the cell in its low digits, so a worker's smallest key names the cell it takes
     head = np.append(q.base, -1)  # the sink cell's head matches no job
     head_ready = np.append(np.where(q.jobs > 0, ready[q.base], np.inf), np.inf)
-    cell_ids = np.arange(cells + 1, dtype=np.int64)
-    head_key = keys[np.minimum(head, J - 1)] * (cells + 1) + cell_ids
+    head_key = keys[np.minimum(head, J - 1)] * (cells + 1) + np.arange(cells + 1, dtype=np.int64)
     ready_grid = head_ready[:cells].reshape(K, W)  # views of the flat arrays
     key_grid = head_key[:cells].reshape(K, W)
     forward_grid = q.forward.reshape(K, W)

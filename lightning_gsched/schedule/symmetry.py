@@ -13,8 +13,7 @@ on the workers ``g*R + p`` (p computing the stages ``s mod R == p``). The renami
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
 worker ``p`` to ``g*R + p``, with the same busy sums; the global placement order is a merge of
 the G renamed copies by (start, rank), built only when read. Anything else is simulated in full,
-as is a cap too small (for the error naming the full plan's worker and job).
-"""
+as is a cap too small (for the error naming the full plan's worker and job)."""
 
 from __future__ import annotations
 
