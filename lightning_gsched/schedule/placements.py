@@ -241,6 +241,10 @@ class FSLPPSeed(_Looped):
         return self.h(stage, stage), self.h(stage, micro)
 
 
+# the classes whose compute splits into W/R identical groups (symmetry.py; ddp and fsdp: R = 1)
+LOOPED = frozenset({DDP, FSDP, LPP, FSLPP, FSLPPSeed})
+
+
 class PlacementTable:
     """A placement evaluated once for every (s, b), validated (a :class:`PlacementError` names
     the job): both workers are ints in [0, W); F and B of one (s, b) run on one compute worker

@@ -99,10 +99,9 @@ OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
 )}
 
 UNIT_OPS = frozenset({Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
-COLLECTIVE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "collective")
-COMPUTE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "compute")
-SEND_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "send")
-RECV_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "recv")
+COMPUTE_OPS, SEND_OPS, RECV_OPS, COLLECTIVE_OPS = (
+    frozenset(op for op, spec in OPS.items() if spec.kind == kind)
+    for kind in ("compute", "send", "recv", "collective"))
 FORWARD_ONLY_OPS = frozenset(op for op, spec in OPS.items() if spec.forward_only)
 BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, W, input-gradients, gradient reductions
 # Each channel is FIFO per (src, dst): the k-th send on it matches the k-th receive posted on

@@ -120,8 +120,7 @@ class _Queues:
         self.shortest = float(durations.min()) if durations.size else 1.0
         # successors in a chain as the flat index of their b = 0 job (-1: none): F s -> F s+1
         # (the last stage's F -> its B); B s -> B s-1, and W s when split
-        succ_a = np.full(S * P, -1, dtype=np.int64)
-        succ_b = np.full(S * P, -1, dtype=np.int64)
+        succ_a, succ_b = np.full((2, S * P), -1, dtype=np.int64)
         f, bk = phase == 0, phase == 1
         inner, last = f & (stage < S - 1), f & (stage == S - 1)
         succ_a[inner] = (stage[inner] + 1) * B * P
@@ -162,8 +161,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     ready[0:B * P:P] = 0.0  # F 0 b: sources
     # the timeline's own storage, written through numpy views (no copy at the end)
     start_times, end_times = array("d", bytes(8 * J)), array("d", bytes(8 * J))
-    start = np.frombuffer(start_times, dtype=np.float64)
-    end = np.frombuffer(end_times, dtype=np.float64)
+    start, end = (np.frombuffer(times, dtype=np.float64) for times in (start_times, end_times))
     # each worker's order, written in place: worker w's jobs from offsets[w] on
     per_worker = np.bincount(np.arange(cells) % W, weights=q.jobs, minlength=W).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(per_worker)))
@@ -175,10 +173,8 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     head = np.append(q.base, -1)  # the sink cell's head matches no job
     head_ready = np.append(np.where(q.jobs > 0, ready[q.base], np.inf), np.inf)
     head_key = keys[np.minimum(head, J - 1)] * (cells + 1) + np.arange(cells + 1, dtype=np.int64)
-    ready_grid = head_ready[:cells].reshape(K, W)  # views of the flat arrays
-    key_grid = head_key[:cells].reshape(K, W)
-    forward_grid = q.forward.reshape(K, W)
-    charge_grid = q.charge.reshape(K, W)
+    ready_grid, key_grid = head_ready[:cells].reshape(K, W), head_key[:cells].reshape(K, W)  # views
+    forward_grid, charge_grid = q.forward.reshape(K, W), q.charge.reshape(K, W)
     last = (B - 1) * P  # a queue's last job: b * P = last
     placed = 0
     while placed < J:

@@ -27,15 +27,7 @@ from lightning_gsched.errors import CapTooSmallError
 from lightning_gsched.schedule.data_parallel import DataParallel, replica_priority
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.orders import PriorityFn, layout_of
-from lightning_gsched.schedule.placements import (
-    DDP,
-    FSDP,
-    FSLPP,
-    LPP,
-    FSLPPSeed,
-    PlacementFn,
-    PlacementTable,
-)
+from lightning_gsched.schedule.placements import LOOPED, LPP, PlacementFn, PlacementTable
 from lightning_gsched.schedule.priorities import order_keys, priority_ranks
 from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.simulate import Costs, Timeline, simulate
@@ -73,12 +65,9 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
             return None
         group = Groups(layout, placement.inner, inner)
     else:
-        if type(placement) in (DDP, FSDP):
-            R = 1
-        elif type(placement) in (LPP, FSLPP, FSLPPSeed):
-            R = placement.R  # type: ignore[attr-defined]
-        else:
+        if type(placement) not in LOOPED:
             return None
+        R: int = getattr(placement, "R", 1)
         if workers % R or layout_of(priority) is None:
             return None
         group = Groups(ReplicaLayout(R, workers // R, pipeline_major=False), LPP(R, R), priority)
