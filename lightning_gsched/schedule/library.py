@@ -126,8 +126,8 @@ def get_schedule(name: str) -> ScheduleSpec:
 
 
 def check_R(spec: ScheduleSpec, R: int | None) -> None:
-    """What can be said about R (already None or a positive int) without the number of
-    workers: only looped schedules take one."""
+    """What can be said about R (None or a positive int) without W: only looped schedules take
+    one."""
     if spec.default_R is None and R not in (None, 1):
         raise ScheduleConfigError(
             f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
@@ -136,8 +136,8 @@ def check_R(spec: ScheduleSpec, R: int | None) -> None:
 
 def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches: int | None,
                   R: int | None) -> tuple[int, int, int | None]:
-    """(S, B, R) for a library schedule on ``workers`` ranks, filling its defaults: the one
-    resolution every front end uses, so they agree on the defaults."""
+    """(S, B, R) for a library schedule on ``workers`` ranks, defaults filled in (every front
+    end resolves here, so they agree)."""
     spec = get_schedule(schedule)
     check_R(spec, R)
     if spec.default_R is None:

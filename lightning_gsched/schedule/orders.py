@@ -193,8 +193,7 @@ def one_f_one_b_caps(workers: int, stages: int | None = None) -> list[int]:
 
 
 def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
-    """One cap per worker (``None`` = unbounded) from None, an int, a sequence of length W or a
-    callable ``cap(worker)``. ``"auto"`` is resolved by the planner (it needs simulations)."""
+    """One cap per worker (None: unbounded). ``"auto"`` is the planner's (it needs simulations)."""
     if cap is None:
         return [None] * workers
     if isinstance(cap, str):

@@ -247,10 +247,9 @@ LOOPED = frozenset({DDP, FSDP, LPP, FSLPP, FSLPPSeed})
 
 class PlacementTable:
     """A placement evaluated once for every (s, b), validated (a :class:`PlacementError` names
-    the job): both workers are ints in [0, W); F and B of one (s, b) run on one compute worker
-    (the stash lives there); all jobs of stage s on one compute worker use one weights worker, so
-    a worker fetches stage s from, and returns its gradient to, a single owner (``fetch_source[(s,
-    c)]``). ``weights[s][b]``: (F's, B's) weights worker."""
+    the job): workers are ints in [0, W); F and B of one (s, b) run on one compute worker (the
+    stash lives there); a compute worker fetches stage s from, and returns its gradient to, a
+    single owner (``fetch_source``). ``weights[s][b]``: (F's, B's) weights worker."""
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
         self.workers, self.stages, self.micro = workers, stages, micro

@@ -95,11 +95,10 @@ _TEXT_RANK = {Phase.B: 0, Phase.F: 1, Phase.W: 2}
 
 
 def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
-    """One int per job ordering as (key, job) does, when every key is an int or every key a
-    tuple of ints of one length; None otherwise (then the pairs themselves are sorted). Each
-    key component is shifted to start at 0 and the tuple read as a mixed-radix number
-    (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
-    the job's place in job order (the tie-break). ``keys`` are in flat job order."""
+    """One int per job ordering as (key, job) does, when every key is an int or every key a tuple
+    of ints of one length (else None: the pairs are sorted): each component shifted to start at
+    0, the tuple read as a mixed-radix number (radix: the component's range), which orders as
+    the tuples do; the lowest digit is the job's place in flat job order (the tie-break)."""
     if not keys:
         return None
     columns: list[Sequence[Any]] = [keys]

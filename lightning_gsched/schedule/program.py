@@ -194,8 +194,7 @@ CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_
 
 
 class Channel(NamedTuple):
-    """One direction of one kind of traffic between two ranks: FIFO, receives posted in the
-    order of the sends."""
+    """One direction of one kind of traffic between two ranks, FIFO."""
 
     kind: str
     src: int
@@ -230,8 +229,8 @@ def channel_bases(world: int) -> dict[Op, int]:
 
 def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Message]) -> None:
     """The one matching rule: a channel's sends and posts carry the same messages in the same
-    order. Raises :class:`ProgramError` naming the first message sent and never posted (or
-    posted and never sent), else the first out of order."""
+    order. The :class:`ProgramError` names the first unmatched message, else the first out of
+    order."""
     if list(sent) == list(posted):
         return
     kind, src, dst = channel
@@ -264,14 +263,13 @@ _PATTERN = re.compile(
 
 @dataclass
 class Programs:
-    """Programs of all ranks plus the facts the runtime needs to execute them.
-
-    ``owners[s]``: the ranks holding the source of truth of stage s (several: replicas, kept
-    equal by ``ALLREDUCE_G``). ``split_backward``: every backward is ``B`` then ``W`` on one
-    rank, the stash living until ``W``. ``ties``: tie home -> its reader stages (sorted).
-    ``ranks``: each program made when first read (a list given is wrapped). ``planned``: made by
-    the planner's lowering (every all-reduce group is a replicated stage's owners), so a reader
-    may answer from those facts instead of reading every program."""
+    """Programs of all ranks plus the facts the runtime needs to execute them. ``owners[s]``: the
+    ranks holding the source of truth of stage s (several: replicas, kept equal by
+    ``ALLREDUCE_G``). ``split_backward``: every backward is ``B`` then ``W`` on one rank, the
+    stash living until ``W``. ``ties``: tie home -> its reader stages (sorted). ``ranks``: each
+    program made when first read (a list given is wrapped). ``planned``: made by the planner's
+    lowering (every all-reduce group is a replicated stage's owners), so a reader may answer
+    from those facts instead of reading every program."""
 
     ranks: LazyList[list[Action]]
     num_stages: int
@@ -300,8 +298,7 @@ class Programs:
         return weight_grad_op(self.forward_only, self.split_backward)
 
     def owned_stages(self, rank: int) -> list[int]:
-        """The stages ``rank`` owns, ascending, from an index of ``owners`` built on first use
-        (every reader asks once per rank: a scan of all stages each time is O(W x S))."""
+        """Ascending, from an index built on first use (a scan per rank would be O(W x S))."""
         index = self._owned_index
         if index is None or index[0] is not self.owners:
             by_rank: dict[int, list[int]] = {}

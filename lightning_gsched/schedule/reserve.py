@@ -12,9 +12,8 @@ from typing import Sequence
 
 def stash_charges(compute: Sequence[Sequence[int]]) -> list[int]:
     """What each forward adds to its worker's count under the cap, by flat (stage * B + micro):
-    the first forward of microbatch b on a worker is charged the number of stages b has on that
-    worker, its later forwards there 0. Every stash is still released one by one, by its last
-    backward phase."""
+    the first forward of microbatch b on a worker the number of stages b has there, its later
+    forwards there 0. Every stash is still released one by one, by its last backward phase."""
     stages = len(compute)
     micro = len(compute[0]) if stages else 0
     charges = [0] * (stages * micro)

@@ -23,9 +23,8 @@ from lightning_gsched.schedule.reserve import stash_charges
 
 @dataclass(frozen=True)
 class Costs:
-    """Duration of each (stage, phase). ``weight``: W's, when split (then ``backward`` is B's
-    only); :meth:`build` halves the backward between B and W by default (for a layer's matmuls
-    each costs about one forward)."""
+    """Duration of each (stage, phase); ``weight``: W's when split. :meth:`build` halves the
+    backward between B and W by default (for a layer's matmuls each costs about one forward)."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
@@ -181,12 +180,11 @@ _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 
 def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs,
              caps: Sequence[int | None]) -> Timeline:
-    """Run the greedy schedule to completion (``ranks``: :func:`~.priorities.priority_ranks`),
-    a hot loop with the plain rule's results (tests/planner_references.py): an event carries its
-    worker's choice and version, so a valid event is taken without choosing again and a stale
-    one skipped; a worker starting something now is not refreshed for a job ready only later; a
-    single-predecessor successor is ready when its job ends. A stash counts against the cap from
-    its F until its last backward phase (B, or W when split)."""
+    """Run the greedy schedule to completion: a hot loop with the plain rule's results
+    (tests/planner_references.py). An event carries its worker's choice and version, so a valid
+    event is taken without choosing again and a stale one skipped; a worker starting something
+    now is not refreshed for a job ready only later; a single-predecessor successor is ready
+    when its job ends. A stash counts from its F until its last backward phase."""
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
     total = P * S * B
@@ -335,8 +333,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
 
 def stuck_error(blocked: Sequence[tuple[int, int, int, Job]], placed: int, total: int,
                 caps: Sequence[int | None]) -> CapTooSmallError:
-    """The error when no worker can start anything: per blocked worker (worker, stash, cap, its
-    first waiting forward). Shared with the sweep, which must fail the same way."""
+    """``blocked``: (worker, stash, cap, its first waiting forward). Shared with the sweep."""
     detail = "; ".join(
         f"worker {w} holds {stash} activations (cap {cap}) and cannot start {job}"
         for w, stash, cap, job in blocked) or "no worker has a startable job"

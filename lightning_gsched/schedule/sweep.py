@@ -66,9 +66,8 @@ def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: in
 
 
 class WorkerOrders(LazyList[list[int]]):
-    """``Timeline.order`` of a swept timeline: one int array (``flat``, worker after worker, from
-    ``offsets``), a worker's list made when read (a rank lowering its own program never makes
-    the others' Python ints); :func:`.proof.certify` reads the arrays themselves."""
+    """``Timeline.order`` as one int array (worker after worker, from ``offsets``), a worker's
+    list made when read: a rank lowering its own program never makes the others' Python ints."""
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.flat, self.offsets = flat, offsets
@@ -79,11 +78,10 @@ class WorkerOrders(LazyList[list[int]]):
 
 
 class _Queues:
-    """Every worker's queues as the cells of a K x W grid (K: the most queues a worker has).
-    Cell ``slot * W + worker`` holds one queue of the worker, so a per-worker minimum over its
-    queues is K - 1 element-wise minima of contiguous rows (numpy reduces a short last axis
-    slowly). Queue (s, d) holds ``(s, b, d)``, flat job index ``base + b * P``; a cell past a
-    worker's queues is empty (no jobs, never ready)."""
+    """Every worker's queues as the cells ``slot * W + worker`` of a K x W grid (K: the most
+    queues a worker has), so a per-worker minimum is K - 1 element-wise minima of contiguous rows
+    (numpy reduces a short last axis slowly). Queue (s, d) holds ``(s, b, d)``, flat job index
+    ``base + b * P``; a cell past a worker's queues is empty (no jobs, never ready)."""
 
     def __init__(self, graph: StageGraph, table: PlacementTable, costs: Costs) -> None:
         W, S, B = table.workers, table.stages, table.micro
@@ -145,8 +143,7 @@ class _Queues:
 def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, costs: Costs,
                    caps: Sequence[int | None]) -> Timeline:
     """The timeline :func:`.simulate.simulate` gives for ``keys``' order (int64 per flat job
-    index, ordering jobs as the simulator's ranks do). The caller checks :func:`sweepable` and
-    :func:`keys_increase_in_micro`."""
+    index). The caller checks :func:`sweepable` and :func:`keys_increase_in_micro`."""
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
     J = S * B * P
@@ -229,8 +226,8 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
 def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray, stash: np.ndarray, cap: np.ndarray,
            caps: Sequence[int | None], B: int, P: int, placed: int, total: int,
            graph: StageGraph) -> Exception:
-    """The simulator's error when no worker can start anything: per blocked worker, its first
-    waiting forward (the smallest flat index of an F whose input has arrived: a queue head)."""
+    """The simulator's error; a worker's first waiting forward is the smallest flat index of an
+    F whose input has arrived (a queue head)."""
     shape = (q.width, len(stash))
     jobs = head[:-1].reshape(shape)  # without the sink cell
     left = (jobs - q.base.reshape(shape)) < q.jobs.reshape(shape) * len(graph.phases)

@@ -75,8 +75,8 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
 
 
 def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
-    """Whether one group's run renamed is exactly the full simulation: a group structure, and
-    caps that are the same at a position in every group."""
+    """Whether one group's run renamed is exactly the full simulation: caps equal at a position
+    in every group."""
     if groups is None:
         return False
     layout = groups.layout
@@ -181,7 +181,6 @@ def expand(group: Timeline, layout: ReplicaLayout,
 
 
 def _renamed(jobs: Sequence[int], P: int, Bg: int, G: int) -> list[int]:
-    """Group 0's flat indices (s*Bg + m)*P + k as the full plan's (s*B + m*G)*P + k (group g
-    adds g*P)."""
+    """Group 0's flat indices (s*Bg + m)*P + k as the full plan's (s*B + m*G)*P + k."""
     B = Bg * G
     return [((j // P) // Bg * B + (j // P) % Bg * G) * P + j % P for j in jobs]
