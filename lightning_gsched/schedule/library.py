@@ -152,6 +152,5 @@ def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches:
         raise ScheduleConfigError(
             f"R={R} does not divide the {workers} devices (num_nodes x devices), W={workers}; "
             f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}")
-    S = stages if stages is not None else spec.stages(workers, R or 1)
-    B = microbatches if microbatches is not None else spec.micro(workers, R or 1)
-    return S, B, R
+    return (stages if stages is not None else spec.stages(workers, R or 1),
+            microbatches if microbatches is not None else spec.micro(workers, R or 1), R)

@@ -96,12 +96,10 @@ def interleaved_sequence(workers: int, stages: int, micro: int,
     for worker in range(workers):
         g, p = divmod(worker, R)
         mine = [b for b in range(micro) if b % groups == g]
-        forwards: list[tuple[int, int, Phase]] = []
-        backwards: list[tuple[int, int, Phase]] = []
-        for first in range(0, len(mine), R):
-            block = mine[first:first + R]
-            forwards += [(c * R + p, b, _F) for c in range(chunks) for b in block]
-            backwards += [(c * R + p, b, _B) for c in reversed(range(chunks)) for b in block]
+        blocks = [mine[first:first + R] for first in range(0, len(mine), R)]
+        forwards = [(c * R + p, b, _F) for block in blocks for c in range(chunks) for b in block]
+        backwards = [(c * R + p, b, _B) for block in blocks for c in reversed(range(chunks))
+                     for b in block]
         warmup = min(2 * (R - p - 1) + (chunks - 1) * R, len(forwards))
         sequence = forwards[:warmup]
         for k in range(len(forwards) - warmup):

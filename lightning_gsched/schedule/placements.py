@@ -102,50 +102,38 @@ class DDP(LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class FSDP(LibraryPlacement):
+class FSDP(DDP):
     """w = (s mod W, b mod W): DDP's compute, but stage s's weights live only on worker s mod W."""
 
-    workers: int
+    weights_constant_in_micro = True  # one owner per stage
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         return stage % self.workers, micro % self.workers
 
-    weights_constant_in_micro = True  # one owner per stage
-
-    def compute_key(self, stage: int) -> Hashable:
-        return 0  # DDP's compute
-
-    def micro_period(self) -> int | None:
-        return self.workers
+    def weights_key(self, stage: int) -> Hashable:
+        return stage
 
     def check(self, stages: int, micro: int) -> None:
-        DDP(self.workers).check(stages, micro)
+        super().check(stages, micro)
         _multiple(stages, self.workers, f"fsdp: stages S={stages} must be a multiple of workers "
                   f"W={self.workers} so every worker owns S/W stages", "S")
 
 
-class _Pinned(LibraryPlacement):
-    """w = (k(s), k(s)): every stage computed where its weights live, for every microbatch."""
+@dataclass(frozen=True)
+class GPipe(LibraryPlacement):
+    """w = (k(s), k(s)), every stage computed where its weights live (which never move), with
+    k = s // (S/W): contiguous blocks of stages per worker, no looping."""
 
-    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
+    workers: int
+    stages: int
+    weights_constant_in_micro = compute_constant_in_micro = True
 
     def worker_of(self, stage: int) -> int:
-        raise NotImplementedError
+        return stage // (self.stages // self.workers)
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         worker = self.worker_of(stage)
         return worker, worker
-
-
-@dataclass(frozen=True)
-class GPipe(_Pinned):
-    """k = s // (S/W): contiguous blocks of stages per worker, no looping."""
-
-    workers: int
-    stages: int
-
-    def worker_of(self, stage: int) -> int:
-        return stage // (self.stages // self.workers)
 
     def check(self, stages: int, micro: int) -> None:
         _require(stages >= self.workers and stages % self.workers == 0,
@@ -154,12 +142,11 @@ class GPipe(_Pinned):
 
 
 @dataclass(frozen=True)
-class VShape(_Pinned):
-    """Stages in a V: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats it). The first and last
-    stage live on worker 0, so the loss is computed where the pipeline started (ZB-V)."""
+class VShape(GPipe):
+    """GPipe's pinning with the stages in a V: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats
+    it). The first and last stage live on worker 0, so the loss is computed where the pipeline
+    started (ZB-V)."""
 
-    workers: int
-    stages: int
     reserves_stash: bool = False
 
     def worker_of(self, stage: int) -> int:

@@ -107,8 +107,7 @@ BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, W, input-gradients, gradie
 # Each channel is FIFO per (src, dst): the k-th send on it matches the k-th receive posted on
 # it. Separate channels let weights and gradients flow independently of activations.
 CHANNEL_OF = {op: spec.channel for op, spec in OPS.items() if spec.channel is not None}
-RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items()
-                 if spec.kind == "send" and spec.matches is not None}
+RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items() if op in SEND_OPS and spec.matches}
 
 
 class RankGroup(tuple[int, ...]):

@@ -61,8 +61,7 @@ def worth_sweeping(table: PlacementTable, phases: int) -> bool:
 
 def keys_increase_in_micro(keys: np.ndarray, stages: int, micro: int, phases: int) -> bool:
     """Whether every (stage, phase) queue's keys increase with b (docstring, item 1)."""
-    grid = keys.reshape(stages, micro, phases)
-    return bool(np.all(grid[:, 1:, :] > grid[:, :-1, :]))
+    return bool(np.all(np.diff(keys.reshape(stages, micro, phases), axis=1) > 0))
 
 
 class WorkerOrders(LazyList[list[int]]):
@@ -86,15 +85,13 @@ class _Queues:
     def __init__(self, graph: StageGraph, table: PlacementTable, costs: Costs) -> None:
         W, S, B = table.workers, table.stages, table.micro
         P = len(graph.phases)
-        worker_of_stage = np.array([row[0] for row in table.compute], dtype=np.int64)
         stage = np.repeat(np.arange(S, dtype=np.int64), P)  # queue (s, d) at s * P + d
         phase = np.tile(np.arange(P, dtype=np.int64), S)
-        worker = worker_of_stage[stage]
-        by_worker = np.argsort(worker, kind="stable")
+        worker = np.array([row[0] for row in table.compute], dtype=np.int64)[stage]
         counts = np.bincount(worker, minlength=W)
         K = int(counts.max())
         slot = np.empty(S * P, dtype=np.int64)
-        slot[by_worker] = np.arange(S * P) - np.repeat(np.cumsum(counts) - counts, counts)
+        slot[np.argsort(worker, kind="stable")] = np.arange(S * P) - np.repeat(np.cumsum(counts) - counts, counts)
         cell = slot * W + worker  # of every queue
 
         def grid(values: np.ndarray, empty: float | int, dtype: type) -> np.ndarray:
@@ -103,7 +100,6 @@ class _Queues:
             return out
 
         durations = np.array([costs.by_phase()[d] for d in graph.phases], dtype=np.float64)
-        release = P - 1  # the stash is freed by the last backward phase: B, or W when split
         self.width = K
         self.base = grid(stage * B * P + phase, 0, np.int64)
         self.duration = grid(durations[phase, stage], np.inf, np.float64)
@@ -114,7 +110,8 @@ class _Queues:
         charge = np.array(stash_charges([row[:1] for row in table.compute]) if table.reserves_stash
                           else [1] * S, dtype=np.int64)
         self.charge = grid(np.where(phase == 0, charge[stage], 0), 0, np.int64)
-        self.releases = grid((phase == release) & (phase > 0), 0, np.int64)
+        # the stash is freed by the last backward phase: B, or W when split
+        self.releases = grid((phase == P - 1) & (phase > 0), 0, np.int64)
         self.shortest = float(durations.min()) if durations.size else 1.0
         # successors in a chain as the flat index of their b = 0 job (-1: none): F s -> F s+1
         # (the last stage's F -> its B); B s -> B s-1, and W s when split
@@ -130,9 +127,8 @@ class _Queues:
         # per cell, one column per kind of successor (gathered at once); no successor points
         # at the sink job J and the sink cell K * W, so the loop needs no filtering
         kinds = (succ_a, succ_b) if P == 3 else (succ_a,)
-        sink_job, sink_cell = S * B * P, K * W
-        self.succ = np.full((K * W, len(kinds)), sink_job, dtype=np.int64)
-        self.succ_cell = np.full((K * W, len(kinds)), sink_cell, dtype=np.int64)
+        self.succ = np.full((K * W, len(kinds)), S * B * P, dtype=np.int64)
+        self.succ_cell = np.full((K * W, len(kinds)), K * W, dtype=np.int64)
         for kind, succ in enumerate(kinds):
             has = succ >= 0
             queue = (succ[has] // (B * P)) * P + succ[has] % P
