@@ -32,8 +32,7 @@ class LibraryOrder:
 
     def __init__(self, name: str, layout: OrderLayout, doc: str) -> None:
         self.__name__ = self.name = name
-        self.__doc__ = doc
-        self.layout = layout
+        self.__doc__, self.layout = doc, layout
         self._keys = {phase: (group, major, minor)
                       for group, (phases, major, minor) in enumerate(layout) for phase in phases}
 

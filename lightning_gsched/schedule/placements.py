@@ -47,8 +47,7 @@ class LibraryPlacement:
     def weights_key(self, stage: int) -> Hashable:
         return stage
 
-    def compute_key(self, stage: int) -> Hashable:
-        return stage
+    compute_key = weights_key
 
     def rows(self, stages: int, micro: int) -> tuple[list[list[int]], list[list[int]]]:
         """(weights, compute) workers by stage and microbatch."""
@@ -201,8 +200,7 @@ class LPP(_Looped):
         worker = self.h(stage, micro)
         return worker, worker
 
-    def weights_key(self, stage: int) -> Hashable:
-        return stage % self.R
+    weights_key = _Looped.compute_key  # its weights live where it computes
 
 
 class FSLPP(_Looped):

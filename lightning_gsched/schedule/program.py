@@ -50,10 +50,9 @@ OpKind = Literal["compute", "send", "recv", "free", "collective"]
 
 @dataclass(frozen=True)
 class OpSpec:
-    """What one op means, for every reader of programs. ``channel``: the FIFO channel a send or
-    recv uses; ``matches``: the op at the message's other end. ``counter`` (``tie_counter``: a
-    tie's): the :class:`~.counts.ActionCounts` field one action adds 1 to (None: counted
-    otherwise or not at all). ``forward_only``: allowed in forward-only programs."""
+    """What one op means. ``channel``: the FIFO channel a send or recv uses; ``matches``: the op
+    at the message's other end; ``counter`` (``tie_counter``: a tie's): the
+    :class:`~.counts.ActionCounts` field one action adds 1 to (None: counted otherwise or not)."""
 
     op: Op
     kind: OpKind
@@ -188,7 +187,6 @@ class Message(NamedTuple):
 
 
 SEND_FOR_RECV = {recv: send for send, recv in RECV_FOR_SEND.items()}
-# channel kinds as small ints (for channel numbers: :meth:`Channel.number`)
 CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_OF.values()))}
 
 
@@ -266,9 +264,8 @@ class Programs:
     ranks holding the source of truth of stage s (several: replicas, kept equal by
     ``ALLREDUCE_G``). ``split_backward``: every backward is ``B`` then ``W`` on one rank, the
     stash living until ``W``. ``ties``: tie home -> its reader stages (sorted). ``ranks``: each
-    program made when first read (a list given is wrapped). ``planned``: made by the planner's
-    lowering (every all-reduce group is a replicated stage's owners), so a reader may answer
-    from those facts instead of reading every program."""
+    program made when first read. ``planned``: made by the planner's lowering (every all-reduce
+    group is a replicated stage's owners), so a reader may answer from those facts."""
 
     ranks: LazyList[list[Action]]
     num_stages: int

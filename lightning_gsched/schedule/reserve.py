@@ -14,8 +14,7 @@ def stash_charges(compute: Sequence[Sequence[int]]) -> list[int]:
     """What each forward adds to its worker's count under the cap, by flat (stage * B + micro):
     the first forward of microbatch b on a worker the number of stages b has there, its later
     forwards there 0. Every stash is still released one by one, by its last backward phase."""
-    stages = len(compute)
-    micro = len(compute[0]) if stages else 0
+    stages, micro = len(compute), len(compute[0]) if compute else 0
     charges = [0] * (stages * micro)
     for b in range(micro):
         first: dict[int, int] = {}  # worker -> flat index of b's first forward on it

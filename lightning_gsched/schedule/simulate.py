@@ -92,7 +92,7 @@ class Timeline:
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
                  order: Sequence[list[int]], start: Sequence[float], end: Sequence[float],
                  sequence: list[int] | Callable[[], list[int]], busy: list[float],
-                 latency: float | None = None) -> None:
+                 latency: float | None = None, replicas: ReplicaLayout | None = None) -> None:
         self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
         # lists, or compact equivalents (sweep.py: ``array('d')`` times, lazy per-worker lists)
         self.order, self.start, self.end, self.busy = order, start, end, busy
@@ -100,7 +100,7 @@ class Timeline:
         self._sequence = sequence  # a callable: built when first read
         # set by group symmetry (symmetry.py): replica g runs microbatches b = g mod G, its
         # position p's order is replica 0's with b renamed (same stages, same times)
-        self.replicas: ReplicaLayout | None = None
+        self.replicas = replicas
 
     @property
     def sequence(self) -> list[int]:
@@ -152,13 +152,10 @@ class _Worker:
     __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases", "next_start")
 
     def __init__(self, cap: int | None, phases: int) -> None:
-        self.free_at = 0.0
-        self.stash = 0
-        self.cap = cap
+        self.free_at, self.stash, self.cap, self.version = 0.0, 0, cap, 0
         self.phases = range(phases)  # 0 F, 1 B, 2 W
         self.pending: list[list[tuple[float, int]]] = [[] for _ in self.phases]
         self.ready: list[list[int]] = [[] for _ in self.phases]
-        self.version = 0
         self.next_start: float | None = None  # start of its valid event (None: no event)
 
     def forward_allowed(self, charge: int) -> bool:

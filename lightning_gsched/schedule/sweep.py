@@ -144,8 +144,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     P = len(graph.phases)
     J = S * B * P
     q = _Queues(graph, table, costs)
-    K = q.width
-    cells = K * W
+    K, cells = q.width, q.width * W
     cap = np.array([_NO_CAP if c is None else c for c in caps], dtype=np.int64)
     capped = bool(np.any(cap != _NO_CAP))
     if len(keys) and int(keys.max()) >= _LAST_KEY // (cells + 1):  # room for the cell digits
@@ -158,8 +157,7 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
     # each worker's order, written in place: worker w's jobs from offsets[w] on
     per_worker = np.bincount(np.arange(cells) % W, weights=q.jobs, minlength=W).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(per_worker)))
-    flat = np.empty(J, dtype=np.int64)
-    cursor = offsets[:-1].copy()
+    flat, cursor = np.empty(J, dtype=np.int64), offsets[:-1].copy()
     busy, free_at, stash = np.zeros(W), np.zeros(W), np.zeros(W, dtype=np.int64)
     # per cell, and the sink cell: its head's flat job, ready time and key; the key carries
     # the cell in its low digits, so a worker's smallest key names the cell it takes

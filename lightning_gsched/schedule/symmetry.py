@@ -86,11 +86,10 @@ def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
 def make_simulator(graph: StageGraph, table: PlacementTable, placement: PlacementFn,
                    priority: PriorityFn, costs: Costs,
                    sweep: bool | None = None) -> Callable[[Sequence[int | None]], Timeline]:
-    """``caps -> Timeline``: by symmetry where it is exact, by a sweep over queues for a pipeline
-    where that is faster (:mod:`.sweep`), else the full simulation; all give the same timeline.
-    ``sweep``: None, where :func:`.sweep.worth_sweeping` expects it to pay; True, wherever it is
-    exact (tests); False, never. What the caps do not change (the full ranks, only if a full
-    simulation runs; the group's simulator; the sweep's keys) is made once."""
+    """``caps -> Timeline``, all ways giving the same timeline: by symmetry where it is exact, by a
+    sweep (``sweep`` None: where :func:`.sweep.worth_sweeping` expects it to pay; True: wherever
+    it is exact; False: never), else in full. What the caps do not change (the full ranks, the
+    group's simulator, the sweep's keys) is made once, and the ranks only if needed."""
     groups = groups_of(placement, priority, table.workers, table.micro)
     full_ranks: list[int] = []
     group_run: list[Callable[[Sequence[int | None]], Timeline]] = []
@@ -113,12 +112,9 @@ def make_simulator(graph: StageGraph, table: PlacementTable, placement: Placemen
             swept = keys
             return lambda caps: simulate_sweep(graph, table, swept, costs, caps)
 
-    def full(caps: Sequence[int | None]) -> Timeline:
-        return simulate(graph, table, ranks(), costs, caps)
-
     def run(caps: Sequence[int | None]) -> Timeline:
         if groups is None or not symmetric(groups, caps):
-            return full(caps)
+            return simulate(graph, table, ranks(), costs, caps)
         layout = groups.layout
         if not group_run:
             P, sub_micro = layout.pipeline, table.micro // groups.count
@@ -127,8 +123,8 @@ def make_simulator(graph: StageGraph, table: PlacementTable, placement: Placemen
                 graph, sub_table, groups.placement, groups.priority, costs, sweep))
         try:
             group = group_run[0]([caps[layout.rank(p, 0)] for p in range(layout.pipeline)])
-        except CapTooSmallError:
-            return full(caps)  # the same failure, with the full plan's names in its message
+        except CapTooSmallError:  # the same failure, with the full plan's names in its message
+            return simulate(graph, table, ranks(), costs, caps)
         return expand(group, layout, lambda: full_ranks or fresh_ranks())
 
     return run
@@ -138,9 +134,7 @@ def expand(group: Timeline, layout: ReplicaLayout,
            ranks: Callable[[], Sequence[int]]) -> Timeline:
     """The full timeline from group 0's: G renamed copies. ``ranks``: the full plan's ranks,
     called only if the placement order is read."""
-    G = layout.replicas
-    S, P, Bg = group.stages, len(group.phases), group.micro
-    B = Bg * G
+    G, S, P, Bg = layout.replicas, group.stages, len(group.phases), group.micro
     start: list[float] = []
     end: list[float] = []
     group_start, group_end = list(group.start), list(group.end)  # the simulator's lists
@@ -175,9 +169,8 @@ def expand(group: Timeline, layout: ReplicaLayout,
                 heapq.heappop(heads)
         return out
 
-    timeline = Timeline(layout.workers, S, B, group.phases, order, start, end, sequence, busy)
-    timeline.replicas = layout
-    return timeline
+    return Timeline(layout.workers, S, Bg * G, group.phases, order, start, end, sequence, busy,
+                    replicas=layout)
 
 
 def _renamed(jobs: Sequence[int], P: int, Bg: int, G: int) -> list[int]:
