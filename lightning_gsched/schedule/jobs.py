@@ -93,9 +93,8 @@ class StageGraph:
         raise ScheduleConfigError(self._no_phase(d))
 
     def _no_phase(self, d: Phase) -> str:
-        if self.forward_only:
-            return f"a forward-only graph has no {d.value} jobs"
-        return f"phase {d} exists only in a graph with split_backward=True"
+        return (f"a forward-only graph has no {d.value} jobs" if self.forward_only
+                else f"phase {d} exists only in a graph with split_backward=True")
 
     def all_jobs(self, num_micro: int) -> Iterator[Job]:
         return all_jobs(self.num_stages, num_micro, self.forward_only, self.split_backward)

@@ -126,8 +126,7 @@ def get_schedule(name: str) -> ScheduleSpec:
 
 
 def check_R(spec: ScheduleSpec, R: int | None) -> None:
-    """What can be said about R (None or a positive int) without W: only looped schedules take
-    one."""
+    """Only looped schedules take an R (here None or a positive int; checked without W)."""
     if spec.default_R is None and R not in (None, 1):
         raise ScheduleConfigError(
             f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "

@@ -51,20 +51,18 @@ class LibraryPlacement:
 
     def rows(self, stages: int, micro: int) -> tuple[list[list[int]], list[list[int]]]:
         """(weights, compute) workers by stage and microbatch."""
-        weights: list[list[int]] = []
-        compute: list[list[int]] = []
+        rows: tuple[list[list[int]], list[list[int]]] = ([], [])
         seen: dict[tuple[int, Hashable], list[int]] = {}
         for s in range(stages):
-            for which, key, constant, out in (
-                    (0, self.weights_key(s), self.weights_constant_in_micro, weights),
-                    (1, self.compute_key(s), self.compute_constant_in_micro, compute)):
+            for which, key, constant in ((0, self.weights_key(s), self.weights_constant_in_micro),
+                                         (1, self.compute_key(s), self.compute_constant_in_micro)):
                 row = seen.get((which, key))
                 if row is None:
                     period = 1 if constant else min(self.micro_period() or micro, micro)
                     first = [self(s, b, _F)[which] for b in range(period)]
                     row = seen[(which, key)] = (first * -(-micro // period))[:micro]
-                out.append(row[:])  # each stage its own list, as a per-job table would be
-        return weights, compute
+                rows[which].append(row[:])  # each stage its own list, as a per-job table's
+        return rows
 
 
 def _require(condition: bool, message: str) -> None:

@@ -2,15 +2,14 @@
 the runtime executes. What each op means is written once, in :data:`OPS`; what each action
 consumes and releases, in :mod:`.consumption`. An action's text form (``F s3 b1``, ``SEND_ACT s3
 b1 ->2``, ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5 [0,2]``) round-trips through :meth:`Action.parse`.
+Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
+first action that consumes them. Sends never block. The dry run proves this model deadlock-free.
 
 The :data:`UNIT_OPS` act on a *weight unit*: a stage's own weights (``s5``) or a *tie* (``t0``),
 parameters several stages read (a tied embedding and head), named by its **home**, the lowest
 stage reading it, owned with it and fetched once per step by a rank computing a reader without
 owning it. A tie differs from a stage only in its readers and counters, and in being no stage of
-``peak_resident_stages``.
-
-Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
-first action that consumes them. Sends never block. The dry run proves this model deadlock-free."""
+``peak_resident_stages``."""
 
 from __future__ import annotations
 
@@ -262,10 +261,9 @@ _PATTERN = re.compile(
 class Programs:
     """Programs of all ranks plus the facts the runtime needs to execute them. ``owners[s]``: the
     ranks holding the source of truth of stage s (several: replicas, kept equal by
-    ``ALLREDUCE_G``). ``split_backward``: every backward is ``B`` then ``W`` on one rank, the
-    stash living until ``W``. ``ties``: tie home -> its reader stages (sorted). ``ranks``: each
-    program made when first read. ``planned``: made by the planner's lowering (every all-reduce
-    group is a replicated stage's owners), so a reader may answer from those facts."""
+    ``ALLREDUCE_G``). ``ties``: tie home -> its reader stages (sorted). ``ranks``: each program
+    made when first read. ``planned``: made by the planner's lowering (every all-reduce group is
+    a replicated stage's owners), so a reader may answer from those facts."""
 
     ranks: LazyList[list[Action]]
     num_stages: int

@@ -121,8 +121,7 @@ class Timeline:
 
     @cached_property
     def _slots(self) -> tuple[list[Slot], list[list[Slot]]]:
-        P, B, phases = len(self.phases), self.micro, self.phases
-        start, end = self.start, self.end
+        P, B, phases, start, end = len(self.phases), self.micro, self.phases, self.start, self.end
         new_tuple = tuple.__new__  # NamedTuples without their __new__ frame
         slot_of: dict[int, Slot] = {}
         for worker, indices in enumerate(self.order):

@@ -38,9 +38,8 @@ _NO_CAP = _LAST_KEY = np.iinfo(np.int64).max
 
 
 def sweepable(graph: StageGraph, table: PlacementTable) -> bool:
-    """A chain whose every stage is computed on one worker for all microbatches. A reserving
-    placement (reserve.py) then charges every forward of a (stage, F) queue alike, so the best
-    allowed forward of a queue is still its head (the module docstring's item 1 holds)."""
+    """A chain whose every stage is computed on one worker for all microbatches (a reserving
+    placement then charges every forward of a queue alike: its best allowed forward is its head)."""
     return graph.is_chain and all(row.count(row[0]) == len(row) for row in table.compute)
 
 
@@ -91,7 +90,8 @@ class _Queues:
         counts = np.bincount(worker, minlength=W)
         K = int(counts.max())
         slot = np.empty(S * P, dtype=np.int64)
-        slot[np.argsort(worker, kind="stable")] = np.arange(S * P) - np.repeat(np.cumsum(counts) - counts, counts)
+        by_worker = np.argsort(worker, kind="stable")
+        slot[by_worker] = np.arange(S * P) - np.repeat(np.cumsum(counts) - counts, counts)
         cell = slot * W + worker  # of every queue
 
         def grid(values: np.ndarray, empty: float | int, dtype: type) -> np.ndarray:
@@ -224,7 +224,7 @@ def _stuck(q: _Queues, head: np.ndarray, ready: np.ndarray, stash: np.ndarray, c
     F whose input has arrived (a queue head)."""
     shape = (q.width, len(stash))
     jobs = head[:-1].reshape(shape)  # without the sink cell
-    left = (jobs - q.base.reshape(shape)) < q.jobs.reshape(shape) * len(graph.phases)
+    left = (jobs - q.base.reshape(shape)) < q.jobs.reshape(shape) * P
     waiting = left & q.forward.reshape(shape) & np.isfinite(ready[np.minimum(jobs, len(ready) - 1)])
     refused = waiting & (stash + q.charge.reshape(shape) > cap)
     blocked = []
