@@ -1,8 +1,7 @@
 """Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase),
-derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler). With a split
-backward (zero-bubble schedules) B computes only the input gradient, all the previous stage
-waits for, and ``W s b`` (the weight gradient) follows ``B s b`` with no successor, so the
-scheduler may put it into any later bubble of the worker."""
+derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler). With a split backward
+(zero-bubble schedules) ``B s b`` computes only the input gradient, which the previous stage waits
+for, and ``W s b`` (the weight gradient) follows it with no successor, to fill any later bubble."""
 
 from __future__ import annotations
 

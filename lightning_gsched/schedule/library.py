@@ -1,6 +1,5 @@
 """Named schedules (``gsched plan NAME``, ``GeneralParallel(NAME)``): a placement factory, a
-default order, a default activation cap and defaults for S (stages), B (microbatches) and R
-(workers per looped group) as functions of W (workers)."""
+default order and cap, and defaults for S, B and R (workers per looped group) as functions of W."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps. An order only
-breaks ties between jobs a worker could start at once, so it cannot bound memory (a worker with
-ready forwards keeps taking them): a cap does, the most stashes a worker may hold. 1F1B is
-"backward first" plus a cap."""
+breaks ties between jobs a worker could start at once, so it cannot bound memory: a cap does,
+the most stashes a worker may hold. 1F1B is "backward first" plus a cap."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
 _F = Phase.F  # a module constant: an enum member look-up is slow, and rows() reads it per call
-# the classes whose rows PlacementTable trusts unvalidated (tests check them): the library's
-# own, not a user's subclass, which may change __call__
+# classes whose rows are trusted unvalidated: the library's, not a user's subclass (its __call__)
 _LIBRARY: set[type] = set()
 
 
@@ -65,14 +64,10 @@ class LibraryPlacement:
         return rows
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ScheduleConfigError(message)
-
-
 def _multiple(value: int, of: int, message: str, label: str) -> None:
     """Require ``value`` to be a multiple of ``of``; the error suggests the next positive one."""
-    _require(value % of == 0, f"{message}; use {label}={of * max(1, -(-value // of))}")
+    if value % of:
+        raise ScheduleConfigError(f"{message}; use {label}={of * max(1, -(-value // of))}")
 
 
 @dataclass(frozen=True)
@@ -133,9 +128,10 @@ class GPipe(LibraryPlacement):
         return worker, worker
 
     def check(self, stages: int, micro: int) -> None:
-        _require(stages >= self.workers and stages % self.workers == 0,
-                 f"gpipe: stages S={stages} must be a positive multiple of workers "
-                 f"W={self.workers} (S < W leaves workers idle); use S={self.workers}")
+        if stages < self.workers or stages % self.workers:
+            raise ScheduleConfigError(f"gpipe: stages S={stages} must be a positive multiple of "
+                                      f"workers W={self.workers} (S < W leaves workers idle); use "
+                                      f"S={self.workers}")
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,8 @@ class _Looped(LibraryPlacement):
 
     def check(self, stages: int, micro: int) -> None:
         name, workers, R = self.name, self.workers, self.R
-        _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
+        if not isinstance(R, int) or R < 1:
+            raise ScheduleConfigError(f"{name}: R must be a positive integer, got {R!r}")
         if workers % R:
             divisors = [r for r in range(1, workers + 1) if workers % r == 0]
             raise ScheduleConfigError(f"{name}: R={R} does not divide the number of workers "

@@ -133,9 +133,8 @@ def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
 
 
 class Action(NamedTuple):
-    """One step of a rank's program. ``peer``: the other rank of a message; ``tie``: a unit op
-    acts on the tie whose home is ``stage`` (``t<home>``), not the stage's weights. A NamedTuple:
-    lowering builds very many, and a frozen dataclass costs 4x more each."""
+    """One step of a rank's program. ``tie``: a unit op acts on the tie whose home is ``stage``
+    (``t<home>``). A NamedTuple: lowering builds many, and a frozen dataclass costs 4x more."""
 
     op: Op
     stage: int
@@ -200,8 +199,9 @@ class Channel(NamedTuple):
     def of(cls, action: Action, rank: int) -> Channel:
         """The channel ``rank``'s send or receive ``action`` uses."""
         assert action.peer is not None
-        src, dst = (rank, action.peer) if action.op in SEND_OPS else (action.peer, rank)
-        return cls(CHANNEL_OF[action.op], src, dst)
+        kind = CHANNEL_OF[action.op]
+        return cls(kind, rank, action.peer) if action.op in SEND_OPS else \
+            cls(kind, action.peer, rank)
 
     def number(self, world: int) -> int:
         """A dense int for the channel among ``world`` ranks (as :func:`channel_bases`)."""

@@ -1,9 +1,8 @@
 """Stash reservations: a microbatch entering a worker claims, against its cap, every stash it
-will hold there. Why: on a V placement a plain cap below 2W deadlocks: worker 0's first stage is
-always ready, so it fills the cap with first-stage forwards, and the second-stage forward of its
-oldest microbatch, which every backward waits for, never starts. Reserving keeps room for it, so
-any cap of at least a worker's stages completes, and the stash held never exceeds the cap. A
-placement opts in with ``reserves_stash = True`` (v-half, v-min)."""
+will hold there. On a V placement a plain cap below 2W deadlocks: worker 0 fills it with
+first-stage forwards (always ready), and the second-stage forward of its oldest microbatch, which
+every backward waits for, never starts. Reserving keeps room for it: any cap of at least a
+worker's stages completes, the stash never above it. Opt in: ``reserves_stash`` (v-half, v-min)."""
 
 from __future__ import annotations
 

@@ -98,8 +98,7 @@ class Timeline:
         self.order, self.start, self.end, self.busy = order, start, end, busy
         self._latency = latency  # else the largest end, when asked
         self._sequence = sequence  # a callable: built when first read
-        # set by group symmetry (symmetry.py): replica g runs microbatches b = g mod G, its
-        # position p's order is replica 0's with b renamed (same stages, same times)
+        # by group symmetry: replica g (b = g mod G) runs replica 0's order with b renamed
         self.replicas = replicas
 
     @property
@@ -160,6 +159,19 @@ class _Worker:
     def forward_allowed(self, charge: int) -> bool:
         return self.cap is None or self.stash + charge <= self.cap
 
+    # reserving placements only: a forward's charge depends on the job, so a later one, already
+    # paid for, may start while the heap's head is refused
+    def best_forward(self, charges: list[int], job_of: list[int], phases: int) -> int:
+        """The smallest-ranked ready forward the cap allows, or -1."""
+        return min((rank for rank in self.ready[0]
+                    if self.forward_allowed(charges[job_of[rank] // phases])), default=-1)
+
+    def next_forward(self, charges: list[int], job_of: list[int],
+                     phases: int) -> tuple[float, int] | None:
+        """The earliest (ready time, rank) of a pending forward the cap allows, or None."""
+        return min((entry for entry in self.pending[0]
+                    if self.forward_allowed(charges[job_of[entry[1]] // phases])), default=None)
+
     def take_forward(self, rank: int) -> None:
         """Remove the forward ``rank`` from its queue, wherever in the heap it is."""
         if rank in self.ready[0]:
@@ -193,9 +205,6 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
     job_of = inverse(list(ranks))  # rank -> flat job index
     charges = stash_charges(table.compute) if table.reserves_stash else None
 
-    def charge(rank: int) -> int:  # what the forward ``rank`` adds to its worker's stash
-        return 1 if charges is None else charges[job_of[rank] // P]
-
     def refresh(w: int) -> None:
         """Push worker w's next job as its (new) valid event: startable now (at ``free_at``)
         beats startable later, then the smaller rank; a forward only while the cap allows it."""
@@ -204,15 +213,14 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
         free_at = state.free_at
         pending, ready = state.pending, state.ready
         forward = state.cap is None or state.stash < state.cap
-        now_rank, now_k = -1, 0
+        now_rank = -1
+        now_k = 0
         for k in state.phases:
             pend, queue = pending[k], ready[k]
             while pend and pend[0][0] <= free_at:
                 heappush(queue, heappop(pend)[1])
-            # reserving: a forward's charge depends on the job, so a later one, already paid for,
-            # may start while the heap's head is refused (k = 0 comes first: now_rank is -1)
-            if not k and charges is not None:
-                now_rank = min((r for r in queue if state.forward_allowed(charge(r))), default=-1)
+            if not k and charges is not None:  # k = 0 comes first: now_rank is still -1
+                now_rank = state.best_forward(charges, job_of, P)
                 continue
             if queue and (k or forward) and (now_rank < 0 or queue[0] < now_rank):
                 now_rank, now_k = queue[0], k
@@ -224,16 +232,19 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
         for k in state.phases:
             pend = pending[k]
             if not k and charges is not None:
-                entry = min((e for e in pend if state.forward_allowed(charge(e[1]))), default=None)
-                later = None if entry is None else (entry[0], entry[1], 0)
+                entry = state.next_forward(charges, job_of, P)
+                if entry is not None:
+                    later = (entry[0], entry[1], 0)
                 continue
             if pend and (k or forward):
                 cand = (pend[0][0], pend[0][1], k)
                 if later is None or cand < later:
                     later = cand
-        state.next_start = None if later is None else later[0]
         if later is not None:
             heappush(events, (later[0], later[1], w, state.version, later[2]))
+            state.next_start = later[0]
+        else:
+            state.next_start = None
 
     # pred/succ depend on the microbatch only through b itself: tabulate them per (stage, phase),
     # successors with their flat index at b = 0 and whether they have a single predecessor
@@ -244,7 +255,9 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
          for j in graph.succ(Job(s, 0, d))]
         for s in range(S) for d in graph.phases
     ]
-    missing = [n_pred[(s, d)] for s in range(S) for _ in range(B) for d in graph.phases]
+    missing: list[int] = []
+    for s in range(S):
+        missing.extend([n_pred[(s, d)] for d in graph.phases] * B)
     ready_time = [0.0] * total
     touched: list[int] = []
     for (s, d), count in n_pred.items():
@@ -318,10 +331,11 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
         return Timeline(W, S, B, graph.phases, order, start_of, end_of, sequence, busy)
     blocked = []  # the workers whose every waiting forward the cap refuses
     for w, state in enumerate(workers):
-        waiting = [rank for _, rank in state.pending[0]] + state.ready[0]
-        if waiting and not any(state.forward_allowed(charge(rank)) for rank in waiting):
-            first = min(job_of[rank] for rank in waiting)
-            stage, b = divmod(first // P, B)  # F jobs: flat order is (stage, micro)
+        waiting = [job_of[rank] for _, rank in state.pending[0]] + [
+            job_of[rank] for rank in state.ready[0]]
+        if waiting and not any(state.forward_allowed(1 if charges is None else charges[i // P])
+                               for i in waiting):
+            stage, b = divmod(min(waiting) // P, B)  # F jobs: flat order is (stage, micro)
             assert state.cap is not None  # forward_allowed() is False only under a cap
             blocked.append((w, state.stash, state.cap, Job(stage, b, graph.phases[0])))
     raise stuck_error(blocked, len(sequence), total, caps)

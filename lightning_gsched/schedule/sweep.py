@@ -6,16 +6,15 @@ chain whose every stage runs on one compute worker for all microbatches (looped 
 
 **Why it is the simulator's timeline, exactly.**
 
-1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a job's
-   one predecessor has the same b, so by induction every queue runs in b order with
-   non-decreasing ready times (its predecessor queue's ends increase along b). The jobs of a
-   queue ready at t are then a prefix of what is left of it, and with keys increasing along it
-   the simulator's choice (the smallest key among ready jobs the cap allows) is a head: each
-   worker's next job is the smallest ``(max(free_at, ready), key)`` among its queue heads.
-2. *Windows.* Let t* be the earliest decision and d the shortest duration. Nothing not started
-   yet ends before t* + d (float rounding is monotone), so every worker deciding below t* + d
-   decides as the event-ordered simulation does, at most once (its job lasts d at least): all
-   are taken in one step.
+1. *Queues.* The jobs ``(s, 0..B-1, d)`` of one (stage, phase) form a queue. In a chain a job's one
+   predecessor has the same b, so by induction every queue runs in b order with non-decreasing ready
+   times (its predecessor queue's ends increase along b). The jobs of a queue ready at t are then a
+   prefix of what is left of it, and with keys increasing along it the simulator's choice (the
+   smallest key among ready jobs the cap allows) is a head: each worker's next job is the smallest
+   ``(max(free_at, ready), key)`` among its queue heads.
+2. *Windows.* Let t* be the earliest decision and d the shortest duration. Nothing not started yet
+   ends before t* + d (float rounding is monotone), so all workers deciding below t* + d are taken
+   in one step, each once (its job lasts d at least), as the simulation decides.
 3. *Same floats.* Starts are ends or maxima of ends, ends are start + duration, busy times add
    durations in each worker's order: the simulator's operations, so the timeline is equal, not
    close (tests/test_schedule_sweep.py). A cap too small raises the simulator's error."""

@@ -12,8 +12,7 @@ on the workers ``g*R + p`` (p computing the stages ``s mod R == p``). The renami
 
 So group g's start, end and order are group 0's with ``b = G*m`` renamed to ``g + G*m`` and
 worker ``p`` to ``g*R + p``, with the same busy sums; the global placement order is a merge of
-the G renamed copies by (start, rank), built only when read. Anything else is simulated in full,
-as is a cap too small (for the error naming the full plan's worker and job)."""
+the G renamed copies by (start, rank), built only when read. All else is simulated in full."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ from lightning_gsched.schedule.sweep import (
 
 @dataclass(frozen=True)
 class Groups:
-    """G groups (replicas) of a P-worker schedule: where they sit (``layout``), and the
-    P-worker placement and priority that one group runs (planned alone, then renamed)."""
+    """G replicas of a P-worker schedule: their ``layout``, one replica's placement and order."""
 
     layout: ReplicaLayout
     placement: PlacementFn
@@ -59,11 +57,10 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
     data-parallel lift (:class:`~.data_parallel.DataParallel`) of any P-worker placement and
     priority, or the looped family under a library order, each group running ``LPP(R, R)``."""
     if isinstance(placement, DataParallel):
-        layout = placement.layout
-        inner = replica_priority(priority, layout.replicas)
+        inner = replica_priority(priority, placement.layout.replicas)
         if inner is None:
             return None
-        group = Groups(layout, placement.inner, inner)
+        group = Groups(placement.layout, placement.inner, inner)
     else:
         if type(placement) not in LOOPED:
             return None
@@ -75,8 +72,7 @@ def groups_of(placement: PlacementFn, priority: PriorityFn, workers: int,
 
 
 def symmetric(groups: Groups | None, caps: Sequence[int | None]) -> bool:
-    """Whether one group's run renamed is exactly the full simulation: caps equal at a position
-    in every group."""
+    """Whether renaming one group's run is exact: caps equal at each position in every group."""
     if groups is None:
         return False
     layout = groups.layout
