@@ -1,7 +1,6 @@
 """Pure-Python scheduling layer (never imports torch). ``plan(name, workers=W, ...)`` returns a
 :class:`Plan`: ``programs`` for the runtime, ``metrics`` and ``timeline`` for the CLI. ``__all__``
-is the public API; the planner's internals are imported from their modules.
-"""
+is the public API; the planner's internals are imported from their modules."""
 
 from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.dryrun import dry_run

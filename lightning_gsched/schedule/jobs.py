@@ -1,10 +1,7 @@
 """Jobs and their dependencies: the seed's ``pred``/``succ`` over (stage, microbatch, phase),
-derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler).
-
-With a split backward (zero-bubble schedules) B computes only the input gradient, all the
-previous stage waits for, and ``W s b`` (the weight gradient) follows ``B s b`` with no
-successor, so the scheduler may put it into any later bubble of the worker.
-"""
+derived from a :class:`StageGraph` (a DAG of stages fits the same scheduler). With a split backward
+(zero-bubble schedules) ``B s b`` computes only the input gradient, which the previous stage waits
+for, and ``W s b`` (the weight gradient) follows it with no successor, to fill any later bubble."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from lightning_gsched.errors import ScheduleConfigError
 
 
 class Phase(str, Enum):
-    """Phase of a job (``str``: text forms and JSON output stay short)."""
+    """``str``: text forms and JSON output stay short."""
 
     F = "F"
     B = "B"
@@ -26,8 +23,6 @@ class Phase(str, Enum):
 
 
 class Job(NamedTuple):
-    """(stage, micro, phase): a NamedTuple, hashable, ordered and cheap."""
-
     stage: int
     micro: int
     phase: Phase
@@ -37,13 +32,10 @@ class Job(NamedTuple):
 
 
 class StageGraph:
-    """Which stages feed which. Default: the chain 0 -> 1 -> ... -> S-1.
-
-    ``edges`` are (producer, consumer) pairs with producer < consumer (stages in topological
-    order, as the partitioner numbers them). Sinks compute the loss, so their backward starts
-    from their own forward. ``forward_only`` (validation, test, predict): only F jobs, a sink's
-    forward ends the microbatch. ``split_backward``: every B is followed by a W.
-    """
+    """Which stages feed which: ``edges`` (producer, consumer) with producer < consumer (stages
+    in topological order, as the partitioner numbers them); default the chain 0 -> ... -> S-1.
+    Sinks compute the loss, so their backward starts from their own forward. ``forward_only``
+    (validation, test, predict): only F jobs, a sink's forward ends the microbatch."""
 
     def __init__(self, num_stages: int, edges: Iterable[tuple[int, int]] | None = None,
                  forward_only: bool = False, split_backward: bool = False) -> None:
@@ -54,8 +46,7 @@ class StageGraph:
         self.split_backward = bool(split_backward) and not self.forward_only
         self.phases: tuple[Phase, ...] = phases_of(self.forward_only, self.split_backward)
         chain = edges is None
-        if edges is None:
-            edges = [(s, s + 1) for s in range(num_stages - 1)]
+        edges = [(s, s + 1) for s in range(num_stages - 1)] if edges is None else edges
         self._inputs: list[list[int]] = [[] for _ in range(num_stages)]
         self._outputs: list[list[int]] = [[] for _ in range(num_stages)]
         for u, v in edges:
@@ -65,34 +56,29 @@ class StageGraph:
                     f"consumer < {num_stages} (number stages in topological order)")
             self._inputs[v].append(u)
             self._outputs[u].append(v)
-        self.is_chain = chain or all(
-            self._outputs[s] == [s + 1] for s in range(num_stages - 1)
-        ) and sum(map(len, self._outputs)) == num_stages - 1
+        self.is_chain = chain or all(self._outputs[s] == [s + 1] for s in range(num_stages - 1)) \
+            and sum(map(len, self._outputs)) == num_stages - 1
 
     def inputs(self, stage: int) -> Sequence[int]:
-        """Stages whose outputs ``stage`` consumes."""
         return self._inputs[stage]
 
     def outputs(self, stage: int) -> Sequence[int]:
-        """Stages that consume the output of ``stage``."""
         return self._outputs[stage]
 
     def pred(self, job: Job) -> list[Job]:
-        """Jobs that must finish before ``job`` may start (the seed's pred)."""
+        """Jobs that must finish before ``job`` may start."""
         s, b, d = job
         if d is Phase.F:
             return [Job(p, b, Phase.F) for p in self._inputs[s]]
         if d is Phase.B and not self.forward_only:
             consumers = self._outputs[s]
-            if not consumers:
-                return [Job(s, b, Phase.F)]
-            return [Job(c, b, Phase.B) for c in consumers]
+            return [Job(c, b, Phase.B) for c in consumers] if consumers else [Job(s, b, Phase.F)]
         if d is Phase.W and self.split_backward:
             return [Job(s, b, Phase.B)]
         raise ScheduleConfigError(self._no_phase(d))
 
     def succ(self, job: Job) -> list[Job]:
-        """Inverse of :meth:`pred`; the seed's succ."""
+        """Inverse of :meth:`pred`."""
         s, b, d = job
         if d is Phase.F:
             if not self._outputs[s]:
@@ -106,12 +92,10 @@ class StageGraph:
         raise ScheduleConfigError(self._no_phase(d))
 
     def _no_phase(self, d: Phase) -> str:
-        if self.forward_only:
-            return f"a forward-only graph has no {d.value} jobs"
-        return f"phase {d} exists only in a graph with split_backward=True"
+        return (f"a forward-only graph has no {d.value} jobs" if self.forward_only
+                else f"phase {d} exists only in a graph with split_backward=True")
 
     def all_jobs(self, num_micro: int) -> Iterator[Job]:
-        """Every job of this graph on ``num_micro`` microbatches (only F when forward-only)."""
         return all_jobs(self.num_stages, num_micro, self.forward_only, self.split_backward)
 
 
@@ -123,16 +107,11 @@ def weight_grad_phase(split_backward: bool) -> Phase:
 
 def phases_of(forward_only: bool = False, split_backward: bool = False) -> tuple[Phase, ...]:
     """The phases of every (stage, microbatch): F; F, B; or F, B, W."""
-    if forward_only:
-        return (Phase.F,)
-    return (Phase.F, Phase.B, Phase.W) if split_backward else (Phase.F, Phase.B)
+    return (Phase.F,) if forward_only else (Phase.F, Phase.B, Phase.W)[:3 if split_backward else 2]
 
 
 def all_jobs(num_stages: int, num_micro: int, forward_only: bool = False,
              split_backward: bool = False) -> Iterator[Job]:
-    """Every job (F; F and B; or F, B and W per :func:`phases_of`), stage-major."""
+    """Every job, stage-major."""
     phases = phases_of(forward_only, split_backward)
-    for s in range(num_stages):
-        for b in range(num_micro):
-            for d in phases:
-                yield Job(s, b, d)
+    return (Job(s, b, d) for s in range(num_stages) for b in range(num_micro) for d in phases)

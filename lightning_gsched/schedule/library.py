@@ -1,7 +1,5 @@
 """Named schedules (``gsched plan NAME``, ``GeneralParallel(NAME)``): a placement factory, a
-default order, a default activation cap and defaults for S (stages), B (microbatches) and R
-(workers per looped group) as functions of W (workers).
-"""
+default order and cap, and defaults for S, B and R (workers per looped group) as functions of W."""
 
 from __future__ import annotations
 
@@ -15,9 +13,9 @@ from lightning_gsched.schedule.placements import (
     FSDP,
     FSLPP,
     LPP,
-    CheckedPlacement,
     FSLPPSeed,
     GPipe,
+    LibraryPlacement,
     VShape,
 )
 
@@ -28,18 +26,14 @@ def _per_worker(workers: int, stages: int) -> int:
 
 
 def v_half_caps(workers: int, stages: int) -> int:
-    """V-Half's activation memory (Qi et al. 2024), (W+2)/2 microbatches of a worker's share,
-    counted in stage-chunks: (S/W)(W+2)/2 stashes, rounded down.
-
-    Not the paper's (W+2)//2 microbatches: at odd W that floor is one stage-chunk below what
-    the steady state holds, and the greedy scheduler's bubble then grows with B.
-    """
+    """V-Half's activation memory (Qi et al. 2024) in stage-chunks: (S/W)(W+2)/2, rounded down.
+    Not the paper's (W+2)//2 microbatches: at odd W that floor is one stage-chunk below what the
+    steady state holds, and the greedy scheduler's bubble then grows with B."""
     return (_per_worker(workers, stages) * (workers + 2)) // 2
 
 
 def v_min_caps(workers: int, stages: int) -> int:
-    """V-Min's activation memory (Qi et al. 2024): (S/W)(W+4)/3 stage-chunks, rounded down (as
-    :func:`v_half_caps`, for the same reason)."""
+    """V-Min's (Qi et al. 2024): (S/W)(W+4)/3 stage-chunks, rounded down as v_half_caps."""
     return (_per_worker(workers, stages) * (workers + 4)) // 3
 
 
@@ -52,94 +46,68 @@ def _even_r(workers: int) -> int:
 class ScheduleSpec:
     name: str
     trade_off: str
-    make_placement: Callable[[int, int, int], CheckedPlacement]  # (W, S, R) -> placement
+    make_placement: Callable[[int, int, int], LibraryPlacement]  # (W, S, R) -> placement
     order: str
-    cap: Callable[[int, int], CapSpec]  # (W, S) -> default cap
-    stages: Callable[[int, int], int]  # (W, R) -> default S
-    micro: Callable[[int, int], int]  # (W, R) -> default B
+    cap: Callable[[int, int], CapSpec] = lambda W, S: None  # (W, S) -> default cap
+    stages: Callable[[int, int], int] = lambda W, R: W  # (W, R) -> default S
+    micro: Callable[[int, int], int] = lambda W, R: 2 * W  # (W, R) -> default B
     default_R: Callable[[int], int] | None = None  # None: R is not a parameter of this schedule
-    defaults_doc: str = ""
     split_backward: bool = False  # B then W (zero-bubble schedules)
 
 
+def _two_w(W: int, R: int) -> int:
+    return 2 * W
+
+
 LIBRARY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
-    ScheduleSpec(
-        "ddp", "no transfers except one all-reduce, but every worker holds all weights and all "
-        "activations of its microbatches",
-        lambda W, S, R: DDP(W), "bfs", lambda W, S: None,
-        stages=lambda W, R: 1, micro=lambda W, R: W, defaults_doc="S=1, B=W"),
-    ScheduleSpec(
-        "fsdp", "DDP's latency with one stage per worker at rest; pays a weight fetch for every "
-        "non-owned stage in forward and again in backward",
-        lambda W, S, R: FSDP(W), "bfs", lambda W, S: None,
-        stages=lambda W, R: W, micro=lambda W, R: W, defaults_doc="S=W, B=W"),
-    ScheduleSpec(
-        "gpipe", "weights never move, only activations between neighbours; bubble (W-1)/(B+W-1) "
-        "and each worker stashes all B microbatches",
-        lambda W, S, R: GPipe(W, S), "gpipe", lambda W, S: None,
-        stages=lambda W, R: W, micro=lambda W, R: 2 * W, defaults_doc="S=W, B=2W"),
-    ScheduleSpec(
-        "1f1b", "GPipe's placement and latency, but backward-first with a cap: worker r stashes "
-        "at most W-r microbatches instead of B",
-        lambda W, S, R: GPipe(W, S), "1f1b", one_f_one_b_caps,
-        stages=lambda W, R: W, micro=lambda W, R: 2 * W, defaults_doc="S=W, B=2W, cap=(S/W)(W-r)"),
-    ScheduleSpec(
-        "lpp", "looped pipeline: G=W/R replicas of an R-deep loop; smaller bubble than GPipe, "
-        "weights replicated G times (all-reduce among replicas)",
-        lambda W, S, R: LPP(W, R), "bfs", lambda W, S: None,
-        stages=lambda W, R: 2 * R, micro=lambda W, R: 2 * W, default_R=_even_r,
-        defaults_doc="R=2 (W even) else W, S=2R, B=2W"),
-    ScheduleSpec(
-        "interleaved", "one loop over all W workers with S=2W stages in Megatron's interleaved "
-        "1F1B order: GPipe's bubble divided by S/W, twice the activation messages",
-        # cap S: what cap='auto' finds at every shape tests/test_schedule_sweep.py checks
-        lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: S,
-        stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, default_R=lambda W: W,
-        defaults_doc="R=W, S=2W, B=2W, order=interleaved, cap=S"),
-    ScheduleSpec(
-        "fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per worker): "
-        "weights fetched within groups instead of replicated",
-        lambda W, S, R: FSLPP(W, R), "bfs", lambda W, S: None,
-        stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
-        defaults_doc="R=2 (W even) else W, S=W, B=2W"),
-    ScheduleSpec(
-        "fslpp-seed", "the seed's literal owner map h(s,s): same traffic pattern as fslpp but "
-        "ownership concentrated on a few workers",
-        lambda W, S, R: FSLPPSeed(W, R), "bfs", lambda W, S: None,
-        stages=lambda W, R: W, micro=lambda W, R: 2 * W, default_R=_even_r,
-        defaults_doc="R=2 (W even) else W, S=W, B=2W"),
-    ScheduleSpec(
-        "zb-h1", "1F1B's placement with the backward split into B and W, W filling the bubbles: "
-        "about a third of 1F1B's bubble at the same peak stash (W microbatches)",
-        lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * W,
-        stages=lambda W, R: W, micro=lambda W, R: 2 * W, split_backward=True,
-        defaults_doc="S=W, B=2W, order=zb, cap=(S/W)W"),
-    ScheduleSpec(
-        "zb-h2", "zb-h1 with 2W-1 microbatches in flight: extra warm-up forwards remove the "
-        "bubble, for about twice zb-h1's activation memory",
-        lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * (2 * W - 1),
-        stages=lambda W, R: W, micro=lambda W, R: 2 * W, split_backward=True,
-        defaults_doc="S=W, B=2W, order=zb, cap=(S/W)(2W-1)"),
-    ScheduleSpec(
-        "zbv", "two stages per worker in a V (worker r holds stages r and 2W-1-r) with a split "
-        "backward: near-zero bubble at 1F1B's activation memory, weights never move",
-        lambda W, S, R: VShape(W, S), "zb", lambda W, S: S,
-        stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
-        defaults_doc="S=2W, B=2W, order=zb, cap=S stage-chunks (2W per V)"),
-    ScheduleSpec(
-        "v-half", "zbv's V with the activation cap at about half of 1F1B's ((W+2)/2 microbatches "
-        "per worker, reserved at a microbatch's first forward there): half of 1F1B's bubble (Qi "
-        "et al. 2024, V-Half)",
-        lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_half_caps,
-        stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
-        defaults_doc="S=2W, B=2W, order=zb, cap=(S/W)(W+2)/2 stage-chunks, reserved"),
-    ScheduleSpec(
-        "v-min", "zbv's V with the activation cap at about a third of 1F1B's ((W+4)/3 "
-        "microbatches per worker, reserved): the least memory of the V family; its bubble grows "
-        "with B except at W=2 and 4 (Qi et al. 2024, V-Min, without its exact offsets)",
-        lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_min_caps,
-        stages=lambda W, R: 2 * W, micro=lambda W, R: 2 * W, split_backward=True,
-        defaults_doc="S=2W, B=2W, order=zb, cap=(S/W)(W+4)/3 stage-chunks, reserved"),
+    ScheduleSpec("ddp", "no transfers except one all-reduce, but every worker holds all weights "
+                 "and all activations of its microbatches", lambda W, S, R: DDP(W), "bfs",
+                 stages=lambda W, R: 1, micro=lambda W, R: W),
+    ScheduleSpec("fsdp", "DDP's latency with one stage per worker at rest; pays a weight fetch "
+                 "for every non-owned stage in forward and again in backward",
+                 lambda W, S, R: FSDP(W), "bfs", micro=lambda W, R: W),
+    ScheduleSpec("gpipe", "weights never move, only activations between neighbours; bubble "
+                 "(W-1)/(B+W-1) and each worker stashes all B microbatches",
+                 lambda W, S, R: GPipe(W, S), "gpipe"),
+    ScheduleSpec("1f1b", "GPipe's placement and latency, but backward-first with a cap: worker "
+                 "r stashes at most W-r microbatches instead of B", lambda W, S, R: GPipe(W, S),
+                 "1f1b", one_f_one_b_caps),
+    ScheduleSpec("lpp", "looped pipeline: G=W/R replicas of an R-deep loop; smaller bubble than "
+                 "GPipe, weights replicated G times (all-reduce among replicas)",
+                 lambda W, S, R: LPP(W, R), "bfs", stages=lambda W, R: 2 * R, default_R=_even_r),
+    # cap S: what cap='auto' finds at every shape tests/test_schedule_sweep.py checks
+    ScheduleSpec("interleaved", "one loop over all W workers with S=2W stages in Megatron's "
+                 "interleaved 1F1B order: GPipe's bubble divided by S/W, twice the activation "
+                 "messages", lambda W, S, R: LPP(W, W), "interleaved", lambda W, S: S,
+                 stages=_two_w, default_R=lambda W: W),
+    ScheduleSpec("fslpp", "LPP's compute with every stage owned once (at most ceil(S/W) per "
+                 "worker): weights fetched within groups instead of replicated",
+                 lambda W, S, R: FSLPP(W, R), "bfs", default_R=_even_r),
+    ScheduleSpec("fslpp-seed", "the seed's literal owner map h(s,s): same traffic pattern as "
+                 "fslpp but ownership concentrated on a few workers",
+                 lambda W, S, R: FSLPPSeed(W, R), "bfs", default_R=_even_r),
+    ScheduleSpec("zb-h1", "1F1B's placement with the backward split into B and W, W filling the "
+                 "bubbles: about a third of 1F1B's bubble at the same peak stash (W "
+                 "microbatches)", lambda W, S, R: GPipe(W, S), "zb",
+                 lambda W, S: _per_worker(W, S) * W, split_backward=True),
+    ScheduleSpec("zb-h2", "zb-h1 with 2W-1 microbatches in flight: extra warm-up forwards "
+                 "remove the bubble, for about twice zb-h1's activation memory",
+                 lambda W, S, R: GPipe(W, S), "zb", lambda W, S: _per_worker(W, S) * (2 * W - 1),
+                 split_backward=True),
+    ScheduleSpec("zbv", "two stages per worker in a V (worker r holds stages r and 2W-1-r) with "
+                 "a split backward: near-zero bubble at 1F1B's activation memory, weights never "
+                 "move", lambda W, S, R: VShape(W, S), "zb", lambda W, S: S, stages=_two_w,
+                 split_backward=True),
+    ScheduleSpec("v-half", "zbv's V with the activation cap at about half of 1F1B's ((W+2)/2 "
+                 "microbatches per worker, reserved at a microbatch's first forward there): half "
+                 "of 1F1B's bubble (Qi et al. 2024, V-Half)",
+                 lambda W, S, R: VShape(W, S, reserves_stash=True), "zb", v_half_caps,
+                 stages=_two_w, split_backward=True),
+    ScheduleSpec("v-min", "zbv's V with the activation cap at about a third of 1F1B's ((W+4)/3 "
+                 "microbatches per worker, reserved): the least memory of the V family; its "
+                 "bubble grows with B except at W=2 and 4 (Qi et al. 2024, V-Min, without its "
+                 "exact offsets)", lambda W, S, R: VShape(W, S, reserves_stash=True), "zb",
+                 v_min_caps, stages=_two_w, split_backward=True),
 ]}
 
 
@@ -157,8 +125,7 @@ def get_schedule(name: str) -> ScheduleSpec:
 
 
 def check_R(spec: ScheduleSpec, R: int | None) -> None:
-    """What can be said about R (already None or a positive int) without the number of
-    workers: only looped schedules take one."""
+    """Only looped schedules take an R (here None or a positive int; checked without W)."""
     if spec.default_R is None and R not in (None, 1):
         raise ScheduleConfigError(
             f"{spec.name} has no R parameter (R groups workers of looped schedules: lpp, "
@@ -167,8 +134,8 @@ def check_R(spec: ScheduleSpec, R: int | None) -> None:
 
 def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches: int | None,
                   R: int | None) -> tuple[int, int, int | None]:
-    """(S, B, R) for a library schedule on ``workers`` ranks, filling its defaults: the one
-    resolution every front end uses, so they agree on the defaults."""
+    """(S, B, R) for a library schedule on ``workers`` ranks, defaults filled in (every front
+    end resolves here, so they agree)."""
     spec = get_schedule(schedule)
     check_R(spec, R)
     if spec.default_R is None:
@@ -183,6 +150,5 @@ def resolve_shape(schedule: str, workers: int, stages: int | None, microbatches:
         raise ScheduleConfigError(
             f"R={R} does not divide the {workers} devices (num_nodes x devices), W={workers}; "
             f"choose R among {[r for r in range(1, workers + 1) if workers % r == 0]}")
-    S = stages if stages is not None else spec.stages(workers, R or 1)
-    B = microbatches if microbatches is not None else spec.micro(workers, R or 1)
-    return S, B, R
+    return (stages if stages is not None else spec.stages(workers, R or 1),
+            microbatches if microbatches is not None else spec.micro(workers, R or 1), R)

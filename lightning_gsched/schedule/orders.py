@@ -1,9 +1,6 @@
-"""Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps.
-
-An order only breaks ties between jobs a worker could start at once, so it cannot bound memory
-(a worker with ready forwards keeps taking them): a cap does, the most stashes a worker may
-hold. 1F1B is "backward first" plus a cap.
-"""
+"""Orders ``n(s, b, d)`` (smaller = more urgent) and per-worker activation caps. An order only
+breaks ties between jobs a worker could start at once, so it cannot bound memory: a cap does,
+the most stashes a worker may hold. 1F1B is "backward first" plus a cap."""
 
 from __future__ import annotations
 
@@ -29,13 +26,12 @@ _STAGE_UP, _STAGE_DOWN, _MICRO_UP = ("stage", True), ("stage", False), ("micro",
 
 
 class LibraryOrder:
-    """``n(s, b, d)`` of a library order: (the phase's group, then the major and the minor
-    index of its :data:`OrderLayout`, negated where descending)."""
+    """``n(s, b, d)`` = (the phase's group, its major index, its minor index), an index negated
+    where its loop descends."""
 
     def __init__(self, name: str, layout: OrderLayout, doc: str) -> None:
         self.__name__ = self.name = name
-        self.__doc__ = doc
-        self.layout = layout
+        self.__doc__, self.layout = doc, layout
         self._keys = {phase: (group, major, minor)
                       for group, (phases, major, minor) in enumerate(layout) for phase in phases}
 
@@ -78,7 +74,7 @@ zero_bubble = LibraryOrder("zero_bubble", (
     """Zero bubble: 1F1B's order with every W last. B first (the previous stage waits for its
     input gradient), then F, oldest microbatch and deepest stage first; W (needed by nobody
     before the optimizer step) only when neither is startable or the cap stops the next F (a W
-    frees a stash, so it is also what lets the pipeline go on under a cap).""")
+    frees a stash, so it also lets the pipeline go on under a cap).""")
 
 
 def layout_of(priority: object) -> OrderLayout | None:
@@ -89,48 +85,40 @@ def layout_of(priority: object) -> OrderLayout | None:
 def interleaved_sequence(workers: int, stages: int, micro: int,
                          R: int) -> dict[tuple[int, int, Phase], int]:
     """Position of every job in its worker's Megatron interleaved 1F1B sequence: the order's
-    written-out definition (tests check :class:`InterleavedOrder` against it).
-
-    Worker ``g*R + p`` of a looped placement runs stages ``c*R + p`` of the microbatches ``b mod
-    G == g``, its chunks depth-first over groups of R microbatches: a warm-up of ``2*(R-p-1) +
-    (v-1)*R`` forwards (v = S/R chunks), then one forward and one backward alternately.
-    """
+    written-out definition (tests check :class:`InterleavedOrder` against it). Worker ``g*R +
+    p`` of a looped placement runs stages ``c*R + p`` of the microbatches ``b mod G == g``, its
+    chunks depth-first over groups of R microbatches: a warm-up of ``2*(R-p-1) + (v-1)*R``
+    forwards (v = S/R chunks), then one forward and one backward alternately."""
     groups, chunks = workers // R, stages // R
     position: dict[tuple[int, int, Phase], int] = {}
     for worker in range(workers):
         g, p = divmod(worker, R)
         mine = [b for b in range(micro) if b % groups == g]
-        forwards: list[tuple[int, int, Phase]] = []
-        backwards: list[tuple[int, int, Phase]] = []
-        for first in range(0, len(mine), R):
-            block = mine[first:first + R]
-            forwards += [(c * R + p, b, _F) for c in range(chunks) for b in block]
-            backwards += [(c * R + p, b, _B) for c in reversed(range(chunks)) for b in block]
+        blocks = [mine[first:first + R] for first in range(0, len(mine), R)]
+        forwards = [(c * R + p, b, _F) for block in blocks for c in range(chunks) for b in block]
+        backwards = [(c * R + p, b, _B) for block in blocks for c in reversed(range(chunks))
+                     for b in block]
         warmup = min(2 * (R - p - 1) + (chunks - 1) * R, len(forwards))
         sequence = forwards[:warmup]
         for k in range(len(forwards) - warmup):
             sequence += [forwards[warmup + k], backwards[k]]
         sequence += backwards[len(forwards) - warmup:]
-        for index, job in enumerate(sequence):
-            position[job] = index
+        position.update((job, index) for index, job in enumerate(sequence))
     return position
 
 
 class InterleavedOrder:
     """Priority = position in :func:`interleaved_sequence`, by formula (a table would not fit
     at large W). ``replicas``: G data-parallel replicas of this order (microbatch b is replica b
-    mod G's b // G; ``micro`` is per replica).
-    """
+    mod G's b // G; ``micro`` is per replica)."""
 
     __name__ = "interleaved"
 
-    def __init__(self, workers: int, stages: int, micro: int, R: int,
-                 replicas: int = 1) -> None:
+    def __init__(self, workers: int, stages: int, micro: int, R: int, replicas: int = 1) -> None:
         self.workers, self.stages, self.micro, self.R = workers, stages, micro, R
         self.replicas = replicas
 
     def with_replicas(self, replicas: int) -> InterleavedOrder:
-        """This order read through ``replicas`` data-parallel replicas (b -> b // G)."""
         return InterleavedOrder(self.workers, self.stages, self.micro, self.R, replicas)
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> int:
@@ -142,8 +130,7 @@ class InterleavedOrder:
         return (f"<interleaved order W={self.workers} S={self.stages} B={self.micro} "
                 f"R={self.R}{replicas}>")
 
-    def positions(self, stage: np.ndarray, micro: np.ndarray,
-                  backward: np.ndarray) -> np.ndarray:
+    def positions(self, stage: np.ndarray, micro: np.ndarray, backward: np.ndarray) -> np.ndarray:
         """Positions of jobs (arrays of stage, microbatch, is-backward) in their worker's
         sequence: :func:`interleaved_sequence`'s loops solved for the index."""
         R, G, V = self.R, self.workers // self.R, self.stages // self.R
@@ -158,14 +145,12 @@ class InterleavedOrder:
         forwards = mine * V
         warmup = np.minimum(2 * (R - p - 1) + (V - 1) * R, forwards)
         forward_at = np.where(index < warmup, index, 2 * index - warmup)
-        backward_at = np.where(index < forwards - warmup, warmup + 2 * index + 1,
-                               forwards + index)
+        backward_at = np.where(index < forwards - warmup, warmup + 2 * index + 1, forwards + index)
         positions: np.ndarray = np.where(backward, backward_at, forward_at)
         return positions
 
 
 def interleaved_order(workers: int, stages: int, micro: int, R: int) -> PriorityFn:
-    """Priority = position in :func:`interleaved_sequence` (depth-first, warm-up aware)."""
     if R is None or workers % R or stages % R:
         raise ScheduleConfigError(
             "order 'interleaved' needs a looped placement with W and S multiples of R "
@@ -179,18 +164,15 @@ ORDER_NAMES = sorted([*ORDERS, "interleaved"])
 
 
 def check_order(order: object) -> None:
-    """An order argument is None (the schedule's), a known name or a callable ``n(s, b, d)``
-    (needs no sizes: checked where the argument enters)."""
-    if order is None or callable(order) or (isinstance(order, str) and order in ORDER_NAMES):
-        return
-    raise ScheduleConfigError(
-        f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or a "
-        "callable n(s, b, d), e.g. order='1f1b'")
+    """An order argument is None (the schedule's), a known name or a callable ``n(s, b, d)``."""
+    if not (order is None or callable(order) or (isinstance(order, str) and order in ORDER_NAMES)):
+        raise ScheduleConfigError(
+            f"order={order!r} is not valid: unknown order {order!r}; use one of {ORDER_NAMES} or "
+            "a callable n(s, b, d), e.g. order='1f1b'")
 
 
 def resolve_order(order: str | PriorityFn, workers: int = 1, stages: int = 1, micro: int = 1,
                   R: int | None = None) -> PriorityFn:
-    """A priority function from a name (``bfs``, ``1f1b``/``dfs``, ``interleaved``) or callable."""
     check_order(order)
     if callable(order):
         return order
@@ -207,14 +189,18 @@ def one_f_one_b_caps(workers: int, stages: int | None = None) -> list[int]:
 
 
 def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
-    """One cap per worker (``None`` = unbounded) from None, an int, a sequence of length W or a
-    callable ``cap(worker)``. ``"auto"`` is resolved by the planner (it needs simulations)."""
+    """One cap per worker (None: unbounded). ``"auto"`` is the planner's (it needs simulations)."""
     if cap is None:
         return [None] * workers
     if isinstance(cap, str):
         raise ScheduleConfigError(f"cap {cap!r} must be resolved by the planner before simulation")
     if callable(cap):
-        caps = [_call_cap(cap, w) for w in range(workers)]
+        caps = []
+        for w in range(workers):
+            try:  # a failure inside the user's cap names the callable and the worker
+                caps.append(cap(w))
+            except Exception as exc:  # noqa: BLE001 - any failure inside the user's cap(w)
+                raise validate.user_callable_error("cap", cap, (w,), "w", exc) from exc
     elif isinstance(cap, int):
         caps = [cap] * workers
     else:
@@ -225,10 +211,3 @@ def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
                 f"cap list has {len(caps)} entries but there are W={workers} workers; give one "
                 "cap per worker, a single int, or None")
     return [validate.cap_entry(w, c) for w, c in enumerate(caps)]
-
-
-def _call_cap(cap: Callable[[int], int | None], worker: int) -> int | None:
-    try:  # a failure inside the user's cap names the callable and the worker
-        return cap(worker)
-    except Exception as exc:  # noqa: BLE001 - any failure inside the user's cap(w)
-        raise validate.user_callable_error("cap", cap, (worker,), "w", exc) from exc

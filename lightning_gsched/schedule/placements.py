@@ -1,14 +1,12 @@
 """Placements ``w(s, b, d) -> (weights_worker, compute_worker)``: which worker computes each job
-and which holds the source of truth of its stage's weights (all traffic follows in lowering).
-
-The named placements generalise the seed's equalities ``W = B`` and ``W = S`` to multiples. Any
-callable is a placement too; :class:`PlacementTable` validates it once and caches the answers.
-"""
+and which holds the source of truth of its stage's weights (lowering derives all traffic).
+The named ones generalise the seed's ``W = B`` and ``W = S`` to multiples; any callable is a
+placement too, validated once by :class:`PlacementTable`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Protocol, cast
+from typing import Any, Callable, ClassVar, Hashable, cast
 
 from lightning_gsched.errors import PlacementError, ScheduleConfigError
 from lightning_gsched.schedule import validate
@@ -16,28 +14,15 @@ from lightning_gsched.schedule.jobs import Phase
 
 PlacementFn = Callable[[int, int, Phase], "tuple[int, int]"]
 _F = Phase.F  # a module constant: an enum member look-up is slow, and rows() reads it per call
-
-
-class CheckedPlacement(Protocol):
-    """A library placement: ``w(s, b, d)`` and the check of the sizes its layout needs."""
-
-    def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]: ...
-
-    def check(self, stages: int, micro: int) -> None: ...
-
-
-Rows = tuple[list[list[int]], list[list[int]]]  # (weights, compute) workers by stage, micro
-# the classes whose rows PlacementTable trusts unvalidated (tests check them): the library's
-# own, not a user's subclass, which may change __call__
+# classes whose rows are trusted unvalidated: the library's, not a user's subclass (its __call__)
 _LIBRARY: set[type] = set()
 
 
 class LibraryPlacement:
-    """A library placement's table of rows, read from ``__call__`` (its one formula): each class
-    states which stages share a row (equal ``weights_key``/``compute_key``) and which rows are
-    constant or periodic in the microbatch, so :meth:`rows` calls ``__call__`` once per distinct
-    entry, not S x B times (tests/test_schedule_fast_paths.py checks these claims).
-    """
+    """A library placement: ``w(s, b, d)`` (its one formula), :meth:`check` of the sizes its
+    layout needs, and claims on its rows (stages with equal ``weights_key``/``compute_key``
+    share a row; rows constant or periodic in b), so :meth:`rows` calls ``__call__`` once per
+    distinct entry, not S x B times (tests/test_schedule_fast_paths.py checks the claims)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -55,39 +40,34 @@ class LibraryPlacement:
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         raise NotImplementedError
 
+    def check(self, stages: int, micro: int) -> None:
+        raise NotImplementedError
+
     def weights_key(self, stage: int) -> Hashable:
-        """Stages with equal keys have equal rows of weights workers."""
         return stage
 
-    def compute_key(self, stage: int) -> Hashable:
-        """Stages with equal keys have equal rows of compute workers."""
-        return stage
+    compute_key = weights_key
 
-    def rows(self, stages: int, micro: int) -> Rows:
-        weights: list[list[int]] = []
-        compute: list[list[int]] = []
+    def rows(self, stages: int, micro: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(weights, compute) workers by stage and microbatch."""
+        rows: tuple[list[list[int]], list[list[int]]] = ([], [])
         seen: dict[tuple[int, Hashable], list[int]] = {}
         for s in range(stages):
-            for which, key, constant, out in (
-                    (0, self.weights_key(s), self.weights_constant_in_micro, weights),
-                    (1, self.compute_key(s), self.compute_constant_in_micro, compute)):
+            for which, key, constant in ((0, self.weights_key(s), self.weights_constant_in_micro),
+                                         (1, self.compute_key(s), self.compute_constant_in_micro)):
                 row = seen.get((which, key))
                 if row is None:
                     period = 1 if constant else min(self.micro_period() or micro, micro)
                     first = [self(s, b, _F)[which] for b in range(period)]
                     row = seen[(which, key)] = (first * -(-micro // period))[:micro]
-                out.append(row[:])  # each stage its own list, as a per-job table would be
-        return weights, compute
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ScheduleConfigError(message)
+                rows[which].append(row[:])  # each stage its own list, as a per-job table's
+        return rows
 
 
 def _multiple(value: int, of: int, message: str, label: str) -> None:
     """Require ``value`` to be a multiple of ``of``; the error suggests the next positive one."""
-    _require(value % of == 0, f"{message}; use {label}={of * max(1, -(-value // of))}")
+    if value % of:
+        raise ScheduleConfigError(f"{message}; use {label}={of * max(1, -(-value // of))}")
 
 
 @dataclass(frozen=True)
@@ -103,8 +83,7 @@ class DDP(LibraryPlacement):
     def weights_key(self, stage: int) -> Hashable:
         return 0  # every stage: the same replicas
 
-    def compute_key(self, stage: int) -> Hashable:
-        return 0
+    compute_key = weights_key
 
     def micro_period(self) -> int | None:
         return self.workers
@@ -115,64 +94,52 @@ class DDP(LibraryPlacement):
 
 
 @dataclass(frozen=True)
-class FSDP(LibraryPlacement):
+class FSDP(DDP):
     """w = (s mod W, b mod W): DDP's compute, but stage s's weights live only on worker s mod W."""
 
-    workers: int
+    weights_constant_in_micro = True  # one owner per stage
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         return stage % self.workers, micro % self.workers
 
-    weights_constant_in_micro = True  # one owner per stage
-
-    def compute_key(self, stage: int) -> Hashable:
-        return 0  # DDP's compute
-
-    def micro_period(self) -> int | None:
-        return self.workers
+    def weights_key(self, stage: int) -> Hashable:
+        return stage
 
     def check(self, stages: int, micro: int) -> None:
-        DDP(self.workers).check(stages, micro)
+        super().check(stages, micro)
         _multiple(stages, self.workers, f"fsdp: stages S={stages} must be a multiple of workers "
                   f"W={self.workers} so every worker owns S/W stages", "S")
 
 
-class _Pinned(LibraryPlacement):
-    """w = (k(s), k(s)): every stage computed where its weights live, for every microbatch."""
+@dataclass(frozen=True)
+class GPipe(LibraryPlacement):
+    """w = (k(s), k(s)), every stage computed where its weights live (which never move), with
+    k = s // (S/W): contiguous blocks of stages per worker, no looping."""
 
-    weights_constant_in_micro = compute_constant_in_micro = True  # weights never move
+    workers: int
+    stages: int
+    weights_constant_in_micro = compute_constant_in_micro = True
 
     def worker_of(self, stage: int) -> int:
-        raise NotImplementedError
+        return stage // (self.stages // self.workers)
 
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
         worker = self.worker_of(stage)
         return worker, worker
 
-
-@dataclass(frozen=True)
-class GPipe(_Pinned):
-    """k = s // (S/W): contiguous blocks of stages per worker, no looping."""
-
-    workers: int
-    stages: int
-
-    def worker_of(self, stage: int) -> int:
-        return stage // (self.stages // self.workers)
-
     def check(self, stages: int, micro: int) -> None:
-        _require(stages >= self.workers and stages % self.workers == 0,
-                 f"gpipe: stages S={stages} must be a positive multiple of workers "
-                 f"W={self.workers} (S < W leaves workers idle); use S={self.workers}")
+        if stages < self.workers or stages % self.workers:
+            raise ScheduleConfigError(f"gpipe: stages S={stages} must be a positive multiple of "
+                                      f"workers W={self.workers} (S < W leaves workers idle); use "
+                                      f"S={self.workers}")
 
 
 @dataclass(frozen=True)
-class VShape(_Pinned):
-    """Stages in a V: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats it). The first and last
-    stage live on worker 0, so the loss is computed where the pipeline started (ZB-V)."""
+class VShape(GPipe):
+    """GPipe's pinning with the stages in a V: k(s) = s for s < W, 2W-1-s after (S = 2kW repeats
+    it). The first and last stage live on worker 0, so the loss is computed where the pipeline
+    started (ZB-V)."""
 
-    workers: int
-    stages: int
     reserves_stash: bool = False
 
     def worker_of(self, stage: int) -> int:
@@ -205,9 +172,9 @@ class _Looped(LibraryPlacement):
         return self.workers // self.R  # and on b through R*b mod W: period G
 
     def check(self, stages: int, micro: int) -> None:
-        """W = G*R, S % R == 0, B % G == 0."""
         name, workers, R = self.name, self.workers, self.R
-        _require(isinstance(R, int) and R >= 1, f"{name}: R must be a positive integer, got {R!r}")
+        if not isinstance(R, int) or R < 1:
+            raise ScheduleConfigError(f"{name}: R must be a positive integer, got {R!r}")
         if workers % R:
             divisors = [r for r in range(1, workers + 1) if workers % r == 0]
             raise ScheduleConfigError(f"{name}: R={R} does not divide the number of workers "
@@ -228,8 +195,7 @@ class LPP(_Looped):
         worker = self.h(stage, micro)
         return worker, worker
 
-    def weights_key(self, stage: int) -> Hashable:
-        return stage % self.R
+    weights_key = _Looped.compute_key  # its weights live where it computes
 
 
 class FSLPP(_Looped):
@@ -240,12 +206,9 @@ class FSLPP(_Looped):
     name = "fslpp"
     weights_constant_in_micro = True
 
-    def owner(self, stage: int) -> int:
-        groups = self.workers // self.R
-        return self.R * ((stage // self.R) % groups) + stage % self.R
-
     def __call__(self, stage: int, micro: int, phase: Phase) -> tuple[int, int]:
-        return self.owner(stage), self.h(stage, micro)
+        owner = self.R * ((stage // self.R) % (self.workers // self.R)) + stage % self.R
+        return owner, self.h(stage, micro)
 
 
 class FSLPPSeed(_Looped):
@@ -258,21 +221,20 @@ class FSLPPSeed(_Looped):
         return self.h(stage, stage), self.h(stage, micro)
 
 
+# the classes whose compute splits into W/R identical groups (symmetry.py; ddp and fsdp: R = 1)
+LOOPED = frozenset({DDP, FSDP, LPP, FSLPP, FSLPPSeed})
+
+
 class PlacementTable:
     """A placement evaluated once for every (s, b), validated (a :class:`PlacementError` names
-    the job): both workers are ints in [0, W); F and B of one (s, b) run on one compute worker
-    (the stash lives there); all jobs of stage s on one compute worker use one weights worker,
-    so a worker fetches stage s from, and returns its gradient to, a single owner.
-    """
+    the job): workers are ints in [0, W); F and B of one (s, b) run on one compute worker (the
+    stash lives there); a compute worker fetches stage s from, and returns its gradient to, a
+    single owner (``fetch_source``). ``weights[s][b]``: (F's, B's) weights worker."""
 
     def __init__(self, placement: PlacementFn, workers: int, stages: int, micro: int) -> None:
         self.workers, self.stages, self.micro = workers, stages, micro
         self._owned: dict[int, list[int]] | None = None
         self._computed: dict[int, set[int]] | None = None
-        self.compute: list[list[int]]
-        self.weights: list[list[tuple[int, int]]]
-        self.owners: list[tuple[int, ...]]
-        self.fetch_source: dict[tuple[int, int], int]
         # the lowering holds a fetched stage for the whole step (data_parallel='shard')
         self.hold_fetched_for_step = bool(getattr(placement, "hold_fetched_for_step", False))
         self.reserves_stash = bool(getattr(placement, "reserves_stash", False))
@@ -313,9 +275,7 @@ class PlacementTable:
                             f"worker {cf} computes stage {s} with weights from worker {first[0]} "
                             f"({first[2].value} b{first[1]}) and from worker {w} ({d.value} b{b}); "
                             "a compute worker must fetch a stage from a single owner")
-        self.owners = [
-            tuple(sorted({w for pair in self.weights[s] for w in pair})) for s in range(stages)
-        ]
+        self.owners = [tuple(sorted({w for pair in row for w in pair})) for row in self.weights]
         self.fetch_source = {k: v[0] for k, v in source.items()}
 
     def _call(self, placement: PlacementFn, s: int, b: int, d: Phase) -> tuple[int, int]:
@@ -337,11 +297,8 @@ class PlacementTable:
                     f"workers must be ints in [0, {self.workers}) for W={self.workers}")
         return weights, compute
 
-    def weights_worker(self, stage: int, micro: int, phase: Phase) -> int:
-        return self.weights[stage][micro][0 if phase is Phase.F else 1]
-
+    # indexes built on first use: a scan of all stages per worker would be O(W x S)
     def owned_stages(self, worker: int) -> list[int]:
-        """The stages ``worker`` owns, from an index built once (not O(S) per worker)."""
         if self._owned is None:
             self._owned = {}
             for s, owners in enumerate(self.owners):
@@ -350,7 +307,7 @@ class PlacementTable:
         return list(self._owned.get(worker, ()))
 
     def computed_stages(self, worker: int) -> set[int]:
-        """The stages ``worker`` computes for some microbatch (index built once)."""
+        """The stages ``worker`` computes for some microbatch."""
         if self._computed is None:
             self._computed = {}
             for s, row in enumerate(self.compute):

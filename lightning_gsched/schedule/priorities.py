@@ -1,6 +1,5 @@
 """Priorities as dense ranks: ``n(s, b, d)`` evaluated once per plan, turned into the ints the
-simulator's queues compare, in the order of the pairs (n(job), job).
-"""
+simulator's queues compare, in the order of the pairs (n(job), job)."""
 
 from __future__ import annotations
 
@@ -17,26 +16,23 @@ from lightning_gsched.schedule.orders import InterleavedOrder, PriorityFn, layou
 
 def priority_ranks(priority: PriorityFn, stages: int, micro: int, forward_only: bool = False,
                    split_backward: bool = False) -> list[int]:
-    """Dense integer ranks (heap keys) by flat job index, ordered as the pairs (n(job), job).
-    An order with a formula (:func:`order_keys`) is not called per job; other orders' ints or
-    tuples of ints are packed into one int per job (:func:`_packed`) for a sort of ints.
-    """
+    """Dense integer ranks (heap keys) by flat job index. An order with a formula
+    (:func:`order_keys`) is not called per job; other orders' ints or tuples of ints are packed
+    into one int per job (:func:`_packed`) for a sort of ints."""
     phases = phases_of(forward_only, split_backward)
     known = order_keys(priority, stages, micro, phases)
     if known is not None:
         return dense_ranks(known).tolist()  # type: ignore[no-any-return]
     keys: list[Any] = []
     append = keys.append
-    s = b = 0
-    d = phases[0]
+    s, b, d = 0, 0, phases[0]
     try:  # one try around the loop: no per-job cost on the planner's hot path
         for s in range(stages):
             for b in range(micro):
                 for d in phases:
                     append(priority(s, b, d))
     except Exception as exc:  # noqa: BLE001 - any failure inside the user's n(s, b, d)
-        raise validate.user_callable_error(
-            "priority", priority, (s, b, d), "s, b, d", exc) from exc
+        raise validate.user_callable_error("priority", priority, (s, b, d), "s, b, d", exc) from exc
     packed = _packed(keys, phases)
     try:
         if packed is not None:
@@ -67,9 +63,8 @@ def inverse(permutation: list[int]) -> list[int]:
 def order_keys(priority: PriorityFn, stages: int, micro: int,
                phases: tuple[Phase, ...]) -> np.ndarray | None:
     """Keys (int64 per flat job index) that order jobs as the pairs (n(job), job) do, for the
-    orders with a formula: a library order's layout and interleaved's positions; else None.
-    The job tie-break is (stage, micro, phase by its text: B < F < W), as ``Job`` compares.
-    """
+    orders with a formula: a library order's layout and interleaved's positions; else None. The
+    job tie-break is (stage, micro, phase by its text: B < F < W), as ``Job`` compares."""
     layout = layout_of(priority)
     if layout is None and not isinstance(priority, InterleavedOrder):
         return None
@@ -79,39 +74,31 @@ def order_keys(priority: PriorityFn, stages: int, micro: int,
     b = np.arange(micro, dtype=np.int64)[None, :]
     job = (stage * micro + b) * 3  # the job's place in (stage, micro, phase text) order
     span = max(stages, micro)
+
+    def index(loop: tuple[str, bool]) -> np.ndarray:  # a loop's place, reversed if it descends
+        value, size = (stage, stages) if loop[0] == "stage" else (b, micro)
+        return value if loop[1] else size - 1 - value
+
     for k, d in enumerate(phases):
         if isinstance(priority, InterleavedOrder):
             at = priority.positions(stage, b, np.full((1, 1), d is not Phase.F))
             keys[:, :, k] = at * (stages * micro * 3) + job + _TEXT_RANK[d]
             continue
         assert layout is not None
-        group, (major, minor) = next((index, (major, minor)) for index, (members, major, minor)
-                                     in enumerate(layout) if d in members)
-        place = (_loop_index(major, stage, b, stages, micro) * span
-                 + _loop_index(minor, stage, b, stages, micro))
-        keys[:, :, k] = ((group * span * span + place) * 3) + _TEXT_RANK[d]
+        group, major, minor = next((g, major, minor) for g, (members, major, minor)
+                                   in enumerate(layout) if d in members)
+        keys[:, :, k] = ((group * span + index(major)) * span + index(minor)) * 3 + _TEXT_RANK[d]
     return keys.reshape(-1)
 
 
 _TEXT_RANK = {Phase.B: 0, Phase.F: 1, Phase.W: 2}
 
 
-def _loop_index(loop: tuple[str, bool], stage: np.ndarray, micro: np.ndarray, stages: int,
-                micros: int) -> np.ndarray:
-    """A layout loop's place of each job: its index, reversed where the loop descends."""
-    name, ascending = loop
-    value, size = (stage, stages) if name == "stage" else (micro, micros)
-    return value if ascending else size - 1 - value
-
-
 def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
-    """One int per job ordering as (key, job) does, when every key is an int or every key a
-    tuple of ints of one length; None otherwise (then the pairs themselves are sorted).
-
-    Each key component is shifted to start at 0 and the tuple read as a mixed-radix number
-    (radix: that component's range), which orders exactly as the tuples do; the lowest digit is
-    the job's place in job order (the tie-break). ``keys`` are in flat job order.
-    """
+    """One int per job ordering as (key, job) does, when every key is an int or every key a tuple
+    of ints of one length (else None: the pairs are sorted): each component shifted to start at
+    0, the tuple read as a mixed-radix number (radix: the component's range), which orders as
+    the tuples do; the lowest digit is the job's place in flat job order (the tie-break)."""
     if not keys:
         return None
     columns: list[Sequence[Any]] = [keys]
@@ -130,5 +117,4 @@ def _packed(keys: list[Any], phases: tuple[Phase, ...]) -> list[int] | None:
     P = len(phases)
     groups = len(keys) // P  # (stage, micro) pairs, in job order already
     tie = [text_rank[d] for d in phases] * groups
-    return [(p * groups + i // P) * P + t
-            for i, (p, t) in enumerate(zip(packed, tie, strict=True))]
+    return [(p * groups + i // P) * P + t for i, (p, t) in enumerate(zip(packed, tie, strict=True))]

@@ -1,19 +1,15 @@
-"""The program IR: one ordered list of actions per rank, and one table of what each op means.
-
-The planner costs and draws these programs and the runtime executes them. What each op means is
-written once, in :data:`OPS`; what each action consumes and releases, in :mod:`.consumption`.
-An action's text form (``F s3 b1``, ``SEND_ACT s3 b1 ->2``, ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5
-[0,2]``) round-trips through :meth:`Action.parse`.
+"""The program IR: one ordered list of actions per rank, which the planner costs and draws and
+the runtime executes. What each op means is written once, in :data:`OPS`; what each action
+consumes and releases, in :mod:`.consumption`. An action's text form (``F s3 b1``, ``SEND_ACT s3
+b1 ->2``, ``FETCH_W t0 <-0``, ``ALLREDUCE_G s5 [0,2]``) round-trips through :meth:`Action.parse`.
+Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
+first action that consumes them. Sends never block. The dry run proves this model deadlock-free.
 
 The :data:`UNIT_OPS` act on a *weight unit*: a stage's own weights (``s5``) or a *tie* (``t0``),
 parameters several stages read (a tied embedding and head), named by its **home**, the lowest
-stage reading it, owned with it (``owners[home]``) and fetched once per step by a rank that
-computes a reader without owning it (:attr:`Programs.ties`). A tie differs from a stage only in
-its readers, in being no stage of ``peak_resident_stages`` and in its ``tie_*`` counters.
-
-Receives are *posts*: the runtime starts them where they appear (the prefetch) and waits at the
-first action that consumes them. Sends never block. The dry run proves this model deadlock-free.
-"""
+stage reading it, owned with it and fetched once per step by a rank computing a reader without
+owning it. A tie differs from a stage only in its readers and counters, and in being no stage of
+``peak_resident_stages``."""
 
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Literal, NamedTuple, Sequence
 
 from lightning_gsched.errors import ProgramError
@@ -52,12 +49,9 @@ OpKind = Literal["compute", "send", "recv", "free", "collective"]
 
 @dataclass(frozen=True)
 class OpSpec:
-    """What one op means, for every reader of programs. ``channel``: the FIFO channel a send or
-    recv uses; ``matches``: the op at the message's other end. ``counter``: the
-    :class:`~lightning_gsched.schedule.counts.ActionCounts` field one action adds 1 to (None:
-    counted otherwise or not at all); ``tie_counter``: a tie's instead. ``forward_only``: allowed
-    in forward-only programs. ``per_micro``: names a microbatch. ``outgoing``: written ``->peer``.
-    """
+    """What one op means. ``channel``: the FIFO channel a send or recv uses; ``matches``: the op
+    at the message's other end; ``counter`` (``tie_counter``: a tie's): the
+    :class:`~.counts.ActionCounts` field one action adds 1 to (None: counted otherwise or not)."""
 
     op: Op
     kind: OpKind
@@ -67,11 +61,9 @@ class OpSpec:
     counter: str | None = None
     forward_only: bool = False
     per_micro: bool = False
-    outgoing: bool = False
     tie_counter: str | None = None
 
     def counter_of(self, tie: bool) -> str | None:
-        """The counter one action of this op moves: a tie's own, or the op's."""
         return self.tie_counter if tie else self.counter
 
 
@@ -82,84 +74,67 @@ OPS: dict[Op, OpSpec] = {spec.op: spec for spec in (
            "programs split the backward); frees the stash unless split", per_micro=True),
     OpSpec(Op.W, "compute", "weight-gradient of a stage after its split B; frees the stash",
            per_micro=True),
-    OpSpec(Op.SEND_ACT, "send", "send a forward's output to the rank of the next stage",
-           channel="p2p", matches=Op.RECV_ACT, counter="activation_sends", forward_only=True,
-           per_micro=True, outgoing=True),
-    OpSpec(Op.RECV_ACT, "recv", "post the receive of a forward's output",
-           channel="p2p", matches=Op.SEND_ACT, counter="activation_recvs", forward_only=True,
-           per_micro=True),
+    OpSpec(Op.SEND_ACT, "send", "send a forward's output to the rank of the next stage", "p2p",
+           Op.RECV_ACT, "activation_sends", forward_only=True, per_micro=True),
+    OpSpec(Op.RECV_ACT, "recv", "post the receive of a forward's output", "p2p", Op.SEND_ACT,
+           "activation_recvs", forward_only=True, per_micro=True),
     OpSpec(Op.SEND_GRAD, "send", "send a backward's input-gradient to the producer's rank",
-           channel="p2p", matches=Op.RECV_GRAD, counter="input_grad_sends", per_micro=True,
-           outgoing=True),
-    OpSpec(Op.RECV_GRAD, "recv", "post the receive of an input-gradient",
-           channel="p2p", matches=Op.SEND_GRAD, counter="input_grad_recvs", per_micro=True),
+           "p2p", Op.RECV_GRAD, "input_grad_sends", per_micro=True),
+    OpSpec(Op.RECV_GRAD, "recv", "post the receive of an input-gradient", "p2p", Op.SEND_GRAD,
+           "input_grad_recvs", per_micro=True),
     # the weight-unit ops: a stage's or a tie's (Action.tie), one channel per kind for both
     OpSpec(Op.FETCH_W, "recv", "post the receive of a unit's weights; they become resident",
-           channel="weights", matches=Op.SEND_W, counter="weight_fetches", forward_only=True,
-           tie_counter="tie_fetches"),
+           "weights", Op.SEND_W, "weight_fetches", forward_only=True, tie_counter="tie_fetches"),
     OpSpec(Op.SEND_W, "send", "owner: send a unit's weights to a rank that fetches them",
-           channel="weights", matches=Op.FETCH_W, counter="weight_serves", forward_only=True,
-           outgoing=True, tie_counter="tie_serves"),
+           "weights", Op.FETCH_W, "weight_serves", forward_only=True, tie_counter="tie_serves"),
     OpSpec(Op.FREE_W, "free", "release a fetched unit's weights", forward_only=True),
     OpSpec(Op.REDUCE_G, "send", "send a fetched unit's accumulated gradient to its owner",
-           channel="grads", matches=Op.RECV_G, counter="grad_sends", outgoing=True,
-           tie_counter="tie_grad_sends"),
+           "grads", Op.RECV_G, "grad_sends", tie_counter="tie_grad_sends"),
     OpSpec(Op.RECV_G, "recv", "owner: post the receive of a rank's gradient (summed in)",
-           channel="grads", matches=Op.REDUCE_G, counter="grad_recvs",
-           tie_counter="tie_grad_recvs"),
+           "grads", Op.REDUCE_G, "grad_recvs", tie_counter="tie_grad_recvs"),
     OpSpec(Op.ALLREDUCE_G, "collective", "all-reduce a unit's gradient among its owners",
            counter="allreduces", tie_counter="tie_allreduces"),
 )}
 
 UNIT_OPS = frozenset({Op.FETCH_W, Op.SEND_W, Op.FREE_W, Op.REDUCE_G, Op.RECV_G, Op.ALLREDUCE_G})
-COLLECTIVE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "collective")
-COMPUTE_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "compute")
-SEND_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "send")
-RECV_OPS = frozenset(op for op, spec in OPS.items() if spec.kind == "recv")
+COMPUTE_OPS, SEND_OPS, RECV_OPS, COLLECTIVE_OPS = (
+    frozenset(op for op, spec in OPS.items() if spec.kind == kind)
+    for kind in ("compute", "send", "recv", "collective"))
 FORWARD_ONLY_OPS = frozenset(op for op, spec in OPS.items() if spec.forward_only)
 BACKWARD_OPS = frozenset(Op) - FORWARD_ONLY_OPS  # B, W, input-gradients, gradient reductions
 # Each channel is FIFO per (src, dst): the k-th send on it matches the k-th receive posted on
 # it. Separate channels let weights and gradients flow independently of activations.
 CHANNEL_OF = {op: spec.channel for op, spec in OPS.items() if spec.channel is not None}
-RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items()
-                 if spec.kind == "send" and spec.matches is not None}
-_OUT_OPS = frozenset(op for op, spec in OPS.items() if spec.outgoing)
+RECV_FOR_SEND = {op: spec.matches for op, spec in OPS.items() if op in SEND_OPS and spec.matches}
 
 
 class RankGroup(tuple[int, ...]):
     """An all-reduce group that hashes once and tests membership in O(1) (the dry run asks every
-    member ``rank in group``: O(W^2) with a plain tuple). Equal to, and hashing as, the tuple.
-    """
+    member ``rank in group``: O(W^2) with a plain tuple). Equal to, and hashing as, the tuple."""
 
-    _hash: int
-    _members: frozenset[int]
+    @cached_property
+    def _hash(self) -> int:
+        return tuple.__hash__(self)
+
+    @cached_property
+    def _members(self) -> frozenset[int]:
+        return frozenset(self)
 
     def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            self._hash = tuple.__hash__(self)
-            return self._hash
+        return self._hash
 
     def __contains__(self, rank: object) -> bool:
-        try:
-            members = self._members
-        except AttributeError:
-            members = self._members = frozenset(self)
-        return rank in members
+        return rank in self._members
 
 
 def weight_grad_op(forward_only: bool, split_backward: bool) -> Op | None:
-    """The compute that accumulates a stage's weight gradients and releases the stash of its
-    (stage, microbatch): W when the backward is split, else B; None when forward-only."""
+    """The op of :func:`.jobs.weight_grad_phase`; None when forward-only."""
     return None if forward_only else Op(weight_grad_phase(split_backward).value)
 
 
 class Action(NamedTuple):
-    """One step of a rank's program. ``peer`` is the other rank of a message; ``tie``: a weight
-    unit op acts on the tie whose home is ``stage`` (``t<home>``), not the stage's weights.
-    A NamedTuple: lowering builds very many, and a frozen dataclass costs 4x more each.
-    """
+    """One step of a rank's program. ``tie``: a unit op acts on the tie whose home is ``stage``
+    (``t<home>``). A NamedTuple: lowering builds many, and a frozen dataclass costs 4x more."""
 
     op: Op
     stage: int
@@ -173,7 +148,7 @@ class Action(NamedTuple):
         if self.micro is not None:
             text += f" b{self.micro}"
         if self.peer is not None:
-            text += f" {'->' if self.op in _OUT_OPS else '<-'}{self.peer}"
+            text += f" {'->' if self.op in SEND_OPS else '<-'}{self.peer}"
         if self.group is not None:
             text += " [" + ",".join(str(r) for r in self.group) + "]"
         return text
@@ -197,8 +172,7 @@ class Action(NamedTuple):
 
 class Message(NamedTuple):
     """What one message carries, named alike at its send and its receive: the receive op that
-    posts it, the stage (a tie's home, with ``tie``) and the microbatch (None for a unit's
-    weights and gradients)."""
+    posts it, the stage (a tie's home, with ``tie``) and the microbatch (None for a unit's)."""
 
     op: Op
     stage: int
@@ -207,19 +181,15 @@ class Message(NamedTuple):
 
     @classmethod
     def of(cls, action: Action) -> Message:
-        """The message a send or a receive action carries."""
-        return cls(RECV_FOR_SEND.get(action.op, action.op), action.stage, action.micro,
-                   action.tie)
+        return cls(RECV_FOR_SEND.get(action.op, action.op), action.stage, action.micro, action.tie)
 
 
 SEND_FOR_RECV = {recv: send for send, recv in RECV_FOR_SEND.items()}
-# channel kinds as small ints (for channel numbers: :meth:`Channel.number`)
 CHANNEL_KINDS = {kind: index for index, kind in enumerate(dict.fromkeys(CHANNEL_OF.values()))}
 
 
 class Channel(NamedTuple):
-    """One direction of one kind of traffic between two ranks: FIFO, so every receive must be
-    posted in the order of the sends."""
+    """One direction of one kind of traffic between two ranks, FIFO."""
 
     kind: str
     src: int
@@ -234,12 +204,11 @@ class Channel(NamedTuple):
             cls(kind, action.peer, rank)
 
     def number(self, world: int) -> int:
-        """A dense int for the channel among ``world`` ranks (``channel_bases``' numbering)."""
+        """A dense int for the channel among ``world`` ranks (as :func:`channel_bases`)."""
         return CHANNEL_KINDS[self.kind] * world * world + self.src * world + self.dst
 
     @classmethod
     def numbered(cls, number: int, world: int) -> Channel:
-        """The channel of a :meth:`number`."""
         kind, rest = divmod(number, world * world)
         src, dst = divmod(rest, world)
         return cls(next(k for k, i in CHANNEL_KINDS.items() if i == kind), src, dst)
@@ -256,8 +225,8 @@ def channel_bases(world: int) -> dict[Op, int]:
 
 def check_channel(channel: Channel, sent: Sequence[Message], posted: Sequence[Message]) -> None:
     """The one matching rule: a channel's sends and posts carry the same messages in the same
-    order. Raises :class:`ProgramError` naming the first message sent and never posted (or
-    posted and never sent), else the first out of order."""
+    order. The :class:`ProgramError` names the first unmatched message, else the first out of
+    order."""
     if list(sent) == list(posted):
         return
     kind, src, dst = channel
@@ -290,16 +259,11 @@ _PATTERN = re.compile(
 
 @dataclass
 class Programs:
-    """Programs of all ranks plus the facts the runtime needs to execute them.
-
-    ``owners[s]``: the ranks holding the source of truth of stage s (several: replicas, kept
-    equal by ``ALLREDUCE_G``). ``forward_only``: only :data:`FORWARD_ONLY_OPS`.
-    ``split_backward``: every backward is ``B`` then ``W`` on one rank, the stash living until
-    ``W``. ``ties``: tie home -> its reader stages (sorted). ``ranks``: a
-    :class:`~.lazy_ranks.LazyList` (a list given is wrapped), each program made when first read.
-    ``planned``: made by the planner's lowering (every all-reduce group is a replicated stage's
-    owners), so a reader may answer from those facts instead of reading every program.
-    """
+    """Programs of all ranks plus the facts the runtime needs to execute them. ``owners[s]``: the
+    ranks holding the source of truth of stage s (several: replicas, kept equal by
+    ``ALLREDUCE_G``). ``ties``: tie home -> its reader stages (sorted). ``ranks``: each program
+    made when first read. ``planned``: made by the planner's lowering (every all-reduce group is
+    a replicated stage's owners), so a reader may answer from those facts."""
 
     ranks: LazyList[list[Action]]
     num_stages: int
@@ -325,12 +289,10 @@ class Programs:
 
     @property
     def weight_grad_op(self) -> Op | None:
-        """These programs' :func:`weight_grad_op`."""
         return weight_grad_op(self.forward_only, self.split_backward)
 
     def owned_stages(self, rank: int) -> list[int]:
-        """The stages ``rank`` owns, ascending, from an index of ``owners`` built on first use
-        (every reader asks once per rank: a scan of all stages each time is O(W x S))."""
+        """Ascending, from an index built on first use (a scan per rank would be O(W x S))."""
         index = self._owned_index
         if index is None or index[0] is not self.owners:
             by_rank: dict[int, list[int]] = {}
@@ -345,7 +307,7 @@ class Programs:
         return [h for h in sorted(self.ties) if rank in self.owners[h]]
 
     def text(self, rank: int | None = None) -> str:
-        """Human-readable programs, one action per line (all ranks when ``rank`` is None)."""
+        """One action per line (all ranks when ``rank`` is None)."""
         lines: list[str] = []
         for r in range(self.world_size) if rank is None else [rank]:
             lines += [f"rank {r}:", *(f"  {a}" for a in self.ranks[r])]

@@ -1,12 +1,8 @@
 """Stash reservations: a microbatch entering a worker claims, against its cap, every stash it
-will hold there.
-
-Why: on a V placement a plain cap below 2W deadlocks: worker 0's first stage is always ready,
-so it fills the cap with first-stage forwards, and the second-stage forward of its oldest
-microbatch, which every backward waits for, never starts. Reserving keeps room for it, so any
-cap of at least a worker's stages completes, and the stash held never exceeds the cap. A
-placement opts in with ``reserves_stash = True`` (v-half, v-min).
-"""
+will hold there. On a V placement a plain cap below 2W deadlocks: worker 0 fills it with
+first-stage forwards (always ready), and the second-stage forward of its oldest microbatch, which
+every backward waits for, never starts. Reserving keeps room for it: any cap of at least a
+worker's stages completes, the stash never above it. Opt in: ``reserves_stash`` (v-half, v-min)."""
 
 from __future__ import annotations
 
@@ -14,19 +10,13 @@ from typing import Sequence
 
 
 def stash_charges(compute: Sequence[Sequence[int]]) -> list[int]:
-    """What each forward adds to its worker's count under the cap, by flat (stage * B + micro).
-
-    ``compute[s][b]``: the worker that computes stage s of microbatch b. The first forward of
-    microbatch b on a worker is charged the number of stages b has on that worker; its later
-    forwards there cost 0. Every stash is still released one by one, by its last backward phase.
-    """
-    stages = len(compute)
-    micro = len(compute[0]) if stages else 0
+    """What each forward adds to its worker's count under the cap, by flat (stage * B + micro):
+    the first forward of microbatch b on a worker the number of stages b has there, its later
+    forwards there 0. Every stash is still released one by one, by its last backward phase."""
+    stages, micro = len(compute), len(compute[0]) if compute else 0
     charges = [0] * (stages * micro)
     for b in range(micro):
         first: dict[int, int] = {}  # worker -> flat index of b's first forward on it
         for s in range(stages):
-            worker = compute[s][b]
-            at = first.setdefault(worker, s * micro + b)
-            charges[at] += 1
+            charges[first.setdefault(compute[s][b], s * micro + b)] += 1
     return charges

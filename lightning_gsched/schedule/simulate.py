@@ -1,18 +1,15 @@
-"""The seed's clock-free greedy simulation, with a heap instead of a scan of the frontier.
-
-The seed runs ``argmin max(t(worker), t(job)) + eps * n`` among ready jobs: every worker's
-earliest-startable job (ties broken by the order ``n``), the earliest of those first. Start
-times so handed out never decrease: an event-ordered list scheduler, O(log J) per job.
-
-A forward may not start on a worker holding ``cap`` stashes (forwards whose backward has not
-finished; a reserving placement charges :func:`.reserve.stash_charges` instead of 1). If no
-worker can start anything while jobs remain, :class:`CapTooSmallError` says who is stuck.
-"""
+"""The seed's clock-free greedy simulation, ``argmin max(t(worker), t(job)) + eps * n`` among
+ready jobs (every worker's earliest-startable job, ties broken by the order ``n``, the earliest
+of those first), with a heap instead of a scan of the frontier: an event-ordered list scheduler,
+O(log J) per job. A forward may not start on a worker holding ``cap`` stashes (forwards whose
+backward has not finished; a reserving placement charges :func:`.reserve.stash_charges` instead
+of 1). If no worker can start anything while jobs remain, :class:`CapTooSmallError` says who."""
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
 
 from lightning_gsched.errors import CapTooSmallError, ScheduleConfigError
@@ -26,10 +23,8 @@ from lightning_gsched.schedule.reserve import stash_charges
 
 @dataclass(frozen=True)
 class Costs:
-    """Duration of each (stage, phase), by default backward = 2 x forward. ``weight``: W's, when
-    split (then ``backward`` is B's only); :meth:`build` halves the backward between B and W by
-    default (for a layer's matmuls each costs about one forward).
-    """
+    """Duration of each (stage, phase); ``weight``: W's when split. :meth:`build` halves the
+    backward between B and W by default (for a layer's matmuls each costs about one forward)."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
@@ -89,30 +84,25 @@ class Slot(NamedTuple):
 
 
 class Timeline:
-    """Every job's worker and start/end time, by flat job index ``i = (stage * micro + b) * P
-    + k`` (k: the phase's place in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (worker
-    w's indices in order), ``sequence`` (placement order), ``busy[w]`` (the sum of w's ``end -
-    start`` in order). :attr:`slots` and :attr:`by_worker` are built on first use only.
-    """
+    """Every job's worker and start/end time, by flat job index ``i = (stage * micro + b) * P +
+    k`` (k: the phase's place in ``phases``): ``start[i]``, ``end[i]``, ``order[w]`` (worker w's
+    indices in order), ``sequence`` (placement order), ``busy[w]`` (the sum of w's ``end -
+    start`` in order). :attr:`slots` and :attr:`by_worker` are built on first use only."""
 
     def __init__(self, workers: int, stages: int, micro: int, phases: tuple[Phase, ...],
                  order: Sequence[list[int]], start: Sequence[float], end: Sequence[float],
                  sequence: list[int] | Callable[[], list[int]], busy: list[float],
-                 latency: float | None = None) -> None:
+                 latency: float | None = None, replicas: ReplicaLayout | None = None) -> None:
         self.workers, self.stages, self.micro, self.phases = workers, stages, micro, phases
         # lists, or compact equivalents (sweep.py: ``array('d')`` times, lazy per-worker lists)
-        self.order, self.start, self.end = order, start, end
+        self.order, self.start, self.end, self.busy = order, start, end, busy
         self._latency = latency  # else the largest end, when asked
-        self._sequence = sequence  # a callable: built when first read (symmetry.py)
-        # set when built by group symmetry (symmetry.py): replica g runs microbatches b = g mod
-        # G, its position p's order is replica 0's with b renamed (same stages, same times)
-        self.replicas: ReplicaLayout | None = None
-        self.busy = busy
-        self._slot_lists: tuple[list[Slot], list[list[Slot]]] | None = None
+        self._sequence = sequence  # a callable: built when first read
+        # by group symmetry: replica g (b = g mod G) runs replica 0's order with b renamed
+        self.replicas = replicas
 
     @property
     def sequence(self) -> list[int]:
-        """Every flat job index in the order the simulation placed it."""
         if callable(self._sequence):
             self._sequence = self._sequence()
         return self._sequence
@@ -124,16 +114,13 @@ class Timeline:
         return self._latency
 
     def job(self, index: int) -> Job:
-        """The job at flat index ``index``."""
         P = len(self.phases)
         stage, micro = divmod(index // P, self.micro)
         return Job(stage, micro, self.phases[index % P])
 
+    @cached_property
     def _slots(self) -> tuple[list[Slot], list[list[Slot]]]:
-        if self._slot_lists is not None:
-            return self._slot_lists
-        P, B, phases = len(self.phases), self.micro, self.phases
-        start, end = self.start, self.end
+        P, B, phases, start, end = len(self.phases), self.micro, self.phases, self.start, self.end
         new_tuple = tuple.__new__  # NamedTuples without their __new__ frame
         slot_of: dict[int, Slot] = {}
         for worker, indices in enumerate(self.order):
@@ -141,19 +128,18 @@ class Timeline:
                 q = i // P
                 job = new_tuple(Job, (q // B, q % B, phases[i % P]))
                 slot_of[i] = new_tuple(Slot, (job, worker, start[i], end[i]))
-        self._slot_lists = ([slot_of[i] for i in self.sequence],
-                            [[slot_of[i] for i in indices] for indices in self.order])
-        return self._slot_lists
+        return ([slot_of[i] for i in self.sequence],
+                [[slot_of[i] for i in indices] for indices in self.order])
 
     @property
     def slots(self) -> list[Slot]:
         """Every job's slot, in the order the simulation placed them (start times ascending)."""
-        return self._slots()[0]
+        return self._slots[0]
 
     @property
     def by_worker(self) -> list[list[Slot]]:
         """Per worker, its slots in the order it runs them."""
-        return self._slots()[1]
+        return self._slots[1]
 
 
 class _Worker:
@@ -164,32 +150,27 @@ class _Worker:
     __slots__ = ("free_at", "stash", "cap", "pending", "ready", "version", "phases", "next_start")
 
     def __init__(self, cap: int | None, phases: int) -> None:
-        self.free_at = 0.0
-        self.stash = 0
-        self.cap = cap
+        self.free_at, self.stash, self.cap, self.version = 0.0, 0, cap, 0
         self.phases = range(phases)  # 0 F, 1 B, 2 W
         self.pending: list[list[tuple[float, int]]] = [[] for _ in self.phases]
         self.ready: list[list[int]] = [[] for _ in self.phases]
-        self.version = 0
         self.next_start: float | None = None  # start of its valid event (None: no event)
 
     def forward_allowed(self, charge: int) -> bool:
         return self.cap is None or self.stash + charge <= self.cap
 
-    # Reserving placements only: a forward's charge depends on the job, so a later one, already
-    # paid for, may start while the heap's head is refused.
+    # reserving placements only: a forward's charge depends on the job, so a later one, already
+    # paid for, may start while the heap's head is refused
     def best_forward(self, charges: list[int], job_of: list[int], phases: int) -> int:
         """The smallest-ranked ready forward the cap allows, or -1."""
-        allowed = [rank for rank in self.ready[0]
-                   if self.forward_allowed(charges[job_of[rank] // phases])]
-        return min(allowed, default=-1)
+        return min((rank for rank in self.ready[0]
+                    if self.forward_allowed(charges[job_of[rank] // phases])), default=-1)
 
     def next_forward(self, charges: list[int], job_of: list[int],
                      phases: int) -> tuple[float, int] | None:
         """The earliest (ready time, rank) of a pending forward the cap allows, or None."""
-        allowed = [entry for entry in self.pending[0]
-                   if self.forward_allowed(charges[job_of[entry[1]] // phases])]
-        return min(allowed, default=None)
+        return min((entry for entry in self.pending[0]
+                    if self.forward_allowed(charges[job_of[entry[1]] // phases])), default=None)
 
     def take_forward(self, rank: int) -> None:
         """Remove the forward ``rank`` from its queue, wherever in the heap it is."""
@@ -207,14 +188,11 @@ _PHASE_INDEX = {Phase.F: 0, Phase.B: 1, Phase.W: 2}
 
 def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], costs: Costs,
              caps: Sequence[int | None]) -> Timeline:
-    """Run the greedy schedule to completion. ``ranks``: :func:`~.priorities.priority_ranks`.
-
-    A hot loop with the plain rule's results (tests/planner_references.py): an event carries
-    its worker's choice and version, so a valid event is taken without choosing again and a
-    stale one skipped; a worker starting something now is not refreshed for a job ready only
-    later; a single-predecessor successor is ready when its job ends. A stash counts against
-    the cap from its F until its last backward phase (B, or W when split).
-    """
+    """Run the greedy schedule to completion: a hot loop with the plain rule's results
+    (tests/planner_references.py). An event carries its worker's choice and version, so a valid
+    event is taken without choosing again and a stale one skipped; a worker starting something
+    now is not refreshed for a job ready only later; a single-predecessor successor is ready
+    when its job ends. A stash counts from its F until its last backward phase."""
     W, S, B = table.workers, table.stages, table.micro
     P = len(graph.phases)
     total = P * S * B
@@ -292,8 +270,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
     for w in dict.fromkeys(touched):
         refresh(w)
 
-    start_of = [0.0] * total  # by flat job index
-    end_of = [0.0] * total
+    start_of, end_of = [0.0] * total, [0.0] * total  # by flat job index
     order: list[list[int]] = [[] for _ in range(W)]  # per worker, its flat jobs in order
     append_to = [jobs.append for jobs in order]
     busy = [0.0] * W  # per worker, the sum of its jobs' end - start, in its order
@@ -366,8 +343,7 @@ def simulate(graph: StageGraph, table: PlacementTable, ranks: Sequence[int], cos
 
 def stuck_error(blocked: Sequence[tuple[int, int, int, Job]], placed: int, total: int,
                 caps: Sequence[int | None]) -> CapTooSmallError:
-    """The error when no worker can start anything: per blocked worker (worker, stash, cap, its
-    first waiting forward). Shared with the sweep, which must fail the same way."""
+    """``blocked``: (worker, stash, cap, its first waiting forward). Shared with the sweep."""
     detail = "; ".join(
         f"worker {w} holds {stash} activations (cap {cap}) and cannot start {job}"
         for w, stash, cap, job in blocked) or "no worker has a startable job"
