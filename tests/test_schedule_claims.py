@@ -150,3 +150,12 @@ def test_forward_and_backward_share_the_compute_worker_in_every_library_schedule
         for (s, b, d), w in where.items():
             if d is Phase.F:
                 assert where[(s, b, Phase.B)] == w
+
+
+def test_a_looped_placement_refuses_a_bool_R() -> None:
+    """``True`` is an int to ``isinstance``: a looped placement built by hand must still refuse
+    it as R (``plan()`` refuses it earlier, with its own wording)."""
+    from lightning_gsched.errors import ScheduleConfigError
+
+    with pytest.raises(ScheduleConfigError, match="lpp: R must be a positive integer, got True"):
+        LPP(4, True).check(4, 4)  # type: ignore[arg-type]

@@ -173,7 +173,7 @@ class _Looped(LibraryPlacement):
 
     def check(self, stages: int, micro: int) -> None:
         name, workers, R = self.name, self.workers, self.R
-        if not isinstance(R, int) or R < 1:
+        if not validate.is_int(R) or R < 1:  # True is an int to isinstance
             raise ScheduleConfigError(f"{name}: R must be a positive integer, got {R!r}")
         if workers % R:
             divisors = [r for r in range(1, workers + 1) if workers % r == 0]
