@@ -138,6 +138,9 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
     for r in results:
         if r["rank"] != rank:
             assert r["outcome"] == "RuntimeFault", r
+            # stopped by the failure (a closed connection, the notice), not by step_timeout: a
+            # failing rank's groups must close their connections (runtime.release_frames)
+            assert "nothing arrived within" not in r["message"], r
             assert named in r["message"] and hook in r["message"], r["message"]
     ended = [r["ended"] - failing["injected_at"] for r in results]
     print(f"{where} raised on rank {rank} of {world}: every rank ended "

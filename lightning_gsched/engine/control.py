@@ -19,14 +19,19 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeFault
-from lightning_gsched.runtime import LOST_PEER_GRACE_S, FaultNotice, default_store, destroy_groups
+from lightning_gsched.runtime import (
+    LOST_PEER_GRACE_S,
+    FaultNotice,
+    default_store,
+    destroy_groups,
+    release_frames,
+)
 
 T = TypeVar("T")
 _SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
@@ -79,10 +84,9 @@ class ControlGroup:
         except RuntimeFault:
             raise
         except RuntimeError as exc:  # gloo/nccl: lost connection, timeout, aborted group
-            # the failed call's frames hold the group (an argument), and the traceback holds
-            # the frames while the error propagates: destroying the group would not close its
-            # connections, and a peer waiting on this rank would wait for step_timeout
-            traceback.clear_frames(exc.__traceback__)
+            # the failed call's frames hold the group (an argument) while the error propagates:
+            # destroying it would not close its connections (a peer would wait for step_timeout)
+            release_frames(exc)
             raise self.fault(what, exc) from exc
 
     def barrier(self, name: str | None = None) -> None:

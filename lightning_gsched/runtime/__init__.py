@@ -14,7 +14,7 @@ from lightning_gsched.runtime.channels import (
     destroy_groups,
 )
 from lightning_gsched.runtime.executor import ProgramExecutor
-from lightning_gsched.runtime.faults import is_timeout, short_reason
+from lightning_gsched.runtime.faults import is_timeout, release_frames, short_reason
 from lightning_gsched.runtime.footprint import optimizer_factor, optimizer_step_factor
 from lightning_gsched.runtime.fullstate import StreamedTensor, parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
@@ -36,9 +36,9 @@ from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
     "LOST_PEER_GRACE_S", "FaultNotice", "default_store", "destroy_groups", "is_timeout",
-    "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult", "stage_micros",
-    "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor", "parameter_names",
-    "optimizer_factor", "optimizer_step_factor", "deferred_parameters", "initialize_parameters",
-    "is_deferred", "owned_parameters", "PretrainedWeights", "PretrainedWeightsError",
-    "load_parameters", "load_pretrained", "pretrained_weights",
+    "release_frames", "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult",
+    "stage_micros", "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor",
+    "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
+    "initialize_parameters", "is_deferred", "owned_parameters", "PretrainedWeights",
+    "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
 ]

@@ -39,7 +39,7 @@ from lightning_gsched.runtime.compute import (
     check_checkpointed,
 )
 from lightning_gsched.runtime.counters import RuntimeCounters
-from lightning_gsched.runtime.faults import Waiter
+from lightning_gsched.runtime.faults import Waiter, release_frames
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.footprint import MeasuredBytes
 from lightning_gsched.runtime.layout import (
@@ -211,6 +211,7 @@ class ProgramExecutor:
             self._guarded(state.finish)
         except RuntimeFault as fault:
             state.drop()
+            release_frames(fault)  # else they keep the groups' connections open
             self.abort(fault.headline or str(fault))
             raise
         finally:

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import re
 import time
+from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
+
+import torch.distributed as dist
 
 from lightning_gsched.errors import RuntimeFault
 from lightning_gsched.runtime.channels import LOST_PEER_GRACE_S, Channels
@@ -25,6 +29,29 @@ def is_timeout(exc: BaseException | None) -> bool:
     """Whether a backend error (None: a wait that returned unfinished) is a timeout rather than a
     lost connection (only the latter waits for the peer's notice, ``LOST_PEER_GRACE_S``)."""
     return exc is None or "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+
+
+# frames of these files may hold process groups and pending work handles
+_OWN_FRAMES = (str(Path(__file__).resolve().parents[1]), str(Path(dist.__file__).resolve().parent))
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the locals of our and torch.distributed's frames that ``exc``'s traceback (and its
+    causes') holds. Call it before destroying groups on a failure: while the error propagates,
+    those frames keep a group or a pending work handle alive, the group's connections stay open,
+    and a peer waiting on this rank learns of nothing until its own timeout. The user's frames
+    keep their locals (for post-mortem debugging); a frame still running is skipped."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_OWN_FRAMES):
+                with suppress(RuntimeError):  # a frame still executing
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
 
 
 def short_reason(exc: BaseException) -> str:
