@@ -96,7 +96,8 @@ class ProgramExecutor:
         self.owned_ties = set(programs.owned_ties(self.rank))
         self.flats, self.ties, self.device = build_flat_stages(stages, self.owned, self.owned_ties)
         self.compute = StageCompute(stages, programs.num_micro, forward_context, checkpointed)
-        self._position = "the start of its program"
+        # where the walk is: a text, or (action, index) formatted only when a failure reports it
+        self._at: str | tuple[Action, int] = "the start of its program"
         self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device, transport)
         self.first_stage_micros = self.view.first_stage_micros
@@ -205,9 +206,9 @@ class ProgramExecutor:
             self._guarded(self._check_inputs, state.inputs, state.view.first_stage_micros, caller)
             self._guarded(self._begin_transport, state, signature, caller)
             for index, action in enumerate(state.view.program):
-                self._position = label(action, index)
+                self._at = (action, index)
                 self._guarded(state.run, action, index)
-            self._position = "the end of its program"
+            self._at = "the end of its program"
             self._guarded(state.finish)
         except RuntimeFault as fault:
             state.drop()
@@ -215,7 +216,11 @@ class ProgramExecutor:
             self.abort(fault.headline or str(fault))
             raise
         finally:
-            self._position = "the start of its program"
+            self._at = "the start of its program"
+
+    @property
+    def _position(self) -> str:
+        return self._at if isinstance(self._at, str) else label(*self._at)
 
     def _guarded(self, fn: Any, *args: Any) -> None:
         """Run ``fn``; any failure becomes a RuntimeFault naming this rank and its position."""
