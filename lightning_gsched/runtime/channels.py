@@ -107,26 +107,39 @@ def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
 class Channels:
     """Process groups per channel kind, replica subgroups (decided by ``programs``), and the fault
     notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is also the
-    groups' own, which bounds collectives."""
+    groups' own, which bounds collectives.
+
+    ``tensor_parallel_size=T``: each worker of the programs is T ranks, rank ``w * T + t`` (the
+    tensor-parallel index innermost), each running worker ``w``'s program on its own shard. Peers
+    are then the same ``t`` of another worker: every group is made once per ``t`` (collectively,
+    by every rank) and a rank keeps its own; :attr:`rank` is the worker."""
 
     def __init__(self, programs: Programs, *, timeout: float = 300.0,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, tensor_parallel_size: int = 1) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(
                 "torch.distributed is not initialized; call dist.init_process_group(...) on every "
                 "rank before building the runtime.")
-        world = dist.get_world_size()
-        if world != programs.world_size:
+        T = tensor_parallel_size
+        world = programs.world_size
+        if dist.get_world_size() != world * T:
+            each = f" of {T} ranks each" if T > 1 else ""
             raise RuntimeConfigError(
-                f"the programs are for {programs.world_size} workers but the job has {world} "
-                f"ranks; plan with workers={world}.")
-        self.rank = dist.get_rank()
+                f"the programs are for {world} workers{each} but the job has "
+                f"{dist.get_world_size()} ranks; plan with workers={dist.get_world_size() // T}.")
+        self.tensor_parallel = (T, dist.get_rank() % T)
+        self.rank = dist.get_rank() // T
         self.world_size = world
         self.timeout = float(timeout)
         self.serial = next(_SERIAL)
         self.store = store if store is not None else default_store()
         self.notice = FaultNotice(self.store, f"lightning_gsched/fault/{self.serial}")
         span = timedelta(seconds=self.timeout)
+
+        def new_group(workers: list[int] | tuple[int, ...]) -> Any:
+            made = [dist.new_group([w * T + t for w in workers], timeout=span) for t in range(T)]
+            return made[self.tensor_parallel[1]]
+
         everyone = list(range(world))
         # gloo matches messages by tag: one group carries every channel, a tag each. A gloo group
         # is a thread that wakes every 10 ms; seven of them, on the core the rank computes on,
@@ -134,16 +147,16 @@ class Channels:
         # (docs/benchmarks.md, "the engine's gap, counted per thread")
         self.tagged = dist.get_backend() == "gloo"
         if self.tagged:
-            self.shared = dist.new_group(everyone, timeout=span)
+            self.shared = new_group(everyone)
             self.groups: dict[tuple[str, bool], Any] = {
                 (kind, up): self.shared for kind in KINDS for up in (True, False)}
         else:
-            self.groups = {(kind, up): dist.new_group(everyone, timeout=span)
+            self.groups = {(kind, up): new_group(everyone)
                            for kind in KINDS for up in (True, False)}
-            self.shared = dist.new_group(everyone, timeout=span)
+            self.shared = new_group(everyone)
         self.replicas: dict[tuple[int, ...], Any] = {
             members: self.shared if self.tagged and len(members) == world
-            else dist.new_group(list(members), timeout=span)
+            else new_group(members)
             for members in replica_groups(programs)}
         self.closed = False
 
@@ -159,13 +172,18 @@ class Channels:
         up = src < dst
         return self.groups[(kind, up)], (2 * KINDS.index(kind) + up if self.tagged else 0)
 
+    def _global(self, worker: int) -> int:
+        """The rank of ``worker``'s tensor-parallel index that this rank talks to."""
+        T, t = self.tensor_parallel
+        return worker * T + t
+
     def isend(self, tensor: Any, peer: int, kind: str) -> Any:
         group, tag = self._route(kind, self.rank, peer)
-        return dist.isend(tensor, peer, group=group, tag=tag)
+        return dist.isend(tensor, self._global(peer), group=group, tag=tag)
 
     def irecv(self, tensor: Any, peer: int, kind: str) -> Any:
         group, tag = self._route(kind, peer, self.rank)
-        return dist.irecv(tensor, peer, group=group, tag=tag)
+        return dist.irecv(tensor, self._global(peer), group=group, tag=tag)
 
     def _collective_group(self, members: tuple[int, ...] | None) -> Any:
         self._check_open()
@@ -177,7 +195,7 @@ class Channels:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def broadcast(self, tensor: Any, src: int, members: tuple[int, ...] | None) -> None:
-        dist.broadcast(tensor, src, group=self._collective_group(members))
+        dist.broadcast(tensor, self._global(src), group=self._collective_group(members))
 
     def first_fault(self, grace: float = 0.0) -> str | None:
         """The failure a rank recorded, if any, waiting up to ``grace`` s for one."""
