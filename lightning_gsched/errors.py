@@ -15,6 +15,13 @@ class GschedError(Exception):
 _ORIGIN = "_gsched_origin"
 
 
+def error_text(exc: BaseException) -> str:
+    """``"ValueError: boom"``: an error's type and the first line of its message, as every
+    report of a failure quotes it."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return type(exc).__name__ + (f": {text}" if text else "")
+
+
 def mark_origin(exc: BaseException, where: str) -> None:
     """Note on ``exc`` which user code raised it (e.g. ``"LitGPT.test_step after self(...)"``).
 

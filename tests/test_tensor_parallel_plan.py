@@ -44,8 +44,8 @@ def tp_mesh() -> Iterator[object]:
         dist.destroy_process_group()
 
 
-def split_gpt(layers: int = 3) -> tuple[nn.Module, list[nn.Module]]:
-    model = make_gpt(0, layers=layers)
+def split_gpt(shardable: bool = False) -> tuple[nn.Module, list[nn.Module]]:
+    model = make_gpt(0, shardable=shardable)
     part = partition(model, 2, gpt_inputs(), verify=False)
     return model, list(part.stages)
 
@@ -147,6 +147,18 @@ def gpt_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
 
 
+def assert_shard_gradient(name: str, grad: torch.Tensor, full: torch.Tensor, spec: Any,
+                          degree: int, index: int) -> None:
+    """``grad`` (a rank's, local) equals its slice of the one-device gradient ``full``.
+
+    Tolerance: float32 roundoff of the reordered sums only: a row-wise layer adds T partial sums
+    (all-reduce) where one device adds all terms in one kernel; the longest reduction is
+    4 * dim * rows = 2,048 terms, whose worst-case relative error is ~1e-4."""
+    mine = full if spec is None or spec.dim is None else full.chunk(degree, spec.dim)[index]
+    torch.testing.assert_close(grad, mine, rtol=1e-4, atol=1e-6,
+                               msg=lambda m: f"{name}: {m}")
+
+
 def sharded_stages_check(ctx: WorkerContext) -> dict[str, Any]:
     """Both ranks run the two stages of a tensor-parallel GPT in turn; each local gradient is
     compared with its slice of the gradient of the unsplit, unsharded model (same process)."""
@@ -168,15 +180,8 @@ def sharded_stages_check(ctx: WorkerContext) -> dict[str, Any]:
     wanted = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert type(p) is nn.Parameter and type(p.grad) is torch.Tensor, name  # plain tensors
-        spec = specs.get(name)
-        full = wanted[name].grad
-        mine = full if spec is None or spec.dim is None else \
-            full.chunk(ctx.world_size, spec.dim)[ctx.rank]
-        # float32 roundoff of the reordered sums only: a row-wise layer adds T partial sums
-        # (all-reduce) where one device adds all terms in one kernel; the longest reduction is
-        # 4 * dim * rows = 2,048 terms, whose worst-case relative error is ~1e-4
-        torch.testing.assert_close(p.grad, mine, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert_shard_gradient(name, p.grad, wanted[name].grad, specs.get(name), ctx.world_size,
+                              ctx.rank)
     return {"loss": loss.item(), "reference": gpt_loss(reference(idx), idx).item(),
             "sharded": sorted(n for n, s in specs.items() if s.dim is not None)}
 
@@ -205,15 +210,11 @@ def test_code_that_needs_global_sizes_is_named_by_the_module_before_it(tp_mesh: 
     assert "right after 'blocks.0.attn.qkv' ran (a module the plan shards)" in message, message
     assert "IndexError" in message and "-1 for a sharded dimension" in message
     # code written for shards runs, and its result comes back unchanged
-    _, shardable = split_gpt_shardable()
+    _, shardable = split_gpt(shardable=True)
     parallelize_stages(shardable, BLOCK_PLAN, tp_mesh)  # type: ignore[arg-type]
     carried = explain_sharded_failure(shardable[0], T, lambda: shardable[0](idx))
     assert isinstance(carried, tuple) and carried
 
-
-def split_gpt_shardable() -> tuple[nn.Module, list[nn.Module]]:
-    model = make_gpt(0, shardable=True)
-    return model, list(partition(model, 2, gpt_inputs(), verify=False).stages)
 
 
 def pipelined_sharded_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
@@ -249,10 +250,7 @@ def pipelined_sharded_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]
     checked = []
     for p in held_parameters(ex):
         name = name_of[id(p)]
-        spec, full = specs.get(name), wanted[name].grad
-        mine = full if spec is None or spec.dim is None else full.chunk(T_, spec.dim)[t]
-        torch.testing.assert_close(p.grad, mine, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert_shard_gradient(name, p.grad, wanted[name].grad, specs.get(name), T_, t)
         checked.append(name)
     ex.close()
     return {"worker": ex.rank, "checked": len(checked)}

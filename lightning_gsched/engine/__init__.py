@@ -30,7 +30,7 @@ from lightning_gsched.engine.checkpoint import (
 )
 from lightning_gsched.engine.checkpoint_check import FABRIC, TRAINER
 from lightning_gsched.engine.checkpoint_files import StreamStats
-from lightning_gsched.engine.control import ControlGroup, UncaughtExitReport, error_text
+from lightning_gsched.engine.control import ControlGroup, UncaughtExitReport
 from lightning_gsched.engine.engine import PipelineEngine
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.logsync import replay
@@ -53,7 +53,6 @@ __all__ = [
     "CheckpointView",
     "ControlGroup",
     "UncaughtExitReport",
-    "error_text",
     "DeviceMeshSlot",
     "MemoryReport",
     "PipelineEngine",

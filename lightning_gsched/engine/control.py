@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from lightning_gsched.errors import RuntimeFault
+from lightning_gsched.errors import RuntimeFault, error_text
 from lightning_gsched.runtime import (
     LOST_PEER_GRACE_S,
     FaultNotice,
@@ -36,13 +36,6 @@ from lightning_gsched.runtime import (
 T = TypeVar("T")
 _SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
 
-
-
-def error_text(exc: BaseException) -> str:
-    """``"ValueError: boom"``: an error's type and the first line of its message, as every
-    failure report of a rank quotes it."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return type(exc).__name__ + (f": {text}" if text else "")
 
 
 class ControlGroup:

@@ -50,12 +50,11 @@ from lightning_gsched.engine import (
     UncaughtExitReport,
     check_launch_arguments,
     check_transport,
-    error_text,
     library_names,
     pipeline_keywords,
     pipeline_options,
 )
-from lightning_gsched.errors import PreemptedError, StrategyConfigError
+from lightning_gsched.errors import PreemptedError, StrategyConfigError, error_text
 from lightning_gsched.runtime import deferred_parameters, pretrained_weights
 
 

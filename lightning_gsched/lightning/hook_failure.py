@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_gsched.engine import error_text
+from lightning_gsched.errors import error_text
 
 _DISPATCHERS = {
     "_call_callback_hooks": "callback",

@@ -258,7 +258,7 @@ def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T
     from, and the fix is in the code reading its output."""
     from torch.nn.modules.module import register_module_forward_hook
 
-    from lightning_gsched.errors import GschedError
+    from lightning_gsched.errors import GschedError, error_text
 
     names = {id(m): n for n, m in stage.named_modules() if n}
     last: list[str] = []
@@ -274,13 +274,12 @@ def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T
     except GschedError:
         raise
     except Exception as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         where = f"right after {last[0]!r} ran" if last else "before any of its modules ran"
         if last and any(n == last[0] or n.startswith(last[0] + ".") for n in shard_specs(stage)):
             where += " (a module the plan shards)"
         raise TensorParallelPlanError(
             f"a stage's forward fails once sharded tensor_parallel_size={degree} ways, {where}: "
-            f"{type(exc).__name__}: {text}. The model's code must compute with local sizes: "
+            f"{error_text(exc)}. The model's code must compute with local sizes: "
             "write -1 for a sharded dimension in view/reshape/unflatten (view(b, t, -1, "
             "head_dim), not the model's global head count), and shard q, k and v as separate "
             "layers rather than split a fused projection by the full width") from exc
