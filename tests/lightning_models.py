@@ -30,10 +30,12 @@ class LitGPT(pl.LightningModule):
     """A small GPT with tied weights, an optimizer choice, an LR schedule and logging."""
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.05, layers: int = 3,
-                 tie: str = "functional", log_extra: bool = False) -> None:
+                 tie: str = "functional", log_extra: bool = False,
+                 shardable: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = TinyGPT(vocab=VOCAB, dim=32, heads=4, layers=layers, block_size=16, tie=tie)
+        self.model = TinyGPT(vocab=VOCAB, dim=32, heads=4, layers=layers, block_size=16, tie=tie,
+                             shardable=shardable)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

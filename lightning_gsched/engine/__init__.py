@@ -42,6 +42,8 @@ from lightning_gsched.engine.options import (
     library_names,
     pipeline_keywords,
     pipeline_options,
+    sampler_kwargs,
+    tensor_parallel_options,
 )
 from lightning_gsched.engine.preemption import PreemptionAgreement, PreemptionNotice, signal_name
 
@@ -66,5 +68,7 @@ __all__ = [
     "pipeline_keywords",
     "pipeline_options",
     "replay",
+    "sampler_kwargs",
+    "tensor_parallel_options",
     "signal_name",
 ]

@@ -83,21 +83,25 @@ def rows_and_layouts(batch: Any, world_size: int,
 
 
 def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence[int]],
-                  group: Any = None) -> dict[int, Any]:
+                  group: Any = None, peers: Sequence[int] | None = None) -> dict[int, Any]:
     """This rank's microbatches ``wanted[rank]``, from its own rows and the rows it receives.
 
     ``wanted``: every rank's microbatches (the same lists on every rank), so every rank derives
     the same transfers (:func:`~.rows.transfers`) and takes part only in its own: point to point
-    over ``group``, nothing for a rank that neither sends nor receives.
+    over ``group``, nothing for a rank that neither sends nor receives. ``peers``: the global
+    rank of each position of ``rows`` (with tensor parallelism a position is a worker, whose
+    rank with this rank's tensor-parallel index is the peer); None: the positions are ranks.
     """
     leaves, spec, data = _batch_leaves(batch)
     mine = [t for t in transfers(rows, wanted) if rank in (t.source, t.target)]
-    inbox = _send_and_receive(leaves, data, mine, rank, group)
+    inbox = _send_and_receive(leaves, data, mine, rank, group,
+                              peers if peers is not None else range(len(wanted)))
     return {b: _assemble(leaves, spec, data, rows, b, rank, inbox) for b in wanted[rank]}
 
 
 def _send_and_receive(leaves: list[Any], data: list[int], mine: list[Transfer], rank: int,
-                      group: Any) -> dict[tuple[int, int, int], torch.Tensor]:
+                      group: Any, peers: Sequence[int]
+                      ) -> dict[tuple[int, int, int], torch.Tensor]:
     """Post every transfer's rows (one message per batch tensor, in the same order on both
     sides) and wait; what arrived, as ``{(source, micro, leaf): rows}``."""
     ops, inbox = [], {}
@@ -106,10 +110,10 @@ def _send_and_receive(leaves: list[Any], data: list[int], mine: list[Transfer], 
             leaf = leaves[i]
             if t.source == rank:
                 rows = torch.cat([leaf[p.start:p.stop] for p in t.pieces]).contiguous()
-                ops.append(dist.P2POp(dist.isend, rows, t.target, group))
+                ops.append(dist.P2POp(dist.isend, rows, peers[t.target], group))
                 continue
             buffer = leaf.new_empty((t.rows, *leaf.shape[1:]))
-            ops.append(dist.P2POp(dist.irecv, buffer, t.source, group))
+            ops.append(dist.P2POp(dist.irecv, buffer, peers[t.source], group))
             first = 0
             for p in t.pieces:
                 inbox[(t.source, p.micro, i)] = buffer[first:first + p.rows]

@@ -32,6 +32,7 @@ from lightning_gsched.schedule.data_parallel import pipeline_size
 from lightning_gsched.schedule.plan import (
     Plan,
     check_plan_arguments,
+    pipeline_workers,
     plan_arguments,
     resolve_arguments,
 )
@@ -201,6 +202,11 @@ class ScheduleConfig:
         device mesh's ``"data_parallel"`` dimension counts."""
         return self._effective()._arguments().data_parallel_size
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """T: each pipeline worker is T ranks sharing its stages' layers ("auto": 1)."""
+        return 1 if self.arguments is None else self.arguments.tensor_parallel_size
+
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
         resolution, :func:`~lightning_gsched.schedule.plan.resolve_arguments`; B per
@@ -219,8 +225,9 @@ class ScheduleConfig:
         """Where the data-parallel replicas sit among ``workers`` ranks: every plan's
         ``Plan.replicas``, known without a plan, so the first batch's rows can be cut by replica
         (engine/rows.py) before the training plan exists."""
-        G = (self._effective() if self.is_auto else self)._arguments().data_parallel_size
-        return ReplicaLayout(workers // G, G)
+        W, P = pipeline_workers((self._effective() if self.is_auto else self)._arguments(),
+                                workers)
+        return ReplicaLayout(P, W // P)
 
     def _arguments(self) -> ScheduleArguments:
         assert self.arguments is not None, "an undecided 'auto' has no arguments"
@@ -278,6 +285,12 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise TypeError(f"unexpected schedule arguments {unknown}")
+    if given.get("tensor_parallel_size", 1) != 1:
+        raise ScheduleConfigError(
+            f"schedule='auto' does not search tensor parallelism yet, so "
+            f"tensor_parallel_size={given['tensor_parallel_size']!r} cannot be combined with it: "
+            "name a schedule (e.g. schedule='1f1b', tensor_parallel_size=2), or drop "
+            "tensor_parallel_size to let 'auto' choose among pipeline and data-parallel plans")
     conflicts = [f"{name}={value!r}" for name, value in given.items()
                  if name not in AUTO_CONSTRAINTS and value != defaults[name]]
     if conflicts:

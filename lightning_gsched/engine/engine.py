@@ -39,13 +39,19 @@ from lightning_gsched.engine.logsync import (
     reduce_records,
 )
 from lightning_gsched.engine.memory_report import MemoryReport
-from lightning_gsched.engine.mesh import DeviceMeshSlot
+from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition, partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.tensor_parallel import (
+    TensorParallelPlan,
+    check_sharded_stages,
+    gather_shards,
+    parallelize_stages,
+)
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
@@ -151,6 +157,11 @@ class PipelineEngine:
     ``checkpoints``: the front end's checkpoint service (:mod:`.checkpoint`; it outlives the
     engine: Lightning saves and loads before setup and after teardown); the build applies the
     restore it holds for a model built without weights, to what this rank keeps.
+    ``tensor_parallel_plan``: with ``config.tensor_parallel_size`` = T > 1, how each stage is
+    sharded over its worker's T ranks (``mesh["tensor_parallel"]``). The engine's collectives
+    then span all ``world_size`` ranks while the pipeline (rows, programs, start-up rows) is the
+    workers': :attr:`worker` is this rank's, and of a worker's T ranks only ``t = 0`` reports
+    losses, logged values and outputs (the T ranks compute the same ones).
     """
 
     def __init__(self, module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
@@ -161,8 +172,12 @@ class PipelineEngine:
                  device: torch.device | None = None,
                  init_weights: PretrainedWeights | None = None,
                  device_mesh: DeviceMeshSlot | None = None,
-                 checkpoints: CheckpointService | None = None) -> None:
+                 checkpoints: CheckpointService | None = None,
+                 tensor_parallel_plan: TensorParallelPlan | None = None) -> None:
         self.module = module
+        # T > 1: each worker of the plan is T consecutive ranks, its stages sharded over them
+        # by the plan (partition/tensor_parallel.py); see the worker properties below
+        self.tensor_parallel_plan = tensor_parallel_plan
         # the front end's device_mesh: made at setup for a named schedule, else at the build
         self.device_mesh = device_mesh
         self.init_weights = init_weights
@@ -195,6 +210,30 @@ class PipelineEngine:
         """The group of the engine's collectives (None: the default group). Read at each use,
         never kept: an aborted group must lose its last reference to close its connections."""
         return self.control.group if self.control is not None else None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def workers(self) -> int:
+        """The plan's workers: the ranks, or with tensor parallelism groups of T of them."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def worker(self) -> int:
+        """This rank's worker (rank ``worker * T + t``): whose program it runs."""
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank reports its worker's losses, logs and outputs (``t = 0``)."""
+        return self.rank % self.tensor_parallel_size == 0
+
+    def _peers(self) -> list[int]:
+        """Each worker's rank with this rank's tensor-parallel index: whom rows go to."""
+        T = self.tensor_parallel_size
+        return [w * T + self.rank % T for w in range(self.workers)]
 
     @property
     def built(self) -> bool:
@@ -236,6 +275,12 @@ class PipelineEngine:
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
+            if self.deferred and self.tensor_parallel_size > 1:
+                raise StrategyConfigError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} with a model built "
+                    "without weights (meta, configure_model) is not supported yet: build the "
+                    "model with weights (each rank then shards its stages from the full ones), "
+                    "or use tensor_parallel_size=1 for the large-model path")
             if self.init_weights is not None and not self.deferred:
                 raise PretrainedWeightsError(
                     f"init_weights={str(self.init_weights.path)!r} is given but the model was "
@@ -267,12 +312,17 @@ class PipelineEngine:
             mesh = self.device_mesh
             if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
                 self._collective("the device mesh", lambda: mesh.make_for(
-                    self.world_size, plan.data_parallel_size, self.device_hint.type))
+                    self.world_size, plan.data_parallel_size, self.device_hint.type,
+                    self.tensor_parallel_size))
             # sized before the runtime releases the stages this rank does not own
-            self._collective("the build's memory prediction", lambda: self.memory.predict(
-                part.stages, args, kwargs, plan, self.optimizers(), self.world_size,
-                self.rank, passes=passes, stage_units=part.stage_units,
-                device_type=self.device_hint.type))
+            if self.tensor_parallel_size > 1:
+                self.memory.unavailable = ("not predicted with tensor_parallel_size > 1 yet: "
+                                           "the bytes model does not divide a stage by T")
+            else:
+                self._collective("the build's memory prediction", lambda: self.memory.predict(
+                    part.stages, args, kwargs, plan, self.optimizers(), self.world_size,
+                    self.rank, passes=passes, stage_units=part.stage_units,
+                    device_type=self.device_hint.type))
             passes.clear()  # their tensors (a microbatch's activations per stage count) go
             if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
                 keep = owned_parameters(part.stages, plan.programs, self.rank,
@@ -293,6 +343,8 @@ class PipelineEngine:
                     apply = restore.apply
                     self._collective("the checkpoint's restore", lambda: apply(
                         self.module, keep, self.optimizers()))
+            if self.tensor_parallel_size > 1:
+                self._shard_stages(part, args, kwargs)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,
@@ -302,7 +354,8 @@ class PipelineEngine:
                                         # a model built without weights is the large-model
                                         # path, where the process's memory is the
                                         # constraint (runtime/host_heap.py)
-                                        release_heap_each_step=self.deferred)
+                                        release_heap_each_step=self.deferred,
+                                        tensor_parallel_size=self.tensor_parallel_size)
             self.runtime.prune_optimizer_state(self.optimizers())
             memory = self.runtime.memory()
             rows = self._startup_rows(plan, memory)
@@ -313,6 +366,23 @@ class PipelineEngine:
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text, rows=rows))
 
+    def _shard_stages(self, part: Partition, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+        """Shard every stage over this worker's T ranks by the tensor-parallel plan, then run
+        them once on the build's microbatch (collective over the T ranks): a model that cannot
+        run on local sizes fails here on every rank, naming the module. Every stage, not only
+        this worker's: a schedule that fetches stages (fsdp, fslpp) computes them all."""
+        if self.device_mesh is None or self.tensor_parallel_plan is None:
+            raise StrategyConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs a tensor_parallel_plan "
+                "(module-name patterns to styles, or a function parallelize(stage, tp_mesh))")
+        tp_mesh = self.device_mesh.mesh[TENSOR_PARALLEL]
+        plan = self.tensor_parallel_plan
+        self._collective("the stages' sharding", lambda: parallelize_stages(
+            part.stages, plan, tp_mesh))
+        self._collective("the sharded stages' check", lambda: check_sharded_stages(
+            part.stages, args, kwargs, self.tensor_parallel_size))
+
     def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
         """Every worker's row of the start-up summary, each computed by its own rank from
         its own program and gathered (collective).
@@ -320,9 +390,10 @@ class PipelineEngine:
         Why not rank 0 reading every program: a plan of many ranks lowers each rank's program
         when first read (schedule/lazy_ranks.py); reading all W of them on rank 0 costs a
         minute and gigabytes at W=1024. Gathered, the summary is the same text."""
-        mine = startup_row(plan, memory.stage_bytes, memory.tie_bytes, self.rank)
-        return self._collective("the start-up summary's gather",
+        mine = startup_row(plan, memory.stage_bytes, memory.tie_bytes, self.worker)
+        rows = self._collective("the start-up summary's gather",
                                 lambda: exchange(mine, self.world_size, self.group))
+        return rows[::self.tensor_parallel_size]  # a worker's T ranks report the same row
 
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
                      training: bool) -> Held:
@@ -330,9 +401,9 @@ class PipelineEngine:
         its own cut (:func:`.auto.probe_parts`, the global batch in rank order), which every
         rank receives; the build then probes the first microbatch under the pick, which every
         rank receives too and keeps for the step (returned)."""
-        parts = probe_parts(self.config, sum(rows), self.world_size)
+        parts = probe_parts(self.config, sum(rows), self.workers)
         tuner_cut = self._row_map(rows, parts, exact=training,
-                                  replicas=ReplicaLayout(self.world_size, 1))
+                                  replicas=ReplicaLayout(self.workers, 1))
         held = [Held()]
 
         def first() -> Any:
@@ -403,7 +474,7 @@ class PipelineEngine:
         targets), read once per plan off its placement table."""
         key = id(plan.programs)
         if key not in self._needed:
-            self._needed[key] = needed_micros(plan.table.compute, self.world_size)
+            self._needed[key] = needed_micros(plan.table.compute, plan.workers)
         return self._needed[key]
 
     def _row_map(self, rows: list[int], parts: int, *, exact: bool,
@@ -432,18 +503,34 @@ class PipelineEngine:
         given = held.micros if held is not None and held.cut == cut else {}
         wanted = [[b for b in micros if b not in given] for micros in wanted]
         received = self._collective("the batch's row exchange", lambda: exchange_rows(
-            batch, cut, self.rank, wanted, self.group))
+            batch, cut, self.worker, wanted, self.group, self._peers()))
         return {**given, **received}
 
     def _first_micro(self, batch: Any, cut: RowMap) -> Held:
         """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
         step on it and partitions the model on its call (every rank the same)."""
-        everyone = [[cut.first_nonempty()]] * self.world_size
+        everyone = [[cut.first_nonempty()]] * self.workers
         return Held(cut, self._exchange(batch, cut, everyone))
 
     def _rows(self, batch: Any) -> tuple[list[int], list[int]]:
-        return self._collective("the batch-size exchange",
-                                lambda: rows_and_layouts(batch, self.world_size, self.group))
+        """Every worker's rows and batch layout (a worker's T ranks must have loaded the same
+        batch: the front ends' samplers give them the same share)."""
+        rows, layouts = self._collective(
+            "the batch-size exchange", lambda: rows_and_layouts(batch, self.world_size,
+                                                                self.group))
+        T = self.tensor_parallel_size
+        if T == 1:
+            return rows, layouts
+        for w in range(self.workers):
+            ranks = range(w * T, w * T + T)
+            if len({(rows[r], layouts[r]) for r in ranks}) > 1:
+                raise StrategyConfigError(
+                    f"the {T} tensor-parallel ranks {list(ranks)} of pipeline worker {w} loaded "
+                    f"different batches ({[rows[r] for r in ranks]} rows): a worker's ranks "
+                    "compute on the same rows. Use the strategy's distributed sampler (its "
+                    "distributed_sampler_kwargs give them one share) or load the same rows on "
+                    "each of them")
+        return rows[::T], layouts[::T]
 
     def _collective(self, what: str, collective: Callable[[], _T]) -> _T:
         """One of the engine's collectives; a backend failure becomes a RuntimeFault quoting
@@ -489,7 +576,11 @@ class PipelineEngine:
         pending: list[PendingExchange] = []
 
         def start_log_exchange(losses: dict[int, Any]) -> None:
-            pending.append(exchange_logs.start(losses, caller.logs, notice()))
+            if not self.reports:  # its worker's t = 0 reports the same losses and values
+                losses, logs = {}, []
+            else:
+                logs = caller.logs
+            pending.append(exchange_logs.start(losses, logs, notice()))
 
         self.memory.before_step(runtime)
         try:
@@ -508,7 +599,7 @@ class PipelineEngine:
                 "must run the same plan"
             )
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
-        return StepOutcome(loss, reduce_records(records, cut.micro_rows()), rows[self.rank],
+        return StepOutcome(loss, reduce_records(records, cut.micro_rows()), rows[self.worker],
                            pending[0].notices)
 
     def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool,
@@ -529,7 +620,7 @@ class PipelineEngine:
             cut = self._step_cut(rows, training=False)
         micros = self._exchange(batch, cut, self._needed_micros(plan), held)
         runtime = self._runtime()
-        first_micros, _ = stage_micros(plan.programs, self.rank)
+        first_micros, _ = stage_micros(plan.programs, self.worker)
         inputs = self._capture_all(caller, micros, first_micros)
         try:
             outputs = runtime.forward(
@@ -539,18 +630,21 @@ class PipelineEngine:
         except RuntimeFault:
             self.failed = True
             raise
-        shipped = {b: _to_cpu(v) for b, v in outputs.items()} if keep_outputs else {}
-        logs = on_host(caller.logs, runtime.device)  # one host read for the step's records
+        reporting = self.reports  # of a worker's T ranks, t = 0 reports (the same values)
+        shipped = ({b: _to_cpu(v) for b, v in outputs.items()}
+                   if keep_outputs and reporting else {})
+        # one host read for the step's records
+        logs = on_host(caller.logs, runtime.device) if reporting else []
         gathered = self._collective("the evaluation gather", lambda: exchange(
             (shipped, logs, notice()), self.world_size, self.group))
         notices = [n for _, _, n in gathered]
         records = [r for _, logs, _ in gathered for r in logs]
         logged = reduce_records(records, cut.micro_rows())
-        mine = rows[self.rank]
+        mine = rows[self.worker]
         if not keep_outputs:
             return StepOutcome(None, logged, mine, notices)
         by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
-        local = local_outputs(by_micro, cut, self.rank, caller.name)
+        local = local_outputs(by_micro, cut, self.worker, caller.name)
         return StepOutcome(_to_device(local, runtime.device), logged, mine, notices)
 
     # ------------------------------------------------------------------ gradients
@@ -567,6 +661,12 @@ class PipelineEngine:
         if self.runtime is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
                                                   error_if_nonfinite=error_if_nonfinite)
+        if self.tensor_parallel_size > 1:
+            raise StrategyConfigError(
+                "clipping gradients by norm with tensor_parallel_size > 1 is not supported yet "
+                "(the norm must count each shard on its rank and each replicated parameter "
+                "once): drop gradient_clip_val, or clip by value (gradient_clip_algorithm="
+                "'value'), which needs no norm")
         return self.runtime.clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ end
@@ -583,6 +683,9 @@ class PipelineEngine:
             self.control.report(message)
         if self.runtime is not None and not self.runtime.closed:
             self.runtime.abort(message)
+        if self.tensor_parallel_size > 1 and self.device_mesh is not None:
+            # a tensor-parallel peer waits in a layer's collective on the mesh's groups
+            self.device_mesh.abort()
         if self.control is not None:
             self.control.abort(message)
 
@@ -596,6 +699,8 @@ class PipelineEngine:
         failed = self.failed or (self.control is not None and self.control.failed)
         if gather and not failed and not runtime.closed:
             runtime.restore_full_model(self.optimizers())
+            if self.tensor_parallel_size > 1:  # each slice's shards, gathered over its T ranks
+                gather_shards(self.module, self.optimizers())
         runtime.close()
         self.runtime = None
 

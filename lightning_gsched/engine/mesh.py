@@ -9,7 +9,8 @@ The layout is the planner's (:class:`~lightning_gsched.schedule.replicas.Replica
 rank ``p * G + g`` is pipeline position ``p`` of replica ``g``, so the mesh has shape (P, G)
 with dimensions ``("pipeline", "data_parallel")``, as torchtitan's ``["pp", "dp"]`` mesh: a
 stage's column of G ranks is ``mesh["data_parallel"]`` and a replica's P ranks
-``mesh["pipeline"]``. With G = 1 the mesh is (W, 1).
+``mesh["pipeline"]``. With G = 1 the mesh is (W, 1). With ``tensor_parallel_size=T`` > 1 it
+is (P, G, T), ``"tensor_parallel"`` innermost, as Lightning's ModelParallelStrategy names it.
 
 When: making a mesh creates process groups, a collective every rank must enter at the same
 point. For a fixed schedule G is known from the arguments, so the front ends make it right
@@ -25,25 +26,40 @@ from typing import TYPE_CHECKING, Callable
 
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.schedule.data_parallel import pipeline_size
+from lightning_gsched.runtime import destroy_groups
+from lightning_gsched.schedule.data_parallel import pipeline_size, tensor_parallel_workers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pipeline", "data_parallel")  # rank = p * G + g: pipeline outermost
+TENSOR_PARALLEL = "tensor_parallel"  # the third dimension, innermost, when T > 1
 
 
-def pipeline_data_mesh(device_type: str, world_size: int, data_parallel_size: int
-                       ) -> DeviceMesh:
-    """The (P, G) mesh of ``world_size`` ranks (collective: every rank calls it).
+def mesh_shape(world_size: int, data_parallel_size: int, tensor_parallel_size: int = 1
+               ) -> tuple[int, ...]:
+    """(P, G), or (P, G, T) with tensor parallelism: a G or T that does not divide raises the
+    planner's :class:`ScheduleConfigError` (naming the divisors) before any group is made."""
+    workers = tensor_parallel_workers(world_size, tensor_parallel_size)
+    P = pipeline_size(workers, data_parallel_size)
+    if tensor_parallel_size == 1:
+        return (P, data_parallel_size)
+    return (P, data_parallel_size, tensor_parallel_size)
 
-    A G that does not divide W raises the planner's :class:`ScheduleConfigError` (naming
-    the divisors) before any process group is made.
+
+def pipeline_data_mesh(device_type: str, world_size: int, data_parallel_size: int,
+                       tensor_parallel_size: int = 1) -> DeviceMesh:
+    """The (P, G) or (P, G, T) mesh of ``world_size`` ranks (collective: every rank calls it).
+
+    With T > 1 the ``"tensor_parallel"`` dimension is innermost: a worker's T ranks are
+    consecutive (rank ``(p * G + g) * T + t``), so its per-layer collectives stay inside a node,
+    and ``mesh["tensor_parallel"]`` is the group each stage is sharded over.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    P = pipeline_size(world_size, data_parallel_size)
-    return init_device_mesh(device_type, (P, data_parallel_size), mesh_dim_names=MESH_DIMS)
+    shape = mesh_shape(world_size, data_parallel_size, tensor_parallel_size)
+    names = MESH_DIMS if len(shape) == 2 else (*MESH_DIMS, TENSOR_PARALLEL)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 class DeviceMeshSlot:
@@ -77,18 +93,31 @@ class DeviceMeshSlot:
         """At setup: the mesh of a fixed schedule (or of ``"auto"``'s earlier pick); an
         undecided ``"auto"`` leaves it to :meth:`make_for`, at the first batch."""
         if config.decided:
-            self._make(device_type, world_size, config.data_parallel_size)
+            self._make(device_type, world_size, config.data_parallel_size,
+                       config.tensor_parallel_size)
 
-    def make_for(self, world_size: int, data_parallel_size: int, device_type: str) -> None:
+    def make_for(self, world_size: int, data_parallel_size: int, device_type: str,
+                 tensor_parallel_size: int = 1) -> None:
         """At the engine's build: the mesh of the plan it runs, unless made already."""
         if self._mesh is None:
-            self._make(device_type, world_size, data_parallel_size)
+            self._make(device_type, world_size, data_parallel_size, tensor_parallel_size)
 
-    def _make(self, device_type: str, world_size: int, data_parallel_size: int) -> None:
+    def _make(self, device_type: str, world_size: int, data_parallel_size: int,
+              tensor_parallel_size: int = 1) -> None:
         mesh = self._mesh
+        shape = mesh_shape(world_size, data_parallel_size, tensor_parallel_size)
         same = (mesh is not None and mesh.device_type == device_type
-                and tuple(mesh.shape) == (world_size // data_parallel_size, data_parallel_size))
+                and tuple(mesh.shape) == shape)
         if not same:  # else a later run of the same strategy (fit, then test): same groups
-            mesh = self._mesh = pipeline_data_mesh(device_type, world_size, data_parallel_size)
+            mesh = self._mesh = pipeline_data_mesh(device_type, world_size, data_parallel_size,
+                                                   tensor_parallel_size)
         if self._on_made is not None:
             self._on_made(mesh)  # type: ignore[arg-type]  # made above
+
+    def abort(self) -> None:
+        """This job is failing: destroy the mesh's groups, so a peer waiting in one of them
+        (a sharded layer's collective) sees the closed connection at once, and forget the mesh
+        (a later run makes a new one)."""
+        mesh, self._mesh = self._mesh, None
+        if mesh is not None:
+            destroy_groups(list(mesh.get_all_groups()))

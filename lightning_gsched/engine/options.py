@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from lightning_gsched.engine.config import AUTO, ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.partition.arguments import check_options as check_partition_options
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, check_plan
 from lightning_gsched.partition.verify import check_verify
 from lightning_gsched.runtime import TRANSPORTS
 from lightning_gsched.schedule import validate
@@ -102,3 +103,18 @@ def library_names(front_end: str) -> list[tuple[str, str, str]]:
             for name, spec in LIBRARY.items()] + [
         (f"gsched_{AUTO}", f"{front_end}('{AUTO}'): the tuner profiles the model at the first "
          "batch and picks the fastest schedule, S, B, R and checkpointing", AUTO)]
+
+
+def sampler_kwargs(world_size: int, rank: int, tensor_parallel_size: int) -> dict[str, int]:
+    """The distributed sampler's share for ``rank``: with tensor parallelism the T ranks of a
+    worker (rank ``w * T + t``) load the same rows, as Lightning's ModelParallelStrategy gives
+    a tensor-parallel group one share; otherwise every rank its own."""
+    T = tensor_parallel_size
+    return {"num_replicas": world_size // T, "rank": rank // T}
+
+
+def tensor_parallel_options(config: ScheduleConfig, plan: Any) -> TensorParallelPlan | None:
+    """``tensor_parallel_plan`` against the config's ``tensor_parallel_size`` (checked by
+    :func:`~lightning_gsched.partition.tensor_parallel.check_plan`, before any process
+    starts)."""
+    return check_plan(config.tensor_parallel_size, plan)

@@ -53,6 +53,8 @@ from lightning_gsched.engine import (
     library_names,
     pipeline_keywords,
     pipeline_options,
+    sampler_kwargs,
+    tensor_parallel_options,
 )
 from lightning_gsched.errors import PreemptedError, StrategyConfigError, error_text
 from lightning_gsched.runtime import deferred_parameters, pretrained_weights
@@ -65,7 +67,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
     to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout``,
     ``transport``, ``verify``, ``init_weights``, ``init_weights_prefix`` and
-    ``stream_checkpoint`` mean what they mean for ``GeneralParallel`` (see docs/usage.md); the
+    ``stream_checkpoint``, ``tensor_parallel_size`` and ``tensor_parallel_plan`` mean what they
+    mean for ``GeneralParallel`` (see docs/usage.md); the
     rest are Fabric DDPStrategy's. Every argument is checked here, before any process starts;
     what needs the device count fails in ``fabric.setup``, on every rank.
 
@@ -106,6 +109,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         fetch_window: Optional[int] = None,
         data_parallel_size: int = 1,
         data_parallel: Literal["replicate", "shard"] = "replicate",
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: Optional[Union[dict[str, Any], Callable[..., Any]]] = None,
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
         verify: Union[bool, str] = "auto",
@@ -122,6 +127,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
+        self.tensor_parallel_plan = tensor_parallel_options(schedule_config,
+                                                            tensor_parallel_plan)
         step_timeout = check_launch_arguments(step_timeout, process_group_backend, timeout,
                                               start_method)
         self.transport = check_transport(transport)
@@ -148,6 +155,12 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         self._control: ControlGroup | None = None  # barrier, broadcast, the engine's exchanges
         self._exit_report: UncaughtExitReport | None = None  # an uncaught exception, told
         self._steps = 0  # calls of step(): names the step a preemption was agreed in
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's, except with tensor parallelism: a worker's T ranks load the same share."""
+        return sampler_kwargs(self.world_size, self.global_rank,
+                              self.schedule_config.tensor_parallel_size)
 
     @property
     def engine(self) -> PipelineEngine | None:
@@ -232,6 +245,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
                 forward_context=self.precision.forward_context,
                 device=self.root_device, init_weights=self.init_weights, control=self._control,
                 device_mesh=self._mesh, checkpoints=self._checkpoints,
+                tensor_parallel_plan=self.tensor_parallel_plan,
             )
         return module
 

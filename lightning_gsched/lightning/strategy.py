@@ -50,6 +50,8 @@ from lightning_gsched.engine import (
     pipeline_keywords,
     pipeline_options,
     replay,
+    sampler_kwargs,
+    tensor_parallel_options,
 )
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
@@ -124,6 +126,17 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             all-reduce per stage, issued after its last backward) or ``"shard"`` (each stage
             owned once across the replicas, fetched once per step, its gradient reduced to the
             owner).
+        tensor_parallel_size: T ranks per pipeline worker, sharing each of its stages' layers
+            (W = P x G x T; rank ``(p * G + g) * T + t``, so a worker's ranks are consecutive
+            and ``self.device_mesh`` gains an innermost ``"tensor_parallel"`` dimension). The
+            schedule's defaults are those of W / T workers; a worker's T ranks load the same
+            rows (``distributed_sampler_kwargs``). Not with ``schedule="auto"`` yet.
+        tensor_parallel_plan: how each stage is sharded over ``mesh["tensor_parallel"]``
+            (required when T > 1): module-name patterns to torch's tensor-parallel styles, as
+            ``parallelize_module`` takes them (``{"blocks.*.attn.qkv": ColwiseParallel(), ...}``;
+            by name in a YAML config: ``"colwise"``, ``"rowwise"``, ``"sequence"``), or a
+            function ``parallelize(stage_module, tp_mesh)``. Stages keep the model's module
+            names, so one plan serves every stage (docs/tensor_parallel.md).
         memory_budget: bytes per rank (an int, or a string such as ``"20GiB"``) the plan
             ``"auto"`` picks must fit in its predicted peak; only with ``schedule="auto"``.
             None: the fastest plan, whatever its bytes. With ``"auto"``, ``stages``,
@@ -171,6 +184,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         fetch_window: Optional[int] = None,
         data_parallel_size: int = 1,
         data_parallel: Literal["replicate", "shard"] = "replicate",
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: Optional[Union[dict[str, Any], Callable[..., Any]]] = None,
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
         verify: Union[bool, str] = "auto",
@@ -185,6 +200,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
     ) -> None:
         # every argument is checked here, before Lightning starts any process (see docs/usage.md)
         schedule_config, partition_options = pipeline_options(**pipeline_keywords(locals()))
+        self.tensor_parallel_plan = tensor_parallel_options(schedule_config,
+                                                            tensor_parallel_plan)
         # the checkpoint hooks' arguments (checked) and state: the engine's checkpoint service
         checkpoints = CheckpointService(TorchCheckpointIO, TRAINER, state_dict_type,
                                         stream_checkpoint)
@@ -218,6 +235,12 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         self._mesh = DeviceMeshSlot(on_made=self._give_module_mesh)  # engine/mesh.py
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's, except with tensor parallelism: a worker's T ranks load the same share."""
+        return sampler_kwargs(self.world_size, self.global_rank,
+                              self.schedule_config.tensor_parallel_size)
 
     @property
     def is_distributed(self) -> bool:
@@ -295,6 +318,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             optimizers=lambda: [_unwrap(o) for o in self.optimizers], info=rank_zero_info,
             control=self._control, device=self.root_device, init_weights=self.init_weights,
             device_mesh=self._mesh, checkpoints=self._checkpoints,
+            tensor_parallel_plan=self.tensor_parallel_plan,
         )
         # clipping by the global norm over every rank's stages, for this strategy's plugin
         self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]

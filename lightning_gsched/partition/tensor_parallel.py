@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, Union, cast
 
 import torch
@@ -76,6 +77,38 @@ def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
         f"tensor_parallel_plan[{pattern!r}] = {name_or_style!r} is not a tensor-parallel style. "
         f"Give one of torch's styles (ColwiseParallel(), RowwiseParallel(), SequenceParallel(), "
         f"PrepareModuleInput(...), ...) or its name: {', '.join(map(repr, STYLE_NAMES))}")
+
+
+def check_plan(degree: int, plan: Any) -> TensorParallelPlan | None:
+    """A front end's ``tensor_parallel_size`` and ``tensor_parallel_plan``, checked before any
+    process starts: a plan exactly when the size is above 1, and its styles known (patterns
+    are checked against the stages at the build, when the modules exist)."""
+    if degree == 1:
+        if plan is not None:
+            raise TensorParallelPlanError(
+                "tensor_parallel_plan is given but tensor_parallel_size=1, so nothing would be "
+                "sharded: set tensor_parallel_size to the ranks each stage is shared by (e.g. "
+                "2), or drop tensor_parallel_plan")
+        return None
+    if plan is None:
+        raise TensorParallelPlanError(
+            f"tensor_parallel_size={degree} needs a tensor_parallel_plan saying how a stage's "
+            "layers are sharded: module-name patterns to styles, e.g. {'blocks.*.attn.qkv': "
+            "'colwise', 'blocks.*.attn.proj': 'rowwise'}, or a function "
+            "parallelize(stage_module, tp_mesh)")
+    if callable(plan):
+        return cast(TensorParallelPlan, plan)
+    if not isinstance(plan, Mapping) or not plan:
+        raise TensorParallelPlanError(
+            f"tensor_parallel_plan must be a non-empty dict of module-name patterns to styles "
+            f"or a function parallelize(stage_module, tp_mesh), not {plan!r}")
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str):
+            raise TensorParallelPlanError(
+                f"tensor_parallel_plan key {pattern!r} is not a module-name pattern (a str "
+                "such as 'blocks.*.attn.qkv')")
+        style_of(style, pattern)
+    return dict(plan)
 
 
 def name_matches(pattern: str, name: str) -> bool:
@@ -155,10 +188,11 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
+    originals = _parameters_of(stages)
     if callable(plan):
         for stage in stages:
             plan(stage, mesh)
-            keep_shards_local(stage)
+            keep_shards_local(stage, originals)
         return [{} for _ in stages]
     if not isinstance(plan, Mapping):
         raise TensorParallelPlanError(
@@ -176,8 +210,14 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
         if todo:
             parallelize_module(stage, mesh, todo)
     for stage in stages:
-        keep_shards_local(stage)
+        keep_shards_local(stage, originals)
     return assigned
+
+
+def _parameters_of(stages: Sequence[nn.Module]) -> dict[tuple[int, str], nn.Parameter]:
+    """Every parameter object by (owner module, name), before sharding replaces them."""
+    return {(id(owner), name): param for stage in stages for owner in stage.modules()
+            for name, param in owner._parameters.items() if param is not None}
 
 
 @dataclass(frozen=True)
@@ -192,13 +232,21 @@ class ShardSpec:
     dim: int | None
 
 
-# module -> {parameter name: spec}, for the modules keep_shards_local converted
+# module -> {parameter name: spec}, for the modules keep_shards_local converted, and the
+# hooks that show them as DTensors (removed when the shards are gathered back)
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, dict[str, ShardSpec]] = weakref.WeakKeyDictionary()
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def keep_shards_local(module: nn.Module) -> None:
+def keep_shards_local(module: nn.Module,
+                      originals: Mapping[tuple[int, str], nn.Parameter] | None = None) -> None:
     """Every ``DTensor`` parameter under ``module`` becomes a plain parameter of its local
-    shard, seen as a ``DTensor`` during its module's forward (module doc). Idempotent."""
+    shard, seen as a ``DTensor`` during its module's forward (module doc). Idempotent.
+
+    ``originals``: the parameter objects before sharding, by (owner, name). Each shard goes
+    back into its original object (``.data``), so an optimizer made before sharding (Lightning
+    calls ``configure_optimizers`` before the first batch, when the engine shards) still holds
+    the parameters the module trains."""
     from torch.distributed.tensor import DTensor, Shard
 
     for owner in module.modules():
@@ -209,12 +257,17 @@ def keep_shards_local(module: nn.Module) -> None:
             shards = [pl.dim for pl in param.placements if isinstance(pl, Shard)]
             found[name] = ShardSpec(param.shape, tuple(param.stride()), tuple(param.placements),
                                     param.device_mesh, shards[0] if shards else None)
-            owner._parameters[name] = nn.Parameter(param.to_local().detach(),
-                                                   requires_grad=param.requires_grad)
+            local = param.to_local().detach()
+            original = (originals or {}).get((id(owner), name))
+            if original is not None and id(original) != id(param):
+                original.data = local
+                owner._parameters[name] = original
+            else:
+                owner._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
         if found:
             _SHARDED[owner] = found
-            owner.register_forward_pre_hook(_as_dtensors)
-            owner.register_forward_hook(_as_parameters, always_call=True)
+            _HOOKS[owner] = (owner.register_forward_pre_hook(_as_dtensors),
+                             owner.register_forward_hook(_as_parameters, always_call=True))
 
 
 def _as_dtensors(owner: nn.Module, args: Any) -> None:
@@ -285,3 +338,61 @@ def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T
             "layers rather than split a fused projection by the full width") from exc
     finally:
         handle.remove()
+
+
+def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
+                         kwargs: dict[str, Any], degree: int) -> None:
+    """Run the sharded stages once, in order, on a real microbatch (collective over the
+    tensor-parallel ranks, which all run it): a model whose code needs global sizes fails here,
+    on every rank alike, with :func:`explain_sharded_failure`'s message, rather than inside a
+    schedule's step on some ranks. Without gradients; the random streams and buffers are
+    restored, so training draws what it would have drawn without this check."""
+    from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+
+    carried: Any = None
+    with torch.no_grad(), preserved_tensors_and_rng(nn.ModuleList(stages)):
+        for k, stage in enumerate(stages):
+            call = partial(stage, *args, **kwargs) if k == 0 else partial(stage, carried)
+            carried = explain_sharded_failure(stage, degree, call)
+
+
+def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
+    """Undo :func:`keep_shards_local` under ``module`` (collective over each shard's
+    tensor-parallel group): every sharded parameter becomes the full tensor again, in place
+    (the same ``nn.Parameter``, so optimizers keep their references), and so does each of its
+    optimizer state tensors shaped like the shard (momentum, Adam's moments). Returns how many
+    parameters were gathered.
+
+    Why in place and with the optimizer state: after a run every rank holds the model one
+    device would have trained (the front ends' contract), and a later fit or a full save reads
+    the same parameters and their state."""
+    import torch.distributed as dist
+
+    states = [getattr(o, "state", {}) for o in optimizers]
+    gathered = 0
+    for owner in list(module.modules()):
+        specs = _SHARDED.pop(owner, None)
+        if specs is None:
+            continue
+        for handle in _HOOKS.pop(owner, ()):
+            handle.remove()
+        for name, spec in specs.items():
+            param = cast(nn.Parameter, owner._parameters[name])
+            if spec.dim is None:
+                continue
+            group = spec.mesh.get_group()
+            full_shape = spec.shape
+
+            def whole(local: torch.Tensor, dim: int = spec.dim, group: Any = group) -> torch.Tensor:
+                parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, local.contiguous(), group=group)
+                return torch.cat(parts, dim=dim)
+
+            local_shape = param.shape
+            for state in states:
+                for key, value in state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.shape == local_shape:
+                        state[param][key] = whole(value)
+            param.data = whole(param.detach()).view(full_shape)
+            gathered += 1
+    return gathered

@@ -189,6 +189,13 @@ class Channels:
         self._check_open()
         return self.shared if members is None else self.replicas[tuple(members)]
 
+    def workers_group(self) -> Any:
+        """The group of every worker, group rank = worker (with tensor parallelism, the ranks
+        of this rank's index t): for the collectives outside a step (the full state, the
+        hand-over). Call it at each use, never keep the group (an aborted group must lose its
+        last reference to close its connections)."""
+        return self._collective_group(None)
+
     def all_reduce(self, tensor: Any, members: tuple[int, ...] | None) -> Any:
         """Start an async SUM all-reduce over ``members`` (None: every rank)."""
         group = self._collective_group(members)

@@ -73,12 +73,16 @@ class ProgramExecutor:
     backward. ``checkpointed``: one bool per stage (``plan(...).checkpointed``, :mod:`.compute`).
     ``transport``: ``"auto"`` sends bare tensors once the step signature is known (its first step
     describes each message), ``"described"`` describes every message (data-dependent shapes).
+    ``tensor_parallel_size=T``: each worker of the programs is T ranks whose stages were sharded
+    over them (partition/tensor_parallel.py); default channels then map worker ``w`` to ranks
+    ``w * T + t`` (:class:`Channels`), and :attr:`rank` is the worker.
     """
 
     def __init__(self, stages: Sequence[nn.Module], programs: Programs, *,
                  channels: Channels | None = None, timeout: float = 300.0,
                  sync_weights: bool = True, forward_context: ForwardContext | None = None,
-                 checkpointed: Sequence[bool] | None = None, transport: str = "auto") -> None:
+                 checkpointed: Sequence[bool] | None = None, transport: str = "auto",
+                 tensor_parallel_size: int = 1) -> None:
         check_programs(stages, programs)
         if transport not in TRANSPORTS:
             raise RuntimeConfigError(
@@ -87,7 +91,8 @@ class ProgramExecutor:
         checkpointed = check_checkpointed(checkpointed, len(stages))  # before any collective
         check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
-        self.channels = channels if channels is not None else Channels(programs, timeout=timeout)
+        self.channels = channels if channels is not None else Channels(
+            programs, timeout=timeout, tensor_parallel_size=tensor_parallel_size)
         self.rank = self.channels.rank
         self.programs = programs
         self.view = ProgramView.of(programs, self.rank)

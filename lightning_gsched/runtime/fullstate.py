@@ -30,6 +30,8 @@ from torch.optim import Optimizer
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.layout import StageBuffers, weight_units
 
+# the workers' process group, read at each use (Channels.workers_group): rank 0 of it is worker 0
+Group = Callable[[], Any]
 # an optimizer tensor of at most this many bytes travels in the description, as a value
 SMALL_TENSOR_BYTES = 64
 
@@ -64,18 +66,20 @@ def _merged(parts: Iterable[dict[int, Any]], param_groups: Any) -> dict[str, Any
 
 
 def full_optimizer_state(optimizer: Optimizer, primary: Sequence[nn.Parameter], rank: int,
-                         world_size: int) -> dict[str, Any]:
-    """The optimizer's state dict with every parameter's state on rank 0, ``{}`` elsewhere."""
+                         world_size: int, group: Group) -> dict[str, Any]:
+    """The optimizer's state dict with every parameter's state on rank 0, ``{}`` elsewhere.
+    ``group()``: the workers' group (group rank = worker, ``Channels.workers_group``)."""
     state = optimizer.state_dict()
     if world_size == 1:
         return state
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(_cpu_entries(optimizer, state, primary), gathered, dst=0)
+    dist.gather_object(_cpu_entries(optimizer, state, primary), gathered, group=group(),
+                       group_dst=0)
     return {} if gathered is None else _merged(gathered, state["param_groups"])
 
 
 def restore_full_state(stages: StageBuffers, optimizers: Sequence[Optimizer],
-                       primary: Sequence[nn.Parameter], world_size: int) -> None:
+                       primary: Sequence[nn.Parameter], world_size: int, group: Group) -> None:
     """Give every rank every stage and every parameter's optimizer state again (collective), e.g.
     when training ends, so the run looks like DDP's to a later save or run: parameters become
     views of a fresh copy of their unit (the runtime, no longer backing them, must not step)."""
@@ -86,7 +90,7 @@ def restore_full_state(stages: StageBuffers, optimizers: Sequence[Optimizer],
             buffer = (flat.flat.detach().clone() if flat.owned  # type: ignore[union-attr]
                       else torch.empty(flat.numel, dtype=flat.dtype, device=flat.device))
             if world_size > 1:
-                dist.broadcast(buffer, owners[0])
+                dist.broadcast(buffer, group=group(), group_src=owners[0])
             for p, view in flat.views(buffer):
                 p.data = view
     for optimizer in optimizers:
@@ -95,7 +99,7 @@ def restore_full_state(stages: StageBuffers, optimizers: Sequence[Optimizer],
         gathered: list[Any] = [mine]
         if world_size > 1:
             gathered = [None] * world_size
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, mine, group=group())
         optimizer.load_state_dict(_merged(gathered, state["param_groups"]))
 
 
@@ -162,6 +166,7 @@ class StreamPlan:
 
     rank: int
     world_size: int
+    group: Group  # the workers' group (group rank = worker), read at each use
     device: torch.device = torch.device("cpu")  # where rank 0 receives optimizer tensors
     messages: list[_Message] = field(default_factory=list)
     optimizers: int = 0
@@ -174,13 +179,14 @@ class StreamPlan:
         return placeholder
 
 
-def describe_state_dict(module: nn.Module, stages: StageBuffers,
-                        world_size: int) -> tuple[dict[str, Any], StreamPlan]:
+def describe_state_dict(module: nn.Module, stages: StageBuffers, world_size: int,
+                        group: Group) -> tuple[dict[str, Any], StreamPlan]:
     """Rank 0: the module's state dict, every parameter held in a weight unit a placeholder
     (buffers and parameters outside the units stay real); other ranks: ``{}``. No collective."""
     rank = stages.rank
     units = weight_units(stages.programs, stages.flats, stages.ties)
-    plan = StreamPlan(rank, world_size, units[0][1].device if units else torch.device("cpu"))
+    plan = StreamPlan(rank, world_size, group,
+                      units[0][1].device if units else torch.device("cpu"))
     names = parameter_names(module)
     state = module.state_dict() if rank == 0 else {}
     for i, (owners, flat) in enumerate(units):
@@ -222,7 +228,7 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
     gathered: list[Any] | None = [mine]
     if plan.world_size > 1:
         gathered = [None] * plan.world_size if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+        dist.gather_object(mine, gathered, group=plan.group(), group_dst=0)
     if gathered is None:  # only the source itself knows what it sends; rank 0 needs nothing
         plan.messages += [_Message(rank, tensor, []) for tensor in tensors]
         return {}
@@ -244,14 +250,14 @@ def transfer(plan: StreamPlan, sink: Sink | None,
 
     def receive(tensor: torch.Tensor, src: int) -> torch.Tensor:
         hold(tensor.numel() * tensor.element_size())
-        dist.recv(tensor, src)
+        dist.recv(tensor, group=plan.group(), group_src=src)
         return tensor
 
     for m in plan.messages:
         if rank != 0:  # rank 0 only sends to itself: no message
             if rank == m.src:
                 assert m.tensor is not None
-                dist.send(m.tensor.contiguous(), 0)
+                dist.send(m.tensor.contiguous(), group=plan.group(), group_dst=0)
             continue
         unit, first = m.unit, m.placeholders[0]
         if m.src == 0:
@@ -300,9 +306,10 @@ def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
     return obj
 
 
-def full_state_dict(module: nn.Module, stages: StageBuffers, world_size: int) -> dict[str, Any]:
+def full_state_dict(module: nn.Module, stages: StageBuffers, world_size: int,
+                    group: Group) -> dict[str, Any]:
     """The module's full state dict on rank 0, ``{}`` elsewhere (collective): the streamed
     transfer, every tensor kept (a tied parameter is one tensor under each of its names)."""
-    state, plan = describe_state_dict(module, stages, world_size)
+    state, plan = describe_state_dict(module, stages, world_size, group)
     filled: dict[str, Any] = transfer_kept(plan, state)
     return filled

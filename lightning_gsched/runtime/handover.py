@@ -10,7 +10,7 @@ scaled, in :meth:`GradStash.hand_over`. Which parameters get which gradients: :m
 from __future__ import annotations
 
 import math
-from typing import Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,9 @@ class GradStash:
     """Holds one step's gradients from the schedule until :meth:`hand_over`."""
 
     def __init__(self, source: GradSource, ownership: Ownership, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, group: Callable[[], Any]) -> None:
         self.source = source
+        self.group = group  # the workers' group, read at each use (Channels.workers_group)
         self.ownership = ownership
         self.rank, self.world_size = rank, world_size
         self.extra_layout = FlatLayout(ownership.extra)
@@ -68,7 +69,7 @@ class GradStash:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                               for p in self.ownership.extra])
             if self.world_size > 1:
-                dist.all_reduce(flat)
+                dist.all_reduce(flat, group=self.group())
             self.held.append((self.extra_layout, flat, None))
         for p in self.ownership.owned:
             p.grad = self._saved.get(id(p))
@@ -115,13 +116,13 @@ class GradStash:
                         default=torch.zeros((), device=device))
             local = torch.as_tensor(local, device=device).reshape(1).clone()
             if self.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX)
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group())
             return local[0]
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for g in mine:
             local += g.detach().double().abs().pow(norm_type).sum()
         if self.world_size > 1:
-            dist.all_reduce(local)
+            dist.all_reduce(local, group=self.group())
         return local[0].pow(1.0 / norm_type).float()
 
     def clip_by_norm(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2.0,

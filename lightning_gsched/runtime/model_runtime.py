@@ -49,18 +49,21 @@ class ModelRuntime:
                  timeout: float = 300.0, sync_weights: bool = True,
                  channels: Channels | None = None, forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None,
-                 transport: str = "auto", release_heap_each_step: bool = False) -> None:
+                 transport: str = "auto", release_heap_each_step: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights, forward_context=forward_context,
-                                        checkpointed=checkpointed, transport=transport)
+                                        checkpointed=checkpointed, transport=transport,
+                                        tensor_parallel_size=tensor_parallel_size)
         self.rank = self.executor.rank
         self.world_size = programs.world_size
         self.device = self.executor.device
         self.ownership = Ownership.of(self.executor, module)
         # a split backward accumulates what loss.backward() would: the extras the loss reads
         self.executor.compute.loss_params = list(self.ownership.extra)
-        self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size)
+        self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size,
+                                self.executor.channels.workers_group)
         self._stream: fullstate.StreamPlan | None = None  # a described streamed save
         self.release_heap_each_step = release_heap_each_step
         # the parameters now live in the stage buffers: the tensors they were built in are free
@@ -124,19 +127,21 @@ class ModelRuntime:
 
     def full_state_dict(self) -> dict[str, Any]:
         """The module's full state dict on rank 0, ``{}`` elsewhere."""
-        return fullstate.full_state_dict(self.module, self.executor, self.world_size)
+        return fullstate.full_state_dict(self.module, self.executor, self.world_size,
+                                         self.executor.channels.workers_group)
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every parameter's state on rank 0, ``{}`` elsewhere."""
         return fullstate.full_optimizer_state(optimizer, self.ownership.primary, self.rank,
-                                              self.world_size)
+                                              self.world_size,
+                                              self.executor.channels.workers_group)
 
     def streamed_state_dict(self) -> dict[str, Any]:
         """:meth:`full_state_dict` with placeholders for the stage parameters (no data moves):
         starts a streamed save, which :meth:`streamed_optimizer_state` extends and :meth:`stream`
         sends."""
-        state, self._stream = fullstate.describe_state_dict(self.module, self.executor,
-                                                            self.world_size)
+        state, self._stream = fullstate.describe_state_dict(
+            self.module, self.executor, self.world_size, self.executor.channels.workers_group)
         return state
 
     @property
@@ -178,7 +183,7 @@ class ModelRuntime:
         """Give every rank the full weights and the optimizers' full state again, then close:
         afterwards the module is an ordinary model, as after DDP."""
         fullstate.restore_full_state(self.executor, optimizers, self.ownership.primary,
-                                     self.world_size)
+                                     self.world_size, self.executor.channels.workers_group)
         self.close()
 
     def memory(self) -> ParameterMemory:

@@ -44,6 +44,7 @@ class ScheduleArguments:
     ties: Mapping[int, Iterable[int]] | Iterable[Iterable[int]] | None = None
     data_parallel_size: int = 1
     data_parallel: str = "replicate"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         validate.optional_callable("placement", self.placement, "w(s, b, d) -> (weights_worker, "
@@ -85,7 +86,9 @@ class ScheduleArguments:
         validate.ties(self.ties, S)  # kept as given: plan() checks it against the resolved S
         check_data_parallel(self.schedule if self.placement is None else None,
                             self.data_parallel_size, self.data_parallel)
-        for name in ("stages", "microbatches", "R", "fetch_window", "data_parallel_size"):
+        validate.positive_int("tensor_parallel_size", self.tensor_parallel_size, "2")
+        for name in ("stages", "microbatches", "R", "fetch_window", "data_parallel_size",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, int(value))

@@ -60,6 +60,18 @@ def check_data_parallel(schedule: str | None, size: Any, mode: Any) -> None:
             "fsdp or fslpp to shard without replicas")
 
 
+def tensor_parallel_workers(ranks: int, tensor_parallel_size: int) -> int:
+    """The schedule's workers when each is a group of T = ``tensor_parallel_size`` ranks (rank
+    ``w * T + t``): W / T, or a :class:`ScheduleConfigError` naming the divisors of W."""
+    T = tensor_parallel_size
+    if ranks % T:
+        raise ScheduleConfigError(
+            f"tensor_parallel_size={T} does not divide the W={ranks} ranks (num_nodes x "
+            f"devices); each pipeline worker is T ranks that share its stages' layers. Choose "
+            f"tensor_parallel_size among {[d for d in range(1, ranks + 1) if ranks % d == 0]}")
+    return ranks // T
+
+
 def pipeline_size(workers: int, replicas: int) -> int:
     """P = W / G, or a :class:`ScheduleConfigError` naming the divisors of W."""
     if workers % replicas:

@@ -17,7 +17,13 @@ from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
 from lightning_gsched.schedule.cap_search import auto_cap_timeline, smallest_feasible_cap
 from lightning_gsched.schedule.consumption import require_chain
-from lightning_gsched.schedule.data_parallel import lift, lift_caps, lift_priority, pipeline_size
+from lightning_gsched.schedule.data_parallel import (
+    lift,
+    lift_caps,
+    lift_priority,
+    pipeline_size,
+    tensor_parallel_workers,
+)
 from lightning_gsched.schedule.dryrun import dry_run
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.lazy_ranks import LazyList
@@ -75,6 +81,13 @@ class Plan:
     # G replicas of a P = W/G-worker schedule; ``micro`` counts all G replicas' microbatches
     data_parallel_size: int = 1
     data_parallel: str = "replicate"
+    # each worker is T ranks sharing its stages' layers (rank w * T + t): the programs are the
+    # workers', ``workers`` = W / T of the job's W ranks
+    tensor_parallel_size: int = 1
+
+    @property
+    def ranks(self) -> int:  # the job's processes: workers x T
+        return self.workers * self.tensor_parallel_size
 
     @property
     def pipeline_size(self) -> int:  # P: the workers of one replica
@@ -94,7 +107,8 @@ class Plan:
         out = {
             "schedule": self.schedule, "forward_only": self.forward_only, "workers": self.workers,
             "data_parallel_size": self.data_parallel_size, "data_parallel": self.data_parallel,
-            "pipeline_size": self.pipeline_size, "stages": self.stages,
+            "pipeline_size": self.pipeline_size,
+            "tensor_parallel_size": self.tensor_parallel_size, "stages": self.stages,
             "microbatches": self.micro, "R": self.R, "order": self.order, "caps": self.caps,
             "split_backward": self.programs.split_backward,
             "checkpointed": list(self.checkpointed), "fetch_window": self.fetch_window,
@@ -133,6 +147,7 @@ def plan(
     fetch_window: int | None = None,
     ties: Mapping[int, Iterable[int]] | Iterable[Iterable[int]] | None = None,
     data_parallel_size: int = 1, data_parallel: str = "replicate",
+    tensor_parallel_size: int = 1,
 ) -> Plan:
     """Build, simulate, lower, verify and measure a schedule.
 
@@ -153,6 +168,9 @@ def plan(
     position p of replica g; the defaults are the P-worker ones and ``microbatches`` counts one
     replica's. ``data_parallel``: ``"replicate"`` (one gradient all-reduce per stage across the
     replicas) or ``"shard"`` (each stage owned once across its column, fetched once per step).
+    ``tensor_parallel_size=T``: ``workers`` counts ranks, W = P x G x T, and each worker of the
+    schedule is T consecutive ranks sharing its stages' layers (rank ``w * T + t``): the plan's
+    programs, ``Plan.workers`` and every per-worker figure are the W / T workers'.
 
     Where the timeline is by group symmetry (:mod:`.symmetry`) or has :data:`LAZY_FROM_JOBS` jobs
     or more, and ``verify=False`` or :func:`.proof.certify` accepts it, ``programs.ranks`` and
@@ -165,7 +183,8 @@ def plan(
         forward_cost=forward_cost, backward_cost=backward_cost, placement=placement,
         priority=priority, weight_cost=weight_cost, split_backward=split_backward,
         checkpoint_activations=checkpoint_activations, fetch_window=fetch_window, ties=ties,
-        data_parallel_size=data_parallel_size, data_parallel=data_parallel)
+        data_parallel_size=data_parallel_size, data_parallel=data_parallel,
+        tensor_parallel_size=tensor_parallel_size)
     return plan_arguments(arguments, workers, edges=edges, verify=verify, forward_only=forward_only)
 
 
@@ -200,9 +219,8 @@ def resolve_arguments(arguments: ScheduleArguments, workers: int) -> tuple[int, 
     a = arguments
     if a.placement is not None:
         return int(a.stages), int(a.microbatches), a.R  # type: ignore[arg-type]
-    W = validate.positive_int("workers", workers)
     G = a.data_parallel_size
-    P = pipeline_size(W, G)
+    W, P = pipeline_workers(a, workers)
     name = get_schedule(a.schedule).name  # type: ignore[arg-type]
     with _reworded(_on_replicas(P, G)):
         S, B, R = resolve_shape(name, P, a.stages, a.microbatches, a.R)
@@ -211,17 +229,26 @@ def resolve_arguments(arguments: ScheduleArguments, workers: int) -> tuple[int, 
     return S, B, R
 
 
+def pipeline_workers(a: ScheduleArguments, ranks: int) -> tuple[int, int]:
+    """(W, P): the schedule's workers for ``ranks`` processes (W = ranks / T) and each
+    replica's (P = W / G), or a :class:`ScheduleConfigError` naming what does not divide."""
+    W = tensor_parallel_workers(validate.positive_int("workers", ranks), a.tensor_parallel_size)
+    T = a.tensor_parallel_size
+    with _reworded("" if T == 1 else f"with tensor_parallel_size={T} the schedule runs on "
+                   f"W / tensor_parallel_size = {W} workers of {T} ranks each: "):
+        return W, pipeline_size(W, a.data_parallel_size)
+
+
 def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]] | None,
              forward_only: bool) -> tuple[int, int, int | None, Callable[[bool], Plan]]:
     """``plan_arguments``' checks and resolution: (S, B, R) and the rest, given ``verify``."""
-    W = validate.positive_int("workers", workers)
+    W, P = pipeline_workers(a, workers)  # P: each replica's workers (W when G = 1)
     edges = validate.stage_edges(edges)
     forward_only = validate.flag("forward_only", forward_only)
     cap = None if isinstance(a.cap, str) and a.cap == "none" else a.cap
     G = a.data_parallel_size
-    P = pipeline_size(W, G)  # each replica's workers (W when G = 1)
     on_replicas = _on_replicas(P, G)
-    S, B, R = resolve_arguments(a, W)
+    S, B, R = resolve_arguments(a, workers)  # W / T's defaults (resolve divides by T)
     if a.placement is None:
         spec = get_schedule(a.schedule)  # type: ignore[arg-type]
         library_placement = spec.make_placement(P, S, R or 1)
@@ -348,5 +375,5 @@ def _build(a: ScheduleArguments, name: str, W: int, S: int, B: int, R: int | Non
     metrics = measure(programs, timeline, lazy=lazy)
     return Plan(name, W, S, B, R, order_name, caps, costs, table, timeline, programs, metrics,
                 graph.forward_only, checkpointed, fetch_window, a.data_parallel_size,
-                a.data_parallel)
+                a.data_parallel, a.tensor_parallel_size)
 
