@@ -1,0 +1,113 @@
+"""GeneralParallelFabric with tensor-parallel workers trains like a single-device Fabric loop.
+
+W = 4 ranks as P = 2 pipeline workers x T = 2 tensor-parallel ranks (rank ``w * 2 + t``), the
+GPT's q, k, v and first MLP layer sharded column-wise and the projections after them row-wise
+(``tensor_parallel_plan`` on the model's own module names). A worker's two ranks are given the
+same share of each global batch, as the strategy's ``distributed_sampler_kwargs`` would deal
+it. Per schedule (gpipe, 1f1b, zb-h1, zbv), in one launched job, against the same loop on one
+device in this process:
+
+* every step's returned loss and the weights after 3 steps (``strategy.finish`` gathers the
+  shards back, so every rank holds the full model) equal one device's;
+* ``strategy.evaluate`` returns this rank's rows of the single-device outputs on every rank,
+  the two ranks of a worker alike;
+* while training, each rank held its shard of a column-wise layer (half its rows).
+
+Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
+partial dot products where one device adds one, float32 reordering as microbatches and ranks
+already cause; SGD with momentum is linear in the gradient. A wrong shard or a missing
+all-reduce moves weights by ~1e-3.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from dist_harness import WorkerContext
+from lightning_models import as_worker, assert_same_state, state_of
+from models import make_gpt
+from test_fabric import LR, compute_loss, global_batches, last_logits, share, single_device
+
+pytestmark = pytest.mark.distributed
+
+T = 2
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zbv"]
+PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+WORLD_TIMEOUT = 300.0
+
+
+def _setup(fabric: Any) -> tuple[Any, Any]:
+    model = make_gpt(0, shardable=True)
+    return fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+
+
+def _train(fabric: Any, model: Any, optimizer: Any, batches: list[torch.Tensor],
+           pipelined: bool) -> list[float]:
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        if pipelined:
+            loss = fabric.strategy.step(model, batch, compute_loss)
+        else:
+            loss = compute_loss(model, batch)
+            fabric.backward(loss)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@functools.lru_cache(maxsize=None)
+def reference() -> dict[str, Any]:
+    fabric = single_device()
+    model, optimizer = _setup(fabric)
+    losses = _train(fabric, model, optimizer, global_batches(), pipelined=False)
+    with torch.no_grad():
+        logits = last_logits(model, global_batches()[0])
+    return {"losses": losses, "weights": state_of(model), "logits": logits}
+
+
+def run_schedules(ctx: WorkerContext) -> list[dict[str, Any]]:
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    as_worker(ctx.rank)
+    workers, worker = ctx.world_size // T, ctx.rank // T
+    out = []
+    for schedule in SCHEDULES:
+        fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
+            schedule, microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN))
+        fabric.launch()
+        model, optimizer = _setup(fabric)
+        batches = [share(b, worker, workers) for b in global_batches()]
+        losses = _train(fabric, model, optimizer, batches, pipelined=True)
+        held = {n: tuple(p.shape) for n, p in model.named_parameters()
+                if n.endswith("attn.q.weight") and p.numel()}
+        logits = fabric.strategy.evaluate(model, batches[0], last_logits)
+        fabric.strategy.finish()
+        out.append({"losses": losses, "weights": state_of(model), "logits": logits,
+                    "held": held, "sampler": fabric.strategy.distributed_sampler_kwargs})
+    return out
+
+
+def test_tensor_parallel_workers_train_like_one_device(worlds: Any) -> None:
+    want = reference()
+    results = worlds.get(4).run(run_schedules)
+    for rank, per_schedule in enumerate(results):
+        for schedule, got in zip(SCHEDULES, per_schedule, strict=True):
+            label = f"{schedule} rank {rank}"
+            assert got["sampler"] == {"num_replicas": 2, "rank": rank // T}, label
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                       rtol=1e-5, atol=1e-6, msg=label)
+            assert_same_state(got["weights"], want["weights"], label)
+            mine = share(want["logits"], rank // T, 4 // T)
+            torch.testing.assert_close(got["logits"], mine, rtol=1e-5, atol=1e-6, msg=label)
+            assert got["held"], label  # this worker's blocks: q's rows halved
+            full = want["weights"]["blocks.0.attn.q.weight"].shape[0]
+            assert all(shape[0] == full // T for shape in got["held"].values()), (label, got)
