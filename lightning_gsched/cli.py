@@ -4,6 +4,7 @@
     gsched plan 1f1b -w 4 -b 8 --json
     gsched plan fsdp -w 4 --forward-only --programs      # validation/test/predict programs
     gsched plan fsdp -w 2 -s 4 --stage-bytes 3486720,3159040,3159040,3423232   # + bytes held
+    gsched plan 1f1b -w 8 --tp 2 --stage-bytes 4096,4096,4096,4096   # 4 workers of 2 ranks
     gsched compare --workers 4 --stages 4 --microbatches 8
     gsched tune examples/gpt.py:tune_target -w 4 --global-batch 32 --budget 12MiB
 """
@@ -21,18 +22,27 @@ from typing import Any, Callable, Sequence
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule import LIBRARY, Plan, plan, validate
 from lightning_gsched.schedule.arguments import CAP_WORDS, ScheduleArguments
-from lightning_gsched.schedule.data_parallel import ALREADY_DATA_PARALLEL, MODES
+from lightning_gsched.schedule.data_parallel import (
+    ALREADY_DATA_PARALLEL,
+    MODES,
+    tensor_parallel_workers,
+)
 from lightning_gsched.schedule.describe import (
     EVERY_WORKER_HINT,
     MAX_ROWS,
     describe,
     hidden_workers,
+    layout_text,
     listed_workers,
     micro_text,
     text_table,
     workers_text,
 )
-from lightning_gsched.schedule.memory import resident_bytes
+from lightning_gsched.schedule.memory import (
+    resident_bytes,
+    sharded_fractions,
+    tensor_parallel_share,
+)
 from lightning_gsched.schedule.orders import ORDER_NAMES
 from lightning_gsched.schedule.plan import plan_arguments, resolve_arguments
 from lightning_gsched.schedule.render import ascii_timeline, save_png
@@ -133,6 +143,12 @@ def _checked_bytes(value: Any) -> list[int]:
     return value
 
 
+def _checked_sharded(value: Any) -> Any:
+    """``--tp-sharded`` as given, once its fractions are checked (their count needs S)."""
+    sharded_fractions(value)
+    return value
+
+
 def _checked_cap(cap: Any) -> Any:
     validate.cap_form(cap, CAP_WORDS)
     return cap
@@ -172,6 +188,30 @@ def data_parallel_options(parser: argparse.ArgumentParser) -> None:
                              "once per step, its gradient reduced to the owner)")
 
 
+def tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size``/``--tp``: each worker of the schedule is T ranks sharing its
+    stages' layers (plan(), GeneralParallel and the configs take the same T)."""
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size",
+                        type=_count("tensor_parallel_size", "2"), default=1, metavar="T",
+                        help="T tensor-parallel ranks per worker: -w counts ranks, W = P x G x "
+                             "T, and the schedule runs on W / T workers (worker w is ranks "
+                             "w*T .. w*T+T-1, sharding its stages' layers); every per-worker "
+                             "figure is one worker's. Default 1")
+
+
+def _tensor_parallel_sharded_option(parser: argparse.ArgumentParser) -> None:
+    """``--tp-sharded``: what share of ``--stage-bytes`` the worker's T ranks divide."""
+    parser.add_argument("--tp-sharded", "--tensor-parallel-sharded",
+                        dest="tensor_parallel_sharded", metavar="FRACTION", default=None,
+                        type=_option(_checked_sharded, _numbers),
+                        help="with --tp T > 1 and --stage-bytes (the unsharded model's): the "
+                             "fraction of each stage's parameter bytes the tensor-parallel plan "
+                             "shards, one number or one per stage; a rank then holds that part "
+                             "/ T plus the rest whole (norms, a row-wise layer's bias, layers "
+                             "the plan leaves out). Default 1: a rank holds 1/T of every stage. "
+                             "0: nothing divided (--stage-bytes already one rank's shards)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gsched", description="Plan and compare lightning_gsched schedules.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", help=f"one of: {', '.join(LIBRARY)}")
     _common(p)
     data_parallel_options(p)
+    tensor_parallel_option(p)
     p.add_argument("--order", choices=ORDER_NAMES, default=None, help="tie-break order n(s,b,d)")
     p.add_argument("--cap", type=_option(_checked_cap, _parse_cap), default="default", help="activation cap: int, list, 'auto' or 'none'")
     p.add_argument("--json", action="store_true",
@@ -206,13 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "the workers computing the others")
     p.add_argument("--stage-bytes", type=_option(_checked_bytes, _parse_bytes), default=None,
                    help="every stage's parameter bytes, comma-separated: adds each worker's "
-                        "owned bytes and the peak of owned + fetched bytes its program implies")
+                        "owned bytes and the peak of owned + fetched bytes its program implies "
+                        "(with --tp T > 1: one rank's share, see --tp-sharded)")
+    _tensor_parallel_sharded_option(p)
     p.add_argument("--forward-only", action="store_true",
                    help="plan forward jobs only (validate/test/predict); same owners as training, "
                         "the cap is ignored")
     c = sub.add_parser("compare", help="the seed's Table 1 with numbers, every library schedule side by side")
     _common(c)
     data_parallel_options(c)
+    tensor_parallel_option(c)
     c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     _tune_parser(sub)
     return parser
@@ -246,6 +290,10 @@ def _tune_parser(sub: Any) -> None:
                    help="only this G: G replicas of each schedule on W/G workers, both modes "
                         "(as GeneralParallel('auto', data_parallel_size=...)); default: every "
                         "divisor of W below W")
+    t.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size",
+                   type=_count("tensor_parallel_size", "2"), default=1, metavar="T",
+                   help="not searched yet: only 1 (the default); for T > 1 tune at W / T "
+                        "workers, then see the schedule on W ranks with gsched plan --tp T")
     d = DEFAULT_COSTS
     t.add_argument("--latency", type=float, default=None,
                    help=f"seconds a message is in flight besides its bytes (default {d.latency:g})")
@@ -293,7 +341,27 @@ def _load_target(spec: str) -> tuple[Any, tuple[Any, ...], Any]:
     return out[0], out[1], out[2] if len(out) == 3 else None
 
 
+def _refuse_tensor_parallel(workers: int, tensor_parallel_size: int) -> None:
+    """``gsched tune --tp T`` with T > 1: a :class:`ScheduleConfigError` naming what to run.
+
+    Why refused, not searched: the tuner profiles whole stages and costs each candidate on W
+    workers of one rank, while T ranks per worker change the stage sizes, the compute per
+    stage and the messages, none of which it measures yet (``GeneralParallel('auto')``
+    refuses T alike)."""
+    T = tensor_parallel_size
+    if T == 1:
+        return
+    pipeline = tensor_parallel_workers(workers, T)  # a T not dividing W: that error first
+    raise ScheduleConfigError(
+        f"gsched tune does not search tensor parallelism yet (--tp {T}): it profiles unsharded "
+        f"stages on workers of one rank. Tune the pipeline without --tp at -w {pipeline} (the "
+        f"W / T workers; its bytes are then the unsharded stages'), then name the schedule it "
+        f"picks with gsched plan SCHEDULE -w {workers} --tp {T} (GeneralParallel(SCHEDULE, "
+        f"tensor_parallel_size={T}) to train it)")
+
+
 def _tune(args: argparse.Namespace) -> int:
+    _refuse_tensor_parallel(args.workers, args.tensor_parallel_size)  # before torch loads
     from lightning_gsched.measure.tune_profile import tune_model
 
     costs = DEFAULT_COSTS.with_changes(
@@ -314,10 +382,13 @@ def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | N
                  forward_cost: float | Sequence[float], backward_cost: float | Sequence[float],
                  weight_cost: float | Sequence[float] | None = None,
                  data_parallel_size: int = 1,
-                 data_parallel: str = "replicate") -> list[dict[str, Any]]:
+                 data_parallel: str = "replicate",
+                 tensor_parallel_size: int = 1) -> list[dict[str, Any]]:
     """One row per library schedule (``gsched compare``), or ``{"schedule", "error"}`` where
     the sizes do not fit it, or ``{"schedule", "skipped"}`` for ddp and fsdp with
-    ``data_parallel_size`` > 1 (data parallel over every rank already: nothing to compose)."""
+    ``data_parallel_size`` > 1 (data parallel over every rank already: nothing to compose).
+    ``workers`` counts ranks; with ``tensor_parallel_size`` T each row is the plan of W / T
+    workers (:func:`~lightning_gsched.schedule.plan`'s rule)."""
     rows: list[dict[str, Any]] = []
     for name in LIBRARY:
         if data_parallel_size > 1 and name in ALREADY_DATA_PARALLEL:
@@ -330,7 +401,8 @@ def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | N
                           R=R if uses_R and name != "interleaved" else None,
                           forward_cost=forward_cost, backward_cost=backward_cost,
                           weight_cost=weight_cost if split else None,
-                          data_parallel_size=data_parallel_size, data_parallel=data_parallel)
+                          data_parallel_size=data_parallel_size, data_parallel=data_parallel,
+                          tensor_parallel_size=tensor_parallel_size)
         except GschedError as exc:
             rows.append({"schedule": name, "error": str(exc)})
             continue
@@ -348,12 +420,12 @@ def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | N
     return rows
 
 
-def _compare_workers(workers: int, data_parallel_size: int, data_parallel: str) -> str:
-    """``W=8``, or ``W=8 (P=4 x G=2, replicate)``: the head of ``gsched compare``'s table."""
-    if data_parallel_size == 1:
-        return f"W={workers}"
-    return (f"W={workers} (P={workers // data_parallel_size} x G={data_parallel_size}, "
-            f"{data_parallel}); B counts every replica's microbatches")
+def _compare_workers(workers: int, data_parallel_size: int, data_parallel: str,
+                     tensor_parallel_size: int = 1) -> str:
+    """``W=8``, or ``W=8 (P=4 x G=2, replicate)``: the head of ``gsched compare``'s table
+    (:func:`~lightning_gsched.schedule.describe.layout_text`, as ``gsched plan`` writes it)."""
+    head = layout_text(workers, data_parallel_size, data_parallel, tensor_parallel_size)
+    return head + ("; B counts every replica's microbatches" if data_parallel_size > 1 else "")
 
 
 def _compare_text(rows: list[dict[str, Any]], head: str) -> str:
@@ -413,9 +485,50 @@ def _schedule_arguments(args: argparse.Namespace) -> ScheduleArguments:
     return arguments.replace(checkpoint_activations=_checkpoint_activations(args, arguments))
 
 
+def _rank_bytes(result: Plan, args: argparse.Namespace) -> list[int] | None:
+    """``--stage-bytes`` as one rank holds them: with ``--tp`` T > 1 its share of the worker's
+    stages (:func:`~lightning_gsched.schedule.memory.tensor_parallel_share`), else as given.
+    The one place the CLI's per-stage parameter bytes enter the bytes model."""
+    given: list[int] | None = args.stage_bytes
+    sharded = args.tensor_parallel_sharded
+    if sharded is not None and (result.tensor_parallel_size == 1 or given is None):
+        raise ScheduleConfigError(
+            "--tp-sharded says what share of --stage-bytes a worker's T ranks divide, so it "
+            "needs --tp T > 1 and --stage-bytes; give both, or drop --tp-sharded")
+    if given is None or result.tensor_parallel_size == 1:
+        return given
+    if len(given) != result.stages:  # before tensor_parallel_share counts --tp-sharded by it
+        raise ScheduleConfigError(
+            f"--stage-bytes has {len(given)} values but the plan has S={result.stages} "
+            "stages: give one byte count per stage")
+    return tensor_parallel_share(given, result.tensor_parallel_size,
+                                 1.0 if sharded is None else sharded)
+
+
+def _rank_bytes_note(result: Plan, args: argparse.Namespace) -> str | None:
+    """With T > 1, the line saying the byte columns are one rank's share (None: as given)."""
+    T = result.tensor_parallel_size
+    if T == 1 or args.stage_bytes is None:
+        return None
+    sharded = args.tensor_parallel_sharded
+    if sharded is None or sharded == 1.0:
+        return (f"bytes are one rank's: each of a worker's T={T} ranks holds 1/{T} of every "
+                "stage's --stage-bytes (given for the unsharded model; --tp-sharded sets the "
+                "part divided)")
+    return (f"bytes are one rank's: each of a worker's T={T} ranks holds the sharded part "
+            f"(--tp-sharded {_fraction_text(sharded)}) of every stage's --stage-bytes / {T}, "
+            "plus the rest whole (--stage-bytes given for the unsharded model)")
+
+
+def _fraction_text(sharded: float | list[float]) -> str:
+    """``0.9`` or ``1,0.5,1``: ``--tp-sharded`` as given."""
+    return ",".join(f"{v:g}" for v in sharded) if isinstance(sharded, list) else f"{sharded:g}"
+
+
 def _plan_json(result: Plan, stage_bytes: list[int] | None, every: bool) -> dict[str, Any]:
     """``gsched plan --json``: the plan's JSON, with ``--stage-bytes`` each listed worker's
-    owned and peak resident bytes added to its row.
+    owned and peak resident bytes added to its row (with ``--tp`` T > 1 one rank's share,
+    which the caller puts in ``stage_bytes_per_rank``).
 
     Up to :data:`MAX_ROWS` workers, or with ``every`` (``--programs``), every worker's row,
     slot and program; beyond, the rows the text table shows, each read off its own program,
@@ -442,9 +555,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             result = plan_arguments(_schedule_arguments(args), args.workers,
                                     forward_only=args.forward_only)
+            stage_bytes = _rank_bytes(result, args)
             # JSON and text list the same rows beyond MAX_ROWS workers; --programs: every one
-            text = None if args.json else describe(result, args.stage_bytes)
-            out = _plan_json(result, args.stage_bytes, args.programs) if args.json else None
+            text = None if args.json else describe(result, stage_bytes,
+                                                   bytes_note=_rank_bytes_note(result, args))
+            out = _plan_json(result, stage_bytes, args.programs) if args.json else None
+            if out is not None and stage_bytes is not None and result.tensor_parallel_size > 1:
+                out.update(stage_bytes=args.stage_bytes, stage_bytes_per_rank=stage_bytes)
             if args.png and not _write_png(result, args.png):
                 return 2
             if out is not None:
@@ -461,10 +578,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "tune":
             return _tune(args)
         else:
+            # one error for all rows where T does not divide W (each row would repeat it)
+            tensor_parallel_workers(args.workers, args.tensor_parallel_size)
             rows = compare_rows(args.workers, args.stages, args.microbatches, args.R,
                                 args.forward_cost, args.backward_cost, args.weight_cost,
-                                args.data_parallel_size, args.data_parallel)
-            head = _compare_workers(args.workers, args.data_parallel_size, args.data_parallel)
+                                args.data_parallel_size, args.data_parallel,
+                                args.tensor_parallel_size)
+            head = _compare_workers(args.workers, args.data_parallel_size, args.data_parallel,
+                                    args.tensor_parallel_size)
             print(json.dumps(rows) if args.json else _compare_text(rows, head))
     except GschedError as exc:
         print(f"gsched: error: {exc}", file=sys.stderr)

@@ -57,10 +57,26 @@ def ties_text(ties: Mapping[int, Sequence[int]]) -> str:
 
 
 def workers_text(result: Plan) -> str:
-    """``W=8``, or with data-parallel replicas ``W=8 (P=4 x G=2, replicate)``."""
-    G = result.data_parallel_size
-    return f"W={result.workers}" + (
-        f" (P={result.pipeline_size} x G={G}, {result.data_parallel})" if G > 1 else "")
+    """``W=8``, or with data-parallel replicas ``W=8 (P=4 x G=2, replicate)``, or with
+    tensor-parallel workers ``W=8 (P=2 x G=2 x T=2, replicate; worker w = ranks 2w..2w+1)``
+    (``W=4 (P=2 x T=2; worker w = ranks 2w..2w+1)`` without replicas)."""
+    return layout_text(result.ranks, result.data_parallel_size, result.data_parallel,
+                       result.tensor_parallel_size)
+
+
+def layout_text(ranks: int, data_parallel_size: int = 1, data_parallel: str = "replicate",
+                tensor_parallel_size: int = 1) -> str:
+    """W ranks as P x G x T, the factors above 1 only (``W=8`` for one pipeline).
+
+    Why the rank map with T > 1: every per-worker figure (rows, timeline, owners) counts the
+    W / T workers, while ``-w`` and ``W`` count ranks; the map says which ranks a row is."""
+    G, T = data_parallel_size, tensor_parallel_size
+    if G == 1 and T == 1:
+        return f"W={ranks}"
+    factors = [f"P={ranks // (G * T)}", *([f"G={G}"] if G > 1 else []),
+               *([f"T={T}"] if T > 1 else [])]
+    return (f"W={ranks} ({' x '.join(factors)}" + (f", {data_parallel}" if G > 1 else "")
+            + (f"; worker w = ranks {T}w..{T}w+{T - 1}" if T > 1 else "") + ")")
 
 
 def micro_text(result: Plan) -> str:
@@ -90,17 +106,21 @@ def configuration_text(result: Plan) -> str:
 
 
 def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
-             tie_bytes: Mapping[int, int] | None = None) -> str:
+             tie_bytes: Mapping[int, int] | None = None, bytes_note: str | None = None) -> str:
     """Configuration, latency, bubble, and one row per worker; with ``stage_bytes`` (and
     ``tie_bytes``: ``{home: bytes}``) the parameter bytes a worker owns and its peak of owned +
-    fetched ones. Beyond :data:`MAX_ROWS` workers only :func:`listed_workers`' rows are computed:
-    a row reads (at large W: lowers) its worker's program, the head lines only the timeline."""
+    fetched ones. ``bytes_note``: a line under the head saying what those bytes are, where the
+    caller changed them (a tensor-parallel rank's share). Beyond :data:`MAX_ROWS` workers only
+    :func:`listed_workers`' rows are computed: a row reads (at large W: lowers) its worker's
+    program, the head lines only the timeline."""
     m = result.metrics
     head = (
         f"schedule {result.schedule}: {configuration_text(result)}"
         + (" forward-only" if result.forward_only else "") + "\n"
         f"latency {m.latency:g}   bubble {m.bubble_fraction:.1%}   "
         f"stage owners {_owners_text(result.table.owners, OWNERS_WIDTH)}")
+    if stage_bytes is not None and bytes_note is not None:
+        head += "\n" + bytes_note
     header = ["worker", "busy", "act in/out", "grad in/out", "w fetch/serve", "g reduce out/in",
               "allreduce", "peak act", "owned", "peak resident"]
     if result.ties:
@@ -193,13 +213,14 @@ def _numbers(values: Sequence[Any], text: Callable[[Any], str] = "{:g}".format) 
 
 def plan_command(result: Plan) -> str:
     """The ``gsched plan`` command that prints this (library) plan in full: W, S and B, the rest
-    where it differs from the schedule's defaults."""
+    where it differs from the schedule's defaults. ``-w`` counts ranks, as ``--tp`` takes it."""
     spec = LIBRARY[result.schedule]
-    G = result.data_parallel_size
-    words = [f"gsched plan {result.schedule} -w {result.workers} -s {result.stages} "
+    G, T = result.data_parallel_size, result.tensor_parallel_size
+    words = [f"gsched plan {result.schedule} -w {result.ranks} -s {result.stages} "
              f"-b {result.micro // G}"]  # -b: one replica's microbatches
     words += [word for given, word in (
         (G > 1, f"--dp {G}"), (result.data_parallel == "shard", "--data-parallel shard"),
+        (T > 1, f"--tp {T}"),
         (result.R is not None, f"--R {result.R}"),
         (result.order != spec.order, f"--order {result.order}"),
         (result.fetch_window is not None, f"--fetch-window {result.fetch_window}")) if given]

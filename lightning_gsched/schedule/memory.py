@@ -17,14 +17,19 @@ rank:
 * **communication**: posted receive buffers not yet consumed (:mod:`.consumption` says by which
   action). Sends are not counted: a sent tensor is one the stash or a gradient buffer holds, and
   the transport drops it when the send completes (runtime/transport.py: SendReleaser).
+
+With tensor parallelism each worker's T ranks run the same program on shards of its stages:
+sizes measured on a rank's shards fit as they are, and :func:`tensor_parallel_share` turns an
+unsharded stage's parameter bytes (``gsched plan --tp T --stage-bytes``) into one rank's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.consumption import OpRules, UnitKey, unit_of
 from lightning_gsched.schedule.program import Action, Message, Op, Programs
 
@@ -298,3 +303,51 @@ def resident_bytes(programs: Programs, stage_bytes: Sequence[int],
                           peak=rank_memory(programs, weights_only, rank,
                                            rules=rules).category_peaks.weights)
             for rank in (range(programs.world_size) if ranks is None else ranks)]
+
+
+def tensor_parallel_share(stage_bytes: Sequence[int], tensor_parallel_size: int,
+                          sharded: float | Sequence[float] = 1.0) -> list[int]:
+    """One rank's bytes of every stage when its worker's T = ``tensor_parallel_size`` ranks
+    shard the fraction ``sharded`` of it (one number, or one per stage) and replicate the rest.
+
+    ``stage_bytes`` are the unsharded stage's (one device's, as ``measure_stage_bytes`` gives
+    them without a tensor-parallel plan). The sharded part is divided by T, rounded up (the
+    largest shard's); the rest (norms, a row-wise layer's bias, layers the plan leaves out)
+    stays whole on every rank. Parameters, their gradients and their optimizer state divide
+    alike, so one rule serves all three. Activations are not divided here: column- and
+    row-wise layers leave a stage's boundary activations full size on every rank; only
+    ``SequenceParallel`` shards them.
+    """
+    T = validate.positive_int("tensor_parallel_size", tensor_parallel_size, "2")
+    sizes = list(stage_bytes)
+    for s, nbytes in enumerate(sizes):
+        _check_bytes(f"stage {s}'s parameter", nbytes)
+    shares = []
+    for nbytes, fraction in zip(sizes, sharded_fractions(sharded, len(sizes)), strict=True):
+        split = round(nbytes * fraction)  # the sharded bytes; the rest is replicated
+        shares.append(nbytes - split + -(-split // T))
+    return shares
+
+
+def sharded_fractions(sharded: float | Sequence[float], stages: int | None = None
+                      ) -> list[float]:
+    """``sharded`` (:func:`tensor_parallel_share`'s) as fractions in [0, 1]: one per stage
+    where ``stages`` is known, else as given; or the error naming the bad entry."""
+    rule = "a fraction of a stage's parameter bytes, from 0 (none sharded) to 1 (all)"
+    values: list[Any]
+    if validate.is_real(sharded):
+        values = [sharded] * (1 if stages is None else stages)
+    elif isinstance(sharded, (str, bytes)) or not isinstance(sharded, Sequence) or not sharded:
+        raise validate.invalid("tensor_parallel_sharded", sharded,
+                               f"give one fraction or one per stage ({rule})", "0.9")
+    elif stages is not None and len(sharded) != stages:
+        raise ScheduleConfigError(
+            f"tensor_parallel_sharded has {len(sharded)} values for S={stages} stages: give one "
+            "fraction for every stage or a single one for all, e.g. tensor_parallel_sharded=0.9")
+    else:
+        values = list(sharded)
+    for s, value in enumerate(values):
+        if not validate.is_real(value) or not 0 <= value <= 1:
+            name = "tensor_parallel_sharded" + ("" if validate.is_real(sharded) else f"[{s}]")
+            raise validate.invalid(name, value, rule, "0.9")
+    return [float(v) for v in values]
