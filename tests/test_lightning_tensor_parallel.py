@@ -31,7 +31,8 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dist_harness import WorkerContext
 from lightning_models import (
@@ -58,20 +59,24 @@ WORLD_TIMEOUT = 400.0  # seconds per check: four whole Trainer fits
 
 def _loader(workers: int) -> DataLoader:
     """Distributed: the whole dataset, which the Trainer's DistributedSampler deals to the
-    W / T shares. Lightning always shuffles a training set it samples (seed 0 + epoch, no
-    ``seed_everything`` here) and deals the permutation round-robin, so global batch i is
-    the rows ``perm[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]``: one device reads exactly
-    those, in that order."""
+    W / T shares. Lightning always shuffles a training set it samples (a permutation seeded
+    0 + epoch, no ``seed_everything`` here) and deals it round-robin, so global batch i is
+    the permutation's rows ``[i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)``: one device reads
+    the same rows through the same sampler with one replica."""
     dataset = TensorDataset(tokens(GLOBAL_BATCH * STEPS))
     if workers > 1:
         return DataLoader(dataset, batch_size=GLOBAL_BATCH // workers, shuffle=False)
-    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
-    return DataLoader(Subset(dataset, perm), batch_size=GLOBAL_BATCH, shuffle=False)
+    return DataLoader(dataset, batch_size=GLOBAL_BATCH,
+                      sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=0))
 
 
-def _fit(world: int, strategy: Any, tmp: str) -> tuple[dict, Any]:
+def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
+         **options: Any) -> tuple[dict, Any]:
+    """One fit (``options``: Trainer options over ``max_steps=STEPS``): the final state, the
+    shapes of two sharded weights held during the fit, and the device mesh's shape and names."""
     model = make_lit_gpt(shardable=True)
-    fit = trainer(world, strategy, tmp, max_steps=STEPS, use_distributed_sampler=world > 1)
+    fit = trainer(world, strategy, tmp, use_distributed_sampler=world > 1,
+                  **{"max_steps": STEPS, **options})
     shapes: dict[str, tuple[int, ...]] = {}
 
     class Shapes(Callback):
@@ -80,7 +85,7 @@ def _fit(world: int, strategy: Any, tmp: str) -> tuple[dict, Any]:
                            if ("attn.q" in n or "mlp.2.weight" in n) and p.numel()})
 
     fit.callbacks.append(Shapes())
-    fit.fit(model, _loader(world // T if world > 1 else 1))
+    fit.fit(model, _loader(world // T if world > 1 else 1), ckpt_path=ckpt_path)
     mesh = fit.strategy.device_mesh if world > 1 else None
     return state_of(model), (shapes, None if mesh is None else (
         tuple(mesh.shape), mesh.mesh_dim_names))
@@ -124,3 +129,43 @@ def test_pipeline_of_tensor_parallel_workers_fits_like_one_device(worlds: Any,
         assert [s for s, _ in got] == [s for s, _ in want_log], schedule
         torch.testing.assert_close(torch.tensor([v for _, v in got]),
                                    torch.tensor([v for _, v in want_log]), rtol=1e-5, atol=1e-6)
+
+
+def save_and_resume_on_worker(ctx: WorkerContext, tmp: str) -> dict:
+    """Epoch 1 under 1f1b with ModelCheckpoint saving at its end (while the pipeline runs:
+    the shards are gathered into full tensors), then epoch 2 resumed from that file under
+    zbv (Lightning restores it before the build: the full optimizer state is cut to each
+    rank's shard when the stages are sharded)."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+
+    def strategy(schedule: str) -> Any:
+        return GeneralParallel(schedule, microbatches=4, tensor_parallel_size=T,
+                               tensor_parallel_plan=PLAN)
+
+    saver = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True, save_top_k=0)
+    _fit(ctx.world_size, strategy("1f1b"), f"{tmp}/first", max_steps=-1, max_epochs=1,
+         enable_checkpointing=True, callbacks=[saver])
+    state, _ = _fit(ctx.world_size, strategy("zbv"), f"{tmp}/second", max_steps=-1,
+                    max_epochs=2, ckpt_path=f"{tmp}/ckpt/last.ckpt")
+    return state
+
+
+@functools.lru_cache(maxsize=None)
+def two_epochs() -> dict:
+    return _fit(1, "auto", tempfile.mkdtemp(), max_steps=-1, max_epochs=2)[0]
+
+
+def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: Any,
+                                                                       tmp_path: Any) -> None:
+    after_epoch, _, _ = reference()  # one epoch is STEPS batches
+    states = worlds.get(4).run(save_and_resume_on_worker, str(tmp_path))
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert_same_state(saved["state_dict"], after_epoch, "the checkpoint's weights")
+    momentum = saved["optimizer_states"][0]["state"]
+    assert [tuple(e["momentum_buffer"].shape) for e in momentum.values()] == [
+        tuple(v.shape) for v in make_lit_gpt(shardable=True).parameters()], "full-shaped state"
+    want = two_epochs()
+    for rank, state in enumerate(states):
+        assert_same_state(state, want, f"resumed, rank {rank}")

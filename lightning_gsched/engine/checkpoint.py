@@ -49,6 +49,12 @@ from lightning_gsched.engine import checkpoint_check, checkpoint_files, checkpoi
 from lightning_gsched.engine.checkpoint_files import StreamStats
 from lightning_gsched.engine.checkpoint_sharded import DeferredRestore
 from lightning_gsched.errors import StrategyConfigError
+from lightning_gsched.partition.tensor_parallel_state import (
+    full_model_state,
+    full_optimizer_state,
+    local_model_state,
+    local_optimizer_state,
+)
 from lightning_gsched.runtime import ModelRuntime, is_deferred
 from lightning_gsched.schedule import validate
 
@@ -63,6 +69,8 @@ class Pipeline(Protocol):
     def runtime(self) -> ModelRuntime | None: ...
     @property
     def deferred(self) -> bool: ...  # built from a model without weights
+    @property
+    def tensor_parallel_size(self) -> int: ...  # T: each worker's stages sharded T ways
 
 
 @dataclass
@@ -155,6 +163,12 @@ class CheckpointService:
         in any order, extend it and :meth:`write` sends the tensors."""
         self._described = None
         runtime = view.runtime
+        if _tensor_parallel(view) and (self.state_dict_type == "sharded" or self.streams(view)):
+            raise StrategyConfigError(
+                "with tensor_parallel_size > 1 a checkpoint is gathered to rank 0 (full "
+                "tensors); sharded (state_dict_type='sharded') and streamed checkpoints "
+                "(stream_checkpoint=True) of sharded stages are not supported yet: use "
+                "state_dict_type='full' and stream_checkpoint='auto'")
         if includes_model and runtime is not None and self.streams(view):
             self._described = runtime.streamed_state_dict()
         try:
@@ -174,7 +188,11 @@ class CheckpointService:
             return whole()
         if self._described is not None:
             return self._described
-        return runtime.full_state_dict()
+        state = runtime.full_state_dict()
+        if _tensor_parallel(view) and state:  # worker 0's T ranks: its shards made whole
+            state = full_model_state(state, _module(view))
+            return state if view.rank == 0 else {}
+        return state
 
     def optimizer_state(self, view: CheckpointView, optimizer: Optimizer) -> StateDict:
         """An optimizer's part: this rank's entries keyed by name (sharded), its own state (no
@@ -188,7 +206,11 @@ class CheckpointService:
             return optimizer.state_dict()
         if runtime.streaming:  # described with the model: the tensors come in write()
             return runtime.streamed_optimizer_state(optimizer)
-        return runtime.full_optimizer_state(optimizer)
+        state = runtime.full_optimizer_state(optimizer)
+        if _tensor_parallel(view) and state:  # worker 0's T ranks, as in model_state
+            state = full_optimizer_state(state, optimizer, _module(view))
+            return state if view.rank == 0 else {}
+        return state
 
     def write(self, view: CheckpointView, checkpoint: StateDict, path: Any,
               storage_options: Any, hand_on: Callable[[StateDict], None]) -> None:
@@ -262,6 +284,8 @@ class CheckpointService:
         module = _module(view)
         runtime = view.runtime
         if runtime is not None:
+            if _tensor_parallel(view):  # this rank's piece of each sharded tensor
+                state_dict = local_model_state(state_dict, module)
             runtime.load_state_dict(dict(state_dict))
         elif view.deferred:
             # an empty one (a sharded directory read without its tensors) keeps its restore
@@ -281,9 +305,12 @@ class CheckpointService:
                                                  for s in states]
             states = [None if s is None else {"state": {}, "param_groups": s["param_groups"]}
                       for s in states]
+        sharded = view.runtime is not None and _tensor_parallel(view)
         # strict=False as in Lightning's Strategy.load_optimizer_state_dict (a drop-in for DDP)
         for optimizer, state in zip(view.optimizers, states, strict=False):
             if state is not None:
+                if sharded:  # before the build the engine cuts it when it shards
+                    state = local_optimizer_state(state, optimizer, _module(view))
                 optimizer.load_state_dict(state)
         self.prune(view)
 
@@ -313,6 +340,12 @@ class CheckpointService:
     def _writer(view: CheckpointView) -> Callable[[str], bool]:
         return checkpoint_sharded.writer_of_names(_module(view), view.runtime, view.rank,
                                                   view.world_size)
+
+
+def _tensor_parallel(view: CheckpointView) -> bool:
+    """A running pipeline of tensor-parallel workers: its stages hold shards."""
+    return view.runtime is not None and view.engine is not None and \
+        view.engine.tensor_parallel_size > 1
 
 
 def _check_not_failed(view: CheckpointView) -> None:

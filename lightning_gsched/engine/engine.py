@@ -49,9 +49,9 @@ from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlan,
     check_sharded_stages,
-    gather_shards,
     parallelize_stages,
 )
+from lightning_gsched.partition.tensor_parallel_state import gather_shards, shard_optimizer_state
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
@@ -382,6 +382,8 @@ class PipelineEngine:
             part.stages, plan, tp_mesh))
         self._collective("the sharded stages' check", lambda: check_sharded_stages(
             part.stages, args, kwargs, self.tensor_parallel_size))
+        # state loaded before the build (a resumed checkpoint) was made for full parameters
+        shard_optimizer_state(self.optimizers(), self.module)
 
     def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
         """Every worker's row of the start-up summary, each computed by its own rank from

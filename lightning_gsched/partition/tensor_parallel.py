@@ -294,6 +294,19 @@ def _as_parameters(owner: nn.Module, args: Any, output: Any) -> Any:
     return None
 
 
+def forget_shards(module: nn.Module) -> list[tuple[nn.Module, str, ShardSpec]]:
+    """Stop showing ``module``'s local parameters as ``DTensor`` views (the hooks go) and
+    return what :func:`keep_shards_local` recorded, ``(owner, parameter name, spec)``: the
+    caller makes each parameter whole again (:mod:`.tensor_parallel_state`)."""
+    out = []
+    for owner in list(module.modules()):
+        specs = _SHARDED.pop(owner, None)
+        for handle in _HOOKS.pop(owner, ()):
+            handle.remove()
+        out += [(owner, name, spec) for name, spec in (specs or {}).items()]
+    return out
+
+
 def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
     """``{parameter name under module: spec}`` for every sharded parameter it holds."""
     return {f"{prefix}.{name}" if prefix else name: spec
@@ -354,45 +367,3 @@ def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
         for k, stage in enumerate(stages):
             call = partial(stage, *args, **kwargs) if k == 0 else partial(stage, carried)
             carried = explain_sharded_failure(stage, degree, call)
-
-
-def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
-    """Undo :func:`keep_shards_local` under ``module`` (collective over each shard's
-    tensor-parallel group): every sharded parameter becomes the full tensor again, in place
-    (the same ``nn.Parameter``, so optimizers keep their references), and so does each of its
-    optimizer state tensors shaped like the shard (momentum, Adam's moments). Returns how many
-    parameters were gathered.
-
-    Why in place and with the optimizer state: after a run every rank holds the model one
-    device would have trained (the front ends' contract), and a later fit or a full save reads
-    the same parameters and their state."""
-    import torch.distributed as dist
-
-    states = [getattr(o, "state", {}) for o in optimizers]
-    gathered = 0
-    for owner in list(module.modules()):
-        specs = _SHARDED.pop(owner, None)
-        if specs is None:
-            continue
-        for handle in _HOOKS.pop(owner, ()):
-            handle.remove()
-        for name, spec in specs.items():
-            param = cast(nn.Parameter, owner._parameters[name])
-            if spec.dim is None:
-                continue
-            group = spec.mesh.get_group()
-            full_shape = spec.shape
-
-            def whole(local: torch.Tensor, dim: int = spec.dim, group: Any = group) -> torch.Tensor:
-                parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, local.contiguous(), group=group)
-                return torch.cat(parts, dim=dim)
-
-            local_shape = param.shape
-            for state in states:
-                for key, value in state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor) and value.shape == local_shape:
-                        state[param][key] = whole(value)
-            param.data = whole(param.detach()).view(full_shape)
-            gathered += 1
-    return gathered

@@ -1,0 +1,149 @@
+"""Full tensors from tensor-parallel shards and back: at teardown, in checkpoints, on resume.
+
+Why a module of its own: :mod:`.tensor_parallel` shards a stage and keeps each rank's shard as
+a plain parameter; everything that crosses the run's boundary must see the model one device
+would hold instead. A run's end gives every rank the full parameters (:func:`gather_shards`); a
+full checkpoint holds plain full tensors, model and optimizer state alike
+(:func:`full_model_state`, :func:`full_optimizer_state`); a full checkpoint loaded into a
+sharded run, or optimizer state loaded before the stages were sharded, is cut to this rank's
+shard (:func:`local_model_state`, :func:`local_optimizer_state`, :func:`shard_optimizer_state`).
+
+A tensor is a shard's counterpart when it has the shard's shape (gathered) or the full
+parameter's (sliced): optimizer state such as momentum or Adam's moments has its parameter's
+shape; a scalar (Adam's step) has neither and is left as it is. The ``i``-th of the T equal
+pieces along the spec's dimension belongs to the rank at index ``i`` of the tensor-parallel
+mesh (torch's ``Shard(dim)`` layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gsched.partition.tensor_parallel import ShardSpec, forget_shards, shard_specs
+
+StateDict = dict[str, Any]
+
+
+def local_shape(spec: ShardSpec) -> torch.Size:
+    """The shape of one rank's shard of a parameter sharded as ``spec``."""
+    shape = list(spec.shape)
+    if spec.dim is not None:
+        shape[spec.dim] //= spec.mesh.size()
+    return torch.Size(shape)
+
+
+def whole(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from every rank's ``local`` piece (collective over the spec's
+    tensor-parallel group, every rank of it calling with its piece)."""
+    if spec.dim is None:
+        return local
+    group = spec.mesh.get_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=spec.dim)
+
+
+def piece(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's piece of ``full`` (a copy: it must not keep the full tensor alive)."""
+    if spec.dim is None:
+        return full
+    pieces = full.chunk(int(spec.mesh.size()), dim=spec.dim)
+    return pieces[int(spec.mesh.get_local_rank())].clone()
+
+
+def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
+    """Every sharded parameter under ``module`` becomes the full tensor again, in place (the
+    same ``nn.Parameter``, so optimizers keep their references), and so does its optimizer
+    state (collective over each tensor-parallel group). Returns how many were gathered.
+
+    Why in place and with the optimizer state: after a run every rank holds the model one
+    device would have trained (the front ends' contract), and a later fit or save reads the
+    same parameters and their state."""
+    states = [getattr(o, "state", {}) for o in optimizers]
+    gathered = 0
+    for owner, name, spec in forget_shards(module):
+        param = owner._parameters[name]
+        if spec.dim is None or param is None:
+            continue
+        shard = param.shape
+        for state in states:
+            entry = state.get(param, {})
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.shape == shard:
+                    entry[key] = whole(value, spec)
+        param.data = whole(param.detach(), spec)
+        gathered += 1
+    return gathered
+
+
+def shard_optimizer_state(optimizers: Sequence[Any], module: nn.Module) -> None:
+    """Optimizer state made for the full parameters (loaded from a checkpoint before the
+    stages were sharded) cut to this rank's shards, in place."""
+    by_id = _specs_by_parameter(module)
+    for optimizer in optimizers:
+        for param, entry in getattr(optimizer, "state", {}).items():
+            spec = by_id.get(id(param))
+            if spec is None:
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.shape == spec.shape:
+                    entry[key] = piece(value, spec)
+
+
+def full_model_state(state: StateDict, module: nn.Module) -> StateDict:
+    """``state`` (the module's state dict of local shards) with every sharded entry whole
+    (collective over each tensor-parallel group: call on every rank of a group holding it)."""
+    for name, spec in shard_specs(module).items():
+        value = state.get(name)
+        if isinstance(value, torch.Tensor) and value.shape == local_shape(spec):
+            state[name] = whole(value, spec)
+    return state
+
+
+def local_model_state(state: Mapping[str, Any], module: nn.Module) -> StateDict:
+    """A full state dict with every sharded entry cut to this rank's piece."""
+    out = dict(state)
+    for name, spec in shard_specs(module).items():
+        value = out.get(name)
+        if isinstance(value, torch.Tensor) and value.shape == spec.shape:
+            out[name] = piece(value, spec)
+    return out
+
+
+def full_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:
+    """``optimizer.state_dict()``-shaped ``state`` with every shard-shaped tensor whole
+    (collective, as :func:`full_model_state`)."""
+    for index, spec in _specs_by_index(optimizer, module).items():
+        entry = state.get("state", {}).get(index, {})
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == local_shape(spec):
+                entry[key] = whole(value, spec)
+    return state
+
+
+def local_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:
+    """A full optimizer state dict with every full-shaped tensor cut to this rank's piece."""
+    out = {**state, "state": {i: dict(e) for i, e in state.get("state", {}).items()}}
+    for index, spec in _specs_by_index(optimizer, module).items():
+        entry = out["state"].get(index, {})
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == spec.shape:
+                entry[key] = piece(value, spec)
+    return out
+
+
+def _specs_by_parameter(module: nn.Module) -> dict[int, ShardSpec]:
+    params = dict(module.named_parameters())
+    return {id(params[name]): spec for name, spec in shard_specs(module).items()
+            if name in params and spec.dim is not None}
+
+
+def _specs_by_index(optimizer: Any, module: nn.Module) -> dict[int, ShardSpec]:
+    """Sharded parameters by their index in ``optimizer.state_dict()`` (param_groups order)."""
+    by_id = _specs_by_parameter(module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i: by_id[id(p)] for i, p in enumerate(params) if id(p) in by_id}
