@@ -40,14 +40,17 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
         self.n_head = n_head
         self.head_dim = n_embd // n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        # q, k and v as three layers, heads counted from the width (-1 below): the layers can
+        # then be sharded column-wise by heads (tensor parallelism, configs/1f1b_3d.yaml)
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd)
         self.attn_drop = nn.Dropout(dropout)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # (b, t, 3c) -> three (b, h, t, d) tensors; unflatten needs no Python ints from x.shape.
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).permute(2, 0, 3, 1, 4)
+        # (b, t, c) -> (b, h, t, d) each; unflatten needs no Python ints from x.shape
+        q, k, v = (layer(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for layer in (self.q, self.k, self.v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         att = self.attn_drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
         y = (att @ v).transpose(1, 2).flatten(2)  # (b, t, c)

@@ -172,13 +172,21 @@ def main() -> None:
     c = CONFIG
     os.environ.setdefault("GSCHED_TEST_LAUNCHER", str(os.getpid()))  # inherited by children
     torch.set_num_threads(1)
-    model = seeded(0, lambda: Faulty(optimizer="adam"))
+    # "1f1b+tp2": the schedule over tensor-parallel workers of two ranks each
+    schedule, _, tp = c["schedule"].partition("+tp")
+    T = int(tp or 1)
+    model = seeded(0, lambda: Faulty(optimizer="adam", shardable=T > 1))
+    tensor_parallel = {} if T == 1 else {"tensor_parallel_size": T, "tensor_parallel_plan": {
+        f"model.blocks.*.{name}": style for name, style in (
+            ("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"),
+            ("attn.proj", "rowwise"), ("mlp.0", "colwise"), ("mlp.2", "rowwise"))}}
     saver = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(c["out"], "ckpt"), save_last=True,
                                          save_on_exception=True, every_n_train_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu", devices=c["world"],
-        strategy=GeneralParallel(c["schedule"], step_timeout=30,
-                                 state_dict_type=c["state_dict_type"]), logger=False,
+        strategy=GeneralParallel(schedule, step_timeout=30,
+                                 state_dict_type=c["state_dict_type"], **tensor_parallel),
+        logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1 if c["step"] == 0 and c["where"] == "validation" else 0,
         use_distributed_sampler=False, max_steps=STEPS, val_check_interval=2,
         limit_val_batches=1, callbacks=[Injector(), saver],
@@ -187,7 +195,7 @@ def main() -> None:
     with open(os.path.join(c["out"], f"pid{rank}"), "w") as handle:
         handle.write(str(os.getpid()))
     data = tokens(GLOBAL_BATCH * STEPS)
-    train = rank_loader(data, GLOBAL_BATCH, c["world"], rank)
+    train = rank_loader(data, GLOBAL_BATCH, c["world"] // T, rank // T)  # a worker's share
     loader = FaultyLoader(train.dataset, batch_size=train.batch_size, shuffle=False)
     # on the class: Lightning re-creates a predict loader (batch-index tracking) from its
     # constructor's arguments, which would drop an instance attribute

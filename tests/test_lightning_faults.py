@@ -104,6 +104,11 @@ FAILURES = [
     ("1f1b", 2, "raise", 0, 0, "predict:loss", "predict_step"),
     ("1f1b", 2, "raise", 0, 1, "predict:capture", "Faulty.predict_step"),
     ("1f1b", 2, "raise", 1, 2, "predict:data", "the dataloader (next batch)"),
+    # tensor-parallel workers (W=4 as P=2 x T=2): rank 3 raises after self(...) while its
+    # worker's other rank (2) goes on into the backward, where a row-wise layer's all-reduce
+    # waits for rank 3: the failing rank's abort closes the mesh's groups too (checkpoints
+    # every 2 steps gather the shards, so one was saved before the raise)
+    ("1f1b+tp2", 4, "raise", 3, 3, "loss", "Faulty.training_step after self(...)"),
     # W=3: the middle rank (neither stage 0 nor the last stage) ends too
     ("1f1b", 3, "raise", 2, 1, "predict:loss", "Faulty.predict_step after self(...)"),
 ]

@@ -75,8 +75,13 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
         cli.trainer.strategy.schedule_config.check(4)
         assert not cli.trainer.strategy.schedule_config.decided
         return
-    plan = cli.trainer.strategy.schedule_config.training_plan(4)  # the plan it would run
-    assert plan.workers == 4
+    devices = cli.trainer.num_devices
+    plan = cli.trainer.strategy.schedule_config.training_plan(devices)  # the plan it would run
+    T = plan.tensor_parallel_size
+    assert plan.workers * T == devices
+    if variant == "3d":  # 2 pipeline positions x 2 replicas x 2 tensor-parallel ranks
+        assert (plan.pipeline_size, plan.data_parallel_size, T) == (2, 2, 2)
+        assert set(cli.trainer.strategy.tensor_parallel_plan.values()) == {"colwise", "rowwise"}
     if variant.startswith("dp"):  # 2 replicas of a 2-worker pipeline, as the file says
         mode = "shard" if variant == "dp_shard" else "replicate"
         assert (plan.pipeline_size, plan.data_parallel_size, plan.data_parallel) == (2, 2, mode)

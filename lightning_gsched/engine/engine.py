@@ -376,7 +376,7 @@ class PipelineEngine:
             raise StrategyConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs a tensor_parallel_plan "
                 "(module-name patterns to styles, or a function parallelize(stage, tp_mesh))")
-        tp_mesh = self.device_mesh.mesh[TENSOR_PARALLEL]
+        tp_mesh = self.device_mesh.dimension(TENSOR_PARALLEL)
         plan = self.tensor_parallel_plan
         self._collective("the stages' sharding", lambda: parallelize_stages(
             part.stages, plan, tp_mesh))

@@ -71,6 +71,7 @@ class DeviceMeshSlot:
 
     def __init__(self, on_made: Callable[[DeviceMesh], None] | None = None) -> None:
         self._mesh: DeviceMesh | None = None
+        self._submeshes: dict[str, DeviceMesh] = {}
         self._on_made = on_made
 
     @property
@@ -109,15 +110,35 @@ class DeviceMeshSlot:
         same = (mesh is not None and mesh.device_type == device_type
                 and tuple(mesh.shape) == shape)
         if not same:  # else a later run of the same strategy (fit, then test): same groups
+            self._submeshes = {}
             mesh = self._mesh = pipeline_data_mesh(device_type, world_size, data_parallel_size,
                                                    tensor_parallel_size)
         if self._on_made is not None:
             self._on_made(mesh)  # type: ignore[arg-type]  # made above
 
+    def dimension(self, name: str) -> DeviceMesh:
+        """``mesh[name]``, made once and kept: the same object for every caller (the stages
+        sharded over it keep it), so that :meth:`abort` reaches it."""
+        if name not in self._submeshes:
+            self._submeshes[name] = self.mesh[name]
+        return self._submeshes[name]
+
     def abort(self) -> None:
         """This job is failing: destroy the mesh's groups, so a peer waiting in one of them
         (a sharded layer's collective) sees the closed connection at once, and forget the mesh
-        (a later run makes a new one)."""
+        (a later run makes a new one).
+
+        Why the registries are emptied: a ``DeviceMesh`` (and each sub-mesh) keeps its process
+        groups in ``_pg_registry``, and a group's connections close only when its last
+        reference goes; the sharded stages keep their sub-mesh, so destroying the groups alone
+        left a tensor-parallel peer waiting until this process exited (measured: ~20 s, the
+        peer's wait, instead of at once)."""
         mesh, self._mesh = self._mesh, None
+        meshes = [mesh, *self._submeshes.values()] if mesh is not None else []
+        self._submeshes = {}
         if mesh is not None:
             destroy_groups(list(mesh.get_all_groups()))
+        for each in meshes:
+            registry = getattr(each, "_pg_registry", None)  # torch's, see above
+            if isinstance(registry, dict):
+                registry.clear()

@@ -129,6 +129,7 @@ class Channels:
                 f"{dist.get_world_size()} ranks; plan with workers={dist.get_world_size() // T}.")
         self.tensor_parallel = (T, dist.get_rank() % T)
         self.rank = dist.get_rank() // T
+        self.global_rank = dist.get_rank()  # what fault messages call "rank"
         self.world_size = world
         self.timeout = float(timeout)
         self.serial = next(_SERIAL)

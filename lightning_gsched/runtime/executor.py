@@ -39,7 +39,7 @@ from lightning_gsched.runtime.compute import (
     check_checkpointed,
 )
 from lightning_gsched.runtime.counters import RuntimeCounters
-from lightning_gsched.runtime.faults import Waiter, release_frames
+from lightning_gsched.runtime.faults import Waiter, is_backend_failure, release_frames
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.footprint import MeasuredBytes
 from lightning_gsched.runtime.layout import (
@@ -103,7 +103,8 @@ class ProgramExecutor:
         self.compute = StageCompute(stages, programs.num_micro, forward_context, checkpointed)
         # where the walk is: a text, or (action, index) formatted only when a failure reports it
         self._at: str | tuple[Action, int] = "the start of its program"
-        self.waiter = Waiter(self.rank, self.channels, timeout, lambda: self._position)
+        self.waiter = Waiter(self.channels.global_rank, self.channels, timeout,
+                             lambda: self._position)
         self.transport = Transport(self.channels, self.waiter, self.device, transport)
         self.first_stage_micros = self.view.first_stage_micros
         self.last_stage_micros = self.view.last_stage_micros
@@ -225,7 +226,12 @@ class ProgramExecutor:
 
     @property
     def _position(self) -> str:
-        return self._at if isinstance(self._at, str) else label(*self._at)
+        """Where the walk is, for a fault message; with tensor parallelism also whose program
+        (the message's "rank" is the process's, several of which run one worker's program)."""
+        text = self._at if isinstance(self._at, str) else label(*self._at)
+        if self.channels.tensor_parallel[0] > 1:
+            text += f" of worker {self.rank}'s program"
+        return text
 
     def _guarded(self, fn: Any, *args: Any) -> None:
         """Run ``fn``; any failure becomes a RuntimeFault naming this rank and its position."""
@@ -234,9 +240,11 @@ class ProgramExecutor:
         except RuntimeFault:
             raise
         except Exception as exc:  # noqa: BLE001 - reported with rank and action
+            if is_backend_failure(exc):  # a collective inside the compute (tensor parallelism)
+                raise self.waiter.fault("a collective inside the stage", exc, None) from exc
             where = origin(exc)  # the user's hook that raised, when the caller marked it
             raise RuntimeFault(
-                f"rank {self.rank} failed at {self._position}"
+                f"rank {self.channels.global_rank} failed at {self._position}"
                 + (f" in {where}" if where else "") + f": {type(exc).__name__}: {exc}"
             ) from exc
 

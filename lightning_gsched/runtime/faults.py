@@ -31,6 +31,16 @@ def is_timeout(exc: BaseException | None) -> bool:
     return exc is None or "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
 
 
+def is_backend_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the communication backend (a lost peer, a closed connection, a
+    timeout), e.g. inside a tensor-parallel layer's collective, rather than from the compute."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection closed" in text
+                                              or "Connection reset" in text)
+
+
 # frames of these files may hold process groups and pending work handles
 _OWN_FRAMES = (str(Path(__file__).resolve().parents[1]), str(Path(dist.__file__).resolve().parent))
 
@@ -85,15 +95,18 @@ class Waiter:
         if done is False:
             raise self.fault(what, None, time.monotonic() - start)
 
-    def fault(self, what: str, exc: BaseException | None, elapsed: float) -> RuntimeFault:
+    def fault(self, what: str, exc: BaseException | None, elapsed: float | None
+              ) -> RuntimeFault:
+        """The fault of a failed wait (``elapsed`` None: a collective not timed here)."""
         where = f"at {self.where()} waiting for {what}"
         if is_timeout(exc) or exc is None:  # (is_timeout(None) is True)
             message = (f"rank {self.rank} timed out {where}: nothing arrived within "
                        f"{self.timeout:g} s")
             first = self.channels.first_fault(0.0)
         else:
-            message = (f"rank {self.rank} stopped {where}: lost the connection to a peer after "
-                       f"{elapsed:.1f} s ({short_reason(exc)})")
+            after = "" if elapsed is None else f" after {elapsed:.1f} s"
+            message = (f"rank {self.rank} stopped {where}: lost the connection to a "
+                       f"peer{after} ({short_reason(exc)})")
             first = self.channels.first_fault(LOST_PEER_GRACE_S)
         if not first:
             cause = (". No rank reported a failure: a peer is stuck, died, or runs different "

@@ -199,7 +199,8 @@ class Transport:
         else:
             change = "its structure or plain values changed (the tensors did not)"
         message = (
-            f"rank {self.rank} failed at {label}: MessageShapeError: the {what} sent to rank "
+            f"rank {self.channels.global_rank} failed at {label}: MessageShapeError: the {what} "
+            f"sent to rank "
             f"{peer} differs from the same message in the last step with this step signature: "
             f"{change}. The receiver posted its receive for the old spec and cannot be told "
             "without a header. If the shape depends on the data, use the described transport: "
