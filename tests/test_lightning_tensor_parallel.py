@@ -5,7 +5,8 @@ worker's stages are sharded over its two ranks by a ``tensor_parallel_plan`` wri
 ``parallelize_module`` (q, k, v and the MLP's first layer column-wise, the projections after
 them row-wise), on the model's own module names. Each schedule fits k=3 optimizer steps of
 SGD with momentum and a per-step LR schedule on the same global batches as a single-process
-Trainer run here, and:
+Trainer run here, with gradient clipping by the global norm (0.5, which binds: the first
+steps' norms are above it), and:
 
 * every rank's final weights (the shards gathered back at teardown, so each rank holds the full
   model) equal one device's, and so does rank 0's logged ``train_loss`` per step;
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dist_harness import WorkerContext
 from lightning_models import (
+    LitGPT,
     as_worker,
     assert_same_state,
     csv_metric,
@@ -44,11 +46,13 @@ from lightning_models import (
     tokens,
     trainer,
 )
+from models import seeded
 
 pytestmark = pytest.mark.distributed
 
 T = 2
 STEPS, GLOBAL_BATCH = 3, 8
+CLIP = 0.5  # by the global norm: each shard counted on its rank, each replicated weight once
 # the model's own names under the LightningModule (self.model): the stages keep them
 PLAN = {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise",
         "model.blocks.*.attn.v": "colwise", "model.blocks.*.attn.proj": "rowwise",
@@ -76,7 +80,7 @@ def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
     shapes of two sharded weights held during the fit, and the device mesh's shape and names."""
     model = make_lit_gpt(shardable=True)
     fit = trainer(world, strategy, tmp, use_distributed_sampler=world > 1,
-                  **{"max_steps": STEPS, **options})
+                  **{"max_steps": STEPS, "gradient_clip_val": CLIP, **options})
     shapes: dict[str, tuple[int, ...]] = {}
 
     class Shapes(Callback):
@@ -169,3 +173,54 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
     want = two_epochs()
     for rank, state in enumerate(states):
         assert_same_state(state, want, f"resumed, rank {rank}")
+
+
+class ModelParallelGPT(LitGPT):
+    """The same module for Lightning's ModelParallelStrategy: the user shards it in
+    ``configure_model`` over ``self.device_mesh["tensor_parallel"]`` (torch's own styles, the
+    plan above without the ``model.`` prefix: ``parallelize_module`` is applied to ``self.model``)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from lightning_gsched.partition.tensor_parallel import style_of
+
+        plan = {k.removeprefix("model."): style_of(v, k) for k, v in PLAN.items()}
+        parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)
+
+
+def against_model_parallel_on_worker(ctx: WorkerContext, tmp: str) -> tuple[dict, dict]:
+    """W=2 as one worker of T=2 (P=1): GeneralParallel, then ModelParallelStrategy
+    (data_parallel_size=1, tensor_parallel_size=2) with the same plan, same data."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    # no clipping here: Lightning's clip_grad_norm_ under ModelParallelStrategy fails on a
+    # model mixing DTensor and plain parameters ("got mixed torch.Tensor and DTensor")
+    ours, _ = _fit(ctx.world_size, GeneralParallel("gpipe", tensor_parallel_size=T,
+                                                   tensor_parallel_plan=PLAN), f"{tmp}/ours",
+                   gradient_clip_val=None)
+    model = seeded(0, lambda: ModelParallelGPT(shardable=True))
+    fit = trainer(ctx.world_size, ModelParallelStrategy(data_parallel_size=1,
+                                                        tensor_parallel_size=T),
+                  max_steps=STEPS, use_distributed_sampler=True)
+    fit.fit(model, _loader(1))  # one data-parallel share: both ranks read the whole batch
+    theirs = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+              for k, v in model.state_dict().items()}
+    return ours, theirs
+
+
+@functools.lru_cache(maxsize=None)
+def unclipped() -> dict:
+    return _fit(1, "auto", tempfile.mkdtemp(), gradient_clip_val=None)[0]
+
+
+def test_same_weights_as_lightning_model_parallel_with_the_same_plan(worlds: Any,
+                                                                    tmp_path: Any) -> None:
+    want = unclipped()
+    for rank, (ours, theirs) in enumerate(worlds.get(2).run(against_model_parallel_on_worker,
+                                                            str(tmp_path))):
+        assert_same_state(theirs, want, f"ModelParallelStrategy, rank {rank}")  # the premise
+        assert_same_state(ours, theirs, f"GeneralParallel against it, rank {rank}")

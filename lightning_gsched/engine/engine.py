@@ -51,7 +51,11 @@ from lightning_gsched.partition.tensor_parallel import (
     check_sharded_stages,
     parallelize_stages,
 )
-from lightning_gsched.partition.tensor_parallel_state import gather_shards, shard_optimizer_state
+from lightning_gsched.partition.tensor_parallel_state import (
+    gather_shards,
+    shard_optimizer_state,
+    sharded_parameters,
+)
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
@@ -355,7 +359,8 @@ class PipelineEngine:
                                         # path, where the process's memory is the
                                         # constraint (runtime/host_heap.py)
                                         release_heap_each_step=self.deferred,
-                                        tensor_parallel_size=self.tensor_parallel_size)
+                                        tensor_parallel_size=self.tensor_parallel_size,
+                                        sharded_parameters=sharded_parameters(self.module))
             self.runtime.prune_optimizer_state(self.optimizers())
             memory = self.runtime.memory()
             rows = self._startup_rows(plan, memory)
@@ -663,12 +668,6 @@ class PipelineEngine:
         if self.runtime is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
                                                   error_if_nonfinite=error_if_nonfinite)
-        if self.tensor_parallel_size > 1:
-            raise StrategyConfigError(
-                "clipping gradients by norm with tensor_parallel_size > 1 is not supported yet "
-                "(the norm must count each shard on its rank and each replicated parameter "
-                "once): drop gradient_clip_val, or clip by value (gradient_clip_algorithm="
-                "'value'), which needs no norm")
         return self.runtime.clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ end

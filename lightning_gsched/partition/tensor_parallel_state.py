@@ -136,6 +136,13 @@ def local_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -
     return out
 
 
+def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters under ``module`` held as shards (a norm sums their pieces over ranks)."""
+    params = dict(module.named_parameters())
+    return [params[name] for name, spec in shard_specs(module).items()
+            if name in params and spec.dim is not None]
+
+
 def _specs_by_parameter(module: nn.Module) -> dict[int, ShardSpec]:
     params = dict(module.named_parameters())
     return {id(params[name]): spec for name, spec in shard_specs(module).items()

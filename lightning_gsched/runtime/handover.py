@@ -32,9 +32,15 @@ class GradStash:
     """Holds one step's gradients from the schedule until :meth:`hand_over`."""
 
     def __init__(self, source: GradSource, ownership: Ownership, rank: int,
-                 world_size: int, group: Callable[[], Any]) -> None:
+                 world_size: int, group: Callable[[], Any],
+                 tensor_parallel: tuple[int, int] = (1, 0),
+                 sharded: Iterable[nn.Parameter] = ()) -> None:
         self.source = source
         self.group = group  # the workers' group, read at each use (Channels.workers_group)
+        # (T, t) and the parameters held as shards: with T > 1 a norm counts each shard on its
+        # rank and each replicated parameter once (on t = 0), over every rank
+        self.tensor_parallel = tensor_parallel
+        self.sharded = {id(p) for p in sharded}
         self.ownership = ownership
         self.rank, self.world_size = rank, world_size
         self.extra_layout = FlatLayout(ownership.extra)
@@ -109,20 +115,25 @@ class GradStash:
         """Norm of all gradients of the model: each parameter counted once, on its primary rank,
         then one all-reduce gives every rank the whole model's norm."""
         wanted = {id(p) for p in params}
-        mine = [p.grad for p in self.ownership.primary if id(p) in wanted and p.grad is not None]
+        T, t = self.tensor_parallel
+        mine = [p.grad for p in self.ownership.primary if id(p) in wanted and p.grad is not None
+                and (t == 0 or id(p) in self.sharded)]
+        # with tensor parallelism the shards of one worker live on T ranks: reduce over all
+        group = self.group() if T == 1 else None
+        world = self.world_size * T
         device = self.source.device
         if math.isinf(norm_type):
             local = max((g.detach().abs().max().float() for g in mine),
                         default=torch.zeros((), device=device))
             local = torch.as_tensor(local, device=device).reshape(1).clone()
-            if self.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group())
+            if world > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
             return local[0]
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for g in mine:
             local += g.detach().double().abs().pow(norm_type).sum()
-        if self.world_size > 1:
-            dist.all_reduce(local, group=self.group())
+        if world > 1:
+            dist.all_reduce(local, group=group)
         return local[0].pow(1.0 / norm_type).float()
 
     def clip_by_norm(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2.0,

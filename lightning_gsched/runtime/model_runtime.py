@@ -50,7 +50,8 @@ class ModelRuntime:
                  channels: Channels | None = None, forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None,
                  transport: str = "auto", release_heap_each_step: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1,
+                 sharded_parameters: Sequence[nn.Parameter] = ()) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights, forward_context=forward_context,
@@ -63,7 +64,8 @@ class ModelRuntime:
         # a split backward accumulates what loss.backward() would: the extras the loss reads
         self.executor.compute.loss_params = list(self.ownership.extra)
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size,
-                                self.executor.channels.workers_group)
+                                self.executor.channels.workers_group,
+                                self.executor.channels.tensor_parallel, sharded_parameters)
         self._stream: fullstate.StreamPlan | None = None  # a described streamed save
         self.release_heap_each_step = release_heap_each_step
         # the parameters now live in the stage buffers: the tensors they were built in are free
