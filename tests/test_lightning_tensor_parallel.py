@@ -52,6 +52,7 @@ pytestmark = pytest.mark.distributed
 
 T = 2
 STEPS, GLOBAL_BATCH = 3, 8
+DEFERRED_SEED = 1234
 CLIP = 0.5  # by the global norm: each shard counted on its rank, each replicated weight once
 # the model's own names under the LightningModule (self.model): the stages keep them
 PLAN = {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise",
@@ -173,6 +174,48 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
     want = two_epochs()
     for rank, state in enumerate(states):
         assert_same_state(state, want, f"resumed, rank {rank}")
+
+
+def deferred_on_worker(ctx: WorkerContext) -> dict[str, torch.Tensor]:
+    """A model built without weights (``trainer.init_module()``): each rank initialises the
+    full tensors of its worker's parameters from the agreed seed, then keeps its shard."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    torch.manual_seed(DEFERRED_SEED)
+    fit = trainer(ctx.world_size, GeneralParallel("1f1b", microbatches=4, tensor_parallel_size=T,
+                                                  tensor_parallel_plan=PLAN),
+                  max_steps=STEPS, gradient_clip_val=CLIP, use_distributed_sampler=True)
+    with fit.init_module():
+        model = LitGPT(shardable=True)
+    assert all(p.is_meta for p in model.parameters())
+    fit.fit(model, _loader(ctx.world_size // T))
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if not p.is_meta and p.numel() > 0}
+
+
+def test_a_model_built_without_weights_trains_like_one_device(worlds: Any) -> None:
+    """Each rank keeps its worker's parameters only, sharded: every kept tensor equals its
+    piece of one device's (``initialize`` from the same seed, then the same fit)."""
+    from lightning_gsched.runtime.materialize import deferred_parameters, initialize
+
+    with deferred_parameters():
+        model = LitGPT(shardable=True)
+    initialize(model, DEFERRED_SEED)
+    fit = trainer(1, "auto", max_steps=STEPS, gradient_clip_val=CLIP)
+    fit.fit(model, _loader(1))
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    sharded = 0
+    for rank, kept in enumerate(worlds.get(4).run(deferred_on_worker)):
+        assert kept and len(kept) < len(want), (rank, sorted(kept))  # its worker's only
+        for name, got in kept.items():
+            full = want[name]
+            dims = [d for d in range(full.dim()) if got.shape[d] != full.shape[d]]
+            if dims:  # a shard: the piece at this rank's tensor-parallel index
+                full = full.chunk(T, dim=dims[0])[rank % T]
+                sharded += 1
+            assert_same_state({name: got}, {name: full}, f"deferred, rank {rank}")
+    assert sharded > 0
 
 
 class ModelParallelGPT(LitGPT):

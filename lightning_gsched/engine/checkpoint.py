@@ -151,8 +151,8 @@ class CheckpointService:
         model built without weights, which must never be whole on one rank; a bool decides."""
         if self.state_dict_type != "full" or view.engine is None or view.runtime is None:
             return False
-        if self.stream_checkpoint == "auto":
-            return view.engine.deferred
+        if self.stream_checkpoint == "auto":  # (sharded stages: gathered, as streaming is not)
+            return view.engine.deferred and view.engine.tensor_parallel_size == 1
         return bool(self.stream_checkpoint)
 
     @contextmanager

@@ -279,12 +279,12 @@ class PipelineEngine:
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
-            if self.deferred and self.tensor_parallel_size > 1:
+            if self.init_weights is not None and self.tensor_parallel_size > 1:
                 raise StrategyConfigError(
-                    f"tensor_parallel_size={self.tensor_parallel_size} with a model built "
-                    "without weights (meta, configure_model) is not supported yet: build the "
-                    "model with weights (each rank then shards its stages from the full ones), "
-                    "or use tensor_parallel_size=1 for the large-model path")
+                    f"init_weights with tensor_parallel_size={self.tensor_parallel_size} is not "
+                    "supported yet (each rank would read the full tensors of its worker's "
+                    "parameters, then shard them): load the weights into the model yourself, or "
+                    "use tensor_parallel_size=1")
             if self.init_weights is not None and not self.deferred:
                 raise PretrainedWeightsError(
                     f"init_weights={str(self.init_weights.path)!r} is given but the model was "
@@ -329,7 +329,7 @@ class PipelineEngine:
                     device_type=self.device_hint.type))
             passes.clear()  # their tensors (a microbatch's activations per stage count) go
             if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
-                keep = owned_parameters(part.stages, plan.programs, self.rank,
+                keep = owned_parameters(part.stages, plan.programs, self.worker,
                                         self.module)
                 seed = self._collective("the seed broadcast",
                                         lambda: _agreed_seed(self.world_size, self.group))
@@ -385,8 +385,9 @@ class PipelineEngine:
         plan = self.tensor_parallel_plan
         self._collective("the stages' sharding", lambda: parallelize_stages(
             part.stages, plan, tp_mesh))
-        self._collective("the sharded stages' check", lambda: check_sharded_stages(
-            part.stages, args, kwargs, self.tensor_parallel_size))
+        if not self.deferred:  # (the other workers' stages have no weights here to run)
+            self._collective("the sharded stages' check", lambda: check_sharded_stages(
+                part.stages, args, kwargs, self.tensor_parallel_size))
         # state loaded before the build (a resumed checkpoint) was made for full parameters
         shard_optimizer_state(self.optimizers(), self.module)
 
