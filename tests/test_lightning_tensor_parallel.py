@@ -14,7 +14,9 @@ steps' norms are above it), and:
   worker's two ranks the same share (``distributed_sampler_kwargs``): the fit fails if they
   loaded different batches;
 * ``trainer.strategy.device_mesh`` is (P, G, T) with ``"tensor_parallel"`` innermost, and
-  each shard was held as a plain parameter of its local size during the fit.
+  each shard was held as a plain parameter of its local size during the fit;
+* the start-up memory prediction (made from the sharded stages) is within 0.85-1.25 of what the
+  runtime accounted each rank to hold in the measured step, on every rank.
 
 Tolerance: ``assert_same_state``'s rtol 1e-5 / atol 1e-6, for its stated reason. Tensor
 parallelism only changes where sums are split: a row-wise layer adds T partial dot products
@@ -92,8 +94,12 @@ def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
     fit.callbacks.append(Shapes())
     fit.fit(model, _loader(world // T if world > 1 else 1), ckpt_path=ckpt_path)
     mesh = fit.strategy.device_mesh if world > 1 else None
+    report = getattr(fit.strategy, "memory_report", None)  # predicted and measured per rank
+    ratios = [] if report is None or report.predicted is None or report.measured is None else [
+        got.get("total", 0) / want.peak for want, got in zip(report.predicted, report.measured,
+                                                              strict=True)]
     return state_of(model), (shapes, None if mesh is None else (
-        tuple(mesh.shape), mesh.mesh_dim_names))
+        tuple(mesh.shape), mesh.mesh_dim_names), ratios)
 
 
 def fits_on_worker(ctx: WorkerContext, tmp: str) -> list[tuple[dict, Any]]:
@@ -111,7 +117,7 @@ def fits_on_worker(ctx: WorkerContext, tmp: str) -> list[tuple[dict, Any]]:
 @functools.lru_cache(maxsize=None)
 def reference() -> tuple[dict, list, dict]:
     tmp = tempfile.mkdtemp()
-    state, (shapes, _) = _fit(1, "auto", tmp)
+    state, (shapes, _, _) = _fit(1, "auto", tmp)
     return state, csv_metric(tmp, "train_loss"), shapes
 
 
@@ -120,8 +126,12 @@ def test_pipeline_of_tensor_parallel_workers_fits_like_one_device(worlds: Any,
     want, want_log, full_shapes = reference()
     results = worlds.get(4).run(fits_on_worker, str(tmp_path))
     for rank, per_schedule in enumerate(results):
-        for schedule, (state, (shapes, mesh)) in zip(SCHEDULES, per_schedule, strict=True):
+        for schedule, (state, (shapes, mesh, ratios)) in zip(SCHEDULES, per_schedule,
+                                                              strict=True):
             label = f"{schedule}, rank {rank}"
+            # the bytes model, from the sharded stages, against the runtime's own accounting
+            # of what each rank held (the memory report's measured step): every rank
+            assert len(ratios) == 4 and all(0.85 <= r <= 1.25 for r in ratios), (label, ratios)
             assert_same_state(state, want, label)
             assert mesh == ((2, 1, 2), ("pipeline", "data_parallel", "tensor_parallel")), label
             assert shapes, label  # each worker holds some sharded layer

@@ -318,15 +318,10 @@ class PipelineEngine:
                 self._collective("the device mesh", lambda: mesh.make_for(
                     self.world_size, plan.data_parallel_size, self.device_hint.type,
                     self.tensor_parallel_size))
-            # sized before the runtime releases the stages this rank does not own
-            if self.tensor_parallel_size > 1:
-                self.memory.unavailable = ("not predicted with tensor_parallel_size > 1 yet: "
-                                           "the bytes model does not divide a stage by T")
-            else:
-                self._collective("the build's memory prediction", lambda: self.memory.predict(
-                    part.stages, args, kwargs, plan, self.optimizers(), self.world_size,
-                    self.rank, passes=passes, stage_units=part.stage_units,
-                    device_type=self.device_hint.type))
+            # sized before the runtime releases the stages this rank does not own (sharded
+            # stages: after the sharding, below)
+            if self.tensor_parallel_size == 1:
+                self._predict_memory(part, args, kwargs, plan, passes)
             passes.clear()  # their tensors (a microbatch's activations per stage count) go
             if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
                 keep = owned_parameters(part.stages, plan.programs, self.worker,
@@ -349,6 +344,11 @@ class PipelineEngine:
                         self.module, keep, self.optimizers()))
             if self.tensor_parallel_size > 1:
                 self._shard_stages(part, args, kwargs)
+                if self.deferred:  # (the other workers' stages have no weights here to run)
+                    self.memory.unavailable = ("not predicted for a model built without "
+                                               "weights with tensor_parallel_size > 1 yet")
+                else:  # each rank's bytes are its shards': measured on worker 0's T ranks
+                    self._predict_memory(part, args, kwargs, plan, None)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,
@@ -370,6 +370,15 @@ class PipelineEngine:
                                            and self.config.arguments.placement is not None),
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text, rows=rows))
+
+    def _predict_memory(self, part: Partition, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        plan: Plan, passes: BuildPasses | None) -> None:
+        """Every rank's predicted bytes (collective), from the stages as they will run: with
+        tensor parallelism the sharded stages, which worker 0's T ranks measure together."""
+        self._collective("the build's memory prediction", lambda: self.memory.predict(
+            part.stages, args, kwargs, plan, self.optimizers(), self.world_size, self.rank,
+            passes=passes, stage_units=part.stage_units, device_type=self.device_hint.type,
+            measurers=self.tensor_parallel_size, worker=self.worker))
 
     def _shard_stages(self, part: Partition, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> None:

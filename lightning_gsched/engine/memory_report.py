@@ -56,7 +56,8 @@ class MemoryReport:
                 kwargs: dict[str, Any], plan: Plan, optimizers: Sequence[Any],
                 world_size: int = 1, rank: int = 0, passes: BuildPasses | None = None,
                 stage_units: list[list[str]] | None = None,
-                device_type: str | None = None) -> None:
+                device_type: str | None = None, measurers: int = 1,
+                worker: int | None = None) -> None:
         """Size the stages on one microbatch (the loss's own saved tensors are not known yet:
         the user's step computes it) and predict every rank's bytes for the training plan.
 
@@ -66,9 +67,13 @@ class MemoryReport:
         the measured step's gather. ``passes``/``stage_units``: the build's measuring passes
         and the cut of ``stages``; where a pass measured that cut on this microbatch (``"auto"``),
         its bytes are reused rather than measured again (measure/build_passes.py).
-        ``device_type``: where the run trains (the optimizer's step allocates by device)."""
+        ``device_type``: where the run trains (the optimizer's step allocates by device).
+        ``measurers``: ranks ``0 .. measurers - 1`` run the stages together (tensor-parallel
+        stages: worker 0's T ranks, whose layers' collectives need each other); rank 0's sizes
+        are every rank's. ``worker``: whose program this rank runs (default: ``rank``; with
+        tensor parallelism ``rank // T``, each of a worker's ranks predicting the same)."""
         outcome: tuple[ModelSizes | None, str | None] = (None, None)
-        if rank == 0:
+        if rank < measurers:
             try:
                 # a deferred model (no weights yet) is sized on meta tensors
                 deferred = any(has_meta_parameters(stage) for stage in stages)
@@ -93,9 +98,9 @@ class MemoryReport:
         self.sizes, self.unavailable = outcome
         if self.sizes is not None:
             self.predicted, self.unavailable = self._predict_ranks(
-                self.sizes, plan, world_size, rank)
+                self.sizes, plan, world_size, rank if worker is None else worker)
 
-    def _predict_ranks(self, sizes: ModelSizes, plan: Plan, world_size: int, rank: int,
+    def _predict_ranks(self, sizes: ModelSizes, plan: Plan, world_size: int, worker: int,
                        ) -> tuple[list[RankMemory] | None, str | None]:
         """Every rank's prediction, each made by its own rank from its own program and
         gathered (collective): (the list, None), or (None, why) on every rank alike.
@@ -108,7 +113,7 @@ class MemoryReport:
         mine: tuple[RankMemory | None, str | None]
         try:
             mine = (predict_memory(plan.programs, sizes, plan.checkpointed,
-                                   ranks=[rank])[0], None)
+                                   ranks=[worker])[0], None)
         except ScheduleConfigError:
             raise  # the sizes do not fit the plan: checked without programs, every rank alike
         except Exception as exc:  # noqa: BLE001 - a report must never stop the training

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the storage a tensor views, so two views count once. A meta tensor
-    has no address: its storage's identity stands in, its bytes are what it would hold."""
+    has no address: its storage's identity stands in, its bytes are what it would hold. A
+    wrapper tensor (a tensor-parallel layer's ``DTensor``) holds no storage of its own: its
+    (first) inner tensor's is counted, the rank's shard."""
+    while is_traceable_wrapper_subclass(cast(Any, t)):
+        inner, _ = cast(Any, t).__tensor_flatten__()
+        t = getattr(t, inner[0])
     storage = t.untyped_storage()
     return storage._cdata if t.device.type == "meta" else storage.data_ptr(), storage.nbytes()
 
