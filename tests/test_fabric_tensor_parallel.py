@@ -12,7 +12,10 @@ device in this process:
   shards back, so every rank holds the full model) equal one device's;
 * ``strategy.evaluate`` returns this rank's rows of one device's outputs for the same weights,
   on every rank, the two ranks of a worker alike;
-* while training, each rank held its shard of a column-wise layer (half its rows).
+* while training, each rank held its shard of a column-wise layer (half its rows);
+* ``fabric.save`` after step 2 of the 1f1b run (the shards gathered into full tensors),
+  ``fabric.load`` into a zbv pipeline that already ran a step of its own (each rank takes its
+  pieces), then step 3: every rank ends with one device's weights and step-3 loss.
 
 Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
 partial dot products where one device adds one, float32 reordering as microbatches and ranks
@@ -31,7 +34,16 @@ import torch
 from dist_harness import WorkerContext
 from lightning_models import as_worker, assert_same_state, state_of
 from models import make_gpt
-from test_fabric import CLIP, LR, compute_loss, global_batches, last_logits, share, single_device
+from test_fabric import (
+    CLIP,
+    LR,
+    SAVED_AT,
+    compute_loss,
+    global_batches,
+    last_logits,
+    share,
+    single_device,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -49,9 +61,12 @@ def _setup(fabric: Any) -> tuple[Any, Any]:
 
 
 def _train(fabric: Any, model: Any, optimizer: Any, batches: list[torch.Tensor],
-           pipelined: bool) -> list[float]:
+           pipelined: bool, save_to: str | None = None) -> list[float]:
+    """``save_to``: ``fabric.save`` the model and optimizer there after step ``SAVED_AT``."""
     losses = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        if save_to is not None and i == SAVED_AT:
+            fabric.save(save_to, {"model": model, "optimizer": optimizer})
         optimizer.zero_grad()
         if pipelined:
             loss = fabric.strategy.step(model, batch, compute_loss)
@@ -82,7 +97,7 @@ def outputs_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
         return last_logits(model, global_batches()[0])
 
 
-def run_schedules(ctx: WorkerContext) -> list[dict[str, Any]]:
+def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]], dict]:
     from lightning.fabric import Fabric
 
     from lightning_gsched.fabric import GeneralParallelFabric
@@ -96,20 +111,36 @@ def run_schedules(ctx: WorkerContext) -> list[dict[str, Any]]:
         fabric.launch()
         model, optimizer = _setup(fabric)
         batches = [share(b, worker, workers) for b in global_batches()]
-        losses = _train(fabric, model, optimizer, batches, pipelined=True)
+        saved = f"{folder}/{schedule}.ckpt"  # a save while the pipeline runs: shards gathered
+        losses = _train(fabric, model, optimizer, batches, pipelined=True, save_to=saved)
         held = {n: tuple(p.shape) for n, p in model.named_parameters()
                 if n.endswith("attn.q.weight") and p.numel()}
         logits = fabric.strategy.evaluate(model, batches[0], last_logits)
         fabric.strategy.finish()
         out.append({"losses": losses, "weights": state_of(model), "logits": logits,
                     "held": held, "sampler": fabric.strategy.distributed_sampler_kwargs})
-    return out
+    # 1f1b's checkpoint loaded into a running zbv pipeline (each rank takes its pieces of the
+    # full tensors, model and optimizer state), then the remaining steps
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
+        "zbv", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN))
+    fabric.launch()
+    model, optimizer = _setup(fabric)
+    batches = [share(b, worker, workers) for b in global_batches()]
+    _train(fabric, model, optimizer, batches[:1], pipelined=True)  # builds the pipeline
+    fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
+    losses = _train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
+    fabric.strategy.finish()
+    return out, {"losses": losses, "weights": state_of(model)}
 
 
-def test_tensor_parallel_workers_train_like_one_device(worlds: Any) -> None:
+def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: Any) -> None:
     want = reference()
-    results = worlds.get(4).run(run_schedules)
-    for rank, per_schedule in enumerate(results):
+    results = worlds.get(4).run(run_schedules, str(tmp_path))
+    for rank, (per_schedule, resumed) in enumerate(results):
+        label = f"1f1b's checkpoint loaded into a running zbv pipeline, rank {rank}"
+        assert_same_state(resumed["weights"], want["weights"], label)
+        torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                                   torch.tensor(want["losses"][SAVED_AT:]), rtol=1e-5, atol=1e-6)
         for schedule, got in zip(SCHEDULES, per_schedule, strict=True):
             label = f"{schedule} rank {rank}"
             assert got["sampler"] == {"num_replicas": 2, "rank": rank // T}, label

@@ -305,14 +305,20 @@ class CheckpointService:
                                                  for s in states]
             states = [None if s is None else {"state": {}, "param_groups": s["param_groups"]}
                       for s in states]
-        sharded = view.runtime is not None and _tensor_parallel(view)
         # strict=False as in Lightning's Strategy.load_optimizer_state_dict (a drop-in for DDP)
         for optimizer, state in zip(view.optimizers, states, strict=False):
             if state is not None:
-                if sharded:  # before the build the engine cuts it when it shards
-                    state = local_optimizer_state(state, optimizer, _module(view))
-                optimizer.load_state_dict(state)
+                optimizer.load_state_dict(self.local_optimizer_state(view, optimizer, state))
         self.prune(view)
+
+    def local_optimizer_state(self, view: CheckpointView, optimizer: Optimizer,
+                              state: StateDict) -> StateDict:
+        """A full checkpoint's optimizer state as this rank's optimizer takes it: with
+        tensor-parallel stages running, each tensor cut to this rank's piece (before the build
+        the engine cuts it when it shards)."""
+        if not _tensor_parallel(view):
+            return state
+        return local_optimizer_state(state, optimizer, _module(view))
 
     def prune(self, view: CheckpointView) -> None:
         """A running pipeline: drop the optimizer state of parameters this rank does not own."""

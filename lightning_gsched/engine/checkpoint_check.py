@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_gsched.engine.checkpoint_sharded import META
 from lightning_gsched.engine.rank_exchange import BoundedExchange
 from lightning_gsched.errors import CheckpointError
+from lightning_gsched.partition.tensor_parallel import shard_specs
 
 TRAINER = "ckpt_path"  # how the messages name the argument read
 FABRIC = "fabric.load path"
@@ -114,13 +115,15 @@ def mismatch(where: str, saved: Mapping[str, Any], module: nn.Module) -> Optiona
         return (f"{where} does not hold this model's parameters: {len(missing)} of "
                 f"{len(wanted)} entries of {name}'s state_dict are missing ({some}); it was "
                 f"saved from another model. Pass a checkpoint of {name}")
+    full = {name: spec.shape for name, spec in shard_specs(module).items()}  # of shards
     for key, value in wanted.items():
         got = saved[key]
         if value.numel() == 0 and value.dim() <= 1:
             continue  # a running pipeline released it on this rank: its shape is not known here
-        if hasattr(got, "shape") and tuple(got.shape) != tuple(value.shape):
+        shape = tuple(full.get(key, value.shape))  # a checkpoint holds the full tensor
+        if hasattr(got, "shape") and tuple(got.shape) != shape:
             return (f"{where} holds {key} with shape {tuple(got.shape)}, but this "
-                    f"{name} has {tuple(value.shape)}: it was saved from a model of another "
+                    f"{name} has {shape}: it was saved from a model of another "
                     f"size. Pass a checkpoint of this model")
     if getattr(module, "strict_loading", True):
         extra = [k for k in saved if k not in wanted and k not in module.state_dict()]

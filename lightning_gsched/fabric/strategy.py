@@ -471,6 +471,12 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
             fabric_state=state, strict=strict)
         if view.deferred and isinstance(state, dict):
             return self._load_deferred(view, path, checkpoint, state, strict)
+        if isinstance(state, dict):  # Fabric loads optimizers itself: their state as they take it
+            for name, obj in state.items():
+                optimizer = _unwrap_objects(obj)
+                if optimizer in self._optimizers and isinstance(checkpoint.get(name), dict):
+                    checkpoint[name] = self._checkpoints.local_optimizer_state(
+                        view, optimizer, checkpoint[name])
         self.checkpoint_io = _Preloaded(checkpoint)  # type: ignore[assignment]
         try:  # Fabric restores what was read and checked, without reading it again
             remainder = super().load_checkpoint(path, state, strict=strict,
