@@ -106,16 +106,23 @@ class ScheduleTimer(pl.Callback):
 
 
 def run_fit(strategy: Any, rank: int, world: int, steps: int, per_rank: int, shape: GPTShape,
-            callbacks: list[Any], profile: str | None = None) -> pl.Trainer:
-    """One fit of BenchLit on fixed data; ``profile``: see :func:`fit_timed`."""
-    model = BenchLit(shape.as_dict())
+            callbacks: list[Any], profile: str | None = None, *,
+            model: pl.LightningModule | None = None, loader: Any = None) -> pl.Trainer:
+    """One fit of BenchLit on fixed data; ``profile``: see :func:`fit_timed`.
+
+    ``model`` / ``loader``: another module or data (default: ``BenchLit(shape)`` and this
+    rank's slice of each global batch), for a row whose sides need them (tensor parallelism:
+    a module that shards itself in ``configure_model``, every rank reading the whole batch),
+    with the Trainer options every Lightning row shares."""
+    model = BenchLit(shape.as_dict()) if model is None else model
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1, strategy=strategy,
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )
-    loader = rank_loader(shape, per_rank, steps, rank, world)
+    if loader is None:
+        loader = rank_loader(shape, per_rank, steps, rank, world)
     if profile and rank == 0:
         import cProfile
 

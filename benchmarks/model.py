@@ -4,6 +4,13 @@ Why not examples/gpt.py: its output head is tied to the token embedding, and
 torch.distributed.pipelining (an anchor of ``pipeline_vs_torch``) cannot split a model whose
 first and last stage share a parameter. Every benchmark uses this one untied model so that all
 rows of the table train the same network on the same data.
+
+``shardable=True`` (the ``tp_vs_lightning_model_parallel`` row only) swaps each block's fused
+``qkv`` for three ``Linear(dim, dim)`` layers and views heads as ``-1``, so that q, k and v
+shard column-wise by heads (a fused ``qkv`` cut column-wise gives rank 0 all of q and half of
+k; docs/tensor_parallel.md, "Model code"). Same parameter count and the same init distribution
+(``fan_in = dim`` either way); off by default, so every other row builds the network it always
+built.
 """
 
 from __future__ import annotations
@@ -52,14 +59,41 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPTCore(nn.Module):
-    """Token + position embedding, ``layers`` blocks, final norm, untied head."""
+class ShardableBlock(nn.Module):
+    """:class:`Block` with separate ``q``, ``k``, ``v`` layers and ``-1`` heads in every view:
+    the form a tensor-parallel shard runs (the local head count follows the local width)."""
 
-    def __init__(self, shape: GPTShape) -> None:
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+        self.head_dim = dim // heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (layer(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for layer in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).flatten(2))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return out
+
+
+class GPTCore(nn.Module):
+    """Token + position embedding, ``layers`` blocks, final norm, untied head; ``shardable``:
+    :class:`ShardableBlock` blocks (module docstring)."""
+
+    def __init__(self, shape: GPTShape, shardable: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(shape.vocab, shape.dim)
         self.wpe = nn.Embedding(shape.seq, shape.dim)
-        self.blocks = nn.Sequential(*(Block(shape.dim, shape.heads) for _ in range(shape.layers)))
+        block = ShardableBlock if shardable else Block
+        self.blocks = nn.Sequential(*(block(shape.dim, shape.heads) for _ in range(shape.layers)))
         self.ln_f = nn.LayerNorm(shape.dim)
         self.head = nn.Linear(shape.dim, shape.vocab, bias=False)
         self.register_buffer("positions", torch.arange(shape.seq), persistent=False)
@@ -73,19 +107,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def build_core(shape: GPTShape, seed: int = 0) -> GPTCore:
+def build_core(shape: GPTShape, seed: int = 0, shardable: bool = False) -> GPTCore:
     torch.manual_seed(seed)
-    return GPTCore(shape)
+    return GPTCore(shape, shardable)
 
 
 class BenchLit(pl.LightningModule):
     """The Lightning side: the same core, SGD with momentum (cheap, so timing is the schedule's)."""
 
-    def __init__(self, shape: dict[str, int] | None = None, lr: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, shape: dict[str, int] | None = None, lr: float = 0.05, seed: int = 0,
+                 shardable: bool = False) -> None:
         super().__init__()
         self.shape = GPTShape(**(shape or {}))
         self.lr = lr
-        self.core = build_core(self.shape, seed)
+        self.core = build_core(self.shape, seed, shardable)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.core(idx)

@@ -46,6 +46,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_planner_scale,
         bench_pp_dp,
         bench_process_memory,
+        bench_tp,
         bench_tune,
     )
 
@@ -58,6 +59,9 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         # (quick: the 1f1b and shard rows; zb-h1 in the full run)
         "pp_dp_vs_torch": bench_pp_dp.run,
         "single_process_overhead": lambda q: [bench_lightning.single_process_overhead(q)],
+        # W=2 as one worker of T=2: GeneralParallel's tensor-parallel stages against Lightning's
+        # ModelParallelStrategy with the same plan; time ratio, peak bytes per rank in extra
+        "tp_vs_lightning_model_parallel": bench_tp.run,
         "fidelity": bench_fidelity.run,
         "memory": bench_memory.run,
         # the bytes model at P=2 x G=2, W=4, both modes (quick: 1f1b; full: also zb-h1)
