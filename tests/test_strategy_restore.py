@@ -42,7 +42,8 @@ def test_optimizer_state_loaded_into_a_built_pipeline_keeps_only_owned_parameter
     runtime = SimpleNamespace(
         prune_optimizer_state=lambda optimizers: prune_optimizer_state(optimizers, [owned]))
     # what the hook reads of the strategy, with the pipeline already built
-    view = CheckpointView(module=None, engine=SimpleNamespace(runtime=runtime),  # type: ignore[arg-type]
+    engine = SimpleNamespace(runtime=runtime, tensor_parallel_size=1)  # one rank per worker
+    view = CheckpointView(module=None, engine=engine,  # type: ignore[arg-type]
                           optimizers=[fresh], rank=0, world_size=1, checkpoint_io=None)
     CheckpointService(None, TRAINER, "full", "auto").load_optimizer_states(view, [saved])
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_harness import WorkerContext
+from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlanError,
@@ -264,3 +265,43 @@ def test_pipeline_of_tensor_parallel_workers_trains_like_one_device(worlds: Any,
     results = worlds.get(4).run(pipelined_sharded_check, schedule)
     assert [r["worker"] for r in results] == [0, 0, 1, 1]
     assert all(r["checked"] > 0 for r in results), results
+
+
+# ---------------------------------------------------------------------------- the front ends' checks
+
+
+def test_the_front_ends_refuse_a_size_without_a_plan_and_a_plan_without_a_size() -> None:
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    for front_end in (GeneralParallel, GeneralParallelFabric):
+        with pytest.raises(TensorParallelPlanError, match="needs a tensor_parallel_plan"):
+            front_end("1f1b", tensor_parallel_size=2)
+        with pytest.raises(TensorParallelPlanError, match="tensor_parallel_size=1"):
+            front_end("1f1b", tensor_parallel_plan={"blocks.*.attn.q": "colwise"})
+        with pytest.raises(TensorParallelPlanError, match="not a tensor-parallel style"):
+            front_end("1f1b", tensor_parallel_size=2, tensor_parallel_plan={"x": "diagonal"})
+
+
+def test_a_size_that_does_not_divide_the_ranks_is_refused_at_setup() -> None:
+    from lightning_gsched import GeneralParallel
+
+    strategy = GeneralParallel("1f1b", tensor_parallel_size=4,
+                               tensor_parallel_plan={"blocks.*.attn.q": "colwise"})
+    with pytest.raises(ScheduleConfigError, match=r"tensor_parallel_size=4 does not divide "
+                                                  r"the W=6 ranks.*\[1, 2, 3, 6\]"):
+        strategy.schedule_config.check(6)
+    replicas = GeneralParallel("1f1b", tensor_parallel_size=2, data_parallel_size=4,
+                               tensor_parallel_plan={"blocks.*.attn.q": "colwise"})
+    with pytest.raises(ScheduleConfigError, match=r"W / tensor_parallel_size = 2 workers.*"
+                                                  r"data_parallel_size=4 does not divide"):
+        replicas.schedule_config.check(4)
+    assert strategy.schedule_config.training_plan(8).workers == 2  # W / T
+
+
+def test_auto_with_tensor_parallelism_is_refused_by_name() -> None:
+    from lightning_gsched import GeneralParallel
+
+    with pytest.raises(ScheduleConfigError, match="does not search tensor parallelism"):
+        GeneralParallel("auto", tensor_parallel_size=2,
+                        tensor_parallel_plan={"blocks.*.attn.q": "colwise"})

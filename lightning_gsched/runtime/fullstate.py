@@ -32,6 +32,11 @@ from lightning_gsched.runtime.layout import StageBuffers, weight_units
 
 # the workers' process group, read at each use (Channels.workers_group): rank 0 of it is worker 0
 Group = Callable[[], Any]
+
+
+def default_group() -> None:
+    """Every rank (torch's default group): the workers' group when each worker is one rank."""
+    return None
 # an optimizer tensor of at most this many bytes travels in the description, as a value
 SMALL_TENSOR_BYTES = 64
 
@@ -307,7 +312,7 @@ def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
 
 
 def full_state_dict(module: nn.Module, stages: StageBuffers, world_size: int,
-                    group: Group) -> dict[str, Any]:
+                    group: Group = default_group) -> dict[str, Any]:
     """The module's full state dict on rank 0, ``{}`` elsewhere (collective): the streamed
     transfer, every tensor kept (a tied parameter is one tensor under each of its names)."""
     state, plan = describe_state_dict(module, stages, world_size, group)
