@@ -186,16 +186,19 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
         assert_same_state(state, want, f"resumed, rank {rank}")
 
 
-def deferred_on_worker(ctx: WorkerContext) -> dict[str, torch.Tensor]:
+def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None
+                       ) -> dict[str, torch.Tensor]:
     """A model built without weights (``trainer.init_module()``): each rank initialises the
-    full tensors of its worker's parameters from the agreed seed, then keeps its shard."""
+    full tensors of its worker's parameters from the agreed seed (or reads them from
+    ``init_weights``), then keeps its shard."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
     torch.manual_seed(DEFERRED_SEED)
-    fit = trainer(ctx.world_size, GeneralParallel("1f1b", microbatches=4, tensor_parallel_size=T,
-                                                  tensor_parallel_plan=PLAN),
-                  max_steps=STEPS, gradient_clip_val=CLIP, use_distributed_sampler=True)
+    strategy = GeneralParallel("1f1b", microbatches=4, tensor_parallel_size=T,
+                               tensor_parallel_plan=PLAN, init_weights=init_weights)
+    fit = trainer(ctx.world_size, strategy, max_steps=STEPS, gradient_clip_val=CLIP,
+                  use_distributed_sampler=True)
     with fit.init_module():
         model = LitGPT(shardable=True)
     assert all(p.is_meta for p in model.parameters())
@@ -204,19 +207,32 @@ def deferred_on_worker(ctx: WorkerContext) -> dict[str, torch.Tensor]:
             if not p.is_meta and p.numel() > 0}
 
 
-def test_a_model_built_without_weights_trains_like_one_device(worlds: Any) -> None:
+@pytest.mark.parametrize("pretrained", [False, True], ids=["drawn", "read"])
+def test_a_model_built_without_weights_trains_like_one_device(worlds: Any, tmp_path: Any,
+                                                              pretrained: bool) -> None:
     """Each rank keeps its worker's parameters only, sharded: every kept tensor equals its
-    piece of one device's (``initialize`` from the same seed, then the same fit)."""
+    piece of one device's (``initialize`` from the same seed, or the same safetensors file
+    read by ``init_weights``, then the same fit)."""
+    from safetensors.torch import save_file
+
     from lightning_gsched.runtime.materialize import deferred_parameters, initialize
 
-    with deferred_parameters():
+    init_weights = None
+    if pretrained:  # other weights than the seed's: a one-device model of another seed
+        init_weights = str(tmp_path / "model.safetensors")
+        saved = seeded(7, lambda: LitGPT(shardable=True)).state_dict()
+        save_file({k: v.contiguous() for k, v in saved.items()}, init_weights)
         model = LitGPT(shardable=True)
-    initialize(model, DEFERRED_SEED)
+        model.load_state_dict(saved)
+    else:
+        with deferred_parameters():
+            model = LitGPT(shardable=True)
+        initialize(model, DEFERRED_SEED)
     fit = trainer(1, "auto", max_steps=STEPS, gradient_clip_val=CLIP)
     fit.fit(model, _loader(1))
     want = {n: p.detach() for n, p in model.named_parameters()}
     sharded = 0
-    for rank, kept in enumerate(worlds.get(4).run(deferred_on_worker)):
+    for rank, kept in enumerate(worlds.get(4).run(deferred_on_worker, init_weights)):
         assert kept and len(kept) < len(want), (rank, sorted(kept))  # its worker's only
         for name, got in kept.items():
             full = want[name]

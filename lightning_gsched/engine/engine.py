@@ -279,12 +279,6 @@ class PipelineEngine:
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
-            if self.init_weights is not None and self.tensor_parallel_size > 1:
-                raise StrategyConfigError(
-                    f"init_weights with tensor_parallel_size={self.tensor_parallel_size} is not "
-                    "supported yet (each rank would read the full tensors of its worker's "
-                    "parameters, then shard them): load the weights into the model yourself, or "
-                    "use tensor_parallel_size=1")
             if self.init_weights is not None and not self.deferred:
                 raise PretrainedWeightsError(
                     f"init_weights={str(self.init_weights.path)!r} is given but the model was "
