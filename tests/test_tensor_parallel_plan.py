@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_harness import WorkerContext
-from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.errors import ScheduleConfigError, StrategyConfigError
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlanError,
@@ -305,3 +305,19 @@ def test_auto_with_tensor_parallelism_is_refused_by_name() -> None:
     with pytest.raises(ScheduleConfigError, match="does not search tensor parallelism"):
         GeneralParallel("auto", tensor_parallel_size=2,
                         tensor_parallel_plan={"blocks.*.attn.q": "colwise"})
+
+
+def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:
+    """W=6 as 3 workers of T=2: rank 3 is worker 1's t=1, its peers the t=1 ranks; a list
+    gathered over ranks keeps each worker's t=0 entry; ranks of one worker that loaded
+    different rows are named."""
+    from lightning_gsched.engine.workers import Workers
+
+    workers = Workers(6, 3, 2)
+    assert (workers.count, workers.worker, workers.reports) == (3, 1, False)
+    assert workers.peers() == [1, 3, 5]
+    assert Workers(6, 4, 2).reports and Workers(4, 2, 1).peers() == [0, 1, 2, 3]
+    assert workers.batch_rows([4, 4, 2, 2, 3, 3], [7] * 6) == ([4, 2, 3], [7, 7, 7])
+    with pytest.raises(StrategyConfigError, match=r"ranks \[2, 3\] of pipeline worker 1 "
+                                                  r"loaded different batches \(\[2, 1\] rows\)"):
+        workers.batch_rows([4, 4, 2, 1, 3, 3], [7] * 6)

@@ -42,6 +42,7 @@ from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
+from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition, partition
@@ -220,24 +221,14 @@ class PipelineEngine:
         return self.config.tensor_parallel_size
 
     @property
-    def workers(self) -> int:
-        """The plan's workers: the ranks, or with tensor parallelism groups of T of them."""
-        return self.world_size // self.tensor_parallel_size
+    def workers(self) -> Workers:
+        """The ranks as the plan's workers (:mod:`.workers`)."""
+        return Workers(self.world_size, self.rank, self.tensor_parallel_size)
 
     @property
     def worker(self) -> int:
         """This rank's worker (rank ``worker * T + t``): whose program it runs."""
-        return self.rank // self.tensor_parallel_size
-
-    @property
-    def reports(self) -> bool:
-        """Whether this rank reports its worker's losses, logs and outputs (``t = 0``)."""
-        return self.rank % self.tensor_parallel_size == 0
-
-    def _peers(self) -> list[int]:
-        """Each worker's rank with this rank's tensor-parallel index: whom rows go to."""
-        T = self.tensor_parallel_size
-        return [w * T + self.rank % T for w in range(self.workers)]
+        return self.workers.worker
 
     @property
     def built(self) -> bool:
@@ -404,7 +395,7 @@ class PipelineEngine:
         mine = startup_row(plan, memory.stage_bytes, memory.tie_bytes, self.worker)
         rows = self._collective("the start-up summary's gather",
                                 lambda: exchange(mine, self.world_size, self.group))
-        return rows[::self.tensor_parallel_size]  # a worker's T ranks report the same row
+        return self.workers.one_each(rows)  # a worker's T ranks report the same row
 
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
                      training: bool) -> Held:
@@ -412,9 +403,9 @@ class PipelineEngine:
         its own cut (:func:`.auto.probe_parts`, the global batch in rank order), which every
         rank receives; the build then probes the first microbatch under the pick, which every
         rank receives too and keeps for the step (returned)."""
-        parts = probe_parts(self.config, sum(rows), self.workers)
+        parts = probe_parts(self.config, sum(rows), self.workers.count)
         tuner_cut = self._row_map(rows, parts, exact=training,
-                                  replicas=ReplicaLayout(self.workers, 1))
+                                  replicas=ReplicaLayout(self.workers.count, 1))
         held = [Held()]
 
         def first() -> Any:
@@ -514,13 +505,13 @@ class PipelineEngine:
         given = held.micros if held is not None and held.cut == cut else {}
         wanted = [[b for b in micros if b not in given] for micros in wanted]
         received = self._collective("the batch's row exchange", lambda: exchange_rows(
-            batch, cut, self.worker, wanted, self.group, self._peers()))
+            batch, cut, self.worker, wanted, self.group, self.workers.peers()))
         return {**given, **received}
 
     def _first_micro(self, batch: Any, cut: RowMap) -> Held:
         """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
         step on it and partitions the model on its call (every rank the same)."""
-        everyone = [[cut.first_nonempty()]] * self.workers
+        everyone = [[cut.first_nonempty()]] * self.workers.count
         return Held(cut, self._exchange(batch, cut, everyone))
 
     def _rows(self, batch: Any) -> tuple[list[int], list[int]]:
@@ -529,19 +520,7 @@ class PipelineEngine:
         rows, layouts = self._collective(
             "the batch-size exchange", lambda: rows_and_layouts(batch, self.world_size,
                                                                 self.group))
-        T = self.tensor_parallel_size
-        if T == 1:
-            return rows, layouts
-        for w in range(self.workers):
-            ranks = range(w * T, w * T + T)
-            if len({(rows[r], layouts[r]) for r in ranks}) > 1:
-                raise StrategyConfigError(
-                    f"the {T} tensor-parallel ranks {list(ranks)} of pipeline worker {w} loaded "
-                    f"different batches ({[rows[r] for r in ranks]} rows): a worker's ranks "
-                    "compute on the same rows. Use the strategy's distributed sampler (its "
-                    "distributed_sampler_kwargs give them one share) or load the same rows on "
-                    "each of them")
-        return rows[::T], layouts[::T]
+        return self.workers.batch_rows(rows, layouts)
 
     def _collective(self, what: str, collective: Callable[[], _T]) -> _T:
         """One of the engine's collectives; a backend failure becomes a RuntimeFault quoting
@@ -587,7 +566,7 @@ class PipelineEngine:
         pending: list[PendingExchange] = []
 
         def start_log_exchange(losses: dict[int, Any]) -> None:
-            if not self.reports:  # its worker's t = 0 reports the same losses and values
+            if not self.workers.reports:  # its worker's t = 0 reports the same values
                 losses, logs = {}, []
             else:
                 logs = caller.logs
@@ -641,7 +620,7 @@ class PipelineEngine:
         except RuntimeFault:
             self.failed = True
             raise
-        reporting = self.reports  # of a worker's T ranks, t = 0 reports (the same values)
+        reporting = self.workers.reports  # of a worker's T ranks, t = 0 reports (the same)
         shipped = ({b: _to_cpu(v) for b, v in outputs.items()}
                    if keep_outputs and reporting else {})
         # one host read for the step's records
