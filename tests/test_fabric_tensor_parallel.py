@@ -35,14 +35,13 @@ from dist_harness import WorkerContext
 from lightning_models import as_worker, assert_same_state, state_of
 from models import make_gpt
 from test_fabric import (
-    CLIP,
     LR,
     SAVED_AT,
-    compute_loss,
     global_batches,
     last_logits,
     share,
     single_device,
+    train,  # the user's loop, clipping by the global norm at 0.5 (the norms are ~8: it binds)
 )
 
 pytestmark = pytest.mark.distributed
@@ -60,30 +59,11 @@ def _setup(fabric: Any) -> tuple[Any, Any]:
     return fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
 
 
-def _train(fabric: Any, model: Any, optimizer: Any, batches: list[torch.Tensor],
-           pipelined: bool, save_to: str | None = None) -> list[float]:
-    """``save_to``: ``fabric.save`` the model and optimizer there after step ``SAVED_AT``."""
-    losses = []
-    for i, batch in enumerate(batches):
-        if save_to is not None and i == SAVED_AT:
-            fabric.save(save_to, {"model": model, "optimizer": optimizer})
-        optimizer.zero_grad()
-        if pipelined:
-            loss = fabric.strategy.step(model, batch, compute_loss)
-        else:
-            loss = compute_loss(model, batch)
-            fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=CLIP)  # binds: the norms are ~8
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @functools.lru_cache(maxsize=None)
 def reference() -> dict[str, Any]:
     fabric = single_device()
     model, optimizer = _setup(fabric)
-    losses = _train(fabric, model, optimizer, global_batches(), pipelined=False)
+    losses = train(fabric, model, optimizer, global_batches(), pipelined=False)
     with torch.no_grad():
         logits = last_logits(model, global_batches()[0])
     return {"losses": losses, "weights": state_of(model), "logits": logits}
@@ -112,7 +92,8 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
         model, optimizer = _setup(fabric)
         batches = [share(b, worker, workers) for b in global_batches()]
         saved = f"{folder}/{schedule}.ckpt"  # a save while the pipeline runs: shards gathered
-        losses = _train(fabric, model, optimizer, batches, pipelined=True, save_to=saved)
+        losses = train(fabric, model, optimizer, batches, pipelined=True, save_at=SAVED_AT,
+                       path=saved)
         held = {n: tuple(p.shape) for n, p in model.named_parameters()
                 if n.endswith("attn.q.weight") and p.numel()}
         logits = fabric.strategy.evaluate(model, batches[0], last_logits)
@@ -126,9 +107,9 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
     fabric.launch()
     model, optimizer = _setup(fabric)
     batches = [share(b, worker, workers) for b in global_batches()]
-    _train(fabric, model, optimizer, batches[:1], pipelined=True)  # builds the pipeline
+    train(fabric, model, optimizer, batches[:1], pipelined=True)  # builds the pipeline
     fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
-    losses = _train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
+    losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
     fabric.strategy.finish()
     return out, {"losses": losses, "weights": state_of(model)}
 

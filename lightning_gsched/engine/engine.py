@@ -192,6 +192,8 @@ class PipelineEngine:
         # made once, at the build, with the partition's tied weights (config.check at setup)
         self.train_plan: Plan | None = None
         self.world_size, self.rank = world_size, rank
+        # the ranks as the plan's workers (:mod:`.workers`; "auto" plans one rank per worker)
+        self.workers = Workers(world_size, rank, config.tensor_parallel_size)
         self.timeout = timeout
         self.transport = transport
         self.optimizers = optimizers
@@ -218,12 +220,7 @@ class PipelineEngine:
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self.config.tensor_parallel_size
-
-    @property
-    def workers(self) -> Workers:
-        """The ranks as the plan's workers (:mod:`.workers`)."""
-        return Workers(self.world_size, self.rank, self.tensor_parallel_size)
+        return self.workers.tensor_parallel_size
 
     @property
     def worker(self) -> int:

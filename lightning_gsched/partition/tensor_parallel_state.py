@@ -17,7 +17,8 @@ mesh (torch's ``Shard(dim)`` layout).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,12 +70,9 @@ def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
         param = owner._parameters[name]
         if spec.dim is None or param is None:
             continue
-        shard = param.shape
         for state in states:
             entry = state.get(param, {})
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.shape == shard:
-                    entry[key] = whole(value, spec)
+            _swap(entry, list(entry), param.shape, partial(whole, spec=spec))
         param.data = whole(param.detach(), spec)
         gathered += 1
     return gathered
@@ -83,24 +81,19 @@ def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
 def shard_optimizer_state(optimizers: Sequence[Any], module: nn.Module) -> None:
     """Optimizer state made for the full parameters (loaded from a checkpoint before the
     stages were sharded) cut to this rank's shards, in place."""
-    by_id = _specs_by_parameter(module)
+    by_id = {id(param): spec for param, spec in _sharded(module)}
     for optimizer in optimizers:
         for param, entry in getattr(optimizer, "state", {}).items():
             spec = by_id.get(id(param))
-            if spec is None:
-                continue
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.shape == spec.shape:
-                    entry[key] = piece(value, spec)
+            if spec is not None:
+                _swap(entry, list(entry), spec.shape, partial(piece, spec=spec))
 
 
 def full_model_state(state: StateDict, module: nn.Module) -> StateDict:
     """``state`` (the module's state dict of local shards) with every sharded entry whole
     (collective over each tensor-parallel group: call on every rank of a group holding it)."""
     for name, spec in shard_specs(module).items():
-        value = state.get(name)
-        if isinstance(value, torch.Tensor) and value.shape == local_shape(spec):
-            state[name] = whole(value, spec)
+        _swap(state, [name], local_shape(spec), partial(whole, spec=spec))
     return state
 
 
@@ -108,9 +101,7 @@ def local_model_state(state: Mapping[str, Any], module: nn.Module) -> StateDict:
     """A full state dict with every sharded entry cut to this rank's piece."""
     out = dict(state)
     for name, spec in shard_specs(module).items():
-        value = out.get(name)
-        if isinstance(value, torch.Tensor) and value.shape == spec.shape:
-            out[name] = piece(value, spec)
+        _swap(out, [name], spec.shape, partial(piece, spec=spec))
     return out
 
 
@@ -119,9 +110,7 @@ def full_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) ->
     (collective, as :func:`full_model_state`)."""
     for index, spec in _specs_by_index(optimizer, module).items():
         entry = state.get("state", {}).get(index, {})
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.shape == local_shape(spec):
-                entry[key] = whole(value, spec)
+        _swap(entry, list(entry), local_shape(spec), partial(whole, spec=spec))
     return state
 
 
@@ -130,27 +119,34 @@ def local_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -
     out = {**state, "state": {i: dict(e) for i, e in state.get("state", {}).items()}}
     for index, spec in _specs_by_index(optimizer, module).items():
         entry = out["state"].get(index, {})
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.shape == spec.shape:
-                entry[key] = piece(value, spec)
+        _swap(entry, list(entry), spec.shape, partial(piece, spec=spec))
     return out
 
 
 def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters under ``module`` held as shards (a norm sums their pieces over ranks)."""
+    return [param for param, _ in _sharded(module)]
+
+
+def _swap(entries: dict[Any, Any], keys: Sequence[Any], shape: torch.Size,
+          convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``entries[key] = convert(value)`` for each of ``keys`` holding a tensor of ``shape``
+    (the module doc's rule: a shard's counterpart has the shard's or the full shape)."""
+    for key in keys:
+        value = entries.get(key)
+        if isinstance(value, torch.Tensor) and value.shape == shape:
+            entries[key] = convert(value)
+
+
+def _sharded(module: nn.Module) -> list[tuple[nn.Parameter, ShardSpec]]:
+    """Every parameter under ``module`` held as a shard, with its spec."""
     params = dict(module.named_parameters())
-    return [params[name] for name, spec in shard_specs(module).items()
+    return [(params[name], spec) for name, spec in shard_specs(module).items()
             if name in params and spec.dim is not None]
-
-
-def _specs_by_parameter(module: nn.Module) -> dict[int, ShardSpec]:
-    params = dict(module.named_parameters())
-    return {id(params[name]): spec for name, spec in shard_specs(module).items()
-            if name in params and spec.dim is not None}
 
 
 def _specs_by_index(optimizer: Any, module: nn.Module) -> dict[int, ShardSpec]:
     """Sharded parameters by their index in ``optimizer.state_dict()`` (param_groups order)."""
-    by_id = _specs_by_parameter(module)
+    by_id = {id(param): spec for param, spec in _sharded(module)}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {i: by_id[id(p)] for i, p in enumerate(params) if id(p) in by_id}

@@ -601,13 +601,20 @@ class StepRun:
             self.tie_io.ready(h, f" (read by stage {s})")
         self.stage_io.ready(s, "'s weights")
 
+    @staticmethod
+    def _take(produced: dict[tuple[int, int], Any], stage: int, b: int,
+              readers: Sequence[int], local: Any) -> Any:
+        """What ``stage`` produced for microbatch ``b``, to send; kept while a job of this
+        rank (``local``: its ``(stage, micro)`` pairs of that phase) still reads it."""
+        value = produced[(stage, b)]
+        if not any((r, b) in local for r in readers):
+            del produced[(stage, b)]
+        return value
+
     def _send_act(self, a: Action, index: int) -> None:
         b = micro_of(a)
-        key = (a.stage, b)
-        parts = self.produced_acts[key]
-        # kept while a forward on this rank still reads it
-        if not any((c, b) in self.view.local_forward for c in self.rules.grad_from[a.stage]):
-            del self.produced_acts[key]
+        parts = self._take(self.produced_acts, a.stage, b, self.rules.grad_from[a.stage],
+                           self.view.local_forward)
         self.transport.send_pytree(parts, peer_of(a), label(a, index),
                                    f"output of stage {a.stage} on microbatch {b}")
 
@@ -617,10 +624,8 @@ class StepRun:
 
     def _send_grad(self, a: Action, index: int) -> None:
         b = micro_of(a)
-        key = (a.stage, b)
-        grads = self.produced_grads[key]
-        if not any((p, b) in self.view.local_backward for p in self.rules.act_from[a.stage]):
-            del self.produced_grads[key]
+        grads = self._take(self.produced_grads, a.stage, b, self.rules.act_from[a.stage],
+                           self.view.local_backward)
         parts = wire.split(grads, what=f"input-gradient of stage {a.stage}")
         self.transport.send_pytree(parts, peer_of(a), label(a, index),
                                    f"input-gradient of stage {a.stage} on microbatch {b}")
