@@ -146,18 +146,19 @@ def test_pipeline_of_tensor_parallel_workers_fits_like_one_device(worlds: Any,
                                    torch.tensor([v for _, v in want_log]), rtol=1e-5, atol=1e-6)
 
 
-def save_and_resume_on_worker(ctx: WorkerContext, tmp: str) -> dict:
-    """Epoch 1 under 1f1b with ModelCheckpoint saving at its end (while the pipeline runs:
-    the shards are gathered into full tensors), then epoch 2 resumed from that file under
-    zbv (Lightning restores it before the build: the full optimizer state is cut to each
-    rank's shard when the stages are sharded)."""
+def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> dict:
+    """Epoch 1 under 1f1b with ModelCheckpoint saving at its end while the pipeline runs
+    (``kind`` "full": the shards gathered into full tensors in one file; "sharded": every rank
+    writes its own pieces into one directory), then epoch 2 resumed from it under zbv, whose
+    stages shard differently (Lightning restores it before the build: the full optimizer state
+    is cut to each rank's shard when the stages are sharded)."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
 
     def strategy(schedule: str) -> Any:
         return GeneralParallel(schedule, microbatches=4, tensor_parallel_size=T,
-                               tensor_parallel_plan=PLAN)
+                               tensor_parallel_plan=PLAN, state_dict_type=kind)
 
     saver = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True, save_top_k=0)
     _fit(ctx.world_size, strategy("1f1b"), f"{tmp}/first", max_steps=-1, max_epochs=1,
@@ -172,11 +173,17 @@ def two_epochs() -> dict:
     return _fit(1, "auto", tempfile.mkdtemp(), max_steps=-1, max_epochs=2)[0]
 
 
+@pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: Any,
-                                                                       tmp_path: Any) -> None:
+                                                                       tmp_path: Any,
+                                                                       kind: str) -> None:
+    from lightning_gsched.engine.checkpoint_sharded import load
+
     after_epoch, _, _ = reference()  # one epoch is STEPS batches
-    states = worlds.get(4).run(save_and_resume_on_worker, str(tmp_path))
-    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    states = worlds.get(4).run(save_and_resume_on_worker, str(tmp_path), kind)
+    path = tmp_path / "ckpt" / "last.ckpt"
+    # read here, in one process: a sharded directory's pieces come back as full tensors
+    saved = torch.load(path, weights_only=False) if kind == "full" else load(path)
     assert_same_state(saved["state_dict"], after_epoch, "the checkpoint's weights")
     momentum = saved["optimizer_states"][0]["state"]
     assert [tuple(e["momentum_buffer"].shape) for e in momentum.values()] == [

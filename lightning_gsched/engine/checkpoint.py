@@ -14,7 +14,8 @@ A save is decided when it begins (:meth:`CheckpointService.saving`), from the mo
 
 =========== ==================================================================================
 sharded     ``state_dict_type="sharded"``: every rank writes what it first-owns into one
-            torch.distributed.checkpoint directory (:mod:`.checkpoint_sharded`)
+            torch.distributed.checkpoint directory (:mod:`.checkpoint_sharded`); a
+            tensor-parallel rank its pieces, as ``DTensor`` views of the full tensors
 whole       no pipeline is running: the module is whole on every rank, its own ``state_dict``
 streamed    ``stream_checkpoint`` (``"auto"``: a model built without weights): placeholders
             now, the tensors sent to rank 0 one weight unit at a time and written into the
@@ -52,6 +53,8 @@ from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.partition.tensor_parallel_state import (
     full_model_state,
     full_optimizer_state,
+    global_model_state,
+    global_optimizer_state,
     local_model_state,
     local_optimizer_state,
 )
@@ -163,12 +166,12 @@ class CheckpointService:
         in any order, extend it and :meth:`write` sends the tensors."""
         self._described = None
         runtime = view.runtime
-        if _tensor_parallel(view) and (self.state_dict_type == "sharded" or self.streams(view)):
+        if _tensor_parallel(view) and self.streams(view):
             raise StrategyConfigError(
-                "with tensor_parallel_size > 1 a checkpoint is gathered to rank 0 (full "
-                "tensors); sharded (state_dict_type='sharded') and streamed checkpoints "
-                "(stream_checkpoint=True) of sharded stages are not supported yet: use "
-                "state_dict_type='full' and stream_checkpoint='auto'")
+                "with tensor_parallel_size > 1 a full checkpoint is gathered to rank 0; "
+                "streaming it (stream_checkpoint=True) is not supported yet for sharded "
+                "stages: use stream_checkpoint='auto' (gathered), or state_dict_type='sharded' "
+                "(every rank writes its own pieces, nothing is gathered)")
         if includes_model and runtime is not None and self.streams(view):
             self._described = runtime.streamed_state_dict()
         try:
@@ -182,7 +185,9 @@ class CheckpointService:
         state on rank 0 (gathered)."""
         self._check_consistent(view)
         if self.state_dict_type == "sharded":
-            return checkpoint_sharded.local_model_state(_module(view), self._writer(view))
+            state = checkpoint_sharded.local_model_state(_module(view), self._writer(view))
+            # each rank's pieces, written where they are (the directory records their offsets)
+            return global_model_state(state, _module(view)) if _tensor_parallel(view) else state
         runtime = view.runtime
         if runtime is None:
             return whole()
@@ -199,8 +204,11 @@ class CheckpointService:
         pipeline), described (streamed) or gathered to rank 0."""
         _check_not_failed(view)
         if self.state_dict_type == "sharded":
-            return checkpoint_sharded.local_optimizer_state(_module(view), optimizer,
-                                                            self._writer(view))
+            state = checkpoint_sharded.local_optimizer_state(_module(view), optimizer,
+                                                             self._writer(view))
+            if _tensor_parallel(view):  # as in model_state
+                state = global_optimizer_state(state, optimizer, _module(view))
+            return state
         runtime = view.runtime
         if runtime is None:
             return optimizer.state_dict()

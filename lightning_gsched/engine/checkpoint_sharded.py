@@ -7,7 +7,9 @@ every rank write the stages and ties it is the first owner of (rank 0 adds buffe
 parameters and the non-tensor trainer state), in parallel, without a full copy anywhere. Keys
 are the module's own parameter names (``model.<name>``) and ``optim.<i>.<name>.<state key>``
 (``<name>``: a parameter's first name, :func:`saved_names`), never stage numbers, so the
-directory resumes under any schedule, worker count and (P, G) layout: :func:`load` reads every
+directory resumes under any schedule, worker count and (P, G, T) layout (a tensor-parallel
+rank writes its pieces of a sharded parameter as ``DTensor`` views, whose offsets the directory
+records; partition/tensor_parallel_state.py): :func:`load` reads every
 tensor on every rank (each rank still holds the full model before its stages are released) into
 an ordinary full checkpoint dict.
 

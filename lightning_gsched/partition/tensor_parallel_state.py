@@ -7,6 +7,10 @@ full checkpoint holds plain full tensors, model and optimizer state alike
 (:func:`full_model_state`, :func:`full_optimizer_state`); a full checkpoint loaded into a
 sharded run, or optimizer state loaded before the stages were sharded, is cut to this rank's
 shard (:func:`local_model_state`, :func:`local_optimizer_state`, :func:`shard_optimizer_state`).
+A sharded checkpoint (a torch.distributed.checkpoint directory) keeps each rank's piece where it
+is and writes it as a ``DTensor`` (:func:`global_model_state`, :func:`global_optimizer_state`):
+the directory records every piece's offset in the full tensor, so it reads back as full tensors
+under any layout, sharded or not.
 
 A tensor is a shard's counterpart when it has the shard's shape (gathered) or the full
 parameter's (sliced): optimizer state such as momentum or Adam's moments has its parameter's
@@ -121,6 +125,35 @@ def local_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -
         entry = out["state"].get(index, {})
         _swap(entry, list(entry), spec.shape, partial(piece, spec=spec))
     return out
+
+
+def global_view(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """``local`` (this rank's piece) as the ``DTensor`` of the full tensor it belongs to: a
+    view, no data moves, and nothing is communicated until something reads it whole."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                              shape=spec.shape, stride=spec.stride)
+
+
+def global_model_state(state: StateDict, module: nn.Module) -> StateDict:
+    """``state`` (entries of the module's state dict of local shards) with every sharded entry
+    seen as the ``DTensor`` of its full parameter (no communication)."""
+    for name, spec in shard_specs(module).items():
+        if spec.dim is not None:
+            _swap(state, [name], local_shape(spec), partial(global_view, spec=spec))
+    return state
+
+
+def global_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:
+    """A sharded checkpoint's optimizer state (entries keyed by the names in
+    ``state["index_names"]``, see ``engine/checkpoint_sharded.py``) with every shard-shaped
+    tensor seen as the ``DTensor`` of the full one, as in :func:`global_model_state`."""
+    names = state.get("index_names") or []
+    for index, spec in _specs_by_index(optimizer, module).items():
+        entry = state.get("state", {}).get(names[index], {}) if index < len(names) else {}
+        _swap(entry, list(entry), local_shape(spec), partial(global_view, spec=spec))
+    return state
 
 
 def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
