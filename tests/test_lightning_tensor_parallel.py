@@ -78,12 +78,17 @@ def _loader(workers: int) -> DataLoader:
 
 
 def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
-         **options: Any) -> tuple[dict, Any]:
-    """One fit (``options``: Trainer options over ``max_steps=STEPS``): the final state, the
-    shapes of two sharded weights held during the fit, and the device mesh's shape and names."""
-    model = make_lit_gpt(shardable=True)
+         deferred: bool = False, **options: Any) -> tuple[dict, Any]:
+    """One fit (``options``: Trainer options over ``max_steps=STEPS``; ``deferred``: the model
+    built without weights, ``trainer.init_module()``): the final state, the shapes of two
+    sharded weights held during the fit, and the device mesh's shape and names."""
     fit = trainer(world, strategy, tmp, use_distributed_sampler=world > 1,
                   **{"max_steps": STEPS, "gradient_clip_val": CLIP, **options})
+    if deferred:
+        with fit.init_module():
+            model = LitGPT(shardable=True)
+    else:
+        model = make_lit_gpt(shardable=True)
     shapes: dict[str, tuple[int, ...]] = {}
 
     class Shapes(Callback):
@@ -98,8 +103,32 @@ def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
     ratios = [] if report is None or report.predicted is None or report.measured is None else [
         got.get("total", 0) / want.peak for want, got in zip(report.predicted, report.measured,
                                                               strict=True)]
-    return state_of(model), (shapes, None if mesh is None else (
+    state = _kept(model) if deferred else state_of(model)
+    return state, (shapes, None if mesh is None else (
         tuple(mesh.shape), mesh.mesh_dim_names), ratios)
+
+
+def _kept(model: Any) -> dict[str, torch.Tensor]:
+    """A model built without weights after its fit: the parameters this rank kept (its
+    worker's; the shards' pieces stay pieces), by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if not p.is_meta and p.numel() > 0}
+
+
+def assert_pieces_of(kept: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rank: int,
+                     label: str) -> int:
+    """Each kept tensor equals one device's (``want``), a shard its piece at this rank's
+    tensor-parallel index; returns how many were shards."""
+    assert kept and len(kept) < len(want), (label, rank, sorted(kept))  # its worker's only
+    sharded = 0
+    for name, got in kept.items():
+        full = want[name]
+        dims = [d for d in range(full.dim()) if got.shape[d] != full.shape[d]]
+        if dims:  # a shard: the piece at this rank's tensor-parallel index
+            full = full.chunk(T, dim=dims[0])[rank % T]
+            sharded += 1
+        assert_same_state({name: got}, {name: full}, f"{label}, rank {rank}")
+    return sharded
 
 
 def fits_on_worker(ctx: WorkerContext, tmp: str) -> list[tuple[dict, Any]]:
@@ -146,12 +175,14 @@ def test_pipeline_of_tensor_parallel_workers_fits_like_one_device(worlds: Any,
                                    torch.tensor([v for _, v in want_log]), rtol=1e-5, atol=1e-6)
 
 
-def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> dict:
+def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> list[dict]:
     """Epoch 1 under 1f1b with ModelCheckpoint saving at its end while the pipeline runs
     (``kind`` "full": the shards gathered into full tensors in one file; "sharded": every rank
     writes its own pieces into one directory), then epoch 2 resumed from it under zbv, whose
-    stages shard differently (Lightning restores it before the build: the full optimizer state
-    is cut to each rank's shard when the stages are sharded)."""
+    stages shard differently, twice: into a model with weights (Lightning restores the file
+    before the build; the full optimizer state is cut to each rank's shard when the stages are
+    sharded), and into one built without weights (each rank reads only its pieces at the
+    build: a directory through DTensor views, a file mapped and cut)."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
@@ -163,9 +194,9 @@ def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> dict:
     saver = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True, save_top_k=0)
     _fit(ctx.world_size, strategy("1f1b"), f"{tmp}/first", max_steps=-1, max_epochs=1,
          enable_checkpointing=True, callbacks=[saver])
-    state, _ = _fit(ctx.world_size, strategy("zbv"), f"{tmp}/second", max_steps=-1,
-                    max_epochs=2, ckpt_path=f"{tmp}/ckpt/last.ckpt")
-    return state
+    return [_fit(ctx.world_size, strategy("zbv"), f"{tmp}/{name}", max_steps=-1,
+                 max_epochs=2, ckpt_path=f"{tmp}/ckpt/last.ckpt", deferred=deferred)[0]
+            for name, deferred in (("resumed", False), ("resumed_deferred", True))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,8 +220,9 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
     assert [tuple(e["momentum_buffer"].shape) for e in momentum.values()] == [
         tuple(v.shape) for v in make_lit_gpt(shardable=True).parameters()], "full-shaped state"
     want = two_epochs()
-    for rank, state in enumerate(states):
-        assert_same_state(state, want, f"resumed, rank {rank}")
+    for rank, (eager, deferred) in enumerate(states):
+        assert_same_state(eager, want, f"resumed, rank {rank}")
+        assert_pieces_of(deferred, want, rank, "resumed into a model built without weights")
 
 
 def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None
@@ -210,8 +242,7 @@ def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None
         model = LitGPT(shardable=True)
     assert all(p.is_meta for p in model.parameters())
     fit.fit(model, _loader(ctx.world_size // T))
-    return {n: p.detach().clone() for n, p in model.named_parameters()
-            if not p.is_meta and p.numel() > 0}
+    return _kept(model)
 
 
 @pytest.mark.parametrize("pretrained", [False, True], ids=["drawn", "read"])
@@ -238,17 +269,9 @@ def test_a_model_built_without_weights_trains_like_one_device(worlds: Any, tmp_p
     fit = trainer(1, "auto", max_steps=STEPS, gradient_clip_val=CLIP)
     fit.fit(model, _loader(1))
     want = {n: p.detach() for n, p in model.named_parameters()}
-    sharded = 0
-    for rank, kept in enumerate(worlds.get(4).run(deferred_on_worker, init_weights)):
-        assert kept and len(kept) < len(want), (rank, sorted(kept))  # its worker's only
-        for name, got in kept.items():
-            full = want[name]
-            dims = [d for d in range(full.dim()) if got.shape[d] != full.shape[d]]
-            if dims:  # a shard: the piece at this rank's tensor-parallel index
-                full = full.chunk(T, dim=dims[0])[rank % T]
-                sharded += 1
-            assert_same_state({name: got}, {name: full}, f"deferred, rank {rank}")
-    assert sharded > 0
+    results = worlds.get(4).run(deferred_on_worker, init_weights)
+    assert sum(assert_pieces_of(kept, want, rank, "deferred")
+               for rank, kept in enumerate(results)) > 0
 
 
 class ModelParallelGPT(LitGPT):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from lightning_gsched.engine import checkpoint_files
 from lightning_gsched.engine.rank_exchange import BoundedExchange
 from lightning_gsched.errors import CheckpointWriteError, StrategyConfigError
-from lightning_gsched.runtime import ModelRuntime, parameter_names
+from lightning_gsched.runtime import ModelRuntime, Piece, Pieces, parameter_names
 
 # dcp.save / dcp.load are read off the module at each call (a test replaces dcp.save to inject
 # a failing write); torch re-exports them without __all__: hence attr-defined ignores there
@@ -294,6 +294,30 @@ def load_deferred(path: Any) -> tuple[StateDict, DeferredRestore]:
     return checkpoint, DeferredRestore(path=path, non_tensor=dict(meta["non_tensor"]))
 
 
+def _kept_params(optimizer: Optimizer, names: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Saved name -> parameter, for the kept parameters ``names`` indexes in ``optimizer``."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {name: params[i] for name, i in names.items()}
+
+
+def _buffer(like: torch.Tensor, piece: Piece | None, shape: torch.Size) -> torch.Tensor:
+    """What ``dcp.load`` fills for a tensor shaped ``shape`` on this rank: a CPU buffer, seen
+    as the full tensor when it holds a piece (only its region is read)."""
+    local = torch.empty(shape, dtype=like.dtype, device="cpu")
+    return local if piece is None or piece.view is None else piece.view(local)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A buffer ``dcp.load`` filled, as the local tensor it holds (a piece's view unwrapped)."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else cast(torch.Tensor, to_local())
+
+
+def _cut(full: torch.Tensor, piece: Piece | None) -> torch.Tensor:
+    """A saved full tensor as this rank keeps it (a mapped file: only the region's pages)."""
+    return full if piece is None or tuple(full.shape) != tuple(piece.shape) else piece.cut(full)
+
+
 class DeferredRestoreError(StrategyConfigError):
     """A checkpoint resumed into a model built without weights lacks a tensor the model has."""
 
@@ -312,31 +336,46 @@ class DeferredRestore:
     optimizer_states: list[StateDict] | None = None
 
     def apply(self, module: nn.Module, kept: Sequence[nn.Parameter],
-              optimizers: Sequence[Optimizer]) -> None:
+              optimizers: Sequence[Optimizer], pieces: Pieces | None = None) -> None:
         """Fill ``kept`` (which have storage now), every persistent buffer and the kept
-        parameters' optimizer state (collective for a sharded directory: ``dcp.load``)."""
+        parameters' optimizer state (collective for a sharded directory: ``dcp.load``).
+
+        ``pieces``: kept parameters held as a region of the saved tensor (tensor-parallel
+        shards): a sharded directory fills only that region (through the piece's global view),
+        a full checkpoint's tensor is cut to it; their optimizer state likewise."""
+        pieces = pieces or {}
         kept_ids = {id(p) for p in kept}
         index_of = [_kept_index(module, optimizer, kept_ids) for optimizer in optimizers]
+        params_of = [_kept_params(optimizer, names) for optimizer, names in
+                     zip(optimizers, index_of, strict=True)]
         if self.path is not None:
             index = _index(self.path)
             where = self._model_keys(module, kept, {k[len("model."):] for k in index
                                                     if k.startswith("model.")})
-            tensors = {f"model.{key}": torch.empty_like(t, device="cpu")
+            tensors = {f"model.{key}": _buffer(t, pieces.get(id(t)), t.shape)
                        for key, t in where.items()}
             for i, names in enumerate(index_of):  # the kept parameters' optimizer tensors
                 prefix = f"optim.{i}."
-                tensors.update({key: _empty(meta) for key, meta in index.items()
-                                if key.startswith(prefix)
-                                and key[len(prefix):].rsplit(".", 1)[0] in names})
+                for key, meta in index.items():
+                    name = key[len(prefix):].rsplit(".", 1)[0]
+                    if key.startswith(prefix) and name in names:
+                        param = params_of[i][name]
+                        piece = pieces.get(id(param))
+                        shaped = piece is not None and tuple(meta.size) == tuple(piece.shape)
+                        tensors[key] = (_buffer(param, piece, param.shape) if shaped
+                                        else _empty(meta))
             dcp.load(tensors, checkpoint_id=self.path)  # type: ignore[attr-defined]
+            tensors = {key: _local(t) for key, t in tensors.items()}
             values = {key: tensors[f"model.{key}"] for key in where}
             states = [_optimizer_state(i, tensors, self.non_tensor, names)
                       for i, names in enumerate(index_of)]
         else:
             assert self.state_dict is not None
             where = self._model_keys(module, kept, set(self.state_dict))
-            values = {key: self.state_dict[key] for key in where}
-            # an optimizer the checkpoint has no state for is left as it is
+            values = {key: _cut(self.state_dict[key], pieces.get(id(t)))
+                      for key, t in where.items()}
+            # an optimizer the checkpoint has no state for is left as it is (its full-shaped
+            # tensors are cut to the shards by the caller, one at a time)
             states = [{int(i): entry for i, entry in saved.get("state", {}).items()
                        if int(i) in names.values()}
                       for saved, names in zip(self.optimizer_states or [], index_of,

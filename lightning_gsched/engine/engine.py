@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -54,13 +55,18 @@ from lightning_gsched.partition.tensor_parallel import (
 )
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
+    global_view,
+    region,
     shard_optimizer_state,
+    sharded_parameter_specs,
     sharded_parameters,
 )
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
     ParameterMemory,
+    Piece,
+    Pieces,
     PretrainedWeights,
     PretrainedWeightsError,
     ProgramExecutor,
@@ -106,6 +112,12 @@ def _sync_module_states(module: torch.nn.Module, group: Any = None) -> None:
         for tensor in [*module.parameters(), *module.buffers()]:
             if not tensor.is_meta:
                 dist.broadcast(tensor.data, 0, group=group)
+
+
+def _pieces(module: nn.Module) -> Pieces:
+    """Each sharded parameter of ``module`` as the piece of its full tensor this rank holds."""
+    return {id(param): Piece(spec.shape, region(spec), partial(global_view, spec=spec))
+            for param, spec in sharded_parameter_specs(module)}
 
 
 def _agreed_seed(world_size: int, group: Any = None) -> int:
@@ -305,27 +317,20 @@ class PipelineEngine:
             if self.tensor_parallel_size == 1:
                 self._predict_memory(part, args, kwargs, plan, passes)
             passes.clear()  # their tensors (a microbatch's activations per stage count) go
-            if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
-                keep = owned_parameters(part.stages, plan.programs, self.worker,
-                                        self.module)
-                seed = self._collective("the seed broadcast",
-                                        lambda: _agreed_seed(self.world_size, self.group))
-                rest = keep
-                # a checkpoint resumed into the model (checkpoint.py), set aside until now
-                checkpoints = self.checkpoints
-                restore = checkpoints.take_restore() if checkpoints is not None else None
-                if self.init_weights is not None and restore is None:
-                    # read, not drawn (runtime/pretrained.py); a resumed checkpoint overrides
-                    rest = load_parameters(self.module, keep, self.init_weights,
-                                           self.device_hint)
-                if rest:
-                    initialize_parameters(self.module, rest, seed, self.device_hint)
-                if restore is not None:  # only what this rank keeps
-                    apply = restore.apply
-                    self._collective("the checkpoint's restore", lambda: apply(
-                        self.module, keep, self.optimizers()))
-            if self.tensor_parallel_size > 1:
+            pieces: Pieces = {}
+            if self.tensor_parallel_size > 1 and self.deferred:
+                # sharded while still on the meta device: each rank then draws or reads its
+                # pieces, one module's full tensors at a time, never its worker's whole stages
                 self._shard_stages(part, args, kwargs)
+                pieces = _pieces(self.module)
+            if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
+                self._materialize(part, plan, pieces)
+            if self.tensor_parallel_size > 1:
+                if not self.deferred:
+                    self._shard_stages(part, args, kwargs)
+                # state loaded before the build (a resumed checkpoint) was made for full
+                # parameters
+                shard_optimizer_state(self.optimizers(), self.module)
                 if self.deferred:  # (the other workers' stages have no weights here to run)
                     self.memory.unavailable = ("not predicted for a model built without "
                                                "weights with tensor_parallel_size > 1 yet")
@@ -353,6 +358,29 @@ class PipelineEngine:
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text, rows=rows))
 
+    def _materialize(self, part: Partition, plan: Plan, pieces: Pieces) -> None:
+        """A model built without weights: this rank's parameters get storage and values, drawn
+        from the agreed seed, read from ``init_weights``, or restored from a checkpoint resumed
+        into the model (collective: the seed's broadcast, a sharded directory's read).
+        ``pieces``: the tensor-parallel shards this rank keeps of larger tensors."""
+        keep = owned_parameters(part.stages, plan.programs, self.worker, self.module)
+        seed = self._collective("the seed broadcast",
+                                lambda: _agreed_seed(self.world_size, self.group))
+        rest = keep
+        # a checkpoint resumed into the model (checkpoint.py), set aside until now
+        checkpoints = self.checkpoints
+        restore = checkpoints.take_restore() if checkpoints is not None else None
+        if self.init_weights is not None and restore is None:
+            # read, not drawn (runtime/pretrained.py); a resumed checkpoint overrides
+            rest = load_parameters(self.module, keep, self.init_weights, self.device_hint,
+                                   pieces)
+        if rest:
+            initialize_parameters(self.module, rest, seed, self.device_hint, pieces)
+        if restore is not None:  # only what this rank keeps
+            apply = restore.apply
+            self._collective("the checkpoint's restore", lambda: apply(
+                self.module, keep, self.optimizers(), pieces))
+
     def _predict_memory(self, part: Partition, args: tuple[Any, ...], kwargs: dict[str, Any],
                         plan: Plan, passes: BuildPasses | None) -> None:
         """Every rank's predicted bytes (collective), from the stages as they will run: with
@@ -379,8 +407,6 @@ class PipelineEngine:
         if not self.deferred:  # (the other workers' stages have no weights here to run)
             self._collective("the sharded stages' check", lambda: check_sharded_stages(
                 part.stages, args, kwargs, self.tensor_parallel_size))
-        # state loaded before the build (a resumed checkpoint) was made for full parameters
-        shard_optimizer_state(self.optimizers(), self.module)
 
     def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
         """Every worker's row of the start-up summary, each computed by its own rank from

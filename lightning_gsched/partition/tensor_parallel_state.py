@@ -52,12 +52,21 @@ def whole(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return torch.cat(parts, dim=spec.dim)
 
 
+def region(spec: ShardSpec) -> tuple[slice, ...]:
+    """Where this rank's piece sits in the full tensor (all of it for an unsharded spec)."""
+    where = [slice(None)] * len(spec.shape)
+    if spec.dim is not None:
+        size = spec.shape[spec.dim] // int(spec.mesh.size())
+        start = size * int(spec.mesh.get_local_rank())
+        where[spec.dim] = slice(start, start + size)
+    return tuple(where)
+
+
 def piece(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """This rank's piece of ``full`` (a copy: it must not keep the full tensor alive)."""
     if spec.dim is None:
         return full
-    pieces = full.chunk(int(spec.mesh.size()), dim=spec.dim)
-    return pieces[int(spec.mesh.get_local_rank())].clone()
+    return full[region(spec)].clone()
 
 
 def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
@@ -85,7 +94,7 @@ def gather_shards(module: nn.Module, optimizers: Sequence[Any] = ()) -> int:
 def shard_optimizer_state(optimizers: Sequence[Any], module: nn.Module) -> None:
     """Optimizer state made for the full parameters (loaded from a checkpoint before the
     stages were sharded) cut to this rank's shards, in place."""
-    by_id = {id(param): spec for param, spec in _sharded(module)}
+    by_id = {id(param): spec for param, spec in sharded_parameter_specs(module)}
     for optimizer in optimizers:
         for param, entry in getattr(optimizer, "state", {}).items():
             spec = by_id.get(id(param))
@@ -158,7 +167,7 @@ def global_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) 
 
 def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters under ``module`` held as shards (a norm sums their pieces over ranks)."""
-    return [param for param, _ in _sharded(module)]
+    return [param for param, _ in sharded_parameter_specs(module)]
 
 
 def _swap(entries: dict[Any, Any], keys: Sequence[Any], shape: torch.Size,
@@ -171,7 +180,7 @@ def _swap(entries: dict[Any, Any], keys: Sequence[Any], shape: torch.Size,
             entries[key] = convert(value)
 
 
-def _sharded(module: nn.Module) -> list[tuple[nn.Parameter, ShardSpec]]:
+def sharded_parameter_specs(module: nn.Module) -> list[tuple[nn.Parameter, ShardSpec]]:
     """Every parameter under ``module`` held as a shard, with its spec."""
     params = dict(module.named_parameters())
     return [(params[name], spec) for name, spec in shard_specs(module).items()
@@ -180,6 +189,6 @@ def _sharded(module: nn.Module) -> list[tuple[nn.Parameter, ShardSpec]]:
 
 def _specs_by_index(optimizer: Any, module: nn.Module) -> dict[int, ShardSpec]:
     """Sharded parameters by their index in ``optimizer.state_dict()`` (param_groups order)."""
-    by_id = {id(param): spec for param, spec in _sharded(module)}
+    by_id = {id(param): spec for param, spec in sharded_parameter_specs(module)}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {i: by_id[id(p)] for i, p in enumerate(params) if id(p) in by_id}

@@ -19,6 +19,8 @@ from lightning_gsched.runtime.footprint import optimizer_factor, optimizer_step_
 from lightning_gsched.runtime.fullstate import StreamedTensor, parameter_names
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
 from lightning_gsched.runtime.materialize import (
+    Piece,
+    Pieces,
     deferred_parameters,
     initialize_parameters,
     is_deferred,
@@ -39,6 +41,6 @@ __all__ = [
     "release_frames", "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult",
     "stage_micros", "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor",
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
-    "initialize_parameters", "is_deferred", "owned_parameters", "PretrainedWeights",
+    "initialize_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
     "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
 ]

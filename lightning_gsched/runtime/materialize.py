@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -99,39 +100,78 @@ def _reset_parameters(name: str, sub: nn.Module, owner: str) -> Callable[[], Non
     return reset
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A parameter held as a region of a larger tensor (a tensor-parallel shard): the full
+    tensor is what one device draws or reads, ``region`` the part this rank keeps.
+
+    Why the runtime knows it: a model built without weights must never hold a worker's full
+    parameters at once when they are sharded, so each module's are drawn at full size, cut to
+    their pieces, and only then is the next module drawn (:func:`initialize_parameters`); a
+    pretrained file is read region by region (``runtime/pretrained.py``)."""
+
+    shape: torch.Size  # the full tensor's
+    region: tuple[slice, ...]  # this rank's part of it
+    # a local buffer seen as the full tensor (a DTensor view), for a reader that fills only
+    # this rank's region in place (torch.distributed.checkpoint); None: read whole, then cut
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full`` (a copy: the full tensor is not kept alive)."""
+        return full[self.region].clone()
+
+
+Pieces = Mapping[int, Piece]  # id(parameter) -> its piece, for parameters held as one
+
+
+def full_shape(param: nn.Parameter, pieces: Pieces) -> torch.Size:
+    """The shape ``param`` has on one device (its local shape unless it is a piece)."""
+    piece = pieces.get(id(param))
+    return param.shape if piece is None else piece.shape
+
+
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], seed: int,
-                          device: torch.device) -> None:
+                          device: torch.device, pieces: Pieces | None = None) -> None:
     """Give ``params`` storage on ``device`` and initialise them; other meta parameters stay so.
     Each module holding one runs ``reset_parameters()`` under :func:`module_seed`, its other meta
     parameters (another rank's) on scratch storage, so the RNG draws and values are the same as on
-    one device. Meta buffers (of a model built on ``torch.device("meta")``) are reset there too."""
+    one device. Meta buffers (of a model built on ``torch.device("meta")``) are reset there too.
+
+    ``pieces``: parameters held as a region of a larger tensor. Each is drawn at its full shape
+    (so the draws are one device's) and cut to its region before the next module is drawn: the
+    rank holds the pieces it keeps plus one module's full parameters, never more."""
+    pieces = pieces or {}
     wanted = {id(p) for p in params}
     owner = type(module).__name__
     # every rank checks every module (not only those it initialises), so all fail alike
     for name, sub in _holders(module, {id(p) for p in module.parameters()}):
         _reset_parameters(name, sub, owner)
-    for p in params:
-        if p.is_meta:
-            set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
     initialised: set[int] = set()  # a tied parameter keeps its first holder's values
     for name, sub in _holders(module, wanted):
         own = list(sub.parameters(recurse=False))
         kept = [(p, p.detach().clone()) for p in own if id(p) in initialised]
-        scratch = [p for p in own if p.is_meta]
-        for p in scratch:
-            set_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+        scratch = [(p, p.shape) for p in own if p.is_meta and id(p) not in wanted]
+        for p in own:  # drawn at one device's shape: each wanted for good, the rest as scratch
+            if p.is_meta or p.shape != full_shape(p, pieces):
+                set_storage(p, torch.empty(full_shape(p, pieces), dtype=p.dtype, device=device))
         for bname, b in list(sub.named_buffers(recurse=False)):
             if b.is_meta:
                 sub._buffers[bname] = torch.empty_like(b, device=device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, name))
             _reset_parameters(name, sub, owner)()
-        for p in scratch:
-            set_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-        for p, value in kept:
-            p.copy_(value)
-        initialised.update(id(p) for p in sub.parameters(recurse=False) if id(p) in wanted)
+        for p, shape in scratch:
+            set_storage(p, torch.empty(shape, dtype=p.dtype, device="meta"))
+        for p in own:
+            if id(p) in wanted and id(p) in pieces and id(p) not in initialised:
+                set_storage(p, pieces[id(p)].cut(p.detach()))
+        for p, value in kept:  # (a piece's value has its region's shape)
+            if p.shape == value.shape:
+                p.copy_(value)
+            else:
+                set_storage(p, value)
+        initialised.update(id(p) for p in own if id(p) in wanted)
 
 
 def owned_parameters(stages: Sequence[nn.Module], programs: Programs, rank: int,

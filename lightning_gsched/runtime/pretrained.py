@@ -25,7 +25,7 @@ from torch import nn
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.runtime.flat import set_storage
 from lightning_gsched.runtime.fullstate import parameter_names
-from lightning_gsched.runtime.materialize import initialize_parameters
+from lightning_gsched.runtime.materialize import Pieces, full_shape, initialize_parameters
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -90,9 +90,10 @@ def _where(weights: PretrainedWeights) -> dict[str, Path]:
         return {name: weights.path for name in f.keys()}
 
 
-def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]) -> dict[int, str]:
-    """Every parameter under the prefix is in the files with its shape (headers only); returns
-    parameter id -> file key (its first name under the prefix the file has)."""
+def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path],
+           pieces: Pieces) -> dict[int, str]:
+    """Every parameter under the prefix is in the files with its (full) shape (headers only);
+    returns parameter id -> file key (its first name under the prefix the file has)."""
     params = {id(p): p for p in module.parameters()}
     names = parameter_names(module)
     keys: dict[int, str] = {}
@@ -113,30 +114,39 @@ def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]
         with _open(file) as f:
             for pid in (pid for pid, key in keys.items() if where[key] == file):
                 shape = tuple(f.get_slice(keys[pid]).get_shape())
-                if shape != tuple(params[pid].shape):
+                want = tuple(full_shape(params[pid], pieces))
+                if shape != want:
                     raise PretrainedWeightsError(
                         f"the tensor {keys[pid]!r} in {file} has shape {list(shape)} but the "
                         f"model's parameter {names[pid][0]!r} has "
-                        f"{list(params[pid].shape)}: the weights are of another model or "
+                        f"{list(want)}: the weights are of another model or "
                         "configuration")
     return keys
 
 
 @torch.no_grad()
 def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
-                    weights: PretrainedWeights, device: torch.device) -> list[nn.Parameter]:
+                    weights: PretrainedWeights, device: torch.device,
+                    pieces: Pieces | None = None) -> list[nn.Parameter]:
     """Give ``params`` storage on ``device`` holding the file's values, reading only their
     tensors, and load the persistent buffers the file has. Returns the parameters of ``params``
-    the file does not cover (outside the prefix), to be initialised."""
+    the file does not cover (outside the prefix), to be initialised.
+
+    ``pieces``: parameters held as a region of the file's tensor (tensor-parallel shards):
+    only that region is read (safetensors reads a slice without the rest of the tensor)."""
+    pieces = pieces or {}
     where = _where(weights)
-    keys = _check(module, weights, where)
+    keys = _check(module, weights, where, pieces)
     read = [p for p in params if id(p) in keys]
     buffers = _persistent_buffers(module, weights.prefix, where)
     for file in sorted({where[keys[id(p)]] for p in read} | {where[k] for k in buffers}):
         with _open(file) as f:
             for p in read:
                 if where[keys[id(p)]] == file:
-                    set_storage(p, f.get_tensor(keys[id(p)]).to(device=device, dtype=p.dtype))
+                    piece = pieces.get(id(p))
+                    value = (f.get_tensor(keys[id(p)]) if piece is None
+                             else f.get_slice(keys[id(p)])[piece.region])
+                    set_storage(p, value.to(device=device, dtype=p.dtype))
             for key, (holder, bname) in buffers.items():
                 if where[key] == file:
                     _load_buffer(holder, bname, f.get_tensor(key), key, file)
