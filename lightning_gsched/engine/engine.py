@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -43,37 +42,33 @@ from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
+from lightning_gsched.engine.weights import (
+    agreed_seed,
+    materialize,
+    pieces_of,
+    shard_stages,
+    sync_module_states,
+)
 from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition, partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.tensor_parallel import (
-    TensorParallelPlan,
-    check_sharded_stages,
-    parallelize_stages,
-)
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
-    global_view,
-    region,
     shard_optimizer_state,
-    sharded_parameter_specs,
     sharded_parameters,
 )
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
     ParameterMemory,
-    Piece,
     Pieces,
     PretrainedWeights,
     PretrainedWeightsError,
     ProgramExecutor,
-    initialize_parameters,
     is_deferred,
-    load_parameters,
-    owned_parameters,
     stage_micros,
 )
 from lightning_gsched.schedule.describe import (
@@ -101,32 +96,6 @@ def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:
         if last != first:
             needed[last].append(b)
     return needed
-
-
-def _sync_module_states(module: torch.nn.Module, group: Any = None) -> None:
-    """Rank 0's parameters and buffers everywhere, as DDP does when it wraps a model.
-
-    A deferred model's meta parameters have no values yet: each rank initialises the ones it
-    keeps from rank 0's seed (:func:`_agreed_seed`) instead."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not tensor.is_meta:
-                dist.broadcast(tensor.data, 0, group=group)
-
-
-def _pieces(module: nn.Module) -> Pieces:
-    """Each sharded parameter of ``module`` as the piece of its full tensor this rank holds."""
-    return {id(param): Piece(spec.shape, region(spec), partial(global_view, spec=spec))
-            for param, spec in sharded_parameter_specs(module)}
-
-
-def _agreed_seed(world_size: int, group: Any = None) -> int:
-    """Rank 0's initial seed (``seed_everything``'s, or torch's own), the same on every rank:
-    a deferred model's weights are a function of it (runtime/materialize.py)."""
-    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
-    if world_size > 1:
-        dist.broadcast(seed, 0, group=group)
-    return int(seed.item())
 
 
 @dataclass(frozen=True)
@@ -289,7 +258,7 @@ class PipelineEngine:
             args, kwargs = _normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
                 self._collective("the build's weight broadcast",
-                                 lambda: _sync_module_states(self.module, self.group))
+                                 lambda: sync_module_states(self.module, self.group))
             # the stages measured once: the tuner's passes serve the memory report where they
             # measured its cut on its microbatch (measure/build_passes.py)
             passes = BuildPasses()
@@ -321,13 +290,20 @@ class PipelineEngine:
             if self.tensor_parallel_size > 1 and self.deferred:
                 # sharded while still on the meta device: each rank then draws or reads its
                 # pieces, one module's full tensors at a time, never its worker's whole stages
-                self._shard_stages(part, args, kwargs)
-                pieces = _pieces(self.module)
-            if self.deferred:  # weights for this rank's stages only (runtime/materialize.py)
-                self._materialize(part, plan, pieces)
+                self._shard_stages(part, None)
+                pieces = pieces_of(self.module)
+            if self.deferred:  # weights for this rank's stages only (engine/weights.py)
+                seed = self._collective("the seed broadcast",
+                                        lambda: agreed_seed(self.world_size, self.group))
+                # a checkpoint resumed into the model (checkpoint.py), set aside until now
+                checkpoints = self.checkpoints
+                materialize(self.module, part.stages, plan.programs, self.worker, seed,
+                            self.device_hint, self.init_weights,
+                            checkpoints.take_restore() if checkpoints is not None else None,
+                            self.optimizers(), pieces, self._collective)
             if self.tensor_parallel_size > 1:
                 if not self.deferred:
-                    self._shard_stages(part, args, kwargs)
+                    self._shard_stages(part, (args, kwargs))
                 # state loaded before the build (a resumed checkpoint) was made for full
                 # parameters
                 shard_optimizer_state(self.optimizers(), self.module)
@@ -358,29 +334,6 @@ class PipelineEngine:
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text, rows=rows))
 
-    def _materialize(self, part: Partition, plan: Plan, pieces: Pieces) -> None:
-        """A model built without weights: this rank's parameters get storage and values, drawn
-        from the agreed seed, read from ``init_weights``, or restored from a checkpoint resumed
-        into the model (collective: the seed's broadcast, a sharded directory's read).
-        ``pieces``: the tensor-parallel shards this rank keeps of larger tensors."""
-        keep = owned_parameters(part.stages, plan.programs, self.worker, self.module)
-        seed = self._collective("the seed broadcast",
-                                lambda: _agreed_seed(self.world_size, self.group))
-        rest = keep
-        # a checkpoint resumed into the model (checkpoint.py), set aside until now
-        checkpoints = self.checkpoints
-        restore = checkpoints.take_restore() if checkpoints is not None else None
-        if self.init_weights is not None and restore is None:
-            # read, not drawn (runtime/pretrained.py); a resumed checkpoint overrides
-            rest = load_parameters(self.module, keep, self.init_weights, self.device_hint,
-                                   pieces)
-        if rest:
-            initialize_parameters(self.module, rest, seed, self.device_hint, pieces)
-        if restore is not None:  # only what this rank keeps
-            apply = restore.apply
-            self._collective("the checkpoint's restore", lambda: apply(
-                self.module, keep, self.optimizers(), pieces))
-
     def _predict_memory(self, part: Partition, args: tuple[Any, ...], kwargs: dict[str, Any],
                         plan: Plan, passes: BuildPasses | None) -> None:
         """Every rank's predicted bytes (collective), from the stages as they will run: with
@@ -390,23 +343,15 @@ class PipelineEngine:
             passes=passes, stage_units=part.stage_units, device_type=self.device_hint.type,
             measurers=self.tensor_parallel_size, worker=self.worker))
 
-    def _shard_stages(self, part: Partition, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> None:
-        """Shard every stage over this worker's T ranks by the tensor-parallel plan, then run
-        them once on the build's microbatch (collective over the T ranks): a model that cannot
-        run on local sizes fails here on every rank, naming the module. Every stage, not only
-        this worker's: a schedule that fetches stages (fsdp, fslpp) computes them all."""
+    def _shard_stages(self, part: Partition,
+                      check_call: tuple[tuple[Any, ...], dict[str, Any]] | None) -> None:
+        """Every stage sharded over this worker's T ranks (:func:`.weights.shard_stages`)."""
         if self.device_mesh is None or self.tensor_parallel_plan is None:
             raise StrategyConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs a tensor_parallel_plan "
                 "(module-name patterns to styles, or a function parallelize(stage, tp_mesh))")
-        tp_mesh = self.device_mesh.dimension(TENSOR_PARALLEL)
-        plan = self.tensor_parallel_plan
-        self._collective("the stages' sharding", lambda: parallelize_stages(
-            part.stages, plan, tp_mesh))
-        if not self.deferred:  # (the other workers' stages have no weights here to run)
-            self._collective("the sharded stages' check", lambda: check_sharded_stages(
-                part.stages, args, kwargs, self.tensor_parallel_size))
+        shard_stages(part.stages, self.tensor_parallel_plan,
+                     self.device_mesh.dimension(TENSOR_PARALLEL), check_call, self._collective)
 
     def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
         """Every worker's row of the start-up summary, each computed by its own rank from
