@@ -99,13 +99,20 @@ def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
     fit.callbacks.append(Shapes())
     fit.fit(model, _loader(world // T if world > 1 else 1), ckpt_path=ckpt_path)
     mesh = fit.strategy.device_mesh if world > 1 else None
-    report = getattr(fit.strategy, "memory_report", None)  # predicted and measured per rank
-    ratios = [] if report is None or report.predicted is None or report.measured is None else [
-        got.get("total", 0) / want.peak for want, got in zip(report.predicted, report.measured,
-                                                              strict=True)]
+    ratios = _memory_ratios(fit.strategy)
     state = _kept(model) if deferred else state_of(model)
     return state, (shapes, None if mesh is None else (
         tuple(mesh.shape), mesh.mesh_dim_names), ratios)
+
+
+def _memory_ratios(strategy: Any) -> list[float]:
+    """Per rank: the bytes the runtime accounted in the measured step over the start-up
+    prediction (the strategy's memory report); empty without one."""
+    report = getattr(strategy, "memory_report", None)
+    if report is None or report.predicted is None or report.measured is None:
+        return []
+    return [got.get("total", 0) / want.peak
+            for want, got in zip(report.predicted, report.measured, strict=True)]
 
 
 def _kept(model: Any) -> dict[str, torch.Tensor]:
@@ -226,10 +233,12 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
 
 
 def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None
-                       ) -> dict[str, torch.Tensor]:
-    """A model built without weights (``trainer.init_module()``): each rank initialises the
-    full tensors of its worker's parameters from the agreed seed (or reads them from
-    ``init_weights``), then keeps its shard."""
+                       ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """A model built without weights (``trainer.init_module()``): the stages are sharded on
+    the meta device, then each rank draws its worker's parameters from the agreed seed (or
+    reads its regions of them from ``init_weights``) and keeps its pieces. Returns them and the
+    memory ratios (measured / predicted per rank; the prediction sized the sharded stages on
+    meta tensors)."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
@@ -242,7 +251,7 @@ def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None
         model = LitGPT(shardable=True)
     assert all(p.is_meta for p in model.parameters())
     fit.fit(model, _loader(ctx.world_size // T))
-    return _kept(model)
+    return _kept(model), _memory_ratios(fit.strategy)
 
 
 @pytest.mark.parametrize("pretrained", [False, True], ids=["drawn", "read"])
@@ -271,7 +280,9 @@ def test_a_model_built_without_weights_trains_like_one_device(worlds: Any, tmp_p
     want = {n: p.detach() for n, p in model.named_parameters()}
     results = worlds.get(4).run(deferred_on_worker, init_weights)
     assert sum(assert_pieces_of(kept, want, rank, "deferred")
-               for rank, kept in enumerate(results)) > 0
+               for rank, (kept, _) in enumerate(results)) > 0
+    for rank, (_, ratios) in enumerate(results):  # as in the fits with weights
+        assert len(ratios) == 4 and all(0.85 <= r <= 1.25 for r in ratios), (rank, ratios)
 
 
 class ModelParallelGPT(LitGPT):

@@ -292,6 +292,8 @@ class PipelineEngine:
                 # pieces, one module's full tensors at a time, never its worker's whole stages
                 self._shard_stages(part, None)
                 pieces = pieces_of(self.module)
+                # sized on meta tensors, as the sharded stages will run
+                self._predict_memory(part, args, kwargs, plan, None)
             if self.deferred:  # weights for this rank's stages only (engine/weights.py)
                 seed = self._collective("the seed broadcast",
                                         lambda: agreed_seed(self.world_size, self.group))
@@ -307,10 +309,8 @@ class PipelineEngine:
                 # state loaded before the build (a resumed checkpoint) was made for full
                 # parameters
                 shard_optimizer_state(self.optimizers(), self.module)
-                if self.deferred:  # (the other workers' stages have no weights here to run)
-                    self.memory.unavailable = ("not predicted for a model built without "
-                                               "weights with tensor_parallel_size > 1 yet")
-                else:  # each rank's bytes are its shards': measured on worker 0's T ranks
+                if not self.deferred:  # each rank's bytes are its shards': measured on
+                    # worker 0's T ranks
                     self._predict_memory(part, args, kwargs, plan, None)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
