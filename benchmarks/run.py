@@ -47,6 +47,7 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         bench_pp_dp,
         bench_process_memory,
         bench_tp,
+        bench_tp_messages,
         bench_tune,
     )
 
@@ -62,6 +63,9 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         # W=2 as one worker of T=2: GeneralParallel's tensor-parallel stages against Lightning's
         # ModelParallelStrategy with the same plan; time ratio, peak bytes per rank in extra
         "tp_vs_lightning_model_parallel": bench_tp.run,
+        # W=4 as P=2 x T=2: one stage-boundary message worker 0 -> worker 1, per TP rank
+        # (ours) against once + a broadcast inside worker 1 (anchor); one row per size
+        "tp_messages": bench_tp_messages.run,
         "fidelity": bench_fidelity.run,
         "memory": bench_memory.run,
         # the bytes model at P=2 x G=2, W=4, both modes (quick: 1f1b; full: also zb-h1)
@@ -93,12 +97,16 @@ def _fmt_time(seconds: float | None, unit: str = "seconds") -> str:
         return "-"
     if unit == "bytes":
         return byte_text(seconds)
+    if seconds < 1e-3:  # a message's time (tp_messages): 0.1 ms steps would hide it
+        return f"{seconds * 1e6:.0f} us"
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
 def _cpu_cell(r: Result) -> str:
     if r.ours_cpu_s is None or r.anchor_cpu_s is None or r.cpu_ratio is None:
         return "-"
+    if max(r.ours_cpu_s, r.anchor_cpu_s) < 1e-2:  # per message: whole ms would hide it
+        return f"{r.cpu_ratio:.3f} ({r.ours_cpu_s * 1e6:.0f}/{r.anchor_cpu_s * 1e6:.0f} us)"
     return f"{r.cpu_ratio:.3f} ({r.ours_cpu_s * 1e3:.0f}/{r.anchor_cpu_s * 1e3:.0f} ms)"
 
 
