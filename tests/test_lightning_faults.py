@@ -170,11 +170,11 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 RESUMES = [
-    # (schedule, world, state_dict_type)
-    ("1f1b", 2, "full"),
+    # (schedule, world, state_dict_type): each schedule family and each checkpoint kind once
+    # (both kinds under both schedules took 74 s of the suite's budget; the kinds' own resume
+    # paths are checked across schedules in test_lightning_checkpoint.py)
     ("1f1b", 2, "sharded"),
     ("fslpp", 2, "full"),
-    ("fslpp", 2, "sharded"),
 ]
 
 
