@@ -23,6 +23,13 @@ categories by construction. On CUDA the engine also reports
 
     python -m benchmarks.bench_memory [--schedules 1f1b zbv]
     python -m benchmarks.bench_memory --pp-dp [--schedules 1f1b zb-h1]   # P=2 x G=2, W=4
+    python -m benchmarks.bench_memory --tp [--schedules 1f1b zbv]        # P=2 x T=2, W=4
+
+``memory[<schedule>+tp2]`` (:func:`run_tp`, issue 35): the same measurement with tensor
+parallelism, W=4 as P=2 workers x T=2 ranks; the benchmark GPT with q, k, v split
+(``shardable=True``) and ``benchmarks.bench_tp``'s plan (q, k, v and the MLP's first layer
+column-wise, the projections after them row-wise); a worker's two ranks read the same rows, so
+each worker runs the W=2 rows' pipeline on its shards.
 """
 
 from __future__ import annotations
@@ -39,24 +46,36 @@ STEPS = 3
 PP, DP = 2, 2  # the pipeline x data parallel rows (run_pp_dp): W = 4
 PP_DP_QUICK = ["1f1b"]
 PP_DP_FULL = ["1f1b", "zb-h1"]
+TP = 2  # the tensor-parallel rows (run_tp): P = PP workers x T = TP ranks, W = 4
+TP_QUICK = ["1f1b"]
+TP_FULL = ["1f1b", "zbv"]
 
 
 def memory_run(rank: int, world: int, rows: dict[str, dict[str, Any]], steps: int,
                per_rank: int) -> dict[str, Any]:
     """One fit per row in these processes (``rows``: label -> ``GeneralParallel`` keywords);
-    every rank's predicted and measured peaks."""
+    every rank's predicted and measured peaks.
+
+    With ``tensor_parallel_size`` T > 1 in a row's keywords: the GPT with q, k, v split
+    (``shardable=True``, what a column-wise shard needs) and each worker's T ranks reading the
+    same ``per_rank`` rows (worker ``rank // T`` of ``world // T``); T = 1 is the plain row."""
     import torch.distributed as dist
 
     from benchmarks.allocator_peak import ProfilerPeak
     from benchmarks.lit_runs import run_fit
-    from benchmarks.model import GPTShape
+    from benchmarks.model import BenchLit, GPTShape, rank_loader
     from lightning_gsched import GeneralParallel
 
     out = {}
+    shape = GPTShape()
     for label, keywords in rows.items():
         strategy = GeneralParallel(**keywords)
+        tp = keywords.get("tensor_parallel_size", 1)
+        model = BenchLit(shape.as_dict(), shardable=tp > 1)
+        loader = rank_loader(shape, per_rank, steps, rank // tp, world // tp)
         profiler = ProfilerPeak(batch=1)  # the second step, as the runtime's accounting
-        run_fit(strategy, rank, world, steps, per_rank, GPTShape(), [profiler])
+        run_fit(strategy, rank, world, steps, per_rank, shape, [profiler], model=model,
+                loader=loader)
         peaks: list[Any] = [None] * world
         dist.all_gather_object(peaks, profiler.peak)
         events: list[Any] = [None] * world
@@ -144,13 +163,36 @@ def run_pp_dp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
     return [_row(label, runs[label]) for label in rows]
 
 
+def tp_rows(schedules: list[str]) -> dict[str, dict[str, Any]]:
+    """``memory[<schedule>+tp2]``: P=2 workers x T=2 ranks on W=4, each worker's pipeline the
+    W=2 rows' (``microbatches`` 2P), every block sharded by ``benchmarks.bench_tp``'s plan."""
+    from benchmarks.bench_tp import plan
+
+    return {f"{name}+tp{TP}": {
+        "schedule": name, "microbatches": 2 * PP, "tensor_parallel_size": TP,
+        "tensor_parallel_plan": plan("core.")} for name in schedules}
+
+
+def run_tp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
+    """The bytes model with tensor parallelism (issue 35): the same measurement at W=4 = P=2 x
+    T=2, PER_RANK rows per worker, so that each worker runs the W=2 rows' global batch."""
+    rows = tp_rows(schedules or (TP_QUICK if quick else TP_FULL))
+    runs = launch("benchmarks.bench_memory:memory_run", PP * TP, rows=rows, steps=STEPS,
+                  per_rank=PER_RANK)
+    return [_row(label, runs[label]) for label in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="*")
-    parser.add_argument("--pp-dp", action="store_true",
+    family = parser.add_mutually_exclusive_group()
+    family.add_argument("--pp-dp", action="store_true",
                         help="the P=2 x G=2 rows (W=4, both modes) instead of the W=2 ones")
+    family.add_argument("--tp", action="store_true",
+                        help="the P=2 x T=2 tensor-parallel rows (W=4) instead of the W=2 ones")
     args = parser.parse_args()
-    for r in (run_pp_dp if args.pp_dp else run)(True, args.schedules):
+    fn = run_pp_dp if args.pp_dp else run_tp if args.tp else run
+    for r in fn(True, args.schedules):
         measured = "-" if r.ours_s is None else f"{r.ours_s / 2**20:7.2f} MiB"
         ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
         print(f"{r.name:22s} measured {measured}  predicted {r.anchor_s / 2**20:7.2f} MiB  "

@@ -70,6 +70,8 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "memory": bench_memory.run,
         # the bytes model at P=2 x G=2, W=4, both modes (quick: 1f1b; full: also zb-h1)
         "memory_pp_dp": bench_memory.run_pp_dp,
+        # the bytes model with tensor parallelism at P=2 x T=2, W=4 (quick: 1f1b; full: also zbv)
+        "memory_tp": bench_memory.run_tp,
         # full run only (several minutes, GiB of RAM): RSS of deferred fits on W=4 processes;
         # large_model also skips itself with less than 16 GiB available
         "memory_process": lambda q: [] if q else bench_process_memory.run_small(q),

@@ -75,3 +75,20 @@ def test_peak_figures_take_each_ranks_median_over_rounds_then_the_worst_rank() -
     assert figures == {"peak_bytes_ours_anchor": [[3 * mib, 4 * mib], [5 * mib, 4 * mib]],
                        "peak_ratio": 1.25, "peak_goal_met": False}
     assert peak_figures([[mib]], [[mib]])["peak_goal_met"]
+
+
+def test_memory_tp_rows_are_the_w2_pipeline_on_two_ranks_per_worker() -> None:
+    """``memory[<schedule>+tp2]`` (``bench_memory.tp_rows``): this row's plan, 2P microbatches
+    per step, T=2, and a plan valid at W=4 (the launch would otherwise fail at the first batch)."""
+    from benchmarks.bench_memory import PP, TP, TP_FULL, TP_QUICK, tp_rows
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.schedule.plan import plan as schedule_plan
+
+    rows = tp_rows(TP_FULL)
+    assert list(rows) == ["1f1b+tp2", "zbv+tp2"] and set(TP_QUICK) <= set(TP_FULL)
+    for keywords in rows.values():
+        assert keywords["tensor_parallel_plan"] == ours_strategy()["tensor_parallel_plan"]
+        assert keywords["tensor_parallel_size"] == TP == T and keywords["microbatches"] == 2 * PP
+        schedule_plan(keywords["schedule"], workers=PP * TP,
+                      microbatches=keywords["microbatches"], tensor_parallel_size=TP)
+        assert GeneralParallel(**keywords).tensor_parallel_plan is not None

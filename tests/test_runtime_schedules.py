@@ -297,6 +297,36 @@ def train_check(ctx: WorkerContext, schedule: str, model_name: str, steps: int) 
     return out
 
 
+def close_check(ctx: WorkerContext) -> dict[str, Any]:
+    """One 1f1b step (it sends, so the send releaser's thread starts), then ``close``: whether
+    the thread ended and the executor, with its flat buffers, was freed."""
+    import gc
+    import threading
+    import weakref
+
+    def releasers() -> list[threading.Thread]:  # the thread's name: runtime/transport.py
+        return [t for t in threading.enumerate() if t.name == "gsched-send-release"]
+
+    _, batch, loss_fn, _, ex = setup(ctx, "1f1b", "gpt", None)
+    ex.step(calls(batch), loss_fn)
+    threads = releasers()
+    ref = weakref.ref(ex)
+    ex.close()
+    del ex
+    for thread in threads:
+        thread.join(timeout=10)
+    gc.collect()
+    return {"started": len(threads) == 1, "thread_alive": any(t.is_alive() for t in threads),
+            "executor_alive": ref() is not None}
+
+
+def test_close_ends_the_send_thread_and_frees_the_executor(worlds):
+    """A closed executor must not outlive its fit: the send releaser's thread held it (and every
+    flat buffer) forever, so a second fit in the process counted the first one's bytes."""
+    for rank, r in enumerate(worlds.get(2).run(close_check)):
+        assert r == {"started": True, "thread_alive": False, "executor_alive": False}, rank
+
+
 @pytest.mark.parametrize("schedule", ["fsdp", "lpp", "fslpp"])
 def test_training_steps_follow_single_process(worlds, schedule):
     """Three steps with SGD between them (fetches must carry the updated weights, replicas stay
