@@ -101,8 +101,12 @@ def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
     mesh = fit.strategy.device_mesh if world > 1 else None
     ratios = _memory_ratios(fit.strategy)
     state = _kept(model) if deferred else state_of(model)
+    # the model after the run, in a plain forward of its own: whole again, no sharded layer's
+    # hooks left (they would turn its inputs into DTensors)
+    with torch.no_grad():
+        after = None if deferred else model(tokens(2, seed=9))
     return state, (shapes, None if mesh is None else (
-        tuple(mesh.shape), mesh.mesh_dim_names), ratios)
+        tuple(mesh.shape), mesh.mesh_dim_names), ratios, after)
 
 
 def _memory_ratios(strategy: Any) -> list[float]:
@@ -147,35 +151,42 @@ def fits_on_worker(ctx: WorkerContext, tmp: str) -> list[tuple[dict, Any]]:
         strategy = GeneralParallel(schedule, microbatches=4, tensor_parallel_size=T,
                                    tensor_parallel_plan=PLAN)
         out.append(_fit(ctx.world_size, strategy, f"{tmp}/{schedule}"))
+    # "auto" on the W / T = 2 workers, its profiles measured on sharded stages by ranks 0, 1
+    auto = GeneralParallel("auto", tensor_parallel_size=T, tensor_parallel_plan=PLAN)
+    out.append(_fit(ctx.world_size, auto, f"{tmp}/auto"))
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def reference() -> tuple[dict, list, dict]:
+def reference() -> tuple[dict, list, dict, torch.Tensor]:
     tmp = tempfile.mkdtemp()
-    state, (shapes, _, _) = _fit(1, "auto", tmp)
-    return state, csv_metric(tmp, "train_loss"), shapes
+    state, (shapes, _, _, after) = _fit(1, "auto", tmp)
+    return state, csv_metric(tmp, "train_loss"), shapes, after
 
 
 def test_pipeline_of_tensor_parallel_workers_fits_like_one_device(worlds: Any,
                                                                    tmp_path: Any) -> None:
-    want, want_log, full_shapes = reference()
+    want, want_log, full_shapes, want_after = reference()
     results = worlds.get(4).run(fits_on_worker, str(tmp_path))
     for rank, per_schedule in enumerate(results):
-        for schedule, (state, (shapes, mesh, ratios)) in zip(SCHEDULES, per_schedule,
-                                                              strict=True):
+        state, (_, mesh, _, _) = per_schedule.pop()  # "auto": its pick's G is its own
+        assert_same_state(state, want, f"auto, rank {rank}")
+        assert mesh[0][2] == T and mesh[1][2] == "tensor_parallel", (rank, mesh)
+        for schedule, (state, (shapes, mesh, ratios, after)) in zip(SCHEDULES, per_schedule,
+                                                                     strict=True):
             label = f"{schedule}, rank {rank}"
             # the bytes model, from the sharded stages, against the runtime's own accounting
             # of what each rank held (the memory report's measured step): every rank
             assert len(ratios) == 4 and all(0.85 <= r <= 1.25 for r in ratios), (label, ratios)
             assert_same_state(state, want, label)
+            torch.testing.assert_close(after, want_after, rtol=1e-5, atol=1e-5, msg=label)
             assert mesh == ((2, 1, 2), ("pipeline", "data_parallel", "tensor_parallel")), label
             assert shapes, label  # each worker holds some sharded layer
             for name, shape in shapes.items():  # column-wise: rows halved; row-wise: columns
                 full = full_shapes[name]
                 halved = 0 if "attn.q" in name else 1
                 assert shape[halved] == full[halved] // T, (label, name, shape, full)
-    for schedule in SCHEDULES:
+    for schedule in [*SCHEDULES, "auto"]:
         got = csv_metric(str(tmp_path / schedule), "train_loss")
         assert [s for s, _ in got] == [s for s, _ in want_log], schedule
         torch.testing.assert_close(torch.tensor([v for _, v in got]),
@@ -217,7 +228,7 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
                                                                        kind: str) -> None:
     from lightning_gsched.engine.checkpoint_sharded import load
 
-    after_epoch, _, _ = reference()  # one epoch is STEPS batches
+    after_epoch = reference()[0]  # one epoch is STEPS batches
     states = worlds.get(4).run(save_and_resume_on_worker, str(tmp_path), kind)
     path = tmp_path / "ckpt" / "last.ckpt"
     # read here, in one process: a sharded directory's pieces come back as full tensors

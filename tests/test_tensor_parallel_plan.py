@@ -299,12 +299,31 @@ def test_a_size_that_does_not_divide_the_ranks_is_refused_at_setup() -> None:
     assert strategy.schedule_config.training_plan(8).workers == 2  # W / T
 
 
-def test_auto_with_tensor_parallelism_is_refused_by_name() -> None:
+def test_auto_keeps_the_users_tensor_parallel_size_and_checks_it() -> None:
+    """``"auto"`` with T: T is the user's (the tuner plans the W / T workers), checked at
+    setup like a named schedule's; a cut by each rank's own timings is refused before any
+    collective (worker 0's ranks profile each cut together, so they must cut alike)."""
     from lightning_gsched import GeneralParallel
+    from lightning_gsched.engine.auto import TensorParallelTuning, choose_schedule
+    from lightning_gsched.engine.options import PartitionOptions
 
-    with pytest.raises(ScheduleConfigError, match="does not search tensor parallelism"):
-        GeneralParallel("auto", tensor_parallel_size=2,
-                        tensor_parallel_plan={"blocks.*.attn.q": "colwise"})
+    plan = {"blocks.*.attn.q": "colwise"}
+    config = GeneralParallel("auto", tensor_parallel_size=2,
+                             tensor_parallel_plan=plan).schedule_config
+    assert config.tensor_parallel_size == 2 and config.is_auto
+    config.check(8)
+    with pytest.raises(ScheduleConfigError, match="tensor_parallel_size=2 does not divide the W=7"):
+        config.check(7)
+    fixed_g = GeneralParallel("auto", data_parallel_size=3, tensor_parallel_size=2,
+                              tensor_parallel_plan=plan).schedule_config
+    with pytest.raises(ScheduleConfigError, match="data_parallel_size=3 does not divide the W=4"):
+        fixed_g.check(8)  # G must divide the W / T = 4 workers
+    model = make_gpt(0, shardable=True)
+    args = gpt_inputs(2)
+    with pytest.raises(StrategyConfigError, match="balance='time'"):
+        choose_schedule(model, config, PartitionOptions(balance="time"), args, {}, loss_fn=None,
+                        global_rows=8, optimizers=[], world_size=4, rank=0,
+                        tensor_parallel=TensorParallelTuning(2, plan, "cpu", 10.0))
 
 
 def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Literal, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from torch import nn
 from lightning_gsched.engine.config import AutoRequest, ScheduleConfig
 from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.memory_report import optimizer_bytes_factor
+from lightning_gsched.engine.mesh import first_worker_mesh
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.errors import (
     CalibrationError,
@@ -41,7 +43,9 @@ from lightning_gsched.errors import (
     StrategyConfigError,
 )
 from lightning_gsched.measure.build_passes import BuildPasses
-from lightning_gsched.measure.tune_profile import tune_model
+from lightning_gsched.measure.tune_profile import ShardStages, follow_tuning, tune_model
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, parallelize_stages
+from lightning_gsched.partition.tensor_parallel_state import gather_shards
 from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
@@ -90,20 +94,42 @@ _Outcome = (tuple[Literal["ok"], ScheduleConfig, str, TuneResult]
             | tuple[Literal["pending"]])
 
 
+@dataclass(frozen=True)
+class TensorParallelTuning:
+    """``tensor_parallel_size`` T > 1 under ``"auto"``: the tuner plans the W / T workers and
+    profiles each stage count's stages sharded by the user's ``plan`` over worker 0's T ranks
+    (their seconds include the layers' collectives, their bytes are a rank's). ``timeout``: the
+    most those ranks wait for each other in a collective (the strategy's ``step_timeout``)."""
+
+    size: int
+    plan: TensorParallelPlan
+    device_type: str
+    timeout: float
+
+
 def choose_schedule(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
                     args: tuple[Any, ...], kwargs: dict[str, Any], *,
                     loss_fn: Callable[[Any], torch.Tensor] | None,
                     global_rows: int, optimizers: Sequence[Any], world_size: int, rank: int,
                     forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
-                    group: Any = None, passes: BuildPasses | None = None) -> None:
+                    group: Any = None, passes: BuildPasses | None = None,
+                    tensor_parallel: TensorParallelTuning | None = None) -> None:
     """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
     (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
 
     ``args``/``kwargs``: the model's call on one microbatch (the probe's); ``global_rows``: the
     rows of the global batch the plan will cut into microbatches. ``passes``: where rank 0
-    keeps the tuner's measuring passes for the build's memory report.
+    keeps the tuner's measuring passes for the build's memory report. ``tensor_parallel``:
+    the stages are profiled sharded, by ranks 0 .. T - 1 together (rank 0 tunes, the others
+    run the same profiles: :func:`~lightning_gsched.measure.tune_profile.follow_tuning`).
     """
     outcome: _Outcome
+    T = tensor_parallel.size if tensor_parallel is not None else 1
+    if T > 1 and options.balance == "time":  # every rank alike, before any collective
+        raise StrategyConfigError(
+            "schedule='auto' with tensor_parallel_size > 1 profiles each cut on worker 0's "
+            "ranks together, which must cut the model alike; balance='time' cuts by each "
+            "rank's own timings. Use balance='params' (the default) or a list of units")
     # every rank measures the runtime's costs on the job's own process group (collective)
     refused = None
     try:
@@ -111,19 +137,30 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     except CalibrationError as exc:  # raised on every rank alike (figures averaged over ranks)
         # a busy machine must not stop the run: rank the candidates with the default costs
         costs, refused = DEFAULT_COSTS, str(exc)
-    if rank == 0:
-        try:
-            outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
-                                      global_rows, optimizer_bytes_factor(optimizers),
-                                      world_size, forward_context, costs, passes))
-        except GschedError as exc:
-            outcome = ("error", type(exc), f"schedule='auto': {exc}", exc)
-        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
-            outcome = ("error", StrategyConfigError,
-                       f"schedule='auto': rank 0 failed while profiling the model for the tuner: "
-                       f"{type(exc).__name__}: {exc}", exc)
-    else:
-        outcome = ("pending",)
+    factor = optimizer_bytes_factor(optimizers)
+    with _profiling_mesh(tensor_parallel, world_size) as tp_mesh:
+        shard = None
+        if tensor_parallel is not None and tp_mesh is not None:
+            shard = _sharded_while_measured(module, tensor_parallel.plan, tp_mesh)
+        if rank == 0:
+            try:
+                outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
+                                          global_rows, factor, world_size // T,
+                                          forward_context, costs, passes, shard, T))
+            except GschedError as exc:
+                outcome = ("error", type(exc), f"schedule='auto': {exc}", exc)
+            except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+                outcome = ("error", StrategyConfigError,
+                           f"schedule='auto': rank 0 failed while profiling the model for the "
+                           f"tuner: {type(exc).__name__}: {exc}", exc)
+        else:
+            if shard is not None:  # worker 0's other ranks: the same sharded profiles
+                try:
+                    _follow(module, config, options, args, kwargs, loss_fn, global_rows,
+                            factor, world_size // T, forward_context, shard)
+                except Exception:  # noqa: BLE001, S110 - rank 0's outcome (below) is everyone's
+                    pass
+            outcome = ("pending",)
     if world_size > 1:
         # an error's exception object stays on rank 0, as the cause of the one raised there
         box: list[Any] = [outcome[:3] if outcome[0] == "error" else outcome]
@@ -139,31 +176,89 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
                                "tuner ranked with the default costs (DEFAULT_COSTS)")
 
 
+@contextmanager
+def _profiling_mesh(tensor_parallel: TensorParallelTuning | None, world_size: int
+                    ) -> Iterator[Any]:
+    """Worker 0's tensor-parallel mesh while the tuner profiles (None: no tensor parallelism,
+    or a rank outside worker 0); collective, released afterwards."""
+    if tensor_parallel is None or tensor_parallel.size == 1:
+        yield None
+        return
+    with first_worker_mesh(tensor_parallel.device_type, world_size, tensor_parallel.size,
+                           tensor_parallel.timeout) as mesh:
+        yield mesh
+
+
+def _sharded_while_measured(module: nn.Module, plan: TensorParallelPlan, tp_mesh: Any
+                            ) -> ShardStages:
+    """The tuner's ``shard``: a cut's stages sharded by ``plan`` over ``tp_mesh`` while they
+    are measured, then every parameter of ``module`` whole again (its values exact: the
+    pieces were cut from them), before the next cut."""
+    @contextmanager
+    def sharded(stages: Sequence[nn.Module]) -> Iterator[None]:
+        parallelize_stages(stages, plan, tp_mesh)
+        try:
+            yield
+        finally:
+            gather_shards(module)
+
+    return sharded
+
+
+def _search(config: ScheduleConfig, options: PartitionOptions) -> dict[str, Any]:
+    """What the user fixed of the search, and the partition options: the keywords
+    :func:`tune_model` and :func:`follow_tuning` share."""
+    request = _request(config)
+    return dict(checkpoint=(True,) if request.checkpoint else (False, True),
+                stages=request.stages or _stages_fixed_by(options),
+                micro=request.microbatches, R=request.R, replicas=request.data_parallel_size,
+                balance=options.balance, leaf_modules=options.leaf_modules,
+                split_points=options.split_points, static_shapes=options.static_shapes)
+
+
+@contextmanager
+def _profiling(module: nn.Module,
+               forward_context: Callable[[], AbstractContextManager[Any]] | None
+               ) -> Iterator[None]:
+    """The user's forward context around the profiles; the ``.grad`` their backwards touch
+    given back."""
+    grads = [(p, p.grad) for p in module.parameters()]
+    try:
+        with forward_context() if forward_context is not None else nullcontext():
+            yield
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+
+
+def _follow(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
+            args: tuple[Any, ...], kwargs: dict[str, Any],
+            loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int, factor: float,
+            workers: int, forward_context: Callable[[], AbstractContextManager[Any]] | None,
+            shard: ShardStages) -> None:
+    """Worker 0's ranks but rank 0: rank 0's profiles, in step with it."""
+    with _profiling(module, forward_context):
+        follow_tuning(module, args, workers, global_rows, shard, kwargs=kwargs,
+                      loss_fn=loss_fn, optimizer_factor=factor, **_search(config, options))
+
+
 def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
             args: tuple[Any, ...], kwargs: dict[str, Any],
             loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int,
             factor: float, workers: int,
             forward_context: Callable[[], AbstractContextManager[Any]] | None,
             costs: RuntimeCosts = DEFAULT_COSTS, passes: BuildPasses | None = None,
+            shard: ShardStages | None = None, tensor_parallel_size: int = 1,
             ) -> tuple[ScheduleConfig, str, TuneResult]:
     """Rank 0's part: tune; the pick as a checked config, the text that explains it, and
-    every verdict."""
+    every verdict. ``workers``: the schedule's (W / T); ``shard``: see :func:`tune_model`."""
     request = _request(config)
-    grads = [(p, p.grad) for p in module.parameters()]  # profiling backwards touch .grad
     start = time.perf_counter()
-    try:
-        with forward_context() if forward_context is not None else nullcontext():
-            result = tune_model(
-                module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
-                budget=request.memory_budget, optimizer_factor=factor, costs=costs,
-                checkpoint=(True,) if request.checkpoint else (False, True),
-                stages=request.stages or _stages_fixed_by(options), micro=request.microbatches,
-                R=request.R, replicas=request.data_parallel_size, top=TABLE_ROWS, passes=passes,
-                balance=options.balance, leaf_modules=options.leaf_modules,
-                split_points=options.split_points, static_shapes=options.static_shapes)
-    finally:
-        for p, grad in grads:
-            p.grad = grad
+    with _profiling(module, forward_context):
+        result = tune_model(
+            module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
+            budget=request.memory_budget, optimizer_factor=factor, costs=costs,
+            top=TABLE_ROWS, passes=passes, shard=shard, **_search(config, options))
     seconds = time.perf_counter() - start
     best = result.best
     if best is None:
@@ -173,7 +268,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
             f"{global_rows} rows ({dropped or 'no candidates'}). Loosen stages=/microbatches=/"
             "R=/data_parallel_size="
         )
-    chosen = pick_as_config(best, result)
+    chosen = pick_as_config(best, result, tensor_parallel_size)
     return chosen, _text(result, best, chosen, seconds, loss_fn is not None, costs), result
 
 
@@ -186,13 +281,15 @@ def _stages_fixed_by(options: PartitionOptions) -> int | None:
     return None
 
 
-def pick_as_config(best: Verdict, result: TuneResult) -> ScheduleConfig:
+def pick_as_config(best: Verdict, result: TuneResult, tensor_parallel_size: int = 1
+                   ) -> ScheduleConfig:
     """The pick as arguments: what the user would have written (G and the mode included),
     plus the measured costs; the very arguments the tuner planned it with
-    (``candidate_arguments``), but the tied weights, which the engine records from the
-    partition it builds (``ScheduleConfig.set_ties``)."""
+    (``candidate_arguments``) on the W / T workers, but the tied weights, which the engine
+    records from the partition it builds (``ScheduleConfig.set_ties``)."""
     c = best.candidate
-    arguments = candidate_arguments(c, result.profiles[c.stages]).replace(ties=None)
+    arguments = candidate_arguments(c, result.profiles[c.stages]).replace(
+        ties=None, tensor_parallel_size=tensor_parallel_size)
     return ScheduleConfig(arguments=arguments)
 
 
@@ -215,8 +312,12 @@ def _text(result: TuneResult, best: Verdict, chosen: ScheduleConfig, seconds: fl
     ckpt = ", checkpoint_activations=True" if pick.checkpoint_activations else ""
     ckpt = (f", cap={best.candidate.cap}" if best.candidate.cap is not None else "") + ckpt
     assert best.step_time is not None and best.peak is not None
+    T = pick.tensor_parallel_size
+    who = "rank 0" if T == 1 else f"ranks 0-{T - 1} (worker 0, stages sharded {T} ways)"
+    if T > 1:
+        R += f", tensor_parallel_size={T}"
     return "\n".join([
-        f"schedule='auto': rank 0 profiled the model at S = {counts} on one microbatch "
+        f"schedule='auto': {who} profiled the model at S = {counts} on one microbatch "
         f"of {profile.rows} row{'' if profile.rows == 1 else 's'} in {seconds:.1f} s (loss: "
         f"{'your step' if user_loss else 'the sum of the output'})",
         f"runtime costs ({'measured on this job' if costs is not DEFAULT_COSTS else 'defaults'}"

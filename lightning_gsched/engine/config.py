@@ -28,7 +28,7 @@ from typing import Any
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import ScheduleArguments
-from lightning_gsched.schedule.data_parallel import pipeline_size
+from lightning_gsched.schedule.data_parallel import pipeline_size, tensor_parallel_workers
 from lightning_gsched.schedule.plan import (
     Plan,
     check_plan_arguments,
@@ -42,7 +42,7 @@ from lightning_gsched.schedule.tune import TuneResult
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, G and mode, S, B, R, cap, ckpt
 # what "auto" lets a user fix (constraints of the search); every other argument it decides
 AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations",
-                    "data_parallel_size")
+                    "data_parallel_size", "tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class AutoRequest:
     """What ``schedule="auto"`` was asked for: the search's constraints and the memory budget.
 
     ``microbatches``: B per data-parallel replica, as ``plan()`` counts it; ``data_parallel_size``:
-    G (None: the tuner searches the divisors of W, and the mode)."""
+    G (None: the tuner searches the divisors of W, and the mode); ``tensor_parallel_size``: T,
+    the user's (the tuner plans the W / T workers, profiling the stages sharded T ways)."""
 
     stages: int | None = None
     microbatches: int | None = None
@@ -58,6 +59,7 @@ class AutoRequest:
     checkpoint: bool = False  # True: only checkpointed candidates
     memory_budget: int | None = None  # bytes per rank
     data_parallel_size: int | None = None
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -131,6 +133,7 @@ class ScheduleConfig:
         R divides W (or, with a fixed G, each replica's W / G workers)."""
         assert self.auto is not None
         R, G = self.auto.R, self.auto.data_parallel_size
+        workers = tensor_parallel_workers(workers, self.auto.tensor_parallel_size)
         if G is not None:
             try:
                 pipeline_size(workers, G)
@@ -204,8 +207,12 @@ class ScheduleConfig:
 
     @property
     def tensor_parallel_size(self) -> int:
-        """T: each pipeline worker is T ranks sharing its stages' layers ("auto": 1)."""
-        return 1 if self.arguments is None else self.arguments.tensor_parallel_size
+        """T: each pipeline worker is T ranks sharing its stages' layers (``"auto"``: the
+        user's, never searched)."""
+        if self.arguments is None:
+            assert self.auto is not None
+            return self.auto.tensor_parallel_size
+        return self.arguments.tensor_parallel_size
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
@@ -285,12 +292,6 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise TypeError(f"unexpected schedule arguments {unknown}")
-    if given.get("tensor_parallel_size", 1) != 1:
-        raise ScheduleConfigError(
-            f"schedule='auto' does not search tensor parallelism yet, so "
-            f"tensor_parallel_size={given['tensor_parallel_size']!r} cannot be combined with it: "
-            "name a schedule (e.g. schedule='1f1b', tensor_parallel_size=2), or drop "
-            "tensor_parallel_size to let 'auto' choose among pipeline and data-parallel plans")
     conflicts = [f"{name}={value!r}" for name, value in given.items()
                  if name not in AUTO_CONSTRAINTS and value != defaults[name]]
     if conflicts:
@@ -299,7 +300,8 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
             f"measures the stage costs itself; {', '.join(conflicts)} would decide part of "
             f"that. Drop {'it' if len(conflicts) == 1 else 'them'}, or name a schedule (e.g. "
             "schedule='1f1b') to set them yourself. With 'auto' you may fix stages=, "
-            "microbatches=, R=, data_parallel_size= and checkpoint_activations=True"
+            "microbatches=, R=, data_parallel_size=, tensor_parallel_size= and "
+            "checkpoint_activations=True"
         )
     stages = validate.optional_positive_int("stages", given.get("stages"))
     micro = validate.optional_positive_int("microbatches", given.get("microbatches"), "8")
@@ -312,7 +314,8 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
             "schedule='auto': give True (only checkpointed candidates) or False (the "
             "tuner tries both); per-stage lists need a fixed schedule and S"
         )
-    return AutoRequest(stages, micro, R, checkpoint, budget, G)
+    T = validate.positive_int("tensor_parallel_size", given.get("tensor_parallel_size", 1), "2")
+    return AutoRequest(stages, micro, R, checkpoint, budget, G, T)
 
 
 def _data_parallel_size(size: Any) -> int | None:

@@ -25,7 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gsched.engine.auto import choose_schedule, probe_parts, step_loss_fn
+from lightning_gsched.engine.auto import (
+    TensorParallelTuning,
+    choose_schedule,
+    probe_parts,
+    step_loss_fn,
+)
 from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
 from lightning_gsched.engine.checkpoint import CheckpointService
 from lightning_gsched.engine.config import ScheduleConfig
@@ -268,7 +273,7 @@ class PipelineEngine:
                                 global_rows=global_rows, optimizers=self.optimizers(),
                                 world_size=self.world_size, rank=self.rank,
                                 forward_context=self.forward_context, group=self.group,
-                                passes=passes)
+                                passes=passes, tensor_parallel=self._tensor_parallel_tuning())
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
@@ -346,12 +351,26 @@ class PipelineEngine:
     def _shard_stages(self, part: Partition,
                       check_call: tuple[tuple[Any, ...], dict[str, Any]] | None) -> None:
         """Every stage sharded over this worker's T ranks (:func:`.weights.shard_stages`)."""
-        if self.device_mesh is None or self.tensor_parallel_plan is None:
+        if self.device_mesh is None:
+            raise StrategyConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs the strategy's device "
+                "mesh, which this engine was built without")
+        shard_stages(part.stages, self._tensor_parallel_plan(),
+                     self.device_mesh.dimension(TENSOR_PARALLEL), check_call, self._collective)
+
+    def _tensor_parallel_plan(self) -> TensorParallelPlan:
+        if self.tensor_parallel_plan is None:
             raise StrategyConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs a tensor_parallel_plan "
                 "(module-name patterns to styles, or a function parallelize(stage, tp_mesh))")
-        shard_stages(part.stages, self.tensor_parallel_plan,
-                     self.device_mesh.dimension(TENSOR_PARALLEL), check_call, self._collective)
+        return self.tensor_parallel_plan
+
+    def _tensor_parallel_tuning(self) -> TensorParallelTuning | None:
+        """What ``"auto"`` needs to profile the stages sharded (None without T > 1)."""
+        if self.tensor_parallel_size == 1:
+            return None
+        return TensorParallelTuning(self.tensor_parallel_size, self._tensor_parallel_plan(),
+                                    self.device_hint.type, self.timeout)
 
     def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
         """Every worker's row of the start-up summary, each computed by its own rank from

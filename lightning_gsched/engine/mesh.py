@@ -22,7 +22,9 @@ it at its build, right after the pick, and reading it earlier raises a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
@@ -137,8 +139,40 @@ class DeviceMeshSlot:
         meshes = [mesh, *self._submeshes.values()] if mesh is not None else []
         self._submeshes = {}
         if mesh is not None:
-            destroy_groups(list(mesh.get_all_groups()))
-        for each in meshes:
-            registry = getattr(each, "_pg_registry", None)  # torch's, see above
-            if isinstance(registry, dict):
-                registry.clear()
+            _release(meshes, list(mesh.get_all_groups()))
+
+
+def _release(meshes: list[DeviceMesh], groups: list[Any]) -> None:
+    """Destroy ``groups`` and empty the meshes' group registries (:meth:`DeviceMeshSlot.abort`
+    says why both)."""
+    destroy_groups(groups)
+    for each in meshes:
+        registry = getattr(each, "_pg_registry", None)  # torch's
+        if isinstance(registry, dict):
+            registry.clear()
+
+
+@contextmanager
+def first_worker_mesh(device_type: str, world_size: int, tensor_parallel_size: int,
+                      timeout: float) -> Iterator[DeviceMesh | None]:
+    """Worker 0's tensor-parallel group (ranks 0 .. T - 1) as a one-dimensional mesh, for
+    ``schedule="auto"`` to profile its stages sharded as they will run, before the tuner's
+    pick decides G and so the run's mesh (collective: every rank enters; the others get None).
+
+    The group waits at most ``timeout`` seconds in a collective (a peer that failed cannot keep
+    the others waiting for the backend's default half hour), and is destroyed on the way out:
+    each gloo group keeps a thread."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = list(range(tensor_parallel_size))
+    group = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
+    if dist.get_rank() not in ranks:
+        yield None
+        return
+    mesh = DeviceMesh.from_group(group, device_type, mesh=ranks,
+                                 mesh_dim_names=(TENSOR_PARALLEL,))
+    try:
+        yield mesh
+    finally:
+        _release([mesh], [group])

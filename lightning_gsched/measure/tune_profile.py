@@ -12,6 +12,7 @@ one more timing on half the rows gives the shares.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,11 +21,11 @@ from torch.utils import _pytree as pytree
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.measure.profile import Kind
 from lightning_gsched.measure.stage_pass import measure_stages
-from lightning_gsched.partition.api import partition
+from lightning_gsched.partition.api import Partition, partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
-from lightning_gsched.schedule.tune import TOP, StageProfile, TuneResult, tune
+from lightning_gsched.schedule.tune import TOP, StageProfile, TuneResult, candidates, tune
 
 
 def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -63,21 +64,39 @@ def fixed_shares(full: Sequence[float], part: Sequence[float], share: float
     return tuple(out)
 
 
+# the stages as they will run, for the span of a measurement: e.g. sharded over a worker's
+# tensor-parallel ranks (engine/auto.py), made whole again on the way out
+ShardStages = Callable[[Sequence[torch.nn.Module]], AbstractContextManager[Any]]
+
+
 def stage_profile(model: torch.nn.Module, stages: int, args: tuple[Any, ...],
                   kwargs: dict[str, Any] | None = None,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   optimizer_factor: float = 0.0, repeats: int = 3,
-                  passes: BuildPasses | None = None, **partition_options: Any) -> StageProfile:
+                  passes: BuildPasses | None = None, shard: ShardStages | None = None,
+                  **partition_options: Any) -> StageProfile:
     """``model`` cut into ``stages`` stages, measured on the microbatch ``args``/``kwargs``.
 
     ``loss_fn(output) -> scalar``: the loss of the last stage (timed and sized with it).
     ``optimizer_factor``: optimizer-state bytes per parameter byte (2 for Adam).
     ``passes``: where the measuring pass is kept for later consumers (the memory report).
+    ``shard``: the stages as they will run while they are measured (tensor-parallel shards:
+    their seconds include the layers' collectives, their bytes are a rank's).
     ``partition_options``: as :func:`partition` takes them (``balance``, ``leaf_modules``...).
     """
     kwargs = kwargs or {}
     # a measurement, not the split that trains: the engine verifies the one it builds
     part = partition(model, stages, args, kwargs, **{"verify": False, **partition_options})
+    with shard(part.stages) if shard is not None else nullcontext():
+        return _measured_profile(part, stages, args, kwargs, loss_fn, optimizer_factor,
+                                 repeats, passes)
+
+
+def _measured_profile(part: Partition, stages: int, args: tuple[Any, ...],
+                      kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+                      optimizer_factor: float, repeats: int,
+                      passes: BuildPasses | None) -> StageProfile:
+    """:func:`stage_profile`'s measurement of the cut ``part``."""
     rows = _rows(args, kwargs)
     # the row shares below compare seconds without the loss: the last stage is timed so too
     unlossed: tuple[Kind, ...] = ("unlossed",) if rows >= 2 and loss_fn is not None else ()
@@ -117,7 +136,8 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
                checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,
                stages: int | None = None, micro: int | None = None, R: int | None = None,
                replicas: int | None = None, top: int | None = TOP,
-               passes: BuildPasses | None = None, **partition_options: Any) -> TuneResult:
+               passes: BuildPasses | None = None, shard: ShardStages | None = None,
+               **partition_options: Any) -> TuneResult:
     """Rank the library configurations for ``model`` on ``workers`` ranks (``gsched tune``).
 
     ``args``/``kwargs``: one microbatch (its rows are the profile's; other microbatch sizes are
@@ -133,6 +153,9 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
     The model is profiled once per stage count the candidates need, with its buffers and the
     RNG restored afterwards; ``partition_options`` go to :func:`partition`. ``passes``: where
     each stage count's measuring pass is kept (the engine's memory report reuses them).
+    ``shard``: the stages as they will run while measured (:func:`stage_profile`); then every
+    stage count is profiled up front, so that peers in :func:`follow_tuning` run the same
+    profiles in the same order.
     """
     limit = None if budget is None else validate.byte_size("memory_budget", budget)
     profiles: dict[int, StageProfile] = {}
@@ -142,9 +165,40 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
             with preserved_tensors_and_rng(model):
                 profiles[count] = stage_profile(model, count, args, kwargs, loss_fn,
                                                 optimizer_factor, repeats, passes=passes,
-                                                **partition_options)
+                                                shard=shard, **partition_options)
         return profiles[count]
 
+    if shard is not None:  # every stage count now, in the order follow_tuning's ranks take
+        for count in tuned_stage_counts(workers, global_rows, schedules, checkpoint,
+                                        stages=stages, micro=micro, R=R, replicas=replicas):
+            profile_of(count)
     return tune(workers, global_rows, profile_of, budget=limit, costs=costs,
                 schedules=schedules, checkpoint=checkpoint, stages=stages, micro=micro, R=R,
                 replicas=replicas, top=top)
+
+
+def tuned_stage_counts(workers: int, global_rows: int, schedules: Sequence[str] | None,
+                       checkpoint: Sequence[bool], *, stages: int | None, micro: int | None,
+                       R: int | None, replicas: int | None) -> list[int]:
+    """Every stage count a candidate of the search has, ascending: the profiles
+    :func:`tune_model` may ask for (it asks lazily unless the stages are sharded)."""
+    found = candidates(workers, global_rows, schedules, checkpoint, stages=stages, micro=micro,
+                       R=R, replicas=replicas)
+    return sorted({c.stages for c in found})
+
+
+def follow_tuning(model: torch.nn.Module, args: tuple[Any, ...], workers: int,
+                  global_rows: int, shard: ShardStages, kwargs: dict[str, Any] | None = None,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  optimizer_factor: float = 2.0, schedules: Sequence[str] | None = None,
+                  checkpoint: Sequence[bool] = (False, True), repeats: int = 3, *,
+                  stages: int | None = None, micro: int | None = None, R: int | None = None,
+                  replicas: int | None = None, **partition_options: Any) -> None:
+    """A tensor-parallel peer of the rank running :func:`tune_model` with the same arguments
+    and ``shard``: the same profiles in the same order, so that each sharded layer's
+    collectives meet their counterparts there; the measurements are that rank's to keep."""
+    for count in tuned_stage_counts(workers, global_rows, schedules, checkpoint, stages=stages,
+                                    micro=micro, R=R, replicas=replicas):
+        with preserved_tensors_and_rng(model):
+            stage_profile(model, count, args, kwargs, loss_fn, optimizer_factor, repeats,
+                          shard=shard, **partition_options)

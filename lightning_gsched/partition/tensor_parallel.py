@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union, cast
 
 import torch
 from torch import nn
@@ -191,7 +192,8 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
     originals = _parameters_of(stages)
     if callable(plan):
         for stage in stages:
-            plan(stage, mesh)
+            with _style_hooks_recorded(stage):
+                plan(stage, mesh)
             keep_shards_local(stage, originals)
         return [{} for _ in stages]
     if not isinstance(plan, Mapping):
@@ -208,7 +210,8 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
         todo = {n: s for n, s in found.items() if id(stage_modules[n]) not in done}
         done.update(id(stage_modules[n]) for n in todo)
         if todo:
-            parallelize_module(stage, mesh, todo)
+            with _style_hooks_recorded(stage):
+                parallelize_module(stage, mesh, todo)
     for stage in stages:
         keep_shards_local(stage, originals)
     return assigned
@@ -294,15 +297,51 @@ def _as_parameters(owner: nn.Module, args: Any, output: Any) -> Any:
     return None
 
 
+# the hooks the styles themselves registered (torch's ``distribute_module``: inputs made
+# DTensors before the forward, outputs redistributed after), by module: (hook dict, key)
+_STYLE_HOOKS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, int]]] = (
+    weakref.WeakKeyDictionary())
+_APPLIED = "_distribute_module_applied"  # torch's mark on a module distribute_module sharded
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# where torch keeps a forward hook's flags, under the same key
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+@contextmanager
+def _style_hooks_recorded(stage: nn.Module) -> Iterator[None]:
+    """Record the hooks a style adds to ``stage``'s modules while the body shards them.
+
+    Why: torch never removes them, so a module made whole again would still turn its inputs
+    into ``DTensor``s ("got mixed torch.Tensor and DTensor" at its first plain forward: the
+    tuner's next cut of the same model, a user's forward after the run)."""
+    before = {id(m): {name: set(getattr(m, name)) for name in _HOOK_DICTS}
+              for m in stage.modules()}
+    yield
+    for m in stage.modules():
+        seen = before.get(id(m), {})
+        added = [(name, key) for name in _HOOK_DICTS for key in getattr(m, name)
+                 if key not in seen.get(name, set())]
+        if added or getattr(m, _APPLIED, False):
+            _STYLE_HOOKS.setdefault(m, []).extend(added)
+
+
 def forget_shards(module: nn.Module) -> list[tuple[nn.Module, str, ShardSpec]]:
-    """Stop showing ``module``'s local parameters as ``DTensor`` views (the hooks go) and
-    return what :func:`keep_shards_local` recorded, ``(owner, parameter name, spec)``: the
-    caller makes each parameter whole again (:mod:`.tensor_parallel_state`)."""
+    """Stop showing ``module``'s local parameters as ``DTensor`` views (the hooks go, the
+    styles' own too) and return what :func:`keep_shards_local` recorded, ``(owner, parameter
+    name, spec)``: the caller makes each parameter whole again (:mod:`.tensor_parallel_state`)."""
     out = []
     for owner in list(module.modules()):
         specs = _SHARDED.pop(owner, None)
         for handle in _HOOKS.pop(owner, ()):
             handle.remove()
+        styled = _STYLE_HOOKS.pop(owner, None)
+        for name, key in styled or ():
+            getattr(owner, name).pop(key, None)
+            for flags in _HOOK_FLAGS:
+                getattr(owner, flags, {}).pop(key, None)
+        if styled is not None:  # torch refuses to distribute a module twice: it may be again
+            owner.__dict__.pop(_APPLIED, None)
         out += [(owner, name, spec) for name, spec in (specs or {}).items()]
     return out
 
