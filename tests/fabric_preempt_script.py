@@ -101,8 +101,11 @@ def main() -> None:
         result["message"] = str(exc)
         result["traceback"] = traceback.format_exc()
     result["injected"] = bool(injected)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+    # whole or absent: the test reads a result as soon as its file exists (launched_jobs.py)
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as handle:
         json.dump(result, handle)
+    os.replace(path + ".tmp", path)
     sys.stdout.flush()
     if sys.argv[-1] == "uncaught":
         uncaught_on_one_rank(fabric, out, rank)

@@ -29,7 +29,7 @@ def wait_for_ranks(launcher: subprocess.Popen, out: Path, world: int, bound: flo
            and time.monotonic() < launcher_gone + 10.0):
         if launcher.poll() is not None:
             launcher_gone = min(launcher_gone, time.monotonic())
-        time.sleep(0.5)
+        time.sleep(0.1)
     missing = [r for r, f in enumerate(files) if not f.exists()]
     if missing and launcher.poll() is not None and not (out / "rank0.json").exists():
         pytest.fail(f"rank 0 (the launcher) ended with code {launcher.returncode} without "
@@ -40,5 +40,5 @@ def wait_for_ranks(launcher: subprocess.Popen, out: Path, world: int, bound: flo
         log_tail = (out / "log.txt").read_text()[-3000:]
         pytest.fail(f"ranks {missing} did not end within {bound:g} s (a hang):\n{log_tail}")
     launcher.wait(timeout=60)
-    time.sleep(0.5)  # the result files are written just before each process exits
+    # each script writes its result whole, by a rename (preempt_script.py)
     return [json.loads(f.read_text()) for f in files]

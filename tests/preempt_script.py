@@ -223,8 +223,11 @@ def main() -> None:
     result["injected_at"] = getattr(inject, "at", None)
     if result["outcome"] == "finished" and rank == 0 and c["mode"] == "fit":
         torch.save(model.state_dict(), os.path.join(c["out"], "final.pt"))
-    with open(os.path.join(c["out"], f"rank{rank}.json"), "w") as handle:
+    # whole or absent: the test reads a result as soon as its file exists (launched_jobs.py)
+    path = os.path.join(c["out"], f"rank{rank}.json")
+    with open(path + ".tmp", "w") as handle:
         json.dump(result, handle)
+    os.replace(path + ".tmp", path)
     sys.stdout.flush()
     # skip interpreter teardown (gloo threads); the result is written. A failed rank exits 1,
     # which is what makes torchrun restart the group
