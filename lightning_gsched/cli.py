@@ -344,20 +344,21 @@ def _load_target(spec: str) -> tuple[Any, tuple[Any, ...], Any]:
 def _refuse_tensor_parallel(workers: int, tensor_parallel_size: int) -> None:
     """``gsched tune --tp T`` with T > 1: a :class:`ScheduleConfigError` naming what to run.
 
-    Why refused, not searched: the tuner profiles whole stages and costs each candidate on W
-    workers of one rank, while T ranks per worker change the stage sizes, the compute per
-    stage and the messages, none of which it measures yet (``GeneralParallel('auto')``
-    refuses T alike)."""
+    Why refused: this command profiles the model in its own single process, where no stage can
+    be sharded, while T ranks per worker change the stage sizes, the compute per stage and the
+    messages. ``GeneralParallel('auto', tensor_parallel_size=T)`` tunes with T: its worker 0's
+    T ranks profile the sharded stages (engine/auto.py)."""
     T = tensor_parallel_size
     if T == 1:
         return
     pipeline = tensor_parallel_workers(workers, T)  # a T not dividing W: that error first
     raise ScheduleConfigError(
         f"gsched tune does not search tensor parallelism yet (--tp {T}): it profiles unsharded "
-        f"stages on workers of one rank. Tune the pipeline without --tp at -w {pipeline} (the "
-        f"W / T workers; its bytes are then the unsharded stages'), then name the schedule it "
-        f"picks with gsched plan SCHEDULE -w {workers} --tp {T} (GeneralParallel(SCHEDULE, "
-        f"tensor_parallel_size={T}) to train it)")
+        f"stages in one process. Let the run tune with T: GeneralParallel('auto', "
+        f"tensor_parallel_size={T}, tensor_parallel_plan=...) profiles the sharded stages on "
+        f"{T} ranks; or tune the pipeline without --tp at -w {pipeline} (the W / T workers; its "
+        f"bytes are then the unsharded stages'), then name the schedule it picks with gsched "
+        f"plan SCHEDULE -w {workers} --tp {T}")
 
 
 def _tune(args: argparse.Namespace) -> int:
