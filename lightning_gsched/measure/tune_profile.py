@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_gsched.errors import GschedError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.measure.profile import Kind
 from lightning_gsched.measure.stage_pass import measure_stages
@@ -153,9 +154,9 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
     The model is profiled once per stage count the candidates need, with its buffers and the
     RNG restored afterwards; ``partition_options`` go to :func:`partition`. ``passes``: where
     each stage count's measuring pass is kept (the engine's memory report reuses them).
-    ``shard``: the stages as they will run while measured (:func:`stage_profile`); then every
-    stage count is profiled up front, so that peers in :func:`follow_tuning` run the same
-    profiles in the same order.
+    ``shard``: the stages as they will run while measured (:func:`stage_profile`); peers in
+    :func:`follow_tuning` run the same profiles in the same order (``tune`` asks for every
+    stage count of its candidates, rising: :func:`tuned_stage_counts`).
     """
     limit = None if budget is None else validate.byte_size("memory_budget", budget)
     profiles: dict[int, StageProfile] = {}
@@ -168,10 +169,6 @@ def tune_model(model: torch.nn.Module, args: tuple[Any, ...], workers: int, glob
                                                 shard=shard, **partition_options)
         return profiles[count]
 
-    if shard is not None:  # every stage count now, in the order follow_tuning's ranks take
-        for count in tuned_stage_counts(workers, global_rows, schedules, checkpoint,
-                                        stages=stages, micro=micro, R=R, replicas=replicas):
-            profile_of(count)
     return tune(workers, global_rows, profile_of, budget=limit, costs=costs,
                 schedules=schedules, checkpoint=checkpoint, stages=stages, micro=micro, R=R,
                 replicas=replicas, top=top)
@@ -181,7 +178,7 @@ def tuned_stage_counts(workers: int, global_rows: int, schedules: Sequence[str] 
                        checkpoint: Sequence[bool], *, stages: int | None, micro: int | None,
                        R: int | None, replicas: int | None) -> list[int]:
     """Every stage count a candidate of the search has, ascending: the profiles
-    :func:`tune_model` may ask for (it asks lazily unless the stages are sharded)."""
+    :func:`tune_model` asks for, in its order (``schedule.tune.tune``)."""
     found = candidates(workers, global_rows, schedules, checkpoint, stages=stages, micro=micro,
                        R=R, replicas=replicas)
     return sorted({c.stages for c in found})
@@ -199,6 +196,9 @@ def follow_tuning(model: torch.nn.Module, args: tuple[Any, ...], workers: int,
     collectives meet their counterparts there; the measurements are that rank's to keep."""
     for count in tuned_stage_counts(workers, global_rows, schedules, checkpoint, stages=stages,
                                     micro=micro, R=R, replicas=replicas):
-        with preserved_tensors_and_rng(model):
-            stage_profile(model, count, args, kwargs, loss_fn, optimizer_factor, repeats,
-                          shard=shard, **partition_options)
+        try:
+            with preserved_tensors_and_rng(model):
+                stage_profile(model, count, args, kwargs, loss_fn, optimizer_factor, repeats,
+                              shard=shard, **partition_options)
+        except GschedError:  # a count the model cannot be cut into: tune drops it alike
+            continue
