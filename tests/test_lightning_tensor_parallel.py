@@ -16,7 +16,12 @@ steps' norms are above it), and:
 * ``trainer.strategy.device_mesh`` is (P, G, T) with ``"tensor_parallel"`` innermost, and
   each shard was held as a plain parameter of its local size during the fit;
 * the start-up memory prediction (made from the sharded stages) is within 0.85-1.25 of what the
-  runtime accounted each rank to hold in the measured step, on every rank.
+  runtime accounted each rank to hold in the measured step, on every rank;
+* the trained model's own forward after the fit (whole again, the styles' hooks gone) gives
+  one device's outputs.
+
+``"auto"`` with ``tensor_parallel_size=2`` runs in the same job (its pick's profiles measured on
+sharded stages by ranks 0 and 1) and must end with one device's weights and losses too.
 
 Tolerance: ``assert_same_state``'s rtol 1e-5 / atol 1e-6, for its stated reason. Tensor
 parallelism only changes where sums are split: a row-wise layer adds T partial dot products
