@@ -340,3 +340,14 @@ def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:
     with pytest.raises(StrategyConfigError, match=r"ranks \[2, 3\] of pipeline worker 1 "
                                                   r"loaded different batches \(\[2, 1\] rows\)"):
         workers.batch_rows([4, 4, 2, 1, 3, 3], [7] * 6)
+
+
+def test_the_tuners_table_counts_ranks_and_workers_with_tensor_parallelism() -> None:
+    """``"auto"`` with T tunes W / T workers; its table must not read as a run on W / T ranks."""
+    from lightning_gsched.schedule.tune import TuneResult
+
+    plain = TuneResult([], None, 2, 8).table().splitlines()[0]
+    sharded = TuneResult([], None, 2, 8, tensor_parallel_size=2).table().splitlines()[0]
+    assert plain.startswith("gsched tune: W=2, global batch 8 rows"), plain
+    assert sharded.startswith("gsched tune: W=4 (2 workers of T=2 ranks), global batch 8 rows"), \
+        sharded

@@ -260,6 +260,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
             budget=request.memory_budget, optimizer_factor=factor, costs=costs,
             top=TABLE_ROWS, passes=passes, shard=shard, **_search(config, options))
     seconds = time.perf_counter() - start
+    result.tensor_parallel_size = tensor_parallel_size
     best = result.best
     if best is None:
         dropped = "; ".join(f"{v.candidate.text()}: {v.reason}" for v in result.verdicts[:3])

@@ -316,7 +316,9 @@ def _peak_stash(order: Sequence[int], planned: Plan, held_bytes: Sequence[int],
 @dataclass
 class TuneResult:
     """Every verdict: the timed, fastest fitting first; then the sized only, the skipped by a bound,
-    the refused by the planner. ``top``: the fitting rows ranked exactly (None: all costed)."""
+    the refused by the planner. ``top``: the fitting rows ranked exactly (None: all costed).
+    ``tensor_parallel_size``: T ranks per worker (``workers`` counts workers; the table says
+    both)."""
 
     verdicts: list[Verdict]
     budget: int | None
@@ -324,6 +326,7 @@ class TuneResult:
     global_rows: int
     profiles: dict[int, StageProfile] = field(default_factory=dict)  # per S, as measured
     top: int | None = None
+    tensor_parallel_size: int = 1
 
     @property
     def best(self) -> Verdict | None:  # the pick; None when nothing fits
@@ -332,7 +335,10 @@ class TuneResult:
     def table(self, limit: int = 20) -> str:
         """The ranked table `gsched tune` prints."""
         row = "{:>4}  {:<34} {:>2}  {:<9} {:>10}  {:>10}  {}".format
-        lines = [f"gsched tune: W={self.workers}, global batch {self.global_rows} rows, budget "
+        T = self.tensor_parallel_size
+        W = f"W={self.workers}" if T == 1 else \
+            f"W={self.workers * T} ({self.workers} workers of T={T} ranks)"
+        lines = [f"gsched tune: {W}, global batch {self.global_rows} rows, budget "
                  + (byte_text(self.budget) if self.budget is not None else "none"),
                  row("rank", "candidate", "G", "mode", "step time", "peak/rank", "fits"),
                  row(*("-" * n for n in (4, 34, 2, 9, 10, 10, 4)))]
