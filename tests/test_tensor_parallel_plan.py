@@ -318,6 +318,11 @@ def test_auto_keeps_the_users_tensor_parallel_size_and_checks_it() -> None:
                               tensor_parallel_plan=plan).schedule_config
     with pytest.raises(ScheduleConfigError, match="data_parallel_size=3 does not divide the W=4"):
         fixed_g.check(8)  # G must divide the W / T = 4 workers
+    fixed_r = GeneralParallel("auto", R=3, tensor_parallel_size=2,
+                              tensor_parallel_plan=plan).schedule_config
+    with pytest.raises(ScheduleConfigError,
+                       match="R=3 does not divide the 4 workers of tensor_parallel_size=2 ranks"):
+        fixed_r.check(8)
     model = make_gpt(0, shardable=True)
     args = gpt_inputs(2)
     with pytest.raises(StrategyConfigError, match="balance='time'"):

@@ -129,8 +129,8 @@ class ScheduleConfig:
         return self._chosen
 
     def _check_workers(self, workers: int) -> None:
-        """What ``"auto"`` can check before the first batch: a fixed G divides W, and a fixed
-        R divides W (or, with a fixed G, each replica's W / G workers)."""
+        """What ``"auto"`` can check before the first batch: T divides W, a fixed G divides the
+        W / T workers, and a fixed R divides them (or, with a fixed G, each replica's)."""
         assert self.auto is not None
         R, G = self.auto.R, self.auto.data_parallel_size
         workers = tensor_parallel_workers(workers, self.auto.tensor_parallel_size)
@@ -141,9 +141,12 @@ class ScheduleConfig:
                 raise ScheduleConfigError(f"{exc}, or leave data_parallel_size to "
                                           "schedule='auto'") from None
         P = workers // (G or 1)
+        T = self.auto.tensor_parallel_size
+        unit = "devices" if T == 1 else f"workers of tensor_parallel_size={T} ranks"
+        count = "num_nodes x devices" if T == 1 else "num_nodes x devices / T"
         if R is not None and P % R:
-            where = f"the {workers} devices (num_nodes x devices), W={workers}" if G is None \
-                else f"the {P} devices of each of the data_parallel_size={G} replicas"
+            where = f"the {workers} {unit} ({count}), W={workers}" \
+                if G is None else f"the {P} {unit} of each of the data_parallel_size={G} replicas"
             raise ScheduleConfigError(
                 f"R={R} does not divide {where}; choose R among "
                 f"{[r for r in range(1, P + 1) if P % r == 0]}, or leave R to "
