@@ -292,12 +292,14 @@ class PipelineEngine:
                 self._predict_memory(part, args, kwargs, plan, passes)
             passes.clear()  # their tensors (a microbatch's activations per stage count) go
             pieces: Pieces = {}
-            if self.tensor_parallel_size > 1 and self.deferred:
-                # sharded while still on the meta device: each rank then draws or reads its
-                # pieces, one module's full tensors at a time, never its worker's whole stages
-                self._shard_stages(part, None)
-                pieces = pieces_of(self.module)
-                # sized on meta tensors, as the sharded stages will run
+            if self.tensor_parallel_size > 1:
+                # before a model built without weights gets any (still on the meta device), so
+                # each rank draws or reads only its pieces, one module's full tensors at a time;
+                # the check run on the microbatch needs weights (the other workers' are absent)
+                self._shard_stages(part, None if self.deferred else (args, kwargs))
+                pieces = pieces_of(self.module) if self.deferred else {}
+                # each rank's bytes are its shards': worker 0's T ranks size the sharded stages
+                # together (on meta tensors for a model built without weights)
                 self._predict_memory(part, args, kwargs, plan, None)
             if self.deferred:  # weights for this rank's stages only (engine/weights.py)
                 seed = self._collective("the seed broadcast",
@@ -309,14 +311,9 @@ class PipelineEngine:
                             checkpoints.take_restore() if checkpoints is not None else None,
                             self.optimizers(), pieces, self._collective)
             if self.tensor_parallel_size > 1:
-                if not self.deferred:
-                    self._shard_stages(part, (args, kwargs))
-                # state loaded before the build (a resumed checkpoint) was made for full
-                # parameters
+                # state loaded before the build (a resumed checkpoint, or restored just above)
+                # was made for full parameters
                 shard_optimizer_state(self.optimizers(), self.module)
-                if not self.deferred:  # each rank's bytes are its shards': measured on
-                    # worker 0's T ranks
-                    self._predict_memory(part, args, kwargs, plan, None)
             self.runtime = ModelRuntime(self.module, self.partition.stages,
                                         self.train_plan.programs, timeout=self.timeout,
                                         sync_weights=False,

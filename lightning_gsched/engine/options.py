@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 from lightning_gsched.engine.config import AUTO, ScheduleConfig
+from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.partition.arguments import check_options as check_partition_options
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, check_plan
@@ -109,8 +110,8 @@ def sampler_kwargs(world_size: int, rank: int, tensor_parallel_size: int) -> dic
     """The distributed sampler's share for ``rank``: with tensor parallelism the T ranks of a
     worker (rank ``w * T + t``) load the same rows, as Lightning's ModelParallelStrategy gives
     a tensor-parallel group one share; otherwise every rank its own."""
-    T = tensor_parallel_size
-    return {"num_replicas": world_size // T, "rank": rank // T}
+    workers = Workers(world_size, rank, tensor_parallel_size)
+    return {"num_replicas": workers.count, "rank": workers.worker}
 
 
 def tensor_parallel_options(config: ScheduleConfig, plan: Any) -> TensorParallelPlan | None:

@@ -130,7 +130,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             (W = P x G x T; rank ``(p * G + g) * T + t``, so a worker's ranks are consecutive
             and ``self.device_mesh`` gains an innermost ``"tensor_parallel"`` dimension). The
             schedule's defaults are those of W / T workers; a worker's T ranks load the same
-            rows (``distributed_sampler_kwargs``). Not with ``schedule="auto"`` yet.
+            rows (``distributed_sampler_kwargs``). With ``schedule="auto"`` T is kept and the
+            tuner profiles the stages sharded (docs/tensor_parallel.md).
         tensor_parallel_plan: how each stage is sharded over ``mesh["tensor_parallel"]``
             (required when T > 1): module-name patterns to torch's tensor-parallel styles, as
             ``parallelize_module`` takes them (``{"blocks.*.attn.qkv": ColwiseParallel(), ...}``;

@@ -37,6 +37,8 @@ Group = Callable[[], Any]
 def default_group() -> None:
     """Every rank (torch's default group): the workers' group when each worker is one rank."""
     return None
+
+
 # an optimizer tensor of at most this many bytes travels in the description, as a value
 SMALL_TENSOR_BYTES = 64
 
