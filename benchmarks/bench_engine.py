@@ -9,7 +9,7 @@ to the parameters) + ``optimizer.step`` + ``zero_grad``, exactly what the anchor
 around ``schedule.step``. The anchor, the rows (gpipe, 1f1b, zb-h1, zbv), the split, the data
 and the rounds are those of :mod:`benchmarks.bench_pipeline`. Goal: engine <= 1.00.
 
-    python -m benchmarks.bench_engine [--quick] [--rows gpipe 1f1b ...]
+    python -m benchmarks.bench_engine [--quick] [--rows gpipe 1f1b ...] [--profile-costs]
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ GOAL = "<= 1.00"
 
 
 def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int,
-                 microbatches: int = MICROBATCHES) -> dict[str, Any]:
-    """One rank of ours in a plain Fabric loop; rank 0's wall and CPU seconds per step."""
+                 microbatches: int = MICROBATCHES, profile_costs: bool = False
+                 ) -> dict[str, Any]:
+    """One rank of ours in a plain Fabric loop; rank 0's wall and CPU seconds per step.
+    ``profile_costs``: planned with the stages' seconds timed at the build (the option)."""
     import torch
     from lightning.fabric import Fabric
 
@@ -50,7 +52,8 @@ def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int
 
     shape = GPTShape()
     fabric = Fabric(accelerator="cpu", devices=world,
-                    strategy=GeneralParallelFabric(schedule, microbatches=microbatches))
+                    strategy=GeneralParallelFabric(schedule, microbatches=microbatches,
+                                                   profile_costs=profile_costs))
     fabric.launch()
     core = build_core(shape, seed=0)
     opt = torch.optim.SGD(core.parameters(), lr=0.05, momentum=0.9)
@@ -99,30 +102,36 @@ def step_counts(runs: Any) -> list[list[float]]:
     return per_rank
 
 
-def _engine_side(schedule: str, steps: int) -> Side:
+def _engine_side(schedule: str, steps: int, profile_costs: bool = False) -> Side:
     return Side(f"{MODULE}:engine_timed",
-                {"schedule": schedule, "steps": steps, "per_rank": PER_RANK})
+                {"schedule": schedule, "steps": steps, "per_rank": PER_RANK,
+                 "profile_costs": profile_costs})
 
 
-def run(quick: bool, rows: Sequence[str] | None = None) -> list[Result]:
-    """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table."""
+def run(quick: bool, rows: Sequence[str] | None = None,
+        profile_costs: bool = False) -> list[Result]:
+    """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table;
+    with ``profile_costs``, ours planned with its stages' measured seconds, as
+    ``pipeline_engine_vs_torch[<schedule>, profiled costs]``."""
     cfg = QUICK if quick else FULL
     results = []
     for row in _chosen(rows):
         wall = time.perf_counter()
-        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"]),
+        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"], profile_costs),
                         "anchor": _anchor_side(row.schedule, cfg["steps"])},
                        WORLD, cfg["rounds"], WARMUP)
         wall = time.perf_counter() - wall
         loss_ours = runs["ours"].last()["loss"]
         loss_anchor = runs["anchor"].last()["loss"]
         notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global "
-                 f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric in a plain "
+                 f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric"
+                 f"{'(profile_costs=True)' if profile_costs else ''} in a plain "
                  f"Fabric loop (no Trainer); anchor = torch.distributed.pipelining "
                  f"{row.torch_schedule} in a plain loop, same split; loss at step "
                  f"{cfg['steps']}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
+        label = f"{row.schedule}, profiled costs" if profile_costs else row.schedule
         results.append(ratio_result(
-            f"pipeline_engine_vs_torch[{row.schedule}]", runs["ours"], runs["anchor"], GOAL,
+            f"pipeline_engine_vs_torch[{label}]", runs["ours"], runs["anchor"], GOAL,
             notes, extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor,
                           "steps_per_run": cfg["steps"], "wall_s": round(wall, 1),
                           "faults_switches_per_step": {"ours": step_counts(runs["ours"]),
@@ -134,8 +143,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=None)
+    parser.add_argument("--profile-costs", action="store_true",
+                        help="ours planned with the stages' measured seconds (profile_costs=True)")
     args = parser.parse_args()
-    for r in run(args.quick, args.rows):
+    for r in run(args.quick, args.rows, args.profile_costs):
         print(f"{r.name:34s} ours {r.ours_s * 1e3:7.1f} ms  torch {r.anchor_s * 1e3:7.1f} ms  "
               f"ratio {r.ratio:.3f}  cpu ratio {r.cpu_ratio}  {r.notes}")
         print(f"  per rank (minor faults, voluntary, involuntary switches) per step: "

@@ -288,6 +288,61 @@ def test_a_plan_lowered_per_rank_trains_and_each_rank_reads_only_its_program(wor
     assert first["predicted"] == predict_memory(eager, first["sizes"], first["checkpointed"])
 
 
+def profiled_run(ctx: WorkerContext) -> dict[str, Any]:
+    """zbv planned with the stages' seconds (``profile_costs=True``): the 3-step loop, and the
+    costs this rank's plan was made with."""
+    fabric = pipelined_fabric(ctx, "zbv", options={"profile_costs": True})
+    model, optimizer = setup(fabric)
+    batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
+    losses = train(fabric, model, optimizer, batches, pipelined=True)
+    costs = fabric.strategy.engine.train_plan.costs
+    text = fabric.strategy.schedule_config.choice_text
+    fabric.strategy.finish()
+    return {"losses": losses, "weights": state_of(model), "text": text,
+            "costs": [list(costs.forward), list(costs.backward), list(costs.weight)]}
+
+
+def test_profiled_costs_plan_every_rank_alike_and_train_like_one_device(worlds) -> None:
+    results = worlds.get(WORLD).run(profiled_run)
+    want = reference()
+    forward, backward, weight = results[0]["costs"]
+    # rank 0's timings, broadcast: every rank planned with the same figures
+    assert all(got["costs"] == results[0]["costs"] for got in results)
+    assert len(forward) == len(backward) == len(weight) == 2 * WORLD  # zbv: 2 stages a rank
+    assert min(forward + backward + weight) > 0
+    # seconds measured, not the defaults (1 each): the first stage is fed token ids, so its
+    # input gradient (B) is nearly free and its weight gradient (W) is its whole backward
+    assert backward[0] < weight[0] < 1.0
+    assert "profile_costs=True" in results[0]["text"]
+    for rank, got in enumerate(results):
+        label = f"zbv with profiled costs, rank {rank}"
+        assert_same_state(got["weights"], want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
+
+
+def deferred_profiled_run(ctx: WorkerContext) -> str:
+    """``profile_costs=True`` on a model built without weights: the error of the first step."""
+    fabric = pipelined_fabric(ctx, "gpipe", options={"profile_costs": True})
+    with fabric.init_module(empty_init=True):
+        built = make_gpt(0)
+    model, _ = fabric.setup(built, torch.optim.SGD(built.parameters(), lr=LR))
+    try:
+        fabric.strategy.step(model, share(global_batches()[0], ctx.rank, ctx.world_size),
+                             compute_loss)
+    except StrategyConfigError as exc:
+        return str(exc)
+    finally:
+        fabric.strategy.teardown()
+    return "no error"
+
+
+def test_profiled_costs_refuse_a_model_built_without_weights(worlds) -> None:
+    """Rank 0 could not run a stage of it: every rank's build says so (before any collective),
+    naming what to do instead."""
+    for message in worlds.get(WORLD).run(deferred_profiled_run):
+        assert "profile_costs=True" in message and "built without weights" in message, message
+
+
 def test_the_comparison_is_not_vacuous() -> None:
     """3 steps move the weights far beyond the tolerance, and losses differ per step."""
     want, initial = reference(), state_of(make_gpt(0))

@@ -277,6 +277,15 @@ def test_arguments_are_checked_at_construction(front_end: str) -> None:
         make("auto", data_parallel_size=0)
     with pytest.raises(StrategyConfigError, match="decided at the first batch"):
         make("auto").schedule_config.training_plan(2)
+    # profile_costs: a named schedule's costs measured at the build; "auto" always measures
+    # them, and cost arguments would be overwritten
+    assert make("zbv", profile_costs=True).schedule_config.profile_costs
+    with pytest.raises(ScheduleConfigError, match="profile_costs=True.*'auto'.*drop profile"):
+        make("auto", profile_costs=True)
+    with pytest.raises(ScheduleConfigError, match="profile_costs=True.*weight_cost=2.0"):
+        make("zbv", profile_costs=True, weight_cost=2.0)
+    with pytest.raises(ScheduleConfigError, match="profile_costs='yes'"):
+        make("zbv", profile_costs="yes")
 
 
 def test_fixed_stages_microbatches_and_r_restrict_the_candidates() -> None:

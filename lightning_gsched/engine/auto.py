@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
@@ -36,6 +36,7 @@ from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.memory_report import optimizer_bytes_factor
 from lightning_gsched.engine.mesh import first_worker_mesh
 from lightning_gsched.engine.options import PartitionOptions
+from lightning_gsched.engine.profiled_costs import profiling
 from lightning_gsched.errors import (
     CalibrationError,
     GschedError,
@@ -216,28 +217,13 @@ def _search(config: ScheduleConfig, options: PartitionOptions) -> dict[str, Any]
                 split_points=options.split_points, static_shapes=options.static_shapes)
 
 
-@contextmanager
-def _profiling(module: nn.Module,
-               forward_context: Callable[[], AbstractContextManager[Any]] | None
-               ) -> Iterator[None]:
-    """The user's forward context around the profiles; the ``.grad`` their backwards touch
-    given back."""
-    grads = [(p, p.grad) for p in module.parameters()]
-    try:
-        with forward_context() if forward_context is not None else nullcontext():
-            yield
-    finally:
-        for p, grad in grads:
-            p.grad = grad
-
-
 def _follow(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
             args: tuple[Any, ...], kwargs: dict[str, Any],
             loss_fn: Callable[[Any], torch.Tensor] | None, global_rows: int, factor: float,
             workers: int, forward_context: Callable[[], AbstractContextManager[Any]] | None,
             shard: ShardStages) -> None:
     """Worker 0's ranks but rank 0: rank 0's profiles, in step with it."""
-    with _profiling(module, forward_context):
+    with profiling(module, forward_context):
         follow_tuning(module, args, workers, global_rows, shard, kwargs=kwargs,
                       loss_fn=loss_fn, optimizer_factor=factor, **_search(config, options))
 
@@ -254,7 +240,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
     every verdict. ``workers``: the schedule's (W / T); ``shard``: see :func:`tune_model`."""
     request = _request(config)
     start = time.perf_counter()
-    with _profiling(module, forward_context):
+    with profiling(module, forward_context):
         result = tune_model(
             module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
             budget=request.memory_budget, optimizer_factor=factor, costs=costs,

@@ -35,12 +35,15 @@ from lightning_gsched.schedule.plan import (
     pipeline_workers,
     plan_arguments,
     resolve_arguments,
+    splits_backward,
 )
 from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.tune import TuneResult
 
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, G and mode, S, B, R, cap, ckpt
 # what "auto" lets a user fix (constraints of the search); every other argument it decides
+# what profile_costs=True measures instead
+COST_ARGUMENTS = ("forward_cost", "backward_cost", "weight_cost")
 AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations",
                     "data_parallel_size", "tensor_parallel_size")
 
@@ -79,12 +82,15 @@ class ScheduleConfig:
     tune_result: TuneResult | None = field(default=None, repr=False)  # "auto": every verdict
     # {home stage: reader stages}: the partition's tied weights (set_ties), in every plan
     ties: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    # a named schedule planned with its stages' seconds, timed at the build (set_costs)
+    profile_costs: bool = False
 
     def __post_init__(self) -> None:
         assert (self.arguments is None) != (self.auto is None), "arguments or auto, not both"
 
     @classmethod
-    def from_keywords(cls, memory_budget: Any = None, **given: Any) -> ScheduleConfig:
+    def from_keywords(cls, memory_budget: Any = None, profile_costs: Any = False,
+                      **given: Any) -> ScheduleConfig:
         """Fail at construction for anything wrong whatever the number of devices.
 
         ``given``: :class:`ScheduleArguments`' keywords; a fixed schedule's are checked by it
@@ -92,9 +98,23 @@ class ScheduleConfig:
         it, S and B multiples, a cap list's length, per-stage costs or checkpointing flags
         against the schedule's default S) fails at setup, on every rank, before any process
         talks to another. ``schedule="auto"`` is checked by :meth:`_auto_request`;
-        ``memory_budget`` (only allowed with it) becomes bytes here.
+        ``memory_budget`` (only allowed with it) becomes bytes here. ``profile_costs``: see
+        :meth:`set_costs`; it replaces the cost arguments, so it refuses them and ``"auto"``
+        (which profiles the stages itself).
         """
         schedule = given.get("schedule", "fslpp")
+        if validate.flag("profile_costs", profile_costs, ScheduleConfigError):
+            given_costs = [f"{name}={given[name]!r}" for name in COST_ARGUMENTS
+                           if name in given and given[name] != ScheduleArguments.defaults()[name]]
+            if schedule == AUTO or given_costs:
+                what = ("schedule='auto' plans with the costs it profiles anyway"
+                        if schedule == AUTO else
+                        f"it measures what {', '.join(given_costs)} would set")
+                fix = "drop profile_costs" if schedule == AUTO else \
+                    "drop profile_costs, or drop the cost arguments"
+                raise ScheduleConfigError(
+                    f"profile_costs=True plans with the stages' seconds timed at the first "
+                    f"batch, but {what}; {fix}")
         budget = None
         if memory_budget is not None:
             budget = validate.byte_size("memory_budget", memory_budget)
@@ -107,7 +127,7 @@ class ScheduleConfig:
                 )
         if schedule == AUTO:
             return cls(auto=_auto_request(given, budget))
-        return cls(arguments=ScheduleArguments(**given))
+        return cls(arguments=ScheduleArguments(**given), profile_costs=bool(profile_costs))
 
     @property
     def is_auto(self) -> bool:
@@ -171,6 +191,19 @@ class ScheduleConfig:
                 config.ties = tie_map
                 config._eval_plans.clear()
         return True
+
+    def set_costs(self, costs: dict[str, list[float]]) -> None:
+        """Plan with measured per-stage seconds from now on (``profile_costs=True``: the
+        engine's build times the stages on rank 0 and gives every rank the same figures,
+        :mod:`.profiled_costs`): ``forward_cost``, ``backward_cost`` and, for a split backward,
+        ``weight_cost``. Evaluation plans made before are made again."""
+        assert self.arguments is not None, "'auto' holds its pick's costs"
+        self.arguments = self.arguments.replace(**costs)
+        self._eval_plans.clear()
+
+    def splits_backward(self) -> bool:
+        """Whether the decided schedule's training plans split each backward into B and W."""
+        return splits_backward(self._effective()._arguments())
 
     def _effective(self) -> ScheduleConfig:
         if not self.is_auto:

@@ -46,6 +46,7 @@ from lightning_gsched.engine.logsync import (
 from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
+from lightning_gsched.engine.profiled_costs import costs_text, profiled_costs
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.engine.weights import (
     agreed_seed,
@@ -280,6 +281,9 @@ class PipelineEngine:
             # tied weights are placed by the plan: the one plan is made once the partition
             # names them
             self.config.set_ties(part.shared_parameters.values())
+            if self.config.profile_costs:  # the order from the stages' seconds (rank 0's)
+                self._profile_costs(part, args, kwargs,
+                                    step_loss_fn(caller, micro_batch) if training else None)
             plan = self.train_plan = self.config.training_plan(self.world_size)
             mesh = self.device_mesh
             if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
@@ -399,6 +403,25 @@ class PipelineEngine:
         self.build(caller, self._first_micro(batch, tuner_cut).first(), training,
                    global_rows=sum(rows), micro_of=first)
         return held[0]
+
+    def _profile_costs(self, part: Partition, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+        """``profile_costs=True``: every rank plans with rank 0's timings of the stages on
+        this microbatch (:mod:`.profiled_costs`); the startup text says which."""
+        if self.deferred:  # the same on every rank: refused before any collective
+            raise StrategyConfigError(
+                "profile_costs=True times the stages on rank 0 before the plan exists, but the "
+                "model was built without weights (each rank gets only its own later). Pass "
+                "forward_cost/backward_cost/weight_cost yourself (e.g. from "
+                "lightning_gsched.measure.profile_stages on a smaller copy), or drop "
+                "profile_costs")
+        costs = profiled_costs(self.module, part.stages, args, kwargs, loss_fn,
+                               split_backward=self.config.splits_backward(), rank=self.rank,
+                               world_size=self.world_size, group=self.group,
+                               collective=self._collective,
+                               forward_context=self.forward_context)
+        self.config.set_costs(costs)
+        self.config.choice_text = costs_text(costs)
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Partition:
         S = self.config.resolved(self.world_size)[0]

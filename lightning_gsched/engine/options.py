@@ -48,14 +48,15 @@ def pipeline_keywords(values: Mapping[str, Any]) -> dict[str, Any]:
     the YAML schema from ``__init__``'s signature) under :class:`ScheduleArguments`' names;
     picking them by name passes them on without writing the list a third time.
     """
-    names = (*ScheduleArguments.names(), "memory_budget", *PARTITION_KEYWORDS)
+    names = (*ScheduleArguments.names(), "memory_budget", "profile_costs", *PARTITION_KEYWORDS)
     return {name: values[name] for name in names if name in values}
 
 
 def pipeline_options(
     *, balance: Any = "params", leaf_modules: Sequence[str | type] = (),
     split_points: list[str] | None = None, static_shapes: bool | None = None,
-    verify: Any = "auto", memory_budget: Any = None, **schedule_arguments: Any,
+    verify: Any = "auto", memory_budget: Any = None, profile_costs: Any = False,
+    **schedule_arguments: Any,
 ) -> tuple[ScheduleConfig, PartitionOptions]:
     """The schedule and partition arguments, checked (the same checks as ``plan()`` and
     ``partition()``; what needs the device count fails at setup, on every rank).
@@ -63,7 +64,8 @@ def pipeline_options(
     ``schedule_arguments``: :class:`ScheduleArguments`' keywords (``schedule``, ``stages``,
     ...); ``schedule="auto"`` with ``memory_budget``: see :meth:`ScheduleConfig.from_keywords`.
     """
-    config = ScheduleConfig.from_keywords(memory_budget=memory_budget, **schedule_arguments)
+    config = ScheduleConfig.from_keywords(memory_budget=memory_budget,
+                                          profile_costs=profile_costs, **schedule_arguments)
     options = PartitionOptions(
         *check_partition_options(balance, leaf_modules, split_points, static_shapes,
                                  schedule_arguments.get("stages")),

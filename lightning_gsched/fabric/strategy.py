@@ -66,7 +66,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     ``Fabric(accelerator="cpu", devices=2, strategy=GeneralParallelFabric("1f1b"))``, or by
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
     to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout``,
-    ``transport``, ``verify``, ``init_weights``, ``init_weights_prefix`` and
+    ``profile_costs``, ``transport``, ``verify``, ``init_weights``, ``init_weights_prefix`` and
     ``stream_checkpoint``, ``tensor_parallel_size`` and ``tensor_parallel_plan`` mean what they
     mean for ``GeneralParallel`` (see docs/usage.md); the
     rest are Fabric DDPStrategy's. Every argument is checked here, before any process starts;
@@ -104,6 +104,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
+        profile_costs: bool = False,
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,

@@ -107,6 +107,12 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         forward_cost, backward_cost: per-stage costs the planner uses for its timeline.
         weight_cost: the W phase's per-stage cost (zero-bubble schedules; ``backward_cost`` is
             then B's); default: half of ``backward_cost``, the other half going to B.
+        profile_costs: plan with the stages' own seconds instead of the cost arguments: at the
+            first batch rank 0 times each stage's forward and backward (B and W apart for a
+            split backward) on the first microbatch and every rank plans with its figures.
+            The order of jobs can then follow stages that differ (a first stage fed token ids
+            has a free B and a long W); models built with weights only. ``"auto"`` always
+            does this.
         split_backward: run backwards as B then W (None: the schedule's choice, True for
             zb-h1, zb-h2, zbv, v-half, v-min).
         checkpoint_activations: activation checkpointing, True for every stage or one bool per
@@ -180,6 +186,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         forward_cost: Union[float, list[float]] = 1.0,
         backward_cost: Union[float, list[float]] = 2.0,
         weight_cost: Optional[Union[float, list[float]]] = None,
+        profile_costs: bool = False,
         split_backward: Optional[bool] = None,
         checkpoint_activations: Union[bool, list[bool]] = False,
         fetch_window: Optional[int] = None,

@@ -239,6 +239,14 @@ def pipeline_workers(a: ScheduleArguments, ranks: int) -> tuple[int, int]:
         return W, pipeline_size(W, a.data_parallel_size)
 
 
+def splits_backward(a: ScheduleArguments) -> bool:
+    """Whether ``a``'s plans run every backward as B then W (before ``forward_only``): the
+    argument where given, else the library schedule's own choice (a custom placement: no)."""
+    if a.split_backward is not None:
+        return bool(a.split_backward)
+    return a.placement is None and get_schedule(a.schedule).split_backward  # type: ignore[arg-type]
+
+
 def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]] | None,
              forward_only: bool) -> tuple[int, int, int | None, Callable[[bool], Plan]]:
     """``plan_arguments``' checks and resolution: (S, B, R) and the rest, given ``verify``."""
@@ -258,13 +266,12 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
         order_spec = a.order if a.order is not None else (a.priority or spec.order)
         cap_spec = None if forward_only else spec.cap(P, S) if cap == DEFAULT else cap
         name = spec.name
-        split = spec.split_backward if a.split_backward is None else a.split_backward
     else:
         placement_fn = a.placement
         order_spec = a.order if a.order is not None else (a.priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap
         name = a.schedule or "custom"
-        split = bool(a.split_backward)
+    split = splits_backward(a)
     if G > 1:  # the P-worker schedule's placement, priority and cap, lifted to G replicas
         layout = ReplicaLayout(P, G)
         with _reworded(on_replicas):
