@@ -41,9 +41,9 @@ from lightning_gsched.schedule.replicas import ReplicaLayout
 from lightning_gsched.schedule.tune import TuneResult
 
 AUTO = "auto"  # schedule="auto": the tuner picks schedule, G and mode, S, B, R, cap, ckpt
-# what "auto" lets a user fix (constraints of the search); every other argument it decides
 # what profile_costs=True measures instead
 COST_ARGUMENTS = ("forward_cost", "backward_cost", "weight_cost")
+# what "auto" lets a user fix (constraints of the search); every other argument it decides
 AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations",
                     "data_parallel_size", "tensor_parallel_size")
 
