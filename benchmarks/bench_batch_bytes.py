@@ -7,7 +7,7 @@ receives through ``torch.distributed.batch_isend_irecv`` (the row exchange's tra
 ``torch.distributed.all_gather`` (the whole-batch gather it replaced), counted by wrapping both
 in the launched process, outside the engine (:class:`ReceivedRows`), between
 ``on_train_batch_start`` and ``on_train_batch_end``. Read: the rows of the microbatches whose
-first stage (inputs) or last stage (targets) the rank computes (``engine.needed_micros`` off
+first stage (inputs) or last stage (targets) the rank computes (``engine.step_rows.needed_micros`` off
 the running plan), its own rows included, times the bytes of a row. The row count exchange
 (two int64 per rank) is not batch data and is not counted.
 
@@ -73,7 +73,7 @@ def _step_counter(seen: ReceivedRows, world: int) -> Any:
     import lightning.pytorch as pl
     import torch
 
-    from lightning_gsched.engine.engine import needed_micros
+    from lightning_gsched.engine.step_rows import needed_micros
 
     class StepBytes(pl.Callback):
         def __init__(self) -> None:

@@ -64,7 +64,7 @@ def _eval_loaders(world: int, rank: int) -> list:
 
 class StepRows(pl.Callback):
     """Per training step: the rows this rank received, with their source rank, and the
-    microbatches its program reads (engine.needed_micros off the running plan)."""
+    microbatches its program reads (engine.step_rows.needed_micros off the running plan)."""
 
     def __init__(self, seen: ReceivedRows) -> None:
         self.seen, self.mark, self.steps = seen, 0, []
@@ -73,7 +73,7 @@ class StepRows(pl.Callback):
         self.mark = len(self.seen.received)
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        from lightning_gsched.engine.engine import needed_micros
+        from lightning_gsched.engine.step_rows import needed_micros
 
         plan = trainer.strategy.engine.train_plan
         got = [(source, row) for source, t in self.seen.received[self.mark:]

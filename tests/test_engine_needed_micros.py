@@ -1,5 +1,5 @@
 """The engine's row exchange reads which microbatches each rank needs from the placement
-table (``engine.needed_micros``), not from every rank's program: the same answer as the
+table (``engine.step_rows.needed_micros``), not from every rank's program: the same answer as the
 programs give (``runtime.stage_micros``), for every library schedule, training and
 forward-only, checked here against the programs themselves."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gsched.engine.engine import needed_micros
+from lightning_gsched.engine.step_rows import needed_micros
 from lightning_gsched.runtime import stage_micros
 from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.plan import plan

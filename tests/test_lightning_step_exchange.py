@@ -14,10 +14,10 @@ import torch
 from benchmarks.bench_batch_bytes import ReceivedRows
 from dist_harness import WorkerContext
 from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
-from lightning_gsched.engine.engine import needed_micros
 from lightning_gsched.engine.intercept import LogRecord
 from lightning_gsched.engine.logsync import LossLogExchange, exchange
 from lightning_gsched.engine.rows import check_rows, row_map, transfers
+from lightning_gsched.engine.step_rows import needed_micros
 from lightning_gsched.errors import BatchSplitError
 from lightning_gsched.schedule.plan import plan
 

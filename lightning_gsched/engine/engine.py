@@ -11,7 +11,8 @@ receives the same first microbatch, so everything decided at that point (the pro
 step, the partition, the programs) is identical on every rank, and a contract error is raised by
 every rank at once instead of leaving some ranks waiting. ``schedule="auto"`` is decided there
 too, before the partition (:mod:`.auto`: rank 0 tunes, every rank gets its pick). A step's rows
-move point to point, each to the ranks whose programs read it (:mod:`.rows`, :mod:`.batches`).
+move point to point, each to the ranks whose programs read it (:mod:`.step_rows`, over
+:mod:`.rows` and :mod:`.batches`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning_gsched.engine.auto import (
     probe_parts,
     step_loss_fn,
 )
-from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
+from lightning_gsched.engine.batches import local_outputs
 from lightning_gsched.engine.checkpoint import CheckpointService
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import ControlGroup
@@ -47,7 +48,7 @@ from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.profiled_costs import costs_text, profiled_costs
-from lightning_gsched.engine.rows import RowMap, check_rows, row_map
+from lightning_gsched.engine.step_rows import Held, StepRows
 from lightning_gsched.engine.weights import (
     agreed_seed,
     materialize,
@@ -87,34 +88,6 @@ from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.replicas import ReplicaLayout
 
 _T = TypeVar("_T")
-
-
-def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:
-    """Per rank, the microbatches whose rows it uses: those whose first stage (inputs) or last
-    stage (targets, the loss) it computes, read from the placement table's compute rows.
-
-    Why the table and not the programs: the same answer (a stage's forward of microbatch b runs
-    on ``compute[s][b]``), without reading every rank's program, which a large plan lowers
-    only for the ranks that read it (schedule/lazy_ranks.py)."""
-    needed: list[list[int]] = [[] for _ in range(world_size)]
-    for b, (first, last) in enumerate(zip(compute[0], compute[-1], strict=True)):
-        needed[first].append(b)
-        if last != first:
-            needed[last].append(b)
-    return needed
-
-
-@dataclass(frozen=True)
-class Held:
-    """Microbatches every rank holds already (the first one, which a build probes) and the row
-    map they were cut under: a step's exchange sends them again only under another row map."""
-
-    cut: RowMap | None = None
-    micros: dict[int, Any] = field(default_factory=dict)
-
-    def first(self) -> Any:
-        assert self.cut is not None
-        return self.micros[self.cut.first_nonempty()]
 
 
 @dataclass
@@ -195,7 +168,9 @@ class PipelineEngine:
         # built without weights (runtime/materialize.py): each rank initialises what it keeps
         self.deferred = False
         self.device_hint = device if device is not None else torch.device("cpu")
-        self._needed: dict[int, list[list[int]]] = {}
+        # the batch-size exchange, the row map and the row exchange of every step
+        self.step_rows = StepRows(config, self.workers, world_size, lambda: self.group,
+                             self._collective)
 
     # ------------------------------------------------------------------ building
 
@@ -392,15 +367,15 @@ class PipelineEngine:
         rank receives; the build then probes the first microbatch under the pick, which every
         rank receives too and keeps for the step (returned)."""
         parts = probe_parts(self.config, sum(rows), self.workers.count)
-        tuner_cut = self._row_map(rows, parts, exact=training,
+        tuner_cut = self.step_rows.row_map(rows, parts, exact=training,
                                   replicas=ReplicaLayout(self.workers.count, 1))
         held = [Held()]
 
         def first() -> Any:
-            held[0] = self._first_micro(batch, self._step_cut(rows, training))
+            held[0] = self.step_rows.first_micro(batch, self.step_rows.step_cut(rows, training))
             return held[0].first()
 
-        self.build(caller, self._first_micro(batch, tuner_cut).first(), training,
+        self.build(caller, self.step_rows.first_micro(batch, tuner_cut).first(), training,
                    global_rows=sum(rows), micro_of=first)
         return held[0]
 
@@ -478,57 +453,6 @@ class PipelineEngine:
             raise type(exc)(message) from exc
         raise RuntimeFault(message) from exc
 
-    def _needed_micros(self, plan: Plan) -> list[list[int]]:
-        """Per rank, the microbatches whose rows it uses (first-stage inputs, last-stage
-        targets), read once per plan off its placement table."""
-        key = id(plan.programs)
-        if key not in self._needed:
-            self._needed[key] = needed_micros(plan.table.compute, plan.workers)
-        return self._needed[key]
-
-    def _row_map(self, rows: list[int], parts: int, *, exact: bool,
-                 what: str = "global batch", replicas: ReplicaLayout | None = None) -> RowMap:
-        """The step's ``parts`` microbatches as pieces of the ranks' batches, cut by replica
-        (engine/rows.py; ``replicas``: the schedule's unless given), checked: training
-        (``exact``) refuses microbatches of unequal rows on every rank alike."""
-        layout = replicas if replicas is not None else self.config.replicas(self.world_size)
-        cut = row_map(rows, [layout.members(g) for g in range(layout.replicas)], parts)
-        check_rows(cut, exact, what)
-        return cut
-
-    def _step_cut(self, rows: list[int], training: bool) -> RowMap:
-        """The row map of a decided schedule's training or evaluation step."""
-        if training:
-            return self._row_map(rows, self.config.training_micro(self.world_size), exact=True)
-        B = self.config.eval_plan(self.world_size, sum(rows)).micro
-        return self._row_map(rows, B, exact=False, what="evaluation batch")
-
-    def _exchange(self, batch: Any, cut: RowMap, wanted: list[list[int]],
-                  held: Held | None = None) -> dict[int, Any]:
-        """This rank's ``wanted`` microbatches, the rows it did not load received point to
-        point from the ranks that did (batches.exchange_rows: only inside their replica, and
-        only to the ranks that read them); those ``held`` by every rank under the same cut are
-        not sent again."""
-        given = held.micros if held is not None and held.cut == cut else {}
-        wanted = [[b for b in micros if b not in given] for micros in wanted]
-        received = self._collective("the batch's row exchange", lambda: exchange_rows(
-            batch, cut, self.worker, wanted, self.group, self.workers.peers()))
-        return {**given, **received}
-
-    def _first_micro(self, batch: Any, cut: RowMap) -> Held:
-        """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
-        step on it and partitions the model on its call (every rank the same)."""
-        everyone = [[cut.first_nonempty()]] * self.workers.count
-        return Held(cut, self._exchange(batch, cut, everyone))
-
-    def _rows(self, batch: Any) -> tuple[list[int], list[int]]:
-        """Every worker's rows and batch layout (a worker's T ranks must have loaded the same
-        batch: the front ends' samplers give them the same share)."""
-        rows, layouts = self._collective(
-            "the batch-size exchange", lambda: rows_and_layouts(batch, self.world_size,
-                                                                self.group))
-        return self.workers.batch_rows(rows, layouts)
-
     def _collective(self, what: str, collective: Callable[[], _T]) -> _T:
         """One of the engine's collectives; a backend failure becomes a RuntimeFault quoting
         the job's first failure (:mod:`.control`)."""
@@ -549,17 +473,17 @@ class PipelineEngine:
         losses starts (every rank's comes back in ``StepOutcome.notices``).
         ``drop_previous_grads``: the loop zeroes the gradients before the hand-over
         (``ModelRuntime.step``)."""
-        rows, layouts = self._rows(batch)
+        rows, layouts = self.step_rows.sizes(batch)
         held = Held()
         if not self.config.decided:
             held = self._build_auto(batch, rows, caller, training=True)
         B = self.config.training_micro(self.world_size)
-        cut = self._step_cut(rows, training=True)
+        cut = self.step_rows.step_cut(rows, training=True)
         if not self.built:
-            held = self._first_micro(batch, cut)
+            held = self.step_rows.first_micro(batch, cut)
             self.build(caller, held.first(), training=True)
         assert self.train_plan is not None
-        micros = self._exchange(batch, cut, self._needed_micros(self.train_plan), held)
+        micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(self.train_plan), held)
         runtime = self._runtime()
         if self.losses_and_logs is None:
             self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device,
@@ -603,19 +527,19 @@ class PipelineEngine:
                   notice: Callable[[], int] = lambda: 0) -> StepOutcome:
         """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
         gets the outputs of the rows it loaded (predictions go back to their rank)."""
-        rows, layouts = self._rows(batch)
+        rows, layouts = self.step_rows.sizes(batch)
         held = Held()
         if not self.config.decided:
             held = self._build_auto(batch, rows, caller, training=False)
-        cut = self._step_cut(rows, training=False)
+        cut = self.step_rows.step_cut(rows, training=False)
         if not self.built:
-            held = self._first_micro(batch, cut)
+            held = self.step_rows.first_micro(batch, cut)
             self.build(caller, held.first(), training=False)
         # after the build: the partition's ties are placed (the same B and placement)
         plan = self.config.eval_plan(self.world_size, sum(rows))
         if plan.micro != cut.parts:
-            cut = self._step_cut(rows, training=False)
-        micros = self._exchange(batch, cut, self._needed_micros(plan), held)
+            cut = self.step_rows.step_cut(rows, training=False)
+        micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(plan), held)
         runtime = self._runtime()
         first_micros, _ = stage_micros(plan.programs, self.worker)
         inputs = self._capture_all(caller, micros, first_micros)

@@ -1,0 +1,120 @@
+"""A step's rows: every rank's batch size, the step's microbatches cut from the ranks' batches,
+and the rows each rank reads moved to it.
+
+Why a module of its own: a step's batch goes through the same four moves whatever the step
+(training, evaluation, the build's probe, ``"auto"``'s tuner cut): the batch-size exchange
+(every rank's rows, so every rank computes the same row map without asking again), the row map
+(:mod:`.rows`, cut by replica and checked), which microbatches each rank reads (its first
+stages' inputs, its last stages' targets), and the point-to-point exchange of the rows a rank
+reads but did not load (:mod:`.batches`). The engine's steps read them here, in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from lightning_gsched.engine.batches import exchange_rows, rows_and_layouts
+from lightning_gsched.engine.config import ScheduleConfig
+from lightning_gsched.engine.rows import RowMap, check_rows, row_map
+from lightning_gsched.engine.workers import Workers
+from lightning_gsched.schedule.plan import Plan
+from lightning_gsched.schedule.replicas import ReplicaLayout
+
+_T = TypeVar("_T")
+# the engine's collective runner: (what, call) -> call(), a backend failure turned into a fault
+Collective = Callable[[str, Callable[[], Any]], Any]
+
+
+def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:
+    """Per rank, the microbatches whose rows it uses: those whose first stage (inputs) or last
+    stage (targets, the loss) it computes, read from the placement table's compute rows.
+
+    Why the table and not the programs: the same answer (a stage's forward of microbatch b runs
+    on ``compute[s][b]``), without reading every rank's program, which a large plan lowers
+    only for the ranks that read it (schedule/lazy_ranks.py)."""
+    needed: list[list[int]] = [[] for _ in range(world_size)]
+    for b, (first, last) in enumerate(zip(compute[0], compute[-1], strict=True)):
+        needed[first].append(b)
+        if last != first:
+            needed[last].append(b)
+    return needed
+
+
+@dataclass(frozen=True)
+class Held:
+    """Microbatches every rank holds already (the first one, which a build probes) and the row
+    map they were cut under: a step's exchange sends them again only under another row map."""
+
+    cut: RowMap | None = None
+    micros: dict[int, Any] = field(default_factory=dict)
+
+    def first(self) -> Any:
+        assert self.cut is not None
+        return self.micros[self.cut.first_nonempty()]
+
+
+class StepRows:
+    """The row moves of one engine's steps. ``group()``: the group of the engine's collectives,
+    read at each use (an aborted group must lose its last reference); ``collective``: the
+    engine's runner of them (a backend failure becomes a fault naming the move)."""
+
+    def __init__(self, config: ScheduleConfig, workers: Workers, world_size: int,
+                 group: Callable[[], Any], collective: Collective) -> None:
+        self.config = config
+        self.workers = workers
+        self.world_size = world_size
+        self.group = group
+        self.collective = collective
+        self._needed: dict[int, list[list[int]]] = {}
+
+    def sizes(self, batch: Any) -> tuple[list[int], list[int]]:
+        """Every worker's rows and batch layout (a worker's T ranks must have loaded the same
+        batch: the front ends' samplers give them the same share)."""
+        rows, layouts = self.collective(
+            "the batch-size exchange", lambda: rows_and_layouts(batch, self.world_size,
+                                                                self.group()))
+        return self.workers.batch_rows(rows, layouts)
+
+    def row_map(self, rows: list[int], parts: int, *, exact: bool,
+                what: str = "global batch", replicas: ReplicaLayout | None = None) -> RowMap:
+        """The step's ``parts`` microbatches as pieces of the ranks' batches, cut by replica
+        (engine/rows.py; ``replicas``: the schedule's unless given), checked: training
+        (``exact``) refuses microbatches of unequal rows on every rank alike."""
+        layout = replicas if replicas is not None else self.config.replicas(self.world_size)
+        cut = row_map(rows, [layout.members(g) for g in range(layout.replicas)], parts)
+        check_rows(cut, exact, what)
+        return cut
+
+    def step_cut(self, rows: list[int], training: bool) -> RowMap:
+        """The row map of a decided schedule's training or evaluation step."""
+        if training:
+            return self.row_map(rows, self.config.training_micro(self.world_size), exact=True)
+        B = self.config.eval_plan(self.world_size, sum(rows)).micro
+        return self.row_map(rows, B, exact=False, what="evaluation batch")
+
+    def needed(self, plan: Plan) -> list[list[int]]:
+        """Per rank, the microbatches whose rows it uses (first-stage inputs, last-stage
+        targets), read once per plan off its placement table."""
+        key = id(plan.programs)
+        if key not in self._needed:
+            self._needed[key] = needed_micros(plan.table.compute, plan.workers)
+        return self._needed[key]
+
+    def exchange(self, batch: Any, cut: RowMap, wanted: list[list[int]],
+                 held: Held | None = None) -> dict[int, Any]:
+        """This rank's ``wanted`` microbatches, the rows it did not load received point to
+        point from the ranks that did (batches.exchange_rows: only inside their replica, and
+        only to the ranks that read them); those ``held`` by every rank under the same cut are
+        not sent again."""
+        given = held.micros if held is not None and held.cut == cut else {}
+        wanted = [[b for b in micros if b not in given] for micros in wanted]
+        received = self.collective("the batch's row exchange", lambda: exchange_rows(
+            batch, cut, self.workers.worker, wanted, self.group(), self.workers.peers()))
+        return {**given, **received}
+
+    def first_micro(self, batch: Any, cut: RowMap) -> Held:
+        """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
+        step on it and partitions the model on its call (every rank the same)."""
+        everyone = [[cut.first_nonempty()]] * self.workers.count
+        return Held(cut, self.exchange(batch, cut, everyone))
