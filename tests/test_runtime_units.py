@@ -243,7 +243,7 @@ def test_runtime_errors_are_gsched_errors():
 def test_every_op_of_the_ir_has_exactly_one_runtime_handler():
     """The runtime runs each op through one table (runtime/executor.py HANDLERS): an op the IR
     gains without a handler would fail at its first action, in the middle of a job."""
-    from lightning_gsched.runtime.executor import HANDLERS, StepRun
+    from lightning_gsched.runtime.step_run import HANDLERS, StepRun
     from lightning_gsched.schedule.program import Op
 
     assert set(HANDLERS) == set(Op)

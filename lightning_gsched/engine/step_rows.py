@@ -1,5 +1,4 @@
-"""A step's rows: every rank's batch size, the step's microbatches cut from the ranks' batches,
-and the rows each rank reads moved to it.
+"""A step's rows: the batch sizes, the row map, and the rows moved to the ranks that read them.
 
 Why a module of its own: a step's batch goes through the same four moves whatever the step
 (training, evaluation, the build's probe, ``"auto"``'s tuner cut): the batch-size exchange
