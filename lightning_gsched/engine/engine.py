@@ -170,7 +170,7 @@ class PipelineEngine:
         self.device_hint = device if device is not None else torch.device("cpu")
         # the batch-size exchange, the row map and the row exchange of every step
         self.step_rows = StepRows(config, self.workers, world_size, lambda: self.group,
-                             self._collective)
+                                  self._collective)
 
     # ------------------------------------------------------------------ building
 
@@ -368,7 +368,7 @@ class PipelineEngine:
         rank receives too and keeps for the step (returned)."""
         parts = probe_parts(self.config, sum(rows), self.workers.count)
         tuner_cut = self.step_rows.row_map(rows, parts, exact=training,
-                                  replicas=ReplicaLayout(self.workers.count, 1))
+                                           replicas=ReplicaLayout(self.workers.count, 1))
         held = [Held()]
 
         def first() -> Any:
