@@ -290,10 +290,16 @@ def _tune_parser(sub: Any) -> None:
                    help="only this G: G replicas of each schedule on W/G workers, both modes "
                         "(as GeneralParallel('auto', data_parallel_size=...)); default: every "
                         "divisor of W below W")
-    t.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size",
-                   type=_count("tensor_parallel_size", "2"), default=1, metavar="T",
-                   help="not searched yet: only 1 (the default); for T > 1 tune at W / T "
-                        "workers, then see the schedule on W ranks with gsched plan --tp T")
+    t.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", nargs="+",
+                   type=_count("tensor_parallel_size", "2"), default=[1], metavar="T",
+                   help="T ranks per worker (-w counts ranks: W / T workers); each T > 1 is "
+                        "profiled sharded by --tp-plan in T processes on this host. Several "
+                        "(e.g. --tp 1 2 4): each tuned, then the fastest fitting over all")
+    t.add_argument("--tp-plan", "--tensor-parallel-plan", dest="tensor_parallel_plan",
+                   default=None, metavar="PLAN",
+                   help="with --tp T > 1: how a stage is sharded, as tensor_parallel_plan: JSON "
+                        "('{\"blocks.*.attn.q\": \"colwise\", ...}') or FILE.py:NAME (a dict "
+                        "of styles, or a function parallelize(stage_module, tp_mesh))")
     d = DEFAULT_COSTS
     t.add_argument("--latency", type=float, default=None,
                    help=f"seconds a message is in flight besides its bytes (default {d.latency:g})")
@@ -308,75 +314,6 @@ def _tune_parser(sub: Any) -> None:
     t.add_argument("--top", type=_count("top", "20"), default=20,
                    help="rows of the table: the fastest that fit, ranked exactly (the search "
                         "skips candidates whose lower bounds rule them out)")
-
-
-def _load_target(spec: str) -> tuple[Any, tuple[Any, ...], Any]:
-    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` -> (model, args, loss_fn or None)."""
-    import importlib
-    import importlib.util
-
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ScheduleConfigError(f"tune target {spec!r} is not FILE.py:FUNCTION or "
-                                  "MODULE:FUNCTION; e.g. examples/gpt.py:tune_target")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ScheduleConfigError(f"tune target {spec!r}: no file {where}")
-        sys.path.insert(0, str(path.resolve().parent))
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ScheduleConfigError(f"tune target {spec!r}: {where} has no function {name}")
-    out = fn()
-    if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[1], tuple):
-        raise ScheduleConfigError(
-            f"tune target {spec!r} must return (model, args) or (model, args, loss_fn) with "
-            f"args a tuple (one microbatch), got {type(out).__name__}")
-    return out[0], out[1], out[2] if len(out) == 3 else None
-
-
-def _refuse_tensor_parallel(workers: int, tensor_parallel_size: int) -> None:
-    """``gsched tune --tp T`` with T > 1: a :class:`ScheduleConfigError` naming what to run.
-
-    Why refused: this command profiles the model in its own single process, where no stage can
-    be sharded, while T ranks per worker change the stage sizes, the compute per stage and the
-    messages. ``GeneralParallel('auto', tensor_parallel_size=T)`` tunes with T: its worker 0's
-    T ranks profile the sharded stages (engine/auto.py)."""
-    T = tensor_parallel_size
-    if T == 1:
-        return
-    pipeline = tensor_parallel_workers(workers, T)  # a T not dividing W: that error first
-    raise ScheduleConfigError(
-        f"gsched tune does not search tensor parallelism yet (--tp {T}): it profiles unsharded "
-        f"stages in one process. Let the run tune with T: GeneralParallel('auto', "
-        f"tensor_parallel_size={T}, tensor_parallel_plan=...) profiles the sharded stages on "
-        f"{T} ranks; or tune the pipeline without --tp at -w {pipeline} (the W / T workers; its "
-        f"bytes are then the unsharded stages'), then name the schedule it picks with gsched "
-        f"plan SCHEDULE -w {workers} --tp {T}")
-
-
-def _tune(args: argparse.Namespace) -> int:
-    _refuse_tensor_parallel(args.workers, args.tensor_parallel_size)  # before torch loads
-    from lightning_gsched.measure.tune_profile import tune_model
-
-    costs = DEFAULT_COSTS.with_changes(
-        latency=args.latency, bandwidth=args.bandwidth, send_cpu=args.message_cpu,
-        recv_cpu=args.message_cpu, job_cpu=args.job_overhead)
-    model, example, loss_fn = _load_target(args.target)
-    result = tune_model(model, example, args.workers, args.global_batch, loss_fn=loss_fn,
-                        budget=args.budget, optimizer_factor=args.optimizer_factor,
-                        costs=costs, schedules=args.schedules,
-                        checkpoint=(False,) if args.no_checkpointing else (False, True),
-                        stages=args.stages, micro=args.microbatches, R=args.R,
-                        replicas=args.data_parallel_size, top=args.top)
-    print(result.table(args.top))
-    return 0
 
 
 def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | None,
@@ -577,7 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.png:
                     print(f"wrote {args.png}")
         elif args.command == "tune":
-            return _tune(args)
+            from lightning_gsched.cli_tune import tune_command
+
+            return tune_command(args)
         else:
             # one error for all rows where T does not divide W (each row would repeat it)
             tensor_parallel_workers(args.workers, args.tensor_parallel_size)

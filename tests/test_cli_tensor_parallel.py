@@ -231,11 +231,43 @@ def test_tp_sharded_out_of_range_is_an_argparse_error(capsys):
 # ------------------------------------------------------------------ tune
 
 
-def test_tune_refuses_tp_before_loading_the_target(capsys):
-    """Refused first: the target does not exist, and the error is still the T one."""
+def test_tune_checks_t_and_its_plan_before_loading_the_target(capsys):
+    """Refused first (the target does not exist, and the error is still the T one)."""
     assert main(["tune", "missing.py:target", "-w", "4", "--global-batch", "8", "--tp", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "gsched tune does not search tensor parallelism yet (--tp 2)" in err
-    assert "at -w 2" in err and "gsched plan SCHEDULE -w 4 --tp 2" in err
-    assert main(["tune", "missing.py:target", "-w", "6", "--global-batch", "8", "--tp", "4"]) == 2
+    assert "tensor_parallel_size=2 needs a tensor_parallel_plan" in capsys.readouterr().err
+    assert main(["tune", "missing.py:target", "-w", "6", "--global-batch", "8", "--tp", "4",
+                 "--tp-plan", DEMO_PLAN]) == 2
     assert "Choose tensor_parallel_size among [1, 2, 3, 6]" in capsys.readouterr().err
+    assert main(["tune", "missing.py:target", "-w", "4", "--global-batch", "8", "--tp", "2",
+                 "--tp-plan", "{not json"]) == 2
+    assert "--tp-plan is not valid JSON" in capsys.readouterr().err
+
+
+# the demo GPT's plan, as configs/1f1b_3d.yaml writes it
+DEMO_PLAN = json.dumps({"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+                        "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
+                        "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"})
+FIXED = ["--global-batch", "16", "--schedules", "1f1b", "-s", "2", "-b", "4",
+         "--no-checkpointing", "--top", "3"]
+
+
+def _first_row_peak(table: str) -> float:
+    """The peak per rank (MiB) of the table's first row (1f1b S=2 B=4)."""
+    row = next(line for line in table.splitlines() if line.startswith("   1  1f1b S=2 B=4 "))
+    value, unit = row.split()[-3:-1]
+    return float(value) * {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}[unit]
+
+
+def test_tune_profiles_stages_sharded_over_t_processes_and_searches_t(capsys):
+    """The same pipeline of 2 workers, each one rank (-w 2) or T=2 ranks (-w 4 --tp 2, its
+    stages profiled sharded by the demo's plan in 2 processes): a rank holds about half the
+    sharded layers' bytes; with --tp 1 2 both are tuned and the faster named."""
+    assert main(["tune", "examples/gpt.py:tune_target", "-w", "2", *FIXED]) == 0
+    whole = _first_row_peak(capsys.readouterr().out)
+    assert main(["tune", "examples/gpt.py:tune_target", "-w", "4", "--tp", "1", "2",
+                 "--tp-plan", DEMO_PLAN, *FIXED]) == 0
+    out = capsys.readouterr().out
+    sharded_table = out[out.index("W=4 (2 workers of T=2 ranks)"):]
+    sharded = _first_row_peak(sharded_table)
+    assert sharded < 0.8 * whole, (sharded, whole)
+    assert "over every --tp value: fastest fitting is T=" in out

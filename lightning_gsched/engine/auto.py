@@ -44,9 +44,13 @@ from lightning_gsched.errors import (
     StrategyConfigError,
 )
 from lightning_gsched.measure.build_passes import BuildPasses
-from lightning_gsched.measure.tune_profile import ShardStages, follow_tuning, tune_model
-from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, parallelize_stages
-from lightning_gsched.partition.tensor_parallel_state import gather_shards
+from lightning_gsched.measure.tune_profile import (
+    ShardStages,
+    follow_tuning,
+    sharded_while_measured,
+    tune_model,
+)
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan
 from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
@@ -142,7 +146,7 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     with _profiling_mesh(tensor_parallel, world_size) as tp_mesh:
         shard = None
         if tensor_parallel is not None and tp_mesh is not None:
-            shard = _sharded_while_measured(module, tensor_parallel.plan, tp_mesh)
+            shard = sharded_while_measured(module, tensor_parallel.plan, tp_mesh)
         if rank == 0:
             try:
                 outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
@@ -188,22 +192,6 @@ def _profiling_mesh(tensor_parallel: TensorParallelTuning | None, world_size: in
     with first_worker_mesh(tensor_parallel.device_type, world_size, tensor_parallel.size,
                            tensor_parallel.timeout) as mesh:
         yield mesh
-
-
-def _sharded_while_measured(module: nn.Module, plan: TensorParallelPlan, tp_mesh: Any
-                            ) -> ShardStages:
-    """The tuner's ``shard``: a cut's stages sharded by ``plan`` over ``tp_mesh`` while they
-    are measured, then every parameter of ``module`` whole again (its values exact: the
-    pieces were cut from them), before the next cut."""
-    @contextmanager
-    def sharded(stages: Sequence[nn.Module]) -> Iterator[None]:
-        parallelize_stages(stages, plan, tp_mesh)
-        try:
-            yield
-        finally:
-            gather_shards(module)
-
-    return sharded
 
 
 def _search(config: ScheduleConfig, options: PartitionOptions) -> dict[str, Any]:

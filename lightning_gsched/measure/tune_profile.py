@@ -12,8 +12,8 @@ one more timing on half the rows gives the shares.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -24,6 +24,8 @@ from lightning_gsched.measure.profile import Kind
 from lightning_gsched.measure.stage_pass import measure_stages
 from lightning_gsched.partition.api import Partition, partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, parallelize_stages
+from lightning_gsched.partition.tensor_parallel_state import gather_shards
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.runtime_costs import RuntimeCosts
 from lightning_gsched.schedule.tune import TOP, StageProfile, TuneResult, candidates, tune
@@ -68,6 +70,22 @@ def fixed_shares(full: Sequence[float], part: Sequence[float], share: float
 # the stages as they will run, for the span of a measurement: e.g. sharded over a worker's
 # tensor-parallel ranks (engine/auto.py), made whole again on the way out
 ShardStages = Callable[[Sequence[torch.nn.Module]], AbstractContextManager[Any]]
+
+
+def sharded_while_measured(module: torch.nn.Module, plan: TensorParallelPlan, tp_mesh: Any
+                           ) -> ShardStages:
+    """The tuner's ``shard``: a cut's stages sharded by ``plan`` over ``tp_mesh`` while they
+    are measured, then every parameter of ``module`` whole again (its values exact: the
+    pieces were cut from them), before the next cut."""
+    @contextmanager
+    def sharded(stages: Sequence[torch.nn.Module]) -> Iterator[None]:
+        parallelize_stages(stages, plan, tp_mesh)
+        try:
+            yield
+        finally:
+            gather_shards(module)
+
+    return sharded
 
 
 def stage_profile(model: torch.nn.Module, stages: int, args: tuple[Any, ...],
