@@ -155,9 +155,8 @@ def _tune_sharded(args: argparse.Namespace, costs: RuntimeCosts, T: int) -> Tune
                 raise ScheduleConfigError(
                     f"gsched tune --tp {T}: a profiling process failed: {exc}") from None
         outcome = pickle.loads(out.read_bytes())
-    if isinstance(outcome, str):
-        raise ScheduleConfigError(f"gsched tune --tp {T}: {outcome}")
-    assert isinstance(outcome, TuneResult)
+    if not isinstance(outcome, TuneResult):
+        raise ScheduleConfigError(f"gsched tune --tp {T}: {outcome or 'no result'}")
     return outcome
 
 
@@ -202,6 +201,8 @@ def _tune_rank(rank: int, T: int, port: int, args: argparse.Namespace, costs: Ru
                           **keywords)
     except GschedError as exc:
         outcome = str(exc)
+    except Exception as exc:  # noqa: BLE001 - told to the command, which names the process
+        outcome = f"process {rank} of {T} failed while profiling: {type(exc).__name__}: {exc}"
     finally:
         if rank == 0:
             Path(out).write_bytes(pickle.dumps(outcome))
