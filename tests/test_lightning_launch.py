@@ -82,6 +82,8 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
     if variant == "3d":  # 2 pipeline positions x 2 replicas x 2 tensor-parallel ranks
         assert (plan.pipeline_size, plan.data_parallel_size, T) == (2, 2, 2)
         assert set(cli.trainer.strategy.tensor_parallel_plan.values()) == {"colwise", "rowwise"}
+    # zbv's order from the stages' measured seconds (the YAML spelling of the option)
+    assert cli.trainer.strategy.schedule_config.profile_costs == (name == "zbv")
     if variant.startswith("dp"):  # 2 replicas of a 2-worker pipeline, as the file says
         mode = "shard" if variant == "dp_shard" else "replicate"
         assert (plan.pipeline_size, plan.data_parallel_size, plan.data_parallel) == (2, 2, mode)
