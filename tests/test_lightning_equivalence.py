@@ -168,7 +168,8 @@ def mesh_on_worker(ctx: WorkerContext, tmp: str) -> dict:
     of 1f1b (``self.device_mesh`` in the module at fit start and in the first step,
     ``trainer.strategy.device_mesh``; the fit's weights for one-device comparison); a Fabric
     run in shard mode (``fabric.strategy.device_mesh`` after launch, one step); a Fabric
-    ``"auto"`` run, whose mesh is refused before its first step and (W, 1) after it."""
+    ``"auto"`` run, whose mesh is refused before its first step and (W / G, G) after it, G
+    being its pick's."""
     from lightning_gsched import GeneralParallel
     from lightning_gsched.errors import StrategyConfigError
 
@@ -213,8 +214,9 @@ def _fabric_mesh(ctx: WorkerContext, schedule: str, **options: Any) -> dict:
     batch = share(global_batches()[0], ctx.rank, ctx.world_size)
     loss = float(fabric.strategy.step(model, batch, compute_loss))
     after = mesh_ranks(fabric.strategy.device_mesh)
+    G = fabric.strategy.schedule_config.data_parallel_size  # "auto": its pick's
     fabric.strategy.finish()
-    return {"before": before, "after": after, "loss": loss}
+    return {"before": before, "after": after, "loss": loss, "G": G}
 
 
 def test_device_mesh_is_pipeline_by_data_parallel_under_trainer_and_fabric(worlds,
@@ -241,9 +243,14 @@ def test_device_mesh_is_pipeline_by_data_parallel_under_trainer_and_fabric(world
         auto = seen["fabric_auto"]
         assert auto["before"].startswith("refused: device_mesh is made once"), auto["before"]
         assert "at the first batch for schedule='auto'" in auto["before"]
-        assert auto["after"] == {"shape": (4, 1), "names": ("pipeline", "data_parallel"),
-                                 "data_parallel": [rank], "pipeline": [0, 1, 2, 3],
-                                 "column_sum": rank}
+        # the pick's G (the tuner's, from timings: 1 or 2 here), laid out as rank p*G + g
+        G = auto["G"]
+        p, g = divmod(rank, G)
+        column = [p * G + h for h in range(G)]
+        assert auto["after"] == {"shape": (4 // G, G), "names": ("pipeline", "data_parallel"),
+                                 "data_parallel": column,
+                                 "pipeline": [q * G + g for q in range(4 // G)],
+                                 "column_sum": sum(column)}, (rank, G)
         assert auto["loss"] == pytest.approx(first_loss, rel=1e-5)
 
 
