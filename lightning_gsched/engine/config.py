@@ -104,8 +104,9 @@ class ScheduleConfig:
         """
         schedule = given.get("schedule", "fslpp")
         if validate.flag("profile_costs", profile_costs, ScheduleConfigError):
+            defaults = ScheduleArguments.defaults()
             given_costs = [f"{name}={given[name]!r}" for name in COST_ARGUMENTS
-                           if name in given and given[name] != ScheduleArguments.defaults()[name]]
+                           if name in given and given[name] != defaults[name]]
             if schedule == AUTO or given_costs:
                 what = ("schedule='auto' plans with the costs it profiles anyway"
                         if schedule == AUTO else

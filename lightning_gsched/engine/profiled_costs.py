@@ -17,7 +17,7 @@ gives every rank the same seconds, or the same error.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,6 @@ from torch import nn
 
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.measure import profile_stages
-
-_T = TypeVar("_T")
 
 
 @contextmanager

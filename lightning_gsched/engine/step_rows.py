@@ -11,7 +11,7 @@ reads but did not load (:mod:`.batches`). The engine's steps read them here, in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from lightning_gsched.engine.batches import exchange_rows, rows_and_layouts
 from lightning_gsched.engine.config import ScheduleConfig
@@ -20,7 +20,6 @@ from lightning_gsched.engine.workers import Workers
 from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.replicas import ReplicaLayout
 
-_T = TypeVar("_T")
 # the engine's collective runner: (what, call) -> call(), a backend failure turned into a fault
 Collective = Callable[[str, Callable[[], Any]], Any]
 
