@@ -558,3 +558,29 @@ def test_bucketed_all_reduce_starts_each_bucket_with_its_final_gradient() -> Non
     assert len(sent) == len(buckets.buckets) == 2  # all started by the hooks, during W
     for (start, end, _), piece in zip(buckets.buckets, sent, strict=True):
         assert torch.equal(piece, want[start:end])
+
+
+def test_w_of_intermediates_owning_their_weights_is_one_engine_call_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cost model ("Alone" in the module docstring): an MLP's Linear layers each own their
+    weight side, so W is one engine call per layer (no phase 2); a weight reached from two
+    intermediates (Reuse) takes the two phases. The gradients are equal either way (above)."""
+    calls: list[str] = []
+    for name in ("backward", "grad"):
+        real = getattr(torch.autograd, name)
+        monkeypatch.setattr(torch.autograd, name, lambda *a, real=real, name=name, **k: (
+            calls.append(name), real(*a, **k))[1])
+    module = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    out = module(x)
+    _, work = backward_input([out], [torch.ones_like(out)], [x], list(module.parameters()))
+    calls.clear()
+    work.run()
+    assert calls == ["backward"] * 3
+    reuse = Reuse()
+    leaf = _inputs(CASES["reuse"][1], 1)[0].clone().requires_grad_()
+    roots, grads = _roots(reuse(leaf), seed=0)
+    _, work = backward_input(roots, grads, [leaf], list(reuse.parameters()))
+    calls.clear()
+    work.run()
+    assert calls[-1] == "backward" and "grad" in calls  # phase 1 per shared, then phase 2

@@ -29,6 +29,7 @@ from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyCo
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.data_parallel import pipeline_size, tensor_parallel_workers
+from lightning_gsched.schedule.first_stage import first_stage_costs
 from lightning_gsched.schedule.plan import (
     Plan,
     check_plan_arguments,
@@ -201,6 +202,25 @@ class ScheduleConfig:
         assert self.arguments is not None, "'auto' holds its pick's costs"
         self.arguments = self.arguments.replace(**costs)
         self._eval_plans.clear()
+
+    def plan_first_stage_backward_in_w(self, workers: int) -> None:
+        """A named schedule splitting backwards at the default costs: plan with the first
+        stage's B free and its W the whole backward, which is what the runtime runs, where that
+        order is the faster one (:mod:`~lightning_gsched.schedule.first_stage`). Given or
+        profiled costs, and ``"auto"``'s (profiled), are left as they are."""
+        if self.is_auto or self.profile_costs or not self.splits_backward():
+            return
+        defaults = ScheduleArguments.defaults()
+        if any(getattr(self._arguments(), name) != defaults[name] for name in COST_ARGUMENTS):
+            return
+        S, B, R = self.resolved(workers)
+        costs = first_stage_costs(self._arguments().replace(stages=S, microbatches=B, R=R,
+                                                            ties=self.ties), workers)
+        if costs is not None:
+            self.set_costs(costs)
+            self.choice_text = ("planned at the default costs with the first stage's B free "
+                                "and its W the whole backward (the model's input gets no "
+                                "gradient)")
 
     def splits_backward(self) -> bool:
         """Whether the decided schedule's training plans split each backward into B and W."""

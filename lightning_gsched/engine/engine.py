@@ -259,6 +259,8 @@ class PipelineEngine:
             if self.config.profile_costs:  # the order from the stages' seconds (rank 0's)
                 self._profile_costs(part, args, kwargs,
                                     step_loss_fn(caller, micro_batch) if training else None)
+            else:  # at the default costs, what a first stage's split backward really costs
+                self.config.plan_first_stage_backward_in_w(self.world_size)
             plan = self.train_plan = self.config.training_plan(self.world_size)
             mesh = self.device_mesh
             if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)

@@ -28,6 +28,16 @@ when no input needs a gradient), with ``inputs=params``. Parameters accumulate t
 AccumulateGrad nodes, once each: ``.grad`` views of a flat buffer receive the sum in place and
 post-accumulate hooks fire once (:mod:`.buckets` relies on it).
 
+**Alone**: most intermediates (every Linear's, every LayerNorm's of a transformer) own their part
+of O: no node of it is reached from another intermediate or from a root outside I. Then no
+parameter of that part is reachable from the intermediate's input side either (the last node of
+I on such a path would be an intermediate reaching the part), so one engine call from the
+intermediate's recorded gradient with ``inputs=`` the part's parameters computes its outputs
+towards O only and runs the part, accumulating each parameter once: phases 1 and 2 in one call,
+no gradient held between them, and the part's saved tensors released by the call. The shared
+intermediates (a weight reached twice, a root's weight side) take the two phases above. Which
+intermediates are alone is decided over all intermediates, including those B gave no gradient.
+
 Nothing counts twice: B executed only nodes of I, phase 1 only the intermediates' edges towards O,
 phase 2 only nodes of O; a root outside I was not executed in B and nothing below it is in I.
 
@@ -60,7 +70,11 @@ EdgeKey = tuple[Node, int]  # (node, index of its gradient input), as in ``next_
 # a node of I with children in O, the gradient B recorded at it, and its O edges as
 # (output index of the node, the edge it feeds)
 _Intermediate = tuple[Node, tuple[torch.Tensor | None, ...], list[tuple[int, EdgeKey]]]
-_Work = tuple[list[_Intermediate], list[tuple[EdgeKey, torch.Tensor]], list[torch.Tensor]]
+# an intermediate whose weight side is its own, with the parameters there (see "Alone")
+_Alone = tuple[Node, tuple[torch.Tensor | None, ...], list[torch.Tensor]]
+# (the alone, then the shared intermediates, the roots outside I and their parameters)
+_Work = tuple[list[_Alone], list[_Intermediate], list[tuple[EdgeKey, torch.Tensor]],
+              list[torch.Tensor]]
 
 
 class PendingWeightGrad:
@@ -81,8 +95,8 @@ class PendingWeightGrad:
         intermediates, what this object keeps alive from B to W (``footprint.held_until_w``)."""
         if self._work is None:
             return []
-        intermediates, root_edges, _ = self._work
-        return [*(g for _, grads, _ in intermediates for g in grads if g is not None),
+        alone, intermediates, root_edges, _ = self._work
+        return [*(g for _, grads, _ in [*alone, *intermediates] for g in grads if g is not None),
                 *(g for _, g in root_edges)]
 
     def run(self) -> None:
@@ -92,7 +106,11 @@ class PendingWeightGrad:
                 "the weight gradients of this backward were already accumulated; run each "
                 "PendingWeightGrad once (the programs list one W per (stage, microbatch)).")
         # take the references out first: nothing here keeps the graph alive, even on a raise
-        (intermediates, root_edges, params), self._work = self._work, None
+        (alone, intermediates, root_edges, params), self._work = self._work, None
+        queue_alone = deque(alone)  # each recorded gradient dropped once used
+        alone.clear()
+        while queue_alone:
+            _accumulate_alone(*queue_alone.popleft())
         arriving: dict[EdgeKey, list[torch.Tensor]] = {}
         for key, grad in root_edges:  # the engine adds the roots' gradients first
             arriving.setdefault(key, []).append(grad)
@@ -110,6 +128,24 @@ class PendingWeightGrad:
         sums = [functools.reduce(operator.add, grads) for grads in arriving.values()]
         arriving.clear()
         torch.autograd.backward(edges, grad_tensors=sums, inputs=params)
+
+
+def _accumulate_alone(node: Node, recorded: tuple[torch.Tensor | None, ...],
+                      params: list[torch.Tensor]) -> None:
+    """Phases 1 and 2 of an intermediate that owns its weight side (module docstring, "Alone"):
+    one call from its recorded gradient to its parameters. The pre-hook puts back what B
+    recorded, as in :func:`_weight_outputs`."""
+    given = [(GradientEdge(node, i), g) for i, g in enumerate(recorded) if g is not None]
+
+    def replay(_arriving: tuple[Any, ...]) -> tuple[torch.Tensor | None, ...]:
+        return recorded
+
+    handle = node.register_prehook(replay)
+    try:
+        torch.autograd.backward([e for e, _ in given], grad_tensors=[g for _, g in given],
+                                inputs=params)
+    finally:
+        handle.remove()
 
 
 def _weight_outputs(node: Node, recorded: tuple[torch.Tensor | None, ...],
@@ -180,13 +216,25 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
             for handle in handles:
                 handle.remove()
         input_grads = {id(t): g for t, g in zip(wanted, grads, strict=True)}
-    pending = PendingWeightGrad((
-        [(node, arrived, intermediates[node]) for node, arrived in recorded.items()
-         if any(g is not None for g in arrived)],  # all None: nothing reached it, nothing to add
-        # roots outside I: never executed in B and nothing below them is in I (see docstring)
-        [(key, g) for key, g in root_edges if key[0] in weight_side],
-        [p for node, p in param_nodes.items() if node in weight_side],
-    ))
+    # roots outside I: never executed in B and nothing below them is in I (see docstring)
+    outside = [(key, g) for key, g in root_edges if key[0] in weight_side]
+    part_of = _weight_parts(intermediates, [key[0] for key, _ in outside], weight_side)
+    alone_params: dict[Node, list[torch.Tensor]] = {}
+    shared_params: list[torch.Tensor] = []
+    for node, p in param_nodes.items():
+        if node in weight_side:
+            owner = part_of[node]
+            (shared_params if owner is None else alone_params.setdefault(owner, [])).append(p)
+    alone: list[_Alone] = []
+    shared: list[_Intermediate] = []
+    for node, arrived in recorded.items():  # in B's order
+        if all(g is None for g in arrived):  # nothing reached it, nothing to add
+            continue
+        if node in alone_params:
+            alone.append((node, arrived, alone_params[node]))
+        else:
+            shared.append((node, arrived, intermediates[node]))
+    pending = PendingWeightGrad((alone, shared, outside, shared_params))
     return [input_grads.get(id(t)) for t in inputs], pending
 
 
@@ -271,6 +319,45 @@ def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
                 queue.append(child)
             parents[child].append(node)
     return parents
+
+
+def _weight_parts(intermediates: dict[Node, list[tuple[int, EdgeKey]]], outside_roots: list[Node],
+                  weight_side: set[Node]) -> dict[Node, Node | None]:
+    """{node of O: the intermediate whose part of O it is, or None where the part is shared}:
+    shared between intermediates, or reached from a root outside I (module docstring, "Alone").
+
+    Each start claims the nodes of O below it that nobody claimed; meeting another's node joins
+    the two starts (union-find), whose nodes below were claimed when that start walked them."""
+    starts: list[Node | None] = [*intermediates, None]  # None: the roots outside I, together
+    joined = list(range(len(starts)))
+
+    def find(i: int) -> int:
+        while joined[i] != i:
+            joined[i] = joined[joined[i]]
+            i = joined[i]
+        return i
+
+    claimed: dict[Node, int] = {}
+    children = [[child for _, (child, _) in edges] for edges in intermediates.values()]
+    for start, below in enumerate([*children, outside_roots]):
+        queue = deque(below)
+        while queue:
+            node = queue.popleft()
+            if node in claimed:
+                joined[find(claimed[node])] = find(start)
+                continue
+            claimed[node] = start
+            queue.extend(child for child, _ in node.next_functions if child in weight_side)
+    size = [0] * len(starts)
+    for i in range(len(starts)):
+        size[find(i)] += 1
+    last = len(starts) - 1  # the roots' start
+
+    def owner(start: int) -> Node | None:
+        root = find(start)
+        return starts[start] if size[root] == 1 and root != last else None
+
+    return {node: owner(start) for node, start in claimed.items()}
 
 
 def _ancestors(parents: dict[Node, list[Node]], targets: set[Node],
