@@ -77,3 +77,21 @@ def test_the_engine_config_applies_it_only_at_default_costs() -> None:
         before = kept.training_plan(2).costs
         kept.plan_first_stage_backward_in_w(2)
         assert kept.training_plan(2).costs == before and kept.choice_text == ""
+
+
+def test_large_pipelines_keep_the_default_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the lazy planning threshold the choice is not made (its re-timing would cost
+    seconds): nothing is planned, the default costs stay; just below it, it is made."""
+    import lightning_gsched.schedule.first_stage as first_stage
+
+    S, B = 4, 8
+    monkeypatch.setattr(first_stage, "LAZY_FROM_JOBS", 3 * S * B)  # B + 1 is above it
+    planned: list[int] = []
+    real = first_stage.plan_arguments
+    monkeypatch.setattr(first_stage, "plan_arguments",
+                        lambda *a, **k: (planned.append(1), real(*a, **k))[1])
+    assert first_stage_costs(ScheduleArguments(schedule="zbv", stages=S, microbatches=B + 1),
+                             2) is None
+    assert planned == []
+    first_stage_costs(ScheduleArguments(schedule="zbv", stages=S, microbatches=B), 2)
+    assert planned == [1, 1]  # both orders planned
