@@ -169,6 +169,21 @@ class LastStage(nn.Module):
         return nn.functional.cross_entropy(self.head(x), target)
 
 
+class ReusedAroundAnother(nn.Module):
+    """One Linear applied before and after another layer with weights of its own: phase 1 of
+    the second use runs the input side down to the first again, through the other layer's
+    node, which owns its weight side (one call, "Alone"), so that call must not have released
+    its saved tensors yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.other = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.other(torch.tanh(self.lin(x)))))
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
                          nn.Linear(16, 8))
@@ -181,6 +196,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], bool
     "layernorm": (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16),
                                         nn.Linear(16, 8)), lambda: torch.randn(4, 8), True),
     "reuse": (Reuse, lambda: torch.randn(4, 8), True),
+    "reused_around_another": (ReusedAroundAnother, lambda: torch.randn(4, 8), True),
     "weight_side_fed_thrice": (WeightSideFedThrice, lambda: torch.randn(4, 8), True),
     "output_also_used_inside": (OutputAlsoUsedInside, lambda: torch.randn(4, 8), True),
     "embedding": (Embedded, lambda: torch.randint(0, 10, (4,)), False),

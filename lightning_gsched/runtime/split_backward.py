@@ -35,8 +35,11 @@ I on such a path would be an intermediate reaching the part), so one engine call
 intermediate's recorded gradient with ``inputs=`` the part's parameters computes its outputs
 towards O only and runs the part, accumulating each parameter once: phases 1 and 2 in one call,
 no gradient held between them, and the part's saved tensors released by the call. The shared
-intermediates (a weight reached twice, a root's weight side) take the two phases above. Which
-intermediates are alone is decided over all intermediates, including those B gave no gradient.
+intermediates (a weight reached twice, a root's weight side) take the two phases above; the alone
+ones run between the two, since phase 1 of a weight used twice runs the input side between its
+uses again (outputs discarded), which may pass an alone intermediate whose call would have
+released its saved tensors. Which intermediates are alone is decided over all intermediates,
+including those B gave no gradient.
 
 Nothing counts twice: B executed only nodes of I, phase 1 only the intermediates' edges towards O,
 phase 2 only nodes of O; a root outside I was not executed in B and nothing below it is in I.
@@ -107,10 +110,6 @@ class PendingWeightGrad:
                 "PendingWeightGrad once (the programs list one W per (stage, microbatch)).")
         # take the references out first: nothing here keeps the graph alive, even on a raise
         (alone, intermediates, root_edges, params), self._work = self._work, None
-        queue_alone = deque(alone)  # each recorded gradient dropped once used
-        alone.clear()
-        while queue_alone:
-            _accumulate_alone(*queue_alone.popleft())
         arriving: dict[EdgeKey, list[torch.Tensor]] = {}
         for key, grad in root_edges:  # the engine adds the roots' gradients first
             arriving.setdefault(key, []).append(grad)
@@ -122,6 +121,12 @@ class PendingWeightGrad:
             for index, key in weight_edges:
                 if (output := outputs[index]) is not None:
                     arriving.setdefault(key, []).append(output)
+        # after phase 1, which may run an alone intermediate's node again on the input side
+        # between two uses of one weight (its outputs there discarded), before phase 2 (O only)
+        queue_alone = deque(alone)  # each recorded gradient dropped once used
+        alone.clear()
+        while queue_alone:
+            _accumulate_alone(*queue_alone.popleft())
         if not arriving:  # nothing reached a parameter (all None, or no parameter needs one)
             return
         edges = [GradientEdge(node, nr) for node, nr in arriving]
