@@ -9,6 +9,7 @@ against both orders' latencies at the true shape, computed here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,31 @@ def test_large_pipelines_keep_the_default_costs(monkeypatch: pytest.MonkeyPatch)
     assert planned == []
     first_stage_costs(ScheduleArguments(schedule="zbv", stages=S, microbatches=B), 2)
     assert planned == [1, 1]  # both orders planned
+
+
+def test_the_memory_target_is_never_traded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the shaped order would run under other caps, or not complete under a given one,
+    the default costs stay (and nothing is raised)."""
+    import dataclasses as dc
+
+    import lightning_gsched.schedule.first_stage as first_stage
+    from lightning_gsched.errors import CapTooSmallError
+
+    arguments = ScheduleArguments(schedule="zbv", stages=4, microbatches=8)
+    assert first_stage_costs(arguments, 2) is not None  # taken, as above
+    real = first_stage.plan_arguments
+
+    def shaped_with(change: Any) -> Any:
+        def fake(a: ScheduleArguments, *args: Any, **kwargs: Any) -> Any:
+            made = real(a, *args, **kwargs)
+            return change(made) if a.weight_cost is not None else made
+        return fake
+
+    monkeypatch.setattr(first_stage, "plan_arguments",
+                        shaped_with(lambda p: dc.replace(p, caps=[c + 1 for c in p.caps])))
+    assert first_stage_costs(arguments, 2) is None
+
+    def refuse(_: Any) -> Any:
+        raise CapTooSmallError("the shaped order cannot complete")
+    monkeypatch.setattr(first_stage, "plan_arguments", shaped_with(refuse))
+    assert first_stage_costs(arguments, 2) is None

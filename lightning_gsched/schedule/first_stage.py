@@ -22,7 +22,7 @@ would add seconds to the build (zbv at W=1024, 12.6 million jobs: about a minute
 
 from __future__ import annotations
 
-from lightning_gsched.errors import ScheduleConfigError
+from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule.arguments import ScheduleArguments
 from lightning_gsched.schedule.jobs import StageGraph
 from lightning_gsched.schedule.plan import LAZY_FROM_JOBS, pipeline_workers, plan_arguments
@@ -45,8 +45,10 @@ def first_stage_backward_in_w(stages: int) -> dict[str, list[float]]:
 def first_stage_costs(arguments: ScheduleArguments, ranks: int) -> dict[str, list[float]] | None:
     """The costs to plan ``arguments`` (S, B and R resolved, a split backward, default costs) on
     ``ranks`` with: :func:`first_stage_backward_in_w`'s, or None where the default order is at
-    least as fast at that shape. Decided on one replica's pipeline (its P workers, without
-    tensor parallelism): every replica runs the same order."""
+    least as fast at that shape, or where the shaped order would need other caps (a given cap it
+    cannot complete under, or a default cap that moves: the memory target is not traded for
+    speed here). Decided on one replica's pipeline (its P workers, without tensor parallelism):
+    every replica runs the same order."""
     S = arguments.stages
     assert S is not None and arguments.microbatches is not None, "resolve S and B first"
     if 3 * S * arguments.microbatches > LAZY_FROM_JOBS:  # F, B and W of every (stage, micro)
@@ -56,7 +58,12 @@ def first_stage_costs(arguments: ScheduleArguments, ranks: int) -> dict[str, lis
                             tensor_parallel_size=1)
     true = first_stage_backward_in_w(S)
     base = plan_arguments(one, P, verify=False)
-    shaped = plan_arguments(one.replace(**true), P, verify=False)
+    try:
+        shaped = plan_arguments(one.replace(**true), P, verify=False)
+    except GschedError:  # e.g. a given cap the shaped order cannot complete under
+        return None
+    if list(shaped.caps) != list(base.caps):  # the default cap moved: another memory target
+        return None
     graph = StageGraph(S, split_backward=True)
     if retimed_latency(base.timeline, graph, shaped.costs) <= shaped.timeline.latency:
         return None
