@@ -10,6 +10,14 @@ around ``schedule.step``. The anchor, the rows (gpipe, 1f1b, zb-h1, zbv), the sp
 and the rounds are those of :mod:`benchmarks.bench_pipeline`. Goal: engine <= 1.00.
 
     python -m benchmarks.bench_engine [--quick] [--rows gpipe 1f1b ...] [--profile-costs]
+                                      [--torch-peak]
+
+``--torch-peak``: ours planned with each rank's cap set to the most microbatch-stages torch's
+schedule holds on that rank (read from its ``pipeline_order``, :func:`torch_peaks`), as
+``pipeline_engine_vs_torch[<schedule>, torch's peak]``: the same memory target as the anchor.
+Why: our default caps may hold less than torch's hand-written orders (interleaved at W=2: 4
+against 5 on rank 0), which changes the order and so the time; at torch's peaks our planner
+gives interleaved's order action for action, so that row measures the engine alone.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from benchmarks.bench_pipeline import (
     process_counts,
 )
 from benchmarks.common import Result
+from benchmarks.pipeline_split import local_stages
 from benchmarks.rounds import Side, measure, ratio_result
 
 MODULE = "benchmarks.bench_engine"
@@ -40,10 +49,11 @@ GOAL = "<= 1.00"
 
 
 def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int,
-                 microbatches: int = MICROBATCHES, profile_costs: bool = False
-                 ) -> dict[str, Any]:
+                 microbatches: int = MICROBATCHES, profile_costs: bool = False,
+                 cap: list[int] | None = None) -> dict[str, Any]:
     """One rank of ours in a plain Fabric loop; rank 0's wall and CPU seconds per step.
-    ``profile_costs``: planned with the stages' seconds timed at the build (the option)."""
+    ``profile_costs``: planned with the stages' seconds timed at the build (the option);
+    ``cap``: per rank (None: the schedule's default)."""
     import torch
     from lightning.fabric import Fabric
 
@@ -53,7 +63,8 @@ def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int
     shape = GPTShape()
     fabric = Fabric(accelerator="cpu", devices=world,
                     strategy=GeneralParallelFabric(schedule, microbatches=microbatches,
-                                                   profile_costs=profile_costs))
+                                                   profile_costs=profile_costs,
+                                                   **({} if cap is None else {"cap": cap})))
     fabric.launch()
     core = build_core(shape, seed=0)
     opt = torch.optim.SGD(core.parameters(), lr=0.05, momentum=0.9)
@@ -102,22 +113,80 @@ def step_counts(runs: Any) -> list[list[float]]:
     return per_rank
 
 
-def _engine_side(schedule: str, steps: int, profile_costs: bool = False) -> Side:
+def torch_orders(schedule: str, world: int = WORLD, microbatches: int = MICROBATCHES
+                 ) -> list[list[tuple[str, int, int]]]:
+    """Per rank, torch's schedule of the row as ``(kind, stage, microbatch)`` computations in
+    its ``pipeline_order`` (kind ``F``, ``B`` a full backward, ``I`` / ``W`` its halves). The
+    schedule is built on stand-in stages (its constructor reads only their indices and counts;
+    no process group), so this follows the installed torch. ``ValueError`` for schedules that
+    keep no order (GPipe, 1F1B: one stage per rank)."""
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    row = ROWS[schedule]
+    cls = getattr(schedules, row.torch_schedule)
+    if not issubclass(cls, schedules.PipelineScheduleMulti):
+        raise ValueError(f"{row.torch_schedule} keeps no pipeline_order to read")
+
+    class StandIn:  # what the schedules' constructors read of a PipelineStage
+        def __init__(self, index: int, rank: int) -> None:
+            self.stage_index, self.num_stages = index, row.stages
+            self.group_rank, self.group_size = rank, world
+            self.is_first, self.is_last = index == 0, index == row.stages - 1
+            self.submod, self.has_backward = torch.nn.Identity(), True
+
+    orders = []
+    for rank in range(world):
+        stand_ins = [StandIn(s, rank)
+                     for s in local_stages(row.placement, rank, world, row.stages)]
+        made = cls(stand_ins, n_microbatches=microbatches, loss_fn=lambda out, target: out)
+        orders.append([(a.computation_type.value, a.stage_index, a.microbatch_index)
+                       for a in made.pipeline_order[rank]
+                       if a is not None and a.computation_type.value in ("F", "B", "I", "W")])
+    return orders
+
+
+def torch_peaks(schedule: str, world: int = WORLD, microbatches: int = MICROBATCHES
+                ) -> list[int]:
+    """Per rank, the most microbatch-stages torch's schedule of the row holds at once: forwards
+    run minus the last backward phase run (``W`` where split), along :func:`torch_orders`."""
+    peaks = []
+    for order in torch_orders(schedule, world, microbatches):
+        ends = "W" if any(kind == "W" for kind, _, _ in order) else "B"
+        held = peak = 0
+        for kind, _, _ in order:
+            held += (kind == "F") - (kind == ends)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def _engine_side(schedule: str, steps: int, profile_costs: bool = False,
+                 cap: list[int] | None = None) -> Side:
     return Side(f"{MODULE}:engine_timed",
                 {"schedule": schedule, "steps": steps, "per_rank": PER_RANK,
-                 "profile_costs": profile_costs})
+                 "profile_costs": profile_costs, "cap": cap})
 
 
 def run(quick: bool, rows: Sequence[str] | None = None,
-        profile_costs: bool = False) -> list[Result]:
+        profile_costs: bool = False, torch_peak: bool = False) -> list[Result]:
     """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table;
     with ``profile_costs``, ours planned with its stages' measured seconds, as
-    ``pipeline_engine_vs_torch[<schedule>, profiled costs]``."""
+    ``pipeline_engine_vs_torch[<schedule>, profiled costs]``; with ``torch_peak``, ours at
+    torch's per-rank peaks (:func:`torch_peaks`; rows whose torch schedule keeps no order are
+    skipped), as ``pipeline_engine_vs_torch[<schedule>, torch's peak]``."""
     cfg = QUICK if quick else FULL
     results = []
     for row in _chosen(rows):
+        cap = None
+        if torch_peak:
+            try:
+                cap = torch_peaks(row.schedule)
+            except ValueError as exc:
+                print(f"skipped {row.schedule} with --torch-peak: {exc}")
+                continue
         wall = time.perf_counter()
-        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"], profile_costs),
+        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"], profile_costs, cap),
                         "anchor": _anchor_side(row.schedule, cfg["steps"])},
                        WORLD, cfg["rounds"], WARMUP)
         wall = time.perf_counter() - wall
@@ -125,11 +194,13 @@ def run(quick: bool, rows: Sequence[str] | None = None,
         loss_anchor = runs["anchor"].last()["loss"]
         notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global "
                  f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric"
-                 f"{'(profile_costs=True)' if profile_costs else ''} in a plain "
+                 f"{'(profile_costs=True)' if profile_costs else ''}"
+                 f"{'' if cap is None else f'(cap={cap}, torch peaks)'} in a plain "
                  f"Fabric loop (no Trainer); anchor = torch.distributed.pipelining "
                  f"{row.torch_schedule} in a plain loop, same split; loss at step "
                  f"{cfg['steps']}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
-        label = f"{row.schedule}, profiled costs" if profile_costs else row.schedule
+        label = ", ".join([row.schedule] + ["profiled costs"] * profile_costs
+                          + ["torch's peak"] * (cap is not None))
         results.append(ratio_result(
             f"pipeline_engine_vs_torch[{label}]", runs["ours"], runs["anchor"], GOAL,
             notes, extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor,
@@ -145,8 +216,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=None)
     parser.add_argument("--profile-costs", action="store_true",
                         help="ours planned with the stages' measured seconds (profile_costs=True)")
+    parser.add_argument("--torch-peak", action="store_true",
+                        help="ours with each rank's cap at torch's peak (the same memory target)")
     args = parser.parse_args()
-    for r in run(args.quick, args.rows, args.profile_costs):
+    for r in run(args.quick, args.rows, args.profile_costs, args.torch_peak):
         print(f"{r.name:34s} ours {r.ours_s * 1e3:7.1f} ms  torch {r.anchor_s * 1e3:7.1f} ms  "
               f"ratio {r.ratio:.3f}  cpu ratio {r.cpu_ratio}  {r.notes}")
         print(f"  per rank (minor faults, voluntary, involuntary switches) per step: "

@@ -108,3 +108,24 @@ def test_each_row_places_stages_where_our_library_does(name):
     held = [sorted(s for s, owners in enumerate(programs.owners) if rank in owners)
             for rank in range(WORLD)]
     assert held == [local_stages(row.placement, r, WORLD, row.stages) for r in range(WORLD)]
+
+
+def test_at_torchs_peaks_our_interleaved_order_is_torchs() -> None:
+    """``bench_engine --torch-peak``'s premise: with each rank's cap at the most
+    microbatch-stages torch's Interleaved1F1B holds there, our planner orders every rank's
+    forwards and backwards exactly as torch's hand-written schedule (read from torch itself)."""
+    from benchmarks.bench_engine import torch_orders, torch_peaks
+    from benchmarks.bench_pipeline import MICROBATCHES, ROWS, WORLD
+    from lightning_gsched.schedule import plan
+
+    theirs = torch_orders("interleaved")
+    ours = plan("interleaved", WORLD, stages=ROWS["interleaved"].stages,
+                microbatches=MICROBATCHES, cap=torch_peaks("interleaved"))
+    for rank in range(WORLD):
+        mine = [(a.op.name, a.stage, a.micro) for a in ours.programs.ranks[rank]
+                if a.op.name in ("F", "B")]
+        assert mine == theirs[rank], rank
+    default = plan("interleaved", WORLD, stages=ROWS["interleaved"].stages,
+                   microbatches=MICROBATCHES)
+    assert [(a.op.name, a.stage, a.micro) for a in default.programs.ranks[0]
+            if a.op.name in ("F", "B")] != theirs[0]  # the default cap orders rank 0 otherwise
