@@ -66,6 +66,15 @@ class AutoRequest:
     tensor_parallel_size: int = 1
 
 
+def _moved_costs(values: dict[str, Any]) -> list[str]:
+    """``"name=value"`` for each cost argument in ``values`` off its default: what
+    ``profile_costs`` refuses beside it, and what keeps the engine's default split-backward
+    costs from applying (:meth:`ScheduleConfig.plan_first_stage_backward_in_w`)."""
+    defaults = ScheduleArguments.defaults()
+    return [f"{name}={values[name]!r}" for name in COST_ARGUMENTS
+            if name in values and values[name] != defaults[name]]
+
+
 @dataclass
 class ScheduleConfig:
     """The schedule part of GeneralParallel's arguments (see its docstring).
@@ -105,9 +114,7 @@ class ScheduleConfig:
         """
         schedule = given.get("schedule", "fslpp")
         if validate.flag("profile_costs", profile_costs, ScheduleConfigError):
-            defaults = ScheduleArguments.defaults()
-            given_costs = [f"{name}={given[name]!r}" for name in COST_ARGUMENTS
-                           if name in given and given[name] != defaults[name]]
+            given_costs = _moved_costs(given)
             if schedule == AUTO or given_costs:
                 what = ("schedule='auto' plans with the costs it profiles anyway"
                         if schedule == AUTO else
@@ -210,8 +217,7 @@ class ScheduleConfig:
         profiled costs, and ``"auto"``'s (profiled), are left as they are."""
         if self.is_auto or self.profile_costs or not self.splits_backward():
             return
-        defaults = ScheduleArguments.defaults()
-        if any(getattr(self._arguments(), name) != defaults[name] for name in COST_ARGUMENTS):
+        if _moved_costs({name: getattr(self._arguments(), name) for name in COST_ARGUMENTS}):
             return
         S, B, R = self.resolved(workers)
         costs = first_stage_costs(self._arguments().replace(stages=S, microbatches=B, R=R,

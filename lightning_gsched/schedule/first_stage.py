@@ -74,8 +74,6 @@ def retimed_latency(timeline: Timeline, graph: StageGraph, costs: Costs) -> floa
     """The latency of ``timeline``'s per-worker orders with every job lasting what ``costs``
     say: each job starts once its worker's previous job and its predecessors (``graph``) end.
     Compute only, as the greedy plan counts it."""
-    P, B = len(timeline.phases), timeline.micro
-    phase_index = {d: k for k, d in enumerate(timeline.phases)}
     end: dict[int, float] = {}
     order = [list(jobs) for jobs in timeline.order]
     position = [0] * len(order)
@@ -87,8 +85,7 @@ def retimed_latency(timeline: Timeline, graph: StageGraph, costs: Costs) -> floa
             while position[w] < len(jobs):
                 index = jobs[position[w]]
                 job = timeline.job(index)
-                before = [end.get((p.stage * B + p.micro) * P + phase_index[p.phase])
-                          for p in graph.pred(job)]
+                before = [end.get(timeline.index(p)) for p in graph.pred(job)]
                 if None in before:
                     break
                 start = max([free[w], *(t for t in before if t is not None)])

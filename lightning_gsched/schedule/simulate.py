@@ -118,6 +118,11 @@ class Timeline:
         stage, micro = divmod(index // P, self.micro)
         return Job(stage, micro, self.phases[index % P])
 
+    def index(self, job: Job) -> int:
+        """The flat index of ``job`` (the inverse of :meth:`job`)."""
+        return (job.stage * self.micro + job.micro) * len(self.phases) + \
+            self.phases.index(job.phase)
+
     @cached_property
     def _slots(self) -> tuple[list[Slot], list[list[Slot]]]:
         P, B, phases, start, end = len(self.phases), self.micro, self.phases, self.start, self.end
