@@ -13,9 +13,12 @@ device in this process:
 * ``strategy.evaluate`` returns this rank's rows of one device's outputs for the same weights,
   on every rank, the two ranks of a worker alike;
 * while training, each rank held its shard of a column-wise layer (half its rows);
-* ``fabric.save`` after step 2 of the 1f1b run (the shards gathered into full tensors),
-  ``fabric.load`` into a zbv pipeline that already ran a step of its own (each rank takes its
-  pieces), then step 3: every rank ends with one device's weights and step-3 loss.
+* ``fabric.save`` after step 2 of the 1f1b run (``stream_checkpoint=True``: each weight unit's
+  and optimizer tensor's full tensor made by its worker's two ranks and sent to rank 0 one at a
+  time), ``fabric.load`` into a zbv pipeline that already ran a step of its own (each rank takes
+  its pieces), then step 3: every rank ends with one device's weights and step-3 loss;
+* after 1f1b's last step the same state saved streamed and gathered (every shard gathered to
+  rank 0 at once) gives two files with equal tensors, bit for bit, of the full shapes.
 
 Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
 partial dot products where one device adds one, float32 reordering as microbatches and ranks
@@ -87,13 +90,18 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
     out = []
     for schedule in SCHEDULES:
         fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
-            schedule, microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN))
+            schedule, microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN,
+            stream_checkpoint=schedule == "1f1b"))
         fabric.launch()
         model, optimizer = _setup(fabric)
         batches = [share(b, worker, workers) for b in global_batches()]
-        saved = f"{folder}/{schedule}.ckpt"  # a save while the pipeline runs: shards gathered
+        saved = f"{folder}/{schedule}.ckpt"  # a save while the pipeline runs: shards made whole
         losses = train(fabric, model, optimizer, batches, pipelined=True, save_at=SAVED_AT,
                        path=saved)
+        if schedule == "1f1b":  # the same state both ways
+            for how, streamed in (("streamed", True), ("gathered", "auto")):
+                fabric.strategy.stream_checkpoint = streamed
+                fabric.save(f"{folder}/{how}.ckpt", {"model": model, "optimizer": optimizer})
         held = {n: tuple(p.shape) for n, p in model.named_parameters()
                 if n.endswith("attn.q.weight") and p.numel()}
         logits = fabric.strategy.evaluate(model, batches[0], last_logits)
@@ -117,6 +125,19 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
 def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: Any) -> None:
     want = reference()
     results = worlds.get(4).run(run_schedules, str(tmp_path))
+    streamed, gathered = (torch.load(tmp_path / f"{how}.ckpt", weights_only=False)
+                          for how in ("streamed", "gathered"))
+    full = make_gpt(0, shardable=True).state_dict()
+    assert {n: tuple(v.shape) for n, v in streamed["model"].items()} == {
+        n: tuple(v.shape) for n, v in full.items()}, "the streamed file holds full tensors"
+    for name, tensor in gathered["model"].items():
+        assert torch.equal(streamed["model"][name], tensor), name
+    params = list(make_gpt(0, shardable=True).parameters())  # the optimizer's indices
+    momentum = {i: e["momentum_buffer"] for i, e in gathered["optimizer"]["state"].items()}
+    assert {i: tuple(m.shape) for i, m in momentum.items()} == {
+        i: tuple(p.shape) for i, p in enumerate(params)}, "full-shaped optimizer state"
+    for i, m in momentum.items():
+        assert torch.equal(streamed["optimizer"]["state"][i]["momentum_buffer"], m), i
     for rank, (per_schedule, resumed) in enumerate(results):
         label = f"1f1b's checkpoint loaded into a running zbv pipeline, rank {rank}"
         assert_same_state(resumed["weights"], want["weights"], label)

@@ -248,26 +248,31 @@ def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: A
         assert_pieces_of(deferred, want, rank, "resumed into a model built without weights")
 
 
-def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None
-                       ) -> tuple[dict[str, torch.Tensor], list[float]]:
+def deferred_on_worker(ctx: WorkerContext, init_weights: str | None = None,
+                       folder: str | None = None
+                       ) -> tuple[dict[str, torch.Tensor], list[float], Any]:
     """A model built without weights (``trainer.init_module()``): the stages are sharded on
     the meta device, then each rank draws its worker's parameters from the agreed seed (or
     reads its regions of them from ``init_weights``) and keeps its pieces. Returns them and the
     memory ratios (measured / predicted per rank; the prediction sized the sharded stages on
-    meta tensors)."""
+    meta tensors). ``folder``: ModelCheckpoint saves there at the fit's end, while the pipeline
+    runs (``stream_checkpoint="auto"``: streamed, the model never whole on one rank); rank 0
+    also returns what the streamed save held."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
     torch.manual_seed(DEFERRED_SEED)
     strategy = GeneralParallel("1f1b", microbatches=4, tensor_parallel_size=T,
                                tensor_parallel_plan=PLAN, init_weights=init_weights)
+    saving = {} if folder is None else dict(enable_checkpointing=True, callbacks=[
+        ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)])
     fit = trainer(ctx.world_size, strategy, max_steps=STEPS, gradient_clip_val=CLIP,
-                  use_distributed_sampler=True)
+                  use_distributed_sampler=True, **saving)
     with fit.init_module():
         model = LitGPT(shardable=True)
     assert all(p.is_meta for p in model.parameters())
     fit.fit(model, _loader(ctx.world_size // T))
-    return _kept(model), _memory_ratios(fit.strategy)
+    return _kept(model), _memory_ratios(fit.strategy), fit.strategy.checkpoint_stream_stats
 
 
 @pytest.mark.parametrize("pretrained", [False, True], ids=["drawn", "read"])
@@ -294,11 +299,19 @@ def test_a_model_built_without_weights_trains_like_one_device(worlds: Any, tmp_p
     fit = trainer(1, "auto", max_steps=STEPS, gradient_clip_val=CLIP)
     fit.fit(model, _loader(1))
     want = {n: p.detach() for n, p in model.named_parameters()}
-    results = worlds.get(4).run(deferred_on_worker, init_weights)
+    folder = None if pretrained else str(tmp_path / "ckpt")
+    results = worlds.get(4).run(deferred_on_worker, init_weights, folder)
     assert sum(assert_pieces_of(kept, want, rank, "deferred")
-               for rank, (kept, _) in enumerate(results)) > 0
-    for rank, (_, ratios) in enumerate(results):  # as in the fits with weights
+               for rank, (kept, _, _) in enumerate(results)) > 0
+    for rank, (_, ratios, _) in enumerate(results):  # as in the fits with weights
         assert len(ratios) == 4 and all(0.85 <= r <= 1.25 for r in ratios), (rank, ratios)
+    if folder is not None:  # the streamed checkpoint: one device's full tensors
+        saved = torch.load(f"{folder}/last.ckpt", weights_only=False)["state_dict"]
+        assert_same_state({n: saved[n] for n in want}, want,
+                          "the streamed checkpoint of a model built without weights")
+        stats = results[0][2]  # rank 0 held one unit's full tensors at a time, not the model
+        assert stats is not None and stats.records >= len(want), "rank 0 streamed the save"
+        assert 0 < stats.peak_bytes < sum(p.numel() * p.element_size() for p in want.values())
 
 
 class ModelParallelGPT(LitGPT):

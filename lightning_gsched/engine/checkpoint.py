@@ -51,7 +51,6 @@ from lightning_gsched.engine.checkpoint_files import StreamStats
 from lightning_gsched.engine.checkpoint_sharded import DeferredRestore
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.partition.tensor_parallel_state import (
-    full_model_state,
     full_optimizer_state,
     global_model_state,
     global_optimizer_state,
@@ -154,8 +153,8 @@ class CheckpointService:
         model built without weights, which must never be whole on one rank; a bool decides."""
         if self.state_dict_type != "full" or view.engine is None or view.runtime is None:
             return False
-        if self.stream_checkpoint == "auto":  # (sharded stages: gathered, as streaming is not)
-            return view.engine.deferred and view.engine.tensor_parallel_size == 1
+        if self.stream_checkpoint == "auto":
+            return view.engine.deferred
         return bool(self.stream_checkpoint)
 
     @contextmanager
@@ -166,12 +165,6 @@ class CheckpointService:
         in any order, extend it and :meth:`write` sends the tensors."""
         self._described = None
         runtime = view.runtime
-        if _tensor_parallel(view) and self.streams(view):
-            raise StrategyConfigError(
-                "with tensor_parallel_size > 1 a full checkpoint is gathered to rank 0; "
-                "streaming it (stream_checkpoint=True) is not supported yet for sharded "
-                "stages: use stream_checkpoint='auto' (gathered), or state_dict_type='sharded' "
-                "(every rank writes its own pieces, nothing is gathered)")
         if includes_model and runtime is not None and self.streams(view):
             self._described = runtime.streamed_state_dict()
         try:
@@ -193,11 +186,8 @@ class CheckpointService:
             return whole()
         if self._described is not None:
             return self._described
-        state = runtime.full_state_dict()
-        if _tensor_parallel(view) and state:  # worker 0's T ranks: its shards made whole
-            state = full_model_state(state, _module(view))
-            return state if view.rank == 0 else {}
-        return state
+        # rank 0's, full tensors also where tensor-parallel ranks hold pieces (runtime/fullstate.py)
+        return runtime.full_state_dict()
 
     def optimizer_state(self, view: CheckpointView, optimizer: Optimizer) -> StateDict:
         """An optimizer's part: this rank's entries keyed by name (sharded), its own state (no

@@ -65,7 +65,6 @@ from lightning_gsched.partition.tensor_parallel import TensorParallelPlan
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
     shard_optimizer_state,
-    sharded_parameters,
 )
 from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
@@ -306,7 +305,7 @@ class PipelineEngine:
                                         # constraint (runtime/host_heap.py)
                                         release_heap_each_step=self.deferred,
                                         tensor_parallel_size=self.tensor_parallel_size,
-                                        sharded_parameters=sharded_parameters(self.module))
+                                        pieces=pieces_of(self.module))
             self.runtime.prune_optimizer_state(self.optimizers())
             memory = self.runtime.memory()
             rows = self._startup_rows(plan, memory)

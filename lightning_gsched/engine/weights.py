@@ -35,6 +35,7 @@ from lightning_gsched.partition.tensor_parallel_state import (
     global_view,
     region,
     sharded_parameter_specs,
+    whole,
 )
 from lightning_gsched.runtime import (
     Piece,
@@ -90,7 +91,8 @@ def shard_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan, tp_mesh:
 
 def pieces_of(module: nn.Module) -> Pieces:
     """Each sharded parameter of ``module`` as the piece of its full tensor this rank holds."""
-    return {id(param): Piece(spec.shape, region(spec), partial(global_view, spec=spec))
+    return {id(param): Piece(spec.shape, region(spec), partial(global_view, spec=spec),
+                             partial(whole, spec=spec))
             for param, spec in sharded_parameter_specs(module)}
 
 

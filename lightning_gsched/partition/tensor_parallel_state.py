@@ -3,8 +3,9 @@
 Why a module of its own: :mod:`.tensor_parallel` shards a stage and keeps each rank's shard as
 a plain parameter; everything that crosses the run's boundary must see the model one device
 would hold instead. A run's end gives every rank the full parameters (:func:`gather_shards`); a
-full checkpoint holds plain full tensors, model and optimizer state alike
-(:func:`full_model_state`, :func:`full_optimizer_state`); a full checkpoint loaded into a
+full checkpoint holds plain full tensors, model and optimizer state alike (the model's made
+whole on the way to rank 0 through each piece's :func:`whole`, ``runtime/fullstate.py``; a
+gathered optimizer state by :func:`full_optimizer_state`); a full checkpoint loaded into a
 sharded run, or optimizer state loaded before the stages were sharded, is cut to this rank's
 shard (:func:`local_model_state`, :func:`local_optimizer_state`, :func:`shard_optimizer_state`).
 A sharded checkpoint (a torch.distributed.checkpoint directory) keeps each rank's piece where it
@@ -102,14 +103,6 @@ def shard_optimizer_state(optimizers: Sequence[Any], module: nn.Module) -> None:
                 _swap(entry, list(entry), spec.shape, partial(piece, spec=spec))
 
 
-def full_model_state(state: StateDict, module: nn.Module) -> StateDict:
-    """``state`` (the module's state dict of local shards) with every sharded entry whole
-    (collective over each tensor-parallel group: call on every rank of a group holding it)."""
-    for name, spec in shard_specs(module).items():
-        _swap(state, [name], local_shape(spec), partial(whole, spec=spec))
-    return state
-
-
 def local_model_state(state: Mapping[str, Any], module: nn.Module) -> StateDict:
     """A full state dict with every sharded entry cut to this rank's piece."""
     out = dict(state)
@@ -120,7 +113,7 @@ def local_model_state(state: Mapping[str, Any], module: nn.Module) -> StateDict:
 
 def full_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:
     """``optimizer.state_dict()``-shaped ``state`` with every shard-shaped tensor whole
-    (collective, as :func:`full_model_state`)."""
+    (collective over each tensor-parallel group: call on every rank of a group holding it)."""
     for index, spec in _specs_by_index(optimizer, module).items():
         entry = state.get("state", {}).get(index, {})
         _swap(entry, list(entry), local_shape(spec), partial(whole, spec=spec))

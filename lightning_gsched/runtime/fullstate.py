@@ -14,6 +14,14 @@ every rank a :class:`StreamPlan` of what it will send; :func:`transfer` then wal
 (weight units in :func:`.layout.weight_units` order, then optimizers, source ranks in order) and
 rank 0 hands each tensor to ``sink`` and drops it before the next. :func:`full_state_dict` is the
 same transfer keeping every tensor, so the gathered and the streamed checkpoint cannot differ.
+
+With tensor parallelism (``tensor_parallel=(T, t)``, ``pieces``: the parameters this rank holds
+as a piece of a larger tensor) a worker is T ranks, each holding its pieces of the same units. A
+checkpoint holds what one device would, so each message is the full tensors: the source worker's
+T ranks make them together (:attr:`.materialize.Piece.whole`, a collective among them, one
+parameter at a time) and its rank ``t = 0`` sends them over its workers' group, to which rank 0
+belongs; the other ranks only help make them. Rank 0 therefore never holds more than one full
+unit either, and no rank holds more than one unit's full tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from torch.optim import Optimizer
 
 from lightning_gsched.runtime.flat import FlatStage
 from lightning_gsched.runtime.layout import StageBuffers, weight_units
+from lightning_gsched.runtime.materialize import Piece, Pieces
 
 # the workers' process group, read at each use (Channels.workers_group): rank 0 of it is worker 0
 Group = Callable[[], Any]
@@ -156,28 +165,43 @@ class StreamedTensor:
 Sink = Callable[[StreamedTensor, torch.Tensor], None]
 
 
+# on the source worker's ranks: makes the tensor it sends (collective over the worker's T ranks
+# where it holds pieces)
+Sender = Callable[[], torch.Tensor]
+
+
 @dataclass
 class _Message:
-    """One tensor for rank 0: a weight ``unit``'s buffer (one placeholder per parameter view) or
-    an optimizer state tensor."""
+    """One tensor for rank 0: a weight unit's parameters one after another in its buffer order
+    (a placeholder each), or an optimizer state tensor; full tensors either way."""
 
-    src: int
-    tensor: torch.Tensor | None  # on the source: what it sends
+    src: int  # the source worker
+    send: Sender | None  # on the source's ranks
     placeholders: list[StreamedTensor]  # rank 0
-    unit: FlatStage | None = None
+    device: torch.device  # where rank 0 receives it
+
+    def size(self) -> int:
+        return sum(ph.numel() for ph in self.placeholders)
 
 
 @dataclass
 class StreamPlan:
     """What one save transfers, in the same order on every rank (each knows its own part)."""
 
-    rank: int
+    rank: int  # the worker
     world_size: int
     group: Group  # the workers' group (group rank = worker), read at each use
     device: torch.device = torch.device("cpu")  # where rank 0 receives optimizer tensors
+    tensor_parallel: tuple[int, int] = (1, 0)  # (T, t): each worker is T ranks, this is its t
+    pieces: Pieces = field(default_factory=dict)  # this rank's parameters held as pieces
     messages: list[_Message] = field(default_factory=list)
     optimizers: int = 0
     count: int = 0  # placeholders numbered so far (rank 0)
+
+    @property
+    def receives(self) -> bool:
+        """This rank is rank 0, where the tensors go: worker 0's rank ``t = 0``."""
+        return self.rank == 0 and self.tensor_parallel[1] == 0
 
     def numbered(self, placeholder: StreamedTensor) -> StreamedTensor:
         """``placeholder`` with the next place in the transfer order as its ``seq``."""
@@ -187,28 +211,79 @@ class StreamPlan:
 
 
 def describe_state_dict(module: nn.Module, stages: StageBuffers, world_size: int,
-                        group: Group) -> tuple[dict[str, Any], StreamPlan]:
-    """Rank 0: the module's state dict, every parameter held in a weight unit a placeholder
-    (buffers and parameters outside the units stay real); other ranks: ``{}``. No collective."""
+                        group: Group, tensor_parallel: tuple[int, int] = (1, 0),
+                        pieces: Pieces | None = None) -> tuple[dict[str, Any], StreamPlan]:
+    """Rank 0: the module's state dict, every parameter held in a weight unit a placeholder of
+    its full shape (buffers and parameters outside the units stay real); other ranks: ``{}``.
+    No collective."""
     rank = stages.rank
     units = weight_units(stages.programs, stages.flats, stages.ties)
     plan = StreamPlan(rank, world_size, group,
-                      units[0][1].device if units else torch.device("cpu"))
+                      units[0][1].device if units else torch.device("cpu"), tensor_parallel,
+                      pieces or {})
     names = parameter_names(module)
-    state = module.state_dict() if rank == 0 else {}
+    state = module.state_dict() if plan.receives else {}
     for i, (owners, flat) in enumerate(units):
         if not flat.numel:
             continue
-        sent = flat.flat.detach() if rank == owners[0] and flat.flat is not None else None
-        message = _Message(owners[0], sent, [], flat)
+        send = (_unit_sender(flat, plan.pieces)
+                if rank == owners[0] and flat.flat is not None else None)
+        message = _Message(owners[0], send, [], flat.device)
         plan.messages.append(message)
-        for j, p in enumerate(flat.params if rank == 0 else []):
+        shapes = _full_shapes(flat, plan.pieces)
+        for j, p in enumerate(flat.params if plan.receives else []):
             where = f"{flat.kind} {flat.index} (weight unit {i}) offset {flat.offsets[j]}"
-            ph = plan.numbered(StreamedTensor(flat.shapes[j], flat.dtype, owners[0], where, -1))
+            ph = plan.numbered(StreamedTensor(shapes[j], flat.dtype, owners[0], where, -1))
             message.placeholders.append(ph)
             for name in names.get(id(p), []):
                 state[name] = ph  # a tied parameter: one placeholder under each name
     return state, plan
+
+
+def _full_shapes(flat: FlatStage, pieces: Pieces) -> list[torch.Size]:
+    """Each of a unit's parameters' shape on one device (the unit records the local shapes,
+    which a rank that holds none of it still knows)."""
+    return [pieces[id(p)].shape if id(p) in pieces else shape
+            for p, shape in zip(flat.params, flat.shapes, strict=True)]
+
+
+def _whole(piece: Piece, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor of which ``local`` is this rank's ``piece`` (collective, see
+    :attr:`.materialize.Piece.whole`)."""
+    if piece.whole is None:
+        raise RuntimeError(f"a piece of a {tuple(piece.shape)} tensor has no way to be made "
+                           "whole (Piece.whole): the engine gives every piece one")
+    return piece.whole(local)
+
+
+def _unit_sender(flat: FlatStage, pieces: Pieces) -> Sender:
+    """What a weight unit's owner sends: its buffer, or, where some of its parameters are
+    pieces, every parameter's full tensor in the buffer's order (made one at a time, so the
+    worker holds one full unit and one parameter's gathered tensor at most)."""
+    buffer = flat.flat.detach() if flat.flat is not None else torch.empty(0)
+    if not any(id(p) in pieces for p in flat.params):
+        return lambda: buffer
+
+    def full() -> torch.Tensor:
+        sizes = [math.prod(shape) for shape in _full_shapes(flat, pieces)]
+        out = torch.empty(sum(sizes), dtype=flat.dtype, device=flat.device)
+        offset = 0
+        for size, (p, view) in zip(sizes, flat.views(buffer), strict=True):
+            piece = pieces.get(id(p))
+            tensor = view if piece is None else _whole(piece, view)
+            out[offset:offset + size].copy_(tensor.reshape(-1))
+            offset += size
+        return out
+
+    return full
+
+
+def _optimizer_sender(tensor: torch.Tensor, piece: Piece | None) -> Sender:
+    """What a parameter's owner sends for one optimizer state tensor: itself, or its full
+    tensor where it is the counterpart of a piece."""
+    if piece is None:
+        return lambda: tensor
+    return lambda: _whole(piece, tensor)
 
 
 def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
@@ -218,31 +293,39 @@ def describe_optimizer_state(plan: StreamPlan, optimizer: Optimizer,
     rank, k = plan.rank, plan.optimizers
     plan.optimizers += 1
     state = optimizer.state_dict()
-    tensors: list[torch.Tensor] = []  # what this rank sends, in order
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sends: list[Sender] = []  # what this rank sends, in order
 
     def described(index: int, key: str, value: Any) -> Any:
-        """``value`` as rank 0 first sees it: a placeholder for a tensor this rank will send."""
+        """``value`` as rank 0 first sees it: a placeholder for a tensor this rank will send
+        (a piece's counterpart, which has its parameter's local shape, at the full shape)."""
         if not isinstance(value, torch.Tensor):
             return value
-        if value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
+        piece = plan.pieces.get(id(params[index]))
+        if piece is not None and value.shape != params[index].shape:
+            piece = None  # e.g. Adam's step: not a counterpart of the piece
+        if piece is None and value.numel() * value.element_size() <= SMALL_TENSOR_BYTES:
             return value.detach().cpu().clone()
-        tensors.append(value.detach())
+        sends.append(_optimizer_sender(value.detach(), piece))
         where = f"optimizer {k} state of parameter {index} {key!r}"
-        return StreamedTensor(value.shape, value.dtype, rank, where, -1)
+        shape = value.shape if piece is None else piece.shape
+        return StreamedTensor(shape, value.dtype, rank, where, -1)
 
     mine = {index: {key: described(index, key, value) for key, value in entry.items()}
             for index, entry in _primary_entries(optimizer, state, primary)}
     gathered: list[Any] | None = [mine]
-    if plan.world_size > 1:
+    if plan.tensor_parallel[1] != 0:  # a worker's other ranks help its rank t = 0 send
+        gathered = None
+    elif plan.world_size > 1:
         gathered = [None] * plan.world_size if rank == 0 else None
         dist.gather_object(mine, gathered, group=plan.group(), group_dst=0)
     if gathered is None:  # only the source itself knows what it sends; rank 0 needs nothing
-        plan.messages += [_Message(rank, tensor, []) for tensor in tensors]
+        plan.messages += [_Message(rank, send, [], plan.device) for send in sends]
         return {}
     for src, entries in enumerate(gathered):
         placeholders = [plan.numbered(value) for entry in entries.values()
                         for value in entry.values() if isinstance(value, StreamedTensor)]
-        plan.messages += [_Message(src, tensors[i] if src == 0 else None, [ph])
+        plan.messages += [_Message(src, sends[i] if src == 0 else None, [ph], plan.device)
                           for i, ph in enumerate(placeholders)]
     return _merged(gathered, state["param_groups"])
 
@@ -252,7 +335,6 @@ def transfer(plan: StreamPlan, sink: Sink | None,
     """Send every planned tensor to rank 0 in the plan's order (collective); rank 0 calls
     ``sink(placeholder, tensor)`` for each (valid during the call only) and tells ``on_hold`` the
     bytes it holds for the transfer (a received buffer)."""
-    rank = plan.rank
     hold: Callable[[int], None] = on_hold or (lambda nbytes: None)
 
     def receive(tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -260,26 +342,31 @@ def transfer(plan: StreamPlan, sink: Sink | None,
         dist.recv(tensor, group=plan.group(), group_src=src)
         return tensor
 
+    def made(m: _Message) -> torch.Tensor:
+        if m.send is None:
+            raise RuntimeError(f"worker {m.src} has nothing to send for a described tensor")
+        return m.send()
+
     for m in plan.messages:
-        if rank != 0:  # rank 0 only sends to itself: no message
-            if rank == m.src:
-                assert m.tensor is not None
-                dist.send(m.tensor.contiguous(), group=plan.group(), group_dst=0)
+        if not plan.receives:  # rank 0 only sends to itself: no message
+            if plan.rank == m.src:
+                tensor = made(m)  # with every rank of the worker
+                if plan.tensor_parallel[1] == 0:
+                    dist.send(tensor.contiguous(), group=plan.group(), group_dst=0)
+                del tensor
             continue
-        unit, first = m.unit, m.placeholders[0]
+        first = m.placeholders[0]
         if m.src == 0:
-            assert m.tensor is not None
-            buffer = m.tensor
-        elif unit is not None:
-            buffer = receive(torch.empty(unit.numel, dtype=unit.dtype, device=unit.device), m.src)
+            buffer = made(m).reshape(-1)
         else:
-            buffer = receive(torch.empty(first.shape, dtype=first.dtype, device=plan.device), m.src)
-        if sink is not None and unit is not None:
-            for ph, (_, view) in zip(m.placeholders, unit.views(buffer), strict=True):
+            buffer = receive(torch.empty(m.size(), dtype=first.dtype, device=m.device), m.src)
+        if sink is not None:
+            offset = 0
+            for ph in m.placeholders:  # one after another, as the source laid them out
+                view = buffer[offset:offset + ph.numel()].view(ph.shape)
+                offset += ph.numel()
                 sink(ph, view)
                 del view  # a view keeps the whole buffer alive: at most one received unit held
-        elif sink is not None:
-            sink(first, buffer)
         del buffer
         hold(0)
 
@@ -314,9 +401,10 @@ def fill_placeholders(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
 
 
 def full_state_dict(module: nn.Module, stages: StageBuffers, world_size: int,
-                    group: Group = default_group) -> dict[str, Any]:
+                    group: Group = default_group, tensor_parallel: tuple[int, int] = (1, 0),
+                    pieces: Pieces | None = None) -> dict[str, Any]:
     """The module's full state dict on rank 0, ``{}`` elsewhere (collective): the streamed
     transfer, every tensor kept (a tied parameter is one tensor under each of its names)."""
-    state, plan = describe_state_dict(module, stages, world_size, group)
+    state, plan = describe_state_dict(module, stages, world_size, group, tensor_parallel, pieces)
     filled: dict[str, Any] = transfer_kept(plan, state)
     return filled

@@ -10,7 +10,7 @@ scaled, in :meth:`GradStash.hand_over`. Which parameters get which gradients: :m
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Collection, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,13 @@ class GradStash:
     def __init__(self, source: GradSource, ownership: Ownership, rank: int,
                  world_size: int, group: Callable[[], Any],
                  tensor_parallel: tuple[int, int] = (1, 0),
-                 sharded: Iterable[nn.Parameter] = ()) -> None:
+                 sharded: Collection[int] = ()) -> None:
         self.source = source
         self.group = group  # the workers' group, read at each use (Channels.workers_group)
         # (T, t) and the parameters held as shards: with T > 1 a norm counts each shard on its
         # rank and each replicated parameter once (on t = 0), over every rank
         self.tensor_parallel = tensor_parallel
-        self.sharded = {id(p) for p in sharded}
+        self.sharded = set(sharded)  # ids
         self.ownership = ownership
         self.rank, self.world_size = rank, world_size
         self.extra_layout = FlatLayout(ownership.extra)

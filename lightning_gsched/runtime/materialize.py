@@ -108,13 +108,17 @@ class Piece:
     Why the runtime knows it: a model built without weights must never hold a worker's full
     parameters at once when they are sharded, so each module's are drawn at full size, cut to
     their pieces, and only then is the next module drawn (:func:`initialize_parameters`); a
-    pretrained file is read region by region (``runtime/pretrained.py``)."""
+    pretrained file is read region by region (``runtime/pretrained.py``); a full checkpoint
+    streamed to rank 0 sends each piece's full tensor, made on the worker (``fullstate.py``)."""
 
     shape: torch.Size  # the full tensor's
     region: tuple[slice, ...]  # this rank's part of it
     # a local buffer seen as the full tensor (a DTensor view), for a reader that fills only
     # this rank's region in place (torch.distributed.checkpoint); None: read whole, then cut
     view: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the full tensor from this rank's piece and its peers' (collective over the worker's T
+    # ranks, each calling with its own piece), for a full checkpoint streamed to rank 0
+    whole: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full`` (a copy: the full tensor is not kept alive)."""

@@ -23,6 +23,7 @@ from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_state_by
 from lightning_gsched.runtime.handover import GradStash
 from lightning_gsched.runtime.host_heap import release_free_heap
 from lightning_gsched.runtime.layout import StepResult
+from lightning_gsched.runtime.materialize import Pieces
 from lightning_gsched.runtime.ownership import Ownership
 from lightning_gsched.schedule.program import Programs
 
@@ -50,8 +51,7 @@ class ModelRuntime:
                  channels: Channels | None = None, forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None,
                  transport: str = "auto", release_heap_each_step: bool = False,
-                 tensor_parallel_size: int = 1,
-                 sharded_parameters: Sequence[nn.Parameter] = ()) -> None:
+                 tensor_parallel_size: int = 1, pieces: Pieces | None = None) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights, forward_context=forward_context,
@@ -63,9 +63,11 @@ class ModelRuntime:
         self.ownership = Ownership.of(self.executor, module)
         # a split backward accumulates what loss.backward() would: the extras the loss reads
         self.executor.compute.loss_params = list(self.ownership.extra)
+        # the parameters held as tensor-parallel pieces (T > 1): norms and full state need them
+        self.pieces: Pieces = pieces or {}
         self._grads = GradStash(self.executor, self.ownership, self.rank, self.world_size,
                                 self.executor.channels.workers_group,
-                                self.executor.channels.tensor_parallel, sharded_parameters)
+                                self.executor.channels.tensor_parallel, set(self.pieces))
         self._stream: fullstate.StreamPlan | None = None  # a described streamed save
         self.release_heap_each_step = release_heap_each_step
         # the parameters now live in the stage buffers: the tensors they were built in are free
@@ -130,7 +132,8 @@ class ModelRuntime:
     def full_state_dict(self) -> dict[str, Any]:
         """The module's full state dict on rank 0, ``{}`` elsewhere."""
         return fullstate.full_state_dict(self.module, self.executor, self.world_size,
-                                         self.executor.channels.workers_group)
+                                         self.executor.channels.workers_group,
+                                         self.executor.channels.tensor_parallel, self.pieces)
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every parameter's state on rank 0, ``{}`` elsewhere."""
@@ -143,7 +146,8 @@ class ModelRuntime:
         starts a streamed save, which :meth:`streamed_optimizer_state` extends and :meth:`stream`
         sends."""
         state, self._stream = fullstate.describe_state_dict(
-            self.module, self.executor, self.world_size, self.executor.channels.workers_group)
+            self.module, self.executor, self.world_size, self.executor.channels.workers_group,
+            self.executor.channels.tensor_parallel, self.pieces)
         return state
 
     @property
