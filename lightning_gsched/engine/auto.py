@@ -25,18 +25,19 @@ import dataclasses
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_gsched.engine.config import AutoRequest, ScheduleConfig
+from lightning_gsched.engine.control import Collective
 from lightning_gsched.engine.intercept import StepCaller, step_loss
 from lightning_gsched.engine.memory_report import optimizer_bytes_factor
 from lightning_gsched.engine.mesh import first_worker_mesh
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.profiled_costs import profiling
+from lightning_gsched.engine.rank_zero import RankZeroFailure, decided_by_rank_zero
 from lightning_gsched.errors import (
     CalibrationError,
     GschedError,
@@ -91,12 +92,6 @@ def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.
     return loss
 
 
-# rank 0's ("ok", *the pick) or ("error", its type, its message[, the exception raised there]);
-# what the other ranks hold until it is broadcast: ("pending",)
-_Outcome = (tuple[Literal["ok"], ScheduleConfig, str, TuneResult]
-            | tuple[Literal["error"], type[Exception], str]
-            | tuple[Literal["error"], type[Exception], str, BaseException]
-            | tuple[Literal["pending"]])
 
 
 @dataclass(frozen=True)
@@ -118,7 +113,8 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
                     global_rows: int, optimizers: Sequence[Any], world_size: int, rank: int,
                     forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
                     group: Any = None, passes: BuildPasses | None = None,
-                    tensor_parallel: TensorParallelTuning | None = None) -> None:
+                    tensor_parallel: TensorParallelTuning | None = None,
+                    collective: Collective | None = None) -> None:
     """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
     (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
 
@@ -127,8 +123,8 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     keeps the tuner's measuring passes for the build's memory report. ``tensor_parallel``:
     the stages are profiled sharded, by ranks 0 .. T - 1 together (rank 0 tunes, the others
     run the same profiles: :func:`~lightning_gsched.measure.tune_profile.follow_tuning`).
+    ``collective``: the engine's (:mod:`.control`), around the pick's broadcast.
     """
-    outcome: _Outcome
     T = tensor_parallel.size if tensor_parallel is not None else 1
     if T > 1 and options.balance == "time":  # every rank alike, before any collective
         raise StrategyConfigError(
@@ -143,39 +139,31 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
         # a busy machine must not stop the run: rank the candidates with the default costs
         costs, refused = DEFAULT_COSTS, str(exc)
     factor = optimizer_bytes_factor(optimizers)
+    def failure(failed: RankZeroFailure) -> GschedError:
+        if failed.kind is not None:
+            return failed.kind(f"schedule='auto': {failed.text}")
+        return StrategyConfigError(f"schedule='auto': rank 0 failed while profiling the model "
+                                   f"for the tuner: {failed.text}")
+
     with _profiling_mesh(tensor_parallel, world_size) as tp_mesh:
         shard = None
         if tensor_parallel is not None and tp_mesh is not None:
             shard = sharded_while_measured(module, tensor_parallel.plan, tp_mesh)
-        if rank == 0:
-            try:
-                outcome = ("ok", *_decide(module, config, options, args, kwargs, loss_fn,
-                                          global_rows, factor, world_size // T,
-                                          forward_context, costs, passes, shard, T))
-            except GschedError as exc:
-                outcome = ("error", type(exc), f"schedule='auto': {exc}", exc)
-            except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
-                outcome = ("error", StrategyConfigError,
-                           f"schedule='auto': rank 0 failed while profiling the model for the "
-                           f"tuner: {type(exc).__name__}: {exc}", exc)
-        else:
-            if shard is not None:  # worker 0's other ranks: the same sharded profiles
-                try:
-                    _follow(module, config, options, args, kwargs, loss_fn, global_rows,
-                            factor, world_size // T, forward_context, shard)
-                except Exception:  # noqa: BLE001, S110 - rank 0's outcome (below) is everyone's
-                    pass
-            outcome = ("pending",)
-    if world_size > 1:
-        # an error's exception object stays on rank 0, as the cause of the one raised there
-        box: list[Any] = [outcome[:3] if outcome[0] == "error" else outcome]
-        dist.broadcast_object_list(box, 0, group=group)
-        outcome = outcome if rank == 0 else box[0]
-    if outcome[0] == "error":
-        error_type, message = outcome[1], outcome[2]
-        cause = outcome[3] if len(outcome) > 3 else None
-        raise error_type(message) from cause
-    config.choose(*outcome[1:])
+        follow = None
+        if shard is not None:  # worker 0's other ranks: the same sharded profiles
+
+            def follow() -> None:
+                _follow(module, config, options, args, kwargs, loss_fn, global_rows,
+                        factor, world_size // T, forward_context, shard)
+
+        pick = decided_by_rank_zero(
+            "the tuner's pick", lambda: _decide(module, config, options, args, kwargs, loss_fn,
+                                                global_rows, factor, world_size // T,
+                                                forward_context, costs, passes, shard, T),
+            rank=rank, world_size=world_size, group=group,
+            collective=collective or (lambda what, call: call()),
+            failure=failure, elsewhere=follow)
+    config.choose(*pick)
     if refused is not None:
         config.choice_text += (f"\n  the runtime's costs could not be measured ({refused}); the "
                                "tuner ranked with the default costs (DEFAULT_COSTS)")

@@ -34,6 +34,9 @@ from lightning_gsched.runtime import (
 )
 
 T = TypeVar("T")
+# the engine's ``collective(what, fn)``: ``fn()``, a backend failure in it a RuntimeFault naming
+# ``what`` and quoting the job's first failure (:meth:`ControlGroup.run`)
+Collective = Callable[[str, Callable[[], Any]], Any]
 _SERIAL = itertools.count()  # same sequence on every rank: groups are built collectively
 
 

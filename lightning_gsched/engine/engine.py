@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_gsched.engine.auto import (
@@ -48,6 +47,7 @@ from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.profiled_costs import costs_text, profiled_costs
+from lightning_gsched.engine.rank_zero import decided_by_rank_zero
 from lightning_gsched.engine.step_rows import Held, StepRows
 from lightning_gsched.engine.weights import (
     agreed_seed,
@@ -248,7 +248,8 @@ class PipelineEngine:
                                 global_rows=global_rows, optimizers=self.optimizers(),
                                 world_size=self.world_size, rank=self.rank,
                                 forward_context=self.forward_context, group=self.group,
-                                passes=passes, tensor_parallel=self._tensor_parallel_tuning())
+                                passes=passes, tensor_parallel=self._tensor_parallel_tuning(),
+                                collective=self._collective)
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
@@ -405,28 +406,24 @@ class PipelineEngine:
         common = dict(balance=opts.balance, leaf_modules=opts.leaf_modules,
                       split_points=opts.split_points, static_shapes=opts.static_shapes)
         unit_costs = None
-        measured: Partition | None = None
+        measured: list[Partition] = []
         if opts.balance == "time" and self.world_size > 1:
             # rank 0 measures and keeps its partition; every other rank cuts at the same places
             # with rank 0's costs (one partition per rank)
-            box: list[Any] = [None]
-            if self.rank == 0:
-                try:
-                    measured = partition(self.module, S, args, kwargs, verify=False, **common)
-                    box[0] = ("ok", measured.unit_costs)
-                except GschedError as exc:
-                    box[0] = ("error", str(exc))
-            self._collective("the partition's broadcast",
-                             lambda: dist.broadcast_object_list(box, 0, group=self.group))
-            status, value = box[0]
-            if status == "error":
-                raise PartitionError(f"rank 0 could not partition the model: {value}")
-            unit_costs = value
+            def measure() -> Any:
+                measured.append(partition(self.module, S, args, kwargs, verify=False, **common))
+                return measured[0].unit_costs
+
+            unit_costs = decided_by_rank_zero(
+                "the partition's broadcast", measure, rank=self.rank,
+                world_size=self.world_size, group=self.group, collective=self._collective,
+                failure=lambda failed: PartitionError(
+                    f"rank 0 could not partition the model: {failed.text}"))
         try:
-            if measured is not None:  # the cut the others make from its costs: only verify it
-                measured.verified = verify_split(measured, args, kwargs,
-                                                 check_verify(opts.verify))
-                return measured
+            if measured:  # the cut the others make from its costs: only verify it
+                measured[0].verified = verify_split(measured[0], args, kwargs,
+                                                    check_verify(opts.verify))
+                return measured[0]
             return partition(self.module, S, args, kwargs, unit_costs=unit_costs,
                              verify=opts.verify, **common)
         except GschedError as exc:

@@ -20,9 +20,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_gsched.engine.control import Collective
+from lightning_gsched.engine.rank_zero import RankZeroFailure, decided_by_rank_zero
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.measure import profile_stages
 
@@ -45,32 +46,28 @@ def profiling(module: nn.Module,
 def profiled_costs(module: nn.Module, stages: Sequence[nn.Module], args: tuple[Any, ...],
                    kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor] | None, *,
                    split_backward: bool, rank: int, world_size: int, group: Any,
-                   collective: Callable[[str, Callable[[], Any]], Any],
+                   collective: Collective,
                    forward_context: Callable[[], AbstractContextManager[Any]] | None = None
                    ) -> dict[str, list[float]]:
     """Every rank's ``forward_cost``, ``backward_cost`` (and ``weight_cost`` with
     ``split_backward``) in seconds per microbatch: rank 0 times ``stages`` on ``args`` /
     ``kwargs`` (the loss ``loss_fn`` on the last), the others receive its figures
     (collective, through the engine's ``collective(what, call)``)."""
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            with profiling(module, forward_context):
-                times = profile_stages(stages, args, kwargs, loss_fn,
-                                       split_backward=split_backward)
-            box[0] = ("ok", times.plan_costs())
-        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
-            box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    if world_size > 1:
-        collective("the profiled costs' broadcast",
-                   lambda: dist.broadcast_object_list(box, 0, group=group))
-    status, value = box[0]
-    if status == "error":
-        raise StrategyConfigError(
+
+    def timed() -> dict[str, list[float]]:
+        with profiling(module, forward_context):
+            times = profile_stages(stages, args, kwargs, loss_fn, split_backward=split_backward)
+        return {name: [float(v) for v in values] for name, values in times.plan_costs().items()}
+
+    def failure(failed: RankZeroFailure) -> StrategyConfigError:
+        return StrategyConfigError(
             f"profile_costs=True: rank 0 could not time the stages on the first microbatch "
-            f"({value}); pass forward_cost/backward_cost/weight_cost yourself, or drop "
+            f"({failed.text}); pass forward_cost/backward_cost/weight_cost yourself, or drop "
             "profile_costs")
-    return {name: [float(v) for v in values] for name, values in value.items()}
+
+    return decided_by_rank_zero("the profiled costs' broadcast", timed, rank=rank,
+                                world_size=world_size, group=group, collective=collective,
+                                failure=failure)
 
 
 def costs_text(costs: dict[str, list[float]]) -> str:

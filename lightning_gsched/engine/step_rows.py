@@ -15,13 +15,11 @@ from typing import Any, Callable
 
 from lightning_gsched.engine.batches import exchange_rows, rows_and_layouts
 from lightning_gsched.engine.config import ScheduleConfig
+from lightning_gsched.engine.control import Collective
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.engine.workers import Workers
 from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.replicas import ReplicaLayout
-
-# the engine's collective runner: (what, call) -> call(), a backend failure turned into a fault
-Collective = Callable[[str, Callable[[], Any]], Any]
 
 
 def needed_micros(compute: list[list[int]], world_size: int) -> list[list[int]]:

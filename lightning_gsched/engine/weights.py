@@ -19,13 +19,14 @@ failure into a fault naming what the ranks were doing.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_gsched.engine.checkpoint_sharded import DeferredRestore
+from lightning_gsched.engine.control import Collective
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlan,
     check_sharded_stages,
@@ -46,8 +47,6 @@ from lightning_gsched.runtime import (
     owned_parameters,
 )
 from lightning_gsched.schedule.program import Programs
-
-Collective = Callable[[str, Callable[[], Any]], Any]  # the engine's (what, fn) -> fn()
 
 
 def sync_module_states(module: nn.Module, group: Any = None) -> None:
