@@ -106,6 +106,23 @@ def test_yaml_auto_takes_a_memory_budget(value: str, nbytes: int, tmp_path, monk
     assert config.is_auto and config.memory_budget == nbytes
 
 
+@pytest.mark.parametrize("value, sizes", [("[1, 2]", (1, 2)), ("auto", (1, 2, 4))])
+def test_yaml_auto_searches_the_tensor_parallel_size(value: str, sizes: tuple, tmp_path,
+                                                     monkeypatch) -> None:
+    """``configs/auto.yaml`` with ``tensor_parallel_size`` a list or ``auto`` (and a plan):
+    the T values ``"auto"`` tries at the first batch, every rank loading its own rows."""
+
+    with open(os.path.join(ROOT, "configs", "auto.yaml")) as handle:
+        text = handle.read()
+    old = "      # memory_budget: 20GiB"
+    path = tmp_path / "searched.yaml"
+    path.write_text(text.replace(old, f"      tensor_parallel_size: {value}\n"
+                                      "      tensor_parallel_plan: {'blocks.*.attn.q': colwise}"))
+    cli = _cli_from(path, monkeypatch)
+    config = cli.trainer.strategy.schedule_config
+    assert config.rows_per_rank and config.tensor_parallel_candidates(4) == sizes
+
+
 @pytest.mark.parametrize("value, flags", [("true", (True,) * 4),
                                           ("[true, false, true, false]", (True, False) * 2)])
 def test_yaml_init_args_take_checkpoint_activations(value: str, flags: tuple, tmp_path,

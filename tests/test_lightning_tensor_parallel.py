@@ -83,10 +83,12 @@ def _loader(workers: int) -> DataLoader:
 
 
 def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
-         deferred: bool = False, **options: Any) -> tuple[dict, Any]:
+         deferred: bool = False, shares: int | None = None, **options: Any
+         ) -> tuple[dict, Any]:
     """One fit (``options``: Trainer options over ``max_steps=STEPS``; ``deferred``: the model
     built without weights, ``trainer.init_module()``): the final state, the shapes of two
-    sharded weights held during the fit, and the device mesh's shape and names."""
+    sharded weights held during the fit, and the device mesh's shape and names. ``shares``:
+    how many shares the sampler deals (default: one per worker of T ranks)."""
     fit = trainer(world, strategy, tmp, use_distributed_sampler=world > 1,
                   **{"max_steps": STEPS, "gradient_clip_val": CLIP, **options})
     if deferred:
@@ -102,7 +104,9 @@ def _fit(world: int, strategy: Any, tmp: str, ckpt_path: str | None = None,
                            if ("attn.q" in n or "mlp.2.weight" in n) and p.numel()})
 
     fit.callbacks.append(Shapes())
-    fit.fit(model, _loader(world // T if world > 1 else 1), ckpt_path=ckpt_path)
+    if shares is None:
+        shares = world // T if world > 1 else 1
+    fit.fit(model, _loader(shares), ckpt_path=ckpt_path)
     mesh = fit.strategy.device_mesh if world > 1 else None
     ratios = _memory_ratios(fit.strategy)
     state = _kept(model) if deferred else state_of(model)
@@ -225,6 +229,54 @@ def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> list[d
 @functools.lru_cache(maxsize=None)
 def two_epochs() -> dict:
     return _fit(1, "auto", tempfile.mkdtemp(), max_steps=-1, max_epochs=2)[0]
+
+
+def searched_on_worker(ctx: WorkerContext, tmp: str) -> list[tuple[int, str, dict, dict]]:
+    """``"auto"`` searching T over [1, 2]: every rank loads its own rows (a quarter of the
+    global batch), whatever T runs. First as a user runs it (the tuner's pick), then with the
+    other T forced (the choice over T patched to take it), so that both data paths run: four
+    workers of one rank, and two workers whose batch is their two ranks' rows joined."""
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.engine import auto
+
+    as_worker(ctx.rank)
+    out: list[tuple[int, str, dict, dict]] = []
+    choose = auto.best_over_sizes
+    for forced in (None, "the other"):
+        if forced is not None:
+            other = 3 - out[0][0]  # the T the tuner did not pick
+
+            def only(outcomes: Any, other: int = other) -> Any:
+                return choose({other: outcomes[other]})
+
+            auto.best_over_sizes = only
+        strategy = GeneralParallel("auto", tensor_parallel_size=[1, T], tensor_parallel_plan=PLAN)
+        try:
+            state, _ = _fit(ctx.world_size, strategy, f"{tmp}/searched{len(out)}",
+                            shares=ctx.world_size)
+        finally:
+            auto.best_over_sizes = choose
+        config = strategy.schedule_config
+        out.append((config.tensor_parallel_size, config.choice_text, state,
+                    strategy.distributed_sampler_kwargs))
+    return out
+
+
+def test_auto_searches_the_tensor_parallel_size(worlds: Any, tmp_path: Any) -> None:
+    want, want_log, _, _ = reference()
+    results = worlds.get(4).run(searched_on_worker, str(tmp_path))
+    for rank, runs in enumerate(results):
+        assert sorted(run[0] for run in runs) == [1, T], (rank, [run[0] for run in runs])
+        for picked, _, state, sampler in runs:
+            label = f"searched, T={picked}, rank {rank}"
+            assert sampler == {"num_replicas": 4, "rank": rank}, label  # per rank, any T
+            assert_same_state(state, want, label)
+        if rank == 0:  # the tuner's own pick names what each T gave
+            assert "searched tensor_parallel_size over [1, 2]" in runs[0][1], runs[0][1]
+    for run in range(2):
+        got = csv_metric(str(tmp_path / f"searched{run}"), "train_loss")
+        torch.testing.assert_close(torch.tensor([v for _, v in got]),
+                                   torch.tensor([v for _, v in want_log]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])

@@ -328,7 +328,66 @@ def test_auto_keeps_the_users_tensor_parallel_size_and_checks_it() -> None:
     with pytest.raises(StrategyConfigError, match="balance='time'"):
         choose_schedule(model, config, PartitionOptions(balance="time"), args, {}, loss_fn=None,
                         global_rows=8, optimizers=[], world_size=4, rank=0,
-                        tensor_parallel=TensorParallelTuning(2, plan, "cpu", 10.0))
+                        tensor_parallel=TensorParallelTuning((2,), plan, "cpu", 10.0))
+
+
+def test_auto_searches_a_list_of_sizes_or_auto() -> None:
+    """``tensor_parallel_size=[1, 2]`` or ``"auto"`` under ``"auto"``: a search (T is 1 until
+    the pick, every rank loads its own share), each T checked to divide W at setup; one value
+    in a list is that T; a named schedule refuses a search, and a search needs a plan."""
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.engine.options import sampler_kwargs
+
+    plan = {"blocks.*.attn.q": "colwise"}
+    searched = GeneralParallel("auto", tensor_parallel_size=[1, 2],
+                               tensor_parallel_plan=plan).schedule_config
+    assert searched.rows_per_rank and searched.tensor_parallel_size == 1
+    assert searched.tensor_parallel_candidates(8) == (1, 2)
+    searched.check(6)
+    assert sampler_kwargs(4, 3, searched) == {"num_replicas": 4, "rank": 3}  # each rank its own
+    fixed = GeneralParallel("auto", tensor_parallel_size=2, tensor_parallel_plan=plan)
+    assert sampler_kwargs(4, 3, fixed.schedule_config) == {"num_replicas": 2, "rank": 1}
+    with pytest.raises(ScheduleConfigError, match=r"tensor_parallel_size=4 does not divide the "
+                                                  r"W=6"):
+        GeneralParallel("auto", tensor_parallel_size=[1, 4],
+                        tensor_parallel_plan=plan).schedule_config.check(6)
+    every = GeneralParallel("auto", tensor_parallel_size="auto",
+                            tensor_parallel_plan=plan).schedule_config
+    assert every.rows_per_rank
+    assert every.tensor_parallel_candidates(12) == (1, 2, 4)
+    assert every.tensor_parallel_candidates(16) == (1, 2, 4, 8)
+    one = GeneralParallel("auto", tensor_parallel_size=[2], tensor_parallel_plan=plan)
+    assert one.schedule_config.tensor_parallel_size == 2 and not one.schedule_config.rows_per_rank
+    with pytest.raises(ScheduleConfigError, match="schedule='auto' does"):
+        GeneralParallel("1f1b", tensor_parallel_size=[1, 2], tensor_parallel_plan=plan)
+    with pytest.raises(TensorParallelPlanError, match="needs a tensor_parallel_plan"):
+        GeneralParallel("auto", tensor_parallel_size=[1, 2])
+    with pytest.raises(ScheduleConfigError, match=r"names no T"):
+        GeneralParallel("auto", tensor_parallel_size=[], tensor_parallel_plan=plan)
+
+
+def test_the_search_over_sizes_takes_the_fastest_fitting_pick() -> None:
+    """The fastest fitting pick over every T tried wins and its text says what each T gave; a
+    T that could not be planned is skipped with its reason; none planned is an error naming
+    each T's reason."""
+    from types import SimpleNamespace
+
+    from lightning_gsched.engine.auto import best_over_sizes
+
+    def pick(schedule: str, ms: float) -> Any:
+        result = SimpleNamespace(best=SimpleNamespace(step_time=ms / 1e3))
+        return (SimpleNamespace(schedule=schedule), f"{schedule}'s table", result)
+
+    chosen, text, _ = best_over_sizes({1: pick("ddp", 12.0), 2: pick("1f1b", 9.5),
+                                       4: "TensorParallelPlanError: 6 heads"})
+    assert chosen.schedule == "1f1b"
+    assert "T=1: ddp, predicted 12.0 ms" in text and "T=2: 1f1b, predicted 9.5 ms" in text
+    assert "T=4: skipped (TensorParallelPlanError: 6 heads)" in text
+    assert "picked T=2" in text and text.endswith("1f1b's table")
+    alone = pick("zbv", 3.0)
+    assert best_over_sizes({2: alone}) is alone  # one T: its pick as it is
+    with pytest.raises(ScheduleConfigError, match=r"T=1: no fit; T=2: no cut"):
+        best_over_sizes({1: "no fit", 2: "no cut"})
 
 
 def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:
@@ -345,6 +404,14 @@ def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:
     with pytest.raises(StrategyConfigError, match=r"ranks \[2, 3\] of pipeline worker 1 "
                                                   r"loaded different batches \(\[2, 1\] rows\)"):
         workers.batch_rows([4, 4, 2, 1, 3, 3], [7] * 6)
+    # rows dealt per rank (a searched T): the row arithmetic's positions are the ranks, a
+    # worker's batch its ranks' rows in t order, a microbatch read by each of its ranks
+    per_rank = Workers(6, 3, 2, rows_per_rank=True)
+    assert (per_rank.positions, per_rank.position, per_rank.worker) == (6, 3, 1)
+    assert per_rank.members([1, 2]) == [2, 3, 4, 5] and per_rank.peers() == list(range(6))
+    assert per_rank.by_position([["a"], ["b"], ["c"]]) == [["a"], ["a"], ["b"], ["b"], ["c"],
+                                                          ["c"]]
+    assert per_rank.batch_rows([4, 4, 2, 1, 3, 3], [7] * 6) == ([4, 4, 2, 1, 3, 3], [7] * 6)
 
 
 def test_the_tuners_table_counts_ranks_and_workers_with_tensor_parallelism() -> None:

@@ -22,10 +22,11 @@ when the first batch is an evaluation batch (Lightning's sanity check), the sum 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -96,12 +97,13 @@ def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.
 
 @dataclass(frozen=True)
 class TensorParallelTuning:
-    """``tensor_parallel_size`` T > 1 under ``"auto"``: the tuner plans the W / T workers and
-    profiles each stage count's stages sharded by the user's ``plan`` over worker 0's T ranks
-    (their seconds include the layers' collectives, their bytes are a rank's). ``timeout``: the
-    most those ranks wait for each other in a collective (the strategy's ``step_timeout``)."""
+    """``tensor_parallel_size`` T > 1 under ``"auto"``: for each T of ``sizes`` (one given,
+    or those searched) the tuner plans the W / T workers and profiles each stage count's
+    stages sharded by the user's ``plan`` over worker 0's T ranks (their seconds include the
+    layers' collectives, their bytes are a rank's). ``timeout``: the most those ranks wait for
+    each other in a collective (the strategy's ``step_timeout``)."""
 
-    size: int
+    sizes: tuple[int, ...]
     plan: TensorParallelPlan
     device_type: str
     timeout: float
@@ -122,11 +124,13 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     rows of the global batch the plan will cut into microbatches. ``passes``: where rank 0
     keeps the tuner's measuring passes for the build's memory report. ``tensor_parallel``:
     the stages are profiled sharded, by ranks 0 .. T - 1 together (rank 0 tunes, the others
-    run the same profiles: :func:`~lightning_gsched.measure.tune_profile.follow_tuning`).
-    ``collective``: the engine's (:mod:`.control`), around the pick's broadcast.
+    run the same profiles: :func:`~lightning_gsched.measure.tune_profile.follow_tuning`); with
+    several T (a search) each is tuned in turn and the fastest fitting pick over all of them
+    wins, a T that cannot be planned or sharded being skipped with its reason.
+    ``collective``: the engine's (:mod:`.control`), around each pick's broadcast.
     """
-    T = tensor_parallel.size if tensor_parallel is not None else 1
-    if T > 1 and options.balance == "time":  # every rank alike, before any collective
+    sizes = tensor_parallel.sizes if tensor_parallel is not None else (1,)
+    if max(sizes) > 1 and options.balance == "time":  # every rank alike, before any collective
         raise StrategyConfigError(
             "schedule='auto' with tensor_parallel_size > 1 profiles each cut on worker 0's "
             "ranks together, which must cut the model alike; balance='time' cuts by each "
@@ -139,45 +143,91 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
         # a busy machine must not stop the run: rank the candidates with the default costs
         costs, refused = DEFAULT_COSTS, str(exc)
     factor = optimizer_bytes_factor(optimizers)
+    searched = len(sizes) > 1
+
     def failure(failed: RankZeroFailure) -> GschedError:
         if failed.kind is not None:
             return failed.kind(f"schedule='auto': {failed.text}")
         return StrategyConfigError(f"schedule='auto': rank 0 failed while profiling the model "
                                    f"for the tuner: {failed.text}")
 
-    with _profiling_mesh(tensor_parallel, world_size) as tp_mesh:
-        shard = None
-        if tensor_parallel is not None and tp_mesh is not None:
-            shard = sharded_while_measured(module, tensor_parallel.plan, tp_mesh)
-        follow = None
-        if shard is not None:  # worker 0's other ranks: the same sharded profiles
+    outcomes: dict[int, Pick | str] = {}  # per T: the pick, or why T was skipped (a search)
+    for T in sizes:
+        with _profiling_mesh(tensor_parallel, T, world_size) as tp_mesh:
+            shard = None
+            if tensor_parallel is not None and tp_mesh is not None:
+                shard = sharded_while_measured(module, tensor_parallel.plan, tp_mesh)
+            follow = None
+            if shard is not None:  # worker 0's other ranks: the same sharded profiles
 
-            def follow() -> None:
-                _follow(module, config, options, args, kwargs, loss_fn, global_rows,
-                        factor, world_size // T, forward_context, shard)
+                def follow(shard: ShardStages = shard, T: int = T) -> None:
+                    _follow(module, config, options, args, kwargs, loss_fn, global_rows,
+                            factor, world_size // T, forward_context, shard)
 
-        pick = decided_by_rank_zero(
-            "the tuner's pick", lambda: _decide(module, config, options, args, kwargs, loss_fn,
-                                                global_rows, factor, world_size // T,
-                                                forward_context, costs, passes, shard, T),
-            rank=rank, world_size=world_size, group=group,
-            collective=collective or (lambda what, call: call()),
-            failure=failure, elsewhere=follow)
-    config.choose(*pick)
+            def decide(shard: ShardStages | None = shard, T: int = T) -> Pick | str:
+                try:
+                    return _decide(module, config, options, args, kwargs, loss_fn,
+                                   global_rows, factor, world_size // T, forward_context,
+                                   costs, passes if not searched else None, shard, T)
+                except GschedError as exc:  # in a search, one T that cannot run is skipped
+                    if not searched:
+                        raise
+                    return f"{type(exc).__name__}: {exc}"
+
+            outcomes[T] = decided_by_rank_zero(
+                f"the tuner's pick at tensor_parallel_size={T}", decide, rank=rank,
+                world_size=world_size, group=group,
+                collective=collective or (lambda what, call: call()),
+                failure=failure, elsewhere=follow)
+    config.choose(*best_over_sizes(outcomes))
     if refused is not None:
         config.choice_text += (f"\n  the runtime's costs could not be measured ({refused}); the "
                                "tuner ranked with the default costs (DEFAULT_COSTS)")
 
 
+# what rank 0 tuned at one T: the pick as a checked config, the text that explains it, and
+# every verdict
+Pick = tuple[ScheduleConfig, str, TuneResult]
+
+
+def best_over_sizes(outcomes: Mapping[int, Pick | str]) -> Pick:
+    """The fastest fitting pick over every T tried (its text then says what each T gave),
+    or a ScheduleConfigError giving each T's reason when none could be planned. One T: its
+    pick as it is."""
+    picks = {T: o for T, o in outcomes.items() if not isinstance(o, str)}
+    if not picks:
+        reasons = "; ".join(f"T={T}: {why}" for T, why in outcomes.items())
+        raise ScheduleConfigError(f"schedule='auto' could plan no tensor_parallel_size it "
+                                  f"searched ({reasons})")
+    if len(outcomes) == 1:
+        return next(iter(picks.values()))
+
+    def predicted(pick: Pick) -> float:
+        best = pick[2].best
+        return best.step_time if best is not None and best.step_time is not None else math.inf
+
+    T = min(picks, key=lambda size: predicted(picks[size]))
+    chosen, text, result = picks[T]
+    def line(size: int, outcome: Pick | str) -> str:
+        if isinstance(outcome, str):
+            return f"  T={size}: skipped ({outcome})"
+        return f"  T={size}: {outcome[0].schedule}, predicted {predicted(outcome) * 1e3:.1f} ms"
+
+    lines = [line(size, outcome) for size, outcome in outcomes.items()]
+    head = (f"schedule='auto' searched tensor_parallel_size over {list(outcomes)} (the fastest "
+            f"fitting pick of each T; every rank loads its own rows whatever T runs):")
+    return chosen, "\n".join([head, *lines, f"  picked T={T}", text]), result
+
+
 @contextmanager
-def _profiling_mesh(tensor_parallel: TensorParallelTuning | None, world_size: int
+def _profiling_mesh(tensor_parallel: TensorParallelTuning | None, size: int, world_size: int
                     ) -> Iterator[Any]:
-    """Worker 0's tensor-parallel mesh while the tuner profiles (None: no tensor parallelism,
+    """Worker 0's mesh of ``size`` tensor-parallel ranks while the tuner profiles (None: T = 1,
     or a rank outside worker 0); collective, released afterwards."""
-    if tensor_parallel is None or tensor_parallel.size == 1:
+    if tensor_parallel is None or size == 1:
         yield None
         return
-    with first_worker_mesh(tensor_parallel.device_type, world_size, tensor_parallel.size,
+    with first_worker_mesh(tensor_parallel.device_type, world_size, size,
                            tensor_parallel.timeout) as mesh:
         yield mesh
 

@@ -47,6 +47,9 @@ COST_ARGUMENTS = ("forward_cost", "backward_cost", "weight_cost")
 # what "auto" lets a user fix (constraints of the search); every other argument it decides
 AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations",
                     "data_parallel_size", "tensor_parallel_size")
+# tensor_parallel_size="auto" searches T among these that divide W (a tensor-parallel group is
+# meant to stay inside a node, whose devices are commonly 8 at most)
+TENSOR_PARALLEL_AUTO = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,10 @@ class AutoRequest:
 
     ``microbatches``: B per data-parallel replica, as ``plan()`` counts it; ``data_parallel_size``:
     G (None: the tuner searches the divisors of W, and the mode); ``tensor_parallel_size``: T,
-    the user's (the tuner plans the W / T workers, profiling the stages sharded T ways)."""
+    the user's (the tuner plans the W / T workers, profiling the stages sharded T ways).
+    ``tensor_parallel_search``: the T values to search instead (a list, or ``"auto"``:
+    :data:`TENSOR_PARALLEL_AUTO`); empty when T is given. With a search, every rank loads its
+    own share of the data whatever T is picked (:attr:`ScheduleConfig.rows_per_rank`)."""
 
     stages: int | None = None
     microbatches: int | None = None
@@ -64,6 +70,15 @@ class AutoRequest:
     memory_budget: int | None = None  # bytes per rank
     data_parallel_size: int | None = None
     tensor_parallel_size: int = 1
+    tensor_parallel_search: tuple[int, ...] | str = ()
+
+    def tensor_parallel_candidates(self, ranks: int) -> tuple[int, ...]:
+        """The T values the tuner tries for ``ranks`` ranks: the given T alone, the listed
+        ones, or for ``"auto"`` those of :data:`TENSOR_PARALLEL_AUTO` that divide ``ranks``."""
+        search = self.tensor_parallel_search
+        if isinstance(search, str):  # "auto"
+            return tuple(T for T in TENSOR_PARALLEL_AUTO if ranks % T == 0)
+        return search or (self.tensor_parallel_size,)
 
 
 def _moved_costs(values: dict[str, Any]) -> list[str]:
@@ -136,6 +151,12 @@ class ScheduleConfig:
                 )
         if schedule == AUTO:
             return cls(auto=_auto_request(given, budget))
+        searched = given.get("tensor_parallel_size", 1)
+        if searched == AUTO or isinstance(searched, (list, tuple)):
+            raise ScheduleConfigError(
+                f"tensor_parallel_size={searched!r} asks for a search over T, which "
+                f"schedule='auto' does (the tuner tries each T at the first batch); with "
+                f"schedule={schedule!r} give one T (e.g. tensor_parallel_size=2)")
         return cls(arguments=ScheduleArguments(**given), profile_costs=bool(profile_costs))
 
     @property
@@ -158,11 +179,17 @@ class ScheduleConfig:
         return self._chosen
 
     def _check_workers(self, workers: int) -> None:
-        """What ``"auto"`` can check before the first batch: T divides W, a fixed G divides the
-        W / T workers, and a fixed R divides them (or, with a fixed G, each replica's)."""
+        """What ``"auto"`` can check before the first batch: T (each T searched) divides W, a
+        fixed G divides the W / T workers, and a fixed R divides them (or, with a fixed G, each
+        replica's)."""
         assert self.auto is not None
         R, G = self.auto.R, self.auto.data_parallel_size
-        workers = tensor_parallel_workers(workers, self.auto.tensor_parallel_size)
+        candidates = self.auto.tensor_parallel_candidates(workers)
+        for T in candidates:
+            tensor_parallel_workers(workers, T)  # every T to try divides W
+        if len(candidates) > 1:  # a fixed G or R is a constraint of each T's search
+            return
+        workers = tensor_parallel_workers(workers, candidates[0])
         if G is not None:
             try:
                 pipeline_size(workers, G)
@@ -271,11 +298,26 @@ class ScheduleConfig:
     @property
     def tensor_parallel_size(self) -> int:
         """T: each pipeline worker is T ranks sharing its stages' layers (``"auto"``: the
-        user's, never searched)."""
+        user's, or with a search the pick's, 1 before it: every rank its own worker)."""
+        if self._chosen is not None:
+            return self._chosen.tensor_parallel_size
         if self.arguments is None:
             assert self.auto is not None
             return self.auto.tensor_parallel_size
         return self.arguments.tensor_parallel_size
+
+    @property
+    def rows_per_rank(self) -> bool:
+        """Every rank loads its own share of the data and a worker's batch is its T ranks'
+        (T searched by ``"auto"``, so that the pick never changes the global batch); else a
+        worker's T ranks load one share, as Lightning's ModelParallelStrategy deals it."""
+        return self.auto is not None and bool(self.auto.tensor_parallel_search)
+
+    def tensor_parallel_candidates(self, ranks: int) -> tuple[int, ...]:
+        """The T values ``"auto"`` tries at the first batch (the decided T otherwise)."""
+        if self.auto is None or self._chosen is not None:
+            return (self.tensor_parallel_size,)
+        return self.auto.tensor_parallel_candidates(ranks)
 
     def resolved(self, workers: int) -> tuple[int, int, int | None]:
         """(S, B, R) for ``workers`` ranks, filling the library's defaults (``plan()``'s own
@@ -377,8 +419,24 @@ def _auto_request(given: dict[str, Any], budget: int | None) -> AutoRequest:
             "schedule='auto': give True (only checkpointed candidates) or False (the "
             "tuner tries both); per-stage lists need a fixed schedule and S"
         )
-    T = validate.positive_int("tensor_parallel_size", given.get("tensor_parallel_size", 1), "2")
-    return AutoRequest(stages, micro, R, checkpoint, budget, G, T)
+    T, search = _tensor_parallel_request(given.get("tensor_parallel_size", 1))
+    return AutoRequest(stages, micro, R, checkpoint, budget, G, T, search)
+
+
+def _tensor_parallel_request(size: Any) -> tuple[int, tuple[int, ...] | str]:
+    """``"auto"``'s T: one given (T, no search), or a search: a list of T values (T = 1 until
+    the pick) or ``"auto"``."""
+    if size == AUTO:
+        return 1, AUTO
+    if isinstance(size, (list, tuple)):
+        if not size:
+            raise ScheduleConfigError(
+                "tensor_parallel_size=[] names no T to search; list the sizes to try, e.g. "
+                "[1, 2, 4], or give one")
+        sizes = tuple(dict.fromkeys(validate.positive_int("tensor_parallel_size", T, "2")
+                                    for T in size))
+        return (1, sizes) if len(sizes) > 1 else (sizes[0], ())
+    return validate.positive_int("tensor_parallel_size", size, "2"), ()
 
 
 def _data_parallel_size(size: Any) -> int | None:

@@ -151,8 +151,10 @@ class PipelineEngine:
         # made once, at the build, with the partition's tied weights (config.check at setup)
         self.train_plan: Plan | None = None
         self.world_size, self.rank = world_size, rank
-        # the ranks as the plan's workers (:mod:`.workers`; "auto" plans one rank per worker)
-        self.workers = Workers(world_size, rank, config.tensor_parallel_size)
+        # the ranks as the plan's workers (:mod:`.workers`); a T that "auto" searches is 1
+        # until its pick, when the workers are made again (_take_workers)
+        self.workers = Workers(world_size, rank, config.tensor_parallel_size,
+                               config.rows_per_rank)
         self.timeout = timeout
         self.transport = transport
         self.optimizers = optimizers
@@ -250,6 +252,7 @@ class PipelineEngine:
                                 forward_context=self.forward_context, group=self.group,
                                 passes=passes, tensor_parallel=self._tensor_parallel_tuning(),
                                 collective=self._collective)
+                self._take_workers()
                 if micro_of is not None:
                     args, kwargs = _normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
@@ -344,11 +347,20 @@ class PipelineEngine:
         return self.tensor_parallel_plan
 
     def _tensor_parallel_tuning(self) -> TensorParallelTuning | None:
-        """What ``"auto"`` needs to profile the stages sharded (None without T > 1)."""
-        if self.tensor_parallel_size == 1:
+        """What ``"auto"`` needs to profile the stages sharded, for each T it tries (None:
+        T = 1 only)."""
+        sizes = self.config.tensor_parallel_candidates(self.world_size)
+        if sizes == (1,):
             return None
-        return TensorParallelTuning(self.tensor_parallel_size, self._tensor_parallel_plan(),
+        return TensorParallelTuning(sizes, self._tensor_parallel_plan(),
                                     self.device_hint.type, self.timeout)
+
+    def _take_workers(self) -> None:
+        """The ranks as the pick's workers, once ``"auto"`` picked T (a searched T was 1
+        until now; the rows stay dealt per rank, see :mod:`.workers`)."""
+        self.workers = Workers(self.world_size, self.rank, self.config.tensor_parallel_size,
+                               self.config.rows_per_rank)
+        self.step_rows.workers = self.workers
 
     def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
         """Every worker's row of the start-up summary, each computed by its own rank from
@@ -518,7 +530,8 @@ class PipelineEngine:
                 "must run the same plan"
             )
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
-        return StepOutcome(loss, reduce_records(records, cut.micro_rows()), rows[self.worker],
+        return StepOutcome(loss, reduce_records(records, cut.micro_rows()),
+                           rows[self.workers.position],
                            pending[0].notices)
 
     def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool,
@@ -559,11 +572,11 @@ class PipelineEngine:
         notices = [n for _, _, n in gathered]
         records = [r for _, logs, _ in gathered for r in logs]
         logged = reduce_records(records, cut.micro_rows())
-        mine = rows[self.worker]
+        mine = rows[self.workers.position]
         if not keep_outputs:
             return StepOutcome(None, logged, mine, notices)
         by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
-        local = local_outputs(by_micro, cut, self.worker, caller.name)
+        local = local_outputs(by_micro, cut, self.workers.position, caller.name)
         return StepOutcome(_to_device(local, runtime.device), logged, mine, notices)
 
     # ------------------------------------------------------------------ gradients

@@ -113,6 +113,7 @@ class DeviceMeshSlot:
                 and tuple(mesh.shape) == shape)
         if not same:  # else a later run of the same strategy (fit, then test): same groups
             self._submeshes = {}
+            forget_sharding_decisions()  # an earlier run's mesh may equal this one
             mesh = self._mesh = pipeline_data_mesh(device_type, world_size, data_parallel_size,
                                                    tensor_parallel_size)
         if self._on_made is not None:
@@ -142,10 +143,27 @@ class DeviceMeshSlot:
             _release(meshes, list(mesh.get_all_groups()))
 
 
+def forget_sharding_decisions() -> None:
+    """Empty DTensor's caches of sharding decisions (torch's debugging helper, private: skipped
+    where a torch version lacks it).
+
+    Why: torch caches each operator's output layout by its inputs' layouts, and a layout holds
+    its ``DeviceMesh``, which compares equal to any mesh of the same ranks and names whatever
+    its process groups. A mesh made after another of the same ranks (``"auto"`` profiling one T
+    after another, a second fit in the same process) would otherwise get outputs laid out on
+    the earlier mesh, whose groups are destroyed: "Could not resolve the process group"."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)  # the Python and C++ caches
+    if clear is not None:
+        clear()
+
+
 def _release(meshes: list[DeviceMesh], groups: list[Any]) -> None:
     """Destroy ``groups`` and empty the meshes' group registries (:meth:`DeviceMeshSlot.abort`
-    says why both)."""
+    says why both), and the sharding decisions made on them (:func:`forget_sharding_decisions`)."""
     destroy_groups(groups)
+    forget_sharding_decisions()
     for each in meshes:
         registry = getattr(each, "_pg_registry", None)  # torch's
         if isinstance(registry, dict):
@@ -166,6 +184,7 @@ def first_worker_mesh(device_type: str, world_size: int, tensor_parallel_size: i
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = list(range(tensor_parallel_size))
+    forget_sharding_decisions()  # an earlier mesh of the same ranks may have been decided on
     group = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
     if dist.get_rank() not in ranks:
         yield None

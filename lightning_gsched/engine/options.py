@@ -108,16 +108,20 @@ def library_names(front_end: str) -> list[tuple[str, str, str]]:
          "batch and picks the fastest schedule, S, B, R and checkpointing", AUTO)]
 
 
-def sampler_kwargs(world_size: int, rank: int, tensor_parallel_size: int) -> dict[str, int]:
+def sampler_kwargs(world_size: int, rank: int, config: ScheduleConfig) -> dict[str, int]:
     """The distributed sampler's share for ``rank``: with tensor parallelism the T ranks of a
     worker (rank ``w * T + t``) load the same rows, as Lightning's ModelParallelStrategy gives
-    a tensor-parallel group one share; otherwise every rank its own."""
-    workers = Workers(world_size, rank, tensor_parallel_size)
-    return {"num_replicas": workers.count, "rank": workers.worker}
+    a tensor-parallel group one share; otherwise, and when ``"auto"`` searches T (the pick
+    must not change the global batch: :attr:`ScheduleConfig.rows_per_rank`), every rank its
+    own."""
+    workers = Workers(world_size, rank, config.tensor_parallel_size, config.rows_per_rank)
+    return {"num_replicas": workers.positions, "rank": workers.position}
 
 
 def tensor_parallel_options(config: ScheduleConfig, plan: Any) -> TensorParallelPlan | None:
     """``tensor_parallel_plan`` against the config's ``tensor_parallel_size`` (checked by
     :func:`~lightning_gsched.partition.tensor_parallel.check_plan`, before any process
     starts)."""
+    if config.rows_per_rank:  # a search: the plan serves every T above 1 it tries
+        return check_plan(2, plan)
     return check_plan(config.tensor_parallel_size, plan)

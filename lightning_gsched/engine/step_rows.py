@@ -65,8 +65,8 @@ class StepRows:
         self._needed: dict[int, list[list[int]]] = {}
 
     def sizes(self, batch: Any) -> tuple[list[int], list[int]]:
-        """Every worker's rows and batch layout (a worker's T ranks must have loaded the same
-        batch: the front ends' samplers give them the same share)."""
+        """Every position's rows and batch layout (:meth:`.workers.Workers.batch_rows`: per
+        worker, whose T ranks must have loaded the same batch, or per rank)."""
         rows, layouts = self.collective(
             "the batch-size exchange", lambda: rows_and_layouts(batch, self.world_size,
                                                                 self.group()))
@@ -78,7 +78,8 @@ class StepRows:
         (engine/rows.py; ``replicas``: the schedule's unless given), checked: training
         (``exact``) refuses microbatches of unequal rows on every rank alike."""
         layout = replicas if replicas is not None else self.config.replicas(self.world_size)
-        cut = row_map(rows, [layout.members(g) for g in range(layout.replicas)], parts)
+        cut = row_map(rows, [self.workers.members(layout.members(g))
+                             for g in range(layout.replicas)], parts)
         check_rows(cut, exact, what)
         return cut
 
@@ -94,7 +95,8 @@ class StepRows:
         targets), read once per plan off its placement table."""
         key = id(plan.programs)
         if key not in self._needed:
-            self._needed[key] = needed_micros(plan.table.compute, plan.workers)
+            self._needed[key] = self.workers.by_position(
+                needed_micros(plan.table.compute, plan.workers))
         return self._needed[key]
 
     def exchange(self, batch: Any, cut: RowMap, wanted: list[list[int]],
@@ -106,11 +108,11 @@ class StepRows:
         given = held.micros if held is not None and held.cut == cut else {}
         wanted = [[b for b in micros if b not in given] for micros in wanted]
         received = self.collective("the batch's row exchange", lambda: exchange_rows(
-            batch, cut, self.workers.worker, wanted, self.group(), self.workers.peers()))
+            batch, cut, self.workers.position, wanted, self.group(), self.workers.peers()))
         return {**given, **received}
 
     def first_micro(self, batch: Any, cut: RowMap) -> Held:
         """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
         step on it and partitions the model on its call (every rank the same)."""
-        everyone = [[cut.first_nonempty()]] * self.workers.count
+        everyone = [[cut.first_nonempty()]] * self.workers.positions
         return Held(cut, self.exchange(batch, cut, everyone))

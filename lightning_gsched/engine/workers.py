@@ -6,6 +6,13 @@ Why a module of its own: the engine's collectives span every rank, while the pip
 rows it reads come from the same ``t`` of the worker that loaded them; of a worker's T ranks,
 which compute the same losses, logged values and outputs, only ``t = 0`` reports them. With
 ``T = 1`` every rank is its own worker and all of this is the identity.
+
+Whose batch is whose: a worker's T ranks load one share of the data (``rows_per_rank=False``,
+Lightning's ModelParallelStrategy's convention: the row arithmetic's positions are the workers),
+or, when ``"auto"`` searches T, every rank loads its own share and a worker's batch is its T
+ranks' batches in ``t`` order (``rows_per_rank=True``: the positions are the ranks, and a
+microbatch goes to each of its reading worker's T ranks), so that the global batch does not
+depend on the T picked.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ class Workers:
     ranks: int
     rank: int
     tensor_parallel_size: int = 1
+    rows_per_rank: bool = False  # see the module doc
 
     @property
     def count(self) -> int:
@@ -42,9 +50,36 @@ class Workers:
         """Whether this rank reports its worker's losses, logs and outputs (``t = 0``)."""
         return self.rank % self.tensor_parallel_size == 0
 
+    @property
+    def positions(self) -> int:
+        """How many batches the row arithmetic joins (:mod:`.rows`): one per worker, or with
+        ``rows_per_rank`` one per rank."""
+        return self.ranks if self.rows_per_rank else self.count
+
+    @property
+    def position(self) -> int:
+        """This rank's position among them: whose rows it loaded."""
+        return self.rank if self.rows_per_rank else self.worker
+
+    def members(self, workers: Sequence[int]) -> list[int]:
+        """The positions of ``workers``' batches, in the order their rows are joined."""
+        T = self.tensor_parallel_size
+        if not self.rows_per_rank:
+            return list(workers)
+        return [w * T + t for w in workers for t in range(T)]
+
+    def by_position(self, per_worker: Sequence[_T]) -> list[_T]:
+        """A per-worker list as one entry per position (each of a worker's ranks gets its
+        worker's with ``rows_per_rank``)."""
+        if not self.rows_per_rank:
+            return list(per_worker)
+        return [per_worker[r // self.tensor_parallel_size] for r in range(self.ranks)]
+
     def peers(self) -> list[int]:
-        """Each worker's rank with this rank's tensor-parallel index: whom rows go to and
-        come from."""
+        """The global rank of each position: whom rows go to and come from (per worker, its
+        rank with this rank's tensor-parallel index)."""
+        if self.rows_per_rank:
+            return list(range(self.ranks))
         T = self.tensor_parallel_size
         return [w * T + self.rank % T for w in range(self.count)]
 
@@ -54,9 +89,11 @@ class Workers:
 
     def batch_rows(self, rows: Sequence[int], layouts: Sequence[int]
                    ) -> tuple[list[int], list[int]]:
-        """Every worker's rows and batch layout from every rank's: a worker's T ranks must
-        have loaded the same batch (the front ends' samplers give them one share), else a
-        StrategyConfigError naming them."""
+        """Every position's rows and batch layout from every rank's: with ``rows_per_rank``
+        each rank's own; else a worker's T ranks must have loaded the same batch (the front
+        ends' samplers give them one share), else a StrategyConfigError naming them."""
+        if self.rows_per_rank:
+            return list(rows), list(layouts)
         T = self.tensor_parallel_size
         for w in range(self.count):
             ranks = range(w * T, w * T + T)

@@ -110,7 +110,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         fetch_window: Optional[int] = None,
         data_parallel_size: int = 1,
         data_parallel: Literal["replicate", "shard"] = "replicate",
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: Union[int, list[int], str] = 1,
         tensor_parallel_plan: Optional[Union[dict[str, Any], Callable[..., Any]]] = None,
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
@@ -160,8 +160,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """DDP's, except with tensor parallelism: a worker's T ranks load the same share."""
-        return sampler_kwargs(self.world_size, self.global_rank,
-                              self.schedule_config.tensor_parallel_size)
+        return sampler_kwargs(self.world_size, self.global_rank, self.schedule_config)
 
     @property
     def engine(self) -> PipelineEngine | None:

@@ -136,8 +136,11 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             (W = P x G x T; rank ``(p * G + g) * T + t``, so a worker's ranks are consecutive
             and ``self.device_mesh`` gains an innermost ``"tensor_parallel"`` dimension). The
             schedule's defaults are those of W / T workers; a worker's T ranks load the same
-            rows (``distributed_sampler_kwargs``). With ``schedule="auto"`` T is kept and the
-            tuner profiles the stages sharded (docs/tensor_parallel.md).
+            rows (``distributed_sampler_kwargs``). With ``schedule="auto"`` a T given is kept
+            and the tuner profiles the stages sharded; a list of T values (e.g. ``[1, 2, 4]``)
+            or ``"auto"`` (those of 1, 2, 4, 8 dividing W) is searched, the fastest fitting
+            pick over all of them running, and every rank then loads its own rows whatever T
+            is picked (docs/tensor_parallel.md).
         tensor_parallel_plan: how each stage is sharded over ``mesh["tensor_parallel"]``
             (required when T > 1): module-name patterns to torch's tensor-parallel styles, as
             ``parallelize_module`` takes them (``{"blocks.*.attn.qkv": ColwiseParallel(), ...}``;
@@ -192,7 +195,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         fetch_window: Optional[int] = None,
         data_parallel_size: int = 1,
         data_parallel: Literal["replicate", "shard"] = "replicate",
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: Union[int, list[int], str] = 1,
         tensor_parallel_plan: Optional[Union[dict[str, Any], Callable[..., Any]]] = None,
         memory_budget: Optional[Union[int, str]] = None,
         transport: Literal["auto", "described"] = "auto",
@@ -247,8 +250,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """DDP's, except with tensor parallelism: a worker's T ranks load the same share."""
-        return sampler_kwargs(self.world_size, self.global_rank,
-                              self.schedule_config.tensor_parallel_size)
+        return sampler_kwargs(self.world_size, self.global_rank, self.schedule_config)
 
     @property
     def is_distributed(self) -> bool:
