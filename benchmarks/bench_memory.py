@@ -24,12 +24,17 @@ categories by construction. On CUDA the engine also reports
     python -m benchmarks.bench_memory [--schedules 1f1b zbv]
     python -m benchmarks.bench_memory --pp-dp [--schedules 1f1b zb-h1]   # P=2 x G=2, W=4
     python -m benchmarks.bench_memory --tp [--schedules 1f1b zbv]        # P=2 x T=2, W=4
+    python -m benchmarks.bench_memory --3d [--schedules 1f1b]            # P=2 x G=2 x T=2, W=8
 
 ``memory[<schedule>+tp2]`` (:func:`run_tp`, issue 35): the same measurement with tensor
 parallelism, W=4 as P=2 workers x T=2 ranks; the benchmark GPT with q, k, v split
 (``shardable=True``) and ``benchmarks.bench_tp``'s plan (q, k, v and the MLP's first layer
 column-wise, the projections after them row-wise); a worker's two ranks read the same rows, so
 each worker runs the W=2 rows' pipeline on its shards.
+
+``memory[<schedule> 2x2 <mode>+tp2]`` (:func:`run_3d`): all three axes at once, W=8 as P=2 x
+G=2 x T=2 (both data-parallel modes), each replica's pipeline the ``+tp2`` rows' on its shards.
+Eight processes on this machine's two cores: slow, so only on request.
 """
 
 from __future__ import annotations
@@ -182,6 +187,19 @@ def run_tp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
     return [_row(label, runs[label]) for label in rows]
 
 
+def run_3d(quick: bool, schedules: list[str] | None = None) -> list[Result]:
+    """The bytes model with G > 1 and T > 1 together (issue 35): W=8 = P=2 x G=2 x T=2, both
+    data-parallel modes, PER_RANK rows per worker."""
+    from benchmarks.bench_tp import plan
+
+    rows = {f"{label}+tp{TP}": {**keywords, "tensor_parallel_size": TP,
+                                "tensor_parallel_plan": plan("core.")}
+            for label, keywords in pp_dp_rows(schedules or TP_QUICK).items()}
+    runs = launch("benchmarks.bench_memory:memory_run", PP * DP * TP, rows=rows, steps=STEPS,
+                  per_rank=PER_RANK)
+    return [_row(label, runs[label]) for label in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="*")
@@ -190,8 +208,10 @@ def main() -> None:
                         help="the P=2 x G=2 rows (W=4, both modes) instead of the W=2 ones")
     family.add_argument("--tp", action="store_true",
                         help="the P=2 x T=2 tensor-parallel rows (W=4) instead of the W=2 ones")
+    family.add_argument("--3d", dest="three_d", action="store_true",
+                        help="the P=2 x G=2 x T=2 rows (W=8, both modes)")
     args = parser.parse_args()
-    fn = run_pp_dp if args.pp_dp else run_tp if args.tp else run
+    fn = run_pp_dp if args.pp_dp else run_tp if args.tp else run_3d if args.three_d else run
     for r in fn(True, args.schedules):
         measured = "-" if r.ours_s is None else f"{r.ours_s / 2**20:7.2f} MiB"
         ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
