@@ -228,6 +228,7 @@ def lazy_run(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     import sys
 
     from lightning_gsched.engine import config
+    from lightning_gsched.engine.startup import startup_rows
     from lightning_gsched.schedule.describe import startup_summary
     from lightning_gsched.schedule.lazy_ranks import LazyList
 
@@ -251,7 +252,9 @@ def lazy_run(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
                 "metrics": result.metrics.per_worker.lowered,  # type: ignore[attr-defined]
                 "eval": [e.programs.ranks.lowered for e in evals]}
         memory = engine.runtime.memory()
-        rows = engine._startup_rows(result, memory)  # collective: what the start-up gathered
+        # collective: what the start-up gathered
+        rows = startup_rows(result, memory, engine.workers, engine.group,
+                            lambda what, call: call())
         predicted = engine.memory.predicted
         sizes = engine.memory.sizes
         # the full path, every program read (lowered now, after the counts above)

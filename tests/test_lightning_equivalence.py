@@ -429,10 +429,10 @@ def test_activation_checkpointing_matches_single_device(worlds, tmp_path) -> Non
 
 def fit_counting_builds(ctx: WorkerContext, strategy: dict, optimizer: str, tmp: str) -> dict:
     """:func:`fit_on_worker`, counting the partitions and training plans this rank made."""
-    from lightning_gsched.engine import config, engine
+    from lightning_gsched.engine import config, cut
 
     counts = {"partitions": 0, "training_plans": 0}
-    partition, plan_arguments = engine.partition, config.plan_arguments
+    partition, plan_arguments = cut.partition, config.plan_arguments
 
     def counted_partition(*args: Any, **kwargs: Any) -> Any:
         counts["partitions"] += 1
@@ -442,11 +442,11 @@ def fit_counting_builds(ctx: WorkerContext, strategy: dict, optimizer: str, tmp:
         counts["training_plans"] += not kwargs.get("forward_only", False)
         return plan_arguments(arguments, workers, **kwargs)
 
-    engine.partition, config.plan_arguments = counted_partition, counted_plan
+    cut.partition, config.plan_arguments = counted_partition, counted_plan
     try:
         state = fit_on_worker(ctx, strategy, optimizer, tmp)
     finally:
-        engine.partition, config.plan_arguments = partition, plan_arguments
+        cut.partition, config.plan_arguments = partition, plan_arguments
     return {"state": state, **counts}
 
 

@@ -174,8 +174,8 @@ def _gpt_partition(stages: int) -> Any:
 def _startup_text(schedule: str, **options: Any) -> str:
     """What rank 0 would print for this plan of a 16-layer GPT on 8 workers (no processes:
     the engine's own formatting function, with the stage sizes the runtime would report)."""
-    from lightning_gsched.engine.engine import startup_text
     from lightning_gsched.engine.memory_report import MemoryReport
+    from lightning_gsched.engine.startup import startup_text
     from lightning_gsched.runtime import ParameterMemory
     from lightning_gsched.schedule.plan import plan
     from models import gpt_inputs

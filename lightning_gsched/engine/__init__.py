@@ -15,7 +15,9 @@ the user's step around the model's call), :mod:`.logsync` (losses and logged val
 :mod:`.preemption` (a signal agreed by every rank at a step's exchange),
 :mod:`.checkpoint` (the checkpoint service: every save and load of both front ends; its
 mechanisms in :mod:`.checkpoint_files`, :mod:`.checkpoint_sharded` and
-:mod:`.checkpoint_check`), :mod:`.engine`.
+:mod:`.checkpoint_check`), :mod:`.engine` (the one run's pipeline, with its build's cut in
+:mod:`.cut`, its start-up text in :mod:`.startup`, and the rank-0 decisions in
+:mod:`.rank_zero`).
 
 The front ends import this face only (``__all__``: what they use), never an engine submodule
 (``tests/test_layering.py``).

@@ -35,6 +35,7 @@ from lightning_gsched.engine.batches import local_outputs
 from lightning_gsched.engine.checkpoint import CheckpointService
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import ControlGroup
+from lightning_gsched.engine.cut import cut_model
 from lightning_gsched.engine.intercept import CallArgs, StepCaller, step_loss
 from lightning_gsched.engine.logsync import (
     LossLogExchange,
@@ -47,8 +48,9 @@ from lightning_gsched.engine.memory_report import MemoryReport
 from lightning_gsched.engine.mesh import TENSOR_PARALLEL, DeviceMeshSlot
 from lightning_gsched.engine.options import PartitionOptions
 from lightning_gsched.engine.profiled_costs import costs_text, profiled_costs
-from lightning_gsched.engine.rank_zero import decided_by_rank_zero
+from lightning_gsched.engine.startup import startup_rows, startup_text
 from lightning_gsched.engine.step_rows import Held, StepRows
+from lightning_gsched.engine.values import normal_call, to_cpu, to_device
 from lightning_gsched.engine.weights import (
     agreed_seed,
     materialize,
@@ -57,31 +59,23 @@ from lightning_gsched.engine.weights import (
     sync_module_states,
 )
 from lightning_gsched.engine.workers import Workers
-from lightning_gsched.errors import GschedError, PartitionError, RuntimeFault, StrategyConfigError
+from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
-from lightning_gsched.partition import Partition, partition
+from lightning_gsched.partition import Partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
     shard_optimizer_state,
 )
-from lightning_gsched.partition.verify import check_verify, verify_split
 from lightning_gsched.runtime import (
     ModelRuntime,
-    ParameterMemory,
     Pieces,
     PretrainedWeights,
     PretrainedWeightsError,
     ProgramExecutor,
     is_deferred,
     stage_micros,
-)
-from lightning_gsched.schedule.describe import (
-    StartupRow,
-    plan_command,
-    startup_row,
-    startup_summary,
 )
 from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.replicas import ReplicaLayout
@@ -237,7 +231,7 @@ class PipelineEngine:
                     "without weights (in configure_model(), or under trainer.init_module()) to "
                     "have each rank read only its own, or drop init_weights and load the "
                     "weights yourself (load_state_dict)")
-            args, kwargs = _normal_call(self._probe(caller, micro_batch, training))
+            args, kwargs = normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
                 self._collective("the build's weight broadcast",
                                  lambda: sync_module_states(self.module, self.group))
@@ -254,7 +248,7 @@ class PipelineEngine:
                                 collective=self._collective)
                 self._take_workers()
                 if micro_of is not None:
-                    args, kwargs = _normal_call(caller.capture(micro_of()))
+                    args, kwargs = normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
             # tied weights are placed by the plan: the one plan is made once the partition
             # names them
@@ -312,7 +306,7 @@ class PipelineEngine:
                                         pieces=pieces_of(self.module))
             self.runtime.prune_optimizer_state(self.optimizers())
             memory = self.runtime.memory()
-            rows = self._startup_rows(plan, memory)
+            rows = startup_rows(plan, memory, self.workers, self.group, self._collective)
         if self.rank == 0:
             self.info(startup_text(self.train_plan, part, memory,
                                    custom=(self.config.arguments is not None
@@ -362,18 +356,6 @@ class PipelineEngine:
                                self.config.rows_per_rank)
         self.step_rows.workers = self.workers
 
-    def _startup_rows(self, plan: Plan, memory: ParameterMemory) -> list[StartupRow]:
-        """Every worker's row of the start-up summary, each computed by its own rank from
-        its own program and gathered (collective).
-
-        Why not rank 0 reading every program: a plan of many ranks lowers each rank's program
-        when first read (schedule/lazy_ranks.py); reading all W of them on rank 0 costs a
-        minute and gigabytes at W=1024. Gathered, the summary is the same text."""
-        mine = startup_row(plan, memory.stage_bytes, memory.tie_bytes, self.worker)
-        rows = self._collective("the start-up summary's gather",
-                                lambda: exchange(mine, self.world_size, self.group))
-        return self.workers.one_each(rows)  # a worker's T ranks report the same row
-
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
                      training: bool) -> Held:
         """The first batch of an undecided ``"auto"``: the tuner profiles the first microbatch of
@@ -413,36 +395,10 @@ class PipelineEngine:
         self.config.choice_text = costs_text(costs)
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Partition:
-        S = self.config.resolved(self.world_size)[0]
-        opts = self.options
-        common = dict(balance=opts.balance, leaf_modules=opts.leaf_modules,
-                      split_points=opts.split_points, static_shapes=opts.static_shapes)
-        unit_costs = None
-        measured: list[Partition] = []
-        if opts.balance == "time" and self.world_size > 1:
-            # rank 0 measures and keeps its partition; every other rank cuts at the same places
-            # with rank 0's costs (one partition per rank)
-            def measure() -> Any:
-                measured.append(partition(self.module, S, args, kwargs, verify=False, **common))
-                return measured[0].unit_costs
-
-            unit_costs = decided_by_rank_zero(
-                "the partition's broadcast", measure, rank=self.rank,
-                world_size=self.world_size, group=self.group, collective=self._collective,
-                failure=lambda failed: PartitionError(
-                    f"rank 0 could not partition the model: {failed.text}"))
-        try:
-            if measured:  # the cut the others make from its costs: only verify it
-                measured[0].verified = verify_split(measured[0], args, kwargs,
-                                                    check_verify(opts.verify))
-                return measured[0]
-            return partition(self.module, S, args, kwargs, unit_costs=unit_costs,
-                             verify=opts.verify, **common)
-        except GschedError as exc:
-            raise type(exc)(
-                f"GeneralParallel could not split {type(self.module).__name__}.forward into "
-                f"{S} stages: {exc}"
-            ) from exc
+        """The model cut into the decided schedule's S stages (:func:`.cut.cut_model`)."""
+        return cut_model(self.module, self.config.resolved(self.world_size)[0], self.options,
+                         args, kwargs, rank=self.rank, world_size=self.world_size,
+                         group=self.group, collective=self._collective)
 
     # ------------------------------------------------------------------ steps
 
@@ -563,7 +519,7 @@ class PipelineEngine:
             self.failed = True
             raise
         reporting = self.workers.reports  # of a worker's T ranks, t = 0 reports (the same)
-        shipped = ({b: _to_cpu(v) for b, v in outputs.items()}
+        shipped = ({b: to_cpu(v) for b, v in outputs.items()}
                    if keep_outputs and reporting else {})
         # one host read for the step's records
         logs = on_host(caller.logs, runtime.device) if reporting else []
@@ -577,7 +533,7 @@ class PipelineEngine:
             return StepOutcome(None, logged, mine, notices)
         by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
         local = local_outputs(by_micro, cut, self.workers.position, caller.name)
-        return StepOutcome(_to_device(local, runtime.device), logged, mine, notices)
+        return StepOutcome(to_device(local, runtime.device), logged, mine, notices)
 
     # ------------------------------------------------------------------ gradients
 
@@ -631,61 +587,8 @@ class PipelineEngine:
         self.runtime = None
 
 
-def startup_text(plan: Plan, partition: Partition, memory: ParameterMemory, custom: bool,
-                 memory_lines: str | None = None, header: str = "",
-                 rows: list[StartupRow] | None = None) -> str:
-    """What rank 0 prints when the pipeline is built: one screen at W=8 and beyond.
-
-    The plan's per-worker numbers as ranges over the workers (:func:`startup_summary`), the
-    command that prints the full per-worker table (not for a ``custom`` placement, which the
-    CLI cannot express), and the partition's stage table without the per-stage unit lists
-    (2-3 lines per stage), which ``partition.report()`` gives in full. ``header``: what
-    comes first (``schedule="auto"``: how the plan was chosen). ``rows``: every worker's
-    numbers, gathered from the ranks (:meth:`PipelineEngine._startup_rows`); None: read off
-    every program here.
-    """
-    command = None if custom else plan_command(plan)
-    return "\n".join([
-        *([header] if header else []),
-        startup_summary(plan, memory.stage_bytes, memory.tie_bytes, command, rows),
-        *([memory_lines] if memory_lines else []),
-        partition.report(units=False),
-        "(the units of each stage: strategy.engine.partition.report() during the run)",
-    ])
-
-
 def _signature(caller: StepCaller, rows: list[int], layouts: list[int]
                ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """What every rank knows of a step's shapes without asking (the runtime sends activations
     as bare tensors for a signature it has seen): the hook, every rank's rows and layout."""
     return caller.name, tuple(rows), tuple(layouts)
-
-
-def _normal_call(call: CallArgs) -> CallArgs:
-    """A model call's ``(args, kwargs)`` with :func:`_normal` values."""
-    args, kwargs = call
-    return tuple(_normal(a) for a in args), {k: _normal(v) for k, v in kwargs.items()}
-
-
-def _normal(value: Any) -> Any:
-    """Inference tensors (Lightning evaluates in inference mode) cannot be traced or saved."""
-    from torch.utils import _pytree as pytree
-
-    def fix(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_inference():
-            return leaf.clone()
-        return leaf
-
-    return pytree.tree_map(fix, value)
-
-
-def _to_cpu(value: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
