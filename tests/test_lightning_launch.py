@@ -71,9 +71,13 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
     assert isinstance(cli.trainer.strategy, GeneralParallel)
     schedule, _, variant = name.partition("_")  # 1f1b_dp: 1f1b on a (pipeline, data) mesh
     assert cli.trainer.strategy.schedule_config.schedule == schedule
-    if name == "auto":  # decided at the first batch: no plan before it
-        cli.trainer.strategy.schedule_config.check(4)
-        assert not cli.trainer.strategy.schedule_config.decided
+    if schedule == "auto":  # decided at the first batch: no plan before it
+        config = cli.trainer.strategy.schedule_config
+        config.check(4)
+        assert not config.decided
+        # auto_tp: T searched over [1, 2], every rank loading its own rows
+        assert config.tensor_parallel_candidates(4) == ((1, 2) if variant == "tp" else (1,))
+        assert config.rows_per_rank == (variant == "tp")
         return
     devices = cli.trainer.num_devices
     plan = cli.trainer.strategy.schedule_config.training_plan(devices)  # the plan it would run
