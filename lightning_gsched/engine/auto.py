@@ -93,8 +93,6 @@ def step_loss_fn(caller: StepCaller, micro_batch: Any) -> Callable[[Any], torch.
     return loss
 
 
-
-
 @dataclass(frozen=True)
 class TensorParallelTuning:
     """``tensor_parallel_size`` T > 1 under ``"auto"``: for each T of ``sizes`` (one given,
@@ -208,6 +206,7 @@ def best_over_sizes(outcomes: Mapping[int, Pick | str]) -> Pick:
 
     T = min(picks, key=lambda size: predicted(picks[size]))
     chosen, text, result = picks[T]
+
     def line(size: int, outcome: Pick | str) -> str:
         if isinstance(outcome, str):
             return f"  T={size}: skipped ({outcome})"
