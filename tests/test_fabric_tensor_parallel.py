@@ -163,3 +163,30 @@ def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: An
             assert got["held"], label  # this worker's blocks: q's rows halved
             full = want["weights"]["blocks.0.attn.q.weight"].shape[0]
             assert all(shape[0] == full // T for shape in got["held"].values()), (label, got)
+
+
+def sequence_beside_whole_on_worker(ctx: WorkerContext) -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    as_worker(ctx.rank)
+    plan = {**PLAN, "blocks.*.ln1": "sequence"}
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
+        "1f1b", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=plan))
+    fabric.launch()
+    model, optimizer = _setup(fabric)
+    batches = [share(b, ctx.rank // T, ctx.world_size // T) for b in global_batches()]
+    train(fabric, model, optimizer, batches[:1], pipelined=True)
+
+
+def test_a_plan_that_cannot_run_sharded_fails_every_rank_with_its_reason(worlds: Any) -> None:
+    """A plan whose sharded stages cannot run (``"sequence"`` on a norm whose readers take
+    whole activations) fails the build's check on every rank with the plan's own error, whole
+    and naming the sequence-sharded pattern, not as a lost connection (the engine's bounded
+    collectives pass this rank's own errors through)."""
+    errors = worlds.get(4).run(sequence_beside_whole_on_worker, expect_errors=True)
+    for rank, error in enumerate(errors):
+        assert getattr(error, "type_name", None) == "TensorParallelPlanError", (rank, error)
+        assert "'blocks.*.ln1' by sequence" in error.message, (rank, error.message)
+        assert "lost the connection" not in error.message, (rank, error.message)

@@ -218,6 +218,27 @@ def test_code_that_needs_global_sizes_is_named_by_the_module_before_it(tp_mesh: 
 
 
 
+def test_a_sequence_style_beside_whole_activation_styles_is_explained(tp_mesh: object) -> None:
+    """``"sequence"`` on the norms with the names ``colwise``/``rowwise`` for the rest: the
+    norms' outputs are split by sequence where the projections expect whole activations, and
+    the check's error says so, naming the sequence-sharded patterns."""
+    from lightning_gsched.partition.tensor_parallel import sequence_patterns
+
+    plan = {**BLOCK_PLAN, "blocks.*.ln1": "sequence", "blocks.*.ln2": "sequence"}
+    assert sequence_patterns(plan) == ["blocks.*.ln1", "blocks.*.ln2"]  # type: ignore[arg-type]
+    assert sequence_patterns(BLOCK_PLAN) == []  # type: ignore[arg-type]
+    _, stages = split_gpt(shardable=True)
+    parallelize_stages(stages, plan, tp_mesh)  # type: ignore[arg-type]
+    (idx,) = gpt_inputs()
+    with pytest.raises(TensorParallelPlanError) as info:
+        explain_sharded_failure(stages[0], T, lambda: stages[0](idx),
+                                sequence_patterns(plan))  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "'blocks.*.ln1', 'blocks.*.ln2' by sequence" in message, message
+    assert "ColwiseParallel(input_layouts=Shard(1))" in message
+
+
+
 def pipelined_sharded_check(ctx: WorkerContext, schedule: str) -> dict[str, Any]:
     """W=4 as P=2 pipeline workers x T=2 tensor-parallel ranks (rank = worker * 2 + t): the
     runtime runs worker w's program on both of its ranks, each on its shards, messages going to

@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from lightning_gsched.errors import RuntimeFault, error_text
+from lightning_gsched.errors import GschedError, RuntimeFault, error_text
 from lightning_gsched.runtime import (
     LOST_PEER_GRACE_S,
     FaultNotice,
@@ -77,7 +77,10 @@ class ControlGroup:
         """``collective()``, with a backend failure turned into a RuntimeFault (see module doc)."""
         try:
             return collective()
-        except RuntimeFault:
+        except GschedError:
+            # this rank's own error (a fault, or a check every rank makes alike, e.g. a plan
+            # that cannot shard the stages): raised as it is, whole, not as a lost connection;
+            # the front end's failure handling reports it to the peers (abort)
             raise
         except RuntimeError as exc:  # gloo/nccl: lost connection, timeout, aborted group
             # the failed call's frames hold the group (an argument) while the error propagates:

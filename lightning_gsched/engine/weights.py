@@ -31,6 +31,7 @@ from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlan,
     check_sharded_stages,
     parallelize_stages,
+    sequence_patterns,
 )
 from lightning_gsched.partition.tensor_parallel_state import (
     global_view,
@@ -85,7 +86,7 @@ def shard_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan, tp_mesh:
     if check_call is not None:
         args, kwargs = check_call
         collective("the sharded stages' check", lambda: check_sharded_stages(
-            stages, args, kwargs, degree))
+            stages, args, kwargs, degree, sequence_patterns(plan)))
 
 
 def pieces_of(module: nn.Module) -> Pieces:

@@ -353,14 +353,28 @@ def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
             for name, spec in _SHARDED.get(owner, {}).items()}
 
 
-def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T]) -> _T:
+def sequence_patterns(plan: TensorParallelPlan) -> list[str]:
+    """The plan's patterns styled ``SequenceParallel`` (by name or object); none for a
+    function plan, whose styles are not known."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if callable(plan):
+        return []
+    return [pattern for pattern, style in plan.items()
+            if isinstance(style_of(style, pattern), SequenceParallel)]
+
+
+def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T],
+                            sequence: Sequence[str] = ()) -> _T:
     """``call()`` (a forward of ``stage`` after sharding); an error it raises becomes a
     :class:`TensorParallelPlanError` naming the last of the stage's modules that ran.
 
     Why: model code that computes with the model's global sizes (a head count, a fused
     projection split by the full width) fails on a shard deep inside the stage's generated code,
     whose traceback names no module; the module that ran last is where the sharded width came
-    from, and the fix is in the code reading its output."""
+    from, and the fix is in the code reading its output. ``sequence``: the plan's patterns
+    sharded by sequence (:func:`sequence_patterns`), whose readers need styles that take that
+    layout: the message says so, as the module named is then only where it surfaced."""
     from torch.nn.modules.module import register_module_forward_hook
 
     from lightning_gsched.errors import GschedError, error_text
@@ -387,13 +401,27 @@ def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T
             f"{error_text(exc)}. The model's code must compute with local sizes: "
             "write -1 for a sharded dimension in view/reshape/unflatten (view(b, t, -1, "
             "head_dim), not the model's global head count), and shard q, k and v as separate "
-            "layers rather than split a fused projection by the full width") from exc
+            "layers rather than split a fused projection by the full width"
+            + _sequence_hint(sequence)) from exc
     finally:
         handle.remove()
 
 
+def _sequence_hint(sequence: Sequence[str]) -> str:
+    if not sequence:
+        return ""
+    return (f". The plan shards {', '.join(map(repr, sequence))} by sequence (SequenceParallel):"
+            " their outputs are split along dimension 1, so every module reading them must take "
+            "that layout, and every module writing their inputs must give it: style objects such "
+            "as ColwiseParallel(input_layouts=Shard(1)) for the projections after them and "
+            "RowwiseParallel(output_layouts=Shard(1)) for those before them (the names "
+            "'colwise' and 'rowwise' take and give whole, replicated activations), with the "
+            "stage's first input sharded the same way")
+
+
 def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
-                         kwargs: dict[str, Any], degree: int) -> None:
+                         kwargs: dict[str, Any], degree: int,
+                         sequence: Sequence[str] = ()) -> None:
     """Run the sharded stages once, in order, on a real microbatch (collective over the
     tensor-parallel ranks, which all run it): a model whose code needs global sizes fails here,
     on every rank alike, with :func:`explain_sharded_failure`'s message, rather than inside a
@@ -405,4 +433,4 @@ def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
     with torch.no_grad(), preserved_tensors_and_rng(nn.ModuleList(stages)):
         for k, stage in enumerate(stages):
             call = partial(stage, *args, **kwargs) if k == 0 else partial(stage, carried)
-            carried = explain_sharded_failure(stage, degree, call)
+            carried = explain_sharded_failure(stage, degree, call, sequence)
