@@ -250,7 +250,9 @@ def searched_on_worker(ctx: WorkerContext, tmp: str) -> list[tuple[int, str, dic
                 return choose({other: outcomes[other]})
 
             auto.best_over_sizes = only
-        strategy = GeneralParallel("auto", tensor_parallel_size=[1, T], tensor_parallel_plan=PLAN)
+        # S and B fixed: the search over T is what is checked, and each T tunes fewer cuts
+        strategy = GeneralParallel("auto", stages=2, microbatches=4, tensor_parallel_size=[1, T],
+                                   tensor_parallel_plan=PLAN)
         try:
             state, _ = _fit(ctx.world_size, strategy, f"{tmp}/searched{len(out)}",
                             shares=ctx.world_size)
