@@ -18,7 +18,10 @@ device in this process:
   time), ``fabric.load`` into a zbv pipeline that already ran a step of its own (each rank takes
   its pieces), then step 3: every rank ends with one device's weights and step-3 loss;
 * after 1f1b's last step the same state saved streamed and gathered (every shard gathered to
-  rank 0 at once) gives two files with equal tensors, bit for bit, of the full shapes.
+  rank 0 at once) gives two files with equal tensors, bit for bit, of the full shapes;
+* sequence parallelism (torch's styles as objects, :func:`sequence_plan`: the norms sharded by
+  sequence, the projections taking and giving that layout, each block kept whole in the split by
+  ``leaf_modules`` so that its input and output hooks run) trains 1f1b like one device too.
 
 Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
 partial dot products where one device adds one, float32 reordering as microbatches and ranks
@@ -57,6 +60,34 @@ PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
 WORLD_TIMEOUT = 300.0
 
 
+def sequence_plan() -> dict[str, Any]:
+    """Megatron-style sequence parallelism on the test GPT: between blocks the residual stream
+    is split along the sequence (each rank its half, sent stage to stage as such); the norms run
+    on their half (``SequenceParallel``), the projections after them gather the sequence and
+    those before the residual add scatter it again; the first block's input is cut to this
+    rank's half and the last block's output joined whole for the final norm and the head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    gather, scatter = ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(
+        output_layouts=Shard(1))
+    return {"blocks.0": PrepareModuleInput(input_layouts=(Replicate(), None),
+                                           desired_input_layouts=(Shard(1), None),
+                                           use_local_output=True),
+            "blocks.*.ln1": SequenceParallel(), "blocks.*.ln2": SequenceParallel(),
+            "blocks.*.attn.q": gather, "blocks.*.attn.k": gather, "blocks.*.attn.v": gather,
+            "blocks.*.attn.proj": scatter, "blocks.*.mlp.0": gather, "blocks.*.mlp.2": scatter,
+            "blocks.2": PrepareModuleOutput(output_layouts=Shard(1),
+                                            desired_output_layouts=Replicate(),
+                                            use_local_output=True)}
+
+
 def _setup(fabric: Any) -> tuple[Any, Any]:
     model = make_gpt(0, shardable=True)
     return fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
@@ -80,7 +111,7 @@ def outputs_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
         return last_logits(model, global_batches()[0])
 
 
-def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]], dict]:
+def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]], dict, dict]:
     from lightning.fabric import Fabric
 
     from lightning_gsched.fabric import GeneralParallelFabric
@@ -108,6 +139,15 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
         fabric.strategy.finish()
         out.append({"losses": losses, "weights": state_of(model), "logits": logits,
                     "held": held, "sampler": fabric.strategy.distributed_sampler_kwargs})
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
+        "1f1b", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=sequence_plan(),
+        leaf_modules=("GPTBlock",)))
+    fabric.launch()
+    model, optimizer = _setup(fabric)
+    batches = [share(b, worker, workers) for b in global_batches()]
+    sequence = {"losses": train(fabric, model, optimizer, batches, pipelined=True)}
+    fabric.strategy.finish()
+    sequence["weights"] = state_of(model)
     # 1f1b's checkpoint loaded into a running zbv pipeline (each rank takes its pieces of the
     # full tensors, model and optimizer state), then the remaining steps
     fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
@@ -119,7 +159,7 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
     fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
     losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
     fabric.strategy.finish()
-    return out, {"losses": losses, "weights": state_of(model)}
+    return out, {"losses": losses, "weights": state_of(model)}, sequence
 
 
 def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: Any) -> None:
@@ -138,7 +178,11 @@ def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: An
         i: tuple(p.shape) for i, p in enumerate(params)}, "full-shaped optimizer state"
     for i, m in momentum.items():
         assert torch.equal(streamed["optimizer"]["state"][i]["momentum_buffer"], m), i
-    for rank, (per_schedule, resumed) in enumerate(results):
+    for rank, (per_schedule, resumed, sequence) in enumerate(results):
+        label = f"1f1b with sequence parallelism, rank {rank}"
+        assert_same_state(sequence["weights"], want["weights"], label)
+        torch.testing.assert_close(torch.tensor(sequence["losses"]),
+                                   torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6, msg=label)
         label = f"1f1b's checkpoint loaded into a running zbv pipeline, rank {rank}"
         assert_same_state(resumed["weights"], want["weights"], label)
         torch.testing.assert_close(torch.tensor(resumed["losses"]),

@@ -218,6 +218,28 @@ def test_code_that_needs_global_sizes_is_named_by_the_module_before_it(tp_mesh: 
 
 
 
+def test_a_style_on_a_module_the_split_runs_inline_is_refused(tp_mesh: object) -> None:
+    """A style on a block the trace went into (its code inlined in the stage, its hooks never
+    run) is refused naming the block and ``leaf_modules``; kept whole by ``leaf_modules``, the
+    stages call it and the style applies."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    def prepare() -> Any:
+        return PrepareModuleInput(input_layouts=(Replicate(), None),
+                                  desired_input_layouts=(Shard(1), None), use_local_output=True)
+
+    _, stages = split_gpt(shardable=True)
+    with pytest.raises(TensorParallelPlanError, match=r"'blocks.0' \(GPTBlock\) with "
+                                                      r"PrepareModuleInput.*leaf_modules="
+                                                      r"\('GPTBlock',\)"):
+        parallelize_stages(stages, {"blocks.0": prepare()}, tp_mesh)  # type: ignore[arg-type]
+    kept = partition(make_gpt(0, shardable=True), 2, gpt_inputs(), verify=False,
+                     leaf_modules=("GPTBlock",))
+    assert "blocks.0" in kept.stages[0].called_modules()  # type: ignore[operator]
+    parallelize_stages(list(kept.stages), {"blocks.0": prepare()}, tp_mesh)  # type: ignore[arg-type]
+
+
 def test_a_sequence_style_beside_whole_activation_styles_is_explained(tp_mesh: object) -> None:
     """``"sequence"`` on the norms with the names ``colwise``/``rowwise`` for the rest: the
     norms' outputs are split by sequence where the projections expect whole activations, and

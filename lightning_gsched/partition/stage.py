@@ -93,6 +93,14 @@ class StageModule(nn.Module):
         """True when the stage runs a train-mode and an eval-mode graph of its own."""
         return len(self._gsched_graphs) == 2
 
+    def called_modules(self) -> set[str]:
+        """The names of the submodules this stage calls as modules (``call_module`` in either
+        mode's graph): leaves, whose own submodules then run as modules inside them. A module
+        above them (a block the trace went into) only holds them; its own ``forward`` and hooks
+        never run in the stage."""
+        return {str(n.target) for g in self._gsched_graphs.values() for n in g.nodes
+                if n.op == "call_module"}
+
     @property
     def code(self) -> str:
         """The Python source this stage runs (fx's code of its graph in the traced mode), to
@@ -196,6 +204,16 @@ class StageModule(nn.Module):
         )
 
 
+class ModuleShell(nn.Module):
+    """Stands in a stage for a module the trace went into: it holds the submodules the stage
+    calls under their original path, but not the original's code (which the stage runs
+    inline). ``original_type``: the original module's class name, for messages."""
+
+    def __init__(self, original_type: str) -> None:
+        super().__init__()
+        self.original_type = original_type
+
+
 def _install(stage: nn.Module, traced: TracedModel, target: str) -> None:
     """Make ``target`` reachable on ``stage`` under its original path, sharing the original object."""
     if target in traced.constants:
@@ -209,7 +227,7 @@ def _install(stage: nn.Module, traced: TracedModel, target: str) -> None:
         if existing is child:
             return  # an ancestor is installed as the original module: target already reachable
         if existing is None:
-            existing = nn.Module()
+            existing = ModuleShell(type(child).__name__)
             existing.training = child.training  # shells report the original's mode
             holder.add_module(atom, existing)
         holder, original = existing, child

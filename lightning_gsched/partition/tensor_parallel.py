@@ -153,6 +153,40 @@ def assign_plan(plan: Mapping[str, Any], stage_modules: Sequence[Sequence[str]]
     return assigned
 
 
+def called_modules(stages: Sequence[nn.Module]) -> set[str] | None:
+    """The module names some stage calls as a module (None: not the partitioner's stages, whose
+    calls are not known)."""
+    found: set[str] = set()
+    for stage in stages:
+        calls = getattr(stage, "called_modules", None)
+        if calls is None:
+            return None
+        found |= calls()
+    return found
+
+
+def check_called(called: set[str] | None, name: str, module: nn.Module,
+                 style: ParallelStyle) -> None:
+    """Refuse a style on a module no stage calls as a module (``called``:
+    :func:`called_modules`; a stage that only reads a module's weight, e.g. a tied head, does
+    not count, but another that calls the module does).
+
+    Why: a style acts through hooks on its module's ``forward`` (its inputs and outputs laid
+    out), but the split traces into every module that is not a leaf and runs its code inline,
+    so those hooks would never run: the plan would be silently half applied (e.g. a
+    ``PrepareModuleInput`` on a transformer block, which sequence parallelism needs)."""
+    # a called module runs its own code, its submodules' calls (and their hooks) included
+    if called is None or any(name == c or name.startswith(c + ".") for c in called):
+        return
+    kind = getattr(module, "original_type", type(module).__name__)  # a stage's shell of it
+    raise TensorParallelPlanError(
+        f"tensor_parallel_plan styles {name!r} ({kind}) with {type(style).__name__}, but the "
+        f"split runs {kind}'s code inline (it traced into the module: only its submodules are "
+        f"called), so the style's hooks would never run. Keep {kind} whole in the split, "
+        f"leaf_modules=({kind!r},), so that the stages call it as a module; or style its "
+        "submodules instead")
+
+
 def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
     """Refuse a column/row-wise style on a module it cannot shard evenly ``degree`` ways."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -202,8 +236,10 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
             f"function parallelize(stage_module, tp_mesh), not {type(plan).__name__}")
     modules = [dict(stage.named_modules()) for stage in stages]
     assigned = assign_plan(plan, [list(m) for m in modules])
+    called = called_modules(stages)
     for found, stage_modules in zip(assigned, modules, strict=True):
         for name, style in found.items():
+            check_called(called, name, stage_modules[name], style)
             check_fits(name, stage_modules[name], style, mesh.size())
     done: set[int] = set()  # a module two stages share is sharded once
     for stage, found, stage_modules in zip(stages, assigned, modules, strict=True):
