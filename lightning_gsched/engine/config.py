@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import GschedError, ScheduleConfigError, StrategyConfigError
 from lightning_gsched.schedule import validate
 from lightning_gsched.schedule.arguments import ScheduleArguments
@@ -312,6 +313,12 @@ class ScheduleConfig:
         (T searched by ``"auto"``, so that the pick never changes the global batch); else a
         worker's T ranks load one share, as Lightning's ModelParallelStrategy deals it."""
         return self.auto is not None and bool(self.auto.tensor_parallel_search)
+
+    def workers(self, ranks: int, rank: int) -> Workers:
+        """``ranks`` processes as this config's workers, ``rank`` this one's: the decided T (a
+        T that ``"auto"`` searches is 1 until the pick), the rows dealt per rank or per
+        worker (:attr:`rows_per_rank`). Derived at each use, so it follows the pick."""
+        return Workers(ranks, rank, self.tensor_parallel_size, self.rows_per_rank)
 
     def tensor_parallel_candidates(self, ranks: int) -> tuple[int, ...]:
         """The T values ``"auto"`` tries at the first batch (the decided T otherwise)."""

@@ -145,10 +145,6 @@ class PipelineEngine:
         # made once, at the build, with the partition's tied weights (config.check at setup)
         self.train_plan: Plan | None = None
         self.world_size, self.rank = world_size, rank
-        # the ranks as the plan's workers (:mod:`.workers`); a T that "auto" searches is 1
-        # until its pick, when the workers are made again (_take_workers)
-        self.workers = Workers(world_size, rank, config.tensor_parallel_size,
-                               config.rows_per_rank)
         self.timeout = timeout
         self.transport = transport
         self.optimizers = optimizers
@@ -164,7 +160,7 @@ class PipelineEngine:
         self.deferred = False
         self.device_hint = device if device is not None else torch.device("cpu")
         # the batch-size exchange, the row map and the row exchange of every step
-        self.step_rows = StepRows(config, self.workers, world_size, lambda: self.group,
+        self.step_rows = StepRows(config, rank, world_size, lambda: self.group,
                                   self._collective)
 
     # ------------------------------------------------------------------ building
@@ -174,6 +170,12 @@ class PipelineEngine:
         """The group of the engine's collectives (None: the default group). Read at each use,
         never kept: an aborted group must lose its last reference to close its connections."""
         return self.control.group if self.control is not None else None
+
+    @property
+    def workers(self) -> Workers:
+        """The ranks as the plan's workers (:mod:`.workers`), as the config has them now: a T
+        that ``"auto"`` searches is 1 until its pick."""
+        return self.config.workers(self.world_size, self.rank)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -246,7 +248,6 @@ class PipelineEngine:
                                 forward_context=self.forward_context, group=self.group,
                                 passes=passes, tensor_parallel=self._tensor_parallel_tuning(),
                                 collective=self._collective)
-                self._take_workers()
                 if micro_of is not None:
                     args, kwargs = normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
@@ -275,7 +276,7 @@ class PipelineEngine:
                 # each rank draws or reads only its pieces, one module's full tensors at a time;
                 # the check run on the microbatch needs weights (the other workers' are absent)
                 self._shard_stages(part, None if self.deferred else (args, kwargs))
-                pieces = pieces_of(self.module) if self.deferred else {}
+                pieces = pieces_of(self.module)
                 # each rank's bytes are its shards': worker 0's T ranks size the sharded stages
                 # together (on meta tensors for a model built without weights)
                 self._predict_memory(part, args, kwargs, plan, None)
@@ -303,7 +304,7 @@ class PipelineEngine:
                                         # constraint (runtime/host_heap.py)
                                         release_heap_each_step=self.deferred,
                                         tensor_parallel_size=self.tensor_parallel_size,
-                                        pieces=pieces_of(self.module))
+                                        pieces=pieces)
             self.runtime.prune_optimizer_state(self.optimizers())
             memory = self.runtime.memory()
             rows = startup_rows(plan, memory, self.workers, self.group, self._collective)
@@ -348,13 +349,6 @@ class PipelineEngine:
             return None
         return TensorParallelTuning(sizes, self._tensor_parallel_plan(),
                                     self.device_hint.type, self.timeout)
-
-    def _take_workers(self) -> None:
-        """The ranks as the pick's workers, once ``"auto"`` picked T (a searched T was 1
-        until now; the rows stay dealt per rank, see :mod:`.workers`)."""
-        self.workers = Workers(self.world_size, self.rank, self.config.tensor_parallel_size,
-                               self.config.rows_per_rank)
-        self.step_rows.workers = self.workers
 
     def _build_auto(self, batch: Any, rows: list[int], caller: StepCaller,
                      training: bool) -> Held:

@@ -61,6 +61,7 @@ def pipeline_data_mesh(device_type: str, world_size: int, data_parallel_size: in
 
     shape = mesh_shape(world_size, data_parallel_size, tensor_parallel_size)
     names = MESH_DIMS if len(shape) == 2 else (*MESH_DIMS, TENSOR_PARALLEL)
+    forget_sharding_decisions()  # an earlier mesh of the same ranks may have been decided on
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
@@ -113,7 +114,6 @@ class DeviceMeshSlot:
                 and tuple(mesh.shape) == shape)
         if not same:  # else a later run of the same strategy (fit, then test): same groups
             self._submeshes = {}
-            forget_sharding_decisions()  # an earlier run's mesh may equal this one
             mesh = self._mesh = pipeline_data_mesh(device_type, world_size, data_parallel_size,
                                                    tensor_parallel_size)
         if self._on_made is not None:

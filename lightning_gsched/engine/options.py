@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 from lightning_gsched.engine.config import AUTO, ScheduleConfig
-from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.partition.arguments import check_options as check_partition_options
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, check_plan
@@ -114,7 +113,7 @@ def sampler_kwargs(world_size: int, rank: int, config: ScheduleConfig) -> dict[s
     a tensor-parallel group one share; otherwise, and when ``"auto"`` searches T (the pick
     must not change the global batch: :attr:`ScheduleConfig.rows_per_rank`), every rank its
     own."""
-    workers = Workers(world_size, rank, config.tensor_parallel_size, config.rows_per_rank)
+    workers = config.workers(world_size, rank)
     return {"num_replicas": workers.positions, "rank": workers.position}
 
 

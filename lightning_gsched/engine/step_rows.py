@@ -53,16 +53,23 @@ class Held:
 class StepRows:
     """The row moves of one engine's steps. ``group()``: the group of the engine's collectives,
     read at each use (an aborted group must lose its last reference); ``collective``: the
-    engine's runner of them (a backend failure becomes a fault naming the move)."""
+    engine's runner of them (a backend failure becomes a fault naming the move); ``rank``: this
+    process's, whose :attr:`workers` the config decides."""
 
-    def __init__(self, config: ScheduleConfig, workers: Workers, world_size: int,
+    def __init__(self, config: ScheduleConfig, rank: int, world_size: int,
                  group: Callable[[], Any], collective: Collective) -> None:
         self.config = config
-        self.workers = workers
+        self.rank = rank
         self.world_size = world_size
         self.group = group
         self.collective = collective
         self._needed: dict[int, list[list[int]]] = {}
+
+    @property
+    def workers(self) -> Workers:
+        """The ranks as the plan's workers, as the config has them now (``"auto"``'s pick
+        decides a searched T)."""
+        return self.config.workers(self.world_size, self.rank)
 
     def sizes(self, batch: Any) -> tuple[list[int], list[int]]:
         """Every position's rows and batch layout (:meth:`.workers.Workers.batch_rows`: per

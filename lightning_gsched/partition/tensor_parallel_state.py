@@ -158,11 +158,6 @@ def global_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) 
     return state
 
 
-def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters under ``module`` held as shards (a norm sums their pieces over ranks)."""
-    return [param for param, _ in sharded_parameter_specs(module)]
-
-
 def _swap(entries: dict[Any, Any], keys: Sequence[Any], shape: torch.Size,
           convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """``entries[key] = convert(value)`` for each of ``keys`` holding a tensor of ``shape``
