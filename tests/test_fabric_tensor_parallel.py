@@ -111,21 +111,31 @@ def outputs_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
         return last_logits(model, global_batches()[0])
 
 
-def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]], dict, dict]:
+def _pipelined(ctx: WorkerContext, schedule: str, plan: Any = None,
+               **options: Any) -> tuple[Any, Any, Any, list[torch.Tensor]]:
+    """This rank's Fabric running ``schedule`` on workers of T ranks (``plan``: the tensor-
+    parallel plan, :data:`PLAN` by default; ``options``: more strategy arguments), the test GPT
+    and its optimizer set up on it, and this worker's share of every global batch (a worker's
+    ranks read the same rows)."""
     from lightning.fabric import Fabric
 
     from lightning_gsched.fabric import GeneralParallelFabric
 
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
+        schedule, microbatches=4, tensor_parallel_size=T,
+        tensor_parallel_plan=PLAN if plan is None else plan, **options))
+    fabric.launch()
+    model, optimizer = _setup(fabric)
+    batches = [share(b, ctx.rank // T, ctx.world_size // T) for b in global_batches()]
+    return fabric, model, optimizer, batches
+
+
+def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]], dict, dict]:
     as_worker(ctx.rank)
-    workers, worker = ctx.world_size // T, ctx.rank // T
     out = []
     for schedule in SCHEDULES:
-        fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
-            schedule, microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN,
-            stream_checkpoint=schedule == "1f1b"))
-        fabric.launch()
-        model, optimizer = _setup(fabric)
-        batches = [share(b, worker, workers) for b in global_batches()]
+        fabric, model, optimizer, batches = _pipelined(ctx, schedule,
+                                                       stream_checkpoint=schedule == "1f1b")
         saved = f"{folder}/{schedule}.ckpt"  # a save while the pipeline runs: shards made whole
         losses = train(fabric, model, optimizer, batches, pipelined=True, save_at=SAVED_AT,
                        path=saved)
@@ -139,22 +149,14 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
         fabric.strategy.finish()
         out.append({"losses": losses, "weights": state_of(model), "logits": logits,
                     "held": held, "sampler": fabric.strategy.distributed_sampler_kwargs})
-    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
-        "1f1b", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=sequence_plan(),
-        leaf_modules=("GPTBlock",)))
-    fabric.launch()
-    model, optimizer = _setup(fabric)
-    batches = [share(b, worker, workers) for b in global_batches()]
+    fabric, model, optimizer, batches = _pipelined(ctx, "1f1b", sequence_plan(),
+                                                   leaf_modules=("GPTBlock",))
     sequence = {"losses": train(fabric, model, optimizer, batches, pipelined=True)}
     fabric.strategy.finish()
     sequence["weights"] = state_of(model)
     # 1f1b's checkpoint loaded into a running zbv pipeline (each rank takes its pieces of the
     # full tensors, model and optimizer state), then the remaining steps
-    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
-        "zbv", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN))
-    fabric.launch()
-    model, optimizer = _setup(fabric)
-    batches = [share(b, worker, workers) for b in global_batches()]
+    fabric, model, optimizer, batches = _pipelined(ctx, "zbv")
     train(fabric, model, optimizer, batches[:1], pipelined=True)  # builds the pipeline
     fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
     losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
@@ -210,17 +212,9 @@ def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: An
 
 
 def sequence_beside_whole_on_worker(ctx: WorkerContext) -> None:
-    from lightning.fabric import Fabric
-
-    from lightning_gsched.fabric import GeneralParallelFabric
-
     as_worker(ctx.rank)
-    plan = {**PLAN, "blocks.*.ln1": "sequence"}
-    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
-        "1f1b", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=plan))
-    fabric.launch()
-    model, optimizer = _setup(fabric)
-    batches = [share(b, ctx.rank // T, ctx.world_size // T) for b in global_batches()]
+    fabric, model, optimizer, batches = _pipelined(ctx, "1f1b",
+                                                   {**PLAN, "blocks.*.ln1": "sequence"})
     train(fabric, model, optimizer, batches[:1], pipelined=True)
 
 
