@@ -24,6 +24,7 @@ categories by construction. On CUDA the engine also reports
     python -m benchmarks.bench_memory [--schedules 1f1b zbv]
     python -m benchmarks.bench_memory --pp-dp [--schedules 1f1b zb-h1]   # P=2 x G=2, W=4
     python -m benchmarks.bench_memory --tp [--schedules 1f1b zbv]        # P=2 x T=2, W=4
+    python -m benchmarks.bench_memory --sp [--schedules 1f1b zbv]        # the same + sequence
     python -m benchmarks.bench_memory --3d [--schedules 1f1b]            # P=2 x G=2 x T=2, W=8
 
 ``memory[<schedule>+tp2]`` (:func:`run_tp`, issue 35): the same measurement with tensor
@@ -31,6 +32,11 @@ parallelism, W=4 as P=2 workers x T=2 ranks; the benchmark GPT with q, k, v spli
 (``shardable=True``) and ``benchmarks.bench_tp``'s plan (q, k, v and the MLP's first layer
 column-wise, the projections after them row-wise); a worker's two ranks read the same rows, so
 each worker runs the W=2 rows' pipeline on its shards.
+
+``memory[<schedule>+tp2+sp]`` (:func:`run_sp`): the ``+tp2`` rows with Megatron-style
+sequence parallelism (``benchmarks.bench_tp.sequence_plan``; the blocks leaf modules of the
+split): the residual stream between blocks and the norms' activations are each rank's part of
+the sequence, which the prediction sees because worker 0's T ranks measure the sharded stages.
 
 ``memory[<schedule> 2x2 <mode>+tp2]`` (:func:`run_3d`): all three axes at once, W=8 as P=2 x
 G=2 x T=2 (both data-parallel modes), each replica's pipeline the ``+tp2`` rows' on its shards.
@@ -67,6 +73,7 @@ def memory_run(rank: int, world: int, rows: dict[str, dict[str, Any]], steps: in
     import torch.distributed as dist
 
     from benchmarks.allocator_peak import ProfilerPeak
+    from benchmarks.bench_tp import sequence_plan
     from benchmarks.lit_runs import run_fit
     from benchmarks.model import BenchLit, GPTShape, rank_loader
     from lightning_gsched import GeneralParallel
@@ -74,6 +81,10 @@ def memory_run(rank: int, world: int, rows: dict[str, dict[str, Any]], steps: in
     out = {}
     shape = GPTShape()
     for label, keywords in rows.items():
+        if keywords.get("sequence_parallel"):  # style objects: not JSON, so built here
+            keywords = {**{k: v for k, v in keywords.items() if k != "sequence_parallel"},
+                        "tensor_parallel_plan": sequence_plan("core.", shape.layers),
+                        "leaf_modules": ("ShardableBlock",)}
         strategy = GeneralParallel(**keywords)
         tp = keywords.get("tensor_parallel_size", 1)
         model = BenchLit(shape.as_dict(), shardable=tp > 1)
@@ -187,6 +198,24 @@ def run_tp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
     return [_row(label, runs[label]) for label in rows]
 
 
+def sp_rows(schedules: list[str]) -> dict[str, dict[str, Any]]:
+    """``memory[<schedule>+tp2+sp]``: the ``+tp2`` rows with sequence parallelism
+    (``benchmarks.bench_tp.sequence_plan``, built in each process: style objects are not JSON),
+    the blocks kept whole by the split."""
+    return {f"{label}+sp": {**{k: v for k, v in keywords.items()
+                               if k != "tensor_parallel_plan"}, "sequence_parallel": True}
+            for label, keywords in tp_rows(schedules).items()}
+
+
+def run_sp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
+    """The bytes model with sequence parallelism (issue 35): the ``+tp2`` rows' layout, the
+    activations between the blocks (and those of the norms) divided by T."""
+    rows = sp_rows(schedules or TP_QUICK)
+    runs = launch("benchmarks.bench_memory:memory_run", PP * TP, rows=rows, steps=STEPS,
+                  per_rank=PER_RANK)
+    return [_row(label, runs[label]) for label in rows]
+
+
 def run_3d(quick: bool, schedules: list[str] | None = None) -> list[Result]:
     """The bytes model with G > 1 and T > 1 together (issue 35): W=8 = P=2 x G=2 x T=2, both
     data-parallel modes, PER_RANK rows per worker."""
@@ -208,10 +237,13 @@ def main() -> None:
                         help="the P=2 x G=2 rows (W=4, both modes) instead of the W=2 ones")
     family.add_argument("--tp", action="store_true",
                         help="the P=2 x T=2 tensor-parallel rows (W=4) instead of the W=2 ones")
+    family.add_argument("--sp", action="store_true",
+                        help="the P=2 x T=2 rows with sequence parallelism (W=4)")
     family.add_argument("--3d", dest="three_d", action="store_true",
                         help="the P=2 x G=2 x T=2 rows (W=8, both modes)")
     args = parser.parse_args()
-    fn = run_pp_dp if args.pp_dp else run_tp if args.tp else run_3d if args.three_d else run
+    fn = (run_pp_dp if args.pp_dp else run_tp if args.tp else run_sp if args.sp
+          else run_3d if args.three_d else run)
     for r in fn(True, args.schedules):
         measured = "-" if r.ours_s is None else f"{r.ours_s / 2**20:7.2f} MiB"
         ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"

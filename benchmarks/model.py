@@ -61,7 +61,12 @@ class Block(nn.Module):
 
 class ShardableBlock(nn.Module):
     """:class:`Block` with separate ``q``, ``k``, ``v`` layers and ``-1`` heads in every view:
-    the form a tensor-parallel shard runs (the local head count follows the local width)."""
+    the form a tensor-parallel shard runs (the local head count follows the local width).
+
+    The heads are cut from each projection's own output (``unflatten``), never with the
+    sequence length read from the block's input: under sequence parallelism the input holds
+    this rank's part of the sequence and the column-wise projections gather it whole, so a
+    ``view(b, t, -1, ...)`` with the input's ``t`` would fold the other half into extra heads."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -74,9 +79,8 @@ class ShardableBlock(nn.Module):
         self.head_dim = dim // heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         h = self.ln1(x)
-        q, k, v = (layer(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (layer(h).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for layer in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).flatten(2))

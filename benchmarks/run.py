@@ -72,6 +72,8 @@ def _benchmarks() -> dict[str, Callable[[bool], list[Result]]]:
         "memory_pp_dp": bench_memory.run_pp_dp,
         # the bytes model with tensor parallelism at P=2 x T=2, W=4 (quick: 1f1b; full: also zbv)
         "memory_tp": bench_memory.run_tp,
+        # the same with sequence parallelism (quick and full: 1f1b)
+        "memory_sp": bench_memory.run_sp,
         # full run only (several minutes, GiB of RAM): RSS of deferred fits on W=4 processes;
         # large_model also skips itself with less than 16 GiB available
         "memory_process": lambda q: [] if q else bench_process_memory.run_small(q),

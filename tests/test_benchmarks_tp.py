@@ -92,3 +92,47 @@ def test_memory_tp_rows_are_the_w2_pipeline_on_two_ranks_per_worker() -> None:
         schedule_plan(keywords["schedule"], workers=PP * TP,
                       microbatches=keywords["microbatches"], tensor_parallel_size=TP)
         assert GeneralParallel(**keywords).tensor_parallel_plan is not None
+
+
+def test_sequence_plan_names_the_norms_linears_and_end_blocks_of_the_core() -> None:
+    """``bench_tp.sequence_plan`` (the ``memory[...+sp]`` rows): every pattern names modules of
+    the benchmark GPT under the LightningModule, the column-wise layers gather the sequence and
+    the row-wise ones scatter it, and the last block is the one whose output is joined."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from benchmarks.bench_tp import sequence_plan
+
+    layers = GPTShape().layers
+    styles = sequence_plan("core.", layers)
+    modules = dict(BenchLit(shardable=True).named_modules())
+    for pattern, style in styles.items():
+        hits = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
+        assert hits, pattern
+        if isinstance(style, SequenceParallel):
+            assert all(isinstance(modules[n], nn.LayerNorm) for n in hits)
+        if isinstance(style, ColwiseParallel):
+            assert STYLES[pattern.rsplit(".", 1)[1]] == "colwise"
+            assert style.input_layouts == (Shard(1),)
+        if isinstance(style, RowwiseParallel):
+            assert STYLES[pattern.rsplit(".", 1)[1]] == "rowwise"
+            assert style.output_layouts == (Shard(1),)
+    assert isinstance(styles["core.blocks.0"], PrepareModuleInput)
+    assert isinstance(styles[f"core.blocks.{layers - 1}"], PrepareModuleOutput)
+    assert f"core.blocks.{layers}" not in modules
+
+
+def test_memory_sp_rows_are_the_tp_rows_with_the_sequence_plan_built_in_process() -> None:
+    from benchmarks.bench_memory import TP_FULL, sp_rows, tp_rows
+
+    tp, sp = tp_rows(TP_FULL), sp_rows(TP_FULL)
+    assert list(sp) == [f"{label}+sp" for label in tp]
+    for label, keywords in tp.items():
+        rest = {k: v for k, v in keywords.items() if k != "tensor_parallel_plan"}
+        assert sp[f"{label}+sp"] == {**rest, "sequence_parallel": True}
