@@ -19,9 +19,10 @@ device in this process:
   its pieces), then step 3: every rank ends with one device's weights and step-3 loss;
 * after 1f1b's last step the same state saved streamed and gathered (every shard gathered to
   rank 0 at once) gives two files with equal tensors, bit for bit, of the full shapes;
-* sequence parallelism (torch's styles as objects, :func:`sequence_plan`: the norms sharded by
-  sequence, the projections taking and giving that layout, each block kept whole in the split by
-  ``leaf_modules`` so that its input and output hooks run) trains 1f1b like one device too.
+* sequence parallelism (the styles by name, :func:`sequence_plan`: the norms sharded by
+  sequence, the projections taking and giving that layout, the first block's input cut and the
+  last block's output joined, each block kept whole in the split by ``leaf_modules`` so that
+  its input and output hooks run) trains 1f1b like one device too.
 
 Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
 partial dot products where one device adds one, float32 reordering as microbatches and ranks
@@ -61,31 +62,19 @@ WORLD_TIMEOUT = 300.0
 
 
 def sequence_plan() -> dict[str, Any]:
-    """Megatron-style sequence parallelism on the test GPT: between blocks the residual stream
-    is split along the sequence (each rank its half, sent stage to stage as such); the norms run
-    on their half (``SequenceParallel``), the projections after them gather the sequence and
-    those before the residual add scatter it again; the first block's input is cut to this
-    rank's half and the last block's output joined whole for the final norm and the head."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    gather, scatter = ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(
-        output_layouts=Shard(1))
-    return {"blocks.0": PrepareModuleInput(input_layouts=(Replicate(), None),
-                                           desired_input_layouts=(Shard(1), None),
-                                           use_local_output=True),
-            "blocks.*.ln1": SequenceParallel(), "blocks.*.ln2": SequenceParallel(),
+    """Megatron-style sequence parallelism on the test GPT, by the names a YAML config writes:
+    between blocks the residual stream is split along the sequence (each rank its half, sent
+    stage to stage as such); the norms run on their half (``"sequence"``), the projections
+    after them gather the sequence (``"colwise_from_sequence"``) and those before the residual
+    add scatter it again (``"rowwise_to_sequence"``); the first block's first input is cut to
+    this rank's half (``"sequence_input"``: the block is called with the mask too) and the last
+    block's output joined whole for the final norm and the head (``"sequence_output"``)."""
+    gather, scatter = "colwise_from_sequence", "rowwise_to_sequence"
+    return {"blocks.0": "sequence_input",
+            "blocks.*.ln1": "sequence", "blocks.*.ln2": "sequence",
             "blocks.*.attn.q": gather, "blocks.*.attn.k": gather, "blocks.*.attn.v": gather,
             "blocks.*.attn.proj": scatter, "blocks.*.mlp.0": gather, "blocks.*.mlp.2": scatter,
-            "blocks.2": PrepareModuleOutput(output_layouts=Shard(1),
-                                            desired_output_layouts=Replicate(),
-                                            use_local_output=True)}
+            "blocks.2": "sequence_output"}
 
 
 def _setup(fabric: Any) -> tuple[Any, Any]:

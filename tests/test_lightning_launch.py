@@ -86,6 +86,15 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
     if variant == "3d":  # 2 pipeline positions x 2 replicas x 2 tensor-parallel ranks
         assert (plan.pipeline_size, plan.data_parallel_size, T) == (2, 2, 2)
         assert set(cli.trainer.strategy.tensor_parallel_plan.values()) == {"colwise", "rowwise"}
+    if variant == "sp":  # sequence parallelism by name on 2 pipeline positions x 2 TP ranks
+        from lightning_gsched.partition.tensor_parallel import style_of
+
+        assert (plan.pipeline_size, plan.data_parallel_size, T) == (2, 1, 2)
+        styles = cli.trainer.strategy.tensor_parallel_plan
+        assert {type(style_of(v, k)).__name__ for k, v in styles.items()} == {
+            "SequenceInput", "SequenceParallel", "ColwiseParallel", "RowwiseParallel",
+            "PrepareModuleOutput"}
+        assert styles["blocks.3"] == "sequence_output"  # the demo GPT's last of 4 blocks
     # zbv's order from the stages' measured seconds (the YAML spelling of the option)
     assert cli.trainer.strategy.schedule_config.profile_costs == (name == "zbv")
     if variant.startswith("dp"):  # 2 replicas of a 2-worker pipeline, as the file says

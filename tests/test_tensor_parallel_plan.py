@@ -240,6 +240,61 @@ def test_a_style_on_a_module_the_split_runs_inline_is_refused(tp_mesh: object) -
     parallelize_stages(list(kept.stages), {"blocks.0": prepare()}, tp_mesh)  # type: ignore[arg-type]
 
 
+def test_sequence_parallel_styles_by_name() -> None:
+    """The names a YAML plan uses for sequence parallelism are torch's styles with the
+    sequence layouts (or ours, for the first block's input), and an unknown name lists them."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from lightning_gsched.partition.sequence_input import SequenceInput
+    from lightning_gsched.partition.tensor_parallel import STYLE_NAMES, style_of
+
+    gather = style_of("colwise_from_sequence", "p")
+    assert type(gather) is ColwiseParallel and gather.input_layouts == (Shard(1),)
+    assert gather.output_layouts == (Shard(-1),)  # its output stays sharded by columns
+    scatter = style_of("rowwise_to_sequence", "p")
+    assert type(scatter) is RowwiseParallel and scatter.output_layouts == (Shard(1),)
+    assert scatter.input_layouts == (Shard(-1),)
+    assert type(style_of("sequence", "p")) is SequenceParallel
+    cut = style_of("sequence_input", "p")
+    assert type(cut) is SequenceInput and cut.dim == 1
+    join = style_of("sequence_output", "p")
+    assert type(join) is PrepareModuleOutput
+    assert join.output_layouts == (Shard(1),) and join.desired_output_layouts == (Replicate(),)
+    assert style_of("COLWISE_FROM_SEQUENCE", "p").input_layouts == (Shard(1),)
+    with pytest.raises(TensorParallelPlanError) as info:
+        style_of("sequence_in", "blocks.0")
+    assert all(repr(name) in str(info.value) for name in STYLE_NAMES), str(info.value)
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, mask
+
+
+def test_sequence_input_cuts_the_first_input_and_passes_the_rest(tp_mesh: object) -> None:
+    """``"sequence_input"`` on a module called with two inputs (what ``PrepareModuleInput``
+    could only do with one layout per input): this rank's (0 of 2) half of the sequence of the
+    first, the second unchanged; a first input without a sequence dimension is refused."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_gsched.partition.sequence_input import SequenceInputError
+    from lightning_gsched.partition.tensor_parallel import style_of
+
+    module = parallelize_module(_TwoInputs(), tp_mesh,  # type: ignore[arg-type]
+                                style_of("sequence_input", ""))
+    x, mask = torch.arange(2 * 6 * 3.0).reshape(2, 6, 3), torch.ones(6, 6, dtype=torch.bool)
+    got, passed = module(x, mask)
+    assert torch.equal(got, x[:, :3]) and passed is mask
+    with pytest.raises(SequenceInputError, match="_TwoInputs.*dimension 1.*shape \\(4,\\)"):
+        module(torch.ones(4), mask)
+
+
 def test_a_sequence_style_beside_whole_activation_styles_is_explained(tp_mesh: object) -> None:
     """``"sequence"`` on the norms with the names ``colwise``/``rowwise`` for the rest: the
     norms' outputs are split by sequence where the projections expect whole activations, and

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-STYLE_NAMES = ("colwise", "rowwise", "sequence")
+# the styles a YAML/JSON plan names (style_of): torch's, and the sequence-parallel variants
+STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_from_sequence", "rowwise_to_sequence",
+               "sequence_input", "sequence_output")
 _T = TypeVar("_T")
 
 # A plan as a user gives it: module-name patterns -> styles (objects or names), or a function
@@ -60,20 +62,36 @@ class TensorParallelPlanError(PartitionError, ValueError):
 
 
 def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
-    """A torch style object from a plan entry's value (an object, or one of STYLE_NAMES)."""
+    """A torch style object from a plan entry's value (an object, or one of STYLE_NAMES).
+
+    The names beyond torch's three spell Megatron-style sequence parallelism in a config that
+    cannot hold objects: ``"colwise_from_sequence"`` (column-wise, its input split along the
+    sequence and gathered), ``"rowwise_to_sequence"`` (row-wise, its output reduce-scattered
+    along the sequence), ``"sequence_input"`` (the module's first input cut to this rank's part
+    of the sequence, :class:`.sequence_input.SequenceInput`) and ``"sequence_output"`` (the
+    module's output joined whole again); docs/tensor_parallel.md has a plan."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         ParallelStyle,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
     )
 
+    from lightning_gsched.partition.sequence_input import SequenceInput
+
     if isinstance(name_or_style, ParallelStyle):
         return name_or_style
-    by_name = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-               "sequence": SequenceParallel}
+    by_name: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel,
+        "colwise_from_sequence": lambda: ColwiseParallel(input_layouts=Shard(1)),
+        "rowwise_to_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "sequence_input": SequenceInput,
+        "sequence_output": lambda: PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
     if isinstance(name_or_style, str) and name_or_style.lower() in by_name:
-        return by_name[name_or_style.lower()]()  # type: ignore[no-any-return]
+        return by_name[name_or_style.lower()]()
     raise TensorParallelPlanError(
         f"tensor_parallel_plan[{pattern!r}] = {name_or_style!r} is not a tensor-parallel style. "
         f"Give one of torch's styles (ColwiseParallel(), RowwiseParallel(), SequenceParallel(), "
@@ -448,11 +466,12 @@ def _sequence_hint(sequence: Sequence[str]) -> str:
         return ""
     return (f". The plan shards {', '.join(map(repr, sequence))} by sequence (SequenceParallel):"
             " their outputs are split along dimension 1, so every module reading them must take "
-            "that layout, and every module writing their inputs must give it: style objects such "
-            "as ColwiseParallel(input_layouts=Shard(1)) for the projections after them and "
-            "RowwiseParallel(output_layouts=Shard(1)) for those before them (the names "
-            "'colwise' and 'rowwise' take and give whole, replicated activations), with the "
-            "stage's first input sharded the same way")
+            "that layout, and every module writing their inputs must give it: "
+            "'colwise_from_sequence' (ColwiseParallel(input_layouts=Shard(1))) for the "
+            "projections after them and 'rowwise_to_sequence' (RowwiseParallel(output_layouts="
+            "Shard(1))) for those before them ('colwise' and 'rowwise' take and give whole, "
+            "replicated activations), 'sequence_input' on the first block and "
+            "'sequence_output' on the last")
 
 
 def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
