@@ -17,7 +17,11 @@ both are within the suite's tolerance for tensor parallelism (rtol 1e-5, atol 1e
 moves where float32 sums are split, as microbatches and replicas already do; a wrong shard, a
 missed all-reduce or a doubled gradient moves the weights by ~1e-3).
 
-    python -m benchmarks.check_3d [--quick] [--json]   # exit status 1 if not equal
+``--sequence``: the same check at W=4 as P=2 x T=2 (G=1) with Megatron-style sequence
+parallelism instead (``benchmarks.bench_tp.sequence_plan``, the blocks leaf modules of the
+split): the residual stream travels between stages as each rank's half of the sequence.
+
+    python -m benchmarks.check_3d [--quick] [--json] [--sequence]   # exit 1 if not equal
 """
 
 from __future__ import annotations
@@ -32,18 +36,32 @@ from typing import Any
 from benchmarks.common import launch_ranks
 
 WORLD, G, T = 8, 2, 2  # P = WORLD / (G * T) = 2
+SEQUENCE_WORLD = 4  # --sequence: P = 2 x T, no replicas
 GLOBAL_BATCH = 16  # rows per step: 4 per worker, cut into 4 microbatches per replica
 QUICK_STEPS, FULL_STEPS = 2, 4
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _fit(rank: int, world: int, steps: int) -> tuple[dict[str, Any], list[float]]:
+def _layout(sequence: bool, prefix: str) -> dict[str, Any]:
+    """The strategy's parallel arguments: ``prefix`` leads the plan's module names (``"core."``
+    under the LightningModule, ``""`` on the core itself)."""
+    from benchmarks.bench_tp import plan, sequence_plan
+
+    if sequence:
+        return {"data_parallel_size": 1, "tensor_parallel_size": T,
+                "tensor_parallel_plan": sequence_plan(prefix), "leaf_modules": ("ShardableBlock",)}
+    return {"data_parallel_size": G, "tensor_parallel_size": T,
+            "tensor_parallel_plan": plan(prefix)}
+
+
+def _fit(rank: int, world: int, steps: int,
+         sequence: bool = False) -> tuple[dict[str, Any], list[float]]:
     """One fit on ``world`` ranks (1: one device): the final weights and the loss per step."""
     import lightning.pytorch as pl
 
-    from benchmarks.bench_tp import plan
-    from benchmarks.lit_runs import make_strategy, run_fit
+    from benchmarks.lit_runs import run_fit
     from benchmarks.model import BenchLit, GPTShape, rank_loader
+    from lightning_gsched import GeneralParallel
 
     losses: list[float] = []
 
@@ -57,9 +75,7 @@ def _fit(rank: int, world: int, steps: int) -> tuple[dict[str, Any], list[float]
         loader = rank_loader(shape, GLOBAL_BATCH, steps, 0, 1)
     else:
         workers = world // T
-        strategy = make_strategy({"kind": "gsched", "schedule": "1f1b", "microbatches": 4,
-                                  "data_parallel_size": G, "tensor_parallel_size": T,
-                                  "tensor_parallel_plan": plan("core.")}, world)
+        strategy = GeneralParallel("1f1b", microbatches=4, **_layout(sequence, "core."))
         loader = rank_loader(shape, GLOBAL_BATCH // workers, steps, rank // T, workers)
     model = BenchLit(shardable=True)
     run_fit(strategy, rank, world, steps, GLOBAL_BATCH, shape, [Losses()], model=model,
@@ -67,12 +83,12 @@ def _fit(rank: int, world: int, steps: int) -> tuple[dict[str, Any], list[float]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def _fabric_fit(rank: int, world: int, steps: int) -> tuple[dict[str, Any], list[float]]:
+def _fabric_fit(rank: int, world: int, steps: int,
+                sequence: bool = False) -> tuple[dict[str, Any], list[float]]:
     """The same training in a user's own Fabric loop (1: plain torch on one device): each
     worker's T ranks step on its share of every global batch with ``strategy.step``."""
     import torch
 
-    from benchmarks.bench_tp import plan
     from benchmarks.model import GPTShape, build_core, lm_loss, token_data
 
     shape = GPTShape()
@@ -94,8 +110,7 @@ def _fabric_fit(rank: int, world: int, steps: int) -> tuple[dict[str, Any], list
     from lightning_gsched.fabric import GeneralParallelFabric
 
     fabric = Fabric(accelerator="cpu", devices=world, strategy=GeneralParallelFabric(
-        "1f1b", microbatches=4, data_parallel_size=G, tensor_parallel_size=T,
-        tensor_parallel_plan=plan()))
+        "1f1b", microbatches=4, **_layout(sequence, "")))
     fabric.launch()
     model, opt = fabric.setup(core, torch.optim.SGD(core.parameters(), lr=0.05, momentum=0.9))
     workers = world // T
@@ -116,26 +131,28 @@ def _fabric_fit(rank: int, world: int, steps: int) -> tuple[dict[str, Any], list
 FRONTS = {"trainer": _fit, "fabric": _fabric_fit}
 
 
-def fit_rank(rank: int, world: int, steps: int, out: str, front: str) -> list[float]:
+def fit_rank(rank: int, world: int, steps: int, out: str, front: str,
+             sequence: bool = False) -> list[float]:
     """A launched rank (:func:`benchmarks.common.launch_ranks`): its weights saved to ``out``,
     its losses returned."""
     import torch
 
-    weights, losses = FRONTS[front](rank, world, steps)
+    weights, losses = FRONTS[front](rank, world, steps, sequence)
     torch.save(weights, Path(out) / f"rank{rank}.pt")
     return losses
 
 
-def check(steps: int, front: str) -> dict[str, Any]:
+def check(steps: int, front: str, sequence: bool = False) -> dict[str, Any]:
     """Every rank's weights and losses against one device's: the largest differences, and
     whether each rank is within RTOL / ATOL."""
     import torch
 
+    world = SEQUENCE_WORLD if sequence else WORLD
     want, want_losses = FRONTS[front](0, 1, steps)
     with tempfile.TemporaryDirectory(prefix="gsched_3d_") as out:
-        losses = launch_ranks("benchmarks.check_3d:fit_rank", WORLD, steps=steps, out=out,
-                              front=front)
-        ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+        losses = launch_ranks("benchmarks.check_3d:fit_rank", world, steps=steps, out=out,
+                              front=front, sequence=sequence)
+        ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
     weight_diff = max(float((got[k] - v).abs().max()) for got in ranks for k, v in want.items())
     within = [all(torch.allclose(got[k], v, rtol=RTOL, atol=ATOL) for k, v in want.items())
               for got in ranks]
@@ -143,7 +160,9 @@ def check(steps: int, front: str) -> dict[str, Any]:
     a, b = torch.tensor(losses[0]), torch.tensor(want_losses)
     loss_ok = len(a) == len(b) and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
     return {"front": front,
-            "layout": f"W={WORLD} = P=2 x G={G} x T={T}, 1f1b, 4 microbatches per replica",
+            "layout": (f"W={world} = P=2 x T={T}, sequence parallelism, 1f1b, 4 microbatches"
+                       if sequence else
+                       f"W={world} = P=2 x G={G} x T={T}, 1f1b, 4 microbatches per replica"),
             "steps": steps, "largest_weight_diff": weight_diff,
             "ranks_within_tolerance": within, "losses": losses[0],
             "losses_one_device": want_losses, "losses_within_tolerance": loss_ok,
@@ -156,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--front", choices=sorted(FRONTS), action="append",
                         help="the front end(s) to check (default: both)")
+    parser.add_argument("--sequence", action="store_true",
+                        help="W=4 as P=2 x T=2 with sequence parallelism instead of W=8")
     args = parser.parse_args(argv)
-    results = [check(QUICK_STEPS if args.quick else FULL_STEPS, front)
+    results = [check(QUICK_STEPS if args.quick else FULL_STEPS, front, args.sequence)
                for front in args.front or list(FRONTS)]
     for result in results:
         if args.json:
