@@ -280,7 +280,8 @@ class _TwoInputs(nn.Module):
 def test_sequence_input_cuts_the_first_input_and_passes_the_rest(tp_mesh: object) -> None:
     """``"sequence_input"`` on a module called with two inputs (what ``PrepareModuleInput``
     could only do with one layout per input): this rank's (0 of 2) half of the sequence of the
-    first, the second unchanged; a first input without a sequence dimension is refused."""
+    first, the second unchanged; a first input without a sequence dimension, or with one that
+    does not split evenly, is refused."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_gsched.partition.sequence_input import SequenceInputError
@@ -293,6 +294,9 @@ def test_sequence_input_cuts_the_first_input_and_passes_the_rest(tp_mesh: object
     assert torch.equal(got, x[:, :3]) and passed is mask
     with pytest.raises(SequenceInputError, match="_TwoInputs.*dimension 1.*shape \\(4,\\)"):
         module(torch.ones(4), mask)
+    # 5 positions do not split into 2 equal parts, which the sequence-sharded styles assume
+    with pytest.raises(SequenceInputError, match="has 5 .*divisible by 2"):
+        module(torch.ones(2, 5, 3), mask)
 
 
 def test_a_sequence_style_beside_whole_activation_styles_is_explained(tp_mesh: object) -> None:

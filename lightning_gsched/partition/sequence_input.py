@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 class SequenceInputError(PartitionError, TypeError):
-    """The module's first positional input is not a tensor with a sequence dimension."""
+    """The module's first positional input is not a tensor with a sequence dimension, or that
+    dimension does not split into equal parts."""
 
 
 class SequenceInput(ParallelStyle):
@@ -59,7 +60,15 @@ def _cut_first_input(mesh: DeviceMesh, dim: int, module: nn.Module,
             + (f" of shape {tuple(args[0].shape)}" if args and isinstance(args[0], torch.Tensor)
                else "")
             + ": style the module whose first input is the (batch, sequence, ...) activation")
-    x = args[0]
+    x, parts = args[0], mesh.size()
+    if x.shape[dim] % parts:
+        # torch's sequence-sharded styles take every rank's part to be shape[dim] / T long (the
+        # next gather would send parts of different sizes: gloo aborts the process)
+        raise SequenceInputError(
+            f"SequenceInput on {type(module).__name__} cuts dimension {dim} of its first input "
+            f"into tensor_parallel_size={parts} equal parts, but it has {x.shape[dim]} "
+            f"(shape {tuple(x.shape)}): use a sequence length divisible by {parts} (pad the "
+            "batch), or a tensor_parallel_size that divides it")
     whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),),
                                                                 run_check=False)
     return (whole.redistribute(mesh, (Shard(dim),)).to_local(), *args[1:])
