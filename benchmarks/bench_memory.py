@@ -34,8 +34,8 @@ column-wise, the projections after them row-wise); a worker's two ranks read the
 each worker runs the W=2 rows' pipeline on its shards.
 
 ``memory[<schedule>+tp2+sp]`` (:func:`run_sp`): the ``+tp2`` rows with Megatron-style
-sequence parallelism (``benchmarks.bench_tp.sequence_plan``; the blocks leaf modules of the
-split): the residual stream between blocks and the norms' activations are each rank's part of
+sequence parallelism (``benchmarks.bench_tp.sequence_plan``, the styles by name; the blocks
+leaf modules of the split): the residual stream between blocks and the norms' activations are each rank's part of
 the sequence, which the prediction sees because worker 0's T ranks measure the sharded stages.
 
 ``memory[<schedule> 2x2 <mode>+tp2]`` (:func:`run_3d`): all three axes at once, W=8 as P=2 x
@@ -73,7 +73,6 @@ def memory_run(rank: int, world: int, rows: dict[str, dict[str, Any]], steps: in
     import torch.distributed as dist
 
     from benchmarks.allocator_peak import ProfilerPeak
-    from benchmarks.bench_tp import sequence_plan
     from benchmarks.lit_runs import run_fit
     from benchmarks.model import BenchLit, GPTShape, rank_loader
     from lightning_gsched import GeneralParallel
@@ -81,10 +80,6 @@ def memory_run(rank: int, world: int, rows: dict[str, dict[str, Any]], steps: in
     out = {}
     shape = GPTShape()
     for label, keywords in rows.items():
-        if keywords.get("sequence_parallel"):  # style objects: not JSON, so built here
-            keywords = {**{k: v for k, v in keywords.items() if k != "sequence_parallel"},
-                        "tensor_parallel_plan": sequence_plan("core.", shape.layers),
-                        "leaf_modules": ("ShardableBlock",)}
         strategy = GeneralParallel(**keywords)
         tp = keywords.get("tensor_parallel_size", 1)
         model = BenchLit(shape.as_dict(), shardable=tp > 1)
@@ -200,10 +195,14 @@ def run_tp(quick: bool, schedules: list[str] | None = None) -> list[Result]:
 
 def sp_rows(schedules: list[str]) -> dict[str, dict[str, Any]]:
     """``memory[<schedule>+tp2+sp]``: the ``+tp2`` rows with sequence parallelism
-    (``benchmarks.bench_tp.sequence_plan``, built in each process: style objects are not JSON),
-    the blocks kept whole by the split."""
-    return {f"{label}+sp": {**{k: v for k, v in keywords.items()
-                               if k != "tensor_parallel_plan"}, "sequence_parallel": True}
+    (``benchmarks.bench_tp.sequence_plan``, the styles by name), the blocks kept whole by the
+    split."""
+    from benchmarks.bench_tp import sequence_plan
+    from benchmarks.model import GPTShape
+
+    plan = sequence_plan("core.", GPTShape().layers)
+    return {f"{label}+sp": {**keywords, "tensor_parallel_plan": plan,
+                            "leaf_modules": ["ShardableBlock"]}
             for label, keywords in tp_rows(schedules).items()}
 
 

@@ -73,37 +73,22 @@ def plan(prefix: str = "") -> dict[str, str]:
     return {f"{prefix}blocks.*.{layer}": style for layer, style in STYLES.items()}
 
 
-def sequence_plan(prefix: str = "", layers: int = 4) -> dict[str, Any]:
-    """Megatron-style sequence parallelism on ``GPTCore``'s names (the ``memory[...+sp]`` rows of
-    :mod:`benchmarks.bench_memory`): between blocks every rank holds its part of the sequence
-    (the residual stream, sent stage to stage as such); the norms run on it
-    (``SequenceParallel``), the column-wise layers after them gather the sequence and the
-    row-wise layers before the residual adds scatter it again; the first block's input is cut
-    to this rank's part and the last block's output (``layers - 1``) joined for the final norm
-    and the head. Style objects, not names: a plan with ``PrepareModuleInput`` cannot be
-    spelled by names. The blocks must be leaf modules of the split (``leaf_modules=
-    ("ShardableBlock",)``), or their own hooks would not run (docs/tensor_parallel.md)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    styles: dict[str, Any] = {"colwise": ColwiseParallel(input_layouts=Shard(1)),
-                              "rowwise": RowwiseParallel(output_layouts=Shard(1))}
+def sequence_plan(prefix: str = "", layers: int = 4) -> dict[str, str]:
+    """Megatron-style sequence parallelism on ``GPTCore``'s names, by the styles' names (the
+    ``memory[...+sp]`` rows of :mod:`benchmarks.bench_memory`, ``check_3d --sequence``): between
+    blocks every rank holds its part of the sequence (the residual stream, sent stage to stage
+    as such); the norms run on it (``"sequence"``), the column-wise layers after them gather the
+    sequence and the row-wise layers before the residual adds scatter it again; the first
+    block's input is cut to this rank's part and the last block's output (``layers - 1``) joined
+    for the final norm and the head. The blocks must be leaf modules of the split
+    (``leaf_modules=("ShardableBlock",)``), or their own hooks would not run
+    (docs/tensor_parallel.md)."""
+    by_style = {"colwise": "colwise_from_sequence", "rowwise": "rowwise_to_sequence"}
     blocks = f"{prefix}blocks"
-    return {
-        f"{blocks}.0": PrepareModuleInput(input_layouts=(Replicate(),),
-                                          desired_input_layouts=(Shard(1),),
-                                          use_local_output=True),
-        f"{blocks}.*.ln1": SequenceParallel(), f"{blocks}.*.ln2": SequenceParallel(),
-        **{f"{blocks}.*.{layer}": styles[style] for layer, style in STYLES.items()},
-        f"{blocks}.{layers - 1}": PrepareModuleOutput(output_layouts=Shard(1),
-                                                      desired_output_layouts=Replicate(),
-                                                      use_local_output=True)}
+    return {f"{blocks}.0": "sequence_input",
+            f"{blocks}.*.ln1": "sequence", f"{blocks}.*.ln2": "sequence",
+            **{f"{blocks}.*.{layer}": by_style[style] for layer, style in STYLES.items()},
+            f"{blocks}.{layers - 1}": "sequence_output"}
 
 
 def ours_strategy() -> dict[str, Any]:

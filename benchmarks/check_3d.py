@@ -49,7 +49,8 @@ def _layout(sequence: bool, prefix: str) -> dict[str, Any]:
 
     if sequence:
         return {"data_parallel_size": 1, "tensor_parallel_size": T,
-                "tensor_parallel_plan": sequence_plan(prefix), "leaf_modules": ("ShardableBlock",)}
+                "tensor_parallel_plan": sequence_plan(prefix),
+                "leaf_modules": ("ShardableBlock",)}
     return {"data_parallel_size": G, "tensor_parallel_size": T,
             "tensor_parallel_plan": plan(prefix)}
 

@@ -95,22 +95,24 @@ def test_memory_tp_rows_are_the_w2_pipeline_on_two_ranks_per_worker() -> None:
 
 
 def test_sequence_plan_names_the_norms_linears_and_end_blocks_of_the_core() -> None:
-    """``bench_tp.sequence_plan`` (the ``memory[...+sp]`` rows): every pattern names modules of
-    the benchmark GPT under the LightningModule, the column-wise layers gather the sequence and
-    the row-wise ones scatter it, and the last block is the one whose output is joined."""
+    """``bench_tp.sequence_plan`` (the ``memory[...+sp]`` rows, ``check_3d --sequence``): every
+    pattern names modules of the benchmark GPT under the LightningModule, the column-wise layers
+    gather the sequence and the row-wise ones scatter it, and the last block is the one whose
+    output is joined."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
     )
 
     from benchmarks.bench_tp import sequence_plan
+    from lightning_gsched.partition.sequence_input import SequenceInput
+    from lightning_gsched.partition.tensor_parallel import style_of
 
     layers = GPTShape().layers
-    styles = sequence_plan("core.", layers)
+    styles = {k: style_of(v, k) for k, v in sequence_plan("core.", layers).items()}
     modules = dict(BenchLit(shardable=True).named_modules())
     for pattern, style in styles.items():
         hits = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
@@ -123,16 +125,23 @@ def test_sequence_plan_names_the_norms_linears_and_end_blocks_of_the_core() -> N
         if isinstance(style, RowwiseParallel):
             assert STYLES[pattern.rsplit(".", 1)[1]] == "rowwise"
             assert style.output_layouts == (Shard(1),)
-    assert isinstance(styles["core.blocks.0"], PrepareModuleInput)
+    assert isinstance(styles["core.blocks.0"], SequenceInput)
     assert isinstance(styles[f"core.blocks.{layers - 1}"], PrepareModuleOutput)
     assert f"core.blocks.{layers}" not in modules
 
 
-def test_memory_sp_rows_are_the_tp_rows_with_the_sequence_plan_built_in_process() -> None:
+def test_memory_sp_rows_are_the_tp_rows_with_the_sequence_plan() -> None:
+    import json
+
     from benchmarks.bench_memory import TP_FULL, sp_rows, tp_rows
+    from benchmarks.bench_tp import sequence_plan
+    from lightning_gsched import GeneralParallel
 
     tp, sp = tp_rows(TP_FULL), sp_rows(TP_FULL)
     assert list(sp) == [f"{label}+sp" for label in tp]
     for label, keywords in tp.items():
-        rest = {k: v for k, v in keywords.items() if k != "tensor_parallel_plan"}
-        assert sp[f"{label}+sp"] == {**rest, "sequence_parallel": True}
+        row = sp[f"{label}+sp"]
+        assert row == {**keywords, "tensor_parallel_plan": sequence_plan("core."),
+                       "leaf_modules": ["ShardableBlock"]}
+        assert json.loads(json.dumps(row)) == row  # the launch passes rows as JSON
+        assert GeneralParallel(**row).tensor_parallel_plan is not None
