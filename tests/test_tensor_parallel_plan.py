@@ -299,6 +299,22 @@ def test_sequence_input_cuts_the_first_input_and_passes_the_rest(tp_mesh: object
         module(torch.ones(2, 5, 3), mask)
 
 
+def test_sequence_input_goes_when_the_stage_is_made_whole(tp_mesh: object) -> None:
+    """Applied to a stage by the plan, ``"sequence_input"``'s hook is recorded with torch's
+    styles' own and removed when the shards are forgotten: a forward after the run sees the
+    whole input again."""
+    from lightning_gsched.partition.tensor_parallel import forget_shards
+
+    stage = nn.Sequential()
+    stage.add_module("block", _TwoInputs())
+    parallelize_stages([stage], {"block": "sequence_input"}, tp_mesh)  # type: ignore[arg-type]
+    x, mask = torch.ones(2, 4, 3), torch.ones(4, 4, dtype=torch.bool)
+    assert stage.block(x, mask)[0].shape == (2, 2, 3)
+    forget_shards(stage)
+    assert not stage.block._forward_pre_hooks
+    assert stage.block(x, mask)[0] is x
+
+
 def test_a_sequence_style_beside_whole_activation_styles_is_explained(tp_mesh: object) -> None:
     """``"sequence"`` on the norms with the names ``colwise``/``rowwise`` for the rest: the
     norms' outputs are split by sequence where the projections expect whole activations, and
