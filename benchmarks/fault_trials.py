@@ -8,6 +8,9 @@ loss on a rank without the last stage) sends nothing, so a trial counts only whe
 reports the signal sent (``injected``), and drawing goes on until N trials have delivered one.
 Each trial is bounded (``--timeout``): a rank without a result by then is a hang.
 
+``1f1b+tp2``: the same at W=4 as P=2 pipeline workers x T=2 tensor-parallel ranks (a signal
+may land while a worker's two ranks are inside a row-wise layer's all-reduce).
+
 ``fabric-1f1b``: the same trials for a user's own Fabric loop (``tests/fabric_preempt_script.py``,
 1f1b at W=2, 6 steps): SIGTERM to the rank itself or to rank 0 (the launcher) before
 ``strategy.step``, inside the loss function or after ``optimizer.step``; the agreed stop is
@@ -19,7 +22,7 @@ the agreed stop (``SIGTERMException``, no hang), trials where every rank stopped
 step, the range of stop step - signalled step, and the min/max wall time of a trial (launch to
 the last rank's result; start-up included).
 
-    python -m benchmarks.fault_trials [--trials 10] [--timeout 180] [--seed 0] [--only fabric-1f1b]
+    python -m benchmarks.fault_trials [--trials 10] [--timeout 180] [--seed 0] [--only 1f1b+tp2]
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "preempt_script.py"
 FABRIC_SCRIPT = ROOT / "tests" / "fabric_preempt_script.py"  # 1f1b, W=2, a user's own loop
 FABRIC = "fabric-1f1b"
-CONFIGS = [("1f1b", 2), ("fslpp", 4), (FABRIC, 2)]
+# "1f1b+tp2": 1f1b over P=2 workers of T=2 tensor-parallel ranks (W=4; the script's plan)
+CONFIGS = [("1f1b", 2), ("fslpp", 4), ("1f1b+tp2", 4), (FABRIC, 2)]
 POINTS = ["batch_start", "capture", "loss", "batch_end", "data"]
 EVAL_POINTS = ["validation", "validation_capture", "save"]  # reached at steps 2 and 4 only
 FABRIC_POINTS = ["before_step", "loss", "after_step"]
