@@ -300,6 +300,11 @@ def _tune_parser(sub: Any) -> None:
                    help="with --tp T > 1: how a stage is sharded, as tensor_parallel_plan: JSON "
                         "('{\"blocks.*.attn.q\": \"colwise\", ...}') or FILE.py:NAME (a dict "
                         "of styles, or a function parallelize(stage_module, tp_mesh))")
+    t.add_argument("--leaf-modules", dest="leaf_modules", nargs="+", default=[],
+                   metavar="NAME",
+                   help="module class names or names the split keeps whole, as "
+                        "GeneralParallel(leaf_modules=...): a style on a block (sequence "
+                        "parallelism's sequence_input, sequence_output) needs the block whole")
     d = DEFAULT_COSTS
     t.add_argument("--latency", type=float, default=None,
                    help=f"seconds a message is in flight besides its bytes (default {d.latency:g})")

@@ -127,7 +127,8 @@ def _tune_keywords(args: argparse.Namespace, costs: RuntimeCosts) -> dict[str, A
                 schedules=args.schedules,
                 checkpoint=(False,) if args.no_checkpointing else (False, True),
                 stages=args.stages, micro=args.microbatches, R=args.R,
-                replicas=args.data_parallel_size, top=args.top)
+                replicas=args.data_parallel_size, top=args.top,
+                leaf_modules=tuple(args.leaf_modules))
 
 
 def _tune_one(args: argparse.Namespace, costs: RuntimeCosts) -> TuneResult:

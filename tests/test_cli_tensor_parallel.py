@@ -247,6 +247,12 @@ def test_tune_checks_t_and_its_plan_before_loading_the_target(capsys):
 DEMO_PLAN = json.dumps({"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
                         "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
                         "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"})
+# the same with sequence parallelism, as configs/1f1b_sp.yaml writes it
+SEQUENCE_PLAN = json.dumps({
+    "blocks.0": "sequence_input", "blocks.*.ln1": "sequence", "blocks.*.ln2": "sequence",
+    **{f"blocks.*.{m}": "colwise_from_sequence" for m in ("attn.q", "attn.k", "attn.v", "mlp.0")},
+    **{f"blocks.*.{m}": "rowwise_to_sequence" for m in ("attn.proj", "mlp.2")},
+    "blocks.3": "sequence_output"})
 FIXED = ["--global-batch", "16", "--schedules", "1f1b", "-s", "2", "-b", "4",
          "--no-checkpointing", "--top", "3"]
 
@@ -261,7 +267,9 @@ def _first_row_peak(table: str) -> float:
 def test_tune_profiles_stages_sharded_over_t_processes_and_searches_t(capsys):
     """The same pipeline of 2 workers, each one rank (-w 2) or T=2 ranks (-w 4 --tp 2, its
     stages profiled sharded by the demo's plan in 2 processes): a rank holds about half the
-    sharded layers' bytes; with --tp 1 2 both are tuned and the faster named."""
+    sharded layers' bytes; with --tp 1 2 both are tuned and the faster named. With sequence
+    parallelism by name and --leaf-modules (the blocks kept whole for their styles' hooks) the
+    stages are profiled sharded too."""
     assert main(["tune", "examples/gpt.py:tune_target", "-w", "2", *FIXED]) == 0
     whole = _first_row_peak(capsys.readouterr().out)
     assert main(["tune", "examples/gpt.py:tune_target", "-w", "4", "--tp", "1", "2",
@@ -271,3 +279,8 @@ def test_tune_profiles_stages_sharded_over_t_processes_and_searches_t(capsys):
     sharded = _first_row_peak(sharded_table)
     assert sharded < 0.8 * whole, (sharded, whole)
     assert "over every --tp value: fastest fitting is T=" in out
+    # sequence parallelism by name: its first and last blocks' styles need the blocks whole
+    assert main(["tune", "examples/gpt.py:tune_target", "-w", "4", "--tp", "2",
+                 "--tp-plan", SEQUENCE_PLAN, "--leaf-modules", "Block", *FIXED]) == 0
+    sequence = _first_row_peak(capsys.readouterr().out)
+    assert sequence < 0.8 * whole, (sequence, whole)

@@ -144,7 +144,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         tensor_parallel_plan: how each stage is sharded over ``mesh["tensor_parallel"]``
             (required when T > 1): module-name patterns to torch's tensor-parallel styles, as
             ``parallelize_module`` takes them (``{"blocks.*.attn.qkv": ColwiseParallel(), ...}``;
-            by name in a YAML config: ``"colwise"``, ``"rowwise"``, ``"sequence"``), or a
+            by name in a YAML config: ``"colwise"``, ``"rowwise"``, ``"sequence"`` and the
+            sequence-parallel names of docs/tensor_parallel.md), or a
             function ``parallelize(stage_module, tp_mesh)``. Stages keep the model's module
             names, so one plan serves every stage (docs/tensor_parallel.md).
         memory_budget: bytes per rank (an int, or a string such as ``"20GiB"``) the plan
