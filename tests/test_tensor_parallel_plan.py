@@ -299,6 +299,25 @@ def test_sequence_input_cuts_the_first_input_and_passes_the_rest(tp_mesh: object
         module(torch.ones(2, 5, 3), mask)
 
 
+def test_an_uneven_cut_by_prepare_module_input_is_refused(tp_mesh: object) -> None:
+    """torch's own ``PrepareModuleInput`` cutting a whole input by sequence (a plan written with
+    objects, as torchtitan's): a length T does not divide is refused before torch cuts it
+    (its unequal parts made the next gather abort the process); an even one is cut as before."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    stage = nn.Sequential()
+    stage.add_module("block", _TwoInputs())
+    cut = PrepareModuleInput(input_layouts=(Replicate(), None),
+                             desired_input_layouts=(Shard(1), None), use_local_output=True)
+    parallelize_stages([stage], {"block": cut}, tp_mesh)  # type: ignore[arg-type]
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    assert stage.block(torch.ones(2, 4, 3), mask)[0].shape == (2, 2, 3)
+    with pytest.raises(TensorParallelPlanError,
+                       match=r"'block'.*input 0 of shape \(2, 5, 3\).*5 does not divide"):
+        stage.block(torch.ones(2, 5, 3), mask)
+
+
 def test_sequence_input_goes_when_the_stage_is_made_whole(tp_mesh: object) -> None:
     """Applied to a stage by the plan, ``"sequence_input"``'s hook is recorded with torch's
     styles' own and removed when the shards are forgotten: a forward after the run sees the

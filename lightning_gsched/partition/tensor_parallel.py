@@ -266,9 +266,45 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
         if todo:
             with _style_hooks_recorded(stage):
                 parallelize_module(stage, mesh, todo)
+                for name, style in todo.items():
+                    guard_even_cuts(name, stage_modules[name], style, mesh.size())
     for stage in stages:
         keep_shards_local(stage, originals)
     return assigned
+
+
+def guard_even_cuts(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
+    """Before a ``PrepareModuleInput`` cuts a whole positional input into ``Shard(d)``, refuse a
+    dimension ``degree`` does not divide, naming the module, the size and the fix.
+
+    Why: torch cuts it into unequal parts without a word, and the sequence- or row-sharded
+    styles after it take every part to be ``size / degree`` long, so the first gather sends
+    parts of different sizes and gloo aborts the process (a sequence of 63 at T=2). Our own
+    ``sequence_input`` refuses the same in its cut (:mod:`.sequence_input`)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if not isinstance(style, PrepareModuleInput):
+        return
+    pairs = zip(style.input_layouts or (), style.desired_input_layouts or (), strict=True)
+    cuts = [(i, want.dim) for i, (have, want) in enumerate(pairs)
+            if isinstance(want, Shard) and not isinstance(have, Shard)]
+    if cuts:
+        module.register_forward_pre_hook(partial(_refuse_uneven_cut, name, cuts, degree),
+                                         prepend=True)
+
+
+def _refuse_uneven_cut(name: str, cuts: list[tuple[int, int]], degree: int, module: nn.Module,
+                       args: tuple[Any, ...]) -> None:
+    for i, dim in cuts:
+        x = args[i] if i < len(args) else None
+        if isinstance(x, torch.Tensor) and -x.dim() <= dim < x.dim() and x.shape[dim] % degree:
+            raise TensorParallelPlanError(
+                f"tensor_parallel_plan[{name!r}] cuts input {i} of shape {tuple(x.shape)} along "
+                f"dimension {dim} into tensor_parallel_size={degree} parts, but {x.shape[dim]} "
+                f"does not divide into {degree} equal parts, which the sharded layers after it "
+                f"assume: use a length divisible by {degree} (pad the batch), or a "
+                "tensor_parallel_size that divides it")
 
 
 def _parameters_of(stages: Sequence[nn.Module]) -> dict[tuple[int, str], nn.Parameter]:
