@@ -250,7 +250,8 @@ DEMO_PLAN = json.dumps({"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwis
 # the same with sequence parallelism, as configs/1f1b_sp.yaml writes it
 SEQUENCE_PLAN = json.dumps({
     "blocks.0": "sequence_input", "blocks.*.ln1": "sequence", "blocks.*.ln2": "sequence",
-    **{f"blocks.*.{m}": "colwise_from_sequence" for m in ("attn.q", "attn.k", "attn.v", "mlp.0")},
+    "blocks.*.attn": "sequence_gather",
+    **{f"blocks.*.attn.{m}": "colwise" for m in "qkv"}, "blocks.*.mlp.0": "colwise_from_sequence",
     **{f"blocks.*.{m}": "rowwise_to_sequence" for m in ("attn.proj", "mlp.2")},
     "blocks.3": "sequence_output"})
 FIXED = ["--global-batch", "16", "--schedules", "1f1b", "-s", "2", "-b", "4",

@@ -64,17 +64,20 @@ WORLD_TIMEOUT = 300.0
 def sequence_plan() -> dict[str, Any]:
     """Megatron-style sequence parallelism on the test GPT, by the names a YAML config writes:
     between blocks the residual stream is split along the sequence (each rank its half, sent
-    stage to stage as such); the norms run on their half (``"sequence"``), the projections
-    after them gather the sequence (``"colwise_from_sequence"``) and those before the residual
-    add scatter it again (``"rowwise_to_sequence"``); the first block's first input is cut to
-    this rank's half (``"sequence_input"``: the block is called with the mask too) and the last
-    block's output joined whole for the final norm and the head (``"sequence_output"``)."""
-    gather, scatter = "colwise_from_sequence", "rowwise_to_sequence"
+    stage to stage as such); the norms run on their half (``"sequence"``); the attention
+    gathers its input once (``"sequence_gather"``) for its plain column-wise q, k, v, the MLP's
+    first layer gathers its own (``"colwise_from_sequence"``), and the projections before the
+    residual adds scatter it again (``"rowwise_to_sequence"``); the first block's first input
+    is cut to this rank's half (``"sequence_input"``: the block is called with the mask too)
+    and the last block's output joined whole for the final norm and the head
+    (``"sequence_output"``)."""
+    scatter = "rowwise_to_sequence"
     return {"blocks.0": "sequence_input",
             "blocks.*.ln1": "sequence", "blocks.*.ln2": "sequence",
-            "blocks.*.attn.q": gather, "blocks.*.attn.k": gather, "blocks.*.attn.v": gather,
-            "blocks.*.attn.proj": scatter, "blocks.*.mlp.0": gather, "blocks.*.mlp.2": scatter,
-            "blocks.2": "sequence_output"}
+            "blocks.*.attn": "sequence_gather", "blocks.*.attn.q": "colwise",
+            "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.proj": scatter, "blocks.*.mlp.0": "colwise_from_sequence",
+            "blocks.*.mlp.2": scatter, "blocks.2": "sequence_output"}
 
 
 def _setup(fabric: Any) -> tuple[Any, Any]:

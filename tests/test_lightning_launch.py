@@ -92,8 +92,8 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
         assert (plan.pipeline_size, plan.data_parallel_size, T) == (2, 1, 2)
         styles = cli.trainer.strategy.tensor_parallel_plan
         assert {type(style_of(v, k)).__name__ for k, v in styles.items()} == {
-            "SequenceInput", "SequenceParallel", "ColwiseParallel", "RowwiseParallel",
-            "PrepareModuleOutput"}
+            "SequenceInput", "SequenceParallel", "SequenceGather", "ColwiseParallel",
+            "RowwiseParallel", "PrepareModuleOutput"}
         assert styles["blocks.3"] == "sequence_output"  # the demo GPT's last of 4 blocks
     # zbv's order from the stages' measured seconds (the YAML spelling of the option)
     assert cli.trainer.strategy.schedule_config.profile_costs == (name == "zbv")

@@ -251,7 +251,7 @@ def test_sequence_parallel_styles_by_name() -> None:
         SequenceParallel,
     )
 
-    from lightning_gsched.partition.sequence_input import SequenceInput
+    from lightning_gsched.partition.sequence_input import SequenceGather, SequenceInput
     from lightning_gsched.partition.tensor_parallel import STYLE_NAMES, style_of
 
     gather = style_of("colwise_from_sequence", "p")
@@ -263,6 +263,8 @@ def test_sequence_parallel_styles_by_name() -> None:
     assert type(style_of("sequence", "p")) is SequenceParallel
     cut = style_of("sequence_input", "p")
     assert type(cut) is SequenceInput and cut.dim == 1
+    gather_once = style_of("sequence_gather", "p")
+    assert type(gather_once) is SequenceGather and gather_once.dim == 1
     join = style_of("sequence_output", "p")
     assert type(join) is PrepareModuleOutput
     assert join.output_layouts == (Shard(1),) and join.desired_output_layouts == (Replicate(),)
@@ -297,6 +299,24 @@ def test_sequence_input_cuts_the_first_input_and_passes_the_rest(tp_mesh: object
     # 5 positions do not split into 2 equal parts, which the sequence-sharded styles assume
     with pytest.raises(SequenceInputError, match="has 5 .*divisible by 2"):
         module(torch.ones(2, 5, 3), mask)
+
+
+def test_sequence_gather_hands_on_the_whole_sequence_replicated(tp_mesh: object) -> None:
+    """``"sequence_gather"``: the first input (this rank's part, plain) becomes a ``DTensor``
+    of the whole sequence, replicated, which the plain column-wise layers inside read without
+    gathering again; the second input passes unchanged. (The fake group moves no data: the
+    values are checked by the launched sequence-parallel training.)"""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_gsched.partition.tensor_parallel import style_of
+
+    module = parallelize_module(_TwoInputs(), tp_mesh,  # type: ignore[arg-type]
+                                style_of("sequence_gather", ""))
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    got, passed = module(torch.ones(2, 3, 4), mask)
+    assert isinstance(got, DTensor) and got.placements == (Replicate(),)
+    assert got.shape == (2, 6, 4) and got.to_local().shape == (2, 6, 4) and passed is mask
 
 
 def test_an_uneven_cut_by_prepare_module_input_is_refused(tp_mesh: object) -> None:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 # the styles a YAML/JSON plan names (style_of): torch's, and the sequence-parallel variants
 STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_from_sequence", "rowwise_to_sequence",
-               "sequence_input", "sequence_output")
+               "sequence_input", "sequence_output", "sequence_gather")
 _T = TypeVar("_T")
 
 # A plan as a user gives it: module-name patterns -> styles (objects or names), or a function
@@ -68,8 +68,10 @@ def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
     cannot hold objects: ``"colwise_from_sequence"`` (column-wise, its input split along the
     sequence and gathered), ``"rowwise_to_sequence"`` (row-wise, its output reduce-scattered
     along the sequence), ``"sequence_input"`` (the module's first input cut to this rank's part
-    of the sequence, :class:`.sequence_input.SequenceInput`) and ``"sequence_output"`` (the
-    module's output joined whole again); docs/tensor_parallel.md has a plan."""
+    of the sequence, :class:`.sequence_input.SequenceInput`), ``"sequence_output"`` (the
+    module's output joined whole again) and ``"sequence_gather"`` (a module's first input
+    gathered once for the plain column-wise layers inside it,
+    :class:`.sequence_input.SequenceGather`); docs/tensor_parallel.md has a plan."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -79,7 +81,7 @@ def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
         SequenceParallel,
     )
 
-    from lightning_gsched.partition.sequence_input import SequenceInput
+    from lightning_gsched.partition.sequence_input import SequenceGather, SequenceInput
 
     if isinstance(name_or_style, ParallelStyle):
         return name_or_style
@@ -87,7 +89,7 @@ def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
         "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel,
         "colwise_from_sequence": lambda: ColwiseParallel(input_layouts=Shard(1)),
         "rowwise_to_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
-        "sequence_input": SequenceInput,
+        "sequence_input": SequenceInput, "sequence_gather": SequenceGather,
         "sequence_output": lambda: PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
     if isinstance(name_or_style, str) and name_or_style.lower() in by_name:
@@ -507,7 +509,8 @@ def _sequence_hint(sequence: Sequence[str]) -> str:
             "projections after them and 'rowwise_to_sequence' (RowwiseParallel(output_layouts="
             "Shard(1))) for those before them ('colwise' and 'rowwise' take and give whole, "
             "replicated activations), 'sequence_input' on the first block and "
-            "'sequence_output' on the last")
+            "'sequence_output' on the last ('sequence_gather' on an attention gathers once for "
+            "its 'colwise' q, k, v)")
 
 
 def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
