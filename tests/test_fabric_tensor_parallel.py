@@ -20,7 +20,8 @@ device in this process:
 * after 1f1b's last step the same state saved streamed and gathered (every shard gathered to
   rank 0 at once) gives two files with equal tensors, bit for bit, of the full shapes;
 * sequence parallelism (the styles by name, :func:`sequence_plan`: the norms sharded by
-  sequence, the projections taking and giving that layout, the first block's input cut and the
+  sequence, the attention gathering its input once and the MLP's first layer its own, the
+  projections after them giving the split layout back, the first block's input cut and the
   last block's output joined, each block kept whole in the split by ``leaf_modules`` so that
   its input and output hooks run) trains 1f1b like one device too.
 
