@@ -24,7 +24,7 @@ partial ``DTensor`` s, are reduce-scattered back to the sequence split once.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -39,41 +39,6 @@ if TYPE_CHECKING:
 class SequenceInputError(PartitionError, TypeError):
     """The module's first positional input is not a tensor with a sequence dimension, or that
     dimension does not split into equal parts."""
-
-
-class SequenceInput(ParallelStyle):
-    """Before the module's forward, its first positional input (a tensor every rank of the
-    group holds whole, or a ``DTensor``) becomes this rank's part along ``dim`` as a plain
-    tensor; other inputs pass unchanged."""
-
-    def __init__(self, dim: int = 1) -> None:
-        super().__init__()
-        self.dim = dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(_cut_first_input, device_mesh, self.dim))
-        return module
-
-    def __repr__(self) -> str:
-        return f"SequenceInput(dim={self.dim})"
-
-
-class SequenceGather(ParallelStyle):
-    """Before the module's forward, its first positional input (this rank's part of the
-    sequence along ``dim``, plain or a ``DTensor``) becomes the whole sequence, a ``DTensor``
-    replicated over the group, for the column-wise layers inside; other inputs pass
-    unchanged."""
-
-    def __init__(self, dim: int = 1) -> None:
-        super().__init__()
-        self.dim = dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(_gather_first_input, device_mesh, self.dim))
-        return module
-
-    def __repr__(self) -> str:
-        return f"SequenceGather(dim={self.dim})"
 
 
 def _first_input(style: str, verb: str, dim: int, module: nn.Module,
@@ -115,3 +80,38 @@ def _cut_first_input(mesh: DeviceMesh, dim: int, module: nn.Module,
     whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),),
                                                                 run_check=False)
     return (whole.redistribute(mesh, (Shard(dim),)).to_local(), *args[1:])
+
+
+class _FirstInputStyle(ParallelStyle):
+    """A style whose whole work is one forward pre-hook on the module's first positional input
+    along ``dim`` (:attr:`hook`, the subclass's: cut or gather)."""
+
+    hook: Callable[[DeviceMesh, int, nn.Module, tuple[Any, ...]], tuple[Any, ...]]
+
+    def __init__(self, dim: int = 1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(type(self).hook, device_mesh, self.dim))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
+
+class SequenceInput(_FirstInputStyle):
+    """Before the module's forward, its first positional input (a tensor every rank of the
+    group holds whole, or a ``DTensor``) becomes this rank's part along ``dim`` as a plain
+    tensor; other inputs pass unchanged."""
+
+    hook = staticmethod(_cut_first_input)
+
+
+class SequenceGather(_FirstInputStyle):
+    """Before the module's forward, its first positional input (this rank's part of the
+    sequence along ``dim``, plain or a ``DTensor``) becomes the whole sequence, a ``DTensor``
+    replicated over the group, for the column-wise layers inside; other inputs pass
+    unchanged."""
+
+    hook = staticmethod(_gather_first_input)
