@@ -179,3 +179,82 @@ def test_the_described_transport_runs_data_dependent_shapes(worlds):
         assert "error" not in r, r
         assert r["steps"] == 3 and not r["bad"], r
     assert results[1]["losses"] == [0, 1]
+
+
+def _transport_threads() -> int:
+    """This process's gloo transport threads (one per gloo device, each waking every 10 ms)."""
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+def shared_device_check(ctx: WorkerContext) -> dict[str, Any]:
+    """The engine's two kinds of internal groups (one following the default backend, one for
+    host objects) made, used and timed out, beside a user-facing mesh that stays plain gloo."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_gsched.engine.mesh import pipeline_data_mesh
+    from lightning_gsched.runtime import gloo_group, new_group
+    from lightning_gsched.runtime.gloo_groups import BACKEND
+
+    out: dict[str, Any] = {"before": _transport_threads()}
+    span = timedelta(seconds=60)
+    world, host = new_group(timeout=span), gloo_group(timeout=span)
+    mesh = pipeline_data_mesh("cpu", ctx.world_size, 1)
+    out["after"] = _transport_threads()  # the mesh's group of one rank: a device of its own
+    out["backends"] = [dist.get_backend(world), dist.get_backend(host)]
+    out["mesh_backend"] = dist.get_backend(mesh["data_parallel"].get_group())
+    total = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(total, group=world)
+    alone = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(alone, group=mesh["data_parallel"].get_group())
+    message = torch.zeros(3)
+    if ctx.rank == 0:
+        dist.send(torch.arange(3.0), 1, group=world, tag=5)
+    else:
+        dist.recv(message, 0, group=world, tag=5)
+    objects: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(objects, f"rank {ctx.rank}", group=host)
+    out.update(total=total.item(), alone=alone.item(), message=message.tolist(), objects=objects)
+    # a group's own timeout bounds its waits: rank 1 never joins, rank 0's wait ends
+    short = new_group(timeout=timedelta(seconds=1))
+    if ctx.rank == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=short)
+            out["timed_out_after"] = None
+        except RuntimeError:
+            out["timed_out_after"] = time.monotonic() - start
+    dist.barrier(group=world)
+    for group in (short, world, host, mesh["data_parallel"].get_group()):
+        dist.destroy_process_group(group)
+    out["expected_backend"] = BACKEND
+    return out
+
+
+def test_the_engines_groups_share_the_default_groups_transport_thread(worlds):
+    """The engine's internal groups on a gloo job are gloo groups on the default group's device
+    (``runtime/gloo_groups.py``): they add no transport thread, and each still carries its own
+    messages, tags and timeout; the mesh a user reads stays ``"gloo"`` (Lightning reads the
+    name) and is the one thread added."""
+    for rank, out in enumerate(worlds.get(2).run(shared_device_check)):
+        assert out["before"] >= 1, out  # the default group's: the count is not vacuous
+        assert out["after"] == out["before"] + 1, out
+        assert out["backends"] == [out["expected_backend"]] * 2, out
+        assert out["mesh_backend"] == "gloo", out
+        assert out["total"] == 3.0 and out["alone"] == rank + 1.0, out
+        assert out["objects"] == ["rank 0", "rank 1"], out
+        if rank == 1:
+            assert out["message"] == [0.0, 1.0, 2.0], out
+        else:
+            assert out["timed_out_after"] is not None and out["timed_out_after"] < 30, out

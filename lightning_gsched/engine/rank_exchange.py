@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_gsched.runtime import gloo_group
+
 
 class BoundedExchange:
     """A gloo group over every rank (timeout ``timeout`` s); a world of one needs none."""
@@ -24,7 +26,7 @@ class BoundedExchange:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.group: Any = None
         if self.world > 1:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            self.group = gloo_group(timeout=timedelta(seconds=timeout))
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (collective)."""

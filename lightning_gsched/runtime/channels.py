@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
 from lightning_gsched.errors import RuntimeConfigError
+from lightning_gsched.runtime import gloo_groups
 from lightning_gsched.schedule.program import Op, Programs
 
 KINDS = ("p2p", "weights", "grads")
@@ -138,14 +139,14 @@ class Channels:
         span = timedelta(seconds=self.timeout)
 
         def new_group(workers: list[int] | tuple[int, ...]) -> Any:
-            made = [dist.new_group([w * T + t for w in workers], timeout=span) for t in range(T)]
+            made = [gloo_groups.new_group([w * T + t for w in workers], timeout=span)
+                    for t in range(T)]
             return made[self.tensor_parallel[1]]
 
         everyone = list(range(world))
-        # gloo matches messages by tag: one group carries every channel, a tag each. A gloo group
-        # is a thread that wakes every 10 ms; seven of them, on the core the rank computes on,
-        # preempted its compute thread about four times as often as torch's one
-        # (docs/benchmarks.md, "the engine's gap, counted per thread")
+        # gloo matches messages by tag: one group carries every channel, a tag each (fewer
+        # groups: fewer connections and less set-up; the groups share one gloo device and its
+        # thread, see gloo_groups)
         self.tagged = dist.get_backend() == "gloo"
         if self.tagged:
             self.shared = new_group(everyone)
