@@ -303,8 +303,9 @@ def _tune_parser(sub: Any) -> None:
     t.add_argument("--leaf-modules", dest="leaf_modules", nargs="+", default=[],
                    metavar="NAME",
                    help="module class names or names the split keeps whole, as "
-                        "GeneralParallel(leaf_modules=...): a style on a block (sequence "
-                        "parallelism's sequence_input, sequence_output) needs the block whole")
+                        "GeneralParallel(leaf_modules=...); a dict plan's styled modules and "
+                        "their holders are kept whole already (a function plan's are not "
+                        "known: name them here)")
     d = DEFAULT_COSTS
     t.add_argument("--latency", type=float, default=None,
                    help=f"seconds a message is in flight besides its bytes (default {d.latency:g})")

@@ -197,7 +197,10 @@ class CausalSelfAttention(nn.Module):
 class ShardableAttention(nn.Module):
     """The same attention written to run on a tensor-parallel shard of its heads: separate
     ``q``, ``k``, ``v`` layers (a fused one sharded column-wise would give rank 0 all of q and
-    part of k) and ``-1`` heads in every view, so the local head count follows the local width."""
+    part of k) and ``-1`` heads in every view, so the local head count follows the local width.
+    The heads are joined with the count read back from a tensor's shape, as transformers'
+    attention code does (``repeat_kv``): right when run as written, wrong if a trace fixed the
+    example's sizes (the tensor-parallel tests check that the split keeps it whole)."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -211,7 +214,8 @@ class ShardableAttention(nn.Module):
                    for layer in (self.q, self.k, self.v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return self.proj((att @ v).transpose(1, 2).flatten(2))
+        _, heads, _, head_dim = v.shape
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, heads * head_dim))
 
 
 class GPTBlock(nn.Module):

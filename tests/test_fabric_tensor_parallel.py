@@ -142,14 +142,16 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
         fabric.strategy.finish()
         out.append({"losses": losses, "weights": state_of(model), "logits": logits,
                     "held": held, "sampler": fabric.strategy.distributed_sampler_kwargs})
-    fabric, model, optimizer, batches = _pipelined(ctx, "1f1b", sequence_plan(),
-                                                   leaf_modules=("GPTBlock",))
+    # no leaf_modules: the engine keeps the styled blocks (and the norms' holders) whole
+    fabric, model, optimizer, batches = _pipelined(ctx, "1f1b", sequence_plan())
     sequence = {"losses": train(fabric, model, optimizer, batches, pipelined=True)}
     fabric.strategy.finish()
     sequence["weights"] = state_of(model)
     # 1f1b's checkpoint loaded into a running zbv pipeline (each rank takes its pieces of the
-    # full tensors, model and optimizer state), then the remaining steps
-    fabric, model, optimizer, batches = _pipelined(ctx, "zbv")
+    # full tensors, model and optimizer state), then the remaining steps; traced with the
+    # example's sizes fixed, as transformers' models are: the attention, which reads its head
+    # count from a shape, runs whole (kept_whole), so its shard's count is read
+    fabric, model, optimizer, batches = _pipelined(ctx, "zbv", static_shapes=True)
     train(fabric, model, optimizer, batches[:1], pipelined=True)  # builds the pipeline
     fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
     losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)

@@ -157,14 +157,17 @@ class StepLosses(pl.Callback):
 
 
 def fit_and_record(world: int, rank: int, strategy: Any, make: Callable[[], pl.LightningModule],
-                   sanity_steps: int) -> dict:
-    """``STEPS`` training steps with validation; what a comparison with one device reads."""
+                   sanity_steps: int, tensor_parallel_size: int = 1) -> dict:
+    """``STEPS`` training steps with validation; what a comparison with one device reads.
+    ``tensor_parallel_size``: a worker's T ranks load one share of every global batch."""
     model = make()
     losses = StepLosses()
     fit = trainer(world, strategy, max_steps=STEPS, num_sanity_val_steps=sanity_steps,
                   callbacks=[losses])
-    train = rank_loader(next_token_data(GLOBAL_BATCH * STEPS, seed=3), GLOBAL_BATCH, world, rank)
-    val = rank_loader(next_token_data(GLOBAL_BATCH, seed=5), GLOBAL_BATCH, world, rank)
+    shares, share = world // tensor_parallel_size, rank // tensor_parallel_size
+    train = rank_loader(next_token_data(GLOBAL_BATCH * STEPS, seed=3), GLOBAL_BATCH, shares,
+                        share)
+    val = rank_loader(next_token_data(GLOBAL_BATCH, seed=5), GLOBAL_BATCH, shares, share)
     fit.fit(model, train, val)
     return {"state": state_of(model), "losses": losses.losses,
             "val_loss": float(fit.callback_metrics["val_loss"]),

@@ -115,7 +115,7 @@ def row_exchange_check(ctx: WorkerContext, rows: list[int], parts: int,
     """Each rank's exchanged microbatches are the single-device cut; what it received."""
     data, locals_ = _batches(rows)
     local = (locals_[ctx.rank], "flag")  # a plain leaf rides along from the local batch
-    counts, _ = rows_and_layouts(local, ctx.world_size)
+    counts, _, _ = rows_and_layouts(local, ctx.world_size)
     cut = row_map(counts, [list(range(ctx.world_size))], parts)
     with ReceivedRows() as seen:
         got = exchange_rows(local, cut, ctx.rank, needed)

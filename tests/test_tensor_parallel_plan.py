@@ -8,6 +8,7 @@ ranks run.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Iterator
 
 import pytest
@@ -23,6 +24,7 @@ from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlanError,
     assign_plan,
     explain_sharded_failure,
+    kept_whole,
     name_matches,
     parallelize_stages,
     shard_specs,
@@ -216,6 +218,37 @@ def test_code_that_needs_global_sizes_is_named_by_the_module_before_it(tp_mesh: 
     carried = explain_sharded_failure(shardable[0], T, lambda: shardable[0](idx))
     assert isinstance(carried, tuple) and carried
 
+
+
+def test_the_split_keeps_the_plans_modules_and_their_holders_whole(tp_mesh: object) -> None:
+    """The test GPT's attention joins its heads with the count read from a tensor's shape (as
+    transformers' code does): right on a shard when run as written. A stage traced with the
+    example's sizes fixed (``static_shapes=True``, the mode transformers' models need) replays
+    the global count and fails once sharded; with what :func:`kept_whole` names (the styled
+    modules and their holders, never a container) kept whole, the sharded stage runs."""
+    plan = {**BLOCK_PLAN, "blocks.0": "sequence_input", "ln_f": "sequence"}
+    kept = kept_whole(make_gpt(0, shardable=True), plan)
+    blocks = [f"blocks.{i}" for i in range(3)]
+    assert set(kept) == {"blocks.0", "ln_f"} | {
+        f"{b}.{m}" for b in blocks for m in ("attn", "attn.q", "attn.k", "attn.v", "attn.proj",
+                                             "mlp.0", "mlp.2")}, kept  # not blocks, mlp, root
+    assert kept_whole(make_gpt(0), lambda stage, mesh: None) == ()  # a function: not known
+    (idx,) = gpt_inputs()
+    for leaves in ((), kept_whole(make_gpt(0, shardable=True), BLOCK_PLAN)):
+        part = partition(make_gpt(0, shardable=True), 2, (idx,), verify=False,
+                         static_shapes=True, leaf_modules=leaves)
+        first = part.stages[0]
+        parallelize_stages(list(part.stages), BLOCK_PLAN, tp_mesh)  # type: ignore[arg-type]
+        if not leaves:
+            with pytest.raises(TensorParallelPlanError, match=(
+                    r"right after 'blocks.0.attn.v'.*traced into 'blocks.0.attn'.*"
+                    r"leaf_modules=\('ShardableAttention',\)")):
+                explain_sharded_failure(first, T, partial(first, idx))
+            continue
+        assert "blocks.0.attn" in first.called_modules()  # type: ignore[operator]
+        carried = explain_sharded_failure(first, T, partial(first, idx))
+        # the residual stream handed on at its whole width (the mask goes with it)
+        assert [tuple(c.shape) for c in carried if c.dim() == 3] == [(*idx.shape, 32)], carried
 
 
 def test_a_style_on_a_module_the_split_runs_inline_is_refused(tp_mesh: object) -> None:
@@ -561,6 +594,12 @@ def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:
     with pytest.raises(StrategyConfigError, match=r"ranks \[2, 3\] of pipeline worker 1 "
                                                   r"loaded different batches \(\[2, 1\] rows\)"):
         workers.batch_rows([4, 4, 2, 1, 3, 3], [7] * 6)
+    assert workers.shares_batches and not Workers(6, 3, 2, rows_per_rank=True).shares_batches
+    assert workers.batch_rows([4] * 6, [7] * 6, [1, 1, 5, 5, 9, 9]) == ([4] * 3, [7] * 3)
+    with pytest.raises(StrategyConfigError, match=r"ranks \[4, 5\] of pipeline worker 2 loaded "
+                                                  r"different batches \(as many rows, other "
+                                                  r"values\).*rank = global rank // T"):
+        workers.batch_rows([4] * 6, [7] * 6, [1, 1, 5, 5, 9, 8])
     # rows dealt per rank (a searched T): the row arithmetic's positions are the ranks, a
     # worker's batch its ranks' rows in t order, a microbatch read by each of its ranks
     per_rank = Workers(6, 3, 2, rows_per_rank=True)
@@ -569,6 +608,27 @@ def test_ranks_map_to_workers_and_a_worker_must_load_one_batch() -> None:
     assert per_rank.by_position([["a"], ["b"], ["c"]]) == [["a"], ["a"], ["b"], ["b"], ["c"],
                                                           ["c"]]
     assert per_rank.batch_rows([4, 4, 2, 1, 3, 3], [7] * 6) == ([4, 4, 2, 1, 3, 3], [7] * 6)
+
+
+def test_a_batch_fingerprint_tells_loaded_shares_apart() -> None:
+    """:func:`content_fingerprint` is equal for equal batches (any dtype, also a copy laid out
+    otherwise) and differs when one row, one value or the order of rows differs."""
+    from lightning_gsched.engine.batches import content_fingerprint
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50_000, (16, 300), generator=gen)  # more than the sample's 4096
+    batch = {"x": tokens, "img": torch.randn(16, 3, 8, 8, generator=gen).bfloat16(),
+             "mask": torch.rand(16, 300, generator=gen) > 0.5, "flag": 1}
+    same = {k: v.t().contiguous().t() if torch.is_tensor(v) and v.dim() == 2 else v
+            for k, v in batch.items()}  # equal values, another memory layout
+    fingerprint = int(content_fingerprint(batch))
+    assert int(content_fingerprint(same)) == fingerprint
+    other_row = dict(batch, x=torch.cat([tokens[:15], tokens[:1]]))
+    one_value = dict(batch, img=batch["img"].clone())
+    one_value["img"][0, 0, 0, 0] += 1
+    swapped = dict(batch, x=tokens.flip(0))
+    for changed in (other_row, one_value, swapped):
+        assert int(content_fingerprint(changed)) != fingerprint
 
 
 def test_the_tuners_table_counts_ranks_and_workers_with_tensor_parallelism() -> None:

@@ -60,26 +60,53 @@ def layout_digest(batch: Any) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def rows_and_layouts(batch: Any, world_size: int,
-                     group: Any = None) -> tuple[list[int], list[int]]:
-    """Every rank's number of rows and :func:`layout_digest`, in one small collective.
+def content_fingerprint(batch: Any) -> torch.Tensor:
+    """A 0-d int64 tensor (on the batch's device) that summarises the batch tensors' values:
+    the bytes of up to ~4096 evenly spaced elements of each, weighted by position and tensor
+    and summed as integers. Integer sums do not depend on their order, so equal batches give
+    equal fingerprints on any device and CPU; batches of other rows differ (a sample of each
+    tensor, not a hash: it tells apart loaded shares, not crafted collisions). Tensors that
+    are not strided (sparse) count by their layout alone."""
+    leaves, _, data = _batch_leaves(batch)
+    device = leaves[data[0]].device
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for k, i in enumerate(data):
+        leaf = leaves[i].detach()
+        if leaf.layout is not torch.strided:
+            continue
+        flat = leaf.reshape(-1)
+        sample = flat[::max(1, flat.numel() // 4096)].contiguous().view(torch.uint8)
+        weights = torch.arange(1, sample.numel() + 1, dtype=torch.int64, device=device)
+        total = total + (sample.to(torch.int64) * weights).sum() * (k + 1)
+    return total
+
+
+def rows_and_layouts(batch: Any, world_size: int, group: Any = None, *,
+                     contents: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """Every rank's number of rows, :func:`layout_digest` and (``contents``) its
+    :func:`content_fingerprint` (else 0), in one small collective.
 
     Why the rows: every rank then computes the same row map (:mod:`.rows`), so the rows move
     without further questions. Why the digests ride along: together they are a step signature
     every rank holds (the runtime sends activations as bare tensors for a signature it has seen,
-    see ``runtime/transport.py``), at no extra collective.
+    see ``runtime/transport.py``), at no extra collective. Why the contents: ranks that must
+    have loaded the same rows (a tensor-parallel worker's) are checked to have, not only rows
+    of the same sizes (:meth:`.workers.Workers.batch_rows`).
     """
     leaves, _, data = _batch_leaves(batch)
     local_rows = leaves[data[0]].shape[0]
     digest = layout_digest(batch)
     if world_size == 1:
-        return [local_rows], [digest]
+        return [local_rows], [digest], [0]
     device = leaves[data[0]].device
-    gathered = torch.zeros(2 * world_size, dtype=torch.int64, device=device)
-    mine = torch.tensor([local_rows, digest], dtype=torch.int64, device=device)
+    gathered = torch.zeros(3 * world_size, dtype=torch.int64, device=device)
+    mine = torch.tensor([local_rows, digest, 0], dtype=torch.int64, device=device)
+    if contents:
+        mine[2] = content_fingerprint(batch)
     _all_gather_single(gathered, mine, group=group)
     values = gathered.tolist()  # the rows cut the microbatches on the host: one sync
-    return [int(v) for v in values[0::2]], [int(v) for v in values[1::2]]
+    return ([int(v) for v in values[0::3]], [int(v) for v in values[1::3]],
+            [int(v) for v in values[2::3]])
 
 
 def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence[int]],

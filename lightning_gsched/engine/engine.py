@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -63,7 +63,7 @@ from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigErr
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.tensor_parallel import TensorParallelPlan
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, kept_whole
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
     shard_optimizer_state,
@@ -241,7 +241,7 @@ class PipelineEngine:
             # measured its cut on its microbatch (measure/build_passes.py)
             passes = BuildPasses()
             if not self.config.decided:
-                choose_schedule(self.module, self.config, self.options, args, kwargs,
+                choose_schedule(self.module, self.config, self._split_options(), args, kwargs,
                                 loss_fn=step_loss_fn(caller, micro_batch) if training else None,
                                 global_rows=global_rows, optimizers=self.optimizers(),
                                 world_size=self.world_size, rank=self.rank,
@@ -334,6 +334,15 @@ class PipelineEngine:
         shard_stages(part.stages, self._tensor_parallel_plan(),
                      self.device_mesh.dimension(TENSOR_PARALLEL), check_call, self._collective)
 
+    def _split_options(self) -> PartitionOptions:
+        """The partition options, with a tensor-parallel plan's modules and their holders kept
+        whole (:func:`~lightning_gsched.partition.tensor_parallel.kept_whole` says why)."""
+        if self.tensor_parallel_plan is None:
+            return self.options
+        kept = kept_whole(self.module, self.tensor_parallel_plan)
+        return replace(self.options, leaf_modules=tuple(dict.fromkeys(
+            (*self.options.leaf_modules, *kept))))
+
     def _tensor_parallel_plan(self) -> TensorParallelPlan:
         if self.tensor_parallel_plan is None:
             raise StrategyConfigError(
@@ -390,8 +399,8 @@ class PipelineEngine:
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Partition:
         """The model cut into the decided schedule's S stages (:func:`.cut.cut_model`)."""
-        return cut_model(self.module, self.config.resolved(self.world_size)[0], self.options,
-                         args, kwargs, rank=self.rank, world_size=self.world_size,
+        return cut_model(self.module, self.config.resolved(self.world_size)[0],
+                         self._split_options(), args, kwargs, rank=self.rank, world_size=self.world_size,
                          group=self.group, collective=self._collective)
 
     # ------------------------------------------------------------------ steps

@@ -73,11 +73,13 @@ class StepRows:
 
     def sizes(self, batch: Any) -> tuple[list[int], list[int]]:
         """Every position's rows and batch layout (:meth:`.workers.Workers.batch_rows`: per
-        worker, whose T ranks must have loaded the same batch, or per rank)."""
-        rows, layouts = self.collective(
-            "the batch-size exchange", lambda: rows_and_layouts(batch, self.world_size,
-                                                                self.group()))
-        return self.workers.batch_rows(rows, layouts)
+        worker, whose T ranks must have loaded the same batch, values included, or per
+        rank)."""
+        workers = self.workers
+        rows, layouts, contents = self.collective(
+            "the batch-size exchange", lambda: rows_and_layouts(
+                batch, self.world_size, self.group(), contents=workers.shares_batches))
+        return workers.batch_rows(rows, layouts, contents)
 
     def row_map(self, rows: list[int], parts: int, *, exact: bool,
                 what: str = "global batch", replicas: ReplicaLayout | None = None) -> RowMap:

@@ -87,21 +87,34 @@ class Workers:
         """Per worker, its ``t = 0`` rank's entry of a list gathered over every rank."""
         return list(per_rank[::self.tensor_parallel_size])
 
-    def batch_rows(self, rows: Sequence[int], layouts: Sequence[int]
-                   ) -> tuple[list[int], list[int]]:
+    @property
+    def shares_batches(self) -> bool:
+        """Whether a worker's T > 1 ranks must have loaded one batch (else each its own)."""
+        return self.tensor_parallel_size > 1 and not self.rows_per_rank
+
+    def batch_rows(self, rows: Sequence[int], layouts: Sequence[int],
+                   contents: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
         """Every position's rows and batch layout from every rank's: with ``rows_per_rank``
         each rank's own; else a worker's T ranks must have loaded the same batch (the front
-        ends' samplers give them one share), else a StrategyConfigError naming them."""
+        ends' samplers give them one share): the same rows, layouts and ``contents`` (each
+        rank's ``content_fingerprint``; None: not compared), else a StrategyConfigError naming
+        them. Why the values too: ranks given rows of the same sizes but other values (a
+        sampler or dataset sharded by the global rank) would train each shard on other data,
+        silently wrong."""
         if self.rows_per_rank:
             return list(rows), list(layouts)
         T = self.tensor_parallel_size
         for w in range(self.count):
             ranks = range(w * T, w * T + T)
-            if len({(rows[r], layouts[r]) for r in ranks}) > 1:
+            sizes = {(rows[r], layouts[r]) for r in ranks}
+            values = {contents[r] for r in ranks} if contents is not None else set()
+            if len(sizes) > 1 or len(values) > 1:
+                what = (f"({[rows[r] for r in ranks]} rows)" if len(sizes) > 1 else
+                        "(as many rows, other values)")
                 raise StrategyConfigError(
                     f"the {T} tensor-parallel ranks {list(ranks)} of pipeline worker {w} loaded "
-                    f"different batches ({[rows[r] for r in ranks]} rows): a worker's ranks "
-                    "compute on the same rows. Use the strategy's distributed sampler (its "
-                    "distributed_sampler_kwargs give them one share) or load the same rows on "
-                    "each of them")
+                    f"different batches {what}: a worker's ranks compute on the same rows. Use "
+                    "the strategy's distributed sampler (its distributed_sampler_kwargs give "
+                    "them one share: num_replicas = W / T, rank = global rank // T) or load the "
+                    "same rows on each of them")
         return self.one_each(rows), self.one_each(layouts)

@@ -138,6 +138,35 @@ def name_matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(map(fnmatch.fnmatchcase, names, parts))
 
 
+def kept_whole(module: nn.Module, plan: TensorParallelPlan) -> tuple[str, ...]:
+    """The module names the split keeps whole for ``plan``: every module a pattern names, and
+    the module holding it (not the root, nor a container: a ``ModuleList`` or ``ModuleDict`` is
+    never called, and a ``Sequential`` may hold every block of the model). None for a function
+    plan, whose modules are not known before it runs.
+
+    Why the holders: a module sharded by the plan hands its holder local sizes (this rank's
+    heads), and the holder's code, run as written, computes with them (``view(b, t, -1, d)``,
+    or sizes read from the tensor: ``b, h, t, d = q.shape``). A traced stage replays the
+    holder's code instead, and where the trace had to fix sizes to the example's (the
+    static-shape mode, which e.g. transformers' models need for their mask code) it would
+    replay the global head count: a shape error on the shard, or a broadcast that hides one.
+    Why the styled modules: a style acts through the module's hooks, which run only where the
+    stage calls the module (a block styled ``sequence_input`` must not be traced into)."""
+    if callable(plan):
+        return ()
+    modules = dict(module.named_modules())
+    kept: list[str] = []
+    for name in modules:
+        if not name or not any(name_matches(pattern, name) for pattern in plan):
+            continue
+        kept.append(name)
+        holder = name.rpartition(".")[0]
+        if holder and not isinstance(modules[holder],
+                                     (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            kept.append(holder)
+    return tuple(dict.fromkeys(kept))
+
+
 def assign_plan(plan: Mapping[str, Any], stage_modules: Sequence[Sequence[str]]
                 ) -> list[dict[str, ParallelStyle]]:
     """Per stage, ``{module name: style}`` for the plan's patterns.
@@ -486,17 +515,37 @@ def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T
         raise
     except Exception as exc:
         where = f"right after {last[0]!r} ran" if last else "before any of its modules ran"
+        holder = ""
         if last and any(n == last[0] or n.startswith(last[0] + ".") for n in shard_specs(stage)):
             where += " (a module the plan shards)"
+            holder = _holder_hint(stage, last[0])
         raise TensorParallelPlanError(
             f"a stage's forward fails once sharded tensor_parallel_size={degree} ways, {where}: "
             f"{error_text(exc)}. The model's code must compute with local sizes: "
             "write -1 for a sharded dimension in view/reshape/unflatten (view(b, t, -1, "
             "head_dim), not the model's global head count), and shard q, k and v as separate "
             "layers rather than split a fused projection by the full width"
-            + _sequence_hint(sequence)) from exc
+            + holder + _sequence_hint(sequence)) from exc
     finally:
         handle.remove()
+
+
+def _holder_hint(stage: nn.Module, name: str) -> str:
+    """Where the sharded module ``name``'s holder was traced into, not called: if its code
+    reads sizes from its tensors it is right as written, and the trace fixed the example's."""
+    holder = name.rpartition(".")[0]
+    called = getattr(stage, "called_modules", None)
+    if not holder or not callable(called):
+        return ""
+    parts = holder.split(".")
+    if {".".join(parts[:k]) for k in range(1, len(parts) + 1)} & called():
+        return ""  # the holder runs as written (it, or a module above it, is called whole)
+    module = stage.get_submodule(holder)
+    kind = getattr(module, "original_type", type(module).__name__)  # a stage's shell of it
+    return (f". If {kind}'s code does so already (e.g. it reads the head count from a "
+            f"tensor's shape), the split traced into {holder!r} with the example's sizes fixed: "
+            f"keep it whole, leaf_modules=({kind!r},) (GeneralParallel does so by itself for "
+            "the holders of a dict plan's modules)")
 
 
 def _sequence_hint(sequence: Sequence[str]) -> str:
