@@ -34,7 +34,7 @@ per mode in each stage: fit with validation, switching modes within the run, equ
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import lightning.pytorch as pl
 import pytest
@@ -157,13 +157,14 @@ class StepLosses(pl.Callback):
 
 
 def fit_and_record(world: int, rank: int, strategy: Any, make: Callable[[], pl.LightningModule],
-                   sanity_steps: int, tensor_parallel_size: int = 1) -> dict:
+                   sanity_steps: int, tensor_parallel_size: int = 1,
+                   callbacks: Sequence[pl.Callback] = ()) -> dict:
     """``STEPS`` training steps with validation; what a comparison with one device reads.
     ``tensor_parallel_size``: a worker's T ranks load one share of every global batch."""
     model = make()
     losses = StepLosses()
     fit = trainer(world, strategy, max_steps=STEPS, num_sanity_val_steps=sanity_steps,
-                  callbacks=[losses])
+                  callbacks=[losses, *callbacks])
     shares, share = world // tensor_parallel_size, rank // tensor_parallel_size
     train = rank_loader(next_token_data(GLOBAL_BATCH * STEPS, seed=3), GLOBAL_BATCH, shares,
                         share)

@@ -178,7 +178,9 @@ def test_cache_is_left_out_unless_asked_for(name: str) -> None:
 
 # --------------------------------------------------------------------------- under a Trainer
 
-from dist_harness import WorkerContext  # noqa: E402 - the Trainer part of this opt-in module
+import lightning.pytorch as pl  # noqa: E402 - the Trainer part of this opt-in module
+
+from dist_harness import WorkerContext  # noqa: E402
 from lightning_models import as_worker, assert_same_state, state_of  # noqa: E402
 from models import seeded  # noqa: E402
 from test_lightning_real_models import NextTokenSteps, fit_and_record  # noqa: E402
@@ -194,6 +196,10 @@ FIT_MODELS: dict[str, Callable[[], nn.Module]] = {
         n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0),
     "transformers.LlamaForCausalLM": hf("LlamaForCausalLM", "LlamaConfig", **GQA),
+    # without a key/value cache, as a training config sets it: then a layer's attention can run
+    # as a module of the stage (a cache object cannot be a graph's argument)
+    "transformers.LlamaForCausalLM(use_cache=False)": hf("LlamaForCausalLM", "LlamaConfig",
+                                                         **GQA, use_cache=False),
     "litgpt.GPT": litgpt_gpt,
 }
 
@@ -211,11 +217,24 @@ class LitZoo(NextTokenSteps):
         return out.logits if self.returns_output_object else out
 
 
-def _zoo_fit(world: int, rank: int, strategy: Any, name: str, sanity_steps: int = 1,
+class StageParameters(pl.Callback):
+    """Each stage's parameter count as split (before sharding), read at the end of training
+    (the engine goes at teardown)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.counts = list(trainer.strategy.engine.partition.stage_param_counts)
+
+
+def _zoo_fit(world: int, rank: int, strategy: Any, name: str,
              tensor_parallel_size: int = 1) -> dict:
-    # by default a sanity check first: the pipeline is built in eval mode, then trains
-    return fit_and_record(world, rank, strategy, lambda: seeded(0, lambda: LitZoo(name)),
-                          sanity_steps, tensor_parallel_size)
+    # a sanity check first: the pipeline is built in eval mode, then trains
+    stages = StageParameters()
+    record = fit_and_record(world, rank, strategy, lambda: seeded(0, lambda: LitZoo(name)), 1,
+                            tensor_parallel_size, [stages] if world > 1 else [])
+    return {**record, "stage_parameters": stages.counts}
 
 
 def zoo_fit_on_worker(ctx: WorkerContext, name: str) -> dict:
@@ -261,16 +280,18 @@ def zoo_tensor_parallel_on_worker(ctx: WorkerContext, name: str) -> dict:
 
 @pytest.mark.distributed
 def test_llama_with_tensor_parallel_stages_fits_like_one_device(worlds) -> None:
-    """transformers' Llama through the Trainer at W=4 as P=2 x T=2, each worker's layers
-    sharded by torch's styles (``LLAMA_PLAN``), against one device: final weights, every
-    step's loss and the validation loss (the tolerances of ``assert_same_state`` and rel 1e-5:
-    tensor parallelism reorders the float sums). Each worker's T ranks load one share of every
-    batch (``fit_and_record``'s ``tensor_parallel_size``): loaded per rank, the build refuses
-    it (found with this test: before the values were compared, it trained silently wrong).
-    Here the Trainer's probe cannot trace into ``LlamaModel`` (its mask code branches on
-    values), so that module runs whole in stage 0; stages traced with fixed sizes are
-    checked in ``test_fabric_tensor_parallel.py`` (and a Llama one-off, docs/tensor_parallel.md)."""
-    name = "transformers.LlamaForCausalLM"
+    """transformers' Llama (no key/value cache) through the Trainer at W=4 as P=2 x T=2, each
+    worker's layers sharded by torch's styles (``LLAMA_PLAN``), against one device: final
+    weights, every step's loss and the validation loss (the tolerances of ``assert_same_state``
+    and rel 1e-5: tensor parallelism reorders the float sums). Its stages are traced with the
+    example's sizes fixed (its mask code branches on sizes); the split keeps the attention and
+    MLP modules whole, so their code reads the local head count (``repeat_kv`` reads it from a
+    shape), and the split must be even (with a cache, the attention, called with a cache
+    object, cannot be a module of the stage and ``LlamaModel`` runs whole: the warning says to
+    pass ``use_cache=False``). Each worker's T ranks load one share of every batch
+    (``fit_and_record``'s ``tensor_parallel_size``): loaded per rank, the build refuses it
+    (found with this test: before the values were compared, it trained silently wrong)."""
+    name = "transformers.LlamaForCausalLM(use_cache=False)"
     FIT_MODELS[name]()  # skips here when the package is missing
     want = _zoo_fit(1, 0, "auto", name)
     for rank, got in enumerate(worlds.get(4).run(zoo_tensor_parallel_on_worker, name)):
@@ -278,3 +299,6 @@ def test_llama_with_tensor_parallel_stages_fits_like_one_device(worlds) -> None:
         assert_same_state(got["state"], want["state"], label)
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), label
+        # a split, not the model whole in one stage: no stage holds 3/4 of its parameters
+        counts = got["stage_parameters"]
+        assert len(counts) == 2 and max(counts) < 0.75 * sum(counts), (label, counts)
