@@ -168,6 +168,56 @@ def test_an_output_object_holding_tensors_is_refused(holder: type, fix: str) -> 
     assert fix in message
 
 
+class CacheReader(nn.Module):
+    """A layer handed the model's cache object, as transformers' attention is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        y = self.lin(x)
+        if cache is not None:
+            cache.layers.append(y)
+        return y
+
+
+class CachingModel(nn.Module):
+    """transformers' pattern: a cache is made unless ``use_cache`` is False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CacheReader() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+        cache = FakeCache(x) if use_cache is not False else None
+        for layer in self.layers:
+            x = torch.tanh(layer(x, cache))
+        return x
+
+
+class WrapsCachingModel(nn.Module):
+    """A LightningModule's ``self.model(x)``: the call leaves ``use_cache`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = CachingModel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def test_a_submodule_called_with_its_cache_on_is_traced_with_it_off() -> None:
+    """The layers kept whole (as tensor parallelism keeps attention whole) would each be handed
+    the cache object, which a graph cannot hold: the submodule is traced as if its call passed
+    ``use_cache=False``, the split is even and exact, and the report names the submodule."""
+    args = (torch.randn(3, 8, generator=torch.Generator().manual_seed(0)),)
+    part = _assert_split_exact(WrapsCachingModel, args, 2, leaf_modules=("CacheReader",))
+    assert part.cache_off_modules == ["model"] and not part.auto_leaf_modules
+    assert part.stage_param_counts == [144, 144]
+    assert "called with use_cache=False" in part.report() and ": model" in part.report()
+
+
 class ReturnsTraceTimeTensor(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -196,10 +196,6 @@ FIT_MODELS: dict[str, Callable[[], nn.Module]] = {
         n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0),
     "transformers.LlamaForCausalLM": hf("LlamaForCausalLM", "LlamaConfig", **GQA),
-    # without a key/value cache, as a training config sets it: then a layer's attention can run
-    # as a module of the stage (a cache object cannot be a graph's argument)
-    "transformers.LlamaForCausalLM(use_cache=False)": hf("LlamaForCausalLM", "LlamaConfig",
-                                                         **GQA, use_cache=False),
     "litgpt.GPT": litgpt_gpt,
 }
 
@@ -280,18 +276,19 @@ def zoo_tensor_parallel_on_worker(ctx: WorkerContext, name: str) -> dict:
 
 @pytest.mark.distributed
 def test_llama_with_tensor_parallel_stages_fits_like_one_device(worlds) -> None:
-    """transformers' Llama (no key/value cache) through the Trainer at W=4 as P=2 x T=2, each
-    worker's layers sharded by torch's styles (``LLAMA_PLAN``), against one device: final
-    weights, every step's loss and the validation loss (the tolerances of ``assert_same_state``
-    and rel 1e-5: tensor parallelism reorders the float sums). Its stages are traced with the
-    example's sizes fixed (its mask code branches on sizes); the split keeps the attention and
-    MLP modules whole, so their code reads the local head count (``repeat_kv`` reads it from a
-    shape), and the split must be even (with a cache, the attention, called with a cache
-    object, cannot be a module of the stage and ``LlamaModel`` runs whole: the warning says to
-    pass ``use_cache=False``). Each worker's T ranks load one share of every batch
-    (``fit_and_record``'s ``tensor_parallel_size``): loaded per rank, the build refuses it
-    (found with this test: before the values were compared, it trained silently wrong)."""
-    name = "transformers.LlamaForCausalLM(use_cache=False)"
+    """transformers' Llama through the Trainer at W=4 as P=2 x T=2, each worker's layers
+    sharded by torch's styles (``LLAMA_PLAN``), against one device: final weights, every
+    step's loss and the validation loss (the tolerances of ``assert_same_state`` and rel 1e-5:
+    tensor parallelism reorders the float sums), and an even split. Its stages are traced with
+    the example's sizes fixed (its mask code branches on sizes); the split keeps the attention
+    and MLP modules whole, so their code reads the local head count (``repeat_kv`` reads it
+    from a shape); the LightningModule's call leaves ``use_cache`` out, so the model is traced
+    as if called with ``use_cache=False`` (a cache object handed to an attention kept whole
+    stopped the trace: the whole model ran in one stage). Each worker's T ranks load one share
+    of every batch (``fit_and_record``'s ``tensor_parallel_size``): loaded per rank, the build
+    refuses it (found with this test: before the values were compared, it trained silently
+    wrong)."""
+    name = "transformers.LlamaForCausalLM"
     FIT_MODELS[name]()  # skips here when the package is missing
     want = _zoo_fit(1, 0, "auto", name)
     for rank, got in enumerate(worlds.get(4).run(zoo_tensor_parallel_on_worker, name)):

@@ -71,6 +71,7 @@ class Partition:
         verified: what ``verify`` did (passed, or skipped and why; a mismatch raised).
         fixed_keywords: keyword arguments every call is traced with although the example
             omits them: ``{"use_cache": False}`` for a forward with a cache (:mod:`.cache_off`).
+        cache_off_modules: submodules whose calls omit ``use_cache``, traced as if with False.
     """
 
     def __init__(
@@ -106,6 +107,8 @@ class Partition:
         self.static_shapes = table.traced.inputs.static_shapes  # None unless sizes are baked in
         # keywords every call is traced with although it omits them (use_cache=False)
         self.fixed_keywords = dict(table.traced.inputs.fixed_keywords)
+        # submodules whose calls leave use_cache out, traced as if they passed False (cache_off)
+        self.cache_off_modules = list(table.traced.cache_off)
         self.boundary_names = [list(s.output_names) for s in stages[:-1]]
         self.boundary_bytes = [
             sum(value_bytes.get(v, 0) for v in table.live_at(cut)) for cut in plan.cuts

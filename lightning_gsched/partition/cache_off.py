@@ -10,12 +10,18 @@ set it, the model is traced as if called with ``use_cache=False``; the report sa
 (``part.fixed_keywords``), and calls that leave ``use_cache`` out behave the same. A call
 that passes ``use_cache=True`` explicitly keeps it, and a cache object in the output is then
 refused with :class:`.errors.UntracedOutputError`.
+
+The same rule holds for every submodule the trace reaches (:func:`omitted_cache`): a model
+wrapped in a LightningModule (``self.model(tokens)``) is a submodule whose call leaves
+``use_cache`` out, and its cache object, handed to each layer's attention, stops the trace at
+any attention kept whole (tensor parallelism keeps them so: the whole language model then ran in
+one stage). The report names those modules (``part.cache_off_modules``).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 CACHE_KEYWORD = "use_cache"
 
@@ -29,3 +35,15 @@ def fixed_keywords(signature: inspect.Signature, bound: dict[str, Any]) -> dict[
     if CACHE_KEYWORD in bound:
         return {}
     return {CACHE_KEYWORD: False}
+
+
+def omitted_cache(forward: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+    """:func:`fixed_keywords` for one call of a submodule's ``forward``; ``{}`` where its
+    signature cannot be read or the call does not bind to it (the call is then left as is)."""
+    try:
+        signature = inspect.signature(forward)
+        bound = signature.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+    return fixed_keywords(signature, bound)

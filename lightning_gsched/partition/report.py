@@ -53,6 +53,8 @@ class ReportedPartition(Protocol):
     def verified(self) -> object | None: ...
     @property
     def fixed_keywords(self) -> Mapping[str, object]: ...
+    @property
+    def cache_off_modules(self) -> Sequence[str]: ...
 
 
 def _size(num_bytes: int) -> str:
@@ -163,6 +165,10 @@ def format_report(
         lines.append(f"Traced as if called with {fixed} (the call leaves it out; a pipeline "
                      "cannot return or hand over a key/value cache, and training never reads "
                      "it): the output holds no cache")
+    if part.cache_off_modules:
+        lines.append("Traced as if these submodules were called with use_cache=False (their "
+                     "calls leave it out; a key/value cache cannot be handed between stages or "
+                     "to a module kept whole): " + ", ".join(part.cache_off_modules))
     if part.verified is not None:
         lines.append(f"Verified: {part.verified}")
     if not units:

@@ -43,7 +43,7 @@ from lightning_gsched.partition.attempts import (
     needs_static,
     run_attempt,
 )
-from lightning_gsched.partition.cache_off import fixed_keywords
+from lightning_gsched.partition.cache_off import fixed_keywords, omitted_cache
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
 from lightning_gsched.partition.errors import TraceFailedError, UntracedOutputError
 from lightning_gsched.partition.layout import InputLayout, OutputLayout, bind_arguments
@@ -96,6 +96,7 @@ class GschedTracer(fx.Tracer):
         self.gsched_scope: list[tuple[str, int]] = []
         self.gsched_invocations = 0
         self.traced_into: dict[str, nn.Module] = {}
+        self.cache_off: dict[str, None] = {}  # submodules called as if with use_cache=False
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name == ROOT:
@@ -124,6 +125,11 @@ class GschedTracer(fx.Tracer):
             self.gsched_scope.append((name, self.gsched_invocations))
         if not leaf:
             self.traced_into.setdefault(name, m)
+        if not is_root:  # the root's call is fixed by its input layout (cache_off)
+            off = omitted_cache(m.forward, args, kwargs)
+            if off:
+                kwargs = {**kwargs, **off}
+                self.cache_off.setdefault(name)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as exc:
@@ -208,6 +214,7 @@ class TracedModel:
     constants: dict[str, Any]  # get_attr targets that fx invented for tensors made while tracing
     auto_leaves: dict[str, str] = field(default_factory=dict)  # fqn -> why it became a leaf
     traced_into: dict[str, nn.Module] = field(default_factory=dict)
+    cache_off: tuple[str, ...] = ()  # submodules traced as if called with use_cache=False
     mode_dependent: str | None = None  # why the graph differs between train() and eval()
     # the module's mode when traced; with mode_dependent, the graph of the other mode (None
     # when that mode could not be traced), its constants being in ``constants`` too
@@ -393,6 +400,7 @@ def trace_model(
         constants=constants,
         auto_leaves=dict(chosen.auto_leaves),
         traced_into=dict(tracer.traced_into),
+        cache_off=tuple(tracer.cache_off),
         static_shapes=chosen.static,
         attempts=tuple(a.describe() for a in attempts),
         static_tried=static_tried,
