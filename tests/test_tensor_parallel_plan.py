@@ -8,6 +8,7 @@ ranks run.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Iterator
 
@@ -29,7 +30,7 @@ from lightning_gsched.partition.tensor_parallel import (
     parallelize_stages,
     shard_specs,
 )
-from models import gpt_inputs, make_gpt
+from models import ShardableAttention, gpt_inputs, make_gpt
 from tie_helpers import held_parameters, with_ties
 
 T = 2
@@ -198,6 +199,70 @@ def test_sharded_stages_train_like_one_device(worlds: Any) -> None:
                 for layer in ("attn.q.weight", "attn.k.weight", "attn.v.weight",
                               "attn.proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")}
     assert all(set(r["sharded"]) == expected for r in results), results
+
+
+class HeadNormAttention(ShardableAttention):
+    """Normalises each head of q (as Qwen3's q_norm does): the norm reads this rank's heads."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        k, v = (layer(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                for layer in (self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).flatten(2))
+
+
+def head_norm_gpt() -> nn.Module:
+    model = make_gpt(0, shardable=True)
+    gen = torch.Generator().manual_seed(3)
+    for block in model.blocks:
+        block.attn.__class__ = HeadNormAttention
+        block.attn.q_norm = nn.LayerNorm(block.attn.head_dim)
+        with torch.no_grad():  # not the identity, so every gradient reaching it counts
+            block.attn.q_norm.weight.copy_(torch.rand(block.attn.head_dim, generator=gen) + 0.5)
+    return model
+
+
+def head_norm_check(ctx: WorkerContext) -> dict[str, Any]:
+    """A norm over each head of a column-wise q: left whole by the plan, the build's gradient
+    check refuses it on every rank; styled ``"head_norm"``, the check passes and every rank's
+    gradient equals its slice of one device's (the norm's whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_gsched.partition.replicated_grads import check_replicated_gradients
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tensor_parallel",))
+    (idx,) = gpt_inputs()
+    out: dict[str, Any] = {}
+    for styled in (False, True):
+        plan = {**BLOCK_PLAN, **({"blocks.*.attn.q_norm": "head_norm"} if styled else {})}
+        model = head_norm_gpt()
+        stages = list(partition(model, 2, (idx,), verify=False).stages)
+        parallelize_stages(stages, plan, mesh)
+        try:
+            check_replicated_gradients(stages, (idx,), {}, mesh.get_group())
+        except TensorParallelPlanError as exc:
+            out[styled] = str(exc)
+            continue
+        out[styled] = None
+        reference = head_norm_gpt()
+        gpt_loss(reference(idx), idx).backward()
+        gpt_loss(stages[1](stages[0](idx)), idx).backward()
+        specs, wanted = shard_specs(model), dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert_shard_gradient(name, p.grad, wanted[name].grad, specs.get(name),
+                                  ctx.world_size, ctx.rank)
+    return out
+
+
+def test_a_parameter_left_whole_that_reads_a_shard_is_refused(worlds: Any) -> None:
+    for out in worlds.get(T).run(head_norm_check):
+        assert out[True] is None, out
+        assert out[False] is not None and "'blocks.0.attn.q_norm.weight'" in out[False], out
+        assert "'head_norm'" in out[False] and "gradient differs" in out[False], out
+        assert "q_norm.bias" in out[False], out  # its bias too: it adds to each head
 
 
 def test_code_that_needs_global_sizes_is_named_by_the_module_before_it(tp_mesh: object) -> None:

@@ -196,6 +196,7 @@ FIT_MODELS: dict[str, Callable[[], nn.Module]] = {
         n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0),
     "transformers.LlamaForCausalLM": hf("LlamaForCausalLM", "LlamaConfig", **GQA),
+    "transformers.Qwen3ForCausalLM": hf("Qwen3ForCausalLM", "Qwen3Config", head_dim=16, **GQA),
     "litgpt.GPT": litgpt_gpt,
 }
 
@@ -266,18 +267,29 @@ LLAMA_PLAN = {f"model.model.layers.*.{layer}": style for layer, style in (
     ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))}
 
 
+# Qwen3 normalises each head of q and k: "head_norm" sums those norms' gradients over the ranks
+# (left whole, the build refuses them: partition/replicated_grads.py)
+TENSOR_PARALLEL_PLANS = {
+    "transformers.LlamaForCausalLM": LLAMA_PLAN,
+    "transformers.Qwen3ForCausalLM": {**LLAMA_PLAN, **{
+        f"model.model.layers.*.self_attn.{norm}": "head_norm" for norm in ("q_norm", "k_norm")}},
+}
+
+
 def zoo_tensor_parallel_on_worker(ctx: WorkerContext, name: str) -> dict:
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
-    strategy = GeneralParallel("1f1b", tensor_parallel_size=2, tensor_parallel_plan=LLAMA_PLAN)
+    strategy = GeneralParallel("1f1b", tensor_parallel_size=2,
+                               tensor_parallel_plan=TENSOR_PARALLEL_PLANS[name])
     return _zoo_fit(ctx.world_size, ctx.rank, strategy, name, tensor_parallel_size=2)
 
 
 @pytest.mark.distributed
-def test_llama_with_tensor_parallel_stages_fits_like_one_device(worlds) -> None:
-    """transformers' Llama through the Trainer at W=4 as P=2 x T=2, each worker's layers
-    sharded by torch's styles (``LLAMA_PLAN``), against one device: final weights, every
+@pytest.mark.parametrize("name", list(TENSOR_PARALLEL_PLANS))
+def test_tensor_parallel_stages_fit_like_one_device(worlds, name: str) -> None:
+    """transformers' Llama and Qwen3 through the Trainer at W=4 as P=2 x T=2, each worker's
+    layers sharded by torch's styles (``TENSOR_PARALLEL_PLANS``), against one device: final weights, every
     step's loss and the validation loss (the tolerances of ``assert_same_state`` and rel 1e-5:
     tensor parallelism reorders the float sums), and an even split. Its stages are traced with
     the example's sizes fixed (its mask code branches on sizes); the split keeps the attention
@@ -287,8 +299,7 @@ def test_llama_with_tensor_parallel_stages_fits_like_one_device(worlds) -> None:
     stopped the trace: the whole model ran in one stage). Each worker's T ranks load one share
     of every batch (``fit_and_record``'s ``tensor_parallel_size``): loaded per rank, the build
     refuses it (found with this test: before the values were compared, it trained silently
-    wrong)."""
-    name = "transformers.LlamaForCausalLM"
+    wrong). Qwen3 also normalises each head of q and k, styled ``"head_norm"``."""
     FIT_MODELS[name]()  # skips here when the package is missing
     want = _zoo_fit(1, 0, "auto", name)
     for rank, got in enumerate(worlds.get(4).run(zoo_tensor_parallel_on_worker, name)):

@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_gsched.engine.checkpoint_sharded import DeferredRestore
 from lightning_gsched.engine.control import Collective
+from lightning_gsched.partition.replicated_grads import check_replicated_gradients
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlan,
     check_sharded_stages,
@@ -79,14 +80,17 @@ def shard_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan, tp_mesh:
 
     ``check_call``: the build's microbatch (args, kwargs), on which the sharded stages then run
     once, so that a model that cannot run on local sizes fails here on every rank, naming the
-    module; None for a model built without weights (the other workers' stages have none here
-    to run)."""
+    module, and once more with gradients, so that a parameter left whole whose gradient differs
+    between the ranks fails too (partition/replicated_grads.py); None for a model built without
+    weights (the other workers' stages have none here to run)."""
     degree = int(tp_mesh.size())
     collective("the stages' sharding", lambda: parallelize_stages(stages, plan, tp_mesh))
     if check_call is not None:
         args, kwargs = check_call
         collective("the sharded stages' check", lambda: check_sharded_stages(
             stages, args, kwargs, degree, sequence_patterns(plan)))
+        collective("the whole parameters' gradient check", lambda: check_replicated_gradients(
+            stages, args, kwargs, tp_mesh.get_group()))
 
 
 def pieces_of(module: nn.Module) -> Pieces:

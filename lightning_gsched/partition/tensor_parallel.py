@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 # the styles a YAML/JSON plan names (style_of): torch's, and the sequence-parallel variants
 STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_from_sequence", "rowwise_to_sequence",
-               "sequence_input", "sequence_output", "sequence_gather")
+               "sequence_input", "sequence_output", "sequence_gather", "head_norm")
 _T = TypeVar("_T")
 
 # A plan as a user gives it: module-name patterns -> styles (objects or names), or a function
@@ -71,7 +71,10 @@ def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
     of the sequence, :class:`.sequence_input.SequenceInput`), ``"sequence_output"`` (the
     module's output joined whole again) and ``"sequence_gather"`` (a module's first input
     gathered once for the plain column-wise layers inside it,
-    :class:`.sequence_input.SequenceGather`); docs/tensor_parallel.md has a plan."""
+    :class:`.sequence_input.SequenceGather`); docs/tensor_parallel.md has a plan. One more
+    names a norm applied to each head of a column-wise projection, its input laid out
+    (batch, sequence, heads, head_dim): ``"head_norm"`` (``SequenceParallel`` over dimension
+    2, so the norm's weight gradient is summed over the ranks; :mod:`.replicated_grads`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -91,7 +94,8 @@ def style_of(name_or_style: Any, pattern: str) -> ParallelStyle:
         "rowwise_to_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
         "sequence_input": SequenceInput, "sequence_gather": SequenceGather,
         "sequence_output": lambda: PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True),
+        "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True)}
     if isinstance(name_or_style, str) and name_or_style.lower() in by_name:
         return by_name[name_or_style.lower()]()
     raise TensorParallelPlanError(
