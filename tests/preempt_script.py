@@ -207,7 +207,7 @@ def main() -> None:
         elif c["mode"] == "predict":
             trainer.predict(model, loader)
         else:
-            trainer.fit(model, loader, rank_loader(data, GLOBAL_BATCH, c["world"], rank),
+            trainer.fit(model, loader, rank_loader(data, GLOBAL_BATCH, c["world"] // T, rank // T),
                         ckpt_path="last" if RESUMING else None)
         result["outcome"] = "finished"
     except BaseException as exc:  # noqa: BLE001 - the test reads how each rank ended
