@@ -176,7 +176,7 @@ def _tune_rank(rank: int, T: int, port: int, args: argparse.Namespace, costs: Ru
         sharded_while_measured,
         tune_model,
     )
-    from lightning_gsched.partition.tensor_parallel import kept_whole
+    from lightning_gsched.partition.tensor_parallel import with_kept_whole
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # T processes share the host's cores, as a worker's T ranks share a node
@@ -191,8 +191,7 @@ def _tune_rank(rank: int, T: int, port: int, args: argparse.Namespace, costs: Ru
         shard = sharded_while_measured(model, plan, mesh)
         keywords = _tune_keywords(args, costs)
         # as GeneralParallel: the plan's modules and their holders whole (kept_whole says why)
-        keywords["leaf_modules"] = tuple(dict.fromkeys(
-            (*keywords["leaf_modules"], *kept_whole(model, plan))))
+        keywords["leaf_modules"] = with_kept_whole(keywords["leaf_modules"], model, plan)
         workers = args.workers // T
         if rank == 0:
             result = tune_model(model, example, workers, args.global_batch, loss_fn=loss_fn,

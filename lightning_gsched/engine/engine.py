@@ -63,7 +63,7 @@ from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigErr
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, kept_whole
+from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, with_kept_whole
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
     shard_optimizer_state,
@@ -339,9 +339,8 @@ class PipelineEngine:
         whole (:func:`~lightning_gsched.partition.tensor_parallel.kept_whole` says why)."""
         if self.tensor_parallel_plan is None:
             return self.options
-        kept = kept_whole(self.module, self.tensor_parallel_plan)
-        return replace(self.options, leaf_modules=tuple(dict.fromkeys(
-            (*self.options.leaf_modules, *kept))))
+        return replace(self.options, leaf_modules=with_kept_whole(
+            self.options.leaf_modules, self.module, self.tensor_parallel_plan))
 
     def _tensor_parallel_plan(self) -> TensorParallelPlan:
         if self.tensor_parallel_plan is None:
@@ -400,8 +399,9 @@ class PipelineEngine:
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Partition:
         """The model cut into the decided schedule's S stages (:func:`.cut.cut_model`)."""
         return cut_model(self.module, self.config.resolved(self.world_size)[0],
-                         self._split_options(), args, kwargs, rank=self.rank, world_size=self.world_size,
-                         group=self.group, collective=self._collective)
+                         self._split_options(), args, kwargs, rank=self.rank,
+                         world_size=self.world_size, group=self.group,
+                         collective=self._collective)
 
     # ------------------------------------------------------------------ steps
 

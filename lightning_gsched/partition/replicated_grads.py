@@ -85,12 +85,14 @@ def check_replicated_gradients(stages: Sequence[nn.Module], args: tuple[Any, ...
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     differing = []
+    # by position, not by name: a tied parameter has one gradient sum per stage that reads it
     for k, (name, total, size) in enumerate(mine):
-        values = [(sums[k][1], sums[k][2]) if k < len(sums) and sums[k][0] == name
-                  else (float("nan"), float("nan")) for sums in everyone]
-        scale = max(abs(a) for _, a in values) or 1.0
-        if any(abs(t - total) > RELATIVE_TOLERANCE * scale or not abs(a - size) <=
-               RELATIVE_TOLERANCE * scale for t, a in values):
+        values = [sums[k][1:] for sums in everyone if k < len(sums) and sums[k][0] == name]
+        if len(values) < len(everyone):  # a rank got no gradient there: not the same
+            differing.append(name)
+            continue
+        bound = RELATIVE_TOLERANCE * (max(abs(a) for _, a in values) or 1.0)
+        if any(abs(t - total) > bound or abs(a - size) > bound for t, a in values):
             differing.append(name)
     if differing:
         shown = ", ".join(map(repr, differing[:4])) + (

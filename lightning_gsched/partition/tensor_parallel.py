@@ -171,6 +171,14 @@ def kept_whole(module: nn.Module, plan: TensorParallelPlan) -> tuple[str, ...]:
     return tuple(dict.fromkeys(kept))
 
 
+def with_kept_whole(leaf_modules: Sequence[type | str], module: nn.Module,
+                    plan: TensorParallelPlan | None) -> tuple[type | str, ...]:
+    """``leaf_modules`` and :func:`kept_whole`'s names for ``plan`` (none without a plan), once
+    each: what every split of a tensor-parallel model keeps whole (engine, ``gsched tune``)."""
+    kept = kept_whole(module, plan) if plan is not None else ()
+    return tuple(dict.fromkeys((*leaf_modules, *kept)))
+
+
 def assign_plan(plan: Mapping[str, Any], stage_modules: Sequence[Sequence[str]]
                 ) -> list[dict[str, ParallelStyle]]:
     """Per stage, ``{module name: style}`` for the plan's patterns.

@@ -147,7 +147,7 @@ class Channels:
         # gloo matches messages by tag: one group carries every channel, a tag each (fewer
         # groups: fewer connections and less set-up; the groups share one gloo device and its
         # thread, see gloo_groups)
-        self.tagged = dist.get_backend() == "gloo"
+        self.tagged = gloo_groups.default_is_gloo()
         if self.tagged:
             self.shared = new_group(everyone)
             self.groups: dict[tuple[str, bool], Any] = {
