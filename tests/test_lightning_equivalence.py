@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
 from dist_harness import WorkerContext
+from lightning_gsched.runtime.gloo_groups import BACKEND as SHARED_BACKEND
 from lightning_models import (
     as_worker,
     assert_same_state,
@@ -163,6 +164,20 @@ def mesh_ranks(mesh: Any) -> dict:
             "column_sum": int(total.item())}
 
 
+def means_over(mesh: Any, reduce: Callable[..., torch.Tensor]) -> dict:
+    """Means of the ranks through a front end's reduction (``strategy.reduce`` or
+    ``fabric.all_reduce``): over the data-parallel column and over every rank (no group), and
+    the backend of each mesh group. Why: on a CPU job the mesh's and the control group's groups
+    share the default group's gloo device under their own backend name, which Lightning's
+    ``_sync_ddp`` does not know as gloo (it would ask gloo for AVG and fail)."""
+    rank = float(torch.distributed.get_rank())
+    column = mesh["data_parallel"].get_group()
+    return {"column": float(reduce(torch.tensor([rank]), group=column, reduce_op="mean")),
+            "world": float(reduce(torch.tensor([rank]), reduce_op="mean")),
+            "backends": [torch.distributed.get_backend(mesh[name].get_group())
+                         for name in mesh.mesh_dim_names]}
+
+
 def mesh_on_worker(ctx: WorkerContext, tmp: str) -> dict:
     """The device mesh at W=4 as P=2 x G=2 (one launch, three front-end runs): a Trainer fit
     of 1f1b (``self.device_mesh`` in the module at fit start and in the first step,
@@ -184,6 +199,7 @@ def mesh_on_worker(ctx: WorkerContext, tmp: str) -> dict:
             if index == 0:
                 seen["module"] = mesh_ranks(module.device_mesh)
                 seen["strategy"] = mesh_ranks(trainer.strategy.device_mesh)
+                seen["means"] = means_over(module.device_mesh, trainer.strategy.reduce)
 
     model = make_lit_gpt(optimizer="sgd")
     fit = trainer(ctx.world_size, GeneralParallel("1f1b", data_parallel_size=2), tmp,
@@ -214,9 +230,10 @@ def _fabric_mesh(ctx: WorkerContext, schedule: str, **options: Any) -> dict:
     batch = share(global_batches()[0], ctx.rank, ctx.world_size)
     loss = float(fabric.strategy.step(model, batch, compute_loss))
     after = mesh_ranks(fabric.strategy.device_mesh)
+    means = means_over(fabric.strategy.device_mesh, fabric.all_reduce)
     G = fabric.strategy.schedule_config.data_parallel_size  # "auto": its pick's
     fabric.strategy.finish()
-    return {"before": before, "after": after, "loss": loss, "G": G}
+    return {"before": before, "after": after, "loss": loss, "G": G, "means": means}
 
 
 def test_device_mesh_is_pipeline_by_data_parallel_under_trainer_and_fabric(worlds,
@@ -239,6 +256,12 @@ def test_device_mesh_is_pipeline_by_data_parallel_under_trainer_and_fabric(world
         assert seen["fit_start"] == seen["module"] == seen["strategy"] == expected, rank
         shard = seen["fabric_shard"]
         assert shard["before"] == shard["after"] == expected, rank
+        # means through either front end, over a mesh group and over every rank, on mesh
+        # groups that share the default group's device (no transport thread of their own)
+        for means in (seen["means"], shard["means"]):
+            assert means["column"] == pytest.approx(2 * p + 0.5), (rank, means)
+            assert means["world"] == pytest.approx(1.5), (rank, means)
+            assert means["backends"] == [SHARED_BACKEND] * 2, (rank, means)
         assert shard["loss"] == pytest.approx(first_loss, rel=1e-5)
         auto = seen["fabric_auto"]
         assert auto["before"].startswith("refused: device_mesh is made once"), auto["before"]

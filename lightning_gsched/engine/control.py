@@ -30,6 +30,7 @@ from lightning_gsched.runtime import (
     FaultNotice,
     default_store,
     destroy_groups,
+    new_group,
     release_frames,
 )
 
@@ -47,7 +48,8 @@ class ControlGroup:
     def __init__(self, rank: int, timeout: float) -> None:
         self.rank = rank
         self.timeout = float(timeout)
-        self.group: Any = dist.new_group(timeout=timedelta(seconds=self.timeout))
+        # on a gloo job it shares the default group's transport device (runtime/gloo_groups)
+        self.group: Any = new_group(timeout=timedelta(seconds=self.timeout))
         self.store = default_store()
         self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
         self.notice = FaultNotice(self.store, self.key)

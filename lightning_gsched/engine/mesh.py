@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.runtime import destroy_groups
+from lightning_gsched.runtime import destroy_groups, mesh_backend_override
 from lightning_gsched.schedule.data_parallel import pipeline_size, tensor_parallel_workers
 
 if TYPE_CHECKING:
@@ -62,7 +62,10 @@ def pipeline_data_mesh(device_type: str, world_size: int, data_parallel_size: in
     shape = mesh_shape(world_size, data_parallel_size, tensor_parallel_size)
     names = MESH_DIMS if len(shape) == 2 else (*MESH_DIMS, TENSOR_PARALLEL)
     forget_sharding_decisions()  # an earlier mesh of the same ranks may have been decided on
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    # on a CPU gloo job its groups share the default group's transport device (one thread
+    # fewer per dimension, runtime/gloo_groups)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override=mesh_backend_override(device_type, len(shape)))
 
 
 class DeviceMeshSlot:
@@ -185,7 +188,8 @@ def first_worker_mesh(device_type: str, world_size: int, tensor_parallel_size: i
 
     ranks = list(range(tensor_parallel_size))
     forget_sharding_decisions()  # an earlier mesh of the same ranks may have been decided on
-    group = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
+    group = dist.new_group(ranks, timeout=timedelta(seconds=timeout),
+                           backend=(mesh_backend_override(device_type, 1) or {}).get(0))
     if dist.get_rank() not in ranks:
         yield None
         return

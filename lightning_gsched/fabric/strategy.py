@@ -57,7 +57,12 @@ from lightning_gsched.engine import (
     tensor_parallel_options,
 )
 from lightning_gsched.errors import PreemptedError, StrategyConfigError, error_text
-from lightning_gsched.runtime import deferred_parameters, pretrained_weights
+from lightning_gsched.runtime import (
+    deferred_parameters,
+    divided,
+    mean_by_sum,
+    pretrained_weights,
+)
 
 
 class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
@@ -380,6 +385,14 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         if control is None or control.closed:
             return super().broadcast(obj, src)
         return control.broadcast_object(obj, src)
+
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None,
+                   reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's, except that a mean over one of our groups (the device mesh's, on a
+        gloo job) is asked for as a sum and divided here (runtime/gloo_groups says why)."""
+        if isinstance(tensor, torch.Tensor) and mean_by_sum(group, reduce_op):
+            return divided(super().all_reduce(tensor, group=group, reduce_op="sum"), group)
+        return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
 
     def _failed(self, where: str, exc: BaseException) -> None:
         """This rank failed in a collective call: tell the job and drop the connections, so

@@ -17,7 +17,13 @@ from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.faults import is_timeout, release_frames, short_reason
 from lightning_gsched.runtime.footprint import optimizer_factor, optimizer_step_factor
 from lightning_gsched.runtime.fullstate import StreamedTensor, parameter_names
-from lightning_gsched.runtime.gloo_groups import gloo_group, new_group
+from lightning_gsched.runtime.gloo_groups import (
+    divided,
+    gloo_group,
+    mean_by_sum,
+    mesh_backend_override,
+    new_group,
+)
 from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
 from lightning_gsched.runtime.materialize import (
     Piece,
@@ -44,5 +50,5 @@ __all__ = [
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
     "initialize_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
     "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
-    "gloo_group", "new_group",
+    "divided", "gloo_group", "mean_by_sum", "mesh_backend_override", "new_group",
 ]

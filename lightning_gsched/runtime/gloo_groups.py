@@ -8,12 +8,15 @@ engine's internal groups (the runtime's channels, the checkpoint service's bound
 made through a backend registered once per process, :data:`BACKEND`, that builds torch's own
 ``ProcessGroupGloo`` on the default group's device. They are gloo groups in every respect
 (collectives, point to point, tags, timeouts, abort); only ``dist.get_backend(group)`` names
-them :data:`BACKEND`.
+them :data:`BACKEND`. Every group the strategies make on a CPU gloo job is one: the runtime's
+channels, the checkpoint service's exchange, the control group, the device mesh's dimensions
+(:func:`mesh_backend_override`): a run adds no transport thread to the default group's.
 
-Why only the internal ones: groups a user's code can meet (the device mesh's, the control group
-behind Lightning's ``reduce``) stay plain ``"gloo"``, because code reads that name: Lightning's
-``_sync_ddp`` turns a mean into a sum and a division only where ``get_backend(group) ==
-"gloo"`` (gloo has no AVG), and would fail on any other name.
+What reads the name: Lightning's ``_sync_ddp`` (behind ``self.log(sync_dist=True)``,
+``strategy.reduce``, ``fabric.all_reduce``) turns a mean into a sum and a division only where
+``get_backend(group) == "gloo"`` (gloo has no AVG). The strategies therefore ask it for a sum
+and divide themselves on our groups (:func:`mean_by_sum`, :func:`divided`); torch's own code
+(DTensor, FSDP2, functional collectives) reads the backend object, which is gloo's.
 
 Where the default group has no gloo device (NCCL), a group that follows the default backend is
 made as before (:func:`new_group`), and one that must be gloo (host objects) shares a device
@@ -91,6 +94,39 @@ def new_group(ranks: Sequence[int] | None = None, *, timeout: timedelta) -> Any:
     gloo device on a gloo job (collective: every rank calls it, in the same order)."""
     return dist.new_group(list(ranks) if ranks is not None else None, timeout=timeout,
                           backend=shared_backend())
+
+
+def mesh_backend_override(device_type: str, ndim: int) -> dict[int | str, Any] | None:
+    """``init_device_mesh``'s ``backend_override`` that puts every dimension's groups on the
+    shared device: a CPU mesh of a gloo job; None (torch's default groups) otherwise, e.g. a
+    CUDA mesh, whose groups must carry device tensors."""
+    if device_type != "cpu" or not default_is_gloo():
+        return None
+    backend = _registered()
+    return dict.fromkeys(range(ndim), backend)
+
+
+def mean_by_sum(group: Any, reduce_op: Any) -> bool:
+    """Whether a mean over ``group`` must be asked of Lightning as a sum and divided after
+    (:func:`divided`): a group of ours, which Lightning's ``_sync_ddp`` does not recognise as
+    gloo (module doc). ``reduce_op`` as Lightning takes it: ``"mean"``/``"avg"`` in any case,
+    or ``ReduceOp.AVG``."""
+    if group is None or not dist.is_initialized():
+        return False
+    if isinstance(reduce_op, str):
+        mean = reduce_op.lower() in ("mean", "avg")
+    else:
+        mean = reduce_op == dist.ReduceOp.AVG
+    return mean and dist.get_backend(group) == BACKEND
+
+
+def divided(total: torch.Tensor, group: Any) -> torch.Tensor:
+    """A summed tensor turned into the mean over ``group``, in place, as Lightning's
+    ``_sync_ddp`` divides (an integer tensor keeps its dtype)."""
+    size = dist.get_world_size(group)
+    if not torch.is_floating_point(total):
+        return total.copy_(total / size)
+    return total.div_(size)
 
 
 def gloo_group(ranks: Sequence[int] | None = None, *, timeout: timedelta) -> Any:
