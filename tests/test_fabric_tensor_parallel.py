@@ -24,6 +24,9 @@ device in this process:
   projections after them giving the split layout back, the first block's input cut and the
   last block's output joined, each block kept whole in the split by ``leaf_modules`` so that
   its input and output hooks run) trains 1f1b like one device too.
+* with dropout before the column-wise layers and every rank seeded apart, a worker's two
+  ranks draw the same masks (the engine aligns their generators): their whole parameters stay
+  bit-equal through three 1f1b steps (without it the build's gradient check refuses the run).
 
 Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
 partial dot products where one device adds one, float32 reordering as microbatches and ranks
@@ -123,7 +126,8 @@ def _pipelined(ctx: WorkerContext, schedule: str, plan: Any = None,
     return fabric, model, optimizer, batches
 
 
-def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]], dict, dict]:
+def run_schedules(ctx: WorkerContext, folder: str,
+                  ) -> tuple[list[dict[str, Any]], dict, dict, dict]:
     as_worker(ctx.rank)
     out = []
     for schedule in SCHEDULES:
@@ -156,7 +160,32 @@ def run_schedules(ctx: WorkerContext, folder: str) -> tuple[list[dict[str, Any]]
     fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
     losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
     fabric.strategy.finish()
-    return out, {"losses": losses, "weights": state_of(model)}, sequence
+    return out, {"losses": losses, "weights": state_of(model)}, sequence, dropout_run(ctx)
+
+
+def dropout_run(ctx: WorkerContext) -> dict[str, Any]:
+    """1f1b with dropout on the whole embeddings' sum (before the column-wise q, k, v), each
+    rank seeded apart as a user seeding replicas apart would: the engine aligns a worker's
+    generators (runtime/aligned_rng.py), so its ranks draw the same masks and their copies of
+    every whole parameter stay equal. Returns the losses and the whole parameters this rank
+    held before ``finish`` gathers the model (after it every rank holds the same)."""
+    from lightning.fabric import Fabric
+
+    from lightning_gsched.fabric import GeneralParallelFabric
+
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=GeneralParallelFabric(
+        "1f1b", microbatches=4, tensor_parallel_size=T, tensor_parallel_plan=PLAN))
+    fabric.launch()
+    model = make_gpt(0, shardable=True, dropout=0.2)
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+    torch.manual_seed(100 + ctx.rank)  # every rank apart, before the build
+    batches = [share(b, ctx.rank // T, ctx.world_size // T) for b in global_batches()]
+    losses = train(fabric, model, optimizer, batches, pipelined=True)
+    whole = {n: p.detach().clone() for n, p in model.module.named_parameters()
+             if p.numel() and tuple(p.shape) == full[n]}
+    fabric.strategy.finish()
+    return {"losses": losses, "whole": whole}
 
 
 def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: Any) -> None:
@@ -175,7 +204,14 @@ def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: An
         i: tuple(p.shape) for i, p in enumerate(params)}, "full-shaped optimizer state"
     for i, m in momentum.items():
         assert torch.equal(streamed["optimizer"]["state"][i]["momentum_buffer"], m), i
-    for rank, (per_schedule, resumed, sequence) in enumerate(results):
+    for worker in range(2):  # dropout: a worker's two ranks hold the same whole parameters
+        first, second = (results[worker * T + t][3] for t in range(T))
+        assert first["losses"] == second["losses"], worker
+        assert first["losses"] != want["losses"], "the masks changed the losses"
+        assert first["whole"] and first["whole"].keys() == second["whole"].keys(), worker
+        for name, tensor in first["whole"].items():
+            assert torch.equal(tensor, second["whole"][name]), (worker, name)
+    for rank, (per_schedule, resumed, sequence, _) in enumerate(results):
         label = f"1f1b with sequence parallelism, rank {rank}"
         assert_same_state(sequence["weights"], want["weights"], label)
         torch.testing.assert_close(torch.tensor(sequence["losses"]),

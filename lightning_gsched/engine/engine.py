@@ -74,6 +74,7 @@ from lightning_gsched.runtime import (
     PretrainedWeights,
     PretrainedWeightsError,
     ProgramExecutor,
+    align_generators,
     is_deferred,
     stage_micros,
 )
@@ -306,6 +307,7 @@ class PipelineEngine:
                                         tensor_parallel_size=self.tensor_parallel_size,
                                         pieces=pieces)
             self.runtime.prune_optimizer_state(self.optimizers())
+            self._align_generators()  # the build drew on some ranks only (traces, measures)
             memory = self.runtime.memory()
             rows = startup_rows(plan, memory, self.workers, self.group, self._collective)
         if self.rank == 0:
@@ -331,8 +333,19 @@ class PipelineEngine:
             raise StrategyConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs the strategy's device "
                 "mesh, which this engine was built without")
-        shard_stages(part.stages, self._tensor_parallel_plan(),
-                     self.device_mesh.dimension(TENSOR_PARALLEL), check_call, self._collective)
+        tp_mesh = self.device_mesh.dimension(TENSOR_PARALLEL)
+        self._align_generators()  # the check runs below draw dropout masks like a step
+        shard_stages(part.stages, self._tensor_parallel_plan(), tp_mesh, check_call,
+                     self._collective)
+
+    def _align_generators(self) -> None:
+        """A tensor-parallel worker's ranks take its first rank's generator states (collective
+        over the worker; runtime/aligned_rng.py says why)."""
+        if self.tensor_parallel_size == 1 or self.device_mesh is None:
+            return
+        group = self.device_mesh.dimension(TENSOR_PARALLEL).get_group()
+        self._collective("the tensor-parallel ranks' generators",
+                         lambda: align_generators(group, self.device_hint))
 
     def _split_options(self) -> PartitionOptions:
         """The partition options, with a tensor-parallel plan's modules and their holders kept

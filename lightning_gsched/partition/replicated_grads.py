@@ -105,5 +105,6 @@ def check_replicated_gradients(stages: Sequence[nn.Module], args: tuple[Any, ...
             "that sums the gradient over the ranks: SequenceParallel(sequence_dim=<the heads' "
             "dimension of its input>, use_local_output=True), by name 'head_norm' for a "
             "(batch, sequence, heads, head_dim) input (Qwen3's q_norm and k_norm) or "
-            "'sequence' for dimension 1. (Or the ranks' random streams differ, e.g. dropout: "
-            "seed every rank alike.)")
+            "'sequence' for dimension 1. (Or the model draws random numbers that differ between "
+            "the ranks by other means than torch's generators, which the engine aligns within "
+            "a worker: e.g. a mask drawn with numpy or Python's random.)")

@@ -6,6 +6,7 @@ stages; front ends use the facade :class:`ModelRuntime` and the names here. See 
 
 from __future__ import annotations
 
+from lightning_gsched.runtime.aligned_rng import align_generators
 from lightning_gsched.runtime.calibration import calibrate
 from lightning_gsched.runtime.channels import (
     LOST_PEER_GRACE_S,
@@ -44,6 +45,7 @@ from lightning_gsched.runtime.pretrained import (
 from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
+    "align_generators",
     "LOST_PEER_GRACE_S", "FaultNotice", "default_store", "destroy_groups", "is_timeout",
     "release_frames", "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult",
     "stage_micros", "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor",
