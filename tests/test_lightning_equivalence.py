@@ -204,8 +204,11 @@ def mesh_on_worker(ctx: WorkerContext, tmp: str) -> dict:
     model = make_lit_gpt(optimizer="sgd")
     fit = trainer(ctx.world_size, GeneralParallel("1f1b", data_parallel_size=2), tmp,
                   callbacks=[Record()], **dict(DEFAULT_FIT))
+    groups = torch.distributed.distributed_c10d._world.pg_map  # torch's registry (a check)
+    before = len(groups)
     fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * 2 * STEPS), GLOBAL_BATCH, ctx.world_size,
                                ctx.rank))
+    seen["groups_left"] = len(groups) - before  # the mesh's and the runtime's: released
     seen["state"] = state_of(model)
     seen["fabric_shard"] = _fabric_mesh(ctx, "1f1b", data_parallel_size=2, data_parallel="shard")
     try:
@@ -254,6 +257,7 @@ def test_device_mesh_is_pipeline_by_data_parallel_under_trainer_and_fabric(world
                     "data_parallel": [2 * p, 2 * p + 1], "pipeline": [g, 2 + g],
                     "column_sum": 4 * p + 1}
         assert seen["fit_start"] == seen["module"] == seen["strategy"] == expected, rank
+        assert seen["groups_left"] == 0, (rank, seen["groups_left"])
         shard = seen["fabric_shard"]
         assert shard["before"] == shard["after"] == expected, rank
         # means through either front end, over a mesh group and over every rank, on mesh

@@ -77,6 +77,7 @@ class DeviceMeshSlot:
 
     def __init__(self, on_made: Callable[[DeviceMesh], None] | None = None) -> None:
         self._mesh: DeviceMesh | None = None
+        self._live = False  # its groups exist (False after release: still readable)
         self._submeshes: dict[str, DeviceMesh] = {}
         self._on_made = on_made
 
@@ -93,7 +94,7 @@ class DeviceMeshSlot:
 
     @property
     def made(self) -> bool:
-        return self._mesh is not None
+        return self._live
 
     def make_if_decided(self, config: ScheduleConfig, world_size: int, device_type: str
                         ) -> None:
@@ -106,19 +107,20 @@ class DeviceMeshSlot:
     def make_for(self, world_size: int, data_parallel_size: int, device_type: str,
                  tensor_parallel_size: int = 1) -> None:
         """At the engine's build: the mesh of the plan it runs, unless made already."""
-        if self._mesh is None:
+        if not self._live:
             self._make(device_type, world_size, data_parallel_size, tensor_parallel_size)
 
     def _make(self, device_type: str, world_size: int, data_parallel_size: int,
               tensor_parallel_size: int = 1) -> None:
         mesh = self._mesh
         shape = mesh_shape(world_size, data_parallel_size, tensor_parallel_size)
-        same = (mesh is not None and mesh.device_type == device_type
+        same = (self._live and mesh is not None and mesh.device_type == device_type
                 and tuple(mesh.shape) == shape)
         if not same:  # else a later run of the same strategy (fit, then test): same groups
             self._submeshes = {}
             mesh = self._mesh = pipeline_data_mesh(device_type, world_size, data_parallel_size,
                                                    tensor_parallel_size)
+            self._live = True
         if self._on_made is not None:
             self._on_made(mesh)  # type: ignore[arg-type]  # made above
 
@@ -128,6 +130,20 @@ class DeviceMeshSlot:
         if name not in self._submeshes:
             self._submeshes[name] = self.mesh[name]
         return self._submeshes[name]
+
+    def release(self) -> None:
+        """The run ended (the strategy's teardown): destroy the mesh's groups, as the
+        strategy's other groups are; the mesh stays readable (shape, names, ranks) but carries
+        no collective. Why: each fit of a new strategy makes a mesh, so a process running many
+        (a sweep, a test suite) would keep every earlier fit's groups, each with connections to
+        every peer; a later run of the same strategy (fit, then test) makes a new mesh at its
+        setup."""
+        mesh = self._mesh
+        if mesh is None or not self._live:
+            return
+        meshes = [mesh, *self._submeshes.values()]
+        self._submeshes, self._live = {}, False
+        _release(meshes, list(mesh.get_all_groups()))
 
     def abort(self) -> None:
         """This job is failing: destroy the mesh's groups, so a peer waiting in one of them
@@ -141,8 +157,8 @@ class DeviceMeshSlot:
         peer's wait, instead of at once)."""
         mesh, self._mesh = self._mesh, None
         meshes = [mesh, *self._submeshes.values()] if mesh is not None else []
-        self._submeshes = {}
-        if mesh is not None:
+        live, self._submeshes, self._live = self._live, {}, False
+        if mesh is not None and live:
             _release(meshes, list(mesh.get_all_groups()))
 
 

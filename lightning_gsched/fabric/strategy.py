@@ -551,6 +551,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         if self._control is not None:
             self._control.close()
             self._control = None
+        self._mesh.release()
         super().teardown()
 
     @classmethod

@@ -583,6 +583,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             if self._failed:
                 self._control.outlive_host()
             self._control = None
+        self._mesh.release()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if (self._notice is not None and trainer is not None
                 and self._notice in _callbacks(trainer)):
