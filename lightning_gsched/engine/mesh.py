@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.errors import StrategyConfigError
-from lightning_gsched.runtime import destroy_groups, mesh_backend_override
+from lightning_gsched.runtime import destroy_groups, mesh_backend, mesh_backend_override
 from lightning_gsched.schedule.data_parallel import pipeline_size, tensor_parallel_workers
 
 if TYPE_CHECKING:
@@ -139,11 +139,10 @@ class DeviceMeshSlot:
         every peer; a later run of the same strategy (fit, then test) makes a new mesh at its
         setup."""
         mesh = self._mesh
-        if mesh is None or not self._live:
-            return
-        meshes = [mesh, *self._submeshes.values()]
-        self._submeshes, self._live = {}, False
-        _release(meshes, list(mesh.get_all_groups()))
+        meshes = [mesh, *self._submeshes.values()] if mesh is not None else []
+        live, self._submeshes, self._live = self._live, {}, False
+        if mesh is not None and live:
+            _release(meshes, list(mesh.get_all_groups()))
 
     def abort(self) -> None:
         """This job is failing: destroy the mesh's groups, so a peer waiting in one of them
@@ -155,11 +154,8 @@ class DeviceMeshSlot:
         reference goes; the sharded stages keep their sub-mesh, so destroying the groups alone
         left a tensor-parallel peer waiting until this process exited (measured: ~20 s, the
         peer's wait, instead of at once)."""
-        mesh, self._mesh = self._mesh, None
-        meshes = [mesh, *self._submeshes.values()] if mesh is not None else []
-        live, self._submeshes, self._live = self._live, {}, False
-        if mesh is not None and live:
-            _release(meshes, list(mesh.get_all_groups()))
+        self.release()
+        self._mesh = None
 
 
 def forget_sharding_decisions() -> None:
@@ -205,7 +201,7 @@ def first_worker_mesh(device_type: str, world_size: int, tensor_parallel_size: i
     ranks = list(range(tensor_parallel_size))
     forget_sharding_decisions()  # an earlier mesh of the same ranks may have been decided on
     group = dist.new_group(ranks, timeout=timedelta(seconds=timeout),
-                           backend=(mesh_backend_override(device_type, 1) or {}).get(0))
+                           backend=mesh_backend(device_type))
     if dist.get_rank() not in ranks:
         yield None
         return

@@ -59,8 +59,7 @@ from lightning_gsched.engine import (
 from lightning_gsched.errors import PreemptedError, StrategyConfigError, error_text
 from lightning_gsched.runtime import (
     deferred_parameters,
-    divided,
-    mean_by_sum,
+    lightning_reduce,
     pretrained_weights,
 )
 
@@ -389,10 +388,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     def all_reduce(self, tensor: Any, group: Optional[Any] = None,
                    reduce_op: Optional[Any] = "mean") -> Any:
         """Lightning's, except that a mean over one of our groups (the device mesh's, on a
-        gloo job) is asked for as a sum and divided here (runtime/gloo_groups says why)."""
-        if isinstance(tensor, torch.Tensor) and mean_by_sum(group, reduce_op):
-            return divided(super().all_reduce(tensor, group=group, reduce_op="sum"), group)
-        return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
+        gloo job) is asked for as a sum and divided (runtime/gloo_groups says why)."""
+        return lightning_reduce(super().all_reduce, tensor, group, reduce_op)
 
     def _failed(self, where: str, exc: BaseException) -> None:
         """This rank failed in a collective call: tell the job and drop the connections, so

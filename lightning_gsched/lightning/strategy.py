@@ -59,8 +59,7 @@ from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
 from lightning_gsched.runtime import (
     deferred_parameters,
-    divided,
-    mean_by_sum,
+    lightning_reduce,
     pretrained_weights,
 )
 from lightning_gsched.schedule import validate
@@ -489,21 +488,13 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         """Over the run's control group unless ``group`` is given; a mean over one of our
-        groups is asked of Lightning as a sum and divided here (runtime/gloo_groups says why)."""
+        groups is asked of Lightning as a sum and divided (runtime/gloo_groups says why)."""
+        reduce = super().reduce
         control = self._control
-        on_control = group is None and control is not None and not control.closed
-        if on_control:
-            group = control.group  # type: ignore[union-attr]  # on_control says it is set
-        by_sum = isinstance(tensor, torch.Tensor) and mean_by_sum(group, reduce_op)
-
-        def reduced() -> Any:
-            out = super(GeneralParallel, self).reduce(
-                tensor, group=group, reduce_op="sum" if by_sum else reduce_op)
-            return divided(out, group) if by_sum else out
-
-        if not on_control:
-            return reduced()
-        return control.run("a reduce (self.log sync_dist)", reduced)  # type: ignore[union-attr]
+        if group is not None or control is None or control.closed:
+            return lightning_reduce(reduce, tensor, group, reduce_op)
+        return control.run("a reduce (self.log sync_dist)",
+                           lambda: lightning_reduce(reduce, tensor, control.group, reduce_op))
 
     # ------------------------------------------------------------------ checkpoints
     # Lightning calls these names on the strategy; each is one call on the engine's

@@ -19,9 +19,9 @@ from lightning_gsched.runtime.faults import is_timeout, release_frames, short_re
 from lightning_gsched.runtime.footprint import optimizer_factor, optimizer_step_factor
 from lightning_gsched.runtime.fullstate import StreamedTensor, parameter_names
 from lightning_gsched.runtime.gloo_groups import (
-    divided,
     gloo_group,
-    mean_by_sum,
+    lightning_reduce,
+    mesh_backend,
     mesh_backend_override,
     new_group,
 )
@@ -52,5 +52,5 @@ __all__ = [
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
     "initialize_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
     "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
-    "divided", "gloo_group", "mean_by_sum", "mesh_backend_override", "new_group",
+    "gloo_group", "lightning_reduce", "mesh_backend", "mesh_backend_override", "new_group",
 ]

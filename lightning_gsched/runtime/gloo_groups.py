@@ -15,7 +15,7 @@ channels, the checkpoint service's exchange, the control group, the device mesh'
 What reads the name: Lightning's ``_sync_ddp`` (behind ``self.log(sync_dist=True)``,
 ``strategy.reduce``, ``fabric.all_reduce``) turns a mean into a sum and a division only where
 ``get_backend(group) == "gloo"`` (gloo has no AVG). The strategies therefore ask it for a sum
-and divide themselves on our groups (:func:`mean_by_sum`, :func:`divided`); torch's own code
+and divide themselves on our groups (:func:`lightning_reduce`); torch's own code
 (DTensor, FSDP2, functional collectives) reads the backend object, which is gloo's.
 
 Where the default group has no gloo device (NCCL), a group that follows the default backend is
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,21 +96,25 @@ def new_group(ranks: Sequence[int] | None = None, *, timeout: timedelta) -> Any:
                           backend=shared_backend())
 
 
+def mesh_backend(device_type: str) -> str | None:
+    """The backend for a device mesh's groups: :data:`BACKEND` for a CPU mesh of a gloo job
+    (they share the default group's device); None (torch's default) otherwise, e.g. a CUDA
+    mesh, whose groups must carry device tensors."""
+    return _registered() if device_type == "cpu" and default_is_gloo() else None
+
+
 def mesh_backend_override(device_type: str, ndim: int) -> dict[int | str, Any] | None:
-    """``init_device_mesh``'s ``backend_override`` that puts every dimension's groups on the
-    shared device: a CPU mesh of a gloo job; None (torch's default groups) otherwise, e.g. a
-    CUDA mesh, whose groups must carry device tensors."""
-    if device_type != "cpu" or not default_is_gloo():
-        return None
-    backend = _registered()
-    return dict.fromkeys(range(ndim), backend)
+    """``init_device_mesh``'s ``backend_override`` with :func:`mesh_backend` for every
+    dimension (None: torch's default groups)."""
+    backend = mesh_backend(device_type)
+    return None if backend is None else dict.fromkeys(range(ndim), backend)
 
 
-def mean_by_sum(group: Any, reduce_op: Any) -> bool:
-    """Whether a mean over ``group`` must be asked of Lightning as a sum and divided after
-    (:func:`divided`): a group of ours, which Lightning's ``_sync_ddp`` does not recognise as
-    gloo (module doc). ``reduce_op`` as Lightning takes it: ``"mean"``/``"avg"`` in any case,
-    or ``ReduceOp.AVG``."""
+def _mean_by_sum(group: Any, reduce_op: Any) -> bool:
+    """Whether a mean over ``group`` must be asked of Lightning as a sum and divided after: a
+    group of ours, which Lightning's ``_sync_ddp`` does not recognise as gloo (module doc).
+    ``reduce_op`` as Lightning takes it: ``"mean"``/``"avg"`` in any case, or
+    ``ReduceOp.AVG``."""
     if group is None or not dist.is_initialized():
         return False
     if isinstance(reduce_op, str):
@@ -120,9 +124,15 @@ def mean_by_sum(group: Any, reduce_op: Any) -> bool:
     return mean and dist.get_backend(group) == BACKEND
 
 
-def divided(total: torch.Tensor, group: Any) -> torch.Tensor:
-    """A summed tensor turned into the mean over ``group``, in place, as Lightning's
-    ``_sync_ddp`` divides (an integer tensor keeps its dtype)."""
+def lightning_reduce(reduce: Callable[..., Any], tensor: Any, group: Any,
+                     reduce_op: Any) -> Any:
+    """``reduce(tensor, group=group, reduce_op=reduce_op)``, Lightning's reduction (a
+    strategy's ``reduce`` or ``all_reduce``), except that a mean over one of our groups is asked
+    for as a sum and divided here, in place, as ``_sync_ddp`` divides on a group named gloo (an
+    integer tensor keeps its dtype)."""
+    if not (isinstance(tensor, torch.Tensor) and _mean_by_sum(group, reduce_op)):
+        return reduce(tensor, group=group, reduce_op=reduce_op)
+    total = reduce(tensor, group=group, reduce_op="sum")
     size = dist.get_world_size(group)
     if not torch.is_floating_point(total):
         return total.copy_(total / size)
