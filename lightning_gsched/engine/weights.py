@@ -30,7 +30,6 @@ from lightning_gsched.engine.control import Collective
 from lightning_gsched.partition.replicated_grads import check_replicated_gradients
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlan,
-    check_sharded_stages,
     parallelize_stages,
     sequence_patterns,
 )
@@ -79,18 +78,15 @@ def shard_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan, tp_mesh:
     (fsdp, fslpp) computes them all.
 
     ``check_call``: the build's microbatch (args, kwargs), on which the sharded stages then run
-    once, so that a model that cannot run on local sizes fails here on every rank, naming the
-    module, and once more with gradients, so that a parameter left whole whose gradient differs
-    between the ranks fails too (partition/replicated_grads.py); None for a model built without
-    weights (the other workers' stages have none here to run)."""
-    degree = int(tp_mesh.size())
+    once forward and backward, so that a model that cannot run on local sizes fails here on
+    every rank, naming the module, and so does a parameter left whole whose gradient differs
+    between the ranks (partition/replicated_grads.py); None for a model built without weights
+    (the other workers' stages have none here to run)."""
     collective("the stages' sharding", lambda: parallelize_stages(stages, plan, tp_mesh))
     if check_call is not None:
         args, kwargs = check_call
-        collective("the sharded stages' check", lambda: check_sharded_stages(
-            stages, args, kwargs, degree, sequence_patterns(plan)))
-        collective("the whole parameters' gradient check", lambda: check_replicated_gradients(
-            stages, args, kwargs, tp_mesh.get_group()))
+        collective("the sharded stages' check", lambda: check_replicated_gradients(
+            stages, args, kwargs, tp_mesh.get_group(), sequence_patterns(plan)))
 
 
 def pieces_of(module: nn.Module) -> Pieces:

@@ -14,12 +14,16 @@ So at the build (tensor parallelism only), the sharded stages run once forward a
 the build's microbatch, and every parameter left whole has its gradient compared across the T
 ranks (two sums of it, in one all-gather); one that differs fails the build on every rank with
 :class:`~lightning_gsched.partition.tensor_parallel.TensorParallelPlanError`, naming it and the
-fix. Nothing else changes: the gradients are taken with ``torch.autograd.grad`` (no ``.grad``
+fix. The same pass is the build's check that the sharded stages run at all: each forward goes
+through :func:`~lightning_gsched.partition.tensor_parallel.explain_sharded_failure`, so a model
+whose code needs global sizes fails here on every rank, naming the module, rather than inside a
+schedule's step on some ranks. Nothing else changes: the gradients are taken with ``torch.autograd.grad`` (no ``.grad``
 is written), and buffers and random streams are restored.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -28,7 +32,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-from lightning_gsched.partition.tensor_parallel import TensorParallelPlanError, shard_specs
+from lightning_gsched.partition.tensor_parallel import (
+    TensorParallelPlanError,
+    explain_sharded_failure,
+    shard_specs,
+)
 
 # A partial gradient differs from the whole one by a share of its size; reordered float sums
 # by a few ulps. Between the two, any tolerance separates them; this one is far from both.
@@ -55,15 +63,18 @@ def _detached(output: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output)
 
 
-def gradient_sums(stages: Sequence[nn.Module], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> list[tuple[str, float, float]]:
+def gradient_sums(stages: Sequence[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
+                  degree: int, sequence: Sequence[str] = ()) -> list[tuple[str, float, float]]:
     """``(name, sum, sum of absolute values)`` of each whole parameter's gradient, stage by
-    stage on the build's microbatch (each stage's input the previous one's output)."""
+    stage on the build's microbatch (each stage's input the previous one's output); a forward
+    that fails raises :func:`explain_sharded_failure`'s error (``degree`` ranks; ``sequence``:
+    the plan's sequence-sharded patterns)."""
     sums: list[tuple[str, float, float]] = []
     carried: Any = None
     with torch.enable_grad(), preserved_tensors_and_rng(nn.ModuleList(stages)):
         for k, stage in enumerate(stages):
-            output = stage(*args, **kwargs) if k == 0 else stage(carried)
+            call = partial(stage, *args, **kwargs) if k == 0 else partial(stage, carried)
+            output = explain_sharded_failure(stage, degree, call, sequence)
             carried = _detached(output)
             params = _whole_parameters(stage)
             scalar = _scalar(output)
@@ -78,10 +89,12 @@ def gradient_sums(stages: Sequence[nn.Module], args: tuple[Any, ...],
 
 
 def check_replicated_gradients(stages: Sequence[nn.Module], args: tuple[Any, ...],
-                               kwargs: dict[str, Any], group: Any) -> None:
-    """Fail, on every rank of ``group`` (the worker's T ranks), if a whole parameter's gradient
-    differs between them (collective over ``group``; module doc)."""
-    mine = gradient_sums(stages, args, kwargs)
+                               kwargs: dict[str, Any], group: Any,
+                               sequence: Sequence[str] = ()) -> None:
+    """Fail, on every rank of ``group`` (the worker's T ranks), if a sharded stage cannot run
+    or a whole parameter's gradient differs between them (collective over ``group``; module
+    doc; ``sequence``: the plan's sequence-sharded patterns, named in a failure's fix)."""
+    mine = gradient_sums(stages, args, kwargs, dist.get_world_size(group), sequence)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     differing = []

@@ -572,20 +572,3 @@ def _sequence_hint(sequence: Sequence[str]) -> str:
             "replicated activations), 'sequence_input' on the first block and "
             "'sequence_output' on the last ('sequence_gather' on an attention gathers once for "
             "its 'colwise' q, k, v)")
-
-
-def check_sharded_stages(stages: Sequence[nn.Module], args: tuple[Any, ...],
-                         kwargs: dict[str, Any], degree: int,
-                         sequence: Sequence[str] = ()) -> None:
-    """Run the sharded stages once, in order, on a real microbatch (collective over the
-    tensor-parallel ranks, which all run it): a model whose code needs global sizes fails here,
-    on every rank alike, with :func:`explain_sharded_failure`'s message, rather than inside a
-    schedule's step on some ranks. Without gradients; the random streams and buffers are
-    restored, so training draws what it would have drawn without this check."""
-    from lightning_gsched.partition.preserve import preserved_tensors_and_rng
-
-    carried: Any = None
-    with torch.no_grad(), preserved_tensors_and_rng(nn.ModuleList(stages)):
-        for k, stage in enumerate(stages):
-            call = partial(stage, *args, **kwargs) if k == 0 else partial(stage, carried)
-            carried = explain_sharded_failure(stage, degree, call, sequence)
