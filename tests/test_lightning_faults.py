@@ -4,7 +4,9 @@ Each case launches ``preempt_script.py`` the way a user runs a script (Lightning
 launcher starts the other ranks), injects one fault at a chosen rank, step and place, and waits
 for every rank's result file. The wait is bounded (the job's ``step_timeout`` is 30 s; the bound
 is a few of those plus start-up): a rank that has not answered by then is a hang, and the test
-fails naming it. Nothing asserts on durations otherwise.
+fails naming it. Nothing asserts on durations otherwise. The one-job cases are started two at a
+time ahead of their tests (``ahead``, launched_jobs.JobsAhead): most of a job's wall time is its
+ranks' start-up, one after another.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Iterator, cast
 
 import pytest
 import torch
 
-from launched_jobs import wait_for_ranks
+from launched_jobs import JobsAhead, selected_cases, wait_for_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -51,6 +53,33 @@ def run_job(tmp: Path, schedule: str, world: int, fault: str, rank: int, step: i
     return wait_for_ranks(launcher, tmp, world, BOUND)
 
 
+@pytest.fixture(scope="module")
+def jobs() -> Iterator[JobsAhead]:
+    """This module's launched jobs, two at a time (launched_jobs.JobsAhead)."""
+    pool = JobsAhead(width=2)
+    yield pool
+    pool.close()
+
+
+def one_job(out: Path, case: tuple) -> list[dict]:
+    """A preemption's or a failure's job: ``case`` starts (schedule, world, fault, rank,
+    step, where)."""
+    schedule, world, fault, rank, step, where = case[:6]
+    return run_job(out, schedule, world, fault, rank, step, where,
+                   rank0_after=6.0 if case[:6] in OUTLIVED else 0.0)
+
+
+@pytest.fixture(scope="module")
+def ahead(request: pytest.FixtureRequest, jobs: JobsAhead,
+          tmp_path_factory: pytest.TempPathFactory) -> JobsAhead:
+    """The selected preemption and failure cases, started ahead of their tests."""
+    for test in (test_preemption_signal_stops_every_rank_after_the_same_step,
+                 test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it):
+        jobs.start(test.__name__, one_job, selected_cases(request, test),
+                   lambda case: tmp_path_factory.mktemp("-".join(map(str, case[:6]))))
+    return jobs
+
+
 PREEMPTIONS = [
     # (schedule, world, fault, rank, step, where)
     ("1f1b", 2, "sigterm", 1, 3, "loss"),  # last rank, inside the schedule's last stage
@@ -63,21 +92,22 @@ PREEMPTIONS = [
 @pytest.mark.parametrize("schedule, world, fault, rank, step, where", PREEMPTIONS,
                          ids=["-".join(map(str, case)) for case in PREEMPTIONS])
 def test_preemption_signal_stops_every_rank_after_the_same_step(
-        tmp_path: Path, schedule: str, world: int, fault: str, rank: int, step: int,
+        ahead: JobsAhead, schedule: str, world: int, fault: str, rank: int, step: int,
         where: str) -> None:
-    results = run_job(tmp_path, schedule, world, fault, rank, step, where)
+    out, results = ahead.result(test_preemption_signal_stops_every_rank_after_the_same_step
+                                .__name__, (schedule, world, fault, rank, step, where))
     for r in results:
         assert r["outcome"] == "SIGTERMException", r
     stops = {r["step"] for r in results}
     assert len(stops) == 1, results  # the same boundary on every rank
     (stop,) = stops
     assert stop >= step  # the step running when the signal came was finished
-    log = (tmp_path / "log.txt").read_text()
+    log = (out / "log.txt").read_text()
     name = "SIGUSR1" if fault == "sigusr1" else "SIGTERM"
     for r in range(world):
         assert f"rank {r}: preemption notice ({name} on rank" in log, log[-3000:]
     # ModelCheckpoint(save_on_exception=True, save_last=True) saved that step on the way out
-    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = torch.load(out / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert saved["global_step"] == stop
 
 
@@ -123,11 +153,12 @@ OUTLIVED = {("1f1b", 2, "raise", 1, 1, "batch_end")}
 @pytest.mark.parametrize("schedule, world, fault, rank, step, where, hook", FAILURES,
                          ids=["-".join(map(str, case[:6])) for case in FAILURES])
 def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
-        tmp_path: Path, schedule: str, world: int, fault: str, rank: int, step: int,
+        ahead: JobsAhead, schedule: str, world: int, fault: str, rank: int, step: int,
         where: str, hook: str) -> None:
     outlived = (schedule, world, fault, rank, step, where) in OUTLIVED
-    results = run_job(tmp_path, schedule, world, fault, rank, step, where,
-                      rank0_after=6.0 if outlived else 0.0)
+    out, results = ahead.result(
+        test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it.__name__,
+        (schedule, world, fault, rank, step, where, hook))
     assert results[rank]["injected"], results[rank]
     if outlived:  # the failed child ended after rank 0 had written
         assert results[rank]["ended"] >= results[0]["ended"], results
@@ -136,7 +167,7 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
     named = f"rank {rank} failed"
     failing = results[rank]
     if failing["outcome"] == "ValueError":  # the user's own exception, re-raised as it was;
-        log = (tmp_path / "log.txt").read_text()  # the rank prints what the others are told
+        log = (out / "log.txt").read_text()  # the rank prints what the others are told
         assert f"{named} in {hook}" in log, log[-3000:]
     else:
         assert named in failing["message"] and hook in failing["message"], failing
@@ -152,21 +183,47 @@ def test_exception_in_a_hook_on_one_rank_stops_every_rank_naming_it(
           f"{min(ended):.1f}-{max(ended):.1f} s after the raise")
 
 
+def whole_run(out: Path, case: tuple) -> dict[str, torch.Tensor]:
+    """The uninterrupted job of ``case`` = (schedule, world): its final weights."""
+    schedule, world = case
+    whole = run_job(out, schedule, world, "none", 0, 0, "loss")
+    assert [r["outcome"] for r in whole] == ["finished"] * world, whole
+    return cast(dict[str, torch.Tensor], torch.load(out / "final.pt", map_location="cpu"))
+
+
+def stop_then_resume(out: Path, case: tuple) -> tuple[list[dict], list[dict]]:
+    """``case`` = (schedule, world, state_dict_type): SIGTERM on the last rank in step 3 of 6,
+    then the same job again with ``ckpt_path="last"``; both jobs' results."""
+    schedule, world, state_dict_type = case
+    stopped = run_job(out, schedule, world, "sigterm", world - 1, 3, "loss",
+                      state_dict_type=state_dict_type)
+    assert [r["outcome"] for r in stopped] == ["SIGTERMException"] * world, stopped
+    assert not (out / "final.pt").exists()
+    saved = out / "ckpt" / "last.ckpt"
+    assert saved.is_dir() == (state_dict_type == "sharded"), saved
+    resumed = run_job(out, schedule, world, "none", 0, 0, "loss", resume=True,
+                      state_dict_type=state_dict_type)
+    return stopped, resumed
+
+
+WHOLE, RESUMED = "uninterrupted", "stopped and resumed"
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The uninterrupted job's final weights per (schedule, world), run once for the module
-    (the checkpoint format does not change the training, so the cases share it)."""
-    runs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-
-    def weights(schedule: str, world: int) -> dict[str, torch.Tensor]:
-        if (schedule, world) not in runs:
-            out = tmp_path_factory.mktemp(f"whole-{schedule}-{world}")
-            whole = run_job(out, schedule, world, "none", 0, 0, "loss")
-            assert [r["outcome"] for r in whole] == ["finished"] * world, whole
-            runs[schedule, world] = torch.load(out / "final.pt", map_location="cpu")
-        return runs[schedule, world]
-
-    return weights
+def uninterrupted(request: pytest.FixtureRequest, jobs: JobsAhead,
+                  tmp_path_factory: pytest.TempPathFactory) -> JobsAhead:
+    """The uninterrupted jobs (one per schedule and world: the checkpoint format does not
+    change the training, so the cases share it) and the resume cases' job pairs the selected
+    tests need, started ahead of them: the uninterrupted ones first."""
+    resumes = selected_cases(request, test_resume_after_preemption_equals_the_uninterrupted_run)
+    needed = {case[:2] for case in resumes}
+    if selected_cases(request, test_torchrun_restart_after_kill9_resumes_from_the_last_checkpoint):
+        needed.add(("1f1b", 2))
+    jobs.start(WHOLE, whole_run, sorted(needed),
+               lambda case: tmp_path_factory.mktemp("whole-{}-{}".format(*case)))
+    jobs.start(RESUMED, stop_then_resume, resumes,
+               lambda case: tmp_path_factory.mktemp("resume-{}-{}-{}".format(*case)))
+    return jobs
 
 
 RESUMES = [
@@ -181,30 +238,21 @@ RESUMES = [
 @pytest.mark.parametrize("schedule, world, state_dict_type", RESUMES,
                          ids=["-".join(map(str, case)) for case in RESUMES])
 def test_resume_after_preemption_equals_the_uninterrupted_run(
-        tmp_path: Path, uninterrupted: Any, schedule: str, world: int,
-        state_dict_type: str) -> None:
+        uninterrupted: JobsAhead, schedule: str, world: int, state_dict_type: str) -> None:
     """SIGTERM on the last rank in step 3 of 6, ``ckpt_path="last"``, train to the end: the
     final weights are the uninterrupted job's. The job's loader is resumable (see
     preempt_script.FaultyLoader), so the resumed steps see the batches the uninterrupted job
     saw at those steps; the one-batch-per-step data makes a wrong batch change the weights."""
-    want = uninterrupted(schedule, world)
-    last = world - 1
-    stopped = run_job(tmp_path, schedule, world, "sigterm", last, 3, "loss",
-                      state_dict_type=state_dict_type)
-    assert [r["outcome"] for r in stopped] == ["SIGTERMException"] * world, stopped
-    assert stopped[last]["injected"], stopped
-    stop = stopped[0]["step"]
-    assert 3 <= stop < 6 and not (tmp_path / "final.pt").exists()
-    saved = tmp_path / "ckpt" / "last.ckpt"
-    assert saved.is_dir() == (state_dict_type == "sharded"), saved
-    resumed = run_job(tmp_path, schedule, world, "none", 0, 0, "loss", resume=True,
-                      state_dict_type=state_dict_type)
+    _, want = uninterrupted.result(WHOLE, (schedule, world))
+    out, (stopped, resumed) = uninterrupted.result(RESUMED, (schedule, world, state_dict_type))
+    assert stopped[world - 1]["injected"], stopped
+    assert 3 <= stopped[0]["step"] < 6, stopped
     assert [(r["outcome"], r["step"]) for r in resumed] == [("finished", 6)] * world, resumed
-    got = torch.load(tmp_path / "final.pt", map_location="cpu")
+    got = torch.load(out / "final.pt", map_location="cpu")
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0, msg=key)
-    log = (tmp_path / "log.txt").read_text()
+    log = (out / "log.txt").read_text()
     assert "Restoring states from the checkpoint path" in log, log[-3000:]
     assert "dataloader is not resumable" not in log  # Lightning's warning for a plain loader
 
@@ -238,12 +286,12 @@ def run_torchrun(tmp: Path, schedule: str, world: int, rank: int, step: int) -> 
 
 
 def test_torchrun_restart_after_kill9_resumes_from_the_last_checkpoint(
-        tmp_path: Path, uninterrupted: Any) -> None:
+        tmp_path: Path, uninterrupted: JobsAhead) -> None:
     """kill -9 of the last rank in step 4 of 6 (after the checkpoint of step 2): the other
     rank ends on the lost connection (a RuntimeFault, not a hang), torchrun restarts the group
     once, the restart resumes from ``last.ckpt`` and trains to the end: the final weights are
     the uninterrupted job's (rel 1e-6)."""
-    want = uninterrupted("1f1b", 2)
+    _, want = uninterrupted.result(WHOLE, ("1f1b", 2))
     code, log = run_torchrun(tmp_path, "1f1b", 2, rank=1, step=3)
     assert code == 0, log[-3000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
