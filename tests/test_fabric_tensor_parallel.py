@@ -259,3 +259,31 @@ def test_a_plan_that_cannot_run_sharded_fails_every_rank_with_its_reason(worlds:
         assert getattr(error, "type_name", None) == "TensorParallelPlanError", (rank, error)
         assert "'blocks.*.ln1' by sequence" in error.message, (rank, error.message)
         assert "lost the connection" not in error.message, (rank, error.message)
+
+
+def aligned_draws(ctx: WorkerContext) -> list[tuple[float, float, float]]:
+    """Each rank seeded apart, then its worker's generators aligned over the worker's two
+    ranks (as the engine does): the next draw of torch's, Python's and numpy's generators."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from lightning_gsched.runtime import align_generators
+
+    torch.manual_seed(ctx.rank)
+    random.seed(ctx.rank)
+    np.random.seed(ctx.rank)
+    groups = [dist.new_group([w * T + t for t in range(T)]) for w in range(ctx.world_size // T)]
+    align_generators(groups[ctx.rank // T], torch.device("cpu"))
+    return [(torch.rand(()).item(), random.random(), float(np.random.random()))]
+
+
+def test_aligned_generators_include_python_and_numpy(worlds: Any) -> None:
+    """A layer drop drawn with ``random.random()`` in a module kept whole (tests/
+    test_partition_host_random.py) must be decided alike by a worker's ranks, or they run
+    different collectives; workers keep streams of their own."""
+    draws = [r[0] for r in worlds.get(4).run(aligned_draws)]
+    for worker in range(2):
+        assert draws[worker * T] == draws[worker * T + 1], (worker, draws)
+    assert all(a != b for a, b in zip(draws[0], draws[T], strict=True)), draws

@@ -215,21 +215,22 @@ TRAINER_PIP = ("lightning.pytorch", "pytorch_lightning")
 RULES = [
     Rule(
         name="pure-python-schedule",
-        applies_to=(f"{PACKAGE}.schedule", f"{PACKAGE}.errors"),
+        applies_to=(f"{PACKAGE}.schedule", f"{PACKAGE}.errors", f"{PACKAGE}.host_random"),
         forbidden=(*TORCH, *LIGHTNING_PIP),
-        why="schedule/ and errors.py are pure Python: the planner and CLI must not load torch",
+        why="schedule/, errors.py and host_random.py are pure Python: the planner and CLI must "
+        "not load torch",
     ),
     Rule(
         name="schedule-is-the-bottom-layer",
         # the torch-backed layers load torch themselves; importing them from below would too
-        applies_to=(f"{PACKAGE}.schedule", f"{PACKAGE}.errors"),
+        applies_to=(f"{PACKAGE}.schedule", f"{PACKAGE}.errors", f"{PACKAGE}.host_random"),
         forbidden=(
             f"{PACKAGE}.partition",
             f"{PACKAGE}.runtime",
             *ABOVE_PARTITION,
             f"{PACKAGE}.cli",
         ),
-        why="schedule/ and errors.py sit below every other layer",
+        why="schedule/, errors.py and host_random.py sit below every other layer",
     ),
     Rule(
         name="partition-only-splits",

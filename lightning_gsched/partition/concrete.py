@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Attribute
 
+from lightning_gsched.host_random import host_draws_allowed
 from lightning_gsched.partition.recording import RecordsMutation
 
 try:  # private: lifts fx's patches of nn.Module.__call__/__getattr__ while we run real code
@@ -161,7 +162,7 @@ class ConcreteValues:
             self.values[node] = _MISSING
             return
         try:
-            with torch.no_grad(), _untraced():
+            with torch.no_grad(), _untraced(), host_draws_allowed():
                 if node.op == "call_function":
                     value = node.target(*args, **kwargs)  # type: ignore[operator]
                 elif node.op == "call_method":

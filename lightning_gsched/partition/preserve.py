@@ -15,6 +15,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_gsched.host_random import host_states, set_host_states
+
 
 @contextlib.contextmanager
 def preserved_attributes(module: nn.Module) -> Iterator[None]:
@@ -46,6 +48,7 @@ def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
     """Restore buffer values (BatchNorm statistics...) and the RNG streams on exit."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     cpu_rng = torch.get_rng_state()
+    host = host_states()  # Python's and numpy's (a leaf's example run may draw)
     # torch.cuda.is_initialized has no annotations
     cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
@@ -56,5 +59,6 @@ def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
             for live, snapshot in buffers:
                 live.copy_(snapshot)
         torch.set_rng_state(cpu_rng)
+        set_host_states(host)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

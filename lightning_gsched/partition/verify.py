@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_gsched.host_random import host_states, seed_host, set_host_states
 from lightning_gsched.partition.errors import PartitionError, SplitMismatchError
 from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
 
@@ -110,9 +111,14 @@ def _seeded() -> contextlib.AbstractContextManager[Any]:
 
     @contextlib.contextmanager
     def run() -> Iterator[None]:
-        with fork:
-            torch.manual_seed(VERIFY_SEED)
-            yield
+        host = host_states()  # the model and its stages draw Python's and numpy's alike too
+        try:
+            with fork:
+                torch.manual_seed(VERIFY_SEED)
+                seed_host(VERIFY_SEED)
+                yield
+        finally:
+            set_host_states(host)
 
     return run()
 

@@ -8,7 +8,10 @@ rank and drift apart. The ranks' generators are not equal by themselves: the bui
 some ranks only (rank 0 traces, verifies and measures the model, each draws), and a user may
 seed each rank apart (``seed_everything(base + rank)``, so that data-parallel replicas draw
 different masks). So the engine aligns them within each worker (:func:`align_generators`): the
-worker's first rank's states, CPU and the training device's, go to its other ranks, before the
+worker's first rank's states, CPU and the training device's, and Python's and numpy's global
+generators (a layer drop drawn with ``random.random()`` in a module kept whole,
+:mod:`lightning_gsched.host_random`: ranks deciding apart would run different collectives), go to
+its other ranks, before the
 build's check runs and once more before the first step. From there every rank of a worker runs
 the same program on the same shapes and draws the same numbers. Workers keep their own streams
 (replicas still draw different masks). As in torch's tensor parallelism outside DTensor's own
@@ -23,11 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_gsched.host_random import host_states, set_host_states
+
 
 def align_generators(group: Any, device: torch.device) -> None:
     """Every rank of ``group`` takes the random-number generator states of the group's first
-    rank: the CPU generator's, and ``device``'s where it is a CUDA device (collective over
-    ``group``; its backend carries ``device``'s tensors)."""
+    rank: the CPU generator's, ``device``'s where it is a CUDA device, Python's and numpy's
+    (collective over ``group``; its backend carries ``device``'s tensors)."""
     carrier = device if device.type == "cuda" else torch.device("cpu")
     state = torch.get_rng_state().to(carrier)
     dist.broadcast(state, group=group, group_src=0)
@@ -36,3 +41,6 @@ def align_generators(group: Any, device: torch.device) -> None:
         cuda_state = torch.cuda.get_rng_state(device).to(carrier)
         dist.broadcast(cuda_state, group=group, group_src=0)
         torch.cuda.set_rng_state(cuda_state.cpu(), device)
+    host = [host_states()]
+    dist.broadcast_object_list(host, group=group, group_src=0, device=carrier)
+    set_host_states(host[0])

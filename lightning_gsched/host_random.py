@@ -1,0 +1,125 @@
+"""Python's and numpy's random numbers in a forward: refused while traced, kept with torch's.
+
+Why: torch.fx records tensor operations, so a call such as ``random.random()`` or
+``np.random.rand()`` in a forward runs once, at trace time, and its value becomes a constant of
+the split. A layer drop decided by one (``if self.training and random.random() < p``;
+transformers' wav2vec2 encoder draws its layer drop from numpy) would be frozen for the whole
+run: the layer dropped always or never, silently. So while the tracer runs traced code, these
+functions raise :class:`HostRandomDraw` (:func:`host_draws_refused`); the tracer then keeps the
+module that drew whole (an automatic leaf, as for data-dependent control flow), so its forward
+runs with real draws at every call, and a draw in the root forward fails the trace naming the
+function. Code that runs for real while tracing (a leaf's example run under static shapes,
+:func:`host_draws_allowed`) may draw: it runs whole later too. Only the tracing thread is
+refused; other threads (data loading) draw as usual.
+
+The same streams are kept with torch's wherever the partitioner restores or seeds torch's
+(:func:`host_states`, :func:`set_host_states`, :func:`seed_host`): tracing leaves them as they
+were, and the split's check runs the model and its stages from the same draws.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import threading
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+# the module-level draws of ``random`` and of numpy's legacy global generator (``np.random``)
+PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
+                "shuffle", "gauss", "normalvariate", "lognormvariate", "expovariate",
+                "betavariate", "gammavariate", "triangular", "vonmisesvariate",
+                "paretovariate", "weibullvariate", "getrandbits", "randbytes")
+NUMPY_DRAWS = ("random", "rand", "randn", "randint", "random_sample", "ranf", "sample",
+               "uniform", "normal", "standard_normal", "choice", "permutation", "shuffle",
+               "binomial", "poisson", "beta", "exponential", "bytes", "random_integers")
+
+_refusing = threading.local()  # .on: this thread is running traced code
+
+
+class HostRandomDraw(RuntimeError):
+    """Traced code drew from Python's or numpy's global random numbers."""
+
+
+def _numpy_random() -> ModuleType | None:
+    """``numpy.random`` when numpy is imported (model code that draws from it has imported it)."""
+    numpy = sys.modules.get("numpy")
+    return getattr(numpy, "random", None) if numpy is not None else None
+
+
+def _guarded(owner: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_refusing, "on", False):
+            raise HostRandomDraw(
+                f"{owner}.{name}() was called while the model was traced: its value would be "
+                "frozen into the split (e.g. a layer drop decided once for the whole run). The "
+                "module that calls it runs whole instead; in the root forward, draw with torch "
+                f"(torch.rand(()) < p) or move the call into a submodule")
+        return original(*args, **kwargs)
+
+    return draw
+
+
+@contextmanager
+def host_draws_refused() -> Iterator[None]:
+    """While the body traces, the module-level draws of ``random`` and ``numpy.random`` raise
+    :class:`HostRandomDraw` on this thread (the originals come back on exit)."""
+    swapped: list[tuple[ModuleType, str, Any]] = []
+    owners: list[tuple[ModuleType, str, tuple[str, ...]]] = [(random, "random", PYTHON_DRAWS)]
+    numpy_random = _numpy_random()
+    if numpy_random is not None:
+        owners.append((numpy_random, "numpy.random", NUMPY_DRAWS))
+    for module, label, names in owners:
+        for name in names:
+            original = getattr(module, name, None)
+            if callable(original):
+                swapped.append((module, name, original))
+                setattr(module, name, _guarded(label, name, original))
+    before = getattr(_refusing, "on", False)
+    _refusing.on = True
+    try:
+        yield
+    finally:
+        _refusing.on = before
+        for module, name, original in swapped:
+            setattr(module, name, original)
+
+
+@contextmanager
+def host_draws_allowed() -> Iterator[None]:
+    """Inside :func:`host_draws_refused`: code that runs for real (not traced) may draw."""
+    before = getattr(_refusing, "on", False)
+    _refusing.on = False
+    try:
+        yield
+    finally:
+        _refusing.on = before
+
+
+HostStates = tuple[Any, Any]  # (random.getstate(), numpy's global state or None)
+
+
+def host_states() -> HostStates:
+    """The states of Python's global generator and numpy's (None without numpy)."""
+    numpy_random = _numpy_random()
+    return random.getstate(), numpy_random.get_state() if numpy_random is not None else None
+
+
+def set_host_states(states: HostStates) -> None:
+    """Put back states taken by :func:`host_states` (numpy's where it was taken)."""
+    python_state, numpy_state = states
+    random.setstate(python_state)
+    numpy_random = _numpy_random()
+    if numpy_random is not None and numpy_state is not None:
+        numpy_random.set_state(numpy_state)
+
+
+def seed_host(seed: int) -> None:
+    """Seed Python's global generator and numpy's, as ``torch.manual_seed`` seeds torch's."""
+    random.seed(seed)
+    numpy_random = _numpy_random()
+    if numpy_random is not None:
+        numpy_random.seed(seed)

@@ -1,0 +1,107 @@
+"""A forward that draws from Python's ``random`` or numpy's global generator splits correctly.
+
+torch.fx would run such a draw once, at trace time, and bake its value into the split: a layer
+drop decided by ``random.random()`` would be frozen for the whole run. The tracer refuses those
+draws in traced code, so the module that draws is kept whole and draws at every call
+(lightning_gsched/host_random.py); a draw in the root forward is refused with its name.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_gsched.host_random import host_states
+from lightning_gsched.partition import partition
+from lightning_gsched.partition.errors import PartitionError
+
+
+class PythonLayerDrop(nn.Module):
+    """Skipped in training when Python's generator says so (the form of many layer drops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and random.random() < 0.5:
+            return x
+        return torch.tanh(self.layer(x))
+
+
+class NumpyLayerDrop(PythonLayerDrop):
+    """The same with numpy's global generator (transformers' wav2vec2 encoder draws so)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and np.random.random() < 0.5:
+            return x
+        return torch.tanh(self.layer(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.python_drop = PythonLayerDrop()
+        self.numpy_drop = NumpyLayerDrop()
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.numpy_drop(self.python_drop(self.first(x))))
+
+
+class DrawsAtTheRoot(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if random.uniform(0, 1) < 0.5:
+            x = 2 * x
+        return super().forward(x)
+
+
+def seeded(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def test_a_module_that_draws_runs_whole_and_draws_at_every_call() -> None:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    seeded(123)
+    before = host_states()
+    part = partition(model, 2, example_args=(x,), verify=True)
+    after = host_states()
+    assert after[0] == before[0] and all(  # tracing and the check left both streams as found
+        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+        for a, b in zip(after[1], before[1], strict=True))
+    report = part.report()
+    for name, call in (("python_drop", "random.random()"),
+                       ("numpy_drop", "numpy.random.random()")):
+        assert f"{name}: " in report and call in report, report
+    outputs = []
+    for seed in range(8):  # each split step draws as the model does, and the draws matter
+        seeded(seed)
+        want = model(x)
+        seeded(seed)
+        got = part(x)
+        assert torch.equal(got, want), seed
+        outputs.append(got)
+    distinct = {tuple(o.flatten().tolist()) for o in outputs}
+    assert len(distinct) > 1, "every step dropped the same layers: the draw was frozen"
+
+
+def test_a_draw_in_the_root_forward_is_refused_naming_it() -> None:
+    with pytest.raises(PartitionError, match=r"random\.uniform\(\) was called while"):
+        partition(DrawsAtTheRoot(), 2, example_args=(torch.randn(4, 8),))
+
+
+def test_draws_outside_the_trace_and_in_eval_are_untouched() -> None:
+    """The guard is only up while the tracer runs: afterwards the module-level functions are
+    the originals, and a model in eval mode (no draw) is traced into as before."""
+    originals = (random.random, np.random.random)
+    model = Net().eval()
+    part = partition(model, 2, example_args=(torch.randn(4, 8),))
+    assert (random.random, np.random.random) == originals
+    assert "kept whole" not in part.report()
