@@ -105,3 +105,56 @@ def test_draws_outside_the_trace_and_in_eval_are_untouched() -> None:
     part = partition(model, 2, example_args=(torch.randn(4, 8),))
     assert (random.random, np.random.random) == originals
     assert "kept whole" not in part.report()
+
+
+class Counted(nn.Module):
+    """Doubles its input from its third call on: state the graph would not keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 2:
+            x = 2 * x
+        return self.layer(x)
+
+
+class CountingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.counted = Counted()
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.counted(self.first(x)))
+
+
+class CountsAtTheRoot(CountingNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = getattr(self, "steps", 0) + 1
+        return super().forward(x)
+
+
+def test_a_module_that_sets_its_attributes_runs_whole_and_keeps_counting() -> None:
+    """``self.calls += 1`` in a traced forward would stay at its traced value in the split (a
+    branch on it never flips): the module is kept whole, and partitioning leaves it uncounted."""
+    torch.manual_seed(0)
+    model, x = CountingNet(), torch.randn(4, 8)
+    part = partition(model, 2, example_args=(x,))
+    assert model.counted.calls == 0, "tracing and the example run left the counter as found"
+    report = part.report()
+    assert "counted: " in report and "self.calls" in report, report
+    twin = CountingNet()
+    twin.load_state_dict(model.state_dict())
+    for call in range(4):  # the split and an unsplit twin count alike; from call 3 x doubles
+        assert torch.equal(part(x), twin(x)), call
+    assert model.counted.calls == twin.counted.calls == 4
+
+
+def test_a_root_forward_that_sets_its_attributes_is_refused_naming_them() -> None:
+    with pytest.raises(PartitionError, match=r"sets self\.steps while traced"):
+        partition(CountsAtTheRoot(), 2, example_args=(torch.randn(4, 8),))

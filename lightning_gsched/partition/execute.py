@@ -3,7 +3,8 @@
 The splitter needs real sizes (bytes handed between stages at each cut) and the ``"time"``
 balance needs each unit's real inputs to profile it. Both come from one pass over the graph with
 the example arguments. The pass runs under ``no_grad`` and inside
-:func:`~.preserve.preserved_tensors_and_rng`, so BatchNorm statistics and the random streams are
+:func:`~.preserve.preserved_tensors_and_rng` and :func:`~.preserve.preserved_attributes`, so
+BatchNorm statistics, the random streams and the attributes a leaf sets (a counter) are
 exactly as before partitioning; values are freed after their last use.
 
 This pass is also the first time the example meets the model's weights, so an example that is
@@ -21,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_gsched.errors import GschedError
 from lightning_gsched.partition.errors import ExampleInputError
-from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
 from lightning_gsched.partition.tracer import TracedModel, target_name
 from lightning_gsched.partition.units import Unit, UnitTable
 
@@ -72,7 +73,9 @@ def run_example(
     dying: dict[int, list[fx.Node]] = {}
     for value, last in table.last_use.items():
         dying.setdefault(last, []).append(value)
-    with preserved_tensors_and_rng(traced.module), torch.no_grad():
+    # a leaf's forward may set its attributes (a counter, a cache): put back like its tensors
+    with preserved_attributes(traced.module), preserved_tensors_and_rng(traced.module), \
+            torch.no_grad():
         for unit in table.units:
             node = unit.node
             args = fx.node.map_arg(node.args, load)

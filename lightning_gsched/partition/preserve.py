@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.fx
 from torch import nn
 
 from lightning_gsched.host_random import host_states, set_host_states
@@ -62,3 +63,31 @@ def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
         set_host_states(host)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+# what nn.Module.__init__ puts in every module's __dict__ (parameters, buffers, children, hooks)
+_TORCH_TABLES = frozenset(nn.Module().__dict__)
+AttributeState = dict[str, tuple[int, int | None]]
+
+
+def python_attributes(module: nn.Module) -> AttributeState:
+    """Each plain attribute of ``module`` (its ``__dict__`` without torch's tables): the
+    object's identity, and the size of a list, dict or set (changed in place)."""
+    return {key: (id(value), len(value) if isinstance(value, (list, dict, set)) else None)
+            for key, value in module.__dict__.items() if key not in _TORCH_TABLES}
+
+
+def changed_attributes(module: nn.Module, before: AttributeState) -> list[str]:
+    """The plain attributes of ``module`` set, added, removed or resized since ``before``,
+    except those now holding a tensor (or the tracer's stand-in for one): a tensor kept on
+    the module (``self.src_mask = mask``, Lightning's demo Transformer) is a value the graph
+    recomputes at every call; a counter, a flag or a size is state the graph drops."""
+    after = python_attributes(module)
+    return sorted(key for key in before.keys() | after.keys()
+                  if before.get(key) != after.get(key)
+                  and not _holds_a_tensor(module.__dict__.get(key)))
+
+
+def _holds_a_tensor(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, torch.fx.Proxy))
+

@@ -53,7 +53,12 @@ from lightning_gsched.partition.output_objects import (
     trace_time_objects,
     untraced_output_message,
 )
-from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
+from lightning_gsched.partition.preserve import (
+    changed_attributes,
+    preserved_attributes,
+    preserved_tensors_and_rng,
+    python_attributes,
+)
 from lightning_gsched.partition.recording import GschedProxy, recording_autograd_functions
 from lightning_gsched.partition.trace_errors import (
     attach_failure_site,
@@ -131,8 +136,12 @@ class GschedTracer(fx.Tracer):
             if off:
                 kwargs = {**kwargs, **off}
                 self.cache_off.setdefault(name)
+        attributes = None if leaf else python_attributes(m)
         try:
-            return super().call_module(m, forward, args, kwargs)
+            result = super().call_module(m, forward, args, kwargs)
+            if attributes is not None:
+                _refuse_state_change(m, name, attributes)
+            return result
         except Exception as exc:
             if not leaf:
                 attach_failure_site(exc, name, type(m))
@@ -164,6 +173,27 @@ class GschedTracer(fx.Tracer):
         if self.concrete is not None:
             return ConcreteProxy(node, self)
         return GschedProxy(node, self)
+
+
+class ModuleStateChanged(RuntimeError):
+    """A traced forward set a plain attribute of its module (a counter, a cache, a flag)."""
+
+
+def _refuse_state_change(module: nn.Module, name: str, before: Any) -> None:
+    """Raise :class:`ModuleStateChanged` when ``module``'s forward changed its own plain
+    attributes while traced. Why: the graph records tensor operations only, so the split would
+    never make that change again (``self.calls += 1`` stays at its traced value, a branch on it
+    never flips) and a cache set from a traced value would hold a stale one. Raised inside the
+    module's call, it makes the module an automatic leaf: it runs whole, for real, at every
+    call, and its attributes change as on one device. The tracer restores them afterwards."""
+    changed = changed_attributes(module, before)
+    if changed:
+        where = name or "the model's own"
+        raise ModuleStateChanged(
+            f"{where} forward ({type(module).__name__}) sets "
+            f"{', '.join('self.' + key for key in changed)} while traced: the split would not "
+            "set it again at later calls. The module runs whole instead; in the root forward, "
+            "keep such state in a submodule (or in a buffer updated in place)")
 
 
 class _TraceRootBase(nn.Module):
