@@ -181,11 +181,13 @@ class ModuleStateChanged(RuntimeError):
 
 def _refuse_state_change(module: nn.Module, name: str, before: Any) -> None:
     """Raise :class:`ModuleStateChanged` when ``module``'s forward changed its own plain
-    attributes while traced. Why: the graph records tensor operations only, so the split would
-    never make that change again (``self.calls += 1`` stays at its traced value, a branch on it
-    never flips) and a cache set from a traced value would hold a stale one. Raised inside the
-    module's call, it makes the module an automatic leaf: it runs whole, for real, at every
-    call, and its attributes change as on one device. The tracer restores them afterwards."""
+    attributes while traced (:func:`.preserve.changed_attributes`: a tensor kept on the module
+    is not counted). Why: the graph records tensor operations only, so the split would never
+    make that change again (``self.calls += 1`` stays at its traced value, a branch on it never
+    flips; an ``initialized`` flag never set, so a data-dependent initialisation runs at every
+    call). Raised inside the module's call, it makes the module an automatic leaf: it runs
+    whole, for real, at every call, and its attributes change as on one device. The tracer
+    restores them afterwards."""
     changed = changed_attributes(module, before)
     if changed:
         where = name or "the model's own"

@@ -8,15 +8,15 @@ rank and drift apart. The ranks' generators are not equal by themselves: the bui
 some ranks only (rank 0 traces, verifies and measures the model, each draws), and a user may
 seed each rank apart (``seed_everything(base + rank)``, so that data-parallel replicas draw
 different masks). So the engine aligns them within each worker (:func:`align_generators`): the
-worker's first rank's states, CPU and the training device's, and Python's and numpy's global
-generators (a layer drop drawn with ``random.random()`` in a module kept whole,
-:mod:`lightning_gsched.host_random`: ranks deciding apart would run different collectives), go to
-its other ranks, before the
-build's check runs and once more before the first step. From there every rank of a worker runs
-the same program on the same shapes and draws the same numbers. Workers keep their own streams
-(replicas still draw different masks). As in torch's tensor parallelism outside DTensor's own
-random-number tracker, a dropout on a sharded activation then draws the same pattern on every
-shard (Megatron-LM draws those from a per-rank stream: not done here).
+worker's first rank's states (the CPU generator's, the training device's, and Python's and
+numpy's global generators: a layer drop drawn with ``random.random()`` runs in a module kept
+whole, :mod:`lightning_gsched.host_random`, and ranks deciding apart would run different
+collectives) go to its other ranks, before the build's check runs and once more before the
+first step. From there every rank of a worker runs the same program on the same shapes and
+draws the same numbers. Workers keep their own streams (replicas still draw different masks).
+As in torch's tensor parallelism outside DTensor's own random-number tracker, a dropout on a
+sharded activation then draws the same pattern on every shard (Megatron-LM draws those from a
+per-rank stream: not done here).
 """
 
 from __future__ import annotations
