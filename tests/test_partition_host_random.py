@@ -158,3 +158,58 @@ def test_a_module_that_sets_its_attributes_runs_whole_and_keeps_counting() -> No
 def test_a_root_forward_that_sets_its_attributes_is_refused_naming_them() -> None:
     with pytest.raises(PartitionError, match=r"sets self\.steps while traced"):
         partition(CountsAtTheRoot(), 2, example_args=(torch.randn(4, 8),))
+
+
+class FirstBatchOffset(nn.Module):
+    """Keeps the first batch's mean and subtracts it from every later batch (a data-dependent
+    initialisation without a flag): a tensor attribute made from the input's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.offset: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset is None:
+            self.offset = x.detach().mean(0)
+        return self.layer(x - self.offset)
+
+
+class SizedMask(nn.Module):
+    """Keeps a mask made from the input's size only: the graph remakes it alike every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(x.size(1), device=x.device)
+        self.mask = (index[:, None] >= index[None, :]).to(x.dtype)
+        return self.layer(x @ self.mask)
+
+
+class CachingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.offset = FirstBatchOffset()
+        self.sized = SizedMask()
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.sized(self.offset(self.first(x))))
+
+
+def test_a_tensor_kept_from_the_data_keeps_its_module_whole_one_from_sizes_does_not() -> None:
+    torch.manual_seed(0)
+    model = CachingNet()
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    part = partition(model, 2, example_args=(batches[0],))
+    report = part.report()
+    assert "offset: " in report and "self.offset" in report, report
+    assert "sized: " not in report, report  # traced into: its mask comes from sizes only
+    assert model.offset.offset is None, "partitioning left the attribute as it found it"
+    twin = CachingNet()
+    twin.load_state_dict(model.state_dict())
+    for b, x in enumerate(batches):  # the first batch's mean is kept by both
+        assert torch.equal(part(x), twin(x)), b

@@ -79,15 +79,43 @@ def python_attributes(module: nn.Module) -> AttributeState:
 
 def changed_attributes(module: nn.Module, before: AttributeState) -> list[str]:
     """The plain attributes of ``module`` set, added, removed or resized since ``before``,
-    except those now holding a tensor (or the tracer's stand-in for one): a tensor kept on
-    the module (``self.src_mask = mask``, Lightning's demo Transformer) is a value the graph
-    recomputes at every call; a counter, a flag or a size is state the graph drops."""
+    except those now holding a tensor computed without reading the input's values: such a
+    tensor kept on the module (``self.src_mask = mask``, Lightning's demo Transformer: made
+    from sizes) is one the graph recomputes alike at every call. A counter, a flag, a size, or
+    a tensor made from the data (``self.cache = x.mean()``, read by later calls) is state the
+    graph drops."""
     after = python_attributes(module)
     return sorted(key for key in before.keys() | after.keys()
                   if before.get(key) != after.get(key)
-                  and not _holds_a_tensor(module.__dict__.get(key)))
+                  and not _recomputed_alike(module.__dict__.get(key)))
 
 
-def _holds_a_tensor(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, torch.fx.Proxy))
+def _recomputed_alike(value: Any) -> bool:
+    """A real tensor (made from constants while tracing), or a traced one whose graph reaches
+    the inputs only through their sizes."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, torch.fx.Proxy) and not _reads_input_values(value.node)
+
+
+def _reads_input_values(node: torch.fx.Node) -> bool:
+    """Whether ``node`` depends on an input (placeholder) other than through its size."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen or _reads_a_size(current):
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def _reads_a_size(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return (node.op == "call_function" and node.target is getattr and len(node.args) > 1
+            and node.args[1] in ("shape", "ndim", "dtype", "device"))
 
