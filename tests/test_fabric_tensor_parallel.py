@@ -281,7 +281,7 @@ def aligned_draws(ctx: WorkerContext) -> list[tuple[float, float, float]]:
 
 def test_aligned_generators_include_python_and_numpy(worlds: Any) -> None:
     """A layer drop drawn with ``random.random()`` in a module kept whole (tests/
-    test_partition_host_random.py) must be decided alike by a worker's ranks, or they run
+    test_partition_trace_effects.py) must be decided alike by a worker's ranks, or they run
     different collectives; workers keep streams of their own."""
     draws = [r[0] for r in worlds.get(4).run(aligned_draws)]
     for worker in range(2):

@@ -47,6 +47,7 @@ from lightning_gsched.partition.attempts import (
 from lightning_gsched.partition.cache_off import fixed_keywords, omitted_cache
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
 from lightning_gsched.partition.errors import TraceFailedError, UntracedOutputError
+from lightning_gsched.partition.grad_mode import grad_mode_switches_refused
 from lightning_gsched.partition.layout import InputLayout, OutputLayout, bind_arguments
 from lightning_gsched.partition.names import resolve_leaf_modules
 from lightning_gsched.partition.output_objects import (
@@ -288,7 +289,7 @@ def _trace_once(
     concrete = ConcreteValues(example, resolve) if example is not None else None
     tracer = GschedTracer(classes, names, concrete)
     with preserved_attributes(module), preserved_tensors_and_rng(module), \
-            recording_autograd_functions(), host_draws_refused():
+            recording_autograd_functions(), host_draws_refused(), grad_mode_switches_refused():
         graph = tracer.trace(root)
     return graph, tracer, root
 

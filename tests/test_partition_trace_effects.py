@@ -1,9 +1,11 @@
-"""A forward that draws from Python's ``random`` or numpy's global generator splits correctly.
+"""What torch.fx would run once at trace time and drop from the split: kept whole instead.
 
-torch.fx would run such a draw once, at trace time, and bake its value into the split: a layer
-drop decided by ``random.random()`` would be frozen for the whole run. The tracer refuses those
-draws in traced code, so the module that draws is kept whole and draws at every call
-(lightning_gsched/host_random.py); a draw in the root forward is refused with its name.
+A forward that draws from Python's ``random`` or numpy's global generator (a layer drop decided
+by ``random.random()`` would be frozen for the whole run; lightning_gsched/host_random.py), sets
+its module's plain attributes (a counter, a flag, a tensor made from the data;
+``partition/preserve.py``), or switches the grad mode (``torch.no_grad()``: the split would
+compute with gradients; ``partition/grad_mode.py``). The module that does it is kept whole and
+runs for real at every call; in the root forward, the trace is refused naming it.
 """
 
 from __future__ import annotations
@@ -213,3 +215,67 @@ def test_a_tensor_kept_from_the_data_keeps_its_module_whole_one_from_sizes_does_
     twin.load_state_dict(model.state_dict())
     for b, x in enumerate(batches):  # the first batch's mean is kept by both
         assert torch.equal(part(x), twin(x)), b
+
+
+class MomentumTarget(nn.Module):
+    """A stop-gradient branch: its layer is never trained and sends no gradient back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.layer(h)
+
+
+class TargetNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.target = MomentumTarget()
+        self.online = nn.Linear(8, 8)
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        return self.last(self.online(h) + self.target(h))
+
+
+class NoGradAtTheRoot(TargetNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = self.first(x)
+        return self.last(x)
+
+
+def test_a_module_that_turns_gradients_off_runs_whole_and_gets_none() -> None:
+    """Even unchecked (``verify=False``, as for a model above verify's size limit), the split
+    gives the stop-gradient branch no gradient and the layer before it the model's."""
+    torch.manual_seed(0)
+    model, x = TargetNet(), torch.randn(4, 8)
+    part = partition(model, 2, example_args=(x,), verify=False)
+    report = part.report()
+    assert "target: " in report and "turns gradients off" in report, report
+    part(x).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and not any(n.startswith("target.") for n in got), got
+    for name, grad in want.items():
+        assert torch.equal(got[name], grad), name
+
+
+def test_a_grad_mode_switch_in_the_root_forward_is_refused_naming_it() -> None:
+    with pytest.raises(PartitionError, match="turns gradients off"):
+        partition(NoGradAtTheRoot(), 2, example_args=(torch.randn(4, 8),))
+
+
+def test_the_switch_is_found_when_partition_runs_without_gradients() -> None:
+    """A caller under ``no_grad`` (where the forward's own ``no_grad`` changes nothing) still
+    gets the module kept whole: every switch counts, not only one that changes the mode."""
+    with torch.no_grad():
+        part = partition(TargetNet(), 2, example_args=(torch.randn(4, 8),), verify=False)
+        assert not torch.is_grad_enabled(), "the caller's mode is as it set it"
+    assert "target: " in part.report() and "turns gradients off" in part.report()
