@@ -8,9 +8,10 @@ run: the layer dropped always or never, silently. So while the tracer runs trace
 functions raise :class:`HostRandomDraw` (:func:`host_draws_refused`); the tracer then keeps the
 module that drew whole (an automatic leaf, as for data-dependent control flow), so its forward
 runs with real draws at every call, and a draw in the root forward fails the trace naming the
-function. Code that runs for real while tracing (a leaf's example run under static shapes,
-:func:`host_draws_allowed`) may draw: it runs whole later too. Only the tracing thread is
-refused; other threads (data loading) draw as usual.
+function. Code that runs for real while tracing (a leaf's example run under static shapes)
+may draw: it runs whole later too. Which code is traced is one flag per thread
+(:func:`traced_code`, :func:`real_code`, :func:`in_traced_code`), read also by the partitioner's
+grad-mode guard; other threads (data loading) draw as usual.
 
 The same streams are kept with torch's wherever the partitioner restores or seeds torch's
 (:func:`host_states`, :func:`set_host_states`, :func:`seed_host`): tracing leaves them as they
@@ -23,7 +24,7 @@ import functools
 import random
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
@@ -36,7 +37,32 @@ NUMPY_DRAWS = ("random", "rand", "randn", "randint", "random_sample", "ranf", "s
                "uniform", "normal", "standard_normal", "choice", "permutation", "shuffle",
                "binomial", "poisson", "beta", "exponential", "bytes", "random_integers")
 
-_refusing = threading.local()  # .on: this thread is running traced code
+_traced = threading.local()  # .on: this thread is running code the tracer records
+
+
+@contextmanager
+def _traced_flag(on: bool) -> Iterator[None]:
+    before = getattr(_traced, "on", False)
+    _traced.on = on
+    try:
+        yield
+    finally:
+        _traced.on = before
+
+
+def traced_code() -> AbstractContextManager[None]:
+    """The body is code the tracer records (on this thread): the guards raise in it."""
+    return _traced_flag(True)
+
+
+def real_code() -> AbstractContextManager[None]:
+    """Inside :func:`traced_code`: the body runs for real (a leaf's example run)."""
+    return _traced_flag(False)
+
+
+def in_traced_code() -> bool:
+    """Whether this thread is running code the tracer records."""
+    return bool(getattr(_traced, "on", False))
 
 
 class HostRandomDraw(RuntimeError):
@@ -52,7 +78,7 @@ def _numpy_random() -> ModuleType | None:
 def _guarded(owner: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def draw(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_refusing, "on", False):
+        if in_traced_code():
             raise HostRandomDraw(
                 f"{owner}.{name}() was called while the model was traced: its value would be "
                 "frozen into the split (e.g. a layer drop decided once for the whole run). The "
@@ -65,8 +91,8 @@ def _guarded(owner: str, name: str, original: Callable[..., Any]) -> Callable[..
 
 @contextmanager
 def host_draws_refused() -> Iterator[None]:
-    """While the body traces, the module-level draws of ``random`` and ``numpy.random`` raise
-    :class:`HostRandomDraw` on this thread (the originals come back on exit)."""
+    """While the body runs, the module-level draws of ``random`` and ``numpy.random`` raise
+    :class:`HostRandomDraw` in :func:`traced_code` (the originals come back on exit)."""
     swapped: list[tuple[ModuleType, str, Any]] = []
     owners: list[tuple[ModuleType, str, tuple[str, ...]]] = [(random, "random", PYTHON_DRAWS)]
     numpy_random = _numpy_random()
@@ -78,25 +104,11 @@ def host_draws_refused() -> Iterator[None]:
             if callable(original):
                 swapped.append((module, name, original))
                 setattr(module, name, _guarded(label, name, original))
-    before = getattr(_refusing, "on", False)
-    _refusing.on = True
     try:
         yield
     finally:
-        _refusing.on = before
         for module, name, original in swapped:
             setattr(module, name, original)
-
-
-@contextmanager
-def host_draws_allowed() -> Iterator[None]:
-    """Inside :func:`host_draws_refused`: code that runs for real (not traced) may draw."""
-    before = getattr(_refusing, "on", False)
-    _refusing.on = False
-    try:
-        yield
-    finally:
-        _refusing.on = before
 
 
 HostStates = tuple[Any, Any]  # (random.getstate(), numpy's global state or None)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gsched.host_random import host_states
+from lightning_gsched.host_random import host_states, seed_host
 from lightning_gsched.partition import partition
 from lightning_gsched.partition.errors import PartitionError
 
@@ -63,15 +63,10 @@ class DrawsAtTheRoot(Net):
         return super().forward(x)
 
 
-def seeded(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-
-
 def test_a_module_that_draws_runs_whole_and_draws_at_every_call() -> None:
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 8)
-    seeded(123)
+    seed_host(123)
     before = host_states()
     part = partition(model, 2, example_args=(x,), verify=True)
     after = host_states()
@@ -84,9 +79,9 @@ def test_a_module_that_draws_runs_whole_and_draws_at_every_call() -> None:
         assert f"{name}: " in report and call in report, report
     outputs = []
     for seed in range(8):  # each split step draws as the model does, and the draws matter
-        seeded(seed)
+        seed_host(seed)
         want = model(x)
-        seeded(seed)
+        seed_host(seed)
         got = part(x)
         assert torch.equal(got, want), seed
         outputs.append(got)

@@ -12,18 +12,18 @@ leaf), so it runs for real, under the mode it asks for, and a switch in the root
 the trace naming it. Every switch counts, also one that changes nothing while tracing
 (``enable_grad()`` where gradients are on: a forward-only step runs without them). Code that
 runs for real while tracing (a leaf's example run, which the tracer does under ``no_grad``) is
-not traced code (:func:`grad_mode_switches_allowed`).
+not traced code: the guard reads the same per-thread flag as the random-number guard
+(:func:`lightning_gsched.host_random.traced_code`, ``real_code``).
 """
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-_refusing = threading.local()  # .on: this thread is running traced code
+from lightning_gsched.host_random import in_traced_code
 
 
 class GradModeSwitch(RuntimeError):
@@ -32,12 +32,13 @@ class GradModeSwitch(RuntimeError):
 
 @contextmanager
 def grad_mode_switches_refused() -> Iterator[None]:
-    """While the body traces, a grad-mode switch raises :class:`GradModeSwitch` on this
-    thread (the original switch comes back on exit)."""
+    """While the body runs, a grad-mode switch raises :class:`GradModeSwitch` in
+    :func:`~lightning_gsched.host_random.traced_code` (the original switch comes back on
+    exit)."""
     original = torch._C._set_grad_enabled
 
     def switch(mode: bool) -> None:
-        if getattr(_refusing, "on", False):
+        if in_traced_code():
             state = "off" if not mode else "on"
             raise GradModeSwitch(
                 f"the forward turns gradients {state} (torch.no_grad(), torch.enable_grad() or "
@@ -48,22 +49,8 @@ def grad_mode_switches_refused() -> Iterator[None]:
                 "tensor.detach(), which is recorded)")
         original(mode)
 
-    before = getattr(_refusing, "on", False)
     torch._C._set_grad_enabled = switch  # type: ignore[assignment]  # same call, checked
-    _refusing.on = True
     try:
         yield
     finally:
-        _refusing.on = before
         torch._C._set_grad_enabled = original
-
-
-@contextmanager
-def grad_mode_switches_allowed() -> Iterator[None]:
-    """Inside :func:`grad_mode_switches_refused`: code that runs for real may switch."""
-    before = getattr(_refusing, "on", False)
-    _refusing.on = False
-    try:
-        yield
-    finally:
-        _refusing.on = before

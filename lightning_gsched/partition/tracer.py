@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import Argument, Target
 
-from lightning_gsched.host_random import host_draws_refused
+from lightning_gsched.host_random import host_draws_refused, traced_code
 from lightning_gsched.partition.attempts import (
     Attempt,
     choose,
@@ -289,7 +289,8 @@ def _trace_once(
     concrete = ConcreteValues(example, resolve) if example is not None else None
     tracer = GschedTracer(classes, names, concrete)
     with preserved_attributes(module), preserved_tensors_and_rng(module), \
-            recording_autograd_functions(), host_draws_refused(), grad_mode_switches_refused():
+            recording_autograd_functions(), host_draws_refused(), grad_mode_switches_refused(), \
+            traced_code():
         graph = tracer.trace(root)
     return graph, tracer, root
 
