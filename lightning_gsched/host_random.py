@@ -8,8 +8,12 @@ run: the layer dropped always or never, silently. So while the tracer runs trace
 functions raise :class:`HostRandomDraw` (:func:`host_draws_refused`); the tracer then keeps the
 module that drew whole (an automatic leaf, as for data-dependent control flow), so its forward
 runs with real draws at every call, and a draw in the root forward fails the trace naming the
-function. Code that runs for real while tracing (a leaf's example run under static shapes)
-may draw: it runs whole later too. Which code is traced is one flag per thread
+function. A draw that bypasses those functions (``from random import random``, a generator
+object the module holds, ``self.rng = np.random.default_rng()``, or one its forward names from
+its own module's globals) is found afterwards by its generator's state (:func:`draw_marks`,
+:func:`refuse_unguarded_draws`, compared around each traced module call) and refused the same
+way. Code that runs for real while tracing (a leaf's example run under static shapes) may
+draw: it runs whole later too, and :func:`states_kept` puts the global streams back after it. Which code is traced is one flag per thread
 (:func:`traced_code`, :func:`real_code`, :func:`in_traced_code`), read also by the partitioner's
 grad-mode guard; other threads (data loading) draw as usual.
 
@@ -21,12 +25,13 @@ were, and the split's check runs the model and its stages from the same draws.
 from __future__ import annotations
 
 import functools
+import pickle
 import random
 import sys
 import threading
 from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, cast
 
 # the module-level draws of ``random`` and of numpy's legacy global generator (``np.random``)
 PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
@@ -135,3 +140,91 @@ def seed_host(seed: int) -> None:
     numpy_random = _numpy_random()
     if numpy_random is not None:
         numpy_random.seed(seed)
+
+
+@contextmanager
+def states_kept() -> Iterator[None]:
+    """Python's and numpy's global streams are as before the body when it ends: code run for
+    real while tracing (a leaf's example run) must not look like a draw of the traced code."""
+    states = host_states()
+    try:
+        yield
+    finally:
+        set_host_states(states)
+
+
+def generator_state(value: Any) -> bytes | None:
+    """The state of a random-number generator object, pickled (comparable bytes): a
+    ``random.Random``, a numpy ``Generator``, ``RandomState`` or bit generator; None for anything
+    else (also ``random.SystemRandom``, which has no state to draw it again from)."""
+    if isinstance(value, random.Random):
+        try:
+            return pickle.dumps(value.getstate())
+        except NotImplementedError:  # SystemRandom
+            return None
+    numpy_random = _numpy_random()
+    if numpy_random is None:
+        return None
+    if isinstance(value, numpy_random.Generator):
+        return pickle.dumps(value.bit_generator.state)
+    if isinstance(value, numpy_random.RandomState):
+        return pickle.dumps(value.get_state(legacy=False))
+    if isinstance(value, numpy_random.BitGenerator):
+        return pickle.dumps(value.state)
+    return None
+
+
+def set_generator_state(value: Any, state: bytes) -> None:
+    """Put a generator object back in a state taken by :func:`generator_state`."""
+    unpickled = pickle.loads(state)
+    if isinstance(value, random.Random):
+        value.setstate(unpickled)
+        return
+    numpy_random = _numpy_random()
+    if numpy_random is not None and isinstance(value, numpy_random.Generator):
+        value.bit_generator.state = unpickled
+    elif numpy_random is not None and isinstance(value, numpy_random.RandomState):
+        value.set_state(unpickled)
+    else:
+        value.state = unpickled
+
+
+GLOBAL_STREAMS = "Python's or numpy's global generator"
+
+
+def held_generators(attributes: Mapping[str, Any], forward: Any = None) -> dict[str, Any]:
+    """The generator objects a module's forward can draw from without a guarded function, by a
+    name for messages: each among its ``attributes`` (``self.<key>``) and each one
+    ``forward``'s code names from its module's globals."""
+    found = {f"self.{key}": value for key, value in attributes.items()
+             if generator_state(value) is not None}
+    function = getattr(forward, "__func__", forward)  # a bound method's function
+    code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        if generator_state(names.get(name)) is not None:
+            found[f"the global {name!r}"] = names[name]
+    return found
+
+
+def draw_marks(attributes: Mapping[str, Any], forward: Any = None) -> dict[str, bytes]:
+    """What traced code could draw from without a guarded function, each generator's state by
+    a name for the message: the global streams (also reached through ``from random import
+    random``) and :func:`held_generators`. Compared before and after a traced call
+    (:func:`refuse_unguarded_draws`): a draw moves its generator's state."""
+    marks = {GLOBAL_STREAMS: pickle.dumps(host_states())}
+    for name, generator in held_generators(attributes, forward).items():
+        marks[name] = cast(bytes, generator_state(generator))
+    return marks
+
+
+def refuse_unguarded_draws(before: Mapping[str, bytes], after: Mapping[str, bytes],
+                           where: str) -> None:
+    """Raise :class:`HostRandomDraw` when a generator of :func:`draw_marks` moved between
+    ``before`` and ``after`` (the traced call of ``where`` drew from it)."""
+    moved = [name for name, state in before.items() if after.get(name) != state]
+    if moved:
+        raise HostRandomDraw(
+            f"{where} drew from {', '.join(moved)} while traced (a function imported by name, "
+            "such as `from random import random`, or a generator object): the value would be "
+            "frozen into the split. The module runs whole instead; in the root forward, draw "
+            "with torch (torch.rand(()) < p) or move the draw into a submodule")

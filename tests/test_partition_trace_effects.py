@@ -274,3 +274,96 @@ def test_the_switch_is_found_when_partition_runs_without_gradients() -> None:
         part = partition(TargetNet(), 2, example_args=(torch.randn(4, 8),), verify=False)
         assert not torch.is_grad_enabled(), "the caller's mode is as it set it"
     assert "target: " in part.report() and "turns gradients off" in part.report()
+
+
+# Draws that bypass the module-level functions: found by their generator's state
+
+
+from random import random as imported_random  # noqa: E402 - the form under test
+
+GLOBAL_DRAWS = random.Random(7)  # a module-level generator object a forward names
+
+
+class ImportedDraw(PythonLayerDrop):
+    """Draws through a function bound at import (``from random import random``): the
+    module-level guard never sees the call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and imported_random() < 0.5:
+            return x
+        return torch.tanh(self.layer(x))
+
+
+class HeldGenerator(PythonLayerDrop):
+    """Draws from a numpy Generator it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.rng.random() < 0.5:
+            return x
+        return torch.tanh(self.layer(x))
+
+
+class GlobalGenerator(PythonLayerDrop):
+    """Draws from a ``random.Random`` of its own module's globals."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and GLOBAL_DRAWS.random() < 0.5:
+            return x
+        return torch.tanh(self.layer(x))
+
+
+class UnguardedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.imported = ImportedDraw()
+        self.held = HeldGenerator()
+        self.named = GlobalGenerator()
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.named(self.held(self.imported(self.first(x)))))
+
+
+class ImportedDrawAtTheRoot(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if imported_random() < 0.5:
+            x = 2 * x
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["symbolic", "static"])
+def test_draws_that_bypass_the_guard_keep_their_module_whole(static: bool) -> None:
+    torch.manual_seed(0)
+    model, x = UnguardedNet(), torch.randn(4, 8)
+    seed_host(5)
+    states = (random.getstate(), model.held.rng.bit_generator.state, GLOBAL_DRAWS.getstate())
+    part = partition(model, 2, example_args=(x,), verify=True, static_shapes=static)
+    # tracing and the check left every generator as found
+    assert states == (random.getstate(), model.held.rng.bit_generator.state,
+                      GLOBAL_DRAWS.getstate())
+    report = part.report()
+    for name, source in (("imported", "global generator"), ("held", "self.rng"),
+                         ("named", "the global 'GLOBAL_DRAWS'")):
+        assert f"{name}: " in report and source in report, report
+    outputs = []
+    for seed in range(8):
+        for run in ("model", "split"):
+            seed_host(seed)
+            model.held.rng = np.random.default_rng(seed)
+            GLOBAL_DRAWS.seed(seed)
+            out = model(x) if run == "model" else part(x)
+            if run == "model":
+                want = out
+        assert torch.equal(out, want), seed
+        outputs.append(out)
+    assert len({tuple(o.flatten().tolist()) for o in outputs}) > 1, "the draws were frozen"
+
+
+def test_an_imported_draw_in_the_root_forward_is_refused_naming_it() -> None:
+    with pytest.raises(PartitionError, match="drew from Python's or numpy's global generator"):
+        partition(ImportedDrawAtTheRoot(), 2, example_args=(torch.randn(4, 8),))

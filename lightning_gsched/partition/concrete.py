@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Attribute
 
-from lightning_gsched.host_random import real_code
+from lightning_gsched.host_random import real_code, states_kept
 from lightning_gsched.partition.recording import RecordsMutation
 
 try:  # private: lifts fx's patches of nn.Module.__call__/__getattr__ while we run real code
@@ -162,7 +162,7 @@ class ConcreteValues:
             self.values[node] = _MISSING
             return
         try:
-            with real_code(), torch.no_grad(), _untraced():
+            with real_code(), states_kept(), torch.no_grad(), _untraced():
                 if node.op == "call_function":
                     value = node.target(*args, **kwargs)  # type: ignore[operator]
                 elif node.op == "call_method":

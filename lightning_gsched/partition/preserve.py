@@ -10,13 +10,19 @@ of that.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.fx
 from torch import nn
 
-from lightning_gsched.host_random import host_states, set_host_states
+from lightning_gsched.host_random import (
+    generator_state,
+    held_generators,
+    host_states,
+    set_generator_state,
+    set_host_states,
+)
 
 
 @contextlib.contextmanager
@@ -46,8 +52,13 @@ def preserved_attributes(module: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
-    """Restore buffer values (BatchNorm statistics...) and the RNG streams on exit."""
+    """Restore buffer values (BatchNorm statistics...) and the RNG streams on exit: torch's,
+    Python's and numpy's global ones, and each generator object a submodule holds as an
+    attribute or names in its forward from its module's globals (``host_random.held_generators``:
+    a module that draws from one runs whole)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    generators = {id(g): (g, cast(bytes, generator_state(g))) for m in module.modules()
+                  for g in held_generators(m.__dict__, getattr(m, "forward", None)).values()}
     cpu_rng = torch.get_rng_state()
     host = host_states()  # Python's and numpy's (a leaf's example run may draw)
     # torch.cuda.is_initialized has no annotations
@@ -61,6 +72,8 @@ def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
                 live.copy_(snapshot)
         torch.set_rng_state(cpu_rng)
         set_host_states(host)
+        for generator, state in generators.values():
+            set_generator_state(generator, state)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 

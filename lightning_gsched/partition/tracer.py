@@ -36,7 +36,12 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import Argument, Target
 
-from lightning_gsched.host_random import host_draws_refused, traced_code
+from lightning_gsched.host_random import (
+    draw_marks,
+    host_draws_refused,
+    refuse_unguarded_draws,
+    traced_code,
+)
 from lightning_gsched.partition.attempts import (
     Attempt,
     choose,
@@ -138,9 +143,13 @@ class GschedTracer(fx.Tracer):
                 kwargs = {**kwargs, **off}
                 self.cache_off.setdefault(name)
         attributes = None if leaf else python_attributes(m)
+        marks = None if leaf else draw_marks(m.__dict__, getattr(m, "forward", None))
         try:
             result = super().call_module(m, forward, args, kwargs)
-            if attributes is not None:
+            if attributes is not None and marks is not None:
+                where = f"{name or 'the model'}'s forward ({type(m).__name__})"
+                refuse_unguarded_draws(marks, draw_marks(m.__dict__, getattr(m, "forward", None)),
+                                       where)
                 _refuse_state_change(m, name, attributes)
             return result
         except Exception as exc:
