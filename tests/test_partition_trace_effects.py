@@ -367,3 +367,62 @@ def test_draws_that_bypass_the_guard_keep_their_module_whole(static: bool) -> No
 def test_an_imported_draw_in_the_root_forward_is_refused_naming_it() -> None:
     with pytest.raises(PartitionError, match="drew from Python's or numpy's global generator"):
         partition(ImportedDrawAtTheRoot(), 2, example_args=(torch.randn(4, 8),))
+
+
+# A forward that sets its children's attributes
+
+
+class Scaled(nn.Module):
+    """Multiplies by a Python number its parent sets: a constant of the traced graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.scale
+
+
+class Warming(nn.Module):
+    """Raises its child's scale at every call (a warm-up written on the child)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Scaled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.child.scale = min(self.child.scale + 0.5, 3.0)
+        return self.child(x)
+
+
+class WarmingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.warming = Warming()
+        self.counted = Counted()  # a leaf below: its own counter, run for real under static
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.counted(self.warming(self.first(x))))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["symbolic", "static"])
+def test_a_forward_that_sets_a_childs_attribute_keeps_itself_whole(static: bool) -> None:
+    """The parent that writes the child's attribute is the module kept whole (the child alone
+    would read a frozen constant); a leaf that sets its own attributes while the example runs
+    for real (static shapes) does not make its parent look like one that sets them."""
+    torch.manual_seed(0)
+    model, x = WarmingNet(), torch.randn(4, 8)
+    part = partition(model, 2, example_args=(x,), static_shapes=static,
+                     leaf_modules=(Counted,))
+    assert (model.warming.child.scale, model.counted.calls) == (1.0, 0), "left as found"
+    report = part.report()
+    assert "warming: " in report and "self.child.scale" in report, report
+    assert "counted: " not in report and "(root)" not in report, report
+    twin = WarmingNet()
+    twin.load_state_dict(model.state_dict())
+    for call in range(5):  # the scale grows 1.5, 2.0, ... in both; from call 3 x doubles
+        assert torch.equal(part(x), twin(x)), call
+    assert model.warming.child.scale == twin.warming.child.scale == 3.0

@@ -103,6 +103,23 @@ def changed_attributes(module: nn.Module, before: AttributeState) -> list[str]:
                   and not _recomputed_alike(module.__dict__.get(key)))
 
 
+SubtreeState = dict[str, AttributeState]  # submodule name (relative, "" itself) -> attributes
+
+
+def subtree_attributes(module: nn.Module) -> SubtreeState:
+    """:func:`python_attributes` of ``module`` and of every module under it, by relative name:
+    a forward may set its children's attributes too (``self.attn.use_cache = False``)."""
+    return {name: python_attributes(sub) for name, sub in module.named_modules()}
+
+
+def changed_subtree_attributes(module: nn.Module, before: SubtreeState) -> list[str]:
+    """:func:`changed_attributes` over :func:`subtree_attributes`, each as ``child.key``."""
+    modules = dict(module.named_modules())
+    return [f"{name}.{key}" if name else key
+            for name, state in before.items() if name in modules
+            for key in changed_attributes(modules[name], state)]
+
+
 def _recomputed_alike(value: Any) -> bool:
     """A real tensor (made from constants while tracing), or a traced one whose graph reaches
     the inputs only through their sizes."""

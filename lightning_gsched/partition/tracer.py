@@ -60,10 +60,11 @@ from lightning_gsched.partition.output_objects import (
     untraced_output_message,
 )
 from lightning_gsched.partition.preserve import (
-    changed_attributes,
+    SubtreeState,
+    changed_subtree_attributes,
     preserved_attributes,
     preserved_tensors_and_rng,
-    python_attributes,
+    subtree_attributes,
 )
 from lightning_gsched.partition.recording import GschedProxy, recording_autograd_functions
 from lightning_gsched.partition.trace_errors import (
@@ -142,7 +143,7 @@ class GschedTracer(fx.Tracer):
             if off:
                 kwargs = {**kwargs, **off}
                 self.cache_off.setdefault(name)
-        attributes = None if leaf else python_attributes(m)
+        attributes = None if leaf else subtree_attributes(m)
         marks = None if leaf else draw_marks(m.__dict__, getattr(m, "forward", None))
         try:
             result = super().call_module(m, forward, args, kwargs)
@@ -189,16 +190,18 @@ class ModuleStateChanged(RuntimeError):
     """A traced forward set a plain attribute of its module (a counter, a cache, a flag)."""
 
 
-def _refuse_state_change(module: nn.Module, name: str, before: Any) -> None:
-    """Raise :class:`ModuleStateChanged` when ``module``'s forward changed its own plain
-    attributes while traced (:func:`.preserve.changed_attributes`: a tensor kept on the module
-    is not counted). Why: the graph records tensor operations only, so the split would never
-    make that change again (``self.calls += 1`` stays at its traced value, a branch on it never
-    flips; an ``initialized`` flag never set, so a data-dependent initialisation runs at every
-    call). Raised inside the module's call, it makes the module an automatic leaf: it runs
-    whole, for real, at every call, and its attributes change as on one device. The tracer
-    restores them afterwards."""
-    changed = changed_attributes(module, before)
+def _refuse_state_change(module: nn.Module, name: str, before: SubtreeState) -> None:
+    """Raise :class:`ModuleStateChanged` when ``module``'s forward changed plain attributes of
+    itself or of a module under it while traced (:func:`.preserve.changed_subtree_attributes`:
+    a tensor kept on a module is not counted). Why: the graph records tensor operations only,
+    so the split would never make that change again (``self.calls += 1`` stays at its traced
+    value, a branch on it never flips; an ``initialized`` flag never set, so a data-dependent
+    initialisation runs at every call; ``self.block.use_cache = False`` never reaches the
+    block). Raised inside the module's call, it makes the module an automatic leaf: it runs
+    whole, for real, at every call, and the attributes change as on one device. A submodule
+    that sets its own is found at its own call first, so the smallest module doing it is the
+    one kept whole. The tracer restores them afterwards."""
+    changed = changed_subtree_attributes(module, before)
     if changed:
         where = name or "the model's own"
         raise ModuleStateChanged(
