@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from torch import nn
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.runtime.flat import set_storage
 from lightning_gsched.runtime.layout import split_parameters
+from lightning_gsched.runtime.region_draw import RegionTensor, RegionUnsupported, region_tensor
 from lightning_gsched.schedule.program import Programs
 
 _REGISTER_PARAMETER = nn.Module.register_parameter
@@ -142,9 +143,11 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
     parameters (another rank's) on scratch storage, so the RNG draws and values are the same as on
     one device. Meta buffers (of a model built on ``torch.device("meta")``) are reset there too.
 
-    ``pieces``: parameters held as a region of a larger tensor. Each is drawn at its full shape
-    (so the draws are one device's) and cut to its region before the next module is drawn: the
-    rank holds the pieces it keeps plus one module's full parameters, never more."""
+    ``pieces``: parameters held as a region of a larger tensor. Their values are one device's
+    draws: on CPU each is drawn in chunks keeping only its region (``region_draw.py``: the rank
+    never holds its full tensor), unless the module's initialiser does more than fill it; then,
+    and on other devices, it is drawn at its full shape and cut to its region before the next
+    module is drawn: the rank holds the pieces it keeps plus one module's full parameters."""
     pieces = pieces or {}
     wanted = {id(p) for p in params}
     owner = type(module).__name__
@@ -152,30 +155,66 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
     for name, sub in _holders(module, {id(p) for p in module.parameters()}):
         _reset_parameters(name, sub, owner)
     initialised: set[int] = set()  # a tied parameter keeps its first holder's values
+    by_region = device.type == "cpu" and bool(pieces)  # (region_tensor checks the dtype)
     for name, sub in _holders(module, wanted):
         own = list(sub.parameters(recurse=False))
         kept = [(p, p.detach().clone()) for p in own if id(p) in initialised]
         scratch = [(p, p.shape) for p in own if p.is_meta and id(p) not in wanted]
-        for p in own:  # drawn at one device's shape: each wanted for good, the rest as scratch
-            if p.is_meta or p.shape != full_shape(p, pieces):
-                set_storage(p, torch.empty(full_shape(p, pieces), dtype=p.dtype, device=device))
-        for bname, b in list(sub.named_buffers(recurse=False)):
-            if b.is_meta:
-                sub._buffers[bname] = torch.empty_like(b, device=device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, name))
-            _reset_parameters(name, sub, owner)()
+        cut = [p for p in own if id(p) in wanted and id(p) in pieces and id(p) not in initialised]
+        reset = _reset_parameters(name, sub, owner)
+        regions = _regions(cut, pieces) if by_region else {}
+        try:  # the pieces drawn by region (region_draw.py), the rest at full shape
+            _draw(sub, own, reset, module_seed(seed, name), device, pieces, regions)
+        except RegionUnsupported:  # an initialiser that reads or views them: all at full shape
+            regions = {}
+            _draw(sub, own, reset, module_seed(seed, name), device, pieces, regions)
         for p, shape in scratch:
             set_storage(p, torch.empty(shape, dtype=p.dtype, device="meta"))
-        for p in own:
-            if id(p) in wanted and id(p) in pieces and id(p) not in initialised:
-                set_storage(p, pieces[id(p)].cut(p.detach()))
+        for p in cut:
+            region = regions.get(id(p))
+            set_storage(p, pieces[id(p)].cut(p.detach()) if region is None
+                        else cast(torch.Tensor, region.local))
         for p, value in kept:  # (a piece's value has its region's shape)
             if p.shape == value.shape:
                 p.copy_(value)
             else:
                 set_storage(p, value)
         initialised.update(id(p) for p in own if id(p) in wanted)
+
+
+def _regions(params: Sequence[nn.Parameter], pieces: Pieces) -> dict[int, RegionTensor]:
+    """A :class:`RegionTensor` for each piece of ``params`` cut along one dimension."""
+    found = {id(p): region_tensor(pieces[id(p)].shape, p.dtype, pieces[id(p)].region)
+             for p in params}
+    return {key: region for key, region in found.items() if region is not None}
+
+
+def _draw(sub: nn.Module, own: Sequence[nn.Parameter], reset: Callable[[], None], seed: int,
+          device: torch.device, pieces: Pieces, regions: Mapping[int, RegionTensor]) -> None:
+    """``sub``'s ``reset_parameters()`` under ``seed``: each of ``own`` at one device's shape
+    (real storage), but those with a region, seen as their :class:`RegionTensor` meanwhile."""
+    for p in own:
+        if id(p) not in regions and (p.is_meta or p.shape != full_shape(p, pieces)):
+            set_storage(p, torch.empty(full_shape(p, pieces), dtype=p.dtype, device=device))
+    for bname, b in list(sub.named_buffers(recurse=False)):
+        if b.is_meta:
+            sub._buffers[bname] = torch.empty_like(b, device=device)
+    originals = dict(sub._parameters)
+    for pname, param in originals.items():
+        if param is not None and id(param) in regions:
+            sub._parameters[pname] = regions[id(param)]  # type: ignore[assignment]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            reset()
+        for pname, param in originals.items():  # every region written, in place
+            region = regions.get(id(param))
+            now: Any = sub._parameters.get(pname)  # (a RegionTensor while drawn)
+            if region is not None and not (now is region and region.filled):
+                raise RegionUnsupported(f"reset_parameters() left {pname!r} unfilled or "
+                                        "replaced it")
+    finally:
+        sub._parameters.update(originals)
 
 
 def owned_parameters(stages: Sequence[nn.Module], programs: Programs, rank: int,
