@@ -122,12 +122,25 @@ class Truncated(nn.Linear):
         nn.init.zeros_(self.bias)
 
 
-def test_an_initialiser_that_reads_a_piece_draws_its_module_whole() -> None:
-    """Drawn by region it would be refused (RegionUnsupported); the module is drawn at its full
-    shape instead and cut, with one device's values, holding its full tensors meanwhile."""
+class ThroughNumpy(nn.Linear):
+    """A layer whose initialiser writes through a numpy view of its weight (a tensor subclass
+    has none: a RuntimeError, not RegionUnsupported, while drawn by region)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if not self.weight.is_meta:  # (its build, without weights)
+            self.weight.detach().numpy()[0] = 0.0
+        nn.init.zeros_(self.bias)
+
+
+@pytest.mark.parametrize("layer", [Truncated, ThroughNumpy])
+def test_an_initialiser_that_reads_a_piece_draws_its_module_whole(layer: type) -> None:
+    """Drawn by region it would be refused (RegionUnsupported, or any error while drawn so);
+    the module is drawn at its full shape instead and cut, with one device's values, holding
+    its full tensors meanwhile."""
     def make() -> nn.Module:
         with deferred_parameters():
-            return nn.Sequential(nn.Linear(8, 16), Truncated(16, 8))
+            return nn.Sequential(nn.Linear(8, 16), layer(16, 8))
 
     want = {n: p.detach().clone() for n, p in initialize(make(), SEED).named_parameters()}
     model = make()

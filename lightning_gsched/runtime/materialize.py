@@ -165,7 +165,9 @@ def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], s
         regions = _regions(cut, pieces) if by_region else {}
         try:  # the pieces drawn by region (region_draw.py), the rest at full shape
             _draw(sub, own, reset, module_seed(seed, name), device, pieces, regions)
-        except RegionUnsupported:  # an initialiser that reads or views them: all at full shape
+        except Exception:  # noqa: BLE001 - drawing by region only saves memory: on any failure
+            if not regions:  # (RegionUnsupported: an initialiser that reads the values, ...)
+                raise  # the module is drawn at full shape, whose own errors are the user's
             regions = {}
             _draw(sub, own, reset, module_seed(seed, name), device, pieces, regions)
         for p, shape in scratch:
