@@ -9,8 +9,8 @@ functions raise :class:`HostRandomDraw` (:func:`host_draws_refused`); the tracer
 module that drew whole (an automatic leaf, as for data-dependent control flow), so its forward
 runs with real draws at every call, and a draw in the root forward fails the trace naming the
 function. A draw that bypasses those functions (``from random import random``, a generator
-object the module holds, ``self.rng = np.random.default_rng()``, or one its forward names from
-its own module's globals) is found afterwards by its generator's state (:func:`draw_marks`,
+object the module holds, ``self.rng = np.random.default_rng()``, or one in the globals of the
+file that defines its forward) is found afterwards by its generator's state (:func:`draw_marks`,
 :func:`refuse_unguarded_draws`, compared around each traced module call) and refused the same
 way. Code that runs for real while tracing (a leaf's example run under static shapes) may
 draw: it runs whole later too, and :func:`states_kept` puts the global streams back after it. Which code is traced is one flag per thread
@@ -194,15 +194,14 @@ GLOBAL_STREAMS = "Python's or numpy's global generator"
 
 def held_generators(attributes: Mapping[str, Any], forward: Any = None) -> dict[str, Any]:
     """The generator objects a module's forward can draw from without a guarded function, by a
-    name for messages: each among its ``attributes`` (``self.<key>``) and each one
-    ``forward``'s code names from its module's globals."""
+    name for messages: each among its ``attributes`` (``self.<key>``) and each in the globals
+    of the file that defines ``forward`` (read there directly or by a helper of that file)."""
     found = {f"self.{key}": value for key, value in attributes.items()
              if generator_state(value) is not None}
     function = getattr(forward, "__func__", forward)  # a bound method's function
-    code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
-    for name in getattr(code, "co_names", ()):
-        if generator_state(names.get(name)) is not None:
-            found[f"the global {name!r}"] = names[name]
+    for name, value in list(getattr(function, "__globals__", {}).items()):
+        if generator_state(value) is not None:
+            found[f"the global {name!r}"] = value
     return found
 
 

@@ -307,11 +307,16 @@ class HeldGenerator(PythonLayerDrop):
         return torch.tanh(self.layer(x))
 
 
+def helper_draw() -> float:
+    """A helper of this file that draws from its global generator."""
+    return GLOBAL_DRAWS.random()
+
+
 class GlobalGenerator(PythonLayerDrop):
-    """Draws from a ``random.Random`` of its own module's globals."""
+    """Draws from a ``random.Random`` of its own file's globals, through a helper."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and GLOBAL_DRAWS.random() < 0.5:
+        if self.training and helper_draw() < 0.5:
             return x
         return torch.tanh(self.layer(x))
 

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.proxy import Attribute
 
 from lightning_gsched.host_random import real_code, states_kept
-from lightning_gsched.partition.preserve import preserved_attributes
+from lightning_gsched.partition.preserve import generators_kept, preserved_attributes
 from lightning_gsched.partition.recording import RecordsMutation
 
 try:  # private: lifts fx's patches of nn.Module.__call__/__getattr__ while we run real code
@@ -170,7 +170,7 @@ class ConcreteValues:
                     value = getattr(args[0], node.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
                 else:  # a leaf's state is its own at every call, not the traced code's
                     leaf = self.resolve(node.target)
-                    with preserved_attributes(leaf):
+                    with preserved_attributes(leaf), generators_kept(leaf):
                         value = leaf(*args, **kwargs)
         except Exception:  # noqa: BLE001 - metadata for this value is simply unavailable
             value = _MISSING

@@ -53,29 +53,39 @@ def preserved_attributes(module: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
     """Restore buffer values (BatchNorm statistics...) and the RNG streams on exit: torch's,
-    Python's and numpy's global ones, and each generator object a submodule holds as an
-    attribute or names in its forward from its module's globals (``host_random.held_generators``:
-    a module that draws from one runs whole)."""
+    Python's and numpy's global ones, and the generator objects of :func:`generators_kept`."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    generators = {id(g): (g, cast(bytes, generator_state(g))) for m in module.modules()
-                  for g in held_generators(m.__dict__, getattr(m, "forward", None)).values()}
     cpu_rng = torch.get_rng_state()
     host = host_states()  # Python's and numpy's (a leaf's example run may draw)
     # torch.cuda.is_initialized has no annotations
     cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
     try:
-        yield
+        with generators_kept(module):
+            yield
     finally:
         with torch.no_grad():
             for live, snapshot in buffers:
                 live.copy_(snapshot)
         torch.set_rng_state(cpu_rng)
         set_host_states(host)
-        for generator, state in generators.values():
-            set_generator_state(generator, state)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def generators_kept(module: nn.Module) -> Iterator[None]:
+    """Each generator object a submodule of ``module`` holds as an attribute, or that lives in
+    the globals of its forward's file (``host_random.held_generators``), back in its state on
+    exit: a module that draws from one runs whole, and tracing, checking and a leaf's example
+    run must leave it as found."""
+    generators = {id(g): (g, cast(bytes, generator_state(g))) for m in module.modules()
+                  for g in held_generators(m.__dict__, getattr(m, "forward", None)).values()}
+    try:
+        yield
+    finally:
+        for generator, state in generators.values():
+            set_generator_state(generator, state)
 
 
 # what nn.Module.__init__ puts in every module's __dict__ (parameters, buffers, children, hooks)
