@@ -13,9 +13,10 @@ object the module holds, ``self.rng = np.random.default_rng()``, or one in the g
 file that defines its forward) is found afterwards by its generator's state (:func:`draw_marks`,
 :func:`refuse_unguarded_draws`, compared around each traced module call) and refused the same
 way. Code that runs for real while tracing (a leaf's example run under static shapes) may
-draw: it runs whole later too, and :func:`states_kept` puts the global streams back after it. Which code is traced is one flag per thread
-(:func:`traced_code`, :func:`real_code`, :func:`in_traced_code`), read also by the partitioner's
-grad-mode guard; other threads (data loading) draw as usual.
+draw: it runs whole later too, and :func:`states_kept` puts the global streams back after it.
+Which code is traced is one flag per thread (:func:`traced_code`, :func:`real_code`,
+:func:`in_traced_code`), read also by the partitioner's grad-mode guard; other threads (data
+loading) draw as usual.
 
 The same streams are kept with torch's wherever the partitioner restores or seeds torch's
 (:func:`host_states`, :func:`set_host_states`, :func:`seed_host`): tracing leaves them as they
@@ -192,12 +193,14 @@ def set_generator_state(value: Any, state: bytes) -> None:
 GLOBAL_STREAMS = "Python's or numpy's global generator"
 
 
-def held_generators(attributes: Mapping[str, Any], forward: Any = None) -> dict[str, Any]:
-    """The generator objects a module's forward can draw from without a guarded function, by a
-    name for messages: each among its ``attributes`` (``self.<key>``) and each in the globals
-    of the file that defines ``forward`` (read there directly or by a helper of that file)."""
-    found = {f"self.{key}": value for key, value in attributes.items()
+def held_generators(owner: Any) -> dict[str, Any]:
+    """The generator objects ``owner``'s forward (a module's) can draw from without a guarded
+    function, by a name for messages: each among its attributes (``self.<key>``) and each in
+    the globals of the file that defines its ``forward`` (read there directly or by a helper of
+    that file)."""
+    found = {f"self.{key}": value for key, value in vars(owner).items()
              if generator_state(value) is not None}
+    forward = getattr(owner, "forward", None)
     function = getattr(forward, "__func__", forward)  # a bound method's function
     for name, value in list(getattr(function, "__globals__", {}).items()):
         if generator_state(value) is not None:
@@ -205,13 +208,13 @@ def held_generators(attributes: Mapping[str, Any], forward: Any = None) -> dict[
     return found
 
 
-def draw_marks(attributes: Mapping[str, Any], forward: Any = None) -> dict[str, bytes]:
+def draw_marks(owner: Any) -> dict[str, bytes]:
     """What traced code could draw from without a guarded function, each generator's state by
     a name for the message: the global streams (also reached through ``from random import
     random``) and :func:`held_generators`. Compared before and after a traced call
     (:func:`refuse_unguarded_draws`): a draw moves its generator's state."""
     marks = {GLOBAL_STREAMS: pickle.dumps(host_states())}
-    for name, generator in held_generators(attributes, forward).items():
+    for name, generator in held_generators(owner).items():
         marks[name] = cast(bytes, generator_state(generator))
     return marks
 

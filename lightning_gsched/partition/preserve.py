@@ -19,9 +19,8 @@ from torch import nn
 from lightning_gsched.host_random import (
     generator_state,
     held_generators,
-    host_states,
     set_generator_state,
-    set_host_states,
+    states_kept,
 )
 
 
@@ -56,19 +55,17 @@ def preserved_tensors_and_rng(module: nn.Module) -> Iterator[None]:
     Python's and numpy's global ones, and the generator objects of :func:`generators_kept`."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     cpu_rng = torch.get_rng_state()
-    host = host_states()  # Python's and numpy's (a leaf's example run may draw)
     # torch.cuda.is_initialized has no annotations
     cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
     try:
-        with generators_kept(module):
+        with states_kept(), generators_kept(module):  # Python's and numpy's too
             yield
     finally:
         with torch.no_grad():
             for live, snapshot in buffers:
                 live.copy_(snapshot)
         torch.set_rng_state(cpu_rng)
-        set_host_states(host)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 
@@ -80,7 +77,7 @@ def generators_kept(module: nn.Module) -> Iterator[None]:
     exit: a module that draws from one runs whole, and tracing, checking and a leaf's example
     run must leave it as found."""
     generators = {id(g): (g, cast(bytes, generator_state(g))) for m in module.modules()
-                  for g in held_generators(m.__dict__, getattr(m, "forward", None)).values()}
+                  for g in held_generators(m).values()}
     try:
         yield
     finally:

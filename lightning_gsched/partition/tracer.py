@@ -143,14 +143,14 @@ class GschedTracer(fx.Tracer):
             if off:
                 kwargs = {**kwargs, **off}
                 self.cache_off.setdefault(name)
-        attributes = None if leaf else subtree_attributes(m)
-        marks = None if leaf else draw_marks(m.__dict__, getattr(m, "forward", None))
+        # what a traced call must leave as it found (a leaf runs for real at every call)
+        before = None if leaf else (subtree_attributes(m), draw_marks(m))
         try:
             result = super().call_module(m, forward, args, kwargs)
-            if attributes is not None and marks is not None:
+            if before is not None:
+                attributes, marks = before
                 where = f"{name or 'the model'}'s forward ({type(m).__name__})"
-                refuse_unguarded_draws(marks, draw_marks(m.__dict__, getattr(m, "forward", None)),
-                                       where)
+                refuse_unguarded_draws(marks, draw_marks(m), where)
                 _refuse_state_change(m, name, attributes)
             return result
         except Exception as exc:

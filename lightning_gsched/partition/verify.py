@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_gsched.host_random import host_states, seed_host, set_host_states
+from lightning_gsched.host_random import seed_host, states_kept
 from lightning_gsched.partition.errors import PartitionError, SplitMismatchError
 from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
 
@@ -111,14 +111,10 @@ def _seeded() -> contextlib.AbstractContextManager[Any]:
 
     @contextlib.contextmanager
     def run() -> Iterator[None]:
-        host = host_states()  # the model and its stages draw Python's and numpy's alike too
-        try:
-            with fork:
-                torch.manual_seed(VERIFY_SEED)
-                seed_host(VERIFY_SEED)
-                yield
-        finally:
-            set_host_states(host)
+        with fork, states_kept():  # the model and its stages draw Python's and numpy's alike
+            torch.manual_seed(VERIFY_SEED)
+            seed_host(VERIFY_SEED)
+            yield
 
     return run()
 
