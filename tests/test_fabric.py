@@ -457,6 +457,40 @@ def test_checkpoint_resumes_into_a_model_built_without_weights(worlds, runs) -> 
     assert seen == set(want["weights"][-1])
 
 
+def test_a_sharded_checkpoint_resumes_under_another_schedule_and_without_weights(
+        worlds, tmp_path) -> None:
+    """``state_dict_type="sharded"``: ``fabric.save`` after step 2 under interleaved writes
+    one torch.distributed.checkpoint directory, each rank its own stages (no gather: no
+    rank's file holds the whole model and its optimizer state); ``fabric.load`` of it into a fresh 1f1b run
+    and into a ``fabric.init_module()`` model under fsdp (each rank reading what it keeps at
+    the build), then step 3, ends where the uninterrupted run ends, and the entries that are
+    neither model nor optimizer come back under the user's keys."""
+    want = reference()
+    world = worlds.get(WORLD)
+    path = tmp_path / "sharded"
+    ran = world.run(run_schedule, "interleaved", str(path), "32-true",
+                    {"state_dict_type": "sharded"})
+    for rank, got in enumerate(ran):
+        assert_same_state(got["weights"], want["weights"][-1], f"interleaved, rank {rank}")
+    shards = sorted(path.glob("*.distcp"))
+    model_bytes = sum(t.numel() * t.element_size() for t in want["weights"][-1].values())
+    assert (path / "gsched_meta.pt").is_file() and len(shards) == WORLD, sorted(path.iterdir())
+    # the weights and their momentum: twice the model's bytes over both files (plus the
+    # format's own), and no file holding them all, as a gathered save's would
+    sizes = [f.stat().st_size for f in shards]
+    assert all(0 < size < 2 * model_bytes for size in sizes), (sizes, model_bytes)
+    assert sum(sizes) >= 2 * model_bytes, (sizes, model_bytes)
+    for loaded, deferred in (("1f1b", False), ("fsdp", True)):
+        for rank, got in enumerate(world.run(resume_schedule, loaded, str(path), False,
+                                             deferred)):
+            label = f"sharded -> {loaded}{' deferred' if deferred else ''}, rank {rank}"
+            assert got["step"] == SAVED_AT, label
+            kept = want["weights"][-1] if not deferred else \
+                {n: want["weights"][-1][n] for n in got["held"]}
+            assert_same_state(got["weights"], kept, label)
+            assert got["losses"] == pytest.approx(want["losses"][SAVED_AT:], rel=1e-5), label
+
+
 def test_bf16_mixed_tracks_single_device(worlds, tmp_path) -> None:
     """bf16 autocast around each stage's forward, as around ``model(x)`` on one device: the
     result equals one device's up to bf16 rounding of reordered sums (the tolerance is
@@ -490,6 +524,24 @@ def test_checkpoint_loads_into_a_single_device_fabric(runs) -> None:
 
 
 # ---------------------------------------------------------------------------- without processes
+
+
+def test_a_sharded_directory_keeps_the_users_keys() -> None:
+    """The directory's layout (the Trainer's) round-trips fabric.save's keys, and a user
+    entry named like one of the layout's own is refused naming it."""
+    from lightning_gsched.engine.checkpoint_sharded import in_directory_layout, in_user_layout
+
+    state = {"net": {"w": torch.ones(2)}, "opt": {"state": {}}, "opt2": {"state": {1: 2}},
+             "step": 3, "data": {"epoch": 1}}
+    laid = in_directory_layout(state, "net", ["opt", "opt2"])
+    assert laid["state_dict"] is state["net"] and laid["optimizer_states"] == [
+        state["opt"], state["opt2"]] and laid["step"] == 3
+    assert in_user_layout(laid) == state
+    assert in_user_layout(in_directory_layout({"step": 1}, None, [])) == {"step": 1}
+    lightning = {"state_dict": {}, "optimizer_states": [], "epoch": 0}  # the Trainer's
+    assert in_user_layout(lightning) is lightning
+    with pytest.raises(StrategyConfigError, match="'state_dict' is the sharded directory's own"):
+        in_directory_layout({"net": {}, "state_dict": {}}, "net", [])
 
 
 def test_library_names_are_registered_with_fabric() -> None:

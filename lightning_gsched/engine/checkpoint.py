@@ -211,12 +211,17 @@ class CheckpointService:
         return state
 
     def write(self, view: CheckpointView, checkpoint: StateDict, path: Any,
-              storage_options: Any, hand_on: Callable[[StateDict], None]) -> None:
+              storage_options: Any, hand_on: Callable[[StateDict], None],
+              entries: tuple[str | None, Sequence[str]] | None = None) -> None:
         """Write what :meth:`saving` collected (every rank calls it): a sharded directory, a
         streamed file (every rank sends, rank 0 writes), or the checkpoint on rank 0, atomically.
         ``hand_on(checkpoint)``: the front end's own writer (a user's CheckpointIO or a remote
-        path), which gets real tensors (streamed ones collected on rank 0)."""
+        path), which gets real tensors (streamed ones collected on rank 0). ``entries``: Fabric's
+        (model key, optimizer keys) in ``checkpoint``, which a sharded directory records
+        (``checkpoint_sharded.in_directory_layout``); None: Lightning's own keys."""
         if self.state_dict_type == "sharded":
+            if entries is not None:
+                checkpoint = checkpoint_sharded.in_directory_layout(checkpoint, *entries)
             checkpoint_sharded.save(checkpoint, path, view.rank, view.timeout)
             return
         local = self.writes_here(view.checkpoint_io, path, storage_options)
@@ -247,13 +252,16 @@ class CheckpointService:
         name = str(path)
         sharded = checkpoint_sharded.is_sharded_checkpoint(name)
         deferred = view.deferred
+        # a directory fabric.save wrote, read back under the user's keys
+        keys = (checkpoint_sharded.in_user_layout if self.what != checkpoint_check.TRAINER
+                else lambda checkpoint: checkpoint)
 
         def read() -> Any:
             if sharded and deferred:  # the index now, each rank's kept tensors at the build
                 checkpoint, self.restore = checkpoint_sharded.load_deferred(name)
-                return checkpoint
+                return keys(checkpoint)
             if sharded:
-                return checkpoint_sharded.load(name)
+                return keys(checkpoint_sharded.load(name))
             if deferred and self.writes_here(view.checkpoint_io, name):
                 # each rank applies only what it keeps: read those pages, not the whole file
                 return checkpoint_files.load_mapped(name, weights_only)
@@ -264,6 +272,8 @@ class CheckpointService:
 
         def check(checkpoint: Any) -> str | None:
             if self.what != checkpoint_check.TRAINER:
+                if sharded and deferred:  # no tensors read yet: the shapes in the index
+                    checkpoint = _with_saved_modules(checkpoint, fabric_state, name)
                 return checkpoint_check.fabric_problem(name, checkpoint, fabric_state, strict)
             if sharded and deferred:  # no tensors read yet: the shapes in the index
                 return checkpoint_check.mismatch(f"ckpt_path {name}",
@@ -352,6 +362,21 @@ def _tensor_parallel(view: CheckpointView) -> bool:
         view.engine.tensor_parallel_size > 1
 
 
+def _with_saved_modules(checkpoint: StateDict, fabric_state: Any, path: str) -> StateDict:
+    """A sharded directory read without its tensors (a model built without weights), as
+    ``fabric.load``'s check sees it: each module's empty entry replaced by the directory's
+    model entries as meta tensors of their saved shapes."""
+    if not isinstance(fabric_state, dict):
+        return checkpoint
+    empty = {k for k, v in fabric_state.items()
+             if isinstance(v, nn.Module) and isinstance(checkpoint.get(k), dict)
+             and not checkpoint[k]}
+    if not empty:
+        return checkpoint
+    saved = checkpoint_sharded.saved_model_entries(path)
+    return {k: saved if k in empty else v for k, v in checkpoint.items()}
+
+
 def _check_not_failed(view: CheckpointView) -> None:
     """After a failure the ranks stopped at different points of a step: nothing to save."""
     if view.failure is not None:
@@ -373,7 +398,8 @@ def _is_local(path: Any) -> bool:
 
 class CheckpointSettings:
     """The checkpoint options both front ends expose as their own attributes
-    (``strategy.stream_checkpoint``, ``strategy.checkpoint_stream_stats``), forwarded to the
+    (``strategy.state_dict_type``, ``strategy.stream_checkpoint``,
+    ``strategy.checkpoint_stream_stats``), forwarded to the
     strategy's :class:`CheckpointService` (``_checkpoints``): written once for both."""
 
     _checkpoints: CheckpointService
@@ -385,6 +411,15 @@ class CheckpointSettings:
     @stream_checkpoint.setter
     def stream_checkpoint(self, value: bool | str) -> None:
         self._checkpoints.stream_checkpoint = value
+
+    @property
+    def state_dict_type(self) -> str:
+        """``"full"`` or ``"sharded"``: how the next save writes (see :class:`CheckpointService`)."""
+        return self._checkpoints.state_dict_type
+
+    @state_dict_type.setter
+    def state_dict_type(self, value: str) -> None:
+        self._checkpoints.state_dict_type = value
 
     @property
     def checkpoint_stream_stats(self) -> StreamStats | None:

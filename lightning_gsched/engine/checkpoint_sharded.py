@@ -253,6 +253,46 @@ class _Phases:
                 "name is kept; fix the cause on that rank (e.g. its disk) and save again")
 
 
+# ---------------------------------------------------------------------------- Fabric's keys
+
+# In a directory fabric.save wrote: which of the user's keys held the model and the optimizers
+ENTRIES = "gsched_entries"
+_LAYOUT_KEYS = ("state_dict", "optimizer_states", ENTRIES)
+
+
+def in_directory_layout(state: StateDict, model_key: str | None,
+                        optimizer_keys: Sequence[str]) -> StateDict:
+    """``fabric.save``'s ``state`` (the user's keys, each object already a state dict) in the
+    directory's layout, the Trainer's: the model's entries as ``state_dict``, the optimizers'
+    as ``optimizer_states`` (in ``optimizer_keys``' order), everything else as rank 0 writes
+    it, and the user's keys recorded (:data:`ENTRIES`) so that :func:`in_user_layout` gives
+    them back. Why one layout: a directory is the same whichever front end wrote it, and
+    :func:`save` / :func:`load` know only it."""
+    clash = [k for k in state if k in _LAYOUT_KEYS and k != model_key and k not in optimizer_keys]
+    if clash:
+        raise StrategyConfigError(
+            f"fabric.save with state_dict_type='sharded': the key {clash[0]!r} is the sharded "
+            "directory's own; store that entry under another name")
+    rest = {k: v for k, v in state.items() if k != model_key and k not in optimizer_keys}
+    return {**rest, "state_dict": state[model_key] if model_key is not None else {},
+            "optimizer_states": [state[k] for k in optimizer_keys],
+            ENTRIES: {"model": model_key, "optimizers": list(optimizer_keys)}}
+
+
+def in_user_layout(checkpoint: StateDict) -> StateDict:
+    """A directory read back under the keys ``fabric.save`` was given (a directory the
+    Trainer wrote has no :data:`ENTRIES` and keeps Lightning's keys)."""
+    entries = checkpoint.get(ENTRIES)
+    if entries is None:
+        return checkpoint
+    out = {k: v for k, v in checkpoint.items() if k not in _LAYOUT_KEYS}
+    if entries["model"] is not None:
+        out[entries["model"]] = checkpoint["state_dict"]
+    for key, state in zip(entries["optimizers"], checkpoint["optimizer_states"], strict=True):
+        out[key] = state
+    return out
+
+
 # ---------------------------------------------------------------------------- loading
 
 

@@ -79,7 +79,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     In the loop, :meth:`step` replaces ``loss = loss_fn(model, batch); fabric.backward(loss)``;
     ``fabric.clip_gradients``, ``optimizer.step()``, ``fabric.save`` and ``fabric.load`` work as
     usual (checkpoints hold the full model and optimizer state, written by rank 0; a model
-    built without weights is streamed to rank 0 one weight unit at a time, never gathered).
+    built without weights is streamed to rank 0 one weight unit at a time, never gathered;
+    ``state_dict_type="sharded"``: a directory every rank writes its own stages into).
     :meth:`evaluate` runs a forward-only schedule, and :meth:`finish` gives every rank the full
     model back. One model per strategy.
 
@@ -121,6 +122,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         verify: Union[bool, str] = "auto",
         init_weights: Optional[Union[str, os.PathLike[str]]] = None,
         init_weights_prefix: str = "",
+        state_dict_type: Literal["full", "sharded"] = "full",
         stream_checkpoint: Union[bool, str] = "auto",
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -138,8 +140,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
                                               start_method)
         self.transport = check_transport(transport)
         # fabric.save / fabric.load: the engine's checkpoint service (checks stream_checkpoint)
-        self._checkpoints = CheckpointService(TorchCheckpointIO, FABRIC,
-                                              stream_checkpoint=stream_checkpoint)
+        self._checkpoints = CheckpointService(TorchCheckpointIO, FABRIC, state_dict_type,
+                                              stream_checkpoint)
         # a deferred model's kept parameters read from safetensors files (runtime/pretrained.py)
         self.init_weights = (None if init_weights is None
                              else pretrained_weights(init_weights, init_weights_prefix))
@@ -446,7 +448,9 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         (``stream_checkpoint="auto"``, or ``True`` for any model) when the model is among
         ``state``'s entries, described first and streamed to rank 0 one weight unit (one
         optimizer tensor) at a time, written as it arrives. A user's CheckpointIO or a remote
-        path gets the real checkpoint, written by rank 0."""
+        path gets the real checkpoint, written by rank 0. ``state_dict_type="sharded"``: every
+        rank writes the stages it first owns into one torch.distributed.checkpoint directory,
+        which records which of ``state``'s keys held the model and the optimizers."""
         view = self._view()
         includes_model = any(self._pipelines(obj) for obj in state.values())
 
@@ -455,10 +459,15 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
                 self.checkpoint_io.save_checkpoint(checkpoint=checkpoint, path=path,
                                                    storage_options=storage_options)
 
+        # which of the user's keys hold the model and the optimizers (a sharded directory
+        # records them; engine/checkpoint_sharded.py, "Fabric's keys")
+        model_key = next((key for key, obj in state.items() if self._pipelines(obj)), None)
+        optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
         try:
             with self._checkpoints.saving(view, includes_model):
                 converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-            self._checkpoints.write(view, converted, path, storage_options, hand_on)
+            self._checkpoints.write(view, converted, path, storage_options, hand_on,
+                                    entries=(model_key, optimizer_keys))
         except Exception as exc:
             # the peers are on their way to fabric.save's barrier (or in the gather): they
             # stop at once, naming this rank, instead of waiting for it

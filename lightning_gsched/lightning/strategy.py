@@ -507,14 +507,6 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
                               self.world_size, self.checkpoint_io, self.step_timeout,
                               self._failure, self._released)
 
-    @property
-    def state_dict_type(self) -> str:
-        return self._checkpoints.state_dict_type
-
-    @state_dict_type.setter
-    def state_dict_type(self, value: str) -> None:
-        self._checkpoints.state_dict_type = value
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
         view = self._view()  # a save begins here (Lightning's dump_checkpoint)
         with self._checkpoints.saving(view):
