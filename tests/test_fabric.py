@@ -174,6 +174,20 @@ def resume_schedule(ctx: WorkerContext, schedule: str, path: str, while_running:
             "step": remainder["step"], "held": held}
 
 
+def load_into_a_wider_model(ctx: WorkerContext, path: str) -> str:
+    """``fabric.load`` of the module's (dim 32) sharded directory into a model of dim 48
+    built without weights: refused when read (the index's shapes), on every rank."""
+    from lightning_gsched.errors import CheckpointError
+
+    fabric = pipelined_fabric(ctx, "1f1b")
+    with fabric.init_module():
+        built = make_gpt(0, dim=48)
+    model, optimizer = fabric.setup(built, torch.optim.SGD(built.parameters(), lr=LR))
+    with pytest.raises(CheckpointError) as caught:
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+    return str(caught.value)
+
+
 # ---------------------------------------------------------------------------- the tests
 
 
@@ -464,7 +478,8 @@ def test_a_sharded_checkpoint_resumes_under_another_schedule_and_without_weights
     rank's file holds the whole model and its optimizer state); ``fabric.load`` of it into a fresh 1f1b run
     and into a ``fabric.init_module()`` model under fsdp (each rank reading what it keeps at
     the build), then step 3, ends where the uninterrupted run ends, and the entries that are
-    neither model nor optimizer come back under the user's keys."""
+    neither model nor optimizer come back under the user's keys. A model of another size built
+    without weights is refused by the directory's index, before any tensor is read."""
     want = reference()
     world = worlds.get(WORLD)
     path = tmp_path / "sharded"
@@ -489,6 +504,8 @@ def test_a_sharded_checkpoint_resumes_under_another_schedule_and_without_weights
                 {n: want["weights"][-1][n] for n in got["held"]}
             assert_same_state(got["weights"], kept, label)
             assert got["losses"] == pytest.approx(want["losses"][SAVED_AT:], rel=1e-5), label
+    for message in world.run(load_into_a_wider_model, str(path)):
+        assert "saved from a model of another size" in message, message
 
 
 def test_bf16_mixed_tracks_single_device(worlds, tmp_path) -> None:

@@ -11,7 +11,9 @@ directory resumes under any schedule, worker count and (P, G, T) layout (a tenso
 rank writes its pieces of a sharded parameter as ``DTensor`` views, whose offsets the directory
 records; partition/tensor_parallel_state.py): :func:`load` reads every
 tensor on every rank (each rank still holds the full model before its stages are released) into
-an ordinary full checkpoint dict.
+an ordinary full checkpoint dict. The layout is the Trainer's (``state_dict``,
+``optimizer_states``, the rest); a directory ``fabric.save`` wrote records which of the user's
+keys held the model and the optimizers, and is read back under them ("Fabric's keys" below).
 
 **Deferred restore.** Lightning restores a checkpoint's weights before the strategy's setup and
 its optimizer state before the first batch, while a model built without weights still has its
