@@ -8,10 +8,13 @@ launcher re-runs this script once per rank):
     python examples/fabric_loop.py                       # 1F1B pipeline over 2 processes
     python examples/fabric_loop.py --schedule fslpp --devices 4
     python examples/fabric_loop.py --resume out/fabric.ckpt --schedule gpipe   # continue a run
+    python examples/fabric_loop.py --sharded --out out/fabric_dir   # every rank writes its part
 
 Each run prints the loss of every 20th step and the validation accuracy, and writes
 ``out/fabric.ckpt`` (the full model and optimizer state: it loads under any schedule, any number
-of processes, or ``Fabric(devices=1)``).
+of processes, or ``Fabric(devices=1)``); with ``--sharded`` a torch.distributed.checkpoint
+directory instead, each rank writing the stages it owns (it loads under any schedule and number
+of processes of this strategy: ``--resume out/fabric_dir``).
 """
 
 from __future__ import annotations
@@ -72,10 +75,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--resume", default=None, help="a checkpoint written by this script")
     parser.add_argument("--out", default="out/fabric.ckpt")
+    parser.add_argument("--sharded", action="store_true",
+                        help="save a directory every rank writes its part of")
     args = parser.parse_args()
 
+    state_dict_type = "sharded" if args.sharded else "full"
     fabric = Fabric(accelerator="cpu", devices=args.devices,
-                    strategy=GeneralParallelFabric(args.schedule))
+                    strategy=GeneralParallelFabric(args.schedule,
+                                                   state_dict_type=state_dict_type))
     fabric.launch()
     fabric.seed_everything(0)
 
