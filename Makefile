@@ -22,23 +22,23 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # ruff (pyflakes, import order, bugbear) and strict mypy on the whole package (the modules
-# pyproject.toml's [tool.mypy] overrides exempt are named there, with why). mypy on two worker
-# processes: 37 s instead of 44 s from a cold cache on the 2-core machine ("auto": 43 s).
-# `make test` runs the same two beside the suite
+# pyproject.toml's [tool.mypy] overrides exempt are named there, with why). mypy's worker
+# processes (`-n 2`, 37 s instead of 44 s alone) are not used: beside the suite, starved of
+# CPU, its workers failed to start ("Failed to establish connection with worker", 2026-11-28)
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
-	$(PY) -m mypy -n 2
+	$(PY) -m mypy
 
 # ruff first (a second), then the suite in two parts, with mypy beside them at the lowest CPU
 # priority (nice 19: it runs in the cores' idle moments, ~13% of the launched part, and takes
-# ~1.5% of a core when both are busy; 37 s of wall time saved on the 2-core machine); make fails
-# if ruff, either part or mypy fails, and prints mypy's report at the end. The single-process
+# ~1.5% of a core when both are busy; its ~44 s no longer add to the wall time); make fails if
+# ruff, either part or mypy fails, and prints mypy's report at the end. The single-process
 # tests run on both cores (pytest-xdist, one torch thread per worker: 155 s instead of 223 s);
 # the launched ones (marker `distributed`) one after another, each starting W processes of its
 # own that need the cores
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
-	nice -n 19 $(PY) -m mypy -n 2 > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	nice -n 19 $(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not distributed" -n 2 --durations=10 && \
 	$(PY) -m pytest -q -m distributed --durations=25; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy (run beside the tests):"; cat $(VENV)/mypy.log; \

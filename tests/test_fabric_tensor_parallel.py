@@ -17,6 +17,9 @@ device in this process:
   and optimizer tensor's full tensor made by its worker's two ranks and sent to rank 0 one at a
   time), ``fabric.load`` into a zbv pipeline that already ran a step of its own (each rank takes
   its pieces), then step 3: every rank ends with one device's weights and step-3 loss;
+* gpipe's save after step 2 is a sharded directory (``state_dict_type="sharded"``: every
+  rank writes its pieces, four files); ``fabric.load`` of it into a fresh 1f1b pipeline, then
+  step 3, ends with one device's weights and step-3 loss on every rank;
 * after 1f1b's last step the same state saved streamed and gathered (every shard gathered to
   rank 0 at once) gives two files with equal tensors, bit for bit, of the full shapes;
 * sequence parallelism (the styles by name, :func:`sequence_plan`: the norms sharded by
@@ -58,6 +61,7 @@ from test_fabric import (
 pytestmark = pytest.mark.distributed
 
 T = 2
+SHARDED = "gpipe"  # the schedule whose save is a sharded directory (state_dict_type="sharded")
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zbv"]
 PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
         "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
@@ -131,9 +135,12 @@ def run_schedules(ctx: WorkerContext, folder: str,
     as_worker(ctx.rank)
     out = []
     for schedule in SCHEDULES:
-        fabric, model, optimizer, batches = _pipelined(ctx, schedule,
-                                                       stream_checkpoint=schedule == "1f1b")
-        saved = f"{folder}/{schedule}.ckpt"  # a save while the pipeline runs: shards made whole
+        sharded = schedule == SHARDED  # its save a directory: each rank writes its pieces
+        fabric, model, optimizer, batches = _pipelined(
+            ctx, schedule, stream_checkpoint=schedule == "1f1b",
+            state_dict_type="sharded" if sharded else "full")
+        # a save while the pipeline runs: shards made whole, or each rank's pieces
+        saved = f"{folder}/{schedule}" + ("" if sharded else ".ckpt")
         losses = train(fabric, model, optimizer, batches, pipelined=True, save_at=SAVED_AT,
                        path=saved)
         if schedule == "1f1b":  # the same state both ways
@@ -160,7 +167,15 @@ def run_schedules(ctx: WorkerContext, folder: str,
     fabric.load(f"{folder}/1f1b.ckpt", {"model": model, "optimizer": optimizer})
     losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
     fabric.strategy.finish()
-    return out, {"losses": losses, "weights": state_of(model)}, sequence, dropout_run(ctx)
+    resumed = {"losses": losses, "weights": state_of(model)}
+    # the sharded directory loaded into a fresh 1f1b pipeline (every rank reads it whole and
+    # takes its pieces at the build), then the remaining steps
+    fabric, model, optimizer, batches = _pipelined(ctx, "1f1b")
+    fabric.load(f"{folder}/{SHARDED}", {"model": model, "optimizer": optimizer})
+    losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
+    fabric.strategy.finish()
+    from_directory = {"losses": losses, "weights": state_of(model)}
+    return out, resumed, sequence, dropout_run(ctx), from_directory
 
 
 def dropout_run(ctx: WorkerContext) -> dict[str, Any]:
@@ -211,7 +226,13 @@ def test_tensor_parallel_workers_train_like_one_device(worlds: Any, tmp_path: An
         assert first["whole"] and first["whole"].keys() == second["whole"].keys(), worker
         for name, tensor in first["whole"].items():
             assert torch.equal(tensor, second["whole"][name]), (worker, name)
-    for rank, (per_schedule, resumed, sequence, _) in enumerate(results):
+    pieces = sorted((tmp_path / SHARDED).glob("*.distcp"))
+    assert len(pieces) == 4 and all(f.stat().st_size for f in pieces), pieces  # every rank's
+    for rank, (per_schedule, resumed, sequence, _, from_directory) in enumerate(results):
+        label = f"{SHARDED}'s sharded directory loaded into a fresh 1f1b pipeline, rank {rank}"
+        assert_same_state(from_directory["weights"], want["weights"], label)
+        torch.testing.assert_close(torch.tensor(from_directory["losses"]),
+                                   torch.tensor(want["losses"][SAVED_AT:]), rtol=1e-5, atol=1e-6)
         label = f"1f1b with sequence parallelism, rank {rank}"
         assert_same_state(sequence["weights"], want["weights"], label)
         torch.testing.assert_close(torch.tensor(sequence["losses"]),

@@ -203,7 +203,7 @@ def test_pipeline_of_tensor_parallel_workers_fits_like_one_device(worlds: Any,
 
 
 def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> list[dict]:
-    """Epoch 1 under 1f1b with ModelCheckpoint saving at its end while the pipeline runs
+    """Epoch 1 under 1f1b with ModelCheckpoint saving after every step while the pipeline runs
     (``kind`` "full": the shards gathered into full tensors in one file; "sharded": every rank
     writes its own pieces into one directory), then epoch 2 resumed from it under zbv, whose
     stages shard differently, twice: into a model with weights (Lightning restores the file
@@ -218,7 +218,10 @@ def save_and_resume_on_worker(ctx: WorkerContext, tmp: str, kind: str) -> list[d
         return GeneralParallel(schedule, microbatches=4, tensor_parallel_size=T,
                                tensor_parallel_plan=PLAN, state_dict_type=kind)
 
-    saver = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True, save_top_k=0)
+    # a save after every step, so that training goes on after each (a save must leave the
+    # optimizer's own state as it was: a sharded save once swapped DTensor views into it)
+    saver = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True, save_top_k=0,
+                            every_n_train_steps=1)
     _fit(ctx.world_size, strategy("1f1b"), f"{tmp}/first", max_steps=-1, max_epochs=1,
          enable_checkpointing=True, callbacks=[saver])
     return [_fit(ctx.world_size, strategy("zbv"), f"{tmp}/{name}", max_steps=-1,

@@ -133,10 +133,11 @@ def local_model_state(module: nn.Module, is_mine: Callable[[str], bool]) -> Stat
 
 def local_optimizer_state(module: nn.Module, optimizer: Optimizer,
                           is_mine: Callable[[str], bool]) -> StateDict:
-    """Optimizer state of the parameters whose (first) name this rank writes, keyed by name."""
+    """Optimizer state of the parameters whose (first) name this rank writes, keyed by name
+    (each entry a copy: ``optimizer.state_dict()``'s entries are the optimizer's own dicts)."""
     index_names = saved_names(module, optimizer)
     state = optimizer.state_dict()
-    local = {index_names[i]: entry for i, entry in state["state"].items()
+    local = {index_names[i]: dict(entry) for i, entry in state["state"].items()
              if is_mine(index_names[i])}
     return {"state": local, "param_groups": state["param_groups"], "index_names": index_names}
 

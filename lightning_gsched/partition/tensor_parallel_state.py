@@ -150,12 +150,15 @@ def global_model_state(state: StateDict, module: nn.Module) -> StateDict:
 def global_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:
     """A sharded checkpoint's optimizer state (entries keyed by the names in
     ``state["index_names"]``, see ``engine/checkpoint_sharded.py``) with every shard-shaped
-    tensor seen as the ``DTensor`` of the full one, as in :func:`global_model_state`."""
+    tensor seen as the ``DTensor`` of the full one, as in :func:`global_model_state`. A new
+    dict: the entries of ``optimizer.state_dict()`` are the optimizer's own state dicts, and a
+    DTensor written into them would be the buffer its next step updates."""
     names = state.get("index_names") or []
+    entries = {name: dict(entry) for name, entry in state.get("state", {}).items()}
     for index, spec in _specs_by_index(optimizer, module).items():
-        entry = state.get("state", {}).get(names[index], {}) if index < len(names) else {}
+        entry = entries.get(names[index], {}) if index < len(names) else {}
         _swap(entry, list(entry), local_shape(spec), partial(global_view, spec=spec))
-    return state
+    return {**state, "state": entries}
 
 
 def _swap(entries: dict[Any, Any], keys: Sequence[Any], shape: torch.Size,
