@@ -31,6 +31,10 @@ device in this process:
   ranks draw the same masks (the engine aligns their generators): their whole parameters stay
   bit-equal through three 1f1b steps (without it the build's gradient check refuses the run).
 
+At W = 2 as one worker of T = 2 ranks (P = 1), a streamed save after step 1 and a gathered
+one after step 2 leave the optimizer's own state as it was: steps 2 and 3 after them, and the
+gathered file resumed under gpipe, end at one device's weights.
+
 Tolerance (rtol 1e-5, atol 1e-6) for ``assert_same_state``'s reason: a row-wise layer adds two
 partial dot products where one device adds one, float32 reordering as microbatches and ranks
 already cause; SGD with momentum is linear in the gradient. A wrong shard or a missing
@@ -308,3 +312,41 @@ def test_aligned_generators_include_python_and_numpy(worlds: Any) -> None:
     for worker in range(2):
         assert draws[worker * T] == draws[worker * T + 1], (worker, draws)
     assert all(a != b for a, b in zip(draws[0], draws[T], strict=True)), draws
+
+
+def one_worker_saves_and_trains_on(ctx: WorkerContext, folder: str) -> dict[str, Any]:
+    """W = 2 as one pipeline worker of T = 2 ranks (P = 1): a full checkpoint streamed after
+    step 1 and one gathered after step 2 (the shards made whole on their way to rank 0), then
+    step 3; then the gathered file loaded into a fresh run, which takes step 3 again."""
+    as_worker(ctx.rank)
+    fabric, model, optimizer, batches = _pipelined(ctx, "1f1b")
+    path = f"{folder}/one_worker.ckpt"
+    losses = train(fabric, model, optimizer, batches[:1], pipelined=True)
+    fabric.strategy.stream_checkpoint = True
+    fabric.save(f"{folder}/one_worker_streamed.ckpt", {"model": model, "optimizer": optimizer})
+    fabric.strategy.stream_checkpoint = "auto"
+    losses += train(fabric, model, optimizer, batches[1:], pipelined=True,
+                    save_at=SAVED_AT - 1, path=path)
+    fabric.strategy.finish()
+    trained = {"losses": losses, "weights": state_of(model)}
+    fabric, model, optimizer, batches = _pipelined(ctx, "gpipe")
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    losses = train(fabric, model, optimizer, batches[SAVED_AT:], pipelined=True)
+    fabric.strategy.finish()
+    return {"trained": trained, "resumed": {"losses": losses, "weights": state_of(model)}}
+
+
+def test_one_tensor_parallel_worker_saves_and_trains_on(worlds: Any, tmp_path: Any) -> None:
+    """P = 1: the only worker's saves must leave its optimizer's own state as it was (a
+    gathered save once wrote the whole tensors into it when there was no other worker to
+    gather from, and the next step failed); training on and resuming both end at one
+    device's weights."""
+    want = reference()
+    for rank, got in enumerate(worlds.get(2).run(one_worker_saves_and_trains_on,
+                                                 str(tmp_path))):
+        for what, steps in (("trained", slice(None)), ("resumed", slice(SAVED_AT, None))):
+            label = f"one worker, {what}, rank {rank}"
+            assert_same_state(got[what]["weights"], want["weights"], label)
+            torch.testing.assert_close(torch.tensor(got[what]["losses"]),
+                                       torch.tensor(want["losses"][steps]), rtol=1e-5,
+                                       atol=1e-6, msg=label)

@@ -113,11 +113,14 @@ def local_model_state(state: Mapping[str, Any], module: nn.Module) -> StateDict:
 
 def full_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:
     """``optimizer.state_dict()``-shaped ``state`` with every shard-shaped tensor whole
-    (collective over each tensor-parallel group: call on every rank of a group holding it)."""
+    (collective over each tensor-parallel group: call on every rank of a group holding it).
+    A new dict, as :func:`global_optimizer_state` returns: ``state``'s entries may be the
+    optimizer's own (one worker's ``optimizer.state_dict()``)."""
+    entries = {index: dict(entry) for index, entry in state.get("state", {}).items()}
     for index, spec in _specs_by_index(optimizer, module).items():
-        entry = state.get("state", {}).get(index, {})
+        entry = entries.get(index, {})
         _swap(entry, list(entry), local_shape(spec), partial(whole, spec=spec))
-    return state
+    return {**state, "state": entries}
 
 
 def local_optimizer_state(state: StateDict, optimizer: Any, module: nn.Module) -> StateDict:

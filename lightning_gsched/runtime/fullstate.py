@@ -84,10 +84,12 @@ def _merged(parts: Iterable[dict[int, Any]], param_groups: Any) -> dict[str, Any
 def full_optimizer_state(optimizer: Optimizer, primary: Sequence[nn.Parameter], rank: int,
                          world_size: int, group: Group) -> dict[str, Any]:
     """The optimizer's state dict with every parameter's state on rank 0, ``{}`` elsewhere.
-    ``group()``: the workers' group (group rank = worker, ``Channels.workers_group``)."""
+    ``group()``: the workers' group (group rank = worker, ``Channels.workers_group``). Its
+    entries are never the optimizer's own dicts (one worker's are copied), so a caller may
+    change them."""
     state = optimizer.state_dict()
     if world_size == 1:
-        return state
+        return {**state, "state": {index: dict(entry) for index, entry in state["state"].items()}}
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(_cpu_entries(optimizer, state, primary), gathered, group=group(),
                        group_dst=0)
