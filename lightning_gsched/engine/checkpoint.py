@@ -271,14 +271,15 @@ class CheckpointService:
             return cast(StateDict, read())
 
         def check(checkpoint: Any) -> str | None:
-            if self.what != checkpoint_check.TRAINER:
-                if sharded and deferred:  # no tensors read yet: the shapes in the index
-                    checkpoint = _with_saved_modules(checkpoint, fabric_state, name)
-                return checkpoint_check.fabric_problem(name, checkpoint, fabric_state, strict)
+            fabric = self.what != checkpoint_check.TRAINER
             if sharded and deferred:  # no tensors read yet: the shapes in the index
-                return checkpoint_check.mismatch(f"ckpt_path {name}",
+                if fabric and not strict:
+                    return None
+                return checkpoint_check.mismatch(f"{self.what} {name}",
                                                  checkpoint_sharded.saved_model_entries(name),
                                                  _module(view))
+            if fabric:
+                return checkpoint_check.fabric_problem(name, checkpoint, fabric_state, strict)
             return checkpoint_check.lightning_problem(name, checkpoint, view.module)
 
         return cast(StateDict, checkpoint_check.load_checked(name, read, check, view.timeout,
@@ -360,21 +361,6 @@ def _tensor_parallel(view: CheckpointView) -> bool:
     """A running pipeline of tensor-parallel workers: its stages hold shards."""
     return view.runtime is not None and view.engine is not None and \
         view.engine.tensor_parallel_size > 1
-
-
-def _with_saved_modules(checkpoint: StateDict, fabric_state: Any, path: str) -> StateDict:
-    """A sharded directory read without its tensors (a model built without weights), as
-    ``fabric.load``'s check sees it: each module's empty entry replaced by the directory's
-    model entries as meta tensors of their saved shapes."""
-    if not isinstance(fabric_state, dict):
-        return checkpoint
-    empty = {k for k, v in fabric_state.items()
-             if isinstance(v, nn.Module) and isinstance(checkpoint.get(k), dict)
-             and not checkpoint[k]}
-    if not empty:
-        return checkpoint
-    saved = checkpoint_sharded.saved_model_entries(path)
-    return {k: saved if k in empty else v for k, v in checkpoint.items()}
 
 
 def _check_not_failed(view: CheckpointView) -> None:

@@ -452,7 +452,6 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         rank writes the stages it first owns into one torch.distributed.checkpoint directory,
         which records which of ``state``'s keys held the model and the optimizers."""
         view = self._view()
-        includes_model = any(self._pipelines(obj) for obj in state.values())
 
         def hand_on(checkpoint: dict[str, Any]) -> None:
             if self.is_global_zero:
@@ -464,7 +463,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         model_key = next((key for key, obj in state.items() if self._pipelines(obj)), None)
         optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
         try:
-            with self._checkpoints.saving(view, includes_model):
+            with self._checkpoints.saving(view, includes_model=model_key is not None):
                 converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
             self._checkpoints.write(view, converted, path, storage_options, hand_on,
                                     entries=(model_key, optimizer_keys))
