@@ -34,8 +34,8 @@ lint: $(STAMP)
 # ~1.5% of a core when both are busy; its ~44 s no longer add to the wall time); make fails if
 # ruff, either part or mypy fails, and prints mypy's report at the end. The single-process
 # tests run on both cores (pytest-xdist, one torch thread per worker: 155 s instead of 223 s);
-# the launched ones (marker `distributed`) one after another, each starting W processes of its
-# own that need the cores
+# the launched ones (marker `distributed`) one after another, on worker processes the whole
+# session shares, one set per world size (tests/dist_harness.py), since they need the cores
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	nice -n 19 $(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \

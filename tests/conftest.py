@@ -1,9 +1,10 @@
 """Fixtures shared by the distributed test modules.
 
-``worlds``: one :class:`dist_harness.Worlds` per test module (module scope), closed when the
-module's tests are done, so at most one set of worker processes is alive at a time. A module
-whose checks run whole Trainer fits sets ``WORLD_TIMEOUT`` (seconds per check) above the
-harness default. ``world``: that module's W=2 world, for modules that need no other size.
+``worlds``: one test module's view (:class:`dist_harness.Worlds`) of the session's worker
+processes, one set per world size, started when first asked for and kept until the session ends
+(``_world_pool``). A module whose checks run whole Trainer fits sets ``WORLD_TIMEOUT`` (seconds
+per check) above the harness default. ``world``: that module's W=2 world, for modules that need
+no other size.
 """
 
 from __future__ import annotations
@@ -12,12 +13,19 @@ from typing import Any, Iterator
 
 import pytest
 
-from dist_harness import DEFAULT_TIMEOUT, Worlds
+from dist_harness import DEFAULT_TIMEOUT, WorldPool, Worlds
+
+
+@pytest.fixture(scope="session")
+def _world_pool() -> Iterator[WorldPool]:
+    pool = WorldPool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")
-def worlds(request: pytest.FixtureRequest) -> Iterator[Worlds]:
-    w = Worlds(timeout=getattr(request.module, "WORLD_TIMEOUT", DEFAULT_TIMEOUT))
+def worlds(request: pytest.FixtureRequest, _world_pool: WorldPool) -> Iterator[Worlds]:
+    w = Worlds(_world_pool, timeout=getattr(request.module, "WORLD_TIMEOUT", DEFAULT_TIMEOUT))
     yield w
     w.close()
 

@@ -11,9 +11,18 @@ must live in an importable module such as the test file itself); ``ctx`` is a
 Exceptions raised by a check are returned as :class:`RankError` values when ``expect_errors=True``
 (fault tests), so a test can assert on each rank's message.
 
-    world = DistWorld(4)        # or the ``worlds`` fixture (conftest.py): one world at a time
+    world = DistWorld(4)        # or the ``worlds`` fixture (conftest.py)
     results = world.run(my_check, "gpipe")
     world.close()
+
+The test session keeps one world per size alive across modules (:class:`WorldPool`; each
+module sees it through a :class:`Worlds` view): a world's start, and the first check's imports
+of torch and Lightning in every rank, cost 5-12 s, and the suite asked for 47 of them when each
+module started its own (2026-11-28). Idle workers wait on their queue and use no CPU. Between
+modules each rank's environment variables are put back as they were when the rank started
+(:func:`restore_environment`), so what one module's checks export (``LOCAL_RANK``, Lightning's
+seed variables) does not reach the next; a module whose checks leave other process-wide state
+behind cleans it with :meth:`Worlds.before_close`.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import tempfile
 import time
 import traceback
 import warnings
@@ -66,8 +76,21 @@ def strict_warnings() -> None:
         warnings.filterwarnings("error", category=category, module="lightning_gsched")
 
 
+_STARTING_ENVIRONMENT: dict[str, str] = {}
+
+
+def restore_environment(ctx: WorkerContext) -> None:
+    """Put this rank's environment variables, and the system temporary folder the checkpoint
+    fault tests redirect, back as they were when it started (a check run between two modules
+    on a shared world, see :class:`Worlds`)."""
+    os.environ.clear()
+    os.environ.update(_STARTING_ENVIRONMENT)
+    tempfile.tempdir = None  # gettempdir() chooses again, from the restored TMPDIR
+
+
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _STARTING_ENVIRONMENT.update(os.environ)
     strict_warnings()
     import torch
     import torch.distributed as dist
@@ -188,6 +211,11 @@ class DistWorld:
                 values[rank] = value
         return [values[r] for r in range(self.world_size)]
 
+    def usable(self) -> bool:
+        """No check has found it broken and every rank is still running (a fault test's
+        rank may end after answering)."""
+        return not self._dead and all(proc.is_alive() for proc in self._procs)
+
     def close(self, kill: bool = False) -> None:
         if not kill and not self._dead:
             for tasks in self._tasks:
@@ -199,32 +227,57 @@ class DistWorld:
                 proc.join(timeout=5)
 
 
-class Worlds:
-    """At most one :class:`DistWorld` alive at a time (2 cores): ``get(W)`` replaces the old one."""
+class WorldPool:
+    """One :class:`DistWorld` per size for the whole test session (see the module docstring);
+    a world found unusable is replaced by a new one."""
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self) -> None:
+        self._worlds: dict[int, DistWorld] = {}
+
+    def get(self, world_size: int, timeout: float) -> DistWorld:
+        world = self._worlds.get(world_size)
+        if world is None or not world.usable():
+            if world is not None:
+                world.close(kill=True)
+            world = self._worlds[world_size] = DistWorld(world_size, timeout)
+        world.timeout = timeout
+        return world
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close(kill=not world.usable())
+        self._worlds.clear()
+
+
+class Worlds:
+    """One test module's view of the session's :class:`WorldPool`: ``get(W)`` hands out the
+    pool's world of W ranks with this module's per-check timeout; the first time this module
+    gets a world, each rank's environment is restored (:func:`restore_environment`), and when
+    the module ends, its :meth:`before_close` functions run on every world it used."""
+
+    def __init__(self, pool: WorldPool, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
-        self._world: DistWorld | None = None
+        self._pool = pool
+        self._used: dict[int, DistWorld] = {}
         self._before_close: list[Callable[[WorkerContext], Any]] = []
 
     def before_close(self, fn: Callable[[WorkerContext], Any]) -> None:
-        """Run ``fn`` on every rank of each world before that world ends (replaced or closed):
-        for state a module caches in its workers, such as process groups, which should be
-        destroyed in order rather than dropped with the processes."""
+        """Run ``fn`` on every rank of each world this module used, when the module ends: for
+        state the module caches in its workers, such as process groups, which should be
+        destroyed in order rather than left to the next module."""
         self._before_close.append(fn)
 
     def get(self, world_size: int) -> DistWorld:
-        if self._world is None or self._world.world_size != world_size or self._world._dead:
-            self.close()
-            self._world = DistWorld(world_size, self.timeout)
-        return self._world
+        world = self._pool.get(world_size, self.timeout)
+        if self._used.get(world_size) is not world:
+            world.run(restore_environment)
+            self._used[world_size] = world
+        return world
 
     def close(self) -> None:
-        if self._world is not None:
-            try:
-                if not self._world._dead:
-                    for fn in self._before_close:
-                        self._world.run(fn)
-            finally:
-                self._world.close()
-                self._world = None
+        """End this module's use of its worlds (they stay in the pool for the next module)."""
+        for world in self._used.values():
+            if world.usable():
+                for fn in self._before_close:
+                    world.run(fn)
+        self._used.clear()
