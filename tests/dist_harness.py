@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT = 120.0
+# a shared world's hand-over to the next module (restore_environment): a few milliseconds when
+# the world is sound; a default group an earlier module broke fails it and a new world starts
+HANDOVER_TIMEOUT = 30.0
 
 
 @dataclass
@@ -86,6 +89,10 @@ def restore_environment(ctx: WorkerContext) -> None:
     os.environ.clear()
     os.environ.update(_STARTING_ENVIRONMENT)
     tempfile.tempdir = None  # gettempdir() chooses again, from the restored TMPDIR
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # and the default group still works (Worlds.get)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
@@ -243,6 +250,12 @@ class WorldPool:
         world.timeout = timeout
         return world
 
+    def discard(self, world_size: int) -> None:
+        """End the world of that size (its ranks are killed); ``get`` starts a new one."""
+        world = self._worlds.pop(world_size, None)
+        if world is not None:
+            world.close(kill=True)
+
     def close(self) -> None:
         for world in self._worlds.values():
             world.close(kill=not world.usable())
@@ -252,8 +265,10 @@ class WorldPool:
 class Worlds:
     """One test module's view of the session's :class:`WorldPool`: ``get(W)`` hands out the
     pool's world of W ranks with this module's per-check timeout; the first time this module
-    gets a world, each rank's environment is restored (:func:`restore_environment`), and when
-    the module ends, its :meth:`before_close` functions run on every world it used."""
+    gets a world, each rank's environment is restored (:func:`restore_environment`, which also
+    checks the default group with one all-reduce: a world an earlier module left broken is
+    replaced, so its failure is not reported by an innocent module), and when the module ends,
+    its :meth:`before_close` functions run on every world it used."""
 
     def __init__(self, pool: WorldPool, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
@@ -270,7 +285,12 @@ class Worlds:
     def get(self, world_size: int) -> DistWorld:
         world = self._pool.get(world_size, self.timeout)
         if self._used.get(world_size) is not world:
-            world.run(restore_environment)
+            try:
+                world.run(restore_environment, timeout=HANDOVER_TIMEOUT)
+            except AssertionError:  # an earlier module left its default group broken
+                self._pool.discard(world_size)
+                world = self._pool.get(world_size, self.timeout)
+                world.run(restore_environment, timeout=HANDOVER_TIMEOUT)
             self._used[world_size] = world
         return world
 
