@@ -31,11 +31,16 @@ class LitGPT(pl.LightningModule):
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.05, layers: int = 3,
                  tie: str = "functional", log_extra: bool = False,
-                 shardable: bool = False) -> None:
+                 shardable: bool = False, frozen: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = TinyGPT(vocab=VOCAB, dim=32, heads=4, layers=layers, block_size=16, tie=tie,
                              shardable=shardable)
+        # fine-tuning: parameters whose names start with one of ``frozen`` get no gradient
+        # (they are still handed to the optimizer, as many users do)
+        for name, param in self.named_parameters():
+            if name.startswith(frozen) and frozen:
+                param.requires_grad_(False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -50,8 +50,9 @@ WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
 DEFAULT_FIT = (("max_steps", STEPS), ("gradient_clip_val", CLIP))
 
 
-def _fit(world: int, rank: int, strategy: Any, optimizer: str, tmp: str, options: tuple) -> dict:
-    model = make_lit_gpt(optimizer=optimizer)
+def _fit(world: int, rank: int, strategy: Any, optimizer: str, tmp: str, options: tuple,
+         model_options: tuple = ()) -> dict:
+    model = make_lit_gpt(optimizer=optimizer, **dict(model_options))
     data = tokens(GLOBAL_BATCH * 2 * STEPS)
     fit = trainer(world, strategy, tmp, **dict(options))
     fit.fit(model, rank_loader(data, GLOBAL_BATCH, world, rank))
@@ -59,20 +60,21 @@ def _fit(world: int, rank: int, strategy: Any, optimizer: str, tmp: str, options
 
 
 def fit_on_worker(ctx: WorkerContext, strategy: Any, optimizer: str, tmp: str,
-                  options: tuple = DEFAULT_FIT) -> dict:
+                  options: tuple = DEFAULT_FIT, model_options: tuple = ()) -> dict:
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
     if isinstance(strategy, dict):
         strategy = GeneralParallel(**strategy)
-    return _fit(ctx.world_size, ctx.rank, strategy, optimizer, tmp, options)
+    return _fit(ctx.world_size, ctx.rank, strategy, optimizer, tmp, options, model_options)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(optimizer: str, options: tuple = DEFAULT_FIT) -> tuple[dict, list]:
+def reference(optimizer: str, options: tuple = DEFAULT_FIT,
+              model_options: tuple = ()) -> tuple[dict, list]:
     """Single-process Trainer on the same global batches (computed once per configuration)."""
     tmp = tempfile.mkdtemp()
-    state = _fit(1, 0, "auto", optimizer, tmp, options)
+    state = _fit(1, 0, "auto", optimizer, tmp, options, model_options)
     return state, csv_metric(tmp, "train_loss")
 
 
@@ -104,6 +106,27 @@ def test_schedule_matches_single_device(worlds, world_size: int, schedule: str, 
         tmp = str(tmp_path / optimizer)
         states = world.run(fit_on_worker, {"schedule": schedule}, optimizer, tmp)
         assert_fit_matches(states, tmp, want, want_log, f"{schedule} W={world_size} {optimizer}")
+
+
+# fine-tuning: the token embedding (tied to the head, on the first and the last stage), the
+# position embedding and the first block frozen: stages with frozen weights beside trained ones
+FROZEN = (("frozen", ("model.wte", "model.wpe", "model.blocks.0.")),)
+
+
+@pytest.mark.parametrize("schedule", ["fsdp", "fslpp", "zbv"])
+def test_frozen_parameters_match_single_device(worlds, schedule: str, tmp_path) -> None:
+    """Parameters with ``requires_grad=False``, still in the optimizer (Adam, clipping by
+    norm), under a sharded schedule (fsdp: every stage's weights fetched and its gradients
+    reduce-scattered; fslpp: sharded and looped) and a split backward (zbv: a weight phase
+    with nothing to compute for them): the frozen ones stay as initialised and the rest end at
+    one device's weights and losses."""
+    want, want_log = reference("adam", DEFAULT_FIT, FROZEN)
+    initial = state_of(make_lit_gpt(**dict(FROZEN)))
+    frozen = [name for name in want if name.startswith(FROZEN[0][1])]
+    assert frozen and all(torch.equal(want[name], initial[name]) for name in frozen)
+    states = worlds.get(2).run(fit_on_worker, {"schedule": schedule}, "adam", str(tmp_path),
+                               DEFAULT_FIT, FROZEN)
+    assert_fit_matches(states, str(tmp_path), want, want_log, f"{schedule} frozen")
 
 
 # pipelines x data parallel: every pipeline schedule at W=4 as P=2 x G=2, each stage replicated
