@@ -294,6 +294,13 @@ class Worlds:
             self._used[world_size] = world
         return world
 
+    def discard(self, world_size: int) -> None:
+        """End the world of that size for good: for a check that leaves its ranks out of step
+        (e.g. a process group made on some ranks only, which the next ``new_group`` of every
+        rank would wait on). The next ``get`` starts a new one."""
+        self._used.pop(world_size, None)
+        self._pool.discard(world_size)
+
     def close(self) -> None:
         """End this module's use of its worlds (they stay in the pool for the next module)."""
         for world in self._used.values():
