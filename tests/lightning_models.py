@@ -39,7 +39,7 @@ class LitGPT(pl.LightningModule):
         # fine-tuning: parameters whose names start with one of ``frozen`` get no gradient
         # (they are still handed to the optimizer, as many users do)
         for name, param in self.named_parameters():
-            if name.startswith(frozen) and frozen:
+            if name.startswith(frozen):  # (no prefix: startswith(()) is False)
                 param.requires_grad_(False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

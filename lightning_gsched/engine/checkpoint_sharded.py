@@ -154,7 +154,7 @@ def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) ->
     """
     path = str(path)
     staging = checkpoint_files.staging_name(path, unique=False)
-    phases = _Phases.started(path, rank, timeout)
+    phases = _Phases(path, rank, timeout)
     try:
         with phases.phase("preparing the save"):
             tensors, others, optim_meta = _split(checkpoint)
@@ -209,38 +209,37 @@ def _split(checkpoint: StateDict) -> tuple[dict[str, torch.Tensor], NonTensor, l
     return tensors, others, optim_meta
 
 
+def _reason(exc: BaseException) -> str:
+    """A backend error's first line, for a save's message."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class _Phases:
     """The phases of one sharded save, each ended by every rank's outcome (bounded)."""
 
-    def __init__(self, path: str, rank: int, exchange: BoundedExchange) -> None:
-        self.path, self.rank = path, rank
-        self.exchange = exchange
-
-    @classmethod
-    def started(cls, path: str, rank: int, timeout: float) -> _Phases:
-        """The save's own group, made by every rank (bounded by ``timeout``): a peer that
-        never starts the save (it failed before, e.g. in a checkpoint hook) is a
+    def __init__(self, path: str, rank: int, timeout: float) -> None:
+        """Make the save's own group, every rank (bounded by ``timeout``): a peer that never
+        starts the save (it failed before, e.g. in a checkpoint hook) is a
         CheckpointWriteError here, not the backend's store time-out."""
+        self.path, self.rank = path, rank
         try:
-            return cls(path, rank, BoundedExchange(timeout))
+            self.exchange = BoundedExchange(timeout)
         except RuntimeError as exc:  # torch.distributed's DistStoreError: no peer joined
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CheckpointWriteError(
                 f"the sharded save of {path}: rank {rank} waited {timeout:g} s (step_timeout) "
                 "for every rank to start the save, and a peer never did: it failed before "
-                f"saving (see that rank's error) or hangs ({reason}). Nothing was written; "
-                "the previous checkpoint under that name is kept") from exc
+                f"saving (see that rank's error) or hangs ({_reason(exc)}). Nothing was "
+                "written; the previous checkpoint under that name is kept") from exc
 
     def gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's ``value`` (bounded); a peer that never answers is named as such."""
         try:
             return self.exchange.gather(value)
         except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CheckpointWriteError(
                 f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
                 f"within {self.exchange.timeout:g} s (step_timeout) while {what}: a rank died "
-                f"or hangs ({reason}). The previous checkpoint under that name is kept"
+                f"or hangs ({_reason(exc)}). The previous checkpoint under that name is kept"
             ) from exc
 
     @contextmanager
