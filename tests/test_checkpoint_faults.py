@@ -128,8 +128,9 @@ def _save_failing_outside_the_writer(ctx: WorkerContext, fit: Any, path: str) ->
 
 
 def peer_never_saves_on_worker(ctx: WorkerContext, tmp: str, path: str) -> Any:
-    """A sharded save that rank 1 never starts (as when its ``on_save_checkpoint`` raised):
-    rank 0's save, with step_timeout 3 s; what it raised (rank 1: None)."""
+    """A sharded save, then a load, that rank 1 never starts (as when its
+    ``on_save_checkpoint`` raised, or it died before a resume): rank 0's save and load, with
+    step_timeout 3 s; what each raised (rank 1: None)."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
@@ -139,29 +140,37 @@ def peer_never_saves_on_worker(ctx: WorkerContext, tmp: str, path: str) -> Any:
     fit.fit(model, rank_loader(tokens(GLOBAL_BATCH), GLOBAL_BATCH, ctx.world_size, ctx.rank))
     if ctx.rank != 0:
         return None
+    outcomes: list[Any] = []
     checkpoint = fit._checkpoint_connector.dump_checkpoint(weights_only=False)
-    try:
-        fit.strategy.save_checkpoint(checkpoint, path)
-    except Exception as exc:  # noqa: BLE001 - the test reads it
-        return type(exc).__name__, str(exc)
-    return "saved"
+    for attempt in (lambda: fit.strategy.save_checkpoint(checkpoint, path),
+                    lambda: fit.strategy.load_checkpoint(tmp)):
+        try:
+            attempt()
+            outcomes.append("done")
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
 
 
-def test_a_sharded_save_a_peer_never_starts_fails_naming_it(worlds, tmp_path) -> None:
-    """Rank 0 ends within step_timeout with a CheckpointWriteError that says a peer never
-    started the save (it was torch's DistStoreError "wait timeout ... keys: /default_pg/..."
-    after the same wait), and nothing is written under the name."""
+def test_a_save_or_load_a_peer_never_starts_fails_naming_it(worlds, tmp_path) -> None:
+    """Rank 0 ends within step_timeout with a CheckpointWriteError (the save) and a
+    CheckpointError (the load) that say a peer never started it (both were torch's
+    DistStoreError "wait timeout ... keys: /default_pg/..." after the same wait), and nothing
+    is written under the save's name."""
     path = tmp_path / "ckpt" / "last.ckpt"
     try:
         results = worlds.get(2).run(peer_never_saves_on_worker, str(tmp_path), str(path))
     finally:
-        worlds.discard(2)  # rank 0 made a group rank 1 did not: their groups are out of step
+        worlds.discard(2)  # rank 0 made groups rank 1 did not: their groups are out of step
     assert results[1] is None
-    kind, message = results[0]
-    assert kind == "CheckpointWriteError", results[0]
+    (saved, message), (loaded, load_message) = results[0]
+    assert saved == "CheckpointWriteError", results[0]
     assert "rank 0 waited 3 s (step_timeout) for every rank to start the save" in message
     assert "a peer never did" in message and "previous checkpoint" in message
     assert not path.exists()
+    assert loaded == "CheckpointError", results[0]
+    assert f"loading {tmp_path}: rank 0 waited 3 s (step_timeout) for every rank to start " \
+           "loading it, and a peer never did" in load_message
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Optional
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_gsched.engine.checkpoint_sharded import META
-from lightning_gsched.engine.rank_exchange import BoundedExchange
+from lightning_gsched.engine.rank_exchange import BoundedExchange, backend_reason
 from lightning_gsched.errors import CheckpointError
 from lightning_gsched.partition.tensor_parallel import shard_specs
 
@@ -136,14 +137,31 @@ def mismatch(where: str, saved: Mapping[str, Any], module: nn.Module) -> Optiona
 
 
 class Agreement:
-    """The ranks exchange what each found; any problem becomes every rank's CheckpointError."""
+    """The ranks exchange what each found; any problem becomes every rank's CheckpointError.
+    The exchange is bounded by ``timeout``: a peer that never starts the load (it failed or was
+    killed before it) or stops answering is a CheckpointError here too, not the backend's
+    store or gloo time-out."""
 
-    def __init__(self, timeout: float) -> None:
-        self.exchange = BoundedExchange(timeout)
+    def __init__(self, timeout: float, path: str) -> None:
+        self.path = path
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        try:
+            self.exchange = BoundedExchange(timeout)
+        except RuntimeError as exc:  # torch.distributed's DistStoreError: no peer joined
+            raise CheckpointError(
+                f"loading {path}: rank {self.rank} waited {timeout:g} s (step_timeout) for every "
+                "rank to start loading it, and a peer never did: it failed before the load (see "
+                f"that rank's error) or hangs ({backend_reason(exc)})") from exc
         self.world = self.exchange.world
 
     def __call__(self, problem: Optional[str]) -> None:
-        problems: list[Optional[str]] = self.exchange.gather(problem)
+        try:
+            problems: list[Optional[str]] = self.exchange.gather(problem)
+        except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
+            raise CheckpointError(
+                f"loading {self.path}: rank {self.rank} heard nothing from a peer within "
+                f"{self.exchange.timeout:g} s (step_timeout) while the ranks compared what they "
+                f"read: a rank died or hangs ({backend_reason(exc)})") from exc
         found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
         if not found:
             return
@@ -162,7 +180,7 @@ def load_checked(path: Any, read: Callable[[], Any], check: Check, timeout: floa
     """``read()`` the checkpoint at ``path`` on every rank, ``check(checkpoint)`` it, and agree
     (bounded by ``timeout``): any rank's problem is every rank's CheckpointError."""
     name = str(path)
-    agree = Agreement(timeout)
+    agree = Agreement(timeout, name)
     try:
         agree(precheck(name, what))  # before read(): a sharded read is collective
         checkpoint: Any = None

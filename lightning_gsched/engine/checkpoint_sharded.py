@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_gsched.engine import checkpoint_files
-from lightning_gsched.engine.rank_exchange import BoundedExchange
+from lightning_gsched.engine.rank_exchange import BoundedExchange, backend_reason
 from lightning_gsched.errors import CheckpointWriteError, StrategyConfigError
 from lightning_gsched.runtime import ModelRuntime, Piece, Pieces, parameter_names
 
@@ -209,11 +209,6 @@ def _split(checkpoint: StateDict) -> tuple[dict[str, torch.Tensor], NonTensor, l
     return tensors, others, optim_meta
 
 
-def _reason(exc: BaseException) -> str:
-    """A backend error's first line, for a save's message."""
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
 class _Phases:
     """The phases of one sharded save, each ended by every rank's outcome (bounded)."""
 
@@ -228,7 +223,7 @@ class _Phases:
             raise CheckpointWriteError(
                 f"the sharded save of {path}: rank {rank} waited {timeout:g} s (step_timeout) "
                 "for every rank to start the save, and a peer never did: it failed before "
-                f"saving (see that rank's error) or hangs ({_reason(exc)}). Nothing was "
+                f"saving (see that rank's error) or hangs ({backend_reason(exc)}). Nothing was "
                 "written; the previous checkpoint under that name is kept") from exc
 
     def gather(self, value: Any, what: str) -> list[Any]:
@@ -239,7 +234,7 @@ class _Phases:
             raise CheckpointWriteError(
                 f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
                 f"within {self.exchange.timeout:g} s (step_timeout) while {what}: a rank died "
-                f"or hangs ({_reason(exc)}). The previous checkpoint under that name is kept"
+                f"or hangs ({backend_reason(exc)}). The previous checkpoint under that name is kept"
             ) from exc
 
     @contextmanager

@@ -18,6 +18,12 @@ import torch.distributed as dist
 from lightning_gsched.runtime import gloo_group
 
 
+def backend_reason(exc: BaseException) -> str:
+    """A backend error's first line (torch's store and gloo messages run to many lines), for a
+    caller's own message."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class BoundedExchange:
     """A gloo group over every rank (timeout ``timeout`` s); a world of one needs none."""
 
