@@ -29,20 +29,22 @@ lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy
 
-# ruff first (a second), then the suite in two parts, with mypy beside them at the lowest CPU
-# priority (nice 19: it runs in the cores' idle moments, ~13% of the launched part, and takes
-# ~1.5% of a core when both are busy; its ~44 s no longer add to the wall time); make fails if
-# ruff, either part or mypy fails, and prints mypy's report at the end. The single-process
-# tests run on both cores (pytest-xdist, one torch thread per worker: 155 s instead of 223 s);
-# the launched ones (marker `distributed`) one after another, on worker processes the whole
-# session shares, one set per world size (tests/dist_harness.py), since they need the cores
+# ruff first (a second), then the launched tests (marker `distributed`) one after another at
+# normal priority, on worker processes the whole session shares, one set per world size
+# (tests/dist_harness.py), and beside them, at the lowest CPU priority (nice 19), the
+# single-process tests on two xdist workers (one torch thread each) and mypy: the launched part
+# leaves about a core idle (its ranks wait on each other and on start-up), which the niced parts
+# take (fresh clone: 868 s one after the other, 726 s side by side; docs/ARCHITECTURE.md,
+# "Checks"). Their output is printed at the end; make fails if ruff, either part or mypy fails
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	nice -n 19 $(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not distributed" -n 2 --durations=10 && \
-	$(PY) -m pytest -q -m distributed --durations=25; tests=$$?; \
+	OMP_NUM_THREADS=1 nice -n 19 $(PY) -m pytest -q -m "not distributed" -n 2 --durations=10 \
+		> $(VENV)/single.log 2>&1 & single=$$!; \
+	$(PY) -m pytest -q -m distributed --durations=25; launched=$$?; \
+	wait $$single; alone=$$?; echo "single-process tests (run beside):"; cat $(VENV)/single.log; \
 	wait $$mypy; typed=$$?; echo "mypy (run beside the tests):"; cat $(VENV)/mypy.log; \
-	test $$tests -eq 0 && test $$typed -eq 0
+	test $$launched -eq 0 && test $$alone -eq 0 && test $$typed -eq 0
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --quick
