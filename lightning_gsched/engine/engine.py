@@ -62,7 +62,7 @@ from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition
-from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.preserve import preserved_tensors_and_rng, python_state_kept
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, with_kept_whole
 from lightning_gsched.partition.tensor_parallel_state import (
     gather_shards,
@@ -209,10 +209,13 @@ class PipelineEngine:
         """Run the user's step once on the full local model to check the step contract.
 
         A model built without weights (deferred) cannot run: only the call of the model is
-        captured; the loss is checked at the first step, when the stages compute it."""
+        captured; the loss is checked at the first step, when the stages compute it. The run
+        leaves the module's state as it found it (buffers, RNG, plain attributes such as a
+        torchmetrics Metric's states): the step's real runs come later, once per microbatch."""
         if self.deferred:
             return caller.capture(micro_batch)
-        with preserved_tensors_and_rng(self.module), torch.no_grad():
+        with preserved_tensors_and_rng(self.module), python_state_kept(self.module), \
+                torch.no_grad():
             call = caller.probe(micro_batch)
         if training:
             step_loss(call.result, caller.name)
@@ -242,13 +245,17 @@ class PipelineEngine:
             # measured its cut on its microbatch (measure/build_passes.py)
             passes = BuildPasses()
             if not self.config.decided:
-                choose_schedule(self.module, self.config, self._split_options(), args, kwargs,
-                                loss_fn=step_loss_fn(caller, micro_batch) if training else None,
-                                global_rows=global_rows, optimizers=self.optimizers(),
-                                world_size=self.world_size, rank=self.rank,
-                                forward_context=self.forward_context, group=self.group,
-                                passes=passes, tensor_parallel=self._tensor_parallel_tuning(),
-                                collective=self._collective)
+                # the tuner runs the step's code after self(...) with the last stage's
+                # profile: its effects on the module (a Metric's update) are undone
+                with python_state_kept(self.module):
+                    loss_fn = step_loss_fn(caller, micro_batch) if training else None
+                    choose_schedule(self.module, self.config, self._split_options(), args,
+                                    kwargs, loss_fn=loss_fn,
+                                    global_rows=global_rows, optimizers=self.optimizers(),
+                                    world_size=self.world_size, rank=self.rank,
+                                    forward_context=self.forward_context, group=self.group,
+                                    passes=passes, tensor_parallel=self._tensor_parallel_tuning(),
+                                    collective=self._collective)
                 if micro_of is not None:
                     args, kwargs = normal_call(caller.capture(micro_of()))
             part = self.partition = self._partition(args, kwargs)
@@ -256,8 +263,9 @@ class PipelineEngine:
             # names them
             self.config.set_ties(part.shared_parameters.values())
             if self.config.profile_costs:  # the order from the stages' seconds (rank 0's)
-                self._profile_costs(part, args, kwargs,
-                                    step_loss_fn(caller, micro_batch) if training else None)
+                with python_state_kept(self.module):  # as for the tuner, above
+                    self._profile_costs(part, args, kwargs,
+                                        step_loss_fn(caller, micro_batch) if training else None)
             else:  # at the default costs, what a first stage's split backward really costs
                 self.config.plan_first_stage_backward_in_w(self.world_size)
             plan = self.train_plan = self.config.training_plan(self.world_size)

@@ -87,6 +87,57 @@ def generators_kept(module: nn.Module) -> Iterator[None]:
 
 # what nn.Module.__init__ puts in every module's __dict__ (parameters, buffers, children, hooks)
 _TORCH_TABLES = frozenset(nn.Module().__dict__)
+
+
+@contextlib.contextmanager
+def python_state_kept(module: nn.Module) -> Iterator[None]:
+    """Every submodule's plain attributes as found, on exit: rebound or added ones put back,
+    and the contents of those changed in place (a tensor's values, a list's, dict's or set's
+    items). Why: the build runs the user's whole step once on every rank to check it (the
+    probe), and ``"auto"`` and ``profile_costs`` run the code after ``self(...)`` while they time
+    the last stage. A torchmetrics ``Metric`` updated in ``training_step`` (its states are plain
+    tensor or list attributes of a submodule), a counter or a list on the LightningModule would
+    otherwise count those runs too: state outside the module (globals, files) is not covered."""
+    saved = []
+    for m in module.modules():
+        plain = {key: value for key, value in m.__dict__.items() if key not in _TORCH_TABLES}
+        saved.append((m, plain, {key: _contents(value) for key, value in plain.items()}))
+    try:
+        yield
+    finally:
+        for m, plain, contents in saved:
+            for key in [k for k in m.__dict__ if k not in _TORCH_TABLES and k not in plain]:
+                del m.__dict__[key]
+            m.__dict__.update(plain)
+            for key, content in contents.items():
+                if content is not None:
+                    _put_back(plain[key], content)
+
+
+def _contents(value: Any) -> Any:
+    """What :func:`python_state_kept` restores in place: a tensor's values, a container's items
+    (None: nothing, e.g. an int, which the attribute's rebinding restores)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, dict, set)):
+        return value.copy()
+    return None
+
+
+def _put_back(live: Any, content: Any) -> None:
+    if isinstance(live, torch.Tensor):
+        # a state made under Lightning's evaluation loop is an inference tensor: it is written
+        # in inference mode (anything else refuses an in-place update to it)
+        with torch.inference_mode(live.is_inference()), torch.no_grad():
+            if live.shape == content.shape and live.dtype == content.dtype:
+                live.copy_(content)
+            else:
+                live.set_(content)
+    elif isinstance(live, list):
+        live[:] = content
+    else:  # a dict or a set
+        live.clear()
+        live.update(content)
 AttributeState = dict[str, tuple[int, int | None]]
 
 
