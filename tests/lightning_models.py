@@ -32,11 +32,14 @@ class LitGPT(pl.LightningModule):
     def __init__(self, optimizer: str = "sgd", lr: float = 0.05, layers: int = 3,
                  tie: str = "functional", log_extra: bool = False,
                  shardable: bool = False, frozen: tuple[str, ...] = (),
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, compile_backend: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = TinyGPT(vocab=VOCAB, dim=32, heads=4, layers=layers, block_size=16, tie=tie,
                              shardable=shardable)
+        if compile_backend is not None:  # each block compiled, as torchtitan does
+            for i, block in enumerate(self.model.blocks):
+                self.model.blocks[i] = torch.compile(block, backend=compile_backend)
         if metrics:  # torchmetrics state updated in the steps, computed at each epoch's end
             from torchmetrics import MeanMetric
 
@@ -59,7 +62,7 @@ class LitGPT(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
-        if self.hparams.metrics:  # weighted by rows: a microbatch's share of the batch
+        if self.hparams.get("metrics"):  # weighted by rows: a microbatch's share of the batch
             self.train_mean.update(loss.detach(), weight=len(batch[0]))
         if self.hparams.log_extra:
             self.log("tokens", float(batch[0].numel()), reduce_fx="sum")
@@ -68,16 +71,16 @@ class LitGPT(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         loss = self._loss(batch)
         self.log("val_loss", loss, sync_dist=True)
-        if self.hparams.metrics:
+        if self.hparams.get("metrics"):
             self.val_mean.update(loss, weight=len(batch[0]))
 
     def on_validation_epoch_end(self) -> None:
-        if self.hparams.metrics:  # compute() gathers every rank's state (a collective)
+        if self.hparams.get("metrics"):  # compute() gathers every rank's state (a collective)
             self.epoch_means.append(("val", float(self.val_mean.compute())))
             self.val_mean.reset()
 
     def on_train_epoch_end(self) -> None:
-        if self.hparams.metrics:
+        if self.hparams.get("metrics"):
             mean = self.train_mean.compute()
             self.log("epoch_train_mean", mean)  # outside the steps: Lightning's own logging
             self.epoch_means.append(("train", float(mean)))

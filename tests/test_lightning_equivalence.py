@@ -164,6 +164,56 @@ def test_torchmetrics_updated_in_the_steps_count_each_row_once(worlds) -> None:
             assert value == pytest.approx(expected, rel=1e-5), (rank, name, got, want)
 
 
+def compiled_fit_on_worker(ctx: WorkerContext, tmp: str) -> dict[str, Any]:
+    """The LitGPT with each block compiled (aot_eager) fitted under "auto" (the tuner's
+    profiles run each compiled backward several times), then refused under zbv: the auto fit's
+    weights, its pick, whether its memory prediction was made, and zbv's error."""
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.errors import StrategyConfigError
+
+    as_worker(ctx.rank)
+    options = (("compile_backend", "aot_eager"),)
+    result: dict[str, Any] = {}
+
+    class Seen(pl.Callback):  # the engine lives from the first batch to the fit's end
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            engine = trainer.strategy.engine
+            result["pick"] = engine.train_plan.schedule
+            result["predicted"] = engine.memory.predicted is not None
+
+    result["state"] = _fit(ctx.world_size, ctx.rank, GeneralParallel("auto"), "adam", tmp,
+                           DEFAULT_FIT + (("callbacks", [Seen()]),), options)
+    try:
+        _fit(ctx.world_size, ctx.rank, GeneralParallel("zbv"), "adam", f"{tmp}/zbv",
+             DEFAULT_FIT, options)
+    except StrategyConfigError as exc:
+        result["zbv"] = str(exc)
+    return result
+
+
+def test_compiled_blocks_train_like_one_device_and_a_split_backward_is_refused(
+        worlds, tmp_path) -> None:
+    """Each block torch.compile'd (aot_eager: AOTAutograd's graphs and decomposed ops, no code
+    generation). "auto" profiles each compiled backward several times and the build measures
+    the stages' bytes with a backward that keeps its graph: both need AOTAutograd's buffer
+    donation off (partition/compiled.py; before, "auto" failed with torch's donated-buffer
+    error and a named schedule's memory report was unavailable). The pick has no split
+    backward and ends at the uncompiled model's weights on one device (decomposed ops only
+    reorder float32 sums, inside assert_same_state's tolerance); zbv, whose W runs a compiled
+    backward a second time (wrong weights with inductor), is refused naming the modules."""
+    want, want_log = reference("adam")
+    results = worlds.get(2).run(compiled_fit_on_worker, str(tmp_path))
+    plain = [{name.replace("._orig_mod", ""): value for name, value in r["state"].items()}
+             for r in results]
+    assert all(any("._orig_mod" in name for name in r["state"]) for r in results)
+    assert_fit_matches(plain, str(tmp_path), want, want_log, "auto, compiled blocks")
+    for r in results:
+        assert r["pick"] not in SPLIT_BACKWARD and r["predicted"], r["pick"]
+        assert "schedule 'zbv' splits each backward" in r["zbv"], r.get("zbv")
+        assert "(model.blocks.0, model.blocks.1, model.blocks.2)" in r["zbv"], r["zbv"]
+        assert "split_backward=False" in r["zbv"]
+
+
 # pipelines x data parallel: every pipeline schedule at W=4 as P=2 x G=2, each stage replicated
 # over the two replicas or sharded across them; placed right after the W=4 cases above, so the
 # same world serves them (Trainer and Fabric in the same worker processes)

@@ -228,3 +228,29 @@ def test_unsupported_argument_type_is_rejected() -> None:
 
     with pytest.raises(PartitionError, match="register_pytree_node"):
         partition(models.make_mlp(), 2, (Holder(),))
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_blocks_are_units_and_a_compiled_whole_is_told_to_compile_its_blocks() -> None:
+    """torch.fx cannot enter compiled code: each compiled block is one unit that its stage runs
+    compiled (aot_eager: AOTAutograd's graphs without code generation, the same
+    decomposed ops as every backend runs), and a compiled whole model is one unit, refused
+    with the fix."""
+    args = models.long_skip_inputs()
+    model = models.make_long_skip()
+    want = model(*args)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="aot_eager")
+    part = partition(model, 3, args)  # verified against the unsplit model on ``args``
+    assert len(part.unit_names) == len(model.blocks) + 1  # the blocks and the skip's add
+    assert any(type(m).__name__ == "OptimizedModule" for m in part.stages[1].modules())
+    # decomposed ops may sum in another order than eager's: float32 rounding, not a bias
+    torch.testing.assert_close(part(*args), want, rtol=1e-5, atol=1e-6)
+
+    whole = torch.nn.Sequential(torch.compile(models.make_long_skip(), backend="aot_eager"))
+    with pytest.raises(TooManyStagesError) as info:
+        partition(whole, 2, args)
+    assert "'0' is kept whole because it is compiled (torch.compile)" in str(info.value)
+    assert "compile its blocks instead of it" in str(info.value)

@@ -52,9 +52,11 @@ from lightning_gsched.measure.tune_profile import (
     sharded_while_measured,
     tune_model,
 )
+from lightning_gsched.partition.compiled import compiled_modules
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan
 from lightning_gsched.runtime import calibrate
 from lightning_gsched.schedule.describe import byte_text
+from lightning_gsched.schedule.library import LIBRARY
 from lightning_gsched.schedule.runtime_costs import DEFAULT_COSTS, RuntimeCosts
 from lightning_gsched.schedule.tune import (
     TuneResult,
@@ -231,11 +233,15 @@ def _profiling_mesh(tensor_parallel: TensorParallelTuning | None, size: int, wor
         yield mesh
 
 
-def _search(config: ScheduleConfig, options: PartitionOptions) -> dict[str, Any]:
+def _search(config: ScheduleConfig, options: PartitionOptions,
+            module: nn.Module) -> dict[str, Any]:
     """What the user fixed of the search, and the partition options: the keywords
-    :func:`tune_model` and :func:`follow_tuning` share."""
+    :func:`tune_model` and :func:`follow_tuning` share. A model with torch.compile'd modules
+    is searched over the schedules without a split backward (partition/compiled.py)."""
     request = _request(config)
-    return dict(checkpoint=(True,) if request.checkpoint else (False, True),
+    schedules = ([name for name, spec in LIBRARY.items() if not spec.split_backward]
+                 if compiled_modules(module) else None)
+    return dict(schedules=schedules, checkpoint=(True,) if request.checkpoint else (False, True),
                 stages=request.stages or _stages_fixed_by(options),
                 micro=request.microbatches, R=request.R, replicas=request.data_parallel_size,
                 balance=options.balance, leaf_modules=options.leaf_modules,
@@ -250,7 +256,7 @@ def _follow(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
     """Worker 0's ranks but rank 0: rank 0's profiles, in step with it."""
     with profiling(module, forward_context):
         follow_tuning(module, args, workers, global_rows, shard, kwargs=kwargs,
-                      loss_fn=loss_fn, optimizer_factor=factor, **_search(config, options))
+                      loss_fn=loss_fn, optimizer_factor=factor, **_search(config, options, module))
 
 
 def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions,
@@ -269,7 +275,7 @@ def _decide(module: nn.Module, config: ScheduleConfig, options: PartitionOptions
         result = tune_model(
             module, args, workers, global_rows, kwargs=kwargs, loss_fn=loss_fn,
             budget=request.memory_budget, optimizer_factor=factor, costs=costs,
-            top=TABLE_ROWS, passes=passes, shard=shard, **_search(config, options))
+            top=TABLE_ROWS, passes=passes, shard=shard, **_search(config, options, module))
     seconds = time.perf_counter() - start
     result.tensor_parallel_size = tensor_parallel_size
     best = result.best

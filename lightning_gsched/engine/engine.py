@@ -62,6 +62,11 @@ from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition
+from lightning_gsched.partition.compiled import (
+    DonationOff,
+    compiled_modules,
+    split_backward_refusal,
+)
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng, python_state_kept
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, with_kept_whole
 from lightning_gsched.partition.tensor_parallel_state import (
@@ -163,6 +168,9 @@ class PipelineEngine:
         # the batch-size exchange, the row map and the row exchange of every step
         self.step_rows = StepRows(config, rank, world_size, lambda: self.group,
                                   self._collective)
+        # torch.compile'd modules: AOTAutograd's buffer donation off from the build to close
+        # (partition/compiled.py: the strategy runs some backwards twice)
+        self.donation_off: DonationOff | None = None
 
     # ------------------------------------------------------------------ building
 
@@ -230,6 +238,20 @@ class PipelineEngine:
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
+            compiled = compiled_modules(self.module)
+            if compiled and self.config.decided and self.config.splits_backward():
+                # every rank alike, before any collective ("auto" leaves these out)
+                raise StrategyConfigError(split_backward_refusal(
+                    self.config.schedule or "custom", compiled))
+            if compiled and self.donation_off is None:  # before anything compiles a backward
+                self.donation_off = DonationOff()
+                if self.rank == 0:
+                    self.info(f"GeneralParallel: {len(compiled)} module(s) compiled with "
+                              f"torch.compile ({', '.join(compiled[:3])}"
+                              f"{', ...' if len(compiled) > 3 else ''}) run whole, compiled, "
+                              "in their stages; AOTAutograd's buffer donation is off while "
+                              "this strategy runs (the memory measurement and the tuner run "
+                              "their backward more than once)")
             if self.init_weights is not None and not self.deferred:
                 raise PretrainedWeightsError(
                     f"init_weights={str(self.init_weights.path)!r} is given but the model was "
@@ -597,6 +619,9 @@ class PipelineEngine:
 
     def close(self, gather: bool) -> None:
         """Give every rank the full model again (unless a rank failed) and drop the groups."""
+        if self.donation_off is not None:
+            self.donation_off.restore()
+            self.donation_off = None
         runtime = self.runtime
         if runtime is None:
             return

@@ -9,6 +9,7 @@ inside it, an unbalanced split): where the leaf came from decides the fix.
 
 from __future__ import annotations
 
+from lightning_gsched.partition.compiled import compiled_modules, is_compiled
 from lightning_gsched.partition.tracer import TracedModel
 
 
@@ -67,6 +68,8 @@ def leaf_origin(traced: TracedModel, fqn: str) -> str:
         )
     if is_user_leaf(traced, fqn):
         return "it is in leaf_modules; drop it from leaf_modules to go inside"
+    if is_compiled(traced.resolve(fqn)):
+        return _COMPILED
     return f"it is a torch layer ({type(traced.resolve(fqn)).__name__}), which always runs whole"
 
 
@@ -75,6 +78,12 @@ def finer_trace_hint(traced: TracedModel) -> str:
     hints = [
         f"{fqn!r} is kept whole because {leaf_origin(traced, fqn)}" for fqn in traced.auto_leaves
     ]
+    hints += [f"{fqn!r} is kept whole because {_COMPILED}" for fqn in compiled_modules(traced.module)]
     if traced.leaf_modules:
         hints.append("remove modules from leaf_modules so the tracer goes inside them")
     return "; ".join(hints)
+
+
+_COMPILED = ("it is compiled (torch.compile), and torch.fx cannot enter compiled code: compile "
+             "its blocks instead of it, each block then one unit that runs compiled "
+             "(partition/compiled.py)")

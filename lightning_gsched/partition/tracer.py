@@ -50,6 +50,7 @@ from lightning_gsched.partition.attempts import (
     run_attempt,
 )
 from lightning_gsched.partition.cache_off import fixed_keywords, omitted_cache
+from lightning_gsched.partition.compiled import is_compiled
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
 from lightning_gsched.partition.errors import TraceFailedError, UntracedOutputError
 from lightning_gsched.partition.grad_mode import grad_mode_switches_refused
@@ -116,6 +117,8 @@ class GschedTracer(fx.Tracer):
             return False
         name = _strip(module_qualified_name)
         if name in self.leaf_names or isinstance(m, self.leaf_classes):
+            return True
+        if is_compiled(m):  # torch.fx cannot enter compiled code: one unit, run compiled
             return True
         if type(m) in TRACED_TORCH_CONTAINERS:
             return False
