@@ -284,6 +284,32 @@ def test_auto_searches_the_tensor_parallel_size(worlds: Any, tmp_path: Any) -> N
                                    torch.tensor([v for _, v in want_log]), rtol=1e-5, atol=1e-6)
 
 
+def compiled_on_worker(ctx: WorkerContext) -> str:
+    """A fit of the GPT with each block compiled under tensor parallelism: its error."""
+    from lightning_gsched import GeneralParallel
+    from lightning_gsched.errors import StrategyConfigError
+
+    as_worker(ctx.rank)
+    fit = trainer(ctx.world_size, GeneralParallel("1f1b", tensor_parallel_size=T,
+                                                  tensor_parallel_plan=PLAN), max_steps=1)
+    model = make_lit_gpt(shardable=True, compile_backend="aot_eager")
+    try:
+        fit.fit(model, _loader(ctx.world_size // T))
+    except StrategyConfigError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_compiled_modules_are_refused_naming_them(worlds: Any) -> None:
+    """The stages are sharded after the split; torch.compile'd blocks (their names under
+    '_orig_mod', which the plan's patterns do not match) are refused at the first batch on
+    every rank, before any collective of the build, naming them."""
+    for message in worlds.get(4).run(compiled_on_worker):
+        assert message.startswith(f"tensor_parallel_size={T} shards each stage's modules"), \
+            message
+        assert "(model.blocks.0, model.blocks.1, model.blocks.2)" in message
+
+
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_a_checkpoint_holds_full_tensors_and_resumes_into_other_shards(worlds: Any,
                                                                        tmp_path: Any,

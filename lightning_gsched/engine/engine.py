@@ -66,6 +66,7 @@ from lightning_gsched.partition.compiled import (
     DonationOff,
     compiled_modules,
     split_backward_refusal,
+    tensor_parallel_refusal,
 )
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng, python_state_kept
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, with_kept_whole
@@ -239,6 +240,9 @@ class PipelineEngine:
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
             compiled = compiled_modules(self.module)
+            if compiled and self.tensor_parallel_size > 1:  # every rank alike, as below
+                raise StrategyConfigError(tensor_parallel_refusal(
+                    self.tensor_parallel_size, compiled))
             if compiled and self.config.decided and self.config.splits_backward():
                 # every rank alike, before any collective ("auto" leaves these out)
                 raise StrategyConfigError(split_backward_refusal(

@@ -21,7 +21,9 @@ backward is one autograd node, which B runs and W runs again, and with inductor'
 second run trains wrong weights (measured 2026-11-29: zb-h1 and zbv on the test GPT with each
 block compiled, weights up to 1.2e-3 off one device's after 3 steps; 1f1b exact; AOTAutograd
 without code generation, ``backend="aot_eager"``, exact too). ``"auto"`` then searches the
-schedules without one.
+schedules without one. Tensor parallelism is refused too (:func:`tensor_parallel_refusal`):
+the stages are sharded after the split, and a compiled module's code was traced for the
+weights it held.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class DonationOff:
 def split_backward_refusal(schedule: str, compiled: list[str]) -> str:
     """Why a schedule whose backward is split into B and W cannot train ``compiled`` modules,
     and what to use instead (see the module doc)."""
-    shown = ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else "")
+    shown = _shown(compiled)
     return (f"schedule {schedule!r} splits each backward into B (input gradients) and W (weight "
             f"gradients), which runs a compiled module's backward twice, and the model has "
             f"modules compiled with torch.compile ({shown}): torch's compiled backward does not "
@@ -76,3 +78,16 @@ def split_backward_refusal(schedule: str, compiled: list[str]) -> str:
             "split (gpipe, 1f1b, interleaved, lpp, fsdp, fslpp, ddp, or 'auto', which then "
             "searches only those), pass split_backward=False, or leave those modules "
             "uncompiled")
+
+
+def tensor_parallel_refusal(size: int, compiled: list[str]) -> str:
+    """Why ``tensor_parallel_size`` > 1 cannot shard ``compiled`` modules (see the module doc)."""
+    return (f"tensor_parallel_size={size} shards each stage's modules by the "
+            "tensor_parallel_plan after the split, and the model has modules compiled with "
+            f"torch.compile ({_shown(compiled)}), whose compiled code was made for the full "
+            "weights (their names hold '_orig_mod', which the plan's patterns do not match). "
+            "Leave them uncompiled under tensor parallelism, or use tensor_parallel_size=1")
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
