@@ -44,6 +44,9 @@ class LitGPT(pl.LightningModule):
             from torchmetrics import MeanMetric
 
             self.train_mean, self.val_mean = MeanMetric(), MeanMetric()
+            # logged as objects (Lightning's idiom): each forward's value per step, computed
+            # over the epoch by Lightning
+            self.train_seen, self.val_seen = MeanMetric(), MeanMetric()
             self.epoch_means: list[tuple[str, float]] = []
         # fine-tuning: parameters whose names start with one of ``frozen`` get no gradient
         # (they are still handed to the optimizer, as many users do)
@@ -64,6 +67,8 @@ class LitGPT(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         if self.hparams.get("metrics"):  # weighted by rows: a microbatch's share of the batch
             self.train_mean.update(loss.detach(), weight=len(batch[0]))
+            self.train_seen(loss.detach(), weight=len(batch[0]))
+            self.log("train_seen", self.train_seen, on_step=True, on_epoch=True)
         if self.hparams.log_extra:
             self.log("tokens", float(batch[0].numel()), reduce_fx="sum")
         return loss
@@ -73,6 +78,8 @@ class LitGPT(pl.LightningModule):
         self.log("val_loss", loss, sync_dist=True)
         if self.hparams.get("metrics"):
             self.val_mean.update(loss, weight=len(batch[0]))
+            self.val_seen(loss, weight=len(batch[0]))
+            self.log("val_seen", self.val_seen)
 
     def on_validation_epoch_end(self) -> None:
         if self.hparams.get("metrics"):  # compute() gathers every rank's state (a collective)

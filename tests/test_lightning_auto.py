@@ -143,9 +143,16 @@ def test_auto_trains_like_one_device_and_every_rank_runs_the_pick(free) -> None:
 
 @pytest.mark.distributed
 def test_budget_between_the_peaks_picks_a_plan_under_it(worlds, free) -> None:
+    """A budget below the unconstrained pick's peak (above some other candidate's) binds: the
+    pick fits it. Which candidates the bounded search costs follows the calibrated link, which
+    a loaded machine changes, so the check is against the free run's pick, not on whether the
+    budgeted search happened to size an over-budget candidate (it once sized none, with a
+    second test job running beside it)."""
     peaks = sorted(free[0]["peaks"])
-    budget = (peaks[0] + peaks[-1]) // 2
-    assert peaks[0] < budget < peaks[-1]
+    free_pick = free[0]["pick_peak"]
+    smaller = [peak for peak in peaks if peak < free_pick]
+    budget = (smaller[-1] + free_pick) // 2 if smaller else (peaks[0] + peaks[-1]) // 2
+    assert peaks[0] <= budget < peaks[-1]
     out = worlds.get(WORLD).run(fit_auto, False, memory_budget=budget)
     for rank in range(WORLD):
         pick, reported = out[rank]["pick_peak"], out[rank]["reported_peak"]
@@ -155,7 +162,8 @@ def test_budget_between_the_peaks_picks_a_plan_under_it(worlds, free) -> None:
         # (over-counting what does not grow with the rows) and counted the loss: never less
         assert reported <= pick
         assert all(fits == (peak <= budget) for peak, fits in out[rank]["fits"])
-        assert any(not fits for _, fits in out[rank]["fits"])
+        if smaller:  # the free run's pick is over this budget: the budget changed the pick
+            assert pick <= budget < free_pick
     assert out[0]["chosen"] == out[1]["chosen"]
     assert out[0]["programs"] == out[1]["programs"]
     for rank in range(WORLD):  # another schedule, the same training

@@ -129,39 +129,56 @@ def test_frozen_parameters_match_single_device(worlds, schedule: str, tmp_path) 
     assert_fit_matches(states, str(tmp_path), want, want_log, f"{schedule} frozen")
 
 
-def metrics_fit(world: int, rank: int, strategy: Any) -> list[tuple[str, float]]:
+METRIC_COLUMNS = ("train_seen_step", "train_seen_epoch", "val_seen")
+
+
+def metrics_fit(world: int, rank: int, strategy: Any, tmp: str
+                ) -> tuple[list[tuple[str, float]], dict[str, list]]:
     """Two epochs of two steps, each followed by two validation batches, of a LitGPT that
     updates torchmetrics MeanMetrics in its training and validation steps: the means each
-    epoch's end computed (over every rank's state)."""
+    epoch's end computed (over every rank's state), and the logged metrics' CSV columns."""
     model = make_lit_gpt(metrics=True)
-    fit = trainer(world, strategy, max_epochs=2, limit_train_batches=2, limit_val_batches=2)
+    fit = trainer(world, strategy, tmp, max_epochs=2, limit_train_batches=2,
+                  limit_val_batches=2)
     fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * 2), GLOBAL_BATCH, world, rank),
             rank_loader(tokens(GLOBAL_BATCH * 2, seed=5), GLOBAL_BATCH, world, rank))
-    return list(model.epoch_means)
+    columns = {name: csv_metric(tmp, name) for name in METRIC_COLUMNS} if rank == 0 else {}
+    return list(model.epoch_means), columns
 
 
-def metrics_fit_on_worker(ctx: WorkerContext, options: dict) -> list[tuple[str, float]]:
+def metrics_fit_on_worker(ctx: WorkerContext, options: dict, tmp: str
+                          ) -> tuple[list[tuple[str, float]], dict[str, list]]:
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
-    return metrics_fit(ctx.world_size, ctx.rank, GeneralParallel(**options))
+    return metrics_fit(ctx.world_size, ctx.rank, GeneralParallel(**options), tmp)
 
 
-def test_torchmetrics_updated_in_the_steps_count_each_row_once(worlds) -> None:
+def test_torchmetrics_updated_in_the_steps_count_each_row_once(worlds, tmp_path) -> None:
     """A Metric updated in training_step and validation_step (after self(...), so on the rank
     computing the loss, once per microbatch) and computed at epoch end gives one device's
-    means. The build runs the first batch's whole step once more on every rank to check it,
-    and profile_costs runs the code after self(...) while timing the last stage: both leave
-    the metrics as they were (the first epoch's training mean was 1.4% off before). rel 1e-5:
-    the losses differ from one device's by float32 summation order only (~1e-7)."""
-    want = metrics_fit(1, 0, "auto")
+    means; one logged as an object (``self.log(name, metric)``, Lightning's idiom) gives one
+    device's step values (the row-weighted mean of its forwards' values over the step's
+    microbatches) and epoch values (Lightning's compute() over every rank's state). The build
+    runs the first batch's whole step once more on every rank to check it, and profile_costs
+    runs the code after self(...) while timing the last stage: both leave the metrics as they
+    were (the first epoch's training mean was 1.4% off before). rel 1e-5: the losses differ
+    from one device's by float32 summation order only (~1e-7)."""
+    want, want_columns = metrics_fit(1, 0, "auto", str(tmp_path / "one"))
     assert [name for name, _ in want] == ["val", "train", "val", "train"]
+    assert all(len(want_columns[name]) in (2, 4) for name in METRIC_COLUMNS), want_columns
     results = worlds.get(2).run(metrics_fit_on_worker,
-                                {"schedule": "1f1b", "profile_costs": True})
-    for rank, got in enumerate(results):
+                                {"schedule": "1f1b", "profile_costs": True},
+                                str(tmp_path / "two"))
+    for rank, (got, _) in enumerate(results):
         assert [name for name, _ in got] == [name for name, _ in want], got
         for (name, value), (_, expected) in zip(got, want, strict=True):
             assert value == pytest.approx(expected, rel=1e-5), (rank, name, got, want)
+    columns = results[0][1]
+    for name in METRIC_COLUMNS:
+        assert [s for s, _ in columns[name]] == [s for s, _ in want_columns[name]], name
+        for (_, value), (_, expected) in zip(columns[name], want_columns[name], strict=True):
+            assert value == pytest.approx(expected, rel=1e-5), (name, columns, want_columns)
 
 
 def compiled_fit_on_worker(ctx: WorkerContext, tmp: str) -> dict[str, Any]:

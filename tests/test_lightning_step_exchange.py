@@ -14,8 +14,8 @@ import torch
 from benchmarks.bench_batch_bytes import ReceivedRows
 from dist_harness import WorkerContext
 from lightning_gsched.engine.batches import exchange_rows, local_outputs, rows_and_layouts
-from lightning_gsched.engine.intercept import LogRecord
-from lightning_gsched.engine.logsync import LossLogExchange, exchange
+from lightning_gsched.engine.intercept import METRIC_OPTION, LogRecord
+from lightning_gsched.engine.logsync import LossLogExchange, exchange, reduce_records
 from lightning_gsched.engine.rows import check_rows, row_map, transfers
 from lightning_gsched.engine.step_rows import needed_micros
 from lightning_gsched.errors import BatchSplitError
@@ -208,3 +208,19 @@ def test_one_rank_reads_losses_and_logged_tensors_as_numbers_in_one_read():
     assert [(r.micro, r.name, r.value, r.options) for r in got_records] == [
         (0, "a", 0.5, {}), (1, "a", 3.0, {}), (1, "b", -7.0, {"reduce_fx": "max"})]
     assert all(type(r.value) is float for r in got_records)
+
+
+def test_a_logged_metric_objects_step_value_is_its_forwards_row_weighted_mean() -> None:
+    """``self.log(name, metric)`` records each microbatch's forward value (NaN where the step
+    only called ``update``): the step's value is their row-weighted mean, NaN when there was
+    none (replay then logs the Metric with no step value, as Lightning does)."""
+    def record(micro: int, value: float) -> LogRecord:
+        return LogRecord(micro, "acc", value, {METRIC_OPTION: "acc", "on_step": True})
+
+    weights = [3, 1, 4]
+    (reduced,) = reduce_records([record(0, 0.5), record(1, float("nan")), record(2, 1.0)],
+                                weights)
+    assert reduced[0] == "acc" and reduced[1] == pytest.approx((3 * 0.5 + 4 * 1.0) / 7)
+    assert reduced[2][METRIC_OPTION] == "acc"
+    (none,) = reduce_records([record(0, float("nan")), record(2, float("nan"))], weights)
+    assert none[1] != none[1]  # NaN

@@ -187,6 +187,8 @@ class StepCaller:
                     f"self.log({name!r}, ...) got positional options; pass them by keyword "
                     "(prog_bar=True, ...) so GeneralParallel can replay them"
                 )
+            if _is_metric(value):
+                value, options = _logged_metric(self.module, name, value, options)
             self.logs.append(LogRecord(micro, name, _logged_value(name, value), options))
 
         with self._patched(forward, log):
@@ -202,6 +204,43 @@ def _drop_log(*args: Any, **kwargs: Any) -> None:
     """``self.log`` during capture: the finishing run on the last-stage rank logs instead."""
 
 
+# a LogRecord option naming the torchmetrics Metric logged (its submodule name), whose value is
+# the Metric's last forward on that microbatch (logsync.replay logs the Metric itself)
+METRIC_OPTION = "_gsched_metric"
+
+
+def _is_metric(value: Any) -> bool:
+    """A torchmetrics ``Metric`` (Lightning's dependency, imported only for such an object)."""
+    if isinstance(value, (torch.Tensor, int, float, bool)):
+        return False
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - Lightning installs torchmetrics
+        return False
+    return isinstance(value, Metric)
+
+
+def _logged_metric(module: nn.Module, name: str, metric: Any, options: dict[str, Any]
+                   ) -> tuple[Any, dict[str, Any]]:
+    """``self.log(name, metric)``: the value this microbatch logs for the step (the metric's
+    last forward here: NaN when only ``update`` was called) and the options naming the
+    metric's submodule, so that every rank logs its own copy of it at the step's end and
+    Lightning computes it over every rank's state at the epoch's end (module doc)."""
+    path = options.get("metric_attribute")
+    if path is None:  # usually an attribute of the LightningModule itself
+        path = next((n for n, m in module.named_children() if m is metric), None)
+    if path is None:
+        path = next((n for n, m in module.named_modules() if m is metric and n), None)
+    if path is None:
+        raise TrainingStepError(
+            f"self.log({name!r}, metric): the torchmetrics Metric is not a submodule of the "
+            "LightningModule; assign it as an attribute (self.acc = Accuracy(...)) so that "
+            "every rank can log its own copy")
+    cache = metric._forward_cache
+    value = cache if isinstance(cache, torch.Tensor) and cache.numel() == 1 else float("nan")
+    return value, {**options, METRIC_OPTION: path}
+
+
 def _logged_value(name: str, value: Any) -> float | torch.Tensor:
     """A logged scalar as kept until the exchange: a tensor stays on its device (a copy,
     detached, as Lightning's own ``log`` keeps it: the step may change the original in place),
@@ -215,8 +254,8 @@ def _logged_value(name: str, value: Any) -> float | torch.Tensor:
     if isinstance(value, (int, float, bool)):
         return float(value)
     raise TrainingStepError(
-        f"self.log({name!r}) got a {type(value).__name__}; under GeneralParallel log tensors or "
-        "numbers (for a torchmetrics Metric, log metric.compute() at epoch end)"
+        f"self.log({name!r}) got a {type(value).__name__}; under GeneralParallel log tensors, "
+        "numbers or torchmetrics Metrics"
     )
 
 

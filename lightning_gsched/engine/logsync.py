@@ -16,6 +16,7 @@ value of a per-row average on the whole batch), "sum" the sum, "max"/"min" the e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.intercept import LogRecord
+from lightning_gsched.engine.intercept import METRIC_OPTION, LogRecord
 from lightning_gsched.errors import TrainingStepError
 
 _FX_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
@@ -203,8 +204,15 @@ def reduce_records(records: list[LogRecord], weights: list[int]
     out = []
     for name, group in by_name.items():
         options = group[0].options
-        kind = _fx_kind(name, options.get("reduce_fx", "mean"))
         values = [_number(r) for r in group]
+        if METRIC_OPTION in options:  # a Metric's forwards: their row-weighted mean (NaN: none)
+            pairs = [(v, weights[r.micro]) for v, r in zip(values, group, strict=True)
+                     if not math.isnan(v) and weights[r.micro] > 0]
+            total = sum(w for _, w in pairs)
+            out.append((name, sum(v * w for v, w in pairs) / total if total else math.nan,
+                        options))
+            continue
+        kind = _fx_kind(name, options.get("reduce_fx", "mean"))
         if kind == "mean":
             pairs = [(_number(r), weights[r.micro]) for r in group if weights[r.micro] > 0]
             total = sum(w for _, w in pairs)
@@ -229,8 +237,17 @@ def _number(record: LogRecord) -> float:
 
 def replay(module: Any, reduced: list[tuple[str, float, dict[str, Any]]], device: torch.device,
            batch_size: int) -> None:
-    """Log the reduced values through Lightning, identically on every rank."""
+    """Log the reduced values through Lightning, identically on every rank. A torchmetrics
+    Metric is logged as itself, each rank's copy (Lightning computes it over every rank's
+    state at the epoch's end, and resets it), its step value being the step's reduced one."""
     for name, value, options in reduced:
         options = dict(options)
         options.setdefault("batch_size", batch_size)
+        path = options.pop(METRIC_OPTION, None)
+        if path is not None:
+            metric = module.get_submodule(path)
+            metric._forward_cache = (None if math.isnan(value)
+                                     else torch.tensor(value, device=device))
+            module.log(name, metric, **options)
+            continue
         module.log(name, torch.tensor(value, device=device), **options)
