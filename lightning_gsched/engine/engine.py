@@ -65,6 +65,7 @@ from lightning_gsched.partition import Partition
 from lightning_gsched.partition.compiled import (
     DonationOff,
     compiled_modules,
+    donation_line,
     split_backward_refusal,
     tensor_parallel_refusal,
 )
@@ -230,6 +231,25 @@ class PipelineEngine:
             step_loss(call.result, caller.name)
         return call.args, call.kwargs
 
+    def _prepare_compiled(self) -> None:
+        """torch.compile'd modules (partition/compiled.py): refused where they cannot run
+        (tensor parallelism, a split backward: every rank alike, before any collective; "auto"
+        leaves split schedules out), else AOTAutograd's buffer donation off until close, before
+        anything compiles a backward."""
+        compiled = compiled_modules(self.module)
+        if not compiled:
+            return
+        if self.tensor_parallel_size > 1:
+            raise StrategyConfigError(tensor_parallel_refusal(self.tensor_parallel_size,
+                                                              compiled))
+        if self.config.decided and self.config.splits_backward():
+            raise StrategyConfigError(split_backward_refusal(self.config.schedule or "custom",
+                                                             compiled))
+        if self.donation_off is None:
+            self.donation_off = DonationOff()
+            if self.rank == 0:
+                self.info(donation_line(compiled))
+
     def build(self, caller: StepCaller, micro_batch: Any, training: bool, global_rows: int = 0,
               micro_of: Callable[[], Any] | None = None) -> None:
         """Partition the model, build the runtime, release non-owned stages (collective).
@@ -239,23 +259,7 @@ class PipelineEngine:
         memory prediction are made on (as for a schedule given by name)."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
-            compiled = compiled_modules(self.module)
-            if compiled and self.tensor_parallel_size > 1:  # every rank alike, as below
-                raise StrategyConfigError(tensor_parallel_refusal(
-                    self.tensor_parallel_size, compiled))
-            if compiled and self.config.decided and self.config.splits_backward():
-                # every rank alike, before any collective ("auto" leaves these out)
-                raise StrategyConfigError(split_backward_refusal(
-                    self.config.schedule or "custom", compiled))
-            if compiled and self.donation_off is None:  # before anything compiles a backward
-                self.donation_off = DonationOff()
-                if self.rank == 0:
-                    self.info(f"GeneralParallel: {len(compiled)} module(s) compiled with "
-                              f"torch.compile ({', '.join(compiled[:3])}"
-                              f"{', ...' if len(compiled) > 3 else ''}) run whole, compiled, "
-                              "in their stages; AOTAutograd's buffer donation is off while "
-                              "this strategy runs (the memory measurement and the tuner run "
-                              "their backward more than once)")
+            self._prepare_compiled()
             if self.init_weights is not None and not self.deferred:
                 raise PretrainedWeightsError(
                     f"init_weights={str(self.init_weights.path)!r} is given but the model was "

@@ -91,3 +91,11 @@ def tensor_parallel_refusal(size: int, compiled: list[str]) -> str:
 
 def _shown(names: list[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def donation_line(compiled: list[str]) -> str:
+    """The startup line saying what :class:`DonationOff` did, and why."""
+    return (f"GeneralParallel: {len(compiled)} module(s) compiled with torch.compile "
+            f"({_shown(compiled)}) run whole, compiled, in their stages; AOTAutograd's buffer "
+            "donation is off while this strategy runs (the memory measurement and the tuner run "
+            "their backward more than once)")
