@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_gsched.engine.checkpoint_sharded import META
-from lightning_gsched.engine.rank_exchange import BoundedExchange, backend_reason
+from lightning_gsched.engine.rank_exchange import BoundedExchange
 from lightning_gsched.errors import CheckpointError
 from lightning_gsched.partition.tensor_parallel import shard_specs
 
@@ -143,25 +143,25 @@ class Agreement:
     store or gloo time-out."""
 
     def __init__(self, timeout: float, path: str) -> None:
-        self.path = path
+        self.path, self.timeout = path, timeout
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        try:
-            self.exchange = BoundedExchange(timeout)
-        except RuntimeError as exc:  # torch.distributed's DistStoreError: no peer joined
-            raise CheckpointError(
-                f"loading {path}: rank {self.rank} waited {timeout:g} s (step_timeout) for every "
-                "rank to start loading it, and a peer never did: it failed before the load (see "
-                f"that rank's error) or hangs ({backend_reason(exc)})") from exc
+        self.exchange = BoundedExchange(timeout, self._lost)
         self.world = self.exchange.world
 
+    def _lost(self, during: Optional[str], reason: str) -> CheckpointError:
+        """The load's error for a peer that never started it or stopped answering."""
+        if during is None:
+            return CheckpointError(
+                f"loading {self.path}: rank {self.rank} waited {self.timeout:g} s (step_timeout) "
+                "for every rank to start loading it, and a peer never did: it failed before the "
+                f"load (see that rank's error) or hangs ({reason})")
+        return CheckpointError(
+            f"loading {self.path}: rank {self.rank} heard nothing from a peer within "
+            f"{self.timeout:g} s (step_timeout) while {during}: a rank died or hangs ({reason})")
+
     def __call__(self, problem: Optional[str]) -> None:
-        try:
-            problems: list[Optional[str]] = self.exchange.gather(problem)
-        except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
-            raise CheckpointError(
-                f"loading {self.path}: rank {self.rank} heard nothing from a peer within "
-                f"{self.exchange.timeout:g} s (step_timeout) while the ranks compared what they "
-                f"read: a rank died or hangs ({backend_reason(exc)})") from exc
+        problems: list[Optional[str]] = self.exchange.gather(
+            problem, "the ranks compared what they read")
         found = [(rank, p) for rank, p in enumerate(problems) if p is not None]
         if not found:
             return

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_gsched.engine import checkpoint_files
-from lightning_gsched.engine.rank_exchange import BoundedExchange, backend_reason
+from lightning_gsched.engine.rank_exchange import BoundedExchange
 from lightning_gsched.errors import CheckpointWriteError, StrategyConfigError
 from lightning_gsched.runtime import ModelRuntime, Piece, Pieces, parameter_names
 
@@ -166,7 +166,7 @@ def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) ->
             if rank == 0:
                 checkpoint_files.remove_stale(path)
                 os.makedirs(staging)
-        gathered = phases.gather(others, "gathering the optimizers' non-tensor state")
+        gathered = phases.exchange.gather(others, "gathering the optimizers' non-tensor state")
         with phases.phase("writing its shards"):
             dcp.save(tensors, checkpoint_id=staging)  # type: ignore[attr-defined]
             if rank == 0:
@@ -216,26 +216,21 @@ class _Phases:
         """Make the save's own group, every rank (bounded by ``timeout``): a peer that never
         starts the save (it failed before, e.g. in a checkpoint hook) is a
         CheckpointWriteError here, not the backend's store time-out."""
-        self.path, self.rank = path, rank
-        try:
-            self.exchange = BoundedExchange(timeout)
-        except RuntimeError as exc:  # torch.distributed's DistStoreError: no peer joined
-            raise CheckpointWriteError(
-                f"the sharded save of {path}: rank {rank} waited {timeout:g} s (step_timeout) "
-                "for every rank to start the save, and a peer never did: it failed before "
-                f"saving (see that rank's error) or hangs ({backend_reason(exc)}). Nothing was "
-                "written; the previous checkpoint under that name is kept") from exc
+        self.path, self.rank, self.timeout = path, rank, timeout
+        self.exchange = BoundedExchange(timeout, self._lost)
 
-    def gather(self, value: Any, what: str) -> list[Any]:
-        """Every rank's ``value`` (bounded); a peer that never answers is named as such."""
-        try:
-            return self.exchange.gather(value)
-        except RuntimeError as exc:  # gloo: the timeout ran out, or a peer's connection went
-            raise CheckpointWriteError(
-                f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
-                f"within {self.exchange.timeout:g} s (step_timeout) while {what}: a rank died "
-                f"or hangs ({backend_reason(exc)}). The previous checkpoint under that name is kept"
-            ) from exc
+    def _lost(self, during: str | None, reason: str) -> CheckpointWriteError:
+        """The save's error for a peer that never started it or stopped answering."""
+        if during is None:
+            return CheckpointWriteError(
+                f"the sharded save of {self.path}: rank {self.rank} waited {self.timeout:g} s "
+                "(step_timeout) for every rank to start the save, and a peer never did: it "
+                f"failed before saving (see that rank's error) or hangs ({reason}). Nothing was "
+                "written; the previous checkpoint under that name is kept")
+        return CheckpointWriteError(
+            f"the sharded save of {self.path}: rank {self.rank} heard nothing from a peer "
+            f"within {self.timeout:g} s (step_timeout) while {during}: a rank died or hangs "
+            f"({reason}). The previous checkpoint under that name is kept")
 
     @contextmanager
     def phase(self, what: str) -> Iterator[None]:
@@ -249,7 +244,7 @@ class _Phases:
             error = exc
         mine = None if error is None else f"{type(error).__name__}: {error}"
         try:
-            outcomes = self.gather(mine, what)
+            outcomes = self.exchange.gather(mine, what)
         except CheckpointWriteError:
             if error is None:
                 raise
