@@ -70,10 +70,9 @@ class DonationOff:
 def split_backward_refusal(schedule: str, compiled: list[str]) -> str:
     """Why a schedule whose backward is split into B and W cannot train ``compiled`` modules,
     and what to use instead (see the module doc)."""
-    shown = _shown(compiled)
     return (f"schedule {schedule!r} splits each backward into B (input gradients) and W (weight "
             f"gradients), which runs a compiled module's backward twice, and the model has "
-            f"modules compiled with torch.compile ({shown}): torch's compiled backward does not "
+            f"modules compiled with torch.compile ({_shown(compiled)}): torch's compiled backward does not "
             "support that (with inductor the weights train wrong). Use a schedule without the "
             "split (gpipe, 1f1b, interleaved, lpp, fsdp, fslpp, ddp, or 'auto', which then "
             "searches only those), pass split_backward=False, or leave those modules "

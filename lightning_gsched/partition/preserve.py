@@ -97,21 +97,17 @@ def python_state_kept(module: nn.Module) -> Iterator[None]:
     probe), and ``"auto"`` and ``profile_costs`` run the code after ``self(...)`` while they time
     the last stage. A torchmetrics ``Metric`` updated in ``training_step`` (its states are plain
     tensor or list attributes of a submodule), a counter or a list on the LightningModule would
-    otherwise count those runs too: state outside the module (globals, files) is not covered."""
-    saved = []
-    for m in module.modules():
-        plain = {key: value for key, value in m.__dict__.items() if key not in _TORCH_TABLES}
-        saved.append((m, plain, {key: _contents(value) for key, value in plain.items()}))
-    try:
-        yield
-    finally:
-        for m, plain, contents in saved:
-            for key in [k for k in m.__dict__ if k not in _TORCH_TABLES and k not in plain]:
-                del m.__dict__[key]
-            m.__dict__.update(plain)
-            for key, content in contents.items():
-                if content is not None:
-                    _put_back(plain[key], content)
+    otherwise count those runs too: state outside the module (globals, files) is not covered.
+    The bindings are :func:`preserved_attributes`'; the contents changed in place are put back
+    into the objects found here."""
+    held = [(value, content) for m in module.modules() for key, value in m.__dict__.items()
+            if key not in _TORCH_TABLES and (content := _contents(value)) is not None]
+    with preserved_attributes(module):
+        try:
+            yield
+        finally:
+            for live, content in held:
+                _put_back(live, content)
 
 
 def _contents(value: Any) -> Any:
@@ -138,6 +134,8 @@ def _put_back(live: Any, content: Any) -> None:
     else:  # a dict or a set
         live.clear()
         live.update(content)
+
+
 AttributeState = dict[str, tuple[int, int | None]]
 
 
