@@ -16,7 +16,10 @@ input is in I, the weight's ``TBackward`` and the bias in O).
 **B** (:func:`backward_input`) runs ``torch.autograd.grad(roots, inputs, retain_graph=True)``:
 autograd executes exactly the nodes of I, each only towards I, so no weight-gradient product is
 computed and no ``.grad`` touched. A pre-hook on every intermediate records the gradient arriving
-at it, complete since all its parents are in I.
+at it, complete since all its parents are in I. Where no input needs a gradient (a first stage,
+whose inputs are token ids), I is empty and B returns at once, without walking the graph: it cost
+0.4 ms per microbatch on the benchmark GPT's first stage (two blocks; torch's own B there returns
+in 0.02 ms), and W is then the whole backward.
 
 **W** (:meth:`PendingWeightGrad.run`): (1) each intermediate runs again, alone, from its recorded
 gradient, with its O children as the ``autograd.grad`` targets, so only its outputs towards O are
@@ -193,6 +196,8 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
     _check_params(params, wanted)
     pairs = _roots_with_grads(roots, root_grads, needs_weights=bool(params))
     root_edges = [(_edge_key(r), g) for r, g in pairs]
+    if not wanted:  # a first stage's B: I is empty, W is the whole backward (nothing to walk)
+        return [None] * len(inputs), PendingWeightGrad(([], [], root_edges, params))
     parents = _parents([key[0] for key, _ in root_edges])
     closure = _ancestors(parents, {_edge_key(t)[0] for t in wanted})  # I
     param_nodes = {_edge_key(p)[0]: p for p in params}
