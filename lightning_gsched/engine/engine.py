@@ -256,7 +256,9 @@ class PipelineEngine:
 
         Without a training plan (``"auto"``), first choose one for ``global_rows`` rows; then
         ``micro_of()`` gives the first microbatch under the pick, the one the partition and the
-        memory prediction are made on (as for a schedule given by name)."""
+        memory prediction are made on (as for a schedule given by name). The phases, in order:
+        check the step (:meth:`_probe`), choose (:meth:`_choose`), plan (:meth:`_plan`), give
+        each rank its weights (:meth:`_place_weights`), start the runtime."""
         with torch.inference_mode(False):
             self.deferred = is_deferred(self.module)
             self._prepare_compiled()
@@ -275,68 +277,15 @@ class PipelineEngine:
             # measured its cut on its microbatch (measure/build_passes.py)
             passes = BuildPasses()
             if not self.config.decided:
-                # the tuner runs the step's code after self(...) with the last stage's
-                # profile: its effects on the module (a Metric's update) are undone
-                with python_state_kept(self.module):
-                    loss_fn = step_loss_fn(caller, micro_batch) if training else None
-                    choose_schedule(self.module, self.config, self._split_options(), args,
-                                    kwargs, loss_fn=loss_fn,
-                                    global_rows=global_rows, optimizers=self.optimizers(),
-                                    world_size=self.world_size, rank=self.rank,
-                                    forward_context=self.forward_context, group=self.group,
-                                    passes=passes, tensor_parallel=self._tensor_parallel_tuning(),
-                                    collective=self._collective)
+                self._choose(caller, micro_batch, training, global_rows, args, kwargs, passes)
                 if micro_of is not None:
                     args, kwargs = normal_call(caller.capture(micro_of()))
-            part = self.partition = self._partition(args, kwargs)
-            # tied weights are placed by the plan: the one plan is made once the partition
-            # names them
-            self.config.set_ties(part.shared_parameters.values())
-            if self.config.profile_costs:  # the order from the stages' seconds (rank 0's)
-                with python_state_kept(self.module):  # as for the tuner, above
-                    self._profile_costs(part, args, kwargs,
-                                        step_loss_fn(caller, micro_batch) if training else None)
-            else:  # at the default costs, what a first stage's split backward really costs
-                self.config.plan_first_stage_backward_in_w(self.world_size)
-            plan = self.train_plan = self.config.training_plan(self.world_size)
-            mesh = self.device_mesh
-            if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
-                self._collective("the device mesh", lambda: mesh.make_for(
-                    self.world_size, plan.data_parallel_size, self.device_hint.type,
-                    self.tensor_parallel_size))
-            # sized before the runtime releases the stages this rank does not own (sharded
-            # stages: after the sharding, below)
-            if self.tensor_parallel_size == 1:
-                self._predict_memory(part, args, kwargs, plan, passes)
-            passes.clear()  # their tensors (a microbatch's activations per stage count) go
-            pieces: Pieces = {}
-            if self.tensor_parallel_size > 1:
-                # before a model built without weights gets any (still on the meta device), so
-                # each rank draws or reads only its pieces, one module's full tensors at a time;
-                # the check run on the microbatch needs weights (the other workers' are absent)
-                self._shard_stages(part, None if self.deferred else (args, kwargs))
-                pieces = pieces_of(self.module)
-                # each rank's bytes are its shards': worker 0's T ranks size the sharded stages
-                # together (on meta tensors for a model built without weights)
-                self._predict_memory(part, args, kwargs, plan, None)
-            if self.deferred:  # weights for this rank's stages only (engine/weights.py)
-                seed = self._collective("the seed broadcast",
-                                        lambda: agreed_seed(self.world_size, self.group))
-                # a checkpoint resumed into the model (checkpoint.py), set aside until now
-                checkpoints = self.checkpoints
-                materialize(self.module, part.stages, plan.programs, self.worker, seed,
-                            self.device_hint, self.init_weights,
-                            checkpoints.take_restore() if checkpoints is not None else None,
-                            self.optimizers(), pieces, self._collective)
-            if self.tensor_parallel_size > 1:
-                # state loaded before the build (a resumed checkpoint, or restored just above)
-                # was made for full parameters
-                shard_optimizer_state(self.optimizers(), self.module)
-            self.runtime = ModelRuntime(self.module, self.partition.stages,
-                                        self.train_plan.programs, timeout=self.timeout,
-                                        sync_weights=False,
+            part, plan = self._plan(caller, micro_batch, training, args, kwargs)
+            pieces = self._place_weights(part, plan, args, kwargs, passes)
+            self.runtime = ModelRuntime(self.module, part.stages, plan.programs,
+                                        timeout=self.timeout, sync_weights=False,
                                         forward_context=self.forward_context,
-                                        checkpointed=self.train_plan.checkpointed,
+                                        checkpointed=plan.checkpointed,
                                         transport=self.transport,
                                         # a model built without weights is the large-model
                                         # path, where the process's memory is the
@@ -349,11 +298,83 @@ class PipelineEngine:
             memory = self.runtime.memory()
             rows = startup_rows(plan, memory, self.workers, self.group, self._collective)
         if self.rank == 0:
-            self.info(startup_text(self.train_plan, part, memory,
+            self.info(startup_text(plan, part, memory,
                                    custom=(self.config.arguments is not None
                                            and self.config.arguments.placement is not None),
                                    memory_lines=self.memory.startup_lines(),
                                    header=self.config.choice_text, rows=rows))
+
+    def _choose(self, caller: StepCaller, micro_batch: Any, training: bool, global_rows: int,
+                args: tuple[Any, ...], kwargs: dict[str, Any], passes: BuildPasses) -> None:
+        """``"auto"``: the tuner picks the schedule for ``global_rows`` rows (collective). It
+        runs the step's code after ``self(...)`` with the last stage's profile: its effects on
+        the module (a Metric's update) are undone."""
+        with python_state_kept(self.module):
+            loss_fn = step_loss_fn(caller, micro_batch) if training else None
+            choose_schedule(self.module, self.config, self._split_options(), args, kwargs,
+                            loss_fn=loss_fn, global_rows=global_rows,
+                            optimizers=self.optimizers(), world_size=self.world_size,
+                            rank=self.rank, forward_context=self.forward_context,
+                            group=self.group, passes=passes,
+                            tensor_parallel=self._tensor_parallel_tuning(),
+                            collective=self._collective)
+
+    def _plan(self, caller: StepCaller, micro_batch: Any, training: bool,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Partition, Plan]:
+        """The partition, its tied weights placed, the stages' costs, the training plan, and
+        (``"auto"``: G known only now) the device mesh."""
+        part = self.partition = self._partition(args, kwargs)
+        # tied weights are placed by the plan: the one plan is made once the partition names
+        # them
+        self.config.set_ties(part.shared_parameters.values())
+        if self.config.profile_costs:  # the order from the stages' seconds (rank 0's)
+            with python_state_kept(self.module):  # as for the tuner (_choose)
+                self._profile_costs(part, args, kwargs,
+                                    step_loss_fn(caller, micro_batch) if training else None)
+        else:  # at the default costs, what a first stage's split backward really costs
+            self.config.plan_first_stage_backward_in_w(self.world_size)
+        plan = self.train_plan = self.config.training_plan(self.world_size)
+        mesh = self.device_mesh
+        if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
+            self._collective("the device mesh", lambda: mesh.make_for(
+                self.world_size, plan.data_parallel_size, self.device_hint.type,
+                self.tensor_parallel_size))
+        return part, plan
+
+    def _place_weights(self, part: Partition, plan: Plan, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], passes: BuildPasses) -> Pieces:
+        """The memory prediction, then each rank's weights: its tensor-parallel shards, and
+        for a model built without weights its own stages' weights drawn or read (or a
+        checkpoint set aside); the pieces a sharded rank holds."""
+        # sized before the runtime releases the stages this rank does not own (sharded
+        # stages: after the sharding, below)
+        if self.tensor_parallel_size == 1:
+            self._predict_memory(part, args, kwargs, plan, passes)
+        passes.clear()  # their tensors (a microbatch's activations per stage count) go
+        pieces: Pieces = {}
+        if self.tensor_parallel_size > 1:
+            # before a model built without weights gets any (still on the meta device), so
+            # each rank draws or reads only its pieces, one module's full tensors at a time;
+            # the check run on the microbatch needs weights (the other workers' are absent)
+            self._shard_stages(part, None if self.deferred else (args, kwargs))
+            pieces = pieces_of(self.module)
+            # each rank's bytes are its shards': worker 0's T ranks size the sharded stages
+            # together (on meta tensors for a model built without weights)
+            self._predict_memory(part, args, kwargs, plan, None)
+        if self.deferred:  # weights for this rank's stages only (engine/weights.py)
+            seed = self._collective("the seed broadcast",
+                                    lambda: agreed_seed(self.world_size, self.group))
+            # a checkpoint resumed into the model (checkpoint.py), set aside until now
+            checkpoints = self.checkpoints
+            materialize(self.module, part.stages, plan.programs, self.worker, seed,
+                        self.device_hint, self.init_weights,
+                        checkpoints.take_restore() if checkpoints is not None else None,
+                        self.optimizers(), pieces, self._collective)
+        if self.tensor_parallel_size > 1:
+            # state loaded before the build (a resumed checkpoint, or restored just above) was
+            # made for full parameters
+            shard_optimizer_state(self.optimizers(), self.module)
+        return pieces
 
     def _predict_memory(self, part: Partition, args: tuple[Any, ...], kwargs: dict[str, Any],
                         plan: Plan, passes: BuildPasses | None) -> None:
