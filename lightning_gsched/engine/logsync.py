@@ -76,11 +76,10 @@ class LossLogExchange:
               notice: int = 0) -> PendingExchange:
         """Pack this rank's slots and start the all-reduce without waiting for it.
 
-        Why split from :meth:`finish`: the engine starts the exchange the moment the rank's
-        losses are computed, while its remaining computations (a zero-bubble schedule's last W)
-        and the gradient all-reduce are still to come (``on_computed`` of
+        Why split from :meth:`finish`: the engine starts the exchange the moment the step's
+        compute is done, while the gradient all-reduce is still in flight (``on_computed`` of
         ``ProgramExecutor.step``), so the small collective's round trip and the ranks' skew are
-        hidden behind them instead of following them. ``losses`` and the records' values
+        hidden behind that wait instead of following it. ``losses`` and the records' values
         may be 0-dim tensors: nothing here reads them on the host (:meth:`finish` does, once).
         ``notice``: this rank's pending preemption signal (0: none), one slot per rank, so that
         every rank learns of a signal any rank received at the same step (the front ends'

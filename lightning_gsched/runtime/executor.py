@@ -168,12 +168,10 @@ class ProgramExecutor:
         hashable, the same on every rank, that changes whenever the messages' shapes may (default:
         the shapes, dtypes and plain values of every microbatch's inputs); steps with a known
         signature send bare tensors. ``loss_fn(output, b) -> scalar`` runs for
-        ``self.last_stage_micros``. ``on_computed({b: loss})`` runs once, as soon as this rank's
-        losses are all computed (after its last forward of a last stage; on a rank without one,
-        after its last compute), before the step waits for its all-reduces and sends, so that a
-        caller's small collective started there overlaps them and the rank's remaining
-        computations (it must not wait on this step). Returns the unscaled losses of the
-        microbatches that ended here, and the counters.
+        ``self.last_stage_micros``. ``on_computed({b: loss})`` runs after this rank's last compute,
+        before the step waits for its all-reduces and sends, so that a caller's small collective
+        started there overlaps them (it must not wait on this step). Returns the unscaled losses
+        of the microbatches that ended here, and the counters.
         """
         state = StepRun(self, self.view, inputs, loss_fn, on_computed=on_computed)
         self._execute(state, "step()", signature)

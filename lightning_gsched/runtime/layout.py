@@ -70,18 +70,14 @@ class ProgramView:
     local_forward: frozenset[tuple[int, int]]  # (stage, micro) forwards run on this rank
     local_backward: frozenset[tuple[int, int]]
     rules: OpRules  # what each compute reads and what ends a stash, as the dry run proves it
-    # index of the last forward of a last stage (a sink: the losses) in the program; None if none
-    last_loss: int | None
 
     @classmethod
     def of(cls, programs: Programs, rank: int) -> "ProgramView":
         program = programs.ranks[rank]
-        rules = OpRules.of(programs)
-        sinks = [i for i, a in enumerate(program) if a.op is Op.F and not rules.grad_from[a.stage]]
         return cls(programs, program, *stage_micros(programs, rank),
                    frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.F),
                    frozenset((a.stage, micro_of(a)) for a in program if a.op is Op.B),
-                   rules, sinks[-1] if sinks else None)
+                   OpRules.of(programs))
 
 
 def check_forward_programs(train: Programs, programs: Programs, rank: int | None = None) -> None:

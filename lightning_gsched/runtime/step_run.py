@@ -163,7 +163,7 @@ class StepRun:
                  loss_fn: LossFn, forward_only: bool = False,
                  on_computed: Callable[[dict[int, Any]], None] | None = None) -> None:
         self.ex = ex
-        self.on_computed = on_computed  # see ProgramExecutor.step; called once
+        self.on_computed = on_computed  # see ProgramExecutor.step
         self.view = view
         self.inputs = inputs
         self.loss_fn = loss_fn  # forward-only: output_fn(output, b) -> anything
@@ -212,8 +212,6 @@ class StepRun:
     def run(self, action: Action, index: int) -> None:
         HANDLERS[action.op](self, action, index)
         self.counters.count(action.op, action.tie)
-        if index == self.view.last_loss:  # this rank's losses are all computed
-            self._computed()
         if self.ex.memory is not None:
             self.ex.memory.sample(self.live_bytes())
 
@@ -395,18 +393,9 @@ class StepRun:
             self.allreduces.extend(works)
         self.counters.allreduce_bytes += grad.numel() * grad.element_size()
 
-    def _computed(self) -> None:
-        """Hand the losses to ``on_computed``, once: after the rank's last loss (a rank holding
-        a last stage), else after its last compute. Why not always at the end: a rank's trailing
-        computations (a zero-bubble schedule's last W) do not change its losses, and a peer
-        waiting for them in the caller's exchange would wait for nothing (docs/benchmarks.md,
-        "where the engine's gap is")."""
-        if self.on_computed is not None:
-            on_computed, self.on_computed = self.on_computed, None
-            on_computed(self.losses)
-
     def finish(self) -> None:
-        self._computed()  # every compute is done; the waits below are not
+        if self.on_computed is not None:  # every compute is done; the waits below are not
+            self.on_computed(self.losses)
         leftovers = [*self.received, *self.stage_io.fetches,
                      *(f"tie {h}" for h in self.tie_io.fetches)]
         self.transport.flush()
