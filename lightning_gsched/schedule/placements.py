@@ -243,8 +243,10 @@ class PlacementTable:
             weight_rows, self.compute = library.rows(stages, micro)
             pairs = {w: (w, w) for w in range(workers)}  # one tuple per worker, shared by rows
             self.weights = [list(map(pairs.__getitem__, row)) for row in weight_rows]
-            # rows repeat with the placement's period: its first period holds every value
-            period = min(library.micro_period() or micro, micro)
+            # rows repeat with the placement's period: its first period holds every value (one
+            # column where neither worker depends on b: at W=1024, 4 million pairs less to scan)
+            period = (1 if library.weights_constant_in_micro and library.compute_constant_in_micro
+                      else min(library.micro_period() or micro, micro))
             self.owners = [tuple(sorted(set(row[:period]))) for row in weight_rows]
             self.fetch_source = {
                 (s, c): w for s in range(stages)

@@ -153,8 +153,10 @@ def simulate_sweep(graph: StageGraph, table: PlacementTable, keys: np.ndarray, c
         keys = dense_ranks(keys)  # the same order, in ints below J
     ready = np.full(J + 1, np.inf)  # and the sink job J (sweep successors that do not exist)
     ready[0:B * P:P] = 0.0  # F 0 b: sources
-    # the timeline's own storage, written through numpy views (no copy at the end)
-    start_times, end_times = array("d", bytes(8 * J)), array("d", bytes(8 * J))
+    # the timeline's own storage, written through numpy views (no copy at the end); made by
+    # repetition, which writes each page once (from a zeroed bytes object: twice, and a
+    # second buffer as large: 200 MB more first-touched pages per array at W=1024)
+    start_times, end_times = array("d", [0.0]) * J, array("d", [0.0]) * J
     start, end = (np.frombuffer(times, dtype=np.float64) for times in (start_times, end_times))
     # each worker's order, written in place: worker w's jobs from offsets[w] on
     per_worker = np.bincount(np.arange(cells) % W, weights=q.jobs, minlength=W).astype(np.int64)
