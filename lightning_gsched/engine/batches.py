@@ -84,7 +84,8 @@ def content_fingerprint(batch: Any) -> torch.Tensor:
 def rows_and_layouts(batch: Any, world_size: int, group: Any = None, *,
                      contents: bool = False) -> tuple[list[int], list[int], list[int]]:
     """Every rank's number of rows, :func:`layout_digest` and (``contents``) its
-    :func:`content_fingerprint` (else 0), in one small collective.
+    :func:`content_fingerprint` (else 0), in one small collective of host tensors over
+    ``group`` (a gloo group: on a GPU job, device tensors read back would wait for the device).
 
     Why the rows: every rank then computes the same row map (:mod:`.rows`), so the rows move
     without further questions. Why the digests ride along: together they are a step signature
@@ -98,13 +99,13 @@ def rows_and_layouts(batch: Any, world_size: int, group: Any = None, *,
     digest = layout_digest(batch)
     if world_size == 1:
         return [local_rows], [digest], [0]
-    device = leaves[data[0]].device
-    gathered = torch.zeros(3 * world_size, dtype=torch.int64, device=device)
-    mine = torch.tensor([local_rows, digest, 0], dtype=torch.int64, device=device)
-    if contents:
-        mine[2] = content_fingerprint(batch)
+    # host numbers over a host group (the engine's ``ControlGroup.host_group``): the rows and
+    # the digest are read off the shapes, so only ``contents`` reads the batch's device
+    fingerprint = int(content_fingerprint(batch)) if contents else 0
+    gathered = torch.zeros(3 * world_size, dtype=torch.int64)
+    mine = torch.tensor([local_rows, digest, fingerprint], dtype=torch.int64)
     _all_gather_single(gathered, mine, group=group)
-    values = gathered.tolist()  # the rows cut the microbatches on the host: one sync
+    values = gathered.tolist()  # a host tensor: the rows cut the microbatches on the host
     return ([int(v) for v in values[0::3]], [int(v) for v in values[1::3]],
             [int(v) for v in values[2::3]])
 

@@ -28,8 +28,10 @@ from lightning_gsched.errors import GschedError, RuntimeFault, error_text
 from lightning_gsched.runtime import (
     LOST_PEER_GRACE_S,
     FaultNotice,
+    default_is_gloo,
     default_store,
     destroy_groups,
+    gloo_group,
     new_group,
     release_frames,
 )
@@ -50,6 +52,11 @@ class ControlGroup:
         self.timeout = float(timeout)
         # on a gloo job it shares the default group's transport device (runtime/gloo_groups)
         self.group: Any = new_group(timeout=timedelta(seconds=self.timeout))
+        # host numbers (every rank's batch rows) travel without the device: on a GPU job a
+        # collective over the default backend's group takes device tensors, and reading its
+        # result back waits for everything queued on the device (each step's start, otherwise)
+        self.host_group: Any = self.group if default_is_gloo() else gloo_group(
+            timeout=timedelta(seconds=self.timeout))
         self.store = default_store()
         self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
         self.notice = FaultNotice(self.store, self.key)
@@ -175,8 +182,9 @@ class ControlGroup:
         if self.closed:
             return
         self.closed = True
-        group, self.group = self.group, None
-        destroy_groups([group], collect)
+        groups = [self.group] if self.host_group is self.group else [self.group, self.host_group]
+        self.group = self.host_group = None
+        destroy_groups(groups, collect)
 
 
 class UncaughtExitReport:

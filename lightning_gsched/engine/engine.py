@@ -169,7 +169,7 @@ class PipelineEngine:
         self.device_hint = device if device is not None else torch.device("cpu")
         # the batch-size exchange, the row map and the row exchange of every step
         self.step_rows = StepRows(config, rank, world_size, lambda: self.group,
-                                  self._collective)
+                                  self._collective, lambda: self.host_group)
         # torch.compile'd modules: AOTAutograd's buffer donation off from the build to close
         # (partition/compiled.py: the strategy runs some backwards twice)
         self.donation_off: DonationOff | None = None
@@ -181,6 +181,12 @@ class PipelineEngine:
         """The group of the engine's collectives (None: the default group). Read at each use,
         never kept: an aborted group must lose its last reference to close its connections."""
         return self.control.group if self.control is not None else None
+
+    @property
+    def host_group(self) -> Any:
+        """The group for host numbers (the control group's gloo twin on a GPU job; None: the
+        default group). Read at each use, as :attr:`group`."""
+        return self.control.host_group if self.control is not None else None
 
     @property
     def workers(self) -> Workers:

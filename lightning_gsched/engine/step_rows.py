@@ -57,11 +57,14 @@ class StepRows:
     process's, whose :attr:`workers` the config decides."""
 
     def __init__(self, config: ScheduleConfig, rank: int, world_size: int,
-                 group: Callable[[], Any], collective: Collective) -> None:
+                 group: Callable[[], Any], collective: Collective,
+                 host_group: Callable[[], Any] | None = None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        # the batch-size exchange's: host tensors (ControlGroup.host_group); None: ``group``
+        self.host_group = host_group or group
         self.collective = collective
         self._needed: dict[int, list[list[int]]] = {}
 
@@ -78,7 +81,7 @@ class StepRows:
         workers = self.workers
         rows, layouts, contents = self.collective(
             "the batch-size exchange", lambda: rows_and_layouts(
-                batch, self.world_size, self.group(), contents=workers.shares_batches))
+                batch, self.world_size, self.host_group(), contents=workers.shares_batches))
         return workers.batch_rows(rows, layouts, contents)
 
     def row_map(self, rows: list[int], parts: int, *, exact: bool,

@@ -19,6 +19,7 @@ from lightning_gsched.runtime.faults import is_timeout, release_frames, short_re
 from lightning_gsched.runtime.footprint import optimizer_factor, optimizer_step_factor
 from lightning_gsched.runtime.fullstate import StreamedTensor, parameter_names
 from lightning_gsched.runtime.gloo_groups import (
+    default_is_gloo,
     gloo_group,
     lightning_reduce,
     mesh_backend,
@@ -52,5 +53,5 @@ __all__ = [
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
     "initialize_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
     "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
-    "gloo_group", "lightning_reduce", "mesh_backend", "mesh_backend_override", "new_group",
+    "default_is_gloo", "gloo_group", "lightning_reduce", "mesh_backend", "mesh_backend_override", "new_group",
 ]
