@@ -165,6 +165,38 @@ def test_ranks_receive_only_the_rows_they_read_that_they_did_not_load(worlds):
     assert all(not r["mismatched"] for r in results)
 
 
+def host_group_check(ctx: WorkerContext, rows: list[int]) -> dict:
+    """A control group made as on a GPU job (the default backend not gloo): its host twin is
+    a group of its own, the batch sizes travel over it as host tensors, and closing the control
+    group destroys both."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from lightning_gsched.engine import control
+
+    with mock.patch.object(control, "default_is_gloo", lambda: False):
+        group = control.ControlGroup(ctx.rank, timeout=30.0)
+    twin = group.host_group
+    batch = (torch.zeros(rows[ctx.rank], 3, device="meta"),)  # shapes only: nothing is read
+    counts, _, _ = rows_and_layouts(batch, ctx.world_size, twin)
+    made = twin is not group.group and dist.get_world_size(twin) == ctx.world_size
+    group.close()
+    try:  # torch's registry of groups no longer knows a destroyed one
+        dist.get_process_group_ranks(twin)
+        gone = False
+    except Exception:  # noqa: BLE001 - torch's error for an unknown group
+        gone = True
+    return {"made": made, "counts": counts, "gone": gone, "closed": group.host_group is None}
+
+
+def test_batch_sizes_travel_as_host_tensors_over_a_host_group(worlds):
+    world = worlds.get(2)
+    results = world.run(host_group_check, [3, 5])
+    assert all(r["made"] and r["gone"] and r["closed"] for r in results), results
+    assert all(r["counts"] == [3, 5] for r in results)
+
+
 def test_loss_log_exchange_equals_object_gather_across_layout_changes(worlds):
     world = worlds.get(2)
 
