@@ -54,17 +54,17 @@ class StepRows:
     """The row moves of one engine's steps. ``group()``: the group of the engine's collectives,
     read at each use (an aborted group must lose its last reference); ``collective``: the
     engine's runner of them (a backend failure becomes a fault naming the move); ``rank``: this
-    process's, whose :attr:`workers` the config decides."""
+    process's, whose :attr:`workers` the config decides; ``host_group()``: the group of the
+    batch-size exchange, which carries host tensors (``ControlGroup.host_group``)."""
 
     def __init__(self, config: ScheduleConfig, rank: int, world_size: int,
                  group: Callable[[], Any], collective: Collective,
-                 host_group: Callable[[], Any] | None = None) -> None:
+                 host_group: Callable[[], Any]) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.group = group
-        # the batch-size exchange's: host tensors (ControlGroup.host_group); None: ``group``
-        self.host_group = host_group or group
+        self.host_group = host_group
         self.collective = collective
         self._needed: dict[int, list[list[int]]] = {}
 
