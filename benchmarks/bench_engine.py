@@ -10,7 +10,14 @@ around ``schedule.step``. The anchor, the rows (gpipe, 1f1b, zb-h1, zbv), the sp
 and the rounds are those of :mod:`benchmarks.bench_pipeline`. Goal: engine <= 1.00.
 
     python -m benchmarks.bench_engine [--quick] [--rows gpipe 1f1b ...] [--profile-costs]
-                                      [--torch-peak]
+                                      [--torch-peak] [--per-rank]
+
+Who loads which rows: torch's loop hands rank 0 every input row and the last stage's rank
+every target row of the global batch; ours runs with ``data_loading="per_replica"``, every
+rank loading the global batch (the one replica's), so neither side moves rows or asks for
+batch sizes before a step. ``--per-rank``: ours with DDP's loading instead (each rank its share,
+the rows a rank reads moved at the step's start), as
+``pipeline_engine_vs_torch[<schedule>, per-rank loading]``: what that semantics costs.
 
 ``--torch-peak``: ours planned with each rank's cap set to the most microbatch-stages torch's
 schedule holds on that rank (read from its ``pipeline_order``, :func:`torch_peaks`), as
@@ -50,10 +57,12 @@ GOAL = "<= 1.00"
 
 def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int,
                  microbatches: int = MICROBATCHES, profile_costs: bool = False,
-                 cap: list[int] | None = None) -> dict[str, Any]:
+                 cap: list[int] | None = None,
+                 data_loading: str = "per_replica") -> dict[str, Any]:
     """One rank of ours in a plain Fabric loop; rank 0's wall and CPU seconds per step.
     ``profile_costs``: planned with the stages' seconds timed at the build (the option);
-    ``cap``: per rank (None: the schedule's default)."""
+    ``cap``: per rank (None: the schedule's default); ``data_loading``: the option, and what
+    the loop hands each rank (the global batch, or its ``per_rank`` rows of it)."""
     import torch
     from lightning.fabric import Fabric
 
@@ -64,6 +73,7 @@ def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int
     fabric = Fabric(accelerator="cpu", devices=world,
                     strategy=GeneralParallelFabric(schedule, microbatches=microbatches,
                                                    profile_costs=profile_costs,
+                                                   data_loading=data_loading,
                                                    **({} if cap is None else {"cap": cap})))
     fabric.launch()
     core = build_core(shape, seed=0)
@@ -81,8 +91,11 @@ def engine_timed(rank: int, world: int, schedule: str, steps: int, per_rank: int
     losses: list[float] = []
     counts: list[list[int]] = []
     for i in range(steps):
-        lo = i * rows + rank * per_rank  # this rank's rows of global batch i
-        batch = (xs[lo:lo + per_rank], ys[lo:lo + per_rank])
+        if data_loading == "per_replica":  # every rank: global batch i (the one replica's)
+            lo, size = i * rows, rows
+        else:  # this rank's rows of global batch i
+            lo, size = i * rows + rank * per_rank, per_rank
+        batch = (xs[lo:lo + size], ys[lo:lo + size])
         before = process_counts()
         cpu = time.process_time()
         start = time.perf_counter()
@@ -162,19 +175,22 @@ def torch_peaks(schedule: str, world: int = WORLD, microbatches: int = MICROBATC
 
 
 def _engine_side(schedule: str, steps: int, profile_costs: bool = False,
-                 cap: list[int] | None = None) -> Side:
+                 cap: list[int] | None = None, data_loading: str = "per_replica") -> Side:
     return Side(f"{MODULE}:engine_timed",
                 {"schedule": schedule, "steps": steps, "per_rank": PER_RANK,
-                 "profile_costs": profile_costs, "cap": cap})
+                 "profile_costs": profile_costs, "cap": cap, "data_loading": data_loading})
 
 
 def run(quick: bool, rows: Sequence[str] | None = None,
-        profile_costs: bool = False, torch_peak: bool = False) -> list[Result]:
+        profile_costs: bool = False, torch_peak: bool = False,
+        per_rank: bool = False) -> list[Result]:
     """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table;
     with ``profile_costs``, ours planned with its stages' measured seconds, as
     ``pipeline_engine_vs_torch[<schedule>, profiled costs]``; with ``torch_peak``, ours at
     torch's per-rank peaks (:func:`torch_peaks`; rows whose torch schedule keeps no order are
-    skipped), as ``pipeline_engine_vs_torch[<schedule>, torch's peak]``."""
+    skipped), as ``pipeline_engine_vs_torch[<schedule>, torch's peak]``; with ``per_rank``, ours
+    with DDP's loading (module docstring)."""
+    loading = "per_rank" if per_rank else "per_replica"
     cfg = QUICK if quick else FULL
     results = []
     for row in _chosen(rows):
@@ -186,7 +202,8 @@ def run(quick: bool, rows: Sequence[str] | None = None,
                 print(f"skipped {row.schedule} with --torch-peak: {exc}")
                 continue
         wall = time.perf_counter()
-        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"], profile_costs, cap),
+        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"], profile_costs, cap,
+                                             loading),
                         "anchor": _anchor_side(row.schedule, cfg["steps"])},
                        WORLD, cfg["rounds"], WARMUP)
         wall = time.perf_counter() - wall
@@ -195,12 +212,14 @@ def run(quick: bool, rows: Sequence[str] | None = None,
         notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global "
                  f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric"
                  f"{'(profile_costs=True)' if profile_costs else ''}"
-                 f"{'' if cap is None else f'(cap={cap}, torch peaks)'} in a plain "
+                 f"{'' if cap is None else f'(cap={cap}, torch peaks)'}"
+                 f"(data_loading={loading!r}) in a plain "
                  f"Fabric loop (no Trainer); anchor = torch.distributed.pipelining "
                  f"{row.torch_schedule} in a plain loop, same split; loss at step "
                  f"{cfg['steps']}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
         label = ", ".join([row.schedule] + ["profiled costs"] * profile_costs
-                          + ["torch's peak"] * (cap is not None))
+                          + ["torch's peak"] * (cap is not None)
+                          + ["per-rank loading"] * per_rank)
         results.append(ratio_result(
             f"pipeline_engine_vs_torch[{label}]", runs["ours"], runs["anchor"], GOAL,
             notes, extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor,
@@ -218,8 +237,10 @@ def main() -> None:
                         help="ours planned with the stages' measured seconds (profile_costs=True)")
     parser.add_argument("--torch-peak", action="store_true",
                         help="ours with each rank's cap at torch's peak (the same memory target)")
+    parser.add_argument("--per-rank", action="store_true",
+                        help="ours with data_loading='per_rank' (each rank its share, rows moved)")
     args = parser.parse_args()
-    for r in run(args.quick, args.rows, args.profile_costs, args.torch_peak):
+    for r in run(args.quick, args.rows, args.profile_costs, args.torch_peak, args.per_rank):
         print(f"{r.name:34s} ours {r.ours_s * 1e3:7.1f} ms  torch {r.anchor_s * 1e3:7.1f} ms  "
               f"ratio {r.ratio:.3f}  cpu ratio {r.cpu_ratio}  {r.notes}")
         print(f"  per rank (minor faults, voluntary, involuntary switches) per step: "

@@ -16,10 +16,12 @@ microbatches' ``lm_loss`` as the loss.
 
 * Ours: :func:`fit_timed_ours` (the fit of :func:`benchmarks.lit_runs.fit_timed`, through
   :func:`benchmarks.lit_runs.run_fit`, plus CPU times and optional profiling) with
-  ``GeneralParallel(<schedule>, microbatches=8)`` and the library defaults (S = W for gpipe,
-  1f1b and zb-h1, S = 2W in a V for zbv; zb-h1 and zbv split each backward into B and W);
-  a step is Lightning's whole training batch (forward, backward, transfers, optimizer step,
-  logging), see :mod:`benchmarks.lit_runs`.
+  ``GeneralParallel(<schedule>, microbatches=8, data_loading="per_replica")`` and the library
+  defaults (S = W for gpipe, 1f1b and zb-h1, S = 2W in a V for zbv; zb-h1 and zbv split each
+  backward into B and W); a step is Lightning's whole training batch (forward, backward,
+  transfers, optimizer step, logging), see :mod:`benchmarks.lit_runs`. Every rank loads each
+  global batch whole, as torch's loop hands rank 0 every input and the last stage's rank every
+  target (``"per_rank"``, DDP's loading, moves rows at each step's start instead).
 * Anchor: a plain torch loop (:func:`torch_pipeline_timed`) with one ``PipelineStage`` per local
   stage and the row's torch schedule (``n_microbatches=8``, ``loss_fn=lm_loss``, default
   ``scale_grads=True``, outputs not returned); a step is ``schedule.step`` + ``optimizer.step``
@@ -252,12 +254,16 @@ def fit_timed_ours(rank: int, world: int, strategy: dict[str, Any], steps: int, 
     import torch
 
     from benchmarks.lit_runs import StepTimer, make_strategy, run_fit
-    from benchmarks.model import GPTShape
+    from benchmarks.model import GPTShape, replica_loader
 
     timer = StepTimer(cpu=True, profiler=cProfile.Profile() if profile_dir else None,
                       profile_from=warmup)
-    trainer = run_fit(make_strategy(strategy, world), rank, world, steps, per_rank,
-                      GPTShape(**(shape or {})), [timer])
+    gshape = GPTShape(**(shape or {}))
+    # data_loading="per_replica" (one replica): every rank loads each global batch whole
+    loader = (replica_loader(gshape, per_rank * world, steps)
+              if strategy.get("data_loading") == "per_replica" else None)
+    trainer = run_fit(make_strategy(strategy, world), rank, world, steps, per_rank, gshape,
+                      [timer], loader=loader)
     if profile_dir:
         dump_profile(timer.profiler, profile_dir, rank, timer.profiled_steps)
     loss = trainer.callback_metrics.get("train_loss")
@@ -270,7 +276,8 @@ def fit_timed_ours(rank: int, world: int, strategy: dict[str, Any], steps: int, 
 
 def _ours_side(schedule: str, steps: int, profile_dir: str | None = None) -> Side:
     return Side(f"{MODULE}:fit_timed_ours", {
-        "strategy": {"kind": "gsched", "schedule": schedule, "microbatches": MICROBATCHES},
+        "strategy": {"kind": "gsched", "schedule": schedule, "microbatches": MICROBATCHES,
+                     "data_loading": "per_replica"},
         "steps": steps, "per_rank": PER_RANK, "profile_dir": profile_dir})
 
 

@@ -154,5 +154,11 @@ def rank_loader(shape: GPTShape, per_rank: int, steps: int, rank: int, world: in
     return DataLoader(subset, batch_size=per_rank, shuffle=False)
 
 
+def replica_loader(shape: GPTShape, rows: int, steps: int) -> DataLoader:
+    """Every global batch of ``rows`` rows whole, the same on every rank (``data_loading=
+    "per_replica"`` with one replica: :func:`rank_loader`'s global batches, unsliced)."""
+    return DataLoader(token_data(shape, rows * steps), batch_size=rows, shuffle=False)
+
+
 def param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -110,6 +110,25 @@ def rows_and_layouts(batch: Any, world_size: int, group: Any = None, *,
             [int(v) for v in values[2::3]])
 
 
+# a stamp's numbers ride in a float64 exchange: integers below 2**52 are exact there
+_STAMP_MODULUS = 1 << 52
+STAMP_SIZE = 3  # rows, layout, contents
+
+
+def batch_stamp(batch: Any) -> list[Any]:
+    """``[rows, layout, contents]`` of this rank's batch for an exchange of float64 slots
+    (the loss exchange: ``LossLogExchange.start``'s ``stamp``): its rows, its
+    :func:`layout_digest` and its :func:`content_fingerprint`, both taken modulo 2**52 (exact
+    in float64; equal batches give equal numbers, other batches differ but for a 2**-52
+    chance). The fingerprint stays a tensor on the batch's device: the exchange reads it
+    with the step's one host read, so a step asks the device nothing before its first
+    computation."""
+    leaves, _, data = _batch_leaves(batch)
+    contents = (content_fingerprint(batch) % _STAMP_MODULUS).to(torch.float64)
+    return [float(leaves[data[0]].shape[0]), float(layout_digest(batch) % _STAMP_MODULUS),
+            contents]
+
+
 def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence[int]],
                   group: Any = None, peers: Sequence[int] | None = None) -> dict[int, Any]:
     """This rank's microbatches ``wanted[rank]``, from its own rows and the rows it receives.

@@ -48,6 +48,9 @@ COST_ARGUMENTS = ("forward_cost", "backward_cost", "weight_cost")
 # what "auto" lets a user fix (constraints of the search); every other argument it decides
 AUTO_CONSTRAINTS = ("schedule", "stages", "microbatches", "R", "checkpoint_activations",
                     "data_parallel_size", "tensor_parallel_size")
+# data_loading: who loads which rows (engine/workers.py): DDP's share per rank, or each
+# data-parallel replica's whole batch on every one of its ranks
+DATA_LOADINGS = ("per_rank", "per_replica")
 # tensor_parallel_size="auto" searches T among these that divide W (a tensor-parallel group is
 # meant to stay inside a node, whose devices are commonly 8 at most)
 TENSOR_PARALLEL_AUTO = (1, 2, 4, 8)
@@ -110,13 +113,14 @@ class ScheduleConfig:
     ties: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
     # a named schedule planned with its stages' seconds, timed at the build (set_costs)
     profile_costs: bool = False
+    data_loading: str = "per_rank"  # DATA_LOADINGS; see :meth:`workers`
 
     def __post_init__(self) -> None:
         assert (self.arguments is None) != (self.auto is None), "arguments or auto, not both"
 
     @classmethod
     def from_keywords(cls, memory_budget: Any = None, profile_costs: Any = False,
-                      **given: Any) -> ScheduleConfig:
+                      data_loading: Any = "per_rank", **given: Any) -> ScheduleConfig:
         """Fail at construction for anything wrong whatever the number of devices.
 
         ``given``: :class:`ScheduleArguments`' keywords; a fixed schedule's are checked by it
@@ -126,9 +130,18 @@ class ScheduleConfig:
         talks to another. ``schedule="auto"`` is checked by :meth:`_auto_request`;
         ``memory_budget`` (only allowed with it) becomes bytes here. ``profile_costs``: see
         :meth:`set_costs`; it replaces the cost arguments, so it refuses them and ``"auto"``
-        (which profiles the stages itself).
+        (which profiles the stages itself). ``data_loading="per_replica"``: see
+        :meth:`workers`; it needs the replicas when the DataLoader is made, so not ``"auto"``.
         """
         schedule = given.get("schedule", "fslpp")
+        validate.one_of("data_loading", data_loading, DATA_LOADINGS, ScheduleConfigError)
+        if data_loading == "per_replica" and schedule == AUTO:
+            raise ScheduleConfigError(
+                "data_loading='per_replica' deals the DataLoader one share per data-parallel "
+                "replica, which must be known when the DataLoader is made, but schedule='auto' "
+                "picks the replicas and the ranks' layout at the first batch; give a named "
+                "schedule (e.g. GeneralParallel('1f1b', data_loading='per_replica')) or keep "
+                "data_loading='per_rank' with 'auto'")
         if validate.flag("profile_costs", profile_costs, ScheduleConfigError):
             given_costs = _moved_costs(given)
             if schedule == AUTO or given_costs:
@@ -158,7 +171,8 @@ class ScheduleConfig:
                 f"tensor_parallel_size={searched!r} asks for a search over T, which "
                 f"schedule='auto' does (the tuner tries each T at the first batch); with "
                 f"schedule={schedule!r} give one T (e.g. tensor_parallel_size=2)")
-        return cls(arguments=ScheduleArguments(**given), profile_costs=bool(profile_costs))
+        return cls(arguments=ScheduleArguments(**given), profile_costs=bool(profile_costs),
+                   data_loading=str(data_loading))
 
     @property
     def is_auto(self) -> bool:
@@ -314,11 +328,24 @@ class ScheduleConfig:
         worker's T ranks load one share, as Lightning's ModelParallelStrategy deals it."""
         return self.auto is not None and bool(self.auto.tensor_parallel_search)
 
+    @property
+    def per_replica(self) -> bool:
+        """``data_loading="per_replica"``: every rank of a data-parallel replica loads the
+        replica's whole batch (torchtitan's layout, and torch pipelining's where the first
+        and the last stage read the batch), so a training step moves no rows and asks no
+        rank for its batch size before its first computation; the ranks' batches are
+        checked to agree in the step's loss exchange instead (engine/engine.py). Else DDP's:
+        each rank (a tensor-parallel worker) loads its own share (:mod:`.rows`)."""
+        return self.data_loading == "per_replica"
+
     def workers(self, ranks: int, rank: int) -> Workers:
         """``ranks`` processes as this config's workers, ``rank`` this one's: the decided T (a
         T that ``"auto"`` searches is 1 until the pick), the rows dealt per rank or per
-        worker (:attr:`rows_per_rank`). Derived at each use, so it follows the pick."""
-        return Workers(ranks, rank, self.tensor_parallel_size, self.rows_per_rank)
+        worker (:attr:`rows_per_rank`), or per replica (:attr:`per_replica`). Derived at each
+        use, so it follows the pick."""
+        T = self.tensor_parallel_size
+        replicas = self.replicas(ranks) if self.per_replica else None
+        return Workers(ranks, rank, T, self.rows_per_rank, replicas)
 
     def tensor_parallel_candidates(self, ranks: int) -> tuple[int, ...]:
         """The T values ``"auto"`` tries at the first batch (the decided T otherwise)."""

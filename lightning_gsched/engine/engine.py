@@ -31,7 +31,7 @@ from lightning_gsched.engine.auto import (
     probe_parts,
     step_loss_fn,
 )
-from lightning_gsched.engine.batches import local_outputs
+from lightning_gsched.engine.batches import STAMP_SIZE, local_outputs
 from lightning_gsched.engine.checkpoint import CheckpointService
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import ControlGroup
@@ -520,7 +520,7 @@ class PipelineEngine:
         losses starts (every rank's comes back in ``StepOutcome.notices``).
         ``drop_previous_grads``: the loop zeroes the gradients before the hand-over
         (``ModelRuntime.step``)."""
-        rows, layouts = self.step_rows.sizes(batch)
+        rows, layouts = self.step_rows.sizes(batch, trusted=self.built)
         held = Held()
         if not self.config.decided:
             held = self._build_auto(batch, rows, caller, training=True)
@@ -534,7 +534,8 @@ class PipelineEngine:
         runtime = self._runtime()
         if self.losses_and_logs is None:
             self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device,
-                                                   self.control)
+                                                   self.control,
+                                                   STAMP_SIZE if self.step_rows.stamped else 0)
         inputs = self._capture_all(caller, micros, runtime.first_stage_micros)
 
         def loss_fn(output: Any, b: int) -> torch.Tensor:
@@ -548,7 +549,8 @@ class PipelineEngine:
                 losses, logs = {}, []
             else:
                 logs = caller.logs
-            pending.append(exchange_logs.start(losses, logs, notice()))
+            pending.append(exchange_logs.start(losses, logs, notice(),
+                                               self.step_rows.stamp(batch)))
 
         self.memory.before_step(runtime)
         try:
@@ -561,6 +563,7 @@ class PipelineEngine:
         self.memory.after_step(runtime, self.optimizers(), self.world_size, self.rank, self.info)
         all_losses, records = self._collective("the loss/log exchange",
                                                lambda: exchange_logs.finish(pending[0]))
+        self.step_rows.check_stamps(pending[0].stamps, B)
         if len(all_losses) != B:
             raise StrategyConfigError(
                 f"expected one loss per microbatch ({B}), got {sorted(all_losses)}; every rank "

@@ -56,8 +56,10 @@ class LossLogExchange:
     """
 
     def __init__(self, world_size: int, rank: int, micro: int, device: torch.device,
-                 control: ControlGroup | None = None) -> None:
+                 control: ControlGroup | None = None, stamp_size: int = 0) -> None:
         self.world_size, self.rank, self.micro, self.device = world_size, rank, micro, device
+        # numbers per rank that ride along (the batch stamps of data_loading="per_replica")
+        self.stamp_size = stamp_size
         self.control = control  # collectives over control.group (None: the default group)
         self.layout: list[list[tuple[int, str, dict[str, Any]]]] | None = None
         self.object_exchanges = 0  # steps that fell back to the pickled all-gather
@@ -73,7 +75,7 @@ class LossLogExchange:
         return self.finish(self.start(losses, records))
 
     def start(self, losses: Mapping[int, Any], records: list[LogRecord],
-              notice: int = 0) -> PendingExchange:
+              notice: int = 0, stamp: list[Any] | None = None) -> PendingExchange:
         """Pack this rank's slots and start the all-reduce without waiting for it.
 
         Why split from :meth:`finish`: the engine starts the exchange the moment the step's
@@ -83,21 +85,29 @@ class LossLogExchange:
         may be 0-dim tensors: nothing here reads them on the host (:meth:`finish` does, once).
         ``notice``: this rank's pending preemption signal (0: none), one slot per rank, so that
         every rank learns of a signal any rank received at the same step (the front ends'
-        preemption handling).
+        preemption handling). ``stamp``: this rank's ``stamp_size`` numbers (floats or 0-dim
+        tensors, exact in float64), every rank's back in ``PendingExchange.stamps``.
         """
+        stamp = list(stamp or [])
+        assert len(stamp) == self.stamp_size, "every rank stamps as many numbers"
         own = _as_float64([r.value for r in records], self.device)
         if self.world_size == 1:
             local = dict(losses)
             return PendingExchange(local, list(records), None, None, [notice],
                                    torch.cat([_as_float64(list(local.values()), self.device),
-                                              own]))
+                                              own]), [[]])
         B = self.micro
         mine = [(r.micro, r.name, r.options) for r in records]
         sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
         start = 2 * B + sum(sizes[: self.rank])
-        W = self.world_size
-        packed = torch.zeros(2 * B + sum(sizes) + W + 1, dtype=torch.float64, device=self.device)
-        packed[-1 - W + self.rank] = float(notice)
+        W, K = self.world_size, self.stamp_size
+        # [losses | loss counts | record values | notices | stamps | layout changed?]
+        packed = torch.zeros(2 * B + sum(sizes) + W * (1 + K) + 1, dtype=torch.float64,
+                             device=self.device)
+        packed[-1 - W * (1 + K) + self.rank] = float(notice)
+        if K:
+            first = packed.numel() - 1 - W * K + self.rank * K
+            packed[first:first + K] = _as_float64(stamp, self.device)
         if losses:
             micros = sorted(losses)
             index = torch.tensor(micros).to(self.device, non_blocking=True)
@@ -109,7 +119,7 @@ class LossLogExchange:
         else:
             packed[start : start + len(records)] = own
         work = dist.all_reduce(packed, async_op=True, group=self.group)
-        return PendingExchange(dict(losses), list(records), packed, work, [], own)
+        return PendingExchange(dict(losses), list(records), packed, work, [], own, [])
 
     def finish(self, pending: PendingExchange) -> tuple[dict[int, float], list[LogRecord]]:
         """Wait for :meth:`start`'s all-reduce; (losses of all ranks, records of all ranks),
@@ -124,7 +134,10 @@ class LossLogExchange:
         # the step's one host read: the all-reduced slots and this rank's own values
         values = torch.cat([pending.packed, pending.own]).tolist()
         values, own = values[:size], values[size:]
-        pending.notices = [int(v) for v in values[-1 - self.world_size : -1]]
+        W, K = self.world_size, self.stamp_size
+        slots = values[-1 - W * (1 + K):-1]
+        pending.notices = [int(v) for v in slots[:W]]
+        pending.stamps = [slots[W + r * K:W + r * K + K] for r in range(W)]
         B = self.micro
         counts = values[B : 2 * B]
         all_losses = {b: values[b] for b in range(B) if counts[b] > 0}
@@ -182,6 +195,7 @@ class PendingExchange:
     work: Any  # the all-reduce's handle
     notices: list[int]  # every rank's pending preemption signal, once finished
     own: torch.Tensor  # this rank's record values (a world of one: its losses first)
+    stamps: list[list[float]]  # every rank's stamp, once finished (a world of one: none)
 
 
 def _fx_kind(name: str, fx: Any) -> str:

@@ -47,7 +47,8 @@ def pipeline_keywords(values: Mapping[str, Any]) -> dict[str, Any]:
     the YAML schema from ``__init__``'s signature) under :class:`ScheduleArguments`' names;
     picking them by name passes them on without writing the list a third time.
     """
-    names = (*ScheduleArguments.names(), "memory_budget", "profile_costs", *PARTITION_KEYWORDS)
+    names = (*ScheduleArguments.names(), "memory_budget", "profile_costs", "data_loading",
+             *PARTITION_KEYWORDS)
     return {name: values[name] for name in names if name in values}
 
 
@@ -110,9 +111,10 @@ def library_names(front_end: str) -> list[tuple[str, str, str]]:
 def sampler_kwargs(world_size: int, rank: int, config: ScheduleConfig) -> dict[str, int]:
     """The distributed sampler's share for ``rank``: with tensor parallelism the T ranks of a
     worker (rank ``w * T + t``) load the same rows, as Lightning's ModelParallelStrategy gives
-    a tensor-parallel group one share; otherwise, and when ``"auto"`` searches T (the pick
-    must not change the global batch: :attr:`ScheduleConfig.rows_per_rank`), every rank its
-    own."""
+    a tensor-parallel group one share; with ``data_loading="per_replica"`` every rank of a
+    data-parallel replica loads the replica's (G shares); otherwise, and when ``"auto"``
+    searches T (the pick must not change the global batch:
+    :attr:`ScheduleConfig.rows_per_rank`), every rank its own."""
     workers = config.workers(world_size, rank)
     return {"num_replicas": workers.positions, "rank": workers.position}
 

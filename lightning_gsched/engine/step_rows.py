@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from lightning_gsched.engine.batches import exchange_rows, rows_and_layouts
+from lightning_gsched.engine.batches import batch_stamp, exchange_rows, rows_and_layouts
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import Collective
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
@@ -74,15 +74,48 @@ class StepRows:
         decides a searched T)."""
         return self.config.workers(self.world_size, self.rank)
 
-    def sizes(self, batch: Any) -> tuple[list[int], list[int]]:
+    def sizes(self, batch: Any, trusted: bool = False) -> tuple[list[int], list[int]]:
         """Every position's rows and batch layout (:meth:`.workers.Workers.batch_rows`: per
-        worker, whose T ranks must have loaded the same batch, values included, or per
-        rank)."""
+        worker, whose T ranks must have loaded the same batch, values included, per rank, or
+        per replica). ``trusted`` with ``data_loading="per_replica"`` (a training step after
+        the first): no collective, every replica's rows and layout taken to be this rank's
+        (training refuses replicas of unequal rows anyway), and :meth:`check_stamps` checks
+        the step's stamps after the step."""
         workers = self.workers
+        if trusted and workers.replicas is not None:
+            rows, layouts, _ = rows_and_layouts(batch, 1)  # this rank's, read off the shapes
+            return rows * workers.positions, layouts * workers.positions
         rows, layouts, contents = self.collective(
             "the batch-size exchange", lambda: rows_and_layouts(
                 batch, self.world_size, self.host_group(), contents=workers.shares_batches))
         return workers.batch_rows(rows, layouts, contents)
+
+    @property
+    def stamped(self) -> bool:
+        """Whether steps carry :meth:`stamp`: with ``data_loading="per_replica"`` where a
+        replica has several ranks (else the step's start checked the batches, or no ranks
+        share one)."""
+        workers = self.workers
+        return workers.replicas is not None and workers.shares_batches
+
+    def stamp(self, batch: Any) -> list[Any]:
+        """This rank's batch for :meth:`check_stamps` (:func:`.batches.batch_stamp`; its
+        numbers: :data:`.batches.STAMP_SIZE`), or nothing where not :attr:`stamped`."""
+        return batch_stamp(batch) if self.stamped else []
+
+    def check_stamps(self, stamps: list[list[float]], parts: int) -> None:
+        """Every rank's :meth:`stamp`, exchanged with the step's losses: the ranks of a
+        replica loaded one batch (rows, layout and values), and the replicas as many rows, a
+        multiple of their microbatches (training's :func:`.rows.check_rows`), else a
+        StrategyConfigError or a BatchSplitError naming them on every rank alike. Why after
+        the step: with ``data_loading="per_replica"`` a step trusts every rank of a replica
+        to hold its batch (:meth:`sizes`), so that nothing is asked before its first
+        computation; a sampler dealing other shares is then named one step late."""
+        if not stamps or not stamps[0]:
+            return
+        rows, layouts, contents = ([int(stamp[k]) for stamp in stamps] for k in range(3))
+        positions, _ = self.workers.batch_rows(rows, layouts, contents)
+        self.row_map(positions, parts, exact=True)
 
     def row_map(self, rows: list[int], parts: int, *, exact: bool,
                 what: str = "global batch", replicas: ReplicaLayout | None = None) -> RowMap:

@@ -71,8 +71,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
     name: ``Fabric(strategy="gsched_1f1b", devices=2)``. The schedule arguments (``schedule``
     to ``fetch_window``, ``schedule="auto"`` with ``memory_budget``), ``step_timeout``,
     ``profile_costs``, ``transport``, ``verify``, ``init_weights``, ``init_weights_prefix`` and
-    ``stream_checkpoint``, ``tensor_parallel_size`` and ``tensor_parallel_plan`` mean what they
-    mean for ``GeneralParallel`` (see docs/usage.md); the
+    ``stream_checkpoint``, ``data_loading``, ``tensor_parallel_size`` and
+    ``tensor_parallel_plan`` mean what they mean for ``GeneralParallel`` (see docs/usage.md); the
     rest are Fabric DDPStrategy's. Every argument is checked here, before any process starts;
     what needs the device count fails in ``fabric.setup``, on every rank.
 
@@ -115,6 +115,7 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         fetch_window: Optional[int] = None,
         data_parallel_size: int = 1,
         data_parallel: Literal["replicate", "shard"] = "replicate",
+        data_loading: Literal["per_rank", "per_replica"] = "per_rank",
         tensor_parallel_size: Union[int, list[int], str] = 1,
         tensor_parallel_plan: Optional[Union[dict[str, Any], Callable[..., Any]]] = None,
         memory_budget: Optional[Union[int, str]] = None,

@@ -133,6 +133,14 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             all-reduce per stage, issued after its last backward) or ``"shard"`` (each stage
             owned once across the replicas, fetched once per step, its gradient reduced to the
             owner).
+        data_loading: who loads which rows. ``"per_rank"`` (DDP's): each rank (each
+            tensor-parallel worker) loads its own share, a replica's batch is its ranks'
+            batches joined, and each step moves the rows a rank reads but did not load.
+            ``"per_replica"`` (torchtitan's): every rank of a data-parallel replica loads the
+            replica's whole batch (``distributed_sampler_kwargs`` deal G shares), so a step
+            starts without asking any rank anything; the ranks' batches are checked to agree
+            with the step's losses. The global batch is then G x ``batch_size``. Not with
+            ``schedule="auto"`` (docs/usage.md, "Who loads which rows").
         tensor_parallel_size: T ranks per pipeline worker, sharing each of its stages' layers
             (W = P x G x T; rank ``(p * G + g) * T + t``, so a worker's ranks are consecutive
             and ``self.device_mesh`` gains an innermost ``"tensor_parallel"`` dimension). The
@@ -197,6 +205,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         fetch_window: Optional[int] = None,
         data_parallel_size: int = 1,
         data_parallel: Literal["replicate", "shard"] = "replicate",
+        data_loading: Literal["per_rank", "per_replica"] = "per_rank",
         tensor_parallel_size: Union[int, list[int], str] = 1,
         tensor_parallel_plan: Optional[Union[dict[str, Any], Callable[..., Any]]] = None,
         memory_budget: Optional[Union[int, str]] = None,
