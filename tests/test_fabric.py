@@ -629,3 +629,35 @@ def test_a_save_failing_on_rank_0_stops_every_rank_naming_it(worlds, tmp_path) -
     assert (f"First failure reported in the job: rank 0 failed in fabric.save("
             f"'{tmp_path / 'ckpt.pt'}'): OSError: simulated: no space left on device") in message
     assert not (tmp_path / "ckpt.pt").exists()
+
+
+def per_replica_run(ctx: WorkerContext) -> dict[str, Any]:
+    """zb-h1 with ``data_loading="per_replica"``: the batches come from Fabric's own
+    ``setup_dataloaders`` (its DistributedSampler built from the strategy's kwargs)."""
+    from torch.utils.data import DataLoader
+
+    fabric = pipelined_fabric(ctx, "zb-h1", options={"data_loading": "per_replica"})
+    model, optimizer = setup(fabric)
+    data = torch.cat(global_batches())
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False))
+    batches = list(loader)
+    losses = train(fabric, model, optimizer, batches, pipelined=True)
+    logits = fabric.strategy.evaluate(model, batches[0], last_logits)
+    fabric.strategy.finish()
+    return {"losses": losses, "weights": state_of(model), "logits": logits,
+            "sampler": fabric.strategy.distributed_sampler_kwargs,
+            "batches": [b.clone() for b in batches]}
+
+
+def test_per_replica_loading_through_fabric_matches_single_device(worlds) -> None:
+    """With one replica every rank loads each global batch whole (Fabric's sampler deals one
+    share), trains like one device, and ``evaluate`` gives every rank every row's values."""
+    want = reference()
+    for rank, got in enumerate(worlds.get(WORLD).run(per_replica_run)):
+        label = f"per_replica rank {rank}"
+        assert got["sampler"] == {"num_replicas": 1, "rank": 0}, label
+        for batch, expected in zip(got["batches"], global_batches(), strict=True):
+            assert torch.equal(batch, expected), label
+        assert_same_state(got["weights"], want["weights"][-1], label)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)

@@ -101,6 +101,14 @@ def test_yaml_configs_build_the_intended_strategy(path: str, monkeypatch) -> Non
     if variant.startswith("dp"):  # 2 replicas of a 2-worker pipeline, as the file says
         mode = "shard" if variant == "dp_shard" else "replicate"
         assert (plan.pipeline_size, plan.data_parallel_size, plan.data_parallel) == (2, 2, mode)
+    # dp_per_replica: every rank of a replica loads its batch (Lightning's sampler: 2 shares)
+    strategy = cli.trainer.strategy
+    assert strategy.schedule_config.per_replica == (variant == "dp_per_replica")
+    if variant == "dp_per_replica":
+        from lightning_gsched.engine.options import sampler_kwargs
+
+        assert [sampler_kwargs(devices, r, strategy.schedule_config)["rank"]
+                for r in range(devices)] == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("value, nbytes", [("20GiB", 20 * 2**30), ("512 MiB", 512 * 2**20),
