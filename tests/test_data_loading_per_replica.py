@@ -18,6 +18,8 @@ One launched world, several checks (the suite's time budget): on the same 4 proc
   outside the engine, no rank received a row after the first step (the build's probe sends
   microbatch 0 to the other replica at the first) and the batch-size all-gather ran at the
   first step only;
+* ``"auto"`` with ``data_parallel_size=2`` (the replicas known before its pick) reaches the
+  same weights;
 * a replica whose two ranks load the same rows at the first step and other values at the
   second fails on every rank with a StrategyConfigError naming the replica, its ranks and the
   fix, raised by the check that rides in the step's loss exchange.
@@ -147,6 +149,13 @@ def per_replica_on_worker(ctx: WorkerContext, tmp: str) -> dict:
                       gradient_clip_val=CLIP, callbacks=[steps.callback], **sampled)
         fit.fit(model, _loader(_train_data()))
     out["state"], out["steps"], out["dealt"] = state_of(model), steps.steps, steps.dealt
+    # "auto" with G fixed: the sampler's shares are known before the tuner's pick
+    model = make_lit_gpt(optimizer="sgd")
+    fit = trainer(world, GeneralParallel("auto", data_parallel_size=G, microbatches=2,
+                                         data_loading="per_replica"),
+                  max_steps=STEPS, gradient_clip_val=CLIP, **sampled)
+    fit.fit(model, _loader(_train_data()))
+    out["auto"] = state_of(model)
     return out
 
 
@@ -187,6 +196,7 @@ def test_replicas_load_whole_batches_move_no_rows_and_train_like_one_device(worl
             for key in single:
                 assert mine[key] == pytest.approx(single[key], rel=1e-5), (rank, key)
         assert_same_state(got["state"], want["state"], f"per-replica 2 x 2 rank {rank}")
+        assert_same_state(got["auto"], want["state"], f"per-replica 'auto' rank {rank}")
         # (rows received, batch-size gathers) per step: both at the first step only
         received, gathers = zip(*got["steps"], strict=True)
         assert len(received) == STEPS and gathers[0] >= 1, (rank, got["steps"])

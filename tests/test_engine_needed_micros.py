@@ -77,7 +77,15 @@ def test_per_replica_peers_and_refusals() -> None:
     assert workers.batch_rows([4] * 8, [7] * 8, [1, 1, 2, 2, 1, 1, 2, 2]) == ([4, 4], [7, 7])
     with pytest.raises(StrategyConfigError, match=r"ranks \[2, 3, 6, 7\] of data-parallel replica 1"):
         workers.batch_rows([4] * 8, [7] * 8, [1, 1, 2, 2, 1, 1, 2, 3])
-    with pytest.raises(ScheduleConfigError, match="schedule='auto' picks the replicas"):
+    with pytest.raises(ScheduleConfigError, match=r"fix the replicas \(data_parallel_size="):
         ScheduleConfig.from_keywords(schedule="auto", data_loading="per_replica")
+    with pytest.raises(ScheduleConfigError, match="one tensor_parallel_size"):
+        ScheduleConfig.from_keywords(schedule="auto", data_loading="per_replica",
+                                     data_parallel_size=2, tensor_parallel_size=[1, 2])
+    # "auto" with G and T fixed: the replicas are known before the pick (the sampler's shares)
+    auto = ScheduleConfig.from_keywords(schedule="auto", data_loading="per_replica",
+                                        data_parallel_size=2, tensor_parallel_size=2)
+    assert not auto.decided
+    assert [auto.workers(8, r).position for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     with pytest.raises(ScheduleConfigError, match="data_loading"):
         ScheduleConfig.from_keywords(schedule="1f1b", data_loading="per_node")

@@ -131,17 +131,11 @@ class ScheduleConfig:
         ``memory_budget`` (only allowed with it) becomes bytes here. ``profile_costs``: see
         :meth:`set_costs`; it replaces the cost arguments, so it refuses them and ``"auto"``
         (which profiles the stages itself). ``data_loading="per_replica"``: see
-        :meth:`workers`; it needs the replicas when the DataLoader is made, so not ``"auto"``.
+        :attr:`per_replica`; it needs the replicas when the DataLoader is made, so with
+        ``"auto"`` a fixed G (2 or more) and T.
         """
         schedule = given.get("schedule", "fslpp")
         validate.one_of("data_loading", data_loading, DATA_LOADINGS, ScheduleConfigError)
-        if data_loading == "per_replica" and schedule == AUTO:
-            raise ScheduleConfigError(
-                "data_loading='per_replica' deals the DataLoader one share per data-parallel "
-                "replica, which must be known when the DataLoader is made, but schedule='auto' "
-                "picks the replicas and the ranks' layout at the first batch; give a named "
-                "schedule (e.g. GeneralParallel('1f1b', data_loading='per_replica')) or keep "
-                "data_loading='per_rank' with 'auto'")
         if validate.flag("profile_costs", profile_costs, ScheduleConfigError):
             given_costs = _moved_costs(given)
             if schedule == AUTO or given_costs:
@@ -164,7 +158,16 @@ class ScheduleConfig:
                     "and check a schedule's bytes with `gsched plan ... --stage-bytes`"
                 )
         if schedule == AUTO:
-            return cls(auto=_auto_request(given, budget))
+            request = _auto_request(given, budget)
+            if data_loading == "per_replica" and (request.data_parallel_size is None
+                                                  or request.tensor_parallel_search):
+                raise ScheduleConfigError(
+                    "data_loading='per_replica' deals the DataLoader one share per "
+                    "data-parallel replica, which must be known when the DataLoader is made, "
+                    "before schedule='auto' picks at the first batch; fix the replicas "
+                    "(data_parallel_size= 2 or more, and one tensor_parallel_size), or keep "
+                    "data_loading='per_rank'")
+            return cls(auto=request, data_loading=str(data_loading))
         searched = given.get("tensor_parallel_size", 1)
         if searched == AUTO or isinstance(searched, (list, tuple)):
             raise ScheduleConfigError(
@@ -344,8 +347,19 @@ class ScheduleConfig:
         worker (:attr:`rows_per_rank`), or per replica (:attr:`per_replica`). Derived at each
         use, so it follows the pick."""
         T = self.tensor_parallel_size
-        replicas = self.replicas(ranks) if self.per_replica else None
+        replicas = self._loading_replicas(ranks) if self.per_replica else None
         return Workers(ranks, rank, T, self.rows_per_rank, replicas)
+
+    def _loading_replicas(self, ranks: int) -> ReplicaLayout:
+        """Where the replicas sit, known before ``"auto"``'s pick too: ``data_loading=
+        "per_replica"`` with ``"auto"`` fixes G and T (:meth:`from_keywords`), and every
+        plan places data-parallel replicas pipeline-major (:meth:`replicas`)."""
+        if self.decided:
+            return self.replicas(ranks)
+        assert self.auto is not None and self.auto.data_parallel_size is not None
+        workers = tensor_parallel_workers(ranks, self.auto.tensor_parallel_size)
+        G = self.auto.data_parallel_size
+        return ReplicaLayout(pipeline_size(workers, G), G)
 
     def tensor_parallel_candidates(self, ranks: int) -> tuple[int, ...]:
         """The T values ``"auto"`` tries at the first batch (the decided T otherwise)."""

@@ -139,8 +139,9 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             ``"per_replica"`` (torchtitan's): every rank of a data-parallel replica loads the
             replica's whole batch (``distributed_sampler_kwargs`` deal G shares), so a step
             starts without asking any rank anything; the ranks' batches are checked to agree
-            with the step's losses. The global batch is then G x ``batch_size``. Not with
-            ``schedule="auto"`` (docs/usage.md, "Who loads which rows").
+            with the step's losses. The global batch is then G x ``batch_size``. With
+            ``schedule="auto"`` only for a fixed ``data_parallel_size`` (2 or more) and T
+            (docs/usage.md, "Who loads which rows").
         tensor_parallel_size: T ranks per pipeline worker, sharing each of its stages' layers
             (W = P x G x T; rank ``(p * G + g) * T + t``, so a worker's ranks are consecutive
             and ``self.device_mesh`` gains an innermost ``"tensor_parallel"`` dimension). The
