@@ -16,8 +16,8 @@ case where both strategies do the same thing, so what the row measures is what o
   ``GeneralParallel``'s plan does; the anchor applies ``parallelize_module(self.core,
   self.device_mesh["tensor_parallel"], ...)`` in ``configure_model``, as Lightning's docs do.
 * **Ours:** ``GeneralParallel("gpipe", microbatches=1, tensor_parallel_size=2,
-  tensor_parallel_plan=...)``: one stage, one microbatch, i.e. one forward and one backward of
-  the whole batch per step, what ``ModelParallelStrategy`` runs.
+  tensor_parallel_plan=..., data_loading="per_replica")``: one stage, one microbatch, i.e. one
+  forward and one backward of the whole batch per step, what ``ModelParallelStrategy`` runs.
 * **Anchor:** ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)``.
 * **Same data, optimizer, Trainer:** both through :func:`benchmarks.lit_runs.run_fit` (the
   Trainer options of every Lightning row), SGD with momentum 0.9 (``BenchLit``), and every rank
@@ -92,9 +92,13 @@ def sequence_plan(prefix: str = "", layers: int = 4) -> dict[str, str]:
 
 
 def ours_strategy() -> dict[str, Any]:
-    """Our strategy's keywords (:func:`benchmarks.lit_runs.make_strategy`): S=1, B=1."""
+    """Our strategy's keywords (:func:`benchmarks.lit_runs.make_strategy`): S=1, B=1; the one
+    replica's batch loaded by both ranks (``data_loading="per_replica"``: no batch-size
+    exchange before a step, the ranks' batches checked with its losses), as Lightning's side
+    has every rank read it and checks nothing."""
     return {"kind": "gsched", "schedule": "gpipe", "microbatches": 1,
-            "tensor_parallel_size": T, "tensor_parallel_plan": plan("core.")}
+            "tensor_parallel_size": T, "tensor_parallel_plan": plan("core."),
+            "data_loading": "per_replica"}
 
 
 class ModelParallelBench(BenchLit):

@@ -22,7 +22,10 @@ One launched world, several checks (the suite's time budget): on the same 4 proc
   same weights;
 * a replica whose two ranks load the same rows at the first step and other values at the
   second fails on every rank with a StrategyConfigError naming the replica, its ranks and the
-  fix, raised by the check that rides in the step's loss exchange.
+  fix, raised by the check that rides in the step's loss exchange;
+* a replica whose batch is short at the second step (it does not split into its microbatches)
+  fails its ranks with a BatchSplitError naming the replica's rows, and the other replica's
+  ranks, already inside the step, end with a RuntimeFault quoting it: no rank hangs.
 
 Tolerance: ``assert_same_state``'s, for its stated reason (a replica's rows in another order
 within the global batch reorder float32 sums, as microbatches and ranks already do).
@@ -229,3 +232,33 @@ def test_a_replica_whose_ranks_load_other_rows_fails_every_rank_after_the_step(w
         assert "ranks [1, 3] of data-parallel replica 1" in message, (rank, message)
         assert "as many rows, other values" in message and "num_replicas = G" in message, \
             (rank, message)
+
+
+def short_replica_on_worker(ctx: WorkerContext) -> None:
+    """Replica 1's ranks load a batch of 3 rows at the second step (2 microbatches per replica:
+    it does not split); replica 0's load full batches."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    g = ctx.rank % G
+    rows = _replica_rows(_train_data(), g)[:2 * REPLICA_BATCH]
+    if g == 1:
+        rows = rows[:REPLICA_BATCH + 3]
+    fit = trainer(ctx.world_size, GeneralParallel(**STRATEGY), max_steps=2)
+    fit.fit(make_lit_gpt(optimizer="sgd"), _loader(rows))
+
+
+def test_a_short_replica_batch_ends_every_rank_with_its_cause(worlds):
+    """A trusted step (after the first) cuts the replica's microbatches alone, before any
+    collective: the short replica's ranks fail with the BatchSplitError naming the rows, and
+    the other replica's ranks, already in the step, end with an error quoting it, none
+    hanging (the world's timeout is the bound)."""
+    errors = worlds.get(WORLD).run(short_replica_on_worker, expect_errors=True, timeout=120)
+    cause = "data-parallel replica 1's batch has 3 rows"
+    for rank, error in enumerate(errors):
+        message = getattr(error, "message", str(error))
+        assert cause in message and "2 microbatches" in message, (rank, message)
+        kind = "BatchSplitError" if rank % G == 1 else "RuntimeFault"
+        assert getattr(error, "type_name", None) == kind, (rank, error)
+        if kind == "RuntimeFault":  # its own place in the program, and the job's first failure
+            assert message.startswith(f"rank {rank} stopped at "), (rank, message)

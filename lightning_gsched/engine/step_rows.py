@@ -18,6 +18,7 @@ from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import Collective
 from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.engine.workers import Workers
+from lightning_gsched.errors import BatchSplitError
 from lightning_gsched.schedule.plan import Plan
 from lightning_gsched.schedule.replicas import ReplicaLayout
 
@@ -84,11 +85,26 @@ class StepRows:
         workers = self.workers
         if trusted and workers.replicas is not None:
             rows, layouts, _ = rows_and_layouts(batch, 1)  # this rank's, read off the shapes
+            self._check_replica_split(rows[0])
             return rows * workers.positions, layouts * workers.positions
         rows, layouts, contents = self.collective(
             "the batch-size exchange", lambda: rows_and_layouts(
                 batch, self.world_size, self.host_group(), contents=workers.shares_batches))
         return workers.batch_rows(rows, layouts, contents)
+
+    def _check_replica_split(self, rows: int) -> None:
+        """A trusted step's own replica batch splits into its microbatches, else a
+        BatchSplitError naming it (the general check would name every replica with this
+        rank's rows, which is all it knows)."""
+        workers = self.workers
+        per = self.config.training_micro(self.world_size) // workers.positions
+        if rows % per:
+            raise BatchSplitError(
+                f"data-parallel replica {workers.position}'s batch has {rows} rows "
+                f"(data_loading='per_replica': each of its ranks loaded it), which do not split "
+                f"into its {per} microbatches of equal size. Make batch_size a multiple of "
+                f"{per} on every replica, pass microbatches= dividing it, or use "
+                "drop_last=True so the last batch is not short")
 
     @property
     def stamped(self) -> bool:
