@@ -11,7 +11,10 @@ values (4 of them tensors) on each of 4 microbatches. In a steady step (from the
 first builds the pipeline, the second gathers the memory report once) there are two, whatever
 is logged: the rows every rank loaded (read to cut the microbatches, before the step) and the
 losses and logged values (after it); reading each logged tensor would add 16 on the last
-stage's rank. The values logged are the single-device Trainer's, from a run in this test.
+stage's rank. With ``data_loading="per_replica"`` (every rank loads the global batch: one
+replica) there is one, the issue's "at most one per step": the rows are read off the batch's
+shapes, nothing is gathered before the step, and the batch's stamp rides with the losses. The
+values logged are the single-device Trainer's, from a run in this test, for both loadings.
 """
 
 from __future__ import annotations
@@ -59,12 +62,13 @@ def _data() -> torch.Tensor:
     return tokens(GLOBAL_BATCH * STEPS)
 
 
-def fit_counting_reads(ctx: WorkerContext, tmp: str) -> list[dict[str, int]]:
+def fit_counting_reads(ctx: WorkerContext, tmp: str, data_loading: str
+                       ) -> list[dict[str, int]]:
     """Fit under GeneralParallel('1f1b'); the host reads of each training_step call, by kind."""
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
-    strategy = GeneralParallel("1f1b", microbatches=4)
+    strategy = GeneralParallel("1f1b", microbatches=4, data_loading=data_loading)
     model = seeded(0, LogsMany)
     per_step: list[dict[str, int]] = []
     real_step = strategy.training_step
@@ -77,8 +81,15 @@ def fit_counting_reads(ctx: WorkerContext, tmp: str) -> list[dict[str, int]]:
 
     strategy.training_step = training_step  # type: ignore[method-assign]
     fit = trainer(ctx.world_size, strategy, tmp, max_steps=STEPS)
-    fit.fit(model, rank_loader(_data(), GLOBAL_BATCH, ctx.world_size, ctx.rank))
+    whole = data_loading == "per_replica"  # every rank: each global batch whole
+    fit.fit(model, rank_loader(_data(), GLOBAL_BATCH, 1 if whole else ctx.world_size,
+                               0 if whole else ctx.rank))
     return per_step
+
+
+def both_loadings(ctx: WorkerContext, tmp: str) -> dict[str, list[dict[str, int]]]:
+    return {loading: fit_counting_reads(ctx, f"{tmp}/{loading}", loading)
+            for loading in ("per_rank", "per_replica")}
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,15 +101,17 @@ def _reference() -> dict[str, list[tuple[int, float]]]:
 
 
 def test_logged_values_cost_one_host_read_per_step_and_equal_one_device(world, tmp_path) -> None:
-    per_rank = world.run(fit_counting_reads, str(tmp_path))
-    for rank, per_step in enumerate(per_rank):
-        assert len(per_step) == STEPS, per_step
-        # the rows, then the losses and logs: a read per value and microbatch would add 16
-        for reads in per_step[STEADY:]:
-            assert sum(reads.values()) <= ROW_READS + 1, f"rank {rank}: {per_step}"
-    want = _reference()
-    for name in LOGGED:
-        got = csv_metric(str(tmp_path), name)
-        assert [s for s, _ in got] == [s for s, _ in want[name]], name
-        for (_, value), (_, expected) in zip(got, want[name], strict=True):
-            assert value == pytest.approx(expected, rel=1e-5), name
+    results = world.run(both_loadings, str(tmp_path))
+    for loading, rows_read in (("per_rank", ROW_READS), ("per_replica", 0)):
+        for rank, got in enumerate(results):
+            per_step = got[loading]
+            assert len(per_step) == STEPS, per_step
+            # the rows, then the losses and logs: a read per value and microbatch would add 16
+            for reads in per_step[STEADY:]:
+                assert sum(reads.values()) <= rows_read + 1, f"{loading} rank {rank}: {per_step}"
+        want = _reference()
+        for name in LOGGED:
+            got_log = csv_metric(str(tmp_path / loading), name)
+            assert [s for s, _ in got_log] == [s for s, _ in want[name]], (loading, name)
+            for (_, value), (_, expected) in zip(got_log, want[name], strict=True):
+                assert value == pytest.approx(expected, rel=1e-5), (loading, name)
