@@ -1,4 +1,4 @@
-"""Ranks as the plan's workers: with tensor parallelism a worker is T consecutive ranks.
+"""Ranks as the plan's workers (a worker is T consecutive ranks), and whose batch each rank loaded.
 
 Why a module of its own: the engine's collectives span every rank, while the pipeline it runs
 (the programs, the batch's rows, the start-up rows, the losses) is the workers'. Rank
