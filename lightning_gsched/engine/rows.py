@@ -12,7 +12,10 @@ Semantics (DDP's, per data-parallel replica): with G replicas (``data_parallel_s
 sizes); replica ``g``'s ``m``-th is the step's microbatch ``g + G * m`` (the microbatch that
 ``schedule/data_parallel.py`` places on replica ``g`` as its ``m``-th). With G = 1 the one
 replica is every rank in rank order: the global batch cut into ``parts`` microbatches. Rows
-therefore only ever travel inside their replica.
+therefore only ever travel inside their replica. The arithmetic counts *positions*, the batches
+it joins: ranks here; a tensor-parallel worker's T ranks or, with ``data_loading=
+"per_replica"``, a whole replica's ranks load one batch and are one position
+(``engine/workers.py``), so a replica's batch is then one position's and no row travels.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ Why a module of its own: a step's batch goes through the same four moves whateve
 (:mod:`.rows`, cut by replica and checked), which microbatches each rank reads (its first
 stages' inputs, its last stages' targets), and the point-to-point exchange of the rows a rank
 reads but did not load (:mod:`.batches`). The engine's steps read them here, in that order.
+With ``data_loading="per_replica"`` a training step after the build skips the two exchanges
+(every rank holds its replica's batch) and its batch's stamp is checked with the step's losses
+instead (:meth:`StepRows.sizes`, :meth:`StepRows.check_stamps`).
 """
 
 from __future__ import annotations
