@@ -82,7 +82,7 @@ WORLD = 2
 MICROBATCHES = 8
 WARMUP = 3
 PER_RANK = 16  # global batch 32 rows of 64 tokens, microbatches of 4 rows
-GOAL = "<= 0.95"
+GOAL = "<= 1.02"  # issue 34: through the Trainer (an earlier issue asked <= 0.95)
 # steps per fit (warm-up included) and alternated rounds; quick is what `make bench` runs
 QUICK = {"steps": 7, "rounds": 4}
 FULL = {"steps": 10, "rounds": 8}
