@@ -696,6 +696,30 @@ def test_a_batch_fingerprint_tells_loaded_shares_apart() -> None:
         assert int(content_fingerprint(changed)) != fingerprint
 
 
+def test_a_batch_stamp_survives_a_float64_exchange() -> None:
+    """:func:`batch_stamp` (``data_loading="per_replica"``'s after-step check) gives numbers
+    that a float64 all-reduce carries exactly (integers below 2**52), equal for equal batches
+    and different for another row count, layout or values."""
+    from lightning_gsched.engine.batches import batch_stamp
+
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 50_000, (8, 65), generator=gen), torch.randn(8, 4, generator=gen))
+
+    def numbers(b: tuple[torch.Tensor, ...]) -> list[float]:
+        stamp = batch_stamp(b)
+        packed = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in stamp])
+        return packed.tolist()  # what the exchange's one host read returns
+
+    mine = numbers(batch)
+    assert all(v == int(v) and 0 <= v < 2**52 for v in mine)
+    assert mine[0] == 8 and numbers(tuple(t.clone() for t in batch)) == mine
+    changed = batch[1].clone()
+    changed[3, 2] += 1
+    for other in ((batch[0][:6], batch[1][:6]), (batch[0], batch[1].double()),
+                  (batch[0], changed)):
+        assert numbers(other) != mine
+
+
 def test_the_tuners_table_counts_ranks_and_workers_with_tensor_parallelism() -> None:
     """``"auto"`` with T tunes W / T workers; its table must not read as a run on W / T ranks."""
     from lightning_gsched.schedule.tune import TuneResult
