@@ -12,7 +12,8 @@ step, the partition, the programs) is identical on every rank, and a contract er
 every rank at once instead of leaving some ranks waiting. ``schedule="auto"`` is decided there
 too, before the partition (:mod:`.auto`: rank 0 tunes, every rank gets its pick). A step's rows
 move point to point, each to the ranks whose programs read it (:mod:`.step_rows`, over
-:mod:`.rows` and :mod:`.batches`).
+:mod:`.rows` and :mod:`.batches`), unless every rank of a replica loaded its batch
+(``data_loading="per_replica"``: nothing moves, the batches are checked with the losses).
 """
 
 from __future__ import annotations
