@@ -15,9 +15,11 @@ and the rounds are those of :mod:`benchmarks.bench_pipeline`. Goal: engine <= 1.
 Who loads which rows: torch's loop hands rank 0 every input row and the last stage's rank
 every target row of the global batch; ours runs with ``data_loading="per_replica"``, every
 rank loading the global batch (the one replica's), so neither side moves rows or asks for
-batch sizes before a step. ``--per-rank``: ours with DDP's loading instead (each rank its share,
-the rows a rank reads moved at the step's start), as
-``pipeline_engine_vs_torch[<schedule>, per-rank loading]``: what that semantics costs.
+batch sizes before a step. ``--per-rank``: ours with DDP's loading too (each rank its share,
+the rows a rank reads moved at the step's start), a third side in the same alternated rounds,
+as ``pipeline_engine_vs_torch[<schedule>, per-rank loading]`` against the same anchor, with
+``extra["per_replica_over_per_rank"]``: the two loadings' ratio round by round (what that
+semantics costs, measured side by side rather than in runs an hour apart).
 
 ``--torch-peak``: ours planned with each rank's cap set to the most microbatch-stages torch's
 schedule holds on that rank (read from its ``pipeline_order``, :func:`torch_peaks`), as
@@ -189,8 +191,7 @@ def run(quick: bool, rows: Sequence[str] | None = None,
     ``pipeline_engine_vs_torch[<schedule>, profiled costs]``; with ``torch_peak``, ours at
     torch's per-rank peaks (:func:`torch_peaks`; rows whose torch schedule keeps no order are
     skipped), as ``pipeline_engine_vs_torch[<schedule>, torch's peak]``; with ``per_rank``, ours
-    with DDP's loading (module docstring)."""
-    loading = "per_rank" if per_rank else "per_replica"
+    with DDP's loading as a third side of the same rounds (module docstring)."""
     cfg = QUICK if quick else FULL
     results = []
     for row in _chosen(rows):
@@ -201,32 +202,48 @@ def run(quick: bool, rows: Sequence[str] | None = None,
             except ValueError as exc:
                 print(f"skipped {row.schedule} with --torch-peak: {exc}")
                 continue
+        sides = {"ours": _engine_side(row.schedule, cfg["steps"], profile_costs, cap),
+                 "anchor": _anchor_side(row.schedule, cfg["steps"])}
+        if per_rank:
+            sides["per_rank"] = _engine_side(row.schedule, cfg["steps"], profile_costs, cap,
+                                             "per_rank")
         wall = time.perf_counter()
-        runs = measure({"ours": _engine_side(row.schedule, cfg["steps"], profile_costs, cap,
-                                             loading),
-                        "anchor": _anchor_side(row.schedule, cfg["steps"])},
-                       WORLD, cfg["rounds"], WARMUP)
+        runs = measure(sides, WORLD, cfg["rounds"], WARMUP)
         wall = time.perf_counter() - wall
-        loss_ours = runs["ours"].last()["loss"]
-        loss_anchor = runs["anchor"].last()["loss"]
-        notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global "
-                 f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric"
-                 f"{'(profile_costs=True)' if profile_costs else ''}"
-                 f"{'' if cap is None else f'(cap={cap}, torch peaks)'}"
-                 f"(data_loading={loading!r}) in a plain "
-                 f"Fabric loop (no Trainer); anchor = torch.distributed.pipelining "
-                 f"{row.torch_schedule} in a plain loop, same split; loss at step "
-                 f"{cfg['steps']}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
         label = ", ".join([row.schedule] + ["profiled costs"] * profile_costs
-                          + ["torch's peak"] * (cap is not None)
-                          + ["per-rank loading"] * per_rank)
-        results.append(ratio_result(
-            f"pipeline_engine_vs_torch[{label}]", runs["ours"], runs["anchor"], GOAL,
-            notes, extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor,
-                          "steps_per_run": cfg["steps"], "wall_s": round(wall, 1),
-                          "faults_switches_per_step": {"ours": step_counts(runs["ours"]),
-                                                       "anchor": step_counts(runs["anchor"])}}))
+                          + ["torch's peak"] * (cap is not None))
+        results.append(_row(label, row, runs["ours"], runs["anchor"], cfg["steps"], wall,
+                             profile_costs, cap, "per_replica"))
+        if per_rank:
+            loadings = ratio_result("loadings", runs["ours"], runs["per_rank"], "", "")
+            results.append(_row(f"{label}, per-rank loading", row, runs["per_rank"],
+                                runs["anchor"], cfg["steps"], wall, profile_costs, cap,
+                                "per_rank", {"per_replica_over_per_rank": loadings.ratio,
+                                             "per_replica_over_per_rank_rounds":
+                                                 loadings.round_ratios}))
     return results
+
+
+def _row(label: str, row: Any, ours: Any, anchor: Any, steps: int, wall: float,
+         profile_costs: bool, cap: list[int] | None, loading: str,
+         extra: dict[str, Any] | None = None) -> Result:
+    """``pipeline_engine_vs_torch[<label>]``: ``ours`` (with ``loading``) against ``anchor``."""
+    loss_ours, loss_anchor = ours.last()["loss"], anchor.last()["loss"]
+    notes = (f"W={WORLD}, {_placement_text(row)}, {MICROBATCHES} microbatches, global "
+             f"batch {PER_RANK * WORLD} rows; ours = GeneralParallelFabric"
+             f"{'(profile_costs=True)' if profile_costs else ''}"
+             f"{'' if cap is None else f'(cap={cap}, torch peaks)'}"
+             f"(data_loading={loading!r}) in a plain "
+             f"Fabric loop (no Trainer); anchor = torch.distributed.pipelining "
+             f"{row.torch_schedule} in a plain loop, same split; loss at step "
+             f"{steps}: ours {_fmt(loss_ours)}, torch {_fmt(loss_anchor)}")
+    return ratio_result(
+        f"pipeline_engine_vs_torch[{label}]", ours, anchor, GOAL, notes,
+        extra={"loss_ours": loss_ours, "loss_anchor": loss_anchor, "steps_per_run": steps,
+               "wall_s": round(wall, 1),
+               "faults_switches_per_step": {"ours": step_counts(ours),
+                                            "anchor": step_counts(anchor)},
+               **(extra or {})})
 
 
 def main() -> None:
@@ -238,13 +255,17 @@ def main() -> None:
     parser.add_argument("--torch-peak", action="store_true",
                         help="ours with each rank's cap at torch's peak (the same memory target)")
     parser.add_argument("--per-rank", action="store_true",
-                        help="ours with data_loading='per_rank' (each rank its share, rows moved)")
+                        help="also ours with data_loading='per_rank' (each rank its share, rows "
+                             "moved), in the same rounds")
     args = parser.parse_args()
     for r in run(args.quick, args.rows, args.profile_costs, args.torch_peak, args.per_rank):
         print(f"{r.name:34s} ours {r.ours_s * 1e3:7.1f} ms  torch {r.anchor_s * 1e3:7.1f} ms  "
               f"ratio {r.ratio:.3f}  cpu ratio {r.cpu_ratio}  {r.notes}")
         print(f"  per rank (minor faults, voluntary, involuntary switches) per step: "
               f"{r.extra['faults_switches_per_step']}")
+        if "per_replica_over_per_rank" in r.extra:
+            print(f"  per_replica / per_rank, same rounds: {r.extra['per_replica_over_per_rank']:.3f}"
+                  f" (rounds {[round(x, 3) for x in r.extra['per_replica_over_per_rank_rounds']]})")
 
 
 if __name__ == "__main__":
