@@ -700,13 +700,14 @@ def test_a_batch_stamp_survives_a_float64_exchange() -> None:
     """:func:`batch_stamp` (``data_loading="per_replica"``'s after-step check) gives numbers
     that a float64 all-reduce carries exactly (integers below 2**52), equal for equal batches
     and different for another row count, layout or values."""
-    from lightning_gsched.engine.batches import batch_stamp
+    from lightning_gsched.engine.batches import batch_stamp, rows_and_layouts
 
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, 50_000, (8, 65), generator=gen), torch.randn(8, 4, generator=gen))
 
     def numbers(b: tuple[torch.Tensor, ...]) -> list[float]:
-        stamp = batch_stamp(b)
+        rows, layouts, _ = rows_and_layouts(b, 1)  # as the step's start reads them
+        stamp = batch_stamp(b, rows[0], layouts[0])
         packed = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in stamp])
         return packed.tolist()  # what the exchange's one host read returns
 

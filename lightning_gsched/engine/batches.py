@@ -115,18 +115,16 @@ _STAMP_MODULUS = 1 << 52
 STAMP_SIZE = 3  # rows, layout, contents
 
 
-def batch_stamp(batch: Any) -> list[Any]:
+def batch_stamp(batch: Any, rows: int, layout: int) -> list[Any]:
     """``[rows, layout, contents]`` of this rank's batch for an exchange of float64 slots
-    (the loss exchange: ``LossLogExchange.start``'s ``stamp``): its rows, its
-    :func:`layout_digest` and its :func:`content_fingerprint`, both taken modulo 2**52 (exact
-    in float64; equal batches give equal numbers, other batches differ but for a 2**-52
-    chance). The fingerprint stays a tensor on the batch's device: the exchange reads it
-    with the step's one host read, so a step asks the device nothing before its first
-    computation."""
-    leaves, _, data = _batch_leaves(batch)
+    (the loss exchange: ``LossLogExchange.start``'s ``stamp``): ``rows`` and ``layout`` as
+    :func:`rows_and_layouts` read them at the step's start (not read again), the layout and
+    the batch's :func:`content_fingerprint` taken modulo 2**52 (exact in float64; equal
+    batches give equal numbers, other batches differ but for a 2**-52 chance). The
+    fingerprint stays a tensor on the batch's device: the exchange reads it with the step's
+    one host read, so a step asks the device nothing before its first computation."""
     contents = (content_fingerprint(batch) % _STAMP_MODULUS).to(torch.float64)
-    return [float(leaves[data[0]].shape[0]), float(layout_digest(batch) % _STAMP_MODULUS),
-            contents]
+    return [float(rows), float(layout % _STAMP_MODULUS), contents]
 
 
 def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence[int]],

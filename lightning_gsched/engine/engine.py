@@ -551,7 +551,7 @@ class PipelineEngine:
             else:
                 logs = caller.logs
             pending.append(exchange_logs.start(losses, logs, notice(),
-                                               self.step_rows.stamp(batch)))
+                                               self.step_rows.stamp(batch, rows, layouts)))
 
         self.memory.before_step(runtime)
         try:

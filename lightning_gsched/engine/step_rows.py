@@ -88,18 +88,17 @@ class StepRows:
         workers = self.workers
         if trusted and workers.replicas is not None:
             rows, layouts, _ = rows_and_layouts(batch, 1)  # this rank's, read off the shapes
-            self._check_replica_split(rows[0])
+            self._check_replica_split(workers, rows[0])
             return rows * workers.positions, layouts * workers.positions
         rows, layouts, contents = self.collective(
             "the batch-size exchange", lambda: rows_and_layouts(
                 batch, self.world_size, self.host_group(), contents=workers.shares_batches))
         return workers.batch_rows(rows, layouts, contents)
 
-    def _check_replica_split(self, rows: int) -> None:
+    def _check_replica_split(self, workers: Workers, rows: int) -> None:
         """A trusted step's own replica batch splits into its microbatches, else a
         BatchSplitError naming it (the general check would name every replica with this
         rank's rows, which is all it knows)."""
-        workers = self.workers
         per = self.config.training_micro(self.world_size) // workers.positions
         if rows % per:
             raise BatchSplitError(
@@ -117,10 +116,15 @@ class StepRows:
         workers = self.workers
         return workers.replicas is not None and workers.shares_batches
 
-    def stamp(self, batch: Any) -> list[Any]:
+    def stamp(self, batch: Any, rows: list[int], layouts: list[int]) -> list[Any]:
         """This rank's batch for :meth:`check_stamps` (:func:`.batches.batch_stamp`; its
-        numbers: :data:`.batches.STAMP_SIZE`), or nothing where not :attr:`stamped`."""
-        return batch_stamp(batch) if self.stamped else []
+        numbers: :data:`.batches.STAMP_SIZE`), or nothing where not :attr:`stamped`.
+        ``rows``/``layouts``: the step's :meth:`sizes`, whose entry at this rank's position
+        is its own batch's (taken as every replica's when trusted, checked when gathered)."""
+        if not self.stamped:
+            return []
+        position = self.workers.position
+        return batch_stamp(batch, rows[position], layouts[position])
 
     def check_stamps(self, stamps: list[list[float]], parts: int) -> None:
         """Every rank's :meth:`stamp`, exchanged with the step's losses: the ranks of a
