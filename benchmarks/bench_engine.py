@@ -21,12 +21,16 @@ as ``pipeline_engine_vs_torch[<schedule>, per-rank loading]`` against the same a
 ``extra["per_replica_over_per_rank"]``: the two loadings' ratio round by round (what that
 semantics costs, measured side by side rather than in runs an hour apart).
 
-``--torch-peak``: ours planned with each rank's cap set to the most microbatch-stages torch's
-schedule holds on that rank (read from its ``pipeline_order``, :func:`torch_peaks`), as
-``pipeline_engine_vs_torch[<schedule>, torch's peak]``: the same memory target as the anchor.
-Why: our default caps may hold less than torch's hand-written orders (interleaved at W=2: 4
-against 5 on rank 0), which changes the order and so the time; at torch's peaks our planner
-gives interleaved's order action for action, so that row measures the engine alone.
+Torch's order as a third side: where the most microbatch-stages torch's schedule holds on a
+rank (read from its ``pipeline_order``, :func:`torch_peaks`) differ from our default caps
+(interleaved at W=2: torch holds 5 on rank 0 and 3 on rank 1, our default 4 and 4), ours also
+runs with each rank's cap at torch's peak, in the same alternated rounds, as
+``pipeline_engine_vs_torch[<schedule>, torch's peak]`` with ``extra["default_over_torch_peak"]``
+(our default caps against torch's, round by round). Why: the caps change the order and so the
+time; at torch's peaks our planner gives its order action for action
+(``tests/test_benchmarks_pipeline_split.py``), so that row measures the engine alone on the same
+program, and the plain row what a user of the schedule's default gets. ``--torch-peak``: only
+that variant, for every row whose torch schedule keeps an order.
 """
 
 from __future__ import annotations
@@ -183,27 +187,50 @@ def _engine_side(schedule: str, steps: int, profile_costs: bool = False,
                  "profile_costs": profile_costs, "cap": cap, "data_loading": data_loading})
 
 
+def default_caps(schedule: str, world: int = WORLD, microbatches: int = MICROBATCHES
+                 ) -> list[int | None]:
+    """Per rank, the cap our planner gives the row's schedule by default (what ours runs)."""
+    from lightning_gsched.schedule import plan
+
+    return list(plan(schedule, workers=world, microbatches=microbatches).caps)
+
+
+def torch_order_caps(schedule: str) -> list[int] | None:
+    """torch's per-rank peaks where they differ from our default caps (the order differs
+    then), else None (no third side needed, or torch's schedule keeps no order)."""
+    try:
+        peaks = torch_peaks(schedule)
+    except ValueError:
+        return None
+    return None if peaks == default_caps(schedule) else peaks
+
+
 def run(quick: bool, rows: Sequence[str] | None = None,
         profile_costs: bool = False, torch_peak: bool = False,
         per_rank: bool = False) -> list[Result]:
-    """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table;
-    with ``profile_costs``, ours planned with its stages' measured seconds, as
-    ``pipeline_engine_vs_torch[<schedule>, profiled costs]``; with ``torch_peak``, ours at
-    torch's per-rank peaks (:func:`torch_peaks`; rows whose torch schedule keeps no order are
-    skipped), as ``pipeline_engine_vs_torch[<schedule>, torch's peak]``; with ``per_rank``, ours
-    with DDP's loading as a third side of the same rounds (module docstring)."""
+    """``pipeline_engine_vs_torch[<schedule>]`` for the chosen rows of bench_pipeline's table,
+    and ``[<schedule>, torch's peak]`` where torch's order holds other peaks than our default
+    caps (a third side of the same rounds; module docstring). With ``profile_costs``, ours
+    planned with its stages' measured seconds, as ``[<schedule>, profiled costs]``; with
+    ``torch_peak``, only ours at torch's per-rank peaks (rows whose torch schedule keeps no
+    order are skipped); with ``per_rank``, ours with DDP's loading as another side of the same
+    rounds."""
     cfg = QUICK if quick else FULL
     results = []
     for row in _chosen(rows):
-        cap = None
+        cap, torch_cap = None, None
         if torch_peak:
             try:
                 cap = torch_peaks(row.schedule)
             except ValueError as exc:
                 print(f"skipped {row.schedule} with --torch-peak: {exc}")
                 continue
+        elif not profile_costs:  # profiled costs plan other orders: compared at default caps
+            torch_cap = torch_order_caps(row.schedule)
         sides = {"ours": _engine_side(row.schedule, cfg["steps"], profile_costs, cap),
                  "anchor": _anchor_side(row.schedule, cfg["steps"])}
+        if torch_cap is not None:
+            sides["torch_order"] = _engine_side(row.schedule, cfg["steps"], False, torch_cap)
         if per_rank:
             sides["per_rank"] = _engine_side(row.schedule, cfg["steps"], profile_costs, cap,
                                              "per_rank")
@@ -214,6 +241,14 @@ def run(quick: bool, rows: Sequence[str] | None = None,
                           + ["torch's peak"] * (cap is not None))
         results.append(_row(label, row, runs["ours"], runs["anchor"], cfg["steps"], wall,
                              profile_costs, cap, "per_replica"))
+        if torch_cap is not None:
+            caps = ratio_result("caps", runs["ours"], runs["torch_order"], "", "")
+            results.append(_row(f"{row.schedule}, torch's peak", row, runs["torch_order"],
+                                runs["anchor"], cfg["steps"], wall, False, torch_cap,
+                                "per_replica", {"default_caps": default_caps(row.schedule),
+                                                "default_over_torch_peak": caps.ratio,
+                                                "default_over_torch_peak_rounds":
+                                                    caps.round_ratios}))
         if per_rank:
             loadings = ratio_result("loadings", runs["ours"], runs["per_rank"], "", "")
             results.append(_row(f"{label}, per-rank loading", row, runs["per_rank"],
@@ -253,7 +288,8 @@ def main() -> None:
     parser.add_argument("--profile-costs", action="store_true",
                         help="ours planned with the stages' measured seconds (profile_costs=True)")
     parser.add_argument("--torch-peak", action="store_true",
-                        help="ours with each rank's cap at torch's peak (the same memory target)")
+                        help="only ours with each rank's cap at torch's peak, for every row whose "
+                             "torch schedule keeps an order")
     parser.add_argument("--per-rank", action="store_true",
                         help="also ours with data_loading='per_rank' (each rank its share, rows "
                              "moved), in the same rounds")

@@ -26,6 +26,7 @@ Per rank and side, the medians over every steady step of every round (ms):
 * ``F``, ``B``, ``W``: the median single computation of each kind.
 
     python -m benchmarks.step_anatomy [--rows gpipe 1f1b ...] [--rounds 3] [--steps 10]
+                                      [--torch-peak]
 
 Not a table row: a diagnosis of ``pipeline_engine_vs_torch`` (docs/benchmarks.md, "Where the
 engine's gap is, phase by phase").
@@ -38,7 +39,7 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-from benchmarks.bench_engine import _engine_side
+from benchmarks.bench_engine import _engine_side, torch_order_caps
 from benchmarks.bench_pipeline import ROWS, WARMUP, WORLD, _anchor_side
 from benchmarks.rounds import Side, measure
 
@@ -159,13 +160,17 @@ def anatomy(outputs: list[list[dict[str, Any]]], warmup: int) -> list[dict[str, 
     return ranks
 
 
-def run(rows: Sequence[str], rounds: int, steps: int) -> None:
+def run(rows: Sequence[str], rounds: int, steps: int, torch_peak: bool = False) -> None:
+    """Each row's table; ``torch_peak``: ours at torch's per-rank peaks where they differ from
+    our default caps (the same order as torch's: ``bench_engine.torch_order_caps``)."""
     for schedule in rows:
-        engine, torch_side = _engine_side(schedule, steps), _anchor_side(schedule, steps)
+        cap = torch_order_caps(schedule) if torch_peak else None
+        engine, torch_side = _engine_side(schedule, steps, cap=cap), _anchor_side(schedule, steps)
         runs = measure({"ours": Side(f"{MODULE}:ours", engine.kwargs),
                         "torch": Side(f"{MODULE}:anchor", torch_side.kwargs)},
                        WORLD, rounds, WARMUP)
-        print(f"\n{schedule}: medians over {rounds} rounds x {steps - WARMUP} steady steps, ms")
+        at = "" if cap is None else f" (ours at torch's peaks, cap={cap})"
+        print(f"\n{schedule}{at}: medians over {rounds} rounds x {steps - WARMUP} steady steps, ms")
         print("rank side  " + " ".join(f"{p:>9}" for p in PARTS))
         tables = {name: anatomy(r.outputs, WARMUP) for name, r in runs.items()}
         for rank in range(WORLD):
@@ -179,8 +184,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--torch-peak", action="store_true",
+                        help="ours at torch's per-rank peaks where they differ from our caps")
     args = parser.parse_args()
-    run(args.rows, args.rounds, args.steps)
+    run(args.rows, args.rounds, args.steps, args.torch_peak)
 
 
 if __name__ == "__main__":
