@@ -3,7 +3,8 @@ data_parallel_size=2, data_loading="per_replica")``) every rank of a replica loa
 replica's whole batch through Lightning's own distributed sampler, a training step after the
 first moves no rows and asks no rank for its batch size, and the run is one device's.
 
-One launched world, several checks (the suite's time budget): on the same 4 processes
+One launched world, several checks (the suite's time budget): on the same 4 processes (the
+last check: 2)
 
 * the strategy's ``distributed_sampler_kwargs`` deal G = 2 shares, rank ``p * G + g`` getting
   replica g's (the Trainer builds the DistributedSampler from them: ``use_distributed_sampler``
@@ -25,7 +26,9 @@ One launched world, several checks (the suite's time budget): on the same 4 proc
   fix, raised by the check that rides in the step's loss exchange;
 * a replica whose batch is short at the second step (it does not split into its microbatches)
   fails its ranks with a BatchSplitError naming the replica's rows, and the other replica's
-  ranks, already inside the step, end with a RuntimeFault quoting it: no rank hangs.
+  ranks, already inside the step, end with a RuntimeFault quoting it: no rank hangs;
+* at W=2 as two replicas of one rank each (P = 1), replicas whose batches split but hold
+  unequal rows fail every rank with a BatchSplitError naming them (the step's stamps).
 
 Tolerance: ``assert_same_state``'s, for its stated reason (a replica's rows in another order
 within the global batch reorder float32 sums, as microbatches and ranks already do).
@@ -262,3 +265,28 @@ def test_a_short_replica_batch_ends_every_rank_with_its_cause(worlds):
         assert getattr(error, "type_name", None) == kind, (rank, error)
         if kind == "RuntimeFault":  # its own place in the program, and the job's first failure
             assert message.startswith(f"rank {rank} stopped at "), (rank, message)
+
+
+def unequal_replicas_on_worker(ctx: WorkerContext) -> None:
+    """W=2 as two replicas of one rank each (P = 1, plain data parallelism): replica 1 loads 2
+    rows at the second step where replica 0 loads 4. Both split into the replica's 2
+    microbatches, so no rank's own check can tell; only the step's stamps can."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    rows = _replica_rows(_train_data(), ctx.rank)[:2 * REPLICA_BATCH]
+    if ctx.rank == 1:
+        rows = rows[:REPLICA_BATCH + 2]
+    fit = trainer(ctx.world_size, GeneralParallel(**STRATEGY), max_steps=2)
+    fit.fit(make_lit_gpt(optimizer="sgd"), _loader(rows))
+
+
+def test_replicas_of_one_rank_with_unequal_rows_fail_every_rank(worlds):
+    """Without the stamps (once sent only where a replica's ranks share a batch) this trained
+    on, each replica's microbatch weighted alike whatever its rows: not one device's step."""
+    errors = worlds.get(2).run(unequal_replicas_on_worker, expect_errors=True, timeout=120)
+    for rank, error in enumerate(errors):
+        assert getattr(error, "type_name", None) == "BatchSplitError", (rank, error)
+        message = error.message
+        assert "the replicas hold [4, 2] rows" in message, (rank, message)
+        assert "data_loading='per_replica'" in message, (rank, message)

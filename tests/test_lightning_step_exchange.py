@@ -107,6 +107,21 @@ def test_training_refuses_unequal_microbatches_and_says_why():
     check_rows(row_map([3, 1, 2, 2], [[0, 2], [1, 3]], 4), exact=False)  # evaluation: uneven
 
 
+def test_a_per_replica_refusal_names_replicas_and_the_batch_size_they_load():
+    """data_loading='per_replica': a row map's positions are replicas, each loaded whole by
+    every one of its ranks, so the fix is the DataLoader's batch_size itself, not a share of
+    it, and no ranks' shares are listed."""
+    with pytest.raises(BatchSplitError) as refused:
+        check_rows(row_map([4, 2], [[0], [1]], 4), exact=True, per_replica=True)
+    message = str(refused.value)
+    assert "replicas hold [4, 2] rows" in message and "data_loading='per_replica'" in message
+    assert "batch_size 4 on every rank" in message and "ranks' rows" not in message
+    with pytest.raises(BatchSplitError) as one_replica:  # G = 1: every rank loads the batch
+        check_rows(row_map([4], [[0]], 6), exact=True, per_replica=True)
+    assert "Make batch_size a multiple of microbatches=6" in str(one_replica.value)
+    assert "devices" not in str(one_replica.value)
+
+
 # --------------------------------------------------------------------------- distributed
 
 

@@ -141,37 +141,48 @@ def transfers(rows: RowMap, wanted: Sequence[Sequence[int]]) -> list[Transfer]:
             for (source, target), pieces in sorted(moves.items())]
 
 
-def check_rows(rows: RowMap, exact: bool, what: str = "global batch") -> None:
+def check_rows(rows: RowMap, exact: bool, what: str = "global batch",
+               per_replica: bool = False) -> None:
     """With ``exact`` (training), refuse batches whose microbatches would differ in size.
 
     Why: each microbatch's loss carries weight 1/B, which is the mean over the global batch (one
     device's loss) only when every microbatch has the same rows; with replicas, every replica's
-    batch must then hold the same rows, a multiple of its microbatches.
+    batch must then hold the same rows, a multiple of its microbatches. ``per_replica``: the
+    row map's positions are replicas, each loaded whole by every one of its ranks
+    (``data_loading="per_replica"``), which the message names instead of ranks' shares.
     """
     if not exact:
         return
     G = len(rows.replicas)
     if G == 1:
-        check_split(sum(rows.rows), rows.parts, exact, what)
+        check_split(sum(rows.rows), rows.parts, exact, what, per_replica)
         return
     per, replica_rows = rows.parts // G, rows.replica_rows()
     if len(set(replica_rows)) > 1 or replica_rows[0] % per:
         size = per * max(1, -(-max(replica_rows) // per))
+        if per_replica:
+            loaded = "(each of its ranks loads it whole: data_loading='per_replica')"
+            example = f"{size} per replica: batch_size {size} on every rank"
+        else:
+            loaded = f"(its ranks' DataLoader batches, concatenated; ranks' rows {list(rows.rows)})"
+            example = f"{size} per replica: equal batch_size on every rank"
         raise BatchSplitError(
-            f"with data_parallel_size={G}, each replica's batch (its ranks' DataLoader batches, "
-            f"concatenated) is cut into {per} microbatches of equal size, but the replicas hold "
-            f"{replica_rows} rows (ranks' rows {list(rows.rows)}). Give every replica the same "
-            f"rows, a multiple of {per} (e.g. {size} per replica: equal batch_size on every "
-            "rank), pass microbatches= dividing them, or use drop_last=True so the last batch "
-            "is not short")
+            f"with data_parallel_size={G}, each replica's batch {loaded} is cut into {per} "
+            f"microbatches of equal size, but the replicas hold {replica_rows} rows. Give every "
+            f"replica the same rows, a multiple of {per} (e.g. {example}), pass microbatches= "
+            "dividing them, or use drop_last=True so the last batch is not short")
 
 
-def check_split(rows: int, parts: int, exact: bool, what: str) -> None:
-    """With ``exact``, refuse row counts that do not split into equal microbatches."""
+def check_split(rows: int, parts: int, exact: bool, what: str,
+                per_replica: bool = False) -> None:
+    """With ``exact``, refuse row counts that do not split into equal microbatches.
+    ``per_replica``: one replica whose ranks each load the whole batch (its size is then the
+    DataLoader's batch_size, not batch_size x devices x num_nodes)."""
     if exact and rows % parts:
+        sizes = "batch_size" if per_replica else "batch_size x devices x num_nodes"
         raise BatchSplitError(
             f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
-            f"Make batch_size x devices x num_nodes a multiple of microbatches={parts} (e.g. a "
+            f"Make {sizes} a multiple of microbatches={parts} (e.g. a "
             f"global batch of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing "
             f"{rows}, or use drop_last=True so the last batch is not short"
         )

@@ -110,11 +110,11 @@ class StepRows:
 
     @property
     def stamped(self) -> bool:
-        """Whether steps carry :meth:`stamp`: with ``data_loading="per_replica"`` where a
-        replica has several ranks (else the step's start checked the batches, or no ranks
-        share one)."""
-        workers = self.workers
-        return workers.replicas is not None and workers.shares_batches
+        """Whether steps carry :meth:`stamp`: with ``data_loading="per_replica"`` on more
+        than one rank, where a trusted step asks nothing (:meth:`sizes`). Why also with one
+        rank per replica (P = T = 1, plain data parallelism): no ranks share a batch then,
+        but the replicas must still hold as many rows, which only the stamps tell."""
+        return self.workers.replicas is not None and self.world_size > 1
 
     def stamp(self, batch: Any, rows: list[int], layouts: list[int]) -> list[Any]:
         """This rank's batch for :meth:`check_stamps` (:func:`.batches.batch_stamp`; its
@@ -148,7 +148,7 @@ class StepRows:
         layout = replicas if replicas is not None else self.config.replicas(self.world_size)
         cut = row_map(rows, [self.workers.members(layout.members(g))
                              for g in range(layout.replicas)], parts)
-        check_rows(cut, exact, what)
+        check_rows(cut, exact, what, per_replica=self.workers.replicas is not None)
         return cut
 
     def step_cut(self, rows: list[int], training: bool) -> RowMap:
