@@ -28,7 +28,9 @@ last check: 2)
   fails its ranks with a BatchSplitError naming the replica's rows, and the other replica's
   ranks, already inside the step, end with a RuntimeFault quoting it: no rank hangs;
 * at W=2 as two replicas of one rank each (P = 1), replicas whose batches split but hold
-  unequal rows fail every rank with a BatchSplitError naming them (the step's stamps).
+  unequal rows fail every rank with a BatchSplitError naming them (the step's stamps); and
+  where one replica's loader has a batch more, the rank whose epoch ended waits in the end of
+  fit's gather and stops there quoting the other's error.
 
 Tolerance: ``assert_same_state``'s, for its stated reason (a replica's rows in another order
 within the global batch reorder float32 sums, as microbatches and ranks already do).
@@ -290,3 +292,31 @@ def test_replicas_of_one_rank_with_unequal_rows_fail_every_rank(worlds):
         message = error.message
         assert "the replicas hold [4, 2] rows" in message, (rank, message)
         assert "data_loading='per_replica'" in message, (rank, message)
+
+
+def extra_batch_on_worker(ctx: WorkerContext) -> None:
+    """W=2 as two replicas of one rank: replica 0's loader has a third batch (1 row, which
+    does not split), replica 1's epoch ends after two."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    rows = _replica_rows(_train_data(), ctx.rank)[:2 * REPLICA_BATCH + (ctx.rank == 0)]
+    fit = trainer(ctx.world_size, GeneralParallel(**STRATEGY), max_epochs=1)
+    fit.fit(make_lit_gpt(optimizer="sgd"), _loader(rows))
+
+
+def test_a_rank_that_ends_its_epoch_early_learns_why_its_peer_failed(worlds):
+    """The end of fit's gather of the full model runs as the engine's collective: the rank
+    that finished its epoch and waits there ends with the other rank's BatchSplitError, not
+    only with a lost connection."""
+    errors = worlds.get(2).run(extra_batch_on_worker, expect_errors=True, timeout=120)
+    cause = "data-parallel replica 0's batch has 1 rows"
+    assert getattr(errors[0], "type_name", None) == "BatchSplitError", errors[0]
+    assert cause in errors[0].message, errors[0].message
+    assert getattr(errors[1], "type_name", None) == "RuntimeFault", errors[1]
+    message = errors[1].message
+    assert message.startswith("rank 1 stopped in the gather of the full model at the end"), \
+        message
+    assert "First failure reported in the job: rank 0 failed in training_step" in message, \
+        message
+    assert cause in message, message

@@ -668,9 +668,13 @@ class PipelineEngine:
         # the peers are ending, so a gathering collective would wait for them in vain
         failed = self.failed or (self.control is not None and self.control.failed)
         if gather and not failed and not runtime.closed:
-            runtime.restore_full_model(self.optimizers())
+            # collective: a peer that failed meanwhile (e.g. in a step this rank never ran:
+            # its epoch had one batch more) is named, not only the lost connection
+            self._collective("the gather of the full model at the end",
+                             lambda: runtime.restore_full_model(self.optimizers()))
             if self.tensor_parallel_size > 1:  # each slice's shards, gathered over its T ranks
-                gather_shards(self.module, self.optimizers())
+                self._collective("the gather of the tensor-parallel shards at the end",
+                                 lambda: gather_shards(self.module, self.optimizers()))
         runtime.close()
         self.runtime = None
 

@@ -91,7 +91,9 @@ class StepRows:
             self._check_replica_split(workers, rows[0])
             return rows * workers.positions, layouts * workers.positions
         rows, layouts, contents = self.collective(
-            "the batch-size exchange", lambda: rows_and_layouts(
+            "the batch-size exchange (every rank loads a batch at every step: a rank whose "
+            "DataLoader has fewer batches ends its epoch while the others wait here)",
+            lambda: rows_and_layouts(
                 batch, self.world_size, self.host_group(), contents=workers.shares_batches))
         return workers.batch_rows(rows, layouts, contents)
 
