@@ -730,3 +730,48 @@ def test_the_tuners_table_counts_ranks_and_workers_with_tensor_parallelism() -> 
     assert plain.startswith("gsched tune: W=2, global batch 8 rows"), plain
     assert sharded.startswith("gsched tune: W=4 (2 workers of T=2 ranks), global batch 8 rows"), \
         sharded
+
+
+def test_rowwise_by_name_on_an_embedding_takes_its_token_ids_whole(tp_mesh: object) -> None:
+    """torch's ``RowwiseParallel()`` takes its input as this rank's slice of the last dimension;
+    on an embedding, whose input is token ids whole on every rank, it would gather T copies
+    into a sequence T times as long and train on it silently. The name fits the style to the
+    module; a style object that does this is refused, naming the fix."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    ids = torch.randint(0, 64, (2, 4))
+    stage = nn.Sequential(nn.Embedding(64, 32))
+    parallelize_stages([stage], {"0": "rowwise"}, tp_mesh)  # type: ignore[arg-type]
+    assert tuple(stage(ids).shape) == (2, 4, 32)
+    with pytest.raises(TensorParallelPlanError, match=r"'0' \(an Embedding\).*"
+                       r"RowwiseParallel\(input_layouts=Replicate\(\)\)"):
+        parallelize_stages([nn.Sequential(nn.Embedding(64, 32))], {"0": RowwiseParallel()},
+                           tp_mesh)  # type: ignore[arg-type]
+
+
+class _LightningLike(nn.Module):
+    """A root holding the network as ``self.model``, as a LightningModule does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_gpt(0, shardable=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)  # type: ignore[no-any-return]
+
+
+def test_a_module_whose_style_gives_its_output_whole_keeps_no_holder_whole() -> None:
+    """Kept whole, the holder of ``model.wte`` would be the whole network (one unit: no split).
+    A column-wise style with a ``Replicate`` output hands its holder whole sizes, so only the
+    styled module is kept, and the model still splits; a sharded output keeps the holder."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    root = _LightningLike()
+    whole = {"model.wte": ColwiseParallel(output_layouts=Replicate())}
+    assert kept_whole(root, whole) == ("model.wte",)
+    part = partition(root, 2, gpt_inputs(), verify=False, leaf_modules=kept_whole(root, whole))
+    assert len(part.stages) == 2
+    assert kept_whole(root, {"model.wte": "colwise"}) == ("model.wte", "model")
+    assert "model.blocks.0.attn" in kept_whole(  # row-wise output whole, the q's shard not
+        root, {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.proj": "rowwise"})

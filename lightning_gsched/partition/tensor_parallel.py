@@ -161,14 +161,38 @@ def kept_whole(module: nn.Module, plan: TensorParallelPlan) -> tuple[str, ...]:
     modules = dict(module.named_modules())
     kept: list[str] = []
     for name in modules:
-        if not name or not any(name_matches(pattern, name) for pattern in plan):
+        pattern = next((p for p in plan if name and name_matches(p, name)), None)
+        if pattern is None:
             continue
         kept.append(name)
         holder = name.rpartition(".")[0]
-        if holder and not isinstance(modules[holder],
-                                     (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        if holder and _holder_sees_local_sizes(plan[pattern], pattern, modules[holder]):
             kept.append(holder)
     return tuple(dict.fromkeys(kept))
+
+
+def _holder_sees_local_sizes(value: Any, pattern: str, holder: nn.Module) -> bool:
+    """Whether :func:`kept_whole` keeps ``holder`` whole for a module in it that the plan's
+    ``pattern`` styles with ``value`` (a style or its name). Not a container (a ``ModuleList``
+    or ``ModuleDict`` is never called, a ``Sequential`` may hold every block), nor where the
+    style gives its output whole (column- or row-wise with a ``Replicate`` output, e.g. an
+    untied head ``ColwiseParallel(output_layouts=Replicate())`` held by the network itself):
+    the holder then computes with whole sizes, as traced, and kept whole it could be the
+    whole network."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(holder, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return False
+    try:
+        style = style_of(value, pattern)
+    except TensorParallelPlanError:  # refused where the plan is assigned, naming the pattern
+        return True
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        layouts = style.output_layouts
+        layouts = layouts if isinstance(layouts, tuple) else (layouts,)
+        return not all(isinstance(layout, Replicate) for layout in layouts)
+    return True
 
 
 def with_kept_whole(leaf_modules: Sequence[type | str], module: nn.Module,
@@ -248,8 +272,27 @@ def check_called(called: set[str] | None, name: str, module: nn.Module,
         "submodules instead")
 
 
+def fitted_to_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
+    """A style the plan gave by name, fitted to the module it lands on: ``"rowwise"`` on an
+    ``nn.Embedding`` takes its input whole (``RowwiseParallel(input_layouts=Replicate())``, as
+    torchtitan writes it). Why: the name's ``RowwiseParallel()`` takes its input as this rank's
+    slice of the last dimension (a column-wise layer's output), and an embedding's input is
+    token ids, whole on every rank: torch would gather the ranks' copies into a sequence T
+    times as long, and train on it without an error."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    if isinstance(style, RowwiseParallel) and isinstance(module, nn.Embedding):
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=style.output_layouts[0],
+                               use_local_output=style.use_local_output)
+    return style
+
+
 def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
-    """Refuse a column/row-wise style on a module it cannot shard evenly ``degree`` ways."""
+    """Refuse a column/row-wise style on a module it cannot shard evenly ``degree`` ways, and a
+    row-wise style on an embedding that takes its token ids as sharded (:func:`fitted_to_module`
+    says why; given by name, the style is fitted instead)."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
@@ -262,6 +305,13 @@ def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) 
     elif isinstance(module, nn.Embedding):
         dim, size = (("embedding_dim", module.embedding_dim) if kind == "column"
                      else ("num_embeddings", module.num_embeddings))
+        if kind == "row" and not isinstance(style.input_layouts[0], Replicate):
+            raise TensorParallelPlanError(
+                f"tensor_parallel_plan gives {name!r} (an Embedding) RowwiseParallel with input "
+                f"layout {style.input_layouts[0]}: an embedding's input is token ids, whole on "
+                "every rank, which that style would take as this rank's slice and gather into "
+                "a longer sequence. Give RowwiseParallel(input_layouts=Replicate()) (or the "
+                "name 'rowwise', which means that on an Embedding)")
     else:
         raise TensorParallelPlanError(
             f"tensor_parallel_plan gives {type(style).__name__} to {name!r}, a "
@@ -297,11 +347,15 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
             f"function parallelize(stage_module, tp_mesh), not {type(plan).__name__}")
     modules = [dict(stage.named_modules()) for stage in stages]
     assigned = assign_plan(plan, [list(m) for m in modules])
+    named = [pattern for pattern, value in plan.items() if isinstance(value, str)]
     called = called_modules(stages)
     for found, stage_modules in zip(assigned, modules, strict=True):
         for name, style in found.items():
-            check_called(called, name, stage_modules[name], style)
-            check_fits(name, stage_modules[name], style, mesh.size())
+            module = stage_modules[name]
+            if any(name_matches(pattern, name) for pattern in named):
+                style = found[name] = fitted_to_module(style, module)
+            check_called(called, name, module, style)
+            check_fits(name, module, style, mesh.size())
     done: set[int] = set()  # a module two stages share is sharded once
     for stage, found, stage_modules in zip(stages, assigned, modules, strict=True):
         todo = {n: s for n, s in found.items() if id(stage_modules[n]) not in done}
