@@ -775,3 +775,20 @@ def test_a_module_whose_style_gives_its_output_whole_keeps_no_holder_whole() -> 
     assert kept_whole(root, {"model.wte": "colwise"}) == ("model.wte", "model")
     assert "model.blocks.0.attn" in kept_whole(  # row-wise output whole, the q's shard not
         root, {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.proj": "rowwise"})
+
+
+@pytest.mark.parametrize("tie, plan, refusal", [
+    ("module", {"head": "colwise"}, r"'head', whose weight is tied to 'wte'"),
+    ("functional", {"wte": "rowwise"},
+     r"'wte' \(Embedding\), whose weight a stage reads directly as a tensor"),
+])
+def test_a_style_on_a_tied_weight_is_refused_naming_the_tie(tp_mesh: object, tie: str,
+                                                            plan: dict, refusal: str) -> None:
+    """Tied embeddings: sharded for one module, the one Parameter would be sharded for the
+    other, whose code reads it whole (the embedding looks up every token; the head projects to
+    the whole vocabulary). Refused before anything is sharded, naming the tie, where the
+    sharded run used to fail later with advice about head counts (a module tie), or call the
+    last stage's read-only Embedding "a ModuleShell" (a functional one)."""
+    part = partition(make_gpt(0, tie=tie), 2, gpt_inputs(), verify=False)
+    with pytest.raises(TensorParallelPlanError, match=refusal):
+        parallelize_stages(list(part.stages), plan, tp_mesh)  # type: ignore[arg-type]

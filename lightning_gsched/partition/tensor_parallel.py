@@ -272,6 +272,36 @@ def check_called(called: set[str] | None, name: str, module: nn.Module,
         "submodules instead")
 
 
+def _weight_holders(modules: Sequence[Mapping[str, nn.Module]]) -> dict[int, set[str]]:
+    """Per parameter (by identity), the names of the modules holding it directly, over every
+    stage (a tied weight: two names)."""
+    holders: dict[int, set[str]] = {}
+    for stage_modules in modules:
+        for name, module in stage_modules.items():
+            for parameter in module.parameters(recurse=False):
+                holders.setdefault(id(parameter), set()).add(name)
+    return holders
+
+
+def check_untied(name: str, module: nn.Module, style: ParallelStyle,
+                 holders: Mapping[int, set[str]]) -> None:
+    """Refuse a column/row-wise style on a module whose weight another module holds too (tied
+    embeddings): sharded for one, the weight is sharded for the other, whose code (an embedding
+    lookup of every token, a projection to the whole vocabulary) reads it whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return
+    for parameter in module.parameters(recurse=False):
+        others = sorted(holders.get(id(parameter), set()) - {name})
+        if others:
+            raise TensorParallelPlanError(
+                f"tensor_parallel_plan gives {type(style).__name__} to {name!r}, whose weight is "
+                f"tied to {', '.join(map(repr, others))} (one Parameter): sharded for {name!r} it "
+                f"would be sharded for {others[0]!r} too, whose code reads it whole. Leave both "
+                "out of the plan (replicated), or untie the weight")
+
+
 def fitted_to_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
     """A style the plan gave by name, fitted to the module it lands on: ``"rowwise"`` on an
     ``nn.Embedding`` takes its input whole (``RowwiseParallel(input_layouts=Replicate())``, as
@@ -298,6 +328,14 @@ def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) 
     if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return
     kind = "column" if isinstance(style, ColwiseParallel) else "row"
+    shell_of = getattr(module, "original_type", None)
+    if shell_of is not None:  # a stage that reads the module's weight without calling it
+        raise TensorParallelPlanError(
+            f"tensor_parallel_plan gives {type(style).__name__} to {name!r} ({shell_of}), whose "
+            "weight a stage reads directly as a tensor without calling the module (a tied "
+            "output projection, e.g. F.linear(x, self.wte.weight)): a style lays out only what "
+            f"passes through the module, so that read would get this rank's shard. Leave "
+            f"{name!r} out of the plan (replicated), or untie the weight")
     if isinstance(module, nn.Linear):
         # a Linear's weight is (out, in): column-wise shards the outputs, row-wise the inputs
         dim, size = (("out_features", module.out_features) if kind == "column"
@@ -349,9 +387,11 @@ def parallelize_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan,
     assigned = assign_plan(plan, [list(m) for m in modules])
     named = [pattern for pattern, value in plan.items() if isinstance(value, str)]
     called = called_modules(stages)
+    holders = _weight_holders(modules)
     for found, stage_modules in zip(assigned, modules, strict=True):
         for name, style in found.items():
             module = stage_modules[name]
+            check_untied(name, module, style, holders)
             if any(name_matches(pattern, name) for pattern in named):
                 style = found[name] = fitted_to_module(style, module)
             check_called(called, name, module, style)
