@@ -77,8 +77,9 @@ def pipeline_size(workers: int, replicas: int) -> int:
     if workers % replicas:
         raise ScheduleConfigError(
             f"data_parallel_size={replicas} does not divide the W={workers} workers (num_nodes x "
-            f"devices, over tensor_parallel_size where it is above 1); each replica runs the schedule on W / data_parallel_size workers. Choose "
-            f"data_parallel_size among {[d for d in range(1, workers + 1) if workers % d == 0]}")
+            f"devices, over tensor_parallel_size where it is above 1); each replica runs the "
+            f"schedule on W / data_parallel_size workers. Choose data_parallel_size among "
+            f"{[d for d in range(1, workers + 1) if workers % d == 0]}")
     return workers // replicas
 
 
