@@ -792,3 +792,39 @@ def test_a_style_on_a_tied_weight_is_refused_naming_the_tie(tp_mesh: object, tie
     part = partition(make_gpt(0, tie=tie), 2, gpt_inputs(), verify=False)
     with pytest.raises(TensorParallelPlanError, match=refusal):
         parallelize_stages(list(part.stages), plan, tp_mesh)  # type: ignore[arg-type]
+
+
+def sharded_output_check(ctx: WorkerContext) -> dict[str, Any]:
+    """An untied head styled column-wise: by name its output stays sharded (each rank its slice
+    of the vocabulary), with ``output_layouts=Replicate()`` it is whole. The build's check run,
+    per plan: its refusal, or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_gsched.partition.replicated_grads import check_replicated_gradients
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tensor_parallel",))
+    (idx,) = gpt_inputs()
+    out: dict[str, Any] = {}
+    for label, head in (("sharded", "colwise"),
+                        ("whole", ColwiseParallel(output_layouts=Replicate()))):
+        model = make_gpt(0, shardable=True, tie="module")
+        model.head.weight = nn.Parameter(model.wte.weight.detach().clone())  # untied
+        stages = list(partition(model, 2, (idx,), verify=False).stages)
+        parallelize_stages(stages, {**BLOCK_PLAN, "head": head}, mesh)
+        try:
+            check_replicated_gradients(stages, (idx,), {}, mesh.get_group())
+            out[label] = None
+        except TensorParallelPlanError as exc:
+            out[label] = str(exc)
+    return out
+
+
+def test_a_model_output_a_style_leaves_sharded_is_refused(worlds: Any) -> None:
+    """The loss reads the model's output whole; left sharded it would fail inside the user's
+    loss as an index out of bounds (or compute a wrong loss): the build names the style."""
+    for out in worlds.get(T).run(sharded_output_check):
+        assert out["whole"] is None, out
+        assert out["sharded"] is not None and "model's output" in out["sharded"], out
+        assert "ColwiseParallel(output_layouts=Replicate())" in out["sharded"], out

@@ -14,7 +14,9 @@ So at the build (tensor parallelism only), the sharded stages run once forward a
 the build's microbatch, and every parameter left whole has its gradient compared across the T
 ranks (two sums of it, in one all-gather); one that differs fails the build on every rank with
 :class:`~lightning_gsched.partition.tensor_parallel.TensorParallelPlanError`, naming it and the
-fix. The same pass is the build's check that the sharded stages run at all: each forward goes
+fix; the model's output (the last stage's, which the loss reads) is compared the same way, so
+a style that leaves it sharded fails too. The same pass is the build's check that the sharded
+stages run at all: each forward goes
 through :func:`~lightning_gsched.partition.tensor_parallel.explain_sharded_failure`, so a model
 whose code needs global sizes fails here on every rank, naming the module, rather than inside a
 schedule's step on some ranks. Nothing else changes: the gradients are taken with ``torch.autograd.grad`` (no ``.grad``
@@ -41,6 +43,9 @@ from lightning_gsched.partition.tensor_parallel import (
 # A partial gradient differs from the whole one by a share of its size; reordered float sums
 # by a few ulps. Between the two, any tolerance separates them; this one is far from both.
 RELATIVE_TOLERANCE = 1e-3
+# gradient_sums' entry for the model's output (the last stage's): the same on every rank unless
+# a style leaves it sharded (a column-wise head without output_layouts=Replicate())
+LAST_OUTPUT = "<the last stage's output>"
 
 
 def _whole_parameters(stage: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -85,6 +90,11 @@ def gradient_sums(stages: Sequence[nn.Module], args: tuple[Any, ...], kwargs: di
                 if grad is not None:
                     g = grad.detach().double()
                     sums.append((name, float(g.sum()), float(g.abs().sum())))
+    outputs = [t.double() for t in pytree.tree_leaves(carried)
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if outputs:  # the last stage's output: whole on every rank, as the loss reads it
+        sums.append((LAST_OUTPUT, float(sum(t.sum() for t in outputs)),
+                     float(sum(t.abs().sum() for t in outputs))))
     return sums
 
 
@@ -107,6 +117,13 @@ def check_replicated_gradients(stages: Sequence[nn.Module], args: tuple[Any, ...
         bound = RELATIVE_TOLERANCE * (max(abs(a) for _, a in values) or 1.0)
         if any(abs(t - total) > bound or abs(a - size) > bound for t, a in values):
             differing.append(name)
+    if LAST_OUTPUT in differing:
+        raise TensorParallelPlanError(
+            "the model's output (the last stage's) differs between the tensor-parallel ranks: a "
+            "style leaves it sharded, so the loss would read this rank's slice (e.g. of the "
+            "vocabulary: an 'index out of bounds' in the loss, or a wrong loss). Give the last "
+            "column-wise layer its output whole, ColwiseParallel(output_layouts=Replicate()) "
+            "(torchtitan's output projection), or leave it out of the plan")
     if differing:
         shown = ", ".join(map(repr, differing[:4])) + (
             f" and {len(differing) - 4} more" if len(differing) > 4 else "")
