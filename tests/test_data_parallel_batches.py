@@ -173,3 +173,30 @@ def test_data_parallel_rows_travel_to_readers_only_and_training_is_one_device(wo
     assert [s for s, _ in got_log] == [s for s, _ in want["loss"]]
     for (_, got), (_, expected) in zip(got_log, want["loss"], strict=True):
         assert got == pytest.approx(expected, rel=1e-5)
+
+
+def other_layout_on_worker(ctx: WorkerContext) -> None:
+    """W=2, 1f1b (each rank its share): rank 1's second batch holds its tokens as int32, rank
+    0's as int64; rank 0 (the first stage) reads rank 1's rows."""
+    from torch.utils.data import DataLoader
+
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    rows = tokens(16)[ctx.rank * 8:(ctx.rank + 1) * 8]
+    second = rows[4:].to(torch.int32) if ctx.rank == 1 else rows[4:]
+    loader = DataLoader([(rows[:4],), (second,)], batch_size=None)
+    fit = trainer(ctx.world_size, GeneralParallel("1f1b", microbatches=2), max_steps=2)
+    fit.fit(make_lit_gpt(optimizer="sgd"), loader)
+
+
+def test_a_batch_of_another_layout_fails_every_rank_naming_both_before_rows_move(worlds):
+    """A receiver sizes its buffers from its own batch: another layout used to abort its
+    process inside gloo (no rank, no cause) while the sender reported no failure. Both ranks
+    refuse it now, before any row moves, naming both ranks."""
+    errors = worlds.get(2).run(other_layout_on_worker, expect_errors=True, timeout=120)
+    for rank, error in enumerate(errors):
+        assert getattr(error, "type_name", None) == "BatchSplitError", (rank, error)
+        # the first move whose ends differ: rank 0's targets to the last stage's rank 1
+        assert "rank 0 loaded a batch of another layout than rank 1, which reads rows of it" \
+            in error.message, (rank, error.message)

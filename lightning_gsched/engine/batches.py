@@ -51,11 +51,15 @@ def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
 
 
 def layout_digest(batch: Any) -> int:
-    """A 64-bit digest of a batch's layout: its pytree structure, each tensor's shape and dtype,
-    each plain value. Equal layouts give equal digests on every rank (no per-process hashing)."""
+    """A 64-bit digest of a batch's layout per row: its pytree structure, each tensor's shape
+    after the rows (dimension 0) and dtype, each plain value. Equal layouts give equal digests
+    on every rank (no per-process hashing). Why without the rows: they travel beside the digest
+    wherever it goes (the step's sizes, signature and stamps), and batches of other row counts
+    but one layout per row are rows that one microbatch can join (:meth:`.step_rows.StepRows.
+    exchange` refuses to join others)."""
     leaves, spec = pytree.tree_flatten(batch)
-    items = [str(spec)] + [(tuple(leaf.shape), str(leaf.dtype)) if isinstance(leaf, torch.Tensor)
-                           else repr(leaf) for leaf in leaves]
+    items = [str(spec)] + [(tuple(leaf.shape[1:]), leaf.dim(), str(leaf.dtype))
+                           if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
     digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 

@@ -528,10 +528,11 @@ class PipelineEngine:
         B = self.config.training_micro(self.world_size)
         cut = self.step_rows.step_cut(rows, training=True)
         if not self.built:
-            held = self.step_rows.first_micro(batch, cut)
+            held = self.step_rows.first_micro(batch, cut, layouts)
             self.build(caller, held.first(), training=True)
         assert self.train_plan is not None
-        micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(self.train_plan), held)
+        micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(self.train_plan),
+                                         held, layouts)
         runtime = self._runtime()
         if self.losses_and_logs is None:
             self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device,
@@ -585,13 +586,13 @@ class PipelineEngine:
             held = self._build_auto(batch, rows, caller, training=False)
         cut = self.step_rows.step_cut(rows, training=False)
         if not self.built:
-            held = self.step_rows.first_micro(batch, cut)
+            held = self.step_rows.first_micro(batch, cut, layouts)
             self.build(caller, held.first(), training=False)
         # after the build: the partition's ties are placed (the same B and placement)
         plan = self.config.eval_plan(self.world_size, sum(rows))
         if plan.micro != cut.parts:
             cut = self.step_rows.step_cut(rows, training=False)
-        micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(plan), held)
+        micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(plan), held, layouts)
         runtime = self._runtime()
         first_micros, _ = stage_micros(plan.programs, self.worker)
         inputs = self._capture_all(caller, micros, first_micros)
