@@ -132,7 +132,8 @@ def batch_stamp(batch: Any, rows: int, layout: int) -> list[Any]:
 
 
 def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence[int]],
-                  group: Any = None, peers: Sequence[int] | None = None) -> dict[int, Any]:
+                  group: Any = None, peers: Sequence[int] | None = None,
+                  layouts: Sequence[int] | None = None) -> dict[int, Any]:
     """This rank's microbatches ``wanted[rank]``, from its own rows and the rows it receives.
 
     ``wanted``: every rank's microbatches (the same lists on every rank), so every rank derives
@@ -140,12 +141,35 @@ def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence
     over ``group``, nothing for a rank that neither sends nor receives. ``peers``: the global
     rank of each position of ``rows`` (with tensor parallelism a position is a worker, whose
     rank with this rank's tensor-parallel index is the peer); None: the positions are ranks.
+    ``layouts``: every position's :func:`layout_digest`, checked for every transfer first
+    (:func:`_check_layouts`).
     """
     leaves, spec, data = _batch_leaves(batch)
-    mine = [t for t in transfers(rows, wanted) if rank in (t.source, t.target)]
-    inbox = _send_and_receive(leaves, data, mine, rank, group,
-                              peers if peers is not None else range(len(wanted)))
+    ranks = peers if peers is not None else range(len(wanted))
+    moves = transfers(rows, wanted)
+    if layouts is not None:
+        _check_layouts(moves, layouts, ranks)
+    mine = [t for t in moves if rank in (t.source, t.target)]
+    inbox = _send_and_receive(leaves, data, mine, rank, group, ranks)
     return {b: _assemble(leaves, spec, data, rows, b, rank, inbox) for b in wanted[rank]}
+
+
+def _check_layouts(moves: Sequence[Transfer], layouts: Sequence[int],
+                   peers: Sequence[int]) -> None:
+    """Refuse, on every rank alike before any row moves, rows sent to a position whose own
+    batch has another layout per row (shapes after the rows, dtypes or structure). Why: a
+    receiver sizes its buffers from its own batch (:func:`_send_and_receive`), so another
+    layout would abort the process inside the transport (gloo) or join rows of another shape;
+    every rank holds every layout and every transfer, so all of them raise the same error."""
+    for move in moves:
+        if layouts[move.source] != layouts[move.target]:
+            raise BatchSplitError(
+                f"rank {peers[move.source]} loaded a batch of another layout than rank "
+                f"{peers[move.target]}, which reads rows of it (their tensors differ after the "
+                "rows: in shape, dtype or structure). Every rank must load batches of one layout "
+                "per row (pad to one length, e.g. a collate_fn padding to a fixed size, and one "
+                "dtype), or every rank of a replica its whole batch: "
+                "data_loading='per_replica'")
 
 
 def _send_and_receive(leaves: list[Any], data: list[int], mine: list[Transfer], rank: int,

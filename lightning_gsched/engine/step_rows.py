@@ -19,7 +19,7 @@ from typing import Any, Callable
 from lightning_gsched.engine.batches import batch_stamp, exchange_rows, rows_and_layouts
 from lightning_gsched.engine.config import ScheduleConfig
 from lightning_gsched.engine.control import Collective
-from lightning_gsched.engine.rows import RowMap, check_rows, row_map, transfers
+from lightning_gsched.engine.rows import RowMap, check_rows, row_map
 from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import BatchSplitError
 from lightning_gsched.schedule.plan import Plan
@@ -175,31 +175,13 @@ class StepRows:
         point from the ranks that did (batches.exchange_rows: only inside their replica, and
         only to the ranks that read them); those ``held`` by every rank under the same cut are
         not sent again. ``layouts``: every position's :func:`.batches.layout_digest` (the
-        step's :meth:`sizes`), checked first for every move (:meth:`_check_layouts`)."""
+        step's :meth:`sizes`), checked first for every move (:func:`.batches.exchange_rows`)."""
         given = held.micros if held is not None and held.cut == cut else {}
         wanted = [[b for b in micros if b not in given] for micros in wanted]
-        if layouts is not None:
-            self._check_layouts(cut, wanted, layouts)
         received = self.collective("the batch's row exchange", lambda: exchange_rows(
-            batch, cut, self.workers.position, wanted, self.group(), self.workers.peers()))
+            batch, cut, self.workers.position, wanted, self.group(), self.workers.peers(),
+            layouts))
         return {**given, **received}
-
-    def _check_layouts(self, cut: RowMap, wanted: list[list[int]], layouts: list[int]) -> None:
-        """Refuse, on every rank alike before any row moves, rows sent to a position whose own
-        batch has another layout per row (shapes after the rows, dtypes or structure). Why: a
-        receiver sizes its buffers from its own batch, so another layout would abort the
-        process inside the transport (gloo) or join rows of another shape; every rank holds
-        every layout, so all of them raise the same error."""
-        peers = self.workers.peers()
-        for move in transfers(cut, wanted):
-            if layouts[move.source] != layouts[move.target]:
-                raise BatchSplitError(
-                    f"rank {peers[move.source]} loaded a batch of another layout than rank "
-                    f"{peers[move.target]}, which reads rows of it (their tensors differ after "
-                    "the rows: in shape, dtype or structure). Every rank must load batches of "
-                    "one layout per row (pad to one length, e.g. a collate_fn padding to a "
-                    "fixed size, and one dtype), or every rank of a replica its whole batch: "
-                    "data_loading='per_replica'")
 
     def first_micro(self, batch: Any, cut: RowMap, layouts: list[int] | None = None) -> Held:
         """The first non-empty microbatch of ``cut`` on every rank: the build probes the user's
