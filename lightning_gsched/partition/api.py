@@ -26,10 +26,16 @@ from lightning_gsched.partition.cuts import (
 )
 from lightning_gsched.partition.errors import BalanceError, PartitionError
 from lightning_gsched.partition.execute import run_example
-from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
+from lightning_gsched.partition.meta_run import (
+    buffers_on_meta,
+    has_meta_parameters,
+    refuse_value_read,
+    refuse_valueless_trace,
+    to_meta,
+)
 from lightning_gsched.partition.report import format_report
 from lightning_gsched.partition.stage import StageModule, build_stages
-from lightning_gsched.partition.tracer import trace_model
+from lightning_gsched.partition.tracer import TracedModel, trace_model
 from lightning_gsched.partition.units import (
     UnitTable,
     canonical_buffer_names,
@@ -185,6 +191,12 @@ class Partition:
         )
 
 
+def _graph_nodes(traced: TracedModel) -> list[fx.Node]:
+    """Every node of the traced graph, and of the other mode's graph where the two differ."""
+    other = traced.other_mode_graph
+    return [*traced.graph.nodes, *(other.nodes if other is not None else ())]
+
+
 def _costs(
     table: UnitTable, balance: Any, unit_costs: Sequence[float] | None, args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -265,13 +277,22 @@ def partition(
         )
     run_args, run_kwargs = (to_meta(args), to_meta(kwargs)) if deferred else (args, kwargs)
     with buffers_on_meta(module) if deferred else contextlib.nullcontext():
-        traced = trace_model(
-            module, run_args, run_kwargs, leaf_modules, auto_leaf=auto_leaf,
-            static_shapes=static_shapes, num_stages=num_stages,
-        )
-        table = UnitTable(traced)
-        check_stage_count(num_stages, table, module)
-        costs, cost_unit, value_bytes = _costs(table, balance, unit_costs, run_args, run_kwargs)
+        try:
+            traced = trace_model(
+                module, run_args, run_kwargs, leaf_modules, auto_leaf=auto_leaf,
+                static_shapes=static_shapes, num_stages=num_stages,
+            )
+            if deferred:
+                refuse_valueless_trace(type(module).__name__, _graph_nodes(traced),
+                                       traced.constants)
+            table = UnitTable(traced)
+            check_stage_count(num_stages, table, module)
+            costs, cost_unit, value_bytes = _costs(table, balance, unit_costs, run_args,
+                                                   run_kwargs)
+        except PartitionError as exc:
+            if deferred:
+                refuse_value_read(type(module).__name__, exc)
+            raise
     if split_points is not None:
         plan = cuts_from_split_points(split_points, table, module)
     elif not isinstance(balance, str):

@@ -20,6 +20,7 @@ __all__ = [
     "ExampleInputError",
     "UntracedOutputError",
     "SplitMismatchError",
+    "DeferredTraceError",
 ]
 
 
@@ -53,6 +54,8 @@ class ModeMismatchError(PartitionError):
 class ExampleInputError(PartitionError):
     """The example input is not one valid call of ``forward``: a unit failed when run on it."""
 
+    where: str = ""  # the unit that failed and its module, when a unit did
+
 
 class UntracedOutputError(PartitionError):
     """The forward returns an object holding tensors that a graph cannot rebuild each call
@@ -69,3 +72,9 @@ class UnbalancedPartitionWarning(UserWarning):
     Warned at partition time with the module that caused it (usually one torch.fx could not
     trace into and kept whole), the ``file:line`` that stopped the tracer and the fix.
     """
+
+
+class DeferredTraceError(PartitionError):
+    """A model built without weights (parameters on meta) whose forward needs values: it reads
+    a tensor's value, or builds tensors while traced that the split would keep as constants,
+    and the meta device holds shapes only."""

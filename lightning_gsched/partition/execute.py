@@ -107,7 +107,7 @@ def example_error(unit: Unit, table: UnitTable, args: Any, kwargs: Any,
         where = f"module {unit.module_path!r}"
     else:
         where = f"{owner}.forward itself"
-    return ExampleInputError(
+    error = ExampleInputError(
         f"the example input does not fit {owner}: unit {unit.index} of {len(table)}, "
         f"{unit.describe()} in {where}, failed with {type(exc).__name__}: {exc} "
         f"(its inputs: {describe_values((args, kwargs))}). The example runs through the whole "
@@ -115,6 +115,8 @@ def example_error(unit: Unit, table: UnitTable, args: Any, kwargs: Any,
         f"of forward, e.g. partition(model, num_stages, (x,)) where model(x) works, with the "
         "batch dimension first and the dtype the model expects (token ids are integers)."
     )
+    error.where = f"{unit.describe()} in {where}"
+    return error
 
 
 def describe_values(value: Any, limit: int = 4) -> str:
