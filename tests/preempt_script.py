@@ -172,9 +172,11 @@ def main() -> None:
     c = CONFIG
     os.environ.setdefault("GSCHED_TEST_LAUNCHER", str(os.getpid()))  # inherited by children
     torch.set_num_threads(1)
-    # "1f1b+tp2": the schedule over tensor-parallel workers of two ranks each
-    schedule, _, tp = c["schedule"].partition("+tp")
-    T = int(tp or 1)
+    # "1f1b+tp2": the schedule over tensor-parallel workers of two ranks each; "1f1b+dp2":
+    # two data-parallel replicas of the pipeline
+    schedule, _, layout = c["schedule"].partition("+")
+    T = int(layout[2:]) if layout.startswith("tp") else 1
+    G = int(layout[2:]) if layout.startswith("dp") else 1
     model = seeded(0, lambda: Faulty(optimizer="adam", shardable=T > 1))
     tensor_parallel = {} if T == 1 else {"tensor_parallel_size": T, "tensor_parallel_plan": {
         f"model.blocks.*.{name}": style for name, style in (
@@ -184,7 +186,7 @@ def main() -> None:
                                          save_on_exception=True, every_n_train_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu", devices=c["world"],
-        strategy=GeneralParallel(schedule, step_timeout=30,
+        strategy=GeneralParallel(schedule, step_timeout=30, data_parallel_size=G,
                                  state_dict_type=c["state_dict_type"], **tensor_parallel),
         logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1 if c["step"] == 0 and c["where"] == "validation" else 0,

@@ -121,7 +121,11 @@ FAILURES = [
     # middle rank, show that ranks that are neither stage 0's nor the failing one end too)
     ("fslpp", 2, "raise", 0, 0, "validation", "validation_step"),
     ("fslpp", 4, "raise", 0, 2, "validation_capture", "Faulty.validation_step"),
-    ("fslpp", 2, "raise", 1, 2, "validation", "Faulty.validation_step after self(...)"),
+    # the last rank of a replica (P=2 x G=2): its pipeline peer loses it in the runtime
+    # while the other replica's ranks wait in the evaluation gather (a control collective),
+    # and every peer must quote the failing rank, not the first peer to notice (the runtime
+    # and the control group keep one job-wide notice: 2 runs in 3 named the peer before)
+    ("1f1b+dp2", 4, "raise", 3, 2, "validation", "Faulty.validation_step after self(...)"),
     ("1f1b", 2, "raise", 0, 1, "capture", "Faulty.training_step"),
     # (the last rank in training_step after self(...): test_lightning_errors.py)
     ("1f1b", 2, "raise", 0, 1, "batch_end", "Injector.on_train_batch_end"),

@@ -134,7 +134,8 @@ class ControlGroup:
         self.failed = True
         self.report(message)
         first = self.first_fault()
-        if first is not None and first != message and self.store is not None:
+        if first is not None and not first.startswith(f"rank {self.rank} ") \
+                and self.store is not None:
             try:
                 self.store.add(self.key + "/read", 1)
             except Exception:  # noqa: BLE001

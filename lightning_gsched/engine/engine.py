@@ -299,7 +299,11 @@ class PipelineEngine:
                                         # constraint (runtime/host_heap.py)
                                         release_heap_each_step=self.deferred,
                                         tensor_parallel_size=self.tensor_parallel_size,
-                                        pieces=pieces)
+                                        pieces=pieces,
+                                        # one job-wide first failure: a peer waiting in a
+                                        # control collective quotes the step's root cause
+                                        notice=(self.control.notice if self.control is not None
+                                                else None))
             self.runtime.prune_optimizer_state(self.optimizers())
             self._align_generators()  # the build drew on some ranks only (traces, measures)
             memory = self.runtime.memory()

@@ -107,8 +107,9 @@ def owner_groups(programs: Programs) -> list[tuple[int, ...]]:
 
 class Channels:
     """Process groups per channel kind, replica subgroups (decided by ``programs``), and the fault
-    notice (in ``store``, default: the default process group's). ``timeout`` (seconds) is also the
-    groups' own, which bounds collectives.
+    notice (in ``store``, default: the default process group's; or ``notice``, a front end's,
+    shared with its own collectives: one job-wide first failure). ``timeout`` (seconds) is also
+    the groups' own, which bounds collectives.
 
     ``tensor_parallel_size=T``: each worker of the programs is T ranks, rank ``w * T + t`` (the
     tensor-parallel index innermost), each running worker ``w``'s program on its own shard. Peers
@@ -116,7 +117,8 @@ class Channels:
     by every rank) and a rank keeps its own; :attr:`rank` is the worker."""
 
     def __init__(self, programs: Programs, *, timeout: float = 300.0,
-                 store: Store | None = None, tensor_parallel_size: int = 1) -> None:
+                 store: Store | None = None, tensor_parallel_size: int = 1,
+                 notice: FaultNotice | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeConfigError(
                 "torch.distributed is not initialized; call dist.init_process_group(...) on every "
@@ -135,7 +137,8 @@ class Channels:
         self.timeout = float(timeout)
         self.serial = next(_SERIAL)
         self.store = store if store is not None else default_store()
-        self.notice = FaultNotice(self.store, f"lightning_gsched/fault/{self.serial}")
+        self.notice = notice if notice is not None else FaultNotice(
+            self.store, f"lightning_gsched/fault/{self.serial}")
         span = timedelta(seconds=self.timeout)
 
         def new_group(workers: list[int] | tuple[int, ...]) -> Any:

@@ -24,7 +24,7 @@ from torch import nn
 from lightning_gsched.errors import RuntimeConfigError, RuntimeFault, origin
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.buckets import GradBuckets
-from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.channels import Channels, FaultNotice
 from lightning_gsched.runtime.compute import (
     CallArgs,
     ForwardContext,
@@ -74,7 +74,7 @@ class ProgramExecutor:
                  channels: Channels | None = None, timeout: float = 300.0,
                  sync_weights: bool = True, forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None, transport: str = "auto",
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, notice: FaultNotice | None = None) -> None:
         check_programs(stages, programs)
         if transport not in TRANSPORTS:
             raise RuntimeConfigError(
@@ -84,7 +84,7 @@ class ProgramExecutor:
         check_ties(stages, programs)
         self.running_stats = RunningStats(stages)  # refuses SyncBatchNorm before any collective
         self.channels = channels if channels is not None else Channels(
-            programs, timeout=timeout, tensor_parallel_size=tensor_parallel_size)
+            programs, timeout=timeout, tensor_parallel_size=tensor_parallel_size, notice=notice)
         self.rank = self.channels.rank
         self.programs = programs
         self.view = ProgramView.of(programs, self.rank)

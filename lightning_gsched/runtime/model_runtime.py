@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gsched.runtime import fullstate
-from lightning_gsched.runtime.channels import Channels
+from lightning_gsched.runtime.channels import Channels, FaultNotice
 from lightning_gsched.runtime.compute import CallArgs, ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_state_bytes
@@ -51,12 +51,14 @@ class ModelRuntime:
                  channels: Channels | None = None, forward_context: ForwardContext | None = None,
                  checkpointed: Sequence[bool] | None = None,
                  transport: str = "auto", release_heap_each_step: bool = False,
-                 tensor_parallel_size: int = 1, pieces: Pieces | None = None) -> None:
+                 tensor_parallel_size: int = 1, pieces: Pieces | None = None,
+                 notice: FaultNotice | None = None) -> None:
         self.module = module
         self.executor = ProgramExecutor(stages, programs, channels=channels, timeout=timeout,
                                         sync_weights=sync_weights, forward_context=forward_context,
                                         checkpointed=checkpointed, transport=transport,
-                                        tensor_parallel_size=tensor_parallel_size)
+                                        tensor_parallel_size=tensor_parallel_size,
+                                        notice=notice)
         self.rank = self.executor.rank
         self.world_size = programs.world_size
         self.device = self.executor.device
