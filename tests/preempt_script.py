@@ -8,7 +8,8 @@ script launcher re-runs it for the other ranks (as a user's ``python train.py`` 
 ``validation``: inside validation_step after ``self(...)`` (at STEP 0: in the sanity check,
 whose first batch builds the pipeline by running the whole step on every rank),
 ``validation_capture``: before ``self(...)``, ``save``: in on_save_checkpoint,
-``batch_end``: in a callback's on_train_batch_end, ``data``: in the dataloader), does FAULT:
+``batch_end``: in a callback's on_train_batch_end, ``data``: in the dataloader, ``setup``: in
+the module's setup hook, before the strategy's setup), does FAULT:
 ``sigterm`` / ``sigusr1`` (to itself), ``sigterm-launcher`` (to rank 0, the launcher), ``raise``
 (a ValueError) or ``none``. Every rank writes ``OUT_DIR/rank<r>.json``: how its ``fit`` ended,
 the step it stopped at, and whether it did the fault (``injected``: the chosen point was
@@ -122,6 +123,9 @@ class Faulty(LitGPT):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         inject("save", self.trainer)
+
+    def setup(self, stage: str) -> None:  # Lightning runs it between two barriers
+        inject("setup", self.trainer)
 
 
 class Injector(pl.Callback):

@@ -131,6 +131,9 @@ FAILURES = [
     ("1f1b", 2, "raise", 0, 1, "batch_end", "Injector.on_train_batch_end"),
     ("1f1b", 2, "raise", 1, 1, "batch_end", "Injector.on_train_batch_end"),
     ("1f1b", 2, "raise", 0, 1, "data", "the dataloader (next batch)"),
+    # before the strategy's setup (the module's setup hook, between Lightning's barriers):
+    # the peer waits in the barrier, which was the default group's (a bare gloo error)
+    ("1f1b", 2, "raise", 1, 0, "setup", "Faulty.setup"),
     ("1f1b", 2, "raise", 1, 1, "data", "the dataloader (next batch)"),
     # trainer.test / trainer.predict (STEP is the batch index; batch 0 builds the pipeline)
     ("1f1b", 2, "raise", 0, 0, "test:loss", "test_step"),

@@ -285,9 +285,16 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
     # ------------------------------------------------------------------ setup
 
     def setup_environment(self) -> None:
-        """DDP's process group, then the device mesh when G is known (a named schedule):
-        ``configure_model`` can read ``self.device_mesh`` as under ModelParallelStrategy."""
+        """DDP's process group, the run's fault handling, then the device mesh when G is known
+        (a named schedule): ``configure_model`` can read ``self.device_mesh`` as under
+        ModelParallelStrategy. Why the fault handling this early: Lightning runs the module's
+        ``setup`` hook between two barriers, then ``configure_model`` and
+        ``configure_optimizers``, all before :meth:`setup`; a rank failing there must be named
+        to its peers, and a peer waiting in those barriers bounded by ``step_timeout``."""
         super().setup_environment()
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            self._install_fault_handling(module._trainer)
         self._mesh.make_if_decided(self.schedule_config, self.world_size, self.root_device.type)
 
     def _give_module_mesh(self, mesh: DeviceMesh) -> None:
@@ -332,7 +339,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_fault_handling(trainer)
+        if self._notice is None:  # setup_environment had no trainer to install it for
+            self._install_fault_handling(trainer)
         self._engine = PipelineEngine(
             module, self.schedule_config, self.partition_options,
             world_size=self.world_size, rank=self.global_rank, timeout=self.step_timeout,
