@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, cast
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar, cast
 
 from fsspec.core import url_to_fs  # type: ignore[import-untyped]
 from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
@@ -63,6 +63,8 @@ from lightning_gsched.schedule import validate
 STATE_DICT_TYPES = ("full", "sharded")
 StateDict = dict[str, Any]
 
+_T = TypeVar("_T")
+
 
 class Pipeline(Protocol):
     """What the service reads of the running pipeline (``PipelineEngine``)."""
@@ -73,6 +75,7 @@ class Pipeline(Protocol):
     def deferred(self) -> bool: ...  # built from a model without weights
     @property
     def tensor_parallel_size(self) -> int: ...  # T: each worker's stages sharded T ways
+    def collective(self, what: str, collective: Callable[[], _T]) -> _T: ...  # fault-named
 
 
 @dataclass
@@ -99,6 +102,12 @@ class CheckpointView:
     def deferred(self) -> bool:
         """The module was built without weights and the pipeline has not given them yet."""
         return self.module is not None and self.runtime is None and is_deferred(self.module)
+
+    def collective(self, what: str, collective: Callable[[], _T]) -> _T:
+        """``collective()``, one of the runtime's gathers or streams for a save, as the engine's
+        collective: a peer lost in it (killed mid-save) ends this rank with a RuntimeFault
+        naming ``what`` and quoting the job's first failure, not gloo's bare error."""
+        return collective() if self.engine is None else self.engine.collective(what, collective)
 
 
 def check_stream_checkpoint(stream_checkpoint: Any) -> bool | str:
@@ -166,7 +175,8 @@ class CheckpointService:
         self._described = None
         runtime = view.runtime
         if includes_model and runtime is not None and self.streams(view):
-            self._described = runtime.streamed_state_dict()
+            self._described = view.collective("the checkpoint's description of the model",
+                                              runtime.streamed_state_dict)
         try:
             yield
         finally:
@@ -187,7 +197,7 @@ class CheckpointService:
         if self._described is not None:
             return self._described
         # rank 0's, full tensors also where tensor-parallel ranks hold pieces (runtime/fullstate.py)
-        return runtime.full_state_dict()
+        return view.collective("the checkpoint's gather of the model", runtime.full_state_dict)
 
     def optimizer_state(self, view: CheckpointView, optimizer: Optimizer) -> StateDict:
         """An optimizer's part: this rank's entries keyed by name (sharded), its own state (no
@@ -203,8 +213,10 @@ class CheckpointService:
         if runtime is None:
             return optimizer.state_dict()
         if runtime.streaming:  # described with the model: the tensors come in write()
-            return runtime.streamed_optimizer_state(optimizer)
-        state = runtime.full_optimizer_state(optimizer)
+            return view.collective("the checkpoint's description of the optimizer state",
+                                   lambda: runtime.streamed_optimizer_state(optimizer))
+        state = view.collective("the checkpoint's gather of the optimizer state",
+                                lambda: runtime.full_optimizer_state(optimizer))
         if _tensor_parallel(view) and state:  # worker 0's T ranks, as in model_state
             state = full_optimizer_state(state, optimizer, _module(view))
             return state if view.rank == 0 else {}
@@ -227,13 +239,14 @@ class CheckpointService:
         local = self.writes_here(view.checkpoint_io, path, storage_options)
         runtime = view.runtime
         if runtime is not None and runtime.streaming:
+            what = "the checkpoint's stream to rank 0"
             if local and view.rank == 0:
-                self.stream_stats = checkpoint_files.save_streamed(checkpoint, path,
-                                                                   runtime.stream)
+                self.stream_stats = view.collective(what, lambda: checkpoint_files.save_streamed(
+                    checkpoint, path, runtime.stream))
             elif local:
-                runtime.stream(None)
+                view.collective(what, lambda: runtime.stream(None))
             else:  # rank 0 keeps every tensor and fills the placeholders in
-                hand_on(runtime.stream_kept(checkpoint))
+                hand_on(view.collective(what, lambda: runtime.stream_kept(checkpoint)))
             return
         if not local:
             hand_on(checkpoint)

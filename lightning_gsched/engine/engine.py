@@ -170,7 +170,7 @@ class PipelineEngine:
         self.device_hint = device if device is not None else torch.device("cpu")
         # the batch-size exchange, the row map and the row exchange of every step
         self.step_rows = StepRows(config, rank, world_size, lambda: self.group,
-                                  self._collective, lambda: self.host_group)
+                                  self.collective, lambda: self.host_group)
         # torch.compile'd modules: AOTAutograd's buffer donation off from the build to close
         # (partition/compiled.py: the strategy runs some backwards twice)
         self.donation_off: DonationOff | None = None
@@ -278,7 +278,7 @@ class PipelineEngine:
                     "weights yourself (load_state_dict)")
             args, kwargs = normal_call(self._probe(caller, micro_batch, training))
             if self.world_size > 1:
-                self._collective("the build's weight broadcast",
+                self.collective("the build's weight broadcast",
                                  lambda: sync_module_states(self.module, self.group))
             # the stages measured once: the tuner's passes serve the memory report where they
             # measured its cut on its microbatch (measure/build_passes.py)
@@ -307,7 +307,7 @@ class PipelineEngine:
             self.runtime.prune_optimizer_state(self.optimizers())
             self._align_generators()  # the build drew on some ranks only (traces, measures)
             memory = self.runtime.memory()
-            rows = startup_rows(plan, memory, self.workers, self.group, self._collective)
+            rows = startup_rows(plan, memory, self.workers, self.group, self.collective)
         if self.rank == 0:
             self.info(startup_text(plan, part, memory,
                                    custom=(self.config.arguments is not None
@@ -328,7 +328,7 @@ class PipelineEngine:
                             rank=self.rank, forward_context=self.forward_context,
                             group=self.group, passes=passes,
                             tensor_parallel=self._tensor_parallel_tuning(),
-                            collective=self._collective)
+                            collective=self.collective)
 
     def _plan(self, caller: StepCaller, micro_batch: Any, training: bool,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Partition, Plan]:
@@ -347,7 +347,7 @@ class PipelineEngine:
         plan = self.train_plan = self.config.training_plan(self.world_size)
         mesh = self.device_mesh
         if mesh is not None:  # "auto": G is the pick's, known now (else made at setup)
-            self._collective("the device mesh", lambda: mesh.make_for(
+            self.collective("the device mesh", lambda: mesh.make_for(
                 self.world_size, plan.data_parallel_size, self.device_hint.type,
                 self.tensor_parallel_size))
         return part, plan
@@ -373,14 +373,14 @@ class PipelineEngine:
             # together (on meta tensors for a model built without weights)
             self._predict_memory(part, args, kwargs, plan, None)
         if self.deferred:  # weights for this rank's stages only (engine/weights.py)
-            seed = self._collective("the seed broadcast",
+            seed = self.collective("the seed broadcast",
                                     lambda: agreed_seed(self.world_size, self.group))
             # a checkpoint resumed into the model (checkpoint.py), set aside until now
             checkpoints = self.checkpoints
             materialize(self.module, part.stages, plan.programs, self.worker, seed,
                         self.device_hint, self.init_weights,
                         checkpoints.take_restore() if checkpoints is not None else None,
-                        self.optimizers(), pieces, self._collective)
+                        self.optimizers(), pieces, self.collective)
         if self.tensor_parallel_size > 1:
             # state loaded before the build (a resumed checkpoint, or restored just above) was
             # made for full parameters
@@ -391,7 +391,7 @@ class PipelineEngine:
                         plan: Plan, passes: BuildPasses | None) -> None:
         """Every rank's predicted bytes (collective), from the stages as they will run: with
         tensor parallelism the sharded stages, which worker 0's T ranks measure together."""
-        self._collective("the build's memory prediction", lambda: self.memory.predict(
+        self.collective("the build's memory prediction", lambda: self.memory.predict(
             part.stages, args, kwargs, plan, self.optimizers(), self.world_size, self.rank,
             passes=passes, stage_units=part.stage_units, device_type=self.device_hint.type,
             measurers=self.tensor_parallel_size, worker=self.worker))
@@ -406,7 +406,7 @@ class PipelineEngine:
         tp_mesh = self.device_mesh.dimension(TENSOR_PARALLEL)
         self._align_generators()  # the check runs below draw dropout masks like a step
         shard_stages(part.stages, self._tensor_parallel_plan(), tp_mesh, check_call,
-                     self._collective)
+                     self.collective)
 
     def _align_generators(self) -> None:
         """A tensor-parallel worker's ranks take its first rank's generator states (collective
@@ -414,7 +414,7 @@ class PipelineEngine:
         if self.tensor_parallel_size == 1 or self.device_mesh is None:
             return
         group = self.device_mesh.dimension(TENSOR_PARALLEL).get_group()
-        self._collective("the tensor-parallel ranks' generators",
+        self.collective("the tensor-parallel ranks' generators",
                          lambda: align_generators(group, self.device_hint))
 
     def _split_options(self) -> PartitionOptions:
@@ -474,7 +474,7 @@ class PipelineEngine:
         costs = profiled_costs(self.module, part.stages, args, kwargs, loss_fn,
                                split_backward=self.config.splits_backward(), rank=self.rank,
                                world_size=self.world_size, group=self.group,
-                               collective=self._collective,
+                               collective=self.collective,
                                forward_context=self.forward_context)
         self.config.set_costs(costs)
         self.config.choice_text = costs_text(costs)
@@ -484,7 +484,7 @@ class PipelineEngine:
         return cut_model(self.module, self.config.resolved(self.world_size)[0],
                          self._split_options(), args, kwargs, rank=self.rank,
                          world_size=self.world_size, group=self.group,
-                         collective=self._collective)
+                         collective=self.collective)
 
     # ------------------------------------------------------------------ steps
 
@@ -505,9 +505,10 @@ class PipelineEngine:
             raise type(exc)(message) from exc
         raise RuntimeFault(message) from exc
 
-    def _collective(self, what: str, collective: Callable[[], _T]) -> _T:
-        """One of the engine's collectives; a backend failure becomes a RuntimeFault quoting
-        the job's first failure (:mod:`.control`)."""
+    def collective(self, what: str, collective: Callable[[], _T]) -> _T:
+        """One of the engine's collectives (``what`` names it in a fault); a backend failure
+        becomes a RuntimeFault quoting the job's first failure (:mod:`.control`). Public: the
+        checkpoint service runs the runtime's gathers through it."""
         if self.control is None:
             return collective()
         try:
@@ -567,7 +568,7 @@ class PipelineEngine:
             self.failed = True
             raise
         self.memory.after_step(runtime, self.optimizers(), self.world_size, self.rank, self.info)
-        all_losses, records = self._collective("the loss/log exchange",
+        all_losses, records = self.collective("the loss/log exchange",
                                                lambda: exchange_logs.finish(pending[0]))
         self.step_rows.check_stamps(pending[0].stamps, B)
         if len(all_losses) != B:
@@ -613,7 +614,7 @@ class PipelineEngine:
                    if keep_outputs and reporting else {})
         # one host read for the step's records
         logs = on_host(caller.logs, runtime.device) if reporting else []
-        gathered = self._collective("the evaluation gather", lambda: exchange(
+        gathered = self.collective("the evaluation gather", lambda: exchange(
             (shipped, logs, notice()), self.world_size, self.group))
         notices = [n for _, _, n in gathered]
         records = [r for _, logs, _ in gathered for r in logs]
@@ -675,10 +676,10 @@ class PipelineEngine:
         if gather and not failed and not runtime.closed:
             # collective: a peer that failed meanwhile (e.g. in a step this rank never ran:
             # its epoch had one batch more) is named, not only the lost connection
-            self._collective("the gather of the full model at the end",
+            self.collective("the gather of the full model at the end",
                              lambda: runtime.restore_full_model(self.optimizers()))
             if self.tensor_parallel_size > 1:  # each slice's shards, gathered over its T ranks
-                self._collective("the gather of the tensor-parallel shards at the end",
+                self.collective("the gather of the tensor-parallel shards at the end",
                                  lambda: gather_shards(self.module, self.optimizers()))
         runtime.close()
         self.runtime = None
