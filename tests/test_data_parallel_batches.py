@@ -198,5 +198,5 @@ def test_a_batch_of_another_layout_fails_every_rank_naming_both_before_rows_move
     for rank, error in enumerate(errors):
         assert getattr(error, "type_name", None) == "BatchSplitError", (rank, error)
         # the first move whose ends differ: rank 0's targets to the last stage's rank 1
-        assert "rank 0 loaded a batch of another layout than rank 1, which reads rows of it" \
-            in error.message, (rank, error.message)
+        assert ("ranks 0 and 1 loaded batches of different layouts, and rank 1 reads rows "
+                "of rank 0's") in error.message, (rank, error.message)

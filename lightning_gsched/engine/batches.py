@@ -164,9 +164,11 @@ def _check_layouts(moves: Sequence[Transfer], layouts: Sequence[int],
     for move in moves:
         if layouts[move.source] != layouts[move.target]:
             raise BatchSplitError(
-                f"rank {peers[move.source]} loaded a batch of another layout than rank "
-                f"{peers[move.target]}, which reads rows of it (their tensors differ after the "
-                "rows: in shape, dtype or structure). Every rank must load batches of one layout "
+                f"ranks {peers[move.source]} and {peers[move.target]} loaded batches of "
+                f"different layouts, and rank {peers[move.target]} reads rows of rank "
+                f"{peers[move.source]}'s (their tensors differ after the rows: in shape, dtype "
+                "or structure; which one is off, the digests do not say). Every rank must load "
+                "batches of one layout "
                 "per row (pad to one length, e.g. a collate_fn padding to a fixed size, and one "
                 "dtype), or every rank of a replica its whole batch: "
                 "data_loading='per_replica'")
