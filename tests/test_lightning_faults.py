@@ -86,6 +86,9 @@ PREEMPTIONS = [
     ("1f1b", 2, "sigterm-launcher", 0, 1, "capture"),  # the launcher, before self(...)
     ("fslpp", 4, "sigterm", 3, 2, "validation"),  # during validation, on the last rank
     ("fslpp", 2, "sigusr1", 0, 3, "batch_start"),  # SIGUSR1 on rank 0 between steps
+    # in the module's setup hook, before the loop: recorded, agreed at the first step (it
+    # killed the rank: Lightning registers its handlers only as the loop starts)
+    ("1f1b", 2, "sigterm", 1, 0, "setup"),
 ]
 
 

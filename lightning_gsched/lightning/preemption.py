@@ -43,6 +43,7 @@ class PreemptionSignals(_SignalConnector):
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
         self.agreement = PreemptionAgreement()  # the state Fabric's notice keeps too
+        self.registered = False  # handlers in place for this run (until teardown)
 
     @property
     def pending(self) -> int:
@@ -57,6 +58,14 @@ class PreemptionSignals(_SignalConnector):
     # ------------------------------------------------------------------ handlers
 
     def register_signal_handlers(self) -> None:
+        """Install the handlers, once per run. The strategy calls this at its
+        ``setup_environment``, so a signal during the module's ``setup``, ``configure_model``,
+        ``configure_optimizers`` or a checkpoint's restore is recorded (and agreed at the first
+        step) instead of killing the rank; Lightning's own call, just before the loop starts,
+        then keeps what was recorded."""
+        if self.registered:
+            return
+        self.registered = True
         self.received_sigterm = False
         self.agreement = PreemptionAgreement()
         self._original_handlers = self._get_current_signal_handlers()
@@ -93,6 +102,7 @@ class PreemptionSignals(_SignalConnector):
 
     def teardown(self) -> None:
         super().teardown()
+        self.registered = False
         self.trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
     # ------------------------------------------------------------------ agreement

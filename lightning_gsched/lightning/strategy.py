@@ -362,6 +362,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             self._control = ControlGroup(self.global_rank, self.step_timeout)
         self._signals = PreemptionSignals(trainer)
         trainer._signal_connector = self._signals
+        self._signals.register_signal_handlers()  # a signal during setup is a notice too
         self._notice = FailureNotice(self._report_failure)
         _callbacks(trainer).insert(0, self._notice)
 
