@@ -25,6 +25,7 @@ from lightning_gsched.schedule.arguments import CAP_WORDS, ScheduleArguments
 from lightning_gsched.schedule.data_parallel import (
     ALREADY_DATA_PARALLEL,
     MODES,
+    pipeline_size,
     tensor_parallel_workers,
 )
 from lightning_gsched.schedule.describe import (
@@ -273,7 +274,9 @@ def _tune_parser(sub: Any) -> None:
                    help="rows of one optimizer step over all workers")
     t.add_argument("--budget", type=_option(partial(validate.byte_size, "memory_budget"), str),
                    default=None, help="bytes per rank, e.g. 20GiB or 512MiB (default: none)")
-    t.add_argument("--optimizer-factor", type=float, default=2.0,
+    t.add_argument("--optimizer-factor",
+                   type=_option(partial(validate.non_negative_number, "optimizer_factor",
+                                        example="2"), float), default=2.0,
                    help="optimizer state per parameter byte: 2 Adam (default), 1 SGD+momentum")
     t.add_argument("--schedules", nargs="*", default=None, choices=sorted(LIBRARY),
                    metavar="SCHEDULE", help="only these library schedules")
@@ -346,7 +349,10 @@ def compare_rows(workers: int, stages: int | None, micro: int | None, R: int | N
                           forward_cost=forward_cost, backward_cost=backward_cost,
                           weight_cost=weight_cost if split else None,
                           data_parallel_size=data_parallel_size, data_parallel=data_parallel,
-                          tensor_parallel_size=tensor_parallel_size)
+                          tensor_parallel_size=tensor_parallel_size,
+                          # a table of the plans' figures: the dry run that proves each runs
+                          # is `gsched plan`'s (it doubled compare's time at W=256)
+                          verify=False)
         except GschedError as exc:
             rows.append({"schedule": name, "error": str(exc)})
             continue
@@ -407,6 +413,10 @@ def _write_png(result: Plan, path: str) -> bool:
     title = (f"{result.schedule}: {workers_text(result)} S={result.stages} "
              f"{micro_text(result)}"
              + (" (forward only)" if result.forward_only else ""))
+    if path.endswith(("/", os.sep)) or Path(path).is_dir():
+        print(f"gsched: error: --png {path}: a folder, not a file; give the picture's file "
+              f"name, e.g. --png {Path(path) / 'plan.png'}", file=sys.stderr)
+        return False
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_png(result.timeline, path, title)
@@ -524,8 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return tune_command(args)
         else:
-            # one error for all rows where T does not divide W (each row would repeat it)
-            tensor_parallel_workers(args.workers, args.tensor_parallel_size)
+            # one error for all rows where T or G does not divide W (each row would repeat it)
+            pipeline_size(tensor_parallel_workers(args.workers, args.tensor_parallel_size),
+                          args.data_parallel_size)
             rows = compare_rows(args.workers, args.stages, args.microbatches, args.R,
                                 args.forward_cost, args.backward_cost, args.weight_cost,
                                 args.data_parallel_size, args.data_parallel,

@@ -226,3 +226,36 @@ def test_plan_json_with_programs_lists_everything_at_any_W(capsys):
     assert data["complete"] is True and "omitted" not in data
     assert len(data["per_worker"]) == len(data["programs"]) == W
     assert len(data["timeline"]) == 2 * W
+
+
+def test_compare_refuses_a_data_parallel_size_that_does_not_divide_once(capsys):
+    """It printed an empty table headed "P=1 x G=3" and the same error per schedule, exit 0."""
+    assert main(["compare", "-w", "4", "--dp", "3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("data_parallel_size=3 does not divide the W=4 workers") == 1
+
+
+def test_a_shared_placement_refusal_names_the_schedule_asked_for(capsys):
+    """1f1b runs on gpipe's placement, which named itself: "gpipe: stages S=3 ..."."""
+    assert main(["plan", "1f1b", "-w", "4", "-s", "3"]) == 2
+    assert "1f1b (on gpipe's placement): stages S=3" in capsys.readouterr().err
+
+
+def test_a_plan_too_large_is_refused_before_anything_of_its_size_is_built():
+    """At W = 10**8 the 1f1b cap list (one int per worker) exhausted the memory before the
+    job-count limit refused the plan; the limit now comes first. The allocator's peak during
+    the refusal, measured by tracemalloc, is far below one list of W entries (80 MB here)."""
+    import tracemalloc
+
+    from lightning_gsched.errors import ScheduleConfigError
+    from lightning_gsched.schedule import plan
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ScheduleConfigError, match="more than the"):
+            plan("1f1b", workers=10**7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 10**6, peak

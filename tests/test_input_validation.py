@@ -227,6 +227,9 @@ def test_what_needs_the_device_count_fails_at_setup_with_a_clear_error() -> None
         GeneralParallel("fslpp", R=3).schedule_config.training_plan(2)
     with pytest.raises(ScheduleConfigError, match=r"cap list has 3 entries but there are W=2"):
         GeneralParallel("1f1b", cap=[2, 2, 2]).schedule_config.training_plan(2)
+    # setup's own check (no plan built): the cap list's length too (it failed at the build)
+    with pytest.raises(ScheduleConfigError, match=r"cap list has 3 entries but there are W=2"):
+        GeneralParallel("1f1b", cap=[2, 2, 2]).schedule_config.check(2)
     with pytest.raises(ScheduleConfigError, match=r"forward_cost has 3 values but needs S=2"):
         GeneralParallel("gpipe", forward_cost=[1, 1, 1]).schedule_config.training_plan(2)
     with pytest.raises(ScheduleConfigError,

@@ -240,3 +240,17 @@ def test_microbatches_are_per_replica_and_the_profile_is_of_the_smallest() -> No
     assert most_microbatches(8, 128, micro=8, replicas=2) == 16
     for c in candidates(8, 128, micro=4):
         assert c.micro == 4 and c.rows == 128 // (4 * c.replicas)
+
+
+def test_a_fixed_b_or_r_no_candidate_can_take_is_refused_naming_why() -> None:
+    """``gsched tune -b 5`` with 16 rows ranked "gpipe S=4 B=5" at G = 1 (the step would cut
+    unequal microbatches and fail), and ``--R 3`` at W=4 ended in "nothing fits" with no
+    reason: both are refused up front, naming what would do."""
+    assert microbatch_counts(4, 16, micro=5) == []  # at G = 1 too
+    with pytest.raises(ScheduleConfigError, match=r"microbatches=5 does not cut the global "
+                       r"batch of 16 rows.*among \[1, 2, 4, 8, 16\]"):
+        candidates(4, 16, micro=5)
+    with pytest.raises(ScheduleConfigError, match=r"R=3 divides no pipeline's workers.*"
+                       r"among \[1, 2, 4\]"):
+        candidates(4, 16, R=3)
+    assert candidates(4, 16, micro=4) and candidates(4, 16, R=2)  # what does fit is kept

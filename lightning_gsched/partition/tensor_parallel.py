@@ -118,8 +118,9 @@ def check_plan(degree: int, plan: Any) -> TensorParallelPlan | None:
     if plan is None:
         raise TensorParallelPlanError(
             f"tensor_parallel_size={degree} needs a tensor_parallel_plan saying how a stage's "
-            "layers are sharded: module-name patterns to styles, e.g. {'blocks.*.attn.qkv': "
-            "'colwise', 'blocks.*.attn.proj': 'rowwise'}, or a function "
+            "layers are sharded: module-name patterns to styles, e.g. {'blocks.*.attn.q': "
+            "'colwise', 'blocks.*.attn.k': 'colwise', 'blocks.*.attn.v': 'colwise', "
+            "'blocks.*.attn.proj': 'rowwise'}, or a function "
             "parallelize(stage_module, tp_mesh)")
     if callable(plan):
         return cast(TensorParallelPlan, plan)

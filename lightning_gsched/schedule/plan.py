@@ -257,10 +257,15 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
     G = a.data_parallel_size
     on_replicas = _on_replicas(P, G)
     S, B, R = resolve_arguments(a, workers)  # W / T's defaults (resolve divides by T)
+    split = validate.flag("split_backward", splits_backward(a)) and not forward_only
+    # the job count before anything of size W or S is built (a 1f1b cap list per worker at
+    # W = 10**8 exhausted the memory before this check refused the plan)
+    label = a.schedule or "custom"  # a library name as given, or a custom schedule's label
+    check_size(label, W, S, B * G, 1 if forward_only else 3 if split else 2)
     if a.placement is None:
         spec = get_schedule(a.schedule)  # type: ignore[arg-type]
         library_placement = spec.make_placement(P, S, R or 1)
-        with _reworded(on_replicas):
+        with _reworded(on_replicas), _named_for(spec.name):
             library_placement.check(S, B)
         placement_fn: PlacementFn = library_placement
         order_spec = a.order if a.order is not None else (a.priority or spec.order)
@@ -271,7 +276,6 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
         order_spec = a.order if a.order is not None else (a.priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap
         name = a.schedule or "custom"
-    split = splits_backward(a)
     if G > 1:  # the P-worker schedule's placement, priority and cap, lifted to G replicas
         layout = ReplicaLayout(P, G)
         with _reworded(on_replicas):
@@ -281,8 +285,8 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
         if cap_spec is not None and not isinstance(cap_spec, str):  # 'auto': one uniform cap
             cap_spec = lift_caps(normalise_caps(cap_spec, P), layout)
         B *= G
-    split = validate.flag("split_backward", split) and not forward_only
-    check_size(name, W, S, B, 1 if forward_only else 3 if split else 2)
+    elif isinstance(cap_spec, (list, tuple)):  # one per worker: its length checked up front,
+        normalise_caps(cap_spec, W)  # as a front end's setup runs this (it failed at the build)
     grew = a.data_parallel == "shard" and a.stages is None and a.placement is None
     # per-stage arguments against the S the plan has, which sharding may have grown
     with _reworded("", f" (data_parallel='shard' grew the schedule's default S to {S} so that "
@@ -318,6 +322,20 @@ def _reworded(prefix: str, suffix: str = "") -> Iterator[None]:
         if not prefix and not suffix:
             raise
         raise type(exc)(f"{prefix}{exc}{suffix}") from None
+
+
+@contextmanager
+def _named_for(schedule: str) -> Iterator[None]:
+    """A placement's refusal under the schedule's name: schedules share placements (1f1b and
+    the zero-bubble ones are gpipe's, interleaved lpp's, fsdp ddp's microbatching), which name
+    themselves; ``gsched plan 1f1b -s 3`` said "gpipe: ..."."""
+    try:
+        yield
+    except ScheduleConfigError as exc:
+        placement, colon, rest = str(exc).partition(": ")
+        if not colon or placement == schedule or " " in placement:
+            raise
+        raise type(exc)(f"{schedule} (on {placement}'s placement): {rest}") from None
 
 
 def _build(a: ScheduleArguments, name: str, W: int, S: int, B: int, R: int | None,

@@ -89,10 +89,11 @@ def microbatch_counts(workers: int, global_rows: int, micro: int | None = None,
                       replicas: int = 1) -> list[int]:
     """The B values per replica searched at G = ``replicas``: those giving W, 2W and 4W
     microbatches per step that divide the global batch, else the largest step count <= W that
-    divides it and that G divides; only the user's ``micro`` (when B x G divides the batch)."""
+    divides it and that G divides; only the user's ``micro`` (when B x G divides the batch:
+    the step cuts equal microbatches, at G = 1 too)."""
     G = replicas
     if micro is not None:
-        return [micro] if G == 1 or global_rows % (micro * G) == 0 else []
+        return [micro] if global_rows % (micro * G) == 0 else []
     counts = [T for T in dict.fromkeys((workers, 2 * workers, 4 * workers)) if global_rows % T == 0]
     if not counts:
         counts = [T for T in _divisors(global_rows) if T <= workers and T % G == 0][-1:]
@@ -138,6 +139,7 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
     ``stages``, ``micro``, ``R`` (only the looped schedules then), ``replicas``."""
     if replicas is not None:
         pipeline_size(workers, replicas)  # G divides W, or the error naming the divisors
+    _check_fixed(workers, global_rows, schedules, micro, R, replica_counts(workers, replicas))
     out: list[Candidate] = []
     for G in replica_counts(workers, replicas):
         micros = microbatch_counts(workers, global_rows, micro, G)
@@ -153,6 +155,27 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
                 out += [Candidate(name, S, B, r, ckpt, global_rows // (B * G), None, G, mode)
                         for S, B, ckpt in itertools.product(Ss, micros, checkpoint)]
     return out
+
+
+def _check_fixed(workers: int, global_rows: int, schedules: Sequence[str] | None,
+                 micro: int | None, R: int | None, replica_sizes: Sequence[int]) -> None:
+    """Refuse a user's B or R that no candidate can take, naming why and what would: the search
+    would otherwise end in "nothing fits" with no reason (every candidate dropped)."""
+    if micro is not None and not any(global_rows % (micro * G) == 0 for G in replica_sizes):
+        steps = "B" if replica_sizes == [1] else f"B x G (G in {list(replica_sizes)})"
+        raise ScheduleConfigError(
+            f"microbatches={micro} does not cut the global batch of {global_rows} rows into "
+            f"equal microbatches: {steps} must divide it. Choose microbatches among "
+            f"{[b for b in _divisors(global_rows) if any(global_rows % (b * G) == 0 for G in replica_sizes)]}"
+            ", or leave it out to search")
+    looped = [n for n in schedules or list(LIBRARY) if get_schedule(n).default_R is not None]
+    if R is not None and looped and not any((workers // G) % R == 0 for G in replica_sizes):
+        pipelines = sorted({workers // G for G in replica_sizes})
+        raise ScheduleConfigError(
+            f"R={R} divides no pipeline's workers: each replica runs on P = W / G = "
+            f"{', '.join(map(str, pipelines))} workers (G in {list(replica_sizes)}), and a looped "
+            f"schedule's R must divide P. Choose R among "
+            f"{sorted({r for P in pipelines for r in _divisors(P)})}, or leave it out to search")
 
 
 @dataclass(frozen=True)
@@ -223,8 +246,14 @@ def plan_candidate(candidate: Candidate, profile: StageProfile, workers: int) ->
     return plan_arguments(candidate_arguments(candidate, profile), workers)
 
 
+def _clipped(text: str, limit: int = 300) -> str:
+    """``text``, or its first ``limit`` characters cut at a word and marked: a verdict's reason
+    is one line of a table's notes (the planner's errors are long, their point up front)."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def _refused(candidate: Candidate, exc: GschedError) -> Verdict:
-    return Verdict(candidate, reason=f"invalid: {str(exc).splitlines()[0][:120]}")
+    return Verdict(candidate, reason=f"invalid: {_clipped(str(exc).splitlines()[0])}")
 
 
 def cap_choices(default: Plan) -> list[int]:
