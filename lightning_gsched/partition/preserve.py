@@ -141,9 +141,17 @@ AttributeState = dict[str, tuple[int, int | None]]
 
 def python_attributes(module: nn.Module) -> AttributeState:
     """Each plain attribute of ``module`` (its ``__dict__`` without torch's tables): the
-    object's identity, and the size of a list, dict or set (changed in place)."""
-    return {key: (id(value), len(value) if isinstance(value, (list, dict, set)) else None)
-            for key, value in module.__dict__.items() if key not in _TORCH_TABLES}
+    object's identity, and the size of a list, dict or set (changed in place); and each
+    registered buffer's identity. Why the buffers: ``self.step += 1`` (or ``self.step =
+    self.step + 1``) on a buffer assigns a new tensor, which the graph does not record: the
+    split would compute ``step + 1`` from the buffer's traced value at every call, the buffer
+    never changing (an update in place, ``self.step.add_(1)``, is recorded and keeps the
+    tensor). A buffer reassigned at all counts, even from sizes alone: the stages read the
+    module's buffer, not the traced value (such a split failed ``verify``)."""
+    state = {key: (id(value), len(value) if isinstance(value, (list, dict, set)) else None)
+             for key, value in module.__dict__.items() if key not in _TORCH_TABLES}
+    state.update((key, (id(value), None)) for key, value in module._buffers.items())
+    return state
 
 
 def changed_attributes(module: nn.Module, before: AttributeState) -> list[str]:
@@ -156,7 +164,8 @@ def changed_attributes(module: nn.Module, before: AttributeState) -> list[str]:
     after = python_attributes(module)
     return sorted(key for key in before.keys() | after.keys()
                   if before.get(key) != after.get(key)
-                  and not _recomputed_alike(module.__dict__.get(key)))
+                  and (key in module._buffers or not _recomputed_alike(module.__dict__.get(key),
+                                                                        key)))
 
 
 SubtreeState = dict[str, AttributeState]  # submodule name (relative, "" itself) -> attributes
@@ -176,12 +185,29 @@ def changed_subtree_attributes(module: nn.Module, before: SubtreeState) -> list[
             for key in changed_attributes(modules[name], state)]
 
 
-def _recomputed_alike(value: Any) -> bool:
+def _recomputed_alike(value: Any, key: str) -> bool:
     """A real tensor (made from constants while tracing), or a traced one whose graph reaches
-    the inputs only through their sizes."""
+    the inputs only through their sizes and does not read the attribute ``key`` it replaces
+    (``self.step = self.step + 1`` is state: its next value needs this one)."""
     if isinstance(value, torch.Tensor):
         return True
-    return isinstance(value, torch.fx.Proxy) and not _reads_input_values(value.node)
+    return (isinstance(value, torch.fx.Proxy) and not _reads_input_values(value.node)
+            and not _reads_attribute(value.node, key))
+
+
+def _reads_attribute(node: torch.fx.Node, key: str) -> bool:
+    """Whether ``node`` depends on a ``get_attr`` of an attribute named ``key``."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "get_attr" and str(current.target).rsplit(".", 1)[-1] == key:
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
 
 
 def _reads_input_values(node: torch.fx.Node) -> bool:

@@ -211,7 +211,8 @@ def _refuse_state_change(module: nn.Module, name: str, before: SubtreeState) -> 
             f"{where} forward ({type(module).__name__}) sets "
             f"{', '.join('self.' + key for key in changed)} while traced: the split would not "
             "set it again at later calls. The module runs whole instead; in the root forward, "
-            "keep such state in a submodule (or in a buffer updated in place)")
+            "keep such state in a submodule, or in a buffer updated in place "
+            "(self.step.add_(1), not self.step += 1 or self.step = self.step + 1)")
 
 
 class _TraceRootBase(nn.Module):
