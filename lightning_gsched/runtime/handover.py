@@ -10,7 +10,7 @@ scaled, in :meth:`GradStash.hand_over`. Which parameters get which gradients: :m
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Collection, Iterable, Protocol
+from typing import Any, Callable, Collection, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,11 @@ class GradStash:
     def global_norm(self, params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
         """Norm of all gradients of the model: each parameter counted once, on its primary rank,
         then one all-reduce gives every rank the whole model's norm."""
+        params = list(params)
         wanted = {id(p) for p in params}
+        # the norm's dtype is the gradients' (torch's clip_grad_norm_ gives a float64 model's
+        # norm in float64), read off every parameter asked for: the same on every rank
+        dtype = _norm_dtype(params)
         T, t = self.tensor_parallel
         mine = [p.grad for p in self.ownership.primary if id(p) in wanted and p.grad is not None
                 and (t == 0 or id(p) in self.sharded)]
@@ -123,8 +127,8 @@ class GradStash:
         world = self.world_size * T
         device = self.source.device
         if math.isinf(norm_type):
-            local = max((g.detach().abs().max().float() for g in mine),
-                        default=torch.zeros((), device=device))
+            local = max((g.detach().abs().max().to(dtype) for g in mine),
+                        default=torch.zeros((), dtype=dtype, device=device))
             local = torch.as_tensor(local, device=device).reshape(1).clone()
             if world > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
@@ -134,7 +138,7 @@ class GradStash:
             local += g.detach().double().abs().pow(norm_type).sum()
         if world > 1:
             dist.all_reduce(local, group=group)
-        return local[0].pow(1.0 / norm_type).float()
+        return local[0].pow(1.0 / norm_type).to(dtype)
 
     def clip_by_norm(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2.0,
                      error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -150,3 +154,12 @@ class GradStash:
             if p.grad is not None:
                 p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
+
+
+def _norm_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
+    """The floating dtype the parameters' gradients promote to (float32 when none is)."""
+    dtype = None
+    for p in params:
+        if p.is_floating_point():
+            dtype = p.dtype if dtype is None else torch.promote_types(dtype, p.dtype)
+    return dtype or torch.float32
