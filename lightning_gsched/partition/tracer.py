@@ -50,6 +50,10 @@ from lightning_gsched.partition.attempts import (
     run_attempt,
 )
 from lightning_gsched.partition.cache_off import fixed_keywords, omitted_cache
+from lightning_gsched.partition.checkpoint_calls import (
+    checkpoint_calls_noted,
+    warn_checkpoint_traced,
+)
 from lightning_gsched.partition.compiled import is_compiled
 from lightning_gsched.partition.concrete import ConcreteProxy, ConcreteValues
 from lightning_gsched.partition.errors import TraceFailedError, UntracedOutputError
@@ -304,10 +308,16 @@ def _trace_once(
 
     concrete = ConcreteValues(example, resolve) if example is not None else None
     tracer = GschedTracer(classes, names, concrete)
+
+    def where() -> str:  # the innermost module being traced, for the checkpoint warning
+        return (f"module {tracer.gsched_scope[-1][0]!r}" if tracer.gsched_scope
+                else "the forward itself")
+
     with preserved_attributes(module), preserved_tensors_and_rng(module), \
             recording_autograd_functions(), host_draws_refused(), grad_mode_switches_refused(), \
-            traced_code():
+            traced_code(), checkpoint_calls_noted(where) as checkpointed:
         graph = tracer.trace(root)
+    warn_checkpoint_traced(checkpointed, type(module).__name__)
     return graph, tracer, root
 
 
