@@ -165,6 +165,20 @@ def exchange_check(ctx: WorkerContext, steps: list[dict]) -> list[dict]:
     return out
 
 
+def test_a_dataclass_batch_is_refused_naming_the_dataclass_and_the_fix():
+    """Lightning moves a dataclass batch; the split does not look into one (its tensors are
+    one opaque leaf to torch's pytree): it said only "holds no tensor with a batch dimension"
+    (found by probing)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        tokens: torch.Tensor
+
+    with pytest.raises(BatchSplitError, match=r"Its Batch is a dataclass.*dataclasses\.asdict"):
+        rows_and_layouts(Batch(torch.zeros(4, 3)), 1)
+
+
 def test_ranks_receive_only_the_rows_they_read_that_they_did_not_load(worlds):
     world = worlds.get(2)
     results = world.run(row_exchange_check, [4, 4], 4, [[0, 1], [2, 3]])

@@ -17,6 +17,7 @@ rank, as DDP's DataLoaders give them).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,9 +37,14 @@ def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
     leaves, spec = pytree.tree_flatten(batch)
     data = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not data:
+        opaque = sorted({type(leaf).__name__ for leaf in leaves
+                         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)})
         raise BatchSplitError(
             "the batch holds no tensor with a batch dimension, so it cannot be split into "
             "microbatches; return tensors (dim 0 = samples) from your DataLoader / collate_fn"
+            + (f". Its {', '.join(opaque)} is a dataclass, whose tensors the split does not "
+               "look into (tuples, lists, dicts and namedtuples it does): return them in a dict "
+               "or a tuple, e.g. dataclasses.asdict(batch)" if opaque else "")
         )
     sizes = {leaves[i].shape[0] for i in data}
     if len(sizes) > 1:
