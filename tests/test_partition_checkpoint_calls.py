@@ -56,3 +56,4 @@ def test_a_reentrant_checkpoint_splits_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointTracedWarning)
         partition(Net(reentrant=True), 2, (torch.randn(4, 8),))
+

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 import models
 from lightning_gsched.errors import GschedError, PartitionError
@@ -254,3 +255,27 @@ def test_compiled_blocks_are_units_and_a_compiled_whole_is_told_to_compile_its_b
         partition(whole, 2, args)
     assert "'0' is kept whole because it is compiled (torch.compile)" in str(info.value)
     assert "compile its blocks instead of it" in str(info.value)
+
+
+class SavesThenChanges(nn.Module):
+    """An in-place change of a value autograd saved: the model's own backward fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.first(x))  # sigmoid saves its output
+        out = self.last(h)
+        h += 1  # changes it in place after the fact
+        return out
+
+
+def test_verify_says_the_model_itself_fails_its_backward() -> None:
+    """It surfaced torch's raw "modified by an inplace operation" traceback from verify, as if
+    the split were at fault (found by probing)."""
+    from lightning_gsched.partition.errors import ExampleInputError
+
+    with pytest.raises(ExampleInputError, match=r"its own backward fails, before any stage "
+                       r"runs: RuntimeError: one of the variables needed"):
+        partition(SavesThenChanges(), 2, (torch.randn(4, 8),))

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.host_random import seed_host, states_kept
-from lightning_gsched.partition.errors import PartitionError, SplitMismatchError
+from lightning_gsched.partition.errors import ExampleInputError, PartitionError, SplitMismatchError
 from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
 
 AUTO_LIMIT_BYTES = 1 << 30  # verify="auto" checks models with at most 1 GiB of parameters
@@ -146,7 +146,16 @@ def _run_unsplit(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         output = module(*args, **kwargs)
     roots, grads = _output_grads(output)
     if roots:
-        torch.autograd.backward(roots, grads)
+        try:
+            torch.autograd.backward(roots, grads)
+        except RuntimeError as exc:  # the model's own backward: no split is involved yet
+            raise ExampleInputError(
+                f"verify runs {type(module).__name__} whole on the example first, and its own "
+                f"backward fails, before any stage runs: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0]}. The model cannot train on this input as it is "
+                "(e.g. an in-place change of a tensor autograd saved: x += y, "
+                "ReLU(inplace=True) on a value used again); fix it and check with "
+                "model(x).sum().backward() on one device") from exc
     return output, {n: p.grad.detach().clone() for n, p in module.named_parameters()
                     if p.grad is not None}
 
