@@ -160,7 +160,8 @@ def test_slurm_variables_give_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None
 
     for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_"))]:
         monkeypatch.delenv(name)  # a test run inside a SLURM job must not leak its own values
-    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT",
+                 "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
     for name, value in SLURM_TASK_3_OF_2X2.items():
         monkeypatch.setenv(name, value)
