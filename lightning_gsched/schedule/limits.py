@@ -24,6 +24,8 @@ def check_size(name: str, workers: int, stages: int, micro: int, phases: int) ->
         f"checks every rank's program, about 1-3 KB and 10-30 us per job). Give fewer stages "
         f"or microbatches so that S x B <= {most:,} (e.g. microbatches="
         f"{max(1, most // stages)} at S={stages}); where a schedule's placement ties S or B to "
-        "W (fsdp: both multiples of W; gpipe/1f1b/zb: S a multiple of W), use one that does "
-        "not (lpp with a small R, ddp) or fewer workers"
+        "W (ddp: B a multiple of W; fsdp: S and B; gpipe, 1f1b, zb-*: S; the V schedules: S "
+        "a multiple of 2W; lpp, fslpp: S a multiple of R and B of W/R), there may be none at "
+        "this W: plan fewer workers (every library schedule's default shape fits up to "
+        "W=1024)"
     )
