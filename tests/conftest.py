@@ -73,3 +73,22 @@ def _restore_seed_environment() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture
+def one_rank_job() -> Iterator[None]:
+    """For a test that launches a one-rank Fabric job in the pytest process: Fabric's launch
+    sets MASTER_ADDR/PORT and a default process group here; both are undone afterwards, so
+    later tests in the worker see neither (a SLURM test read the address)."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -10,28 +10,9 @@ pipeline on one rank (two stages, two microbatches), against torch on a copy of 
 from __future__ import annotations
 
 import copy
-import os
-from typing import Iterator
 
-import pytest
 import torch
 from torch import nn
-
-
-@pytest.fixture
-def one_rank_job() -> Iterator[None]:
-    """Fabric's launch sets MASTER_ADDR/PORT and a default process group in this process: both
-    undone afterwards, so later tests in the worker see neither (a SLURM test read the address)."""
-    import torch.distributed as dist
-
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_a_float64_models_clipping_norm_and_gradients_equal_torchs(one_rank_job: None) -> None:

@@ -19,7 +19,7 @@ move point to point, each to the ranks whose programs read it (:mod:`.step_rows`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
@@ -265,8 +265,12 @@ class PipelineEngine:
         ``micro_of()`` gives the first microbatch under the pick, the one the partition and the
         memory prediction are made on (as for a schedule given by name). The phases, in order:
         check the step (:meth:`_probe`), choose (:meth:`_choose`), plan (:meth:`_plan`), give
-        each rank its weights (:meth:`_place_weights`), start the runtime."""
-        with torch.inference_mode(False):
+        each rank its weights (:meth:`_place_weights`), start the runtime. All of it inside
+        ``forward_context`` (Fabric's precision), as the Trainer's precision context surrounds
+        its step: the build runs the model on the captured call, whose inputs the front end
+        already cast (bf16-mixed: float inputs in bfloat16, which a float32 layer refuses
+        outside autocast)."""
+        with torch.inference_mode(False), (self.forward_context or nullcontext)():
             self.deferred = is_deferred(self.module)
             self._prepare_compiled()
             if self.init_weights is not None and not self.deferred:
