@@ -164,8 +164,7 @@ def changed_attributes(module: nn.Module, before: AttributeState) -> list[str]:
     after = python_attributes(module)
     return sorted(key for key in before.keys() | after.keys()
                   if before.get(key) != after.get(key)
-                  and (key in module._buffers or not _recomputed_alike(module.__dict__.get(key),
-                                                                        key)))
+                  and (key in module._buffers or not _recomputed_alike(module.__dict__.get(key))))
 
 
 SubtreeState = dict[str, AttributeState]  # submodule name (relative, "" itself) -> attributes
@@ -185,29 +184,13 @@ def changed_subtree_attributes(module: nn.Module, before: SubtreeState) -> list[
             for key in changed_attributes(modules[name], state)]
 
 
-def _recomputed_alike(value: Any, key: str) -> bool:
+def _recomputed_alike(value: Any) -> bool:
     """A real tensor (made from constants while tracing), or a traced one whose graph reaches
-    the inputs only through their sizes and does not read the attribute ``key`` it replaces
-    (``self.step = self.step + 1`` is state: its next value needs this one)."""
+    the inputs only through their sizes. (A reassigned buffer, which may read its own old
+    value, is state whatever it holds: :func:`changed_attributes`.)"""
     if isinstance(value, torch.Tensor):
         return True
-    return (isinstance(value, torch.fx.Proxy) and not _reads_input_values(value.node)
-            and not _reads_attribute(value.node, key))
-
-
-def _reads_attribute(node: torch.fx.Node, key: str) -> bool:
-    """Whether ``node`` depends on a ``get_attr`` of an attribute named ``key``."""
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "get_attr" and str(current.target).rsplit(".", 1)[-1] == key:
-            return True
-        stack.extend(current.all_input_nodes)
-    return False
+    return isinstance(value, torch.fx.Proxy) and not _reads_input_values(value.node)
 
 
 def _reads_input_values(node: torch.fx.Node) -> bool:

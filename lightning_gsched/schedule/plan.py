@@ -260,8 +260,9 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
     split = validate.flag("split_backward", splits_backward(a)) and not forward_only
     # the job count before anything of size W or S is built (a 1f1b cap list per worker at
     # W = 10**8 exhausted the memory before this check refused the plan)
-    label = a.schedule or "custom"  # a library name as given, or a custom schedule's label
-    check_size(label, W, S, B * G, 1 if forward_only else 3 if split else 2)
+    name = (get_schedule(a.schedule).name if a.placement is None  # type: ignore[arg-type]
+            else a.schedule or "custom")
+    check_size(name, W, S, B * G, 1 if forward_only else 3 if split else 2)
     if a.placement is None:
         spec = get_schedule(a.schedule)  # type: ignore[arg-type]
         library_placement = spec.make_placement(P, S, R or 1)
@@ -270,12 +271,10 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
         placement_fn: PlacementFn = library_placement
         order_spec = a.order if a.order is not None else (a.priority or spec.order)
         cap_spec = None if forward_only else spec.cap(P, S) if cap == DEFAULT else cap
-        name = spec.name
     else:
         placement_fn = a.placement
         order_spec = a.order if a.order is not None else (a.priority or "bfs")
         cap_spec = None if cap == DEFAULT or forward_only else cap
-        name = a.schedule or "custom"
     if G > 1:  # the P-worker schedule's placement, priority and cap, lifted to G replicas
         layout = ReplicaLayout(P, G)
         with _reworded(on_replicas):

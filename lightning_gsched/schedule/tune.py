@@ -139,9 +139,10 @@ def candidates(workers: int, global_rows: int, schedules: Sequence[str] | None =
     ``stages``, ``micro``, ``R`` (only the looped schedules then), ``replicas``."""
     if replicas is not None:
         pipeline_size(workers, replicas)  # G divides W, or the error naming the divisors
-    _check_fixed(workers, global_rows, schedules, micro, R, replica_counts(workers, replicas))
+    replica_sizes = replica_counts(workers, replicas)
+    _check_fixed(workers, global_rows, schedules, micro, R, replica_sizes)
     out: list[Candidate] = []
-    for G in replica_counts(workers, replicas):
+    for G in replica_sizes:
         micros = microbatch_counts(workers, global_rows, micro, G)
         for name in schedules or list(LIBRARY):
             if R is not None and get_schedule(name).default_R is None:
@@ -161,13 +162,15 @@ def _check_fixed(workers: int, global_rows: int, schedules: Sequence[str] | None
                  micro: int | None, R: int | None, replica_sizes: Sequence[int]) -> None:
     """Refuse a user's B or R that no candidate can take, naming why and what would: the search
     would otherwise end in "nothing fits" with no reason (every candidate dropped)."""
-    if micro is not None and not any(global_rows % (micro * G) == 0 for G in replica_sizes):
-        steps = "B" if replica_sizes == [1] else f"B x G (G in {list(replica_sizes)})"
+    def searched(b: int) -> bool:  # some G takes B = b (microbatch_counts' rule)
+        return any(microbatch_counts(workers, global_rows, b, G) for G in replica_sizes)
+
+    if micro is not None and not searched(micro):
+        steps = "B" if list(replica_sizes) == [1] else f"B x G (G in {list(replica_sizes)})"
         raise ScheduleConfigError(
             f"microbatches={micro} does not cut the global batch of {global_rows} rows into "
             f"equal microbatches: {steps} must divide it. Choose microbatches among "
-            f"{[b for b in _divisors(global_rows) if any(global_rows % (b * G) == 0 for G in replica_sizes)]}"
-            ", or leave it out to search")
+            f"{[b for b in _divisors(global_rows) if searched(b)]}, or leave it out to search")
     looped = [n for n in schedules or list(LIBRARY) if get_schedule(n).default_R is not None]
     if R is not None and looped and not any((workers // G) % R == 0 for G in replica_sizes):
         pipelines = sorted({workers // G for G in replica_sizes})
