@@ -69,6 +69,8 @@ class LitGPT(pl.LightningModule):
             self.train_mean.update(loss.detach(), weight=len(batch[0]))
             self.train_seen(loss.detach(), weight=len(batch[0]))
             self.log("train_seen", self.train_seen, on_step=True, on_epoch=True)
+            # kept in float64 by Lightning (a third is not a float32 number)
+            self.log("train_third", loss.detach().double() / 3)
         if self.hparams.log_extra:
             self.log("tokens", float(batch[0].numel()), reduce_fx="sum")
         return loss

@@ -129,25 +129,28 @@ def test_frozen_parameters_match_single_device(worlds, schedule: str, tmp_path) 
     assert_fit_matches(states, str(tmp_path), want, want_log, f"{schedule} frozen")
 
 
-METRIC_COLUMNS = ("train_seen_step", "train_seen_epoch", "val_seen")
+METRIC_COLUMNS = ("train_seen_step", "train_seen_epoch", "val_seen/dataloader_idx_0",
+                  "val_seen/dataloader_idx_1")
 
 
 def metrics_fit(world: int, rank: int, strategy: Any, tmp: str
-                ) -> tuple[list[tuple[str, float]], dict[str, list]]:
-    """Two epochs of two steps, each followed by two validation batches, of a LitGPT that
-    updates torchmetrics MeanMetrics in its training and validation steps: the means each
-    epoch's end computed (over every rank's state), and the logged metrics' CSV columns."""
+                ) -> tuple[list[tuple[str, float]], dict[str, list], str]:
+    """Two epochs of two steps, each followed by two batches of each of two validation
+    dataloaders, of a LitGPT that updates torchmetrics MeanMetrics in its training and
+    validation steps: the means each epoch's end computed (over every rank's state), the logged
+    metrics' CSV columns, and the dtype of a value logged as a float64 tensor."""
     model = make_lit_gpt(metrics=True)
     fit = trainer(world, strategy, tmp, max_epochs=2, limit_train_batches=2,
                   limit_val_batches=2)
     fit.fit(model, rank_loader(tokens(GLOBAL_BATCH * 2), GLOBAL_BATCH, world, rank),
-            rank_loader(tokens(GLOBAL_BATCH * 2, seed=5), GLOBAL_BATCH, world, rank))
+            [rank_loader(tokens(GLOBAL_BATCH * 2, seed=seed), GLOBAL_BATCH, world, rank)
+             for seed in (5, 6)])
     columns = {name: csv_metric(tmp, name) for name in METRIC_COLUMNS} if rank == 0 else {}
-    return list(model.epoch_means), columns
+    return list(model.epoch_means), columns, str(fit.callback_metrics["train_third"].dtype)
 
 
 def metrics_fit_on_worker(ctx: WorkerContext, options: dict, tmp: str
-                          ) -> tuple[list[tuple[str, float]], dict[str, list]]:
+                          ) -> tuple[list[tuple[str, float]], dict[str, list], str]:
     from lightning_gsched import GeneralParallel
 
     as_worker(ctx.rank)
@@ -162,15 +165,20 @@ def test_torchmetrics_updated_in_the_steps_count_each_row_once(worlds, tmp_path)
     microbatches) and epoch values (Lightning's compute() over every rank's state). The build
     runs the first batch's whole step once more on every rank to check it, and profile_costs
     runs the code after self(...) while timing the last stage: both leave the metrics as they
-    were (the first epoch's training mean was 1.4% off before). rel 1e-5: the losses differ
-    from one device's by float32 summation order only (~1e-7)."""
-    want, want_columns = metrics_fit(1, 0, "auto", str(tmp_path / "one"))
+    were (the first epoch's training mean was 1.4% off before). With two validation
+    dataloaders Lightning computes the object at the end of each: the copies on ranks that hold
+    no loss must sync too (the job stopped before). A float64 tensor is logged in float64
+    (it was rounded to float32). rel 1e-5: the losses differ from one device's by float32
+    summation order only (~1e-7)."""
+    want, want_columns, want_dtype = metrics_fit(1, 0, "auto", str(tmp_path / "one"))
     assert [name for name, _ in want] == ["val", "train", "val", "train"]
     assert all(len(want_columns[name]) in (2, 4) for name in METRIC_COLUMNS), want_columns
+    assert want_dtype == "torch.float64"
     results = worlds.get(2).run(metrics_fit_on_worker,
                                 {"schedule": "1f1b", "profile_costs": True},
                                 str(tmp_path / "two"))
-    for rank, (got, _) in enumerate(results):
+    for rank, (got, _, dtype) in enumerate(results):
+        assert dtype == want_dtype, rank
         assert [name for name, _ in got] == [name for name, _ in want], got
         for (name, value), (_, expected) in zip(got, want, strict=True):
             assert value == pytest.approx(expected, rel=1e-5), (rank, name, got, want)

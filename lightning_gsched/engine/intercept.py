@@ -189,6 +189,8 @@ class StepCaller:
                 )
             if _is_metric(value):
                 value, options = _logged_metric(self.module, name, value, options)
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+                options = {**options, FLOAT64_OPTION: True}
             self.logs.append(LogRecord(micro, name, _logged_value(name, value), options))
 
         with self._patched(forward, log):
@@ -207,6 +209,9 @@ def _drop_log(*args: Any, **kwargs: Any) -> None:
 # a LogRecord option naming the torchmetrics Metric logged (its submodule name), whose value is
 # the Metric's last forward on that microbatch (logsync.replay logs the Metric itself)
 METRIC_OPTION = "_gsched_metric"
+# a LogRecord option marking a float64 value, logged in float64 again after the reduction (as
+# Lightning keeps a float64 tensor's dtype; the exchange carries every value in float64)
+FLOAT64_OPTION = "_gsched_float64"
 
 
 def _is_metric(value: Any) -> bool:

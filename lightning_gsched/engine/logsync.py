@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gsched.engine.control import ControlGroup
-from lightning_gsched.engine.intercept import METRIC_OPTION, LogRecord
+from lightning_gsched.engine.intercept import FLOAT64_OPTION, METRIC_OPTION, LogRecord
 from lightning_gsched.errors import TrainingStepError
 
 _FX_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
@@ -253,15 +253,36 @@ def replay(module: Any, reduced: list[tuple[str, float, dict[str, Any]]], device
            batch_size: int) -> None:
     """Log the reduced values through Lightning, identically on every rank. A torchmetrics
     Metric is logged as itself, each rank's copy (Lightning computes it over every rank's
-    state at the epoch's end, and resets it), its step value being the step's reduced one."""
+    state at the epoch's end, and resets it), its step value being the step's reduced one. A
+    value logged as a float64 tensor is logged in float64 (others in the default dtype, as
+    Lightning converts numbers)."""
     for name, value, options in reduced:
         options = dict(options)
         options.setdefault("batch_size", batch_size)
         path = options.pop(METRIC_OPTION, None)
+        dtype = torch.float64 if options.pop(FLOAT64_OPTION, False) else None
         if path is not None:
             metric = module.get_submodule(path)
             metric._forward_cache = (None if math.isnan(value)
-                                     else torch.tensor(value, device=device))
+                                     else torch.tensor(value, device=device, dtype=dtype))
+            mark_updated(metric)
             module.log(name, metric, **options)
             continue
-        module.log(name, torch.tensor(value, device=device), **options)
+        module.log(name, torch.tensor(value, device=device, dtype=dtype), **options)
+
+
+def mark_updated(metric: Any) -> None:
+    """Make this rank's copy of a Metric look updated, as the copy on the rank that computed
+    the step's loss is (only that one ran ``update``).
+
+    Why: torchmetrics' ``compute()`` syncs the state over every rank only when the copy has no
+    cached value, and ``update`` is what drops the cache. A copy that was never updated here
+    kept the value of an earlier ``compute()`` and returned it without the sync, while the
+    updated copy waited in the sync: a Metric logged under two validation dataloaders (Lightning
+    computes it at the end of each) stopped the job. The update count only silences the
+    "compute before update" warning on ranks that hold no loss; it is raised from 0 alone,
+    so a copy that does update keeps its own count.
+    """
+    metric._computed = None
+    if metric._update_count == 0:
+        metric._update_count = 1
