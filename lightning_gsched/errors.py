@@ -126,6 +126,11 @@ class TrainingStepError(StrategyConfigError):
     """A step method does not follow the contract: call ``self(...)`` exactly once, return a loss."""
 
 
+class WholeModelCallError(StrategyConfigError):
+    """The model was called directly (``model(x)``, not through a step) while its pipeline runs,
+    on a rank that holds only some stages' weights: the others' parameters are empty there."""
+
+
 class BatchSplitError(StrategyConfigError):
     """A batch cannot be split into the schedule's microbatches."""
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from lightning_gsched.engine import whole_call
 from lightning_gsched.engine.auto import (
     TensorParallelTuning,
     choose_schedule,
@@ -174,6 +175,8 @@ class PipelineEngine:
         # torch.compile'd modules: AOTAutograd's buffer donation off from the build to close
         # (partition/compiled.py: the strategy runs some backwards twice)
         self.donation_off: DonationOff | None = None
+        # a direct call of the model while the pipeline runs is refused (engine/whole_call.py)
+        self.whole_call_guard: Any = None
 
     # ------------------------------------------------------------------ building
 
@@ -309,6 +312,7 @@ class PipelineEngine:
                                         notice=(self.control.notice if self.control is not None
                                                 else None))
             self.runtime.prune_optimizer_state(self.optimizers())
+            self.whole_call_guard = whole_call.install(self.module, self.runtime, self.rank)
             self._align_generators()  # the build drew on some ranks only (traces, measures)
             memory = self.runtime.memory()
             rows = startup_rows(plan, memory, self.workers, self.group, self.collective)
@@ -671,6 +675,9 @@ class PipelineEngine:
         if self.donation_off is not None:
             self.donation_off.restore()
             self.donation_off = None
+        if self.whole_call_guard is not None:
+            self.whole_call_guard.remove()
+            self.whole_call_guard = None
         runtime = self.runtime
         if runtime is None:
             return

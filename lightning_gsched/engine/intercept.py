@@ -102,9 +102,11 @@ class StepCaller:
         saved = {name: (name in vars(module), vars(module).get(name)) for name in patches}
         for name, value in patches.items():
             setattr(module, name, value)
+        _INTERCEPTING.add(id(module))
         try:
             yield
         finally:
+            _INTERCEPTING.discard(id(module))
             for name, (had, old) in saved.items():
                 if had:
                     setattr(module, name, old)
@@ -200,6 +202,16 @@ class StepCaller:
                 # the runtime reports the action it ran this in; this names the user's hook
                 mark_origin(exc, f"{self.name} after {self.who}(...)")
                 raise
+
+
+# ids of the modules whose call a StepCaller intercepts right now (see intercepting)
+_INTERCEPTING: set[int] = set()
+
+
+def intercepting(module: nn.Module) -> bool:
+    """Whether a call of ``module`` now is a step's intercepted call (capture, finish or
+    probe), not a direct call of the model by the user."""
+    return id(module) in _INTERCEPTING
 
 
 def _drop_log(*args: Any, **kwargs: Any) -> None:

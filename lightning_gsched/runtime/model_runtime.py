@@ -103,6 +103,12 @@ class ModelRuntime:
         """A forward-only run; gradients are untouched."""
         return self.executor.forward(programs, inputs, output_fn, signature=signature)
 
+    def absent_stages(self) -> list[int]:
+        """Stages (a tie: its home stage) whose weights this rank does not hold now: their
+        parameters are empty tensors here between the fetches of a step (runtime/flat.py)."""
+        units = [*self.executor.flats, *self.executor.ties.values()]
+        return sorted({unit.index for unit in units if not unit.materialized})
+
     def owned_parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank updates (optimizer state is kept for these only)."""
         return self.ownership.owned
