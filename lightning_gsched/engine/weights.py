@@ -1,6 +1,6 @@
 """The build's weights: the same values on every rank, a deferred model's parameters, shards.
 
-Used by the engine's build (:meth:`.engine.PipelineEngine.build`), in this order:
+Used by the engine's build (:meth:`.build.PipelineBuild.build`), in this order:
 
 1. a model built with weights: rank 0's parameters and buffers broadcast to every rank
    (:func:`sync_module_states`), as DDP does when it wraps a model;
