@@ -314,6 +314,15 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
                 "runs forward and backward inside the schedule, so the loop must own the "
                 "backward: use automatic optimization (return the loss from training_step)"
             )
+        if getattr(module, "_compiler_ctx", None) is not None:
+            raise StrategyConfigError(
+                f"{type(module).__name__} was passed compiled whole (trainer.fit(torch.compile("
+                "model)): Lightning then runs its forward and steps as one compiled graph, "
+                "which GeneralParallel can neither trace nor cut into stages. Pass the "
+                "uncompiled module and compile its blocks instead, e.g. in configure_model: "
+                "`for i, block in enumerate(self.blocks): self.blocks[i] = torch.compile(block)` "
+                "(each compiled block is one unit of the split; docs/usage.md, 'torch.compile')"
+            )
         self._check_precision()
         if self._released:
             raise StrategyConfigError(
