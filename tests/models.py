@@ -276,6 +276,22 @@ class TinyGPT(nn.Module):
         return F.linear(x, self.wte.weight)
 
 
+class PythonMaskGPT(TinyGPT):
+    """TinyGPT whose positions and causal mask are built in Python from the sequence length,
+    as transformers' models build theirs: ``int(...)`` of a size stops fx's symbolic trace, so
+    the model is traced with static shapes and the split keeps both tensors as constants (which
+    a model built without weights once had only as valueless meta tensors)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = int(idx.shape[1])
+        pos = torch.arange(t, device=idx.device)
+        mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x, mask)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
 def make_gpt(seed: int = 0, **kwargs: Any) -> TinyGPT:
     return seeded(seed, lambda: TinyGPT(**kwargs))
 

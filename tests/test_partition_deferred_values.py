@@ -1,21 +1,21 @@
-"""A model built without weights whose forward needs values is refused at the split, clearly.
+"""A model built without weights whose forward builds or reads values splits as with weights.
 
 A deferred model (parameters on the meta device, docs/memory.md "Models larger than one rank")
-is traced and sized on meta tensors, which carry shapes but no values. Two kinds of model code
-cannot be split that way, and each used to fail far from its cause:
+is traced on the example with real-device stand-ins of its parameters (one zero each, no
+memory: partition/meta_run.py ``stand_ins``). Two kinds of model code used to be refused that
+way, traced on meta tensors, which have shapes but no values:
 
-- code fx cannot trace symbolically, traced with static shapes, that builds a tensor while
-  traced (a causal mask from ``torch.arange(t, device=x.device)``, transformers' mask and
-  rotary positions): the split keeps it as a constant and the device it read as a literal, both
-  meta, and the first real step failed on every rank ("Tensor on device meta is not on the
-  expected device cpu");
+- code fx can trace only with static shapes that builds a tensor while traced (a causal mask
+  from ``torch.arange(t, device=x.device)``, transformers' mask and rotary positions): the split
+  keeps it as a constant, which on meta had no values, and the device it read as a literal;
 - code that reads a value (``.item()``, ``bool()`` of a tensor: transformers' packed-sequence
-  check): the example run failed with an ``ExampleInputError`` telling the user to fix an
-  example that was fine.
+  check of the attention mask).
 
-Both are now a ``DeferredTraceError`` naming the module and the fix. The same models built
-with weights split and compute what they compute whole (the reference, in the same test), so
-the refusal is about the meta device, not the model.
+Each test gives the deferred model the weights of the same model built with them, after the
+split (as each rank's materialisation does, in place), and checks that the stages compute
+what that model computes, bit for bit (the same operations in the same order). The memory
+prediction still sizes the stages on meta tensors: the split's constants and the devices its
+stages name are moved there for the run (``on_meta``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gsched.measure.stage_pass import measure_stage_bytes
 from lightning_gsched.partition import partition
-from lightning_gsched.partition.errors import DeferredTraceError
+from lightning_gsched.partition.meta_run import on_meta, to_meta
+from lightning_gsched.runtime.flat import set_storage
 
 
 class MaskedMix(nn.Module):
-    """Mixes positions under a causal mask built from the sequence length while traced."""
+    """Mixes positions under a causal mask built from the sequence length while traced, and
+    moves its input to the device it is on (a device literal in a static-shape trace)."""
 
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
@@ -39,6 +42,7 @@ class MaskedMix(nn.Module):
         t = x.shape[1]
         position = torch.arange(t, device=x.device)
         mask = (position[None, :] <= position[:, None]).to(x.dtype)  # (t, t)
+        x = x.to(x.device)
         return self.proj(torch.einsum("st,btd->bsd", mask / mask.sum(-1, keepdim=True), x))
 
 
@@ -66,42 +70,94 @@ class Net(nn.Module):
         return self.out(torch.relu(self.mix(torch.relu(self.inp(x)))))
 
 
-def _deferred(block: type[nn.Module]) -> Net:
-    with torch.device("meta"):
-        return Net(block)
+def _given_weights(deferred: nn.Module, weighted: nn.Module) -> None:
+    """The deferred model's parameters take the other model's values in place (every holder,
+    a stage included, sees them), as a rank's materialisation gives its stages theirs."""
+    values = dict(weighted.named_parameters())
+    for name, param in deferred.named_parameters():
+        set_storage(param, values[name].detach().clone())
 
 
-def _split_matches_whole(block: type[nn.Module], **options: object) -> None:
+def _run(stages: list[nn.Module], args: tuple) -> torch.Tensor:
+    out = stages[0](*args)
+    for stage in stages[1:]:
+        out = stage(out)
+    return out
+
+
+@pytest.mark.parametrize("block,options", [(MaskedMix, {"static_shapes": True}),
+                                           (SkipsEmptyRows, {})])
+def test_a_split_made_without_weights_computes_what_the_model_with_them_does(
+        block: type[nn.Module], options: dict) -> None:
     torch.manual_seed(0)
-    model, x = Net(block), torch.randn(2, 5, 8)
-    part = partition(model, 2, (x,), balance="params", **options)
-    y = x
-    for stage in part.stages:
-        y = stage(y)
-    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    weighted, x = Net(block), torch.randn(2, 5, 8)
+    x[0, 1] = 0.0  # an empty row: SkipsEmptyRows takes its branch
+    with torch.device("meta"):  # buffers on meta too, as Lightning's empty init makes them
+        deferred = Net(block)
+    part = partition(deferred, 2, (x,), balance="params", **options)
+    assert all(p.is_meta for p in deferred.parameters())  # the split made no weights
+    _given_weights(deferred, weighted)
+    torch.testing.assert_close(_run(part.stages, (x,)), weighted(x), rtol=0, atol=0)
 
 
-def test_a_tensor_built_while_traced_on_meta_is_refused_naming_the_module() -> None:
-    _split_matches_whole(MaskedMix, static_shapes=True)  # with weights: splits and computes
-    with pytest.raises(DeferredTraceError) as refused:
-        partition(_deferred(MaskedMix), 2, (torch.randn(2, 5, 8),), balance="params",
-                  static_shapes=True)
-    message = str(refused.value)
-    assert "module 'mix'" in message and "meta device" in message
-    assert "leaf_modules" in message and "with its weights" in message
+def test_stages_without_weights_are_sized_on_meta_with_their_constants_and_devices() -> None:
+    """The memory prediction's run: MaskedMix's stages hold the mask as a constant and name the
+    example's device; on meta both follow, and the bytes equal those of the split with weights
+    (this model's operations save the same tensors on either device)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    with torch.device("meta"):
+        deferred = Net(MaskedMix)
+    lazy = partition(deferred, 2, (x,), balance="params", static_shapes=True)
+    with on_meta(*lazy.stages):
+        sizes = measure_stage_bytes(lazy.stages, to_meta((x,)), {}, optimizer_factor=2.0)
+    real = partition(Net(MaskedMix), 2, (x,), balance="params", static_shapes=True)
+    assert [len(u) for u in lazy.stage_units] == [len(u) for u in real.stage_units]
+    assert sizes == measure_stage_bytes(real.stages, (x,), {}, optimizer_factor=2.0)
 
 
-def test_the_symbolic_trace_of_the_same_model_without_weights_still_splits() -> None:
-    """The refusal is the static-shape trace's: traced symbolically, the mask is built in the
-    graph at every call, so a deferred model splits (the plain path, unchanged)."""
-    part = partition(_deferred(MaskedMix), 2, (torch.randn(2, 5, 8),), balance="params")
-    assert len(part.stages) == 2
+def test_a_transformers_llama_with_an_attention_mask_splits_without_weights() -> None:
+    """The case that was refused (found by probing): its mask code builds tensors while traced
+    and reads values (the packed-sequence check)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_gsched.runtime.materialize import deferred_parameters
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    weighted = transformers.LlamaForCausalLM(config)
+    with deferred_parameters():
+        deferred = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    part = partition(deferred, 2, (ids, mask), balance="params")
+    _given_weights(deferred, weighted)
+    got = _run(part.stages, (ids, mask))
+    torch.testing.assert_close(got["logits"], weighted(ids, mask).logits, rtol=0, atol=0)
 
 
-def test_a_value_read_on_meta_is_refused_as_such_not_as_a_bad_example() -> None:
-    _split_matches_whole(SkipsEmptyRows)  # with weights: splits and computes
-    with pytest.raises(DeferredTraceError) as refused:
-        partition(_deferred(SkipsEmptyRows), 2, (torch.randn(2, 5, 8),), balance="params")
-    message = str(refused.value)
-    assert "reads a value" in message and "'mix'" in message
-    assert "example_args must be" not in message  # the example was fine
+def test_only_a_trace_that_needs_values_runs_on_stand_ins(monkeypatch) -> None:
+    """A trace on stand-ins computes a real forward of the example (seconds for a large model):
+    a model whose trace on meta keeps nothing valueless is traced there alone. MaskedMix traced
+    symbolically builds its mask in the graph at every call (no constant); with static shapes
+    the mask is a constant, so the trace is made again on stand-ins."""
+    from lightning_gsched.partition import meta_run
+
+    made: list[str] = []
+    real = meta_run.stand_ins
+
+    def counted(module: nn.Module, device: torch.device):  # type: ignore[no-untyped-def]
+        made.append(type(module).__name__)
+        return real(module, device)
+
+    monkeypatch.setattr(meta_run, "stand_ins", counted)
+    x = torch.randn(2, 5, 8)
+    with torch.device("meta"):
+        symbolic, static = Net(MaskedMix), Net(MaskedMix)
+    partition(symbolic, 2, (x,), balance="params")
+    assert made == []
+    partition(static, 2, (x,), balance="params", static_shapes=True)
+    assert made == ["Net"]

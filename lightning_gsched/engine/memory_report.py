@@ -24,7 +24,7 @@ from lightning_gsched.engine.logsync import exchange
 from lightning_gsched.errors import ScheduleConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.measure.stage_pass import measure_stage_bytes
-from lightning_gsched.partition.meta_run import buffers_on_meta, has_meta_parameters, to_meta
+from lightning_gsched.partition.meta_run import has_meta_parameters, on_meta, to_meta
 from lightning_gsched.runtime import ModelRuntime, optimizer_factor, optimizer_step_factor
 from lightning_gsched.schedule.describe import comparison_text, predicted_text
 from lightning_gsched.schedule.memory import ModelSizes, RankMemory, predict_memory
@@ -79,7 +79,7 @@ class MemoryReport:
                 deferred = any(has_meta_parameters(stage) for stage in stages)
                 factor = optimizer_bytes_factor(optimizers)
                 if deferred:
-                    with buffers_on_meta(*stages):
+                    with on_meta(*stages):
                         sizes = measure_stage_bytes(stages, to_meta(args), to_meta(kwargs),
                                                     optimizer_factor=factor)
                 elif passes is not None and stage_units is not None:

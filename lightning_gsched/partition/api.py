@@ -7,7 +7,7 @@ rank 0's ``part.unit_costs`` must be passed to the other ranks' calls as ``unit_
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Sequence
 
@@ -27,11 +27,9 @@ from lightning_gsched.partition.cuts import (
 from lightning_gsched.partition.errors import BalanceError, PartitionError
 from lightning_gsched.partition.execute import run_example
 from lightning_gsched.partition.meta_run import (
-    buffers_on_meta,
     has_meta_parameters,
-    refuse_value_read,
-    refuse_valueless_trace,
-    to_meta,
+    keeps_meta_values,
+    traced_without_weights,
 )
 from lightning_gsched.partition.report import format_report
 from lightning_gsched.partition.stage import StageModule, build_stages
@@ -191,10 +189,22 @@ class Partition:
         )
 
 
-def _graph_nodes(traced: TracedModel) -> list[fx.Node]:
-    """Every node of the traced graph, and of the other mode's graph where the two differ."""
-    other = traced.other_mode_graph
-    return [*traced.graph.nodes, *(other.nodes if other is not None else ())]
+@dataclass
+class _Traced:
+    """A trace, its units, their costs and the bytes of every value (one example run)."""
+
+    traced: TracedModel
+    table: UnitTable
+    costs: list[float]
+    cost_unit: str
+    value_bytes: dict[fx.Node, int]
+
+
+def _keeps_meta_values(result: _Traced) -> bool:
+    """Whether a trace on meta tensors kept what needs values (partition/meta_run.py)."""
+    other = result.traced.other_mode_graph
+    nodes = [*result.traced.graph.nodes, *(other.nodes if other is not None else ())]
+    return keeps_meta_values(nodes, result.traced.constants)
 
 
 def _costs(
@@ -267,7 +277,7 @@ def partition(
         "balance_tolerance", balance_tolerance, str(DEFAULT_TOLERANCE), BalanceError)
     auto_leaf = validate.flag("auto_leaf", auto_leaf, PartitionError)
     verify = check_verify(verify)
-    # a model built without weights (parameters on meta) is traced and sized on meta tensors
+    # a model built without weights (parameters on meta): traced as meta_run.py says
     deferred = has_meta_parameters(module)
     if deferred and balance == "time" and unit_costs is None:
         raise BalanceError(
@@ -275,24 +285,18 @@ def partition(
             "no weights yet (its parameters are on the meta device: deferred initialisation). "
             "Use balance='params', or build the model with its weights."
         )
-    run_args, run_kwargs = (to_meta(args), to_meta(kwargs)) if deferred else (args, kwargs)
-    with buffers_on_meta(module) if deferred else contextlib.nullcontext():
-        try:
-            traced = trace_model(
-                module, run_args, run_kwargs, leaf_modules, auto_leaf=auto_leaf,
-                static_shapes=static_shapes, num_stages=num_stages,
-            )
-            if deferred:
-                refuse_valueless_trace(type(module).__name__, _graph_nodes(traced),
-                                       traced.constants)
-            table = UnitTable(traced)
-            check_stage_count(num_stages, table, module)
-            costs, cost_unit, value_bytes = _costs(table, balance, unit_costs, run_args,
-                                                   run_kwargs)
-        except PartitionError as exc:
-            if deferred:
-                refuse_value_read(type(module).__name__, exc)
-            raise
+    def trace_and_size(run_args: tuple[Any, ...], run_kwargs: dict[str, Any]) -> _Traced:
+        traced = trace_model(
+            module, run_args, run_kwargs, leaf_modules, auto_leaf=auto_leaf,
+            static_shapes=static_shapes, num_stages=num_stages,
+        )
+        table = UnitTable(traced)
+        check_stage_count(num_stages, table, module)
+        return _Traced(traced, table, *_costs(table, balance, unit_costs, run_args, run_kwargs))
+
+    result = (traced_without_weights(module, args, kwargs, trace_and_size, _keeps_meta_values)
+              if deferred else trace_and_size(args, kwargs))
+    table, costs, value_bytes = result.table, result.costs, result.value_bytes
     if split_points is not None:
         plan = cuts_from_split_points(split_points, table, module)
     elif not isinstance(balance, str):
@@ -300,7 +304,7 @@ def partition(
     else:
         plan = balanced_cuts(costs, num_stages, table, value_bytes, balance_tolerance)
     stages = build_stages(table, plan.cuts)
-    part = Partition(module, table, plan, stages, costs, cost_unit, value_bytes, balance)
+    part = Partition(module, table, plan, stages, costs, result.cost_unit, value_bytes, balance)
     warn_if_unbalanced(table, part.split_method, part.stage_param_counts)
     part.verified = verify_split(part, args, kwargs, verify)
     return part

@@ -20,7 +20,6 @@ __all__ = [
     "ExampleInputError",
     "UntracedOutputError",
     "SplitMismatchError",
-    "DeferredTraceError",
 ]
 
 
@@ -72,9 +71,3 @@ class UnbalancedPartitionWarning(UserWarning):
     Warned at partition time with the module that caused it (usually one torch.fx could not
     trace into and kept whole), the ``file:line`` that stopped the tracer and the fix.
     """
-
-
-class DeferredTraceError(PartitionError):
-    """A model built without weights (parameters on meta) whose forward needs values: it reads
-    a tensor's value, or builds tensors while traced that the split would keep as constants,
-    and the meta device holds shapes only."""

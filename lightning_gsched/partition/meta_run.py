@@ -1,24 +1,35 @@
-"""Run a model built without weights (parameters on the meta device) for shapes alone.
+"""Run a model built without weights (parameters on the meta device): traced, then sized.
 
-Why: tracing, the example run that sizes what crosses each cut, and the memory prediction all
-run the model once, and a deferred model (runtime/materialize.py) has no weights yet. On the
-meta device every operation still yields its output's shape and dtype without computing
-anything; but a kernel mixing a meta tensor with a real one (``masked_fill(meta, cpu_mask)``)
-refuses. So while such a model runs for shapes, its buffers and the example are meta too
-(:func:`buffers_on_meta`, :func:`to_meta`); the real buffers are put back afterwards.
+Why: a deferred model (runtime/materialize.py) has no weights yet, and the build runs it before
+any rank has its own. On the meta device every operation yields its output's shape and dtype
+without computing anything, so the trace (and the example run that sizes what crosses each cut)
+first runs there (:func:`traced_without_weights`). But tensors a forward builds outside the
+graph (an attention mask, positions: the split keeps them as constants) then have no values,
+the device they read is ``meta``, and code that reads a value (``.item()``) fails. Such a model
+is traced again with real-device stand-ins of its parameters (:func:`stand_ins`: one zero per
+tensor, no memory; a real forward of one microbatch), so those tensors get their real values.
+The memory prediction runs each stage forward and backward for the bytes it saves, which with
+stand-ins would allocate every weight's gradient: it runs on meta tensors, inside
+:func:`on_meta`, where the buffers, the split's constants and every device a stage names (a
+literal ``x.to(device='cpu')`` a real trace recorded) are meta too, since a kernel mixing a
+meta tensor with a real one refuses.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from lightning_gsched.partition.errors import DeferredTraceError
+from lightning_gsched.partition.errors import PartitionError
+from lightning_gsched.partition.tracer import CONSTANT_PREFIX
+
+_T = TypeVar("_T")
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -31,80 +42,37 @@ def to_meta(tree: Any) -> Any:
         lambda t: t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t, tree)
 
 
-@contextlib.contextmanager
-def buffers_on_meta(*modules: nn.Module) -> Iterator[None]:
-    """Every buffer of ``modules`` (and of their submodules, stage containers included) is a
-    meta copy inside; the original tensors are restored on exit."""
-    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for module in modules:
-        for sub in module.modules():
-            for name, buffer in list(sub._buffers.items()):
-                if buffer is not None and not buffer.is_meta:
-                    saved.append((sub, name, buffer))
-                    sub._buffers[name] = buffer.to("meta")
+def traced_without_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           trace: Callable[[tuple[Any, ...], dict[str, Any]], _T],
+                           valueless: Callable[[_T], bool]) -> _T:
+    """``trace(args, kwargs)`` of a model without weights: on meta tensors when that keeps
+    nothing ``valueless`` and does not fail, else on :func:`stand_ins` (module doc). A failure
+    there is the model's, raised as it is."""
     try:
-        yield
-    finally:
-        for sub, name, buffer in saved:
-            sub._buffers[name] = buffer
+        with _buffers_on_meta(module):
+            result = trace(to_meta(args), to_meta(kwargs))
+        if not valueless(result):
+            return result
+    except PartitionError:
+        pass  # e.g. a value read on meta: the real example says whether the model is at fault
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    with stand_ins(module, tensors[0].device if tensors else torch.device("cpu")):
+        return trace(args, kwargs)
 
 
-_FIX = ("Build the model with its weights where one rank can hold it while the split is made "
-        "(outside init_module(empty_init=True) and configure_model's meta device): it is then "
-        "traced on real values. Or keep the module that does this whole, leaf_modules=(...,), "
-        "if it is not most of the model: a leaf runs its own code at every call")
+def keeps_meta_values(nodes: Iterable[fx.Node], constants: Mapping[str, Any]) -> bool:
+    """Whether a trace on meta kept a tensor built while traced (a constant of the split) or
+    a device it read (a literal): on meta, neither is what the stages need at a step."""
+    for node in nodes:
+        constant = constants.get(str(node.target)) if node.op == "get_attr" else None
+        if isinstance(constant, torch.Tensor) and constant.is_meta:
+            return True
+        if _names_meta_device((node.args, node.kwargs)):
+            return True
+    return False
 
 
-def refuse_valueless_trace(owner: str, graph_nodes: Iterable[fx.Node],
-                           constants: Mapping[str, Any]) -> None:
-    """Refuse the trace of a model without weights that kept what meta tensors cannot give.
-
-    Why: where fx cannot trace symbolically, the static-shape mode runs the forward on the
-    example and keeps every tensor the forward builds outside the graph (an attention mask's
-    indices, ``torch.arange`` positions) as a constant of the split, and every device it reads
-    as a literal. Traced on meta (a deferred model), those constants have no values and the
-    literal is the meta device: the first real forward would fail on the stage ("Tensor on
-    device meta is not on the expected device"), on every rank, long after the build. Refused
-    here, naming where the first one was made."""
-    found: list[tuple[str, fx.Node]] = []
-    for node in graph_nodes:
-        if node.op == "get_attr" and isinstance(constants.get(str(node.target)), torch.Tensor) \
-                and constants[str(node.target)].is_meta:
-            found.append(("builds a tensor (kept as a constant of the split)", node))
-        elif _reads_meta_device((node.args, node.kwargs)):
-            found.append(("moves a tensor to the device it read (kept as a literal)", node))
-    if not found:
-        return
-    what, node = found[0]
-    scope = node.meta.get("gsched_scope") or ()
-    where = f"in module {scope[-1][0]!r}" if scope else f"in {owner}.forward itself"
-    raise DeferredTraceError(
-        f"{owner} is built without weights (its parameters are on the meta device), so it was "
-        f"traced on meta tensors, which have shapes but no values; its forward {what} {where} "
-        f"({len(found)} such place(s)), e.g. an attention mask or positions made with "
-        "torch.arange(..., device=x.device) while the model is traced with static shapes. On "
-        "the meta device that tensor has no values and that device is not the one the stages "
-        f"run on, so the split would fail at its first step. {_FIX}")
-
-
-def refuse_value_read(owner: str, error: Exception) -> None:
-    """Re-raise an example run's failure on meta tensors as what it is: the model's code reads
-    a value (``.item()``, a mask's packed-sequence check), and a model built without weights is
-    run on meta tensors for its shapes only. Other failures are left to the caller."""
-    if isinstance(error, DeferredTraceError):
-        return
-    cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
-    if "meta" not in str(cause):
-        return
-    where = getattr(error, "where", "")
-    raise DeferredTraceError(
-        f"{owner} is built without weights (its parameters are on the meta device), so the "
-        "partitioner runs it on meta tensors, which have shapes but no values, and its forward "
-        f"reads a value{' at ' + where if where else ''}: {type(cause).__name__}: {cause}. "
-        f"{_FIX}") from error
-
-
-def _reads_meta_device(value: Any) -> bool:
+def _names_meta_device(value: Any) -> bool:
     found = False
 
     def visit(leaf: Any) -> Any:
@@ -115,3 +83,98 @@ def _reads_meta_device(value: Any) -> bool:
 
     fx.node.map_aggregate(value, visit)
     return found
+
+
+@contextlib.contextmanager
+def on_meta(*modules: nn.Module) -> Iterator[None]:
+    """Inside, ``modules`` run on meta tensors alone: every buffer of them (and of their
+    submodules) and every constant the split keeps on a stage is a meta copy, and every device
+    named in a torch call is the meta device. The real tensors are put back on exit."""
+    with _buffers_on_meta(*modules, constants=True), _DevicesOnMeta():
+        yield
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(*modules: nn.Module, constants: bool = False) -> Iterator[None]:
+    """Every buffer of ``modules`` (and, with ``constants``, every constant of a stage) is a
+    meta copy inside."""
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in modules:
+        for sub in module.modules():
+            attributes = vars(sub)  # the split's constants are plain attributes of a stage
+            kept = [name for name in attributes if name.startswith(CONSTANT_PREFIX)]
+            for store, names in ((sub._buffers, list(sub._buffers)),
+                                 (attributes, kept if constants else [])):
+                for name in names:
+                    tensor = store[name]
+                    if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                        saved.append((store, name, tensor))
+    for store, name, tensor in saved:
+        store[name] = tensor.to("meta")
+    try:
+        yield
+    finally:
+        for store, name, tensor in saved:
+            store[name] = tensor
+
+
+class _DevicesOnMeta(TorchFunctionMode):
+    """Every device argument of a torch call is the meta device (``x.to(device)``, ``torch.
+    arange(n, device=...)``, ``x.to("cpu")``): a stage's literal devices, recorded by a trace on
+    real tensors, would copy a meta tensor out to a real device, which has no data."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and kwargs["device"] is not None:
+            kwargs["device"] = _META
+        args = tuple(_META if isinstance(a, torch.device) else a for a in args)
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], str) \
+                and _is_device_name(args[1]):
+            args = (args[0], _META, *args[2:])
+        return func(*args, **kwargs)
+
+
+_META = torch.device("meta")
+
+
+def _is_device_name(text: str) -> bool:
+    try:
+        torch.device(text)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def stand_ins(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Every meta parameter and buffer of ``module`` is, inside, a real tensor on ``device`` of
+    its shape and dtype that holds a single zero (stride 0: no memory of its size).
+
+    Why: a model built without weights is traced by running it on the example (the static-shape
+    mode runs every recorded operation, and code fx cannot enter runs as it is). On meta
+    tensors, tensors the forward builds outside the graph (a causal mask, positions from
+    ``torch.arange(t, device=x.device)``) had no values, the device they read was ``meta``,
+    and code reading a value (``.item()``) failed. With stand-ins the example and the buffers
+    stay real, so such tensors get their real values and devices. What the stand-ins' zeros
+    flow into are activations, which the trace records as graph operations (run again on the
+    real weights at every step), never as constants. Tied parameters stay tied (one stand-in)."""
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    made: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        stores: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        for store in stores:
+            for name, tensor in list(store.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in made:
+                    zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+                    made[id(tensor)] = (nn.Parameter(zero, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, nn.Parameter) else zero)
+                saved.append((store, name, tensor))
+                store[name] = made[id(tensor)]
+    try:
+        yield
+    finally:
+        for store, name, tensor in saved:
+            store[name] = tensor
