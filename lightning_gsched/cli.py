@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     tensor_parallel_option(c)
     c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     _tune_parser(sub)
+    k = sub.add_parser("consolidate", help="write a sharded checkpoint directory as one full "
+                                           ".ckpt file, for plain Lightning or torch.load")
+    k.add_argument("directory", help="the directory state_dict_type='sharded' wrote")
+    k.add_argument("out", help="the file to write (replaced if it exists)")
     return parser
 
 
@@ -533,6 +537,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from lightning_gsched.cli_tune import tune_command
 
             return tune_command(args)
+        elif args.command == "consolidate":  # torch and the engine only for this command
+            from lightning_gsched.engine.checkpoint_sharded import consolidate
+
+            written = consolidate(args.directory, args.out)
+            print(f"wrote {args.out}, a full checkpoint with the keys {sorted(written)}")
         else:
             # one error for all rows where T or G does not divide W (each row would repeat it)
             pipeline_size(tensor_parallel_workers(args.workers, args.tensor_parallel_size),

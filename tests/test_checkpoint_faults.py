@@ -114,16 +114,16 @@ def _save_failing_outside_the_writer(ctx: WorkerContext, fit: Any, path: str) ->
     def refused(staging: str, target: str) -> None:
         raise OSError("simulated: rename refused")
 
-    real = ckpt_files.swap_in_directory
+    real = ckpt_files.put_in_place
     if ctx.rank == 0:
-        ckpt_files.swap_in_directory = refused  # type: ignore[assignment]
+        ckpt_files.put_in_place = refused  # type: ignore[assignment]
     try:
         checkpoint = fit._checkpoint_connector.dump_checkpoint(weights_only=False)
         fit.strategy.save_checkpoint(checkpoint, path)
     except OSError as exc:
         return type(exc).__name__, str(exc)
     finally:
-        ckpt_files.swap_in_directory = real  # type: ignore[assignment]
+        ckpt_files.put_in_place = real  # type: ignore[assignment]
     return None, None
 
 
@@ -226,6 +226,26 @@ def test_atomic_save_in_one_process_leaves_no_temporary_file(tmp_path, monkeypat
     assert sorted(os.listdir(target.parent)) == ["model.ckpt"]  # the stale one removed too
     assert os.listdir(tmp_path / "systmp") == []
     assert torch.equal(torch.load(target)["v"], torch.arange(3))
+
+
+def test_a_checkpoint_replaces_an_older_one_of_the_other_kind(tmp_path) -> None:
+    """A run resumed with another ``state_dict_type`` in the same ModelCheckpoint folder saves
+    ``last.ckpt`` over the other kind (found by probing: a full save over a sharded directory
+    died with a bare IsADirectoryError, a sharded save over a file was refused), as Lightning's
+    FSDPStrategy replaces it; nothing of the old entry or the staging is left."""
+    from lightning_gsched.engine import checkpoint_files as ckpt_files
+
+    target = tmp_path / "last.ckpt"
+    target.mkdir()  # an older sharded checkpoint: a directory with files
+    (target / "__0_0.distcp").write_bytes(b"shard")
+    ckpt_files.atomic_save({"v": torch.arange(3)}, target)
+    assert target.is_file() and torch.equal(torch.load(target)["v"], torch.arange(3))
+    staging = tmp_path / ".last.ckpt.partial"  # a sharded save's fully written directory
+    staging.mkdir()
+    (staging / "meta").write_bytes(b"new")
+    ckpt_files.put_in_place(str(staging), str(target))
+    assert target.is_dir() and (target / "meta").read_bytes() == b"new"
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
 
 
 # ------------------------------------------------------------------ bad ckpt_path

@@ -259,3 +259,12 @@ def test_a_plan_too_large_is_refused_before_anything_of_its_size_is_built():
     finally:
         tracemalloc.stop()
     assert peak < 8 * 10**6, peak
+
+
+def test_consolidate_refuses_a_folder_that_is_not_a_sharded_checkpoint(tmp_path, capsys):
+    """(A directory written by the strategy is consolidated in tests/test_fabric.py.)"""
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is not a sharded checkpoint directory" in err
+    assert "state_dict_type='sharded' wrote" in err
+    assert not (tmp_path / "out.ckpt").exists()

@@ -515,6 +515,15 @@ def test_a_sharded_checkpoint_resumes_under_another_schedule_and_without_weights
     sizes = [f.stat().st_size for f in shards]
     assert all(0 < size < 2 * model_bytes for size in sizes), (sizes, model_bytes)
     assert sum(sizes) >= 2 * model_bytes, (sizes, model_bytes)
+    # `gsched consolidate`: the directory as one file a single process reads with torch.load,
+    # under the keys fabric.save was given (the model as after step 2 on one device)
+    from lightning_gsched.cli import main
+
+    assert main(["consolidate", str(path), str(tmp_path / "one.ckpt")]) == 0
+    whole = torch.load(tmp_path / "one.ckpt", weights_only=False)
+    assert sorted(whole) == ["model", "optimizer", "step"] and whole["step"] == SAVED_AT
+    assert_same_state(whole["model"], want["weights"][SAVED_AT - 1], "consolidated")
+    assert len(whole["optimizer"]["state"]) == len(whole["model"]), "a momentum per parameter"
     for loaded, deferred in (("1f1b", False), ("fsdp", True)):
         for rank, got in enumerate(world.run(resume_schedule, loaded, str(path), False,
                                              deferred)):

@@ -8,8 +8,10 @@ systems is a copy (not atomic), and a process killed mid-write leaves the tempor
 ``/tmp``. Here a file is written to a hidden ``.partial`` name next to its target, flushed and
 renamed over it (``os.replace``, atomic within one directory); on any exception the temporary is
 removed and the previous checkpoint stays untouched until the rename. A sharded checkpoint (a
-directory several ranks write into) is staged the same way in a sibling directory and swapped in
-once every rank has written its part (:func:`swap_in_directory`).
+directory several ranks write into) is staged the same way in a sibling directory and put in
+place once every rank has written its part (:func:`put_in_place`). Either kind replaces an older
+checkpoint of the other kind under the same name (a run resumed with another
+``state_dict_type`` in the same ``ModelCheckpoint`` folder), as Lightning's FSDPStrategy does.
 
 **Streamed.** ``torch.save`` needs every tensor of the object it writes, so a full checkpoint of
 a model larger than one rank cannot be assembled on rank 0 first. The file ``torch.save`` writes
@@ -111,11 +113,10 @@ def atomic_file(path: Any) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(staging, path)
+        put_in_place(staging, path)
     except BaseException:
         discard(staging)
         raise
-    _fsync_directory(directory)
 
 
 def atomic_save(obj: Any, path: Any) -> None:
@@ -124,18 +125,20 @@ def atomic_save(obj: Any, path: Any) -> None:
         torch.save(obj, f)
 
 
-def swap_in_directory(staging: str, path: str) -> None:
-    """Put the fully written directory ``staging`` at ``path`` (replacing an older one).
+def put_in_place(staging: str, path: str) -> None:
+    """Put the fully written ``staging`` (a file or a directory) at ``path``, replacing what is
+    there: nothing, or an older checkpoint of either kind.
 
-    A directory cannot be renamed over a non-empty one, so the old one is first renamed aside
-    (another ``.partial`` name, removed by the next save if this process dies in between).
+    A file over a file is one atomic rename. A directory cannot be renamed over a non-empty
+    one, nor a file over a directory or the reverse, so there the old entry is first renamed
+    aside (another ``.partial`` name, removed by the next save if this process dies in between).
     """
     aside = None
-    if os.path.isdir(path):
+    if os.path.isdir(path) or (os.path.isdir(staging) and os.path.lexists(path)):
         aside = staging_name(path)
         os.rename(path, aside)
     try:
-        os.rename(staging, path)
+        os.replace(staging, path)
     except BaseException:
         if aside is not None:
             os.rename(aside, path)

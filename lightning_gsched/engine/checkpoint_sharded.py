@@ -1,6 +1,7 @@
 """Sharded checkpoints (torch.distributed.checkpoint directories) and a deferred model's restore.
 
-Used only by :mod:`.checkpoint` (the checkpoint service); nothing here decides what to write.
+Used by :mod:`.checkpoint` (the checkpoint service; nothing here decides what to write) and by
+``gsched consolidate`` (:func:`consolidate`: a directory as one ``.ckpt`` for plain Lightning).
 
 **Sharded.** For a model too large to gather on one rank, ``state_dict_type="sharded"`` lets
 every rank write the stages and ties it is the first owner of (rank 0 adds buffers, extra
@@ -28,6 +29,7 @@ applied, so only their pages are read.
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, cast
@@ -42,7 +44,7 @@ from torch.optim import Optimizer
 
 from lightning_gsched.engine import checkpoint_files
 from lightning_gsched.engine.rank_exchange import BoundedExchange
-from lightning_gsched.errors import CheckpointWriteError, StrategyConfigError
+from lightning_gsched.errors import CheckpointError, CheckpointWriteError, StrategyConfigError
 from lightning_gsched.runtime import ModelRuntime, Piece, Pieces, parameter_names
 
 # dcp.save / dcp.load are read off the module at each call (a test replaces dcp.save to inject
@@ -158,11 +160,6 @@ def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) ->
     try:
         with phases.phase("preparing the save"):
             tensors, others, optim_meta = _split(checkpoint)
-            if os.path.isfile(path):
-                raise StrategyConfigError(
-                    f"{path} is a file; a sharded checkpoint is a directory. Remove it or use "
-                    "state_dict_type='full'"
-                )
             if rank == 0:
                 checkpoint_files.remove_stale(path)
                 os.makedirs(staging)
@@ -179,7 +176,7 @@ def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) ->
                            os.path.join(staging, META))
         with phases.phase("putting the directory in place"):
             if rank == 0:
-                checkpoint_files.swap_in_directory(staging, path)
+                checkpoint_files.put_in_place(staging, path)
     except BaseException:
         # rank 0 removes the staging directory (a peer may still be leaving it); a rank 0 that
         # was killed leaves it to the next save of this name (checkpoint_files.remove_stale)
@@ -317,6 +314,25 @@ def load(path: Any) -> StateDict:
                                                            index_of),
                                  "param_groups": om["param_groups"]})
     return {**meta["rest"], "state_dict": state_dict, "optimizer_states": optimizer_states}
+
+
+def consolidate(path: Any, out: Any) -> StateDict:
+    """Write the sharded directory ``path`` as one full checkpoint file ``out`` (one process,
+    no process group): what ``state_dict_type="full"`` would have written, in the keys the
+    writer used (the Trainer's, or those ``fabric.save`` was given). Why: plain Lightning
+    (``MyModule.load_from_checkpoint``, a one-device ``fit(ckpt_path=...)``) and ``torch.load``
+    read a file, not a directory. It holds the whole model in memory. Returns what it wrote."""
+    path = str(path)
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(
+            f"{path} is not a sharded checkpoint directory of lightning_gsched (no {META} in "
+            "it): give the directory that state_dict_type='sharded' wrote, e.g. "
+            "checkpoints/last.ckpt")
+    with warnings.catch_warnings():  # dcp: "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*load in a single process.*")
+        checkpoint = in_user_layout(load(path))
+    checkpoint_files.atomic_save(checkpoint, out)
+    return checkpoint
 
 
 def saved_model_entries(path: Any) -> dict[str, torch.Tensor]:
