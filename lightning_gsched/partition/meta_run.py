@@ -120,11 +120,13 @@ def _buffers_on_meta(*modules: nn.Module, constants: bool = False) -> Iterator[N
 
 class _DevicesOnMeta(TorchFunctionMode):
     """Every device argument of a torch call is the meta device (``x.to(device)``, ``torch.
-    arange(n, device=...)``, ``x.to("cpu")``): a stage's literal devices, recorded by a trace on
+    arange(n, device=...)``, ``x.to("cpu")``, ``x.cpu()``): a stage's literal devices, recorded by a trace on
     real tensors, would copy a meta tensor out to a real device, which has no data."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        if func in (torch.Tensor.cpu, torch.Tensor.cuda):  # a move: stays on meta
+            return args[0]
         kwargs = dict(kwargs or {})
         if "device" in kwargs and kwargs["device"] is not None:
             kwargs["device"] = _META
