@@ -660,6 +660,32 @@ def test_a_save_failing_on_rank_0_stops_every_rank_naming_it(worlds, tmp_path) -
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+def one_batch_short(ctx: WorkerContext) -> str:
+    """Rank 1's loader has one batch fewer: it leaves the loop and calls ``finish()`` while
+    rank 0 starts another step. How each rank's run ended (the message)."""
+    fabric = pipelined_fabric(ctx, "1f1b", options={"step_timeout": 3})
+    model, optimizer = setup(fabric)
+    batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()]
+    try:
+        train(fabric, model, optimizer, batches[: 2 - ctx.rank], pipelined=True)
+        fabric.strategy.finish()
+    except Exception as exc:  # noqa: BLE001 - the test reads how each rank ended
+        return f"{type(exc).__name__}: {exc}"
+    return "finished"
+
+
+def test_ranks_waiting_in_different_places_say_where_each_waits(worlds) -> None:
+    """Nothing failed, so nothing is reported: each rank's step_timeout ends its wait, and its
+    message says where every rank waits (it said only "a peer is stuck or died"). Last in the
+    module's failures: the ranks' groups are closed."""
+    results = worlds.get(WORLD).run(one_batch_short)
+    for rank, message in enumerate(results):
+        assert message.startswith(f"RuntimeFault: rank {rank} stopped in "), message
+        places = message.split("Where the ranks wait: ")[1]
+        assert "rank 0 in the batch-size exchange" in places, places
+        assert "rank 1 in the gather of the full model at the end" in places, places
+
+
 def per_replica_run(ctx: WorkerContext) -> dict[str, Any]:
     """zb-h1 with ``data_loading="per_replica"``: the batches come from Fabric's own
     ``setup_dataloaders`` (its DistributedSampler built from the strategy's kwargs)."""

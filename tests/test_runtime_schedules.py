@@ -19,6 +19,7 @@ gradients); running statistics do not enter the gradients.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -439,5 +440,10 @@ def test_stuck_rank_times_out_every_peer(worlds):
     assert timed_out, errors
     for r in timed_out:  # the bound that ended the wait is the step timeout given
         assert f"nothing arrived within {timeout:g} s" in r["error"], r["error"]
+        # where each rank waits, as they posted it: the stuck one posted nothing
+        places = r["error"].split("Where the ranks wait: ")[1]
+        assert f"rank {r['rank']} at '" in places or f", {r['rank']} at '" in places, places
+        assert re.search(r"ranks? [\d, ]*\b3 posted nothing \(stuck, died, or not waiting\)",
+                         places), places
     for r in errors:
         assert r["error"].startswith(f"rank {r['rank']} "), r["error"]

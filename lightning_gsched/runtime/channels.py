@@ -30,6 +30,9 @@ from lightning_gsched.schedule.program import Op, Programs
 KINDS = ("p2p", "weights", "grads")
 # how long a rank that lost its connection to a peer waits for that peer's failure notice
 LOST_PEER_GRACE_S = 2.0
+# how long a rank whose wait timed out with nothing reported waits for the others to post
+# where they wait (FaultNotice.positions): their timeouts end within their skew of its own
+POSITIONS_GRACE_S = 5.0
 _SERIAL = itertools.count()  # same sequence on every rank: Channels are built collectively
 
 
@@ -73,6 +76,42 @@ class FaultNotice:
             if first is not None or time.monotonic() >= deadline:
                 return first
             time.sleep(0.02)
+
+
+    def positions(self, rank: int, world_size: int, where: str, grace: float) -> str:
+        """After a wait that timed out with no failure reported: post where this rank waits,
+        and say where every rank waits, as far as the others post within ``grace`` s.
+
+        Why: ranks that wait in different places (one left a Fabric loop a step early and
+        waits in ``finish()``'s gather, one's DataLoader ran out, one skipped a collective)
+        each time out with nothing to report, and "a peer is stuck or died" names nobody.
+        Every rank that times out posts its place, so each message can say which rank is
+        where: the diagnosis. A rank that posts nothing is stuck, dead, or not waiting."""
+        if self.store is None:
+            return ""
+        prefix = f"{self.key}/where/"
+        with suppress(Exception):
+            self.store.set(prefix + str(rank), where)
+        found: dict[int, str] = {}
+        deadline = time.monotonic() + grace
+        while len(found) < world_size:
+            for r in range(world_size):
+                with suppress(Exception):
+                    if r not in found and self.store.check([prefix + str(r)]):
+                        found[r] = self.store.get(prefix + str(r)).decode(errors="replace")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        places: dict[str, list[int]] = {}
+        for r in range(world_size):
+            places.setdefault(found.get(r, "posted nothing (stuck, died, or not waiting)"),
+                              []).append(r)
+        return "; ".join(f"{_ranks_text(ranks)} {place}" for place, ranks in places.items())
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 2, 5``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def destroy_groups(groups: list[Any], collect: bool = False) -> None:
@@ -212,6 +251,12 @@ class Channels:
     def first_fault(self, grace: float = 0.0) -> str | None:
         """The failure a rank recorded, if any, waiting up to ``grace`` s for one."""
         return self.notice.first_within(grace)
+
+    def positions(self, where: str) -> str:
+        """Where every rank waits (:meth:`FaultNotice.positions`), this one at ``where``."""
+        T = self.tensor_parallel[0]
+        return self.notice.positions(self.global_rank, self.world_size * T, where,
+                                     POSITIONS_GRACE_S)
 
     def close(self, collect: bool = False) -> None:
         """Release the process groups (local; call on every rank when done with the executor).

@@ -112,6 +112,8 @@ class Waiter:
             cause = (". No rank reported a failure: a peer is stuck, died, or runs different "
                      "programs (every rank must plan the same schedule, stages and microbatches); "
                      "raise timeout= if a peer is only slower")
+            if is_timeout(exc) or exc is None:
+                cause += ". Where the ranks wait: " + self.channels.positions(where)
         else:  # the job's first failure, unless it is this rank's own
             own = first.startswith(f"rank {self.rank} ")
             cause = "" if own else f". First failure reported in the job: {first}"
