@@ -284,30 +284,42 @@ def test_auto_searches_the_tensor_parallel_size(worlds: Any, tmp_path: Any) -> N
                                    torch.tensor([v for _, v in want_log]), rtol=1e-5, atol=1e-6)
 
 
-def compiled_on_worker(ctx: WorkerContext) -> str:
-    """A fit of the GPT with each block compiled under tensor parallelism: its error."""
+def refusals_on_worker(ctx: WorkerContext) -> tuple[str, str]:
+    """Two fits refused at the first batch: the GPT with each block compiled, and the plain GPT
+    whose plan styles the final norm, which the network holds, with a sequence-sharded
+    output (torchtitan's plan does): their errors."""
     from lightning_gsched import GeneralParallel
     from lightning_gsched.errors import StrategyConfigError
+    from lightning_gsched.partition.tensor_parallel import TensorParallelPlanError
 
     as_worker(ctx.rank)
-    fit = trainer(ctx.world_size, GeneralParallel("1f1b", tensor_parallel_size=T,
-                                                  tensor_parallel_plan=PLAN), max_steps=1)
-    model = make_lit_gpt(shardable=True, compile_backend="aot_eager")
-    try:
-        fit.fit(model, _loader(ctx.world_size // T))
-    except StrategyConfigError as exc:
-        return str(exc)
-    return "trained"
+    messages = []
+    for plan, backend in ((PLAN, "aot_eager"), ({**PLAN, "model.ln_f": "sequence"}, None)):
+        fit = trainer(ctx.world_size, GeneralParallel("1f1b", tensor_parallel_size=T,
+                                                      tensor_parallel_plan=plan), max_steps=1)
+        model = make_lit_gpt(shardable=True, compile_backend=backend)
+        try:
+            fit.fit(model, _loader(ctx.world_size // T))
+            messages.append("trained")
+        except (StrategyConfigError, TensorParallelPlanError) as exc:
+            messages.append(str(exc))
+    return messages[0], messages[1]
 
 
-def test_compiled_modules_are_refused_naming_them(worlds: Any) -> None:
+def test_compiled_modules_and_a_network_kept_whole_are_refused_naming_them(worlds: Any
+                                                                          ) -> None:
     """The stages are sharded after the split; torch.compile'd blocks (their names under
     '_orig_mod', which the plan's patterns do not match) are refused at the first batch on
-    every rank, before any collective of the build, naming them."""
-    for message in worlds.get(4).run(compiled_on_worker):
-        assert message.startswith(f"tensor_parallel_size={T} shards each stage's modules"), \
-            message
-        assert "(model.blocks.0, model.blocks.1, model.blocks.2)" in message
+    every rank, before any collective of the build, naming them. A style with a sharded
+    output on a module the network holds (its final norm) keeps the network whole, one unit
+    for two stages: refused naming the holder, the module and the styles that fit (it said
+    to remove modules from leaf_modules, which the user never gave)."""
+    for compiled, whole in worlds.get(4).run(refusals_on_worker):
+        assert compiled.startswith(f"tensor_parallel_size={T} shards each stage's modules"), \
+            compiled
+        assert "(model.blocks.0, model.blocks.1, model.blocks.2)" in compiled
+        assert "'model' (for 'model.ln_f')" in whole, whole
+        assert "'sequence_input' on the first block" in whole, whole
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])

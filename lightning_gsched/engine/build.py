@@ -48,7 +48,7 @@ from lightning_gsched.engine.weights import (
 from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
-from lightning_gsched.partition import Partition
+from lightning_gsched.partition import Partition, TooManyStagesError
 from lightning_gsched.partition.compiled import (
     DonationOff,
     compiled_modules,
@@ -57,7 +57,13 @@ from lightning_gsched.partition.compiled import (
     tensor_parallel_refusal,
 )
 from lightning_gsched.partition.preserve import preserved_tensors_and_rng, python_state_kept
-from lightning_gsched.partition.tensor_parallel import TensorParallelPlan, with_kept_whole
+from lightning_gsched.partition.tensor_parallel import (
+    TensorParallelPlan,
+    TensorParallelPlanError,
+    kept_holders,
+    too_few_units,
+    with_kept_whole,
+)
 from lightning_gsched.partition.tensor_parallel_state import shard_optimizer_state
 from lightning_gsched.runtime import (
     ModelRuntime,
@@ -455,11 +461,20 @@ class PipelineBuild:
         self.config.choice_text = costs_text(costs)
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Partition:
-        """The model cut into the decided schedule's S stages (:func:`.cut.cut_model`)."""
-        return cut_model(self.module, self.config.resolved(self.world_size)[0],
-                         self._split_options(), args, kwargs, rank=self.rank,
-                         world_size=self.world_size, group=self.group,
-                         collective=self.collective)
+        """The model cut into the decided schedule's S stages (:func:`.cut.cut_model`). Too
+        few units left by the holders a tensor-parallel plan keeps whole is refused as the
+        plan's doing (:func:`~lightning_gsched.partition.tensor_parallel.too_few_units`)."""
+        try:
+            return cut_model(self.module, self.config.resolved(self.world_size)[0],
+                             self._split_options(), args, kwargs, rank=self.rank,
+                             world_size=self.world_size, group=self.group,
+                             collective=self.collective)
+        except TooManyStagesError as exc:
+            holders = (kept_holders(self.module, self.tensor_parallel_plan)
+                       if self.tensor_parallel_plan is not None else {})
+            if holders:
+                raise TensorParallelPlanError(too_few_units(exc, holders)) from exc
+            raise
 
     def collective(self, what: str, collective: Callable[[], _T]) -> _T:
         """One of the engine's collectives (``what`` names it in a fault); a backend failure

@@ -159,17 +159,48 @@ def kept_whole(module: nn.Module, plan: TensorParallelPlan) -> tuple[str, ...]:
     stage calls the module (a block styled ``sequence_input`` must not be traced into)."""
     if callable(plan):
         return ()
-    modules = dict(module.named_modules())
+    holders = kept_holders(module, plan)
     kept: list[str] = []
+    for name, _ in module.named_modules():
+        if name and any(name_matches(p, name) for p in plan):
+            kept.append(name)
+            if name.rpartition(".")[0] in holders:
+                kept.append(name.rpartition(".")[0])
+    return tuple(dict.fromkeys(kept))
+
+
+def kept_holders(module: nn.Module, plan: TensorParallelPlan) -> dict[str, list[str]]:
+    """The holders :func:`kept_whole` keeps whole, each with the styled modules in it that make
+    it so (their output is sharded: the holder's own code sees local sizes)."""
+    if callable(plan):
+        return {}
+    modules = dict(module.named_modules())
+    holders: dict[str, list[str]] = {}
     for name in modules:
         pattern = next((p for p in plan if name and name_matches(p, name)), None)
         if pattern is None:
             continue
-        kept.append(name)
         holder = name.rpartition(".")[0]
         if holder and _holder_sees_local_sizes(plan[pattern], pattern, modules[holder]):
-            kept.append(holder)
-    return tuple(dict.fromkeys(kept))
+            holders.setdefault(holder, []).append(name)
+    return holders
+
+
+def too_few_units(error: Exception, holders: Mapping[str, list[str]]) -> str:
+    """The refusal of a split that :func:`kept_whole`'s holders left with too few units: with
+    a pipeline of several stages, a style whose output is sharded on a module the network
+    holds directly keeps the network whole (its code would see local sizes)."""
+    listed = "; ".join(f"{holder!r} (for {', '.join(map(repr, styled))})"
+                       for holder, styled in holders.items())
+    return (
+        f"{error}. The tensor_parallel_plan keeps whole every module holding a module it "
+        f"styles with a sharded output, since that module's own code then computes on this "
+        f"rank's shards: {listed}. With a pipeline of several stages such a holder must not be "
+        "the network the stages are cut from: give the network's own modules (embedding, "
+        "final norm, head) styles whose output is whole (e.g. ColwiseParallel("
+        "output_layouts=Replicate()) on an untied head), or none, and style the modules "
+        "inside the blocks; for sequence parallelism, the styles 'sequence_input' on the "
+        "first block and 'sequence_output' on the last (docs/tensor_parallel.md)")
 
 
 def _holder_sees_local_sizes(value: Any, pattern: str, holder: nn.Module) -> bool:
