@@ -114,6 +114,8 @@ def test_a_function_plan_is_called_once_per_stage(tp_mesh: object) -> None:
 
 @pytest.mark.parametrize("plan, words", [
     ({"blocks.*.mlp.9": "colwise"}, ["'blocks.*.mlp.9' matches no module", "blocks."]),
+    # a name without the holder's prefix (under the Trainer: 'model.'): the prefixed pattern
+    ({"*.mlp.0": "colwise"}, ["'*.mlp.0' matches no module", "Did you mean 'blocks.*.mlp.0'?"]),
     ({"blocks.*.ln1": "colwise"}, ["ColwiseParallel to 'blocks.0.ln1', a LayerNorm",
                                    "nn.Linear and nn.Embedding"]),
     ({"blocks.*.mlp.0": "diagonal"}, ["'diagonal' is not a tensor-parallel style", "'colwise'"]),

@@ -261,9 +261,16 @@ def assign_plan(plan: Mapping[str, Any], stage_modules: Sequence[Sequence[str]]
         if not found:
             known = {n for names in stage_modules for n in names if n}
             hint = close_matches(pattern, known)
+            prefixed = sorted({f"{n.split('.')[0]}.{pattern}" for n in known
+                               if any(name_matches(f"{n.split('.')[0]}.{pattern}", m)
+                                      for m in known)})
             raise TensorParallelPlanError(
                 f"tensor_parallel_plan pattern {pattern!r} matches no module of the model. "
-                + (f"Close matches: {', '.join(map(repr, hint))}. " if hint else "")
+                + (f"Did you mean {' or '.join(map(repr, prefixed))}? The names are those of "
+                   "the module the strategy holds: under the Trainer the LightningModule, so "
+                   "a network held as self.model has names 'model.<...>'. " if prefixed else "")
+                + (f"Close matches: {', '.join(map(repr, hint))}. " if hint and not prefixed
+                   else "")
                 + "Patterns are module names with '*' for one dotted part, as in "
                 "parallelize_module (e.g. 'blocks.*.attn.proj'); list the names with "
                 "[n for n, _ in model.named_modules()]")
