@@ -247,6 +247,7 @@ class PipelineBuild:
         already cast (bf16-mixed: float inputs in bfloat16, which a float32 layer refuses
         outside autocast)."""
         with torch.inference_mode(False), (self.forward_context or nullcontext)():
+            _refuse_sharded_before_split(self.module)
             self.deferred = is_deferred(self.module)
             self._prepare_compiled()
             if self.init_weights is not None and not self.deferred:
@@ -488,3 +489,22 @@ class PipelineBuild:
             self.failed = True
             raise
 
+
+def _refuse_sharded_before_split(module: nn.Module) -> None:
+    """A model whose parameters are already ``DTensor`` shards is refused, naming them: the
+    split runs on whole modules and the stages are sharded after it, by ``tensor_parallel_plan``
+    (the same patterns and styles). Why here: a user coming from ModelParallelStrategy calls
+    ``parallelize_module`` in ``configure_model`` itself, and the split then failed inside
+    torch ("mixed torch.Tensor and DTensor") with advice about the example."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for name, param in module.named_parameters() if isinstance(param, DTensor)]
+    if sharded:
+        raise StrategyConfigError(
+            f"{type(module).__name__}'s parameters are already sharded as DTensors ("
+            f"{', '.join(sharded[:4])}{', ...' if len(sharded) > 4 else ''}), e.g. by "
+            "parallelize_module in configure_model as under ModelParallelStrategy. "
+            "GeneralParallel splits the whole model into stages first and shards each stage "
+            "after: remove that call and pass its plan as tensor_parallel_plan= with "
+            "tensor_parallel_size= (the same module-name patterns and styles; "
+            "docs/tensor_parallel.md)")

@@ -359,10 +359,12 @@ class CheckpointService:
         _check_not_failed(view)
         if view.released and view.runtime is None:
             raise StrategyConfigError(
-                "the last run ended without gathering the weights (gather_on_teardown=False, "
-                "or a rank failed), so this rank holds only its own stages and a checkpoint "
-                "would be incomplete. Save during fit (ModelCheckpoint) or keep "
-                "gather_on_teardown=True")
+                "the last run ended without gathering the weights (gather_on_teardown=False; "
+                "the default 'auto' for a model built without weights, which one rank may not "
+                "hold; or a rank failed), so this rank holds only its own stages and a "
+                "checkpoint would be incomplete. Save during the run (ModelCheckpoint, "
+                "trainer.save_checkpoint in on_train_end), or pass gather_on_teardown=True "
+                "where one rank can hold the whole model")
 
     @staticmethod
     def _writer(view: CheckpointView) -> Callable[[str], bool]:

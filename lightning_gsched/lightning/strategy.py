@@ -326,9 +326,10 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         self._check_precision()
         if self._released:
             raise StrategyConfigError(
-                "the previous run ended without gathering the weights (gather_on_teardown=False "
-                "or a failure), so the module is incomplete on this rank; build a new model (or "
-                "load a checkpoint) before the next fit/validate/predict"
+                "the previous run ended without gathering the weights (gather_on_teardown=False; "
+                "the default 'auto' for a model built without weights; or a failure), so the "
+                "module is incomplete on this rank; build a new model (or load a checkpoint) "
+                "before the next fit/validate/predict"
             )
         self._failed = False
         self.schedule_config.check(self.world_size)  # a bad config fails here, on every rank
