@@ -390,11 +390,18 @@ def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) 
                 "a longer sequence. Give RowwiseParallel(input_layouts=Replicate()) (or the "
                 "name 'rowwise', which means that on an Embedding)")
     else:
+        inside = [n for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        fix = (f"Name the Linear/Embedding inside it ({', '.join(f'{name}.{n}' for n in inside[:3])})"
+               if inside else f"A {type(module).__name__} holds no Linear or Embedding to "
+               "shard" + (" (transformers' Conv1D is a Linear with its weight transposed, "
+                          "which torch's styles do not shard)"
+                          if type(module).__name__ == "Conv1D" else "")
+               + ": leave it out of the plan (replicated)")
         raise TensorParallelPlanError(
             f"tensor_parallel_plan gives {type(style).__name__} to {name!r}, a "
             f"{type(module).__name__}: {kind}-wise sharding applies to nn.Linear and "
-            "nn.Embedding only. Name the Linear/Embedding inside it, or give this module "
-            "SequenceParallel / PrepareModuleInput instead")
+            f"nn.Embedding only. {fix}, or give this module SequenceParallel / "
+            "PrepareModuleInput instead")
     if size % degree:
         raise TensorParallelPlanError(
             f"{name!r} ({type(module).__name__}, {dim}={size}) cannot be split {kind}-wise "
@@ -666,10 +673,14 @@ def explain_sharded_failure(stage: nn.Module, degree: int, call: Callable[[], _T
             holder = _holder_hint(stage, last[0])
         raise TensorParallelPlanError(
             f"a stage's forward fails once sharded tensor_parallel_size={degree} ways, {where}: "
-            f"{error_text(exc)}. The model's code must compute with local sizes: "
-            "write -1 for a sharded dimension in view/reshape/unflatten (view(b, t, -1, "
-            "head_dim), not the model's global head count), and shard q, k and v as separate "
-            "layers rather than split a fused projection by the full width"
+            f"{error_text(exc)}. The model's code must compute with local sizes; the usual "
+            "causes: a global count in view/reshape/unflatten (write -1 for the sharded "
+            "dimension: view(b, t, -1, head_dim)); a head count the degree does not divide "
+            f"(each of the {degree} ranks must hold whole heads); a fused projection split by "
+            "the full width (shard q, k and v as separate layers); an operation over a "
+            "sharded dimension between a column-wise and a row-wise layer (a norm over the "
+            "features of the first one's output sees only this rank's share: leave that pair "
+            "whole)"
             + holder + _sequence_hint(sequence)) from exc
     finally:
         handle.remove()
