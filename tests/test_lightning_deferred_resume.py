@@ -13,7 +13,10 @@ test:
   (``torch.load(mmap=True)``: each rank reads the pages of what it applies, its kept
   parameters and their optimizer state, not the whole file);
 * the trained weights (and SGD momentum, through them) equal the reference's
-  (``assert_same_state``), also when ``init_weights`` names other weights (the checkpoint wins).
+  (``assert_same_state``), also when ``init_weights`` names other weights (the checkpoint wins);
+* the model holds a module without ``reset_parameters()`` (as transformers' norms are): the
+  checkpoint fills its parameter, so nothing is drawn for it (it was refused, asking for a
+  ``reset_parameters()`` the restore never needed; found by probing).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from dist_harness import WorkerContext
 from lightning_models import as_worker, assert_same_state, rank_loader, trainer
@@ -33,6 +37,23 @@ WORLD_TIMEOUT = 180.0  # seconds per check: whole Trainer fits
 
 SEED = 11
 GLOBAL_BATCH, FIRST, TOTAL = 8, 2, 4
+
+
+class Gain(nn.Module):
+    """A parameter of its own and no ``reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Parameter(torch.ones(1))
+
+
+class LitGainNet(LitNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = Gain()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) * self.gain.value
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +67,7 @@ def save_on_worker(ctx: WorkerContext, options: dict, path: str) -> None:
 
     as_worker(ctx.rank)
     torch.manual_seed(SEED)
-    model = LitNet()  # built with weights
+    model = LitGainNet()  # built with weights
     fit = trainer(ctx.world_size, GeneralParallel(**options), max_steps=FIRST)
     fit.fit(model, rank_loader(data(), GLOBAL_BATCH, ctx.world_size, ctx.rank))
     fit.save_checkpoint(path)
@@ -79,7 +100,7 @@ def resume_deferred_on_worker(ctx: WorkerContext, options: dict, path: str) -> d
     try:
         fit = trainer(ctx.world_size, GeneralParallel(**options), max_steps=TOTAL)
         with fit.init_module():
-            model = LitNet()
+            model = LitGainNet()
         assert all(p.is_meta for p in model.parameters())
         fit.fit(model, rank_loader(data(), GLOBAL_BATCH, ctx.world_size, ctx.rank),
                 ckpt_path=path)
@@ -95,11 +116,11 @@ def resume_deferred_on_worker(ctx: WorkerContext, options: dict, path: str) -> d
 def reference(tmp: Path) -> dict[str, torch.Tensor]:
     """Lightning's single-process resume: 2 steps, save, 2 more from the checkpoint."""
     torch.manual_seed(SEED)
-    model = LitNet()
+    model = LitGainNet()
     fit = trainer(1, "auto", max_steps=FIRST)
     fit.fit(model, rank_loader(data(), GLOBAL_BATCH, 1, 0))
     fit.save_checkpoint(tmp / "reference.ckpt")
-    resumed = LitNet()
+    resumed = LitGainNet()
     fit = trainer(1, "auto", max_steps=TOTAL)
     fit.fit(resumed, rank_loader(data(), GLOBAL_BATCH, 1, 0), ckpt_path=tmp / "reference.ckpt")
     return {n: p.detach().clone() for n, p in resumed.named_parameters()}
@@ -121,7 +142,7 @@ def test_a_deferred_model_resumes_reading_only_its_own(world, tmp_path: Path, sa
         pretrained, prefix, _ = save(tmp_path, "single")
         resumed = {**resumed, "init_weights": pretrained, "init_weights_prefix": prefix}
     results = world.run(resume_deferred_on_worker, resumed, path)
-    buffers = {n for n, _ in LitNet().named_buffers()}
+    buffers = {n for n, _ in LitGainNet().named_buffers()}
     seen: set[str] = set()
     for rank, got in enumerate(results):
         assert got["step"] == TOTAL

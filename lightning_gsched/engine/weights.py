@@ -43,6 +43,7 @@ from lightning_gsched.runtime import (
     Piece,
     Pieces,
     PretrainedWeights,
+    allocate_parameters,
     initialize_parameters,
     load_parameters,
     owned_parameters,
@@ -105,11 +106,13 @@ def materialize(module: nn.Module, stages: Sequence[nn.Module], programs: Progra
     resumed into the model, which overrides ``init_weights``; collective for a sharded
     directory). ``pieces``: the tensor-parallel shards this rank keeps of larger tensors."""
     keep = owned_parameters(stages, programs, worker, module)
+    if restore is not None:  # it fills every kept parameter (or names the one it lacks)
+        allocate_parameters(keep, device, pieces)
+        apply = restore.apply
+        collective("the checkpoint's restore", lambda: apply(module, keep, optimizers, pieces))
+        return
     rest = keep
-    if init_weights is not None and restore is None:
+    if init_weights is not None:
         rest = load_parameters(module, keep, init_weights, device, pieces)
     if rest:
         initialize_parameters(module, rest, seed, device, pieces)
-    if restore is not None:  # only what this rank keeps
-        apply = restore.apply
-        collective("the checkpoint's restore", lambda: apply(module, keep, optimizers, pieces))

@@ -31,6 +31,7 @@ from lightning_gsched.runtime.layout import StepResult, stage_micros, tie_map
 from lightning_gsched.runtime.materialize import (
     Piece,
     Pieces,
+    allocate_parameters,
     deferred_parameters,
     initialize_parameters,
     is_deferred,
@@ -52,7 +53,7 @@ __all__ = [
     "release_frames", "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult",
     "stage_micros", "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor",
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
-    "initialize_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
+    "initialize_parameters", "allocate_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
     "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
     "default_is_gloo", "gloo_group", "lightning_reduce", "mesh_backend", "mesh_backend_override", "new_group",
 ]

@@ -135,6 +135,20 @@ def full_shape(param: nn.Parameter, pieces: Pieces) -> torch.Size:
     return param.shape if piece is None else piece.shape
 
 
+def allocate_parameters(params: Collection[nn.Parameter], device: torch.device,
+                        pieces: Pieces | None = None) -> None:
+    """Give ``params`` storage on ``device``, uninitialised (a piece: its region's shape), for
+    a caller that fills every one of them itself (a checkpoint restored into a model built
+    without weights): drawing them first would spend the RNG on values never used, and refuse
+    modules without ``reset_parameters()`` (transformers' norms) for nothing."""
+    pieces = pieces or {}
+    for p in params:
+        piece = pieces.get(id(p))
+        shape = (p.shape if piece is None
+                 else torch.empty(piece.shape, device="meta")[piece.region].shape)
+        set_storage(p, torch.empty(shape, dtype=p.dtype, device=device))
+
+
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, params: Collection[nn.Parameter], seed: int,
                           device: torch.device, pieces: Pieces | None = None) -> None:
