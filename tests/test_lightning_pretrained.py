@@ -253,6 +253,20 @@ def test_a_missing_tensor_is_named_with_its_file(tmp_path: Path) -> None:
         load_pretrained(LitNet(), tmp_path)
 
 
+def test_a_prefix_starting_no_parameter_name_is_refused(tmp_path: Path) -> None:
+    """A misspelt prefix covered no parameter: every one was drawn from the seed instead, with
+    no error for a model whose modules all have reset_parameters() (found by probing)."""
+    from lightning_gsched.errors import GschedError
+    from lightning_gsched.runtime import deferred_parameters, load_pretrained, pretrained_weights
+
+    init_weights, _, _ = save(tmp_path, "single")
+    with deferred_parameters():
+        model = LitNet()
+    with pytest.raises(GschedError, match=r"init_weights_prefix='modle\.' starts no parameter "
+                                          r"name of LitNet \(e\.g\. 'model\.inp\.weight'\)"):
+        load_pretrained(model, pretrained_weights(init_weights, "modle."))
+
+
 def test_a_mismatched_shape_is_named_with_its_file(tmp_path: Path) -> None:
     from lightning_gsched.errors import GschedError
     from lightning_gsched.runtime import load_pretrained

@@ -110,6 +110,14 @@ def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]
                 "the file lacks (e.g. 'model.' for a LightningModule holding the network as "
                 "self.model), or save the weights of this model")
         keys[pid] = key
+    if not keys:  # a prefix no parameter starts with: nothing would be read, silently
+        first = next(iter(names.values()), ["?"])[0]
+        raise PretrainedWeightsError(
+            f"init_weights_prefix={weights.prefix!r} starts no parameter name of "
+            f"{type(module).__name__} (e.g. {first!r}), so nothing of {weights.path} would be "
+            f"read; the file's first names are {sorted(where)[:3]}. Set init_weights_prefix to "
+            "the part of the model's names the file lacks (e.g. 'model.' for a LightningModule "
+            "holding the network as self.model)")
     for file in dict.fromkeys(where[key] for key in keys.values()):
         with _open(file) as f:
             for pid in (pid for pid, key in keys.items() if where[key] == file):
