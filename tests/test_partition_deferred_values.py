@@ -161,3 +161,29 @@ def test_only_a_trace_that_needs_values_runs_on_stand_ins(monkeypatch) -> None:
     assert made == []
     partition(static, 2, (x,), balance="params", static_shapes=True)
     assert made == ["Net"]
+
+
+class Experts(MaskedMix):
+    """MaskedMix plus two experts applied with ``grouped_mm`` (as transformers' mixture-of-
+    experts layers are), which refuses a stride-0 weight."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__(dim)
+        self.experts = nn.Parameter(torch.randn(2, dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        offsets = torch.tensor([rows.shape[0] // 2, rows.shape[0]], dtype=torch.int32)
+        mixed = torch.nn.functional.grouped_mm(rows, self.experts, offs=offsets)
+        return super().forward(x) + mixed.reshape(x.shape)
+
+
+def test_an_operation_refusing_the_stand_ins_says_so() -> None:
+    """Found by probing (deferred Mixtral): the failure read as a bad example input."""
+    with torch.device("meta"):
+        deferred = Net(Experts)
+    with pytest.raises(Exception) as refused:
+        partition(deferred, 2, (torch.randn(2, 5, 8),), balance="params", static_shapes=True)
+    message = str(refused.value)
+    assert "traced on stand-ins of its parameters" in message, message
+    assert "build this model with its weights" in message

@@ -56,8 +56,16 @@ def traced_without_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dic
     except PartitionError:
         pass  # e.g. a value read on meta: the real example says whether the model is at fault
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    with stand_ins(module, tensors[0].device if tensors else torch.device("cpu")):
-        return trace(args, kwargs)
+    try:
+        with stand_ins(module, tensors[0].device if tensors else torch.device("cpu")):
+            return trace(args, kwargs)
+    except PartitionError as exc:
+        raise type(exc)(
+            f"{str(exc).rstrip('.')}. (The model is built without weights, so it was traced on stand-ins of its "
+            "parameters: real tensors holding one zero each, with stride 0. An operation that "
+            "needs real strides refuses them, e.g. grouped_mm in mixture-of-experts layers; "
+            "if the error names such an operation rather than your input, build this model "
+            "with its weights, in a process that can hold it)") from exc
 
 
 def keeps_meta_values(nodes: Iterable[fx.Node], constants: Mapping[str, Any]) -> bool:
