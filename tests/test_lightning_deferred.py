@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -75,12 +76,25 @@ class WithoutReset(LitGPT):
         return self.model(idx) * self.scale
 
 
-def fit_deferred(ctx: WorkerContext, schedule: str, how: str) -> dict:
+class SaveAtTrainEnd(pl.Callback):
+    """A full checkpoint while the pipeline still runs (after fit the weights stay sharded)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def fit_deferred(ctx: WorkerContext, schedule: str, how: str, tmp: str = "") -> dict:
     from lightning_gsched import GeneralParallel
+    from lightning_gsched.errors import StrategyConfigError
 
     as_worker(ctx.rank)
     torch.manual_seed(SEED)
-    fit = trainer(ctx.world_size, GeneralParallel(schedule), max_steps=STEPS)
+    saved = f"{tmp}/end.ckpt"
+    fit = trainer(ctx.world_size, GeneralParallel(schedule), max_steps=STEPS,
+                  callbacks=[SaveAtTrainEnd(saved)] if tmp else [])
     if how == "init_module":
         with fit.init_module():
             model: Any = LitGPT(optimizer="adam")
@@ -94,7 +108,15 @@ def fit_deferred(ctx: WorkerContext, schedule: str, how: str) -> dict:
                                ctx.rank))
     kept = {n: p.detach().clone() for n, p in model.named_parameters()
             if not p.is_meta and p.numel() > 0}
-    return {"kept": kept, "all": [n for n, _ in model.named_parameters()]}
+    result: dict[str, Any] = {"kept": kept, "all": [n for n, _ in model.named_parameters()]}
+    if tmp:  # the same module validated after fit: refused without a checkpoint, then from it
+        val = rank_loader(tokens(GLOBAL_BATCH, seed=9), GLOBAL_BATCH, ctx.world_size, ctx.rank)
+        try:
+            fit.validate(model, val, verbose=False)
+        except StrategyConfigError as exc:
+            result["refused"] = str(exc)
+        result["val"] = fit.validate(model, val, ckpt_path=saved, verbose=False)[0]["val_loss"]
+    return result
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -108,11 +130,31 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 
+def reference_validation(want: dict[str, torch.Tensor]) -> float:
+    """One device's validation loss of the trained reference weights."""
+    with deferred_parameters():
+        model = LitGPT(optimizer="adam")
+    initialize(model, SEED)
+    model.load_state_dict(want)
+    val = rank_loader(tokens(GLOBAL_BATCH, seed=9), GLOBAL_BATCH, 1, 0)
+    return float(trainer(1, "auto").validate(model, val, verbose=False)[0]["val_loss"])
+
+
 @pytest.mark.parametrize("schedule,how", [("fsdp", "init_module"), ("1f1b", "configure_model")])
 def test_deferred_model_trains_like_one_device_and_no_rank_holds_it_all(
-        world, schedule: str, how: str) -> None:
+        world, tmp_path, schedule: str, how: str) -> None:
+    """Also (1f1b): after fit the module stays sharded, so validating it again without a
+    checkpoint is refused naming ckpt_path, and with the checkpoint saved at the end of the
+    run each rank restores its own stages: one device's validation loss (it was refused
+    either way; found by probing). rel 1e-5: float32 summation order, as the weights."""
     want = reference()
-    results = world.run(fit_deferred, schedule, how)
+    results = world.run(fit_deferred, schedule, how, str(tmp_path) if how == "configure_model"
+                        else "")
+    if how == "configure_model":
+        expected = reference_validation(want)
+        for got in results:
+            assert "Pass ckpt_path=" in got["refused"], got["refused"]
+            assert got["val"] == pytest.approx(expected, rel=1e-5), (got["val"], expected)
     seen: set[str] = set()
     for rank, got in enumerate(results):
         assert got["kept"], f"rank {rank} kept nothing"

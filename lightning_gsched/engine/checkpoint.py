@@ -57,7 +57,7 @@ from lightning_gsched.partition.tensor_parallel_state import (
     local_model_state,
     local_optimizer_state,
 )
-from lightning_gsched.runtime import ModelRuntime, is_deferred
+from lightning_gsched.runtime import ModelRuntime, is_deferred, parameters_to_meta
 from lightning_gsched.schedule import validate
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -264,6 +264,10 @@ class CheckpointService:
         end's CheckpointIO."""
         name = str(path)
         sharded = checkpoint_sharded.is_sharded_checkpoint(name)
+        if view.released and view.runtime is None and view.module is not None:
+            # a run ended without a gather: each rank holds other parameters; restored like a
+            # model built without weights (runtime/materialize.py, parameters_to_meta)
+            parameters_to_meta(_module(view))
         deferred = view.deferred
         # a directory fabric.save wrote, read back under the user's keys
         keys = (checkpoint_sharded.in_user_layout if self.what != checkpoint_check.TRAINER

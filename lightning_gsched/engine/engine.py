@@ -252,6 +252,8 @@ class PipelineEngine(PipelineBuild):
             if self.tensor_parallel_size > 1:  # each slice's shards, gathered over its T ranks
                 self.collective("the gather of the tensor-parallel shards at the end",
                                  lambda: gather_shards(self.module, self.optimizers()))
+        if not gather and not failed and self.tensor_parallel_size == 1 and not runtime.closed:
+            runtime.absent_to_meta()  # a checkpoint can be restored into it (module doc there)
         runtime.close()
         self.runtime = None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence, Union
@@ -252,7 +253,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         self._notice: FailureNotice | None = None
         self._failure: str | None = None  # "rank r failed in <hook>: ..." once reported
         self._failed = False
-        self._released = False  # a run ended without giving every rank the full weights back
+        # the module of a run that ended without giving every rank the full weights back
+        self._released: weakref.ref[Any] | None = None
         # the last run's predicted and measured bytes per rank (kept after teardown)
         self.memory_report: MemoryReport | None = None
         self._mesh = DeviceMeshSlot(on_made=self._give_module_mesh)  # engine/mesh.py
@@ -324,12 +326,13 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
                 "(each compiled block is one unit of the split; docs/usage.md, 'torch.compile')"
             )
         self._check_precision()
-        if self._released:
+        if self._is_released(module) and self._checkpoints.restore is None:
             raise StrategyConfigError(
                 "the previous run ended without gathering the weights (gather_on_teardown=False; "
                 "the default 'auto' for a model built without weights; or a failure), so the "
-                "module is incomplete on this rank; build a new model (or load a checkpoint) "
-                "before the next fit/validate/predict"
+                "module is incomplete on this rank. Pass ckpt_path= (e.g. trainer.validate("
+                "model, ckpt_path='last')): each rank then restores its own stages from it; or "
+                "build a new model"
             )
         self._failed = False
         self.schedule_config.check(self.world_size)  # a bad config fails here, on every rank
@@ -426,6 +429,10 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             )
 
     # ------------------------------------------------------------------ steps
+
+    def _is_released(self, module: Any) -> bool:
+        """Whether ``module`` is the one a run ended with, its weights not gathered."""
+        return self._released is not None and module is not None and self._released() is module
 
     def _require_engine(self) -> PipelineEngine:
         if self._engine is None:
@@ -534,7 +541,7 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         return CheckpointView(self.lightning_module, self._engine,
                               [_unwrap(o) for o in self.optimizers], self.global_rank,
                               self.world_size, self.checkpoint_io, self.step_timeout,
-                              self._failure, self._released)
+                              self._failure, self._is_released(self.lightning_module))
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         view = self._view()  # a save begins here (Lightning's dump_checkpoint)
@@ -582,7 +589,9 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             if wanted == "auto":  # a model built without weights never becomes whole unasked
                 wanted = not self._engine.deferred
             gather = bool(wanted) and not self._failed
-            self._released = self._engine.built and not gather
+            released = self._engine.built and not gather
+            self._released = (weakref.ref(self.lightning_module)
+                              if released and self.lightning_module is not None else None)
             self._engine.close(gather=gather)
             self.memory_report = self._engine.memory
             self._engine = None

@@ -36,6 +36,7 @@ from lightning_gsched.runtime.materialize import (
     initialize_parameters,
     is_deferred,
     owned_parameters,
+    parameters_to_meta,
 )
 from lightning_gsched.runtime.model_runtime import ModelRuntime, ParameterMemory
 from lightning_gsched.runtime.pretrained import (
@@ -53,7 +54,7 @@ __all__ = [
     "release_frames", "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult",
     "stage_micros", "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor",
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",
-    "initialize_parameters", "allocate_parameters", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
+    "initialize_parameters", "allocate_parameters", "parameters_to_meta", "Piece", "Pieces", "is_deferred", "owned_parameters", "PretrainedWeights",
     "PretrainedWeightsError", "load_parameters", "load_pretrained", "pretrained_weights",
     "default_is_gloo", "gloo_group", "lightning_reduce", "mesh_backend", "mesh_backend_override", "new_group",
 ]

@@ -135,6 +135,17 @@ def full_shape(param: nn.Parameter, pieces: Pieces) -> torch.Size:
     return param.shape if piece is None else piece.shape
 
 
+def parameters_to_meta(module: nn.Module) -> None:
+    """Every parameter of ``module`` becomes a meta tensor of its shape: the module is a model
+    built without weights again (each rank materialises or restores its own at the next
+    build). For a module whose run ended without a gather, before a checkpoint is restored
+    into it: the parameters a rank kept differ between ranks, which the next build's weight
+    broadcast cannot take, and the checkpoint overwrites them anyway."""
+    for param in module.parameters():
+        if not param.is_meta:
+            set_storage(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+
+
 def allocate_parameters(params: Collection[nn.Parameter], device: torch.device,
                         pieces: Pieces | None = None) -> None:
     """Give ``params`` storage on ``device``, uninitialised (a piece: its region's shape), for
