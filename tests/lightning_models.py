@@ -78,6 +78,8 @@ class LitGPT(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         loss = self._loss(batch)
         self.log("val_loss", loss, sync_dist=True)
+        if self.hparams.log_extra:  # a count: summed over the batch and the dataloader's epoch
+            self.log("val_rows", float(len(batch[0])), reduce_fx="sum", sync_dist=True)
         if self.hparams.get("metrics"):
             self.val_mean.update(loss, weight=len(batch[0]))
             self.val_seen(loss, weight=len(batch[0]))

@@ -1,7 +1,10 @@
 """validate / test / predict under GeneralParallel: forward-only schedules, single-device results.
 
 ``trainer.validate`` and ``trainer.test`` must report the metrics one device reports on the same
-global batches (the last batch is short on purpose: its microbatches are uneven), and
+global batches (the last batch is short on purpose: its microbatches are uneven, and so are
+the ranks' shares of it, rank 0 loading one row more: each rank logs the global batch's value,
+weighted in the epoch mean by the global batch's rows, not its own; a value logged with
+``reduce_fx="sum"`` and ``sync_dist=True`` is summed once, not once per rank), and
 ``trainer.predict`` must return, on each rank, the single-device predictions of the rows that
 rank loaded. Validation inside ``fit`` (with EarlyStopping on the reduced ``val_loss``) must not
 disturb training.
@@ -15,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from dist_harness import WorkerContext
 from lightning_models import as_worker, make_lit_gpt, rank_loader, state_of, tokens, trainer
@@ -28,14 +32,22 @@ WORLD_TIMEOUT = 300.0  # seconds per check: whole Trainer fits (conftest.worlds)
 
 
 def eval_data(world: int) -> torch.Tensor:
-    """Two full global batches and a short one of ``world`` rows (one per rank)."""
-    return tokens(2 * GLOBAL_BATCH + world, seed=11)
+    """Two full global batches and a short one of ``world + 1`` rows (two on rank 0, one on
+    each other rank)."""
+    return tokens(2 * GLOBAL_BATCH + world + 1, seed=11)
+
+
+def tail_rows(world: int, rank: int) -> slice:
+    """The rows of the short batch that ``rank`` loads (of ``world`` ranks)."""
+    return slice(0, 2) if rank == 0 else slice(rank + 1, rank + 2)
 
 
 def loaders(data: torch.Tensor, world: int, rank: int) -> Any:
     full = rank_loader(data[: 2 * GLOBAL_BATCH], GLOBAL_BATCH, world, rank)
-    tail = rank_loader(data[2 * GLOBAL_BATCH:], world, world, rank)
-    return [full, tail]
+    tail = data[2 * GLOBAL_BATCH:]
+    if world > 1:
+        tail = tail[tail_rows(world, rank)]
+    return [full, DataLoader(TensorDataset(tail), batch_size=len(tail))]
 
 
 def evaluate_on_worker(ctx: WorkerContext, options: dict) -> dict:
@@ -43,7 +55,7 @@ def evaluate_on_worker(ctx: WorkerContext, options: dict) -> dict:
 
     as_worker(ctx.rank)
     world, rank = ctx.world_size, ctx.rank
-    model = make_lit_gpt()
+    model = make_lit_gpt(log_extra=True)
     data = eval_data(world)
     run = trainer(world, GeneralParallel(**options))
     val = run.validate(model, loaders(data, world, rank), verbose=False)
@@ -56,7 +68,7 @@ def evaluate_on_worker(ctx: WorkerContext, options: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def reference(world: int) -> dict:
-    model = make_lit_gpt()
+    model = make_lit_gpt(log_extra=True)
     data = eval_data(world)
     val = trainer(1, "auto").validate(model, loaders(data, 1, 0), verbose=False)
     test = trainer(1, "auto").test(model, loaders(data, 1, 0), verbose=False)
@@ -69,8 +81,7 @@ def _rank_rows(reference_rows: torch.Tensor, world: int, rank: int) -> list[torc
     """Reference predictions per batch of this rank's loaders (same order as trainer.predict)."""
     per_rank = GLOBAL_BATCH // world
     full = [reference_rows[i * GLOBAL_BATCH + rank * per_rank:][:per_rank] for i in range(2)]
-    tail = [reference_rows[2 * GLOBAL_BATCH + rank:][:1]]
-    return full + tail
+    return full + [reference_rows[2 * GLOBAL_BATCH:][tail_rows(world, rank)]]
 
 
 # schedule innermost: the W=2 cases, then the W=4 ones (worker processes started twice)

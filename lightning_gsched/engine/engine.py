@@ -50,7 +50,8 @@ class StepOutcome:
     ``value``: the training loss (the mean over the global batch's microbatches, the same on
     every rank), or for a forward-only step the outputs of this rank's rows (None when not
     kept). ``logged``: ``(name, value, options)`` reduced over the global batch, for the front end
-    to log on every rank; ``rows``: the rows this rank loaded (the logged values' batch size);
+    to log on every rank; ``rows``: the rows of the global batch (the logged values' batch size:
+    every rank logs the global batch's values, so its epoch means weigh each step alike);
     ``notices``: every rank's pending preemption signal at the step's exchange (0: none).
     """
 
@@ -146,7 +147,7 @@ class PipelineEngine(PipelineBuild):
             )
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
         return StepOutcome(loss, reduce_records(records, cut.micro_rows()),
-                           rows[self.workers.position],
+                           sum(cut.micro_rows()),
                            pending[0].notices)
 
     def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool,
@@ -187,12 +188,12 @@ class PipelineEngine(PipelineBuild):
         notices = [n for _, _, n in gathered]
         records = [r for _, logs, _ in gathered for r in logs]
         logged = reduce_records(records, cut.micro_rows())
-        mine = rows[self.workers.position]
+        global_rows = sum(cut.micro_rows())
         if not keep_outputs:
-            return StepOutcome(None, logged, mine, notices)
+            return StepOutcome(None, logged, global_rows, notices)
         by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
         local = local_outputs(by_micro, cut, self.workers.position, caller.name)
-        return StepOutcome(to_device(local, runtime.device), logged, mine, notices)
+        return StepOutcome(to_device(local, runtime.device), logged, global_rows, notices)
 
     # ------------------------------------------------------------------ gradients
 

@@ -218,6 +218,9 @@ def reduce_records(records: list[LogRecord], weights: list[int]
     out = []
     for name, group in by_name.items():
         options = group[0].options
+        if "batch_size" in options:  # the user's own, per microbatch: the step's is their sum
+            options = {**options, "batch_size": sum(r.options.get("batch_size", 0)
+                                                   for r in group)}
         values = [_number(r) for r in group]
         if METRIC_OPTION in options:  # a Metric's forwards: their row-weighted mean (NaN: none)
             pairs = [(v, weights[r.micro]) for v, r in zip(values, group, strict=True)
@@ -253,12 +256,17 @@ def replay(module: Any, reduced: list[tuple[str, float, dict[str, Any]]], device
            batch_size: int) -> None:
     """Log the reduced values through Lightning, identically on every rank. A torchmetrics
     Metric is logged as itself, each rank's copy (Lightning computes it over every rank's
-    state at the epoch's end, and resets it), its step value being the step's reduced one. A
+    state at the epoch's end, and resets it), its step value being the step's reduced one.
+    ``batch_size``: the global batch's rows, the weight of the step in Lightning's epoch mean
+    (a ``batch_size`` the user gave is summed over the microbatches instead). A
     value logged as a float64 tensor is logged in float64 (others in the default dtype, as
     Lightning converts numbers)."""
     for name, value, options in reduced:
         options = dict(options)
         options.setdefault("batch_size", batch_size)
+        # the value is the global batch's already, the same on every rank: synced again,
+        # Lightning would sum a reduce_fx="sum" value over the ranks once more
+        options["sync_dist"] = False
         path = options.pop(METRIC_OPTION, None)
         dtype = torch.float64 if options.pop(FLOAT64_OPTION, False) else None
         if path is not None:
