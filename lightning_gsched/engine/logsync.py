@@ -264,9 +264,10 @@ def replay(module: Any, reduced: list[tuple[str, float, dict[str, Any]]], device
     for name, value, options in reduced:
         options = dict(options)
         options.setdefault("batch_size", batch_size)
-        # the value is the global batch's already, the same on every rank: synced again,
-        # Lightning would sum a reduce_fx="sum" value over the ranks once more
-        options["sync_dist"] = False
+        if _fx_kind(name, options.get("reduce_fx", "mean")) == "sum":
+            # the global batch's sum already, the same on every rank: synced, Lightning would
+            # sum it over the ranks once more (a mean, max or min of equal values is unchanged)
+            options["sync_dist"] = False
         path = options.pop(METRIC_OPTION, None)
         dtype = torch.float64 if options.pop(FLOAT64_OPTION, False) else None
         if path is not None:
