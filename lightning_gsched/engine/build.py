@@ -248,6 +248,7 @@ class PipelineBuild:
         outside autocast)."""
         with torch.inference_mode(False), (self.forward_context or nullcontext)():
             _refuse_sharded_before_split(self.module)
+            _refuse_step_synced_metrics(self.module)
             self.deferred = is_deferred(self.module)
             self._prepare_compiled()
             if self.init_weights is not None and not self.deferred:
@@ -508,3 +509,25 @@ def _refuse_sharded_before_split(module: nn.Module) -> None:
             "after: remove that call and pass its plan as tensor_parallel_plan= with "
             "tensor_parallel_size= (the same module-name patterns and styles; "
             "docs/tensor_parallel.md)")
+
+
+def _refuse_step_synced_metrics(module: nn.Module) -> None:
+    """A torchmetrics ``Metric(dist_sync_on_step=True)`` held by the model is refused, naming
+    it: its forward runs a collective over every rank, but a step's code after the model's
+    call runs on the rank computing the loss only, so the collective waited for peers that
+    never call it until ``step_timeout`` (found by probing). The strategy reduces what the
+    step logs over the global batch anyway."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - Lightning installs torchmetrics
+        return
+    synced = [name for name, sub in module.named_modules()
+              if isinstance(sub, Metric) and getattr(sub, "dist_sync_on_step", False)]
+    if synced:
+        raise StrategyConfigError(
+            f"the torchmetrics Metric(s) {', '.join(map(repr, synced))} of "
+            f"{type(module).__name__} sync on every step (dist_sync_on_step=True): under "
+            "GeneralParallel a step's code after the model's call runs on the rank that "
+            "computes the loss only, so that collective would wait for the other ranks. Drop "
+            "dist_sync_on_step: a Metric logged with self.log(name, metric) gets the global "
+            "batch's value at every step, and compute() syncs every rank at the epoch's end")
