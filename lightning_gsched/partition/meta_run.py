@@ -61,11 +61,11 @@ def traced_without_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dic
             return trace(args, kwargs)
     except PartitionError as exc:
         raise type(exc)(
-            f"{str(exc).rstrip('.')}. (The model is built without weights, so it was traced on stand-ins of its "
-            "parameters: real tensors holding one zero each, with stride 0. An operation that "
-            "needs real strides refuses them, e.g. grouped_mm in mixture-of-experts layers; "
-            "if the error names such an operation rather than your input, build this model "
-            "with its weights, in a process that can hold it)") from exc
+            f"{str(exc).rstrip('.')}. (The model is built without weights, so it was traced "
+            "on stand-ins of its parameters: real tensors holding one zero each, with stride 0. "
+            "An operation that needs real strides refuses them, e.g. grouped_mm in "
+            "mixture-of-experts layers; if the error names such an operation rather than your "
+            "input, build this model with its weights, in a process that can hold it)") from exc
 
 
 def keeps_meta_values(nodes: Iterable[fx.Node], constants: Mapping[str, Any]) -> bool:
@@ -106,19 +106,28 @@ def on_meta(*modules: nn.Module) -> Iterator[None]:
 def _buffers_on_meta(*modules: nn.Module, constants: bool = False) -> Iterator[None]:
     """Every buffer of ``modules`` (and, with ``constants``, every constant of a stage) is a
     meta copy inside."""
-    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    swaps: list[tuple[dict[str, Any], str, Any]] = []
     for module in modules:
         for sub in module.modules():
             attributes = vars(sub)  # the split's constants are plain attributes of a stage
             kept = [name for name in attributes if name.startswith(CONSTANT_PREFIX)]
-            for store, names in ((sub._buffers, list(sub._buffers)),
-                                 (attributes, kept if constants else [])):
+            stores: tuple[tuple[dict[str, Any], list[str]], ...] = (
+                (sub._buffers, list(sub._buffers)), (attributes, kept if constants else []))
+            for store, names in stores:
                 for name in names:
                     tensor = store[name]
                     if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
-                        saved.append((store, name, tensor))
-    for store, name, tensor in saved:
-        store[name] = tensor.to("meta")
+                        swaps.append((store, name, tensor.to("meta")))
+    with _swapped(swaps):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(swaps: list[tuple[dict[str, Any], str, Any]]) -> Iterator[None]:
+    """Each ``store[name]`` is ``value`` inside; what was there is put back on exit."""
+    saved = [(store, name, store[name]) for store, name, _ in swaps]
+    for store, name, value in swaps:
+        store[name] = value
     try:
         yield
     finally:
@@ -127,9 +136,10 @@ def _buffers_on_meta(*modules: nn.Module, constants: bool = False) -> Iterator[N
 
 
 class _DevicesOnMeta(TorchFunctionMode):
-    """Every device argument of a torch call is the meta device (``x.to(device)``, ``torch.
-    arange(n, device=...)``, ``x.to("cpu")``, ``x.cpu()``): a stage's literal devices, recorded by a trace on
-    real tensors, would copy a meta tensor out to a real device, which has no data."""
+    """Every device argument of a torch call is the meta device (``x.to(device)``,
+    ``torch.arange(n, device=...)``, ``x.to("cpu")``, ``x.cpu()``): a stage's literal devices,
+    recorded by a trace on real tensors, would copy a meta tensor out to a real device, which
+    has no data."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -169,7 +179,7 @@ def stand_ins(module: nn.Module, device: torch.device) -> Iterator[None]:
     stay real, so such tensors get their real values and devices. What the stand-ins' zeros
     flow into are activations, which the trace records as graph operations (run again on the
     real weights at every step), never as constants. Tied parameters stay tied (one stand-in)."""
-    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    swaps: list[tuple[dict[str, Any], str, Any]] = []
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         stores: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
@@ -181,10 +191,6 @@ def stand_ins(module: nn.Module, device: torch.device) -> Iterator[None]:
                     zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
                     made[id(tensor)] = (nn.Parameter(zero, requires_grad=tensor.requires_grad)
                                         if isinstance(tensor, nn.Parameter) else zero)
-                saved.append((store, name, tensor))
-                store[name] = made[id(tensor)]
-    try:
+                swaps.append((store, name, made[id(tensor)]))
+    with _swapped(swaps):
         yield
-    finally:
-        for store, name, tensor in saved:
-            store[name] = tensor
