@@ -27,7 +27,6 @@ import torch.distributed as dist
 from lightning_gsched.errors import GschedError, RuntimeFault, error_text
 from lightning_gsched.runtime import (
     LOST_PEER_GRACE_S,
-    POSITIONS_GRACE_S,
     FaultNotice,
     default_is_gloo,
     default_store,
@@ -127,7 +126,7 @@ class ControlGroup:
                         "raise step_timeout if a peer is only slower")
             if timed_out:
                 message += ". Where the ranks wait: " + self.notice.positions(
-                    self.rank, dist.get_world_size(), f"in {what}", POSITIONS_GRACE_S)
+                    self.rank, dist.get_world_size(), f"in {what}")
         self.report(message)
         return RuntimeFault(message)
 

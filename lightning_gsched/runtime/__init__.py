@@ -10,7 +10,6 @@ from lightning_gsched.runtime.aligned_rng import align_generators
 from lightning_gsched.runtime.calibration import calibrate
 from lightning_gsched.runtime.channels import (
     LOST_PEER_GRACE_S,
-    POSITIONS_GRACE_S,
     FaultNotice,
     default_store,
     destroy_groups,
@@ -50,7 +49,7 @@ from lightning_gsched.runtime.transport import TRANSPORTS
 
 __all__ = [
     "align_generators",
-    "LOST_PEER_GRACE_S", "POSITIONS_GRACE_S", "FaultNotice", "default_store", "destroy_groups", "is_timeout",
+    "LOST_PEER_GRACE_S", "FaultNotice", "default_store", "destroy_groups", "is_timeout",
     "release_frames", "short_reason", "TRANSPORTS", "calibrate", "ProgramExecutor", "StepResult",
     "stage_micros", "tie_map", "ModelRuntime", "ParameterMemory", "StreamedTensor",
     "parameter_names", "optimizer_factor", "optimizer_step_factor", "deferred_parameters",

@@ -78,7 +78,8 @@ class FaultNotice:
             time.sleep(0.02)
 
 
-    def positions(self, rank: int, world_size: int, where: str, grace: float) -> str:
+    def positions(self, rank: int, world_size: int, where: str,
+                  grace: float = POSITIONS_GRACE_S) -> str:
         """After a wait that timed out with no failure reported: post where this rank waits,
         and say where every rank waits, as far as the others post within ``grace`` s.
 
@@ -255,8 +256,7 @@ class Channels:
     def positions(self, where: str) -> str:
         """Where every rank waits (:meth:`FaultNotice.positions`), this one at ``where``."""
         T = self.tensor_parallel[0]
-        return self.notice.positions(self.global_rank, self.world_size * T, where,
-                                     POSITIONS_GRACE_S)
+        return self.notice.positions(self.global_rank, self.world_size * T, where)
 
     def close(self, collect: bool = False) -> None:
         """Release the process groups (local; call on every rank when done with the executor).

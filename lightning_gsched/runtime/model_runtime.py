@@ -19,7 +19,7 @@ from lightning_gsched.runtime import fullstate
 from lightning_gsched.runtime.channels import Channels, FaultNotice
 from lightning_gsched.runtime.compute import CallArgs, ForwardContext, LossFn
 from lightning_gsched.runtime.executor import ProgramExecutor
-from lightning_gsched.runtime.flat import set_storage
+from lightning_gsched.runtime.flat import FlatStage, set_storage
 from lightning_gsched.runtime.footprint import MeasuredBytes, optimizer_state_bytes
 from lightning_gsched.runtime.handover import GradStash
 from lightning_gsched.runtime.host_heap import release_free_heap
@@ -104,11 +104,15 @@ class ModelRuntime:
         """A forward-only run; gradients are untouched."""
         return self.executor.forward(programs, inputs, output_fn, signature=signature)
 
-    def absent_stages(self) -> list[int]:
-        """Stages (a tie: its home stage) whose weights this rank does not hold now: their
+    def _absent_units(self) -> list[FlatStage]:
+        """The stage and tie buffers whose weights this rank does not hold now: their
         parameters are empty tensors here between the fetches of a step (runtime/flat.py)."""
-        units = [*self.executor.flats, *self.executor.ties.values()]
-        return sorted({unit.index for unit in units if not unit.materialized})
+        return [unit for unit in [*self.executor.flats, *self.executor.ties.values()]
+                if not unit.materialized]
+
+    def absent_stages(self) -> list[int]:
+        """Stages (a tie: its home stage) whose weights this rank does not hold now."""
+        return sorted({unit.index for unit in self._absent_units()})
 
     def absent_to_meta(self) -> None:
         """The parameters of :meth:`absent_stages` become meta tensors of their full shapes
@@ -116,10 +120,9 @@ class ModelRuntime:
         built without weights where this rank holds nothing, which a checkpoint can be
         restored into at the next build (engine/checkpoint.py), instead of one whose empty
         parameters no load fits. Not for tensor-parallel pieces (their shapes are local)."""
-        for unit in [*self.executor.flats, *self.executor.ties.values()]:
-            if not unit.materialized:
-                for param, shape in zip(unit.params, unit.shapes, strict=True):
-                    set_storage(param, torch.empty(shape, dtype=unit.dtype, device="meta"))
+        for unit in self._absent_units():
+            for param, shape in zip(unit.params, unit.shapes, strict=True):
+                set_storage(param, torch.empty(shape, dtype=unit.dtype, device="meta"))
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank updates (optimizer state is kept for these only)."""
