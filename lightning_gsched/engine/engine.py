@@ -36,6 +36,7 @@ from lightning_gsched.engine.logsync import (
     on_host,
     reduce_records,
 )
+from lightning_gsched.engine.step_outputs import rank_step_outputs, training_extras
 from lightning_gsched.engine.step_rows import Held
 from lightning_gsched.engine.values import to_cpu, to_device
 from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigError
@@ -49,7 +50,8 @@ class StepOutcome:
 
     ``value``: the training loss (the mean over the global batch's microbatches, the same on
     every rank), or for a forward-only step the outputs of this rank's rows (None when not
-    kept). ``logged``: ``(name, value, options)`` reduced over the global batch, for the front end
+    kept). ``extras``: a training step's other returned keys for this rank's rows, when asked
+    for and returned (:mod:`.step_outputs`; else None). ``logged``: ``(name, value, options)`` reduced over the global batch, for the front end
     to log on every rank; ``rows``: the rows of the global batch (the logged values' batch size:
     every rank logs the global batch's values, so its epoch means weigh each step alike);
     ``notices``: every rank's pending preemption signal at the step's exchange (0: none).
@@ -59,6 +61,7 @@ class StepOutcome:
     logged: list[tuple[str, float, dict[str, Any]]]
     rows: int
     notices: list[int] = field(default_factory=list)  # every rank's pending preemption signal
+    extras: dict[str, Any] | None = None
 
 
 class PipelineEngine(PipelineBuild):
@@ -88,13 +91,16 @@ class PipelineEngine(PipelineBuild):
 
     def training_step(self, batch: Any, caller: StepCaller,
                       notice: Callable[[], int] = lambda: 0,
-                      drop_previous_grads: bool = False) -> StepOutcome:
+                      drop_previous_grads: bool = False,
+                      keep_extras: bool = False) -> StepOutcome:
         """One schedule step on this rank's share of the global batch: forward, backward and
         the gradients held for :meth:`hand_over_grads`; the loss of the global batch.
         ``notice()``: this rank's pending preemption signal, read when the exchange of the
         losses starts (every rank's comes back in ``StepOutcome.notices``).
         ``drop_previous_grads``: the loop zeroes the gradients before the hand-over
-        (``ModelRuntime.step``)."""
+        (``ModelRuntime.step``). ``keep_extras``: a hook reads the step's other returned keys:
+        they are gathered (only on steps where the step returned some) and joined for this
+        rank's rows (``StepOutcome.extras``)."""
         rows, layouts = self.step_rows.sizes(batch, trusted=self.built)
         held = Held()
         if not self.config.decided:
@@ -113,9 +119,15 @@ class PipelineEngine(PipelineBuild):
                                                    self.control,
                                                    STAMP_SIZE if self.step_rows.stamped else 0)
         inputs = self._capture_all(caller, micros, runtime.first_stage_micros)
+        extras: dict[int, Any] = {}
 
         def loss_fn(output: Any, b: int) -> torch.Tensor:
-            return step_loss(caller.finish(micros[b], output, b), caller.name)
+            result = caller.finish(micros[b], output, b)
+            if keep_extras:
+                extra = training_extras(result)
+                if extra is not None:
+                    extras[b] = extra
+            return step_loss(result, caller.name)
 
         exchange_logs = self.losses_and_logs
         pending: list[PendingExchange] = []
@@ -123,10 +135,12 @@ class PipelineEngine(PipelineBuild):
         def start_log_exchange(losses: dict[int, Any]) -> None:
             if not self.workers.reports:  # its worker's t = 0 reports the same values
                 losses, logs = {}, []
+                extras.clear()
             else:
                 logs = caller.logs
             pending.append(exchange_logs.start(losses, logs, notice(),
-                                               self.step_rows.stamp(batch, rows, layouts)))
+                                               self.step_rows.stamp(batch, rows, layouts),
+                                               outputs=bool(extras)))
 
         self.memory.before_step(runtime)
         try:
@@ -146,14 +160,24 @@ class PipelineEngine(PipelineBuild):
                 "must run the same plan"
             )
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
+        joined = None
+        if pending[0].outputs_anywhere:  # only a step whose ranks returned more than the loss
+            gathered = self.collective("the gather of the step's returned values", lambda: (
+                exchange(to_cpu(extras), self.world_size, self.group)))
+            by_micro = {b: v for part in gathered for b, v in part.items()}
+            joined = to_device(rank_step_outputs(by_micro, cut, self.workers.position,
+                                                 caller.name), runtime.device)
         return StepOutcome(loss, reduce_records(records, cut.micro_rows()),
                            sum(cut.micro_rows()),
-                           pending[0].notices)
+                           pending[0].notices, joined)
 
-    def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: bool,
+    def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: str | None,
                   notice: Callable[[], int] = lambda: 0) -> StepOutcome:
-        """A forward-only plan (validation, test, predict); with ``keep_outputs`` every rank
-        gets the outputs of the rows it loaded (predictions go back to their rank)."""
+        """A forward-only plan (validation, test, predict). ``keep_outputs``: every rank gets
+        the step's returns for the rows it loaded, ``"predictions"`` joined strictly (each a
+        tensor of rows: predictions go back to their rank, :func:`.batches.local_outputs`),
+        ``"hooks"`` as far as they can be (:mod:`.step_outputs`: for the batch-end hooks);
+        None: not kept."""
         rows, layouts = self.step_rows.sizes(batch)
         held = Held()
         if not self.config.decided:
@@ -192,7 +216,10 @@ class PipelineEngine(PipelineBuild):
         if not keep_outputs:
             return StepOutcome(None, logged, global_rows, notices)
         by_micro = {b: v for part, _, _ in gathered for b, v in part.items()}
-        local = local_outputs(by_micro, cut, self.workers.position, caller.name)
+        position = self.workers.position
+        local = (local_outputs(by_micro, cut, position, caller.name)
+                 if keep_outputs == "predictions"
+                 else rank_step_outputs(by_micro, cut, position, caller.name))
         return StepOutcome(to_device(local, runtime.device), logged, global_rows, notices)
 
     # ------------------------------------------------------------------ gradients

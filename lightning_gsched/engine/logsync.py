@@ -75,7 +75,8 @@ class LossLogExchange:
         return self.finish(self.start(losses, records))
 
     def start(self, losses: Mapping[int, Any], records: list[LogRecord],
-              notice: int = 0, stamp: list[Any] | None = None) -> PendingExchange:
+              notice: int = 0, stamp: list[Any] | None = None,
+              outputs: bool = False) -> PendingExchange:
         """Pack this rank's slots and start the all-reduce without waiting for it.
 
         Why split from :meth:`finish`: the engine starts the exchange the moment the step's
@@ -87,6 +88,9 @@ class LossLogExchange:
         every rank learns of a signal any rank received at the same step (the front ends'
         preemption handling). ``stamp``: this rank's ``stamp_size`` numbers (floats or 0-dim
         tensors, exact in float64), every rank's back in ``PendingExchange.stamps``.
+        ``outputs``: this rank holds step outputs for the hooks; whether any rank does comes
+        back in ``PendingExchange.outputs_anywhere`` (a step whose ranks hold none gathers
+        none, :mod:`.step_outputs`).
         """
         stamp = list(stamp or [])
         assert len(stamp) == self.stamp_size, "every rank stamps as many numbers"
@@ -95,18 +99,18 @@ class LossLogExchange:
             local = dict(losses)
             return PendingExchange(local, list(records), None, None, [notice],
                                    torch.cat([_as_float64(list(local.values()), self.device),
-                                              own]), [[]])
+                                              own]), [[]], outputs)
         B = self.micro
         mine = [(r.micro, r.name, r.options) for r in records]
         sizes = [len(part) for part in self.layout] if self.layout is not None else [0] * self.world_size
         start = 2 * B + sum(sizes[: self.rank])
         W, K = self.world_size, self.stamp_size
-        # [losses | loss counts | record values | notices | stamps | layout changed?]
-        packed = torch.zeros(2 * B + sum(sizes) + W * (1 + K) + 1, dtype=torch.float64,
+        # [losses | loss counts | record values | notices | stamps | outputs? | layout changed?]
+        packed = torch.zeros(2 * B + sum(sizes) + W * (1 + K) + 2, dtype=torch.float64,
                              device=self.device)
-        packed[-1 - W * (1 + K) + self.rank] = float(notice)
+        packed[-2 - W * (1 + K) + self.rank] = float(notice)
         if K:
-            first = packed.numel() - 1 - W * K + self.rank * K
+            first = packed.numel() - 2 - W * K + self.rank * K
             packed[first:first + K] = _as_float64(stamp, self.device)
         if losses:
             micros = sorted(losses)
@@ -114,6 +118,8 @@ class LossLogExchange:
             packed[index] = _as_float64([losses[b] for b in micros], self.device)
             packed[index + B] = 1.0
         changed = self.layout is None or mine != self.layout[self.rank]
+        if outputs:
+            packed[-2] = 1.0
         if changed:
             packed[-1] = 1.0
         else:
@@ -135,7 +141,8 @@ class LossLogExchange:
         values = torch.cat([pending.packed, pending.own]).tolist()
         values, own = values[:size], values[size:]
         W, K = self.world_size, self.stamp_size
-        slots = values[-1 - W * (1 + K):-1]
+        slots = values[-2 - W * (1 + K):-2]
+        pending.outputs_anywhere = values[-2] > 0
         pending.notices = [int(v) for v in slots[:W]]
         pending.stamps = [slots[W + r * K:W + r * K + K] for r in range(W)]
         B = self.micro
@@ -196,6 +203,7 @@ class PendingExchange:
     notices: list[int]  # every rank's pending preemption signal, once finished
     own: torch.Tensor  # this rank's record values (a world of one: its losses first)
     stamps: list[list[float]]  # every rank's stamp, once finished (a world of one: none)
+    outputs_anywhere: bool = False  # some rank holds step outputs, once finished
 
 
 def _fx_kind(name: str, fx: Any) -> str:

@@ -343,8 +343,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
         engine = self._engine_of(model)
         self._refuse_after_preemption("evaluate")
         self._preemption.install()
-        outcome = engine.eval_step(batch, self._caller(engine, model, fn), keep_outputs=True,
-                                   notice=self._pending_signal)
+        outcome = engine.eval_step(batch, self._caller(engine, model, fn),
+                                   keep_outputs="predictions", notice=self._pending_signal)
         self._agree(outcome.notices, f"an evaluation after step {self._steps}")
         return outcome.value
 

@@ -56,6 +56,7 @@ from lightning_gsched.engine import (
 )
 from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
+from lightning_gsched.lightning.outputs_read import outputs_read
 from lightning_gsched.lightning.preemption import PreemptionSignals
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
 from lightning_gsched.runtime import (
@@ -467,16 +468,22 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
             trainer = self.lightning_module.trainer
             outcome = engine.training_step(
                 args[0], caller, self._pending_signal,
-                drop_previous_grads=loop_zeroes_grads(trainer, self.lightning_module))
+                drop_previous_grads=loop_zeroes_grads(trainer, self.lightning_module),
+                keep_extras=outputs_read(self.lightning_module, "training_step"))
             self._agree(outcome, f"training step {trainer.global_step + 1}")
-            return self._logged(outcome)
+            loss = self._logged(outcome)
+            # Lightning hands the dict's other keys to on_train_batch_end (outputs_read.py)
+            return loss if outcome.extras is None else {**outcome.extras, "loss": loss}
 
     def _eval_step(self, hook: str, context: Any, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         engine = self._require_engine()
         with context:
             caller = self._caller(hook, args, kwargs)
-            outcome = engine.eval_step(args[0], caller, keep_outputs=hook == "predict_step",
+            assert self.lightning_module is not None
+            keep = ("predictions" if hook == "predict_step"
+                    else "hooks" if outputs_read(self.lightning_module, hook) else None)
+            outcome = engine.eval_step(args[0], caller, keep_outputs=keep,
                                        notice=self._pending_signal)
             self._agree(outcome, f"a {hook.split('_')[0]} step")
             return self._logged(outcome)
