@@ -17,6 +17,7 @@ __all__ = [
     "GeneralParallelFabric",
     "GschedError",
     "__version__",
+    "grad_norm",
     "measure_stage_bytes",
     "profile_stages",
 ]
@@ -38,6 +39,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(_LAZY[name])
     if name == "GeneralParallel":
         return importlib.import_module("lightning_gsched.lightning").GeneralParallel
+    if name == "grad_norm":
+        return importlib.import_module("lightning_gsched.lightning").grad_norm
     if name == "GeneralParallelFabric":
         return importlib.import_module("lightning_gsched.fabric").GeneralParallelFabric
     if name in ("profile_stages", "measure_stage_bytes"):

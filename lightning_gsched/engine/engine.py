@@ -238,6 +238,16 @@ class PipelineEngine(PipelineBuild):
                                                   error_if_nonfinite=error_if_nonfinite)
         return self.runtime.clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
 
+    def parameter_grad_norms(self, params: list[nn.Parameter], norm_type: float = 2.0
+                             ) -> list[torch.Tensor | None]:
+        """Each parameter's gradient norm as one device has it, on every rank (collective; None
+        where it has no gradient). Before the first step every rank holds the whole model and
+        its own gradients, so they are read locally."""
+        if self.runtime is None:
+            return [p.grad.detach().norm(norm_type) if p.grad is not None else None
+                    for p in params]
+        return self.runtime.parameter_grad_norms(params, norm_type)
+
     # ------------------------------------------------------------------ end
 
     def abort(self, message: str) -> None:

@@ -140,6 +140,37 @@ class GradStash:
             dist.all_reduce(local, group=group)
         return local[0].pow(1.0 / norm_type).to(dtype)
 
+    def parameter_norms(self, params: Sequence[nn.Parameter], norm_type: float = 2.0
+                        ) -> list[torch.Tensor | None]:
+        """Each parameter's gradient norm over the whole (distributed) model, on every rank
+        (collective): what ``p.grad.norm(norm_type)`` gives on one device, None where the
+        parameter has no gradient there. Each parameter (each shard, under tensor
+        parallelism) is counted on the rank that holds it primarily, and one all-reduce of
+        ``[per-parameter sums of |g|^p (max |g| for p = inf) | has a gradient]`` gives every
+        rank all of them (a sum composes for finite p, a max for inf, and either keeps the
+        flag row's meaning)."""
+        T, t = self.tensor_parallel
+        primary = {id(p) for p in self.ownership.primary}
+        device = self.source.device
+        infinite = math.isinf(norm_type)
+        local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
+        for i, p in enumerate(params):
+            g = p.grad
+            if g is None or id(p) not in primary or not (t == 0 or id(p) in self.sharded):
+                continue
+            g = g.detach().double().abs()
+            local[0, i] = g.max() if infinite else g.pow(norm_type).sum()
+            local[1, i] = 1.0
+        if self.world_size * T > 1:
+            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+            dist.all_reduce(local, op=op, group=self.group() if T == 1 else None)
+        values, present = local.tolist()  # one host read for every parameter
+        out: list[torch.Tensor | None] = []
+        for p, value, there in zip(params, values, present, strict=True):
+            norm = value if infinite else value ** (1.0 / norm_type)
+            out.append(torch.tensor(norm, dtype=p.dtype, device=device) if there else None)
+        return out
+
     def clip_by_norm(self, params: list[nn.Parameter], max_norm: float, norm_type: float = 2.0,
                      error_if_nonfinite: bool = False) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole (distributed) model; the total norm."""

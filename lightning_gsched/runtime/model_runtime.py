@@ -150,6 +150,12 @@ class ModelRuntime:
         return self._grads.clip_by_norm(list(params), float(max_norm), float(norm_type),
                                         error_if_nonfinite)
 
+    def parameter_grad_norms(self, params: Sequence[nn.Parameter], norm_type: float = 2.0
+                             ) -> list[torch.Tensor | None]:
+        """Each parameter's gradient norm as one device has it (collective; None: no
+        gradient), whichever rank holds it (see ``GradStash.parameter_norms``)."""
+        return self._grads.parameter_norms(list(params), float(norm_type))
+
     # full state: collective, every rank calls each in the same order (see :mod:`.fullstate`)
 
     def full_state_dict(self) -> dict[str, Any]:
