@@ -18,6 +18,7 @@ under fsdp and 1f1b, against one device in the same test:
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +236,9 @@ def test_load_pretrained_on_one_device_equals_load_state_dict(tmp_path: Path) ->
     from lightning_gsched.runtime import load_pretrained
 
     _, _, weights = save(tmp_path, "single")
-    net = load_pretrained(deferred_net(), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every tensor of the file is read: nothing to warn of
+        net = load_pretrained(deferred_net(), tmp_path)
     for name, value in net.state_dict().items():
         assert torch.equal(value, weights[name]), name
 
@@ -251,6 +254,22 @@ def test_a_missing_tensor_is_named_with_its_file(tmp_path: Path) -> None:
         load_pretrained(deferred_net(), tmp_path)
     with pytest.raises(GschedError, match="init_weights_prefix"):  # names with another prefix
         load_pretrained(LitNet(), tmp_path)
+
+
+def test_tensors_no_parameter_reads_are_warned_of(tmp_path: Path) -> None:
+    """A file of a deeper model loaded into a shallower one: its extra layers are dropped, as
+    transformers' from_pretrained does, but said (they were dropped silently, found by
+    probing)."""
+    from lightning_gsched.runtime import load_pretrained
+
+    torch.manual_seed(SEED)
+    deeper = {k: v.detach().clone() for k, v in Net(layers=6).state_dict().items()}
+    safetensors_torch.save_file(deeper, str(tmp_path / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"10 tensor\(s\) of .*model.safetensors are read by no "
+                                         r"parameter or buffer of Net .*'blocks\.4\.linear\.bias'"):
+        net = load_pretrained(deferred_net(), tmp_path)
+    for name, value in net.state_dict().items():  # what the model has is still read
+        assert torch.equal(value, deeper[name]), name
 
 
 def test_a_prefix_starting_no_parameter_name_is_refused(tmp_path: Path) -> None:

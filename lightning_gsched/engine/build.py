@@ -363,7 +363,7 @@ class PipelineBuild:
             materialize(self.module, part.stages, plan.programs, self.worker, seed,
                         self.device_hint, self.init_weights,
                         checkpoints.take_restore() if checkpoints is not None else None,
-                        self.optimizers(), pieces, self.collective)
+                        self.optimizers(), pieces, self.collective, reports=self.rank == 0)
         if self.tensor_parallel_size > 1:
             # state loaded before the build (a resumed checkpoint, or restored just above) was
             # made for full parameters

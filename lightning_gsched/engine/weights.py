@@ -100,11 +100,13 @@ def pieces_of(module: nn.Module) -> Pieces:
 def materialize(module: nn.Module, stages: Sequence[nn.Module], programs: Programs,
                 worker: int, seed: int, device: torch.device,
                 init_weights: PretrainedWeights | None, restore: DeferredRestore | None,
-                optimizers: Sequence[Any], pieces: Pieces, collective: Collective) -> None:
+                optimizers: Sequence[Any], pieces: Pieces, collective: Collective,
+                reports: bool = True) -> None:
     """A model built without weights: the parameters ``worker`` keeps get storage and values,
     drawn from ``seed``, read from ``init_weights``, or restored from ``restore`` (a checkpoint
     resumed into the model, which overrides ``init_weights``; collective for a sharded
-    directory). ``pieces``: the tensor-parallel shards this rank keeps of larger tensors."""
+    directory). ``pieces``: the tensor-parallel shards this rank keeps of larger tensors.
+    ``reports``: this rank warns of what every rank finds alike (rank 0)."""
     keep = owned_parameters(stages, programs, worker, module)
     if restore is not None:  # it fills every kept parameter (or names the one it lacks)
         allocate_parameters(keep, device, pieces)
@@ -113,6 +115,6 @@ def materialize(module: nn.Module, stages: Sequence[nn.Module], programs: Progra
         return
     rest = keep
     if init_weights is not None:
-        rest = load_parameters(module, keep, init_weights, device, pieces)
+        rest = load_parameters(module, keep, init_weights, device, pieces, reports)
     if rest:
         initialize_parameters(module, rest, seed, device, pieces)

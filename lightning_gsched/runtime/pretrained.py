@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
@@ -132,21 +133,44 @@ def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]
     return keys
 
 
+def _warn_unused(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path],
+                 buffers: Collection[str]) -> None:
+    """Warn of the file's tensors that no parameter or buffer reads, as transformers'
+    ``from_pretrained`` does: expected for a pretraining head the model drops, a mistake for a
+    file of a deeper model or another configuration (its extra layers would vanish silently)."""
+    prefix = weights.prefix
+    read = {n[len(prefix):] for aliases in parameter_names(module).values() for n in aliases
+            if n.startswith(prefix)} | set(buffers)
+    unused = sorted(k for k in where if k not in read)
+    if unused:
+        warnings.warn(
+            f"{len(unused)} tensor(s) of {weights.path} are read by no parameter or buffer of "
+            f"{type(module).__name__} under init_weights_prefix={prefix!r}, e.g. "
+            f"{unused[:5]}; they are not loaded. Expected when the file holds more than the "
+            "model uses (a pretraining head); otherwise check the model's configuration (a "
+            "file of a deeper model) or the prefix", stacklevel=3)
+
+
 @torch.no_grad()
 def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
                     weights: PretrainedWeights, device: torch.device,
-                    pieces: Pieces | None = None) -> list[nn.Parameter]:
+                    pieces: Pieces | None = None, warn_unused: bool = True
+                    ) -> list[nn.Parameter]:
     """Give ``params`` storage on ``device`` holding the file's values, reading only their
     tensors, and load the persistent buffers the file has. Returns the parameters of ``params``
     the file does not cover (outside the prefix), to be initialised.
 
     ``pieces``: parameters held as a region of the file's tensor (tensor-parallel shards):
-    only that region is read (safetensors reads a slice without the rest of the tensor)."""
+    only that region is read (safetensors reads a slice without the rest of the tensor).
+    ``warn_unused``: warn of the file's tensors the whole model reads nowhere (one rank
+    warns: every rank would find the same)."""
     pieces = pieces or {}
     where = _where(weights)
     keys = _check(module, weights, where, pieces)
     read = [p for p in params if id(p) in keys]
     buffers = _persistent_buffers(module, weights.prefix, where)
+    if warn_unused:
+        _warn_unused(module, weights, where, buffers)
     for file in sorted({where[keys[id(p)]] for p in read} | {where[k] for k in buffers}):
         with _open(file) as f:
             for p in read:
