@@ -10,6 +10,7 @@ swallows it is named in the error. One process, no Trainer.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -69,3 +70,31 @@ def test_a_step_that_never_calls_the_model_is_still_told_so() -> None:
                         record_logs=False)
     with pytest.raises(TrainingStepError, match=r"loss_fn never calls model\(\.\.\.\)"):
         caller.capture(torch.ones(2, 3))
+
+
+class AppendingGPT(LitGPT):
+    """Lightning's ``self.validation_step_outputs.append(...)`` pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validation_step_outputs: list[torch.Tensor] = []
+        self.names: list[str] = ["kept"]  # a list the step does not touch
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (t,) = batch
+        logits = self(t[:, :-1])
+        self.validation_step_outputs.append(logits[:, -1])
+
+
+def test_a_step_appending_to_a_module_list_is_warned_of_once() -> None:
+    module = seeded(0, AppendingGPT)
+    batch = (tokens(4),)
+    caller = StepCaller.for_hook(module, "validation_step", (0,))
+    output = module(batch[0][:, :-1])
+    with pytest.warns(UserWarning, match=r"AppendingGPT.validation_step appended to "
+                                         r"self.validation_step_outputs: .* once per microbatch"):
+        caller.finish(batch, output, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per attribute and process
+        caller.finish(batch, output, 1)
+    assert len(module.validation_step_outputs) == 2 and module.names == ["kept"]

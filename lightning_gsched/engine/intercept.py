@@ -26,6 +26,7 @@ so, instead of guessing.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -195,13 +196,16 @@ class StepCaller:
                 options = {**options, FLOAT64_OPTION: True}
             self.logs.append(LogRecord(micro, name, _logged_value(name, value), options))
 
+        lists = _list_lengths(self.module)
         with self._patched(forward, log):
             try:
-                return self.run(micro_batch)
+                result = self.run(micro_batch)
             except Exception as exc:
                 # the runtime reports the action it ran this in; this names the user's hook
                 mark_origin(exc, f"{self.name} after {self.who}(...)")
                 raise
+        _warn_grown_lists(self.module, lists, self.name, self.who)
+        return result
 
 
 # ids of the modules whose call a StepCaller intercepts right now (see intercepting)
@@ -212,6 +216,34 @@ def intercepting(module: nn.Module) -> bool:
     """Whether a call of ``module`` now is a step's intercepted call (capture, finish or
     probe), not a direct call of the model by the user."""
     return id(module) in _INTERCEPTING
+
+
+def _list_lengths(module: nn.Module) -> dict[str, int]:
+    """The lengths of the module's public list attributes (see :func:`_warn_grown_lists`)."""
+    return {name: len(value) for name, value in vars(module).items()
+            if isinstance(value, list) and not name.startswith("_")}
+
+
+# (class, attribute) pairs already warned of, once per process
+_WARNED_LISTS: set[tuple[type, str]] = set()
+
+
+def _warn_grown_lists(module: nn.Module, before: dict[str, int], step: str, who: str) -> None:
+    """Warn once when the step appended to a list attribute of the module (Lightning's
+    ``self.validation_step_outputs.append(...)`` pattern): the step finishes on the rank that
+    computes each microbatch's last stage, so the list grows there, once per microbatch, and
+    stays empty on the other ranks, where an epoch-end hook that stacks it fails."""
+    for name, length in _list_lengths(module).items():
+        key = (type(module), name)
+        if length > before.get(name, length) and key not in _WARNED_LISTS:
+            _WARNED_LISTS.add(key)
+            warnings.warn(
+                f"{step} appended to {who}.{name}: under GeneralParallel the step finishes each "
+                "microbatch on the rank computing its last stage, so the list grows there, once "
+                "per microbatch, and stays empty on the other ranks. Append in the batch-end "
+                "hook instead (e.g. on_validation_batch_end(outputs, ...)), whose outputs every "
+                "rank gets for the rows it loaded (docs/usage.md, \"What the batch-end hooks "
+                "receive\")", stacklevel=2)
 
 
 def _drop_log(*args: Any, **kwargs: Any) -> None:
