@@ -236,8 +236,9 @@ def test_a_checkpoint_replaces_an_older_one_of_the_other_kind(tmp_path) -> None:
     from lightning_gsched.engine import checkpoint_files as ckpt_files
 
     target = tmp_path / "last.ckpt"
-    target.mkdir()  # an older sharded checkpoint: a directory with files
+    target.mkdir()  # an older sharded checkpoint: its shards and DCP's metadata
     (target / "__0_0.distcp").write_bytes(b"shard")
+    (target / ".metadata").write_bytes(b"metadata")
     ckpt_files.atomic_save({"v": torch.arange(3)}, target)
     assert target.is_file() and torch.equal(torch.load(target)["v"], torch.arange(3))
     staging = tmp_path / ".last.ckpt.partial"  # a sharded save's fully written directory
@@ -246,6 +247,32 @@ def test_a_checkpoint_replaces_an_older_one_of_the_other_kind(tmp_path) -> None:
     ckpt_files.put_in_place(str(staging), str(target))
     assert target.is_dir() and (target / "meta").read_bytes() == b"new"
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path) -> None:
+    """A save (full, streamed, sharded, or ``gsched consolidate``) whose path is a user's folder
+    replaced the folder and everything in it (found by probing: ``gsched consolidate DIR .``
+    deleted the working directory). Every save refuses it, before writing, and leaves it whole;
+    an empty folder is still replaced."""
+    from lightning_gsched.engine import checkpoint_files as ckpt_files
+    from lightning_gsched.errors import CheckpointWriteError
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep")
+    with pytest.raises(CheckpointWriteError, match=r"'.*results': it is a directory that holds "
+                                                   r"files and is not a sharded checkpoint"):
+        ckpt_files.atomic_save({"v": torch.arange(3)}, folder)
+    staging = tmp_path / ".results.partial"  # what a sharded save would put in place
+    staging.mkdir()
+    with pytest.raises(CheckpointWriteError, match="not a sharded checkpoint"):
+        ckpt_files.put_in_place(str(staging), str(folder))
+    assert (folder / "notes.txt").read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == [".results.partial", "results"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ckpt_files.atomic_save({"v": torch.arange(3)}, empty)
+    assert empty.is_file()
 
 
 # ------------------------------------------------------------------ bad ckpt_path

@@ -102,6 +102,7 @@ def atomic_file(path: Any) -> Iterator[BinaryIO]:
     """A binary file to write ``path``'s new content into: a temporary name next to it, flushed
     to disk and renamed over ``path`` when the block ends; removed if the block raises."""
     path = os.path.abspath(os.fspath(path))
+    check_replaceable(path)  # before anything is written
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     remove_stale(path)
@@ -125,14 +126,35 @@ def atomic_save(obj: Any, path: Any) -> None:
         torch.save(obj, f)
 
 
+# what torch.distributed.checkpoint writes into every directory it completes (ours and
+# Lightning's FSDPStrategy's sharded checkpoints alike)
+DCP_METADATA = ".metadata"
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse a save whose target is a directory holding files that is not a sharded checkpoint:
+    putting the checkpoint in place replaces what is there, and a user's folder given as the
+    checkpoint's path (a typo, ``.``) would be deleted with everything in it. An empty folder
+    and an older sharded checkpoint are replaced (the documented behaviour)."""
+    if (os.path.isdir(path) and not os.path.islink(path) and os.listdir(path)
+            and not os.path.isfile(os.path.join(path, DCP_METADATA))):
+        raise CheckpointWriteError(
+            f"will not save a checkpoint to {path!r}: it is a directory that holds files and "
+            f"is not a sharded checkpoint (it has no {DCP_METADATA}), and saving there would "
+            "replace it and everything in it. Save to another path (a file name for a full "
+            "checkpoint, a new directory for a sharded one), or remove the directory first")
+
+
 def put_in_place(staging: str, path: str) -> None:
     """Put the fully written ``staging`` (a file or a directory) at ``path``, replacing what is
-    there: nothing, or an older checkpoint of either kind.
+    there: nothing, or an older checkpoint of either kind (:func:`check_replaceable` refuses
+    anything else).
 
     A file over a file is one atomic rename. A directory cannot be renamed over a non-empty
     one, nor a file over a directory or the reverse, so there the old entry is first renamed
     aside (another ``.partial`` name, removed by the next save if this process dies in between).
     """
+    check_replaceable(path)
     aside = None
     if os.path.isdir(path) or (os.path.isdir(staging) and os.path.lexists(path)):
         aside = staging_name(path)

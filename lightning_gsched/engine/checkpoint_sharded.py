@@ -161,6 +161,7 @@ def save(checkpoint: StateDict, path: Any, rank: int, timeout: float = 300.0) ->
         with phases.phase("preparing the save"):
             tensors, others, optim_meta = _split(checkpoint)
             if rank == 0:
+                checkpoint_files.check_replaceable(path)
                 checkpoint_files.remove_stale(path)
                 os.makedirs(staging)
         gathered = phases.exchange.gather(others, "gathering the optimizers' non-tensor state")
