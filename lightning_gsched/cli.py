@@ -453,12 +453,16 @@ def _rank_bytes(result: Plan, args: argparse.Namespace) -> list[int] | None:
         raise ScheduleConfigError(
             "--tp-sharded says what share of --stage-bytes a worker's T ranks divide, so it "
             "needs --tp T > 1 and --stage-bytes; give both, or drop --tp-sharded")
-    if given is None or result.tensor_parallel_size == 1:
-        return given
-    if len(given) != result.stages:  # before tensor_parallel_share counts --tp-sharded by it
+    if given is None:
+        return None
+    # the plan's S, which data-parallel sharding may have raised from the one asked for (and
+    # before tensor_parallel_share counts --tp-sharded by it)
+    if len(given) != result.stages:
         raise ScheduleConfigError(
             f"--stage-bytes has {len(given)} values but the plan has S={result.stages} "
             "stages: give one byte count per stage")
+    if result.tensor_parallel_size == 1:
+        return given
     return tensor_parallel_share(given, result.tensor_parallel_size,
                                  1.0 if sharded is None else sharded)
 

@@ -107,7 +107,7 @@ def tune_command(args: argparse.Namespace) -> int:
         results.append(result)
     if len(results) > 1:
         print(_best_over(results))
-    return 0
+    return 0 if any(r.best is not None for r in results) else 1  # 1: no pick, for scripts
 
 
 def _best_over(results: list[TuneResult]) -> str:

@@ -128,6 +128,11 @@ def test_data_parallel_errors_exit_2_naming_the_fix(capsys):
     assert "'ddp' is data parallel over all W ranks already" in err and "1f1b" in err
     assert main(["plan", "1f1b", "-w", "8", "--data-parallel", "shard"]) == 2
     assert "data_parallel_size to 2 or more" in capsys.readouterr().err
+    # sharding over replicas raises S (here 2 -> 4): bytes per stage of the asked S were an
+    # IndexError's traceback (found by probing)
+    assert main(["plan", "1f1b", "-w", "4", "--dp", "2", "--data-parallel", "shard",
+                 "--stage-bytes", "1,2"]) == 2
+    assert "--stage-bytes has 2 values but the plan has S=4 stages" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

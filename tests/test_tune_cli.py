@@ -148,3 +148,17 @@ def test_data_parallel_size_fixes_G_and_both_modes_are_ranked(capsys) -> None:
     assert cli.main(base + ["--data-parallel-size", "3"]) == 2
     err = capsys.readouterr().err
     assert "data_parallel_size=3 does not divide the W=4 workers" in err and "[1, 2, 4]" in err
+    # ddp and fsdp are data parallel over all ranks already: named with --dp 2, every row of
+    # theirs was dropped silently ("nothing fits", found by probing); now plan()'s error
+    assert cli.main(base[:6] + ["--schedules", "ddp", "--dp", "2"]) == 2
+    assert "'ddp' is data parallel over all W ranks already" in capsys.readouterr().err
+
+
+def test_no_candidate_that_can_be_planned_exits_1_saying_why(capsys) -> None:
+    """1f1b at S=3 on 2 workers plans nowhere: the pick says so (it said "nothing fits",
+    without a budget) and the exit code tells a script there is no pick."""
+    assert cli.main(["tune", TARGET, "-w", "2", "--global-batch", "8", "--schedules", "1f1b",
+                     "-s", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "dropped before costing" in out and "S=3" in out
+    assert "pick: none: no candidate could be planned" in out

@@ -31,7 +31,12 @@ from typing import Callable, Sequence
 
 from lightning_gsched.errors import GschedError, ScheduleConfigError
 from lightning_gsched.schedule.arguments import DEFAULT, ScheduleArguments
-from lightning_gsched.schedule.data_parallel import ALREADY_DATA_PARALLEL, MODES, pipeline_size
+from lightning_gsched.schedule.data_parallel import (
+    ALREADY_DATA_PARALLEL,
+    MODES,
+    check_data_parallel,
+    pipeline_size,
+)
 from lightning_gsched.schedule.describe import byte_text
 from lightning_gsched.schedule.jobs import Phase
 from lightning_gsched.schedule.library import LIBRARY, get_schedule
@@ -162,6 +167,11 @@ def _check_fixed(workers: int, global_rows: int, schedules: Sequence[str] | None
                  micro: int | None, R: int | None, replica_sizes: Sequence[int]) -> None:
     """Refuse a user's B or R that no candidate can take, naming why and what would: the search
     would otherwise end in "nothing fits" with no reason (every candidate dropped)."""
+    if schedules is not None and 1 not in replica_sizes:
+        for name in schedules:  # a schedule refused at every G searched: say so, as plan() does
+            if name in ALREADY_DATA_PARALLEL:
+                check_data_parallel(name, min(replica_sizes), "replicate")
+
     def searched(b: int) -> bool:  # some G takes B = b (microbatch_counts' rule)
         return any(microbatch_counts(workers, global_rows, b, G) for G in replica_sizes)
 
@@ -401,7 +411,13 @@ class TuneResult:
             lines.append(f"dropped before costing: {len(invalid)} (e.g. "
                          f"{invalid[0].candidate.text()}: {invalid[0].reason})")
         best = self.best
-        return "\n".join([*lines, "pick: " + (best.candidate.text() if best else "nothing fits")])
+        if best is not None:
+            pick = best.candidate.text()
+        elif any(v.peak is not None or v.skipped for v in self.verdicts):
+            pick = "nothing fits the budget"
+        else:
+            pick = "none: no candidate could be planned (see why above)"
+        return "\n".join([*lines, "pick: " + pick])
 
 
 def _distinct_key(v: Verdict) -> tuple[object, ...]:
