@@ -64,24 +64,33 @@ REFUSED = "simulated: the all-reduce bandwidth cannot be fitted"
 
 
 def fit_auto(ctx: WorkerContext, validate_first: bool, refuse_calibration: bool = False,
-             **options: Any) -> dict:
+             stall_calibration: float = 0.0, **options: Any) -> dict:
     """One 3-step fit under GeneralParallel("auto", **options); what the test compares.
     ``refuse_calibration``: the runtime's calibration raises CalibrationError on every rank
-    (as it does alike on every rank when the measured figures do not fit the cost model)."""
+    (as it does alike on every rank when the measured figures do not fit the cost model).
+    ``stall_calibration``: rank 1 enters the calibration that many seconds late (a stuck rank)."""
+    import time
+
     from lightning_gsched import GeneralParallel
     from lightning_gsched.engine import auto
     from lightning_gsched.errors import CalibrationError
 
     as_worker(ctx.rank)
     calibrations: list[str] = []
+    real_calibrate = auto.calibrate
 
-    def refused() -> Any:
+    def refused(*args: Any) -> Any:
         calibrations.append("refused")
         raise CalibrationError(REFUSED)
 
-    real_calibrate = auto.calibrate
+    def late(*args: Any) -> Any:
+        time.sleep(stall_calibration)
+        return real_calibrate(*args)
+
     if refuse_calibration:
         auto.calibrate = refused
+    elif stall_calibration and ctx.rank == 1:
+        auto.calibrate = late
     printed = _Lines()
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     logger.addHandler(printed)
@@ -200,6 +209,21 @@ def test_a_refused_calibration_ranks_with_the_default_costs_and_trains(worlds) -
             "the default costs (DEFAULT_COSTS)") in text
     for rank in range(WORLD):
         assert_same_state(out[rank]["state"], _reference(), f"refused calibration rank {rank}")
+
+
+@pytest.mark.distributed
+def test_a_stuck_rank_in_the_calibration_ends_the_job_within_step_timeout(worlds) -> None:
+    """The calibration measured on the default group, whose waits end after the launcher's
+    timeout (30 minutes): a rank stuck before it kept its peer waiting that long, and a lost
+    peer was a bare gloo error naming neither (found by probing). Now it runs on the engine's
+    group: rank 0 ends after step_timeout naming the calibration and the stuck rank."""
+    results = worlds.get(WORLD).run(fit_auto, False, stall_calibration=8.0, step_timeout=3.0,
+                                    expect_errors=True)
+    first = results[0]
+    assert isinstance(first, RankError) and first.type_name == "RuntimeFault", first
+    assert ("rank 0 stopped in the runtime's cost calibration (schedule='auto'): nothing "
+            "arrived within 3 s (step_timeout)") in first.message, first.message
+    assert isinstance(results[1], RankError), results[1]  # its peer gone when it arrives
 
 
 @pytest.mark.distributed

@@ -116,7 +116,8 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
                     forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
                     group: Any = None, passes: BuildPasses | None = None,
                     tensor_parallel: TensorParallelTuning | None = None,
-                    collective: Collective | None = None) -> None:
+                    collective: Collective | None = None,
+                    calibration_group: Any = None) -> None:
     """Decide ``config`` (an undecided "auto") on rank 0 and give every rank the pick
     (collective): afterwards ``config.training_plan(W)`` is the pick's plan on every rank.
 
@@ -127,7 +128,9 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
     run the same profiles: :func:`~lightning_gsched.measure.tune_profile.follow_tuning`); with
     several T (a search) each is tuned in turn and the fastest fitting pick over all of them
     wins, a T that cannot be planned or sharded being skipped with its reason.
-    ``collective``: the engine's (:mod:`.control`), around each pick's broadcast.
+    ``collective``: the engine's (:mod:`.control`), around the calibration and each pick's
+    broadcast. ``calibration_group``: where the runtime's costs are measured (host tensors: the
+    engine's gloo group, whose waits end after ``step_timeout``; None: the default group).
     """
     sizes = tensor_parallel.sizes if tensor_parallel is not None else (1,)
     if max(sizes) > 1 and options.balance == "time":  # every rank alike, before any collective
@@ -135,10 +138,14 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
             "schedule='auto' with tensor_parallel_size > 1 profiles each cut on worker 0's "
             "ranks together, which must cut the model alike; balance='time' cuts by each "
             "rank's own timings. Use balance='params' (the default) or a list of units")
-    # every rank measures the runtime's costs on the job's own process group (collective)
+    # every rank measures the runtime's costs (collective) on the engine's group: its waits
+    # end after step_timeout, and a lost or stuck peer is named as in any other collective
     refused = None
+    run = collective or (lambda what, call: call())
     try:
-        costs = calibrate() if world_size > 1 else DEFAULT_COSTS
+        costs = (run("the runtime's cost calibration (schedule='auto')",
+                     lambda: calibrate(calibration_group)) if world_size > 1
+                 else DEFAULT_COSTS)
     except CalibrationError as exc:  # raised on every rank alike (figures averaged over ranks)
         # a busy machine must not stop the run: rank the candidates with the default costs
         costs, refused = DEFAULT_COSTS, str(exc)
@@ -177,8 +184,7 @@ def choose_schedule(module: nn.Module, config: ScheduleConfig, options: Partitio
             outcomes[T] = decided_by_rank_zero(
                 f"the tuner's pick at tensor_parallel_size={T}", decide, rank=rank,
                 world_size=world_size, group=group,
-                collective=collective or (lambda what, call: call()),
-                failure=failure, elsewhere=follow)
+                collective=run, failure=failure, elsewhere=follow)
     config.choose(*best_over_sizes(outcomes))
     if refused is not None:
         config.choice_text += (f"\n  the runtime's costs could not be measured ({refused}); the "

@@ -311,7 +311,7 @@ class PipelineBuild:
                             rank=self.rank, forward_context=self.forward_context,
                             group=self.group, passes=passes,
                             tensor_parallel=self._tensor_parallel_tuning(),
-                            collective=self.collective)
+                            collective=self.collective, calibration_group=self.host_group)
 
     def _plan(self, caller: StepCaller, micro_batch: Any, training: bool,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Partition, Plan]:

@@ -216,8 +216,10 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
     """Measure :class:`RuntimeCosts` on ``group`` (default: the whole job); collective. Every
     rank returns the same finite costs, or raises :class:`CalibrationError` alike (decided on
     figures averaged over ranks) when the message or all-reduce figures do not fit after
-    :data:`ATTEMPTS` measurements. ``executor``: also measure ``job_cpu``/``step_cpu`` (default
-    group only; builds one executor's process groups twice), all that a one-rank job measures."""
+    :data:`ATTEMPTS` measurements. ``executor``: also measure ``job_cpu``/``step_cpu`` (a group
+    of every rank only; builds one executor's process groups twice), all that a one-rank job
+    measures. A group made with a timeout (the strategies' control group: ``step_timeout``)
+    bounds every wait of the measurement by it."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeConfigError(
             "calibrate() needs torch.distributed initialized on every rank "
@@ -232,9 +234,9 @@ def calibrate(group: Any = None, repeats: int = 5, executor: bool = True) -> Run
             if attempt == ATTEMPTS - 1:
                 raise
     job = step = 0.0
-    if executor and group is None:
+    if executor and world == dist.get_world_size():
         box = torch.tensor(_executor_costs(world, repeats), dtype=torch.float64)
         if world > 1:
-            dist.all_reduce(box)
+            dist.all_reduce(box, group=group)
         job, step = (v / world for v in box.tolist())
     return messages.with_changes(job_cpu=job, step_cpu=step)
