@@ -50,6 +50,24 @@ class Untraceable(LitGPT):
         return out
 
 
+class OwnBackward(LitGPT):
+    """A backward the schedule would never call (its halved loss silently lost: found by
+    probing)."""
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        (loss * 0.5).backward(*args, **kwargs)
+
+
+class WithWeightAveraging(LitGPT):
+    """Stochastic Weight Averaging averages the empty parameters of the stages a rank does not
+    hold (it failed with a bare size mismatch at its first epoch: found by probing)."""
+
+    def configure_callbacks(self) -> Any:
+        import lightning.pytorch as pl
+
+        return [pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)]
+
+
 class FailsOnRankOne(LitGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -82,6 +100,11 @@ CASES = [
      ["6 rows", "microbatches=4", "drop_last"]),
     ("LitGPT", {"schedule": "fslpp", "R": 3}, 8, "ScheduleConfigError",
      ["R=3", "2 devices"]),
+    ("OwnBackward", {"schedule": "1f1b"}, 8, "StrategyConfigError",
+     ["OwnBackward overrides backward()", "on_after_backward"]),
+    ("WithWeightAveraging", {"schedule": "zbv"}, 8, "StrategyConfigError",
+     ["StochasticWeightAveraging (Stochastic Weight Averaging) is not supported",
+      "Remove the callback"]),
     ("Untraceable", {"schedule": "gpipe"}, 8, "TraceFailedError",
      ["could not split Untraceable.forward", "test_lightning_errors.py"]),
 ]

@@ -58,6 +58,7 @@ from lightning_gsched.errors import StrategyConfigError
 from lightning_gsched.lightning.hook_failure import FailureNotice, failure_message
 from lightning_gsched.lightning.outputs_read import outputs_read
 from lightning_gsched.lightning.preemption import PreemptionSignals
+from lightning_gsched.lightning.setup_checks import check_supported
 from lightning_gsched.lightning.zero_grad_ahead import loop_zeroes_grads
 from lightning_gsched.runtime import (
     deferred_parameters,
@@ -311,21 +312,8 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise StrategyConfigError(
-                f"{type(module).__name__} sets automatic_optimization = False. GeneralParallel "
-                "runs forward and backward inside the schedule, so the loop must own the "
-                "backward: use automatic optimization (return the loss from training_step)"
-            )
-        if getattr(module, "_compiler_ctx", None) is not None:
-            raise StrategyConfigError(
-                f"{type(module).__name__} was passed compiled whole (trainer.fit(torch.compile("
-                "model)): Lightning then runs its forward and steps as one compiled graph, "
-                "which GeneralParallel can neither trace nor cut into stages. Pass the "
-                "uncompiled module and compile its blocks instead, e.g. in configure_model: "
-                "`for i, block in enumerate(self.blocks): self.blocks[i] = torch.compile(block)` "
-                "(each compiled block is one unit of the split; docs/usage.md, 'torch.compile')"
-            )
+        check_supported(module, trainer, trainer.state.fn == TrainerFn.FITTING,
+                        self._layer_sync is not None)
         self._check_precision()
         if self._is_released(module) and self._checkpoints.restore is None:
             raise StrategyConfigError(
@@ -340,14 +328,6 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync is not None:
-            raise StrategyConfigError(
-                "Trainer(sync_batchnorm=True) is not supported by GeneralParallel: SyncBatchNorm "
-                "runs a collective inside every training forward, and a schedule runs each "
-                "stage's forwards on different ranks at different times. Leave it off: every "
-                "rank then ends each step with the BatchNorm running statistics one device would "
-                "have (docs/runtime.md, 'BatchNorm and other running statistics')"
-            )
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
