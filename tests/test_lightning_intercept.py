@@ -98,3 +98,13 @@ def test_a_step_appending_to_a_module_list_is_warned_of_once() -> None:
         warnings.simplefilter("error")  # once per attribute and process
         caller.finish(batch, output, 1)
     assert len(module.validation_step_outputs) == 2 and module.names == ["kept"]
+
+
+def test_a_returned_dict_without_loss_is_named_as_such() -> None:
+    from lightning_gsched.engine.intercept import step_loss
+
+    with pytest.raises(TrainingStepError, match=r"M.training_step returned a dict without a "
+                                                r"'loss' tensor \(keys \['acc'\]\)"):
+        step_loss({"acc": torch.ones(())}, "M.training_step")
+    with pytest.raises(TrainingStepError, match="returned NoneType.*Skipping a step"):
+        step_loss(None, "M.training_step")

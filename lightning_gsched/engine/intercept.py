@@ -311,6 +311,10 @@ def _logged_value(name: str, value: Any) -> float | torch.Tensor:
 def step_loss(result: Any, hook: str) -> torch.Tensor:
     """The loss a training step returned (a tensor, or a dict with 'loss')."""
     loss = result.get("loss") if isinstance(result, dict) else result
+    if isinstance(result, dict) and not isinstance(loss, torch.Tensor):
+        raise TrainingStepError(
+            f"{hook} returned a dict without a 'loss' tensor (keys {sorted(map(str, result))}); "
+            "Lightning and GeneralParallel take the loss from its 'loss' key: add it")
     if not isinstance(loss, torch.Tensor):
         raise TrainingStepError(
             f"{hook} returned {type(result).__name__}; under GeneralParallel it must return the "
