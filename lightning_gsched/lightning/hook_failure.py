@@ -28,6 +28,14 @@ _DISPATCHERS = {
     "_call_strategy_hook": "strategy",
 }
 _DATA_FRAMES = ("__next__", "_fetch_next_batch")
+# Lightning's loops over the callbacks' checkpoint hooks, which keep the callback in a local
+# but not the hook's name (a failing on_save_checkpoint was named as the hook that saved)
+_CALLBACK_LOOPS = {
+    "_call_callbacks_on_save_checkpoint": "on_save_checkpoint",
+    "_call_callbacks_on_load_checkpoint": "on_load_checkpoint",
+    "_call_callbacks_state_dict": "state_dict",
+    "_call_callbacks_load_state_dict": "load_state_dict",
+}
 
 
 def failed_hook(exception: BaseException) -> str:
@@ -48,6 +56,8 @@ def failed_hook(exception: BaseException) -> str:
                 module = frame.f_locals.get("pl_module")
                 hook = f"{type(module).__name__}.{hook}" if module is not None else hook
             found = hook
+        elif name in _CALLBACK_LOOPS and frame.f_locals.get("callback") is not None:
+            found = f"{type(frame.f_locals['callback']).__name__}.{_CALLBACK_LOOPS[name]}"
         elif name in _DATA_FRAMES and "fetchers" in frame.f_code.co_filename:
             found = "the dataloader (next batch)"
         tb = tb.tb_next
