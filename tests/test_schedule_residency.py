@@ -174,7 +174,7 @@ def test_cli_prints_bytes_per_worker_and_the_window(capsys):
     assert [(w["owned_bytes"], w["peak_resident_bytes"]) for w in data["per_worker"]] == [
         (5, 13), (10, 14)]
     assert main(["plan", "fsdp", "-w", "2", "--stage-bytes", "1,2,3"]) == 2
-    assert "stage_bytes must be one int >= 0 per stage (2)" in capsys.readouterr().err
+    assert "--stage-bytes has 3 values but the plan has S=2 stages" in capsys.readouterr().err
 
 
 def test_plan_command_carries_the_window(capsys):
