@@ -152,6 +152,50 @@ def test_a_module_that_sets_its_attributes_runs_whole_and_keeps_counting() -> No
     assert model.counted.calls == twin.counted.calls == 4
 
 
+class HooksOnce(nn.Module):
+    """Hooks its layers at its first call and marks it in an attribute, as transformers'
+    output capturing does for ``output_hidden_states``: the hooks collect every layer's
+    output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "hooked", False):
+            for layer in self.layers:
+                layer.register_forward_hook(lambda m, args, out: self.seen.append(out))
+            self.hooked = True
+        self.seen: list[torch.Tensor] = []
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.stack(self.seen).mean(0)
+
+
+class CapturingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.capturing, self.last = nn.Linear(8, 8), HooksOnce(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.capturing(self.first(x)))
+
+
+def test_hooks_a_module_installs_once_are_not_installed_again_by_each_run() -> None:
+    """The runs of partition() restored the module's "hooked" flag but kept the hooks it had
+    installed, so each later run installed them again and every layer's output was collected
+    several times: a BERT pooling output_hidden_states failed verify even at S=1 (found by
+    probing). Now the hooks are restored with the attributes."""
+    torch.manual_seed(0)
+    model, x = CapturingNet(), torch.randn(4, 8)
+    twin = CapturingNet()
+    twin.load_state_dict(model.state_dict())
+    part = partition(model, 2, example_args=(x,))  # verify compares with the unsplit model
+    assert all(not layer._forward_hooks for layer in model.capturing.layers)
+    for call in range(2):
+        torch.testing.assert_close(part(x), twin(x), rtol=0, atol=0, msg=str(call))
+
+
 def test_a_root_forward_that_sets_its_attributes_is_refused_naming_them() -> None:
     with pytest.raises(PartitionError, match=r"sets self\.steps while traced"):
         partition(CountsAtTheRoot(), 2, example_args=(torch.randn(4, 8),))

@@ -26,23 +26,31 @@ from lightning_gsched.host_random import (
 
 @contextlib.contextmanager
 def preserved_attributes(module: nn.Module) -> Iterator[None]:
-    """Restore every submodule's attributes, parameters, buffers and children on exit."""
+    """Restore every submodule's attributes, parameters, buffers, children and hooks on exit.
+
+    Hooks too: a model may install hooks at its first call and mark that in an attribute
+    (transformers' output capturing sets ``_output_capturing_hooks_installed`` and hooks every
+    layer). Restoring the attribute without the hooks made each later run install them again,
+    so ``output_hidden_states`` returned every layer once per run the build had made."""
     saved = [
-        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules),
+         {name: dict(table) for name, table in m.__dict__.items() if name in _HOOK_TABLES})
         for m in module.modules()
     ]
     try:
         yield
     finally:
-        for m, attributes, parameters, buffers, children in saved:
+        for m, attributes, parameters, buffers, children, hooks in saved:
             for key in [k for k in m.__dict__ if k not in attributes]:
                 del m.__dict__[key]
             m.__dict__.update(attributes)
-            # parameters, buffers, children: each {name: value or None}
-            tables: list[tuple[dict[str, Any], dict[str, Any]]] = [
+            # parameters, buffers, children, hooks: each {key: value or None}, put back into
+            # the same dicts (a hook's RemovableHandle refers to its dict)
+            tables: list[tuple[dict[Any, Any], dict[Any, Any]]] = [
                 (m._parameters, parameters),
                 (m._buffers, buffers),
                 (m._modules, children),
+                *((m.__dict__[name], table) for name, table in hooks.items()),
             ]
             for live, snapshot in tables:
                 live.clear()
@@ -87,6 +95,9 @@ def generators_kept(module: nn.Module) -> Iterator[None]:
 
 # what nn.Module.__init__ puts in every module's __dict__ (parameters, buffers, children, hooks)
 _TORCH_TABLES = frozenset(nn.Module().__dict__)
+# of those, the hook dicts (forward, backward, state-dict hooks, with their per-hook flags)
+_HOOK_TABLES = frozenset(name for name, value in nn.Module().__dict__.items()
+                         if isinstance(value, dict) and "hook" in name)
 
 
 @contextlib.contextmanager
