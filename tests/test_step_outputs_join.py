@@ -63,3 +63,17 @@ def test_training_extras_are_the_other_keys_detached() -> None:
     extras = training_extras({"loss": weight.sum(), "scaled": weight * 2})
     assert extras is not None and set(extras) == {"scaled"}
     assert not extras["scaled"].requires_grad
+
+
+def test_large_returns_are_warned_of_once_per_hook(monkeypatch) -> None:
+    from lightning_gsched.engine import step_outputs
+
+    monkeypatch.setattr(step_outputs, "LARGE_OUTPUTS_BYTES", 1000)
+    big = {0: {"logits": torch.zeros(4, 100)}}  # 1,600 bytes
+    with pytest.warns(UserWarning, match=r"M.validation_step returned 0 MiB in one step .* "
+                                         r"Return only what your hooks use"):
+        step_outputs.warn_if_large(big, "M.validation_step")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step_outputs.warn_if_large(big, "M.validation_step")  # once per hook
+        step_outputs.warn_if_large({0: torch.zeros(2)}, "M.test_step")  # small: no warning

@@ -36,7 +36,11 @@ from lightning_gsched.engine.logsync import (
     on_host,
     reduce_records,
 )
-from lightning_gsched.engine.step_outputs import rank_step_outputs, training_extras
+from lightning_gsched.engine.step_outputs import (
+    rank_step_outputs,
+    training_extras,
+    warn_if_large,
+)
 from lightning_gsched.engine.step_rows import Held
 from lightning_gsched.engine.values import to_cpu, to_device
 from lightning_gsched.errors import GschedError, RuntimeFault, StrategyConfigError
@@ -162,8 +166,10 @@ class PipelineEngine(PipelineBuild):
         loss = torch.tensor(sum(all_losses[b] for b in range(B)) / B, device=runtime.device)
         joined = None
         if pending[0].outputs_anywhere:  # only a step whose ranks returned more than the loss
+            shipped = to_cpu(extras)
+            warn_if_large(shipped, caller.name)
             gathered = self.collective("the gather of the step's returned values", lambda: (
-                exchange(to_cpu(extras), self.world_size, self.group)))
+                exchange(shipped, self.world_size, self.group)))
             by_micro = {b: v for part in gathered for b, v in part.items()}
             joined = to_device(rank_step_outputs(by_micro, cut, self.workers.position,
                                                  caller.name), runtime.device)
@@ -205,6 +211,8 @@ class PipelineEngine(PipelineBuild):
         reporting = self.workers.reports  # of a worker's T ranks, t = 0 reports (the same)
         shipped = ({b: to_cpu(v) for b, v in outputs.items()}
                    if keep_outputs and reporting else {})
+        if keep_outputs == "hooks":
+            warn_if_large(shipped, caller.name)
         # one host read for the step's records
         logs = on_host(caller.logs, runtime.device) if reporting else []
         gathered = self.collective("the evaluation gather", lambda: exchange(

@@ -34,6 +34,25 @@ from torch.utils import _pytree as pytree
 
 from lightning_gsched.engine.rows import RowMap
 
+# a step's returns above this many bytes per step on one rank are warned of, once per hook
+LARGE_OUTPUTS_BYTES = 64 * 2**20
+_WARNED_LARGE: set[str] = set()
+
+
+def warn_if_large(shipped: Any, what: str) -> None:
+    """Warn once per hook when the returns this rank ships in one step are large: every rank
+    receives every microbatch's (a pickled all-gather), so a step returning its logits moves
+    the global batch's logits to each rank at every step, though a hook may use none of it."""
+    nbytes = sum(leaf.numel() * leaf.element_size() for leaf in pytree.tree_leaves(shipped)
+                 if isinstance(leaf, torch.Tensor))
+    if nbytes > LARGE_OUTPUTS_BYTES and what not in _WARNED_LARGE:
+        _WARNED_LARGE.add(what)
+        warnings.warn(
+            f"{what} returned {nbytes / 2**20:.0f} MiB in one step on this rank, which travels to "
+            "every rank because a batch-end hook reads the step's outputs (the LightningModule "
+            "or a callback of yours overrides it). Return only what your hooks use (log the "
+            "rest with self.log)", stacklevel=2)
+
 
 def training_extras(result: Any) -> dict[str, Any] | None:
     """The keys of a training step's returned dict other than ``loss`` (detached, as Lightning
