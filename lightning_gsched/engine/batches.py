@@ -10,9 +10,12 @@ replica, and a rank that reads only its own rows (``ddp``) receives none. Row ow
 kept, so predictions can go back to the rank that loaded them (:func:`local_outputs`).
 
 Tensors with a leading dimension are batch data; plain values and 0-d tensors are taken from the
-local batch and must be the same on every rank (e.g. a flag). A receiving rank sizes what it
-receives from its own batch (the batch tensors' trailing shapes and dtypes are the same on every
-rank, as DDP's DataLoaders give them).
+local batch and must be the same on every rank (e.g. a flag). A list holding no tensor whose
+length is the batch's rows (sample ids as ``default_collate`` gives strings) is per-row data too:
+each microbatch gets its rows of it, but it cannot travel (rows move as tensors), so a step that
+moves rows refuses it, naming it. A receiving rank sizes what it receives from its own batch (the
+batch tensors' trailing shapes and dtypes are the same on every rank, as DDP's DataLoaders give
+them).
 """
 
 from __future__ import annotations
@@ -33,8 +36,30 @@ from lightning_gsched.errors import BatchSplitError
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _plain_list(value: Any) -> bool:
+    """A list holding no tensor: one leaf of a batch (its items are values, e.g. string ids)."""
+    return isinstance(value, list) and not any(
+        isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+
+
+def _flatten(batch: Any) -> tuple[list[Any], Any]:
+    return pytree.tree_flatten(batch, is_leaf=_plain_list)
+
+
+def _row_lists(leaves: list[Any], data: list[int]) -> list[int]:
+    """The plain lists with one value per row of the batch (module doc)."""
+    rows = leaves[data[0]].shape[0]
+    return [i for i, leaf in enumerate(leaves) if _plain_list(leaf) and len(leaf) == rows]
+
+
+def _leaf_name(batch: Any, index: int) -> str:
+    """``batch['ids']``: where leaf ``index`` of :func:`_flatten` is in the batch."""
+    path = pytree.tree_flatten_with_path(batch, is_leaf=_plain_list)[0][index][0]
+    return "batch" + pytree.keystr(path)
+
+
 def _batch_leaves(batch: Any) -> tuple[list[Any], Any, list[int]]:
-    leaves, spec = pytree.tree_flatten(batch)
+    leaves, spec = _flatten(batch)
     data = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not data:
         opaque = sorted({type(leaf).__name__ for leaf in leaves
@@ -63,9 +88,12 @@ def layout_digest(batch: Any) -> int:
     wherever it goes (the step's sizes, signature and stamps), and batches of other row counts
     but one layout per row are rows that one microbatch can join (:meth:`.step_rows.StepRows.
     exchange` refuses to join others)."""
-    leaves, spec = pytree.tree_flatten(batch)
+    leaves, spec, data = _batch_leaves(batch)
+    per_row = set(_row_lists(leaves, data))
     items = [str(spec)] + [(tuple(leaf.shape[1:]), leaf.dim(), str(leaf.dtype))
-                           if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
+                           if isinstance(leaf, torch.Tensor)
+                           else "a value per row" if i in per_row else repr(leaf)
+                           for i, leaf in enumerate(leaves)]
     digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
@@ -155,9 +183,18 @@ def exchange_rows(batch: Any, rows: RowMap, rank: int, wanted: Sequence[Sequence
     moves = transfers(rows, wanted)
     if layouts is not None:
         _check_layouts(moves, layouts, ranks)
+    listed = _row_lists(leaves, data)
+    if listed and moves:  # every rank alike: the same moves, batches of one layout
+        raise BatchSplitError(
+            f"{_leaf_name(batch, listed[0])} is a list of one value per row (e.g. sample ids), "
+            "and this step moves rows between ranks, which travel as tensors only. Use "
+            "data_loading='per_replica' (every rank of a replica loads its whole batch: no "
+            "row moves, and each microbatch gets its rows of the list), turn the values into "
+            "a tensor (e.g. indices into a table), or leave them out of the batch")
     mine = [t for t in moves if rank in (t.source, t.target)]
     inbox = _send_and_receive(leaves, data, mine, rank, group, ranks)
-    return {b: _assemble(leaves, spec, data, rows, b, rank, inbox) for b in wanted[rank]}
+    return {b: _assemble(leaves, spec, data + listed, rows, b, rank, inbox)
+            for b in wanted[rank]}
 
 
 def _check_layouts(moves: Sequence[Transfer], layouts: Sequence[int],
@@ -173,11 +210,12 @@ def _check_layouts(moves: Sequence[Transfer], layouts: Sequence[int],
                 f"ranks {peers[move.source]} and {peers[move.target]} loaded batches of "
                 f"different layouts, and rank {peers[move.target]} reads rows of rank "
                 f"{peers[move.source]}'s (their tensors differ after the rows: in shape, dtype "
-                "or structure; which one is off, the digests do not say). Every rank must load "
-                "batches of one layout "
-                "per row (pad to one length, e.g. a collate_fn padding to a fixed size, and one "
-                "dtype), or every rank of a replica its whole batch: "
-                "data_loading='per_replica'")
+                "or structure, or a plain value that is not a tensor differs between them; "
+                "which one is off, the digests do not say). Every rank must load batches of one "
+                "layout per row (pad to one length, e.g. a collate_fn padding to a fixed size, "
+                "and one dtype) whose plain values (a flag, a count) are equal on every rank "
+                "(a list with one value per row excepted), or every rank of a replica its "
+                "whole batch: data_loading='per_replica'")
 
 
 def _send_and_receive(leaves: list[Any], data: list[int], mine: list[Transfer], rank: int,
@@ -207,11 +245,15 @@ def _send_and_receive(leaves: list[Any], data: list[int], mine: list[Transfer], 
 
 def _assemble(leaves: list[Any], spec: Any, data: list[int], rows: RowMap, b: int, rank: int,
               inbox: Mapping[tuple[int, int, int], torch.Tensor]) -> Any:
-    """Microbatch ``b``: its pieces in row order, this rank's own sliced from its batch."""
+    """Microbatch ``b``: its pieces in row order, this rank's own sliced from its batch
+    (``data``: the row tensors, then the lists with a value per row, which never travel)."""
     micro = list(leaves)
     for i in data:
         parts = [leaves[i][p.start:p.stop] if p.source == rank else inbox[(p.source, b, i)]
                  for p in rows.micros[b]]
+        if isinstance(leaves[i], list):
+            micro[i] = [value for part in parts for value in part]
+            continue
         micro[i] = (leaves[i][:0] if not parts else parts[0] if len(parts) == 1
                     else torch.cat(parts))
     return pytree.tree_unflatten(micro, spec)
