@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -55,9 +55,10 @@ class StepOutcome:
     ``value``: the training loss (the mean over the global batch's microbatches, the same on
     every rank), or for a forward-only step the outputs of this rank's rows (None when not
     kept). ``extras``: a training step's other returned keys for this rank's rows, when asked
-    for and returned (:mod:`.step_outputs`; else None). ``logged``: ``(name, value, options)`` reduced over the global batch, for the front end
-    to log on every rank; ``rows``: the rows of the global batch (the logged values' batch size:
-    every rank logs the global batch's values, so its epoch means weigh each step alike);
+    for and returned (:mod:`.step_outputs`; else None). ``logged``: ``(name, value,
+    options)`` reduced over the global batch, for the front end to log on every rank;
+    ``rows``: the rows of the global batch (the logged values' batch size: every rank logs the
+    global batch's values, so its epoch means weigh each step alike);
     ``notices``: every rank's pending preemption signal at the step's exchange (0: none).
     """
 
@@ -177,7 +178,8 @@ class PipelineEngine(PipelineBuild):
                            sum(cut.micro_rows()),
                            pending[0].notices, joined)
 
-    def eval_step(self, batch: Any, caller: StepCaller, keep_outputs: str | None,
+    def eval_step(self, batch: Any, caller: StepCaller,
+                  keep_outputs: Literal["predictions", "hooks"] | None,
                   notice: Callable[[], int] = lambda: 0) -> StepOutcome:
         """A forward-only plan (validation, test, predict). ``keep_outputs``: every rank gets
         the step's returns for the rows it loaded, ``"predictions"`` joined strictly (each a

@@ -461,8 +461,9 @@ class GeneralParallel(CheckpointSettings, DDPStrategy):
         with context:
             caller = self._caller(hook, args, kwargs)
             assert self.lightning_module is not None
-            keep = ("predictions" if hook == "predict_step"
-                    else "hooks" if outputs_read(self.lightning_module, hook) else None)
+            keep: Literal["predictions", "hooks"] | None = (
+                "predictions" if hook == "predict_step"
+                else "hooks" if outputs_read(self.lightning_module, hook) else None)
             outcome = engine.eval_step(args[0], caller, keep_outputs=keep,
                                        notice=self._pending_signal)
             self._agree(outcome, f"a {hook.split('_')[0]} step")
