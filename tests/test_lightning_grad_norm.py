@@ -4,7 +4,8 @@ Lightning's ``grad_norm(self, 2)`` reads ``p.grad`` on the calling rank, which u
 holds only the stages that rank owns. Ours must return, on every rank, the same keys as one
 device (a frozen parameter has no gradient and no key) and the same per-parameter and total
 norms, for a schedule whose ranks own different stages (1f1b), one whose stages are sharded
-over the ranks (fsdp) and a looped one with a tied weight fetched by another rank (fslpp).
+over the ranks (fsdp) and a looped one with a tied weight fetched by another rank (fslpp), of
+the whole LightningModule and of a submodule (``self.model.blocks``).
 
 Why rtol 1e-5 holds on any CPU: the gradients differ from one device's by float32 summation
 order only (see ``lightning_models.assert_same_state``), and a norm is a sum of squares of
@@ -42,6 +43,8 @@ class NormLogging(LitGPT):
         from lightning_gsched import grad_norm
 
         self.norms.append({k: float(v) for k, v in grad_norm(self, norm_type=2).items()})
+        # a submodule's norms (Lightning's grad_norm takes any module)
+        self.norms.append({k: float(v) for k, v in grad_norm(self.model.blocks, 2).items()})
 
 
 def run(world: int, rank: int, strategy: Any) -> list[dict[str, float]]:

@@ -47,7 +47,8 @@ class Returning(LitGPT):
         last = logits[:, -1]
         hits = (last.argmax(-1) == toks[:, -1]).float().mean()
         return {"loss": loss, "last": last, "hits": hits, "kind": "lm",
-                "first_token": int(toks[0, 0])}
+                "first_token": int(toks[0, 0]),
+                "tags": [f"t{int(v)}" for v in toks[:, 0]]}  # a plain value per row
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return self._step(batch)
@@ -94,7 +95,11 @@ def run(world: int, rank: int, strategy: Callable[[], Any]) -> dict[str, list[An
     model = seeded(0, lambda: Returning(layers=2))
     data = tokens(GLOBAL_BATCH * 2)
     recorder = Recorder()
-    fit = trainer(world, strategy(), max_steps=2, callbacks=[recorder])
+    # a user's function given to one of Lightning's callbacks reads outputs too
+    lambdas = pl.callbacks.LambdaCallback(
+        on_validation_batch_end=lambda *args, **kwargs: recorder.seen.setdefault(
+            "lambda", []).append(_plain(args[2])))
+    fit = trainer(world, strategy(), max_steps=2, callbacks=[lambdas, recorder])
     fit.fit(model, rank_loader(data, GLOBAL_BATCH, world, rank),
             rank_loader(data, GLOBAL_BATCH, world, rank))
     trainer(world, strategy(), callbacks=[recorder]).test(
@@ -133,6 +138,11 @@ def test_hooks_get_the_step_outputs_of_their_rows(worlds) -> None:
                     torch.testing.assert_close(mine[key], single[key], rtol=1e-5, atol=1e-6)
                 assert mine["kind"] == "lm", label
                 assert mine["first_token"] is None, label  # differs between microbatches
+                assert mine["tags"] == single["tags"][rows], label
+            assert len(got["lambda"]) == len(got["val"]) == 2, label
+            for theirs, mine in zip(got["lambda"], got["val"], strict=True):
+                assert theirs.keys() == mine.keys(), label
+                assert all(torch.equal(theirs[k], mine[k]) for k in mine), label
             for mine, single in zip(got["val"], want["val"], strict=True):
                 torch.testing.assert_close(mine["val_last"], single["val_last"][rows],
                                            rtol=1e-5, atol=1e-6)

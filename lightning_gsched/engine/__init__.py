@@ -33,7 +33,7 @@ from lightning_gsched.engine.checkpoint import (
 from lightning_gsched.engine.checkpoint_check import FABRIC, TRAINER
 from lightning_gsched.engine.checkpoint_files import StreamStats
 from lightning_gsched.engine.control import ControlGroup, UncaughtExitReport
-from lightning_gsched.engine.engine import PipelineEngine
+from lightning_gsched.engine.engine import PipelineEngine, engine_holding
 from lightning_gsched.engine.intercept import StepCaller
 from lightning_gsched.engine.logsync import replay
 from lightning_gsched.engine.memory_report import MemoryReport
@@ -66,6 +66,7 @@ __all__ = [
     "StreamStats",
     "check_launch_arguments",
     "check_transport",
+    "engine_holding",
     "library_names",
     "pipeline_keywords",
     "pipeline_options",

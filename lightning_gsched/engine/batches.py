@@ -36,25 +36,26 @@ from lightning_gsched.errors import BatchSplitError
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _plain_list(value: Any) -> bool:
-    """A list holding no tensor: one leaf of a batch (its items are values, e.g. string ids)."""
+def plain_list(value: Any) -> bool:
+    """A list holding no tensor: one leaf of a batch or a step's return (its items are values,
+    e.g. string ids), cut with the rows when it has one per row."""
     return isinstance(value, list) and not any(
         isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
 
 
 def _flatten(batch: Any) -> tuple[list[Any], Any]:
-    return pytree.tree_flatten(batch, is_leaf=_plain_list)
+    return pytree.tree_flatten(batch, is_leaf=plain_list)
 
 
 def _row_lists(leaves: list[Any], data: list[int]) -> list[int]:
     """The plain lists with one value per row of the batch (module doc)."""
     rows = leaves[data[0]].shape[0]
-    return [i for i, leaf in enumerate(leaves) if _plain_list(leaf) and len(leaf) == rows]
+    return [i for i, leaf in enumerate(leaves) if plain_list(leaf) and len(leaf) == rows]
 
 
 def _leaf_name(batch: Any, index: int) -> str:
     """``batch['ids']``: where leaf ``index`` of :func:`_flatten` is in the batch."""
-    path = pytree.tree_flatten_with_path(batch, is_leaf=_plain_list)[0][index][0]
+    path = pytree.tree_flatten_with_path(batch, is_leaf=plain_list)[0][index][0]
     return "batch" + pytree.keystr(path)
 
 

@@ -19,6 +19,7 @@ the batches are checked with the losses).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -67,6 +68,23 @@ class StepOutcome:
     rows: int
     notices: list[int] = field(default_factory=list)  # every rank's pending preemption signal
     extras: dict[str, Any] | None = None
+
+
+# the engines that ran a step and are not closed: how a helper given a submodule of a model
+# finds the engine running it (engine_holding)
+_RUNNING: weakref.WeakSet[PipelineEngine] = weakref.WeakSet()
+
+
+def engine_holding(module: nn.Module) -> PipelineEngine | None:
+    """The running engine whose model holds ``module``'s parameters (a submodule of it, or the
+    model), or None."""
+    first = next(module.parameters(), None)
+    if first is None:
+        return None
+    for engine in list(_RUNNING):
+        if engine.runtime is not None and any(p is first for p in engine.module.parameters()):
+            return engine
+    return None
 
 
 class PipelineEngine(PipelineBuild):
@@ -119,6 +137,7 @@ class PipelineEngine(PipelineBuild):
         micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(self.train_plan),
                                          held, layouts)
         runtime = self.require_runtime()
+        _RUNNING.add(self)
         if self.losses_and_logs is None:
             self.losses_and_logs = LossLogExchange(self.world_size, self.rank, B, runtime.device,
                                                    self.control,
@@ -200,6 +219,7 @@ class PipelineEngine(PipelineBuild):
             cut = self.step_rows.step_cut(rows, training=False)
         micros = self.step_rows.exchange(batch, cut, self.step_rows.needed(plan), held, layouts)
         runtime = self.require_runtime()
+        _RUNNING.add(self)
         first_micros, _ = stage_micros(plan.programs, self.worker)
         inputs = self._capture_all(caller, micros, first_micros)
         try:
@@ -286,6 +306,7 @@ class PipelineEngine(PipelineBuild):
         if self.whole_call_guard is not None:
             self.whole_call_guard.remove()
             self.whole_call_guard = None
+        _RUNNING.discard(self)
         runtime = self.runtime
         if runtime is None:
             return

@@ -9,8 +9,9 @@ into microbatches that may mix several ranks' rows. This module puts them back t
 device would have returned them for the rows *this* rank loaded (DDP's semantics, as
 predictions already are, :func:`.batches.local_outputs`), leaf by leaf:
 
-* a tensor whose first dimension is its microbatch's rows: this rank's rows, in its batch's
-  order (exact);
+* a tensor whose first dimension is its microbatch's rows, or a list holding no tensor with
+  one value per row (ids): this rank's rows, in its batch's order (exact; a tensor or list that
+  is not per row but has as many entries as the microbatch has rows is taken for one);
 * a floating scalar (a float, or a floating tensor of the same shape in every microbatch
   without a row dimension, such as a mean accuracy): the mean over the global batch's
   microbatches weighted by their rows, as the step's loss is (exact for a mean over rows, the
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_gsched.engine.batches import plain_list
 from lightning_gsched.engine.rows import RowMap
 
 # a step's returns above this many bytes per step on one rank are warned of, once per hook
@@ -75,7 +77,7 @@ def rank_step_outputs(outputs: Mapping[int, Any], cut: RowMap, position: int,
     micros = sorted(b for b in outputs if cut.micros[b])
     if not micros:
         return None
-    flat = [pytree.tree_flatten_with_path(outputs[b]) for b in micros]
+    flat = [pytree.tree_flatten_with_path(outputs[b], is_leaf=plain_list) for b in micros]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
         warnings.warn(
@@ -97,6 +99,8 @@ def _join_leaf(values: dict[int, Any], rows: list[int], pieces: list[Any], name:
     first = next(iter(values.values()))
     if _per_row(values, rows):
         mine = [values[p.micro][p.offset:p.offset + p.rows] for p in pieces]
+        if isinstance(first, list):
+            return [value for part in mine for value in part]
         return torch.cat(mine) if mine else first[:0]
     if _floating_scalar(values):
         total = sum(rows[b] for b in values)
@@ -115,6 +119,8 @@ def _join_leaf(values: dict[int, Any], rows: list[int], pieces: list[Any], name:
 
 
 def _per_row(values: dict[int, Any], rows: list[int]) -> bool:
+    if all(plain_list(v) and len(v) == rows[b] for b, v in values.items()):
+        return True
     return all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows[b]
                for b, v in values.items())
 

@@ -12,6 +12,7 @@ Lightning's own.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Union
 
 import torch
@@ -19,7 +20,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
 
-from lightning_gsched.engine import PipelineEngine
+from lightning_gsched.engine import PipelineEngine, engine_holding
 
 
 def grad_norm(module: nn.Module, norm_type: Union[float, int, str],
@@ -38,18 +39,21 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str],
     values = engine.parameter_grad_norms([param for _, param in named], p)
     norms: dict[str, Any] = {f"grad_{p}_norm{group_separator}{name}": value
              for (name, _), value in zip(named, values, strict=True) if value is not None}
-    if norms:
+    if norms:  # in the norms' promoted dtype, as Lightning's torch.tensor of them gives
+        dtype = functools.reduce(torch.promote_types, (v.dtype for v in norms.values()))
         norms[f"grad_{p}_norm_total"] = torch.tensor(
-            [float(v) for v in norms.values()]).norm(p)
+            [float(v) for v in norms.values()], dtype=dtype).norm(p)
     return norms
 
 
 def _running_engine(module: nn.Module) -> PipelineEngine | None:
-    """The GeneralParallel engine ``module`` trains under, or None."""
+    """The GeneralParallel engine ``module`` trains under, or None: a LightningModule's
+    strategy's, else the running engine whose model holds the module (a submodule, e.g.
+    ``grad_norm(self.model.blocks, 2)``)."""
     from lightning_gsched.lightning.strategy import GeneralParallel
 
     if not isinstance(module, LightningModule):
-        return None
+        return engine_holding(module)
     try:
         strategy = module.trainer.strategy
     except RuntimeError:  # not attached to a Trainer

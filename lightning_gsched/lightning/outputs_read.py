@@ -4,7 +4,8 @@ Why: under a pipeline a step's return exists on the ranks that finished its micr
 giving every rank its rows' share costs a gather (:mod:`lightning_gsched.engine.step_outputs`).
 Lightning's own callbacks (progress bars, ModelCheckpoint, LearningRateMonitor, ...) override
 ``on_train_batch_end`` and friends without reading ``outputs``, so only the LightningModule's own
-override or a callback from outside Lightning asks for them.
+override, a callback from outside Lightning, or a user's function given to a callback
+(``LambdaCallback``) asks for them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def outputs_read(module: LightningModule, step: str) -> bool:
     if is_overridden(hook, module, LightningModule):
         return True
     trainer: Any = module.trainer
-    return any(is_overridden(hook, callback, Callback)
-               for callback in trainer.callbacks
-               if not type(callback).__module__.startswith(_LIGHTNING_PACKAGES))
+    return any(_reads(callback, hook) for callback in trainer.callbacks)
+
+
+def _reads(callback: Callback, hook: str) -> bool:
+    """A callback of the user's class overriding ``hook``, or any callback given the hook as a
+    function of the user's on the instance (``LambdaCallback(on_train_batch_end=...)``)."""
+    if hook in vars(callback):
+        return True
+    return (not type(callback).__module__.startswith(_LIGHTNING_PACKAGES)
+            and is_overridden(hook, callback, Callback))
