@@ -122,6 +122,32 @@ def test_bad_input_fails_on_every_rank(world, cls_name: str, options: dict, glob
             assert phrase in result.message, (phrase, result.message)
 
 
+def short_last_batch_on_worker(ctx: WorkerContext) -> None:
+    """Two global batches of 8 rows, then one of 2 (drop_last=False): the last one does not
+    split into gpipe's 4 microbatches."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    data = tokens(18)
+    share = torch.cat([data[i * 8 + ctx.rank * 4:][:4] for i in range(2)]
+                      + [data[16 + ctx.rank:][:1]])
+    fit = trainer(ctx.world_size, GeneralParallel("gpipe", microbatches=4), max_epochs=1)
+    fit.fit(seeded(0, LitGPT), DataLoader(TensorDataset(share), batch_size=4))
+
+
+def test_a_short_last_training_batch_is_named_as_such(world) -> None:
+    """The refusal said how to size a global batch of 2 (found by probing): it now says the
+    epoch's last batch is short and what the earlier ones had."""
+    for result in world.run(short_last_batch_on_worker, expect_errors=True):
+        assert isinstance(result, RankError) and result.type_name == "BatchSplitError", result
+        assert result.message.startswith("the epoch's last batch is short (2 rows where the "
+                                         "earlier ones had 8): the global batch has 2 rows"), \
+            result.message
+        assert "drop_last=True" in result.message
+
+
 def test_fault_on_one_rank_stops_every_rank_with_its_position(world) -> None:
     # step_timeout bounds every wait; rank 0 must not need it: rank 1's failure closes its
     # connections, so rank 0 stops on the lost connection (not a timeout) and quotes rank 1

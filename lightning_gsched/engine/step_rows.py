@@ -71,6 +71,9 @@ class StepRows:
         self.host_group = host_group
         self.collective = collective
         self._needed: dict[int, list[list[int]]] = {}
+        # the most rows a training step's global batch had so far: a shorter one that does not
+        # split is the epoch's last batch, which the refusal then says
+        self.largest_training_rows = 0
 
     @property
     def workers(self) -> Workers:
@@ -156,7 +159,16 @@ class StepRows:
     def step_cut(self, rows: list[int], training: bool) -> RowMap:
         """The row map of a decided schedule's training or evaluation step."""
         if training:
-            return self.row_map(rows, self.config.training_micro(self.world_size), exact=True)
+            try:
+                cut = self.row_map(rows, self.config.training_micro(self.world_size), exact=True)
+            except BatchSplitError as exc:
+                if sum(rows) < self.largest_training_rows:
+                    raise BatchSplitError(
+                        f"the epoch's last batch is short ({sum(rows)} rows where the earlier "
+                        f"ones had {self.largest_training_rows}): {exc}") from exc
+                raise
+            self.largest_training_rows = max(self.largest_training_rows, sum(rows))
+            return cut
         B = self.config.eval_plan(self.world_size, sum(rows)).micro
         return self.row_map(rows, B, exact=False, what="evaluation batch")
 
