@@ -37,8 +37,9 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str],
                          f"Got {p}")
     named = list(module.named_parameters())
     values = engine.parameter_grad_norms([param for _, param in named], p)
-    norms: dict[str, Any] = {f"grad_{p}_norm{group_separator}{name}": value
-             for (name, _), value in zip(named, values, strict=True) if value is not None}
+    norms: dict[str, Any] = {
+        f"grad_{p}_norm{group_separator}{name}": value
+        for (name, _), value in zip(named, values, strict=True) if value is not None}
     if norms:  # in the norms' promoted dtype, as Lightning's torch.tensor of them gives
         dtype = functools.reduce(torch.promote_types, (v.dtype for v in norms.values()))
         norms[f"grad_{p}_norm_total"] = torch.tensor(

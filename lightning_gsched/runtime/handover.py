@@ -119,26 +119,36 @@ class GradStash:
         # the norm's dtype is the gradients' (torch's clip_grad_norm_ gives a float64 model's
         # norm in float64), read off every parameter asked for: the same on every rank
         dtype = _norm_dtype(params)
-        T, t = self.tensor_parallel
-        mine = [p.grad for p in self.ownership.primary if id(p) in wanted and p.grad is not None
-                and (t == 0 or id(p) in self.sharded)]
-        # with tensor parallelism the shards of one worker live on T ranks: reduce over all
-        group = self.group() if T == 1 else None
-        world = self.world_size * T
+        counted = self._counted_here()
+        mine = [p.grad for p in self.ownership.primary if id(p) in wanted and id(p) in counted
+                and p.grad is not None]
         device = self.source.device
         if math.isinf(norm_type):
             local = max((g.detach().abs().max().to(dtype) for g in mine),
                         default=torch.zeros((), dtype=dtype, device=device))
             local = torch.as_tensor(local, device=device).reshape(1).clone()
-            if world > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            self._all_reduce(local, dist.ReduceOp.MAX)
             return local[0]
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for g in mine:
             local += g.detach().double().abs().pow(norm_type).sum()
-        if world > 1:
-            dist.all_reduce(local, group=group)
+        self._all_reduce(local, dist.ReduceOp.SUM)
         return local[0].pow(1.0 / norm_type).to(dtype)
+
+    def _counted_here(self) -> set[int]:
+        """Ids of the parameters whose gradients this rank counts in a norm: those it holds
+        primarily, and with tensor parallelism (T > 1) each shard on its rank but each
+        replicated parameter once (on t = 0)."""
+        _, t = self.tensor_parallel
+        return {id(p) for p in self.ownership.primary if t == 0 or id(p) in self.sharded}
+
+    def _all_reduce(self, local: torch.Tensor, op: Any) -> None:
+        """``local`` reduced over every rank that counts a share of the model's gradients: the
+        workers' group, or with tensor parallelism every rank (a worker's shards live on its
+        T ranks)."""
+        T, _ = self.tensor_parallel
+        if self.world_size * T > 1:
+            dist.all_reduce(local, op=op, group=self.group() if T == 1 else None)
 
     def parameter_norms(self, params: Sequence[nn.Parameter], norm_type: float = 2.0
                         ) -> list[torch.Tensor | None]:
@@ -149,21 +159,18 @@ class GradStash:
         ``[per-parameter sums of |g|^p (max |g| for p = inf) | has a gradient]`` gives every
         rank all of them (a sum composes for finite p, a max for inf, and either keeps the
         flag row's meaning)."""
-        T, t = self.tensor_parallel
-        primary = {id(p) for p in self.ownership.primary}
+        counted = self._counted_here()
         device = self.source.device
         infinite = math.isinf(norm_type)
         local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
         for i, p in enumerate(params):
             g = p.grad
-            if g is None or id(p) not in primary or not (t == 0 or id(p) in self.sharded):
+            if g is None or id(p) not in counted:
                 continue
             g = g.detach().double().abs()
             local[0, i] = g.max() if infinite else g.pow(norm_type).sum()
             local[1, i] = 1.0
-        if self.world_size * T > 1:
-            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=self.group() if T == 1 else None)
+        self._all_reduce(local, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
         values, present = local.tolist()  # one host read for every parameter
         out: list[torch.Tensor | None] = []
         for p, value, there in zip(params, values, present, strict=True):
