@@ -92,11 +92,10 @@ def _where(weights: PretrainedWeights) -> dict[str, Path]:
 
 
 def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path],
-           pieces: Pieces) -> dict[int, str]:
+           pieces: Pieces, names: dict[int, list[str]]) -> dict[int, str]:
     """Every parameter under the prefix is in the files with its (full) shape (headers only);
     returns parameter id -> file key (its first name under the prefix the file has)."""
     params = {id(p): p for p in module.parameters()}
-    names = parameter_names(module)
     keys: dict[int, str] = {}
     for pid, aliases in names.items():
         under = [n[len(weights.prefix):] for n in aliases if n.startswith(weights.prefix)]
@@ -134,12 +133,12 @@ def _check(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path]
 
 
 def _warn_unused(module: nn.Module, weights: PretrainedWeights, where: dict[str, Path],
-                 buffers: Collection[str]) -> None:
+                 buffers: Collection[str], names: dict[int, list[str]]) -> None:
     """Warn of the file's tensors that no parameter or buffer reads, as transformers'
     ``from_pretrained`` does: expected for a pretraining head the model drops, a mistake for a
     file of a deeper model or another configuration (its extra layers would vanish silently)."""
     prefix = weights.prefix
-    read = {n[len(prefix):] for aliases in parameter_names(module).values() for n in aliases
+    read = {n[len(prefix):] for aliases in names.values() for n in aliases
             if n.startswith(prefix)} | set(buffers)
     unused = sorted(k for k in where if k not in read)
     if unused:
@@ -166,11 +165,12 @@ def load_parameters(module: nn.Module, params: Collection[nn.Parameter],
     warns: every rank would find the same)."""
     pieces = pieces or {}
     where = _where(weights)
-    keys = _check(module, weights, where, pieces)
+    names = parameter_names(module)  # every parameter's names, tied ones all of theirs
+    keys = _check(module, weights, where, pieces, names)
     read = [p for p in params if id(p) in keys]
     buffers = _persistent_buffers(module, weights.prefix, where)
     if warn_unused:
-        _warn_unused(module, weights, where, buffers)
+        _warn_unused(module, weights, where, buffers, names)
     for file in sorted({where[keys[id(p)]] for p in read} | {where[k] for k in buffers}):
         with _open(file) as f:
             for p in read:
