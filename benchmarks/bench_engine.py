@@ -21,10 +21,11 @@ as ``pipeline_engine_vs_torch[<schedule>, per-rank loading]`` against the same a
 ``extra["per_replica_over_per_rank"]``: the two loadings' ratio round by round (what that
 semantics costs, measured side by side rather than in runs an hour apart).
 
-Torch's order as a third side: where the most microbatch-stages torch's schedule holds on a
-rank (read from its ``pipeline_order``, :func:`torch_peaks`) differ from our default caps
-(interleaved at W=2: torch holds 5 on rank 0 and 3 on rank 1, our default 4 and 4), ours also
-runs with each rank's cap at torch's peak, in the same alternated rounds, as
+Torch's order as a third side: where our default plan orders a rank's computations otherwise
+than torch's schedule (read from its ``pipeline_order``; none at W=2 since interleaved's default
+cap became S + 1, 2026-11-29: before it, our cap 4 on each rank against torch's peaks 5 and 3),
+ours also runs with each rank's cap at the most microbatch-stages torch holds there
+(:func:`torch_peaks`), in the same alternated rounds, as
 ``pipeline_engine_vs_torch[<schedule>, torch's peak]`` with ``extra["default_over_torch_peak"]``
 (our default caps against torch's, round by round). Why: the caps change the order and so the
 time; at torch's peaks our planner gives its order action for action
@@ -195,14 +196,28 @@ def default_caps(schedule: str, world: int = WORLD, microbatches: int = MICROBAT
     return list(plan(schedule, workers=world, microbatches=microbatches).caps)
 
 
+def our_orders(schedule: str, cap: list[int] | None = None, world: int = WORLD,
+               microbatches: int = MICROBATCHES) -> list[list[tuple[str, int, int]]]:
+    """Per rank, our plan's computations as :func:`torch_orders` lists torch's (default caps
+    unless ``cap``)."""
+    from lightning_gsched.schedule import plan
+
+    kwargs = {} if cap is None else {"cap": cap}
+    made = plan(schedule, workers=world, stages=ROWS[schedule].stages,
+                microbatches=microbatches, **kwargs)
+    return [[(a.op.name, a.stage, a.micro) for a in made.programs.ranks[rank]
+             if a.op.name in ("F", "B", "W")] for rank in range(world)]
+
+
 def torch_order_caps(schedule: str) -> list[int] | None:
-    """torch's per-rank peaks where they differ from our default caps (the order differs
-    then), else None (no third side needed, or torch's schedule keeps no order)."""
+    """torch's per-rank peaks where our default plan orders the row's computations otherwise
+    than torch's schedule (a third side is needed then: ours at those caps), else None (the
+    same order already, or torch's schedule keeps no order)."""
     try:
-        peaks = torch_peaks(schedule)
+        peaks, theirs = torch_peaks(schedule), torch_orders(schedule)
     except ValueError:
         return None
-    return None if peaks == default_caps(schedule) else peaks
+    return None if our_orders(schedule) == theirs else peaks
 
 
 def run(quick: bool, rows: Sequence[str] | None = None,

@@ -114,20 +114,15 @@ def test_at_torchs_peaks_our_interleaved_order_is_torchs() -> None:
     """The premise of bench_engine's ``[interleaved, torch's peak]`` side: with each rank's cap
     at the most microbatch-stages torch's Interleaved1F1B holds there, our planner orders every
     rank's forwards and backwards exactly as torch's hand-written schedule (read from torch
-    itself); at our default caps it does not, and that is where the side is added."""
-    from benchmarks.bench_engine import torch_order_caps, torch_orders, torch_peaks
-    from benchmarks.bench_pipeline import MICROBATCHES, ROWS, WORLD
-    from lightning_gsched.schedule import plan
+    itself). At the row's shape our default cap (S + 1) gives that order too, so the side is
+    not added; at S itself (the default before) rank 0's order differs."""
+    from benchmarks.bench_engine import our_orders, torch_order_caps, torch_orders, torch_peaks
+    from benchmarks.bench_pipeline import ROWS
 
     theirs = torch_orders("interleaved")
-    ours = plan("interleaved", WORLD, stages=ROWS["interleaved"].stages,
-                microbatches=MICROBATCHES, cap=torch_peaks("interleaved"))
-    for rank in range(WORLD):
-        mine = [(a.op.name, a.stage, a.micro) for a in ours.programs.ranks[rank]
-                if a.op.name in ("F", "B")]
-        assert mine == theirs[rank], rank
-    default = plan("interleaved", WORLD, stages=ROWS["interleaved"].stages,
-                   microbatches=MICROBATCHES)
-    assert [(a.op.name, a.stage, a.micro) for a in default.programs.ranks[0]
-            if a.op.name in ("F", "B")] != theirs[0]  # the default cap orders rank 0 otherwise
-    assert torch_order_caps("interleaved") == torch_peaks("interleaved")
+    assert our_orders("interleaved", cap=torch_peaks("interleaved")) == theirs
+    assert our_orders("interleaved") == theirs
+    stages = ROWS["interleaved"].stages
+    at_s = our_orders("interleaved", cap=[stages] * len(theirs))
+    assert at_s[0] != theirs[0] and at_s[1:] == theirs[1:]
+    assert torch_order_caps("interleaved") is None
