@@ -60,6 +60,7 @@ class ControlGroup:
         self.store = default_store()
         self.key = f"lightning_gsched/control-fault/{next(_SERIAL)}"
         self.notice = FaultNotice(self.store, self.key)
+        self.notice.publish(rank)
         self.closed = False
         self.failed = False  # a collective here failed, or this rank aborted: the job is ending
         self.host_pid = self._share_host_pid()
@@ -115,12 +116,15 @@ class ControlGroup:
         timed_out = is_timeout(exc)
         # a lost connection is often the first news of a peer's failure: its notice may
         # still be on its way (FaultNotice.first_within)
-        first = self.notice.first_within(0.0 if timed_out else LOST_PEER_GRACE_S)
+        first, exited = (self.notice.first(), "") if timed_out else \
+            self.notice.after_lost_connection(LOST_PEER_GRACE_S, dist.get_world_size())
         how = (f"nothing arrived within {self.timeout:g} s (step_timeout)" if timed_out
                else f"lost the connection to a peer ({short_reason(exc)})")
         message = f"rank {self.rank} stopped in {what}: {how}"
         if first and not first.startswith(f"rank {self.rank} "):
             message += f". First failure reported in the job: {first}"
+        elif not first and exited:  # killed outright: it could not report, but it is gone
+            message += f". No rank reported a failure; {exited}"
         elif not first:
             message += (". No rank reported a failure: a peer is stuck or died (see its log); "
                         "raise step_timeout if a peer is only slower")

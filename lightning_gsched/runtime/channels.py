@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
 from lightning_gsched.errors import RuntimeConfigError
-from lightning_gsched.runtime import gloo_groups
+from lightning_gsched.runtime import gloo_groups, peer_processes
 from lightning_gsched.schedule.program import Op, Programs
 
 KINDS = ("p2p", "weights", "grads")
@@ -66,6 +66,26 @@ class FaultNotice:
                 return self.store.get(self.key).decode(errors="replace")
         return None
 
+    def publish(self, rank: int) -> None:
+        """Record this process as ``rank``'s, so a peer that loses it can name it
+        (:mod:`.peer_processes`)."""
+        peer_processes.publish(self.store, rank)
+
+    def gone_text(self, world_size: int) -> str:
+        """Which ranks on this host have exited (:func:`.peer_processes.gone_text`), or ""."""
+        return peer_processes.gone_text(self.store, world_size)
+
+    def after_lost_connection(self, grace: float, world_size: int) -> tuple[str | None, str]:
+        """(the job's first failure, which ranks on this host have exited) once a connection
+        is lost. A peer that exited wrote its notice, if any, before it closed its
+        connections, so then none is waited for; else :meth:`first_within` waits ``grace``
+        and the process table is read again (a rank killed while this one waited)."""
+        exited = self.gone_text(world_size)
+        first = self.first() if exited else self.first_within(grace)
+        if first is None and not exited:
+            exited = self.gone_text(world_size)
+        return first, exited
+
     def first_within(self, grace: float) -> str | None:
         """:meth:`first`, waiting up to ``grace`` s for one: a failing peer records its failure
         before it closes its connections, but the close can reach this rank first, whose own
@@ -103,10 +123,12 @@ class FaultNotice:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
+        exited = dict(peer_processes.gone(self.store, world_size))
         places: dict[str, list[int]] = {}
         for r in range(world_size):
-            places.setdefault(found.get(r, "posted nothing (stuck, died, or not waiting)"),
-                              []).append(r)
+            silent = (f"exited (pid {exited[r]})" if r in exited
+                      else "posted nothing (stuck, died, or not waiting)")
+            places.setdefault(found.get(r, silent), []).append(r)
         return "; ".join(f"{_ranks_text(ranks)} {place}" for place, ranks in places.items())
 
 
@@ -179,6 +201,7 @@ class Channels:
         self.store = store if store is not None else default_store()
         self.notice = notice if notice is not None else FaultNotice(
             self.store, f"lightning_gsched/fault/{self.serial}")
+        self.notice.publish(self.global_rank)
         span = timedelta(seconds=self.timeout)
 
         def new_group(workers: list[int] | tuple[int, ...]) -> Any:
@@ -252,6 +275,10 @@ class Channels:
     def first_fault(self, grace: float = 0.0) -> str | None:
         """The failure a rank recorded, if any, waiting up to ``grace`` s for one."""
         return self.notice.first_within(grace)
+
+    def after_lost_connection(self, grace: float) -> tuple[str | None, str]:
+        """:meth:`FaultNotice.after_lost_connection` over every rank of the job."""
+        return self.notice.after_lost_connection(grace, self.world_size * self.tensor_parallel[0])
 
     def positions(self, where: str) -> str:
         """Where every rank waits (:meth:`FaultNotice.positions`), this one at ``where``."""

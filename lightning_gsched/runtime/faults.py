@@ -102,13 +102,15 @@ class Waiter:
         if is_timeout(exc) or exc is None:  # (is_timeout(None) is True)
             message = (f"rank {self.rank} timed out {where}: nothing arrived within "
                        f"{self.timeout:g} s")
-            first = self.channels.first_fault(0.0)
+            first, exited = self.channels.first_fault(0.0), ""
         else:
             after = "" if elapsed is None else f" after {elapsed:.1f} s"
             message = (f"rank {self.rank} stopped {where}: lost the connection to a "
                        f"peer{after} ({short_reason(exc)})")
-            first = self.channels.first_fault(LOST_PEER_GRACE_S)
-        if not first:
+            first, exited = self.channels.after_lost_connection(LOST_PEER_GRACE_S)
+        if exited and not first:  # killed outright: it could not report, but it is gone
+            cause = f". No rank reported a failure; {exited}"
+        elif not first:
             cause = (". No rank reported a failure: a peer is stuck, died, or runs different "
                      "programs (every rank must plan the same schedule, stages and microbatches); "
                      "raise timeout= if a peer is only slower")
