@@ -176,6 +176,31 @@ def test_cache_is_left_out_unless_asked_for(name: str) -> None:
         partition(make(), 4, example(), {"use_cache": True})
 
 
+class _Wrapped(nn.Module):
+    """A model called as a LightningModule calls it: ``self.model(tokens)``, its output object
+    returned whole (the loss reads ``.logits``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        return self.model(tokens)
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_a_wrapped_model_with_its_cache_left_out_verifies(name: str) -> None:
+    """The trace calls the wrapped model with the cache off; verify's run of the whole model
+    must too, or its output object carries a cache entry the split's lacks and every such
+    model was refused with a SplitMismatchError (found by probing, Trainer with verify="auto")."""
+    from lightning_gsched.partition import partition
+
+    make, example = MODELS[name]
+    part = partition(_Wrapped(make()), 2, example()[:1], verify=True)
+    assert part.cache_off_modules == ["model"]
+    assert part.verified is not None and part.verified.status == "passed"
+
+
 # --------------------------------------------------------------------------- under a Trainer
 
 import lightning.pytorch as pl  # noqa: E402 - the Trainer part of this opt-in module

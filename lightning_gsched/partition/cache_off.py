@@ -21,7 +21,10 @@ one stage). The report names those modules (``part.cache_off_modules``).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from torch import nn
 
 CACHE_KEYWORD = "use_cache"
 
@@ -47,3 +50,23 @@ def omitted_cache(forward: Callable[..., Any], args: tuple[Any, ...],
     except (TypeError, ValueError):
         return {}
     return fixed_keywords(signature, bound)
+
+
+@contextmanager
+def submodule_calls_cache_off(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Inside, the submodules ``names`` (``part.cache_off_modules``) of ``module`` are called as
+    the trace called them: with ``use_cache=False`` where the call leaves it out. Why: a run of
+    the whole model that stands for the split (verify's reference) must return what the split
+    returns; with the cache on, a transformers model's output object carries a cache entry the
+    split's does not, and the two differ in structure, not in value."""
+    def pre_hook(sub: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, {**kwargs, **omitted_cache(sub.forward, args, kwargs)}
+
+    handles = [module.get_submodule(name).register_forward_pre_hook(pre_hook, with_kwargs=True)
+               for name in names]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

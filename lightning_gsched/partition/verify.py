@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_gsched.host_random import seed_host, states_kept
+from lightning_gsched.partition.cache_off import submodule_calls_cache_off
 from lightning_gsched.partition.errors import ExampleInputError, PartitionError, SplitMismatchError
 from lightning_gsched.partition.preserve import preserved_attributes, preserved_tensors_and_rng
 
@@ -250,8 +251,9 @@ def verify_split(part: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return Verdict("skipped", reason)
     with _kept_state(module):
         # attributes too: a forward may cache things on the module (self.src_mask = ...)
-        with preserved_attributes(module), preserved_tensors_and_rng(module):
-            # called as the split was traced
+        # called as the split was traced: the call's and its submodules' cache keywords
+        with preserved_attributes(module), preserved_tensors_and_rng(module), \
+                submodule_calls_cache_off(module, part.cache_off_modules):
             want_out, want_grads = _run_unsplit(module, args, {**kwargs, **part.fixed_keywords})
         for p in module.parameters():
             p.grad = None
