@@ -33,11 +33,17 @@ WORLD_TIMEOUT = 300.0
 
 
 class NormLogging(LitGPT):
-    """LitGPT recording the gradient norms its hook computes, with one frozen parameter."""
+    """LitGPT recording the gradient norms its hook computes, with one frozen parameter and one
+    that ``forward`` never reads (``spare``: on one device its ``.grad`` stays None, so it has
+    no norm, and SGD's weight decay leaves it as it is)."""
 
     def __init__(self) -> None:
         super().__init__(layers=2, frozen=("model.blocks.0.ln1",))
+        self.spare = torch.nn.Parameter(torch.ones(3))
         self.norms: list[dict[str, float]] = []
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.5)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         from lightning_gsched import grad_norm
@@ -51,7 +57,9 @@ def run(world: int, rank: int, strategy: Any) -> list[dict[str, float]]:
     model = seeded(0, NormLogging)
     trainer(world, strategy, max_steps=2).fit(
         model, rank_loader(tokens(GLOBAL_BATCH * 2), GLOBAL_BATCH, world, rank))
-    return model.norms
+    state = model.trainer.optimizers[0].state
+    return [*model.norms, {"spare_sum": float(model.spare.sum()),
+                           "spare_optimizer_state": float(len(state.get(model.spare, {})))}]
 
 
 def on_worker(ctx: WorkerContext) -> dict[str, list[dict[str, float]]]:

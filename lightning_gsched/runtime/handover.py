@@ -47,6 +47,8 @@ class GradStash:
         # (where each parameter's gradient is in the flat, the flat, its FlatGrads: None for extras)
         self.held: list[tuple[FlatLayout, torch.Tensor, FlatGrads | None]] = []
         self._saved: dict[int, torch.Tensor | None] = {}
+        # per extra parameter (ownership.extra), whether any rank's step gave it a gradient
+        self.extra_read: list[bool] = []
         # flats whose views the last hand_over gave the parameters, recycled once zero_grad dropped
         # every view
         self._given: list[tuple[torch.Tensor, FlatGrads]] = []
@@ -71,12 +73,21 @@ class GradStash:
         units = [*(self.source.flats[s] for s in self.ownership.stages),
                  *(self.source.ties[h] for h in self.ownership.ties)]
         self.held = [(unit.grads, unit.grads.take(), unit.grads) for unit in units]
-        if self.ownership.extra:  # one flat of their gradients, zeros where None
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in self.ownership.extra])
+        if self.ownership.extra:
+            # one flat of their gradients (zeros where None), then one flag each: whether any
+            # rank got a gradient for it. A parameter nothing read keeps grad None, as on one
+            # device: with a zero gradient an optimizer would keep state for it and weight decay
+            # would move it (found by probing: AdamW moved an unused parameter)
+            extra = self.ownership.extra
+            flat = torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p))
+                                .reshape(-1) for p in extra),
+                              torch.tensor([float(p.grad is not None) for p in extra],
+                                           dtype=extra[0].dtype, device=extra[0].device)])
             if self.world_size > 1:
                 dist.all_reduce(flat, group=self.group())
-            self.held.append((self.extra_layout, flat, None))
+            flags = flat[-len(extra):].tolist()  # a host read, on steps of models with extras
+            self.extra_read = [flag > 0 for flag in flags]
+            self.held.append((self.extra_layout, flat[:-len(extra)], None))
         for p in self.ownership.owned:
             p.grad = self._saved.get(id(p))
         self._saved = {}
@@ -98,7 +109,10 @@ class GradStash:
                 flat.mul_(scale)
             views = source.grad_views(flat) if source is not None else (
                 layout.view(flat, i) for i in range(len(layout.params)))
-            for p, view in zip(layout.params, views, strict=True):
+            read = self.extra_read if source is None else [True] * len(layout.params)
+            for p, view, was_read in zip(layout.params, views, read, strict=True):
+                if not was_read:  # no rank computed a gradient for it: it stays as it is
+                    continue
                 if p.grad is None:
                     p.grad = view
                     assigned = True
