@@ -70,10 +70,12 @@ def resume_on_worker(ctx: WorkerContext, options: dict, tmp: str, path: str) -> 
 
 
 def fit_with_model_checkpoint(world: int, rank: int, strategy: Any, tmp: str) -> list:
-    """ModelCheckpoint(monitor="train_loss") inside fit: every rank must agree on the value."""
+    """ModelCheckpoint(monitor="train_loss") inside fit: every rank must agree on the value.
+    One late block's norm is frozen: a sharded save must hold it too (no rank wrote a frozen
+    stage parameter, found by probing)."""
     import lightning.pytorch as pl
 
-    model = make_lit_gpt(optimizer="adam")
+    model = make_lit_gpt(optimizer="adam", frozen=("model.blocks.2.ln1",))
     data = tokens(GLOBAL_BATCH * 6)
     saver = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), monitor="train_loss",
                                          every_n_train_steps=1, save_top_k=2)

@@ -124,8 +124,10 @@ def writer_of_names(module: nn.Module, runtime: ModelRuntime | None, rank: int,
         return {k for i, k in enumerate(keys) if i % world == rank}.__contains__
     names = parameter_names(module)
     stage_names = {n for p in runtime.stage_parameters() for n in names.get(id(p), [])}
-    primary = {n for p in runtime.primary_parameters() for n in names.get(id(p), [])}
-    return lambda key: key in primary or (rank == 0 and key not in stage_names)
+    # frozen parameters too: primary_parameters() holds only those taking gradients (a frozen
+    # stage parameter was written by no rank, and the directory could not be resumed)
+    written = {n for p in runtime.written_parameters() for n in names.get(id(p), [])}
+    return lambda key: key in written or (rank == 0 and key not in stage_names)
 
 
 def local_model_state(module: nn.Module, is_mine: Callable[[str], bool]) -> StateDict:

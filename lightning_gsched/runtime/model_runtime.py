@@ -132,6 +132,11 @@ class ModelRuntime:
         """What this rank counts (norms) and writes (checkpoints): each parameter on one rank."""
         return self.ownership.primary
 
+    def written_parameters(self) -> list[nn.Parameter]:
+        """What this rank writes into a sharded checkpoint: each parameter, frozen ones too,
+        on one rank (its unit's first owner; parameters outside the stages on rank 0)."""
+        return self.ownership.written
+
     def stage_parameters(self) -> list[nn.Parameter]:
         """Parameters that live in a stage or tie buffer (owned here or not): all but extra."""
         return self.ownership.in_stages

@@ -28,6 +28,9 @@ class Ownership:
     in_stages: list[nn.Parameter]  # every stage and tie buffer's parameters, owned here or not
     primary: list[nn.Parameter]  # counted (norm) and written (checkpoints) by this rank
     owned: list[nn.Parameter]  # updated by this rank: optimizer state is kept for these only
+    # written to a sharded checkpoint by this rank: ``primary`` and the frozen parameters of
+    # the same units (no gradient, so in no FlatGrads, but state all the same)
+    written: list[nn.Parameter]
 
     @classmethod
     def of(cls, holder: StageBuffers, module: nn.Module) -> "Ownership":
@@ -43,4 +46,7 @@ class Ownership:
         if rank == 0:
             primary += extra
         owned = [p for _, params in units for p in params] + extra
-        return cls(stages, ties, extra, in_stages, primary, owned)
+        first = [holder.flats[s] for s in stages if owners[s][0] == rank] + [
+            holder.ties[h] for h in ties if owners[h][0] == rank]
+        written = [p for unit in first for p in unit.params] + (extra if rank == 0 else [])
+        return cls(stages, ties, extra, in_stages, primary, owned, written)
