@@ -270,6 +270,45 @@ def test_plain_objects_and_registered_pytrees_are_returned_fresh() -> None:
         assert settings is model.settings and tag == "tag"
 
 
+@dataclasses.dataclass
+class PlainPair:
+    """The same fields as :class:`Pair`, not registered: torch's pytree takes it as a leaf."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self, holder: type) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.holder = holder
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.a(x)
+        return self.holder(h, self.b(torch.tanh(h)))
+
+
+def test_a_plain_dataclass_is_refused_with_its_registration_and_a_registered_one_splits() -> None:
+    """A plain ``@dataclass`` is one pytree leaf in torch: refused, and the message says to
+    register it (not to "return a dataclass", which is what it got); the same fields in a
+    registered dataclass split and verify, each call returning its own values."""
+    with pytest.raises(UntracedOutputError) as error:
+        partition(ReturnsDataclass(PlainPair), 2, (torch.randn(2, 4),))
+    message = str(error.value)
+    assert "output (PlainPair, a plain @dataclass)" in message
+    assert "torch.utils._pytree.register_dataclass(PlainPair)" in message
+    assert "tuple, list, dict or dataclass" not in message
+    model = ReturnsDataclass(Pair)
+    part = partition(model, 2, (torch.randn(2, 4),), verify=True)
+    assert part.verified is not None and part.verified.status == "passed"
+    assert part.num_stages == 2
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
+    got, want = part(x), model(x)
+    assert type(got) is Pair
+    assert torch.equal(got.first, want.first) and torch.equal(got.second, want.second)
+
+
 # --------------------------------------------------------------------- assignment on values
 
 
@@ -467,6 +506,42 @@ def test_verify_names_the_stage_whose_gradient_differs(monkeypatch: pytest.Monke
     assert "gradient of 'layers.0.weight' (stage 0)" in message
     assert "first stage that differs is stage 0" in message
     assert "leaf_modules=" in message  # the fix
+
+
+class SparseEmbedding(nn.Module):
+    """``nn.Embedding(..., sparse=True)``: its weight's gradient is a sparse tensor; with
+    ``straight_through`` a custom Function stands between it and the rest."""
+
+    def __init__(self, straight_through: bool = False) -> None:
+        super().__init__()
+        self.straight_through = straight_through
+        self.emb = nn.Embedding(20, 16, sparse=True)
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx).mean(1)
+        if self.straight_through:
+            h = models.StraightThrough.apply(h)
+        return self.l2(torch.tanh(self.l1(h)))
+
+
+def test_verify_compares_sparse_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse embedding gradient is compared as the dense tensor it stands for (comparing it
+    as it is failed with aten::ne on the SparseCPU backend), and a split that gets it wrong
+    (the straight-through Function inlined: a zero gradient) is still caught."""
+    import lightning_gsched.partition.tracer as tracer
+
+    idx = (torch.randint(0, 20, (4, 7), generator=torch.Generator().manual_seed(0)),)
+    part = partition(models.seeded(0, SparseEmbedding), 2, idx, verify=True)
+    assert part.verified is not None and part.verified.status == "passed"
+    model = models.seeded(0, SparseEmbedding)
+    model(*idx).sum().backward()
+    assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
+
+    monkeypatch.setattr(tracer, "recording_autograd_functions", contextlib.nullcontext)
+    with pytest.raises(SplitMismatchError, match=r"gradient of 'emb.weight' \(stage 0\)"):
+        partition(models.seeded(0, lambda: SparseEmbedding(straight_through=True)), 2, idx,
+                  verify=True)
 
 
 def test_verify_leaves_the_model_as_it_was() -> None:

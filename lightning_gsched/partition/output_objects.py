@@ -13,6 +13,7 @@ in the unsplit model too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -55,7 +56,9 @@ def _where(path: tuple[Any, ...]) -> str:
 
 
 def trace_time_objects(output: Any) -> list[str]:
-    """``"output['past_key_values'] (DynamicCache)"`` for each leaf that would be returned stale.
+    """``"output['past_key_values'] (DynamicCache)"`` for each leaf that would be returned stale
+    (``"output (Out, a plain @dataclass)"`` for a dataclass: torch's pytree does not enter one
+    that is not registered, so it is a leaf).
 
     A leaf is stale when it is not a traced value, not a plain value, and holds a tensor or a
     traced value somewhere inside; a real tensor leaf is stale too (it was computed once, while
@@ -66,7 +69,8 @@ def trace_time_objects(output: Any) -> list[str]:
         if isinstance(leaf, fx.Proxy) or isinstance(leaf, PLAIN_TYPES):
             continue
         if _holds_tensors(leaf, MAX_DEPTH, set()):
-            stale.append(f"{_where(path)} ({type(leaf).__name__})")
+            kind = ", a plain @dataclass" if dataclasses.is_dataclass(leaf) else ""
+            stale.append(f"{_where(path)} ({type(leaf).__name__}{kind})")
     return stale
 
 
@@ -86,12 +90,21 @@ def untraced_output_message(owner: str, stale: list[str]) -> str:
         "example_kwargs). "
         if cache else ""
     )
+    plain = sorted({s.rsplit(" (", 1)[1].split(",")[0] for s in stale
+                    if s.endswith(", a plain @dataclass)")})
+    registration = (
+        f"A @dataclass is not a pytree node in torch unless registered (torch.utils._pytree "
+        f"takes it as one leaf): register it once, after its definition, with "
+        f"{', '.join(f'torch.utils._pytree.register_dataclass({c})' for c in plain)} so each "
+        "call rebuilds it "
+        "with this call's tensors. " if plain else "")
     return (
         f"{owner}.forward returns {', '.join(stale)}: "
         f"{'an object' if len(stale) == 1 else 'objects'} holding tensors that is not a pytree "
         "of them, so a split could only return the object built while tracing, the same one "
         "on every call, with the tracer's values inside (never this call's). "
-        + fixes
-        + "Otherwise return the tensors in a tuple, list, dict or dataclass, or register the "
-        "class with torch.utils._pytree.register_pytree_node so each call rebuilds it."
+        + fixes + registration
+        + "Otherwise return the tensors in a tuple, list or dict, or in a class registered as "
+        "a pytree node so each call rebuilds it: torch.utils._pytree.register_dataclass for a "
+        "@dataclass, torch.utils._pytree.register_pytree_node for another class."
     )

@@ -7,7 +7,10 @@ output) and must keep only this rank's part of the sequence. torch's ``PrepareMo
 that, but its layouts list one entry per positional input (``(Replicate(), None)`` for a block
 called as ``block(x, mask)``), so a plan that names styles by string (a YAML or JSON config,
 ``"sequence_input"``) cannot spell it without knowing the module's signature. This style cuts
-the first positional input and passes the others unchanged; the backward gathers the gradient
+the first input and passes the others unchanged (the first positional input, or, when the call
+passes none, the forward's first parameter by keyword: transformers' decoder layer calls
+``self.self_attn(hidden_states=hidden_states, ...)``, which torch's ``PrepareModuleInput`` sees
+only through ``input_kwarg_layouts`` naming the keyword); the backward gathers the gradient
 whole, as ``PrepareModuleInput`` with the same layouts does (it is the same redistribution:
 ``Replicate()`` to ``Shard(dim)`` through the public ``DTensor`` API).
 
@@ -23,6 +26,7 @@ partial ``DTensor`` s, are reduce-scattered back to the sequence split once.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -37,38 +41,77 @@ if TYPE_CHECKING:
 
 
 class SequenceInputError(PartitionError, TypeError):
-    """The module's first positional input is not a tensor with a sequence dimension, or that
-    dimension does not split into equal parts."""
+    """The module's first input is not a tensor with a sequence dimension, or that dimension
+    does not split into equal parts."""
 
 
-def _first_input(style: str, verb: str, dim: int, module: nn.Module,
-                 args: tuple[Any, ...]) -> torch.Tensor:
-    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() <= dim:
-        first = type(args[0]).__name__ if args else "nothing"
+def _first_parameter(module: nn.Module) -> str | None:
+    """The name of the first parameter of ``module.forward`` that a call can pass by keyword
+    (``hidden_states`` for transformers' attention), or None (``forward(*args)``, no
+    signature)."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if parameters and parameters[0].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                             inspect.Parameter.KEYWORD_ONLY):
+        return parameters[0].name
+    return None
+
+
+def _first_input(style: str, verb: str, dim: int, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[torch.Tensor, str | None]:
+    """The module's first input and where it came from: the keyword it was passed by (the
+    forward's first parameter, when the call passes no positional input: transformers' decoder
+    layer calls ``self.self_attn(hidden_states=..., ...)``), or None for the first positional
+    input."""
+    key = None if args else _first_parameter(module)
+    if args:
+        value, seen = args[0], "the first positional input"
+    elif key is not None and key in kwargs:
+        value, seen = kwargs[key], f"the first input (keyword {key!r})"
+    else:
+        keywords = ", ".join(repr(k) for k in kwargs) or "none"
+        expected = (f"positionally or as {key!r}, the first parameter of its forward"
+                    if key is not None else "positionally (its forward names no first "
+                    "parameter to take by keyword)")
         raise SequenceInputError(
-            f"{style} on {type(module).__name__} {verb} the first positional input along "
-            f"dimension {dim}, but the module got {first}"
-            + (f" of shape {tuple(args[0].shape)}" if args and isinstance(args[0], torch.Tensor)
-               else "")
+            f"{style} on {type(module).__name__} {verb} its first input along dimension {dim}, "
+            f"taken {expected}, but the call passes no positional input and keyword arguments "
+            f"{keywords}: style the module whose first input is the (batch, sequence, ...) "
+            "activation")
+    if not isinstance(value, torch.Tensor) or value.dim() <= dim:
+        raise SequenceInputError(
+            f"{style} on {type(module).__name__} {verb} {seen} along dimension {dim}, but the "
+            f"module got {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
             + ": style the module whose first input is the (batch, sequence, ...) activation")
-    return args[0]
+    return value, key
 
 
-def _gather_first_input(mesh: DeviceMesh, dim: int, module: nn.Module,
-                        args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _replaced(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None,
+              value: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if key is None:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, key: value}
+
+
+def _gather_first_input(mesh: DeviceMesh, dim: int, module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    x = _first_input("SequenceGather", "gathers", dim, module, args)
+    x, key = _first_input("SequenceGather", "gathers", dim, module, args, kwargs)
     part = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Shard(dim),),
                                                                run_check=False)
-    return (part.redistribute(mesh, (Replicate(),)), *args[1:])
+    return _replaced(args, kwargs, key, part.redistribute(mesh, (Replicate(),)))
 
 
-def _cut_first_input(mesh: DeviceMesh, dim: int, module: nn.Module,
-                     args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _cut_first_input(mesh: DeviceMesh, dim: int, module: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    x, parts = _first_input("SequenceInput", "cuts", dim, module, args), mesh.size()
+    x, key = _first_input("SequenceInput", "cuts", dim, module, args, kwargs)
+    parts = mesh.size()
     if x.shape[dim] % parts:
         # torch's sequence-sharded styles take every rank's part to be shape[dim] / T long (the
         # next gather would send parts of different sizes: gloo aborts the process)
@@ -79,21 +122,24 @@ def _cut_first_input(mesh: DeviceMesh, dim: int, module: nn.Module,
             "batch), or a tensor_parallel_size that divides it")
     whole = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),),
                                                                 run_check=False)
-    return (whole.redistribute(mesh, (Shard(dim),)).to_local(), *args[1:])
+    return _replaced(args, kwargs, key, whole.redistribute(mesh, (Shard(dim),)).to_local())
 
 
 class _FirstInputStyle(ParallelStyle):
-    """A style whose whole work is one forward pre-hook on the module's first positional input
-    along ``dim`` (:attr:`hook`, the subclass's: cut or gather)."""
+    """A style whose whole work is one forward pre-hook on the module's first input along
+    ``dim`` (:attr:`hook`, the subclass's: cut or gather): the first positional input, or,
+    when the call passes none, the forward's first parameter passed by keyword."""
 
-    hook: Callable[[DeviceMesh, int, nn.Module, tuple[Any, ...]], tuple[Any, ...]]
+    hook: Callable[[DeviceMesh, int, nn.Module, tuple[Any, ...], dict[str, Any]],
+                   tuple[tuple[Any, ...], dict[str, Any]]]
 
     def __init__(self, dim: int = 1) -> None:
         super().__init__()
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(type(self).hook, device_mesh, self.dim))
+        module.register_forward_pre_hook(partial(type(self).hook, device_mesh, self.dim),
+                                         with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
@@ -101,17 +147,18 @@ class _FirstInputStyle(ParallelStyle):
 
 
 class SequenceInput(_FirstInputStyle):
-    """Before the module's forward, its first positional input (a tensor every rank of the
-    group holds whole, or a ``DTensor``) becomes this rank's part along ``dim`` as a plain
-    tensor; other inputs pass unchanged."""
+    """Before the module's forward, its first input (positional, or its forward's first
+    parameter by keyword; a tensor every rank of the group holds whole, or a ``DTensor``)
+    becomes this rank's part along ``dim`` as a plain tensor; other inputs pass unchanged."""
 
     hook = staticmethod(_cut_first_input)
 
 
 class SequenceGather(_FirstInputStyle):
-    """Before the module's forward, its first positional input (this rank's part of the
-    sequence along ``dim``, plain or a ``DTensor``) becomes the whole sequence, a ``DTensor``
-    replicated over the group, for the column-wise layers inside; other inputs pass
-    unchanged."""
+    """Before the module's forward, its first input (positional, or its forward's first
+    parameter by keyword: transformers' attention is called ``self_attn(hidden_states=...)``;
+    this rank's part of the sequence along ``dim``, plain or a ``DTensor``) becomes the whole
+    sequence, a ``DTensor`` replicated over the group, for the column-wise layers inside; other
+    inputs pass unchanged."""
 
     hook = staticmethod(_gather_first_input)

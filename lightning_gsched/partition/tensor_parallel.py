@@ -12,8 +12,9 @@ where a YAML/JSON config cannot hold objects: ``"colwise"``, ``"rowwise"``, ``"s
 plan may instead be a function ``parallelize(stage_module, tp_mesh)`` called once per stage.
 
 Checked before anything is sharded, each naming the module and the fix: a column- or row-wise
-style on a module it cannot shard (torch's styles shard ``nn.Linear`` and ``nn.Embedding``), and
-a sharded dimension the tensor-parallel size does not divide (even shards keep every rank's
+style on a module it cannot shard (torch's styles shard ``nn.Linear`` and ``nn.Embedding``), an
+embedding styled so that its output stays sharded on the embedding dimension, and a sharded
+dimension the tensor-parallel size does not divide (even shards keep every rank's
 compute, bytes and messages equal, which the planner's costs assume).
 
 After sharding, every parameter torch made a ``DTensor`` is kept as a plain ``nn.Parameter``
@@ -357,10 +358,19 @@ def fitted_to_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
     return style
 
 
+def _last_dim_shard(layout: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return isinstance(layout, Shard) and layout.dim == -1
+
+
 def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
-    """Refuse a column/row-wise style on a module it cannot shard evenly ``degree`` ways, and a
+    """Refuse a column/row-wise style on a module it cannot shard evenly ``degree`` ways, a
     row-wise style on an embedding that takes its token ids as sharded (:func:`fitted_to_module`
-    says why; given by name, the style is fitted instead)."""
+    says why; given by name, the style is fitted instead), and a column-wise one on an
+    embedding that leaves its output sharded on the last (embedding) dimension (torch's
+    default: the layers after an embedding read its output whole; a layout along the sequence,
+    ``Shard(1)``, or ``Replicate()`` is a whole activation's layout and passes)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -389,6 +399,17 @@ def check_fits(name: str, module: nn.Module, style: ParallelStyle, degree: int) 
                 "every rank, which that style would take as this rank's slice and gather into "
                 "a longer sequence. Give RowwiseParallel(input_layouts=Replicate()) (or the "
                 "name 'rowwise', which means that on an Embedding)")
+        if kind == "column" and _last_dim_shard(style.output_layouts[0]):
+            raise TensorParallelPlanError(
+                f"tensor_parallel_plan gives {name!r} (an Embedding) ColwiseParallel with output "
+                f"layout {style.output_layouts[0]}: column-wise shards the embedding dimension, "
+                "so its output stays sharded on the last dimension, this rank's "
+                f"{module.embedding_dim // max(degree, 1)} of {module.embedding_dim} features, "
+                "and the code after it (a norm, a residual add, a block's first layer) reads "
+                "that slice as the whole activation. Give "
+                "ColwiseParallel(output_layouts=Replicate()) (the output gathered whole), or "
+                "shard it row-wise over the vocabulary as torchtitan does for token embeddings: "
+                "RowwiseParallel(input_layouts=Replicate()) (the name 'rowwise' on an Embedding)")
     else:
         inside = [n for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         fix = (f"Name the Linear/Embedding inside it ({', '.join(f'{name}.{n}' for n in inside[:3])})"
