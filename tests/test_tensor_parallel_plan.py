@@ -29,6 +29,7 @@ from lightning_gsched.partition.tensor_parallel import (
     name_matches,
     parallelize_stages,
     shard_specs,
+    with_kept_whole,
 )
 from models import ShardableAttention, gpt_inputs, make_gpt
 from tie_helpers import held_parameters, with_ties
@@ -139,6 +140,33 @@ def test_a_size_the_degree_does_not_divide_is_refused(tp_mesh: object) -> None:
                                                       r"be split column-wise into "
                                                       r"tensor_parallel_size=2"):
         parallelize_stages([model], {"0": "colwise", "2": "rowwise"}, tp_mesh)  # type: ignore[arg-type]
+
+
+def test_colwise_on_an_embedding_leaving_its_output_sharded_is_refused(tp_mesh: object) -> None:
+    """``ColwiseParallel()`` (or ``"colwise"``) on an ``nn.Embedding`` shards the embedding
+    dimension and leaves the output sharded there, which the norm after it read as the whole
+    activation (a LayerNorm shape error at the build, with the generic causes): refused up front
+    naming both fixes; with the output gathered whole, or row-wise, it shards."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8))
+
+    for style in ("colwise", ColwiseParallel()):
+        whole = model()
+        with pytest.raises(TensorParallelPlanError) as info:
+            parallelize_stages([whole], {"0": style}, tp_mesh)  # type: ignore[arg-type]
+        message = str(info.value)
+        assert "'0' (an Embedding) ColwiseParallel" in message, message
+        assert "sharded on the last dimension" in message
+        assert "ColwiseParallel(output_layouts=Replicate())" in message
+        assert "RowwiseParallel(input_layouts=Replicate())" in message
+        assert not shard_specs(whole)
+    for fits in (ColwiseParallel(output_layouts=Replicate()), "rowwise"):
+        sharded = model()
+        parallelize_stages([sharded], {"0": fits}, tp_mesh)  # type: ignore[arg-type]
+        assert sharded(torch.randint(0, 10, (2, 3))).shape == (2, 3, 8)
 
 
 # A whole transformer block tensor-parallel, as Megatron shards it: q, k, v and the MLP's first
@@ -417,6 +445,88 @@ def test_sequence_gather_hands_on_the_whole_sequence_replicated(tp_mesh: object)
     got, passed = module(torch.ones(2, 3, 4), mask)
     assert isinstance(got, DTensor) and got.placements == (Replicate(),)
     assert got.shape == (2, 6, 4) and got.to_local().shape == (2, 6, 4) and passed is mask
+
+
+class _Attention(nn.Module):
+    """Named by its first parameter, as transformers' attention: ``forward(hidden_states, ...)``."""
+
+    def forward(self, hidden_states: torch.Tensor,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return hidden_states, mask
+
+
+class _ByKeyword(nn.Module):
+    """transformers' decoder layer: ``self.self_attn(hidden_states=hidden_states, ...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _Attention()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.self_attn(mask=mask, hidden_states=x)
+
+
+@pytest.mark.parametrize("name", ["sequence_gather", "sequence_input"])
+def test_sequence_styles_take_the_first_input_passed_by_keyword(tp_mesh: object,
+                                                                name: str) -> None:
+    """A module called with its first input by keyword only (transformers' decoder layer calls
+    its attention ``self.self_attn(hidden_states=..., ...)``): the style takes the forward's
+    first parameter from the keywords (it used to say the module "got nothing"); a call that
+    passes neither it nor a positional input is refused naming the keywords it saw."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from lightning_gsched.partition.sequence_input import SequenceInputError
+
+    stage = _ByKeyword()
+    parallelize_stages([stage], {"self_attn": name}, tp_mesh)  # type: ignore[arg-type]
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    got, passed = stage(torch.arange(2 * 6 * 4.0).reshape(2, 6, 4), mask)
+    if name == "sequence_gather":  # this rank's part (2, 6, 4) of 2 ranks' (2, 12, 4)
+        assert isinstance(got, DTensor) and got.placements == (Replicate(),)
+        assert got.shape == (2, 12, 4)
+    else:
+        assert not isinstance(got, DTensor)
+        assert torch.equal(got, torch.arange(2 * 6 * 4.0).reshape(2, 6, 4)[:, :3])
+    assert passed is mask
+    with pytest.raises(SequenceInputError,
+                       match=r"_Attention.*'hidden_states', the first parameter of its forward"
+                             r".*no positional input and keyword arguments 'mask'"):
+        stage.self_attn(mask=mask)
+    with pytest.raises(SequenceInputError, match=r"keyword 'hidden_states'.*shape \(4,\)"):
+        stage.self_attn(hidden_states=torch.ones(4))
+
+
+def test_sequence_parallel_on_a_tiny_llama_by_name(tp_mesh: object) -> None:
+    """The plan docs/tensor_parallel.md gives for transformers' Llama, by name, on a tiny
+    ``LlamaForCausalLM`` split in two: the decoder layer passes ``hidden_states`` to its
+    attention by keyword, which ``"sequence_gather"`` takes, and the sharded stages run. (The
+    fake group moves no data: values are checked where real ranks run.)"""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    layers = "model.layers"
+    plan = {f"{layers}.0": "sequence_input", f"{layers}.*.input_layernorm": "sequence",
+            f"{layers}.*.post_attention_layernorm": "sequence",
+            f"{layers}.*.self_attn": "sequence_gather",
+            f"{layers}.*.self_attn.q_proj": "colwise", f"{layers}.*.self_attn.k_proj": "colwise",
+            f"{layers}.*.self_attn.v_proj": "colwise",
+            f"{layers}.*.self_attn.o_proj": "rowwise_to_sequence",
+            f"{layers}.*.mlp": "sequence_gather", f"{layers}.*.mlp.gate_proj": "colwise",
+            f"{layers}.*.mlp.up_proj": "colwise", f"{layers}.*.mlp.down_proj": "rowwise_to_sequence",
+            f"{layers}.1": "sequence_output"}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    part = partition(model, 2, (ids,), verify=False,
+                     leaf_modules=with_kept_whole((), model, plan))
+    stages = list(part.stages)
+    parallelize_stages(stages, plan, tp_mesh)  # type: ignore[arg-type]
+    carried = stages[0](ids)
+    out = stages[1](carried)
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    assert logits.shape == (2, 8, 64)
 
 
 def test_an_uneven_cut_by_prepare_module_input_is_refused(tp_mesh: object) -> None:
@@ -830,3 +940,58 @@ def test_a_model_output_a_style_leaves_sharded_is_refused(worlds: Any) -> None:
         assert out["whole"] is None, out
         assert out["sharded"] is not None and "model's output" in out["sharded"], out
         assert "ColwiseParallel(output_layouts=Replicate())" in out["sharded"], out
+
+
+class FixedHeadCountAttention(ShardableAttention):
+    """Heads fixed, head size inferred: ``view(b, t, heads, -1)``. On one device the same as
+    :class:`ShardableAttention`; on a column-wise shard it runs without an error, reading each
+    rank's columns as ``heads`` heads of half the size: other values, silently."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        heads = c // self.head_dim
+        q, k, v = (layer(x).view(b, t, heads, -1).transpose(1, 2)
+                   for layer in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).flatten(2))
+
+
+def fixed_heads_check(ctx: WorkerContext) -> dict[str, Any]:
+    """The build's output check (partition/sharded_outputs.py) on the GPT with local heads and
+    with a fixed head count: its refusal per model, or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_gsched.partition.replicated_grads import check_replicated_gradients
+    from lightning_gsched.partition.sharded_outputs import check_sharded_outputs, record_outputs
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tensor_parallel",))
+    (idx,) = gpt_inputs()
+    out: dict[str, Any] = {}
+    for label in ("local heads", "fixed heads"):
+        model = make_gpt(0, shardable=True)
+        if label == "fixed heads":
+            for block in model.blocks:
+                block.attn.__class__ = FixedHeadCountAttention
+        stages = list(partition(model, 2, (idx,), verify=False).stages)
+        whole = record_outputs(stages, (idx,), {})
+        parallelize_stages(stages, BLOCK_PLAN, mesh)
+        check_replicated_gradients(stages, (idx,), {}, mesh.get_group())  # all ranks agree
+        try:
+            check_sharded_outputs(stages, (idx,), {}, whole, mesh.get_group())
+            out[label] = None
+        except TensorParallelPlanError as exc:
+            out[label] = str(exc)
+    return out
+
+
+def test_code_that_runs_sharded_but_computes_otherwise_is_refused(worlds: Any) -> None:
+    """A fixed head count with an inferred head size runs on a shard without an error and every
+    rank agrees with the others, so only a comparison with the whole stages finds it: the build
+    refuses it on every rank, naming the first output that differs (found by probing: it
+    trained 7.5e-4 away from one device). The model written with local heads passes."""
+    for out in worlds.get(T).run(fixed_heads_check):
+        assert out["local heads"] is None, out
+        assert out["fixed heads"] is not None, out
+        assert "'blocks.0.attn.proj'" in out["fixed heads"], out
+        assert "view(b, t, -1, head_dim)" in out["fixed heads"], out

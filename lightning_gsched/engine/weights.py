@@ -28,6 +28,7 @@ from torch import nn
 from lightning_gsched.engine.checkpoint_sharded import DeferredRestore
 from lightning_gsched.engine.control import Collective
 from lightning_gsched.partition.replicated_grads import check_replicated_gradients
+from lightning_gsched.partition.sharded_outputs import check_sharded_outputs, record_outputs
 from lightning_gsched.partition.tensor_parallel import (
     TensorParallelPlan,
     parallelize_stages,
@@ -81,13 +82,18 @@ def shard_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan, tp_mesh:
     ``check_call``: the build's microbatch (args, kwargs), on which the sharded stages then run
     once forward and backward, so that a model that cannot run on local sizes fails here on
     every rank, naming the module, and so does a parameter left whole whose gradient differs
-    between the ranks (partition/replicated_grads.py); None for a model built without weights
+    between the ranks (partition/replicated_grads.py) and a stage whose outputs differ from the
+    whole stage's (partition/sharded_outputs.py); None for a model built without weights
     (the other workers' stages have none here to run)."""
+    # the whole stages' outputs first, to compare the sharded ones with (sharded_outputs.py)
+    whole = record_outputs(stages, *check_call) if check_call is not None else None
     collective("the stages' sharding", lambda: parallelize_stages(stages, plan, tp_mesh))
-    if check_call is not None:
+    if check_call is not None and whole is not None:
         args, kwargs = check_call
         collective("the sharded stages' check", lambda: check_replicated_gradients(
             stages, args, kwargs, tp_mesh.get_group(), sequence_patterns(plan)))
+        collective("the sharded stages' outputs", lambda: check_sharded_outputs(
+            stages, args, kwargs, whole, tp_mesh.get_group()))
 
 
 def pieces_of(module: nn.Module) -> Pieces:
