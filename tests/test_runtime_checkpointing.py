@@ -19,6 +19,8 @@
 * BatchNorm: the recompute runs the norm layers a second time, yet every rank's running
   statistics after each step are one device's (test_runtime_batchnorm's reference).
 * A stage that modifies its input in place is refused with an error naming the stage.
+* Each stage draws its own dropout masks: two identical blocks in two stages on ranks seeded
+  alike get different masks, the same again with the same seed.
 """
 
 from __future__ import annotations
@@ -99,6 +101,33 @@ def dropout_run(ctx: WorkerContext, schedule: str, checkpoint: Any, seed: int) -
                      lambda out, b: F.mse_loss(out, targets[b]))
     return {"losses": result.losses, "grads": owned_grads(ex, model), "after": torch.rand(8),
             "checkpointed": p.checkpointed}
+
+
+def stage_masks_run(ctx: WorkerContext, seed: int) -> list[torch.Tensor]:
+    """The dropout masks this rank's stage drew in one 1f1b step, in microbatch order: two
+    identical blocks (Linear, Dropout), one per stage, so equal generators would give both
+    stages the same mask for each microbatch."""
+    p = plan("1f1b", workers=ctx.world_size)
+    model = models.seeded(0, lambda: nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5),
+                                                   nn.Linear(16, 16), nn.Dropout(0.5)))
+    inputs = models.seeded(7, lambda: {b: torch.randn(4, 16) for b in range(p.micro)})
+    part = partition(model, 2, example_args=(inputs[0],), split_points=["2"])
+    masks: list[torch.Tensor] = []
+    for stage in part.stages:
+        for module in stage.modules():
+            if isinstance(module, nn.Dropout):
+                module.register_forward_hook(lambda m, i, out: masks.append(out == 0))
+    ex = ProgramExecutor(part.stages, p.programs, channels=shared_channels(ctx.world_size))
+    torch.manual_seed(seed)  # every rank alike, as seed_everything does
+    ex.step({b: ((x,), {}) for b, x in inputs.items()}, lambda out, b: out.square().mean())
+    return masks
+
+
+def stage_masks_check(ctx: WorkerContext) -> dict[str, Any]:
+    first, again = stage_masks_run(ctx, 5), stage_masks_run(ctx, 5)
+    repeatable = len(first) == len(again) and all(
+        torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    return {"masks": first, "repeatable": repeatable, "after": torch.rand(4)}
 
 
 def dropout_check(ctx: WorkerContext, schedule: str, checkpoint: Any) -> dict[str, Any]:
@@ -305,6 +334,20 @@ def test_dropout_masks_and_results_equal_without_checkpointing(worlds, schedule,
     assert sum(r["losses"] for r in results) > 0 and all(r["checked"] for r in results)
     assert any(results[0]["checkpointed"])
     assert any(r["seed_matters"] for r in results)  # dropout draws masks that change results
+
+
+def test_each_stage_draws_its_own_dropout_masks(worlds):
+    """Ranks seeded alike: stage 1's forward on rank 1 drew what stage 0's drew on rank 0, so
+    dropout layers in different stages had the same mask for every microbatch (found by
+    probing). Each stage now draws from its own stream (runtime/stage_streams.py): the masks
+    differ, the same seed gives the same masks again, and the ambient stream after the step
+    is the same on every rank (the schedule's draws leave it alone)."""
+    first, second = worlds.get(W).run(stage_masks_check)
+    assert len(first["masks"]) == len(second["masks"]) > 0
+    assert first["repeatable"] and second["repeatable"]
+    for b, (mine, theirs) in enumerate(zip(first["masks"], second["masks"], strict=True)):
+        assert mine.any() and not torch.equal(mine, theirs), b
+    assert torch.equal(first["after"], second["after"])
 
 
 @pytest.mark.parametrize("schedule, checkpoint",

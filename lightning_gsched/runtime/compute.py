@@ -35,6 +35,7 @@ from lightning_gsched.errors import RuntimeConfigError
 from lightning_gsched.runtime import wire
 from lightning_gsched.runtime.footprint import SavedTensorBytes, held_until_w, weight_storages
 from lightning_gsched.runtime.split_backward import PendingWeightGrad, backward_input
+from lightning_gsched.runtime.stage_streams import StageStreams
 
 LossFn = Callable[[Any, int], torch.Tensor]
 ForwardContext = Callable[[], AbstractContextManager[Any]]
@@ -141,6 +142,7 @@ class StageCompute:
         self.devices = [cuda_devices([*stage.parameters(), *stage.buffers()])
                         for stage in self.stages]
         self.forward_context: ForwardContext = forward_context or nullcontext
+        self.streams = StageStreams(self.devices)  # each stage's dropout masks its own
         self.last = len(self.stages) - 1
         self.num_micro = num_micro
         self.stash: dict[tuple[int, int], Stashed] = {}
@@ -175,8 +177,9 @@ class StageCompute:
     def forward(self, s: int, b: int, args: tuple[Any, ...], kwargs: dict[str, Any],
                 in_leaves: list[torch.Tensor], loss_fn: LossFn,
                 ) -> tuple[wire.Split | None, torch.Tensor | None]:
-        """Run ``F s b``; returns (output split for the next stage, unscaled loss on the last)."""
-        with self._timed("F", s):
+        """Run ``F s b``; returns (output split for the next stage, unscaled loss on the last).
+        It draws from stage ``s``'s own random stream (:mod:`.stage_streams`)."""
+        with self._timed("F", s), self.streams.drawing(s):
             if self.checkpointed[s]:
                 return self._forward_checkpointed(s, b, args, kwargs, in_leaves, loss_fn)
             with torch.enable_grad(), self._saved(s, b):
