@@ -716,3 +716,102 @@ def test_per_replica_loading_through_fabric_matches_single_device(worlds) -> Non
         assert_same_state(got["weights"], want["weights"][-1], label)
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), label
         torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- a ported loop
+
+
+def ported_mistakes(ctx: WorkerContext) -> dict[str, tuple[str, str]]:
+    """How each rank's step ended, (error type, message), for two mistakes of a plain loop
+    ported as is (found by probing): a loss function that still calls ``loss.backward()``
+    (a bare torch RuntimeError on every rank before), and ranks handing ``step`` batches of
+    different sizes (the refusal named only the global batch's rows)."""
+    fabric = pipelined_fabric(ctx, "1f1b", options={"step_timeout": 60})
+    batch = share(global_batches()[0], ctx.rank, ctx.world_size)
+
+    def loss_and_backward(model: Any, micro: torch.Tensor) -> torch.Tensor:
+        loss = compute_loss(model, micro)
+        loss.backward()
+        return loss
+
+    model, _ = setup(fabric)
+    ended = {}
+    for case, fn, rows in [("rows", compute_loss, len(batch) - ctx.rank),
+                           ("backward", loss_and_backward, len(batch))]:
+        try:
+            fabric.strategy.step(model, batch[:rows], fn)
+            ended[case] = ("stepped", "")
+        except Exception as exc:  # noqa: BLE001 - the test reads how each rank ended
+            ended[case] = (type(exc).__name__, str(exc))
+    return ended
+
+
+def test_a_ported_loops_mistakes_are_named_on_every_rank(worlds) -> None:
+    for got in worlds.get(WORLD).run(ported_mistakes):
+        kind, message = got["backward"]
+        assert kind == "TrainingStepError", got["backward"]
+        assert message.startswith("loss_and_backward calls backward itself (loss.backward()) "
+                                  "(it failed there with RuntimeError: "), message
+        assert ("the schedule runs each microbatch's backward itself, from the loss "
+                "loss_and_backward returns: remove the backward call") in message, message
+        kind, message = got["rows"]
+        assert kind == "BatchSplitError", got["rows"]
+        assert message.startswith("the global batch has 7 rows, which do not split into 4 "
+                                  "equal microbatches: the ranks' batches differ in size "
+                                  "(ranks' rows [4, 3], concatenated in order)"), message
+        assert "(e.g. 4 rows each)" in message, message
+
+
+ACCUMULATE = 2  # batches per optimizer step
+
+
+def accumulate(fabric: Any, model: Any, optimizer: Any, batches: list[torch.Tensor],
+               pipelined: bool) -> None:
+    """Fabric's accumulation idiom: no_backward_sync on all but the window's last batch, each
+    loss divided by the window, no zero_grad inside it, one optimizer step."""
+    for i, batch in enumerate(batches):
+        with fabric.no_backward_sync(model, enabled=i + 1 < len(batches)):
+            if pipelined:
+                fabric.strategy.step(model, batch,
+                                     lambda m, b: compute_loss(m, b) / len(batches))
+            else:
+                fabric.backward(compute_loss(model, batch) / len(batches))
+    optimizer.step()
+
+
+def accumulated_run(ctx: WorkerContext) -> dict[str, Any]:
+    """Two accumulation windows under ``fabric.no_backward_sync``: the weights, and the
+    warnings about it (Fabric's stock one said the strategy "does not support skipping the
+    gradient synchronization" and to choose another strategy)."""
+    import warnings
+
+    fabric = pipelined_fabric(ctx, "1f1b")
+    model, optimizer = setup(fabric)
+    batches = [share(b, ctx.rank, ctx.world_size) for b in global_batches()[:2 * ACCUMULATE]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for start in range(0, len(batches), ACCUMULATE):
+            accumulate(fabric, model, optimizer, batches[start:start + ACCUMULATE], True)
+            optimizer.zero_grad()
+    fabric.strategy.finish()
+    return {"weights": state_of(model),
+            "warnings": [str(w.message) for w in caught if "sync" in str(w.message)]}
+
+
+def test_no_backward_sync_is_accepted_and_accumulation_matches_one_device(worlds) -> None:
+    fabric = single_device()
+    model, optimizer = setup(fabric)
+    batches = global_batches()[:2 * ACCUMULATE]
+    for start in range(0, len(batches), ACCUMULATE):
+        accumulate(fabric, model, optimizer, batches[start:start + ACCUMULATE], False)
+        optimizer.zero_grad()
+    want = state_of(model)
+    results = worlds.get(WORLD).run(accumulated_run)
+    for rank, got in enumerate(results):
+        assert_same_state(got["weights"], want, f"accumulated rank {rank}")
+        # once, on rank 0, saying what happens (not Fabric's "choose a different strategy")
+        assert got["warnings"] == ([] if rank else [
+            "fabric.no_backward_sync() changes nothing under GeneralParallelFabric: each "
+            "fabric.strategy.step reduces its gradients inside the schedule and adds them to "
+            "param.grad, so gradient accumulation over several steps (no zero_grad between "
+            "them) is exact, but it saves no communication. The call can stay or go"]), got

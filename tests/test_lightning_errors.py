@@ -68,6 +68,18 @@ class WithWeightAveraging(LitGPT):
         return [pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)]
 
 
+class BackwardInStep(LitGPT):
+    """A plain loop's ``loss.backward()`` left in training_step: a bare torch RuntimeError
+    ("element 0 of tensors does not require grad") on every rank, or, when a validation built
+    the pipeline first, "Trying to backward through the graph a second time" from the
+    schedule's own backward (found by probing)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        loss.backward()
+        return loss
+
+
 class FailsOnRankOne(LitGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -105,6 +117,10 @@ CASES = [
     ("WithWeightAveraging", {"schedule": "zbv"}, 8, "StrategyConfigError",
      ["StochasticWeightAveraging (Stochastic Weight Averaging) is not supported",
       "Remove the callback"]),
+    ("BackwardInStep", {"schedule": "1f1b"}, 8, "TrainingStepError",
+     ["BackwardInStep.training_step calls backward itself (loss.backward() or "
+      "self.manual_backward(loss))", "schedule runs each microbatch's backward itself",
+      "remove the backward call"]),
     ("Untraceable", {"schedule": "gpipe"}, 8, "TraceFailedError",
      ["could not split Untraceable.forward", "test_lightning_errors.py"]),
 ]
@@ -146,6 +162,30 @@ def test_a_short_last_training_batch_is_named_as_such(world) -> None:
                                          "earlier ones had 8): the global batch has 2 rows"), \
             result.message
         assert "drop_last=True" in result.message
+
+
+def backward_after_validation_on_worker(ctx: WorkerContext) -> None:
+    """BackwardInStep with a sanity validation first: the pipeline is built for the
+    validation, so training_step is never probed and its backward runs on the real graph of
+    the last stage's rank (where it succeeds, and the schedule's own backward failed after)."""
+    from lightning_gsched import GeneralParallel
+
+    as_worker(ctx.rank)
+    loader = rank_loader(tokens(16), 8, ctx.world_size, ctx.rank)
+    fit = trainer(ctx.world_size, GeneralParallel("1f1b", step_timeout=STEP_TIMEOUT),
+                  max_steps=1, num_sanity_val_steps=1)
+    fit.fit(seeded(0, BackwardInStep), loader, loader)
+
+
+def test_a_backward_in_the_step_is_named_after_a_validation_built_the_pipeline(world) -> None:
+    """The last stage's rank fails in the step with the TrainingStepError (a hook on the
+    step's output, held while the step runs), the other rank quotes it."""
+    results = world.run(backward_after_validation_on_worker, expect_errors=True)
+    for result in results:
+        assert isinstance(result, RankError) and result.type_name == "RuntimeFault", result
+        assert ("TrainingStepError: BackwardInStep.training_step calls backward itself"
+                in result.message), result.message
+        assert "graph a second time" not in result.message, result.message
 
 
 def test_fault_on_one_rank_stops_every_rank_with_its_position(world) -> None:

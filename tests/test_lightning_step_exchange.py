@@ -104,6 +104,14 @@ def test_training_refuses_unequal_microbatches_and_says_why():
         check_rows(row_map([3, 1, 2, 2], [[0, 2], [1, 3]], 4), exact=True)
     with pytest.raises(BatchSplitError, match="do not split into 4 equal microbatches"):
         check_rows(row_map([3, 4], [[0, 1]], 4), exact=True)  # one replica: as before
+    # ranks handed batches of different sizes: named as the cause (the message gave only the
+    # global batch's 7 rows), and not where they are equal
+    with pytest.raises(BatchSplitError, match=r"the ranks' batches differ in size \(ranks' "
+                       r"rows \[3, 4\], concatenated in order\)\. .* \(e\.g\. 4 rows each\)"):
+        check_rows(row_map([3, 4], [[0, 1]], 4), exact=True)
+    with pytest.raises(BatchSplitError) as equal:
+        check_rows(row_map([3, 3], [[0, 1]], 4), exact=True)
+    assert "differ" not in str(equal.value)
     check_rows(row_map([3, 1, 2, 2], [[0, 2], [1, 3]], 4), exact=False)  # evaluation: uneven
 
 

@@ -22,6 +22,14 @@ Stopping the step uses an exception, :class:`_Captured`. It derives from ``BaseE
 around the model's call lets it through. A bare ``except:`` still catches it; the capture then
 notices that the call happened but the step went on, and raises a ``TrainingStepError`` saying
 so, instead of guessing.
+
+A step that runs a backward itself (``loss.backward()`` left in a ported loop) is named with a
+``TrainingStepError``: the schedule runs each microbatch's backward from the loss the step
+returns. The probe runs under ``no_grad``, where such a call fails inside
+``torch.autograd.backward``; the error's traceback passing through it is the sign (nothing is
+checked unless the step failed). A finishing run has the real graph, where the call would
+succeed (and, with ``retain_graph=True``, add its gradients twice): a hook on the output
+tensors the step gets, held only while it runs, fails it when a gradient reaches them.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
-from lightning_gsched.errors import TrainingStepError, mark_origin
+from lightning_gsched.errors import TrainingStepError, error_text, mark_origin
 
 # the model's call on one microbatch: positional and keyword arguments
 CallArgs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -146,7 +156,12 @@ class StepCaller:
             return real(*args, **kwargs)
 
         with self._patched(forward, _drop_log):
-            result = self.run(micro_batch)
+            try:
+                result = self.run(micro_batch)
+            except Exception as exc:
+                if _ran_backward(exc):
+                    raise TrainingStepError(self._backward(exc)) from exc
+                raise
         if not calls:
             raise TrainingStepError(self._never())
         return ProbeResult(calls[0][0], calls[0][1], result)
@@ -173,6 +188,30 @@ class StepCaller:
             "capture is not one), or move the try block away from the call"
         )
 
+    def _backward(self, exc: BaseException | None = None) -> str:
+        calls = ("loss.backward() or self.manual_backward(loss)" if self.who == "self"
+                 else "loss.backward()")
+        failed = f" (it failed there with {error_text(exc)})" if exc is not None else ""
+        return (
+            f"{self.name} calls backward itself ({calls}){failed}. Under GeneralParallel the "
+            "schedule runs each microbatch's backward itself, from the loss "
+            f"{self.name} returns: remove the backward call from {self.name} and return the "
+            "loss"
+        )
+
+    def _guard_backward(self, output: Any) -> list[RemovableHandle]:
+        """Hooks failing a backward that reaches ``output`` while the step runs (module doc):
+        one per output tensor that requires grad (none under no_grad)."""
+        if not torch.is_grad_enabled():
+            return []
+
+        def hook(grad: torch.Tensor) -> None:
+            raise TrainingStepError(self._backward())
+
+        return [leaf.register_hook(hook)  # type: ignore[no-untyped-call]
+                for leaf in pytree.tree_leaves(output)
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
     def finish(self, micro_batch: Any, output: Any, micro: int) -> Any:
         """Run the step with the model's call returning ``output``; returns the step's result."""
         calls = 0
@@ -197,15 +236,39 @@ class StepCaller:
             self.logs.append(LogRecord(micro, name, _logged_value(name, value), options))
 
         lists = _list_lengths(self.module)
+        guards = self._guard_backward(output)
         with self._patched(forward, log):
             try:
                 result = self.run(micro_batch)
             except Exception as exc:
                 # the runtime reports the action it ran this in; this names the user's hook
-                mark_origin(exc, f"{self.name} after {self.who}(...)")
+                where = f"{self.name} after {self.who}(...)"
+                if not isinstance(exc, TrainingStepError) and _ran_backward(exc):
+                    named = TrainingStepError(self._backward(exc))
+                    mark_origin(named, where)
+                    raise named from exc
+                mark_origin(exc, where)
                 raise
+            finally:
+                for guard in guards:
+                    guard.remove()
         _warn_grown_lists(self.module, lists, self.name, self.who)
         return result
+
+
+# torch.autograd.backward (which Tensor.backward, Lightning's manual_backward and Fabric's
+# backward reach): a frame of either in a step's error means the step ran a backward itself
+_BACKWARD_CODES = (torch.autograd.backward.__code__, torch.Tensor.backward.__code__)
+
+
+def _ran_backward(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside a backward the step called (module doc)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in _BACKWARD_CODES:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 # ids of the modules whose call a StepCaller intercepts right now (see intercepting)

@@ -20,6 +20,7 @@ it joins: ranks here; a tensor-parallel worker's T ranks or, with ``data_loading
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,7 +143,7 @@ def transfers(rows: RowMap, wanted: Sequence[Sequence[int]]) -> list[Transfer]:
 
 
 def check_rows(rows: RowMap, exact: bool, what: str = "global batch",
-               per_replica: bool = False) -> None:
+               per_replica: bool = False, loaders: str = "ranks") -> None:
     """With ``exact`` (training), refuse batches whose microbatches would differ in size.
 
     Why: each microbatch's loss carries weight 1/B, which is the mean over the global batch (one
@@ -150,12 +151,16 @@ def check_rows(rows: RowMap, exact: bool, what: str = "global batch",
     batch must then hold the same rows, a multiple of its microbatches. ``per_replica``: the
     row map's positions are replicas, each loaded whole by every one of its ranks
     (``data_loading="per_replica"``), which the message names instead of ranks' shares.
+    ``loaders``: what the positions are, for the message (``"ranks"``, or ``"tensor-parallel
+    workers"`` whose T ranks load one batch). Where their batches differ in size, the message
+    lists them: a rank handed fewer rows than the others is then the cause.
     """
     if not exact:
         return
     G = len(rows.replicas)
     if G == 1:
-        check_split(sum(rows.rows), rows.parts, exact, what, per_replica)
+        shares = None if per_replica or len(set(rows.rows)) < 2 else list(rows.rows)
+        check_split(sum(rows.rows), rows.parts, exact, what, per_replica, shares, loaders)
         return
     per, replica_rows = rows.parts // G, rows.replica_rows()
     if len(set(replica_rows)) > 1 or replica_rows[0] % per:
@@ -164,7 +169,8 @@ def check_rows(rows: RowMap, exact: bool, what: str = "global batch",
             loaded = "(each of its ranks loads it whole: data_loading='per_replica')"
             example = f"{size} per replica: batch_size {size} on every rank"
         else:
-            loaded = f"(its ranks' DataLoader batches, concatenated; ranks' rows {list(rows.rows)})"
+            loaded = (f"(its {loaders}' DataLoader batches, concatenated; {loaders}' rows "
+                      f"{list(rows.rows)})")
             example = f"{size} per replica: equal batch_size on every rank"
         raise BatchSplitError(
             f"with data_parallel_size={G}, each replica's batch {loaded} is cut into {per} "
@@ -174,15 +180,29 @@ def check_rows(rows: RowMap, exact: bool, what: str = "global batch",
 
 
 def check_split(rows: int, parts: int, exact: bool, what: str,
-                per_replica: bool = False) -> None:
+                per_replica: bool = False, shares: list[int] | None = None,
+                loaders: str = "ranks") -> None:
     """With ``exact``, refuse row counts that do not split into equal microbatches.
     ``per_replica``: one replica whose ranks each load the whole batch (its size is then the
-    DataLoader's batch_size, not batch_size x devices x num_nodes)."""
-    if exact and rows % parts:
-        sizes = "batch_size" if per_replica else "batch_size x devices x num_nodes"
+    DataLoader's batch_size, not batch_size x devices x num_nodes). ``shares``: the rows of
+    each of the ``loaders``' batches that make it, where they differ (named as the cause)."""
+    if not exact or not rows % parts:
+        return
+    if shares is not None:
+        n = len(shares)
+        step = parts * n // math.gcd(parts, n)  # a global batch every rank shares equally
+        each = step * max(1, -(-rows // step)) // n
         raise BatchSplitError(
-            f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
-            f"Make {sizes} a multiple of microbatches={parts} (e.g. a "
-            f"global batch of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing "
-            f"{rows}, or use drop_last=True so the last batch is not short"
-        )
+            f"the {what} has {rows} rows, which do not split into {parts} equal microbatches: "
+            f"the {loaders}' batches differ in size ({loaders}' rows {shares}, concatenated in "
+            f"order). Hand every one of the {n} {loaders} a batch of the same "
+            f"size, together a multiple of microbatches={parts} (e.g. {each} rows each), pass "
+            f"microbatches= dividing {rows}, or use drop_last=True so the last batch is not "
+            "short")
+    sizes = "batch_size" if per_replica else "batch_size x devices x num_nodes"
+    raise BatchSplitError(
+        f"the {what} has {rows} rows, which do not split into {parts} equal microbatches. "
+        f"Make {sizes} a multiple of microbatches={parts} (e.g. a "
+        f"global batch of {parts * max(1, -(-rows // parts))}), pass microbatches= dividing "
+        f"{rows}, or use drop_last=True so the last batch is not short"
+    )

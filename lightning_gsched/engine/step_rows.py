@@ -153,7 +153,10 @@ class StepRows:
         layout = replicas if replicas is not None else self.config.replicas(self.world_size)
         cut = row_map(rows, [self.workers.members(layout.members(g))
                              for g in range(layout.replicas)], parts)
-        check_rows(cut, exact, what, per_replica=self.workers.replicas is not None)
+        workers = self.workers
+        loaders = ("ranks" if workers.positions == self.world_size
+                   else "tensor-parallel workers")
+        check_rows(cut, exact, what, per_replica=workers.replicas is not None, loaders=loaders)
         return cut
 
     def step_cut(self, rows: list[int], training: bool) -> RowMap:

@@ -19,7 +19,7 @@ through the same runtime facade (:class:`~lightning_gsched.runtime.ModelRuntime`
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
@@ -29,8 +29,11 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.strategies.strategy import (
+    _BackwardSyncControl,
+    _validate_keys_for_strict_loading,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
@@ -62,6 +65,31 @@ from lightning_gsched.runtime import (
     lightning_reduce,
     pretrained_weights,
 )
+
+
+class _ReducedEveryStep(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)`` under GeneralParallelFabric: accepted, and changes
+    nothing. Each :meth:`GeneralParallelFabric.step` reduces its gradients inside the schedule
+    and adds them to ``param.grad``, so accumulating over several steps without ``zero_grad``
+    is exact as it is; there is no later synchronisation to skip. Without this, Fabric's stock
+    warning said the strategy "does not support skipping the gradient synchronization" and to
+    remove the call or choose another strategy, which read as if accumulation were not
+    supported. Said once per strategy instead, with what does happen."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool
+                         ) -> AbstractContextManager[None]:
+        if enabled and not self.told:
+            self.told = True
+            rank_zero_warn(
+                "fabric.no_backward_sync() changes nothing under GeneralParallelFabric: each "
+                "fabric.strategy.step reduces its gradients inside the schedule and adds them "
+                "to param.grad, so gradient accumulation over several steps (no zero_grad "
+                "between them) is exact, but it saves no communication. The call can stay "
+                "or go")
+        return nullcontext()
 
 
 class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
@@ -152,7 +180,8 @@ class GeneralParallelFabric(CheckpointSettings, DDPStrategy):
             precision=precision, process_group_backend=process_group_backend, timeout=timeout,
             start_method=start_method,
         )
-        self._backward_sync_control = None  # gradients are reduced inside the schedule
+        # fabric.no_backward_sync(model): accepted (gradients are reduced inside every step)
+        self._backward_sync_control = _ReducedEveryStep()
         self.schedule_config = schedule_config
         self.partition_options = partition_options
         self.step_timeout = step_timeout
