@@ -80,6 +80,30 @@ class BackwardInStep(LitGPT):
         return loss
 
 
+class _Reentrant(torch.nn.Module):
+    """A block run under ``torch.utils.checkpoint(..., use_reentrant=True)``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=True)
+
+
+class ReentrantCheckpoint(LitGPT):
+    """Blocks checkpointed the reentrant way under a split backward: torch refuses .grad()
+    through them, which failed inside the first B of the first step with a bare RuntimeError
+    (found by probing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i, block in enumerate(self.model.blocks):
+            self.model.blocks[i] = _Reentrant(block)
+
+
 class FailsOnRankOne(LitGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -121,6 +145,8 @@ CASES = [
      ["BackwardInStep.training_step calls backward itself (loss.backward() or "
       "self.manual_backward(loss))", "schedule runs each microbatch's backward itself",
       "remove the backward call"]),
+    ("ReentrantCheckpoint", {"schedule": "zbv"}, 8, "StrategyConfigError",
+     ["splits each backward", "use_reentrant=True in stage", "split_backward=False"]),
     ("Untraceable", {"schedule": "gpipe"}, 8, "TraceFailedError",
      ["could not split Untraceable.forward", "test_lightning_errors.py"]),
 ]

@@ -49,6 +49,8 @@ from lightning_gsched.engine.workers import Workers
 from lightning_gsched.errors import RuntimeFault, StrategyConfigError
 from lightning_gsched.measure.build_passes import BuildPasses
 from lightning_gsched.partition import Partition, TooManyStagesError
+from lightning_gsched.partition.checkpoint_calls import reentrant_checkpoints
+from lightning_gsched.partition.checkpoint_calls import split_backward_refusal as reentrant_refusal
 from lightning_gsched.partition.compiled import (
     DonationOff,
     compiled_modules,
@@ -318,6 +320,8 @@ class PipelineBuild:
         """The partition, its tied weights placed, the stages' costs, the training plan, and
         (``"auto"``: G known only now) the device mesh."""
         part = self.partition = self._partition(args, kwargs)
+        if self.config.splits_backward() and (found := reentrant_checkpoints(part.stages)):
+            raise StrategyConfigError(reentrant_refusal(self.config.schedule or "custom", found))
         # tied weights are placed by the plan: the one plan is made once the partition names
         # them
         self.config.set_ties(part.shared_parameters.values())

@@ -81,6 +81,11 @@ class StageModule(nn.Module):
         self._gsched_fns = self._compile_all()
 
     @property
+    def traced_graph(self) -> fx.Graph:
+        """The graph this stage runs in the mode it was traced in (read it, do not change it)."""
+        return self._gsched_graph
+
+    @property
     def is_first_stage(self) -> bool:
         return self._gsched_inputs is not None
 
