@@ -14,6 +14,7 @@ from lightning_gsched.errors import GschedError, PartitionError
 from lightning_gsched.partition import (
     BalanceError,
     ModeMismatchError,
+    SplitMismatchError,
     StageInputError,
     TooManyStagesError,
     TraceFailedError,
@@ -279,3 +280,31 @@ def test_verify_says_the_model_itself_fails_its_backward() -> None:
     with pytest.raises(ExampleInputError, match=r"its own backward fails, before any stage "
                        r"runs: RuntimeError: one of the variables needed"):
         partition(SavesThenChanges(), 2, (torch.randn(4, 8),))
+
+
+def test_a_cut_between_a_view_and_an_in_place_change_is_explained() -> None:
+    """``skip = h.view(...)`` then ``ReLU(inplace=True)`` on ``h``, a user's cut between them:
+    the next stage changes its own copy of ``h`` and the handed-over view does not see it.
+    verify refuses the split, and its message now names the separated change and the fixes
+    (it only said "not recorded faithfully by torch.fx"; found by probing). A cut after the
+    change verifies."""
+
+    class ViewThenInPlace(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.r = torch.nn.ReLU(inplace=True)
+            self.out = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.l1(x)
+            skip = h.view(-1, 8)
+            h = self.l2(self.r(h))
+            return self.out(h + skip)
+
+    x = torch.randn(4, 8)
+    with pytest.raises(SplitMismatchError, match=r"separate in-place changes from their values "
+                                                 r"\(unit 'r' changes 'l1' across the cut"):
+        partition(ViewThenInPlace(), 2, (x,), split_points=["r"], verify=True)
+    part = partition(ViewThenInPlace(), 2, (x,), split_points=["l2"], verify=True)
+    assert part.separated_changes == []

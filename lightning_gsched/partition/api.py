@@ -98,6 +98,12 @@ class Partition:
         self.best_bottleneck = plan.best_bottleneck
         bounds = [0, *plan.cuts, len(table)]
         self.unit_names = [u.name for u in table.units]
+        # in-place changes a cut puts in a later stage than their value (the receiving stage
+        # changes its own copy: right unless a view of the value crosses the cut too)
+        self.separated_changes = [
+            f"unit {unit.name!r} changes {value!r} across the cut before "
+            f"{self.unit_names[cut]!r}"
+            for cut in plan.cuts for unit, value in table.mutations_across(cut)]
         self.stage_units = [self.unit_names[a:b] for a, b in pairwise(bounds)]
         self.unit_costs = list(unit_costs)
         self.cost_unit = cost_unit

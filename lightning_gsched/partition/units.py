@@ -178,6 +178,18 @@ class UnitTable:
             counts.append(running)
         return counts
 
+    def mutations_across(self, cut: int) -> list[tuple[Unit, str]]:
+        """``(changing unit, changed value's name)`` of each in-place change that cut ``cut``
+        (before unit ``cut``) would put in a later stage than the value it changes (what
+        :meth:`separated_mutations` counts)."""
+        found = []
+        for unit in self.units:
+            value = mutated_value(unit.node, self.traced.resolve)
+            if value is not None and value in self.position \
+                    and self.position[value] < cut <= unit.index:
+                found.append((unit, value.name))
+        return found
+
     def first_unit_of_module(self, fqn: str) -> int | None:
         """Index of the first unit that runs inside module ``fqn`` (or calls it as a leaf)."""
         prefix = fqn + "."

@@ -295,6 +295,14 @@ def _mismatch_message(part: Any, first_stage: int | None, problems: list[str]) -
     units = part.stage_units[first_stage] if first_stage is not None else []
     where = (f"The first stage that differs is stage {first_stage} (units {units[0]} .. "
              f"{units[-1]}). " if units else "")
+    separated = getattr(part, "separated_changes", [])
+    if separated:  # the likelier cause: a view handed over beside a value changed later
+        where += (
+            f"The cuts separate in-place changes from their values ({'; '.join(separated[:3])}"
+            "): the next stage changes its own copy, so a view of the value handed over too "
+            "no longer sees the change. Cut before the value or after the change "
+            "(split_points=[...]), or make the change out of place (inplace=False, "
+            "x = x + y). Otherwise: ")
     return (
         f"The split of {type(part.module).__name__} into {part.num_stages} stages does not "
         f"compute what the model computes on the example input: {'; '.join(shown)}. {where}"
