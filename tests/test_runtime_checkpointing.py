@@ -104,7 +104,8 @@ def dropout_run(ctx: WorkerContext, schedule: str, checkpoint: Any, seed: int) -
 
 
 def stage_masks_run(ctx: WorkerContext, seed: int) -> list[torch.Tensor]:
-    """The dropout masks this rank's stage drew in one 1f1b step, in microbatch order: two
+    """The dropout masks this rank's stage drew in one 1f1b step and one forward-only run in
+    train mode, in microbatch order: two
     identical blocks (Linear, Dropout), one per stage, so equal generators would give both
     stages the same mask for each microbatch."""
     p = plan("1f1b", workers=ctx.world_size)
@@ -120,6 +121,9 @@ def stage_masks_run(ctx: WorkerContext, seed: int) -> list[torch.Tensor]:
     ex = ProgramExecutor(part.stages, p.programs, channels=shared_channels(ctx.world_size))
     torch.manual_seed(seed)  # every rank alike, as seed_everything does
     ex.step({b: ((x,), {}) for b, x in inputs.items()}, lambda out, b: out.square().mean())
+    # a forward-only run in train mode (Monte Carlo dropout in a prediction) draws per stage too
+    ex.forward(plan("1f1b", workers=ctx.world_size, forward_only=True).programs,
+               {b: ((x,), {}) for b, x in inputs.items()}, lambda out, b: out)
     return masks
 
 

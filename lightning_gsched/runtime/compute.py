@@ -260,8 +260,10 @@ class StageCompute:
         return loss
 
     def infer(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Forward of stage ``s`` without autograd and without stashing (forward-only runs)."""
-        with torch.no_grad(), self.forward_context():
+        """Forward of stage ``s`` without autograd and without stashing (forward-only runs),
+        drawing from the stage's own stream as :meth:`forward` (dropout kept on in a
+        prediction, Monte Carlo dropout, draws a mask of its own per stage)."""
+        with torch.no_grad(), self.streams.drawing(s), self.forward_context():
             return self.stages[s](*args, **kwargs)
 
     def backward(self, s: int, b: int, out_grads: Sequence[Any] | None,
