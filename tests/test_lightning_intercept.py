@@ -72,6 +72,32 @@ def test_a_step_that_never_calls_the_model_is_still_told_so() -> None:
         caller.capture(torch.ones(2, 3))
 
 
+def test_a_model_without_weights_run_directly_is_told_to_call_self() -> None:
+    """A model built without weights (meta parameters) whose step calls ``self.model(x)``:
+    torch failed first ("Tensor on device cpu is not on the expected device meta!") on every
+    rank; now the step is told to call ``self(...)`` (found by probing)."""
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+    holder = Holder()
+    caller = StepCaller(holder, lambda micro: F.mse_loss(holder.model(micro), micro[:, :2]),
+                        "Lit.training_step", record_logs=False)
+    with pytest.raises(TrainingStepError, match=r"never calls self\(\.\.\.\).*not "
+                                                r"`self\.model\(x\)`.*weights do not exist yet"):
+        caller.capture(torch.ones(2, 3))
+    other = StepCaller(holder, lambda micro: micro["missing"], "Lit.training_step",
+                       record_logs=False)
+    with pytest.raises(IndexError):  # the user's own error before the call stays as it is
+        other.capture(torch.ones(2, 3))
+
+
 class AppendingGPT(LitGPT):
     """Lightning's ``self.validation_step_outputs.append(...)`` pattern."""
 

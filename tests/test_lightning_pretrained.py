@@ -297,6 +297,17 @@ def test_a_mismatched_shape_is_named_with_its_file(tmp_path: Path) -> None:
         load_pretrained(deferred_net(), tmp_path)
 
 
+def test_a_file_that_is_not_safetensors_is_named(tmp_path: Path) -> None:
+    """A torch.save'd checkpoint passed as init_weights: safetensors' bare "header too large"
+    named neither the file nor what to give (found by probing)."""
+    from lightning_gsched.runtime import PretrainedWeightsError, load_pretrained
+
+    torch.save(saved_network(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(PretrainedWeightsError, match=r"pytorch_model\.bin is not a safetensors "
+                                                     r"file .*safe_serialization=True"):
+        load_pretrained(deferred_net(), tmp_path / "pytorch_model.bin")
+
+
 def test_a_wrong_path_is_refused_when_the_strategy_is_made(tmp_path: Path) -> None:
     from lightning_gsched import GeneralParallel
     from lightning_gsched.errors import GschedError

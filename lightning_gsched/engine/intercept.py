@@ -138,6 +138,16 @@ class StepCaller:
                 self.run(micro_batch)
             except _Captured as call:
                 return call.args, call.kwargs
+            except Exception as exc:
+                # a model built without weights (meta parameters) that the step runs directly,
+                # self.model(x), fails inside torch before the call is ever made ("not on the
+                # expected device meta"): say what the step must do instead
+                if not called and "meta" in str(exc):
+                    raise TrainingStepError(
+                        f"{self._never()} (it failed before: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}; the model's "
+                        "weights do not exist yet outside the pipeline)") from exc
+                raise
         raise TrainingStepError(self._swallowed() if called else self._never())
 
     def probe(self, micro_batch: Any) -> "ProbeResult":

@@ -74,7 +74,16 @@ def _open(file: Path) -> Any:
         raise PretrainedWeightsError(
             "init_weights reads safetensors files, and the safetensors package is not "
             "installed: pip install safetensors") from exc
-    return safetensors.safe_open(str(file), framework="pt", device="cpu")
+    try:
+        return safetensors.safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary by version
+        # (a torch.save'd pytorch_model.bin gave a bare "header too large", naming no file)
+        raise PretrainedWeightsError(
+            f"init_weights: {file} is not a safetensors file ({type(exc).__name__}: {exc}). "
+            "Give a .safetensors file, its index (model.safetensors.index.json) or the folder "
+            "holding them; a torch.save'd checkpoint (pytorch_model.bin) can be re-saved with "
+            "transformers' save_pretrained(..., safe_serialization=True) or "
+            "safetensors.torch.save_file(state_dict, path)") from exc
 
 
 def _where(weights: PretrainedWeights) -> dict[str, Path]:
