@@ -305,3 +305,21 @@ def test_a_fetch_window_below_the_stages_a_sharded_rank_holds_is_refused() -> No
     held = plan("1f1b", 8, data_parallel_size=4, data_parallel="shard", fetch_window=3)
     plain = plan("1f1b", 8, data_parallel_size=4, data_parallel="shard")
     assert held.programs.ranks[0] == plain.programs.ranks[0]
+
+
+def test_per_worker_and_per_stage_lists_under_replicas_say_what_they_count() -> None:
+    """Under data_parallel_size a cap list is per worker of each replica, and a per-stage list
+    counts the S that data_parallel='shard' grew: each error says so, also at a front end's
+    setup check (it talked of "W=2 workers" on a 4-rank job, and of S=4 with no word of the
+    growth there; found by probing)."""
+    from lightning_gsched import GeneralParallel
+
+    with pytest.raises(ScheduleConfigError, match=r"each replica runs the schedule on P = W / "
+                                                  r"data_parallel_size = 2 workers: cap list has "
+                                                  r"4 entries"):
+        plan("1f1b", workers=4, data_parallel_size=2, cap=[4, 3, 2, 1])
+    strategy = GeneralParallel("1f1b", data_parallel_size=2, data_parallel="shard",
+                               checkpoint_activations=[True, False])
+    with pytest.raises(ScheduleConfigError, match=r"needs S=4 values.*data_parallel='shard' "
+                                                  r"grew the schedule's default S to 4"):
+        strategy.schedule_config.check(4)

@@ -298,8 +298,10 @@ class ScheduleConfig:
             self._check_workers(workers)
             return
         config = self._effective()
-        S, B, R = config.resolved(workers)
-        check_plan_arguments(config._arguments().replace(stages=S, microbatches=B, R=R,
+        _, B, R = config.resolved(workers)
+        # S as the user gave it (None: the schedule's), so that plan() says where its default
+        # came from (data_parallel='shard' grows it; a per-stage list's error says so)
+        check_plan_arguments(config._arguments().replace(microbatches=B, R=R,
                                                          ties=config.ties), workers)
 
     @property

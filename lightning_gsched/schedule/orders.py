@@ -209,5 +209,5 @@ def normalise_caps(cap: CapSpec, workers: int) -> list[int | None]:
         if len(caps) != workers:
             raise ScheduleConfigError(
                 f"cap list has {len(caps)} entries but there are W={workers} workers; give one "
-                "cap per worker, a single int, or None")
+                "cap per worker, a single int, or None (uncapped)")
     return [validate.cap_entry(w, c) for w, c in enumerate(caps)]

@@ -282,7 +282,8 @@ def _prepare(a: ScheduleArguments, workers: int, edges: Sequence[tuple[int, int]
         if callable(order_spec) or order_spec == "interleaved":  # a library name is exact
             order_spec = lift_priority(resolve_order(order_spec, P, S, B, R), G)
         if cap_spec is not None and not isinstance(cap_spec, str):  # 'auto': one uniform cap
-            cap_spec = lift_caps(normalise_caps(cap_spec, P), layout)
+            with _reworded(on_replicas):  # a list is per worker of each replica
+                cap_spec = lift_caps(normalise_caps(cap_spec, P), layout)
         B *= G
     elif isinstance(cap_spec, (list, tuple)):  # one per worker: its length checked up front,
         normalise_caps(cap_spec, W)  # as a front end's setup runs this (it failed at the build)
