@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "inputs, B recomputes the forward (its cost grows by F's)")
     ckpt.add_argument("--checkpoint-stages", metavar="STAGES", type=_stage_list, default=None,
                       help="activation checkpointing on these stages only, e.g. 0,2 or 0-3,6")
+    p.add_argument("--split-backward", action=argparse.BooleanOptionalAction, default=None,
+                   help="split every backward into B and W (default: the schedule's: on for "
+                        "zb-h1, zb-h2, zbv, v-half, v-min), as GeneralParallel(split_backward=)")
     p.add_argument("--fetch-window", type=_count("fetch_window", "1"), default=None,
                    help="most fetched stages a worker holds at once (default: no limit; the "
                         "one-compute-early prefetch holds at most 2)")

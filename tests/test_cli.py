@@ -119,6 +119,24 @@ def test_plan_command_round_trips_a_data_parallel_plan(capsys):
         assert data["data_parallel"] == result.data_parallel and data["stages"] == result.stages
 
 
+def test_plan_command_and_summary_name_a_split_backward_override(capsys):
+    """split_backward= given against the schedule's default: the summary's first line says so
+    and its command (``--split-backward`` / ``--no-split-backward``) prints the plan that runs
+    (it printed the default's, another latency; found by probing)."""
+    from lightning_gsched.schedule import plan
+    from lightning_gsched.schedule.describe import configuration_text, plan_command
+
+    for name, split, word in (("zbv", False, "off"), ("1f1b", True, "on")):
+        result = plan(name, workers=3, split_backward=split)
+        assert f"split-backward={word}" in configuration_text(result)
+        argv = plan_command(result).split()[1:] + ["--json"]
+        assert main(argv) == 0, argv
+        assert json.loads(capsys.readouterr().out)["latency"] == result.metrics.latency
+        default = plan(name, workers=3)
+        assert "split-backward" not in configuration_text(default)
+        assert default.metrics.latency != result.metrics.latency
+
+
 def test_data_parallel_errors_exit_2_naming_the_fix(capsys):
     assert main(["plan", "1f1b", "-w", "8", "--dp", "3"]) == 2
     err = capsys.readouterr().err

@@ -97,12 +97,24 @@ def configuration_text(result: Plan) -> str:
     cap = cap_text(caps)
     cap = (cap if len(caps) <= 16 or "," not in cap else sequence_text(caps)) + suffix
     checkpointed = checkpoint_text(result.checkpointed)
+    split = _split_override(result)
     return (f"{workers_text(result)} S={result.stages} {micro_text(result)}"
             + (f" R={result.R}" if result.R is not None else "")
             + f" order={result.order} cap={cap}"
             + (f" fetch-window={result.fetch_window}" if result.fetch_window is not None else "")
             + (f" ties={ties_text(result.ties)}" if result.ties else "")
-            + (f" checkpointed={checkpointed}" if checkpointed else ""))
+            + (f" checkpointed={checkpointed}" if checkpointed else "")
+            + (f" split-backward={'on' if split else 'off'}" if split is not None else ""))
+
+
+def _split_override(result: Plan) -> bool | None:
+    """Whether the plan splits its backward where that is not its library schedule's default
+    (``split_backward=`` given), else None (the default, or a custom schedule)."""
+    spec = LIBRARY.get(result.schedule)
+    split = bool(result.costs.weight)
+    if spec is None or result.forward_only or split == spec.split_backward:
+        return None
+    return split
 
 
 def describe(result: Plan, stage_bytes: Sequence[int] | None = None,
@@ -231,6 +243,9 @@ def plan_command(result: Plan) -> str:
             default, layout.pipeline), layout):
         # --cap is per pipeline position (each replica's P workers): the caps of replica 0
         words.append(f"--cap {cap_text([result.caps[r] for r in layout.members(0)])}")
+    split = _split_override(result)
+    if split is not None:
+        words.append("--split-backward" if split else "--no-split-backward")
     fwd, bwd, wgt = result.costs.forward, result.costs.backward, result.costs.weight
     checkpointed = checkpoint_text(result.checkpointed)
     if checkpointed == "all":
