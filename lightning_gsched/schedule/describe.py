@@ -329,7 +329,7 @@ def startup_summary(result: Plan, stage_bytes: Sequence[int], tie_bytes: Mapping
     costs = (f"costs per stage: forward {_numbers(fwd)}, backward {_numbers(bwd)}"
              + (f", weight {_numbers(wgt)}" if wgt else "")
              if len({*fwd}) == 1 and len({*bwd}) == 1 and len({*wgt}) <= 1
-             else "the given per-stage costs")
+             else "per-stage costs, uneven")
     owned = [float(row.resident.owned) for row in rows]
     peak = [float(row.resident.peak) for row in rows]
     lines = [
