@@ -211,13 +211,16 @@ def our_orders(schedule: str, cap: list[int] | None = None, world: int = WORLD,
 
 def torch_order_caps(schedule: str) -> list[int] | None:
     """torch's per-rank peaks where our default plan orders the row's computations otherwise
-    than torch's schedule (a third side is needed then: ours at those caps), else None (the
-    same order already, or torch's schedule keeps no order)."""
+    than torch's schedule and those caps give torch's order (a third side then runs torch's
+    program on our engine), else None (the same order already, torch's schedule keeps no
+    order, or its order is not ours at any caps: zb-h1's and zbv's hand-written ones)."""
     try:
         peaks, theirs = torch_peaks(schedule), torch_orders(schedule)
     except ValueError:
         return None
-    return None if our_orders(schedule) == theirs else peaks
+    if our_orders(schedule) == theirs or our_orders(schedule, cap=peaks) != theirs:
+        return None
+    return peaks
 
 
 def run(quick: bool, rows: Sequence[str] | None = None,
