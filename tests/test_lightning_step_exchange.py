@@ -293,3 +293,18 @@ def test_a_logged_metric_objects_step_value_is_its_forwards_row_weighted_mean() 
     assert reduced[2][METRIC_OPTION] == "acc"
     (none,) = reduce_records([record(0, float("nan")), record(2, float("nan"))], weights)
     assert none[1] != none[1]  # NaN
+
+
+def test_batch_size_none_is_lightnings_infer_it_not_a_number() -> None:
+    """``self.log_dict(...)`` always passes ``batch_size=None`` (Lightning: infer it): summed
+    over the microbatches it was a TypeError on every rank at the first step (found by
+    probing). It reduces as if not given; a given one is still summed."""
+    weights = [2, 2]
+    records = [LogRecord(0, "val_loss", 1.0, {"batch_size": None}),
+               LogRecord(1, "val_loss", 3.0, {"batch_size": None}),
+               LogRecord(0, "n", 1.0, {"batch_size": 2, "reduce_fx": "sum"}),
+               LogRecord(1, "n", 1.0, {"batch_size": 2, "reduce_fx": "sum"})]
+    reduced = {name: (value, options) for name, value, options in
+               reduce_records(records, weights)}
+    assert reduced["val_loss"] == (2.0, {})
+    assert reduced["n"] == (2.0, {"batch_size": 4, "reduce_fx": "sum"})

@@ -226,8 +226,12 @@ def reduce_records(records: list[LogRecord], weights: list[int]
     out = []
     for name, group in by_name.items():
         options = group[0].options
+        if "batch_size" in options and options["batch_size"] is None:
+            # batch_size=None is Lightning's "infer it" (what self.log_dict always passes): as
+            # if not given, the global batch's rows (it was summed: a TypeError on every rank)
+            options = {k: v for k, v in options.items() if k != "batch_size"}
         if "batch_size" in options:  # the user's own, per microbatch: the step's is their sum
-            options = {**options, "batch_size": sum(r.options.get("batch_size", 0)
+            options = {**options, "batch_size": sum(r.options.get("batch_size") or 0
                                                    for r in group)}
         values = [_number(r) for r in group]
         if METRIC_OPTION in options:  # a Metric's forwards: their row-weighted mean (NaN: none)
