@@ -41,12 +41,12 @@ class Ownership:
         in_stages = [p for flat in [*holder.flats, *holder.ties.values()] for p in flat.params]
         known = {id(p) for p in in_stages}
         extra = [p for p in module.parameters() if p.requires_grad and id(p) not in known]
-        units = [*stages.items(), *ties.items()]  # a tie's owners are its home stage's
-        primary = [p for s, params in units if owners[s][0] == rank for p in params]
-        if rank == 0:
-            primary += extra
-        owned = [p for _, params in units for p in params] + extra
+        # the units this rank owns first (a tie's owners are its home stage's): it counts their
+        # trainable parameters and writes all of theirs, rank 0 the extra ones too
         first = [holder.flats[s] for s in stages if owners[s][0] == rank] + [
             holder.ties[h] for h in ties if owners[h][0] == rank]
-        written = [p for unit in first for p in unit.params] + (extra if rank == 0 else [])
+        beside = extra if rank == 0 else []
+        primary = [p for unit in first for p in unit.grads.params] + beside
+        written = [p for unit in first for p in unit.params] + beside
+        owned = [p for params in [*stages.values(), *ties.values()] for p in params] + extra
         return cls(stages, ties, extra, in_stages, primary, owned, written)
