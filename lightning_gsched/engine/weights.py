@@ -85,15 +85,17 @@ def shard_stages(stages: Sequence[nn.Module], plan: TensorParallelPlan, tp_mesh:
     between the ranks (partition/replicated_grads.py) and a stage whose outputs differ from the
     whole stage's (partition/sharded_outputs.py); None for a model built without weights
     (the other workers' stages have none here to run)."""
+    if check_call is None:
+        collective("the stages' sharding", lambda: parallelize_stages(stages, plan, tp_mesh))
+        return
+    args, kwargs = check_call
     # the whole stages' outputs first, to compare the sharded ones with (sharded_outputs.py)
-    whole = record_outputs(stages, *check_call) if check_call is not None else None
+    whole = record_outputs(stages, args, kwargs)
     collective("the stages' sharding", lambda: parallelize_stages(stages, plan, tp_mesh))
-    if check_call is not None and whole is not None:
-        args, kwargs = check_call
-        collective("the sharded stages' check", lambda: check_replicated_gradients(
-            stages, args, kwargs, tp_mesh.get_group(), sequence_patterns(plan)))
-        collective("the sharded stages' outputs", lambda: check_sharded_outputs(
-            stages, args, kwargs, whole, tp_mesh.get_group()))
+    collective("the sharded stages' check", lambda: check_replicated_gradients(
+        stages, args, kwargs, tp_mesh.get_group(), sequence_patterns(plan)))
+    collective("the sharded stages' outputs", lambda: check_sharded_outputs(
+        stages, args, kwargs, whole, tp_mesh.get_group()))
 
 
 def pieces_of(module: nn.Module) -> Pieces:
