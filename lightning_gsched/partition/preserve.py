@@ -10,7 +10,7 @@ of that.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, cast
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 import torch.fx
@@ -55,6 +55,20 @@ def preserved_attributes(module: nn.Module) -> Iterator[None]:
             for live, snapshot in tables:
                 live.clear()
                 live.update(snapshot)
+
+
+@contextlib.contextmanager
+def in_mode(modules: Sequence[nn.Module], training: bool) -> Iterator[None]:
+    """Inside, ``modules`` (and all their submodules) in training mode ``training``; after,
+    every one of them back in the mode it had (a model may mix modes: a frozen BatchNorm)."""
+    modes = [(m, m.training) for module in modules for m in module.modules()]
+    for module in modules:
+        module.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 @contextlib.contextmanager

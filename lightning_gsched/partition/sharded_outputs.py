@@ -22,17 +22,16 @@ reordered sums explain (:func:`verify.tolerance` of the dtype, relative to the a
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_gsched.partition.preserve import preserved_tensors_and_rng
+from lightning_gsched.partition.preserve import in_mode, preserved_tensors_and_rng
 from lightning_gsched.partition.tensor_parallel import TensorParallelPlanError
 from lightning_gsched.partition.verify import tolerance
 
@@ -64,19 +63,6 @@ def _summary(stage: int, name: str, call: int, output: Any) -> Summary:
     return Summary(stage, name, call, tuple(tensors))
 
 
-@contextmanager
-def _evaluated(stages: Sequence[nn.Module]) -> Iterator[None]:
-    """Every module of ``stages`` in eval mode inside, each back in its own mode after."""
-    modes = [(m, m.training) for stage in stages for m in stage.modules()]
-    for stage in stages:
-        stage.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def record_outputs(stages: Sequence[nn.Module], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> list[Summary]:
     """Every module call's and stage's output summary, stage by stage (each stage's input the
@@ -94,7 +80,7 @@ def record_outputs(stages: Sequence[nn.Module], args: tuple[Any, ...],
                if name]
     carried: Any = None
     try:
-        with torch.no_grad(), _evaluated(stages), \
+        with torch.no_grad(), in_mode(stages, False), \
                 preserved_tensors_and_rng(nn.ModuleList(stages)):
             for k, stage in enumerate(stages):
                 carried = stage(*args, **kwargs) if k == 0 else stage(carried)

@@ -67,6 +67,7 @@ from lightning_gsched.partition.output_objects import (
 from lightning_gsched.partition.preserve import (
     SubtreeState,
     changed_subtree_attributes,
+    in_mode,
     preserved_attributes,
     preserved_tensors_and_rng,
     subtree_attributes,
@@ -373,18 +374,14 @@ def _flip_mode_difference(
     Returns (why the graphs differ or None, the other mode's graph when they differ, its
     constants under names of their own so both graphs' constants can live side by side).
     """
-    modes = [(m, m.training) for m in module.modules()]
-    reason: str | None
     try:
-        module.train(not module.training)
-        other, _, other_root = _trace_once(module, layout, classes, names, example)
-        constants = _collect_constants(other, other_root)  # the first trace's names: comparable
+        with in_mode([module], not module.training):
+            other, _, other_root = _trace_once(module, layout, classes, names, example)
+            # the first trace's names: comparable
+            constants = _collect_constants(other, other_root)
     except Exception as exc:  # noqa: BLE001 - the other mode cannot even be traced
-        reason = f"forward cannot be traced in the other mode ({type(exc).__name__}: {exc})"
-        return reason, None, {}
-    finally:
-        for m, training in modes:
-            m.training = training
+        return (f"forward cannot be traced in the other mode ({type(exc).__name__}: {exc})",
+                None, {})
     reason = _mode_difference(graph, other)
     if reason is None:
         return None, None, {}
