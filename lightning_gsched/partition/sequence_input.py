@@ -59,13 +59,14 @@ def _first_parameter(module: nn.Module) -> str | None:
     return None
 
 
-def _first_input(style: str, verb: str, dim: int, module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[torch.Tensor, str | None]:
-    """The module's first input and where it came from: the keyword it was passed by (the
-    forward's first parameter, when the call passes no positional input: transformers' decoder
-    layer calls ``self.self_attn(hidden_states=..., ...)``), or None for the first positional
-    input."""
-    key = None if args else _first_parameter(module)
+def _first_input(style: str, verb: str, dim: int, first: str | None, module: nn.Module,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[torch.Tensor, str | None]:
+    """The module's first input and where it came from: the keyword it was passed by (``first``,
+    the forward's first parameter, :func:`_first_parameter`, when the call passes no positional
+    input: transformers' decoder layer calls ``self.self_attn(hidden_states=..., ...)``), or None
+    for the first positional input."""
+    key = None if args else first
     if args:
         value, seen = args[0], "the first positional input"
     elif key is not None and key in kwargs:
@@ -96,21 +97,23 @@ def _replaced(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None,
     return args, {**kwargs, key: value}
 
 
-def _gather_first_input(mesh: DeviceMesh, dim: int, module: nn.Module, args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _gather_first_input(mesh: DeviceMesh, dim: int, first: str | None, module: nn.Module,
+                        args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    x, key = _first_input("SequenceGather", "gathers", dim, module, args, kwargs)
+    x, key = _first_input("SequenceGather", "gathers", dim, first, module, args, kwargs)
     part = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Shard(dim),),
                                                                run_check=False)
     return _replaced(args, kwargs, key, part.redistribute(mesh, (Replicate(),)))
 
 
-def _cut_first_input(mesh: DeviceMesh, dim: int, module: nn.Module, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _cut_first_input(mesh: DeviceMesh, dim: int, first: str | None, module: nn.Module,
+                     args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    x, key = _first_input("SequenceInput", "cuts", dim, module, args, kwargs)
+    x, key = _first_input("SequenceInput", "cuts", dim, first, module, args, kwargs)
     parts = mesh.size()
     if x.shape[dim] % parts:
         # torch's sequence-sharded styles take every rank's part to be shape[dim] / T long (the
@@ -130,7 +133,7 @@ class _FirstInputStyle(ParallelStyle):
     ``dim`` (:attr:`hook`, the subclass's: cut or gather): the first positional input, or,
     when the call passes none, the forward's first parameter passed by keyword."""
 
-    hook: Callable[[DeviceMesh, int, nn.Module, tuple[Any, ...], dict[str, Any]],
+    hook: Callable[[DeviceMesh, int, str | None, nn.Module, tuple[Any, ...], dict[str, Any]],
                    tuple[tuple[Any, ...], dict[str, Any]]]
 
     def __init__(self, dim: int = 1) -> None:
@@ -138,8 +141,10 @@ class _FirstInputStyle(ParallelStyle):
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(partial(type(self).hook, device_mesh, self.dim),
-                                         with_kwargs=True)
+        # the forward's first parameter read once here, not from its signature at every call
+        module.register_forward_pre_hook(
+            partial(type(self).hook, device_mesh, self.dim, _first_parameter(module)),
+            with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
